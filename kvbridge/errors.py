@@ -1,0 +1,167 @@
+"""kvbridge's one exception tree.
+
+    KVBridgeError                      root: every error kvbridge raises on purpose
+    ├── ConfigError                    bad flag, environment variable or config file
+    ├── LayoutError                    geometry and planning (kvbridge.layout)
+    │   ├── BufferSpecError            a buffer does not match its pool spec (dtype, bytes per page)
+    │   ├── PaddingError               row-domain counts do not add up; padding provenance missing
+    │   ├── PageRangeError             a page index outside a registered region (hard rule 5)
+    │   └── PairingError               buffers cannot be paired by (pool, layer id) (hard rule 8)
+    ├── ContractError                  runtime contract problems
+    │   ├── ContractMismatch           fingerprints differ; carries the field diff (hard rule 7)
+    │   └── TopologyError              sizes that may differ, but not like this
+    ├── BootstrapError                 talking to the bootstrap daemon
+    │   ├── BootstrapUnavailable       daemon unreachable after retries
+    │   ├── UnknownInstance            no such instance registered (404)
+    │   ├── InstanceIncomplete         not every rank registered yet (503)
+    │   └── Unauthorized               missing or wrong bearer token (401)
+    └── TransferError                  the data path
+        ├── EngineError                the transfer engine refused or failed a write
+        ├── ProtocolError              malformed, unknown, oversized or unauthenticated message
+        ├── PeerLost                   a peer's heartbeat or lease expired
+        ├── TransferTimeout            a room overstayed a state's deadline
+        ├── LedgerError                pages missing, reported twice, or aux row wrong
+        └── Aborted                    the room was aborted by either side
+
+Every message names what it can of the room, the rank and the field involved:
+pass them as keywords and they are appended as ``[room=.. rank=.. field=..]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "KVBridgeError",
+    "ConfigError",
+    "LayoutError",
+    "BufferSpecError",
+    "PaddingError",
+    "PageRangeError",
+    "PairingError",
+    "ContractError",
+    "ContractMismatch",
+    "TopologyError",
+    "BootstrapError",
+    "BootstrapUnavailable",
+    "UnknownInstance",
+    "InstanceIncomplete",
+    "Unauthorized",
+    "TransferError",
+    "EngineError",
+    "ProtocolError",
+    "PeerLost",
+    "TransferTimeout",
+    "LedgerError",
+    "Aborted",
+]
+
+
+class KVBridgeError(Exception):
+    """Root of kvbridge's errors; ``room``, ``rank`` and ``field`` give context."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        room: int | None = None,
+        rank: str | int | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.reason = message
+        self.room = room
+        self.rank = rank
+        self.field = field
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        ctx = [f"{k}={v}" for k, v in (("room", self.room), ("rank", self.rank), ("field", self.field)) if v is not None]
+        return f"{self.reason} [{' '.join(ctx)}]" if ctx else self.reason
+
+
+class ConfigError(KVBridgeError):
+    pass
+
+
+class LayoutError(KVBridgeError):
+    pass
+
+
+class BufferSpecError(LayoutError):
+    pass
+
+
+class PaddingError(LayoutError):
+    pass
+
+
+class PageRangeError(LayoutError):
+    pass
+
+
+class PairingError(LayoutError):
+    pass
+
+
+class ContractError(KVBridgeError):
+    pass
+
+
+class ContractMismatch(ContractError):
+    """Fingerprints differ. ``diff`` is a list of field-level differences."""
+
+    def __init__(self, message: str, *, diff: list[Any] | None = None, **ctx: Any) -> None:
+        self.diff = list(diff or [])
+        super().__init__(message, **ctx)
+
+
+class TopologyError(ContractError):
+    pass
+
+
+class BootstrapError(KVBridgeError):
+    pass
+
+
+class BootstrapUnavailable(BootstrapError):
+    pass
+
+
+class UnknownInstance(BootstrapError):
+    pass
+
+
+class InstanceIncomplete(BootstrapError):
+    pass
+
+
+class Unauthorized(BootstrapError):
+    pass
+
+
+class TransferError(KVBridgeError):
+    pass
+
+
+class EngineError(TransferError):
+    pass
+
+
+class ProtocolError(TransferError):
+    pass
+
+
+class PeerLost(TransferError):
+    pass
+
+
+class TransferTimeout(TransferError):
+    pass
+
+
+class LedgerError(TransferError):
+    pass
+
+
+class Aborted(TransferError):
+    pass

@@ -1,0 +1,180 @@
+"""Pool specs: what one page of one layer of a KV pool looks like in bytes.
+
+A pool is a family of buffers, one per layer, each ``capacity_pages`` pages of
+``bytes_per_page`` bytes. Two in-page layouts exist:
+
+    rows                 token 0 | token 1 | ... | token ps-1      (bytes_per_token each)
+    values_then_scales   values of tokens 0..ps-1 | scales of tokens 0..ps-1
+                         |<- ps*value_bytes ----->|<- ps*scale_bytes ----->|
+
+so rows ``[a, b)`` of a ``values_then_scales`` page are two byte ranges, not one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import BufferSpecError, LayoutError
+
+ROWS = "rows"
+VALUES_THEN_SCALES = "values_then_scales"
+LAYOUTS = (ROWS, VALUES_THEN_SCALES)
+
+# Storage element types a buffer may have, with their item sizes.
+ABI_ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Geometry of one pool. ``abi`` is the element type the buffer is stored as
+    (fp8 payloads are stored as ``uint8``); ``dtype`` is what the bytes mean."""
+
+    name: str
+    dtype: str
+    abi: str
+    bytes_per_token: int
+    page_size: int
+    layer_ids: tuple[int, ...]
+    layout: str = ROWS
+    value_bytes_per_token: int = 0
+    scale_bytes_per_token: int = 0
+    kernel_abi: str = ""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise LayoutError(f"pool {self.name!r}: layout {self.layout!r} is not one of {LAYOUTS}", field="layout")
+        if self.abi not in ABI_ITEMSIZE:
+            raise LayoutError(f"pool {self.name!r}: abi {self.abi!r} is not one of {tuple(ABI_ITEMSIZE)}", field="abi")
+        if self.page_size <= 0 or self.bytes_per_token <= 0:
+            raise LayoutError(f"pool {self.name!r}: page_size and bytes_per_token must be positive", field="page_size")
+        if self.bytes_per_token % ABI_ITEMSIZE[self.abi]:
+            raise LayoutError(
+                f"pool {self.name!r}: {self.bytes_per_token} bytes per token is not a whole number of {self.abi}",
+                field="bytes_per_token",
+            )
+        if len(set(self.layer_ids)) != len(self.layer_ids) or not self.layer_ids:
+            raise LayoutError(f"pool {self.name!r}: layer ids must be distinct and non-empty", field="layer_ids")
+        if self.layout == VALUES_THEN_SCALES:
+            if self.value_bytes_per_token + self.scale_bytes_per_token != self.bytes_per_token:
+                raise LayoutError(
+                    f"pool {self.name!r}: value bytes {self.value_bytes_per_token} + scale bytes "
+                    f"{self.scale_bytes_per_token} != bytes per token {self.bytes_per_token}",
+                    field="value_bytes_per_token",
+                )
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scale block inside a ``values_then_scales`` page."""
+        return self.value_bytes_per_token * self.page_size
+
+    def row_ranges(self, start: int, count: int) -> tuple[tuple[int, int], ...]:
+        """In-page byte ranges ``(offset, length)`` holding rows ``[start, start+count)``."""
+        if start < 0 or count < 0 or start + count > self.page_size:
+            raise LayoutError(
+                f"pool {self.name!r}: rows [{start}, {start + count}) outside a page of {self.page_size}",
+                field="rows",
+            )
+        if self.layout == ROWS:
+            return ((start * self.bytes_per_token, count * self.bytes_per_token),)
+        v, s = self.value_bytes_per_token, self.scale_bytes_per_token
+        return ((start * v, count * v), (self.scale_offset + start * s, count * s))
+
+    def validate_buffer(self, layer_id: int, buf: Any) -> int:
+        """Check one layer's buffer (torch tensor or numpy array) against the
+        spec; returns its capacity in pages. The first dimension is pages."""
+        if layer_id not in self.layer_ids:
+            raise BufferSpecError(f"pool {self.name!r} has no layer {layer_id}; layers are {self.layer_ids}", field="layer_id")
+        dtype = str(buf.dtype).removeprefix("torch.")
+        if dtype != self.abi:
+            raise BufferSpecError(
+                f"pool {self.name!r} layer {layer_id}: buffer dtype {dtype}, expected {self.abi}"
+                + (" (fp8 payloads travel as uint8 bytes)" if self.abi == "uint8" else ""),
+                field="dtype",
+            )
+        shape = tuple(buf.shape)
+        if len(shape) < 1 or shape[0] <= 0:
+            raise BufferSpecError(f"pool {self.name!r} layer {layer_id}: buffer needs a leading page dimension, shape {shape}", field="shape")
+        itemsize = ABI_ITEMSIZE[self.abi]
+        per_page = itemsize
+        for d in shape[1:]:
+            per_page *= d
+        if per_page != self.bytes_per_page:
+            raise BufferSpecError(
+                f"pool {self.name!r} layer {layer_id}: {per_page} bytes per page, expected {self.bytes_per_page} "
+                f"({self.page_size} tokens x {self.bytes_per_token} B)",
+                field="bytes_per_page",
+            )
+        is_contig = buf.is_contiguous() if hasattr(buf, "is_contiguous") else bool(buf.flags["C_CONTIGUOUS"])
+        if not is_contig:
+            raise BufferSpecError(f"pool {self.name!r} layer {layer_id}: buffer is not contiguous", field="shape")
+        return shape[0]
+
+
+# DeepSeek V3 / V3.2 geometry (per token, per layer).
+MLA_BF16_BYTES = 576 * 2  # kv_lora_rank 512 + rope 64, bf16
+MLA_FP8_BYTES = 512 + 4 * 4 + 64 * 2  # 512 fp8 + 4 fp32 scales + 64 bf16 rope = 656
+INDEX_K_VALUE_BYTES = 128
+INDEX_K_SCALE_BYTES = 4
+
+PRESETS = ("deepseek-v3", "deepseek-v3-fp8", "deepseek-v3.2", "deepseek-v3.2-fp8")
+
+
+def deepseek_pools(
+    num_layers: int = 61,
+    page_size: int = 64,
+    kv_dtype: str = "bf16",
+    index: bool = True,
+    draft_layers: int = 1,
+) -> dict[str, PoolSpec]:
+    """Pool specs of the DeepSeek V3 (``index=False``) / V3.2 family for any
+    number of layers and page size. Draft (NextN/EAGLE) layers are numbered
+    after the target's: ``num_layers + i``."""
+    if num_layers <= 0 or draft_layers < 0:
+        raise LayoutError("num_layers must be positive and draft_layers non-negative", field="num_layers")
+    if kv_dtype == "bf16":
+        mla = dict(dtype="bfloat16", abi="bfloat16", bytes_per_token=MLA_BF16_BYTES, kernel_abi="mla-bf16")
+    elif kv_dtype == "fp8":
+        mla = dict(dtype="fp8_e4m3_with_scale", abi="uint8", bytes_per_token=MLA_FP8_BYTES, kernel_abi="mla-fp8-656")
+    else:
+        raise LayoutError(f"kv_dtype {kv_dtype!r} is not 'bf16' or 'fp8'", field="kv_dtype")
+    target_ids = tuple(range(num_layers))
+    pools = {"target": PoolSpec(name="target", page_size=page_size, layer_ids=target_ids, **mla)}
+    if index:
+        pools["index"] = PoolSpec(
+            name="index",
+            dtype="fp8_e4m3",
+            abi="uint8",
+            bytes_per_token=INDEX_K_VALUE_BYTES + INDEX_K_SCALE_BYTES,
+            page_size=page_size,
+            layer_ids=target_ids,
+            layout=VALUES_THEN_SCALES,
+            value_bytes_per_token=INDEX_K_VALUE_BYTES,
+            scale_bytes_per_token=INDEX_K_SCALE_BYTES,
+            kernel_abi="nsa-index-k-fp8-uint8",
+        )
+    if draft_layers:
+        draft_ids = tuple(range(num_layers, num_layers + draft_layers))
+        pools["draft"] = PoolSpec(name="draft", page_size=page_size, layer_ids=draft_ids, **mla)
+    return pools
+
+
+def preset_pools(preset: str, num_layers: int = 61, page_size: int = 64, draft_layers: int = 1) -> dict[str, PoolSpec]:
+    """Pools of a named preset: ``deepseek-v3[-fp8]`` (no index K) or ``deepseek-v3.2[-fp8]``."""
+    if preset not in PRESETS:
+        raise LayoutError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}", field="preset")
+    return deepseek_pools(
+        num_layers=num_layers,
+        page_size=page_size,
+        kv_dtype="fp8" if preset.endswith("-fp8") else "bf16",
+        index=preset.startswith("deepseek-v3.2"),
+        draft_layers=draft_layers,
+    )

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates or reuses the virtual environment and installs everything kvbridge
+# needs on a CPU host: Debian packages (libibverbs1 for Mooncake, Chromium for
+# the diagnostics-page test), the pinned CPU build of torch first (a bare
+# `torch` requirement would pull a CUDA build of several GB), then the package.
+set -euo pipefail
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${KVBRIDGE_TORCH_VERSION:-2.13.0}
+
+need_apt=()
+for pkg in libibverbs1 chromium chromium-driver; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian packages: ${need_apt[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: missing Debian packages (${need_apt[*]}); install them as root" >&2
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install "torch==$TORCH_VERSION"
+"${PIP[@]}" install -e ".[cpu,dev]"
