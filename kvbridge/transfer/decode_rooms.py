@@ -1,0 +1,327 @@
+"""The decode rank's rooms and prefill peers, driven by the DecodeEndpoint loop
+(every method runs with the endpoint's lock held; sockets go through ``ep.send``).
+
+Peer liveness: a prefill rank that has rooms here is pinged every
+``ping_interval``; any message from it counts as alive. Silent for
+``peer_timeout`` -> its rooms fail with a reason naming the rank. Its writes are
+assumed to have stopped (the rank counts as quiet, hard rule 6) only once the
+bootstrap daemon no longer lists it (lease expired), checked off the loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError, LayoutError, LedgerError
+from kvbridge.transfer import wire
+from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.receiver import RecvRoom
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap.schemas import LookupResponse
+    from kvbridge.transfer.decode import DecodeEndpoint
+
+log = logging.getLogger(__name__)
+
+ROOM_RETENTION_S = 60.0
+
+
+@dataclass
+class Peer:
+    endpoint: str
+    label: str
+    rank_id: str
+    instance: str
+    last_seen: float
+    last_ping: float = 0.0
+    seq: int = 0
+    dead: str | None = None  # reason once declared dead
+    lease_gone: bool = False
+    lease_check_pending: bool = False
+    next_lease_check: float = 0.0
+    dead_at: float = 0.0
+    rooms: set[int] = field(default_factory=set)
+
+
+class RoomBook:
+    def __init__(self, ep: DecodeEndpoint) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.rooms: dict[int, RecvRoom] = {}
+        self.peers: dict[str, Peer] = {}
+        self.cache: dict[tuple[str, int], tuple[float, LookupResponse]] = {}
+        self.dp_sizes: dict[str, int] = {}
+        self.page_size = next(iter(ep.specs.values())).page_size
+        self.pools = sorted(ep.specs)
+        self.finished: OrderedDict[int, None] = OrderedDict()
+
+    # -- rooms from the engine --------------------------------------------------
+
+    def open(self, room: int, prefill_instance: str, dp_rank: int | None) -> RecvRoom:
+        if room in self.rooms:
+            raise KVBridgeError("a receiver for this room already exists on this rank", room=room,
+                                rank=self.cfg.rank_label, field="room")
+        r = self.rooms[room] = RecvRoom(room, prefill_instance, dp_rank)
+        cached = self._cached(r)
+        if cached is not None:
+            self.topology_ready(r, cached)
+        return r
+
+    def init(self, room: int, pages: np.ndarray, aux_slot: int, num_tokens: int) -> None:
+        r = self.rooms.get(room)
+        if r is None:
+            raise KVBridgeError("init() for a room with no receiver", room=room, rank=self.cfg.rank_label)
+        if r.initialised:
+            raise LayoutError("init() called twice", room=room, rank=self.cfg.rank_label, field="page_ids")
+        r.page_ids, r.aux_slot, r.num_tokens = pages, aux_slot, num_tokens
+        r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * num_tokens
+
+    def _cached(self, r: RecvRoom) -> LookupResponse | None:
+        dp = r.dp_rank
+        if dp is None and r.prefill_instance in self.dp_sizes:
+            dp = r.room % self.dp_sizes[r.prefill_instance]
+        hit = self.cache.get((r.prefill_instance, dp)) if dp is not None else None
+        if hit and time.monotonic() - hit[0] < self.cfg.topology_ttl:
+            return hit[1].model_copy(update={"room": r.room})
+        return None
+
+    def topology_ready(self, r: RecvRoom, topo: LookupResponse) -> None:
+        if any(s.pp_rank != 0 for s in topo.ranks):
+            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
+                         "pipeline-parallel prefill is not supported yet")
+            return
+        self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
+        self.dp_sizes[topo.instance] = topo.topology.dp_size
+        r.set_topology(topo)
+        r.state.to(KVPoll.WaitingForInput)
+
+    # -- failing and quiescence -------------------------------------------------
+
+    def fail(self, r: RecvRoom, reason: str) -> None:
+        if r.state.final:
+            return
+        r.state.to(KVPoll.Failed, reason)
+        log.warning("room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        self._send_aborts(r)
+        self._retire(r)
+
+    def _send_aborts(self, r: RecvRoom) -> None:
+        for cp in sorted(r.requested - r.quiet - r.abort_sent):
+            s = r.senders[cp]
+            self.ep.send(s.control_endpoint, wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
+                                                        reason=r.state.reason or "aborted"))
+            r.abort_sent.add(cp)
+
+    def unquiet(self) -> bool:
+        return any(r.state.state == KVPoll.Failed and not r.pages_releasable for r in self.rooms.values())
+
+    def _retire(self, r: RecvRoom) -> None:
+        self.finished[r.room] = None
+        while len(self.finished) > 4096:
+            self.finished.popitem(last=False)
+
+    # -- messages from prefill ranks --------------------------------------------
+
+    def on_message(self, endpoint: str, msg: Any) -> None:
+        peer = self.peers.get(endpoint)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if isinstance(msg, KVBridgeError):
+            log.warning("bad control message from %s: %s", endpoint, msg)
+            return
+        if isinstance(msg, wire.Heartbeat):
+            return
+        r = self.rooms.get(getattr(msg, "room", None))
+        if r is None:
+            if isinstance(msg, wire.ErrorReply):
+                log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
+            return
+        cp = getattr(msg, "cp_rank", None)
+        if cp is not None and (cp not in r.senders or r.senders[cp].control_endpoint != endpoint):
+            self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there")
+            return
+        try:
+            self._dispatch(r, endpoint, msg)
+        except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
+            self.fail(r, str(exc))
+        self._maybe_commit(r)
+
+    def _dispatch(self, r: RecvRoom, endpoint: str, msg: Any) -> None:
+        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')} ({endpoint})"
+        if isinstance(msg, wire.AbortAck):
+            r.quiet.add(msg.cp_rank)
+        elif isinstance(msg, wire.ErrorReply):
+            if msg.ref_type == wire.TransferRequest.TAG:
+                r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == endpoint)
+            self.fail(r, f"{label} refused our {msg.ref_type}: {msg.reason}")
+        elif r.state.final:
+            if getattr(msg, "status", "ok") == "failed":
+                r.quiet.add(msg.cp_rank)  # a failure report means its writes have drained
+        elif isinstance(msg, wire.PagesDone):
+            if msg.status == "failed":
+                r.quiet.add(msg.cp_rank)
+                self.fail(r, f"{label}: {msg.reason}")
+                return
+            pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
+            r.ledger.record(msg.cp_rank, msg.pools, pages)
+            if self.cfg.verify_digest:
+                if msg.digests is None:
+                    raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
+                                      rank=f"cp{msg.cp_rank}", field="digests")
+                r.digests[msg.cp_rank] = (pages, np.frombuffer(msg.digests, dtype=np.uint64))
+        elif isinstance(msg, wire.AuxDone):
+            if msg.status == "failed":
+                r.quiet.add(msg.cp_rank)
+                self.fail(r, f"{label} could not write the aux row: {msg.reason}")
+                return
+            r.ledger.record_aux(msg.cp_rank)
+
+    def _maybe_commit(self, r: RecvRoom) -> None:
+        if r.state.final or r.ledger is None or not r.ledger.complete:
+            return
+        try:
+            aux = self.ep.aux_schema.unpack(_row_bytes(self.ep.aux_buffer, r.aux_slot))
+        except KVBridgeError as exc:
+            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
+            return
+        if aux.room != r.room:  # hard rule 4: a row written for another room
+            self.fail(r, f"aux row in slot {r.aux_slot} carries room {aux.room}, expected {r.room}")
+            return
+        if self.cfg.verify_digest:
+            bad = self._digest_mismatch(r)
+            if bad is not None:
+                self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent")
+                return
+        r.aux = aux
+        r.state.advance_to(KVPoll.Success)
+        self._retire(r)
+        if self.ep.trace:
+            log.info("trace room=%d rank=%s committed pages_by_rank=%s aux_owner=cp%d", r.room, self.cfg.rank_label,
+                     r.ledger.pages_by_rank, r.ledger.aux_owner)
+
+    def _digest_mismatch(self, r: RecvRoom) -> int | None:
+        pages = np.concatenate([p for p, _ in r.digests.values()])
+        sent = np.concatenate([d for _, d in r.digests.values()])
+        mine = page_digests(self.ep.specs, self.ep.buffers.tensors, self.pools, pages, r.page_ids[pages], r.num_tokens)
+        bad = np.flatnonzero(mine != sent)
+        return int(pages[bad[0]]) if bad.size else None
+
+    # -- periodic work ----------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        for r in list(self.rooms.values()):
+            self._advance(r, now)
+        self._liveness(now)
+        for room in [k for k, r in self.rooms.items() if r.state.final and r.pages_releasable
+                     and (r.engine_done or now - r.state.entered[r.state.state] > ROOM_RETENTION_S)]:
+            r = self.rooms.pop(room)
+            for s in r.senders.values():
+                p = self.peers.get(s.control_endpoint)
+                if p is not None:
+                    p.rooms.discard(room)
+
+    def _advance(self, r: RecvRoom, now: float) -> None:
+        st = r.state.state
+        if st == KVPoll.Bootstrapping:
+            if r.state.since() > self.cfg.bootstrap_timeout:
+                self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
+                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)")
+            elif not r.lookup_pending and now >= r.next_lookup:
+                cached = self._cached(r)
+                if cached is not None:
+                    self.topology_ready(r, cached)
+                else:
+                    self.ep.lookup_async(r)
+        elif st == KVPoll.WaitingForInput:
+            if r.initialised:
+                self._request(r)
+            elif r.state.since() > self.cfg.waiting_timeout:
+                self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)")
+        elif st == KVPoll.Transferring and r.state.since() > self.cfg.transfer_timeout:
+            self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
+                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}")
+        elif st == KVPoll.Failed and not r.pages_releasable:
+            self._send_aborts(r)
+
+    def _request(self, r: RecvRoom) -> None:
+        """Send the TransferRequest to every CP rank of the prefill DP group."""
+        r.start_ledger(self.pools, self.page_size)
+        aux = self.ep.aux_desc
+        for cp, s in sorted(r.senders.items()):
+            req = wire.TransferRequest(
+                room=r.room, decode_rank=self.cfg.rank_label, session=self.ep.engine.session_id,
+                page_ids=wire.pack_pages(r.page_ids), pools=list(self.pools),
+                buffers=[d.to_list() for d in self.ep.buffers.descs], aux_base=aux.base,
+                aux_capacity=aux.capacity_rows, aux_row_bytes=aux.row_bytes, aux_slot=r.aux_slot,
+                num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
+                want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
+                num_decode_ranks=self.cfg.tp_size,
+            )
+            peer = self._peer(s, r.prefill_instance)
+            peer.rooms.add(r.room)
+            self.ep.send(s.control_endpoint, req)
+            r.requested.add(cp)
+        r.state.to(KVPoll.Transferring)
+        if self.ep.trace:
+            log.info("trace room=%d rank=%s requested from cp ranks %s", r.room, self.cfg.rank_label, sorted(r.requested))
+
+    def _peer(self, s: Any, instance: str) -> Peer:
+        p = self.peers.get(s.control_endpoint)
+        revived = p is not None and p.dead is not None and p.last_seen > p.dead_at
+        if p is None or p.rank_id != s.rank_id or revived:
+            p = self.peers[s.control_endpoint] = Peer(s.control_endpoint, f"{instance}/cp{s.cp_rank}", s.rank_id,
+                                                      instance, last_seen=time.monotonic())
+        return p
+
+    def _liveness(self, now: float) -> None:
+        for p in self.peers.values():
+            active = [self.rooms[k] for k in p.rooms if k in self.rooms and not self.rooms[k].pages_releasable]
+            if not active:
+                continue
+            if p.dead is None and now - p.last_seen > self.cfg.peer_timeout:
+                p.dead = f"prefill rank {p.label} ({p.endpoint}) sent nothing for {now - p.last_seen:.1f}s"
+                p.dead_at = now
+                self.cache = {k: v for k, v in self.cache.items() if k[0] != p.instance}
+            if p.dead is not None:
+                for r in active:
+                    self.fail(r, p.dead)
+                if p.lease_gone:
+                    for r in active:
+                        r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == p.endpoint)
+                elif not p.lease_check_pending and now >= p.next_lease_check:
+                    self._check_lease(p)
+            elif now - p.last_ping >= self.cfg.ping_interval:
+                p.last_ping, p.seq = now, p.seq + 1
+                self.ep.send(p.endpoint, wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq))
+
+    def _check_lease(self, p: Peer) -> None:
+        """Ask the daemon (off the loop) whether the dead rank's lease is gone."""
+        p.lease_check_pending = True
+
+        def check() -> None:
+            try:
+                view = self.ep.bootstrap.instance(p.instance)
+                gone = all(rk.rank_id != p.rank_id for rk in view.ranks)
+            except KVBridgeError as exc:
+                gone = getattr(exc, "code", "") == "unknown_instance" or type(exc).__name__ == "UnknownInstance"
+            with self.ep._lock:
+                p.lease_gone = gone
+                p.lease_check_pending = False
+                p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while
+            self.ep._wake()
+
+        self.ep._pool.submit(check)
+
+
+def _row_bytes(aux_buffer: Any, slot: int) -> np.ndarray:
+    row = aux_buffer[slot]
+    if hasattr(row, "numpy"):
+        row = row.cpu().numpy() if row.device.type != "cpu" else row.numpy()
+    return np.array(row, dtype=np.uint8, copy=True)

@@ -1,0 +1,85 @@
+"""Poll states of a room, and the transitions each side allows.
+
+Written down once; every state change of a sender or receiver goes through
+:class:`RoomState`, which refuses transitions not in the table.
+
+    receiver:  Bootstrapping -> WaitingForInput -> Transferring -> Success
+    sender:    Bootstrapping -> WaitingForInput -> Transferring -> Success
+               (any non-final state) -> Failed
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+
+class KVPoll(enum.IntEnum):
+    """Values as in SGLang's PD connectors, so engines can map them 1:1."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+FINAL = frozenset({KVPoll.Failed, KVPoll.Success})
+
+TRANSITIONS: dict[KVPoll, frozenset[KVPoll]] = {
+    KVPoll.Bootstrapping: frozenset({KVPoll.WaitingForInput, KVPoll.Failed}),
+    KVPoll.WaitingForInput: frozenset({KVPoll.Transferring, KVPoll.Failed}),
+    KVPoll.Transferring: frozenset({KVPoll.Success, KVPoll.Failed}),
+    KVPoll.Success: frozenset(),
+    KVPoll.Failed: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug in kvbridge: a state change the table does not allow."""
+
+
+class RoomState:
+    """Current state, the failure reason, and when each state was entered."""
+
+    __slots__ = ("state", "reason", "entered")
+
+    def __init__(self) -> None:
+        self.state = KVPoll.Bootstrapping
+        self.reason: str | None = None
+        self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic()}
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+    def since(self) -> float:
+        """Seconds spent in the current state."""
+        return time.monotonic() - self.entered[self.state]
+
+    def to(self, new: KVPoll, reason: str | None = None) -> bool:
+        """Move to ``new``; returns False (no change) if already there or, for
+        Failed, if already final. A table violation raises IllegalTransition."""
+        if new == self.state or (new == KVPoll.Failed and self.final):
+            return False
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.state.name} -> {new.name}")
+        self.state = new
+        self.entered[new] = time.monotonic()
+        if new == KVPoll.Failed:
+            self.reason = reason or "failed"
+        return True
+
+    def advance_to(self, target: KVPoll) -> None:
+        """Walk forward through intermediate states up to ``target``."""
+        order = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
+        while self.state != target and not self.final and order.index(self.state) < order.index(target):
+            self.to(order[order.index(self.state) + 1])
+
+    def durations(self) -> dict[str, float]:
+        """Seconds from each state's entry to the next state's (ms precision)."""
+        items = sorted(self.entered.items(), key=lambda kv: kv[1])
+        out = {}
+        for (s, t), (_, t_next) in zip(items, items[1:]):
+            out[s.name] = round(t_next - t, 6)
+        return out

@@ -1,0 +1,108 @@
+"""What an endpoint exposes: its pool buffers and aux rows, validated against
+the pool specs, registered with the transfer engine and with the bootstrap
+daemon. Buffers are keyed by (pool name, layer id), never by position."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
+from kvbridge.bootstrap.contract import RuntimeContract
+from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
+from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
+from kvbridge.errors import BufferSpecError, KVBridgeError
+from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, describe_buffer
+from kvbridge.transfer.engine import TransferEngine, tensor_region
+
+
+class EndpointBuffers:
+    """One buffer per (pool, layer id) of every spec; checked on construction."""
+
+    def __init__(self, specs: Mapping[str, PoolSpec], buffers: Mapping[tuple[str, int], Any], rank: str) -> None:
+        expected = {(p, layer) for p, spec in specs.items() for layer in spec.layer_ids}
+        missing = sorted(expected - set(buffers))
+        extra = sorted(set(buffers) - expected)
+        if missing or extra:
+            raise BufferSpecError(f"buffers missing {missing[:4]} / unexpected {extra[:4]} (keyed by (pool, layer id))",
+                                  rank=rank, field="buffers")
+        self.tensors = dict(buffers)
+        self.descs = [describe_buffer(specs[p], layer, buffers[(p, layer)]) for p, layer in sorted(expected)]
+        self.min_capacity = min(d.capacity_pages for d in self.descs)
+        self._registered: list[int] = []
+
+    def register(self, engine: TransferEngine) -> None:
+        for key in sorted(self.tensors):
+            ptr, nbytes = tensor_region(self.tensors[key])
+            engine.register(ptr, nbytes)
+            self._registered.append(ptr)
+
+    def unregister(self, engine: TransferEngine) -> None:
+        while self._registered:
+            engine.unregister(self._registered.pop())
+
+
+class AuxStaging:
+    """Registered host rows from which a prefill rank writes aux rows, one slot per room."""
+
+    def __init__(self, schema: AuxSchema, num_slots: int) -> None:
+        self.schema = schema
+        self.rows = np.zeros((num_slots, schema.row_bytes), dtype=np.uint8)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._by_room: dict[int, int] = {}
+
+    @property
+    def desc(self) -> AuxDescriptor:
+        return AuxDescriptor(base=self.rows.ctypes.data, capacity_rows=self.rows.shape[0], row_bytes=self.schema.row_bytes)
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(self.rows.ctypes.data, self.rows.nbytes)
+
+    def unregister(self, engine: TransferEngine) -> None:
+        engine.unregister(self.rows.ctypes.data)
+
+    def stage(self, room: int, row: np.ndarray) -> int:
+        """Copy a packed row into the room's slot; returns its address."""
+        slot = self._by_room.get(room)
+        if slot is None:
+            if not self._free:
+                raise KVBridgeError(f"all {self.rows.shape[0]} aux staging slots are in use", room=room, field="aux_slots")
+            slot = self._by_room[room] = self._free.pop()
+        self.rows[slot] = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
+        return self.rows.ctypes.data + slot * self.schema.row_bytes
+
+    def release(self, room: int) -> None:
+        slot = self._by_room.pop(room, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
+def pool_descriptors(descs: list[BufferDesc]) -> list[PoolDescriptor]:
+    return [PoolDescriptor(pool=d.pool, layer_id=d.layer_id, base=d.base, capacity_pages=d.capacity_pages,
+                           bytes_per_page=d.bytes_per_page) for d in descs]
+
+
+def register_rank(
+    client: BootstrapClient,
+    config: Any,
+    role: str,
+    endpoint: str,
+    session: str,
+    descs: list[BufferDesc],
+    aux: AuxDescriptor | None,
+    contract: RuntimeContract,
+    lease_ttl: float,
+) -> LeaseKeeper:
+    """Register this rank with the daemon and keep its lease alive."""
+    identity = RankIdentity(
+        instance=config.instance, role=role,
+        dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
+        pp_size=getattr(config, "pp_size", 1), dp_rank=config.dp_rank, cp_rank=getattr(config, "cp_rank", 0),
+        tp_rank=config.tp_rank, pp_rank=getattr(config, "pp_rank", 0),
+    )
+    request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
+                              pools=pool_descriptors(descs), aux=aux, contract=contract, lease_ttl_s=lease_ttl)
+    registration = client.register(request)
+    return LeaseKeeper(client, registration).start()
