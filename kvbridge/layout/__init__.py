@@ -1,6 +1,42 @@
 """Pure geometry and planning: pools, pages, owner lanes, row domains and
 transfer plans. No I/O, no threads, no device calls."""
 
-from kvbridge.layout.pools import PRESETS, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.layout.aux import AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
+from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
+from kvbridge.layout.plan import BufferDesc, TransferPlan, describe_buffer, plan_transfer
+from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.layout.rows import (
+    LocalRows,
+    RowDomain,
+    build_rank_rows,
+    local_row_order,
+    request_bases,
+    strip_padding,
+    valid_row_index,
+)
 
-__all__ = ["PRESETS", "PoolSpec", "deepseek_pools", "preset_pools"]
+__all__ = [
+    "AuxRow",
+    "AuxSchema",
+    "BufferDesc",
+    "LANE_RULES",
+    "LAYOUTS",
+    "LocalRows",
+    "OwnerLanes",
+    "PRESETS",
+    "PoolSpec",
+    "RowDomain",
+    "TransferPlan",
+    "aux_dtype",
+    "build_rank_rows",
+    "deepseek_pools",
+    "describe_buffer",
+    "float32_to_bf16_bits",
+    "local_row_order",
+    "owner_of_last_token",
+    "plan_transfer",
+    "preset_pools",
+    "request_bases",
+    "strip_padding",
+    "valid_row_index",
+]

@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.errors import BufferSpecError, LayoutError
+import numpy as np
+
+from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError
 
 ROWS = "rows"
 VALUES_THEN_SCALES = "values_then_scales"
@@ -117,6 +119,58 @@ class PoolSpec:
         if not is_contig:
             raise BufferSpecError(f"pool {self.name!r} layer {layer_id}: buffer is not contiguous", field="shape")
         return shape[0]
+
+    def write_rows(self, buf: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Write token rows into a numpy page buffer the way a KV kernel does:
+        row ``i`` (``bytes_per_token`` bytes) goes to cache slot ``slots[i]``
+        (``physical_page * page_size + offset``), honouring the in-page layout."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        data = np.ascontiguousarray(rows).view(np.uint8)
+        if data.size != len(slots) * self.bytes_per_token:
+            raise LayoutError(
+                f"pool {self.name!r}: {data.size} row bytes for {len(slots)} slots of {self.bytes_per_token} B",
+                field="rows",
+            )
+        data = data.reshape(len(slots), self.bytes_per_token)
+        page, offset = np.divmod(slots, self.page_size)
+        cut = 0
+        for view, width in zip(self._slot_views(buf, slots), self._part_bytes()):
+            view[page, offset] = data[:, cut : cut + width]
+            cut += width
+
+    def read_rows(self, buf: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Token rows ``(len(slots), bytes_per_token)`` uint8 read from cache slots."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        page, offset = np.divmod(slots, self.page_size)
+        parts = [view[page, offset] for view in self._slot_views(buf, slots)]
+        return np.concatenate(parts, axis=1)
+
+    def _part_bytes(self) -> tuple[int, ...]:
+        if self.layout == ROWS:
+            return (self.bytes_per_token,)
+        return (self.value_bytes_per_token, self.scale_bytes_per_token)
+
+    def _slot_views(self, buf: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Writable ``(pages, page_size, part bytes)`` views: one for ``rows``,
+        values and scales for ``values_then_scales``."""
+        arr = np.asarray(buf)
+        if not arr.flags["C_CONTIGUOUS"] or arr.nbytes % self.bytes_per_page:
+            raise BufferSpecError(f"pool {self.name!r}: buffer is not whole contiguous pages", field="shape")
+        pages = arr.reshape(-1).view(np.uint8).reshape(-1, self.bytes_per_page)
+        num_slots = pages.shape[0] * self.page_size
+        if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
+            bad = slots[(slots < 0) | (slots >= num_slots)][0]
+            raise PageRangeError(f"pool {self.name!r}: slot {bad} outside {num_slots} slots", field="slots")
+        views, offset = [], 0
+        for width in self._part_bytes():
+            part = pages[:, offset:]
+            views.append(
+                np.lib.stride_tricks.as_strided(
+                    part, shape=(pages.shape[0], self.page_size, width), strides=(self.bytes_per_page, width, 1)
+                )
+            )
+            offset += self.page_size * width
+        return tuple(views)
 
 
 # DeepSeek V3 / V3.2 geometry (per token, per layer).

@@ -173,14 +173,17 @@ class DecodeEndpoint:
             self._book.init(room, pages.astype(np.int64), aux_slot, num_tokens)
         self._wake()
 
-    def _with_room(self, room: int, fn: Callable[[RecvRoom], T], default: T, mark_seen: bool = False) -> T:
+    def _with_room(self, room: int, fn: Callable[[RecvRoom], T], default: T) -> T:
         with self._lock:
             r = self._book.rooms.get(room)
-            if r is None:
-                return default
-            if mark_seen and r.state.final:
+            return default if r is None else fn(r)
+
+    def _release(self, room: int) -> None:
+        """The engine dropped its receiver: the room may go once it is final and quiet."""
+        with self._lock:
+            r = self._book.rooms.get(room)
+            if r is not None:
                 r.engine_done = True
-            return fn(r)
 
     def _abort(self, room: int, reason: str) -> None:
         with self._lock:

@@ -175,7 +175,7 @@ class RoomBook:
                 if msg.digests is None:
                     raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
                                       rank=f"cp{msg.cp_rank}", field="digests")
-                r.digests[msg.cp_rank] = (pages, np.frombuffer(msg.digests, dtype=np.uint64))
+                r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
         elif isinstance(msg, wire.AuxDone):
             if msg.status == "failed":
                 r.quiet.add(msg.cp_rank)
@@ -207,8 +207,8 @@ class RoomBook:
                      r.ledger.pages_by_rank, r.ledger.aux_owner)
 
     def _digest_mismatch(self, r: RecvRoom) -> int | None:
-        pages = np.concatenate([p for p, _ in r.digests.values()])
-        sent = np.concatenate([d for _, d in r.digests.values()])
+        pages = np.concatenate([p for p, _ in r.digests])
+        sent = np.concatenate([d for _, d in r.digests])
         mine = page_digests(self.ep.specs, self.ep.buffers.tensors, self.pools, pages, r.page_ids[pages], r.num_tokens)
         bad = np.flatnonzero(mine != sent)
         return int(pages[bad[0]]) if bad.size else None

@@ -63,7 +63,7 @@ def page_digests(
     """uint64 digest per logical page over the valid bytes of every (pool, layer)."""
     logical = np.asarray(logical_pages, dtype=np.int64)
     physical = np.asarray(physical_pages, dtype=np.int64)
-    out = np.zeros(logical.size, dtype=np.uint64)
+    out = _weights(1, 0)[0] * (logical.astype(np.uint64) + np.uint64(1))  # an all-zero page still has a digest
     for salt, pool in enumerate(sorted(pools)):
         spec = specs[pool]
         valid = np.clip(num_tokens - logical * spec.page_size, 0, spec.page_size)

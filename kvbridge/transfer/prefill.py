@@ -180,20 +180,13 @@ class PrefillEndpoint:
             self._room(room).set_num_tokens(num_tokens, "init()")
         self._wake()
 
-    def _send(self, room: int, logical: Any, local: Any, is_last: bool, aux: AuxRow | None) -> None:
+    def _send(self, room: int, logical: Any, local: Any, is_last: bool, aux: AuxRow | np.ndarray | None) -> None:
         with self._lock:
             r = self._room(room)
-            if r.state.final:
-                raise KVBridgeError(f"room is {r.state.state.name}: {r.state.reason}", room=room, rank=self.config.rank_label)
-            row = None
-            if aux is not None:
-                if aux.room != room:
-                    raise LayoutError(f"aux row carries room {aux.room}", room=room, field="aux.room")
-                row = self.aux_schema.pack(
-                    room=room, first_token=aux.first_token, num_cached_tokens=aux.num_cached_tokens,
-                    hidden_is_cp_local=aux.hidden_is_cp_local, hidden=aux.hidden,
-                    topk_ids=aux.topk_ids, topk_probs=aux.topk_probs,
-                )
+            if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
+                log.debug("send() on room %d ignored: %s %s", room, r.state.state.name, r.state.reason)
+                return
+            row = None if aux is None else self._pack_aux(room, aux)
             local_arr = np.asarray(local, dtype=np.int64).reshape(-1)
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=room,
@@ -201,14 +194,35 @@ class PrefillEndpoint:
             r.add_chunk(logical, local_arr, is_last, row)
         self._wake()
 
+    def _pack_aux(self, room: int, aux: AuxRow | np.ndarray) -> np.ndarray:
+        """An AuxRow, or a row already packed with this rank's aux schema."""
+        if isinstance(aux, np.ndarray):
+            if aux.dtype != self.aux_schema.dtype or aux.size != 1:
+                raise LayoutError(f"packed aux row of dtype {aux.dtype}, expected the schema's {self.aux_schema.dtype}",
+                                  room=room, field="aux")
+            row, echoed = aux.reshape(1), int(aux.reshape(-1)[0]["room"])
+        else:
+            echoed = aux.room
+            row = self.aux_schema.pack(
+                room=aux.room, first_token=aux.first_token, num_cached_tokens=aux.num_cached_tokens,
+                hidden_is_cp_local=aux.hidden_is_cp_local, hidden=aux.hidden,
+                topk_ids=aux.topk_ids, topk_probs=aux.topk_probs,
+            )
+        if echoed != room:
+            raise LayoutError(f"aux row carries room {echoed}", room=room, rank=self.config.rank_label, field="aux.room")
+        return row
+
     def _poll(self, room: int) -> KVPoll:
         with self._lock:
             r = self._rooms.get(room)
-            if r is None:
-                return KVPoll.Failed
-            if r.state.final:
+            return KVPoll.Failed if r is None else r.state.state
+
+    def _release(self, room: int) -> None:
+        """The engine dropped its sender: the room may go once it is final and quiet."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None:
                 r.engine_done = True
-            return r.state.state
 
     def _reason(self, room: int) -> str | None:
         with self._lock:
@@ -271,6 +285,8 @@ class PrefillEndpoint:
         if req.fingerprint != self.fingerprint:
             self._reply_failed(ident, req.room, f"contract fingerprint {req.fingerprint} differs from prefill rank "
                                                 f"{rank}'s {self.fingerprint}; nothing transferred (hard rule 7)")
+            if req.room in self._rooms:
+                self._fail_room(self._rooms[req.room], f"decode rank {req.decode_rank} has a different contract")
             return
         r = self._room(req.room)
         if r.state.final:
@@ -281,6 +297,7 @@ class PrefillEndpoint:
             target = target_from_request(req, ident, self.specs, self.buffers.descs, self.aux_schema, r.num_pages)
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self._reply_failed(ident, req.room, str(exc))
+            self._fail_room(r, f"decode rank {req.decode_rank}'s request refused: {exc}")
             return
         if req.decode_rank in r.targets:
             self._reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
@@ -296,7 +313,7 @@ class PrefillEndpoint:
     def _on_abort(self, ident: bytes, msg: wire.Abort) -> None:
         r = self._rooms.get(msg.room)
         t = r.targets.get(msg.decode_rank) if r else None
-        if t is None:  # nothing posted to this rank for this room: nothing can still land
+        if t is None or t.closed:  # nothing of this room is, or will be, in flight to that rank
             self._reply(ident, wire.AbortAck(room=msg.room, cp_rank=self.config.cp_rank))
             return
         t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"

@@ -12,6 +12,7 @@ room's state that the :class:`~kvbridge.transfer.decode.DecodeEndpoint` loop dri
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,7 +44,7 @@ class RecvRoom:
         self.abort_sent: set[int] = set()
         self.aux: AuxRow | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
-        self.digests: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # cp_rank -> (pages, digests)
+        self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
         self.engine_done = False
@@ -92,6 +93,8 @@ class KVReceiver:
     def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
         self._ep = endpoint
         self.room = room
+        # once the engine drops this object, a final room may be forgotten
+        weakref.finalize(self, endpoint._release, room)
 
     def init(self, page_ids: np.ndarray, aux_slot: int, num_tokens: int) -> None:
         """Destination pages (one mapping for every pool: logical page l -> physical page
@@ -99,7 +102,7 @@ class KVReceiver:
         self._ep._init_room(self.room, page_ids, aux_slot, num_tokens)
 
     def poll(self) -> KVPoll:
-        return self._ep._with_room(self.room, lambda r: r.state.state, KVPoll.Failed, mark_seen=True)
+        return self._ep._with_room(self.room, lambda r: r.state.state, KVPoll.Failed)
 
     @property
     def failure_reason(self) -> str | None:

@@ -17,6 +17,7 @@ the completions and reports them; nothing here touches a socket.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,14 +181,17 @@ class KVSender:
     def __init__(self, endpoint: PrefillEndpoint, room: int) -> None:
         self._ep = endpoint
         self.room = room
+        # once the engine drops this object, a final room may be forgotten
+        weakref.finalize(self, endpoint._release, room)
 
     def init(self, num_tokens: int) -> None:
         self._ep._init_room(self.room, num_tokens)
 
     def send(self, logical_pages: np.ndarray, local_pages: np.ndarray, *, is_last: bool = False,
-             aux: AuxRow | None = None) -> None:
+             aux: AuxRow | np.ndarray | None = None) -> None:
         """Queue owned pages (a partial last page is held until ``is_last``);
-        the owner of the last valid token passes the aux row with the last chunk."""
+        the owner of the last valid token passes the aux row (an AuxRow, or a
+        row packed with the aux schema) with the last chunk."""
         self._ep._send(self.room, logical_pages, local_pages, is_last, aux)
 
     def poll(self) -> KVPoll:

@@ -1,0 +1,102 @@
+"""Bench output: a table for people, JSON for machines, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    ("cp", "cp", "{:>3}"),
+    ("tokens", "tokens", "{:>7}"),
+    ("MB", "bytes", "{:>9.1f}"),
+    ("slices", "slices", "{:>7}"),
+    ("ideal", "ideal_slices", "{:>7}"),
+    ("plan ms", "plan_ms", "{:>8.2f}"),
+    ("kvb GB/s", "kvbridge_gbps", "{:>9.3f}"),
+    ("raw GB/s", "raw_gbps", "{:>9.3f}"),
+    ("memcpy GB/s", "memcpy_gbps", "{:>11.2f}"),
+    ("kvb p50 ms", "kvbridge_p50_ms", "{:>10.1f}"),
+    ("kvb p99 ms", "kvbridge_p99_ms", "{:>10.1f}"),
+    ("vs raw", "ratio_vs_raw", "{:>7.2f}"),
+    ("vs memcpy", "ratio_vs_memcpy", "{:>9.3f}"),
+    ("ok", "ok", "{:>3}"),
+)
+
+
+def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    widths = [max(len(title), len(fmt.format(_sample(key)))) for title, key, fmt in COLUMNS]
+    header = " ".join(title.rjust(w) for (title, _, _), w in zip(COLUMNS, widths))
+    lines = [_describe(meta), "", header]
+    for row in rows:
+        cells = []
+        for (title, key, fmt), w in zip(COLUMNS, widths):
+            value = row["bytes"] / 1e6 if key == "bytes" else row.get(key)
+            if key == "ok":
+                value = "yes" if not row["verify_errors"] and not row["kvbridge_failures"] else "NO"
+            elif value is None:
+                value = float("nan")
+            cells.append(fmt.format(value).rjust(w))
+        lines.append(" ".join(cells))
+    for row in rows:
+        for reason in row["verify_errors"] + row["kvbridge_failures"]:
+            lines.append(f"cp={row['cp']} tokens={row['tokens']}: {reason}")
+    goal = [r for r in rows if r["tokens"] >= 8192]
+    if goal:
+        worst = min(r["ratio_vs_raw"] for r in goal)
+        ideal = all(r["slices"] == r["ideal_slices"] for r in rows)
+        lines += [
+            "",
+            f"goal kvbridge >= 0.9x raw Mooncake for >= 8K tokens: worst {worst:.2f}x -> "
+            f"{'met' if worst >= 0.9 else 'NOT met'}",
+            f"slices per room == ideal (runs x layers x pools): {'yes' if ideal else 'NO'}",
+        ]
+    return "\n".join(lines)
+
+
+def _sample(key: str) -> Any:
+    return 0 if key != "ok" else "yes"
+
+
+def _describe(meta: dict[str, Any]) -> str:
+    text = (
+        f"kvbridge bench: {meta['preset']}, {meta['layers']} target + {meta['draft_layers']} draft layers, "
+        f"page {meta['page_size']}, engine {meta['engine']}, {meta['reps']} rooms per method; "
+        f"contiguous allocation on both sides"
+    )
+    if meta.get("note"):
+        text += f"\nnote: {meta['note']}"
+    return text
+
+
+def write_json(path: str | Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+def write_plot(path: str | Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
+    methods = (("kvbridge_gbps", "tab:blue", "kvbridge"), ("raw_gbps", "tab:orange", "raw Mooncake"),
+               ("memcpy_gbps", "tab:green", "memcpy"))  # fmt: skip
+    for i, cp in enumerate(sorted({r["cp"] for r in rows})):
+        sub = sorted((r for r in rows if r["cp"] == cp), key=lambda r: r["tokens"])
+        x = [r["tokens"] for r in sub]
+        style = ("-", "--", ":", "-.")[i % 4]
+        marker = "osd^"[i % 4]
+        for key, color, label in methods:
+            ax_bw.plot(x, [r[key] for r in sub], style, marker=marker, color=color, label=f"{label} cp={cp}")
+        ax_ratio.plot(x, [r["ratio_vs_raw"] for r in sub], style, marker=marker, color="tab:blue", label=f"cp={cp}")
+    ax_bw.set(xscale="log", yscale="log", xlabel="request tokens", ylabel="GB/s", title="throughput")
+    ax_ratio.axhline(0.9, color="grey", linestyle="--", linewidth=1, label="goal 0.9x")
+    ax_ratio.set(xscale="log", xlabel="request tokens", ylabel="kvbridge / raw Mooncake", title="ratio vs raw")
+    for ax in (ax_bw, ax_ratio):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_describe(meta).split("\n")[0], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

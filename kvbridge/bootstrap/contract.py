@@ -1,0 +1,382 @@
+"""The runtime contract: everything a prefill and a decode instance must agree
+on for the bytes of a page to mean the same thing on both sides (hard rule 7).
+
+    RuntimeContract
+    ├── wire_version       kvbridge control-message protocol
+    ├── model              name, weights revision, target / draft layer counts
+    ├── pools[]            per pool: dtype, abi, bytes/token, page size, in-page layout,
+    │                      value/scale split, kernel ABI, layer ids   (matched by name)
+    ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated
+    ├── kernel             attention backend and its page-layout ABI
+    ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
+    ├── aux                aux-row fields (name, dtype, shape, offset) and row bytes
+    └── source             digest over the source files that define the byte meaning
+
+Sizes that may legally differ between the sides (tp/cp/dp/pp, addresses,
+capacities) are topology, not contract: see ``kvbridge.bootstrap.topology``.
+
+The canonical encoding is compact JSON with sorted keys over ints, strings,
+lists and objects only (no floats), pools sorted by name and layer ids sorted,
+so the fingerprint is equal across processes, machines and Python versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvbridge.bootstrap import digest
+from kvbridge.bootstrap.digest import ExtraFiles
+from kvbridge.errors import ContractError
+from kvbridge.layout.pools import PRESETS, PoolSpec, preset_pools
+
+__all__ = [
+    "WIRE_VERSION",
+    "FINGERPRINT_PREFIX",
+    "CP_RULES",
+    "SPEC_ALGORITHMS",
+    "CONTRACT_PRESETS",
+    "ModelIdentity",
+    "PoolContract",
+    "KernelContract",
+    "SpeculativeContract",
+    "AuxField",
+    "AuxSchema",
+    "SourceDigest",
+    "RuntimeContract",
+    "canonical_json",
+    "fingerprint",
+    "default_aux_schema",
+    "aux_schema_from_dtype",
+    "source_digest",
+    "contract_from_preset",
+    "preset_contract",
+]
+
+# Control-message protocol version; keep equal to kvbridge.transfer.wire's.
+WIRE_VERSION = 1
+# Version of the canonical encoding itself; bump it if canonical_json changes.
+FINGERPRINT_PREFIX = "kvb1:"
+CP_RULES = ("interleaved", "contiguous", "replicated")
+SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn")
+CONTRACT_PRESETS = PRESETS
+
+CpRule = Literal["interleaved", "contiguous", "replicated"]
+SpecAlgorithm = Literal["none", "eagle", "eagle3", "nextn"]
+_NAME = Field(min_length=1, max_length=256)
+
+
+class _Frozen(BaseModel):
+    # strict: "1" is not an int and 1.0 is not a page size; extra keys are typos.
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+
+class ModelIdentity(_Frozen):
+    name: str = _NAME
+    revision: str = Field(min_length=1, max_length=256)  # weights revision or digest
+    target_layers: int = Field(ge=1)
+    draft_layers: int = Field(ge=0)
+
+
+class PoolContract(_Frozen):
+    """One pool's geometry: the fields of ``PoolSpec`` that give bytes their meaning."""
+
+    name: str = _NAME
+    dtype: str = _NAME
+    abi: str = _NAME
+    bytes_per_token: int = Field(ge=1)
+    page_size: int = Field(ge=1)
+    layout: Literal["rows", "values_then_scales"]
+    value_bytes_per_token: int = Field(ge=0)
+    scale_bytes_per_token: int = Field(ge=0)
+    kernel_abi: str = Field(max_length=256)
+    layer_ids: list[int] = Field(min_length=1)
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _sorted_distinct(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v) or min(v) < 0:
+            raise ValueError("layer ids must be distinct and non-negative")
+        return sorted(v)
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec) -> PoolContract:
+        return cls(
+            name=spec.name,
+            dtype=spec.dtype,
+            abi=spec.abi,
+            bytes_per_token=spec.bytes_per_token,
+            page_size=spec.page_size,
+            layout=spec.layout,  # type: ignore[arg-type]
+            value_bytes_per_token=spec.value_bytes_per_token,
+            scale_bytes_per_token=spec.scale_bytes_per_token,
+            kernel_abi=spec.kernel_abi,
+            layer_ids=list(spec.layer_ids),
+        )
+
+    def to_spec(self) -> PoolSpec:
+        return PoolSpec(
+            name=self.name,
+            dtype=self.dtype,
+            abi=self.abi,
+            bytes_per_token=self.bytes_per_token,
+            page_size=self.page_size,
+            layer_ids=tuple(self.layer_ids),
+            layout=self.layout,
+            value_bytes_per_token=self.value_bytes_per_token,
+            scale_bytes_per_token=self.scale_bytes_per_token,
+            kernel_abi=self.kernel_abi,
+        )
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+
+class KernelContract(_Frozen):
+    """The attention backend whose page layout the bytes follow, and its ABI tag."""
+
+    attention_backend: str = _NAME
+    abi: str = Field(max_length=256)
+
+
+class SpeculativeContract(_Frozen):
+    algorithm: SpecAlgorithm
+    hidden_size: int = Field(ge=0)  # width of the carried hidden state; 0 without one
+    hidden_dtype: str = Field(max_length=64)
+    topk: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeContract:
+        if self.algorithm != "none" and (self.hidden_size <= 0 or self.topk <= 0 or not self.hidden_dtype):
+            raise ValueError(f"speculative algorithm {self.algorithm!r} needs hidden_size > 0, topk > 0 and a hidden_dtype")
+        return self
+
+
+class AuxField(_Frozen):
+    name: str = _NAME
+    dtype: str = _NAME
+    shape: list[int] = Field(default_factory=list)
+    offset: int = Field(ge=0)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError("aux field dimensions must be non-negative")
+        return v
+
+
+class AuxSchema(_Frozen):
+    """The aux row (first token, cached count, speculative state) as packed fields."""
+
+    fields: list[AuxField]
+    row_bytes: int = Field(ge=0)
+
+    @field_validator("fields")
+    @classmethod
+    def _unique(cls, v: list[AuxField]) -> list[AuxField]:
+        names = [f.name for f in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"aux field names must be distinct: {names}")
+        return v
+
+
+class SourceDigest(_Frozen):
+    algorithm: Literal["sha256"] = "sha256"
+    files: dict[str, str]  # stable name -> sha256 hex or "missing"
+    digest: str
+
+    @model_validator(mode="after")
+    def _matches_files(self) -> SourceDigest:
+        if digest.combine(self.files) != self.digest:
+            raise ValueError("source digest does not match its files")
+        return self
+
+
+class RuntimeContract(_Frozen):
+    wire_version: int = Field(ge=1)
+    model: ModelIdentity
+    pools: list[PoolContract] = Field(min_length=1)
+    cp_rule: CpRule
+    kernel: KernelContract
+    speculative: SpeculativeContract
+    aux: AuxSchema
+    source: SourceDigest
+
+    @field_validator("pools")
+    @classmethod
+    def _by_name(cls, v: list[PoolContract]) -> list[PoolContract]:
+        names = [p.name for p in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be distinct: {names}")
+        # Target, index and draft share one page mapping (hard rule 3): one page size.
+        if len({p.page_size for p in v}) != 1:
+            raise ValueError("all pools share one logical-to-physical page mapping, so one page size: "
+                             + ", ".join(f"{p.name}={p.page_size}" for p in v))
+        return sorted(v, key=lambda p: p.name)
+
+    def pool(self, name: str) -> PoolContract:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise ContractError(f"contract has no pool {name!r}; pools are {[p.name for p in self.pools]}", field="pools")
+
+    @property
+    def page_size(self) -> int:
+        return self.pools[0].page_size
+
+    def canonical(self) -> bytes:
+        return canonical_json(self)
+
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+
+def _check_plain(value: Any, path: str) -> None:
+    """Only ints, strings, lists and string-keyed objects may enter the encoding."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        raise ContractError(f"contract value {value!r} is not an int or a string", field=path)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{path}[{i}]")
+    elif not isinstance(value, (int, str)):
+        raise ContractError(f"contract value of type {type(value).__name__} is not encodable", field=path)
+
+
+def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
+    """Sorted-key, compact, ASCII JSON of the contract's plain form."""
+    if isinstance(contract, dict):
+        contract = RuntimeContract.model_validate(contract)
+    plain = contract.model_dump(mode="json")
+    _check_plain(plain, "")
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def fingerprint(contract: RuntimeContract | dict[str, Any]) -> str:
+    """``kvb1:`` + SHA-256 hex of the canonical encoding."""
+    return FINGERPRINT_PREFIX + hashlib.sha256(canonical_json(contract)).hexdigest()
+
+
+def source_digest(extra: ExtraFiles | None = None) -> SourceDigest:
+    files = digest.source_files(extra)
+    return SourceDigest(files=files, digest=digest.combine(files))
+
+
+# How the aux row stores a hidden state (bf16 travels as its uint16 bits).
+_HIDDEN_STORAGE = {"bfloat16": "<u2", "float32": "<f4"}
+
+
+def default_aux_schema(spec: SpeculativeContract) -> AuxSchema:
+    """The aux row kvbridge carries (mirrors ``kvbridge.layout.aux.aux_dtype``:
+    little-endian, naturally aligned), described field by field:
+
+        room u64 | first_token i32 | num_cached_tokens i32 | hidden_is_cp_local u8 | pad |
+        topk i32 | topk_ids i32[K] | topk_probs f32[K] | hidden (u16 bf16 bits | f32)[H] | pad
+    """
+    import numpy as np
+
+    hidden_dtype = spec.hidden_dtype or "bfloat16"
+    if hidden_dtype not in _HIDDEN_STORAGE:
+        raise ContractError(
+            f"hidden dtype {hidden_dtype!r} is not one of {tuple(_HIDDEN_STORAGE)}", field="speculative.hidden_dtype"
+        )
+    dt = np.dtype(
+        [
+            ("room", "<u8"),
+            ("first_token", "<i4"),
+            ("num_cached_tokens", "<i4"),
+            ("hidden_is_cp_local", "u1"),
+            ("topk", "<i4"),
+            ("topk_ids", "<i4", (spec.topk,)),
+            ("topk_probs", "<f4", (spec.topk,)),
+            ("hidden", _HIDDEN_STORAGE[hidden_dtype], (spec.hidden_size,)),
+        ],
+        align=True,
+    )
+    return aux_schema_from_dtype(dt)
+
+
+def aux_schema_from_dtype(dtype: Any) -> AuxSchema:
+    """The aux schema of a numpy structured dtype (for example
+    ``kvbridge.layout.aux.aux_dtype(...)``): fields in order, each with its
+    numpy type string (byte order included, ``<u8``), shape and offset."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.names is None:
+        raise ContractError(f"aux dtype {dt} is not a structured dtype", field="aux")
+    fields = []
+    for name in dt.names:
+        sub, offset = dt.fields[name][:2]
+        fields.append(AuxField(name=name, dtype=sub.base.str, shape=list(sub.shape), offset=int(offset)))
+    return AuxSchema(fields=fields, row_bytes=int(dt.itemsize))
+
+
+_MODEL_NAMES = {"deepseek-v3": "deepseek-ai/DeepSeek-V3", "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2"}
+
+
+def contract_from_preset(
+    preset: str,
+    num_layers: int = 61,
+    page_size: int = 64,
+    draft_layers: int = 1,
+    *,
+    speculative: SpeculativeContract | None = None,
+    model_name: str | None = None,
+    revision: str = "unspecified",
+    cp_rule: str = "interleaved",
+    kernel: KernelContract | None = None,
+    aux: AuxSchema | None = None,
+    source_files: ExtraFiles | None = None,
+    wire_version: int = WIRE_VERSION,
+) -> RuntimeContract:
+    """The contract of a DeepSeek V3 / V3.2 preset (pools from ``preset_pools``).
+    Defaults: NextN with a 7168-wide bf16 hidden state and top-1 when there are
+    draft layers, no speculation otherwise; FlashMLA (sparse for V3.2)."""
+    pools = preset_pools(preset, num_layers=num_layers, page_size=page_size, draft_layers=draft_layers)
+    family = "deepseek-v3.2" if preset.startswith("deepseek-v3.2") else "deepseek-v3"
+    if speculative is None:
+        speculative = (
+            SpeculativeContract(algorithm="nextn", hidden_size=7168, hidden_dtype="bfloat16", topk=1)
+            if draft_layers
+            else SpeculativeContract(algorithm="none", hidden_size=0, hidden_dtype="bfloat16", topk=0)
+        )
+    if kernel is None:
+        sparse = family == "deepseek-v3.2"
+        kernel = KernelContract(
+            attention_backend="flashmla-sparse" if sparse else "flashmla",
+            abi="mla-paged-v1+nsa-index-k-uint8" if sparse else "mla-paged-v1",
+        )
+    if cp_rule not in CP_RULES:
+        raise ContractError(f"cp rule {cp_rule!r} is not one of {CP_RULES}", field="cp_rule")
+    return RuntimeContract(
+        wire_version=wire_version,
+        model=ModelIdentity(
+            name=model_name or _MODEL_NAMES[family],
+            revision=revision,
+            target_layers=num_layers,
+            draft_layers=draft_layers,
+        ),
+        pools=[PoolContract.from_spec(spec) for spec in pools.values()],
+        cp_rule=cp_rule,  # type: ignore[arg-type]
+        kernel=kernel,
+        speculative=speculative,
+        aux=aux if aux is not None else default_aux_schema(speculative),
+        source=source_digest(source_files),
+    )
+
+
+def preset_contract(name: str, **overrides: Any) -> RuntimeContract:
+    """A named contract preset (one per ``PRESETS``); ``overrides`` go to
+    ``contract_from_preset``."""
+    if name not in CONTRACT_PRESETS:
+        raise ContractError(f"unknown contract preset {name!r}; presets are {', '.join(CONTRACT_PRESETS)}", field="preset")
+    return contract_from_preset(name, **overrides)
+

@@ -1,0 +1,395 @@
+"""The daemon's in-memory state: instances, their ranks and leases, and the
+recent refusals kept for diagnostics. One ``Registry`` per app (``app.state``).
+
+    instance "prefill-a" (role, sizes, contract + fingerprint fixed by its first rank)
+      └── ranks by id, and by coordinates (dp, cp, tp, pp): a re-registration of the
+          same coordinates replaces the old record (a restarted worker)
+
+Leases: every rank holds one for ``lease_ttl_s``; a heartbeat renews it. Expired
+ranks are dropped lazily on every access (cheap: only when the earliest lease
+has passed) and by the app's periodic sweep; an instance with no rank left is
+forgotten, so it may come back with a new contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
+from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
+from kvbridge.bootstrap.metrics import Metrics
+from kvbridge.bootstrap.mismatches import MismatchLog
+from kvbridge.bootstrap.schemas import (
+    HeartbeatResponse,
+    InstanceFingerprint,
+    InstanceView,
+    LookupRequest,
+    LookupResponse,
+    MismatchRecord,
+    MismatchSide,
+    RankIdentity,
+    RankView,
+    RegisterRequest,
+    RegisterResponse,
+    SenderRank,
+)
+from kvbridge.bootstrap.topology import (
+    AuxDescriptor,
+    OwnerLanePlan,
+    PoolDescriptor,
+    Topology,
+    check_descriptors,
+    sender_coords,
+    topology_diff,
+)
+from kvbridge.errors import ContractMismatch, InstanceIncomplete, TopologyError, UnknownInstance
+
+__all__ = ["Registry", "RankRecord", "InstanceRecord"]
+
+log = logging.getLogger(__name__)
+
+Coords = tuple[int, int, int, int]
+
+
+@dataclass
+class RankRecord:
+    rank_id: str
+    identity: RankIdentity
+    control_endpoint: str
+    session_id: str
+    pools: list[PoolDescriptor]
+    aux: AuxDescriptor | None
+    lease_ttl_s: float
+    expires_at: float  # on the registry's monotonic clock
+
+
+@dataclass
+class InstanceRecord:
+    name: str
+    topology: Topology
+    contract: RuntimeContract
+    fingerprint: str
+    ranks: dict[str, RankRecord] = field(default_factory=dict)
+    by_coords: dict[Coords, str] = field(default_factory=dict)
+
+    def missing(self, dp_rank: int) -> list[str]:
+        return [
+            f"{self.name}/dp{d}/cp{c}/tp{t}/pp{p}"
+            for d, c, t, p in sender_coords(self.topology, dp_rank)
+            if (d, c, t, p) not in self.by_coords
+        ]
+
+    @property
+    def complete(self) -> bool:
+        return all(not self.missing(d) for d in range(self.topology.dp_size))
+
+
+def _topology_error(message: str, diff: list[FieldDiff], **ctx: object) -> TopologyError:
+    exc = TopologyError(message, **ctx)  # type: ignore[arg-type]
+    exc.diff = diff  # type: ignore[attr-defined]  # same shape as ContractMismatch.diff
+    return exc
+
+
+class Registry:
+    def __init__(
+        self,
+        *,
+        metrics: Metrics,
+        default_ttl_s: float = 10.0,
+        max_ttl_s: float = 300.0,
+        max_mismatches: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metrics = metrics
+        self.default_ttl_s = default_ttl_s
+        self.max_ttl_s = max_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._instances: dict[str, InstanceRecord] = {}
+        self._rank_instance: dict[str, str] = {}  # rank id -> instance name
+        self.refusals = MismatchLog(metrics, max_mismatches, wall_clock)
+        self._next_expiry = float("inf")
+
+    # -- leases -----------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Drop every rank whose lease has passed; returns how many."""
+        with self._lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        if now < self._next_expiry:
+            return 0
+        dropped = [r for inst in self._instances.values() for r in inst.ranks.values() if r.expires_at <= now]
+        for rec in dropped:
+            log.info("lease of %s (%s) expired", rec.identity.label, rec.rank_id)
+            self._remove_locked(rec.rank_id)
+        self._next_expiry = min(
+            (r.expires_at for inst in self._instances.values() for r in inst.ranks.values()), default=float("inf")
+        )
+        if dropped:
+            self.metrics.inc("kvbridge_bootstrap_leases_expired_total", len(dropped))
+        return len(dropped)
+
+    def _remove_locked(self, rank_id: str) -> RankRecord:
+        inst = self._instances[self._rank_instance.pop(rank_id)]
+        rec = inst.ranks.pop(rank_id)
+        inst.by_coords.pop(rec.identity.coords, None)
+        if not inst.ranks:
+            del self._instances[inst.name]
+        return rec
+
+    def _ttl(self, asked: float | None) -> float:
+        return min(asked if asked is not None else self.default_ttl_s, self.max_ttl_s)
+
+    # -- writes -----------------------------------------------------------------
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        ident = req.rank
+        fp = fingerprint(req.contract)
+        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label)  # BufferSpecError -> 422
+        with self._lock:
+            self._expire_locked()
+            inst = self._instances.get(ident.instance)
+            replaced = inst.by_coords.get(ident.coords) if inst is not None else None
+            if inst is not None and replaced is not None and len(inst.ranks) == 1:
+                # The instance's only rank restarts: it may come back with a new contract.
+                self._remove_locked(replaced)
+                inst = None
+            if inst is not None:
+                self._check_same_instance(inst, req, fp)
+                if replaced is not None:
+                    self._remove_locked(replaced)
+            else:
+                inst = InstanceRecord(ident.instance, ident.topology, req.contract, fp)
+                self._instances[inst.name] = inst
+            if replaced is not None:
+                log.info("%s registers again; replacing %s", ident.label, replaced)
+            ttl = self._ttl(req.lease_ttl_s)
+            rec = RankRecord(
+                rank_id=secrets.token_hex(8),
+                identity=ident,
+                control_endpoint=req.control_endpoint,
+                session_id=req.session_id,
+                pools=list(req.pools),
+                aux=req.aux,
+                lease_ttl_s=ttl,
+                expires_at=self._clock() + ttl,
+            )
+            inst.ranks[rec.rank_id] = rec
+            inst.by_coords[ident.coords] = rec.rank_id
+            self._rank_instance[rec.rank_id] = inst.name
+            self._next_expiry = min(self._next_expiry, rec.expires_at)
+        self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
+        log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
+        return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced)
+
+    def _check_same_instance(self, inst: InstanceRecord, req: RegisterRequest, fp: str) -> None:
+        ident = req.rank
+        tdiff = topology_diff(inst.topology, ident.topology)
+        if tdiff:
+            msg = f"{ident.label} reports {ident.topology.role} {ident.topology.shape}; instance is {inst.topology.role} {inst.topology.shape}"
+            self.refusals.record("register", "topology", msg, self._registered_side(inst), self._incoming_side(ident, fp), tdiff)
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="topology")
+            raise _topology_error(msg, tdiff, rank=ident.label, field=tdiff[0].path)
+        if fp != inst.fingerprint:
+            diff = diff_contracts(inst.contract, req.contract)
+            msg = f"{ident.label} has contract {fp}, instance {inst.name!r} has {inst.fingerprint}: {len(diff)} field(s) differ"
+            self.refusals.record("register", "contract", msg, self._registered_side(inst), self._incoming_side(ident, fp), diff)
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="mismatch")
+            raise ContractMismatch(msg, diff=diff, rank=ident.label, field=diff[0].path if diff else None)
+
+    def heartbeat(self, rank_id: str) -> HeartbeatResponse:
+        with self._lock:
+            self._expire_locked()
+            name = self._rank_instance.get(rank_id)
+            if name is None:
+                self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="unknown")
+                raise UnknownInstance(f"no rank {rank_id!r} (lease expired or daemon restarted): register again", field="rank_id")
+            rec = self._instances[name].ranks[rank_id]
+            rec.expires_at = self._clock() + rec.lease_ttl_s
+        self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="ok")
+        return HeartbeatResponse(rank_id=rank_id, lease_ttl_s=rec.lease_ttl_s)
+
+    def deregister(self, rank_id: str) -> None:
+        with self._lock:
+            self._expire_locked()
+            if rank_id not in self._rank_instance:
+                raise UnknownInstance(f"no rank {rank_id!r}", field="rank_id")
+            rec = self._remove_locked(rank_id)
+        self.metrics.inc("kvbridge_bootstrap_deregistrations_total")
+        log.info("deregistered %s (%s)", rec.identity.label, rank_id)
+
+    # -- the handshake ----------------------------------------------------------
+
+    def lookup(self, req: LookupRequest) -> LookupResponse:
+        try:
+            return self._lookup(req)
+        except ContractMismatch:
+            self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="mismatch")
+            raise
+        except InstanceIncomplete:
+            self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="incomplete")
+            raise
+        except UnknownInstance:
+            self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="unknown")
+            raise
+        except TopologyError:
+            self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="topology")
+            raise
+
+    def _lookup(self, req: LookupRequest) -> LookupResponse:
+        who = req.rank.label
+        fp = fingerprint(req.contract)
+        with self._lock:
+            self._expire_locked()
+            inst = self._instances.get(req.prefill_instance)
+            if inst is None:
+                raise UnknownInstance(f"no prefill instance {req.prefill_instance!r} is registered", rank=who, field="prefill_instance")
+            if inst.topology.role != "prefill":
+                raise UnknownInstance(f"instance {inst.name!r} is a {inst.topology.role} instance, not prefill", rank=who, field="prefill_instance")
+            topo = inst.topology
+            dp = req.dp_rank if req.dp_rank is not None else req.room % topo.dp_size
+            if fp != inst.fingerprint:
+                diff = diff_contracts(inst.contract, req.contract)
+                msg = (f"decode {who} (contract {fp}) and prefill {inst.name!r} (contract {inst.fingerprint}) "
+                       f"disagree on {len(diff)} field(s): {', '.join(d.path for d in diff[:5])}")
+                left = MismatchSide(label="prefill", instance=inst.name, role="prefill", rank=f"{inst.name}/dp{dp}", fingerprint=inst.fingerprint)
+                right = MismatchSide(label="decode", instance=req.rank.instance, role=req.rank.role, rank=who, fingerprint=fp)
+                self.refusals.record("lookup", "contract", msg, left, right, diff)
+                raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
+            if dp >= topo.dp_size:
+                raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
+            missing = inst.missing(dp)
+            if missing:
+                exc = InstanceIncomplete(
+                    f"prefill {inst.name!r} DP group {dp} lacks {len(missing)} sender rank(s): {', '.join(missing[:8])}"
+                    + (" ..." if len(missing) > 8 else ""),
+                    room=req.room,
+                    rank=who,
+                )
+                exc.missing = missing  # type: ignore[attr-defined]
+                raise exc
+            senders = [inst.ranks[inst.by_coords[c]] for c in sender_coords(topo, dp)]
+        self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="ok")
+        return LookupResponse(
+            instance=inst.name,
+            room=req.room,
+            dp_rank=dp,
+            topology=topo,
+            fingerprint=inst.fingerprint,
+            plan=OwnerLanePlan(cp_size=topo.cp_size, rule=inst.contract.cp_rule),
+            ranks=[
+                SenderRank(
+                    rank_id=r.rank_id,
+                    dp_rank=r.identity.dp_rank,
+                    cp_rank=r.identity.cp_rank,
+                    tp_rank=r.identity.tp_rank,
+                    pp_rank=r.identity.pp_rank,
+                    control_endpoint=r.control_endpoint,
+                    session_id=r.session_id,
+                    pools=r.pools,
+                    aux=r.aux,
+                )
+                for r in senders
+            ],
+        )
+
+    # -- diagnostics ------------------------------------------------------------
+
+    def _registered_side(self, inst: InstanceRecord) -> MismatchSide:
+        first = next(iter(inst.ranks.values()), None)
+        rank = first.identity.label if first else inst.name
+        return MismatchSide(label="registered", instance=inst.name, role=inst.topology.role, rank=rank, fingerprint=inst.fingerprint)
+
+    @staticmethod
+    def _incoming_side(ident: RankIdentity, fp: str) -> MismatchSide:
+        return MismatchSide(label="incoming", instance=ident.instance, role=ident.role, rank=ident.label, fingerprint=fp)
+
+    def mismatches(self, limit: int | None = None) -> list[MismatchRecord]:
+        """Recent refusals, newest first."""
+        return self.refusals.recent(limit)
+
+    def instances(self) -> list[InstanceView]:
+        now = self._clock()
+        with self._lock:
+            self._expire_locked()
+            return [self._view(inst, now) for _, inst in sorted(self._instances.items())]
+
+    def instance(self, name: str) -> InstanceView:
+        now = self._clock()
+        with self._lock:
+            self._expire_locked()
+            inst = self._instances.get(name)
+            if inst is None:
+                raise UnknownInstance(f"no instance {name!r} is registered", field="instance")
+            return self._view(inst, now)
+
+    def fingerprints(self) -> list[InstanceFingerprint]:
+        with self._lock:
+            self._expire_locked()
+            return [
+                InstanceFingerprint(
+                    instance=inst.name,
+                    role=inst.topology.role,
+                    fingerprint=inst.fingerprint,
+                    contract=inst.contract,
+                    ranks=sorted(r.identity.label for r in inst.ranks.values()),
+                )
+                for _, inst in sorted(self._instances.items())
+            ]
+
+    def gauges(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Live numbers for /metrics."""
+        with self._lock:
+            self._expire_locked()
+            ranks = {"prefill": 0, "decode": 0}
+            insts: dict[tuple[str, str], int] = {}
+            for inst in self._instances.values():
+                ranks[inst.topology.role] += len(inst.ranks)
+                key = (inst.topology.role, "true" if inst.complete else "false")
+                insts[key] = insts.get(key, 0) + 1
+        return {
+            "kvbridge_bootstrap_registered_ranks": [({"role": r}, n) for r, n in sorted(ranks.items())],
+            "kvbridge_bootstrap_instances": [({"role": r, "complete": c}, n) for (r, c), n in sorted(insts.items())],
+        }
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._instances), len(self._rank_instance)
+
+    @staticmethod
+    def _view(inst: InstanceRecord, now: float) -> InstanceView:
+        ranks = sorted(inst.ranks.values(), key=lambda r: r.identity.coords)
+        return InstanceView(
+            name=inst.name,
+            role=inst.topology.role,
+            fingerprint=inst.fingerprint,
+            topology=inst.topology,
+            num_ranks=len(ranks),
+            expected_ranks=inst.topology.num_ranks,
+            complete=inst.complete,
+            ranks=[
+                RankView(
+                    rank_id=r.rank_id,
+                    dp_rank=r.identity.dp_rank,
+                    cp_rank=r.identity.cp_rank,
+                    tp_rank=r.identity.tp_rank,
+                    pp_rank=r.identity.pp_rank,
+                    control_endpoint=r.control_endpoint,
+                    session_id=r.session_id,
+                    num_pools=len(r.pools),
+                    has_aux=r.aux is not None,
+                    lease_ttl_s=r.lease_ttl_s,
+                    lease_remaining_s=round(max(0.0, r.expires_at - now), 3),
+                )
+                for r in ranks
+            ],
+        )

@@ -1,0 +1,206 @@
+"""Request and response bodies of the bootstrap daemon (``/v1``).
+
+Requests are strict: ``"1"`` is not a rank and unknown keys are typos, so a bad
+body is refused with 422 naming the field (``rank.dp_rank``). Responses are
+the same models, which ``BootstrapClient`` parses back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from kvbridge.bootstrap.contract import RuntimeContract
+from kvbridge.bootstrap.diff import FieldDiff
+from kvbridge.bootstrap.topology import AuxDescriptor, OwnerLanePlan, PoolDescriptor, Topology
+
+__all__ = [
+    "INSTANCE_PATTERN",
+    "MAX_ROOM",
+    "RankIdentity",
+    "RegisterRequest",
+    "RegisterResponse",
+    "HeartbeatResponse",
+    "LookupRequest",
+    "SenderRank",
+    "LookupResponse",
+    "RankView",
+    "InstanceView",
+    "InstanceFingerprint",
+    "MismatchSide",
+    "MismatchRecord",
+    "ErrorBody",
+]
+
+# Instance names travel in URLs, logs and HTML: keep them plain.
+INSTANCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MAX_ROOM = 2**63 - 1
+Role = Literal["prefill", "decode"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class RankIdentity(_Strict):
+    """Who a rank is: its instance, role, coordinates, and the instance's sizes."""
+
+    instance: str = Field(pattern=INSTANCE_PATTERN)
+    role: Role
+    dp_size: int = Field(default=1, ge=1, le=4096)
+    cp_size: int = Field(default=1, ge=1, le=4096)
+    tp_size: int = Field(default=1, ge=1, le=4096)
+    pp_size: int = Field(default=1, ge=1, le=4096)
+    dp_rank: int = Field(default=0, ge=0)
+    cp_rank: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    pp_rank: int = Field(default=0, ge=0)
+
+    @field_validator("dp_rank", "cp_rank", "tp_rank", "pp_rank")
+    @classmethod
+    def _inside(cls, v: int, info: ValidationInfo) -> int:
+        size_name = info.field_name.replace("_rank", "_size")  # type: ignore[union-attr]
+        size = info.data.get(size_name)
+        if size is not None and v >= size:
+            raise ValueError(f"{info.field_name} {v} is outside {size_name} {size}")
+        return v
+
+    @property
+    def coords(self) -> tuple[int, int, int, int]:
+        return (self.dp_rank, self.cp_rank, self.tp_rank, self.pp_rank)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(role=self.role, dp_size=self.dp_size, cp_size=self.cp_size, tp_size=self.tp_size, pp_size=self.pp_size)
+
+    @property
+    def label(self) -> str:
+        return f"{self.instance}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
+
+
+class RegisterRequest(_Strict):
+    rank: RankIdentity
+    control_endpoint: str = Field(min_length=1, max_length=512, pattern=r"^[a-z][a-z0-9+.-]*://\S+$")
+    session_id: str = Field(min_length=1, max_length=256)
+    pools: list[PoolDescriptor] = Field(default_factory=list, max_length=65536)
+    aux: AuxDescriptor | None = None
+    contract: RuntimeContract
+    lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
+
+
+class RegisterResponse(_Strict):
+    rank_id: str
+    instance: str
+    fingerprint: str
+    lease_ttl_s: float
+    replaced: str | None = None  # an earlier registration of the same coordinates
+
+
+class HeartbeatResponse(_Strict):
+    rank_id: str
+    lease_ttl_s: float
+
+
+class LookupRequest(_Strict):
+    prefill_instance: str = Field(pattern=INSTANCE_PATTERN)
+    room: int = Field(ge=0, le=MAX_ROOM)
+    dp_rank: int | None = Field(default=None, ge=0)  # default: room % dp_size
+    contract: RuntimeContract
+    rank: RankIdentity  # the asking decode rank
+
+    @field_validator("rank")
+    @classmethod
+    def _decode(cls, v: RankIdentity) -> RankIdentity:
+        if v.role != "decode":
+            raise ValueError(f"lookups come from decode ranks; {v.label} says role {v.role!r}")
+        return v
+
+
+class SenderRank(_Strict):
+    rank_id: str
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+    pp_rank: int
+    control_endpoint: str
+    session_id: str
+    pools: list[PoolDescriptor]
+    aux: AuxDescriptor | None = None
+
+
+class LookupResponse(_Strict):
+    """The senders of one room: tp_rank 0 of every (cp_rank, pp_rank) of the chosen DP group."""
+
+    instance: str
+    room: int
+    dp_rank: int
+    topology: Topology
+    fingerprint: str
+    plan: OwnerLanePlan
+    ranks: list[SenderRank]
+
+
+class RankView(_Strict):
+    rank_id: str
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+    pp_rank: int
+    control_endpoint: str
+    session_id: str
+    num_pools: int
+    has_aux: bool
+    lease_ttl_s: float
+    lease_remaining_s: float
+
+
+class InstanceView(_Strict):
+    name: str
+    role: Role
+    fingerprint: str
+    topology: Topology
+    num_ranks: int
+    expected_ranks: int
+    complete: bool  # every (dp, cp, pp) sender registered
+    ranks: list[RankView]
+
+
+class InstanceFingerprint(_Strict):
+    instance: str
+    role: Role
+    fingerprint: str
+    contract: RuntimeContract
+    ranks: list[str]  # rank labels
+
+
+class MismatchSide(_Strict):
+    label: str  # "prefill" / "decode", or "registered" / "incoming" inside one instance
+    instance: str
+    role: Role
+    rank: str
+    fingerprint: str
+
+
+class MismatchRecord(_Strict):
+    """A refused handshake or registration. In ``diff``, ``prefill`` is the left
+    side's value and ``decode`` the right side's."""
+
+    time: float  # unix seconds
+    kind: Literal["lookup", "register"]
+    reason: Literal["contract", "topology"]
+    message: str
+    left: MismatchSide
+    right: MismatchSide
+    diff: list[FieldDiff]
+
+
+class ErrorBody(BaseModel):
+    """Every non-2xx answer: a code, a sentence, and what it is about."""
+
+    error: str
+    message: str
+    field: str | None = None
+    diff: list[FieldDiff] | None = None
+    missing: list[str] | None = None
+    fields: list[dict[str, Any]] | None = None

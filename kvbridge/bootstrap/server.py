@@ -1,0 +1,81 @@
+"""Run the daemon under uvicorn on a socket we bind ourselves, so ``port=0``
+works (the kernel picks a free port) and the bound port can be published in a
+file for whoever started us (tests, scripts) without guessing free ports."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from kvbridge.bootstrap.app import BootstrapSettings, create_app
+from kvbridge.errors import ConfigError
+
+__all__ = ["bind_socket", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listener says TCP; without it every response waits ~40 ms (Nagle + delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port past TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _publish_port(path: Path, port: int) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)  # atomic: a reader sees no file or the whole number
+
+
+def serve(
+    settings: BootstrapSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8998,
+    port_file: Path | None = None,
+    log_level: str = "INFO",
+) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn shuts down gracefully on both)."""
+    if not _is_loopback(host) and settings.token is None:
+        log.warning("listening on %s without a token: anyone who reaches this port can register ranks", host)
+    sock = bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    log.info("kvbridge bootstrap listening on http://%s:%d (docs at /docs)", host if ":" not in host else f"[{host}]", bound)
+    if port_file is not None:
+        _publish_port(port_file, bound)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=log_level.lower(),
+        access_log=log_level.upper() == "DEBUG",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        server_header=False,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,139 @@
+"""Topology: the sizes that may legally differ between a prefill and a decode
+instance (dp/cp/tp/pp, addresses, capacities) and so stay out of the contract.
+
+They still have rules, checked here with their own errors (``TopologyError``):
+
+- every rank of one instance reports the same role and the same four sizes;
+- a rank's coordinates lie inside those sizes (checked by the schema);
+- a rank's pool descriptors agree with its own contract: known pool, one of the
+  pool's layer ids, ``bytes_per_page = page_size * bytes_per_token``, each
+  ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8).
+
+Senders. MLA's latent KV is one head replicated across attention TP, so
+``tp_rank 0`` holds every byte its TP group holds; pipeline stages hold disjoint
+layers, so every stage sends its own. The senders of a DP group are therefore
+the ranks ``(cp_rank, pp_rank, tp_rank=0)`` for every cp_rank and pp_rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvbridge.bootstrap.contract import RuntimeContract
+from kvbridge.bootstrap.diff import FieldDiff, breaks_for
+from kvbridge.errors import BufferSpecError
+
+__all__ = ["Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "topology_diff", "check_descriptors", "sender_coords"]
+
+SIZE_FIELDS = ("dp_size", "cp_size", "tp_size", "pp_size")
+
+
+class Topology(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    role: Literal["prefill", "decode"]
+    dp_size: int = Field(ge=1, le=4096)
+    cp_size: int = Field(ge=1, le=4096)
+    tp_size: int = Field(ge=1, le=4096)
+    pp_size: int = Field(ge=1, le=4096)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp_size * self.cp_size * self.tp_size * self.pp_size
+
+    @property
+    def shape(self) -> str:
+        return f"dp{self.dp_size} x cp{self.cp_size} x tp{self.tp_size} x pp{self.pp_size}"
+
+
+class OwnerLanePlan(BaseModel):
+    """What a decode rank needs to rebuild ``OwnerLanes(cp_size, rule)``."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    cp_size: int = Field(ge=1)
+    rule: Literal["interleaved", "contiguous", "replicated"]
+
+
+class PoolDescriptor(BaseModel):
+    """One registered buffer: one layer of one pool (the fields of ``layout.plan.BufferDesc``)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    pool: str = Field(min_length=1, max_length=64)
+    layer_id: int = Field(ge=0)
+    base: int = Field(ge=0, lt=2**64)  # device or host address of page 0
+    capacity_pages: int = Field(ge=1)
+    bytes_per_page: int = Field(ge=1)
+
+
+class AuxDescriptor(BaseModel):
+    """The registered aux-row buffer: ``capacity_rows`` rows of ``row_bytes``."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    base: int = Field(ge=0, lt=2**64)
+    capacity_rows: int = Field(ge=1)
+    row_bytes: int = Field(ge=1)
+
+
+def topology_diff(registered: Topology, incoming: Topology) -> list[FieldDiff]:
+    """Role and sizes that differ between two ranks of one instance."""
+    out = []
+    for name in ("role", *SIZE_FIELDS):
+        a, b = getattr(registered, name), getattr(incoming, name)
+        if a != b:
+            path = f"topology.{name}"
+            out.append(FieldDiff(path=path, prefill=a, decode=b, breaks=breaks_for(path)))
+    return out
+
+
+def check_descriptors(
+    contract: RuntimeContract, descriptors: Sequence[PoolDescriptor], aux: AuxDescriptor | None, *, rank: str
+) -> None:
+    """Each descriptor (``pool, layer_id, bytes_per_page, capacity_pages``) must
+    fit its own contract; raises ``BufferSpecError`` naming the field."""
+    pools = {p.name: p for p in contract.pools}
+    seen: set[tuple[str, int]] = set()
+    for i, d in enumerate(descriptors):
+        pool_name, layer_id = d.pool, d.layer_id
+        where = f"pools[{i}]"
+        pool = pools.get(pool_name)
+        if pool is None:
+            raise BufferSpecError(
+                f"descriptor for pool {pool_name!r} but the contract's pools are {sorted(pools)}", rank=rank, field=f"{where}.pool"
+            )
+        if layer_id not in pool.layer_ids:
+            raise BufferSpecError(
+                f"pool {pool_name!r} has no layer {layer_id} in the contract (layers {pool.layer_ids[0]}..{pool.layer_ids[-1]})",
+                rank=rank,
+                field=f"{where}.layer_id",
+            )
+        if d.bytes_per_page != pool.bytes_per_page:
+            raise BufferSpecError(
+                f"pool {pool_name!r} layer {layer_id}: {d.bytes_per_page} bytes per page, the contract says "
+                f"{pool.bytes_per_page} ({pool.page_size} tokens x {pool.bytes_per_token} B)",
+                rank=rank,
+                field=f"{where}.bytes_per_page",
+            )
+        if (pool_name, layer_id) in seen:
+            raise BufferSpecError(
+                f"pool {pool_name!r} layer {layer_id} described twice (buffers pair by name and layer id)",
+                rank=rank,
+                field=f"{where}.layer_id",
+            )
+        seen.add((pool_name, layer_id))
+    if aux is not None and aux.row_bytes < contract.aux.row_bytes:
+        raise BufferSpecError(
+            f"aux rows of {aux.row_bytes} bytes cannot hold the contract's {contract.aux.row_bytes}-byte aux row",
+            rank=rank,
+            field="aux.row_bytes",
+        )
+
+
+def sender_coords(topology: Topology, dp_rank: int) -> list[tuple[int, int, int, int]]:
+    """``(dp, cp, tp, pp)`` of the ranks that send a room of DP group ``dp_rank``."""
+    return [(dp_rank, cp, 0, pp) for cp in range(topology.cp_size) for pp in range(topology.pp_size)]

@@ -1,0 +1,93 @@
+"""``kvbridge bench``: kvbridge end to end vs raw Mooncake batch writes vs memcpy of the same slices."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout.pools import PRESETS
+
+MEMORY_BUDGET_GB = 10.0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (8K allowed)") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} needs positive integers")
+    return values
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure kvbridge against raw Mooncake and memcpy on the same slices",
+        description="In one process, on the same buffers: kvbridge end to end (handshake to commit), raw "
+        "Mooncake batch writes of exactly the same slices (the plan's src/dst/length, posted from the "
+        "prefill side) and a memcpy of the same bytes. Sweeps request length and CP size; reports GB/s, "
+        "slices per room, planning time, latency p50/p99 and the ratios. Starts its own bootstrap daemon.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (under two minutes)")
+    p.add_argument("--tokens", type=_ints, default=None, help="request lengths, e.g. 1K,8K,128K (default: 1K..128K)")
+    p.add_argument("--cp", type=_ints, default=None, help="CP sizes to sweep (default: 1,2,4; quick: 1,2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"target layers (default: quick 4; else the most that fit {MEMORY_BUDGET_GB:.0f} GB, <= 61)")
+    p.add_argument("--draft-layers", type=int, default=1, help="draft layers (default 1)")
+    p.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2-fp8", help="geometry preset (default %(default)s)")
+    p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
+    p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
+    p.add_argument("--engine", choices=("mooncake", "local"), default="mooncake", help="transfer engine")
+    p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the rows and settings as JSON")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG chart (matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only, unless asked otherwise
+    from kvbridge.bench.report import format_table, write_json, write_plot
+    from kvbridge.bench.sweep import FULL_TOKENS, QUICK_LAYERS, QUICK_TOKENS, BenchSpec, layers_that_fit, run_sweep
+    from kvbridge.worker.cluster import start_bootstrap
+    from kvbridge.worker.runtime import quiet_http_logs
+
+    quiet_http_logs()
+
+    tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    cps = args.cp or ([1, 2] if args.quick else [1, 2, 4])
+    note = ""
+    if args.layers is not None:
+        layers = args.layers
+    elif args.quick:
+        layers = QUICK_LAYERS
+        note = f"quick mode: {layers} target layers instead of 61 (throughput per byte is what is compared)"
+    else:
+        layers = layers_that_fit(args.preset, max(tokens), int(args.memory_gb * 1e9), draft_layers=args.draft_layers)
+        if layers < 61:
+            note = f"{layers} target layers instead of 61 so that {max(tokens)} tokens fit {args.memory_gb:.0f} GB"
+    if layers < 1 or args.draft_layers < 0:
+        raise ConfigError("--layers must be >= 1 and --draft-layers >= 0", field="layers")
+    spec = BenchSpec(
+        tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
+        reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, quick=args.quick,
+    )  # fmt: skip
+    meta = {
+        "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
+        "engine": spec.engine, "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens), "cps": list(cps),
+        "note": note,
+    }  # fmt: skip
+    with start_bootstrap() as (url, token):
+        rows = run_sweep(spec, url, token, show_progress=not args.no_progress)
+    print(format_table(rows, meta))
+    if args.json:
+        write_json(args.json, rows, meta)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        write_plot(args.plot, rows, meta)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0 if all(not r["verify_errors"] and not r["kvbridge_failures"] for r in rows) else 1

@@ -1,0 +1,112 @@
+"""Owner lanes: which CP rank holds (and sends) each logical page of a request.
+
+With ``cp_size = 3`` and 8 logical pages:
+
+    interleaved   owner  0 1 2 0 1 2 0 1      owner = l % cp,  local = l // cp
+                  local  0 0 0 1 1 1 2 2
+    contiguous    owner  0 0 0 1 1 1 2 2      chunk = ceil(num_pages / cp)
+                  local  0 1 2 0 1 2 0 1      owner = l // chunk,  local = l % chunk
+    replicated    owner  0 0 0 0 0 0 0 0      every rank stores every page (local = l);
+                  local  0 1 2 3 4 5 6 7      rank 0 is the one that sends them
+
+``owned_pages`` is what a rank *sends*; ``num_local_pages`` is what it *stores*
+(they differ only for ``replicated``, where ranks 1.. store pages they do not send).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import LayoutError
+
+INTERLEAVED = "interleaved"
+CONTIGUOUS = "contiguous"
+REPLICATED = "replicated"
+LANE_RULES = (INTERLEAVED, CONTIGUOUS, REPLICATED)
+
+
+@dataclass(frozen=True)
+class OwnerLanes:
+    """The CP layout rule of one prefill instance (part of the runtime contract)."""
+
+    cp_size: int
+    rule: str = INTERLEAVED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cp_size, (int, np.integer)) or isinstance(self.cp_size, bool) or self.cp_size < 1:
+            raise LayoutError(f"cp_size must be a positive integer, got {self.cp_size!r}", field="cp_size")
+        if self.rule not in LANE_RULES:
+            raise LayoutError(f"owner-lane rule {self.rule!r} is not one of {LANE_RULES}", field="rule")
+
+    def chunk_pages(self, num_pages: int) -> int:
+        """Pages per rank under the ``contiguous`` rule: ``ceil(num_pages / cp_size)``."""
+        return -(-num_pages // self.cp_size)
+
+    def owners(self, logical_pages: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(owner cp rank, local page index on that rank)`` of each logical page."""
+        pages = np.asarray(logical_pages)
+        _check_num_pages(num_pages)
+        if pages.size and not np.issubdtype(pages.dtype, np.integer):
+            raise LayoutError(f"logical pages must be integers, got dtype {pages.dtype}", field="logical_pages")
+        pages = pages.astype(np.int64, copy=False)
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            bad = pages[(pages < 0) | (pages >= num_pages)][0]
+            raise LayoutError(f"logical page {bad} outside a request of {num_pages} pages", field="logical_pages")
+        if self.rule == INTERLEAVED:
+            return pages % self.cp_size, pages // self.cp_size
+        if self.rule == CONTIGUOUS:
+            chunk = max(self.chunk_pages(num_pages), 1)
+            return pages // chunk, pages % chunk
+        return np.zeros_like(pages), pages.copy()
+
+    def owned_pages(self, cp_rank: int, num_pages: int) -> np.ndarray:
+        """Ascending logical pages that ``cp_rank`` owns (and sends)."""
+        self._check_rank(cp_rank)
+        _check_num_pages(num_pages)
+        if self.rule == INTERLEAVED:
+            return np.arange(cp_rank, num_pages, self.cp_size, dtype=np.int64)
+        if self.rule == CONTIGUOUS:
+            chunk = self.chunk_pages(num_pages)
+            return np.arange(min(cp_rank * chunk, num_pages), min((cp_rank + 1) * chunk, num_pages), dtype=np.int64)
+        return np.arange(num_pages if cp_rank == 0 else 0, dtype=np.int64)
+
+    def num_local_pages(self, cp_rank: int, num_pages: int) -> int:
+        """Pages of the request that ``cp_rank`` stores in its own pool."""
+        if self.rule == REPLICATED:
+            self._check_rank(cp_rank)
+            _check_num_pages(num_pages)
+            return num_pages
+        return len(self.owned_pages(cp_rank, num_pages))
+
+    def owner_of_token(self, token: int, page_size: int, num_pages: int) -> int:
+        """The CP rank that owns the page holding ``token``."""
+        if page_size <= 0:
+            raise LayoutError(f"page_size must be positive, got {page_size}", field="page_size")
+        if token < 0 or token >= num_pages * page_size:
+            raise LayoutError(
+                f"token {token} outside a request of {num_pages} pages of {page_size} tokens", field="token"
+            )
+        owner, _ = self.owners(np.array([token // page_size]), num_pages)
+        return int(owner[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cp_size": int(self.cp_size), "rule": self.rule}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OwnerLanes:
+        if not isinstance(d, Mapping) or set(d) != {"cp_size", "rule"}:
+            raise LayoutError(f"owner lanes need exactly the keys cp_size and rule, got {d!r}", field="owner_lanes")
+        return cls(cp_size=d["cp_size"], rule=d["rule"])
+
+    def _check_rank(self, cp_rank: int) -> None:
+        if not 0 <= cp_rank < self.cp_size:
+            raise LayoutError(f"cp rank {cp_rank} outside cp_size {self.cp_size}", rank=cp_rank, field="cp_rank")
+
+
+def _check_num_pages(num_pages: int) -> None:
+    if num_pages < 0:
+        raise LayoutError(f"num_pages must be non-negative, got {num_pages}", field="num_pages")

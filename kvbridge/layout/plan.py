@@ -1,0 +1,333 @@
+"""Transfer plans: which byte ranges to copy from prefill pools to decode pools
+(hard rules 1, 3, 5 and 8).
+
+One page mapping (``logical_pages[i]``: source page ``src_pages[i]`` -> destination
+page ``dst_pages[i]``) serves every layer of every pool (target, index, draft).
+Pages consecutive on both sides merge into one slice per (run, layer):
+
+    src pages   7 8 9 | 3 | 12 13          3 runs x num_layers x num_pools slices
+    dst pages   0 1 2 | 9 | 10 11
+
+The request's last page is partial when ``num_tokens % page_size != 0``; only its
+valid rows travel:
+
+    rows                 [ valid rows | tail ]          one range; merges onto its run
+    values_then_scales   [ valid values | tail | valid scales | tail ]  two ranges, own slices
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError, PairingError
+from kvbridge.layout.pools import ROWS, PoolSpec
+
+_U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    """One registered buffer (one layer of one pool) as a peer sees it."""
+
+    pool: str
+    layer_id: int
+    base: int
+    capacity_pages: int
+    bytes_per_page: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, str) or not self.pool:
+            raise LayoutError(f"buffer pool name must be a non-empty string, got {self.pool!r}", field="pool")
+        for name in ("layer_id", "base", "capacity_pages", "bytes_per_page"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise LayoutError(
+                    f"buffer {self.pool!r}: {name} must be a non-negative integer, got {value!r}", field=name
+                )
+        if self.bytes_per_page == 0 or self.base + self.nbytes > _U64_MAX:
+            raise LayoutError(
+                f"buffer {self.pool!r} layer {self.layer_id}: empty pages or region past 2**64", field="base"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity_pages * self.bytes_per_page
+
+    def to_list(self) -> list[Any]:
+        return [self.pool, int(self.layer_id), int(self.base), int(self.capacity_pages), int(self.bytes_per_page)]
+
+    @classmethod
+    def from_list(cls, item: Sequence[Any]) -> BufferDesc:
+        if not isinstance(item, (list, tuple)) or len(item) != 5:
+            raise LayoutError(
+                f"a buffer descriptor is [pool, layer_id, base, capacity_pages, bytes_per_page], got {item!r}",
+                field="buffers",
+            )
+        return cls(*item)
+
+
+def describe_buffer(spec: PoolSpec, layer_id: int, buf: Any, base: int | None = None) -> BufferDesc:
+    """Validate one layer's buffer (numpy array or torch tensor) against its spec
+    and describe it; ``base`` defaults to the buffer's own address."""
+    capacity = spec.validate_buffer(layer_id, buf)
+    if base is None:
+        base = buf.data_ptr() if hasattr(buf, "data_ptr") else buf.ctypes.data
+    return BufferDesc(spec.name, layer_id, int(base), capacity, spec.bytes_per_page)
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Slices to write: ``length[i]`` bytes from address ``src[i]`` to ``dst[i]``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64).reshape(-1) for a in (self.src, self.dst, self.length)]
+        if not len(arrays[0]) == len(arrays[1]) == len(arrays[2]):
+            raise LayoutError(f"plan arrays differ in length: {[len(a) for a in arrays]}", field="plan")
+        for name, a in zip(("src", "dst", "length"), arrays):
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.length)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.length.sum(dtype=np.uint64))
+
+    def batches(self, max_slices: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Views of at most ``max_slices`` slices each (transfer engines cap a call)."""
+        if max_slices < 1:
+            raise LayoutError(f"max_slices must be positive, got {max_slices}", field="max_slices")
+        for i in range(0, self.num_slices, max_slices):
+            yield self.src[i : i + max_slices], self.dst[i : i + max_slices], self.length[i : i + max_slices]
+
+    @classmethod
+    def empty(cls) -> TransferPlan:
+        return cls(np.zeros(0), np.zeros(0), np.zeros(0))
+
+    @classmethod
+    def concat(cls, plans: Sequence[TransferPlan]) -> TransferPlan:
+        if not plans:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, k) for p in plans]) for k in ("src", "dst", "length")))
+
+
+def plan_transfer(
+    specs: Mapping[str, PoolSpec],
+    src_bufs: Sequence[BufferDesc],
+    dst_bufs: Sequence[BufferDesc],
+    logical_pages: np.ndarray,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    num_tokens: int,
+    *,
+    pools: Sequence[str] | None = None,
+    room: int | None = None,
+    rank: str | None = None,
+) -> TransferPlan:
+    """Plan the writes of ``logical_pages`` for every layer of every pool in
+    ``pools`` (default: all of ``specs``). Everything is checked before anything
+    is returned: an error means nothing may be written."""
+    ctx: dict[str, Any] = {"room": room, "rank": rank}
+    names = tuple(specs) if pools is None else tuple(pools)
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise LayoutError(f"pools {unknown} have no spec; known pools are {list(specs)}", field="pools", **ctx)
+    page_sizes = {specs[n].page_size for n in names}
+    if len(page_sizes) > 1:
+        raise LayoutError(
+            f"pools {names} share one page mapping but have page sizes {sorted(page_sizes)}", field="page_size", **ctx
+        )
+    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
+    page_size = page_sizes.pop() if names else 1
+    num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
+    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
+    pairs = [_pair(specs[n], src_index, dst_index, ctx) for n in names]
+    for spec, _, _, src_cap, dst_cap in pairs:
+        _check_range(spec, "source", src, src_cap, logical, ctx)
+        _check_range(spec, "destination", dst, dst_cap, logical, ctx)
+    if not len(logical) or not names:
+        return TransferPlan.empty()
+
+    # position of the partial last page in the given order, if this call carries it
+    last = (num_tokens - 1) // page_size
+    partial = np.flatnonzero(logical == last) if num_valid_last < page_size else np.zeros(0, dtype=np.int64)
+    parts = []
+    runs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+    for spec, src_base, dst_base, _, _ in pairs:
+        tail_merges = spec.layout == ROWS
+        if tail_merges not in runs:
+            runs[tail_merges] = _runs(src, dst, partial, tail_merges)
+        rel_src, rel_dst, length = _layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)
+        # all layers share the page mapping: broadcast the per-layer slices over layer bases
+        parts.append(
+            (
+                (src_base[:, None] + rel_src[None, :]).reshape(-1),
+                (dst_base[:, None] + rel_dst[None, :]).reshape(-1),
+                np.broadcast_to(length, (len(src_base), len(length))).reshape(-1),
+            )
+        )
+    return TransferPlan(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+
+
+def _page_arrays(logical: Any, src: Any, dst: Any, ctx: dict[str, Any]) -> tuple[np.ndarray, ...]:
+    out = []
+    for name, a in (("logical_pages", logical), ("src_pages", src), ("dst_pages", dst)):
+        a = np.asarray(a)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise LayoutError(
+                f"{name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}", field=name, **ctx
+            )
+        out.append(a.astype(np.int64, copy=False))
+    if not len(out[0]) == len(out[1]) == len(out[2]):
+        raise LayoutError(f"page arrays differ in length: {[len(a) for a in out]}", field="logical_pages", **ctx)
+    return tuple(out)
+
+
+def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: dict[str, Any]) -> int:
+    """Checks the logical pages; returns the number of valid rows of the last page."""
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise LayoutError(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens", **ctx)
+    num_pages = -(-num_tokens // page_size)
+    if len(logical) and (logical.min() < 0 or logical.max() >= num_pages):
+        bad = logical[(logical < 0) | (logical >= num_pages)][0]
+        raise LayoutError(
+            f"logical page {bad} is outside the request's {num_pages} pages "
+            f"({num_tokens} tokens, page size {page_size})",
+            field="logical_pages",
+            **ctx,
+        )
+    ordered = np.sort(logical)
+    dup = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(dup):
+        raise LayoutError(f"logical page {dup[0]} appears more than once in one plan", field="logical_pages", **ctx)
+    return num_tokens - (num_pages - 1) * page_size if num_pages else page_size
+
+
+def _index(bufs: Sequence[BufferDesc], side: str, ctx: dict[str, Any]) -> dict[tuple[str, int], BufferDesc]:
+    index: dict[tuple[str, int], BufferDesc] = {}
+    for buf in bufs:
+        key = (buf.pool, int(buf.layer_id))
+        if key in index:
+            raise PairingError(f"{side} registers pool {buf.pool!r} layer {buf.layer_id} twice", field="buffers", **ctx)
+        index[key] = buf
+    return index
+
+
+def _pair(spec: PoolSpec, src_index: dict, dst_index: dict, ctx: dict[str, Any]) -> tuple[Any, ...]:
+    """Per-layer bases and capacities of one pool, paired by (pool, layer id)."""
+    rows = []
+    for lid in spec.layer_ids:
+        pair = []
+        for side, index in (("source", src_index), ("destination", dst_index)):
+            buf = index.get((spec.name, lid))
+            if buf is None:
+                have = sorted(k[1] for k in index if k[0] == spec.name)
+                raise PairingError(
+                    f"pool {spec.name!r} layer {lid}: no {side} buffer (the {side} has layers {have} of this pool)",
+                    field="buffers",
+                    **ctx,
+                )
+            pair.append(buf)
+        s, d = pair
+        if s.bytes_per_page != d.bytes_per_page:
+            raise PairingError(
+                f"pool {spec.name!r} layer {lid}: source pages are {s.bytes_per_page} B, "
+                f"destination pages {d.bytes_per_page} B",
+                field="bytes_per_page",
+                **ctx,
+            )
+        if s.bytes_per_page != spec.bytes_per_page:
+            raise BufferSpecError(
+                f"pool {spec.name!r} layer {lid}: buffers have {s.bytes_per_page} B pages, "
+                f"the spec says {spec.bytes_per_page}",
+                field="bytes_per_page",
+                **ctx,
+            )
+        rows.append((s.base, d.base, s.capacity_pages, d.capacity_pages))
+    src_base, dst_base, src_cap, dst_cap = zip(*rows)
+    return (
+        spec,
+        np.array(src_base, dtype=np.uint64),
+        np.array(dst_base, dtype=np.uint64),
+        np.array(src_cap, dtype=np.int64),
+        np.array(dst_cap, dtype=np.int64),
+    )
+
+
+def _check_range(
+    spec: PoolSpec, side: str, pages: np.ndarray, caps: np.ndarray, logical: np.ndarray, ctx: dict
+) -> None:
+    """Hard rule 5: every page inside the registered region of every layer."""
+    if not len(pages):
+        return
+    lo, hi = pages.min(), pages.max()
+    bad_layers = np.flatnonzero((caps <= hi) | (lo < 0))
+    if not len(bad_layers):
+        return
+    j = bad_layers[0]
+    cap = int(caps[j])
+    i = np.flatnonzero((pages < 0) | (pages >= cap))[0]
+    raise PageRangeError(
+        f"pool {spec.name!r} layer {spec.layer_ids[j]}: {side} page {pages[i]} (logical page {logical[i]}) is "
+        f"outside the registered region of {cap} pages",
+        field="src_pages" if side == "source" else "dst_pages",
+        **ctx,
+    )
+
+
+def _runs(src: np.ndarray, dst: np.ndarray, partial: np.ndarray, tail_merges: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths (in entries) of runs consecutive on both sides. The
+    partial page always ends its run; unless its tail merges (``rows`` layout)
+    it also starts one, so it stands alone."""
+    n = len(src)
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
+    after = partial + 1
+    brk[after[after < n]] = True
+    if not tail_merges:
+        brk[partial] = True
+    starts = np.flatnonzero(brk)
+    return starts, np.diff(np.append(starts, n))
+
+
+def _layer_slices(
+    spec: PoolSpec,
+    src: np.ndarray,
+    dst: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    partial: np.ndarray,
+    num_valid_last: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slices of one layer, as offsets from its buffer bases."""
+    bpp = np.uint64(spec.bytes_per_page)
+    rel_src = src[starts].astype(np.uint64) * bpp
+    rel_dst = dst[starts].astype(np.uint64) * bpp
+    length = lengths.astype(np.uint64) * bpp
+    if not len(partial):
+        return rel_src, rel_dst, length
+    p = int(partial[0])
+    run = int(np.searchsorted(starts, p, side="right")) - 1
+    if spec.layout == ROWS:
+        # the partial page is the last page of its run: cut the run short by the page's tail
+        length[run] -= np.uint64((spec.page_size - num_valid_last) * spec.bytes_per_token)
+        return rel_src, rel_dst, length
+    keep = np.arange(len(starts)) != run  # the partial page's own run is replaced by its row ranges
+    ranges = spec.row_ranges(0, num_valid_last)
+    offs = np.array([off for off, _ in ranges], dtype=np.uint64)
+    lens = np.array([ln for _, ln in ranges], dtype=np.uint64)
+    return (
+        np.concatenate([rel_src[keep], np.uint64(src[p]) * bpp + offs]),
+        np.concatenate([rel_dst[keep], np.uint64(dst[p]) * bpp + offs]),
+        np.concatenate([length[keep], lens]),
+    )

@@ -1,0 +1,84 @@
+"""Transfer engines behind one small interface, chosen by name.
+
+    engine = create_engine("mooncake")          # or "local" (tests, with fault injection)
+    engine.register(*tensor_region(kv_buffer))
+    handle = engine.submit_write(peer_session, src, dst, length)
+    ... engine.poll(handle) -> WriteStatus.PENDING / DONE / FAILED(reason)
+
+The Mooncake adapter is imported only inside :func:`create_engine`, so
+``import kvbridge`` works on hosts without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.errors import ConfigError, EngineError
+from kvbridge.transfer.engine.base import TransferEngine, WriteState, WriteStatus
+from kvbridge.transfer.engine.local import Faults, LocalEngine, LocalFabric
+
+__all__ = [
+    "ENGINE_KINDS",
+    "Faults",
+    "LocalEngine",
+    "LocalFabric",
+    "TransferEngine",
+    "WriteState",
+    "WriteStatus",
+    "create_engine",
+    "mooncake_available",
+    "tensor_region",
+]
+
+ENGINE_KINDS = ("mooncake", "local")
+
+
+def mooncake_available() -> bool:
+    """True when the Mooncake transfer engine package imports on this host."""
+    try:
+        from mooncake.engine import TransferEngine as _  # noqa: F401
+    except (ImportError, OSError):  # not installed, or e.g. the CUDA build without libcudart
+        return False
+    return True
+
+
+def create_engine(
+    kind: str = "mooncake",
+    *,
+    host: str = "127.0.0.1",
+    protocol: str = "tcp",
+    device: str = "",
+    max_slices_per_call: int = 1024,
+    fabric: LocalFabric | None = None,
+) -> TransferEngine:
+    """A started engine. ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0");
+    ``fabric`` is for "local" only (a fresh one when omitted). ``max_slices_per_call`` also caps
+    the slices a Mooncake engine keeps in flight per destination session."""
+    if kind == "local":
+        return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)
+    if kind == "mooncake":
+        if fabric is not None:
+            raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
+        if not mooncake_available():
+            raise EngineError(
+                "the Mooncake transfer engine is not importable: install mooncake-transfer-engine-non-cuda "
+                "(CPU hosts, needs libibverbs1) or mooncake-transfer-engine (CUDA 12)",
+                field="engine",
+            )
+        from kvbridge.transfer.engine.mooncake import MooncakeEngine
+
+        return MooncakeEngine(host=host, protocol=protocol, device=device, max_slices_per_call=max_slices_per_call)
+    raise ConfigError(f"unknown transfer engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}", field="engine")
+
+
+def tensor_region(buf: Any) -> tuple[int, int]:
+    """``(ptr, nbytes)`` of a contiguous torch tensor (CPU or CUDA) or numpy array, for ``register``."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor, without importing torch
+        if not buf.is_contiguous():
+            raise EngineError(f"cannot register a non-contiguous tensor of shape {tuple(buf.shape)}", field="buffer")
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    if hasattr(buf, "__array_interface__"):
+        if not buf.flags.c_contiguous:
+            raise EngineError(f"cannot register a non-contiguous array of shape {buf.shape}", field="buffer")
+        return int(buf.__array_interface__["data"][0]), int(buf.nbytes)
+    raise EngineError(f"cannot take the memory region of a {type(buf).__name__}", field="buffer")

@@ -1,0 +1,103 @@
+"""The transfer-engine interface: what the sender and receiver need from a data path.
+
+A write is posted with :meth:`TransferEngine.submit_write` (never blocks on the
+network) and collected with :meth:`~TransferEngine.poll` (a dict look-up) or
+:meth:`~TransferEngine.wait`. One handle covers every slice of the call; the
+engine splits it into calls of at most ``max_slices_per_call`` slices.
+
+    PENDING --> DONE      every slice landed
+            \\-> FAILED    at least one slice did not; ``reason`` says which call and why
+
+DONE and FAILED are final and mean *no slice of the handle is still in flight*:
+a FAILED handle may have written some of its slices (Mooncake writes the good
+slices of a failed batch), but nothing of it will land later. Once poll() or
+wait() has returned a final status, the handle is forgotten.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+
+class WriteState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    """State of one submitted write; ``reason`` is set when FAILED."""
+
+    state: WriteState
+    reason: str = ""
+
+    PENDING: ClassVar[WriteStatus]
+    DONE: ClassVar[WriteStatus]
+
+    @classmethod
+    def failed(cls, reason: str) -> WriteStatus:
+        return cls(WriteState.FAILED, reason)
+
+    @property
+    def is_final(self) -> bool:
+        return self.state is not WriteState.PENDING
+
+
+WriteStatus.PENDING = WriteStatus(WriteState.PENDING)
+WriteStatus.DONE = WriteStatus(WriteState.DONE)
+
+
+class TransferEngine(ABC):
+    """Moves bytes from local registered memory into a peer's registered memory."""
+
+    max_slices_per_call: int
+
+    @property
+    @abstractmethod
+    def session_id(self) -> str:
+        """What a peer passes as ``session`` to write into this engine's memory."""
+
+    @abstractmethod
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Expose ``[ptr, ptr + nbytes)``; overlapping an earlier region is an EngineError."""
+
+    @abstractmethod
+    def unregister(self, ptr: int) -> None:
+        """Withdraw the region that starts at ``ptr``; an unknown ``ptr`` is an EngineError."""
+
+    @abstractmethod
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+        """Post ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``; returns a handle."""
+
+    @abstractmethod
+    def poll(self, handle: int) -> WriteStatus:
+        """Non-blocking; a final status releases the handle."""
+
+    @abstractmethod
+    def wait(self, handle: int, timeout: float) -> None:
+        """Block until the handle is final: EngineError(reason) if FAILED, TransferTimeout if still pending."""
+
+    @abstractmethod
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` (from an engine thread; keep it short) whenever a handle becomes final."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail what is queued, wait for what is in flight, unregister everything. Idempotent."""
+
+    def write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, timeout: float = 60.0) -> None:
+        """Synchronous convenience: submit and wait; raises EngineError or TransferTimeout."""
+        self.wait(self.submit_write(session, src, dst, length), timeout)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

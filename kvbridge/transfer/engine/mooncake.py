@@ -1,0 +1,266 @@
+"""Mooncake transfer engine adapter (imported only by ``create_engine``).
+
+What the Python binding (mooncake-transfer-engine 0.3.13) does, measured here:
+
+    batch_transfer_async_write(session, srcs, dsts, lens) -> batch id; 0 (or 2**64-1) = refused
+    get_batch_transfer_status([id]) -> 0 done | -1 failed or timed out.  BLOCKS: it spins,
+        GIL released, until the batch finishes or MC_TRANSFER_TIMEOUT (30 s) + 1 ns/byte
+        passes. There is no "pending" code. It frees the batch id.
+    transfer_check_status(id) -> 1 done | 0 pending | -1 failed | -2 timeout. Non-blocking,
+        but it looks at the batch's FIRST slice only and frees the id once that one is
+        done: useless for batches, and calling both on one id is a use-after-free.
+    register_memory -> 0 | -7 overlapping region;  unregister_memory -> 0 | -3 unknown
+    A write outside the peer's registered memory: that slice fails (-1), the other
+    slices of the batch still land. A dead peer: -1 within about a second.
+    More than ~2,048 slices queued per (engine, peer) - in one call or several async
+    calls - overflows the TCP lane queue ("queue-full"); every batch then times out
+    after 30 s and the peer is unusable meanwhile.
+
+Hence the design: ``submit_write`` only queues batches of at most
+``max_slices_per_call`` slices and returns a handle; one pump thread per engine
+posts them, keeping at most ``max_slices_per_call`` slices in flight per
+destination session, and waits for them oldest first with the blocking status
+call. ``poll`` is a dict look-up, so a loop can carry many rooms on one thread.
+One pump means waits are serial: a batch to a slow or dead peer delays the
+*completion bookkeeping* of later batches (not their transfer) by up to its own
+timeout.
+
+Security: Mooncake's handshake and data listeners bind every interface and
+accept anyone; keep these engines on trusted networks (tests use 127.0.0.1 only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import EngineError
+from kvbridge.transfer.engine._common import U64_MAX, Job, JobTable, Regions, as_int, check_slices
+from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
+
+log = logging.getLogger(__name__)
+
+CLOSE_JOIN_S = 40.0  # longer than Mooncake's own 30 s transfer timeout
+
+
+@dataclass
+class _Batch:
+    job: Job
+    index: int  # 0-based within the job
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    batch_id: int = 0
+
+    @property
+    def num_slices(self) -> int:
+        return int(self.src.size)
+
+    def describe(self, session: str) -> str:
+        return (
+            f"write {self.job.handle} batch {self.index + 1}/{self.job.num_batches} to session {session} "
+            f"({self.num_slices} slices, {int(self.length.sum())} bytes)"
+        )
+
+
+class MooncakeEngine(TransferEngine):
+    def __init__(self, *, host: str, protocol: str, device: str, max_slices_per_call: int) -> None:
+        try:
+            from mooncake.engine import TransferEngine as _Mooncake
+        except ImportError as exc:  # pragma: no cover - create_engine checks first
+            raise EngineError(f"the Mooncake transfer engine does not import: {exc}") from exc
+        if max_slices_per_call < 1:
+            raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")
+        self.max_slices_per_call = max_slices_per_call
+        self._mc = _Mooncake()
+        rc = self._mc.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise EngineError(f"mooncake initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r}) returned {rc}")
+        self._session = f"{host}:{self._mc.get_rpc_port()}"
+        self._who = f"mooncake engine {self._session}"
+        self._regions = Regions()
+        self._regions_lock = threading.Lock()
+        self._jobs = JobTable(self._who)
+        self._cond = threading.Condition()
+        self._queued: dict[str, deque[_Batch]] = {}  # per destination session, not yet posted
+        self._inflight_slices: dict[str, int] = {}
+        self._inflight: deque[tuple[str, _Batch]] = deque()  # pump thread only
+        self._closed = False
+        self._pump = threading.Thread(target=self._run, name=f"mooncake-pump-{self._session}", daemon=True)
+        self._pump.start()
+
+    @property
+    def session_id(self) -> str:
+        return self._session
+
+    # ---- memory -----------------------------------------------------------------------------
+    def register(self, ptr: int, nbytes: int) -> None:
+        ptr, nbytes = as_int(ptr, self._who), as_int(nbytes, self._who)
+        with self._regions_lock:
+            self._check_open()
+            self._regions.add(ptr, nbytes, self._who)
+            rc = self._mc.register_memory(ptr, nbytes)
+            if rc != 0:
+                self._regions.remove(ptr, self._who)
+                raise EngineError(f"{self._who}: mooncake register_memory({ptr:#x}, {nbytes}) returned {rc}")
+
+    def unregister(self, ptr: int) -> None:
+        ptr = as_int(ptr, self._who)
+        with self._regions_lock:
+            self._check_open()
+            self._regions.remove(ptr, self._who)
+            rc = self._mc.unregister_memory(ptr)
+            if rc != 0:
+                raise EngineError(f"{self._who}: mooncake unregister_memory({ptr:#x}) returned {rc}")
+
+    # ---- writes -----------------------------------------------------------------------------
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+        self._check_open()
+        if not isinstance(session, str) or not session:
+            raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
+        src, dst, length = check_slices(src, dst, length)
+        with self._regions_lock:
+            bad = self._regions.first_outside(src, length)
+        if bad >= 0:
+            raise EngineError(
+                f"{self._who}: slice {bad} source [{int(src[bad]):#x}, +{int(length[bad])}) is not inside "
+                "memory registered with this engine",
+                field="src",
+            )
+        if src.size == 0:
+            self._check_open()
+            return self._jobs.open(session, 0, 0).handle
+        cap = self.max_slices_per_call
+        starts = range(0, src.size, cap)
+        with self._cond:
+            self._check_open()
+            job = self._jobs.open(session, len(starts), int(src.size))
+            queue = self._queued.setdefault(session, deque())
+            for i, a in enumerate(starts):
+                queue.append(_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap]))
+            self._cond.notify()
+        return job.handle
+
+    def poll(self, handle: int) -> WriteStatus:
+        return self._jobs.poll(handle)
+
+    def wait(self, handle: int, timeout: float) -> None:
+        self._jobs.wait(handle, timeout)
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        self._jobs.set_notify(callback)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            dropped = [b for q in self._queued.values() for b in q]
+            self._queued.clear()
+            self._cond.notify_all()
+        for batch in dropped:
+            self._jobs.batch_finished(batch.job, f"{self._who} closed before posting {batch.describe(batch.job.session)}")
+        self._pump.join(CLOSE_JOIN_S)
+        if self._pump.is_alive():  # never free the engine under a running status call
+            log.error("%s: pump still waiting on Mooncake after %.0fs; engine leaked", self._who, CLOSE_JOIN_S)
+            return
+        with self._regions_lock:
+            for ptr in self._regions.starts():
+                self._regions.remove(ptr, self._who)
+                self._mc.unregister_memory(ptr)
+        self._mc = None  # the binding's destructor stops its listeners (about 1 s)
+
+    # ---- pump thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._inflight and not self._submittable():
+                    self._cond.wait()
+                if self._closed and not self._inflight:
+                    return
+                to_post, skipped = self._take()
+            for _, batch in skipped:
+                self._jobs.batch_finished(batch.job)
+            for session, batch in to_post:
+                self._post(session, batch)
+            if self._inflight:
+                self._collect(*self._inflight.popleft())
+
+    def _submittable(self) -> bool:
+        cap = self.max_slices_per_call
+        return any(q and self._inflight_slices.get(s, 0) + q[0].num_slices <= cap for s, q in self._queued.items())
+
+    def _take(self) -> tuple[list[tuple[str, _Batch]], list[tuple[str, _Batch]]]:
+        """Batches to post now (within each session's in-flight cap) and batches of failed jobs to skip."""
+        cap = self.max_slices_per_call
+        to_post: list[tuple[str, _Batch]] = []
+        skipped: list[tuple[str, _Batch]] = []
+        for session in list(self._queued):
+            queue = self._queued[session]
+            while queue:
+                batch = queue[0]
+                if batch.job.failed:  # an earlier batch failed: do not post the rest
+                    skipped.append((session, queue.popleft()))
+                    continue
+                inflight = self._inflight_slices.get(session, 0)
+                if inflight + batch.num_slices > cap:
+                    break
+                self._inflight_slices[session] = inflight + batch.num_slices
+                to_post.append((session, queue.popleft()))
+            if not queue:
+                del self._queued[session]
+        return to_post, skipped
+
+    def _post(self, session: str, batch: _Batch) -> None:
+        try:
+            batch_id = self._mc.batch_transfer_async_write(
+                session, batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
+            )
+        except Exception as exc:  # the binding's own errors become this batch's failure reason
+            self._fail(session, batch, f"batch_transfer_async_write raised {exc!r}")
+            return
+        if batch_id in (0, U64_MAX) or batch_id < 0:
+            self._fail(session, batch, f"batch_transfer_async_write returned {batch_id} (peer unreachable or refused)")
+            return
+        batch.batch_id = batch_id
+        self._inflight.append((session, batch))
+
+    def _collect(self, session: str, batch: _Batch) -> None:
+        try:
+            rc = self._mc.get_batch_transfer_status([batch.batch_id])
+        except Exception as exc:  # the binding's own errors become this batch's failure reason
+            self._fail(session, batch, f"get_batch_transfer_status raised {exc!r}")
+            return
+        if rc != 0:
+            self._fail(
+                session,
+                batch,
+                f"get_batch_transfer_status returned {rc} (a slice outside the peer's registered memory, "
+                "a dead peer, or a timeout)",
+            )
+            return
+        self._jobs.batch_finished(batch.job)
+        self._settle_slices(session, batch.num_slices)
+
+    def _fail(self, session: str, batch: _Batch, what: str) -> None:
+        reason = f"{self._who}: mooncake {what}: {batch.describe(session)}"
+        log.warning("%s", reason)
+        self._jobs.batch_finished(batch.job, reason)
+        self._settle_slices(session, batch.num_slices)
+
+    def _settle_slices(self, session: str, num_slices: int) -> None:
+        with self._cond:
+            left = self._inflight_slices.get(session, 0) - num_slices
+            if left > 0:
+                self._inflight_slices[session] = left
+            else:
+                self._inflight_slices.pop(session, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self._who} is closed")

@@ -1,0 +1,370 @@
+"""Control-channel messages: one frozen dataclass per message, one msgpack codec.
+
+    decode -> prefill   TransferRequest  Abort  Ping
+    prefill -> decode   PagesDone  AuxDone  AbortAck  Heartbeat  ErrorReply
+
+On the wire (``encode``)::
+
+    no secret:    body = msgpack map {"v": WIRE_VERSION, "t": <tag>, <field>: <value>, ...}
+    with secret:  msgpack array [body (bin), HMAC-SHA256(secret, body) (bin, 32 bytes)]
+
+``decode`` checks, in order, and raises ProtocolError naming the first problem:
+size limit; with a secret, the envelope and its MAC (constant-time compare) -
+without one, an envelope is refused too; msgpack; a map with string keys;
+version "v"; type tag "t"; every field present and of its declared type; the
+few value rules below. Unknown extra fields are *ignored*, so a peer may add
+optional fields without a version bump; removing or retyping one needs a bump.
+Page lists travel as packed little-endian int32 (``pack_pages``/``unpack_pages``).
+The MAC authenticates, it does not stop replays; it is for closed clusters.
+Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1 (no
+aux row); page byte strings a multiple of 4; status "ok" or "failed";
+buffers entries [pool: str, layer_id, base, capacity_pages, bytes_per_page: int >= 0].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import msgpack
+import numpy as np
+
+from kvbridge.errors import ConfigError, ProtocolError
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MESSAGE_TYPES",
+    "WIRE_VERSION",
+    "Abort",
+    "AbortAck",
+    "AuxDone",
+    "ErrorReply",
+    "Heartbeat",
+    "Message",
+    "PagesDone",
+    "Ping",
+    "TransferRequest",
+    "decode",
+    "decode_body",
+    "encode",
+    "pack_pages",
+    "peek",
+    "unpack_pages",
+    "unseal",
+]
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 4 << 20
+STATUSES = ("ok", "failed")
+_ROOM_LIMIT = 2**63
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+@dataclass(frozen=True)
+class _Message:
+    TAG: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            tp = _HINTS[type(self)][f.name]
+            if not _is(value, tp):
+                raise ProtocolError(
+                    f"field '{f.name}' of {self.TAG} has wrong type: expected {_name(tp)}, got {type(value).__name__}",
+                    field=f.name,
+                )
+            if isinstance(value, int) and not isinstance(value, bool):
+                low = -1 if f.name == "aux_slot" else 0
+                high = _ROOM_LIMIT if f.name == "room" else 2**64
+                if not low <= value < high:
+                    raise ProtocolError(f"field '{f.name}' of {self.TAG} is out of range: {value}", field=f.name)
+        self._check()
+
+    def _check(self) -> None:
+        """Value rules beyond types; overridden per message."""
+
+
+# ---- decode -> prefill ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TransferRequest(_Message):
+    """Write the request's KV into my pages. ``page_ids``: logical page l -> my physical page
+    (LE int32, shared by every pool); ``deadline_ms``: how long I wait, from sending."""
+
+    TAG: ClassVar[str] = "transfer_request"
+    room: int
+    decode_rank: str
+    session: str
+    page_ids: bytes
+    pools: list[str]
+    buffers: list[list]  # [pool, layer_id, base, capacity_pages, bytes_per_page] per registered buffer
+    aux_base: int
+    aux_capacity: int
+    aux_row_bytes: int
+    aux_slot: int
+    num_tokens: int
+    deadline_ms: int
+    want_digest: bool
+    fingerprint: str
+    num_decode_ranks: int  # decode ranks (attention TP) that each receive the whole room
+
+    def _check(self) -> None:
+        _check_pages(self, "page_ids")
+        for i, buf in enumerate(self.buffers):
+            if not (
+                len(buf) == 5
+                and isinstance(buf[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64 for x in buf[1:])
+            ):
+                raise ProtocolError(
+                    f"field 'buffers' of {self.TAG}: entry {i} is not [pool, layer_id, base, capacity_pages, "
+                    f"bytes_per_page] (str and four non-negative ints): {buf!r:.120}",
+                    room=self.room,
+                    field="buffers",
+                )
+
+
+@dataclass(frozen=True)
+class Abort(_Message):
+    TAG: ClassVar[str] = "abort"
+    room: int
+    decode_rank: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ping(_Message):
+    TAG: ClassVar[str] = "ping"
+    decode_rank: str
+    seq: int
+
+
+# ---- prefill -> decode ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PagesDone(_Message):
+    """``logical_pages`` (LE int32) of ``pools`` were written by ``cp_rank``, or failed."""
+
+    TAG: ClassVar[str] = "pages_done"
+    room: int
+    cp_rank: int
+    status: str
+    reason: str
+    pools: list[str]
+    logical_pages: bytes
+    digests: bytes | None
+
+    def _check(self) -> None:
+        _check_status(self)
+        _check_pages(self, "logical_pages")
+
+
+@dataclass(frozen=True)
+class AuxDone(_Message):
+    TAG: ClassVar[str] = "aux_done"
+    room: int
+    cp_rank: int
+    status: str
+    reason: str
+
+    def _check(self) -> None:
+        _check_status(self)
+
+
+@dataclass(frozen=True)
+class AbortAck(_Message):
+    """No write of ``room`` from ``cp_rank`` is in flight any more, nor will be posted."""
+
+    TAG: ClassVar[str] = "abort_ack"
+    room: int
+    cp_rank: int
+
+
+@dataclass(frozen=True)
+class Heartbeat(_Message):
+    TAG: ClassVar[str] = "heartbeat"
+    cp_rank: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class ErrorReply(_Message):
+    """The message of type ``ref_type`` (room ``room`` when known) was refused because ``reason``."""
+
+    TAG: ClassVar[str] = "error_reply"
+    ref_type: str
+    room: int | None
+    reason: str
+
+
+Message = Union[TransferRequest, Abort, Ping, PagesDone, AuxDone, AbortAck, Heartbeat, ErrorReply]
+
+# The one table from type tag to class.
+MESSAGE_TYPES: dict[str, type[_Message]] = {
+    cls.TAG: cls for cls in (TransferRequest, Abort, Ping, PagesDone, AuxDone, AbortAck, Heartbeat, ErrorReply)
+}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+
+
+# ---- codec ------------------------------------------------------------------------------------
+def encode(msg: Message, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    cls = type(msg)
+    if MESSAGE_TYPES.get(getattr(cls, "TAG", "")) is not cls:
+        raise ProtocolError(f"cannot encode a {cls.__name__}: not a wire message")
+    body_map: dict[str, Any] = {"v": WIRE_VERSION, "t": cls.TAG}
+    body_map.update((name, getattr(msg, name)) for name in _FIELDS[cls])
+    try:
+        body = msgpack.packb(body_map, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode {cls.TAG}: {exc}", room=getattr(msg, "room", None)) from exc
+    data = body if secret is None else msgpack.packb([body, _mac(secret, body)], use_bin_type=True)
+    if len(data) > max_bytes:
+        raise ProtocolError(
+            f"encoded {cls.TAG} is {len(data)} bytes, over the {max_bytes}-byte limit",
+            room=getattr(msg, "room", None),
+            field="size",
+        )
+    return data
+
+
+def decode(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    return decode_body(unseal(data, secret, max_bytes=max_bytes))
+
+
+def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """Size check, then (with a secret) the HMAC envelope; returns the body. Errors here are
+    size or authentication failures (``field`` is "size" or "mac")."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}", field="size")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit", field="size")
+    if secret is None:
+        return bytes(data)
+    try:
+        envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+    except Exception:  # any malformed input: unauthenticated
+        envelope = None
+    if not (
+        isinstance(envelope, list)
+        and len(envelope) == 2
+        and isinstance(envelope[0], bytes)
+        and isinstance(envelope[1], bytes)
+    ):
+        raise ProtocolError("missing HMAC: message is not an authenticated [body, mac] envelope", field="mac")
+    body, mac = envelope
+    if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, body)):
+        raise ProtocolError("bad HMAC: message not signed with this cluster's secret", field="mac")
+    return body
+
+
+def decode_body(body: bytes) -> Message:
+    """Parse an (authenticated or unauthenticated) body into its message class."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not msgpack: {type(exc).__name__}: {exc or 'invalid bytes'}"[:300]) from None
+    if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, bytes) for x in obj):
+        raise ProtocolError("message carries an HMAC envelope but no secret is configured here", field="mac")
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"not a map: got a msgpack {type(obj).__name__}")
+    bad_keys = [k for k in obj if not isinstance(k, str)]
+    if bad_keys:
+        raise ProtocolError(f"map keys must be strings, got {bad_keys[0]!r:.40}")
+    if "v" not in obj:
+        raise ProtocolError("missing version field 'v'", field="v")
+    if obj["v"] != WIRE_VERSION or isinstance(obj["v"], bool):
+        raise ProtocolError(f"unsupported wire version {obj['v']!r:.40} (this side speaks {WIRE_VERSION})", field="v")
+    if "t" not in obj:
+        raise ProtocolError("missing type tag 't'", field="t")
+    cls = MESSAGE_TYPES.get(obj["t"]) if isinstance(obj["t"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {obj['t']!r:.60}", field="t")
+    room = obj.get("room") if isinstance(obj.get("room"), int) else None
+    for name in _FIELDS[cls]:
+        if name not in obj:
+            raise ProtocolError(f"missing field '{name}' in {cls.TAG}", room=room, field=name)
+    try:
+        return cls(**{name: obj[name] for name in _FIELDS[cls]})
+    except ProtocolError as exc:
+        raise ProtocolError(exc.reason, room=room, field=exc.field) from None
+
+
+def peek(body: bytes) -> tuple[str, int | None]:
+    """Best-effort (type tag, room) of a body that failed to decode, for an ErrorReply."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
+    except Exception:  # unreadable: nothing to report
+        return "", None
+    if not isinstance(obj, dict):
+        return "", None
+    tag, room = obj.get("t"), obj.get("room")
+    valid_room = isinstance(room, int) and not isinstance(room, bool) and 0 <= room < _ROOM_LIMIT
+    return (tag[:64] if isinstance(tag, str) else ""), (room if valid_room else None)
+
+
+# ---- pages ------------------------------------------------------------------------------------
+def pack_pages(pages: np.ndarray) -> bytes:
+    """1-D integer page numbers -> packed little-endian int32."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ProtocolError(f"pages must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}", field="pages")
+    if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**31):
+        raise ProtocolError(f"page numbers must fit int32, got [{int(arr.min())}, {int(arr.max())}]", field="pages")
+    return arr.astype("<i4").tobytes()
+
+
+def unpack_pages(data: bytes) -> np.ndarray:
+    """Packed little-endian int32 -> a fresh (writable) int32 array."""
+    if len(data) % 4:
+        raise ProtocolError(f"packed pages must be a multiple of 4 bytes, got {len(data)}", field="pages")
+    return np.frombuffer(data, dtype="<i4").astype(np.int32)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _mac(secret: bytes, body: bytes) -> bytes:
+    if not isinstance(secret, bytes) or not secret:
+        raise ConfigError("the control-channel secret must be non-empty bytes", field="secret")
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def _check_pages(msg: _Message, name: str) -> None:
+    size = len(getattr(msg, name))
+    if size % 4:
+        raise ProtocolError(
+            f"field '{name}' of {msg.TAG} must be packed int32 (a multiple of 4 bytes), got {size} bytes",
+            room=getattr(msg, "room", None),
+            field=name,
+        )
+
+
+def _check_status(msg: Any) -> None:
+    if msg.status not in STATUSES:
+        raise ProtocolError(
+            f"field 'status' of {msg.TAG} must be one of {STATUSES}, got {msg.status!r:.40}", room=msg.room, field="status"
+        )
+
+
+def _is(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_is(value, arg) for arg in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (object,)
+        return isinstance(value, list) and all(_is(v, item) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _name(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{_name(typing.get_args(tp)[0])}]"
+    return "None" if tp is type(None) else tp.__name__

@@ -1,0 +1,207 @@
+"""What prefill and decode workers share: resources, the ops loop, draining.
+
+The loop reads like an engine's ``step()``::
+
+    for op in ops.receive(timeout): handle(op)      # start rooms, stats, shutdown
+    for task in tasks: advance(task)                 # poll sender/receiver, send chunks, verify
+    finished tasks -> RoomResult replies
+
+Shutdown (SIGTERM or a Shutdown op): new rooms are refused, in-flight rooms get
+``drain_timeout`` seconds to finish, the rest are aborted with a reason and
+their replies sent; then the endpoint closes (the rank deregisters).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.worker import ops
+from kvbridge.worker.config import WorkerConfig
+from kvbridge.worker.pages import PageAllocator
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs, buffers_nbytes
+
+
+@dataclass
+class Task:
+    """One room this worker runs for an ops client."""
+
+    room: int
+    num_tokens: int
+    peer: bytes
+    request_id: int
+    started: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> seconds since start
+    aborting: bool = False  # abort asked; the room still reports its final state
+
+    def mark(self, phase: str) -> None:
+        self.marks.setdefault(phase, round(time.monotonic() - self.started, 6))
+
+    @property
+    def age(self) -> float:
+        return time.monotonic() - self.started
+
+
+class WorkerBase:
+    role = ""
+    room_op: type = ops.Prefill
+
+    def __init__(self, cfg: WorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
+        self.cfg = cfg
+        self.engine_factory = engine_factory  # for in-process workers sharing a local fabric
+        self.log = logging.getLogger(f"kvbridge.worker.{self.role}")
+        self.specs = build_specs(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers)
+        self.contract = build_contract(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers, cfg.lane_rule)
+        self.aux_schema = aux_schema_of(self.contract)
+        self.pages = PageAllocator(cfg.pages)
+        self.tasks: dict[int, Task] = {}
+        self.counters: Counter[str] = Counter()
+        self.draining = False
+        self.shutdown_requested = False
+        self.buffers: dict = {}
+        self.engine: Any = None
+        self.endpoint: Any = None
+        self.ops_server: Any = None  # ops.OpsServer once started
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Allocate, start the engine and endpoint, bind the ops channel; returns the ready record."""
+        if self.cfg.engine == "local" and self.engine_factory is None:
+            raise ConfigError(
+                "the local engine moves bytes between regions of one process; a worker's peers are other "
+                "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
+                field="engine",
+            )
+        self.buffers = allocate_buffers(self.specs, self.cfg.pages)
+        self.engine = (self.engine_factory or self._create_engine)()
+        self.endpoint = self.make_endpoint()
+        self.endpoint.start()
+        self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
+        ready = {
+            "role": self.role,
+            "rank": self.cfg.rank_name,
+            "pid": os.getpid(),
+            "ops": self.ops_server.endpoint,
+            "session": self.engine.session_id,
+            "pool_bytes": buffers_nbytes(self.buffers),
+            **self.extra_ready(),
+        }
+        self.log.info("%s ready: %s", self.cfg.rank_name, ready)
+        return ready
+
+    def _create_engine(self) -> Any:
+        from kvbridge.transfer.engine import create_engine
+
+        return create_engine(
+            self.cfg.engine,
+            host=self.cfg.host,
+            protocol=self.cfg.protocol,
+            device=self.cfg.device,
+            max_slices_per_call=self.cfg.max_slices_per_call,
+        )
+
+    def close(self) -> None:
+        for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server)):
+            if closer is None:
+                continue
+            try:
+                closer.close()
+            except KVBridgeError as exc:  # keep closing the rest; the reason is logged
+                self.log.warning("closing %s: %s", name, exc)
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new rooms; let in-flight ones finish, abort what is left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.tasks and time.monotonic() < deadline:
+            self.step(0.02)
+        for task in list(self.tasks.values()):
+            self.abort(task, f"worker {self.cfg.rank_name} shutting down: room unfinished after {timeout:.1f}s drain")
+        deadline = time.monotonic() + 5.0
+        while self.tasks and time.monotonic() < deadline:
+            self.step(0.02)
+        for task in list(self.tasks.values()):
+            self.finish(task, ops.RoomResult(task.room, False, "worker shut down before the room ended", self.cfg.rank_name))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self, timeout: float) -> None:
+        for peer, request_id, op in self.ops_server.receive(timeout):
+            self.handle(peer, request_id, op)
+        for task in list(self.tasks.values()):
+            if task.age > self.cfg.transfer_timeout and not task.aborting:
+                self.abort(task, f"room exceeded transfer_timeout {self.cfg.transfer_timeout:.1f}s")
+            try:
+                result = self.advance(task)
+            except KVBridgeError as exc:
+                self.abort(task, str(exc))
+                result = None
+            if result is not None:
+                self.finish(task, result)
+        self.housekeeping()
+
+    def handle(self, peer: bytes, request_id: int, op: ops.Op) -> None:
+        reply = self.ops_server.reply
+        if isinstance(op, ops.Stats):
+            reply(peer, request_id, ops.StatsReply(self.stats()))
+        elif isinstance(op, ops.Shutdown):
+            self.shutdown_requested = True
+            reply(peer, request_id, ops.Ack())
+        elif not isinstance(op, self.room_op):
+            reply(peer, request_id, ops.OpError(f"a {self.role} worker does not run {type(op).__name__} ops"))
+        elif self.draining:
+            reply(peer, request_id, ops.OpError(f"worker {self.cfg.rank_name} is shutting down; room {op.room} refused"))
+        elif op.room in self.tasks:
+            reply(peer, request_id, ops.OpError(f"room {op.room} is already running on {self.cfg.rank_name}"))
+        elif op.num_tokens < 1:
+            reply(peer, request_id, ops.OpError(f"room {op.room}: num_tokens must be >= 1"))
+        else:
+            try:
+                self.tasks[op.room] = self.begin(peer, request_id, op)
+            except KVBridgeError as exc:
+                self.counters["rooms_failed"] += 1
+                reply(peer, request_id, ops.RoomResult(op.room, False, str(exc), self.cfg.rank_name))
+
+    def finish(self, task: Task, result: ops.RoomResult) -> None:
+        self.tasks.pop(task.room, None)
+        self.counters["rooms_ok" if result.ok else "rooms_failed"] += 1
+        self.counters["bytes"] += result.num_bytes
+        level = logging.DEBUG if result.ok else logging.WARNING
+        self.log.log(level, "room %d %s %s", task.room, "ok" if result.ok else "FAILED", result.reason)
+        self.ops_server.reply(task.peer, task.request_id, result)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rank": self.cfg.rank_name,
+            "role": self.role,
+            "rooms_in_flight": len(self.tasks),
+            "pages_free": self.pages.num_free,
+            "pages_held": self.pages.num_held,
+            "capacity_pages": self.pages.capacity,
+            "draining": self.draining,
+            **dict(self.counters),
+        }
+
+    # ---- per role ---------------------------------------------------------------------------
+    def make_endpoint(self) -> Any:
+        raise NotImplementedError
+
+    def extra_ready(self) -> dict[str, Any]:
+        return {}
+
+    def begin(self, peer: bytes, request_id: int, op: Any) -> Task:
+        raise NotImplementedError
+
+    def advance(self, task: Any) -> ops.RoomResult | None:
+        raise NotImplementedError
+
+    def abort(self, task: Any, reason: str) -> None:
+        raise NotImplementedError
+
+    def housekeeping(self) -> None:
+        pass

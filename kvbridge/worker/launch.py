@@ -1,0 +1,142 @@
+"""Starting and stopping kvbridge processes on one host (demo, bench, tests).
+
+Every process the group starts is stopped by it: ``stop_all`` sends SIGTERM to
+the workers, then to the bootstrap daemon they deregister from, waits, and
+SIGKILLs what is left. Use it as a context manager so Ctrl-C and
+failures stop everything too. Output goes to one log file per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvbridge.errors import KVBridgeError
+
+
+class LaunchError(KVBridgeError):
+    """A process did not start, or did not become ready in time."""
+
+
+def kvbridge_argv(*args: str) -> list[str]:
+    """``kvbridge ARGS`` run with this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "kvbridge.cli.main", *args]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when the parent dies, even by SIGKILL or a
+    crash, so no daemon outlives the demo, bench or test that started it. Elsewhere: nothing.
+    (Linux ties this to the spawning *thread*: keep a ProcessGroup on a thread that outlives it.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    ready_file: Path | None = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ProcessGroup:
+    def __init__(self, workdir: str | Path, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        self.procs: list[Proc] = []
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, argv: list[str], ready_file: bool = False) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        ready = self.workdir / f"{name}.ready.json" if ready_file else None
+        if ready is not None:
+            ready.unlink(missing_ok=True)
+            argv = [*argv, "--ready-file", str(ready)]
+        log = open(log_path, "wb")
+        try:
+            popen = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        finally:
+            log.close()
+        proc = Proc(name, popen, log_path, ready)
+        self.procs.append(proc)
+        return proc
+
+    def wait_ready(self, proc: Proc, timeout: float = 30.0) -> dict[str, Any]:
+        """The JSON record the worker wrote to its ready file."""
+        if proc.ready_file is None:
+            raise LaunchError(f"{proc.name} was started without a ready file")
+        return json.loads(self.wait_file(proc, proc.ready_file, timeout))
+
+    def wait_file(self, proc: Proc, path: Path, timeout: float = 30.0) -> str:
+        """The non-empty content of ``path`` once ``proc`` wrote it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = path.read_text() if path.exists() else ""
+            if text.strip():
+                return text
+            self._check_alive(proc)
+            time.sleep(0.05)
+        raise LaunchError(f"{proc.name}: no {path.name} after {timeout:.0f}s; log tail:\n{proc.log_tail()}")
+
+    def wait_http(self, proc: Proc, url: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive(proc)
+            try:
+                if httpx.get(url, timeout=1.0).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise LaunchError(f"{proc.name}: {url} not answering after {timeout:.0f}s; log tail:\n{proc.log_tail()}")
+
+    def _check_alive(self, proc: Proc) -> None:
+        if proc.popen.poll() is not None:
+            raise LaunchError(f"{proc.name} exited with {proc.popen.returncode}; log tail:\n{proc.log_tail()}")
+
+    def stop_all(self, timeout: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every worker at once (their drains overlap), then the bootstrap daemon, so that
+        workers can deregister first; SIGKILL whatever outlives ``timeout``. Exit code per process."""
+        daemons = [p for p in self.procs if p.name.startswith("bootstrap")]
+        workers = [p for p in self.procs if p not in daemons]
+        codes: dict[str, int | None] = {}
+        for batch in (workers, daemons):
+            for p in batch:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for p in batch:
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait(5)
+                codes[p.name] = p.popen.returncode
+        return codes

@@ -1,0 +1,203 @@
+"""Fixtures for the bootstrap tests (the daemon fixtures live in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from kvbridge.bootstrap import digest
+from kvbridge.bootstrap.contract import RuntimeContract, contract_from_preset
+from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
+from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
+
+
+@pytest.fixture(scope="module")
+def http(daemon: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=daemon.url, timeout=5.0, trust_env=False) as c:
+        yield c
+
+
+Plain = dict[str, Any]
+
+
+def _rehash(d: Plain) -> None:
+    d["source"]["digest"] = digest.combine(d["source"]["files"])
+
+
+def _pool(d: Plain, name: str) -> Plain:
+    return next(p for p in d["pools"] if p["name"] == name)
+
+
+def _set(path: str, value: Any) -> Callable[[Plain], None]:
+    def apply(d: Plain) -> None:
+        node = d
+        *head, last = path.split(".")
+        for key in head:
+            node = next(p for p in node if p["name"] == key) if isinstance(node, list) else node[key]
+        node[last] = value
+
+    return apply
+
+
+def _page_size(d: Plain) -> None:
+    for p in d["pools"]:
+        p["page_size"] = 32
+
+
+def _split(d: Plain) -> None:
+    _pool(d, "index").update(value_bytes_per_token=120, scale_bytes_per_token=12)
+
+
+def _aux_dtype(d: Plain) -> None:
+    next(f for f in d["aux"]["fields"] if f["name"] == "hidden")["dtype"] = "<f4"
+
+
+def _source_file(d: Plain) -> None:
+    d["source"]["files"]["kvbridge/layout/pools.py"] = "0" * 64
+    _rehash(d)
+
+
+def _source_extra(d: Plain) -> None:
+    d["source"]["files"]["engine/kv_pool.py"] = "1" * 64
+    _rehash(d)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One changed contract field: ``apply(contract)`` returns the changed contract,
+    whose diff against the original must list ``path``."""
+
+    name: str
+    change: Callable[[Plain], None]
+    path: str
+
+    def apply(self, contract: RuntimeContract) -> RuntimeContract:
+        d = copy.deepcopy(contract.model_dump(mode="json"))
+        self.change(d)
+        return RuntimeContract.model_validate(d)
+
+
+# One mutation per contract field; each must change the fingerprint and show up in the diff.
+MUTATIONS = [Mutation(*m) for m in [
+    ("wire-version", _set("wire_version", 2), "wire_version"),
+    ("model-name", _set("model.name", "other/model"), "model.name"),
+    ("model-revision", _set("model.revision", "abc123"), "model.revision"),
+    ("model-target-layers", _set("model.target_layers", 3), "model.target_layers"),
+    ("model-draft-layers", _set("model.draft_layers", 2), "model.draft_layers"),
+    ("pool-dtype", _set("pools.target.dtype", "fp8_e5m2_with_scale"), "pools.target.dtype"),
+    ("pool-abi", _set("pools.draft.abi", "int8"), "pools.draft.abi"),
+    ("pool-bytes-per-token", _set("pools.target.bytes_per_token", 576), "pools.target.bytes_per_token"),
+    ("pool-page-size", _page_size, "pools.index.page_size"),
+    ("pool-layout", _set("pools.index.layout", "rows"), "pools.index.layout"),
+    ("pool-value-scale-split", _split, "pools.index.value_bytes_per_token"),
+    ("pool-kernel-abi", _set("pools.index.kernel_abi", "nsa-index-k-fp8-int8"), "pools.index.kernel_abi"),
+    ("pool-layer-ids", _set("pools.target.layer_ids", [0, 2]), "pools.target.layer_ids"),
+    ("cp-rule", _set("cp_rule", "contiguous"), "cp_rule"),
+    ("kernel-backend", _set("kernel.attention_backend", "flashinfer"), "kernel.attention_backend"),
+    ("kernel-abi", _set("kernel.abi", "mla-paged-v2"), "kernel.abi"),
+    ("spec-algorithm", _set("speculative.algorithm", "eagle3"), "speculative.algorithm"),
+    ("spec-hidden-size", _set("speculative.hidden_size", 4096), "speculative.hidden_size"),
+    ("spec-hidden-dtype", _set("speculative.hidden_dtype", "float32"), "speculative.hidden_dtype"),
+    ("spec-topk", _set("speculative.topk", 4), "speculative.topk"),
+    ("aux-field-dtype", _aux_dtype, "aux.fields.hidden.dtype"),
+    ("aux-row-bytes", _set("aux.row_bytes", 99), "aux.row_bytes"),
+    ("source-file", _source_file, "source.files.kvbridge/layout/pools.py"),
+    ("source-extra-file", _source_extra, "source.files.engine/kv_pool.py"),
+]]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes ``mutation`` runs once per contract field."""
+    if "mutation" in metafunc.fixturenames:
+        metafunc.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+
+
+@pytest.fixture
+def all_mutations() -> list[Mutation]:
+    return list(MUTATIONS)
+
+
+@pytest.fixture(scope="session")
+def small_contract() -> RuntimeContract:
+    """V3.2 fp8 geometry with 2 target layers, 1 NextN layer and 16-token pages."""
+    return contract_from_preset("deepseek-v3.2-fp8", num_layers=2, page_size=16, draft_layers=1)
+
+
+@pytest.fixture
+def instance_name() -> Callable[[str], str]:
+    return lambda prefix="inst": f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def descriptors(contract: RuntimeContract, *, base: int = 1 << 40, capacity_pages: int = 32) -> list[PoolDescriptor]:
+    out = []
+    for pool in contract.pools:
+        for layer in pool.layer_ids:
+            out.append(PoolDescriptor(pool=pool.name, layer_id=layer, base=base, capacity_pages=capacity_pages,
+                                      bytes_per_page=pool.bytes_per_page))
+            base += capacity_pages * pool.bytes_per_page
+    return out
+
+
+def make_register(
+    contract: RuntimeContract,
+    instance: str,
+    role: str = "prefill",
+    *,
+    sizes: tuple[int, int, int, int] = (1, 1, 1, 1),
+    coords: tuple[int, int, int, int] = (0, 0, 0, 0),
+    lease_ttl_s: float | None = None,
+) -> RegisterRequest:
+    dp_size, cp_size, tp_size, pp_size = sizes
+    dp, cp, tp, pp = coords
+    rank = RankIdentity(instance=instance, role=role, dp_size=dp_size, cp_size=cp_size, tp_size=tp_size, pp_size=pp_size,
+                        dp_rank=dp, cp_rank=cp, tp_rank=tp, pp_rank=pp)
+    port = 20000 + (dp * 1000 + cp * 100 + tp * 10 + pp)
+    return RegisterRequest(
+        rank=rank,
+        control_endpoint=f"tcp://127.0.0.1:{port}",
+        session_id=f"127.0.0.1:{port + 1}",
+        pools=descriptors(contract),
+        aux=AuxDescriptor(base=1 << 44, capacity_rows=64, row_bytes=contract.aux.row_bytes),
+        contract=contract,
+        lease_ttl_s=lease_ttl_s,
+    )
+
+
+def all_coords(sizes: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    dp_size, cp_size, tp_size, pp_size = sizes
+    return [(d, c, t, p) for d in range(dp_size) for c in range(cp_size) for t in range(tp_size) for p in range(pp_size)]
+
+
+@pytest.fixture(scope="session")
+def kvb() -> Any:
+    """Helpers as one object (conftest functions are not importable from tests)."""
+
+    class Helpers:
+        register_request = staticmethod(make_register)
+        descriptors = staticmethod(descriptors)
+        all_coords = staticmethod(all_coords)
+
+        @staticmethod
+        def body(req: RegisterRequest) -> dict[str, Any]:
+            return req.model_dump(mode="json", exclude_none=True)
+
+        @staticmethod
+        def lookup_body(contract: RuntimeContract, prefill: str, room: int, *, decode: str = "decode-x",
+                        dp_rank: int | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "prefill_instance": prefill,
+                "room": room,
+                "contract": contract.model_dump(mode="json"),
+                "rank": {"instance": decode, "role": "decode"},
+            }
+            if dp_rank is not None:
+                body["dp_rank"] = dp_rank
+            return body
+
+    return Helpers

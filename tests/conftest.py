@@ -1,0 +1,124 @@
+"""Shared fixtures: a real bootstrap daemon process on loopback.
+
+``BootstrapDaemon`` starts ``python -m kvbridge.cli.main bootstrap --port 0``
+(the kernel picks a free port; the daemon writes it to a port file), waits for
+``/healthz`` with a bounded loop, and on ``stop()`` terminates and reaps the
+process and checks that nothing listens on the port any more.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 20.0
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((HOST, port)) == 0
+
+
+class BootstrapDaemon:
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.args = args
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def log_text(self) -> str:
+        path = self.workdir / f"daemon-{self.starts}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start(self, port: int = 0) -> BootstrapDaemon:
+        self.starts += 1
+        port_file = self.workdir / f"port-{self.starts}"
+        env = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_BOOTSTRAP_TOKEN"}
+        env.update(self.env)
+        cmd = [sys.executable, "-m", "kvbridge.cli.main", "--log-level", "WARNING", "bootstrap",
+               "--host", HOST, "--port", str(port), "--port-file", str(port_file), *self.args]
+        with open(self.workdir / f"daemon-{self.starts}.log", "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_text}")
+            if port_file.exists():
+                self.port = int(port_file.read_text())
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=1.0, trust_env=False).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"daemon not healthy within {START_TIMEOUT_S}s:\n{self.log_text}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if self.port:
+            assert not _port_open(self.port), f"port {self.port} still accepts connections after the daemon stopped"
+
+    def restart(self) -> BootstrapDaemon:
+        port = self.port
+        self.stop()
+        return self.start(port=port)
+
+
+def _factory(workdir: Callable[[], Path]) -> Iterator[Callable[..., BootstrapDaemon]]:
+    started: list[BootstrapDaemon] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> BootstrapDaemon:
+        d = BootstrapDaemon(workdir(), list(args), env)
+        started.append(d)
+        return d.start()
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def start_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., BootstrapDaemon]]:
+    """Factory: ``start_daemon(*args, env={...})``; every daemon is stopped at teardown."""
+    yield from _factory(lambda: tmp_path_factory.mktemp("daemon"))
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., BootstrapDaemon]]:
+    """The same factory, for daemons shared by a test module."""
+    yield from _factory(lambda: tmp_path_factory.mktemp("daemon"))
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemons: Callable[..., BootstrapDaemon]) -> BootstrapDaemon:
+    """One open daemon (no token) shared by a test module; tests use unique instance names."""
+    return module_daemons("--lease-ttl", "30")
+
+

@@ -1,0 +1,94 @@
+"""Owner lanes: logical page -> (owner CP rank, local page)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvbridge.layout
+from kvbridge.errors import LayoutError
+from kvbridge.layout import LANE_RULES, OwnerLanes
+
+FAST = settings(max_examples=100, deadline=None)
+
+
+def test_docstring_tables():
+    pages = np.arange(8)
+    assert [a.tolist() for a in OwnerLanes(3).owners(pages, 8)] == [[0, 1, 2, 0, 1, 2, 0, 1], [0, 0, 0, 1, 1, 1, 2, 2]]
+    assert [a.tolist() for a in OwnerLanes(3, "contiguous").owners(pages, 8)] == [
+        [0, 0, 0, 1, 1, 1, 2, 2],
+        [0, 1, 2, 0, 1, 2, 0, 1],
+    ]
+    assert [a.tolist() for a in OwnerLanes(3, "replicated").owners(pages, 8)] == [[0] * 8, list(range(8))]
+
+
+@FAST
+@given(cp_size=st.integers(1, 6), rule=st.sampled_from(LANE_RULES), num_pages=st.integers(0, 200))
+def test_owned_pages_partition_and_agree_with_owners(cp_size, rule, num_pages):
+    lanes = OwnerLanes(cp_size, rule)
+    owner, local = lanes.owners(np.arange(num_pages), num_pages)
+    seen = np.zeros(num_pages, dtype=int)
+    for rank in range(cp_size):
+        owned = lanes.owned_pages(rank, num_pages)
+        seen[owned] += 1
+        assert np.all(np.diff(owned) > 0) and np.all(owner[owned] == rank)
+        if rule != "replicated":
+            # local indices of a rank's pages are 0..n-1, in logical order
+            assert local[owned].tolist() == list(range(len(owned)))
+            assert lanes.num_local_pages(rank, num_pages) == len(owned)
+        else:
+            assert lanes.num_local_pages(rank, num_pages) == num_pages
+    assert (seen == 1).all()
+    for token in range(0, num_pages * 3, 7):
+        assert lanes.owner_of_token(token, 3, num_pages) == owner[token // 3]
+
+
+def test_dict_round_trip_and_errors():
+    for rule in LANE_RULES:
+        lanes = OwnerLanes(4, rule)
+        assert OwnerLanes.from_dict(lanes.to_dict()) == lanes
+    with pytest.raises(LayoutError, match="rule"):
+        OwnerLanes(2, "striped")
+    with pytest.raises(LayoutError, match="cp_size"):
+        OwnerLanes(0)
+    with pytest.raises(LayoutError, match="keys"):
+        OwnerLanes.from_dict({"cp_size": 2})
+    with pytest.raises(LayoutError, match="logical page 5 outside a request of 5 pages"):
+        OwnerLanes(2).owners(np.array([1, 5]), 5)
+    with pytest.raises(LayoutError, match="cp rank 2 outside cp_size 2"):
+        OwnerLanes(2).owned_pages(2, 5)
+    with pytest.raises(LayoutError, match="token 10 outside"):
+        OwnerLanes(2).owner_of_token(10, 2, 5)
+
+
+def test_public_names_are_pinned():
+    assert sorted(kvbridge.layout.__all__) == sorted(
+        [
+            "AuxRow", "AuxSchema", "BufferDesc", "LANE_RULES", "LAYOUTS", "LocalRows", "OwnerLanes", "PRESETS",
+            "PoolSpec", "RowDomain", "TransferPlan", "aux_dtype", "build_rank_rows", "deepseek_pools",
+            "describe_buffer", "float32_to_bf16_bits", "local_row_order", "owner_of_last_token", "plan_transfer",
+            "preset_pools", "request_bases", "strip_padding", "valid_row_index",
+        ]
+    )  # fmt: skip
+    assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)
+
+
+def test_layout_is_pure():
+    """layout imports numpy and kvbridge.errors only: no torch, sockets or other kvbridge parts."""
+    code = (
+        "import sys, kvbridge.layout; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq', 'httpx', 'fastapi', 'mooncake') "
+        "or m.startswith(('kvbridge.bootstrap', 'kvbridge.transfer', 'kvbridge.worker'))]; print(bad)"
+    )
+    # import the subpackage alone, bypassing kvbridge/__init__.py's own imports
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, types; sys.modules['kvbridge'] = types.ModuleType('kvbridge'); "
+         f"sys.modules['kvbridge'].__path__ = {list(kvbridge.__path__)!r}; " + code.replace("import sys, ", "import ")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

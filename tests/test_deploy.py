@@ -1,0 +1,171 @@
+"""deploy/: manifests and units parse, and every kvbridge flag and KVBRIDGE_* variable they use
+is one the command line accepts (and, for workers, resolves to a valid configuration)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbridge.cli.main import build_parser
+from kvbridge.worker.config import load_config, read_toml
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+ENV_RE = re.compile(r"KVBRIDGE_[A-Z0-9_]+")
+ROLE_OF = {"prefill-worker": "prefill", "decode-worker": "decode"}
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def accepted_env(command: str) -> set[str]:
+    """Variables a command reads: those its --help names, plus the global log level."""
+    return set(ENV_RE.findall(subparsers()[command].format_help())) | {"KVBRIDGE_LOG_LEVEL"}
+
+
+def check_command(argv: list[str], env: dict[str, str], where: str) -> None:
+    """``argv`` starts at the subcommand; every flag known, every variable read, and a worker's config resolves."""
+    command, rest = argv[0], argv[1:]
+    parsers = subparsers()
+    assert command in parsers, f"{where}: unknown command kvbridge {command}"
+    parser = parsers[command]
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    for token in rest:
+        if token.startswith("--"):
+            assert token.split("=", 1)[0] in known, f"{where}: kvbridge {command} has no flag {token}"
+    unknown = {k for k in env if k.startswith("KVBRIDGE_")} - accepted_env(command)
+    assert not unknown, f"{where}: kvbridge {command} reads no {sorted(unknown)}"
+    if command in ROLE_OF:
+        args = parser.parse_args(rest)
+        args.config = None  # the file lives on the target host; its content is checked separately
+        load_config(ROLE_OF[command], args, env)
+    else:
+        parser.parse_args(rest)
+
+
+# ---- Kubernetes -----------------------------------------------------------------------------------
+def k8s_docs() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_manifests_parse_and_have_the_expected_objects():
+    kinds = {(d["kind"], d["metadata"]["name"]) for _, d in k8s_docs()}
+    assert ("Deployment", "kvbridge-bootstrap") in kinds and ("Service", "kvbridge-bootstrap") in kinds
+    assert ("StatefulSet", "kvbridge-prefill") in kinds and ("StatefulSet", "kvbridge-decode") in kinds
+    for name, d in k8s_docs():
+        assert d.get("apiVersion") and d["metadata"].get("name"), name
+
+
+def containers():
+    for name, d in k8s_docs():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                yield f"{name}:{c['name']}", d, c
+
+
+@pytest.mark.parametrize("where, doc, container", list(containers()), ids=lambda x: x if isinstance(x, str) else "")
+def test_k8s_commands_and_env_are_accepted(where, doc, container):
+    argv = [*container.get("command", []), *container.get("args", [])]
+    assert argv[0] == "kvbridge", where
+    env = {}
+    for e in container.get("env", []):
+        src = e.get("valueFrom", {})
+        if "fieldRef" in src:  # the pod ordinal or the pod IP at runtime
+            path = src["fieldRef"]["fieldPath"]
+            env[e["name"]] = "0" if "pod-index" in path else "10.0.0.1"
+        else:
+            env[e["name"]] = e.get("value", "x")
+    check_command(argv[1:], env, where)
+    if doc["kind"] == "StatefulSet":
+        ordinal = [e for e in container["env"] if "pod-index" in str(e.get("valueFrom", ""))]
+        assert ordinal and ordinal[0]["name"] in ("KVBRIDGE_CP_RANK", "KVBRIDGE_TP_RANK"), where
+        size = env["KVBRIDGE_CP_SIZE" if ordinal[0]["name"] == "KVBRIDGE_CP_RANK" else "KVBRIDGE_TP_SIZE"]
+        assert int(size) == doc["spec"]["replicas"], f"{where}: replicas must equal the rank count"
+
+
+def test_configmap_toml_is_valid_for_both_roles(tmp_path):
+    cm = next(d for _, d in k8s_docs() if d["kind"] == "ConfigMap")
+    path = tmp_path / "worker.toml"
+    path.write_text(cm["data"]["worker.toml"])
+    for role in ("prefill", "decode"):
+        read_toml(path, role)
+        load_config(role, {"config": str(path)}, {})
+
+
+def test_example_toml_is_valid_for_both_roles():
+    path = DEPLOY / "config" / "worker.toml"
+    for role in ("prefill", "decode"):
+        cfg = load_config(role, {"config": str(path)}, {})
+        assert cfg.sources["preset"] == "toml"
+
+
+# ---- systemd --------------------------------------------------------------------------------------
+def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """INI with repeatable keys (systemd allows Environment= many times)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None and "=" in line, f"{path.name}:{lineno}: not 'Key=value' in a section"
+        key, value = line.split("=", 1)
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    env = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            env[key] = value
+    return env
+
+
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_units_parse_and_their_commands_and_env_are_accepted(unit):
+    sections = parse_unit(unit)
+    assert {"Unit", "Service", "Install"} <= set(sections), unit.name
+    service = sections["Service"]
+    assert service.get("KillSignal") == ["SIGTERM"]
+    env: dict[str, str] = {}
+    for ref in service.get("EnvironmentFile", []):
+        local = DEPLOY / "systemd" / Path(ref.lstrip("-")).name
+        assert local.exists(), f"{unit.name}: EnvironmentFile {ref} has no example in deploy/systemd"
+        env.update(read_env_file(local))
+    for item in service.get("Environment", []):
+        key, value = item.split("=", 1)
+        env[key] = value.replace("%i", "1")
+    (exec_start,) = service["ExecStart"]
+    argv = shlex.split(exec_start.replace("%i", "1"))
+    assert Path(argv[0]).name == "kvbridge", unit.name
+    env.pop("KVBRIDGE_CONFIG", None)  # the file lives on the target host
+    check_command(argv[1:], env, unit.name)
+
+
+def test_every_daemon_has_a_unit_and_a_manifest():
+    commands = {shlex.split(parse_unit(u)["Service"]["ExecStart"][0])[1] for u in UNITS}
+    assert commands == {"bootstrap", "prefill-worker", "decode-worker"}
+    assert {c["command"][1] for _, _, c in containers()} == commands
+
+
+def test_readme_warns_about_mooncake_listeners():
+    text = (DEPLOY / "README.md").read_text()
+    assert "bind all interfaces" in text and "no authentication" in text

@@ -1,0 +1,167 @@
+"""Test cluster pieces: prefill CP ranks as real processes (``_prefill_proc.py``)
+and decode ranks as in-process DecodeEndpoints with poisoned pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.engine import create_engine
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, verify_aux, verify_pages
+
+HERE = Path(__file__).parent
+FINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+class PrefillProc:
+    """One prefill CP rank in a child process; always ``stop()`` it."""
+
+    def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
+                 layers: int = 2, page_size: int = 4, engine: str = "mooncake") -> None:
+        cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
+               "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--layers", str(layers),
+               "--page-size", str(page_size), "--engine", engine, *extra]
+        env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env)
+        self.results: dict[int, dict] = {}
+        self._lines: queue.Queue[dict] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        first = self._next(60)
+        if not first.get("ready"):
+            raise RuntimeError(f"prefill rank {cp_rank} did not start: {first}")
+        self.endpoint = first["endpoint"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self._lines.put(json.loads(line))
+            except ValueError:
+                pass
+
+    def _next(self, timeout: float) -> dict:
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no line from the prefill process") from None
+
+    def command(self, **cmd: Any) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def send(self, room: int, num_tokens: int, chunks: list[int] | None = None, pause: float = 0.0) -> None:
+        self.command(op="send", room=room, num_tokens=num_tokens, chunks=chunks or [num_tokens], pause=pause)
+
+    def result(self, room: int, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while room not in self.results:
+            line = self._next(max(0.01, deadline - time.monotonic()))
+            if "room" in line:
+                self.results[line["room"]] = line
+        return self.results[room]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.command(op="quit")
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stdin.close() if not self.proc.stdin.closed else None
+
+
+class DecodeRank:
+    """A decode rank in this process, pools filled with SENTINEL_BYTE (poison)."""
+
+    def __init__(self, bootstrap: str, *, tp_rank: int = 0, tp_size: int = 1, layers: int = 2, page_size: int = 4,
+                 pages: int = 512, engine: str = "mooncake", instance: str = "decode", aux_rows: int = 64,
+                 **cfg: Any) -> None:
+        self.specs = build_specs("deepseek-v3.2-fp8", layers, page_size, 1)
+        self.contract = build_contract("deepseek-v3.2-fp8", layers, page_size, 1, "interleaved")
+        self.aux_schema = aux_schema_of(self.contract)
+        self.buffers = allocate_buffers(self.specs, pages)
+        for buf in self.buffers.values():
+            as_bytes(buf)[:] = SENTINEL_BYTE
+        self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
+        cfg.setdefault("peer_timeout", 2.0)
+        cfg.setdefault("ping_interval", 0.2)
+        cfg.setdefault("transfer_timeout", 60.0)
+        config = DecodeConfig(instance=instance, tp_rank=tp_rank, tp_size=tp_size, lease_ttl=2.0, **cfg)
+        self.client = BootstrapClient(bootstrap)
+        self.ep = DecodeEndpoint(config, create_engine(engine), self.specs, self.buffers, self.contract, self.client,
+                                 self.aux, self.aux_schema)
+        self.ep.start()
+        self.page_size = page_size
+        self.pages = pages
+        self._next_slot = 0
+
+    def receive(self, room: int, num_tokens: int, page_ids: np.ndarray, prefill: str = "prefill"):
+        slot = self._next_slot
+        self._next_slot = (self._next_slot + 1) % self.aux.shape[0]
+        r = self.ep.receiver(room, prefill)
+        r.init(page_ids, slot, num_tokens)
+        r.page_ids, r.num_tokens = page_ids, num_tokens  # for verify()
+        return r
+
+    def verify(self, r) -> list[str]:
+        """Every byte of every pool and layer of the room, plus the aux row."""
+        errors = []
+        for (pool, layer), buf in self.buffers.items():
+            v = verify_pages(self.specs[pool], buf, r.room, layer, r.page_ids, r.num_tokens)
+            if not v.ok:
+                errors.append(v.first_error)
+        err = verify_aux(self.aux_schema, r.aux, r.room, r.num_tokens)
+        if err:
+            errors.append(err)
+        return errors
+
+    def untouched_except(self, page_ids: np.ndarray) -> bool:
+        """No byte outside ``page_ids`` changed (no stray write)."""
+        mask = np.ones(self.pages, dtype=bool)
+        mask[np.asarray(page_ids, dtype=np.int64)] = False
+        return all(bool((as_bytes(b)[mask] == SENTINEL_BYTE).all()) for b in self.buffers.values())
+
+    def close(self) -> None:
+        self.ep.close(timeout=3)
+        self.client.close()
+
+
+def wait_final(receivers, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(receivers)
+    while pending and time.monotonic() < deadline:
+        pending = [r for r in pending if r.poll() not in FINAL]
+        time.sleep(0.005)
+    if pending:
+        raise TimeoutError(f"rooms {[r.room for r in pending]} not final after {timeout}s")
+
+
+def wait_until(pred, timeout: float = 30, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()

@@ -1,0 +1,162 @@
+"""A prefill CP rank in its own process, driven over stdin/stdout (test harness).
+
+Started by ``_cluster.PrefillProc``. Prints ``READY`` once serving, then one JSON
+line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
+
+    {"op": "send", "room": R, "num_tokens": N, "chunks": [t1, ..., N], "pause": s}
+        fill this rank's owned pages of R with synthetic KV (compute-padding rows
+        hold PAD_BYTE), then send them chunk by chunk: chunk i carries the owned
+        pages whose tokens all lie below t_i (the partial last page goes with the
+        last chunk); ``pause`` seconds between chunks. The aux row goes with the
+        last chunk if this rank owns the last valid token.
+    {"op": "abort", "room": R}
+    {"op": "quit"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.layout import OwnerLanes
+from kvbridge.transfer.engine import create_engine
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import fill_pages, make_aux
+
+_out_lock = threading.Lock()
+
+
+def emit(obj: dict) -> None:
+    with _out_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--instance", default="prefill")
+    ap.add_argument("--cp-rank", type=int, default=0)
+    ap.add_argument("--cp-size", type=int, default=1)
+    ap.add_argument("--lane-rule", default="interleaved")
+    ap.add_argument("--preset", default="deepseek-v3.2-fp8")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--pages", type=int, default=512)
+    ap.add_argument("--engine", default="mooncake")
+    ap.add_argument("--lease-ttl", type=float, default=2.0)
+    ap.add_argument("--kernel-abi", default="")
+    ap.add_argument("--secret", default="")
+    ap.add_argument("--target-timeout", type=float, default=30.0)
+    args = ap.parse_args()
+
+    specs = build_specs(args.preset, args.layers, args.page_size, 1)
+    contract = build_contract(args.preset, args.layers, args.page_size, 1, args.lane_rule)
+    if args.kernel_abi:  # a deliberately different contract, for the mismatch test
+        contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
+    aux_schema = aux_schema_of(contract)
+    buffers = allocate_buffers(specs, args.pages)
+    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, lane_rule=args.lane_rule,
+                        lease_ttl=args.lease_ttl, heartbeat_interval=0.2, target_timeout=args.target_timeout,
+                        secret=args.secret.encode() or None)
+    ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),
+                         aux_schema)
+    ep.start()
+    lanes = OwnerLanes(args.cp_size, args.lane_rule)
+    page_size = args.page_size
+    next_free = [0]
+    alloc_lock = threading.Lock()
+    senders = {}
+
+    def run_room(cmd: dict) -> None:
+        room, n = cmd["room"], cmd["num_tokens"]
+        num_pages = -(-n // page_size)
+        owned = lanes.owned_pages(args.cp_rank, num_pages)
+        with alloc_lock:  # bump allocation, wrapping: tests keep far fewer pages in flight than --pages
+            if next_free[0] + owned.size > args.pages:
+                next_free[0] = 0
+            local = np.arange(next_free[0], next_free[0] + owned.size)
+            next_free[0] += owned.size
+        for (pool, layer), buf in buffers.items():
+            fill_pages(specs[pool], buf, room, layer, owned, local, n)
+        sender = senders[room] = ep.sender(room)
+        sender.init(n)
+        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        sent = np.zeros(owned.size, dtype=bool)
+        chunks = cmd.get("chunks") or [n]
+        for i, upto in enumerate(chunks):
+            last = i == len(chunks) - 1
+            ready = ~sent & (((owned + 1) * page_size <= upto) | last)
+            aux = make_aux(aux_schema, room, n) if last and owns_last else None
+            sender.send(owned[ready], local[ready], is_last=last, aux=aux)
+            sent |= ready
+            if not last:  # pause between chunks, as a long prefill would; stop if the room ended meanwhile
+                until = time.monotonic() + cmd.get("pause", 0.0)
+                while time.monotonic() < until and sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+                    time.sleep(0.01)
+                if sender.poll() == KVPoll.Failed:
+                    break
+        deadline = time.monotonic() + 60
+        while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        emit({"room": room, "state": sender.poll().name, "reason": sender.failure_reason})
+
+    def guarded(cmd: dict) -> None:
+        try:
+            run_room(cmd)
+        except Exception as exc:  # report, never die silently
+            emit({"room": cmd.get("room"), "state": "Error", "reason": f"{type(exc).__name__}: {exc}"})
+
+    def burst(cmd: dict) -> None:
+        n = cmd["num_tokens"]
+        num_pages = -(-n // page_size)
+        owned = lanes.owned_pages(args.cp_rank, num_pages)
+        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        live = {}
+        for i, room in enumerate(cmd["rooms"]):
+            local = (np.arange(owned.size) + i * owned.size) % args.pages
+            for (pool, layer), buf in buffers.items():
+                fill_pages(specs[pool], buf, room, layer, owned, local, n)
+            s = live[room] = ep.sender(room)
+            s.init(n)
+            s.send(owned, local, is_last=True, aux=make_aux(aux_schema, room, n) if owns_last else None)
+        deadline = time.monotonic() + 120
+        while live and time.monotonic() < deadline:
+            for room in [k for k, s in live.items() if s.poll() in (KVPoll.Success, KVPoll.Failed)]:
+                s = live.pop(room)
+                emit({"room": room, "state": s.poll().name, "reason": s.failure_reason})
+            time.sleep(0.01)
+
+    emit({"ready": True, "endpoint": ep.endpoint})
+    threads = []
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "send":
+            t = threading.Thread(target=guarded, args=(cmd,), daemon=True)
+            t.start()
+            threads.append(t)
+        elif cmd["op"] == "burst":  # many rooms from one thread (the 1,000-rooms test)
+            t = threading.Thread(target=burst, args=(cmd,), daemon=True)
+            t.start()
+            threads.append(t)
+        elif cmd["op"] == "abort":
+            senders[cmd["room"]].abort(cmd.get("reason", "aborted by prefill test"))
+        elif cmd["op"] == "quit":
+            break
+    for t in threads:
+        t.join(10)
+    ep.close(timeout=5)
+    emit({"bye": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""A transfer-engine peer in its own process, for tests that write across processes.
+
+    python _transfer_peer.py NBYTES
+    -> prints {"session": ..., "addr": ..., "nbytes": ...} once its zeroed buffer is registered
+    <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
+    <- EOF or "exit" -> closes the engine and exits
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from kvbridge.transfer.engine import create_engine, tensor_region
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def main() -> None:
+    nbytes = int(sys.argv[1])
+    engine = create_engine("mooncake", host="127.0.0.1")
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    engine.register(*tensor_region(buf))
+    print(json.dumps({"session": engine.session_id, "addr": tensor_region(buf)[0], "nbytes": nbytes}), flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "check":
+            bad = int(np.count_nonzero(buf != pattern(int(args[0]), nbytes)))
+            print("ok" if bad == 0 else f"mismatch {bad} bytes", flush=True)
+        elif cmd == "exit":
+            break
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Control channel over real ZMQ sockets on loopback: a server loop thread serving two
+clients, bad input answered or dropped without stopping the loop, wakeups, close."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvbridge.errors import ConfigError, PeerLost, ProtocolError, TransferError
+from kvbridge.transfer import wire
+from kvbridge.transfer.channel import ControlServer, PeerSet, Wakeup
+from kvbridge.transfer.engine import Faults, LocalFabric, create_engine, tensor_region
+from kvbridge.transfer.wire import AbortAck, ErrorReply, Heartbeat, Ping
+
+SECRET = b"s3cret"
+
+
+class EchoLoop:
+    """A server loop thread: answers Ping with Heartbeat(seq) and stops when posted "stop"."""
+
+    def __init__(self, server: ControlServer) -> None:
+        self.server = server
+        self.errors: list[ProtocolError] = []
+        self.work_done: list[object] = []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while True:
+            for peer, msg in self.server.recv_ready(timeout_ms=1000):
+                if isinstance(msg, ProtocolError):
+                    self.errors.append(msg)
+                elif isinstance(msg, Ping):
+                    self.server.send(peer, Heartbeat(cp_rank=0, seq=msg.seq))
+            for work in self.server.wakeup.drain():
+                if work == "stop":
+                    return
+                self.work_done.append(work)
+
+    def stop(self) -> None:
+        self.server.wakeup.post("stop")
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture()
+def served() -> Iterator[tuple[ControlServer, EchoLoop]]:
+    server = ControlServer()
+    loop = EchoLoop(server)
+    yield server, loop
+    loop.stop()
+    server.close()
+
+
+def replies(peers: PeerSet, count: int, timeout: float = 5.0) -> list[tuple[str, object]]:
+    got: list[tuple[str, object]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got += peers.recv_ready(timeout_ms=50)
+    return got
+
+
+def test_server_loop_serves_two_clients(served: tuple[ControlServer, EchoLoop]) -> None:
+    server, _ = served
+    assert server.endpoint.startswith("tcp://127.0.0.1:") and server.port > 0
+    d0, d1 = PeerSet(), PeerSet()
+    try:
+        for seq in range(20):
+            d0.send(server.endpoint, Ping(decode_rank="d0", seq=seq))
+            d1.send(server.endpoint, Ping(decode_rank="d1", seq=100 + seq))
+        got0, got1 = replies(d0, 20), replies(d1, 20)
+        assert [m.seq for _, m in got0] == list(range(20))
+        assert [m.seq for _, m in got1] == list(range(100, 120))
+        assert {ep for ep, _ in got0 + got1} == {server.endpoint}
+        assert d0.get(server.endpoint) is d0.get(server.endpoint)  # one client per peer
+    finally:
+        d0.close()
+        d1.close()
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason", "ref_type", "room"),
+    [
+        ([b"\xc1garbage"], "not msgpack", "", None),
+        ([msgpack.packb({"v": 1, "t": "launch", "room": 5})], "unknown message type 'launch'", "launch", 5),
+        ([msgpack.packb({"v": 1, "t": "abort", "room": 9})], "missing field 'decode_rank' in abort", "abort", 9),
+        ([msgpack.packb({"v": 3, "t": "ping"})], "unsupported wire version 3", "ping", None),
+        ([wire.encode(Ping(decode_rank="x", seq=1), SECRET)], "HMAC envelope but no secret", "", None),
+        ([b"a", b"b"], "expected one frame per message, got 2", "", None),
+    ],
+)
+def test_bad_messages_get_an_error_reply_and_the_loop_keeps_serving(
+    served: tuple[ControlServer, EchoLoop], frames: list[bytes], reason: str, ref_type: str, room: int | None
+) -> None:
+    server, loop = served
+    peers = PeerSet()
+    try:
+        peers.get(server.endpoint).socket.send_multipart(frames)
+        ((_, reply),) = replies(peers, 1)
+        assert isinstance(reply, ErrorReply)
+        assert reason in reply.reason and (reply.ref_type, reply.room) == (ref_type, room)
+        peers.send(server.endpoint, Ping(decode_rank="d0", seq=7))  # still serving
+        ((_, beat),) = replies(peers, 1)
+        assert beat == Heartbeat(cp_rank=0, seq=7)
+        assert server.stats.malformed == 1 and server.stats.error_replies == 1
+        assert len(loop.errors) == 1 and reason in str(loop.errors[0])
+    finally:
+        peers.close()
+
+
+def test_oversized_message_gets_an_error_reply() -> None:
+    server = ControlServer(max_bytes=256)
+    loop = EchoLoop(server)
+    peers = PeerSet()
+    try:
+        peers.get(server.endpoint).socket.send(b"\x00" * 300)
+        ((_, reply),) = replies(peers, 1)
+        assert isinstance(reply, ErrorReply) and "300 bytes is over the 256-byte limit" in reply.reason
+    finally:
+        peers.close()
+        loop.stop()
+        server.close()
+
+
+def test_unauthenticated_messages_are_dropped_and_counted() -> None:
+    server = ControlServer(secret=SECRET)
+    loop = EchoLoop(server)
+    good, wrong, plain = PeerSet(secret=SECRET), PeerSet(secret=b"other"), PeerSet()
+    try:
+        wrong.send(server.endpoint, Ping(decode_rank="intruder", seq=1))
+        plain.send(server.endpoint, Ping(decode_rank="intruder", seq=2))
+        plain.get(server.endpoint).socket.send(b"\xc1junk")
+        good.send(server.endpoint, Ping(decode_rank="d0", seq=3))
+        ((_, beat),) = replies(good, 1)
+        assert beat == Heartbeat(cp_rank=0, seq=3)  # signed with the secret, verified by the client
+        assert replies(wrong, 1, timeout=0.3) == [] and replies(plain, 1, timeout=0.3) == []
+        assert server.stats.unauthenticated == 3 and server.stats.error_replies == 0
+        assert loop.errors == []
+    finally:
+        for p in (good, wrong, plain):
+            p.close()
+        loop.stop()
+        server.close()
+
+
+def test_client_counts_bad_replies_and_never_answers_them() -> None:
+    server = ControlServer()
+    peers = PeerSet()
+    try:
+        peers.send(server.endpoint, Ping(decode_rank="d0", seq=1))
+        ((ident, _),) = replies_from_server(server, 1)
+        server._sock.send_multipart([ident, b"\xc1"])  # a broken server
+        ((endpoint, err),) = replies(peers, 1)
+        assert endpoint == server.endpoint and isinstance(err, ProtocolError) and "not msgpack" in str(err)
+        assert peers.stats.malformed == 1 and peers.stats.sent == 1
+        assert replies_from_server(server, 1, timeout=0.3) == []
+    finally:
+        peers.close()
+        server.close()
+
+
+def replies_from_server(server: ControlServer, count: int, timeout: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got += server.recv_ready(timeout_ms=50)
+    return got
+
+
+def test_wakeup_from_another_thread_ends_the_wait_at_once() -> None:
+    server = ControlServer()
+    try:
+        threading.Timer(0.1, server.wakeup.post, args=("work",)).start()
+        start = time.monotonic()
+        assert server.recv_ready(timeout_ms=5000) == []
+        assert time.monotonic() - start < 2
+        assert server.wakeup.drain() == ["work"] and server.wakeup.drain() == []
+    finally:
+        server.close()
+
+
+def test_write_completion_wakes_the_loop_through_the_engine_notify() -> None:
+    fabric = LocalFabric()
+    a, b = create_engine("local", fabric=fabric), create_engine("local", fabric=fabric)
+    server = ControlServer()
+    try:
+        gate = threading.Event()
+        a.faults = Faults(gate=gate)
+        a.set_notify(server.wakeup.post)
+        src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
+        a.register(*tensor_region(src))
+        b.register(*tensor_region(dst))
+        handle = a.submit_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [64])
+        assert server.recv_ready(timeout_ms=100) == [] and a.poll(handle).state.value == "pending"
+        threading.Timer(0.1, gate.set).start()
+        start = time.monotonic()
+        server.recv_ready(timeout_ms=5000)
+        assert time.monotonic() - start < 2 and a.poll(handle).state.value == "done" and dst.all()
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+def test_wakeup_queue_is_bounded() -> None:
+    w = Wakeup(max_items=3)
+    for i in range(3):
+        w.post(i)
+    with pytest.raises(TransferError, match="wakeup queue full"):
+        w.post(3)
+    for _ in range(100_000):  # plain wakeups never fill anything
+        w.post()
+    assert w.drain() == [0, 1, 2]
+    w.close()
+    assert w.post("late") is False
+
+
+def test_sending_to_a_peer_that_is_gone_is_peer_lost(served: tuple[ControlServer, EchoLoop]) -> None:
+    server, _ = served
+    with pytest.raises(PeerLost, match="not connected"):
+        server.send(b"\x00nobody", AbortAck(room=1, cp_rank=0))
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ConfigError, match="secret"):
+        ControlServer(secret=b"")
+    with pytest.raises(ConfigError, match="cannot bind"):
+        ControlServer(host="203.0.113.1")
+    peers = PeerSet(max_peers=1)
+    try:
+        with pytest.raises(ConfigError, match="tcp://host:port"):
+            peers.get("127.0.0.1:5000")
+        peers.get("tcp://127.0.0.1:1")
+        with pytest.raises(TransferError, match="more than 1 control peers"):
+            peers.get("tcp://127.0.0.1:2")
+        peers.drop("tcp://127.0.0.1:1")
+        peers.get("tcp://127.0.0.1:2")
+    finally:
+        peers.close()
+
+
+def test_close_leaves_nothing_listening() -> None:
+    server = ControlServer()
+    port = server.port
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    server.close()
+    server.close()  # idempotent
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    with pytest.raises(TransferError, match="closed"):
+        server.recv_ready(0)

@@ -1,0 +1,248 @@
+"""Control-channel messages: every message round-trips; every malformed input is a
+ProtocolError that says exactly what is wrong; HMAC; size limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.errors import ConfigError, ProtocolError
+from kvbridge.transfer import wire
+from kvbridge.transfer.wire import (
+    MESSAGE_TYPES,
+    WIRE_VERSION,
+    Abort,
+    AbortAck,
+    AuxDone,
+    ErrorReply,
+    Heartbeat,
+    PagesDone,
+    Ping,
+    TransferRequest,
+    decode,
+    encode,
+    pack_pages,
+    unpack_pages,
+)
+
+SECRET = b"cluster-secret"
+
+
+def request(**changes: object) -> TransferRequest:
+    fields: dict = dict(
+        room=2**63 - 1,
+        decode_rank="decode-dp0-tp0",
+        session="127.0.0.1:15000",
+        page_ids=pack_pages(np.array([9, 3, 4, 100_000])),
+        pools=["target", "index", "draft"],
+        buffers=[["target", 0, 0x7F00_0000_0000, 64, 73_728], ["draft", 61, 2**64 - 4096, 1, 4096]],
+        aux_base=0x7F10_0000_0000,
+        aux_capacity=256,
+        aux_row_bytes=14_400,
+        aux_slot=17,
+        num_tokens=200,
+        deadline_ms=30_000,
+        want_digest=True,
+        fingerprint="sha256:" + "ab" * 32,
+        num_decode_ranks=2,
+    )
+    fields.update(changes)
+    return TransferRequest(**fields)
+
+
+SAMPLES = [
+    request(),
+    request(aux_slot=-1, want_digest=False, pools=[], buffers=[], page_ids=b""),
+    Abort(room=7, decode_rank="d0", reason="client went away"),
+    Ping(decode_rank="d0", seq=0),
+    PagesDone(room=7, cp_rank=1, status="ok", reason="", pools=["target"], logical_pages=pack_pages(np.arange(5)), digests=b"\x01" * 40),
+    PagesDone(room=7, cp_rank=0, status="failed", reason="page 9 outside capacity", pools=[], logical_pages=b"", digests=None),
+    AuxDone(room=7, cp_rank=3, status="ok", reason=""),
+    AbortAck(room=7, cp_rank=2),
+    Heartbeat(cp_rank=2, seq=2**40),
+    ErrorReply(ref_type="transfer_request", room=None, reason="unknown message type 'x'"),
+    ErrorReply(ref_type="abort", room=5, reason="no such room"),
+]
+
+
+def body(**fields: object) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def valid_map(msg: wire.Message) -> dict:
+    return {"v": WIRE_VERSION, "t": msg.TAG, **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
+
+
+# ---- round trips --------------------------------------------------------------------------------
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.TAG)
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "hmac"])
+def test_round_trip(msg: wire.Message, secret: bytes | None) -> None:
+    data = encode(msg, secret)
+    assert decode(data, secret) == msg
+    assert type(decode(data, secret)) is type(msg)
+
+
+def test_plain_encoding_is_a_versioned_map() -> None:
+    obj = msgpack.unpackb(encode(Ping(decode_rank="d", seq=1)))
+    assert obj == {"v": WIRE_VERSION, "t": "ping", "decode_rank": "d", "seq": 1}
+
+
+def test_hmac_envelope_is_body_and_sha256_mac() -> None:
+    msg = AbortAck(room=1, cp_rank=0)
+    inner, mac = msgpack.unpackb(encode(msg, SECRET))
+    assert inner == encode(msg)
+    assert mac == hmac.new(SECRET, inner, hashlib.sha256).digest()
+
+
+def test_pages_pack_as_little_endian_int32() -> None:
+    pages = np.array([0, 1, 2**31 - 1, 70_000], dtype=np.int64)
+    packed = pack_pages(pages)
+    assert packed == b"".join(int(p).to_bytes(4, "little") for p in pages)
+    out = unpack_pages(packed)
+    assert out.dtype == np.int32 and out.flags.writeable and out.tolist() == pages.tolist()
+    assert unpack_pages(b"").size == 0
+
+
+@pytest.mark.parametrize(("pages", "match"), [(np.array([2**31]), "fit int32"), (np.zeros((2, 2), int), "1-D"), (np.array([0.5]), "integer")])
+def test_pack_pages_refuses(pages: np.ndarray, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        pack_pages(pages)
+
+
+def test_unpack_pages_refuses_a_partial_int() -> None:
+    with pytest.raises(ProtocolError, match="multiple of 4 bytes, got 7"):
+        unpack_pages(b"\x00" * 7)
+
+
+def test_unknown_extra_fields_are_ignored() -> None:
+    msg = AbortAck(room=3, cp_rank=1)
+    assert decode(body(**valid_map(msg), added_in_a_later_release=[1, 2])) == msg
+
+
+# ---- malformed input ----------------------------------------------------------------------------
+ACK = valid_map(AbortAck(room=3, cp_rank=1))
+MALFORMED = [
+    (b"\xc1", "not msgpack"),
+    (b"\x93\x01", "not msgpack"),
+    (body(**ACK) + b"\x00", "not msgpack"),
+    (msgpack.packb([1, 2, 3]), "not a map: got a msgpack list"),
+    (msgpack.packb(7), "not a map: got a msgpack int"),
+    (msgpack.packb({1: 2}), "map keys must be strings"),
+    (body(t="abort_ack", room=3, cp_rank=1), "missing version field 'v'"),
+    (body(**{**ACK, "v": 2}), "unsupported wire version 2"),
+    (body(**{**ACK, "v": True}), "unsupported wire version True"),
+    (body(v=WIRE_VERSION, room=3), "missing type tag 't'"),
+    (body(**{**ACK, "t": "launch_missiles"}), "unknown message type 'launch_missiles'"),
+    (body(**{**ACK, "t": 5}), "unknown message type 5"),
+    (body(v=WIRE_VERSION, t="abort_ack", room=3), "missing field 'cp_rank' in abort_ack"),
+    (body(**{**ACK, "room": "3"}), "field 'room' of abort_ack has wrong type: expected int, got str"),
+    (body(**{**ACK, "cp_rank": True}), "field 'cp_rank' of abort_ack has wrong type: expected int, got bool"),
+    (body(**{**ACK, "room": -1}), "field 'room' of abort_ack is out of range: -1"),
+    (body(**{**ACK, "room": 2**63}), "field 'room' of abort_ack is out of range"),
+    (body(**{**valid_map(request()), "want_digest": 1}), "field 'want_digest' .* expected bool, got int"),
+    (body(**{**valid_map(request()), "pools": ["target", 3]}), "field 'pools' .* expected list\\[str\\], got list"),
+    (body(**{**valid_map(request()), "page_ids": "0123"}), "field 'page_ids' .* expected bytes, got str"),
+    (body(**{**valid_map(request()), "page_ids": b"\x00" * 6}), "field 'page_ids' .* multiple of 4 bytes\\), got 6 bytes"),
+    (body(**{**valid_map(request()), "buffers": [["target", 0, 1]]}), "field 'buffers' .* entry 0 is not"),
+    (body(**{**valid_map(request()), "buffers": [["target", 0, -1, 1, 1]]}), "field 'buffers' .* entry 0"),
+    (body(**{**valid_map(request()), "aux_slot": -2}), "field 'aux_slot' .* out of range: -2"),
+    (body(**{**valid_map(SAMPLES[4]), "status": "maybe"}), "field 'status' of pages_done must be one of"),
+    (body(**{**valid_map(SAMPLES[4]), "digests": 5}), "field 'digests' .* expected bytes or None, got int"),
+]
+
+
+@pytest.mark.parametrize(("data", "match"), MALFORMED)
+def test_malformed_input_names_the_problem(data: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_error_carries_room_and_field_when_known() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(body(v=WIRE_VERSION, t="abort", room=12, decode_rank="d"))
+    assert (info.value.room, info.value.field) == (12, "reason")
+    assert "[room=12 field=reason]" in str(info.value)
+
+
+def test_constructing_a_bad_message_fails_at_the_sender() -> None:
+    with pytest.raises(ProtocolError, match="field 'room' of abort_ack has wrong type: expected int, got int64"):
+        AbortAck(room=np.int64(3), cp_rank=0)
+    with pytest.raises(ProtocolError, match="not a wire message"):
+        encode(dataclasses.make_dataclass("Fake", [])())
+
+
+@given(st.binary(max_size=256))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
+
+
+@given(tag=st.sampled_from(sorted(MESSAGE_TYPES)), fields=st.dictionaries(st.sampled_from(["room", "cp_rank", "seq", "status", "pools", "page_ids", "buffers", "reason", "digests", "decode_rank"]), values))
+@settings(max_examples=300, deadline=None)
+def test_random_maps_only_ever_raise_protocol_error(tag: str, fields: dict) -> None:
+    try:
+        decode(body(v=WIRE_VERSION, t=tag, **fields))
+    except ProtocolError:
+        pass
+
+
+# ---- HMAC and size ------------------------------------------------------------------------------
+def test_message_signed_with_another_secret_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="bad HMAC") as info:
+        decode(encode(SAMPLES[3], b"other-secret"), SECRET)
+    assert info.value.field == "mac"
+
+
+def test_tampered_body_is_refused() -> None:
+    inner, mac = msgpack.unpackb(encode(AbortAck(room=1, cp_rank=0), SECRET))
+    forged = msgpack.packb([encode(AbortAck(room=2, cp_rank=0)), mac])
+    with pytest.raises(ProtocolError, match="bad HMAC"):
+        decode(forged, SECRET)
+    with pytest.raises(ProtocolError, match="bad HMAC"):
+        decode(msgpack.packb([inner, mac[:16]]), SECRET)
+
+
+@pytest.mark.parametrize("data", [encode(SAMPLES[3]), b"\xc1", msgpack.packb([b"x"])], ids=["plain", "garbage", "one-element"])
+def test_unsigned_message_is_refused_when_a_secret_is_set(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="missing HMAC"):
+        decode(data, SECRET)
+
+
+def test_signed_message_is_refused_when_no_secret_is_set() -> None:
+    with pytest.raises(ProtocolError, match="HMAC envelope but no secret"):
+        decode(encode(SAMPLES[3], SECRET))
+
+
+def test_an_empty_secret_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="secret"):
+        encode(SAMPLES[3], b"")
+
+
+def test_oversized_messages_are_refused_both_ways() -> None:
+    big = PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=["t"], logical_pages=b"\x00" * 4096, digests=None)
+    with pytest.raises(ProtocolError, match="over the 1024-byte limit"):
+        encode(big, max_bytes=1024)
+    data = encode(big)
+    with pytest.raises(ProtocolError, match=f"message of {len(data)} bytes is over the 1024-byte limit"):
+        decode(data, max_bytes=1024)
+    with pytest.raises(ProtocolError, match="over the"):
+        decode(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+    assert decode(data) == big
