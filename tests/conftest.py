@@ -75,6 +75,7 @@ class BootstrapDaemon:
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
+        clean = True
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -82,6 +83,10 @@ class BootstrapDaemon:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+                clean = False
+            # a graceful SIGTERM shutdown exits 0 (not 143)
+            assert not clean or proc.returncode == 0, f"daemon exited {proc.returncode} on SIGTERM:\n{self.log_text}"
+
         if self.port:
             assert not _port_open(self.port), f"port {self.port} still accepts connections after the daemon stopped"
 

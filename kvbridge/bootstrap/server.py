@@ -4,10 +4,12 @@ file for whoever started us (tests, scripts) without guessing free ports."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -51,6 +53,20 @@ def _publish_port(path: Path, port: int) -> None:
     tmp.replace(path)  # atomic: a reader sees no file or the whole number
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the
+    process would die of the signal (exit 143). A daemon that shut down cleanly
+    on request exits 0: forget the captured signals before uvicorn re-raises them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
+
 def serve(
     settings: BootstrapSettings,
     *,
@@ -76,6 +92,6 @@ def serve(
         server_header=False,
     )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config).run(sockets=[sock])
     finally:
         sock.close()

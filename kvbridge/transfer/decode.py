@@ -179,11 +179,9 @@ class DecodeEndpoint:
             return default if r is None else fn(r)
 
     def _release(self, room: int) -> None:
-        """The engine dropped its receiver: the room may go once it is final and quiet."""
-        with self._lock:
-            r = self._book.rooms.get(room)
-            if r is not None:
-                r.engine_done = True
+        """The engine dropped its receiver: the room may go once it is final and quiet.
+        Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
+        self._book.released.append(room)
 
     def _abort(self, room: int, reason: str) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ class RoomBook:
         self.dp_sizes: dict[str, int] = {}
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
-        self.finished: OrderedDict[int, None] = OrderedDict()
+        self.released: deque[int] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
 
     # -- rooms from the engine --------------------------------------------------
 
@@ -110,7 +110,6 @@ class RoomBook:
         r.state.to(KVPoll.Failed, reason)
         log.warning("room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
         self._send_aborts(r)
-        self._retire(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
         for cp in sorted(r.requested - r.quiet - r.abort_sent):
@@ -121,11 +120,6 @@ class RoomBook:
 
     def unquiet(self) -> bool:
         return any(r.state.state == KVPoll.Failed and not r.pages_releasable for r in self.rooms.values())
-
-    def _retire(self, r: RecvRoom) -> None:
-        self.finished[r.room] = None
-        while len(self.finished) > 4096:
-            self.finished.popitem(last=False)
 
     # -- messages from prefill ranks --------------------------------------------
 
@@ -201,7 +195,6 @@ class RoomBook:
                 return
         r.aux = aux
         r.state.advance_to(KVPoll.Success)
-        self._retire(r)
         if self.ep.trace:
             log.info("trace room=%d rank=%s committed pages_by_rank=%s aux_owner=cp%d", r.room, self.cfg.rank_label,
                      r.ledger.pages_by_rank, r.ledger.aux_owner)
@@ -216,6 +209,10 @@ class RoomBook:
     # -- periodic work ----------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        while self.released:
+            r = self.rooms.get(self.released.popleft())
+            if r is not None:
+                r.engine_done = True
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)

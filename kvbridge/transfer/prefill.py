@@ -12,6 +12,7 @@ per room.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -93,6 +94,7 @@ class PrefillEndpoint:
         self._lock = threading.Lock()
         self._rooms: dict[int, SendRoom] = {}
         self._handles: dict[int, tuple[SendRoom, Target]] = {}
+        self._released: collections.deque[int] = collections.deque()  # rooms whose KVSender was dropped
         self._server: ControlServer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -218,11 +220,9 @@ class PrefillEndpoint:
             return KVPoll.Failed if r is None else r.state.state
 
     def _release(self, room: int) -> None:
-        """The engine dropped its sender: the room may go once it is final and quiet."""
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is not None:
-                r.engine_done = True
+        """The engine dropped its sender: the room may go once it is final and quiet.
+        Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
+        self._released.append(room)
 
     def _reason(self, room: int) -> str | None:
         with self._lock:
@@ -459,6 +459,10 @@ class PrefillEndpoint:
 
     def _gc(self, now: float) -> None:
         with self._lock:
+            while self._released:
+                r = self._rooms.get(self._released.popleft())
+                if r is not None:
+                    r.engine_done = True
             for room in [k for k, r in self._rooms.items() if r.state.final and not r.num_inflight
                          and (r.engine_done or now - r.state.entered[r.state.state] > ROOM_RETENTION_S)]:
                 del self._rooms[room]

@@ -1,0 +1,262 @@
+"""Endpoints in one process over the local engine (fault injection), against a
+real bootstrap daemon: held, failed and corrupted writes, misuse of the engine
+API, timeouts, authentication. The same behaviour over real Mooncake between
+processes is in test_rooms.py and test_rooms_faults.py."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from _cluster import wait_final, wait_until
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.errors import LayoutError, PageRangeError
+from kvbridge.layout import OwnerLanes
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.engine import create_engine
+from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_pages
+
+PAGE, LAYERS = 4, 2
+
+
+class Cluster:
+    """CP prefill ranks + one decode rank, one LocalFabric, all in this process."""
+
+    def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
+                 decode_secret: bytes | None = None, **decode_cfg) -> None:
+        self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
+        self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, "interleaved")
+        self.aux_schema = aux_schema_of(self.contract)
+        self.fabric = LocalFabric()
+        self.lanes = OwnerLanes(cp)
+        self.name = name
+        self.clients = []
+        self.prefill = []
+        for rank in range(cp):
+            eng = create_engine("local", fabric=self.fabric)
+            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
+                                secret=prefill_secret)
+            ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
+                                 self._client(url), self.aux_schema)
+            ep.start()
+            self.prefill.append(ep)
+        self.dbufs = allocate_buffers(self.specs, 64)
+        for b in self.dbufs.values():
+            as_bytes(b)[:] = SENTINEL_BYTE
+        self.aux = torch.zeros((8, self.aux_schema.row_bytes), dtype=torch.uint8)
+        decode_cfg.setdefault("peer_timeout", 1.0)
+        decode_cfg.setdefault("ping_interval", 0.1)
+        dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
+        self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
+                                     self.contract, self._client(url), self.aux, self.aux_schema)
+        self.decode.start()
+
+    def _client(self, url: str) -> BootstrapClient:
+        c = BootstrapClient(url)
+        self.clients.append(c)
+        return c
+
+    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None):
+        """Fill and send every rank's owned pages of ``room``; returns the senders."""
+        num_pages = -(-n // PAGE)
+        senders = []
+        for rank, ep in enumerate(self.prefill):
+            if ranks is not None and rank not in ranks:
+                continue
+            owned = self.lanes.owned_pages(rank, num_pages)
+            local = np.arange(owned.size) + 10
+            for (pool, layer), buf in ep.buffers.tensors.items():
+                fill_pages(self.specs[pool], buf, room, layer, owned, local, n)
+            s = ep.sender(room)
+            s.init(n)
+            owns_last = self.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
+            aux = make_aux(self.aux_schema, corrupt_room or room, n) if owns_last else None
+            if corrupt_room is not None and aux is not None:
+                aux["room"] = room  # echo ok at send time; the engine corrupts it in flight
+            s.send(owned, local, is_last=True, aux=aux)
+            senders.append(s)
+        return senders
+
+    def verified(self, room: int, n: int, pages: np.ndarray) -> bool:
+        return all(verify_pages(self.specs[p], b, room, layer, pages, n).ok for (p, layer), b in self.dbufs.items())
+
+    def close(self) -> None:
+        self.decode.close(timeout=2)
+        for ep in self.prefill:
+            ep.close(timeout=2)
+        for c in self.clients:
+            c.close()
+
+
+@pytest.fixture
+def cluster(daemon, request):
+    made = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(daemon.url, f"{request.node.name[:40].replace('[', '-').replace(']', '')}-{len(made)}", **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_abort_waits_for_writes_still_in_flight(cluster):
+    """Hard rule 6: pages are not released while a posted write may still land."""
+    c = cluster()
+    gate = threading.Event()
+    for ep in c.prefill:
+        ep.engine.faults.gate = gate  # every write is held in flight until the gate opens
+    pages = np.array([5, 6, 7])
+    r = c.decode.receiver(1, f"{c.name}-p")
+    r.init(pages, 0, 10)
+    senders = c.send(1, 10)
+    assert wait_until(lambda: all(s.poll() == KVPoll.Transferring for s in senders), 10)
+    r.abort("user cancelled")
+    assert r.poll() == KVPoll.Failed
+    assert not wait_until(lambda: r.pages_releasable, 0.5), "released while writes were in flight"
+    assert all(s.poll() == KVPoll.Transferring for s in senders)  # the prefill side waits for its writes too
+    gate.set()
+    assert wait_until(lambda: r.pages_releasable, 10)
+    wait_final(senders)
+    assert all(s.poll() == KVPoll.Failed and "user cancelled" in s.failure_reason for s in senders)
+
+
+def test_failed_write_fails_the_room_with_the_engine_reason(cluster):
+    c = cluster()
+    c.prefill[1].engine.faults.fail_batches = {0}
+    pages = np.array([1, 2, 3, 4])
+    r = c.decode.receiver(2, f"{c.name}-p")
+    r.init(pages, 0, 14)
+    senders = c.send(2, 14)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Failed
+    assert "prefill cp rank 1" in r.failure_reason and "injected failure of batch 0" in r.failure_reason
+    assert wait_until(lambda: r.pages_releasable, 10)
+    assert senders[1].poll() == KVPoll.Failed
+
+
+def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
+    """Hard rule 4: an aux row that carries another room's id never commits."""
+    c = cluster(cp=1)
+    c.prefill[0].engine.faults.corrupt_batches = {1}  # batch 0: pages, batch 1: the aux row
+    r = c.decode.receiver(0x1234, f"{c.name}-p")
+    r.init(np.array([0, 1]), 3, 6)
+    c.send(0x1234, 6)
+    wait_final([r])
+    assert r.poll() == KVPoll.Failed
+    assert "aux row in slot 3 carries room" in r.failure_reason and str(0x1234) in r.failure_reason
+
+
+def test_corrupted_page_fails_only_with_the_digest_check(cluster):
+    plain, checked = cluster(cp=1), cluster(cp=1, verify_digest=True)
+    results = []
+    for c in (plain, checked):
+        c.prefill[0].engine.faults.corrupt_batches = {0}
+        r = c.decode.receiver(3, f"{c.name}-p")
+        r.init(np.array([8, 9]), 0, 7)
+        c.send(3, 7)
+        wait_final([r])
+        results.append(r)
+    assert results[0].poll() == KVPoll.Success and not plain.verified(3, 7, np.array([8, 9]))
+    assert results[1].poll() == KVPoll.Failed and "digest mismatch" in results[1].failure_reason
+
+
+def test_sender_misuse_is_refused_with_the_reason(cluster):
+    c = cluster()
+    ep0, ep1 = c.prefill
+    s = ep0.sender(4)
+    with pytest.raises(LayoutError, match="before init"):
+        s.send(np.array([0]), np.array([0]))
+    s.init(10)  # 3 pages: cp0 owns 0 and 2, cp1 owns 1; the last token (9) is on page 2 -> cp0
+    with pytest.raises(LayoutError, match="logical page 1 is owned by cp rank 1"):
+        s.send(np.array([1]), np.array([0]))
+    with pytest.raises(LayoutError, match="local pages must lie in"):
+        s.send(np.array([0]), np.array([64]))
+    with pytest.raises(LayoutError, match="must carry the aux row"):
+        s.send(np.array([0, 2]), np.array([0, 1]), is_last=True)
+    with pytest.raises(LayoutError, match="leaves 1 owned pages unsent"):
+        s.send(np.array([0]), np.array([0]), is_last=True, aux=make_aux(c.aux_schema, 4, 10))
+    with pytest.raises(LayoutError, match="carries room 5"):
+        s.send(np.array([0, 2]), np.array([0, 1]), is_last=True, aux=make_aux(c.aux_schema, 5, 10))
+    s1 = ep1.sender(4)
+    s1.init(10)
+    with pytest.raises(LayoutError, match="hard rule 4"):
+        s1.send(np.array([1]), np.array([0]), is_last=True, aux=make_aux(c.aux_schema, 4, 10))
+    with pytest.raises(LayoutError, match="says 11 tokens"):
+        ep1.sender(4).init(11)
+    s.abort("test over")
+    s1.abort("test over")
+
+
+def test_receiver_misuse_is_refused_with_the_reason(cluster):
+    c = cluster()
+    r = c.decode.receiver(6, f"{c.name}-p")
+    with pytest.raises(LayoutError, match="3 pages for 13 tokens"):
+        r.init(np.array([0, 1, 2]), 0, 13)
+    with pytest.raises(PageRangeError, match="registered capacity"):
+        r.init(np.array([0, 1, 64]), 0, 12)
+    with pytest.raises(PageRangeError, match="aux slot 8"):
+        r.init(np.array([0, 1, 2]), 8, 12)
+    with pytest.raises(LayoutError, match="integers"):
+        r.init(np.array([0.0, 1.0, 2.0]), 0, 12)
+    r.init(np.array([0, 1, 2]), 0, 12)
+    with pytest.raises(LayoutError, match="init\\(\\) called twice"):
+        r.init(np.array([0, 1, 2]), 0, 12)
+    r.abort("test over")
+    assert c.decode._book.rooms[6].state.state == KVPoll.Failed
+
+
+def test_timeouts_name_the_state_that_overran(cluster, daemon):
+    c = cluster(bootstrap_timeout=0.5, waiting_timeout=0.5)
+    lost = c.decode.receiver(7, "no-such-instance")
+    never_init = c.decode.receiver(8, f"{c.name}-p")
+    orphan = c.prefill[0].sender(9)  # no decode rank ever asks for room 9
+    orphan.init(5)
+    wait_final([lost, never_init, orphan], timeout=10)
+    assert "no-such-instance" in lost.failure_reason
+    assert "waiting timeout" in never_init.failure_reason
+    assert "no decode rank asked for room 9" in orphan.failure_reason
+    assert lost.pages_releasable and never_init.pages_releasable
+
+
+def test_unauthenticated_control_messages_are_dropped(cluster):
+    """A decode rank with the wrong cluster secret gets nothing: its rooms fail on liveness."""
+    good = cluster(cp=1, prefill_secret=b"s3cret", decode_secret=b"s3cret")
+    r = good.decode.receiver(10, f"{good.name}-p")
+    r.init(np.array([0, 1]), 0, 8)
+    good.send(10, 8)
+    wait_final([r])
+    assert r.poll() == KVPoll.Success and good.verified(10, 8, np.array([0, 1]))
+    bad = cluster(cp=1, prefill_secret=b"s3cret", decode_secret=b"guess")
+    r = bad.decode.receiver(11, f"{bad.name}-p")
+    r.init(np.array([0, 1]), 0, 8)
+    wait_final([r], timeout=10)
+    assert r.poll() == KVPoll.Failed and "sent nothing" in r.failure_reason
+    assert bad.prefill[0]._server.stats.unauthenticated > 0
+    assert as_bytes(bad.dbufs[("target", 0)])[[0, 1]].min() == SENTINEL_BYTE  # nothing written
+
+
+def test_release_from_a_finalizer_never_takes_the_lock(cluster):
+    """Receivers and senders are released from GC finalizers, which may run on a
+    thread that already holds the endpoint lock: that must not deadlock."""
+    c = cluster(cp=1)
+    done = threading.Event()
+
+    def drop_under_lock() -> None:
+        with c.decode._lock, c.prefill[0]._lock:
+            c.decode._release(12)
+            c.prefill[0]._release(12)
+        done.set()
+
+    t = threading.Thread(target=drop_under_lock, daemon=True)
+    t.start()
+    assert done.wait(5), "releasing a room under the endpoint lock deadlocked"
