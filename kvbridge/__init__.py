@@ -1,9 +1,54 @@
-"""kvbridge: move an LLM request's KV cache from prefill ranks to decode ranks."""
+"""kvbridge: move an LLM request's KV cache from prefill ranks to decode ranks.
 
+The public surface, re-exported here (pinned by tests/test_exports.py):
+
+- errors: ``KVBridgeError`` and its tree (see ``kvbridge.errors``);
+- geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``, ``AuxRow``;
+- contract: ``RuntimeContract``, ``contract_from_preset``, ``fingerprint``, ``diff_contracts``;
+- bootstrap: ``BootstrapClient``;
+- data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``.
+"""
+
+from kvbridge._version import WIRE_VERSION, __version__
+from kvbridge.bootstrap import BootstrapClient, RuntimeContract, contract_from_preset, diff_contracts, fingerprint
 from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
-from kvbridge.layout import PRESETS, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.layout import PRESETS, AuxRow, AuxSchema, OwnerLanes, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.transfer import (
+    DecodeConfig,
+    DecodeEndpoint,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    PrefillConfig,
+    PrefillEndpoint,
+    create_engine,
+    mooncake_available,
+)
 
-__version__ = "0.1.0"
-
-__all__ = [*_errors_all, "PRESETS", "PoolSpec", "deepseek_pools", "preset_pools", "__version__"]
+__all__ = [
+    *_errors_all,
+    "PRESETS",
+    "WIRE_VERSION",
+    "AuxRow",
+    "AuxSchema",
+    "BootstrapClient",
+    "DecodeConfig",
+    "DecodeEndpoint",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "OwnerLanes",
+    "PoolSpec",
+    "PrefillConfig",
+    "PrefillEndpoint",
+    "RuntimeContract",
+    "__version__",
+    "contract_from_preset",
+    "create_engine",
+    "deepseek_pools",
+    "diff_contracts",
+    "fingerprint",
+    "mooncake_available",
+    "preset_pools",
+]

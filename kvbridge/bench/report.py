@@ -10,7 +10,7 @@ COLUMNS = (
     ("cp", "cp", "{:>3}"),
     ("tokens", "tokens", "{:>7}"),
     ("MB", "bytes", "{:>9.1f}"),
-    ("slices", "slices", "{:>7}"),
+    ("kvb slices", "kvbridge_slices", "{:>10}"),
     ("ideal", "ideal_slices", "{:>7}"),
     ("plan ms", "plan_ms", "{:>8.2f}"),
     ("kvb GB/s", "kvbridge_gbps", "{:>9.3f}"),
@@ -35,7 +35,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if key == "ok":
                 value = "yes" if not row["verify_errors"] and not row["kvbridge_failures"] else "NO"
             elif value is None:
-                value = float("nan")
+                value = float("nan") if "." in fmt else "-"
+                fmt = "{:>10}" if value == "-" else fmt
             cells.append(fmt.format(value).rjust(w))
         lines.append(" ".join(cells))
     for row in rows:
@@ -44,12 +45,12 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     goal = [r for r in rows if r["tokens"] >= 8192]
     if goal:
         worst = min(r["ratio_vs_raw"] for r in goal)
-        ideal = all(r["slices"] == r["ideal_slices"] for r in rows)
+        ideal = all(r["kvbridge_slices"] == r["ideal_slices"] for r in rows)
         lines += [
             "",
             f"goal kvbridge >= 0.9x raw Mooncake for >= 8K tokens: worst {worst:.2f}x -> "
             f"{'met' if worst >= 0.9 else 'NOT met'}",
-            f"slices per room == ideal (runs x layers x pools): {'yes' if ideal else 'NO'}",
+            f"slices kvbridge posted per room == ideal (runs x layers x pools): {'yes' if ideal else 'NO'}",
         ]
     return "\n".join(lines)
 

@@ -171,7 +171,9 @@ class Rig:
             raise TransferTimeout(f"kvbridge room failed: {receiver.failure_reason}", room=room)
         while any(s.poll() not in FINAL for s in senders) and time.monotonic() < deadline:
             time.sleep(0.001)
-        return elapsed, dict(getattr(receiver, "stats", {}) or {})
+        stats = dict(receiver.stats)
+        stats["slices"] = sum(s.stats.get("slices", 0) for s in senders)  # what kvbridge really posted
+        return elapsed, stats
 
     def run_raw(self, plans: list[TransferPlan], timeout: float = 120.0) -> float:
         session = self.dst_engine.session_id

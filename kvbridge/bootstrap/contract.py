@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvbridge._version import WIRE_VERSION
 from kvbridge.bootstrap import digest
 from kvbridge.bootstrap.digest import ExtraFiles
 from kvbridge.errors import ContractError
@@ -57,7 +58,6 @@ __all__ = [
 ]
 
 # Control-message protocol version; keep equal to kvbridge.transfer.wire's.
-WIRE_VERSION = 1
 # Version of the canonical encoding itself; bump it if canonical_json changes.
 FINGERPRINT_PREFIX = "kvb1:"
 CP_RULES = ("interleaved", "contiguous", "replicated")

@@ -13,5 +13,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(f"kvbridge {kvbridge.__version__}")
+    print(f"kvbridge {kvbridge.__version__} (wire protocol {kvbridge.WIRE_VERSION})")
     return 0

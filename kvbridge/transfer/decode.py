@@ -197,32 +197,38 @@ class DecodeEndpoint:
     # -- look-ups (pool threads) ----------------------------------------------
 
     def lookup_async(self, r: RecvRoom) -> None:
+        """Ask the daemon on a pool thread; the answer is applied by the loop thread
+        (``apply_lookup``), never under a lock taken from the pool thread: a future that
+        is already done runs its callback inline, on the loop thread that holds the lock."""
         r.lookup_pending = True
         fut: Future = self._pool.submit(self.bootstrap.lookup, r.prefill_instance, r.room, self.contract,
                                         self.identity, r.dp_rank)
-        fut.add_done_callback(lambda f, room=r.room: self._lookup_done(room, f))
+        fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, f)))
 
-    def _lookup_done(self, room: int, fut: Future) -> None:
-        with self._lock:
-            r = self._book.rooms.get(room)
-            if r is None or r.state.final:
-                return
-            r.lookup_pending = False
-            exc = fut.exception()
-            if exc is None:
-                self._book.topology_ready(r, fut.result())
-            elif isinstance(exc, ContractMismatch):
-                r.mismatch = list(exc.diff)
-                fields = ", ".join(getattr(d, "path", str(d)) for d in exc.diff[:6])
-                self._book.fail(r, f"contract mismatch with prefill instance {r.prefill_instance!r} "
-                                   f"(fields: {fields}); nothing transferred")
-            elif isinstance(exc, InstanceIncomplete):
-                r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
-            elif isinstance(exc, KVBridgeError):
-                self._book.fail(r, f"bootstrap look-up failed: {exc}")
-            else:
-                self._book.fail(r, f"bootstrap look-up failed: {type(exc).__name__}: {exc}")
+    def hand_to_loop(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the loop thread, with the lock held (safe from any thread)."""
+        self._book.results.append(work)
         self._wake()
+
+    def apply_lookup(self, room: int, fut: Future) -> None:
+        r = self._book.rooms.get(room)
+        if r is None or r.state.final:
+            return
+        r.lookup_pending = False
+        exc = fut.exception()
+        if exc is None:
+            self._book.topology_ready(r, fut.result())
+        elif isinstance(exc, ContractMismatch):
+            r.mismatch = list(exc.diff)
+            fields = ", ".join(getattr(d, "path", str(d)) for d in exc.diff[:6])
+            self._book.fail(r, f"contract mismatch with prefill instance {r.prefill_instance!r} "
+                               f"(fields: {fields}); nothing transferred")
+        elif isinstance(exc, InstanceIncomplete):
+            r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
+        elif isinstance(exc, KVBridgeError):
+            self._book.fail(r, f"bootstrap look-up failed: {exc}")
+        else:
+            self._book.fail(r, f"bootstrap look-up failed: {type(exc).__name__}: {exc}")
 
     # -- the loop -------------------------------------------------------------
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.errors import KVBridgeError, LayoutError, LedgerError
+from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, UnknownInstance
 from kvbridge.transfer import wire
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.poll import KVPoll
@@ -61,6 +62,7 @@ class RoomBook:
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.released: deque[int] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
+        self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
 
     # -- rooms from the engine --------------------------------------------------
 
@@ -209,6 +211,8 @@ class RoomBook:
     # -- periodic work ----------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        while self.results:
+            self.results.popleft()()
         while self.released:
             r = self.rooms.get(self.released.popleft())
             if r is not None:
@@ -306,15 +310,18 @@ class RoomBook:
             try:
                 view = self.ep.bootstrap.instance(p.instance)
                 gone = all(rk.rank_id != p.rank_id for rk in view.ranks)
-            except KVBridgeError as exc:
-                gone = getattr(exc, "code", "") == "unknown_instance" or type(exc).__name__ == "UnknownInstance"
-            with self.ep._lock:
-                p.lease_gone = gone
-                p.lease_check_pending = False
-                p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while
-            self.ep._wake()
+            except UnknownInstance:  # the whole instance is gone
+                gone = True
+            except KVBridgeError:  # daemon unreachable: cannot tell, so keep waiting (safe)
+                gone = False
+            self.ep.hand_to_loop(lambda: self._lease_checked(p, gone))
 
         self.ep._pool.submit(check)
+
+    def _lease_checked(self, p: Peer, gone: bool) -> None:
+        p.lease_gone = gone
+        p.lease_check_pending = False
+        p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while
 
 
 def _row_bytes(aux_buffer: Any, slot: int) -> np.ndarray:

@@ -38,6 +38,19 @@ def host_bytes(buf: Any) -> np.ndarray:
     return arr.reshape(buf.shape[0], -1)
 
 
+def page_bytes(buf: Any, pages: np.ndarray) -> np.ndarray:
+    """[len(pages), bytes_per_page] uint8 host copy of the physical ``pages`` of ``buf``.
+
+    A CUDA tensor is indexed on its device first, so only those pages cross to
+    the host (never the whole pool buffer)."""
+    if hasattr(buf, "detach") and buf.device.type != "cpu":
+        import torch
+
+        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=buf.device)
+        return buf.detach().index_select(0, idx).flatten(1).contiguous().view(torch.uint8).cpu().numpy()
+    return host_bytes(buf)[pages]
+
+
 def valid_mask(spec: PoolSpec, num_valid_rows: np.ndarray) -> np.ndarray:
     """[pages, bytes_per_page] bool: which bytes of each page hold valid rows."""
     mask = np.zeros((num_valid_rows.size, spec.bytes_per_page), dtype=bool)
@@ -70,7 +83,7 @@ def page_digests(
         mask = valid_mask(spec, valid)
         nbytes = spec.bytes_per_page + (-spec.bytes_per_page) % 8
         for layer in sorted(spec.layer_ids):
-            pages = host_bytes(buffers[(pool, layer)])[physical]
+            pages = page_bytes(buffers[(pool, layer)], physical)
             data = np.zeros((logical.size, nbytes), dtype=np.uint8)
             data[:, : spec.bytes_per_page] = np.where(mask, pages, 0)
             words = data.view(np.uint64)

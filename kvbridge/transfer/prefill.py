@@ -61,6 +61,7 @@ class PrefillConfig:
     target_timeout: float = 60.0  # how long a room waits for its decode ranks to ask
     max_slices_per_call: int = 1024
     aux_slots: int = 1024
+    aux_device: str = "cpu"  # aux staging rows; "cuda:N" for transports that move device memory only (NVLink)
     trace: bool = False
 
     @property
@@ -87,7 +88,7 @@ class PrefillEndpoint:
         self.fingerprint = fingerprint(contract)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
-        self.aux = AuxStaging(aux_schema, config.aux_slots)
+        self.aux = AuxStaging(aux_schema, config.aux_slots, device=config.aux_device)
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
@@ -224,6 +225,11 @@ class PrefillEndpoint:
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
         self._released.append(room)
 
+    def _stats(self, room: int) -> dict[str, int]:
+        with self._lock:
+            r = self._rooms.get(room)
+            return {} if r is None else {"slices": r.num_slices, "bytes": r.num_bytes}
+
     def _reason(self, room: int) -> str | None:
         with self._lock:
             r = self._rooms.get(room)
@@ -252,8 +258,8 @@ class PrefillEndpoint:
                 self._gc(now)
 
     def _step(self) -> None:
-        timeout_ms = 2 if self._handles else 50
-        for ident, msg in self._server.recv_ready(timeout_ms):
+        # write completions wake the loop through the engine's notify callback: no busy polling
+        for ident, msg in self._server.recv_ready(50):
             self._on_message(ident, msg)
         with self._lock:
             self._collect()
@@ -274,7 +280,7 @@ class PrefillEndpoint:
             with self._lock:
                 self._on_abort(ident, msg)
         else:
-            self._reply(ident, wire.ErrorReply(ref_type=type(msg).__name__, room=getattr(msg, "room", None),
+            self._reply(ident, wire.ErrorReply(ref_type=msg.TAG, room=getattr(msg, "room", None),
                                                      reason=f"a prefill rank does not accept {type(msg).__name__}"))
 
     def _on_request(self, ident: bytes, req: wire.TransferRequest) -> None:
@@ -356,6 +362,8 @@ class PrefillEndpoint:
         self._handles[handle] = (r, t)
         self.counters["bytes"] += plan.num_bytes
         self.counters["slices"] += plan.num_slices
+        r.num_bytes += plan.num_bytes
+        r.num_slices += plan.num_slices
         if self.trace:
             log.info("trace room=%d rank=%s -> %s pages=%s slices=%d bytes=%d", r.room, self.config.rank_label,
                      t.decode_rank, logical.tolist(), plan.num_slices, plan.num_bytes)

@@ -45,23 +45,34 @@ class EndpointBuffers:
 
 
 class AuxStaging:
-    """Registered host rows from which a prefill rank writes aux rows, one slot per room."""
+    """Registered rows from which a prefill rank writes aux rows, one slot per room.
 
-    def __init__(self, schema: AuxSchema, num_slots: int) -> None:
+    Host memory by default. ``device="cuda:N"`` puts them in GPU memory, for
+    transports that only move device memory (Mooncake's intra-node NVLink
+    transport refuses to register host memory)."""
+
+    def __init__(self, schema: AuxSchema, num_slots: int, device: str = "cpu") -> None:
         self.schema = schema
-        self.rows = np.zeros((num_slots, schema.row_bytes), dtype=np.uint8)
+        self.device = device
+        if device == "cpu":
+            self.rows: Any = np.zeros((num_slots, schema.row_bytes), dtype=np.uint8)
+        else:
+            import torch
+
+            self.rows = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8, device=device)
+        self._base, self._nbytes = tensor_region(self.rows)
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_room: dict[int, int] = {}
 
     @property
     def desc(self) -> AuxDescriptor:
-        return AuxDescriptor(base=self.rows.ctypes.data, capacity_rows=self.rows.shape[0], row_bytes=self.schema.row_bytes)
+        return AuxDescriptor(base=self._base, capacity_rows=self.rows.shape[0], row_bytes=self.schema.row_bytes)
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(self.rows.ctypes.data, self.rows.nbytes)
+        engine.register(self._base, self._nbytes)
 
     def unregister(self, engine: TransferEngine) -> None:
-        engine.unregister(self.rows.ctypes.data)
+        engine.unregister(self._base)
 
     def stage(self, room: int, row: np.ndarray) -> int:
         """Copy a packed row into the room's slot; returns its address."""
@@ -70,8 +81,14 @@ class AuxStaging:
             if not self._free:
                 raise KVBridgeError(f"all {self.rows.shape[0]} aux staging slots are in use", room=room, field="aux_slots")
             slot = self._by_room[room] = self._free.pop()
-        self.rows[slot] = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
-        return self.rows.ctypes.data + slot * self.schema.row_bytes
+        data = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
+        if isinstance(self.rows, np.ndarray):
+            self.rows[slot] = data
+        else:  # a blocking host-to-device copy: the row is in place before any write reads it
+            import torch
+
+            self.rows[slot].copy_(torch.from_numpy(data.copy()))
+        return self._base + slot * self.schema.row_bytes
 
     def release(self, room: int) -> None:
         slot = self._by_room.pop(room, None)

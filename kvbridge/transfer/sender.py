@@ -76,7 +76,9 @@ class SendRoom:
         self.targets: dict[str, Target] = {}
         self.num_expected_targets: int | None = None
         self.created = time.monotonic()
-        self.engine_done = False  # the engine saw the final state (room may be forgotten)
+        self.engine_done = False  # the engine dropped its KVSender (room may be forgotten)
+        self.num_slices = 0  # posted for this room, all targets
+        self.num_bytes = 0
 
     # -- derived --------------------------------------------------------------
 
@@ -200,6 +202,11 @@ class KVSender:
     @property
     def failure_reason(self) -> str | None:
         return self._ep._reason(self.room)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Slices and bytes this rank posted for the room (every decode target)."""
+        return self._ep._stats(self.room)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._ep._abort(self.room, reason)

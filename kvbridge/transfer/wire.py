@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 import numpy as np
 
+from kvbridge._version import WIRE_VERSION
 from kvbridge.errors import ConfigError, ProtocolError
 
 __all__ = [
@@ -58,7 +59,6 @@ __all__ = [
     "unseal",
 ]
 
-WIRE_VERSION = 1
 MAX_MESSAGE_BYTES = 4 << 20
 STATUSES = ("ok", "failed")
 _ROOM_LIMIT = 2**63

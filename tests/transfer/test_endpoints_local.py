@@ -6,6 +6,7 @@ processes is in test_rooms.py and test_rooms_faults.py."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from _cluster import wait_final, wait_until
 from kvbridge.bootstrap.client import BootstrapClient
-from kvbridge.errors import LayoutError, PageRangeError
+from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.engine import create_engine
@@ -260,3 +261,28 @@ def test_release_from_a_finalizer_never_takes_the_lock(cluster):
     t = threading.Thread(target=drop_under_lock, daemon=True)
     t.start()
     assert done.wait(5), "releasing a room under the endpoint lock deadlocked"
+
+
+def test_a_lookup_answered_before_its_callback_is_attached_does_not_deadlock(cluster):
+    """``Future.add_done_callback`` runs the callback inline when the future is already
+    done, i.e. on the loop thread that holds the lock: the answer must be queued, not applied."""
+    c = cluster(cp=1)
+    r = c.decode.receiver(13, "instance-that-answers-at-once")
+
+    def done_submit(fn, *args):
+        fut: Future = Future()
+        fut.set_exception(UnknownInstance("no such instance (answered at once)"))
+        return fut
+
+    c.decode._pool.submit = done_submit
+    finished = threading.Event()
+
+    def lookup_under_lock() -> None:
+        with c.decode._lock:
+            c.decode.lookup_async(c.decode._book.rooms[13])
+        finished.set()
+
+    threading.Thread(target=lookup_under_lock, daemon=True).start()
+    assert finished.wait(5), "applying a look-up answer under the loop's lock deadlocked"
+    wait_final([r], timeout=10)
+    assert "answered at once" in r.failure_reason

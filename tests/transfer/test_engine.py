@@ -327,10 +327,11 @@ def test_local_engines_reach_only_their_own_fabric() -> None:
 PEER = Path(__file__).with_name("_transfer_peer.py")
 
 
-def line_reader(stream) -> queue.Queue:
+def line_reader(stream) -> tuple[queue.Queue, threading.Thread]:
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
-    return lines
+    thread = threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True)
+    thread.start()
+    return lines, thread
 
 
 @pytest.mark.mooncake
@@ -345,9 +346,10 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
         stderr=stderr,
         text=True,
     )
-    engine = create_engine("mooncake")
+    lines, reader = line_reader(child.stdout)
+    engine = None
     try:
-        lines = line_reader(child.stdout)
+        engine = create_engine("mooncake")
         info = json.loads(lines.get(timeout=20))
         expected = np.random.default_rng(7).integers(0, 256, num * PAGE, dtype=np.uint8)
         perm = np.random.default_rng(8).permutation(num)
@@ -374,8 +376,12 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait(5)
+        reader.join(5)  # EOF once the child is gone
+        child.stdin.close()
+        child.stdout.close()
         stderr.close()
-        engine.close()
+        if engine is not None:
+            engine.close()
 
 
 # ---- factory, lazy import, GPU ------------------------------------------------------------------

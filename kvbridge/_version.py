@@ -1,0 +1,5 @@
+"""Versions, in one place: the package's, and the control-channel wire protocol's
+(which is also a field of the runtime contract)."""
+
+__version__ = "0.1.0"
+WIRE_VERSION = 1

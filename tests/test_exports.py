@@ -1,0 +1,48 @@
+"""The public surface is pinned: adding or removing a name is a deliberate act.
+``import kvbridge`` works without the transfer engine, torch or FastAPI loaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import kvbridge
+import kvbridge.errors as errors
+import kvbridge.transfer as transfer
+
+EXPECTED = {
+    *errors.__all__,
+    "PRESETS", "WIRE_VERSION", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
+    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "RuntimeContract",
+    "__version__", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts", "fingerprint",
+    "mooncake_available", "preset_pools",
+}
+
+
+def test_top_level_names_are_pinned_and_resolve():
+    assert set(kvbridge.__all__) == EXPECTED and len(kvbridge.__all__) == len(EXPECTED)
+    for name in kvbridge.__all__:
+        assert getattr(kvbridge, name) is not None
+
+
+def test_transfer_names_are_pinned():
+    assert set(transfer.__all__) == {
+        "ENGINE_KINDS", "DecodeConfig", "DecodeEndpoint", "KVPoll", "KVReceiver", "KVSender", "PrefillConfig",
+        "PrefillEndpoint", "TransferEngine", "WriteState", "WriteStatus", "create_engine", "mooncake_available",
+    }
+
+
+def test_every_error_descends_from_the_root():
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.KVBridgeError)
+
+
+def test_error_messages_carry_room_rank_and_field():
+    err = errors.PageRangeError("page 9 outside 8 pages", room=7, rank="cp1", field="page_ids")
+    assert str(err) == "page 9 outside 8 pages [room=7 rank=cp1 field=page_ids]"
+
+
+def test_import_is_light():
+    code = "import sys, kvbridge; print(sorted(m for m in ('torch', 'mooncake', 'fastapi') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,271 @@
+"""kvbridge on CUDA memory: pool buffers on the GPU, real Mooncake (TCP on
+loopback), a real bootstrap daemon process, CP=2 prefill.
+
+Two PrefillEndpoints (CP ranks 0 and 1, pools on cuda:0) and one
+DecodeEndpoint (pools on cuda:1 when there are two GPUs, else cuda:0) live in
+this process, each with its own Mooncake engine. Synthetic KV is built on the
+host (numpy) and copied to the GPU; decode pools are poisoned on the GPU with
+SENTINEL_BYTE; after the rooms commit, the decode pools are copied back to the
+host and every byte of every room is checked (valid rows, untouched padding
+tails of partial last pages, untouched pages outside the rooms, the aux row).
+
+Aux rows are parametrised: host (the default: prefill staging rows in host
+memory, decode aux buffer a CPU tensor) and cuda (both in GPU memory, what a
+device-memory-only transport such as Mooncake's NVLink one needs).
+
+Skipped, at collection and in well under a second, without a CUDA device or
+without Mooncake (CI has no GPU).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.layout import OwnerLanes
+from kvbridge.layout.aux import owner_of_last_token
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.engine import create_engine, mooncake_available
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import SENTINEL_BYTE, fill_pages, make_aux, verify_aux, verify_pages
+
+_HAVE_CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.mooncake,
+    pytest.mark.skipif(not _HAVE_CUDA, reason="no CUDA device"),
+    pytest.mark.skipif(_HAVE_CUDA and not mooncake_available(), reason="Mooncake not installed"),
+]
+
+PRESET = "deepseek-v3.2-fp8"
+LAYERS = 3  # + 1 draft layer; index-K pool too (values-then-scales pages)
+PAGE = 64  # the real page size: partial last pages are 1..63 rows
+CP = 2
+PREFILL_PAGES = 64  # per CP rank
+DECODE_PAGES = 160
+FINAL = (KVPoll.Success, KVPoll.Failed)
+# several rooms per test, most with a partial last page (1, 63, 65, 488 rows ...)
+LENGTHS = (1, 63, 3 * PAGE + 1, 7 * PAGE + 40, 10 * PAGE, 5 * PAGE + 63)
+
+
+def _prefill_device() -> str:
+    return "cuda:0"
+
+
+def _decode_device() -> str:
+    return "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+class GpuPrefill:
+    """CP=2 prefill ranks of one instance, in this process, pools on the GPU."""
+
+    def __init__(self, bootstrap: str, instance: str, aux_device: str) -> None:
+        self.instance = instance
+        self.specs = build_specs(PRESET, LAYERS, PAGE, 1)
+        self.contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
+        self.aux_schema = aux_schema_of(self.contract)
+        self.lanes = OwnerLanes(CP)
+        self.device = _prefill_device()
+        self.buffers = [allocate_buffers(self.specs, PREFILL_PAGES, device=self.device) for _ in range(CP)]
+        # host mirrors: synthetic KV is made with numpy, then copied to the GPU
+        self.mirrors = [allocate_buffers(self.specs, PREFILL_PAGES) for _ in range(CP)]
+        self.free = [list(range(PREFILL_PAGES)) for _ in range(CP)]
+        self.engines, self.eps, self.clients = [], [], []
+        try:
+            for rank in range(CP):
+                engine = create_engine("mooncake")
+                self.engines.append(engine)
+                client = BootstrapClient(bootstrap)
+                self.clients.append(client)
+                cfg = PrefillConfig(instance=instance, cp_rank=rank, cp_size=CP, lease_ttl=5.0,
+                                    heartbeat_interval=0.2, aux_device=aux_device)
+                ep = PrefillEndpoint(cfg, engine, self.specs, self.buffers[rank], self.contract, client,
+                                     self.aux_schema)
+                ep.start()
+                self.eps.append(ep)
+        except BaseException:
+            self.close()
+            raise
+
+    def stage(self, rng: np.random.Generator, rooms: list[tuple[int, int]]) -> dict[tuple[int, int], tuple]:
+        """Pick scattered local pages for each room's owned pages, write their synthetic KV
+        (PAD_BYTE in compute-padding rows) on the host, copy the pools to the GPU."""
+        plan = {}
+        for room, n in rooms:
+            num_pages = -(-n // PAGE)
+            for rank in range(CP):
+                owned = self.lanes.owned_pages(rank, num_pages)
+                pick = set(rng.choice(len(self.free[rank]), size=owned.size, replace=False).tolist())
+                local = np.array([p for i, p in enumerate(self.free[rank]) if i in pick], dtype=np.int64)
+                rng.shuffle(local)
+                self.free[rank] = [p for i, p in enumerate(self.free[rank]) if i not in pick]
+                for (pool, layer), buf in self.mirrors[rank].items():
+                    fill_pages(self.specs[pool], buf, room, layer, owned, local, n)
+                plan[(room, rank)] = (owned, local)
+        for rank in range(CP):
+            for key, gpu in self.buffers[rank].items():
+                gpu.copy_(self.mirrors[rank][key])
+        torch.cuda.synchronize()
+        return plan
+
+    def close(self) -> None:
+        for ep in self.eps:
+            ep.close(timeout=3)
+        for engine in self.engines:
+            engine.close()
+        for client in self.clients:
+            client.close()
+
+
+class GpuDecode:
+    """One decode rank in this process: pools on the GPU, poisoned with SENTINEL_BYTE."""
+
+    def __init__(self, bootstrap: str, instance: str, aux_device: str, **cfg) -> None:
+        self.specs = build_specs(PRESET, LAYERS, PAGE, 1)
+        self.contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
+        self.aux_schema = aux_schema_of(self.contract)
+        self.device = _decode_device()
+        self.buffers = allocate_buffers(self.specs, DECODE_PAGES, device=self.device)
+        for buf in self.buffers.values():
+            _u8(buf).fill_(SENTINEL_BYTE)
+        self.aux = torch.zeros((16, self.aux_schema.row_bytes), dtype=torch.uint8, device=aux_device)
+        torch.cuda.synchronize()
+        self.engine = create_engine("mooncake")
+        self.client = BootstrapClient(bootstrap)
+        config = DecodeConfig(instance=instance, peer_timeout=10.0, ping_interval=0.2, lease_ttl=5.0,
+                              transfer_timeout=60.0, **cfg)
+        self.ep = DecodeEndpoint(config, self.engine, self.specs, self.buffers, self.contract, self.client, self.aux,
+                                 self.aux_schema)
+        try:
+            self.ep.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def host_pools(self) -> dict[tuple[str, int], torch.Tensor]:
+        torch.cuda.synchronize()
+        return {key: buf.cpu() for key, buf in self.buffers.items()}
+
+    def close(self) -> None:
+        self.ep.close(timeout=3)
+        self.engine.close()
+        self.client.close()
+
+
+def run_rooms(prefill: GpuPrefill, decode: GpuDecode, rooms: list[tuple[int, int]], seed: int, timeout: float = 60):
+    """Drive ``rooms`` [(room, num_tokens)] end to end: decode receivers with scattered
+    page ids, both CP ranks sending their owned pages in two chunks (the partial last
+    page with the last one, the aux row from the owner of the last token)."""
+    rng = np.random.default_rng(seed)
+    staged = prefill.stage(rng, rooms)
+    total_pages = sum(-(-n // PAGE) for _, n in rooms)
+    dst = rng.choice(DECODE_PAGES, size=total_pages, replace=False)
+    receivers, page_ids, at = {}, {}, 0
+    for slot, (room, n) in enumerate(rooms):
+        pages = dst[at: at + -(-n // PAGE)]
+        at += pages.size
+        page_ids[room] = pages
+        receivers[room] = decode.ep.receiver(room, prefill.instance)
+        receivers[room].init(pages, slot, n)
+    senders = []
+    for room, n in rooms:
+        aux_owner = owner_of_last_token(n, PAGE, prefill.lanes)
+        for rank, ep in enumerate(prefill.eps):
+            s = ep.sender(room)
+            s.init(n)
+            owned, local = staged[(room, rank)]
+            half = owned.size // 2
+            s.send(owned[:half], local[:half])
+            s.send(owned[half:], local[half:], is_last=True,
+                   aux=make_aux(prefill.aux_schema, room, n) if rank == aux_owner else None)
+            senders.append(s)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(r.poll() not in FINAL for r in receivers.values()):
+        time.sleep(0.005)
+    while time.monotonic() < deadline and any(s.poll() not in FINAL for s in senders):
+        time.sleep(0.005)
+    return receivers, page_ids, senders
+
+
+def check_rooms(decode: GpuDecode, rooms, receivers, page_ids) -> None:
+    for room, _ in rooms:
+        r = receivers[room]
+        assert r.poll() == KVPoll.Success, f"room {room}: {r.failure_reason}"
+    host = decode.host_pools()  # byte-for-byte, on the host
+    errors = []
+    for room, n in rooms:
+        for (pool, layer), buf in host.items():
+            v = verify_pages(decode.specs[pool], buf, room, layer, page_ids[room], n)
+            if not v.ok:
+                errors.append(v.first_error)
+        err = verify_aux(decode.aux_schema, receivers[room].aux, room, n)
+        if err:
+            errors.append(err)
+    assert errors == []
+    touched = np.concatenate([page_ids[room] for room, _ in rooms])
+    untouched = np.setdiff1d(np.arange(DECODE_PAGES), touched)
+    for key, buf in host.items():
+        assert bool((buf.view(torch.uint8)[untouched] == SENTINEL_BYTE).all()), f"stray write into {key}"
+
+
+@pytest.fixture(scope="module", params=["host", "cuda"], ids=lambda p: f"aux-{p}")
+def prefill(request, daemon):
+    aux_device = "cpu" if request.param == "host" else _prefill_device()
+    p = GpuPrefill(daemon.url, f"gpu-prefill-aux-{request.param}", aux_device)
+    p.aux_placement = request.param
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _decode_aux_device(prefill: GpuPrefill) -> str:
+    return "cpu" if prefill.aux_placement == "host" else _decode_device()
+
+
+def test_rooms_land_byte_exact_in_gpu_pools(prefill, daemon):
+    """CP=2, several rooms in flight together, partial last pages, scattered pages on
+    both sides; decode pools on another GPU when there are two."""
+    base = 10_000 if prefill.aux_placement == "host" else 20_000
+    rooms = [(base + i, n) for i, n in enumerate(LENGTHS)]
+    decode = GpuDecode(daemon.url, f"gpu-decode-{prefill.aux_placement}", _decode_aux_device(prefill))
+    try:
+        receivers, page_ids, senders = run_rooms(prefill, decode, rooms, seed=base)
+        check_rooms(decode, rooms, receivers, page_ids)
+        assert all(s.poll() == KVPoll.Success for s in senders), [s.failure_reason for s in senders]
+        assert {str(t.device) for t in decode.buffers.values()} == {_decode_device()}
+    finally:
+        decode.close()
+
+
+def test_digest_check_on_gpu_pools(prefill, daemon):
+    """DecodeConfig(verify_digest=True): both sides digest CUDA pages (only the pages
+    concerned cross to the host) and agree; the digest of a CUDA pool equals that of
+    its host copy."""
+    base = 30_000 if prefill.aux_placement == "host" else 40_000
+    rooms = [(base + i, n) for i, n in enumerate((5, 2 * PAGE + 17, 4 * PAGE))]
+    decode = GpuDecode(daemon.url, f"gpu-decode-digest-{prefill.aux_placement}", _decode_aux_device(prefill),
+                       verify_digest=True)
+    try:
+        receivers, page_ids, _ = run_rooms(prefill, decode, rooms, seed=base)
+        check_rooms(decode, rooms, receivers, page_ids)
+        host = decode.host_pools()
+        pools = sorted(decode.specs)
+        for room, n in rooms:
+            logical = np.arange(-(-n // PAGE))
+            on_gpu = page_digests(decode.specs, decode.buffers, pools, logical, page_ids[room], n)
+            on_host = page_digests(decode.specs, host, pools, logical, page_ids[room], n)
+            assert np.array_equal(on_gpu, on_host)
+    finally:
+        decode.close()
