@@ -24,8 +24,23 @@ def resolve_level(flag: str | None, environ: dict[str, str] | None = None) -> st
     return level
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, so a
+    command run in-process (tests, embedding) never logs into a closed stream."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
 def configure_logging(flag: str | None = None) -> str:
     """Configure the root logger for a command; returns the level used."""
     level = resolve_level(flag)
-    logging.basicConfig(level=level, format=FORMAT, stream=sys.stderr, force=True)
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter(FORMAT))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     return level

@@ -419,6 +419,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="prefill device (decode: cuda:1 when there are two GPUs)")
     ap.add_argument("--json", default="", help="write rows and run info here")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per transport")
+    ap.add_argument("--keep-caching-allocator", action="store_true",
+                    help="nvlink: keep torch's CUDA caching allocator (buffers may share cudaMalloc segments)")
     # child roles (internal)
     ap.add_argument("--role", default="main", choices=["main", "prefill", "decode"], help=argparse.SUPPRESS)
     ap.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
@@ -442,9 +444,10 @@ def main() -> None:
             mc_protocol, extra_env = TRANSPORTS[transport]
             env = dict(os.environ, **extra_env)
             env.setdefault("GLOG_minloglevel", "1")
-            if transport == "nvlink":
-                # CUDA IPC exports whole cudaMalloc allocations: every registered buffer must be one
-                # (the caching allocator packs small tensors into shared segments).
+            if transport == "nvlink" and not args.keep_caching_allocator:
+                # A precaution: CUDA IPC exports whole cudaMalloc allocations, and the caching allocator
+                # packs small tensors into shared segments. (With mooncake-transfer-engine-cuda13 0.3.14 a
+                # run that kept the caching allocator also verified byte for byte.)
                 env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
             cmd = ["--role", "prefill", "--transport", transport, "--mc-protocol", mc_protocol, "--bootstrap", url,
                    "--device", args.device, "--layers", str(args.layers), "--reps", str(args.reps),

@@ -34,11 +34,9 @@ from kvbridge.errors import (
     TransferError,
 )
 from kvbridge.layout import AuxSchema, PoolSpec
-from kvbridge.transfer import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
 from kvbridge.transfer.registration import EndpointBuffers, register_rank
 

@@ -22,7 +22,6 @@ import threading
 import time
 
 import numpy as np
-import torch
 
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.layout import OwnerLanes
