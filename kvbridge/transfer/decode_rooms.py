@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROOM_RETENTION_S = 60.0
+ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
 
 
 @dataclass
@@ -119,6 +120,7 @@ class RoomBook:
             self.ep.send(s.control_endpoint, wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
                                                         reason=r.state.reason or "aborted"))
             r.abort_sent.add(cp)
+        r.last_abort = time.monotonic()
 
     def unquiet(self) -> bool:
         return any(r.state.state == KVPoll.Failed and not r.pages_releasable for r in self.rooms.values())
@@ -248,7 +250,8 @@ class RoomBook:
         elif st == KVPoll.Transferring and r.state.since() > self.cfg.transfer_timeout:
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
                          f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}")
-        elif st == KVPoll.Failed and not r.pages_releasable:
+        elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
+            r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
             self._send_aborts(r)
 
     def _request(self, r: RecvRoom) -> None:

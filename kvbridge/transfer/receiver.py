@@ -42,6 +42,7 @@ class RecvRoom:
         self.requested: set[int] = set()  # cp ranks a TransferRequest went to
         self.quiet: set[int] = set()  # cp ranks that will write nothing more (hard rule 6)
         self.abort_sent: set[int] = set()
+        self.last_abort = 0.0
         self.aux: AuxRow | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
         self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
