@@ -11,8 +11,10 @@ with protocol ``rdma``, Mooncake's intra-node NVLink transport) this runs:
 Two processes because the NVLink transport maps the peer's memory with CUDA IPC,
 which a process cannot open on its own allocations. Allocation is contiguous on
 both sides (prefill rank r: local pages 0..n_r-1 for its owned logical pages;
-decode: page_ids[l] = l), as in ``kvbridge.bench.rig``, so the methods move the
-same slices between the same buffers:
+decode: one block of pages 0..n-1, ``--dst-order lane-major`` (default:
+page_ids = OwnerLanes.lane_major(n), each CP rank's pages consecutive, one run per
+rank) or ``logical`` (page_ids[l] = l, every page its own slice)), as in
+``kvbridge.bench.rig``, so the methods move the same slices between the same buffers:
 
     kvbridge  decode receiver(room) .. init .. both CP ranks send .. Success, timed on
               the decode side from the receiver's creation (handshake) to commit
@@ -24,7 +26,8 @@ The first kvbridge room of each length is checked byte for byte on the host
 (decode pools poisoned first). Geometry: DeepSeek V3.2 fp8 (target 656 B/token,
 index-K 132 B/token, one NextN draft layer), 61 layers, page 64.
 
-    python scripts/gpu_bench.py [--tokens 8192 32768] [--transports tcp nvlink] [--reps 5] [--json out.json]
+    python scripts/gpu_bench.py [--tokens 8192 32768] [--transports tcp nvlink] [--dst-order lane-major|logical]
+                                [--reps 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ CP = 2
 CAP = 1024  # slices per Mooncake call
 POLL_S = 0.0002
 TRANSPORTS = {"tcp": ("tcp", {}), "nvlink": ("rdma", {"MC_INTRANODE_NVLINK": "true"})}
+DST_ORDERS = ("lane-major", "logical")
+
+
+def dst_pages(order: str, num_tokens: int) -> np.ndarray:
+    """Decode page of each logical page (``page_ids``), as ``kvbridge.bench.rig.Rig.dst_pages``."""
+    from kvbridge.layout import OwnerLanes
+
+    num_pages = -(-num_tokens // PAGE)
+    if order == "lane-major":
+        return OwnerLanes(CP).lane_major(num_pages).astype(np.int32)
+    return np.arange(num_pages, dtype=np.int32)
 
 
 def emit(obj: dict) -> None:
@@ -155,7 +169,7 @@ def decode_role(args: argparse.Namespace) -> None:
             emit({"ok": True})
         elif op == "recv":
             room, n = cmd["room"], cmd["tokens"]
-            page_ids = np.arange(-(-n // PAGE), dtype=np.int32)
+            page_ids = dst_pages(args.dst_order, n)
             t0 = time.perf_counter()
             r = ep.receiver(room, cmd["prefill"])
             r.init(page_ids, 0, n)
@@ -171,10 +185,10 @@ def decode_role(args: argparse.Namespace) -> None:
         elif op == "verify":
             sync()
             n = cmd["tokens"]
-            num_pages = -(-n // PAGE)
+            page_ids = dst_pages(args.dst_order, n)
             checked, errors = 0, []
             for (pool, layer), buf in buffers.items():
-                v = verify_pages(specs[pool], buf[:num_pages].cpu(), cmd["fill_room"], layer, np.arange(num_pages), n)
+                v = verify_pages(specs[pool], buf[:page_ids.size].cpu(), cmd["fill_room"], layer, page_ids, n)
                 checked += v.bytes_checked
                 if not v.ok:
                     errors.append(v.first_error)
@@ -209,7 +223,8 @@ def prefill_role(args: argparse.Namespace) -> None:
     lanes = OwnerLanes(CP)
     max_pages = -(-max(args.tokens) // PAGE)
     instance = f"gpu-bench-prefill-{transport}"
-    info: dict[str, Any] = {"transport": transport, "mooncake_protocol": args.mc_protocol, "src_device": src_device,
+    info: dict[str, Any] = {"transport": transport, "dst_order": args.dst_order,
+                            "mooncake_protocol": args.mc_protocol, "src_device": src_device,
                             "dst_device": dst_device, "gpus": gpus,
                             "env": {k: os.environ.get(k) for k in ("MC_INTRANODE_NVLINK", "PYTORCH_NO_CUDA_MEMORY_CACHING")}}
     if src_device.startswith("cuda"):
@@ -235,6 +250,7 @@ def prefill_role(args: argparse.Namespace) -> None:
 
     child = Child(["--role", "decode", "--transport", transport, "--mc-protocol", args.mc_protocol, "--bootstrap",
                    args.bootstrap, "--device", dst_device, "--aux-device", aux_dst, "--layers", str(args.layers),
+                   "--dst-order", args.dst_order,
                    "--max-tokens", str(max(args.tokens))], dict(os.environ), Path(args.log_dir) / f"decode-{transport}.log")
     eps: list[Any] = []
     try:
@@ -289,11 +305,12 @@ def prefill_role(args: argparse.Namespace) -> None:
             if src_device.startswith("cuda"):
                 torch.cuda.synchronize()
             fill_s = time.perf_counter() - t0
+            page_ids = dst_pages(args.dst_order, n)
             plans = []
             for rank in range(CP):
                 src = [describe_buffer(specs[p], lid, b) for (p, lid), b in src_bufs[rank].items()]
                 logical, local = owned(rank, n)
-                plans.append(plan_transfer(specs, src, dst_descs, logical, local, logical, n))
+                plans.append(plan_transfer(specs, src, dst_descs, logical, local, page_ids[logical], n))
             num_bytes = sum(p.num_bytes for p in plans)
             calls = [[(b[0].tolist(), b[1].tolist(), b[2].tolist()) for b in p.batches(CAP)] for p in plans]
 
@@ -325,7 +342,7 @@ def prefill_role(args: argparse.Namespace) -> None:
                     eng.wait(h, 120)
                 return time.perf_counter() - t
 
-            row: dict[str, Any] = {"transport": transport, "tokens": n, "layers": args.layers, "bytes": num_bytes,
+            row: dict[str, Any] = {"transport": transport, "dst_order": args.dst_order, "tokens": n, "layers": args.layers, "bytes": num_bytes,
                                    "plan_slices": sum(p.num_slices for p in plans), "fill_s": round(fill_s, 2),
                                    "failures": []}
             try:
@@ -414,6 +431,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--transports", nargs="+", default=["tcp", "nvlink"], choices=sorted(TRANSPORTS))
+    ap.add_argument("--dst-order", choices=DST_ORDERS, default="lane-major",
+                    help="decode page_ids: lane-major (one run per CP rank) or logical (page_ids[l] = l)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda:0", help="prefill device (decode: cuda:1 when there are two GPUs)")
@@ -451,6 +470,7 @@ def main() -> None:
                 env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
             cmd = ["--role", "prefill", "--transport", transport, "--mc-protocol", mc_protocol, "--bootstrap", url,
                    "--device", args.device, "--layers", str(args.layers), "--reps", str(args.reps),
+                   "--dst-order", args.dst_order,
                    "--log-dir", str(workdir), "--tokens", *map(str, args.tokens)]
             print(f"# {transport}: mooncake protocol {mc_protocol} {extra_env or ''}", file=sys.stderr, flush=True)
             child = Child(cmd, env, workdir / f"prefill-{transport}.log")
@@ -484,7 +504,7 @@ def main() -> None:
             daemon.kill()
             daemon.wait()
     print(f"\nkvbridge vs raw Mooncake on GPU memory: {PRESET}, {args.layers} target + 1 draft layers, page {PAGE}, "
-          f"CP={CP} prefill -> 1 decode, contiguous allocation, median of {args.reps}")
+          f"CP={CP} prefill -> 1 decode, contiguous allocation, decode pages {args.dst_order}, median of {args.reps}")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"info": infos, "rows": rows}, indent=2) + "\n")

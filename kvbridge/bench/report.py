@@ -63,7 +63,7 @@ def _describe(meta: dict[str, Any]) -> str:
     text = (
         f"kvbridge bench: {meta['preset']}, {meta['layers']} target + {meta['draft_layers']} draft layers, "
         f"page {meta['page_size']}, engine {meta['engine']}, {meta['reps']} rooms per method; "
-        f"contiguous allocation on both sides"
+        f"contiguous allocation on both sides, decode pages {meta.get('dst_order', 'logical')}"
     )
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"

@@ -50,6 +50,7 @@ class RigSpec:
     max_slices_per_call: int = 1024
     bootstrap: str = ""
     token: str | None = None
+    dst_order: str = "lane-major"  # or "logical"
 
 
 class Rig:
@@ -116,30 +117,41 @@ class Rig:
                 for lid in spec.layer_ids:
                     fill_pages(spec, bufs[(spec.name, lid)], fill_room, lid, logical, local, num_tokens)
 
+    def dst_pages(self, num_tokens: int) -> np.ndarray:
+        """Decode page of each logical page: one contiguous block, laid out lane-major
+        (each CP rank's pages consecutive: one run per rank) or in logical order."""
+        num_pages = -(-num_tokens // self.spec.page_size)
+        if self.spec.dst_order == "lane-major":
+            return self.lanes.lane_major(num_pages).astype(np.int32)
+        return np.arange(num_pages, dtype=np.int32)
+
     def plans(self, num_tokens: int) -> list[TransferPlan]:
         """The slices each prefill rank writes for a request of ``num_tokens`` (what kvbridge plans too)."""
         dst = [describe_buffer(self.specs[p], lid, b) for (p, lid), b in self.dst_buffers.items()]
+        dst_pages = self.dst_pages(num_tokens)
         out = []
         for cp_rank, bufs in enumerate(self.src_buffers):
             src = [describe_buffer(self.specs[p], lid, b) for (p, lid), b in bufs.items()]
             logical, local = self.owned(cp_rank, num_tokens)
-            out.append(plan_transfer(self.specs, src, dst, logical, local, logical, num_tokens))
+            out.append(plan_transfer(self.specs, src, dst, logical, local, dst_pages[logical], num_tokens))
         return out
 
     def ideal_slices(self, num_tokens: int) -> int:
         """runs x layers x pools: a run is a stretch of pages consecutive on both sides."""
         layers = sum(s.num_layers for s in self.specs.values())
         runs = 0
+        dst_pages = self.dst_pages(num_tokens)
         for cp_rank in range(self.spec.cp):
             logical, local = self.owned(cp_rank, num_tokens)
             if len(logical):
-                runs += 1 + int(np.count_nonzero((np.diff(logical) != 1) | (np.diff(local) != 1)))
+                dst = dst_pages[logical]
+                runs += 1 + int(np.count_nonzero((np.diff(dst) != 1) | (np.diff(local) != 1)))
         return runs * layers
 
     def run_kvbridge(self, room: int, num_tokens: int, timeout: float = 120.0) -> tuple[float, dict]:
         """Seconds from the receiver's creation (handshake) to commit; the receiver's stats."""
         ps = self.spec.page_size
-        page_ids = np.arange(-(-num_tokens // ps), dtype=np.int32)
+        page_ids = self.dst_pages(num_tokens)
         aux_owner = owner_of_last_token(num_tokens, ps, self.lanes)
         aux = self.aux_schema.unpack(make_aux(self.aux_schema, room, num_tokens))
         t0 = time.perf_counter()
@@ -193,7 +205,7 @@ class Rig:
         return time.perf_counter() - t0
 
     def verify(self, fill_room: int, num_tokens: int) -> tuple[int, list[str]]:
-        page_ids = np.arange(-(-num_tokens // self.spec.page_size))
+        page_ids = self.dst_pages(num_tokens)
         checked, problems = 0, []
         for spec in self.specs.values():
             for lid in spec.layer_ids:

@@ -40,6 +40,7 @@ class BenchSpec:
     engine: str = "mooncake"
     verify: bool = True
     quick: bool = False
+    dst_order: str = "lane-major"
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -123,7 +124,7 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
         for cp in spec.cps:
             rig = Rig(RigSpec(cp=cp, max_tokens=max(spec.tokens), preset=spec.preset, layers=spec.layers,
                               draft_layers=spec.draft_layers, page_size=spec.page_size, engine=spec.engine,
-                              bootstrap=bootstrap, token=token))  # fmt: skip
+                              bootstrap=bootstrap, token=token, dst_order=spec.dst_order))  # fmt: skip
             try:
                 for n in spec.tokens:
                     bar.set_postfix_str(f"cp={cp} tokens={n}")

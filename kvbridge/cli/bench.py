@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
     p.add_argument("--engine", choices=("mooncake", "local"), default="mooncake", help="transfer engine")
+    p.add_argument("--dst-order", choices=("lane-major", "logical"), default="lane-major",
+                   help="decode page order inside the contiguous destination block: lane-major (each CP rank's "
+                   "pages consecutive, one run per rank) or logical (one slice per page when cp > 1) "
+                   "(default %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--json", metavar="FILE", default=None, help="write the rows and settings as JSON")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG chart (matplotlib)")
@@ -75,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     spec = BenchSpec(
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
         reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, quick=args.quick,
+        dst_order=args.dst_order,
     )  # fmt: skip
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
         "engine": spec.engine, "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens), "cps": list(cps),
-        "note": note,
+        "note": note, "dst_order": args.dst_order,
     }  # fmt: skip
     with start_bootstrap() as (url, token):
         rows = run_sweep(spec, url, token, show_progress=not args.no_progress)

@@ -93,6 +93,23 @@ class OwnerLanes:
         owner, _ = self.owners(np.array([token // page_size]), num_pages)
         return int(owner[0])
 
+    def lane_major(self, num_pages: int) -> np.ndarray:
+        """Positions for a block of ``num_pages`` destination pages in which every
+        CP rank's pages sit next to each other, in its local order:
+
+            interleaved, cp 2, 6 pages     logical  0 1 2 3 4 5
+                                           owner    0 1 0 1 0 1
+                                           position 0 3 1 4 2 5   (cp0 -> 0..2, cp1 -> 3..5)
+
+        A decode rank that maps logical page ``l`` to ``block[lane_major(n)[l]]`` of
+        a contiguous block gets one run per CP rank instead of one slice per page.
+        """
+        _check_num_pages(num_pages)
+        owner, local = self.owners(np.arange(num_pages, dtype=np.int64), num_pages)
+        counts = np.bincount(owner, minlength=self.cp_size)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        return starts[owner] + local
+
     def to_dict(self) -> dict[str, Any]:
         return {"cp_size": int(self.cp_size), "rule": self.rule}
 

@@ -114,6 +114,12 @@ class KVReceiver:
         return self._ep._with_room(self.room, lambda r: r.aux, None)
 
     @property
+    def lanes(self) -> OwnerLanes | None:
+        """The prefill instance's owner lanes, once the topology is known (WaitingForInput):
+        allocate destination pages lane-major (``lanes.lane_major``) for one run per CP rank."""
+        return self._ep._with_room(self.room, lambda r: r.lanes, None)
+
+    @property
     def mismatch(self) -> list[Any]:
         """The field diff when the prefill instance's contract differed (hard rule 7)."""
         return self._ep._with_room(self.room, lambda r: list(r.mismatch), [])

@@ -77,9 +77,6 @@ class DecodeWorker(WorkerBase):
             raise
         task = DecodeTask(op.room, op.num_tokens, peer, request_id, page_ids=page_ids, aux_slot=aux_slot)
         try:
-            for spec in self.specs.values():
-                for layer_id in spec.layer_ids:
-                    prepare_destination(spec, self.buffers[(spec.name, layer_id)], page_ids, op.num_tokens)
             self.aux_buffer[aux_slot] = 0
             task.receiver = self.endpoint.receiver(op.room, op.prefill_instance, op.prefill_dp_rank)
         except BaseException:
@@ -91,6 +88,11 @@ class DecodeWorker(WorkerBase):
         state = task.receiver.poll()
         if state == KVPoll.WaitingForInput and not task.initialised and not task.aborting:
             task.mark("bootstrapped")
+            # lane-major order inside the allocated block: one run per prefill CP rank
+            task.page_ids = task.page_ids[task.receiver.lanes.lane_major(len(task.page_ids))]
+            for spec in self.specs.values():
+                for layer_id in spec.layer_ids:
+                    prepare_destination(spec, self.buffers[(spec.name, layer_id)], task.page_ids, task.num_tokens)
             task.receiver.init(task.page_ids, task.aux_slot, task.num_tokens)
             task.initialised = True
         elif state == KVPoll.Transferring:

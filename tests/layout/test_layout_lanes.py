@@ -92,3 +92,39 @@ def test_layout_is_pure():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@FAST
+@given(cp_size=st.integers(1, 5), rule=st.sampled_from(LANE_RULES), num_tokens=st.integers(1, 300),
+       page_size=st.sampled_from([1, 4, 16]), base=st.integers(0, 50))
+def test_lane_major_destination_gives_one_run_per_rank(cp_size, rule, num_tokens, page_size, base):
+    """A lane-major block on decode turns per-page slices into one run per CP rank."""
+    from kvbridge.layout import BufferDesc, plan_transfer, preset_pools
+
+    lanes = OwnerLanes(cp_size, rule)
+    num_pages = -(-num_tokens // page_size)
+    pos = lanes.lane_major(num_pages)
+    assert sorted(pos.tolist()) == list(range(num_pages))  # a permutation of the block
+    specs = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=page_size)
+    cap = base + num_pages + 1
+
+    def bufs(shift):
+        return [BufferDesc(p, layer, shift + 10**7 * (i + 1), cap, s.bytes_per_page)
+                for i, (p, s) in enumerate(specs.items()) for layer in s.layer_ids]
+
+    partial = num_tokens % page_size != 0
+    for rank in range(cp_size):
+        owned = lanes.owned_pages(rank, num_pages)
+        if not owned.size:
+            continue
+        local = np.arange(owned.size)
+        plan = plan_transfer(specs, bufs(0), bufs(1 << 40), owned, local, base + pos[owned], num_tokens)
+        has_partial = partial and owned[-1] == num_pages - 1
+        has_full = owned.size > 1 or not has_partial
+        expected = 0
+        for spec in specs.values():
+            if spec.layout == "rows":
+                expected += spec.num_layers  # the partial tail merges onto the run
+            else:
+                expected += spec.num_layers * (int(has_full) + 2 * int(has_partial))
+        assert plan.num_slices == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker import ops
 from kvbridge.worker.config import load_config
@@ -53,6 +54,7 @@ class FakeReceiver:
         self.aux = None
         self.stats = {}
         self.inits = []
+        self.lanes = OwnerLanes(1)  # what the bootstrap topology would give
 
     def init(self, page_ids, aux_slot, num_tokens):
         self.inits.append((page_ids.tolist(), aux_slot, num_tokens))
