@@ -286,3 +286,18 @@ def test_a_lookup_answered_before_its_callback_is_attached_does_not_deadlock(clu
     assert finished.wait(5), "applying a look-up answer under the loop's lock deadlocked"
     wait_final([r], timeout=10)
     assert "answered at once" in r.failure_reason
+
+
+def test_trace_mode_logs_who_sent_which_pages_and_the_commit(cluster, caplog, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_TRACE", "1")  # read when an endpoint is built
+    c = cluster(cp=2)
+    r = c.decode.receiver(14, f"{c.name}-p")
+    r.init(np.array([0, 1, 2]), 0, 10)
+    with caplog.at_level("INFO", logger="kvbridge.transfer"):
+        c.send(14, 10)
+        wait_final([r])
+        assert wait_until(lambda: "committed" in caplog.text, 5)
+    assert r.poll() == KVPoll.Success
+    text = caplog.text
+    assert "trace room=14" in text and "pages=[0, 2]" in text and "pages=[1]" in text
+    assert "committed pages_by_rank={0: 2, 1: 1}" in text
