@@ -55,7 +55,9 @@ def main() -> None:
     print("{:>3} {:<12} {:<11} {:>10} {:>9} {:>9} {:>6} {:>8} {:>7}".format(*header))
     for cp_size, rule in ((1, "interleaved"), (4, "interleaved"), (4, "contiguous")):
         lanes = OwnerLanes(cp_size, rule)
-        for dst_kind, dst_table in dst_tables.items():
+        # lane-major: the contiguous block ordered so each rank's pages are consecutive (one run per rank)
+        tables = dict(dst_tables, **{"lane-major": 32 + lanes.lane_major(num_pages)})
+        for dst_kind, dst_table in tables.items():
             slices = ideal = num_bytes = 0
             times = []
             for rank in range(cp_size):
