@@ -50,7 +50,7 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
             f"goal kvbridge >= 0.9x raw Mooncake for >= 8K tokens: worst {worst:.2f}x -> "
             f"{'met' if worst >= 0.9 else 'NOT met'}",
-            f"slices kvbridge posted per room == ideal (runs x layers x pools): {'yes' if ideal else 'NO'}",
+            f"slices kvbridge posted per room == ideal (runs x layers x pools + 1 aux row): {'yes' if ideal else 'NO'}",
         ]
     return "\n".join(lines)
 

@@ -137,7 +137,8 @@ class Rig:
         return out
 
     def ideal_slices(self, num_tokens: int) -> int:
-        """runs x layers x pools: a run is a stretch of pages consecutive on both sides."""
+        """runs x layers x pools, + 1 for the aux row (it rides in the last batch): a run is a
+        stretch of pages consecutive on both sides."""
         layers = sum(s.num_layers for s in self.specs.values())
         runs = 0
         dst_pages = self.dst_pages(num_tokens)
@@ -146,7 +147,7 @@ class Rig:
             if len(logical):
                 dst = dst_pages[logical]
                 runs += 1 + int(np.count_nonzero((np.diff(dst) != 1) | (np.diff(local) != 1)))
-        return runs * layers
+        return runs * layers + 1
 
     def run_kvbridge(self, room: int, num_tokens: int, timeout: float = 120.0) -> tuple[float, dict]:
         """Seconds from the receiver's creation (handshake) to commit; the receiver's stats."""

@@ -200,8 +200,9 @@ class RoomBook:
         r.aux = aux
         r.state.advance_to(KVPoll.Success)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s committed pages_by_rank=%s aux_owner=cp%d", r.room, self.cfg.rank_label,
-                     r.ledger.pages_by_rank, r.ledger.aux_owner)
+            log.info("trace room=%d rank=%s +%.2fms @%.4f committed pages_by_rank=%s aux_owner=cp%d", r.room,
+                     self.cfg.rank_label, r.age_ms, time.monotonic(),
+                     dict(sorted(r.ledger.pages_by_rank.items())), r.ledger.aux_owner)
 
     def _digest_mismatch(self, r: RecvRoom) -> int | None:
         pages = np.concatenate([p for p, _ in r.digests])
@@ -274,7 +275,8 @@ class RoomBook:
             r.requested.add(cp)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s requested from cp ranks %s", r.room, self.cfg.rank_label, sorted(r.requested))
+            log.info("trace room=%d rank=%s +%.2fms @%.4f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
+                     sorted(r.requested))
 
     def _peer(self, s: Any, instance: str) -> Peer:
         p = self.peers.get(s.control_endpoint)

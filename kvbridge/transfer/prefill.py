@@ -188,6 +188,7 @@ class PrefillEndpoint:
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=room,
                                   rank=self.config.rank_label, field="local_pages")
             r.add_chunk(logical, local_arr, is_last, row)
+            self._book.post_room(r)  # post now when the decode ranks already asked; the loop reports
         self._wake()
 
     def _pack_aux(self, room: int, aux: AuxRow | np.ndarray) -> np.ndarray:

@@ -73,7 +73,7 @@ class SendBook:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s target %s pages=%d pools=%s", req.room, rank, req.decode_rank,
+            log.info("trace room=%d rank=%s +%.2fms @%.4f target %s pages=%d pools=%s", req.room, rank, r.age_ms, time.monotonic(), req.decode_rank,
                      target.dst_pages.size, ",".join(target.pools))
 
     def on_abort(self, ident: bytes, msg: wire.Abort) -> None:
@@ -94,51 +94,56 @@ class SendBook:
 
     def pump(self) -> None:
         for r in self.rooms.values():
-            if r.state.final or r.num_tokens is None:
-                continue
-            for t in r.targets.values():
-                if not t.active:
-                    continue
-                while t.posted < len(r.chunks):
-                    self.post_chunk(r, t, *r.chunks[t.posted])
-                    t.posted += 1
-                    if not t.active:
-                        break
-                if t.active and r.is_last and r.aux_row is not None and not t.aux_posted:
-                    self.post_aux(r, t)
-            if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
-                r.state.to(KVPoll.Transferring)
+            self.post_room(r)
             self.settle(r)
 
-    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray) -> None:
-        try:
-            plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, t.dst_bufs, logical, local, t.dst_pages[logical],
-                                 r.num_tokens, pools=t.pools, room=r.room, rank=self.cfg.rank_label)
-            handle = self.ep.engine.submit_write(t.session, plan.src, plan.dst, plan.length)
-        except KVBridgeError as exc:
-            t.failure = str(exc)
+    def post_room(self, r: SendRoom) -> None:
+        """Post every queued chunk (and the aux row) to every active target. No socket
+        I/O: the engine thread calls this from send() too, to save a hop to the loop."""
+        if r.state.final or r.num_tokens is None:
             return
-        t.inflight[handle] = logical
-        self.handles[handle] = (r, t)
-        self.counters["bytes"] += plan.num_bytes
-        self.counters["slices"] += plan.num_slices
-        r.num_bytes += plan.num_bytes
-        r.num_slices += plan.num_slices
-        if self.ep.trace:
-            log.info("trace room=%d rank=%s -> %s pages=%s slices=%d bytes=%d", r.room, self.cfg.rank_label,
-                     t.decode_rank, logical.tolist(), plan.num_slices, plan.num_bytes)
+        for t in r.targets.values():
+            while t.active and t.posted < len(r.chunks):
+                last_chunk = t.posted == len(r.chunks) - 1
+                # the aux row rides in the last chunk's batch: one write, one completion
+                with_aux = last_chunk and r.is_last and r.aux_row is not None and not t.aux_posted
+                self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux)
+                t.posted += 1
+            if t.active and r.is_last and r.aux_row is not None and not t.aux_posted:
+                self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True)
+        if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
+            r.state.to(KVPoll.Transferring)
 
-    def post_aux(self, r: SendRoom, t: Target) -> None:
-        t.aux_posted = True
+    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool) -> None:
         try:
-            src = self.ep.aux.stage(r.room, r.aux_row)
-            handle = self.ep.engine.submit_write(t.session, np.array([src], np.uint64), np.array([t.aux_addr], np.uint64),
-                                              np.array([self.ep.aux_schema.row_bytes], np.uint64))
+            src, dst, length = (), (), ()
+            if logical.size:
+                plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, t.dst_bufs, logical, local,
+                                     t.dst_pages[logical], r.num_tokens, pools=t.pools, room=r.room,
+                                     rank=self.cfg.rank_label)
+                src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
+            if with_aux:
+                t.aux_posted = True
+                aux_src = self.ep.aux.stage(r.room, r.aux_row)
+                src += (np.array([aux_src], np.uint64),)
+                dst += (np.array([t.aux_addr], np.uint64),)
+                length += (np.array([self.ep.aux_schema.row_bytes], np.uint64),)
+            src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+            handle = self.ep.engine.submit_write(t.session, src, dst, length)
         except KVBridgeError as exc:
-            t.failure = f"aux row: {exc}"
+            t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
             return
-        t.inflight[handle] = None
+        t.inflight[handle] = (logical, with_aux)
         self.handles[handle] = (r, t)
+        num_bytes, num_slices = int(length.sum()), int(length.size)
+        self.counters["bytes"] += num_bytes
+        self.counters["slices"] += num_slices
+        r.num_bytes += num_bytes
+        r.num_slices += num_slices
+        if self.ep.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.4f -> %s pages=%s%s slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, r.age_ms, time.monotonic(), t.decode_rank, logical.tolist(),
+                     " +aux" if with_aux else "", num_slices, num_bytes)
 
     def collect(self) -> None:
         for handle in list(self.handles):
@@ -146,21 +151,27 @@ class SendBook:
             if status.state is WriteState.PENDING:
                 continue
             r, t = self.handles.pop(handle)
-            pages = t.inflight.pop(handle)
+            pages, with_aux = t.inflight.pop(handle)
+            if self.ep.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.4f write of %d pages%s to %s %s", r.room,
+                         self.cfg.rank_label, r.age_ms, time.monotonic(), pages.size, " +aux" if with_aux else "",
+                         t.decode_rank, status.state.value)
             if status.state is WriteState.FAILED:
                 t.failure = t.failure or f"write to {t.decode_rank} ({t.session}) failed: {status.reason}"
-            elif t.active and pages is None:
-                t.aux_done = True
-                self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason=""))
             elif t.active:
-                t.num_pages_done += pages.size
-                digests = None
-                if t.want_digest:
-                    local = self.local_pages_of(r, pages)
-                    digests = page_digests(self.ep.specs, self.ep.buffers.tensors, t.pools, pages, local, r.num_tokens).tobytes()
-                self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok",
-                                                          reason="", pools=list(t.pools),
-                                                          logical_pages=wire.pack_pages(pages), digests=digests))
+                if pages.size:
+                    t.num_pages_done += pages.size
+                    digests = None
+                    if t.want_digest:
+                        local = self.local_pages_of(r, pages)
+                        digests = page_digests(self.ep.specs, self.ep.buffers.tensors, t.pools, pages, local,
+                                               r.num_tokens).tobytes()
+                    self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok",
+                                                           reason="", pools=list(t.pools),
+                                                           logical_pages=wire.pack_pages(pages), digests=digests))
+                if with_aux:
+                    t.aux_done = True
+                    self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason=""))
             self.settle(r)
 
     @staticmethod

@@ -60,6 +60,10 @@ class RecvRoom:
         return 0 if self.page_ids is None else int(self.page_ids.size)
 
     @property
+    def age_ms(self) -> float:
+        return (time.monotonic() - self.state.entered[KVPoll.Bootstrapping]) * 1000
+
+    @property
     def pages_releasable(self) -> bool:
         """True when no write of this room can still land (hard rule 6)."""
         if self.state.state == KVPoll.Success:

@@ -46,7 +46,7 @@ class Target:
     deadline: float  # monotonic
     want_digest: bool
     posted: int = 0  # chunks posted so far
-    inflight: dict[int, np.ndarray | None] = field(default_factory=dict)  # handle -> logical pages (None: aux row)
+    inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)
     aux_posted: bool = False
     aux_done: bool = False
     num_pages_done: int = 0
@@ -92,6 +92,10 @@ class SendRoom:
         return self.num_tokens is not None and self.lanes.owner_of_token(
             self.num_tokens - 1, self.page_size, self.num_pages
         ) == self.cp_rank
+
+    @property
+    def age_ms(self) -> float:
+        return (time.monotonic() - self.created) * 1000
 
     @property
     def num_owned_pages(self) -> int:

@@ -148,13 +148,21 @@ def test_failed_write_fails_the_room_with_the_engine_reason(cluster):
 def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
     """Hard rule 4: an aux row that carries another room's id never commits."""
     c = cluster(cp=1)
-    c.prefill[0].engine.faults.corrupt_batches = {1}  # batch 0: pages, batch 1: the aux row
-    r = c.decode.receiver(0x1234, f"{c.name}-p")
-    r.init(np.array([0, 1]), 3, 6)
-    c.send(0x1234, 6)
+    ep = c.prefill[0]
+    ep.engine.faults.corrupt_batches = {1}  # batch 0: the pages, batch 1: the aux row alone
+    room, n = 0x1234, 8
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(np.array([0, 1]), 3, n)
+    for (pool, layer), buf in ep.buffers.tensors.items():
+        fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
+    s = ep.sender(room)
+    s.init(n)
+    s.send(np.array([0, 1]), np.array([10, 11]))  # every page, not yet the last chunk
+    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
+    s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=make_aux(c.aux_schema, room, n))
     wait_final([r])
     assert r.poll() == KVPoll.Failed
-    assert "aux row in slot 3 carries room" in r.failure_reason and str(0x1234) in r.failure_reason
+    assert "aux row in slot 3 carries room" in r.failure_reason and str(room) in r.failure_reason
 
 
 def test_corrupted_page_fails_only_with_the_digest_check(cluster):
