@@ -33,6 +33,7 @@ index-K 132 B/token, one NextN draft layer), 61 layers, page 64.
 from __future__ import annotations
 
 import argparse
+import shutil
 import json
 import os
 import queue
@@ -438,6 +439,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="prefill device (decode: cuda:1 when there are two GPUs)")
     ap.add_argument("--json", default="", help="write rows and run info here")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per transport")
+    ap.add_argument("--trace-dir", default="",
+                    help="copy the prefill/decode logs (with KVBRIDGE_TRACE=1 timelines) into this folder")
     ap.add_argument("--keep-caching-allocator", action="store_true",
                     help="nvlink: keep torch's CUDA caching allocator (buffers may share cudaMalloc segments)")
     # child roles (internal)
@@ -451,6 +454,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.role == "decode":
         return decode_role(args)
+    if args.role != "main" and os.environ.get("KVBRIDGE_TRACE") == "1":
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.role == "prefill":
         return prefill_role(args)
 
@@ -462,6 +471,8 @@ def main() -> None:
         for transport in args.transports:
             mc_protocol, extra_env = TRANSPORTS[transport]
             env = dict(os.environ, **extra_env)
+            if args.trace_dir:
+                env["KVBRIDGE_TRACE"] = "1"
             env.setdefault("GLOG_minloglevel", "1")
             if transport == "nvlink" and not args.keep_caching_allocator:
                 # A precaution: CUDA IPC exports whole cudaMalloc allocations, and the caching allocator
@@ -492,6 +503,9 @@ def main() -> None:
                 child.stop()
                 for name in (f"prefill-{transport}.log", f"decode-{transport}.log"):
                     path = workdir / name
+                    if path.exists() and args.trace_dir:
+                        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                        shutil.copy(path, Path(args.trace_dir) / name)
                     if path.exists():
                         tail = path.read_text(errors="replace").splitlines()[-25:]
                         if any("rror" in line or "Traceback" in line for line in tail):
