@@ -1,0 +1,70 @@
+"""The decode-side exactly-once ledger: every (pool, logical page) once, from its
+owner; the aux row once, from the owner of the last valid token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import LedgerError
+from kvbridge.layout import OwnerLanes
+from kvbridge.transfer.ledger import PageLedger
+
+POOLS = ("draft", "index", "target")
+
+
+def ledger(num_pages: int = 5, cp: int = 2, aux_owner: int = 0) -> PageLedger:
+    return PageLedger(room=7, pools=POOLS, num_pages=num_pages, lanes=OwnerLanes(cp), aux_owner=aux_owner)
+
+
+def test_complete_only_when_every_page_of_every_pool_and_the_aux_row_arrived():
+    lg = ledger()
+    lg.record(0, POOLS, np.array([0, 2]))
+    lg.record(1, POOLS, np.array([1, 3]))
+    assert not lg.pages_complete and lg.missing() == {p: [4] for p in POOLS}
+    lg.record(0, POOLS, np.array([4]))
+    assert lg.pages_complete and not lg.complete
+    lg.record_aux(0)
+    assert lg.complete and lg.pages_by_rank == {0: 3, 1: 2}
+
+
+def test_a_pool_reported_separately_still_counts_once():
+    lg = ledger(num_pages=2)
+    lg.record(0, ["target"], np.array([0]))
+    lg.record(0, ["index", "draft"], np.array([0]))
+    lg.record(1, POOLS, np.array([1]))
+    assert lg.pages_complete
+
+
+@pytest.mark.parametrize(
+    "rank, pools, pages, message",
+    [
+        (0, POOLS, [0, 0], "reported a page twice in one message"),
+        (0, POOLS, [5], "outside the request's 5 pages"),
+        (0, POOLS, [-1], "outside the request's 5 pages"),
+        (1, POOLS, [2], "logical page 2 reported by cp rank 1, but cp rank 0 owns it"),
+        (0, ["kv"], [0], "pool 'kv', which this room does not receive"),
+    ],
+)
+def test_bad_reports_are_refused_before_anything_is_marked(rank, pools, pages, message):
+    lg = ledger()
+    with pytest.raises(LedgerError, match=message) as info:
+        lg.record(rank, pools, np.array(pages))
+    assert info.value.room == 7 and info.value.rank == f"cp{rank}"
+    assert lg.pages_by_rank == {} and lg.missing() == {p: [0, 1, 2, 3, 4] for p in POOLS}
+
+
+def test_a_page_reported_twice_is_refused():
+    lg = ledger()
+    lg.record(0, POOLS, np.array([0]))
+    with pytest.raises(LedgerError, match="page 0 of pool 'draft' reported twice"):
+        lg.record(0, ["draft"], np.array([0]))
+
+
+def test_aux_row_only_from_the_owner_of_the_last_token_and_only_once():
+    lg = ledger(aux_owner=0)
+    with pytest.raises(LedgerError, match="cp rank 0 owns the last valid token"):
+        lg.record_aux(1)
+    lg.record_aux(0)
+    with pytest.raises(LedgerError, match="aux row reported twice"):
+        lg.record_aux(0)
