@@ -52,7 +52,7 @@ class Cluster:
         for b in self.dbufs.values():
             as_bytes(b)[:] = SENTINEL_BYTE
         self.aux = torch.zeros((8, self.aux_schema.row_bytes), dtype=torch.uint8)
-        decode_cfg.setdefault("peer_timeout", 1.0)
+        decode_cfg.setdefault("peer_timeout", 2.0)
         decode_cfg.setdefault("ping_interval", 0.1)
         dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
         self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,

@@ -96,7 +96,7 @@ def test_mismatched_contract_is_refused_before_any_transfer(daemon):
 
 def test_prefill_rank_killed_mid_transfer(daemon):
     procs = [PrefillProc(daemon.url, r, 2, instance="prefill-killed") for r in range(2)]
-    d = DecodeRank(daemon.url, instance="decode-killed", peer_timeout=1.5)
+    d = DecodeRank(daemon.url, instance="decode-killed", peer_timeout=3.0)
     try:
         room, n = 9201, 20 * PAGE + 3
         recv = d.receive(room, n, np.arange(300, 321), prefill="prefill-killed")
