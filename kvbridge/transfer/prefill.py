@@ -52,7 +52,7 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     control_port: int = 0
     secret: bytes | None = None
-    heartbeat_interval: float = 0.5
+    housekeeping_interval: float = 0.5  # how often final rooms are forgotten (heartbeats answer decode pings)
     lease_ttl: float = 10.0
     target_timeout: float = 60.0  # how long a room waits for its decode ranks to ask
     max_slices_per_call: int = 1024
@@ -239,7 +239,7 @@ class PrefillEndpoint:
     # -- the loop -------------------------------------------------------------
 
     def _run(self) -> None:
-        next_beat = 0.0
+        next_housekeeping = 0.0
         while not self._stop.is_set():
             try:
                 self._step()
@@ -247,8 +247,8 @@ class PrefillEndpoint:
                 log.exception("prefill loop step failed")
                 time.sleep(0.05)
             now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self.config.heartbeat_interval
+            if now >= next_housekeeping:
+                next_housekeeping = now + self.config.housekeeping_interval
                 with self._lock:
                     self._book.gc(now)
 

@@ -65,7 +65,7 @@ def main() -> None:
     aux_schema = aux_schema_of(contract)
     buffers = allocate_buffers(specs, args.pages)
     cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, lane_rule=args.lane_rule,
-                        lease_ttl=args.lease_ttl, heartbeat_interval=0.2, target_timeout=args.target_timeout,
+                        lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None)
     ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),
                          aux_schema)

@@ -89,7 +89,7 @@ class GpuPrefill:
                 client = BootstrapClient(bootstrap)
                 self.clients.append(client)
                 cfg = PrefillConfig(instance=instance, cp_rank=rank, cp_size=CP, lease_ttl=5.0,
-                                    heartbeat_interval=0.2, aux_device=aux_device)
+                                    housekeeping_interval=0.2, aux_device=aux_device)
                 ep = PrefillEndpoint(cfg, engine, self.specs, self.buffers[rank], self.contract, client,
                                      self.aux_schema)
                 ep.start()
