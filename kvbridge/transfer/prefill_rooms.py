@@ -230,7 +230,8 @@ class SendBook:
             if r.state.final:
                 continue
             if r.state.state == KVPoll.Bootstrapping and now - r.created > self.cfg.target_timeout:
-                self.fail_room(r, f"no decode rank asked for room {r.room} within {self.cfg.target_timeout:.1f}s")
+                asked = f"only {len(r.targets)} of {r.num_expected_targets}" if r.targets else "no"
+                self.fail_room(r, f"{asked} decode ranks asked for room {r.room} within {self.cfg.target_timeout:.1f}s")
             for t in r.targets.values():
                 if t.active and now > t.deadline:
                     t.failure = f"decode rank {t.decode_rank}'s deadline passed before the room was written"

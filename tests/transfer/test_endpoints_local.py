@@ -233,7 +233,7 @@ def test_timeouts_name_the_state_that_overran(cluster, daemon):
     wait_final([lost, never_init, orphan], timeout=10)
     assert "no-such-instance" in lost.failure_reason
     assert "waiting timeout" in never_init.failure_reason
-    assert "no decode rank asked for room 9" in orphan.failure_reason
+    assert "no decode ranks asked for room 9" in orphan.failure_reason
     assert lost.pages_releasable and never_init.pages_releasable
 
 

@@ -88,7 +88,7 @@ def test_mismatched_contract_is_refused_before_any_transfer(daemon):
         mismatches = httpx.get(f"{daemon.url}/v1/diagnostics/mismatches", trust_env=False).json()
         assert any("prefill-other-abi" in str(m) and "kernel.abi" in str(m) for m in mismatches)
         res = p.result(9101, timeout=30)  # nobody asked for the room: it times out on prefill
-        assert res["state"] == "Failed" and "no decode rank asked" in res["reason"]
+        assert res["state"] == "Failed" and "no decode ranks asked" in res["reason"]
     finally:
         d.close()
         p.stop()
