@@ -309,3 +309,32 @@ def test_trace_mode_logs_who_sent_which_pages_and_the_commit(cluster, caplog, mo
     text = caplog.text
     assert "trace room=14" in text and "pages=[0, 2]" in text and "pages=[1]" in text
     assert "committed pages_by_rank={0: 2, 1: 1}" in text
+
+
+def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
+    """Ranks re-register on their next heartbeat; new rooms find them again."""
+    daemon = start_daemon("--lease-ttl", "30")
+    c = Cluster(daemon.url, "restart", cp=2)
+    try:
+        r = c.decode.receiver(20, "restart-p")
+        r.init(np.array([0, 1, 2]), 0, 10)
+        c.send(20, 10)
+        wait_final([r])
+        assert r.poll() == KVPoll.Success
+        daemon.restart()  # same port, empty state
+        c.decode._book.cache.clear()  # no cached topology: the next room must look the instance up again
+
+        def reregistered() -> bool:
+            try:
+                return len(c.clients[0].instance("restart-p").ranks) == 2
+            except UnknownInstance:
+                return False
+
+        assert wait_until(reregistered, 10)
+        r = c.decode.receiver(21, "restart-p")
+        r.init(np.array([3, 4, 5]), 1, 10)
+        c.send(21, 10)
+        wait_final([r], timeout=20)
+        assert r.poll() == KVPoll.Success and c.verified(21, 10, np.array([3, 4, 5]))
+    finally:
+        c.close()
