@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.errors import EngineError, TransferTimeout
-from kvbridge.transfer.engine.base import WriteStatus
+from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
 
 log = logging.getLogger(__name__)
 
@@ -205,3 +205,19 @@ class JobTable:
             callback()
         except Exception:  # a caller's callback must not kill the engine thread; it is logged
             log.exception("%s: notify callback failed", self._who)
+
+
+class JobEngine(TransferEngine):
+    """An engine whose writes are tracked in ``self._jobs`` (a JobTable): poll, wait and
+    completion callbacks are the table's."""
+
+    _jobs: JobTable
+
+    def poll(self, handle: int) -> WriteStatus:
+        return self._jobs.poll(handle)
+
+    def wait(self, handle: int, timeout: float) -> None:
+        self._jobs.wait(handle, timeout)
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        self._jobs.set_notify(callback)

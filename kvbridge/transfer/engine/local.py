@@ -32,14 +32,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import Job, JobTable, Regions, check_slices
-from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
+from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, check_slices
 
 _GATE_POLL_S = 0.02
 
@@ -97,7 +95,7 @@ class _Batch:
         )
 
 
-class LocalEngine(TransferEngine):
+class LocalEngine(JobEngine):
     def __init__(self, fabric: LocalFabric, *, max_slices_per_call: int = 1024) -> None:
         if max_slices_per_call < 1:
             raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")
@@ -153,15 +151,6 @@ class LocalEngine(TransferEngine):
                     self._queue.append(_Batch(job, next(self._numbers), i, src[b], dst[b], length[b], due))
                 self._cond.notify()
         return job.handle if job is not None else self._jobs.open(session, 0, 0).handle
-
-    def poll(self, handle: int) -> WriteStatus:
-        return self._jobs.poll(handle)
-
-    def wait(self, handle: int, timeout: float) -> None:
-        self._jobs.wait(handle, timeout)
-
-    def set_notify(self, callback: Callable[[], None] | None) -> None:
-        self._jobs.set_notify(callback)
 
     def close(self) -> None:
         with self._cond:

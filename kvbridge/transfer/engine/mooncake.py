@@ -34,14 +34,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import U64_MAX, Job, JobTable, Regions, as_int, check_slices
-from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
+from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_slices
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +66,7 @@ class _Batch:
         )
 
 
-class MooncakeEngine(TransferEngine):
+class MooncakeEngine(JobEngine):
     def __init__(self, *, host: str, protocol: str, device: str, max_slices_per_call: int) -> None:
         try:
             from mooncake.engine import TransferEngine as _Mooncake
@@ -145,15 +143,6 @@ class MooncakeEngine(TransferEngine):
                 queue.append(_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap]))
             self._cond.notify()
         return job.handle
-
-    def poll(self, handle: int) -> WriteStatus:
-        return self._jobs.poll(handle)
-
-    def wait(self, handle: int, timeout: float) -> None:
-        self._jobs.wait(handle, timeout)
-
-    def set_notify(self, callback: Callable[[], None] | None) -> None:
-        self._jobs.set_notify(callback)
 
     def close(self) -> None:
         with self._cond:
