@@ -133,6 +133,7 @@ def plan_transfer(
     pools: Sequence[str] | None = None,
     room: int | None = None,
     rank: str | None = None,
+    paired: PairedBuffers | None = None,
 ) -> TransferPlan:
     """Plan the writes of ``logical_pages`` for every layer of every pool in
     ``pools`` (default: all of ``specs``). Everything is checked before anything
@@ -150,8 +151,11 @@ def plan_transfer(
     logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
     page_size = page_sizes.pop() if names else 1
     num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
-    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
-    pairs = [_pair(specs[n], src_index, dst_index, ctx) for n in names]
+    if paired is None:
+        paired = pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank)
+    elif paired.pools != names:
+        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    pairs = paired.pairs
     for spec, _, _, src_cap, dst_cap in pairs:
         _check_range(spec, "source", src, src_cap, logical, ctx)
         _check_range(spec, "destination", dst, dst_cap, logical, ctx)
@@ -211,6 +215,37 @@ def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: di
     if len(dup):
         raise LayoutError(f"logical page {dup[0]} appears more than once in one plan", field="logical_pages", **ctx)
     return num_tokens - (num_pages - 1) * page_size if num_pages else page_size
+
+
+@dataclass(frozen=True, eq=False)
+class PairedBuffers:
+    """Source and destination buffers of some pools, paired by (pool, layer id) and
+    checked once: per pool, (spec, src bases, dst bases, src capacities, dst
+    capacities), one entry per layer. A prefill rank keeps one per decode peer, whose
+    registered buffers do not change, and hands it to every ``plan_transfer``."""
+
+    pools: tuple[str, ...]
+    pairs: tuple[tuple[Any, ...], ...]
+
+    @property
+    def min_dst_capacity(self) -> int:
+        return min((int(p[4].min()) for p in self.pairs), default=0)
+
+
+def pair_buffers(
+    specs: Mapping[str, PoolSpec],
+    src_bufs: Sequence[BufferDesc],
+    dst_bufs: Sequence[BufferDesc],
+    pools: Sequence[str],
+    *,
+    room: int | None = None,
+    rank: str | None = None,
+) -> PairedBuffers:
+    """Pair buffers by (pool, layer id), never by position (hard rule 8): a missing
+    layer or differing page sizes raise PairingError naming pool and layer."""
+    ctx: dict[str, Any] = {"room": room, "rank": rank}
+    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
+    return PairedBuffers(tuple(pools), tuple(_pair(specs[n], src_index, dst_index, ctx) for n in pools))
 
 
 def _index(bufs: Sequence[BufferDesc], side: str, ctx: dict[str, Any]) -> dict[tuple[str, int], BufferDesc]:

@@ -18,7 +18,7 @@ from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import WriteState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.sender import SendRoom, Target
-from kvbridge.transfer.targets import target_from_request
+from kvbridge.transfer.targets import DestinationCache, target_from_request
 
 if TYPE_CHECKING:
     from kvbridge.transfer.prefill import PrefillEndpoint
@@ -36,6 +36,7 @@ class SendBook:
         self.handles: dict[int, tuple[SendRoom, Target]] = {}
         self.released: collections.deque[int] = collections.deque()  # rooms whose KVSender was dropped (no lock)
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
+        self.destinations = DestinationCache()  # decode peers' buffer tables, paired with ours once
 
     def room(self, room: int) -> SendRoom:
         r = self.rooms.get(room)
@@ -60,7 +61,8 @@ class SendBook:
             return
         try:
             r.set_num_tokens(req.num_tokens, f"decode rank {req.decode_rank}")
-            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r.num_pages)
+            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r.num_pages,
+                                          self.destinations)
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self.reply_failed(ident, req.room, str(exc))
             self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {exc}")
@@ -120,7 +122,7 @@ class SendBook:
             if logical.size:
                 plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, t.dst_bufs, logical, local,
                                      t.dst_pages[logical], r.num_tokens, pools=t.pools, room=r.room,
-                                     rank=self.cfg.rank_label)
+                                     rank=self.cfg.rank_label, paired=t.paired)
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True

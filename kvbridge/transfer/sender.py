@@ -25,6 +25,7 @@ import numpy as np
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import BufferDesc, OwnerLanes
+from kvbridge.layout.plan import PairedBuffers
 from kvbridge.transfer.poll import KVPoll, RoomState
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Target:
     aux_addr: int | None  # destination address of the aux row slot
     deadline: float  # monotonic
     want_digest: bool
+    paired: PairedBuffers  # our buffers paired with the decode rank's, checked once
     posted: int = 0  # chunks posted so far
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)
     aux_posted: bool = False

@@ -11,14 +11,40 @@ with the reason; nothing is written.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvbridge.errors import LayoutError, PageRangeError, PairingError
+from kvbridge.errors import LayoutError, PageRangeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
+from kvbridge.layout.plan import PairedBuffers, pair_buffers
 from kvbridge.transfer import wire
 from kvbridge.transfer.sender import Target
+
+
+class DestinationCache:
+    """Each decode peer's destination buffers, parsed and paired with ours once: a decode
+    rank's registered buffers do not change while it lives, so every later request from
+    it skips the per-buffer work (bounded, least recently used first out)."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[list[BufferDesc], PairedBuffers]] = OrderedDict()
+
+    def lookup(self, req: wire.TransferRequest, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
+               pools: tuple[str, ...]) -> tuple[list[BufferDesc], PairedBuffers]:
+        key = (req.decode_rank, req.session, pools, tuple(map(tuple, req.buffers)))
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit
+        dst_bufs = [BufferDesc.from_list(b) for b in req.buffers]
+        paired = pair_buffers(specs, src_bufs, dst_bufs, pools, room=req.room, rank=req.decode_rank)
+        self._entries[key] = (dst_bufs, paired)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return dst_bufs, paired
 
 
 def target_from_request(
@@ -28,6 +54,7 @@ def target_from_request(
     src_bufs: Sequence[BufferDesc],
     aux_schema: AuxSchema,
     num_pages: int,
+    cache: DestinationCache,
 ) -> Target:
     ctx = dict(room=req.room, rank=req.decode_rank)
     pools = tuple(req.pools)
@@ -38,24 +65,15 @@ def target_from_request(
     if dst_pages.size != num_pages:
         raise LayoutError(f"{dst_pages.size} destination pages for a request of {num_pages} pages "
                           f"({req.num_tokens} tokens)", field="page_ids", **ctx)
-    dst_bufs = [BufferDesc.from_list(b) for b in req.buffers]
-    dst_index = {(d.pool, d.layer_id): d for d in dst_bufs}
-    if len(dst_index) != len(dst_bufs):
-        raise PairingError("destination lists a (pool, layer id) twice", field="buffers", **ctx)
-    src_index = {(d.pool, d.layer_id): d for d in src_bufs}
+    dst_bufs, paired = cache.lookup(req, specs, src_bufs, pools)  # PairingError: missing layer, page sizes
     lo, hi = (int(dst_pages.min()), int(dst_pages.max())) if dst_pages.size else (0, -1)
-    for pool in pools:
-        for layer in specs[pool].layer_ids:
-            d = dst_index.get((pool, layer))
-            if d is None:
-                raise PairingError(f"destination has no buffer for pool {pool!r} layer {layer}", field="buffers", **ctx)
-            if d.bytes_per_page != src_index[(pool, layer)].bytes_per_page:
-                raise PairingError(f"pool {pool!r} layer {layer}: destination pages of {d.bytes_per_page} B, "
-                                   f"source pages of {src_index[(pool, layer)].bytes_per_page} B", field="bytes_per_page", **ctx)
-            if lo < 0 or hi >= d.capacity_pages:
-                bad = lo if lo < 0 else hi
-                raise PageRangeError(f"destination page {bad} outside pool {pool!r} layer {layer}'s "
-                                     f"{d.capacity_pages} registered pages; nothing written", field="page_ids", **ctx)
+    if lo < 0 or hi >= paired.min_dst_capacity:
+        bad = lo if lo < 0 else hi
+        for spec, _, _, _, dst_cap in paired.pairs:  # name the first buffer the page falls outside of
+            for layer, cap in zip(spec.layer_ids, dst_cap.tolist()):
+                if bad < 0 or bad >= cap:
+                    raise PageRangeError(f"destination page {bad} outside pool {spec.name!r} layer {layer}'s "
+                                         f"{cap} registered pages; nothing written", field="page_ids", **ctx)
     aux_addr = None
     if req.aux_capacity:
         if req.aux_row_bytes != aux_schema.row_bytes:
@@ -67,4 +85,5 @@ def target_from_request(
         aux_addr = req.aux_base + req.aux_slot * req.aux_row_bytes
     deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else 3600.0)
     return Target(decode_rank=req.decode_rank, ident=ident, session=req.session, dst_pages=dst_pages,
-                  dst_bufs=dst_bufs, pools=pools, aux_addr=aux_addr, deadline=deadline, want_digest=req.want_digest)
+                  dst_bufs=dst_bufs, pools=pools, aux_addr=aux_addr, deadline=deadline, want_digest=req.want_digest,
+                  paired=paired)

@@ -212,3 +212,25 @@ def test_validate_buffer_names_pool_layer_expected_and_actual():
     assert describe_buffer(index, 1, buf) == BufferDesc("index", 1, buf.ctypes.data, 12, 528)
     with pytest.raises(BufferSpecError, match="bytes per page"):
         describe_buffer(index, 1, np.zeros((12, 4, 131), dtype=np.uint8))
+
+
+def test_pre_paired_buffers_plan_the_same_slices_and_must_match_the_pools():
+    from kvbridge.layout import preset_pools
+    from kvbridge.layout.plan import pair_buffers
+
+    specs = preset_pools("deepseek-v3.2-fp8", num_layers=3, page_size=4)
+
+    def bufs(shift):
+        return [BufferDesc(p, layer, shift + 10**6 * (i * 10 + layer), 32, s.bytes_per_page)
+                for i, (p, s) in enumerate(specs.items()) for layer in s.layer_ids]
+
+    src, dst = bufs(0), bufs(1 << 40)
+    logical, local, dest = np.array([0, 2, 3]), np.array([5, 6, 7]), np.array([9, 1, 2])
+    paired = pair_buffers(specs, src, dst, tuple(specs))
+    a = plan_transfer(specs, src, dst, logical, local, dest, 15)
+    b = plan_transfer(specs, src, dst, logical, local, dest, 15, paired=paired)
+    assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("src", "dst", "length"))
+    with pytest.raises(PageRangeError):  # capacity is still checked on every plan
+        plan_transfer(specs, src, dst, logical, local, np.array([9, 1, 32]), 15, paired=paired)
+    with pytest.raises(LayoutError, match="paired for pools"):
+        plan_transfer(specs, src, dst, logical, local, dest, 15, pools=["target"], paired=paired)
