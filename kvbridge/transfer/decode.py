@@ -10,6 +10,7 @@ in flight are 1,000 dict entries, not 1,000 threads. The loop reads like ``step(
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -106,7 +107,7 @@ class DecodeEndpoint:
 
     # -- life cycle -----------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def aux_desc(self) -> AuxDescriptor:
         from kvbridge.transfer.engine import tensor_region
 

@@ -62,6 +62,7 @@ class RoomBook:
         self.dp_sizes: dict[str, int] = {}
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
+        self.buffer_lists = [d.to_list() for d in ep.buffers.descs]  # sent in every request; built once
         self.released: deque[int] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
 
@@ -263,7 +264,7 @@ class RoomBook:
             req = wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, session=self.ep.engine.session_id,
                 page_ids=wire.pack_pages(r.page_ids), pools=list(self.pools),
-                buffers=[d.to_list() for d in self.ep.buffers.descs], aux_base=aux.base,
+                buffers=self.buffer_lists, aux_base=aux.base,
                 aux_capacity=aux.capacity_rows, aux_row_bytes=aux.row_bytes, aux_slot=r.aux_slot,
                 num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
                 want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
