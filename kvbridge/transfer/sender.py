@@ -101,7 +101,8 @@ class SendRoom:
 
     @property
     def num_owned_pages(self) -> int:
-        return self.lanes.num_local_pages(self.cp_rank, self.num_pages) if self.num_tokens else 0
+        # the pages this rank *sends* (under "replicated" every rank stores all pages, rank 0 sends them)
+        return int(self.lanes.owned_pages(self.cp_rank, self.num_pages).size) if self.num_tokens else 0
 
     @property
     def num_inflight(self) -> int:

@@ -31,19 +31,19 @@ class Cluster:
     """CP prefill ranks + one decode rank, one LocalFabric, all in this process."""
 
     def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
-                 decode_secret: bytes | None = None, **decode_cfg) -> None:
+                 decode_secret: bytes | None = None, lane_rule: str = "interleaved", **decode_cfg) -> None:
         self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
-        self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, "interleaved")
+        self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, lane_rule)
         self.aux_schema = aux_schema_of(self.contract)
         self.fabric = LocalFabric()
-        self.lanes = OwnerLanes(cp)
+        self.lanes = OwnerLanes(cp, lane_rule)
         self.name = name
         self.clients = []
         self.prefill = []
         for rank in range(cp):
             eng = create_engine("local", fabric=self.fabric)
             cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
-                                secret=prefill_secret)
+                                secret=prefill_secret, lane_rule=lane_rule)
             ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
                                  self._client(url), self.aux_schema)
             ep.start()
@@ -338,3 +338,38 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
         assert r.poll() == KVPoll.Success and c.verified(21, 10, np.array([3, 4, 5]))
     finally:
         c.close()
+
+
+def test_a_dead_decode_peer_fails_the_prefill_room_with_the_reason(cluster):
+    """The decode rank vanishes while writes are in flight: the prefill room fails once
+    its writes have failed (nothing is left in flight), naming the decode rank."""
+    c = cluster()
+    gate = threading.Event()
+    for ep in c.prefill:
+        ep.engine.faults.gate = gate
+    r = c.decode.receiver(22, f"{c.name}-p")
+    r.init(np.array([0, 1, 2]), 0, 10)
+    senders = c.send(22, 10)
+    assert wait_until(lambda: all(s.poll() == KVPoll.Transferring for s in senders), 5)
+    c.fabric.detach(c.decode.engine.session_id)  # the decode rank's memory is gone
+    gate.set()
+    wait_final(senders, timeout=10)
+    for s in senders:
+        assert s.poll() == KVPoll.Failed
+        assert f"write to {c.name}-d/dp0/tp0" in s.failure_reason and "failed" in s.failure_reason
+
+
+@pytest.mark.parametrize("lane_rule", ["contiguous", "replicated"])
+def test_other_lane_rules_deliver_every_page_once(cluster, lane_rule):
+    """Contiguous ranges, and replicated KV where rank 0 sends and the other ranks send nothing."""
+    c = cluster(cp=3, lane_rule=lane_rule)
+    pages = np.array([9, 3, 4, 5, 6, 7, 8])
+    r = c.decode.receiver(23, f"{c.name}-p")
+    r.init(pages, 0, 27)
+    senders = c.send(23, 27)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert all(s.poll() == KVPoll.Success for s in senders)
+    assert c.verified(23, 27, pages)
+    expected = {0: 7} if lane_rule == "replicated" else {0: 3, 1: 3, 2: 1}
+    assert r.stats["pages_by_rank"] == expected
