@@ -271,6 +271,8 @@ class RoomBook:
                 num_decode_ranks=self.cfg.tp_size,
             )
             peer = self._peer(s, r.prefill_instance)
+            if not self._active_rooms(peer):  # liveness restarts now: a quiet spell between rooms is no death
+                peer.last_seen = max(peer.last_seen, time.monotonic())
             peer.rooms.add(r.room)
             self.ep.send(s.control_endpoint, req)
             r.requested.add(cp)
@@ -287,9 +289,13 @@ class RoomBook:
                                                       instance, last_seen=time.monotonic())
         return p
 
+    def _active_rooms(self, p: Peer) -> list[RecvRoom]:
+        """Rooms toward this peer that may still see writes from it."""
+        return [self.rooms[k] for k in p.rooms if k in self.rooms and not self.rooms[k].pages_releasable]
+
     def _liveness(self, now: float) -> None:
         for p in self.peers.values():
-            active = [self.rooms[k] for k in p.rooms if k in self.rooms and not self.rooms[k].pages_releasable]
+            active = self._active_rooms(p)
             if not active:
                 continue
             if p.dead is None and now - p.last_seen > self.cfg.peer_timeout:

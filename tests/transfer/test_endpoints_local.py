@@ -6,6 +6,7 @@ processes is in test_rooms.py and test_rooms_faults.py."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -373,3 +374,15 @@ def test_other_lane_rules_deliver_every_page_once(cluster, lane_rule):
     assert c.verified(23, 27, pages)
     expected = {0: 7} if lane_rule == "replicated" else {0: 3, 1: 3, 2: 1}
     assert r.stats["pages_by_rank"] == expected
+
+
+def test_a_peer_idle_longer_than_the_peer_timeout_is_not_declared_dead(cluster):
+    """Liveness only runs while a peer has rooms: a quiet spell between rooms is no death."""
+    c = cluster(cp=1, peer_timeout=0.5)
+    for room, pages in ((24, [0, 1]), (25, [2, 3])):
+        r = c.decode.receiver(room, f"{c.name}-p")
+        r.init(np.array(pages), 0, 8)
+        c.send(room, 8)
+        wait_final([r])
+        assert r.poll() == KVPoll.Success, r.failure_reason
+        time.sleep(1.5)  # three peer timeouts without a room toward this prefill rank
