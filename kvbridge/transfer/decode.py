@@ -237,6 +237,10 @@ class DecodeEndpoint:
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
 
+    def drop_peer(self, endpoint: str) -> None:
+        """Close the connection to a prefill rank that is gone (loop thread only)."""
+        self._peers.drop(endpoint)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:

@@ -294,9 +294,12 @@ class RoomBook:
         return [self.rooms[k] for k in p.rooms if k in self.rooms and not self.rooms[k].pages_releasable]
 
     def _liveness(self, now: float) -> None:
-        for p in self.peers.values():
+        for p in list(self.peers.values()):
             active = self._active_rooms(p)
             if not active:
+                if p.dead is not None and p.lease_gone:  # gone for good: close its socket, forget it
+                    self.ep.drop_peer(p.endpoint)
+                    del self.peers[p.endpoint]
                 continue
             if p.dead is None and now - p.last_seen > self.cfg.peer_timeout:
                 p.dead = f"prefill rank {p.label} ({p.endpoint}) sent nothing for {now - p.last_seen:.1f}s"

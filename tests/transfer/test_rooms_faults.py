@@ -110,6 +110,8 @@ def test_prefill_rank_killed_mid_transfer(daemon):
         assert wait_until(lambda: recv.pages_releasable, 20)
         res = procs[0].result(room)
         assert res["state"] == "Failed" and "aborted" in res["reason"]
+        # the dead rank's connection is closed and forgotten once nothing of it is pending
+        assert wait_until(lambda: procs[1].endpoint not in d.ep._peers.endpoints(), 10)
     finally:
         d.close()
         for p in procs:
