@@ -200,16 +200,19 @@ class DecodeEndpoint:
         (``apply_lookup``), never under a lock taken from the pool thread: a future that
         is already done runs its callback inline, on the loop thread that holds the lock."""
         r.lookup_pending = True
+        key = self._book.lookup_key(r)
+        self._book.lookups_in_flight.add(key)
         fut: Future = self._pool.submit(self.bootstrap.lookup, r.prefill_instance, r.room, self.contract,
                                         self.identity, r.dp_rank)
-        fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, f)))
+        fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, key, f)))
 
     def hand_to_loop(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop thread, with the lock held (safe from any thread)."""
         self._book.results.append(work)
         self._wake()
 
-    def apply_lookup(self, room: int, fut: Future) -> None:
+    def apply_lookup(self, room: int, key: tuple[str, int | None], fut: Future) -> None:
+        self._book.lookups_in_flight.discard(key)
         r = self._book.rooms.get(room)
         if r is None or r.state.final:
             return
@@ -218,10 +221,11 @@ class DecodeEndpoint:
         if exc is None:
             self._book.topology_ready(r, fut.result())
         elif isinstance(exc, ContractMismatch):
-            r.mismatch = list(exc.diff)
             fields = ", ".join(getattr(d, "path", str(d)) for d in exc.diff[:6])
-            self._book.fail(r, f"contract mismatch with prefill instance {r.prefill_instance!r} "
-                               f"(fields: {fields}); nothing transferred")
+            reason = f"contract mismatch with prefill instance {r.prefill_instance!r} (fields: {fields}); nothing transferred"
+            # a definitive answer: other rooms toward this instance are refused without asking again for a while
+            self._book.refusals[r.prefill_instance] = (time.monotonic(), reason, list(exc.diff))
+            self._book.refuse(r)
         elif isinstance(exc, InstanceIncomplete):
             r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
         elif isinstance(exc, KVBridgeError):

@@ -60,6 +60,8 @@ class RoomBook:
         self.peers: dict[str, Peer] = {}
         self.cache: dict[tuple[str, int], tuple[float, LookupResponse]] = {}
         self.dp_sizes: dict[str, int] = {}
+        self.lookups_in_flight: set[tuple[str, int | None]] = set()  # rooms of a group wait for its one look-up
+        self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.buffer_lists = [d.to_list() for d in ep.buffers.descs]  # sent in every request; built once
@@ -87,11 +89,16 @@ class RoomBook:
         r.page_ids, r.aux_slot, r.num_tokens = pages, aux_slot, num_tokens
         r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * num_tokens
 
-    def _cached(self, r: RecvRoom) -> LookupResponse | None:
+    def lookup_key(self, r: RecvRoom) -> tuple[str, int | None]:
+        """(instance, DP group) of a room; the group is None until the instance's dp_size is known."""
         dp = r.dp_rank
         if dp is None and r.prefill_instance in self.dp_sizes:
             dp = r.room % self.dp_sizes[r.prefill_instance]
-        hit = self.cache.get((r.prefill_instance, dp)) if dp is not None else None
+        return r.prefill_instance, dp
+
+    def _cached(self, r: RecvRoom) -> LookupResponse | None:
+        key = self.lookup_key(r)
+        hit = self.cache.get(key) if key[1] is not None else None
         if hit and time.monotonic() - hit[0] < self.cfg.topology_ttl:
             return hit[1].model_copy(update={"room": r.room})
         return None
@@ -102,9 +109,16 @@ class RoomBook:
                          "pipeline-parallel prefill is not supported yet")
             return
         self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
+        self.refusals.pop(topo.instance, None)
         self.dp_sizes[topo.instance] = topo.topology.dp_size
         r.set_topology(topo)
         r.state.to(KVPoll.WaitingForInput)
+
+    def refuse(self, r: RecvRoom) -> None:
+        """Fail a room toward an instance whose contract differs (hard rule 7), keeping the diff."""
+        _, reason, diff = self.refusals[r.prefill_instance]
+        r.mismatch = list(diff)
+        self.fail(r, reason)
 
     # -- failing and quiescence -------------------------------------------------
 
@@ -240,9 +254,12 @@ class RoomBook:
                              f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)")
             elif not r.lookup_pending and now >= r.next_lookup:
                 cached = self._cached(r)
+                refused = self.refusals.get(r.prefill_instance)
                 if cached is not None:
                     self.topology_ready(r, cached)
-                else:
+                elif refused is not None and now - refused[0] < self.cfg.topology_ttl:
+                    self.refuse(r)
+                elif self.lookup_key(r) not in self.lookups_in_flight:  # one look-up per DP group at a time
                     self.ep.lookup_async(r)
         elif st == KVPoll.WaitingForInput:
             if r.initialised:

@@ -386,3 +386,35 @@ def test_a_peer_idle_longer_than_the_peer_timeout_is_not_declared_dead(cluster):
         wait_final([r])
         assert r.poll() == KVPoll.Success, r.failure_reason
         time.sleep(1.5)  # three peer timeouts without a room toward this prefill rank
+
+
+def _lookups(url: str) -> dict[str, float]:
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", trust_env=False).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'kvbridge_bootstrap_lookups_total\{outcome="(\w+)"\} (\S+)', text)}
+
+
+def test_a_burst_of_rooms_asks_the_daemon_once(cluster, daemon):
+    """Rooms of one DP group wait for the group's one look-up instead of each asking."""
+    c = cluster(cp=1)
+    before = _lookups(daemon.url).get("ok", 0)
+    receivers = [c.decode.receiver(300 + i, f"{c.name}-p") for i in range(200)]
+    assert wait_until(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), 10)
+    assert _lookups(daemon.url).get("ok", 0) - before == 1
+    for r in receivers:
+        r.abort("test over")
+
+
+def test_a_burst_toward_a_mismatched_instance_is_refused_after_one_look_up(cluster, daemon):
+    c = cluster(cp=1)
+    other = c.contract.model_copy(update={"kernel": c.contract.kernel.model_copy(update={"abi": "another-abi"})})
+    c.decode.contract = other  # this decode rank now speaks a different contract
+    before = _lookups(daemon.url).get("mismatch", 0)
+    receivers = [c.decode.receiver(600 + i, f"{c.name}-p") for i in range(100)]
+    wait_final(receivers, timeout=10)
+    assert all(r.poll() == KVPoll.Failed and "kernel.abi" in r.failure_reason for r in receivers)
+    assert all(any(getattr(d, "path", "") == "kernel.abi" for d in r.mismatch) for r in receivers)
+    assert _lookups(daemon.url).get("mismatch", 0) - before == 1
