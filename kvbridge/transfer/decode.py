@@ -213,6 +213,7 @@ class DecodeEndpoint:
 
     def apply_lookup(self, room: int, key: tuple[str, int | None], fut: Future) -> None:
         self._book.lookups_in_flight.discard(key)
+        self._book.wake_waiting(key[0])  # rooms that waited for this look-up use its answer now
         r = self._book.rooms.get(room)
         if r is None or r.state.final:
             return

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROOM_RETENTION_S = 60.0
+SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
 
 
@@ -62,6 +63,8 @@ class RoomBook:
         self.dp_sizes: dict[str, int] = {}
         self.lookups_in_flight: set[tuple[str, int | None]] = set()  # rooms of a group wait for its one look-up
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
+        self.dirty: set[int] = set()  # rooms to advance at the next step
+        self.next_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.buffer_lists = [d.to_list() for d in ep.buffers.descs]  # sent in every request; built once
@@ -75,6 +78,7 @@ class RoomBook:
             raise KVBridgeError("a receiver for this room already exists on this rank", room=room,
                                 rank=self.cfg.rank_label, field="room")
         r = self.rooms[room] = RecvRoom(room, prefill_instance, dp_rank)
+        self.dirty.add(room)
         cached = self._cached(r)
         if cached is not None:
             self.topology_ready(r, cached)
@@ -87,6 +91,7 @@ class RoomBook:
         if r.initialised:
             raise LayoutError("init() called twice", room=room, rank=self.cfg.rank_label, field="page_ids")
         r.page_ids, r.aux_slot, r.num_tokens = pages, aux_slot, num_tokens
+        self.dirty.add(room)
         r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * num_tokens
 
     def lookup_key(self, r: RecvRoom) -> tuple[str, int | None]:
@@ -113,6 +118,11 @@ class RoomBook:
         self.dp_sizes[topo.instance] = topo.topology.dp_size
         r.set_topology(topo)
         r.state.to(KVPoll.WaitingForInput)
+        self.dirty.add(r.room)
+
+    def wake_waiting(self, instance: str) -> None:
+        self.dirty.update(k for k, r in self.rooms.items()
+                          if r.state.state == KVPoll.Bootstrapping and r.prefill_instance == instance)
 
     def refuse(self, r: RecvRoom) -> None:
         """Fail a room toward an instance whose contract differs (hard rule 7), keeping the diff."""
@@ -235,6 +245,14 @@ class RoomBook:
             r = self.rooms.get(self.released.popleft())
             if r is not None:
                 r.engine_done = True
+        if now < self.next_scan:  # between scans only the rooms something happened to: O(events)
+            while self.dirty:
+                r = self.rooms.get(self.dirty.pop())
+                if r is not None:
+                    self._advance(r, now)
+            return
+        self.next_scan = now + SCAN_S  # every room: deadlines, retries, pings, liveness, forgetting
+        self.dirty.clear()
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)

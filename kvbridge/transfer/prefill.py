@@ -174,6 +174,7 @@ class PrefillEndpoint:
     def _init_room(self, room: int, num_tokens: int) -> None:
         with self._lock:
             self._book.room(room).set_num_tokens(num_tokens, "init()")
+            self._book.dirty.add(room)
         self._wake()
 
     def _send(self, room: int, logical: Any, local: Any, is_last: bool, aux: AuxRow | np.ndarray | None) -> None:
@@ -189,6 +190,7 @@ class PrefillEndpoint:
                                   rank=self.config.rank_label, field="local_pages")
             r.add_chunk(logical, local_arr, is_last, row)
             self._book.post_room(r)  # post now when the decode ranks already asked; the loop reports
+            self._book.dirty.add(room)
         self._wake()
 
     def _pack_aux(self, room: int, aux: AuxRow | np.ndarray) -> np.ndarray:
