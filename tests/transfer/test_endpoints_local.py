@@ -418,3 +418,22 @@ def test_a_burst_toward_a_mismatched_instance_is_refused_after_one_look_up(clust
     assert all(r.poll() == KVPoll.Failed and "kernel.abi" in r.failure_reason for r in receivers)
     assert all(any(getattr(d, "path", "") == "kernel.abi" for d in r.mismatch) for r in receivers)
     assert _lookups(daemon.url).get("mismatch", 0) - before == 1
+
+
+def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypatch):
+    c = cluster(cp=1)
+    ep = c.prefill[0]
+    senders = [ep.sender(900 + i) for i in range(100)]
+    for s in senders:
+        s.init(8)
+    touched = []
+    orig = type(ep._book).post_room
+    monkeypatch.setattr(type(ep._book), "post_room", lambda self, r: (touched.append(r.room), orig(self, r)))
+    with ep._lock:
+        ep._book.pump()  # whatever the init() calls left to do
+        touched.clear()
+        ep._book.dirty.add(950)
+        ep._book.pump()
+    assert touched == [950]
+    for s in senders:
+        s.abort("test over")
