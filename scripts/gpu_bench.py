@@ -38,7 +38,6 @@ import json
 import os
 import queue
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -385,30 +384,6 @@ def prefill_role(args: argparse.Namespace) -> None:
 
 
 # ---- main: daemon + one prefill process per transport -------------------------------------------
-def start_daemon(workdir: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port_file = workdir / "bootstrap.port"
-    log = open(workdir / "bootstrap.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli.main", "--log-level", "WARNING", "bootstrap", "--host",
-                             "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--lease-ttl", "30"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"bootstrap daemon exited {proc.returncode}")
-        if port_file.exists():
-            url = f"http://127.0.0.1:{int(port_file.read_text())}"
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1.0, trust_env=False).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("bootstrap daemon not healthy in 30 s")
-
-
 def table(rows: list[dict]) -> str:
     head = (f"{'transport':>9} {'tokens':>6} {'MB':>8} {'slices/room':>11} {'kvb GB/s':>9} {'raw GB/s':>9} "
             f"{'engine GB/s':>11} {'kvb/raw':>7} {'kvb p50 ms':>10} {'raw p50 ms':>10} {'verified':>8}")
@@ -464,10 +439,11 @@ def main() -> None:
         return prefill_role(args)
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
-    daemon, url = start_daemon(workdir)
+    from kvbridge.worker.cluster import start_bootstrap
+
     rows: list[dict] = []
     infos: list[dict] = []
-    try:
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _token):
         for transport in args.transports:
             mc_protocol, extra_env = TRANSPORTS[transport]
             env = dict(os.environ, **extra_env)
@@ -510,13 +486,6 @@ def main() -> None:
                         tail = path.read_text(errors="replace").splitlines()[-25:]
                         if any("rror" in line or "Traceback" in line for line in tail):
                             print(f"# --- tail of {name}\n" + "\n".join(tail), file=sys.stderr, flush=True)
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(15)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
     print(f"\nkvbridge vs raw Mooncake on GPU memory: {PRESET}, {args.layers} target + 1 draft layers, page {PAGE}, "
           f"CP={CP} prefill -> 1 decode, contiguous allocation, decode pages {args.dst_order}, median of {args.reps}")
     print(table(rows))

@@ -22,56 +22,19 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-import httpx
 
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.contract import RuntimeContract, contract_from_preset
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
+from kvbridge.worker.cluster import start_bootstrap
 
 PREFILL = ("prefill-bench", "prefill", (2, 4, 4, 1))
 DECODE = ("decode-bench", "decode", (2, 2, 8, 1))
-
-
-def start_daemon(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port_file = workdir / "port"
-    log = open(workdir / "daemon.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.cli.main", "--log-level", "WARNING", "bootstrap",
-         "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--lease-ttl", "120"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(workdir / 'daemon.log').read_text()}")
-        if port_file.exists():
-            url = f"http://127.0.0.1:{int(port_file.read_text())}"
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1, trust_env=False).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("daemon did not become healthy in 30 s")
-
-
-def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def register_instance(client: BootstrapClient, contract: RuntimeContract, name: str, role: str,
@@ -142,28 +105,24 @@ def main() -> int:
 
     contract = contract_from_preset("deepseek-v3.2-fp8", num_layers=args.layers)
     decode_rank = RankIdentity(instance=DECODE[0], role="decode", dp_size=2, cp_size=2, tp_size=8)
-    with tempfile.TemporaryDirectory(prefix="kvb-bench-") as tmp:
-        proc, url = start_daemon(Path(tmp))
-        try:
-            with BootstrapClient(url, timeout=10.0) as client:
-                t0 = time.perf_counter()
-                ranks = register_instance(client, contract, *PREFILL) + register_instance(client, contract, *DECODE)
-                register_s = time.perf_counter() - t0
-                probe = client.lookup(PREFILL[0], room=1, contract=contract, rank=decode_rank)
-            request_bytes = len(json.dumps({"prefill_instance": PREFILL[0], "room": 1, "contract": contract.model_dump(mode="json"),
-                                            "rank": decode_rank.model_dump()}))
-            response_bytes = len(probe.model_dump_json())
+    with start_bootstrap(extra_args=("--lease-ttl", "120"), with_token=False) as (url, _token):
+        with BootstrapClient(url, timeout=10.0) as client:
+            t0 = time.perf_counter()
+            ranks = register_instance(client, contract, *PREFILL) + register_instance(client, contract, *DECODE)
+            register_s = time.perf_counter() - t0
+            probe = client.lookup(PREFILL[0], room=1, contract=contract, rank=decode_rank)
+        request_bytes = len(json.dumps({"prefill_instance": PREFILL[0], "room": 1, "contract": contract.model_dump(mode="json"),
+                                        "rank": decode_rank.model_dump()}))
+        response_bytes = len(probe.model_dump_json())
 
-            def lookup(c: BootstrapClient, room: int) -> None:
-                ans = c.lookup(PREFILL[0], room=room, contract=contract, rank=decode_rank)
-                if len(ans.ranks) != 4:
-                    raise RuntimeError(f"expected 4 senders, got {len(ans.ranks)}")
+        def lookup(c: BootstrapClient, room: int) -> None:
+            ans = c.lookup(PREFILL[0], room=room, contract=contract, rank=decode_rank)
+            if len(ans.ranks) != 4:
+                raise RuntimeError(f"expected 4 senders, got {len(ans.ranks)}")
 
-            _, unloaded_lat = drive(url, 1, min(500, args.requests), lookup)
-            lookup_wall, lookup_lat = drive(url, args.threads, args.requests, lookup)
-            health_wall, health_lat = drive(url, args.threads, args.requests, lambda c, _room: c.health() and None)
-        finally:
-            stop_daemon(proc)
+        _, unloaded_lat = drive(url, 1, min(500, args.requests), lookup)
+        lookup_wall, lookup_lat = drive(url, args.threads, args.requests, lookup)
+        health_wall, health_lat = drive(url, args.threads, args.requests, lambda c, _room: c.health() and None)
 
     lookups_per_s = len(lookup_lat) / lookup_wall
     health_per_s = len(health_lat) / health_wall
