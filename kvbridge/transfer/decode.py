@@ -39,7 +39,7 @@ from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
-from kvbridge.transfer.registration import EndpointBuffers, register_rank
+from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +118,7 @@ class DecodeEndpoint:
         from kvbridge.transfer.engine import tensor_region
 
         self.buffers.register(self.engine)
-        self.engine.register(*tensor_region(self.aux_buffer))
+        self.buffers.register_extra(self.engine, *tensor_region(self.aux_buffer))
         self._peers = PeerSet(secret=self.config.secret)
         self._thread = threading.Thread(target=self._run, name=f"kvb-decode-{self.config.tp_rank}", daemon=True)
         self._thread.start()
@@ -145,6 +145,8 @@ class DecodeEndpoint:
             self._lease.stop(deregister=True)
         if self._peers is not None:
             self._peers.close()
+        # a prefill rank that never acknowledged can no longer write into these pages
+        unregister_quietly(self.engine, self.buffers)
 
     # -- engine-facing (any thread) -------------------------------------------
 

@@ -30,7 +30,7 @@ from kvbridge.transfer import wire
 from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.registration import AuxStaging, EndpointBuffers, register_rank
+from kvbridge.transfer.registration import AuxStaging, EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.prefill_rooms import SendBook
 from kvbridge.transfer.sender import KVSender
 
@@ -147,6 +147,8 @@ class PrefillEndpoint:
         if self._server is not None:
             self._server.close()
         self.engine.set_notify(None)
+        # the engine may outlive this endpoint: withdraw our memory before the caller frees it
+        unregister_quietly(self.engine, self.buffers, self.aux)
 
     def _wake(self) -> None:
         if self._server is not None:

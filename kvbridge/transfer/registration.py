@@ -4,6 +4,7 @@ daemon. Buffers are keyed by (pool name, layer id), never by position."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,8 @@ from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
 from kvbridge.errors import BufferSpecError, KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, describe_buffer
 from kvbridge.transfer.engine import TransferEngine, tensor_region
+
+log = logging.getLogger(__name__)
 
 
 class EndpointBuffers:
@@ -39,6 +42,11 @@ class EndpointBuffers:
             engine.register(ptr, nbytes)
             self._registered.append(ptr)
 
+    def register_extra(self, engine: TransferEngine, ptr: int, nbytes: int) -> None:
+        """Another region this endpoint exposes (decode's aux rows), withdrawn with the rest."""
+        engine.register(ptr, nbytes)
+        self._registered.append(ptr)
+
     def unregister(self, engine: TransferEngine) -> None:
         while self._registered:
             engine.unregister(self._registered.pop())
@@ -61,6 +69,7 @@ class AuxStaging:
 
             self.rows = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8, device=device)
         self._base, self._nbytes = tensor_region(self.rows)
+        self._registered = False
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_room: dict[int, int] = {}
 
@@ -70,9 +79,12 @@ class AuxStaging:
 
     def register(self, engine: TransferEngine) -> None:
         engine.register(self._base, self._nbytes)
+        self._registered = True
 
     def unregister(self, engine: TransferEngine) -> None:
-        engine.unregister(self._base)
+        if self._registered:
+            self._registered = False
+            engine.unregister(self._base)
 
     def stage(self, room: int, row: np.ndarray) -> int:
         """Copy a packed row into the room's slot; returns its address."""
@@ -94,6 +106,15 @@ class AuxStaging:
         slot = self._by_room.pop(room, None)
         if slot is not None:
             self._free.append(slot)
+
+
+def unregister_quietly(engine: TransferEngine, *regions: EndpointBuffers | AuxStaging) -> None:
+    """Withdraw an endpoint's memory at close; an engine that is already closed has none left."""
+    for region in regions:
+        try:
+            region.unregister(engine)
+        except KVBridgeError as exc:
+            log.warning("unregistering at close: %s", exc)
 
 
 def pool_descriptors(descs: list[BufferDesc]) -> list[PoolDescriptor]:

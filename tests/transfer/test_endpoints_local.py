@@ -18,7 +18,7 @@ from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
-from kvbridge.transfer.engine import create_engine
+from kvbridge.transfer.engine import create_engine, tensor_region
 from kvbridge.transfer.engine.local import LocalFabric
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
@@ -437,3 +437,17 @@ def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypat
     assert touched == [950]
     for s in senders:
         s.abort("test over")
+
+
+def test_closing_an_endpoint_withdraws_its_memory_from_the_engine(daemon):
+    """The engine may outlive an endpoint: after close() no peer can write into its buffers."""
+    c = Cluster(daemon.url, "withdraw", cp=1)
+    engines = [c.decode.engine, c.prefill[0].engine]
+    regions = [c.decode.buffers, c.prefill[0].buffers]
+    c.close()
+    for engine, bufs in zip(engines, regions):
+        for t in bufs.tensors.values():  # registering again would be refused as overlapping if still there
+            ptr, nbytes = tensor_region(t)
+            engine.register(ptr, nbytes)
+            engine.unregister(ptr)
+    engines[0].register(*tensor_region(c.aux))  # the decode aux rows too
