@@ -21,8 +21,6 @@ import numpy as np
 from kvbridge.worker import ops
 from kvbridge.worker.cluster import Cluster, ClusterSpec
 
-DEFAULT_TOKENS = "100,1000,2048,3000,4097"
-
 
 def parse_tokens(text: str, requests: int, seed: int = 0) -> list[int]:
     """``"a,b,c"`` cycles through the list; ``"lo-hi"`` draws uniformly from the range."""

@@ -95,7 +95,6 @@ class PrefillEndpoint:
         self._stop = threading.Event()
         self._closing = False
         self._lease: LeaseKeeper | None = None
-        self.bad_messages = 0
 
     # -- life cycle -----------------------------------------------------------
 
@@ -267,9 +266,8 @@ class PrefillEndpoint:
 
     def _on_message(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, KVBridgeError):
-            self.bad_messages += 1
             log.warning("bad control message from %r: %s", ident, msg)
-            return  # the channel already replied with ErrorReply, or dropped a bad MAC
+            return  # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
         if isinstance(msg, wire.Ping):
             self._reply(ident, wire.Heartbeat(cp_rank=self.config.cp_rank, seq=msg.seq))
         elif isinstance(msg, wire.TransferRequest):

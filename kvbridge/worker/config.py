@@ -119,7 +119,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ready_file", str, "", "write a JSON line with the bound endpoints here once ready"),
     Setting("trace", parse_bool, False, "log every control message and state transition"),
 )
-SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
 
 @dataclass(frozen=True)
