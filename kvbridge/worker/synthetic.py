@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from kvbridge.layout.aux import AuxRow, AuxSchema
 from kvbridge.layout.pools import ROWS, PoolSpec
 
 PAD_BYTE = 0xEE  # prefill: compute-padding rows (must never arrive)
@@ -161,13 +163,24 @@ def _locate(spec: PoolSpec, page: int, offset: int) -> tuple[int, str]:
 VOCAB = 129_280  # DeepSeek V3 vocabulary
 
 
-def aux_fields(schema, room: int, num_tokens: int) -> dict:
-    """Synthetic aux row of a room (``schema``: ``kvbridge.layout.aux.AuxSchema``)."""
-    words = splitmix64(np.arange(schema.hidden_size + 2 * schema.topk + 1, dtype=np.uint64) + stream_seed(room, "aux", 0))
-    ids = (words[1 : 1 + schema.topk] % np.uint64(VOCAB)).astype(np.int32)
-    probs = (words[1 + schema.topk : 1 + 2 * schema.topk] % np.uint64(1000)).astype(np.float32) / 1000
-    rest = words[1 + 2 * schema.topk :]
-    if schema.hidden_dtype == "bfloat16":
+def aux_fields(schema: AuxSchema, room: int, num_tokens: int) -> dict:
+    """Synthetic aux row of a room: the standard row's fields, or for any other schema
+    deterministic bytes in every region (the ``room`` region echoes the room)."""
+    seed = stream_seed(room, "aux", 0)
+    if not schema.is_standard:
+        out: dict = {}
+        for i, region in enumerate(schema.regions):
+            if region.name == "room":
+                continue
+            words = splitmix64(np.arange(-(-region.nbytes // 8), dtype=np.uint64) + seed + np.uint64(i << 32))
+            out[region.name] = words.view(np.uint8)[: region.nbytes].view(region.storage).reshape(region.shape)
+        return dict(room=room, **out)
+    hidden_size, topk = schema.region("hidden").count, schema.region("topk_ids").count
+    words = splitmix64(np.arange(hidden_size + 2 * topk + 1, dtype=np.uint64) + seed)
+    ids = (words[1 : 1 + topk] % np.uint64(VOCAB)).astype(np.int32)
+    probs = (words[1 + topk : 1 + 2 * topk] % np.uint64(1000)).astype(np.float32) / 1000
+    rest = words[1 + 2 * topk :]
+    if schema.region("hidden").dtype == "bfloat16":
         hidden = (rest & np.uint64(0x3FFF)).astype(np.uint16)  # finite bf16 bit patterns
     else:
         hidden = (rest % np.uint64(1 << 20)).astype(np.float32) / (1 << 20)
@@ -182,20 +195,23 @@ def aux_fields(schema, room: int, num_tokens: int) -> dict:
     )
 
 
-def make_aux(schema, room: int, num_tokens: int):
+def make_aux(schema: AuxSchema, room: int, num_tokens: int) -> np.ndarray:
+    """The room's synthetic aux row, packed."""
     return schema.pack(**aux_fields(schema, room, num_tokens))
 
 
-def verify_aux(schema, row, room: int, num_tokens: int) -> str:
-    """'' when the received aux row (``AuxRow`` or raw bytes) is the room's synthetic one, else why not."""
+def verify_aux(schema: AuxSchema, row: Any, room: int, num_tokens: int) -> str:
+    """'' when the received aux row (an ``AuxRow``, region arrays, or packed bytes) is the
+    room's synthetic one, else which region differs."""
     if row is None:
         return f"room {room}: no aux row"
-    got = row if hasattr(row, "first_token") else schema.unpack(row)
-    want = schema.unpack(make_aux(schema, room, num_tokens))
-    for name in ("room", "first_token", "num_cached_tokens", "hidden_is_cp_local"):
-        if getattr(got, name) != getattr(want, name):
-            return f"room {room}: aux {name} = {getattr(got, name)!r}, expected {getattr(want, name)!r}"
-    for name in ("topk_ids", "topk_probs", "hidden"):
-        if not np.array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name))):
-            return f"room {room}: aux {name} differs"
+    if isinstance(row, AuxRow):
+        row = schema.pack_row(row, row.room)
+    got = row if isinstance(row, dict) else schema.unpack_regions(row)
+    want = schema.unpack_regions(make_aux(schema, room, num_tokens))
+    for name, value in want.items():
+        if np.asarray(got.get(name)).tobytes() != value.tobytes():
+            shown = got.get(name) if value.size == 1 else "differs"
+            return f"room {room}: aux {name} = {shown!r}, expected {value!r}" if value.size == 1 \
+                else f"room {room}: aux {name} differs"
     return ""

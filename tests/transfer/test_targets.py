@@ -12,7 +12,7 @@ from kvbridge.transfer import wire
 from kvbridge.transfer.targets import DestinationCache, target_from_request
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
-AUX = AuxSchema(16, "bfloat16", 1)
+AUX = AuxSchema.standard(16, "bfloat16", 1)
 
 
 def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
