@@ -91,7 +91,7 @@ class Mutation:
 
 # One mutation per contract field; each must change the fingerprint and show up in the diff.
 MUTATIONS = [Mutation(*m) for m in [
-    ("wire-version", _set("wire_version", 2), "wire_version"),
+    ("wire-version", _set("wire_version", 99), "wire_version"),
     ("model-name", _set("model.name", "other/model"), "model.name"),
     ("model-revision", _set("model.revision", "abc123"), "model.revision"),
     ("model-target-layers", _set("model.target_layers", 3), "model.target_layers"),

@@ -6,9 +6,10 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
     {"op": "send", "room": R, "num_tokens": N, "chunks": [t1, ..., N], "pause": s}
         fill this rank's owned pages of R with synthetic KV (compute-padding rows
         hold PAD_BYTE), then send them chunk by chunk: chunk i carries the owned
-        pages whose tokens all lie below t_i (the partial last page goes with the
-        last chunk); ``pause`` seconds between chunks. The aux row goes with the
-        last chunk if this rank owns the last valid token.
+        pages that start below t_i, with num_tokens_ready=t_i (kvbridge holds a
+        page the chunk ends inside until a later chunk completes it); ``pause``
+        seconds between chunks. The aux row goes with the last chunk if this rank
+        owns the last valid token.
     {"op": "abort", "room": R}
     {"op": "quit"}
 """
@@ -94,9 +95,9 @@ def main() -> None:
         chunks = cmd.get("chunks") or [n]
         for i, upto in enumerate(chunks):
             last = i == len(chunks) - 1
-            ready = ~sent & (((owned + 1) * page_size <= upto) | last)
+            ready = ~sent & ((owned * page_size < upto) | last)
             aux = make_aux(aux_schema, room, n) if last and owns_last else None
-            sender.send(owned[ready], local[ready], is_last=last, aux=aux)
+            sender.send(owned[ready], local[ready], num_tokens_ready=n if last else upto, is_last=last, aux=aux)
             sent |= ready
             if not last:  # pause between chunks, as a long prefill would; stop if the room ended meanwhile
                 until = time.monotonic() + cmd.get("pause", 0.0)
