@@ -36,7 +36,7 @@ class PrefillProc:
         cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
                "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--layers", str(layers),
                "--page-size", str(page_size), "--engine", engine, *extra]
-        env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         self.results: dict[int, dict] = {}
