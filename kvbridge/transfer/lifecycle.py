@@ -16,9 +16,13 @@ which refuses transitions not in the table.
                 flight; decode, every asked CP rank quiet (hard rule 6).
     CLOSED      forgotten. Prefill keeps a tombstone (the outcome) for ``TOMBSTONE_S`` so a
                 late decode request for the room is refused with the reason, not reopened.
+                (An UNATTACHED room that failed lingers ``target_timeout`` first, so that the
+                engine's sender() still attaches to it and reads why.)
 
 ``sender(room)`` / ``receiver(room)`` on an OPEN or DRAINING id raise ``RoomInUse``;
-on a CLOSED id they open a fresh room. UNATTACHED -> OPEN is the first handle of a
+on a CLOSED id they open a fresh room. Room ids are meant to be used once (the router
+draws them at random); an id reused within ``TOMBSTONE_S`` works when the prefill
+sender opens before the decode rank asks, else the request meets the tombstone. UNATTACHED -> OPEN is the first handle of a
 room decode asked for first: an attachment, not a reattachment. Memory is bounded:
 open rooms by the handles the engine holds, draining rooms by their writes, tombstones
 by age and count.

@@ -220,7 +220,7 @@ class PrefillEndpoint:
 
     def _init_room(self, r: SendRoom, num_tokens: int) -> None:
         with self._lock:
-            r.set_num_tokens(num_tokens, "init()")
+            r.engine_init(num_tokens)
             self._book.dirty.add(r.room)
         self._wake()
 

@@ -77,13 +77,19 @@ class SendBook:
         self.forget_if_quiet(r)
 
     def forget_if_quiet(self, r: SendRoom) -> None:
-        if r.life.stage in (Stage.UNATTACHED, Stage.DRAINING) and r.state.final and not r.num_inflight:
-            r.life.to(Stage.CLOSED)
-            if self.rooms.get(r.room) is r:
-                del self.rooms[r.room]
-            self.unowned.discard(r.room)
-            outcome = r.state.state.name + (f": {r.state.reason}" if r.state.reason else "")
-            self.tombstones.add(r.room, outcome)
+        """Close a room no handle holds once it is final and quiet. One decode asked for first
+        that failed before the engine attached stays ``target_timeout`` longer, so that the
+        engine's sender() still finds it and reads why."""
+        if not r.state.final or r.num_inflight or r.life.stage not in (Stage.UNATTACHED, Stage.DRAINING):
+            return
+        if r.life.stage == Stage.UNATTACHED and r.state.since() < self.cfg.target_timeout:
+            return
+        r.life.to(Stage.CLOSED)
+        if self.rooms.get(r.room) is r:
+            del self.rooms[r.room]
+        self.unowned.discard(r.room)
+        outcome = r.state.state.name + (f": {r.state.reason}" if r.state.reason else "")
+        self.tombstones.add(r.room, outcome)
 
     # -- decode requests --------------------------------------------------------
 

@@ -162,7 +162,12 @@ class SendRoom:
         self.num_tokens = int(num_tokens)
         self.owned = self.lanes.owned_pages(self.cp_rank, self.num_pages)
         self.given = np.zeros(self.num_pages, dtype=bool)
-        if not self.owned.size and not self.owns_last_token:  # nothing to send: done once decode asked
+
+    def engine_init(self, num_tokens: int) -> None:
+        """The engine's init(): a rank with nothing to send is done once decode asked (only the
+        engine says so: a room decode asked for first waits for its sender)."""
+        self.set_num_tokens(num_tokens, "init()")
+        if not self.owned.size and not self.owns_last_token and not self.is_last:
             self.is_last = self.auto_last = True
             self.num_tokens_ready = self.num_tokens
 

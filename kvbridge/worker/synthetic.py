@@ -86,13 +86,17 @@ def page_images(
     return rows_to_pages(spec, rows)
 
 
-def as_bytes(buf) -> np.ndarray:
-    """A ``(pages, bytes_per_page)`` uint8 numpy view of a torch tensor or numpy array (no copy)."""
+def as_bytes(buf, bytes_per_page: int | None = None) -> np.ndarray:
+    """A ``(pages, bytes_per_page)`` uint8 numpy view of a torch tensor or numpy array (no copy).
+    Without ``bytes_per_page`` the first dimension is taken as pages; with it, any contiguous
+    buffer of whole pages (token-major ``[pages * page_size, ...]`` too)."""
     if hasattr(buf, "numpy"):  # torch.Tensor of any dtype (bf16 has no numpy twin)
         import torch
 
         buf = buf.view(torch.uint8).numpy()
     arr = np.asarray(buf)
+    if bytes_per_page is not None:
+        return arr.reshape(-1).view(np.uint8).reshape(-1, bytes_per_page)
     return arr.view(np.uint8).reshape(arr.shape[0], -1)
 
 
@@ -101,14 +105,14 @@ def fill_pages(
 ) -> None:
     """Prefill side: store the synthetic KV of ``logical_pages`` at ``local_pages``; padding rows get PAD_BYTE."""
     if len(logical_pages):
-        as_bytes(buf)[np.asarray(local_pages)] = page_images(spec, room, layer_id, logical_pages, num_tokens, PAD_BYTE)
+        as_bytes(buf, spec.bytes_per_page)[np.asarray(local_pages)] = page_images(spec, room, layer_id, logical_pages, num_tokens, PAD_BYTE)
 
 
 def prepare_destination(spec: PoolSpec, buf, page_ids: np.ndarray, num_tokens: int) -> None:
     """Decode side, before a transfer: the last page's tail rows get SENTINEL_BYTE (only a partial page has any)."""
     num_pages = len(page_ids)
     if num_pages and num_tokens % spec.page_size:
-        as_bytes(buf)[int(page_ids[num_pages - 1])] = SENTINEL_BYTE
+        as_bytes(buf, spec.bytes_per_page)[int(page_ids[num_pages - 1])] = SENTINEL_BYTE
 
 
 @dataclass(frozen=True)
@@ -125,28 +129,32 @@ class Verdict:
         return self.bad_bytes == 0
 
 
-def verify_pages(spec: PoolSpec, buf, room: int, layer_id: int, page_ids: np.ndarray, num_tokens: int) -> Verdict:
-    """Decode side: check every byte of the room's pages (``page_ids[l]`` holds logical page ``l``).
+def verify_pages(spec: PoolSpec, buf, room: int, layer_id: int, page_ids: np.ndarray, num_tokens: int,
+                 first_page: int = 0) -> Verdict:
+    """Decode side: check every byte of the room's pages (``page_ids[i]`` holds logical page
+    ``first_page + i``; pages below ``first_page`` are a decode prefix, not checked here).
 
     Valid rows must equal the synthetic KV; tail rows of a partial last page
     must still hold SENTINEL_BYTE (see ``prepare_destination``)."""
     page_ids = np.asarray(page_ids, dtype=np.int64)
-    expected = page_images(spec, room, layer_id, np.arange(len(page_ids)), num_tokens, SENTINEL_BYTE)
-    actual = as_bytes(buf)[page_ids]
+    logical = np.arange(first_page, first_page + len(page_ids))
+    expected = page_images(spec, room, layer_id, logical, num_tokens, SENTINEL_BYTE)
+    actual = as_bytes(buf, spec.bytes_per_page)[page_ids]
     diff = actual != expected
     bad = int(np.count_nonzero(diff))
-    checked = num_tokens * spec.bytes_per_token
+    checked = max(0, num_tokens - first_page * spec.page_size) * spec.bytes_per_token
     if not bad:
         return Verdict(checked)
-    page, offset = (int(i) for i in np.argwhere(diff)[0])
+    row, offset = (int(i) for i in np.argwhere(diff)[0])
+    page = first_page + row
     token, part = _locate(spec, page, offset)
     what = "padding row written" if token >= num_tokens else "valid row wrong"
     return Verdict(
         checked,
         bad,
         f"room {room} pool {spec.name} layer {layer_id}: {bad} bad bytes; first at logical page {page} "
-        f"(slot {int(page_ids[page])}) byte {offset} = token {token} {part}: {what}, "
-        f"expected {int(expected[page, offset]):#04x} got {int(actual[page, offset]):#04x}",
+        f"(slot {int(page_ids[row])}) byte {offset} = token {token} {part}: {what}, "
+        f"expected {int(expected[row, offset]):#04x} got {int(actual[row, offset]):#04x}",
     )
 
 
