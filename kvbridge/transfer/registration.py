@@ -8,7 +8,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract

@@ -11,10 +11,9 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-import torch
 
 from _cluster import wait_final, wait_until
-from _local import PAGE, Cluster
+from _local import Cluster
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
 from kvbridge.transfer.poll import KVPoll
