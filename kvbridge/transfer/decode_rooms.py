@@ -93,7 +93,8 @@ class RoomBook:
             return
         r.life.to(Stage.DRAINING)
         self.draining.add(r.room)
-        self.fail(r, f"the engine closed room {r.room}'s receiver on {self.cfg.rank_label} before it finished")
+        self.fail(r, f"the engine closed room {r.room}'s receiver on {self.cfg.rank_label} before it finished",
+                  level=logging.INFO)  # the engine's own decision: not a warning
         self.forget_if_quiet(r)
 
     def forget_if_quiet(self, r: RecvRoom) -> None:
@@ -160,12 +161,12 @@ class RoomBook:
 
     # -- failing and quiescence -------------------------------------------------
 
-    def fail(self, r: RecvRoom, reason: str) -> None:
+    def fail(self, r: RecvRoom, reason: str, level: int = logging.WARNING) -> None:
         if r.state.final:
             return
         r.state.to(KVPoll.Failed, reason)
         r.bootstrapped.set()  # wait_bootstrapped() returns (and says why) instead of waiting on
-        log.warning("room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
         self._send_aborts(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
