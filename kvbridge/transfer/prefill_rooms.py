@@ -128,6 +128,11 @@ class SendBook:
             reason = f": {r.state.reason}" if r.state.reason else ""
             self.reply_failed(ident, req.room, f"room {req.room} already ended on {rank} ({r.state.state.name}{reason})")
             return
+        failing = next((t.failure or t.abort_reason for t in r.targets.values() if not t.active), None)
+        if r.life.stage == Stage.DRAINING or failing is not None:  # no new target for a room on its way out
+            why = failing or "its sender was closed"
+            self.reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
+            return
         if peer.fingerprint != self.ep.fingerprint:
             self.refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
                                     f"{rank} has {self.ep.fingerprint}; nothing transferred (hard rule 7)")

@@ -6,8 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from _cluster import wait_until
 from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.layout import OwnerLanes
+from kvbridge.transfer import wire
+from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.engine import create_engine
 from kvbridge.transfer.engine.local import LocalFabric
@@ -87,3 +91,18 @@ class Cluster:
             ep.close(timeout=2)
         for c in self.clients:
             c.close()
+
+
+def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0) -> wire.TransferRequest:
+    """A TransferRequest crafted by hand (pages 0.. of the decode pools), naming registration ``rank_id``."""
+    return wire.TransferRequest(
+        room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=rank_id,
+        page_ids=wire.pack_pages(np.arange(-(-n // PAGE))), first_page=0, pools=sorted(c.specs), aux_slot=aux_slot,
+        num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.contract), num_decode_ranks=1)
+
+
+def replies(peers: PeerSet, count: int, timeout: float = 10) -> list:
+    """Messages that arrive on ``peers`` (up to ``count``, within ``timeout``)."""
+    got: list = []
+    wait_until(lambda: got.extend(m for _, m in peers.recv_ready(50)) or len(got) >= count, timeout)
+    return got

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from _cluster import wait_final, wait_until
-from kvbridge.bootstrap.contract import fingerprint
+from _local import replies, rogue_request
 from kvbridge.transfer import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.poll import KVPoll
@@ -24,19 +24,6 @@ def metric(url: str, name: str, **labels: str) -> float:
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(m[2]) for m in re.finditer(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M)
                if all(w in m[1] for w in want))
-
-
-def rogue_request(c, room: int, n: int, rank_id: str, aux_slot: int = 0) -> wire.TransferRequest:
-    return wire.TransferRequest(
-        room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=rank_id,
-        page_ids=wire.pack_pages(np.arange(-(-n // 4))), first_page=0, pools=sorted(c.specs), aux_slot=aux_slot,
-        num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.contract), num_decode_ranks=1)
-
-
-def replies(peers: PeerSet, count: int, timeout: float = 10) -> list:
-    got: list = []
-    wait_until(lambda: got.extend(m for _, m in peers.recv_ready(50)) or len(got) >= count, timeout)
-    return got
 
 
 def test_a_decode_ranks_buffers_are_read_from_the_daemon_once(cluster, daemon):

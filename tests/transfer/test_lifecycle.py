@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
+from _local import replies, rogue_request
 from kvbridge.errors import RoomInUse
+from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.lifecycle import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 
@@ -57,6 +59,13 @@ def test_a_draining_room_keeps_its_id_until_no_write_can_land(cluster):
         ep.sender(31)
     with pytest.raises(RoomInUse, match="room 31 is draining: a prefill rank may still write its pages"):
         c.decode.receiver(31, f"{c.name}-p")
+    peers = PeerSet()  # another decode rank asking now gets no new target on a closed room
+    try:
+        peers.send(ep.endpoint, rogue_request(c, 31, 8, rank_id=c.decode.rank_id))
+        (msg,) = replies(peers, 1)
+        assert msg.status == "failed" and "room 31 is failing" in msg.reason
+    finally:
+        peers.close()
     gate.set()
     wait_final([s])
     assert s.poll() == KVPoll.Failed and "closed" in s.failure_reason
