@@ -3,17 +3,25 @@
 The public surface, re-exported here (pinned by tests/test_exports.py):
 
 - errors: ``KVBridgeError`` and its tree (see ``kvbridge.errors``);
-- geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``, ``AuxRow``;
-- contract: ``RuntimeContract``, ``contract_from_preset``, ``fingerprint``, ``diff_contracts``;
-- bootstrap: ``BootstrapClient``;
+- geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``;
+- contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
+  ``fingerprint``, ``diff_contracts``;
+- bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
 - data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``.
 """
 
 from kvbridge._version import WIRE_VERSION, __version__
-from kvbridge.bootstrap import BootstrapClient, RuntimeContract, contract_from_preset, diff_contracts, fingerprint
+from kvbridge.bootstrap import (
+    BootstrapClient,
+    RuntimeContract,
+    contract_for,
+    contract_from_preset,
+    diff_contracts,
+    fingerprint,
+)
 from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
-from kvbridge.layout import PRESETS, AuxRow, AuxSchema, OwnerLanes, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.layout import PRESETS, AuxRegion, AuxRow, AuxSchema, OwnerLanes, PoolSpec, deepseek_pools, preset_pools
 from kvbridge.transfer import (
     DecodeConfig,
     DecodeEndpoint,
@@ -25,11 +33,13 @@ from kvbridge.transfer import (
     create_engine,
     mooncake_available,
 )
+from kvbridge.worker.launch import start_bootstrap
 
 __all__ = [
     *_errors_all,
     "PRESETS",
     "WIRE_VERSION",
+    "AuxRegion",
     "AuxRow",
     "AuxSchema",
     "BootstrapClient",
@@ -44,6 +54,7 @@ __all__ = [
     "PrefillEndpoint",
     "RuntimeContract",
     "__version__",
+    "contract_for",
     "contract_from_preset",
     "create_engine",
     "deepseek_pools",
@@ -51,4 +62,5 @@ __all__ = [
     "fingerprint",
     "mooncake_available",
     "preset_pools",
+    "start_bootstrap",
 ]

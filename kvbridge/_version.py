@@ -2,4 +2,4 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: TransferRequest names the decode rank's registration instead of its buffer table

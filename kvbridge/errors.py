@@ -21,7 +21,8 @@
         ├── PeerLost                   a peer's heartbeat or lease expired
         ├── TransferTimeout            a room overstayed a state's deadline
         ├── LedgerError                pages missing, reported twice, or aux row wrong
-        └── Aborted                    the room was aborted by either side
+        ├── Aborted                    the room was aborted by either side
+        └── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
 
 Every message names what it can of the room, the rank and the field involved:
 pass them as keywords and they are appended as ``[room=.. rank=.. field=..]``.
@@ -54,6 +55,7 @@ __all__ = [
     "TransferTimeout",
     "LedgerError",
     "Aborted",
+    "RoomInUse",
 ]
 
 
@@ -165,3 +167,8 @@ class LedgerError(TransferError):
 
 class Aborted(TransferError):
     pass
+
+
+class RoomInUse(TransferError):
+    """``sender(room)``/``receiver(room)`` on an id whose previous room is still open (its
+    handle is alive) or draining (closed, but writes of it may still land)."""

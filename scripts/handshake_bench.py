@@ -31,7 +31,7 @@ from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.contract import RuntimeContract, contract_from_preset
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
-from kvbridge.worker.cluster import start_bootstrap
+from kvbridge import start_bootstrap
 
 PREFILL = ("prefill-bench", "prefill", (2, 4, 4, 1))
 DECODE = ("decode-bench", "decode", (2, 2, 8, 1))

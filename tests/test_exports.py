@@ -12,10 +12,10 @@ import kvbridge.transfer as transfer
 
 EXPECTED = {
     *errors.__all__,
-    "PRESETS", "WIRE_VERSION", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
+    "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
     "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "RuntimeContract",
-    "__version__", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts", "fingerprint",
-    "mooncake_available", "preset_pools",
+    "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
+    "fingerprint", "mooncake_available", "preset_pools", "start_bootstrap",
 }
 
 

@@ -3,6 +3,7 @@
     POST   /v1/ranks                       register       201 | 400 401 409 413 415 422
     POST   /v1/ranks/{rank_id}/heartbeat   renew lease    200 | 401 404 (register again)
     DELETE /v1/ranks/{rank_id}             deregister     204 | 401 404
+    GET    /v1/ranks/{rank_id}             one rank       200 | 404       (its buffers, for prefill's checks)
     POST   /v1/lookup                      handshake      200 | 400 401 404 409 413 415 422 503
     GET    /v1/instances[/{name}]          instances      200 | 404
     GET    /v1/diagnostics/fingerprints    per instance: fingerprint, contract, ranks
@@ -47,6 +48,7 @@ from kvbridge.bootstrap.schemas import (
     LookupRequest,
     LookupResponse,
     MismatchRecord,
+    RankDetail,
     RegisterRequest,
     RegisterResponse,
 )
@@ -295,6 +297,12 @@ def _install_routes(app: FastAPI) -> None:
     async def deregister(rank_id: str, request: Request) -> Response:
         _registry(request).deregister(rank_id)
         return Response(status_code=204)
+
+    @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, tags=["ranks"])
+    async def rank(rank_id: str, request: Request) -> RankDetail:
+        """One registered rank: its identity, endpoints, pool and aux-region descriptors. A prefill
+        rank checks a decode rank's requests against what that rank registered here."""
+        return _registry(request).rank(rank_id)
 
     @app.post("/v1/lookup", response_model=LookupResponse, responses=_ERRORS, dependencies=auth, tags=["handshake"])
     async def lookup(body: LookupRequest, request: Request) -> LookupResponse:

@@ -34,6 +34,7 @@ from kvbridge.bootstrap.schemas import (
     LookupRequest,
     LookupResponse,
     MismatchRecord,
+    RankDetail,
     RankIdentity,
     RegisterRequest,
     RegisterResponse,
@@ -188,6 +189,10 @@ class BootstrapClient:
             self._request("DELETE", f"/v1/ranks/{reg.rank_id}", f"deregister {reg.label}")
         except UnknownInstance:
             pass
+
+    def rank(self, rank_id: str) -> RankDetail:
+        """One registered rank and its buffers; UnknownInstance once it is gone."""
+        return RankDetail.model_validate_json(self._request("GET", f"/v1/ranks/{rank_id}", f"rank {rank_id!r}").content)
 
     # -- the handshake ----------------------------------------------------------
 

@@ -9,7 +9,7 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
-    ├── aux                aux-row fields (name, dtype, shape, offset) and row bytes
+    ├── aux                aux-row regions (name, dtype, shape, offset, bytes) and row bytes
     └── source             digest over the source files that define the byte meaning
 
 Sizes that may legally differ between the sides (tp/cp/dp/pp, addresses,
@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvbridge._version import WIRE_VERSION
 from kvbridge.bootstrap import digest
 from kvbridge.bootstrap.digest import ExtraFiles
-from kvbridge.errors import ContractError
+from kvbridge.errors import ContractError, LayoutError
+from kvbridge.layout.aux import AuxSchema
 from kvbridge.layout.pools import PRESETS, PoolSpec, preset_pools
 
 __all__ = [
@@ -45,14 +47,13 @@ __all__ = [
     "KernelContract",
     "SpeculativeContract",
     "AuxField",
-    "AuxSchema",
+    "AuxContract",
     "SourceDigest",
     "RuntimeContract",
     "canonical_json",
     "fingerprint",
-    "default_aux_schema",
-    "aux_schema_from_dtype",
     "source_digest",
+    "contract_for",
     "contract_from_preset",
     "preset_contract",
 ]
@@ -157,32 +158,43 @@ class SpeculativeContract(_Frozen):
 
 
 class AuxField(_Frozen):
+    """One region of the aux row (``kvbridge.layout.AuxRegion``) with its place in a packed row."""
+
     name: str = _NAME
     dtype: str = _NAME
     shape: list[int] = Field(default_factory=list)
     offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
 
     @field_validator("shape")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
         if any(d < 0 for d in v):
-            raise ValueError("aux field dimensions must be non-negative")
+            raise ValueError("aux region dimensions must be non-negative")
         return v
 
 
-class AuxSchema(_Frozen):
-    """The aux row (first token, cached count, speculative state) as packed fields."""
+class AuxContract(_Frozen):
+    """The contract's form of ``kvbridge.layout.AuxSchema`` (its ``to_dict()``): the regions
+    in order and the packed row size. Internal: engines describe aux rows with ``AuxSchema``."""
 
-    fields: list[AuxField]
+    regions: list[AuxField]
     row_bytes: int = Field(ge=0)
 
-    @field_validator("fields")
+    @model_validator(mode="after")
+    def _is_a_schema(self) -> AuxContract:
+        try:
+            AuxSchema.from_dict(self.model_dump())
+        except LayoutError as exc:
+            raise ValueError(exc.reason) from None
+        return self
+
     @classmethod
-    def _unique(cls, v: list[AuxField]) -> list[AuxField]:
-        names = [f.name for f in v]
-        if len(set(names)) != len(names):
-            raise ValueError(f"aux field names must be distinct: {names}")
-        return v
+    def from_schema(cls, schema: AuxSchema) -> AuxContract:
+        return cls.model_validate(schema.to_dict())
+
+    def to_schema(self) -> AuxSchema:
+        return AuxSchema.from_dict(self.model_dump())
 
 
 class SourceDigest(_Frozen):
@@ -204,7 +216,7 @@ class RuntimeContract(_Frozen):
     cp_rule: CpRule
     kernel: KernelContract
     speculative: SpeculativeContract
-    aux: AuxSchema
+    aux: AuxContract
     source: SourceDigest
 
     @field_validator("pools")
@@ -269,54 +281,58 @@ def source_digest(extra: ExtraFiles | None = None) -> SourceDigest:
     return SourceDigest(files=files, digest=digest.combine(files))
 
 
-# How the aux row stores a hidden state (bf16 travels as its uint16 bits).
-_HIDDEN_STORAGE = {"bfloat16": "<u2", "float32": "<f4"}
+def contract_for(
+    pools: Sequence[PoolSpec] | Mapping[str, PoolSpec],
+    *,
+    model: str | Mapping[str, Any] | ModelIdentity,
+    aux: AuxSchema,
+    lane_rule: str = "interleaved",
+    kernel: Mapping[str, Any] | KernelContract | None = None,
+    speculative: Mapping[str, Any] | SpeculativeContract | None = None,
+    extra_sources: ExtraFiles | None = None,
+) -> RuntimeContract:
+    """The runtime contract of any model's KV cache, from its pools (``PoolSpec``: several
+    per layer allowed, e.g. ``k`` and ``v``; dtypes bf16, fp16, fp32, fp8 stored as uint8).
+
+    ``model``: a name, or a mapping / ``ModelIdentity`` with ``name``, ``revision``,
+    ``target_layers``, ``draft_layers`` (omitted ones: revision "unspecified", the
+    distinct layer ids of the pools, 0 draft layers). ``aux``: the aux row schema.
+    ``lane_rule``: how CP ranks own logical pages (interleaved, contiguous, replicated).
+    ``kernel``: attention backend and page-layout ABI (default "unspecified").
+    ``speculative``: algorithm, hidden_size/dtype, topk (default none). ``extra_sources``:
+    engine files that define the byte meaning, hashed into the source digest.
+    Raises ``ContractError`` naming the field."""
+    specs = list(pools.values()) if isinstance(pools, Mapping) else list(pools)
+    if not specs or not all(isinstance(s, PoolSpec) for s in specs):
+        raise ContractError("pools must be a non-empty sequence (or name -> spec mapping) of PoolSpec", field="pools")
+    if not isinstance(aux, AuxSchema):
+        raise ContractError(f"aux must be a kvbridge.layout.AuxSchema, got {type(aux).__name__}", field="aux")
+    if lane_rule not in CP_RULES:
+        raise ContractError(f"lane rule {lane_rule!r} is not one of {CP_RULES}", field="cp_rule")
+    layer_ids = {lid for s in specs for lid in s.layer_ids}
+    identity = {"revision": "unspecified", "target_layers": len(layer_ids), "draft_layers": 0}
+    identity.update({"name": model} if isinstance(model, str) else _plain(model))
+    fields: dict[str, Any] = {
+        "wire_version": WIRE_VERSION,
+        "model": identity,
+        "pools": [PoolContract.from_spec(s).model_dump() for s in specs],
+        "cp_rule": lane_rule,
+        "kernel": _plain(kernel) if kernel is not None else {"attention_backend": "unspecified", "abi": ""},
+        "speculative": _plain(speculative) if speculative is not None
+        else {"algorithm": "none", "hidden_size": 0, "hidden_dtype": "", "topk": 0},
+        "aux": aux.to_dict(),
+        "source": source_digest(extra_sources).model_dump(),
+    }
+    try:
+        return RuntimeContract.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "contract"
+        raise ContractError(f"cannot build the contract: {where}: {err['msg']}", field=where) from None
 
 
-def default_aux_schema(spec: SpeculativeContract) -> AuxSchema:
-    """The aux row kvbridge carries (mirrors ``kvbridge.layout.aux.aux_dtype``:
-    little-endian, naturally aligned), described field by field:
-
-        room u64 | first_token i32 | num_cached_tokens i32 | hidden_is_cp_local u8 | pad |
-        topk i32 | topk_ids i32[K] | topk_probs f32[K] | hidden (u16 bf16 bits | f32)[H] | pad
-    """
-    import numpy as np
-
-    hidden_dtype = spec.hidden_dtype or "bfloat16"
-    if hidden_dtype not in _HIDDEN_STORAGE:
-        raise ContractError(
-            f"hidden dtype {hidden_dtype!r} is not one of {tuple(_HIDDEN_STORAGE)}", field="speculative.hidden_dtype"
-        )
-    dt = np.dtype(
-        [
-            ("room", "<u8"),
-            ("first_token", "<i4"),
-            ("num_cached_tokens", "<i4"),
-            ("hidden_is_cp_local", "u1"),
-            ("topk", "<i4"),
-            ("topk_ids", "<i4", (spec.topk,)),
-            ("topk_probs", "<f4", (spec.topk,)),
-            ("hidden", _HIDDEN_STORAGE[hidden_dtype], (spec.hidden_size,)),
-        ],
-        align=True,
-    )
-    return aux_schema_from_dtype(dt)
-
-
-def aux_schema_from_dtype(dtype: Any) -> AuxSchema:
-    """The aux schema of a numpy structured dtype (for example
-    ``kvbridge.layout.aux.aux_dtype(...)``): fields in order, each with its
-    numpy type string (byte order included, ``<u8``), shape and offset."""
-    import numpy as np
-
-    dt = np.dtype(dtype)
-    if dt.names is None:
-        raise ContractError(f"aux dtype {dt} is not a structured dtype", field="aux")
-    fields = []
-    for name in dt.names:
-        sub, offset = dt.fields[name][:2]
-        fields.append(AuxField(name=name, dtype=sub.base.str, shape=list(sub.shape), offset=int(offset)))
-    return AuxSchema(fields=fields, row_bytes=int(dt.itemsize))
+def _plain(value: Mapping[str, Any] | BaseModel) -> dict[str, Any]:
+    return value.model_dump() if isinstance(value, BaseModel) else dict(value)
 
 
 _MODEL_NAMES = {"deepseek-v3": "deepseek-ai/DeepSeek-V3", "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2"}
@@ -337,9 +353,10 @@ def contract_from_preset(
     source_files: ExtraFiles | None = None,
     wire_version: int = WIRE_VERSION,
 ) -> RuntimeContract:
-    """The contract of a DeepSeek V3 / V3.2 preset (pools from ``preset_pools``).
-    Defaults: NextN with a 7168-wide bf16 hidden state and top-1 when there are
-    draft layers, no speculation otherwise; FlashMLA (sparse for V3.2)."""
+    """The contract of a DeepSeek V3 / V3.2 preset: ``contract_for`` over ``preset_pools``.
+    Defaults: NextN with a 7168-wide bf16 hidden state and top-1 when there are draft
+    layers, no speculation otherwise; the standard aux row for that state; FlashMLA
+    (sparse for V3.2)."""
     pools = preset_pools(preset, num_layers=num_layers, page_size=page_size, draft_layers=draft_layers)
     family = "deepseek-v3.2" if preset.startswith("deepseek-v3.2") else "deepseek-v3"
     if speculative is None:
@@ -354,23 +371,13 @@ def contract_from_preset(
             attention_backend="flashmla-sparse" if sparse else "flashmla",
             abi="mla-paged-v1+nsa-index-k-uint8" if sparse else "mla-paged-v1",
         )
-    if cp_rule not in CP_RULES:
-        raise ContractError(f"cp rule {cp_rule!r} is not one of {CP_RULES}", field="cp_rule")
-    return RuntimeContract(
-        wire_version=wire_version,
-        model=ModelIdentity(
-            name=model_name or _MODEL_NAMES[family],
-            revision=revision,
-            target_layers=num_layers,
-            draft_layers=draft_layers,
-        ),
-        pools=[PoolContract.from_spec(spec) for spec in pools.values()],
-        cp_rule=cp_rule,  # type: ignore[arg-type]
-        kernel=kernel,
-        speculative=speculative,
-        aux=aux if aux is not None else default_aux_schema(speculative),
-        source=source_digest(source_files),
-    )
+    if aux is None:
+        aux = AuxSchema.standard(speculative.hidden_size, speculative.hidden_dtype or "bfloat16", speculative.topk)
+    model = ModelIdentity(name=model_name or _MODEL_NAMES[family], revision=revision, target_layers=num_layers,
+                          draft_layers=draft_layers)
+    contract = contract_for(pools, model=model, aux=aux, lane_rule=cp_rule, kernel=kernel, speculative=speculative,
+                            extra_sources=source_files)
+    return contract if wire_version == WIRE_VERSION else contract.model_copy(update={"wire_version": wire_version})
 
 
 def preset_contract(name: str, **overrides: Any) -> RuntimeContract:

@@ -2,8 +2,8 @@
 would break (the body of a 409 and of the diagnostics page, hard rule 7).
 
 Paths are dotted: ``model.revision``, ``pools.index.layout``,
-``aux.fields.hidden.shape``, ``source.files.kvbridge/layout/pools.py``. Pools
-and aux fields are matched by name, never by position (hard rule 8); a name
+``aux.regions.hidden.shape``, ``source.files.kvbridge/layout/pools.py``. Pools
+and aux regions are matched by name, never by position (hard rule 8); a name
 present on one side only is reported at ``pools.<name>`` with ``None`` on the
 other side.
 """

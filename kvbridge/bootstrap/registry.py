@@ -32,6 +32,7 @@ from kvbridge.bootstrap.schemas import (
     LookupResponse,
     MismatchRecord,
     MismatchSide,
+    RankDetail,
     RankIdentity,
     RankView,
     RegisterRequest,
@@ -40,6 +41,7 @@ from kvbridge.bootstrap.schemas import (
 )
 from kvbridge.bootstrap.topology import (
     AuxDescriptor,
+    AuxRegionDescriptor,
     OwnerLanePlan,
     PoolDescriptor,
     Topology,
@@ -66,6 +68,7 @@ class RankRecord:
     aux: AuxDescriptor | None
     lease_ttl_s: float
     expires_at: float  # on the registry's monotonic clock
+    aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)
 
 
 @dataclass
@@ -154,7 +157,7 @@ class Registry:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         ident = req.rank
         fp = fingerprint(req.contract)
-        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label)  # BufferSpecError -> 422
+        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions)  # -> 422
         with self._lock:
             self._expire_locked()
             inst = self._instances.get(ident.instance)
@@ -182,6 +185,7 @@ class Registry:
                 aux=req.aux,
                 lease_ttl_s=ttl,
                 expires_at=self._clock() + ttl,
+                aux_regions=list(req.aux_regions),
             )
             inst.ranks[rec.rank_id] = rec
             inst.by_coords[ident.coords] = rec.rank_id
@@ -316,6 +320,20 @@ class Registry:
     def mismatches(self, limit: int | None = None) -> list[MismatchRecord]:
         """Recent refusals, newest first."""
         return self.refusals.recent(limit)
+
+    def rank(self, rank_id: str) -> RankDetail:
+        """One registered rank with its buffers; UnknownInstance (404) once its lease is gone."""
+        with self._lock:
+            self._expire_locked()
+            name = self._rank_instance.get(rank_id)
+            if name is None:
+                raise UnknownInstance(f"no rank {rank_id!r} is registered (never, or its lease expired)", field="rank_id")
+            inst = self._instances[name]
+            r = inst.ranks[rank_id]
+            return RankDetail(rank_id=rank_id, rank=r.identity, fingerprint=inst.fingerprint,
+                              control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
+                              aux_regions=r.aux_regions, lease_ttl_s=r.lease_ttl_s,
+                              lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3))
 
     def instances(self) -> list[InstanceView]:
         now = self._clock()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff
-from kvbridge.bootstrap.topology import AuxDescriptor, OwnerLanePlan, PoolDescriptor, Topology
+from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor, OwnerLanePlan, PoolDescriptor, Topology
 
 __all__ = [
     "INSTANCE_PATTERN",
@@ -26,6 +26,7 @@ __all__ = [
     "SenderRank",
     "LookupResponse",
     "RankView",
+    "RankDetail",
     "InstanceView",
     "InstanceFingerprint",
     "MismatchSide",
@@ -85,6 +86,7 @@ class RegisterRequest(_Strict):
     session_id: str = Field(min_length=1, max_length=256)
     pools: list[PoolDescriptor] = Field(default_factory=list, max_length=65536)
     aux: AuxDescriptor | None = None
+    aux_regions: list[AuxRegionDescriptor] = Field(default_factory=list, max_length=64)
     contract: RuntimeContract
     lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
 
@@ -151,6 +153,22 @@ class RankView(_Strict):
     session_id: str
     num_pools: int
     has_aux: bool
+    lease_ttl_s: float
+    lease_remaining_s: float
+
+
+class RankDetail(_Strict):
+    """One registered rank and the memory a peer may write into (``GET /v1/ranks/{rank_id}``):
+    what prefill checks a decode rank's requests against (hard rule 5)."""
+
+    rank_id: str
+    rank: RankIdentity
+    fingerprint: str
+    control_endpoint: str
+    session_id: str
+    pools: list[PoolDescriptor]
+    aux: AuxDescriptor | None = None
+    aux_regions: list[AuxRegionDescriptor] = Field(default_factory=list)
     lease_ttl_s: float
     lease_remaining_s: float
 

@@ -26,7 +26,8 @@ from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff, breaks_for
 from kvbridge.errors import BufferSpecError
 
-__all__ = ["Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "topology_diff", "check_descriptors", "sender_coords"]
+__all__ = ["Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "AuxRegionDescriptor", "topology_diff",
+           "check_descriptors", "sender_coords"]
 
 SIZE_FIELDS = ("dp_size", "cp_size", "tp_size", "pp_size")
 
@@ -80,6 +81,19 @@ class AuxDescriptor(BaseModel):
     row_bytes: int = Field(ge=1)
 
 
+class AuxRegionDescriptor(BaseModel):
+    """One registered aux region (``kvbridge.layout.AuxRegion``): the region of row ``i`` starts
+    at ``base + i * row_bytes``. A packed aux buffer gives one per region (``base`` offset by the
+    region's place in the row, ``row_bytes`` the packed row); a tensor per region gives its own."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    base: int = Field(ge=0, lt=2**64)
+    capacity_rows: int = Field(ge=1)
+    row_bytes: int = Field(ge=1)
+
+
 def topology_diff(registered: Topology, incoming: Topology) -> list[FieldDiff]:
     """Role and sizes that differ between two ranks of one instance."""
     out = []
@@ -92,7 +106,12 @@ def topology_diff(registered: Topology, incoming: Topology) -> list[FieldDiff]:
 
 
 def check_descriptors(
-    contract: RuntimeContract, descriptors: Sequence[PoolDescriptor], aux: AuxDescriptor | None, *, rank: str
+    contract: RuntimeContract,
+    descriptors: Sequence[PoolDescriptor],
+    aux: AuxDescriptor | None,
+    *,
+    rank: str,
+    aux_regions: Sequence[AuxRegionDescriptor] = (),
 ) -> None:
     """Each descriptor (``pool, layer_id, bytes_per_page, capacity_pages``) must
     fit its own contract; raises ``BufferSpecError`` naming the field."""
@@ -132,6 +151,15 @@ def check_descriptors(
             rank=rank,
             field="aux.row_bytes",
         )
+    sizes = {r.name: r.nbytes for r in contract.aux.regions}
+    seen_regions: set[str] = set()
+    for i, r in enumerate(aux_regions):
+        if r.name not in sizes or r.name in seen_regions or r.row_bytes < sizes[r.name]:
+            raise BufferSpecError(
+                f"aux region {r.name!r}: unknown, described twice, or rows of {r.row_bytes} B too small; the "
+                f"contract's regions are {sizes} (name: bytes)", rank=rank, field=f"aux_regions[{i}]",
+            )
+        seen_regions.add(r.name)
 
 
 def sender_coords(topology: Topology, dp_rank: int) -> list[tuple[int, int, int, int]]:

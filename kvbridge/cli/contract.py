@@ -90,7 +90,7 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"kernel        {c.kernel.attention_backend} ({c.kernel.abi})")
     s = c.speculative
     print(f"speculative   {s.algorithm}" + (f", hidden {s.hidden_size} x {s.hidden_dtype}, top-{s.topk}" if s.algorithm != "none" else ""))
-    print(f"aux row       {c.aux.row_bytes} B: " + ", ".join(f"{f.name}:{f.dtype}{f.shape or ''}" for f in c.aux.fields))
+    print(f"aux row       {c.aux.row_bytes} B: " + ", ".join(f"{f.name}:{f.dtype}{f.shape or ''}" for f in c.aux.regions))
     print("pools")
     for p in c.pools:
         split = f" ({p.value_bytes_per_token}+{p.scale_bytes_per_token})" if p.layout == "values_then_scales" else ""

@@ -1,7 +1,7 @@
 """Pure geometry and planning: pools, pages, owner lanes, row domains and
 transfer plans. No I/O, no threads, no device calls."""
 
-from kvbridge.layout.aux import AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
+from kvbridge.layout.aux import AuxRegion, AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
 from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
 from kvbridge.layout.plan import BufferDesc, TransferPlan, describe_buffer, plan_transfer
 from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
@@ -16,6 +16,7 @@ from kvbridge.layout.rows import (
 )
 
 __all__ = [
+    "AuxRegion",
     "AuxRow",
     "AuxSchema",
     "BufferDesc",

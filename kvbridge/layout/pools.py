@@ -91,34 +91,42 @@ class PoolSpec:
         return ((start * v, count * v), (self.scale_offset + start * s, count * s))
 
     def validate_buffer(self, layer_id: int, buf: Any) -> int:
-        """Check one layer's buffer (torch tensor or numpy array) against the
-        spec; returns its capacity in pages. The first dimension is pages."""
+        """Check one layer's buffer (torch tensor or numpy array) against the spec;
+        returns its capacity in pages. Any contiguous buffer of the pool's storage type
+        whose bytes are whole pages is accepted, whatever its shape: page-major
+        ``[pages, page_size * row]`` and token-major ``[pages * page_size, row]`` are
+        byte-identical."""
+        where = f"pool {self.name!r} layer {layer_id}"
         if layer_id not in self.layer_ids:
             raise BufferSpecError(f"pool {self.name!r} has no layer {layer_id}; layers are {self.layer_ids}", field="layer_id")
         dtype = str(buf.dtype).removeprefix("torch.")
+        shape = tuple(int(d) for d in buf.shape)
         if dtype != self.abi:
             raise BufferSpecError(
-                f"pool {self.name!r} layer {layer_id}: buffer dtype {dtype}, expected {self.abi}"
-                + (" (fp8 payloads travel as uint8 bytes)" if self.abi == "uint8" else ""),
+                f"{where}: buffer dtype {dtype}, expected {self.abi}"
+                + (" (fp8 payloads travel as uint8 bytes)" if self.abi == "uint8" else "")
+                + f"; {self.expected_shapes()}",
                 field="dtype",
-            )
-        shape = tuple(buf.shape)
-        if len(shape) < 1 or shape[0] <= 0:
-            raise BufferSpecError(f"pool {self.name!r} layer {layer_id}: buffer needs a leading page dimension, shape {shape}", field="shape")
-        itemsize = ABI_ITEMSIZE[self.abi]
-        per_page = itemsize
-        for d in shape[1:]:
-            per_page *= d
-        if per_page != self.bytes_per_page:
-            raise BufferSpecError(
-                f"pool {self.name!r} layer {layer_id}: {per_page} bytes per page, expected {self.bytes_per_page} "
-                f"({self.page_size} tokens x {self.bytes_per_token} B)",
-                field="bytes_per_page",
             )
         is_contig = buf.is_contiguous() if hasattr(buf, "is_contiguous") else bool(buf.flags["C_CONTIGUOUS"])
         if not is_contig:
-            raise BufferSpecError(f"pool {self.name!r} layer {layer_id}: buffer is not contiguous", field="shape")
-        return shape[0]
+            raise BufferSpecError(f"{where}: buffer of shape {list(shape)} is not contiguous; {self.expected_shapes()}",
+                                  field="shape")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * ABI_ITEMSIZE[self.abi] if shape else ABI_ITEMSIZE[self.abi]
+        if nbytes < self.bytes_per_page or nbytes % self.bytes_per_page:
+            raise BufferSpecError(
+                f"{where}: {dtype} buffer of shape {list(shape)} holds {nbytes} bytes, not a whole number of "
+                f"{self.bytes_per_page}-byte pages ({self.page_size} tokens x {self.bytes_per_token} B); "
+                f"{self.expected_shapes()}",
+                field="bytes_per_page",
+            )
+        return nbytes // self.bytes_per_page
+
+    def expected_shapes(self, capacity_pages: str = "pages") -> str:
+        """How a buffer of this pool may look, for error messages."""
+        row = self.bytes_per_token // ABI_ITEMSIZE[self.abi]
+        return (f"expected a contiguous {self.abi} tensor of whole pages, e.g. [{capacity_pages}, "
+                f"{self.page_size * row}] or [{capacity_pages} * {self.page_size}, {row}]")
 
     def write_rows(self, buf: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
         """Write token rows into a numpy page buffer the way a KV kernel does:

@@ -10,7 +10,6 @@ in flight are 1,000 dict entries, not 1,000 threads. The loop reads like ``step(
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -25,8 +24,8 @@ import numpy as np
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
-from kvbridge.bootstrap.topology import AuxDescriptor
 from kvbridge.errors import (
+    ConfigError,
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
@@ -35,7 +34,9 @@ from kvbridge.errors import (
     TransferError,
 )
 from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.channel import PeerSet
+from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
@@ -71,6 +72,10 @@ class DecodeConfig:
 
 
 class DecodeEndpoint:
+    """One decode rank. ``aux_buffer``: where aux rows land, a packed uint8 ``[rows, row_bytes]``
+    tensor or ``{region: tensor[rows, ...]}`` (SGLang's metadata buffers). Specs and aux schema
+    are checked against the contract here (ConfigError naming the field)."""
+
     def __init__(
         self,
         config: DecodeConfig,
@@ -82,17 +87,19 @@ class DecodeEndpoint:
         aux_buffer: Any,
         aux_schema: AuxSchema,
     ) -> None:
+        rank = config.rank_label
+        if bootstrap is None:
+            raise ConfigError("a DecodeEndpoint needs a BootstrapClient: it registers there and looks prefill "
+                              "instances up", rank=rank, field="bootstrap")
+        check_against_contract(specs, aux_schema, contract, rank=rank)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        self.buffers = EndpointBuffers(self.specs, buffers, rank=config.rank_label)
+        self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         self.contract = contract
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
-        if str(aux_buffer.dtype).removeprefix("torch.") != "uint8" or aux_buffer.ndim != 2 \
-                or aux_buffer.shape[1] != aux_schema.row_bytes:
-            raise LayoutError(f"aux buffer must be uint8 [rows, {aux_schema.row_bytes}], got {aux_buffer.dtype} "
-                              f"{tuple(aux_buffer.shape)}", rank=config.rank_label, field="aux_buffer")
+        self.aux = AuxBuffers(aux_schema, aux_buffer, rank=rank)
         self.aux_buffer = aux_buffer
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
@@ -107,24 +114,20 @@ class DecodeEndpoint:
 
     # -- life cycle -----------------------------------------------------------
 
-    @functools.cached_property
-    def aux_desc(self) -> AuxDescriptor:
-        from kvbridge.transfer.engine import tensor_region
-
-        ptr, _ = tensor_region(self.aux_buffer)
-        return AuxDescriptor(base=ptr, capacity_rows=int(self.aux_buffer.shape[0]), row_bytes=self.aux_schema.row_bytes)
+    @property
+    def rank_id(self) -> str | None:
+        """This rank's registration at the daemon (requests name it; it changes on re-registration)."""
+        return None if self._lease is None else self._lease.registration.rank_id
 
     def start(self) -> None:
-        from kvbridge.transfer.engine import tensor_region
-
         self.buffers.register(self.engine)
-        self.buffers.register_extra(self.engine, *tensor_region(self.aux_buffer))
+        self.aux.register(self.engine)
         self._peers = PeerSet(secret=self.config.secret)
+        self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
+                                    self.engine.session_id, self.buffers.descs, self.aux, self.contract,
+                                    self.config.lease_ttl)
         self._thread = threading.Thread(target=self._run, name=f"kvb-decode-{self.config.tp_rank}", daemon=True)
         self._thread.start()
-        self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
-                                    self.engine.session_id, self.buffers.descs, self.aux_desc, self.contract,
-                                    self.config.lease_ttl)
         log.info("decode rank %s up (session %s)", self.config.rank_label, self.engine.session_id)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -146,49 +149,64 @@ class DecodeEndpoint:
         if self._peers is not None:
             self._peers.close()
         # a prefill rank that never acknowledged can no longer write into these pages
-        unregister_quietly(self.engine, self.buffers)
+        unregister_quietly(self.engine, self.buffers, self.aux)
+
+    def __enter__(self) -> DecodeEndpoint:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- engine-facing (any thread) -------------------------------------------
 
     def receiver(self, room: int, prefill_instance: str, dp_rank: int | None = None) -> KVReceiver:
+        """A KVReceiver for ``room``; RoomInUse while a previous room of that id is open or draining."""
         with self._lock:
-            self._book.open(room, prefill_instance, dp_rank)
+            r = self._book.open(room, prefill_instance, dp_rank)
         self._wake()
-        return KVReceiver(self, room)
+        return KVReceiver(self, r)
 
-    def _init_room(self, room: int, page_ids: Any, aux_slot: int, num_tokens: int) -> None:
+    def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int, first_page: int) -> None:
         pages = np.asarray(page_ids).reshape(-1)
-        ctx = dict(room=room, rank=self.config.rank_label)
-        if not np.issubdtype(pages.dtype, np.integer):
+        ctx = dict(room=r.room, rank=self.config.rank_label)
+        if pages.size and not np.issubdtype(pages.dtype, np.integer):
             raise LayoutError(f"page ids must be integers, got {pages.dtype}", field="page_ids", **ctx)
         page_size = next(iter(self.specs.values())).page_size
-        if num_tokens <= 0 or pages.size != -(-num_tokens // page_size):
-            raise LayoutError(f"{pages.size} pages for {num_tokens} tokens at page size {page_size}",
-                              field="page_ids", **ctx)
-        if pages.min() < 0 or pages.max() >= self.buffers.min_capacity:
+        if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
+            raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", field="num_tokens", **ctx)
+        num_pages = -(-int(num_tokens) // page_size)
+        if not isinstance(first_page, (int, np.integer)) or not 0 <= first_page <= num_pages:
+            raise LayoutError(f"first_page {first_page!r} outside [0, {num_pages}] ({num_tokens} tokens at page size "
+                              f"{page_size})", field="first_page", **ctx)
+        if pages.size != num_pages - first_page:
+            raise LayoutError(f"{pages.size} pages for logical pages [{first_page}, {num_pages}) of {num_tokens} tokens "
+                              f"at page size {page_size}", field="page_ids", **ctx)
+        if pages.size and (pages.min() < 0 or pages.max() >= self.buffers.min_capacity):
             raise PageRangeError(f"page ids must lie in [0, {self.buffers.min_capacity}) (registered capacity)",
                                  field="page_ids", **ctx)
-        if not 0 <= aux_slot < self.aux_buffer.shape[0]:
-            raise PageRangeError(f"aux slot {aux_slot} outside [0, {self.aux_buffer.shape[0]})", field="aux_slot", **ctx)
+        self.aux.check_slot(aux_slot, room=r.room)
         with self._lock:
-            self._book.init(room, pages.astype(np.int64), aux_slot, num_tokens)
+            self._book.init(r, pages.astype(np.int64), int(aux_slot), int(num_tokens), int(first_page))
         self._wake()
 
-    def _with_room(self, room: int, fn: Callable[[RecvRoom], T], default: T) -> T:
+    def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
-            r = self._book.rooms.get(room)
-            return default if r is None else fn(r)
+            return fn()
 
-    def _release(self, room: int) -> None:
-        """The engine dropped its receiver: the room may go once it is final and quiet.
+    def _release(self, r: RecvRoom) -> None:
+        """The engine dropped its receiver: the room closes at the next step.
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._book.released.append(room)
+        self._book.released.append(r)
 
-    def _abort(self, room: int, reason: str) -> None:
+    def _close_room(self, r: RecvRoom) -> None:
         with self._lock:
-            r = self._book.rooms.get(room)
-            if r is not None:
-                self._book.fail(r, reason)
+            self._book.close(r)
+        self._wake()
+
+    def _abort(self, r: RecvRoom, reason: str) -> None:
+        with self._lock:
+            self._book.fail(r, reason)
         self._wake()
 
     def _wake(self) -> None:
@@ -222,7 +240,7 @@ class DecodeEndpoint:
         r.lookup_pending = False
         exc = fut.exception()
         if exc is None:
-            self._book.topology_ready(r, fut.result())
+            self._book.topology_ready(r, fut.result(), fresh=True)
         elif isinstance(exc, ContractMismatch):
             fields = ", ".join(getattr(d, "path", str(d)) for d in exc.diff[:6])
             reason = f"contract mismatch with prefill instance {r.prefill_instance!r} (fields: {fields}); nothing transferred"

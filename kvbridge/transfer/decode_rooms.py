@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, UnknownInstance
+from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, RoomInUse, UnknownInstance
 from kvbridge.transfer import wire
 from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.lifecycle import Stage
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.receiver import RecvRoom
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROOM_RETENTION_S = 60.0
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
 
@@ -67,16 +67,19 @@ class RoomBook:
         self.next_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
-        self.buffer_lists = [d.to_list() for d in ep.buffers.descs]  # sent in every request; built once
-        self.released: deque[int] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
+        self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
+        self.draining: set[int] = set()  # rooms whose handle let go: forgotten once final and quiet
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
 
     # -- rooms from the engine --------------------------------------------------
 
     def open(self, room: int, prefill_instance: str, dp_rank: int | None) -> RecvRoom:
-        if room in self.rooms:
-            raise KVBridgeError("a receiver for this room already exists on this rank", room=room,
-                                rank=self.cfg.rank_label, field="room")
+        old = self.rooms.get(room)
+        if old is not None:  # OPEN or DRAINING: closed rooms are forgotten
+            what = ("open: a KVReceiver still holds it" if old.life.stage == Stage.OPEN
+                    else "draining: a prefill rank may still write its pages (hard rule 6)")
+            raise RoomInUse(f"room {room} is {what} ({old.state.state.name}); close() the old receiver and wait, or "
+                            "use a new room id", room=room, rank=self.cfg.rank_label, field="room")
         r = self.rooms[room] = RecvRoom(room, prefill_instance, dp_rank)
         self.dirty.add(room)
         cached = self._cached(r)
@@ -84,15 +87,37 @@ class RoomBook:
             self.topology_ready(r, cached)
         return r
 
-    def init(self, room: int, pages: np.ndarray, aux_slot: int, num_tokens: int) -> None:
-        r = self.rooms.get(room)
-        if r is None:
-            raise KVBridgeError("init() for a room with no receiver", room=room, rank=self.cfg.rank_label)
+    def close(self, r: RecvRoom) -> None:
+        """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        if r.life.stage != Stage.OPEN:
+            return
+        r.life.to(Stage.DRAINING)
+        self.draining.add(r.room)
+        self.fail(r, f"the engine closed room {r.room}'s receiver on {self.cfg.rank_label} before it finished",
+                  level=logging.INFO)  # the engine's own decision: not a warning
+        self.forget_if_quiet(r)
+
+    def forget_if_quiet(self, r: RecvRoom) -> None:
+        if r.life.stage != Stage.DRAINING or not r.state.final or not r.pages_releasable:
+            return
+        r.life.to(Stage.CLOSED)
+        self.draining.discard(r.room)
+        if self.rooms.get(r.room) is r:
+            del self.rooms[r.room]
+        for s in r.senders.values():
+            p = self.peers.get(s.control_endpoint)
+            if p is not None:
+                p.rooms.discard(r.room)
+
+    def init(self, r: RecvRoom, pages: np.ndarray, aux_slot: int, num_tokens: int, first_page: int) -> None:
         if r.initialised:
-            raise LayoutError("init() called twice", room=room, rank=self.cfg.rank_label, field="page_ids")
-        r.page_ids, r.aux_slot, r.num_tokens = pages, aux_slot, num_tokens
-        self.dirty.add(room)
-        r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * num_tokens
+            raise LayoutError("init() called twice", room=r.room, rank=self.cfg.rank_label, field="page_ids")
+        if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
+            return
+        r.page_ids, r.aux_slot, r.num_tokens, r.first_page = pages, aux_slot, num_tokens, first_page
+        self.dirty.add(r.room)
+        tokens = num_tokens - min(num_tokens, first_page * self.page_size)
+        r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * tokens
 
     def lookup_key(self, r: RecvRoom) -> tuple[str, int | None]:
         """(instance, DP group) of a room; the group is None until the instance's dp_size is known."""
@@ -108,16 +133,20 @@ class RoomBook:
             return hit[1].model_copy(update={"room": r.room})
         return None
 
-    def topology_ready(self, r: RecvRoom, topo: LookupResponse) -> None:
+    def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
+        """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
+        so under steady traffic the cache still expires every ``topology_ttl``."""
         if any(s.pp_rank != 0 for s in topo.ranks):
             self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
                          "pipeline-parallel prefill is not supported yet")
             return
-        self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
-        self.refusals.pop(topo.instance, None)
-        self.dp_sizes[topo.instance] = topo.topology.dp_size
+        if fresh:
+            self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
+            self.refusals.pop(topo.instance, None)
+            self.dp_sizes[topo.instance] = topo.topology.dp_size
         r.set_topology(topo)
         r.state.to(KVPoll.WaitingForInput)
+        r.bootstrapped.set()
         self.dirty.add(r.room)
 
     def wake_waiting(self, instance: str) -> None:
@@ -132,11 +161,12 @@ class RoomBook:
 
     # -- failing and quiescence -------------------------------------------------
 
-    def fail(self, r: RecvRoom, reason: str) -> None:
+    def fail(self, r: RecvRoom, reason: str, level: int = logging.WARNING) -> None:
         if r.state.final:
             return
         r.state.to(KVPoll.Failed, reason)
-        log.warning("room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        r.bootstrapped.set()  # wait_bootstrapped() returns (and says why) instead of waiting on
+        log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
         self._send_aborts(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
@@ -209,20 +239,23 @@ class RoomBook:
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
             return
+        echoed = self.ep.aux.read_room(r.aux_slot)
+        if echoed != r.room:  # hard rule 4: a row written for another room
+            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
+            return
+        schema = self.ep.aux_schema
         try:
-            aux = self.ep.aux_schema.unpack(_row_bytes(self.ep.aux_buffer, r.aux_slot))
+            row = self.ep.aux.read_row(r.aux_slot)
+            aux = schema.unpack(row) if schema.is_standard else None
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
-            return
-        if aux.room != r.room:  # hard rule 4: a row written for another room
-            self.fail(r, f"aux row in slot {r.aux_slot} carries room {aux.room}, expected {r.room}")
             return
         if self.cfg.verify_digest:
             bad = self._digest_mismatch(r)
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent")
                 return
-        r.aux = aux
+        r.aux, r.aux_regions = aux, schema.unpack_regions(row)
         r.state.advance_to(KVPoll.Success)
         if self.ep.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.4f committed pages_by_rank=%s aux_owner=cp%d", r.room,
@@ -232,7 +265,8 @@ class RoomBook:
     def _digest_mismatch(self, r: RecvRoom) -> int | None:
         pages = np.concatenate([p for p, _ in r.digests])
         sent = np.concatenate([d for _, d in r.digests])
-        mine = page_digests(self.ep.specs, self.ep.buffers.tensors, self.pools, pages, r.page_ids[pages], r.num_tokens)
+        mine = page_digests(self.ep.specs, self.ep.buffers.tensors, self.pools, pages, r.page_ids[pages - r.first_page],
+                            r.num_tokens)
         bad = np.flatnonzero(mine != sent)
         return int(pages[bad[0]]) if bad.size else None
 
@@ -242,9 +276,7 @@ class RoomBook:
         while self.results:
             self.results.popleft()()
         while self.released:
-            r = self.rooms.get(self.released.popleft())
-            if r is not None:
-                r.engine_done = True
+            self.close(self.released.popleft())
         if now < self.next_scan:  # between scans only the rooms something happened to: O(events)
             while self.dirty:
                 r = self.rooms.get(self.dirty.pop())
@@ -256,13 +288,12 @@ class RoomBook:
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)
-        for room in [k for k, r in self.rooms.items() if r.state.final and r.pages_releasable
-                     and (r.engine_done or now - r.state.entered[r.state.state] > ROOM_RETENTION_S)]:
-            r = self.rooms.pop(room)
-            for s in r.senders.values():
-                p = self.peers.get(s.control_endpoint)
-                if p is not None:
-                    p.rooms.discard(room)
+        for room in list(self.draining):
+            r = self.rooms.get(room)
+            if r is None:
+                self.draining.discard(room)
+            else:
+                self.forget_if_quiet(r)
 
     def _advance(self, r: RecvRoom, now: float) -> None:
         st = r.state.state
@@ -294,14 +325,11 @@ class RoomBook:
     def _request(self, r: RecvRoom) -> None:
         """Send the TransferRequest to every CP rank of the prefill DP group."""
         r.start_ledger(self.pools, self.page_size)
-        aux = self.ep.aux_desc
         for cp, s in sorted(r.senders.items()):
             req = wire.TransferRequest(
-                room=r.room, decode_rank=self.cfg.rank_label, session=self.ep.engine.session_id,
-                page_ids=wire.pack_pages(r.page_ids), pools=list(self.pools),
-                buffers=self.buffer_lists, aux_base=aux.base,
-                aux_capacity=aux.capacity_rows, aux_row_bytes=aux.row_bytes, aux_slot=r.aux_slot,
-                num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
+                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id,
+                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(self.pools),
+                aux_slot=r.aux_slot, num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
                 want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
                 num_decode_ranks=self.cfg.tp_size,
             )
@@ -372,10 +400,3 @@ class RoomBook:
         p.lease_gone = gone
         p.lease_check_pending = False
         p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while
-
-
-def _row_bytes(aux_buffer: Any, slot: int) -> np.ndarray:
-    row = aux_buffer[slot]
-    if hasattr(row, "numpy"):
-        row = row.cpu().numpy() if row.device.type != "cpu" else row.numpy()
-    return np.array(row, dtype=np.uint8, copy=True)

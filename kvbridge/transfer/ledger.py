@@ -1,15 +1,16 @@
 """Exactly-once page ledger of one room on a decode rank.
 
-Every (pool, logical page) of the request must be reported written exactly
-once, by the CP rank that owns it under the owner-lane plan; the aux row
-exactly once, by the owner of the last valid token. A room commits only when
-the ledger is complete. Anything else is a LedgerError naming the room, the
-reporting rank, the pool and the page.
+Every (pool, logical page) of the request from ``first_page`` on must be
+reported written exactly once, by the CP rank that owns it under the owner-lane
+plan; the aux row exactly once, by the owner of the last valid token. Pages
+below ``first_page`` are the decode prefix: already here, never written. A room
+commits only when the ledger is complete. Anything else is a LedgerError naming
+the room, the reporting rank, the pool and the page.
 
-    pools x pages bitmap        page:  0 1 2 3 4 5
-      target                            x x x . x x     . = not yet reported
-      index                             x x x . x x
-      draft                             x x x . x .
+    pools x pages bitmap        page:  0 1 | 2 3 4 5     first_page 2
+      target                            p p | x . x x     . = not yet reported, p = prefix
+      index                             p p | x . x x
+      draft                             p p | x . x .
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from kvbridge.layout import OwnerLanes
 
 
 class PageLedger:
-    def __init__(self, room: int, pools: Sequence[str], num_pages: int, lanes: OwnerLanes, aux_owner: int) -> None:
+    def __init__(self, room: int, pools: Sequence[str], num_pages: int, lanes: OwnerLanes, aux_owner: int,
+                 first_page: int = 0) -> None:
         self.room = room
         self.pools = tuple(pools)
         self.num_pages = num_pages
+        self.first_page = first_page
         self.aux_owner = aux_owner
         self._pool_index = {p: i for i, p in enumerate(self.pools)}
         self._owner, _ = lanes.owners(np.arange(num_pages, dtype=np.int64), num_pages)
         self._seen = np.zeros((len(self.pools), num_pages), dtype=bool)
+        self._seen[:, :first_page] = True  # the decode prefix is already here
         self.aux_done = False
         self.pages_by_rank: dict[int, int] = {}
 
@@ -45,6 +49,12 @@ class PageLedger:
             raise LedgerError(
                 f"cp rank {cp_rank} reported logical page {int(pages[bad][0])}, outside the request's "
                 f"{self.num_pages} pages",
+                room=self.room, rank=rank, field="logical_pages",
+            )
+        if (pages < self.first_page).any():
+            raise LedgerError(
+                f"cp rank {cp_rank} reported logical page {int(pages[pages < self.first_page][0])}, below the decode "
+                f"prefix (first_page {self.first_page}): decode already holds it",
                 room=self.room, rank=rank, field="logical_pages",
             )
         if np.unique(pages).size != pages.size:

@@ -6,8 +6,9 @@ only queue work under the lock and wake it. The loop reads like ``step()``:
     receive control messages  ->  post writes for new chunks and new targets
     ->  collect completions  ->  report (PagesDone / AuxDone / AbortAck)  ->  deadlines
 
-Threads: the loop, the engine's own, and the bootstrap lease keeper; never one
-per room.
+Threads: the loop, the engine's own, the bootstrap lease keeper and one thread
+that reads decode ranks' registrations from the daemon (``decode_peers.py``);
+never one per room.
 """
 
 from __future__ import annotations
@@ -16,25 +17,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import KVBridgeError, LayoutError, TransferError
-from kvbridge.layout import AuxRow, AuxSchema, OwnerLanes, PoolSpec
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError
+from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec
 from kvbridge.transfer import wire
+from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
+from kvbridge.transfer.checks import check_against_contract
+from kvbridge.transfer.decode_peers import DecodePeers
 from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.registration import AuxStaging, EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.prefill_rooms import SendBook
-from kvbridge.transfer.sender import KVSender
+from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.sender import KVSender, SendRoom
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     control_port: int = 0
     secret: bytes | None = None
-    housekeeping_interval: float = 0.5  # how often final rooms are forgotten (heartbeats answer decode pings)
+    housekeeping_interval: float = 0.5  # how often closed, quiet rooms are forgotten
     lease_ttl: float = 10.0
     target_timeout: float = 60.0  # how long a room waits for its decode ranks to ask
+    peer_timeout: float = 5.0  # a decode connection silent this long fails its targets (> decode's ping_interval)
     max_slices_per_call: int = 1024
     aux_slots: int = 1024
     aux_device: str = "cpu"  # aux staging rows; "cuda:N" for transports that move device memory only (NVLink)
@@ -66,6 +71,13 @@ class PrefillConfig:
 
 
 class PrefillEndpoint:
+    """One prefill rank. ``bootstrap`` is required: the rank registers there, and reads each
+    decode rank's registered buffers from it. ``aux_buffer`` (optional): the engine's own aux
+    rows, packed uint8 ``[rows, row_bytes]`` or ``{region: tensor[rows, ...]}``, registered so
+    that ``send(..., aux_slot=i)`` writes row ``i`` without a copy; ``send(..., aux=row)`` uses
+    kvbridge's staging rows. Specs, aux schema and lane rule are checked against the contract
+    here (ConfigError naming the field)."""
+
     def __init__(
         self,
         config: PrefillConfig,
@@ -73,23 +85,32 @@ class PrefillEndpoint:
         specs: Mapping[str, PoolSpec],
         buffers: Mapping[tuple[str, int], Any],
         contract: RuntimeContract,
-        bootstrap: BootstrapClient | None,
+        bootstrap: BootstrapClient,
         aux_schema: AuxSchema,
+        *,
+        aux_buffer: Any = None,
     ) -> None:
+        rank = config.rank_label
+        if bootstrap is None:
+            raise ConfigError("a PrefillEndpoint needs a BootstrapClient: it registers there and reads each decode "
+                              "rank's registered buffers from it before writing", rank=rank, field="bootstrap")
+        check_against_contract(specs, aux_schema, contract, rank=rank, lane_rule=config.lane_rule)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        self.buffers = EndpointBuffers(self.specs, buffers, rank=config.rank_label)
+        self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         self.contract = contract
         self.fingerprint = fingerprint(contract)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
-        self.aux = AuxStaging(aux_schema, config.aux_slots, device=config.aux_device)
+        self.aux_staging = AuxStaging(aux_schema, config.aux_slots, rank=rank, device=config.aux_device)
+        self.aux_buffers = None if aux_buffer is None else AuxBuffers(aux_schema, aux_buffer, rank=rank)
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         self._lock = threading.Lock()
-        self._book = SendBook(self)
+        self._peers = DecodePeers(bootstrap, self._hand_to_loop, self._deliver, self._refuse)
+        self._book = SendBook(self, self._peers)
         self._server: ControlServer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -111,16 +132,17 @@ class PrefillEndpoint:
 
     def start(self) -> None:
         self.buffers.register(self.engine)
-        self.aux.register(self.engine)
+        self.aux_staging.register(self.engine)
+        if self.aux_buffers is not None:
+            self.aux_buffers.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
         self.engine.set_notify(self._server.wakeup.post)
         self._thread = threading.Thread(target=self._run, name=f"kvb-prefill-{self.config.cp_rank}", daemon=True)
         self._thread.start()
-        if self.bootstrap is not None:
-            self._lease = register_rank(
-                self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
-                self.buffers.descs, self.aux.desc, self.contract, self.config.lease_ttl,
-            )
+        self._lease = register_rank(
+            self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
+            self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
+        )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -141,22 +163,41 @@ class PrefillEndpoint:
             self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._peers.close()
         if self._lease is not None:
             self._lease.stop(deregister=True)
         if self._server is not None:
             self._server.close()
         self.engine.set_notify(None)
         # the engine may outlive this endpoint: withdraw our memory before the caller frees it
-        unregister_quietly(self.engine, self.buffers, self.aux)
+        unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers)
+
+    def __enter__(self) -> PrefillEndpoint:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _wake(self) -> None:
         if self._server is not None:
             self._server.wakeup.post()
 
+    def _hand_to_loop(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the loop thread with the lock held (safe from any thread)."""
+        self._book.results.append(work)
+        self._wake()
+
+    def _deliver(self, ident: bytes, req: wire.TransferRequest) -> None:
+        self._book.deliver(ident, req)
+
+    def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str) -> None:
+        self._book.refuse(ident, req, reason)
+
     def _reply(self, ident: bytes, msg: Any) -> None:
         try:
             self._server.send(ident, msg)
-        except TransferError as exc:  # the decode rank went away; its rooms time out there
+        except TransferError as exc:  # the decode rank went away; liveness fails its targets
             log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
 
     def _busy(self) -> bool:
@@ -166,76 +207,65 @@ class PrefillEndpoint:
     # -- engine-facing (any thread) -------------------------------------------
 
     def sender(self, room: int) -> KVSender:
+        """A KVSender for ``room``; RoomInUse while a previous room of that id is open or draining."""
         with self._lock:
             if self._closing:
                 raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
-            self._book.room(room)
-        return KVSender(self, room)
+            r = self._book.open(room)
+        return KVSender(self, r)
 
-    def _init_room(self, room: int, num_tokens: int) -> None:
+    def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
-            self._book.room(room).set_num_tokens(num_tokens, "init()")
-            self._book.dirty.add(room)
+            return fn()
+
+    def _init_room(self, r: SendRoom, num_tokens: int) -> None:
+        with self._lock:
+            r.engine_init(num_tokens)
+            self._book.dirty.add(r.room)
         self._wake()
 
-    def _send(self, room: int, logical: Any, local: Any, is_last: bool, aux: AuxRow | np.ndarray | None) -> None:
+    def _send(self, r: SendRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
+              aux: Any, aux_slot: int | None) -> None:
         with self._lock:
-            r = self._book.room(room)
             if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
-                log.debug("send() on room %d ignored: %s %s", room, r.state.state.name, r.state.reason)
+                log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
                 return
-            row = None if aux is None else self._pack_aux(room, aux)
+            row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
+            if aux_slot is not None:
+                self._check_aux_slot(r.room, aux_slot)
             local_arr = np.asarray(local, dtype=np.int64).reshape(-1)
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
-                raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=room,
+                raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            r.add_chunk(logical, local_arr, is_last, row)
+            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot)
             self._book.post_room(r)  # post now when the decode ranks already asked; the loop reports
-            self._book.dirty.add(room)
+            self._book.dirty.add(r.room)
         self._wake()
 
-    def _pack_aux(self, room: int, aux: AuxRow | np.ndarray) -> np.ndarray:
-        """An AuxRow, or a row already packed with this rank's aux schema."""
-        if isinstance(aux, np.ndarray):
-            if aux.dtype != self.aux_schema.dtype or aux.size != 1:
-                raise LayoutError(f"packed aux row of dtype {aux.dtype}, expected the schema's {self.aux_schema.dtype}",
-                                  room=room, field="aux")
-            row, echoed = aux.reshape(1), int(aux.reshape(-1)[0]["room"])
-        else:
-            echoed = aux.room
-            row = self.aux_schema.pack(
-                room=aux.room, first_token=aux.first_token, num_cached_tokens=aux.num_cached_tokens,
-                hidden_is_cp_local=aux.hidden_is_cp_local, hidden=aux.hidden,
-                topk_ids=aux.topk_ids, topk_probs=aux.topk_probs,
-            )
-        if echoed != room:
-            raise LayoutError(f"aux row carries room {echoed}", room=room, rank=self.config.rank_label, field="aux.room")
-        return row
+    def _check_aux_slot(self, room: int, slot: int) -> None:
+        if self.aux_buffers is None:
+            raise LayoutError("send(aux_slot=...) needs the engine's aux rows: PrefillEndpoint(..., aux_buffer=...)",
+                              room=room, rank=self.config.rank_label, field="aux_slot")
+        self.aux_buffers.check_slot(slot, room=room)
+        if _on_host(self.aux_buffers):
+            echoed = self.aux_buffers.read_room(slot)  # host memory: catch a wrong slot here (hard rule 4)
+            if echoed != room:
+                raise LayoutError(f"aux slot {slot} holds room {echoed}'s row", room=room,
+                                  rank=self.config.rank_label, field="aux_slot")
 
-    def _poll(self, room: int) -> KVPoll:
-        with self._lock:
-            r = self._book.rooms.get(room)
-            return KVPoll.Failed if r is None else r.state.state
-
-    def _release(self, room: int) -> None:
-        """The engine dropped its sender: the room may go once it is final and quiet.
+    def _release(self, r: SendRoom) -> None:
+        """The engine dropped its sender: the room closes at the next housekeeping.
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._book.released.append(room)
+        self._book.released.append(r)
 
-    def _stats(self, room: int) -> dict[str, int]:
+    def _close_room(self, r: SendRoom) -> None:
         with self._lock:
-            r = self._book.rooms.get(room)
-            return {} if r is None else {"slices": r.num_slices, "bytes": r.num_bytes}
+            self._book.close(r)
+        self._wake()
 
-    def _reason(self, room: int) -> str | None:
+    def _abort(self, r: SendRoom, reason: str) -> None:
         with self._lock:
-            r = self._book.rooms.get(room)
-            return None if r is None else r.state.reason
-
-    def _abort(self, room: int, reason: str) -> None:
-        with self._lock:
-            r = self._book.rooms.get(room)
-            if r is not None:
+            if not r.state.final:
                 self._book.fail_room(r, reason)
         self._wake()
 
@@ -246,25 +276,29 @@ class PrefillEndpoint:
         while not self._stop.is_set():
             try:
                 self._step()
+                now = time.monotonic()
+                if now >= next_housekeeping:
+                    next_housekeeping = now + self.config.housekeeping_interval
+                    with self._lock:
+                        self._book.gc(now)
             except Exception:  # a bug must not kill the rank's only control loop
                 log.exception("prefill loop step failed")
                 time.sleep(0.05)
-            now = time.monotonic()
-            if now >= next_housekeeping:
-                next_housekeeping = now + self.config.housekeeping_interval
-                with self._lock:
-                    self._book.gc(now)
 
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
         for ident, msg in self._server.recv_ready(50):
             self._on_message(ident, msg)
         with self._lock:
+            while self._book.results:
+                self._book.results.popleft()()
             self._book.collect()
             self._book.pump()
             self._book.deadlines()
 
     def _on_message(self, ident: bytes, msg: Any) -> None:
+        with self._lock:
+            self._peers.heard_from(ident, time.monotonic())  # any message: the decode rank is alive
         if isinstance(msg, KVBridgeError):
             log.warning("bad control message from %r: %s", ident, msg)
             return  # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
@@ -278,5 +312,8 @@ class PrefillEndpoint:
                 self._book.on_abort(ident, msg)
         else:
             self._reply(ident, wire.ErrorReply(ref_type=msg.TAG, room=getattr(msg, "room", None),
-                                                     reason=f"a prefill rank does not accept {type(msg).__name__}"))
+                                               reason=f"a prefill rank does not accept {type(msg).__name__}"))
 
+
+def _on_host(aux: AuxBuffers) -> bool:
+    return all(not hasattr(t, "device") or t.device.type == "cpu" for t in aux.tensors.values())

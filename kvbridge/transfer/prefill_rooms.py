@@ -1,51 +1,97 @@
 """The prefill rank's rooms, driven by the PrefillEndpoint loop: decode requests
 and aborts in, writes posted and collected, reports out. Every method runs with
-the endpoint's lock held; replies go through ``ep._reply``."""
+the endpoint's lock held; replies go through ``ep._reply``. Lifecycles (open,
+draining, closed, tombstones) follow ``transfer/lifecycle.py``."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, RoomInUse
 from kvbridge.layout import plan_transfer
 from kvbridge.transfer import wire
+from kvbridge.transfer.aux_rows import aux_slices
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import WriteState
+from kvbridge.transfer.lifecycle import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.sender import SendRoom, Target
-from kvbridge.transfer.targets import DestinationCache, target_from_request
+from kvbridge.transfer.targets import target_from_request
 
 if TYPE_CHECKING:
+    from kvbridge.transfer.decode_peers import DecodePeers
     from kvbridge.transfer.prefill import PrefillEndpoint
 
 log = logging.getLogger(__name__)
 
-ROOM_RETENTION_S = 60.0  # a final room whose KVSender the engine still holds is forgotten after this
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
 
 class SendBook:
-    def __init__(self, ep: PrefillEndpoint) -> None:
+    def __init__(self, ep: PrefillEndpoint, peers: DecodePeers) -> None:
         self.ep = ep
         self.cfg = ep.config
+        self.peers = peers
         self.rooms: dict[int, SendRoom] = {}
+        self.unowned: set[int] = set()  # rooms no handle holds (UNATTACHED or DRAINING): closed once quiet
+        self.tombstones = Tombstones()
         self.handles: dict[int, tuple[SendRoom, Target]] = {}
-        self.released: collections.deque[int] = collections.deque()  # rooms whose KVSender was dropped (no lock)
+        self.released: collections.deque[SendRoom] = collections.deque()  # dropped KVSenders (appended without lock)
+        self.results: collections.deque[Callable[[], None]] = collections.deque()  # pool-thread results for the loop
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
-        self.destinations = DestinationCache()  # decode peers' buffer tables, paired with ours once
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next step
         self.next_deadline_scan = 0.0
 
-    def room(self, room: int) -> SendRoom:
+    # -- rooms from the engine ------------------------------------------------
+
+    def open(self, room: int) -> SendRoom:
+        """The room for a new KVSender: fresh, or the one a decode rank asked for first."""
         r = self.rooms.get(room)
-        if r is None:
-            r = self.rooms[room] = SendRoom(room, self.cfg.cp_rank, self.ep.lanes, self.ep.page_size)
+        if r is not None and r.life.stage == Stage.UNATTACHED:
+            r.life.to(Stage.OPEN)
+            self.unowned.discard(room)
+            return r
+        if r is not None:
+            what = ("open: a KVSender still holds it" if r.life.stage == Stage.OPEN
+                    else f"draining: {r.num_inflight} write(s) of the previous room still in flight")
+            raise RoomInUse(f"room {room} is {what} ({r.state.state.name}); close() the old sender and wait, or use "
+                            "a new room id", room=room, rank=self.cfg.rank_label, field="room")
+        self.tombstones.discard(room)
+        r = self.rooms[room] = SendRoom(room, self.cfg.cp_rank, self.ep.lanes, self.ep.page_size)
         return r
+
+    def close(self, r: SendRoom) -> None:
+        """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        if r.life.stage != Stage.OPEN:
+            return
+        r.life.to(Stage.DRAINING)
+        self.unowned.add(r.room)
+        if not r.state.final:
+            self.fail_room(r, f"the engine closed room {r.room}'s sender on {self.cfg.rank_label} before it finished")
+        self.forget_if_quiet(r)
+
+    def forget_if_quiet(self, r: SendRoom) -> None:
+        """Close a room no handle holds once it is final and quiet. One decode asked for first
+        that failed before the engine attached stays ``target_timeout`` longer, so that the
+        engine's sender() still finds it and reads why."""
+        if not r.state.final or r.num_inflight or r.life.stage not in (Stage.UNATTACHED, Stage.DRAINING):
+            return
+        if r.life.stage == Stage.UNATTACHED and r.state.since() < self.cfg.target_timeout:
+            return
+        r.life.to(Stage.CLOSED)
+        if self.rooms.get(r.room) is r:
+            del self.rooms[r.room]
+        self.unowned.discard(r.room)
+        outcome = r.state.state.name + (f": {r.state.reason}" if r.state.reason else "")
+        self.tombstones.add(r.room, outcome)
+
+    # -- decode requests --------------------------------------------------------
 
     def on_request(self, ident: bytes, req: wire.TransferRequest) -> None:
         rank = self.cfg.rank_label
@@ -53,22 +99,49 @@ class SendBook:
             self.reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
             return
         if req.fingerprint != self.ep.fingerprint:
-            self.reply_failed(ident, req.room, f"contract fingerprint {req.fingerprint} differs from prefill rank "
-                                                f"{rank}'s {self.ep.fingerprint}; nothing transferred (hard rule 7)")
-            if req.room in self.rooms:
-                self.fail_room(self.rooms[req.room], f"decode rank {req.decode_rank} has a different contract")
+            self.refuse(ident, req, f"contract fingerprint {req.fingerprint} differs from prefill rank {rank}'s "
+                                    f"{self.ep.fingerprint}; nothing transferred (hard rule 7)")
             return
-        r = self.room(req.room)
+        if self.peers.get(req.decode_rank_id) is None:
+            self.peers.wait_for(ident, req)  # read its registration off the loop, then deliver()
+        else:
+            self.deliver(ident, req)
+
+    def deliver(self, ident: bytes, req: wire.TransferRequest) -> None:
+        """A request whose decode registration is known: check it into a Target."""
+        rank = self.cfg.rank_label
+        peer = self.peers.get(req.decode_rank_id)
+        if peer is None:  # evicted meanwhile: read it again
+            self.peers.wait_for(ident, req)
+            return
+        r = self.rooms.get(req.room)
+        if r is None:
+            closed = self.tombstones.get(req.room)
+            if closed is not None:
+                self.reply_failed(ident, req.room, f"room {req.room} was already closed on prefill rank {rank} "
+                                                   f"({closed}) when decode rank {req.decode_rank} asked")
+                return
+            r = self.rooms[req.room] = SendRoom(req.room, self.cfg.cp_rank, self.ep.lanes, self.ep.page_size,
+                                                Stage.UNATTACHED)
+            self.unowned.add(req.room)
         if r.state.final:
-            self.reply_failed(ident, req.room, f"room already {r.state.state.name} on {rank}: {r.state.reason}")
+            reason = f": {r.state.reason}" if r.state.reason else ""
+            self.reply_failed(ident, req.room, f"room {req.room} already ended on {rank} ({r.state.state.name}{reason})")
+            return
+        failing = next((t.failure or t.abort_reason for t in r.targets.values() if not t.active), None)
+        if r.life.stage == Stage.DRAINING or failing is not None:  # no new target for a room on its way out
+            why = failing or "its sender was closed"
+            self.reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
+            return
+        if peer.fingerprint != self.ep.fingerprint:
+            self.refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
+                                    f"{rank} has {self.ep.fingerprint}; nothing transferred (hard rule 7)")
             return
         try:
             r.set_num_tokens(req.num_tokens, f"decode rank {req.decode_rank}")
-            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r.num_pages,
-                                          self.destinations)
+            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r, peer)
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
-            self.reply_failed(ident, req.room, str(exc))
-            self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {exc}")
+            self.refuse(ident, req, str(exc))
             return
         if req.decode_rank in r.targets:
             self.reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
@@ -79,8 +152,16 @@ class SendBook:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f target %s pages=%d pools=%s", req.room, rank, r.age_ms, time.monotonic(), req.decode_rank,
-                     target.dst_pages.size, ",".join(target.pools))
+            log.info("trace room=%d rank=%s +%.2fms @%.4f target %s pages=%d first_page=%d pools=%s", req.room, rank,
+                     r.age_ms, time.monotonic(), req.decode_rank, target.dst_pages.size, target.first_page,
+                     ",".join(target.pools))
+
+    def refuse(self, ident: bytes, req: wire.TransferRequest, reason: str) -> None:
+        """Refuse a request (nothing of it was posted) and fail its room here."""
+        self.reply_failed(ident, req.room, reason)
+        r = self.rooms.get(req.room)
+        if r is not None and not r.state.final:
+            self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}")
 
     def on_abort(self, ident: bytes, msg: wire.Abort) -> None:
         r = self.rooms.get(msg.room)
@@ -94,7 +175,7 @@ class SendBook:
     def reply_failed(self, ident: bytes, room: int, reason: str) -> None:
         log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
         self.ep._reply(ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed", reason=reason,
-                                                pools=[], logical_pages=b"", digests=None))
+                                             pools=[], logical_pages=b"", digests=None))
 
     # -- posting and collecting (lock held) -----------------------------------
 
@@ -116,32 +197,43 @@ class SendBook:
             while t.active and t.posted < len(r.chunks):
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
-                with_aux = last_chunk and r.is_last and r.aux_row is not None and not t.aux_posted
+                with_aux = last_chunk and r.is_last and r.has_aux and not t.aux_posted
                 self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux)
                 t.posted += 1
-            if t.active and r.is_last and r.aux_row is not None and not t.aux_posted:
+            if t.active and r.is_last and r.has_aux and not t.aux_posted:
                 self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
             r.state.to(KVPoll.Transferring)
 
     def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool) -> None:
+        if t.first_page:  # the decode rank already holds pages below its prefix
+            keep = logical >= t.first_page
+            logical, local = logical[keep], local[keep]
+        if not logical.size and not with_aux:
+            return
         try:
             src, dst, length = (), (), ()
             if logical.size:
-                plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, t.dst_bufs, logical, local,
-                                     t.dst_pages[logical], r.num_tokens, pools=t.pools, room=r.room,
+                plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, [], logical, local,
+                                     t.dst_pages[logical - t.first_page], r.num_tokens, pools=t.pools, room=r.room,
                                      rank=self.cfg.rank_label, paired=t.paired)
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True
-                aux_src = self.ep.aux.stage(r.room, r.aux_row)
-                src += (np.array([aux_src], np.uint64),)
-                dst += (np.array([t.aux_addr], np.uint64),)
-                length += (np.array([self.ep.aux_schema.row_bytes], np.uint64),)
+                if r.aux_row is not None:
+                    source, slot = self.ep.aux_staging, self.ep.aux_staging.stage(r.room, r.aux_row)
+                else:
+                    source, slot = self.ep.aux_buffers, r.aux_slot
+                a_src, a_dst, a_len = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
+                src, dst, length = src + (a_src,), dst + (a_dst,), length + (a_len,)
             src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
             handle = self.ep.engine.submit_write(t.session, src, dst, length)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
+            return
+        except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
+            log.exception("room %d on %s: posting to %s failed", r.room, self.cfg.rank_label, t.decode_rank)
+            t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
             return
         t.inflight[handle] = (logical, with_aux)
         self.handles[handle] = (r, t)
@@ -167,7 +259,7 @@ class SendBook:
                          self.cfg.rank_label, r.age_ms, time.monotonic(), pages.size, " +aux" if with_aux else "",
                          t.decode_rank, status.state.value)
             if status.state is WriteState.FAILED:
-                t.failure = t.failure or f"write to {t.decode_rank} ({t.session}) failed: {status.reason}"
+                t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
             elif t.active:
                 if pages.size:
                     t.num_pages_done += pages.size
@@ -183,6 +275,7 @@ class SendBook:
                     t.aux_done = True
                     self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason=""))
             self.settle(r)
+            self.forget_if_quiet(r)
 
     @staticmethod
     def local_pages_of(r: SendRoom, pages: np.ndarray) -> np.ndarray:
@@ -201,7 +294,7 @@ class SendBook:
                 t.closed = True
             elif t.failure is not None:
                 self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="failed",
-                                                          reason=t.failure, pools=[], logical_pages=b"", digests=None))
+                                                       reason=t.failure, pools=[], logical_pages=b"", digests=None))
                 t.closed = True
             elif r.target_complete(t):
                 t.closed = True
@@ -216,7 +309,7 @@ class SendBook:
             r.state.advance_to(KVPoll.Success)
         else:
             return
-        self.ep.aux.release(r.room)
+        self.ep.aux_staging.release(r.room)
         self.counters["rooms_ok" if r.state.state == KVPoll.Success else "rooms_failed"] += 1
         if self.ep.trace or r.state.state == KVPoll.Failed:
             log.log(logging.INFO if r.state.state == KVPoll.Success else logging.WARNING,
@@ -229,7 +322,7 @@ class SendBook:
                 t.failure = reason
         if not r.targets and not r.state.final:
             r.state.to(KVPoll.Failed, reason)
-            self.ep.aux.release(r.room)
+            self.ep.aux_staging.release(r.room)
             self.counters["rooms_failed"] += 1
         else:
             self.settle(r)
@@ -239,22 +332,34 @@ class SendBook:
         if now < self.next_deadline_scan:
             return
         self.next_deadline_scan = now + DEADLINE_SCAN_S
-        for r in self.rooms.values():
+        for r in list(self.rooms.values()):
             if r.state.final:
                 continue
             if r.state.state == KVPoll.Bootstrapping and now - r.created > self.cfg.target_timeout:
                 asked = f"only {len(r.targets)} of {r.num_expected_targets}" if r.targets else "no"
                 self.fail_room(r, f"{asked} decode ranks asked for room {r.room} within {self.cfg.target_timeout:.1f}s")
             for t in r.targets.values():
-                if t.active and now > t.deadline:
+                if not t.active or t.closed:
+                    continue
+                silent = self.peers.silent_for(t.ident, now, t.created)
+                if silent > self.cfg.peer_timeout:  # the decode rank pings while it has rooms here
+                    t.failure = (f"decode rank {t.decode_rank} ({t.session}) sent nothing for {silent:.1f}s "
+                                 f"(peer timeout {self.cfg.peer_timeout:.1f}s): presumed dead")
+                elif now > t.deadline:
                     t.failure = f"decode rank {t.decode_rank}'s deadline passed before the room was written"
             self.settle(r)
+            self.forget_if_quiet(r)
 
     def gc(self, now: float) -> None:
+        """Close rooms whose handle was dropped; forget quiet ones; prune tombstones and peers."""
         while self.released:
-            r = self.rooms.get(self.released.popleft())
-            if r is not None:
-                r.engine_done = True
-        for room in [k for k, r in self.rooms.items() if r.state.final and not r.num_inflight
-                     and (r.engine_done or now - r.state.entered[r.state.state] > ROOM_RETENTION_S)]:
-            del self.rooms[room]
+            self.close(self.released.popleft())
+        for room in list(self.unowned):
+            r = self.rooms.get(room)
+            if r is None:
+                self.unowned.discard(room)
+            else:
+                self.forget_if_quiet(r)
+        self.tombstones.prune(now)
+        in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
+        self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)

@@ -2,23 +2,35 @@
 room's state that the :class:`~kvbridge.transfer.decode.DecodeEndpoint` loop drives.
 
     Bootstrapping     waiting for the prefill topology (bootstrap lookup; 409 -> Failed with the diff)
-    WaitingForInput   topology known, waiting for init(page_ids, aux_slot, num_tokens)
+    WaitingForInput   topology known (wait_bootstrapped() returns the owner lanes), waiting for
+                      init(page_ids, aux_slot, num_tokens, first_page=...)
     Transferring      TransferRequest sent to every CP rank; the ledger fills up
-    Success           every (pool, page) once + the aux row checked (+ digests, when asked)
+    Success           every (pool, page >= first_page) once + the aux row's room echo (+ digests, when asked)
     Failed            reason kept; pages released only once every CP rank that was
                       asked is quiet: acked the abort, reported failure, or is dead (hard rule 6)
+
+Pages and tokens. ``num_tokens`` counts the request's valid tokens; it has
+``ceil(num_tokens / page_size)`` logical pages. With a decode prefix, pages
+``[0, first_page)`` are already here (a prefix cache hit) and ``page_ids`` maps
+pages ``[first_page, num_pages)`` only:
+
+    num_tokens 21, page_size 4, first_page 2      logical page  0 1 | 2  3  4  5
+                                                                held | page_ids[0..3]
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvbridge.errors import ContractMismatch, TransferError, TransferTimeout
 from kvbridge.layout import AuxRow, OwnerLanes, owner_of_last_token
 from kvbridge.transfer.ledger import PageLedger
+from kvbridge.transfer.lifecycle import Life
 from kvbridge.transfer.poll import KVPoll, RoomState
 
 if TYPE_CHECKING:
@@ -32,10 +44,13 @@ class RecvRoom:
         self.prefill_instance = prefill_instance
         self.dp_rank = dp_rank
         self.state = RoomState()
+        self.life = Life()
+        self.bootstrapped = threading.Event()  # set once the topology is known or the room failed
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
         self.senders: dict[int, Any] = {}  # cp_rank -> SenderRank
-        self.page_ids: np.ndarray | None = None
+        self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
+        self.first_page = 0
         self.aux_slot = -1
         self.num_tokens = 0
         self.ledger: PageLedger | None = None
@@ -44,11 +59,11 @@ class RecvRoom:
         self.abort_sent: set[int] = set()
         self.last_abort = 0.0
         self.aux: AuxRow | None = None
+        self.aux_regions: dict[str, np.ndarray] | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
         self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
-        self.engine_done = False
         self.bytes_expected = 0
 
     @property
@@ -57,7 +72,8 @@ class RecvRoom:
 
     @property
     def num_pages(self) -> int:
-        return 0 if self.page_ids is None else int(self.page_ids.size)
+        """Logical pages of the request (prefix included)."""
+        return 0 if self.page_ids is None else self.first_page + int(self.page_ids.size)
 
     @property
     def age_ms(self) -> float:
@@ -78,13 +94,14 @@ class RecvRoom:
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
         aux_owner = owner_of_last_token(self.num_tokens, page_size, self.lanes)
-        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner)
+        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page)
 
     def stats(self) -> dict[str, Any]:
         return {
             "room": self.room,
             "state": self.state.state.name,
             "num_tokens": self.num_tokens,
+            "first_page": self.first_page,
             "bytes": self.bytes_expected if self.state.state == KVPoll.Success else 0,
             "pages_by_rank": dict(self.ledger.pages_by_rank) if self.ledger else {},
             "seconds": self.state.durations(),
@@ -93,48 +110,89 @@ class RecvRoom:
 
 
 class KVReceiver:
-    """Engine-facing receiver of one room on one decode rank (thread-safe)."""
+    """Engine-facing receiver of one room on one decode rank (thread-safe).
 
-    def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
+    ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
+    until then its final state, failure reason and aux row stay readable."""
+
+    def __init__(self, endpoint: DecodeEndpoint, room: RecvRoom) -> None:
         self._ep = endpoint
-        self.room = room
-        # once the engine drops this object, a final room may be forgotten
-        weakref.finalize(self, endpoint._release, room)
+        self._room = room
+        # dropping the handle closes the room (the finalizer must not reference self)
+        self._finalizer = weakref.finalize(self, endpoint._release, room)
 
-    def init(self, page_ids: np.ndarray, aux_slot: int, num_tokens: int) -> None:
-        """Destination pages (one mapping for every pool: logical page l -> physical page
-        ``page_ids[l]``), the aux row slot, and the request's valid token count."""
-        self._ep._init_room(self.room, page_ids, aux_slot, num_tokens)
+    @property
+    def room(self) -> int:
+        return self._room.room
+
+    def init(self, page_ids: Any, aux_slot: int, num_tokens: int, *, first_page: int = 0) -> None:
+        """Where the room goes: ``num_tokens`` valid tokens; this rank already holds logical pages
+        ``[0, first_page)``; logical page ``first_page + i`` goes to physical page ``page_ids[i]``
+        (one mapping for every pool); the aux row goes to row ``aux_slot`` of the aux buffers."""
+        self._ep._init_room(self._room, page_ids, aux_slot, num_tokens, first_page)
+
+    def wait_bootstrapped(self, timeout: float) -> OwnerLanes:
+        """Block until the prefill topology is known; its owner lanes (allocate pages lane-major
+        with ``lanes.lane_major(n)``). TransferTimeout after ``timeout`` s; ContractMismatch
+        (with ``.diff``) or TransferError when the room failed before."""
+        r = self._room
+        if not r.bootstrapped.wait(timeout):
+            raise TransferTimeout(f"prefill topology of instance {r.prefill_instance!r} not known within "
+                                  f"{timeout:.1f}s", room=r.room, rank=self._ep.config.rank_label, field="bootstrap")
+        lanes, reason, diff = self._ep._locked(lambda: (r.lanes, r.state.reason, list(r.mismatch)))
+        if lanes is not None:
+            return lanes
+        if diff:
+            raise ContractMismatch(reason or "contract mismatch", diff=diff, room=r.room, rank=self._ep.config.rank_label)
+        raise TransferError(f"room failed before its topology was known: {reason}", room=r.room,
+                            rank=self._ep.config.rank_label)
 
     def poll(self) -> KVPoll:
-        return self._ep._with_room(self.room, lambda r: r.state.state, KVPoll.Failed)
+        return self._ep._locked(lambda: self._room.state.state)
 
     @property
     def failure_reason(self) -> str | None:
-        return self._ep._with_room(self.room, lambda r: r.state.reason, "room unknown")
+        return self._ep._locked(lambda: self._room.state.reason)
 
     @property
     def aux(self) -> AuxRow | None:
-        return self._ep._with_room(self.room, lambda r: r.aux, None)
+        """The decoded standard aux row, after Success (``aux_regions`` for any schema)."""
+        return self._ep._locked(lambda: self._room.aux)
+
+    @property
+    def aux_regions(self) -> dict[str, np.ndarray] | None:
+        """Every region of the received aux row (stored form), after Success."""
+        return self._ep._locked(lambda: self._room.aux_regions)
 
     @property
     def lanes(self) -> OwnerLanes | None:
-        """The prefill instance's owner lanes, once the topology is known (WaitingForInput):
-        allocate destination pages lane-major (``lanes.lane_major``) for one run per CP rank."""
-        return self._ep._with_room(self.room, lambda r: r.lanes, None)
+        """The prefill instance's owner lanes, once the topology is known (see wait_bootstrapped)."""
+        return self._ep._locked(lambda: self._room.lanes)
 
     @property
     def mismatch(self) -> list[Any]:
         """The field diff when the prefill instance's contract differed (hard rule 7)."""
-        return self._ep._with_room(self.room, lambda r: list(r.mismatch), [])
+        return self._ep._locked(lambda: list(self._room.mismatch))
 
     @property
     def pages_releasable(self) -> bool:
-        return self._ep._with_room(self.room, lambda r: r.pages_releasable, True)
+        return self._ep._locked(lambda: self._room.pages_releasable)
 
     @property
     def stats(self) -> dict[str, Any]:
-        return self._ep._with_room(self.room, lambda r: r.stats(), {})
+        return self._ep._locked(lambda: self._room.stats())
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        self._ep._abort(self.room, reason)
+        self._ep._abort(self._room, reason)
+
+    def close(self) -> None:
+        """End the room: one not yet final fails ("closed by the engine") and its prefill ranks
+        are told; the id is free again once no write of it can land (idempotent)."""
+        if self._finalizer.detach() is not None:
+            self._ep._close_room(self._room)
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

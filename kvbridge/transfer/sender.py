@@ -6,9 +6,18 @@ in, and one :class:`Target` per decode rank that asked for the room. The loop
 posts every chunk to every target (one plan per chunk and target), collects
 the completions and reports them; nothing here touches a socket.
 
+Chunk boundaries. ``send(..., num_tokens_ready=t)`` says tokens ``[0, t)`` of the
+request exist. A page is complete once all its valid rows exist; a page that a
+chunk ends inside is *held* and travels with the chunk that completes it:
+
+    page_size 4, 10 tokens          page 0     page 1     page 2
+                                    0 1 2 3 |  4 5 6 7 |  8 9 . .
+    send([0, 1], ready=6)           sent       held (rows 6, 7 not computed yet)
+    send([2], ready=10, is_last)               sent       sent (2 valid rows)
+
     send(chunk 0) ... send(chunk n, is_last)      engine thread
           |                     |
-       chunks[0]  ...       chunks[n] (+ held partial page) (+ aux row)
+       chunks[0]  ...       chunks[n] (+ held pages completed now) (+ aux row)
           |                     |
      target A: posted 0..n, in flight {handle: pages}, pages done, aux done
      target B: ...
@@ -19,34 +28,41 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import BufferDesc, OwnerLanes
+from kvbridge.layout import OwnerLanes
 from kvbridge.layout.plan import PairedBuffers
+from kvbridge.transfer.aux_rows import RegionAddr
+from kvbridge.transfer.lifecycle import Life, Stage
 from kvbridge.transfer.poll import KVPoll, RoomState
 
 if TYPE_CHECKING:
     from kvbridge.layout import AuxRow
     from kvbridge.transfer.prefill import PrefillEndpoint
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
 
 @dataclass
 class Target:
-    """One decode rank that receives this room."""
+    """One decode rank that receives this room (checked against what it registered)."""
 
     decode_rank: str
     ident: bytes  # ZMQ routing id of the decode rank's connection
     session: str
-    dst_pages: np.ndarray  # logical page -> destination physical page
-    dst_bufs: list[BufferDesc]
+    first_page: int  # decode already holds logical pages [0, first_page)
+    dst_pages: np.ndarray  # logical page first_page + i -> destination physical page dst_pages[i]
     pools: tuple[str, ...]
-    aux_addr: int | None  # destination address of the aux row slot
+    aux_dst: dict[str, RegionAddr]  # the decode rank's registered aux regions
+    aux_slot: int
     deadline: float  # monotonic
     want_digest: bool
-    paired: PairedBuffers  # our buffers paired with the decode rank's, checked once
+    paired: PairedBuffers  # our buffers paired with the decode rank's registered ones, checked once
+    num_expected: int = 0  # owned pages >= first_page: what this target receives
+    created: float = field(default_factory=time.monotonic)
     posted: int = 0  # chunks posted so far
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)
     aux_posted: bool = False
@@ -64,29 +80,39 @@ class Target:
 class SendRoom:
     """Everything the prefill rank knows about one room."""
 
-    def __init__(self, room: int, cp_rank: int, lanes: OwnerLanes, page_size: int) -> None:
+    def __init__(self, room: int, cp_rank: int, lanes: OwnerLanes, page_size: int, stage: Stage = Stage.OPEN) -> None:
         self.room = room
         self.cp_rank = cp_rank
         self.lanes = lanes
         self.page_size = page_size
         self.state = RoomState()
+        self.life = Life(stage)
         self.num_tokens: int | None = None
-        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
-        self.held: tuple[np.ndarray, np.ndarray] | None = None  # partial last page until is_last
+        self.num_tokens_ready = 0
+        self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
+        self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
+        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
+        self.held: tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY)  # given, not yet complete
         self.is_last = False
-        self.aux_row: np.ndarray | None = None  # packed structured row
+        self.auto_last = False  # nothing to send: complete on init() alone
+        self.aux_row: np.ndarray | None = None  # packed row, staged by kvbridge
+        self.aux_slot: int | None = None  # or: a slot of the engine's own registered aux rows
         self.targets: dict[str, Target] = {}
         self.num_expected_targets: int | None = None
         self.created = time.monotonic()
-        self.engine_done = False  # the engine dropped its KVSender (room may be forgotten)
         self.num_slices = 0  # posted for this room, all targets
         self.num_bytes = 0
 
     # -- derived --------------------------------------------------------------
 
     @property
+    def ctx(self) -> dict[str, Any]:
+        return {"room": self.room, "rank": f"cp{self.cp_rank}"}
+
+    @property
     def num_pages(self) -> int:
-        assert self.num_tokens is not None
+        if self.num_tokens is None:
+            raise LayoutError("the room's length is not known before init(num_tokens)", field="num_tokens", **self.ctx)
         return -(-self.num_tokens // self.page_size)
 
     @property
@@ -96,17 +122,20 @@ class SendRoom:
         ) == self.cp_rank
 
     @property
+    def has_aux(self) -> bool:
+        return self.aux_row is not None or self.aux_slot is not None
+
+    @property
     def age_ms(self) -> float:
         return (time.monotonic() - self.created) * 1000
 
     @property
-    def num_owned_pages(self) -> int:
-        # the pages this rank *sends* (under "replicated" every rank stores all pages, rank 0 sends them)
-        return int(self.lanes.owned_pages(self.cp_rank, self.num_pages).size) if self.num_tokens else 0
-
-    @property
     def num_inflight(self) -> int:
         return sum(len(t.inflight) for t in self.targets.values())
+
+    def num_owned_from(self, first_page: int) -> int:
+        """Owned pages at or after ``first_page``: what a target with that decode prefix receives."""
+        return int(np.count_nonzero(self.owned >= first_page))
 
     def target_complete(self, t: Target) -> bool:
         """Every page (and the aux row, if this rank owns it) written to ``t``."""
@@ -115,105 +144,193 @@ class SendRoom:
             and t.active
             and not t.inflight
             and t.posted == len(self.chunks)
-            and t.num_pages_done == self.num_owned_pages
+            and t.num_pages_done == t.num_expected
             and (t.aux_done or not self.owns_last_token)
         )
 
     # -- engine input ---------------------------------------------------------
 
     def set_num_tokens(self, num_tokens: int, source: str) -> None:
-        if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
-            raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", room=self.room, field="num_tokens")
-        if self.num_tokens is not None and self.num_tokens != num_tokens:
-            raise LayoutError(
-                f"{source} says {num_tokens} tokens, but the room was started with {self.num_tokens}",
-                room=self.room, rank=f"cp{self.cp_rank}", field="num_tokens",
-            )
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens <= 0:
+            raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", field="num_tokens",
+                              **self.ctx)
+        if self.num_tokens is not None:
+            if self.num_tokens != num_tokens:
+                raise LayoutError(f"{source} says {num_tokens} tokens, but the room was started with {self.num_tokens}",
+                                  field="num_tokens", **self.ctx)
+            return
         self.num_tokens = int(num_tokens)
+        self.owned = self.lanes.owned_pages(self.cp_rank, self.num_pages)
+        self.given = np.zeros(self.num_pages, dtype=bool)
 
-    def add_chunk(self, logical: np.ndarray, local: np.ndarray, is_last: bool, aux_row: np.ndarray | None) -> None:
-        """Check a chunk from the engine and queue it; raises before queueing anything."""
-        ctx = dict(room=self.room, rank=f"cp{self.cp_rank}")
+    def engine_init(self, num_tokens: int) -> None:
+        """The engine's init(): a rank with nothing to send is done once decode asked (only the
+        engine says so: a room decode asked for first waits for its sender)."""
+        self.set_num_tokens(num_tokens, "init()")
+        if not self.owned.size and not self.owns_last_token and not self.is_last:
+            self.is_last = self.auto_last = True
+            self.num_tokens_ready = self.num_tokens
+
+    def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(logical pages, local pages)`` this rank sends, from its page table: entry ``i`` is
+        the physical page of the ``i``-th page this rank stores for the request (its lane order:
+        ``OwnerLanes.owners(...)[1]``). A shorter table (chunked prefill) selects what it covers."""
+        table = np.asarray(page_table).reshape(-1)
+        num_pages = self.num_pages
+        stored = self.lanes.num_local_pages(self.cp_rank, num_pages)
+        if table.size > stored or (table.size and not np.issubdtype(table.dtype, np.integer)):
+            raise LayoutError(f"page table of {table.size} {table.dtype} entries; this rank stores {stored} pages of "
+                              f"the request (integers)", field="page_table", **self.ctx)
+        _, local_index = self.lanes.owners(self.owned, num_pages)
+        keep = local_index < table.size
+        return self.owned[keep], table[local_index[keep]].astype(np.int64)
+
+    def add_chunk(self, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
+                  aux_row: np.ndarray | None, aux_slot: int | None) -> None:
+        """Check a chunk from the engine and queue its complete pages; raises before queueing anything."""
+        ctx = self.ctx
         if self.num_tokens is None:
             raise LayoutError("send() before init(num_tokens)", field="num_tokens", **ctx)
-        if self.is_last:
-            raise LayoutError("send() after the last chunk", field="is_last", **ctx)
         logical = np.asarray(logical, dtype=np.int64).reshape(-1)
         local = np.asarray(local, dtype=np.int64).reshape(-1)
+        if self.auto_last and not logical.size and aux_row is None and aux_slot is None:
+            return  # a rank with nothing to send may still call send(): nothing to do
+        if self.is_last:
+            raise LayoutError("send() after the last chunk", field="is_last", **ctx)
         if logical.shape != local.shape:
             raise LayoutError(f"{logical.size} logical pages but {local.size} local pages", field="local_pages", **ctx)
+        ready = self._ready(num_tokens_ready, is_last)
         num_pages = self.num_pages
         if logical.size:
             if logical.min() < 0 or logical.max() >= num_pages:
                 raise LayoutError(f"logical pages must lie in [0, {num_pages})", field="logical_pages", **ctx)
             owner, _ = self.lanes.owners(logical, num_pages)
             if (owner != self.cp_rank).any():
-                bad = int(logical[owner != self.cp_rank][0])
-                raise LayoutError(f"logical page {bad} is owned by cp rank {int(owner[owner != self.cp_rank][0])}, not this rank",
-                                  field="logical_pages", **ctx)
-        seen = np.concatenate([c[0] for c in self.chunks] + ([self.held[0]] if self.held else []) + [logical])
-        if np.unique(seen).size != seen.size:
-            raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
-        if is_last:
-            if seen.size != self.num_owned_pages:
-                raise LayoutError(f"last chunk leaves {self.num_owned_pages - seen.size} owned pages unsent",
-                                  field="logical_pages", **ctx)
-            if self.owns_last_token and aux_row is None:
-                raise LayoutError("this rank owns the last valid token: the last send() must carry the aux row",
-                                  field="aux", **ctx)
-            if not self.owns_last_token and aux_row is not None:
-                raise LayoutError("aux row given, but another cp rank owns the last valid token (hard rule 4)",
-                                  field="aux", **ctx)
-        elif aux_row is not None:
-            raise LayoutError("the aux row goes with the last chunk", field="aux", **ctx)
-        # The partial last page travels only with the last chunk (its rows may still grow).
-        last_page = num_pages - 1
-        partial = self.num_tokens % self.page_size != 0
-        if partial and not is_last and (logical == last_page).any():
-            keep = logical != last_page
-            self.held = (logical[~keep], local[~keep])
-            logical, local = logical[keep], local[keep]
-        if is_last and self.held is not None:
-            logical = np.concatenate([logical, self.held[0]])
-            local = np.concatenate([local, self.held[1]])
-            self.held = None
-        if logical.size:
-            self.chunks.append((logical, local))
+                bad = int(np.flatnonzero(owner != self.cp_rank)[0])
+                raise LayoutError(f"logical page {int(logical[bad])} is owned by cp rank {int(owner[bad])}, not this "
+                                  "rank", field="logical_pages", **ctx)
+            if self.given[logical].any() or np.unique(logical).size != logical.size:
+                raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
+        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + logical.size)
+        # pages complete within `ready` go now; the rest wait for the chunk that completes them
+        pend_logical = np.concatenate([self.held[0], logical])
+        pend_local = np.concatenate([self.held[1], local])
+        complete = ((pend_logical + 1) * self.page_size <= ready) | (
+            (pend_logical == num_pages - 1) & (ready == self.num_tokens))
+        self.given[logical] = True
+        self.held = (pend_logical[~complete], pend_local[~complete])
+        if complete.any():
+            self.chunks.append((pend_logical[complete], pend_local[complete]))
+        self.num_tokens_ready = ready
         self.is_last = is_last
         if is_last:
-            self.aux_row = aux_row
+            self.aux_row, self.aux_slot = aux_row, aux_slot
+
+    def _ready(self, num_tokens_ready: int | None, is_last: bool) -> int:
+        ctx, n = self.ctx, self.num_tokens
+        if num_tokens_ready is None:
+            if not is_last:
+                raise LayoutError("a chunk that is not the last must say how many tokens of the request are ready "
+                                  "(num_tokens_ready): a page it ends inside is held until its rows exist",
+                                  field="num_tokens_ready", **ctx)
+            return int(n)
+        if not isinstance(num_tokens_ready, (int, np.integer)) or not self.num_tokens_ready <= num_tokens_ready <= n:
+            raise LayoutError(f"num_tokens_ready {num_tokens_ready!r} must lie in [{self.num_tokens_ready}, {n}] "
+                              "(it never goes back)", field="num_tokens_ready", **ctx)
+        if is_last and num_tokens_ready != n:
+            raise LayoutError(f"the last chunk leaves tokens [{num_tokens_ready}, {n}) not ready",
+                              field="num_tokens_ready", **ctx)
+        return int(num_tokens_ready)
+
+    def _check_aux(self, is_last: bool, aux_row: np.ndarray | None, aux_slot: int | None, num_given: int) -> None:
+        ctx = self.ctx
+        has_aux = aux_row is not None or aux_slot is not None
+        if aux_row is not None and aux_slot is not None:
+            raise LayoutError("pass the aux row (aux=) or the slot of your registered aux rows (aux_slot=), not both",
+                              field="aux", **ctx)
+        if not is_last:
+            if has_aux:
+                raise LayoutError("the aux row goes with the last chunk", field="aux", **ctx)
+            return
+        if num_given != self.owned.size:
+            raise LayoutError(f"last chunk leaves {self.owned.size - num_given} owned pages unsent",
+                              field="logical_pages", **ctx)
+        if self.owns_last_token and not has_aux:
+            raise LayoutError("this rank owns the last valid token: the last send() must carry the aux row (aux= or "
+                              "aux_slot=)", field="aux", **ctx)
+        if not self.owns_last_token and has_aux:
+            raise LayoutError("aux row given, but another cp rank owns the last valid token (hard rule 4)",
+                              field="aux", **ctx)
 
 
 class KVSender:
-    """Engine-facing sender of one room on one prefill CP rank (thread-safe)."""
+    """Engine-facing sender of one room on one prefill CP rank (thread-safe).
 
-    def __init__(self, endpoint: PrefillEndpoint, room: int) -> None:
+    ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
+    until then its final state, and the reason of a failure, stay readable."""
+
+    def __init__(self, endpoint: PrefillEndpoint, room: SendRoom) -> None:
         self._ep = endpoint
-        self.room = room
-        # once the engine drops this object, a final room may be forgotten
-        weakref.finalize(self, endpoint._release, room)
+        self._room = room
+        # dropping the handle closes the room (the finalizer must not reference self)
+        self._finalizer = weakref.finalize(self, endpoint._release, room)
+
+    @property
+    def room(self) -> int:
+        return self._room.room
 
     def init(self, num_tokens: int) -> None:
-        self._ep._init_room(self.room, num_tokens)
+        """The request's valid token count. A rank with nothing to send (no owned page, not
+        the owner of the last token) is done once the decode ranks asked: no send() needed."""
+        self._ep._init_room(self._room, num_tokens)
 
-    def send(self, logical_pages: np.ndarray, local_pages: np.ndarray, *, is_last: bool = False,
-             aux: AuxRow | np.ndarray | None = None) -> None:
-        """Queue owned pages (a partial last page is held until ``is_last``);
-        the owner of the last valid token passes the aux row (an AuxRow, or a
-        row packed with the aux schema) with the last chunk."""
-        self._ep._send(self.room, logical_pages, local_pages, is_last, aux)
+    def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
+             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None) -> None:
+        """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
+        ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
+        ``[0, t)`` exist; a page not complete within them is held until a later chunk
+        completes it. The owner of the last valid token passes the aux row with the last
+        chunk: ``aux`` (an AuxRow, a ``{region: value}`` mapping or a packed row) or
+        ``aux_slot`` (a slot of the aux buffers given to the endpoint)."""
+        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot)
+
+    @property
+    def owned_pages(self) -> np.ndarray:
+        """Logical pages this rank sends, ascending (after init)."""
+        return self._ep._locked(lambda: self._room.owned.copy())
+
+    @property
+    def writes_aux(self) -> bool:
+        """True when this rank owns the last valid token and so writes the aux row (after init)."""
+        return self._ep._locked(lambda: self._room.owns_last_token)
+
+    def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(logical, local)`` pages this rank sends, from its page table (see ``SendRoom.select``)."""
+        return self._ep._locked(lambda: self._room.select(page_table))
 
     def poll(self) -> KVPoll:
-        return self._ep._poll(self.room)
+        return self._ep._locked(lambda: self._room.state.state)
 
     @property
     def failure_reason(self) -> str | None:
-        return self._ep._reason(self.room)
+        return self._ep._locked(lambda: self._room.state.reason)
 
     @property
     def stats(self) -> dict[str, int]:
         """Slices and bytes this rank posted for the room (every decode target)."""
-        return self._ep._stats(self.room)
+        return self._ep._locked(lambda: {"slices": self._room.num_slices, "bytes": self._room.num_bytes})
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        self._ep._abort(self.room, reason)
+        self._ep._abort(self._room, reason)
+
+    def close(self) -> None:
+        """End the room: one not yet final fails ("closed by the engine"); the id is free
+        again once no write of it is in flight (idempotent)."""
+        if self._finalizer.detach() is not None:
+            self._ep._close_room(self._room)
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

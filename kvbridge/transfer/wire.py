@@ -17,8 +17,8 @@ optional fields without a version bump; removing or retyping one needs a bump.
 Page lists travel as packed little-endian int32 (``pack_pages``/``unpack_pages``).
 The MAC authenticates, it does not stop replays; it is for closed clusters.
 Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1 (no
-aux row); page byte strings a multiple of 4; status "ok" or "failed";
-buffers entries [pool: str, layer_id, base, capacity_pages, bytes_per_page: int >= 0].
+aux row: refused by prefill, every room has one); page byte strings a multiple
+of 4; status "ok" or "failed"; decode_rank_id 1 to 128 characters.
 """
 
 from __future__ import annotations
@@ -92,19 +92,19 @@ class _Message:
 # ---- decode -> prefill ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TransferRequest(_Message):
-    """Write the request's KV into my pages. ``page_ids``: logical page l -> my physical page
-    (LE int32, shared by every pool); ``deadline_ms``: how long I wait, from sending."""
+    """Write the request's KV into my pages. ``decode_rank_id``: my registration at the bootstrap
+    daemon, where the prefill rank reads (once) the buffers, aux regions and session it may write
+    into (hard rule 5); ``page_ids``: logical page ``first_page + i`` -> my physical page
+    ``page_ids[i]`` (LE int32, shared by every pool; pages below ``first_page`` I already hold);
+    ``deadline_ms``: how long I wait, from sending."""
 
     TAG: ClassVar[str] = "transfer_request"
     room: int
     decode_rank: str
-    session: str
+    decode_rank_id: str
     page_ids: bytes
+    first_page: int
     pools: list[str]
-    buffers: list[list]  # [pool, layer_id, base, capacity_pages, bytes_per_page] per registered buffer
-    aux_base: int
-    aux_capacity: int
-    aux_row_bytes: int
     aux_slot: int
     num_tokens: int
     deadline_ms: int
@@ -114,18 +114,9 @@ class TransferRequest(_Message):
 
     def _check(self) -> None:
         _check_pages(self, "page_ids")
-        for i, buf in enumerate(self.buffers):
-            if not (
-                len(buf) == 5
-                and isinstance(buf[0], str)
-                and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64 for x in buf[1:])
-            ):
-                raise ProtocolError(
-                    f"field 'buffers' of {self.TAG}: entry {i} is not [pool, layer_id, base, capacity_pages, "
-                    f"bytes_per_page] (str and four non-negative ints): {buf!r:.120}",
-                    room=self.room,
-                    field="buffers",
-                )
+        if not self.decode_rank_id or len(self.decode_rank_id) > 128:
+            raise ProtocolError(f"field 'decode_rank_id' of {self.TAG} must be 1 to 128 characters",
+                                room=self.room, field="decode_rank_id")
 
 
 @dataclass(frozen=True)

@@ -7,43 +7,18 @@ picked at runtime (workers report theirs through a ready file), and ``close``
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvbridge.worker import ops
 from kvbridge.worker.inprocess import ThreadWorker
-from kvbridge.worker.launch import Proc, ProcessGroup, kvbridge_argv
+from kvbridge.worker.launch import HOST, Proc, ProcessGroup, kvbridge_argv, spawn_bootstrap, start_bootstrap
 
-HOST = "127.0.0.1"
-
-
-def spawn_bootstrap(group: ProcessGroup, timeout: float = 30.0, extra_args: tuple[str, ...] = ()) -> str:
-    """Start ``kvbridge bootstrap`` on a free loopback port (it reports the port); returns its URL."""
-    port_file = group.workdir / "bootstrap.port"
-    port_file.unlink(missing_ok=True)
-    boot = group.spawn("bootstrap", kvbridge_argv("bootstrap", "--host", HOST, "--port", "0", "--port-file",
-                                                  str(port_file), *extra_args))
-    url = f"http://{HOST}:{group.wait_file(boot, port_file, timeout).strip()}"
-    group.wait_http(boot, f"{url}/healthz", timeout)
-    return url
-
-
-@contextlib.contextmanager
-def start_bootstrap(
-    timeout: float = 30.0, extra_args: tuple[str, ...] = (), with_token: bool = True
-) -> Iterator[tuple[str, str]]:
-    """A bootstrap daemon for the ``with`` block: ``(url, token)``; the token is fresh, or ""
-    when ``with_token`` is False (an open daemon, for scripts whose clients carry none)."""
-    token = secrets.token_hex(16) if with_token else ""
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bootstrap-") as tmp:
-        with ProcessGroup(tmp, env={"KVBRIDGE_BOOTSTRAP_TOKEN": token} if token else None) as group:
-            yield spawn_bootstrap(group, timeout, extra_args), token
+__all__ = ["Cluster", "ClusterSpec", "Worker", "spawn_bootstrap", "start_bootstrap"]
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ A Prefill(room, num_tokens, chunk_tokens) op:
     allocate local pages for the logical pages this CP rank owns
     fill them with synthetic KV (every pool, every layer; compute padding = PAD_BYTE)
     KVSender(room).init(num_tokens)
-    once the decode side asked (WaitingForInput): send chunk by chunk, the pages each chunk completed;
+    once the decode side asked (WaitingForInput): send chunk by chunk, with num_tokens_ready, the
+        owned pages each chunk reached (kvbridge holds a page a chunk ends inside until it is complete);
         the last chunk carries is_last and, on the owner of the last token, the aux row
     sender Success/Failed -> free the pages, reply RoomResult
 """
@@ -105,19 +106,18 @@ class PrefillWorker(WorkerBase):
         return None
 
     def _send_next_chunk(self, task: PrefillTask) -> None:
-        """Send the owned pages the next chunk completes (a partial last page waits for the last chunk)."""
+        """Send the owned pages the next chunk reaches, saying how many tokens are ready: a page
+        the chunk ends inside is held by kvbridge until a later chunk completes it."""
         if task.chunks_sent >= len(task.chunk_ends):
             return
         ps = self.cfg.page_size
         is_last = task.chunks_sent == len(task.chunk_ends) - 1
         lo = task.chunk_ends[task.chunks_sent - 1] if task.chunks_sent else 0
         hi = task.chunk_ends[task.chunks_sent]
-        done_before, done_now = lo // ps, (-(-hi // ps) if is_last else hi // ps)
-        pick = (task.logical >= done_before) & (task.logical < done_now)
+        pick = (task.logical * ps >= lo) & (task.logical * ps < hi)  # pages starting in [lo, hi)
         task.chunks_sent += 1
-        if not pick.any() and not is_last:
-            return
-        task.sender.send(task.logical[pick], task.local[pick], is_last=is_last, aux=task.aux if is_last else None)
+        task.sender.send(task.logical[pick], task.local[pick], num_tokens_ready=hi, is_last=is_last,
+                         aux=task.aux if is_last else None)
         if is_last:
             task.mark("sent")
 

@@ -52,8 +52,5 @@ def build_contract(preset: str, layers: int, page_size: int, draft_layers: int, 
 
 
 def aux_schema_of(contract: RuntimeContract) -> AuxSchema:
-    """The aux row layout the contract's speculative settings call for."""
-    spec = contract.speculative
-    if spec.algorithm == "none":
-        return AuxSchema(hidden_size=0, hidden_dtype="bfloat16", topk=0)
-    return AuxSchema(hidden_size=spec.hidden_size, hidden_dtype=spec.hidden_dtype, topk=spec.topk)
+    """The aux row schema the contract carries."""
+    return contract.aux.to_schema()

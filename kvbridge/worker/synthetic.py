@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from kvbridge.layout.aux import AuxRow, AuxSchema
 from kvbridge.layout.pools import ROWS, PoolSpec
 
 PAD_BYTE = 0xEE  # prefill: compute-padding rows (must never arrive)
@@ -84,13 +86,17 @@ def page_images(
     return rows_to_pages(spec, rows)
 
 
-def as_bytes(buf) -> np.ndarray:
-    """A ``(pages, bytes_per_page)`` uint8 numpy view of a torch tensor or numpy array (no copy)."""
+def as_bytes(buf, bytes_per_page: int | None = None) -> np.ndarray:
+    """A ``(pages, bytes_per_page)`` uint8 numpy view of a torch tensor or numpy array (no copy).
+    Without ``bytes_per_page`` the first dimension is taken as pages; with it, any contiguous
+    buffer of whole pages (token-major ``[pages * page_size, ...]`` too)."""
     if hasattr(buf, "numpy"):  # torch.Tensor of any dtype (bf16 has no numpy twin)
         import torch
 
         buf = buf.view(torch.uint8).numpy()
     arr = np.asarray(buf)
+    if bytes_per_page is not None:
+        return arr.reshape(-1).view(np.uint8).reshape(-1, bytes_per_page)
     return arr.view(np.uint8).reshape(arr.shape[0], -1)
 
 
@@ -99,14 +105,14 @@ def fill_pages(
 ) -> None:
     """Prefill side: store the synthetic KV of ``logical_pages`` at ``local_pages``; padding rows get PAD_BYTE."""
     if len(logical_pages):
-        as_bytes(buf)[np.asarray(local_pages)] = page_images(spec, room, layer_id, logical_pages, num_tokens, PAD_BYTE)
+        as_bytes(buf, spec.bytes_per_page)[np.asarray(local_pages)] = page_images(spec, room, layer_id, logical_pages, num_tokens, PAD_BYTE)
 
 
 def prepare_destination(spec: PoolSpec, buf, page_ids: np.ndarray, num_tokens: int) -> None:
     """Decode side, before a transfer: the last page's tail rows get SENTINEL_BYTE (only a partial page has any)."""
     num_pages = len(page_ids)
     if num_pages and num_tokens % spec.page_size:
-        as_bytes(buf)[int(page_ids[num_pages - 1])] = SENTINEL_BYTE
+        as_bytes(buf, spec.bytes_per_page)[int(page_ids[num_pages - 1])] = SENTINEL_BYTE
 
 
 @dataclass(frozen=True)
@@ -123,28 +129,32 @@ class Verdict:
         return self.bad_bytes == 0
 
 
-def verify_pages(spec: PoolSpec, buf, room: int, layer_id: int, page_ids: np.ndarray, num_tokens: int) -> Verdict:
-    """Decode side: check every byte of the room's pages (``page_ids[l]`` holds logical page ``l``).
+def verify_pages(spec: PoolSpec, buf, room: int, layer_id: int, page_ids: np.ndarray, num_tokens: int,
+                 first_page: int = 0) -> Verdict:
+    """Decode side: check every byte of the room's pages (``page_ids[i]`` holds logical page
+    ``first_page + i``; pages below ``first_page`` are a decode prefix, not checked here).
 
     Valid rows must equal the synthetic KV; tail rows of a partial last page
     must still hold SENTINEL_BYTE (see ``prepare_destination``)."""
     page_ids = np.asarray(page_ids, dtype=np.int64)
-    expected = page_images(spec, room, layer_id, np.arange(len(page_ids)), num_tokens, SENTINEL_BYTE)
-    actual = as_bytes(buf)[page_ids]
+    logical = np.arange(first_page, first_page + len(page_ids))
+    expected = page_images(spec, room, layer_id, logical, num_tokens, SENTINEL_BYTE)
+    actual = as_bytes(buf, spec.bytes_per_page)[page_ids]
     diff = actual != expected
     bad = int(np.count_nonzero(diff))
-    checked = num_tokens * spec.bytes_per_token
+    checked = max(0, num_tokens - first_page * spec.page_size) * spec.bytes_per_token
     if not bad:
         return Verdict(checked)
-    page, offset = (int(i) for i in np.argwhere(diff)[0])
+    row, offset = (int(i) for i in np.argwhere(diff)[0])
+    page = first_page + row
     token, part = _locate(spec, page, offset)
     what = "padding row written" if token >= num_tokens else "valid row wrong"
     return Verdict(
         checked,
         bad,
         f"room {room} pool {spec.name} layer {layer_id}: {bad} bad bytes; first at logical page {page} "
-        f"(slot {int(page_ids[page])}) byte {offset} = token {token} {part}: {what}, "
-        f"expected {int(expected[page, offset]):#04x} got {int(actual[page, offset]):#04x}",
+        f"(slot {int(page_ids[row])}) byte {offset} = token {token} {part}: {what}, "
+        f"expected {int(expected[row, offset]):#04x} got {int(actual[row, offset]):#04x}",
     )
 
 
@@ -161,13 +171,24 @@ def _locate(spec: PoolSpec, page: int, offset: int) -> tuple[int, str]:
 VOCAB = 129_280  # DeepSeek V3 vocabulary
 
 
-def aux_fields(schema, room: int, num_tokens: int) -> dict:
-    """Synthetic aux row of a room (``schema``: ``kvbridge.layout.aux.AuxSchema``)."""
-    words = splitmix64(np.arange(schema.hidden_size + 2 * schema.topk + 1, dtype=np.uint64) + stream_seed(room, "aux", 0))
-    ids = (words[1 : 1 + schema.topk] % np.uint64(VOCAB)).astype(np.int32)
-    probs = (words[1 + schema.topk : 1 + 2 * schema.topk] % np.uint64(1000)).astype(np.float32) / 1000
-    rest = words[1 + 2 * schema.topk :]
-    if schema.hidden_dtype == "bfloat16":
+def aux_fields(schema: AuxSchema, room: int, num_tokens: int) -> dict:
+    """Synthetic aux row of a room: the standard row's fields, or for any other schema
+    deterministic bytes in every region (the ``room`` region echoes the room)."""
+    seed = stream_seed(room, "aux", 0)
+    if not schema.is_standard:
+        out: dict = {}
+        for i, region in enumerate(schema.regions):
+            if region.name == "room":
+                continue
+            words = splitmix64(np.arange(-(-region.nbytes // 8), dtype=np.uint64) + seed + np.uint64(i << 32))
+            out[region.name] = words.view(np.uint8)[: region.nbytes].view(region.storage).reshape(region.shape)
+        return dict(room=room, **out)
+    hidden_size, topk = schema.region("hidden").count, schema.region("topk_ids").count
+    words = splitmix64(np.arange(hidden_size + 2 * topk + 1, dtype=np.uint64) + seed)
+    ids = (words[1 : 1 + topk] % np.uint64(VOCAB)).astype(np.int32)
+    probs = (words[1 + topk : 1 + 2 * topk] % np.uint64(1000)).astype(np.float32) / 1000
+    rest = words[1 + 2 * topk :]
+    if schema.region("hidden").dtype == "bfloat16":
         hidden = (rest & np.uint64(0x3FFF)).astype(np.uint16)  # finite bf16 bit patterns
     else:
         hidden = (rest % np.uint64(1 << 20)).astype(np.float32) / (1 << 20)
@@ -182,20 +203,23 @@ def aux_fields(schema, room: int, num_tokens: int) -> dict:
     )
 
 
-def make_aux(schema, room: int, num_tokens: int):
+def make_aux(schema: AuxSchema, room: int, num_tokens: int) -> np.ndarray:
+    """The room's synthetic aux row, packed."""
     return schema.pack(**aux_fields(schema, room, num_tokens))
 
 
-def verify_aux(schema, row, room: int, num_tokens: int) -> str:
-    """'' when the received aux row (``AuxRow`` or raw bytes) is the room's synthetic one, else why not."""
+def verify_aux(schema: AuxSchema, row: Any, room: int, num_tokens: int) -> str:
+    """'' when the received aux row (an ``AuxRow``, region arrays, or packed bytes) is the
+    room's synthetic one, else which region differs."""
     if row is None:
         return f"room {room}: no aux row"
-    got = row if hasattr(row, "first_token") else schema.unpack(row)
-    want = schema.unpack(make_aux(schema, room, num_tokens))
-    for name in ("room", "first_token", "num_cached_tokens", "hidden_is_cp_local"):
-        if getattr(got, name) != getattr(want, name):
-            return f"room {room}: aux {name} = {getattr(got, name)!r}, expected {getattr(want, name)!r}"
-    for name in ("topk_ids", "topk_probs", "hidden"):
-        if not np.array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name))):
-            return f"room {room}: aux {name} differs"
+    if isinstance(row, AuxRow):
+        row = schema.pack_row(row, row.room)
+    got = row if isinstance(row, dict) else schema.unpack_regions(row)
+    want = schema.unpack_regions(make_aux(schema, room, num_tokens))
+    for name, value in want.items():
+        if np.asarray(got.get(name)).tobytes() != value.tobytes():
+            shown = got.get(name) if value.size == 1 else "differs"
+            return f"room {room}: aux {name} = {shown!r}, expected {value!r}" if value.size == 1 \
+                else f"room {room}: aux {name} differs"
     return ""

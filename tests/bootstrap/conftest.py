@@ -55,7 +55,13 @@ def _split(d: Plain) -> None:
 
 
 def _aux_dtype(d: Plain) -> None:
-    next(f for f in d["aux"]["fields"] if f["name"] == "hidden")["dtype"] = "<f4"
+    next(f for f in d["aux"]["regions"] if f["name"] == "hidden")["dtype"] = "float16"
+
+
+def _aux_width(d: Plain) -> None:
+    hidden = next(f for f in d["aux"]["regions"] if f["name"] == "hidden")  # 4 more bf16: 8 more bytes per row
+    hidden["shape"], hidden["nbytes"] = [hidden["shape"][0] + 4], hidden["nbytes"] + 8
+    d["aux"]["row_bytes"] += 8
 
 
 def _source_file(d: Plain) -> None:
@@ -85,7 +91,7 @@ class Mutation:
 
 # One mutation per contract field; each must change the fingerprint and show up in the diff.
 MUTATIONS = [Mutation(*m) for m in [
-    ("wire-version", _set("wire_version", 2), "wire_version"),
+    ("wire-version", _set("wire_version", 99), "wire_version"),
     ("model-name", _set("model.name", "other/model"), "model.name"),
     ("model-revision", _set("model.revision", "abc123"), "model.revision"),
     ("model-target-layers", _set("model.target_layers", 3), "model.target_layers"),
@@ -105,8 +111,8 @@ MUTATIONS = [Mutation(*m) for m in [
     ("spec-hidden-size", _set("speculative.hidden_size", 4096), "speculative.hidden_size"),
     ("spec-hidden-dtype", _set("speculative.hidden_dtype", "float32"), "speculative.hidden_dtype"),
     ("spec-topk", _set("speculative.topk", 4), "speculative.topk"),
-    ("aux-field-dtype", _aux_dtype, "aux.fields.hidden.dtype"),
-    ("aux-row-bytes", _set("aux.row_bytes", 99), "aux.row_bytes"),
+    ("aux-field-dtype", _aux_dtype, "aux.regions.hidden.dtype"),
+    ("aux-row-bytes", _aux_width, "aux.row_bytes"),
     ("source-file", _source_file, "source.files.kvbridge/layout/pools.py"),
     ("source-extra-file", _source_extra, "source.files.engine/kv_pool.py"),
 ]]

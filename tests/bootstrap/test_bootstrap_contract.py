@@ -21,13 +21,14 @@ from kvbridge.bootstrap.contract import (
     SpeculativeContract,
     canonical_json,
     contract_from_preset,
-    default_aux_schema,
+    contract_for,
     fingerprint,
     preset_contract,
     source_digest,
 )
 from kvbridge.bootstrap.diff import diff_contracts
 from kvbridge.errors import ContractError
+from kvbridge.layout import AuxSchema, PoolSpec, preset_pools
 from kvbridge.layout.pools import PRESETS
 
 Plain = dict[str, Any]
@@ -70,7 +71,7 @@ GOLDEN: Plain = {
     "cp_rule": "interleaved",
     "kernel": {"attention_backend": "flashmla", "abi": "mla-paged-v1"},
     "speculative": {"algorithm": "none", "hidden_size": 0, "hidden_dtype": "", "topk": 0},
-    "aux": {"fields": [{"name": "room", "dtype": "<u8", "shape": [], "offset": 0}], "row_bytes": 8},
+    "aux": {"regions": [{"name": "room", "dtype": "uint64", "shape": [], "offset": 0, "nbytes": 8}], "row_bytes": 8},
     "source": {"algorithm": "sha256", "files": {"kvbridge/layout/pools.py": "missing"},
                "digest": digest.combine({"kvbridge/layout/pools.py": "missing"})},
 }
@@ -81,7 +82,7 @@ def test_fingerprint_shape_and_golden_value() -> None:
     (daemons of two encodings must never agree by accident)."""
     fp = fingerprint(RuntimeContract.model_validate(GOLDEN))
     assert fp.startswith(FINGERPRINT_PREFIX) and len(fp) == len(FINGERPRINT_PREFIX) + 64
-    assert fp == fingerprint(GOLDEN) == "kvb1:461e36bf739b8ac417cc3e484945ec9b19c591e67907b52022f314b6199168db"
+    assert fp == fingerprint(GOLDEN) == "kvb1:e857a36b0eeaedf6267f1204781501290f1371ff1a71755165cae95b6ce8732a"
 
 
 def test_fingerprint_ignores_key_and_pool_order(small_contract: RuntimeContract) -> None:
@@ -196,10 +197,41 @@ def test_no_draft_layers_means_no_speculation() -> None:
         SpeculativeContract(algorithm="eagle", hidden_size=0, hidden_dtype="bfloat16", topk=1)
 
 
-def test_default_aux_schema_matches_the_layout_aux_row() -> None:
-    aux = pytest.importorskip("kvbridge.layout.aux")
+def test_the_contract_aux_is_the_layout_aux_schema() -> None:
+    """One AuxSchema: the contract holds its to_dict() and gives it back (it once rejected it)."""
     for hidden, dtype, topk in ((7168, "bfloat16", 1), (64, "float32", 4), (0, "bfloat16", 0)):
-        spec = SpeculativeContract(algorithm="nextn" if hidden else "none", hidden_size=hidden, hidden_dtype=dtype, topk=topk)
-        ours = default_aux_schema(spec).model_dump()
-        theirs = aux.AuxSchema(hidden, dtype, topk).to_dict()
-        assert (ours["fields"], ours["row_bytes"]) == (theirs["fields"], theirs["row_bytes"])
+        schema = AuxSchema.standard(hidden, dtype, topk)
+        c = contract_from_preset("deepseek-v3.2", num_layers=2, aux=schema)
+        assert c.aux.model_dump() == schema.to_dict() and c.aux.to_schema() == schema
+        assert RuntimeContract.model_validate(c.model_dump()).aux.to_schema() == schema
+    bad = contract_from_preset("deepseek-v3.2", num_layers=2).model_dump()
+    bad["aux"]["row_bytes"] = 7
+    with pytest.raises(ValidationError, match="offsets/sizes do not match"):
+        RuntimeContract.model_validate(bad)
+
+
+def test_contract_for_describes_any_models_pools() -> None:
+    """An MHA/GQA model: k and v pools per layer, fp32; the presets are instances of the same builder."""
+    k = PoolSpec("k", "float32", "float32", 2 * 8 * 4, 16, (0, 1, 2))
+    v = PoolSpec("v", "float32", "float32", 2 * 8 * 4, 16, (0, 1, 2))
+    aux = AuxSchema.standard(0, "bfloat16", 0)
+    c = contract_for({"k": k, "v": v}, model="Qwen/Qwen2-0.5B", aux=aux, lane_rule="contiguous",
+                     kernel={"attention_backend": "sdpa", "abi": "torch-paged"})
+    assert [p.to_spec() for p in c.pools] == [k, v] and c.cp_rule == "contiguous"
+    assert c.model.target_layers == 3 and c.model.revision == "unspecified" and c.speculative.algorithm == "none"
+    assert contract_for([v, k], model="Qwen/Qwen2-0.5B", aux=aux, lane_rule="contiguous",
+                        kernel={"attention_backend": "sdpa", "abi": "torch-paged"}).fingerprint() == c.fingerprint()
+    for dtype, abi, size in (("bfloat16", "bfloat16", 2), ("float16", "float16", 2), ("fp8_e4m3", "uint8", 1)):
+        pool = PoolSpec("kv", dtype, abi, 128 * size, 16, (0,))
+        assert contract_for([pool], model="m", aux=aux).pool("kv").abi == abi
+    with pytest.raises(ContractError, match="model.target_layers") as err:
+        contract_for([k], model={"name": "m", "target_layers": 0}, aux=aux)
+    assert err.value.field == "model.target_layers"
+    with pytest.raises(ContractError, match="lane rule 'striped'"):
+        contract_for([k], model="m", aux=aux, lane_rule="striped")
+    with pytest.raises(ContractError, match="one page size"):
+        contract_for([k, PoolSpec("v", "float32", "float32", 64, 8, (0,))], model="m", aux=aux)
+    preset = contract_from_preset("deepseek-v3.2-fp8", num_layers=2, page_size=16)
+    rebuilt = contract_for(preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=16), model=preset.model,
+                           aux=preset.aux.to_schema(), kernel=preset.kernel, speculative=preset.speculative)
+    assert rebuilt == preset

@@ -42,11 +42,11 @@ def test_pools_are_matched_by_name_not_position(small_contract: RuntimeContract)
     assert "one side only" in missing.breaks
 
 
-def test_aux_fields_matched_by_name_and_order_reported(small_contract: RuntimeContract) -> None:
+def test_aux_regions_matched_by_name_and_order_reported(small_contract: RuntimeContract) -> None:
     d = _plain(small_contract)
-    d["aux"]["fields"][0], d["aux"]["fields"][1] = d["aux"]["fields"][1], d["aux"]["fields"][0]
+    d["aux"]["regions"][0], d["aux"]["regions"][1] = d["aux"]["regions"][1], d["aux"]["regions"][0]
     paths = [x.path for x in diff_contracts(_plain(small_contract), d)]
-    assert paths == ["aux.fields.(order)"]
+    assert paths == ["aux.regions.(order)"]
 
 
 def test_source_file_change_is_reported_per_file(small_contract: RuntimeContract) -> None:

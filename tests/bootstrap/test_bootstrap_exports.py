@@ -14,8 +14,8 @@ from kvbridge.errors import ConfigError
 
 EXPECTED = {
     "CONTRACT_PRESETS", "CP_RULES", "FINGERPRINT_PREFIX", "SPEC_ALGORITHMS", "WIRE_VERSION",
-    "AuxField", "AuxSchema", "KernelContract", "ModelIdentity", "PoolContract", "RuntimeContract", "SourceDigest",
-    "SpeculativeContract", "aux_schema_from_dtype", "canonical_json", "contract_from_preset", "default_aux_schema",
+    "AuxContract", "AuxField", "KernelContract", "ModelIdentity", "PoolContract", "RuntimeContract", "SourceDigest",
+    "SpeculativeContract", "canonical_json", "contract_for", "contract_from_preset",
     "fingerprint", "preset_contract", "source_digest", "FieldDiff", "diff_contracts", "RankIdentity", "RegisterRequest",
     "LookupResponse", "SenderRank", "MismatchRecord", "Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor",
     "BootstrapClient", "Registration", "LeaseKeeper", "BootstrapSettings", "create_app",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvbridge.errors import LayoutError
 from kvbridge.layout import (
     LANE_RULES,
+    AuxRegion,
     AuxSchema,
     OwnerLanes,
     aux_dtype,
@@ -32,7 +33,7 @@ FAST = settings(max_examples=60, deadline=None)
     data=st.data(),
 )
 def test_pack_unpack_round_trip(hidden_size, hidden_dtype, topk, room, cp_local, data):
-    schema = AuxSchema(hidden_size, hidden_dtype, topk)
+    schema = AuxSchema.standard(hidden_size, hidden_dtype, topk)
     count = data.draw(st.integers(0, topk))
     ids = np.arange(count, dtype=np.int32) * 7 - 3
     probs = np.linspace(0.9, 0.1, count, dtype=np.float32)
@@ -59,7 +60,7 @@ def test_bf16_bits_match_torch():
 
 
 def test_cp_local_flag_is_explicit_and_rows_are_checked():
-    schema = AuxSchema(4, "bfloat16", 2)
+    schema = AuxSchema.standard(4, "bfloat16", 2)
     base = dict(room=1, first_token=2, num_cached_tokens=3, hidden=np.zeros(4, np.float32))
     with pytest.raises(TypeError, match="hidden_is_cp_local"):
         schema.pack(**base)  # no default: the caller must say where the hidden state lives
@@ -80,21 +81,64 @@ def test_cp_local_flag_is_explicit_and_rows_are_checked():
         schema.unpack(corrupt)
 
 
-def test_schema_dict_names_fields_dtypes_shapes():
-    d = AuxSchema(7168, "bfloat16", 8).to_dict()
-    assert [f["name"] for f in d["fields"]] == [
+def test_schema_dict_names_regions_dtypes_shapes():
+    d = AuxSchema.standard(7168, "bfloat16", 8).to_dict()
+    assert [r["name"] for r in d["regions"]] == [
         "room", "first_token", "num_cached_tokens", "hidden_is_cp_local", "topk", "topk_ids", "topk_probs", "hidden",
     ]  # fmt: skip
-    fields = {f["name"]: f for f in d["fields"]}
-    assert fields["hidden"]["dtype"] == "<u2" and fields["hidden"]["shape"] == [7168]
-    assert fields["topk_ids"]["shape"] == [8] and fields["room"]["dtype"] == "<u8"
-    assert all(f["offset"] % np.dtype(f["dtype"]).itemsize == 0 for f in d["fields"])  # naturally aligned
+    regions = {r["name"]: r for r in d["regions"]}
+    assert regions["hidden"]["dtype"] == "bfloat16" and regions["hidden"]["shape"] == [7168]
+    assert regions["topk_ids"]["shape"] == [8] and regions["room"]["dtype"] == "uint64"
+    assert all(r["offset"] % AuxRegion(r["name"], r["dtype"]).storage.itemsize == 0 for r in d["regions"])  # aligned
     assert d["row_bytes"] == aux_dtype(7168, "bfloat16", 8).itemsize
-    assert AuxSchema.from_dict(d) == AuxSchema(7168, "bfloat16", 8)
+    assert AuxSchema.from_dict(d) == AuxSchema.standard(7168, "bfloat16", 8)
     with pytest.raises(LayoutError):
         AuxSchema.from_dict({**d, "row_bytes": 1})
     with pytest.raises(LayoutError):
-        AuxSchema(16, "float16", 1)
+        AuxSchema.standard(16, "float16", 1)
+
+
+def test_the_standard_row_keeps_its_byte_layout():
+    """Packed rows are byte-identical to the structured record kvbridge always wrote."""
+    old = np.dtype([("room", "<u8"), ("first_token", "<i4"), ("num_cached_tokens", "<i4"), ("hidden_is_cp_local", "u1"),
+                    ("topk", "<i4"), ("topk_ids", "<i4", (2,)), ("topk_probs", "<f4", (2,)), ("hidden", "<f4", (5,))],
+                   align=True)
+    assert AuxSchema.standard(5, "float32", 2).dtype == old
+
+
+def test_custom_regions_pack_and_unpack_by_name():
+    """Any engine's metadata rows, e.g. SGLang's MetadataBuffers: one region per tensor."""
+    schema = AuxSchema((AuxRegion("output_ids", "int32", (16,)), AuxRegion("room", "uint64", (8,)),
+                        AuxRegion("hidden", "bfloat16", (4,))))
+    assert not schema.is_standard and schema.offsets == {"output_ids": 0, "room": 64, "hidden": 128}
+    assert schema.row_bytes == 64 + 64 + 8
+    row = schema.pack(room=77, output_ids=np.arange(16), hidden=np.array([1.0, -2.0, 0.5, 3.0], np.float32))
+    regions = schema.unpack_regions(row.view(np.uint8))
+    assert regions["room"].tolist() == [77, 0, 0, 0, 0, 0, 0, 0] and schema.room_of(row.tobytes()) == 77
+    assert regions["output_ids"].tolist() == list(range(16))
+    assert (regions["hidden"].astype(np.uint32) << 16).view(np.float32).tolist() == [1.0, -2.0, 0.5, 3.0]
+    assert AuxSchema.from_dict(schema.to_dict()) == schema
+    with pytest.raises(LayoutError, match="no aux regions \\['bogus'\\]"):
+        schema.pack(room=1, bogus=1)
+    with pytest.raises(LayoutError, match="of 3 elements, expected 16"):
+        schema.pack(room=1, output_ids=[1, 2, 3])
+    with pytest.raises(LayoutError, match="unpack_regions"):
+        schema.unpack(row)
+    assert schema.pack_row({"output_ids": np.arange(16)}, room=5)["room"][0, 0] == 5
+    with pytest.raises(LayoutError, match="carries room 6"):
+        schema.pack_row(schema.pack(room=6), room=5)
+
+
+@pytest.mark.parametrize("regions, message", [
+    ((AuxRegion("first_token", "int32"),), "needs region 'room'"),
+    ((AuxRegion("room", "uint32"),), "needs region 'room'"),
+    ((AuxRegion("room", "uint64"), AuxRegion("room", "int32")), "distinct"),
+])
+def test_the_room_echo_region_is_mandatory(regions, message):
+    with pytest.raises(LayoutError, match=message):
+        AuxSchema(regions)
+    with pytest.raises(LayoutError, match="dtype 'complex64'"):
+        AuxRegion("x", "complex64")
 
 
 @settings(max_examples=80, deadline=None)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError, PairingError
-from kvbridge.layout import BufferDesc, OwnerLanes, TransferPlan, deepseek_pools, describe_buffer, plan_transfer
+from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan, deepseek_pools, describe_buffer, plan_transfer
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -200,7 +200,8 @@ def test_validate_buffer_names_pool_layer_expected_and_actual():
         index.validate_buffer(1, np.zeros((8, 4 * 132), dtype=np.int8))
     with pytest.raises(BufferSpecError, match=r"pool 'target' layer 0: buffer dtype float8_e4m3fn, expected uint8"):
         target.validate_buffer(0, torch.zeros((8, 4 * 656), dtype=torch.float8_e4m3fn))
-    with pytest.raises(BufferSpecError, match=r"pool 'index' layer 0: 532 bytes per page, expected 528"):
+    with pytest.raises(BufferSpecError, match=r"pool 'index' layer 0: uint8 buffer of shape \[8, 532\] holds 4256 "
+                       r"bytes, not a whole number of 528-byte pages .*expected .* \[pages, 528\] or \[pages \* 4, 132\]"):
         index.validate_buffer(0, np.zeros((8, 532), dtype=np.uint8))
     with pytest.raises(BufferSpecError, match=r"pool 'index' has no layer 5"):
         index.validate_buffer(5, np.zeros((8, 528), dtype=np.uint8))
@@ -210,8 +211,20 @@ def test_validate_buffer_names_pool_layer_expected_and_actual():
         bf16.validate_buffer(0, torch.zeros((6, 4, 576), dtype=torch.float16))
     buf = np.zeros((12, 4, 132), dtype=np.uint8)
     assert describe_buffer(index, 1, buf) == BufferDesc("index", 1, buf.ctypes.data, 12, 528)
-    with pytest.raises(BufferSpecError, match="bytes per page"):
+    with pytest.raises(BufferSpecError, match="whole number of 528-byte pages"):
         describe_buffer(index, 1, np.zeros((12, 4, 131), dtype=np.uint8))
+
+
+def test_buffers_are_accepted_whatever_their_shape_when_their_bytes_are_whole_pages():
+    """A token-major [pages * page_size, row] tensor is byte-identical to a page-major one."""
+    k = PoolSpec("k", "float32", "float32", 2 * 8 * 4, 4, (0, 1))  # 2 kv heads x head dim 8, fp32
+    assert k.validate_buffer(0, torch.zeros((10 * 4, 16), dtype=torch.float32)) == 10  # token-major
+    assert k.validate_buffer(1, torch.zeros((10, 4, 2, 8), dtype=torch.float32)) == 10  # [pages, ps, heads, dim]
+    assert k.validate_buffer(1, np.zeros(10 * 4 * 16, dtype=np.float32)) == 10  # flat
+    with pytest.raises(BufferSpecError, match="not contiguous"):
+        k.validate_buffer(0, torch.zeros((16, 40), dtype=torch.float32).t())
+    with pytest.raises(BufferSpecError, match=r"holds 0 bytes"):
+        k.validate_buffer(0, torch.zeros((0, 16), dtype=torch.float32))
 
 
 def test_pre_paired_buffers_plan_the_same_slices_and_must_match_the_pools():

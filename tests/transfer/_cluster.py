@@ -24,6 +24,8 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, verify_aux, verify_pages
 
+from _models import kv_fp32, region_tensors, token_major_buffers
+
 HERE = Path(__file__).parent
 FINAL = (KVPoll.Success, KVPoll.Failed)
 
@@ -36,7 +38,7 @@ class PrefillProc:
         cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
                "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--layers", str(layers),
                "--page-size", str(page_size), "--engine", engine, *extra]
-        env = dict(os.environ, GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         self.results: dict[int, dict] = {}
@@ -97,14 +99,20 @@ class DecodeRank:
 
     def __init__(self, bootstrap: str, *, tp_rank: int = 0, tp_size: int = 1, layers: int = 2, page_size: int = 4,
                  pages: int = 512, engine: str = "mooncake", instance: str = "decode", aux_rows: int = 64,
-                 **cfg: Any) -> None:
-        self.specs = build_specs("deepseek-v3.2-fp8", layers, page_size, 1)
-        self.contract = build_contract("deepseek-v3.2-fp8", layers, page_size, 1, "interleaved")
-        self.aux_schema = aux_schema_of(self.contract)
-        self.buffers = allocate_buffers(self.specs, pages)
-        for buf in self.buffers.values():
-            as_bytes(buf)[:] = SENTINEL_BYTE
-        self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
+                 model: str = "", **cfg: Any) -> None:
+        if model == "kv-fp32":  # public API only; aux rows in one tensor per region
+            self.specs, self.contract, self.aux_schema = kv_fp32(layers, page_size)
+            self.buffers = token_major_buffers(self.specs, pages)
+            self.aux: Any = region_tensors(self.aux_schema, aux_rows)
+        else:
+            self.specs = build_specs("deepseek-v3.2-fp8", layers, page_size, 1)
+            self.contract = build_contract("deepseek-v3.2-fp8", layers, page_size, 1, "interleaved")
+            self.aux_schema = aux_schema_of(self.contract)
+            self.buffers = allocate_buffers(self.specs, pages)
+            self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
+        self.bytes_per_page = {key: self.specs[key[0]].bytes_per_page for key in self.buffers}
+        for key, buf in self.buffers.items():
+            as_bytes(buf, self.bytes_per_page[key])[:] = SENTINEL_BYTE
         cfg.setdefault("peer_timeout", 2.0)
         cfg.setdefault("ping_interval", 0.2)
         cfg.setdefault("transfer_timeout", 60.0)
@@ -117,22 +125,22 @@ class DecodeRank:
         self.pages = pages
         self._next_slot = 0
 
-    def receive(self, room: int, num_tokens: int, page_ids: np.ndarray, prefill: str = "prefill"):
+    def receive(self, room: int, num_tokens: int, page_ids: np.ndarray, prefill: str = "prefill", first_page: int = 0):
         slot = self._next_slot
-        self._next_slot = (self._next_slot + 1) % self.aux.shape[0]
+        self._next_slot = (self._next_slot + 1) % self.ep.aux.capacity_rows
         r = self.ep.receiver(room, prefill)
-        r.init(page_ids, slot, num_tokens)
-        r.page_ids, r.num_tokens = page_ids, num_tokens  # for verify()
+        r.init(page_ids, slot, num_tokens, first_page=first_page)
+        r.page_ids, r.num_tokens, r.first_page = page_ids, num_tokens, first_page  # for verify()
         return r
 
     def verify(self, r) -> list[str]:
-        """Every byte of every pool and layer of the room, plus the aux row."""
+        """Every byte of every pool and layer of the room (from its first page on), plus the aux row."""
         errors = []
         for (pool, layer), buf in self.buffers.items():
-            v = verify_pages(self.specs[pool], buf, r.room, layer, r.page_ids, r.num_tokens)
+            v = verify_pages(self.specs[pool], buf, r.room, layer, r.page_ids, r.num_tokens, first_page=r.first_page)
             if not v.ok:
                 errors.append(v.first_error)
-        err = verify_aux(self.aux_schema, r.aux, r.room, r.num_tokens)
+        err = verify_aux(self.aux_schema, r.aux_regions, r.room, r.num_tokens)
         if err:
             errors.append(err)
         return errors
@@ -141,7 +149,8 @@ class DecodeRank:
         """No byte outside ``page_ids`` changed (no stray write)."""
         mask = np.ones(self.pages, dtype=bool)
         mask[np.asarray(page_ids, dtype=np.int64)] = False
-        return all(bool((as_bytes(b)[mask] == SENTINEL_BYTE).all()) for b in self.buffers.values())
+        return all(bool((as_bytes(b, self.bytes_per_page[k])[mask] == SENTINEL_BYTE).all())
+                   for k, b in self.buffers.items())
 
     def close(self) -> None:
         self.ep.close(timeout=3)

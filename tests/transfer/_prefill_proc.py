@@ -6,11 +6,15 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
     {"op": "send", "room": R, "num_tokens": N, "chunks": [t1, ..., N], "pause": s}
         fill this rank's owned pages of R with synthetic KV (compute-padding rows
         hold PAD_BYTE), then send them chunk by chunk: chunk i carries the owned
-        pages whose tokens all lie below t_i (the partial last page goes with the
-        last chunk); ``pause`` seconds between chunks. The aux row goes with the
-        last chunk if this rank owns the last valid token.
+        pages that start below t_i, with num_tokens_ready=t_i (kvbridge holds a
+        page the chunk ends inside until a later chunk completes it); ``pause``
+        seconds between chunks. The aux row goes with the last chunk if this rank
+        owns the last valid token.
     {"op": "abort", "room": R}
     {"op": "quit"}
+
+``--model kv-fp32`` runs the k/v float32 model of ``_models.py`` instead of a preset,
+with the aux rows in the engine's own per-region tensors (``send(aux_slot=...)``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import fill_pages, make_aux
+
+from _models import kv_fp32, region_tensors, token_major_buffers, write_region_row
 
 _out_lock = threading.Lock()
 
@@ -56,20 +62,29 @@ def main() -> None:
     ap.add_argument("--kernel-abi", default="")
     ap.add_argument("--secret", default="")
     ap.add_argument("--target-timeout", type=float, default=30.0)
+    ap.add_argument("--model", default="", help="kv-fp32: the k/v float32 model of _models.py (public API only), "
+                                                 "with the aux rows in the engine's own per-region tensors")
     args = ap.parse_args()
 
-    specs = build_specs(args.preset, args.layers, args.page_size, 1)
-    contract = build_contract(args.preset, args.layers, args.page_size, 1, args.lane_rule)
-    if args.kernel_abi:  # a deliberately different contract, for the mismatch test
-        contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
-    aux_schema = aux_schema_of(contract)
-    buffers = allocate_buffers(specs, args.pages)
+    engine_aux = None
+    if args.model == "kv-fp32":
+        specs, contract, aux_schema = kv_fp32(args.layers, args.page_size, args.lane_rule)
+        buffers = token_major_buffers(specs, args.pages)
+        engine_aux = region_tensors(aux_schema, 64)
+    else:
+        specs = build_specs(args.preset, args.layers, args.page_size, 1)
+        contract = build_contract(args.preset, args.layers, args.page_size, 1, args.lane_rule)
+        if args.kernel_abi:  # a deliberately different contract, for the mismatch test
+            contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
+        aux_schema = aux_schema_of(contract)
+        buffers = allocate_buffers(specs, args.pages)
     cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None)
     ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),
-                         aux_schema)
+                         aux_schema, aux_buffer=engine_aux)
     ep.start()
+    aux_slots = iter(range(10**9))
     lanes = OwnerLanes(args.cp_size, args.lane_rule)
     page_size = args.page_size
     next_free = [0]
@@ -94,9 +109,14 @@ def main() -> None:
         chunks = cmd.get("chunks") or [n]
         for i, upto in enumerate(chunks):
             last = i == len(chunks) - 1
-            ready = ~sent & (((owned + 1) * page_size <= upto) | last)
-            aux = make_aux(aux_schema, room, n) if last and owns_last else None
-            sender.send(owned[ready], local[ready], is_last=last, aux=aux)
+            ready = ~sent & ((owned * page_size < upto) | last)
+            aux, aux_slot = (make_aux(aux_schema, room, n), None) if last and owns_last else (None, None)
+            if aux is not None and engine_aux is not None:  # the row is in the engine's own tensors
+                aux_slot = next(aux_slots) % 64
+                write_region_row(engine_aux, aux_schema, aux_slot, aux)
+                aux = None
+            sender.send(owned[ready], local[ready], num_tokens_ready=n if last else upto, is_last=last, aux=aux,
+                        aux_slot=aux_slot)
             sent |= ready
             if not last:  # pause between chunks, as a long prefill would; stop if the room ended meanwhile
                 until = time.monotonic() + cmd.get("pause", 0.0)

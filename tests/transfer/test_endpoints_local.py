@@ -11,104 +11,13 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-import torch
 
 from _cluster import wait_final, wait_until
-from kvbridge.bootstrap.client import BootstrapClient
+from _local import Cluster
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
-from kvbridge.layout import OwnerLanes
-from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
-from kvbridge.transfer.engine import create_engine, tensor_region
-from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.transfer.engine import tensor_region
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
-from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
-from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_pages
-
-PAGE, LAYERS = 4, 2
-
-
-class Cluster:
-    """CP prefill ranks + one decode rank, one LocalFabric, all in this process."""
-
-    def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
-                 decode_secret: bytes | None = None, lane_rule: str = "interleaved", **decode_cfg) -> None:
-        self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
-        self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, lane_rule)
-        self.aux_schema = aux_schema_of(self.contract)
-        self.fabric = LocalFabric()
-        self.lanes = OwnerLanes(cp, lane_rule)
-        self.name = name
-        self.clients = []
-        self.prefill = []
-        for rank in range(cp):
-            eng = create_engine("local", fabric=self.fabric)
-            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
-                                secret=prefill_secret, lane_rule=lane_rule)
-            ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
-                                 self._client(url), self.aux_schema)
-            ep.start()
-            self.prefill.append(ep)
-        self.dbufs = allocate_buffers(self.specs, 64)
-        for b in self.dbufs.values():
-            as_bytes(b)[:] = SENTINEL_BYTE
-        self.aux = torch.zeros((8, self.aux_schema.row_bytes), dtype=torch.uint8)
-        decode_cfg.setdefault("peer_timeout", 2.0)
-        decode_cfg.setdefault("ping_interval", 0.1)
-        dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
-        self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
-                                     self.contract, self._client(url), self.aux, self.aux_schema)
-        self.decode.start()
-
-    def _client(self, url: str) -> BootstrapClient:
-        c = BootstrapClient(url)
-        self.clients.append(c)
-        return c
-
-    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None):
-        """Fill and send every rank's owned pages of ``room``; returns the senders."""
-        num_pages = -(-n // PAGE)
-        senders = []
-        for rank, ep in enumerate(self.prefill):
-            if ranks is not None and rank not in ranks:
-                continue
-            owned = self.lanes.owned_pages(rank, num_pages)
-            local = np.arange(owned.size) + 10
-            for (pool, layer), buf in ep.buffers.tensors.items():
-                fill_pages(self.specs[pool], buf, room, layer, owned, local, n)
-            s = ep.sender(room)
-            s.init(n)
-            owns_last = self.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
-            aux = make_aux(self.aux_schema, corrupt_room or room, n) if owns_last else None
-            if corrupt_room is not None and aux is not None:
-                aux["room"] = room  # echo ok at send time; the engine corrupts it in flight
-            s.send(owned, local, is_last=True, aux=aux)
-            senders.append(s)
-        return senders
-
-    def verified(self, room: int, n: int, pages: np.ndarray) -> bool:
-        return all(verify_pages(self.specs[p], b, room, layer, pages, n).ok for (p, layer), b in self.dbufs.items())
-
-    def close(self) -> None:
-        self.decode.close(timeout=2)
-        for ep in self.prefill:
-            ep.close(timeout=2)
-        for c in self.clients:
-            c.close()
-
-
-@pytest.fixture
-def cluster(daemon, request):
-    made = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(daemon.url, f"{request.node.name[:40].replace('[', '-').replace(']', '')}-{len(made)}", **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
 
 
 def test_abort_waits_for_writes_still_in_flight(cluster):
@@ -158,7 +67,7 @@ def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
         fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
     s = ep.sender(room)
     s.init(n)
-    s.send(np.array([0, 1]), np.array([10, 11]))  # every page, not yet the last chunk
+    s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)  # every page, not yet the last chunk
     assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
     s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=make_aux(c.aux_schema, room, n))
     wait_final([r])
@@ -173,7 +82,7 @@ def test_corrupted_page_fails_only_with_the_digest_check(cluster):
         c.prefill[0].engine.faults.corrupt_batches = {0}
         r = c.decode.receiver(3, f"{c.name}-p")
         r.init(np.array([8, 9]), 0, 7)
-        c.send(3, 7)
+        senders = c.send(3, 7)  # noqa: F841  (dropping a sender would close its room)
         wait_final([r])
         results.append(r)
     assert results[0].poll() == KVPoll.Success and not plain.verified(3, 7, np.array([8, 9]))
@@ -187,10 +96,16 @@ def test_sender_misuse_is_refused_with_the_reason(cluster):
     with pytest.raises(LayoutError, match="before init"):
         s.send(np.array([0]), np.array([0]))
     s.init(10)  # 3 pages: cp0 owns 0 and 2, cp1 owns 1; the last token (9) is on page 2 -> cp0
+    with pytest.raises(LayoutError, match="must say how many tokens of the request are ready"):
+        s.send(np.array([0]), np.array([0]))
     with pytest.raises(LayoutError, match="logical page 1 is owned by cp rank 1"):
-        s.send(np.array([1]), np.array([0]))
+        s.send(np.array([1]), np.array([0]), num_tokens_ready=8)
     with pytest.raises(LayoutError, match="local pages must lie in"):
-        s.send(np.array([0]), np.array([64]))
+        s.send(np.array([0]), np.array([64]), num_tokens_ready=8)
+    with pytest.raises(LayoutError, match=r"num_tokens_ready 11 must lie in \[0, 10\]"):
+        s.send(np.array([0]), np.array([0]), num_tokens_ready=11)
+    with pytest.raises(LayoutError, match=r"the last chunk leaves tokens \[8, 10\) not ready"):
+        s.send(np.array([0, 2]), np.array([0, 1]), num_tokens_ready=8, is_last=True, aux=make_aux(c.aux_schema, 4, 10))
     with pytest.raises(LayoutError, match="must carry the aux row"):
         s.send(np.array([0, 2]), np.array([0, 1]), is_last=True)
     with pytest.raises(LayoutError, match="leaves 1 owned pages unsent"):
@@ -202,7 +117,7 @@ def test_sender_misuse_is_refused_with_the_reason(cluster):
     with pytest.raises(LayoutError, match="hard rule 4"):
         s1.send(np.array([1]), np.array([0]), is_last=True, aux=make_aux(c.aux_schema, 4, 10))
     with pytest.raises(LayoutError, match="says 11 tokens"):
-        ep1.sender(4).init(11)
+        s1.init(11)
     s.abort("test over")
     s1.abort("test over")
 
@@ -210,7 +125,7 @@ def test_sender_misuse_is_refused_with_the_reason(cluster):
 def test_receiver_misuse_is_refused_with_the_reason(cluster):
     c = cluster()
     r = c.decode.receiver(6, f"{c.name}-p")
-    with pytest.raises(LayoutError, match="3 pages for 13 tokens"):
+    with pytest.raises(LayoutError, match=r"3 pages for logical pages \[0, 4\) of 13 tokens"):
         r.init(np.array([0, 1, 2]), 0, 13)
     with pytest.raises(PageRangeError, match="registered capacity"):
         r.init(np.array([0, 1, 64]), 0, 12)
@@ -243,7 +158,7 @@ def test_unauthenticated_control_messages_are_dropped(cluster):
     good = cluster(cp=1, prefill_secret=b"s3cret", decode_secret=b"s3cret")
     r = good.decode.receiver(10, f"{good.name}-p")
     r.init(np.array([0, 1]), 0, 8)
-    good.send(10, 8)
+    senders = good.send(10, 8)  # noqa: F841
     wait_final([r])
     assert r.poll() == KVPoll.Success and good.verified(10, 8, np.array([0, 1]))
     bad = cluster(cp=1, prefill_secret=b"s3cret", decode_secret=b"guess")
@@ -260,11 +175,12 @@ def test_release_from_a_finalizer_never_takes_the_lock(cluster):
     thread that already holds the endpoint lock: that must not deadlock."""
     c = cluster(cp=1)
     done = threading.Event()
+    receiver, sender = c.decode.receiver(12, f"{c.name}-p"), c.prefill[0].sender(12)
 
     def drop_under_lock() -> None:
         with c.decode._lock, c.prefill[0]._lock:
-            c.decode._release(12)
-            c.prefill[0]._release(12)
+            c.decode._release(receiver._room)
+            c.prefill[0]._release(sender._room)
         done.set()
 
     t = threading.Thread(target=drop_under_lock, daemon=True)
@@ -303,7 +219,7 @@ def test_trace_mode_logs_who_sent_which_pages_and_the_commit(cluster, caplog, mo
     r = c.decode.receiver(14, f"{c.name}-p")
     r.init(np.array([0, 1, 2]), 0, 10)
     with caplog.at_level("INFO", logger="kvbridge.transfer"):
-        c.send(14, 10)
+        senders = c.send(14, 10)  # noqa: F841
         wait_final([r])
         assert wait_until(lambda: "committed" in caplog.text, 5)
     assert r.poll() == KVPoll.Success
@@ -319,7 +235,7 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
     try:
         r = c.decode.receiver(20, "restart-p")
         r.init(np.array([0, 1, 2]), 0, 10)
-        c.send(20, 10)
+        senders = c.send(20, 10)  # noqa: F841
         wait_final([r])
         assert r.poll() == KVPoll.Success
         daemon.restart()  # same port, empty state
@@ -334,7 +250,7 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
         assert wait_until(reregistered, 10)
         r = c.decode.receiver(21, "restart-p")
         r.init(np.array([3, 4, 5]), 1, 10)
-        c.send(21, 10)
+        senders = c.send(21, 10)  # noqa: F841
         wait_final([r], timeout=20)
         assert r.poll() == KVPoll.Success and c.verified(21, 10, np.array([3, 4, 5]))
     finally:
@@ -357,7 +273,7 @@ def test_a_dead_decode_peer_fails_the_prefill_room_with_the_reason(cluster):
     wait_final(senders, timeout=10)
     for s in senders:
         assert s.poll() == KVPoll.Failed
-        assert f"write to {c.name}-d/dp0/tp0" in s.failure_reason and "failed" in s.failure_reason
+        assert f"write to decode rank {c.name}-d/dp0/tp0" in s.failure_reason and "failed" in s.failure_reason
 
 
 @pytest.mark.parametrize("lane_rule", ["contiguous", "replicated"])
@@ -382,7 +298,7 @@ def test_a_peer_idle_longer_than_the_peer_timeout_is_not_declared_dead(cluster):
     for room, pages in ((24, [0, 1]), (25, [2, 3])):
         r = c.decode.receiver(room, f"{c.name}-p")
         r.init(np.array(pages), 0, 8)
-        c.send(room, 8)
+        senders = c.send(room, 8)  # noqa: F841
         wait_final([r])
         assert r.poll() == KVPoll.Success, r.failure_reason
         time.sleep(1.5)  # three peer timeouts without a room toward this prefill rank

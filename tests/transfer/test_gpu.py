@@ -186,7 +186,7 @@ def run_rooms(prefill: GpuPrefill, decode: GpuDecode, rooms: list[tuple[int, int
             s.init(n)
             owned, local = staged[(room, rank)]
             half = owned.size // 2
-            s.send(owned[:half], local[:half])
+            s.send(owned[:half], local[:half], num_tokens_ready=n)  # every row is staged already
             s.send(owned[half:], local[half:], is_last=True,
                    aux=make_aux(prefill.aux_schema, room, n) if rank == aux_owner else None)
             senders.append(s)

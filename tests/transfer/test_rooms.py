@@ -94,15 +94,13 @@ def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
         r.abort("test")
         # a request that slips a bad page past decode is refused by every prefill rank, nothing written
         room, n = 7002, 3 * PAGE + 1
-        aux = d.ep.aux_desc
         for p in prefill:
             p.send(room, n)
             peers.send(p.endpoint, wire.TransferRequest(
-                room=room, decode_rank="rogue/dp0/tp0", session=d.ep.engine.session_id,
-                page_ids=wire.pack_pages(np.array([1, 2, 3, 64])), pools=sorted(d.specs),
-                buffers=[b.to_list() for b in d.ep.buffers.descs], aux_base=aux.base, aux_capacity=aux.capacity_rows,
-                aux_row_bytes=aux.row_bytes, aux_slot=0, num_tokens=n, deadline_ms=10_000, want_digest=False,
-                fingerprint=fingerprint(d.contract), num_decode_ranks=1))
+                room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=d.ep.rank_id,
+                page_ids=wire.pack_pages(np.array([1, 2, 3, 64])), first_page=0, pools=sorted(d.specs), aux_slot=0,
+                num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.contract),
+                num_decode_ranks=1))
         replies = []
         assert wait_until(lambda: replies.extend(peers.recv_ready(50)) or len(replies) >= cp, 20)
         for endpoint, msg in replies:

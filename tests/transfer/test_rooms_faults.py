@@ -45,14 +45,14 @@ def test_malformed_messages_get_errors_and_the_loop_keeps_serving(daemon):
     p = PrefillProc(daemon.url, 0, 1, instance="prefill-malformed")
     d = DecodeRank(daemon.url, instance="decode-malformed")
     try:
-        good = msgpack.packb({"v": 1, "t": "ping", "decode_rank": "x", "seq": 1})
+        good = msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "decode_rank": "x", "seq": 1})
         frames = [
             b"\xc1 not msgpack",
             msgpack.packb([1, 2, 3]),
             msgpack.packb({"v": 99, "t": "ping", "decode_rank": "x", "seq": 1}),
-            msgpack.packb({"v": 1, "t": "launch_missiles"}),
-            msgpack.packb({"v": 1, "t": "abort", "room": 5}),
-            msgpack.packb({"v": 1, "t": "ping", "decode_rank": "x", "seq": "one"}),
+            msgpack.packb({"v": wire.WIRE_VERSION, "t": "launch_missiles"}),
+            msgpack.packb({"v": wire.WIRE_VERSION, "t": "abort", "room": 5}),
+            msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "decode_rank": "x", "seq": "one"}),
             good,
         ]
         replies = raw_exchange(p.endpoint, frames)

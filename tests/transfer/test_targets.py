@@ -1,5 +1,6 @@
-"""A decode rank's TransferRequest becomes a checked Target before anything is posted;
-each decode peer's buffer table is parsed and paired once."""
+"""A decode rank's TransferRequest becomes a checked Target before anything is posted,
+against what that decode rank registered (hard rule 5); its registered buffers are
+paired with ours once per pool set."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import LayoutError, PageRangeError, PairingError
-from kvbridge.layout import AuxSchema, BufferDesc, preset_pools
+from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, preset_pools
 from kvbridge.transfer import wire
-from kvbridge.transfer.targets import DestinationCache, target_from_request
+from kvbridge.transfer.aux_rows import RegionAddr
+from kvbridge.transfer.decode_peers import DecodePeer
+from kvbridge.transfer.sender import SendRoom
+from kvbridge.transfer.targets import target_from_request
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
-AUX = AuxSchema(16, "bfloat16", 1)
+AUX = AuxSchema.standard(16, "bfloat16", 1)
 
 
 def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
@@ -20,32 +24,60 @@ def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
             for i, (p, s) in enumerate(SPECS.items()) for layer in s.layer_ids]
 
 
-def request(pages, buffers=None, room: int = 1, aux_slot: int = 0) -> wire.TransferRequest:
+def peer(buffers=None, aux_rows: int = 4, regions=None) -> DecodePeer:
+    aux = {r.name: RegionAddr(r.name, (1 << 50) + AUX.offsets[r.name], aux_rows, AUX.row_bytes) for r in AUX.regions}
+    if regions is not None:
+        aux = {k: v for k, v in aux.items() if k in regions}
+    return DecodePeer(rank_id="r1", label="d/dp0/cp0/tp0/pp0", session="127.0.0.1:1", fingerprint="x",
+                      buffers=buffers or bufs(1 << 40), aux=aux)
+
+
+def request(pages, room: int = 1, aux_slot: int = 0, first_page: int = 0, num_pages: int = 2) -> wire.TransferRequest:
     return wire.TransferRequest(
-        room=room, decode_rank="d/dp0/tp0", session="127.0.0.1:1", page_ids=wire.pack_pages(np.array(pages)),
-        pools=sorted(SPECS), buffers=[b.to_list() for b in (buffers or bufs(1 << 40))], aux_base=1 << 50,
-        aux_capacity=4, aux_row_bytes=AUX.row_bytes, aux_slot=aux_slot, num_tokens=4 * len(pages), deadline_ms=1000,
+        room=room, decode_rank="d/dp0/tp0", decode_rank_id="r1", page_ids=wire.pack_pages(np.array(pages)),
+        first_page=first_page, pools=sorted(SPECS), aux_slot=aux_slot, num_tokens=4 * num_pages, deadline_ms=1000,
         want_digest=False, fingerprint="x", num_decode_ranks=1)
 
 
-def test_a_peer_is_parsed_and_paired_once():
-    cache, src = DestinationCache(), bufs(0)
-    a = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, 2, cache)
-    b = target_from_request(request([2, 3], room=2), b"i", SPECS, src, AUX, 2, cache)
-    assert a.paired is b.paired and a.aux_addr == (1 << 50)
-    other = target_from_request(request([0, 1], buffers=bufs(1 << 41)), b"i", SPECS, src, AUX, 2, cache)
-    assert other.paired is not a.paired  # a different buffer table is a different entry
+def send_room(num_pages: int = 2, cp_size: int = 1, cp_rank: int = 0) -> SendRoom:
+    r = SendRoom(1, cp_rank, OwnerLanes(cp_size), 4)
+    r.set_num_tokens(4 * num_pages, "test")
+    return r
+
+
+def test_a_peer_is_paired_once_and_writes_go_where_it_registered():
+    p, src = peer(), bufs(0)
+    a = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), p)
+    b = target_from_request(request([2, 3], room=2), b"i", SPECS, src, AUX, send_room(), p)
+    assert a.paired is b.paired and a.session == "127.0.0.1:1"
+    assert a.aux_dst["room"].at(a.aux_slot) == 1 << 50
+    other = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), peer(bufs(1 << 41)))
+    assert other.paired is not a.paired  # another registration is another pairing
+
+
+def test_a_decode_prefix_skips_pages_and_counts_only_the_rest():
+    """cp 2, 6 pages, first_page 3: cp0 owns 0, 2, 4 and sends only 4; cp1 owns 1, 3, 5 and sends 3, 5."""
+    t0 = target_from_request(request([7, 8, 9], first_page=3, num_pages=6), b"i", SPECS, bufs(0), AUX,
+                             send_room(6, 2, 0), peer())
+    t1 = target_from_request(request([7, 8, 9], first_page=3, num_pages=6), b"i", SPECS, bufs(0), AUX,
+                             send_room(6, 2, 1), peer())
+    assert (t0.first_page, t0.num_expected, t1.num_expected) == (3, 1, 2)
 
 
 @pytest.mark.parametrize(
-    "req, error, message",
+    "req, dest, error, message",
     [
-        (request([0, 16]), PageRangeError, "destination page 16 outside pool 'draft' layer 2's 16 registered pages"),
-        (request([0, 1], aux_slot=4), PageRangeError, "aux slot 4 outside the 4 registered aux rows"),
-        (request([0, 1], buffers=bufs(1 << 40)[1:]), PairingError, "no destination buffer"),
-        (request([0, 1, 2]), LayoutError, "3 destination pages for a request of 2 pages"),
+        (request([0, 16]), peer(), PageRangeError,
+         "destination page 16 outside pool 'draft' layer 2's 16 registered pages"),
+        (request([0, 1]), peer(bufs(1 << 40, capacity=1)), PageRangeError, "outside pool .* 1 registered pages"),
+        (request([0, 1], aux_slot=4), peer(), PageRangeError, "aux slot 4 outside the 4 rows decode rank"),
+        (request([0, 1], aux_slot=-1), peer(), PageRangeError, "aux slot -1 outside"),  # issue 10 bug 1
+        (request([0, 1]), peer(bufs(1 << 40)[1:]), PairingError, "no destination buffer"),
+        (request([0, 1]), peer(regions={"room"}), LayoutError, "registered no aux region 'first_token'"),
+        (request([0, 1, 2]), peer(), LayoutError, r"3 destination pages for pages \[0, 2\)"),
+        (request([0], first_page=3), peer(), LayoutError, "first_page 3 outside a request of 2 pages"),
     ],
 )
-def test_bad_requests_are_refused_with_the_reason(req, error, message):
+def test_bad_requests_are_refused_with_the_reason(req, dest, error, message):
     with pytest.raises(error, match=message):
-        target_from_request(req, b"i", SPECS, bufs(0), AUX, 2, DestinationCache())
+        target_from_request(req, b"i", SPECS, bufs(0), AUX, send_room(), dest)

@@ -39,13 +39,10 @@ def request(**changes: object) -> TransferRequest:
     fields: dict = dict(
         room=2**63 - 1,
         decode_rank="decode-dp0-tp0",
-        session="127.0.0.1:15000",
+        decode_rank_id="0123456789abcdef",
         page_ids=pack_pages(np.array([9, 3, 4, 100_000])),
+        first_page=3,
         pools=["target", "index", "draft"],
-        buffers=[["target", 0, 0x7F00_0000_0000, 64, 73_728], ["draft", 61, 2**64 - 4096, 1, 4096]],
-        aux_base=0x7F10_0000_0000,
-        aux_capacity=256,
-        aux_row_bytes=14_400,
         aux_slot=17,
         num_tokens=200,
         deadline_ms=30_000,
@@ -59,7 +56,7 @@ def request(**changes: object) -> TransferRequest:
 
 SAMPLES = [
     request(),
-    request(aux_slot=-1, want_digest=False, pools=[], buffers=[], page_ids=b""),
+    request(aux_slot=-1, want_digest=False, pools=[], page_ids=b"", first_page=0),
     Abort(room=7, decode_rank="d0", reason="client went away"),
     Ping(decode_rank="d0", seq=0),
     PagesDone(room=7, cp_rank=1, status="ok", reason="", pools=["target"], logical_pages=pack_pages(np.arange(5)), digests=b"\x01" * 40),
@@ -140,7 +137,8 @@ MALFORMED = [
     (msgpack.packb(7), "not a map: got a msgpack int"),
     (msgpack.packb({1: 2}), "map keys must be strings"),
     (body(t="abort_ack", room=3, cp_rank=1), "missing version field 'v'"),
-    (body(**{**ACK, "v": 2}), "unsupported wire version 2"),
+    (body(**{**ACK, "v": WIRE_VERSION + 1}), f"unsupported wire version {WIRE_VERSION + 1}"),
+    (body(**{**ACK, "v": 1}), "unsupported wire version 1"),
     (body(**{**ACK, "v": True}), "unsupported wire version True"),
     (body(v=WIRE_VERSION, room=3), "missing type tag 't'"),
     (body(**{**ACK, "t": "launch_missiles"}), "unknown message type 'launch_missiles'"),
@@ -154,8 +152,8 @@ MALFORMED = [
     (body(**{**valid_map(request()), "pools": ["target", 3]}), "field 'pools' .* expected list\\[str\\], got list"),
     (body(**{**valid_map(request()), "page_ids": "0123"}), "field 'page_ids' .* expected bytes, got str"),
     (body(**{**valid_map(request()), "page_ids": b"\x00" * 6}), "field 'page_ids' .* multiple of 4 bytes\\), got 6 bytes"),
-    (body(**{**valid_map(request()), "buffers": [["target", 0, 1]]}), "field 'buffers' .* entry 0 is not"),
-    (body(**{**valid_map(request()), "buffers": [["target", 0, -1, 1, 1]]}), "field 'buffers' .* entry 0"),
+    (body(**{**valid_map(request()), "decode_rank_id": ""}), "field 'decode_rank_id' .* 1 to 128 characters"),
+    (body(**{**valid_map(request()), "first_page": -1}), "field 'first_page' .* out of range: -1"),
     (body(**{**valid_map(request()), "aux_slot": -2}), "field 'aux_slot' .* out of range: -2"),
     (body(**{**valid_map(SAMPLES[4]), "status": "maybe"}), "field 'status' of pages_done must be one of"),
     (body(**{**valid_map(SAMPLES[4]), "digests": 5}), "field 'digests' .* expected bytes or None, got int"),
@@ -195,7 +193,7 @@ leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(
 values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
 
 
-@given(tag=st.sampled_from(sorted(MESSAGE_TYPES)), fields=st.dictionaries(st.sampled_from(["room", "cp_rank", "seq", "status", "pools", "page_ids", "buffers", "reason", "digests", "decode_rank"]), values))
+@given(tag=st.sampled_from(sorted(MESSAGE_TYPES)), fields=st.dictionaries(st.sampled_from(["room", "cp_rank", "seq", "status", "pools", "page_ids", "decode_rank_id", "reason", "digests", "decode_rank"]), values))
 @settings(max_examples=300, deadline=None)
 def test_random_maps_only_ever_raise_protocol_error(tag: str, fields: dict) -> None:
     try:

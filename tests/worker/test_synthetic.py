@@ -82,13 +82,19 @@ def test_bf16_buffers_are_viewed_as_bytes():
 
 
 def test_aux_row_round_trip_and_mismatch():
-    from kvbridge.layout.aux import AuxSchema
+    from kvbridge.layout.aux import AuxRegion, AuxSchema
     from kvbridge.worker.synthetic import make_aux, verify_aux
 
-    for schema in (AuxSchema(64, "bfloat16", 2), AuxSchema(8, "float32", 1)):
+    for schema in (AuxSchema.standard(64, "bfloat16", 2), AuxSchema.standard(8, "float32", 1)):
         row = make_aux(schema, 9, 300)
         assert verify_aux(schema, schema.unpack(row), 9, 300) == ""
         assert verify_aux(schema, row.view(np.uint8).tobytes(), 9, 300) == ""
         assert "num_cached_tokens" in verify_aux(schema, schema.unpack(row), 9, 301)
         assert "room" in verify_aux(schema, schema.unpack(make_aux(schema, 10, 300)), 9, 300)
         assert verify_aux(schema, None, 9, 300)
+    custom = AuxSchema((AuxRegion("output_ids", "int32", (16,)), AuxRegion("room", "uint64", (8,)),
+                        AuxRegion("hidden", "bfloat16", (4,))))
+    row = make_aux(custom, 9, 300)
+    assert custom.room_of(row) == 9 and verify_aux(custom, row.view(np.uint8), 9, 300) == ""
+    assert verify_aux(custom, custom.unpack_regions(row), 9, 300) == ""
+    assert "output_ids differs" in verify_aux(custom, make_aux(custom, 10, 300), 9, 300)

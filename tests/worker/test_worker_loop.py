@@ -31,13 +31,15 @@ class FakeSender:
     def __init__(self):
         self.state = KVPoll.Bootstrapping
         self.sends = []
+        self.ready = []
         self.failure_reason = None
 
     def init(self, num_tokens):
         self.num_tokens = num_tokens
 
-    def send(self, logical, local, *, is_last=False, aux=None):
+    def send(self, logical, local, *, num_tokens_ready=None, is_last=False, aux=None):
         self.sends.append((logical.tolist(), local.tolist(), is_last, aux))
+        self.ready.append(num_tokens_ready)
 
     def poll(self):
         return self.state
@@ -98,6 +100,7 @@ def test_prefill_sends_completed_pages_per_chunk_and_the_aux_row_last():
         w.step(0)
     # cp rank 1 owns logical pages 1, 3, 5 (local 0, 1, 2); chunks end at tokens 10, 20, 23
     assert [s[:3] for s in sender.sends] == [([1], [0], False), ([3], [1], False), ([5], [2], True)]
+    assert sender.ready == [10, 20, 23]  # kvbridge holds a page a chunk ends inside (page 4 ends at token 20)
     assert sender.sends[-1][3] is not None and sender.sends[-1][3].num_cached_tokens == 23  # owns token 22
     assert w.pages.num_free == 16 - 3
     sender.state = KVPoll.Success

@@ -40,6 +40,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_slices
+from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class MooncakeEngine(JobEngine):
         if max_slices_per_call < 1:
             raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")
         self.max_slices_per_call = max_slices_per_call
-        self._mc = _Mooncake()
-        rc = self._mc.initialize(host, "P2PHANDSHAKE", protocol, device)
+        with quiet_native_logs():  # its start-up lines go to our DEBUG log, not stderr
+            self._mc = _Mooncake()
+            rc = self._mc.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise EngineError(f"mooncake initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r}) returned {rc}")
         self._session = f"{host}:{self._mc.get_rpc_port()}"

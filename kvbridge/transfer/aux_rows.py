@@ -1,0 +1,233 @@
+"""Aux rows in memory, on either side: where each region of a row lives, and the
+slices that copy one row from a prefill rank to a decode rank.
+
+An endpoint keeps its aux rows in one of two forms (``AuxSchema`` says what a row holds):
+
+    packed      one uint8 tensor [rows, row_bytes]     | room | first_token | ... | hidden | pad |   row i
+    by region   {region name: tensor [rows, *shape]}   room[i]   first_token[i]   ...   hidden[i]
+
+Either way region ``r`` of row ``i`` starts at ``base_r + i * stride_r`` (a ``RegionAddr``),
+and that is what is registered with the transfer engine and the bootstrap daemon. A row
+moves as one slice per region, merged where both sides are contiguous; between two
+packed stores that is one slice for the whole row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor
+from kvbridge.errors import ConfigError, KVBridgeError, PageRangeError
+from kvbridge.layout import AuxSchema
+from kvbridge.transfer.engine import TransferEngine, tensor_region
+
+
+@dataclass(frozen=True)
+class RegionAddr:
+    """Region ``name`` of row ``i`` is at ``base + i * stride``; ``capacity_rows`` rows."""
+
+    name: str
+    base: int
+    capacity_rows: int
+    stride: int
+
+    def at(self, slot: int) -> int:
+        return self.base + slot * self.stride
+
+    @classmethod
+    def of(cls, d: AuxRegionDescriptor) -> RegionAddr:
+        return cls(d.name, d.base, d.capacity_rows, d.row_bytes)
+
+
+def is_packed(schema: AuxSchema, regions: Mapping[str, RegionAddr]) -> bool:
+    """True when the regions are one packed row: same stride (the row), offsets as the schema's."""
+    rows = {(a.base - schema.offsets[name], a.stride) for name, a in regions.items()}
+    return len(rows) == 1 and next(iter(rows))[1] == schema.row_bytes
+
+
+def aux_slices(schema: AuxSchema, src: Mapping[str, RegionAddr], src_slot: int, dst: Mapping[str, RegionAddr],
+               dst_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src, dst, length)`` of one row: one slice between two packed stores, else one
+    per region, merged where consecutive regions are contiguous on both sides."""
+    if is_packed(schema, src) and is_packed(schema, dst):
+        room = schema.regions[0].name
+        s0 = src[room].at(src_slot) - schema.offsets[room]
+        d0 = dst[room].at(dst_slot) - schema.offsets[room]
+        return np.array([s0], np.uint64), np.array([d0], np.uint64), np.array([schema.row_bytes], np.uint64)
+    out: list[list[int]] = []
+    for r in schema.regions:
+        if not r.nbytes:
+            continue
+        s, d = src[r.name].at(src_slot), dst[r.name].at(dst_slot)
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += r.nbytes
+        else:
+            out.append([s, d, r.nbytes])
+    arr = np.array(out, dtype=np.uint64).reshape(-1, 3)
+    return arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
+
+
+def _dtype_name(buf: Any) -> str:
+    return str(buf.dtype).removeprefix("torch.")
+
+
+def _contiguous(buf: Any) -> bool:
+    return buf.is_contiguous() if hasattr(buf, "is_contiguous") else bool(buf.flags["C_CONTIGUOUS"])
+
+
+def _row_bytes(buf: Any, slot: int) -> np.ndarray:
+    """The bytes of row ``slot`` of a tensor or array (copied to the host)."""
+    part = buf[slot : slot + 1]
+    if hasattr(part, "numpy"):  # torch: any dtype (bf16 has no numpy twin), any device
+        import torch
+
+        part = part.contiguous().view(torch.uint8).cpu().numpy()
+    return np.ascontiguousarray(part).view(np.uint8).reshape(-1).copy()
+
+
+class AuxBuffers:
+    """An endpoint's aux rows: a packed uint8 ``[rows, row_bytes]`` tensor, or a mapping
+    ``{region: tensor[rows, *shape]}``; checked against the schema when built."""
+
+    def __init__(self, schema: AuxSchema, storage: Any, *, rank: str, field: str = "aux_buffer") -> None:
+        self.schema = schema
+        self.storage = storage
+        self._rank, self._field = rank, field
+        self._registered: list[int] = []
+        if isinstance(storage, Mapping):
+            self.packed = False
+            self.tensors = {name: storage[name] for name in self._check_mapping(storage)}
+            self.regions = {}
+            for r in schema.regions:
+                ptr, _ = tensor_region(self.tensors[r.name])
+                self.regions[r.name] = RegionAddr(r.name, ptr, int(self.tensors[r.name].shape[0]), r.nbytes)
+        else:
+            self.packed = True
+            self._check_packed(storage)
+            self.tensors = {"": storage}
+            ptr, _ = tensor_region(storage)
+            rows = int(storage.shape[0])
+            self.regions = {r.name: RegionAddr(r.name, ptr + schema.offsets[r.name], rows, schema.row_bytes)
+                            for r in schema.regions}
+
+    def _fail(self, message: str, field: str | None = None) -> ConfigError:
+        return ConfigError(message, rank=self._rank, field=field or self._field)
+
+    def _check_packed(self, buf: Any) -> None:
+        shape = tuple(getattr(buf, "shape", ()))
+        if _dtype_name(buf) != "uint8" or len(shape) != 2 or shape[0] < 1 or shape[1] != self.schema.row_bytes \
+                or not _contiguous(buf):
+            raise self._fail(
+                f"aux rows must be a contiguous uint8 tensor [rows, {self.schema.row_bytes}] (the schema's packed "
+                f"row), or a mapping {{region: tensor[rows, ...]}} of {list(self.schema.names)}; got "
+                f"{_dtype_name(buf) if hasattr(buf, 'dtype') else type(buf).__name__} {list(shape)}: rows of another "
+                "size would be written into the wrong bytes")
+
+    def _check_mapping(self, storage: Mapping[str, Any]) -> list[str]:
+        names = list(self.schema.names)
+        if set(storage) != set(names):
+            raise self._fail(f"aux regions {sorted(storage)} given, the schema has {names}")
+        for r in self.schema.regions:
+            buf, where = storage[r.name], f"{self._field}[{r.name!r}]"
+            shape = tuple(getattr(buf, "shape", ()))
+            dtype = _dtype_name(buf)
+            if dtype == "uint16" and r.dtype == "bfloat16" and not hasattr(buf, "data_ptr"):
+                dtype = "bfloat16"  # numpy has no bf16: its bits as uint16
+            per_row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+            if dtype != r.dtype or not shape or shape[0] < 1 or per_row != r.count or not _contiguous(buf):
+                raise self._fail(f"aux region {r.name!r}: expected a contiguous {r.dtype} tensor [rows, "
+                                 f"{', '.join(map(str, r.shape)) or '(scalar)'}], got {dtype} {list(shape)}", where)
+        return names
+
+    # -- what is exposed -------------------------------------------------------
+
+    @property
+    def capacity_rows(self) -> int:
+        return min(a.capacity_rows for a in self.regions.values())
+
+    def descriptors(self) -> list[AuxRegionDescriptor]:
+        return [AuxRegionDescriptor(name=a.name, base=a.base, capacity_rows=a.capacity_rows, row_bytes=a.stride)
+                for a in self.regions.values()]
+
+    def packed_descriptor(self) -> AuxDescriptor | None:
+        """The packed buffer as one descriptor (None for a store by region)."""
+        if not self.packed:
+            return None
+        base, _ = tensor_region(self.storage)
+        return AuxDescriptor(base=base, capacity_rows=self.capacity_rows, row_bytes=self.schema.row_bytes)
+
+    def register(self, engine: TransferEngine) -> None:
+        for buf in self.tensors.values():
+            ptr, nbytes = tensor_region(buf)
+            engine.register(ptr, nbytes)
+            self._registered.append(ptr)
+
+    def unregister(self, engine: TransferEngine) -> None:
+        while self._registered:
+            engine.unregister(self._registered.pop())
+
+    # -- reading rows ------------------------------------------------------------
+
+    def check_slot(self, slot: int, *, room: int | None = None, field: str = "aux_slot") -> None:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.capacity_rows:
+            raise PageRangeError(f"aux slot {slot!r} outside [0, {self.capacity_rows}) (registered aux rows)",
+                                 room=room, rank=self._rank, field=field)
+
+    def read_row(self, slot: int) -> np.ndarray:
+        """Row ``slot`` as the schema's packed bytes (uint8, ``row_bytes``)."""
+        if self.packed:
+            return _row_bytes(self.storage, slot)
+        row = np.zeros(self.schema.row_bytes, dtype=np.uint8)
+        for r in self.schema.regions:
+            off = self.schema.offsets[r.name]
+            row[off : off + r.nbytes] = _row_bytes(self.tensors[r.name], slot)
+        return row
+
+    def read_room(self, slot: int) -> int:
+        """The room id that row ``slot`` echoes (its ``room`` region's first element)."""
+        data = _row_bytes(self.tensors[""] if self.packed else self.tensors["room"], slot)
+        start = self.schema.offsets["room"] if self.packed else 0
+        return int(data[start : start + 8].view("<u8")[0])
+
+
+class AuxStaging(AuxBuffers):
+    """Packed rows kvbridge owns on a prefill rank, one slot per room, from which the rows
+    the engine hands to ``send(aux=...)`` are written. Host memory by default;
+    ``device="cuda:N"`` for transports that only move device memory (Mooncake's NVLink)."""
+
+    def __init__(self, schema: AuxSchema, num_slots: int, *, rank: str, device: str = "cpu") -> None:
+        if device == "cpu":
+            rows: Any = np.zeros((num_slots, schema.row_bytes), dtype=np.uint8)
+        else:
+            import torch
+
+            rows = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8, device=device)
+        super().__init__(schema, rows, rank=rank, field="aux_slots")
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._by_room: dict[int, int] = {}
+
+    def stage(self, room: int, row: np.ndarray) -> int:
+        """Copy a packed row into the room's slot; returns the slot."""
+        slot = self._by_room.get(room)
+        if slot is None:
+            if not self._free:
+                raise KVBridgeError(f"all {self.capacity_rows} aux staging slots are in use", room=room,
+                                    rank=self._rank, field="aux_slots")
+            slot = self._by_room[room] = self._free.pop()
+        data = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
+        if isinstance(self.storage, np.ndarray):
+            self.storage[slot] = data
+        else:  # a blocking host-to-device copy: the row is in place before any write reads it
+            import torch
+
+            self.storage[slot].copy_(torch.from_numpy(data.copy()))
+        return slot
+
+    def release(self, room: int) -> None:
+        slot = self._by_room.pop(room, None)
+        if slot is not None:
+            self._free.append(slot)

@@ -1,0 +1,142 @@
+"""What a prefill rank knows of the decode ranks that ask it for rooms.
+
+**Registrations.** A TransferRequest names the decode rank's registration id
+(``decode_rank_id``), not its buffers: the prefill rank reads the registration
+from the bootstrap daemon once (``GET /v1/ranks/{id}``), on a pool thread, and
+keeps it (bounded, least recently used out). Every request is then checked
+against what that decode rank *registered* (hard rule 5), never against what a
+request claims. Requests that arrive while their registration is being read
+wait for it; a registration that cannot be read refuses them, naming the rank.
+
+    request(rank id R) --cached--> checked -> Target
+         |  not yet
+         +--> waiting[R] ... pool thread: client.rank(R) ... loop: cache, then deliver or refuse
+
+**Liveness.** A decode rank pings each prefill rank it has rooms with; any
+message counts. A connection silent for ``peer_timeout`` fails the targets on
+it, naming the decode rank (writes to a dead rank fail too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbridge.errors import KVBridgeError, UnknownInstance
+from kvbridge.layout import BufferDesc, PoolSpec
+from kvbridge.layout.plan import PairedBuffers, pair_buffers
+from kvbridge.transfer.aux_rows import RegionAddr
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap.client import BootstrapClient
+    from kvbridge.bootstrap.schemas import RankDetail
+    from kvbridge.transfer.wire import TransferRequest
+
+log = logging.getLogger(__name__)
+
+Waiter = tuple[bytes, "TransferRequest"]
+
+
+@dataclass
+class DecodePeer:
+    """One decode rank's registration, as the daemon holds it."""
+
+    rank_id: str
+    label: str
+    session: str
+    fingerprint: str
+    buffers: list[BufferDesc]
+    aux: dict[str, RegionAddr]
+    pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, detail: RankDetail) -> DecodePeer:
+        return cls(
+            rank_id=detail.rank_id, label=detail.rank.label, session=detail.session_id, fingerprint=detail.fingerprint,
+            buffers=[BufferDesc(p.pool, p.layer_id, p.base, p.capacity_pages, p.bytes_per_page) for p in detail.pools],
+            aux={r.name: RegionAddr.of(r) for r in detail.aux_regions},
+        )  # fmt: skip
+
+    def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],
+                room: int) -> PairedBuffers:
+        """Our buffers paired with this rank's registered ones by (pool, layer id), once per pool set."""
+        hit = self.pairings.get(pools)
+        if hit is None:
+            hit = self.pairings[pools] = pair_buffers(specs, src, self.buffers, pools, room=room, rank=self.label)
+        return hit
+
+
+class DecodePeers:
+    """Registrations by id (resolved off the loop), and the last time each connection spoke."""
+
+    def __init__(self, client: BootstrapClient, hand_to_loop: Callable[[Callable[[], None]], None],
+                 deliver: Callable[[bytes, TransferRequest], None], refuse: Callable[[bytes, TransferRequest, str], None],
+                 *, max_entries: int = 256, max_waiting: int = 10_000) -> None:
+        self.client = client
+        self.hand_to_loop = hand_to_loop
+        self.deliver, self.refuse = deliver, refuse
+        self.max_entries, self.max_waiting = max_entries, max_waiting
+        self.entries: OrderedDict[str, DecodePeer] = OrderedDict()
+        self.waiting: dict[str, list[Waiter]] = {}
+        self.heard: dict[bytes, float] = {}  # connection -> monotonic time of its last message
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
+
+    def get(self, rank_id: str) -> DecodePeer | None:
+        peer = self.entries.get(rank_id)
+        if peer is not None:
+            self.entries.move_to_end(rank_id)
+        return peer
+
+    def wait_for(self, ident: bytes, req: TransferRequest) -> None:
+        """Hold ``req`` until its registration is read (loop thread, lock held)."""
+        if sum(len(w) for w in self.waiting.values()) >= self.max_waiting:
+            self.refuse(ident, req, f"{self.max_waiting} requests already wait for decode registrations")
+            return
+        first = req.decode_rank_id not in self.waiting
+        self.waiting.setdefault(req.decode_rank_id, []).append((ident, req))
+        if first:
+            self._pool.submit(self._resolve, req.decode_rank_id, req.decode_rank)
+
+    def _resolve(self, rank_id: str, label: str) -> None:
+        """Pool thread: ask the daemon, hand the answer to the loop."""
+        try:
+            detail, problem = self.client.rank(rank_id), None
+        except UnknownInstance:
+            detail, problem = None, (f"decode rank {label} (registration {rank_id}) is not registered with the "
+                                     "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
+        except KVBridgeError as exc:
+            detail, problem = None, f"cannot read decode rank {label}'s registration {rank_id}: {exc}"
+        self.hand_to_loop(lambda: self._resolved(rank_id, detail, problem))
+
+    def _resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None) -> None:
+        waiters = self.waiting.pop(rank_id, [])
+        if detail is not None and detail.rank.role != "decode":
+            detail, problem = None, f"registration {rank_id} is a {detail.rank.role} rank ({detail.rank.label})"
+        if detail is not None:
+            self.entries[rank_id] = DecodePeer.of(detail)
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)
+        for ident, req in waiters:
+            if problem is None:
+                self.deliver(ident, req)
+            else:
+                self.refuse(ident, req, problem)
+
+    def heard_from(self, ident: bytes, now: float) -> None:
+        self.heard[ident] = now
+
+    def silent_for(self, ident: bytes, now: float, since: float) -> float:
+        """Seconds since ``ident`` last spoke (or since ``since``, whichever is later)."""
+        return now - max(self.heard.get(ident, since), since)
+
+    def prune(self, now: float, keep: set[bytes], horizon: float) -> None:
+        """Forget connections no target uses that have been quiet for ``horizon`` seconds."""
+        for ident in [i for i, t in self.heard.items() if i not in keep and now - t > horizon]:
+            del self.heard[ident]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,110 @@
+"""A room's lifecycle on one endpoint, beside its poll state (``poll.py``).
+
+Written down once, like the poll states; every change goes through :class:`Life`,
+which refuses transitions not in the table.
+
+    decode asked first (prefill only)
+      UNATTACHED ──first sender(room)──▶ OPEN ──close() / end of `with` / handle dropped──▶ DRAINING
+           │                                                                                    │
+           └────────── final and quiet, no handle ever ──────▶ CLOSED ◀──── final and quiet ────┘
+
+    OPEN        a KVSender / KVReceiver holds the room. Its final state (Success, or Failed
+                with its reason, and the aux row) stays readable as long as the handle lives,
+                whatever the clock: the handle holds the room object itself.
+    DRAINING    the handle let go. A room not yet final is failed ("closed by the engine");
+                it stays until nothing of it can still land: prefill, no posted write in
+                flight; decode, every asked CP rank quiet (hard rule 6).
+    CLOSED      forgotten. Prefill keeps a tombstone (the outcome) for ``TOMBSTONE_S`` so a
+                late decode request for the room is refused with the reason, not reopened.
+                (An UNATTACHED room that failed lingers ``target_timeout`` first, so that the
+                engine's sender() still attaches to it and reads why.)
+
+``sender(room)`` / ``receiver(room)`` on an OPEN or DRAINING id raise ``RoomInUse``;
+on a CLOSED id they open a fresh room. Room ids are meant to be used once (the router
+draws them at random); an id reused within ``TOMBSTONE_S`` works when the prefill
+sender opens before the decode rank asks, else the request meets the tombstone. UNATTACHED -> OPEN is the first handle of a
+room decode asked for first: an attachment, not a reattachment. Memory is bounded:
+open rooms by the handles the engine holds, draining rooms by their writes, tombstones
+by age and count.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict
+
+from kvbridge.transfer.poll import IllegalTransition
+
+TOMBSTONE_S = 60.0
+MAX_TOMBSTONES = 100_000
+
+
+class Stage(enum.Enum):
+    UNATTACHED = "unattached"
+    OPEN = "open"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+STAGES: dict[Stage, frozenset[Stage]] = {
+    Stage.UNATTACHED: frozenset({Stage.OPEN, Stage.CLOSED}),
+    Stage.OPEN: frozenset({Stage.DRAINING}),
+    Stage.DRAINING: frozenset({Stage.CLOSED}),
+    Stage.CLOSED: frozenset(),
+}
+
+
+class Life:
+    """Where one room is in its lifecycle."""
+
+    __slots__ = ("stage",)
+
+    def __init__(self, stage: Stage = Stage.OPEN) -> None:
+        self.stage = stage
+
+    @property
+    def in_use(self) -> bool:
+        """An id in this stage cannot be opened again (RoomInUse)."""
+        return self.stage in (Stage.OPEN, Stage.DRAINING)
+
+    def to(self, new: Stage) -> bool:
+        """Move to ``new``; False if already there; a table violation raises IllegalTransition."""
+        if new == self.stage:
+            return False
+        if new not in STAGES[self.stage]:
+            raise IllegalTransition(f"{self.stage.name} -> {new.name}")
+        self.stage = new
+        return True
+
+
+class Tombstones:
+    """Outcomes of closed rooms, kept ``ttl_s`` seconds and at most ``max_entries`` (oldest out)."""
+
+    def __init__(self, ttl_s: float = TOMBSTONE_S, max_entries: int = MAX_TOMBSTONES) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, tuple[float, str]] = OrderedDict()
+
+    def add(self, room: int, outcome: str) -> None:
+        self._entries.pop(room, None)
+        self._entries[room] = (time.monotonic(), outcome)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, room: int) -> str | None:
+        hit = self._entries.get(room)
+        return None if hit is None else hit[1]
+
+    def discard(self, room: int) -> None:
+        self._entries.pop(room, None)
+
+    def prune(self, now: float) -> None:
+        while self._entries:
+            room, (when, _) = next(iter(self._entries.items()))
+            if now - when <= self.ttl_s:
+                return
+            del self._entries[room]
+
+    def __len__(self) -> int:
+        return len(self._entries)

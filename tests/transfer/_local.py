@@ -1,0 +1,108 @@
+"""Endpoints in one process over the local engine (fault injection): CP prefill ranks
+and one decode rank on one LocalFabric, against a real bootstrap daemon."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from _cluster import wait_until
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.bootstrap.contract import fingerprint
+from kvbridge.layout import OwnerLanes
+from kvbridge.transfer import wire
+from kvbridge.transfer.channel import PeerSet
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.engine import create_engine
+from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_pages
+
+PAGE, LAYERS = 4, 2
+
+
+class Cluster:
+    """CP prefill ranks + one decode rank, one LocalFabric, all in this process."""
+
+    def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
+                 decode_secret: bytes | None = None, lane_rule: str = "interleaved", prefill_cfg: dict | None = None,
+                 **decode_cfg) -> None:
+        self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
+        self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, lane_rule)
+        self.aux_schema = aux_schema_of(self.contract)
+        self.fabric = LocalFabric()
+        self.lanes = OwnerLanes(cp, lane_rule)
+        self.name = name
+        self.clients = []
+        self.prefill = []
+        for rank in range(cp):
+            eng = create_engine("local", fabric=self.fabric)
+            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
+                                secret=prefill_secret, lane_rule=lane_rule, housekeeping_interval=0.1,
+                                **(prefill_cfg or {}))
+            ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
+                                 self._client(url), self.aux_schema)
+            ep.start()
+            self.prefill.append(ep)
+        self.dbufs = allocate_buffers(self.specs, 64)
+        for b in self.dbufs.values():
+            as_bytes(b)[:] = SENTINEL_BYTE
+        self.aux = torch.zeros((8, self.aux_schema.row_bytes), dtype=torch.uint8)
+        decode_cfg.setdefault("peer_timeout", 2.0)
+        decode_cfg.setdefault("ping_interval", 0.1)
+        dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
+        self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
+                                     self.contract, self._client(url), self.aux, self.aux_schema)
+        self.decode.start()
+
+    def _client(self, url: str) -> BootstrapClient:
+        c = BootstrapClient(url)
+        self.clients.append(c)
+        return c
+
+    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None):
+        """Fill and send every rank's owned pages of ``room``; returns the senders."""
+        num_pages = -(-n // PAGE)
+        senders = []
+        for rank, ep in enumerate(self.prefill):
+            if ranks is not None and rank not in ranks:
+                continue
+            owned = self.lanes.owned_pages(rank, num_pages)
+            local = np.arange(owned.size) + 10
+            for (pool, layer), buf in ep.buffers.tensors.items():
+                fill_pages(self.specs[pool], buf, room, layer, owned, local, n)
+            s = ep.sender(room)
+            s.init(n)
+            owns_last = self.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
+            aux = make_aux(self.aux_schema, corrupt_room or room, n) if owns_last else None
+            if corrupt_room is not None and aux is not None:
+                aux["room"] = room  # echo ok at send time; the engine corrupts it in flight
+            s.send(owned, local, is_last=True, aux=aux)
+            senders.append(s)
+        return senders
+
+    def verified(self, room: int, n: int, pages: np.ndarray) -> bool:
+        return all(verify_pages(self.specs[p], b, room, layer, pages, n).ok for (p, layer), b in self.dbufs.items())
+
+    def close(self) -> None:
+        self.decode.close(timeout=2)
+        for ep in self.prefill:
+            ep.close(timeout=2)
+        for c in self.clients:
+            c.close()
+
+
+def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0) -> wire.TransferRequest:
+    """A TransferRequest crafted by hand (pages 0.. of the decode pools), naming registration ``rank_id``."""
+    return wire.TransferRequest(
+        room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=rank_id,
+        page_ids=wire.pack_pages(np.arange(-(-n // PAGE))), first_page=0, pools=sorted(c.specs), aux_slot=aux_slot,
+        num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.contract), num_decode_ranks=1)
+
+
+def replies(peers: PeerSet, count: int, timeout: float = 10) -> list:
+    """Messages that arrive on ``peers`` (up to ``count``, within ``timeout``)."""
+    got: list = []
+    wait_until(lambda: got.extend(m for _, m in peers.recv_ready(50)) or len(got) >= count, timeout)
+    return got

@@ -1,0 +1,47 @@
+"""Aux rows in memory: a packed store or one tensor per region, the same bytes either way;
+one row moves as one slice between packed stores, else one slice per region (merged where
+both sides are contiguous)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvbridge.layout import AuxRegion, AuxSchema
+from kvbridge.transfer.aux_rows import AuxBuffers, RegionAddr, aux_slices, is_packed
+
+SCHEMA = AuxSchema((AuxRegion("room", "uint64", (8,)), AuxRegion("output_ids", "int32", (16,)),
+                    AuxRegion("flag", "uint8"), AuxRegion("hidden", "bfloat16", (4,))))
+
+
+def by_region(rows: int) -> dict[str, torch.Tensor]:
+    return {r.name: torch.zeros((rows, *r.shape), dtype=getattr(torch, r.dtype)) for r in SCHEMA.regions}
+
+
+def test_both_stores_read_back_the_same_row():
+    row = SCHEMA.pack(room=5, output_ids=np.arange(16), flag=1, hidden=np.array([1.0, 2.0, 3.0, 4.0], np.float32))
+    packed = AuxBuffers(SCHEMA, np.zeros((3, SCHEMA.row_bytes), np.uint8), rank="r")
+    packed.storage[2] = row.view(np.uint8)
+    regions = AuxBuffers(SCHEMA, by_region(3), rank="r")
+    for name, value in SCHEMA.unpack_regions(row).items():
+        regions.tensors[name][2].view(torch.uint8).reshape(-1).copy_(torch.from_numpy(value.reshape(-1).view(np.uint8)))
+    for store in (packed, regions):
+        assert store.read_room(2) == 5 and store.read_row(2).tobytes() == row.tobytes()
+    assert packed.packed and is_packed(SCHEMA, packed.regions) and not is_packed(SCHEMA, regions.regions)
+    assert packed.packed_descriptor().row_bytes == SCHEMA.row_bytes and regions.packed_descriptor() is None
+    assert [d.name for d in regions.descriptors()] == ["room", "output_ids", "flag", "hidden"]
+
+
+def test_a_row_moves_in_one_slice_between_packed_stores_else_one_per_region():
+    src = {r.name: RegionAddr(r.name, 1000 + SCHEMA.offsets[r.name], 4, SCHEMA.row_bytes) for r in SCHEMA.regions}
+    dst = {r.name: RegionAddr(r.name, 9000 + SCHEMA.offsets[r.name], 4, SCHEMA.row_bytes) for r in SCHEMA.regions}
+    s, d, n = aux_slices(SCHEMA, src, 1, dst, 2)
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([1000 + SCHEMA.row_bytes], [9000 + 2 * SCHEMA.row_bytes],
+                                                    [SCHEMA.row_bytes])
+    separate = {r.name: RegionAddr(r.name, 100_000 * (i + 1), 4, r.nbytes) for i, r in enumerate(SCHEMA.regions)}
+    s, d, n = aux_slices(SCHEMA, src, 0, separate, 3)  # packed -> per region: one slice per region
+    assert n.tolist() == [64, 64, 1, 8] and d.tolist() == [100_000 * (i + 1) + 3 * r.nbytes
+                                                           for i, r in enumerate(SCHEMA.regions)]
+    merged = dict(separate, room=RegionAddr("room", 100_000, 4, 64), output_ids=RegionAddr("output_ids", 100_064, 4, 64))
+    s, d, n = aux_slices(SCHEMA, src, 0, merged, 0)  # room and output_ids back to back on both sides: one slice
+    assert n.tolist() == [128, 1, 8] and s.tolist()[0] == 1000
