@@ -152,6 +152,15 @@ class RankWriter:
             )
         self._requests[index] = (num_tokens, np.asarray(local_table, dtype=np.int64))
 
+    def owned_pages(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(logical pages, physical pages)`` of request ``index`` that this
+        rank owns and sends, ascending: what a sender's ``send`` takes."""
+        num_tokens, table = self._requests[index]
+        num_pages = -(-num_tokens // self.page_size)
+        logical = self.lanes.owned_pages(self.cp_rank, num_pages)
+        _, local = self.lanes.owners(logical, num_pages)
+        return logical, table[local]
+
     def write(self, step: Sequence[ChunkKV]) -> int:
         """Store the owned rows of one prefill step of the batch (rank-local
         order); returns the number of rows written per layer."""

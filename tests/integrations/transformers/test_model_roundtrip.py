@@ -142,3 +142,37 @@ def test_non_finite_logits_never_pass_as_equal(tiny):
     nan = Decoded(tokens=[1, 2], logits=torch.full((1, 4), float("nan")), draft_logits=None)
     c = check_request(p, nan, nan, pages_diff=None, poison_diff=None)
     assert not c.logits_equal and "not finite" in c.detail
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_prefill_writes_the_rows_of_a_page_as_they_appear(tiny, name, model_cache):
+    """Chunks of 3 over pages of 4: after each step exactly the owned rows
+    computed so far are in the pool; the page a chunk ends inside is partial."""
+    import kvbridge as kvb
+    from kvbridge.integrations.transformers import PagedKV, RankWriter, cache_geometry, model_pools
+
+    lm = tiny(name)
+    lanes, seen = kvb.OwnerLanes(2), []
+    paged = PagedKV(model_pools(lm.model, PAGE_SIZE), 8, fill=SRC_STALE)
+
+    class Recording(RankWriter):
+        def write(self, step):
+            n = super().write(step)
+            pool = next(iter(self.paged.specs))
+            written = (self.paged.byte_view(pool) != SRC_STALE).any(dim=-1).any(dim=0)
+            seen.append((n, torch.nonzero(written).flatten().tolist()))
+            return n
+
+    writer = Recording(cache_geometry(lm.model), paged, lanes, cp_rank=1)
+    writer.add_request(0, 13, np.array([5, 2]))  # cp rank 1 owns logical pages 1 and 3 (tokens 4..7, 12)
+    logical, physical = writer.owned_pages(0)
+    assert logical.tolist() == [1, 3] and physical.tolist() == [5, 2]
+    prefill(lm, [prompts(1)[0]], chunk_size=3, writers=[writer])
+    slot = lambda page, rows: [page * PAGE_SIZE + r for r in rows]  # noqa: E731
+    assert seen == [
+        (0, []),  # tokens 0..2: page 0 belongs to cp rank 0
+        (2, slot(5, [0, 1])),  # tokens 3..5: 4, 5 land in page 5 (logical 1), rows 2, 3 not yet computed
+        (2, slot(5, [0, 1, 2, 3])),  # tokens 6..8
+        (0, slot(5, [0, 1, 2, 3])),  # tokens 9..11: logical page 2 is cp rank 0's
+        (1, sorted(slot(2, [0]) + slot(5, [0, 1, 2, 3]))),  # token 12: the last, partial page
+    ]
