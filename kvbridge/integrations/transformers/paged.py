@@ -72,6 +72,10 @@ class PagedKV:
                 raise kvb.LayoutError(
                     f"pool {name!r}: model mode pages the rows layout, not {spec.layout}", field="layout"
                 )
+            if spec.abi not in TORCH_DTYPES:
+                raise kvb.LayoutError(
+                    f"pool {name!r}: model mode stores {tuple(TORCH_DTYPES)}, not {spec.abi}", field="abi"
+                )
             dtype = TORCH_DTYPES[spec.abi]
             elems = spec.bytes_per_token // torch.empty(0, dtype=dtype).element_size()
             store = torch.empty((spec.num_layers, capacity_pages, spec.page_size, elems), dtype=dtype, device=device)
@@ -114,6 +118,12 @@ def slots_of(page_table: np.ndarray | Sequence[int], positions: np.ndarray, page
     is physical page ``page_table[l]``."""
     table = np.asarray(page_table, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.int64)
+    if len(positions) and int(positions.max()) // page_size >= len(table):
+        raise kvb.LayoutError(
+            f"token {int(positions.max())} is on logical page {int(positions.max()) // page_size}; "
+            f"the page table maps {len(table)} pages",
+            field="page_table",
+        )
     return torch.from_numpy(table[positions // page_size] * page_size + positions % page_size)
 
 

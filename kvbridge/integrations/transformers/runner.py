@@ -117,6 +117,7 @@ def _prefill_chunk(
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=_last_layer(lm),
+        logits_to_keep=1,  # only the last position's, as generate() does: same shapes, same bits
     )
     hidden = out.hidden_states[-1]
     layers = [(layer.keys[:, :, start:stop], layer.values[:, :, start:stop]) for layer in cache.layers]

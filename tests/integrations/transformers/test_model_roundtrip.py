@@ -105,17 +105,25 @@ def test_bfloat16_models_round_trip_bit_exactly(tiny):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_decode_from_the_model_cache_is_the_model_own_greedy_generation(tiny, name):
-    """The reference itself is honest: our prefill + decode loop gives the
-    tokens of ``model.generate`` (greedy), and chunking the prefill does not
-    change them on these prompts."""
+def test_the_colocated_reference_is_the_model_own_greedy_generation(tiny, name):
+    """The reference itself is honest: one-shot prefill + decode give the logits
+    of ``model.generate`` (greedy) bit for bit, and its tokens; chunking the
+    prefill keeps the tokens on these prompts."""
+    from kvbridge.integrations.transformers import bits_equal
+
     lm = tiny(name)
     prompt = prompts(1)[0]
-    expect = lm.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
-    for chunk in (None, 5):
-        (p,) = prefill(lm, [prompt], chunk_size=chunk)
-        out = decode(lm, p.cache, p.draft_cache, p.first_token, p.num_tokens, 3)
-        assert out.tokens == expect
+    gen = lm.model.generate(
+        torch.tensor([prompt]), max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    expect = gen.sequences[0, len(prompt) :].tolist()
+    (p,) = prefill(lm, [prompt])
+    out = decode(lm, p.cache, p.draft_cache, p.first_token, p.num_tokens, 3)
+    assert out.tokens == expect
+    assert bits_equal(p.logits, gen.logits[0][0])
+    assert all(bits_equal(out.logits[i], gen.logits[i + 1][0]) for i in range(3))
+    (p,) = prefill(lm, [prompt], chunk_size=5)
+    assert decode(lm, p.cache, p.draft_cache, p.first_token, p.num_tokens, 3).tokens == expect
 
 
 def test_rows_are_what_the_model_cached(tiny):
