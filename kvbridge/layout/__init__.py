@@ -1,7 +1,9 @@
 """Pure geometry and planning: pools, pages, owner lanes, row domains and
-transfer plans. No I/O, no threads, no device calls."""
+transfer plans, head slices for heterogeneous TP. No I/O, no threads, no device
+calls."""
 
 from kvbridge.layout.aux import AuxRegion, AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
+from kvbridge.layout.heads import HeadGeometry, HeadSlice, head_slices, plan_head_transfer, rank_heads, slices_to_send
 from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
 from kvbridge.layout.plan import BufferDesc, TransferPlan, describe_buffer, plan_transfer
 from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
@@ -20,6 +22,8 @@ __all__ = [
     "AuxRow",
     "AuxSchema",
     "BufferDesc",
+    "HeadGeometry",
+    "HeadSlice",
     "LANE_RULES",
     "LAYOUTS",
     "LocalRows",
@@ -33,11 +37,15 @@ __all__ = [
     "deepseek_pools",
     "describe_buffer",
     "float32_to_bf16_bits",
+    "head_slices",
     "local_row_order",
     "owner_of_last_token",
+    "plan_head_transfer",
     "plan_transfer",
     "preset_pools",
+    "rank_heads",
     "request_bases",
+    "slices_to_send",
     "strip_padding",
     "valid_row_index",
 ]

@@ -73,6 +73,8 @@ def test_public_names_are_pinned():
             "PoolSpec", "RowDomain", "TransferPlan", "aux_dtype", "build_rank_rows", "deepseek_pools",
             "describe_buffer", "float32_to_bf16_bits", "local_row_order", "owner_of_last_token", "plan_transfer",
             "preset_pools", "request_bases", "strip_padding", "valid_row_index",
+            # heterogeneous TP (layout/heads.py)
+            "HeadGeometry", "HeadSlice", "head_slices", "plan_head_transfer", "rank_heads", "slices_to_send",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)
