@@ -3,8 +3,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
+# The SGLang integration tests run in a venv of their own (SGLang pins a CUDA
+# build of torch; see scripts/setup_sglang.sh and scripts/sglang-requirements.txt).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
+SGLANG_TESTS := tests/integrations/sglang
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-sglang demo test test-sglang bench clean
 
 setup: $(STAMP)
 
@@ -15,11 +20,22 @@ $(STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/kvbridge demo
 
-test: setup
-	$(PY) -m pytest -q
+$(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/sglang-requirements.txt | $(STAMP)
+	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
+	touch $(SGLANG_STAMP)
+
+setup-sglang: $(SGLANG_STAMP)
+
+# Everything but the SGLang tests in .venv, then those in .venv-sglang.
+test: setup setup-sglang
+	$(PY) -m pytest -q --ignore=$(SGLANG_TESTS)
+	$(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
+
+test-sglang: setup setup-sglang
+	$(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
 
 bench: setup
 	$(VENV)/bin/kvbridge bench --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis build *.egg-info

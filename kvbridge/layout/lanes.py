@@ -6,8 +6,14 @@ With ``cp_size = 3`` and 8 logical pages:
                   local  0 0 0 1 1 1 2 2
     contiguous    owner  0 0 0 1 1 1 2 2      chunk = ceil(num_pages / cp)
                   local  0 1 2 0 1 2 0 1      owner = l // chunk,  local = l % chunk
+    balanced      owner  0 0 0 1 1 1 2 2      base = num_pages // cp, rem = num_pages % cp:
+                  local  0 1 2 0 1 2 0 1      ranks < rem hold base + 1 pages, the others base
     replicated    owner  0 0 0 0 0 0 0 0      every rank stores every page (local = l);
                   local  0 1 2 3 4 5 6 7      rank 0 is the one that sends them
+
+``contiguous`` and ``balanced`` both give each rank one run of pages and differ
+only in the sizes: with 4 pages over 3 ranks, ``contiguous`` gives 2 2 0 and
+``balanced`` 2 1 1 (SGLang's split when all CP ranks transfer).
 
 ``owned_pages`` is what a rank *sends*; ``num_local_pages`` is what it *stores*
 (they differ only for ``replicated``, where ranks 1.. store pages they do not send).
@@ -25,8 +31,12 @@ from kvbridge.errors import LayoutError
 
 INTERLEAVED = "interleaved"
 CONTIGUOUS = "contiguous"
+# SGLang's all-CP-ranks transfer mode (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER):
+# sglang.srt.disaggregation.utils._get_cp_rank_page_bounds (0.5.23) gives rank r
+# the run starting at r * base + min(r, rem), base + (r < rem) pages long.
+BALANCED = "balanced"
 REPLICATED = "replicated"
-LANE_RULES = (INTERLEAVED, CONTIGUOUS, REPLICATED)
+LANE_RULES = (INTERLEAVED, CONTIGUOUS, REPLICATED, BALANCED)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,15 @@ class OwnerLanes:
         if self.rule == CONTIGUOUS:
             chunk = max(self.chunk_pages(num_pages), 1)
             return pages // chunk, pages % chunk
+        if self.rule == BALANCED:
+            base, rem = divmod(num_pages, self.cp_size)
+            long_pages = rem * (base + 1)  # pages held by the ranks of base + 1 pages
+            past = pages - long_pages
+            short = max(base, 1)  # base is 0 only when every page is a long rank's
+            in_long = pages < long_pages
+            owner = np.where(in_long, pages // (base + 1), rem + past // short)
+            local = np.where(in_long, pages % (base + 1), past % short)
+            return owner, local
         return np.zeros_like(pages), pages.copy()
 
     def owned_pages(self, cp_rank: int, num_pages: int) -> np.ndarray:
@@ -72,6 +91,10 @@ class OwnerLanes:
         if self.rule == CONTIGUOUS:
             chunk = self.chunk_pages(num_pages)
             return np.arange(min(cp_rank * chunk, num_pages), min((cp_rank + 1) * chunk, num_pages), dtype=np.int64)
+        if self.rule == BALANCED:
+            base, rem = divmod(num_pages, self.cp_size)
+            start = cp_rank * base + min(cp_rank, rem)
+            return np.arange(start, start + base + (cp_rank < rem), dtype=np.int64)
         return np.arange(num_pages if cp_rank == 0 else 0, dtype=np.int64)
 
     def num_local_pages(self, cp_rank: int, num_pages: int) -> int:

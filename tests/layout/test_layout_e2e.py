@@ -122,7 +122,12 @@ def expected_flat(sc: Scenario, rank: int, rows_per_req: list[np.ndarray]) -> np
     for q, (n, rows) in enumerate(zip(sc.seq_lens, rows_per_req)):
         num_pages = -(-n // ps)
         chunk = -(-num_pages // cp)
-        owner = {"interleaved": np.arange(num_pages) % cp, "contiguous": np.arange(num_pages) // chunk}
+        base, rem = divmod(num_pages, cp)
+        owner = {
+            "interleaved": np.arange(num_pages) % cp,
+            "contiguous": np.arange(num_pages) // chunk,
+            "balanced": np.repeat(np.arange(cp), [base + (r < rem) for r in range(cp)]),
+        }
         owned = [p for p in range(num_pages) if owner.get(sc.lanes.rule, np.zeros(num_pages))[p] == rank]
         tokens = [t for p in owned for t in range(p * ps, min((p + 1) * ps, n))]
         pad = (ps - n % ps) % ps if owned and owned[-1] == num_pages - 1 else 0

@@ -25,6 +25,36 @@ def test_docstring_tables():
         [0, 1, 2, 0, 1, 2, 0, 1],
     ]
     assert [a.tolist() for a in OwnerLanes(3, "replicated").owners(pages, 8)] == [[0] * 8, list(range(8))]
+    assert [a.tolist() for a in OwnerLanes(3, "balanced").owners(pages, 8)] == [
+        [0, 0, 0, 1, 1, 1, 2, 2],
+        [0, 1, 2, 0, 1, 2, 0, 1],
+    ]
+
+
+def test_balanced_and_contiguous_split_differently():
+    """4 pages over 3 ranks: ceil chunks (2 2 0) against base + remainder (2 1 1)."""
+    sizes = {rule: [len(OwnerLanes(3, rule).owned_pages(r, 4)) for r in range(3)] for rule in ("contiguous", "balanced")}
+    assert sizes == {"contiguous": [2, 2, 0], "balanced": [2, 1, 1]}
+    assert OwnerLanes(3, "balanced").owners(np.arange(4), 4)[0].tolist() == [0, 0, 1, 2]
+
+
+@FAST
+@given(cp_size=st.integers(1, 9), num_pages=st.integers(0, 300))
+def test_balanced_is_base_plus_remainder(cp_size, num_pages):
+    """Rank r holds the run [r*base + min(r, rem), +base + (r < rem)): sizes differ by
+    at most one, the longer runs first, runs back to back in rank order."""
+    lanes = OwnerLanes(cp_size, "balanced")
+    base, rem = divmod(num_pages, cp_size)
+    start = 0
+    for rank in range(cp_size):
+        owned = lanes.owned_pages(rank, num_pages)
+        size = base + (1 if rank < rem else 0)
+        assert owned.tolist() == list(range(start, start + size))
+        assert start == rank * base + min(rank, rem)
+        start += size
+    assert start == num_pages
+    if num_pages:
+        assert lanes.lane_major(num_pages).tolist() == list(range(num_pages))  # already rank-major
 
 
 @FAST

@@ -1,0 +1,384 @@
+"""SGLang's ``KVArgs`` in kvbridge's terms: pools, layer ids and aux regions.
+
+Pure: reads attributes of a ``KVArgs``-shaped object (or anything with the same
+fields) and never imports SGLang. SGLang 0.5.23 hands a backend flat lists:
+
+    kv_data_ptrs / kv_data_lens / kv_item_lens   one entry per buffer, item = one page
+        MLA (DeepSeek):  target layer 0 .. L-1, then the draft's D layers
+        MHA/GQA:         target k 0 .. L-1, target v 0 .. L-1, then draft k, draft v
+        (num_draft_entries = how many trailing entries are the draft's)
+    state_types / state_data_* / state_item_lens  one component per state type;
+        DSA = the NSA index-K cache of DeepSeek V3.2: target layers, then the
+        draft's; a 0-byte item is a layer without index K (it reuses a top-k)
+    aux_data_* / aux_item_lens   MetadataBuffers.get_buf_infos(): one tensor per
+        field, item = one row (see METADATA_FIELDS)
+
+and kvbridge sees:
+
+    pool     layer ids                      from
+    target   0 .. L-1                       MLA target entries
+    draft    L .. L+D-1                     MLA draft entries (numbered after the target)
+    k, v     0 .. L-1                       MHA target entries
+    draft_k, draft_v  L .. L+D-1            MHA draft entries
+    index    target ids (+ draft ids)       the DSA state component
+
+Buffers stay addresses (``RawBuffer``: pointer, bytes, bytes per item): SGLang
+never hands tensors. ``check_against_contract`` compares the geometry with a
+runtime contract; ``pool_specs`` gives the ``PoolSpec``s for geometries kvbridge
+knows (DeepSeek V3/V3.2 MLA bf16/fp8, index K, k/v pools).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge import ConfigError, PoolSpec, RuntimeContract
+
+TARGET, DRAFT, INDEX = "target", "draft", "index"
+K, V, DRAFT_K, DRAFT_V = "k", "v", "draft_k", "draft_v"
+ROOM = "room"  # kvbridge's room-echo region; SGLang's bootstrap_room
+DSA_STATE = "dsa"  # StateType.DSA's value
+
+# MetadataBuffers (sglang.srt.disaggregation.utils, 0.5.23): its fields in
+# get_buf_infos() order as (name, element dtype, elements per row); None = the
+# width varies (max_top_logprobs_num, max_sampling_mask_tokens, hidden_size,
+# the DSA top-k width) and is read from the item length. ``optional`` fields are
+# present only when SGLang enables them.
+METADATA_FIELDS: tuple[tuple[str, str, int | None, str], ...] = (
+    ("output_ids", "int32", 16, ""),
+    ("cached_tokens", "int32", 16, ""),
+    ("output_token_logprobs_val", "float32", 16, ""),
+    ("output_token_logprobs_idx", "int32", 16, ""),
+    ("output_top_logprobs_val", "float32", None, ""),
+    ("output_top_logprobs_idx", "int32", None, ""),
+    ("output_token_sampling_mask_len", "int32", 16, "sampling_mask"),
+    ("output_token_sampling_mask_idx", "int32", None, "sampling_mask"),
+    ("output_token_sampling_logprobs", "float32", None, "sampling_mask"),
+    ("output_topk_p", "float32", 16, ""),
+    ("output_topk_index", "int64", 16, ""),
+    ("output_hidden_states", "", None, ""),  # dtype: the model's hidden-state dtype
+    ("output_dsa_topk_indices", "int32", None, "dsa_topk"),
+    ("bootstrap_room", "uint64", 8, ""),
+    ("kv_checksum", "uint64", 8, "kv_checksum"),
+)
+ITEMSIZE = {"int32": 4, "int64": 8, "uint64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "bfloat16": "bfloat16", "float16": "float16",
+                  "fp16": "float16", "half": "float16", "float32": "float32", "fp8_e4m3": "fp8_e4m3",
+                  "fp8_e5m2": "fp8_e5m2"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RawBuffer:
+    """One engine buffer as SGLang describes it: a device address, its size in
+    bytes and the bytes of one item (a page for KV and state, a row for aux)."""
+
+    ptr: int
+    nbytes: int
+    item_bytes: int
+
+    @property
+    def capacity(self) -> int:
+        """Whole items in the buffer (pages or rows)."""
+        return self.nbytes // self.item_bytes if self.item_bytes else 0
+
+
+@dataclass(frozen=True)
+class PoolBuffers:
+    """One kvbridge pool: its layer ids and one buffer per layer id, in order."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    buffers: tuple[RawBuffer, ...]
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.buffers[0].item_bytes
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages every layer's buffer holds (the smallest)."""
+        return min(b.capacity for b in self.buffers)
+
+
+@dataclass(frozen=True)
+class AuxBuffer:
+    """One aux region (one ``MetadataBuffers`` field): ``shape`` elements of
+    ``dtype`` per row, ``buffer.capacity`` rows."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: RawBuffer
+
+
+@dataclass(frozen=True)
+class SGLangCache:
+    """What one SGLang rank registers, in kvbridge's terms."""
+
+    page_size: int
+    kv_cache_dtype: str
+    is_mla: bool
+    pools: Mapping[str, PoolBuffers]
+    aux: tuple[AuxBuffer, ...]
+
+    @property
+    def aux_rows(self) -> int:
+        return min(a.buffer.capacity for a in self.aux) if self.aux else 0
+
+    def pool(self, name: str) -> PoolBuffers:
+        if name not in self.pools:
+            raise ConfigError(f"SGLang registered no pool {name!r}; pools are {list(self.pools)}", field="pools")
+        return self.pools[name]
+
+
+def read_kv_args(
+    kv_args: Any,
+    *,
+    is_mla: bool,
+    kv_checksum: bool = False,
+    hidden_dtype: str = "bfloat16",
+    num_hidden_layers: int | None = None,
+) -> SGLangCache:
+    """Translate one rank's ``KVArgs``. ``is_mla``: the manager's ``is_mla_backend``;
+    ``kv_checksum``: SGLang's ``--disaggregation-enable-kv-checksum`` (adds an aux
+    region SGLang's lists cannot tell apart from the DSA top-k one);
+    ``hidden_dtype``: the dtype of ``output_hidden_states``; ``num_hidden_layers``:
+    where draft layer ids start (default: after the target's). Raises
+    ``ConfigError`` naming the field when SGLang's lists do not fit together."""
+    page_size = _positive_int(getattr(kv_args, "page_size", None), "page_size")
+    ptrs = _ints(kv_args, "kv_data_ptrs")
+    lens = _ints(kv_args, "kv_data_lens")
+    items = _ints(kv_args, "kv_item_lens")
+    if not (len(ptrs) == len(lens) == len(items)) or not ptrs:
+        raise ConfigError(
+            f"KVArgs lists kv_data_ptrs/kv_data_lens/kv_item_lens have lengths {len(ptrs)}/{len(lens)}/{len(items)}; "
+            "they must be equal and non-empty",
+            field="kv_data_ptrs",
+        )
+    buffers = [RawBuffer(p, n, i) for p, n, i in zip(ptrs, lens, items)]
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if not 0 <= num_draft < len(buffers):
+        raise ConfigError(f"num_draft_entries {num_draft} of {len(buffers)} KV entries", field="num_draft_entries")
+    target, draft = buffers[: len(buffers) - num_draft], buffers[len(buffers) - num_draft :]
+    explicit_ids = _ints(kv_args, "kv_layer_ids", default=[])
+    per_layer = 1 if is_mla else 2
+    for name, part in (("target", target), ("draft", draft)):
+        if len(part) % per_layer:
+            raise ConfigError(f"{len(part)} {name} KV entries for an MHA pool (k entries then v entries, one per "
+                              "layer, so an even count)", field="kv_data_ptrs")  # fmt: skip
+    num_target_layers = len(target) // per_layer
+    start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
+    target_ids = tuple(range(start, start + num_target_layers))
+    draft_base = num_hidden_layers if num_hidden_layers is not None else start + num_target_layers
+    draft_ids = tuple(range(draft_base, draft_base + len(draft) // per_layer))
+    if explicit_ids:  # hybrid pools report ids; SGLang remaps the draft's above the target's
+        if len(explicit_ids) != len(buffers):
+            raise ConfigError(f"{len(explicit_ids)} kv_layer_ids for {len(buffers)} KV entries", field="kv_layer_ids")
+        target_ids = tuple(explicit_ids[: num_target_layers])
+        draft_ids = tuple(explicit_ids[len(target) : len(target) + len(draft) // per_layer])
+
+    pools: dict[str, PoolBuffers] = {}
+    if is_mla:
+        pools[TARGET] = _pool(TARGET, target_ids, target, page_size)
+        if draft:
+            pools[DRAFT] = _pool(DRAFT, draft_ids, draft, page_size)
+    else:
+        pools[K] = _pool(K, target_ids, target[:num_target_layers], page_size)
+        pools[V] = _pool(V, target_ids, target[num_target_layers:], page_size)
+        if draft:
+            half = len(draft) // 2
+            pools[DRAFT_K] = _pool(DRAFT_K, draft_ids, draft[:half], page_size)
+            pools[DRAFT_V] = _pool(DRAFT_V, draft_ids, draft[half:], page_size)
+    index = _index_pool(kv_args, target_ids, draft_ids, page_size)
+    if index is not None:
+        pools[INDEX] = index
+    aux = read_metadata_buffers(
+        _ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"), _ints(kv_args, "aux_item_lens"),
+        kv_checksum=kv_checksum, hidden_dtype=hidden_dtype,
+    )  # fmt: skip
+    dtype = str(getattr(kv_args, "kv_cache_dtype_str", "auto") or "auto")
+    return SGLangCache(page_size=page_size, kv_cache_dtype=dtype, is_mla=is_mla, pools=pools, aux=aux)
+
+
+def read_metadata_buffers(
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    items: Sequence[int],
+    *,
+    kv_checksum: bool = False,
+    hidden_dtype: str = "bfloat16",
+) -> tuple[AuxBuffer, ...]:
+    """Name the regions of ``MetadataBuffers.get_buf_infos()``. Which optional
+    fields are present follows from the count once ``kv_checksum`` is known:
+    count = 10 + 3 (sampling mask) + 1 (DSA top-k) + 1 (checksum)."""
+    if not (len(ptrs) == len(lens) == len(items)):
+        raise ConfigError(f"aux lists have lengths {len(ptrs)}/{len(lens)}/{len(items)}", field="aux_data_ptrs")
+    if hidden_dtype not in ITEMSIZE:
+        raise ConfigError(f"hidden dtype {hidden_dtype!r} is not one of {tuple(ITEMSIZE)}", field="hidden_dtype")
+    optional = len(ptrs) - 10 - int(kv_checksum)
+    sampling_mask, dsa_topk = divmod(optional, 3)
+    if optional < 0 or sampling_mask > 1:
+        raise ConfigError(
+            f"{len(ptrs)} aux buffers do not match SGLang 0.5.23's MetadataBuffers (10 fields, + 3 with the "
+            f"sampling mask, + 1 with DSA top-k indices, + 1 with the KV checksum; kv_checksum={kv_checksum})",
+            field="aux_data_ptrs",
+        )
+    present = {"": True, "sampling_mask": bool(sampling_mask), "dsa_topk": bool(dsa_topk), "kv_checksum": kv_checksum}
+    fields = [f for f in METADATA_FIELDS if present[f[3]]]
+    out = []
+    rows = None
+    for (name, dtype, width, _), ptr, nbytes, item in zip(fields, ptrs, lens, items):
+        dtype = dtype or hidden_dtype
+        size = ITEMSIZE[dtype]
+        if item <= 0 or item % size or (width is not None and item != width * size):
+            expected = f"{width} x {dtype}" if width is not None else f"a multiple of {size} ({dtype})"
+            raise ConfigError(f"aux region {name}: {item} bytes per row, expected {expected}",
+                              field=f"aux.{name}")  # fmt: skip
+        buf = RawBuffer(ptr, nbytes, item)
+        if rows is not None and buf.capacity != rows:
+            raise ConfigError(f"aux region {name}: {buf.capacity} rows, the regions before it {rows}",
+                              field=f"aux.{name}")  # fmt: skip
+        rows = buf.capacity
+        out.append(AuxBuffer(ROOM if name == "bootstrap_room" else name, dtype, (item // size,), buf))
+    pairs = {a.name: a.shape for a in out}
+    for val, idx in (("output_top_logprobs_val", "output_top_logprobs_idx"),
+                     ("output_token_sampling_mask_idx", "output_token_sampling_logprobs")):  # fmt: skip
+        if val in pairs and pairs[val] != pairs[idx]:
+            raise ConfigError(f"aux regions {val} {pairs[val]} and {idx} {pairs[idx]} differ in width",
+                              field=f"aux.{idx}")  # fmt: skip
+    return tuple(out)
+
+
+def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dict[str, PoolSpec]:
+    """The contract's ``PoolSpec``s, after checking that SGLang registered exactly
+    those pools with the same layer ids, page size and bytes per page."""
+    specs = {p.name: p.to_spec() for p in contract.pools}
+    if set(specs) != set(cache.pools):
+        raise ConfigError(
+            f"SGLang registers pools {sorted(cache.pools)}, the contract has {sorted(specs)}: a pool on one side "
+            "only would never be sent or never be filled",
+            field="pools",
+        )
+    for name, spec in specs.items():
+        pool = cache.pools[name]
+        if spec.page_size != cache.page_size:
+            raise ConfigError(f"pool {name!r}: SGLang's page size {cache.page_size}, the contract's "
+                              f"{spec.page_size}: pages would be cut differently", field=f"pools.{name}.page_size")  # fmt: skip
+        if sorted(spec.layer_ids) != sorted(pool.layer_ids):
+            raise ConfigError(f"pool {name!r}: SGLang registers layers {_span(pool.layer_ids)}, the contract has "
+                              f"{_span(spec.layer_ids)}: layers would be paired wrongly or not at all",
+                              field=f"pools.{name}.layer_ids")  # fmt: skip
+        if spec.bytes_per_page != pool.bytes_per_page:
+            raise ConfigError(f"pool {name!r}: SGLang's pages are {pool.bytes_per_page} bytes, the contract's "
+                              f"{spec.bytes_per_page} ({spec.page_size} tokens x {spec.bytes_per_token} B): "
+                              "rows would land at the wrong offsets", field=f"pools.{name}.bytes_per_page")  # fmt: skip
+    return specs
+
+
+def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
+    """``PoolSpec``s for the geometries kvbridge knows: DeepSeek MLA in bf16
+    (1152 B/token) or fp8 with scales (656 B/token), the NSA index K (128 fp8
+    values then 4 scale bytes per token) and plain k/v pools in bf16/fp16/fp32.
+    Anything else raises ``ConfigError``: describe it with ``PoolSpec`` yourself."""
+    dtype = _DTYPE_ALIASES.get(cache.kv_cache_dtype.lower())
+    out = {}
+    for name, pool in cache.pools.items():
+        per_token, rem = divmod(pool.bytes_per_page, cache.page_size)
+        geometry = dict(name=name, page_size=cache.page_size, layer_ids=pool.layer_ids, bytes_per_token=per_token)
+        if rem:
+            raise ConfigError(f"pool {name!r}: {pool.bytes_per_page} bytes per page is not a whole number of "
+                              f"{cache.page_size}-token rows", field=f"pools.{name}.bytes_per_page")  # fmt: skip
+        if name == INDEX and per_token == 132:
+            out[name] = PoolSpec(dtype="fp8_e4m3", abi="uint8", layout="values_then_scales",
+                                 value_bytes_per_token=128, scale_bytes_per_token=4,
+                                 kernel_abi="nsa-index-k-fp8-uint8", **geometry)  # fmt: skip
+        elif cache.is_mla and dtype == "bfloat16" and per_token == 1152:
+            out[name] = PoolSpec(dtype="bfloat16", abi="bfloat16", kernel_abi="mla-bf16", **geometry)
+        elif cache.is_mla and dtype == "fp8_e4m3" and per_token == 656:
+            out[name] = PoolSpec(dtype="fp8_e4m3_with_scale", abi="uint8", kernel_abi="mla-fp8-656", **geometry)
+        elif not cache.is_mla and dtype in ("bfloat16", "float16", "float32") and name != INDEX:
+            out[name] = PoolSpec(dtype=dtype, abi=dtype, **geometry)
+        elif not cache.is_mla and dtype in ("fp8_e4m3", "fp8_e5m2") and name != INDEX:
+            out[name] = PoolSpec(dtype=dtype, abi="uint8", **geometry)
+        else:
+            raise ConfigError(
+                f"pool {name!r}: no known kvbridge geometry for {'MLA' if cache.is_mla else 'MHA'} "
+                f"kv_cache_dtype {cache.kv_cache_dtype!r} with {per_token} bytes per token; build its PoolSpec "
+                "by hand", field=f"pools.{name}",
+            )  # fmt: skip
+    return out
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _pool(name: str, layer_ids: tuple[int, ...], buffers: Sequence[RawBuffer], page_size: int) -> PoolBuffers:
+    sizes = {b.item_bytes for b in buffers}
+    if len(sizes) != 1:
+        raise ConfigError(f"pool {name!r}: its layers have different page sizes in bytes {sorted(sizes)}",
+                          field=f"pools.{name}.bytes_per_page")  # fmt: skip
+    (size,) = sizes
+    if size <= 0 or size % page_size:
+        raise ConfigError(f"pool {name!r}: {size} bytes per page is not {page_size} whole token rows",
+                          field=f"pools.{name}.bytes_per_page")  # fmt: skip
+    for layer, b in zip(layer_ids, buffers):
+        if b.capacity < 1 or b.ptr <= 0:
+            raise ConfigError(f"pool {name!r} layer {layer}: buffer at {b.ptr:#x} of {b.nbytes} bytes holds no "
+                              f"page of {size} bytes", field=f"pools.{name}.buffers")  # fmt: skip
+    return PoolBuffers(name, tuple(layer_ids), tuple(buffers))
+
+
+def _index_pool(
+    kv_args: Any, target_ids: tuple[int, ...], draft_ids: tuple[int, ...], page_size: int
+) -> PoolBuffers | None:
+    types = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
+    unsupported = [t for t in types if t != DSA_STATE]
+    if unsupported:
+        raise ConfigError(f"SGLang state {unsupported} is not supported by kvbridge (only the DSA index K, "
+                          f"'{DSA_STATE}')", field="state_types")  # fmt: skip
+    if not types:
+        return None
+    if types.count(DSA_STATE) != 1:
+        raise ConfigError(f"{types.count(DSA_STATE)} DSA state components, expected one", field="state_types")
+    at = types.index(DSA_STATE)
+    ptrs = list(kv_args.state_data_ptrs[at])
+    lens = list(kv_args.state_data_lens[at])
+    items = list(kv_args.state_item_lens[at])
+    ids = target_ids + draft_ids
+    if not (len(ptrs) == len(lens) == len(items)) or len(ptrs) not in (len(target_ids), len(ids)):
+        raise ConfigError(
+            f"DSA state has {len(ptrs)}/{len(lens)}/{len(items)} ptrs/lens/items for {len(target_ids)} target and "
+            f"{len(draft_ids)} draft layers",
+            field="state_data_ptrs",
+        )
+    kept = [(lid, RawBuffer(p, n, i)) for lid, p, n, i in zip(ids, ptrs, lens, items) if i > 0]
+    if not kept:
+        return None
+    return _pool(INDEX, tuple(lid for lid, _ in kept), [b for _, b in kept], page_size)
+
+
+def _ints(obj: Any, name: str, default: list[int] | None = None) -> list[int]:
+    value = getattr(obj, name, None)
+    if value is None:
+        if default is not None:
+            return list(default)
+        raise ConfigError(f"KVArgs has no {name}", field=name)
+    try:
+        return [int(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"KVArgs.{name} is not a list of integers: {value!r}", field=name) from None
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"KVArgs.{name} must be a positive integer, got {value!r}", field=name)
+    return value
+
+
+def _span(ids: Sequence[int]) -> str:
+    ids = sorted(ids)
+    if ids and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]}"
+    return str(ids)

@@ -1,0 +1,367 @@
+"""Registering kvbridge as SGLang's transfer backend ``kvbridge``: the one place
+that patches SGLang.
+
+SGLang 0.5.23 picks a PD transfer backend with ``--disaggregation-transfer-backend``
+and has no registry for out-of-tree backends. Three things make ``kvbridge`` one:
+
+1. ``TransferBackend`` (``sglang.srt.disaggregation.utils``) is a closed ``Enum``
+   that SGLang builds from the flag (``TransferBackend(name)``, in the scheduler
+   and the bootstrap-server start-up). ``install()`` adds the member
+   ``TransferBackend.KVBRIDGE = "kvbridge"`` the way ``enum`` builds its own
+   members (``_add_member``): afterwards ``TransferBackend("kvbridge")``,
+   ``TransferBackend["KVBRIDGE"]``, iteration, ``len`` and pickling behave as
+   for a built-in member. The members SGLang defines are untouched.
+2. ``get_kv_class`` (same module) maps ``(backend, class type)`` to classes with
+   an if-chain. It is wrapped: ``KVBRIDGE`` gets kvbridge's manager, sender,
+   receiver and bootstrap server (``kvbridge.integrations.sglang.backend``);
+   every other backend, and every ``KVARGS`` request, goes to SGLang's own
+   function. Modules that imported the function by name before ``install()``
+   (``prefill``, ``decode``, ``disagg_service``...) are re-pointed, as SGLang's
+   own ``HookRegistry`` does.
+3. The flag's choices: ``add_disagg_transfer_backend_choices(["kvbridge"])``,
+   SGLang's own extension point (``sglang.srt.arg_groups.choices``).
+
+``install()`` is idempotent. It first checks the installed SGLang: its version
+must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
+``KVBRIDGE_SGLANG_UNTESTED=1`` waives this one check), and every name, signature
+and value kvbridge patches, subclasses or calls must be as in 0.5.23
+(``interface_differences()``). Any difference raises ``SGLangMismatch`` naming
+the SGLang version and each difference; nothing is patched then.
+
+SGLang starts its scheduler, data-parallel and detokenizer processes with
+``spawn``, so a patch made in the launching process does not reach them. Each
+of those processes runs SGLang's plugin loader (``load_plugins()``), which calls
+the functions registered under the entry-point group ``sglang.srt.plugins``;
+kvbridge registers ``plugin()`` there (pyproject.toml), and ``plugin()`` calls
+``install()``. So a host where kvbridge is installed next to SGLang accepts
+``--disaggregation-transfer-backend kvbridge`` in ``sglang serve`` as well as in
+``kvbridge sglang``. ``SGLANG_PLUGINS``, when set, must name ``kvbridge``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from kvbridge import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "kvbridge"  # the value of --disaggregation-transfer-backend
+MEMBER = "KVBRIDGE"  # TransferBackend.KVBRIDGE
+SUPPORTED_VERSIONS = ("0.5.23",)
+UNTESTED_ENV = "KVBRIDGE_SGLANG_UNTESTED"
+_MARK = "__kvbridge_backend__"  # set on the get_kv_class wrapper
+
+_UTILS = "sglang.srt.disaggregation.utils"
+_BASE = "sglang.srt.disaggregation.base.conn"
+_COMMON = "sglang.srt.disaggregation.common.conn"
+_CHOICES = "sglang.srt.arg_groups.choices"
+
+# What kvbridge calls, overrides or subclasses: dotted name -> parameter names.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    f"{_UTILS}.get_kv_class": ("transfer_backend", "class_type"),
+    f"{_BASE}.BaseKVManager.__init__": ("self", "args", "disaggregation_mode", "server_args", "is_mla_backend"),
+    f"{_BASE}.BaseKVManager.register_to_bootstrap": ("self",),
+    f"{_BASE}.BaseKVSender.__init__": ("self", "mgr", "bootstrap_addr", "bootstrap_room",
+                                       "req_has_disagg_prefill_dp_rank"),
+    f"{_BASE}.BaseKVSender.init": ("self", "num_kv_indices", "aux_index"),
+    f"{_BASE}.BaseKVSender.send": ("self", "kv_indices", "state_indices", "num_kv_tokens"),
+    f"{_BASE}.BaseKVSender.poll": ("self",),
+    f"{_BASE}.BaseKVSender.failure_exception": ("self",),
+    f"{_BASE}.BaseKVSender.get_transfer_metric": ("self",),
+    f"{_BASE}.BaseKVSender.pop_decode_prefix_len": ("self",),
+    f"{_BASE}.BaseKVSender.should_send_kv_chunk": ("self", "num_pages", "last_chunk"),
+    f"{_BASE}.BaseKVSender.clear": ("self",),
+    f"{_BASE}.BaseKVSender.abort": ("self",),
+    f"{_BASE}.BaseKVReceiver.__init__": ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
+    f"{_BASE}.BaseKVReceiver.init": ("self", "prefill_dp_rank"),
+    f"{_BASE}.BaseKVReceiver.send_metadata": ("self", "kv_indices", "aux_index", "state_indices",
+                                              "decode_prefix_len", "destination"),
+    f"{_BASE}.BaseKVReceiver.poll": ("self",),
+    f"{_BASE}.BaseKVReceiver.failure_exception": ("self",),
+    f"{_BASE}.BaseKVReceiver.clear": ("self",),
+    f"{_BASE}.BaseKVReceiver.abort": ("self",),
+    f"{_BASE}.BaseKVBootstrapServer.__init__": ("self", "host", "port"),
+    f"{_COMMON}.KVTransferError.__init__": ("self", "bootstrap_room", "failure_reason", "is_from_another_rank"),
+    f"{_UTILS}.MetadataBuffers.get_buf_infos": ("self",),
+    f"{_CHOICES}.add_disagg_transfer_backend_choices": ("iterable",),
+    "sglang.srt.plugins.load_plugins": (),
+    "sglang.cli.serve.serve": ("args", "extra_argv"),
+}  # fmt: skip
+
+# Abstract methods of the base classes kvbridge's classes implement.
+ABSTRACT: dict[str, frozenset[str]] = {
+    f"{_BASE}.BaseKVManager": frozenset({"__init__", "register_to_bootstrap"}),
+    f"{_BASE}.BaseKVSender": frozenset({"__init__", "init", "send", "get_transfer_metric", "poll",
+                                        "failure_exception"}),
+    f"{_BASE}.BaseKVReceiver": frozenset({"__init__", "init", "send_metadata", "poll", "failure_exception"}),
+    f"{_BASE}.BaseKVBootstrapServer": frozenset({"__init__"}),
+}  # fmt: skip
+
+# Enums whose members kvbridge names: dotted name -> {member: value}.
+ENUMS: dict[str, dict[str, Any]] = {
+    f"{_UTILS}.KVClassType": {"KVARGS": "kvargs", "MANAGER": "manager", "SENDER": "sender",
+                              "RECEIVER": "receiver", "BOOTSTRAP_SERVER": "bootstrap_server"},
+    f"{_BASE}.StateType": {"DSA": "dsa"},
+    f"{_BASE}.KVTransferDestination": {"DEVICE": "device"},
+}  # fmt: skip
+KVPOLL = {"Failed": 0, "Bootstrapping": 1, "WaitingForInput": 2, "Transferring": 3, "Success": 4}
+
+# KVArgs fields the translation (kvbridge.integrations.sglang.kvargs) reads.
+KVARGS_FIELDS = (
+    "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids", "kv_cache_dtype_str",
+    "aux_data_ptrs", "aux_data_lens", "aux_item_lens", "state_types", "state_data_ptrs", "state_data_lens",
+    "state_item_lens", "page_size", "pp_rank", "prefill_start_layer", "num_draft_entries", "ib_device", "gpu_id",
+)  # fmt: skip
+
+# MetadataBuffers' constructor: the aux regions follow from these.
+METADATA_INIT = ("self", "size", "hidden_size", "hidden_states_dtype", "max_sampling_mask_tokens",
+                 "max_top_logprobs_num", "custom_mem_pool", "output_dsa_topk_indices_dim", "kv_checksum_enabled")  # fmt: skip
+
+
+class SGLangMismatch(ConfigError):
+    """The installed SGLang is not the version, or does not have the interface,
+    that kvbridge's backend was written for."""
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version ('' when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return ""
+
+
+def installed() -> bool:
+    """Whether ``install()`` has run in this process (every patch in place)."""
+    utils = sys.modules.get(_UTILS)
+    if utils is None:
+        return False
+    member = getattr(utils.TransferBackend, "_member_map_", {}).get(MEMBER)
+    return member is not None and getattr(utils.get_kv_class, _MARK, False)
+
+
+def install(*, allow_untested: bool = False) -> None:
+    """Register kvbridge as SGLang's transfer backend ``kvbridge`` (see the module
+    docstring). Idempotent; raises ``SGLangMismatch`` and patches nothing when the
+    installed SGLang differs from what the backend was written for."""
+    if installed():
+        return
+    version = sglang_version()
+    if not version:
+        raise SGLangMismatch(
+            f"SGLang is not installed; kvbridge's backend supports SGLang {', '.join(SUPPORTED_VERSIONS)} "
+            f"(pip install 'sglang=={SUPPORTED_VERSIONS[-1]}')",
+            field="sglang",
+        )
+    untested = allow_untested or os.environ.get(UNTESTED_ENV, "") not in ("", "0")
+    if version not in SUPPORTED_VERSIONS and not untested:
+        raise SGLangMismatch(
+            f"SGLang {version} is installed; kvbridge's backend is written for SGLang "
+            f"{', '.join(SUPPORTED_VERSIONS)} (set {UNTESTED_ENV}=1 to try it anyway: the interface is still checked)",
+            field="sglang.version",
+        )
+    differences = interface_differences()
+    if differences:
+        raise SGLangMismatch(
+            f"SGLang {version} differs from the interface kvbridge's backend was written for (SGLang "
+            f"{', '.join(SUPPORTED_VERSIONS)}): " + "; ".join(differences),
+            field="sglang.interface",
+        )
+    utils = importlib.import_module(_UTILS)
+    member = _add_member(utils.TransferBackend, MEMBER, BACKEND)
+    _wrap_get_kv_class(utils, member)
+    choices = importlib.import_module(_CHOICES)
+    if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([BACKEND])
+    logger.debug("kvbridge registered as SGLang %s transfer backend %r", version, BACKEND)
+
+
+def plugin() -> None:
+    """SGLang's plugin loader calls this in every SGLang process (entry point
+    ``sglang.srt.plugins: kvbridge``). A mismatch is logged, not raised: SGLang
+    then serves its own backends, and ``--disaggregation-transfer-backend
+    kvbridge`` is refused as an unknown choice after this warning."""
+    try:
+        install()
+    except SGLangMismatch as exc:
+        logger.warning("kvbridge is not registered as an SGLang transfer backend: %s", exc)
+
+
+# -- the interface check ---------------------------------------------------------
+
+
+def interface_differences() -> list[str]:
+    """Every way the installed SGLang differs from the 0.5.23 interface the
+    backend relies on, one phrase each (empty when it matches)."""
+    out: list[str] = []
+    for name, params in SIGNATURES.items():
+        obj, err = _resolve(name)
+        if err:
+            out.append(err)
+            continue
+        found = _params(obj)
+        if found is None:
+            out.append(f"{name} is not a function")
+        elif found != params:
+            out.append(f"{name} takes ({', '.join(found)}), expected ({', '.join(params)})")
+    for name, expected in ABSTRACT.items():
+        cls, err = _resolve(name)
+        if err:
+            out.append(err)
+        elif frozenset(getattr(cls, "__abstractmethods__", ())) != expected:
+            found = sorted(getattr(cls, "__abstractmethods__", ()))
+            out.append(f"{name} has abstract methods {found}, expected {sorted(expected)}")
+    for name, members in ENUMS.items():
+        cls, err = _resolve(name)
+        if err:
+            out.append(err)
+            continue
+        for member, value in members.items():
+            found = getattr(cls, member, None)
+            if getattr(found, "value", None) != value:
+                out.append(f"{name}.{member} is {found!r}, expected value {value!r}")
+    poll, err = _resolve(f"{_BASE}.KVPoll")
+    if err:
+        out.append(err)
+    else:
+        found_poll = {k: getattr(poll, k, None) for k in KVPOLL}
+        if found_poll != KVPOLL:
+            out.append(f"{_BASE}.KVPoll is {found_poll}, expected {KVPOLL}")
+    kvargs, err = _resolve(f"{_BASE}.KVArgs")
+    if err:
+        out.append(err)
+    else:
+        missing = [f for f in KVARGS_FIELDS if f not in getattr(kvargs, "__annotations__", {})]
+        if missing:
+            out.append(f"{_BASE}.KVArgs lacks the fields {missing}")
+    metadata, err = _resolve(f"{_UTILS}.MetadataBuffers.__init__")
+    if err:
+        out.append(err)
+    elif _params(metadata) != METADATA_INIT:
+        out.append(f"{_UTILS}.MetadataBuffers.__init__ takes ({', '.join(_params(metadata) or ())}), "
+                   f"expected ({', '.join(METADATA_INIT)}): the aux regions would not be the ones kvbridge maps")
+    out.extend(_transfer_backend_differences())
+    choices, err = _resolve(f"{_CHOICES}.DISAGG_TRANSFER_BACKEND_CHOICES")
+    if err:
+        out.append(err)
+    elif not isinstance(choices, list):
+        out.append(f"{_CHOICES}.DISAGG_TRANSFER_BACKEND_CHOICES is a {type(choices).__name__}, expected a list")
+    group, err = _resolve("sglang.srt.plugins.GENERAL_PLUGINS_GROUP")
+    if err:
+        out.append(err)
+    elif group != "sglang.srt.plugins":
+        out.append(f"SGLang's plugin entry-point group is {group!r}, expected 'sglang.srt.plugins'")
+    return out
+
+
+def _transfer_backend_differences() -> list[str]:
+    name = f"{_UTILS}.TransferBackend"
+    cls, err = _resolve(name)
+    if err:
+        return [err]
+    if not (isinstance(cls, type) and issubclass(cls, Enum)):
+        return [f"{name} is not an Enum"]
+    out = []
+    if getattr(cls, "_member_type_", None) is not object:
+        out.append(f"{name} mixes in {getattr(cls, '_member_type_', None)!r}; expected a plain Enum")
+    for attr, kind in (("_member_names_", list), ("_member_map_", dict), ("_value2member_map_", dict)):
+        if not isinstance(getattr(cls, attr, None), kind):
+            out.append(f"{name}.{attr} is not a {kind.__name__} (this Python's enum is not the one kvbridge extends)")
+    by_value = getattr(cls, "_value2member_map_", {})
+    existing = by_value.get(BACKEND) if isinstance(by_value, dict) else None
+    if existing is not None and existing.name != MEMBER:
+        out.append(f"{name} already has a member {existing.name} = {BACKEND!r}")
+    if getattr(cls, "MOONCAKE", None) is None:
+        out.append(f"{name} has no MOONCAKE member")
+    return out
+
+
+def _resolve(dotted: str) -> tuple[Any, str]:
+    """The object at a dotted path, importing its module; ``(None, phrase)`` when missing."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError as exc:
+            if cut == 1 or not _is_missing_module(exc, module_name):
+                return None, f"{module_name} does not import ({exc})"
+            continue
+        for i, attr in enumerate(parts[cut:]):
+            if not hasattr(obj, attr):
+                return None, f"{'.'.join(parts[: cut + i + 1])} is missing"
+            obj = getattr(obj, attr)
+        return obj, ""
+    return None, f"{dotted} is missing"
+
+
+def _is_missing_module(exc: ImportError, name: str) -> bool:
+    return isinstance(exc, ModuleNotFoundError) and exc.name is not None and name.startswith(exc.name)
+
+
+def _params(obj: Any) -> tuple[str, ...] | None:
+    if not callable(obj):
+        return None
+    try:
+        return tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+# -- the patches -------------------------------------------------------------------
+
+
+def _add_member(enum_cls: type[Enum], name: str, value: str) -> Enum:
+    """Add ``name = value`` to a plain ``Enum`` after its creation, filling the same
+    tables ``enum`` fills for members it builds (checked by ``interface_differences``)."""
+    existing = enum_cls._member_map_.get(name)
+    if existing is not None:
+        return existing
+    member = object.__new__(enum_cls)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls  # type: ignore[attr-defined]
+    member._sort_order_ = len(enum_cls._member_names_)  # type: ignore[attr-defined]
+    type.__setattr__(enum_cls, name, member)  # EnumType.__setattr__ only refuses re-binding a member
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)  # type: ignore[attr-defined]
+    return member
+
+
+def _wrap_get_kv_class(utils: Any, member: Enum) -> None:
+    original: Callable[..., Any] = utils.get_kv_class
+    if getattr(original, _MARK, False):
+        return
+    kvargs_type = utils.KVClassType.KVARGS
+
+    @functools.wraps(original)
+    def get_kv_class(transfer_backend: Any, class_type: Any) -> Any:
+        if transfer_backend is member and class_type != kvargs_type:
+            from kvbridge.integrations.sglang import backend
+
+            return backend.CLASSES.get(class_type.name)
+        return original(transfer_backend, class_type)
+
+    setattr(get_kv_class, _MARK, True)
+    utils.get_kv_class = get_kv_class
+    # ``from ...utils import get_kv_class`` copied the old function into modules
+    # imported before now; point them at the wrapper.
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if module is utils or not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                setattr(module, attr, get_kv_class)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates or reuses the virtual environment of the SGLang integration tests
+# (.venv-sglang by default; `make test` calls this once, behind a stamp).
+#
+# SGLang 0.5.23 is installed with --no-deps from scripts/sglang-requirements.txt,
+# which pins every package (SGLang's pure-Python dependencies that its
+# disaggregation layer imports, the CUDA build of torch 2.14.1 that SGLang pins,
+# which imports and runs without a GPU, kvbridge's own dependencies with the
+# non-CUDA Mooncake wheel, pytest). Then kvbridge goes in editable, also with
+# --no-deps. No GPU kernels are installed: SGLang cannot serve here, only be
+# imported and driven by the tests.
+#
+# On a 2-core CPU host with the wheels cached: about 2-3 minutes, 6 GB on disk
+# (torch and its CUDA libraries are 5.5 GB of it). Mooncake needs Debian's
+# libibverbs1, which scripts/setup.sh installs.
+set -euo pipefail
+VENV=${SGLANG_VENV:-.venv-sglang}
+PYTHON=${PYTHON:-python3}
+REQUIREMENTS=scripts/sglang-requirements.txt
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+"${PIP[@]}" install --no-deps -r "$REQUIREMENTS"
+"${PIP[@]}" install --no-deps -e .
+# Fail here, not in the tests, if the pinned set no longer imports.
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode",
+             "sglang.srt.server_args", "sglang.srt.plugins", "kvbridge"):
+    importlib.import_module(name)
+PY
