@@ -1,8 +1,9 @@
 """A transfer-engine peer in its own process, for tests that write across processes.
 
-    python _transfer_peer.py NBYTES
+    python _transfer_peer.py NBYTES [ENGINE]     (ENGINE: mooncake, the default, or ipc)
     -> prints {"session": ..., "addr": ..., "nbytes": ...} once its zeroed buffer is registered
     <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
+    <- "zero"        -> "ok" when the buffer is still all zeros, else "mismatch N bytes"
     <- EOF or "exit" -> closes the engine and exits
 """
 
@@ -22,7 +23,8 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 
 def main() -> None:
     nbytes = int(sys.argv[1])
-    engine = create_engine("mooncake", host="127.0.0.1")
+    kind = sys.argv[2] if len(sys.argv) > 2 else "mooncake"
+    engine = create_engine(kind, host="127.0.0.1")
     buf = np.zeros(nbytes, dtype=np.uint8)
     engine.register(*tensor_region(buf))
     print(json.dumps({"session": engine.session_id, "addr": tensor_region(buf)[0], "nbytes": nbytes}), flush=True)
@@ -30,6 +32,9 @@ def main() -> None:
         cmd, *args = line.split()
         if cmd == "check":
             bad = int(np.count_nonzero(buf != pattern(int(args[0]), nbytes)))
+            print("ok" if bad == 0 else f"mismatch {bad} bytes", flush=True)
+        elif cmd == "zero":
+            bad = int(np.count_nonzero(buf))
             print("ok" if bad == 0 else f"mismatch {bad} bytes", flush=True)
         elif cmd == "exit":
             break
