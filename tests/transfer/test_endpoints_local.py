@@ -32,7 +32,8 @@ class Cluster:
     """CP prefill ranks + one decode rank, one LocalFabric, all in this process."""
 
     def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
-                 decode_secret: bytes | None = None, lane_rule: str = "interleaved", **decode_cfg) -> None:
+                 decode_secret: bytes | None = None, lane_rule: str = "interleaved", engine: str = "local",
+                 **decode_cfg) -> None:
         self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
         self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, lane_rule)
         self.aux_schema = aux_schema_of(self.contract)
@@ -41,8 +42,9 @@ class Cluster:
         self.name = name
         self.clients = []
         self.prefill = []
+        self.engine_kind = engine  # "ipc": the same-host engine, host memory in one process
         for rank in range(cp):
-            eng = create_engine("local", fabric=self.fabric)
+            eng = self._engine()
             cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
                                 secret=prefill_secret, lane_rule=lane_rule)
             ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
@@ -56,9 +58,14 @@ class Cluster:
         decode_cfg.setdefault("peer_timeout", 2.0)
         decode_cfg.setdefault("ping_interval", 0.1)
         dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
-        self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
+        self.decode = DecodeEndpoint(dcfg, self._engine(), self.specs, self.dbufs,
                                      self.contract, self._client(url), self.aux, self.aux_schema)
         self.decode.start()
+
+    def _engine(self):
+        if self.engine_kind == "local":
+            return create_engine("local", fabric=self.fabric)
+        return create_engine(self.engine_kind)
 
     def _client(self, url: str) -> BootstrapClient:
         c = BootstrapClient(url)
@@ -111,9 +118,10 @@ def cluster(daemon, request):
         c.close()
 
 
-def test_abort_waits_for_writes_still_in_flight(cluster):
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_abort_waits_for_writes_still_in_flight(cluster, engine):
     """Hard rule 6: pages are not released while a posted write may still land."""
-    c = cluster()
+    c = cluster(engine=engine)
     gate = threading.Event()
     for ep in c.prefill:
         ep.engine.faults.gate = gate  # every write is held in flight until the gate opens
@@ -132,8 +140,9 @@ def test_abort_waits_for_writes_still_in_flight(cluster):
     assert all(s.poll() == KVPoll.Failed and "user cancelled" in s.failure_reason for s in senders)
 
 
-def test_failed_write_fails_the_room_with_the_engine_reason(cluster):
-    c = cluster()
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_failed_write_fails_the_room_with_the_engine_reason(cluster, engine):
+    c = cluster(engine=engine)
     c.prefill[1].engine.faults.fail_batches = {0}
     pages = np.array([1, 2, 3, 4])
     r = c.decode.receiver(2, f"{c.name}-p")
@@ -166,8 +175,9 @@ def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
     assert "aux row in slot 3 carries room" in r.failure_reason and str(room) in r.failure_reason
 
 
-def test_corrupted_page_fails_only_with_the_digest_check(cluster):
-    plain, checked = cluster(cp=1), cluster(cp=1, verify_digest=True)
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_corrupted_page_fails_only_with_the_digest_check(cluster, engine):
+    plain, checked = cluster(cp=1, engine=engine), cluster(cp=1, verify_digest=True, engine=engine)
     results = []
     for c in (plain, checked):
         c.prefill[0].engine.faults.corrupt_batches = {0}
