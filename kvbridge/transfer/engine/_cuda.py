@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 from kvbridge.errors import EngineError
@@ -63,6 +65,17 @@ class Cuda:
     def set_device(self, device: int) -> None:
         self._check(self.rt.cudaSetDevice(ctypes.c_int(device)), f"cudaSetDevice({device})")
 
+    @contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        """``device`` current on this thread (its primary context too), the caller's restored after."""
+        before = ctypes.c_int()
+        self._check(self.rt.cudaGetDevice(ctypes.byref(before)), "cudaGetDevice")
+        self.set_device(device)
+        try:
+            yield
+        finally:
+            self.set_device(before.value)
+
     def pointer_kind(self, ptr: int) -> tuple[str, int]:
         attrs = _PointerAttributes()
         rc = self.rt.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr))
@@ -74,26 +87,27 @@ class Cuda:
         return ("device", attrs.device) if attrs.type == _DEVICE else ("host", -1)
 
     def allocation(self, ptr: int, device: int) -> tuple[int, int]:
-        self.set_device(device)  # the driver call needs the device's primary context current on this thread
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        rc = self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        with self.on_device(device):  # the driver call needs the device's primary context current here
+            rc = self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
         if rc != 0:
             raise EngineError(f"cuMemGetAddressRange({ptr:#x}) failed: CUDA driver error {rc}")
         return int(base.value), int(size.value)
 
     def ipc_handle(self, base: int, device: int) -> bytes:
-        self.set_device(device)
         handle = _IpcHandle()
-        self._check(self.rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)),
-                    f"cudaIpcGetMemHandle({base:#x})")
+        with self.on_device(device):
+            self._check(self.rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)),
+                        f"cudaIpcGetMemHandle({base:#x})")
         return bytes(handle.reserved)
 
     def open_ipc(self, handle: bytes, device: int) -> int:
-        self.set_device(device)
+        """Map a peer's allocation into ``device``'s address space (peer access enabled as needed)."""
         ptr = ctypes.c_void_p()
         h = _IpcHandle()
         h.reserved = handle
-        self._check(self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_PEER), "cudaIpcOpenMemHandle")
+        with self.on_device(device):
+            self._check(self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_PEER), "cudaIpcOpenMemHandle")
         return int(ptr.value)
 
     def close_ipc(self, ptr: int) -> None:

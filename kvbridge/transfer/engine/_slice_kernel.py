@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pieces"])
 def copy_pieces(base_w, base_b, table, num_pieces, WORDS: tl.constexpr, BYTES: tl.constexpr):
     """Program p copies pieces p, p + P, ...; ``table[i] = (source, destination, bytes)``, the two
     addresses as byte offsets from ``base`` (``base_w`` its int32 view, ``base_b`` its uint8 view)."""

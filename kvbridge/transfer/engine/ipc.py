@@ -173,7 +173,7 @@ class IpcEngine(JobEngine):
         self._jobs = JobTable(self._who)
         self._cond = threading.Condition()
         self._queue: deque[_Batch] = deque()  # pump thread: batches to finish, oldest first
-        self._numbers = itertools.count()
+        self._batches = 0  # batches posted so far: the next one's number (what faults count)
         self._closed = False
         self._channel = Channel(self._session, self._on_message, self._on_closed)
         self._pump = threading.Thread(target=self._run, name=f"kvb-ipc-pump-{self._session}", daemon=True)
@@ -182,6 +182,11 @@ class IpcEngine(JobEngine):
     @property
     def session_id(self) -> str:
         return self._session
+
+    @property
+    def batches_posted(self) -> int:
+        """Batches posted so far; the next batch has this number (as ``faults`` count them)."""
+        return self._batches
 
     # ---- memory (target side) ---------------------------------------------------------------
     def register(self, ptr: int, nbytes: int) -> None:
@@ -413,7 +418,8 @@ class IpcEngine(JobEngine):
 
     def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
               device_src: np.ndarray) -> None:
-        number = next(self._numbers)
+        with self._lock:
+            number, self._batches = self._batches, self._batches + 1
         faults = self.faults
         reason = ""
         if number in faults.fail_batches:
