@@ -23,6 +23,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class RigSpec:
     decode_aux: str = "cpu"
     dst_order: str = "lane-major"
     env: dict[str, str] = field(default_factory=dict)
-    log_dir: str = ""
+    log_dir: str = ""  # every rank's log (stderr) goes here; a fresh temporary folder when empty
     poll_s: float = 0.0005  # how often decode polls its room, like an engine's scheduler step
 
     @property
@@ -71,12 +72,13 @@ class RigSpec:
 class Child:
     """A rank in its own process, spoken to in JSON lines; always ``stop()`` it."""
 
-    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str], log_path: Path | None) -> None:
+    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
         self.role = role
-        self.log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.bench.procs", role, json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvbridge.bench.procs", role,
+                                      json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env)
         self.lines: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -98,7 +100,9 @@ class Child:
         except queue.Empty:
             raise KVBridgeError(f"bench {self.role}: no answer within {timeout:.0f}s") from None
         if msg.get("eof"):
-            raise KVBridgeError(f"bench {self.role} exited with {self.proc.wait()}")
+            tail = self.log_path.read_text(errors="replace").splitlines()[-12:]
+            raise KVBridgeError(f"bench {self.role} exited with {self.proc.wait()}; its log ({self.log_path}) ends:\n"
+                                + "\n".join(tail))
         if msg.get("error"):
             raise KVBridgeError(msg["error"])
         return msg
@@ -115,8 +119,7 @@ class Child:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
-        if self.log is not subprocess.DEVNULL:
-            self.log.close()
+        self.log.close()
 
 
 class Rig:
@@ -137,20 +140,19 @@ class Rig:
         env.setdefault("GLOG_minloglevel", "2")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                         env.get("PYTHONPATH", "")) if p)
-        logs = Path(spec.log_dir) if spec.log_dir else None
-        if logs:
-            logs.mkdir(parents=True, exist_ok=True)
+        logs = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-"))
+        logs.mkdir(parents=True, exist_ok=True)
         self.decode: Child | None = None
         self.prefill: list[Child] = []
         try:
             self.decode = Child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
                                            "dst_capacity": self.dst_capacity, "instance": f"bench-decode-{tag}"},
-                                env, logs / f"decode-{tag}.log" if logs else None)
+                                env, logs / f"decode-{tag}.log")
             for rank in range(spec.cp):
                 self.prefill.append(Child("prefill", {**base, "device": spec.device, "aux_device": spec.prefill_aux,
                                                       "src_capacity": self.src_capacity, "cp_rank": rank,
                                                       "instance": self.prefill_instance},
-                                          env, logs / f"prefill-{tag}-cp{rank}.log" if logs else None))
+                                          env, logs / f"prefill-{tag}-cp{rank}.log"))
             ready = self.decode.reply(CHILD_START_S)
             self.session, self.raw_session, self.dst_descs = ready["session"], ready["raw_session"], ready["buffers"]
             for child in self.prefill:

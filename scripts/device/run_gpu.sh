@@ -33,7 +33,7 @@ export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-l
 ldd /tmp/site/mooncake/engine.so | grep -i "not found"
 python3 -c 'from mooncake.engine import TransferEngine; import zmq, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
 if [ "${SKIP_TEST:-0}" != 1 ]; then
-  echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_engine.py -m gpu or ipc}"
+  echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_engine.py}"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS} -q -rs -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | grep -v "^[IWE][0-9]\{4\} " | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -36,8 +36,9 @@ _DEVICE, _MANAGED = 2, 3  # cudaMemoryType
 
 
 class _PointerAttributes(ctypes.Structure):
+    # newer runtimes append reserved words to this struct: room for them, or the call writes past it
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("device_ptr", ctypes.c_void_p),
-                ("host_ptr", ctypes.c_void_p)]
+                ("host_ptr", ctypes.c_void_p), ("reserved", ctypes.c_long * 32)]
 
 
 class _IpcHandle(ctypes.Structure):

@@ -63,7 +63,7 @@ from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, as_int, check_slices, locate
 from kvbridge.transfer.engine.ipc_channel import Channel, Conn
 from kvbridge.transfer.engine.local import Faults
-from kvbridge.transfer.engine.slicecopy import copy_host
+from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class _Batch:
 
 class IpcEngine(JobEngine):
     def __init__(self, *, session: str | None = None, max_slices_per_call: int = 1 << 16, device: int | None = None,
-                 direct_min_bytes: int = 0, copier_options: dict[str, int] | None = None) -> None:
+                 direct_min_bytes: int = DIRECT_MIN_BYTES, copier_options: dict[str, int] | None = None) -> None:
         if max_slices_per_call < 1:
             raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")
         from kvbridge.transfer.engine._cuda import cuda_available
