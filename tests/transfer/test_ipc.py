@@ -231,3 +231,11 @@ def test_copy_host_touches_only_the_slices():
     copy_host(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
               np.array([3], np.uint64))
     assert np.array_equal(np.flatnonzero(buf != 0x11), np.r_[0:3, 10 * PAGE:10 * PAGE + 3])
+
+
+def test_an_ipc_handle_with_zero_bytes_survives_the_ctypes_struct():
+    """CUDA IPC handles are 64 raw bytes, zeros included (a c_char field would cut them at the first zero)."""
+    from kvbridge.transfer.engine._cuda import _IpcHandle
+
+    raw = bytes([7, 0, 0, 9] * 16)
+    assert bytes(_IpcHandle.from_buffer_copy(raw).reserved) == raw

@@ -42,7 +42,8 @@ class _PointerAttributes(ctypes.Structure):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # bytes, not c_char: a c_char array field reads and writes only up to its first NUL byte
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class Cuda:
@@ -61,6 +62,7 @@ class Cuda:
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
+            self.rt.cudaGetLastError()  # reset it: torch would report it at its next kernel launch
             raise EngineError(f"{what} failed: CUDA error {rc} ({self.rt.cudaGetErrorString(rc).decode()})")
 
     def set_device(self, device: int) -> None:
@@ -105,8 +107,9 @@ class Cuda:
     def open_ipc(self, handle: bytes, device: int) -> int:
         """Map a peer's allocation into ``device``'s address space (peer access enabled as needed)."""
         ptr = ctypes.c_void_p()
-        h = _IpcHandle()
-        h.reserved = handle
+        if len(handle) != ctypes.sizeof(_IpcHandle):
+            raise EngineError(f"a CUDA IPC handle is {ctypes.sizeof(_IpcHandle)} bytes, got {len(handle)}")
+        h = _IpcHandle.from_buffer_copy(handle)
         with self.on_device(device):
             self._check(self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_PEER), "cudaIpcOpenMemHandle")
         return int(ptr.value)
