@@ -174,8 +174,45 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
     hs, hd = src.view(-1).cpu().numpy(), dst.view(-1).cpu().numpy()
     out["unaligned_ok"] = all(np.array_equal(hs[a:a + n], hd[b:b + n]) for a, b, n in
                               zip(so.tolist(), do.tolist(), lens.tolist()))
+    out["launch_overhead_us"] = launch_overhead(src, dst, s_addr, d_addr)
     del src, dst, staging, landing
     torch.cuda.empty_cache()
+    return out
+
+
+def launch_overhead(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray) -> dict[str, float]:
+    """Host microseconds (median of 20) to enqueue a copy, and an IPC engine's submit -> DONE with a
+    peer in this process, for 123 slices (a contiguous room: one per layer and pool) and 15,744 slices
+    (an 8K-token room of scattered pages, both ranks)."""
+    import torch
+
+    from kvbridge.transfer.engine import create_engine, tensor_region
+    from kvbridge.transfer.engine.slicecopy import CudaCopier
+
+    out: dict[str, float] = {}
+    copier = CudaCopier(src.device.index or 0)
+    a, b = create_engine("ipc"), create_engine("ipc")
+    try:
+        a.register(*tensor_region(src))
+        b.register(*tensor_region(dst))
+        for n in (123, 15744):
+            length = np.full(n, PAGE_BYTES, np.uint64)
+            launch, engine = [], []
+            for _ in range(20):
+                t = time.perf_counter()
+                copier.launch(s_addr[:n], d_addr[:n], length)
+                launch.append(time.perf_counter() - t)
+                copier.stream.synchronize()
+                t = time.perf_counter()
+                a.write(b.session_id, s_addr[:n], d_addr[:n], length)
+                engine.append(time.perf_counter() - t)
+            out[f"launch_{n}"] = round(float(np.median(launch)) * 1e6, 1)
+            out[f"engine_write_{n}"] = round(float(np.median(engine)) * 1e6, 1)
+            out[f"copy_time_{n}"] = round(n * PAGE_BYTES / 1.0e12 * 1e6, 1)  # at 1 TB/s, for scale
+    finally:
+        a.close()
+        b.close()
+        torch.cuda.synchronize()
     return out
 
 
@@ -265,6 +302,8 @@ def main() -> None:
     ap.add_argument("--alloc", nargs="+", default=["contiguous", "random"], choices=["contiguous", "random"])
     ap.add_argument("--groups", nargs="+", default=["mooncake-nvlink", "ipc"], choices=sorted(GROUPS),
                     help="mooncake-nvlink falls back to mooncake-tcp when it cannot move a room")
+    ap.add_argument("--mooncake-alloc", nargs="+", default=None, choices=["contiguous", "random"],
+                    help="allocations for the Mooncake groups (default: --alloc)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--verify-first", action="store_true", help="check only the first room of each length")
@@ -302,8 +341,9 @@ def main() -> None:
     with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
         for name in args.groups:
             t = time.perf_counter()
+            allocs = args.mooncake_alloc if name.startswith("mooncake") and args.mooncake_alloc else args.alloc
             try:
-                rows = run_group(name, args, url, args.tokens, args.alloc, args.reps)
+                rows = run_group(name, args, url, args.tokens, allocs, args.reps)
                 if name == "mooncake-nvlink" and all(r["kvbridge_gbps"] is None for r in rows):
                     raise RuntimeError(f"no room moved: {rows[0]['kvbridge_failures']}")
             except Exception as exc:  # noqa: BLE001 - reported; nvlink falls back to tcp
@@ -312,7 +352,7 @@ def main() -> None:
                 if name != "mooncake-nvlink":
                     continue
                 name = "mooncake-tcp"  # about 1 GB/s: 128K-token rooms would take most of the run
-                rows = run_group(name, args, url, [t for t in args.tokens if t <= 32768] or args.tokens, args.alloc,
+                rows = run_group(name, args, url, [t for t in args.tokens if t <= 32768] or args.tokens, allocs,
                                  args.reps)
             log(f"# {name}: {time.perf_counter() - t:.0f}s")
             result["rows"] += rows

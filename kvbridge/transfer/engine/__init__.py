@@ -53,7 +53,7 @@ def create_engine(
 ) -> TransferEngine:
     """A started engine. ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0");
     ``fabric`` is for "local" only (a fresh one when omitted). ``max_slices_per_call`` (default
-    1,024; "ipc": 65,536 slices per kernel launch) also caps the slices a Mooncake engine keeps
+    1,024; "ipc": 1,048,576 slices per kernel launch) also caps the slices a Mooncake engine keeps
     in flight per destination session.
 
     "ipc" writes into peers on this host through CUDA IPC, many slices per kernel launch
@@ -63,7 +63,7 @@ def create_engine(
     if kind == "ipc":
         from kvbridge.transfer.engine.ipc import IpcEngine
 
-        return IpcEngine(max_slices_per_call=max_slices_per_call or 1 << 16)
+        return IpcEngine(max_slices_per_call=max_slices_per_call or 1 << 20)
     max_slices_per_call = max_slices_per_call or 1024
     if kind == "local":
         return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)

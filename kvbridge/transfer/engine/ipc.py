@@ -144,7 +144,7 @@ class _Batch:
 
 
 class IpcEngine(JobEngine):
-    def __init__(self, *, session: str | None = None, max_slices_per_call: int = 1 << 16, device: int | None = None,
+    def __init__(self, *, session: str | None = None, max_slices_per_call: int = 1 << 20, device: int | None = None,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, copier_options: dict[str, int] | None = None) -> None:
         if max_slices_per_call < 1:
             raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")
@@ -357,48 +357,61 @@ class IpcEngine(JobEngine):
         if src.size == 0:
             return self._jobs.open(session, 0, 0).handle
         cap = self.max_slices_per_call
-        starts = range(0, src.size, cap)
-        job = self._jobs.open(session, len(starts), int(src.size))
+        cuts = [(a, min(a + cap, src.size)) for a in range(0, src.size, cap)]
+        job = self._jobs.open(session, len(cuts), int(src.size))
         self.stats["writes"] += 1
         self.stats["slices"] += int(src.size)
         self.stats["bytes"] += int(length.sum())
         try:
-            peer = self._resolve(session, dst, length)
+            peer, dst_here, device_dst, used = self._translate(session, dst, length, cuts)
         except EngineError as exc:
             self.stats["refused"] += 1
-            for _ in starts:
+            for _ in cuts:
                 self._jobs.batch_finished(job, f"{exc}: write {job.handle} ({src.size} slices, "
                                                f"{int(length.sum())} bytes), nothing written")
             return job.handle
-        for i, a in enumerate(starts):
-            b = slice(a, a + cap)
-            self._post(job, i, peer, src[b], dst[b], length[b], device_src[b])
+        for i, (a, b) in enumerate(cuts):
+            self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i])
         return job.handle
 
-    def _resolve(self, session: str, dst: np.ndarray, length: np.ndarray) -> Peer:
-        """The peer, once every dst lies in a region it registered (asked again once on a miss)."""
+    def _translate(self, session: str, dst: np.ndarray, length: np.ndarray, cuts: list[tuple[int, int]]
+                   ) -> tuple[Peer, np.ndarray, np.ndarray, list[list[PeerRegion]]]:
+        """Check every dst against the regions the peer registered (its table fetched once more on a
+        miss), map them here, count each batch in flight on its regions: under one lock, so a
+        withdrawal either comes first (the write fails) or waits for these batches."""
         peer = self._peer(session)
-        if self._outside(peer, dst, length) is not None:  # registered since we asked? ask once more
-            peer = self._peer(session, refresh=True)
-        reason = self._outside(peer, dst, length)
-        if reason is not None:
-            raise EngineError(reason, field="dst")
-        return peer
+        for attempt in (0, 1):
+            with self._lock:
+                idx = locate(peer.starts, peer.ends, dst, length)
+                why = self._why_outside(peer, dst, length, idx)
+                if why is None:
+                    per_batch = [self._used(peer, idx[a:b]) for a, b in cuts]
+                    for region in {id(r): r for rs in per_batch for r in rs}.values():
+                        self._open(peer, region)
+                    local = np.array([r.local - r.start for r in peer.regions], dtype=np.int64)
+                    device_dst = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)[idx]
+                    dst_here = (dst.astype(np.int64) + local[idx]).astype(np.uint64)
+                    for regions in per_batch:
+                        for region in regions:
+                            region.inflight += 1
+                    return peer, dst_here, device_dst, per_batch
+            if attempt == 0:  # registered since we asked? ask once more
+                peer = self._peer(session, refresh=True)
+        raise EngineError(why, field="dst")
 
-    def _outside(self, peer: Peer, dst: np.ndarray, length: np.ndarray) -> str | None:
-        """Why a dst slice cannot be written (lock taken here), or None."""
-        with self._lock:
-            return self._why_outside(peer, dst, length, locate(peer.starts, peer.ends, dst, length))
+    @staticmethod
+    def _used(peer: Peer, idx: np.ndarray) -> list[PeerRegion]:
+        return [peer.regions[j] for j in np.flatnonzero(np.bincount(idx, minlength=len(peer.regions))).tolist()]
 
     def _why_outside(self, peer: Peer, dst: np.ndarray, length: np.ndarray, idx: np.ndarray) -> str | None:
+        """Why a dst slice cannot be written, or None (lock held)."""
         bad = np.flatnonzero(idx < 0)
         if bad.size:
             i = int(bad[0])
             return (f"{self._who}: slice {i} destination [{int(dst[i]):#x}, +{int(length[i])}) is outside the "
                     f"memory registered by session {peer.session}")
         if not peer.conn.same_process:
-            for j in np.unique(idx).tolist():
-                r = peer.regions[j]
+            for r in self._used(peer, idx):
                 if r.kind == _HOST:
                     return (f"{self._who}: destination region {r.start:#x}+{r.nbytes} of session {peer.session} is "
                             f"host memory of process {peer.conn.peer_pid}; CUDA IPC reaches device memory only")
@@ -416,34 +429,18 @@ class IpcEngine(JobEngine):
             self._channel.request(peer.conn, {"t": "get"}, CONNECT_TIMEOUT_S)
         return peer
 
-    def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
-              device_src: np.ndarray) -> None:
+    def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst_here: np.ndarray, length: np.ndarray,
+              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion]) -> None:
+        """Launch one batch (translated and counted in flight by _translate) and queue it for the pump."""
         with self._lock:
             number, self._batches = self._batches, self._batches + 1
         faults = self.faults
         reason = ""
         if number in faults.fail_batches:
             keep = (src.size + 1) // 2
-            src, dst, length, device_src = src[:keep], dst[:keep], length[:keep], device_src[:keep]
+            src, dst_here, length = src[:keep], dst_here[:keep], length[:keep]
+            device_src, device_dst = device_src[:keep], device_dst[:keep]
             reason = f"{self._who}: injected failure of batch {number}: write {job.handle} to session {job.session}"
-        with self._lock:  # locate, translate and count in flight atomically with respect to revokes
-            idx = locate(peer.starts, peer.ends, dst, length)
-            why = self._why_outside(peer, dst, length, idx)
-            used = [] if why else [peer.regions[j] for j in np.unique(idx).tolist()]
-            try:
-                for region in used:
-                    self._open(peer, region)
-            except EngineError as exc:
-                why = str(exc)
-            if why is None:
-                local = np.array([r.local - r.start for r in peer.regions], dtype=np.int64)
-                device_dst = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)[idx]
-                dst_here = (dst.astype(np.int64) + local[idx]).astype(np.uint64)
-                for region in used:
-                    region.inflight += 1
-        if why is not None:  # withdrawn between resolve and post: nothing of this batch is written
-            self._jobs.batch_finished(job, f"{why}: write {job.handle} to session {job.session}")
-            return
         batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer,
                        due=time.monotonic() + faults.delay_s, reason=reason)
         batch.held = bool(faults.gate is not None or faults.delay_s > 0)
