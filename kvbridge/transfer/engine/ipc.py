@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 REVOKE_TIMEOUT_S = 30.0
-_GATE_POLL_S = 0.02
 _DEVICE, _HOST = "device", "host"
 _sessions = itertools.count()
 
@@ -443,7 +442,7 @@ class IpcEngine(JobEngine):
             reason = f"{self._who}: injected failure of batch {number}: write {job.handle} to session {job.session}"
         batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer,
                        due=time.monotonic() + faults.delay_s, reason=reason)
-        batch.held = bool(faults.gate is not None or faults.delay_s > 0)
+        batch.held = faults.holding
         num_host = int((~device_src & ~device_dst).sum())
         if num_host:  # copied by the pump thread
             batch.counts["host_slices"] = num_host
@@ -521,14 +520,7 @@ class IpcEngine(JobEngine):
 
     def _hold(self, batch: _Batch) -> bool:
         """Wait until the batch is due and its gate is open, then launch it; False when closed first."""
-        with self._cond:
-            while not self._closed and time.monotonic() < batch.due:
-                self._cond.wait(batch.due - time.monotonic())
-        gate = self.faults.gate
-        while gate is not None and not gate.wait(_GATE_POLL_S):
-            if self._closed:
-                return False
-        if self._closed:
+        if not self.faults.hold(batch.due, self._cond, lambda: self._closed):
             return False
         self._launch(batch)
         return True
