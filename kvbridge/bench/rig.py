@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,8 +141,10 @@ class Rig:
         env.setdefault("GLOG_minloglevel", "2")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                         env.get("PYTHONPATH", "")) if p)
+        self._own_logs = not spec.log_dir  # a temporary folder, removed at close (errors quote the log tail)
         logs = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-"))
         logs.mkdir(parents=True, exist_ok=True)
+        self.log_dir = logs
         self.decode: Child | None = None
         self.prefill: list[Child] = []
         try:
@@ -236,3 +239,5 @@ class Rig:
         for child in [*self.prefill, self.decode]:
             if child is not None:
                 child.stop()
+        if self._own_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
