@@ -78,11 +78,12 @@ class WorkerBase:
                 "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
                 field="engine",
             )
+        # ports first: a port in use is refused before memory is allocated or the rank registers
+        self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
         self.buffers = allocate_buffers(self.specs, self.cfg.pages)
         self.engine = (self.engine_factory or self._create_engine)()
         self.endpoint = self.make_endpoint()
         self.endpoint.start()
-        self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
         ready = {
             "role": self.role,
             "rank": self.cfg.rank_name,
