@@ -132,7 +132,11 @@ class UnknownInstance(BootstrapError):
 
 
 class InstanceIncomplete(BootstrapError):
-    pass
+    """Not every sender rank of the instance registered; ``missing`` lists their labels."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None, **ctx: Any) -> None:
+        self.missing = list(missing or [])
+        super().__init__(message, **ctx)
 
 
 class Unauthorized(BootstrapError):

@@ -92,8 +92,7 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
     elif resp.status_code == 409:
         exc = ContractMismatch(message, diff=[FieldDiff.model_validate(d) for d in body.get("diff") or []])
     elif resp.status_code == 503:
-        exc = InstanceIncomplete(message)
-        exc.missing = list(body.get("missing") or [])  # type: ignore[attr-defined]
+        exc = InstanceIncomplete(message, missing=list(body.get("missing") or []))
     else:
         exc = BootstrapError(message)
     exc.field = body.get("field")  # the server already named it in the message

@@ -269,14 +269,13 @@ class Registry:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
             missing = inst.missing(dp)
             if missing:
-                exc = InstanceIncomplete(
+                raise InstanceIncomplete(
                     f"prefill {inst.name!r} DP group {dp} lacks {len(missing)} sender rank(s): {', '.join(missing[:8])}"
                     + (" ..." if len(missing) > 8 else ""),
+                    missing=missing,
                     room=req.room,
                     rank=who,
                 )
-                exc.missing = missing  # type: ignore[attr-defined]
-                raise exc
             senders = [inst.ranks[inst.by_coords[c]] for c in sender_coords(topo, dp)]
         self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="ok")
         return LookupResponse(
