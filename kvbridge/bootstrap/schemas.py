@@ -13,7 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff
-from kvbridge.bootstrap.topology import AuxDescriptor, OwnerLanePlan, PoolDescriptor, Topology
+from kvbridge.bootstrap.topology import (
+    AuxDescriptor,
+    OwnerLanePlan,
+    PoolDescriptor,
+    Topology,
+)
 
 __all__ = [
     "INSTANCE_PATTERN",
@@ -95,6 +100,8 @@ class RegisterResponse(_Strict):
     fingerprint: str
     lease_ttl_s: float
     replaced: str | None = None  # an earlier registration of the same coordinates
+    # present it (header X-KVBridge-Lease) on heartbeats, deregistration and re-registration
+    lease_secret: str = ""
 
 
 class HeartbeatResponse(_Strict):
@@ -104,7 +111,7 @@ class HeartbeatResponse(_Strict):
 
 class LookupRequest(_Strict):
     prefill_instance: str = Field(pattern=INSTANCE_PATTERN)
-    room: int = Field(ge=0, le=MAX_ROOM)
+    room: int = Field(ge=0, lt=MAX_ROOM + 1)  # exclusive 2**63: a bound a JSON (f64) schema validator holds exactly
     dp_rank: int | None = Field(default=None, ge=0)  # default: room % dp_size
     contract: RuntimeContract
     rank: RankIdentity  # the asking decode rank
