@@ -24,6 +24,7 @@ from typing import Any
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
+from kvbridge.worker.metrics import WorkerMetrics
 from kvbridge.worker.pages import PageAllocator
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs, buffers_nbytes
 
@@ -68,6 +69,7 @@ class WorkerBase:
         self.engine: Any = None
         self.endpoint: Any = None
         self.ops_server: Any = None  # ops.OpsServer once started
+        self.metrics = WorkerMetrics(self)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -80,6 +82,7 @@ class WorkerBase:
             )
         # ports first: a port in use is refused before memory is allocated or the rank registers
         self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
+        metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""
         self.buffers = allocate_buffers(self.specs, self.cfg.pages)
         self.engine = (self.engine_factory or self._create_engine)()
         self.endpoint = self.make_endpoint()
@@ -89,6 +92,7 @@ class WorkerBase:
             "rank": self.cfg.rank_name,
             "pid": os.getpid(),
             "ops": self.ops_server.endpoint,
+            "metrics": metrics_url,
             "session": self.engine.session_id,
             "pool_bytes": buffers_nbytes(self.buffers),
             **self.extra_ready(),
@@ -108,7 +112,8 @@ class WorkerBase:
         )
 
     def close(self) -> None:
-        for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server)):
+        for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server),
+                             ("metrics", self.metrics)):
             if closer is None:
                 continue
             try:
@@ -166,6 +171,7 @@ class WorkerBase:
                 self.tasks[op.room] = self.begin(peer, request_id, op)
             except KVBridgeError as exc:
                 self.counters["rooms_failed"] += 1
+                self.metrics.room_refused(str(exc))
                 reply(peer, request_id, ops.RoomResult(op.room, False, str(exc), self.cfg.rank_name))
 
     def finish(self, task: Task, result: ops.RoomResult) -> None:
@@ -174,6 +180,7 @@ class WorkerBase:
         self.counters["bytes"] += result.num_bytes
         level = logging.DEBUG if result.ok else logging.WARNING
         self.log.log(level, "room %d %s %s", task.room, "ok" if result.ok else "FAILED", result.reason)
+        self.metrics.room_finished(task, result)
         self.ops_server.reply(task.peer, task.request_id, result)
 
     def stats(self) -> dict[str, Any]:

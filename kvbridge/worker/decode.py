@@ -62,7 +62,8 @@ class DecodeWorker(WorkerBase):
             trace=cfg.trace,
         )
         self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None)
+        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
+                                    lease_wait_s=2 * cfg.lease_ttl + 5)
         return DecodeEndpoint(
             dcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_buffer, self.aux_schema
         )

@@ -65,7 +65,8 @@ class PrefillWorker(WorkerBase):
             max_slices_per_call=cfg.max_slices_per_call,
             trace=cfg.trace,
         )
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None)
+        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
+                                    lease_wait_s=2 * cfg.lease_ttl + 5)
         return PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_schema)
 
     def extra_ready(self) -> dict[str, Any]:
@@ -118,6 +119,7 @@ class PrefillWorker(WorkerBase):
         if not pick.any() and not is_last:
             return
         task.sender.send(task.logical[pick], task.local[pick], is_last=is_last, aux=task.aux if is_last else None)
+        task.mark("first_write")  # send() posts at once when decode already asked (first mark wins)
         if is_last:
             task.mark("sent")
 
