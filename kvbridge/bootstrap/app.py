@@ -221,8 +221,9 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     @app.get("/healthz", tags=["operations"])
     async def healthz(request: Request) -> dict[str, Any]:
         n_instances, n_ranks = _registry(request).counts()
+        now = time.time()  # "time": what `kvbridge doctor` compares its clock with
         return {"status": "ok", "version": kvbridge.__version__, "instances": n_instances, "ranks": n_ranks,
-                "uptime_s": round(time.time() - request.app.state.started, 3)}
+                "uptime_s": round(now - request.app.state.started, 3), "time": now}
 
     @app.get("/metrics", response_class=Response, tags=["operations"])
     async def metrics(request: Request) -> Response:

@@ -47,6 +47,7 @@ from kvbridge.bootstrap.schemas import (
     RankIdentity,
     RegisterRequest,
     RegisterResponse,
+    ScratchDescriptor,
 )
 from kvbridge.errors import (
     BootstrapError,
@@ -142,6 +143,7 @@ class BootstrapClient:
         trust_env: bool = False,
         lease_file: str | Path | None = None,
         lease_wait_s: float = 30.0,
+        scratch: ScratchDescriptor | None = None,
     ) -> None:
         if retries < 0 or backoff < 0 or timeout <= 0 or lease_wait_s < 0:
             raise ConfigError("timeout must be positive; retries, backoff and lease_wait_s non-negative", field="retries")
@@ -150,6 +152,7 @@ class BootstrapClient:
         self.backoff = backoff
         self.lease_file = Path(lease_file) if lease_file else None  # one rank per client when set
         self.lease_wait_s = lease_wait_s
+        self.scratch = scratch  # advertised with every registration that names none (kvbridge doctor probes it)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a cluster's HTTP(S)_PROXY must not capture daemon traffic.
         self._http = httpx.Client(
@@ -224,6 +227,8 @@ class BootstrapClient:
     def register(self, request: RegisterRequest, lease_secret: str | None = None) -> Registration:
         """Register a rank; keep the returned ``Registration`` for heartbeats. ``lease_secret``
         (or the one saved in ``lease_file``) replaces this rank's earlier registration at once."""
+        if self.scratch is not None and request.scratch is None:
+            request = request.model_copy(update={"scratch": self.scratch})
         answer = self._register_waiting(request, lease_secret or self._saved_lease(request.rank.label))
         return Registration(request=request, rank_id=answer.rank_id, fingerprint=answer.fingerprint,
                             lease_ttl_s=answer.lease_ttl_s, lease_secret=answer.lease_secret)

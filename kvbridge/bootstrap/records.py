@@ -35,6 +35,7 @@ class RankRecord:
     lease_ttl_s: float
     expires_at: float  # on the registry's monotonic clock
     secret_digest: bytes = b""  # SHA-256 of the lease secret handed out at registration
+    scratch: ScratchDescriptor | None = None
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""
@@ -47,7 +48,7 @@ class RankRecord:
         return RankView(rank_id=self.rank_id, dp_rank=i.dp_rank, cp_rank=i.cp_rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank,
                         control_endpoint=self.control_endpoint, session_id=self.session_id, num_pools=len(self.pools),
                         has_aux=self.aux is not None, lease_ttl_s=self.lease_ttl_s,
-                        lease_remaining_s=round(max(0.0, self.expires_at - now), 3))
+                        lease_remaining_s=round(max(0.0, self.expires_at - now), 3), scratch=self.scratch)
 
 
 @dataclass

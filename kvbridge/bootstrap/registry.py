@@ -170,6 +170,7 @@ class Registry:
                 lease_ttl_s=ttl,
                 expires_at=self._clock() + ttl,
                 secret_digest=secret_digest(secret),
+                scratch=req.scratch,
             )
             inst.ranks[rec.rank_id] = rec
             inst.by_coords[ident.coords] = rec.rank_id

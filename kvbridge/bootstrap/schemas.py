@@ -24,6 +24,7 @@ __all__ = [
     "INSTANCE_PATTERN",
     "MAX_ROOM",
     "RankIdentity",
+    "ScratchDescriptor",
     "RegisterRequest",
     "RegisterResponse",
     "HeartbeatResponse",
@@ -84,6 +85,14 @@ class RankIdentity(_Strict):
         return f"{self.instance}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
 
 
+class ScratchDescriptor(_Strict):
+    """A small registered region that holds no KV: ``kvbridge doctor`` writes a probe into it
+    and reads it back to check that the rank's transfer-engine session answers, both ways."""
+
+    base: int = Field(ge=0, lt=2**64)
+    nbytes: int = Field(ge=16, le=1 << 20)
+
+
 class RegisterRequest(_Strict):
     rank: RankIdentity
     control_endpoint: str = Field(min_length=1, max_length=512, pattern=r"^[a-z][a-z0-9+.-]*://\S+$")
@@ -92,6 +101,7 @@ class RegisterRequest(_Strict):
     aux: AuxDescriptor | None = None
     contract: RuntimeContract
     lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
+    scratch: ScratchDescriptor | None = None
 
 
 class RegisterResponse(_Strict):
@@ -158,6 +168,7 @@ class RankView(_Strict):
     session_id: str
     num_pools: int
     has_aux: bool
+    scratch: ScratchDescriptor | None = None
     lease_ttl_s: float
     lease_remaining_s: float
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
@@ -49,6 +51,9 @@ class Task:
         return time.monotonic() - self.started
 
 
+SCRATCH_BYTES = 4096
+
+
 class WorkerBase:
     role = ""
     room_op: type = ops.Prefill
@@ -70,6 +75,7 @@ class WorkerBase:
         self.endpoint: Any = None
         self.ops_server: Any = None  # ops.OpsServer once started
         self.metrics = WorkerMetrics(self)
+        self.scratch: torch.Tensor | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -85,6 +91,9 @@ class WorkerBase:
         metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""
         self.buffers = allocate_buffers(self.specs, self.cfg.pages)
         self.engine = (self.engine_factory or self._create_engine)()
+        # a region that holds no KV, advertised at registration: `kvbridge doctor` probes it
+        self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8)
+        self.engine.register(self.scratch.data_ptr(), SCRATCH_BYTES)
         self.endpoint = self.make_endpoint()
         self.endpoint.start()
         ready = {
@@ -99,6 +108,16 @@ class WorkerBase:
         }
         self.log.info("%s ready: %s", self.cfg.rank_name, ready)
         return ready
+
+    def bootstrap_client(self) -> Any:
+        """The rank's client of the daemon: its token, lease file and scratch region."""
+        from kvbridge.bootstrap.client import BootstrapClient
+        from kvbridge.bootstrap.schemas import ScratchDescriptor
+
+        cfg = self.cfg
+        scratch = None if self.scratch is None else ScratchDescriptor(base=self.scratch.data_ptr(), nbytes=SCRATCH_BYTES)
+        return BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
+                               lease_wait_s=2 * cfg.lease_ttl + 5, scratch=scratch)
 
     def _create_engine(self) -> Any:
         from kvbridge.transfer.engine import create_engine

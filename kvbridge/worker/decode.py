@@ -45,7 +45,6 @@ class DecodeWorker(WorkerBase):
         self.held: dict[int, Any] = {}  # room -> receiver of a failed room whose pages a write may still reach
 
     def make_endpoint(self) -> Any:
-        from kvbridge.bootstrap.client import BootstrapClient
         from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 
         cfg = self.cfg
@@ -62,8 +61,7 @@ class DecodeWorker(WorkerBase):
             trace=cfg.trace,
         )
         self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
-                                    lease_wait_s=2 * cfg.lease_ttl + 5)
+        bootstrap = self.bootstrap_client()
         return DecodeEndpoint(
             dcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_buffer, self.aux_schema
         )

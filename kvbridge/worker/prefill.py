@@ -44,7 +44,6 @@ class PrefillWorker(WorkerBase):
         self.lanes = OwnerLanes(cfg.cp_size, cfg.lane_rule)
 
     def make_endpoint(self) -> Any:
-        from kvbridge.bootstrap.client import BootstrapClient
         from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 
         cfg = self.cfg
@@ -65,8 +64,7 @@ class PrefillWorker(WorkerBase):
             max_slices_per_call=cfg.max_slices_per_call,
             trace=cfg.trace,
         )
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
-                                    lease_wait_s=2 * cfg.lease_ttl + 5)
+        bootstrap = self.bootstrap_client()
         return PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_schema)
 
     def extra_ready(self) -> dict[str, Any]:
