@@ -10,6 +10,7 @@ from kvbridge.bootstrap.schemas import (
     InstanceView,
     RankIdentity,
     RankView,
+    ScratchDescriptor,
     SenderRank,
 )
 from kvbridge.bootstrap.topology import (
