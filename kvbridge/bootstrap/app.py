@@ -108,6 +108,7 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
             max_mismatches=settings.max_mismatches,
             max_ranks_per_instance=settings.max_ranks_per_instance,
             max_instances=settings.max_instances,
+            pause_grace_s=max(3 * settings.sweep_interval_s, 2.0),  # the sweep runs every sweep_interval_s
         )
         app.state.metrics.gauge_source = app.state.registry.gauges
         app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)

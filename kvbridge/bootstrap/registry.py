@@ -82,6 +82,7 @@ class Registry:
         max_mismatches: int = 100,
         max_ranks_per_instance: int = 1024,
         max_instances: int = 1024,
+        pause_grace_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -91,6 +92,9 @@ class Registry:
         self.max_ranks_per_instance = max_ranks_per_instance
         self.max_instances = max_instances
         self._clock = clock
+        self.pause_grace_s = pause_grace_s  # a gap between two sweeps longer than this is a pause (None: off)
+        self._last_tick = clock()
+        self.pauses = 0
         self._lock = threading.Lock()
         self._instances: dict[str, InstanceRecord] = {}
         self._rank_instance: dict[str, str] = {}  # rank id -> instance name
@@ -106,6 +110,7 @@ class Registry:
 
     def _expire_locked(self) -> int:
         now = self._clock()
+        self._forgive_pause(now)
         if now < self._next_expiry:
             return 0
         dropped = [r for inst in self._instances.values() for r in inst.ranks.values() if r.expires_at <= now]
@@ -118,6 +123,21 @@ class Registry:
         if dropped:
             self.metrics.inc("kvbridge_bootstrap_leases_expired_total", len(dropped))
         return len(dropped)
+
+    def _forgive_pause(self, now: float) -> None:
+        """A daemon that did not run for a while (SIGSTOP, a suspended VM) could not take the
+        heartbeats sent meanwhile: lengthen every lease by the gap rather than expire them all
+        at once on resume. (Longer, never shorter: decode ranks free a dead rank's pages only
+        after its lease is gone, so this errs on the safe side of hard rule 6.)"""
+        gap, self._last_tick = now - self._last_tick, now
+        if self.pause_grace_s is None or gap <= self.pause_grace_s:
+            return
+        ranks = [r for inst in self._instances.values() for r in inst.ranks.values()]
+        for r in ranks:
+            r.expires_at += gap
+        self._next_expiry += gap
+        self.pauses += 1
+        log.warning("the daemon did not run for %.1fs: %d lease(s) lengthened by that much", gap, len(ranks))
 
     def _remove_locked(self, rank_id: str) -> RankRecord:
         inst = self._instances[self._rank_instance.pop(rank_id)]

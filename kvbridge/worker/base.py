@@ -52,6 +52,7 @@ class Task:
 
 
 SCRATCH_BYTES = 4096
+BACKSTOP_GRACE_S = 2.0
 
 
 class WorkerBase:
@@ -122,13 +123,18 @@ class WorkerBase:
     def _create_engine(self) -> Any:
         from kvbridge.transfer.engine import create_engine
 
-        return create_engine(
+        engine = create_engine(
             self.cfg.engine,
             host=self.cfg.host,
             protocol=self.cfg.protocol,
             device=self.cfg.device,
             max_slices_per_call=self.cfg.max_slices_per_call,
         )
+        if self.cfg.chaos_failed_writes:  # testing: SIGUSR1 arms it (runtime.serve)
+            from kvbridge.chaos.engine import FaultyEngine
+
+            engine = FaultyEngine(engine, self.cfg.chaos_failed_writes)
+        return engine
 
     def close(self) -> None:
         for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server),
@@ -159,8 +165,10 @@ class WorkerBase:
         for peer, request_id, op in self.ops_server.receive(timeout):
             self.handle(peer, request_id, op)
         for task in list(self.tasks.values()):
-            if task.age > self.cfg.transfer_timeout and not task.aborting:
-                self.abort(task, f"room exceeded transfer_timeout {self.cfg.transfer_timeout:.1f}s")
+            # a backstop: the endpoint's own deadlines (as long, counted from when it learnt of the room)
+            # fire first and say more (which rank never asked, which pages are missing)
+            if task.age > self.cfg.transfer_timeout + BACKSTOP_GRACE_S and not task.aborting:
+                self.abort(task, f"room exceeded transfer_timeout {self.cfg.transfer_timeout:.1f}s on {self.cfg.rank_name}")
             try:
                 result = self.advance(task)
             except KVBridgeError as exc:

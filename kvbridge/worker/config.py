@@ -120,6 +120,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("transfer_timeout", float, 120.0, "seconds a room may take from its op to its end"),
     Setting("drain_timeout", float, 10.0, "seconds in-flight rooms get to finish on SIGTERM"),
     Setting("verify", parse_bool, True, "verify every received byte against the synthetic KV", DECODE),
+    Setting("peer_timeout", float, 5.0, "seconds a prefill rank may stay silent before its rooms fail", DECODE),
+    Setting("poison_pages", parse_bool, False, "fill released pages with a poison byte and check them before reuse "
+            "(late writes are counted in stats; burn-in and kvbridge chaos)", DECODE),
+    Setting("chaos_failed_writes", int, 0, "testing: on SIGUSR1, fail the next N transfer-engine writes "
+            "(kvbridge chaos; 0: off)"),
     Setting("ready_file", str, "", "write a JSON line with the bound endpoints here once ready"),
     Setting("trace", parse_bool, False, "log every control message and state transition"),
 )
@@ -160,6 +165,9 @@ class WorkerConfig:
     transfer_timeout: float
     drain_timeout: float
     verify: bool
+    peer_timeout: float
+    poison_pages: bool
+    chaos_failed_writes: int
     ready_file: str
     trace: bool
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -272,7 +280,9 @@ def check_config(cfg: WorkerConfig) -> None:
     for name in ("pages", "aux_rows"):  # page ids and aux slots travel as int32
         if getattr(cfg, name) > MAX_PAGES:
             raise ConfigError(f"{name} {getattr(cfg, name)} is over {MAX_PAGES} (page ids are int32)", field=name)
-    for name in ("lease_ttl", "transfer_timeout"):
+    if cfg.chaos_failed_writes < 0:
+        raise ConfigError(f"chaos_failed_writes must be >= 0, got {cfg.chaos_failed_writes}", field="chaos_failed_writes")
+    for name in ("lease_ttl", "transfer_timeout", "peer_timeout"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}", field=name)
     if not cfg.drain_timeout >= 0:

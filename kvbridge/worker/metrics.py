@@ -16,6 +16,7 @@ ends; gauges are read at scrape time.
     kvbridge_worker_writes_in_flight                prefill: engine writes posted, not yet complete
     kvbridge_worker_pages{state}                    pool pages free / owned / held
     kvbridge_worker_control_messages_total{kind}    control channel: malformed / unauthenticated / error replies
+    kvbridge_worker_late_writes_total               decode with --poison-pages: pages written after release
     kvbridge_worker_info{rank,role,instance}        1
 
 Phases, from what the endpoints expose today (the KVSender exposes bytes and slices
@@ -130,13 +131,19 @@ class _Live(Collector):
         pages.add_metric(["held"], w.pages.num_held)
         pages.add_metric(["owned"], w.pages.capacity - w.pages.num_free - w.pages.num_held)
         yield pages
+        poison = getattr(w, "poison", None)
+        if poison is not None:
+            late = CounterMetricFamily("kvbridge_worker_late_writes", "Released pages found written after release "
+                                       "(--poison-pages; hard rule 6).")
+            late.add_metric([], poison.late_writes)
+            yield late
         yield from self._endpoint(w)
 
     @staticmethod
     def _endpoint(w: WorkerBase) -> Iterator[Metric]:
         """Numbers the endpoints keep but do not publish yet (read defensively: an
         endpoint without them just lacks the metric)."""
-        ep, engine = w.endpoint, w.engine
+        ep, engine = w.endpoint, getattr(w.engine, "inner", w.engine)  # through a chaos FaultyEngine
         jobs = getattr(engine, "_jobs", None)
         if w.role == "prefill" and jobs is not None:
             inflight = GaugeMetricFamily("kvbridge_worker_writes_in_flight", "Engine writes posted and not yet complete.")

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
+from kvbridge.bootstrap.metrics import Metrics
+from kvbridge.bootstrap.registry import Registry
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import LeaseHeld, LimitExceeded, Unauthorized
@@ -240,3 +242,19 @@ def test_concurrent_registrations_of_one_rank_keep_exactly_one(start_daemon: Cal
     assert len(winners) == 1 and len(results) == 6
     with BootstrapClient(d.url) as c:
         assert [r.rank_id for r in c.instance("racing").ranks] == [winners[0].rank_id]
+
+
+def test_a_daemon_that_did_not_run_lengthens_leases_instead_of_expiring_them_all(kvb: Any,
+                                                                                 small_contract: RuntimeContract) -> None:
+    """SIGSTOP of the daemon past every lease: on resume its ranks are still there (they could
+    not heartbeat a stopped daemon); a rank that really stopped heartbeating still expires."""
+    now = [100.0]
+    reg = Registry(metrics=Metrics(), pause_grace_s=3.0, clock=lambda: now[0])
+    kept = reg.register(kvb.register_request(small_contract, "paused", lease_ttl_s=1.0))
+    now[0] += 10.0  # the daemon did not run for 10 s
+    assert [i.name for i in reg.instances()] == ["paused"] and reg.pauses == 1
+    for _ in range(5):  # then it runs again, sweeping every 0.5 s, and nobody heartbeats
+        now[0] += 0.5
+        reg.expire()
+    assert reg.instances() == [] and reg.pauses == 1
+    assert kept.lease_secret
