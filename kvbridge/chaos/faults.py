@@ -25,13 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.chaos.cluster import ChaosCluster, Member
+from kvbridge.chaos.names import FAULTS
 from kvbridge.chaos.traffic import Room, Traffic
 
 __all__ = ["FAULTS", "Fault", "FaultResult", "inject"]
 
-TARGETS = ("prefill", "decode", "daemon")
-SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")
-FAULTS: tuple[str, ...] = (*(f"{t} {s}" for t in TARGETS for s in SIGNALS), "engine errors")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvbridge.chaos.faults import FAULTS
+    from kvbridge.chaos.names import FAULTS
 
     p = sub.add_parser(
         "chaos",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvbridge.chaos.engine import INJECTED, FaultyEngine
-from kvbridge.chaos.faults import FAULTS
+from kvbridge.chaos.names import FAULTS
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available
 from kvbridge.worker.poison import POISON_BYTE, PagePoison

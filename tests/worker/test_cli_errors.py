@@ -55,3 +55,12 @@ def test_pool_memory_is_checked_before_allocating() -> None:
         load_config("decode", {"pages": 2**31 - 1}, {})
     assert info.value.field == "pages"
     assert load_config("decode", {"pages": 64}, {}).pages == 64
+
+
+def test_the_command_line_stays_light() -> None:
+    """Every command's parser is built at start-up: none may pull in torch or Mooncake (the
+    bootstrap daemon would carry them for nothing)."""
+    code = ("import sys; from kvbridge.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'mooncake', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
