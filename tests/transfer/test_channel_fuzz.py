@@ -7,10 +7,11 @@ size, so they counted as unauthenticated) were dropped without a word."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgpack
 import zmq
@@ -109,9 +110,9 @@ def collect(sock: zmq.Socket, count: int, decode: Callable[[bytes], object], tim
     return got
 
 
-def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
-    rng = random.Random(10_5)
-    cases = [case for case in (broken(rng) for _ in range(700)) if refused(case[1])][:600]
+@contextlib.contextmanager
+def served() -> Iterator[tuple[ControlServer, Serving, zmq.Socket]]:
+    """A secret-holding server with its loop thread, and a raw DEALER connected to it."""
     server = ControlServer(secret=SECRET, max_bytes=MAX_BYTES)
     loop = Serving(server)
     ctx = zmq.Context()
@@ -119,6 +120,18 @@ def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(server.endpoint)
+        yield server, loop, sock
+    finally:
+        sock.close()
+        ctx.term()
+        loop.stop()
+        server.close()
+
+
+def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
+    rng = random.Random(10_5)
+    cases = [case for case in (broken(rng) for _ in range(700)) if refused(case[1])][:600]
+    with served() as (server, loop, sock):
         for _, frames in cases:
             sock.send_multipart(frames)
         replies = collect(sock, len(cases), lambda data: wire.decode(data, SECRET, max_bytes=MAX_BYTES))
@@ -128,22 +141,11 @@ def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
         assert all(isinstance(r, wire.ErrorReply) and r.reason for r in replies)
         assert sum("over the 4096-byte limit" in r.reason for r in replies) == sum(k == "oversized" for k, _ in cases)
         assert collect(sock, 1, bytes, timeout=0.2) == []  # exactly one reply each
-    finally:
-        sock.close()
-        ctx.term()
-        loop.stop()
-        server.close()
     assert server.stats.unauthenticated == 0 and server.stats.error_replies == len(cases) == loop.errors
 
 
 def test_a_message_not_signed_with_the_secret_is_still_dropped_whatever_its_size() -> None:
-    server = ControlServer(secret=SECRET, max_bytes=MAX_BYTES)
-    loop = Serving(server)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(server.endpoint)
+    with served() as (server, _, sock):
         body = msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "pad": b"p" * (MAX_BYTES + 10)})
         sock.send(msgpack.packb([body, b"\0" * 32]))  # a forged MAC on an oversized message
         sock.send(wire.encode(wire.Ping(decode_rank="d", seq=1), b"another-secret"))
@@ -152,8 +154,3 @@ def test_a_message_not_signed_with_the_secret_is_still_dropped_whatever_its_size
         while server.stats.unauthenticated < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.stats.unauthenticated == 2 and server.stats.error_replies == 0
-    finally:
-        sock.close()
-        ctx.term()
-        loop.stop()
-        server.close()
