@@ -64,7 +64,8 @@ class FaultResult:
     late_writes: int = 0
     writes_in_flight_at_fault: int = 0
     rooms_hung: int = 0
-    reasons: list[str] = field(default_factory=list)  # a sample
+    reasons: list[str] = field(default_factory=list)  # a sample, from the processes that were not at fault
+    own_reasons: list[str] = field(default_factory=list)  # a sample from the faulty process, if it answered
     resources: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -188,6 +189,7 @@ def _account(result: FaultResult, cluster: ChaosCluster, traffic: Traffic, m: Me
     # the surviving side's reasons; the faulty process's own (if it answered at all) need not name itself
     reasons = [reason for r in hit for name, _, reason in r.failures if name != m.name]
     result.reasons = sorted(set(reasons))[:4]
+    result.own_reasons = sorted({reason for r in hit for name, _, reason in r.failures if name == m.name})[:2]
     if reasons:
         result.reason_names_rank = all(_names_target(x, cluster, m) for x in reasons)
         if not result.reason_names_rank:
