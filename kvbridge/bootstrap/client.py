@@ -368,7 +368,10 @@ class LeaseKeeper:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if deregister:
-            self.client.deregister(self.registration)
+            try:
+                self.client.deregister(self.registration)
+            except BootstrapUnavailable as exc:  # shutting down while the daemon is away: the lease expires
+                log.warning("could not deregister %s (its lease will expire): %s", self.registration.rank_id, exc)
 
     @property
     def alive(self) -> bool:

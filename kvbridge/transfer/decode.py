@@ -25,6 +25,7 @@ from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import (
+    BootstrapUnavailable,
     ConfigError,
     ContractMismatch,
     InstanceIncomplete,
@@ -62,6 +63,10 @@ class DecodeConfig:
     ping_interval: float = 0.5
     lease_ttl: float = 10.0
     topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
+    # After a silent prefill rank's lease is gone, its rooms' pages stay held this long more
+    # (unless it acknowledges the abort): a process that was frozen (SIGSTOP, a paused VM)
+    # past its lease still holds queued writes that land the moment it resumes.
+    lease_quarantine: float = 30.0
     lookup_threads: int = 4
     verify_digest: bool = False
     trace: bool = False
@@ -247,6 +252,15 @@ class DecodeEndpoint:
             # a definitive answer: other rooms toward this instance are refused without asking again for a while
             self._book.refusals[r.prefill_instance] = (time.monotonic(), reason, list(exc.diff))
             self._book.refuse(r)
+        elif isinstance(exc, BootstrapUnavailable):
+            # the daemon is down: a topology it gave us before still names live ranks (liveness
+            # pings catch the ones that are not); without one, ask again until the bootstrap timeout
+            stale = self._book.stale(r)
+            r.lookup_problem = str(exc)
+            if stale is not None:
+                self._book.topology_ready(r, stale)
+            else:
+                r.next_lookup = time.monotonic() + 0.25
         elif isinstance(exc, InstanceIncomplete):
             r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
             r.lookup_problem = str(exc)

@@ -4,8 +4,12 @@
 Peer liveness: a prefill rank that has rooms here is pinged every
 ``ping_interval``; any message from it counts as alive. Silent for
 ``peer_timeout`` -> its rooms fail with a reason naming the rank. Its writes are
-assumed to have stopped (the rank counts as quiet, hard rule 6) only once the
-bootstrap daemon no longer lists it (lease expired), checked off the loop thread.
+assumed to have stopped (the rank counts as quiet, hard rule 6) when it acknowledges
+the abort, or once the bootstrap daemon no longer lists it (lease expired, checked off
+the loop thread) *and* ``lease_quarantine`` more seconds have passed: a process frozen
+past its lease (SIGSTOP, a paused VM) still holds queued writes that land when it
+resumes, so an expired lease alone does not free pages. A loop that was itself frozen
+blames no peer for the silence it did not listen to.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Peer:
     seq: int = 0
     dead: str | None = None  # reason once declared dead
     lease_gone: bool = False
+    gone_at: float = 0.0  # when its lease was first seen gone (quarantine starts)
     lease_check_pending: bool = False
     next_lease_check: float = 0.0
     dead_at: float = 0.0
@@ -65,6 +70,7 @@ class RoomBook:
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
         self.dirty: set[int] = set()  # rooms to advance at the next step
         self.next_scan = 0.0
+        self.last_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
@@ -132,6 +138,12 @@ class RoomBook:
         if hit and time.monotonic() - hit[0] < self.cfg.topology_ttl:
             return hit[1].model_copy(update={"room": r.room})
         return None
+
+    def stale(self, r: RecvRoom) -> LookupResponse | None:
+        """The last answer for the room's DP group however old (the daemon is unreachable)."""
+        key = self.lookup_key(r)
+        hit = self.cache.get(key) if key[1] is not None else None
+        return None if hit is None else hit[1].model_copy(update={"room": r.room})
 
     def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
@@ -283,6 +295,12 @@ class RoomBook:
                 if r is not None:
                     self._advance(r, now)
             return
+        if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
+            # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
+            # listened to nothing, so no peer is blamed for the gap
+            for p in self.peers.values():
+                p.last_seen = max(p.last_seen, now)
+        self.last_scan = now
         self.next_scan = now + SCAN_S  # every room: deadlines, retries, pings, liveness, forgetting
         self.dirty.clear()
         for r in list(self.rooms.values()):
@@ -372,7 +390,7 @@ class RoomBook:
             if p.dead is not None:
                 for r in active:
                     self.fail(r, p.dead)
-                if p.lease_gone:
+                if p.lease_gone and now - p.gone_at >= self.cfg.lease_quarantine:
                     for r in active:
                         r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == p.endpoint)
                 elif not p.lease_check_pending and now >= p.next_lease_check:
@@ -398,6 +416,8 @@ class RoomBook:
         self.ep._pool.submit(check)
 
     def _lease_checked(self, p: Peer, gone: bool) -> None:
+        if gone and not p.lease_gone:
+            p.gone_at = time.monotonic()
         p.lease_gone = gone
         p.lease_check_pending = False
         p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while

@@ -121,6 +121,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("drain_timeout", float, 10.0, "seconds in-flight rooms get to finish on SIGTERM"),
     Setting("verify", parse_bool, True, "verify every received byte against the synthetic KV", DECODE),
     Setting("peer_timeout", float, 5.0, "seconds a prefill rank may stay silent before its rooms fail", DECODE),
+    Setting("lease_quarantine", float, 30.0, "seconds a silent prefill rank's pages stay held after its lease "
+            "expired, unless it acknowledges the abort (a frozen process resumes with writes queued)", DECODE),
     Setting("poison_pages", parse_bool, False, "fill released pages with a poison byte and check them before reuse "
             "(late writes are counted in stats; burn-in and kvbridge chaos)", DECODE),
     Setting("chaos_failed_writes", int, 0, "testing: on SIGUSR1, fail the next N transfer-engine writes "
@@ -166,6 +168,7 @@ class WorkerConfig:
     drain_timeout: float
     verify: bool
     peer_timeout: float
+    lease_quarantine: float
     poison_pages: bool
     chaos_failed_writes: int
     ready_file: str
@@ -285,6 +288,8 @@ def check_config(cfg: WorkerConfig) -> None:
     for name in ("lease_ttl", "transfer_timeout", "peer_timeout"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}", field=name)
+    if not cfg.lease_quarantine >= 0:
+        raise ConfigError(f"lease_quarantine must be >= 0 seconds, got {cfg.lease_quarantine}", field="lease_quarantine")
     if not cfg.drain_timeout >= 0:
         raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}", field="drain_timeout")
     for name in ("control_port", "ops_port"):

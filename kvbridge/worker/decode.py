@@ -62,6 +62,7 @@ class DecodeWorker(WorkerBase):
             secret=cfg.secret_bytes,
             transfer_timeout=cfg.transfer_timeout,
             peer_timeout=cfg.peer_timeout,
+            lease_quarantine=cfg.lease_quarantine,
             lease_ttl=cfg.lease_ttl,
             trace=cfg.trace,
         )

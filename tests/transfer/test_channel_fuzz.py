@@ -34,7 +34,7 @@ def valid_map(rng: random.Random) -> dict:
     sample = {"room": 7, "decode_rank": "d0", "session": "127.0.0.1:1", "page_ids": b"\0" * 8, "pools": ["target"],
               "buffers": [["target", 0, 4096, 8, 64]], "aux_base": 0, "aux_capacity": 1, "aux_row_bytes": 8,
               "aux_slot": 0, "num_tokens": 10, "deadline_ms": 100, "want_digest": False, "fingerprint": "f",
-              "num_decode_ranks": 1, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
+              "num_decode_ranks": 1, "decode_rank_id": "r1", "first_page": 0, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
               "digests": None, "ref_type": "ping"}
     return {"v": wire.WIRE_VERSION, "t": tag, **{f: sample[f] for f in wire._FIELDS[wire.MESSAGE_TYPES[tag]]}}
 
@@ -49,7 +49,7 @@ def broken(rng: random.Random) -> tuple[str, list[bytes]]:
     elif kind == "not-a-map":
         body = msgpack.packb(rng.choice([[1, 2, 3], "text", 5, None, [b"a", b"b"]]))
     elif kind == "version":
-        m["v"] = rng.choice([0, 2, "1", None, [1]])
+        m["v"] = rng.choice([0, wire.WIRE_VERSION + 1, str(wire.WIRE_VERSION), None, [1]])
         body = msgpack.packb(m)
     elif kind == "tag":
         m["t"] = rng.choice(["launch", "", 3, None, ["ping"], {"t": 1}])
