@@ -80,10 +80,11 @@ class InstanceRecord:
     ranks: dict[str, RankRecord] = field(default_factory=dict)
     by_coords: dict[Coords, str] = field(default_factory=dict)
 
-    def missing(self, dp_rank: int) -> list[str]:
+    def missing(self, dp_rank: int, coords: list[Coords] | None = None) -> list[str]:
+        """Sender ranks of DP group ``dp_rank`` not registered (``coords``: those one decode rank needs)."""
         return [
             f"{self.name}/dp{d}/cp{c}/tp{t}/pp{p}"
-            for d, c, t, p in sender_coords(self.topology, dp_rank)
+            for d, c, t, p in (coords if coords is not None else sender_coords(self.topology, dp_rank, self.contract))
             if (d, c, t, p) not in self.by_coords
         ]
 
@@ -157,7 +158,8 @@ class Registry:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         ident = req.rank
         fp = fingerprint(req.contract)
-        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions)  # -> 422
+        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions,
+                          tp=(ident.tp_size, ident.tp_rank))  # -> 422
         with self._lock:
             self._expire_locked()
             inst = self._instances.get(ident.instance)
@@ -271,7 +273,9 @@ class Registry:
                 raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
             if dp >= topo.dp_size:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
-            missing = inst.missing(dp)
+            # the senders this decode rank needs: its TP route through the prefill TP group
+            coords = sender_coords(topo, dp, inst.contract, (req.rank.tp_size, req.rank.tp_rank))
+            missing = inst.missing(dp, coords)
             if missing:
                 exc = InstanceIncomplete(
                     f"prefill {inst.name!r} DP group {dp} lacks {len(missing)} sender rank(s): {', '.join(missing[:8])}"
@@ -281,7 +285,7 @@ class Registry:
                 )
                 exc.missing = missing  # type: ignore[attr-defined]
                 raise exc
-            senders = [inst.ranks[inst.by_coords[c]] for c in sender_coords(topo, dp)]
+            senders = [inst.ranks[inst.by_coords[c]] for c in coords]
         self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="ok")
         return LookupResponse(
             instance=inst.name,

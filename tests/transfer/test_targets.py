@@ -49,10 +49,10 @@ def test_a_peer_is_paired_once_and_writes_go_where_it_registered():
     p, src = peer(), bufs(0)
     a = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), p)
     b = target_from_request(request([2, 3], room=2), b"i", SPECS, src, AUX, send_room(), p)
-    assert a.paired is b.paired and a.session == "127.0.0.1:1"
+    assert a.parts is b.parts and a.session == "127.0.0.1:1"
     assert a.aux_dst["room"].at(a.aux_slot) == 1 << 50
     other = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), peer(bufs(1 << 41)))
-    assert other.paired is not a.paired  # another registration is another pairing
+    assert other.parts is not a.parts  # another registration is another pairing
 
 
 def test_a_decode_prefix_skips_pages_and_counts_only_the_rest():
