@@ -98,6 +98,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("page_size", int, 64, "tokens per page"),
     Setting("pages", int, 1024, "capacity of every pool buffer, in pages"),
     Setting("aux_rows", int, 64, "rows of the decode aux buffer (one per in-flight room)", DECODE),
+    # model mode (kvbridge.integrations.transformers; the 'model' extra)
+    Setting("model", str, "", "run a transformers model instead of synthetic KV: tiny-qwen2, tiny-deepseek-v3 or a "
+            "local Hugging Face directory (pools from the model's cache; --preset/--layers/--draft-layers unused). "
+            "CP is simulated: each CP rank runs the whole prompt and stores only the pages it owns (page split, "
+            "ownership, aux row and decode accounting are real, CP attention is not); so is TP: each TP rank runs "
+            "the whole model and stores only its KV heads"),
+    Setting("model_device", str, "cpu", "model mode: where the model runs and its pools live (cpu, cuda:N)"),
+    Setting("model_dtype", str, "float32", "model mode: weights and KV dtype", choices=("float32", "bfloat16")),
+    Setting("threads", int, 1, "model mode: torch intra-op threads (bit-equal logits need the same count and "
+            "device kind on both sides)"),
+    Setting("exchange_dir", str, "", "model mode: a directory shared by the decode ranks of one host (default "
+            "/dev/shm/kvbridge-<instance>): with decode TP > 1 each rank writes its head slices there and TP rank 0 "
+            "gathers them and generates (a stand-in for TP attention); rank 0 writes each room's tokens and logits "
+            "there too", DECODE),
     # transfer engine and network
     Setting("engine", str, "mooncake", "transfer engine", choices=("mooncake", "local")),
     Setting("protocol", str, "tcp", "Mooncake protocol", choices=("tcp", "rdma")),
@@ -140,6 +154,11 @@ class WorkerConfig:
     page_size: int
     pages: int
     aux_rows: int
+    model: str
+    model_device: str
+    model_dtype: str
+    threads: int
+    exchange_dir: str
     engine: str
     protocol: str
     device: str
@@ -258,7 +277,7 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{size} must be >= 1, got {n}", field=size)
         if not 0 <= r < n:
             raise ConfigError(f"{rank} {r} outside [0, {size}={n})", field=rank)
-    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call"):
+    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call", "threads"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}", field=name)
     if cfg.draft_layers < 0:
