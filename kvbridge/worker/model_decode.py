@@ -29,8 +29,10 @@ import numpy as np
 import torch
 
 from kvbridge.errors import ConfigError
+from kvbridge.integrations.transformers.paged import DST_POISON
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker import ops
+from kvbridge.worker.model_pools import ModelPools
 from kvbridge.worker.decode import DecodeTask, DecodeWorker
 
 
@@ -56,32 +58,16 @@ def save_atomic(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class ModelDecodeWorker(DecodeWorker):
+class ModelDecodeWorker(ModelPools, DecodeWorker):
+    pool_fill = DST_POISON
+
     def __init__(self, cfg: Any, engine_factory: Any = None) -> None:
-        self.model_rank: Any = None
         super().__init__(cfg, engine_factory)
         self.exchange = Path(cfg.exchange_dir or f"/dev/shm/kvbridge-{cfg.instance}")
         self.exchange.mkdir(parents=True, exist_ok=True)
         self.rng = np.random.default_rng(1000 + cfg.tp_rank)
 
-    def build_geometry(self) -> tuple[dict, Any, Any]:
-        from kvbridge.integrations.transformers import DST_POISON, ModelRank
-
-        cfg = self.cfg
-        torch.set_num_threads(cfg.threads)
-        self.model_rank = ModelRank(cfg.model, page_size=cfg.page_size, capacity_pages=cfg.pages, fill=DST_POISON,
-                                    tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, lane_rule=cfg.lane_rule,
-                                    dtype=cfg.model_dtype, device=cfg.model_device)
-        return self.model_rank.specs, self.model_rank.contract, self.model_rank.aux_schema
-
-    def allocate_buffers(self) -> dict:
-        if self.cfg.protocol == "rdma" and self.cfg.model_device.startswith("cuda"):
-            self.aux_device = self.cfg.model_device  # NVLink moves device memory only: aux rows there too
-        return self.model_rank.paged.buffers()
-
     def begin(self, peer: bytes, request_id: int, op: ops.Decode) -> ModelDecodeTask:
-        from kvbridge.integrations.transformers import DST_POISON
-
         if op.max_new_tokens < 0:
             raise ConfigError(f"room {op.room}: max_new_tokens must be >= 0", room=op.room, rank=self.cfg.rank_name,
                               field="max_new_tokens")
@@ -127,7 +113,7 @@ class ModelDecodeWorker(DecodeWorker):
 
     def _store_rows(self, task: ModelDecodeTask) -> None:
         """This rank's rows of the room and the poison check past the valid rows."""
-        from kvbridge.integrations.transformers import DST_POISON, read_rows
+        from kvbridge.integrations.transformers import read_rows
 
         rank = self.model_rank
         rows = {k: v.cpu() for k, v in read_rows([rank.geom], [rank.paged], task.page_ids, task.num_tokens).items()}
@@ -174,8 +160,6 @@ class ModelDecodeWorker(DecodeWorker):
                               num_bytes=int(stats.get("bytes", 0)), timings=dict(task.marks))
 
     def _free(self, room: int) -> None:
-        from kvbridge.integrations.transformers import DST_POISON
-
         # poisoned again before reuse (pages held after a failure are not: the next room that
         # takes one reports what a late write left there)
         self.model_rank.paged.fill_pages(self.pages.pages_of(room), DST_POISON)

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.integrations.transformers.paged import SRC_STALE
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker import ops
+from kvbridge.worker.model_pools import ModelPools
 from kvbridge.worker.prefill import PrefillTask, PrefillWorker
 
 
@@ -40,28 +41,14 @@ class ModelPrefillTask(PrefillTask):
     chunk_tokens: int = 0
 
 
-class ModelPrefillWorker(PrefillWorker):
+class ModelPrefillWorker(ModelPools, PrefillWorker):
+    pool_fill = SRC_STALE
+
     def __init__(self, cfg: Any, engine_factory: Any = None) -> None:
-        self.model_rank: Any = None
         super().__init__(cfg, engine_factory)
         self.batches: dict[int, list[ModelPrefillTask]] = {}
         self.batch_sizes: dict[int, int] = {}
         self.rng = np.random.default_rng(cfg.cp_rank * 1009 + cfg.tp_rank)
-
-    def build_geometry(self) -> tuple[dict, Any, Any]:
-        from kvbridge.integrations.transformers import SRC_STALE, ModelRank
-
-        cfg = self.cfg
-        torch.set_num_threads(cfg.threads)
-        self.model_rank = ModelRank(cfg.model, page_size=cfg.page_size, capacity_pages=cfg.pages, fill=SRC_STALE,
-                                    tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, lane_rule=cfg.lane_rule,
-                                    dtype=cfg.model_dtype, device=cfg.model_device)
-        return self.model_rank.specs, self.model_rank.contract, self.model_rank.aux_schema
-
-    def allocate_buffers(self) -> dict:
-        if self.cfg.protocol == "rdma" and self.cfg.model_device.startswith("cuda"):
-            self.aux_device = self.cfg.model_device  # NVLink moves device memory only: aux rows there too
-        return self.model_rank.paged.buffers()
 
     def begin(self, peer: bytes, request_id: int, op: ops.Prefill) -> ModelPrefillTask:
         prompt = self._check_prompt(op)
@@ -141,7 +128,5 @@ class ModelPrefillWorker(PrefillWorker):
         state = task.sender.poll()
         if state not in (KVPoll.Success, KVPoll.Failed):
             return None
-        from kvbridge.integrations.transformers import SRC_STALE
-
         self.model_rank.paged.fill_pages(task.table, SRC_STALE)  # no write from them is in flight any more
         return self._result(task, state)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The model demo on a GPU host (issue 11): with two GPUs prefill on cuda:0 -> decode on cuda:1 over Mooncake
-# NVLink, then both sides on cuda:0 over Mooncake TCP. Run from a copy of this tree in ${KVB:-.} of the
+# NVLink, then both sides on cuda:0 over Mooncake TCP. Run from a copy of this tree in .devcarry/h11 of the
 # checkout the device tool sends, with .whl and .debs carried as for run_gpu.sh:
 #   KVB=.devcarry/h11 bash .devcarry/h11/scripts/device/run_model_gpu.sh   (KVB: where kvbridge is imported from)
 set -u
