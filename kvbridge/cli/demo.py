@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefill TP ranks per CP rank (processes; each stores its KV heads) (default 1)")
     m.add_argument("--batch-size", type=int, default=3, help="requests prefilled together (default 3)")
     m.add_argument("--max-new-tokens", type=int, default=4, help="greedy steps after the first token (default 4)")
-    m.add_argument("--device", default="cpu", help="where every rank and the colocated run compute: cpu or cuda:N")
+    m.add_argument("--device", default="cpu", help="where the prefill ranks compute (and, without --decode-device, the "
+                   "decode ranks and the colocated run): cpu or cuda:N (default cpu)")
     m.add_argument("--decode-device", default="", help="decode ranks' device (and the colocated run's), when not "
                    "--device: e.g. --device cuda:0 --decode-device cuda:1")
     m.add_argument("--transport", choices=("tcp", "nvlink"), default="tcp",

@@ -323,7 +323,9 @@ class KVSender:
 
     @property
     def writes_aux(self) -> bool:
-        """True when this rank owns the last valid token and so writes the aux row (after init)."""
+        """True when this rank's CP rank owns the last valid token: pass the aux row with the last
+        chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
+        it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
         return self._ep._locked(lambda: self._room.owns_last_token)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -104,14 +104,15 @@ SETTINGS: tuple[Setting, ...] = (
             "CP is simulated: each CP rank runs the whole prompt and stores only the pages it owns (page split, "
             "ownership, aux row and decode accounting are real, CP attention is not); so is TP: each TP rank runs "
             "the whole model and stores only its KV heads"),
-    Setting("model_device", str, "cpu", "model mode: where the model runs and its pools live (cpu, cuda:N)"),
+    Setting("model_device", str, "cpu", "model mode: where the model runs and its pools live (cpu, cuda:N); with "
+            "--protocol rdma and MC_INTRANODE_NVLINK=true (Mooncake's NVLink transport) the aux rows too"),
     Setting("model_dtype", str, "float32", "model mode: weights and KV dtype", choices=("float32", "bfloat16")),
     Setting("threads", int, 1, "model mode: torch intra-op threads (bit-equal logits need the same count and "
             "device kind on both sides)"),
     Setting("exchange_dir", str, "", "model mode: a directory shared by the decode ranks of one host (default "
-            "/dev/shm/kvbridge-<instance>): with decode TP > 1 each rank writes its head slices there and TP rank 0 "
-            "gathers them and generates (a stand-in for TP attention); rank 0 writes each room's tokens and logits "
-            "there too", DECODE),
+            "/dev/shm/kvbridge-<instance>): each rank writes each room's rows (its KV heads) there, TP rank 0 gathers "
+            "them when the pools are head-sharded (a stand-in for TP attention) and writes the room's tokens and "
+            "logits; the files stay until their reader (kvbridge demo) removes them", DECODE),
     # transfer engine and network
     Setting("engine", str, "mooncake", "transfer engine", choices=("mooncake", "local")),
     Setting("protocol", str, "tcp", "Mooncake protocol", choices=("tcp", "rdma")),

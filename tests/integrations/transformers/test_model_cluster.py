@@ -95,3 +95,19 @@ def test_the_demo_comparison_catches_one_flipped_byte(tiny, tmp_path):
     save_atomic({"tokens": [dec.tokens[0], dec.tokens[1] + 1, dec.tokens[2]], "logits": dec.logits,
                  "draft_logits": None, "aux": aux}, out_path(tmp_path, 7))
     assert not compare(lm, spec, 0, 7, (pre, dec), ok_reply, tmp_path)["tokens_equal"]
+
+
+def test_a_model_prefill_op_without_its_prompt_is_refused_naming_the_field(model_env):
+    from kvbridge.errors import ConfigError
+    from kvbridge.worker import ops
+    from kvbridge.worker.config import load_config
+    from kvbridge.worker.model_prefill import ModelPrefillWorker
+
+    cfg = load_config("prefill", {"model": "tiny-qwen2", "page_size": 4, "pages": 8}, environ={})
+    worker = ModelPrefillWorker(cfg)  # not started: no endpoint, nothing registered
+    assert worker.specs["k"].num_heads == 2 and worker.contract.pool("k").tp_sharding == "heads"
+    with pytest.raises(ConfigError, match="needs the prompt's 3 token ids") as err:
+        worker.begin(b"peer", 1, ops.Prefill(5, 3))
+    assert err.value.field == "prompt" and err.value.room == 5
+    with pytest.raises(ConfigError, match=r"token ids must be integers in \[0, 256\)"):
+        worker.begin(b"peer", 1, ops.Prefill(5, 2, prompt=[1, 256]))
