@@ -160,7 +160,11 @@ class ModelDecodeWorker(ModelPools, DecodeWorker):
                               num_bytes=int(stats.get("bytes", 0)), timings=dict(task.marks))
 
     def _free(self, room: int) -> None:
-        # poisoned again before reuse (pages held after a failure are not: the next room that
-        # takes one reports what a late write left there)
-        self.model_rank.paged.fill_pages(self.pages.pages_of(room), DST_POISON)
+        self.model_rank.paged.fill_pages(self.pages.pages_of(room), DST_POISON)  # poisoned again before reuse
         super()._free(room)
+
+    def housekeeping(self) -> None:
+        for room, receiver in list(self.held.items()):  # a failed room's pages, once no write can reach them
+            if receiver.pages_releasable:
+                self.model_rank.paged.fill_pages(self.pages.held_pages(room), DST_POISON)
+        super().housekeeping()
