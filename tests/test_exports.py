@@ -46,3 +46,20 @@ def test_import_is_light():
     code = "import sys, kvbridge; print(sorted(m for m in ('torch', 'mooncake', 'fastapi') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_transformers_integration_imports_only_public_names():
+    """Model mode is an integration like any engine's: kvbridge's public API (``kvbridge``,
+    ``kvbridge.layout``) and its own modules, nothing deeper."""
+    import ast
+    from pathlib import Path
+
+    root = Path(kvbridge.__file__).parent / "integrations" / "transformers"
+    allowed = ("kvbridge", "kvbridge.layout", "kvbridge.integrations.transformers")
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name and name.startswith("kvbridge"):
+                    assert name in allowed or name.startswith("kvbridge.integrations.transformers."), (path.name, name)

@@ -63,10 +63,11 @@ class InstanceRecord:
     ranks: dict[str, RankRecord] = field(default_factory=dict)
     by_coords: dict[Coords, str] = field(default_factory=dict)
 
-    def missing(self, dp_rank: int) -> list[str]:
+    def missing(self, dp_rank: int, coords: list[Coords] | None = None) -> list[str]:
+        """Sender ranks of DP group ``dp_rank`` not registered (``coords``: those one decode rank needs)."""
         return [
             f"{self.name}/dp{d}/cp{c}/tp{t}/pp{p}"
-            for d, c, t, p in sender_coords(self.topology, dp_rank)
+            for d, c, t, p in (coords if coords is not None else sender_coords(self.topology, dp_rank, self.contract))
             if (d, c, t, p) not in self.by_coords
         ]
 

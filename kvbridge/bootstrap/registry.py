@@ -156,7 +156,8 @@ class Registry:
     def register(self, req: RegisterRequest, *, lease_secret: str | None = None, admin: bool = False) -> RegisterResponse:
         ident = req.rank
         fp = fingerprint(req.contract)
-        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions)  # BufferSpecError -> 409
+        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions,
+                          tp=(ident.tp_size, ident.tp_rank))  # BufferSpecError -> 409
         secret = new_secret()
         with self._lock:
             self._expire_locked()
@@ -308,7 +309,9 @@ class Registry:
                 raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
             if dp >= topo.dp_size:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
-            missing = inst.missing(dp)
+            # the senders this decode rank needs: its TP route through the prefill TP group
+            coords = sender_coords(topo, dp, inst.contract, (req.rank.tp_size, req.rank.tp_rank))
+            missing = inst.missing(dp, coords)
             if missing:
                 raise InstanceIncomplete(
                     f"prefill {inst.name!r} DP group {dp} lacks {len(missing)} sender rank(s): {', '.join(missing[:8])}"
@@ -317,7 +320,7 @@ class Registry:
                     room=req.room,
                     rank=who,
                 )
-            senders = [inst.ranks[inst.by_coords[c]] for c in sender_coords(topo, dp)]
+            senders = [inst.ranks[inst.by_coords[c]] for c in coords]
         self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="ok")
         return LookupResponse(
             instance=inst.name,

@@ -144,7 +144,9 @@ class SenderRank(_Strict):
 
 
 class LookupResponse(_Strict):
-    """The senders of one room: tp_rank 0 of every (cp_rank, pp_rank) of the chosen DP group."""
+    """The senders of one room to the asking decode rank: for every (cp_rank, pp_rank) of the
+    chosen DP group, the TP ranks of its route (``kvbridge.layout.tp_route``; tp 0 when no
+    pool is head-sharded)."""
 
     instance: str
     room: int

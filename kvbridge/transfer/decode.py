@@ -96,7 +96,8 @@ class DecodeEndpoint:
         if bootstrap is None:
             raise ConfigError("a DecodeEndpoint needs a BootstrapClient: it registers there and looks prefill "
                               "instances up", rank=rank, field="bootstrap")
-        check_against_contract(specs, aux_schema, contract, rank=rank)
+        check_against_contract(specs, aux_schema, contract, rank=rank, tp_size=config.tp_size,
+                               tp_rank=config.tp_rank)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, RoomInUse, UnknownInstance
+from kvbridge.layout import TPRoute, tp_route
 from kvbridge.transfer import wire
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.lifecycle import Stage
@@ -73,6 +74,7 @@ class RoomBook:
         self.last_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
+        self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
         self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self.draining: set[int] = set()  # rooms whose handle let go: forgotten once final and quiet
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
@@ -152,14 +154,26 @@ class RoomBook:
             self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
                          "pipeline-parallel prefill is not supported yet")
             return
+        try:
+            route = self.route(topo.topology.tp_size)
+            r.set_topology(topo, route)
+        except KVBridgeError as exc:
+            self.fail(r, f"prefill instance {r.prefill_instance!r} ({topo.topology.shape}): {exc.reason}")
+            return
         if fresh:
             self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
             self.refusals.pop(topo.instance, None)
             self.dp_sizes[topo.instance] = topo.topology.dp_size
-        r.set_topology(topo)
         r.state.to(KVPoll.WaitingForInput)
         r.bootstrapped.set()
         self.dirty.add(r.room)
+
+    def route(self, prefill_tp: int) -> TPRoute:
+        """Which prefill TP ranks send this rank what (TopologyError when the heads do not split)."""
+        hit = self.routes.get(prefill_tp)
+        if hit is None:
+            hit = self.routes[prefill_tp] = tp_route(self.ep.specs, prefill_tp, self.cfg.tp_size, self.cfg.tp_rank)
+        return hit
 
     def wake_waiting(self, instance: str) -> None:
         self.dirty.update(k for k, r in self.rooms.items()
@@ -182,11 +196,11 @@ class RoomBook:
         self._send_aborts(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
-        for cp in sorted(r.requested - r.quiet - r.abort_sent):
-            s = r.senders[cp]
+        for key in sorted(r.requested - r.quiet - r.abort_sent):
+            s = r.senders[key]
             self.ep.send(s.control_endpoint, wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
                                                         reason=r.state.reason or "aborted"))
-            r.abort_sent.add(cp)
+            r.abort_sent.add(key)
         r.last_abort = time.monotonic()
 
     def unquiet(self) -> bool:
@@ -209,33 +223,35 @@ class RoomBook:
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
             return
         cp = getattr(msg, "cp_rank", None)
-        if cp is not None and (cp not in r.senders or r.senders[cp].control_endpoint != endpoint):
+        key = r.by_endpoint.get(endpoint)  # (cp, tp) of the sender on that connection
+        if cp is not None and (key is None or key[0] != cp):
             self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there")
             return
         try:
-            self._dispatch(r, endpoint, msg)
+            self._dispatch(r, endpoint, key, msg)
         except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
             self.fail(r, str(exc))
         self._maybe_commit(r)
 
-    def _dispatch(self, r: RecvRoom, endpoint: str, msg: Any) -> None:
-        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')} ({endpoint})"
+    def _dispatch(self, r: RecvRoom, endpoint: str, key: tuple[int, int] | None, msg: Any) -> None:
+        tp = f"/tp{key[1]}" if key is not None and key[1] else ""
+        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
         if isinstance(msg, wire.AbortAck):
-            r.quiet.add(msg.cp_rank)
+            r.quiet.add(key)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
-                r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == endpoint)
+                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
             self.fail(r, f"{label} refused our {msg.ref_type}: {msg.reason}")
         elif r.state.final:
             if getattr(msg, "status", "ok") == "failed":
-                r.quiet.add(msg.cp_rank)  # a failure report means its writes have drained
+                r.quiet.add(key)  # a failure report means its writes have drained
         elif isinstance(msg, wire.PagesDone):
             if msg.status == "failed":
-                r.quiet.add(msg.cp_rank)
+                r.quiet.add(key)
                 self.fail(r, f"{label}: {msg.reason}")
                 return
             pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
-            r.ledger.record(msg.cp_rank, msg.pools, pages)
+            r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
             if self.cfg.verify_digest:
                 if msg.digests is None:
                     raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
@@ -243,10 +259,10 @@ class RoomBook:
                 r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
         elif isinstance(msg, wire.AuxDone):
             if msg.status == "failed":
-                r.quiet.add(msg.cp_rank)
+                r.quiet.add(key)
                 self.fail(r, f"{label} could not write the aux row: {msg.reason}")
                 return
-            r.ledger.record_aux(msg.cp_rank)
+            r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
 
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
@@ -342,12 +358,13 @@ class RoomBook:
             self._send_aborts(r)
 
     def _request(self, r: RecvRoom) -> None:
-        """Send the TransferRequest to every CP rank of the prefill DP group."""
+        """Send the TransferRequest to every sender of the prefill DP group: each CP rank, and
+        in it each TP rank of this rank's TP route, for the pools that route takes from it."""
         r.start_ledger(self.pools, self.page_size)
-        for cp, s in sorted(r.senders.items()):
+        for key, s in sorted(r.senders.items()):
             req = wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id,
-                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(self.pools),
+                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(r.route.pools_from(key[1])),
                 aux_slot=r.aux_slot, num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
                 want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
                 num_decode_ranks=self.cfg.tp_size,
@@ -357,7 +374,7 @@ class RoomBook:
                 peer.last_seen = max(peer.last_seen, time.monotonic())
             peer.rooms.add(r.room)
             self.ep.send(s.control_endpoint, req)
-            r.requested.add(cp)
+            r.requested.add(key)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.4f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
@@ -367,7 +384,8 @@ class RoomBook:
         p = self.peers.get(s.control_endpoint)
         revived = p is not None and p.dead is not None and p.last_seen > p.dead_at
         if p is None or p.rank_id != s.rank_id or revived:
-            p = self.peers[s.control_endpoint] = Peer(s.control_endpoint, f"{instance}/cp{s.cp_rank}", s.rank_id,
+            tp = f"/tp{s.tp_rank}" if s.tp_rank else ""
+            p = self.peers[s.control_endpoint] = Peer(s.control_endpoint, f"{instance}/cp{s.cp_rank}{tp}", s.rank_id,
                                                       instance, last_seen=time.monotonic())
         return p
 
@@ -392,7 +410,7 @@ class RoomBook:
                     self.fail(r, p.dead)
                 if p.lease_gone and now - p.gone_at >= self.cfg.lease_quarantine:
                     for r in active:
-                        r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == p.endpoint)
+                        r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == p.endpoint)
                 elif not p.lease_check_pending and now >= p.next_lease_check:
                     self._check_lease(p)
             elif now - p.last_ping >= self.cfg.ping_interval:

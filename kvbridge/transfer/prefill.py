@@ -94,7 +94,8 @@ class PrefillEndpoint:
         if bootstrap is None:
             raise ConfigError("a PrefillEndpoint needs a BootstrapClient: it registers there and reads each decode "
                               "rank's registered buffers from it before writing", rank=rank, field="bootstrap")
-        check_against_contract(specs, aux_schema, contract, rank=rank, lane_rule=config.lane_rule)
+        check_against_contract(specs, aux_schema, contract, rank=rank, lane_rule=config.lane_rule,
+                               tp_size=config.tp_size, tp_rank=config.tp_rank)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)

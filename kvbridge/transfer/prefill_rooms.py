@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, RoomInUse
-from kvbridge.layout import plan_transfer
 from kvbridge.transfer import wire
 from kvbridge.transfer.aux_rows import aux_slices
 from kvbridge.transfer.digest import page_digests
@@ -22,7 +21,7 @@ from kvbridge.transfer.engine import WriteState
 from kvbridge.transfer.lifecycle import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.sender import SendRoom, Target
-from kvbridge.transfer.targets import target_from_request
+from kvbridge.transfer.targets import plan_target, target_from_request
 
 if TYPE_CHECKING:
     from kvbridge.transfer.decode_peers import DecodePeers
@@ -139,7 +138,8 @@ class SendBook:
             return
         try:
             r.set_num_tokens(req.num_tokens, f"decode rank {req.decode_rank}")
-            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r, peer)
+            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r, peer,
+                                         tp=(self.cfg.tp_size, self.cfg.tp_rank))
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self.refuse(ident, req, str(exc))
             return
@@ -147,7 +147,7 @@ class SendBook:
             self.reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
             return
         r.targets[req.decode_rank] = target
-        r.num_expected_targets = req.num_decode_ranks
+        r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
         self.dirty.add(r.room)
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput)
@@ -197,10 +197,10 @@ class SendBook:
             while t.active and t.posted < len(r.chunks):
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
-                with_aux = last_chunk and r.is_last and r.has_aux and not t.aux_posted
+                with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
                 self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux)
                 t.posted += 1
-            if t.active and r.is_last and r.has_aux and not t.aux_posted:
+            if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
                 self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
             r.state.to(KVPoll.Transferring)
@@ -214,9 +214,8 @@ class SendBook:
         try:
             src, dst, length = (), (), ()
             if logical.size:
-                plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, [], logical, local,
-                                     t.dst_pages[logical - t.first_page], r.num_tokens, pools=t.pools, room=r.room,
-                                     rank=self.cfg.rank_label, paired=t.paired)
+                plan = plan_target(self.ep.specs, self.ep.buffers.descs, t, logical, local, r.num_tokens,
+                                   room=r.room, rank=self.cfg.rank_label)
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.errors import ContractMismatch, TransferError, TransferTimeout
-from kvbridge.layout import AuxRow, OwnerLanes, owner_of_last_token
+from kvbridge.errors import ContractMismatch, TopologyError, TransferError, TransferTimeout
+from kvbridge.layout import AuxRow, OwnerLanes, TPRoute, owner_of_last_token
 from kvbridge.transfer.ledger import PageLedger
 from kvbridge.transfer.lifecycle import Life
 from kvbridge.transfer.poll import KVPoll, RoomState
@@ -48,15 +48,17 @@ class RecvRoom:
         self.bootstrapped = threading.Event()  # set once the topology is known or the room failed
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
-        self.senders: dict[int, Any] = {}  # cp_rank -> SenderRank
+        self.senders: dict[tuple[int, int], Any] = {}  # (cp_rank, tp_rank) -> SenderRank
+        self.by_endpoint: dict[str, tuple[int, int]] = {}  # a sender's control endpoint -> (cp_rank, tp_rank)
+        self.route: TPRoute | None = None  # which prefill TP ranks send what to this decode rank
         self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
         self.first_page = 0
         self.aux_slot = -1
         self.num_tokens = 0
         self.ledger: PageLedger | None = None
-        self.requested: set[int] = set()  # cp ranks a TransferRequest went to
-        self.quiet: set[int] = set()  # cp ranks that will write nothing more (hard rule 6)
-        self.abort_sent: set[int] = set()
+        self.requested: set[tuple[int, int]] = set()  # (cp, tp) ranks a TransferRequest went to
+        self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)
+        self.abort_sent: set[tuple[int, int]] = set()
         self.last_abort = 0.0
         self.aux: AuxRow | None = None
         self.aux_regions: dict[str, np.ndarray] | None = None
@@ -87,15 +89,25 @@ class RecvRoom:
             return True
         return self.state.state == KVPoll.Failed and self.requested <= self.quiet
 
-    def set_topology(self, topo: LookupResponse) -> None:
+    def set_topology(self, topo: LookupResponse, route: TPRoute) -> None:
+        """Use a look-up answer: a sender for every CP rank and every TP rank of ``route``."""
+        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
+        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
+        if need - set(senders):
+            cp, tp = min(need - set(senders))
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
+                                f"this decode rank's TP route draws from", room=self.room, field="ranks")
         self.topology = topo
         self.dp_rank = topo.dp_rank
         self.lanes = OwnerLanes(topo.plan.cp_size, topo.plan.rule)
-        self.senders = {r.cp_rank: r for r in topo.ranks}
+        self.route = route
+        self.senders = {key: senders[key] for key in sorted(need)}
+        self.by_endpoint = {s.control_endpoint: key for key, s in self.senders.items()}
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
         aux_owner = owner_of_last_token(self.num_tokens, page_size, self.lanes)
-        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page)
+        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page,
+                                 route=self.route)
 
     def stats(self) -> dict[str, Any]:
         return {

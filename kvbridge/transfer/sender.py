@@ -21,19 +21,27 @@ chunk ends inside is *held* and travels with the chunk that completes it:
           |                     |
      target A: posted 0..n, in flight {handle: pages}, pages done, aux done
      target B: ...
+
+Heterogeneous TP. A target is one decode TP rank; what this prefill TP rank sends
+it follows their TP route (``kvbridge.layout.tp_routes``): whole rows of some
+pools, one head slice of others (``Target.parts``), and the aux row only when this
+is the decode rank's first source (``Target.aux_source``) and this CP rank owns
+the last valid token. Every TP rank of that CP rank passes the aux row to
+``send()``; each writes it only to the decode ranks it is the first source of.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import HeadSlice, OwnerLanes, PoolSpec
 from kvbridge.layout.plan import PairedBuffers
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.lifecycle import Life, Stage
@@ -44,6 +52,18 @@ if TYPE_CHECKING:
     from kvbridge.transfer.prefill import PrefillEndpoint
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TargetPart:
+    """Pools sent to one decode rank the same way: whole rows (``head_slice`` None, planned
+    like any page) or one head slice (``dst_specs``: the decode rank's row widths). Buffers
+    paired with the decode rank's registered ones and checked once."""
+
+    pools: tuple[str, ...]
+    paired: PairedBuffers
+    head_slice: HeadSlice | None = None
+    dst_specs: Mapping[str, PoolSpec] | None = None
 
 
 @dataclass
@@ -60,8 +80,10 @@ class Target:
     aux_slot: int
     deadline: float  # monotonic
     want_digest: bool
-    paired: PairedBuffers  # our buffers paired with the decode rank's registered ones, checked once
+    parts: tuple[TargetPart, ...]  # what of which pools goes to this decode rank (TP route)
     num_expected: int = 0  # owned pages >= first_page: what this target receives
+    aux_source: bool = True  # this TP rank writes the aux row to it (when this CP rank owns the last token)
+    num_decode_targets: int = 1  # decode ranks that draw from this TP rank (each asks for the room)
     created: float = field(default_factory=time.monotonic)
     posted: int = 0  # chunks posted so far
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)
@@ -145,7 +167,7 @@ class SendRoom:
             and not t.inflight
             and t.posted == len(self.chunks)
             and t.num_pages_done == t.num_expected
-            and (t.aux_done or not self.owns_last_token)
+            and (t.aux_done or not (self.owns_last_token and t.aux_source))
         )
 
     # -- engine input ---------------------------------------------------------
@@ -301,7 +323,9 @@ class KVSender:
 
     @property
     def writes_aux(self) -> bool:
-        """True when this rank owns the last valid token and so writes the aux row (after init)."""
+        """True when this rank's CP rank owns the last valid token: pass the aux row with the last
+        chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
+        it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
         return self._ep._locked(lambda: self._room.owns_last_token)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -111,7 +111,7 @@ class TransferRequest(_Message):
     deadline_ms: int
     want_digest: bool
     fingerprint: str
-    num_decode_ranks: int  # decode ranks (attention TP) that each receive the whole room
+    num_decode_ranks: int  # the decode TP size; prefill derives how many decode ranks draw from it (TP route)
 
     def _check(self) -> None:
         _check_pages(self, "page_ids")

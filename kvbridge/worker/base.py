@@ -58,14 +58,13 @@ BACKSTOP_GRACE_S = 2.0
 class WorkerBase:
     role = ""
     room_op: type = ops.Prefill
+    aux_device = "cpu"  # aux rows (prefill staging, decode buffer); device memory for transports that need it
 
     def __init__(self, cfg: WorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
         self.engine_factory = engine_factory  # for in-process workers sharing a local fabric
         self.log = logging.getLogger(f"kvbridge.worker.{self.role}")
-        self.specs = build_specs(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers)
-        self.contract = build_contract(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers, cfg.lane_rule)
-        self.aux_schema = aux_schema_of(self.contract)
+        self.specs, self.contract, self.aux_schema = self.build_geometry()
         self.pages = PageAllocator(cfg.pages)
         self.tasks: dict[int, Task] = {}
         self.counters: Counter[str] = Counter()
@@ -90,7 +89,7 @@ class WorkerBase:
         # ports first: a port in use is refused before memory is allocated or the rank registers
         self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
         metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""
-        self.buffers = allocate_buffers(self.specs, self.cfg.pages)
+        self.buffers = self.allocate_buffers()
         self.engine = (self.engine_factory or self._create_engine)()
         # a region that holds no KV, advertised at registration: `kvbridge doctor` probes it
         self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8)
@@ -221,6 +220,16 @@ class WorkerBase:
             "draining": self.draining,
             **dict(self.counters),
         }
+
+    # ---- what the pools are (model mode overrides both) ----------------------------------
+    def build_geometry(self) -> tuple[dict, Any, Any]:
+        """``(specs, contract, aux schema)`` of the preset."""
+        cfg = self.cfg
+        contract = build_contract(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers, cfg.lane_rule)
+        return build_specs(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers), contract, aux_schema_of(contract)
+
+    def allocate_buffers(self) -> dict:
+        return allocate_buffers(self.specs, self.cfg.pages)
 
     # ---- per role ---------------------------------------------------------------------------
     def make_endpoint(self) -> Any:

@@ -99,6 +99,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("page_size", int, 64, "tokens per page"),
     Setting("pages", int, 1024, "capacity of every pool buffer, in pages"),
     Setting("aux_rows", int, 64, "rows of the decode aux buffer (one per in-flight room)", DECODE),
+    # model mode (kvbridge.integrations.transformers; the 'model' extra)
+    Setting("model", str, "", "run a transformers model instead of synthetic KV: tiny-qwen2, tiny-deepseek-v3 or a "
+            "local Hugging Face directory (pools from the model's cache; --preset/--layers/--draft-layers unused). "
+            "CP is simulated: each CP rank runs the whole prompt and stores only the pages it owns (page split, "
+            "ownership, aux row and decode accounting are real, CP attention is not); so is TP: each TP rank runs "
+            "the whole model and stores only its KV heads"),
+    Setting("model_device", str, "cpu", "model mode: where the model runs and its pools live (cpu, cuda:N); with "
+            "--protocol rdma and MC_INTRANODE_NVLINK=true (Mooncake's NVLink transport) the aux rows too"),
+    Setting("model_dtype", str, "float32", "model mode: weights and KV dtype", choices=("float32", "bfloat16")),
+    Setting("threads", int, 1, "model mode: torch intra-op threads (bit-equal logits need the same count and "
+            "device kind on both sides)"),
+    Setting("exchange_dir", str, "", "model mode: a directory shared by the decode ranks of one host (default "
+            "/dev/shm/kvbridge-<instance>): each rank writes each room's rows (its KV heads) there, TP rank 0 gathers "
+            "them when the pools are head-sharded (a stand-in for TP attention) and writes the room's tokens and "
+            "logits; the files stay until their reader (kvbridge demo) removes them", DECODE),
     # transfer engine and network
     Setting("engine", str, "mooncake", "transfer engine", choices=("mooncake", "local")),
     Setting("protocol", str, "tcp", "Mooncake protocol", choices=("tcp", "rdma")),
@@ -151,6 +166,11 @@ class WorkerConfig:
     page_size: int
     pages: int
     aux_rows: int
+    model: str
+    model_device: str
+    model_dtype: str
+    threads: int
+    exchange_dir: str
     engine: str
     protocol: str
     device: str
@@ -275,7 +295,7 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{size} must be >= 1, got {n}", field=size)
         if not 0 <= r < n:
             raise ConfigError(f"{rank} {r} outside [0, {size}={n})", field=rank)
-    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call"):
+    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call", "threads"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}", field=name)
     if cfg.draft_layers < 0:
@@ -299,6 +319,9 @@ def check_config(cfg: WorkerConfig) -> None:
         raise ConfigError(f"metrics_port {cfg.metrics_port} is not a port (or -1: off)", field="metrics_port")
     if not cfg.bootstrap.startswith(("http://", "https://")):
         raise ConfigError(f"bootstrap URL {cfg.bootstrap!r} must start with http:// or https://", field="bootstrap")
+    if cfg.model and cfg.poison_pages:
+        raise ConfigError("--poison-pages is for synthetic KV: model mode poisons its decode pages itself (checked "
+                          "before use and past the valid rows of every room)", field="poison_pages")
     check_memory(cfg)
 
 
@@ -323,6 +346,8 @@ def memory_total(meminfo: str = "/proc/meminfo") -> int | None:
 def check_memory(cfg: WorkerConfig) -> None:
     """Refuse pools that cannot fit this host before allocating them (an allocation that
     fails half way, or the OOM killer, is a worse message than this one)."""
+    if cfg.model:  # model mode: the pools are the model's cache, known once it is loaded
+        return
     need, have = pool_bytes(cfg), memory_total()
     if have is not None and need > have:
         raise ConfigError(

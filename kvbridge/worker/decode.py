@@ -66,7 +66,8 @@ class DecodeWorker(WorkerBase):
             lease_ttl=cfg.lease_ttl,
             trace=cfg.trace,
         )
-        self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
+        self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8,
+                                      device=self.aux_device)
         bootstrap = self.bootstrap_client()
         return DecodeEndpoint(
             dcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_buffer, self.aux_schema

@@ -6,7 +6,9 @@ ZMQ ROUTER (worker) / DEALER (client), one msgpack map per message:
 
     client -> worker                          worker -> client (same id)
     Prefill(room, num_tokens, chunk_tokens)   RoomResult  when the room succeeded or failed
+      [+ prompt, batch_id, batch_size: model mode]
     Decode(room, num_tokens, prefill_instance) RoomResult
+      [+ max_new_tokens: model mode]
     Stats()                                   StatsReply
     Shutdown()                                Ack         then the worker drains and exits
     anything malformed / refused              OpError(reason)
@@ -40,6 +42,11 @@ class Prefill:
     room: int
     num_tokens: int
     chunk_tokens: int = 0  # 0: one chunk
+    # model mode: the prompt's token ids; ops with the same batch id run as one batch once
+    # batch_size of them arrived (bs > 1: requests share the pools, one writer call per step)
+    prompt: list = field(default_factory=list)
+    batch_id: int = 0
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Decode:
     num_tokens: int
     prefill_instance: str
     prefill_dp_rank: int = 0
+    max_new_tokens: int = 0  # model mode: greedy steps after the first token (TP rank 0 generates)
 
 
 @dataclass(frozen=True)

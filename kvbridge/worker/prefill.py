@@ -63,6 +63,7 @@ class PrefillWorker(WorkerBase):
             lease_ttl=cfg.lease_ttl,
             target_timeout=cfg.transfer_timeout,
             max_slices_per_call=cfg.max_slices_per_call,
+            aux_device=self.aux_device,
             trace=cfg.trace,
         )
         bootstrap = self.bootstrap_client()

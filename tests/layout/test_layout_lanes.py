@@ -105,6 +105,9 @@ def test_public_names_are_pinned():
             "preset_pools", "request_bases", "strip_padding", "valid_row_index",
             # heterogeneous TP (layout/heads.py)
             "HeadGeometry", "HeadSlice", "head_slices", "plan_head_transfer", "rank_heads", "slices_to_send",
+            "pair_head_buffers", "tp_spec",
+            # TP routes: which prefill TP ranks a decode TP rank draws each pool from (layout/tp_routes.py)
+            "TPRoute", "num_drawing", "tp_route",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)
