@@ -47,7 +47,7 @@ def target_from_request(
     dst_pages = wire.unpack_pages(req.page_ids).astype(np.int64)
     if dst_pages.size != num_pages - req.first_page:
         raise LayoutError(f"{dst_pages.size} destination pages for pages [{req.first_page}, {num_pages}) of a request "
-                          f"of {req.num_tokens} tokens", field="page_ids", **ctx)
+                          f"of {num_pages} pages", field="page_ids", **ctx)
     paired = peer.pairing(specs, src_bufs, pools, req.room)  # PairingError: missing layer, page sizes
     lo, hi = (int(dst_pages.min()), int(dst_pages.max())) if dst_pages.size else (0, -1)
     if lo < 0 or hi >= paired.min_dst_capacity:
