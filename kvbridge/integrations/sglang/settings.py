@@ -3,24 +3,8 @@ when a KV manager (or the bootstrap server) starts, here and nowhere else.
 
 From SGLang: the server arguments the manager is given, the rank's place in the
 attention DP x CP x TP grid (``get_parallel()``), the PD environment variables
-it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's own:
-
-    KVBRIDGE_BOOTSTRAP_URL    one bootstrap daemon for the whole cluster (run `kvbridge bootstrap`);
-                              unset: one per prefill instance, which the prefill server starts on
-                              its --disaggregation-bootstrap-port and decode finds at the request's
-                              bootstrap address
-    KVBRIDGE_BOOTSTRAP_TOKEN  the daemon's bearer token (when it has one)
-    KVBRIDGE_INSTANCE         this server's instance name at the daemon. Default, prefill: its
-                              bootstrap address "host:port" (what the router hands decode, so a
-                              cluster daemon resolves it); decode: "sglang-decode-host:port"
-    KVBRIDGE_HOST             the address this rank's transfer engine and control socket use
-                              (default: SGLang's local IP)
-    KVBRIDGE_PROTOCOL         tcp | rdma (default: rdma when --disaggregation-ib-device is set)
-    KVBRIDGE_CONTRACT         a runtime-contract JSON file (`kvbridge contract show --json`) used
-                              instead of the one built from SGLang's pools; it is checked against them
-    KVBRIDGE_HIDDEN_DTYPE     dtype of the carried hidden state (default: --dtype, else bfloat16)
-    KVBRIDGE_LEASE_TTL, KVBRIDGE_PEER_TIMEOUT   seconds (defaults 10 and 5)
-    KVBRIDGE_SECRET           control-channel HMAC secret, the same on every server
+it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
+own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 
 What kvbridge does not support is refused here, naming the flag: pipeline-parallel
 prefill, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
@@ -45,6 +29,22 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
                                               "KVBRIDGE_INSTANCE", "KVBRIDGE_HOST")  # fmt: skip
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
+ENVIRONMENT = (
+    (ENV_URL, "one bootstrap daemon for the whole cluster (`kvbridge bootstrap`); unset: each prefill server "
+              "starts one on its --disaggregation-bootstrap-port, and decode finds it at the request's bootstrap "
+              "address"),
+    (ENV_TOKEN, "the daemon's bearer token, when it has one"),
+    (ENV_INSTANCE, "this server's instance name at the daemon; default, prefill: its bootstrap address host:port "
+                   "(what the router hands decode: a cluster daemon resolves it); decode: sglang-decode-host:port"),
+    (ENV_HOST, "the address this rank's transfer engine and control socket use (default: SGLang's local IP)"),
+    (ENV_PROTOCOL, "tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
+    (ENV_CONTRACT, "a runtime-contract JSON file to use instead of the one built from SGLang's pools (checked "
+                   "against them)"),
+    (ENV_HIDDEN, "dtype of the carried hidden state (default: --dtype, else bfloat16)"),
+    (ENV_LEASE, "lease of a rank at the daemon, seconds (default 10)"),
+    (ENV_PEER, "silence after which a peer rank counts as dead, seconds (default 5)"),
+    (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+)
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
