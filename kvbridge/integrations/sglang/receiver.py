@@ -24,43 +24,24 @@ the KV's own pages (hard rule 3); anything else fails the room, naming it.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransferDestination, StateType
-from sglang.srt.disaggregation.common.conn import KVTransferError
 
-from kvbridge import KVBridgeError, KVReceiver, RoomInUse
-
-log = logging.getLogger(__name__)
+from kvbridge import KVBridgeError
+from kvbridge.integrations.sglang.handles import RoomHandle
 
 
-class KVBridgeKVReceiver(BaseKVReceiver):
+class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
+    role = "decode"
+
     def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None) -> None:
-        self.kv_mgr = mgr
+        self._start(mgr, int(bootstrap_room or 0))
         self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = int(bootstrap_room or 0)
-        self.conclude_state: int | None = None
         self.require_staging = False
         self.abort_notified = False
-        self._handle: KVReceiver | None = None
-        self._failure: str | None = None
         self._prefill_dp_rank: int | None = None
-        self._retry_until = 0.0  # a draining room id: receiver() is retried from poll() until then
-
-    @property
-    def label(self) -> str:
-        return self.kv_mgr.settings.label
-
-    def fail(self, reason: str) -> None:
-        """Fail the request on this rank with ``reason``; its prefill ranks are told to stop."""
-        if self._failure is None:
-            self._failure = reason
-            log.warning("room %d on %s: %s", self.bootstrap_room, self.label, reason)
-        if self._handle is not None:
-            self._handle.abort(reason)
 
     # -- SGLang's calls -------------------------------------------------------------------
 
@@ -76,18 +57,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):
             self.fail(f"no kvbridge prefill instance known at bootstrap address {self.bootstrap_addr}")
             return
         ep, instance = found
-        try:
-            self._handle = ep.receiver(self.bootstrap_room, instance, self._prefill_dp_rank)
-            self._retry_until = 0.0
-        except RoomInUse as exc:
-            if not exc.draining:
-                self.fail(str(exc))
-            elif not self._retry_until:
-                self._retry_until = time.monotonic() + self.kv_mgr.settings.bootstrap_timeout
-            elif time.monotonic() > self._retry_until:
-                self.fail(f"{exc} (still draining after {self.kv_mgr.settings.bootstrap_timeout:.0f}s)")
-        except KVBridgeError as exc:
-            self.fail(str(exc))
+        self._open_with(lambda: ep.receiver(self.bootstrap_room, instance, self._prefill_dp_rank))
 
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None,
                       decode_prefix_len: Any = None, destination: Any = KVTransferDestination.DEVICE) -> None:  # fmt: skip
@@ -118,14 +88,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         except KVBridgeError as exc:
             self.fail(str(exc))
 
-    def poll(self) -> int:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        if self._handle is None:
-            if self._retry_until and self._failure is None:
-                self._open()
-            if self._handle is None:
-                return int(KVPoll.Failed if self._failure is not None else KVPoll.Bootstrapping)
+    def _room_state(self) -> int:
         state = self._handle.poll()
         if state == KVPoll.Failed and not self._handle.pages_releasable:
             return int(KVPoll.Transferring)  # a write may still land in these pages (hard rule 6)
@@ -135,19 +98,3 @@ class KVBridgeKVReceiver(BaseKVReceiver):
     def pages_releasable(self) -> bool:
         """True when no write of this room can land in its pages any more."""
         return self._handle is None or self._handle.pages_releasable
-
-    def failure_exception(self) -> None:
-        reason = self._failure or (self._handle.failure_reason if self._handle is not None else None)
-        self.conclude_state = int(KVPoll.Failed)
-        self.clear()
-        if reason is None:
-            raise KVTransferError(self.bootstrap_room, f"failed on another rank (kvbridge decode rank {self.label} "
-                                  "itself did not fail)", is_from_another_rank=True)  # fmt: skip
-        raise KVTransferError(self.bootstrap_room, f"kvbridge decode rank {self.label}: {reason}")
-
-    def abort(self) -> None:
-        self.fail("aborted by SGLang (AbortReq)")
-
-    def clear(self) -> None:
-        if self._handle is not None:
-            self._handle.close()

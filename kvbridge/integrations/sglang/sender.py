@@ -31,29 +31,23 @@ own abort and raises from ``failure_exception`` like every rank.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
-from sglang.srt.disaggregation.common.conn import KVTransferError
 
-from kvbridge import KVBridgeError, KVSender, LayoutError, RoomInUse
-
-log = logging.getLogger(__name__)
+from kvbridge import KVBridgeError, LayoutError
+from kvbridge.integrations.sglang.handles import RoomHandle
 
 
-class KVBridgeKVSender(BaseKVSender):
+class KVBridgeKVSender(RoomHandle, BaseKVSender):
+    role = "prefill"
+    idle_state = KVPoll.Success  # a rank without an endpoint: what its peers report decides (MIN)
+
     def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
-        self.kv_mgr = mgr
-        self.bootstrap_room = int(bootstrap_room)
+        self._start(mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
-        self.conclude_state: int | None = None
-        self._handle: KVSender | None = None
-        self._failure: str | None = None
-        self._retry_until = 0.0  # a draining room id: ep.sender() is retried from poll() until then
         self._num_pages: int | None = None
         self._aux_index: int | None = None
         self._pages_given = 0
@@ -67,31 +61,8 @@ class KVBridgeKVSender(BaseKVSender):
         elif mgr.endpoint is not None:
             self._open()
 
-    @property
-    def label(self) -> str:
-        return self.kv_mgr.settings.label
-
     def _open(self) -> None:
-        try:
-            self._handle = self.kv_mgr.endpoint.sender(self.bootstrap_room)
-            self._retry_until = 0.0
-        except RoomInUse as exc:
-            if not exc.draining:
-                self.fail(str(exc))
-            elif not self._retry_until:
-                self._retry_until = time.monotonic() + self.kv_mgr.settings.bootstrap_timeout
-            elif time.monotonic() > self._retry_until:
-                self.fail(f"{exc} (still draining after {self.kv_mgr.settings.bootstrap_timeout:.0f}s)")
-        except KVBridgeError as exc:
-            self.fail(str(exc))
-
-    def fail(self, reason: str) -> None:
-        """Fail the request on this rank with ``reason`` (kvbridge stops its writes first)."""
-        if self._failure is None:
-            self._failure = reason
-            log.warning("room %d on %s: %s", self.bootstrap_room, self.label, reason)
-        if self._handle is not None:
-            self._handle.abort(reason)
+        self._open_with(lambda: self.kv_mgr.endpoint.sender(self.bootstrap_room))
 
     # -- SGLang's calls -------------------------------------------------------------------
 
@@ -145,10 +116,10 @@ class KVBridgeKVSender(BaseKVSender):
             if off.size:
                 i = int(off[0])
                 raise LayoutError(f"KV cache sharding: page id {int(pages[i])} of position {int(positions[i])} lies "
-                                    f"on shard rank {int(pages[i] % shard)}, not the position's lane "
-                                    f"{int(positions[i] % shard)} (kvbridge's interleaved owner lanes need the "
-                                    "allocator's round-robin to start at rank 0)", room=self.bootstrap_room,
-                                    rank=self.label, field="kv_indices")
+                                  f"on shard rank {int(pages[i] % shard)}, not the position's lane "
+                                  f"{int(positions[i] % shard)} (kvbridge's interleaved owner lanes need the "
+                                  "allocator's round-robin to start at rank 0)", room=self.bootstrap_room,
+                                  rank=self.label, field="kv_indices")
             return positions[mine], pages[mine] // shard
         return positions[mine], pages[mine]
 
@@ -166,34 +137,6 @@ class KVBridgeKVSender(BaseKVSender):
                       "kvbridge moves index K with the KV's page mapping (hard rule 3)")
             return False
         return True
-
-    def poll(self) -> int:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        if self._handle is None:
-            if self._retry_until and self._failure is None:
-                self._open()
-                if self._handle is None and self._failure is None:
-                    return int(KVPoll.Bootstrapping)
-            if self._handle is None:
-                return int(KVPoll.Failed if self._failure is not None else KVPoll.Success)
-        return int(self._handle.poll())
-
-    def failure_exception(self) -> None:
-        reason = self._failure or (self._handle.failure_reason if self._handle is not None else None)
-        self.conclude_state = int(KVPoll.Failed)
-        self.clear()
-        if reason is None:
-            raise KVTransferError(self.bootstrap_room, f"failed on another rank (kvbridge prefill rank {self.label} "
-                                  "itself did not fail)", is_from_another_rank=True)  # fmt: skip
-        raise KVTransferError(self.bootstrap_room, f"kvbridge prefill rank {self.label}: {reason}")
-
-    def abort(self) -> None:
-        self.fail("aborted by SGLang (AbortReq)")
-
-    def clear(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
 
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._handle is None:
