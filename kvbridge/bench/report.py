@@ -8,6 +8,7 @@ from typing import Any
 
 COLUMNS = (
     ("cp", "cp", "{:>3}"),
+    ("alloc", "alloc", "{:>10}"),
     ("tokens", "tokens", "{:>7}"),
     ("MB", "bytes", "{:>9.1f}"),
     ("kvb slices", "kvbridge_slices", "{:>10}"),
@@ -15,8 +16,10 @@ COLUMNS = (
     ("plan ms", "plan_ms", "{:>8.2f}"),
     ("kvb GB/s", "kvbridge_gbps", "{:>9.3f}"),
     ("raw GB/s", "raw_gbps", "{:>9.3f}"),
+    ("engine GB/s", "engine_gbps", "{:>11.3f}"),
     ("memcpy GB/s", "memcpy_gbps", "{:>11.2f}"),
     ("kvb p50 ms", "kvbridge_p50_ms", "{:>10.1f}"),
+    ("raw p50 ms", "raw_p50_ms", "{:>10.1f}"),
     ("kvb p99 ms", "kvbridge_p99_ms", "{:>10.1f}"),
     ("vs raw", "ratio_vs_raw", "{:>7.2f}"),
     ("vs memcpy", "ratio_vs_memcpy", "{:>9.3f}"),
@@ -42,7 +45,7 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for row in rows:
         for reason in row["verify_errors"] + row["kvbridge_failures"]:
             lines.append(f"cp={row['cp']} tokens={row['tokens']}: {reason}")
-    goal = [r for r in rows if r["tokens"] >= 8192]
+    goal = [r for r in rows if r["tokens"] >= 8192 and r.get("ratio_vs_raw")]
     if goal:
         worst = min(r["ratio_vs_raw"] for r in goal)
         ideal = all(r["kvbridge_slices"] == r["ideal_slices"] for r in rows)
@@ -56,14 +59,15 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def _sample(key: str) -> Any:
-    return 0 if key != "ok" else "yes"
+    return {"ok": "yes", "alloc": "contiguous"}.get(key, 0)
 
 
 def _describe(meta: dict[str, Any]) -> str:
     text = (
         f"kvbridge bench: {meta['preset']}, {meta['layers']} target + {meta['draft_layers']} draft layers, "
-        f"page {meta['page_size']}, engine {meta['engine']}, {meta['reps']} rooms per method; "
-        f"contiguous allocation on both sides, decode pages {meta.get('dst_order', 'logical')}"
+        f"page {meta['page_size']}, engine {meta['engine']}, {meta['reps']} rooms per method, every rank its "
+        f"own process; allocation {'/'.join(meta.get('allocs', ['contiguous']))} (contiguous: decode pages "
+        f"{meta.get('dst_order', 'logical')}; random: both sides from a shuffled free list)"
     )
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"

@@ -1,225 +1,243 @@
-"""One in-process PD pair for the bench: cp prefill endpoints and one decode endpoint.
+"""One PD pair for the bench, every rank in its own process: ``cp`` prefill ranks and one
+decode rank (``kvbridge.bench.procs``), a bootstrap daemon beside them.
 
-Each rank has its own transfer engine (Mooncake engines in one process write to
-each other over loopback like separate processes do) and its own buffers; the
-bootstrap daemon is a separate process. Allocation is contiguous on both sides:
+For each request length and allocation (``kvbridge.bench.alloc``) every method moves
+exactly the same slices between the same buffers:
 
-    prefill rank r   local pages 0 .. n_r-1      (owned logical pages, ascending)
-    decode           pages 0 .. num_pages-1      (page_ids[l] = l)
+    kvbridge  decode: receiver(room) .. init .. Success, timed on the decode side; the
+              prefill ranks queued their sends before (their KV is ready), as in serving
+    raw       the plan's (src, dst, length) of every CP rank posted straight to the Mooncake
+              binding, <= 1,024 slices per synchronous call, the ranks starting together
+    engine    the same slices through kvbridge's engine (submit_write + wait): the data
+              path without the control protocol
+    memcpy    (host memory) each rank copies the same slices into a scratch buffer
 
-so the three methods below move exactly the same slices between the same buffers:
-
-    kvbridge  receiver(room) .. init .. senders send .. Success   (handshake to commit)
-    raw       engine.submit_write(plan.src, plan.dst, plan.length) per prefill rank, all in flight together
-    memcpy    ctypes.memmove of every slice of the same plans
+Every kvbridge room lands on poisoned pages and is checked (``pattern``); with
+``verify_every`` off only the first room of each length is.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from kvbridge.errors import TransferTimeout
+from kvbridge.bench.alloc import Allocation, allocate
+from kvbridge.errors import KVBridgeError
+from kvbridge.layout import OwnerLanes
 from kvbridge.layout.aux import owner_of_last_token
-from kvbridge.layout.lanes import OwnerLanes
-from kvbridge.layout.plan import TransferPlan, describe_buffer, plan_transfer
-from kvbridge.transfer.poll import KVPoll
-from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
-from kvbridge.worker.synthetic import fill_pages, make_aux, verify_pages
+from kvbridge.layout.pools import preset_pools
 
-FINAL = (KVPoll.Success, KVPoll.Failed)
-# One process hosts every rank here: on a loaded 2-core host a heartbeat can lag seconds behind.
-PEER_TIMEOUT_S = 30.0
-POLL_S = 0.0005  # how often the bench, like an engine's scheduler step, polls its rooms
+START_S = 0.005  # raw runs start this long after the command is sent: every rank gets it first
+CHILD_START_S = 180.0
 
 
 @dataclass(frozen=True)
 class RigSpec:
     cp: int
     max_tokens: int
+    bootstrap: str
+    token: str | None = None
     preset: str = "deepseek-v3.2-fp8"
     layers: int = 4
     draft_layers: int = 1
     page_size: int = 64
-    engine: str = "mooncake"
-    max_slices_per_call: int = 1024
-    bootstrap: str = ""
-    token: str | None = None
-    dst_order: str = "lane-major"  # or "logical"
+    engine: str = "mooncake"  # what kvbridge runs on: mooncake or ipc
+    protocol: str = "tcp"  # Mooncake's ("rdma" with MC_INTRANODE_NVLINK=true: NVLink intra-node)
+    raw_mooncake: bool = True  # measure raw Mooncake too (a second engine when ``engine`` is not Mooncake)
+    device: str = "cpu"  # prefill pools
+    decode_device: str = "cpu"
+    prefill_aux: str = "cpu"
+    decode_aux: str = "cpu"
+    dst_order: str = "lane-major"
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str = ""  # every rank's log (stderr) goes here; a fresh temporary folder when empty
+    poll_s: float = 0.0005  # how often decode polls its room, like an engine's scheduler step
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.max_tokens // self.page_size)
+
+
+class Child:
+    """A rank in its own process, spoken to in JSON lines; always ``stop()`` it."""
+
+    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
+        self.role = role
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvbridge.bench.procs", role,
+                                      json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env)
+        self.lines: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:
+                pass
+        self.lines.put({"eof": True})
+
+    def send(self, **cmd: Any) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout: float = 300) -> dict:
+        try:
+            msg = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise KVBridgeError(f"bench {self.role}: no answer within {timeout:.0f}s") from None
+        if msg.get("eof"):
+            tail = self.log_path.read_text(errors="replace").splitlines()[-12:]
+            raise KVBridgeError(f"bench {self.role} exited with {self.proc.wait()}; its log ({self.log_path}) ends:\n"
+                                + "\n".join(tail))
+        if msg.get("error"):
+            raise KVBridgeError(msg["error"])
+        return msg
+
+    def ask(self, timeout: float = 300, **cmd: Any) -> dict:
+        self.send(**cmd)
+        return self.reply(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="quit")
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
 
 
 class Rig:
     def __init__(self, spec: RigSpec) -> None:
-        from kvbridge.bootstrap.client import BootstrapClient
-        from kvbridge.transfer.engine import create_engine
-        from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
-        from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
-
         self.spec = spec
-        self.specs = build_specs(spec.preset, spec.layers, spec.page_size, spec.draft_layers)
-        self.contract = build_contract(spec.preset, spec.layers, spec.page_size, spec.draft_layers, "interleaved")
-        self.aux_schema = aux_schema_of(self.contract)
         self.lanes = OwnerLanes(spec.cp)
-        max_pages = -(-spec.max_tokens // spec.page_size)
-        self.prefill_instance = f"bench-prefill-cp{spec.cp}"
-        self.src_engines: list[Any] = []
-        self.dst_engine: Any = None
-        self.prefill: list[Any] = []
-        self.src_buffers: list[dict] = []
-        self.decode: Any = None
+        self.specs = preset_pools(spec.preset, num_layers=spec.layers, page_size=spec.page_size,
+                                  draft_layers=spec.draft_layers)
+        self.num_layers = sum(s.num_layers for s in self.specs.values())
+        self.src_capacity = max(1, len(self.lanes.owned_pages(0, spec.max_pages)))
+        self.dst_capacity = spec.max_pages
+        tag = f"{spec.engine}-cp{spec.cp}-{os.getpid()}"
+        self.prefill_instance = f"bench-prefill-{tag}"
+        base = {"bootstrap": spec.bootstrap, "token": spec.token, "preset": spec.preset, "layers": spec.layers,
+                "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
+                "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake}
+        env = dict(os.environ, **spec.env)
+        env.setdefault("GLOG_minloglevel", "2")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                        env.get("PYTHONPATH", "")) if p)
+        self._own_logs = not spec.log_dir  # a temporary folder, removed at close (errors quote the log tail)
+        logs = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_dir = logs
+        self.decode: Child | None = None
+        self.prefill: list[Child] = []
         try:
-            for cp_rank in range(spec.cp):
-                engine = self._engine(create_engine)
-                self.src_engines.append(engine)
-                bufs = allocate_buffers(self.specs, max(1, len(self.lanes.owned_pages(cp_rank, max_pages))))
-                cfg = PrefillConfig(instance=self.prefill_instance, cp_rank=cp_rank, cp_size=spec.cp,
-                                    max_slices_per_call=spec.max_slices_per_call)
-                ep = PrefillEndpoint(cfg, engine, self.specs, bufs, self.contract,
-                                     BootstrapClient(spec.bootstrap, token=spec.token), self.aux_schema)
-                ep.start()
-                self.prefill.append(ep)
-                self.src_buffers.append(bufs)
-            self.dst_engine = self._engine(create_engine)
-            self.dst_buffers = allocate_buffers(self.specs, max_pages)
-            self.aux_buffer = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8)
-            self.decode = DecodeEndpoint(
-                DecodeConfig(instance=f"bench-decode-cp{spec.cp}", peer_timeout=PEER_TIMEOUT_S), self.dst_engine, self.specs, self.dst_buffers,
-                self.contract, BootstrapClient(spec.bootstrap, token=spec.token), self.aux_buffer, self.aux_schema,
-            )  # fmt: skip
-            self.decode.start()
+            self.decode = Child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
+                                           "dst_capacity": self.dst_capacity, "instance": f"bench-decode-{tag}"},
+                                env, logs / f"decode-{tag}.log")
+            for rank in range(spec.cp):
+                self.prefill.append(Child("prefill", {**base, "device": spec.device, "aux_device": spec.prefill_aux,
+                                                      "src_capacity": self.src_capacity, "cp_rank": rank,
+                                                      "instance": self.prefill_instance},
+                                          env, logs / f"prefill-{tag}-cp{rank}.log"))
+            ready = self.decode.reply(CHILD_START_S)
+            self.session, self.raw_session, self.dst_descs = ready["session"], ready["raw_session"], ready["buffers"]
+            for child in self.prefill:
+                child.reply(CHILD_START_S)
         except BaseException:
             self.close()
             raise
 
-    def _engine(self, create_engine: Any) -> Any:
-        if self.spec.engine == "local":  # in-process memmove between regions of one shared fabric
-            from kvbridge.transfer.engine import LocalFabric
-
-            self._fabric = getattr(self, "_fabric", None) or LocalFabric()
-            return create_engine("local", fabric=self._fabric, max_slices_per_call=self.spec.max_slices_per_call)
-        return create_engine(self.spec.engine, host="127.0.0.1", max_slices_per_call=self.spec.max_slices_per_call)
-
-    # ---- one request length --------------------------------------------------------------------
-    def owned(self, cp_rank: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """(owned logical pages, their local pages) of a rank: contiguous local allocation."""
-        logical = self.lanes.owned_pages(cp_rank, -(-num_tokens // self.spec.page_size))
-        return logical, np.arange(len(logical), dtype=np.int32)
-
-    def fill(self, fill_room: int, num_tokens: int) -> None:
-        for cp_rank, bufs in enumerate(self.src_buffers):
-            logical, local = self.owned(cp_rank, num_tokens)
-            for spec in self.specs.values():
-                for lid in spec.layer_ids:
-                    fill_pages(spec, bufs[(spec.name, lid)], fill_room, lid, logical, local, num_tokens)
-
-    def dst_pages(self, num_tokens: int) -> np.ndarray:
-        """Decode page of each logical page: one contiguous block, laid out lane-major
-        (each CP rank's pages consecutive: one run per rank) or in logical order."""
+    # ---- one request length ----------------------------------------------------------------
+    def allocation(self, alloc: str, num_tokens: int) -> Allocation:
         num_pages = -(-num_tokens // self.spec.page_size)
-        if self.spec.dst_order == "lane-major":
-            return self.lanes.lane_major(num_pages).astype(np.int32)
-        return np.arange(num_pages, dtype=np.int32)
+        return allocate(alloc, num_pages, self.lanes, self.src_capacity, self.dst_capacity, self.spec.dst_order,
+                        seed=num_tokens)
 
-    def plans(self, num_tokens: int) -> list[TransferPlan]:
-        """The slices each prefill rank writes for a request of ``num_tokens`` (what kvbridge plans too)."""
-        dst = [describe_buffer(self.specs[p], lid, b) for (p, lid), b in self.dst_buffers.items()]
-        dst_pages = self.dst_pages(num_tokens)
-        out = []
-        for cp_rank, bufs in enumerate(self.src_buffers):
-            src = [describe_buffer(self.specs[p], lid, b) for (p, lid), b in bufs.items()]
-            logical, local = self.owned(cp_rank, num_tokens)
-            out.append(plan_transfer(self.specs, src, dst, logical, local, dst_pages[logical], num_tokens))
-        return out
+    def prepare(self, pages: Allocation, num_tokens: int, seed: int) -> tuple[int, int, float]:
+        """Fill every rank's owned pages, plan the slices; returns (bytes, slices, plan ms of the slowest rank)."""
+        for rank, child in enumerate(self.prefill):
+            owned, local = pages.for_rank(rank)
+            child.send(op="fill", seed=seed, owned=owned.tolist(), local=local.tolist())
+        for child in self.prefill:
+            child.reply()
+        plans = [c.ask(op="plan", dst=self.dst_descs, page_ids=pages.page_ids.tolist(), tokens=num_tokens)
+                 for c in self.prefill]
+        return sum(p["bytes"] for p in plans), sum(p["slices"] for p in plans), max(p["ms"] for p in plans)
 
-    def ideal_slices(self, num_tokens: int) -> int:
-        """runs x layers x pools, + 1 for the aux row (it rides in the last batch): a run is a
-        stretch of pages consecutive on both sides."""
-        layers = sum(s.num_layers for s in self.specs.values())
+    def ideal_slices(self, pages: Allocation) -> int:
+        """runs x layers + 1 for the aux row: a run is a stretch of pages consecutive on both sides."""
         runs = 0
-        dst_pages = self.dst_pages(num_tokens)
-        for cp_rank in range(self.spec.cp):
-            logical, local = self.owned(cp_rank, num_tokens)
-            if len(logical):
-                dst = dst_pages[logical]
+        for rank in range(self.spec.cp):
+            owned, local = pages.for_rank(rank)
+            if owned.size:
+                dst = pages.page_ids[owned]
                 runs += 1 + int(np.count_nonzero((np.diff(dst) != 1) | (np.diff(local) != 1)))
-        return runs * layers + 1
+        return runs * self.num_layers + 1
 
-    def run_kvbridge(self, room: int, num_tokens: int, timeout: float = 120.0) -> tuple[float, dict]:
-        """Seconds from the receiver's creation (handshake) to commit; the receiver's stats."""
-        ps = self.spec.page_size
-        page_ids = self.dst_pages(num_tokens)
-        aux_owner = owner_of_last_token(num_tokens, ps, self.lanes)
-        aux = self.aux_schema.unpack(make_aux(self.aux_schema, room, num_tokens))
-        t0 = time.perf_counter()
-        receiver = self.decode.receiver(room, self.prefill_instance)
-        senders = [ep.sender(room) for ep in self.prefill]
-        for s in senders:
-            s.init(num_tokens)
-        sent = [False] * len(senders)
-        initialised = False
-        deadline = time.monotonic() + timeout
-        while True:
-            state = receiver.poll()
-            if state == KVPoll.WaitingForInput and not initialised:
-                receiver.init(page_ids, 0, num_tokens)
-                initialised = True
-            for r, s in enumerate(senders):
-                if not sent[r] and s.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                    logical, local = self.owned(r, num_tokens)
-                    s.send(logical, local, is_last=True, aux=aux if r == aux_owner else None)
-                    sent[r] = True
-            if state in FINAL:
-                break
-            if time.monotonic() > deadline:
-                receiver.abort("bench timeout")
-                raise TransferTimeout(f"room {room} not done after {timeout:.0f}s", room=room)
-            time.sleep(POLL_S)
-        elapsed = time.perf_counter() - t0
-        if state != KVPoll.Success:
-            raise TransferTimeout(f"kvbridge room failed: {receiver.failure_reason}", room=room)
-        while any(s.poll() not in FINAL for s in senders) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        stats = dict(receiver.stats)
-        stats["slices"] = sum(s.stats.get("slices", 0) for s in senders)  # what kvbridge really posted
-        return elapsed, stats
+    def poison(self, pages: Allocation) -> None:
+        self.decode.ask(op="prepare", page_ids=pages.page_ids.tolist())
 
-    def run_raw(self, plans: list[TransferPlan], timeout: float = 120.0) -> float:
-        session = self.dst_engine.session_id
-        t0 = time.perf_counter()
-        handles = [(eng, eng.submit_write(session, p.src, p.dst, p.length)) for eng, p in zip(self.src_engines, plans)]
-        for eng, h in handles:
-            eng.wait(h, timeout)
-        return time.perf_counter() - t0
+    def check(self, pages: Allocation, num_tokens: int, seed: int) -> tuple[int, list[str]]:
+        out = self.decode.ask(op="check", page_ids=pages.page_ids.tolist(), tokens=num_tokens, seed=seed, timeout=600)
+        return out["checked"], out["errors"]
 
-    @staticmethod
-    def run_memcpy(plans: list[TransferPlan]) -> float:
-        move = ctypes.memmove
-        t0 = time.perf_counter()
-        for p in plans:
-            for s, d, n in zip(p.src.tolist(), p.dst.tolist(), p.length.tolist()):
-                move(d, s, n)
-        return time.perf_counter() - t0
+    def run_kvbridge(self, room: int, pages: Allocation, num_tokens: int) -> tuple[float, int]:
+        """Seconds from the decode receiver's creation to commit; slices the senders posted."""
+        aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
+        for rank, child in enumerate(self.prefill):  # their KV is ready: sends queue until decode asks
+            child.ask(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner)
+        res = self.decode.ask(op="recv", room=room, tokens=num_tokens, page_ids=pages.page_ids.tolist(),
+                              prefill=self.prefill_instance, poll_s=self.spec.poll_s)
+        sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
+        problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
+        if res["state"] != "Success" or res["aux_room"] != room or problems:
+            raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
+                                f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)
+        return res["seconds"], sum(s["slices"] for s in sent)
 
-    def verify(self, fill_room: int, num_tokens: int) -> tuple[int, list[str]]:
-        page_ids = self.dst_pages(num_tokens)
-        checked, problems = 0, []
-        for spec in self.specs.values():
-            for lid in spec.layer_ids:
-                v = verify_pages(spec, self.dst_buffers[(spec.name, lid)], fill_room, lid, page_ids, num_tokens)
-                checked += v.bytes_checked
-                if not v.ok:
-                    problems.append(v.first_error)
-        return checked, problems
+    def run_together(self, op: str, **cmd: Any) -> float:
+        """Every prefill rank runs ``op`` from the same instant; seconds until the last one is done."""
+        at = time.monotonic() + START_S
+        for child in self.prefill:
+            child.send(op=op, at=at, **cmd)
+        replies = [c.reply() for c in self.prefill]
+        errors = [r["failure"] for r in replies if r["failure"]]
+        if errors:
+            raise KVBridgeError("; ".join(errors))
+        return max(r["end"] for r in replies) - at
+
+    def run_raw(self) -> float:
+        return self.run_together("raw", method="mooncake", session=self.raw_session)
+
+    def run_engine(self) -> float:
+        return self.run_together("raw", method="engine", session=self.session)
+
+    def run_memcpy(self) -> float:
+        return self.run_together("copy")
+
+    def stats(self) -> dict[str, Any]:
+        return {"prefill": [c.ask(op="stats") for c in self.prefill], "decode": self.decode.ask(op="stats")}
 
     def close(self) -> None:
-        for ep in [*self.prefill, self.decode]:
-            if ep is not None:
-                ep.close()
-        for eng in [*self.src_engines, self.dst_engine]:
-            if eng is not None:
-                eng.close()
+        for child in [*self.prefill, self.decode]:
+            if child is not None:
+                child.stop()
+        if self._own_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -1,10 +1,9 @@
-"""The bench sweep: request lengths x CP sizes, three methods on the same buffers and slices.
+"""The bench sweep: CP sizes x allocations x request lengths, every method on the same slices.
 
-For each CP size one Rig (in-process endpoints and engines, sized for the
-longest request); for each length: fill synthetic KV once, plan, then ``reps``
-rooms of kvbridge end to end, ``reps`` raw Mooncake batch writes of the plan's
-slices, ``reps`` memcpys of the same slices; the first kvbridge room is checked
-byte for byte. Throughput uses the median time; rows carry the ratios.
+For each CP size one Rig (every rank its own process, pools sized for the longest
+request); for each allocation and length: fill once, plan, then a checked warm-up
+of each method and ``reps`` turns of kvbridge end to end, raw Mooncake, the engine
+alone and (host memory) memcpy. Throughput uses the median time; rows carry ratios.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from __future__ import annotations
 import gc
 import random
 import sys
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ from kvbridge.layout.pools import preset_pools
 QUICK_TOKENS = (1024, 8192, 32768, 131072)
 FULL_TOKENS = (1024, 4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_LAYERS = 4
+SLOW_ROOM_S = 2.0  # a warm-up slower than this: 2 timed turns instead of ``reps`` (TCP on GPU memory)
 
 
 @dataclass(frozen=True)
@@ -38,9 +37,20 @@ class BenchSpec:
     page_size: int = 64
     reps: int = 5
     engine: str = "mooncake"
+    protocol: str = "tcp"
     verify: bool = True
+    verify_every: bool = False  # check every kvbridge room, not only the first of each length
     quick: bool = False
     dst_order: str = "lane-major"
+    allocs: Sequence[str] = ("contiguous",)
+    raw_mooncake: bool = True
+    device: str = "cpu"
+    decode_device: str = "cpu"
+    prefill_aux: str = "cpu"
+    decode_aux: str = "cpu"
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str = ""
+    poll_s: float = 0.0005
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -60,76 +70,102 @@ def percentile_ms(seconds: list[float], q: float) -> float:
     return round(float(np.percentile(np.array(seconds) * 1000, q)), 3)
 
 
-def measure(rig: Rig, num_tokens: int, spec: BenchSpec, rooms: random.Random) -> dict[str, Any]:
-    fill_room = rooms.getrandbits(63)
-    rig.fill(fill_room, num_tokens)
-    t0 = time.perf_counter()
-    plans = rig.plans(num_tokens)
-    plan_ms = (time.perf_counter() - t0) * 1000
-    num_bytes = sum(p.num_bytes for p in plans)
-    # warm-up (connections, page faults), checked byte for byte; then the methods take turns
+def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: random.Random) -> dict[str, Any]:
+    seed = rooms.getrandbits(31)
+    pages = rig.allocation(alloc, num_tokens)
+    num_bytes, num_slices, plan_ms = rig.prepare(pages, num_tokens, seed)
     failures: list[str] = []
-    stats: dict[str, Any] = {}
-    try:
-        _, stats = rig.run_kvbridge(rooms.getrandbits(63), num_tokens)
-        verified, problems = rig.verify(fill_room, num_tokens) if spec.verify else (0, [])
-    except KVBridgeError as exc:
-        failures.append(str(exc))
-        verified, problems = 0, [f"warm-up room failed: {exc}"]
-    rig.run_raw(plans)
-    rig.run_memcpy(plans)
-    kv_times, raw_times, mem_times = [], [], []
-    for _ in range(spec.reps):
+    problems: list[str] = []
+    verified = rooms_verified = 0
+    kvbridge_slices = 0
+
+    room_ids: list[int] = []
+
+    def kvbridge_room(check: bool) -> float:
+        nonlocal verified, rooms_verified, kvbridge_slices
+        if check:
+            rig.poison(pages)
+        room_ids.append(rooms.getrandbits(63))
+        seconds, kvbridge_slices = rig.run_kvbridge(room_ids[-1], pages, num_tokens)
+        if check:
+            verified, errors = rig.check(pages, num_tokens, seed)
+            rooms_verified += 1
+            problems.extend(errors)
+        return seconds
+
+    methods: dict[str, Callable[[], float]] = {"kvbridge": lambda: kvbridge_room(spec.verify_every)}
+    if spec.raw_mooncake:
+        methods["raw"] = rig.run_raw
+    if spec.engine != "mooncake" or not spec.raw_mooncake:
+        methods["engine"] = rig.run_engine
+    if spec.device == "cpu":
+        methods["memcpy"] = rig.run_memcpy
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    warm: dict[str, float] = {}
+    for name, fn in methods.items():  # warm-up (connections, page faults); kvbridge's and raw's checked
         try:
-            kv_times.append(rig.run_kvbridge(rooms.getrandbits(63), num_tokens)[0])
-        except KVBridgeError as exc:  # counted and shown; the sweep goes on
-            failures.append(str(exc))
-        raw_times.append(rig.run_raw(plans))
-        mem_times.append(rig.run_memcpy(plans))
-    gbps = {name: num_bytes / float(np.median(t)) / 1e9 if t else 0.0 for name, t in
-            (("kvbridge", kv_times), ("raw", raw_times), ("memcpy", mem_times))}  # fmt: skip
-    return {
-        "cp": rig.spec.cp,
-        "tokens": num_tokens,
-        "layers": spec.layers,
-        "draft_layers": spec.draft_layers,
-        "bytes": num_bytes,
-        "slices": sum(p.num_slices for p in plans),
-        "kvbridge_slices": int(stats.get("slices", 0)) or None,
-        "ideal_slices": rig.ideal_slices(num_tokens),
-        "plan_ms": round(plan_ms, 3),
-        "kvbridge_gbps": round(gbps["kvbridge"], 4),
-        "raw_gbps": round(gbps["raw"], 4),
-        "memcpy_gbps": round(gbps["memcpy"], 4),
-        "kvbridge_p50_ms": percentile_ms(kv_times, 50) if kv_times else None,
-        "kvbridge_p99_ms": percentile_ms(kv_times, 99) if kv_times else None,
-        "kvbridge_failures": failures[:3],
-        "raw_p50_ms": percentile_ms(raw_times, 50),
-        "raw_p99_ms": percentile_ms(raw_times, 99),
-        "memcpy_p50_ms": percentile_ms(mem_times, 50),
-        "ratio_vs_raw": round(gbps["kvbridge"] / gbps["raw"], 4),
-        "ratio_vs_memcpy": round(gbps["kvbridge"] / gbps["memcpy"], 4),
-        "bytes_verified": verified,
-        "verify_errors": problems[:3],
+            if name == "kvbridge":
+                warm[name] = kvbridge_room(spec.verify)
+            elif name == "raw" and spec.verify:
+                rig.poison(pages)
+                warm[name] = fn()
+                problems.extend(f"raw Mooncake: {e}" for e in rig.check(pages, num_tokens, seed)[1])
+            else:
+                warm[name] = fn()
+        except KVBridgeError as exc:
+            failures.append(f"{name} warm-up: {exc}")
+    reps = spec.reps if max(warm.values(), default=0.0) < SLOW_ROOM_S else min(spec.reps, 2)
+    for _ in range(reps):
+        for name, fn in methods.items():
+            try:
+                times[name].append(fn())
+            except KVBridgeError as exc:  # counted and shown; the sweep goes on
+                failures.append(f"{name}: {exc}")
+    row: dict[str, Any] = {
+        "cp": rig.spec.cp, "alloc": alloc, "engine": spec.engine, "tokens": num_tokens, "layers": spec.layers,
+        "draft_layers": spec.draft_layers, "bytes": num_bytes, "slices": num_slices,
+        "kvbridge_slices": kvbridge_slices or None, "ideal_slices": rig.ideal_slices(pages), "plan_ms": round(plan_ms, 3),
+        "reps": reps,
     }
+    for name in ("kvbridge", "raw", "engine", "memcpy"):
+        t = times.get(name) or []
+        row[f"{name}_gbps"] = round(num_bytes / float(np.median(t)) / 1e9, 4) if t else None
+        row[f"{name}_p50_ms"] = percentile_ms(t, 50) if t else None
+        if name in ("kvbridge", "raw"):
+            row[f"{name}_p99_ms"] = percentile_ms(t, 99) if t else None
+    for other in ("raw", "engine", "memcpy"):
+        if row["kvbridge_gbps"] and row[f"{other}_gbps"]:
+            row[f"ratio_vs_{other}"] = round(row["kvbridge_gbps"] / row[f"{other}_gbps"], 4)
+    if row["kvbridge_p50_ms"] is not None and row["raw_p50_ms"] is not None:
+        row["fixed_cost_ms"] = round(row["kvbridge_p50_ms"] - row["raw_p50_ms"], 3)
+    row.update(kvbridge_failures=failures[:3], bytes_verified=verified, rooms_verified=rooms_verified,
+               verify_errors=problems[:3], room_ids=room_ids[1:])  # the timed rooms (trace breakdowns)
+    return row
 
 
-def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress: bool = True) -> list[dict[str, Any]]:
+def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress: bool = True,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     rows: list[dict[str, Any]] = []
     rooms = random.Random()
-    steps = len(spec.cps) * len(spec.tokens)
+    steps = len(spec.cps) * len(spec.allocs) * len(spec.tokens)
     with tqdm(total=steps, desc="bench", unit="cfg", file=sys.stderr, disable=not show_progress) as bar:
         for cp in spec.cps:
-            rig = Rig(RigSpec(cp=cp, max_tokens=max(spec.tokens), preset=spec.preset, layers=spec.layers,
-                              draft_layers=spec.draft_layers, page_size=spec.page_size, engine=spec.engine,
-                              bootstrap=bootstrap, token=token, dst_order=spec.dst_order))  # fmt: skip
+            rig = Rig(RigSpec(cp=cp, max_tokens=max(spec.tokens), bootstrap=bootstrap, token=token, preset=spec.preset,
+                              layers=spec.layers, draft_layers=spec.draft_layers, page_size=spec.page_size,
+                              engine=spec.engine, protocol=spec.protocol, raw_mooncake=spec.raw_mooncake,
+                              device=spec.device, decode_device=spec.decode_device, prefill_aux=spec.prefill_aux,
+                              decode_aux=spec.decode_aux, dst_order=spec.dst_order, env=dict(spec.env),
+                              log_dir=spec.log_dir, poll_s=spec.poll_s))  # fmt: skip
             try:
-                for n in spec.tokens:
-                    bar.set_postfix_str(f"cp={cp} tokens={n}")
-                    rows.append(measure(rig, n, spec, rooms))
-                    bar.update(1)
+                for alloc in spec.allocs:
+                    for n in spec.tokens:
+                        bar.set_postfix_str(f"cp={cp} {alloc} tokens={n}")
+                        rows.append(measure(rig, alloc, n, spec, rooms))
+                        if on_row is not None:
+                            on_row(rows[-1])
+                        bar.update(1)
             finally:
                 rig.close()
                 del rig

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout.pools import PRESETS
@@ -22,14 +24,25 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _allocs(text: str) -> list[str]:
+    from kvbridge.bench.alloc import ALLOCS
+
+    values = [x for x in text.split(",") if x]
+    bad = [x for x in values if x not in ALLOCS]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(ALLOCS)}")
+    return values
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="measure kvbridge against raw Mooncake and memcpy on the same slices",
-        description="In one process, on the same buffers: kvbridge end to end (handshake to commit), raw "
-        "Mooncake batch writes of exactly the same slices (the plan's src/dst/length, posted from the "
-        "prefill side) and a memcpy of the same bytes. Sweeps request length and CP size; reports GB/s, "
-        "slices per room, planning time, latency p50/p99 and the ratios. Starts its own bootstrap daemon.",
+        description="Every rank in its own process, on the same buffers: kvbridge end to end (handshake to "
+        "commit), raw Mooncake batch writes of exactly the same slices (the plan's src/dst/length, posted from the "
+        "prefill ranks together), the engine alone on them, and a memcpy of the same bytes (host memory). Sweeps "
+        "request length, allocation and CP size; reports GB/s, slices per room, planning time, latency p50/p99 "
+        "and the ratios; --trace adds where a room's time goes, hop by hop. Starts its own bootstrap daemon.",
     )
     p.add_argument("--quick", action="store_true",
                    help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (under two minutes)")
@@ -41,12 +54,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2-fp8", help="geometry preset (default %(default)s)")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
-    p.add_argument("--engine", choices=("mooncake", "local"), default="mooncake", help="transfer engine")
+    p.add_argument("--engine", choices=("mooncake", "ipc"), default="mooncake",
+                   help="transfer engine kvbridge runs on (ipc: same host, GPU memory; needs --device cuda:N)")
+    p.add_argument("--alloc", type=_allocs, default=["contiguous"],
+                   help="page allocation(s), comma-separated: contiguous (decode pages in --dst-order) and/or "
+                   "random (both sides from a shuffled free list, as an engine's allocator after some traffic)")
     p.add_argument("--dst-order", choices=("lane-major", "logical"), default="lane-major",
                    help="decode page order inside the contiguous destination block: lane-major (each CP rank's "
                    "pages consecutive, one run per rank) or logical (one slice per page when cp > 1) "
                    "(default %(default)s)")
+    p.add_argument("--device", default="cpu", help="pool device of every rank: cpu (default) or cuda:N")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
+    p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
+    p.add_argument("--trace", action="store_true",
+                   help="run the ranks with KVBRIDGE_TRACE=1 and print the per-room hop breakdown (slower rooms)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the rows and settings as JSON")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG chart (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -76,19 +97,36 @@ def run(args: argparse.Namespace) -> int:
             note = f"{layers} target layers instead of 61 so that {max(tokens)} tokens fit {args.memory_gb:.0f} GB"
     if layers < 1 or args.draft_layers < 0:
         raise ConfigError("--layers must be >= 1 and --draft-layers >= 0", field="layers")
+    if args.engine == "ipc" and not args.device.startswith("cuda"):
+        raise ConfigError("--engine ipc moves GPU memory between processes: add --device cuda:N", field="engine")
+    gpu = args.device.startswith("cuda")
+    log_dir = tempfile.mkdtemp(prefix="kvbridge-bench-") if args.trace else ""
     spec = BenchSpec(
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
-        reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, quick=args.quick,
-        dst_order=args.dst_order,
+        reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, verify_every=args.verify_every,
+        quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
+        decode_aux=args.device if args.engine == "ipc" else "cpu", poll_s=0.0002 if gpu else 0.0005,
+        env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
     )  # fmt: skip
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
         "engine": spec.engine, "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens), "cps": list(cps),
-        "note": note, "dst_order": args.dst_order,
+        "note": note, "dst_order": args.dst_order, "allocs": list(args.alloc), "device": args.device,
     }  # fmt: skip
     with start_bootstrap() as (url, token):
         rows = run_sweep(spec, url, token, show_progress=not args.no_progress)
     print(format_table(rows, meta))
+    if args.trace:
+        from kvbridge.bench.trace import breakdown, format_breakdown, parse
+
+        traced = parse(line for path in sorted(Path(log_dir).glob("*.log")) for line in path.read_text().splitlines())
+        for row in rows:
+            row["trace"] = breakdown({room: traced[room] for room in row["room_ids"] if room in traced})
+            print()
+            print(format_breakdown(row["trace"], f"cp={row['cp']} {row['alloc']} {row['tokens']} tokens: where a "
+                                   f"timed room's time goes (kvbridge p50 {row['kvbridge_p50_ms']} ms, raw p50 "
+                                   f"{row['raw_p50_ms']} ms)"))
+        print(f"\ntrace logs: {log_dir}")
     if args.json:
         write_json(args.json, rows, meta)
         print(f"wrote {args.json}", file=sys.stderr)

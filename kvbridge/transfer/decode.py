@@ -269,6 +269,7 @@ class DecodeEndpoint:
             self._book.refuse(r)
         elif isinstance(exc, InstanceIncomplete):
             r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
+            r.lookup_problem = str(exc)
         elif isinstance(exc, KVBridgeError):
             self._book.fail(r, f"bootstrap look-up failed: {exc}")
         else:

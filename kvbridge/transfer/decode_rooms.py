@@ -332,7 +332,8 @@ class RoomBook:
         if st == KVPoll.Bootstrapping:
             if r.state.since() > self.cfg.bootstrap_timeout:
                 self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
-                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)")
+                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)"
+                             + (f"; last answer: {r.lookup_problem}" if r.lookup_problem else ""))
             elif not r.lookup_pending and now >= r.next_lookup:
                 cached = self._cached(r)
                 refused = self.refusals.get(r.prefill_instance)

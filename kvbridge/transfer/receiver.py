@@ -68,6 +68,7 @@ class RecvRoom:
         self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
+        self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
         self.bytes_expected = 0
 
     @property

@@ -9,8 +9,8 @@ On the wire (``encode``)::
     with secret:  msgpack array [body (bin), HMAC-SHA256(secret, body) (bin, 32 bytes)]
 
 ``decode`` checks, in order, and raises ProtocolError naming the first problem:
-size limit; with a secret, the envelope and its MAC (constant-time compare) -
-without one, an envelope is refused too; msgpack; a map with string keys;
+with a secret, the envelope and its MAC (constant-time compare), then the size
+limit - without one, the size limit, and an envelope is refused too; msgpack; a map with string keys;
 version "v"; type tag "t"; every field present and of its declared type; the
 few value rules below. Unknown extra fields are *ignored*, and a field with a
 default (``AuxDone.num_tokens``) may be missing, so a peer may add optional
@@ -58,6 +58,7 @@ __all__ = [
     "peek",
     "unpack_pages",
     "unseal",
+    "auth_limit",
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
@@ -236,14 +237,22 @@ def decode(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MES
 
 
 def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
-    """Size check, then (with a secret) the HMAC envelope; returns the body. Errors here are
-    size or authentication failures (``field`` is "size" or "mac")."""
+    """Size check and (with a secret) the HMAC envelope; returns the body.
+
+    Errors name what failed: ``field="mac"`` means *not authenticated* (no envelope, a
+    wrong MAC, or with a secret a message too large to authenticate at all, over
+    ``auth_limit(max_bytes)``); ``field="size"`` means over ``max_bytes`` and, with a
+    secret, authentic: the MAC is checked before the size, so a sender who holds the
+    secret learns why its message was refused (the channel answers it)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, got {type(data).__name__}", field="size")
-    if len(data) > max_bytes:
-        raise ProtocolError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit", field="size")
+    too_big = ProtocolError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit", field="size")
     if secret is None:
+        if len(data) > max_bytes:
+            raise too_big
         return bytes(data)
+    if len(data) > auth_limit(max_bytes):
+        raise ProtocolError(f"message of {len(data)} bytes is too large to authenticate", field="mac")
     try:
         envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
     except Exception:  # any malformed input: unauthenticated
@@ -258,7 +267,14 @@ def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MES
     body, mac = envelope
     if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, body)):
         raise ProtocolError("bad HMAC: message not signed with this cluster's secret", field="mac")
+    if len(data) > max_bytes:
+        raise too_big
     return body
+
+
+def auth_limit(max_bytes: int) -> int:
+    """The largest message read far enough to authenticate (the channel's ZMQ limit too)."""
+    return 2 * max_bytes + 1024
 
 
 def decode_body(body: bytes) -> Message:

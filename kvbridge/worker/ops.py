@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvbridge.errors import ProtocolError, TransferTimeout
+from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
 
 OPS_VERSION = 1
 MAX_OP_BYTES = 1 << 20
@@ -123,7 +123,7 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[int, Op | 
     if data.pop("v", None) != OPS_VERSION:
         raise ProtocolError(f"ops version must be {OPS_VERSION}", field="v")
     tag, request_id = data.pop("t", None), data.pop("id", None)
-    if tag not in TAGS:
+    if not isinstance(tag, str) or tag not in TAGS:
         raise ProtocolError(f"unknown ops message type {tag!r}", field="t")
     if not isinstance(request_id, int):
         raise ProtocolError("ops message needs an integer id", field="id")
@@ -154,10 +154,14 @@ class OpsServer:
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 500)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc}", field="ops_port") from None
         self.endpoint = f"tcp://{host}:{port}"
 
     def receive(self, timeout: float) -> list[tuple[bytes, int, Op]]:

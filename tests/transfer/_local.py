@@ -27,7 +27,7 @@ class Cluster:
 
     def __init__(self, url: str, name: str, cp: int = 2, *, prefill_secret: bytes | None = None,
                  decode_secret: bytes | None = None, lane_rule: str = "interleaved", prefill_cfg: dict | None = None,
-                 **decode_cfg) -> None:
+                 engine: str = "local", **decode_cfg) -> None:
         self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
         self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, lane_rule)
         self.aux_schema = aux_schema_of(self.contract)
@@ -36,8 +36,9 @@ class Cluster:
         self.name = name
         self.clients = []
         self.prefill = []
+        self.engine_kind = engine  # "ipc": the same-host engine, host memory in one process
         for rank in range(cp):
-            eng = create_engine("local", fabric=self.fabric)
+            eng = self._engine()
             cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
                                 secret=prefill_secret, lane_rule=lane_rule, housekeeping_interval=0.1,
                                 **(prefill_cfg or {}))
@@ -52,9 +53,14 @@ class Cluster:
         decode_cfg.setdefault("peer_timeout", 2.0)
         decode_cfg.setdefault("ping_interval", 0.1)
         dcfg = DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, secret=decode_secret, **decode_cfg)
-        self.decode = DecodeEndpoint(dcfg, create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
+        self.decode = DecodeEndpoint(dcfg, self._engine(), self.specs, self.dbufs,
                                      self.contract, self._client(url), self.aux, self.aux_schema)
         self.decode.start()
+
+    def _engine(self):
+        if self.engine_kind == "local":
+            return create_engine("local", fabric=self.fabric)
+        return create_engine(self.engine_kind)
 
     def _client(self, url: str) -> BootstrapClient:
         c = BootstrapClient(url)

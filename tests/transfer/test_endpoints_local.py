@@ -20,9 +20,10 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
 
 
-def test_abort_waits_for_writes_still_in_flight(cluster):
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_abort_waits_for_writes_still_in_flight(cluster, engine):
     """Hard rule 6: pages are not released while a posted write may still land."""
-    c = cluster()
+    c = cluster(engine=engine)
     gate = threading.Event()
     for ep in c.prefill:
         ep.engine.faults.gate = gate  # every write is held in flight until the gate opens
@@ -41,8 +42,9 @@ def test_abort_waits_for_writes_still_in_flight(cluster):
     assert all(s.poll() == KVPoll.Failed and "user cancelled" in s.failure_reason for s in senders)
 
 
-def test_failed_write_fails_the_room_with_the_engine_reason(cluster):
-    c = cluster()
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_failed_write_fails_the_room_with_the_engine_reason(cluster, engine):
+    c = cluster(engine=engine)
     c.prefill[1].engine.faults.fail_batches = {0}
     pages = np.array([1, 2, 3, 4])
     r = c.decode.receiver(2, f"{c.name}-p")
@@ -75,8 +77,9 @@ def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
     assert "aux row in slot 3 carries room" in r.failure_reason and str(room) in r.failure_reason
 
 
-def test_corrupted_page_fails_only_with_the_digest_check(cluster):
-    plain, checked = cluster(cp=1), cluster(cp=1, verify_digest=True)
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_corrupted_page_fails_only_with_the_digest_check(cluster, engine):
+    plain, checked = cluster(cp=1, engine=engine), cluster(cp=1, verify_digest=True, engine=engine)
     results = []
     for c in (plain, checked):
         c.prefill[0].engine.faults.corrupt_batches = {0}

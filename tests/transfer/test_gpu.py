@@ -1,9 +1,11 @@
-"""kvbridge on CUDA memory: pool buffers on the GPU, real Mooncake (TCP on
-loopback), a real bootstrap daemon process, CP=2 prefill.
+"""kvbridge on CUDA memory: pool buffers on the GPU, a real bootstrap daemon
+process, CP=2 prefill, over real Mooncake (TCP on loopback) and over the IPC
+engine (the slice kernel; in one process its peers' pointers are used as they
+are, across processes through CUDA IPC: the engine tests at the end).
 
 Two PrefillEndpoints (CP ranks 0 and 1, pools on cuda:0) and one
 DecodeEndpoint (pools on cuda:1 when there are two GPUs, else cuda:0) live in
-this process, each with its own Mooncake engine. Synthetic KV is built on the
+this process, each with its own engine. Synthetic KV is built on the
 host (numpy) and copied to the GPU; decode pools are poisoned on the GPU with
 SENTINEL_BYTE; after the rooms commit, the decode pools are copied back to the
 host and every byte of every room is checked (valid rows, untouched padding
@@ -13,13 +15,18 @@ Aux rows are parametrised: host (the default: prefill staging rows in host
 memory, decode aux buffer a CPU tensor) and cuda (both in GPU memory, what a
 device-memory-only transport such as Mooncake's NVLink one needs).
 
-Skipped, at collection and in well under a second, without a CUDA device or
-without Mooncake (CI has no GPU).
+Skipped, at collection and in well under a second, without a CUDA device (CI
+has no GPU); the Mooncake cases also without Mooncake.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,19 +37,16 @@ from kvbridge.layout import OwnerLanes
 from kvbridge.layout.aux import owner_of_last_token
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.digest import page_digests
-from kvbridge.transfer.engine import create_engine, mooncake_available
+from kvbridge.transfer.engine import Faults, WriteState, create_engine, mooncake_available, tensor_region
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import SENTINEL_BYTE, fill_pages, make_aux, verify_aux, verify_pages
 
 _HAVE_CUDA = torch.cuda.is_available()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.mooncake,
-    pytest.mark.skipif(not _HAVE_CUDA, reason="no CUDA device"),
-    pytest.mark.skipif(_HAVE_CUDA and not mooncake_available(), reason="Mooncake not installed"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_CUDA, reason="no CUDA device")]
+_MOONCAKE = [pytest.mark.mooncake,
+             pytest.mark.skipif(_HAVE_CUDA and not mooncake_available(), reason="Mooncake not installed")]
 
 PRESET = "deepseek-v3.2-fp8"
 LAYERS = 3  # + 1 draft layer; index-K pool too (values-then-scales pages)
@@ -70,7 +74,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 class GpuPrefill:
     """CP=2 prefill ranks of one instance, in this process, pools on the GPU."""
 
-    def __init__(self, bootstrap: str, instance: str, aux_device: str) -> None:
+    def __init__(self, bootstrap: str, instance: str, aux_device: str, engine: str = "mooncake") -> None:
         self.instance = instance
         self.specs = build_specs(PRESET, LAYERS, PAGE, 1)
         self.contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
@@ -84,13 +88,13 @@ class GpuPrefill:
         self.engines, self.eps, self.clients = [], [], []
         try:
             for rank in range(CP):
-                engine = create_engine("mooncake")
-                self.engines.append(engine)
+                self.engines.append(create_engine(engine))
+                engine_ = self.engines[-1]
                 client = BootstrapClient(bootstrap)
                 self.clients.append(client)
                 cfg = PrefillConfig(instance=instance, cp_rank=rank, cp_size=CP, lease_ttl=5.0,
                                     housekeeping_interval=0.2, aux_device=aux_device)
-                ep = PrefillEndpoint(cfg, engine, self.specs, self.buffers[rank], self.contract, client,
+                ep = PrefillEndpoint(cfg, engine_, self.specs, self.buffers[rank], self.contract, client,
                                      self.aux_schema)
                 ep.start()
                 self.eps.append(ep)
@@ -131,7 +135,7 @@ class GpuPrefill:
 class GpuDecode:
     """One decode rank in this process: pools on the GPU, poisoned with SENTINEL_BYTE."""
 
-    def __init__(self, bootstrap: str, instance: str, aux_device: str, **cfg) -> None:
+    def __init__(self, bootstrap: str, instance: str, aux_device: str, engine: str = "mooncake", **cfg) -> None:
         self.specs = build_specs(PRESET, LAYERS, PAGE, 1)
         self.contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
         self.aux_schema = aux_schema_of(self.contract)
@@ -141,7 +145,7 @@ class GpuDecode:
             _u8(buf).fill_(SENTINEL_BYTE)
         self.aux = torch.zeros((16, self.aux_schema.row_bytes), dtype=torch.uint8, device=aux_device)
         torch.cuda.synchronize()
-        self.engine = create_engine("mooncake")
+        self.engine = create_engine(engine)
         self.client = BootstrapClient(bootstrap)
         config = DecodeConfig(instance=instance, peer_timeout=10.0, ping_interval=0.2, lease_ttl=5.0,
                               transfer_timeout=60.0, **cfg)
@@ -219,15 +223,28 @@ def check_rooms(decode: GpuDecode, rooms, receivers, page_ids) -> None:
         assert bool((buf.view(torch.uint8)[untouched] == SENTINEL_BYTE).all()), f"stray write into {key}"
 
 
-@pytest.fixture(scope="module", params=["host", "cuda"], ids=lambda p: f"aux-{p}")
+ENGINES = [pytest.param(("mooncake", "host"), id="mooncake-aux-host", marks=_MOONCAKE),
+           pytest.param(("mooncake", "cuda"), id="mooncake-aux-cuda", marks=_MOONCAKE),
+           pytest.param(("ipc", "host"), id="ipc-aux-host"), pytest.param(("ipc", "cuda"), id="ipc-aux-cuda")]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
 def prefill(request, daemon):
-    aux_device = "cpu" if request.param == "host" else _prefill_device()
-    p = GpuPrefill(daemon.url, f"gpu-prefill-aux-{request.param}", aux_device)
-    p.aux_placement = request.param
+    engine, placement = request.param
+    aux_device = "cpu" if placement == "host" else _prefill_device()
+    p = GpuPrefill(daemon.url, f"gpu-prefill-{engine}-aux-{placement}", aux_device, engine)
+    p.aux_placement = placement
+    p.engine = engine
+    p.room_base = (0 if placement == "host" else 10_000) + (0 if engine == "mooncake" else 100_000)
     try:
         yield p
     finally:
         p.close()
+
+
+def _decode(prefill: GpuPrefill, daemon, name: str, **cfg) -> GpuDecode:
+    return GpuDecode(daemon.url, f"gpu-decode-{name}-{prefill.engine}-{prefill.aux_placement}",
+                     _decode_aux_device(prefill), prefill.engine, **cfg)
 
 
 def _decode_aux_device(prefill: GpuPrefill) -> str:
@@ -237,14 +254,17 @@ def _decode_aux_device(prefill: GpuPrefill) -> str:
 def test_rooms_land_byte_exact_in_gpu_pools(prefill, daemon):
     """CP=2, several rooms in flight together, partial last pages, scattered pages on
     both sides; decode pools on another GPU when there are two."""
-    base = 10_000 if prefill.aux_placement == "host" else 20_000
+    base = prefill.room_base + 1_000
     rooms = [(base + i, n) for i, n in enumerate(LENGTHS)]
-    decode = GpuDecode(daemon.url, f"gpu-decode-{prefill.aux_placement}", _decode_aux_device(prefill))
+    decode = _decode(prefill, daemon, "rooms")
     try:
         receivers, page_ids, senders = run_rooms(prefill, decode, rooms, seed=base)
         check_rooms(decode, rooms, receivers, page_ids)
         assert all(s.poll() == KVPoll.Success for s in senders), [s.failure_reason for s in senders]
         assert {str(t.device) for t in decode.buffers.values()} == {_decode_device()}
+        if prefill.engine == "ipc":  # the pages went through the slice kernel
+            stats = sum((e.stats for e in prefill.engines), __import__("collections").Counter())
+            assert stats["kernel_launches"] > 0 and stats["kernel_slices"] > 0 and not stats["refused"], stats
     finally:
         decode.close()
 
@@ -253,10 +273,9 @@ def test_digest_check_on_gpu_pools(prefill, daemon):
     """DecodeConfig(verify_digest=True): both sides digest CUDA pages (only the pages
     concerned cross to the host) and agree; the digest of a CUDA pool equals that of
     its host copy."""
-    base = 30_000 if prefill.aux_placement == "host" else 40_000
+    base = prefill.room_base + 2_000
     rooms = [(base + i, n) for i, n in enumerate((5, 2 * PAGE + 17, 4 * PAGE))]
-    decode = GpuDecode(daemon.url, f"gpu-decode-digest-{prefill.aux_placement}", _decode_aux_device(prefill),
-                       verify_digest=True)
+    decode = _decode(prefill, daemon, "digest", verify_digest=True)
     try:
         receivers, page_ids, _ = run_rooms(prefill, decode, rooms, seed=base)
         check_rooms(decode, rooms, receivers, page_ids)
@@ -269,3 +288,141 @@ def test_digest_check_on_gpu_pools(prefill, daemon):
             assert np.array_equal(on_gpu, on_host)
     finally:
         decode.close()
+
+
+def test_abort_while_a_copy_is_in_flight_waits_for_it(prefill, daemon):
+    """Hard rule 6 on the GPU: copies held before launch (gate); decode aborts; its pages are not
+    releasable, and the prefill room not final, until the held copies ran and completed."""
+    if prefill.engine != "ipc":
+        pytest.skip("holding writes is fault injection: the IPC engine's (the local engine's on the CPU)")
+    gate = threading.Event()
+    for engine in prefill.engines:
+        engine.faults = Faults(gate=gate)
+    decode = _decode(prefill, daemon, "abort")
+    room, n = prefill.room_base + 3_000, 6 * PAGE + 9
+    try:
+        rng = np.random.default_rng(room)
+        staged = prefill.stage(rng, [(room, n)])
+        receiver = decode.ep.receiver(room, prefill.instance)
+        receiver.init(rng.choice(DECODE_PAGES, size=-(-n // PAGE), replace=False), 0, n)
+        senders = []
+        for rank, ep in enumerate(prefill.eps):
+            s = ep.sender(room)
+            s.init(n)
+            s.send(*staged[(room, rank)], is_last=True,
+                   aux=make_aux(prefill.aux_schema, room, n) if rank == owner_of_last_token(n, PAGE, prefill.lanes)
+                   else None)
+            senders.append(s)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(s.poll() == KVPoll.Transferring for s in senders):
+            time.sleep(0.005)
+        receiver.abort("user cancelled")
+        time.sleep(0.3)
+        assert not receiver.pages_releasable, "pages releasable while copies were held"
+        assert all(s.poll() == KVPoll.Transferring for s in senders)
+        gate.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not receiver.pages_releasable:
+            time.sleep(0.005)
+        assert receiver.pages_releasable
+        while time.monotonic() < deadline and any(s.poll() not in FINAL for s in senders):
+            time.sleep(0.005)
+        assert all(s.poll() == KVPoll.Failed and "user cancelled" in s.failure_reason for s in senders)
+    finally:
+        gate.set()
+        for engine in prefill.engines:
+            engine.faults = Faults()
+        decode.close()
+
+
+def test_a_corrupted_slice_is_caught_by_the_digest(prefill, daemon):
+    """One byte of a landed batch flipped on the GPU (fault injection): the room commits without
+    the digest check and fails with it."""
+    if prefill.engine != "ipc":
+        pytest.skip("fault injection is the IPC engine's (the local engine's on the CPU)")
+    outcome = {}
+    for checked in (False, True):
+        decode = _decode(prefill, daemon, f"corrupt-{checked}", verify_digest=checked)
+        room = prefill.room_base + 4_000 + int(checked)
+        try:
+            for engine in prefill.engines:  # the next batch each engine posts is corrupted
+                engine.faults = Faults(corrupt_batches={engine.batches_posted})
+            receivers, page_ids, _ = run_rooms(prefill, decode, [(room, 3 * PAGE + 5)], seed=room)
+            outcome[checked] = receivers[room]
+        finally:
+            for engine in prefill.engines:
+                engine.faults = Faults()
+            decode.close()
+    assert outcome[False].poll() == KVPoll.Success
+    assert outcome[True].poll() == KVPoll.Failed and "digest mismatch" in outcome[True].failure_reason
+
+
+# ---- the IPC engine across processes: CUDA IPC --------------------------------------------------
+PEER = Path(__file__).with_name("_transfer_peer.py")
+SLICE = 41_984  # one fp8 MLA page
+
+
+def _pattern(seed: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_ipc_engine_writes_into_another_process_then_it_withdraws_then_dies(tmp_path):
+    """Scattered pages plus unaligned slices from cuda:0 into a CUDA buffer of another process
+    (decode's GPU); the peer's unregister waits for a held copy; afterwards writes fail; a dead
+    peer fails writes."""
+    num = 512
+    nbytes = num * SLICE
+    err = (tmp_path / "peer.err").open("w")
+    child = subprocess.Popen([sys.executable, str(PEER), str(nbytes), "ipc", _decode_device()], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+    engine = create_engine("ipc")
+    try:
+        info = json.loads(child.stdout.readline())
+        expected = _pattern(11, nbytes)
+        perm = np.random.default_rng(12).permutation(num)
+        src = torch.from_numpy(np.ascontiguousarray(expected.reshape(num, SLICE)[perm]).reshape(-1)).to("cuda:0")
+        torch.cuda.synchronize()
+        engine.register(*tensor_region(src))
+        base = tensor_region(src)[0]
+        offsets = np.arange(num, dtype=np.uint64) * SLICE
+        # pages whole, except the last 8 split into an unaligned head and tail (byte path of the kernel)
+        s_off, d_off, length = offsets[:-8], offsets[perm][:-8], np.full(num - 8, SLICE, np.uint64)
+        cut = np.uint64(SLICE // 2 + 3)
+        tail_s, tail_d = offsets[-8:], offsets[perm][-8:]
+        s_off = np.concatenate([s_off, tail_s, tail_s + cut])
+        d_off = np.concatenate([d_off, tail_d, tail_d + cut])
+        length = np.concatenate([length, np.full(8, cut), np.full(8, np.uint64(SLICE) - cut)])
+        engine.write(info["session"], base + s_off, info["addr"] + d_off, length, 30)
+        child.stdin.write("check 11\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+        assert engine.stats["kernel_launches"] >= 1 and engine.stats["kernel_slices"] == length.size
+
+        gate = threading.Event()
+        engine.faults = Faults(gate=gate)
+        handle = engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
+                                     np.full(4, SLICE, np.uint64))
+        child.stdin.write("unregister\n")
+        child.stdin.flush()
+        time.sleep(0.3)
+        assert engine.poll(handle).state is WriteState.PENDING
+        gate.set()
+        assert child.stdout.readline().strip() == "unregistered"
+        assert engine.poll(handle).state is WriteState.DONE
+        engine.faults = Faults()
+        status = engine.poll(engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
+                                                 np.full(4, SLICE, np.uint64)))
+        assert status.state is WriteState.FAILED and "outside the memory registered" in status.reason
+
+        child.kill()
+        child.wait(10)
+        status = engine.poll(engine.submit_write(info["session"], base + offsets[:1], [info["addr"]], [SLICE]))
+        assert status.state is WriteState.FAILED and info["session"] in status.reason
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdin.close()
+        child.stdout.close()
+        err.close()
+        engine.close()

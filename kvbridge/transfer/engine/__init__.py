@@ -1,6 +1,6 @@
 """Transfer engines behind one small interface, chosen by name.
 
-    engine = create_engine("mooncake")          # or "local" (tests, with fault injection)
+    engine = create_engine("mooncake")          # or "ipc" (same host, CUDA IPC), "local" (tests, faults)
     engine.register(*tensor_region(kv_buffer))
     handle = engine.submit_write(peer_session, src, dst, length)
     ... engine.poll(handle) -> WriteStatus.PENDING / DONE / FAILED(reason)
@@ -31,7 +31,7 @@ __all__ = [
     "tensor_region",
 ]
 
-ENGINE_KINDS = ("mooncake", "local")
+ENGINE_KINDS = ("mooncake", "ipc", "local")
 
 
 def mooncake_available() -> bool:
@@ -49,17 +49,26 @@ def create_engine(
     host: str = "127.0.0.1",
     protocol: str = "tcp",
     device: str = "",
-    max_slices_per_call: int = 1024,
+    max_slices_per_call: int | None = None,
     fabric: LocalFabric | None = None,
 ) -> TransferEngine:
     """A started engine. ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0");
-    ``fabric`` is for "local" only (a fresh one when omitted). ``max_slices_per_call`` also caps
-    the slices a Mooncake engine keeps in flight per destination session."""
+    ``fabric`` is for "local" only (a fresh one when omitted). ``max_slices_per_call`` (default
+    1,024; "ipc": 1,048,576 slices per kernel launch) also caps the slices a Mooncake engine keeps
+    in flight per destination session.
+
+    "ipc" writes into peers on this host through CUDA IPC, many slices per kernel launch
+    (``kvbridge.transfer.engine.ipc``); its peers must be "ipc" engines too."""
+    if fabric is not None and kind != "local":
+        raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
+    if kind == "ipc":
+        from kvbridge.transfer.engine.ipc import IpcEngine
+
+        return IpcEngine(max_slices_per_call=max_slices_per_call or 1 << 20)
+    max_slices_per_call = max_slices_per_call or 1024
     if kind == "local":
         return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)
     if kind == "mooncake":
-        if fabric is not None:
-            raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
         if not mooncake_available():
             raise EngineError(
                 "the Mooncake transfer engine is not importable: install mooncake-transfer-engine-non-cuda "

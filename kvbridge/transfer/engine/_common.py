@@ -89,12 +89,15 @@ class Regions:
 
     def inside(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """Boolean mask: slice ``i`` lies inside one region."""
-        if self._starts.size == 0:
-            return np.zeros(addr.size, dtype=bool)
-        idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
-        found = idx >= 0
-        end = np.where(found, self._ends[np.maximum(idx, 0)], np.uint64(0))
-        return found & (addr + length <= end)
+        return self.locate(addr, length) >= 0
+
+    def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Index into ``sorted_starts`` of the region holding slice ``i``, or -1 when none holds it whole."""
+        return locate(self._starts, self._ends, addr, length)
+
+    @property
+    def sorted_starts(self) -> np.ndarray:
+        return self._starts
 
     def first_outside(self, addr: np.ndarray, length: np.ndarray) -> int:
         """Index of the first slice not inside one region, or -1 when all are inside."""
@@ -105,6 +108,15 @@ class Regions:
         starts = sorted(self._regions)
         self._starts = np.array(starts, dtype=np.uint64)
         self._ends = np.array([s + self._regions[s] for s in starts], dtype=np.uint64)
+
+
+def locate(starts: np.ndarray, ends: np.ndarray, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """For sorted, disjoint ``[starts[j], ends[j])``: the ``j`` holding ``[addr[i], addr[i] + length[i])``, or -1."""
+    if starts.size == 0:
+        return np.full(addr.size, -1, dtype=np.int64)
+    idx = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    end = ends[np.maximum(idx, 0)]
+    return np.where((idx >= 0) & (addr + length <= end), idx, -1)
 
 
 def as_int(value: object, who: str) -> int:

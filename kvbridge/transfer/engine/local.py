@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +77,22 @@ class Faults:
     corrupt_batches: set[int] = field(default_factory=set)
     delay_s: float = 0.0
     gate: threading.Event | None = None
+
+    @property
+    def holding(self) -> bool:
+        return self.gate is not None or self.delay_s > 0
+
+    def hold(self, due: float, cond: threading.Condition, closed: Callable[[], bool]) -> bool:
+        """Wait until monotonic ``due`` (on ``cond``, notified at close) and until the gate is open;
+        False when ``closed()`` turned true first."""
+        with cond:
+            while not closed() and time.monotonic() < due:
+                cond.wait(due - time.monotonic())
+        gate = self.gate
+        while gate is not None and not gate.wait(_GATE_POLL_S):
+            if closed():
+                return False
+        return not closed()
 
 
 @dataclass
@@ -188,14 +205,7 @@ class LocalEngine(JobEngine):
 
     def _hold(self, batch: _Batch) -> bool:
         """Wait for the batch's delay and the gate; False when the engine closed meanwhile."""
-        with self._cond:
-            while not self._closed and time.monotonic() < batch.due:
-                self._cond.wait(batch.due - time.monotonic())
-        gate = self.faults.gate
-        while gate is not None and not gate.wait(_GATE_POLL_S):
-            if self._closed:
-                return False
-        return not self._closed
+        return self.faults.hold(batch.due, self._cond, lambda: self._closed)
 
     def _land(self, batch: _Batch) -> str:
         """Copy what may be copied; return the failure reason, or "" when every slice landed."""

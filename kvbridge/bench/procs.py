@@ -1,0 +1,291 @@
+"""The bench's ranks, each in its own process (as in production): one decode rank and one
+process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
+
+    python -m kvbridge.bench.procs decode|prefill '<json settings>'
+    -> {"ready": true, "session": ..., ...}          once the endpoint is registered
+    <- {"op": ...}  -> one JSON line per command     (``quit`` ends the process)
+
+prefill commands: fill, plan, send, wait_sent, raw, copy, stats
+decode commands:  prepare, recv, check, stats
+
+Each process has the engine kvbridge runs on (``engine``: mooncake or ipc) and,
+when ``raw_mooncake`` is set and that engine is not Mooncake, a second, plain
+Mooncake engine over the same buffers for the raw baseline. With
+``KVBRIDGE_TRACE=1`` the decode process adds ``trace room=R bench recv|final @T``
+lines around each timed room (``kvbridge.bench.trace`` reads them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kvbridge.bench")
+CAP = 1024  # slices per Mooncake call
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class RankBase:
+    """What both roles share: geometry, buffers on the device, the engines."""
+
+    def __init__(self, cfg: dict[str, Any], capacity: int) -> None:
+        import torch
+
+        from kvbridge.layout import OwnerLanes
+        from kvbridge.transfer.engine import create_engine
+        from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+
+        self.cfg = cfg
+        self.torch = torch
+        self.device = cfg["device"]
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)
+        self.specs = build_specs(cfg["preset"], cfg["layers"], cfg["page_size"], cfg["draft_layers"])
+        self.contract = build_contract(cfg["preset"], cfg["layers"], cfg["page_size"], cfg["draft_layers"],
+                                       "interleaved")
+        self.aux_schema = aux_schema_of(self.contract)
+        self.lanes = OwnerLanes(cfg["cp"])
+        self.buffers = allocate_buffers(self.specs, capacity, device=self.device)
+        self.engine = create_engine(cfg["engine"], protocol=cfg["protocol"], max_slices_per_call=cfg.get("cap"))
+        self.raw_engine = self.engine if cfg["engine"] == "mooncake" else None
+        if cfg.get("raw_mooncake") and self.raw_engine is None:
+            self.raw_engine = create_engine("mooncake", protocol=cfg["protocol"], max_slices_per_call=CAP)
+            from kvbridge.transfer.engine import tensor_region
+
+            for buf in self.buffers.values():
+                self.raw_engine.register(*tensor_region(buf))
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize(self.device)
+
+    def engine_stats(self) -> dict[str, int]:
+        return dict(getattr(self.engine, "stats", {}))
+
+    def close(self) -> None:
+        self.endpoint.close()
+        for eng in {id(e): e for e in (self.engine, self.raw_engine) if e is not None}.values():
+            eng.close()
+
+
+class PrefillRank(RankBase):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from kvbridge.bootstrap.client import BootstrapClient
+        from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+
+        super().__init__(cfg, cfg["src_capacity"])
+        self.rank = cfg["cp_rank"]
+        pcfg = PrefillConfig(instance=cfg["instance"], cp_rank=self.rank, cp_size=cfg["cp"],
+                             max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"])
+        self.endpoint = PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract,
+                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux_schema)
+        self.endpoint.start()
+        self.owned = self.local = np.zeros(0, np.int64)
+        self.plan: Any = None
+        self.senders: dict[int, Any] = {}
+        self.scratch: Any = None
+
+    def ready(self) -> dict[str, Any]:
+        return {"ready": True, "session": self.engine.session_id}
+
+    def fill(self, cmd: dict) -> dict:
+        from kvbridge.bench import pattern
+
+        t0 = time.perf_counter()
+        self.owned, self.local = np.asarray(cmd["owned"], np.int64), np.asarray(cmd["local"], np.int64)
+        for (pool, layer), buf in self.buffers.items():
+            pattern.fill(self.specs[pool], buf, cmd["seed"], layer, self.owned, self.local)
+        self.sync()
+        return {"seconds": time.perf_counter() - t0}
+
+    def do_plan(self, cmd: dict) -> dict:
+        from kvbridge.layout import BufferDesc, describe_buffer, plan_transfer
+
+        dst = [BufferDesc.from_list(d) for d in cmd["dst"]]
+        src = [describe_buffer(self.specs[p], lid, b) for (p, lid), b in self.buffers.items()]
+        page_ids = np.asarray(cmd["page_ids"], np.int64)
+        t0 = time.perf_counter()
+        self.plan = plan_transfer(self.specs, src, dst, self.owned, self.local, page_ids[self.owned], cmd["tokens"])
+        return {"slices": self.plan.num_slices, "bytes": self.plan.num_bytes, "ms": (time.perf_counter() - t0) * 1e3}
+
+    def send(self, cmd: dict) -> dict:
+        from kvbridge.worker.synthetic import make_aux
+
+        room, n = cmd["room"], cmd["tokens"]
+        s = self.endpoint.sender(room)
+        s.init(n)
+        s.send(self.owned, self.local, is_last=True, aux=make_aux(self.aux_schema, room, n) if cmd["aux"] else None)
+        self.senders[room] = s
+        return {"queued": room}
+
+    def wait_sent(self, cmd: dict) -> dict:
+        from kvbridge.transfer.poll import KVPoll
+
+        s = self.senders.pop(cmd["room"])
+        deadline = time.monotonic() + cmd.get("timeout", 60)
+        while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        state = s.poll()
+        return {"state": state.name, "reason": s.failure_reason or "", "slices": int(s.stats.get("slices", 0))}
+
+    def raw(self, cmd: dict) -> dict:
+        """Post this rank's plan at monotonic time ``at``: ``mooncake`` straight to the binding
+        (<= 1,024 slices per synchronous call), ``engine`` through kvbridge's engine adapter."""
+        calls = []
+        if cmd["method"] == "mooncake":
+            mc = self.raw_engine._mc  # the binding itself: no adapter in the way
+            calls = [(b[0].tolist(), b[1].tolist(), b[2].tolist()) for b in self.plan.batches(CAP)]
+        _wait_until(cmd["at"])
+        failure = ""
+        if cmd["method"] == "mooncake":
+            for s, d, n in calls:
+                rc = mc.batch_transfer_sync_write(cmd["session"], s, d, n)
+                if rc != 0:
+                    failure = f"cp{self.rank}: batch_transfer_sync_write returned {rc}"
+                    break
+        else:
+            try:
+                self.engine.wait(self.engine.submit_write(cmd["session"], self.plan.src, self.plan.dst,
+                                                          self.plan.length), 120)
+            except Exception as exc:  # reported in the row
+                failure = f"cp{self.rank}: {exc}"
+        return {"end": time.monotonic(), "failure": failure}
+
+    def copy(self, cmd: dict) -> dict:
+        """The same slices copied within this process into a scratch buffer (memcpy ceiling, host only)."""
+        nbytes = self.plan.num_bytes
+        if self.scratch is None or self.scratch.nbytes < nbytes:
+            self.scratch = np.empty(nbytes, np.uint8)
+        dst = self.scratch.ctypes.data + np.concatenate([[0], np.cumsum(self.plan.length)[:-1]]).astype(np.int64)
+        move = ctypes.memmove
+        _wait_until(cmd["at"])
+        for s, d, n in zip(self.plan.src.tolist(), dst.tolist(), self.plan.length.tolist()):
+            move(d, s, n)
+        return {"end": time.monotonic(), "failure": ""}
+
+    def stats(self, cmd: dict) -> dict:
+        return {"counters": dict(self.endpoint.counters), "engine": self.engine_stats()}
+
+
+class DecodeRank(RankBase):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from kvbridge.bootstrap.client import BootstrapClient
+        from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+
+        super().__init__(cfg, cfg["dst_capacity"])
+        torch = self.torch
+        self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
+        dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0)
+        self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
+                                       BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
+                                       self.aux_schema)
+        self.endpoint.start()
+        self.trace = os.environ.get("KVBRIDGE_TRACE") == "1"
+
+    def ready(self) -> dict[str, Any]:
+        return {"ready": True, "session": self.engine.session_id,
+                "raw_session": self.raw_engine.session_id if self.raw_engine is not None else None,
+                "buffers": [d.to_list() for d in self.endpoint.buffers.descs]}
+
+    def prepare(self, cmd: dict) -> dict:
+        from kvbridge.bench import pattern
+
+        for buf in self.buffers.values():
+            pattern.poison(buf, np.asarray(cmd["page_ids"], np.int64))
+        self.sync()
+        return {"ok": True}
+
+    def recv(self, cmd: dict) -> dict:
+        from kvbridge.transfer.poll import KVPoll
+
+        room, n = cmd["room"], cmd["tokens"]
+        page_ids = np.asarray(cmd["page_ids"], np.int64)
+        final = (KVPoll.Success, KVPoll.Failed)
+        t0 = time.perf_counter()
+        if self.trace:
+            log.info("trace room=%d bench recv @%.4f", room, time.monotonic())
+        r = self.endpoint.receiver(room, cmd["prefill"])
+        r.init(page_ids, 0, n)
+        deadline = time.monotonic() + cmd.get("timeout", 120)
+        while (state := r.poll()) not in final and time.monotonic() < deadline:
+            time.sleep(cmd.get("poll_s", 0.0002))
+        elapsed = time.perf_counter() - t0
+        if self.trace:
+            log.info("trace room=%d bench final %s @%.4f", room, state.name, time.monotonic())
+        if state not in final:
+            r.abort("bench timeout")
+        out = {"room": room, "state": r.poll().name, "reason": r.failure_reason or "", "seconds": elapsed,
+               "aux_room": None if r.aux is None else int(r.aux.room)}
+        del r
+        return out
+
+    def check(self, cmd: dict) -> dict:
+        from kvbridge.bench import pattern
+
+        self.sync()
+        page_ids = np.asarray(cmd["page_ids"], np.int64)
+        checked, errors = 0, []
+        for (pool, layer), buf in self.buffers.items():
+            n, err = pattern.check(self.specs[pool], buf, cmd["seed"], layer, page_ids, cmd["tokens"])
+            checked += n
+            if err:
+                errors.append(err)
+        return {"checked": checked, "errors": errors[:3]}
+
+    def stats(self, cmd: dict) -> dict:
+        return {"engine": self.engine_stats()}
+
+
+def _wait_until(t: float) -> None:
+    """Sleep, then spin, until monotonic time ``t`` (all ranks start a raw run together)."""
+    left = t - time.monotonic()
+    if left > 0.002:
+        time.sleep(left - 0.002)
+    while time.monotonic() < t:
+        pass
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    logging.basicConfig(level=logging.INFO if os.environ.get("KVBRIDGE_TRACE") == "1" else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    rank = PrefillRank(cfg) if role == "prefill" else DecodeRank(cfg)
+    ops = {"fill": getattr(rank, "fill", None), "plan": getattr(rank, "do_plan", None),
+           "send": getattr(rank, "send", None), "wait_sent": getattr(rank, "wait_sent", None),
+           "raw": getattr(rank, "raw", None), "copy": getattr(rank, "copy", None),
+           "prepare": getattr(rank, "prepare", None), "recv": getattr(rank, "recv", None),
+           "check": getattr(rank, "check", None), "stats": rank.stats}
+    emit(rank.ready())
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            handler = ops.get(cmd["op"])
+            if handler is None:
+                emit({"error": f"{role}: unknown op {cmd['op']!r}"})
+                continue
+            try:
+                emit(handler(cmd))
+            except Exception as exc:  # the driver shows it in the row
+                log.exception("%s: %s failed", role, cmd["op"])
+                emit({"error": f"{role} {cmd['op']}: {type(exc).__name__}: {exc}"})
+    finally:
+        rank.close()
+
+
+if __name__ == "__main__":
+    main()

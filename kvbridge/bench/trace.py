@@ -1,0 +1,77 @@
+"""Where a room's time goes, from the ``KVBRIDGE_TRACE=1`` lines of every rank's log.
+
+Each trace line carries ``room=R`` and ``@T`` (``time.monotonic()``, one clock for
+every process of a host). A room's path, hop by hop (the last CP rank decides
+when a room completes, so each event is taken at its last occurrence):
+
+    recv       decode: bench creates the receiver                       (bench line)
+    requested  decode: bootstrap look-up done, request sent to the ranks (endpoint line)
+    target     prefill: request parsed and checked                       (per rank)
+    posted     prefill: the room's writes handed to the engine           (per rank)
+    written    prefill: the engine reported the writes final             (per rank)
+    committed  decode: every page and the aux row accounted for
+    final      decode: the bench's poll saw Success                      (bench line)
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+EVENTS = ("recv", "requested", "target", "posted", "written", "committed", "final")
+HOPS = (
+    ("recv", "requested", "look-up + request sent (decode)"),
+    ("requested", "target", "request trip + parse + checks (to the last rank)"),
+    ("target", "posted", "plan + submit (prefill)"),
+    ("posted", "written", "transfer + completion seen (prefill)"),
+    ("written", "committed", "reports + ledger + commit (decode)"),
+    ("committed", "final", "until the room's poll sees it"),
+)
+_ROOM = re.compile(r"trace room=(\d+)")
+_AT = re.compile(r"@(\d+\.\d+)")
+_KINDS = (("bench recv", "recv"), ("requested from cp ranks", "requested"), (" target ", "target"),
+          (" -> ", "posted"), ("write of", "written"), ("committed", "committed"), ("bench final", "final"))
+
+
+def parse(lines: Iterable[str]) -> dict[int, dict[str, list[float]]]:
+    """room -> event -> times (monotonic seconds) found in ``lines``."""
+    rooms: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for line in lines:
+        room, at = _ROOM.search(line), _AT.search(line)
+        if room is None or at is None:
+            continue
+        for needle, kind in _KINDS:
+            if needle in line:
+                rooms[int(room.group(1))][kind].append(float(at.group(1)))
+                break
+    return rooms
+
+
+def breakdown(rooms: dict[int, dict[str, list[float]]]) -> list[dict[str, object]]:
+    """p50 and p90 of each hop (ms) over the rooms that have every event, then the total."""
+    complete = [ev for ev in rooms.values() if all(ev.get(k) for k in EVENTS)]
+    out: list[dict[str, object]] = []
+    if not complete:
+        return out
+    for a, b, what in HOPS:
+        ms = np.array([(max(ev[b]) - max(ev[a])) * 1e3 for ev in complete])
+        out.append({"hop": f"{a} -> {b}", "what": what, "p50_ms": round(float(np.median(ms)), 3),
+                    "p90_ms": round(float(np.percentile(ms, 90)), 3)})
+    total = np.array([(max(ev["final"]) - min(ev["recv"])) * 1e3 for ev in complete])
+    out.append({"hop": "recv -> final", "what": f"total ({len(complete)} rooms)",
+                "p50_ms": round(float(np.median(total)), 3), "p90_ms": round(float(np.percentile(total, 90)), 3)})
+    skew = np.array([(max(ev["target"]) - min(ev["target"])) * 1e3 for ev in complete])
+    out.append({"hop": "target skew", "what": "first to last CP rank parsing the request",
+                "p50_ms": round(float(np.median(skew)), 3), "p90_ms": round(float(np.percentile(skew, 90)), 3)})
+    return out
+
+
+def format_breakdown(hops: list[dict[str, object]], title: str) -> str:
+    if not hops:
+        return f"{title}: no complete room in the trace"
+    lines = [title, f"{'hop':<24} {'p50 ms':>8} {'p90 ms':>8}  what"]
+    lines += [f"{h['hop']:<24} {h['p50_ms']:>8.3f} {h['p90_ms']:>8.3f}  {h['what']}" for h in hops]
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""Many ``(src, dst, length)`` byte slices copied at once: the IPC engine's data path.
+
+A room's pages are scattered on both sides, so a write is tens of thousands of
+41 KB slices. Posting each as its own copy costs microseconds of overhead per
+slice (that is where one-slice-per-page Mooncake loses 95% of the link); here
+they are split into *pieces* of at most ``chunk`` bytes and copied by one
+kernel launch:
+
+    slices   [s0: 41,984 B][s1: 41,984 B][s2: 2,686,976 B (a run of 64 pages)] ...
+    pieces   [s0         ][s1         ][s2 0:128K][s2 128K:256K] ... [s2 2.5M:2.56M]
+    kernel   program p copies pieces p, p + P, p + 2P, ...   (P = programs, a few per SM)
+
+Inside the kernel a piece whose source, destination and length are multiples of
+16 moves as 16-byte vectors; any other piece (the scale bytes of a partial
+index-K page, an aux row) byte by byte. Addresses travel as signed offsets from
+one small tensor on the copying device, so any address the device can reach,
+a peer's included, is ``base + offset``.
+
+``copy_host`` is the same copy for host memory in this process (numpy, vectorised),
+used by the engine for host regions and by tests on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread over many programs
+# Slices this long go to the copy engines (cudaMemcpyAsync) instead: on one H200, 43 MB slices moved at
+# 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
+DIRECT_MIN_BYTES = 8 << 20
+HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index arrays)
+
+
+def plan_pieces(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, chunk: int = CHUNK
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split each slice into pieces of at most ``chunk`` bytes (``chunk`` a multiple of 16, so
+    pieces of an aligned slice stay aligned); returns ``(src, dst, length)`` of the pieces, uint64."""
+    if chunk <= 0 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
+    src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
+    per_slice = (length + np.uint64(chunk - 1)) // np.uint64(chunk)
+    if per_slice.size == 0 or int(per_slice.max()) <= 1:  # every slice is one piece (pages)
+        return src, dst, length
+    owner = np.repeat(np.arange(length.size), per_slice.astype(np.int64))
+    first = np.cumsum(per_slice) - per_slice
+    offset = (np.arange(owner.size, dtype=np.uint64) - first[owner]) * np.uint64(chunk)
+    return src[owner] + offset, dst[owner] + offset, np.minimum(length[owner] - offset, np.uint64(chunk))
+
+
+def copy_host(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_bytes: int = HOST_BATCH) -> None:
+    """Copy host slices of this process, vectorised: byte indices for many slices at a time.
+
+    Every slice must lie in memory the caller checked (registered regions): the
+    copy reads and writes through a view spanning the lowest to the highest
+    address involved and touches only the slices' bytes."""
+    src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
+    if length.size == 0:
+        return
+    lo = int(min(src.min(), dst.min()))
+    hi = int(max((src + length).max(), (dst + length).max()))
+    window = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
+    s_off = (src - np.uint64(lo)).astype(np.int64)
+    d_off = (dst - np.uint64(lo)).astype(np.int64)
+    n = length.astype(np.int64)
+    ends = np.cumsum(n)
+    start = 0
+    while start < n.size:  # slices [start, stop) hold about batch_bytes
+        stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + batch_bytes, "right")))
+        stop = min(stop, n.size)
+        counts = n[start:stop]
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        window[np.repeat(d_off[start:stop], counts) + within] = window[np.repeat(s_off[start:stop], counts) + within]
+        start = stop
+
+
+class CudaCopier:
+    """Copies slices with one Triton kernel per call, on its own stream of ``device``.
+
+    ``launch`` only enqueues: the caller records an event on ``stream`` and treats the
+    copy as in flight until the event completes. Slices of at least ``direct_min_bytes``
+    go as plain ``cudaMemcpyAsync`` calls on the same stream (the copy engines), when set."""
+
+    def __init__(self, device: int, *, chunk: int = CHUNK, programs_per_sm: int = 4, words: int = 2048,
+                 num_warps: int = 4, direct_min_bytes: int = 0) -> None:
+        import torch
+
+        from kvbridge.transfer.engine._cuda import cuda
+
+        self._torch = torch
+        self._cuda = cuda()
+        self.device = torch.device("cuda", device)
+        self.chunk, self.words, self.num_warps = chunk, words, num_warps
+        self.direct_min_bytes = direct_min_bytes
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)
+            self._base = torch.zeros(4, dtype=torch.int32, device=self.device)  # offsets are relative to this
+        self._base_addr = np.uint64(self._base.data_ptr())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_programs = max(1, sms * programs_per_sm)
+
+    def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[dict[str, int], Any]:
+        """Enqueue the copy of every slice on ``stream``; returns (counts, what must stay alive until done)."""
+        torch = self._torch
+        counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
+        direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else np.zeros(length.size, bool)
+        keep = None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if not direct.all():
+                small = ~direct
+                ps, pd, pn = plan_pieces(src[small], dst[small], length[small], self.chunk)
+                table = torch.empty((ps.size, 3), dtype=torch.int64, pin_memory=True)
+                rows = table.numpy()
+                rows[:, 0] = (ps - self._base_addr).view(np.int64)  # two's complement: offsets may be negative
+                rows[:, 1] = (pd - self._base_addr).view(np.int64)
+                rows[:, 2] = pn.view(np.int64)
+                keep = table.to(self.device, non_blocking=True)
+                grid = (min(ps.size, self.max_programs),)
+                _kernel()[grid](self._base, self._base.view(torch.uint8), keep, ps.size, WORDS=self.words,
+                                BYTES=1024, num_warps=self.num_warps)
+                counts.update(kernel_slices=int(small.sum()), kernel_pieces=int(ps.size), kernel_launches=1)
+            if direct.any():
+                handle = self.stream.cuda_stream
+                for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
+                    self._cuda.memcpy_async(d, s, n, handle)
+                counts["direct_slices"] = int(direct.sum())
+        return counts, keep
+
+    def copy_async(self, dst: int, src: int, nbytes: int) -> None:
+        """One plain copy on this copier's stream (either side may be host memory)."""
+        self._cuda.memcpy_async(dst, src, nbytes, self.stream.cuda_stream)
+
+    def copy_bytes(self, dst: int, src: int, nbytes: int) -> None:
+        """A blocking copy on this copier's stream (fault injection)."""
+        self.copy_async(dst, src, nbytes)
+        self.stream.synchronize()
+
+    def record(self) -> Any:
+        """An event after everything enqueued so far; ``synchronize()`` it to know the copies landed."""
+        event = self._torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+@cache
+def _kernel() -> Any:
+    """The Triton kernel (its module imports Triton: GPU hosts only)."""
+    from kvbridge.transfer.engine._slice_kernel import copy_pieces
+
+    return copy_pieces

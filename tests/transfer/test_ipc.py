@@ -1,0 +1,241 @@
+"""The IPC engine on the CPU: its slice copy (the CPU fallback of the GPU kernel), its side
+channel (region tables, refresh on a miss, withdrawal while a write is in flight), and a
+peer in another process. The behaviour every engine shares is in test_engine.py; GPU
+memory and CUDA IPC between processes are in test_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import EngineError
+from kvbridge.transfer.engine import Faults, WriteState, create_engine, tensor_region
+from kvbridge.transfer.engine.slicecopy import copy_host, plan_pieces
+
+PAGE = 4096
+PEER = Path(__file__).with_name("_transfer_peer.py")
+
+
+def random_slices(rng: np.random.Generator, nbytes: int, num: int, aligned: bool) -> tuple[np.ndarray, ...]:
+    """``num`` disjoint slices inside ``[0, nbytes)`` on both sides (offsets), lengths 1 B .. 20 KB."""
+    lengths = rng.integers(1, 20_000, num)
+    if aligned:
+        lengths = (lengths // 16 + 1) * 16
+    span = nbytes // num
+    lengths = np.minimum(lengths, span - 16)
+    slots = rng.permutation(num)
+    src = np.arange(num) * span + (0 if aligned else rng.integers(0, 16, num))
+    dst = slots * span + (0 if aligned else rng.integers(0, 16, num))
+    return src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64)
+
+
+def reference_copy(src_buf: np.ndarray, dst_buf: np.ndarray, src, dst, length) -> np.ndarray:
+    out = dst_buf.copy()
+    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
+        out[d:d + n] = src_buf[s:s + n]
+    return out
+
+
+# ---- the slice copy ------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [16, 4096, 128 * 1024])
+def test_pieces_cover_every_slice_exactly_and_keep_alignment(chunk):
+    rng = np.random.default_rng(chunk)
+    src, dst, length = random_slices(rng, 1 << 22, 200, aligned=False)
+    ps, pd, pn = plan_pieces(src + 1000, dst + 5000, length, chunk)
+    assert int(pn.max()) <= chunk and int(pn.min()) > 0 and int(pn.sum()) == int(length.sum())
+    assert np.array_equal(ps - np.uint64(1000) - (pd - np.uint64(5000)), (src - dst)[np.repeat(
+        np.arange(src.size), ((length + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64))])
+    a16 = (src % 16 == 0) & (dst % 16 == 0) & (length % 16 == 0)
+    pa, pb, pc = plan_pieces(src[a16], dst[a16], length[a16], chunk)
+    assert ((pa % 16 == 0) & (pb % 16 == 0) & (pc % 16 == 0)).all()
+
+
+def test_pieces_refuse_a_chunk_that_breaks_alignment():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plan_pieces(np.zeros(1), np.zeros(1), np.ones(1), chunk=100)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_copy_host_equals_a_slice_by_slice_copy(aligned):
+    rng = np.random.default_rng(int(aligned))
+    nbytes = 1 << 21
+    src_buf = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst_buf = np.full(nbytes, 0xAB, np.uint8)
+    src, dst, length = random_slices(rng, nbytes, 300, aligned)
+    expected = reference_copy(src_buf, dst_buf, src, dst, length)
+    # small batches: many vectorised steps, one slice larger than a batch on its own
+    copy_host(src_buf.ctypes.data + src, dst_buf.ctypes.data + dst, length, batch_bytes=50_000)
+    assert np.array_equal(dst_buf, expected)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+@pytest.fixture()
+def engines():
+    a, b = create_engine("ipc"), create_engine("ipc")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def scattered(src: np.ndarray, dst: np.ndarray, num: int, seed: int = 0):
+    perm = np.random.default_rng(seed).permutation(num)
+    offsets = np.arange(num, dtype=np.uint64) * PAGE
+    return src.ctypes.data + offsets, dst.ctypes.data + offsets[perm], np.full(num, PAGE, np.uint64), perm
+
+
+def test_a_region_registered_after_the_first_write_is_found(engines):
+    a, b = engines
+    src = np.random.default_rng(1).integers(0, 256, 8 * PAGE, dtype=np.uint8)
+    first, later = np.zeros(8 * PAGE, np.uint8), np.zeros(8 * PAGE, np.uint8)
+    a.register(*tensor_region(src))
+    b.register(*tensor_region(first))
+    s, d, n, _ = scattered(src, first, 8)
+    a.write(b.session_id, s, d, n)  # a now holds b's table
+    b.register(*tensor_region(later))
+    s, d, n, perm = scattered(src, later, 8, seed=2)
+    a.write(b.session_id, s, d, n)  # a miss: the table is fetched again
+    assert (later.reshape(-1, PAGE)[perm] == src.reshape(-1, PAGE)).all()
+
+
+def test_unregister_waits_for_a_write_in_flight_then_writes_fail(engines):
+    """Withdrawal: the owner's unregister returns only after the writer's copy into the
+    region landed; afterwards the writer refuses the region and writes nothing into it."""
+    a, b = engines
+    src = np.random.default_rng(3).integers(0, 256, 16 * PAGE, dtype=np.uint8)
+    dst = np.zeros(16 * PAGE, np.uint8)
+    a.register(*tensor_region(src))
+    b.register(*tensor_region(dst))
+    gate = threading.Event()
+    a.faults = Faults(gate=gate)
+    s, d, n, perm = scattered(src, dst, 16)
+    handle = a.submit_write(b.session_id, s, d, n)
+    order: list[str] = []
+    withdraw = threading.Thread(target=lambda: (b.unregister(dst.ctypes.data), order.append("unregistered")))
+    withdraw.start()
+    withdraw.join(0.3)
+    assert withdraw.is_alive() and not dst.any(), "unregister returned while a write into the region was held"
+    order.append("gate")
+    gate.set()
+    withdraw.join(10)
+    assert order == ["gate", "unregistered"]
+    assert a.poll(handle).state is WriteState.DONE
+    assert (dst.reshape(-1, PAGE)[perm] == src.reshape(-1, PAGE)).all()
+    a.faults = Faults()
+    dst[:] = 0
+    h2 = a.submit_write(b.session_id, s, d, n)
+    status = a.poll(h2)
+    assert status.state is WriteState.FAILED and "outside the memory registered by session" in status.reason
+    assert "nothing written" in status.reason and not dst.any()
+
+
+def test_close_withdraws_everything_and_the_session_goes_away(engines):
+    a, _ = engines
+    b = create_engine("ipc")
+    src, dst = np.ones(PAGE, np.uint8), np.zeros(PAGE, np.uint8)
+    a.register(*tensor_region(src))
+    b.register(*tensor_region(dst))
+    a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
+    b.close()
+    status = a.poll(a.submit_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE]))
+    assert status.state is WriteState.FAILED and b.session_id in status.reason
+
+
+def test_stats_and_trace_lines_say_how_a_write_went(engines, caplog, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_TRACE", "1")
+    a, b = create_engine("ipc"), create_engine("ipc")  # the trace setting is read at construction
+    try:
+        src, dst = np.ones(4 * PAGE, np.uint8), np.zeros(4 * PAGE, np.uint8)
+        a.register(*tensor_region(src))
+        b.register(*tensor_region(dst))
+        with caplog.at_level(logging.INFO, logger="kvbridge.transfer.engine.ipc"):
+            a.write(b.session_id, *scattered(src, dst, 4)[:3])
+        assert a.stats["writes"] == 1 and a.stats["slices"] == 4 and a.stats["host_slices"] == 4
+        lines = [r.getMessage() for r in caplog.records if "trace engine=ipc" in r.getMessage()]
+        assert any("slices=4" in line and "host_slices=4" in line for line in lines)
+        assert any(" done +" in line for line in lines)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_corrupt_and_fail_faults_apply_per_batch():
+    a, b = create_engine("ipc", max_slices_per_call=4), create_engine("ipc")
+    try:
+        src = np.random.default_rng(5).integers(0, 256, 8 * PAGE, dtype=np.uint8)
+        dst = np.zeros(8 * PAGE, np.uint8)
+        a.register(*tensor_region(src))
+        b.register(*tensor_region(dst))
+        a.faults = Faults(corrupt_batches={0}, fail_batches={1})
+        s, d, n, perm = scattered(src, dst, 8)
+        handle = a.submit_write(b.session_id, s, d, n)
+        deadline = time.monotonic() + 10
+        while not (status := a.poll(handle)).is_final and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert status.state is WriteState.FAILED and "injected failure of batch 1" in status.reason
+        moved = dst.reshape(-1, PAGE)[perm] != src.reshape(-1, PAGE)
+        assert int(moved[:4].sum()) == 1  # batch 0: one flipped byte
+        assert not moved[4:6].any() and (moved[6:].sum(axis=1) > PAGE // 2).all()  # batch 1: first half only
+    finally:
+        a.close()
+        b.close()
+
+
+# ---- a peer in another process -------------------------------------------------------------
+def test_host_memory_of_another_process_is_refused_and_untouched(tmp_path):
+    """CUDA IPC reaches device memory only: a host destination in another process fails the
+    write with the reason, and the peer's buffer keeps its bytes (checked by the peer)."""
+    num = 16
+    with (tmp_path / "peer.err").open("w") as err:
+        child = subprocess.Popen([sys.executable, str(PEER), str(num * PAGE), "ipc"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
+        engine = create_engine("ipc")
+        try:
+            info = json.loads(child.stdout.readline())
+            src = np.random.default_rng(7).integers(0, 256, num * PAGE, dtype=np.uint8)
+            engine.register(*tensor_region(src))
+            offsets = np.arange(num, dtype=np.uint64) * PAGE
+            handle = engine.submit_write(info["session"], src.ctypes.data + offsets, info["addr"] + offsets,
+                                         np.full(num, PAGE))
+            status = engine.poll(handle)
+            assert status.state is WriteState.FAILED
+            assert "host memory of process" in status.reason and str(child.pid) in status.reason
+            child.stdin.write("zero\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "ok"
+            with pytest.raises(EngineError, match="no IPC engine with session"):
+                engine.write("ipc:no-such-session", src.ctypes.data + offsets[:1], [info["addr"]], [PAGE])
+        finally:
+            engine.close()
+            child.stdin.close()
+            child.wait(20)
+            child.stdout.close()
+    assert child.returncode == 0
+
+
+def test_copy_host_touches_only_the_slices():
+    buf = np.full(64 * PAGE, 0x11, np.uint8)
+    copy_host(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
+              np.array([3], np.uint64))
+    changed = np.flatnonzero(buf != 0x11)
+    assert changed.size == 0  # the source bytes were 0x11 too: nothing else may change
+    ctypes.memset(buf.ctypes.data, 0x22, 3)
+    copy_host(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
+              np.array([3], np.uint64))
+    assert np.array_equal(np.flatnonzero(buf != 0x11), np.r_[0:3, 10 * PAGE:10 * PAGE + 3])
+
+
+def test_an_ipc_handle_with_zero_bytes_survives_the_ctypes_struct():
+    """CUDA IPC handles are 64 raw bytes, zeros included (a c_char field would cut them at the first zero)."""
+    from kvbridge.transfer.engine._cuda import _IpcHandle
+
+    raw = bytes([7, 0, 0, 9] * 16)
+    assert bytes(_IpcHandle.from_buffer_copy(raw).reserved) == raw
