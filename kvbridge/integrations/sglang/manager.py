@@ -82,6 +82,7 @@ class KVBridgeKVManager(BaseKVManager):
         self._instances: dict[str, tuple[str, str]] = {}  # decode: bootstrap address -> (daemon URL, instance)
         self._resolving: dict[str, Future] = {}
         self._lock = threading.Lock()
+        self._creating = threading.Lock()  # decode endpoints are made on pool threads
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
         atexit.register(self.close)
         if role == "prefill":
@@ -191,22 +192,23 @@ class KVBridgeKVManager(BaseKVManager):
     def _decode_endpoint(self, url: str, lane_rule: str) -> DecodeEndpoint:
         """The endpoint at daemon ``url``; its contract takes the prefill instance's lane rule
         (decode has no CP mode of its own: the look-up tells it who owns which page)."""
-        with self._lock:
-            ep = self._endpoints.get(url)
-        if ep is not None:
+        with self._creating:  # one endpoint per daemon, however many prefill instances resolve to it at once
+            with self._lock:
+                ep = self._endpoints.get(url)
+            if ep is not None:
+                return ep
+            s = self.settings
+            specs, schema, contract = self.contract(lane_rule)
+            kv, aux = self.buffers()
+            cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
+                               tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
+                               waiting_timeout=s.bootstrap_timeout, transfer_timeout=s.waiting_timeout,
+                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl)  # fmt: skip
+            ep = DecodeEndpoint(cfg, self.engine(), specs, kv, contract, self.client(url), aux, schema)
+            ep.start()
+            with self._lock:
+                self._endpoints[url] = ep
             return ep
-        s = self.settings
-        specs, schema, contract = self.contract(lane_rule)
-        kv, aux = self.buffers()
-        cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
-                           tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
-                           waiting_timeout=s.bootstrap_timeout, transfer_timeout=s.waiting_timeout,
-                           peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl)  # fmt: skip
-        ep = DecodeEndpoint(cfg, self.engine(), specs, kv, contract, self.client(url), aux, schema)
-        ep.start()
-        with self._lock:
-            self._endpoints[url] = ep
-        return ep
 
     def receiver_endpoint(self, bootstrap_addr: str) -> tuple[DecodeEndpoint, str] | None:
         """The endpoint and prefill instance of a bootstrap address, once resolved."""

@@ -6,7 +6,7 @@ config: {"role": "prefill" | "decode", "servers": [...]} where a prefill server 
 {"name", "cp", "tp", "mode": "replicated" | "balanced" | "interleaved", "port",
 "cluster": url or ""} and a decode server {"name", "cluster": url or ""}. It
 registers kvbridge's backend (``install()``, as SGLang's plugin loader would),
-builds every rank (``_sgl_sched.RankWorld``), prints {"ready": true}, then runs the
+builds every rank (``_sgl_world.RankWorld``), prints {"ready": true}, then runs the
 servers' loops, reading one JSON command per stdin line:
 
     {"op": "add", "server", "room", ...}   prefill: n, chunk, optimistic, hold_after, bad_pages;
@@ -38,6 +38,7 @@ install()
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 import _sgl_sched as sched  # noqa: E402
+import _sgl_world as world  # noqa: E402
 
 
 def server_args(role: str, port: int = 8998, sharding: bool = False) -> ServerArgs:
@@ -51,14 +52,14 @@ def prefill_server(cfg: dict) -> sched.PrefillServer:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     env = {"KVBRIDGE_BOOTSTRAP_URL": cfg.get("cluster", "")}
-    with sched.environ(env):  # what start_disagg_service does on the prefill's TokenizerManager
+    with world.environ(env):  # what start_disagg_service does on the prefill's TokenizerManager
         server = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.BOOTSTRAP_SERVER)
         cfg["_daemon"] = server(host="127.0.0.1", port=cfg["port"])
     sharding = cfg["mode"] == "interleaved"
     if cfg["mode"] == "balanced":
         env["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
     args = server_args("prefill", cfg["port"], sharding)
-    worlds = [sched.RankWorld("prefill", args, {"attn_cp_rank": cp, "attn_cp_size": cfg["cp"], "attn_tp_rank": tp,
+    worlds = [world.RankWorld("prefill", args, {"attn_cp_rank": cp, "attn_cp_size": cfg["cp"], "attn_tp_rank": tp,
                                                 "attn_tp_size": cfg["tp"], "attn_dp_rank": 0, "attn_dp_size": 1}, env)
               for cp in range(cfg["cp"]) for tp in range(cfg["tp"])]  # fmt: skip
     return sched.PrefillServer(cfg["name"], worlds, cfg["tp"] if sharding else 1, f"127.0.0.1:{cfg['port']}")
@@ -67,8 +68,8 @@ def prefill_server(cfg: dict) -> sched.PrefillServer:
 def decode_server(cfg: dict) -> sched.DecodeServer:
     ranks = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size": 1, "attn_dp_rank": 0,
              "attn_dp_size": 1}  # fmt: skip
-    world = sched.RankWorld("decode", server_args("decode"), ranks, {"KVBRIDGE_BOOTSTRAP_URL": cfg.get("cluster", "")})
-    return sched.DecodeServer(cfg["name"], world)
+    rank = world.RankWorld("decode", server_args("decode"), ranks, {"KVBRIDGE_BOOTSTRAP_URL": cfg.get("cluster", "")})
+    return sched.DecodeServer(cfg["name"], rank)
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from _sgl_procs import Host, free_port  # noqa: E402
 
 PREFILL = {"cp1": (1, 2, "replicated"), "rep": (2, 1, "replicated"), "bal": (2, 1, "balanced"),
            "shard": (1, 2, "interleaved")}  # fmt: skip
-ROOM = iter(range(4_000_000_001, 4_000_100_000, 7))  # 63-bit ids as a router draws them
+ROOM = iter(range(2**62 + 11, 2**62 + 100_000, 7))  # 63-bit ids as a router draws them
 
 
 @pytest.fixture(scope="module")

@@ -86,3 +86,34 @@ def test_mha_over_attention_tp_and_bad_names_are_refused(rank):
         read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_INSTANCE": "a b"})
     with pytest.raises(ConfigError, match="KVBRIDGE_LEASE_TTL='soon' is not a number"):
         read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_LEASE_TTL": "soon"})
+
+
+def test_the_contract_from_sglangs_pools_and_from_a_file(rank, tmp_path):
+    """Built from what SGLang registers (so prefill and decode agree without a shared file), or
+    loaded from KVBRIDGE_CONTRACT and checked against SGLang's pools and metadata regions."""
+    import dataclasses
+
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang.contract import rank_contract
+    from kvbridge.integrations.sglang.kvargs import read_kv_args
+
+    rank()
+    s = read_settings("prefill", args(speculative_algorithm="NEXTN"), True, env=ENV)
+    cache = read_kv_args(kv_args(layers=4, draft=1), is_mla=True)
+    specs, schema, contract = rank_contract(cache, s, lane_rule="replicated", kv_layout=None, sglang_version="0.5.23")
+    assert sorted(specs) == ["draft", "index", "target"] and schema.names[-1] == "room"
+    assert (contract.model.name, contract.model.target_layers, contract.model.draft_layers) == ("dsv32", 4, 1)
+    assert (contract.speculative.algorithm, contract.speculative.hidden_size, contract.cp_rule) == ("nextn", 7168,
+                                                                                                  "replicated")
+    assert contract.kernel.attention_backend == "sglang-0.5.23" and contract.kernel.abi == "kv_layout=default"
+    path = tmp_path / "contract.json"
+    path.write_text(contract.model_dump_json())
+    from_file = dataclasses.replace(s, contract_path=str(path))
+    assert rank_contract(cache, from_file, lane_rule="x", kv_layout=None, sglang_version="?")[2] == contract
+    other = read_kv_args(kv_args(layers=4, draft=1, hidden=4096), is_mla=True)  # another hidden width
+    with pytest.raises(ConfigError, match="aux regions .* are not SGLang's metadata buffers"):
+        rank_contract(other, from_file, lane_rule="replicated", kv_layout=None, sglang_version="0.5.23")
+    with pytest.raises(ConfigError, match="layer_ids"):
+        rank_contract(read_kv_args(kv_args(layers=3, draft=1), is_mla=True), from_file, lane_rule="replicated",
+                      kv_layout=None, sglang_version="0.5.23")
