@@ -197,4 +197,10 @@ class Aborted(TransferError):
 
 class RoomInUse(TransferError):
     """``sender(room)``/``receiver(room)`` on an id whose previous room is still open (its
-    handle is alive) or draining (closed, but writes of it may still land)."""
+    handle is alive) or draining (closed, but writes of it may still land). ``draining``
+    says which: True means the id frees itself once those writes are over (retry, or pass
+    ``wait=`` to ``sender()``/``receiver()``); False means a handle still holds it (close it)."""
+
+    def __init__(self, message: str, *, draining: bool = False, **ctx: Any) -> None:
+        self.draining = draining
+        super().__init__(message, **ctx)

@@ -13,7 +13,8 @@ import kvbridge.transfer as transfer
 EXPECTED = {
     *errors.__all__,
     "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
-    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "RuntimeContract",
+    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
+    "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "start_bootstrap",
 }
@@ -28,7 +29,7 @@ def test_top_level_names_are_pinned_and_resolve():
 def test_transfer_names_are_pinned():
     assert set(transfer.__all__) == {
         "ENGINE_KINDS", "DecodeConfig", "DecodeEndpoint", "KVPoll", "KVReceiver", "KVSender", "PrefillConfig",
-        "PrefillEndpoint", "TransferEngine", "WriteState", "WriteStatus", "create_engine", "mooncake_available",
+        "PrefillEndpoint", "PrefillInfo", "TransferEngine", "WriteState", "WriteStatus", "create_engine", "mooncake_available",
     }
 
 

@@ -7,7 +7,7 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     ├── pools[]            per pool: dtype, abi, bytes/token, page size, in-page layout,
     │                      value/scale split, kernel ABI, layer ids   (matched by name);
     │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row)
-    ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated
+    ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated | balanced
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
     ├── aux                aux-row regions (name, dtype, shape, offset, bytes) and row bytes
@@ -37,6 +37,7 @@ from kvbridge.bootstrap import digest
 from kvbridge.bootstrap.digest import ExtraFiles
 from kvbridge.errors import ContractError, LayoutError
 from kvbridge.layout.aux import AuxSchema
+from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import ABI_ITEMSIZE, PRESETS, PoolSpec, preset_pools
 
 __all__ = [
@@ -64,11 +65,11 @@ __all__ = [
 # Control-message protocol version; keep equal to kvbridge.transfer.wire's.
 # Version of the canonical encoding itself; bump it if canonical_json changes.
 FINGERPRINT_PREFIX = "kvb1:"
-CP_RULES = ("interleaved", "contiguous", "replicated")
+CP_RULES = LANE_RULES  # interleaved, contiguous, replicated, balanced (kvbridge.layout.lanes)
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn")
 CONTRACT_PRESETS = PRESETS
 
-CpRule = Literal["interleaved", "contiguous", "replicated"]
+CpRule = Literal["interleaved", "contiguous", "replicated", "balanced"]
 SpecAlgorithm = Literal["none", "eagle", "eagle3", "nextn"]
 _NAME = Field(min_length=1, max_length=256)
 
@@ -338,7 +339,7 @@ def contract_for(
     ``model``: a name, or a mapping / ``ModelIdentity`` with ``name``, ``revision``,
     ``target_layers``, ``draft_layers`` (omitted ones: revision "unspecified", the
     distinct layer ids of the pools, 0 draft layers). ``aux``: the aux row schema.
-    ``lane_rule``: how CP ranks own logical pages (interleaved, contiguous, replicated).
+    ``lane_rule``: how CP ranks own logical pages (interleaved, contiguous, replicated, balanced).
     ``kernel``: attention backend and page-layout ABI (default "unspecified").
     ``speculative``: algorithm, hidden_size/dtype, topk (default none). ``extra_sources``:
     engine files that define the byte meaning, hashed into the source digest.

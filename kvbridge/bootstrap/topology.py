@@ -60,7 +60,7 @@ class OwnerLanePlan(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
     cp_size: int = Field(ge=1)
-    rule: Literal["interleaved", "contiguous", "replicated"]
+    rule: Literal["interleaved", "contiguous", "replicated", "balanced"]
 
 
 class PoolDescriptor(BaseModel):

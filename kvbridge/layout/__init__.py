@@ -3,6 +3,7 @@ transfer plans, head slices for heterogeneous TP. No I/O, no threads, no device
 calls."""
 
 from kvbridge.layout.aux import AuxRegion, AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
+from kvbridge.layout.buffers import RawBuffer
 from kvbridge.layout.heads import (
     HeadGeometry,
     HeadSlice,
@@ -40,6 +41,7 @@ __all__ = [
     "OwnerLanes",
     "PRESETS",
     "PoolSpec",
+    "RawBuffer",
     "RowDomain",
     "TPRoute",
     "TransferPlan",

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError
+from kvbridge.layout.buffers import RawBuffer
 
 ROWS = "rows"
 VALUES_THEN_SCALES = "values_then_scales"
@@ -158,14 +159,17 @@ class PoolSpec:
         return ((start * v, count * v), (self.scale_offset + start * s, count * s))
 
     def validate_buffer(self, layer_id: int, buf: Any) -> int:
-        """Check one layer's buffer (torch tensor or numpy array) against the spec;
-        returns its capacity in pages. Any contiguous buffer of the pool's storage type
+        """Check one layer's buffer (torch tensor, numpy array or ``RawBuffer``) against the
+        spec; returns its capacity in pages. Any contiguous buffer of the pool's storage type
         whose bytes are whole pages is accepted, whatever its shape: page-major
         ``[pages, page_size * row]`` and token-major ``[pages * page_size, row]`` are
-        byte-identical."""
+        byte-identical. A ``RawBuffer`` (an address) must hold whole pages."""
         where = f"pool {self.name!r} layer {layer_id}"
         if layer_id not in self.layer_ids:
             raise BufferSpecError(f"pool {self.name!r} has no layer {layer_id}; layers are {self.layer_ids}", field="layer_id")
+        if isinstance(buf, RawBuffer):  # an address has no dtype or shape: whole pages is what can be checked
+            return buf.whole_items(self.bytes_per_page, f"{where} ({self.page_size} tokens x {self.bytes_per_token} B "
+                                                        "per page)", "bytes_per_page")
         dtype = str(buf.dtype).removeprefix("torch.")
         shape = tuple(int(d) for d in buf.shape)
         if dtype != self.abi:

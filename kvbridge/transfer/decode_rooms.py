@@ -86,8 +86,10 @@ class RoomBook:
         if old is not None:  # OPEN or DRAINING: closed rooms are forgotten
             what = ("open: a KVReceiver still holds it" if old.life.stage == Stage.OPEN
                     else "draining: a prefill rank may still write its pages (hard rule 6)")
-            raise RoomInUse(f"room {room} is {what} ({old.state.state.name}); close() the old receiver and wait, or "
-                            "use a new room id", room=room, rank=self.cfg.rank_label, field="room")
+            raise RoomInUse(f"room {room} is {what} ({old.state.state.name}); close() the old receiver and wait "
+                            "(receiver(room, ..., wait=...)), or use a new room id",
+                            draining=old.life.stage == Stage.DRAINING, room=room, rank=self.cfg.rank_label,
+                            field="room")
         r = self.rooms[room] = RecvRoom(room, prefill_instance, dp_rank)
         self.dirty.add(room)
         cached = self._cached(r)
@@ -112,19 +114,36 @@ class RoomBook:
         self.draining.discard(r.room)
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+        self.ep._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
         for s in r.senders.values():
             p = self.peers.get(s.control_endpoint)
             if p is not None:
                 p.rooms.discard(r.room)
 
-    def init(self, r: RecvRoom, pages: np.ndarray, aux_slot: int, num_tokens: int, first_page: int) -> None:
+    def init(self, r: RecvRoom, pages: np.ndarray, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         if r.initialised:
             raise LayoutError("init() called twice", room=r.room, rank=self.cfg.rank_label, field="page_ids")
         if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
             return
-        r.page_ids, r.aux_slot, r.num_tokens, r.first_page = pages, aux_slot, num_tokens, first_page
+        r.page_ids, r.aux_slot, r.first_page = pages, aux_slot, first_page
         self.dirty.add(r.room)
-        tokens = num_tokens - min(num_tokens, first_page * self.page_size)
+        if num_tokens is not None:
+            self.learn_num_tokens(r, num_tokens)
+
+    def learn_num_tokens(self, r: RecvRoom, num_tokens: int, source: str = "init()") -> None:
+        """The request's token count (from init(), or from the prefill rank with the aux row): it must
+        end inside the last page, and agree with what is known."""
+        if r.num_tokens is not None:
+            if num_tokens != r.num_tokens:
+                raise LedgerError(f"{source} says {num_tokens} tokens, the room has {r.num_tokens}", room=r.room,
+                                  rank=self.cfg.rank_label, field="num_tokens")
+            return
+        low, high = (r.num_pages - 1) * self.page_size + 1, r.num_pages * self.page_size
+        if not low <= num_tokens <= high:
+            raise LedgerError(f"{source} says {num_tokens} tokens, outside [{low}, {high}] for a request of "
+                              f"{r.num_pages} pages", room=r.room, rank=self.cfg.rank_label, field="num_tokens")
+        r.num_tokens = num_tokens
+        tokens = num_tokens - min(num_tokens, r.first_page * self.page_size)
         r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * tokens
 
     def lookup_key(self, r: RecvRoom) -> tuple[str, int | None]:
@@ -193,6 +212,14 @@ class RoomBook:
         r.state.to(KVPoll.Failed, reason)
         r.bootstrapped.set()  # wait_bootstrapped() returns (and says why) instead of waiting on
         log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        if r.initialised:
+            # pages are assigned: every sender of the DP group must stop before they are freed, also one
+            # not asked yet, which another decode rank of this instance may have asked (its ranks free
+            # pages together); an abort fails the room for every decode rank there, acked once quiet
+            for key, s in r.senders.items():
+                if key not in r.requested:
+                    r.requested.add(key)
+                    self._peer(s, r.prefill_instance).rooms.add(r.room)
         self._send_aborts(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
@@ -263,6 +290,8 @@ class RoomBook:
                 self.fail(r, f"{label} could not write the aux row: {msg.reason}")
                 return
             r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+            if msg.num_tokens:
+                self.learn_num_tokens(r, msg.num_tokens, f"{label} (with the aux row)")
 
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
@@ -279,6 +308,9 @@ class RoomBook:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
             return
         if self.cfg.verify_digest:
+            if r.num_tokens is None:
+                self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count")
+                return
             bad = self._digest_mismatch(r)
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent")
@@ -365,7 +397,7 @@ class RoomBook:
             req = wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id,
                 page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(r.route.pools_from(key[1])),
-                aux_slot=r.aux_slot, num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
+                aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0, deadline_ms=int(self.cfg.transfer_timeout * 1000),
                 want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
                 num_decode_ranks=self.cfg.tp_size,
             )

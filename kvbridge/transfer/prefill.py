@@ -33,6 +33,7 @@ from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_peers import DecodePeers
 from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.lifecycle import open_waiting
 from kvbridge.transfer.prefill_rooms import SendBook
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.sender import KVSender, SendRoom
@@ -110,6 +111,7 @@ class PrefillEndpoint:
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         self._lock = threading.Lock()
+        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
         self._peers = DecodePeers(bootstrap, self._hand_to_loop, self._deliver, self._refuse)
         self._book = SendBook(self, self._peers)
         self._server: ControlServer | None = None
@@ -207,21 +209,25 @@ class PrefillEndpoint:
 
     # -- engine-facing (any thread) -------------------------------------------
 
-    def sender(self, room: int) -> KVSender:
-        """A KVSender for ``room``; RoomInUse while a previous room of that id is open or draining."""
+    def sender(self, room: int, *, wait: float = 0.0) -> KVSender:
+        """A KVSender for ``room``. RoomInUse while a previous room of that id is open, or draining
+        (its writes still in flight) for longer than ``wait`` seconds (``RoomInUse.draining``)."""
         with self._lock:
-            if self._closing:
-                raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
-            r = self._book.open(room)
+            r = open_waiting(lambda: self._open(room), self._room_freed, wait)
         return KVSender(self, r)
+
+    def _open(self, room: int) -> SendRoom:
+        if self._closing:
+            raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
+        return self._book.open(room)
 
     def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
 
-    def _init_room(self, r: SendRoom, num_tokens: int) -> None:
+    def _init_room(self, r: SendRoom, num_tokens: int | None, num_pages: int | None) -> None:
         with self._lock:
-            r.engine_init(num_tokens)
+            r.engine_init(num_tokens, num_pages)
             self._book.dirty.add(r.room)
         self._wake()
 
@@ -317,4 +323,6 @@ class PrefillEndpoint:
 
 
 def _on_host(aux: AuxBuffers) -> bool:
-    return all(not hasattr(t, "device") or t.device.type == "cpu" for t in aux.tensors.values())
+    # torch: device.type; numpy (2.x) has a device too, the string "cpu"
+    return aux.readable and all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
+                                for t in aux.tensors.values())

@@ -3,7 +3,7 @@ room's state that the :class:`~kvbridge.transfer.decode.DecodeEndpoint` loop dri
 
     Bootstrapping     waiting for the prefill topology (bootstrap lookup; 409 -> Failed with the diff)
     WaitingForInput   topology known (wait_bootstrapped() returns the owner lanes), waiting for
-                      init(page_ids, aux_slot, num_tokens, first_page=...)
+                      init(page_ids, aux_slot, num_tokens=None, first_page=...)
     Transferring      TransferRequest sent to every CP rank; the ledger fills up
     Success           every (pool, page >= first_page) once + the aux row's room echo (+ digests, when asked)
     Failed            reason kept; pages released only once every CP rank that was
@@ -16,6 +16,10 @@ pages ``[first_page, num_pages)`` only:
 
     num_tokens 21, page_size 4, first_page 2      logical page  0 1 | 2  3  4  5
                                                                 held | page_ids[0..3]
+
+An engine that knows only pages (SGLang) leaves ``num_tokens`` out: the request then
+has ``first_page + len(page_ids)`` pages, and the prefill rank that writes the aux row
+says the token count with it (``AuxDone``); ``receiver.stats["num_tokens"]`` has it from then on.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import ContractMismatch, TopologyError, TransferError, TransferTimeout
-from kvbridge.layout import AuxRow, OwnerLanes, TPRoute, owner_of_last_token
+from kvbridge.layout import AuxRow, OwnerLanes, TPRoute
 from kvbridge.transfer.ledger import PageLedger
 from kvbridge.transfer.lifecycle import Life
 from kvbridge.transfer.poll import KVPoll, RoomState
@@ -54,7 +58,7 @@ class RecvRoom:
         self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
         self.first_page = 0
         self.aux_slot = -1
-        self.num_tokens = 0
+        self.num_tokens: int | None = None  # None until known (init(), or the aux row's AuxDone)
         self.ledger: PageLedger | None = None
         self.requested: set[tuple[int, int]] = set()  # (cp, tp) ranks a TransferRequest went to
         self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)
@@ -105,7 +109,8 @@ class RecvRoom:
         self.by_endpoint = {s.control_endpoint: key for key, s in self.senders.items()}
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
-        aux_owner = owner_of_last_token(self.num_tokens, page_size, self.lanes)
+        last = self.num_pages - 1  # the last valid token lies in the last page, whatever the count
+        aux_owner = int(self.lanes.owners(np.array([last]), self.num_pages)[0][0])
         self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page,
                                  route=self.route)
 
@@ -138,10 +143,12 @@ class KVReceiver:
     def room(self) -> int:
         return self._room.room
 
-    def init(self, page_ids: Any, aux_slot: int, num_tokens: int, *, first_page: int = 0) -> None:
-        """Where the room goes: ``num_tokens`` valid tokens; this rank already holds logical pages
-        ``[0, first_page)``; logical page ``first_page + i`` goes to physical page ``page_ids[i]``
-        (one mapping for every pool); the aux row goes to row ``aux_slot`` of the aux buffers."""
+    def init(self, page_ids: Any, aux_slot: int, num_tokens: int | None = None, *, first_page: int = 0) -> None:
+        """Where the room goes: ``num_tokens`` valid tokens (None: only the pages are known; the
+        request has ``first_page + len(page_ids)`` pages and prefill says the count); this rank
+        already holds logical pages ``[0, first_page)``; logical page ``first_page + i`` goes to
+        physical page ``page_ids[i]`` (one mapping for every pool); the aux row goes to row
+        ``aux_slot`` of the aux buffers."""
         self._ep._init_room(self._room, page_ids, aux_slot, num_tokens, first_page)
 
     def wait_bootstrapped(self, timeout: float) -> OwnerLanes:

@@ -68,7 +68,7 @@ def target_from_request(
     dst_pages = wire.unpack_pages(req.page_ids).astype(np.int64)
     if dst_pages.size != num_pages - req.first_page:
         raise LayoutError(f"{dst_pages.size} destination pages for pages [{req.first_page}, {num_pages}) of a request "
-                          f"of {req.num_tokens} tokens", field="page_ids", **ctx)
+                          f"of {num_pages} pages", field="page_ids", **ctx)
     parts = peer.parts(specs, src_bufs, route, tp[1], req.room)  # PairingError: missing layer, page sizes
     if req.want_digest and any(p.head_slice is not None for p in parts):
         raise LayoutError("a digest check compares whole rows; this decode rank receives head slices",

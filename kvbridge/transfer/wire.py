@@ -12,8 +12,9 @@ On the wire (``encode``)::
 with a secret, the envelope and its MAC (constant-time compare), then the size
 limit - without one, the size limit, and an envelope is refused too; msgpack; a map with string keys;
 version "v"; type tag "t"; every field present and of its declared type; the
-few value rules below. Unknown extra fields are *ignored*, so a peer may add
-optional fields without a version bump; removing or retyping one needs a bump.
+few value rules below. Unknown extra fields are *ignored*, and a field with a
+default (``AuxDone.num_tokens``) may be missing, so a peer may add optional
+fields without a version bump; removing or retyping one needs a bump.
 Page lists travel as packed little-endian int32 (``pack_pages``/``unpack_pages``).
 The MAC authenticates, it does not stop replays; it is for closed clusters.
 Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1 (no
@@ -97,7 +98,9 @@ class TransferRequest(_Message):
     daemon, where the prefill rank reads (once) the buffers, aux regions and session it may write
     into (hard rule 5); ``page_ids``: logical page ``first_page + i`` -> my physical page
     ``page_ids[i]`` (LE int32, shared by every pool; pages below ``first_page`` I already hold);
-    ``deadline_ms``: how long I wait, from sending."""
+    ``deadline_ms``: how long I wait, from sending; ``num_tokens``: the request's valid tokens, or
+    0 when I know only its pages (``first_page`` + the page ids): the prefill rank then knows the
+    length from its engine, at the latest with the last chunk, and says it in ``AuxDone``."""
 
     TAG: ClassVar[str] = "transfer_request"
     room: int
@@ -156,11 +159,15 @@ class PagesDone(_Message):
 
 @dataclass(frozen=True)
 class AuxDone(_Message):
+    """The aux row of ``room`` was written by ``cp_rank`` (or failed); ``num_tokens``: the request's
+    valid tokens as the prefill engine knows them by its last chunk (0: not said)."""
+
     TAG: ClassVar[str] = "aux_done"
     room: int
     cp_rank: int
     status: str
     reason: str
+    num_tokens: int = 0
 
     def _check(self) -> None:
         _check_status(self)
@@ -200,6 +207,8 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
 }
 _HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+_REQUIRED = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING)
+             for cls in MESSAGE_TYPES.values()}
 
 
 # ---- codec ------------------------------------------------------------------------------------
@@ -291,11 +300,11 @@ def decode_body(body: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {obj['t']!r:.60}", field="t")
     room = obj.get("room") if isinstance(obj.get("room"), int) else None
-    for name in _FIELDS[cls]:
+    for name in _REQUIRED[cls]:
         if name not in obj:
             raise ProtocolError(f"missing field '{name}' in {cls.TAG}", room=room, field=name)
     try:
-        return cls(**{name: obj[name] for name in _FIELDS[cls]})
+        return cls(**{name: obj[name] for name in _FIELDS[cls] if name in obj})
     except ProtocolError as exc:
         raise ProtocolError(exc.reason, room=room, field=exc.field) from None
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import PRESETS, preset_pools
 
 if sys.version_info >= (3, 11):
@@ -91,7 +92,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tp_rank", int, 0, "tensor-parallel rank of this worker"),
     Setting("tp_size", int, 1, "tensor-parallel size of the instance"),
     Setting("lane_rule", str, "interleaved", "CP owner-lane rule of the prefill instance (part of the contract)",
-            choices=("interleaved", "contiguous", "replicated")),
+            choices=LANE_RULES),
     # model / pools
     Setting("preset", str, "deepseek-v3.2-fp8", "model geometry preset", choices=PRESETS),
     Setting("layers", int, 61, "target layers"),
