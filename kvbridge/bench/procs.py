@@ -214,7 +214,7 @@ class DecodeRank(RankBase):
         final = (KVPoll.Success, KVPoll.Failed)
         t0 = time.perf_counter()
         if self.trace:
-            log.info("trace room=%d bench recv @%.4f", room, time.monotonic())
+            log.info("trace room=%d bench recv @%.6f", room, time.monotonic())
         r = self.endpoint.receiver(room, cmd["prefill"])
         r.init(page_ids, 0, n)
         deadline = time.monotonic() + cmd.get("timeout", 120)
@@ -222,7 +222,7 @@ class DecodeRank(RankBase):
             time.sleep(cmd.get("poll_s", 0.0002))
         elapsed = time.perf_counter() - t0
         if self.trace:
-            log.info("trace room=%d bench final %s @%.4f", room, state.name, time.monotonic())
+            log.info("trace room=%d bench final %s @%.6f", room, state.name, time.monotonic())
         if state not in final:
             r.abort("bench timeout")
         out = {"room": room, "state": r.poll().name, "reason": r.failure_reason or "", "seconds": elapsed,

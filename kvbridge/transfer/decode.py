@@ -39,6 +39,7 @@ from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 
@@ -164,7 +165,9 @@ class DecodeEndpoint:
         """A KVReceiver for ``room``; RoomInUse while a previous room of that id is open or draining."""
         with self._lock:
             r = self._book.open(room, prefill_instance, dp_rank)
-        self._wake()
+            looking_up = r.state.state == KVPoll.Bootstrapping
+        if looking_up:  # a cached topology leaves the loop nothing to do before init()
+            self._wake()
         return KVReceiver(self, r)
 
     def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int, first_page: int) -> None:
@@ -188,7 +191,10 @@ class DecodeEndpoint:
         self.aux.check_slot(aux_slot, room=r.room)
         with self._lock:
             self._book.init(r, pages.astype(np.int64), int(aux_slot), int(num_tokens), int(first_page))
-        self._wake()
+            # topology known (cached or looked up): the requests go out from this thread, no hop to the loop
+            sent = self._book.request_if_ready(r)
+        if not sent:
+            self._wake()
 
     def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:

@@ -239,13 +239,14 @@ class RoomBook:
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
             return
-        echoed = self.ep.aux.read_room(r.aux_slot)
-        if echoed != r.room:  # hard rule 4: a row written for another room
-            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
-            return
         schema = self.ep.aux_schema
         try:
-            row = self.ep.aux.read_row(r.aux_slot)
+            row = self.ep.aux.read_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
+            off = schema.offsets["room"]
+            echoed = int(row[off : off + 8].view("<u8")[0])
+            if echoed != r.room:  # hard rule 4: a row written for another room
+                self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
+                return
             aux = schema.unpack(row) if schema.is_standard else None
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
@@ -258,7 +259,7 @@ class RoomBook:
         r.aux, r.aux_regions = aux, schema.unpack_regions(row)
         r.state.advance_to(KVPoll.Success)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f committed pages_by_rank=%s aux_owner=cp%d", r.room,
+            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d", r.room,
                      self.cfg.rank_label, r.age_ms, time.monotonic(),
                      dict(sorted(r.ledger.pages_by_rank.items())), r.ledger.aux_owner)
 
@@ -322,8 +323,16 @@ class RoomBook:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
             self._send_aborts(r)
 
+    def request_if_ready(self, r: RecvRoom) -> bool:
+        """Send the room's requests now if its topology is known and init() was called (any thread)."""
+        if r.state.state != KVPoll.WaitingForInput or not r.initialised:
+            return False
+        self.dirty.discard(r.room)
+        self._request(r)
+        return True
+
     def _request(self, r: RecvRoom) -> None:
-        """Send the TransferRequest to every CP rank of the prefill DP group."""
+        """Send the TransferRequest to every CP rank of the prefill DP group (loop or engine thread)."""
         r.start_ledger(self.pools, self.page_size)
         for cp, s in sorted(r.senders.items()):
             req = wire.TransferRequest(
@@ -341,7 +350,7 @@ class RoomBook:
             r.requested.add(cp)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
+            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
                      sorted(r.requested))
 
     def _peer(self, s: Any, instance: str) -> Peer:

@@ -150,14 +150,26 @@ class JobTable:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
         self._notify: Callable[[], None] | None = None
+        self._final: list[int] = []  # handles final since the last take_final() (while a callback is set)
 
     def set_notify(self, callback: Callable[[], None] | None) -> None:
-        self._notify = callback
+        with self._cond:
+            self._notify = callback
+            if callback is None:
+                self._final.clear()
+
+    def take_final(self) -> list[int]:
+        """Handles that became final since the last call (recorded while a callback is set)."""
+        with self._cond:
+            out, self._final = self._final, []
+        return out
 
     def open(self, session: str, num_batches: int, num_slices: int) -> Job:
         with self._cond:
             job = Job(next(self._ids), session, num_batches, num_slices)
             self._jobs[job.handle] = job
+            if num_batches == 0 and self._notify is not None:
+                self._final.append(job.handle)
         if num_batches == 0:
             self._wake()
         return job
@@ -171,6 +183,8 @@ class JobTable:
             final = job.finished >= job.num_batches
             if final:
                 self._cond.notify_all()
+                if self._notify is not None:
+                    self._final.append(job.handle)
         if final:
             self._wake()
 
@@ -233,3 +247,6 @@ class JobEngine(TransferEngine):
 
     def set_notify(self, callback: Callable[[], None] | None) -> None:
         self._jobs.set_notify(callback)
+
+    def take_final(self) -> list[int] | None:
+        return self._jobs.take_final()

@@ -86,7 +86,14 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def set_notify(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback()`` (from an engine thread; keep it short) whenever a handle becomes final."""
+        """Call ``callback()`` whenever a handle becomes final: from an engine thread, holding no
+        lock of the engine (it may poll() and submit), or from the thread inside submit_write()
+        when a write fails at once. A prefill endpoint reports completions from it."""
+
+    def take_final(self) -> list[int] | None:
+        """Handles that became final since the last call, recorded while a notify callback is set,
+        so a caller polls those instead of every handle in flight; None: not tracked (poll all)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

@@ -450,7 +450,7 @@ class IpcEngine(JobEngine):
         if not batch.held:
             self._launch(batch)
         if self._trace:
-            log.info("trace engine=ipc write=%d batch=%d -> %s slices=%d bytes=%d %s @%.4f", job.handle, index,
+            log.info("trace engine=ipc write=%d batch=%d -> %s slices=%d bytes=%d %s @%.6f", job.handle, index,
                      job.session, src.size, int(length.sum()),
                      " ".join(f"{k}={v}" for k, v in batch.counts.items()) or "held", time.monotonic())
         with self._cond:
@@ -556,7 +556,7 @@ class IpcEngine(JobEngine):
                 if region.inflight == 0 and region.revoke_seq is not None:
                     done.append(region)
         if self._trace:
-            log.info("trace engine=ipc write=%d batch=%d %s +%.2fms @%.4f", batch.job.handle, batch.index,
+            log.info("trace engine=ipc write=%d batch=%d %s +%.2fms @%.6f", batch.job.handle, batch.index,
                      "failed" if batch.reason else "done", (time.monotonic() - batch.posted) * 1000, time.monotonic())
         self._jobs.batch_finished(batch.job, batch.reason)
         for region in done:  # after the handle is final: a withdrawal that waited for it sees it final
