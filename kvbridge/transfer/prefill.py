@@ -240,7 +240,7 @@ class PrefillEndpoint:
             self._book.post_and_settle(r)  # a rank with nothing to send completes here if decode asked
 
     def _send(self, r: SendRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-              aux: Any, aux_slot: int | None) -> None:
+              aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
         with self._lock:
             if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
                 log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
@@ -252,7 +252,13 @@ class PrefillEndpoint:
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot)
+            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
+            if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
+                try:
+                    self.aux_staging.stage(r.room, row, after=ready_event)
+                except KVBridgeError as exc:
+                    self._book.fail_room(r, f"aux row of room {r.room} cannot be staged: {exc}")
+                    raise
             # post from this thread when the decode ranks already asked (no loop turn); completions
             # are reported from the engine's callback
             self._book.post_and_settle(r)

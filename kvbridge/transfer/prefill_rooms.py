@@ -9,7 +9,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -202,17 +202,19 @@ class SendBook:
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and not t.aux_posted
-                self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux)
+                self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
                 t.posted += 1
             if t.active and r.is_last and r.has_aux and not t.aux_posted:
-                self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True)
+                self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True,
+                                after=r.last_event)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
             r.state.to(KVPoll.Transferring)
         if self.final_while_posting:  # every handle is registered now
             self.final_while_posting = False
             self.collect()
 
-    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool) -> None:
+    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
+                   after: Any = None) -> None:
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
@@ -227,14 +229,15 @@ class SendBook:
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True
-                if r.aux_row is not None:
-                    source, slot = self.ep.aux_staging, self.ep.aux_staging.stage(r.room, r.aux_row)
+                if r.aux_row is not None:  # staged by send(); its device copy is one more event to wait on
+                    source, slot = self.ep.aux_staging, self.ep.aux_staging.stage(r.room, r.aux_row, after=after)
+                    after = self.ep.aux_staging.ready_event(r.room) or after
                 else:
                     source, slot = self.ep.aux_buffers, r.aux_slot
                 a_src, a_dst, a_len = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
                 src, dst, length = src + (a_src,), dst + (a_dst,), length + (a_len,)
             src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
-            handle = self.ep.engine.submit_write(t.session, src, dst, length)
+            handle = self.ep.engine.submit_write(t.session, src, dst, length, after=after)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
             return

@@ -92,6 +92,8 @@ class SendRoom:
         self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
+        self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
+        self.last_event: Any = None  # the latest send()'s event (the aux row written with it waits on it)
         self.held: tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY)  # given, not yet complete
         self.is_last = False
         self.auto_last = False  # nothing to send: complete on init() alone
@@ -186,8 +188,9 @@ class SendRoom:
         return self.owned[keep], table[local_index[keep]].astype(np.int64)
 
     def add_chunk(self, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-                  aux_row: np.ndarray | None, aux_slot: int | None) -> None:
-        """Check a chunk from the engine and queue its complete pages; raises before queueing anything."""
+                  aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
+        """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
+        ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes."""
         ctx = self.ctx
         if self.num_tokens is None:
             raise LayoutError("send() before init(num_tokens)", field="num_tokens", **ctx)
@@ -221,6 +224,8 @@ class SendRoom:
         self.held = (pend_logical[~complete], pend_local[~complete])
         if complete.any():
             self.chunks.append((pend_logical[complete], pend_local[complete]))
+            self.chunk_events.append(ready_event)  # on one stream, it also covers the held pages' rows
+        self.last_event = ready_event
         self.num_tokens_ready = ready
         self.is_last = is_last
         if is_last:
@@ -285,14 +290,21 @@ class KVSender:
         self._ep._init_room(self._room, num_tokens)
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
-             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None) -> None:
+             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
+             ready_event: Any = None) -> None:
         """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
         ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
         ``[0, t)`` exist; a page not complete within them is held until a later chunk
         completes it. The owner of the last valid token passes the aux row with the last
         chunk: ``aux`` (an AuxRow, a ``{region: value}`` mapping or a packed row) or
-        ``aux_slot`` (a slot of the aux buffers given to the endpoint)."""
-        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot)
+        ``aux_slot`` (a slot of the aux buffers given to the endpoint).
+
+        ``ready_event``: when the chunk's KV (or the aux row in your aux buffers) is written
+        by GPU work still queued, a CUDA event (``torch.cuda.Event``) recorded on that stream
+        after the writes; no byte of the chunk is read before it completes (the copy stream
+        waits on it on the GPU, or the engine's thread waits on the host; ``send()`` never
+        blocks on it). Without it, the pages must be complete when ``send()`` is called."""
+        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
 
     @property
     def owned_pages(self) -> np.ndarray:

@@ -1,6 +1,6 @@
 """A transfer-engine peer in its own process, for tests that write across processes.
 
-    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default) or ipc; DEVICE: cpu or cuda)
+    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default), ipc or auto; DEVICE: cpu or cuda)
     -> prints {"session": ..., "addr": ..., "nbytes": ...} once its zeroed buffer is registered
     <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
     <- "zero"        -> "ok" when the buffer is still all zeros, else "mismatch N bytes"

@@ -61,6 +61,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, as_int, check_slices, locate
+from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.ipc_channel import Channel, Conn
 from kvbridge.transfer.engine.local import Faults
 from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
@@ -129,6 +130,7 @@ class _Batch:
     device_dst: np.ndarray
     regions: list[PeerRegion]
     peer: Peer
+    after: Any = None  # events the source bytes wait on (the copy stream waits on the GPU)
     due: float = 0.0
     held: bool = False  # launched by the pump thread (faults), not by submit_write
     event: Any = None
@@ -340,7 +342,8 @@ class IpcEngine(JobEngine):
                 log.warning("%s: %s", self._who, exc)
 
     # ---- writes -----------------------------------------------------------------------------
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
         self._check_open()
         if not isinstance(session, str) or not session:
             raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
@@ -370,7 +373,8 @@ class IpcEngine(JobEngine):
                                                f"{int(length.sum())} bytes), nothing written")
             return job.handle
         for i, (a, b) in enumerate(cuts):
-            self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i])
+            self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i],
+                       after)
         return job.handle
 
     def _translate(self, session: str, dst: np.ndarray, length: np.ndarray, cuts: list[tuple[int, int]]
@@ -397,6 +401,33 @@ class IpcEngine(JobEngine):
             if attempt == 0:  # registered since we asked? ask once more
                 peer = self._peer(session, refresh=True)
         raise EngineError(why, field="dst")
+
+    def reaches(self, session: str) -> bool:
+        """True when the IPC engine of ``session`` answers on this host (its region table read)."""
+        try:
+            self._peer(session)
+        except EngineError:
+            return False
+        return True
+
+    def reachable(self, session: str, dst: np.ndarray, length: np.ndarray) -> np.ndarray | None:
+        """Per slice, whether a write could reach its destination: device memory the peer registered,
+        or any memory of a peer in this process (slices outside every region count as reachable: the
+        write fails with the reason). None when the peer does not answer."""
+        try:
+            peer = self._peer(session)
+            with self._lock:
+                missed = bool((locate(peer.starts, peer.ends, dst, length) < 0).any())
+            if missed:  # registered since we asked? ask once more
+                peer = self._peer(session, refresh=True)
+        except EngineError:
+            return None
+        with self._lock:
+            if peer.conn.same_process:
+                return np.ones(dst.size, dtype=bool)
+            idx = locate(peer.starts, peer.ends, dst, length)
+            device = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)
+        return np.where(idx >= 0, device[np.maximum(idx, 0)] if device.size else True, True)
 
     @staticmethod
     def _used(peer: Peer, idx: np.ndarray) -> list[PeerRegion]:
@@ -429,7 +460,7 @@ class IpcEngine(JobEngine):
         return peer
 
     def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst_here: np.ndarray, length: np.ndarray,
-              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion]) -> None:
+              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion], after: Any = None) -> None:
         """Launch one batch (translated and counted in flight by _translate) and queue it for the pump."""
         with self._lock:
             number, self._batches = self._batches, self._batches + 1
@@ -440,7 +471,7 @@ class IpcEngine(JobEngine):
             src, dst_here, length = src[:keep], dst_here[:keep], length[:keep]
             device_src, device_dst = device_src[:keep], device_dst[:keep]
             reason = f"{self._who}: injected failure of batch {number}: write {job.handle} to session {job.session}"
-        batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer,
+        batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer, after,
                        due=time.monotonic() + faults.delay_s, reason=reason)
         batch.held = faults.holding
         num_host = int((~device_src & ~device_dst).sum())
@@ -477,6 +508,7 @@ class IpcEngine(JobEngine):
             return
         try:
             copier = self._copier_for(batch)
+            copier.wait_for(batch.after)  # the producer's work first, on the GPU: the host does not block
             both = batch.device_src & batch.device_dst
             counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() else ({}, None)
             mixed = cuda_part & ~both
@@ -529,6 +561,7 @@ class IpcEngine(JobEngine):
         host = ~batch.device_src & ~batch.device_dst
         try:
             if host.any():
+                wait_ready(batch.after)
                 copy_host(batch.src[host], batch.dst[host], batch.length[host])
             if batch.event is not None:
                 batch.event.synchronize()
