@@ -156,9 +156,11 @@ def plan_transfer(
     elif paired.pools != names:
         raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
     pairs = paired.pairs
+    src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
+    dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
     for spec, _, _, src_cap, dst_cap in pairs:
-        _check_range(spec, "source", src, src_cap, logical, ctx)
-        _check_range(spec, "destination", dst, dst_cap, logical, ctx)
+        _check_range(spec, "source", src, src_cap, logical, ctx, src_span)
+        _check_range(spec, "destination", dst, dst_cap, logical, ctx, dst_span)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -300,12 +302,14 @@ def _pair(spec: PoolSpec, src_index: dict, dst_index: dict, ctx: dict[str, Any])
 
 
 def _check_range(
-    spec: PoolSpec, side: str, pages: np.ndarray, caps: np.ndarray, logical: np.ndarray, ctx: dict
+    spec: PoolSpec, side: str, pages: np.ndarray, caps: np.ndarray, logical: np.ndarray, ctx: dict,
+    span: tuple[int, int] | None = None,
 ) -> None:
-    """Hard rule 5: every page inside the registered region of every layer."""
+    """Hard rule 5: every page inside the registered region of every layer (``span``: the pages' min
+    and max, when the caller has them)."""
     if not len(pages):
         return
-    lo, hi = pages.min(), pages.max()
+    lo, hi = span if span is not None else (pages.min(), pages.max())
     bad_layers = np.flatnonzero((caps <= hi) | (lo < 0))
     if not len(bad_layers):
         return

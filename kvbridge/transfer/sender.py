@@ -88,6 +88,7 @@ class SendRoom:
         self.state = RoomState()
         self.life = Life(stage)
         self.num_tokens: int | None = None
+        self.aux_owner = -1  # the cp rank of the last valid token (after init)
         self.num_tokens_ready = 0
         self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
@@ -119,9 +120,7 @@ class SendRoom:
 
     @property
     def owns_last_token(self) -> bool:
-        return self.num_tokens is not None and self.lanes.owner_of_token(
-            self.num_tokens - 1, self.page_size, self.num_pages
-        ) == self.cp_rank
+        return self.num_tokens is not None and self.aux_owner == self.cp_rank
 
     @property
     def has_aux(self) -> bool:
@@ -163,6 +162,7 @@ class SendRoom:
             return
         self.num_tokens = int(num_tokens)
         self.owned = self.lanes.owned_pages(self.cp_rank, self.num_pages)
+        self.aux_owner = self.lanes.owner_of_token(self.num_tokens - 1, self.page_size, self.num_pages)
         self.given = np.zeros(self.num_pages, dtype=bool)
 
     def engine_init(self, num_tokens: int) -> None:

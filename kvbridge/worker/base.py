@@ -78,6 +78,13 @@ class WorkerBase:
                 "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
                 field="engine",
             )
+        if self.cfg.engine == "ipc" and self.engine_factory is None:
+            raise ConfigError(
+                "the ipc engine reaches GPU memory of other processes only, and a worker keeps its synthetic KV "
+                "in host memory: use --engine auto (CUDA IPC where both sides are GPU memory on one host, "
+                "Mooncake for the rest) or --engine mooncake",
+                field="engine",
+            )
         self.buffers = allocate_buffers(self.specs, self.cfg.pages)
         self.engine = (self.engine_factory or self._create_engine)()
         self.endpoint = self.make_endpoint()

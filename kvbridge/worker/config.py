@@ -99,7 +99,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("pages", int, 1024, "capacity of every pool buffer, in pages"),
     Setting("aux_rows", int, 64, "rows of the decode aux buffer (one per in-flight room)", DECODE),
     # transfer engine and network
-    Setting("engine", str, "mooncake", "transfer engine", choices=("mooncake", "local")),
+    Setting("engine", str, "mooncake", "transfer engine: mooncake; auto (CUDA IPC to GPU peers on this host, "
+            "Mooncake for the rest); ipc (same host, GPU memory only); local (tests)",
+            choices=("mooncake", "auto", "ipc", "local")),
     Setting("protocol", str, "tcp", "Mooncake protocol", choices=("tcp", "rdma")),
     Setting("device", str, "", "RDMA device names for Mooncake (empty: auto)"),
     Setting("host", str, "127.0.0.1", "address this worker advertises and binds"),

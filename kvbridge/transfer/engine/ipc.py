@@ -111,11 +111,21 @@ class Peer:
     regions: list[PeerRegion] = field(default_factory=list)  # sorted by start
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    device: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per region: device memory
+    shift: np.ndarray | None = None  # per region: its address here minus its address there (None: rebuild)
 
     def set_regions(self, regions: list[PeerRegion]) -> None:
         self.regions = sorted(regions, key=lambda r: r.start)
         self.starts = np.array([r.start for r in self.regions], dtype=np.uint64)
         self.ends = np.array([r.start + r.nbytes for r in self.regions], dtype=np.uint64)
+        self.device = np.array([r.kind == _DEVICE for r in self.regions], dtype=bool)
+        self.shift = None
+
+    def shifts(self) -> np.ndarray:
+        """Address translation per region (regions opened since the last call counted): cached per table."""
+        if self.shift is None:
+            self.shift = np.array([r.local - r.start for r in self.regions], dtype=np.int64)
+        return self.shift
 
 
 @dataclass
@@ -335,6 +345,7 @@ class IpcEngine(JobEngine):
             except EngineError as exc:  # logged: the mapping leaks, nothing is written through it
                 log.warning("%s: %s", self._who, exc)
         region.local = 0
+        peer.shift = None
         if region.revoke_seq is not None and region.revoke_seq >= 0 and not peer.conn.closed:
             try:
                 peer.conn.send({"t": "revoked", "seq": region.revoke_seq})
@@ -390,10 +401,11 @@ class IpcEngine(JobEngine):
                 if why is None:
                     per_batch = [self._used(peer, idx[a:b]) for a, b in cuts]
                     for region in {id(r): r for rs in per_batch for r in rs}.values():
-                        self._open(peer, region)
-                    local = np.array([r.local - r.start for r in peer.regions], dtype=np.int64)
-                    device_dst = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)[idx]
-                    dst_here = (dst.astype(np.int64) + local[idx]).astype(np.uint64)
+                        if not region.local:
+                            self._open(peer, region)
+                            peer.shift = None
+                    device_dst = peer.device[idx]
+                    dst_here = (dst.astype(np.int64) + peer.shifts()[idx]).astype(np.uint64)
                     for regions in per_batch:
                         for region in regions:
                             region.inflight += 1
@@ -426,7 +438,7 @@ class IpcEngine(JobEngine):
             if peer.conn.same_process:
                 return np.ones(dst.size, dtype=bool)
             idx = locate(peer.starts, peer.ends, dst, length)
-            device = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)
+            device = peer.device
         return np.where(idx >= 0, device[np.maximum(idx, 0)] if device.size else True, True)
 
     @staticmethod
