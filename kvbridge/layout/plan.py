@@ -173,16 +173,19 @@ def plan_transfer(
         tail_merges = spec.layout == ROWS
         if tail_merges not in runs:
             runs[tail_merges] = _runs(src, dst, partial, tail_merges)
-        rel_src, rel_dst, length = _layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)
-        # all layers share the page mapping: broadcast the per-layer slices over layer bases
-        parts.append(
-            (
-                (src_base[:, None] + rel_src[None, :]).reshape(-1),
-                (dst_base[:, None] + rel_dst[None, :]).reshape(-1),
-                np.broadcast_to(length, (len(src_base), len(length))).reshape(-1),
-            )
-        )
-    return TransferPlan(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+        parts.append((src_base, dst_base, *_layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)))
+    # all layers share the page mapping: the per-layer slices broadcast over layer bases, written
+    # straight into the plan's arrays (no concatenation: a scattered 128K-token room is 126,000 slices)
+    total = sum(len(sb) * len(ln) for sb, _, _, _, ln in parts)
+    out = [np.empty(total, dtype=np.uint64) for _ in range(3)]
+    at = 0
+    for src_base, dst_base, rel_src, rel_dst, length in parts:
+        rows, cols = len(src_base), len(length)
+        np.add(src_base[:, None], rel_src[None, :], out=out[0][at : at + rows * cols].reshape(rows, cols))
+        np.add(dst_base[:, None], rel_dst[None, :], out=out[1][at : at + rows * cols].reshape(rows, cols))
+        out[2][at : at + rows * cols].reshape(rows, cols)[:] = length[None, :]
+        at += rows * cols
+    return TransferPlan(*out)
 
 
 def _page_arrays(logical: Any, src: Any, dst: Any, ctx: dict[str, Any]) -> tuple[np.ndarray, ...]:

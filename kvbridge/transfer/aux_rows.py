@@ -241,8 +241,8 @@ class AuxStaging(AuxBuffers):
             previous.synchronize()
         self._pinned[slot].numpy()[:] = data
         with torch.cuda.stream(self._stream):
-            for ev in ready_events(after):
-                self._stream.wait_event(ev)
+            for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
+                self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
             self.storage[slot].copy_(self._pinned[slot], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)

@@ -236,7 +236,10 @@ class SendBook:
                     source, slot = self.ep.aux_buffers, r.aux_slot
                 a_src, a_dst, a_len = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
                 src, dst, length = src + (a_src,), dst + (a_dst,), length + (a_len,)
-            src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+            if len(src) > 1:  # the aux row rides in the same write
+                src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+            else:
+                src, dst, length = src[0], dst[0], length[0]
             handle = self.ep.engine.submit_write(t.session, src, dst, length, after=after)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"

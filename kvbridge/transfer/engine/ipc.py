@@ -522,7 +522,11 @@ class IpcEngine(JobEngine):
             copier = self._copier_for(batch)
             copier.wait_for(batch.after)  # the producer's work first, on the GPU: the host does not block
             both = batch.device_src & batch.device_dst
-            counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() else ({}, None)
+            if both.all():  # every slice device to device (a room of GPU pools): no selection copies
+                counts, keep = copier.launch(batch.src, batch.dst, batch.length)
+            else:
+                counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() \
+                    else ({}, None)
             mixed = cuda_part & ~both
             for s, d, n in zip(batch.src[mixed].tolist(), batch.dst[mixed].tolist(), batch.length[mixed].tolist()):
                 copier.copy_async(d, s, n)
