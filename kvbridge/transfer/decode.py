@@ -63,6 +63,7 @@ class DecodeConfig:
     ping_interval: float = 0.5
     lease_ttl: float = 10.0
     topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
+    # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
     lookup_threads: int = 4
     verify_digest: bool = False
     trace: bool = False
@@ -231,6 +232,18 @@ class DecodeEndpoint:
         fut: Future = self._pool.submit(self.bootstrap.lookup, r.prefill_instance, r.room, self.contract,
                                         self.identity, r.dp_rank)
         fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, key, f)))
+
+    def refresh_async(self, key: tuple[str, int]) -> None:
+        """Refresh the cached topology of ``key`` = (instance, DP group) on a pool thread."""
+        self._book.lookups_in_flight.add(key)
+        instance, dp = key
+        fut: Future = self._pool.submit(self.bootstrap.lookup, instance, dp, self.contract, self.identity, dp)
+
+        def done(f: Future) -> None:
+            topo = None if f.exception() is not None else f.result()
+            self.hand_to_loop(lambda: self._book.refreshed(key, topo))
+
+        fut.add_done_callback(done)
 
     def hand_to_loop(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop thread, with the lock held (safe from any thread)."""

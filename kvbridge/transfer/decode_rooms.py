@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
+REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed before it expires
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
 
 
@@ -63,6 +64,7 @@ class RoomBook:
         self.dp_sizes: dict[str, int] = {}
         self.lookups_in_flight: set[tuple[str, int | None]] = set()  # rooms of a group wait for its one look-up
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
+        self.cache_used: dict[tuple[str, int], float] = {}  # when a room last took a cached topology
         self.dirty: set[int] = set()  # rooms to advance at the next step
         self.next_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
@@ -129,9 +131,33 @@ class RoomBook:
     def _cached(self, r: RecvRoom) -> LookupResponse | None:
         key = self.lookup_key(r)
         hit = self.cache.get(key) if key[1] is not None else None
-        if hit and time.monotonic() - hit[0] < self.cfg.topology_ttl:
+        now = time.monotonic()
+        if hit and now - hit[0] < self.cfg.topology_ttl:
+            self.cache_used[key] = now
             return hit[1].model_copy(update={"room": r.room})
         return None
+
+    def refresh_ahead(self, now: float) -> None:
+        """Look up again, off the loop, every DP group whose cached topology is half way to expiry and
+        that a room used lately: a room then never waits for a look-up (a few ms) only because the
+        last room of its group came more than ``topology_ttl`` ago. Idle groups expire as before."""
+        for key, (when, _) in list(self.cache.items()):
+            if now - when < self.cfg.topology_ttl / 2 or key in self.lookups_in_flight:
+                continue
+            if now - self.cache_used.get(key, when) <= REFRESH_IDLE_S:
+                self.ep.refresh_async(key)
+            elif now - when >= self.cfg.topology_ttl:  # expired and idle: forget it
+                del self.cache[key]
+                self.cache_used.pop(key, None)
+
+    def refreshed(self, key: tuple[str, int], topo: LookupResponse | None) -> None:
+        """A refresh's answer (None: it failed; rooms then look up themselves and meet the error)."""
+        self.lookups_in_flight.discard(key)
+        if topo is not None and key in self.cache:
+            self.cache[key] = (time.monotonic(), topo)
+        elif topo is None:
+            self.cache.pop(key, None)
+        self.wake_waiting(key[0])
 
     def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
@@ -289,6 +315,7 @@ class RoomBook:
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)
+        self.refresh_ahead(now)
         for room in list(self.draining):
             r = self.rooms.get(room)
             if r is None:

@@ -394,3 +394,19 @@ def test_send_with_a_ready_event_reads_no_page_before_it_completes(cluster, engi
     ready.set()
     wait_final([r, s])
     assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success and c.verified(room, n, dst)
+
+
+def test_a_topology_in_use_is_refreshed_before_it_expires(cluster):
+    """Rooms of a DP group further apart than topology_ttl find its topology cached (refreshed in
+    the background): no room waits for a bootstrap look-up (a few ms) on its way to the request."""
+    c = cluster(cp=1, topology_ttl=0.3)
+    for i, room in enumerate((31, 32, 33)):
+        if i:
+            time.sleep(1.0)  # three TTLs: without the refresh the cached answer would be gone
+        r = c.decode.receiver(room, f"{c.name}-p")
+        if i:
+            assert r.poll() == KVPoll.WaitingForInput, "the room had to look its topology up"
+        r.init(np.array([1, 2]), 0, 6)
+        wait_final([r, *c.send(room, 6)])
+        assert r.poll() == KVPoll.Success
+        r.close()
