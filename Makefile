@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
 
+# the synthetic run, then one tiny model colocated vs disaggregated (about 30 s more on 2 cores)
 demo: setup
 	$(VENV)/bin/kvbridge demo
+	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v3 --cp 2
 
 $(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/sglang-requirements.txt | $(STAMP)
 	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh

@@ -3,11 +3,13 @@
 The public surface, re-exported here (pinned by tests/test_exports.py):
 
 - errors: ``KVBridgeError`` and its tree (see ``kvbridge.errors``);
-- geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``;
+- geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``,
+  ``RawBuffer`` (a buffer given as an address);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
-- data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``.
+- data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
+  ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened).
 """
 
 from kvbridge._version import WIRE_VERSION, __version__
@@ -21,7 +23,17 @@ from kvbridge.bootstrap import (
 )
 from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
-from kvbridge.layout import PRESETS, AuxRegion, AuxRow, AuxSchema, OwnerLanes, PoolSpec, deepseek_pools, preset_pools
+from kvbridge.layout import (
+    PRESETS,
+    AuxRegion,
+    AuxRow,
+    AuxSchema,
+    OwnerLanes,
+    PoolSpec,
+    RawBuffer,
+    deepseek_pools,
+    preset_pools,
+)
 from kvbridge.transfer import (
     DecodeConfig,
     DecodeEndpoint,
@@ -30,6 +42,7 @@ from kvbridge.transfer import (
     KVSender,
     PrefillConfig,
     PrefillEndpoint,
+    PrefillInfo,
     create_engine,
     mooncake_available,
 )
@@ -52,6 +65,8 @@ __all__ = [
     "PoolSpec",
     "PrefillConfig",
     "PrefillEndpoint",
+    "PrefillInfo",
+    "RawBuffer",
     "RuntimeContract",
     "__version__",
     "contract_for",

@@ -13,8 +13,10 @@
     ├── BootstrapError                 talking to the bootstrap daemon
     │   ├── BootstrapUnavailable       daemon unreachable after retries
     │   ├── UnknownInstance            no such instance registered (404)
-    │   ├── InstanceIncomplete         not every rank registered yet (503)
-    │   └── Unauthorized               missing or wrong bearer token (401)
+    │   ├── InstanceIncomplete         not every rank registered yet (503); carries .missing
+    │   ├── Unauthorized               missing or wrong bearer token (401) or lease secret (403)
+    │   ├── LeaseHeld                  a live rank holds these coordinates (409); carries .retry_after
+    │   └── LimitExceeded              a daemon limit refused the request (429)
     └── TransferError                  the data path
         ├── EngineError                the transfer engine refused or failed a write
         ├── ProtocolError              malformed, unknown, oversized or unauthenticated message
@@ -48,6 +50,8 @@ __all__ = [
     "UnknownInstance",
     "InstanceIncomplete",
     "Unauthorized",
+    "LeaseHeld",
+    "LimitExceeded",
     "TransferError",
     "EngineError",
     "ProtocolError",
@@ -134,11 +138,33 @@ class UnknownInstance(BootstrapError):
 
 
 class InstanceIncomplete(BootstrapError):
-    pass
+    """Not every sender rank of the instance registered; ``missing`` lists their labels."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None, **ctx: Any) -> None:
+        self.missing = list(missing or [])
+        super().__init__(message, **ctx)
 
 
 class Unauthorized(BootstrapError):
     pass
+
+
+class LeaseHeld(BootstrapError):
+    """Registering coordinates a live rank holds needs that rank's lease secret (or the admin
+    token); ``retry_after`` is when its lease runs out if it is not renewed."""
+
+    def __init__(self, message: str, *, retry_after: float = 0.0, **ctx: Any) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, **ctx)
+
+
+class LimitExceeded(BootstrapError):
+    """A daemon limit (ranks per instance, instances, look-ups per second) refused the request;
+    ``retry_after`` is set when waiting helps."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **ctx: Any) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, **ctx)
 
 
 class TransferError(KVBridgeError):
@@ -171,4 +197,10 @@ class Aborted(TransferError):
 
 class RoomInUse(TransferError):
     """``sender(room)``/``receiver(room)`` on an id whose previous room is still open (its
-    handle is alive) or draining (closed, but writes of it may still land)."""
+    handle is alive) or draining (closed, but writes of it may still land). ``draining``
+    says which: True means the id frees itself once those writes are over (retry, or pass
+    ``wait=`` to ``sender()``/``receiver()``); False means a handle still holds it (close it)."""
+
+    def __init__(self, message: str, *, draining: bool = False, **ctx: Any) -> None:
+        self.draining = draining
+        super().__init__(message, **ctx)

@@ -26,6 +26,6 @@ PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode",
-             "sglang.srt.server_args", "sglang.srt.plugins", "kvbridge"):
+             "sglang.srt.server_args", "sglang.srt.plugins", "kvbridge", "kvbridge.bootstrap.app"):
     importlib.import_module(name)
 PY

@@ -13,7 +13,8 @@ import kvbridge.transfer as transfer
 EXPECTED = {
     *errors.__all__,
     "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
-    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "RuntimeContract",
+    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
+    "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "start_bootstrap",
 }
@@ -28,7 +29,7 @@ def test_top_level_names_are_pinned_and_resolve():
 def test_transfer_names_are_pinned():
     assert set(transfer.__all__) == {
         "ENGINE_KINDS", "DecodeConfig", "DecodeEndpoint", "KVPoll", "KVReceiver", "KVSender", "PrefillConfig",
-        "PrefillEndpoint", "TransferEngine", "WriteState", "WriteStatus", "create_engine", "mooncake_available",
+        "PrefillEndpoint", "PrefillInfo", "TransferEngine", "WriteState", "WriteStatus", "create_engine", "mooncake_available",
     }
 
 
@@ -46,3 +47,20 @@ def test_import_is_light():
     code = "import sys, kvbridge; print(sorted(m for m in ('torch', 'mooncake', 'fastapi') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_transformers_integration_imports_only_public_names():
+    """Model mode is an integration like any engine's: kvbridge's public API (``kvbridge``,
+    ``kvbridge.layout``) and its own modules, nothing deeper."""
+    import ast
+    from pathlib import Path
+
+    root = Path(kvbridge.__file__).parent / "integrations" / "transformers"
+    allowed = ("kvbridge", "kvbridge.layout", "kvbridge.integrations.transformers")
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name and name.startswith("kvbridge"):
+                    assert name in allowed or name.startswith("kvbridge.integrations.transformers."), (path.name, name)

@@ -1,21 +1,22 @@
 """The bootstrap daemon as a FastAPI app: ``create_app(...)``.
 
-    POST   /v1/ranks                       register       201 | 400 401 409 413 415 422
-    POST   /v1/ranks/{rank_id}/heartbeat   renew lease    200 | 401 404 (register again)
-    DELETE /v1/ranks/{rank_id}             deregister     204 | 401 404
-    GET    /v1/ranks/{rank_id}             one rank       200 | 404       (its buffers, for prefill's checks)
-    POST   /v1/lookup                      handshake      200 | 400 401 404 409 413 415 422 503
-    GET    /v1/instances[/{name}]          instances      200 | 404
+    POST   /v1/ranks                       register       201 | 400 401 409 413 415 422 429
+    POST   /v1/ranks/{rank_id}/heartbeat   renew lease    200 | 401 403 404 (register again)
+    DELETE /v1/ranks/{rank_id}             deregister     204 | 401 403 404
+    GET    /v1/ranks/{rank_id}             one rank       200 | 401 404   (its buffers, for prefill's checks)
+    POST   /v1/lookup                      handshake      200 | 400 401 404 409 413 415 422 429 503
+    GET    /v1/instances[/{name}]          instances      200 | 401 404
     GET    /v1/diagnostics/fingerprints    per instance: fingerprint, contract, ranks
     GET    /v1/diagnostics/mismatches      recent refusals with their field diffs
     GET    /diagnostics                    the same for a person (HTML)
-    GET    /healthz, /metrics, /docs, /openapi.json
+    GET    /healthz, /metrics, /docs, /openapi.json   (always open)
 
-State (registry, metrics) is created in the lifespan and lives on ``app.state``.
-``Guard`` runs before routing: with a token configured every POST/DELETE needs
-``Authorization: Bearer <token>`` (401, before the body is read), and bodies over
-``max_body_bytes`` are refused with 413 whether Content-Length says so or a
-chunked body grows past it. Every error body is an ``ErrorBody``.
+State (registry, metrics, look-up limiter) is created in the lifespan and lives on
+``app.state``. ``Guard`` (guard.py) checks tokens and body size before routing: the
+write token on writes, the read token on ``/v1`` and ``/diagnostics`` reads (when one
+is configured; write and admin tokens read too). Per-rank credentials (lease
+secrets, leases.py) and the limits (registry.py, limits.py) are checked by the
+routes. Every error body is an ``ErrorBody`` (responses.py lists the codes).
 """
 
 from __future__ import annotations
@@ -23,25 +24,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPBearer
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvbridge
+from kvbridge.bootstrap.guard import ADMIN, LEASE_HEADER, Guard, access_of
+from kvbridge.bootstrap.limits import RateLimiter
 from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
 from kvbridge.bootstrap.page import render_diagnostics
 from kvbridge.bootstrap.registry import Registry
+from kvbridge.bootstrap.responses import ERROR_RESPONSES, install_handlers
 from kvbridge.bootstrap.schemas import (
-    ErrorBody,
     HeartbeatResponse,
     InstanceFingerprint,
     InstanceView,
@@ -52,177 +52,45 @@ from kvbridge.bootstrap.schemas import (
     RegisterRequest,
     RegisterResponse,
 )
-from kvbridge.errors import (
-    BufferSpecError,
-    ConfigError,
-    ContractMismatch,
-    InstanceIncomplete,
-    KVBridgeError,
-    TopologyError,
-    UnknownInstance,
-)
+from kvbridge.errors import ConfigError, LimitExceeded
 
 __all__ = ["BootstrapSettings", "create_app"]
 
 log = logging.getLogger(__name__)
 
-WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
 
 @dataclass(frozen=True)
 class BootstrapSettings:
-    token: str | None = None
+    token: str | None = None  # write token: every write needs it (or the admin token)
+    read_token: str | None = None  # reads of /v1 and /diagnostics need a token when set
+    admin_token: str | None = None  # operators: replace, renew or drop any rank; read and write
     lease_ttl_s: float = 10.0  # default lease when a rank asks for none
     max_lease_ttl_s: float = 300.0
     max_body_bytes: int = 1 << 20
     max_mismatches: int = 100
+    max_ranks_per_instance: int = 1024
+    max_instances: int = 1024
+    max_lookups_per_s: float = 1000.0  # per asking decode instance; 0: unlimited
     sweep_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.token is not None and not self.token.strip():
-            raise ConfigError("bootstrap token is empty", field="token")
+        named = {"token": self.token, "read_token": self.read_token, "admin_token": self.admin_token}
+        for name, value in named.items():
+            if value is not None and not value.strip():
+                raise ConfigError(f"bootstrap {name} is empty", field=name)
+        given = [v for v in named.values() if v]
+        if len(set(given)) != len(given):
+            raise ConfigError("the write, read and admin tokens must differ (each grants different rights)", field="admin_token")
         if not 0 < self.lease_ttl_s <= self.max_lease_ttl_s:
             raise ConfigError(f"lease TTL {self.lease_ttl_s}s must be in (0, {self.max_lease_ttl_s}]", field="lease_ttl_s")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max body bytes {self.max_body_bytes} is below 1024", field="max_body_bytes")
         if self.max_mismatches < 1 or self.sweep_interval_s <= 0:
             raise ConfigError("max_mismatches and sweep_interval_s must be positive", field="max_mismatches")
-
-
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    full = ErrorBody(error=code, message=message, **extra).model_dump(mode="json")
-    body = {k: v for k, v in full.items() if v is not None}  # top level only: a diff value may be null
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-class Guard:
-    """ASGI middleware: bearer token and body size before routing; metrics after."""
-
-    def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.token = token.encode() if token else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        method: str = scope["method"]
-        status = {"code": 500}
-        metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
-
-        async def send_counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            refusal = self._authorize(scope) if method in WRITE_METHODS else None
-            if refusal is None and method in WRITE_METHODS:
-                refusal, receive = await self._bounded_body(scope, receive)
-            if refusal is not None:
-                if metrics is not None:
-                    metrics.inc("kvbridge_bootstrap_rejected_requests_total", reason=refusal[1])
-                await refusal[0](scope, receive, send_counted)
-                return
-            await self.app(scope, receive, send_counted)
-        finally:
-            if metrics is not None:
-                route = getattr(scope.get("route"), "path", "unrouted")  # templates only: bounded labels
-                metrics.inc("kvbridge_bootstrap_http_requests_total", route=route, method=method, code=str(status["code"]))
-                metrics.observe("kvbridge_bootstrap_request_duration_seconds", time.perf_counter() - t0, route=route, method=method)
-
-    def _authorize(self, scope: Scope) -> tuple[Response, str] | None:
-        if self.token is None:
-            return None
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
-            return None
-        code = "missing_token" if not header else "wrong_token"
-        text = "this daemon needs 'Authorization: Bearer <token>' on every write" if not header else "bearer token refused"
-        return _error(401, code, text, headers={"WWW-Authenticate": 'Bearer realm="kvbridge"'}), "unauthorized"
-
-    async def _bounded_body(self, scope: Scope, receive: Receive) -> tuple[tuple[Response, str] | None, Receive]:
-        """Read the whole body up to the limit, then replay it to the app."""
-        limit = self.max_body_bytes
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                return (_error(400, "bad_content_length", f"Content-Length {length[:32]!r} is not a number"), "bad_length"), receive
-            if int(length) > limit:
-                return (_error(413, "body_too_large", f"body of {int(length)} bytes exceeds the limit of {limit}"), "too_large"), receive
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return (_error(413, "body_too_large", f"body exceeds the limit of {limit} bytes"), "too_large"), receive
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        media = dict(scope["headers"]).get(b"content-type", b"application/json").split(b";")[0].strip().lower()
-        if body and media != b"application/json" and not media.endswith(b"+json"):
-            return (_error(415, "unsupported_media_type", f"body must be application/json, not {media[:64].decode('latin-1')}"), "media_type"), receive
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return None, replay
-
-
-def _status_of(exc: KVBridgeError) -> tuple[int, str]:
-    if isinstance(exc, ContractMismatch):
-        return 409, "contract_mismatch"
-    if isinstance(exc, TopologyError):
-        return 409, "topology_mismatch"
-    if isinstance(exc, InstanceIncomplete):
-        return 503, "instance_incomplete"
-    if isinstance(exc, UnknownInstance):
-        return 404, "unknown_rank" if exc.field == "rank_id" else "unknown_instance"
-    if isinstance(exc, BufferSpecError):
-        return 422, "invalid_descriptor"
-    return 400, "bad_request"
-
-
-def _field_of(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] == "body" else [str(p) for p in loc]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
-    return out or "body"
-
-
-def _install_handlers(app: FastAPI) -> None:
-    @app.exception_handler(KVBridgeError)
-    async def kvbridge_error(request: Request, exc: KVBridgeError) -> JSONResponse:
-        status, code = _status_of(exc)
-        diff = getattr(exc, "diff", None)
-        missing = getattr(exc, "missing", None)
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return _error(status, code, str(exc), headers=headers, field=exc.field, diff=diff or None, missing=missing)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            e = errors[0]
-            where = (e.get("ctx") or {}).get("error", "")
-            return _error(400, "malformed_json", f"body is not valid JSON: {where} at byte {e['loc'][-1]}", field="body")
-        fields = [{"field": _field_of(tuple(e["loc"])), "message": e["msg"], "type": e["type"]} for e in errors]
-        summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:5])
-        return _error(422, "invalid_request", f"invalid request body: {summary}", field=fields[0]["field"], fields=fields)
+        if self.max_ranks_per_instance < 1 or self.max_instances < 1:
+            raise ConfigError("max_ranks_per_instance and max_instances must be >= 1", field="max_ranks_per_instance")
+        if self.max_lookups_per_s < 0:
+            raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
 
 
 def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> FastAPI:
@@ -240,7 +108,12 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
             default_ttl_s=settings.lease_ttl_s,
             max_ttl_s=settings.max_lease_ttl_s,
             max_mismatches=settings.max_mismatches,
+            max_ranks_per_instance=settings.max_ranks_per_instance,
+            max_instances=settings.max_instances,
+            pause_grace_s=max(3 * settings.sweep_interval_s, 2.0),  # the sweep runs every sweep_interval_s
         )
+        app.state.metrics.gauge_source = app.state.registry.gauges
+        app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)
         app.state.started = time.time()
 
         async def sweep() -> None:
@@ -249,7 +122,8 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
                 app.state.registry.expire()
 
         task = asyncio.create_task(sweep())
-        log.info("bootstrap daemon ready (token %s)", "required on writes" if settings.token else "not configured")
+        log.info("bootstrap daemon ready (write token %s, read token %s, admin token %s)",
+                 *("set" if t else "unset" for t in (settings.token, settings.read_token, settings.admin_token)))
         try:
             yield
         finally:
@@ -263,9 +137,10 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
         description="Rank registry, contract fingerprints and prefill-topology lookups for PD disaggregation.",
         lifespan=lifespan,
     )
-    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes)
-    _install_handlers(app)
-    _install_routes(app)
+    tokens = {"write": settings.token, "read": settings.read_token, "admin": settings.admin_token}
+    app.add_middleware(Guard, tokens=tokens, max_body_bytes=settings.max_body_bytes)
+    install_handlers(app)
+    _install_routes(app, settings)
     return app
 
 
@@ -273,29 +148,39 @@ def _registry(request: Request) -> Registry:
     return request.app.state.registry  # type: ignore[no-any-return]
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 415, 422, 503)
-}
-# Documents the bearer token in /docs; Guard enforces it before the body is read.
-_bearer = HTTPBearer(auto_error=False, description="the daemon's token, required on writes when configured")
+_ERRORS = ERROR_RESPONSES
+# an HTML route's errors are still JSON ErrorBody answers: say so explicitly
+_HTML_ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "token missing or refused", "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}}
+# Documents the bearer token in /docs when one is configured (an open daemon's schema
+# must not claim a header it does not need); Guard enforces it before the body is read.
+_bearer = HTTPBearer(auto_error=False, description="the daemon's write token (writes), read token (reads), or admin token")
+_Lease = Header(default=None, alias=LEASE_HEADER, description="the rank's lease secret, from its registration")
 
 
-def _install_routes(app: FastAPI) -> None:
-    auth = [Depends(_bearer)]
+def _admin(request: Request) -> bool:
+    return ADMIN in access_of(request)
+
+
+def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
+    auth = [Depends(_bearer)] if settings.token else []  # writes are open without a write token
+    read_auth = [Depends(_bearer)] if settings.read_token else []
 
     @app.post("/v1/ranks", status_code=201, response_model=RegisterResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
-    async def register(body: RegisterRequest, request: Request) -> RegisterResponse:
-        """Register a rank with its contract, endpoints and pool descriptors; returns its id and lease."""
-        return _registry(request).register(body)
+    async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
+        """Register a rank with its contract, endpoints and pool descriptors; returns its id, lease and
+        lease secret. Coordinates a live rank holds need that rank's lease secret or the admin token."""
+        return _registry(request).register(body, lease_secret=lease, admin=_admin(request))
 
     @app.post("/v1/ranks/{rank_id}/heartbeat", response_model=HeartbeatResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
-    async def heartbeat(rank_id: str, request: Request) -> HeartbeatResponse:
-        """Renew a lease. 404 means the daemon no longer knows the rank: register again."""
-        return _registry(request).heartbeat(rank_id)
+    async def heartbeat(rank_id: str, request: Request, lease: str | None = _Lease) -> HeartbeatResponse:
+        """Renew a lease (needs the rank's lease secret). 404 means the daemon no longer knows the rank: register again."""
+        return _registry(request).heartbeat(rank_id, lease_secret=lease, admin=_admin(request))
 
     @app.delete("/v1/ranks/{rank_id}", status_code=204, responses=_ERRORS, dependencies=auth, tags=["ranks"])
-    async def deregister(rank_id: str, request: Request) -> Response:
-        _registry(request).deregister(rank_id)
+    async def deregister(rank_id: str, request: Request, lease: str | None = _Lease) -> Response:
+        """Drop a rank (needs its lease secret, or the admin token)."""
+        _registry(request).deregister(rank_id, lease_secret=lease, admin=_admin(request))
         return Response(status_code=204)
 
     @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, tags=["ranks"])
@@ -308,26 +193,34 @@ def _install_routes(app: FastAPI) -> None:
     async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
         """The senders of a room (tp_rank 0 of every CP rank and PP stage of the chosen DP group),
         the owner-lane plan and the prefill fingerprint; 409 with the field diff on mismatch."""
+        wait = request.app.state.lookup_limit.take(body.rank.instance)
+        if wait > 0:
+            request.app.state.metrics.inc("kvbridge_bootstrap_rejected_requests_total", reason="too_many_lookups")
+            exc = LimitExceeded(f"decode instance {body.rank.instance!r} is over this daemon's limit of "
+                                f"{settings.max_lookups_per_s:g} look-ups per second (--max-lookups-per-s)",
+                                retry_after=wait, room=body.room, rank=body.rank.label, field="rank.instance")
+            exc.code = "too_many_lookups"  # type: ignore[attr-defined]
+            raise exc
         return _registry(request).lookup(body)
 
-    @app.get("/v1/instances", response_model=list[InstanceView], tags=["diagnostics"])
+    @app.get("/v1/instances", response_model=list[InstanceView], responses=_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def instances(request: Request) -> list[InstanceView]:
         return _registry(request).instances()
 
-    @app.get("/v1/instances/{name}", response_model=InstanceView, responses=_ERRORS, tags=["diagnostics"])
+    @app.get("/v1/instances/{name}", response_model=InstanceView, responses=_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def instance(name: str, request: Request) -> InstanceView:
         return _registry(request).instance(name)
 
-    @app.get("/v1/diagnostics/fingerprints", response_model=list[InstanceFingerprint], tags=["diagnostics"])
+    @app.get("/v1/diagnostics/fingerprints", response_model=list[InstanceFingerprint], responses=_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def fingerprints(request: Request) -> list[InstanceFingerprint]:
         return _registry(request).fingerprints()
 
-    @app.get("/v1/diagnostics/mismatches", response_model=list[MismatchRecord], tags=["diagnostics"])
+    @app.get("/v1/diagnostics/mismatches", response_model=list[MismatchRecord], responses=_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def mismatches(request: Request, limit: int | None = Query(default=None, ge=1, le=10_000)) -> list[MismatchRecord]:
         """Recent refusals, newest first."""
         return _registry(request).mismatches(limit)
 
-    @app.get("/diagnostics", response_class=HTMLResponse, tags=["diagnostics"])
+    @app.get("/diagnostics", response_class=HTMLResponse, responses=_HTML_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def diagnostics_page(request: Request) -> HTMLResponse:
         reg = _registry(request)
         html = render_diagnostics(reg.instances(), reg.fingerprints(), reg.mismatches())
@@ -337,11 +230,11 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/healthz", tags=["operations"])
     async def healthz(request: Request) -> dict[str, Any]:
         n_instances, n_ranks = _registry(request).counts()
+        now = time.time()  # "time": what `kvbridge doctor` compares its clock with
         return {"status": "ok", "version": kvbridge.__version__, "instances": n_instances, "ranks": n_ranks,
-                "uptime_s": round(time.time() - request.app.state.started, 3)}
+                "uptime_s": round(now - request.app.state.started, 3), "time": now}
 
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["operations"])
-    async def metrics(request: Request) -> PlainTextResponse:
-        text = request.app.state.metrics.render(_registry(request).gauges())
-        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+    @app.get("/metrics", response_class=Response, tags=["operations"])
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -3,23 +3,33 @@
 
 HTTP answers become kvbridge errors where they enter (one mapping, ``_raise_for``):
 
-    401 -> Unauthorized          404 -> UnknownInstance        409 -> ContractMismatch (.diff)
-    503 -> InstanceIncomplete (.missing)                            or TopologyError (.diff)
+    401, 403 -> Unauthorized     404 -> UnknownInstance        409 -> ContractMismatch (.diff),
+    503 -> InstanceIncomplete (.missing)                            TopologyError (.diff)
+    429 -> LimitExceeded (.retry_after)                             or LeaseHeld (.retry_after)
     other 4xx/5xx -> BootstrapError (field named)
-    connection refused / timeout / reset, 502 and 504, after ``retries`` retries
-    with exponential backoff -> BootstrapUnavailable
+    connection refused / timeout / reset, 502 and 504, and 429 with a Retry-After,
+    after ``retries`` retries with backoff -> BootstrapUnavailable (or the last 429)
 
-A heartbeat answered 404 means the daemon forgot the rank (it restarted, or the
-lease expired): the client registers again with the same request and updates
-the ``Registration`` in place (new ``rank_id``, ``reregistrations + 1``).
+Per-rank credentials: a registration returns a lease secret, kept in the
+``Registration`` and sent (header ``X-KVBridge-Lease``) with its heartbeats, its
+deregistration and its re-registrations. A heartbeat answered 404 means the daemon
+forgot the rank (it restarted, or the lease expired): the client registers again with
+the same request and updates the ``Registration`` in place (new ``rank_id`` and
+secret, ``reregistrations + 1``). With ``lease_file`` the secret is also saved
+(0600) so that a restarted worker takes its coordinates back at once; without it, a
+registration of coordinates that a live lease still holds waits (up to
+``lease_wait_s``) for that lease to run out, and then fails with ``LeaseHeld``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -38,6 +48,7 @@ from kvbridge.bootstrap.schemas import (
     RankIdentity,
     RegisterRequest,
     RegisterResponse,
+    ScratchDescriptor,
 )
 from kvbridge.errors import (
     BootstrapError,
@@ -46,6 +57,8 @@ from kvbridge.errors import (
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
+    LeaseHeld,
+    LimitExceeded,
     TopologyError,
     Unauthorized,
     UnknownInstance,
@@ -56,6 +69,8 @@ __all__ = ["BootstrapClient", "Registration", "LeaseKeeper"]
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = frozenset({502, 504})  # a proxy in front of a restarting daemon
+LEASE_HEADER = "X-KVBridge-Lease"
+MAX_RETRY_AFTER_S = 2.0  # a 429's Retry-After is honoured up to this per retry
 
 
 @dataclass
@@ -67,6 +82,7 @@ class Registration:
     fingerprint: str
     lease_ttl_s: float
     reregistrations: int = 0
+    lease_secret: str = ""  # from the daemon; proves this registration is ours
 
     @property
     def label(self) -> str:
@@ -82,24 +98,35 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
         body = {}
     message = f"{what}: {body.get('message') or resp.text[:200] or resp.reason_phrase} (HTTP {resp.status_code})"
     code = body.get("error", "")
+    retry_after = _retry_after(resp)
     exc: KVBridgeError
-    if resp.status_code == 401:
+    if resp.status_code in (401, 403):
         exc = Unauthorized(message)
     elif resp.status_code == 404:
         exc = UnknownInstance(message)
     elif resp.status_code == 409 and code == "topology_mismatch":
         exc = TopologyError(message)
         exc.diff = [FieldDiff.model_validate(d) for d in body.get("diff") or []]  # type: ignore[attr-defined]
-    elif resp.status_code == 409:
+    elif resp.status_code == 409 and code == "lease_held":
+        exc = LeaseHeld(message, retry_after=retry_after or 0.0)
+    elif resp.status_code == 409 and code == "contract_mismatch":
         exc = ContractMismatch(message, diff=[FieldDiff.model_validate(d) for d in body.get("diff") or []])
+    elif resp.status_code == 429:
+        exc = LimitExceeded(message, retry_after=retry_after)
     elif resp.status_code == 503:
-        exc = InstanceIncomplete(message)
-        exc.missing = list(body.get("missing") or [])  # type: ignore[attr-defined]
+        exc = InstanceIncomplete(message, missing=list(body.get("missing") or []))
     else:
         exc = BootstrapError(message)
     exc.field = body.get("field")  # the server already named it in the message
     exc.code = code  # type: ignore[attr-defined]
     raise exc
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    try:
+        return float(resp.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
 
 
 class BootstrapClient:
@@ -115,12 +142,18 @@ class BootstrapClient:
         *,
         transport: httpx.BaseTransport | None = None,
         trust_env: bool = False,
+        lease_file: str | Path | None = None,
+        lease_wait_s: float = 30.0,
+        scratch: ScratchDescriptor | None = None,
     ) -> None:
-        if retries < 0 or backoff < 0 or timeout <= 0:
-            raise ConfigError("timeout must be positive, retries and backoff non-negative", field="retries")
+        if retries < 0 or backoff < 0 or timeout <= 0 or lease_wait_s < 0:
+            raise ConfigError("timeout must be positive; retries, backoff and lease_wait_s non-negative", field="retries")
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff = backoff
+        self.lease_file = Path(lease_file) if lease_file else None  # one rank per client when set
+        self.lease_wait_s = lease_wait_s
+        self.scratch = scratch  # advertised with every registration that names none (kvbridge doctor probes it)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a cluster's HTTP(S)_PROXY must not capture daemon traffic.
         self._http = httpx.Client(
@@ -129,19 +162,25 @@ class BootstrapClient:
 
     # -- plumbing ---------------------------------------------------------------
 
-    def _request(self, method: str, path: str, what: str, json: Any = None, params: Any = None) -> httpx.Response:
+    def _request(self, method: str, path: str, what: str, json: Any = None, params: Any = None,
+                 headers: dict[str, str] | None = None) -> httpx.Response:
         last: BaseException | None = None
+        pause = 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                time.sleep(max(pause, self.backoff * 2 ** (attempt - 1)))
+            pause = 0.0
             try:
-                resp = self._http.request(method, path, json=json, params=params)
+                resp = self._http.request(method, path, json=json, params=params, headers=headers)
             except httpx.TransportError as exc:
                 last = exc
                 log.debug("%s: attempt %d failed: %r", what, attempt + 1, exc)
                 continue
             if resp.status_code in _RETRY_STATUS:
                 last = BootstrapError(f"HTTP {resp.status_code}")
+                continue
+            if resp.status_code == 429 and attempt < self.retries and (wait := _retry_after(resp)) is not None:
+                pause = min(wait, MAX_RETRY_AFTER_S)  # a limit that waiting lifts: wait, within the retry budget
                 continue
             _raise_for(resp, what)
             return resp
@@ -160,35 +199,90 @@ class BootstrapClient:
 
     # -- ranks ------------------------------------------------------------------
 
-    def _register(self, request: RegisterRequest) -> RegisterResponse:
-        body = request.model_dump(mode="json", exclude_none=True)
-        resp = self._request("POST", "/v1/ranks", f"register {request.rank.label}", json=body)
-        return RegisterResponse.model_validate_json(resp.content)
+    @staticmethod
+    def _lease(secret: str | None) -> dict[str, str] | None:
+        return {LEASE_HEADER: secret} if secret else None
 
-    def register(self, request: RegisterRequest) -> Registration:
-        """Register a rank; keep the returned ``Registration`` for heartbeats."""
-        answer = self._register(request)
-        return Registration(request=request, rank_id=answer.rank_id, fingerprint=answer.fingerprint, lease_ttl_s=answer.lease_ttl_s)
+    def _register(self, request: RegisterRequest, secret: str | None) -> RegisterResponse:
+        body = request.model_dump(mode="json", exclude_none=True)
+        resp = self._request("POST", "/v1/ranks", f"register {request.rank.label}", json=body, headers=self._lease(secret))
+        answer = RegisterResponse.model_validate_json(resp.content)
+        self._save_lease(request.rank.label, answer.lease_secret)
+        return answer
+
+    def _register_waiting(self, request: RegisterRequest, secret: str | None) -> RegisterResponse:
+        """Register; while a live lease holds the coordinates (a restarted worker's old
+        registration), wait for it to run out, up to ``lease_wait_s``."""
+        deadline = time.monotonic() + self.lease_wait_s
+        while True:
+            try:
+                return self._register(request, secret)
+            except LeaseHeld as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.info("%s: coordinates held by a live lease; waiting %.1fs for it to run out",
+                         request.rank.label, min(left, exc.retry_after))
+                time.sleep(min(left, max(0.05, exc.retry_after)))
+
+    def register(self, request: RegisterRequest, lease_secret: str | None = None) -> Registration:
+        """Register a rank; keep the returned ``Registration`` for heartbeats. ``lease_secret``
+        (or the one saved in ``lease_file``) replaces this rank's earlier registration at once."""
+        if self.scratch is not None and request.scratch is None:
+            request = request.model_copy(update={"scratch": self.scratch})
+        answer = self._register_waiting(request, lease_secret or self._saved_lease(request.rank.label))
+        return Registration(request=request, rank_id=answer.rank_id, fingerprint=answer.fingerprint,
+                            lease_ttl_s=answer.lease_ttl_s, lease_secret=answer.lease_secret)
 
     def heartbeat(self, reg: Registration) -> Registration:
         """Renew the lease; registers again (same request) if the daemon forgot the rank."""
         try:
-            answer = self._request("POST", f"/v1/ranks/{reg.rank_id}/heartbeat", f"heartbeat {reg.label}")
+            answer = self._request("POST", f"/v1/ranks/{reg.rank_id}/heartbeat", f"heartbeat {reg.label}",
+                                   headers=self._lease(reg.lease_secret))
             reg.lease_ttl_s = HeartbeatResponse.model_validate_json(answer.content).lease_ttl_s
             return reg
         except UnknownInstance:
             log.info("daemon forgot %s (%s): registering again", reg.label, reg.rank_id)
-        fresh = self._register(reg.request)
+        fresh = self._register(reg.request, reg.lease_secret)  # LeaseHeld: another process holds our coordinates now
         reg.rank_id, reg.fingerprint, reg.lease_ttl_s = fresh.rank_id, fresh.fingerprint, fresh.lease_ttl_s
+        reg.lease_secret = fresh.lease_secret
         reg.reregistrations += 1
         return reg
 
     def deregister(self, reg: Registration) -> None:
         """Drop the registration; one the daemon already forgot is fine."""
         try:
-            self._request("DELETE", f"/v1/ranks/{reg.rank_id}", f"deregister {reg.label}")
+            self._request("DELETE", f"/v1/ranks/{reg.rank_id}", f"deregister {reg.label}", headers=self._lease(reg.lease_secret))
         except UnknownInstance:
             pass
+        self._save_lease(reg.label, "")
+
+    # -- the saved lease secret -------------------------------------------------
+
+    def _saved_lease(self, label: str) -> str | None:
+        if self.lease_file is None:
+            return None
+        try:
+            saved = json.loads(self.lease_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return saved.get("lease_secret") or None if isinstance(saved, dict) and saved.get("rank") == label else None
+
+    def _save_lease(self, label: str, secret: str) -> None:
+        """Write (or, with an empty secret, remove) the lease file atomically, mode 0600."""
+        if self.lease_file is None:
+            return
+        try:
+            if not secret:
+                self.lease_file.unlink(missing_ok=True)
+                return
+            tmp = self.lease_file.with_name(f"{self.lease_file.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"rank": label, "lease_secret": secret}, f)
+            tmp.replace(self.lease_file)
+        except OSError as exc:
+            log.warning("cannot keep the lease secret of %s in %s: %s", label, self.lease_file, exc)
 
     def rank(self, rank_id: str) -> RankDetail:
         """One registered rank and its buffers; UnknownInstance once it is gone."""
@@ -274,7 +368,10 @@ class LeaseKeeper:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if deregister:
-            self.client.deregister(self.registration)
+            try:
+                self.client.deregister(self.registration)
+            except BootstrapUnavailable as exc:  # shutting down while the daemon is away: the lease expires
+                log.warning("could not deregister %s (its lease will expire): %s", self.registration.rank_id, exc)
 
     @property
     def alive(self) -> bool:

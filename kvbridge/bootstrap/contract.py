@@ -5,15 +5,18 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     ├── wire_version       kvbridge control-message protocol
     ├── model              name, weights revision, target / draft layer counts
     ├── pools[]            per pool: dtype, abi, bytes/token, page size, in-page layout,
-    │                      value/scale split, kernel ABI, layer ids   (matched by name)
-    ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated
+    │                      value/scale split, kernel ABI, layer ids   (matched by name);
+    │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row)
+    ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated | balanced
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
     ├── aux                aux-row regions (name, dtype, shape, offset, bytes) and row bytes
     └── source             digest over the source files that define the byte meaning
 
 Sizes that may legally differ between the sides (tp/cp/dp/pp, addresses,
-capacities) are topology, not contract: see ``kvbridge.bootstrap.topology``.
+capacities) are topology, not contract: see ``kvbridge.bootstrap.topology``. A
+head-sharded pool (``tp_sharding = "heads"``) is described by its whole row, every
+head: each TP rank holds its own head range of it, whatever the TP size.
 
 The canonical encoding is compact JSON with sorted keys over ints, strings,
 lists and objects only (no floats), pools sorted by name and layer ids sorted,
@@ -34,7 +37,8 @@ from kvbridge.bootstrap import digest
 from kvbridge.bootstrap.digest import ExtraFiles
 from kvbridge.errors import ContractError, LayoutError
 from kvbridge.layout.aux import AuxSchema
-from kvbridge.layout.pools import PRESETS, PoolSpec, preset_pools
+from kvbridge.layout.lanes import LANE_RULES
+from kvbridge.layout.pools import ABI_ITEMSIZE, PRESETS, PoolSpec, preset_pools
 
 __all__ = [
     "WIRE_VERSION",
@@ -61,11 +65,11 @@ __all__ = [
 # Control-message protocol version; keep equal to kvbridge.transfer.wire's.
 # Version of the canonical encoding itself; bump it if canonical_json changes.
 FINGERPRINT_PREFIX = "kvb1:"
-CP_RULES = ("interleaved", "contiguous", "replicated")
+CP_RULES = LANE_RULES  # interleaved, contiguous, replicated, balanced (kvbridge.layout.lanes)
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn")
 CONTRACT_PRESETS = PRESETS
 
-CpRule = Literal["interleaved", "contiguous", "replicated"]
+CpRule = Literal["interleaved", "contiguous", "replicated", "balanced"]
 SpecAlgorithm = Literal["none", "eagle", "eagle3", "nextn"]
 _NAME = Field(min_length=1, max_length=256)
 
@@ -95,6 +99,11 @@ class PoolContract(_Frozen):
     scale_bytes_per_token: int = Field(ge=0)
     kernel_abi: str = Field(max_length=256)
     layer_ids: list[int] = Field(min_length=1)
+    # across TP: "replicated" (every rank holds the whole row: MLA latent, index K) or "heads"
+    # (MHA/GQA k/v: rank r holds its heads of num_heads x head_dim; bytes_per_token is the whole row)
+    tp_sharding: Literal["replicated", "heads"] = "replicated"
+    num_heads: int = Field(default=0, ge=0)
+    head_dim: int = Field(default=0, ge=0)
 
     @field_validator("layer_ids")
     @classmethod
@@ -103,22 +112,46 @@ class PoolContract(_Frozen):
             raise ValueError("layer ids must be distinct and non-negative")
         return sorted(v)
 
+    @model_validator(mode="after")
+    def _heads(self) -> PoolContract:
+        if self.tp_sharding == "replicated":
+            if self.num_heads or self.head_dim:
+                raise ValueError(f"pool {self.name!r}: num_heads/head_dim describe head-sharded pools only")
+            return self
+        try:
+            self.to_spec()
+        except LayoutError as exc:
+            raise ValueError(exc.reason) from None
+        if not self.num_heads or self.bytes_per_token != self.num_heads * self.head_bytes:
+            raise ValueError(f"pool {self.name!r}: {self.bytes_per_token} bytes per token is not {self.num_heads} heads "
+                             f"of {self.head_dim} x {self.abi} (the whole row)")
+        return self
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * ABI_ITEMSIZE.get(self.abi, 0)
+
     @classmethod
     def from_spec(cls, spec: PoolSpec) -> PoolContract:
+        """The contract's form of a pool: a head-sharded rank's spec becomes its whole row."""
+        heads = dict(tp_sharding="heads", num_heads=spec.num_heads, head_dim=spec.head_dim) if spec.head_sharded else {}
         return cls(
             name=spec.name,
             dtype=spec.dtype,
             abi=spec.abi,
-            bytes_per_token=spec.bytes_per_token,
+            bytes_per_token=spec.full_bytes_per_token,
             page_size=spec.page_size,
             layout=spec.layout,  # type: ignore[arg-type]
             value_bytes_per_token=spec.value_bytes_per_token,
             scale_bytes_per_token=spec.scale_bytes_per_token,
             kernel_abi=spec.kernel_abi,
             layer_ids=list(spec.layer_ids),
+            **heads,
         )
 
     def to_spec(self) -> PoolSpec:
+        """The whole-row spec (every head of a head-sharded pool: ``kvbridge.layout.tp_spec``
+        gives a TP rank's)."""
         return PoolSpec(
             name=self.name,
             dtype=self.dtype,
@@ -130,6 +163,7 @@ class PoolContract(_Frozen):
             value_bytes_per_token=self.value_bytes_per_token,
             scale_bytes_per_token=self.scale_bytes_per_token,
             kernel_abi=self.kernel_abi,
+            num_heads=self.num_heads,
         )
 
     @property
@@ -262,11 +296,19 @@ def _check_plain(value: Any, path: str) -> None:
         raise ContractError(f"contract value of type {type(value).__name__} is not encodable", field=path)
 
 
+_HEAD_FIELDS = ("tp_sharding", "num_heads", "head_dim")
+
+
 def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
-    """Sorted-key, compact, ASCII JSON of the contract's plain form."""
+    """Sorted-key, compact, ASCII JSON of the contract's plain form. A replicated pool
+    leaves its TP-sharding fields out (the encoding of contracts that predate them)."""
     if isinstance(contract, dict):
         contract = RuntimeContract.model_validate(contract)
     plain = contract.model_dump(mode="json")
+    for pool in plain["pools"]:
+        if pool["tp_sharding"] == "replicated":
+            for key in _HEAD_FIELDS:
+                del pool[key]
     _check_plain(plain, "")
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
@@ -297,7 +339,7 @@ def contract_for(
     ``model``: a name, or a mapping / ``ModelIdentity`` with ``name``, ``revision``,
     ``target_layers``, ``draft_layers`` (omitted ones: revision "unspecified", the
     distinct layer ids of the pools, 0 draft layers). ``aux``: the aux row schema.
-    ``lane_rule``: how CP ranks own logical pages (interleaved, contiguous, replicated).
+    ``lane_rule``: how CP ranks own logical pages (interleaved, contiguous, replicated, balanced).
     ``kernel``: attention backend and page-layout ABI (default "unspecified").
     ``speculative``: algorithm, hidden_size/dtype, topk (default none). ``extra_sources``:
     engine files that define the byte meaning, hashed into the source digest.

@@ -54,6 +54,10 @@ _POOL_BREAKS = {
     "scale_bytes_per_token": "{pool} values and scales would be split at the wrong byte offset",
     "kernel_abi": "{pool} pages would follow another kernel's byte layout",
     "layer_ids": "{pool} buffers would pair with different layer ids: pages would land in the wrong layer or nowhere",
+    "tp_sharding": "{pool} rows would be taken whole by one side and as head slices by the other",
+    "num_heads": "{pool} head slices would be cut at the wrong heads: decode ranks would attend over other ranks' heads",
+    "head_dim": "{pool} head slices would be cut at the wrong byte offsets",
+    "heads": "{pool} rows would hold other heads than this TP rank's: peers would cut the wrong head slices",
 }
 _SECTION_BREAKS = {
     "wire_version": "control messages would be encoded and decoded by different wire protocol versions",
@@ -74,7 +78,7 @@ _SECTION_BREAKS = {
     "topology.role": "an instance has one role: a prefill rank and a decode rank cannot share it",
     "topology.dp_size": "rooms would be routed to different DP groups (room % dp_size) by different ranks",
     "topology.cp_size": "owner lanes (logical page -> CP rank) would be computed over a different number of CP ranks",
-    "topology.tp_size": "ranks would disagree on which TP ranks send (tp_rank 0 of each attention TP group)",
+    "topology.tp_size": "ranks would disagree on which TP ranks send which heads (see kvbridge.layout.tp_routes)",
     "topology.pp_size": "layers would be split across a different number of pipeline stages",
 }
 

@@ -1,105 +1,88 @@
-"""Prometheus text exposition (format 0.0.4) for one daemon, written by hand:
-counters and histograms live on this object (on ``app.state``), never in a
-process-global registry, so two apps in one process do not share numbers."""
+"""The daemon's Prometheus metrics (``prometheus-client``), one ``CollectorRegistry``
+per app (on ``app.state``), never the process-global one, so two apps in one process
+do not share numbers. Counters and the latency histogram are updated as requests
+happen; the gauges (ranks and instances) are read from the registry at scrape time.
+"""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
-__all__ = ["Metrics", "CONTENT_TYPE", "LATENCY_BUCKETS"]
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["Metrics", "CONTENT_TYPE", "LATENCY_BUCKETS", "GaugeSource"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-Labels = tuple[tuple[str, str], ...]
-
-# name -> (type, help)
-_FAMILIES = {
-    "kvbridge_bootstrap_registrations_total": ("counter", "Rank registrations by outcome."),
-    "kvbridge_bootstrap_heartbeats_total": ("counter", "Lease heartbeats by outcome (unknown: the rank must re-register)."),
-    "kvbridge_bootstrap_deregistrations_total": ("counter", "Ranks deregistered by their worker."),
-    "kvbridge_bootstrap_leases_expired_total": ("counter", "Ranks dropped because their lease expired."),
-    "kvbridge_bootstrap_lookups_total": ("counter", "Decode lookups (handshakes) by outcome."),
-    "kvbridge_bootstrap_mismatches_total": ("counter", "Refusals recorded for diagnostics, by kind and reason."),
-    "kvbridge_bootstrap_rejected_requests_total": ("counter", "Requests refused before routing, by reason."),
-    "kvbridge_bootstrap_http_requests_total": ("counter", "HTTP requests by route, method and status code."),
-    "kvbridge_bootstrap_request_duration_seconds": ("histogram", "HTTP request latency by route and method."),
-    "kvbridge_bootstrap_registered_ranks": ("gauge", "Ranks holding a live lease, by role."),
-    "kvbridge_bootstrap_instances": ("gauge", "Instances with at least one live rank, by role and completeness."),
+# name -> (help, label names)
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvbridge_bootstrap_registrations_total": ("Rank registrations by outcome.", ("outcome",)),
+    "kvbridge_bootstrap_heartbeats_total": ("Lease heartbeats by outcome (unknown: the rank must re-register).", ("outcome",)),
+    "kvbridge_bootstrap_deregistrations_total": ("Ranks deregistered by their worker or an operator.", ()),
+    "kvbridge_bootstrap_leases_expired_total": ("Ranks dropped because their lease expired.", ()),
+    "kvbridge_bootstrap_lookups_total": ("Decode lookups (handshakes) by outcome.", ("outcome",)),
+    "kvbridge_bootstrap_mismatches_total": ("Refusals recorded for diagnostics, by kind and reason.", ("kind", "reason")),
+    "kvbridge_bootstrap_rejected_requests_total": ("Requests refused before routing or by a limit, by reason.", ("reason",)),
+    "kvbridge_bootstrap_http_requests_total": ("HTTP requests by route, method and status code.", ("code", "method", "route")),
+}
+_HISTOGRAM = ("kvbridge_bootstrap_request_duration_seconds", "HTTP request latency by route and method.", ("method", "route"))
+_GAUGES = {
+    "kvbridge_bootstrap_registered_ranks": ("Ranks holding a live lease, by role.", ("role",)),
+    "kvbridge_bootstrap_instances": ("Instances with at least one live rank, by role and completeness.", ("role", "complete")),
 }
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(labels: Labels, extra: Labels = ()) -> str:
-    items = (*labels, *extra)
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}" if items else ""
+# what the daemon's registry reports at scrape time: gauge name -> [(labels, value)]
+GaugeSource = Callable[[], dict[str, list[tuple[dict[str, str], float]]]]
 
 
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+class _Gauges(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._metrics.gauge_source
+        values = source() if source is not None else {}
+        for name, (text, labels) in _GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=list(labels))
+            for label_values, v in values.get(name, []):
+                family.add_metric([label_values[k] for k in labels], v)
+            yield family
 
 
 class Metrics:
     def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
-        self._lock = threading.Lock()
-        self._buckets = tuple(sorted(buckets))
-        self._counters: dict[tuple[str, Labels], float] = {}
-        # (name, labels) -> [bucket counts..., sum, count]
-        self._hist: dict[tuple[str, Labels], list[float]] = {}
+        self.registry = CollectorRegistry()
+        self.gauge_source: GaugeSource | None = None
+        self._counters = {
+            name: Counter(name, text, labels, registry=self.registry) for name, (text, labels) in _COUNTERS.items()
+        }
+        name, text, labels = _HISTOGRAM
+        self._histogram = Histogram(name, text, labels, buckets=tuple(sorted(buckets)), registry=self.registry)
+        self.registry.register(_Gauges(self))
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        if name not in _FAMILIES:
+        counter = self._counters.get(name)
+        if counter is None:
             raise KeyError(f"unknown metric {name!r}")
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._counters[key] = self._counters.get(key, 0.0) + amount
+        (counter.labels(**labels) if labels else counter).inc(amount)
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        if name not in _FAMILIES:
+        if name != _HISTOGRAM[0]:
             raise KeyError(f"unknown metric {name!r}")
-        key = (name, tuple(sorted(labels.items())))
-        n = len(self._buckets)
-        i = bisect.bisect_left(self._buckets, value)  # first bound >= value ("le")
-        with self._lock:
-            h = self._hist.setdefault(key, [0.0] * (n + 2))
-            if i < n:
-                h[i] += 1
-            h[n] += value
-            h[n + 1] += 1
+        self._histogram.labels(**labels).observe(value)
 
     def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+        return self.registry.get_sample_value(name, labels) or 0.0
 
-    def render(self, gauges: dict[str, list[tuple[dict[str, str], float]]]) -> str:
-        """The exposition text; ``gauges`` are computed by the caller at scrape time."""
-        with self._lock:
-            counters = dict(self._counters)
-            hist = {k: list(v) for k, v in self._hist.items()}
-        lines: list[str] = []
-        for name, (kind, text) in _FAMILIES.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            if kind == "counter":
-                for (n, labels), v in sorted(counters.items()):
-                    if n == name:
-                        lines.append(f"{name}{_labels(labels)} {_num(v)}")
-            elif kind == "gauge":
-                for labels_d, v in gauges.get(name, []):
-                    lines.append(f"{name}{_labels(tuple(sorted(labels_d.items())))} {_num(v)}")
-            else:
-                for (n, labels), h in sorted(hist.items()):
-                    if n != name:
-                        continue
-                    cumulative = 0.0
-                    for bound, count in zip(self._buckets, h):
-                        cumulative += count
-                        lines.append(f"{name}_bucket{_labels(labels, (('le', repr(bound)),))} {_num(cumulative)}")
-                    lines.append(f"{name}_bucket{_labels(labels, (('le', '+Inf'),))} {_num(h[-1])}")
-                    lines.append(f"{name}_sum{_labels(labels)} {repr(h[-2])}")
-                    lines.append(f"{name}_count{_labels(labels)} {_num(h[-1])}")
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The exposition text; gauges are read from ``gauge_source`` now."""
+        return generate_latest(self.registry)

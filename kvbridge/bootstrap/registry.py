@@ -3,7 +3,11 @@ recent refusals kept for diagnostics. One ``Registry`` per app (``app.state``).
 
     instance "prefill-a" (role, sizes, contract + fingerprint fixed by its first rank)
       └── ranks by id, and by coordinates (dp, cp, tp, pp): a re-registration of the
-          same coordinates replaces the old record (a restarted worker)
+          same coordinates replaces the old record (a restarted worker) when it
+          presents the old record's lease secret (see ``leases.py``)
+
+Limits: an instance's topology may not exceed ``max_ranks_per_instance`` ranks, and
+at most ``max_instances`` instances live at once (429, named).
 
 Leases: every rank holds one for ``lease_ttl_s``; a heartbeat renews it. Expired
 ranks are dropped lazily on every access (cheap: only when the earliest lease
@@ -18,12 +22,18 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
+from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
+from kvbridge.bootstrap.leases import (
+    check_secret,
+    new_secret,
+    refuse_replacement,
+    secret_digest,
+)
 from kvbridge.bootstrap.metrics import Metrics
 from kvbridge.bootstrap.mismatches import MismatchLog
+from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import (
     HeartbeatResponse,
     InstanceFingerprint,
@@ -34,62 +44,27 @@ from kvbridge.bootstrap.schemas import (
     MismatchSide,
     RankDetail,
     RankIdentity,
-    RankView,
     RegisterRequest,
     RegisterResponse,
-    SenderRank,
 )
 from kvbridge.bootstrap.topology import (
-    AuxDescriptor,
-    AuxRegionDescriptor,
     OwnerLanePlan,
-    PoolDescriptor,
-    Topology,
     check_descriptors,
     sender_coords,
     topology_diff,
 )
-from kvbridge.errors import ContractMismatch, InstanceIncomplete, TopologyError, UnknownInstance
+from kvbridge.errors import (
+    ContractMismatch,
+    InstanceIncomplete,
+    KVBridgeError,
+    LimitExceeded,
+    TopologyError,
+    UnknownInstance,
+)
 
-__all__ = ["Registry", "RankRecord", "InstanceRecord"]
+__all__ = ["Registry", "RankRecord", "InstanceRecord"]  # the records live in records.py
 
 log = logging.getLogger(__name__)
-
-Coords = tuple[int, int, int, int]
-
-
-@dataclass
-class RankRecord:
-    rank_id: str
-    identity: RankIdentity
-    control_endpoint: str
-    session_id: str
-    pools: list[PoolDescriptor]
-    aux: AuxDescriptor | None
-    lease_ttl_s: float
-    expires_at: float  # on the registry's monotonic clock
-    aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)
-
-
-@dataclass
-class InstanceRecord:
-    name: str
-    topology: Topology
-    contract: RuntimeContract
-    fingerprint: str
-    ranks: dict[str, RankRecord] = field(default_factory=dict)
-    by_coords: dict[Coords, str] = field(default_factory=dict)
-
-    def missing(self, dp_rank: int) -> list[str]:
-        return [
-            f"{self.name}/dp{d}/cp{c}/tp{t}/pp{p}"
-            for d, c, t, p in sender_coords(self.topology, dp_rank)
-            if (d, c, t, p) not in self.by_coords
-        ]
-
-    @property
-    def complete(self) -> bool:
-        return all(not self.missing(d) for d in range(self.topology.dp_size))
 
 
 def _topology_error(message: str, diff: list[FieldDiff], **ctx: object) -> TopologyError:
@@ -106,13 +81,21 @@ class Registry:
         default_ttl_s: float = 10.0,
         max_ttl_s: float = 300.0,
         max_mismatches: int = 100,
+        max_ranks_per_instance: int = 1024,
+        max_instances: int = 1024,
+        pause_grace_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.metrics = metrics
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
+        self.max_ranks_per_instance = max_ranks_per_instance
+        self.max_instances = max_instances
         self._clock = clock
+        self.pause_grace_s = pause_grace_s  # a gap between two sweeps longer than this is a pause (None: off)
+        self._last_tick = clock()
+        self.pauses = 0
         self._lock = threading.Lock()
         self._instances: dict[str, InstanceRecord] = {}
         self._rank_instance: dict[str, str] = {}  # rank id -> instance name
@@ -128,6 +111,7 @@ class Registry:
 
     def _expire_locked(self) -> int:
         now = self._clock()
+        self._forgive_pause(now)
         if now < self._next_expiry:
             return 0
         dropped = [r for inst in self._instances.values() for r in inst.ranks.values() if r.expires_at <= now]
@@ -140,6 +124,21 @@ class Registry:
         if dropped:
             self.metrics.inc("kvbridge_bootstrap_leases_expired_total", len(dropped))
         return len(dropped)
+
+    def _forgive_pause(self, now: float) -> None:
+        """A daemon that did not run for a while (SIGSTOP, a suspended VM) could not take the
+        heartbeats sent meanwhile: lengthen every lease by the gap rather than expire them all
+        at once on resume. (Longer, never shorter: decode ranks free a dead rank's pages only
+        after its lease is gone, so this errs on the safe side of hard rule 6.)"""
+        gap, self._last_tick = now - self._last_tick, now
+        if self.pause_grace_s is None or gap <= self.pause_grace_s:
+            return
+        ranks = [r for inst in self._instances.values() for r in inst.ranks.values()]
+        for r in ranks:
+            r.expires_at += gap
+        self._next_expiry += gap
+        self.pauses += 1
+        log.warning("the daemon did not run for %.1fs: %d lease(s) lengthened by that much", gap, len(ranks))
 
     def _remove_locked(self, rank_id: str) -> RankRecord:
         inst = self._instances[self._rank_instance.pop(rank_id)]
@@ -154,14 +153,20 @@ class Registry:
 
     # -- writes -----------------------------------------------------------------
 
-    def register(self, req: RegisterRequest) -> RegisterResponse:
+    def register(self, req: RegisterRequest, *, lease_secret: str | None = None, admin: bool = False) -> RegisterResponse:
         ident = req.rank
         fp = fingerprint(req.contract)
-        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions)  # -> 422
+        check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions,
+                          tp=(ident.tp_size, ident.tp_rank))  # BufferSpecError -> 409
+        secret = new_secret()
         with self._lock:
             self._expire_locked()
             inst = self._instances.get(ident.instance)
             replaced = inst.by_coords.get(ident.coords) if inst is not None else None
+            if inst is not None and replaced is not None:
+                old = inst.ranks[replaced]
+                refuse_replacement(old.secret_digest, lease_secret, admin=admin, label=ident.label, rank_id=replaced,
+                                   remaining_s=old.expires_at - self._clock())
             if inst is not None and replaced is not None and len(inst.ranks) == 1:
                 # The instance's only rank restarts: it may come back with a new contract.
                 self._remove_locked(replaced)
@@ -171,6 +176,7 @@ class Registry:
                 if replaced is not None:
                     self._remove_locked(replaced)
             else:
+                self._check_limits(ident)
                 inst = InstanceRecord(ident.instance, ident.topology, req.contract, fp)
                 self._instances[inst.name] = inst
             if replaced is not None:
@@ -186,6 +192,8 @@ class Registry:
                 lease_ttl_s=ttl,
                 expires_at=self._clock() + ttl,
                 aux_regions=list(req.aux_regions),
+                secret_digest=secret_digest(secret),
+                scratch=req.scratch,
             )
             inst.ranks[rec.rank_id] = rec
             inst.by_coords[ident.coords] = rec.rank_id
@@ -193,7 +201,25 @@ class Registry:
             self._next_expiry = min(self._next_expiry, rec.expires_at)
         self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
         log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
-        return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced)
+        return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced,
+                                lease_secret=secret)
+
+    def _check_limits(self, ident: RankIdentity) -> None:
+        """A new instance: its size and the number of instances stay under the daemon's limits."""
+        n = ident.topology.num_ranks
+        if n > self.max_ranks_per_instance:
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="too_many_ranks")
+            exc = LimitExceeded(f"instance {ident.instance!r} is {ident.topology.shape} = {n} ranks, over this daemon's "
+                                f"limit of {self.max_ranks_per_instance} ranks per instance (--max-ranks-per-instance)",
+                                rank=ident.label, field="rank")
+            exc.code = "too_many_ranks"  # type: ignore[attr-defined]
+            raise exc
+        if len(self._instances) >= self.max_instances:
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="too_many_instances")
+            exc = LimitExceeded(f"{len(self._instances)} instances are registered, this daemon's limit "
+                                f"(--max-instances); {ident.instance!r} refused", rank=ident.label, field="rank.instance")
+            exc.code = "too_many_instances"  # type: ignore[attr-defined]
+            raise exc
 
     def _check_same_instance(self, inst: InstanceRecord, req: RegisterRequest, fp: str) -> None:
         ident = req.rank
@@ -210,26 +236,38 @@ class Registry:
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="mismatch")
             raise ContractMismatch(msg, diff=diff, rank=ident.label, field=diff[0].path if diff else None)
 
-    def heartbeat(self, rank_id: str) -> HeartbeatResponse:
+    def _rank(self, rank_id: str, what: str) -> RankRecord:
+        name = self._rank_instance.get(rank_id)
+        if name is None:
+            raise UnknownInstance(f"no rank {rank_id!r} (lease expired or daemon restarted){what}", field="rank_id")
+        return self._instances[name].ranks[rank_id]
+
+    def heartbeat(self, rank_id: str, *, lease_secret: str | None = None, admin: bool = False) -> HeartbeatResponse:
         with self._lock:
             self._expire_locked()
-            name = self._rank_instance.get(rank_id)
-            if name is None:
+            try:
+                rec = self._rank(rank_id, ": register again")
+                check_secret(rec.secret_digest, lease_secret, admin=admin, action="heartbeat", label=rec.identity.label,
+                             rank_id=rank_id)
+            except UnknownInstance:
                 self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="unknown")
-                raise UnknownInstance(f"no rank {rank_id!r} (lease expired or daemon restarted): register again", field="rank_id")
-            rec = self._instances[name].ranks[rank_id]
+                raise
+            except KVBridgeError:
+                self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="refused")
+                raise
             rec.expires_at = self._clock() + rec.lease_ttl_s
         self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="ok")
         return HeartbeatResponse(rank_id=rank_id, lease_ttl_s=rec.lease_ttl_s)
 
-    def deregister(self, rank_id: str) -> None:
+    def deregister(self, rank_id: str, *, lease_secret: str | None = None, admin: bool = False) -> None:
         with self._lock:
             self._expire_locked()
-            if rank_id not in self._rank_instance:
-                raise UnknownInstance(f"no rank {rank_id!r}", field="rank_id")
-            rec = self._remove_locked(rank_id)
+            rec = self._rank(rank_id, "")
+            check_secret(rec.secret_digest, lease_secret, admin=admin, action="deregistration", label=rec.identity.label,
+                         rank_id=rank_id)
+            self._remove_locked(rank_id)
         self.metrics.inc("kvbridge_bootstrap_deregistrations_total")
-        log.info("deregistered %s (%s)", rec.identity.label, rank_id)
+        log.info("deregistered %s (%s)%s", rec.identity.label, rank_id, " by an admin" if admin and not lease_secret else "")
 
     # -- the handshake ----------------------------------------------------------
 
@@ -271,17 +309,18 @@ class Registry:
                 raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
             if dp >= topo.dp_size:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
-            missing = inst.missing(dp)
+            # the senders this decode rank needs: its TP route through the prefill TP group
+            coords = sender_coords(topo, dp, inst.contract, (req.rank.tp_size, req.rank.tp_rank))
+            missing = inst.missing(dp, coords)
             if missing:
-                exc = InstanceIncomplete(
+                raise InstanceIncomplete(
                     f"prefill {inst.name!r} DP group {dp} lacks {len(missing)} sender rank(s): {', '.join(missing[:8])}"
                     + (" ..." if len(missing) > 8 else ""),
+                    missing=missing,
                     room=req.room,
                     rank=who,
                 )
-                exc.missing = missing  # type: ignore[attr-defined]
-                raise exc
-            senders = [inst.ranks[inst.by_coords[c]] for c in sender_coords(topo, dp)]
+            senders = [inst.ranks[inst.by_coords[c]] for c in coords]
         self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="ok")
         return LookupResponse(
             instance=inst.name,
@@ -290,20 +329,7 @@ class Registry:
             topology=topo,
             fingerprint=inst.fingerprint,
             plan=OwnerLanePlan(cp_size=topo.cp_size, rule=inst.contract.cp_rule),
-            ranks=[
-                SenderRank(
-                    rank_id=r.rank_id,
-                    dp_rank=r.identity.dp_rank,
-                    cp_rank=r.identity.cp_rank,
-                    tp_rank=r.identity.tp_rank,
-                    pp_rank=r.identity.pp_rank,
-                    control_endpoint=r.control_endpoint,
-                    session_id=r.session_id,
-                    pools=r.pools,
-                    aux=r.aux,
-                )
-                for r in senders
-            ],
+            ranks=[r.sender() for r in senders],
         )
 
     # -- diagnostics ------------------------------------------------------------
@@ -339,7 +365,7 @@ class Registry:
         now = self._clock()
         with self._lock:
             self._expire_locked()
-            return [self._view(inst, now) for _, inst in sorted(self._instances.items())]
+            return [inst.view(now) for _, inst in sorted(self._instances.items())]
 
     def instance(self, name: str) -> InstanceView:
         now = self._clock()
@@ -348,21 +374,12 @@ class Registry:
             inst = self._instances.get(name)
             if inst is None:
                 raise UnknownInstance(f"no instance {name!r} is registered", field="instance")
-            return self._view(inst, now)
+            return inst.view(now)
 
     def fingerprints(self) -> list[InstanceFingerprint]:
         with self._lock:
             self._expire_locked()
-            return [
-                InstanceFingerprint(
-                    instance=inst.name,
-                    role=inst.topology.role,
-                    fingerprint=inst.fingerprint,
-                    contract=inst.contract,
-                    ranks=sorted(r.identity.label for r in inst.ranks.values()),
-                )
-                for _, inst in sorted(self._instances.items())
-            ]
+            return [inst.fingerprint_view() for _, inst in sorted(self._instances.items())]
 
     def gauges(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         """Live numbers for /metrics."""
@@ -382,32 +399,3 @@ class Registry:
     def counts(self) -> tuple[int, int]:
         with self._lock:
             return len(self._instances), len(self._rank_instance)
-
-    @staticmethod
-    def _view(inst: InstanceRecord, now: float) -> InstanceView:
-        ranks = sorted(inst.ranks.values(), key=lambda r: r.identity.coords)
-        return InstanceView(
-            name=inst.name,
-            role=inst.topology.role,
-            fingerprint=inst.fingerprint,
-            topology=inst.topology,
-            num_ranks=len(ranks),
-            expected_ranks=inst.topology.num_ranks,
-            complete=inst.complete,
-            ranks=[
-                RankView(
-                    rank_id=r.rank_id,
-                    dp_rank=r.identity.dp_rank,
-                    cp_rank=r.identity.cp_rank,
-                    tp_rank=r.identity.tp_rank,
-                    pp_rank=r.identity.pp_rank,
-                    control_endpoint=r.control_endpoint,
-                    session_id=r.session_id,
-                    num_pools=len(r.pools),
-                    has_aux=r.aux is not None,
-                    lease_ttl_s=r.lease_ttl_s,
-                    lease_remaining_s=round(max(0.0, r.expires_at - now), 3),
-                )
-                for r in ranks
-            ],
-        )

@@ -19,6 +19,7 @@ __all__ = [
     "INSTANCE_PATTERN",
     "MAX_ROOM",
     "RankIdentity",
+    "ScratchDescriptor",
     "RegisterRequest",
     "RegisterResponse",
     "HeartbeatResponse",
@@ -80,6 +81,14 @@ class RankIdentity(_Strict):
         return f"{self.instance}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
 
 
+class ScratchDescriptor(_Strict):
+    """A small registered region that holds no KV: ``kvbridge doctor`` writes a probe into it
+    and reads it back to check that the rank's transfer-engine session answers, both ways."""
+
+    base: int = Field(ge=0, lt=2**64)
+    nbytes: int = Field(ge=16, le=1 << 20)
+
+
 class RegisterRequest(_Strict):
     rank: RankIdentity
     control_endpoint: str = Field(min_length=1, max_length=512, pattern=r"^[a-z][a-z0-9+.-]*://\S+$")
@@ -89,6 +98,7 @@ class RegisterRequest(_Strict):
     aux_regions: list[AuxRegionDescriptor] = Field(default_factory=list, max_length=64)
     contract: RuntimeContract
     lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
+    scratch: ScratchDescriptor | None = None
 
 
 class RegisterResponse(_Strict):
@@ -97,6 +107,8 @@ class RegisterResponse(_Strict):
     fingerprint: str
     lease_ttl_s: float
     replaced: str | None = None  # an earlier registration of the same coordinates
+    # present it (header X-KVBridge-Lease) on heartbeats, deregistration and re-registration
+    lease_secret: str = ""
 
 
 class HeartbeatResponse(_Strict):
@@ -106,7 +118,7 @@ class HeartbeatResponse(_Strict):
 
 class LookupRequest(_Strict):
     prefill_instance: str = Field(pattern=INSTANCE_PATTERN)
-    room: int = Field(ge=0, le=MAX_ROOM)
+    room: int = Field(ge=0, lt=MAX_ROOM + 1)  # exclusive 2**63: a bound a JSON (f64) schema validator holds exactly
     dp_rank: int | None = Field(default=None, ge=0)  # default: room % dp_size
     contract: RuntimeContract
     rank: RankIdentity  # the asking decode rank
@@ -132,7 +144,9 @@ class SenderRank(_Strict):
 
 
 class LookupResponse(_Strict):
-    """The senders of one room: tp_rank 0 of every (cp_rank, pp_rank) of the chosen DP group."""
+    """The senders of one room to the asking decode rank: for every (cp_rank, pp_rank) of the
+    chosen DP group, the TP ranks of its route (``kvbridge.layout.tp_route``; tp 0 when no
+    pool is head-sharded)."""
 
     instance: str
     room: int
@@ -153,6 +167,7 @@ class RankView(_Strict):
     session_id: str
     num_pools: int
     has_aux: bool
+    scratch: ScratchDescriptor | None = None
     lease_ttl_s: float
     lease_remaining_s: float
 

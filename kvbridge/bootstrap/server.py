@@ -78,6 +78,8 @@ def serve(
     """Serve until SIGINT/SIGTERM (uvicorn shuts down gracefully on both)."""
     if not _is_loopback(host) and settings.token is None:
         log.warning("listening on %s without a token: anyone who reaches this port can register ranks", host)
+    if not _is_loopback(host) and settings.read_token is None:
+        log.warning("listening on %s without a read token: anyone who reaches this port can read the topology", host)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     log.info("kvbridge bootstrap listening on http://%s:%d (docs at /docs)", host if ":" not in host else f"[{host}]", bound)

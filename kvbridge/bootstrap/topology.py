@@ -9,10 +9,13 @@ They still have rules, checked here with their own errors (``TopologyError``):
   pool's layer ids, ``bytes_per_page = page_size * bytes_per_token``, each
   ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8).
 
-Senders. MLA's latent KV is one head replicated across attention TP, so
-``tp_rank 0`` holds every byte its TP group holds; pipeline stages hold disjoint
-layers, so every stage sends its own. The senders of a DP group are therefore
-the ranks ``(cp_rank, pp_rank, tp_rank=0)`` for every cp_rank and pp_rank.
+Senders. Pipeline stages hold disjoint layers, so every stage sends its own;
+every CP rank sends the pages it owns. Inside a CP rank's TP group the senders
+depend on the asking decode rank (``kvbridge.layout.tp_routes``): MLA's latent KV
+is one head replicated across attention TP, so ``tp_rank 0`` holds every byte;
+a head-sharded pool (MHA/GQA k/v) comes from every prefill TP rank whose heads
+overlap the decode rank's. The senders of a room are therefore ``(cp, tp, pp)``
+for every cp and pp and every tp of that decode rank's route.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff, breaks_for
 from kvbridge.errors import BufferSpecError
+from kvbridge.layout import tp_route, tp_spec
 
 __all__ = ["Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "AuxRegionDescriptor", "topology_diff",
            "check_descriptors", "sender_coords"]
@@ -56,7 +60,7 @@ class OwnerLanePlan(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
     cp_size: int = Field(ge=1)
-    rule: Literal["interleaved", "contiguous", "replicated"]
+    rule: Literal["interleaved", "contiguous", "replicated", "balanced"]
 
 
 class PoolDescriptor(BaseModel):
@@ -112,10 +116,13 @@ def check_descriptors(
     *,
     rank: str,
     aux_regions: Sequence[AuxRegionDescriptor] = (),
+    tp: tuple[int, int] = (1, 0),
 ) -> None:
     """Each descriptor (``pool, layer_id, bytes_per_page, capacity_pages``) must
-    fit its own contract; raises ``BufferSpecError`` naming the field."""
+    fit its own contract (a head-sharded pool: the rank's heads of the row, for its
+    ``tp = (tp_size, tp_rank)``); raises ``BufferSpecError`` naming the field."""
     pools = {p.name: p for p in contract.pools}
+    page_bytes = {p.name: tp_spec(p.to_spec(), *tp).bytes_per_page for p in contract.pools}
     seen: set[tuple[str, int]] = set()
     for i, d in enumerate(descriptors):
         pool_name, layer_id = d.pool, d.layer_id
@@ -131,10 +138,11 @@ def check_descriptors(
                 rank=rank,
                 field=f"{where}.layer_id",
             )
-        if d.bytes_per_page != pool.bytes_per_page:
+        if d.bytes_per_page != page_bytes[pool_name]:
+            heads = f"; tp rank {tp[1]} of {tp[0]} holds its heads of the row" if pool.tp_sharding == "heads" else ""
             raise BufferSpecError(
                 f"pool {pool_name!r} layer {layer_id}: {d.bytes_per_page} bytes per page, the contract says "
-                f"{pool.bytes_per_page} ({pool.page_size} tokens x {pool.bytes_per_token} B)",
+                f"{page_bytes[pool_name]} ({pool.page_size} tokens x {pool.bytes_per_token} B{heads})",
                 rank=rank,
                 field=f"{where}.bytes_per_page",
             )
@@ -162,6 +170,16 @@ def check_descriptors(
         seen_regions.add(r.name)
 
 
-def sender_coords(topology: Topology, dp_rank: int) -> list[tuple[int, int, int, int]]:
-    """``(dp, cp, tp, pp)`` of the ranks that send a room of DP group ``dp_rank``."""
-    return [(dp_rank, cp, 0, pp) for cp in range(topology.cp_size) for pp in range(topology.pp_size)]
+def sender_coords(topology: Topology, dp_rank: int, contract: RuntimeContract | None = None,
+                  decode_tp: tuple[int, int] | None = None) -> list[tuple[int, int, int, int]]:
+    """``(dp, cp, tp, pp)`` of the ranks that send a room of DP group ``dp_rank`` to the
+    decode rank ``decode_tp = (tp_size, tp_rank)`` (TopologyError when the TP sizes do not
+    fit the contract's heads). Without one: every rank that may send to some decode rank
+    (all TP ranks when a pool is head-sharded, else tp 0)."""
+    if contract is not None and decode_tp is not None:
+        tps = tp_route([p.to_spec() for p in contract.pools], topology.tp_size, *decode_tp).sources
+    elif contract is not None and any(p.tp_sharding == "heads" for p in contract.pools):
+        tps = tuple(range(topology.tp_size))
+    else:
+        tps = (0,)
+    return [(dp_rank, cp, tp, pp) for cp in range(topology.cp_size) for tp in tps for pp in range(topology.pp_size)]

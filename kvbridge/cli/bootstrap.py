@@ -11,6 +11,16 @@ from pathlib import Path
 from kvbridge.errors import ConfigError
 
 TOKEN_ENV = "KVBRIDGE_BOOTSTRAP_TOKEN"
+READ_TOKEN_ENV = "KVBRIDGE_READ_TOKEN"
+ADMIN_TOKEN_ENV = "KVBRIDGE_ADMIN_TOKEN"
+# (flag stem, environment variable, what it grants)
+TOKENS = (
+    ("token", TOKEN_ENV, "bearer token required on every write (none: writes are open)"),
+    ("read-token", READ_TOKEN_ENV, "bearer token required to read /v1/instances, /v1/ranks/{id}, /v1/diagnostics/* "
+     "and /diagnostics; the write and admin tokens read too (none: reads are open; set one in production)"),
+    ("admin-token", ADMIN_TOKEN_ENV, "operators' bearer token: reads, writes, and renews, replaces or deregisters any "
+     "rank without its lease secret (none: only a rank's own lease secret can)"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,37 +30,43 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run the bootstrap daemon: ranks register with a lease, decode ranks look up the prefill "
             "topology of a request, contract fingerprints are compared (409 with a field diff on mismatch). "
-            "Diagnostics at /diagnostics, metrics at /metrics, OpenAPI at /docs."
+            "Each registration returns a lease secret that its heartbeats, deregistration and re-registration "
+            "must present. Diagnostics at /diagnostics, metrics at /metrics, OpenAPI at /docs."
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8998, help="port to listen on; 0 picks a free one (default: 8998)")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port to this file once listening")
-    p.add_argument(
-        "--token",
-        default=None,
-        help=f"bearer token required on every write (default: ${TOKEN_ENV}; none: writes are open)",
-    )
-    p.add_argument("--token-file", type=Path, default=None, help="read the token from this file (keeps it out of ps)")
+    for stem, env, text in TOKENS:
+        p.add_argument(f"--{stem}", default=None, help=f"{text} (default: ${env})")
+        p.add_argument(f"--{stem}-file", type=Path, default=None, help=f"read --{stem} from this file (keeps it out of ps)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease in seconds for ranks that ask for none (default: 10)")
     p.add_argument("--max-lease-ttl", type=float, default=300.0, help="longest lease a rank may ask for (default: 300)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
     p.add_argument("--max-mismatches", type=int, default=100, help="refusals kept for diagnostics (default: 100)")
+    p.add_argument("--max-ranks-per-instance", type=int, default=1024,
+                   help="largest instance (dp x cp x tp x pp ranks) that may register (default: 1024)")
+    p.add_argument("--max-instances", type=int, default=1024, help="instances registered at once (default: 1024)")
+    p.add_argument("--max-lookups-per-s", type=float, default=1000.0,
+                   help="handshakes (room look-ups) per second per decode instance, bursts of twice that; "
+                   "more get 429 with Retry-After; 0: unlimited (default: 1000)")
     p.set_defaults(func=run)
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token is not None and args.token_file is not None:
-        raise ConfigError("give --token or --token-file, not both", field="token")
-    if args.token_file is not None:
+def _token(args: argparse.Namespace, stem: str, env: str) -> str | None:
+    name = stem.replace("-", "_")
+    value, path = getattr(args, name), getattr(args, f"{name}_file")
+    if value is not None and path is not None:
+        raise ConfigError(f"give --{stem} or --{stem}-file, not both", field=name)
+    if path is not None:
         try:
-            token = args.token_file.read_text().strip()
+            token = path.read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"cannot read token file {str(args.token_file)!r}: {exc.strerror}", field="token_file") from exc
+            raise ConfigError(f"cannot read {stem} file {str(path)!r}: {exc.strerror}", field=f"{name}_file") from exc
         if not token:
-            raise ConfigError(f"token file {str(args.token_file)!r} is empty", field="token_file")
+            raise ConfigError(f"{stem} file {str(path)!r} is empty", field=f"{name}_file")
         return token
-    return args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
+    return value if value is not None else (os.environ.get(env) or None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,12 +76,16 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port {args.port} is outside 0..65535", field="port")
+    tokens = {stem.replace("-", "_"): _token(args, stem, env) for stem, env, _ in TOKENS}
     settings = BootstrapSettings(
-        token=_token(args),
+        **tokens,
         lease_ttl_s=args.lease_ttl,
         max_lease_ttl_s=args.max_lease_ttl,
         max_body_bytes=args.max_body_bytes,
         max_mismatches=args.max_mismatches,
+        max_ranks_per_instance=args.max_ranks_per_instance,
+        max_instances=args.max_instances,
+        max_lookups_per_s=args.max_lookups_per_s,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     serve(settings, host=args.host, port=args.port, port_file=args.port_file, log_level=str(level))

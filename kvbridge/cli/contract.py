@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbridge.errors import ConfigError
+from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import PRESETS
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--layers", type=int, default=61, help="target layers (default: 61)")
     show.add_argument("--page-size", type=int, default=64, help="tokens per page (default: 64)")
     show.add_argument("--draft-layers", type=int, default=1, help="NextN/EAGLE draft layers; 0 disables speculation (default: 1)")
-    show.add_argument("--cp-rule", choices=("interleaved", "contiguous", "replicated"), default="interleaved", help="CP owner-lane rule")
+    show.add_argument("--cp-rule", choices=LANE_RULES, default="interleaved", help="CP owner-lane rule")
     show.add_argument("--revision", default="unspecified", help="weights revision or digest")
     show.add_argument("--json", action="store_true", help="print the contract as JSON (input for fingerprint and diff)")
     show.set_defaults(func=run_show)

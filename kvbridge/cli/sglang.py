@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import textwrap
 
 from kvbridge.errors import ConfigError
 
@@ -16,6 +17,17 @@ INSTALL_HINT = (
 )
 
 
+def _environment() -> str:
+    from kvbridge.integrations.sglang.settings import ENVIRONMENT  # pure: does not import SGLang
+
+    width = max(len(name) for name, _ in ENVIRONMENT)
+    lines = []
+    for name, what in ENVIRONMENT:
+        wrapped = textwrap.wrap(what, 96 - width - 4)
+        lines += [f"  {name:<{width}}  {wrapped[0]}", *(f"  {'':<{width}}  {w}" for w in wrapped[1:])]
+    return "\n".join(lines)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sglang",
@@ -23,10 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Register kvbridge as SGLang's transfer backend 'kvbridge', then run SGLang's server in this process\n"
-            "with the arguments after '--' (the same as `sglang serve`). Select the backend there:\n\n"
+            "with the arguments after '--' (the same as `sglang serve`). Select the backend there, on the\n"
+            "prefill and on the decode server:\n\n"
             "  kvbridge sglang -- --model-path deepseek-ai/DeepSeek-V3.2 --disaggregation-mode prefill \\\n"
-            "      --disaggregation-transfer-backend kvbridge ...\n\n"
-            f"Supported SGLang: {SUPPORTED}. `kvbridge sglang -- --help` prints SGLang's own options."
+            "      --disaggregation-transfer-backend kvbridge --disaggregation-bootstrap-port 8998 ...\n\n"
+            "A prefill server starts a kvbridge bootstrap daemon on its bootstrap port (or every server uses\n"
+            "one cluster daemon: KVBRIDGE_BOOTSTRAP_URL). `sglang serve` works as well where kvbridge is\n"
+            "installed: its plugin loader registers the backend in every SGLang process.\n\n"
+            f"Supported SGLang: {SUPPORTED}. `kvbridge sglang -- --help` prints SGLang's own options.\n\n"
+            f"environment:\n{_environment()}"
         ),
         epilog=INSTALL_HINT,
     )

@@ -3,7 +3,17 @@ transfer plans, head slices for heterogeneous TP. No I/O, no threads, no device
 calls."""
 
 from kvbridge.layout.aux import AuxRegion, AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
-from kvbridge.layout.heads import HeadGeometry, HeadSlice, head_slices, plan_head_transfer, rank_heads, slices_to_send
+from kvbridge.layout.buffers import RawBuffer
+from kvbridge.layout.heads import (
+    HeadGeometry,
+    HeadSlice,
+    head_slices,
+    pair_head_buffers,
+    plan_head_transfer,
+    rank_heads,
+    slices_to_send,
+    tp_spec,
+)
 from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
 from kvbridge.layout.plan import BufferDesc, TransferPlan, describe_buffer, plan_transfer
 from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
@@ -16,6 +26,7 @@ from kvbridge.layout.rows import (
     strip_padding,
     valid_row_index,
 )
+from kvbridge.layout.tp_routes import TPRoute, num_drawing, tp_route
 
 __all__ = [
     "AuxRegion",
@@ -30,7 +41,9 @@ __all__ = [
     "OwnerLanes",
     "PRESETS",
     "PoolSpec",
+    "RawBuffer",
     "RowDomain",
+    "TPRoute",
     "TransferPlan",
     "aux_dtype",
     "build_rank_rows",
@@ -39,7 +52,9 @@ __all__ = [
     "float32_to_bf16_bits",
     "head_slices",
     "local_row_order",
+    "num_drawing",
     "owner_of_last_token",
+    "pair_head_buffers",
     "plan_head_transfer",
     "plan_transfer",
     "preset_pools",
@@ -47,5 +62,7 @@ __all__ = [
     "request_bases",
     "slices_to_send",
     "strip_padding",
+    "tp_route",
+    "tp_spec",
     "valid_row_index",
 ]

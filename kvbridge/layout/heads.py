@@ -41,6 +41,7 @@ import numpy as np
 from kvbridge.errors import BufferSpecError, LayoutError, PairingError, TopologyError
 from kvbridge.layout.plan import (
     BufferDesc,
+    PairedBuffers,
     TransferPlan,
     _check_logical,
     _check_range,
@@ -67,6 +68,13 @@ class HeadGeometry:
         if self.abi not in ABI_ITEMSIZE:
             raise LayoutError(f"abi {self.abi!r} is not one of {tuple(ABI_ITEMSIZE)}", field="abi")
 
+    @classmethod
+    def of(cls, spec: PoolSpec) -> HeadGeometry:
+        """The head geometry of a head-sharded pool spec (any rank's)."""
+        if not spec.head_sharded:
+            raise LayoutError(f"pool {spec.name!r} is replicated across TP, not head-sharded", field="num_heads")
+        return cls(spec.num_heads, spec.head_dim, spec.abi)
+
     @property
     def head_bytes(self) -> int:
         return self.head_dim * ABI_ITEMSIZE[self.abi]
@@ -91,6 +99,7 @@ class HeadGeometry:
         kernel_abi: str = "",
     ) -> PoolSpec:
         """The ``rows`` pool spec of one TP rank: its heads, head-major in the row."""
+        h0, h1 = self.rank_heads(tp_size, tp_rank)
         return PoolSpec(
             name=name,
             dtype=dtype or self.abi,
@@ -99,7 +108,17 @@ class HeadGeometry:
             page_size=page_size,
             layer_ids=tuple(layer_ids),
             kernel_abi=kernel_abi,
+            num_heads=self.num_heads,
+            head_start=h0,
+            head_stop=h1,
         )
+
+
+def tp_spec(spec: PoolSpec, tp_size: int, tp_rank: int) -> PoolSpec:
+    """The spec of ``tp_rank`` of a TP group of ``tp_size`` (its heads; a replicated pool as it is)."""
+    if not spec.head_sharded:
+        return spec
+    return spec.with_heads(*rank_heads(spec.num_heads, tp_size, tp_rank))
 
 
 def rank_heads(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -190,6 +209,27 @@ def slices_to_send(geom: HeadGeometry, src_tp: int, dst_tp: int, src_rank: int) 
     return tuple(s for j in range(dst_tp) for s in head_slices(geom, src_tp, dst_tp, j) if s.src_rank == src_rank)
 
 
+def pair_head_buffers(
+    src_specs: Mapping[str, PoolSpec],
+    dst_specs: Mapping[str, PoolSpec],
+    head_slice: HeadSlice,
+    src_bufs: Sequence[BufferDesc],
+    dst_bufs: Sequence[BufferDesc],
+    pools: Sequence[str],
+    *,
+    room: int | None = None,
+    rank: str | None = None,
+) -> PairedBuffers:
+    """Buffers of ``pools`` paired by (pool, layer id) for one head slice, each side
+    with its own row width; checked once (a prefill rank keeps it per decode peer)."""
+    ctx: dict[str, Any] = {"room": room, "rank": rank}
+    names = tuple(pools)
+    _check_specs(src_specs, dst_specs, names, head_slice, ctx)
+    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
+    return PairedBuffers(names, tuple((dst_specs[n], *_pair_sliced(src_specs[n], dst_specs[n], src_index, dst_index,
+                                                                    ctx)) for n in names))
+
+
 def plan_head_transfer(
     src_specs: Mapping[str, PoolSpec],
     dst_specs: Mapping[str, PoolSpec],
@@ -204,12 +244,14 @@ def plan_head_transfer(
     pools: Sequence[str] | None = None,
     room: int | None = None,
     rank: str | None = None,
+    paired: PairedBuffers | None = None,
 ) -> TransferPlan:
     """Plan the writes of one head slice for ``logical_pages`` of every layer of
     every pool in ``pools`` (default: all of ``dst_specs``): source buffers are
     the prefill TP rank's (its row width), destination buffers the decode TP
-    rank's. Only valid rows travel; every page is checked against both sides'
-    registered capacities before anything is returned (hard rule 5)."""
+    rank's (``paired``: from ``pair_head_buffers``, checked once). Only valid rows
+    travel; every page is checked against both sides' registered capacities
+    before anything is returned (hard rule 5)."""
     ctx: dict[str, Any] = {"room": room, "rank": rank}
     names = tuple(dst_specs) if pools is None else tuple(pools)
     page_size = _check_specs(src_specs, dst_specs, names, head_slice, ctx)
@@ -217,15 +259,17 @@ def plan_head_transfer(
         # same heads on both sides: the specs agree, so this is a plain page plan
         return plan_transfer(
             dst_specs, src_bufs, dst_bufs, logical_pages, src_pages, dst_pages, num_tokens,
-            pools=names, room=room, rank=rank,
+            pools=names, room=room, rank=rank, paired=paired,
         )
     logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
     num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
-    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
-    pairs = [_pair_sliced(src_specs[n], dst_specs[n], src_index, dst_index, ctx) for n in names]
-    for (src_spec, dst_spec), (_, _, src_cap, dst_cap) in zip(((src_specs[n], dst_specs[n]) for n in names), pairs):
-        _check_range(src_spec, "source", src, src_cap, logical, ctx)
-        _check_range(dst_spec, "destination", dst, dst_cap, logical, ctx)
+    if paired is None:
+        paired = pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank)
+    elif paired.pools != names:
+        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    for n, (_, _, _, src_cap, dst_cap) in zip(names, paired.pairs):
+        _check_range(src_specs[n], "source", src, src_cap, logical, ctx)
+        _check_range(dst_specs[n], "destination", dst, dst_cap, logical, ctx)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -239,7 +283,7 @@ def plan_head_transfer(
     rel_dst = (dst[entry] * (page_size * d) + row * d + head_slice.dst_offset).astype(np.uint64)
     parts = [
         ((sb[:, None] + rel_src[None, :]).reshape(-1), (db[:, None] + rel_dst[None, :]).reshape(-1))
-        for sb, db, _, _ in pairs
+        for _, sb, db, _, _ in paired.pairs
     ]
     src_all = np.concatenate([p[0] for p in parts])
     return TransferPlan(src_all, np.concatenate([p[1] for p in parts]), np.full(len(src_all), head_slice.nbytes))

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError, PairingError
+from kvbridge.layout.buffers import RawBuffer
 from kvbridge.layout.pools import ROWS, PoolSpec
 
 _U64_MAX = 2**64 - 1
@@ -71,11 +72,11 @@ class BufferDesc:
 
 
 def describe_buffer(spec: PoolSpec, layer_id: int, buf: Any, base: int | None = None) -> BufferDesc:
-    """Validate one layer's buffer (numpy array or torch tensor) against its spec
+    """Validate one layer's buffer (numpy array, torch tensor or RawBuffer) against its spec
     and describe it; ``base`` defaults to the buffer's own address."""
     capacity = spec.validate_buffer(layer_id, buf)
     if base is None:
-        base = buf.data_ptr() if hasattr(buf, "data_ptr") else buf.ctypes.data
+        base = buf.ptr if isinstance(buf, RawBuffer) else buf.data_ptr() if hasattr(buf, "data_ptr") else buf.ctypes.data
     return BufferDesc(spec.name, layer_id, int(base), capacity, spec.bytes_per_page)
 
 

@@ -8,16 +8,26 @@ A pool is a family of buffers, one per layer, each ``capacity_pages`` pages of
                          |<- ps*value_bytes ----->|<- ps*scale_bytes ----->|
 
 so rows ``[a, b)`` of a ``values_then_scales`` page are two byte ranges, not one.
+
+Head-sharded pools (MHA/GQA ``k``/``v`` under tensor parallelism): a row holds KV
+heads head-major, and a TP rank's buffers hold only its heads ``[head_start,
+head_stop)`` of the ``num_heads`` of the whole row; ``bytes_per_token`` is the
+rank's row. ``num_heads == 0``: the row is replicated across TP (MLA latent, index K).
+
+    whole row (num_heads 4)   | h0 | h1 | h2 | h3 |      full_bytes_per_token = 4 * head_bytes
+    rank rows (heads [2, 4))            | h2 | h3 |      bytes_per_token      = 2 * head_bytes
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError
+from kvbridge.layout.buffers import RawBuffer
 
 ROWS = "rows"
 VALUES_THEN_SCALES = "values_then_scales"
@@ -42,6 +52,9 @@ class PoolSpec:
     value_bytes_per_token: int = 0
     scale_bytes_per_token: int = 0
     kernel_abi: str = ""
+    num_heads: int = 0  # head-sharded across TP: KV heads of the whole row; 0: replicated across TP
+    head_start: int = 0  # heads [head_start, head_stop) this rank's rows hold (head_stop 0: all of them)
+    head_stop: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -64,6 +77,61 @@ class PoolSpec:
                     f"{self.scale_bytes_per_token} != bytes per token {self.bytes_per_token}",
                     field="value_bytes_per_token",
                 )
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        where = f"pool {self.name!r}"
+        for name in ("num_heads", "head_start", "head_stop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"{where}: {name} must be a non-negative integer, got {value!r}", field=name)
+        if not self.num_heads:
+            if self.head_start or self.head_stop:
+                raise LayoutError(f"{where}: a head range needs num_heads (the heads of the whole row)",
+                                  field="num_heads")
+            return
+        if self.head_stop == 0:
+            object.__setattr__(self, "head_stop", self.num_heads)  # default: every head
+        if self.layout != ROWS:
+            raise LayoutError(f"{where}: head-sharded pools use the rows layout, not {self.layout}", field="layout")
+        if not 0 <= self.head_start < self.head_stop <= self.num_heads:
+            raise LayoutError(f"{where}: heads [{self.head_start}, {self.head_stop}) outside the row's "
+                              f"{self.num_heads}", field="head_start")
+        held = self.head_stop - self.head_start
+        if self.bytes_per_token % held or (self.bytes_per_token // held) % ABI_ITEMSIZE[self.abi]:
+            raise LayoutError(f"{where}: {self.bytes_per_token} bytes per token are not {held} whole heads of "
+                              f"{self.abi}", field="bytes_per_token")
+
+    @property
+    def head_sharded(self) -> bool:
+        """True when TP ranks hold disjoint heads of the row (``num_heads > 0``)."""
+        return self.num_heads > 0
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one row (head-sharded pools)."""
+        if not self.num_heads:
+            raise LayoutError(f"pool {self.name!r} is not head-sharded", field="num_heads")
+        return self.bytes_per_token // (self.head_stop - self.head_start)
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_bytes // ABI_ITEMSIZE[self.abi]
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes of the whole row, every head (the row itself when not head-sharded)."""
+        return self.num_heads * self.head_bytes if self.num_heads else self.bytes_per_token
+
+    def with_heads(self, head_start: int, head_stop: int) -> PoolSpec:
+        """The spec of a rank whose rows hold heads ``[head_start, head_stop)``."""
+        hb = self.head_bytes
+        return dataclasses.replace(self, bytes_per_token=(head_stop - head_start) * hb, head_start=head_start,
+                                   head_stop=head_stop)
+
+    def full(self) -> PoolSpec:
+        """The whole-row spec (every head): what the contract describes."""
+        return self.with_heads(0, self.num_heads) if self.num_heads else self
 
     @property
     def bytes_per_page(self) -> int:
@@ -91,14 +159,17 @@ class PoolSpec:
         return ((start * v, count * v), (self.scale_offset + start * s, count * s))
 
     def validate_buffer(self, layer_id: int, buf: Any) -> int:
-        """Check one layer's buffer (torch tensor or numpy array) against the spec;
-        returns its capacity in pages. Any contiguous buffer of the pool's storage type
+        """Check one layer's buffer (torch tensor, numpy array or ``RawBuffer``) against the
+        spec; returns its capacity in pages. Any contiguous buffer of the pool's storage type
         whose bytes are whole pages is accepted, whatever its shape: page-major
         ``[pages, page_size * row]`` and token-major ``[pages * page_size, row]`` are
-        byte-identical."""
+        byte-identical. A ``RawBuffer`` (an address) must hold whole pages."""
         where = f"pool {self.name!r} layer {layer_id}"
         if layer_id not in self.layer_ids:
             raise BufferSpecError(f"pool {self.name!r} has no layer {layer_id}; layers are {self.layer_ids}", field="layer_id")
+        if isinstance(buf, RawBuffer):  # an address has no dtype or shape: whole pages is what can be checked
+            return buf.whole_items(self.bytes_per_page, f"{where} ({self.page_size} tokens x {self.bytes_per_token} B "
+                                                        "per page)", "bytes_per_page")
         dtype = str(buf.dtype).removeprefix("torch.")
         shape = tuple(int(d) for d in buf.shape)
         if dtype != self.abi:

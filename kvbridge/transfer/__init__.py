@@ -5,6 +5,7 @@ from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.engine import ENGINE_KINDS, TransferEngine, WriteState, WriteStatus, create_engine, mooncake_available
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.transfer.prefill_info import PrefillInfo
 from kvbridge.transfer.receiver import KVReceiver
 from kvbridge.transfer.sender import KVSender
 
@@ -17,6 +18,7 @@ __all__ = [
     "KVSender",
     "PrefillConfig",
     "PrefillEndpoint",
+    "PrefillInfo",
     "TransferEngine",
     "WriteState",
     "WriteStatus",

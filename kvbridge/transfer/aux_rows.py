@@ -6,6 +6,9 @@ An endpoint keeps its aux rows in one of two forms (``AuxSchema`` says what a ro
     packed      one uint8 tensor [rows, row_bytes]     | room | first_token | ... | hidden | pad |   row i
     by region   {region name: tensor [rows, *shape]}   room[i]   first_token[i]   ...   hidden[i]
 
+and either may be given as raw addresses (``RawBuffer``: whole rows of the packed row or of
+the region; host memory is read back through a numpy view of the same bytes).
+
 Either way region ``r`` of row ``i`` starts at ``base_r + i * stride_r`` (a ``RegionAddr``),
 and that is what is registered with the transfer engine and the bootstrap daemon. A row
 moves as one slice per region, merged where both sides are contiguous; between two
@@ -22,7 +25,7 @@ import numpy as np
 
 from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor
 from kvbridge.errors import ConfigError, KVBridgeError, PageRangeError
-from kvbridge.layout import AuxSchema
+from kvbridge.layout import AuxSchema, RawBuffer
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 
 
@@ -95,29 +98,48 @@ class AuxBuffers:
 
     def __init__(self, schema: AuxSchema, storage: Any, *, rank: str, field: str = "aux_buffer") -> None:
         self.schema = schema
-        self.storage = storage
         self._rank, self._field = rank, field
         self._registered: list[int] = []
         if isinstance(storage, Mapping):
             self.packed = False
-            self.tensors = {name: storage[name] for name in self._check_mapping(storage)}
+            names = self._check_mapping(storage)
+            self.tensors = {r.name: self._readable(storage[r.name], r.nbytes, f"{field}[{r.name!r}]")
+                            for r in schema.regions if r.name in names}
             self.regions = {}
             for r in schema.regions:
-                ptr, _ = tensor_region(self.tensors[r.name])
-                self.regions[r.name] = RegionAddr(r.name, ptr, int(self.tensors[r.name].shape[0]), r.nbytes)
+                ptr, nbytes = tensor_region(self.tensors[r.name])
+                self.regions[r.name] = RegionAddr(r.name, ptr, nbytes // r.nbytes if r.nbytes else 0, r.nbytes)
         else:
             self.packed = True
             self._check_packed(storage)
+            storage = self._readable(storage, schema.row_bytes, field)
             self.tensors = {"": storage}
-            ptr, _ = tensor_region(storage)
-            rows = int(storage.shape[0])
+            ptr, nbytes = tensor_region(storage)
+            rows = nbytes // schema.row_bytes
             self.regions = {r.name: RegionAddr(r.name, ptr + schema.offsets[r.name], rows, schema.row_bytes)
                             for r in schema.regions}
+        self.storage = storage
+
+    @staticmethod
+    def _readable(buf: Any, item_bytes: int, where: str) -> Any:
+        """A host ``RawBuffer`` as a ``[rows, item_bytes]`` uint8 view of the same bytes (readable
+        like a tensor); anything else as it is."""
+        if isinstance(buf, RawBuffer) and buf.on_host and item_bytes:
+            return buf.host_view().reshape(-1, item_bytes)
+        return buf
+
+    @property
+    def readable(self) -> bool:
+        """False when a region is device memory given as a ``RawBuffer`` (kvbridge cannot read it back)."""
+        return not any(isinstance(t, RawBuffer) for t in self.tensors.values())
 
     def _fail(self, message: str, field: str | None = None) -> ConfigError:
         return ConfigError(message, rank=self._rank, field=field or self._field)
 
     def _check_packed(self, buf: Any) -> None:
+        if isinstance(buf, RawBuffer):
+            self._raw_rows(buf, self.schema.row_bytes, self._field, "packed aux rows")
+            return
         shape = tuple(getattr(buf, "shape", ()))
         if _dtype_name(buf) != "uint8" or len(shape) != 2 or shape[0] < 1 or shape[1] != self.schema.row_bytes \
                 or not _contiguous(buf):
@@ -133,6 +155,9 @@ class AuxBuffers:
             raise self._fail(f"aux regions {sorted(storage)} given, the schema has {names}")
         for r in self.schema.regions:
             buf, where = storage[r.name], f"{self._field}[{r.name!r}]"
+            if isinstance(buf, RawBuffer):
+                self._raw_rows(buf, r.nbytes, where, f"aux region {r.name!r} ({r.dtype} x {r.count} per row)")
+                continue
             shape = tuple(getattr(buf, "shape", ()))
             dtype = _dtype_name(buf)
             if dtype == "uint16" and r.dtype == "bfloat16" and not hasattr(buf, "data_ptr"):
@@ -142,6 +167,12 @@ class AuxBuffers:
                 raise self._fail(f"aux region {r.name!r}: expected a contiguous {r.dtype} tensor [rows, "
                                  f"{', '.join(map(str, r.shape)) or '(scalar)'}], got {dtype} {list(shape)}", where)
         return names
+
+    def _raw_rows(self, buf: RawBuffer, item_bytes: int, where: str, what: str) -> None:
+        """A RawBuffer of aux rows: an address has no dtype or shape, so whole rows is what is checked."""
+        if not item_bytes or buf.nbytes < item_bytes or buf.nbytes % item_bytes:
+            raise self._fail(f"{what}: RawBuffer of {buf.nbytes} bytes is not a whole number of {item_bytes}-byte "
+                             "rows: rows of another size would be written into the wrong bytes", where)
 
     # -- what is exposed -------------------------------------------------------
 

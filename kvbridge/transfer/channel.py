@@ -27,13 +27,15 @@ Other threads hand the loop work through ``wakeup`` (thread-safe, wakes a blocke
 
 Bad input never raises out of ``recv_ready``: a message that does not decode comes
 back as ``(peer, ProtocolError)``, is counted in ``stats.malformed``, and the server
-answers it with an ErrorReply naming the problem. Anything that does not
-authenticate when a secret is set (bad or missing HMAC, and oversized messages,
-which are not read far enough to authenticate) is dropped without a reply and
-counted in ``stats.unauthenticated``. Clients never answer errors (no ping-pong).
+answers it with an ErrorReply naming the problem - every one, oversized ones
+included: with a secret the MAC is checked before the size, so an authentic message
+over ``max_bytes`` is answered like any other malformed one. Anything that does not
+authenticate when a secret is set (bad or missing HMAC) is dropped without a reply
+and counted in ``stats.unauthenticated``. Clients never answer errors (no ping-pong).
 Bounded: per-socket queues (``hwm`` messages), message size (ZMQ drops a
-connection sending more than twice ``max_bytes``), messages per ``recv_ready``
-call, peers per PeerSet, items in a wakeup queue. Sockets close with linger 0.
+connection sending more than ``wire.auth_limit(max_bytes)``, about twice
+``max_bytes``: that sender gets no answer), messages per ``recv_ready`` call,
+peers per PeerSet, items in a wakeup queue. Sockets close with linger 0.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class _Channel(Generic[PeerT]):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.auth_limit(self.max_bytes))
         return sock
 
     def _watch(self, sock: zmq.Socket) -> None:
@@ -222,7 +224,7 @@ class _Channel(Generic[PeerT]):
         try:
             body = wire.unseal(frames[0], self.secret, max_bytes=self.max_bytes)
         except ProtocolError as err:
-            if self.secret is not None:
+            if self.secret is not None and err.field != "size":  # "size": authentic but too large
                 self.stats.unauthenticated += 1
                 if _power_of_two(self.stats.unauthenticated):
                     log.warning("dropped %d unauthenticated control message(s); latest from %s: %s",

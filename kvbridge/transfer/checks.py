@@ -5,6 +5,10 @@ A disagreement is a ``ConfigError`` naming the field, both values and what it
 would break, raised before anything is registered: a bf16 spec under a float32
 contract, or a 288-byte aux row under a 24-byte one, would otherwise move bytes
 that the other side reads as something else.
+
+A head-sharded pool's contract is the whole row; an endpoint's spec is its TP
+rank's heads of it, and must be exactly the heads ``rank_heads(num_heads,
+tp_size, tp_rank)`` gives (peers cut head slices by that rule).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Mapping
 from kvbridge.bootstrap.contract import AuxContract, PoolContract, RuntimeContract
 from kvbridge.bootstrap.diff import breaks_for
 from kvbridge.errors import ConfigError
-from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.layout import AuxSchema, PoolSpec, rank_heads
 
 
 def check_against_contract(
@@ -24,6 +28,8 @@ def check_against_contract(
     *,
     rank: str,
     lane_rule: str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> None:
     """Raise ConfigError at the first field where the endpoint and its contract disagree."""
     if not isinstance(aux_schema, AuxSchema):
@@ -39,6 +45,14 @@ def check_against_contract(
         for key in mine:
             if mine[key] != theirs[key]:
                 raise _error(f"pools.{name}.{key}", mine[key], theirs[key], rank)
+        spec = specs[name]
+        if spec.head_sharded:
+            want = rank_heads(spec.num_heads, tp_size, tp_rank)
+            if (spec.head_start, spec.head_stop) != want:
+                raise ConfigError(
+                    f"pools.{name}.heads: tp rank {tp_rank} of {tp_size} holds heads [{want[0]}, {want[1]}) of "
+                    f"{spec.num_heads}, its spec holds [{spec.head_start}, {spec.head_stop}): "
+                    f"{breaks_for(f'pools.{name}.heads')}", rank=rank, field=f"pools.{name}.heads")
     mine_aux, theirs_aux = AuxContract.from_schema(aux_schema).model_dump(), contract.aux.model_dump()
     if mine_aux != theirs_aux:
         if mine_aux["row_bytes"] != theirs_aux["row_bytes"]:

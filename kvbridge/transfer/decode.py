@@ -25,6 +25,7 @@ from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import (
+    BootstrapUnavailable,
     ConfigError,
     ContractMismatch,
     InstanceIncomplete,
@@ -39,6 +40,7 @@ from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.lifecycle import open_waiting
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
@@ -64,6 +66,10 @@ class DecodeConfig:
     lease_ttl: float = 10.0
     topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
     # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
+    # After a silent prefill rank's lease is gone, its rooms' pages stay held this long more
+    # (unless it acknowledges the abort): a process that was frozen (SIGSTOP, a paused VM)
+    # past its lease still holds queued writes that land the moment it resumes.
+    lease_quarantine: float = 30.0
     lookup_threads: int = 4
     verify_digest: bool = False
     trace: bool = False
@@ -93,7 +99,8 @@ class DecodeEndpoint:
         if bootstrap is None:
             raise ConfigError("a DecodeEndpoint needs a BootstrapClient: it registers there and looks prefill "
                               "instances up", rank=rank, field="bootstrap")
-        check_against_contract(specs, aux_schema, contract, rank=rank)
+        check_against_contract(specs, aux_schema, contract, rank=rank, tp_size=config.tp_size,
+                               tp_rank=config.tp_rank)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
@@ -102,11 +109,16 @@ class DecodeEndpoint:
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
         self.aux = AuxBuffers(aux_schema, aux_buffer, rank=rank)
+        if not self.aux.readable:
+            raise ConfigError("aux rows given as device-memory RawBuffers: a decode rank reads each room's aux row "
+                              "back (the room echo, hard rule 4), so give them as tensors or host memory", rank=rank,
+                              field="aux_buffer")
         self.aux_buffer = aux_buffer
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         self._lock = threading.Lock()
+        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
         self._book = RoomBook(self)
         self._peers: PeerSet | None = None
         self._pool = ThreadPoolExecutor(max_workers=config.lookup_threads, thread_name_prefix="kvb-lookup")
@@ -162,36 +174,50 @@ class DecodeEndpoint:
 
     # -- engine-facing (any thread) -------------------------------------------
 
-    def receiver(self, room: int, prefill_instance: str, dp_rank: int | None = None) -> KVReceiver:
-        """A KVReceiver for ``room``; RoomInUse while a previous room of that id is open or draining."""
+    def receiver(self, room: int, prefill_instance: str, dp_rank: int | None = None, *,
+                 wait: float = 0.0) -> KVReceiver:
+        """A KVReceiver for ``room``. RoomInUse while a previous room of that id is open, or draining
+        (a prefill rank may still write its pages) for longer than ``wait`` seconds."""
         with self._lock:
-            r = self._book.open(room, prefill_instance, dp_rank)
+            r = open_waiting(lambda: self._book.open(room, prefill_instance, dp_rank), self._room_freed, wait)
             looking_up = r.state.state == KVPoll.Bootstrapping
         if looking_up:  # a cached topology leaves the loop nothing to do before init()
             self._wake()
         return KVReceiver(self, r)
 
-    def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int, first_page: int) -> None:
+    def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         pages = np.asarray(page_ids).reshape(-1)
         ctx = dict(room=r.room, rank=self.config.rank_label)
         if pages.size and not np.issubdtype(pages.dtype, np.integer):
             raise LayoutError(f"page ids must be integers, got {pages.dtype}", field="page_ids", **ctx)
         page_size = next(iter(self.specs.values())).page_size
-        if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
-            raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", field="num_tokens", **ctx)
-        num_pages = -(-int(num_tokens) // page_size)
-        if not isinstance(first_page, (int, np.integer)) or not 0 <= first_page <= num_pages:
-            raise LayoutError(f"first_page {first_page!r} outside [0, {num_pages}] ({num_tokens} tokens at page size "
-                              f"{page_size})", field="first_page", **ctx)
-        if pages.size != num_pages - first_page:
-            raise LayoutError(f"{pages.size} pages for logical pages [{first_page}, {num_pages}) of {num_tokens} tokens "
-                              f"at page size {page_size}", field="page_ids", **ctx)
+        if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
+            raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r}", field="first_page",
+                              **ctx)
+        if num_tokens is None:  # only the pages are known: first_page + len(page_ids) of them
+            num_pages = int(first_page) + int(pages.size)
+            if not pages.size:
+                raise LayoutError(f"no page ids after first_page {first_page}, and no num_tokens: the request would "
+                                  "have nothing to receive, not even the page of its last token", field="page_ids",
+                                  **ctx)
+        else:
+            if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens <= 0:
+                raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", field="num_tokens",
+                                  **ctx)
+            num_pages = -(-int(num_tokens) // page_size)
+            if not first_page <= num_pages:
+                raise LayoutError(f"first_page {first_page!r} outside [0, {num_pages}] ({num_tokens} tokens at page "
+                                  f"size {page_size})", field="first_page", **ctx)
+            if pages.size != num_pages - first_page:
+                raise LayoutError(f"{pages.size} pages for logical pages [{first_page}, {num_pages}) of {num_tokens} "
+                                  f"tokens at page size {page_size}", field="page_ids", **ctx)
         if pages.size and (pages.min() < 0 or pages.max() >= self.buffers.min_capacity):
             raise PageRangeError(f"page ids must lie in [0, {self.buffers.min_capacity}) (registered capacity)",
                                  field="page_ids", **ctx)
         self.aux.check_slot(aux_slot, room=r.room)
         with self._lock:
-            self._book.init(r, pages.astype(np.int64), int(aux_slot), int(num_tokens), int(first_page))
+            self._book.init(r, pages.astype(np.int64), int(aux_slot), None if num_tokens is None else int(num_tokens),
+                            int(first_page))
             # topology known (cached or looked up): the requests go out from this thread, no hop to the loop
             sent = self._book.request_if_ready(r)
         if not sent:
@@ -266,8 +292,18 @@ class DecodeEndpoint:
             # a definitive answer: other rooms toward this instance are refused without asking again for a while
             self._book.refusals[r.prefill_instance] = (time.monotonic(), reason, list(exc.diff))
             self._book.refuse(r)
+        elif isinstance(exc, BootstrapUnavailable):
+            # the daemon is down: a topology it gave us before still names live ranks (liveness
+            # pings catch the ones that are not); without one, ask again until the bootstrap timeout
+            stale = self._book.stale(r)
+            r.lookup_problem = str(exc)
+            if stale is not None:
+                self._book.topology_ready(r, stale)
+            else:
+                r.next_lookup = time.monotonic() + 0.25
         elif isinstance(exc, InstanceIncomplete):
             r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
+            r.lookup_problem = str(exc)
         elif isinstance(exc, KVBridgeError):
             self._book.fail(r, f"bootstrap look-up failed: {exc}")
         else:

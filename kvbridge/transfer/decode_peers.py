@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.errors import KVBridgeError, UnknownInstance
-from kvbridge.layout import BufferDesc, PoolSpec
+from kvbridge.layout import BufferDesc, HeadSlice, PoolSpec, TPRoute, pair_head_buffers, tp_spec
 from kvbridge.layout.plan import PairedBuffers, pair_buffers
 from kvbridge.transfer.aux_rows import RegionAddr
+from kvbridge.transfer.sender import TargetPart
 
 if TYPE_CHECKING:
     from kvbridge.bootstrap.client import BootstrapClient
@@ -51,7 +52,10 @@ class DecodePeer:
     fingerprint: str
     buffers: list[BufferDesc]
     aux: dict[str, RegionAddr]
+    tp_size: int = 1
+    tp_rank: int = 0
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
+    routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, detail: RankDetail) -> DecodePeer:
@@ -59,6 +63,7 @@ class DecodePeer:
             rank_id=detail.rank_id, label=detail.rank.label, session=detail.session_id, fingerprint=detail.fingerprint,
             buffers=[BufferDesc(p.pool, p.layer_id, p.base, p.capacity_pages, p.bytes_per_page) for p in detail.pools],
             aux={r.name: RegionAddr.of(r) for r in detail.aux_regions},
+            tp_size=detail.rank.tp_size, tp_rank=detail.rank.tp_rank,
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],
@@ -68,6 +73,30 @@ class DecodePeer:
         if hit is None:
             hit = self.pairings[pools] = pair_buffers(specs, src, self.buffers, pools, room=room, rank=self.label)
         return hit
+
+    def parts(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], route: TPRoute, src_rank: int,
+              room: int) -> tuple[TargetPart, ...]:
+        """What prefill TP rank ``src_rank`` sends this decode rank along its TP ``route``: whole-row
+        pools in one part, head-sliced pools grouped by slice; paired once per (tp size, rank)."""
+        key = (route.src_tp, src_rank)
+        hit = self.routes.get(key)
+        if hit is not None:
+            return hit
+        whole: list[str] = []
+        sliced: dict[HeadSlice, list[str]] = {}
+        for pool in route.pools_from(src_rank):
+            hs = route.slice_from(pool, src_rank)
+            if hs is None:
+                whole.append(pool)
+            else:
+                sliced.setdefault(hs, []).append(pool)
+        parts = [TargetPart(tuple(whole), self.pairing(specs, src, tuple(whole), room))] if whole else []
+        for hs, pools in sliced.items():
+            dst_specs = {p: tp_spec(specs[p], self.tp_size, self.tp_rank) for p in pools}
+            paired = pair_head_buffers(specs, dst_specs, hs, src, self.buffers, pools, room=room, rank=self.label)
+            parts.append(TargetPart(tuple(pools), paired, hs, dst_specs))
+        self.routes[key] = tuple(parts)
+        return self.routes[key]
 
 
 class DecodePeers:

@@ -4,8 +4,12 @@
 Peer liveness: a prefill rank that has rooms here is pinged every
 ``ping_interval``; any message from it counts as alive. Silent for
 ``peer_timeout`` -> its rooms fail with a reason naming the rank. Its writes are
-assumed to have stopped (the rank counts as quiet, hard rule 6) only once the
-bootstrap daemon no longer lists it (lease expired), checked off the loop thread.
+assumed to have stopped (the rank counts as quiet, hard rule 6) when it acknowledges
+the abort, or once the bootstrap daemon no longer lists it (lease expired, checked off
+the loop thread) *and* ``lease_quarantine`` more seconds have passed: a process frozen
+past its lease (SIGSTOP, a paused VM) still holds queued writes that land when it
+resumes, so an expired lease alone does not free pages. A loop that was itself frozen
+blames no peer for the silence it did not listen to.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, RoomInUse, UnknownInstance
+from kvbridge.layout import TPRoute, tp_route
 from kvbridge.transfer import wire
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.lifecycle import Stage
@@ -48,6 +53,7 @@ class Peer:
     seq: int = 0
     dead: str | None = None  # reason once declared dead
     lease_gone: bool = False
+    gone_at: float = 0.0  # when its lease was first seen gone (quarantine starts)
     lease_check_pending: bool = False
     next_lease_check: float = 0.0
     dead_at: float = 0.0
@@ -67,8 +73,10 @@ class RoomBook:
         self.cache_used: dict[tuple[str, int], float] = {}  # when a room last took a cached topology
         self.dirty: set[int] = set()  # rooms to advance at the next step
         self.next_scan = 0.0
+        self.last_scan = 0.0
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
+        self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
         self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self.draining: set[int] = set()  # rooms whose handle let go: forgotten once final and quiet
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
@@ -80,8 +88,10 @@ class RoomBook:
         if old is not None:  # OPEN or DRAINING: closed rooms are forgotten
             what = ("open: a KVReceiver still holds it" if old.life.stage == Stage.OPEN
                     else "draining: a prefill rank may still write its pages (hard rule 6)")
-            raise RoomInUse(f"room {room} is {what} ({old.state.state.name}); close() the old receiver and wait, or "
-                            "use a new room id", room=room, rank=self.cfg.rank_label, field="room")
+            raise RoomInUse(f"room {room} is {what} ({old.state.state.name}); close() the old receiver and wait "
+                            "(receiver(room, ..., wait=...)), or use a new room id",
+                            draining=old.life.stage == Stage.DRAINING, room=room, rank=self.cfg.rank_label,
+                            field="room")
         r = self.rooms[room] = RecvRoom(room, prefill_instance, dp_rank)
         self.dirty.add(room)
         cached = self._cached(r)
@@ -106,19 +116,36 @@ class RoomBook:
         self.draining.discard(r.room)
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+        self.ep._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
         for s in r.senders.values():
             p = self.peers.get(s.control_endpoint)
             if p is not None:
                 p.rooms.discard(r.room)
 
-    def init(self, r: RecvRoom, pages: np.ndarray, aux_slot: int, num_tokens: int, first_page: int) -> None:
+    def init(self, r: RecvRoom, pages: np.ndarray, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         if r.initialised:
             raise LayoutError("init() called twice", room=r.room, rank=self.cfg.rank_label, field="page_ids")
         if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
             return
-        r.page_ids, r.aux_slot, r.num_tokens, r.first_page = pages, aux_slot, num_tokens, first_page
+        r.page_ids, r.aux_slot, r.first_page = pages, aux_slot, first_page
         self.dirty.add(r.room)
-        tokens = num_tokens - min(num_tokens, first_page * self.page_size)
+        if num_tokens is not None:
+            self.learn_num_tokens(r, num_tokens)
+
+    def learn_num_tokens(self, r: RecvRoom, num_tokens: int, source: str = "init()") -> None:
+        """The request's token count (from init(), or from the prefill rank with the aux row): it must
+        end inside the last page, and agree with what is known."""
+        if r.num_tokens is not None:
+            if num_tokens != r.num_tokens:
+                raise LedgerError(f"{source} says {num_tokens} tokens, the room has {r.num_tokens}", room=r.room,
+                                  rank=self.cfg.rank_label, field="num_tokens")
+            return
+        low, high = (r.num_pages - 1) * self.page_size + 1, r.num_pages * self.page_size
+        if not low <= num_tokens <= high:
+            raise LedgerError(f"{source} says {num_tokens} tokens, outside [{low}, {high}] for a request of "
+                              f"{r.num_pages} pages", room=r.room, rank=self.cfg.rank_label, field="num_tokens")
+        r.num_tokens = num_tokens
+        tokens = num_tokens - min(num_tokens, r.first_page * self.page_size)
         r.bytes_expected = sum(s.bytes_per_token * s.num_layers for s in self.ep.specs.values()) * tokens
 
     def lookup_key(self, r: RecvRoom) -> tuple[str, int | None]:
@@ -146,18 +173,20 @@ class RoomBook:
                 continue
             if now - self.cache_used.get(key, when) <= REFRESH_IDLE_S:
                 self.ep.refresh_async(key)
-            elif now - when >= self.cfg.topology_ttl:  # expired and idle: forget it
-                del self.cache[key]
-                self.cache_used.pop(key, None)
 
     def refreshed(self, key: tuple[str, int], topo: LookupResponse | None) -> None:
-        """A refresh's answer (None: it failed; rooms then look up themselves and meet the error)."""
+        """A refresh's answer. A failed one changes nothing: the entry expires as it would have, and
+        the next room looks up itself (meeting the error, or using ``stale`` while the daemon is away)."""
         self.lookups_in_flight.discard(key)
         if topo is not None and key in self.cache:
             self.cache[key] = (time.monotonic(), topo)
-        elif topo is None:
-            self.cache.pop(key, None)
         self.wake_waiting(key[0])
+
+    def stale(self, r: RecvRoom) -> LookupResponse | None:
+        """The last answer for the room's DP group however old (the daemon is unreachable)."""
+        key = self.lookup_key(r)
+        hit = self.cache.get(key) if key[1] is not None else None
+        return None if hit is None else hit[1].model_copy(update={"room": r.room})
 
     def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
@@ -166,14 +195,26 @@ class RoomBook:
             self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
                          "pipeline-parallel prefill is not supported yet")
             return
+        try:
+            route = self.route(topo.topology.tp_size)
+            r.set_topology(topo, route)
+        except KVBridgeError as exc:
+            self.fail(r, f"prefill instance {r.prefill_instance!r} ({topo.topology.shape}): {exc.reason}")
+            return
         if fresh:
             self.cache[(topo.instance, topo.dp_rank)] = (time.monotonic(), topo)
             self.refusals.pop(topo.instance, None)
             self.dp_sizes[topo.instance] = topo.topology.dp_size
-        r.set_topology(topo)
         r.state.to(KVPoll.WaitingForInput)
         r.bootstrapped.set()
         self.dirty.add(r.room)
+
+    def route(self, prefill_tp: int) -> TPRoute:
+        """Which prefill TP ranks send this rank what (TopologyError when the heads do not split)."""
+        hit = self.routes.get(prefill_tp)
+        if hit is None:
+            hit = self.routes[prefill_tp] = tp_route(self.ep.specs, prefill_tp, self.cfg.tp_size, self.cfg.tp_rank)
+        return hit
 
     def wake_waiting(self, instance: str) -> None:
         self.dirty.update(k for k, r in self.rooms.items()
@@ -193,14 +234,22 @@ class RoomBook:
         r.state.to(KVPoll.Failed, reason)
         r.bootstrapped.set()  # wait_bootstrapped() returns (and says why) instead of waiting on
         log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        if r.initialised:
+            # pages are assigned: every sender of the DP group must stop before they are freed, also one
+            # not asked yet, which another decode rank of this instance may have asked (its ranks free
+            # pages together); an abort fails the room for every decode rank there, acked once quiet
+            for key, s in r.senders.items():
+                if key not in r.requested:
+                    r.requested.add(key)
+                    self._peer(s, r.prefill_instance).rooms.add(r.room)
         self._send_aborts(r)
 
     def _send_aborts(self, r: RecvRoom) -> None:
-        for cp in sorted(r.requested - r.quiet - r.abort_sent):
-            s = r.senders[cp]
+        for key in sorted(r.requested - r.quiet - r.abort_sent):
+            s = r.senders[key]
             self.ep.send(s.control_endpoint, wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
                                                         reason=r.state.reason or "aborted"))
-            r.abort_sent.add(cp)
+            r.abort_sent.add(key)
         r.last_abort = time.monotonic()
 
     def unquiet(self) -> bool:
@@ -223,33 +272,35 @@ class RoomBook:
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
             return
         cp = getattr(msg, "cp_rank", None)
-        if cp is not None and (cp not in r.senders or r.senders[cp].control_endpoint != endpoint):
+        key = r.by_endpoint.get(endpoint)  # (cp, tp) of the sender on that connection
+        if cp is not None and (key is None or key[0] != cp):
             self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there")
             return
         try:
-            self._dispatch(r, endpoint, msg)
+            self._dispatch(r, endpoint, key, msg)
         except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
             self.fail(r, str(exc))
         self._maybe_commit(r)
 
-    def _dispatch(self, r: RecvRoom, endpoint: str, msg: Any) -> None:
-        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')} ({endpoint})"
+    def _dispatch(self, r: RecvRoom, endpoint: str, key: tuple[int, int] | None, msg: Any) -> None:
+        tp = f"/tp{key[1]}" if key is not None and key[1] else ""
+        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
         if isinstance(msg, wire.AbortAck):
-            r.quiet.add(msg.cp_rank)
+            r.quiet.add(key)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
-                r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == endpoint)
+                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
             self.fail(r, f"{label} refused our {msg.ref_type}: {msg.reason}")
         elif r.state.final:
             if getattr(msg, "status", "ok") == "failed":
-                r.quiet.add(msg.cp_rank)  # a failure report means its writes have drained
+                r.quiet.add(key)  # a failure report means its writes have drained
         elif isinstance(msg, wire.PagesDone):
             if msg.status == "failed":
-                r.quiet.add(msg.cp_rank)
+                r.quiet.add(key)
                 self.fail(r, f"{label}: {msg.reason}")
                 return
             pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
-            r.ledger.record(msg.cp_rank, msg.pools, pages)
+            r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
             if self.cfg.verify_digest:
                 if msg.digests is None:
                     raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
@@ -257,10 +308,12 @@ class RoomBook:
                 r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
         elif isinstance(msg, wire.AuxDone):
             if msg.status == "failed":
-                r.quiet.add(msg.cp_rank)
+                r.quiet.add(key)
                 self.fail(r, f"{label} could not write the aux row: {msg.reason}")
                 return
-            r.ledger.record_aux(msg.cp_rank)
+            r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+            if msg.num_tokens:
+                self.learn_num_tokens(r, msg.num_tokens, f"{label} (with the aux row)")
 
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
@@ -278,6 +331,9 @@ class RoomBook:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
             return
         if self.cfg.verify_digest:
+            if r.num_tokens is None:
+                self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count")
+                return
             bad = self._digest_mismatch(r)
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent")
@@ -310,6 +366,12 @@ class RoomBook:
                 if r is not None:
                     self._advance(r, now)
             return
+        if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
+            # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
+            # listened to nothing, so no peer is blamed for the gap
+            for p in self.peers.values():
+                p.last_seen = max(p.last_seen, now)
+        self.last_scan = now
         self.next_scan = now + SCAN_S  # every room: deadlines, retries, pings, liveness, forgetting
         self.dirty.clear()
         for r in list(self.rooms.values()):
@@ -328,7 +390,8 @@ class RoomBook:
         if st == KVPoll.Bootstrapping:
             if r.state.since() > self.cfg.bootstrap_timeout:
                 self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
-                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)")
+                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)"
+                             + (f"; last answer: {r.lookup_problem}" if r.lookup_problem else ""))
             elif not r.lookup_pending and now >= r.next_lookup:
                 cached = self._cached(r)
                 refused = self.refusals.get(r.prefill_instance)
@@ -359,13 +422,15 @@ class RoomBook:
         return True
 
     def _request(self, r: RecvRoom) -> None:
-        """Send the TransferRequest to every CP rank of the prefill DP group (loop or engine thread)."""
+        """Send the TransferRequest to every sender of the prefill DP group: each CP rank, and
+        in it each TP rank of this rank's TP route, for the pools that route takes from it (from
+        the loop thread, or from the engine's thread in init())."""
         r.start_ledger(self.pools, self.page_size)
-        for cp, s in sorted(r.senders.items()):
+        for key, s in sorted(r.senders.items()):
             req = wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id,
-                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(self.pools),
-                aux_slot=r.aux_slot, num_tokens=r.num_tokens, deadline_ms=int(self.cfg.transfer_timeout * 1000),
+                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(r.route.pools_from(key[1])),
+                aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0, deadline_ms=int(self.cfg.transfer_timeout * 1000),
                 want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
                 num_decode_ranks=self.cfg.tp_size,
             )
@@ -374,7 +439,7 @@ class RoomBook:
                 peer.last_seen = max(peer.last_seen, time.monotonic())
             peer.rooms.add(r.room)
             self.ep.send(s.control_endpoint, req)
-            r.requested.add(cp)
+            r.requested.add(key)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
@@ -384,7 +449,8 @@ class RoomBook:
         p = self.peers.get(s.control_endpoint)
         revived = p is not None and p.dead is not None and p.last_seen > p.dead_at
         if p is None or p.rank_id != s.rank_id or revived:
-            p = self.peers[s.control_endpoint] = Peer(s.control_endpoint, f"{instance}/cp{s.cp_rank}", s.rank_id,
+            tp = f"/tp{s.tp_rank}" if s.tp_rank else ""
+            p = self.peers[s.control_endpoint] = Peer(s.control_endpoint, f"{instance}/cp{s.cp_rank}{tp}", s.rank_id,
                                                       instance, last_seen=time.monotonic())
         return p
 
@@ -407,9 +473,9 @@ class RoomBook:
             if p.dead is not None:
                 for r in active:
                     self.fail(r, p.dead)
-                if p.lease_gone:
+                if p.lease_gone and now - p.gone_at >= self.cfg.lease_quarantine:
                     for r in active:
-                        r.quiet.update(cp for cp, s in r.senders.items() if s.control_endpoint == p.endpoint)
+                        r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == p.endpoint)
                 elif not p.lease_check_pending and now >= p.next_lease_check:
                     self._check_lease(p)
             elif now - p.last_ping >= self.cfg.ping_interval:
@@ -433,6 +499,8 @@ class RoomBook:
         self.ep._pool.submit(check)
 
     def _lease_checked(self, p: Peer, gone: bool) -> None:
+        if gone and not p.lease_gone:
+            p.gone_at = time.monotonic()
         p.lease_gone = gone
         p.lease_check_pending = False
         p.next_lease_check = time.monotonic() + self.cfg.ping_interval  # ask again after a while

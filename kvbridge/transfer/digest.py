@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.layout import PoolSpec
+from kvbridge.layout import PoolSpec, RawBuffer
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -42,7 +42,10 @@ def page_bytes(buf: Any, pages: np.ndarray) -> np.ndarray:
     """[len(pages), bytes_per_page] uint8 host copy of the physical ``pages`` of ``buf``.
 
     A CUDA tensor is indexed on its device first, so only those pages cross to
-    the host (never the whole pool buffer)."""
+    the host (never the whole pool buffer). Device memory given as a ``RawBuffer``
+    cannot be read: BufferSpecError."""
+    if isinstance(buf, RawBuffer):
+        buf.host_view()  # raises for device memory, naming it
     if hasattr(buf, "detach") and buf.device.type != "cpu":
         import torch
 

@@ -11,6 +11,16 @@ the room, the reporting rank, the pool and the page.
       target                            p p | x . x x     . = not yet reported, p = prefix
       index                             p p | x . x x
       draft                             p p | x . x .
+
+With a decode TP size other than the prefill's, a head-sharded pool's page comes
+in head slices, one from each prefill TP rank of the decode rank's TP route
+(``kvbridge.layout.tp_route``): the bitmap has a row per (pool, source TP rank),
+and a page counts only once every slice of it arrived. Replicated pools and the
+aux row come from the route's first source alone.
+
+    route p 2 -> d 1 (4 heads)  page:  0 1 2
+      k  from tp 0                      x x .
+      k  from tp 1                      x . .      page 1 of k is not complete yet
 """
 
 from __future__ import annotations
@@ -20,28 +30,32 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvbridge.errors import LedgerError
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import OwnerLanes, TPRoute
 
 
 class PageLedger:
     def __init__(self, room: int, pools: Sequence[str], num_pages: int, lanes: OwnerLanes, aux_owner: int,
-                 first_page: int = 0) -> None:
+                 first_page: int = 0, route: TPRoute | None = None) -> None:
         self.room = room
         self.pools = tuple(pools)
         self.num_pages = num_pages
         self.first_page = first_page
         self.aux_owner = aux_owner
-        self._pool_index = {p: i for i, p in enumerate(self.pools)}
+        self.aux_tp = route.first_source if route is not None else 0
+        # one bitmap row per (pool, source tp rank): a head-sharded pool has one per head slice
+        self._slots = [(p, tp) for p in self.pools for tp in (route.sources_of(p) if route is not None else (0,))]
+        self._slot_index = {slot: i for i, slot in enumerate(self._slots)}
+        self._pool_names = {p for p, _ in self._slots}
         self._owner, _ = lanes.owners(np.arange(num_pages, dtype=np.int64), num_pages)
-        self._seen = np.zeros((len(self.pools), num_pages), dtype=bool)
+        self._seen = np.zeros((len(self._slots), num_pages), dtype=bool)
         self._seen[:, :first_page] = True  # the decode prefix is already here
         self.aux_done = False
-        self.pages_by_rank: dict[int, int] = {}
+        self.pages_by_rank: dict[int, int] = {}  # page reports per CP rank (one per head slice)
 
-    def record(self, cp_rank: int, pools: Sequence[str], logical_pages: np.ndarray) -> None:
-        """Mark pages written by ``cp_rank``; checks everything before marking anything."""
+    def record(self, cp_rank: int, pools: Sequence[str], logical_pages: np.ndarray, tp_rank: int = 0) -> None:
+        """Mark pages written by ``(cp_rank, tp_rank)``; checks everything before marking anything."""
         pages = np.asarray(logical_pages, dtype=np.int64)
-        rank = f"cp{cp_rank}"
+        rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
         if pages.size == 0:
             return
         bad = (pages < 0) | (pages >= self.num_pages)
@@ -69,28 +83,37 @@ class PageLedger:
             )
         rows = []
         for pool in pools:
-            if pool not in self._pool_index:
+            if pool not in self._pool_names:
                 raise LedgerError(f"pages reported for pool {pool!r}, which this room does not receive",
                                   room=self.room, rank=rank, field="pools")
-            rows.append(self._pool_index[pool])
+            if (pool, tp_rank) not in self._slot_index:
+                raise LedgerError(f"pages of pool {pool!r} reported by tp rank {tp_rank}, which this decode rank's TP "
+                                  f"route does not draw it from", room=self.room, rank=rank, field="pools")
+            rows.append(self._slot_index[(pool, tp_rank)])
         seen = self._seen[np.asarray(rows)[:, None], pages[None, :]]
         if seen.any():
             r, c = np.argwhere(seen)[0]
+            pool, tp = self._slots[rows[r]]
+            what = f"pool {pool!r}" if len(self._slots) == len(self.pools) else f"pool {pool!r} (head slice of tp {tp})"
             raise LedgerError(
-                f"page {int(pages[c])} of pool {self.pools[rows[r]]!r} reported twice",
+                f"page {int(pages[c])} of {what} reported twice",
                 room=self.room, rank=rank, field="logical_pages",
             )
         self._seen[np.asarray(rows)[:, None], pages[None, :]] = True
         self.pages_by_rank[cp_rank] = self.pages_by_rank.get(cp_rank, 0) + int(pages.size)
 
-    def record_aux(self, cp_rank: int) -> None:
+    def record_aux(self, cp_rank: int, tp_rank: int = 0) -> None:
+        rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
         if cp_rank != self.aux_owner:
             raise LedgerError(
                 f"aux row reported by cp rank {cp_rank}, but cp rank {self.aux_owner} owns the last valid token",
-                room=self.room, rank=f"cp{cp_rank}", field="aux",
+                room=self.room, rank=rank, field="aux",
             )
+        if tp_rank != self.aux_tp:
+            raise LedgerError(f"aux row reported by tp rank {tp_rank}; this decode rank's first source is tp rank "
+                              f"{self.aux_tp}", room=self.room, rank=rank, field="aux")
         if self.aux_done:
-            raise LedgerError("aux row reported twice", room=self.room, rank=f"cp{cp_rank}", field="aux")
+            raise LedgerError("aux row reported twice", room=self.room, rank=rank, field="aux")
         self.aux_done = True
 
     @property
@@ -102,5 +125,11 @@ class PageLedger:
         return self.pages_complete and self.aux_done
 
     def missing(self) -> dict[str, list[int]]:
-        """Logical pages not yet reported, per pool (first few), for error messages."""
-        return {p: np.flatnonzero(~self._seen[i])[:8].tolist() for i, p in enumerate(self.pools) if not self._seen[i].all()}
+        """Logical pages not yet complete, per pool (first few), for error messages."""
+        out = {}
+        for pool in self.pools:
+            rows = [i for i, (p, _) in enumerate(self._slots) if p == pool]
+            done = self._seen[rows].all(axis=0)
+            if not done.all():
+                out[pool] = np.flatnonzero(~done)[:8].tolist()
+        return out

@@ -19,7 +19,8 @@ which refuses transitions not in the table.
                 (An UNATTACHED room that failed lingers ``target_timeout`` first, so that the
                 engine's sender() still attaches to it and reads why.)
 
-``sender(room)`` / ``receiver(room)`` on an OPEN or DRAINING id raise ``RoomInUse``;
+``sender(room)`` / ``receiver(room)`` on an OPEN or DRAINING id raise ``RoomInUse``
+(``.draining`` says which; with ``wait=`` they wait that long for a DRAINING id to close);
 on a CLOSED id they open a fresh room. Room ids are meant to be used once (the router
 draws them at random); an id reused within ``TOMBSTONE_S`` works when the prefill
 sender opens before the decode rank asks, else the request meets the tombstone. UNATTACHED -> OPEN is the first handle of a
@@ -31,10 +32,16 @@ by age and count.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
 
+from kvbridge.errors import RoomInUse
 from kvbridge.transfer.poll import IllegalTransition
+
+T = TypeVar("T")
 
 TOMBSTONE_S = 60.0
 MAX_TOMBSTONES = 100_000
@@ -76,6 +83,20 @@ class Life:
             raise IllegalTransition(f"{self.stage.name} -> {new.name}")
         self.stage = new
         return True
+
+
+def open_waiting(open_room: Callable[[], T], freed: threading.Condition, wait: float) -> T:
+    """``open_room()``; while it raises RoomInUse for a draining id, wait (lock released) for a
+    room to be forgotten, up to ``wait`` seconds in all. Called with the endpoint's lock held."""
+    deadline = time.monotonic() + max(0.0, wait)
+    while True:
+        try:
+            return open_room()
+        except RoomInUse as exc:
+            left = deadline - time.monotonic()
+            if not exc.draining or left <= 0:
+                raise
+            freed.wait(min(left, 0.05))  # also re-checks on its own: housekeeping may forget it
 
 
 class Tombstones:

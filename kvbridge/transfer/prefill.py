@@ -40,6 +40,7 @@ from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_peers import DecodePeers
 from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.lifecycle import open_waiting
 from kvbridge.transfer.prefill_rooms import SendBook
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.sender import KVSender, SendRoom
@@ -101,7 +102,8 @@ class PrefillEndpoint:
         if bootstrap is None:
             raise ConfigError("a PrefillEndpoint needs a BootstrapClient: it registers there and reads each decode "
                               "rank's registered buffers from it before writing", rank=rank, field="bootstrap")
-        check_against_contract(specs, aux_schema, contract, rank=rank, lane_rule=config.lane_rule)
+        check_against_contract(specs, aux_schema, contract, rank=rank, lane_rule=config.lane_rule,
+                               tp_size=config.tp_size, tp_rank=config.tp_rank)
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
@@ -116,6 +118,7 @@ class PrefillEndpoint:
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         self._lock = _OwnedLock()
+        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
         self._peers = DecodePeers(bootstrap, self._hand_to_loop, self._deliver, self._refuse)
         self._book = SendBook(self, self._peers)
         self._server: ControlServer | None = None
@@ -222,21 +225,25 @@ class PrefillEndpoint:
 
     # -- engine-facing (any thread) -------------------------------------------
 
-    def sender(self, room: int) -> KVSender:
-        """A KVSender for ``room``; RoomInUse while a previous room of that id is open or draining."""
+    def sender(self, room: int, *, wait: float = 0.0) -> KVSender:
+        """A KVSender for ``room``. RoomInUse while a previous room of that id is open, or draining
+        (its writes still in flight) for longer than ``wait`` seconds (``RoomInUse.draining``)."""
         with self._lock:
-            if self._closing:
-                raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
-            r = self._book.open(room)
+            r = open_waiting(lambda: self._open(room), self._room_freed, wait)
         return KVSender(self, r)
+
+    def _open(self, room: int) -> SendRoom:
+        if self._closing:
+            raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
+        return self._book.open(room)
 
     def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
 
-    def _init_room(self, r: SendRoom, num_tokens: int) -> None:
+    def _init_room(self, r: SendRoom, num_tokens: int | None, num_pages: int | None) -> None:
         with self._lock:
-            r.engine_init(num_tokens)
+            r.engine_init(num_tokens, num_pages)
             self._book.post_and_settle(r)  # a rank with nothing to send completes here if decode asked
 
     def _send(self, r: SendRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
@@ -346,18 +353,30 @@ class _OwnedLock:
         self._lock = threading.Lock()
         self._owner: int | None = None
 
-    def __enter__(self) -> _OwnedLock:
-        self._lock.acquire()
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
         self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> _OwnedLock:
+        self.acquire()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._owner = None
-        self._lock.release()
+        self.release()
 
     def held_here(self) -> bool:
         return self._owner == threading.get_ident()
 
+    _is_owned = held_here  # what threading.Condition asks
+
 
 def _on_host(aux: AuxBuffers) -> bool:
-    return all(not hasattr(t, "device") or t.device.type == "cpu" for t in aux.tensors.values())
+    # torch: device.type; numpy (2.x) has a device too, the string "cpu"
+    return aux.readable and all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
+                                for t in aux.tensors.values())

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, RoomInUse
-from kvbridge.layout import plan_transfer
 from kvbridge.transfer import wire
 from kvbridge.transfer.aux_rows import aux_slices
 from kvbridge.transfer.digest import page_digests
@@ -22,7 +21,7 @@ from kvbridge.transfer.engine import WriteState
 from kvbridge.transfer.lifecycle import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.sender import SendRoom, Target
-from kvbridge.transfer.targets import target_from_request
+from kvbridge.transfer.targets import plan_target, target_from_request
 
 if TYPE_CHECKING:
     from kvbridge.transfer.decode_peers import DecodePeers
@@ -61,8 +60,9 @@ class SendBook:
         if r is not None:
             what = ("open: a KVSender still holds it" if r.life.stage == Stage.OPEN
                     else f"draining: {r.num_inflight} write(s) of the previous room still in flight")
-            raise RoomInUse(f"room {room} is {what} ({r.state.state.name}); close() the old sender and wait, or use "
-                            "a new room id", room=room, rank=self.cfg.rank_label, field="room")
+            raise RoomInUse(f"room {room} is {what} ({r.state.state.name}); close() the old sender and wait "
+                            "(sender(room, wait=...)), or use a new room id", draining=r.life.stage == Stage.DRAINING,
+                            room=room, rank=self.cfg.rank_label, field="room")
         self.tombstones.discard(room)
         r = self.rooms[room] = SendRoom(room, self.cfg.cp_rank, self.ep.lanes, self.ep.page_size)
         return r
@@ -85,10 +85,12 @@ class SendBook:
             return
         if r.life.stage == Stage.UNATTACHED and r.state.since() < self.cfg.target_timeout:
             return
+        self.flush_replies(r)
         r.life.to(Stage.CLOSED)
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
         self.unowned.discard(r.room)
+        self.ep._room_freed.notify_all()  # sender(room, wait=...) may open it now
         outcome = r.state.state.name + (f": {r.state.reason}" if r.state.reason else "")
         self.tombstones.add(r.room, outcome)
 
@@ -138,9 +140,17 @@ class SendBook:
             self.refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
                                     f"{rank} has {self.ep.fingerprint}; nothing transferred (hard rule 7)")
             return
+        if req.want_digest and not self.ep.buffers.readable:
+            self.refuse(ident, req, f"decode rank {req.decode_rank} wants page digests, but prefill rank {rank}'s "
+                                    "buffers are device memory given as addresses (RawBuffer), which kvbridge cannot "
+                                    "read: turn verify_digest off on decode")
+            return
         try:
-            r.set_num_tokens(req.num_tokens, f"decode rank {req.decode_rank}")
-            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r, peer)
+            # num_tokens 0: the decode rank knows only its pages (first_page + page ids)
+            r.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
+                         num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
+            target = target_from_request(req, ident, self.ep.specs, self.ep.buffers.descs, self.ep.aux_schema, r, peer,
+                                         tp=(self.cfg.tp_size, self.cfg.tp_rank))
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self.refuse(ident, req, str(exc))
             return
@@ -148,7 +158,7 @@ class SendBook:
             self.reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
             return
         r.targets[req.decode_rank] = target
-        r.num_expected_targets = req.num_decode_ranks
+        r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
         self.dirty.add(r.room)
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput)
@@ -159,24 +169,44 @@ class SendBook:
 
     def refuse(self, ident: bytes, req: wire.TransferRequest, reason: str) -> None:
         """Refuse a request (nothing of it was posted) and fail its room here."""
-        self.reply_failed(ident, req.room, reason)
         r = self.rooms.get(req.room)
         if r is not None and not r.state.final:
             self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}")
+        self.reply_failed(ident, req.room, reason)
 
     def on_abort(self, ident: bytes, msg: wire.Abort) -> None:
+        """A decode rank aborts: its target (if any) stops, and so does the room for every decode
+        rank, since a decode instance's TP ranks give up a request together. The ack waits until
+        nothing of the room is in flight (``reply_when_quiet``)."""
         r = self.rooms.get(msg.room)
         t = r.targets.get(msg.decode_rank) if r else None
-        if t is None or t.closed:  # nothing of this room is, or will be, in flight to that rank
-            self.ep._reply(ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
-            return
-        t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"
-        self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {t.abort_reason}")
+        if t is not None and not t.closed:
+            t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"
+            self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {t.abort_reason}")
+            return  # settle() acks once the room is quiet
+        if r is not None and not r.state.final:
+            self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {msg.reason or 'aborted by decode'}")
+        self.reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
 
     def reply_failed(self, ident: bytes, room: int, reason: str) -> None:
         log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
-        self.ep._reply(ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed", reason=reason,
-                                             pools=[], logical_pages=b"", digests=None))
+        self.reply_when_quiet(room, ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed",
+                                                          reason=reason, pools=[], logical_pages=b"", digests=None))
+
+    def reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck) -> None:
+        """Send a failure report or abort ack once no write of ``room`` is in flight to *any* decode
+        rank. Either one tells the decode rank it may free the room's pages (hard rule 6), and the
+        TP ranks of a decode instance free together (SGLang all-reduces their poll states with
+        MIN): one rank's go-ahead must mean no write can land in another's pages either."""
+        r = self.rooms.get(room)
+        if r is not None and r.num_inflight:
+            r.pending_replies.append((ident, msg))
+        else:
+            self.ep._reply(ident, msg)
+
+    def flush_replies(self, r: SendRoom) -> None:
+        while r.pending_replies and not r.num_inflight:
+            self.ep._reply(*r.pending_replies.pop(0))
 
     # -- posting and collecting (lock held) -----------------------------------
 
@@ -195,16 +225,16 @@ class SendBook:
     def post_room(self, r: SendRoom) -> None:
         """Post every queued chunk (and the aux row) to every active target. No socket
         I/O: the engine thread calls this from send() too, to save a hop to the loop."""
-        if r.state.final or r.num_tokens is None:
+        if r.state.final or not r.length_known:
             return
         for t in r.targets.values():
             while t.active and t.posted < len(r.chunks):
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
-                with_aux = last_chunk and r.is_last and r.has_aux and not t.aux_posted
+                with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
                 self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
                 t.posted += 1
-            if t.active and r.is_last and r.has_aux and not t.aux_posted:
+            if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
                 self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True,
                                 after=r.last_event)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
@@ -223,9 +253,8 @@ class SendBook:
         try:
             src, dst, length = (), (), ()
             if logical.size:
-                plan = plan_transfer(self.ep.specs, self.ep.buffers.descs, [], logical, local,
-                                     t.dst_pages[logical - t.first_page], r.num_tokens, pools=t.pools, room=r.room,
-                                     rank=self.cfg.rank_label, paired=t.paired)
+                plan = plan_target(self.ep.specs, self.ep.buffers.descs, t, logical, local, r.plan_tokens,
+                                   room=r.room, rank=self.cfg.rank_label)
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True
@@ -250,6 +279,8 @@ class SendBook:
             return
         t.inflight[handle] = (logical, with_aux)
         self.handles[handle] = (r, t)
+        if r.first_post is None:
+            r.first_post = time.monotonic()
         num_bytes, num_slices = int(length.sum()), int(length.size)
         self.counters["bytes"] += num_bytes
         self.counters["slices"] += num_slices
@@ -282,13 +313,14 @@ class SendBook:
                     if t.want_digest:
                         local = self.local_pages_of(r, pages)
                         digests = page_digests(self.ep.specs, self.ep.buffers.tensors, t.pools, pages, local,
-                                               r.num_tokens).tobytes()
+                                               r.plan_tokens).tobytes()
                     self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok",
                                                            reason="", pools=list(t.pools),
                                                            logical_pages=wire.pack_pages(pages), digests=digests))
                 if with_aux:
                     t.aux_done = True
-                    self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason=""))
+                    self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
+                                                         num_tokens=r.num_tokens or 0))
             self.settle(r)
             self.forget_if_quiet(r)
 
@@ -300,9 +332,12 @@ class SendBook:
         return local[order[np.searchsorted(logical[order], pages)]]
 
     def settle(self, r: SendRoom) -> None:
-        """Send final reports for quiet targets and move the room to its final state."""
+        """Send final reports and move the room to its final state. A failure report or abort ack
+        goes out only once nothing of the room is in flight to any decode rank (see
+        ``reply_when_quiet``)."""
+        quiet = not r.num_inflight
         for t in r.targets.values():
-            if t.closed or t.inflight:
+            if t.closed or not quiet and not t.active or t.inflight:
                 continue
             if t.abort_reason is not None:
                 self.ep._reply(t.ident, wire.AbortAck(room=r.room, cp_rank=self.cfg.cp_rank))
@@ -313,7 +348,10 @@ class SendBook:
                 t.closed = True
             elif r.target_complete(t):
                 t.closed = True
-        if r.state.final or r.num_inflight:
+        if not quiet:
+            return
+        self.flush_replies(r)
+        if r.state.final:
             return
         failures = [t.failure or f"decode rank {t.decode_rank} aborted: {t.abort_reason}"
                     for t in r.targets.values() if not t.active]

@@ -3,7 +3,7 @@ room's state that the :class:`~kvbridge.transfer.decode.DecodeEndpoint` loop dri
 
     Bootstrapping     waiting for the prefill topology (bootstrap lookup; 409 -> Failed with the diff)
     WaitingForInput   topology known (wait_bootstrapped() returns the owner lanes), waiting for
-                      init(page_ids, aux_slot, num_tokens, first_page=...)
+                      init(page_ids, aux_slot, num_tokens=None, first_page=...)
     Transferring      TransferRequest sent to every CP rank; the ledger fills up
     Success           every (pool, page >= first_page) once + the aux row's room echo (+ digests, when asked)
     Failed            reason kept; pages released only once every CP rank that was
@@ -16,6 +16,10 @@ pages ``[first_page, num_pages)`` only:
 
     num_tokens 21, page_size 4, first_page 2      logical page  0 1 | 2  3  4  5
                                                                 held | page_ids[0..3]
+
+An engine that knows only pages (SGLang) leaves ``num_tokens`` out: the request then
+has ``first_page + len(page_ids)`` pages, and the prefill rank that writes the aux row
+says the token count with it (``AuxDone``); ``receiver.stats["num_tokens"]`` has it from then on.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.errors import ContractMismatch, TransferError, TransferTimeout
-from kvbridge.layout import AuxRow, OwnerLanes, owner_of_last_token
+from kvbridge.errors import ContractMismatch, TopologyError, TransferError, TransferTimeout
+from kvbridge.layout import AuxRow, OwnerLanes, TPRoute
 from kvbridge.transfer.ledger import PageLedger
 from kvbridge.transfer.lifecycle import Life
 from kvbridge.transfer.poll import KVPoll, RoomState
@@ -48,15 +52,17 @@ class RecvRoom:
         self.bootstrapped = threading.Event()  # set once the topology is known or the room failed
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
-        self.senders: dict[int, Any] = {}  # cp_rank -> SenderRank
+        self.senders: dict[tuple[int, int], Any] = {}  # (cp_rank, tp_rank) -> SenderRank
+        self.by_endpoint: dict[str, tuple[int, int]] = {}  # a sender's control endpoint -> (cp_rank, tp_rank)
+        self.route: TPRoute | None = None  # which prefill TP ranks send what to this decode rank
         self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
         self.first_page = 0
         self.aux_slot = -1
-        self.num_tokens = 0
+        self.num_tokens: int | None = None  # None until known (init(), or the aux row's AuxDone)
         self.ledger: PageLedger | None = None
-        self.requested: set[int] = set()  # cp ranks a TransferRequest went to
-        self.quiet: set[int] = set()  # cp ranks that will write nothing more (hard rule 6)
-        self.abort_sent: set[int] = set()
+        self.requested: set[tuple[int, int]] = set()  # (cp, tp) ranks a TransferRequest went to
+        self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)
+        self.abort_sent: set[tuple[int, int]] = set()
         self.last_abort = 0.0
         self.aux: AuxRow | None = None
         self.aux_regions: dict[str, np.ndarray] | None = None
@@ -64,6 +70,7 @@ class RecvRoom:
         self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
+        self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
         self.bytes_expected = 0
 
     @property
@@ -86,15 +93,26 @@ class RecvRoom:
             return True
         return self.state.state == KVPoll.Failed and self.requested <= self.quiet
 
-    def set_topology(self, topo: LookupResponse) -> None:
+    def set_topology(self, topo: LookupResponse, route: TPRoute) -> None:
+        """Use a look-up answer: a sender for every CP rank and every TP rank of ``route``."""
+        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
+        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
+        if need - set(senders):
+            cp, tp = min(need - set(senders))
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
+                                f"this decode rank's TP route draws from", room=self.room, field="ranks")
         self.topology = topo
         self.dp_rank = topo.dp_rank
         self.lanes = OwnerLanes(topo.plan.cp_size, topo.plan.rule)
-        self.senders = {r.cp_rank: r for r in topo.ranks}
+        self.route = route
+        self.senders = {key: senders[key] for key in sorted(need)}
+        self.by_endpoint = {s.control_endpoint: key for key, s in self.senders.items()}
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
-        aux_owner = owner_of_last_token(self.num_tokens, page_size, self.lanes)
-        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page)
+        last = self.num_pages - 1  # the last valid token lies in the last page, whatever the count
+        aux_owner = int(self.lanes.owners(np.array([last]), self.num_pages)[0][0])
+        self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page,
+                                 route=self.route)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -125,10 +143,12 @@ class KVReceiver:
     def room(self) -> int:
         return self._room.room
 
-    def init(self, page_ids: Any, aux_slot: int, num_tokens: int, *, first_page: int = 0) -> None:
-        """Where the room goes: ``num_tokens`` valid tokens; this rank already holds logical pages
-        ``[0, first_page)``; logical page ``first_page + i`` goes to physical page ``page_ids[i]``
-        (one mapping for every pool); the aux row goes to row ``aux_slot`` of the aux buffers."""
+    def init(self, page_ids: Any, aux_slot: int, num_tokens: int | None = None, *, first_page: int = 0) -> None:
+        """Where the room goes: ``num_tokens`` valid tokens (None: only the pages are known; the
+        request has ``first_page + len(page_ids)`` pages and prefill says the count); this rank
+        already holds logical pages ``[0, first_page)``; logical page ``first_page + i`` goes to
+        physical page ``page_ids[i]`` (one mapping for every pool); the aux row goes to row
+        ``aux_slot`` of the aux buffers."""
         self._ep._init_room(self._room, page_ids, aux_slot, num_tokens, first_page)
 
     def wait_bootstrapped(self, timeout: float) -> OwnerLanes:

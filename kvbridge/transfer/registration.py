@@ -14,7 +14,7 @@ from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.bootstrap.topology import PoolDescriptor
 from kvbridge.errors import BufferSpecError, KVBridgeError
-from kvbridge.layout import BufferDesc, PoolSpec, describe_buffer
+from kvbridge.layout import BufferDesc, PoolSpec, RawBuffer, describe_buffer
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EndpointBuffers:
-    """One buffer per (pool, layer id) of every spec; checked on construction."""
+    """One buffer per (pool, layer id) of every spec (a tensor, an array or a ``RawBuffer``);
+    checked on construction."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], buffers: Mapping[tuple[str, int], Any], rank: str) -> None:
         expected = {(p, layer) for p, spec in specs.items() for layer in spec.layer_ids}
@@ -31,13 +32,20 @@ class EndpointBuffers:
         if missing or extra:
             raise BufferSpecError(f"buffers missing {missing[:4]} / unexpected {extra[:4]} (keyed by (pool, layer id))",
                                   rank=rank, field="buffers")
-        self.tensors = dict(buffers)
         try:
             self.descs = [describe_buffer(specs[p], layer, buffers[(p, layer)]) for p, layer in sorted(expected)]
         except BufferSpecError as exc:
             raise BufferSpecError(exc.reason, rank=rank, field=f"buffers.{exc.field}") from None
+        # host memory given as an address is read (digests) through a [pages, bytes_per_page] view of it
+        self.tensors = {key: buf.host_view().reshape(-1, specs[key[0]].bytes_per_page)
+                        if isinstance(buf, RawBuffer) and buf.on_host else buf for key, buf in buffers.items()}
         self.min_capacity = min(d.capacity_pages for d in self.descs)
         self._registered: list[int] = []
+
+    @property
+    def readable(self) -> bool:
+        """False when a buffer is device memory given as a ``RawBuffer`` (no digests from it)."""
+        return not any(isinstance(t, RawBuffer) for t in self.tensors.values())
 
     def register(self, engine: TransferEngine) -> None:
         for key in sorted(self.tensors):

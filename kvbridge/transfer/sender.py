@@ -21,19 +21,27 @@ chunk ends inside is *held* and travels with the chunk that completes it:
           |                     |
      target A: posted 0..n, in flight {handle: pages}, pages done, aux done
      target B: ...
+
+Heterogeneous TP. A target is one decode TP rank; what this prefill TP rank sends
+it follows their TP route (``kvbridge.layout.tp_routes``): whole rows of some
+pools, one head slice of others (``Target.parts``), and the aux row only when this
+is the decode rank's first source (``Target.aux_source``) and this CP rank owns
+the last valid token. Every TP rank of that CP rank passes the aux row to
+``send()``; each writes it only to the decode ranks it is the first source of.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import HeadSlice, OwnerLanes, PoolSpec
 from kvbridge.layout.plan import PairedBuffers
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.lifecycle import Life, Stage
@@ -44,6 +52,18 @@ if TYPE_CHECKING:
     from kvbridge.transfer.prefill import PrefillEndpoint
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TargetPart:
+    """Pools sent to one decode rank the same way: whole rows (``head_slice`` None, planned
+    like any page) or one head slice (``dst_specs``: the decode rank's row widths). Buffers
+    paired with the decode rank's registered ones and checked once."""
+
+    pools: tuple[str, ...]
+    paired: PairedBuffers
+    head_slice: HeadSlice | None = None
+    dst_specs: Mapping[str, PoolSpec] | None = None
 
 
 @dataclass
@@ -60,8 +80,10 @@ class Target:
     aux_slot: int
     deadline: float  # monotonic
     want_digest: bool
-    paired: PairedBuffers  # our buffers paired with the decode rank's registered ones, checked once
+    parts: tuple[TargetPart, ...]  # what of which pools goes to this decode rank (TP route)
     num_expected: int = 0  # owned pages >= first_page: what this target receives
+    aux_source: bool = True  # this TP rank writes the aux row to it (when this CP rank owns the last token)
+    num_decode_targets: int = 1  # decode ranks that draw from this TP rank (each asks for the room)
     created: float = field(default_factory=time.monotonic)
     posted: int = 0  # chunks posted so far
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)
@@ -87,8 +109,9 @@ class SendRoom:
         self.page_size = page_size
         self.state = RoomState()
         self.life = Life(stage)
-        self.num_tokens: int | None = None
-        self.aux_owner = -1  # the cp rank of the last valid token (after init)
+        self.num_tokens: int | None = None  # None until known (init(num_tokens), or the last chunk)
+        self._num_pages: int | None = None
+        self._aux_owner = -1  # the cp rank of the last page (which holds the last valid token), once known
         self.num_tokens_ready = 0
         self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
@@ -101,8 +124,10 @@ class SendRoom:
         self.aux_row: np.ndarray | None = None  # packed row, staged by kvbridge
         self.aux_slot: int | None = None  # or: a slot of the engine's own registered aux rows
         self.targets: dict[str, Target] = {}
+        self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
         self.num_expected_targets: int | None = None
         self.created = time.monotonic()
+        self.first_post: float | None = None  # monotonic time of the first write posted (transfer timing)
         self.num_slices = 0  # posted for this room, all targets
         self.num_bytes = 0
 
@@ -114,13 +139,25 @@ class SendRoom:
 
     @property
     def num_pages(self) -> int:
-        if self.num_tokens is None:
-            raise LayoutError("the room's length is not known before init(num_tokens)", field="num_tokens", **self.ctx)
-        return -(-self.num_tokens // self.page_size)
+        if self._num_pages is None:
+            raise LayoutError("the room's length is not known before init()", field="num_tokens", **self.ctx)
+        return self._num_pages
+
+    @property
+    def length_known(self) -> bool:
+        return self._num_pages is not None
+
+    @property
+    def plan_tokens(self) -> int:
+        """The token count to plan writes with: the request's, or, while only its page count is
+        known, every page full (true of every page queued then: a page is queued once complete,
+        and the last page is complete only once the last chunk says the length)."""
+        return self.num_tokens if self.num_tokens is not None else self.num_pages * self.page_size
 
     @property
     def owns_last_token(self) -> bool:
-        return self.num_tokens is not None and self.aux_owner == self.cp_rank
+        """The last valid token lies in the last page, whatever the token count: its owner."""
+        return self._num_pages is not None and self._aux_owner == self.cp_rank
 
     @property
     def has_aux(self) -> bool:
@@ -134,6 +171,17 @@ class SendRoom:
     def num_inflight(self) -> int:
         return sum(len(t.inflight) for t in self.targets.values())
 
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        end = self.state.entered[self.state.state] if self.state.final else now
+        return {
+            "slices": self.num_slices,
+            "bytes": self.num_bytes,
+            "seconds": self.state.durations(),
+            "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),
+            "total_s": round(now - self.created, 6),
+        }
+
     def num_owned_from(self, first_page: int) -> int:
         """Owned pages at or after ``first_page``: what a target with that decode prefix receives."""
         return int(np.count_nonzero(self.owned >= first_page))
@@ -146,32 +194,58 @@ class SendRoom:
             and not t.inflight
             and t.posted == len(self.chunks)
             and t.num_pages_done == t.num_expected
-            and (t.aux_done or not self.owns_last_token)
+            and (t.aux_done or not (self.owns_last_token and t.aux_source))
         )
 
     # -- engine input ---------------------------------------------------------
 
-    def set_num_tokens(self, num_tokens: int, source: str) -> None:
-        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens <= 0:
-            raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}", field="num_tokens",
-                              **self.ctx)
-        if self.num_tokens is not None:
-            if self.num_tokens != num_tokens:
-                raise LayoutError(f"{source} says {num_tokens} tokens, but the room was started with {self.num_tokens}",
-                                  field="num_tokens", **self.ctx)
-            return
-        self.num_tokens = int(num_tokens)
-        self.owned = self.lanes.owned_pages(self.cp_rank, self.num_pages)
-        self.aux_owner = self.lanes.owner_of_token(self.num_tokens - 1, self.page_size, self.num_pages)
-        self.given = np.zeros(self.num_pages, dtype=bool)
+    def set_length(self, source: str, *, num_tokens: int | None = None, num_pages: int | None = None) -> None:
+        """The request's length, from the engine or a decode rank: its valid tokens, or only its
+        page count (an engine that knows pages; the tokens then come with the last chunk). Every
+        source must agree with what is already known."""
+        for name, value in (("num_tokens", num_tokens), ("num_pages", num_pages)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                                      or value <= 0):
+                raise LayoutError(f"{name} must be a positive integer, got {value!r} ({source})", field=name,
+                                  **self.ctx)
+        if num_tokens is None and num_pages is None:
+            raise LayoutError(f"{source} gives neither num_tokens nor num_pages", field="num_tokens", **self.ctx)
+        pages = -(-int(num_tokens) // self.page_size) if num_tokens is not None else int(num_pages)
+        if num_pages is not None and pages != num_pages:
+            raise LayoutError(f"{source}: {num_tokens} tokens are {pages} pages of {self.page_size}, not {num_pages}",
+                              field="num_pages", **self.ctx)
+        if self._num_pages is not None and pages != self._num_pages:
+            known = f"{self.num_tokens} tokens" if self.num_tokens is not None else f"{self._num_pages} pages"
+            raise LayoutError(f"{source} says {num_tokens if num_tokens is not None else pages} "
+                              f"{'tokens' if num_tokens is not None else 'pages'}, but the room was started with "
+                              f"{known}", field="num_tokens", **self.ctx)
+        if num_tokens is not None:
+            self._learn_tokens(int(num_tokens), source)
+        if self._num_pages is None:
+            self._num_pages = pages
+            self._aux_owner = int(self.lanes.owners(np.array([pages - 1]), pages)[0][0])  # asked on every settle
+            self.owned = self.lanes.owned_pages(self.cp_rank, pages)
+            self.given = np.zeros(pages, dtype=bool)
 
-    def engine_init(self, num_tokens: int) -> None:
+    def set_num_tokens(self, num_tokens: int, source: str) -> None:
+        self.set_length(source, num_tokens=num_tokens)
+
+    def _learn_tokens(self, num_tokens: int, source: str) -> None:
+        if self.num_tokens is not None and self.num_tokens != num_tokens:
+            raise LayoutError(f"{source} says {num_tokens} tokens, but the room was started with {self.num_tokens}",
+                              field="num_tokens", **self.ctx)
+        if num_tokens < self.num_tokens_ready:
+            raise LayoutError(f"{source} says {num_tokens} tokens, but {self.num_tokens_ready} are already ready",
+                              field="num_tokens", **self.ctx)
+        self.num_tokens = num_tokens
+
+    def engine_init(self, num_tokens: int | None, num_pages: int | None = None) -> None:
         """The engine's init(): a rank with nothing to send is done once decode asked (only the
         engine says so: a room decode asked for first waits for its sender)."""
-        self.set_num_tokens(num_tokens, "init()")
+        self.set_length("init()", num_tokens=num_tokens, num_pages=num_pages)
         if not self.owned.size and not self.owns_last_token and not self.is_last:
             self.is_last = self.auto_last = True
-            self.num_tokens_ready = self.num_tokens
+            self.num_tokens_ready = self.num_tokens or 0
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(logical pages, local pages)`` this rank sends, from its page table: entry ``i`` is
@@ -192,8 +266,8 @@ class SendRoom:
         """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
         ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes."""
         ctx = self.ctx
-        if self.num_tokens is None:
-            raise LayoutError("send() before init(num_tokens)", field="num_tokens", **ctx)
+        if not self.length_known:
+            raise LayoutError("send() before init()", field="num_tokens", **ctx)
         logical = np.asarray(logical, dtype=np.int64).reshape(-1)
         local = np.asarray(local, dtype=np.int64).reshape(-1)
         if self.auto_last and not logical.size and aux_row is None and aux_slot is None:
@@ -215,6 +289,8 @@ class SendRoom:
             if self.given[logical].any() or np.unique(logical).size != logical.size:
                 raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
         self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + logical.size)
+        if is_last and self.num_tokens is None:  # started from its page count: the last chunk gives the length
+            self._learn_tokens(ready, "the last chunk's num_tokens_ready")
         # pages complete within `ready` go now; the rest wait for the chunk that completes them
         pend_logical = np.concatenate([self.held[0], logical])
         pend_local = np.concatenate([self.held[1], local])
@@ -232,17 +308,29 @@ class SendRoom:
             self.aux_row, self.aux_slot = aux_row, aux_slot
 
     def _ready(self, num_tokens_ready: int | None, is_last: bool) -> int:
+        """How many tokens exist after this chunk. A room started from its page count learns
+        its length here: the last chunk's ``num_tokens_ready``, inside the last page."""
         ctx, n = self.ctx, self.num_tokens
         if num_tokens_ready is None:
             if not is_last:
                 raise LayoutError("a chunk that is not the last must say how many tokens of the request are ready "
                                   "(num_tokens_ready): a page it ends inside is held until its rows exist",
                                   field="num_tokens_ready", **ctx)
+            if n is None:
+                raise LayoutError("this room was started from its page count: the last chunk must say the request's "
+                                  "length (num_tokens_ready), so that only the valid rows of its last page travel",
+                                  field="num_tokens_ready", **ctx)
             return int(n)
-        if not isinstance(num_tokens_ready, (int, np.integer)) or not self.num_tokens_ready <= num_tokens_ready <= n:
-            raise LayoutError(f"num_tokens_ready {num_tokens_ready!r} must lie in [{self.num_tokens_ready}, {n}] "
-                              "(it never goes back)", field="num_tokens_ready", **ctx)
-        if is_last and num_tokens_ready != n:
+        low, high = self.num_tokens_ready, n if n is not None else self.num_pages * self.page_size
+        if is_last and n is None:
+            low = max(low, (self.num_pages - 1) * self.page_size + 1)
+        if not isinstance(num_tokens_ready, (int, np.integer)) or isinstance(num_tokens_ready, bool) \
+                or not low <= num_tokens_ready <= high:
+            what = "the last chunk's" if is_last and n is None else ""
+            raise LayoutError(f"{what or 'num_tokens_ready'} {num_tokens_ready!r} must lie in [{low}, {high}] "
+                              f"({'inside the last of ' + str(self.num_pages) + ' pages; ' if what else ''}"
+                              "it never goes back)", field="num_tokens_ready", **ctx)
+        if is_last and n is not None and num_tokens_ready != n:
             raise LayoutError(f"the last chunk leaves tokens [{num_tokens_ready}, {n}) not ready",
                               field="num_tokens_ready", **ctx)
         return int(num_tokens_ready)
@@ -284,10 +372,13 @@ class KVSender:
     def room(self) -> int:
         return self._room.room
 
-    def init(self, num_tokens: int) -> None:
-        """The request's valid token count. A rank with nothing to send (no owned page, not
-        the owner of the last token) is done once the decode ranks asked: no send() needed."""
-        self._ep._init_room(self._room, num_tokens)
+    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None) -> None:
+        """The request's length: its valid token count, or, for an engine that only knows pages
+        (SGLang), ``num_pages`` alone; then the last ``send()`` says the token count in its
+        ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
+        travel (hard rule 1). A rank with nothing to send (no owned page, not the owner of the
+        last page) is done once the decode ranks asked: no send() needed."""
+        self._ep._init_room(self._room, num_tokens, num_pages)
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
              is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
@@ -313,7 +404,9 @@ class KVSender:
 
     @property
     def writes_aux(self) -> bool:
-        """True when this rank owns the last valid token and so writes the aux row (after init)."""
+        """True when this rank's CP rank owns the last valid token: pass the aux row with the last
+        chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
+        it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
         return self._ep._locked(lambda: self._room.owns_last_token)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -328,9 +421,17 @@ class KVSender:
         return self._ep._locked(lambda: self._room.state.reason)
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Slices and bytes this rank posted for the room (every decode target)."""
-        return self._ep._locked(lambda: {"slices": self._room.num_slices, "bytes": self._room.num_bytes})
+    def num_tokens(self) -> int | None:
+        """The request's valid token count, once known (init(num_tokens) or the last chunk)."""
+        return self._ep._locked(lambda: self._room.num_tokens)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What this rank did for the room (every decode target): ``slices`` and ``bytes`` posted;
+        ``seconds`` spent in each poll state it left; ``transfer_s``, from the first write posted
+        to Success or Failed (to now while in flight; None before any write); ``total_s``, since
+        the room was opened."""
+        return self._ep._locked(self._room.stats)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._ep._abort(self._room, reason)

@@ -8,6 +8,11 @@ inside every registered buffer it will be written to, buffers pair by (pool,
 layer id) with equal page sizes (hard rule 8), and the aux slot lies inside
 every registered aux region. A bad request fails its target with the reason;
 nothing is written.
+
+With another TP size on the decode side, the request must ask this TP rank for
+exactly the pools of the decode rank's TP route (``kvbridge.layout.tp_route``,
+from the TP sizes and ranks both sides registered), and each pool is planned as
+whole rows or as the route's head slice (``plan_target``).
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvbridge.errors import LayoutError, PageRangeError
-from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
+from kvbridge.errors import KVBridgeError, LayoutError, PageRangeError
+from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, TransferPlan, num_drawing, plan_head_transfer, plan_transfer, tp_route
 from kvbridge.transfer import wire
 from kvbridge.transfer.decode_peers import DecodePeer
-from kvbridge.transfer.sender import SendRoom, Target
+from kvbridge.transfer.sender import SendRoom, Target, TargetPart
 
 NO_DEADLINE_S = 3600.0
 
@@ -34,12 +39,28 @@ def target_from_request(
     aux_schema: AuxSchema,
     room: SendRoom,
     peer: DecodePeer,
+    *,
+    tp: tuple[int, int] = (1, 0),
 ) -> Target:
+    """``tp``: this prefill rank's (tp_size, tp_rank)."""
     ctx = dict(room=req.room, rank=req.decode_rank)
     pools = tuple(req.pools)
     unknown = [p for p in pools if p not in specs]
     if unknown or not pools or len(set(pools)) != len(pools):
         raise LayoutError(f"decode asked for pools {list(pools)}; this rank has {sorted(specs)}", field="pools", **ctx)
+    if req.num_decode_ranks != peer.tp_size:
+        raise LayoutError(f"the request counts {req.num_decode_ranks} decode ranks, decode rank {peer.label} registered "
+                          f"tp_size {peer.tp_size}", field="num_decode_ranks", **ctx)
+    try:
+        route = tp_route(specs, tp[0], peer.tp_size, peer.tp_rank)
+    except KVBridgeError as exc:
+        raise LayoutError(f"no TP route from prefill tp {tp[0]} to decode {peer.label}: {exc.reason}",
+                          field="tp_size", **ctx) from None
+    mine = route.pools_from(tp[1])
+    if sorted(pools) != sorted(mine):
+        raise LayoutError(f"decode rank {peer.label} (tp {peer.tp_rank} of {peer.tp_size}) asked prefill tp rank "
+                          f"{tp[1]} of {tp[0]} for pools {sorted(pools)}; its TP route takes {list(mine)} from it",
+                          field="pools", **ctx)
     num_pages = room.num_pages
     if not 0 <= req.first_page <= num_pages:
         raise LayoutError(f"first_page {req.first_page} outside a request of {num_pages} pages", field="first_page",
@@ -47,12 +68,17 @@ def target_from_request(
     dst_pages = wire.unpack_pages(req.page_ids).astype(np.int64)
     if dst_pages.size != num_pages - req.first_page:
         raise LayoutError(f"{dst_pages.size} destination pages for pages [{req.first_page}, {num_pages}) of a request "
-                          f"of {req.num_tokens} tokens", field="page_ids", **ctx)
-    paired = peer.pairing(specs, src_bufs, pools, req.room)  # PairingError: missing layer, page sizes
+                          f"of {num_pages} pages", field="page_ids", **ctx)
+    parts = peer.parts(specs, src_bufs, route, tp[1], req.room)  # PairingError: missing layer, page sizes
+    if req.want_digest and any(p.head_slice is not None for p in parts):
+        raise LayoutError("a digest check compares whole rows; this decode rank receives head slices",
+                          field="want_digest", **ctx)
     lo, hi = (int(dst_pages.min()), int(dst_pages.max())) if dst_pages.size else (0, -1)
-    if lo < 0 or hi >= paired.min_dst_capacity:
+    for part in parts:
+        if lo >= 0 and hi < part.paired.min_dst_capacity:
+            continue
         bad = lo if lo < 0 else hi
-        for spec, _, _, _, dst_cap in paired.pairs:  # name the first buffer the page falls outside of
+        for spec, _, _, _, dst_cap in part.paired.pairs:  # name the first buffer the page falls outside of
             for layer, cap in zip(spec.layer_ids, dst_cap.tolist()):
                 if bad < 0 or bad >= cap:
                     raise PageRangeError(f"destination page {bad} outside pool {spec.name!r} layer {layer}'s "
@@ -73,4 +99,22 @@ def target_from_request(
     deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
     return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
                   dst_pages=dst_pages, pools=pools, aux_dst=dict(peer.aux), aux_slot=req.aux_slot, deadline=deadline,
-                  want_digest=req.want_digest, paired=paired, num_expected=room.num_owned_from(req.first_page))
+                  want_digest=req.want_digest, parts=parts, num_expected=room.num_owned_from(req.first_page),
+                  aux_source=route.first_source == tp[1],
+                  num_decode_targets=num_drawing(specs, tp[0], peer.tp_size, tp[1]))
+
+
+def plan_target(specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], t: Target, logical: np.ndarray,
+                local: np.ndarray, num_tokens: int, *, room: int, rank: str) -> TransferPlan:
+    """The writes of ``logical`` pages (at our ``local`` pages) to target ``t``: whole rows and
+    head slices as its parts say, every page checked (hard rule 5)."""
+    dst = t.dst_pages[logical - t.first_page]
+    plans = []
+    for part in t.parts:
+        if part.head_slice is None:
+            plans.append(plan_transfer(specs, src_bufs, [], logical, local, dst, num_tokens, pools=part.pools,
+                                       room=room, rank=rank, paired=part.paired))
+        else:
+            plans.append(plan_head_transfer(specs, part.dst_specs, part.head_slice, src_bufs, [], logical, local, dst,
+                                            num_tokens, pools=part.pools, room=room, rank=rank, paired=part.paired))
+    return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)

@@ -9,11 +9,12 @@ On the wire (``encode``)::
     with secret:  msgpack array [body (bin), HMAC-SHA256(secret, body) (bin, 32 bytes)]
 
 ``decode`` checks, in order, and raises ProtocolError naming the first problem:
-size limit; with a secret, the envelope and its MAC (constant-time compare) -
-without one, an envelope is refused too; msgpack; a map with string keys;
+with a secret, the envelope and its MAC (constant-time compare), then the size
+limit - without one, the size limit, and an envelope is refused too; msgpack; a map with string keys;
 version "v"; type tag "t"; every field present and of its declared type; the
-few value rules below. Unknown extra fields are *ignored*, so a peer may add
-optional fields without a version bump; removing or retyping one needs a bump.
+few value rules below. Unknown extra fields are *ignored*, and a field with a
+default (``AuxDone.num_tokens``) may be missing, so a peer may add optional
+fields without a version bump; removing or retyping one needs a bump.
 Page lists travel as packed little-endian int32 (``pack_pages``/``unpack_pages``).
 The MAC authenticates, it does not stop replays; it is for closed clusters.
 Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1 (no
@@ -57,6 +58,7 @@ __all__ = [
     "peek",
     "unpack_pages",
     "unseal",
+    "auth_limit",
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
@@ -94,7 +96,9 @@ class TransferRequest(_Message):
     daemon, where the prefill rank reads (once) the buffers, aux regions and session it may write
     into (hard rule 5); ``page_ids``: logical page ``first_page + i`` -> my physical page
     ``page_ids[i]`` (LE int32, shared by every pool; pages below ``first_page`` I already hold);
-    ``deadline_ms``: how long I wait, from sending."""
+    ``deadline_ms``: how long I wait, from sending; ``num_tokens``: the request's valid tokens, or
+    0 when I know only its pages (``first_page`` + the page ids): the prefill rank then knows the
+    length from its engine, at the latest with the last chunk, and says it in ``AuxDone``."""
 
     TAG: ClassVar[str] = "transfer_request"
     room: int
@@ -108,7 +112,7 @@ class TransferRequest(_Message):
     deadline_ms: int
     want_digest: bool
     fingerprint: str
-    num_decode_ranks: int  # decode ranks (attention TP) that each receive the whole room
+    num_decode_ranks: int  # the decode TP size; prefill derives how many decode ranks draw from it (TP route)
 
     def _check(self) -> None:
         _check_pages(self, "page_ids")
@@ -153,11 +157,15 @@ class PagesDone(_Message):
 
 @dataclass(frozen=True)
 class AuxDone(_Message):
+    """The aux row of ``room`` was written by ``cp_rank`` (or failed); ``num_tokens``: the request's
+    valid tokens as the prefill engine knows them by its last chunk (0: not said)."""
+
     TAG: ClassVar[str] = "aux_done"
     room: int
     cp_rank: int
     status: str
     reason: str
+    num_tokens: int = 0
 
     def _check(self) -> None:
         _check_status(self)
@@ -197,6 +205,8 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
 }
 _HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+_REQUIRED = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING)
+             for cls in MESSAGE_TYPES.values()}
 
 
 def _checker(tp: Any) -> Any:
@@ -250,14 +260,22 @@ def decode(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MES
 
 
 def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
-    """Size check, then (with a secret) the HMAC envelope; returns the body. Errors here are
-    size or authentication failures (``field`` is "size" or "mac")."""
+    """Size check and (with a secret) the HMAC envelope; returns the body.
+
+    Errors name what failed: ``field="mac"`` means *not authenticated* (no envelope, a
+    wrong MAC, or with a secret a message too large to authenticate at all, over
+    ``auth_limit(max_bytes)``); ``field="size"`` means over ``max_bytes`` and, with a
+    secret, authentic: the MAC is checked before the size, so a sender who holds the
+    secret learns why its message was refused (the channel answers it)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, got {type(data).__name__}", field="size")
-    if len(data) > max_bytes:
-        raise ProtocolError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit", field="size")
+    too_big = ProtocolError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit", field="size")
     if secret is None:
+        if len(data) > max_bytes:
+            raise too_big
         return bytes(data)
+    if len(data) > auth_limit(max_bytes):
+        raise ProtocolError(f"message of {len(data)} bytes is too large to authenticate", field="mac")
     try:
         envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
     except Exception:  # any malformed input: unauthenticated
@@ -272,7 +290,14 @@ def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MES
     body, mac = envelope
     if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, body)):
         raise ProtocolError("bad HMAC: message not signed with this cluster's secret", field="mac")
+    if len(data) > max_bytes:
+        raise too_big
     return body
+
+
+def auth_limit(max_bytes: int) -> int:
+    """The largest message read far enough to authenticate (the channel's ZMQ limit too)."""
+    return 2 * max_bytes + 1024
 
 
 def decode_body(body: bytes) -> Message:
@@ -298,11 +323,11 @@ def decode_body(body: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {obj['t']!r:.60}", field="t")
     room = obj.get("room") if isinstance(obj.get("room"), int) else None
-    for name in _FIELDS[cls]:
+    for name in _REQUIRED[cls]:
         if name not in obj:
             raise ProtocolError(f"missing field '{name}' in {cls.TAG}", room=room, field=name)
     try:
-        return cls(**{name: obj[name] for name in _FIELDS[cls]})
+        return cls(**{name: obj[name] for name in _FIELDS[cls] if name in obj})
     except ProtocolError as exc:
         raise ProtocolError(exc.reason, room=room, field=exc.field) from None
 

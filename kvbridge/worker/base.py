@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
+from kvbridge.worker.metrics import WorkerMetrics
 from kvbridge.worker.pages import PageAllocator
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs, buffers_nbytes
 
@@ -48,17 +51,20 @@ class Task:
         return time.monotonic() - self.started
 
 
+SCRATCH_BYTES = 4096
+BACKSTOP_GRACE_S = 2.0
+
+
 class WorkerBase:
     role = ""
     room_op: type = ops.Prefill
+    aux_device = "cpu"  # aux rows (prefill staging, decode buffer); device memory for transports that need it
 
     def __init__(self, cfg: WorkerConfig, engine_factory: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
         self.engine_factory = engine_factory  # for in-process workers sharing a local fabric
         self.log = logging.getLogger(f"kvbridge.worker.{self.role}")
-        self.specs = build_specs(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers)
-        self.contract = build_contract(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers, cfg.lane_rule)
-        self.aux_schema = aux_schema_of(self.contract)
+        self.specs, self.contract, self.aux_schema = self.build_geometry()
         self.pages = PageAllocator(cfg.pages)
         self.tasks: dict[int, Task] = {}
         self.counters: Counter[str] = Counter()
@@ -68,6 +74,8 @@ class WorkerBase:
         self.engine: Any = None
         self.endpoint: Any = None
         self.ops_server: Any = None  # ops.OpsServer once started
+        self.metrics = WorkerMetrics(self)
+        self.scratch: torch.Tensor | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -78,23 +86,30 @@ class WorkerBase:
                 "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
                 field="engine",
             )
-        if self.cfg.engine == "ipc" and self.engine_factory is None:
+        if self.cfg.engine == "ipc" and self.engine_factory is None and not (
+                self.cfg.model and self.cfg.model_device.startswith("cuda")):
             raise ConfigError(
-                "the ipc engine reaches GPU memory of other processes only, and a worker keeps its synthetic KV "
-                "in host memory: use --engine auto (CUDA IPC where both sides are GPU memory on one host, "
-                "Mooncake for the rest) or --engine mooncake",
+                "the ipc engine reaches GPU memory of other processes only, and this worker keeps its KV in host "
+                "memory (synthetic KV, or --model-device cpu): use --engine auto (CUDA IPC where both sides are "
+                "GPU memory on one host, Mooncake for the rest) or --engine mooncake",
                 field="engine",
             )
-        self.buffers = allocate_buffers(self.specs, self.cfg.pages)
+        # ports first: a port in use is refused before memory is allocated or the rank registers
+        self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
+        metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""
+        self.buffers = self.allocate_buffers()
         self.engine = (self.engine_factory or self._create_engine)()
+        # a region that holds no KV, advertised at registration: `kvbridge doctor` probes it
+        self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8)
+        self.engine.register(self.scratch.data_ptr(), SCRATCH_BYTES)
         self.endpoint = self.make_endpoint()
         self.endpoint.start()
-        self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
         ready = {
             "role": self.role,
             "rank": self.cfg.rank_name,
             "pid": os.getpid(),
             "ops": self.ops_server.endpoint,
+            "metrics": metrics_url,
             "session": self.engine.session_id,
             "pool_bytes": buffers_nbytes(self.buffers),
             **self.extra_ready(),
@@ -102,19 +117,35 @@ class WorkerBase:
         self.log.info("%s ready: %s", self.cfg.rank_name, ready)
         return ready
 
+    def bootstrap_client(self) -> Any:
+        """The rank's client of the daemon: its token, lease file and scratch region."""
+        from kvbridge.bootstrap.client import BootstrapClient
+        from kvbridge.bootstrap.schemas import ScratchDescriptor
+
+        cfg = self.cfg
+        scratch = None if self.scratch is None else ScratchDescriptor(base=self.scratch.data_ptr(), nbytes=SCRATCH_BYTES)
+        return BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
+                               lease_wait_s=2 * cfg.lease_ttl + 5, scratch=scratch)
+
     def _create_engine(self) -> Any:
         from kvbridge.transfer.engine import create_engine
 
-        return create_engine(
+        engine = create_engine(
             self.cfg.engine,
             host=self.cfg.host,
             protocol=self.cfg.protocol,
             device=self.cfg.device,
             max_slices_per_call=self.cfg.max_slices_per_call,
         )
+        if self.cfg.chaos_failed_writes:  # testing: SIGUSR1 arms it (runtime.serve)
+            from kvbridge.chaos.engine import FaultyEngine
+
+            engine = FaultyEngine(engine, self.cfg.chaos_failed_writes)
+        return engine
 
     def close(self) -> None:
-        for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server)):
+        for name, closer in (("endpoint", self.endpoint), ("engine", self.engine), ("ops", self.ops_server),
+                             ("metrics", self.metrics)):
             if closer is None:
                 continue
             try:
@@ -141,8 +172,10 @@ class WorkerBase:
         for peer, request_id, op in self.ops_server.receive(timeout):
             self.handle(peer, request_id, op)
         for task in list(self.tasks.values()):
-            if task.age > self.cfg.transfer_timeout and not task.aborting:
-                self.abort(task, f"room exceeded transfer_timeout {self.cfg.transfer_timeout:.1f}s")
+            # a backstop: the endpoint's own deadlines (as long, counted from when it learnt of the room)
+            # fire first and say more (which rank never asked, which pages are missing)
+            if task.age > self.cfg.transfer_timeout + BACKSTOP_GRACE_S and not task.aborting:
+                self.abort(task, f"room exceeded transfer_timeout {self.cfg.transfer_timeout:.1f}s on {self.cfg.rank_name}")
             try:
                 result = self.advance(task)
             except KVBridgeError as exc:
@@ -172,6 +205,7 @@ class WorkerBase:
                 self.tasks[op.room] = self.begin(peer, request_id, op)
             except KVBridgeError as exc:
                 self.counters["rooms_failed"] += 1
+                self.metrics.room_refused(str(exc))
                 reply(peer, request_id, ops.RoomResult(op.room, False, str(exc), self.cfg.rank_name))
 
     def finish(self, task: Task, result: ops.RoomResult) -> None:
@@ -180,6 +214,7 @@ class WorkerBase:
         self.counters["bytes"] += result.num_bytes
         level = logging.DEBUG if result.ok else logging.WARNING
         self.log.log(level, "room %d %s %s", task.room, "ok" if result.ok else "FAILED", result.reason)
+        self.metrics.room_finished(task, result)
         self.ops_server.reply(task.peer, task.request_id, result)
 
     def stats(self) -> dict[str, Any]:
@@ -193,6 +228,16 @@ class WorkerBase:
             "draining": self.draining,
             **dict(self.counters),
         }
+
+    # ---- what the pools are (model mode overrides both) ----------------------------------
+    def build_geometry(self) -> tuple[dict, Any, Any]:
+        """``(specs, contract, aux schema)`` of the preset."""
+        cfg = self.cfg
+        contract = build_contract(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers, cfg.lane_rule)
+        return build_specs(cfg.preset, cfg.layers, cfg.page_size, cfg.draft_layers), contract, aux_schema_of(contract)
+
+    def allocate_buffers(self) -> dict:
+        return allocate_buffers(self.specs, self.cfg.pages)
 
     # ---- per role ---------------------------------------------------------------------------
     def make_endpoint(self) -> Any:

@@ -38,6 +38,15 @@ class ClusterSpec:
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     extra_args: tuple[str, ...] = ()
+    # model mode: a transformers model instead of a preset (see kvbridge.integrations.transformers)
+    model: str = ""
+    prefill_tp: int = 1  # prefill TP ranks per CP rank (each stores its KV heads)
+    model_device: str = "cpu"
+    decode_model_device: str = ""  # decode ranks' device, when not model_device
+    nvlink: bool = False  # Mooncake's intra-node NVLink transport (protocol rdma + MC_INTRANODE_NVLINK)
+    model_dtype: str = "float32"
+    threads: int = 1
+    exchange_dir: str = ""  # decode ranks' shared directory (head slices, tokens and logits)
 
 
 @dataclass
@@ -53,7 +62,10 @@ class Cluster:
         self.spec = spec
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvbridge-demo-")
         self.workdir = Path(workdir or self._tmp.name)
-        self.group = ProcessGroup(self.workdir, env={"KVBRIDGE_BOOTSTRAP_TOKEN": spec.token, "KVBRIDGE_SECRET": spec.secret})
+        env = {"KVBRIDGE_BOOTSTRAP_TOKEN": spec.token, "KVBRIDGE_SECRET": spec.secret}
+        if spec.nvlink:
+            env["MC_INTRANODE_NVLINK"] = "true"
+        self.group = ProcessGroup(self.workdir, env=env)
         self.bootstrap_url = ""
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -70,13 +82,17 @@ class Cluster:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def common_args(self) -> list[str]:
+    def common_args(self, role: str = "prefill") -> list[str]:
         s = self.spec
+        device = s.decode_model_device if role == "decode" and s.decode_model_device else s.model_device
+        model = ["--model", s.model, "--model-device", device, "--model-dtype", s.model_dtype,
+                 "--threads", str(s.threads)] if s.model else []
+        model += ["--protocol", "rdma"] if s.nvlink else []
         return [
             "--preset", s.preset, "--layers", str(s.layers), "--draft-layers", str(s.draft_layers),
             "--page-size", str(s.page_size), "--pages", str(s.pages), "--engine", s.engine,
             "--host", HOST, "--bootstrap", self.bootstrap_url, "--drain-timeout", str(s.drain_timeout),
-            "--transfer-timeout", str(s.transfer_timeout), *s.extra_args,
+            "--transfer-timeout", str(s.transfer_timeout), *model, *s.extra_args,
         ]  # fmt: skip
 
     def start(self, timeout: float = 60.0) -> None:
@@ -90,15 +106,18 @@ class Cluster:
         s = self.spec
         pending = []
         for cp_rank in range(s.cp):
-            argv = kvbridge_argv(
-                "prefill-worker", "--instance", s.prefill_instance, "--cp-rank", str(cp_rank), "--cp-size", str(s.cp),
-                *self.common_args(),
-            )  # fmt: skip
-            pending.append(("prefill", self.group.spawn(f"prefill-cp{cp_rank}", argv, ready_file=True)))
+            for tp_rank in range(s.prefill_tp):
+                argv = kvbridge_argv(
+                    "prefill-worker", "--instance", s.prefill_instance, "--cp-rank", str(cp_rank), "--cp-size",
+                    str(s.cp), "--tp-rank", str(tp_rank), "--tp-size", str(s.prefill_tp), *self.common_args(),
+                )  # fmt: skip
+                name = f"prefill-cp{cp_rank}" + (f"-tp{tp_rank}" if s.prefill_tp > 1 else "")
+                pending.append(("prefill", self.group.spawn(name, argv, ready_file=True)))
+        exchange = ["--exchange-dir", s.exchange_dir] if s.model and s.exchange_dir else []
         for tp_rank in range(s.decode_ranks):
             argv = kvbridge_argv(
                 "decode-worker", "--instance", s.decode_instance, "--tp-rank", str(tp_rank),
-                "--tp-size", str(s.decode_ranks), *self.common_args(),
+                "--tp-size", str(s.decode_ranks), *exchange, *self.common_args("decode"),
             )  # fmt: skip
             pending.append(("decode", self.group.spawn(f"decode-tp{tp_rank}", argv, ready_file=True)))
         deadline = time.monotonic() + timeout

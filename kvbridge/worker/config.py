@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout.pools import PRESETS
+from kvbridge.layout.lanes import LANE_RULES
+from kvbridge.layout.pools import PRESETS, preset_pools
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +36,7 @@ PREFILL = frozenset({"prefill"})
 DECODE = frozenset({"decode"})
 ENV_PREFIX = "KVBRIDGE_"
 CONFIG_ENV = "KVBRIDGE_CONFIG"
+MAX_PAGES = 2**31 - 1
 
 
 def parse_bool(text: str | bool) -> bool:
@@ -90,7 +92,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tp_rank", int, 0, "tensor-parallel rank of this worker"),
     Setting("tp_size", int, 1, "tensor-parallel size of the instance"),
     Setting("lane_rule", str, "interleaved", "CP owner-lane rule of the prefill instance (part of the contract)",
-            choices=("interleaved", "contiguous", "replicated")),
+            choices=LANE_RULES),
     # model / pools
     Setting("preset", str, "deepseek-v3.2-fp8", "model geometry preset", choices=PRESETS),
     Setting("layers", int, 61, "target layers"),
@@ -98,6 +100,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("page_size", int, 64, "tokens per page"),
     Setting("pages", int, 1024, "capacity of every pool buffer, in pages"),
     Setting("aux_rows", int, 64, "rows of the decode aux buffer (one per in-flight room)", DECODE),
+    # model mode (kvbridge.integrations.transformers; the 'model' extra)
+    Setting("model", str, "", "run a transformers model instead of synthetic KV: tiny-qwen2, tiny-deepseek-v3 or a "
+            "local Hugging Face directory (pools from the model's cache; --preset/--layers/--draft-layers unused). "
+            "CP is simulated: each CP rank runs the whole prompt and stores only the pages it owns (page split, "
+            "ownership, aux row and decode accounting are real, CP attention is not); so is TP: each TP rank runs "
+            "the whole model and stores only its KV heads"),
+    Setting("model_device", str, "cpu", "model mode: where the model runs and its pools live (cpu, cuda:N); with "
+            "--protocol rdma and MC_INTRANODE_NVLINK=true (Mooncake's NVLink transport) the aux rows too"),
+    Setting("model_dtype", str, "float32", "model mode: weights and KV dtype", choices=("float32", "bfloat16")),
+    Setting("threads", int, 1, "model mode: torch intra-op threads (bit-equal logits need the same count and "
+            "device kind on both sides)"),
+    Setting("exchange_dir", str, "", "model mode: a directory shared by the decode ranks of one host (default "
+            "/dev/shm/kvbridge-<instance>): each rank writes each room's rows (its KV heads) there, TP rank 0 gathers "
+            "them when the pools are head-sharded (a stand-in for TP attention) and writes the room's tokens and "
+            "logits; the files stay until their reader (kvbridge demo) removes them", DECODE),
     # transfer engine and network
     Setting("engine", str, "mooncake", "transfer engine: mooncake; auto (CUDA IPC to GPU peers on this host, "
             "Mooncake for the rest); ipc (same host, GPU memory only); local (tests)",
@@ -107,6 +124,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host", str, "127.0.0.1", "address this worker advertises and binds"),
     Setting("control_port", int, 0, "control-channel port (0: pick a free one)", PREFILL),
     Setting("ops_port", int, 0, "ops-channel port (0: pick a free one; see --ready-file)"),
+    Setting("metrics_port", int, 0, "Prometheus /metrics port (0: pick a free one, reported in the ready file; -1: off)"),
     Setting("max_slices_per_call", int, 1024, "slices per Mooncake batch call"),
     # bootstrap and security
     Setting("bootstrap", str, "http://127.0.0.1:8998", "bootstrap daemon URL"),
@@ -114,10 +132,19 @@ SETTINGS: tuple[Setting, ...] = (
             "KVBRIDGE_BOOTSTRAP_TOKEN, the daemon's own, is read too)", env_aliases=("KVBRIDGE_BOOTSTRAP_TOKEN",)),
     Setting("secret", str, "", "cluster secret: HMAC on control and ops messages (prefer the env variable)"),
     Setting("lease_ttl", float, 10.0, "bootstrap lease, seconds"),
+    Setting("lease_file", str, "", "file (0600) keeping this rank's lease secret, so that a restarted worker "
+            "takes its coordinates back at once; empty: a restart waits for the old lease to expire"),
     # behaviour
     Setting("transfer_timeout", float, 120.0, "seconds a room may take from its op to its end"),
     Setting("drain_timeout", float, 10.0, "seconds in-flight rooms get to finish on SIGTERM"),
     Setting("verify", parse_bool, True, "verify every received byte against the synthetic KV", DECODE),
+    Setting("peer_timeout", float, 5.0, "seconds a prefill rank may stay silent before its rooms fail", DECODE),
+    Setting("lease_quarantine", float, 30.0, "seconds a silent prefill rank's pages stay held after its lease "
+            "expired, unless it acknowledges the abort (a frozen process resumes with writes queued)", DECODE),
+    Setting("poison_pages", parse_bool, False, "fill released pages with a poison byte and check them before reuse "
+            "(late writes are counted in stats; burn-in and kvbridge chaos)", DECODE),
+    Setting("chaos_failed_writes", int, 0, "testing: on SIGUSR1, fail the next N transfer-engine writes "
+            "(kvbridge chaos; 0: off)"),
     Setting("ready_file", str, "", "write a JSON line with the bound endpoints here once ready"),
     Setting("trace", parse_bool, False, "log every control message and state transition"),
 )
@@ -142,20 +169,31 @@ class WorkerConfig:
     page_size: int
     pages: int
     aux_rows: int
+    model: str
+    model_device: str
+    model_dtype: str
+    threads: int
+    exchange_dir: str
     engine: str
     protocol: str
     device: str
     host: str
     control_port: int
     ops_port: int
+    metrics_port: int
     max_slices_per_call: int
     bootstrap: str
     token: str
     secret: str
     lease_ttl: float
+    lease_file: str
     transfer_timeout: float
     drain_timeout: float
     verify: bool
+    peer_timeout: float
+    lease_quarantine: float
+    poison_pages: bool
+    chaos_failed_writes: int
     ready_file: str
     trace: bool
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -260,13 +298,63 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{size} must be >= 1, got {n}", field=size)
         if not 0 <= r < n:
             raise ConfigError(f"{rank} {r} outside [0, {size}={n})", field=rank)
-    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call"):
+    for name in ("layers", "page_size", "pages", "aux_rows", "max_slices_per_call", "threads"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}", field=name)
     if cfg.draft_layers < 0:
         raise ConfigError(f"draft_layers must be >= 0, got {cfg.draft_layers}", field="draft_layers")
+    for name in ("pages", "aux_rows"):  # page ids and aux slots travel as int32
+        if getattr(cfg, name) > MAX_PAGES:
+            raise ConfigError(f"{name} {getattr(cfg, name)} is over {MAX_PAGES} (page ids are int32)", field=name)
+    if cfg.chaos_failed_writes < 0:
+        raise ConfigError(f"chaos_failed_writes must be >= 0, got {cfg.chaos_failed_writes}", field="chaos_failed_writes")
+    for name in ("lease_ttl", "transfer_timeout", "peer_timeout"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}", field=name)
+    if not cfg.lease_quarantine >= 0:
+        raise ConfigError(f"lease_quarantine must be >= 0 seconds, got {cfg.lease_quarantine}", field="lease_quarantine")
+    if not cfg.drain_timeout >= 0:
+        raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}", field="drain_timeout")
     for name in ("control_port", "ops_port"):
         if not 0 <= getattr(cfg, name) < 65536:
             raise ConfigError(f"{name} {getattr(cfg, name)} is not a port", field=name)
+    if not -1 <= cfg.metrics_port < 65536:
+        raise ConfigError(f"metrics_port {cfg.metrics_port} is not a port (or -1: off)", field="metrics_port")
     if not cfg.bootstrap.startswith(("http://", "https://")):
         raise ConfigError(f"bootstrap URL {cfg.bootstrap!r} must start with http:// or https://", field="bootstrap")
+    if cfg.model and cfg.poison_pages:
+        raise ConfigError("--poison-pages is for synthetic KV: model mode poisons its decode pages itself (checked "
+                          "before use and past the valid rows of every room)", field="poison_pages")
+    check_memory(cfg)
+
+
+def pool_bytes(cfg: WorkerConfig) -> int:
+    """Bytes of every pool buffer this configuration allocates."""
+    specs = preset_pools(cfg.preset, num_layers=cfg.layers, page_size=cfg.page_size, draft_layers=cfg.draft_layers)
+    return cfg.pages * sum(s.bytes_per_page * s.num_layers for s in specs.values())
+
+
+def memory_total(meminfo: str = "/proc/meminfo") -> int | None:
+    """Physical memory in bytes (Linux), or None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(cfg: WorkerConfig) -> None:
+    """Refuse pools that cannot fit this host before allocating them (an allocation that
+    fails half way, or the OOM killer, is a worse message than this one)."""
+    if cfg.model:  # model mode: the pools are the model's cache, known once it is loaded
+        return
+    need, have = pool_bytes(cfg), memory_total()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"pools of {cfg.pages} pages x {cfg.layers}+{cfg.draft_layers} layers need {need / 2**30:.1f} GiB, "
+            f"more than this host's {have / 2**30:.1f} GiB: lower --pages or --layers",
+            field="pages",
+        )

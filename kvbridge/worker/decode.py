@@ -23,6 +23,7 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker import ops
 from kvbridge.worker.base import Task, WorkerBase
 from kvbridge.worker.pages import PageAllocator
+from kvbridge.worker.poison import PagePoison
 from kvbridge.worker.synthetic import prepare_destination, verify_aux, verify_pages
 
 
@@ -43,12 +44,14 @@ class DecodeWorker(WorkerBase):
         self.aux_slots = PageAllocator(cfg.aux_rows)
         self.aux_buffer: torch.Tensor | None = None
         self.held: dict[int, Any] = {}  # room -> receiver of a failed room whose pages a write may still reach
+        self.poison: PagePoison | None = None  # --poison-pages: released pages are poisoned and checked before reuse
 
     def make_endpoint(self) -> Any:
-        from kvbridge.bootstrap.client import BootstrapClient
         from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 
         cfg = self.cfg
+        if cfg.poison_pages:
+            self.poison = PagePoison(self.buffers, cfg.rank_name)
         dcfg = DecodeConfig(
             instance=cfg.instance,
             dp_rank=cfg.dp_rank,
@@ -58,11 +61,14 @@ class DecodeWorker(WorkerBase):
             host=cfg.host,
             secret=cfg.secret_bytes,
             transfer_timeout=cfg.transfer_timeout,
+            peer_timeout=cfg.peer_timeout,
+            lease_quarantine=cfg.lease_quarantine,
             lease_ttl=cfg.lease_ttl,
             trace=cfg.trace,
         )
-        self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None)
+        self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8,
+                                      device=self.aux_device)
+        bootstrap = self.bootstrap_client()
         return DecodeEndpoint(
             dcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_buffer, self.aux_schema
         )
@@ -70,6 +76,8 @@ class DecodeWorker(WorkerBase):
     def begin(self, peer: bytes, request_id: int, op: ops.Decode) -> DecodeTask:
         num_pages = -(-op.num_tokens // self.cfg.page_size)
         page_ids = self.pages.allocate(op.room, num_pages)
+        if self.poison is not None:
+            self.poison.check(page_ids, f"found when room {op.room} took them")
         try:
             aux_slot = int(self.aux_slots.allocate(op.room, 1)[0])
         except BaseException:
@@ -151,12 +159,17 @@ class DecodeWorker(WorkerBase):
         )
 
     def _free(self, room: int) -> None:
+        pages = self.pages.pages_of(room)
         self.pages.free(room)
         self.aux_slots.free(room)
+        if self.poison is not None:
+            self.poison.poison(pages)
 
     def housekeeping(self) -> None:
         for room, receiver in list(self.held.items()):
             if receiver.pages_releasable:
+                if self.poison is not None:
+                    self.poison.poison(self.pages.held_pages(room))
                 self.pages.release(room)
                 self.aux_slots.release(room)
                 del self.held[room]
@@ -167,4 +180,8 @@ class DecodeWorker(WorkerBase):
         task.receiver.abort(reason)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "rooms_held": len(self.held), "aux_free": self.aux_slots.num_free}
+        out = {**super().stats(), "rooms_held": len(self.held), "aux_free": self.aux_slots.num_free}
+        if self.poison is not None:  # every free page, now: a late write shows even if the page was never reused
+            self.poison.check(self.pages.free_pages(), "in a sweep of the free pages")
+            out |= {"late_writes": self.poison.late_writes, "pages_poison_checked": self.poison.pages_checked}
+        return out

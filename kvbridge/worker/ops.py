@@ -6,7 +6,9 @@ ZMQ ROUTER (worker) / DEALER (client), one msgpack map per message:
 
     client -> worker                          worker -> client (same id)
     Prefill(room, num_tokens, chunk_tokens)   RoomResult  when the room succeeded or failed
+      [+ prompt, batch_id, batch_size: model mode]
     Decode(room, num_tokens, prefill_instance) RoomResult
+      [+ max_new_tokens: model mode]
     Stats()                                   StatsReply
     Shutdown()                                Ack         then the worker drains and exits
     anything malformed / refused              OpError(reason)
@@ -29,7 +31,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvbridge.errors import ProtocolError, TransferTimeout
+from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
 
 OPS_VERSION = 1
 MAX_OP_BYTES = 1 << 20
@@ -40,6 +42,11 @@ class Prefill:
     room: int
     num_tokens: int
     chunk_tokens: int = 0  # 0: one chunk
+    # model mode: the prompt's token ids; ops with the same batch id run as one batch once
+    # batch_size of them arrived (bs > 1: requests share the pools, one writer call per step)
+    prompt: list = field(default_factory=list)
+    batch_id: int = 0
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Decode:
     num_tokens: int
     prefill_instance: str
     prefill_dp_rank: int = 0
+    max_new_tokens: int = 0  # model mode: greedy steps after the first token (TP rank 0 generates)
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,7 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[int, Op | 
     if data.pop("v", None) != OPS_VERSION:
         raise ProtocolError(f"ops version must be {OPS_VERSION}", field="v")
     tag, request_id = data.pop("t", None), data.pop("id", None)
-    if tag not in TAGS:
+    if not isinstance(tag, str) or tag not in TAGS:
         raise ProtocolError(f"unknown ops message type {tag!r}", field="t")
     if not isinstance(request_id, int):
         raise ProtocolError("ops message needs an integer id", field="id")
@@ -154,10 +162,14 @@ class OpsServer:
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 500)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc}", field="ops_port") from None
         self.endpoint = f"tcp://{host}:{port}"
 
     def receive(self, timeout: float) -> list[tuple[bytes, int, Op]]:

@@ -97,5 +97,11 @@ class PageAllocator:
         pages = self._held.pop(room)
         self._free[pages] = True
 
+    def free_pages(self) -> np.ndarray:
+        return np.flatnonzero(self._free)
+
+    def held_pages(self, room: int) -> np.ndarray:
+        return self._held[room]
+
     def held_rooms(self) -> list[int]:
         return list(self._held)

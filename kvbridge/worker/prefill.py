@@ -45,7 +45,6 @@ class PrefillWorker(WorkerBase):
         self.lanes = OwnerLanes(cfg.cp_size, cfg.lane_rule)
 
     def make_endpoint(self) -> Any:
-        from kvbridge.bootstrap.client import BootstrapClient
         from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 
         cfg = self.cfg
@@ -64,9 +63,10 @@ class PrefillWorker(WorkerBase):
             lease_ttl=cfg.lease_ttl,
             target_timeout=cfg.transfer_timeout,
             max_slices_per_call=cfg.max_slices_per_call,
+            aux_device=self.aux_device,
             trace=cfg.trace,
         )
-        bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token or None)
+        bootstrap = self.bootstrap_client()
         return PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract, bootstrap, self.aux_schema)
 
     def extra_ready(self) -> dict[str, Any]:
@@ -116,8 +116,11 @@ class PrefillWorker(WorkerBase):
         hi = task.chunk_ends[task.chunks_sent]
         pick = (task.logical * ps >= lo) & (task.logical * ps < hi)  # pages starting in [lo, hi)
         task.chunks_sent += 1
+        if not pick.any() and not is_last:
+            return
         task.sender.send(task.logical[pick], task.local[pick], num_tokens_ready=hi, is_last=is_last,
                          aux=task.aux if is_last else None)
+        task.mark("first_write")  # send() posts at once when decode already asked (first mark wins)
         if is_last:
             task.mark("sent")
 

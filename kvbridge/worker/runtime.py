@@ -42,6 +42,8 @@ def serve(worker: Any) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         ready = worker.start()
+        if hasattr(worker.engine, "arm"):  # --chaos-failed-writes: SIGUSR1 makes the next writes fail
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: worker.engine.arm())
         if worker.cfg.ready_file:
             write_ready_file(worker.cfg.ready_file, ready)
         while not stop.is_set() and not worker.shutdown_requested:

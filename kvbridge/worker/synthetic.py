@@ -6,7 +6,10 @@ Every byte is a pure function of (room, pool, layer, token, byte):
     seed = splitmix64(room, crc32(pool), layer)
 
 ``mix`` is a bijection of the token number, so two tokens never carry the same
-bytes and a page landing on the wrong slot, layer or pool is caught. Pages are
+bytes and a page landing on the wrong slot, layer or pool is caught. A
+head-sharded pool's rank holds its heads' bytes of the whole row (the row is
+generated whole, then sliced), so a decode TP rank checks its head slice
+whatever the prefill TP size was. Pages are
 laid out like the pool's kernels expect (``PoolSpec.row_ranges``):
 
     rows                 [tok0 | tok1 | ... ]
@@ -81,7 +84,9 @@ def page_images(
     """Expected page images of ``logical_pages``; rows at or past ``num_tokens`` hold ``fill``."""
     logical_pages = np.asarray(logical_pages, dtype=np.int64)
     tokens = (logical_pages[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1)
-    rows = token_bytes(room, spec.name, layer_id, tokens, spec.bytes_per_token)
+    rows = token_bytes(room, spec.name, layer_id, tokens, spec.full_bytes_per_token)
+    if spec.head_sharded:  # this rank's heads of the whole row
+        rows = np.ascontiguousarray(rows[:, spec.head_start * spec.head_bytes : spec.head_stop * spec.head_bytes])
     rows[tokens >= num_tokens] = fill
     return rows_to_pages(spec, rows)
 

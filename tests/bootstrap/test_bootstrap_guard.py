@@ -42,15 +42,18 @@ def test_writes_need_the_token(guarded: Any, kvb: Any, small_contract: RuntimeCo
     assert _post(url, body, {"Authorization": f"Basic {TOKEN}"}).status_code == 401
     ok = _post(url, body, {"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 201
-    rank_id = ok.json()["rank_id"]
+    rank_id, secret = ok.json()["rank_id"], ok.json()["lease_secret"]
     assert _post(f"{guarded.url}/v1/ranks/{rank_id}/heartbeat").status_code == 401
     assert httpx.delete(f"{guarded.url}/v1/ranks/{rank_id}", trust_env=False).status_code == 401
     # A malformed body without a token is still a 401: the token is checked before parsing.
     assert httpx.post(url, content=b"{", trust_env=False).status_code == 401
     # Reads stay open.
     assert httpx.get(f"{guarded.url}/v1/instances", trust_env=False).status_code == 200
+    # The write token alone does not reach another rank's registration: its lease secret does.
     assert httpx.delete(f"{guarded.url}/v1/ranks/{rank_id}", headers={"Authorization": f"Bearer {TOKEN}"},
-                        trust_env=False).status_code == 204
+                        trust_env=False).status_code == 403
+    assert httpx.delete(f"{guarded.url}/v1/ranks/{rank_id}", headers={"Authorization": f"Bearer {TOKEN}",
+                        "X-KVBridge-Lease": secret}, trust_env=False).status_code == 204
 
 
 def test_client_maps_401(guarded: Any, kvb: Any, small_contract: RuntimeContract, instance_name: Callable[[str], str]) -> None:

@@ -100,11 +100,14 @@ def test_public_names_are_pinned():
     assert sorted(kvbridge.layout.__all__) == sorted(
         [
             "AuxRegion", "AuxRow", "AuxSchema", "BufferDesc", "LANE_RULES", "LAYOUTS", "LocalRows", "OwnerLanes", "PRESETS",
-            "PoolSpec", "RowDomain", "TransferPlan", "aux_dtype", "build_rank_rows", "deepseek_pools",
+            "PoolSpec", "RawBuffer", "RowDomain", "TransferPlan", "aux_dtype", "build_rank_rows", "deepseek_pools",
             "describe_buffer", "float32_to_bf16_bits", "local_row_order", "owner_of_last_token", "plan_transfer",
             "preset_pools", "request_bases", "strip_padding", "valid_row_index",
             # heterogeneous TP (layout/heads.py)
             "HeadGeometry", "HeadSlice", "head_slices", "plan_head_transfer", "rank_heads", "slices_to_send",
+            "pair_head_buffers", "tp_spec",
+            # TP routes: which prefill TP ranks a decode TP rank draws each pool from (layout/tp_routes.py)
+            "TPRoute", "num_drawing", "tp_route",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)

@@ -24,7 +24,7 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, verify_aux, verify_pages
 
-from _models import kv_fp32, region_tensors, token_major_buffers
+from _models import kv_fp32, kv_heads, region_tensors, token_major_buffers
 
 HERE = Path(__file__).parent
 FINAL = (KVPoll.Success, KVPoll.Failed)
@@ -34,9 +34,11 @@ class PrefillProc:
     """One prefill CP rank in a child process; always ``stop()`` it."""
 
     def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
-                 layers: int = 2, page_size: int = 4, engine: str = "mooncake") -> None:
+                 layers: int = 2, page_size: int = 4, engine: str = "mooncake", tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
-               "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--layers", str(layers),
+               "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--tp-rank", str(tp_rank),
+               "--tp-size", str(tp_size), "--layers", str(layers),
                "--page-size", str(page_size), "--engine", engine, *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -104,6 +106,10 @@ class DecodeRank:
             self.specs, self.contract, self.aux_schema = kv_fp32(layers, page_size)
             self.buffers = token_major_buffers(self.specs, pages)
             self.aux: Any = region_tensors(self.aux_schema, aux_rows)
+        elif model == "kv-heads":  # head-sharded k/v: this decode TP rank's heads
+            self.specs, self.contract, self.aux_schema = kv_heads(layers, page_size, tp_size, tp_rank)
+            self.buffers = allocate_buffers(self.specs, pages)
+            self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
         else:
             self.specs = build_specs("deepseek-v3.2-fp8", layers, page_size, 1)
             self.contract = build_contract("deepseek-v3.2-fp8", layers, page_size, 1, "interleaved")

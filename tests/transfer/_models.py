@@ -38,3 +38,17 @@ def write_region_row(tensors: dict[str, torch.Tensor], schema, slot: int, packed
     for name, value in schema.unpack_regions(packed).items():
         dst = tensors[name][slot]
         dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(value.reshape(-1).view("uint8").copy()))
+
+
+HEADS, HEAD_BYTES_DIM = 4, 4  # the head-sharded model: 4 KV heads of 4 float32
+
+
+def kv_heads(layers: int, page_size: int, tp_size: int = 1, tp_rank: int = 0, lane_rule: str = "interleaved"):
+    """``(specs, contract, aux schema)`` of TP rank ``tp_rank`` of a k/v float32 model whose pools
+    are head-sharded (4 KV heads): the contract holds the whole row, the specs this rank's heads."""
+    geom = kvb.layout.HeadGeometry(HEADS, HEAD_BYTES_DIM, "float32")
+    pools = [geom.spec(name, page_size, tuple(range(layers)), tp_size, tp_rank) for name in ("k", "v")]
+    aux = kvb.AuxSchema((kvb.AuxRegion("room", "uint64", (8,)), kvb.AuxRegion("first_token", "int32", (1,))))
+    contract = kvb.contract_for(pools, model="test/gqa-heads", aux=aux, lane_rule=lane_rule,
+                                kernel={"attention_backend": "sdpa", "abi": "kv-head-major"})
+    return {p.name: p for p in pools}, contract, aux

@@ -15,6 +15,8 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
 
 ``--model kv-fp32`` runs the k/v float32 model of ``_models.py`` instead of a preset,
 with the aux rows in the engine's own per-region tensors (``send(aux_slot=...)``).
+``--model kv-heads --tp-rank t --tp-size p`` runs TP rank t of a head-sharded k/v model
+(4 KV heads): its pools hold its heads of every row.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import fill_pages, make_aux
 
-from _models import kv_fp32, region_tensors, token_major_buffers, write_region_row
+from _models import kv_fp32, kv_heads, region_tensors, token_major_buffers, write_region_row
 
 _out_lock = threading.Lock()
 
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--instance", default="prefill")
     ap.add_argument("--cp-rank", type=int, default=0)
     ap.add_argument("--cp-size", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--lane-rule", default="interleaved")
     ap.add_argument("--preset", default="deepseek-v3.2-fp8")
     ap.add_argument("--layers", type=int, default=2)
@@ -71,6 +75,9 @@ def main() -> None:
         specs, contract, aux_schema = kv_fp32(args.layers, args.page_size, args.lane_rule)
         buffers = token_major_buffers(specs, args.pages)
         engine_aux = region_tensors(aux_schema, 64)
+    elif args.model == "kv-heads":
+        specs, contract, aux_schema = kv_heads(args.layers, args.page_size, args.tp_size, args.tp_rank, args.lane_rule)
+        buffers = allocate_buffers(specs, args.pages)
     else:
         specs = build_specs(args.preset, args.layers, args.page_size, 1)
         contract = build_contract(args.preset, args.layers, args.page_size, 1, args.lane_rule)
@@ -78,7 +85,8 @@ def main() -> None:
             contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
         aux_schema = aux_schema_of(contract)
         buffers = allocate_buffers(specs, args.pages)
-    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, lane_rule=args.lane_rule,
+    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
+                        tp_size=args.tp_size, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None)
     ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),

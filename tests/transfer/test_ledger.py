@@ -68,3 +68,26 @@ def test_aux_row_only_from_the_owner_of_the_last_token_and_only_once():
     lg.record_aux(0)
     with pytest.raises(LedgerError, match="aux row reported twice"):
         lg.record_aux(0)
+
+
+def test_a_head_sharded_page_counts_only_once_every_slice_arrived():
+    """Prefill tp 2 -> decode tp 1: k's pages come as two head slices (tp 0 and tp 1); the aux
+    row from the first source (tp 0) of the last token's CP rank."""
+    from kvbridge.layout import HeadGeometry, tp_route
+
+    specs = [HeadGeometry(4, 8, "float32").spec("k", 4, (0,))]
+    lg = PageLedger(room=7, pools=["k"], num_pages=2, lanes=OwnerLanes(1), aux_owner=0, route=tp_route(specs, 2, 1, 0))
+    lg.record(0, ["k"], np.array([0, 1]), tp_rank=0)
+    assert not lg.pages_complete and lg.missing() == {"k": [0, 1]}
+    lg.record(0, ["k"], np.array([1]), tp_rank=1)
+    assert lg.missing() == {"k": [0]}
+    with pytest.raises(LedgerError, match=r"page 1 of pool 'k' \(head slice of tp 1\) reported twice") as err:
+        lg.record(0, ["k"], np.array([1]), tp_rank=1)
+    assert err.value.rank == "cp0/tp1"
+    with pytest.raises(LedgerError, match="reported by tp rank 2, which this decode rank's TP route does not draw"):
+        lg.record(0, ["k"], np.array([0]), tp_rank=2)
+    lg.record(0, ["k"], np.array([0]), tp_rank=1)
+    with pytest.raises(LedgerError, match="first source is tp rank 0"):
+        lg.record_aux(0, tp_rank=1)
+    lg.record_aux(0, tp_rank=0)
+    assert lg.complete and lg.pages_by_rank == {0: 4}

@@ -59,14 +59,18 @@ def test_a_draining_room_keeps_its_id_until_no_write_can_land(cluster):
         ep.sender(31)
     with pytest.raises(RoomInUse, match="room 31 is draining: a prefill rank may still write its pages"):
         c.decode.receiver(31, f"{c.name}-p")
-    peers = PeerSet()  # another decode rank asking now gets no new target on a closed room
+    peers = PeerSet()  # another decode rank asking now gets no new target on a closed room ...
     try:
         peers.send(ep.endpoint, rogue_request(c, 31, 8, rank_id=c.decode.rank_id))
+        # ... and its refusal waits until no write of the room is in flight to anyone: a decode
+        # instance's ranks free pages together, so a refusal must mean nothing can land (hard rule 6)
+        assert replies(peers, 1, timeout=0.5) == []
+        gate.set()
         (msg,) = replies(peers, 1)
         assert msg.status == "failed" and "room 31 is failing" in msg.reason
     finally:
+        gate.set()
         peers.close()
-    gate.set()
     wait_final([s])
     assert s.poll() == KVPoll.Failed and "closed" in s.failure_reason
     assert wait_until(lambda: 31 not in ep._book.rooms and 31 not in c.decode._book.rooms, 5)

@@ -4,6 +4,7 @@ SIGKILL mid-transfer, a corrupted page caught by the digest check."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -96,7 +97,7 @@ def test_mismatched_contract_is_refused_before_any_transfer(daemon):
 
 def test_prefill_rank_killed_mid_transfer(daemon):
     procs = [PrefillProc(daemon.url, r, 2, instance="prefill-killed") for r in range(2)]
-    d = DecodeRank(daemon.url, instance="decode-killed", peer_timeout=3.0)
+    d = DecodeRank(daemon.url, instance="decode-killed", peer_timeout=3.0, lease_quarantine=0.5)
     try:
         room, n = 9201, 20 * PAGE + 3
         recv = d.receive(room, n, np.arange(300, 321), prefill="prefill-killed")
@@ -107,6 +108,7 @@ def test_prefill_rank_killed_mid_transfer(daemon):
         assert wait_until(lambda: recv.poll() == KVPoll.Failed, 20)
         assert "prefill-killed/cp1" in recv.failure_reason and "sent nothing" in recv.failure_reason
         # cp0 acks the abort at once; cp1 is quiet only once its 2 s bootstrap lease has expired
+        # and the (here short) quarantine after it has passed
         assert wait_until(lambda: recv.pages_releasable, 20)
         res = procs[0].result(room)
         assert res["state"] == "Failed" and "aborted" in res["reason"]
@@ -116,6 +118,31 @@ def test_prefill_rank_killed_mid_transfer(daemon):
         d.close()
         for p in procs:
             p.stop()
+
+
+def test_a_frozen_prefill_rank_keeps_its_pages_held_past_its_lease(daemon):
+    """Hard rule 6 against a frozen process (found by kvbridge chaos): a prefill rank stopped
+    (SIGSTOP) mid-room past its lease resumes with its writes still queued, so an expired lease
+    alone must not free the room's pages; they go once the rank, resumed, acknowledges the abort."""
+    p = PrefillProc(daemon.url, 0, 1, instance="prefill-frozen")
+    d = DecodeRank(daemon.url, instance="decode-frozen", peer_timeout=1.0, lease_quarantine=3600.0)
+    try:
+        room, n = 9251, 12 * PAGE + 1
+        recv = d.receive(room, n, np.arange(100, 113), prefill="prefill-frozen")
+        p.send(room, n, chunks=[n // 2, n], pause=60)
+        assert wait_until(lambda: 0 in recv.stats.get("pages_by_rank", {}), 30)
+        p.proc.send_signal(signal.SIGSTOP)
+        assert wait_until(lambda: recv.poll() == KVPoll.Failed, 20)
+        assert "prefill-frozen/cp0" in recv.failure_reason
+        peer = d.ep._book.peers[p.endpoint]
+        assert wait_until(lambda: peer.lease_gone, 20), "its 2 s lease runs out while it is stopped"
+        assert not wait_until(lambda: recv.pages_releasable, 1.0), "pages freed at lease expiry: a resumed rank writes into them"
+        p.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: recv.pages_releasable, 20), "the resumed rank acknowledges the re-sent abort"
+    finally:
+        p.proc.send_signal(signal.SIGCONT)
+        d.close()
+        p.stop()
 
 
 def test_digest_check_catches_a_corrupted_page(daemon):

@@ -4,6 +4,8 @@ paired with ours once per pool set."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -49,10 +51,10 @@ def test_a_peer_is_paired_once_and_writes_go_where_it_registered():
     p, src = peer(), bufs(0)
     a = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), p)
     b = target_from_request(request([2, 3], room=2), b"i", SPECS, src, AUX, send_room(), p)
-    assert a.paired is b.paired and a.session == "127.0.0.1:1"
+    assert a.parts is b.parts and a.session == "127.0.0.1:1"
     assert a.aux_dst["room"].at(a.aux_slot) == 1 << 50
     other = target_from_request(request([0, 1]), b"i", SPECS, src, AUX, send_room(), peer(bufs(1 << 41)))
-    assert other.paired is not a.paired  # another registration is another pairing
+    assert other.parts is not a.parts  # another registration is another pairing
 
 
 def test_a_decode_prefix_skips_pages_and_counts_only_the_rest():
@@ -81,3 +83,33 @@ def test_a_decode_prefix_skips_pages_and_counts_only_the_rest():
 def test_bad_requests_are_refused_with_the_reason(req, dest, error, message):
     with pytest.raises(error, match=message):
         target_from_request(req, b"i", SPECS, bufs(0), AUX, send_room(), dest)
+
+
+def test_a_decode_tp_rank_gets_its_head_slice_and_only_from_the_ranks_of_its_route():
+    """Head-sharded k/v (4 heads of 8 float32), prefill tp 2, decode tp 4: decode rank 3
+    takes head 3 from tp 1 (offset 32 B of its 64 B row), nothing from tp 0; one range per
+    valid row; tp 1 is its first source (aux row); two decode ranks ask tp 1."""
+    from kvbridge.layout import HeadGeometry, tp_spec
+    from kvbridge.transfer.targets import plan_target
+
+    geom = HeadGeometry(4, 8, "float32")
+    full = {n: geom.spec(n, 4, (0, 1)) for n in ("k", "v")}
+    mine = {n: tp_spec(s, 2, 1) for n, s in full.items()}
+    theirs = {n: tp_spec(s, 4, 3) for n, s in full.items()}
+    src = [BufferDesc(n, layer, 10**6 * (i * 10 + layer), 16, s.bytes_per_page)
+           for i, (n, s) in enumerate(mine.items()) for layer in s.layer_ids]
+    dst = [BufferDesc(n, layer, (1 << 40) + 10**6 * (i * 10 + layer), 16, s.bytes_per_page)
+           for i, (n, s) in enumerate(theirs.items()) for layer in s.layer_ids]
+    p = DecodePeer(rank_id="r1", label="d/dp0/cp0/tp3/pp0", session="127.0.0.1:1", fingerprint="x", buffers=dst,
+                   aux={r.name: RegionAddr(r.name, (1 << 50) + AUX.offsets[r.name], 4, AUX.row_bytes)
+                        for r in AUX.regions}, tp_size=4, tp_rank=3)
+    req = dataclasses.replace(request([5, 6], num_pages=2), pools=["k", "v"], num_tokens=6, num_decode_ranks=4)
+    t = target_from_request(req, b"i", mine, src, AUX, send_room(), p, tp=(2, 1))
+    assert t.aux_source and t.num_decode_targets == 2 and [part.pools for part in t.parts] == [("k", "v")]
+    plan = plan_target(mine, src, t, np.array([0, 1]), np.array([2, 3]), 6, room=1, rank="p/tp1")
+    assert plan.num_slices == 2 * 2 * 6 and set(plan.length.tolist()) == {32}  # pools x layers x valid rows
+    assert int(plan.src[0]) == 2 * 4 * 64 + 32 and int(plan.dst[0]) == (1 << 40) + 5 * 4 * 32
+    with pytest.raises(LayoutError, match=r"its TP route takes \[\] from it") as err:
+        target_from_request(req, b"i", {n: tp_spec(s, 2, 0) for n, s in full.items()}, src, AUX, send_room(), p,
+                            tp=(2, 0))
+    assert err.value.field == "pools"

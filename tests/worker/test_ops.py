@@ -26,6 +26,8 @@ def test_round_trip_every_message():
         (msgpack.packb([1, 2]), "body"),
         (msgpack.packb({"v": 99, "t": "stats", "id": 1}), "v"),
         (msgpack.packb({"v": 1, "t": "launch", "id": 1}), "t"),
+        (msgpack.packb({"v": 1, "t": ["prefill"], "id": 1}), "t"),  # unhashable: was a TypeError out of the loop
+        (msgpack.packb({"v": 1, "t": {"a": 1}, "id": 1}), "t"),
         (msgpack.packb({"v": 1, "t": "stats", "id": "x"}), "id"),
         (msgpack.packb({"v": 1, "t": "prefill", "id": 1, "room": 1}), "prefill"),
         (msgpack.packb({"v": 1, "t": "prefill", "id": 1, "room": 1, "num_tokens": 2, "bogus": 3}), "prefill"),

@@ -6,9 +6,15 @@
 ``install()`` registers the backend ``kvbridge`` in this process (the patches
 and the checks of SGLang's interface are in ``patches.py``, the one place that
 patches SGLang); SGLang's plugin loader calls ``plugin()`` in each process it
-starts. ``kvargs`` translates SGLang's ``KVArgs`` into kvbridge's pools and
-aux regions, ``cp_modes`` its CP modes into lane rules; ``backend`` holds the
-classes SGLang instantiates; ``launch`` runs SGLang's server.
+starts. Then:
+
+    kvargs.py            SGLang's KVArgs -> kvbridge pools, RawBuffers, aux regions
+    cp_modes.py          SGLang's CP modes -> owner-lane rules
+    settings.py          what the backend reads from SGLang and KVBRIDGE_* (once), and refuses
+    contract.py          the runtime contract of a rank, from its pools
+    backend.py           the classes SGLang instantiates: manager.py, sender.py, receiver.py,
+                         bootstrap_server.py (they import SGLang)
+    launch.py            runs SGLang's server (``kvbridge sglang``)
 
 Nothing here imports SGLang until a function needs it.
 """

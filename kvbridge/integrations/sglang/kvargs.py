@@ -22,10 +22,11 @@ and kvbridge sees:
     draft_k, draft_v  L .. L+D-1            MHA draft entries
     index    target ids (+ draft ids)       the DSA state component
 
-Buffers stay addresses (``RawBuffer``: pointer, bytes, bytes per item): SGLang
-never hands tensors. ``check_against_contract`` compares the geometry with a
-runtime contract; ``pool_specs`` gives the ``PoolSpec``s for geometries kvbridge
-knows (DeepSeek V3/V3.2 MLA bf16/fp8, index K, k/v pools).
+Buffers stay addresses (``SGLangBuffer``: pointer, bytes, bytes per item; ``raw()``
+gives the ``kvbridge.RawBuffer`` an endpoint takes): SGLang never hands tensors.
+``check_against_contract`` compares the geometry with a runtime contract;
+``pool_specs`` gives the ``PoolSpec``s for geometries kvbridge knows (DeepSeek
+V3/V3.2 MLA bf16/fp8, index K, k/v pools).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, PoolSpec, RuntimeContract
+from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
 
 TARGET, DRAFT, INDEX = "target", "draft", "index"
 K, V, DRAFT_K, DRAFT_V = "k", "v", "draft_k", "draft_v"
@@ -70,7 +71,7 @@ _DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "bfloat16": "bfloat16"
 
 
 @dataclass(frozen=True)
-class RawBuffer:
+class SGLangBuffer:
     """One engine buffer as SGLang describes it: a device address, its size in
     bytes and the bytes of one item (a page for KV and state, a row for aux)."""
 
@@ -83,6 +84,10 @@ class RawBuffer:
         """Whole items in the buffer (pages or rows)."""
         return self.nbytes // self.item_bytes if self.item_bytes else 0
 
+    def raw(self, device: str) -> RawBuffer:
+        """The whole items of the buffer, as kvbridge takes them."""
+        return RawBuffer(self.ptr, self.capacity * self.item_bytes, device)
+
 
 @dataclass(frozen=True)
 class PoolBuffers:
@@ -90,7 +95,7 @@ class PoolBuffers:
 
     name: str
     layer_ids: tuple[int, ...]
-    buffers: tuple[RawBuffer, ...]
+    buffers: tuple[SGLangBuffer, ...]
 
     @property
     def bytes_per_page(self) -> int:
@@ -110,7 +115,7 @@ class AuxBuffer:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    buffer: RawBuffer
+    buffer: SGLangBuffer
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,7 @@ def read_kv_args(
             "they must be equal and non-empty",
             field="kv_data_ptrs",
         )
-    buffers = [RawBuffer(p, n, i) for p, n, i in zip(ptrs, lens, items)]
+    buffers = [SGLangBuffer(p, n, i) for p, n, i in zip(ptrs, lens, items)]
     num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
     if not 0 <= num_draft < len(buffers):
         raise ConfigError(f"num_draft_entries {num_draft} of {len(buffers)} KV entries", field="num_draft_entries")
@@ -236,7 +241,7 @@ def read_metadata_buffers(
             expected = f"{width} x {dtype}" if width is not None else f"a multiple of {size} ({dtype})"
             raise ConfigError(f"aux region {name}: {item} bytes per row, expected {expected}",
                               field=f"aux.{name}")  # fmt: skip
-        buf = RawBuffer(ptr, nbytes, item)
+        buf = SGLangBuffer(ptr, nbytes, item)
         if rows is not None and buf.capacity != rows:
             raise ConfigError(f"aux region {name}: {buf.capacity} rows, the regions before it {rows}",
                               field=f"aux.{name}")  # fmt: skip
@@ -279,8 +284,10 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
 
 def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
     """``PoolSpec``s for the geometries kvbridge knows: DeepSeek MLA in bf16
-    (1152 B/token) or fp8 with scales (656 B/token), the NSA index K (128 fp8
-    values then 4 scale bytes per token) and plain k/v pools in bf16/fp16/fp32.
+    (1152 B/token), fp8 with scales (656 B/token: V3.2's DSA pool) or plain fp8
+    (576 B/token: SGLang's MLA pool for V3, one scale per tensor), the NSA index K
+    (128 fp8 values then 4 scale bytes per token) and plain k/v pools in
+    bf16/fp16/fp32/fp8.
     Anything else raises ``ConfigError``: describe it with ``PoolSpec`` yourself."""
     dtype = _DTYPE_ALIASES.get(cache.kv_cache_dtype.lower())
     out = {}
@@ -296,8 +303,10 @@ def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
                                  kernel_abi="nsa-index-k-fp8-uint8", **geometry)  # fmt: skip
         elif cache.is_mla and dtype == "bfloat16" and per_token == 1152:
             out[name] = PoolSpec(dtype="bfloat16", abi="bfloat16", kernel_abi="mla-bf16", **geometry)
-        elif cache.is_mla and dtype == "fp8_e4m3" and per_token == 656:
+        elif cache.is_mla and dtype == "fp8_e4m3" and per_token == 656:  # DSA (V3.2): FlashMLA's fp8 with scales
             out[name] = PoolSpec(dtype="fp8_e4m3_with_scale", abi="uint8", kernel_abi="mla-fp8-656", **geometry)
+        elif cache.is_mla and dtype in ("fp8_e4m3", "fp8_e5m2") and per_token == 576:  # V3: one fp8 per value
+            out[name] = PoolSpec(dtype=dtype, abi="uint8", kernel_abi=f"mla-{dtype}-576", **geometry)
         elif not cache.is_mla and dtype in ("bfloat16", "float16", "float32") and name != INDEX:
             out[name] = PoolSpec(dtype=dtype, abi=dtype, **geometry)
         elif not cache.is_mla and dtype in ("fp8_e4m3", "fp8_e5m2") and name != INDEX:
@@ -314,7 +323,7 @@ def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _pool(name: str, layer_ids: tuple[int, ...], buffers: Sequence[RawBuffer], page_size: int) -> PoolBuffers:
+def _pool(name: str, layer_ids: tuple[int, ...], buffers: Sequence[SGLangBuffer], page_size: int) -> PoolBuffers:
     sizes = {b.item_bytes for b in buffers}
     if len(sizes) != 1:
         raise ConfigError(f"pool {name!r}: its layers have different page sizes in bytes {sorted(sizes)}",
@@ -353,7 +362,7 @@ def _index_pool(
             f"{len(draft_ids)} draft layers",
             field="state_data_ptrs",
         )
-    kept = [(lid, RawBuffer(p, n, i)) for lid, p, n, i in zip(ids, ptrs, lens, items) if i > 0]
+    kept = [(lid, SGLangBuffer(p, n, i)) for lid, p, n, i in zip(ids, ptrs, lens, items) if i > 0]
     if not kept:
         return None
     return _pool(INDEX, tuple(lid for lid, _ in kept), [b for _, b in kept], page_size)

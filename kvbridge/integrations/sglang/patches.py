@@ -91,6 +91,15 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_BASE}.BaseKVReceiver.abort": ("self",),
     f"{_BASE}.BaseKVBootstrapServer.__init__": ("self", "host", "port"),
     f"{_COMMON}.KVTransferError.__init__": ("self", "bootstrap_room", "failure_reason", "is_from_another_rank"),
+    f"{_COMMON}.PrefillServerInfo.__init__": ("self", "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size",
+                                              "kv_cache_dtype", "follow_bootstrap_room", "enable_dsa_cache_layer_split",
+                                              "dsv41_spec_layout", "kv_layout", "decode_allocation_policy",
+                                              "enable_kv_cache_sharding", "prefill_http_port", "target_tp_rank",
+                                              "target_tp_ranks", "target_cp_ranks", "target_pp_ranks",
+                                              "required_dst_info_num", "required_prefill_response_num"),
+    f"{_BASE}.KVTransferMetric.__init__": ("self", "transfer_latency_s", "alloc_latency_s", "transfer_total_bytes"),
+    "sglang.srt.runtime_context.get_parallel": (),
+    "sglang.srt.utils.network.get_local_ip_auto": ("fallback",),
     f"{_UTILS}.MetadataBuffers.get_buf_infos": ("self",),
     f"{_CHOICES}.add_disagg_transfer_backend_choices": ("iterable",),
     "sglang.srt.plugins.load_plugins": (),
@@ -120,6 +129,13 @@ KVARGS_FIELDS = (
     "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids", "kv_cache_dtype_str",
     "aux_data_ptrs", "aux_data_lens", "aux_item_lens", "state_types", "state_data_ptrs", "state_data_lens",
     "state_item_lens", "page_size", "pp_rank", "prefill_start_layer", "num_draft_entries", "ib_device", "gpu_id",
+)  # fmt: skip
+
+# SGLang's PD environment variables the backend reads (settings.py).
+SGLANG_ENVS = (
+    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
+    "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
 )  # fmt: skip
 
 # MetadataBuffers' constructor: the aux regions follow from these.
@@ -251,6 +267,13 @@ def interface_differences() -> list[str]:
     elif _params(metadata) != METADATA_INIT:
         out.append(f"{_UTILS}.MetadataBuffers.__init__ takes ({', '.join(_params(metadata) or ())}), "
                    f"expected ({', '.join(METADATA_INIT)}): the aux regions would not be the ones kvbridge maps")
+    envs, err = _resolve("sglang.srt.environ.envs")
+    if err:
+        out.append(err)
+    else:
+        missing_envs = [name for name in SGLANG_ENVS if not hasattr(envs, name)]
+        if missing_envs:
+            out.append(f"sglang.srt.environ.envs lacks {missing_envs}")
     out.extend(_transfer_backend_differences())
     choices, err = _resolve(f"{_CHOICES}.DISAGG_TRANSFER_BACKEND_CHOICES")
     if err:

@@ -7,6 +7,7 @@ byte for byte, logit for logit and token for token.
     paged.py      a rank's paged pools, page allocator, CP rank writer (owned pages only)
     runner.py     prefill (one shot or chunked) -> pages; pages -> cache; greedy decode
     check.py      bytes equal, poison intact, logits bit-equal, tokens equal
+    rank.py       one rank: model + pools + paged buffers + contract (contract_for) + aux row
 
 ``import kvbridge`` never imports this package; this package imports torch, and
 transformers (an optional extra, ``pip install kvbridge[model]``) only when a
@@ -19,6 +20,7 @@ from kvbridge.integrations.transformers.check import (
     check_request,
     colocated_rows,
     compare_pages,
+    rows_diff,
     untouched_bytes,
 )
 from kvbridge.integrations.transformers.geometry import (
@@ -50,14 +52,17 @@ from kvbridge.integrations.transformers.paged import (
     RankWriter,
     slots_of,
 )
+from kvbridge.integrations.transformers.rank import ModelRank, aux_values, model_aux_schema, model_contract
 from kvbridge.integrations.transformers.runner import Decoded, Prefilled, decode, prefill, read_rows, rebuild_caches
 
 __all__ = [
     "DST_POISON",
     "GQA",
     "MLA",
+    "ModelRank",
     "SRC_STALE",
     "TINY_MODELS",
+    "aux_values",
     "CacheGeometry",
     "ChunkKV",
     "Decoded",
@@ -78,12 +83,15 @@ __all__ = [
     "layer_tensors",
     "load_model",
     "merge_head_rows",
+    "model_aux_schema",
+    "model_contract",
     "model_identity",
     "model_pools",
     "pools_of",
     "prefill",
     "read_rows",
     "rebuild_caches",
+    "rows_diff",
     "slots_of",
     "tiny_model_dir",
     "untouched_bytes",

@@ -56,6 +56,26 @@ def compare_pages(geom: CacheGeometry, paged: PagedKV, page_table: np.ndarray, p
     return None
 
 
+def rows_diff(expected: dict[str, torch.Tensor], received: dict[str, torch.Tensor], page_size: int) -> str | None:
+    """``None`` when ``received`` rows (``[layers, tokens, row]`` per pool, read back from a
+    decode rank's pages) are byte for byte the ``expected`` (``colocated_rows``); else the first
+    difference, by pool, layer index, token and byte."""
+    for pool, want in expected.items():
+        got = received.get(pool)
+        if got is None:
+            return f"pool {pool!r}: no rows received"
+        w, g = want.contiguous().view(torch.uint8).cpu(), got.contiguous().view(torch.uint8).cpu()
+        if w.shape != g.shape:
+            return f"pool {pool!r}: received rows {tuple(g.shape)}, the colocated cache {tuple(w.shape)}"
+        diff = (w != g).nonzero()
+        if len(diff):
+            layer, token, byte = (int(x) for x in diff[0])
+            return (f"pool {pool!r} layer index {layer} token {token} (logical page {token // page_size}, row "
+                    f"{token % page_size}) byte {byte}: {int(g[layer, token, byte]):#04x} received, "
+                    f"{int(w[layer, token, byte]):#04x} colocated")
+    return None
+
+
 def untouched_bytes(paged: PagedKV, tables: Sequence[np.ndarray], num_tokens: Sequence[int], fill: int) -> str | None:
     """``None`` when every byte outside the valid rows of the given requests
     still holds ``fill`` (partial-page tails, unused pages); else the first that does not."""

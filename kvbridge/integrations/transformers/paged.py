@@ -107,6 +107,36 @@ class PagedKV:
         self._check_slots(pool, slots)
         return view[:, slots.to(view.device)]
 
+    def page_view(self, pool: str) -> torch.Tensor:
+        """``[layers, pages, page_bytes]`` uint8 of a pool (a view)."""
+        store = self._store[pool]
+        return store.view(torch.uint8).view(store.shape[0], store.shape[1], -1)
+
+    def fill_pages(self, pages: np.ndarray, fill: int) -> None:
+        """Every byte of physical ``pages`` in every pool and layer becomes ``fill`` (poisoning
+        pages a room gave back, so the next room's checks see any late or stray write)."""
+        index = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+        for pool in self.specs:
+            view = self.page_view(pool)
+            view[:, index.to(view.device)] = fill
+
+    def first_unfilled(self, pages: np.ndarray, fill: int, tokens: int = 0) -> str | None:
+        """``None`` when every byte of ``pages`` (physical, in logical order) past the first
+        ``tokens`` rows of the request still holds ``fill``; else where the first one does not."""
+        pages = np.asarray(pages, dtype=np.int64)
+        for pool, spec in self.specs.items():
+            view = self.byte_view(pool)
+            slots = (pages[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1)[tokens:]
+            rest = view[:, torch.as_tensor(slots).to(view.device)].cpu()
+            bad = (rest != fill).nonzero()
+            if len(bad):
+                layer, k, byte = (int(x) for x in bad[0])
+                slot = int(slots[k])
+                return (f"pool {pool!r} layer {spec.layer_ids[layer]} page {slot // spec.page_size} row "
+                        f"{slot % spec.page_size} byte {byte} is {int(rest[layer, k, byte]):#04x}, expected "
+                        f"untouched {fill:#04x}")
+        return None
+
     def _check_slots(self, pool: str, slots: torch.Tensor) -> None:
         num_slots = self.capacity_pages * self.specs[pool].page_size
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):

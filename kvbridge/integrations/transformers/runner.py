@@ -21,7 +21,7 @@ records its logits: they can only be bit-equal if the draft pages arrived intact
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,9 +82,12 @@ def prefill(
     *,
     chunk_size: int | None = None,
     writers: Sequence[RankWriter] = (),
+    on_step: Callable[[Sequence[ChunkKV], Mapping[int, Prefilled]], None] | None = None,
 ) -> list[Prefilled]:
     """Prefill every prompt, ``chunk_size`` tokens per step (one shot without);
-    after each step of the batch every writer pages the rows it owns."""
+    after each step of the batch every writer pages the rows it owns, then
+    ``on_step(chunks, done)`` runs (``done``: requests whose last chunk ran so far):
+    where an engine sends the pages a step completed."""
     if chunk_size is not None and chunk_size < 1:
         raise kvb.ConfigError(f"chunk_size must be positive, got {chunk_size}", field="chunk_size")
     device = lm.device
@@ -103,6 +106,8 @@ def prefill(
                 chunks.append(_prefill_chunk(lm, q, prompt, start, stop, *caches[q], done))
         for writer in writers:
             writer.write(chunks)
+        if on_step is not None:
+            on_step(chunks, done)
     return [done[q] for q in range(len(ids))]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.errors import ConfigError, EngineError
+from kvbridge.layout.buffers import RawBuffer
 from kvbridge.transfer.engine.base import TransferEngine, WriteState, WriteStatus
 from kvbridge.transfer.engine.local import Faults, LocalEngine, LocalFabric
 
@@ -97,7 +98,10 @@ def create_engine(
 
 
 def tensor_region(buf: Any) -> tuple[int, int]:
-    """``(ptr, nbytes)`` of a contiguous torch tensor (CPU or CUDA) or numpy array, for ``register``."""
+    """``(ptr, nbytes)`` of a contiguous torch tensor (CPU or CUDA), numpy array or ``RawBuffer``,
+    for ``register``."""
+    if isinstance(buf, RawBuffer):
+        return buf.ptr, buf.nbytes
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor, without importing torch
         if not buf.is_contiguous():
             raise EngineError(f"cannot register a non-contiguous tensor of shape {tuple(buf.shape)}", field="buffer")

@@ -21,6 +21,7 @@ def test_help_works_without_importing_sglang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "kvbridge sglang -- --model-path" in out.stdout and "pip install 'sglang==0.5.23'" in out.stdout
+    assert "KVBRIDGE_BOOTSTRAP_URL" in out.stdout and "KVBRIDGE_INSTANCE" in out.stdout  # the environment table
     assert out.stdout.rstrip().endswith("False")  # SGLang was not imported
 
 

@@ -77,6 +77,16 @@ def test_pool_specs_match_the_deepseek_presets():
         assert check_against_contract(cache, contract) == pool_specs(cache)
 
 
+def test_sglangs_v3_fp8_pool_is_plain_fp8_not_the_656_byte_preset():
+    """SGLang stores V3 (no DSA) in fp8 as 576 bytes per token (one scale per tensor); only its DSA
+    pool (V3.2) uses FlashMLA's 656-byte fp8-with-scales rows, which kvbridge's fp8 presets describe."""
+    cache = read_kv_args(kv_args(layers=4, draft=1, item=576 * PS, dtype="fp8_e4m3", index=False), is_mla=True)
+    spec = pool_specs(cache)["target"]
+    assert (spec.dtype, spec.abi, spec.bytes_per_token, spec.kernel_abi) == ("fp8_e4m3", "uint8", 576, "mla-fp8_e4m3-576")
+    with pytest.raises(ConfigError, match="36864 bytes, the contract.s 41984"):
+        check_against_contract(cache, contract_from_preset("deepseek-v3-fp8", num_layers=4, page_size=PS, draft_layers=1))
+
+
 def test_draft_index_k_is_not_in_the_v32_preset():
     """SGLang appends the NextN draft's index K (a DSATokenToKVPool) to the DSA state;
     kvbridge's deepseek-v3.2 preset has index K for the target layers only."""

@@ -1,0 +1,31 @@
+"""``kvbridge chaos``: faults injected into a local cluster under traffic, and what came of them.
+
+    run.py      ChaosSpec (``quick`` fits a 2-core CI budget), run_chaos(spec) -> report dict,
+                format_report(report)
+    cluster.py  the daemon, a CP prefill instance and a decode rank as restartable processes
+    traffic.py  rooms through them over the ops channel
+    faults.py   one fault injected during traffic, and its accounting
+    engine.py   FaultyEngine: a worker's engine that fails writes on SIGUSR1
+    names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors
+
+The report's ``faults`` list has one entry per fault with at least ``fault``,
+``rooms_affected``, ``seconds_to_failed``, ``reason_names_rank``, ``rooms_after_recovery``
+and ``late_writes``; ``ok`` is False when any fault misbehaved or no fault hit a moment
+with writes in flight. Importing this package is light; ``run`` pulls in the workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.chaos.names import FAULTS
+
+__all__ = ["ChaosSpec", "FAULTS", "run_chaos", "format_report"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ChaosSpec", "run_chaos", "format_report"):
+        from kvbridge.chaos import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'kvbridge.chaos' has no attribute {name!r}")

@@ -1,0 +1,84 @@
+"""``FaultyEngine``: a transfer engine that fails writes on demand, for ``kvbridge chaos``.
+
+It wraps a real engine (Mooncake in the chaos cluster). A worker started with
+``--chaos-failed-writes N`` wraps its engine in one and arms it on SIGUSR1: the next N
+``submit_write`` calls fail as a failing Mooncake batch would (``FAILED`` with a reason,
+nothing written), every other call goes to the real engine untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvbridge.errors import EngineError
+from kvbridge.transfer.engine import TransferEngine, WriteStatus
+
+__all__ = ["FaultyEngine", "INJECTED"]
+
+INJECTED = "injected transfer-engine error (kvbridge chaos)"
+
+
+class FaultyEngine(TransferEngine):
+    def __init__(self, inner: TransferEngine, failures_per_arm: int) -> None:
+        self.inner = inner
+        self.failures_per_arm = failures_per_arm
+        self.max_slices_per_call = inner.max_slices_per_call
+        self.injected = 0  # writes failed so far
+        self._armed = 0
+        self._lock = threading.Lock()
+        self._failed: set[int] = set()
+        self._ids = itertools.count(-1, -1)  # the real engines' handles are positive
+        self._notify: Callable[[], None] | None = None
+
+    def arm(self) -> None:
+        """Fail the next ``failures_per_arm`` writes (signal-safe: no I/O, one lock)."""
+        with self._lock:
+            self._armed = self.failures_per_arm
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.inner.register(ptr, nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+        with self._lock:
+            fail = self._armed > 0
+            if fail:
+                self._armed -= 1
+                self.injected += 1
+                handle = next(self._ids)
+                self._failed.add(handle)
+        if not fail:
+            return self.inner.submit_write(session, src, dst, length)
+        if self._notify is not None:
+            self._notify()  # final at once: wake whoever collects completions
+        return handle
+
+    def poll(self, handle: int) -> WriteStatus:
+        if handle < 0:
+            with self._lock:
+                self._failed.discard(handle)
+            return WriteStatus.failed(f"{INJECTED}: write of handle {handle} refused")
+        return self.inner.poll(handle)
+
+    def wait(self, handle: int, timeout: float) -> None:
+        if handle < 0:
+            self.poll(handle)
+            raise EngineError(f"{INJECTED}: write of handle {handle} refused")
+        self.inner.wait(handle, timeout)
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        self._notify = callback
+        self.inner.set_notify(callback)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,62 @@
+"""The runtime contract of an SGLang rank, from what it registers.
+
+Built with ``kvbridge.contract_for`` from the pools and aux regions ``kvargs``
+reads out of ``KVArgs``, so prefill and decode servers started with the same
+model and KV settings build the same contract without sharing a file:
+
+    model        --served-model-name (else --model-path), --revision, target / draft layers
+    pools        kvargs.pool_specs: MLA target (+ draft), NSA index K, or k/v pools
+    cp_rule      prefill: its CP mode (cp_modes.lane_rule); decode: the prefill instance's
+    kernel       "sglang-<version>" with SGLang's KV byte layout tag (KVArgs.kv_layout)
+    speculative  --speculative-algorithm, the hidden state's width and dtype, --speculative-eagle-topk
+    aux          every MetadataBuffers field, in SGLang's order, bootstrap_room as "room"
+
+``KVBRIDGE_CONTRACT`` names a contract file to use instead; it is checked against
+the pools SGLang registered (``kvargs.check_against_contract``) and the aux regions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbridge import AuxRegion, AuxSchema, ConfigError, PoolSpec, RuntimeContract, contract_for
+from kvbridge.integrations.sglang.kvargs import SGLangCache, check_against_contract, pool_specs
+from kvbridge.integrations.sglang.settings import Settings
+
+
+def aux_schema(cache: SGLangCache) -> AuxSchema:
+    """The aux row: one region per MetadataBuffers field, in SGLang's order."""
+    return AuxSchema(tuple(AuxRegion(a.name, a.dtype, a.shape) for a in cache.aux))
+
+
+def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_layout: str | None,
+                  sglang_version: str) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
+    """``(specs, aux schema, contract)`` of one rank; ConfigError naming the field when SGLang's
+    pools do not fit the contract file."""
+    schema = aux_schema(cache)
+    if settings.contract_path:
+        try:
+            contract = RuntimeContract.model_validate_json(Path(settings.contract_path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: not a runtime contract ({exc})",
+                              field="KVBRIDGE_CONTRACT") from None
+        specs = check_against_contract(cache, contract)
+        if contract.aux.to_schema() != schema:
+            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: its aux regions "
+                              f"{list(contract.aux.to_schema().names)} are not SGLang's metadata buffers "
+                              f"{list(schema.names)}: the first token and the draft state would land in the wrong "
+                              "bytes", field="aux.regions")
+        return specs, schema, contract
+    specs = pool_specs(cache)
+    target = specs.get("target") or specs["k"]
+    draft = specs.get("draft") or specs.get("draft_k")
+    model = {"name": settings.model_name, "revision": settings.revision, "target_layers": target.num_layers,
+             "draft_layers": draft.num_layers if draft else 0}
+    hidden = schema.region("output_hidden_states")
+    speculative = None
+    if settings.spec_algorithm != "none":
+        speculative = {"algorithm": settings.spec_algorithm, "hidden_size": hidden.count, "hidden_dtype": hidden.dtype,
+                       "topk": settings.spec_topk}
+    kernel = {"attention_backend": f"sglang-{sglang_version}", "abi": f"kv_layout={kv_layout or 'default'}"}
+    contract = contract_for(specs, model=model, aux=schema, lane_rule=lane_rule, kernel=kernel, speculative=speculative)
+    return specs, schema, contract

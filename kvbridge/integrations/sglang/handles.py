@@ -1,0 +1,103 @@
+"""What SGLang's sender and receiver share on kvbridge: one room handle, a local failure
+and its reason, the retry of a room id still draining, and SGLang's error.
+
+    open      ep.sender(room) / ep.receiver(room, ...); RoomInUse on a draining id (the previous
+              room's writes are still in flight) is retried from poll() for the bootstrap timeout
+    fail      a local failure (a request kvbridge cannot move): the reason, and the handle aborted
+    raise     failure_exception(): SGLang's KVTransferError, naming this rank and the cause; a rank
+              that did not fail itself says so (is_from_another_rank: the MIN of its peers failed)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+
+from kvbridge import KVBridgeError, RoomInUse
+
+log = logging.getLogger(__name__)
+
+
+class RoomHandle:
+    """Mixed into ``KVBridgeKVSender`` / ``KVBridgeKVReceiver`` (before SGLang's base class)."""
+
+    role = ""  # "prefill" | "decode"
+
+    def _start(self, mgr: Any, room: int) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(room)
+        self.conclude_state: int | None = None
+        self._handle: Any = None  # kvbridge's KVSender / KVReceiver
+        self._failure: str | None = None
+        self._retry_until = 0.0  # a draining room id is retried from poll() until then
+
+    @property
+    def label(self) -> str:
+        return self.kv_mgr.settings.label
+
+    def _open_with(self, open_room: Callable[[], Any]) -> None:
+        try:
+            self._handle = open_room()
+            self._retry_until = 0.0
+        except RoomInUse as exc:
+            timeout = self.kv_mgr.settings.bootstrap_timeout
+            if not exc.draining:
+                self.fail(str(exc))
+            elif not self._retry_until:
+                self._retry_until = time.monotonic() + timeout
+            elif time.monotonic() > self._retry_until:
+                self.fail(f"{exc} (still draining after {timeout:.0f}s)")
+        except KVBridgeError as exc:
+            self.fail(str(exc))
+
+    @property
+    def _retrying(self) -> bool:
+        return self._handle is None and self._failure is None and bool(self._retry_until)
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    idle_state = KVPoll.Bootstrapping  # what a rank reports with no kvbridge room (yet, or at all)
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._retrying:
+            self._open()
+        if self._handle is None:
+            if self._failure is not None:
+                return int(KVPoll.Failed)
+            return int(KVPoll.Bootstrapping if self._retrying else self.idle_state)
+        return self._room_state()
+
+    def _room_state(self) -> int:
+        return int(self._handle.poll())
+
+    def fail(self, reason: str) -> None:
+        """Fail the request on this rank with ``reason``; kvbridge stops its writes first."""
+        if self._failure is None:
+            self._failure = reason
+            log.warning("room %d on %s: %s", self.bootstrap_room, self.label, reason)
+        if self._handle is not None:
+            self._handle.abort(reason)
+
+    def abort(self) -> None:
+        self.fail("aborted by SGLang (AbortReq)")
+
+    def clear(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+    def failure_exception(self) -> None:
+        reason = self._failure or (self._handle.failure_reason if self._handle is not None else None)
+        self.conclude_state = int(KVPoll.Failed)
+        self.clear()
+        if reason is None:
+            raise KVTransferError(self.bootstrap_room, f"failed on another rank (kvbridge {self.role} rank "
+                                  f"{self.label} itself did not fail)", is_from_another_rank=True)  # fmt: skip
+        raise KVTransferError(self.bootstrap_room, f"kvbridge {self.role} rank {self.label}: {reason}")

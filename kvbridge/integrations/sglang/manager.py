@@ -1,0 +1,239 @@
+"""``KVBridgeKVManager``: one per SGLang scheduler rank; owns the rank's kvbridge endpoint(s).
+
+SGLang builds it in ``PrefillBootstrapQueue._init_kv_manager`` /
+``DecodePreallocQueue._init_kv_manager`` with the rank's ``KVArgs``. Here the
+translation happens once: ``KVArgs`` -> pools, buffers (``RawBuffer``) and aux
+regions (``kvargs``), server arguments and ranks -> ``Settings``, both -> the
+runtime contract.
+
+    prefill   an endpoint when this rank sends (attention TP rank 0 of each CP rank, or
+              each rank of a KV shard group), registered at the prefill's daemon as
+              (dp, cp); the other TP ranks send nothing and report what their peers do
+    decode    one endpoint per bootstrap daemon, made on the first request toward it
+              (``try_ensure_parallel_info``): a cluster daemon, or the daemon of each
+              prefill instance; its contract takes the prefill instance's lane rule
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import BaseKVManager
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+from kvbridge import (
+    BootstrapClient,
+    BootstrapUnavailable,
+    ConfigError,
+    DecodeConfig,
+    DecodeEndpoint,
+    InstanceIncomplete,
+    KVBridgeError,
+    PrefillConfig,
+    PrefillEndpoint,
+    PrefillInfo,
+    RawBuffer,
+    create_engine,
+)
+from kvbridge.integrations.sglang.contract import rank_contract
+from kvbridge.integrations.sglang.kvargs import SGLangCache, read_kv_args
+from kvbridge.integrations.sglang.patches import sglang_version
+from kvbridge.integrations.sglang.settings import Settings, read_settings
+
+log = logging.getLogger(__name__)
+
+DAEMON_WAIT_S = 120.0  # the prefill daemon starts beside the scheduler (TokenizerManager): wait this long
+
+
+class KVBridgeKVManager(BaseKVManager):
+    """One SGLang rank's kvbridge side. ``endpoint`` (prefill) is None on a rank that sends
+    nothing; decode endpoints come per daemon, see the module docstring."""
+
+    supports_host_destination = False
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: Any = False) -> None:
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        role = getattr(disaggregation_mode, "value", disaggregation_mode)
+        if role not in ("prefill", "decode"):
+            raise ConfigError(f"disaggregation mode {role!r}: the kvbridge backend serves prefill or decode",
+                              field="disaggregation_mode")
+        self.settings: Settings = read_settings(role, server_args, self.is_mla_backend,
+                                                gpu_id=int(getattr(args, "gpu_id", 0) or 0))
+        s = self.settings
+        self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
+                                               hidden_dtype=s.hidden_dtype)
+        self.page_size = self.cache.page_size
+        # what SGLang's schedulers read on a manager
+        self.attn_cp_rank, self.attn_cp_size = s.cp_rank, s.cp_size
+        self.enable_all_cp_ranks_for_transfer = False  # consulted only with host-tensor page indices
+        self.is_dummy_cp_rank = role == "prefill" and s.lane_rule == "replicated" and s.cp_rank != 0
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self.endpoint: PrefillEndpoint | None = None
+        self._clients: dict[str, BootstrapClient] = {}
+        self._endpoints: dict[str, DecodeEndpoint] = {}  # decode: per daemon URL
+        self._instances: dict[str, tuple[str, str]] = {}  # decode: bootstrap address -> (daemon URL, instance)
+        self._resolving: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._creating = threading.Lock()  # decode endpoints are made on pool threads
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
+        atexit.register(self.close)
+        if role == "prefill":
+            self._start_prefill()
+        log.info("kvbridge %s rank %s ready (lane rule %s%s)", role, s.label, s.lane_rule,
+                 "" if s.sends else ", sends nothing")
+
+    # -- both roles ---------------------------------------------------------------------
+
+    def register_to_bootstrap(self) -> None:
+        """Registration happens when an endpoint starts (prefill: now; decode: per daemon)."""
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return True
+
+    def buffers(self) -> tuple[dict[tuple[str, int], RawBuffer], dict[str, RawBuffer]]:
+        """This rank's pool buffers and aux regions as kvbridge takes them."""
+        kv = {(p.name, layer): b.raw(self.settings.kv_device) for p in self.cache.pools.values()
+              for layer, b in zip(p.layer_ids, p.buffers)}
+        aux_device = "cpu"  # MetadataBuffers: host memory (decode refuses SGLang's NVLink pool, settings.py)
+        return kv, {a.name: a.buffer.raw(aux_device) for a in self.cache.aux}
+
+    def contract(self, lane_rule: str) -> tuple[Any, Any, Any]:
+        return rank_contract(self.cache, self.settings, lane_rule=lane_rule,
+                             kv_layout=getattr(self.kv_args, "kv_layout", None), sglang_version=sglang_version())
+
+    def client(self, url: str) -> BootstrapClient:
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = BootstrapClient(url, token=self.settings.token or None)
+            return self._clients[url]
+
+    def engine(self) -> Any:
+        s = self.settings
+        return create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+
+    def close(self) -> None:
+        """Stop the endpoints and deregister (process exit; SGLang never closes a manager)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            endpoints = [*self._endpoints.values(), *([self.endpoint] if self.endpoint else [])]
+            self._endpoints, self.endpoint = {}, None
+        for ep in endpoints:
+            try:
+                ep.close(timeout=2.0)
+            except KVBridgeError as exc:
+                log.warning("closing %s: %s", ep.config.rank_label, exc)
+        for c in self._clients.values():
+            c.close()
+        self._clients = {}
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def _start_prefill(self) -> None:
+        s = self.settings
+        specs, schema, contract = self.contract(s.lane_rule)
+        if not s.sends:
+            return
+        client = self.client(s.daemon_url)
+        _wait_for_daemon(client, s.daemon_url, DAEMON_WAIT_S)
+        kv, aux = self.buffers()
+        cfg = PrefillConfig(instance=s.instance, dp_rank=s.dp_rank, cp_rank=s.cp_rank, dp_size=s.dp_size,
+                            cp_size=s.cp_size, lane_rule=s.lane_rule, host=s.host, secret=s.secret,
+                            lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
+                            aux_slots=1)  # fmt: skip
+        self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)
+        self.endpoint.start()
+
+    # -- decode: the prefill instance of a bootstrap address --------------------------------
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's decode scheduler asks this (every second, a bounded number of times) before it
+        resolves a request's prefill DP rank: True once the prefill instance at ``bootstrap_addr``
+        is known and this rank has an endpoint at its daemon. The daemon is asked off the
+        scheduler thread; the first calls start that and return False."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        with self._lock:
+            fut = self._resolving.get(bootstrap_addr)
+            if fut is None:
+                self._resolving[bootstrap_addr] = self._pool.submit(self._resolve, bootstrap_addr)
+                return False
+            if not fut.done():
+                return False
+            del self._resolving[bootstrap_addr]
+        try:
+            url, info = fut.result()
+        except KVBridgeError as exc:
+            log.warning("kvbridge decode rank %s: prefill at %s not ready: %s", self.settings.label, bootstrap_addr, exc)
+            return False
+        self._instances[bootstrap_addr] = (url, info.instance)
+        # follow_bootstrap_room: kvbridge's look-up picks room % dp_size when no DP rank is given
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=info.tp_size, attn_cp_size=info.cp_size, dp_size=info.dp_size, pp_size=info.pp_size,
+            page_size=self.page_size, kv_cache_dtype=self.cache.kv_cache_dtype, follow_bootstrap_room=True)
+        return True
+
+    def _resolve(self, bootstrap_addr: str) -> tuple[str, PrefillInfo]:
+        url, instance = self.settings.daemon_for(bootstrap_addr)
+        info = PrefillInfo.lookup(self.client(url), instance)
+        if not info.complete:
+            raise InstanceIncomplete(f"prefill instance {info.instance!r} at {url}: not every rank registered yet",
+                                     field="instance")
+        self._decode_endpoint(url, info.lane_rule)
+        return url, info
+
+    def _decode_endpoint(self, url: str, lane_rule: str) -> DecodeEndpoint:
+        """The endpoint at daemon ``url``; its contract takes the prefill instance's lane rule
+        (decode has no CP mode of its own: the look-up tells it who owns which page)."""
+        with self._creating:  # one endpoint per daemon, however many prefill instances resolve to it at once
+            with self._lock:
+                ep = self._endpoints.get(url)
+            if ep is not None:
+                return ep
+            s = self.settings
+            specs, schema, contract = self.contract(lane_rule)
+            kv, aux = self.buffers()
+            cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
+                               tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
+                               waiting_timeout=s.bootstrap_timeout, transfer_timeout=s.waiting_timeout,
+                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl)  # fmt: skip
+            ep = DecodeEndpoint(cfg, self.engine(), specs, kv, contract, self.client(url), aux, schema)
+            ep.start()
+            with self._lock:
+                self._endpoints[url] = ep
+            return ep
+
+    def receiver_endpoint(self, bootstrap_addr: str) -> tuple[DecodeEndpoint, str] | None:
+        """The endpoint and prefill instance of a bootstrap address, once resolved."""
+        found = self._instances.get(bootstrap_addr)
+        if found is None:
+            return None
+        url, instance = found
+        with self._lock:
+            ep = self._endpoints.get(url)
+        return None if ep is None else (ep, instance)
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
+        """PD retraction rebootstrap: not supported; the receiver fails, naming it."""
+        kv_receiver.fail("PD retraction rebootstrap (a prefill recompute) is not supported by kvbridge's backend")
+
+
+def _wait_for_daemon(client: BootstrapClient, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.health()
+            return
+        except BootstrapUnavailable:
+            if time.monotonic() > deadline:
+                raise BootstrapUnavailable(f"no kvbridge bootstrap daemon at {url} after {timeout:.0f}s (the prefill "
+                                           "server starts one on --disaggregation-bootstrap-port, or set "
+                                           "KVBRIDGE_BOOTSTRAP_URL to a cluster daemon)", field="bootstrap") from None
+            time.sleep(0.5)

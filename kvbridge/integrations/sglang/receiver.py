@@ -1,0 +1,100 @@
+"""``KVBridgeKVReceiver``: one request on one SGLang decode rank, on a kvbridge ``KVReceiver``.
+
+SGLang's decode scheduler drives it (``DecodePreallocQueue.add`` ->
+``_resolve_pending_reqs`` / ``_init_receiver`` -> ``_update_handshake_waiters`` ->
+``pop_preallocated`` / ``_send_kv_metadata`` -> ``DecodeTransferQueue.pop_transferred``),
+and all-reduces every attention TP rank's ``poll()`` with MIN:
+
+    SGLang                                          kvbridge
+    __init__(mgr, bootstrap_addr, room)             nothing yet: the prefill instance may be unknown
+    init(prefill_dp_rank)                           ep.receiver(room, instance, dp_rank) at the daemon
+                                                    of bootstrap_addr (manager.try_ensure_parallel_info)
+    send_metadata(page ids, aux_index, state,       receiver.init(page ids, aux_index, first_page=
+                  decode_prefix_len)                prefix // page_size): pages only, no token count
+    poll()                                          poll(), but Failed only once pages_releasable
+    failure_exception() / abort() / clear()         KVTransferError(room, reason) / abort() / close()
+
+Hard rule 6: SGLang frees a request's pages (and its metadata row) as soon as it
+sees Failed, so a failed room reads Transferring until no write of it can land;
+prefill reports a failure to one decode rank only once nothing of the room is in
+flight to any (the TP ranks' MIN makes one rank's Failed everyone's). A decode
+prefix must be whole pages (kvbridge moves pages); the DSA state (index K) must be
+the KV's own pages (hard rule 3); anything else fails the room, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransferDestination, StateType
+
+from kvbridge import KVBridgeError
+from kvbridge.integrations.sglang.handles import RoomHandle
+
+
+class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
+    role = "decode"
+
+    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None) -> None:
+        self._start(mgr, int(bootstrap_room or 0))
+        self.bootstrap_addr = bootstrap_addr
+        self.require_staging = False
+        self.abort_notified = False
+        self._prefill_dp_rank: int | None = None
+
+    # -- SGLang's calls -------------------------------------------------------------------
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self._failure is not None:
+            return
+        self._prefill_dp_rank = int(prefill_dp_rank)
+        self._open()
+
+    def _open(self) -> None:
+        found = self.kv_mgr.receiver_endpoint(self.bootstrap_addr)
+        if found is None:
+            self.fail(f"no kvbridge prefill instance known at bootstrap address {self.bootstrap_addr}")
+            return
+        ep, instance = found
+        self._open_with(lambda: ep.receiver(self.bootstrap_room, instance, self._prefill_dp_rank))
+
+    def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None,
+                      decode_prefix_len: Any = None, destination: Any = KVTransferDestination.DEVICE) -> None:  # fmt: skip
+        if self._failure is not None:
+            return
+        if self._handle is None:
+            self.fail("send_metadata() before the receiver was opened (init(prefill_dp_rank) first)")
+            return
+        if destination not in (None, KVTransferDestination.DEVICE):
+            self.fail(f"KV destination {destination!r}: kvbridge writes decode's device pools only")
+            return
+        page_size = self.kv_mgr.page_size
+        prefix = int(decode_prefix_len or 0)
+        if prefix % page_size:
+            self.fail(f"decode prefix of {prefix} tokens is not whole pages of {page_size}: kvbridge moves the "
+                      "pages after a page-aligned prefix")
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        types = list(getattr(self.kv_mgr.kv_args, "state_types", None) or [])
+        if StateType.DSA in types and state_indices and state_indices[types.index(StateType.DSA)] is not None:
+            dsa = np.asarray(state_indices[types.index(StateType.DSA)], dtype=np.int64).reshape(-1)
+            if not np.array_equal(dsa, pages):
+                self.fail(f"the DSA state indices ({dsa.size} pages) are not the KV pages after the prefix "
+                          f"({pages.size}): kvbridge moves index K with the KV's page mapping (hard rule 3)")
+                return
+        try:
+            self._handle.init(pages, int(aux_index), None, first_page=prefix // page_size)
+        except KVBridgeError as exc:
+            self.fail(str(exc))
+
+    def _room_state(self) -> int:
+        state = self._handle.poll()
+        if state == KVPoll.Failed and not self._handle.pages_releasable:
+            return int(KVPoll.Transferring)  # a write may still land in these pages (hard rule 6)
+        return int(state)
+
+    @property
+    def pages_releasable(self) -> bool:
+        """True when no write of this room can land in its pages any more."""
+        return self._handle is None or self._handle.pages_releasable

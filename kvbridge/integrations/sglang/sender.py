@@ -1,0 +1,147 @@
+"""``KVBridgeKVSender``: one request on one SGLang prefill rank, on a kvbridge ``KVSender``.
+
+SGLang's prefill scheduler drives it (``PrefillBootstrapQueue.create_sender`` ->
+``pop_bootstrapped`` / ``finalize_bootstrap`` -> ``send_kv_chunk`` per chunk ->
+``process_disagg_prefill_inflight_queue``), and all-reduces every rank's ``poll()``
+over attention TP and CP with MIN:
+
+    SGLang                                      kvbridge
+    __init__(mgr, addr, room, has_dp_rank)      ep.sender(room)   (a draining id: retried from poll())
+    pop_decode_prefix_len() -> 0                decode's prefix is its own first_page: prefill skips
+                                                owned pages below it for that decode rank
+    init(num_pages, aux_index)                  sender.init(num_pages=num_pages): SGLang knows pages
+    send(page ids, state, num_kv_tokens)        sender.send(logical, local, num_tokens_ready=sum of
+                                                num_kv_tokens, is_last=all pages given, aux_slot=aux_index
+                                                on the owner of the last page)
+    poll() / failure_exception() / abort()      poll() / KVTransferError(room, reason) / abort()
+    clear()                                     close()
+    get_transfer_metric()                       stats: bytes posted, first write to the final state
+
+A chunk's pages are the request's positions ``[sent, sent + len)``; this rank passes
+those it owns (its lane), each stored at ``page id`` (``page id // N`` with
+logical-page KV sharding over N ranks, where SGLang places page id p on rank
+``p % N``: kvbridge requires that to be the position's lane, and fails a room whose
+pages do not follow it). The DSA state indices (index K) must be the request's page
+ids: target, index and draft move with one mapping (hard rule 3).
+
+A rank without an endpoint (attention TP ranks > 0 of an MLA cache) sends nothing
+and reports Success, so that the MIN is its peers' state; it still fails on its
+own abort and raises from ``failure_exception`` like every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
+
+from kvbridge import KVBridgeError, LayoutError
+from kvbridge.integrations.sglang.handles import RoomHandle
+
+
+class KVBridgeKVSender(RoomHandle, BaseKVSender):
+    role = "prefill"
+    idle_state = KVPoll.Success  # a rank without an endpoint: what its peers report decides (MIN)
+
+    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
+        self._start(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self._num_pages: int | None = None
+        self._aux_index: int | None = None
+        self._pages_given = 0
+        self._tokens_given = 0
+        self._page_ids: list[np.ndarray] = []
+        s = mgr.settings
+        if s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
+            self.fail(f"room {self.bootstrap_room} came to prefill DP rank {s.dp_rank}, but decode looks it up in "
+                      f"DP rank {self.bootstrap_room % s.dp_size} (room % dp_size): route with "
+                      "load_balance_method follow_bootstrap_room, or pass the prefill DP rank with the request")
+        elif mgr.endpoint is not None:
+            self._open()
+
+    def _open(self) -> None:
+        self._open_with(lambda: self.kv_mgr.endpoint.sender(self.bootstrap_room))
+
+    # -- SGLang's calls -------------------------------------------------------------------
+
+    def init(self, num_kv_indices: int, aux_index: Any = None) -> None:
+        self._num_pages = int(num_kv_indices)
+        self._aux_index = None if aux_index is None else int(aux_index)
+        if self._handle is None or self._failure is not None:
+            return
+        try:
+            self._handle.init(num_pages=self._num_pages)
+        except KVBridgeError as exc:
+            self.fail(str(exc))
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0  # every page is sent; kvbridge skips a decode rank's prefix pages for it
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
+        if self._failure is not None or self._num_pages is None:
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        start = self._pages_given
+        self._pages_given += pages.size
+        self._page_ids.append(pages)
+        if num_kv_tokens is None:
+            self.fail("SGLang sent a chunk without num_kv_tokens: kvbridge needs the token count to send only the "
+                      "valid rows of the last page")
+            return
+        self._tokens_given += int(num_kv_tokens)
+        is_last = self._pages_given == self._num_pages
+        if is_last and not self._state_follows_pages(state_indices):
+            return
+        if self._handle is None:
+            return
+        try:
+            logical, local = self._owned(np.arange(start, self._pages_given), pages)
+            aux_slot = self._aux_index if is_last and self._handle.writes_aux else None
+            self._handle.send(logical, local, num_tokens_ready=self._tokens_given, is_last=is_last,
+                              aux_slot=aux_slot)  # fmt: skip
+        except KVBridgeError as exc:
+            self.fail(str(exc))
+
+    def _owned(self, positions: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logical pages, local pages) of this chunk that this rank sends."""
+        mine = np.isin(positions, self._handle.owned_pages)
+        shard = self.kv_mgr.settings.kv_shard_size
+        if shard > 1:
+            off = np.flatnonzero(pages % shard != positions % shard)
+            if off.size:
+                i = int(off[0])
+                raise LayoutError(f"KV cache sharding: page id {int(pages[i])} of position {int(positions[i])} lies "
+                                  f"on shard rank {int(pages[i] % shard)}, not the position's lane "
+                                  f"{int(positions[i] % shard)} (kvbridge's interleaved owner lanes need the "
+                                  "allocator's round-robin to start at rank 0)", room=self.bootstrap_room,
+                                  rank=self.label, field="kv_indices")
+            return positions[mine], pages[mine] // shard
+        return positions[mine], pages[mine]
+
+    def _state_follows_pages(self, state_indices: Any) -> bool:
+        """The DSA state (index K) must move with the KV's own page mapping (hard rule 3)."""
+        types = list(getattr(self.kv_mgr.kv_args, "state_types", None) or [])
+        if StateType.DSA not in types or not state_indices:
+            return True
+        dsa = state_indices[types.index(StateType.DSA)]
+        if dsa is None:
+            return True
+        pages = np.concatenate(self._page_ids)
+        if not np.array_equal(np.asarray(dsa, dtype=np.int64).reshape(-1), pages):
+            self.fail(f"the DSA state indices ({np.size(dsa)} pages) are not the request's KV pages ({pages.size}): "
+                      "kvbridge moves index K with the KV's page mapping (hard rule 3)")
+            return False
+        return True
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        if self._handle is None:
+            return KVTransferMetric()
+        st = self._handle.stats
+        if not st["bytes"]:
+            return KVTransferMetric()  # this rank moved nothing (another CP rank did)
+        return KVTransferMetric(transfer_latency_s=st["transfer_s"], transfer_total_bytes=st["bytes"])

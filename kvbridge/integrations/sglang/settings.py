@@ -1,0 +1,269 @@
+"""Everything the SGLang backend reads from SGLang and the environment: read once,
+when a KV manager (or the bootstrap server) starts, here and nowhere else.
+
+From SGLang: the server arguments the manager is given, the rank's place in the
+attention DP x CP x TP grid (``get_parallel()``), the PD environment variables
+it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
+own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
+
+What kvbridge does not support is refused here, naming the flag: pipeline-parallel
+prefill, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
+layer split, the staging buffer, HiSparse, the ``prefill_complete`` allocation
+policy, PD role switching, forced DP-rank queries, metadata buffers in GPU memory
+on decode, and MHA/GQA caches over more than one attention TP rank (heterogeneous
+TP is the endpoints' next step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge import ConfigError
+from kvbridge.integrations.sglang.cp_modes import lane_rule as sglang_lane_rule
+
+ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDGE_BOOTSTRAP_TOKEN",
+                                              "KVBRIDGE_INSTANCE", "KVBRIDGE_HOST")  # fmt: skip
+ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
+ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
+ENVIRONMENT = (
+    (ENV_URL, "one bootstrap daemon for the whole cluster (`kvbridge bootstrap`); unset: each prefill server "
+              "starts one on its --disaggregation-bootstrap-port, and decode finds it at the request's bootstrap "
+              "address"),
+    (ENV_TOKEN, "the daemon's bearer token, when it has one"),
+    (ENV_INSTANCE, "this server's instance name at the daemon; default, prefill: its bootstrap address host:port "
+                   "(what the router hands decode: a cluster daemon resolves it); decode: sglang-decode-host:port"),
+    (ENV_HOST, "the address this rank's transfer engine and control socket use (default: SGLang's local IP)"),
+    (ENV_PROTOCOL, "tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
+    (ENV_CONTRACT, "a runtime-contract JSON file to use instead of the one built from SGLang's pools (checked "
+                   "against them)"),
+    (ENV_HIDDEN, "dtype of the carried hidden state (default: --dtype, else bfloat16)"),
+    (ENV_LEASE, "lease of a rank at the daemon, seconds (default 10)"),
+    (ENV_PEER, "silence after which a peer rank counts as dead, seconds (default 5)"),
+    (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+)
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
+SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def cluster_url(env: Mapping[str, str] | None = None) -> str:
+    """The cluster daemon's URL, or "" for a daemon per prefill instance."""
+    return (os.environ if env is None else env).get(ENV_URL, "").rstrip("/")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One SGLang rank in kvbridge's terms (see the module docstring for where each comes from)."""
+
+    role: str  # "prefill" | "decode"
+    is_mla: bool
+    # kvbridge coordinates: prefill (dp, cp) with one sender per CP rank; decode (dp, tp)
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    tp_rank: int
+    tp_size: int
+    sends: bool  # prefill: this rank has an endpoint (attention TP rank 0 of its CP rank, or a KV shard)
+    lane_rule: str  # prefill: how its CP ranks own pages
+    kv_shard_size: int  # > 1: logical-page KV sharding, a rank holds logical page p as local page p // N
+    instance: str
+    own_bootstrap: str  # prefill: "host:port" of its bootstrap address; decode: ""
+    daemon_url: str  # prefill: the daemon it registers with; decode: the cluster daemon or ""
+    token: str
+    host: str
+    protocol: str
+    ib_device: str
+    kv_device: str
+    contract_path: str
+    hidden_dtype: str
+    kv_checksum: bool
+    model_name: str
+    revision: str
+    spec_algorithm: str  # kvbridge's name: none | eagle | eagle3 | nextn
+    spec_topk: int
+    lease_ttl: float
+    peer_timeout: float
+    secret: bytes | None
+    bootstrap_timeout: float  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: prefill waits this long for decode
+    waiting_timeout: float  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: decode waits this long for the KV
+
+    @property
+    def label(self) -> str:
+        where = f"cp{self.cp_rank}" if self.role == "prefill" else f"tp{self.tp_rank}"
+        return f"{self.instance}/dp{self.dp_rank}/{where}"
+
+    def daemon_for(self, bootstrap_addr: str) -> tuple[str, str | None]:
+        """Decode: the daemon and the prefill instance of a request's bootstrap address. A cluster
+        daemon knows prefill instances by their bootstrap address; a daemon per prefill instance
+        (at that address) has one."""
+        if self.daemon_url:
+            return self.daemon_url, bootstrap_addr
+        return f"http://{bootstrap_addr}", None
+
+
+def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """Settings of one SGLang rank; ConfigError naming the flag for what kvbridge does not support."""
+    env = os.environ if env is None else env
+    par = _parallel()
+    sa = server_args
+    _refuse_unsupported(role, sa, par, is_mla, env)
+    attn = {k: int(_par(par, f"attn_{k}", 0 if k.endswith("rank") else 1))
+            for k in ("dp_rank", "dp_size", "cp_rank", "cp_size", "tp_rank", "tp_size")}
+    shard = _kv_shard(role, sa, attn, is_mla)
+    if role == "prefill":
+        if shard > 1:  # the shard group: attention TP for MLA, attention CP otherwise
+            cp_rank, cp_size = (attn["tp_rank"], attn["tp_size"]) if is_mla else (attn["cp_rank"], attn["cp_size"])
+            rule, sends = "interleaved", True
+        else:
+            cp_rank, cp_size = attn["cp_rank"], attn["cp_size"]
+            rule = sglang_lane_rule(attn_cp_size=cp_size, all_cp_ranks=_sglang_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"))
+            sends = attn["tp_rank"] == 0
+        tp_rank, tp_size = 0, 1
+    else:
+        cp_rank, cp_size, tp_rank, tp_size, rule, sends = 0, 1, attn["tp_rank"], attn["tp_size"], "interleaved", True
+    host = env.get(ENV_HOST) or _local_ip()
+    advertised = sa.host if getattr(sa, "host", "") not in WILDCARDS else host
+    bootstrap_port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
+    own_bootstrap = f"{advertised}:{bootstrap_port}" if role == "prefill" else ""
+    node0 = str(getattr(sa, "dist_init_addr", "") or "")
+    if role == "prefill":
+        instance = env.get(ENV_INSTANCE) or own_bootstrap
+        daemon_host = node0.rsplit(":", 1)[0] if node0 else (sa.host if sa.host not in WILDCARDS else "127.0.0.1")
+        daemon = cluster_url(env) or f"http://{daemon_host}:{bootstrap_port}"
+    else:
+        instance = env.get(ENV_INSTANCE) or f"sglang-decode-{node0 or f'{advertised}:{sa.port}'}"
+        daemon = cluster_url(env)
+    if not INSTANCE_NAME.match(instance):
+        raise ConfigError(f"instance name {instance!r} (from {ENV_INSTANCE} or the server's address) must match "
+                          f"{INSTANCE_NAME.pattern}", field=ENV_INSTANCE)
+    ib_device = str(getattr(sa, "disaggregation_ib_device", "") or "")
+    spec = str(getattr(sa, "speculative_algorithm", "") or "").upper()
+    if spec and spec not in SPEC_ALGORITHMS:
+        raise ConfigError(f"--speculative-algorithm {spec}: kvbridge carries the draft state of "
+                          f"{', '.join(SPEC_ALGORITHMS)} only", field="speculative_algorithm")
+    dtype = env.get(ENV_HIDDEN) or (sa.dtype if getattr(sa, "dtype", "") in HIDDEN_DTYPES else "bfloat16")
+    if dtype not in HIDDEN_DTYPES:
+        raise ConfigError(f"{ENV_HIDDEN}={dtype!r} is not one of {HIDDEN_DTYPES}", field=ENV_HIDDEN)
+    secret = env.get(ENV_SECRET, "")
+    return Settings(
+        role=role, is_mla=is_mla, dp_rank=attn["dp_rank"], dp_size=attn["dp_size"], cp_rank=cp_rank, cp_size=cp_size,
+        tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard, instance=instance,
+        own_bootstrap=own_bootstrap, daemon_url=daemon, token=env.get(ENV_TOKEN, ""), host=host,
+        protocol=env.get(ENV_PROTOCOL) or ("rdma" if ib_device else "tcp"), ib_device=ib_device,
+        kv_device=_kv_device(gpu_id), contract_path=env.get(ENV_CONTRACT, ""), hidden_dtype=dtype,
+        kv_checksum=bool(getattr(sa, "disaggregation_enable_kv_checksum", False)),
+        model_name=str(getattr(sa, "served_model_name", "") or getattr(sa, "model_path", "") or "unknown"),
+        revision=str(getattr(sa, "revision", "") or "unspecified"), spec_algorithm=SPEC_ALGORITHMS.get(spec, "none"),
+        spec_topk=int(getattr(sa, "speculative_eagle_topk", 0) or 1), lease_ttl=_seconds(env, ENV_LEASE, 10.0),
+        peer_timeout=_seconds(env, ENV_PEER, 5.0), secret=secret.encode() if secret else None,
+        bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
+        waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
+    )  # fmt: skip
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
+    checks = [
+        (int(_par(par, "pp_size", 1)) > 1, "--pp-size > 1",
+         "pipeline-parallel prefill is not supported by kvbridge yet (decode refuses a PP prefill's look-up)"),
+        (int(_par(par, "attn_dcp_size", 1)) > 1, "decode context parallelism (DCP)",
+         "kvbridge writes whole pages into one decode rank; DCP relayouts them across ranks"),
+        (bool(_par(par, "enable_cp_tp_group_sharing", False)), "--enable-cp-tp-group-sharing",
+         "its CP ranks transfer as TP ranks of a CP-1 prefill; kvbridge sends per CP rank"),
+        (bool(getattr(sa, "enable_dsa_cache_layer_split", False)), "--enable-dsa-cache-layer-split",
+         "each CP rank would hold a share of the layers; kvbridge sends every layer from the page's owner"),
+        (_sglang_env("SGLANG_DISAGG_STAGING_BUFFER"), "SGLANG_DISAGG_STAGING_BUFFER",
+         "kvbridge writes pages directly; it has no staging buffer"),
+        (bool(getattr(sa, "enable_hisparse", False)), "--enable-hisparse",
+         "its decode pool is host memory laid out per HiSparse page; kvbridge writes the device pool"),
+        (getattr(sa, "disaggregation_decode_allocation_policy", "early") != "early",
+         f"--disaggregation-decode-allocation-policy {getattr(sa, 'disaggregation_decode_allocation_policy', '')}",
+         "kvbridge supports the 'early' policy (decode allocates before prefill sends)"),
+        (bool(getattr(sa, "enable_pd_role_switch", False)), "--enable-pd-role-switch",
+         "the kvbridge backend does not tear down and rebuild its endpoints"),
+        (int(getattr(sa, "dp_size", 1) or 1) > 1 and not getattr(sa, "enable_dp_attention", False),
+         "--dp-size > 1 without --enable-dp-attention",
+         "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
+        (not is_mla and int(_par(par, "attn_tp_size", 1)) > 1, "an MHA/GQA cache over attention TP > 1",
+         "its TP ranks hold different heads; the SGLang backend sends MLA caches (replicated across TP) or "
+         "attention TP 1"),
+    ]
+    if role == "decode":
+        checks += [
+            (_sglang_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
+             "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
+             "kvbridge finds a room's prefill DP rank by room % dp_size, or from the request's DP rank"),
+            (str(_sglang_env("SGLANG_MOONCAKE_CUSTOM_MEM_POOL") or "").upper() == "INTRA_NODE_NVLINK",
+             "SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK",
+             "it puts decode's metadata buffers in GPU memory; kvbridge reads each room's aux row back there"),
+        ]
+    for bad, what, why in checks:
+        if bad:
+            raise ConfigError(f"{what} is not supported by kvbridge's SGLang backend: {why}", field=what.split()[0])
+
+
+def _kv_shard(role: str, sa: Any, attn: dict[str, int], is_mla: bool) -> int:
+    if role != "prefill" or not getattr(sa, "enable_kv_cache_sharding", False):
+        return 1
+    if is_mla and attn["cp_size"] > 1:
+        raise ConfigError("--enable-kv-cache-sharding over attention TP together with attention CP > 1 is not "
+                          "supported by kvbridge's SGLang backend: pages would have two owners", field="--enable-kv-cache-sharding")  # fmt: skip
+    return attn["tp_size"] if is_mla else attn["cp_size"]
+
+
+# -- SGLang and the environment ------------------------------------------------------------
+
+
+def _parallel() -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel()
+
+
+def _par(par: Any, name: str, default: Any) -> Any:
+    """A parallel width or rank; ``default`` where this process never set it (a single rank)."""
+    try:
+        return getattr(par, name)
+    except (AttributeError, RuntimeError, ValueError):
+        return default
+
+
+def _sglang_env(name: str) -> Any:
+    from sglang.srt.environ import envs
+
+    return getattr(envs, name).get()
+
+
+def _local_ip() -> str:
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    return get_local_ip_auto("127.0.0.1")
+
+
+def _kv_device(gpu_id: int) -> str:
+    """Where SGLang's KV pools live: its GPU, or host memory on a host without one."""
+    import torch
+
+    return f"cuda:{gpu_id}" if torch.cuda.is_available() else "cpu"
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds", field=name) from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be positive", field=name)
+    return value

@@ -1,0 +1,90 @@
+"""``kvbridge chaos --quick --json`` end to end (real processes, real Mooncake over loopback),
+and its parts: the faulty engine and poisoned pages."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvbridge.chaos.engine import INJECTED, FaultyEngine
+from kvbridge.chaos.names import FAULTS
+from kvbridge.errors import EngineError
+from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available
+from kvbridge.worker.poison import POISON_BYTE, PagePoison
+from kvbridge.worker.resources import allocate_buffers, build_specs
+
+REQUIRED = {"fault", "rooms_affected", "seconds_to_failed", "reason_names_rank", "rooms_after_recovery", "late_writes"}
+
+# What chaos finds today that is not this branch's to fix (see the h10 report): a prefill rank
+# stopped past its lease, with writes in flight, resumes and lands them in decode pages that
+# were released when its lease ran out (hard rule 6 lets pages go at lease expiry).
+KNOWN_GAPS = [re.compile(r"^prefill SIGSTOP: \d+ page\(s\) written after decode released them")]
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="needs the Mooncake transfer engine")
+def test_chaos_quick_json() -> None:
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "chaos", "--quick", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    report = json.loads(done.stdout)
+    assert done.returncode == (0 if report["ok"] else 1), done.stderr[-3000:]
+    assert [f["fault"] for f in report["faults"]] == list(FAULTS)
+    for f in report["faults"]:
+        assert REQUIRED <= set(f), f
+        assert f["rooms_after_recovery"] == f["recovery_rooms"], f
+        assert f["rooms_hung"] == 0, f
+        assert f["resources"] and all(v["after"] for v in f["resources"].values()), f  # every process back
+        if f["reason_names_rank"] is not None:
+            assert f["reason_names_rank"] is True, f
+    assert report["writes_in_flight_hit"] is True
+    assert set(report["exit_codes"].values()) <= {0}, report["exit_codes"]  # everything drained and exited cleanly
+    unknown = [p for p in report["problems"] if not any(k.search(p) for k in KNOWN_GAPS)]
+    assert not unknown, unknown
+    if report["problems"]:
+        pytest.xfail(f"known gap, reported for the transfer owners: {report['problems']}")
+
+
+def test_faulty_engine_fails_armed_writes_only() -> None:
+    fabric = LocalFabric()
+    a, b = create_engine("local", fabric=fabric), create_engine("local", fabric=fabric)
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    a.register(src.ctypes.data, 64)
+    b.register(dst.ctypes.data, 64)
+    faulty = FaultyEngine(a, failures_per_arm=2)
+    woken = []
+    faulty.set_notify(lambda: woken.append(1))
+    args = (b.session_id, np.array([src.ctypes.data], np.uint64), np.array([dst.ctypes.data], np.uint64),
+            np.array([64], np.uint64))
+    faulty.write(*args, timeout=5)
+    assert dst.tolist() == src.tolist()
+    dst[:] = 0
+    faulty.arm()
+    first = faulty.submit_write(*args)
+    assert faulty.poll(first).state == WriteState.FAILED and INJECTED in faulty.poll(first).reason
+    with pytest.raises(EngineError, match="injected"):
+        faulty.write(*args, timeout=5)
+    assert dst.sum() == 0 and faulty.injected == 2 and woken  # nothing written; the loop was woken
+    faulty.write(*args, timeout=5)  # disarmed after two
+    assert dst.tolist() == src.tolist()
+    a.close()
+    b.close()
+
+
+def test_poisoned_pages_catch_a_write_after_release() -> None:
+    specs = build_specs("deepseek-v3.2-fp8", 1, 4, 1)
+    buffers = allocate_buffers(specs, 16)
+    poison = PagePoison(buffers, "d/dp0tp0")
+    assert poison.check(np.arange(16), "at start") == 0
+    first = next(iter(buffers.values()))
+    first.view(-1)[first[0].numel() * 5] = 1  # a late write into page 5 of one buffer
+    assert poison.check(np.array([3, 5, 7]), "when a room took them") == 1
+    assert poison.late_writes == 1 and poison.check(np.array([5]), "again") == 0  # poisoned again
+    for b in buffers.values():
+        b.view(-1)[:] = 7  # a room used every page
+    poison.poison(np.array([2]))
+    assert all(int(b[2].view(-1).numpy().view(np.uint8)[0]) == POISON_BYTE for b in buffers.values())
+

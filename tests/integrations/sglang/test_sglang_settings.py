@@ -1,0 +1,119 @@
+"""What the backend reads from SGLang (server arguments, the rank's place in the attention
+grid) and the environment, and what it refuses, naming the flag (settings.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang.srt.server_args", reason="needs SGLang: make test-sglang")
+pytestmark = pytest.mark.sglang
+
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from kvbridge import ConfigError  # noqa: E402
+from kvbridge.integrations.sglang.settings import read_settings  # noqa: E402
+
+ENV = {"KVBRIDGE_HOST": "127.0.0.1"}
+
+
+@pytest.fixture
+def rank():
+    def stamp(cp=(0, 1), tp=(0, 1), dp=(0, 1), **more):
+        get_parallel().override_permanently(attn_cp_rank=cp[0], attn_cp_size=cp[1], attn_tp_rank=tp[0],
+                                            attn_tp_size=tp[1], attn_dp_rank=dp[0], attn_dp_size=dp[1],
+                                            attn_dcp_size=1, attn_dcp_rank=0, **more)  # fmt: skip
+
+    yield stamp
+    get_parallel().clear_stamp()
+
+
+def args(**kw) -> ServerArgs:
+    return ServerArgs(model_path="/models/dsv32", served_model_name="dsv32", host="0.0.0.0", port=30000,
+                      disaggregation_bootstrap_port=8998, **kw)  # fmt: skip
+
+
+def test_prefill_ranks_in_each_cp_mode(rank, monkeypatch):
+    rank(cp=(1, 2), tp=(1, 2))
+    s = read_settings("prefill", args(), True, env=ENV)
+    assert (s.cp_rank, s.cp_size, s.lane_rule, s.sends) == (1, 2, "replicated", False)  # TP rank 1 sends nothing
+    assert s.instance == "127.0.0.1:8998" and s.daemon_url == "http://127.0.0.1:8998"
+    assert (s.model_name, s.spec_algorithm, s.protocol) == ("dsv32", "none", "tcp")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    assert read_settings("prefill", args(), True, env=ENV).lane_rule == "balanced"
+    rank(tp=(1, 2))
+    shard = read_settings("prefill", args(enable_kv_cache_sharding=True), True, env=ENV)
+    assert (shard.cp_rank, shard.cp_size, shard.lane_rule, shard.sends, shard.kv_shard_size) == (1, 2, "interleaved",
+                                                                                                 True, 2)  # fmt: skip
+
+
+def test_decode_finds_daemons_by_bootstrap_address(rank):
+    rank(tp=(1, 2), dp=(3, 4))
+    s = read_settings("decode", args(enable_dp_attention=True, dp_size=4, tp_size=8), True, env=ENV)
+    assert (s.dp_rank, s.dp_size, s.tp_rank, s.tp_size) == (3, 4, 1, 2)
+    assert s.instance == "sglang-decode-127.0.0.1:30000"
+    assert s.daemon_for("10.0.0.7:8998") == ("http://10.0.0.7:8998", None)  # that prefill instance's own daemon
+    cluster = read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_BOOTSTRAP_URL": "http://boot:8998/"})
+    assert cluster.daemon_for("10.0.0.7:8998") == ("http://boot:8998", "10.0.0.7:8998")  # named by its address
+
+
+@pytest.mark.parametrize("role, kw, env, stamp, flag", [
+    ("prefill", {}, {}, {"pp_size": 2}, "--pp-size"),
+    ("prefill", {"enable_hisparse": True}, {}, {}, "--enable-hisparse"),
+    ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"}, {}, {},
+     "--disaggregation-decode-allocation-policy"),
+    ("prefill", {"dp_size": 2}, {}, {}, "--dp-size"),
+    ("decode", {}, {"SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "1"}, {},
+     "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
+    ("decode", {}, {"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"}, {}, "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
+    ("prefill", {"speculative_algorithm": "STANDALONE"}, {}, {}, "speculative_algorithm"),
+])  # fmt: skip
+def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, role, kw, env, stamp, flag):
+    rank(**stamp)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as err:
+        read_settings(role, args(**kw), True, env=ENV)
+    assert err.value.field.split("=")[0] == flag, str(err.value)
+
+
+def test_mha_over_attention_tp_and_bad_names_are_refused(rank):
+    rank(tp=(0, 2))
+    with pytest.raises(ConfigError, match="MHA/GQA cache over attention TP > 1 is not supported"):
+        read_settings("decode", args(), False, env=ENV)
+    rank()
+    with pytest.raises(ConfigError, match="instance name 'a b'"):
+        read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_INSTANCE": "a b"})
+    with pytest.raises(ConfigError, match="KVBRIDGE_LEASE_TTL='soon' is not a number"):
+        read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_LEASE_TTL": "soon"})
+
+
+def test_the_contract_from_sglangs_pools_and_from_a_file(rank, tmp_path):
+    """Built from what SGLang registers (so prefill and decode agree without a shared file), or
+    loaded from KVBRIDGE_CONTRACT and checked against SGLang's pools and metadata regions."""
+    import dataclasses
+
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang.contract import rank_contract
+    from kvbridge.integrations.sglang.kvargs import read_kv_args
+
+    rank()
+    s = read_settings("prefill", args(speculative_algorithm="NEXTN"), True, env=ENV)
+    cache = read_kv_args(kv_args(layers=4, draft=1), is_mla=True)
+    specs, schema, contract = rank_contract(cache, s, lane_rule="replicated", kv_layout=None, sglang_version="0.5.23")
+    assert sorted(specs) == ["draft", "index", "target"] and schema.names[-1] == "room"
+    assert (contract.model.name, contract.model.target_layers, contract.model.draft_layers) == ("dsv32", 4, 1)
+    assert (contract.speculative.algorithm, contract.speculative.hidden_size, contract.cp_rule) == ("nextn", 7168,
+                                                                                                  "replicated")
+    assert contract.kernel.attention_backend == "sglang-0.5.23" and contract.kernel.abi == "kv_layout=default"
+    path = tmp_path / "contract.json"
+    path.write_text(contract.model_dump_json())
+    from_file = dataclasses.replace(s, contract_path=str(path))
+    assert rank_contract(cache, from_file, lane_rule="x", kv_layout=None, sglang_version="?")[2] == contract
+    other = read_kv_args(kv_args(layers=4, draft=1, hidden=4096), is_mla=True)  # another hidden width
+    with pytest.raises(ConfigError, match="aux regions .* are not SGLang's metadata buffers"):
+        rank_contract(other, from_file, lane_rule="replicated", kv_layout=None, sglang_version="0.5.23")
+    with pytest.raises(ConfigError, match="layer_ids"):
+        rank_contract(read_kv_args(kv_args(layers=3, draft=1), is_mla=True), from_file, lane_rule="replicated",
+                      kv_layout=None, sglang_version="0.5.23")
