@@ -16,20 +16,19 @@ What the Python binding (mooncake-transfer-engine 0.3.13) does, measured here:
     calls - overflows the TCP lane queue ("queue-full"); every batch then times out
     after 30 s and the peer is unusable meanwhile.
 
-Hence the design: ``submit_write`` cuts a write into batches of at most
-``max_slices_per_call`` slices and returns a handle; at most ``max_slices_per_call``
-slices are in flight per destination session. A batch that fits, with nothing queued
-before it, is posted by the caller itself (no hand-off to another thread before the
-bytes move); the rest wait in a queue. One pump thread per engine posts what waits and
-waits for what is in flight, oldest first, with the blocking status call, then reports
-through the notify callback. ``poll`` is a dict look-up, so a loop can carry many rooms
-on one thread. One pump means waits are serial: a batch to a slow or dead peer delays
-the *completion bookkeeping* of later batches (not their transfer) by up to its own
-timeout.
-
-The intra-node NVLink transport (protocol ``rdma`` with ``MC_INTRANODE_NVLINK``) copies
-inside ``batch_transfer_async_write`` (a synchronous ``cudaMemcpy`` per slice): there
-the caller never posts, the pump does, so ``submit_write`` returns at once.
+Hence the design: ``submit_write`` only queues batches of at most
+``max_slices_per_call`` slices and returns a handle; one pump thread per engine
+posts them, keeping at most ``max_slices_per_call`` slices in flight per
+destination session, and waits for them oldest first with the blocking status
+call, then reports through the notify callback (so a completion reaches the
+endpoint without another hop). ``poll`` is a dict look-up, so a loop can carry
+many rooms on one thread. One pump means waits are serial: a batch to a slow or
+dead peer delays the *completion bookkeeping* of later batches (not their
+transfer) by up to its own timeout. (Posting from the caller instead was tried:
+``batch_transfer_async_write`` of 247 slices costs the caller about 0.3 ms, as
+much as the hand-off it saves; and the intra-node NVLink transport copies inside
+that call, a synchronous ``cudaMemcpy`` per slice.) Source events (``after``)
+are waited for on the pump thread, before posting.
 
 Security: Mooncake's handshake and data listeners bind every interface and
 accept anyone; keep these engines on trusted networks (tests use 127.0.0.1 only).
@@ -38,7 +37,6 @@ accept anyone; keep these engines on trusted networks (tests use 127.0.0.1 only)
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -48,7 +46,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_slices
-from kvbridge.transfer.engine.base import is_ready, wait_ready
+from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
 log = logging.getLogger(__name__)
@@ -92,9 +90,6 @@ class MooncakeEngine(JobEngine):
         if rc != 0:
             raise EngineError(f"mooncake initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r}) returned {rc}")
         self._session = f"{host}:{self._mc.get_rpc_port()}"
-        # the intra-node NVLink transport copies inside the "async" call: never block a caller there
-        nvlink = os.environ.get("MC_INTRANODE_NVLINK", "").lower() in ("1", "true", "yes", "on")
-        self._post_inline = not (protocol == "rdma" and nvlink)
         self._who = f"mooncake engine {self._session}"
         self._regions = Regions()
         self._regions_lock = threading.Lock()
@@ -102,8 +97,7 @@ class MooncakeEngine(JobEngine):
         self._cond = threading.Condition()
         self._queued: dict[str, deque[_Batch]] = {}  # per destination session, not yet posted
         self._inflight_slices: dict[str, int] = {}
-        self._inflight: deque[tuple[str, _Batch]] = deque()  # posted, oldest first (under _cond)
-        self._posting = 0  # batches callers are posting right now
+        self._inflight: deque[tuple[str, _Batch]] = deque()  # posted, oldest first (pump thread only)
         self._closed = False
         self._pump = threading.Thread(target=self._run, name=f"mooncake-pump-{self._session}", daemon=True)
         self._pump.start()
@@ -152,30 +146,13 @@ class MooncakeEngine(JobEngine):
             return self._jobs.open(session, 0, 0).handle
         cap = self.max_slices_per_call
         starts = range(0, src.size, cap)
-        now: list[_Batch] = []
         with self._cond:
             self._check_open()
             job = self._jobs.open(session, len(starts), int(src.size))
-            batches = [_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap], after)
-                       for i, a in enumerate(starts)]
-            # nothing waits before them and their source is complete: post here
-            if self._post_inline and not self._queued.get(session) and is_ready(after):
-                inflight = self._inflight_slices.get(session, 0)
-                while batches and inflight + batches[0].num_slices <= cap:
-                    inflight += batches[0].num_slices
-                    now.append(batches.pop(0))
-                self._inflight_slices[session] = inflight
-                self._posting += len(now)
-            if batches:
-                self._queued.setdefault(session, deque()).extend(batches)
-                self._cond.notify()
-        for batch in now:
-            try:
-                self._post(session, batch)
-            finally:
-                with self._cond:
-                    self._posting -= 1
-                    self._cond.notify()
+            queue = self._queued.setdefault(session, deque())
+            for i, a in enumerate(starts):
+                queue.append(_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap], after))
+            self._cond.notify()
         return job.handle
 
     def close(self) -> None:
@@ -205,19 +182,14 @@ class MooncakeEngine(JobEngine):
                 while not self._closed and not self._inflight and not self._submittable():
                     self._cond.wait()
                 if self._closed and not self._inflight:
-                    if self._posting:  # a caller is posting: its batch must be collected too
-                        self._cond.wait()
-                        continue
                     return
                 to_post, skipped = self._take()
             for _, batch in skipped:
                 self._jobs.batch_finished(batch.job)
             for session, batch in to_post:
                 self._post(session, batch)
-            with self._cond:
-                oldest = self._inflight.popleft() if self._inflight else None
-            if oldest is not None:
-                self._collect(*oldest)
+            if self._inflight:
+                self._collect(*self._inflight.popleft())
 
     def _submittable(self) -> bool:
         cap = self.max_slices_per_call
@@ -246,7 +218,7 @@ class MooncakeEngine(JobEngine):
 
     def _post(self, session: str, batch: _Batch) -> None:
         try:
-            wait_ready(batch.after)  # the pump's thread (a caller posts only what is ready)
+            wait_ready(batch.after)  # the producer's events, on this (the pump's) thread
             batch_id = self._mc.batch_transfer_async_write(
                 session, batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
             )
@@ -257,9 +229,7 @@ class MooncakeEngine(JobEngine):
             self._fail(session, batch, f"batch_transfer_async_write returned {batch_id} (peer unreachable or refused)")
             return
         batch.batch_id = batch_id
-        with self._cond:  # posted by the pump or by a caller of submit_write: the pump collects it
-            self._inflight.append((session, batch))
-            self._cond.notify()
+        self._inflight.append((session, batch))
 
     def _collect(self, session: str, batch: _Batch) -> None:
         try:
