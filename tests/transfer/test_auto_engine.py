@@ -5,9 +5,6 @@ meet over Mooncake; the GPU cases are in test_gpu.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,11 +13,11 @@ import numpy as np
 import pytest
 
 from _local import HostEvent
+from _transfer_peer import peer_process
 from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available, tensor_region
 from kvbridge.transfer.engine.auto import IPC, MOONCAKE
 
 needs_mooncake = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")]
-PEER = Path(__file__).parent / "_transfer_peer.py"
 PAGE = 4096
 
 
@@ -134,22 +131,15 @@ def test_auto_to_another_process_on_cpu_goes_over_mooncake(tmp_path: Path) -> No
     """The peer's side channel answers (same host), but its memory is host memory of another
     process: every slice goes over Mooncake."""
     num = 32
-    child = subprocess.Popen([sys.executable, str(PEER), str(num * PAGE), "auto"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=(tmp_path / "peer.err").open("w"), text=True)
     engine = create_engine("auto")
     try:
-        info = json.loads(child.stdout.readline())
-        src = np.random.default_rng(9).integers(0, 256, num * PAGE, dtype=np.uint8)
-        engine.register(*tensor_region(src))
-        offsets = np.arange(num, dtype=np.uint64) * PAGE
-        engine.write(info["session"], src.ctypes.data + offsets, info["addr"] + offsets, np.full(num, PAGE), 20)
-        child.stdin.write("check 9\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "ok"
-        assert engine.route(info["session"]) == IPC  # the side channel answered ...
-        assert engine.stats["slices_mooncake"] == num and not engine.stats["slices_ipc"]  # ... but IPC cannot reach
+        with peer_process(num * PAGE, "auto", log_path=tmp_path / "peer.err") as (_, info, ask):
+            src = np.random.default_rng(9).integers(0, 256, num * PAGE, dtype=np.uint8)
+            engine.register(*tensor_region(src))
+            offsets = np.arange(num, dtype=np.uint64) * PAGE
+            engine.write(info["session"], src.ctypes.data + offsets, info["addr"] + offsets, np.full(num, PAGE), 20)
+            assert ask("check 9") == "ok"
+            assert engine.route(info["session"]) == IPC  # the side channel answered ...
+            assert engine.stats["slices_mooncake"] == num and not engine.stats["slices_ipc"]  # ... IPC cannot reach
     finally:
         engine.close()
-        child.stdin.close()
-        child.wait(20)
-        child.stdout.close()

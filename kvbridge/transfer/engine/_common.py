@@ -55,6 +55,21 @@ def check_slices(src: object, dst: object, length: object) -> tuple[np.ndarray, 
     return src_u, dst_u, len_u
 
 
+def check_write(who: str, session: object, src: object, dst: object, length: object, regions: Regions,
+                lock: threading.Lock) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What an engine checks before posting a write: the session, the slice arrays, and every
+    source slice inside memory registered with it (``regions``, read under ``lock``)."""
+    if not isinstance(session, str) or not session:
+        raise EngineError(f"{who}: session must be a non-empty string, got {session!r}", field="session")
+    src_u, dst_u, len_u = check_slices(src, dst, length)
+    with lock:
+        bad = regions.first_outside(src_u, len_u)
+    if bad >= 0:
+        raise EngineError(f"{who}: slice {bad} source [{int(src_u[bad]):#x}, +{int(len_u[bad])}) is not inside "
+                          "memory registered with this engine", field="src")
+    return src_u, dst_u, len_u
+
+
 class Regions:
     """Non-overlapping registered ``[start, end)`` byte ranges; not thread-safe on its own."""
 

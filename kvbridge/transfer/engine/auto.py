@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import JobEngine, JobTable, Regions, check_slices
+from kvbridge.transfer.engine._common import JobEngine, JobTable, Regions, check_write
 from kvbridge.transfer.engine.base import TransferEngine, WriteState
 
 log = logging.getLogger(__name__)
@@ -127,14 +127,7 @@ class AutoEngine(JobEngine):
     # ---- writes -----------------------------------------------------------------------------
     def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                      after: Any = None) -> int:
-        if not isinstance(session, str) or not session:
-            raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
-        src, dst, length = check_slices(src, dst, length)
-        with self._lock:
-            bad = self._regions.first_outside(src, length)
-        if bad >= 0:
-            raise EngineError(f"{self._who}: slice {bad} source [{int(src[bad]):#x}, +{int(length[bad])}) is not "
-                              "inside memory registered with this engine", field="src")
+        src, dst, length = check_write(self._who, session, src, dst, length, self._regions, self._lock)
         parts: list[tuple[str, np.ndarray]] = []
         if src.size and self.route(session) == IPC:
             near = self._ipc.reachable(ipc_session(session), dst, length)

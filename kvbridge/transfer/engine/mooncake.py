@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_slices
+from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
@@ -130,17 +130,7 @@ class MooncakeEngine(JobEngine):
     def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                      after: Any = None) -> int:
         self._check_open()
-        if not isinstance(session, str) or not session:
-            raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
-        src, dst, length = check_slices(src, dst, length)
-        with self._regions_lock:
-            bad = self._regions.first_outside(src, length)
-        if bad >= 0:
-            raise EngineError(
-                f"{self._who}: slice {bad} source [{int(src[bad]):#x}, +{int(length[bad])}) is not inside "
-                "memory registered with this engine",
-                field="src",
-            )
+        src, dst, length = check_write(self._who, session, src, dst, length, self._regions, self._regions_lock)
         if src.size == 0:
             self._check_open()
             return self._jobs.open(session, 0, 0).handle
