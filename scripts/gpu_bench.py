@@ -9,6 +9,7 @@ one GPU) and one process per prefill CP rank (cuda:0). Groups:
                      intra-node transport: CUDA IPC between the processes); raw Mooncake
     mooncake-tcp     the same over Mooncake TCP (the fallback when nvlink does not start)
     ipc              kvbridge on the IPC engine (slice kernel over CUDA IPC); the engine alone
+    auto             kvbridge on the auto engine (IPC between these GPU processes, chosen by itself)
 
 For each allocation (contiguous: decode pages lane-major; random: both sides from a
 shuffled free list) and length: fill, plan, then a checked warm-up and ``--reps`` turns
@@ -18,11 +19,11 @@ Ceilings (``--ceilings``, one process, both sides on cuda:0 -> decode's GPU): a
 device-to-device copy, ``index_select`` + ``index_copy_`` of random 41,984 B pages, the
 staging path (gather, one copy, scatter) and the slice kernel on the same pages (several
 launch shapes), and long contiguous slices by the kernel and by cudaMemcpyAsync.
-``--trace-tokens N`` adds rooms of N tokens run with KVBRIDGE_TRACE=1 and prints where
-their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fixed cost).
+``--trace-tokens N [M ...]`` adds rooms of those lengths run with KVBRIDGE_TRACE=1 and prints
+where their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fixed cost).
 
     python scripts/gpu_bench.py [--tokens 8192 32768 131072] [--alloc contiguous random]
-        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings] [--trace-tokens 8192] [--json out.json]
+        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings] [--trace-tokens 8192 131072] [--json out.json]
 
 Geometry: DeepSeek V3.2 fp8 (target 656 B/token, index-K 132 B/token, one NextN draft
 layer), 61 layers, page 64, CP=2.
@@ -54,6 +55,7 @@ GROUPS = {
                         "aux": "device"},
     "mooncake-tcp": {"engine": "mooncake", "protocol": "tcp", "env": {}, "aux": "host"},
     "ipc": {"engine": "ipc", "protocol": "tcp", "env": {}, "aux": "device"},
+    "auto": {"engine": "auto", "protocol": "tcp", "env": {}, "aux": "device"},  # IPC here: same host, GPU memory
 }
 
 
@@ -247,32 +249,38 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
     return rows
 
 
-def traced(name: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
+def traced(name: str, args: argparse.Namespace, url: str, tokens: int) -> dict[str, Any]:
     from kvbridge.bench.trace import breakdown, format_breakdown, parse
 
     folder = tempfile.mkdtemp(prefix=f"gpu-bench-trace-{name}-")
-    rows = run_group(name, args, url, [args.trace_tokens], ["contiguous"], args.trace_reps, trace_dir=folder)
+    rows = run_group(name, args, url, [tokens], ["contiguous"], args.trace_reps, trace_dir=folder)
     lines = [line for p in sorted(Path(folder).glob("*.log")) for line in p.read_text(errors="replace").splitlines()]
     rooms = parse(lines)
     row = rows[0]
     hops = breakdown({r: rooms[r] for r in row["room_ids"] if r in rooms})
-    log(format_breakdown(hops, f"{name}, {args.trace_tokens} tokens contiguous, KVBRIDGE_TRACE=1: kvbridge p50 "
+    log(format_breakdown(hops, f"{name}, {tokens} tokens contiguous, KVBRIDGE_TRACE=1: kvbridge p50 "
                                f"{row['kvbridge_p50_ms']} ms, raw p50 {row['raw_p50_ms']} ms, engine p50 "
                                f"{row['engine_p50_ms']} ms"))
     if args.trace_out:
         Path(args.trace_out).mkdir(parents=True, exist_ok=True)
-        (Path(args.trace_out) / f"trace-{name}.log").write_text("\n".join(
-            line for line in lines if "trace " in line)[-4_000_000:] + "\n")
-    return {"group": name, "row": row, "hops": hops}
+        (Path(args.trace_out) / f"trace-{name}-{tokens}.log").write_text("\n".join(
+            line for line in lines if "trace " in line)[-2_000_000:] + "\n")
+    return {"group": name, "tokens": tokens, "row": row, "hops": hops}
 
 
 # ---- main ----------------------------------------------------------------------------------------
+def _minus(a: Any, b: Any) -> float | None:
+    """The per-room fixed cost: kvbridge p50 minus its baseline's p50 on the same slices."""
+    return a - b if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         by_key.setdefault((r["alloc"], r["tokens"]), {})[r["group"]] = r
     head = (f"{'alloc':>10} {'tokens':>6} {'MB':>7} {'slices':>7} {'kvb/mc':>7} {'raw mc':>7} {'kvb/ipc':>8} "
-            f"{'ipc eng':>8} {'ipc/raw':>7} {'mc p50':>7} {'raw p50':>7} {'ipc p50':>7} {'eng p50':>7} {'verified':>8}")
+            f"{'ipc eng':>8} {'ipc/raw':>7} {'mc p50':>7} {'raw p50':>7} {'ipc p50':>7} {'eng p50':>7} "
+            f"{'mc fix':>6} {'ipc fix':>7} {'verified':>8}")
     lines = [head]
 
     def f(v: Any, spec: str = ".1f") -> str:
@@ -280,7 +288,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     for (alloc, n), groups in sorted(by_key.items()):
         mc = groups.get("mooncake-nvlink") or groups.get("mooncake-tcp") or {}
-        ipc = groups.get("ipc", {})
+        ipc = groups.get("ipc") or groups.get("auto") or {}
         any_row = mc or ipc
         ratio = ipc.get("kvbridge_gbps") / mc["raw_gbps"] if ipc.get("kvbridge_gbps") and mc.get("raw_gbps") else None
         ok = all(not g["verify_errors"] and not g["kvbridge_failures"] and g["rooms_verified"] for g in groups.values())
@@ -289,6 +297,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{f(mc.get('raw_gbps')):>7} {f(ipc.get('kvbridge_gbps')):>8} {f(ipc.get('engine_gbps')):>8} "
             f"{f(ratio, '.2f'):>7} {f(mc.get('kvbridge_p50_ms'), '.2f'):>7} {f(mc.get('raw_p50_ms'), '.2f'):>7} "
             f"{f(ipc.get('kvbridge_p50_ms'), '.2f'):>7} {f(ipc.get('engine_p50_ms'), '.2f'):>7} "
+            f"{f(_minus(mc.get('kvbridge_p50_ms'), mc.get('raw_p50_ms')), '.2f'):>6} "
+            f"{f(_minus(ipc.get('kvbridge_p50_ms'), ipc.get('engine_p50_ms')), '.2f'):>7} "
             f"{('yes' if ok else 'NO'):>8}")
         for g in groups.values():
             for why in g["kvbridge_failures"] + g["verify_errors"]:
@@ -309,7 +319,8 @@ def main() -> None:
     ap.add_argument("--verify-first", action="store_true", help="check only the first room of each length")
     ap.add_argument("--ceilings", action="store_true", help="measure the copy ceilings first (one process)")
     ap.add_argument("--ceiling-pages", type=int, default=65536)
-    ap.add_argument("--trace-tokens", type=int, default=0, help="also run traced rooms of this length")
+    ap.add_argument("--trace-tokens", type=int, nargs="*", default=[],
+                    help="also run traced rooms of these lengths (contiguous), every group")
     ap.add_argument("--trace-reps", type=int, default=10)
     ap.add_argument("--trace-out", default="", help="copy the trace lines here")
     ap.add_argument("--json", default="", help="write everything here")
@@ -362,11 +373,12 @@ def main() -> None:
             for name in args.groups:
                 if name == "mooncake-nvlink" and any(r["group"] == "mooncake-tcp" for r in result["rows"]):
                     name = "mooncake-tcp"
-                try:
-                    result["trace"].append(traced(name, args, url))
-                except Exception as exc:  # noqa: BLE001
-                    result["errors"].append(f"trace {name}: {type(exc).__name__}: {exc}")
-                save()
+                for tokens in args.trace_tokens:
+                    try:
+                        result["trace"].append(traced(name, args, url, tokens))
+                    except Exception as exc:  # noqa: BLE001
+                        result["errors"].append(f"trace {name} {tokens}: {type(exc).__name__}: {exc}")
+                    save()
     print(f"\nkvbridge on GPU memory: {PRESET}, {args.layers}+1 layers, page {PAGE}, CP={CP}, every rank its own "
           f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
           f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "

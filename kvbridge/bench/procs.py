@@ -8,9 +8,9 @@ process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
 prefill commands: fill, plan, send, wait_sent, raw, copy, stats
 decode commands:  prepare, recv, check, stats
 
-Each process has the engine kvbridge runs on (``engine``: mooncake or ipc) and,
-when ``raw_mooncake`` is set and that engine is not Mooncake, a second, plain
-Mooncake engine over the same buffers for the raw baseline. With
+Each process has the engine kvbridge runs on (``engine``: mooncake, ipc or auto) and,
+when ``raw_mooncake`` is set, a Mooncake engine over the same buffers for the raw
+baseline: kvbridge's own (mooncake), the one inside auto, or a second one (ipc). With
 ``KVBRIDGE_TRACE=1`` the decode process adds ``trace room=R bench recv|final @T``
 lines around each timed room (``kvbridge.bench.trace`` reads them).
 """
@@ -58,7 +58,8 @@ class RankBase:
         self.lanes = OwnerLanes(cfg["cp"])
         self.buffers = allocate_buffers(self.specs, capacity, device=self.device)
         self.engine = create_engine(cfg["engine"], protocol=cfg["protocol"], max_slices_per_call=cfg.get("cap"))
-        self.raw_engine = self.engine if cfg["engine"] == "mooncake" else None
+        # raw Mooncake: the binding under kvbridge's engine (auto holds one), else a second engine
+        self.raw_engine = {"mooncake": self.engine, "auto": getattr(self.engine, "_mc", None)}.get(cfg["engine"])
         if cfg.get("raw_mooncake") and self.raw_engine is None:
             self.raw_engine = create_engine("mooncake", protocol=cfg["protocol"], max_slices_per_call=CAP)
             from kvbridge.transfer.engine import tensor_region
@@ -214,7 +215,7 @@ class DecodeRank(RankBase):
         final = (KVPoll.Success, KVPoll.Failed)
         t0 = time.perf_counter()
         if self.trace:
-            log.info("trace room=%d bench recv @%.4f", room, time.monotonic())
+            log.info("trace room=%d bench recv @%.6f", room, time.monotonic())
         r = self.endpoint.receiver(room, cmd["prefill"])
         r.init(page_ids, 0, n)
         deadline = time.monotonic() + cmd.get("timeout", 120)
@@ -222,7 +223,7 @@ class DecodeRank(RankBase):
             time.sleep(cmd.get("poll_s", 0.0002))
         elapsed = time.perf_counter() - t0
         if self.trace:
-            log.info("trace room=%d bench final %s @%.4f", room, state.name, time.monotonic())
+            log.info("trace room=%d bench final %s @%.6f", room, state.name, time.monotonic())
         if state not in final:
             r.abort("bench timeout")
         out = {"room": room, "state": r.poll().name, "reason": r.failure_reason or "", "seconds": elapsed,

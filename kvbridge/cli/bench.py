@@ -54,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2-fp8", help="geometry preset (default %(default)s)")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
-    p.add_argument("--engine", choices=("mooncake", "ipc"), default="mooncake",
-                   help="transfer engine kvbridge runs on (ipc: same host, GPU memory; needs --device cuda:N)")
+    p.add_argument("--engine", choices=("mooncake", "ipc", "auto"), default="mooncake",
+                   help="transfer engine kvbridge runs on (ipc: same host, GPU memory; needs --device cuda:N; "
+                   "auto: IPC where it reaches, Mooncake for the rest; the route shows in --json's engine stats)")
     p.add_argument("--alloc", type=_allocs, default=["contiguous"],
                    help="page allocation(s), comma-separated: contiguous (decode pages in --dst-order) and/or "
                    "random (both sides from a shuffled free list, as an engine's allocator after some traffic)")
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
         reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, verify_every=args.verify_every,
         quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
-        decode_aux=args.device if args.engine == "ipc" else "cpu", poll_s=0.0002 if gpu else 0.0005,
+        decode_aux=args.device if args.engine in ("ipc", "auto") else "cpu", poll_s=0.0002 if gpu else 0.0005,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
     )  # fmt: skip
     meta = {

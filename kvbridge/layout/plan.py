@@ -157,9 +157,11 @@ def plan_transfer(
     elif paired.pools != names:
         raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
     pairs = paired.pairs
+    src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
+    dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
     for spec, _, _, src_cap, dst_cap in pairs:
-        _check_range(spec, "source", src, src_cap, logical, ctx)
-        _check_range(spec, "destination", dst, dst_cap, logical, ctx)
+        _check_range(spec, "source", src, src_cap, logical, ctx, src_span)
+        _check_range(spec, "destination", dst, dst_cap, logical, ctx, dst_span)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -172,16 +174,19 @@ def plan_transfer(
         tail_merges = spec.layout == ROWS
         if tail_merges not in runs:
             runs[tail_merges] = _runs(src, dst, partial, tail_merges)
-        rel_src, rel_dst, length = _layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)
-        # all layers share the page mapping: broadcast the per-layer slices over layer bases
-        parts.append(
-            (
-                (src_base[:, None] + rel_src[None, :]).reshape(-1),
-                (dst_base[:, None] + rel_dst[None, :]).reshape(-1),
-                np.broadcast_to(length, (len(src_base), len(length))).reshape(-1),
-            )
-        )
-    return TransferPlan(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+        parts.append((src_base, dst_base, *_layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)))
+    # all layers share the page mapping: the per-layer slices broadcast over layer bases, written
+    # straight into the plan's arrays (no concatenation: a scattered 128K-token room is 126,000 slices)
+    total = sum(len(sb) * len(ln) for sb, _, _, _, ln in parts)
+    out = [np.empty(total, dtype=np.uint64) for _ in range(3)]
+    at = 0
+    for src_base, dst_base, rel_src, rel_dst, length in parts:
+        rows, cols = len(src_base), len(length)
+        np.add(src_base[:, None], rel_src[None, :], out=out[0][at : at + rows * cols].reshape(rows, cols))
+        np.add(dst_base[:, None], rel_dst[None, :], out=out[1][at : at + rows * cols].reshape(rows, cols))
+        out[2][at : at + rows * cols].reshape(rows, cols)[:] = length[None, :]
+        at += rows * cols
+    return TransferPlan(*out)
 
 
 def _page_arrays(logical: Any, src: Any, dst: Any, ctx: dict[str, Any]) -> tuple[np.ndarray, ...]:
@@ -301,12 +306,14 @@ def _pair(spec: PoolSpec, src_index: dict, dst_index: dict, ctx: dict[str, Any])
 
 
 def _check_range(
-    spec: PoolSpec, side: str, pages: np.ndarray, caps: np.ndarray, logical: np.ndarray, ctx: dict
+    spec: PoolSpec, side: str, pages: np.ndarray, caps: np.ndarray, logical: np.ndarray, ctx: dict,
+    span: tuple[int, int] | None = None,
 ) -> None:
-    """Hard rule 5: every page inside the registered region of every layer."""
+    """Hard rule 5: every page inside the registered region of every layer (``span``: the pages' min
+    and max, when the caller has them)."""
     if not len(pages):
         return
-    lo, hi = pages.min(), pages.max()
+    lo, hi = span if span is not None else (pages.min(), pages.max())
     bad_layers = np.flatnonzero((caps <= hi) | (lo < 0))
     if not len(bad_layers):
         return

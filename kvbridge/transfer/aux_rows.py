@@ -228,35 +228,62 @@ class AuxBuffers:
 class AuxStaging(AuxBuffers):
     """Packed rows kvbridge owns on a prefill rank, one slot per room, from which the rows
     the engine hands to ``send(aux=...)`` are written. Host memory by default;
-    ``device="cuda:N"`` for transports that only move device memory (Mooncake's NVLink)."""
+    ``device="cuda:N"`` for transports that only move device memory (Mooncake's NVLink).
+
+    On a device the row goes through a pinned host row and an asynchronous copy on a side
+    stream; the writes that read it wait on that copy's event (``ready_event``), so staging
+    never blocks the thread that calls ``send()`` on the GPU."""
 
     def __init__(self, schema: AuxSchema, num_slots: int, *, rank: str, device: str = "cpu") -> None:
+        self._pinned: Any = None
         if device == "cpu":
             rows: Any = np.zeros((num_slots, schema.row_bytes), dtype=np.uint8)
         else:
             import torch
 
             rows = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8, device=device)
+            self._pinned = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8).pin_memory()
+            self._stream = torch.cuda.Stream(rows.device)
         super().__init__(schema, rows, rank=rank, field="aux_slots")
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_room: dict[int, int] = {}
+        self._events: dict[int, Any] = {}  # slot -> the event of its last device copy
 
-    def stage(self, room: int, row: np.ndarray) -> int:
-        """Copy a packed row into the room's slot; returns the slot."""
+    def stage(self, room: int, row: np.ndarray, *, after: Any = None) -> int:
+        """Copy a packed row into the room's slot once (later calls return the slot); returns the
+        slot. ``after``: events the row's copy waits on (a device slot), as a write's would."""
         slot = self._by_room.get(room)
-        if slot is None:
-            if not self._free:
-                raise KVBridgeError(f"all {self.capacity_rows} aux staging slots are in use", room=room,
-                                    rank=self._rank, field="aux_slots")
-            slot = self._by_room[room] = self._free.pop()
+        if slot is not None:
+            return slot
+        if not self._free:
+            raise KVBridgeError(f"all {self.capacity_rows} aux staging slots are in use", room=room,
+                                rank=self._rank, field="aux_slots")
+        slot = self._by_room[room] = self._free.pop()
         data = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
-        if isinstance(self.storage, np.ndarray):
+        if self._pinned is None:
             self.storage[slot] = data
-        else:  # a blocking host-to-device copy: the row is in place before any write reads it
-            import torch
+            return slot
+        import torch
 
-            self.storage[slot].copy_(torch.from_numpy(data.copy()))
+        from kvbridge.transfer.engine.base import ready_events
+
+        previous = self._events.pop(slot, None)
+        if previous is not None:  # the slot's last copy read this pinned row: it must be done (it is, by now)
+            previous.synchronize()
+        self._pinned[slot].numpy()[:] = data
+        with torch.cuda.stream(self._stream):
+            for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
+                self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
+            self.storage[slot].copy_(self._pinned[slot], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._events[slot] = event
         return slot
+
+    def ready_event(self, room: int) -> Any:
+        """The event a write of the room's staged row waits on (None: host rows, ready at once)."""
+        slot = self._by_room.get(room)
+        return None if slot is None else self._events.get(slot)
 
     def release(self, room: int) -> None:
         slot = self._by_room.pop(room, None)

@@ -4,8 +4,19 @@
     PeerSet ── ControlClient (DEALER) ────────────▶ ControlServer (ROUTER, bound to host:port)
             ◀──────────────────── replies go back to the identity that sent
 
-A loop thread owns the sockets; other threads hand it work through ``wakeup``
-(thread-safe, wakes a blocked ``recv_ready`` at once, no busy polling)::
+One loop thread receives; any thread may send. Every socket call goes through one
+lock, and the loop waits on file descriptors only (the wakeup pipe and each socket's
+``ZMQ_FD``), never inside a socket call, so a send from an engine thread (a decode
+rank's request from ``init()``, a prefill rank's completion report from the engine's
+callback) goes out at once, without a hop to the loop thread::
+
+    loop thread:   poll(fds) -> lock: drain the sockets whose fd fired (or left a backlog)
+    any thread:    lock: send; a send may consume the read signal of its socket, so a
+                   socket found readable after it is put on the backlog (and, off the
+                   loop thread, the loop is woken to drain it)
+
+Other threads hand the loop work through ``wakeup`` (thread-safe, wakes a blocked
+``recv_ready`` at once, no busy polling)::
 
     engine.set_notify(server.wakeup.post)          # write completions wake the loop
     while running:
@@ -32,6 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -61,6 +73,7 @@ class ChannelStats:
     unauthenticated: int = 0
     sent: int = 0
     error_replies: int = 0
+    rescued: int = 0  # messages only the quiet-spell scan found (a read signal lost: a bug; stays 0)
 
 
 class Wakeup:
@@ -128,8 +141,12 @@ class _Channel(Generic[PeerT]):
         self.wakeup = Wakeup()
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
-        self._poller = zmq.Poller()
-        self._poller.register(self.wakeup.fileno(), zmq.POLLIN)
+        self._io = threading.RLock()  # every socket call (any thread); reentrant: a receive may answer
+        self._poller = select.poll()  # file descriptors only: waiting touches no socket
+        self._poller.register(self.wakeup.fileno(), select.POLLIN)
+        self._by_fd: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
+        self._backlog: set[zmq.Socket] = set()  # sockets that may hold messages their fd will not signal
+        self._loop: int | None = None  # the receiving thread (recv_ready's caller)
         self._peer_of: dict[zmq.Socket, Any] = {}  # socket -> peer id (clients); the server uses frame 0
         self._closed = False
 
@@ -141,24 +158,59 @@ class _Channel(Generic[PeerT]):
         sock.setsockopt(zmq.MAXMSGSIZE, wire.auth_limit(self.max_bytes))
         return sock
 
+    def _watch(self, sock: zmq.Socket) -> None:
+        """Wait on ``sock``'s ZMQ_FD from now on (io lock held)."""
+        fd = sock.getsockopt(zmq.FD)
+        self._by_fd[fd] = sock
+        self._poller.register(fd, select.POLLIN)
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (also arms the fd)
+            self._backlog.add(sock)
+        self._wake_loop()  # it may sleep on the old set of fds
+
+    def _unwatch(self, sock: zmq.Socket) -> None:
+        """Stop waiting on ``sock`` (io lock held; loop thread, or after the loop ended)."""
+        for fd, s in list(self._by_fd.items()):
+            if s is sock:
+                del self._by_fd[fd]
+                self._poller.unregister(fd)
+        self._backlog.discard(sock)
+
     def recv_ready(self, timeout_ms: int) -> list[Received[PeerT]]:
         """Wait up to ``timeout_ms`` for input; return what arrived (possibly nothing: a wakeup)."""
         if self._closed:
             raise TransferError("control channel is closed")
+        self._loop = threading.get_ident()
+        with self._io:
+            busy = bool(self._backlog)
+        events = self._poller.poll(0 if busy else max(0, int(timeout_ms)))
         out: list[Received[PeerT]] = []
-        for sock, _ in self._poller.poll(max(0, int(timeout_ms))):
-            if isinstance(sock, int):  # the wakeup pipe
-                self.wakeup.clear_signal()
-                continue
-            for _ in range(MAX_BATCH):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                item = self._receive(sock, frames)
-                if item is not None:
-                    out.append(item)
+        with self._io:
+            if self._closed:
+                return out
+            socks = set(self._backlog)
+            self._backlog.clear()
+            for fd, _ in events:
+                if fd == self.wakeup.fileno():
+                    self.wakeup.clear_signal()
+                elif fd in self._by_fd:
+                    socks.add(self._by_fd[fd])
+            for sock in socks:
+                self._drain(sock, out)
+            if not events and not socks:  # a quiet spell: look at every socket (a lost signal costs a timeout)
+                for sock in list(self._by_fd.values()):
+                    self._drain(sock, out)
+                self.stats.rescued += len(out)
         return out
+
+    def _drain(self, sock: zmq.Socket, out: list[Received[PeerT]]) -> None:
+        """Receive what ``sock`` holds, up to MAX_BATCH messages (io lock held)."""
+        for _ in range(MAX_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # also re-arms the fd
+                return
+            item = self._receive(sock, sock.recv_multipart(zmq.NOBLOCK))
+            if item is not None:
+                out.append(item)
+        self._backlog.add(sock)  # more left: the next call goes on without waiting
 
     def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> Received[PeerT] | None:
         raise NotImplementedError
@@ -191,30 +243,49 @@ class _Channel(Generic[PeerT]):
         return err
 
     def _send(self, sock: zmq.Socket, frames: list[bytes], who: str) -> None:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            raise PeerLost(f"control channel to {who}: send queue full ({self.hwm} messages); peer gone or stalled") from None
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                raise PeerLost(f"control channel to {who}: peer not connected") from None
-            raise TransferError(f"control channel to {who}: {exc}") from exc
-        self.stats.sent += 1
+        """Send from any thread (non-blocking)."""
+        with self._io:
+            if self._closed or sock.closed:
+                raise TransferError(f"control channel to {who} is closed")
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                raise PeerLost(f"control channel to {who}: send queue full ({self.hwm} messages); peer gone or "
+                               "stalled") from None
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    raise PeerLost(f"control channel to {who}: peer not connected") from None
+                raise TransferError(f"control channel to {who}: {exc}") from exc
+            finally:  # the send may have taken the socket's read signal: the loop must still drain it
+                self._keep_draining(sock)
+            self.stats.sent += 1
+
+    def _keep_draining(self, sock: zmq.Socket) -> None:
+        """After a socket call: put ``sock`` on the backlog if it holds input, and wake the loop
+        when another thread made the call (io lock held)."""
+        if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        self._backlog.add(sock)
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """Wake the receiving thread, unless this is it (or none waits yet)."""
+        if self._loop is not None and threading.get_ident() != self._loop:
+            self.wakeup.post()
 
     def _close_sockets(self, sockets: list[zmq.Socket]) -> None:
-        for sock in sockets:
-            if not sock.closed:
-                try:
-                    self._poller.unregister(sock)
-                except KeyError:
-                    pass
-                sock.close(linger=0)
+        with self._io:
+            for sock in sockets:
+                if not sock.closed:
+                    self._unwatch(sock)
+                    sock.close(linger=0)
 
     def _close(self, sockets: list[zmq.Socket]) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._close_sockets(sockets)
+        with self._io:
+            if self._closed:
+                return
+            self._closed = True
+            self._close_sockets(sockets)
         self.wakeup.close()
         if self._own_context:
             self._context.term()
@@ -243,10 +314,11 @@ class ControlServer(_Channel[bytes]):
             raise ConfigError(f"cannot bind the control channel to {host}:{port}: {exc}", field="control_port") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
-        self._poller.register(self._sock, zmq.POLLIN)
+        with self._io:
+            self._watch(self._sock)
 
     def send(self, peer: bytes, msg: Message) -> None:
-        """Send to a connected peer; PeerLost when it is gone or its queue is full."""
+        """Send to a connected peer (any thread); PeerLost when it is gone or its queue is full."""
         self._send(self._sock, [peer, wire.encode(msg, self.secret, max_bytes=self.max_bytes)], f"peer {peer.hex()}")
 
     def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> Received[bytes] | None:
@@ -296,35 +368,42 @@ class PeerSet(_Channel[str]):
         self._clients: dict[str, ControlClient] = {}
 
     def get(self, endpoint: str) -> ControlClient:
+        """The client of ``endpoint``, connected on first use (any thread)."""
         client = self._clients.get(endpoint)
         if client is not None:
             return client
-        if self._closed:
-            raise TransferError("control channel is closed")
         if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"control endpoint must look like tcp://host:port, got {endpoint!r}", field="endpoint")
-        if len(self._clients) >= self.max_peers:
-            raise TransferError(f"more than {self.max_peers} control peers; drop() the ones that are gone")
-        sock = self._socket(zmq.DEALER)
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ConfigError(f"cannot connect to control endpoint {endpoint!r}: {exc}", field="endpoint") from exc
-        client = self._clients[endpoint] = ControlClient(self, sock, endpoint)
-        self._peer_of[sock] = endpoint
-        self._poller.register(sock, zmq.POLLIN)
+        with self._io:
+            client = self._clients.get(endpoint)
+            if client is not None:
+                return client
+            if self._closed:
+                raise TransferError("control channel is closed")
+            if len(self._clients) >= self.max_peers:
+                raise TransferError(f"more than {self.max_peers} control peers; drop() the ones that are gone")
+            sock = self._socket(zmq.DEALER)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise ConfigError(f"cannot connect to control endpoint {endpoint!r}: {exc}", field="endpoint") from exc
+            client = self._clients[endpoint] = ControlClient(self, sock, endpoint)
+            self._peer_of[sock] = endpoint
+            self._watch(sock)
         return client
 
     def send(self, endpoint: str, msg: Message) -> None:
+        """Send to ``endpoint`` (any thread)."""
         self.get(endpoint).send(msg)
 
     def drop(self, endpoint: str) -> None:
-        """Close the connection to one peer (for example after PeerLost)."""
-        client = self._clients.pop(endpoint, None)
-        if client is not None:
-            self._peer_of.pop(client.socket, None)
-            self._close_sockets([client.socket])
+        """Close the connection to one peer (for example after PeerLost); the receiving thread only."""
+        with self._io:
+            client = self._clients.pop(endpoint, None)
+            if client is not None:
+                self._peer_of.pop(client.socket, None)
+                self._close_sockets([client.socket])
 
     def endpoints(self) -> list[str]:
         return list(self._clients)
@@ -335,10 +414,11 @@ class PeerSet(_Channel[str]):
         return None if result is None else (endpoint, result)
 
     def close(self) -> None:
-        sockets = [c.socket for c in self._clients.values()]
-        self._clients.clear()
-        self._peer_of.clear()
-        self._close(sockets)
+        with self._io:
+            sockets = [c.socket for c in self._clients.values()]
+            self._clients.clear()
+            self._peer_of.clear()
+            self._close(sockets)
 
 
 def _power_of_two(n: int) -> bool:

@@ -41,6 +41,7 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_rooms import RoomBook
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.lifecycle import open_waiting
+from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.receiver import KVReceiver, RecvRoom
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 
@@ -64,6 +65,7 @@ class DecodeConfig:
     ping_interval: float = 0.5
     lease_ttl: float = 10.0
     topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
+    # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
     # After a silent prefill rank's lease is gone, its rooms' pages stay held this long more
     # (unless it acknowledges the abort): a process that was frozen (SIGSTOP, a paused VM)
     # past its lease still holds queued writes that land the moment it resumes.
@@ -178,7 +180,9 @@ class DecodeEndpoint:
         (a prefill rank may still write its pages) for longer than ``wait`` seconds."""
         with self._lock:
             r = open_waiting(lambda: self._book.open(room, prefill_instance, dp_rank), self._room_freed, wait)
-        self._wake()
+            looking_up = r.state.state == KVPoll.Bootstrapping
+        if looking_up:  # a cached topology leaves the loop nothing to do before init()
+            self._wake()
         return KVReceiver(self, r)
 
     def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
@@ -214,7 +218,10 @@ class DecodeEndpoint:
         with self._lock:
             self._book.init(r, pages.astype(np.int64), int(aux_slot), None if num_tokens is None else int(num_tokens),
                             int(first_page))
-        self._wake()
+            # topology known (cached or looked up): the requests go out from this thread, no hop to the loop
+            sent = self._book.request_if_ready(r)
+        if not sent:
+            self._wake()
 
     def _locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
@@ -251,6 +258,18 @@ class DecodeEndpoint:
         fut: Future = self._pool.submit(self.bootstrap.lookup, r.prefill_instance, r.room, self.contract,
                                         self.identity, r.dp_rank)
         fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, key, f)))
+
+    def refresh_async(self, key: tuple[str, int]) -> None:
+        """Refresh the cached topology of ``key`` = (instance, DP group) on a pool thread."""
+        self._book.lookups_in_flight.add(key)
+        instance, dp = key
+        fut: Future = self._pool.submit(self.bootstrap.lookup, instance, dp, self.contract, self.identity, dp)
+
+        def done(f: Future) -> None:
+            topo = None if f.exception() is not None else f.result()
+            self.hand_to_loop(lambda: self._book.refreshed(key, topo))
+
+        fut.add_done_callback(done)
 
     def hand_to_loop(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop thread, with the lock held (safe from any thread)."""

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
+REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed before it expires
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
 
 
@@ -69,6 +70,7 @@ class RoomBook:
         self.dp_sizes: dict[str, int] = {}
         self.lookups_in_flight: set[tuple[str, int | None]] = set()  # rooms of a group wait for its one look-up
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
+        self.cache_used: dict[tuple[str, int], float] = {}  # when a room last took a cached topology
         self.dirty: set[int] = set()  # rooms to advance at the next step
         self.next_scan = 0.0
         self.last_scan = 0.0
@@ -156,9 +158,29 @@ class RoomBook:
     def _cached(self, r: RecvRoom) -> LookupResponse | None:
         key = self.lookup_key(r)
         hit = self.cache.get(key) if key[1] is not None else None
-        if hit and time.monotonic() - hit[0] < self.cfg.topology_ttl:
+        now = time.monotonic()
+        if hit and now - hit[0] < self.cfg.topology_ttl:
+            self.cache_used[key] = now
             return hit[1].model_copy(update={"room": r.room})
         return None
+
+    def refresh_ahead(self, now: float) -> None:
+        """Look up again, off the loop, every DP group whose cached topology is half way to expiry and
+        that a room used lately: a room then never waits for a look-up (a few ms) only because the
+        last room of its group came more than ``topology_ttl`` ago. Idle groups expire as before."""
+        for key, (when, _) in list(self.cache.items()):
+            if now - when < self.cfg.topology_ttl / 2 or key in self.lookups_in_flight:
+                continue
+            if now - self.cache_used.get(key, when) <= REFRESH_IDLE_S:
+                self.ep.refresh_async(key)
+
+    def refreshed(self, key: tuple[str, int], topo: LookupResponse | None) -> None:
+        """A refresh's answer. A failed one changes nothing: the entry expires as it would have, and
+        the next room looks up itself (meeting the error, or using ``stale`` while the daemon is away)."""
+        self.lookups_in_flight.discard(key)
+        if topo is not None and key in self.cache:
+            self.cache[key] = (time.monotonic(), topo)
+        self.wake_waiting(key[0])
 
     def stale(self, r: RecvRoom) -> LookupResponse | None:
         """The last answer for the room's DP group however old (the daemon is unreachable)."""
@@ -296,13 +318,14 @@ class RoomBook:
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
             return
-        echoed = self.ep.aux.read_room(r.aux_slot)
-        if echoed != r.room:  # hard rule 4: a row written for another room
-            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
-            return
         schema = self.ep.aux_schema
         try:
-            row = self.ep.aux.read_row(r.aux_slot)
+            row = self.ep.aux.read_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
+            off = schema.offsets["room"]
+            echoed = int(row[off : off + 8].view("<u8")[0])
+            if echoed != r.room:  # hard rule 4: a row written for another room
+                self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
+                return
             aux = schema.unpack(row) if schema.is_standard else None
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
@@ -318,7 +341,7 @@ class RoomBook:
         r.aux, r.aux_regions = aux, schema.unpack_regions(row)
         r.state.advance_to(KVPoll.Success)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f committed pages_by_rank=%s aux_owner=cp%d", r.room,
+            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d", r.room,
                      self.cfg.rank_label, r.age_ms, time.monotonic(),
                      dict(sorted(r.ledger.pages_by_rank.items())), r.ledger.aux_owner)
 
@@ -354,6 +377,7 @@ class RoomBook:
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)
+        self.refresh_ahead(now)
         for room in list(self.draining):
             r = self.rooms.get(room)
             if r is None:
@@ -389,9 +413,18 @@ class RoomBook:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
             self._send_aborts(r)
 
+    def request_if_ready(self, r: RecvRoom) -> bool:
+        """Send the room's requests now if its topology is known and init() was called (any thread)."""
+        if r.state.state != KVPoll.WaitingForInput or not r.initialised:
+            return False
+        self.dirty.discard(r.room)
+        self._request(r)
+        return True
+
     def _request(self, r: RecvRoom) -> None:
         """Send the TransferRequest to every sender of the prefill DP group: each CP rank, and
-        in it each TP rank of this rank's TP route, for the pools that route takes from it."""
+        in it each TP rank of this rank's TP route, for the pools that route takes from it (from
+        the loop thread, or from the engine's thread in init())."""
         r.start_ledger(self.pools, self.page_size)
         for key, s in sorted(r.senders.items()):
             req = wire.TransferRequest(
@@ -409,7 +442,7 @@ class RoomBook:
             r.requested.add(key)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
+            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
                      sorted(r.requested))
 
     def _peer(self, s: Any, instance: str) -> Peer:

@@ -6,6 +6,13 @@ only queue work under the lock and wake it. The loop reads like ``step()``:
     receive control messages  ->  post writes for new chunks and new targets
     ->  collect completions  ->  report (PagesDone / AuxDone / AbortAck)  ->  deadlines
 
+Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
+receives it; ``send()`` posts from the engine's thread when the request is already
+here; a write that becomes final is reported from the engine's completion callback
+(its thread), not by waking the loop:
+
+    decode init() --request--> loop: parse, check, plan, post --engine--> callback: report --> decode
+
 Threads: the loop, the engine's own, the bootstrap lease keeper and one thread
 that reads decode ranks' registrations from the daemon (``decode_peers.py``);
 never one per room.
@@ -110,7 +117,7 @@ class PrefillEndpoint:
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
-        self._lock = threading.Lock()
+        self._lock = _OwnedLock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
         self._peers = DecodePeers(bootstrap, self._hand_to_loop, self._deliver, self._refuse)
         self._book = SendBook(self, self._peers)
@@ -139,7 +146,7 @@ class PrefillEndpoint:
         if self.aux_buffers is not None:
             self.aux_buffers.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
-        self.engine.set_notify(self._server.wakeup.post)
+        self.engine.set_notify(self._write_final)
         self._thread = threading.Thread(target=self._run, name=f"kvb-prefill-{self.config.cp_rank}", daemon=True)
         self._thread.start()
         self._lease = register_rank(
@@ -186,6 +193,15 @@ class PrefillEndpoint:
         if self._server is not None:
             self._server.wakeup.post()
 
+    def _write_final(self) -> None:
+        """Engine callback, a write became final: report it from this thread (no loop turn).
+        Inside submit_write (a write refused at once) the poster holds the lock and collects."""
+        if self._lock.held_here():
+            self._book.final_while_posting = True
+            return
+        with self._lock:
+            self._book.collect()
+
     def _hand_to_loop(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop thread with the lock held (safe from any thread)."""
         self._book.results.append(work)
@@ -228,11 +244,10 @@ class PrefillEndpoint:
     def _init_room(self, r: SendRoom, num_tokens: int | None, num_pages: int | None) -> None:
         with self._lock:
             r.engine_init(num_tokens, num_pages)
-            self._book.dirty.add(r.room)
-        self._wake()
+            self._book.post_and_settle(r)  # a rank with nothing to send completes here if decode asked
 
     def _send(self, r: SendRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-              aux: Any, aux_slot: int | None) -> None:
+              aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
         with self._lock:
             if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
                 log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
@@ -244,10 +259,16 @@ class PrefillEndpoint:
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot)
-            self._book.post_room(r)  # post now when the decode ranks already asked; the loop reports
-            self._book.dirty.add(r.room)
-        self._wake()
+            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
+            if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
+                try:
+                    self.aux_staging.stage(r.room, row, after=ready_event)
+                except KVBridgeError as exc:
+                    self._book.fail_room(r, f"aux row of room {r.room} cannot be staged: {exc}")
+                    raise
+            # post from this thread when the decode ranks already asked (no loop turn); completions
+            # are reported from the engine's callback
+            self._book.post_and_settle(r)
 
     def _check_aux_slot(self, room: int, slot: int) -> None:
         if self.aux_buffers is None:
@@ -320,6 +341,39 @@ class PrefillEndpoint:
         else:
             self._reply(ident, wire.ErrorReply(ref_type=msg.TAG, room=getattr(msg, "room", None),
                                                reason=f"a prefill rank does not accept {type(msg).__name__}"))
+
+
+class _OwnedLock:
+    """A lock that knows its holder: the engine's completion callback may run on a thread that
+    already holds it (inside submit_write), and must not wait for itself there."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> _OwnedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    _is_owned = held_here  # what threading.Condition asks
 
 
 def _on_host(aux: AuxBuffers) -> bool:

@@ -9,7 +9,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,7 @@ class SendBook:
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next step
         self.next_deadline_scan = 0.0
+        self.final_while_posting = False  # a write became final inside submit_write: collect after posting
 
     # -- rooms from the engine ------------------------------------------------
 
@@ -162,7 +163,7 @@ class SendBook:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f target %s pages=%d first_page=%d pools=%s", req.room, rank,
+            log.info("trace room=%d rank=%s +%.2fms @%.6f target %s pages=%d first_page=%d pools=%s", req.room, rank,
                      r.age_ms, time.monotonic(), req.decode_rank, target.dst_pages.size, target.first_page,
                      ",".join(target.pools))
 
@@ -215,8 +216,11 @@ class SendBook:
         while self.dirty:
             r = self.rooms.get(self.dirty.pop())
             if r is not None:
-                self.post_room(r)
-                self.settle(r)
+                self.post_and_settle(r)
+
+    def post_and_settle(self, r: SendRoom) -> None:
+        self.post_room(r)
+        self.settle(r)
 
     def post_room(self, r: SendRoom) -> None:
         """Post every queued chunk (and the aux row) to every active target. No socket
@@ -228,14 +232,19 @@ class SendBook:
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
-                self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux)
+                self.post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
                 t.posted += 1
             if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
-                self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True)
+                self.post_chunk(r, t, np.zeros(0, np.int64), np.zeros(0, np.int64), with_aux=True,
+                                after=r.last_event)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
             r.state.to(KVPoll.Transferring)
+        if self.final_while_posting:  # every handle is registered now
+            self.final_while_posting = False
+            self.collect()
 
-    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool) -> None:
+    def post_chunk(self, r: SendRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
+                   after: Any = None) -> None:
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
@@ -249,14 +258,18 @@ class SendBook:
                 src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
             if with_aux:
                 t.aux_posted = True
-                if r.aux_row is not None:
-                    source, slot = self.ep.aux_staging, self.ep.aux_staging.stage(r.room, r.aux_row)
+                if r.aux_row is not None:  # staged by send(); its device copy is one more event to wait on
+                    source, slot = self.ep.aux_staging, self.ep.aux_staging.stage(r.room, r.aux_row, after=after)
+                    after = self.ep.aux_staging.ready_event(r.room) or after
                 else:
                     source, slot = self.ep.aux_buffers, r.aux_slot
                 a_src, a_dst, a_len = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
                 src, dst, length = src + (a_src,), dst + (a_dst,), length + (a_len,)
-            src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
-            handle = self.ep.engine.submit_write(t.session, src, dst, length)
+            if len(src) > 1:  # the aux row rides in the same write
+                src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+            else:
+                src, dst, length = src[0], dst[0], length[0]
+            handle = self.ep.engine.submit_write(t.session, src, dst, length, after=after)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
             return
@@ -274,19 +287,21 @@ class SendBook:
         r.num_bytes += num_bytes
         r.num_slices += num_slices
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.4f -> %s pages=%s%s slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms, time.monotonic(), t.decode_rank, logical.tolist(),
+            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, r.age_ms, time.monotonic(), t.decode_rank, _pages_text(logical),
                      " +aux" if with_aux else "", num_slices, num_bytes)
 
     def collect(self) -> None:
-        for handle in list(self.handles):
+        """Report the writes that became final (the loop, or the engine's callback thread)."""
+        final = self.ep.engine.take_final()
+        for handle in list(self.handles) if final is None else [h for h in final if h in self.handles]:
             status = self.ep.engine.poll(handle)
             if status.state is WriteState.PENDING:
                 continue
             r, t = self.handles.pop(handle)
             pages, with_aux = t.inflight.pop(handle)
             if self.ep.trace:
-                log.info("trace room=%d rank=%s +%.2fms @%.4f write of %d pages%s to %s %s", r.room,
+                log.info("trace room=%d rank=%s +%.2fms @%.6f write of %d pages%s to %s %s", r.room,
                          self.cfg.rank_label, r.age_ms, time.monotonic(), pages.size, " +aux" if with_aux else "",
                          t.decode_rank, status.state.value)
             if status.state is WriteState.FAILED:
@@ -401,3 +416,10 @@ class SendBook:
         self.tombstones.prune(now)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
+
+
+def _pages_text(pages: np.ndarray) -> str:
+    """A trace line's page list: in full when short, else its count and ends."""
+    if pages.size <= 8:
+        return str(pages.tolist())
+    return f"{pages.size}[{int(pages[0])}..{int(pages[-1])}]"

@@ -111,10 +111,13 @@ class SendRoom:
         self.life = Life(stage)
         self.num_tokens: int | None = None  # None until known (init(num_tokens), or the last chunk)
         self._num_pages: int | None = None
+        self._aux_owner = -1  # the cp rank of the last page (which holds the last valid token), once known
         self.num_tokens_ready = 0
         self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
+        self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
+        self.last_event: Any = None  # the latest send()'s event (the aux row written with it waits on it)
         self.held: tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY)  # given, not yet complete
         self.is_last = False
         self.auto_last = False  # nothing to send: complete on init() alone
@@ -154,9 +157,7 @@ class SendRoom:
     @property
     def owns_last_token(self) -> bool:
         """The last valid token lies in the last page, whatever the token count: its owner."""
-        if self._num_pages is None:
-            return False
-        return int(self.lanes.owners(np.array([self._num_pages - 1]), self._num_pages)[0][0]) == self.cp_rank
+        return self._num_pages is not None and self._aux_owner == self.cp_rank
 
     @property
     def has_aux(self) -> bool:
@@ -222,6 +223,7 @@ class SendRoom:
             self._learn_tokens(int(num_tokens), source)
         if self._num_pages is None:
             self._num_pages = pages
+            self._aux_owner = int(self.lanes.owners(np.array([pages - 1]), pages)[0][0])  # asked on every settle
             self.owned = self.lanes.owned_pages(self.cp_rank, pages)
             self.given = np.zeros(pages, dtype=bool)
 
@@ -260,8 +262,9 @@ class SendRoom:
         return self.owned[keep], table[local_index[keep]].astype(np.int64)
 
     def add_chunk(self, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-                  aux_row: np.ndarray | None, aux_slot: int | None) -> None:
-        """Check a chunk from the engine and queue its complete pages; raises before queueing anything."""
+                  aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
+        """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
+        ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes."""
         ctx = self.ctx
         if not self.length_known:
             raise LayoutError("send() before init()", field="num_tokens", **ctx)
@@ -297,6 +300,8 @@ class SendRoom:
         self.held = (pend_logical[~complete], pend_local[~complete])
         if complete.any():
             self.chunks.append((pend_logical[complete], pend_local[complete]))
+            self.chunk_events.append(ready_event)  # on one stream, it also covers the held pages' rows
+        self.last_event = ready_event
         self.num_tokens_ready = ready
         self.is_last = is_last
         if is_last:
@@ -376,14 +381,21 @@ class KVSender:
         self._ep._init_room(self._room, num_tokens, num_pages)
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
-             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None) -> None:
+             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
+             ready_event: Any = None) -> None:
         """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
         ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
         ``[0, t)`` exist; a page not complete within them is held until a later chunk
         completes it. The owner of the last valid token passes the aux row with the last
         chunk: ``aux`` (an AuxRow, a ``{region: value}`` mapping or a packed row) or
-        ``aux_slot`` (a slot of the aux buffers given to the endpoint)."""
-        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot)
+        ``aux_slot`` (a slot of the aux buffers given to the endpoint).
+
+        ``ready_event``: when the chunk's KV (or the aux row in your aux buffers) is written
+        by GPU work still queued, a CUDA event (``torch.cuda.Event``) recorded on that stream
+        after the writes; no byte of the chunk is read before it completes (the copy stream
+        waits on it on the GPU, or the engine's thread waits on the host; ``send()`` never
+        blocks on it). Without it, the pages must be complete when ``send()`` is called."""
+        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
 
     @property
     def owned_pages(self) -> np.ndarray:

@@ -72,19 +72,17 @@ class _Message:
     TAG: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            tp = _HINTS[type(self)][f.name]
-            if not _is(value, tp):
+        # every message is checked where it is built and where it is decoded: the checks are
+        # compiled once per class (_CHECKS), not re-derived from the type hints per field
+        for name, ok, tp, low, high in _CHECKS[type(self)]:
+            value = getattr(self, name)
+            if not ok(value):
                 raise ProtocolError(
-                    f"field '{f.name}' of {self.TAG} has wrong type: expected {_name(tp)}, got {type(value).__name__}",
-                    field=f.name,
+                    f"field '{name}' of {self.TAG} has wrong type: expected {_name(tp)}, got {type(value).__name__}",
+                    field=name,
                 )
-            if isinstance(value, int) and not isinstance(value, bool):
-                low = -1 if f.name == "aux_slot" else 0
-                high = _ROOM_LIMIT if f.name == "room" else 2**64
-                if not low <= value < high:
-                    raise ProtocolError(f"field '{f.name}' of {self.TAG} is out of range: {value}", field=f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and not low <= value < high:
+                raise ProtocolError(f"field '{name}' of {self.TAG} is out of range: {value}", field=name)
         self._check()
 
     def _check(self) -> None:
@@ -209,6 +207,31 @@ _HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
 _REQUIRED = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING)
              for cls in MESSAGE_TYPES.values()}
+
+
+def _checker(tp: Any) -> Any:
+    """A predicate for values of type ``tp`` (bools are not ints), built once per field."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        subs = [_checker(arg) for arg in typing.get_args(tp)]
+        return lambda v: any(check(v) for check in subs)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (object,)
+        check = _checker(item)
+        return lambda v: isinstance(v, list) and all(check(x) for x in v)
+    if tp is type(None):
+        return lambda v: v is None
+    if tp is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    return lambda v: isinstance(v, tp)
+
+
+# per class: (field, type check, type, low, high) with integers in [low, high)
+_CHECKS = {
+    cls: tuple((name, _checker(_HINTS[cls][name]), _HINTS[cls][name], -1 if name == "aux_slot" else 0,
+                _ROOM_LIMIT if name == "room" else 2**64) for name in _FIELDS[cls])
+    for cls in MESSAGE_TYPES.values()
+}
 
 
 # ---- codec ------------------------------------------------------------------------------------
@@ -362,20 +385,6 @@ def _check_status(msg: Any) -> None:
         raise ProtocolError(
             f"field 'status' of {msg.TAG} must be one of {STATUSES}, got {msg.status!r:.40}", room=msg.room, field="status"
         )
-
-
-def _is(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return any(_is(value, arg) for arg in typing.get_args(tp))
-    if origin is list:
-        (item,) = typing.get_args(tp) or (object,)
-        return isinstance(value, list) and all(_is(v, item) for v in value)
-    if tp is type(None):
-        return value is None
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
 
 
 def _name(tp: Any) -> str:

@@ -86,6 +86,14 @@ class WorkerBase:
                 "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
                 field="engine",
             )
+        if self.cfg.engine == "ipc" and self.engine_factory is None and not (
+                self.cfg.model and self.cfg.model_device.startswith("cuda")):
+            raise ConfigError(
+                "the ipc engine reaches GPU memory of other processes only, and this worker keeps its KV in host "
+                "memory (synthetic KV, or --model-device cpu): use --engine auto (CUDA IPC where both sides are "
+                "GPU memory on one host, Mooncake for the rest) or --engine mooncake",
+                field="engine",
+            )
         # ports first: a port in use is refused before memory is allocated or the rank registers
         self.ops_server = ops.OpsServer(self.cfg.host, self.cfg.ops_port, self.cfg.secret_bytes)
         metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""

@@ -28,6 +28,7 @@ class ModelPools:
         return self.model_rank.specs, self.model_rank.contract, self.model_rank.aux_schema
 
     def allocate_buffers(self) -> dict:
-        if self.cfg.protocol == "rdma" and self.cfg.model_device.startswith("cuda"):
-            self.aux_device = self.cfg.model_device  # NVLink moves device memory only: aux rows there too
+        if (self.cfg.protocol == "rdma" or self.cfg.engine in ("ipc", "auto")) and self.cfg.model_device.startswith("cuda"):
+            # NVLink and CUDA IPC move device memory only (auto would send host rows over Mooncake): aux rows there too
+            self.aux_device = self.cfg.model_device
         return self.model_rank.paged.buffers()

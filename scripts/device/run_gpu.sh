@@ -11,10 +11,10 @@
 #   apt-get update && (mkdir -p .debs && cd .debs && apt-get download libibverbs1 ibverbs-providers libnl-3-200 \
 #       libnl-route-3-200 libnuma1)
 #
-# The whole issue-12 measurement in one device call (carry .whl and .debs; about 6 minutes):
+# The whole issue-12 measurement in one device call (carry .whl and .debs; about 4 minutes):
 #   bash scripts/device/run_gpu.sh
 # which runs the GPU tests, then
-#   python scripts/gpu_bench.py --ceilings --trace-tokens 8192 --json $OUT/gpu_bench.json --trace-out $OUT
+#   python scripts/gpu_bench.py --ceilings --trace-tokens 8192 131072 --json $OUT/gpu_bench.json --trace-out $OUT
 # (groups mooncake-nvlink, falling back to mooncake-tcp, and ipc; 8K/32K/128K tokens; contiguous and random
 # allocation; one GPU: both sides on cuda:0). From a copy of the tree elsewhere, point WHEELS and DEBS at the
 # carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
@@ -33,11 +33,11 @@ export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-l
 ldd /tmp/site/mooncake/engine.so | grep -i "not found"
 python3 -c 'from mooncake.engine import TransferEngine; import zmq, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
 if [ "${SKIP_TEST:-0}" != 1 ]; then
-  echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_engine.py}"
+  echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_auto_engine.py tests/transfer/test_engine.py}"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS} -q -rs -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | grep -v "^[IWE][0-9]\{4\} " | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  echo "== bench: ${BENCH_ARGS:=--ceilings --trace-tokens 8192}"
+  echo "== bench: ${BENCH_ARGS:=--ceilings --trace-tokens 8192 131072}"
   timeout ${BENCH_TIMEOUT:-480} python3 scripts/gpu_bench.py --json $OUT/gpu_bench.json --trace-out $OUT $BENCH_ARGS 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tee $OUT/bench.log
 fi
 echo "== done"

@@ -3,6 +3,8 @@ and one decode rank on one LocalFabric, against a real bootstrap daemon."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -20,6 +22,23 @@ from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_con
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_pages
 
 PAGE, LAYERS = 4, 2
+
+
+class HostEvent:
+    """Stands in for a CUDA event (``after=`` / ``ready_event=``): ``query()`` and
+    ``synchronize()``, completed by ``set()``."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(30), "event never completed"
+
+    def set(self) -> None:
+        self._done.set()
 
 
 class Cluster:

@@ -1,6 +1,6 @@
 """A transfer-engine peer in its own process, for tests that write across processes.
 
-    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default) or ipc; DEVICE: cpu or cuda)
+    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default), ipc or auto; DEVICE: cpu or cuda)
     -> prints {"session": ..., "addr": ..., "nbytes": ...} once its zeroed buffer is registered
     <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
     <- "zero"        -> "ok" when the buffer is still all zeros, else "mismatch N bytes"
@@ -11,11 +11,44 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
 from kvbridge.transfer.engine import create_engine, tensor_region
+
+
+@contextmanager
+def peer_process(nbytes: int, kind: str = "mooncake", device: str = "cpu",
+                 log_path: Any = None) -> Iterator[tuple[subprocess.Popen, dict, Callable[[str], str]]]:
+    """Run this script as a peer process: yields ``(child, info, ask)``, ``ask("check 7")`` -> its
+    answer; the child is stopped (or reaped, when a test killed it) on the way out."""
+    err = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
+    child = subprocess.Popen([sys.executable, __file__, str(nbytes), kind, device], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def ask(cmd: str) -> str:
+        child.stdin.write(cmd + "\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+
+    try:
+        yield child, json.loads(child.stdout.readline()), ask
+    finally:
+        if child.poll() is None:
+            try:
+                child.stdin.close()
+                child.wait(20)
+            except (OSError, subprocess.TimeoutExpired):
+                child.kill()
+                child.wait(10)
+        child.stdout.close()
+        if log_path is not None:
+            err.close()
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:

@@ -256,3 +256,57 @@ def test_close_leaves_nothing_listening() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     with pytest.raises(TransferError, match="closed"):
         server.recv_ready(0)
+
+
+def test_any_thread_may_send_while_the_loops_wait() -> None:
+    """Decode ranks send requests from engine threads and prefill ranks report completions from
+    engine threads, while each loop thread waits on its sockets' file descriptors: every message
+    arrives, and none only through the quiet-spell scan (which would mean a read signal was lost)."""
+    import queue
+
+    server, peers = ControlServer(), PeerSet()
+    pings: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def server_loop() -> None:  # receives; a worker thread answers
+        while not stop.is_set():
+            for peer, msg in server.recv_ready(timeout_ms=1000):
+                pings.put((peer, msg.seq))
+
+    def answer() -> None:
+        while (item := pings.get()) is not None:
+            server.send(item[0], Heartbeat(cp_rank=0, seq=item[1]))
+
+    got: list[int] = []
+
+    def client_loop() -> None:  # receives what the worker sent
+        while not stop.is_set():
+            got.extend(m.seq for _, m in peers.recv_ready(timeout_ms=1000))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (server_loop, answer, client_loop)]
+    for t in threads:
+        t.start()
+    try:
+        def send(base: int) -> None:
+            for i in range(200):
+                peers.send(server.endpoint, Ping(decode_rank="d", seq=base + i))
+
+        senders = [threading.Thread(target=send, args=(1000 * k,)) for k in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        deadline = time.monotonic() + 30
+        while len(got) < 800 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(got) == sorted(1000 * k + i for k in range(4) for i in range(200))
+        assert server.stats.rescued == 0 and peers.stats.rescued == 0
+    finally:
+        stop.set()
+        pings.put(None)
+        server.wakeup.post()
+        peers.wakeup.post()
+        for t in threads:
+            t.join(5)
+        peers.close()
+        server.close()

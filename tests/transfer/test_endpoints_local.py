@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import Cluster
+from _local import Cluster, HostEvent
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
 from kvbridge.transfer.poll import KVPoll
@@ -370,3 +370,43 @@ def test_closing_an_endpoint_withdraws_its_memory_from_the_engine(daemon):
             engine.register(ptr, nbytes)
             engine.unregister(ptr)
     engines[0].register(*tensor_region(c.aux))  # the decode aux rows too
+
+
+@pytest.mark.parametrize("engine", ["local", "ipc"])
+def test_send_with_a_ready_event_reads_no_page_before_it_completes(cluster, engine):
+    """The copy waits for the producer (pages written by GPU work still queued): send() returns
+    at once, the decode pages stay untouched until the event completes, then the room lands."""
+    c = cluster(cp=1, engine=engine)
+    ep = c.prefill[0]
+    room, n, logical, local, dst = 0x77, 8, np.array([0, 1]), np.array([10, 11]), np.array([4, 5])
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(dst, 1, n)
+    for (pool, layer), buf in ep.buffers.tensors.items():
+        fill_pages(c.specs[pool], buf, room, layer, logical, local, n)
+    ready = HostEvent()
+    s = ep.sender(room)
+    s.init(n)
+    s.send(logical, local, is_last=True, aux=make_aux(c.aux_schema, room, n), ready_event=ready)
+    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
+    time.sleep(0.3)
+    assert r.poll() == KVPoll.Transferring
+    assert all((as_bytes(b)[dst] == SENTINEL_BYTE).all() for b in c.dbufs.values()), "read before the event"
+    ready.set()
+    wait_final([r, s])
+    assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success and c.verified(room, n, dst)
+
+
+def test_a_topology_in_use_is_refreshed_before_it_expires(cluster):
+    """Rooms of a DP group further apart than topology_ttl find its topology cached (refreshed in
+    the background): no room waits for a bootstrap look-up (a few ms) on its way to the request."""
+    c = cluster(cp=1, topology_ttl=0.3)
+    for i, room in enumerate((31, 32, 33)):
+        if i:
+            time.sleep(1.0)  # three TTLs: without the refresh the cached answer would be gone
+        r = c.decode.receiver(room, f"{c.name}-p")
+        if i:
+            assert r.poll() == KVPoll.WaitingForInput, "the room had to look its topology up"
+        r.init(np.array([1, 2]), 0, 6)
+        wait_final([r, *c.send(room, 6)])
+        assert r.poll() == KVPoll.Success
+        r.close()

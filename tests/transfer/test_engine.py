@@ -32,7 +32,8 @@ from kvbridge.transfer.engine import (
 PAGE = 4096
 needs_mooncake = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")]
 KINDS = [pytest.param("local", id="local"), pytest.param("ipc", id="ipc"),
-         pytest.param("mooncake", id="mooncake", marks=needs_mooncake)]
+         pytest.param("mooncake", id="mooncake", marks=needs_mooncake),
+         pytest.param("auto", id="auto", marks=needs_mooncake)]
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Pair:
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     fabric = LocalFabric() if request.param == "local" else None
-    cap = 1024 if request.param == "ipc" else None  # one batch per kernel launch; the split test needs a cap
+    cap = 1024 if request.param in ("ipc", "auto") else None  # one batch per kernel launch; the split test needs a cap
     a = create_engine(request.param, fabric=fabric, max_slices_per_call=cap)
     b = create_engine(request.param, fabric=fabric, max_slices_per_call=cap)
     yield Pair(request.param, a, b, fabric)

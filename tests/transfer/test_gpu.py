@@ -21,17 +21,14 @@ has no GPU); the Mooncake cases also without Mooncake.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from _transfer_peer import peer_process
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.layout import OwnerLanes
 from kvbridge.layout.aux import owner_of_last_token
@@ -225,7 +222,8 @@ def check_rooms(decode: GpuDecode, rooms, receivers, page_ids) -> None:
 
 ENGINES = [pytest.param(("mooncake", "host"), id="mooncake-aux-host", marks=_MOONCAKE),
            pytest.param(("mooncake", "cuda"), id="mooncake-aux-cuda", marks=_MOONCAKE),
-           pytest.param(("ipc", "host"), id="ipc-aux-host"), pytest.param(("ipc", "cuda"), id="ipc-aux-cuda")]
+           pytest.param(("ipc", "host"), id="ipc-aux-host"), pytest.param(("ipc", "cuda"), id="ipc-aux-cuda"),
+           pytest.param(("auto", "cuda"), id="auto-aux-cuda", marks=_MOONCAKE)]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -235,7 +233,7 @@ def prefill(request, daemon):
     p = GpuPrefill(daemon.url, f"gpu-prefill-{engine}-aux-{placement}", aux_device, engine)
     p.aux_placement = placement
     p.engine = engine
-    p.room_base = (0 if placement == "host" else 10_000) + (0 if engine == "mooncake" else 100_000)
+    p.room_base = (0 if placement == "host" else 10_000) + {"mooncake": 0, "ipc": 100_000, "auto": 200_000}[engine]
     try:
         yield p
     finally:
@@ -358,7 +356,6 @@ def test_a_corrupted_slice_is_caught_by_the_digest(prefill, daemon):
 
 
 # ---- the IPC engine across processes: CUDA IPC --------------------------------------------------
-PEER = Path(__file__).with_name("_transfer_peer.py")
 SLICE = 41_984  # one fp8 MLA page
 
 
@@ -372,57 +369,98 @@ def test_ipc_engine_writes_into_another_process_then_it_withdraws_then_dies(tmp_
     peer fails writes."""
     num = 512
     nbytes = num * SLICE
-    err = (tmp_path / "peer.err").open("w")
-    child = subprocess.Popen([sys.executable, str(PEER), str(nbytes), "ipc", _decode_device()], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=err, text=True)
     engine = create_engine("ipc")
     try:
-        info = json.loads(child.stdout.readline())
-        expected = _pattern(11, nbytes)
-        perm = np.random.default_rng(12).permutation(num)
-        src = torch.from_numpy(np.ascontiguousarray(expected.reshape(num, SLICE)[perm]).reshape(-1)).to("cuda:0")
-        torch.cuda.synchronize()
-        engine.register(*tensor_region(src))
-        base = tensor_region(src)[0]
-        offsets = np.arange(num, dtype=np.uint64) * SLICE
-        # pages whole, except the last 8 split into an unaligned head and tail (byte path of the kernel)
-        s_off, d_off, length = offsets[:-8], offsets[perm][:-8], np.full(num - 8, SLICE, np.uint64)
-        cut = np.uint64(SLICE // 2 + 3)
-        tail_s, tail_d = offsets[-8:], offsets[perm][-8:]
-        s_off = np.concatenate([s_off, tail_s, tail_s + cut])
-        d_off = np.concatenate([d_off, tail_d, tail_d + cut])
-        length = np.concatenate([length, np.full(8, cut), np.full(8, np.uint64(SLICE) - cut)])
-        engine.write(info["session"], base + s_off, info["addr"] + d_off, length, 30)
-        child.stdin.write("check 11\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "ok"
-        assert engine.stats["kernel_launches"] >= 1 and engine.stats["kernel_slices"] == length.size
+        with peer_process(nbytes, "ipc", _decode_device(), tmp_path / "peer.err") as (child, info, ask):
+            expected = _pattern(11, nbytes)
+            perm = np.random.default_rng(12).permutation(num)
+            src = torch.from_numpy(np.ascontiguousarray(expected.reshape(num, SLICE)[perm]).reshape(-1)).to("cuda:0")
+            torch.cuda.synchronize()
+            engine.register(*tensor_region(src))
+            base = tensor_region(src)[0]
+            offsets = np.arange(num, dtype=np.uint64) * SLICE
+            # pages whole, except the last 8 split into an unaligned head and tail (byte path of the kernel)
+            s_off, d_off, length = offsets[:-8], offsets[perm][:-8], np.full(num - 8, SLICE, np.uint64)
+            cut = np.uint64(SLICE // 2 + 3)
+            tail_s, tail_d = offsets[-8:], offsets[perm][-8:]
+            s_off = np.concatenate([s_off, tail_s, tail_s + cut])
+            d_off = np.concatenate([d_off, tail_d, tail_d + cut])
+            length = np.concatenate([length, np.full(8, cut), np.full(8, np.uint64(SLICE) - cut)])
+            engine.write(info["session"], base + s_off, info["addr"] + d_off, length, 30)
+            assert ask("check 11") == "ok"
+            assert engine.stats["kernel_launches"] >= 1 and engine.stats["kernel_slices"] == length.size
 
-        gate = threading.Event()
-        engine.faults = Faults(gate=gate)
-        handle = engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
-                                     np.full(4, SLICE, np.uint64))
-        child.stdin.write("unregister\n")
-        child.stdin.flush()
-        time.sleep(0.3)
-        assert engine.poll(handle).state is WriteState.PENDING
-        gate.set()
-        assert child.stdout.readline().strip() == "unregistered"
-        assert engine.poll(handle).state is WriteState.DONE
-        engine.faults = Faults()
-        status = engine.poll(engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
-                                                 np.full(4, SLICE, np.uint64)))
-        assert status.state is WriteState.FAILED and "outside the memory registered" in status.reason
+            gate = threading.Event()
+            engine.faults = Faults(gate=gate)
+            handle = engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
+                                         np.full(4, SLICE, np.uint64))
+            child.stdin.write("unregister\n")
+            child.stdin.flush()
+            time.sleep(0.3)
+            assert engine.poll(handle).state is WriteState.PENDING
+            gate.set()
+            assert child.stdout.readline().strip() == "unregistered"
+            assert engine.poll(handle).state is WriteState.DONE
+            engine.faults = Faults()
+            status = engine.poll(engine.submit_write(info["session"], base + offsets[:4], info["addr"] + offsets[:4],
+                                                     np.full(4, SLICE, np.uint64)))
+            assert status.state is WriteState.FAILED and "outside the memory registered" in status.reason
 
-        child.kill()
-        child.wait(10)
-        status = engine.poll(engine.submit_write(info["session"], base + offsets[:1], [info["addr"]], [SLICE]))
-        assert status.state is WriteState.FAILED and info["session"] in status.reason
-    finally:
-        if child.poll() is None:
             child.kill()
             child.wait(10)
-        child.stdin.close()
-        child.stdout.close()
-        err.close()
+            status = engine.poll(engine.submit_write(info["session"], base + offsets[:1], [info["addr"]], [SLICE]))
+            assert status.state is WriteState.FAILED and info["session"] in status.reason
+    finally:
+        engine.close()
+
+
+def test_the_copy_waits_for_the_producers_event_on_the_gpu():
+    """send(ready_event=) / submit_write(after=): the pages are written by work still queued on
+    another stream (a long sleep, then the write); the copy must not read them before it ends."""
+    nbytes = 64 * SLICE
+    a, b = create_engine("ipc"), create_engine("ipc")
+    try:
+        src = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=_decode_device())
+        torch.cuda.synchronize()
+        a.register(*tensor_region(src))
+        b.register(*tensor_region(dst))
+        expected = torch.from_numpy(_pattern(21, nbytes)).to("cuda:0")
+        producer = torch.cuda.Stream("cuda:0")
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(200_000_000)  # a long kernel: the writes below land long after submit_write
+            src.copy_(expected)
+            ready = torch.cuda.Event()
+            ready.record(producer)
+        offsets = np.arange(64, dtype=np.uint64) * SLICE
+        handle = a.submit_write(b.session_id, tensor_region(src)[0] + offsets, tensor_region(dst)[0] + offsets[::-1],
+                                np.full(64, SLICE, np.uint64), after=ready)
+        assert not ready.query()  # submit_write returned while the producer still ran: the GPU waits, not the host
+        a.wait(handle, 60)
+        got = dst.view(64, SLICE).flip(0).reshape(-1).cpu()
+        assert torch.equal(got, expected.cpu())
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(_HAVE_CUDA and not mooncake_available(), reason="Mooncake not installed")
+def test_auto_engine_reaches_a_gpu_peer_in_another_process_over_ipc(tmp_path):
+    num = 256
+    nbytes = num * SLICE
+    engine = create_engine("auto")
+    try:
+        with peer_process(nbytes, "auto", _decode_device(), tmp_path / "peer.err") as (_, info, ask):
+            src = torch.from_numpy(_pattern(13, nbytes)).to("cuda:0")
+            torch.cuda.synchronize()
+            engine.register(*tensor_region(src))
+            offsets = np.arange(num, dtype=np.uint64) * SLICE
+            engine.write(info["session"], tensor_region(src)[0] + offsets, info["addr"] + offsets,
+                         np.full(num, SLICE, np.uint64), 30)
+            assert ask("check 13") == "ok"
+            assert engine.route(info["session"]) == "ipc"
+            assert engine.stats["slices_ipc"] == num and not engine.stats["slices_mooncake"]
+            assert engine.stats["ipc_kernel_launches"] >= 1
+    finally:
         engine.close()

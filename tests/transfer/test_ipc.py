@@ -6,23 +6,19 @@ memory and CUDA IPC between processes are in test_gpu.py."""
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _transfer_peer import peer_process
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine import Faults, WriteState, create_engine, tensor_region
 from kvbridge.transfer.engine.slicecopy import copy_host, plan_pieces
 
 PAGE = 4096
-PEER = Path(__file__).with_name("_transfer_peer.py")
 
 
 def random_slices(rng: np.random.Generator, nbytes: int, num: int, aligned: bool) -> tuple[np.ndarray, ...]:
@@ -194,12 +190,9 @@ def test_host_memory_of_another_process_is_refused_and_untouched(tmp_path):
     """CUDA IPC reaches device memory only: a host destination in another process fails the
     write with the reason, and the peer's buffer keeps its bytes (checked by the peer)."""
     num = 16
-    with (tmp_path / "peer.err").open("w") as err:
-        child = subprocess.Popen([sys.executable, str(PEER), str(num * PAGE), "ipc"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=err, text=True)
-        engine = create_engine("ipc")
-        try:
-            info = json.loads(child.stdout.readline())
+    engine = create_engine("ipc")
+    try:
+        with peer_process(num * PAGE, "ipc", log_path=tmp_path / "peer.err") as (child, info, ask):
             src = np.random.default_rng(7).integers(0, 256, num * PAGE, dtype=np.uint8)
             engine.register(*tensor_region(src))
             offsets = np.arange(num, dtype=np.uint64) * PAGE
@@ -208,17 +201,12 @@ def test_host_memory_of_another_process_is_refused_and_untouched(tmp_path):
             status = engine.poll(handle)
             assert status.state is WriteState.FAILED
             assert "host memory of process" in status.reason and str(child.pid) in status.reason
-            child.stdin.write("zero\n")
-            child.stdin.flush()
-            assert child.stdout.readline().strip() == "ok"
+            assert ask("zero") == "ok"
             with pytest.raises(EngineError, match="no IPC engine with session"):
                 engine.write("ipc:no-such-session", src.ctypes.data + offsets[:1], [info["addr"]], [PAGE])
-        finally:
-            engine.close()
-            child.stdin.close()
-            child.wait(20)
-            child.stdout.close()
-    assert child.returncode == 0
+        assert child.returncode == 0
+    finally:
+        engine.close()
 
 
 def test_copy_host_touches_only_the_slices():

@@ -64,3 +64,23 @@ def test_sigterm_drains_deregisters_and_exits_zero():
         assert decode.client.call(ops.Shutdown(), timeout=10) == ops.Ack()  # the other way to stop a worker
         assert decode.proc.popen.wait(20) == 0, decode.proc.log_tail()
         assert registered_ranks(cluster, spec.decode_instance) == 0
+
+
+def test_workers_on_the_auto_engine_move_a_room_and_ipc_is_refused_with_the_reason():
+    """auto on host pools: the peers' side channels answer but cannot reach host memory of another
+    process, so the bytes go over Mooncake; ipc alone cannot reach them at all: refused at start."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.worker.config import load_config
+    from kvbridge.worker.prefill import PrefillWorker
+
+    spec = ClusterSpec(cp=1, decode_ranks=1, layers=2, pages=64, engine="auto")
+    with Cluster(spec) as cluster:
+        (prefill,), (decode,) = cluster.prefill, cluster.decode
+        a = prefill.client.submit(ops.Prefill(201, 500))
+        d = decode.client.submit(ops.Decode(201, 500, spec.prefill_instance))
+        reply_a, reply_d = wait_reply(prefill, a, 30), wait_reply(decode, d, 30)
+        assert reply_a.ok and reply_d.ok and reply_d.bytes_verified > 0, (reply_a, reply_d)
+    worker = PrefillWorker(load_config("prefill", {"instance": "p", "engine": "ipc"}, environ={}))
+    with pytest.raises(ConfigError, match="use --engine auto") as err:
+        worker.start()
+    assert err.value.field == "engine"

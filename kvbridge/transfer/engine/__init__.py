@@ -1,6 +1,7 @@
 """Transfer engines behind one small interface, chosen by name.
 
-    engine = create_engine("mooncake")          # or "ipc" (same host, CUDA IPC), "local" (tests, faults)
+    engine = create_engine("auto")              # CUDA IPC to same-host peers, Mooncake to the rest
+    engine = create_engine("mooncake")          # or "ipc" (same host only), "local" (tests, faults)
     engine.register(*tensor_region(kv_buffer))
     handle = engine.submit_write(peer_session, src, dst, length)
     ... engine.poll(handle) -> WriteStatus.PENDING / DONE / FAILED(reason)
@@ -31,7 +32,7 @@ __all__ = [
     "tensor_region",
 ]
 
-ENGINE_KINDS = ("mooncake", "ipc", "local")
+ENGINE_KINDS = ("mooncake", "ipc", "auto", "local")
 
 
 def mooncake_available() -> bool:
@@ -58,13 +59,28 @@ def create_engine(
     in flight per destination session.
 
     "ipc" writes into peers on this host through CUDA IPC, many slices per kernel launch
-    (``kvbridge.transfer.engine.ipc``); its peers must be "ipc" engines too."""
+    (``kvbridge.transfer.engine.ipc``); its peers must be "ipc" engines too. "auto" is a
+    Mooncake engine (its session id) with an IPC engine beside it: writes to a peer whose
+    IPC side channel answers (an "auto" engine on this host) go over IPC where it reaches
+    the destination, everything else over Mooncake (``kvbridge.transfer.engine.auto``)."""
     if fabric is not None and kind != "local":
         raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
     if kind == "ipc":
         from kvbridge.transfer.engine.ipc import IpcEngine
 
         return IpcEngine(max_slices_per_call=max_slices_per_call or 1 << 20)
+    if kind == "auto":
+        from kvbridge.transfer.engine.auto import AutoEngine, ipc_session
+        from kvbridge.transfer.engine.ipc import IpcEngine
+
+        mooncake = create_engine("mooncake", host=host, protocol=protocol, device=device,
+                                 max_slices_per_call=max_slices_per_call)
+        try:
+            ipc = IpcEngine(session=ipc_session(mooncake.session_id))
+        except BaseException:
+            mooncake.close()
+            raise
+        return AutoEngine(mooncake=mooncake, ipc=ipc)
     max_slices_per_call = max_slices_per_call or 1024
     if kind == "local":
         return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)

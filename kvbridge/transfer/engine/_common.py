@@ -55,6 +55,21 @@ def check_slices(src: object, dst: object, length: object) -> tuple[np.ndarray, 
     return src_u, dst_u, len_u
 
 
+def check_write(who: str, session: object, src: object, dst: object, length: object, regions: Regions,
+                lock: threading.Lock) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What an engine checks before posting a write: the session, the slice arrays, and every
+    source slice inside memory registered with it (``regions``, read under ``lock``)."""
+    if not isinstance(session, str) or not session:
+        raise EngineError(f"{who}: session must be a non-empty string, got {session!r}", field="session")
+    src_u, dst_u, len_u = check_slices(src, dst, length)
+    with lock:
+        bad = regions.first_outside(src_u, len_u)
+    if bad >= 0:
+        raise EngineError(f"{who}: slice {bad} source [{int(src_u[bad]):#x}, +{int(len_u[bad])}) is not inside "
+                          "memory registered with this engine", field="src")
+    return src_u, dst_u, len_u
+
+
 class Regions:
     """Non-overlapping registered ``[start, end)`` byte ranges; not thread-safe on its own."""
 
@@ -150,14 +165,26 @@ class JobTable:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
         self._notify: Callable[[], None] | None = None
+        self._final: list[int] = []  # handles final since the last take_final() (while a callback is set)
 
     def set_notify(self, callback: Callable[[], None] | None) -> None:
-        self._notify = callback
+        with self._cond:
+            self._notify = callback
+            if callback is None:
+                self._final.clear()
+
+    def take_final(self) -> list[int]:
+        """Handles that became final since the last call (recorded while a callback is set)."""
+        with self._cond:
+            out, self._final = self._final, []
+        return out
 
     def open(self, session: str, num_batches: int, num_slices: int) -> Job:
         with self._cond:
             job = Job(next(self._ids), session, num_batches, num_slices)
             self._jobs[job.handle] = job
+            if num_batches == 0 and self._notify is not None:
+                self._final.append(job.handle)
         if num_batches == 0:
             self._wake()
         return job
@@ -171,6 +198,8 @@ class JobTable:
             final = job.finished >= job.num_batches
             if final:
                 self._cond.notify_all()
+                if self._notify is not None:
+                    self._final.append(job.handle)
         if final:
             self._wake()
 
@@ -233,3 +262,6 @@ class JobEngine(TransferEngine):
 
     def set_notify(self, callback: Callable[[], None] | None) -> None:
         self._jobs.set_notify(callback)
+
+    def take_final(self) -> list[int] | None:
+        return self._jobs.take_final()

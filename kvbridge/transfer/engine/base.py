@@ -12,6 +12,14 @@ DONE and FAILED are final and mean *no slice of the handle is still in flight*:
 a FAILED handle may have written some of its slices (Mooncake writes the good
 slices of a failed batch), but nothing of it will land later. Once poll() or
 wait() has returned a final status, the handle is forgotten.
+
+Source bytes written by GPU work still queued (the pages of the chunk just computed):
+``submit_write(..., after=event)`` takes a CUDA event (``torch.cuda.Event``, or a
+sequence of them) recorded on the producer's stream after those writes. No slice is
+read before it completes: an engine that copies on a CUDA stream makes that stream
+wait on the event (``cudaStreamWaitEvent``: nothing blocks on the host); any other
+engine waits for it on its own thread (``synchronize()``), never on the caller's.
+Without ``after`` the caller guarantees the bytes are complete when it submits.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -73,8 +81,10 @@ class TransferEngine(ABC):
         """Withdraw the region that starts at ``ptr``; an unknown ``ptr`` is an EngineError."""
 
     @abstractmethod
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
-        """Post ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``; returns a handle."""
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
+        """Post ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``; returns a handle.
+        ``after``: CUDA event(s) the source bytes wait on (see the module docstring)."""
 
     @abstractmethod
     def poll(self, handle: int) -> WriteStatus:
@@ -86,18 +96,46 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def set_notify(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback()`` (from an engine thread; keep it short) whenever a handle becomes final."""
+        """Call ``callback()`` whenever a handle becomes final: from an engine thread, holding no
+        lock of the engine (it may poll() and submit), or from the thread inside submit_write()
+        when a write fails at once. A prefill endpoint reports completions from it."""
+
+    def take_final(self) -> list[int] | None:
+        """Handles that became final since the last call, recorded while a notify callback is set,
+        so a caller polls those instead of every handle in flight; None: not tracked (poll all)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:
         """Fail what is queued, wait for what is in flight, unregister everything. Idempotent."""
 
-    def write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, timeout: float = 60.0) -> None:
+    def write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, timeout: float = 60.0, *,
+              after: Any = None) -> None:
         """Synchronous convenience: submit and wait; raises EngineError or TransferTimeout."""
-        self.wait(self.submit_write(session, src, dst, length), timeout)
+        self.wait(self.submit_write(session, src, dst, length, after=after), timeout)
 
     def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def ready_events(after: Any) -> list[Any]:
+    """``after`` as a list of events: None, one event, or a sequence of them (Nones skipped)."""
+    if after is None:
+        return []
+    if isinstance(after, (list, tuple)):
+        return [a for a in after if a is not None]
+    return [after]
+
+
+def is_ready(after: Any) -> bool:
+    """True when every event of ``after`` completed (an event without ``query()`` counts as not)."""
+    return all(bool(getattr(ev, "query", lambda: False)()) for ev in ready_events(after))
+
+
+def wait_ready(after: Any) -> None:
+    """Block until every event of ``after`` completed."""
+    for ev in ready_events(after):
+        ev.synchronize()

@@ -61,6 +61,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, as_int, check_slices, locate
+from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.ipc_channel import Channel, Conn
 from kvbridge.transfer.engine.local import Faults
 from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
@@ -110,11 +111,21 @@ class Peer:
     regions: list[PeerRegion] = field(default_factory=list)  # sorted by start
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    device: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per region: device memory
+    shift: np.ndarray | None = None  # per region: its address here minus its address there (None: rebuild)
 
     def set_regions(self, regions: list[PeerRegion]) -> None:
         self.regions = sorted(regions, key=lambda r: r.start)
         self.starts = np.array([r.start for r in self.regions], dtype=np.uint64)
         self.ends = np.array([r.start + r.nbytes for r in self.regions], dtype=np.uint64)
+        self.device = np.array([r.kind == _DEVICE for r in self.regions], dtype=bool)
+        self.shift = None
+
+    def shifts(self) -> np.ndarray:
+        """Address translation per region (regions opened since the last call counted): cached per table."""
+        if self.shift is None:
+            self.shift = np.array([r.local - r.start for r in self.regions], dtype=np.int64)
+        return self.shift
 
 
 @dataclass
@@ -129,6 +140,7 @@ class _Batch:
     device_dst: np.ndarray
     regions: list[PeerRegion]
     peer: Peer
+    after: Any = None  # events the source bytes wait on (the copy stream waits on the GPU)
     due: float = 0.0
     held: bool = False  # launched by the pump thread (faults), not by submit_write
     event: Any = None
@@ -333,6 +345,7 @@ class IpcEngine(JobEngine):
             except EngineError as exc:  # logged: the mapping leaks, nothing is written through it
                 log.warning("%s: %s", self._who, exc)
         region.local = 0
+        peer.shift = None
         if region.revoke_seq is not None and region.revoke_seq >= 0 and not peer.conn.closed:
             try:
                 peer.conn.send({"t": "revoked", "seq": region.revoke_seq})
@@ -340,7 +353,8 @@ class IpcEngine(JobEngine):
                 log.warning("%s: %s", self._who, exc)
 
     # ---- writes -----------------------------------------------------------------------------
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
         self._check_open()
         if not isinstance(session, str) or not session:
             raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
@@ -370,7 +384,8 @@ class IpcEngine(JobEngine):
                                                f"{int(length.sum())} bytes), nothing written")
             return job.handle
         for i, (a, b) in enumerate(cuts):
-            self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i])
+            self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i],
+                       after)
         return job.handle
 
     def _translate(self, session: str, dst: np.ndarray, length: np.ndarray, cuts: list[tuple[int, int]]
@@ -386,10 +401,11 @@ class IpcEngine(JobEngine):
                 if why is None:
                     per_batch = [self._used(peer, idx[a:b]) for a, b in cuts]
                     for region in {id(r): r for rs in per_batch for r in rs}.values():
-                        self._open(peer, region)
-                    local = np.array([r.local - r.start for r in peer.regions], dtype=np.int64)
-                    device_dst = np.array([r.kind == _DEVICE for r in peer.regions], dtype=bool)[idx]
-                    dst_here = (dst.astype(np.int64) + local[idx]).astype(np.uint64)
+                        if not region.local:
+                            self._open(peer, region)
+                            peer.shift = None
+                    device_dst = peer.device[idx]
+                    dst_here = (dst.astype(np.int64) + peer.shifts()[idx]).astype(np.uint64)
                     for regions in per_batch:
                         for region in regions:
                             region.inflight += 1
@@ -397,6 +413,33 @@ class IpcEngine(JobEngine):
             if attempt == 0:  # registered since we asked? ask once more
                 peer = self._peer(session, refresh=True)
         raise EngineError(why, field="dst")
+
+    def reaches(self, session: str) -> bool:
+        """True when the IPC engine of ``session`` answers on this host (its region table read)."""
+        try:
+            self._peer(session)
+        except EngineError:
+            return False
+        return True
+
+    def reachable(self, session: str, dst: np.ndarray, length: np.ndarray) -> np.ndarray | None:
+        """Per slice, whether a write could reach its destination: device memory the peer registered,
+        or any memory of a peer in this process (slices outside every region count as reachable: the
+        write fails with the reason). None when the peer does not answer."""
+        try:
+            peer = self._peer(session)
+            with self._lock:
+                missed = bool((locate(peer.starts, peer.ends, dst, length) < 0).any())
+            if missed:  # registered since we asked? ask once more
+                peer = self._peer(session, refresh=True)
+        except EngineError:
+            return None
+        with self._lock:
+            if peer.conn.same_process:
+                return np.ones(dst.size, dtype=bool)
+            idx = locate(peer.starts, peer.ends, dst, length)
+            device = peer.device
+        return np.where(idx >= 0, device[np.maximum(idx, 0)] if device.size else True, True)
 
     @staticmethod
     def _used(peer: Peer, idx: np.ndarray) -> list[PeerRegion]:
@@ -429,7 +472,7 @@ class IpcEngine(JobEngine):
         return peer
 
     def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst_here: np.ndarray, length: np.ndarray,
-              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion]) -> None:
+              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion], after: Any = None) -> None:
         """Launch one batch (translated and counted in flight by _translate) and queue it for the pump."""
         with self._lock:
             number, self._batches = self._batches, self._batches + 1
@@ -440,7 +483,7 @@ class IpcEngine(JobEngine):
             src, dst_here, length = src[:keep], dst_here[:keep], length[:keep]
             device_src, device_dst = device_src[:keep], device_dst[:keep]
             reason = f"{self._who}: injected failure of batch {number}: write {job.handle} to session {job.session}"
-        batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer,
+        batch = _Batch(job, number, index, src, dst_here, length, device_src, device_dst, used, peer, after,
                        due=time.monotonic() + faults.delay_s, reason=reason)
         batch.held = faults.holding
         num_host = int((~device_src & ~device_dst).sum())
@@ -450,7 +493,7 @@ class IpcEngine(JobEngine):
         if not batch.held:
             self._launch(batch)
         if self._trace:
-            log.info("trace engine=ipc write=%d batch=%d -> %s slices=%d bytes=%d %s @%.4f", job.handle, index,
+            log.info("trace engine=ipc write=%d batch=%d -> %s slices=%d bytes=%d %s @%.6f", job.handle, index,
                      job.session, src.size, int(length.sum()),
                      " ".join(f"{k}={v}" for k, v in batch.counts.items()) or "held", time.monotonic())
         with self._cond:
@@ -477,8 +520,13 @@ class IpcEngine(JobEngine):
             return
         try:
             copier = self._copier_for(batch)
+            copier.wait_for(batch.after)  # the producer's work first, on the GPU: the host does not block
             both = batch.device_src & batch.device_dst
-            counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() else ({}, None)
+            if both.all():  # every slice device to device (a room of GPU pools): no selection copies
+                counts, keep = copier.launch(batch.src, batch.dst, batch.length)
+            else:
+                counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() \
+                    else ({}, None)
             mixed = cuda_part & ~both
             for s, d, n in zip(batch.src[mixed].tolist(), batch.dst[mixed].tolist(), batch.length[mixed].tolist()):
                 copier.copy_async(d, s, n)
@@ -529,6 +577,7 @@ class IpcEngine(JobEngine):
         host = ~batch.device_src & ~batch.device_dst
         try:
             if host.any():
+                wait_ready(batch.after)
                 copy_host(batch.src[host], batch.dst[host], batch.length[host])
             if batch.event is not None:
                 batch.event.synchronize()
@@ -556,7 +605,7 @@ class IpcEngine(JobEngine):
                 if region.inflight == 0 and region.revoke_seq is not None:
                     done.append(region)
         if self._trace:
-            log.info("trace engine=ipc write=%d batch=%d %s +%.2fms @%.4f", batch.job.handle, batch.index,
+            log.info("trace engine=ipc write=%d batch=%d %s +%.2fms @%.6f", batch.job.handle, batch.index,
                      "failed" if batch.reason else "done", (time.monotonic() - batch.posted) * 1000, time.monotonic())
         self._jobs.batch_finished(batch.job, batch.reason)
         for region in done:  # after the handle is final: a withdrawal that waited for it sees it final

@@ -34,11 +34,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, check_slices
+from kvbridge.transfer.engine.base import wait_ready
 
 _GATE_POLL_S = 0.02
 
@@ -104,6 +106,7 @@ class _Batch:
     dst: np.ndarray
     length: np.ndarray
     due: float  # monotonic time it may land
+    after: Any = None  # events the source bytes wait on (the worker waits before landing)
 
     def describe(self) -> str:
         return (
@@ -143,7 +146,8 @@ class LocalEngine(JobEngine):
         with self.fabric.lock:
             self._own_regions().remove(ptr, self._who)
 
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
         self._check_open()
         if not isinstance(session, str) or not session:
             raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
@@ -165,7 +169,7 @@ class LocalEngine(JobEngine):
             if job is not None:
                 for i, a in enumerate(starts):
                     b = slice(a, a + cap)
-                    self._queue.append(_Batch(job, next(self._numbers), i, src[b], dst[b], length[b], due))
+                    self._queue.append(_Batch(job, next(self._numbers), i, src[b], dst[b], length[b], due, after))
                 self._cond.notify()
         return job.handle if job is not None else self._jobs.open(session, 0, 0).handle
 
@@ -196,6 +200,7 @@ class LocalEngine(JobEngine):
                     self._queue.clear()
                 break
             try:
+                wait_ready(batch.after)
                 reason = "" if batch.job.failed else self._land(batch)
             except Exception as exc:  # keep the worker alive; the batch fails with the cause
                 reason = f"{self._who}: landing {batch.describe()} raised {exc!r}"

@@ -130,6 +130,16 @@ class CudaCopier:
                 counts["direct_slices"] = int(direct.sum())
         return counts, keep
 
+    def wait_for(self, after: Any) -> None:
+        """Make ``stream`` wait for the producer's events (CUDA events: on the GPU; others: on the host)."""
+        from kvbridge.transfer.engine.base import ready_events
+
+        for ev in ready_events(after):
+            if isinstance(ev, self._torch.cuda.Event):
+                self.stream.wait_event(ev)
+            else:
+                ev.synchronize()
+
     def copy_async(self, dst: int, src: int, nbytes: int) -> None:
         """One plain copy on this copier's stream (either side may be host memory)."""
         self._cuda.memcpy_async(dst, src, nbytes, self.stream.cuda_stream)
