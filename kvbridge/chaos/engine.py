@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,8 @@ class FaultyEngine(TransferEngine):
     def unregister(self, ptr: int) -> None:
         self.inner.unregister(ptr)
 
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> int:
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
         with self._lock:
             fail = self._armed > 0
             if fail:
@@ -58,7 +60,7 @@ class FaultyEngine(TransferEngine):
                 handle = next(self._ids)
                 self._failed.add(handle)
         if not fail:
-            return self.inner.submit_write(session, src, dst, length)
+            return self.inner.submit_write(session, src, dst, length, after=after)
         if self._notify is not None:
             self._notify()  # final at once: wake whoever collects completions
         return handle

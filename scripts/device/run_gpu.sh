@@ -8,6 +8,9 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl mooncake-transfer-engine-cuda13==0.3.14 pyzmq fastapi \
 #       opentelemetry-api starlette uvicorn pydantic pydantic-core typing-extensions typing-inspection annotated-types
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl prometheus-client msgpack \
+#       httpx httpcore h11 anyio idna certifi sniffio click
 #   apt-get update && (mkdir -p .debs && cd .debs && apt-get download libibverbs1 ibverbs-providers libnl-3-200 \
 #       libnl-route-3-200 libnuma1)
 #
