@@ -218,9 +218,13 @@ class DecodeRank(RankBase):
             log.info("trace room=%d bench recv @%.6f", room, time.monotonic())
         r = self.endpoint.receiver(room, cmd["prefill"])
         r.init(page_ids, 0, n)
-        deadline = time.monotonic() + cmd.get("timeout", 120)
-        while (state := r.poll()) not in final and time.monotonic() < deadline:
-            time.sleep(cmd.get("poll_s", 0.0002))
+        timeout, poll_s = cmd.get("timeout", 120), cmd.get("poll_s", 0.0)
+        if poll_s > 0:  # like an engine's scheduler step
+            deadline = time.monotonic() + timeout
+            while (state := r.poll()) not in final and time.monotonic() < deadline:
+                time.sleep(poll_s)
+        else:
+            state = r.wait(timeout)
         elapsed = time.perf_counter() - t0
         if self.trace:
             log.info("trace room=%d bench final %s @%.6f", room, state.name, time.monotonic())

@@ -63,7 +63,7 @@ class RigSpec:
     dst_order: str = "lane-major"
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str = ""  # every rank's log (stderr) goes here; a fresh temporary folder when empty
-    poll_s: float = 0.0005  # how often decode polls its room, like an engine's scheduler step
+    poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
 
     @property
     def max_pages(self) -> int:

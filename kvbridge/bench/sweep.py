@@ -50,7 +50,7 @@ class BenchSpec:
     decode_aux: str = "cpu"
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str = ""
-    poll_s: float = 0.0005
+    poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:

@@ -69,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",
                    help="run the ranks with KVBRIDGE_TRACE=1 and print the per-room hop breakdown (slower rooms)")
+    p.add_argument("--poll-ms", type=float, default=0.0,
+                   help="decode's wait for a room: 0 (default) blocks in KVReceiver.wait(); > 0 polls every that "
+                   "many ms instead, like an engine's scheduler step (on a 2-core host the polling competes with "
+                   "the transfer's threads)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the rows and settings as JSON")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG chart (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -100,13 +104,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--layers must be >= 1 and --draft-layers >= 0", field="layers")
     if args.engine == "ipc" and not args.device.startswith("cuda"):
         raise ConfigError("--engine ipc moves GPU memory between processes: add --device cuda:N", field="engine")
-    gpu = args.device.startswith("cuda")
     log_dir = tempfile.mkdtemp(prefix="kvbridge-bench-") if args.trace else ""
     spec = BenchSpec(
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
         reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, verify_every=args.verify_every,
         quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
-        decode_aux=args.device if args.engine in ("ipc", "auto") else "cpu", poll_s=0.0002 if gpu else 0.0005,
+        decode_aux=args.device if args.engine in ("ipc", "auto") else "cpu", poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
     )  # fmt: skip
     meta = {

@@ -11,6 +11,7 @@ Written down once; every state change of a sender or receiver goes through
 from __future__ import annotations
 
 import enum
+import threading
 import time
 
 
@@ -42,12 +43,13 @@ class IllegalTransition(RuntimeError):
 class RoomState:
     """Current state, the failure reason, and when each state was entered."""
 
-    __slots__ = ("state", "reason", "entered")
+    __slots__ = ("state", "reason", "entered", "done")
 
     def __init__(self) -> None:
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
         self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic()}
+        self.done = threading.Event()  # set once the state is final (a handle's wait() blocks on it)
 
     @property
     def final(self) -> bool:
@@ -68,6 +70,8 @@ class RoomState:
         self.entered[new] = time.monotonic()
         if new == KVPoll.Failed:
             self.reason = reason or "failed"
+        if new in FINAL:
+            self.done.set()
         return True
 
     def advance_to(self, target: KVPoll) -> None:

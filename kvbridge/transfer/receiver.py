@@ -170,6 +170,12 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         return self._ep._locked(lambda: self._room.state.state)
 
+    def wait(self, timeout: float | None = None) -> KVPoll:
+        """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
+        poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
+        self._room.state.done.wait(timeout)
+        return self.poll()
+
     @property
     def failure_reason(self) -> str | None:
         return self._ep._locked(lambda: self._room.state.reason)

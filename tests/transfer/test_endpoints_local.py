@@ -410,3 +410,32 @@ def test_a_topology_in_use_is_refreshed_before_it_expires(cluster):
         wait_final([r, *c.send(room, 6)])
         assert r.poll() == KVPoll.Success
         r.close()
+
+
+def test_wait_blocks_until_the_room_is_final_and_times_out_with_the_state(cluster):
+    """KVReceiver.wait / KVSender.wait: the poll state when the room turns final, without a
+    polling loop; a timeout returns the state it is still in."""
+    c = cluster(engine="local")
+    gate = threading.Event()
+    for ep in c.prefill:
+        ep.engine.faults.gate = gate  # writes held in flight
+    pages = np.array([3, 4, 5])
+    r = c.decode.receiver(0x58, f"{c.name}-p")
+    r.init(pages, 0, 12)
+    senders = c.send(0x58, 12)
+    assert wait_until(lambda: all(s.poll() == KVPoll.Transferring for s in senders), 10)
+    started = time.monotonic()
+    assert r.wait(0.3) == KVPoll.Transferring and senders[0].wait(0.01) == KVPoll.Transferring
+    assert time.monotonic() - started >= 0.3  # it waited the whole timeout
+    seen: list[KVPoll] = []
+    waiter = threading.Thread(target=lambda: seen.append(r.wait(20)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not seen  # still blocked while the writes are held
+    gate.set()
+    waiter.join(20)
+    assert seen == [KVPoll.Success] and all(s.wait(20) == KVPoll.Success for s in senders)
+    assert c.verified(0x58, 12, pages)
+    failed = c.decode.receiver(0x59, f"{c.name}-p")
+    failed.abort("given up")
+    assert failed.wait(5) == KVPoll.Failed and failed.failure_reason == "given up"
