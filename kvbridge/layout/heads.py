@@ -43,10 +43,10 @@ from kvbridge.layout.plan import (
     BufferDesc,
     PairedBuffers,
     TransferPlan,
-    _check_logical,
+    _broadcast,
     _check_range,
+    _checked_pages,
     _index,
-    _page_arrays,
     plan_transfer,
 )
 from kvbridge.layout.pools import ABI_ITEMSIZE, ROWS, PoolSpec
@@ -261,12 +261,11 @@ def plan_head_transfer(
             dst_specs, src_bufs, dst_bufs, logical_pages, src_pages, dst_pages, num_tokens,
             pools=names, room=room, rank=rank, paired=paired,
         )
-    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
-    num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
-    if paired is None:
-        paired = pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank)
-    elif paired.pools != names:
-        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    logical, src, dst, num_valid_last, paired = _checked_pages(
+        logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
+        lambda: pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank),
+        ctx,
+    )
     for n, (_, _, _, src_cap, dst_cap) in zip(names, paired.pairs):
         _check_range(src_specs[n], "source", src, src_cap, logical, ctx)
         _check_range(dst_specs[n], "destination", dst, dst_cap, logical, ctx)
@@ -281,12 +280,8 @@ def plan_head_transfer(
     s, d = head_slice.src_row_bytes, head_slice.dst_row_bytes
     rel_src = (src[entry] * (page_size * s) + row * s + head_slice.src_offset).astype(np.uint64)
     rel_dst = (dst[entry] * (page_size * d) + row * d + head_slice.dst_offset).astype(np.uint64)
-    parts = [
-        ((sb[:, None] + rel_src[None, :]).reshape(-1), (db[:, None] + rel_dst[None, :]).reshape(-1))
-        for _, sb, db, _, _ in paired.pairs
-    ]
-    src_all = np.concatenate([p[0] for p in parts])
-    return TransferPlan(src_all, np.concatenate([p[1] for p in parts]), np.full(len(src_all), head_slice.nbytes))
+    length = np.full(len(entry), head_slice.nbytes, dtype=np.uint64)
+    return _broadcast([(sb, db, rel_src, rel_dst, length) for _, sb, db, _, _ in paired.pairs])
 
 
 def _check_specs(

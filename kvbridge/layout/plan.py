@@ -17,7 +17,7 @@ valid rows travel:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,13 +149,11 @@ def plan_transfer(
         raise LayoutError(
             f"pools {names} share one page mapping but have page sizes {sorted(page_sizes)}", field="page_size", **ctx
         )
-    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
     page_size = page_sizes.pop() if names else 1
-    num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
-    if paired is None:
-        paired = pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank)
-    elif paired.pools != names:
-        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    logical, src, dst, num_valid_last, paired = _checked_pages(
+        logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
+        lambda: pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank), ctx,
+    )
     pairs = paired.pairs
     src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
     dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
@@ -175,8 +173,29 @@ def plan_transfer(
         if tail_merges not in runs:
             runs[tail_merges] = _runs(src, dst, partial, tail_merges)
         parts.append((src_base, dst_base, *_layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)))
-    # all layers share the page mapping: the per-layer slices broadcast over layer bases, written
-    # straight into the plan's arrays (no concatenation: a scattered 128K-token room is 126,000 slices)
+    return _broadcast(parts)
+
+
+def _checked_pages(
+    logical_pages: Any, src_pages: Any, dst_pages: Any, num_tokens: int, page_size: int, names: tuple[str, ...],
+    paired: PairedBuffers | None, pair: Callable[[], PairedBuffers], ctx: dict[str, Any],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, PairedBuffers]:
+    """A plan's page arrays and token count checked, and its buffers paired (``pair()`` when
+    ``paired`` is None): ``(logical, src, dst, valid rows of the last page, paired)``."""
+    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
+    num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
+    if paired is None:
+        paired = pair()
+    elif paired.pools != names:
+        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    return logical, src, dst, num_valid_last, paired
+
+
+def _broadcast(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> TransferPlan:
+    """The plan of ``parts`` = (src layer bases, dst layer bases, src offsets, dst offsets,
+    lengths): every layer shares the page mapping, so the per-layer slices broadcast over the
+    layer bases, written straight into the plan's arrays (no concatenation: a scattered
+    128K-token room is 126,000 slices per rank)."""
     total = sum(len(sb) * len(ln) for sb, _, _, _, ln in parts)
     out = [np.empty(total, dtype=np.uint64) for _ in range(3)]
     at = 0
