@@ -1,0 +1,93 @@
+"""What kvbridge's control path costs on its own: prefill CP ranks and one decode rank as
+endpoints in ONE process over the local engine (an in-process memcpy on a worker thread),
+against a real bootstrap daemon. No process hand-offs, no network: a room's time from
+``receiver()`` to Success is the request, its checks, the plan, the post, the completion
+report, the ledger and the commit, in Python, plus the memcpy of its few pages.
+
+    .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300]
+
+The prefill side has sent its pages before the timer starts (as when decode asks last);
+decode blocks in ``KVReceiver.wait()``. Compare with ``kvbridge bench --trace``, where the
+same steps run in separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import kvbridge as kvb
+from kvbridge.layout import OwnerLanes
+from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
+from kvbridge.worker.synthetic import fill_pages, make_aux
+
+PRESET, LAYERS, PAGE = "deepseek-v3.2-fp8", 4, 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--pages", type=int, default=16, help="pages per room")
+    ap.add_argument("--rooms", type=int, default=300, help="timed rooms (after 50 warm-up rooms)")
+    args = ap.parse_args()
+    specs = build_specs(PRESET, LAYERS, PAGE, 1)
+    contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
+    schema = aux_schema_of(contract)
+    fabric, lanes = LocalFabric(), OwnerLanes(args.cp, "interleaved")
+    n = args.pages * PAGE
+    with kvb.start_bootstrap(with_token=False) as (url, _):
+        prefill = [kvb.PrefillEndpoint(kvb.PrefillConfig(instance="cb-p", cp_rank=r, cp_size=args.cp),
+                                       kvb.create_engine("local", fabric=fabric), specs,
+                                       allocate_buffers(specs, 2 * args.pages), contract, kvb.BootstrapClient(url),
+                                       schema) for r in range(args.cp)]
+        aux = torch.zeros((4, schema.row_bytes), dtype=torch.uint8)
+        decode = kvb.DecodeEndpoint(kvb.DecodeConfig(instance="cb-d"), kvb.create_engine("local", fabric=fabric),
+                                    specs, allocate_buffers(specs, 2 * args.pages), contract, kvb.BootstrapClient(url),
+                                    aux, schema)
+        for ep in (*prefill, decode):
+            ep.start()
+        owned = [lanes.owned_pages(r, args.pages) for r in range(args.cp)]
+        for r, ep in enumerate(prefill):
+            for (pool, layer), buf in ep.buffers.tensors.items():
+                fill_pages(specs[pool], buf, 1, layer, owned[r], owned[r], n)
+        last = lanes.owner_of_token(n - 1, PAGE, args.pages)
+        dst = np.arange(args.pages) + args.pages
+
+        def room(i: int) -> float:
+            senders = []
+            for r, ep in enumerate(prefill):
+                s = ep.sender(i)
+                s.init(n)
+                s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+                senders.append(s)
+            t0 = time.perf_counter()
+            recv = decode.receiver(i, "cb-p")
+            recv.init(dst, 0, n)
+            state = recv.wait(10)
+            dt = time.perf_counter() - t0
+            if state != kvb.KVPoll.Success:
+                raise SystemExit(f"room {i}: {state.name}: {recv.failure_reason}")
+            for s in senders:
+                s.wait(10)
+                s.close()
+            recv.close()
+            return dt
+
+        for i in range(1, 51):
+            room(i)
+        times = [room(i) for i in range(100, 100 + args.rooms)]
+        for ep in (decode, *prefill):
+            ep.close()
+    ms = sorted(t * 1e3 for t in times)
+    print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {LAYERS}+1 layers "
+          f"({PRESET}), {args.rooms} rooms: receiver() -> Success p50 {statistics.median(ms):.2f} ms, "
+          f"p90 {ms[int(0.9 * len(ms))]:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
