@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
         "engine": spec.engine, "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens), "cps": list(cps),
-        "note": note, "dst_order": args.dst_order, "allocs": list(args.alloc), "device": args.device,
+        "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms, "allocs": list(args.alloc), "device": args.device,
     }  # fmt: skip
     with start_bootstrap() as (url, token):
         rows = run_sweep(spec, url, token, show_progress=not args.no_progress)
