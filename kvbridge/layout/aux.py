@@ -63,16 +63,17 @@ class AuxRegion:
                               field=f"aux.regions.{self.name}.shape")
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
 
-    @property
+    # derived once: a region is immutable, and rows are packed and checked on every room
+    @functools.cached_property
     def storage(self) -> np.dtype:
         """The numpy type one element is stored as."""
         return np.dtype(AUX_DTYPES[self.dtype])
 
-    @property
+    @functools.cached_property
     def count(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of this region in one row."""
         return self.storage.itemsize * self.count
@@ -139,7 +140,7 @@ class AuxSchema:
         """The packed row: a little-endian structured dtype, regions naturally aligned."""
         return np.dtype([(r.name, r.storage, r.shape) for r in self.regions], align=True)
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return int(self.dtype.itemsize)
 
@@ -148,17 +149,21 @@ class AuxSchema:
         """Byte offset of each region inside the packed row."""
         return {name: int(self.dtype.fields[name][1]) for name in self.dtype.names}
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.regions)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, AuxRegion]:
+        return {r.name: r for r in self.regions}
+
     def region(self, name: str) -> AuxRegion:
-        for r in self.regions:
-            if r.name == name:
-                return r
+        r = self._by_name.get(name)
+        if r is not None:
+            return r
         raise LayoutError(f"aux schema has no region {name!r}; regions are {list(self.names)}", field="aux.regions")
 
-    @property
+    @functools.cached_property
     def is_standard(self) -> bool:
         return self.names == STANDARD_REGIONS and self.region("room").shape == ()
 
