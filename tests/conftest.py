@@ -8,6 +8,7 @@ process and checks that nothing listens on the port any more.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -126,4 +127,14 @@ def daemon(module_daemons: Callable[..., BootstrapDaemon]) -> BootstrapDaemon:
     """One open daemon (no token) shared by a test module; tests use unique instance names."""
     return module_daemons("--lease-ttl", "30")
 
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs a command in-process (``main([...])``) configures the root logger; put it
+    back, so that later tests' background threads (lease heartbeats, look-ups) do not print."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
