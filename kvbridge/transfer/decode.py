@@ -4,7 +4,7 @@ One loop thread owns every socket and room; bootstrap look-ups run on a small
 bounded pool (results cached per prefill DP group for a moment), so 1,000 rooms
 in flight are 1,000 dict entries, not 1,000 threads. The loop reads like ``step()``:
 
-    receive (PagesDone / AuxDone / AbortAck / Heartbeat)  ->  apply look-ups
+    receive (PagesDone, with the aux row / AbortAck / Heartbeat)  ->  apply look-ups
     ->  send TransferRequests  ->  commit complete rooms  ->  pings, liveness, deadlines
 """
 

@@ -273,21 +273,18 @@ class RoomBook(PeerLiveness):
                 r.quiet.add(key)
                 self.fail(r, f"{label}: {msg.reason}")
                 return
-            pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
-            r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
-            if self.cfg.verify_digest:
-                if msg.digests is None:
-                    raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
-                                      rank=f"cp{msg.cp_rank}", field="digests")
-                r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
-        elif isinstance(msg, wire.AuxDone):
-            if msg.status == "failed":
-                r.quiet.add(key)
-                self.fail(r, f"{label} could not write the aux row: {msg.reason}")
-                return
-            r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
-            if msg.num_tokens:
-                self.learn_num_tokens(r, msg.num_tokens, f"{label} (with the aux row)")
+            if msg.logical_pages:
+                pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
+                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
+                if self.cfg.verify_digest:
+                    if msg.digests is None:
+                        raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
+                                          rank=f"cp{msg.cp_rank}", field="digests")
+                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
+            if msg.aux:  # the same write carried the aux row
+                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+                if msg.num_tokens:
+                    self.learn_num_tokens(r, msg.num_tokens, f"{label} (with the aux row)")
 
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:

@@ -4,7 +4,7 @@ One loop thread owns the control socket and every room's state; engine threads
 only queue work under the lock and wake it. The loop reads like ``step()``:
 
     receive control messages  ->  post writes for new chunks and new targets
-    ->  collect completions  ->  report (PagesDone / AuxDone / AbortAck)  ->  deadlines
+    ->  collect completions  ->  report (PagesDone, the aux row in it / AbortAck)  ->  deadlines
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already

@@ -307,20 +307,20 @@ class SendBook:
             if status.state is WriteState.FAILED:
                 t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
             elif t.active:
+                digests = None
                 if pages.size:
                     t.num_pages_done += pages.size
-                    digests = None
                     if t.want_digest:
                         local = self.local_pages_of(r, pages)
                         digests = page_digests(self.ep.specs, self.ep.buffers.tensors, t.pools, pages, local,
                                                r.plan_tokens).tobytes()
-                    self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok",
-                                                           reason="", pools=list(t.pools),
-                                                           logical_pages=wire.pack_pages(pages), digests=digests))
                 if with_aux:
                     t.aux_done = True
-                    self.ep._reply(t.ident, wire.AuxDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
-                                                         num_tokens=r.num_tokens or 0))
+                # one report per write: its pages and, when it carried it, the aux row
+                self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
+                                                       pools=list(t.pools) if pages.size else [],
+                                                       logical_pages=wire.pack_pages(pages), digests=digests,
+                                                       aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0))
             self.settle(r)
             self.forget_if_quiet(r)
 

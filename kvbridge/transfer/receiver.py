@@ -19,7 +19,8 @@ pages ``[first_page, num_pages)`` only:
 
 An engine that knows only pages (SGLang) leaves ``num_tokens`` out: the request then
 has ``first_page + len(page_ids)`` pages, and the prefill rank that writes the aux row
-says the token count with it (``AuxDone``); ``receiver.stats["num_tokens"]`` has it from then on.
+says the token count in the ``PagesDone`` that reports it; ``receiver.stats["num_tokens"]``
+has it from then on.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class RecvRoom:
         self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
         self.first_page = 0
         self.aux_slot = -1
-        self.num_tokens: int | None = None  # None until known (init(), or the aux row's AuxDone)
+        self.num_tokens: int | None = None  # None until known (init(), or the PagesDone of the aux row)
         self.ledger: PageLedger | None = None
         self.requested: set[tuple[int, int]] = set()  # (cp, tp) ranks a TransferRequest went to
         self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)

@@ -1,7 +1,10 @@
 """Control-channel messages: one frozen dataclass per message, one msgpack codec.
 
     decode -> prefill   TransferRequest  Abort  Ping
-    prefill -> decode   PagesDone  AuxDone  AbortAck  Heartbeat  ErrorReply
+    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply
+
+A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
+carried it (the aux row rides in the last chunk's batch), with the request's length.
 
 On the wire (``encode``)::
 
@@ -13,7 +16,7 @@ with a secret, the envelope and its MAC (constant-time compare), then the size
 limit - without one, the size limit, and an envelope is refused too; msgpack; a map with string keys;
 version "v"; type tag "t"; every field present and of its declared type; the
 few value rules below. Unknown extra fields are *ignored*, and a field with a
-default (``AuxDone.num_tokens``) may be missing, so a peer may add optional
+default (``PagesDone.aux``, ``PagesDone.num_tokens``) may be missing, so a peer may add optional
 fields without a version bump; removing or retyping one needs a bump.
 Page lists travel as packed little-endian int32 (``pack_pages``/``unpack_pages``).
 The MAC authenticates, it does not stop replays; it is for closed clusters.
@@ -44,7 +47,6 @@ __all__ = [
     "WIRE_VERSION",
     "Abort",
     "AbortAck",
-    "AuxDone",
     "ErrorReply",
     "Heartbeat",
     "Message",
@@ -98,7 +100,7 @@ class TransferRequest(_Message):
     ``page_ids[i]`` (LE int32, shared by every pool; pages below ``first_page`` I already hold);
     ``deadline_ms``: how long I wait, from sending; ``num_tokens``: the request's valid tokens, or
     0 when I know only its pages (``first_page`` + the page ids): the prefill rank then knows the
-    length from its engine, at the latest with the last chunk, and says it in ``AuxDone``."""
+    length from its engine, at the latest with the last chunk, and says it in the ``PagesDone`` that reports the aux row."""
 
     TAG: ClassVar[str] = "transfer_request"
     room: int
@@ -139,7 +141,11 @@ class Ping(_Message):
 # ---- prefill -> decode ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PagesDone(_Message):
-    """``logical_pages`` (LE int32) of ``pools`` were written by ``cp_rank``, or failed."""
+    """``logical_pages`` (LE int32) of ``pools`` were written by ``cp_rank``, or failed. ``aux``:
+    the same write carried the room's aux row (the last chunk's batch, or the row alone), and
+    ``num_tokens`` is then the request's valid tokens as the prefill engine knows them by its
+    last chunk (0: not said). One report per write: a room's last report needs no second
+    message for its aux row (wire v3; v2 sent an AuxDone after it)."""
 
     TAG: ClassVar[str] = "pages_done"
     room: int
@@ -149,26 +155,12 @@ class PagesDone(_Message):
     pools: list[str]
     logical_pages: bytes
     digests: bytes | None
-
-    def _check(self) -> None:
-        _check_status(self)
-        _check_pages(self, "logical_pages")
-
-
-@dataclass(frozen=True)
-class AuxDone(_Message):
-    """The aux row of ``room`` was written by ``cp_rank`` (or failed); ``num_tokens``: the request's
-    valid tokens as the prefill engine knows them by its last chunk (0: not said)."""
-
-    TAG: ClassVar[str] = "aux_done"
-    room: int
-    cp_rank: int
-    status: str
-    reason: str
+    aux: bool = False
     num_tokens: int = 0
 
     def _check(self) -> None:
         _check_status(self)
+        _check_pages(self, "logical_pages")
 
 
 @dataclass(frozen=True)
@@ -197,11 +189,11 @@ class ErrorReply(_Message):
     reason: str
 
 
-Message = Union[TransferRequest, Abort, Ping, PagesDone, AuxDone, AbortAck, Heartbeat, ErrorReply]
+Message = Union[TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
-    cls.TAG: cls for cls in (TransferRequest, Abort, Ping, PagesDone, AuxDone, AbortAck, Heartbeat, ErrorReply)
+    cls.TAG: cls for cls in (TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply)
 }
 _HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}

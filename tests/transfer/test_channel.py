@@ -90,7 +90,7 @@ def test_server_loop_serves_two_clients(served: tuple[ControlServer, EchoLoop]) 
         ([b"\xc1garbage"], "not msgpack", "", None),
         ([msgpack.packb({"v": wire.WIRE_VERSION, "t": "launch", "room": 5})], "unknown message type 'launch'", "launch", 5),
         ([msgpack.packb({"v": wire.WIRE_VERSION, "t": "abort", "room": 9})], "missing field 'decode_rank' in abort", "abort", 9),
-        ([msgpack.packb({"v": 3, "t": "ping"})], "unsupported wire version 3", "ping", None),
+        ([msgpack.packb({"v": wire.WIRE_VERSION + 1, "t": "ping"})], f"unsupported wire version {wire.WIRE_VERSION + 1}", "ping", None),
         ([wire.encode(Ping(decode_rank="x", seq=1), SECRET)], "HMAC envelope but no secret", "", None),
         ([b"a", b"b"], "expected one frame per message, got 2", "", None),
     ],

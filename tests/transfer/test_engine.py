@@ -390,6 +390,39 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
             engine.close()
 
 
+@pytest.mark.mooncake
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")
+def test_mooncake_posts_a_small_write_itself_and_queues_the_rest_behind_the_pump() -> None:
+    from kvbridge.transfer.engine.mooncake import DIRECT_MAX_SLICES
+
+    a, b = create_engine("mooncake"), create_engine("mooncake")
+    num = 3 * DIRECT_MAX_SLICES
+    src, dst = random_bytes(num * PAGE, 11), np.zeros(num * PAGE, np.uint8)
+    try:
+        with registered(a, src), registered(b, dst):
+            s, d, n, perm = scatter(src, dst, num, 11)
+            small = slice(0, DIRECT_MAX_SLICES)
+            assert a.direct_posts == 0
+            a.write(b.session_id, s[small], d[small], n[small])  # idle session: the caller posts it
+            assert a.direct_posts == 1
+            big = slice(DIRECT_MAX_SLICES, num)
+            h_big = a.submit_write(b.session_id, s[big], d[big], n[big])  # too many slices: the pump
+            h_next = a.submit_write(b.session_id, s[:1], d[:1], n[:1])  # small, but the session is busy
+            assert a.direct_posts == 1
+            assert poll_until_final(a, h_big) == WriteStatus.DONE and poll_until_final(a, h_next) == WriteStatus.DONE
+            assert landed(src, dst, perm)
+            # a refused direct post fails its own write, names the peer, and the engine goes on
+            bad = a.submit_write(b.session_id, s[:2], np.array([d[0], d[0] + num * PAGE], np.uint64), n[:2])
+            status = poll_until_final(a, bad)
+            assert status.state is WriteState.FAILED and b.session_id in status.reason
+            assert a.direct_posts == 2
+            a.write(b.session_id, s[:4], d[:4], n[:4])
+            assert a.direct_posts == 3
+    finally:
+        a.close()
+        b.close()
+
+
 # ---- factory, lazy import, GPU ------------------------------------------------------------------
 def test_import_does_not_load_mooncake() -> None:
     code = (

@@ -20,7 +20,6 @@ from kvbridge.transfer.wire import (
     WIRE_VERSION,
     Abort,
     AbortAck,
-    AuxDone,
     ErrorReply,
     Heartbeat,
     PagesDone,
@@ -61,7 +60,8 @@ SAMPLES = [
     Ping(decode_rank="d0", seq=0),
     PagesDone(room=7, cp_rank=1, status="ok", reason="", pools=["target"], logical_pages=pack_pages(np.arange(5)), digests=b"\x01" * 40),
     PagesDone(room=7, cp_rank=0, status="failed", reason="page 9 outside capacity", pools=[], logical_pages=b"", digests=None),
-    AuxDone(room=7, cp_rank=3, status="ok", reason=""),
+    PagesDone(room=7, cp_rank=3, status="ok", reason="", pools=[], logical_pages=b"", digests=None, aux=True,
+              num_tokens=130),
     AbortAck(room=7, cp_rank=2),
     Heartbeat(cp_rank=2, seq=2**40),
     ErrorReply(ref_type="transfer_request", room=None, reason="unknown message type 'x'"),
@@ -125,6 +125,21 @@ def test_unpack_pages_refuses_a_partial_int() -> None:
 def test_unknown_extra_fields_are_ignored() -> None:
     msg = AbortAck(room=3, cp_rank=1)
     assert decode(body(**valid_map(msg), added_in_a_later_release=[1, 2])) == msg
+
+
+def test_a_pages_report_without_the_aux_fields_reports_no_aux_row() -> None:
+    fields = valid_map(SAMPLES[4])
+    del fields["aux"], fields["num_tokens"]
+    msg = decode(body(**fields))
+    assert isinstance(msg, PagesDone) and msg.aux is False and msg.num_tokens == 0
+
+
+def test_the_v2_aux_report_is_refused_by_version_and_by_tag() -> None:
+    old = {"t": "aux_done", "room": 7, "cp_rank": 0, "status": "ok", "reason": ""}
+    with pytest.raises(ProtocolError, match="unsupported wire version 2"):
+        decode(body(v=2, **old))
+    with pytest.raises(ProtocolError, match="unknown message type 'aux_done'"):
+        decode(body(v=WIRE_VERSION, **old))
 
 
 # ---- malformed input ----------------------------------------------------------------------------

@@ -71,9 +71,10 @@ class AutoEngine(JobEngine):
     @property
     def stats(self) -> Counter[str]:
         """Writes, slices and bytes per route (``writes_ipc``, ``slices_mooncake``, ...), and the
-        IPC engine's own counts prefixed ``ipc_``."""
+        IPC and Mooncake engines' own counts prefixed ``ipc_`` and ``mooncake_``."""
         out = Counter(self._stats)
         out.update({f"ipc_{k}": v for k, v in getattr(self._ipc, "stats", {}).items()})
+        out.update({f"mooncake_{k}": v for k, v in getattr(self._mc, "stats", {}).items()})
         return out
 
     def _engines(self) -> list[TransferEngine]:

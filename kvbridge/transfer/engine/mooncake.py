@@ -24,11 +24,15 @@ call, then reports through the notify callback (so a completion reaches the
 endpoint without another hop). ``poll`` is a dict look-up, so a loop can carry
 many rooms on one thread. One pump means waits are serial: a batch to a slow or
 dead peer delays the *completion bookkeeping* of later batches (not their
-transfer) by up to its own timeout. (Posting from the caller instead was tried:
+transfer) by up to its own timeout. Posting every write from the caller was tried:
 ``batch_transfer_async_write`` of 247 slices costs the caller about 0.3 ms, as
-much as the hand-off it saves; and the intra-node NVLink transport copies inside
-that call, a synchronous ``cudaMemcpy`` per slice.) Source events (``after``)
-are waited for on the pump thread, before posting.
+much as the hand-off it saves, and the intra-node NVLink transport copies inside
+that call, a synchronous ``cudaMemcpy`` per slice. So only a *small* write (at
+most ``DIRECT_MAX_SLICES`` slices and ``DIRECT_MAX_BYTES``, no source event) to a
+session with nothing queued or in flight is posted by the caller, saving the
+pump's wake-up on the room's path; the pump still waits for it and reports it
+(``direct_posts`` counts them). Source events (``after``) are waited for on the
+pump thread, before posting.
 
 Security: Mooncake's handshake and data listeners bind every interface and
 accept anyone; keep these engines on trusted networks (tests use 127.0.0.1 only).
@@ -52,6 +56,8 @@ from kvbridge.transfer.engine.native_logs import quiet_native_logs
 log = logging.getLogger(__name__)
 
 CLOSE_JOIN_S = 40.0  # longer than Mooncake's own 30 s transfer timeout
+DIRECT_MAX_SLICES = 64  # a write this small to an idle session is posted by the caller (``_direct``)
+DIRECT_MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -99,12 +105,19 @@ class MooncakeEngine(JobEngine):
         self._inflight_slices: dict[str, int] = {}
         self._inflight: deque[tuple[str, _Batch]] = deque()  # posted, oldest first (pump thread only)
         self._closed = False
+        self.direct_posts = 0  # writes posted by the caller, not the pump (``_direct``)
+        self._posting = 0  # direct posts under way: the pump does not exit meanwhile
         self._pump = threading.Thread(target=self._run, name=f"mooncake-pump-{self._session}", daemon=True)
         self._pump.start()
 
     @property
     def session_id(self) -> str:
         return self._session
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``direct_posts``: writes the caller posted itself (small, to an idle session)."""
+        return {"direct_posts": self.direct_posts}
 
     # ---- memory -----------------------------------------------------------------------------
     def register(self, ptr: int, nbytes: int) -> None:
@@ -139,11 +152,33 @@ class MooncakeEngine(JobEngine):
         with self._cond:
             self._check_open()
             job = self._jobs.open(session, len(starts), int(src.size))
-            queue = self._queued.setdefault(session, deque())
-            for i, a in enumerate(starts):
-                queue.append(_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap], after))
-            self._cond.notify()
+            if not self._direct(session, src, length, after):
+                queue = self._queued.setdefault(session, deque())
+                for i, a in enumerate(starts):
+                    queue.append(_Batch(job, i, src[a : a + cap], dst[a : a + cap], length[a : a + cap], after))
+                self._cond.notify()
+                return job.handle
+            self._inflight_slices[session] = int(src.size)  # reserved: the session's cap, and the pump
+            self._posting += 1  # stays until the post is in
+            self.direct_posts += 1
+        # a small write to an idle session is posted here, one thread wake-up before the pump would
+        # post it; the pump waits for it in order and reports it. Outside the lock: a refused post
+        # reports at once, and the engine's callback may take the caller's locks
+        try:
+            self._post(session, _Batch(job, 0, src, dst, length))
+        finally:
+            with self._cond:
+                self._posting -= 1
+                self._cond.notify()
         return job.handle
+
+    def _direct(self, session: str, src: np.ndarray, length: np.ndarray, after: Any) -> bool:
+        """Post from the caller (lock held): a write of few slices and bytes, with no source event to
+        wait for, to a session with nothing queued or in flight. Larger writes go to the pump: the
+        intra-node transports copy inside the post call, which must not hold up the caller."""
+        return (after is None and src.size <= DIRECT_MAX_SLICES and src.size <= self.max_slices_per_call
+                and session not in self._queued and session not in self._inflight_slices
+                and int(length.sum()) <= DIRECT_MAX_BYTES)
 
     def close(self) -> None:
         with self._cond:
@@ -169,9 +204,10 @@ class MooncakeEngine(JobEngine):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._inflight and not self._submittable():
+                # a direct post under way (``_posting``) will want collecting, even when closing
+                while not self._inflight and not self._submittable() and not (self._closed and not self._posting):
                     self._cond.wait()
-                if self._closed and not self._inflight:
+                if self._closed and not self._inflight and not self._posting:
                     return
                 to_post, skipped = self._take()
             for _, batch in skipped:
