@@ -4,11 +4,12 @@ against a real bootstrap daemon. No process hand-offs, no network: a room's time
 ``receiver()`` to Success is the request, its checks, the plan, the post, the completion
 report, the ledger and the commit, in Python, plus the memcpy of its few pages.
 
-    .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300]
+    .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0]
 
 The prefill side has sent its pages before the timer starts (as when decode asks last);
 decode blocks in ``KVReceiver.wait()``. Compare with ``kvbridge bench --trace``, where the
-same steps run in separate processes.
+same steps run in separate processes. ``--gap-ms``: idle time before each timed room (the
+benches leave the cluster idle between rooms; on a VM every thread then wakes slower).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--pages", type=int, default=16, help="pages per room")
     ap.add_argument("--rooms", type=int, default=300, help="timed rooms (after 50 warm-up rooms)")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each timed room")
     args = ap.parse_args()
     specs = build_specs(PRESET, LAYERS, PAGE, 1)
     contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
@@ -65,6 +67,7 @@ def main() -> None:
                 s.init(n)
                 s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
                 senders.append(s)
+            time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
             recv = decode.receiver(i, "cb-p")
             recv.init(dst, 0, n)
@@ -85,7 +88,7 @@ def main() -> None:
             ep.close()
     ms = sorted(t * 1e3 for t in times)
     print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {LAYERS}+1 layers "
-          f"({PRESET}), {args.rooms} rooms: receiver() -> Success p50 {statistics.median(ms):.2f} ms, "
+          f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: receiver() -> Success p50 {statistics.median(ms):.2f} ms, "
           f"p90 {ms[int(0.9 * len(ms))]:.2f} ms")
 
 

@@ -135,7 +135,7 @@ class RoomBook(PeerLiveness):
         now = time.monotonic()
         if hit and now - hit[0] < self.cfg.topology_ttl:
             self.cache_used[key] = now
-            return hit[1].model_copy(update={"room": r.room})
+            return hit[1]  # shared by the group's rooms, not copied per room (its ``room``: the one that looked up)
         return None
 
     def refresh_ahead(self, now: float) -> None:
@@ -160,7 +160,7 @@ class RoomBook(PeerLiveness):
         """The last answer for the room's DP group however old (the daemon is unreachable)."""
         key = self.lookup_key(r)
         hit = self.cache.get(key) if key[1] is not None else None
-        return None if hit is None else hit[1].model_copy(update={"room": r.room})
+        return None if hit is None else hit[1]
 
     def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
