@@ -7,7 +7,7 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 from kvbridge.transfer.prefill_info import PrefillInfo
 from kvbridge.transfer.receiver import KVReceiver
-from kvbridge.transfer.sender import KVSender
+from kvbridge.transfer.kvsender import KVSender
 
 __all__ = [
     "ENGINE_KINDS",

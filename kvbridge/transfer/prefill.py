@@ -43,7 +43,8 @@ from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.lifecycle import open_waiting
 from kvbridge.transfer.prefill_rooms import SendBook
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
-from kvbridge.transfer.sender import KVSender, SendRoom
+from kvbridge.transfer.kvsender import KVSender
+from kvbridge.transfer.sender import SendRoom
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,5 +1,6 @@
-"""Prefill side of one room: the engine-facing :class:`KVSender`, and the room's
-state that the :class:`~kvbridge.transfer.prefill.PrefillEndpoint` loop drives.
+"""Prefill side of one room: the room's state that the
+:class:`~kvbridge.transfer.prefill.PrefillEndpoint` loop drives (the engine-facing
+:class:`~kvbridge.transfer.kvsender.KVSender` is a handle on it, in ``kvsender.py``).
 
 A room on a prefill CP rank holds the chunks of owned pages the engine handed
 in, and one :class:`Target` per decode rank that asked for the room. The loop
@@ -33,10 +34,9 @@ the last valid token. Every TP rank of that CP rank passes the aux row to
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -45,11 +45,7 @@ from kvbridge.layout import HeadSlice, OwnerLanes, PoolSpec
 from kvbridge.layout.plan import PairedBuffers
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.lifecycle import Life, Stage
-from kvbridge.transfer.poll import KVPoll, RoomState
-
-if TYPE_CHECKING:
-    from kvbridge.layout import AuxRow
-    from kvbridge.transfer.prefill import PrefillEndpoint
+from kvbridge.transfer.poll import RoomState
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -356,100 +352,6 @@ class SendRoom:
                               field="aux", **ctx)
 
 
-class KVSender:
-    """Engine-facing sender of one room on one prefill CP rank (thread-safe).
+from kvbridge.transfer.kvsender import KVSender  # noqa: E402  (its old home; kvsender imports nothing from here)
 
-    ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
-    until then its final state, and the reason of a failure, stay readable."""
-
-    def __init__(self, endpoint: PrefillEndpoint, room: SendRoom) -> None:
-        self._ep = endpoint
-        self._room = room
-        # dropping the handle closes the room (the finalizer must not reference self)
-        self._finalizer = weakref.finalize(self, endpoint._release, room)
-
-    @property
-    def room(self) -> int:
-        return self._room.room
-
-    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None) -> None:
-        """The request's length: its valid token count, or, for an engine that only knows pages
-        (SGLang), ``num_pages`` alone; then the last ``send()`` says the token count in its
-        ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
-        travel (hard rule 1). A rank with nothing to send (no owned page, not the owner of the
-        last page) is done once the decode ranks asked: no send() needed."""
-        self._ep._init_room(self._room, num_tokens, num_pages)
-
-    def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
-             is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
-             ready_event: Any = None) -> None:
-        """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
-        ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
-        ``[0, t)`` exist; a page not complete within them is held until a later chunk
-        completes it. The owner of the last valid token passes the aux row with the last
-        chunk: ``aux`` (an AuxRow, a ``{region: value}`` mapping or a packed row) or
-        ``aux_slot`` (a slot of the aux buffers given to the endpoint).
-
-        ``ready_event``: when the chunk's KV (or the aux row in your aux buffers) is written
-        by GPU work still queued, a CUDA event (``torch.cuda.Event``) recorded on that stream
-        after the writes; no byte of the chunk is read before it completes (the copy stream
-        waits on it on the GPU, or the engine's thread waits on the host; ``send()`` never
-        blocks on it). Without it, the pages must be complete when ``send()`` is called."""
-        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
-
-    @property
-    def owned_pages(self) -> np.ndarray:
-        """Logical pages this rank sends, ascending (after init)."""
-        return self._ep._locked(lambda: self._room.owned.copy())
-
-    @property
-    def writes_aux(self) -> bool:
-        """True when this rank's CP rank owns the last valid token: pass the aux row with the last
-        chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
-        it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
-        return self._ep._locked(lambda: self._room.owns_last_token)
-
-    def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(logical, local)`` pages this rank sends, from its page table (see ``SendRoom.select``)."""
-        return self._ep._locked(lambda: self._room.select(page_table))
-
-    def poll(self) -> KVPoll:
-        return self._ep._locked(lambda: self._room.state.state)
-
-    def wait(self, timeout: float | None = None) -> KVPoll:
-        """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
-        poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
-        self._room.state.done.wait(timeout)
-        return self.poll()
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._ep._locked(lambda: self._room.state.reason)
-
-    @property
-    def num_tokens(self) -> int | None:
-        """The request's valid token count, once known (init(num_tokens) or the last chunk)."""
-        return self._ep._locked(lambda: self._room.num_tokens)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """What this rank did for the room (every decode target): ``slices`` and ``bytes`` posted;
-        ``seconds`` spent in each poll state it left; ``transfer_s``, from the first write posted
-        to Success or Failed (to now while in flight; None before any write); ``total_s``, since
-        the room was opened."""
-        return self._ep._locked(self._room.stats)
-
-    def abort(self, reason: str = "aborted by prefill") -> None:
-        self._ep._abort(self._room, reason)
-
-    def close(self) -> None:
-        """End the room: one not yet final fails ("closed by the engine"); the id is free
-        again once no write of it is in flight (idempotent)."""
-        if self._finalizer.detach() is not None:
-            self._ep._close_room(self._room)
-
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = ["KVSender", "SendRoom", "Target", "TargetPart"]
