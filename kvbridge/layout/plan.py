@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -157,9 +158,10 @@ def plan_transfer(
     pairs = paired.pairs
     src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
     dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
-    for spec, _, _, src_cap, dst_cap in pairs:
-        _check_range(spec, "source", src, src_cap, logical, ctx, src_span)
-        _check_range(spec, "destination", dst, dst_cap, logical, ctx, dst_span)
+    if not paired.all_inside(src_span, dst_span):  # the common case is two comparisons; else name the page
+        for spec, _, _, src_cap, dst_cap in pairs:
+            _check_range(spec, "source", src, src_cap, logical, ctx, src_span)
+            _check_range(spec, "destination", dst, dst_cap, logical, ctx, dst_span)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -252,9 +254,19 @@ class PairedBuffers:
     pools: tuple[str, ...]
     pairs: tuple[tuple[Any, ...], ...]
 
-    @property
+    @cached_property
     def min_dst_capacity(self) -> int:
         return min((int(p[4].min()) for p in self.pairs), default=0)
+
+    @cached_property
+    def min_src_capacity(self) -> int:
+        return min((int(p[3].min()) for p in self.pairs), default=0)
+
+    def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
+        """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
+        per side; ``_check_range`` names the offending page and layer when not)."""
+        return (src_span[0] >= 0 and src_span[1] < self.min_src_capacity
+                and dst_span[0] >= 0 and dst_span[1] < self.min_dst_capacity)
 
 
 def pair_buffers(
