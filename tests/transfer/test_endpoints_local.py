@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import Cluster, HostEvent
+from _local import PAGE, Cluster, HostEvent
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
 from kvbridge.transfer.poll import KVPoll
@@ -439,3 +439,38 @@ def test_wait_blocks_until_the_room_is_final_and_times_out_with_the_state(cluste
     failed = c.decode.receiver(0x59, f"{c.name}-p")
     failed.abort("given up")
     assert failed.wait(5) == KVPoll.Failed and failed.failure_reason == "given up"
+
+
+@pytest.mark.parametrize("forged", ["aux from the wrong cp rank", "pages of the other cp rank", "aux twice"])
+def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(cluster, forged):
+    """A prefill rank's report (wire v3: pages and the aux row in one PagesDone) is checked against
+    the owner lanes before anything is recorded: a report the ledger cannot take fails the room,
+    names the rank, and the room never commits."""
+    from kvbridge.transfer import wire
+
+    c = cluster(cp=2)
+    room, n = 77, 4 * PAGE - 3  # 4 pages: cp0 owns 0 and 2, cp1 owns 1 and 3 (and the last token)
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(np.array([20, 21, 22, 23]), 1, n)
+    ep = c.prefill[0]
+    assert wait_until(lambda: room in ep._book.rooms and ep._book.rooms[room].targets, 10)
+    ident = next(iter(ep._book.rooms[room].targets.values())).ident
+    report = dict(room=room, cp_rank=0, status="ok", reason="", pools=sorted(c.specs), digests=None)
+    if forged == "aux from the wrong cp rank":
+        msgs = [wire.PagesDone(**report, logical_pages=b"", aux=True, num_tokens=n)]
+        expect = "aux row reported by cp rank 0, but cp rank 1 owns the last valid token"
+    elif forged == "pages of the other cp rank":
+        msgs = [wire.PagesDone(**report, logical_pages=wire.pack_pages(np.array([1])))]
+        expect = "logical page 1 reported by cp rank 0, but cp rank 1 owns it"
+    else:
+        srv1 = c.prefill[1]
+        assert wait_until(lambda: room in srv1._book.rooms and srv1._book.rooms[room].targets, 10)
+        ident = next(iter(srv1._book.rooms[room].targets.values())).ident
+        ep = srv1
+        msgs = [wire.PagesDone(**{**report, "cp_rank": 1}, logical_pages=b"", aux=True, num_tokens=n)] * 2
+        expect = "aux row reported twice"
+    for msg in msgs:
+        ep._server.send(ident, msg)
+    wait_final([r])
+    assert r.poll() == KVPoll.Failed and expect in r.failure_reason, r.failure_reason
+    assert r.aux is None  # never committed
