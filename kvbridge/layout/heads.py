@@ -44,7 +44,7 @@ from kvbridge.layout.plan import (
     PairedBuffers,
     TransferPlan,
     _broadcast,
-    _check_range,
+    _check_inside,
     _checked_pages,
     _index,
     plan_transfer,
@@ -266,9 +266,7 @@ def plan_head_transfer(
         lambda: pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank),
         ctx,
     )
-    for n, (_, _, _, src_cap, dst_cap) in zip(names, paired.pairs):
-        _check_range(src_specs[n], "source", src, src_cap, logical, ctx)
-        _check_range(dst_specs[n], "destination", dst, dst_cap, logical, ctx)
+    _check_inside(paired, src_specs, dst_specs, src, dst, logical, ctx)
     if not len(logical) or not names:
         return TransferPlan.empty()
 

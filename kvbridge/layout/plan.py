@@ -156,12 +156,7 @@ def plan_transfer(
         lambda: pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank), ctx,
     )
     pairs = paired.pairs
-    src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
-    dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
-    if not paired.all_inside(src_span, dst_span):  # the common case is two comparisons; else name the page
-        for spec, _, _, src_cap, dst_cap in pairs:
-            _check_range(spec, "source", src, src_cap, logical, ctx, src_span)
-            _check_range(spec, "destination", dst, dst_cap, logical, ctx, dst_span)
+    _check_inside(paired, specs, specs, src, dst, logical, ctx)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -264,7 +259,7 @@ class PairedBuffers:
 
     def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
         """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
-        per side; ``_check_range`` names the offending page and layer when not)."""
+        per side; ``_check_inside`` names the offending page and layer when not)."""
         return (src_span[0] >= 0 and src_span[1] < self.min_src_capacity
                 and dst_span[0] >= 0 and dst_span[1] < self.min_dst_capacity)
 
@@ -334,6 +329,20 @@ def _pair(spec: PoolSpec, src_index: dict, dst_index: dict, ctx: dict[str, Any])
         np.array(src_cap, dtype=np.int64),
         np.array(dst_cap, dtype=np.int64),
     )
+
+
+def _check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,
+                 dst: np.ndarray, logical: np.ndarray, ctx: dict) -> None:
+    """Hard rule 5 for a plan: every source and destination page inside every paired buffer.
+    Two comparisons when they are (``PairedBuffers.all_inside``); else the first offending page
+    is named, with its pool and layer."""
+    src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
+    dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
+    if paired.all_inside(src_span, dst_span):
+        return
+    for name, (_, _, _, src_cap, dst_cap) in zip(paired.pools, paired.pairs):
+        _check_range(src_specs[name], "source", src, src_cap, logical, ctx, src_span)
+        _check_range(dst_specs[name], "destination", dst, dst_cap, logical, ctx, dst_span)
 
 
 def _check_range(

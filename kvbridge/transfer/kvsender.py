@@ -5,12 +5,11 @@ endpoint's lock. See ``sender.py`` for chunk boundaries and heterogeneous TP."""
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.lifecycle import RoomHandle
 
 if TYPE_CHECKING:
     from kvbridge.layout import AuxRow
@@ -18,21 +17,14 @@ if TYPE_CHECKING:
     from kvbridge.transfer.sender import SendRoom
 
 
-class KVSender:
+class KVSender(RoomHandle):
     """Engine-facing sender of one room on one prefill CP rank (thread-safe).
 
     ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
     until then its final state, and the reason of a failure, stay readable."""
 
-    def __init__(self, endpoint: PrefillEndpoint, room: SendRoom) -> None:
-        self._ep = endpoint
-        self._room = room
-        # dropping the handle closes the room (the finalizer must not reference self)
-        self._finalizer = weakref.finalize(self, endpoint._release, room)
-
-    @property
-    def room(self) -> int:
-        return self._room.room
+    _ep: PrefillEndpoint
+    _room: SendRoom
 
     def init(self, num_tokens: int | None = None, *, num_pages: int | None = None) -> None:
         """The request's length: its valid token count, or, for an engine that only knows pages
@@ -75,19 +67,6 @@ class KVSender:
         """``(logical, local)`` pages this rank sends, from its page table (see ``SendRoom.select``)."""
         return self._ep._locked(lambda: self._room.select(page_table))
 
-    def poll(self) -> KVPoll:
-        return self._ep._locked(lambda: self._room.state.state)
-
-    def wait(self, timeout: float | None = None) -> KVPoll:
-        """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
-        poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
-        self._room.state.done.wait(timeout)
-        return self.poll()
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._ep._locked(lambda: self._room.state.reason)
-
     @property
     def num_tokens(self) -> int | None:
         """The request's valid token count, once known (init(num_tokens) or the last chunk)."""
@@ -103,15 +82,3 @@ class KVSender:
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._ep._abort(self._room, reason)
-
-    def close(self) -> None:
-        """End the room: one not yet final fails ("closed by the engine"); the id is free
-        again once no write of it is in flight (idempotent)."""
-        if self._finalizer.detach() is not None:
-            self._ep._close_room(self._room)
-
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

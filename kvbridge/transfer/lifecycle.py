@@ -34,14 +34,18 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from kvbridge.transfer.poll import KVPoll
 
 from kvbridge.errors import RoomInUse
 from kvbridge.transfer.poll import IllegalTransition
 
 T = TypeVar("T")
+H = TypeVar("H", bound="RoomHandle")
 
 TOMBSTONE_S = 60.0
 MAX_TOMBSTONES = 100_000
@@ -129,3 +133,46 @@ class Tombstones:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class RoomHandle:
+    """What a KVSender and a KVReceiver share: the engine's handle on one OPEN room of an
+    endpoint (thread-safe: reads take the endpoint's lock). ``close()``, leaving a ``with``
+    block or dropping the handle moves the room to DRAINING; until then its final state and
+    the reason of a failure stay readable. The endpoint provides ``_locked``, ``_release``
+    (a GC finalizer: must not lock) and ``_close_room``; the room, ``state`` (a RoomState)."""
+
+    def __init__(self, endpoint: Any, room: Any) -> None:
+        self._ep = endpoint
+        self._room = room
+        # dropping the handle closes the room (the finalizer must not reference self)
+        self._finalizer = weakref.finalize(self, endpoint._release, room)
+
+    @property
+    def room(self) -> int:
+        return self._room.room
+
+    def poll(self) -> KVPoll:
+        return self._ep._locked(lambda: self._room.state.state)
+
+    def wait(self, timeout: float | None = None) -> KVPoll:
+        """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
+        poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
+        self._room.state.done.wait(timeout)
+        return self.poll()
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._ep._locked(lambda: self._room.state.reason)
+
+    def close(self) -> None:
+        """End the room: one not yet final fails ("closed by the engine"); the id is free again
+        once nothing of it can land any more (idempotent)."""
+        if self._finalizer.detach() is not None:
+            self._ep._close_room(self._room)
+
+    def __enter__(self: H) -> H:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

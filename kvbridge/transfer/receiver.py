@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,7 +34,7 @@ import numpy as np
 from kvbridge.errors import ContractMismatch, TopologyError, TransferError, TransferTimeout
 from kvbridge.layout import AuxRow, OwnerLanes, TPRoute
 from kvbridge.transfer.ledger import PageLedger
-from kvbridge.transfer.lifecycle import Life
+from kvbridge.transfer.lifecycle import Life, RoomHandle
 from kvbridge.transfer.poll import KVPoll, RoomState
 
 if TYPE_CHECKING:
@@ -128,21 +127,15 @@ class RecvRoom:
         }
 
 
-class KVReceiver:
+class KVReceiver(RoomHandle):
     """Engine-facing receiver of one room on one decode rank (thread-safe).
 
-    ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
-    until then its final state, failure reason and aux row stay readable."""
+    ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room (one not
+    yet final fails, and its prefill ranks are told); until then its final state, failure
+    reason and aux row stay readable."""
 
-    def __init__(self, endpoint: DecodeEndpoint, room: RecvRoom) -> None:
-        self._ep = endpoint
-        self._room = room
-        # dropping the handle closes the room (the finalizer must not reference self)
-        self._finalizer = weakref.finalize(self, endpoint._release, room)
-
-    @property
-    def room(self) -> int:
-        return self._room.room
+    _ep: DecodeEndpoint
+    _room: RecvRoom
 
     def init(self, page_ids: Any, aux_slot: int, num_tokens: int | None = None, *, first_page: int = 0) -> None:
         """Where the room goes: ``num_tokens`` valid tokens (None: only the pages are known; the
@@ -167,19 +160,6 @@ class KVReceiver:
             raise ContractMismatch(reason or "contract mismatch", diff=diff, room=r.room, rank=self._ep.config.rank_label)
         raise TransferError(f"room failed before its topology was known: {reason}", room=r.room,
                             rank=self._ep.config.rank_label)
-
-    def poll(self) -> KVPoll:
-        return self._ep._locked(lambda: self._room.state.state)
-
-    def wait(self, timeout: float | None = None) -> KVPoll:
-        """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
-        poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
-        self._room.state.done.wait(timeout)
-        return self.poll()
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._ep._locked(lambda: self._room.state.reason)
 
     @property
     def aux(self) -> AuxRow | None:
@@ -211,15 +191,3 @@ class KVReceiver:
 
     def abort(self, reason: str = "aborted by decode") -> None:
         self._ep._abort(self._room, reason)
-
-    def close(self) -> None:
-        """End the room: one not yet final fails ("closed by the engine") and its prefill ranks
-        are told; the id is free again once no write of it can land (idempotent)."""
-        if self._finalizer.detach() is not None:
-            self._ep._close_room(self._room)
-
-    def __enter__(self) -> KVReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
