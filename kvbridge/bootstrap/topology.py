@@ -64,7 +64,7 @@ class OwnerLanePlan(BaseModel):
 
 
 class PoolDescriptor(BaseModel):
-    """One registered buffer: one layer of one pool (the fields of ``layout.plan.BufferDesc``)."""
+    """One registered buffer: one layer of one pool (the fields of ``layout.pairing.BufferDesc``)."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 

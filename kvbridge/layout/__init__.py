@@ -15,7 +15,8 @@ from kvbridge.layout.heads import (
     tp_spec,
 )
 from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
-from kvbridge.layout.plan import BufferDesc, TransferPlan, describe_buffer, plan_transfer
+from kvbridge.layout.pairing import BufferDesc, describe_buffer
+from kvbridge.layout.plan import TransferPlan, plan_transfer
 from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
 from kvbridge.layout.rows import (
     LocalRows,

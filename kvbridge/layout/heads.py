@@ -39,16 +39,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PairingError, TopologyError
-from kvbridge.layout.plan import (
-    BufferDesc,
-    PairedBuffers,
-    TransferPlan,
-    _broadcast,
-    _check_inside,
-    _checked_pages,
-    _index,
-    plan_transfer,
-)
+from kvbridge.layout.pairing import BufferDesc, PairedBuffers, _index
+from kvbridge.layout.plan import TransferPlan, _broadcast, _check_inside, _checked_pages, plan_transfer
 from kvbridge.layout.pools import ABI_ITEMSIZE, ROWS, PoolSpec
 
 

@@ -13,72 +13,23 @@ valid rows travel:
 
     rows                 [ valid rows | tail ]          one range; merges onto its run
     values_then_scales   [ valid values | tail | valid scales | tail ]  two ranges, own slices
+
+Which buffers pair with which (by pool and layer id, hard rule 8) is ``pairing.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError, PairingError
-from kvbridge.layout.buffers import RawBuffer
+from kvbridge.errors import LayoutError, PageRangeError
+from kvbridge.layout.pairing import BufferDesc, PairedBuffers, describe_buffer, pair_buffers
 from kvbridge.layout.pools import ROWS, PoolSpec
 
-_U64_MAX = 2**64 - 1
-
-
-@dataclass(frozen=True)
-class BufferDesc:
-    """One registered buffer (one layer of one pool) as a peer sees it."""
-
-    pool: str
-    layer_id: int
-    base: int
-    capacity_pages: int
-    bytes_per_page: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pool, str) or not self.pool:
-            raise LayoutError(f"buffer pool name must be a non-empty string, got {self.pool!r}", field="pool")
-        for name in ("layer_id", "base", "capacity_pages", "bytes_per_page"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise LayoutError(
-                    f"buffer {self.pool!r}: {name} must be a non-negative integer, got {value!r}", field=name
-                )
-        if self.bytes_per_page == 0 or self.base + self.nbytes > _U64_MAX:
-            raise LayoutError(
-                f"buffer {self.pool!r} layer {self.layer_id}: empty pages or region past 2**64", field="base"
-            )
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity_pages * self.bytes_per_page
-
-    def to_list(self) -> list[Any]:
-        return [self.pool, int(self.layer_id), int(self.base), int(self.capacity_pages), int(self.bytes_per_page)]
-
-    @classmethod
-    def from_list(cls, item: Sequence[Any]) -> BufferDesc:
-        if not isinstance(item, (list, tuple)) or len(item) != 5:
-            raise LayoutError(
-                f"a buffer descriptor is [pool, layer_id, base, capacity_pages, bytes_per_page], got {item!r}",
-                field="buffers",
-            )
-        return cls(*item)
-
-
-def describe_buffer(spec: PoolSpec, layer_id: int, buf: Any, base: int | None = None) -> BufferDesc:
-    """Validate one layer's buffer (numpy array, torch tensor or RawBuffer) against its spec
-    and describe it; ``base`` defaults to the buffer's own address."""
-    capacity = spec.validate_buffer(layer_id, buf)
-    if base is None:
-        base = buf.ptr if isinstance(buf, RawBuffer) else buf.data_ptr() if hasattr(buf, "data_ptr") else buf.ctypes.data
-    return BufferDesc(spec.name, layer_id, int(base), capacity, spec.bytes_per_page)
+__all__ = ["BufferDesc", "PairedBuffers", "TransferPlan", "describe_buffer", "pair_buffers", "plan_transfer"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,98 +188,6 @@ def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: di
     if len(dup):
         raise LayoutError(f"logical page {dup[0]} appears more than once in one plan", field="logical_pages", **ctx)
     return num_tokens - (num_pages - 1) * page_size if num_pages else page_size
-
-
-@dataclass(frozen=True, eq=False)
-class PairedBuffers:
-    """Source and destination buffers of some pools, paired by (pool, layer id) and
-    checked once: per pool, (spec, src bases, dst bases, src capacities, dst
-    capacities), one entry per layer. A prefill rank keeps one per decode peer, whose
-    registered buffers do not change, and hands it to every ``plan_transfer``."""
-
-    pools: tuple[str, ...]
-    pairs: tuple[tuple[Any, ...], ...]
-
-    @cached_property
-    def min_dst_capacity(self) -> int:
-        return min((int(p[4].min()) for p in self.pairs), default=0)
-
-    @cached_property
-    def min_src_capacity(self) -> int:
-        return min((int(p[3].min()) for p in self.pairs), default=0)
-
-    def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
-        """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
-        per side; ``_check_inside`` names the offending page and layer when not)."""
-        return (src_span[0] >= 0 and src_span[1] < self.min_src_capacity
-                and dst_span[0] >= 0 and dst_span[1] < self.min_dst_capacity)
-
-
-def pair_buffers(
-    specs: Mapping[str, PoolSpec],
-    src_bufs: Sequence[BufferDesc],
-    dst_bufs: Sequence[BufferDesc],
-    pools: Sequence[str],
-    *,
-    room: int | None = None,
-    rank: str | None = None,
-) -> PairedBuffers:
-    """Pair buffers by (pool, layer id), never by position (hard rule 8): a missing
-    layer or differing page sizes raise PairingError naming pool and layer."""
-    ctx: dict[str, Any] = {"room": room, "rank": rank}
-    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
-    return PairedBuffers(tuple(pools), tuple(_pair(specs[n], src_index, dst_index, ctx) for n in pools))
-
-
-def _index(bufs: Sequence[BufferDesc], side: str, ctx: dict[str, Any]) -> dict[tuple[str, int], BufferDesc]:
-    index: dict[tuple[str, int], BufferDesc] = {}
-    for buf in bufs:
-        key = (buf.pool, int(buf.layer_id))
-        if key in index:
-            raise PairingError(f"{side} registers pool {buf.pool!r} layer {buf.layer_id} twice", field="buffers", **ctx)
-        index[key] = buf
-    return index
-
-
-def _pair(spec: PoolSpec, src_index: dict, dst_index: dict, ctx: dict[str, Any]) -> tuple[Any, ...]:
-    """Per-layer bases and capacities of one pool, paired by (pool, layer id)."""
-    rows = []
-    for lid in spec.layer_ids:
-        pair = []
-        for side, index in (("source", src_index), ("destination", dst_index)):
-            buf = index.get((spec.name, lid))
-            if buf is None:
-                have = sorted(k[1] for k in index if k[0] == spec.name)
-                raise PairingError(
-                    f"pool {spec.name!r} layer {lid}: no {side} buffer (the {side} has layers {have} of this pool)",
-                    field="buffers",
-                    **ctx,
-                )
-            pair.append(buf)
-        s, d = pair
-        if s.bytes_per_page != d.bytes_per_page:
-            raise PairingError(
-                f"pool {spec.name!r} layer {lid}: source pages are {s.bytes_per_page} B, "
-                f"destination pages {d.bytes_per_page} B",
-                field="bytes_per_page",
-                **ctx,
-            )
-        if s.bytes_per_page != spec.bytes_per_page:
-            raise BufferSpecError(
-                f"pool {spec.name!r} layer {lid}: buffers have {s.bytes_per_page} B pages, "
-                f"the spec says {spec.bytes_per_page}",
-                field="bytes_per_page",
-                **ctx,
-            )
-        rows.append((s.base, d.base, s.capacity_pages, d.capacity_pages))
-    src_base, dst_base, src_cap, dst_cap = zip(*rows)
-    return (
-        spec,
-        np.array(src_base, dtype=np.uint64),
-        np.array(dst_base, dtype=np.uint64),
-        np.array(src_cap, dtype=np.int64),
-        np.array(dst_cap, dtype=np.int64),
-    )
 
 
 def _check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.errors import KVBridgeError, UnknownInstance
 from kvbridge.layout import BufferDesc, HeadSlice, PoolSpec, TPRoute, pair_head_buffers, tp_spec
-from kvbridge.layout.plan import PairedBuffers, pair_buffers
+from kvbridge.layout.pairing import PairedBuffers, pair_buffers
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.sender import TargetPart
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import HeadSlice, OwnerLanes, PoolSpec
-from kvbridge.layout.plan import PairedBuffers
+from kvbridge.layout.pairing import PairedBuffers
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.lifecycle import Life, Stage
 from kvbridge.transfer.poll import RoomState
