@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000, help="back-to-back round trips")
     ap.add_argument("--idle-ms", type=float, default=5.0, help="idle time before each of the idle round trips")
     args = ap.parse_args()
-    with socket_pair() as (sock, _):
+    with SocketPair() as (sock, _):
         rtts(sock, 100, 0)  # warm-up
         hot = rtts(sock, args.rounds, 0)
         idle = rtts(sock, max(args.rounds // 5, 50), args.idle_ms / 1e3)
@@ -68,7 +68,7 @@ def main() -> None:
               f"p90 {v[int(0.9 * len(v))]:.0f} us ({len(v)} round trips)")
 
 
-class socket_pair:
+class SocketPair:
     """A DEALER here, connected to an echo ROUTER in a child process (stopped on exit)."""
 
     def __enter__(self) -> tuple[zmq.Socket, mp.Process]:
