@@ -6,11 +6,16 @@ when a room completes, so each event is taken at its last occurrence):
 
     recv       decode: bench creates the receiver                       (bench line)
     requested  decode: bootstrap look-up done, request sent to the ranks (endpoint line)
+    received   prefill: the request came out of the control channel      (per rank)
     target     prefill: request parsed and checked                       (per rank)
     posted     prefill: the room's writes handed to the engine           (per rank)
     written    prefill: the engine reported the writes final             (per rank)
+    reported   decode: a rank's PagesDone came out of the control channel (per report)
     committed  decode: every page and the aux row accounted for
     final      decode: the bench's poll saw Success                      (bench line)
+
+The committed line also says how long reading the aux row took (``aux_read=``: for a row
+in device memory, one copy to the host and its synchronisation), shown as its own row.
 """
 
 from __future__ import annotations
@@ -21,19 +26,23 @@ from collections.abc import Iterable
 
 import numpy as np
 
-EVENTS = ("recv", "requested", "target", "posted", "written", "committed", "final")
+EVENTS = ("recv", "requested", "received", "target", "posted", "written", "reported", "committed", "final")
 HOPS = (
     ("recv", "requested", "look-up + request sent (decode)"),
-    ("requested", "target", "request trip + parse + checks (to the last rank)"),
+    ("requested", "received", "request trip (decode -> the last prefill rank's loop)"),
+    ("received", "target", "parse + checks (prefill)"),
     ("target", "posted", "plan + submit (prefill)"),
     ("posted", "written", "transfer + completion seen (prefill)"),
-    ("written", "committed", "reports + ledger + commit (decode)"),
+    ("written", "reported", "report trip (the last rank -> decode's loop)"),
+    ("reported", "committed", "ledger + aux row read + commit (decode)"),
     ("committed", "final", "until the room's poll sees it"),
 )
 _ROOM = re.compile(r"trace room=(\d+)")
 _AT = re.compile(r"@(\d+\.\d+)")
-_KINDS = (("bench recv", "recv"), ("requested from cp ranks", "requested"), (" target ", "target"),
-          (" -> ", "posted"), ("write of", "written"), ("committed", "committed"), ("bench final", "final"))
+_AUX_READ = re.compile(r"aux_read=(\d+\.\d+)ms")
+_KINDS = (("bench recv", "recv"), ("requested from cp ranks", "requested"), (" request from ", "received"),
+          (" target ", "target"), (" -> ", "posted"), ("write of", "written"), (" report from ", "reported"),
+          ("committed", "committed"), ("bench final", "final"))
 
 
 def parse(lines: Iterable[str]) -> dict[int, dict[str, list[float]]]:
@@ -46,6 +55,9 @@ def parse(lines: Iterable[str]) -> dict[int, dict[str, list[float]]]:
         for needle, kind in _KINDS:
             if needle in line:
                 rooms[int(room.group(1))][kind].append(float(at.group(1)))
+                read = _AUX_READ.search(line) if kind == "committed" else None
+                if read is not None:
+                    rooms[int(room.group(1))]["aux_read_ms"].append(float(read.group(1)))
                 break
     return rooms
 
@@ -63,6 +75,10 @@ def breakdown(rooms: dict[int, dict[str, list[float]]]) -> list[dict[str, object
     total = np.array([(max(ev["final"]) - min(ev["recv"])) * 1e3 for ev in complete])
     out.append({"hop": "recv -> final", "what": f"total ({len(complete)} rooms)",
                 "p50_ms": round(float(np.median(total)), 3), "p90_ms": round(float(np.percentile(total, 90)), 3)})
+    reads = np.array([ev["aux_read_ms"][-1] for ev in complete if ev.get("aux_read_ms")])
+    if reads.size:
+        out.append({"hop": "aux row read", "what": "inside 'reported -> committed' (decode)",
+                    "p50_ms": round(float(np.median(reads)), 3), "p90_ms": round(float(np.percentile(reads, 90)), 3)})
     skew = np.array([(max(ev["target"]) - min(ev["target"])) * 1e3 for ev in complete])
     out.append({"hop": "target skew", "what": "first to last CP rank parsing the request",
                 "p50_ms": round(float(np.median(skew)), 3), "p90_ms": round(float(np.percentile(skew, 90)), 3)})

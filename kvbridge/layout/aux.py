@@ -246,15 +246,24 @@ class AuxSchema:
         rec = self.record(data)
         return {r.name: np.array(rec[r.name]) for r in self.regions}
 
+    def check_row(self, data: Any) -> np.void:
+        """The row as a record, after the checks ``unpack`` makes (a standard row's top-k count
+        and flag in range; LayoutError names them): a row that passes unpacks without error."""
+        rec = self.record(data)
+        if self.is_standard:
+            count, flag = int(rec["topk"]), int(rec["hidden_is_cp_local"])
+            if not 0 <= count <= self.region("topk_ids").count or flag not in (0, 1):
+                raise LayoutError(f"corrupt aux row: topk count {count}, hidden_is_cp_local {flag}",
+                                  room=int(rec["room"]), field="aux")
+        return rec
+
     def unpack(self, data: Any) -> AuxRow:
         """Decode one standard row (see ``unpack_regions`` for any schema)."""
         if not self.is_standard:
             raise LayoutError("unpack() decodes the standard aux row; use unpack_regions() for this schema",
                               field="aux")
-        rec = self.record(data)
+        rec = self.check_row(data)
         count, flag, room = int(rec["topk"]), int(rec["hidden_is_cp_local"]), int(rec["room"])
-        if not 0 <= count <= self.region("topk_ids").count or flag not in (0, 1):
-            raise LayoutError(f"corrupt aux row: topk count {count}, hidden_is_cp_local {flag}", room=room, field="aux")
         return AuxRow(
             room=room, first_token=int(rec["first_token"]), num_cached_tokens=int(rec["num_cached_tokens"]),
             hidden_is_cp_local=bool(flag), topk_ids=np.array(rec["topk_ids"][:count]),

@@ -82,6 +82,21 @@ def _contiguous(buf: Any) -> bool:
     return buf.is_contiguous() if hasattr(buf, "is_contiguous") else bool(buf.flags["C_CONTIGUOUS"])
 
 
+def _host_uint8(buf: Any) -> np.ndarray | None:
+    """A 2-D uint8 numpy view of ``buf``'s bytes when it is a contiguous uint8 array or CPU
+    tensor (no copy); None for device memory and anything else."""
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    elif type(buf).__module__.startswith("torch") and getattr(buf, "device", None) is not None \
+            and buf.device.type == "cpu" and not buf.requires_grad:
+        arr = buf.numpy()
+    else:
+        return None
+    if arr.dtype != np.uint8 or arr.ndim != 2 or not arr.flags.c_contiguous:
+        return None
+    return arr
+
+
 def _row_bytes(buf: Any, slot: int) -> np.ndarray:
     """The bytes of row ``slot`` of a tensor or array (copied to the host)."""
     part = buf[slot : slot + 1]
@@ -119,6 +134,9 @@ class AuxBuffers:
             self.regions = {r.name: RegionAddr(r.name, ptr + schema.offsets[r.name], rows, schema.row_bytes)
                             for r in schema.regions}
         self.storage = storage
+        # packed rows in host memory: read through a numpy view of the same bytes (no torch call
+        # on the commit's path; the view follows every write into the storage)
+        self._host_rows = _host_uint8(storage) if self.packed else None
 
     @staticmethod
     def _readable(buf: Any, item_bytes: int, where: str) -> Any:
@@ -210,6 +228,8 @@ class AuxBuffers:
 
     def read_row(self, slot: int) -> np.ndarray:
         """Row ``slot`` as the schema's packed bytes (uint8, ``row_bytes``)."""
+        if self._host_rows is not None:
+            return self._host_rows[slot].copy()
         if self.packed:
             return _row_bytes(self.storage, slot)
         row = np.zeros(self.schema.row_bytes, dtype=np.uint8)

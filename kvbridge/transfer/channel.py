@@ -347,7 +347,9 @@ class ControlClient:
         self.endpoint = endpoint
 
     def send(self, msg: Message) -> None:
-        frame = wire.encode(msg, self._owner.secret, max_bytes=self._owner.max_bytes)
+        self.send_frame(self._owner.encode(msg))
+
+    def send_frame(self, frame: bytes) -> None:
         self._owner._send(self.socket, [frame], self.endpoint)
 
 
@@ -396,6 +398,14 @@ class PeerSet(_Channel[str]):
     def send(self, endpoint: str, msg: Message) -> None:
         """Send to ``endpoint`` (any thread)."""
         self.get(endpoint).send(msg)
+
+    def encode(self, msg: Message) -> bytes:
+        """``msg`` sealed for this channel: ``send_frame`` sends it, to as many peers as need it."""
+        return wire.encode(msg, self.secret, max_bytes=self.max_bytes)
+
+    def send_frame(self, endpoint: str, frame: bytes) -> None:
+        """Send an ``encode()``d message to ``endpoint`` (any thread)."""
+        self.get(endpoint).send_frame(frame)
 
     def drop(self, endpoint: str) -> None:
         """Close the connection to one peer (for example after PeerLost); the receiving thread only."""

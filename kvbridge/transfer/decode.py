@@ -312,8 +312,16 @@ class DecodeEndpoint:
     # -- the loop -------------------------------------------------------------
 
     def send(self, endpoint: str, msg: Any) -> None:
+        self.send_frame(endpoint, self.encode(msg))
+
+    def encode(self, msg: Any) -> bytes:
+        """``msg`` as the control channel sends it (sealed with the channel's secret)."""
+        return self._peers.encode(msg)
+
+    def send_frame(self, endpoint: str, frame: bytes) -> None:
+        """Send an ``encode()``d message (one encoding may go to several ranks)."""
         try:
-            self._peers.send(endpoint, msg)
+            self._peers.send_frame(endpoint, frame)
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
 

@@ -269,6 +269,9 @@ class RoomBook(PeerLiveness):
             if getattr(msg, "status", "ok") == "failed":
                 r.quiet.add(key)  # a failure report means its writes have drained
         elif isinstance(msg, wire.PagesDone):
+            if self.ep.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
+                         r.age_ms, time.monotonic(), msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
             if msg.status == "failed":
                 r.quiet.add(key)
                 self.fail(r, f"{label}: {msg.reason}")
@@ -290,14 +293,16 @@ class RoomBook(PeerLiveness):
         if r.state.final or r.ledger is None or not r.ledger.complete:
             return
         schema = self.ep.aux_schema
+        read_at = time.monotonic()
         try:
             row = self.ep.aux.read_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
+            read_ms = (time.monotonic() - read_at) * 1e3
             off = schema.offsets["room"]
             echoed = int(row[off : off + 8].view("<u8")[0])
             if echoed != r.room:  # hard rule 4: a row written for another room
                 self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
                 return
-            aux = schema.unpack(row) if schema.is_standard else None
+            schema.check_row(row)  # what unpacking would refuse fails the room now; the decoding waits for a reader
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
             return
@@ -309,12 +314,12 @@ class RoomBook(PeerLiveness):
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent")
                 return
-        r.aux, r.aux_regions = aux, schema.unpack_regions(row)
+        r.keep_aux_row(row, schema)
         r.state.advance_to(KVPoll.Success)
         if self.ep.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d", r.room,
-                     self.cfg.rank_label, r.age_ms, time.monotonic(),
-                     dict(sorted(r.ledger.pages_by_rank.items())), r.ledger.aux_owner)
+            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms",
+                     r.room, self.cfg.rank_label, r.age_ms, time.monotonic(),
+                     dict(sorted(r.ledger.pages_by_rank.items())), r.ledger.aux_owner, read_ms)
 
     def _digest_mismatch(self, r: RecvRoom) -> int | None:
         pages = np.concatenate([p for p, _ in r.digests])
@@ -397,19 +402,23 @@ class RoomBook(PeerLiveness):
         in it each TP rank of this rank's TP route, for the pools that route takes from it (from
         the loop thread, or from the engine's thread in init())."""
         r.start_ledger(self.pools, self.page_size)
+        page_ids = wire.pack_pages(r.page_ids)
+        frames: dict[tuple[str, ...], bytes] = {}  # the CP ranks of one TP source get the same request: encoded once
         for key, s in sorted(r.senders.items()):
-            req = wire.TransferRequest(
-                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id,
-                page_ids=wire.pack_pages(r.page_ids), first_page=r.first_page, pools=list(r.route.pools_from(key[1])),
-                aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0, deadline_ms=int(self.cfg.transfer_timeout * 1000),
-                want_digest=self.cfg.verify_digest, fingerprint=r.topology.fingerprint,
-                num_decode_ranks=self.cfg.tp_size,
-            )
+            pools = tuple(r.route.pools_from(key[1]))
+            frame = frames.get(pools)
+            if frame is None:
+                frame = frames[pools] = self.ep.encode(wire.TransferRequest(
+                    room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.ep.rank_id, page_ids=page_ids,
+                    first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
+                    deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
+                    fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
+                ))
             peer = self._peer(s, r.prefill_instance)
             if not self._active_rooms(peer):  # liveness restarts now: a quiet spell between rooms is no death
                 peer.last_seen = max(peer.last_seen, time.monotonic())
             peer.rooms.add(r.room)
-            self.ep.send(s.control_endpoint, req)
+            self.ep.send_frame(s.control_endpoint, frame)
             r.requested.add(key)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:

@@ -98,6 +98,9 @@ class SendBook:
 
     def on_request(self, ident: bytes, req: wire.TransferRequest) -> None:
         rank = self.cfg.rank_label
+        if self.ep.trace:
+            log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, rank, time.monotonic(),
+                     req.decode_rank, len(req.page_ids) // 4)
         if self.ep._closing:
             self.reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
             return

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import ContractMismatch, TopologyError, TransferError, TransferTimeout
-from kvbridge.layout import AuxRow, OwnerLanes, TPRoute
+from kvbridge.layout import AuxRow, AuxSchema, OwnerLanes, TPRoute
 from kvbridge.transfer.ledger import PageLedger
 from kvbridge.transfer.lifecycle import Life, RoomHandle
 from kvbridge.transfer.poll import KVPoll, RoomState
@@ -64,8 +64,9 @@ class RecvRoom:
         self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)
         self.abort_sent: set[tuple[int, int]] = set()
         self.last_abort = 0.0
-        self.aux: AuxRow | None = None
-        self.aux_regions: dict[str, np.ndarray] | None = None
+        self._aux_row: tuple[np.ndarray, AuxSchema] | None = None  # the committed row, decoded when first read
+        self._aux: AuxRow | None = None
+        self._aux_regions: dict[str, np.ndarray] | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
         self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
         self.lookup_pending = False
@@ -107,6 +108,23 @@ class RecvRoom:
         self.route = route
         self.senders = {key: senders[key] for key in sorted(need)}
         self.by_endpoint = {s.control_endpoint: key for key, s in self.senders.items()}
+
+    def keep_aux_row(self, row: np.ndarray, schema: AuxSchema) -> None:
+        """The committed aux row (checked by ``schema.check_row``): decoded when first read, not
+        on the commit's path (the endpoint's lock serialises readers)."""
+        self._aux_row = (row, schema)
+
+    @property
+    def aux(self) -> AuxRow | None:
+        if self._aux is None and self._aux_row is not None and self._aux_row[1].is_standard:
+            self._aux = self._aux_row[1].unpack(self._aux_row[0])
+        return self._aux
+
+    @property
+    def aux_regions(self) -> dict[str, np.ndarray] | None:
+        if self._aux_regions is None and self._aux_row is not None:
+            self._aux_regions = self._aux_row[1].unpack_regions(self._aux_row[0])
+        return self._aux_regions
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
         last = self.num_pages - 1  # the last valid token lies in the last page, whatever the count

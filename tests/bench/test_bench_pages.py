@@ -70,18 +70,23 @@ def test_trace_breakdown_takes_each_event_at_its_last_rank():
     lines = [
         "x trace room=5 bench recv @10.0000",
         "x trace room=5 rank=d +1.00ms @10.0010 requested from cp ranks [0, 1]",
+        "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
+        "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
         "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
         "x trace room=5 rank=p/cp1 +0.10ms @10.0030 target d pages=4 pools=index,target",
         "x trace room=5 rank=p/cp0 +0.20ms @10.0040 -> d pages=[0, 2] +aux slices=3 bytes=9",
         "x trace room=5 rank=p/cp1 +0.20ms @10.0050 -> d pages=[1, 3] slices=3 bytes=9",
         "x trace room=5 rank=p/cp0 +9.00ms @10.0100 write of 2 pages +aux to d done",
         "x trace room=5 rank=p/cp1 +9.00ms @10.0120 write of 2 pages to d done",
-        "x trace room=5 rank=d +13.0ms @10.0130 committed pages_by_rank={0: 2, 1: 2} aux_owner=cp0",
+        "x trace room=5 rank=d +11.0ms @10.0112 report from cp0 pages=2 +aux",
+        "x trace room=5 rank=d +12.0ms @10.0124 report from cp1 pages=2",
+        "x trace room=5 rank=d +13.0ms @10.0130 committed pages_by_rank={0: 2, 1: 2} aux_owner=cp0 aux_read=0.250ms",
         "x trace room=5 bench final Success @10.0135",
         "x trace room=6 bench recv @11.0",  # incomplete: left out
         "x trace engine=ipc write=3 batch=0 -> s slices=3 bytes=9 @10.0041",
     ]
     hops = {h["hop"]: h["p50_ms"] for h in breakdown(parse(lines))}
-    assert hops == {"recv -> requested": 1.0, "requested -> target": 2.0, "target -> posted": 2.0,
-                    "posted -> written": 7.0, "written -> committed": 1.0, "committed -> final": 0.5,
-                    "recv -> final": 13.5, "target skew": 1.0}
+    assert hops == {"recv -> requested": 1.0, "requested -> received": 0.6, "received -> target": 1.4,
+                    "target -> posted": 2.0, "posted -> written": 7.0, "written -> reported": 0.4,
+                    "reported -> committed": 0.6, "committed -> final": 0.5, "recv -> final": 13.5,
+                    "aux row read": 0.25, "target skew": 1.0}

@@ -86,8 +86,9 @@ class Cluster:
         self.clients.append(c)
         return c
 
-    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None):
-        """Fill and send every rank's owned pages of ``room``; returns the senders."""
+    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None, aux=None):
+        """Fill and send every rank's owned pages of ``room``; returns the senders. ``aux``: the
+        row the owner of the last token sends (default: a good one)."""
         num_pages = -(-n // PAGE)
         senders = []
         for rank, ep in enumerate(self.prefill):
@@ -100,10 +101,10 @@ class Cluster:
             s = ep.sender(room)
             s.init(n)
             owns_last = self.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
-            aux = make_aux(self.aux_schema, corrupt_room or room, n) if owns_last else None
-            if corrupt_room is not None and aux is not None:
-                aux["room"] = room  # echo ok at send time; the engine corrupts it in flight
-            s.send(owned, local, is_last=True, aux=aux)
+            row = make_aux(self.aux_schema, corrupt_room or room, n) if aux is None else aux
+            if corrupt_room is not None:
+                row["room"] = room  # echo ok at send time; the engine corrupts it in flight
+            s.send(owned, local, is_last=True, aux=row if owns_last else None)
             senders.append(s)
         return senders
 

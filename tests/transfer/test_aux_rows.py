@@ -45,3 +45,22 @@ def test_a_row_moves_in_one_slice_between_packed_stores_else_one_per_region():
     merged = dict(separate, room=RegionAddr("room", 100_000, 4, 64), output_ids=RegionAddr("output_ids", 100_064, 4, 64))
     s, d, n = aux_slices(SCHEMA, src, 0, merged, 0)  # room and output_ids back to back on both sides: one slice
     assert n.tolist() == [128, 1, 8] and s.tolist()[0] == 1000
+
+
+def test_host_rows_are_read_through_a_view_that_follows_later_writes():
+    """Packed rows in host memory (a numpy array or a CPU tensor) are read without a torch call,
+    through a view of the same bytes: a row written after the store was built reads back, and
+    the bytes equal the generic (tensor) path's."""
+    from kvbridge.transfer.aux_rows import _row_bytes
+
+    for storage in (np.zeros((3, SCHEMA.row_bytes), np.uint8), torch.zeros((3, SCHEMA.row_bytes), dtype=torch.uint8)):
+        store = AuxBuffers(SCHEMA, storage, rank="r")
+        assert store._host_rows is not None
+        row = SCHEMA.pack(room=9, output_ids=np.arange(16), flag=1)
+        target = storage[1] if isinstance(storage, np.ndarray) else storage[1].numpy()
+        target[:] = row.view(np.uint8)  # written after the store was built
+        got = store.read_row(1)
+        assert got.tobytes() == row.tobytes() == _row_bytes(storage, 1).tobytes()
+        got[:] = 0  # a copy: the store keeps its bytes
+        assert store.read_room(1) == 9
+    assert AuxBuffers(SCHEMA, by_region(3), rank="r")._host_rows is None  # per-region stores read per region

@@ -228,7 +228,9 @@ def test_trace_mode_logs_who_sent_which_pages_and_the_commit(cluster, caplog, mo
     assert r.poll() == KVPoll.Success
     text = caplog.text
     assert "trace room=14" in text and "pages=[0, 2]" in text and "pages=[1]" in text
-    assert "committed pages_by_rank={0: 2, 1: 1}" in text
+    assert "committed pages_by_rank={0: 2, 1: 1}" in text and "aux_read=" in text
+    # the hops' other ends: each prefill rank saw the request, decode saw each rank's report
+    assert text.count("request from") == 2 and "report from cp0" in text and "report from cp1" in text
 
 
 def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
@@ -474,3 +476,50 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
     wait_final([r])
     assert r.poll() == KVPoll.Failed and expect in r.failure_reason, r.failure_reason
     assert r.aux is None  # never committed
+
+
+def test_an_aux_row_that_would_not_unpack_fails_the_room_at_commit_and_a_good_one_decodes_when_read(cluster):
+    """The commit checks what decoding the aux row would refuse (a standard row's top-k count),
+    so a room never reaches Success with a row its reader cannot decode; the decoding itself
+    waits for the first reader and gives the row that landed."""
+    c = cluster(cp=1)
+    n = 8
+    bad = np.array(make_aux(c.aux_schema, 0x51, n), copy=True)
+    bad["topk"] = c.aux_schema.region("topk_ids").count + 1
+    for room, aux in ((0x51, bad), (0x52, make_aux(c.aux_schema, 0x52, n))):
+        r = c.decode.receiver(room, f"{c.name}-p")
+        r.init(np.array([0, 1]), 2, n)
+        senders = c.send(room, n, aux=aux)  # noqa: F841
+        wait_final([r])
+        if room == 0x51:
+            assert r.poll() == KVPoll.Failed and "corrupt aux row: topk count" in r.failure_reason
+            assert r.aux is None and r.aux_regions is None
+        else:
+            sent = c.aux_schema.unpack(aux)
+            assert r.poll() == KVPoll.Success and r.aux.room == room and r.aux.first_token == sent.first_token
+            assert np.array_equal(r.aux.hidden, sent.hidden) and np.array_equal(r.aux.topk_ids, sent.topk_ids)
+            assert int(r.aux_regions["room"].reshape(-1)[0]) == room
+        r.close()
+
+
+def test_the_cp_ranks_of_one_tp_source_get_one_encoding_of_the_request(cluster, monkeypatch):
+    """Decode encodes a room's TransferRequest once per distinct request (here: one for both
+    CP ranks) and sends the same bytes to each rank; both act on it."""
+    from kvbridge.transfer import channel, wire
+
+    c = cluster(cp=2)
+    encoded = []
+    real = wire.encode
+
+    def counting(msg, *a, **k):
+        if isinstance(msg, wire.TransferRequest):
+            encoded.append(msg.room)
+        return real(msg, *a, **k)
+
+    monkeypatch.setattr(channel.wire, "encode", counting)
+    r = c.decode.receiver(31, f"{c.name}-p")
+    r.init(np.array([0, 1, 2]), 0, 10)
+    senders = c.send(31, 10)  # noqa: F841
+    wait_final([r])
+    assert r.poll() == KVPoll.Success and c.verified(31, 10, np.array([0, 1, 2]))
+    assert encoded == [31]
