@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from kvbridge.layout import BufferDesc, OwnerLanes, plan_transfer, preset_pools
+from kvbridge.layout.pairing import pair_buffers
 
 
 def buffers(specs: dict, capacity: int, region: int) -> list[BufferDesc]:
@@ -47,6 +48,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     dst_tables = {"contiguous": 32 + np.arange(num_pages), "scattered": rng.permutation(capacity)[:num_pages]}
     src_bufs, dst_bufs = buffers(specs, capacity, 1), buffers(specs, capacity, 1000)
+    # a prefill rank pairs its buffers with a decode peer's once (per peer) and plans with the pairing
+    paired = pair_buffers(specs, src_bufs, dst_bufs, tuple(specs))
     print(
         f"plan_transfer: {args.tokens:,} tokens = {num_pages:,} pages x {num_layers} layers "
         f"({', '.join(f'{n} {s.num_layers}' for n, s in specs.items())}), page size {page_size}"
@@ -68,7 +71,8 @@ def main() -> None:
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
                     plan = plan_transfer(
-                        specs, src_bufs, dst_bufs, logical, src, dst, args.tokens, room=1, rank=f"cp{rank}"
+                        specs, src_bufs, dst_bufs, logical, src, dst, args.tokens, room=1, rank=f"cp{rank}",
+                        paired=paired,
                     )
                     samples.append(time.perf_counter() - t0)
                 times.append(statistics.median(samples))

@@ -20,6 +20,7 @@ on either side is one packed row (the regions in order, each naturally aligned,
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -256,6 +257,31 @@ class AuxSchema:
                 raise LayoutError(f"corrupt aux row: topk count {count}, hidden_is_cp_local {flag}",
                                   room=int(rec["room"]), field="aux")
         return rec
+
+    def head(self, row: Any) -> tuple[int, str | None]:
+        """The room a packed row (``row_bytes`` contiguous bytes) echoes, and what ``unpack`` would
+        refuse in it (None: nothing), read with one ``struct`` call: a decode rank's commit checks
+        every row, and decodes it only when the engine reads it (``check_row`` is the same test)."""
+        fmt, standard = self._head_format
+        values = fmt.unpack_from(row)
+        if not standard:
+            return values[0], None
+        room, flag, count = values
+        if not 0 <= count <= self.region("topk_ids").count or flag not in (0, 1):
+            return room, f"corrupt aux row: topk count {count}, hidden_is_cp_local {flag}"
+        return room, None
+
+    @functools.cached_property
+    def _head_format(self) -> tuple[struct.Struct, bool]:
+        """``room`` (its first element); for the standard row also the flag and the top-k count."""
+        fields = [(self.offsets[ROOM], "Q")]
+        if self.is_standard:
+            fields += [(self.offsets["hidden_is_cp_local"], "B"), (self.offsets["topk"], "i")]
+        fmt, at = "<", 0
+        for off, code in sorted(fields):  # (the standard row's regions lie in this order)
+            fmt += f"{off - at}x{code}" if off > at else code
+            at = off + struct.calcsize("<" + code)
+        return struct.Struct(fmt), self.is_standard
 
     def unpack(self, data: Any) -> AuxRow:
         """Decode one standard row (see ``unpack_regions`` for any schema)."""

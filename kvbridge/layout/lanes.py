@@ -113,8 +113,22 @@ class OwnerLanes:
             raise LayoutError(
                 f"token {token} outside a request of {num_pages} pages of {page_size} tokens", field="token"
             )
-        owner, _ = self.owners(np.array([token // page_size]), num_pages)
-        return int(owner[0])
+        return self.owner_of_page(token // page_size, num_pages)
+
+    def owner_of_page(self, page: int, num_pages: int) -> int:
+        """The CP rank that owns logical page ``page`` (``owners`` for one page, in integers)."""
+        _check_num_pages(num_pages)
+        if not 0 <= page < num_pages:
+            raise LayoutError(f"logical page {page} outside a request of {num_pages} pages", field="logical_pages")
+        if self.rule == INTERLEAVED:
+            return int(page) % self.cp_size
+        if self.rule == CONTIGUOUS:
+            return int(page) // max(self.chunk_pages(num_pages), 1)
+        if self.rule == BALANCED:
+            base, rem = divmod(num_pages, self.cp_size)
+            long_pages = rem * (base + 1)
+            return int(page) // (base + 1) if page < long_pages else rem + (int(page) - long_pages) // max(base, 1)
+        return 0
 
     def lane_major(self, num_pages: int) -> np.ndarray:
         """Positions for a block of ``num_pages`` destination pages in which every

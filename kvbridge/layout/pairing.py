@@ -15,7 +15,7 @@ import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PairingError
 from kvbridge.layout.buffers import RawBuffer
-from kvbridge.layout.pools import PoolSpec
+from kvbridge.layout.pools import ROWS, PoolSpec
 
 _U64_MAX = 2**64 - 1
 
@@ -88,11 +88,60 @@ class PairedBuffers:
     def min_src_capacity(self) -> int:
         return min((int(p[3].min()) for p in self.pairs), default=0)
 
+    @cached_property
+    def groups(self) -> tuple[LayoutGroup, ...]:
+        """The paired layers grouped by in-page layout, pools in order inside a group: what the
+        planner computes every group's slices from in one broadcast (``plan._plan_groups``)."""
+        by_layout: dict[str, list[tuple[PoolSpec, np.ndarray, np.ndarray]]] = {}
+        for spec, src_base, dst_base, _, _ in self.pairs:
+            by_layout.setdefault(spec.layout, []).append((spec, src_base, dst_base))
+        return tuple(LayoutGroup.of(layout, members) for layout, members in by_layout.items())
+
     def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
         """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
         per side; ``_check_inside`` names the offending page and layer when not)."""
         return (src_span[0] >= 0 and src_span[1] < self.min_src_capacity
                 and dst_span[0] >= 0 and dst_span[1] < self.min_dst_capacity)
+
+
+@dataclass(frozen=True, eq=False)
+class LayoutGroup:
+    """Every paired layer of the pools sharing one in-page layout, as ``(layers, 1)`` uint64
+    columns: bases, bytes per page, and what a partial last page keeps of each layer's page
+    (``rows``: the valid rows are a prefix, ``row_bytes`` per row; ``values_then_scales``: two
+    ranges, ``row_bytes`` value bytes per row at 0 and ``scale_bytes`` per row at
+    ``scale_offset``)."""
+
+    rows: bool
+    src_base: np.ndarray
+    dst_base: np.ndarray
+    bytes_per_page: np.ndarray
+    row_bytes: np.ndarray
+    scale_bytes: np.ndarray
+    scale_offset: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.src_base)
+
+    @classmethod
+    def of(cls, layout: str, members: Sequence[tuple[PoolSpec, np.ndarray, np.ndarray]]) -> LayoutGroup:
+        rows = layout == ROWS
+
+        def column(values: Any) -> np.ndarray:
+            return np.concatenate([np.broadcast_to(np.asarray(v, dtype=np.uint64), (len(sb),)) for v, (_, sb, _) in
+                                   zip(values, members)]).reshape(-1, 1)
+
+        specs = [m[0] for m in members]
+        return cls(
+            rows,
+            np.concatenate([sb for _, sb, _ in members]).reshape(-1, 1),
+            np.concatenate([db for _, _, db in members]).reshape(-1, 1),
+            column([s.bytes_per_page for s in specs]),
+            column([s.bytes_per_token if rows else s.value_bytes_per_token for s in specs]),
+            column([0 if rows else s.scale_bytes_per_token for s in specs]),
+            column([0 if rows else s.scale_offset for s in specs]),
+        )
 
 
 def pair_buffers(

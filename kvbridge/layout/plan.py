@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import LayoutError, PageRangeError
-from kvbridge.layout.pairing import BufferDesc, PairedBuffers, describe_buffer, pair_buffers
-from kvbridge.layout.pools import ROWS, PoolSpec
+from kvbridge.layout.pairing import BufferDesc, LayoutGroup, PairedBuffers, describe_buffer, pair_buffers
+from kvbridge.layout.pools import PoolSpec
+
+_I64 = np.dtype(np.int64)
 
 __all__ = ["BufferDesc", "PairedBuffers", "TransferPlan", "describe_buffer", "pair_buffers", "plan_transfer"]
 
@@ -64,6 +66,15 @@ class TransferPlan:
             yield self.src[i : i + max_slices], self.dst[i : i + max_slices], self.length[i : i + max_slices]
 
     @classmethod
+    def _of(cls, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> TransferPlan:
+        """A plan of three fresh 1-D uint64 arrays of one length (the planner's own), made read-only."""
+        plan = object.__new__(cls)
+        for name, a in (("src", src), ("dst", dst), ("length", length)):
+            a.setflags(write=False)
+            object.__setattr__(plan, name, a)
+        return plan
+
+    @classmethod
     def empty(cls) -> TransferPlan:
         return cls(np.zeros(0), np.zeros(0), np.zeros(0))
 
@@ -87,10 +98,13 @@ def plan_transfer(
     room: int | None = None,
     rank: str | None = None,
     paired: PairedBuffers | None = None,
+    extra: tuple[Any, Any, Any] | None = None,
 ) -> TransferPlan:
     """Plan the writes of ``logical_pages`` for every layer of every pool in
     ``pools`` (default: all of ``specs``). Everything is checked before anything
-    is returned: an error means nothing may be written."""
+    is returned: an error means nothing may be written. ``extra``: ``(src, dst,
+    length)`` of slices the caller adds after the plan's (an aux row riding in the
+    same write), written into the plan's arrays as they are."""
     ctx: dict[str, Any] = {"room": room, "rank": rank}
     names = tuple(specs) if pools is None else tuple(pools)
     unknown = [n for n in names if n not in specs]
@@ -102,26 +116,95 @@ def plan_transfer(
             f"pools {names} share one page mapping but have page sizes {sorted(page_sizes)}", field="page_size", **ctx
         )
     page_size = page_sizes.pop() if names else 1
-    logical, src, dst, num_valid_last, paired = _checked_pages(
-        logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
-        lambda: pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank), ctx,
-    )
-    pairs = paired.pairs
+    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
+    increasing, num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
+    if paired is None:
+        paired = pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank)
+    elif paired.pools != names:
+        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
     _check_inside(paired, specs, specs, src, dst, logical, ctx)
     if not len(logical) or not names:
-        return TransferPlan.empty()
+        return TransferPlan.empty() if extra is None else TransferPlan(*extra)
+    # position of the partial last page in the given order, if this call carries it; ascending
+    # logical pages (every chunk the endpoints plan) hold it at the end
+    partial = -1
+    if num_valid_last < page_size:
+        last = (num_tokens - 1) // page_size
+        if increasing:
+            partial = len(logical) - 1 if logical[-1] == last else -1
+        else:
+            at = np.flatnonzero(logical == last)
+            partial = int(at[0]) if len(at) else -1
+    return _plan_groups(paired.groups, src, dst, partial, page_size, num_valid_last, extra)
 
-    # position of the partial last page in the given order, if this call carries it
-    last = (num_tokens - 1) // page_size
-    partial = np.flatnonzero(logical == last) if num_valid_last < page_size else np.zeros(0, dtype=np.int64)
-    parts = []
-    runs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
-    for spec, src_base, dst_base, _, _ in pairs:
-        tail_merges = spec.layout == ROWS
-        if tail_merges not in runs:
-            runs[tail_merges] = _runs(src, dst, partial, tail_merges)
-        parts.append((src_base, dst_base, *_layer_slices(spec, src, dst, *runs[tail_merges], partial, num_valid_last)))
-    return _broadcast(parts)
+
+def _plan_groups(groups: Sequence[LayoutGroup], src: np.ndarray, dst: np.ndarray, partial: int, page_size: int,
+                 num_valid: int, extra: tuple[Any, Any, Any] | None = None) -> TransferPlan:
+    """The slices of every layer of every group, one broadcast per group over its layers:
+
+        runs (consecutive on both sides)     r0        r1   r2 (ends in the partial page p)
+        slice (layer l, run r)               src_base[l] + src[start r] * bytes_per_page[l], ...
+        rows                                 r2 cut short by p's tail rows
+        values_then_scales                   p is a run of its own: its slice keeps the valid
+                                             value bytes, one more slice the valid scale bytes
+
+    Written straight into the plan's arrays (a scattered 128K-token room is 126,000 slices
+    per rank)."""
+    n = len(src)
+    brk = np.empty(n, dtype=bool)  # True where a run starts
+    brk[0] = True
+    if n > 1:
+        np.not_equal(src[1:], src[:-1] + 1, out=brk[1:])
+        brk[1:] |= dst[1:] != dst[:-1] + 1
+    if 0 <= partial < n - 1:
+        brk[partial + 1] = True  # the partial page always ends its run
+    runs = {True: _runs_of(brk, src, dst, partial)}  # rows: the partial page merges onto its run
+    if partial >= 0 and not brk[partial]:
+        alone = brk.copy()
+        alone[partial] = True
+        runs[False] = _runs_of(alone, src, dst, partial)
+    else:
+        runs[False] = runs[True]
+    shapes = [(g.num_layers, len(runs[g.rows][2]) + (partial >= 0 and not g.rows)) for g in groups]
+    total = sum(layers * cols for layers, cols in shapes)
+    out = [np.empty(total + (len(extra[2]) if extra is not None else 0), dtype=np.uint64) for _ in range(3)]
+    if extra is not None:
+        for o, e in zip(out, extra):
+            o[total:] = e
+    at = 0
+    for g, (layers, cols) in zip(groups, shapes):
+        rel_src, rel_dst, length, run = runs[g.rows]
+        r = len(length)
+        s, d, ln = (o[at : at + layers * cols].reshape(layers, cols) for o in out)
+        np.multiply(g.bytes_per_page, rel_src, out=s[:, :r])
+        s[:, :r] += g.src_base
+        np.multiply(g.bytes_per_page, rel_dst, out=d[:, :r])
+        d[:, :r] += g.dst_base
+        np.multiply(g.bytes_per_page, length, out=ln[:, :r])
+        if partial >= 0 and g.rows:
+            ln[:, run : run + 1] -= g.row_bytes * (page_size - num_valid)
+        elif partial >= 0:  # the page's run keeps its value bytes; its scale bytes are the last column
+            ln[:, run : run + 1] = g.row_bytes * num_valid
+            s[:, r:] = s[:, run : run + 1] + g.scale_offset
+            d[:, r:] = d[:, run : run + 1] + g.scale_offset
+            ln[:, r:] = g.scale_bytes * num_valid
+        at += layers * cols
+    return TransferPlan._of(*out)
+
+
+def _runs_of(brk: np.ndarray, src: np.ndarray, dst: np.ndarray,
+             partial: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(first source page, first destination page, pages) of each run as uint64 rows, and
+    the run holding the partial page (-1: none)."""
+    starts = np.flatnonzero(brk)
+    length = np.empty_like(starts)
+    length[:-1] = starts[1:] - starts[:-1]
+    length[-1] = len(brk) - starts[-1]
+    run = -1
+    if partial >= 0:
+        run = len(starts) - 1 if partial == len(brk) - 1 else int(np.searchsorted(starts, partial, side="right")) - 1
+    # pages were checked non-negative: their int64 bits are their uint64 values
+    return src[starts].view(np.uint64), dst[starts].view(np.uint64), length.view(np.uint64), run
 
 
 def _checked_pages(
@@ -131,7 +214,7 @@ def _checked_pages(
     """A plan's page arrays and token count checked, and its buffers paired (``pair()`` when
     ``paired`` is None): ``(logical, src, dst, valid rows of the last page, paired)``."""
     logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
-    num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
+    _, num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
     if paired is None:
         paired = pair()
     elif paired.pools != names:
@@ -159,23 +242,31 @@ def _broadcast(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 def _page_arrays(logical: Any, src: Any, dst: Any, ctx: dict[str, Any]) -> tuple[np.ndarray, ...]:
     out = []
     for name, a in (("logical_pages", logical), ("src_pages", src), ("dst_pages", dst)):
-        a = np.asarray(a)
-        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-            raise LayoutError(
-                f"{name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}", field=name, **ctx
-            )
-        out.append(a.astype(np.int64, copy=False))
+        if type(a) is not np.ndarray or a.dtype != _I64 or a.ndim != 1:  # (what the endpoints pass: as it is)
+            a = np.asarray(a)
+            if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+                raise LayoutError(
+                    f"{name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}", field=name, **ctx
+                )
+            a = a.astype(np.int64, copy=False)
+        out.append(a)
     if not len(out[0]) == len(out[1]) == len(out[2]):
         raise LayoutError(f"page arrays differ in length: {[len(a) for a in out]}", field="logical_pages", **ctx)
     return tuple(out)
 
 
-def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: dict[str, Any]) -> int:
-    """Checks the logical pages; returns the number of valid rows of the last page."""
+def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: dict[str, Any]) -> tuple[bool, int]:
+    """Checks the logical pages (inside the request, each once); returns whether they ascend
+    and the number of valid rows of the last page."""
     if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
         raise LayoutError(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens", **ctx)
     num_pages = -(-num_tokens // page_size)
-    if len(logical) and (logical.min() < 0 or logical.max() >= num_pages):
+    num_valid_last = num_tokens - (num_pages - 1) * page_size if num_pages else page_size
+    if not len(logical):
+        return True, num_valid_last
+    increasing = len(logical) == 1 or bool((logical[1:] > logical[:-1]).all())  # then also each page once
+    lo, hi = (int(logical[0]), int(logical[-1])) if increasing else (int(logical.min()), int(logical.max()))
+    if lo < 0 or hi >= num_pages:
         bad = logical[(logical < 0) | (logical >= num_pages)][0]
         raise LayoutError(
             f"logical page {bad} is outside the request's {num_pages} pages "
@@ -183,11 +274,12 @@ def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: di
             field="logical_pages",
             **ctx,
         )
-    ordered = np.sort(logical)
-    dup = ordered[1:][ordered[1:] == ordered[:-1]]
-    if len(dup):
-        raise LayoutError(f"logical page {dup[0]} appears more than once in one plan", field="logical_pages", **ctx)
-    return num_tokens - (num_pages - 1) * page_size if num_pages else page_size
+    if not increasing:
+        ordered = np.sort(logical)
+        dup = ordered[1:][ordered[1:] == ordered[:-1]]
+        if len(dup):
+            raise LayoutError(f"logical page {dup[0]} appears more than once in one plan", field="logical_pages", **ctx)
+    return increasing, num_valid_last
 
 
 def _check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,
@@ -224,52 +316,4 @@ def _check_range(
         f"outside the registered region of {cap} pages",
         field="src_pages" if side == "source" else "dst_pages",
         **ctx,
-    )
-
-
-def _runs(src: np.ndarray, dst: np.ndarray, partial: np.ndarray, tail_merges: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and lengths (in entries) of runs consecutive on both sides. The
-    partial page always ends its run; unless its tail merges (``rows`` layout)
-    it also starts one, so it stands alone."""
-    n = len(src)
-    brk = np.ones(n, dtype=bool)
-    brk[1:] = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
-    after = partial + 1
-    brk[after[after < n]] = True
-    if not tail_merges:
-        brk[partial] = True
-    starts = np.flatnonzero(brk)
-    return starts, np.diff(np.append(starts, n))
-
-
-def _layer_slices(
-    spec: PoolSpec,
-    src: np.ndarray,
-    dst: np.ndarray,
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    partial: np.ndarray,
-    num_valid_last: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slices of one layer, as offsets from its buffer bases."""
-    bpp = np.uint64(spec.bytes_per_page)
-    rel_src = src[starts].astype(np.uint64) * bpp
-    rel_dst = dst[starts].astype(np.uint64) * bpp
-    length = lengths.astype(np.uint64) * bpp
-    if not len(partial):
-        return rel_src, rel_dst, length
-    p = int(partial[0])
-    run = int(np.searchsorted(starts, p, side="right")) - 1
-    if spec.layout == ROWS:
-        # the partial page is the last page of its run: cut the run short by the page's tail
-        length[run] -= np.uint64((spec.page_size - num_valid_last) * spec.bytes_per_token)
-        return rel_src, rel_dst, length
-    keep = np.arange(len(starts)) != run  # the partial page's own run is replaced by its row ranges
-    ranges = spec.row_ranges(0, num_valid_last)
-    offs = np.array([off for off, _ in ranges], dtype=np.uint64)
-    lens = np.array([ln for _, ln in ranges], dtype=np.uint64)
-    return (
-        np.concatenate([rel_src[keep], np.uint64(src[p]) * bpp + offs]),
-        np.concatenate([rel_dst[keep], np.uint64(dst[p]) * bpp + offs]),
-        np.concatenate([length[keep], lens]),
     )

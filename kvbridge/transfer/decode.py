@@ -186,11 +186,11 @@ class DecodeEndpoint:
         return KVReceiver(self, r)
 
     def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
-        pages = np.asarray(page_ids).reshape(-1)
+        pages = page_ids if type(page_ids) is np.ndarray and page_ids.ndim == 1 else np.asarray(page_ids).reshape(-1)
         ctx = dict(room=r.room, rank=self.config.rank_label)
-        if pages.size and not np.issubdtype(pages.dtype, np.integer):
+        if pages.size and pages.dtype.kind not in "iu":
             raise LayoutError(f"page ids must be integers, got {pages.dtype}", field="page_ids", **ctx)
-        page_size = next(iter(self.specs.values())).page_size
+        page_size = self._book.page_size
         if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
             raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r}", field="first_page",
                               **ctx)
@@ -211,13 +211,15 @@ class DecodeEndpoint:
             if pages.size != num_pages - first_page:
                 raise LayoutError(f"{pages.size} pages for logical pages [{first_page}, {num_pages}) of {num_tokens} "
                                   f"tokens at page size {page_size}", field="page_ids", **ctx)
-        if pages.size and (pages.min() < 0 or pages.max() >= self.buffers.min_capacity):
-            raise PageRangeError(f"page ids must lie in [0, {self.buffers.min_capacity}) (registered capacity)",
+        # inside every registered buffer, hence int32 on the wire (pages travel packed little-endian int32)
+        capacity = min(self.buffers.min_capacity, 2**31)
+        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= capacity):
+            raise PageRangeError(f"page ids must lie in [0, {capacity}) (registered capacity)",
                                  field="page_ids", **ctx)
         self.aux.check_slot(aux_slot, room=r.room)
         with self._lock:
             self._book.init(r, pages.astype(np.int64), int(aux_slot), None if num_tokens is None else int(num_tokens),
-                            int(first_page))
+                            int(first_page))  # (a copy: the engine may reuse its array)
             # topology known (cached or looked up): the requests go out from this thread, no hop to the loop
             sent = self._book.request_if_ready(r)
         if not sent:

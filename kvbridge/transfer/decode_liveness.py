@@ -55,6 +55,11 @@ class PeerLiveness:
                                                       instance, last_seen=time.monotonic())
         return p
 
+    def _any_active(self, p: Peer) -> bool:
+        """A room toward this peer may still see writes from it (stops at the first)."""
+        rooms = self.rooms
+        return any(k in rooms and not rooms[k].pages_releasable for k in p.rooms)
+
     def _active_rooms(self, p: Peer) -> list[RecvRoom]:
         """Rooms toward this peer that may still see writes from it."""
         return [self.rooms[k] for k in p.rooms if k in self.rooms and not self.rooms[k].pages_releasable]

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import KVBridgeError, UnknownInstance
 from kvbridge.layout import BufferDesc, HeadSlice, PoolSpec, TPRoute, pair_head_buffers, tp_spec
@@ -56,6 +56,7 @@ class DecodePeer:
     tp_rank: int = 0
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
+    checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
 
     @classmethod
     def of(cls, detail: RankDetail) -> DecodePeer:

@@ -21,7 +21,7 @@ from kvbridge.transfer.decode_liveness import Peer, PeerLiveness
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.lifecycle import Stage
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.receiver import RecvRoom
+from kvbridge.transfer.receiver import Placement, RecvRoom
 
 if TYPE_CHECKING:
     from kvbridge.bootstrap.schemas import LookupResponse
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
 REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed before it expires
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
+MAX_PLACEMENTS = 256  # look-up answers placed for our TP route (one per DP group in use)
 
 
 class RoomBook(PeerLiveness):
@@ -51,6 +52,7 @@ class RoomBook(PeerLiveness):
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
+        self.placements: dict[int, Placement] = {}  # id(look-up answer) -> its senders for our route
         self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self.draining: set[int] = set()  # rooms whose handle let go: forgotten once final and quiet
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
@@ -170,8 +172,7 @@ class RoomBook(PeerLiveness):
                          "pipeline-parallel prefill is not supported yet")
             return
         try:
-            route = self.route(topo.topology.tp_size)
-            r.set_topology(topo, route)
+            r.set_topology(self.placement(topo, self.route(topo.topology.tp_size), r.room))
         except KVBridgeError as exc:
             self.fail(r, f"prefill instance {r.prefill_instance!r} ({topo.topology.shape}): {exc.reason}")
             return
@@ -182,6 +183,16 @@ class RoomBook(PeerLiveness):
         r.state.to(KVPoll.WaitingForInput)
         r.bootstrapped.set()
         self.dirty.add(r.room)
+
+    def placement(self, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
+        """The senders of ``topo`` for ``route``, placed once per look-up answer (TopologyError: the
+        answer lacks a sender the route needs; nothing is kept then)."""
+        hit = self.placements.get(id(topo))
+        if hit is None or hit.topology is not topo or hit.route is not route:
+            if len(self.placements) >= MAX_PLACEMENTS:  # answers are replaced every topology_ttl
+                self.placements.clear()
+            hit = self.placements[id(topo)] = Placement.of(topo, route, room)
+        return hit
 
     def route(self, prefill_tp: int) -> TPRoute:
         """Which prefill TP ranks send this rank what (TopologyError when the heads do not split)."""
@@ -257,27 +268,12 @@ class RoomBook(PeerLiveness):
         self._maybe_commit(r)
 
     def _dispatch(self, r: RecvRoom, endpoint: str, key: tuple[int, int] | None, msg: Any) -> None:
-        tp = f"/tp{key[1]}" if key is not None and key[1] else ""
-        label = f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
-        if isinstance(msg, wire.AbortAck):
-            r.quiet.add(key)
-        elif isinstance(msg, wire.ErrorReply):
-            if msg.ref_type == wire.TransferRequest.TAG:
-                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
-            self.fail(r, f"{label} refused our {msg.ref_type}: {msg.reason}")
-        elif r.state.final:
-            if getattr(msg, "status", "ok") == "failed":
-                r.quiet.add(key)  # a failure report means its writes have drained
-        elif isinstance(msg, wire.PagesDone):
+        if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
             if self.ep.trace:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
                          r.age_ms, time.monotonic(), msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
-            if msg.status == "failed":
-                r.quiet.add(key)
-                self.fail(r, f"{label}: {msg.reason}")
-                return
             if msg.logical_pages:
-                pages = wire.unpack_pages(msg.logical_pages).astype(np.int64)
+                pages = np.frombuffer(msg.logical_pages, dtype="<i4").astype(np.int64)  # (decoding checked: whole int32s)
                 r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
                 if self.cfg.verify_digest:
                     if msg.digests is None:
@@ -287,7 +283,24 @@ class RoomBook(PeerLiveness):
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
                 if msg.num_tokens:
-                    self.learn_num_tokens(r, msg.num_tokens, f"{label} (with the aux row)")
+                    self.learn_num_tokens(r, msg.num_tokens, f"{self._label(msg, endpoint, key)} (with the aux row)")
+        elif isinstance(msg, wire.AbortAck):
+            r.quiet.add(key)
+        elif isinstance(msg, wire.ErrorReply):
+            if msg.ref_type == wire.TransferRequest.TAG:
+                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
+            self.fail(r, f"{self._label(msg, endpoint, key)} refused our {msg.ref_type}: {msg.reason}")
+        elif r.state.final:
+            if getattr(msg, "status", "ok") == "failed":
+                r.quiet.add(key)  # a failure report means its writes have drained
+        elif isinstance(msg, wire.PagesDone):  # failed
+            r.quiet.add(key)
+            self.fail(r, f"{self._label(msg, endpoint, key)}: {msg.reason}")
+
+    @staticmethod
+    def _label(msg: Any, endpoint: str, key: tuple[int, int] | None) -> str:
+        tp = f"/tp{key[1]}" if key is not None and key[1] else ""
+        return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
 
     def _maybe_commit(self, r: RecvRoom) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
@@ -297,14 +310,15 @@ class RoomBook(PeerLiveness):
         try:
             row = self.ep.aux.read_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
             read_ms = (time.monotonic() - read_at) * 1e3
-            off = schema.offsets["room"]
-            echoed = int(row[off : off + 8].view("<u8")[0])
-            if echoed != r.room:  # hard rule 4: a row written for another room
-                self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
-                return
-            schema.check_row(row)  # what unpacking would refuse fails the room now; the decoding waits for a reader
+            echoed, problem = schema.head(row)  # what unpacking would refuse fails the room now; decoding waits
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}")
+            return
+        if echoed != r.room:  # hard rule 4: a row written for another room
+            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}")
+            return
+        if problem is not None:
+            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {problem}")
             return
         if self.cfg.verify_digest:
             if r.num_tokens is None:
@@ -402,10 +416,10 @@ class RoomBook(PeerLiveness):
         in it each TP rank of this rank's TP route, for the pools that route takes from it (from
         the loop thread, or from the engine's thread in init())."""
         r.start_ledger(self.pools, self.page_size)
-        page_ids = wire.pack_pages(r.page_ids)
+        page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
         frames: dict[tuple[str, ...], bytes] = {}  # the CP ranks of one TP source get the same request: encoded once
-        for key, s in sorted(r.senders.items()):
-            pools = tuple(r.route.pools_from(key[1]))
+        now = time.monotonic()
+        for key, s, pools in r.placement.asks:
             frame = frames.get(pools)
             if frame is None:
                 frame = frames[pools] = self.ep.encode(wire.TransferRequest(
@@ -415,8 +429,8 @@ class RoomBook(PeerLiveness):
                     fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
                 ))
             peer = self._peer(s, r.prefill_instance)
-            if not self._active_rooms(peer):  # liveness restarts now: a quiet spell between rooms is no death
-                peer.last_seen = max(peer.last_seen, time.monotonic())
+            if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death
+                peer.last_seen = max(peer.last_seen, now)
             peer.rooms.add(r.room)
             self.ep.send_frame(s.control_endpoint, frame)
             r.requested.add(key)

@@ -40,24 +40,64 @@ class PageLedger:
         self.pools = tuple(pools)
         self.num_pages = num_pages
         self.first_page = first_page
+        self.lanes = lanes
         self.aux_owner = aux_owner
         self.aux_tp = route.first_source if route is not None else 0
         # one bitmap row per (pool, source tp rank): a head-sharded pool has one per head slice
         self._slots = [(p, tp) for p in self.pools for tp in (route.sources_of(p) if route is not None else (0,))]
         self._slot_index = {slot: i for i, slot in enumerate(self._slots)}
         self._pool_names = {p for p, _ in self._slots}
-        self._owner, _ = lanes.owners(np.arange(num_pages, dtype=np.int64), num_pages)
         self._seen = np.zeros((len(self._slots), num_pages), dtype=bool)
         self._seen[:, :first_page] = True  # the decode prefix is already here
+        self._left = len(self._slots) * (num_pages - first_page)  # cells not yet reported
+        self._touched: set[tuple[int, int]] = set()  # (cp rank, bitmap row) pairs that reported anything
+        self._shares: dict[int, np.ndarray] = {}  # cp rank -> the pages it owns from first_page on
         self.aux_done = False
         self.pages_by_rank: dict[int, int] = {}  # page reports per CP rank (one per head slice)
 
     def record(self, cp_rank: int, pools: Sequence[str], logical_pages: np.ndarray, tp_rank: int = 0) -> None:
-        """Mark pages written by ``(cp_rank, tp_rank)``; checks everything before marking anything."""
+        """Mark pages written by ``(cp_rank, tp_rank)``; checks everything before marking anything.
+        A rank's first report of its whole share (every page it owns, in order: one write per
+        room) is checked by one comparison; any other report page by page."""
         pages = np.asarray(logical_pages, dtype=np.int64)
         rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
         if pages.size == 0:
             return
+        rows = [self._row(pool, tp_rank, rank) for pool in pools]
+        share = self._share(cp_rank)
+        fresh = all((cp_rank, row) not in self._touched for row in rows)
+        # the whole share: owned by cp_rank, inside the request, each page once, and unseen (only
+        # cp_rank may report its pages, and it reported none of these rows yet)
+        if not (fresh and pages.size == share.size and np.array_equal(pages, share)):
+            self._check_pages(cp_rank, rows, pages, rank)
+        for row in rows:
+            self._seen[row, pages] = True
+        self._touched.update((cp_rank, row) for row in rows)
+        self._left -= len(rows) * int(pages.size)
+        self.pages_by_rank[cp_rank] = self.pages_by_rank.get(cp_rank, 0) + int(pages.size)
+
+    def _row(self, pool: str, tp_rank: int, rank: str) -> int:
+        row = self._slot_index.get((pool, tp_rank))
+        if row is not None:
+            return row
+        if pool not in self._pool_names:
+            raise LedgerError(f"pages reported for pool {pool!r}, which this room does not receive",
+                              room=self.room, rank=rank, field="pools")
+        raise LedgerError(f"pages of pool {pool!r} reported by tp rank {tp_rank}, which this decode rank's TP "
+                          f"route does not draw it from", room=self.room, rank=rank, field="pools")
+
+    def _share(self, cp_rank: int) -> np.ndarray:
+        share = self._shares.get(cp_rank)
+        if share is None:
+            share = self.lanes.owned_pages(cp_rank, self.num_pages) if 0 <= cp_rank < self.lanes.cp_size \
+                else np.zeros(0, np.int64)
+            if self.first_page:
+                share = share[share >= self.first_page]
+            self._shares[cp_rank] = share
+        return share
+
+    def _check_pages(self, cp_rank: int, rows: list[int], pages: np.ndarray, rank: str) -> None:
+        """Every page inside the request, past the prefix, once, owned by ``cp_rank``, not yet seen."""
         bad = (pages < 0) | (pages >= self.num_pages)
         if bad.any():
             raise LedgerError(
@@ -74,22 +114,14 @@ class PageLedger:
         if np.unique(pages).size != pages.size:
             raise LedgerError(f"cp rank {cp_rank} reported a page twice in one message", room=self.room, rank=rank,
                               field="logical_pages")
-        wrong = self._owner[pages] != cp_rank
+        owner, _ = self.lanes.owners(pages, self.num_pages)
+        wrong = owner != cp_rank
         if wrong.any():
             page = int(pages[wrong][0])
             raise LedgerError(
-                f"logical page {page} reported by cp rank {cp_rank}, but cp rank {int(self._owner[page])} owns it",
+                f"logical page {page} reported by cp rank {cp_rank}, but cp rank {int(owner[wrong][0])} owns it",
                 room=self.room, rank=rank, field="logical_pages",
             )
-        rows = []
-        for pool in pools:
-            if pool not in self._pool_names:
-                raise LedgerError(f"pages reported for pool {pool!r}, which this room does not receive",
-                                  room=self.room, rank=rank, field="pools")
-            if (pool, tp_rank) not in self._slot_index:
-                raise LedgerError(f"pages of pool {pool!r} reported by tp rank {tp_rank}, which this decode rank's TP "
-                                  f"route does not draw it from", room=self.room, rank=rank, field="pools")
-            rows.append(self._slot_index[(pool, tp_rank)])
         seen = self._seen[np.asarray(rows)[:, None], pages[None, :]]
         if seen.any():
             r, c = np.argwhere(seen)[0]
@@ -99,8 +131,6 @@ class PageLedger:
                 f"page {int(pages[c])} of {what} reported twice",
                 room=self.room, rank=rank, field="logical_pages",
             )
-        self._seen[np.asarray(rows)[:, None], pages[None, :]] = True
-        self.pages_by_rank[cp_rank] = self.pages_by_rank.get(cp_rank, 0) + int(pages.size)
 
     def record_aux(self, cp_rank: int, tp_rank: int = 0) -> None:
         rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
@@ -118,11 +148,11 @@ class PageLedger:
 
     @property
     def pages_complete(self) -> bool:
-        return bool(self._seen.all())
+        return self._left == 0
 
     @property
     def complete(self) -> bool:
-        return self.pages_complete and self.aux_done
+        return self._left == 0 and self.aux_done
 
     def missing(self) -> dict[str, list[int]]:
         """Logical pages not yet complete, per pool (first few), for error messages."""

@@ -254,11 +254,7 @@ class SendBook:
         if not logical.size and not with_aux:
             return
         try:
-            src, dst, length = (), (), ()
-            if logical.size:
-                plan = plan_target(self.ep.specs, self.ep.buffers.descs, t, logical, local, r.plan_tokens,
-                                   room=r.room, rank=self.cfg.rank_label)
-                src, dst, length = (plan.src,), (plan.dst,), (plan.length,)
+            aux = None
             if with_aux:
                 t.aux_posted = True
                 if r.aux_row is not None:  # staged by send(); its device copy is one more event to wait on
@@ -266,12 +262,13 @@ class SendBook:
                     after = self.ep.aux_staging.ready_event(r.room) or after
                 else:
                     source, slot = self.ep.aux_buffers, r.aux_slot
-                a_src, a_dst, a_len = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
-                src, dst, length = src + (a_src,), dst + (a_dst,), length + (a_len,)
-            if len(src) > 1:  # the aux row rides in the same write
-                src, dst, length = np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+                aux = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
+            if logical.size:  # the aux row rides in the same write, after the pages' slices
+                plan = plan_target(self.ep.specs, self.ep.buffers.descs, t, logical, local, r.plan_tokens,
+                                   room=r.room, rank=self.cfg.rank_label, extra=aux)
+                src, dst, length = plan.src, plan.dst, plan.length
             else:
-                src, dst, length = src[0], dst[0], length[0]
+                src, dst, length = aux
             handle = self.ep.engine.submit_write(t.session, src, dst, length, after=after)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
@@ -284,7 +281,7 @@ class SendBook:
         self.handles[handle] = (r, t)
         if r.first_post is None:
             r.first_post = time.monotonic()
-        num_bytes, num_slices = int(length.sum()), int(length.size)
+        num_bytes, num_slices = int(length.sum()), len(length)
         self.counters["bytes"] += num_bytes
         self.counters["slices"] += num_slices
         r.num_bytes += num_bytes
@@ -322,7 +319,7 @@ class SendBook:
                 # one report per write: its pages and, when it carried it, the aux row
                 self.ep._reply(t.ident, wire.PagesDone(room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
                                                        pools=list(t.pools) if pages.size else [],
-                                                       logical_pages=wire.pack_pages(pages), digests=digests,
+                                                       logical_pages=pages.astype("<i4").tobytes(), digests=digests,
                                                        aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0))
             self.settle(r)
             self.forget_if_quiet(r)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +43,33 @@ if TYPE_CHECKING:
     from kvbridge.transfer.decode import DecodeEndpoint
 
 
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """The senders a room of one prefill DP group asks, for this decode rank's TP route: every
+    CP rank and, in it, every TP rank of the route, with the pools each sends. Built once per
+    look-up answer and shared by the rooms that use it (read-only)."""
+
+    topology: LookupResponse
+    route: TPRoute
+    lanes: OwnerLanes
+    senders: dict[tuple[int, int], Any]  # (cp_rank, tp_rank) -> SenderRank
+    by_endpoint: dict[str, tuple[int, int]]  # a sender's control endpoint -> (cp_rank, tp_rank)
+    asks: tuple[tuple[tuple[int, int], Any, tuple[str, ...]], ...]  # (key, sender, its pools), by key
+
+    @classmethod
+    def of(cls, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
+        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
+        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
+        if need - set(senders):
+            cp, tp = min(need - set(senders))
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
+                                f"this decode rank's TP route draws from", room=room, field="ranks")
+        chosen = {key: senders[key] for key in sorted(need)}
+        return cls(topo, route, OwnerLanes(topo.plan.cp_size, topo.plan.rule), chosen,
+                   {s.control_endpoint: key for key, s in chosen.items()},
+                   tuple((key, s, tuple(route.pools_from(key[1]))) for key, s in chosen.items()))
+
+
 class RecvRoom:
     def __init__(self, room: int, prefill_instance: str, dp_rank: int | None) -> None:
         self.room = room
@@ -50,6 +78,7 @@ class RecvRoom:
         self.state = RoomState()
         self.life = Life()
         self.bootstrapped = threading.Event()  # set once the topology is known or the room failed
+        self.placement: Placement | None = None
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
         self.senders: dict[tuple[int, int], Any] = {}  # (cp_rank, tp_rank) -> SenderRank
@@ -94,20 +123,15 @@ class RecvRoom:
             return True
         return self.state.state == KVPoll.Failed and self.requested <= self.quiet
 
-    def set_topology(self, topo: LookupResponse, route: TPRoute) -> None:
-        """Use a look-up answer: a sender for every CP rank and every TP rank of ``route``."""
-        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
-        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
-        if need - set(senders):
-            cp, tp = min(need - set(senders))
-            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
-                                f"this decode rank's TP route draws from", room=self.room, field="ranks")
-        self.topology = topo
-        self.dp_rank = topo.dp_rank
-        self.lanes = OwnerLanes(topo.plan.cp_size, topo.plan.rule)
-        self.route = route
-        self.senders = {key: senders[key] for key in sorted(need)}
-        self.by_endpoint = {s.control_endpoint: key for key, s in self.senders.items()}
+    def set_topology(self, placement: Placement) -> None:
+        """Use a look-up answer, placed for this decode rank's TP route."""
+        self.placement = placement
+        self.topology = placement.topology
+        self.dp_rank = placement.topology.dp_rank
+        self.lanes = placement.lanes
+        self.route = placement.route
+        self.senders = placement.senders
+        self.by_endpoint = placement.by_endpoint
 
     def keep_aux_row(self, row: np.ndarray, schema: AuxSchema) -> None:
         """The committed aux row (checked by ``schema.check_row``): decoded when first read, not
@@ -128,7 +152,7 @@ class RecvRoom:
 
     def start_ledger(self, pools: list[str], page_size: int) -> None:
         last = self.num_pages - 1  # the last valid token lies in the last page, whatever the count
-        aux_owner = int(self.lanes.owners(np.array([last]), self.num_pages)[0][0])
+        aux_owner = self.lanes.owner_of_page(last, self.num_pages)
         self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page,
                                  route=self.route)
 

@@ -219,7 +219,7 @@ class SendRoom:
             self._learn_tokens(int(num_tokens), source)
         if self._num_pages is None:
             self._num_pages = pages
-            self._aux_owner = int(self.lanes.owners(np.array([pages - 1]), pages)[0][0])  # asked on every settle
+            self._aux_owner = self.lanes.owner_of_page(pages - 1, pages)  # asked on every settle
             self.owned = self.lanes.owned_pages(self.cp_rank, pages)
             self.given = np.zeros(pages, dtype=bool)
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, PageRangeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, TransferPlan, num_drawing, plan_head_transfer, plan_transfer, tp_route
 from kvbridge.transfer import wire
+from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.decode_peers import DecodePeer
 from kvbridge.transfer.sender import SendRoom, Target, TargetPart
 
@@ -42,7 +44,9 @@ def target_from_request(
     *,
     tp: tuple[int, int] = (1, 0),
 ) -> Target:
-    """``tp``: this prefill rank's (tp_size, tp_rank)."""
+    """``tp``: this prefill rank's (tp_size, tp_rank). What holds for every request of this
+    decode rank (its TP route, buffer pairing, aux regions) is checked once per peer
+    (``PeerRoute``); the request's own fields are checked here, every time."""
     ctx = dict(room=req.room, rank=req.decode_rank)
     pools = tuple(req.pools)
     unknown = [p for p in pools if p not in specs]
@@ -51,64 +55,107 @@ def target_from_request(
     if req.num_decode_ranks != peer.tp_size:
         raise LayoutError(f"the request counts {req.num_decode_ranks} decode ranks, decode rank {peer.label} registered "
                           f"tp_size {peer.tp_size}", field="num_decode_ranks", **ctx)
+    route = peer_route(peer, specs, src_bufs, aux_schema, tp, req.room)
+    if tuple(sorted(pools)) != route.pools:
+        raise LayoutError(f"decode rank {peer.label} (tp {peer.tp_rank} of {peer.tp_size}) asked prefill tp rank "
+                          f"{tp[1]} of {tp[0]} for pools {sorted(pools)}; its TP route takes {list(route.pools)} "
+                          "from it", field="pools", **ctx)
+    num_pages = room.num_pages
+    if not 0 <= req.first_page <= num_pages:
+        raise LayoutError(f"first_page {req.first_page} outside a request of {num_pages} pages", field="first_page",
+                          **ctx)
+    dst_pages = np.frombuffer(req.page_ids, dtype="<i4").astype(np.int64)  # (decoding checked: whole int32s)
+    if dst_pages.size != num_pages - req.first_page:
+        raise LayoutError(f"{dst_pages.size} destination pages for pages [{req.first_page}, {num_pages}) of a request "
+                          f"of {num_pages} pages", field="page_ids", **ctx)
+    if req.want_digest and route.head_sliced:
+        raise LayoutError("a digest check compares whole rows; this decode rank receives head slices",
+                          field="want_digest", **ctx)
+    lo, hi = (int(dst_pages.min()), int(dst_pages.max())) if dst_pages.size else (0, -1)
+    if lo < 0 or hi >= route.min_dst_capacity:
+        _raise_outside(route.parts, lo if lo < 0 else hi, ctx)
+    if route.aux and not 0 <= req.aux_slot < route.aux_rows:
+        r = next(r for r in route.aux if not 0 <= req.aux_slot < r.capacity_rows)
+        raise PageRangeError(f"aux slot {req.aux_slot} outside the {r.capacity_rows} rows decode rank {peer.label} "
+                             f"registered for aux region {r.name!r}; nothing written", field="aux_slot", **ctx)
+    deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
+    return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
+                  dst_pages=dst_pages, pools=pools, aux_dst=peer.aux, aux_slot=req.aux_slot, deadline=deadline,
+                  want_digest=req.want_digest, parts=route.parts,
+                  num_expected=room.num_owned_from(req.first_page) if req.first_page else int(room.owned.size),
+                  aux_source=route.aux_source, num_decode_targets=route.num_drawing)
+
+
+@dataclass(frozen=True)
+class PeerRoute:
+    """What this prefill TP rank sends one decode rank, checked once per (peer, TP sizes):
+    the pools its TP route takes from us (sorted), their parts paired with its registered
+    buffers, its smallest registered capacities, its aux regions (present, wide enough)."""
+
+    pools: tuple[str, ...]
+    parts: tuple[TargetPart, ...]
+    head_sliced: bool
+    min_dst_capacity: int
+    aux: tuple[RegionAddr, ...]
+    aux_rows: int  # rows every aux region holds
+    aux_source: bool
+    num_drawing: int
+
+
+def peer_route(peer: DecodePeer, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
+               aux_schema: AuxSchema, tp: tuple[int, int], room: int) -> PeerRoute:
+    """The decode rank's route from this prefill rank, built and checked on its first request
+    (a failure is raised again on every request: nothing is cached then)."""
+    hit = peer.checked.get(tp)
+    if hit is not None:
+        return hit
+    ctx = dict(room=room, rank=peer.label)
     try:
         route = tp_route(specs, tp[0], peer.tp_size, peer.tp_rank)
     except KVBridgeError as exc:
         raise LayoutError(f"no TP route from prefill tp {tp[0]} to decode {peer.label}: {exc.reason}",
                           field="tp_size", **ctx) from None
-    mine = route.pools_from(tp[1])
-    if sorted(pools) != sorted(mine):
-        raise LayoutError(f"decode rank {peer.label} (tp {peer.tp_rank} of {peer.tp_size}) asked prefill tp rank "
-                          f"{tp[1]} of {tp[0]} for pools {sorted(pools)}; its TP route takes {list(mine)} from it",
-                          field="pools", **ctx)
-    num_pages = room.num_pages
-    if not 0 <= req.first_page <= num_pages:
-        raise LayoutError(f"first_page {req.first_page} outside a request of {num_pages} pages", field="first_page",
-                          **ctx)
-    dst_pages = wire.unpack_pages(req.page_ids).astype(np.int64)
-    if dst_pages.size != num_pages - req.first_page:
-        raise LayoutError(f"{dst_pages.size} destination pages for pages [{req.first_page}, {num_pages}) of a request "
-                          f"of {num_pages} pages", field="page_ids", **ctx)
-    parts = peer.parts(specs, src_bufs, route, tp[1], req.room)  # PairingError: missing layer, page sizes
-    if req.want_digest and any(p.head_slice is not None for p in parts):
-        raise LayoutError("a digest check compares whole rows; this decode rank receives head slices",
-                          field="want_digest", **ctx)
-    lo, hi = (int(dst_pages.min()), int(dst_pages.max())) if dst_pages.size else (0, -1)
-    for part in parts:
-        if lo >= 0 and hi < part.paired.min_dst_capacity:
-            continue
-        bad = lo if lo < 0 else hi
-        for spec, _, _, _, dst_cap in part.paired.pairs:  # name the first buffer the page falls outside of
-            for layer, cap in zip(spec.layer_ids, dst_cap.tolist()):
-                if bad < 0 or bad >= cap:
-                    raise PageRangeError(f"destination page {bad} outside pool {spec.name!r} layer {layer}'s "
-                                         f"{cap} registered pages; nothing written", field="page_ids", **ctx)
+    parts = peer.parts(specs, src_bufs, route, tp[1], room)  # PairingError: missing layer, page sizes
     missing = [r.name for r in aux_schema.regions if r.name not in peer.aux]
     if missing:
         raise LayoutError(f"decode rank {peer.label} registered no aux region {missing[0]!r}: the room's aux row "
                           "has nowhere to go", field="aux_regions", **ctx)
-    for r in aux_schema.regions:
-        addr = peer.aux[r.name]
+    aux = tuple(peer.aux[r.name] for r in aux_schema.regions)
+    for r, addr in zip(aux_schema.regions, aux):
         if addr.stride < r.nbytes:
             raise LayoutError(f"decode rank {peer.label}'s aux region {r.name!r} has {addr.stride}-byte rows, the "
                               f"schema's region is {r.nbytes} B", field="aux_regions", **ctx)
-        if not 0 <= req.aux_slot < addr.capacity_rows:
-            raise PageRangeError(f"aux slot {req.aux_slot} outside the {addr.capacity_rows} rows decode rank "
-                                 f"{peer.label} registered for aux region {r.name!r}; nothing written",
-                                 field="aux_slot", **ctx)
-    deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
-    return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
-                  dst_pages=dst_pages, pools=pools, aux_dst=dict(peer.aux), aux_slot=req.aux_slot, deadline=deadline,
-                  want_digest=req.want_digest, parts=parts, num_expected=room.num_owned_from(req.first_page),
-                  aux_source=route.first_source == tp[1],
-                  num_decode_targets=num_drawing(specs, tp[0], peer.tp_size, tp[1]))
+    checked = peer.checked[tp] = PeerRoute(
+        pools=tuple(sorted(route.pools_from(tp[1]))), parts=parts,
+        head_sliced=any(p.head_slice is not None for p in parts),
+        min_dst_capacity=min((p.paired.min_dst_capacity for p in parts), default=0),
+        aux=aux, aux_rows=min((a.capacity_rows for a in aux), default=2**31),
+        aux_source=route.first_source == tp[1], num_drawing=num_drawing(specs, tp[0], peer.tp_size, tp[1]),
+    )  # fmt: skip
+    return checked
+
+
+def _raise_outside(parts: Sequence[TargetPart], bad: int, ctx: dict) -> None:
+    """Name the first registered buffer destination page ``bad`` falls outside of (hard rule 5)."""
+    for part in parts:
+        for spec, _, _, _, dst_cap in part.paired.pairs:
+            for layer, cap in zip(spec.layer_ids, dst_cap.tolist()):
+                if bad < 0 or bad >= cap:
+                    raise PageRangeError(f"destination page {bad} outside pool {spec.name!r} layer {layer}'s "
+                                         f"{cap} registered pages; nothing written", field="page_ids", **ctx)
 
 
 def plan_target(specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], t: Target, logical: np.ndarray,
-                local: np.ndarray, num_tokens: int, *, room: int, rank: str) -> TransferPlan:
+                local: np.ndarray, num_tokens: int, *, room: int, rank: str,
+                extra: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> TransferPlan:
     """The writes of ``logical`` pages (at our ``local`` pages) to target ``t``: whole rows and
-    head slices as its parts say, every page checked (hard rule 5)."""
-    dst = t.dst_pages[logical - t.first_page]
+    head slices as its parts say, every page checked (hard rule 5); ``extra`` slices (the aux
+    row) after them."""
+    dst = t.dst_pages[logical - t.first_page if t.first_page else logical]
+    if len(t.parts) == 1 and t.parts[0].head_slice is None:  # (every MLA model: whole rows)
+        part = t.parts[0]
+        return plan_transfer(specs, src_bufs, [], logical, local, dst, num_tokens, pools=part.pools, room=room,
+                             rank=rank, paired=part.paired, extra=extra)
     plans = []
     for part in t.parts:
         if part.head_slice is None:
@@ -117,4 +164,6 @@ def plan_target(specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], t
         else:
             plans.append(plan_head_transfer(specs, part.dst_specs, part.head_slice, src_bufs, [], logical, local, dst,
                                             num_tokens, pools=part.pools, room=room, rank=rank, paired=part.paired))
+    if extra is not None:
+        plans.append(TransferPlan(*extra))
     return plans[0] if len(plans) == 1 else TransferPlan.concat(plans)

@@ -33,6 +33,7 @@ import hmac
 import types
 import typing
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar, Union
 
 import msgpack
@@ -74,17 +75,9 @@ class _Message:
     TAG: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        # every message is checked where it is built and where it is decoded: the checks are
-        # compiled once per class (_CHECKS), not re-derived from the type hints per field
-        for name, ok, tp, low, high in _CHECKS[type(self)]:
-            value = getattr(self, name)
-            if not ok(value):
-                raise ProtocolError(
-                    f"field '{name}' of {self.TAG} has wrong type: expected {_name(tp)}, got {type(value).__name__}",
-                    field=name,
-                )
-            if isinstance(value, int) and not isinstance(value, bool) and not low <= value < high:
-                raise ProtocolError(f"field '{name}' of {self.TAG} is out of range: {value}", field=name)
+        # every message is checked where it is built and where it is decoded, by a function
+        # generated once per class from its type hints (_compile_check): no per-field dispatch
+        _FIELD_CHECKS[type(self)](self)
         self._check()
 
     def _check(self) -> None:
@@ -201,29 +194,58 @@ _REQUIRED = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.default is 
              for cls in MESSAGE_TYPES.values()}
 
 
-def _checker(tp: Any) -> Any:
-    """A predicate for values of type ``tp`` (bools are not ints), built once per field."""
+def _type_test(tp: Any, v: str) -> str:
+    """A Python expression, true when ``v`` is of type ``tp`` (bools are not ints); exact
+    classes are tested first, so the common case costs one comparison."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        subs = [_checker(arg) for arg in typing.get_args(tp)]
-        return lambda v: any(check(v) for check in subs)
+        return "(" + " or ".join(_type_test(arg, v) for arg in typing.get_args(tp)) + ")"
     if origin is list:
         (item,) = typing.get_args(tp) or (object,)
-        check = _checker(item)
-        return lambda v: isinstance(v, list) and all(check(x) for x in v)
+        return f"(isinstance({v}, list) and all({_type_test(item, '_x')} for _x in {v}))"
     if tp is type(None):
-        return lambda v: v is None
+        return f"{v} is None"
     if tp is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
-    return lambda v: isinstance(v, tp)
+        return f"({v}.__class__ is int or (isinstance({v}, int) and not isinstance({v}, bool)))"
+    return f"({v}.__class__ is {tp.__name__} or isinstance({v}, {tp.__name__}))"
 
 
-# per class: (field, type check, type, low, high) with integers in [low, high)
-_CHECKS = {
-    cls: tuple((name, _checker(_HINTS[cls][name]), _HINTS[cls][name], -1 if name == "aux_slot" else 0,
-                _ROOM_LIMIT if name == "room" else 2**64) for name in _FIELDS[cls])
-    for cls in MESSAGE_TYPES.values()
-}
+def _compile_check(cls: type) -> Callable[[Any], None]:
+    """The field checks of ``cls``: each field of its declared type, integers in their range
+    ([0, 2**63) for ``room``, [-1, 2**64) for ``aux_slot``, [0, 2**64) otherwise)."""
+    lines = ["def check(msg):"]
+    for name in _FIELDS[cls]:
+        tp = _HINTS[cls][name]
+        low, high = -1 if name == "aux_slot" else 0, _ROOM_LIMIT if name == "room" else 2**64
+        lines += [f"    v = msg.{name}",
+                  f"    if not {_type_test(tp, 'v')}:",
+                  f"        _wrong_type(msg, {name!r}, v)",
+                  f"    if v.__class__ is int and not {low} <= v < {high}:",
+                  f"        _out_of_range(msg, {name!r}, v)"]
+        if int in _ints_of(tp):  # an int subclass (not bool) is range-checked too
+            lines += [f"    elif isinstance(v, int) and not isinstance(v, bool) and not {low} <= v < {high}:",
+                      f"        _out_of_range(msg, {name!r}, v)"]
+    scope = {"_wrong_type": _wrong_type, "_out_of_range": _out_of_range, "bytes": bytes, "str": str, "bool": bool,
+             "list": list}
+    exec("\n".join(lines), scope)  # noqa: S102 - source built above from the message classes' own hints
+    return scope["check"]
+
+
+def _ints_of(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+
+
+def _wrong_type(msg: Any, name: str, value: Any) -> None:
+    tp = _HINTS[type(msg)][name]
+    raise ProtocolError(f"field '{name}' of {msg.TAG} has wrong type: expected {_name(tp)}, got {type(value).__name__}",
+                        field=name)
+
+
+def _out_of_range(msg: Any, name: str, value: Any) -> None:
+    raise ProtocolError(f"field '{name}' of {msg.TAG} is out of range: {value}", field=name)
+
+
+_FIELD_CHECKS = {cls: _compile_check(cls) for cls in MESSAGE_TYPES.values()}
 
 
 # ---- codec ------------------------------------------------------------------------------------

@@ -27,12 +27,16 @@ from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
 log = logging.getLogger(__name__)
 
 U64_MAX = 2**64 - 1
+_U64 = np.dtype(np.uint64)
 
 
 def check_slices(src: object, dst: object, length: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate and return ``(src, dst, length)`` as uint64 arrays, or raise EngineError naming the field."""
     arrays = []
     for name, value in (("src", src), ("dst", dst), ("length", length)):
+        if type(value) is np.ndarray and value.dtype == _U64 and value.ndim == 1:  # a planner's: as it is
+            arrays.append(value)
+            continue
         arr = np.asarray(value)
         if arr.ndim != 1:
             raise EngineError(f"{name} must be a 1-D array, got shape {arr.shape}", field=name)
@@ -46,9 +50,14 @@ def check_slices(src: object, dst: object, length: object) -> tuple[np.ndarray, 
         raise EngineError(
             f"src, dst and length differ in size ({src_u.size}, {dst_u.size}, {len_u.size})", field="length"
         )
-    if len_u.size and int(len_u.min()) == 0:
+    if not len_u.size:
+        return src_u, dst_u, len_u
+    if int(len_u.min()) == 0:
         raise EngineError(f"slice {int(np.argmin(len_u))} has length 0", field="length")
+    longest = int(len_u.max())
     for name, addr in (("src", src_u), ("dst", dst_u)):
+        if int(addr.max()) + longest <= U64_MAX:  # no slice can pass 2**64: one reduction, not one test per slice
+            continue
         over = np.flatnonzero(addr > np.uint64(U64_MAX) - len_u)
         if over.size:
             raise EngineError(f"slice {int(over[0])}: {name} + length passes 2**64", field=name)
@@ -77,6 +86,7 @@ class Regions:
         self._regions: dict[int, int] = {}  # start -> nbytes
         self._starts = np.zeros(0, np.uint64)
         self._ends = np.zeros(0, np.uint64)
+        self._ends_after = np.zeros(1, np.uint64)
 
     def add(self, ptr: int, nbytes: int, who: str) -> None:
         ptr, nbytes = as_int(ptr, who), as_int(nbytes, who)
@@ -116,13 +126,17 @@ class Regions:
 
     def first_outside(self, addr: np.ndarray, length: np.ndarray) -> int:
         """Index of the first slice not inside one region, or -1 when all are inside."""
-        bad = np.flatnonzero(~self.inside(addr, length))
-        return int(bad[0]) if bad.size else -1
+        # region i - 1 (0: none) is the last one starting at or before the slice; ends_after[i] its end
+        bad = addr + length > self._ends_after[np.searchsorted(self._starts, addr, side="right")]
+        if not bad.any():
+            return -1
+        return int(np.flatnonzero(bad)[0])
 
     def _rebuild(self) -> None:
         starts = sorted(self._regions)
         self._starts = np.array(starts, dtype=np.uint64)
         self._ends = np.array([s + self._regions[s] for s in starts], dtype=np.uint64)
+        self._ends_after = np.concatenate((np.zeros(1, np.uint64), self._ends))  # [0] = 0: no region holds it
 
 
 def locate(starts: np.ndarray, ends: np.ndarray, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
