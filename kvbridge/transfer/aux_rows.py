@@ -52,15 +52,28 @@ def is_packed(schema: AuxSchema, regions: Mapping[str, RegionAddr]) -> bool:
     return len(rows) == 1 and next(iter(rows))[1] == schema.row_bytes
 
 
+def packed_base(schema: AuxSchema, regions: Mapping[str, RegionAddr]) -> int | None:
+    """Where row 0 starts when ``regions`` are one packed store (``is_packed``), else None."""
+    if not is_packed(schema, regions):
+        return None
+    room = schema.regions[0].name
+    return regions[room].base - schema.offsets[room]
+
+
 def aux_slices(schema: AuxSchema, src: Mapping[str, RegionAddr], src_slot: int, dst: Mapping[str, RegionAddr],
-               dst_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(src, dst, length)`` of one row: one slice between two packed stores, else one
-    per region, merged where consecutive regions are contiguous on both sides."""
-    if is_packed(schema, src) and is_packed(schema, dst):
-        room = schema.regions[0].name
-        s0 = src[room].at(src_slot) - schema.offsets[room]
-        d0 = dst[room].at(dst_slot) - schema.offsets[room]
-        return np.array([s0], np.uint64), np.array([d0], np.uint64), np.array([schema.row_bytes], np.uint64)
+               dst_slot: int, *, src_base: int | None = None,
+               dst_base: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """``(src, dst, length)`` of one row, as lists (a slice per item): one slice between two
+    packed stores, else one per region, merged where consecutive regions are contiguous on
+    both sides. ``src_base`` / ``dst_base``: the stores' ``packed_base`` when their owner keeps
+    it (then no region is looked at)."""
+    if src_base is None:
+        src_base = packed_base(schema, src)
+    if dst_base is None:
+        dst_base = packed_base(schema, dst)
+    if src_base is not None and dst_base is not None:
+        rb = schema.row_bytes
+        return [src_base + src_slot * rb], [dst_base + dst_slot * rb], [rb]
     out: list[list[int]] = []
     for r in schema.regions:
         if not r.nbytes:
@@ -70,8 +83,7 @@ def aux_slices(schema: AuxSchema, src: Mapping[str, RegionAddr], src_slot: int, 
             out[-1][2] += r.nbytes
         else:
             out.append([s, d, r.nbytes])
-    arr = np.array(out, dtype=np.uint64).reshape(-1, 3)
-    return arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
+    return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
 
 def _dtype_name(buf: Any) -> str:
@@ -134,6 +146,8 @@ class AuxBuffers:
             self.regions = {r.name: RegionAddr(r.name, ptr + schema.offsets[r.name], rows, schema.row_bytes)
                             for r in schema.regions}
         self.storage = storage
+        self.row_base = packed_base(schema, self.regions)  # (None: rows are not one packed store)
+        self.capacity_rows = min(a.capacity_rows for a in self.regions.values())
         # packed rows in host memory: read through a numpy view of the same bytes (no torch call
         # on the commit's path; the view follows every write into the storage)
         self._host_rows = _host_uint8(storage) if self.packed else None
@@ -193,10 +207,6 @@ class AuxBuffers:
                              "rows: rows of another size would be written into the wrong bytes", where)
 
     # -- what is exposed -------------------------------------------------------
-
-    @property
-    def capacity_rows(self) -> int:
-        return min(a.capacity_rows for a in self.regions.values())
 
     def descriptors(self) -> list[AuxRegionDescriptor]:
         return [AuxRegionDescriptor(name=a.name, base=a.base, capacity_rows=a.capacity_rows, row_bytes=a.stride)

@@ -1,19 +1,22 @@
-"""ZMQ control channel: a ROUTER server per prefill rank, one DEALER per peer on decode.
+"""Control channel: a TCP server per prefill rank, one connection per peer on decode, frames of
+``streams.py`` (4-byte length + one wire message) in both directions.
 
     decode rank                                      prefill rank
-    PeerSet ── ControlClient (DEALER) ────────────▶ ControlServer (ROUTER, bound to host:port)
-            ◀──────────────────── replies go back to the identity that sent
+    PeerSet ── ControlClient (connects) ─────────▶ ControlServer (listens on host:port)
+            ◀──────────────────── replies go back on the connection that asked
 
-One loop thread receives; any thread may send. Every socket call goes through one
-lock, and the loop waits on file descriptors only (the wakeup pipe and each socket's
-``ZMQ_FD``), never inside a socket call, so a send from an engine thread (a decode
-rank's request from ``init()``, a prefill rank's completion report from the engine's
-callback) goes out at once, without a hop to the loop thread::
+The sockets are the channel's own: a message is one ``send`` on the sending thread and one
+``recv`` on the receiving loop thread, with no broker thread in between (ZMQ's I/O threads
+were two thread hand-offs per message; on these VMs a hand-off to an idle thread costs more
+than the rest of the hop: ``scripts/zmq_rtt.py`` measures both).
 
-    loop thread:   poll(fds) -> lock: drain the sockets whose fd fired (or left a backlog)
-    any thread:    lock: send; a send may consume the read signal of its socket, so a
-                   socket found readable after it is put on the backlog (and, off the
-                   loop thread, the loop is woken to drain it)
+One loop thread receives; any thread may send. Every socket call goes through one lock,
+and the loop waits on file descriptors only (the wakeup pipe and the sockets), never inside
+a socket call, so a send from an engine thread (a decode rank's request from ``init()``, a
+prefill rank's completion report from the engine's callback) goes out at once::
+
+    loop thread:   poll(fds) -> lock: accept, read and decode what arrived, flush what waits
+    any thread:    lock: send what the kernel takes; the rest waits for the loop (woken)
 
 Other threads hand the loop work through ``wakeup`` (thread-safe, wakes a blocked
 ``recv_ready`` at once, no busy polling)::
@@ -25,34 +28,42 @@ Other threads hand the loop work through ``wakeup`` (thread-safe, wakes a blocke
             handle(peer, msg)
         for work in server.wakeup.drain(): work()
 
-Bad input never raises out of ``recv_ready``: a message that does not decode comes
-back as ``(peer, ProtocolError)``, is counted in ``stats.malformed``, and the server
-answers it with an ErrorReply naming the problem - every one, oversized ones
-included: with a secret the MAC is checked before the size, so an authentic message
-over ``max_bytes`` is answered like any other malformed one. Anything that does not
-authenticate when a secret is set (bad or missing HMAC) is dropped without a reply
-and counted in ``stats.unauthenticated``. Clients never answer errors (no ping-pong).
-Bounded: per-socket queues (``hwm`` messages), message size (ZMQ drops a
-connection sending more than ``wire.auth_limit(max_bytes)``, about twice
-``max_bytes``: that sender gets no answer), messages per ``recv_ready`` call,
-peers per PeerSet, items in a wakeup queue. Sockets close with linger 0.
+Bad input never raises out of ``recv_ready``: a message that does not decode comes back
+as ``(peer, ProtocolError)``, is counted in ``stats.malformed``, and the server answers it
+with an ErrorReply naming the problem - every one, oversized ones included: with a secret
+the MAC is checked before the size, so an authentic message over ``max_bytes`` is answered
+like any other malformed one. Anything that does not authenticate when a secret is set (bad
+or missing HMAC) is dropped without a reply and counted in ``stats.unauthenticated``.
+Clients never answer errors (no ping-pong). A connection that announces a frame over
+``wire.auth_limit(max_bytes)`` (about twice ``max_bytes``) is closed at once, unanswered,
+and counted in ``stats.dropped``. Bounded: frames waiting per connection (``hwm``; then
+PeerLost), frames per connection per ``recv_ready``, bytes read per socket per call,
+connections per server and peers per PeerSet, items in a wakeup queue.
+
+A client connects on first use and again, every RECONNECT_S to RECONNECT_MAX_S, while the
+peer is unreachable; frames sent meanwhile wait (up to ``hwm``) and go out once connected,
+as they would have with a ZMQ DEALER. A server's peer is its connection: once it closes,
+sending to it is PeerLost. Closing drops what waits, at once (linger 0).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import itertools
 import logging
 import os
 import select
+import socket
 import threading
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, Union
 
-import zmq
-
 from kvbridge.errors import ConfigError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer import wire
+from kvbridge.transfer.streams import FrameError, QueueFull, Stream, frame
 from kvbridge.transfer.wire import MAX_MESSAGE_BYTES, ErrorReply, Message
 
 log = logging.getLogger(__name__)
@@ -60,7 +71,13 @@ log = logging.getLogger(__name__)
 DEFAULT_HWM = 1000
 MAX_BATCH = 256
 MAX_PEERS = 1024
+MAX_CONNECTIONS = 4096  # a server's accepted connections; more are closed at once
 MAX_WAKEUP_ITEMS = 10_000
+RECONNECT_S = 0.05
+RECONNECT_MAX_S = 1.0
+_IN = select.POLLIN | select.POLLPRI
+_OUT = select.POLLOUT
+_BROKEN = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 PeerT = TypeVar("PeerT", bound=Hashable)
 Received = tuple[PeerT, Union[Message, ProtocolError]]  # (peer, message) or (peer, why it was refused)
@@ -73,7 +90,8 @@ class ChannelStats:
     unauthenticated: int = 0
     sent: int = 0
     error_replies: int = 0
-    rescued: int = 0  # messages only the quiet-spell scan found (a read signal lost: a bug; stays 0)
+    dropped: int = 0  # connections closed for an oversized frame (unanswered)
+    rescued: int = 0  # kept for the metrics' schema: readiness is level-triggered now, nothing is ever lost
 
 
 class Wakeup:
@@ -114,8 +132,7 @@ class Wakeup:
 
     def clear_signal(self) -> None:
         try:
-            while os.read(self._read_fd, 4096):
-                pass
+            os.read(self._read_fd, 65536)  # (a fuller pipe only wakes the next poll at once)
         except BlockingIOError:
             pass
 
@@ -131,7 +148,7 @@ class Wakeup:
 class _Channel(Generic[PeerT]):
     """Shared receive path: poll sockets and the wakeup, decode, count, never raise on bad input."""
 
-    def __init__(self, *, secret: bytes | None, max_bytes: int, hwm: int, context: zmq.Context | None) -> None:
+    def __init__(self, *, secret: bytes | None, max_bytes: int, hwm: int) -> None:
         if secret is not None and (not isinstance(secret, bytes) or not secret):
             raise ConfigError("the control-channel secret must be non-empty bytes or None", field="secret")
         self.secret = secret
@@ -139,41 +156,37 @@ class _Channel(Generic[PeerT]):
         self.hwm = hwm
         self.stats = ChannelStats()
         self.wakeup = Wakeup()
-        self._own_context = context is None
-        self._context = zmq.Context() if context is None else context
+        self._max_frame = wire.auth_limit(max_bytes)
         self._io = threading.RLock()  # every socket call (any thread); reentrant: a receive may answer
         self._poller = select.poll()  # file descriptors only: waiting touches no socket
         self._poller.register(self.wakeup.fileno(), select.POLLIN)
-        self._by_fd: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
-        self._backlog: set[zmq.Socket] = set()  # sockets that may hold messages their fd will not signal
+        self._by_fd: dict[int, Stream] = {}
+        self._backlog: set[Stream] = set()  # streams whose reader holds complete frames (over MAX_BATCH)
         self._loop: int | None = None  # the receiving thread (recv_ready's caller)
-        self._peer_of: dict[zmq.Socket, Any] = {}  # socket -> peer id (clients); the server uses frame 0
         self._closed = False
 
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.auth_limit(self.max_bytes))
-        return sock
+    # -- what the two ends differ in ----------------------------------------------------------
 
-    def _watch(self, sock: zmq.Socket) -> None:
-        """Wait on ``sock``'s ZMQ_FD from now on (io lock held)."""
-        fd = sock.getsockopt(zmq.FD)
-        self._by_fd[fd] = sock
-        self._poller.register(fd, select.POLLIN)
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (also arms the fd)
-            self._backlog.add(sock)
-        self._wake_loop()  # it may sleep on the old set of fds
+    def _receive(self, stream: Stream, body: bytes) -> Received[PeerT] | None:
+        raise NotImplementedError
 
-    def _unwatch(self, sock: zmq.Socket) -> None:
-        """Stop waiting on ``sock`` (io lock held; loop thread, or after the loop ended)."""
-        for fd, s in list(self._by_fd.items()):
-            if s is sock:
-                del self._by_fd[fd]
-                self._poller.unregister(fd)
-        self._backlog.discard(sock)
+    def _lost(self, stream: Stream, why: str) -> None:
+        """``stream``'s connection is gone (io lock held)."""
+        raise NotImplementedError
+
+    def _other_event(self, fd: int) -> None:
+        """An fd of the subclass's own fired (the server's listener)."""
+
+    def _timeout_ms(self, timeout_ms: int) -> int:
+        return timeout_ms
+
+    def _housekeeping(self) -> None:
+        """Loop thread, io lock held, after every wait."""
+
+    def _writable(self, stream: Stream) -> None:
+        stream.flush()
+
+    # -- receiving (the loop thread) -----------------------------------------------------------
 
     def recv_ready(self, timeout_ms: int) -> list[Received[PeerT]]:
         """Wait up to ``timeout_ms`` for input; return what arrived (possibly nothing: a wakeup)."""
@@ -181,48 +194,63 @@ class _Channel(Generic[PeerT]):
             raise TransferError("control channel is closed")
         self._loop = threading.get_ident()
         with self._io:
-            busy = bool(self._backlog)
-        events = self._poller.poll(0 if busy else max(0, int(timeout_ms)))
+            timeout = 0 if self._backlog else self._timeout_ms(max(0, int(timeout_ms)))
+        events = self._poller.poll(timeout)
         out: list[Received[PeerT]] = []
         with self._io:
             if self._closed:
                 return out
-            socks = set(self._backlog)
-            self._backlog.clear()
-            for fd, _ in events:
-                if fd == self.wakeup.fileno():
-                    self.wakeup.clear_signal()
-                elif fd in self._by_fd:
-                    socks.add(self._by_fd[fd])
-            for sock in socks:
-                self._drain(sock, out)
-            if not events and not socks:  # a quiet spell: look at every socket (a lost signal costs a timeout)
-                for sock in list(self._by_fd.values()):
-                    self._drain(sock, out)
-                self.stats.rescued += len(out)
+            for fd, ev in events:
+                stream = self._by_fd.get(fd)
+                if stream is None:
+                    if fd == self.wakeup.fileno():
+                        self.wakeup.clear_signal()
+                    else:
+                        self._other_event(fd)
+                    continue
+                try:
+                    if ev & _OUT:
+                        self._writable(stream)
+                    alive = stream.read() if ev & (_IN | _BROKEN) and stream.sock is not None else True
+                except OSError as exc:
+                    alive, why = False, str(exc)
+                else:
+                    why = "closed by the peer"
+                if stream.sock is None:  # (a connect that failed: already lost)
+                    continue
+                self._frames(stream, out)  # what arrived before the end still counts
+                if stream.sock is None:  # an oversized frame closed it
+                    continue
+                if alive:
+                    self._interest(stream)
+                else:
+                    self._lost(stream, why)
+            for stream in list(self._backlog):
+                self._backlog.discard(stream)
+                self._frames(stream, out)
+            self._housekeeping()
         return out
 
-    def _drain(self, sock: zmq.Socket, out: list[Received[PeerT]]) -> None:
-        """Receive what ``sock`` holds, up to MAX_BATCH messages (io lock held)."""
-        for _ in range(MAX_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # also re-arms the fd
-                return
-            item = self._receive(sock, sock.recv_multipart(zmq.NOBLOCK))
+    def _frames(self, stream: Stream, out: list[Received[PeerT]]) -> None:
+        try:
+            bodies = stream.reader.frames(MAX_BATCH)
+        except FrameError as exc:  # oversized: the sender gets no answer, its connection is closed
+            self.stats.dropped += 1
+            log.warning("control channel: closing a connection that sent an oversized frame: %s", exc)
+            self._lost(stream, str(exc))
+            return
+        for body in bodies:
+            item = self._receive(stream, body)
             if item is not None:
                 out.append(item)
-        self._backlog.add(sock)  # more left: the next call goes on without waiting
+        if stream.reader.ready:
+            self._backlog.add(stream)
 
-    def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> Received[PeerT] | None:
-        raise NotImplementedError
-
-    def _decode(self, frames: list[bytes], who: str) -> tuple[Message | ProtocolError | None, bytes]:
+    def _decode(self, body: bytes, who: str) -> tuple[Message | ProtocolError | None, bytes]:
         """(message or error, body); None when dropped as unauthenticated."""
         self.stats.received += 1
-        if len(frames) != 1:
-            err = ProtocolError(f"expected one frame per message, got {len(frames)}", field="frames")
-            return self._malformed(err, who), b""
         try:
-            body = wire.unseal(frames[0], self.secret, max_bytes=self.max_bytes)
+            body = wire.unseal(body, self.secret, max_bytes=self.max_bytes)
         except ProtocolError as err:
             if self.secret is not None and err.field != "size":  # "size": authentic but too large
                 self.stats.unauthenticated += 1
@@ -242,57 +270,67 @@ class _Channel(Generic[PeerT]):
             log.warning("%d malformed control message(s); latest from %s: %s", self.stats.malformed, who, err)
         return err
 
-    def _send(self, sock: zmq.Socket, frames: list[bytes], who: str) -> None:
-        """Send from any thread (non-blocking)."""
-        with self._io:
-            if self._closed or sock.closed:
-                raise TransferError(f"control channel to {who} is closed")
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                raise PeerLost(f"control channel to {who}: send queue full ({self.hwm} messages); peer gone or "
-                               "stalled") from None
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:
-                    raise PeerLost(f"control channel to {who}: peer not connected") from None
-                raise TransferError(f"control channel to {who}: {exc}") from exc
-            finally:  # the send may have taken the socket's read signal: the loop must still drain it
-                self._keep_draining(sock)
-            self.stats.sent += 1
+    # -- sending (any thread) ------------------------------------------------------------------
 
-    def _keep_draining(self, sock: zmq.Socket) -> None:
-        """After a socket call: put ``sock`` on the backlog if it holds input, and wake the loop
-        when another thread made the call (io lock held)."""
-        if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return
-        self._backlog.add(sock)
-        self._wake_loop()
+    def _send(self, stream: Stream, data: bytes, who: str) -> None:
+        """Queue one encoded message on ``stream`` (io lock held)."""
+        if self._closed:
+            raise TransferError(f"control channel to {who} is closed")
+        try:
+            stream.queue(frame(data))
+        except QueueFull:
+            raise PeerLost(f"control channel to {who}: send queue full ({self.hwm} messages); peer gone or "
+                           "stalled") from None
+        except OSError as exc:  # the connection broke under the send: the frame waits for the next one
+            self._lost(stream, str(exc))
+        self.stats.sent += 1
+        if stream.wants_write and stream.sock is not None:
+            self._interest(stream)
+
+    def _interest(self, stream: Stream) -> None:
+        """Poll ``stream`` for input, and for output while frames wait or it connects (io lock
+        held); wake the loop when another thread changed what it waits for."""
+        events = _IN | (_OUT if stream.wants_write or not stream.connected else 0)
+        if events != stream.events:
+            stream.events = events
+            self._poller.register(stream.fd, events)
+            self._wake_loop()
+
+    def _watch(self, stream: Stream) -> None:
+        self._by_fd[stream.fd] = stream
+        self._interest(stream)
+        self._wake_loop()  # it may sleep on the old set of fds
+
+    def _unwatch(self, stream: Stream) -> None:
+        fd = stream.fd
+        if self._by_fd.get(fd) is stream:
+            del self._by_fd[fd]
+            try:
+                self._poller.unregister(fd)
+            except KeyError:
+                pass
+        self._backlog.discard(stream)
 
     def _wake_loop(self) -> None:
         """Wake the receiving thread, unless this is it (or none waits yet)."""
         if self._loop is not None and threading.get_ident() != self._loop:
             self.wakeup.post()
 
-    def _close_sockets(self, sockets: list[zmq.Socket]) -> None:
-        with self._io:
-            for sock in sockets:
-                if not sock.closed:
-                    self._unwatch(sock)
-                    sock.close(linger=0)
-
-    def _close(self, sockets: list[zmq.Socket]) -> None:
+    def _close(self, streams: list[Stream], others: list[socket.socket] = ()) -> None:
         with self._io:
             if self._closed:
                 return
             self._closed = True
-            self._close_sockets(sockets)
+            for stream in streams:
+                self._unwatch(stream)
+                stream.close()
+            for sock in others:
+                sock.close()
         self.wakeup.close()
-        if self._own_context:
-            self._context.term()
 
 
 class ControlServer(_Channel[bytes]):
-    """ROUTER bound to ``tcp://host:port`` (port 0: a free one); peers are ZMQ identities (bytes)."""
+    """Listens on ``tcp://host:port`` (port 0: a free one); a peer is its connection's id (bytes)."""
 
     def __init__(
         self,
@@ -302,28 +340,60 @@ class ControlServer(_Channel[bytes]):
         secret: bytes | None = None,
         max_bytes: int = MAX_MESSAGE_BYTES,
         hwm: int = DEFAULT_HWM,
-        context: zmq.Context | None = None,
     ) -> None:
-        super().__init__(secret=secret, max_bytes=max_bytes, hwm=hwm, context=context)
-        self._sock = self._socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        super().__init__(secret=secret, max_bytes=max_bytes, hwm=hwm)
         try:
-            self._sock.bind(f"tcp://{host}:{port if port else '*'}")
-        except zmq.ZMQError as exc:
-            self._close([self._sock])
-            raise ConfigError(f"cannot bind the control channel to {host}:{port}: {exc}", field="control_port") from exc
-        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.port = int(self.endpoint.rsplit(":", 1)[1])
-        with self._io:
-            self._watch(self._sock)
+            self._listener = _listen(host, port)
+        except OSError as exc:
+            self.wakeup.close()
+            raise ConfigError(f"cannot bind the control channel to {host}:{port}: {exc.strerror or exc}",
+                              field="control_port") from exc
+        self.port = int(self._listener.getsockname()[1])
+        self.endpoint: str = f"tcp://{_bracket(host)}:{self.port}"
+        self._peers: dict[bytes, Stream] = {}
+        self._ids = itertools.count(1)
+        self._poller.register(self._listener.fileno(), select.POLLIN)
 
     def send(self, peer: bytes, msg: Message) -> None:
         """Send to a connected peer (any thread); PeerLost when it is gone or its queue is full."""
-        self._send(self._sock, [peer, wire.encode(msg, self.secret, max_bytes=self.max_bytes)], f"peer {peer.hex()}")
+        self.send_frame(peer, wire.encode(msg, self.secret, max_bytes=self.max_bytes))
 
-    def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> Received[bytes] | None:
-        peer, rest = frames[0], frames[1:]
-        result, body = self._decode(rest, f"peer {peer.hex()}")
+    def send_frame(self, peer: bytes, data: bytes) -> None:
+        """Send one encoded message (or, in tests, any bytes) to ``peer`` (any thread)."""
+        who = f"peer {peer.hex()}"
+        with self._io:
+            stream = self._peers.get(peer)
+            if stream is None or stream.sock is None:
+                raise PeerLost(f"control channel to {who}: peer not connected")
+            self._send(stream, data, who)
+            if stream.sock is None:  # the connection broke under the send
+                raise PeerLost(f"control channel to {who}: connection closed")
+
+    def _other_event(self, fd: int) -> None:
+        if fd != self._listener.fileno():
+            return
+        for _ in range(64):  # connections accepted per wake-up: the rest wait for the next
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: the listener stays
+                log.warning("control channel %s: accept failed: %s", self.endpoint, exc)
+                return
+            if len(self._peers) >= MAX_CONNECTIONS:
+                log.warning("control channel %s: %d connections open; refusing another", self.endpoint,
+                            len(self._peers))
+                sock.close()
+                continue
+            _nodelay(sock)
+            stream = Stream(sock, self._max_frame, self.hwm)
+            stream.peer = b"\x00" + next(self._ids).to_bytes(4, "big")  # type: ignore[attr-defined]
+            self._peers[stream.peer] = stream  # type: ignore[attr-defined]
+            self._watch(stream)
+
+    def _receive(self, stream: Stream, body: bytes) -> Received[bytes] | None:
+        peer = stream.peer  # type: ignore[attr-defined]
+        result, body = self._decode(body, f"peer {peer.hex()}")
         if isinstance(result, ProtocolError):
             ref_type, room = wire.peek(body) if body else ("", None)
             reply = ErrorReply(ref_type=ref_type, room=room, reason=str(result)[:1000])
@@ -334,27 +404,45 @@ class ControlServer(_Channel[bytes]):
                 log.debug("could not answer a malformed message: %s", exc)
         return None if result is None else (peer, result)
 
+    def _lost(self, stream: Stream, why: str) -> None:
+        self._unwatch(stream)
+        stream.close()
+        self._peers.pop(stream.peer, None)  # type: ignore[attr-defined]
+        log.debug("control channel %s: connection %s closed (%s)", self.endpoint, stream.peer.hex(), why)
+
     def close(self) -> None:
-        self._close([self._sock])
+        with self._io:
+            streams = list(self._peers.values())
+            self._peers.clear()
+            if not self._closed:
+                self._poller.unregister(self._listener.fileno())
+        self._close(streams, [self._listener])
 
 
 class ControlClient:
-    """One DEALER connected to one peer's ControlServer; created and owned by a PeerSet."""
+    """The connection to one peer's ControlServer; created and owned by a PeerSet."""
 
-    def __init__(self, owner: PeerSet, sock: zmq.Socket, endpoint: str) -> None:
+    def __init__(self, owner: PeerSet, endpoint: str, address: tuple[int, Any], max_frame: int, hwm: int) -> None:
         self._owner = owner
-        self.socket = sock
         self.endpoint = endpoint
+        self.address = address  # (socket family, sockaddr)
+        self.stream = Stream(None, max_frame, hwm)
+        self.stream.client = self  # type: ignore[attr-defined]
+        self.connecting = False
+        self.retry_at = 0.0
+        self.backoff = RECONNECT_S
+        self.dropped = False
 
     def send(self, msg: Message) -> None:
         self.send_frame(self._owner.encode(msg))
 
-    def send_frame(self, frame: bytes) -> None:
-        self._owner._send(self.socket, [frame], self.endpoint)
+    def send_frame(self, frame_: bytes) -> None:
+        """Send one encoded message (or, in tests, any bytes) (any thread)."""
+        self._owner._send_client(self, frame_)
 
 
 class PeerSet(_Channel[str]):
-    """One cached ControlClient per peer endpoint; replies come back as ``(endpoint, message)``."""
+    """One ControlClient per peer endpoint; replies come back as ``(endpoint, message)``."""
 
     def __init__(
         self,
@@ -363,19 +451,18 @@ class PeerSet(_Channel[str]):
         max_bytes: int = MAX_MESSAGE_BYTES,
         hwm: int = DEFAULT_HWM,
         max_peers: int = MAX_PEERS,
-        context: zmq.Context | None = None,
     ) -> None:
-        super().__init__(secret=secret, max_bytes=max_bytes, hwm=hwm, context=context)
+        super().__init__(secret=secret, max_bytes=max_bytes, hwm=hwm)
         self.max_peers = max_peers
         self._clients: dict[str, ControlClient] = {}
+        self._retry: set[ControlClient] = set()  # disconnected clients waiting for their next attempt
 
     def get(self, endpoint: str) -> ControlClient:
         """The client of ``endpoint``, connected on first use (any thread)."""
         client = self._clients.get(endpoint)
         if client is not None:
             return client
-        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"control endpoint must look like tcp://host:port, got {endpoint!r}", field="endpoint")
+        address = _address(endpoint)
         with self._io:
             client = self._clients.get(endpoint)
             if client is not None:
@@ -384,15 +471,8 @@ class PeerSet(_Channel[str]):
                 raise TransferError("control channel is closed")
             if len(self._clients) >= self.max_peers:
                 raise TransferError(f"more than {self.max_peers} control peers; drop() the ones that are gone")
-            sock = self._socket(zmq.DEALER)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                raise ConfigError(f"cannot connect to control endpoint {endpoint!r}: {exc}", field="endpoint") from exc
-            client = self._clients[endpoint] = ControlClient(self, sock, endpoint)
-            self._peer_of[sock] = endpoint
-            self._watch(sock)
+            client = self._clients[endpoint] = ControlClient(self, endpoint, address, self._max_frame, self.hwm)
+            self._connect(client)
         return client
 
     def send(self, endpoint: str, msg: Message) -> None:
@@ -403,32 +483,160 @@ class PeerSet(_Channel[str]):
         """``msg`` sealed for this channel: ``send_frame`` sends it, to as many peers as need it."""
         return wire.encode(msg, self.secret, max_bytes=self.max_bytes)
 
-    def send_frame(self, endpoint: str, frame: bytes) -> None:
+    def send_frame(self, endpoint: str, frame_: bytes) -> None:
         """Send an ``encode()``d message to ``endpoint`` (any thread)."""
-        self.get(endpoint).send_frame(frame)
+        self.get(endpoint).send_frame(frame_)
 
     def drop(self, endpoint: str) -> None:
-        """Close the connection to one peer (for example after PeerLost); the receiving thread only."""
+        """Close the connection to one peer (for example after PeerLost); what waits is dropped."""
         with self._io:
             client = self._clients.pop(endpoint, None)
             if client is not None:
-                self._peer_of.pop(client.socket, None)
-                self._close_sockets([client.socket])
+                client.dropped = True
+                self._retry.discard(client)
+                self._unwatch(client.stream)
+                client.stream.close()
 
     def endpoints(self) -> list[str]:
         return list(self._clients)
 
-    def _receive(self, sock: zmq.Socket, frames: list[bytes]) -> Received[str] | None:
-        endpoint = self._peer_of[sock]
-        result, _ = self._decode(frames, endpoint)
-        return None if result is None else (endpoint, result)
-
     def close(self) -> None:
         with self._io:
-            sockets = [c.socket for c in self._clients.values()]
+            streams = [c.stream for c in self._clients.values()]
             self._clients.clear()
-            self._peer_of.clear()
-            self._close(sockets)
+            self._retry.clear()
+        self._close(streams)
+
+    # -- connections (io lock held) --------------------------------------------------------------
+
+    def _send_client(self, client: ControlClient, data: bytes) -> None:
+        with self._io:
+            if client.dropped:
+                raise TransferError(f"control channel to {client.endpoint} was dropped")
+            if client.stream.sock is None and not self._closed and time.monotonic() >= client.retry_at:
+                self._connect(client)  # down, and due for another attempt: now rather than at the next loop turn
+            elif client.connecting:
+                self._finish_connect(client)  # on loopback it is done by now: send at once, not at the next loop turn
+            self._send(client.stream, data, client.endpoint)
+
+    def _connect(self, client: ControlClient) -> None:
+        family, sockaddr = client.address
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        if family != socket.AF_UNIX:
+            _nodelay(sock)
+        err = sock.connect_ex(sockaddr)
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+            sock.close()
+            self._later(client)
+            return
+        self._retry.discard(client)
+        client.stream.reset(sock, connected=err == 0)
+        client.connecting = err != 0
+        self._watch(client.stream)
+        if client.connecting:
+            self._finish_connect(client)
+        else:
+            try:
+                client.stream.flush()
+            except OSError as exc:
+                self._lost(client.stream, str(exc))
+
+    def _finish_connect(self, client: ControlClient) -> None:
+        """Complete a connect under way if the socket says it is (never waits)."""
+        if select.select([], [client.stream.sock], [], 0)[1]:
+            try:
+                self._writable(client.stream)
+            except OSError as exc:
+                self._lost(client.stream, str(exc))
+            else:
+                self._interest(client.stream)
+
+    def _writable(self, stream: Stream) -> None:
+        client: ControlClient = stream.client  # type: ignore[attr-defined]
+        if client.connecting:
+            err = stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            client.connecting = False
+            stream.connected = True
+            client.backoff = RECONNECT_S
+        stream.flush()
+
+    def _lost(self, stream: Stream, why: str) -> None:
+        client: ControlClient = stream.client  # type: ignore[attr-defined]
+        self._unwatch(stream)
+        stream.close()
+        if client.dropped or self._clients.get(client.endpoint) is not client:
+            return
+        log.debug("control channel to %s: %s; reconnecting", client.endpoint, why)
+        self._later(client)
+
+    def _later(self, client: ControlClient) -> None:
+        client.connecting = False
+        client.retry_at = time.monotonic() + client.backoff
+        client.backoff = min(2 * client.backoff, RECONNECT_MAX_S)
+        self._retry.add(client)
+
+    def _timeout_ms(self, timeout_ms: int) -> int:
+        if not self._retry:
+            return timeout_ms
+        due = min(c.retry_at for c in self._retry) - time.monotonic()
+        return max(0, min(timeout_ms, int(due * 1000) + 1))
+
+    def _housekeeping(self) -> None:
+        if not self._retry:
+            return
+        now = time.monotonic()
+        for client in [c for c in self._retry if c.retry_at <= now]:
+            self._connect(client)
+
+    def _receive(self, stream: Stream, body: bytes) -> Received[str] | None:
+        endpoint = stream.client.endpoint  # type: ignore[attr-defined]
+        result, _ = self._decode(body, endpoint)
+        return None if result is None else (endpoint, result)
+
+
+def _address(endpoint: str) -> tuple[int, Any]:
+    """``tcp://host:port`` as (family, sockaddr); ConfigError naming what is wrong."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        raise ConfigError(f"control endpoint must look like tcp://host:port, got {endpoint!r}", field="endpoint")
+    host, _, port = endpoint[6:].rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        number = int(port)
+        if not 0 < number < 65536:
+            raise ValueError(port)
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, number, type=socket.SOCK_STREAM)[0]
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot connect to control endpoint {endpoint!r}: {exc}", field="endpoint") from None
+    return family, sockaddr
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the same port past TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one small message, one segment, now
+    except OSError:
+        pass
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _power_of_two(n: int) -> bool:

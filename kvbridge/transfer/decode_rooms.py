@@ -181,7 +181,7 @@ class RoomBook(PeerLiveness):
             self.refusals.pop(topo.instance, None)
             self.dp_sizes[topo.instance] = topo.topology.dp_size
         r.state.to(KVPoll.WaitingForInput)
-        r.bootstrapped.set()
+        r.mark_bootstrapped()
         self.dirty.add(r.room)
 
     def placement(self, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
@@ -217,7 +217,7 @@ class RoomBook(PeerLiveness):
         if r.state.final:
             return
         r.state.to(KVPoll.Failed, reason)
-        r.bootstrapped.set()  # wait_bootstrapped() returns (and says why) instead of waiting on
+        r.mark_bootstrapped()  # wait_bootstrapped() returns (and says why) instead of waiting on
         log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
         if r.initialised:
             # pages are assigned: every sender of the DP group must stop before they are freed, also one
@@ -415,10 +415,8 @@ class RoomBook(PeerLiveness):
         """Send the TransferRequest to every sender of the prefill DP group: each CP rank, and
         in it each TP rank of this rank's TP route, for the pools that route takes from it (from
         the loop thread, or from the engine's thread in init())."""
-        r.start_ledger(self.pools, self.page_size)
         page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
         frames: dict[tuple[str, ...], bytes] = {}  # the CP ranks of one TP source get the same request: encoded once
-        now = time.monotonic()
         for key, s, pools in r.placement.asks:
             frame = frames.get(pools)
             if frame is None:
@@ -428,11 +426,16 @@ class RoomBook(PeerLiveness):
                     deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                     fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
                 ))
+            self.ep.send_frame(s.control_endpoint, frame)
+        # the books after the requests went out, while they travel (the lock is held: no report of this
+        # room is handled before they are written)
+        r.start_ledger(self.pools, self.page_size)
+        now = time.monotonic()
+        for key, s, _ in r.placement.asks:
             peer = self._peer(s, r.prefill_instance)
             if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death
                 peer.last_seen = max(peer.last_seen, now)
             peer.rooms.add(r.room)
-            self.ep.send_frame(s.control_endpoint, frame)
             r.requested.add(key)
         r.state.to(KVPoll.Transferring)
         if self.ep.trace:

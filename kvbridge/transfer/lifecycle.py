@@ -158,7 +158,9 @@ class RoomHandle:
     def wait(self, timeout: float | None = None) -> KVPoll:
         """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
         poll state then. For a thread that has nothing else to do: no polling loop, no spin."""
-        self._room.state.done.wait(timeout)
+        done = self._ep._locked(self._room.state.waiter)
+        if done is not None:
+            done.wait(timeout)
         return self.poll()
 
     @property

@@ -43,13 +43,22 @@ class IllegalTransition(RuntimeError):
 class RoomState:
     """Current state, the failure reason, and when each state was entered."""
 
-    __slots__ = ("state", "reason", "entered", "done")
+    __slots__ = ("state", "reason", "entered", "_done")
 
     def __init__(self) -> None:
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
         self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic()}
-        self.done = threading.Event()  # set once the state is final (a handle's wait() blocks on it)
+        self._done: threading.Event | None = None  # made by the first waiter; set once the state is final
+
+    def waiter(self) -> threading.Event | None:
+        """An event set once the state is final, or None when it already is (call it where state
+        changes are serialised: the endpoint's lock)."""
+        if self.state in FINAL:
+            return None
+        if self._done is None:
+            self._done = threading.Event()
+        return self._done
 
     @property
     def final(self) -> bool:
@@ -70,8 +79,8 @@ class RoomState:
         self.entered[new] = time.monotonic()
         if new == KVPoll.Failed:
             self.reason = reason or "failed"
-        if new in FINAL:
-            self.done.set()
+        if new in FINAL and self._done is not None:
+            self._done.set()
         return True
 
     def advance_to(self, target: KVPoll) -> None:

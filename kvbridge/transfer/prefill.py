@@ -326,6 +326,12 @@ class PrefillEndpoint:
             self._book.deadlines()
 
     def _on_message(self, ident: bytes, msg: Any) -> None:
+        if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
+            with self._lock:
+                self._peers.heard_from(ident, time.monotonic())
+                self._book.on_request(ident, msg)
+                self._book.pump()
+            return
         with self._lock:
             self._peers.heard_from(ident, time.monotonic())  # any message: the decode rank is alive
         if isinstance(msg, KVBridgeError):
@@ -333,9 +339,6 @@ class PrefillEndpoint:
             return  # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
         if isinstance(msg, wire.Ping):
             self._reply(ident, wire.Heartbeat(cp_rank=self.config.cp_rank, seq=msg.seq))
-        elif isinstance(msg, wire.TransferRequest):
-            with self._lock:
-                self._book.on_request(ident, msg)
         elif isinstance(msg, wire.Abort):
             with self._lock:
                 self._book.on_abort(ident, msg)

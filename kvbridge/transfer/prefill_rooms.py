@@ -262,13 +262,14 @@ class SendBook:
                     after = self.ep.aux_staging.ready_event(r.room) or after
                 else:
                     source, slot = self.ep.aux_buffers, r.aux_slot
-                aux = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot)
+                aux = aux_slices(self.ep.aux_schema, source.regions, slot, t.aux_dst, t.aux_slot,
+                                 src_base=source.row_base, dst_base=t.aux_row_base)
             if logical.size:  # the aux row rides in the same write, after the pages' slices
                 plan = plan_target(self.ep.specs, self.ep.buffers.descs, t, logical, local, r.plan_tokens,
                                    room=r.room, rank=self.cfg.rank_label, extra=aux)
                 src, dst, length = plan.src, plan.dst, plan.length
             else:
-                src, dst, length = aux
+                src, dst, length = (np.asarray(a, dtype=np.uint64) for a in aux)
             handle = self.ep.engine.submit_write(t.session, src, dst, length, after=after)
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"

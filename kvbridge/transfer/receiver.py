@@ -77,7 +77,8 @@ class RecvRoom:
         self.dp_rank = dp_rank
         self.state = RoomState()
         self.life = Life()
-        self.bootstrapped = threading.Event()  # set once the topology is known or the room failed
+        self.booted = False  # the topology is known, or the room failed (mark_bootstrapped)
+        self._boot: threading.Event | None = None  # made by the first wait_bootstrapped() that must wait
         self.placement: Placement | None = None
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
@@ -102,6 +103,20 @@ class RecvRoom:
         self.next_lookup = 0.0
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
         self.bytes_expected = 0
+
+    def mark_bootstrapped(self) -> None:
+        """The topology is known or the room failed (endpoint lock held)."""
+        self.booted = True
+        if self._boot is not None:
+            self._boot.set()
+
+    def boot_waiter(self) -> threading.Event | None:
+        """An event set by ``mark_bootstrapped``; None when it already ran (endpoint lock held)."""
+        if self.booted:
+            return None
+        if self._boot is None:
+            self._boot = threading.Event()
+        return self._boot
 
     @property
     def initialised(self) -> bool:
@@ -192,7 +207,8 @@ class KVReceiver(RoomHandle):
         with ``lanes.lane_major(n)``). TransferTimeout after ``timeout`` s; ContractMismatch
         (with ``.diff``) or TransferError when the room failed before."""
         r = self._room
-        if not r.bootstrapped.wait(timeout):
+        booting = self._ep._locked(r.boot_waiter)
+        if booting is not None and not booting.wait(timeout):
             raise TransferTimeout(f"prefill topology of instance {r.prefill_instance!r} not known within "
                                   f"{timeout:.1f}s", room=r.room, rank=self._ep.config.rank_label, field="bootstrap")
         lanes, reason, diff = self._ep._locked(lambda: (r.lanes, r.state.reason, list(r.mismatch)))

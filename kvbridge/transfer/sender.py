@@ -80,6 +80,7 @@ class Target:
     num_expected: int = 0  # owned pages >= first_page: what this target receives
     aux_source: bool = True  # this TP rank writes the aux row to it (when this CP rank owns the last token)
     num_decode_targets: int = 1  # decode ranks that draw from this TP rank (each asks for the room)
+    aux_row_base: int | None = None  # the decode rank's aux rows are one packed store from here (None: by region)
     created: float = field(default_factory=time.monotonic)
     posted: int = 0  # chunks posted so far
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # handle -> (logical pages, aux row too)

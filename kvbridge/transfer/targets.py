@@ -26,7 +26,7 @@ import numpy as np
 from kvbridge.errors import KVBridgeError, LayoutError, PageRangeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, TransferPlan, num_drawing, plan_head_transfer, plan_transfer, tp_route
 from kvbridge.transfer import wire
-from kvbridge.transfer.aux_rows import RegionAddr
+from kvbridge.transfer.aux_rows import RegionAddr, packed_base
 from kvbridge.transfer.decode_peers import DecodePeer
 from kvbridge.transfer.sender import SendRoom, Target, TargetPart
 
@@ -81,7 +81,7 @@ def target_from_request(
     deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
     return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
                   dst_pages=dst_pages, pools=pools, aux_dst=peer.aux, aux_slot=req.aux_slot, deadline=deadline,
-                  want_digest=req.want_digest, parts=route.parts,
+                  want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base,
                   num_expected=room.num_owned_from(req.first_page) if req.first_page else int(room.owned.size),
                   aux_source=route.aux_source, num_decode_targets=route.num_drawing)
 
@@ -98,6 +98,7 @@ class PeerRoute:
     min_dst_capacity: int
     aux: tuple[RegionAddr, ...]
     aux_rows: int  # rows every aux region holds
+    aux_row_base: int | None  # its aux rows are one packed store starting here (None: by region)
     aux_source: bool
     num_drawing: int
 
@@ -130,6 +131,7 @@ def peer_route(peer: DecodePeer, specs: Mapping[str, PoolSpec], src_bufs: Sequen
         head_sliced=any(p.head_slice is not None for p in parts),
         min_dst_capacity=min((p.paired.min_dst_capacity for p in parts), default=0),
         aux=aux, aux_rows=min((a.capacity_rows for a in aux), default=2**31),
+        aux_row_base=packed_base(aux_schema, peer.aux),
         aux_source=route.first_source == tp[1], num_drawing=num_drawing(specs, tp[0], peer.tp_size, tp[1]),
     )  # fmt: skip
     return checked

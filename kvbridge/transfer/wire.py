@@ -190,7 +190,7 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
 }
 _HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
-_REQUIRED = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING)
+_DEFAULTS = {cls: {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
              for cls in MESSAGE_TYPES.values()}
 
 
@@ -253,8 +253,7 @@ def encode(msg: Message, secret: bytes | None = None, *, max_bytes: int = MAX_ME
     cls = type(msg)
     if MESSAGE_TYPES.get(getattr(cls, "TAG", "")) is not cls:
         raise ProtocolError(f"cannot encode a {cls.__name__}: not a wire message")
-    body_map: dict[str, Any] = {"v": WIRE_VERSION, "t": cls.TAG}
-    body_map.update((name, getattr(msg, name)) for name in _FIELDS[cls])
+    body_map: dict[str, Any] = {"v": WIRE_VERSION, "t": cls.TAG, **msg.__dict__}  # (exactly the fields: frozen)
     try:
         body = msgpack.packb(body_map, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as exc:
@@ -320,13 +319,13 @@ def decode_body(body: bytes) -> Message:
         obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"not msgpack: {type(exc).__name__}: {exc or 'invalid bytes'}"[:300]) from None
-    if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, bytes) for x in obj):
-        raise ProtocolError("message carries an HMAC envelope but no secret is configured here", field="mac")
     if not isinstance(obj, dict):
+        if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, bytes) for x in obj):
+            raise ProtocolError("message carries an HMAC envelope but no secret is configured here", field="mac")
         raise ProtocolError(f"not a map: got a msgpack {type(obj).__name__}")
-    bad_keys = [k for k in obj if not isinstance(k, str)]
-    if bad_keys:
-        raise ProtocolError(f"map keys must be strings, got {bad_keys[0]!r:.40}")
+    for key in obj:
+        if key.__class__ is not str and not isinstance(key, str):
+            raise ProtocolError(f"map keys must be strings, got {key!r:.40}")
     if "v" not in obj:
         raise ProtocolError("missing version field 'v'", field="v")
     if obj["v"] != WIRE_VERSION or isinstance(obj["v"], bool):
@@ -337,13 +336,20 @@ def decode_body(body: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {obj['t']!r:.60}", field="t")
     room = obj.get("room") if isinstance(obj.get("room"), int) else None
-    for name in _REQUIRED[cls]:
-        if name not in obj:
+    fields = dict(_DEFAULTS[cls])
+    for name in _FIELDS[cls]:
+        if name in obj:
+            fields[name] = obj[name]
+        elif name not in fields:
             raise ProtocolError(f"missing field '{name}' in {cls.TAG}", room=room, field=name)
+    msg = object.__new__(cls)  # the fields as decoded, then the checks __post_init__ runs
+    msg.__dict__.update(fields)
     try:
-        return cls(**{name: obj[name] for name in _FIELDS[cls] if name in obj})
+        _FIELD_CHECKS[cls](msg)
+        msg._check()
     except ProtocolError as exc:
         raise ProtocolError(exc.reason, room=room, field=exc.field) from None
+    return msg
 
 
 def peek(body: bytes) -> tuple[str, int | None]:

@@ -81,6 +81,28 @@ def test_cp_local_flag_is_explicit_and_rows_are_checked():
         schema.unpack(corrupt)
 
 
+@FAST
+@given(topk=st.integers(0, 4), count=st.integers(-3, 7), flag=st.integers(0, 255), room=st.integers(0, 2**63 - 1))
+def test_head_reads_the_echo_and_what_unpacking_would_refuse(topk, count, flag, room):
+    """The commit's check (one struct read) says exactly what check_row / unpack say."""
+    schema = AuxSchema.standard(3, "float32", topk)
+    row = np.zeros(1, dtype=schema.dtype)
+    row["room"], row["topk"], row["hidden_is_cp_local"] = room, count, flag
+    data = row.view(np.uint8).reshape(-1)
+    echoed, problem = schema.head(data)
+    assert echoed == room == schema.room_of(data)
+    try:
+        schema.check_row(data)
+    except LayoutError as exc:
+        assert problem is not None and problem in str(exc)
+    else:
+        assert problem is None
+    custom = AuxSchema((AuxRegion("flag", "uint8"), AuxRegion("room", "uint64"), AuxRegion("ids", "int32", (3,))))
+    other = np.zeros(1, dtype=custom.dtype)
+    other["room"], other["flag"] = room, flag
+    assert custom.head(other.view(np.uint8).reshape(-1)) == (room, None)
+
+
 def test_schema_dict_names_regions_dtypes_shapes():
     d = AuxSchema.standard(7168, "bfloat16", 8).to_dict()
     assert [r["name"] for r in d["regions"]] == [

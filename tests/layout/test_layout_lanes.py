@@ -76,6 +76,10 @@ def test_owned_pages_partition_and_agree_with_owners(cp_size, rule, num_pages):
     assert (seen == 1).all()
     for token in range(0, num_pages * 3, 7):
         assert lanes.owner_of_token(token, 3, num_pages) == owner[token // 3]
+    # one page in integers (the endpoints' aux owner) agrees with the vectorised rule
+    assert [lanes.owner_of_page(p, num_pages) for p in range(num_pages)] == owner.tolist()
+    with pytest.raises(LayoutError, match="outside a request"):
+        lanes.owner_of_page(num_pages, num_pages)
 
 
 def test_dict_round_trip_and_errors():

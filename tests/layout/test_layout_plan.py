@@ -247,3 +247,19 @@ def test_pre_paired_buffers_plan_the_same_slices_and_must_match_the_pools():
         plan_transfer(specs, src, dst, logical, local, np.array([9, 1, 32]), 15, paired=paired)
     with pytest.raises(LayoutError, match="paired for pools"):
         plan_transfer(specs, src, dst, logical, local, dest, 15, pools=["target"], paired=paired)
+
+
+def test_extra_slices_ride_at_the_end_of_the_plan():
+    """An aux row posted in the same write: the caller's slices after the plan's, as given."""
+    specs = deepseek_pools(num_layers=2, page_size=4, kv_dtype="fp8")
+    src, dst = descs(specs), descs(specs, start=50)
+    args = (specs, src, dst, np.array([0, 1, 2]), np.array([5, 6, 9]), np.array([1, 2, 3]), 10)
+    plain = plan_transfer(*args)
+    extra = ([7 << 32], [8 << 32], [96])
+    both = plan_transfer(*args, extra=extra)
+    assert both.num_slices == plain.num_slices + 1 and not both.src.flags.writeable
+    assert both.src.tolist() == plain.src.tolist() + extra[0] and both.length.tolist() == plain.length.tolist() + [96]
+    assert both.dst.tolist() == plain.dst.tolist() + extra[1]
+    empty = np.zeros(0, np.int64)
+    alone = plan_transfer(specs, src, dst, empty, empty, empty, 10, extra=extra)
+    assert (alone.src.tolist(), alone.dst.tolist(), alone.length.tolist()) == extra

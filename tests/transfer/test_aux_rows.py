@@ -36,15 +36,14 @@ def test_a_row_moves_in_one_slice_between_packed_stores_else_one_per_region():
     src = {r.name: RegionAddr(r.name, 1000 + SCHEMA.offsets[r.name], 4, SCHEMA.row_bytes) for r in SCHEMA.regions}
     dst = {r.name: RegionAddr(r.name, 9000 + SCHEMA.offsets[r.name], 4, SCHEMA.row_bytes) for r in SCHEMA.regions}
     s, d, n = aux_slices(SCHEMA, src, 1, dst, 2)
-    assert (s.tolist(), d.tolist(), n.tolist()) == ([1000 + SCHEMA.row_bytes], [9000 + 2 * SCHEMA.row_bytes],
-                                                    [SCHEMA.row_bytes])
+    assert (s, d, n) == ([1000 + SCHEMA.row_bytes], [9000 + 2 * SCHEMA.row_bytes], [SCHEMA.row_bytes])
+    assert aux_slices(SCHEMA, src, 1, dst, 2, src_base=1000, dst_base=9000) == (s, d, n)  # bases kept by their owners
     separate = {r.name: RegionAddr(r.name, 100_000 * (i + 1), 4, r.nbytes) for i, r in enumerate(SCHEMA.regions)}
     s, d, n = aux_slices(SCHEMA, src, 0, separate, 3)  # packed -> per region: one slice per region
-    assert n.tolist() == [64, 64, 1, 8] and d.tolist() == [100_000 * (i + 1) + 3 * r.nbytes
-                                                           for i, r in enumerate(SCHEMA.regions)]
+    assert n == [64, 64, 1, 8] and d == [100_000 * (i + 1) + 3 * r.nbytes for i, r in enumerate(SCHEMA.regions)]
     merged = dict(separate, room=RegionAddr("room", 100_000, 4, 64), output_ids=RegionAddr("output_ids", 100_064, 4, 64))
     s, d, n = aux_slices(SCHEMA, src, 0, merged, 0)  # room and output_ids back to back on both sides: one slice
-    assert n.tolist() == [128, 1, 8] and s.tolist()[0] == 1000
+    assert n == [128, 1, 8] and s[0] == 1000
 
 
 def test_host_rows_are_read_through_a_view_that_follows_later_writes():

@@ -1,8 +1,8 @@
 """Every authenticated malformed control message gets exactly one ErrorReply (issue 10,
 bug 5). A seeded fuzzer signs messages with the cluster secret and breaks them in every
 way the decoder checks: bytes that are not msgpack, msgpack that is not a map, versions,
-type tags, missing fields, wrong types, out-of-range values, extra frames, and messages
-over the size limit. Before the fix, the oversized ones (the MAC was checked after the
+type tags, missing fields, wrong types, out-of-range values, empty bodies, and messages
+over the size limit. A bare TCP client sends them (``_raw_control``). Before the fix, the oversized ones (the MAC was checked after the
 size, so they counted as unauthenticated) were dropped without a word."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import msgpack
-import zmq
 
+from _raw_control import RawControl
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer import wire
 from kvbridge.transfer.channel import ControlServer
@@ -39,11 +39,11 @@ def valid_map(rng: random.Random) -> dict:
     return {"v": wire.WIRE_VERSION, "t": tag, **{f: sample[f] for f in wire._FIELDS[wire.MESSAGE_TYPES[tag]]}}
 
 
-def broken(rng: random.Random) -> tuple[str, list[bytes]]:
-    """(category, frames) of one authenticated message that must be refused."""
+def broken(rng: random.Random) -> tuple[str, bytes]:
+    """(category, frame body) of one authenticated message that must be refused."""
     m = valid_map(rng)
     fields = [k for k in m if k not in ("v", "t")]
-    kind = rng.choice(["bytes", "not-a-map", "version", "tag", "missing", "type", "range", "frames", "oversized"])
+    kind = rng.choice(["bytes", "not-a-map", "version", "tag", "missing", "type", "range", "empty", "oversized"])
     if kind == "bytes":
         body = bytes([0xC1]) + rng.randbytes(rng.randrange(0, 64))
     elif kind == "not-a-map":
@@ -66,21 +66,21 @@ def broken(rng: random.Random) -> tuple[str, list[bytes]]:
         name = rng.choice(ints) if ints else "room"
         m[name] = rng.choice([-5, 2**64 - 1]) if name != "room" else 2**63
         body = msgpack.packb(m)
-    elif kind == "frames":
-        return kind, [signed(msgpack.packb(m)), b"extra"]
+    elif kind == "empty":
+        body = b""
     else:
         m["pad"] = b"p" * rng.randrange(MAX_BYTES, 2 * MAX_BYTES - 200)  # unknown fields are ignored: size is the fault
         body = msgpack.packb(m)
-    return kind, [signed(body)]
+    return kind, signed(body)
 
 
-def refused(frames: list[bytes]) -> bool:
+def refused(body: bytes) -> bool:
     """The fuzzer also makes a few valid messages (a None where None is allowed): skip those."""
     try:
-        wire.decode(frames[0], SECRET, max_bytes=MAX_BYTES)
+        wire.decode(body, SECRET, max_bytes=MAX_BYTES)
     except ProtocolError:
         return True
-    return len(frames) > 1
+    return False
 
 
 class Serving:
@@ -101,29 +101,25 @@ class Serving:
         self.thread.join(5)
 
 
-def collect(sock: zmq.Socket, count: int, decode: Callable[[bytes], object], timeout: float = 20.0) -> list[object]:
+def collect(sock: RawControl, count: int, decode: Callable[[bytes], object], timeout: float = 20.0) -> list[object]:
     got: list[object] = []
     deadline = time.monotonic() + timeout
     while len(got) < count and time.monotonic() < deadline:
-        if sock.poll(100):
-            got.append(decode(sock.recv()))
+        body = sock.recv(0.1)
+        if body is not None:
+            got.append(decode(body))
     return got
 
 
 @contextlib.contextmanager
-def served() -> Iterator[tuple[ControlServer, Serving, zmq.Socket]]:
-    """A secret-holding server with its loop thread, and a raw DEALER connected to it."""
+def served() -> Iterator[tuple[ControlServer, Serving, RawControl]]:
+    """A secret-holding server with its loop thread, and a bare client connected to it."""
     server = ControlServer(secret=SECRET, max_bytes=MAX_BYTES)
     loop = Serving(server)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(server.endpoint)
-        yield server, loop, sock
+        with RawControl(server.endpoint) as sock:
+            yield server, loop, sock
     finally:
-        sock.close()
-        ctx.term()
         loop.stop()
         server.close()
 
@@ -132,11 +128,11 @@ def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
     rng = random.Random(10_5)
     cases = [case for case in (broken(rng) for _ in range(700)) if refused(case[1])][:600]
     with served() as (server, loop, sock):
-        for _, frames in cases:
-            sock.send_multipart(frames)
+        for _, body in cases:
+            sock.send(body)
         replies = collect(sock, len(cases), lambda data: wire.decode(data, SECRET, max_bytes=MAX_BYTES))
         kinds = {kind for kind, _ in cases}
-        assert kinds >= {"bytes", "not-a-map", "version", "tag", "missing", "type", "range", "frames", "oversized"}
+        assert kinds >= {"bytes", "not-a-map", "version", "tag", "missing", "type", "range", "empty", "oversized"}
         assert len(replies) == len(cases), (len(replies), server.stats)
         assert all(isinstance(r, wire.ErrorReply) and r.reason for r in replies)
         assert sum("over the 4096-byte limit" in r.reason for r in replies) == sum(k == "oversized" for k, _ in cases)

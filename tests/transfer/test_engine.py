@@ -198,11 +198,36 @@ def test_dead_peer_fails_within_bounded_time(pair: Pair) -> None:
         ([[1]], [1], [1], "1-D"),
         ([1.5], [1], [1], "integers"),
         ([1], [2**64 - 2], [8], "passes 2\\*\\*64"),
+        (np.array([1, 2**64 - 4], np.uint64), np.array([1, 1], np.uint64), np.array([1, 8], np.uint64),
+         "slice 1: src \\+ length passes 2\\*\\*64"),  # uint64 arrays (a planner's) are checked as well
+        (np.array([1], np.uint64), np.array([1], np.uint64), np.array([0], np.uint64), "length 0"),
     ],
 )
 def test_bad_slice_arrays_are_refused_before_posting(pair: Pair, src: list, dst: list, length: list, match: str) -> None:
     with pytest.raises(EngineError, match=match):
         pair.a.submit_write(pair.b.session_id, np.array(src), np.array(dst), np.array(length))
+
+
+def test_regions_name_the_first_slice_not_inside_one_region() -> None:
+    """first_outside: a slice must lie inside one registered region, whole (pure, no engine)."""
+    from kvbridge.transfer.engine._common import Regions
+
+    regions = Regions()
+    assert regions.first_outside(np.array([64], np.uint64), np.array([1], np.uint64)) == 0  # nothing registered
+    regions.add(1000, 100, "test")
+    regions.add(5000, 50, "test")
+
+    def first(*slices: tuple[int, int]) -> int:
+        addr, length = (np.array(col, np.uint64) for col in zip(*slices))
+        return regions.first_outside(addr, length)
+
+    assert first((1000, 100), (5000, 50), (1050, 1), (5049, 1)) == -1  # exact bounds are inside
+    assert first((1000, 101)) == 0  # runs one byte past the region's end
+    assert first((999, 1)) == 0  # before the first region
+    assert first((1000, 10), (1099, 2)) == 1  # from one region into the gap
+    assert first((1000, 10), (1100, 3900), (5000, 1)) == 1  # in the gap
+    assert first((5000, 10), (5050, 1)) == 1  # past the last region
+    assert first((1050, 4000)) == 0  # spans two regions: not inside one
 
 
 def test_source_outside_registered_memory_is_refused(pair: Pair) -> None:

@@ -91,3 +91,17 @@ def test_a_head_sharded_page_counts_only_once_every_slice_arrived():
         lg.record_aux(0, tp_rank=1)
     lg.record_aux(0, tp_rank=0)
     assert lg.complete and lg.pages_by_rank == {0: 4}
+
+
+def test_a_rank_reporting_its_whole_share_twice_or_another_ranks_share_is_refused():
+    """The one-comparison path (a rank's whole share, unseen) must not let a repeat or a
+    forgery through: both fall to the page-by-page checks."""
+    lg = ledger(num_pages=6)
+    with pytest.raises(LedgerError, match="cp rank 0 owns it"):
+        lg.record(1, POOLS, np.array([0, 2, 4]))  # cp0's share, claimed by cp1
+    lg.record(0, POOLS, np.array([0, 2, 4]))
+    with pytest.raises(LedgerError, match="reported twice"):
+        lg.record(0, POOLS, np.array([0, 2, 4]))
+    lg.record(1, POOLS, np.array([5, 3, 1]))  # its share in another order: checked page by page, accepted
+    lg.record_aux(0)
+    assert lg.complete and lg.pages_by_rank == {0: 3, 1: 3}

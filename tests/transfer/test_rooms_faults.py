@@ -11,9 +11,9 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
+from _raw_control import RawControl
 from kvbridge.transfer import wire
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll
@@ -24,22 +24,17 @@ PAGE = 4
 
 
 def raw_exchange(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> list:
-    """Send raw frames from a bare DEALER; return the decoded replies."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
+    """Send raw frames from a bare TCP client; return the decoded replies."""
+    with RawControl(endpoint) as sock:
         for f in frames:
             sock.send(f)
         replies = []
         deadline = time.monotonic() + timeout_ms / 1000
         while len(replies) < len(frames) and time.monotonic() < deadline:
-            if sock.poll(50):
-                replies.append(wire.decode(sock.recv()))
+            body = sock.recv(0.05)
+            if body is not None:
+                replies.append(wire.decode(body))
         return replies
-    finally:
-        sock.close()
 
 
 def test_malformed_messages_get_errors_and_the_loop_keeps_serving(daemon):

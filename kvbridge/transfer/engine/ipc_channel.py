@@ -3,8 +3,8 @@
 Every IPC engine listens on an abstract Unix socket named after its session
 (``\\0kvbridge-ipc/<session>``): only processes in the same network namespace can
 connect, so reaching it *is* the same-host test, and each side checks that the
-other runs under the same user (``SO_PEERCRED``). Frames are a 4-byte big-endian
-length and a msgpack map.
+other runs under the same user (``SO_PEERCRED``). Frames are ``streams.py``'s (a 4-byte
+big-endian length) holding a msgpack map.
 
     writer (submit_write)                       target (registered the memory)
     connect -------------------------------------> accept            (same uid only)
@@ -36,12 +36,12 @@ from typing import Any
 import msgpack
 
 from kvbridge.errors import EngineError
+from kvbridge.transfer.streams import FrameError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 64 << 20  # a region table of thousands of regions is well under this
 SEND_TIMEOUT_S = 5.0
-_LEN = struct.Struct(">I")
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -66,29 +66,27 @@ class Conn:
         self.closed = False
         self.served: set[int] = set()  # accepted side: region starts this writer was told about
         self._send_lock = threading.Lock()
-        self._buf = bytearray()
+        self._reader = FrameReader(MAX_FRAME)
         sock.settimeout(SEND_TIMEOUT_S)
 
     def send(self, msg: dict[str, Any]) -> None:
         body = msgpack.packb(msg, use_bin_type=True)
         try:
             with self._send_lock:
-                self.sock.sendall(_LEN.pack(len(body)) + body)
+                self.sock.sendall(frame(body))
         except OSError as exc:
             raise EngineError(f"IPC side channel to {self.session}: send failed: {exc}") from exc
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Frames completed by ``data``."""
-        self._buf += data
+        self._reader.feed(data)
         out = []
-        while len(self._buf) >= _LEN.size:
-            (size,) = _LEN.unpack_from(self._buf)
-            if size > MAX_FRAME:
-                raise EngineError(f"IPC side channel {self.session}: frame of {size} bytes")
-            if len(self._buf) < _LEN.size + size:
-                break
-            msg = msgpack.unpackb(bytes(self._buf[_LEN.size:_LEN.size + size]), raw=False)
-            del self._buf[:_LEN.size + size]
+        try:
+            bodies = self._reader.frames(1 << 30)
+        except FrameError as exc:
+            raise EngineError(f"IPC side channel {self.session}: {exc}") from None
+        for body in bodies:
+            msg = msgpack.unpackb(body, raw=False)
             if not isinstance(msg, dict) or "t" not in msg:
                 raise EngineError(f"IPC side channel {self.session}: malformed message")
             out.append(msg)
