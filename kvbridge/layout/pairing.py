@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+import functools
 from functools import cached_property
 from typing import Any
 
@@ -123,6 +124,11 @@ class LayoutGroup:
     @property
     def num_layers(self) -> int:
         return len(self.src_base)
+
+    @functools.cached_property
+    def bases(self) -> np.ndarray:
+        """``(2, layers, 1)``: source bases, then destination bases (the planner moves both at once)."""
+        return np.stack((self.src_base, self.dst_base))
 
     @classmethod
     def of(cls, layout: str, members: Sequence[tuple[PoolSpec, np.ndarray, np.ndarray]]) -> LayoutGroup:

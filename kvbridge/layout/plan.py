@@ -122,7 +122,13 @@ def plan_transfer(
         paired = pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank)
     elif paired.pools != names:
         raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
-    _check_inside(paired, specs, specs, src, dst, logical, ctx)
+    pages = np.array((src, dst))  # (2, n): source and destination move through every step together
+    if len(logical):
+        (src_lo, dst_lo), (src_hi, dst_hi) = pages.min(axis=1).tolist(), pages.max(axis=1).tolist()
+        spans = ((src_lo, src_hi), (dst_lo, dst_hi))
+    else:
+        spans = ((0, -1), (0, -1))
+    _check_inside(paired, specs, specs, src, dst, logical, ctx, spans)
     if not len(logical) or not names:
         return TransferPlan.empty() if extra is None else TransferPlan(*extra)
     # position of the partial last page in the given order, if this call carries it; ascending
@@ -135,10 +141,10 @@ def plan_transfer(
         else:
             at = np.flatnonzero(logical == last)
             partial = int(at[0]) if len(at) else -1
-    return _plan_groups(paired.groups, src, dst, partial, page_size, num_valid_last, extra)
+    return _plan_groups(paired.groups, pages, partial, page_size, num_valid_last, extra)
 
 
-def _plan_groups(groups: Sequence[LayoutGroup], src: np.ndarray, dst: np.ndarray, partial: int, page_size: int,
+def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int, page_size: int,
                  num_valid: int, extra: tuple[Any, Any, Any] | None = None) -> TransferPlan:
     """The slices of every layer of every group, one broadcast per group over its layers:
 
@@ -150,61 +156,60 @@ def _plan_groups(groups: Sequence[LayoutGroup], src: np.ndarray, dst: np.ndarray
 
     Written straight into the plan's arrays (a scattered 128K-token room is 126,000 slices
     per rank)."""
-    n = len(src)
+    n = pages.shape[1]
     brk = np.empty(n, dtype=bool)  # True where a run starts
     brk[0] = True
     if n > 1:
-        np.not_equal(src[1:], src[:-1] + 1, out=brk[1:])
-        brk[1:] |= dst[1:] != dst[:-1] + 1
+        np.logical_or.reduce(pages[:, 1:] - pages[:, :-1] != 1, axis=0, out=brk[1:])
     if 0 <= partial < n - 1:
         brk[partial + 1] = True  # the partial page always ends its run
-    runs = {True: _runs_of(brk, src, dst, partial)}  # rows: the partial page merges onto its run
-    if partial >= 0 and not brk[partial]:
-        alone = brk.copy()
-        alone[partial] = True
-        runs[False] = _runs_of(alone, src, dst, partial)
-    else:
-        runs[False] = runs[True]
-    shapes = [(g.num_layers, len(runs[g.rows][2]) + (partial >= 0 and not g.rows)) for g in groups]
+    first, pages_in_run, run = _runs_of(brk, pages, partial)  # the partial page ends its run
+    # values_then_scales: the partial page leaves its run (unless it is the run) for two ranges
+    alone = partial >= 0 and int(pages_in_run[run]) == 1
+    r = len(pages_in_run)
+    shapes = [(g.num_layers, r + (0 if partial < 0 or g.rows else 1 if alone else 2)) for g in groups]
     total = sum(layers * cols for layers, cols in shapes)
-    out = [np.empty(total + (len(extra[2]) if extra is not None else 0), dtype=np.uint64) for _ in range(3)]
+    size = total + (len(extra[2]) if extra is not None else 0)
+    addr, length = np.empty((2, size), dtype=np.uint64), np.empty(size, dtype=np.uint64)  # addr: src, dst rows
     if extra is not None:
-        for o, e in zip(out, extra):
-            o[total:] = e
+        addr[0, total:], addr[1, total:], length[total:] = extra
     at = 0
     for g, (layers, cols) in zip(groups, shapes):
-        rel_src, rel_dst, length, run = runs[g.rows]
-        r = len(length)
-        s, d, ln = (o[at : at + layers * cols].reshape(layers, cols) for o in out)
-        np.multiply(g.bytes_per_page, rel_src, out=s[:, :r])
-        s[:, :r] += g.src_base
-        np.multiply(g.bytes_per_page, rel_dst, out=d[:, :r])
-        d[:, :r] += g.dst_base
-        np.multiply(g.bytes_per_page, length, out=ln[:, :r])
-        if partial >= 0 and g.rows:
-            ln[:, run : run + 1] -= g.row_bytes * (page_size - num_valid)
-        elif partial >= 0:  # the page's run keeps its value bytes; its scale bytes are the last column
-            ln[:, run : run + 1] = g.row_bytes * num_valid
-            s[:, r:] = s[:, run : run + 1] + g.scale_offset
-            d[:, r:] = d[:, run : run + 1] + g.scale_offset
-            ln[:, r:] = g.scale_bytes * num_valid
+        a = addr[:, at : at + layers * cols].reshape(2, layers, cols)
+        ln = length[at : at + layers * cols].reshape(layers, cols)
+        np.multiply(g.bytes_per_page, first, out=a[:, :, :r])
+        a[:, :, :r] += g.bases
+        np.multiply(g.bytes_per_page, pages_in_run, out=ln[:, :r])
         at += layers * cols
-    return TransferPlan._of(*out)
+        if partial < 0:
+            continue
+        if g.rows:  # the run keeps the partial page's valid rows, a prefix of it
+            ln[:, run : run + 1] -= g.row_bytes * (page_size - num_valid)
+            continue
+        values = run  # the column of the page's valid value bytes: its run, when that is the page alone
+        if not alone:  # else the run loses the page, which gets a column of its own
+            ln[:, run : run + 1] -= g.bytes_per_page
+            values = r
+            a[:, :, r : r + 1] = g.bytes_per_page * pages[:, None, partial : partial + 1].view(np.uint64) + g.bases
+        ln[:, values : values + 1] = g.row_bytes * num_valid
+        a[:, :, cols - 1 :] = a[:, :, values : values + 1] + g.scale_offset  # the valid scale bytes: last column
+        ln[:, cols - 1 :] = g.scale_bytes * num_valid
+    addr.setflags(write=False)
+    return TransferPlan._of(addr[0], addr[1], length)
 
 
-def _runs_of(brk: np.ndarray, src: np.ndarray, dst: np.ndarray,
-             partial: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(first source page, first destination page, pages) of each run as uint64 rows, and
-    the run holding the partial page (-1: none)."""
+def _runs_of(brk: np.ndarray, pages: np.ndarray, partial: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The first (source, destination) page of each run as a ``(2, 1, runs)`` uint64 array,
+    the pages in each run, and the run holding the partial page (-1: none)."""
     starts = np.flatnonzero(brk)
-    length = np.empty_like(starts)
-    length[:-1] = starts[1:] - starts[:-1]
-    length[-1] = len(brk) - starts[-1]
+    count = np.empty_like(starts)
+    count[:-1] = starts[1:] - starts[:-1]
+    count[-1] = len(brk) - starts[-1]
     run = -1
     if partial >= 0:
         run = len(starts) - 1 if partial == len(brk) - 1 else int(np.searchsorted(starts, partial, side="right")) - 1
     # pages were checked non-negative: their int64 bits are their uint64 values
-    return src[starts].view(np.uint64), dst[starts].view(np.uint64), length.view(np.uint64), run
+    return pages[:, None, starts].view(np.uint64), count.view(np.uint64), run
 
 
 def _checked_pages(
@@ -283,12 +288,15 @@ def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: di
 
 
 def _check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,
-                 dst: np.ndarray, logical: np.ndarray, ctx: dict) -> None:
+                 dst: np.ndarray, logical: np.ndarray, ctx: dict,
+                 spans: tuple[tuple[int, int], tuple[int, int]] | None = None) -> None:
     """Hard rule 5 for a plan: every source and destination page inside every paired buffer.
     Two comparisons when they are (``PairedBuffers.all_inside``); else the first offending page
-    is named, with its pool and layer."""
-    src_span = (int(src.min()), int(src.max())) if len(src) else (0, -1)
-    dst_span = (int(dst.min()), int(dst.max())) if len(dst) else (0, -1)
+    is named, with its pool and layer. ``spans``: the (min, max) of each side, when known."""
+    if spans is None:
+        spans = ((int(src.min()), int(src.max())) if len(src) else (0, -1),
+                 (int(dst.min()), int(dst.max())) if len(dst) else (0, -1))
+    src_span, dst_span = spans
     if paired.all_inside(src_span, dst_span):
         return
     for name, (_, _, _, src_cap, dst_cap) in zip(paired.pools, paired.pairs):

@@ -273,7 +273,7 @@ class RoomBook(PeerLiveness):
                 log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
                          r.age_ms, time.monotonic(), msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
             if msg.logical_pages:
-                pages = np.frombuffer(msg.logical_pages, dtype="<i4").astype(np.int64)  # (decoding checked: whole int32s)
+                pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
                 r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
                 if self.cfg.verify_digest:
                     if msg.digests is None:

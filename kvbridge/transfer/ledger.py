@@ -26,6 +26,7 @@ aux row come from the route's first source alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,9 @@ class PageLedger:
         self._seen = np.zeros((len(self._slots), num_pages), dtype=bool)
         self._seen[:, :first_page] = True  # the decode prefix is already here
         self._left = len(self._slots) * (num_pages - first_page)  # cells not yet reported
-        self._touched: set[tuple[int, int]] = set()  # (cp rank, bitmap row) pairs that reported anything
+        self._touched: dict[int, int] = {}  # cp rank -> bit mask of the bitmap rows it reported anything in
         self._shares: dict[int, np.ndarray] = {}  # cp rank -> the pages it owns from first_page on
+        self._rows: dict[tuple[tuple[str, ...], int], tuple[list[int], Any, int]] = {}  # (pools, tp) -> rows
         self.aux_done = False
         self.pages_by_rank: dict[int, int] = {}  # page reports per CP rank (one per head slice)
 
@@ -59,22 +61,42 @@ class PageLedger:
         """Mark pages written by ``(cp_rank, tp_rank)``; checks everything before marking anything.
         A rank's first report of its whole share (every page it owns, in order: one write per
         room) is checked by one comparison; any other report page by page."""
-        pages = np.asarray(logical_pages, dtype=np.int64)
-        rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
+        pages = logical_pages if type(logical_pages) is np.ndarray else np.asarray(logical_pages, dtype=np.int64)
         if pages.size == 0:
             return
-        rows = [self._row(pool, tp_rank, rank) for pool in pools]
-        share = self._share(cp_rank)
-        fresh = all((cp_rank, row) not in self._touched for row in rows)
+        key = (tuple(pools), tp_rank)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = self._rows_of(key[0], tp_rank, cp_rank)
+        row_list, index, mask = rows
+        share = self._shares.get(cp_rank)
+        if share is None:
+            share = self._share(cp_rank)
         # the whole share: owned by cp_rank, inside the request, each page once, and unseen (only
         # cp_rank may report its pages, and it reported none of these rows yet)
-        if not (fresh and pages.size == share.size and np.array_equal(pages, share)):
-            self._check_pages(cp_rank, rows, pages, rank)
-        for row in rows:
-            self._seen[row, pages] = True
-        self._touched.update((cp_rank, row) for row in rows)
-        self._left -= len(rows) * int(pages.size)
+        touched = self._touched.get(cp_rank, 0)
+        if touched & mask or pages.size != share.size or not (pages == share).all():
+            self._check_pages(cp_rank, row_list, pages, self._rank(cp_rank, tp_rank))
+        self._seen[index, pages] = True
+        self._touched[cp_rank] = touched | mask
+        self._left -= len(row_list) * int(pages.size)
         self.pages_by_rank[cp_rank] = self.pages_by_rank.get(cp_rank, 0) + int(pages.size)
+
+    @staticmethod
+    def _rank(cp_rank: int, tp_rank: int) -> str:
+        return f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
+
+    def _rows_of(self, pools: tuple[str, ...], tp_rank: int, cp_rank: int) -> tuple[list[int], Any, int]:
+        """The bitmap rows of ``pools`` from ``tp_rank``: as a list, as an index of the bitmap's
+        first axis (a slice when they are consecutive), and as a bit mask."""
+        rank = self._rank(cp_rank, tp_rank)
+        rows = [self._row(pool, tp_rank, rank) for pool in pools]
+        if len(set(rows)) != len(rows):  # (each row's pages count once: a pool named twice would count twice)
+            raise LedgerError(f"pools {list(pools)} name a pool twice in one report", room=self.room, rank=rank,
+                              field="pools")
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
+        index = slice(rows[0], rows[0] + len(rows)) if rows and consecutive else np.asarray(rows, dtype=np.int64)[:, None]
+        return rows, index, sum(1 << row for row in set(rows))
 
     def _row(self, pool: str, tp_rank: int, rank: str) -> int:
         row = self._slot_index.get((pool, tp_rank))

@@ -49,17 +49,9 @@ def target_from_request(
     (``PeerRoute``); the request's own fields are checked here, every time."""
     ctx = dict(room=req.room, rank=req.decode_rank)
     pools = tuple(req.pools)
-    unknown = [p for p in pools if p not in specs]
-    if unknown or not pools or len(set(pools)) != len(pools):
-        raise LayoutError(f"decode asked for pools {list(pools)}; this rank has {sorted(specs)}", field="pools", **ctx)
-    if req.num_decode_ranks != peer.tp_size:
-        raise LayoutError(f"the request counts {req.num_decode_ranks} decode ranks, decode rank {peer.label} registered "
-                          f"tp_size {peer.tp_size}", field="num_decode_ranks", **ctx)
-    route = peer_route(peer, specs, src_bufs, aux_schema, tp, req.room)
-    if tuple(sorted(pools)) != route.pools:
-        raise LayoutError(f"decode rank {peer.label} (tp {peer.tp_rank} of {peer.tp_size}) asked prefill tp rank "
-                          f"{tp[1]} of {tp[0]} for pools {sorted(pools)}; its TP route takes {list(route.pools)} "
-                          "from it", field="pools", **ctx)
+    route = peer.checked.get(tp) if req.num_decode_ranks == peer.tp_size else None
+    if route is None or tuple(sorted(pools)) != route.pools:  # (the route's pools: known, each once)
+        route = _checked_route(req, pools, specs, src_bufs, aux_schema, peer, tp, ctx)
     num_pages = room.num_pages
     if not 0 <= req.first_page <= num_pages:
         raise LayoutError(f"first_page {req.first_page} outside a request of {num_pages} pages", field="first_page",
@@ -84,6 +76,26 @@ def target_from_request(
                   want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base,
                   num_expected=room.num_owned_from(req.first_page) if req.first_page else int(room.owned.size),
                   aux_source=route.aux_source, num_decode_targets=route.num_drawing)
+
+
+def _checked_route(req: wire.TransferRequest, pools: tuple[str, ...], specs: Mapping[str, PoolSpec],
+                   src_bufs: Sequence[BufferDesc], aux_schema: AuxSchema, peer: DecodePeer, tp: tuple[int, int],
+                   ctx: dict) -> PeerRoute:
+    """The route of a request that is not (yet) the one checked for its peer: it must name known
+    pools once each, count the decode ranks the peer registered, and ask exactly what the
+    peer's TP route takes from this rank."""
+    unknown = [p for p in pools if p not in specs]
+    if unknown or not pools or len(set(pools)) != len(pools):
+        raise LayoutError(f"decode asked for pools {list(pools)}; this rank has {sorted(specs)}", field="pools", **ctx)
+    if req.num_decode_ranks != peer.tp_size:
+        raise LayoutError(f"the request counts {req.num_decode_ranks} decode ranks, decode rank {peer.label} registered "
+                          f"tp_size {peer.tp_size}", field="num_decode_ranks", **ctx)
+    route = peer_route(peer, specs, src_bufs, aux_schema, tp, req.room)
+    if tuple(sorted(pools)) != route.pools:
+        raise LayoutError(f"decode rank {peer.label} (tp {peer.tp_rank} of {peer.tp_size}) asked prefill tp rank "
+                          f"{tp[1]} of {tp[0]} for pools {sorted(pools)}; its TP route takes {list(route.pools)} "
+                          "from it", field="pools", **ctx)
+    return route
 
 
 @dataclass(frozen=True)

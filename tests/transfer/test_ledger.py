@@ -105,3 +105,11 @@ def test_a_rank_reporting_its_whole_share_twice_or_another_ranks_share_is_refuse
     lg.record(1, POOLS, np.array([5, 3, 1]))  # its share in another order: checked page by page, accepted
     lg.record_aux(0)
     assert lg.complete and lg.pages_by_rank == {0: 3, 1: 3}
+
+
+def test_a_pool_named_twice_in_one_report_is_refused():
+    """Pages are counted, not rescanned: a pool named twice must not count twice."""
+    lg = ledger(num_pages=2)
+    with pytest.raises(LedgerError, match="name a pool twice"):
+        lg.record(0, ["target", "target", "index"], np.array([0]))
+    assert lg.pages_by_rank == {} and not lg.pages_complete
