@@ -17,6 +17,7 @@ packed stores that is one slice for the whole row.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,38 @@ def _row_bytes(buf: Any, slot: int) -> np.ndarray:
     return np.ascontiguousarray(part).view(np.uint8).reshape(-1).copy()
 
 
+def _on_cuda(buf: Any) -> bool:
+    return type(buf).__module__.startswith("torch") and getattr(getattr(buf, "device", None), "type", "") == "cuda"
+
+
+class _DeviceRows:
+    """Rows of a packed CUDA tensor, read through one pinned host row on a stream of their own:
+    a copy and a synchronisation per read, two CUDA runtime calls (a decode rank reads every
+    room's aux row on its commit: no torch dispatch, no staging allocation there)."""
+
+    def __init__(self, storage: Any, row_bytes: int) -> None:
+        import torch
+
+        from kvbridge.transfer.engine._cuda import cuda
+
+        self._cuda = cuda()
+        self._device = storage.device.index if storage.device.index is not None else torch.cuda.current_device()
+        self._base = storage.data_ptr()
+        self._row_bytes = row_bytes
+        self._pinned = torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
+        self._host = self._pinned.numpy()
+        with torch.cuda.device(self._device):
+            self._stream = torch.cuda.Stream(self._device)
+        self._lock = threading.Lock()  # one pinned row: one read at a time
+
+    def read(self, slot: int) -> np.ndarray:
+        with self._lock, self._cuda.on_device(self._device):
+            self._cuda.memcpy_async(self._host.ctypes.data, self._base + slot * self._row_bytes, self._row_bytes,
+                                    self._stream.cuda_stream)
+            self._cuda.stream_synchronize(self._stream.cuda_stream)
+            return self._host.copy()
+
+
 class AuxBuffers:
     """An endpoint's aux rows: a packed uint8 ``[rows, row_bytes]`` tensor, or a mapping
     ``{region: tensor[rows, *shape]}``; checked against the schema when built."""
@@ -149,8 +182,10 @@ class AuxBuffers:
         self.row_base = packed_base(schema, self.regions)  # (None: rows are not one packed store)
         self.capacity_rows = min(a.capacity_rows for a in self.regions.values())
         # packed rows in host memory: read through a numpy view of the same bytes (no torch call
-        # on the commit's path; the view follows every write into the storage)
+        # on the commit's path; the view follows every write into the storage); in device memory,
+        # through one pinned row (made on the first read)
         self._host_rows = _host_uint8(storage) if self.packed else None
+        self._device_rows: _DeviceRows | None = None
 
     @staticmethod
     def _readable(buf: Any, item_bytes: int, where: str) -> Any:
@@ -241,6 +276,10 @@ class AuxBuffers:
         if self._host_rows is not None:
             return self._host_rows[slot].copy()
         if self.packed:
+            if self._device_rows is None and _on_cuda(self.storage):
+                self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
+            if self._device_rows is not None:
+                return self._device_rows.read(slot)
             return _row_bytes(self.storage, slot)
         row = np.zeros(self.schema.row_bytes, dtype=np.uint8)
         for r in self.schema.regions:

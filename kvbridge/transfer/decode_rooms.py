@@ -167,7 +167,7 @@ class RoomBook(PeerLiveness):
     def topology_ready(self, r: RecvRoom, topo: LookupResponse, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
         so under steady traffic the cache still expires every ``topology_ttl``."""
-        if any(s.pp_rank != 0 for s in topo.ranks):
+        if topo.topology.pp_size != 1:  # (the daemon keeps every rank's pp_rank below its pp_size)
             self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
                          "pipeline-parallel prefill is not supported yet")
             return
@@ -282,7 +282,7 @@ class RoomBook(PeerLiveness):
                     r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
-                if msg.num_tokens:
+                if msg.num_tokens and msg.num_tokens != r.num_tokens:
                     self.learn_num_tokens(r, msg.num_tokens, f"{self._label(msg, endpoint, key)} (with the aux row)")
         elif isinstance(msg, wire.AbortAck):
             r.quiet.add(key)

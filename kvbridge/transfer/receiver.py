@@ -58,6 +58,9 @@ class Placement:
 
     @classmethod
     def of(cls, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
+        if any(r.pp_rank for r in topo.ranks):
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists pipeline stages past the "
+                                "first; pipeline-parallel prefill is not supported yet", room=room, field="ranks")
         senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
         need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
         if need - set(senders):

@@ -31,6 +31,7 @@ from kvbridge.errors import EngineError
 
 _RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _DEVICE, _MANAGED = 2, 3  # cudaMemoryType
 
@@ -120,6 +121,25 @@ class Cuda:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self.rt.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
                     f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes})")
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check(self.rt.cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize")
+
+    def event_create(self) -> int:
+        """An event without timing (for ordering only); ``event_destroy`` it."""
+        event = ctypes.c_void_p()
+        self._check(self.rt.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                    "cudaEventCreateWithFlags")
+        return int(event.value)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self.rt.cudaEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self.rt.cudaEventSynchronize(ctypes.c_void_p(event)), "cudaEventSynchronize")
+
+    def event_destroy(self, event: int) -> None:
+        self.rt.cudaEventDestroy(ctypes.c_void_p(event))
 
 
 class Mappings:

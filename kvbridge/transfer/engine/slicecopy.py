@@ -23,6 +23,8 @@ used by the engine for host regions and by tests on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
+import threading
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -33,6 +35,8 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 # 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
 DIRECT_MIN_BYTES = 8 << 20
 HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index arrays)
+TABLE_SLOTS = 4  # piece tables a copier cycles through (a launch fills one while the last copies run)
+MIN_TABLE_ROWS = 4096
 
 
 def plan_pieces(
@@ -99,36 +103,68 @@ class CudaCopier:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
             self._base = torch.zeros(4, dtype=torch.int32, device=self.device)  # offsets are relative to this
+        self._base_b = self._base.view(torch.uint8)
         self._base_addr = np.uint64(self._base.data_ptr())
+        self._tables: list[_Table | None] = [None] * TABLE_SLOTS
+        self._next_table = 0
+        self._lock = threading.Lock()  # the tables: one launch at a time fills and posts one
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_programs = max(1, sms * programs_per_sm)
 
     def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[dict[str, int], Any]:
-        """Enqueue the copy of every slice on ``stream``; returns (counts, what must stay alive until done)."""
+        """Enqueue the copy of every slice on ``stream``; returns (counts, what must stay alive until done:
+        nothing now, the piece tables are the copier's own)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
         direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else np.zeros(length.size, bool)
         keep = None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if not direct.all():
-                small = ~direct
-                ps, pd, pn = plan_pieces(src[small], dst[small], length[small], self.chunk)
-                table = torch.empty((ps.size, 3), dtype=torch.int64, pin_memory=True)
-                rows = table.numpy()
-                rows[:, 0] = (ps - self._base_addr).view(np.int64)  # two's complement: offsets may be negative
-                rows[:, 1] = (pd - self._base_addr).view(np.int64)
-                rows[:, 2] = pn.view(np.int64)
-                keep = table.to(self.device, non_blocking=True)
-                grid = (min(ps.size, self.max_programs),)
-                _kernel()[grid](self._base, self._base.view(torch.uint8), keep, ps.size, WORDS=self.words,
-                                BYTES=1024, num_warps=self.num_warps)
-                counts.update(kernel_slices=int(small.sum()), kernel_pieces=int(ps.size), kernel_launches=1)
+                small = None if not direct.any() else ~direct
+                ps, pd, pn = plan_pieces(src, dst, length, self.chunk) if small is None else \
+                    plan_pieces(src[small], dst[small], length[small], self.chunk)
+                with self._lock:
+                    table = self._table(ps.size)
+                    rows = table.host[: ps.size]
+                    rows[:, 0] = (ps - self._base_addr).view(np.int64)  # two's complement: offsets may be negative
+                    rows[:, 1] = (pd - self._base_addr).view(np.int64)
+                    rows[:, 2] = pn.view(np.int64)
+                    handle = self.stream.cuda_stream
+                    self._cuda.memcpy_async(table.device_addr, table.host.ctypes.data, ps.size * 24, handle)
+                    self._cuda.event_record(table.event, handle)  # the host rows may be refilled once it passed
+                    table.pending = True
+                    grid = (min(ps.size, self.max_programs),)
+                    _kernel()[grid](self._base, self._base_b, table.device, ps.size, WORDS=self.words,
+                                    BYTES=1024, num_warps=self.num_warps)
+                counts.update(kernel_slices=int(length.size if small is None else small.sum()), kernel_pieces=int(ps.size),
+                              kernel_launches=1)
             if direct.any():
                 handle = self.stream.cuda_stream
                 for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
                     self._cuda.memcpy_async(d, s, n, handle)
                 counts["direct_slices"] = int(direct.sum())
         return counts, keep
+
+    def _table(self, num_rows: int) -> _Table:
+        """The next of TABLE_SLOTS piece tables (lock held), its host rows free to fill: the copy of its
+        last use to the device has passed (its event). The device rows need no wait: the copies and
+        kernels that use them run in order on ``stream``. Grown (doubling) when too small."""
+        i = self._next_table
+        self._next_table = (i + 1) % TABLE_SLOTS
+        table = self._tables[i]
+        if table is not None and table.pending:
+            self._cuda.event_synchronize(table.event)
+            table.pending = False
+        if table is None or table.rows < num_rows:
+            torch = self._torch
+            rows = max(num_rows, MIN_TABLE_ROWS, 2 * table.rows if table is not None else 0)
+            event = table.event if table is not None else self._cuda.event_create()
+            if table is not None:  # a kernel queued on the stream may still read the old rows
+                table.device.record_stream(self.stream)
+            host = torch.empty((rows, 3), dtype=torch.int64, pin_memory=True)
+            device = torch.empty((rows, 3), dtype=torch.int64, device=self.device)
+            table = self._tables[i] = _Table(host, host.numpy(), device, device.data_ptr(), rows, event)
+        return table
 
     def wait_for(self, after: Any) -> None:
         """Make ``stream`` wait for the producer's events (CUDA events: on the GPU; others: on the host)."""
@@ -154,6 +190,19 @@ class CudaCopier:
         event = self._torch.cuda.Event()
         event.record(self.stream)
         return event
+
+
+@dataclass
+class _Table:
+    """One piece table: pinned host rows filled by ``launch``, copied to ``device`` on the stream."""
+
+    pinned: Any  # the torch tensor that owns the host rows
+    host: np.ndarray
+    device: Any
+    device_addr: int
+    rows: int
+    event: int  # recorded after the last copy of ``host`` to the device
+    pending: bool = False
 
 
 @cache
