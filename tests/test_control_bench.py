@@ -1,6 +1,6 @@
 """scripts/control_bench.py (the README's figure for the control path in one process) runs
-and reports rooms that reached Success; scripts/zmq_rtt.py (the README's figure for one
-control hop) runs against its echo process."""
+and reports rooms that reached Success; scripts/control_rtt.py (the README's figures for one
+control hop, kvbridge's channel and ZMQ) runs against its echo processes."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ def test_control_bench_runs_rooms_to_success():
     assert "receiver() -> Success p50" in done.stdout
 
 
-def test_zmq_rtt_reports_both_round_trips():
-    done = subprocess.run([sys.executable, str(SCRIPTS / "zmq_rtt.py"), "--rounds", "100", "--idle-ms", "1"],
+def test_control_rtt_reports_both_round_trips_of_both_channels():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "control_rtt.py"), "--rounds", "100", "--idle-ms", "1"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and "back to back: p50" in lines[0] and "after 1 ms idle: p50" in lines[1]
-    assert "(100 round trips)" in lines[0] and "(50 round trips)" in lines[1]
+    assert len(lines) == 4
+    for name, hot, idle in (("kvbridge channel", lines[0], lines[1]), ("ZMQ", lines[2], lines[3])):
+        assert hot.startswith(name) and idle.startswith(name)
+        assert "back to back: p50" in hot and "after 1 ms idle: p50" in idle
+        assert "(100 round trips)" in hot and "(50 round trips)" in idle
