@@ -418,7 +418,9 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
 @pytest.mark.mooncake
 @pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")
 def test_mooncake_posts_a_small_write_itself_and_queues_the_rest_behind_the_pump() -> None:
-    from kvbridge.transfer.engine.mooncake import DIRECT_MAX_SLICES
+    """Over TCP (these engines) a post only queues slices: the caller posts up to
+    DIRECT_MAX_SLICES_TCP slices of any size to an idle session."""
+    from kvbridge.transfer.engine.mooncake import DIRECT_MAX_SLICES_TCP as DIRECT_MAX_SLICES
 
     a, b = create_engine("mooncake"), create_engine("mooncake")
     num = 3 * DIRECT_MAX_SLICES
