@@ -2,5 +2,6 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 3  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
-# 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone)
+WIRE_VERSION = 4  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+# 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
+# 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)

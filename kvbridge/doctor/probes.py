@@ -1,7 +1,7 @@
 """The data-path hops of ``kvbridge doctor``: a rank's control endpoint and its
 transfer-engine session, probed from this host.
 
-Control: a ``Ping`` over the real ZMQ channel, sealed with the cluster secret, must come
+Control: a ``Ping`` over the real control channel, sealed with the cluster secret, must come
 back as a ``Heartbeat``. A TCP connect first tells "nobody listens" apart from "listens,
 but does not answer us" (a rank drops what does not carry its secret, without a word).
 
@@ -87,6 +87,10 @@ def _ping(peers: PeerSet, label: str, endpoint: str, seq: int, secret: bytes | N
                 ms = 1000 * (time.monotonic() - t0)
                 return Check("control", label, OK, f"{endpoint}: Heartbeat from cp{msg.cp_rank} in {ms:.1f} ms "
                              f"({'authenticated' if secret else 'no secret'})", seconds=time.monotonic() - t0)
+            if isinstance(msg, ProtocolError) and msg.field == "v":  # another kvbridge's wire protocol
+                return Check("control", label, FAIL, f"{endpoint}: answer refused here: {msg}"[:300],
+                             "doctor and the rank run kvbridge versions of different wire protocols "
+                             "(kvbridge version): run the same one", seconds=time.monotonic() - t0)
             if isinstance(msg, ProtocolError):  # the answer does not open with our secret
                 return Check("control", label, FAIL, f"{endpoint}: answer refused here: {msg}"[:300],
                              "doctor and the rank disagree on the cluster secret (--secret / KVBRIDGE_SECRET): "

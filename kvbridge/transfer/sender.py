@@ -67,7 +67,7 @@ class Target:
     """One decode rank that receives this room (checked against what it registered)."""
 
     decode_rank: str
-    ident: bytes  # ZMQ routing id of the decode rank's connection
+    ident: bytes  # the id of the decode rank's connection to our control server
     session: str
     first_page: int  # decode already holds logical pages [0, first_page)
     dst_pages: np.ndarray  # logical page first_page + i -> destination physical page dst_pages[i]

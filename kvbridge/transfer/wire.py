@@ -309,7 +309,7 @@ def unseal(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MES
 
 
 def auth_limit(max_bytes: int) -> int:
-    """The largest message read far enough to authenticate (the channel's ZMQ limit too)."""
+    """The largest message read far enough to authenticate (the channel's frame limit too)."""
     return 2 * max_bytes + 1024
 
 
