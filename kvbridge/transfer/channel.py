@@ -41,8 +41,11 @@ PeerLost), frames per connection per ``recv_ready``, bytes read per socket per c
 connections per server and peers per PeerSet, items in a wakeup queue.
 
 A client connects on first use and again, every RECONNECT_S to RECONNECT_MAX_S, while the
-peer is unreachable; frames sent meanwhile wait (up to ``hwm``) and go out once connected,
-as they would have with a ZMQ DEALER. A server's peer is its connection: once it closes,
+peer is unreachable (a connect nobody answers is given CONNECT_TIMEOUT_S); frames sent
+meanwhile wait (up to ``hwm``) and go out once connected, as they would have with a ZMQ
+DEALER. A server that cannot accept (out of file descriptors) stops listening for
+ACCEPT_PAUSE_S instead of spinning. A connection that ends delivers every complete frame it
+carried first. A server's peer is its connection: once it closes,
 sending to it is PeerLost. Closing drops what waits, at once (linger 0).
 """
 
@@ -75,6 +78,8 @@ MAX_CONNECTIONS = 4096  # a server's accepted connections; more are closed at on
 MAX_WAKEUP_ITEMS = 10_000
 RECONNECT_S = 0.05
 RECONNECT_MAX_S = 1.0
+CONNECT_TIMEOUT_S = 5.0  # a connect nobody answers (a black-holed address) is given up and tried again
+ACCEPT_PAUSE_S = 0.1  # accepts pause this long after one failed (out of file descriptors)
 _IN = select.POLLIN | select.POLLPRI
 _OUT = select.POLLOUT
 _BROKEN = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -177,6 +182,10 @@ class _Channel(Generic[PeerT]):
     def _other_event(self, fd: int) -> None:
         """An fd of the subclass's own fired (the server's listener)."""
 
+    def _broken(self, stream: Stream, why: str) -> None:
+        """Sending on ``stream`` failed (io lock held): by default the connection is lost."""
+        self._lost(stream, why)
+
     def _timeout_ms(self, timeout_ms: int) -> int:
         return timeout_ms
 
@@ -200,6 +209,7 @@ class _Channel(Generic[PeerT]):
         with self._io:
             if self._closed:
                 return out
+            self._housekeeping()  # (never raises: reconnects and pauses that fail are rescheduled)
             for fd, ev in events:
                 stream = self._by_fd.get(fd)
                 if stream is None:
@@ -211,14 +221,17 @@ class _Channel(Generic[PeerT]):
                 try:
                     if ev & _OUT:
                         self._writable(stream)
-                    alive = stream.read() if ev & (_IN | _BROKEN) and stream.sock is not None else True
+                    # frames already waiting are handled first: no more bytes are taken from a socket
+                    # meanwhile (the reader's memory stays bounded, and the sender feels TCP's push-back)
+                    ready = stream.sock is not None and not stream.reader.ready
+                    alive = stream.read() if ev & (_IN | _BROKEN) and ready else True
                 except OSError as exc:
                     alive, why = False, str(exc)
                 else:
                     why = "closed by the peer"
                 if stream.sock is None:  # (a connect that failed: already lost)
                     continue
-                self._frames(stream, out)  # what arrived before the end still counts
+                self._frames(stream, out, limit=MAX_BATCH if alive else None)  # what came before the end counts
                 if stream.sock is None:  # an oversized frame closed it
                     continue
                 if alive:
@@ -228,12 +241,13 @@ class _Channel(Generic[PeerT]):
             for stream in list(self._backlog):
                 self._backlog.discard(stream)
                 self._frames(stream, out)
-            self._housekeeping()
         return out
 
-    def _frames(self, stream: Stream, out: list[Received[PeerT]]) -> None:
+    def _frames(self, stream: Stream, out: list[Received[PeerT]], limit: int | None = MAX_BATCH) -> None:
+        """Decode the complete frames ``stream`` holds: at most ``limit`` (the rest at the next call),
+        or every one (``None``: the connection is ending)."""
         try:
-            bodies = stream.reader.frames(MAX_BATCH)
+            bodies = stream.reader.frames(limit if limit is not None else 1 << 62)
         except FrameError as exc:  # oversized: the sender gets no answer, its connection is closed
             self.stats.dropped += 1
             log.warning("control channel: closing a connection that sent an oversized frame: %s", exc)
@@ -281,8 +295,10 @@ class _Channel(Generic[PeerT]):
         except QueueFull:
             raise PeerLost(f"control channel to {who}: send queue full ({self.hwm} messages); peer gone or "
                            "stalled") from None
-        except OSError as exc:  # the connection broke under the send: the frame waits for the next one
-            self._lost(stream, str(exc))
+        except OSError as exc:  # the connection broke under the send
+            self.stats.sent += 1
+            self._broken(stream, str(exc))
+            return
         self.stats.sent += 1
         if stream.wants_write and stream.sock is not None:
             self._interest(stream)
@@ -317,15 +333,14 @@ class _Channel(Generic[PeerT]):
             self.wakeup.post()
 
     def _close(self, streams: list[Stream], others: list[socket.socket] = ()) -> None:
-        with self._io:
-            if self._closed:
-                return
-            self._closed = True
-            for stream in streams:
-                self._unwatch(stream)
-                stream.close()
-            for sock in others:
-                sock.close()
+        """Close everything (io lock held by the caller, who collected ``streams`` under it: nothing
+        is accepted or connected in between)."""
+        self._closed = True
+        for stream in streams:
+            self._unwatch(stream)
+            stream.close()
+        for sock in others:
+            sock.close()
         self.wakeup.close()
 
 
@@ -352,7 +367,19 @@ class ControlServer(_Channel[bytes]):
         self.endpoint: str = f"tcp://{_bracket(host)}:{self.port}"
         self._peers: dict[bytes, Stream] = {}
         self._ids = itertools.count(1)
+        self._accept_failures = 0
+        self._listen_paused = 0.0  # accepts resume at this monotonic time (0: listening)
         self._poller.register(self._listener.fileno(), select.POLLIN)
+
+    def _timeout_ms(self, timeout_ms: int) -> int:
+        if not self._listen_paused:
+            return timeout_ms
+        return max(0, min(timeout_ms, int((self._listen_paused - time.monotonic()) * 1000) + 1))
+
+    def _housekeeping(self) -> None:
+        if self._listen_paused and time.monotonic() >= self._listen_paused:
+            self._listen_paused = 0.0
+            self._poller.register(self._listener.fileno(), select.POLLIN)
 
     def send(self, peer: bytes, msg: Message) -> None:
         """Send to a connected peer (any thread); PeerLost when it is gone or its queue is full."""
@@ -363,22 +390,41 @@ class ControlServer(_Channel[bytes]):
         who = f"peer {peer.hex()}"
         with self._io:
             stream = self._peers.get(peer)
-            if stream is None or stream.sock is None:
+            if stream is None or stream.sock is None or stream.broken:
                 raise PeerLost(f"control channel to {who}: peer not connected")
             self._send(stream, data, who)
-            if stream.sock is None:  # the connection broke under the send
+            if stream.sock is None or stream.broken:  # the connection broke under the send
                 raise PeerLost(f"control channel to {who}: connection closed")
 
+    def _broken(self, stream: Stream, why: str) -> None:
+        """The peer stopped reading: nothing more is sent to it, but what it sent before closing is
+        still read (and handled) until its end of the stream."""
+        stream.broken = True
+        stream.drop_output()
+        self._interest(stream)
+
+    def _writable(self, stream: Stream) -> None:
+        try:
+            stream.flush()
+        except OSError as exc:
+            self._broken(stream, str(exc))
+
     def _other_event(self, fd: int) -> None:
-        if fd != self._listener.fileno():
+        if fd != self._listener.fileno() or self._listen_paused:  # (a readiness event from before the pause)
             return
         for _ in range(64):  # connections accepted per wake-up: the rest wait for the next
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of file descriptors, say: the listener stays
-                log.warning("control channel %s: accept failed: %s", self.endpoint, exc)
+            except OSError as exc:  # out of file descriptors, say: stop listening for a moment (the
+                # listener stays readable, so polling it now would spin), then again
+                self._accept_failures += 1
+                if _power_of_two(self._accept_failures):
+                    log.warning("control channel %s: accept failed (%d times): %s; pausing accepts %.1fs",
+                                self.endpoint, self._accept_failures, exc, ACCEPT_PAUSE_S)
+                self._poller.unregister(self._listener.fileno())
+                self._listen_paused = time.monotonic() + ACCEPT_PAUSE_S
                 return
             if len(self._peers) >= MAX_CONNECTIONS:
                 log.warning("control channel %s: %d connections open; refusing another", self.endpoint,
@@ -412,11 +458,13 @@ class ControlServer(_Channel[bytes]):
 
     def close(self) -> None:
         with self._io:
+            if self._closed:
+                return
             streams = list(self._peers.values())
             self._peers.clear()
-            if not self._closed:
+            if not self._listen_paused:
                 self._poller.unregister(self._listener.fileno())
-        self._close(streams, [self._listener])
+            self._close(streams, [self._listener])
 
 
 class ControlClient:
@@ -429,6 +477,7 @@ class ControlClient:
         self.stream = Stream(None, max_frame, hwm)
         self.stream.client = self  # type: ignore[attr-defined]
         self.connecting = False
+        self.connect_by = 0.0  # a connect under way fails at this monotonic time
         self.retry_at = 0.0
         self.backoff = RECONNECT_S
         self.dropped = False
@@ -456,6 +505,7 @@ class PeerSet(_Channel[str]):
         self.max_peers = max_peers
         self._clients: dict[str, ControlClient] = {}
         self._retry: set[ControlClient] = set()  # disconnected clients waiting for their next attempt
+        self._connecting: set[ControlClient] = set()  # connects under way (each given CONNECT_TIMEOUT_S)
 
     def get(self, endpoint: str) -> ControlClient:
         """The client of ``endpoint``, connected on first use (any thread)."""
@@ -493,7 +543,9 @@ class PeerSet(_Channel[str]):
             client = self._clients.pop(endpoint, None)
             if client is not None:
                 client.dropped = True
+                client.connecting = False
                 self._retry.discard(client)
+                self._connecting.discard(client)
                 self._unwatch(client.stream)
                 client.stream.close()
 
@@ -502,15 +554,22 @@ class PeerSet(_Channel[str]):
 
     def close(self) -> None:
         with self._io:
+            if self._closed:
+                return
             streams = [c.stream for c in self._clients.values()]
+            for client in self._clients.values():
+                client.connecting = False
             self._clients.clear()
             self._retry.clear()
-        self._close(streams)
+            self._connecting.clear()
+            self._close(streams)
 
     # -- connections (io lock held) --------------------------------------------------------------
 
     def _send_client(self, client: ControlClient, data: bytes) -> None:
         with self._io:
+            if self._closed:
+                raise TransferError("control channel is closed")
             if client.dropped:
                 raise TransferError(f"control channel to {client.endpoint} was dropped")
             if client.stream.sock is None and not self._closed and time.monotonic() >= client.retry_at:
@@ -520,12 +579,22 @@ class PeerSet(_Channel[str]):
             self._send(client.stream, data, client.endpoint)
 
     def _connect(self, client: ControlClient) -> None:
+        """Start connecting (never raises: a failure, out of file descriptors included, schedules the
+        next attempt)."""
         family, sockaddr = client.address
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        if family != socket.AF_UNIX:
-            _nodelay(sock)
-        err = sock.connect_ex(sockaddr)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            log.debug("control channel to %s: no socket (%s); retrying", client.endpoint, exc)
+            self._later(client)
+            return
+        try:
+            sock.setblocking(False)
+            if family != socket.AF_UNIX:
+                _nodelay(sock)
+            err = sock.connect_ex(sockaddr)
+        except OSError as exc:
+            err = exc.errno or errno.EIO
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             sock.close()
             self._later(client)
@@ -533,6 +602,9 @@ class PeerSet(_Channel[str]):
         self._retry.discard(client)
         client.stream.reset(sock, connected=err == 0)
         client.connecting = err != 0
+        if client.connecting:
+            client.connect_by = time.monotonic() + CONNECT_TIMEOUT_S
+            self._connecting.add(client)
         self._watch(client.stream)
         if client.connecting:
             self._finish_connect(client)
@@ -543,14 +615,13 @@ class PeerSet(_Channel[str]):
                 self._lost(client.stream, str(exc))
 
     def _finish_connect(self, client: ControlClient) -> None:
-        """Complete a connect under way if the socket says it is (never waits)."""
-        if select.select([], [client.stream.sock], [], 0)[1]:
-            try:
-                self._writable(client.stream)
-            except OSError as exc:
-                self._lost(client.stream, str(exc))
-            else:
-                self._interest(client.stream)
+        """Complete a connect under way if the socket says it is done (never waits)."""
+        try:
+            self._writable(client.stream)
+        except OSError as exc:
+            self._lost(client.stream, str(exc))
+        else:
+            self._interest(client.stream)
 
     def _writable(self, stream: Stream) -> None:
         client: ControlClient = stream.client  # type: ignore[attr-defined]
@@ -558,13 +629,19 @@ class PeerSet(_Channel[str]):
             err = stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 raise OSError(err, os.strerror(err))
+            try:  # done only once the socket has a peer (a stale readiness event of a reused fd: not yet)
+                stream.sock.getpeername()
+            except OSError:
+                return
             client.connecting = False
+            self._connecting.discard(client)
             stream.connected = True
             client.backoff = RECONNECT_S
         stream.flush()
 
     def _lost(self, stream: Stream, why: str) -> None:
         client: ControlClient = stream.client  # type: ignore[attr-defined]
+        self._connecting.discard(client)
         self._unwatch(stream)
         stream.close()
         if client.dropped or self._clients.get(client.endpoint) is not client:
@@ -574,20 +651,23 @@ class PeerSet(_Channel[str]):
 
     def _later(self, client: ControlClient) -> None:
         client.connecting = False
+        self._connecting.discard(client)
         client.retry_at = time.monotonic() + client.backoff
         client.backoff = min(2 * client.backoff, RECONNECT_MAX_S)
         self._retry.add(client)
 
     def _timeout_ms(self, timeout_ms: int) -> int:
-        if not self._retry:
+        if not self._retry and not self._connecting:
             return timeout_ms
-        due = min(c.retry_at for c in self._retry) - time.monotonic()
+        due = min([c.retry_at for c in self._retry] + [c.connect_by for c in self._connecting]) - time.monotonic()
         return max(0, min(timeout_ms, int(due * 1000) + 1))
 
     def _housekeeping(self) -> None:
-        if not self._retry:
+        if not self._retry and not self._connecting:
             return
         now = time.monotonic()
+        for client in [c for c in self._connecting if c.connect_by <= now]:  # a peer that never answers
+            self._lost(client.stream, f"no connection within {CONNECT_TIMEOUT_S:g}s")
         for client in [c for c in self._retry if c.retry_at <= now]:
             self._connect(client)
 

@@ -24,6 +24,7 @@ import socket
 import struct
 
 HEADER = struct.Struct(">I")
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error here, never a SIGPIPE
 READ_CHUNK = 256 << 10
 READ_PER_CALL = 4 << 20  # bytes one read() takes from one socket (other sockets get their turn)
 
@@ -88,6 +89,7 @@ class Stream:
     def __init__(self, sock: socket.socket | None, max_frame: int, hwm: int) -> None:
         self.sock = sock
         self.connected = sock is not None  # False while a connect is under way
+        self.broken = False  # sending failed (the peer stopped reading): nothing more is sent
         self.events = 0  # what its channel polls it for
         self.reader = FrameReader(max_frame)
         self.hwm = hwm
@@ -121,7 +123,7 @@ class Stream:
         while out and self.connected:
             first = out[0]
             try:
-                sent = sock.send(memoryview(first)[self._sent :] if self._sent else first)
+                sent = sock.send(memoryview(first)[self._sent :] if self._sent else first, _NOSIGNAL)
             except BlockingIOError:
                 return
             self._sent += sent
@@ -150,8 +152,14 @@ class Stream:
         """A new connection (or none): partial input is dropped, the frame being sent starts over."""
         self.sock = sock
         self.connected = sock is not None and connected
+        self.broken = False
         self.events = 0
         self.reader.clear()
+        self._sent = 0
+
+    def drop_output(self) -> None:
+        """Forget what waits to be sent (a connection that cannot take it any more)."""
+        self._out.clear()
         self._sent = 0
 
     def close(self) -> None:

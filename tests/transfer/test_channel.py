@@ -4,6 +4,7 @@ only its own connection, reconnects, wakeups, close."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -40,7 +41,10 @@ class EchoLoop:
                 if isinstance(msg, ProtocolError):
                     self.errors.append(msg)
                 elif isinstance(msg, Ping):
-                    self.server.send(peer, Heartbeat(cp_rank=0, seq=msg.seq))
+                    try:
+                        self.server.send(peer, Heartbeat(cp_rank=0, seq=msg.seq))
+                    except PeerLost:  # it closed meanwhile (as a prefill rank's _reply, go on)
+                        pass
             for work in self.server.wakeup.drain():
                 if work == "stop":
                     return
@@ -402,3 +406,144 @@ def test_any_thread_may_send_while_the_loops_wait() -> None:
             t.join(5)
         peers.close()
         server.close()
+
+
+def test_a_connection_that_ends_delivers_every_frame_it_carried(served: tuple[ControlServer, EchoLoop]) -> None:
+    """Thousands of frames, then the peer closes: all of them are handled, not the first batches only."""
+    server, _ = served
+    with RawControl(server.endpoint) as raw:
+        raw.send_bytes(b"".join(streams_frame(wire.encode(Ping(decode_rank="d0", seq=i))) for i in range(3000)))
+    deadline = time.monotonic() + 20
+    while server.stats.received < 3000 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.stats.received == 3000 and server.stats.malformed == 0
+
+
+def test_a_flood_is_read_no_faster_than_it_is_handled() -> None:
+    """While complete frames wait, no more bytes are taken from that socket: the reader's buffer
+    stays bounded and the sender meets TCP's push-back (here: 40 MiB of empty, unauthenticated
+    frames, each dropped and counted)."""
+    from kvbridge.transfer.streams import READ_PER_CALL
+
+    server = ControlServer(secret=SECRET)
+    loop = EchoLoop(server)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:  # the reader's buffer (the channel's internals: what this test is about)
+        while not stop.is_set():
+            peak[0] = max([peak[0]] + [len(s.reader._buf) for s in list(server._by_fd.values())])
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with RawControl(server.endpoint, timeout=0.5) as raw:
+            with pytest.raises(TimeoutError):  # push-back: the server takes the bytes as it handles them
+                for _ in range(10):
+                    raw.send_bytes(b"\0\0\0\0" * (1 << 20))
+        assert 0 < peak[0] <= READ_PER_CALL + wire.auth_limit(server.max_bytes) + 4
+        assert server.stats.unauthenticated > 0 and server.stats.error_replies == 0
+    finally:
+        stop.set()
+        watcher.join(5)
+        loop.stop()
+        server.close()
+
+
+def test_sockets_past_fd_1024_connect_and_send() -> None:
+    """A busy engine holds thousands of file descriptors: the channel never uses select() (which
+    refuses fds of 1024 and more) on its sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200 <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    pad = []
+    try:
+        while len(pad) < 1100:
+            try:
+                pad.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:  # (a lower limit than 1,100 descriptors: the sockets below stay under 1024)
+                break
+        server = ControlServer()
+        loop = EchoLoop(server)
+        peers = PeerSet()
+        try:
+            peers.send(server.endpoint, Ping(decode_rank="d0", seq=9))
+            ((_, beat),) = replies(peers, 1)
+            assert beat == Heartbeat(cp_rank=0, seq=9)
+            assert len(pad) < 1100 or server._listener.fileno() >= 1024
+        finally:
+            peers.close()
+            loop.stop()
+            server.close()
+    finally:
+        for fd in pad:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+ACCEPT_EMFILE = r"""
+import logging, resource, socket, sys, threading, time
+from kvbridge.transfer import wire
+from kvbridge.transfer.channel import ControlServer
+warnings = []
+class Count(logging.Handler):
+    def emit(self, record): warnings.append(record.getMessage())
+logging.getLogger("kvbridge.transfer.channel").addHandler(Count())
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+server, stop, turns = ControlServer(), threading.Event(), [0]
+def loop():
+    while not stop.is_set():
+        for peer, msg in server.recv_ready(50):
+            server.send(peer, wire.Heartbeat(cp_rank=0, seq=msg.seq))
+        turns[0] += 1
+threading.Thread(target=loop, daemon=True).start()
+print(server.port, flush=True)
+sys.stdin.readline()  # the test has opened connections until accepts failed
+print(sum("accept failed" in w for w in warnings), turns[0], flush=True)
+sys.stdin.readline()
+stop.set(); server.wakeup.post(); time.sleep(0.2); server.close()
+"""
+
+
+def test_a_server_out_of_file_descriptors_pauses_accepts_instead_of_spinning() -> None:
+    """accept() failing (EMFILE) leaves the listener readable: the server stops polling it for a
+    moment, logs rarely, and serves again once descriptors are free."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", ACCEPT_EMFILE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    clients: list[socket.socket] = []
+    try:
+        port = int(proc.stdout.readline())
+        for _ in range(200):  # more than its 64 descriptors
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1.0)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        failures, turns = map(int, proc.stdout.readline().split())
+        assert 1 <= failures <= 12, failures  # logged at powers of two, not per loop turn
+        assert turns < 2000, turns  # paused for 0.1 s at a time: no spinning on the readable listener
+        for c in clients:
+            c.close()
+        clients.clear()
+        peers = PeerSet()
+        try:
+            peers.send(f"tcp://127.0.0.1:{port}", Ping(decode_rank="d0", seq=4))
+            ((_, beat),) = replies(peers, 1, timeout=10)
+            assert beat == Heartbeat(cp_rank=0, seq=4)  # accepting again
+        finally:
+            peers.close()
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
