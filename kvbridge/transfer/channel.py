@@ -8,7 +8,7 @@
 The sockets are the channel's own: a message is one ``send`` on the sending thread and one
 ``recv`` on the receiving loop thread, with no broker thread in between (ZMQ's I/O threads
 were two thread hand-offs per message; on these VMs a hand-off to an idle thread costs more
-than the rest of the hop: ``scripts/zmq_rtt.py`` measures both).
+than the rest of the hop: ``scripts/control_rtt.py`` measures both).
 
 One loop thread receives; any thread may send. Every socket call goes through one lock,
 and the loop waits on file descriptors only (the wakeup pipe and the sockets), never inside
