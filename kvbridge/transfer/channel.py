@@ -96,7 +96,6 @@ class ChannelStats:
     sent: int = 0
     error_replies: int = 0
     dropped: int = 0  # connections closed for an oversized frame (unanswered)
-    rescued: int = 0  # kept for the metrics' schema: readiness is level-triggered now, nothing is ever lost
 
 
 class Wakeup:
