@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
 REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed before it expires
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
-MAX_PLACEMENTS = 256  # look-up answers placed for our TP route (one per DP group in use)
+MAX_PLACEMENTS = 1024  # DP groups whose last look-up answer is kept placed for our TP route
 
 
 class RoomBook(PeerLiveness):
@@ -52,7 +52,7 @@ class RoomBook(PeerLiveness):
         self.page_size = next(iter(ep.specs.values())).page_size
         self.pools = sorted(ep.specs)
         self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
-        self.placements: dict[int, Placement] = {}  # id(look-up answer) -> its senders for our route
+        self.placements: dict[tuple[str, int], Placement] = {}  # (instance, DP group) -> its last answer, placed
         self.released: deque[RecvRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self.draining: set[int] = set()  # rooms whose handle let go: forgotten once final and quiet
         self.results: deque[Callable[[], None]] = deque()  # pool-thread results, applied by the loop
@@ -187,11 +187,12 @@ class RoomBook(PeerLiveness):
     def placement(self, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
         """The senders of ``topo`` for ``route``, placed once per look-up answer (TopologyError: the
         answer lacks a sender the route needs; nothing is kept then)."""
-        hit = self.placements.get(id(topo))
+        key = (topo.instance, topo.dp_rank)  # one kept per DP group: a newer answer replaces it
+        hit = self.placements.get(key)
         if hit is None or hit.topology is not topo or hit.route is not route:
-            if len(self.placements) >= MAX_PLACEMENTS:  # answers are replaced every topology_ttl
+            if key not in self.placements and len(self.placements) >= MAX_PLACEMENTS:
                 self.placements.clear()
-            hit = self.placements[id(topo)] = Placement.of(topo, route, room)
+            hit = self.placements[key] = Placement.of(topo, route, room)
         return hit
 
     def route(self, prefill_tp: int) -> TPRoute:
