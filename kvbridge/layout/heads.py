@@ -253,7 +253,7 @@ def plan_head_transfer(
             dst_specs, src_bufs, dst_bufs, logical_pages, src_pages, dst_pages, num_tokens,
             pools=names, room=room, rank=rank, paired=paired,
         )
-    logical, src, dst, num_valid_last, paired = _checked_pages(
+    logical, src, dst, _, num_valid_last, paired = _checked_pages(
         logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
         lambda: pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank),
         ctx,

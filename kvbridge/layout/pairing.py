@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-import functools
 from functools import cached_property
 from typing import Any
 
@@ -125,7 +124,7 @@ class LayoutGroup:
     def num_layers(self) -> int:
         return len(self.src_base)
 
-    @functools.cached_property
+    @cached_property
     def bases(self) -> np.ndarray:
         """``(2, layers, 1)``: source bases, then destination bases (the planner moves both at once)."""
         return np.stack((self.src_base, self.dst_base))

@@ -116,12 +116,10 @@ def plan_transfer(
             f"pools {names} share one page mapping but have page sizes {sorted(page_sizes)}", field="page_size", **ctx
         )
     page_size = page_sizes.pop() if names else 1
-    logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
-    increasing, num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
-    if paired is None:
-        paired = pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank)
-    elif paired.pools != names:
-        raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
+    logical, src, dst, increasing, num_valid_last, paired = _checked_pages(
+        logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
+        lambda: pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank), ctx,
+    )
     pages = np.array((src, dst))  # (2, n): source and destination move through every step together
     if len(logical):
         (src_lo, dst_lo), (src_hi, dst_hi) = pages.min(axis=1).tolist(), pages.max(axis=1).tolist()
@@ -151,8 +149,9 @@ def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int,
         runs (consecutive on both sides)     r0        r1   r2 (ends in the partial page p)
         slice (layer l, run r)               src_base[l] + src[start r] * bytes_per_page[l], ...
         rows                                 r2 cut short by p's tail rows
-        values_then_scales                   p is a run of its own: its slice keeps the valid
-                                             value bytes, one more slice the valid scale bytes
+        values_then_scales                   p leaves its run for a slice of its valid value bytes
+                                             (or keeps it, when p is the run) and one more slice
+                                             of its valid scale bytes
 
     Written straight into the plan's arrays (a scattered 128K-token room is 126,000 slices
     per rank)."""
@@ -215,16 +214,17 @@ def _runs_of(brk: np.ndarray, pages: np.ndarray, partial: int) -> tuple[np.ndarr
 def _checked_pages(
     logical_pages: Any, src_pages: Any, dst_pages: Any, num_tokens: int, page_size: int, names: tuple[str, ...],
     paired: PairedBuffers | None, pair: Callable[[], PairedBuffers], ctx: dict[str, Any],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, PairedBuffers]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool, int, PairedBuffers]:
     """A plan's page arrays and token count checked, and its buffers paired (``pair()`` when
-    ``paired`` is None): ``(logical, src, dst, valid rows of the last page, paired)``."""
+    ``paired`` is None): ``(logical, src, dst, whether logical ascends, valid rows of the last
+    page, paired)``."""
     logical, src, dst = _page_arrays(logical_pages, src_pages, dst_pages, ctx)
-    _, num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
+    increasing, num_valid_last = _check_logical(logical, num_tokens, page_size, ctx)
     if paired is None:
         paired = pair()
     elif paired.pools != names:
         raise LayoutError(f"buffers paired for pools {paired.pools}, plan asked for {names}", field="pools", **ctx)
-    return logical, src, dst, num_valid_last, paired
+    return logical, src, dst, increasing, num_valid_last, paired
 
 
 def _broadcast(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> TransferPlan:

@@ -181,6 +181,8 @@ class SendRoom:
 
     def num_owned_from(self, first_page: int) -> int:
         """Owned pages at or after ``first_page``: what a target with that decode prefix receives."""
+        if first_page <= 0:  # (no prefix: every owned page)
+            return int(self.owned.size)
         return int(np.count_nonzero(self.owned >= first_page))
 
     def target_complete(self, t: Target) -> bool:

@@ -74,7 +74,7 @@ def target_from_request(
     return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
                   dst_pages=dst_pages, pools=pools, aux_dst=peer.aux, aux_slot=req.aux_slot, deadline=deadline,
                   want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base,
-                  num_expected=room.num_owned_from(req.first_page) if req.first_page else int(room.owned.size),
+                  num_expected=room.num_owned_from(req.first_page),
                   aux_source=route.aux_source, num_decode_targets=route.num_drawing)
 
 

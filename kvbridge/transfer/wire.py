@@ -32,8 +32,8 @@ import hashlib
 import hmac
 import types
 import typing
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 import msgpack

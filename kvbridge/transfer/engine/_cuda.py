@@ -126,7 +126,8 @@ class Cuda:
         self._check(self.rt.cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize")
 
     def event_create(self) -> int:
-        """An event without timing (for ordering only); ``event_destroy`` it."""
+        """An event without timing (for ordering only), kept for its owner's lifetime (a copier's
+        piece tables: four per process)."""
         event = ctypes.c_void_p()
         self._check(self.rt.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
                     "cudaEventCreateWithFlags")
@@ -138,8 +139,6 @@ class Cuda:
     def event_synchronize(self, event: int) -> None:
         self._check(self.rt.cudaEventSynchronize(ctypes.c_void_p(event)), "cudaEventSynchronize")
 
-    def event_destroy(self, event: int) -> None:
-        self.rt.cudaEventDestroy(ctypes.c_void_p(event))
 
 
 class Mappings:

@@ -89,7 +89,6 @@ class _Batch:
     due: float = 0.0
     held: bool = False  # launched by the pump thread (faults), not by submit_write
     event: Any = None
-    keep: Any = None
     counts: dict[str, int] = field(default_factory=dict)
     reason: str = ""
     posted: float = field(default_factory=time.monotonic)
@@ -248,14 +247,12 @@ class IpcEngine(IpcTables, JobEngine):
             copier.wait_for(batch.after)  # the producer's work first, on the GPU: the host does not block
             both = batch.device_src & batch.device_dst
             if both.all():  # every slice device to device (a room of GPU pools): no selection copies
-                counts, keep = copier.launch(batch.src, batch.dst, batch.length)
+                counts = copier.launch(batch.src, batch.dst, batch.length)
             else:
-                counts, keep = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() \
-                    else ({}, None)
+                counts = copier.launch(batch.src[both], batch.dst[both], batch.length[both]) if both.any() else {}
             mixed = cuda_part & ~both
             for s, d, n in zip(batch.src[mixed].tolist(), batch.dst[mixed].tolist(), batch.length[mixed].tolist()):
                 copier.copy_async(d, s, n)
-            batch.keep = keep
             batch.event = copier.record()
             counts["host_device_slices"] = int(mixed.sum())
             counts = {k: v for k, v in counts.items() if v}

@@ -111,13 +111,12 @@ class CudaCopier:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_programs = max(1, sms * programs_per_sm)
 
-    def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[dict[str, int], Any]:
-        """Enqueue the copy of every slice on ``stream``; returns (counts, what must stay alive until done:
-        nothing now, the piece tables are the copier's own)."""
+    def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> dict[str, int]:
+        """Enqueue the copy of every slice on ``stream``; returns what went how (the piece tables
+        are the copier's own: nothing of the launch must be kept alive by the caller)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
         direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else np.zeros(length.size, bool)
-        keep = None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if not direct.all():
                 small = None if not direct.any() else ~direct
@@ -143,7 +142,7 @@ class CudaCopier:
                 for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
                     self._cuda.memcpy_async(d, s, n, handle)
                 counts["direct_slices"] = int(direct.sum())
-        return counts, keep
+        return counts
 
     def _table(self, num_rows: int) -> _Table:
         """The next of TABLE_SLOTS piece tables (lock held), its host rows free to fill: the copy of its
