@@ -4,7 +4,8 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
 
 - errors: ``KVBridgeError`` and its tree (see ``kvbridge.errors``);
 - geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``,
-  ``RawBuffer`` (a buffer given as an address);
+  ``RawBuffer`` (a buffer given as an address), ``HeadGeometry``/``rank_heads`` (the heads a TP rank holds
+  in an MHA/GQA row: heterogeneous TP);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
@@ -28,11 +29,13 @@ from kvbridge.layout import (
     AuxRegion,
     AuxRow,
     AuxSchema,
+    HeadGeometry,
     OwnerLanes,
     PoolSpec,
     RawBuffer,
     deepseek_pools,
     preset_pools,
+    rank_heads,
 )
 from kvbridge.transfer import (
     DecodeConfig,
@@ -58,6 +61,7 @@ __all__ = [
     "BootstrapClient",
     "DecodeConfig",
     "DecodeEndpoint",
+    "HeadGeometry",
     "KVPoll",
     "KVReceiver",
     "KVSender",
@@ -77,5 +81,6 @@ __all__ = [
     "fingerprint",
     "mooncake_available",
     "preset_pools",
+    "rank_heads",
     "start_bootstrap",
 ]

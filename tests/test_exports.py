@@ -12,11 +12,11 @@ import kvbridge.transfer as transfer
 
 EXPECTED = {
     *errors.__all__,
-    "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "KVPoll",
+    "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "HeadGeometry", "KVPoll",
     "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
     "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
-    "fingerprint", "mooncake_available", "preset_pools", "start_bootstrap",
+    "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "start_bootstrap",
 }
 
 
@@ -50,13 +50,13 @@ def test_import_is_light():
 
 
 def test_the_transformers_integration_imports_only_public_names():
-    """Model mode is an integration like any engine's: kvbridge's public API (``kvbridge``,
-    ``kvbridge.layout``) and its own modules, nothing deeper."""
+    """Model mode is an integration like any engine's: kvbridge's public API (``kvbridge``)
+    and its own modules, nothing deeper."""
     import ast
     from pathlib import Path
 
     root = Path(kvbridge.__file__).parent / "integrations" / "transformers"
-    allowed = ("kvbridge", "kvbridge.layout", "kvbridge.integrations.transformers")
+    allowed = ("kvbridge", "kvbridge.integrations.transformers")
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module] if isinstance(node, ast.ImportFrom) else \

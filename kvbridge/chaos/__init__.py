@@ -5,13 +5,14 @@
     cluster.py  the daemon, a CP prefill instance and a decode rank as restartable processes
     traffic.py  rooms through them over the ops channel
     faults.py   one fault injected during traffic, and its accounting
-    engine.py   FaultyEngine: a worker's engine that fails writes on SIGUSR1
     names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors
 
 The report's ``faults`` list has one entry per fault with at least ``fault``,
 ``rooms_affected``, ``seconds_to_failed``, ``reason_names_rank``, ``rooms_after_recovery``
 and ``late_writes``; ``ok`` is False when any fault misbehaved or no fault hit a moment
-with writes in flight. Importing this package is light; ``run`` pulls in the workers.
+with writes in flight. The engine that fails writes on SIGUSR1 lives beside the other
+engines (``kvbridge.transfer.engine.faulty``): a worker builds it from its own config.
+Importing this package is light; ``run`` pulls in the workers.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class WorkerBase:
             max_slices_per_call=self.cfg.max_slices_per_call,
         )
         if self.cfg.chaos_failed_writes:  # testing: SIGUSR1 arms it (runtime.serve)
-            from kvbridge.chaos.engine import FaultyEngine
+            from kvbridge.transfer.engine.faulty import FaultyEngine
 
             engine = FaultyEngine(engine, self.cfg.chaos_failed_writes)
         return engine

@@ -40,7 +40,8 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -51,8 +52,25 @@ from prometheus_client.registry import Collector
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvbridge.worker.base import Task, WorkerBase
     from kvbridge.worker.ops import RoomResult
+
+
+class Task(Protocol):
+    """What the metrics read of a worker's room: its phase marks (seconds since its start)."""
+
+    marks: dict[str, float]
+
+
+class WorkerBase(Protocol):
+    """What the metrics read of a worker, at scrape time from the HTTP thread (reads only).
+    A protocol, not the worker class: the worker owns its metrics, not the other way round."""
+
+    role: str
+    cfg: Any
+    tasks: Mapping[int, Any]
+    pages: Any
+    endpoint: Any
+    engine: Any
 
 __all__ = ["WorkerMetrics", "reason_class", "REASON_CLASSES", "PHASES"]
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvbridge.chaos.engine import INJECTED, FaultyEngine
+from kvbridge.transfer.engine.faulty import INJECTED, FaultyEngine
 from kvbridge.chaos.names import FAULTS
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available

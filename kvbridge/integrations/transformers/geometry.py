@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 import kvbridge as kvb
-from kvbridge.layout import HeadGeometry, rank_heads
 
 MLA = "mla"
 GQA = "gqa"
@@ -66,15 +65,15 @@ class CacheGeometry:
         return TORCH_DTYPES[self.dtype]
 
     @property
-    def heads(self) -> HeadGeometry:
+    def heads(self) -> kvb.HeadGeometry:
         if self.kind != GQA:
             raise kvb.LayoutError(f"a {self.kind} cache has no KV heads to slice", field="kind")
-        return HeadGeometry(self.num_kv_heads, self.head_dim, self.dtype)
+        return kvb.HeadGeometry(self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def head_range(self) -> tuple[int, int]:
         """KV heads ``[h0, h1)`` this rank holds (GQA)."""
-        return rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)
+        return kvb.rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)
 
     @property
     def row_elems(self) -> int:
@@ -117,7 +116,7 @@ def cache_geometry(
         )
     num_layers = int(config.num_hidden_layers)
     if getattr(config, "kv_lora_rank", None):
-        rank_heads(1, tp_size, tp_rank)  # validates the rank; MLA rows are replicated across TP
+        kvb.rank_heads(1, tp_size, tp_rank)  # validates the rank; MLA rows are replicated across TP
         return CacheGeometry(
             kind=MLA,
             num_layers=num_layers,

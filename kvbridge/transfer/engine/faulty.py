@@ -1,4 +1,4 @@
-"""``FaultyEngine``: a transfer engine that fails writes on demand, for ``kvbridge chaos``.
+"""``FaultyEngine``: a transfer engine that fails writes on demand (``kvbridge chaos``, fault tests).
 
 It wraps a real engine (Mooncake in the chaos cluster). A worker started with
 ``--chaos-failed-writes N`` wraps its engine in one and arms it on SIGUSR1: the next N
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine import TransferEngine, WriteStatus
+from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
 
 __all__ = ["FaultyEngine", "INJECTED"]
 
