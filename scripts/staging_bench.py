@@ -135,36 +135,40 @@ class Rig:
                 raise SystemExit(f"layer {lid}: staged bytes differ from the source")
 
 
-def best(reps: int, fn) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def room_rows(rig: Rig, num_tokens: int, reps: int) -> list[dict]:
+def room_rows(rig: Rig, num_tokens: int, reps: int) -> dict:
+    """One room size, every method once per turn, turns interleaved (load from elsewhere on the
+    machine hits every method alike); the best turn of each."""
     num_pages = num_tokens // 64
     plan = rig.plan(num_pages, "random")
     contiguous = rig.plan(num_pages, "contiguous")
     gb = plan.num_bytes / 1e9
-    row = {"tokens": num_tokens, "MB": round(plan.num_bytes / 1e6), "slices": plan.num_slices}
-    row["direct"] = gb / best(reps, lambda: rig.direct(plan))
-    row["raw"] = gb / best(reps, lambda: rig.raw(plan))
-    for d in rig.dst.values():
-        d[:] = 0
-    runs = [rig.staged(plan) for _ in range(reps)]
-    rig.check(plan, num_pages)
-    fastest = min(runs, key=lambda r: r["s"])
+    row = {"tokens": num_tokens, "MB": round(plan.num_bytes / 1e6), "slices": plan.num_slices,
+           "contiguous_slices": contiguous.num_slices}
+    runs: dict[str, list] = {"direct": [], "raw": [], "staged": [], "ceiling": [], "contiguous": []}
+    for _ in range(reps):
+        runs["direct"].append(timed(lambda: rig.direct(plan)))
+        runs["raw"].append(timed(lambda: rig.raw(plan)))
+        for d in rig.dst.values():
+            d[:] = 1
+        runs["staged"].append(rig.staged(plan))
+        rig.check(plan, num_pages)
+        runs["ceiling"].append(rig.ceiling(plan))
+        runs["contiguous"].append(timed(lambda: rig.direct(contiguous)))
+    for name in ("direct", "raw", "contiguous"):
+        row[name] = gb / min(runs[name])
+    fastest = min(runs["staged"], key=lambda r: r["s"])
     row["staged"] = gb / fastest["s"]
     row.update({k: fastest[k] for k in ("chunks", "wire_pieces", "gather_slices", "scatter_slices", "slot_waits")})
-    parts = min((rig.ceiling(plan) for _ in range(reps)), key=lambda p: sum(p.values()))
+    parts = {k: min(p[k] for p in runs["ceiling"]) for k in ("gather", "wire", "scatter")}
     row["ceiling_serial"] = gb / sum(parts.values())
     row["ceiling_slowest"] = gb / max(parts.values())
     row.update({f"{k}_GBps": gb / v for k, v in parts.items()})
-    row["contiguous"] = gb / best(reps, lambda: rig.direct(contiguous))
-    row["contiguous_slices"] = contiguous.num_slices
     return row
 
 
@@ -190,8 +194,11 @@ def sweep(rig: Rig, total_bytes: int, reps: int) -> list[dict]:
         plan = TransferPlan(src_base[sl] + sb * np.uint64(run * page), dst_base[dl] + db * np.uint64(run * page),
                             np.full(count, run * page, np.uint64))
         gb = plan.num_bytes / 1e9
-        direct = gb / best(reps, lambda: rig.direct(plan))
-        staged = gb / min(rig.staged(plan)["s"] for _ in range(reps))
+        direct, staged = [], []
+        for _ in range(reps):  # interleaved turns, best of each
+            direct.append(timed(lambda: rig.direct(plan)))
+            staged.append(rig.staged(plan)["s"])
+        direct, staged = gb / min(direct), gb / min(staged)
         rows.append({"slice_bytes": run * page, "slices": count, "MB": round(plan.num_bytes / 1e6, 1),
                      "direct": direct, "staged": staged, "staged/direct": staged / direct})
     return rows
@@ -201,7 +208,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8K,32K")
     ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--slot-mib", type=int, default=16, help="staging slot size (MiB)")
     ap.add_argument("--slots", type=int, default=4, help="slots per staging area")
     ap.add_argument("--piece-mib", type=int, default=4, help="largest wire piece (MiB)")
@@ -213,7 +220,7 @@ def main() -> None:
     rig = Rig(args.layers, capacity, args.slot_mib << 20, args.slots, args.piece_mib << 20)
     try:
         rows = [room_rows(rig, n, args.reps) for n in sizes]
-        cross = sweep(rig, args.sweep_mib << 20, args.reps)
+        cross = sweep(rig, args.sweep_mib << 20, max(args.reps, 5))  # small rooms: noisier, cheaper
     finally:
         rig.close()
     if args.json:

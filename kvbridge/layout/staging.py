@@ -264,14 +264,12 @@ class PathThresholds:
                 raise LayoutError(f"{name} must be a non-negative integer, got {value!r}", field=name)
 
 
-# Defaults from scripts/staging_bench.py (docs/performance.md, "Staged transfers"): on Mooncake
-# TCP the per-slice cost outweighs a gather and a scatter once slices are page-sized and there
-# are more than a few hundred of them; the local engine's per-slice cost is a memmove call.
-DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {
-    "mooncake": PathThresholds(min_slices=256, max_mean_slice_bytes=256 << 10),
-    "auto": PathThresholds(min_slices=256, max_mean_slice_bytes=256 << 10),
-    "local": PathThresholds(min_slices=256, max_mean_slice_bytes=256 << 10),
-}
+# Defaults from scripts/staging_bench.py (docs/performance.md, "Staged transfers"): on Mooncake TCP
+# staging wins once a target's slices are page-sized (a 41,984 B fp8 latent page and below) and
+# number in the thousands; with runs of several pages, or a few hundred slices, gather and scatter
+# cost more than the per-slice overhead they save. The local engine follows the same rule.
+_PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
+DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {"mooncake": _PAGE_SIZED, "auto": _PAGE_SIZED, "local": _PAGE_SIZED}
 DIRECT_ONLY = frozenset({"ipc"})  # one kernel launch copies scattered slices: nothing to save
 
 

@@ -225,12 +225,13 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_choose_path() -> None:
-    pages = TransferPlan(np.arange(2000) * 41984, np.arange(2000) * 41984, np.full(2000, 41984))
+    pages = TransferPlan(np.arange(4000) * 41984, np.arange(4000) * 41984, np.full(4000, 41984))
     runs = TransferPlan(np.arange(20) * (1 << 22), np.arange(20) * (1 << 22), np.full(20, 1 << 22))
     assert choose_path(pages, "mooncake") == "staged"
     assert choose_path(runs, "mooncake") == "direct"
     assert choose_path(pages, "ipc") == "direct"  # the slice kernel copies scattered pages at once
     assert choose_path(10, "mooncake", mean_slice_bytes=41984) == "direct"  # few slices
+    assert choose_path(4000, "mooncake", mean_slice_bytes=4 * 41984) == "direct"  # runs of pages
     assert choose_path(pages, "local", PathThresholds(min_slices=10_000, max_mean_slice_bytes=1 << 20)) == "direct"
     assert set(DEFAULT_THRESHOLDS) >= {"mooncake", "local", "auto"}
     with pytest.raises(LayoutError, match="no staging thresholds for engine 'rdma'"):
