@@ -6,6 +6,7 @@ left everywhere else (padding rows, tails of partial pages, pages not in the roo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -245,3 +246,42 @@ def test_copy_slices_moves_any_length_anywhere(size: int) -> None:
         assert (b[91 + perm[i] * size : 91 + perm[i] * size + k] == a[37 + i * size : 37 + i * size + k]).all()
         assert (b[91 + perm[i] * size + k : 91 + (perm[i] + 1) * size] == POISON).all()
     assert (b[:91] == POISON).all()
+
+
+def test_an_abort_mid_chunk_frees_the_pages_at_once_and_quarantines_the_slot_until_quiet() -> None:
+    """A chunk's write held in flight (the local engine's gate) when the room aborts: the decode
+    pages are free at once (remote writes land only in staging, never in them), the slot stays
+    QUARANTINED while the write may land, and is FREE only once the sender acknowledged."""
+    fabric = LocalFabric()
+    p = Pair(create_engine("local", fabric=fabric), create_engine("local", fabric=fabric), [])
+    try:
+        n, size = 64, 4096
+        src = register(p, p.a, np.random.default_rng(0).integers(0, 256, n * size, dtype=np.uint8))
+        dst = np.full(n * size, POISON, np.uint8)  # decode pages: never registered for staged rooms
+        perm = np.random.default_rng(1).permutation(n)
+        plan = TransferPlan(src.ctypes.data + np.arange(n, dtype=np.uint64) * size,
+                            dst.ctypes.data + perm.astype(np.uint64) * size, np.full(n, size))
+        send_area, send_base, recv_area, recv_base = areas(p, 2, 64 << 10)
+        staged = stage_plan(plan, 64 << 10)
+        gate = threading.Event()
+        p.a.faults.gate = gate
+        slot = recv_area.acquire(3, 0).slot
+        send_slot = send_area.acquire(3, 0).slot
+        HostStager().gather(staged, 0, send_base + send_area.offset(send_slot))
+        handle = p.a.submit_write(p.b.session_id, *staged.wire(0, send_base + send_area.offset(send_slot),
+                                                                recv_base + recv_area.offset(slot)))
+        assert recv_area.fail_room(3, free_at=float("inf")) == []  # abort: nothing landed yet
+        assert recv_area.state(slot) is SlotState.QUARANTINED
+        assert recv_area.acquire(4, 0).slot != slot  # the next room gets the other slot
+        assert recv_area.acquire(4, 1) is None  # and waits rather than reuse the quarantined one
+        gate.set()  # the held write lands now: into the slot, never into the pages
+        p.a.wait(handle, 10)
+        assert (dst == POISON).all()
+        assert recv_area.state(slot) is SlotState.QUARANTINED  # landing is not an acknowledgement
+        grants = recv_area.room_acknowledged(3)
+        assert [(g.room, g.chunk, g.slot) for g in grants] == [(4, 1, slot)]
+    finally:
+        for engine, ptr, _ in p.registered:
+            engine.unregister(ptr)
+        p.a.close()
+        p.b.close()
