@@ -285,3 +285,17 @@ def test_an_abort_mid_chunk_frees_the_pages_at_once_and_quarantines_the_slot_unt
             engine.unregister(ptr)
         p.a.close()
         p.b.close()
+
+
+@pytest.mark.parametrize("size", [656, 4096, 100_000])
+def test_copy_slices_between_far_apart_regions(size: int) -> None:
+    # a small array (the heap) and a large one (its own mapping): the window spans the gap
+    # between them, and each length takes its path (void items, 2-D rows, one memmove per run)
+    small = np.random.default_rng(size).integers(0, 256, 4 * size, dtype=np.uint8)
+    large = np.full(64 << 20, POISON, np.uint8)
+    src = small.ctypes.data + np.arange(4, dtype=np.uint64) * size
+    dst = large.ctypes.data + np.array([9, 2, 40, 7], dtype=np.uint64) * size
+    copy_slices(src, dst, np.full(4, size, np.uint64))
+    got = large[: 41 * size].reshape(41, size)
+    assert (got[[9, 2, 40, 7]] == small.reshape(4, size)).all()
+    assert (np.delete(got, [9, 2, 40, 7], axis=0) == POISON).all()
