@@ -199,6 +199,12 @@ def test_head_sliced_plans_stage_into_whole_pieces(src_tp: int, dst_tp: int) -> 
         check_layout(s, p)
         if p.num_slices > 2 * 2:  # head-sliced: one range per row, but the wire carries pieces
             assert s.num_wire_pieces * 4 <= p.num_slices
+            st = s.stats()
+            # the side whose rows hold just the slice's heads runs on row after row: merged there
+            if src_tp < dst_tp:  # p1 -> d2: gather cuts the heads out, scatter writes whole pages
+                assert st["scatter_slices"] * 3 <= st["gather_slices"]  # rows of 4-row pages
+            else:  # p2 -> d1: gather reads whole pages, scatter spreads rows over wider rows
+                assert st["gather_slices"] * 3 <= st["scatter_slices"]
     send_slot, recv_slot = slots(memory, 512)
     for s in staged:
         run_staged(memory, s, send_slot, recv_slot)
