@@ -88,6 +88,15 @@ def writer(p: Pair, num_slots: int, slot_bytes: int) -> StagedWriter:
                         recv_stager=HostStager(), recv_area=recv_area, recv_base=recv_base)
 
 
+class ProducerEvent:
+    """Stands for a CUDA event recorded after the source pages were written (``synchronize()``)."""
+
+    waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
 def staged_vs_direct(p: Pair, dst: Side, plans: list[TransferPlan], w: StagedWriter, room: int = 1) -> list:
     """Run ``plans`` staged, then direct on fresh poison; the two destinations must be equal."""
     stats = [w.write(stage_plan(plan, w.send.area.slot_bytes, max_piece_bytes=w.send.area.slot_bytes // 3),
@@ -183,7 +192,9 @@ def test_a_corrupted_chunk_is_caught_by_the_page_digests() -> None:
         w = writer(p, 2, 32 << 10)
         staged = stage_plan(plan, 32 << 10)
         p.a.faults.corrupt_batches = {2}  # chunk 2's write lands with one byte flipped and reports DONE
-        w.write(staged, room=5)
+        ready = ProducerEvent()
+        w.write(staged, room=5, after=ready)
+        assert ready.waited == 1  # the host stager waited for the source pages before gathering
         pools = list(specs)
         sent = page_digests(specs, src.arrays, pools, logical, sp, num_tokens)
         got = page_digests(specs, dst.arrays, pools, logical, dp, num_tokens)

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError, TransferError, TransferTimeout
 from kvbridge.layout.staging import StagedPlan
-from kvbridge.transfer.engine.base import TransferEngine, WriteState
+from kvbridge.transfer.engine.base import TransferEngine, WriteState, wait_ready
 from kvbridge.transfer.engine.staging_area import Grant, StagingArea
 
 __all__ = ["CudaStager", "HostStager", "StagedStats", "StagedWriter", "copy_slices"]
@@ -97,6 +97,11 @@ class HostStager:
     def synchronize(event: Any) -> None:
         return None
 
+    @staticmethod
+    def wait_for(after: Any) -> None:
+        """Block until the producer's events (``after``) completed: the pages are whole."""
+        wait_ready(after)
+
 
 class CudaStager:
     """Gather and scatter in device memory with the slice kernel, on the copier's stream: each
@@ -122,6 +127,10 @@ class CudaStager:
     def synchronize(event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def wait_for(self, after: Any) -> None:
+        """Make the copier's stream wait for the producer's events (on the GPU, not the host)."""
+        self.copier.wait_for(after)
 
 
 @dataclass
@@ -170,9 +179,11 @@ class StagedWriter:
         self.send = _Side(send_stager, send_area, send_base)
         self.recv = _Side(recv_stager, recv_area, recv_base)
 
-    def write(self, staged: StagedPlan, room: int, timeout: float = 60.0) -> StagedStats:
+    def write(self, staged: StagedPlan, room: int, timeout: float = 60.0, *, after: Any = None) -> StagedStats:
         """Every chunk of ``staged`` gathered, written and scattered; raises EngineError (after
-        every write of the room is final and its slots are free again) when a write fails."""
+        every write of the room is final and its slots are free again) when a write fails.
+        ``after``: CUDA event(s) the source pages wait on (GPU work still queued), waited for
+        before the first gather."""
         if staged.slot_bytes != self.send.area.slot_bytes:
             raise TransferError(f"plan staged for {staged.slot_bytes} B slots, the areas have "
                                 f"{self.send.area.slot_bytes} B", room=room, field="slot_bytes")
@@ -180,6 +191,8 @@ class StagedWriter:
             "wire_pieces", "gather_slices", "scatter_slices", "bytes_staged")})
         inflight: deque[_InFlight] = deque()
         deadline = time.monotonic() + timeout
+        if after is not None:
+            self.send.stager.wait_for(after)
         try:
             for k in range(staged.num_chunks):
                 self._finish_landed(staged, room, inflight, stats)
