@@ -245,8 +245,8 @@ class StagedWriter:
         t = time.perf_counter()
         try:
             self.engine.wait(entry.handle, max(deadline - time.monotonic(), 0.0))
-        except EngineError:
-            raise  # FAILED: final, nothing of it in flight
+        except EngineError as exc:  # FAILED: final, nothing of it in flight
+            raise EngineError(f"chunk {entry.chunk}: {exc.reason}", room=room, field="chunk") from exc
         except BaseException:
             inflight.appendleft(entry)  # still pending: _fail waits for it (or quarantines its slot)
             raise
