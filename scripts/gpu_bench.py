@@ -18,7 +18,9 @@ per method; every kvbridge room lands on poisoned pages and is checked on the GP
 Ceilings (``--ceilings``, one process, both sides on cuda:0 -> decode's GPU): a
 device-to-device copy, ``index_select`` + ``index_copy_`` of random 41,984 B pages, the
 staging path (gather, one copy, scatter) and the slice kernel on the same pages (several
-launch shapes), and long contiguous slices by the kernel and by cudaMemcpyAsync.
+launch shapes), long contiguous slices by the kernel and by cudaMemcpyAsync, and kvbridge's
+staged building blocks (``stage_plan`` chunks through ``CudaStager``: the whole path and each
+part alone; not yet measured on a GPU).
 ``--trace-tokens N [M ...]`` adds rooms of those lengths run with KVBRIDGE_TRACE=1 and prints
 where their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fixed cost).
 
@@ -177,8 +179,51 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
     out["unaligned_ok"] = all(np.array_equal(hs[a:a + n], hd[b:b + n]) for a, b, n in
                               zip(so.tolist(), do.tolist(), lens.tolist()))
     out["launch_overhead_us"] = launch_overhead(src, dst, s_addr, d_addr)
+    try:
+        out["staged_blocks"] = staged_blocks(src, dst, s_addr, d_addr, length, rate, ok)
+    except Exception as exc:  # noqa: BLE001 - reported beside the other ceilings
+        out["staged_blocks"] = {"error": f"{type(exc).__name__}: {exc}"}
     del src, dst, staging, landing
     torch.cuda.empty_cache()
+    return out
+
+
+def staged_blocks(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray, length: np.ndarray, rate: Any,
+                  ok: Any) -> dict[str, Any]:
+    """kvbridge's staged building blocks on the same random pages: ``stage_plan`` chunks (64 MiB
+    slots), the slice kernel gathering into a send slot (``CudaStager``), one copy slot -> slot
+    (the wire on one GPU), the kernel scattering, two slots per side, in order on the copier's
+    stream (each launch fills the GPU); then each part alone."""
+    import torch
+
+    from kvbridge.layout import TransferPlan, stage_plan
+    from kvbridge.transfer.engine.staging import CudaStager
+
+    slot_bytes = 64 << 20
+    staged = stage_plan(TransferPlan(s_addr, d_addr, length), slot_bytes)
+    send = torch.empty(2 * slot_bytes, dtype=torch.uint8, device=src.device)
+    recv = torch.empty(2 * slot_bytes, dtype=torch.uint8, device=dst.device)
+    stager = CudaStager(src.device.index or 0)
+    copier = stager.copier
+
+    def run(gather: bool = True, wire: bool = True, scatter: bool = True) -> None:
+        for k in range(staged.num_chunks):
+            off = (k % 2) * slot_bytes
+            if gather:
+                stager.gather(staged, k, send.data_ptr() + off)
+            if wire:
+                copier.copy_async(recv.data_ptr() + off, send.data_ptr() + off, int(staged.chunk_span[k]))
+            if scatter:
+                stager.scatter(staged, k, recv.data_ptr() + off)
+        copier.stream.synchronize()
+
+    dst.fill_(0x5A)
+    run()
+    out: dict[str, Any] = {"chunks": staged.num_chunks, "ok": ok(), **{k: int(v) for k, v in staged.stats().items()}}
+    for name, kw in (("staged", {}), ("gather", {"wire": False, "scatter": False}),
+                     ("wire", {"gather": False, "scatter": False}), ("scatter", {"gather": False, "wire": False})):
+        out[f"{name}_gbps"] = rate(_time(lambda kw=kw: run(**kw)))
+    del send, recv
     return out
 
 
@@ -392,6 +437,7 @@ def main() -> None:
               f"{best[1]['gbps']} ({best[0]}); contiguous 64 runs: kernel {c['contiguous_kernel_gbps']}, memcpy "
               f"{c['contiguous_memcpy_gbps']}; checks ok: staging {c['staging_ok']}, unaligned {c['unaligned_ok']}, "
               f"contiguous {c['contiguous_ok']}")
+        print(f"staged blocks (stage_plan + CudaStager, 64 MiB slots): {json.dumps(c.get('staged_blocks'))}")
     for e in result["errors"]:
         print(f"error: {e}")
     save()

@@ -1,5 +1,5 @@
 """Pure geometry and planning: pools, pages, owner lanes, row domains and
-transfer plans, head slices for heterogeneous TP. No I/O, no threads, no device
+transfer plans, head slices for heterogeneous TP, staged (gather / wire / scatter) plans. No I/O, no threads, no device
 calls."""
 
 from kvbridge.layout.aux import AuxRegion, AuxRow, AuxSchema, aux_dtype, float32_to_bf16_bits, owner_of_last_token
@@ -27,12 +27,14 @@ from kvbridge.layout.rows import (
     strip_padding,
     valid_row_index,
 )
+from kvbridge.layout.staging import DEFAULT_THRESHOLDS, PathThresholds, StagedPlan, choose_path, stage_plan
 from kvbridge.layout.tp_routes import TPRoute, num_drawing, tp_route
 
 __all__ = [
     "AuxRegion",
     "AuxRow",
     "AuxSchema",
+    "DEFAULT_THRESHOLDS",
     "BufferDesc",
     "HeadGeometry",
     "HeadSlice",
@@ -40,14 +42,17 @@ __all__ = [
     "LAYOUTS",
     "LocalRows",
     "OwnerLanes",
+    "PathThresholds",
     "PRESETS",
     "PoolSpec",
     "RawBuffer",
     "RowDomain",
+    "StagedPlan",
     "TPRoute",
     "TransferPlan",
     "aux_dtype",
     "build_rank_rows",
+    "choose_path",
     "deepseek_pools",
     "describe_buffer",
     "float32_to_bf16_bits",
@@ -62,6 +67,7 @@ __all__ = [
     "rank_heads",
     "request_bases",
     "slices_to_send",
+    "stage_plan",
     "strip_padding",
     "tp_route",
     "tp_spec",

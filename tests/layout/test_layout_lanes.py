@@ -112,6 +112,8 @@ def test_public_names_are_pinned():
             "pair_head_buffers", "tp_spec",
             # TP routes: which prefill TP ranks a decode TP rank draws each pool from (layout/tp_routes.py)
             "TPRoute", "num_drawing", "tp_route",
+            # staged transfers: chunks through staging slots, and when to use them (layout/staging.py)
+            "DEFAULT_THRESHOLDS", "PathThresholds", "StagedPlan", "choose_path", "stage_plan",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)

@@ -1,0 +1,299 @@
+"""Staged transfers as plans: a room's slices packed into fixed-size staging slots.
+
+A scattered room is tens of thousands of small slices; posting each costs the same
+per-slice overhead on every transport. Staged, the sender *gathers* them into a
+registered staging buffer, the wire carries a few large contiguous *pieces* into the
+receiver's staging slot, and the receiver *scatters* them into its pages:
+
+    plan slices      s0 (41,984 B)  s1 (41,984 B)  s2 (41,984 B)  s3 (8,448 B: a partial page)  ...
+    stream           |s0           |s1           |s2           |s3   |pad|s4 ...     (offsets aligned)
+    chunks           |<------------ slot_bytes ------------>|<------------ slot_bytes ------...
+                      chunk 0: s0, s1, the head of s2        chunk 1: the tail of s2, s3, ...
+    gather           src[i] -> slot offset (sender's slot)   merged where both sides run on
+    wire             [0, span) of the slot in pieces of at most max_piece_bytes
+    scatter          slot offset (receiver's slot) -> dst[i] merged where both sides run on
+
+Every slice of the plan, with its exact length, appears once across the chunks, so
+whatever the plan guarantees holds staged: only valid rows (a partial ``values_then_scales``
+page is its two ranges), one page mapping for every pool, pages checked against both
+sides' registered capacities (hard rules 1, 3, 5). A head-sliced plan for heterogeneous
+TP (``plan_head_transfer``: one range per valid row) is cut in the gather (the sender
+packs only the heads the receiver takes) or in the scatter (the receiver spreads packed
+rows over its wider rows); either way the wire carries whole pieces.
+
+Offsets are relative to a slot: the executor adds the slot's address on each side, and
+the two sides may use different slots for the same chunk. Nothing here touches memory.
+
+``choose_path`` decides per target whether staging pays: direct when the slices are few
+and large (gather and scatter then cost more than they save), staged when they are many
+and small. The same-host IPC engine copies scattered slices in one kernel launch and is
+always direct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import LayoutError
+from kvbridge.layout.plan import TransferPlan
+
+__all__ = [
+    "DEFAULT_THRESHOLDS",
+    "PATHS",
+    "PathThresholds",
+    "StagedPlan",
+    "choose_path",
+    "stage_plan",
+]
+
+PATHS = ("direct", "staged")
+ALIGN = 16  # every slice starts 16-byte aligned in the slot: the GPU slice kernel's vector path
+MAX_PIECE_BYTES = 16 << 20  # one wire piece: large enough that per-slice cost vanishes on every transport
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, eq=False)
+class StagedPlan:
+    """A room's slices as chunks of at most ``slot_bytes`` each.
+
+    Three lists of ``(a, b, length)`` entries, each grouped by chunk through its
+    ``*_bounds`` array (entries of chunk ``k``: ``bounds[k]:bounds[k + 1]``):
+
+    - gather: ``gather_src`` (absolute source address) -> ``gather_off`` (offset in the
+      sender's slot);
+    - wire: ``wire_off`` (offset in both slots) for ``wire_len`` bytes;
+    - scatter: ``scatter_off`` (offset in the receiver's slot) -> ``scatter_dst``
+      (absolute destination address).
+
+    Per chunk: ``chunk_bytes`` (payload bytes staged) and ``chunk_span`` (bytes of the slot
+    the wire carries: the payload plus alignment gaps)."""
+
+    slot_bytes: int
+    gather_src: np.ndarray
+    gather_off: np.ndarray
+    gather_len: np.ndarray
+    gather_bounds: np.ndarray
+    wire_off: np.ndarray
+    wire_len: np.ndarray
+    wire_bounds: np.ndarray
+    scatter_off: np.ndarray
+    scatter_dst: np.ndarray
+    scatter_len: np.ndarray
+    scatter_bounds: np.ndarray
+    chunk_bytes: np.ndarray
+    chunk_span: np.ndarray
+    num_plan_slices: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_bytes)
+
+    @property
+    def num_bytes(self) -> int:
+        """Payload bytes of the room (the plan's bytes)."""
+        return int(self.chunk_bytes.sum())
+
+    @property
+    def num_wire_pieces(self) -> int:
+        return len(self.wire_len)
+
+    def gather(self, chunk: int, slot_base: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, length)`` that fill the sender's slot at ``slot_base`` for ``chunk``."""
+        a, b = self._span(self.gather_bounds, chunk)
+        return self.gather_src[a:b], self.gather_off[a:b] + _U64(slot_base), self.gather_len[a:b]
+
+    def wire(self, chunk: int, src_slot: int, dst_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, length)`` of the pieces from the sender's slot to the receiver's."""
+        a, b = self._span(self.wire_bounds, chunk)
+        off = self.wire_off[a:b]
+        return off + _U64(src_slot), off + _U64(dst_slot), self.wire_len[a:b]
+
+    def scatter(self, chunk: int, slot_base: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, length)`` that empty the receiver's slot at ``slot_base`` into the pages."""
+        a, b = self._span(self.scatter_bounds, chunk)
+        return self.scatter_off[a:b] + _U64(slot_base), self.scatter_dst[a:b], self.scatter_len[a:b]
+
+    def counts(self) -> dict[str, np.ndarray]:
+        """Per chunk, for stats: slices gathered, slices scattered, bytes staged, wire pieces."""
+        return {
+            "gather_slices": np.diff(self.gather_bounds),
+            "scatter_slices": np.diff(self.scatter_bounds),
+            "bytes_staged": self.chunk_bytes.copy(),
+            "wire_pieces": np.diff(self.wire_bounds),
+        }
+
+    def stats(self) -> dict[str, int]:
+        """Room totals (what a sender's stats and a bench row show)."""
+        return {
+            "plan_slices": self.num_plan_slices,
+            "chunks": self.num_chunks,
+            "gather_slices": len(self.gather_len),
+            "scatter_slices": len(self.scatter_len),
+            "wire_pieces": self.num_wire_pieces,
+            "bytes_staged": self.num_bytes,
+        }
+
+    def _span(self, bounds: np.ndarray, chunk: int) -> tuple[int, int]:
+        if not 0 <= chunk < self.num_chunks:
+            raise LayoutError(f"chunk {chunk} outside the plan's {self.num_chunks} chunks", field="chunk")
+        return int(bounds[chunk]), int(bounds[chunk + 1])
+
+
+def stage_plan(
+    plan: TransferPlan,
+    slot_bytes: int,
+    *,
+    max_piece_bytes: int = MAX_PIECE_BYTES,
+    align: int = ALIGN,
+    room: int | None = None,
+    rank: str | None = None,
+) -> StagedPlan:
+    """Pack ``plan``'s slices into chunks of at most ``slot_bytes``, in plan order. A slice
+    that crosses a slot's end continues at the start of the next chunk (a room or a run
+    larger than a slot streams through several). ``align`` (a power of two dividing
+    ``slot_bytes``) aligns every slice's slot offset."""
+    ctx: dict[str, Any] = {"room": room, "rank": rank}
+    for name, value in (("slot_bytes", slot_bytes), ("max_piece_bytes", max_piece_bytes), ("align", align)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}", field=name, **ctx)
+    if align & (align - 1) or slot_bytes % align:
+        raise LayoutError(
+            f"align {align} must be a power of two dividing slot_bytes {slot_bytes}", field="slot_bytes", **ctx
+        )
+    length = plan.length.astype(np.int64)
+    if len(length) and int(length.min()) < 1:
+        raise LayoutError(f"slice {int(np.argmin(length))} of the plan is empty", field="length", **ctx)
+    n = len(length)
+    if n == 0:
+        return _empty(slot_bytes)
+
+    # each slice's place in one unbounded stream; chunk k is the stream's [k*B, (k+1)*B)
+    B = int(slot_bytes)
+    padded = (length + (align - 1)) & ~(align - 1)
+    start = np.cumsum(padded) - padded
+    end = start + length
+    first, last = start // B, (end - 1) // B
+    parts = last - first + 1
+    if int(parts.max()) == 1:  # no slice crosses a slot's end
+        owner = np.arange(n)
+        p_start, p_end, p_chunk = start, end, first
+    else:
+        owner = np.repeat(np.arange(n), parts)
+        j = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
+        p_chunk = first[owner] + j
+        p_start = np.maximum(start[owner], p_chunk * B)
+        p_end = np.minimum(end[owner], (p_chunk + 1) * B)
+    within = (p_start - start[owner]).astype(_U64)  # how far into its slice the part begins
+    p_len = (p_end - p_start).astype(_U64)
+    p_off = (p_start - p_chunk * B).astype(_U64)
+    p_src = plan.src[owner] + within
+    p_dst = plan.dst[owner] + within
+
+    num_chunks = int(p_chunk[-1]) + 1
+    part_bounds = np.searchsorted(p_chunk, np.arange(num_chunks + 1))
+    chunk_bytes = np.add.reduceat(p_len, part_bounds[:-1]).astype(np.int64)
+    chunk_span = np.maximum.reduceat(p_off + p_len, part_bounds[:-1]).astype(np.int64)
+
+    g_src, g_off, g_len, g_bounds = _merge(p_src, p_off, p_len, p_chunk, num_chunks)
+    s_dst, s_off, s_len, s_bounds = _merge(p_dst, p_off, p_len, p_chunk, num_chunks)
+    pieces = -(-chunk_span // max_piece_bytes)
+    w_chunk = np.repeat(np.arange(num_chunks), pieces)
+    w_first = np.cumsum(pieces) - pieces
+    w_off = (np.arange(len(w_chunk)) - w_first[w_chunk]) * max_piece_bytes
+    w_len = np.minimum(chunk_span[w_chunk] - w_off, max_piece_bytes)
+    w_bounds = np.concatenate(([0], np.cumsum(pieces)))
+    return StagedPlan(
+        slot_bytes=B,
+        gather_src=_frozen(g_src), gather_off=_frozen(g_off), gather_len=_frozen(g_len),
+        gather_bounds=_frozen(g_bounds),
+        wire_off=_frozen(w_off.astype(_U64)), wire_len=_frozen(w_len.astype(_U64)), wire_bounds=_frozen(w_bounds),
+        scatter_off=_frozen(s_off), scatter_dst=_frozen(s_dst), scatter_len=_frozen(s_len),
+        scatter_bounds=_frozen(s_bounds),
+        chunk_bytes=_frozen(chunk_bytes), chunk_span=_frozen(chunk_span), num_plan_slices=n,
+    )
+
+
+def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, chunk: np.ndarray,
+           num_chunks: int) -> tuple[np.ndarray, ...]:
+    """Entries of one side merged where consecutive entries run on in both the address and the
+    slot offset, inside one chunk: ``(addr, off, length, bounds)``.
+
+        addr   a   a+n | b          merged: (a, o, n+m), (b, ...)
+        off    o   o+n | o+n+m+pad"""
+    n = len(addr)
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        brk[1:] = (addr[1:] != addr[:-1] + length[:-1]) | (off[1:] != off[:-1] + length[:-1]) | (
+            chunk[1:] != chunk[:-1])
+    starts = np.flatnonzero(brk)
+    merged_len = np.add.reduceat(length, starts).astype(_U64) if len(starts) < n else length
+    bounds = np.searchsorted(chunk[starts], np.arange(num_chunks + 1))
+    return addr[starts], off[starts], merged_len, bounds
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def _empty(slot_bytes: int) -> StagedPlan:
+    u, z = np.zeros(0, dtype=_U64), np.zeros(1, dtype=np.int64)
+    e = np.zeros(0, dtype=np.int64)
+    return StagedPlan(slot_bytes, u, u, u, z, u, u, z, u, u, u, z, e, e, 0)
+
+
+# ---- choosing the path ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PathThresholds:
+    """Staged when a plan has at least ``min_slices`` slices *and* its mean slice is at most
+    ``max_mean_slice_bytes``; direct otherwise."""
+
+    min_slices: int
+    max_mean_slice_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("min_slices", "max_mean_slice_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"{name} must be a non-negative integer, got {value!r}", field=name)
+
+
+# Defaults from scripts/staging_bench.py (docs/performance.md, "Staged transfers"): on Mooncake TCP
+# staging wins once a target's slices are page-sized (a 41,984 B fp8 latent page and below) and
+# number in the thousands; with runs of several pages, or a few hundred slices, gather and scatter
+# cost more than the per-slice overhead they save. The local engine follows the same rule.
+_PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
+DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {"mooncake": _PAGE_SIZED, "auto": _PAGE_SIZED, "local": _PAGE_SIZED}
+DIRECT_ONLY = frozenset({"ipc"})  # one kernel launch copies scattered slices: nothing to save
+
+
+def choose_path(plan: TransferPlan | int, engine: str, thresholds: PathThresholds | None = None, *,
+                mean_slice_bytes: int | None = None) -> str:
+    """``"direct"`` or ``"staged"`` for a target's plan over an engine of kind ``engine``
+    (the route's kind: for an "auto" engine, "ipc" where the peer is on this host).
+    ``plan`` may be a slice count, with ``mean_slice_bytes`` given."""
+    if engine in DIRECT_ONLY:
+        return "direct"
+    if thresholds is None:
+        if engine not in DEFAULT_THRESHOLDS:
+            raise LayoutError(
+                f"no staging thresholds for engine {engine!r}; known: {sorted(DEFAULT_THRESHOLDS) + sorted(DIRECT_ONLY)}",
+                field="engine",
+            )
+        thresholds = DEFAULT_THRESHOLDS[engine]
+    if isinstance(plan, TransferPlan):
+        num_slices = plan.num_slices
+        mean = plan.num_bytes // num_slices if num_slices else 0
+    else:
+        if mean_slice_bytes is None:
+            raise LayoutError("a slice count needs mean_slice_bytes", field="mean_slice_bytes")
+        num_slices, mean = int(plan), int(mean_slice_bytes)
+    if num_slices >= max(thresholds.min_slices, 1) and mean <= thresholds.max_mean_slice_bytes:
+        return "staged"
+    return "direct"
