@@ -24,7 +24,8 @@
         ├── TransferTimeout            a room overstayed a state's deadline
         ├── LedgerError                pages missing, reported twice, or aux row wrong
         ├── Aborted                    the room was aborted by either side
-        └── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
+        ├── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
+        └── StagingSlotError           a staging-slot event its table does not allow (a caller's bug)
 
 Every message names what it can of the room, the rank and the field involved:
 pass them as keywords and they are appended as ``[room=.. rank=.. field=..]``.
@@ -58,6 +59,7 @@ __all__ = [
     "PeerLost",
     "TransferTimeout",
     "LedgerError",
+    "StagingSlotError",
     "Aborted",
     "RoomInUse",
 ]
@@ -204,3 +206,8 @@ class RoomInUse(TransferError):
     def __init__(self, message: str, *, draining: bool = False, **ctx: Any) -> None:
         self.draining = draining
         super().__init__(message, **ctx)
+
+
+class StagingSlotError(TransferError):
+    """A slot event the staging area's table does not allow (a bug in the caller): names the
+    slot, its state, the event and the room."""

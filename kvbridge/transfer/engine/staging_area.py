@@ -24,7 +24,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from kvbridge.errors import ConfigError, TransferError
+from kvbridge.errors import ConfigError, StagingSlotError
 
 __all__ = ["EVENTS", "Grant", "SlotState", "StagingArea", "StagingSlotError", "TRANSITIONS"]
 
@@ -47,11 +47,6 @@ TRANSITIONS: dict[SlotState, dict[str, SlotState]] = {
     S.QUARANTINED: {"acknowledged": S.FREE, "expire": S.FREE},
 }
 EVENTS = ("acquire", "landed", "scattered", "release", "quarantine", "acknowledged", "expire")
-
-
-class StagingSlotError(TransferError):
-    """A slot event the table does not allow (a bug in the caller): names the slot, its state,
-    the event and the room."""
 
 
 @dataclass(frozen=True)
