@@ -420,7 +420,9 @@ class _Channel(Generic[PeerT]):
             bodies = stream.reader.frames(limit if limit is not None else 1 << 62)
         except FrameError as exc:
             self.stats.dropped += 1
-            log.warning("%s channel: closing a connection that sent an oversized frame: %s", self.codec.name, exc)
+            if _power_of_two(self.stats.dropped):
+                log.warning("%s channel: closed %d connection(s) that announced an oversized frame; latest: %s",
+                            self.codec.name, self.stats.dropped, exc)
             self._lost(stream, str(exc))
             return
         if not stream.reader.buffered:
