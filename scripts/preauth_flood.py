@@ -23,7 +23,7 @@ import time
 
 from kvbridge.transfer.channel import ControlServer, PeerSet
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
-from kvbridge.transfer.channel.transport import HEADER
+from kvbridge.transfer.channel.frames import HEADER
 from kvbridge.transfer.channel.wire import Heartbeat, Ping
 
 SECRET = b"preauth-flood-secret"

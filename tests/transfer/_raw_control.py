@@ -10,7 +10,7 @@ import socket
 import time
 
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.channel.transport import HEADER, frame
+from kvbridge.transfer.channel.frames import HEADER, frame
 
 
 class RawControl:

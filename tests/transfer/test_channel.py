@@ -18,7 +18,7 @@ from _raw_control import RawControl
 from kvbridge.errors import ConfigError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import ControlServer, PeerSet, Wakeup
-from kvbridge.transfer.channel.transport import frame as streams_frame
+from kvbridge.transfer.channel.frames import frame as streams_frame
 from kvbridge.transfer.engine import Faults, LocalFabric, create_engine, tensor_region
 from kvbridge.transfer.channel.wire import AbortAck, ErrorReply, Heartbeat, Ping
 
@@ -427,7 +427,7 @@ def test_a_flood_is_read_no_faster_than_it_is_handled() -> None:
     """While complete frames wait, no more bytes are taken from that socket: the reader's buffer
     stays bounded and the sender meets TCP's push-back (here: 40 MiB of empty, unauthenticated
     frames, each dropped and counted)."""
-    from kvbridge.transfer.channel.transport import READ_PER_CALL
+    from kvbridge.transfer.channel.frames import READ_PER_CALL
 
     server = ControlServer(secret=SECRET)
     loop = EchoLoop(server)
@@ -554,3 +554,28 @@ def test_a_server_out_of_file_descriptors_pauses_accepts_instead_of_spinning() -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_unix_abstract_address_carries_the_same_channel() -> None:
+    """The transport's other address family (the IPC side channel's): a server on an abstract Unix
+    socket, a client naming it ``unix:@...``, the same Hello, codec and replies."""
+    import uuid
+
+    from kvbridge.transfer.channel import Clients, Server
+
+    endpoint = f"unix:@kvbridge-test/{uuid.uuid4().hex}"
+    server = Server(wire.codec(SECRET), endpoint)
+    loop = EchoLoop(server)
+    clients = Clients(wire.codec(SECRET), name="unix-client")
+    try:
+        assert server.endpoint == endpoint and server.port == 0
+        clients.send(endpoint, Ping(decode_rank="u", seq=11))
+        ((got_endpoint, beat),) = replies(clients, 1)
+        assert got_endpoint == endpoint and beat == Heartbeat(cp_rank=0, seq=11)
+        assert [server.hello_of(p).peer for p in list(server._peers)] == ["unix-client"]
+        with pytest.raises(ConfigError, match="cannot bind"):
+            Server(wire.codec(SECRET), endpoint)  # the name is taken
+    finally:
+        clients.close()
+        loop.stop()
+        server.close()

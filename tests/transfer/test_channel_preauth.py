@@ -17,7 +17,7 @@ from _raw_control import RawControl
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel import ControlServer, Limits, PeerSet, wire
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
-from kvbridge.transfer.channel.transport import HEADER, frame
+from kvbridge.transfer.channel.frames import HEADER, frame
 from kvbridge.transfer.channel.wire import Heartbeat, Ping
 
 SECRET = b"preauth-secret"

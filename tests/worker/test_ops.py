@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from kvbridge.errors import ProtocolError
-from kvbridge.transfer.channel.transport import HEADER, frame
+from kvbridge.transfer.channel.frames import HEADER, frame
 from kvbridge.worker import ops
 
 

@@ -47,7 +47,6 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -56,12 +55,10 @@ from typing import Any, Generic, TypeVar, Union
 
 from kvbridge.errors import ConfigError, KVBridgeError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES, Codec, Hello, auth_limit
+from kvbridge.transfer.channel.frames import HEADER, READ_PER_CALL, FrameError, QueueFull, Stream, frame
 
 log = logging.getLogger("kvbridge.transfer.channel")
 
-HEADER = struct.Struct(">I")
-READ_CHUNK = 256 << 10
-READ_PER_CALL = 4 << 20  # bytes one read takes from one socket (other sockets get their turn)
 DEFAULT_HWM = 1000
 MAX_BATCH = 256  # frames per connection per recv_ready
 MAX_PEERS = 1024
@@ -71,7 +68,6 @@ RECONNECT_MAX_S = 1.0
 CONNECT_TIMEOUT_S = 5.0
 ACCEPT_PAUSE_S = 0.1
 SCAN_S = 0.05  # deadlines are checked this often (at most)
-_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 PeerT = TypeVar("PeerT", bound=Hashable)
@@ -101,153 +97,6 @@ class ChannelStats:
     timed_out: int = 0  # connections closed for a missed hello, frame or idle deadline
     evicted: int = 0  # pending connections closed to make room for newer ones
     refused: int = 0  # authenticated connections over max_connections
-
-
-class FrameError(Exception):
-    """A frame whose announced length is over the reader's limit."""
-
-
-class FrameReader:
-    """Bytes in, frame bodies out; ``max_frame`` may change (after a Hello)."""
-
-    __slots__ = ("max_frame", "_buf")
-
-    def __init__(self, max_frame: int) -> None:
-        self.max_frame = max_frame
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    def frames(self, limit: int) -> list[bytes]:
-        """Up to ``limit`` complete bodies, in order; FrameError for an oversized length."""
-        buf, out, pos, end = self._buf, [], 0, len(self._buf)
-        while len(out) < limit and end - pos >= HEADER.size:
-            (size,) = HEADER.unpack_from(buf, pos)
-            if size > self.max_frame:
-                raise FrameError(f"frame of {size} bytes announced, over the {self.max_frame}-byte limit")
-            if end - pos - HEADER.size < size:
-                break
-            start = pos + HEADER.size
-            out.append(bytes(buf[start : start + size]))
-            pos = start + size
-        if pos:
-            del buf[:pos]
-        return out
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf)
-
-    @property
-    def ready(self) -> bool:
-        """A complete frame (or an oversized header) waits."""
-        if len(self._buf) < HEADER.size:
-            return False
-        (size,) = HEADER.unpack_from(self._buf)
-        return size > self.max_frame or len(self._buf) - HEADER.size >= size
-
-    def clear(self) -> None:
-        self._buf.clear()
-
-
-def frame(body: bytes) -> bytes:
-    return HEADER.pack(len(body)) + body
-
-
-class Stream:
-    """One socket's frames both ways (non-blocking); ``sock`` is None while disconnected."""
-
-    def __init__(self, sock: socket.socket | None, max_frame: int, hwm: int) -> None:
-        self.sock = sock
-        self.connected = sock is not None
-        self.broken = False  # sending failed (the peer stopped reading): nothing more is sent
-        self.events = 0
-        self.reader = FrameReader(max_frame)
-        self.hwm = hwm
-        self.ident = b""  # a server's name for the connection
-        self.address = ""  # the source address (server side)
-        self.hello: Hello | None = None  # server side: set once the peer authenticated
-        self.info: Any = None  # what the owner's admit() returned (the IPC side channel: the peer's pid)
-        self.client: Client | None = None
-        self.hello_by = 0.0  # server side, pending: monotonic deadline of the Hello
-        self.last_rx = 0.0
-        self.partial_since = 0.0  # when the frame now buffered began (0: none)
-        self._preamble: bytes | None = None  # a client's Hello: first on every connection
-        self._out: collections.deque[bytes] = collections.deque()
-        self._sent = 0
-
-    @property
-    def fd(self) -> int:
-        return -1 if self.sock is None else self.sock.fileno()
-
-    @property
-    def wants_write(self) -> bool:
-        return bool(self._out)
-
-    def queue(self, data: bytes) -> None:
-        """Send one frame or keep it for ``flush``; PeerLost-worthy QueueFull at ``hwm``."""
-        hello_waits = self._preamble is not None and bool(self._out) and self._out[0] is self._preamble
-        if len(self._out) - hello_waits >= self.hwm:
-            raise _QueueFull
-        self._out.append(data)
-        if len(self._out) == 1 and self.connected:
-            self.flush()
-
-    def flush(self) -> None:
-        out, sock = self._out, self.sock
-        while out and self.connected:
-            first = out[0]
-            try:
-                sent = sock.send(memoryview(first)[self._sent :] if self._sent else first, _NOSIGNAL)
-            except BlockingIOError:
-                return
-            self._sent += sent
-            if self._sent < len(first):
-                return
-            out.popleft()
-            self._sent = 0
-
-    def read(self, limit: int = READ_PER_CALL) -> bool:
-        """Receive up to ``limit`` bytes; False at end of stream."""
-        total = 0
-        while total < limit:
-            try:
-                data = self.sock.recv(min(READ_CHUNK, limit - total))
-            except BlockingIOError:
-                return True
-            if not data:
-                return False
-            self.reader.feed(data)
-            total += len(data)
-            if len(data) < READ_CHUNK:
-                return True
-        return True
-
-    def reset(self, sock: socket.socket | None, connected: bool = True) -> None:
-        """A new connection (or none): partial input dropped, the frame being sent starts over,
-        and the preamble (a client's Hello) goes first."""
-        self.sock = sock
-        self.connected = sock is not None and connected
-        self.broken = False
-        self.events = 0
-        self.reader.clear()
-        self._sent = 0
-        if self._preamble is not None and sock is not None and not (self._out and self._out[0] is self._preamble):
-            self._out.appendleft(self._preamble)
-
-    def drop_output(self) -> None:
-        self._out.clear()
-        self._sent = 0
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.reset(None)
-
-
-class _QueueFull(Exception):
-    pass
 
 
 class Wakeup:
@@ -469,7 +318,7 @@ class _Channel(Generic[PeerT]):
             raise TransferError(f"{self.codec.name} channel to {who} is closed")
         try:
             stream.queue(frame(data))
-        except _QueueFull:
+        except QueueFull:
             raise PeerLost(f"{self.codec.name} channel to {who}: send queue full ({self.hwm} messages); peer gone "
                            "or stalled") from None
         except OSError as exc:
@@ -776,7 +625,7 @@ class Client:
         self.address = address  # (socket family, sockaddr)
         self.stream = Stream(None, max_frame, hwm)
         self.stream.client = self
-        self.stream._preamble = frame(hello)
+        self.stream.preamble = frame(hello)
         self.connecting = False
         self.connect_by = 0.0
         self.retry_at = 0.0
