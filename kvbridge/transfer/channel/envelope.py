@@ -126,10 +126,9 @@ class Codec(Generic[M]):
         secret learns why its message was refused); ``"v"`` another version."""
         view = memoryview(data)
         size = len(view)
-        too_big = ProtocolError(f"message of {size} bytes is over the {self.max_bytes}-byte limit", field="size")
         if self.secret is None:
             if size > self.max_bytes:
-                raise too_big
+                raise self._too_big(size)
             if size < HEADER.size:
                 raise ProtocolError(f"message of {size} bytes is shorter than the {HEADER.size}-byte envelope header",
                                     field="v")
@@ -147,13 +146,16 @@ class Codec(Generic[M]):
             if not hmac.compare_digest(mac.digest(), view[HEADER.size : HEADER.size + MAC_BYTES]):
                 raise ProtocolError("bad HMAC: message not signed with this cluster's secret", field="mac")
             if size > self.max_bytes:
-                raise too_big
+                raise self._too_big(size)
             version, _ = HEADER.unpack_from(view)
             body = view[HEADER.size + MAC_BYTES :]
         if version != self.version:
             raise ProtocolError(f"unsupported wire version {version} on the {self.name} channel (this side speaks "
                                 f"{self.version})", field="v")
         return body
+
+    def _too_big(self, size: int) -> ProtocolError:
+        return ProtocolError(f"message of {size} bytes is over the {self.max_bytes}-byte limit", field="size")
 
     def decode(self, data: bytes | memoryview) -> M:
         return self.decode_body(self.unseal(data))
