@@ -35,7 +35,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from kvbridge.errors import EngineError, ProtocolError, TransferError
+from kvbridge.errors import ConfigError, EngineError, ProtocolError, TransferError
 from kvbridge.transfer.channel import Clients, Codec, Server
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Channel:
         self._closed = threading.Event()
         try:
             self._server = Server(self._codec, _endpoint(session), admit=_same_user, on_lost=self._server_lost)
-        except Exception as exc:  # ConfigError: the name is taken
+        except ConfigError as exc:  # the name is taken
             raise EngineError(f"IPC side channel: cannot listen as {session!r}: {exc}") from exc
         self._clients = Clients(self._codec, name=session, admit=_same_user, on_lost=self._client_lost)
         self._threads = [threading.Thread(target=self._run, args=(end,), name=f"kvb-ipc-{session}", daemon=True)
