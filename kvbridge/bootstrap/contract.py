@@ -62,7 +62,7 @@ __all__ = [
     "preset_contract",
 ]
 
-# Control-message protocol version; keep equal to kvbridge.transfer.wire's.
+# Control-message protocol version; keep equal to kvbridge.transfer.channel.wire's.
 # Version of the canonical encoding itself; bump it if canonical_json changes.
 FINGERPRINT_PREFIX = "kvb1:"
 CP_RULES = LANE_RULES  # interleaved, contiguous, replicated, balanced (kvbridge.layout.lanes)

@@ -4,7 +4,7 @@ bytes mean (the "source" section of the runtime contract).
 kvbridge always declares its own geometry and wire modules; an engine adds the
 files that decide its own page layout (its KV pool, its attention backend glue):
 
-    kvbridge/layout/*.py, kvbridge/transfer/wire.py      always
+    kvbridge/layout/*.py, kvbridge/transfer/channel/{wire,envelope}.py   always
     + files the engine declares                            source_digest(extra=...)
 
 Each file is named by a *stable* name (never an absolute path, which differs
@@ -35,10 +35,11 @@ ExtraFiles = Union[Mapping[str, StrPath], Iterable[StrPath]]
 
 def kvbridge_source_files() -> dict[str, Path]:
     """kvbridge's own byte-meaning modules, resolved from the installed package:
-    every ``kvbridge/layout/*.py`` that exists now, and ``kvbridge/transfer/wire.py``
-    (declared even when missing)."""
+    every ``kvbridge/layout/*.py`` that exists now, and the control codec (``kvbridge/transfer/channel/``
+    ``wire.py`` and ``envelope.py``, declared even when missing)."""
     files = {f"kvbridge/layout/{p.name}": p for p in sorted((_PACKAGE_ROOT / "kvbridge" / "layout").glob("*.py"))}
-    files["kvbridge/transfer/wire.py"] = _PACKAGE_ROOT / "kvbridge" / "transfer" / "wire.py"
+    for name in ("wire.py", "envelope.py"):
+        files[f"kvbridge/transfer/channel/{name}"] = _PACKAGE_ROOT / "kvbridge" / "transfer" / "channel" / name
     return files
 
 

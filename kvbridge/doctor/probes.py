@@ -31,7 +31,7 @@ import numpy as np
 from kvbridge.bootstrap.schemas import RankView, ScratchDescriptor
 from kvbridge.doctor.checks import FAIL, OK, SKIP, Check
 from kvbridge.errors import ProtocolError, TransferError
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 
 __all__ = ["control_checks", "EngineProbe"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import KVBridgeError, UnknownInstance
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 
 if TYPE_CHECKING:
     from kvbridge.transfer.receiver import RecvRoom

@@ -35,7 +35,7 @@ from kvbridge.transfer.sender import TargetPart
 if TYPE_CHECKING:
     from kvbridge.bootstrap.client import BootstrapClient
     from kvbridge.bootstrap.schemas import RankDetail
-    from kvbridge.transfer.wire import TransferRequest
+    from kvbridge.transfer.channel.wire import TransferRequest
 
 log = logging.getLogger(__name__)
 

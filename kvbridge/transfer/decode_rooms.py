@@ -16,7 +16,7 @@ import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, LedgerError, RoomInUse
 from kvbridge.layout import TPRoute, tp_route
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.decode_liveness import Peer, PeerLiveness
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.lifecycle import Stage

@@ -34,7 +34,7 @@ from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract

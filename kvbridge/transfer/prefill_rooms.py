@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError, RoomInUse
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import aux_slices
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import WriteState

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, PageRangeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, TransferPlan, num_drawing, plan_head_transfer, plan_transfer, tp_route
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import RegionAddr, packed_base
 from kvbridge.transfer.decode_peers import DecodePeer
 from kvbridge.transfer.sender import SendRoom, Target, TargetPart

@@ -1,8 +1,8 @@
 """The ops channel: how a router, the demo, the bench or a test tells a worker what to run.
 
-ZMQ ROUTER (worker) / DEALER (client), one msgpack map per message:
-
-    {"v": OPS_VERSION, "t": <tag>, "id": <request id>, ...fields}
+kvbridge's one transport and codec (``kvbridge.transfer.channel``): the worker is a Server,
+a client one Clients connection; every message is an ``OpsFrame`` (request id + one typed op
+or reply) in the envelope (version OPS_VERSION, HMAC with the cluster secret when set):
 
     client -> worker                          worker -> client (same id)
     Prefill(room, num_tokens, chunk_tokens)   RoomResult  when the room succeeded or failed
@@ -11,65 +11,63 @@ ZMQ ROUTER (worker) / DEALER (client), one msgpack map per message:
       [+ max_new_tokens: model mode]
     Stats()                                   StatsReply
     Shutdown()                                Ack         then the worker drains and exits
-    anything malformed / refused              OpError(reason)
+    anything malformed / refused              OpError(reason)  (id -1 when it could not be read)
 
-When a secret is set, a second frame carries HMAC-SHA256 of the first; a message
-without a valid one is refused. Replies arrive in completion order, not request
-order: a client matches them by ``id``.
+Unknown fields are refused (a typo in a router's op is an error, not a default). A connection
+that does not open with a valid Hello is closed; a message that does not authenticate is
+dropped. Replies arrive in completion order, not request order: a client matches them by id.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import hmac
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Union
 
-import msgpack
-import zmq
+import msgspec
 
 from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
+from kvbridge.transfer.channel import Clients, Codec, Server
 
-OPS_VERSION = 1
+OPS_VERSION = 2
 MAX_OP_BYTES = 1 << 20
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
-@dataclass(frozen=True)
-class Prefill:
-    room: int
+
+class _Op(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+class Prefill(_Op, frozen=True, tag="prefill"):
+    room: _Room
     num_tokens: int
-    chunk_tokens: int = 0  # 0: one chunk
+    chunk_tokens: _Count = 0  # 0: one chunk
     # model mode: the prompt's token ids; ops with the same batch id run as one batch once
     # batch_size of them arrived (bs > 1: requests share the pools, one writer call per step)
-    prompt: list = field(default_factory=list)
-    batch_id: int = 0
-    batch_size: int = 1
+    prompt: list[int] = []
+    batch_id: _Count = 0
+    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
-@dataclass(frozen=True)
-class Decode:
-    room: int
+class Decode(_Op, frozen=True, tag="decode"):
+    room: _Room
     num_tokens: int
     prefill_instance: str
-    prefill_dp_rank: int = 0
-    max_new_tokens: int = 0  # model mode: greedy steps after the first token (TP rank 0 generates)
+    prefill_dp_rank: _Count = 0
+    max_new_tokens: _Count = 0  # model mode: greedy steps after the first token (TP rank 0 generates)
 
 
-@dataclass(frozen=True)
-class Stats:
+class Stats(_Op, frozen=True, tag="stats"):
     pass
 
 
-@dataclass(frozen=True)
-class Shutdown:
+class Shutdown(_Op, frozen=True, tag="shutdown"):
     pass
 
 
-@dataclass(frozen=True)
-class RoomResult:
+class RoomResult(_Op, frozen=True, tag="room_result"):
     room: int
     ok: bool
     reason: str = ""
@@ -77,158 +75,99 @@ class RoomResult:
     num_bytes: int = 0  # bytes moved (prefill: posted; decode: received)
     bytes_verified: int = 0
     num_slices: int = 0
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    timings: dict[str, float] = {}  # seconds per phase
 
 
-@dataclass(frozen=True)
-class StatsReply:
+class StatsReply(_Op, frozen=True, tag="stats_reply"):
     stats: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Ack:
+class Ack(_Op, frozen=True, tag="ack"):
     pass
 
 
-@dataclass(frozen=True)
-class OpError:
+class OpError(_Op, frozen=True, tag="error"):
     reason: str
 
 
-Op = Prefill | Decode | Stats | Shutdown
-Reply = RoomResult | StatsReply | Ack | OpError
-TAGS: dict[str, type] = {
-    "prefill": Prefill,
-    "decode": Decode,
-    "stats": Stats,
-    "shutdown": Shutdown,
-    "room_result": RoomResult,
-    "stats_reply": StatsReply,
-    "ack": Ack,
-    "error": OpError,
-}
-TAG_OF = {cls: tag for tag, cls in TAGS.items()}
+Op = Union[Prefill, Decode, Stats, Shutdown]
+Reply = Union[RoomResult, StatsReply, Ack, OpError]
+OPS = (Prefill, Decode, Stats, Shutdown)
 
 
-def encode(msg: Op | Reply, request_id: int, secret: bytes | None = None) -> list[bytes]:
-    body = msgpack.packb({"v": OPS_VERSION, "t": TAG_OF[type(msg)], "id": request_id, **dataclasses.asdict(msg)})
-    return [body, _mac(secret, body)] if secret else [body]
+class OpsFrame(msgspec.Struct, frozen=True, tag="ops", tag_field="t", forbid_unknown_fields=True):
+    """One message on the ops channel: the request id and the op or reply."""
+
+    id: int
+    msg: Union[Prefill, Decode, Stats, Shutdown, RoomResult, StatsReply, Ack, OpError]
 
 
-def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[int, Op | Reply]:
+def codec(secret: bytes | None = None) -> Codec[OpsFrame]:
+    return Codec("ops", OPS_VERSION, (OpsFrame,), secret=secret, max_bytes=MAX_OP_BYTES)
+
+
+def encode(msg: Op | Reply, request_id: int, secret: bytes | None = None) -> bytes:
+    return codec(secret).encode(OpsFrame(id=request_id, msg=msg))
+
+
+def decode(data: bytes, secret: bytes | None = None) -> tuple[int, Op | Reply]:
     """``(request id, message)``; raises ProtocolError naming what is wrong."""
-    if not frames or len(frames[0]) > MAX_OP_BYTES:
-        raise ProtocolError("ops message empty or over 1 MiB", field="body")
-    body = frames[0]
-    if secret and (len(frames) != 2 or not hmac.compare_digest(frames[1], _mac(secret, body))):
-        raise ProtocolError("ops message not authenticated (missing or wrong HMAC)", field="mac")
-    try:
-        data = msgpack.unpackb(body, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"ops message is not msgpack: {exc}", field="body") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("ops message is not a map", field="body")
-    if data.pop("v", None) != OPS_VERSION:
-        raise ProtocolError(f"ops version must be {OPS_VERSION}", field="v")
-    tag, request_id = data.pop("t", None), data.pop("id", None)
-    if not isinstance(tag, str) or tag not in TAGS:
-        raise ProtocolError(f"unknown ops message type {tag!r}", field="t")
-    if not isinstance(request_id, int):
-        raise ProtocolError("ops message needs an integer id", field="id")
-    cls = TAGS[tag]
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(data) - names:
-        raise ProtocolError(f"{tag}: unknown fields {sorted(set(data) - names)}", field=tag)
-    try:
-        msg = cls(**data)
-    except TypeError as exc:
-        raise ProtocolError(f"{tag}: {exc}", field=tag) from None
-    for f in dataclasses.fields(cls):
-        want = {"int": int, "str": str, "bool": bool}.get(str(f.type))
-        if want is not None and not isinstance(getattr(msg, f.name), want):
-            raise ProtocolError(f"{tag}.{f.name} must be {f.type}", field=f"{tag}.{f.name}")
-    return request_id, msg
+    frame = codec(secret).decode(data)
+    return frame.id, frame.msg
 
 
-def _mac(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, body, hashlib.sha256).digest()
+class OpsServer(Server):
+    """Worker side; ``receive`` never raises on a bad message (it answers OpError)."""
 
-
-class OpsServer:
-    """Worker side: a ROUTER socket; ``receive`` never raises on a bad message (it answers OpError)."""
-
-    def __init__(self, host: str, port: int = 0, secret: bytes | None = None, ctx: zmq.Context | None = None) -> None:
-        self.secret = secret
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 500)
+    def __init__(self, host: str, port: int = 0, secret: bytes | None = None) -> None:
+        bracketed = f"[{host}]" if ":" in host else host
         try:
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
-        except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc}", field="ops_port") from None
-        self.endpoint = f"tcp://{host}:{port}"
+            super().__init__(codec(secret), f"tcp://{bracketed}:{port}")
+        except ConfigError as exc:
+            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc.reason}", field="ops_port") from None
 
     def receive(self, timeout: float) -> list[tuple[bytes, int, Op]]:
         """Ops that arrived within ``timeout`` seconds: ``(peer, request id, op)``."""
         out: list[tuple[bytes, int, Op]] = []
-        if not self._sock.poll(int(timeout * 1000)):
-            return out
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            peer, payload = frames[0], frames[1:]
-            try:
-                request_id, op = decode(payload, self.secret)
-                if not isinstance(op, (Prefill, Decode, Stats, Shutdown)):
-                    raise ProtocolError(f"{type(op).__name__} is a reply, not an op", field="t")
-            except ProtocolError as exc:
-                self.reply(peer, -1, OpError(str(exc)))
+        for peer, frame in self.recv_ready(int(timeout * 1000)):
+            if isinstance(frame, ProtocolError):
+                continue  # (answered by _refusal)
+            if not isinstance(frame.msg, OPS):
+                self.reply(peer, frame.id, OpError(f"{type(frame.msg).__name__} is a reply, not an op"))
                 continue
-            out.append((peer, request_id, op))
+            out.append((peer, frame.id, frame.msg))
+        return out
+
+    def _refusal(self, err: ProtocolError, body: bytes) -> OpsFrame:
+        return OpsFrame(id=-1, msg=OpError(str(err)[:1000]))
 
     def reply(self, peer: bytes, request_id: int, msg: Reply) -> None:
-        self._sock.send_multipart([peer, *encode(msg, request_id, self.secret)])
-
-    def close(self) -> None:
-        self._sock.close()
+        self.send(peer, OpsFrame(id=request_id, msg=msg))
 
 
 class OpsClient:
-    """Client side: a DEALER socket; several ops may be in flight, matched by id."""
+    """Client side; several ops may be in flight, matched by id. Not thread-safe: one caller."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, endpoint: str, secret: bytes | None = None, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, secret: bytes | None = None) -> None:
         self.endpoint = endpoint
         self.secret = secret
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._clients = Clients(codec(secret), max_peers=1)
+        self._client = self._clients.get(endpoint)
         self._replies: dict[int, Reply] = {}
 
     def submit(self, op: Op) -> int:
         request_id = next(self._ids)
-        self._sock.send_multipart(encode(op, request_id, self.secret))
+        self._client.send(OpsFrame(id=request_id, msg=op))
         return request_id
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Read whatever replies arrive within ``timeout`` seconds."""
-        if not self._sock.poll(int(timeout * 1000)):
-            return
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            request_id, msg = decode(frames, self.secret)
-            self._replies[request_id] = msg
+        """Read whatever replies arrive within ``timeout`` seconds (ProtocolError on a bad one)."""
+        for _, frame in self._clients.recv_ready(int(timeout * 1000)):
+            if isinstance(frame, ProtocolError):
+                raise frame
+            self._replies[frame.id] = frame.msg
 
     def take(self, request_id: int) -> Reply | None:
         return self._replies.pop(request_id, None)
@@ -246,4 +185,4 @@ class OpsClient:
         return self.wait(self.submit(op), timeout)
 
     def close(self) -> None:
-        self._sock.close()
+        self._clients.close()

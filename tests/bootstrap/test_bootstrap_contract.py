@@ -153,7 +153,7 @@ def test_pools_must_share_one_page_size_and_distinct_names(small_contract: Runti
 def test_source_digest_covers_layout_and_wire_modules_and_marks_missing(tmp_path: Path) -> None:
     files = source_digest().files
     assert "kvbridge/layout/pools.py" in files and len(files["kvbridge/layout/pools.py"]) == 64
-    assert "kvbridge/transfer/wire.py" in files  # declared even while missing
+    assert "kvbridge/transfer/channel/wire.py" in files  # declared even while missing
     engine_file = tmp_path / "kv_pool.py"
     engine_file.write_text("PAGE = 64\n")
     with_engine = source_digest({"engine/kv_pool.py": engine_file, "engine/gone.py": tmp_path / "gone.py"})

@@ -12,7 +12,7 @@ from _cluster import wait_until
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.layout import OwnerLanes
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.engine import create_engine

@@ -1,6 +1,7 @@
 """A bare client of a control channel, for tests that play a hostile or broken peer: a plain
 TCP socket that sends whatever bytes it is given (framed, or not) and reads frames back,
-checking nothing."""
+checking nothing. It opens with a Hello (signed with ``secret`` when given) unless
+``hello=False``: a connection's first frame must be one."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import select
 import socket
 import time
 
-from kvbridge.transfer.streams import HEADER, frame
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.channel.frames import HEADER, frame
 
 
 class RawControl:
-    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+    def __init__(self, endpoint: str, timeout: float = 5.0, *, secret: bytes | None = None, hello: bool = True,
+                 name: str = "raw") -> None:
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self._buf = b""
+        if hello:
+            self.sock.sendall(frame(wire.codec(secret).hello(name)))
 
     def send(self, body: bytes) -> None:
         """One frame holding ``body``."""

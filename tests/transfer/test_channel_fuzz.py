@@ -17,7 +17,7 @@ import msgpack
 
 from _raw_control import RawControl
 from kvbridge.errors import ProtocolError
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import ControlServer
 
 SECRET = b"fuzz-secret"
@@ -25,8 +25,11 @@ MAX_BYTES = 4096
 FIELD_VALUES: list[object] = [None, -1, 2**64 - 1, 2**63, "x", b"\x01\x02\x03", [1, [2]], {"k": 1}, 1.5, True]
 
 
-def signed(body: bytes) -> bytes:
-    return msgpack.packb([body, wire._mac(SECRET, body)], use_bin_type=True)
+SIGNER = wire.codec(SECRET)
+
+
+def signed(body: bytes, version: int = wire.WIRE_VERSION) -> bytes:
+    return SIGNER.with_version(version).seal(body)
 
 
 def valid_map(rng: random.Random) -> dict:
@@ -36,20 +39,21 @@ def valid_map(rng: random.Random) -> dict:
               "aux_slot": 0, "num_tokens": 10, "deadline_ms": 100, "want_digest": False, "fingerprint": "f",
               "num_decode_ranks": 1, "decode_rank_id": "r1", "first_page": 0, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
               "digests": None, "ref_type": "ping", "aux": False}
-    return {"v": wire.WIRE_VERSION, "t": tag, **{f: sample[f] for f in wire._FIELDS[wire.MESSAGE_TYPES[tag]]}}
+    return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 
 def broken(rng: random.Random) -> tuple[str, bytes]:
     """(category, frame body) of one authenticated message that must be refused."""
     m = valid_map(rng)
-    fields = [k for k in m if k not in ("v", "t")]
+    fields = [k for k in m if k != "t"]
+    version = wire.WIRE_VERSION
     kind = rng.choice(["bytes", "not-a-map", "version", "tag", "missing", "type", "range", "empty", "oversized"])
     if kind == "bytes":
         body = bytes([0xC1]) + rng.randbytes(rng.randrange(0, 64))
     elif kind == "not-a-map":
         body = msgpack.packb(rng.choice([[1, 2, 3], "text", 5, None, [b"a", b"b"]]))
     elif kind == "version":
-        m["v"] = rng.choice([0, wire.WIRE_VERSION + 1, str(wire.WIRE_VERSION), None, [1]])
+        version = rng.choice([0, 1, wire.WIRE_VERSION - 1, wire.WIRE_VERSION + 1, 65535])
         body = msgpack.packb(m)
     elif kind == "tag":
         m["t"] = rng.choice(["launch", "", 3, None, ["ping"], {"t": 1}])
@@ -71,7 +75,7 @@ def broken(rng: random.Random) -> tuple[str, bytes]:
     else:
         m["pad"] = b"p" * rng.randrange(MAX_BYTES, 2 * MAX_BYTES - 200)  # unknown fields are ignored: size is the fault
         body = msgpack.packb(m)
-    return kind, signed(body)
+    return kind, signed(body, version)
 
 
 def refused(body: bytes) -> bool:
@@ -117,7 +121,7 @@ def served() -> Iterator[tuple[ControlServer, Serving, RawControl]]:
     server = ControlServer(secret=SECRET, max_bytes=MAX_BYTES)
     loop = Serving(server)
     try:
-        with RawControl(server.endpoint) as sock:
+        with RawControl(server.endpoint, secret=SECRET) as sock:
             yield server, loop, sock
     finally:
         loop.stop()
@@ -142,8 +146,8 @@ def test_every_authenticated_malformed_message_gets_one_error_reply() -> None:
 
 def test_a_message_not_signed_with_the_secret_is_still_dropped_whatever_its_size() -> None:
     with served() as (server, _, sock):
-        body = msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "pad": b"p" * (MAX_BYTES + 10)})
-        sock.send(msgpack.packb([body, b"\0" * 32]))  # a forged MAC on an oversized message
+        body = msgpack.packb({"t": "ping", "pad": b"p" * (MAX_BYTES + 10)})
+        sock.send(signed(body)[:3] + b"\0" * 32 + body)  # a forged MAC on an oversized message
         sock.send(wire.encode(wire.Ping(decode_rank="d", seq=1), b"another-secret"))
         assert collect(sock, 1, bytes, timeout=0.5) == []
         deadline = time.monotonic() + 5

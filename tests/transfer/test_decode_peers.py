@@ -14,7 +14,7 @@ import numpy as np
 
 from _cluster import wait_final, wait_until
 from _local import replies, rogue_request
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.poll import KVPoll
 

@@ -448,7 +448,7 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
     """A prefill rank's report (wire v3: pages and the aux row in one PagesDone) is checked against
     the owner lanes before anything is recorded: a report the ledger cannot take fails the room,
     names the rank, and the room never commits."""
-    from kvbridge.transfer import wire
+    from kvbridge.transfer.channel import wire
 
     c = cluster(cp=2)
     room, n = 77, 4 * PAGE - 3  # 4 pages: cp0 owns 0 and 2, cp1 owns 1 and 3 (and the last token)
@@ -505,7 +505,8 @@ def test_an_aux_row_that_would_not_unpack_fails_the_room_at_commit_and_a_good_on
 def test_the_cp_ranks_of_one_tp_source_get_one_encoding_of_the_request(cluster, monkeypatch):
     """Decode encodes a room's TransferRequest once per distinct request (here: one for both
     CP ranks) and sends the same bytes to each rank; both act on it."""
-    from kvbridge.transfer import channel, wire
+    from kvbridge.transfer import channel
+    from kvbridge.transfer.channel import wire
 
     c = cluster(cp=2)
     encoded = []

@@ -227,3 +227,42 @@ def test_an_ipc_handle_with_zero_bytes_survives_the_ctypes_struct():
 
     raw = bytes([7, 0, 0, 9] * 16)
     assert bytes(_IpcHandle.from_buffer_copy(raw).reserved) == raw
+
+
+# ---- the side channel on kvbridge's transport and codec --------------------------------------
+def test_the_side_channel_checks_each_message_against_its_type_and_answers_requests():
+    """Two side channels in one process: a request gets its typed reply (as the dict the tables
+    read), a message that does not fit its type is refused at the sender naming the field, and
+    closing one side tells the other."""
+    import uuid
+
+    from kvbridge.transfer.engine.ipc_channel import Channel
+
+    closed: list[str] = []
+
+    def target_on_message(conn, msg):
+        if msg["t"] == "get":
+            conn.send({"t": "regions", "id": msg["id"], "regions": [[4096, 8192, "host", -1, b"\x01\x02", 0]]})
+
+    writer_got: list[dict] = []
+    target = Channel(f"test-{uuid.uuid4().hex}", target_on_message, lambda conn: closed.append("target"))
+    writer = Channel(f"test-{uuid.uuid4().hex}", lambda conn, msg: writer_got.append(msg),
+                     lambda conn: closed.append("writer"))
+    try:
+        conn = writer.connect(target.session, 5.0)
+        assert conn.outgoing and conn.same_process
+        reply = writer.request(conn, {"t": "get"}, 5.0)
+        assert reply["t"] == "regions" and [list(r) for r in reply["regions"]] == [[4096, 8192, "host", -1, b"\x01\x02", 0]]
+        assert writer_got == [reply]
+        assert len(target.accepted()) == 1 and not target.accepted()[0].outgoing
+        with pytest.raises(EngineError, match="bad 'revoke' message.*seq"):
+            conn.send({"t": "revoke", "start": 5})
+        with pytest.raises(EngineError, match="no IPC engine with session nobody-here"):
+            writer.connect("nobody-here", 1.0)
+    finally:
+        target.close()
+        deadline = time.monotonic() + 5
+        while "writer" not in closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        writer.close()
+    assert "writer" in closed and "target" in closed

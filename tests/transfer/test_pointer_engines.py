@@ -24,7 +24,7 @@ import pytest
 import kvbridge as kvb
 from _cluster import wait_final, wait_until
 from _local import replies
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.engine import LocalFabric
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_aux, verify_pages

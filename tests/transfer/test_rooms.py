@@ -16,7 +16,7 @@ import pytest
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.errors import PageRangeError
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll

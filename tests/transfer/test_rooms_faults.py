@@ -14,7 +14,7 @@ import pytest
 
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
 from _raw_control import RawControl
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll
 
@@ -41,14 +41,15 @@ def test_malformed_messages_get_errors_and_the_loop_keeps_serving(daemon):
     p = PrefillProc(daemon.url, 0, 1, instance="prefill-malformed")
     d = DecodeRank(daemon.url, instance="decode-malformed")
     try:
-        good = msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "decode_rank": "x", "seq": 1})
+        seal = wire.codec().seal
+        good = wire.encode(wire.Ping(decode_rank="x", seq=1))
         frames = [
-            b"\xc1 not msgpack",
-            msgpack.packb([1, 2, 3]),
-            msgpack.packb({"v": 99, "t": "ping", "decode_rank": "x", "seq": 1}),
-            msgpack.packb({"v": wire.WIRE_VERSION, "t": "launch_missiles"}),
-            msgpack.packb({"v": wire.WIRE_VERSION, "t": "abort", "room": 5}),
-            msgpack.packb({"v": wire.WIRE_VERSION, "t": "ping", "decode_rank": "x", "seq": "one"}),
+            seal(b"\xc1 not msgpack"),
+            seal(msgpack.packb([1, 2, 3])),
+            wire.codec().with_version(99).seal(msgpack.packb({"t": "ping", "decode_rank": "x", "seq": 1})),
+            seal(msgpack.packb({"t": "launch_missiles"})),
+            seal(msgpack.packb({"t": "abort", "room": 5})),
+            seal(msgpack.packb({"t": "ping", "decode_rank": "x", "seq": "one"})),
             good,
         ]
         replies = raw_exchange(p.endpoint, frames)

@@ -4,14 +4,13 @@ paired with ours once per pool set."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import numpy as np
 import pytest
 
 from kvbridge.errors import LayoutError, PageRangeError, PairingError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, preset_pools
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.decode_peers import DecodePeer
 from kvbridge.transfer.sender import SendRoom
@@ -103,7 +102,7 @@ def test_a_decode_tp_rank_gets_its_head_slice_and_only_from_the_ranks_of_its_rou
     p = DecodePeer(rank_id="r1", label="d/dp0/cp0/tp3/pp0", session="127.0.0.1:1", fingerprint="x", buffers=dst,
                    aux={r.name: RegionAddr(r.name, (1 << 50) + AUX.offsets[r.name], 4, AUX.row_bytes)
                         for r in AUX.regions}, tp_size=4, tp_rank=3)
-    req = dataclasses.replace(request([5, 6], num_pages=2), pools=["k", "v"], num_tokens=6, num_decode_ranks=4)
+    req = msgspec.structs.replace(request([5, 6], num_pages=2), pools=["k", "v"], num_tokens=6, num_decode_ranks=4)
     t = target_from_request(req, b"i", mine, src, AUX, send_room(), p, tp=(2, 1))
     assert t.aux_source and t.num_decode_targets == 2 and [part.pools for part in t.parts] == [("k", "v")]
     plan = plan_target(mine, src, t, np.array([0, 1]), np.array([2, 3]), 6, room=1, rank="p/tp1")

@@ -3,19 +3,20 @@ ProtocolError that says exactly what is wrong; HMAC; size limit."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
+import struct
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError, ProtocolError
-from kvbridge.transfer import wire
-from kvbridge.transfer.wire import (
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.channel.wire import (
     MESSAGE_TYPES,
     WIRE_VERSION,
     Abort,
@@ -69,12 +70,16 @@ SAMPLES = [
 ]
 
 
+PLAIN = wire.codec()
+
+
 def body(**fields: object) -> bytes:
-    return msgpack.packb(fields, use_bin_type=True)
+    """A plain envelope around a msgpack map."""
+    return PLAIN.seal(msgpack.packb(fields, use_bin_type=True))
 
 
 def valid_map(msg: wire.Message) -> dict:
-    return {"v": WIRE_VERSION, "t": msg.TAG, **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
+    return {"t": msg.TAG, **msgspec.structs.asdict(msg)}
 
 
 # ---- round trips --------------------------------------------------------------------------------
@@ -90,16 +95,19 @@ def test_round_trip(msg: wire.Message, secret: bytes | None) -> None:
     assert type(decode(data, secret)) is type(msg)
 
 
-def test_plain_encoding_is_a_versioned_map() -> None:
-    obj = msgpack.unpackb(encode(Ping(decode_rank="d", seq=1)))
-    assert obj == {"v": WIRE_VERSION, "t": "ping", "decode_rank": "d", "seq": 1}
+def test_plain_encoding_is_a_versioned_envelope_around_a_tagged_map() -> None:
+    data = encode(Ping(decode_rank="d", seq=1))
+    assert struct.unpack(">HB", data[:3]) == (WIRE_VERSION, 0)
+    assert msgpack.unpackb(data[3:]) == {"t": "ping", "decode_rank": "d", "seq": 1}
 
 
-def test_hmac_envelope_is_body_and_sha256_mac() -> None:
+def test_hmac_envelope_is_version_kind_sha256_mac_then_body() -> None:
     msg = AbortAck(room=1, cp_rank=0)
-    inner, mac = msgpack.unpackb(encode(msg, SECRET))
-    assert inner == encode(msg)
-    assert mac == hmac.new(SECRET, inner, hashlib.sha256).digest()
+    data = encode(msg, SECRET)
+    head, mac, inner = data[:3], data[3:35], data[35:]
+    assert struct.unpack(">HB", head) == (WIRE_VERSION, 1)
+    assert inner == encode(msg)[3:]
+    assert mac == hmac.new(SECRET, head + inner, hashlib.sha256).digest()
 
 
 def test_pages_pack_as_little_endian_int32() -> None:
@@ -135,43 +143,50 @@ def test_a_pages_report_without_the_aux_fields_reports_no_aux_row() -> None:
 
 
 def test_the_v2_aux_report_is_refused_by_version_and_by_tag() -> None:
-    old = {"t": "aux_done", "room": 7, "cp_rank": 0, "status": "ok", "reason": ""}
+    old = msgpack.packb({"t": "aux_done", "room": 7, "cp_rank": 0, "status": "ok", "reason": ""})
     with pytest.raises(ProtocolError, match="unsupported wire version 2"):
-        decode(body(v=2, **old))
+        decode(PLAIN.with_version(2).seal(old))
     with pytest.raises(ProtocolError, match="unknown message type 'aux_done'"):
-        decode(body(v=WIRE_VERSION, **old))
+        decode(PLAIN.seal(old))
+
+
+def test_a_v4_message_is_refused_by_version() -> None:
+    """Wire v4 sent a bare msgpack map {"v": 4, ...}: its first bytes read as another version."""
+    with pytest.raises(ProtocolError, match="unsupported wire version") as info:
+        decode(msgpack.packb({"v": 4, "t": "ping", "decode_rank": "d", "seq": 1}))
+    assert info.value.field == "v"
 
 
 # ---- malformed input ----------------------------------------------------------------------------
 ACK = valid_map(AbortAck(room=3, cp_rank=1))
 MALFORMED = [
-    (b"\xc1", "not msgpack"),
-    (b"\x93\x01", "not msgpack"),
+    (PLAIN.seal(b"\xc1"), "not msgpack"),
+    (PLAIN.seal(b"\x82\xa1t"), "not msgpack: Input data was truncated"),
     (body(**ACK) + b"\x00", "not msgpack"),
-    (msgpack.packb([1, 2, 3]), "not a map: got a msgpack list"),
-    (msgpack.packb(7), "not a map: got a msgpack int"),
-    (msgpack.packb({1: 2}), "map keys must be strings"),
-    (body(t="abort_ack", room=3, cp_rank=1), "missing version field 'v'"),
-    (body(**{**ACK, "v": WIRE_VERSION + 1}), f"unsupported wire version {WIRE_VERSION + 1}"),
-    (body(**{**ACK, "v": 1}), "unsupported wire version 1"),
-    (body(**{**ACK, "v": True}), "unsupported wire version True"),
-    (body(v=WIRE_VERSION, room=3), "missing type tag 't'"),
+    (b"", "shorter than the 3-byte envelope header"),
+    (PLAIN.seal(msgpack.packb([1, 2, 3])), "not a map: expected `object`, got `array`"),
+    (PLAIN.seal(msgpack.packb(7)), "not a map: expected `object`, got `int`"),
+    (PLAIN.seal(msgpack.packb({1: 2})), "map keys must be strings"),
+    (PLAIN.with_version(WIRE_VERSION + 1).seal(msgpack.packb(ACK)), f"unsupported wire version {WIRE_VERSION + 1}"),
+    (PLAIN.with_version(1).seal(msgpack.packb(ACK)), "unsupported wire version 1"),
+    (body(room=3, cp_rank=1), "missing type tag 't'"),
     (body(**{**ACK, "t": "launch_missiles"}), "unknown message type 'launch_missiles'"),
     (body(**{**ACK, "t": 5}), "unknown message type 5"),
-    (body(v=WIRE_VERSION, t="abort_ack", room=3), "missing field 'cp_rank' in abort_ack"),
-    (body(**{**ACK, "room": "3"}), "field 'room' of abort_ack has wrong type: expected int, got str"),
-    (body(**{**ACK, "cp_rank": True}), "field 'cp_rank' of abort_ack has wrong type: expected int, got bool"),
-    (body(**{**ACK, "room": -1}), "field 'room' of abort_ack is out of range: -1"),
+    (body(t="abort_ack", room=3), "missing field 'cp_rank' in abort_ack"),
+    (body(**{**ACK, "room": "3"}), "field 'room' of abort_ack has wrong type: expected `int`, got `str`"),
+    (body(**{**ACK, "cp_rank": True}), "field 'cp_rank' of abort_ack has wrong type: expected `int`, got `bool`"),
+    (body(**{**ACK, "room": -1}), "field 'room' of abort_ack is out of range: expected `int` >= 0"),
     (body(**{**ACK, "room": 2**63}), "field 'room' of abort_ack is out of range"),
-    (body(**{**valid_map(request()), "want_digest": 1}), "field 'want_digest' .* expected bool, got int"),
-    (body(**{**valid_map(request()), "pools": ["target", 3]}), "field 'pools' .* expected list\\[str\\], got list"),
-    (body(**{**valid_map(request()), "page_ids": "0123"}), "field 'page_ids' .* expected bytes, got str"),
+    (body(**{**valid_map(request()), "want_digest": 1}), "field 'want_digest' .* expected `bool`, got `int`"),
+    (body(**{**valid_map(request()), "pools": ["target", 3]}), "field 'pools' .* expected `str`, got `int`"),
+    (body(**{**valid_map(request()), "page_ids": "0123"}), "field 'page_ids' .* expected `bytes`, got `str`"),
     (body(**{**valid_map(request()), "page_ids": b"\x00" * 6}), "field 'page_ids' .* multiple of 4 bytes\\), got 6 bytes"),
-    (body(**{**valid_map(request()), "decode_rank_id": ""}), "field 'decode_rank_id' .* 1 to 128 characters"),
-    (body(**{**valid_map(request()), "first_page": -1}), "field 'first_page' .* out of range: -1"),
-    (body(**{**valid_map(request()), "aux_slot": -2}), "field 'aux_slot' .* out of range: -2"),
-    (body(**{**valid_map(SAMPLES[4]), "status": "maybe"}), "field 'status' of pages_done must be one of"),
-    (body(**{**valid_map(SAMPLES[4]), "digests": 5}), "field 'digests' .* expected bytes or None, got int"),
+    (body(**{**valid_map(request()), "decode_rank_id": ""}), "field 'decode_rank_id' .* length >= 1"),
+    (body(**{**valid_map(request()), "decode_rank_id": "x" * 129}), "field 'decode_rank_id' .* length <= 128"),
+    (body(**{**valid_map(request()), "first_page": -1}), "field 'first_page' .* out of range"),
+    (body(**{**valid_map(request()), "aux_slot": -2}), "field 'aux_slot' .* out of range: expected `int` >= -1"),
+    (body(**{**valid_map(SAMPLES[4]), "status": "maybe"}), "field 'status' of pages_done is not allowed"),
+    (body(**{**valid_map(SAMPLES[4]), "digests": 5}), "field 'digests' .* expected `bytes \\| null`, got `int`"),
 ]
 
 
@@ -183,16 +198,25 @@ def test_malformed_input_names_the_problem(data: bytes, match: str) -> None:
 
 def test_error_carries_room_and_field_when_known() -> None:
     with pytest.raises(ProtocolError) as info:
-        decode(body(v=WIRE_VERSION, t="abort", room=12, decode_rank="d"))
+        decode(body(t="abort", room=12, decode_rank="d"))
     assert (info.value.room, info.value.field) == (12, "reason")
     assert "[room=12 field=reason]" in str(info.value)
 
 
-def test_constructing_a_bad_message_fails_at_the_sender() -> None:
-    with pytest.raises(ProtocolError, match="field 'room' of abort_ack has wrong type: expected int, got int64"):
-        AbortAck(room=np.int64(3), cp_rank=0)
-    with pytest.raises(ProtocolError, match="not a wire message"):
-        encode(dataclasses.make_dataclass("Fake", [])())
+def test_a_bad_message_fails_at_the_sender() -> None:
+    """Value rules run where a message is built; a value msgpack cannot carry fails its encoding."""
+    with pytest.raises(ProtocolError, match="field 'logical_pages' of pages_done must be packed int32"):
+        PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"\x00" * 3, digests=None)
+    with pytest.raises(ProtocolError, match="field 'status' of pages_done must be one of"):
+        PagesDone(room=1, cp_rank=0, status="maybe", reason="", pools=[], logical_pages=b"", digests=None)
+    with pytest.raises(ProtocolError, match="cannot encode AbortAck: Encoding objects of type numpy.int64"):
+        encode(AbortAck(room=np.int64(3), cp_rank=0))
+
+    class Fake(msgspec.Struct):
+        pass
+
+    with pytest.raises(ProtocolError, match="not a control message"):
+        encode(Fake())
 
 
 @given(st.binary(max_size=256))
@@ -212,7 +236,7 @@ values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dic
 @settings(max_examples=300, deadline=None)
 def test_random_maps_only_ever_raise_protocol_error(tag: str, fields: dict) -> None:
     try:
-        decode(body(v=WIRE_VERSION, t=tag, **fields))
+        decode(body(t=tag, **fields))
     except ProtocolError:
         pass
 
@@ -224,29 +248,45 @@ def test_message_signed_with_another_secret_is_refused() -> None:
     assert info.value.field == "mac"
 
 
-def test_tampered_body_is_refused() -> None:
-    inner, mac = msgpack.unpackb(encode(AbortAck(room=1, cp_rank=0), SECRET))
-    forged = msgpack.packb([encode(AbortAck(room=2, cp_rank=0)), mac])
+def test_tampered_body_or_version_is_refused() -> None:
+    signed = encode(AbortAck(room=1, cp_rank=0), SECRET)
+    forged = signed[:35] + encode(AbortAck(room=2, cp_rank=0))[3:]
     with pytest.raises(ProtocolError, match="bad HMAC"):
         decode(forged, SECRET)
     with pytest.raises(ProtocolError, match="bad HMAC"):
-        decode(msgpack.packb([inner, mac[:16]]), SECRET)
+        decode(struct.pack(">HB", WIRE_VERSION + 1, 1) + signed[3:], SECRET)  # the version is under the MAC
+    with pytest.raises(ProtocolError, match="bad HMAC"):
+        decode(signed[:20] + signed[35:], SECRET)
 
 
-@pytest.mark.parametrize("data", [encode(SAMPLES[3]), b"\xc1", msgpack.packb([b"x"])], ids=["plain", "garbage", "one-element"])
+@pytest.mark.parametrize("data", [encode(SAMPLES[3]), b"\xc1", b"\x00\x05\x01" + b"x" * 10],
+                         ids=["plain", "garbage", "short-mac"])
 def test_unsigned_message_is_refused_when_a_secret_is_set(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="missing HMAC"):
         decode(data, SECRET)
 
 
 def test_signed_message_is_refused_when_no_secret_is_set() -> None:
-    with pytest.raises(ProtocolError, match="HMAC envelope but no secret"):
+    with pytest.raises(ProtocolError, match="HMAC but no secret"):
         decode(encode(SAMPLES[3], SECRET))
 
 
 def test_an_empty_secret_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="secret"):
         encode(SAMPLES[3], b"")
+
+
+def test_an_authentic_oversized_message_is_refused_by_size_a_forged_one_by_mac() -> None:
+    big = PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=["t"], logical_pages=b"\x00" * 1600, digests=None)
+    data = encode(big, SECRET)
+    with pytest.raises(ProtocolError, match="over the 1024-byte limit") as info:
+        decode(data, SECRET, max_bytes=1024)
+    assert info.value.field == "size"
+    with pytest.raises(ProtocolError, match="bad HMAC") as info:
+        decode(data[:10] + b"\xff" + data[11:], SECRET, max_bytes=1024)
+    assert info.value.field == "mac"
+    with pytest.raises(ProtocolError, match="too large to authenticate"):
+        decode(b"\x00" * (wire.auth_limit(1024) + 1), SECRET, max_bytes=1024)
 
 
 def test_oversized_messages_are_refused_both_ways() -> None:

@@ -1,20 +1,19 @@
-"""Length-prefixed frames over stream sockets, without blocking: what the control channel's
-connections (and the IPC engine's side channel) are made of.
+"""Length-prefixed frames over one stream socket, without blocking: what every connection of
+the transport (``transport.py``) is made of.
 
     frame = 4-byte big-endian length | body            (length <= max_frame)
 
 :class:`FrameReader` turns received bytes into bodies, refusing a length over its limit as
-soon as the header arrives (nothing of an oversized frame is buffered). :class:`Stream` is
-one connected socket of a channel:
+soon as the header arrives (nothing of an oversized frame is buffered). :class:`Stream` is one
+connected socket:
 
     queue(frame)   the kernel takes what it can now; the rest waits (at most ``hwm`` frames)
     flush()        when the socket is writable: more of what waits
-    read()         what the socket holds, into the reader (bounded per call)
+    read(limit)    what the socket holds, at most ``limit`` bytes, into the reader
 
 A frame only partly sent when its connection breaks is sent again, whole, on the next
-connection (``reset``): the other side drops a partial frame with the connection that
-carried it, so it arrives once or not at all. A stream is not thread-safe: the lock of the
-channel that owns it guards every call.
+connection (``reset``), after the stream's ``preamble`` (a client's Hello). A stream is not
+thread-safe: the lock of the channel that owns it guards every call.
 """
 
 from __future__ import annotations
@@ -22,23 +21,26 @@ from __future__ import annotations
 import collections
 import socket
 import struct
+from typing import Any
+
+from kvbridge.transfer.channel.envelope import Hello
 
 HEADER = struct.Struct(">I")
-_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error here, never a SIGPIPE
 READ_CHUNK = 256 << 10
-READ_PER_CALL = 4 << 20  # bytes one read() takes from one socket (other sockets get their turn)
-
-
-class FrameError(Exception):
-    """A frame the reader refuses (its announced length is over the limit)."""
+READ_PER_CALL = 4 << 20  # bytes one read takes from one socket (other sockets get their turn)
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error here, never a SIGPIPE
 
 
 class QueueFull(Exception):
     """A stream already holds ``hwm`` frames the kernel has not taken."""
 
 
+class FrameError(Exception):
+    """A frame whose announced length is over the reader's limit."""
+
+
 class FrameReader:
-    """Bytes in, frame bodies out."""
+    """Bytes in, frame bodies out; ``max_frame`` may change (after a Hello)."""
 
     __slots__ = ("max_frame", "_buf")
 
@@ -51,8 +53,7 @@ class FrameReader:
 
     def frames(self, limit: int) -> list[bytes]:
         """Up to ``limit`` complete bodies, in order; FrameError for an oversized length."""
-        buf, out, pos = self._buf, [], 0
-        end = len(buf)
+        buf, out, pos, end = self._buf, [], 0, len(self._buf)
         while len(out) < limit and end - pos >= HEADER.size:
             (size,) = HEADER.unpack_from(buf, pos)
             if size > self.max_frame:
@@ -67,8 +68,12 @@ class FrameReader:
         return out
 
     @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    @property
     def ready(self) -> bool:
-        """A complete frame (or an oversized header) waits in the buffer."""
+        """A complete frame (or an oversized header) waits."""
         if len(self._buf) < HEADER.size:
             return False
         (size,) = HEADER.unpack_from(self._buf)
@@ -79,7 +84,6 @@ class FrameReader:
 
 
 def frame(body: bytes) -> bytes:
-    """``body`` with its length header."""
     return HEADER.pack(len(body)) + body
 
 
@@ -88,13 +92,22 @@ class Stream:
 
     def __init__(self, sock: socket.socket | None, max_frame: int, hwm: int) -> None:
         self.sock = sock
-        self.connected = sock is not None  # False while a connect is under way
+        self.connected = sock is not None
         self.broken = False  # sending failed (the peer stopped reading): nothing more is sent
-        self.events = 0  # what its channel polls it for
+        self.events = 0
         self.reader = FrameReader(max_frame)
         self.hwm = hwm
+        self.ident = b""  # a server's name for the connection
+        self.address = ""  # the source address (server side)
+        self.hello: Hello | None = None  # server side: set once the peer authenticated
+        self.info: Any = None  # what the owner's admit() returned (the IPC side channel: the peer's pid)
+        self.client: Any = None  # a client end's Client
+        self.hello_by = 0.0  # server side, pending: monotonic deadline of the Hello
+        self.last_rx = 0.0
+        self.partial_since = 0.0  # when the frame now buffered began (0: none)
+        self.preamble: bytes | None = None  # a client's Hello: first on every connection
         self._out: collections.deque[bytes] = collections.deque()
-        self._sent = 0  # bytes of _out[0] the kernel already took
+        self._sent = 0
 
     @property
     def fd(self) -> int:
@@ -104,21 +117,17 @@ class Stream:
     def wants_write(self) -> bool:
         return bool(self._out)
 
-    @property
-    def num_queued(self) -> int:
-        return len(self._out)
-
     def queue(self, data: bytes) -> None:
-        """Send one frame (header included), or keep it for ``flush``. QueueFull at ``hwm``
-        waiting frames; OSError when the connection broke (the frame is kept)."""
-        if len(self._out) >= self.hwm:
+        """Send one frame or keep it for ``flush``; QueueFull at ``hwm`` waiting frames (a client's
+        Hello not counted); OSError when the connection broke (the frame is kept)."""
+        hello_waits = self.preamble is not None and bool(self._out) and self._out[0] is self.preamble
+        if len(self._out) - hello_waits >= self.hwm:
             raise QueueFull
         self._out.append(data)
         if len(self._out) == 1 and self.connected:
             self.flush()
 
     def flush(self) -> None:
-        """Send what waits until the kernel takes no more (OSError: the connection broke)."""
         out, sock = self._out, self.sock
         while out and self.connected:
             first = out[0]
@@ -132,33 +141,35 @@ class Stream:
             out.popleft()
             self._sent = 0
 
-    def read(self) -> bool:
-        """Receive what the socket holds (at most READ_PER_CALL bytes); False at end of stream."""
+    def read(self, limit: int = READ_PER_CALL) -> bool:
+        """Receive up to ``limit`` bytes; False at end of stream."""
         total = 0
-        while total < READ_PER_CALL:
+        while total < limit:
             try:
-                data = self.sock.recv(READ_CHUNK)
+                data = self.sock.recv(min(READ_CHUNK, limit - total))
             except BlockingIOError:
                 return True
             if not data:
                 return False
             self.reader.feed(data)
             total += len(data)
-            if len(data) < READ_CHUNK:  # the socket is (very likely) drained: poll says if not
+            if len(data) < READ_CHUNK:
                 return True
         return True
 
     def reset(self, sock: socket.socket | None, connected: bool = True) -> None:
-        """A new connection (or none): partial input is dropped, the frame being sent starts over."""
+        """A new connection (or none): partial input dropped, the frame being sent starts over,
+        and the preamble (a client's Hello) goes first."""
         self.sock = sock
         self.connected = sock is not None and connected
         self.broken = False
         self.events = 0
         self.reader.clear()
         self._sent = 0
+        if self.preamble is not None and sock is not None and not (self._out and self._out[0] is self.preamble):
+            self._out.appendleft(self.preamble)
 
     def drop_output(self) -> None:
-        """Forget what waits to be sent (a connection that cannot take it any more)."""
         self._out.clear()
         self._sent = 0
 

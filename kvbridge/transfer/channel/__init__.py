@@ -1,0 +1,15 @@
+"""kvbridge's one transport and one codec (control, workers' ops, the IPC engine's side channel).
+
+    envelope.py   Codec: typed msgspec structs over MessagePack, version + HMAC envelope, Hello
+    frames.py     length-prefixed frames over one non-blocking socket (FrameReader, Stream)
+    transport.py  the two ends over TCP / Unix sockets: Server, Clients, Wakeup, Limits (pre-auth bounds)
+    wire.py       the control messages (TransferRequest ... ErrorReply), pack_pages/unpack_pages
+    control.py    ControlServer (prefill end) and PeerSet (decode end)
+"""
+
+from kvbridge.transfer.channel.control import ControlClient, ControlServer, PeerSet
+from kvbridge.transfer.channel.envelope import Codec, Hello
+from kvbridge.transfer.channel.transport import ChannelStats, Clients, Limits, Received, Server, Wakeup
+
+__all__ = ["ChannelStats", "Clients", "Codec", "ControlClient", "ControlServer", "Hello", "Limits", "PeerSet",
+           "Received", "Server", "Wakeup"]

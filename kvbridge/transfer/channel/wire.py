@@ -1,0 +1,210 @@
+"""Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
+
+    decode -> prefill   TransferRequest  Abort  Ping
+    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply
+
+A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
+carried it (the aux row rides in the last chunk's batch), with the request's length.
+
+They travel in ``envelope.py``'s envelope (version WIRE_VERSION, HMAC with the cluster secret)
+and are checked by one typed decoder: types, ranges and the value rules below, each refusal
+naming its field. Page lists travel as packed little-endian int32 (``pack_pages``/
+``unpack_pages``). Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1
+(no aux row: refused by prefill, every room has one); page byte strings a multiple of 4;
+status "ok" or "failed"; decode_rank_id 1 to 128 characters. The value rules run where a
+message is built too (``__post_init__``); types and ranges are checked where it is decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+import msgspec
+import numpy as np
+
+from kvbridge._version import WIRE_VERSION
+from kvbridge.errors import ProtocolError
+from kvbridge.transfer.channel.envelope import Codec, auth_limit
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MESSAGE_TYPES",
+    "WIRE_VERSION",
+    "Abort",
+    "AbortAck",
+    "ErrorReply",
+    "Heartbeat",
+    "Message",
+    "PagesDone",
+    "Ping",
+    "TransferRequest",
+    "auth_limit",
+    "codec",
+    "decode",
+    "encode",
+    "pack_pages",
+    "unpack_pages",
+]
+
+MAX_MESSAGE_BYTES = 4 << 20
+
+Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="t"):
+    TAG: ClassVar[str] = ""  # each class's tag (set below from its ``tag=``)
+
+
+# ---- decode -> prefill ------------------------------------------------------------------------
+class TransferRequest(_Message, frozen=True, tag="transfer_request"):
+    """Write the request's KV into my pages. ``decode_rank_id``: my registration at the bootstrap
+    daemon, where the prefill rank reads (once) the buffers, aux regions and session it may write
+    into (hard rule 5); ``page_ids``: logical page ``first_page + i`` -> my physical page
+    ``page_ids[i]`` (LE int32, shared by every pool; pages below ``first_page`` I already hold);
+    ``deadline_ms``: how long I wait, from sending; ``num_tokens``: the request's valid tokens, or
+    0 when I know only its pages (``first_page`` + the page ids): the prefill rank then knows the
+    length from its engine, at the latest with the last chunk, and says it in the ``PagesDone``
+    that reports the aux row. ``num_decode_ranks``: the decode TP size; prefill derives how many
+    decode ranks draw from it (TP route)."""
+
+    room: Room
+    decode_rank: str
+    decode_rank_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    page_ids: bytes
+    first_page: Count
+    pools: list[str]
+    aux_slot: Annotated[int, msgspec.Meta(ge=-1)]
+    num_tokens: Count
+    deadline_ms: Count
+    want_digest: bool
+    fingerprint: str
+    num_decode_ranks: Count
+
+    def __post_init__(self) -> None:
+        _check_pages(self, "page_ids", self.page_ids)
+
+
+class Abort(_Message, frozen=True, tag="abort"):
+    room: Room
+    decode_rank: str
+    reason: str
+
+
+class Ping(_Message, frozen=True, tag="ping"):
+    decode_rank: str
+    seq: Count
+
+
+# ---- prefill -> decode ------------------------------------------------------------------------
+class PagesDone(_Message, frozen=True, tag="pages_done"):
+    """``logical_pages`` (LE int32) of ``pools`` were written by ``cp_rank``, or failed. ``aux``:
+    the same write carried the room's aux row (the last chunk's batch, or the row alone), and
+    ``num_tokens`` is then the request's valid tokens as the prefill engine knows them by its
+    last chunk (0: not said). One report per write."""
+
+    room: Room
+    cp_rank: Count
+    status: Literal["ok", "failed"]
+    reason: str
+    pools: list[str]
+    logical_pages: bytes
+    digests: bytes | None
+    aux: bool = False
+    num_tokens: Count = 0
+
+    def __post_init__(self) -> None:
+        if self.status not in ("ok", "failed"):
+            raise ProtocolError(f"field 'status' of pages_done must be one of ('ok', 'failed'), got {self.status!r:.40}",
+                                room=self.room, field="status")
+        _check_pages(self, "logical_pages", self.logical_pages)
+
+
+class AbortAck(_Message, frozen=True, tag="abort_ack"):
+    """No write of ``room`` from ``cp_rank`` is in flight any more, nor will be posted."""
+
+    room: Room
+    cp_rank: Count
+
+
+class Heartbeat(_Message, frozen=True, tag="heartbeat"):
+    cp_rank: Count
+    seq: Count
+
+
+class ErrorReply(_Message, frozen=True, tag="error_reply"):
+    """The message of type ``ref_type`` (room ``room`` when known) was refused because ``reason``."""
+
+    ref_type: str
+    room: Room | None
+    reason: str
+
+
+Message = Union[TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply]
+
+# The one table from type tag to class.
+MESSAGE_TYPES: dict[str, type[_Message]] = {
+    cls.__struct_config__.tag: cls
+    for cls in (TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply)
+}
+
+
+for _cls in MESSAGE_TYPES.values():
+    _cls.TAG = _cls.__struct_config__.tag
+
+
+def codec(secret: bytes | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> Codec[Message]:
+    """The control channel's codec (one typed decoder over the union above)."""
+    return Codec("control", WIRE_VERSION, tuple(MESSAGE_TYPES.values()), secret=secret, max_bytes=max_bytes)
+
+
+_CODECS: dict[tuple[bytes | None, int], Codec[Message]] = {}
+
+
+def _codec(secret: bytes | None, max_bytes: int) -> Codec[Message]:
+    key = (secret, max_bytes)
+    found = _CODECS.get(key)
+    if found is None:
+        if len(_CODECS) > 64:  # (a few secrets and limits per process; never grows without bound)
+            _CODECS.clear()
+        found = _CODECS[key] = codec(secret, max_bytes)
+    return found
+
+
+def encode(msg: Message, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """``msg`` in its envelope (the endpoints' channels call this, so a test may wrap it)."""
+    return _codec(secret, max_bytes).encode(msg)
+
+
+def decode(data: bytes, secret: bytes | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Open and decode one envelope; ProtocolError naming what is wrong."""
+    return _codec(secret, max_bytes).decode(data)
+
+
+# ---- pages ------------------------------------------------------------------------------------
+def pack_pages(pages: np.ndarray) -> bytes:
+    """1-D integer page numbers -> packed little-endian int32."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ProtocolError(f"pages must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}", field="pages")
+    if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**31):
+        raise ProtocolError(f"page numbers must fit int32, got [{int(arr.min())}, {int(arr.max())}]", field="pages")
+    return arr.astype("<i4").tobytes()
+
+
+def unpack_pages(data: bytes) -> np.ndarray:
+    """Packed little-endian int32 -> a fresh (writable) int32 array."""
+    if len(data) % 4:
+        raise ProtocolError(f"packed pages must be a multiple of 4 bytes, got {len(data)}", field="pages")
+    return np.frombuffer(data, dtype="<i4").astype(np.int32)
+
+
+def _check_pages(msg: _Message, name: str, value: bytes) -> None:
+    if not isinstance(value, bytes):
+        return  # (a wrong type is the decoder's or the encoder's to refuse, naming it)
+    if len(value) % 4:
+        raise ProtocolError(
+            f"field '{name}' of {msg.TAG} must be packed int32 (a multiple of 4 bytes), got {len(value)} bytes",
+            room=getattr(msg, "room", None),
+            field=name,
+        )
