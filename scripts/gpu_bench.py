@@ -69,6 +69,17 @@ def log(msg: str) -> None:
 
 
 # ---- ceilings: one process ----------------------------------------------------------------------
+def poison(*tensors: Any) -> None:
+    """Fill ``tensors`` with 0x5A and wait for it: the fill runs on torch's current stream, and a
+    copier's stream is ordered after nothing of it (a copy launched at once can land before the fill
+    passes and be overwritten, or read source pages not yet generated)."""
+    import torch
+
+    for t in tensors:
+        t.fill_(0x5A)
+    torch.cuda.synchronize()
+
+
 def _time(fn, reps: int = 5) -> float:
     """Median seconds of ``fn`` on the GPU (events around it), after one warm-up."""
     import torch
@@ -134,7 +145,7 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
             copier.launch(s_addr, d_addr, length)
             copier.stream.synchronize()
 
-        dst.fill_(0x5A)
+        poison(dst)
         t0 = time.perf_counter()
         seconds = []
         kernel()  # compile + warm-up
@@ -174,7 +185,7 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
     lens = rng.integers(1, min(span - 32, 20_000), k).astype(np.uint64)
     so = (np.arange(k, dtype=np.uint64) * span + rng.integers(0, 16, k).astype(np.uint64))
     do = (rng.permutation(k).astype(np.uint64) * span + rng.integers(0, 16, k).astype(np.uint64))
-    dst.fill_(0x5A)
+    poison(dst)
     copier = CudaCopier(torch.device(src_dev).index or 0)
     copier.launch(base_s + so, base_d + do, lens)
     copier.stream.synchronize()
@@ -220,7 +231,7 @@ def staged_blocks(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray, le
                 stager.scatter(staged, k, recv.data_ptr() + off)
         copier.stream.synchronize()
 
-    dst.fill_(0x5A)
+    poison(dst)
     run()
     out: dict[str, Any] = {"chunks": staged.num_chunks, "ok": ok(), **{k: int(v) for k, v in staged.stats().items()}}
     for name, kw in (("staged", {}), ("gather", {"wire": False, "scatter": False}),
@@ -282,15 +293,14 @@ def staged_rooms(tokens: list[int], layers: int, slot_mib: list[int], device: st
         slices = sum(len(p.length) for p in plans)
         both = [np.concatenate([getattr(p, a) for p in plans]) for a in ("src", "dst", "length")]
 
-        def poison() -> None:
-            for t in dst.values():
-                t.fill_(0x5A)
+        def poison_all() -> None:
+            poison(*dst.values())
 
         def direct() -> None:
             copier.launch(*both)
             copier.stream.synchronize()
 
-        poison()
+        poison_all()
         direct()
         want = {k: t.clone() for k, t in dst.items()}
         row: dict[str, Any] = {"tokens": n, "bytes": nbytes, "plan_slices": slices, "device": device,
@@ -315,7 +325,7 @@ def staged_rooms(tokens: list[int], layers: int, slot_mib: list[int], device: st
                             stager.scatter(sp, k, recv.data_ptr() + off)
                 copier.stream.synchronize()
 
-            poison()
+            poison_all()
             run()
             ok = all(torch.equal(dst[k], want[k]) for k in keys)
             stats = [sp.stats() for sp in staged]
@@ -465,7 +475,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--alloc", nargs="+", default=["contiguous", "random"], choices=["contiguous", "random"])
-    ap.add_argument("--groups", nargs="+", default=["mooncake-nvlink", "ipc"], choices=sorted(GROUPS),
+    ap.add_argument("--groups", nargs="*", default=["mooncake-nvlink", "ipc"], choices=sorted(GROUPS),
                     help="mooncake-nvlink falls back to mooncake-tcp when it cannot move a room")
     ap.add_argument("--mooncake-alloc", nargs="+", default=None, choices=["contiguous", "random"],
                     help="allocations for the Mooncake groups (default: --alloc)")
