@@ -256,7 +256,8 @@ def _wall(fn, reps: int = 5) -> float:
 def staged_rooms(tokens: list[int], layers: int, slot_mib: list[int], device: str) -> list[dict[str, Any]]:
     """The staging ceiling of real rooms: the bench's geometry (``PRESET``, ``layers`` + 1 draft
     layer, page 64, CP 2 with each prefill rank's own pools) and its random allocation
-    (``kvbridge.bench.alloc.allocate``), all pools in one process on ``device`` (both sides).
+    (``kvbridge.bench.alloc.allocate`` with the rig's seed and capacities: the same pages as the
+    groups' random rows of the same ``tokens``), all pools in one process on ``device`` (both sides).
     Per room and slot size: each rank's plan staged by ``stage_plan``, then gather (slice kernel
     into a send slot), slot copy (cudaMemcpyAsync, the wire on one GPU), scatter (slice kernel),
     two slots per side, in order on the copier's stream; the whole and each part alone, wall
@@ -553,12 +554,13 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001
                         result["errors"].append(f"trace {name} {tokens}: {type(exc).__name__}: {exc}")
                     save()
-    print(f"\nkvbridge on GPU memory: {PRESET}, {args.layers}+1 layers, page {PAGE}, CP={CP}, every rank its own "
-          f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
-          f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
-          f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
-          f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
-    print(table(result["rows"]))
+    if result["rows"]:
+        print(f"\nkvbridge on GPU memory: {PRESET}, {args.layers}+1 layers, page {PAGE}, CP={CP}, every rank its own "
+              f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
+              f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
+              f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
+              f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
+        print(table(result["rows"]))
     if result.get("ceilings"):
         c = result["ceilings"]
         best = max(c["kernel_random_pages"].items(), key=lambda kv: kv[1]["gbps"])

@@ -21,7 +21,12 @@
 # which runs the GPU tests, then
 #   python scripts/gpu_bench.py --ceilings --trace-tokens 8192 131072 --json $OUT/gpu_bench.json --trace-out $OUT
 # (groups mooncake-nvlink, falling back to mooncake-tcp, and ipc; 8K/32K/128K tokens; contiguous and random
-# allocation; one GPU: both sides on cuda:0). From a copy of the tree elsewhere, point WHEELS and DEBS at the
+# allocation; one GPU: both sides on cuda:0). Issue 19's staged figures (docs/performance.md, "Staged
+# transfers"; about 3 minutes):
+#   PYTEST_ARGS="tests/transfer/test_staging_gpu.py tests/transfer/test_gpu.py" \
+#   BENCH_ARGS="--ceilings --alloc random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
+# and the staged rooms alone (no groups; under a minute): BENCH_ARGS="--ceilings --alloc random --groups
+# --slot-mib 16 64 256" SKIP_TEST=1. From a copy of the tree elsewhere, point WHEELS and DEBS at the
 # carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
 set -u
 export PYTHONUNBUFFERED=1 GLOG_minloglevel=2
