@@ -20,12 +20,15 @@ device-to-device copy, ``index_select`` + ``index_copy_`` of random 41,984 B pag
 staging path (gather, one copy, scatter) and the slice kernel on the same pages (several
 launch shapes), long contiguous slices by the kernel and by cudaMemcpyAsync, and kvbridge's
 staged building blocks (``stage_plan`` chunks through ``CudaStager``: the whole path and each
-part alone; not yet measured on a GPU).
+part alone), and the staging ceiling of real rooms (``--tokens``, random allocation, CP 2: each
+rank's plan staged through ``--slot-mib`` slots; gather, slot copy, scatter, the whole, against
+the same slices in one slice-kernel launch).
 ``--trace-tokens N [M ...]`` adds rooms of those lengths run with KVBRIDGE_TRACE=1 and prints
 where their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fixed cost).
 
     python scripts/gpu_bench.py [--tokens 8192 32768 131072] [--alloc contiguous random]
-        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings] [--trace-tokens 8192 131072] [--json out.json]
+        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings] [--slot-mib 16 64] [--trace-tokens 8192 131072]
+        [--json out.json]
 
 Geometry: DeepSeek V3.2 fp8 (target 656 B/token, index-K 132 B/token, one NextN draft
 layer), 61 layers, page 64, CP=2.
@@ -66,6 +69,17 @@ def log(msg: str) -> None:
 
 
 # ---- ceilings: one process ----------------------------------------------------------------------
+def poison(*tensors: Any) -> None:
+    """Fill ``tensors`` with 0x5A and wait for it: the fill runs on torch's current stream, and a
+    copier's stream is ordered after nothing of it (a copy launched at once can land before the fill
+    passes and be overwritten, or read source pages not yet generated)."""
+    import torch
+
+    for t in tensors:
+        t.fill_(0x5A)
+    torch.cuda.synchronize()
+
+
 def _time(fn, reps: int = 5) -> float:
     """Median seconds of ``fn`` on the GPU (events around it), after one warm-up."""
     import torch
@@ -131,7 +145,7 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
             copier.launch(s_addr, d_addr, length)
             copier.stream.synchronize()
 
-        dst.fill_(0x5A)
+        poison(dst)
         t0 = time.perf_counter()
         seconds = []
         kernel()  # compile + warm-up
@@ -171,7 +185,7 @@ def ceilings(src_dev: str, dst_dev: str, num_pages: int) -> dict[str, Any]:
     lens = rng.integers(1, min(span - 32, 20_000), k).astype(np.uint64)
     so = (np.arange(k, dtype=np.uint64) * span + rng.integers(0, 16, k).astype(np.uint64))
     do = (rng.permutation(k).astype(np.uint64) * span + rng.integers(0, 16, k).astype(np.uint64))
-    dst.fill_(0x5A)
+    poison(dst)
     copier = CudaCopier(torch.device(src_dev).index or 0)
     copier.launch(base_s + so, base_d + do, lens)
     copier.stream.synchronize()
@@ -217,7 +231,7 @@ def staged_blocks(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray, le
                 stager.scatter(staged, k, recv.data_ptr() + off)
         copier.stream.synchronize()
 
-    dst.fill_(0x5A)
+    poison(dst)
     run()
     out: dict[str, Any] = {"chunks": staged.num_chunks, "ok": ok(), **{k: int(v) for k, v in staged.stats().items()}}
     for name, kw in (("staged", {}), ("gather", {"wire": False, "scatter": False}),
@@ -225,6 +239,114 @@ def staged_blocks(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray, le
         out[f"{name}_gbps"] = rate(_time(lambda kw=kw: run(**kw)))
     del send, recv
     return out
+
+
+def _wall(fn, reps: int = 5) -> float:
+    """Median wall seconds of ``fn`` (which ends synchronised), after one warm-up: the host's
+    launches count, as they do for a sender."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return float(np.median(out))
+
+
+def staged_rooms(tokens: list[int], layers: int, slot_mib: list[int], device: str) -> list[dict[str, Any]]:
+    """The staging ceiling of real rooms: the bench's geometry (``PRESET``, ``layers`` + 1 draft
+    layer, page 64, CP 2 with each prefill rank's own pools) and its random allocation
+    (``kvbridge.bench.alloc.allocate`` with the rig's seed and capacities: the same pages as the
+    groups' random rows of the same ``tokens``), all pools in one process on ``device`` (both sides).
+    Per room and slot size: each rank's plan staged by ``stage_plan``, then gather (slice kernel
+    into a send slot), slot copy (cudaMemcpyAsync, the wire on one GPU), scatter (slice kernel),
+    two slots per side, in order on the copier's stream; the whole and each part alone, wall
+    time (the host's launches included); the plan's slices in one slice-kernel launch (the IPC
+    engine's path) beside it. Every staged room equals the direct copy, byte for byte."""
+    import torch
+
+    from kvbridge.bench.alloc import allocate
+    from kvbridge.layout import OwnerLanes, describe_buffer, plan_transfer, preset_pools, stage_plan
+    from kvbridge.transfer.engine.staging import CudaStager
+
+    specs = preset_pools(PRESET, num_layers=layers, page_size=PAGE, draft_layers=1)
+    lanes = OwnerLanes(CP)
+    max_pages = -(-max(tokens) // PAGE)
+    src_cap = max(1, len(lanes.owned_pages(0, max_pages)))
+    keys = [(s.name, lid) for s in specs.values() for lid in s.layer_ids]
+    gen = torch.Generator(device=device).manual_seed(3)
+    src = [{k: torch.randint(0, 256, (src_cap, specs[k[0]].bytes_per_page), dtype=torch.uint8, device=device,
+                             generator=gen) for k in keys} for _ in range(CP)]
+    dst = {k: torch.empty((max_pages, specs[k[0]].bytes_per_page), dtype=torch.uint8, device=device) for k in keys}
+
+    def descs(bufs: dict) -> list:
+        return [describe_buffer(specs[p], lid, t) for (p, lid), t in bufs.items()]
+
+    stager = CudaStager(torch.device(device).index or 0)
+    copier = stager.copier
+    rows: list[dict[str, Any]] = []
+    for n in tokens:
+        num_pages = -(-n // PAGE)
+        alloc = allocate("random", num_pages, lanes, src_cap, max_pages, seed=n)
+        plans = [plan_transfer(specs, descs(src[r]), descs(dst), alloc.owned[r], alloc.local[r],
+                               alloc.page_ids[alloc.owned[r]], n) for r in range(CP)]
+        nbytes = sum(int(p.length.sum()) for p in plans)
+        slices = sum(len(p.length) for p in plans)
+        both = [np.concatenate([getattr(p, a) for p in plans]) for a in ("src", "dst", "length")]
+
+        def poison_all() -> None:
+            poison(*dst.values())
+
+        def direct() -> None:
+            copier.launch(*both)
+            copier.stream.synchronize()
+
+        poison_all()
+        direct()
+        want = {k: t.clone() for k, t in dst.items()}
+        row: dict[str, Any] = {"tokens": n, "bytes": nbytes, "plan_slices": slices, "device": device,
+                               "kernel_direct_gbps": round(nbytes / _wall(direct) / 1e9, 1)}
+        for mib in slot_mib:
+            slot_bytes = mib << 20
+            t = time.perf_counter()
+            staged = [stage_plan(p, slot_bytes) for p in plans]
+            plan_ms = (time.perf_counter() - t) * 1e3
+            send = torch.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+            recv = torch.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+
+            def run(gather: bool = True, wire: bool = True, scatter: bool = True) -> None:
+                for sp in staged:  # one rank after the other, as two senders sharing one GPU would
+                    for k in range(sp.num_chunks):
+                        off = (k % 2) * slot_bytes
+                        if gather:
+                            stager.gather(sp, k, send.data_ptr() + off)
+                        if wire:
+                            copier.copy_async(recv.data_ptr() + off, send.data_ptr() + off, int(sp.chunk_span[k]))
+                        if scatter:
+                            stager.scatter(sp, k, recv.data_ptr() + off)
+                copier.stream.synchronize()
+
+            poison_all()
+            run()
+            ok = all(torch.equal(dst[k], want[k]) for k in keys)
+            stats = [sp.stats() for sp in staged]
+            part = {"slot_mib": mib, "ok": ok, "stage_plan_ms": round(plan_ms, 1),
+                    **{k: sum(st[k] for st in stats) for k in ("chunks", "gather_slices", "wire_pieces",
+                                                               "scatter_slices")}}
+            for name, kw in (("staged", {}), ("gather", {"wire": False, "scatter": False}),
+                             ("wire", {"gather": False, "scatter": False}),
+                             ("scatter", {"gather": False, "wire": False})):
+                part[f"{name}_gbps"] = round(nbytes / _wall(lambda kw=kw: run(**kw)) / 1e9, 1)
+            serial = sum(nbytes / (part[f"{x}_gbps"] * 1e9) for x in ("gather", "wire", "scatter"))
+            part["serial_sum_gbps"] = round(nbytes / serial / 1e9, 1)
+            row[f"slot{mib}"] = part
+            del send, recv
+        rows.append(row)
+        log(f"  staged room {n}: {json.dumps(row)}")
+        del want
+    del src, dst
+    torch.cuda.empty_cache()
+    return rows
 
 
 def launch_overhead(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray) -> dict[str, float]:
@@ -354,7 +476,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--alloc", nargs="+", default=["contiguous", "random"], choices=["contiguous", "random"])
-    ap.add_argument("--groups", nargs="+", default=["mooncake-nvlink", "ipc"], choices=sorted(GROUPS),
+    ap.add_argument("--groups", nargs="*", default=["mooncake-nvlink", "ipc"], choices=sorted(GROUPS),
                     help="mooncake-nvlink falls back to mooncake-tcp when it cannot move a room")
     ap.add_argument("--mooncake-alloc", nargs="+", default=None, choices=["contiguous", "random"],
                     help="allocations for the Mooncake groups (default: --alloc)")
@@ -363,6 +485,8 @@ def main() -> None:
     ap.add_argument("--verify-first", action="store_true", help="check only the first room of each length")
     ap.add_argument("--ceilings", action="store_true", help="measure the copy ceilings first (one process)")
     ap.add_argument("--ceiling-pages", type=int, default=65536)
+    ap.add_argument("--slot-mib", type=int, nargs="+", default=[16, 64],
+                    help="staging slot sizes (MiB) for the staged rooms of --ceilings")
     ap.add_argument("--trace-tokens", type=int, nargs="*", default=[],
                     help="also run traced rooms of these lengths (contiguous), every group")
     ap.add_argument("--trace-reps", type=int, default=10)
@@ -392,6 +516,13 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - reported, the groups still run
             result["errors"].append(f"ceilings: {type(exc).__name__}: {exc}")
         log(f"# ceilings ({time.perf_counter() - t:.0f}s): {json.dumps(result.get('ceilings'))}")
+        save()
+        t = time.perf_counter()
+        try:
+            result["staged_rooms"] = staged_rooms(args.tokens, args.layers, args.slot_mib, "cuda:0")
+        except Exception as exc:  # noqa: BLE001 - reported, the groups still run
+            result["errors"].append(f"staged rooms: {type(exc).__name__}: {exc}")
+        log(f"# staged rooms ({time.perf_counter() - t:.0f}s)")
         save()
     with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
         for name in args.groups:
@@ -423,12 +554,13 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001
                         result["errors"].append(f"trace {name} {tokens}: {type(exc).__name__}: {exc}")
                     save()
-    print(f"\nkvbridge on GPU memory: {PRESET}, {args.layers}+1 layers, page {PAGE}, CP={CP}, every rank its own "
-          f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
-          f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
-          f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
-          f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
-    print(table(result["rows"]))
+    if result["rows"]:
+        print(f"\nkvbridge on GPU memory: {PRESET}, {args.layers}+1 layers, page {PAGE}, CP={CP}, every rank its own "
+              f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
+              f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
+              f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
+              f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
+        print(table(result["rows"]))
     if result.get("ceilings"):
         c = result["ceilings"]
         best = max(c["kernel_random_pages"].items(), key=lambda kv: kv[1]["gbps"])
@@ -438,6 +570,14 @@ def main() -> None:
               f"{c['contiguous_memcpy_gbps']}; checks ok: staging {c['staging_ok']}, unaligned {c['unaligned_ok']}, "
               f"contiguous {c['contiguous_ok']}")
         print(f"staged blocks (stage_plan + CudaStager, 64 MiB slots): {json.dumps(c.get('staged_blocks'))}")
+    for r in result.get("staged_rooms") or []:
+        for mib in args.slot_mib:
+            p = r[f"slot{mib}"]
+            print(f"staged room {r['tokens']} tokens ({r['bytes'] / 1e6:.0f} MB, {r['plan_slices']} slices, random, "
+                  f"{r['device']} both sides), {mib} MiB slots x2: staged {p['staged_gbps']} GB/s (gather "
+                  f"{p['gather_gbps']}, slot copy {p['wire_gbps']}, scatter {p['scatter_gbps']}; serial sum "
+                  f"{p['serial_sum_gbps']}); slice kernel direct {r['kernel_direct_gbps']}; {p['chunks']} chunks, "
+                  f"{p['wire_pieces']} pieces; ok {p['ok']}")
     for e in result["errors"]:
         print(f"error: {e}")
     save()

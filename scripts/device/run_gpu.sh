@@ -1,13 +1,15 @@
 #!/bin/bash
 # Runs the GPU tests and scripts/gpu_bench.py on a device host (H200 image: Python 3.12, torch cu130,
-# Triton, no package registry). Carried, not committed: the Mooncake CUDA wheel and its small pure
-# dependencies, and five Debian packages (both folders are git-ignored). Prepare them once on a machine
+# Triton, no package registry). Carried, not committed: the Mooncake CUDA wheel, the control plane's
+# wheels (pyzmq and msgspec both, while the one replaces the other) and their small pure dependencies,
+# and five Debian packages (both folders are git-ignored). Prepare them once on a machine
 # with a registry, from the repository root:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl mooncake-transfer-engine-cuda13==0.3.14 pyzmq fastapi \
-#       opentelemetry-api starlette uvicorn pydantic pydantic-core typing-extensions typing-inspection annotated-types
+#       --platform manylinux2014_x86_64 -d .whl mooncake-transfer-engine-cuda13==0.3.14 pyzmq msgspec \
+#       fastapi opentelemetry-api starlette uvicorn pydantic pydantic-core typing-extensions typing-inspection \
+#       annotated-types annotated-doc
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl prometheus-client msgpack \
 #       httpx httpcore h11 anyio idna certifi sniffio click
@@ -19,7 +21,12 @@
 # which runs the GPU tests, then
 #   python scripts/gpu_bench.py --ceilings --trace-tokens 8192 131072 --json $OUT/gpu_bench.json --trace-out $OUT
 # (groups mooncake-nvlink, falling back to mooncake-tcp, and ipc; 8K/32K/128K tokens; contiguous and random
-# allocation; one GPU: both sides on cuda:0). From a copy of the tree elsewhere, point WHEELS and DEBS at the
+# allocation; one GPU: both sides on cuda:0). Issue 19's staged figures (docs/performance.md, "Staged
+# transfers"; about 3 minutes):
+#   PYTEST_ARGS="tests/transfer/test_staging_gpu.py tests/transfer/test_gpu.py" \
+#   BENCH_ARGS="--ceilings --alloc random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
+# and the staged rooms alone (no groups; under a minute): BENCH_ARGS="--ceilings --alloc random --groups
+# --slot-mib 16 64 256" SKIP_TEST=1. From a copy of the tree elsewhere, point WHEELS and DEBS at the
 # carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
 set -u
 export PYTHONUNBUFFERED=1 GLOG_minloglevel=2
@@ -34,7 +41,7 @@ mkdir -p /tmp/debs; for f in $DEBS/*.deb; do dpkg -x $f /tmp/debs; done
 CUDART=$(python3 -c "import glob,site,os;print(':'.join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s+'/nvidia/**/libcudart.so*',recursive=True)})))")
 export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu:$CUDART:${LD_LIBRARY_PATH:-}
 ldd /tmp/site/mooncake/engine.so | grep -i "not found"
-python3 -c 'from mooncake.engine import TransferEngine; import zmq, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
+python3 -c 'from mooncake.engine import TransferEngine; import zmq, msgspec, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
 if [ "${SKIP_TEST:-0}" != 1 ]; then
   echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_auto_engine.py tests/transfer/test_engine.py}"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS} -q -rs -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | grep -v "^[IWE][0-9]\{4\} " | tail -40
