@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hostile", action="store_true",
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
                    "room collision, read exposure: see docs/security.md); exit 1 if any is not defended; "
-                   "--quick runs the transport attacks only, --faults names a subset of attacks")
+                   "--quick runs the transport attacks only")
+    p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
+                   "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure")
     p.set_defaults(func=run)
 
 
@@ -66,8 +68,8 @@ def run_hostile_cli(args: argparse.Namespace) -> int:
     from kvbridge.chaos.hostile import HostileSpec, format_hostile, run_hostile
 
     kw: dict = {"workdir": args.workdir} if args.workdir else {}
-    if args.faults:
-        kw["attacks"] = tuple(a.strip() for a in args.faults.split(",") if a.strip())
+    if args.attacks:
+        kw["attacks"] = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
     spec = HostileSpec.quick(**kw) if args.quick else HostileSpec(**kw)
 
     def progress(out) -> None:
