@@ -161,16 +161,16 @@ class Hostile:
         capacity = min(p["capacity_pages"] for p in victim["pools"])
         victim_pages = np.arange(capacity - num_pages, capacity, dtype=np.int32)  # free: no room is open now
         room = next(ATTACK_ROOMS)
-        pending = [(m, m.client.submit(ops.Prefill(room, self.spec.tokens, 0))) for m in self.c.prefill]  # type: ignore[union-attr]
+        pending = [(m, _submit(m, ops.Prefill(room, self.spec.tokens, 0))) for m in self.c.prefill]
         label = "hostile-alias/dp0/tp0"
         peers = PeerSet(secret=self.c.secret.encode(), name=label)
         reports: dict[int, list[str]] = {}  # what each prefill rank told the attacker
-        replies: dict[str, ops.Op | None] = {}
+        replies: dict[str, Any] = {}
         try:
             pools = sorted({p["pool"] for p in victim["pools"]})
             req = wire.TransferRequest(
-                room=room, decode_rank=label, decode_rank_id=attacker["rank_id"], page_ids=wire.pack_pages(victim_pages),
-                first_page=0, pools=pools, aux_slot=0, num_tokens=self.spec.tokens, deadline_ms=10_000,
+                room=room, decode_rank=label, decode_rank_id=attacker["rank_id"],
+                page_ids=wire.pack_pages(victim_pages), first_page=0, pools=pools, aux_slot=0, num_tokens=self.spec.tokens, deadline_ms=10_000,
                 want_digest=False, fingerprint=victim["fingerprint"], num_decode_ranks=1)
             for cp_rank in range(len(self.c.prefill)):
                 peers.send(self.endpoint(cp_rank), req)
@@ -189,7 +189,8 @@ class Hostile:
             peers.close()
             httpx.delete(f"{self.c.url}/v1/ranks/{attacker['rank_id']}", timeout=5.0, trust_env=False,
                          headers={**self.auth, "X-KVBridge-Lease": attacker.get("lease_secret", "")})
-        prefill_bytes = {name: r.num_bytes if isinstance(r, ops.RoomResult) and r.ok else 0 for name, r in replies.items()}
+        prefill_bytes = {name: r.num_bytes if isinstance(r, ops.RoomResult) and r.ok else 0
+                         for name, r in replies.items()}
         overwritten = int(self.c.stats(victim_m).get("late_writes", 0)) - before
         page_bytes = sum(p["bytes_per_page"] for p in victim["pools"])  # one page of every pool and layer
         out.bytes_written_where_not_allowed = overwritten * page_bytes
@@ -308,15 +309,15 @@ class Hostile:
                 # hands decode the room first), so the two claims meet on one open room; every other
                 # trial the second instance then aborts the room
                 room, abort = next(ATTACK_ROOMS), len(trials) % 2 == 1
-                legit_id = legit.client.submit(ops.Decode(room, s.tokens, self.c.prefill_instance))  # type: ignore[union-attr]
+                legit_id = _submit(legit, ops.Decode(room, s.tokens, self.c.prefill_instance))
                 time.sleep(0.3)  # the legitimate instance claims the room first
-                second_id = second.client.submit(ops.Decode(room, s.tokens, self.c.prefill_instance))
+                second_id = _submit(second, ops.Decode(room, s.tokens, self.c.prefill_instance))
                 time.sleep(0.3)
                 if abort:
                     for cp_rank in range(len(self.c.prefill)):
                         peers.send(self.endpoint(cp_rank), wire.Abort(room=room, decode_rank=label, reason="hostile"))
                     time.sleep(0.1)
-                pending = [(p, p.client.submit(ops.Prefill(room, s.tokens, 0))) for p in self.c.prefill]  # type: ignore[union-attr]
+                pending = [(p, _submit(p, ops.Prefill(room, s.tokens, 0))) for p in self.c.prefill]
                 legit_r = _wait_reply(legit, legit_id, s.room_timeout)
                 second_r = _wait_reply(second, second_id, s.room_timeout)
                 for p, request_id in pending:
@@ -327,7 +328,8 @@ class Hostile:
                 if second_ok:
                     served_twice += 1
                     out.bytes_written_where_not_allowed += second_r.num_bytes  # type: ignore[union-attr]
-                trials.append({"room": room, "abort_sent": abort, "verdict": verdict, "legit": _reason(legit_r), "second": _reason(second_r)})
+                trials.append({"room": room, "abort_sent": abort, "verdict": verdict, "legit": _reason(legit_r),
+                               "second": _reason(second_r)})
         finally:
             peers.close()
             second.client.close()
@@ -530,7 +532,13 @@ class _Holder:
 
 
 # ---- small helpers ----------------------------------------------------------------------------
-def _wait_reply(m: Member, request_id: int, timeout: float) -> ops.Op | None:
+def _submit(m: Member, op: ops.Op) -> int:
+    if m.client is None:
+        raise ConfigError(f"{m.name} has no ops client: it was never started", field="member")
+    return m.client.submit(op)
+
+
+def _wait_reply(m: Member, request_id: int, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and m.client is not None:
         m.client.poll(0.05)
@@ -540,7 +548,7 @@ def _wait_reply(m: Member, request_id: int, timeout: float) -> ops.Op | None:
     return None
 
 
-def _reason(reply: ops.Op | None) -> str:
+def _reason(reply: Any) -> str:
     if isinstance(reply, ops.RoomResult):
         return "ok" if reply.ok else f"failed: {reply.reason[:200]}"
     return "no answer" if reply is None else type(reply).__name__

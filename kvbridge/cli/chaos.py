@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_http_logs()
     os.environ.setdefault("GLOG_minloglevel", "2")
+    if args.hostile and (args.faults or args.tokens is not None):
+        raise ConfigError("--faults and --tokens are for fault runs; with --hostile pick attacks with --attacks",
+                          field="hostile")
+    if args.attacks and not args.hostile:
+        raise ConfigError("--attacks needs --hostile", field="attacks")
     if args.hostile:
         return run_hostile_cli(args)
     kw: dict = {}
