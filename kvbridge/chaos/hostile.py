@@ -53,7 +53,7 @@ from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
 from kvbridge.transfer.channel.frames import HEADER
 from kvbridge.worker import ops
 
-__all__ = ["ATTACKS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
+__all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
 QUICK_ATTACKS = ("preauth_flood", "slow_connection", "slot_exhaustion")  # what the new transport defends
@@ -356,6 +356,14 @@ class Hostile:
         out.outcome = VULNERABLE if leaked else DEFENDED
 
 
+# One table from attack name to its method (the order of ATTACKS is the order they run in).
+ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
+    "aliasing": Hostile.aliasing, "preauth_flood": Hostile.preauth_flood, "slow_connection": Hostile.slow_connection,
+    "slot_exhaustion": Hostile.slot_exhaustion, "room_collision": Hostile.room_collision,
+    "read_exposure": Hostile.read_exposure,
+}
+
+
 # ---- the run ----------------------------------------------------------------------------------
 def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = None) -> dict[str, Any]:
     unknown = [a for a in spec.attacks if a not in ATTACKS]
@@ -378,7 +386,7 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
             out = Outcome(name)
             a0 = time.monotonic()
             try:
-                getattr(hostile, name)(out)
+                ATTACK_METHODS[name](hostile, out)
             except Exception as exc:  # the harness failed: recorded as this attack's error, and the run goes on
                 out.outcome, out.error = ERROR, f"{type(exc).__name__}: {exc}"[:500]
             out.seconds = round(time.monotonic() - a0, 1)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.chaos.hostile import ATTACKS, QUICK_ATTACKS, HostileSpec, Outcome, format_hostile, run_hostile
+from kvbridge.chaos.hostile import ATTACK_METHODS, ATTACKS, QUICK_ATTACKS, HostileSpec, Outcome, format_hostile, run_hostile
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.engine import mooncake_available
 
@@ -98,6 +98,7 @@ def test_record_fields_and_table() -> None:
     """The JSON record of an attack has exactly the documented fields, and the table names each."""
     assert {f.name for f in fields(Outcome)} == RECORD
     assert set(QUICK_ATTACKS) < set(ATTACKS)
+    assert tuple(ATTACK_METHODS) == ATTACKS  # every attack has its method, in the order they run
     out = Outcome("aliasing", "vulnerable", "decode-tp0", 1949696, 334.0, 335.0, 0.5, {}, None)
     report = {"attacks": [vars(out)], "defended": [], "seconds": 1.0, "problems": ["aliasing: vulnerable"]}
     text = format_hostile(report)
