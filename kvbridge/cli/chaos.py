@@ -27,6 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens per room (default: 16384; quick 8192)")
     p.add_argument("--workdir", default=None, help="keep the processes' logs in this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--hostile", action="store_true",
+                   help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
+                   "room collision, read exposure: see docs/security.md); exit 1 if any is not defended; "
+                   "--quick runs the transport attacks only")
+    p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
+                   "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure")
     p.set_defaults(func=run)
 
 
@@ -37,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_http_logs()
     os.environ.setdefault("GLOG_minloglevel", "2")
+    if args.hostile and (args.faults or args.tokens is not None):
+        raise ConfigError("--faults and --tokens are for fault runs; with --hostile pick attacks with --attacks",
+                          field="hostile")
+    if args.attacks and not args.hostile:
+        raise ConfigError("--attacks needs --hostile", field="attacks")
+    if args.hostile:
+        return run_hostile_cli(args)
     kw: dict = {}
     if args.faults:
         kw["faults"] = tuple(f.strip() for f in args.faults.split(",") if f.strip())
@@ -53,4 +66,20 @@ def run(args: argparse.Namespace) -> int:
 
     report = run_chaos(spec, progress)
     print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
+def run_hostile_cli(args: argparse.Namespace) -> int:
+    from kvbridge.chaos.hostile import HostileSpec, format_hostile, run_hostile
+
+    kw: dict = {"workdir": args.workdir} if args.workdir else {}
+    if args.attacks:
+        kw["attacks"] = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
+    spec = HostileSpec.quick(**kw) if args.quick else HostileSpec(**kw)
+
+    def progress(out) -> None:
+        print(f"chaos --hostile: {out.attack}: {out.outcome} ({out.seconds}s)", file=sys.stderr, flush=True)
+
+    report = run_hostile(spec, progress)
+    print(json.dumps(report) if args.json else format_hostile(report))
     return 0 if report["ok"] else 1

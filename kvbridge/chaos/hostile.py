@@ -1,0 +1,569 @@
+"""``kvbridge chaos --hostile``: attacks against a local cluster, and whether each was defended.
+
+The cluster is the chaos cluster (``cluster.py``): a daemon with a write token, a CP 2
+prefill instance and a decode rank with ``--poison-pages``, every message signed with a
+cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
+
+    aliasing         a token + secret holder registers a decode rank with a live victim's
+                     session id and pool bases (read from GET /v1/ranks/{id}) and asks
+                     prefill for a room into the victim's free pages; defended: 0 bytes land
+                     there (the victim's poison sweep counts them)
+    preauth_flood    many connections hold partial frames before any Hello; defended: the
+                     prefill rank's RSS grows by at most ``rss_bound_mib`` and a real room
+                     moves during the flood
+    slow_connection  one byte a second before the Hello (and, in the full run, inside a frame
+                     after a valid Hello); defended: closed within the deadline (+ slack)
+    slot_exhaustion  idle connections beyond the connection cap, held open (re-opened when
+                     closed); defended: a restarted decode rank connects and moves a room
+    room_collision   a second decode instance asks for (then aborts) a room the legitimate
+                     one claimed; defended: the legitimate room succeeds once and the second
+                     instance is refused, in every trial
+    read_exposure    an anonymous client reads GET /v1/ranks/{id} and /v1/instances;
+                     defended: no session id or buffer address comes back
+
+Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
+harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
+``rss_after_mib`` (the attacked process), ``seconds``, ``details`` and ``error``. The report's
+``ok`` is True only when every attack was defended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import selectors
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
+from kvbridge.chaos.traffic import Traffic
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.channel import Limits, PeerSet
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
+from kvbridge.transfer.channel.frames import HEADER
+from kvbridge.worker import ops
+
+__all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
+
+ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
+QUICK_ATTACKS = ("preauth_flood", "slow_connection", "slot_exhaustion")  # what the new transport defends
+DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
+SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
+ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
+
+
+@dataclass(frozen=True)
+class HostileSpec:
+    attacks: tuple[str, ...] = ATTACKS
+    cp: int = 2
+    layers: int = 4
+    tokens: int = 512  # a room: 8 pages (the issue's measurement)
+    pages: int = 256
+    room_timeout: float = 30.0
+    flood_connections: int = 400
+    flood_addresses: int = 32  # loopback source addresses (127.0.0.2 ...)
+    flood_huge_every: int = 4  # every n-th flood connection announces an 8 MiB frame and pushes its body
+    flood_push_mib: int = 4
+    flood_hold_s: float = 3.0  # the flood goes on at least this long (a real room moves meanwhile)
+    rss_bound_mib: float = 64.0
+    slow_wait_s: float = 20.0  # how long a slow connection is watched before it counts as never closed
+    slow_authenticated: bool = True  # also a slow frame after a valid Hello (frame_timeout: 10 s)
+    exhaust_connections: int = 4200  # over the 4,096 authenticated-connection cap
+    exhaust_addresses: int = 64
+    collision_trials: int = 5
+    workdir: str | None = None
+
+    @classmethod
+    def quick(cls, **kw: Any) -> HostileSpec:
+        return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
+                       "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0} | kw))
+
+
+@dataclass
+class Outcome:
+    attack: str
+    outcome: str = ERROR
+    target: str = ""
+    bytes_written_where_not_allowed: int = 0
+    rss_before_mib: float | None = None
+    rss_after_mib: float | None = None
+    seconds: float = 0.0
+    details: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class Hostile:
+    """The attacks, each a method over one running chaos cluster."""
+
+    def __init__(self, cluster: ChaosCluster, spec: HostileSpec) -> None:
+        self.c = cluster
+        self.spec = spec
+        self.traffic = Traffic(cluster, spec.tokens, 0, 1)
+        self.auth = {"Authorization": f"Bearer {cluster.token}"}
+
+    # -- what the attacker can see ---------------------------------------------------
+
+    def get(self, path: str, *, token: bool = True) -> httpx.Response:
+        return httpx.get(f"{self.c.url}{path}", headers=self.auth if token else {}, timeout=5.0, trust_env=False)
+
+    def ranks_of(self, instance: str) -> list[dict[str, Any]]:
+        r = self.get(f"/v1/instances/{instance}")
+        r.raise_for_status()
+        return r.json()["ranks"]
+
+    def endpoint(self, cp_rank: int) -> str:
+        return next(v["control_endpoint"] for v in self.ranks_of(self.c.prefill_instance) if v["cp_rank"] == cp_rank)
+
+    def room_ok(self) -> tuple[bool, float, str]:
+        """One real room through every rank: (ok, seconds, first failure)."""
+        t0 = time.monotonic()
+        room = self.traffic.batch(1, self.spec.room_timeout)[0]
+        why = "; ".join(f"{m}: {r}" for m, _, r in room.failures)[:300] or ("" if room.done else "no answer in time")
+        return room.ok, round(time.monotonic() - t0, 2), why
+
+    def rss(self, m: Member) -> float | None:
+        res = proc_resources(m.pid) if m.alive else None  # type: ignore[arg-type]
+        return None if res is None else res["rss_mib"]
+
+    # -- 1. aliasing ------------------------------------------------------------------
+
+    def aliasing(self, out: Outcome) -> None:
+        victim_m = self.c.decode[0]
+        out.target = victim_m.name
+        out.rss_before_mib = self.rss(victim_m)
+        victim_id = self.ranks_of(self.c.decode_instance)[0]["rank_id"]
+        victim = self.get(f"/v1/ranks/{victim_id}", token=False).json()
+        contract = next(f["contract"] for f in self.get("/v1/diagnostics/fingerprints").json()
+                        if f["instance"] == self.c.decode_instance)
+        body = {"rank": {"instance": "hostile-alias", "role": "decode"}, "control_endpoint": "tcp://127.0.0.1:9",
+                "session_id": victim["session_id"], "pools": victim["pools"], "aux": victim["aux"],
+                "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0}
+        reg = httpx.post(f"{self.c.url}/v1/ranks", json=body, headers=self.auth, timeout=5.0, trust_env=False)
+        details: dict[str, Any] = {"registration_status": reg.status_code, "victim_session": victim["session_id"]}
+        out.details = details
+        if reg.status_code != 201:
+            details["refusal"] = reg.text[:300]
+            out.outcome = DEFENDED
+            return
+        attacker = reg.json()
+        before = int(self.c.stats(victim_m).get("late_writes", 0))
+        num_pages = -(-self.spec.tokens // 64)
+        capacity = min(p["capacity_pages"] for p in victim["pools"])
+        victim_pages = np.arange(capacity - num_pages, capacity, dtype=np.int32)  # free: no room is open now
+        room = next(ATTACK_ROOMS)
+        pending = [(m, _submit(m, ops.Prefill(room, self.spec.tokens, 0))) for m in self.c.prefill]
+        label = "hostile-alias/dp0/tp0"
+        peers = PeerSet(secret=self.c.secret.encode(), name=label)
+        reports: dict[int, list[str]] = {}  # what each prefill rank told the attacker
+        replies: dict[str, Any] = {}
+        try:
+            pools = sorted({p["pool"] for p in victim["pools"]})
+            req = wire.TransferRequest(
+                room=room, decode_rank=label, decode_rank_id=attacker["rank_id"],
+                page_ids=wire.pack_pages(victim_pages), first_page=0, pools=pools, aux_slot=0, num_tokens=self.spec.tokens, deadline_ms=10_000,
+                want_digest=False, fingerprint=victim["fingerprint"], num_decode_ranks=1)
+            for cp_rank in range(len(self.c.prefill)):
+                peers.send(self.endpoint(cp_rank), req)
+            deadline = time.monotonic() + self.spec.room_timeout
+            while len(replies) < len(pending) and time.monotonic() < deadline:
+                for _, msg in peers.recv_ready(20):
+                    if isinstance(msg, wire.PagesDone) and msg.room == room:
+                        reports.setdefault(msg.cp_rank, []).append(msg.status if msg.status == "ok"
+                                                                   else f"failed: {msg.reason[:200]}")
+                for m, request_id in pending:
+                    m.client.poll(0.0)  # type: ignore[union-attr]
+                    reply = m.client.take(request_id)  # type: ignore[union-attr]
+                    if reply is not None:
+                        replies[m.name] = reply
+        finally:
+            peers.close()
+            httpx.delete(f"{self.c.url}/v1/ranks/{attacker['rank_id']}", timeout=5.0, trust_env=False,
+                         headers={**self.auth, "X-KVBridge-Lease": attacker.get("lease_secret", "")})
+        prefill_bytes = {name: r.num_bytes if isinstance(r, ops.RoomResult) and r.ok else 0
+                         for name, r in replies.items()}
+        overwritten = int(self.c.stats(victim_m).get("late_writes", 0)) - before
+        page_bytes = sum(p["bytes_per_page"] for p in victim["pools"])  # one page of every pool and layer
+        out.bytes_written_where_not_allowed = overwritten * page_bytes
+        out.rss_after_mib = self.rss(victim_m)
+        details.update(victim_pages_overwritten=overwritten, prefill_reports=reports,
+                       prefill_bytes_posted=prefill_bytes)
+        out.outcome = DEFENDED if overwritten == 0 else VULNERABLE
+
+    # -- 2. pre-authentication flood ----------------------------------------------------
+
+    def preauth_flood(self, out: Outcome) -> None:
+        s, m = self.spec, self.c.prefill[0]
+        out.target = m.name
+        port = _port(self.endpoint(0))
+        stalled = HEADER.pack(HELLO_MAX_BYTES) + b"\0" * (HELLO_MAX_BYTES - 1)
+        push = s.flood_push_mib << 20
+        chunk = b"\0" * (256 << 10)
+        socks: list[tuple[socket.socket, bool]] = []  # (socket, pushes a huge frame)
+        pushed: dict[socket.socket, int] = {}
+        peak = before = self.rss(m) or 0.0
+        out.rss_before_mib = before
+        try:
+            for i in range(s.flood_connections):
+                sock = _connect(port, i, s.flood_addresses)
+                if sock is None:
+                    continue
+                huge = i % s.flood_huge_every == 0
+                _try_send(sock, HEADER.pack(8 << 20) if huge else stalled)
+                socks.append((sock, huge))
+                pushed[sock] = 0
+            result: list[tuple[bool, float, str]] = []
+            room = threading.Thread(target=lambda: result.append(self.room_ok()), daemon=True)
+            room.start()
+            hold_until = time.monotonic() + s.flood_hold_s
+            while room.is_alive() or time.monotonic() < hold_until:  # keep pushing the announced bodies
+                for sock, huge in socks:
+                    if huge and pushed[sock] < push:
+                        pushed[sock] += _try_send(sock, chunk)
+                peak = max(peak, self.rss(m) or 0.0)
+                time.sleep(0.05)
+            closed = sum(1 for sock, _ in socks if _closed(sock))
+        finally:
+            for sock, _ in socks:
+                sock.close()
+        time.sleep(0.5)
+        out.rss_after_mib = self.rss(m)
+        ok, seconds, why = result[0] if result else (False, 0.0, "room thread failed")
+        growth = round(peak - before, 1)
+        out.details = {"connections": len(socks), "addresses": s.flood_addresses, "held_s": s.flood_hold_s,
+                       "bytes_pushed_mib": round(sum(pushed.values()) / (1 << 20), 1), "rss_peak_mib": peak,
+                       "rss_growth_mib": growth, "rss_bound_mib": s.rss_bound_mib,
+                       "closed_by_server": closed, "room_during_flood_ok": ok, "room_seconds": seconds,
+                       "room_failure": why}
+        out.outcome = DEFENDED if ok and growth <= s.rss_bound_mib else VULNERABLE
+
+    # -- 3. slow connection ---------------------------------------------------------------
+
+    def slow_connection(self, out: Outcome) -> None:
+        s, m = self.spec, self.c.prefill[0]
+        out.target = m.name
+        out.rss_before_mib = self.rss(m)
+        port, limits = _port(self.endpoint(0)), Limits()
+        details: dict[str, Any] = {}
+        hello_s = _dribble(port, b"", HEADER.pack(HELLO_MAX_BYTES), s.slow_wait_s)
+        details["before_hello"] = {"deadline_s": limits.hello_timeout, "closed_after_s": hello_s}
+        ok = hello_s is not None and hello_s <= limits.hello_timeout + SLOW_SLACK_S
+        if s.slow_authenticated:
+            hello = wire.codec(self.c.secret.encode()).hello("hostile-slow")
+            frame_s = _dribble(port, HEADER.pack(len(hello)) + hello, HEADER.pack(1024),
+                               max(s.slow_wait_s, limits.frame_timeout + 2 * SLOW_SLACK_S))
+            details["after_hello"] = {"deadline_s": limits.frame_timeout, "closed_after_s": frame_s}
+            ok = ok and frame_s is not None and frame_s <= limits.frame_timeout + SLOW_SLACK_S
+        out.rss_after_mib = self.rss(m)
+        out.details = details
+        out.outcome = DEFENDED if ok else VULNERABLE
+
+    # -- 4. slot exhaustion ----------------------------------------------------------------
+
+    def slot_exhaustion(self, out: Outcome) -> None:
+        s, m, decode = self.spec, self.c.prefill[0], self.c.decode[0]
+        out.target = m.name
+        out.rss_before_mib = self.rss(m)
+        holder = _Holder(_port(self.endpoint(0)), s.exhaust_connections, s.exhaust_addresses)
+        holder.start()
+        try:
+            holder.wait_filled(15.0)
+            self.c.signal(decode, signal.SIGTERM)
+            self.c.wait_exit(decode, 20.0)
+            self.c.restart(decode)
+            ok, seconds, why = self.room_ok()
+        finally:
+            holder.stop()
+        out.rss_after_mib = self.rss(m)
+        out.details = {"attacker_open_peak": holder.peak_open, "connects": holder.connects,
+                       "closed_by_server": holder.closed_by_server, "connect_failures": holder.failures,
+                       "restarted_decode_room_ok": ok, "room_seconds": seconds, "room_failure": why}
+        out.outcome = DEFENDED if ok else VULNERABLE
+
+    # -- 5. room collision -----------------------------------------------------------------
+
+    def room_collision(self, out: Outcome) -> None:
+        s, legit = self.spec, self.c.decode[0]
+        out.target = self.c.prefill_instance
+        out.rss_before_mib = self.rss(self.c.prefill[0])
+        second = Member("hostile-d2", "decode", _with_flags(legit.argv, {
+            "--instance": "hostile-d2", "--lease-file": str(self.c.workdir / "hostile-d2.lease")}))
+        second.proc = self.c.group.spawn("hostile-d2", second.argv, ready_file=True)
+        second.ready = self.c.group.wait_ready(second.proc, 60.0)
+        second.client = ops.OpsClient(second.ready["ops"], secret=self.c.secret.encode())
+        label = "hostile-d2/dp0/tp0"  # the decode rank label the second instance uses (DecodeConfig.rank_label)
+        peers = PeerSet(secret=self.c.secret.encode(), name=label)
+        trials, served_twice = [], 0
+        try:
+            for _ in range(s.collision_trials):
+                # both instances' requests reach prefill before its sender opens (as when the router
+                # hands decode the room first), so the two claims meet on one open room; every other
+                # trial the second instance then aborts the room
+                room, abort = next(ATTACK_ROOMS), len(trials) % 2 == 1
+                legit_id = _submit(legit, ops.Decode(room, s.tokens, self.c.prefill_instance))
+                time.sleep(0.3)  # the legitimate instance claims the room first
+                second_id = _submit(second, ops.Decode(room, s.tokens, self.c.prefill_instance))
+                time.sleep(0.3)
+                if abort:
+                    for cp_rank in range(len(self.c.prefill)):
+                        peers.send(self.endpoint(cp_rank), wire.Abort(room=room, decode_rank=label, reason="hostile"))
+                    time.sleep(0.1)
+                pending = [(p, _submit(p, ops.Prefill(room, s.tokens, 0))) for p in self.c.prefill]
+                legit_r = _wait_reply(legit, legit_id, s.room_timeout)
+                second_r = _wait_reply(second, second_id, s.room_timeout)
+                for p, request_id in pending:
+                    _wait_reply(p, request_id, s.room_timeout)
+                legit_ok = isinstance(legit_r, ops.RoomResult) and legit_r.ok
+                second_ok = isinstance(second_r, ops.RoomResult) and second_r.ok
+                verdict = ("legit_failed" if not legit_ok else "served_twice" if second_ok else "defended")
+                if second_ok:
+                    served_twice += 1
+                    out.bytes_written_where_not_allowed += second_r.num_bytes  # type: ignore[union-attr]
+                trials.append({"room": room, "abort_sent": abort, "verdict": verdict, "legit": _reason(legit_r),
+                               "second": _reason(second_r)})
+        finally:
+            peers.close()
+            second.client.close()
+        out.rss_after_mib = self.rss(self.c.prefill[0])
+        out.details = {"trials": trials, "served_twice": served_twice,
+                       "legit_failed": sum(t["verdict"] == "legit_failed" for t in trials)}
+        out.outcome = DEFENDED if all(t["verdict"] == "defended" for t in trials) else VULNERABLE
+
+    # -- 6. read exposure ------------------------------------------------------------------
+
+    def read_exposure(self, out: Outcome) -> None:
+        out.target = "bootstrap"
+        out.rss_before_mib = self.rss(self.c.daemon)
+        victim_id = self.ranks_of(self.c.decode_instance)[0]["rank_id"]
+        exposed: dict[str, Any] = {}
+        for path in (f"/v1/ranks/{victim_id}", "/v1/instances"):
+            r = self.get(path, token=False)
+            text = r.text if r.status_code == 200 else ""
+            exposed[path] = {"status": r.status_code, "session_ids": '"session_id"' in text,
+                             "buffer_addresses": '"base"' in text}
+        out.rss_after_mib = self.rss(self.c.daemon)
+        out.details = {"anonymous": exposed}
+        leaked = any(v["session_ids"] or v["buffer_addresses"] for v in exposed.values())
+        out.outcome = VULNERABLE if leaked else DEFENDED
+
+
+# One table from attack name to its method (the order of ATTACKS is the order they run in).
+ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
+    "aliasing": Hostile.aliasing, "preauth_flood": Hostile.preauth_flood, "slow_connection": Hostile.slow_connection,
+    "slot_exhaustion": Hostile.slot_exhaustion, "room_collision": Hostile.room_collision,
+    "read_exposure": Hostile.read_exposure,
+}
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = None) -> dict[str, Any]:
+    unknown = [a for a in spec.attacks if a not in ATTACKS]
+    if unknown:
+        raise ConfigError(f"unknown attack(s) {unknown}; attacks are {list(ATTACKS)}", field="attacks")
+    t0 = time.monotonic()
+    tmp = None if spec.workdir else tempfile.TemporaryDirectory(prefix="kvbridge-hostile-")
+    workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
+    cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=2.0,
+                           peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0)
+    results: list[Outcome] = []
+    problems: list[str] = []
+    try:
+        cluster.start()
+        hostile = Hostile(cluster, spec)
+        warm_ok, _, why = hostile.room_ok()
+        if not warm_ok:
+            problems.append(f"a room failed before any attack: {why}")
+        for name in (a for a in ATTACKS if a in spec.attacks):
+            out = Outcome(name)
+            a0 = time.monotonic()
+            try:
+                ATTACK_METHODS[name](hostile, out)
+            except Exception as exc:  # the harness failed: recorded as this attack's error, and the run goes on
+                out.outcome, out.error = ERROR, f"{type(exc).__name__}: {exc}"[:500]
+            out.seconds = round(time.monotonic() - a0, 1)
+            results.append(out)
+            if progress is not None:
+                progress(out)
+    finally:
+        exit_codes = cluster.close()
+        if tmp is not None:
+            tmp.cleanup()
+    problems += [f"{o.attack}: {o.outcome}" for o in results if o.outcome != DEFENDED]
+    return {
+        "ok": not problems,
+        "attacks": [asdict(o) for o in results],
+        "defended": [o.attack for o in results if o.outcome == DEFENDED],
+        "vulnerable": [o.attack for o in results if o.outcome == VULNERABLE],
+        "errors": [o.attack for o in results if o.outcome == ERROR],
+        "problems": problems,
+        "exit_codes": exit_codes,
+        "seconds": round(time.monotonic() - t0, 1),
+        "spec": asdict(spec),
+    }
+
+
+def format_hostile(report: dict[str, Any]) -> str:
+    rows = [("attack", "outcome", "target", "bytes written", "RSS before", "RSS after", "s")]
+    for a in report["attacks"]:
+        rows.append((a["attack"], a["outcome"].upper() if a["outcome"] != DEFENDED else a["outcome"], a["target"],
+                     f"{a['bytes_written_where_not_allowed']:,}", str(a["rss_before_mib"]), str(a["rss_after_mib"]),
+                     str(a["seconds"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += ["", f"{len(report['defended'])}/{len(report['attacks'])} attacks defended, {report['seconds']}s"]
+    lines += [f"  - {p}" for p in report["problems"]]
+    lines += [f"  {a['attack']}: {a['error']}" for a in report["attacks"] if a["error"]]
+    return "\n".join(lines)
+
+
+# ---- sockets ----------------------------------------------------------------------------------
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _source(i: int, addresses: int) -> str:
+    n = i % addresses + 2
+    return f"127.0.{n // 256}.{n % 256}"
+
+
+def _connect(port: int, i: int, addresses: int) -> socket.socket | None:
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=2.0, source_address=(_source(i, addresses), 0))
+    except OSError:
+        return None
+    sock.setblocking(False)
+    return sock
+
+
+def _try_send(sock: socket.socket, data: bytes) -> int:
+    try:
+        return sock.send(data)
+    except OSError:  # the kernel buffer is full, or the server closed it: the attack goes on
+        return 0
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The server closed (or reset) this non-blocking socket."""
+    try:
+        return sock.recv(4096) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _dribble(port: int, first: bytes, dribble: bytes, wait_s: float) -> float | None:
+    """Send ``first``, then ``dribble`` one byte a second (then keep the frame open); seconds
+    until the server closed the connection, or None if it had not after ``wait_s``."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
+    t0 = time.monotonic()
+    try:
+        sock.sendall(first)
+        sock.setblocking(False)
+        i = 0
+        while time.monotonic() - t0 < wait_s:
+            if i < len(dribble):
+                if _try_send(sock, dribble[i:i + 1]) == 0 and _closed(sock):
+                    return round(time.monotonic() - t0, 2)
+                i += 1
+            else:
+                _try_send(sock, b"\0")  # the frame's body, still one byte a second
+            with selectors.DefaultSelector() as sel:
+                sel.register(sock, selectors.EVENT_READ)
+                if sel.select(1.0) and _closed(sock):
+                    return round(time.monotonic() - t0, 2)
+        return None
+    finally:
+        sock.close()
+
+
+class _Holder:
+    """Keeps ``n`` idle connections open (re-opening those the server closes) until stopped."""
+
+    SWEEP_S = 0.25
+    REOPEN_PER_SWEEP = 400  # bounds the connect storm on a small host
+
+    def __init__(self, port: int, n: int, addresses: int) -> None:
+        self.port, self.n, self.addresses = port, n, addresses
+        self.socks: list[socket.socket] = []
+        self.connects = self.failures = self.closed_by_server = self.peak_open = 0
+        self._stop = threading.Event()
+        self._filled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hostile-holder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_filled(self, timeout: float) -> None:
+        self._filled.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30.0)
+        for sock in self.socks:
+            sock.close()
+        self.socks.clear()
+
+    def _run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            alive = []
+            for sock in self.socks:
+                if _closed(sock):
+                    self.closed_by_server += 1
+                    sock.close()
+                else:
+                    alive.append(sock)
+            self.socks = alive
+            budget = self.n if first else self.REOPEN_PER_SWEEP
+            while len(self.socks) < self.n and budget > 0 and not self._stop.is_set():
+                sock = _connect(self.port, self.connects, self.addresses)
+                self.connects += 1
+                budget -= 1
+                if sock is None:
+                    self.failures += 1
+                else:
+                    self.socks.append(sock)
+            self.peak_open = max(self.peak_open, len(self.socks))
+            first = False
+            self._filled.set()
+            self._stop.wait(self.SWEEP_S)
+
+
+# ---- small helpers ----------------------------------------------------------------------------
+def _submit(m: Member, op: ops.Op) -> int:
+    if m.client is None:
+        raise ConfigError(f"{m.name} has no ops client: it was never started", field="member")
+    return m.client.submit(op)
+
+
+def _wait_reply(m: Member, request_id: int, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and m.client is not None:
+        m.client.poll(0.05)
+        reply = m.client.take(request_id)
+        if reply is not None:
+            return reply
+    return None
+
+
+def _reason(reply: Any) -> str:
+    if isinstance(reply, ops.RoomResult):
+        return "ok" if reply.ok else f"failed: {reply.reason[:200]}"
+    return "no answer" if reply is None else type(reply).__name__
+
+
+def _with_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
+    out = list(argv)
+    for flag, value in flags.items():
+        out[out.index(flag) + 1] = value
+    return out
