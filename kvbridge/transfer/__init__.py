@@ -6,7 +6,7 @@ from kvbridge.transfer.engine import ENGINE_KINDS, TransferEngine, WriteState, W
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 from kvbridge.transfer.prefill_info import PrefillInfo
-from kvbridge.transfer.receiver import KVReceiver
+from kvbridge.transfer.decode import KVReceiver
 from kvbridge.transfer.kvsender import KVSender
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbridge.transfer.lifecycle import RoomHandle
+from kvbridge.transfer.rooms import RoomHandle
 
 if TYPE_CHECKING:
     from kvbridge.layout import AuxRow
@@ -54,23 +54,23 @@ class KVSender(RoomHandle):
     @property
     def owned_pages(self) -> np.ndarray:
         """Logical pages this rank sends, ascending (after init)."""
-        return self._ep._locked(lambda: self._room.owned.copy())
+        return self._ep.locked(lambda: self._room.owned.copy())
 
     @property
     def writes_aux(self) -> bool:
         """True when this rank's CP rank owns the last valid token: pass the aux row with the last
         chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
         it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
-        return self._ep._locked(lambda: self._room.owns_last_token)
+        return self._ep.locked(lambda: self._room.owns_last_token)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(logical, local)`` pages this rank sends, from its page table (see ``SendRoom.select``)."""
-        return self._ep._locked(lambda: self._room.select(page_table))
+        return self._ep.locked(lambda: self._room.select(page_table))
 
     @property
     def num_tokens(self) -> int | None:
         """The request's valid token count, once known (init(num_tokens) or the last chunk)."""
-        return self._ep._locked(lambda: self._room.num_tokens)
+        return self._ep.locked(lambda: self._room.num_tokens)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -78,7 +78,7 @@ class KVSender(RoomHandle):
         ``seconds`` spent in each poll state it left; ``transfer_s``, from the first write posted
         to Success or Failed (to now while in flight; None before any write); ``total_s``, since
         the room was opened."""
-        return self._ep._locked(self._room.stats)
+        return self._ep.locked(self._room.stats)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        self._ep._abort(self._room, reason)
+        self._ep.abort_room(self._room, reason)

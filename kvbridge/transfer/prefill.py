@@ -40,7 +40,7 @@ from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode_peers import DecodePeers
 from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.lifecycle import open_waiting
+from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.prefill_rooms import SendBook
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.kvsender import KVSender
@@ -238,7 +238,7 @@ class PrefillEndpoint:
             raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
         return self._book.open(room)
 
-    def _locked(self, fn: Callable[[], T]) -> T:
+    def locked(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
 
@@ -282,17 +282,17 @@ class PrefillEndpoint:
                 raise LayoutError(f"aux slot {slot} holds room {echoed}'s row", room=room,
                                   rank=self.config.rank_label, field="aux_slot")
 
-    def _release(self, r: SendRoom) -> None:
+    def release(self, r: SendRoom) -> None:
         """The engine dropped its sender: the room closes at the next housekeeping.
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
         self._book.released.append(r)
 
-    def _close_room(self, r: SendRoom) -> None:
+    def close_room(self, r: SendRoom) -> None:
         with self._lock:
             self._book.close(r)
         self._wake()
 
-    def _abort(self, r: SendRoom, reason: str) -> None:
+    def abort_room(self, r: SendRoom, reason: str) -> None:
         with self._lock:
             if not r.state.final:
                 self._book.fail_room(r, reason)

@@ -18,7 +18,7 @@ from kvbridge.transfer import wire
 from kvbridge.transfer.aux_rows import aux_slices
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import WriteState
-from kvbridge.transfer.lifecycle import Stage, Tombstones
+from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.sender import SendRoom, Target
 from kvbridge.transfer.targets import plan_target, target_from_request

@@ -44,7 +44,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layout import HeadSlice, OwnerLanes, PoolSpec
 from kvbridge.layout.pairing import PairedBuffers
 from kvbridge.transfer.aux_rows import RegionAddr
-from kvbridge.transfer.lifecycle import Life, Stage
+from kvbridge.transfer.rooms import Life, Stage
 from kvbridge.transfer.poll import RoomState
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -78,7 +78,7 @@ def test_wait_bootstrapped_gives_the_lanes_or_says_why_not(cluster):
     with pytest.raises(TransferError, match="no-such-instance"):
         lost.wait_bootstrapped(10)
     c.decode.contract = c.contract.model_copy(update={"kernel": c.contract.kernel.model_copy(update={"abi": "x"})})
-    c.decode._book.cache.clear()  # this decode rank now speaks another contract: ask the daemon again
+    c.decode.machine.topologies.clear()  # this decode rank now speaks another contract: ask the daemon again
     refused = c.decode.receiver(42, f"{c.name}-p")
     with pytest.raises(ContractMismatch, match="kernel.abi") as err:
         refused.wait_bootstrapped(10)

@@ -104,7 +104,7 @@ def test_a_silent_decode_rank_fails_its_prefill_targets_naming_it(cluster):
     for s in senders:
         s.init(10)
     assert wait_until(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), 10)
-    c.decode._book._liveness = lambda now: None  # the decode rank stops talking (as if it died)
+    c.decode.machine._liveness = lambda now: None  # the decode rank stops talking (as if it died)
     wait_final(senders, timeout=15)
     for s in senders:
         assert s.poll() == KVPoll.Failed
