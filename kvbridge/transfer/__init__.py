@@ -4,10 +4,8 @@ decode endpoints with their engine-facing senders and receivers."""
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.engine import ENGINE_KINDS, TransferEngine, WriteState, WriteStatus, create_engine, mooncake_available
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
-from kvbridge.transfer.prefill_info import PrefillInfo
+from kvbridge.transfer.prefill import KVSender, PrefillConfig, PrefillEndpoint, PrefillInfo
 from kvbridge.transfer.decode import KVReceiver
-from kvbridge.transfer.kvsender import KVSender
 
 __all__ = [
     "ENGINE_KINDS",

@@ -350,13 +350,13 @@ def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypat
     for s in senders:
         s.init(8)
     touched = []
-    orig = type(ep._book).post_room
-    monkeypatch.setattr(type(ep._book), "post_room", lambda self, r: (touched.append(r.room), orig(self, r)))
+    orig = type(ep.machine)._post_room
+    monkeypatch.setattr(type(ep.machine), "_post_room", lambda self, r, now: (touched.append(r.room), orig(self, r, now)))
     with ep._lock:
-        ep._book.pump()  # whatever the init() calls left to do
+        ep._carry_out(ep.machine.tick(time.monotonic()))  # whatever the init() calls left to do
         touched.clear()
-        ep._book.dirty.add(950)
-        ep._book.pump()
+        ep.machine.dirty.add(950)
+        ep._carry_out(ep.machine.tick(time.monotonic()))
     assert touched == [950]
     for s in senders:
         s.abort("test over")
@@ -457,8 +457,8 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
     r = c.decode.receiver(room, f"{c.name}-p")
     r.init(np.array([20, 21, 22, 23]), 1, n)
     ep = c.prefill[0]
-    assert wait_until(lambda: room in ep._book.rooms and ep._book.rooms[room].targets, 10)
-    ident = next(iter(ep._book.rooms[room].targets.values())).ident
+    assert wait_until(lambda: room in ep.machine.rooms and ep.machine.rooms[room].targets, 10)
+    ident = next(iter(ep.machine.rooms[room].targets.values())).ident
     report = dict(room=room, cp_rank=0, status="ok", reason="", pools=sorted(c.specs), digests=None)
     if forged == "aux from the wrong cp rank":
         msgs = [wire.PagesDone(**report, logical_pages=b"", aux=True, num_tokens=n)]
@@ -468,8 +468,8 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
         expect = "logical page 1 reported by cp rank 0, but cp rank 1 owns it"
     else:
         srv1 = c.prefill[1]
-        assert wait_until(lambda: room in srv1._book.rooms and srv1._book.rooms[room].targets, 10)
-        ident = next(iter(srv1._book.rooms[room].targets.values())).ident
+        assert wait_until(lambda: room in srv1.machine.rooms and srv1.machine.rooms[room].targets, 10)
+        ident = next(iter(srv1.machine.rooms[room].targets.values())).ident
         ep = srv1
         msgs = [wire.PagesDone(**{**report, "cp_rank": 1}, logical_pages=b"", aux=True, num_tokens=n)] * 2
         expect = "aux row reported twice"
