@@ -36,7 +36,7 @@ import numpy as np
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
-from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
@@ -118,6 +118,11 @@ class PrefillEndpoint:
         if self._server is None:
             raise KVBridgeError("endpoint not started", rank=self.config.rank_label)
         return self._server.endpoint
+
+    @property
+    def lanes(self) -> OwnerLanes:
+        """The instance's owner lanes (which CP rank holds which logical page)."""
+        return self.machine.lanes
 
     @property
     def counters(self) -> dict[str, int]:
