@@ -1,13 +1,11 @@
-"""The data path: transfer engines, the control channel, and the prefill and
-decode endpoints with their engine-facing senders and receivers."""
+"""The data path: transfer engines (``engine/``), the control channel, the rooms'
+registry both sides share (``rooms.py``), and each side's rooms as a state machine
+with the endpoint that runs it and the engine's handle (``prefill/``, ``decode/``)."""
 
-from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint, KVReceiver
 from kvbridge.transfer.engine import ENGINE_KINDS, TransferEngine, WriteState, WriteStatus, create_engine, mooncake_available
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
-from kvbridge.transfer.prefill_info import PrefillInfo
-from kvbridge.transfer.receiver import KVReceiver
-from kvbridge.transfer.kvsender import KVSender
+from kvbridge.transfer.prefill import KVSender, PrefillConfig, PrefillEndpoint, PrefillInfo
 
 __all__ = [
     "ENGINE_KINDS",

@@ -1,7 +1,8 @@
 """Poll states of a room, and the transitions each side allows.
 
 Written down once; every state change of a sender or receiver goes through
-:class:`RoomState`, which refuses transitions not in the table.
+:class:`RoomState`, which refuses transitions not in the table. The rooms' state
+machines pass the time in (``now``); without it the clock is read.
 
     receiver:  Bootstrapping -> WaitingForInput -> Transferring -> Success
     sender:    Bootstrapping -> WaitingForInput -> Transferring -> Success
@@ -45,10 +46,10 @@ class RoomState:
 
     __slots__ = ("state", "reason", "entered", "_done")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float | None = None) -> None:
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
-        self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic()}
+        self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic() if now is None else now}
         self._done: threading.Event | None = None  # made by the first waiter; set once the state is final
 
     def waiter(self) -> threading.Event | None:
@@ -64,11 +65,11 @@ class RoomState:
     def final(self) -> bool:
         return self.state in FINAL
 
-    def since(self) -> float:
-        """Seconds spent in the current state."""
-        return time.monotonic() - self.entered[self.state]
+    def since(self, now: float | None = None) -> float:
+        """Seconds spent in the current state (until ``now``; the clock when None)."""
+        return (time.monotonic() if now is None else now) - self.entered[self.state]
 
-    def to(self, new: KVPoll, reason: str | None = None) -> bool:
+    def to(self, new: KVPoll, reason: str | None = None, now: float | None = None) -> bool:
         """Move to ``new``; returns False (no change) if already there or, for
         Failed, if already final. A table violation raises IllegalTransition."""
         if new == self.state or (new == KVPoll.Failed and self.final):
@@ -76,18 +77,18 @@ class RoomState:
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.state.name} -> {new.name}")
         self.state = new
-        self.entered[new] = time.monotonic()
+        self.entered[new] = time.monotonic() if now is None else now
         if new == KVPoll.Failed:
             self.reason = reason or "failed"
         if new in FINAL and self._done is not None:
             self._done.set()
         return True
 
-    def advance_to(self, target: KVPoll) -> None:
+    def advance_to(self, target: KVPoll, now: float | None = None) -> None:
         """Walk forward through intermediate states up to ``target``."""
         order = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
         while self.state != target and not self.final and order.index(self.state) < order.index(target):
-            self.to(order[order.index(self.state) + 1])
+            self.to(order[order.index(self.state) + 1], now=now)
 
     def durations(self) -> dict[str, float]:
         """Seconds from each state's entry to the next state's (ms precision)."""

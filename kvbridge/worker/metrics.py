@@ -167,7 +167,7 @@ class _Live(Collector):
             inflight = GaugeMetricFamily("kvbridge_worker_writes_in_flight", "Engine writes posted and not yet complete.")
             inflight.add_metric([], jobs.pending())
             yield inflight
-        book = getattr(ep, "_book", None)
+        book = getattr(ep, "machine", None)
         if w.role == "decode" and book is not None and hasattr(book, "peers"):
             with ep._lock:
                 peers = list(book.peers.values())

@@ -44,8 +44,8 @@ def test_a_rank_with_nothing_to_send_completes_on_init_alone(cluster):
     c = cluster(cp=3)
     r = c.decode.receiver(38, f"{c.name}-p")
     r.init(np.array([5]), 0, 3)
-    assert wait_until(lambda: all(38 in ep._book.rooms for ep in c.prefill), 10)  # decode asked first
-    assert all(ep._book.rooms[38].state.state == KVPoll.WaitingForInput for ep in c.prefill)  # not done before init
+    assert wait_until(lambda: all(38 in ep.machine.rooms for ep in c.prefill), 10)  # decode asked first
+    assert all(ep.machine.rooms[38].state.state == KVPoll.WaitingForInput for ep in c.prefill)  # not done before init
     idle = [ep.sender(38) for ep in c.prefill[1:]]
     for s in idle:
         s.init(3)
@@ -78,7 +78,7 @@ def test_wait_bootstrapped_gives_the_lanes_or_says_why_not(cluster):
     with pytest.raises(TransferError, match="no-such-instance"):
         lost.wait_bootstrapped(10)
     c.decode.contract = c.contract.model_copy(update={"kernel": c.contract.kernel.model_copy(update={"abi": "x"})})
-    c.decode._book.cache.clear()  # this decode rank now speaks another contract: ask the daemon again
+    c.decode.machine.topologies.clear()  # this decode rank now speaks another contract: ask the daemon again
     refused = c.decode.receiver(42, f"{c.name}-p")
     with pytest.raises(ContractMismatch, match="kernel.abi") as err:
         refused.wait_bootstrapped(10)

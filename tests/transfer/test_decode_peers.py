@@ -54,13 +54,13 @@ def test_a_request_from_an_unregistered_rank_is_refused_naming_it(cluster):
 def test_reading_a_registration_never_blocks_the_loop(cluster):
     c = cluster(cp=1)
     ep = c.prefill[0]
-    answered, slow = threading.Event(), ep._peers.client.rank
+    answered, slow = threading.Event(), ep.bootstrap.rank
 
     def held_rank(rank_id: str):
         answered.wait(10)  # the daemon is slow to answer
         return slow(rank_id)
 
-    ep._peers.client.rank = held_rank
+    ep.bootstrap.rank = held_rank
     peers = PeerSet()
     try:
         peers.send(ep.endpoint, rogue_request(c, 71, 8, rank_id=c.decode.rank_id))
@@ -104,7 +104,7 @@ def test_a_silent_decode_rank_fails_its_prefill_targets_naming_it(cluster):
     for s in senders:
         s.init(10)
     assert wait_until(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), 10)
-    c.decode._book._liveness = lambda now: None  # the decode rank stops talking (as if it died)
+    c.decode.machine._liveness = lambda now: None  # the decode rank stops talking (as if it died)
     wait_final(senders, timeout=15)
     for s in senders:
         assert s.poll() == KVPoll.Failed

@@ -16,6 +16,7 @@ from _cluster import wait_final, wait_until
 from _local import PAGE, Cluster, HostEvent
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
+from kvbridge.transfer.decode.room import LookUp
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
 
@@ -140,7 +141,7 @@ def test_receiver_misuse_is_refused_with_the_reason(cluster):
     with pytest.raises(LayoutError, match="init\\(\\) called twice"):
         r.init(np.array([0, 1, 2]), 0, 12)
     r.abort("test over")
-    assert c.decode._book.rooms[6].state.state == KVPoll.Failed
+    assert c.decode.machine.rooms[6].state.state == KVPoll.Failed
 
 
 def test_timeouts_name_the_state_that_overran(cluster, daemon):
@@ -182,8 +183,8 @@ def test_release_from_a_finalizer_never_takes_the_lock(cluster):
 
     def drop_under_lock() -> None:
         with c.decode._lock, c.prefill[0]._lock:
-            c.decode._release(receiver._room)
-            c.prefill[0]._release(sender._room)
+            c.decode.release(receiver._room)
+            c.prefill[0].release(sender._room)
         done.set()
 
     t = threading.Thread(target=drop_under_lock, daemon=True)
@@ -207,7 +208,8 @@ def test_a_lookup_answered_before_its_callback_is_attached_does_not_deadlock(clu
 
     def lookup_under_lock() -> None:
         with c.decode._lock:
-            c.decode.lookup_async(c.decode._book.rooms[13])
+            key = ("instance-that-answers-at-once", None)
+            c.decode._carry_out([LookUp(13, key[0], None, key)])
         finished.set()
 
     threading.Thread(target=lookup_under_lock, daemon=True).start()
@@ -244,7 +246,7 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
         wait_final([r])
         assert r.poll() == KVPoll.Success
         daemon.restart()  # same port, empty state
-        c.decode._book.cache.clear()  # no cached topology: the next room must look the instance up again
+        c.decode.machine.topologies.clear()  # no cached topology: the next room must look the instance up again
 
         def reregistered() -> bool:
             try:
@@ -348,13 +350,13 @@ def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypat
     for s in senders:
         s.init(8)
     touched = []
-    orig = type(ep._book).post_room
-    monkeypatch.setattr(type(ep._book), "post_room", lambda self, r: (touched.append(r.room), orig(self, r)))
+    orig = type(ep.machine)._post_room
+    monkeypatch.setattr(type(ep.machine), "_post_room", lambda self, r, now: (touched.append(r.room), orig(self, r, now)))
     with ep._lock:
-        ep._book.pump()  # whatever the init() calls left to do
+        ep._carry_out(ep.machine.tick(time.monotonic()))  # whatever the init() calls left to do
         touched.clear()
-        ep._book.dirty.add(950)
-        ep._book.pump()
+        ep.machine.dirty.add(950)
+        ep._carry_out(ep.machine.tick(time.monotonic()))
     assert touched == [950]
     for s in senders:
         s.abort("test over")
@@ -455,8 +457,8 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
     r = c.decode.receiver(room, f"{c.name}-p")
     r.init(np.array([20, 21, 22, 23]), 1, n)
     ep = c.prefill[0]
-    assert wait_until(lambda: room in ep._book.rooms and ep._book.rooms[room].targets, 10)
-    ident = next(iter(ep._book.rooms[room].targets.values())).ident
+    assert wait_until(lambda: room in ep.machine.rooms and ep.machine.rooms[room].targets, 10)
+    ident = next(iter(ep.machine.rooms[room].targets.values())).ident
     report = dict(room=room, cp_rank=0, status="ok", reason="", pools=sorted(c.specs), digests=None)
     if forged == "aux from the wrong cp rank":
         msgs = [wire.PagesDone(**report, logical_pages=b"", aux=True, num_tokens=n)]
@@ -466,8 +468,8 @@ def test_a_forged_report_fails_the_room_naming_the_rank_and_nothing_commits(clus
         expect = "logical page 1 reported by cp rank 0, but cp rank 1 owns it"
     else:
         srv1 = c.prefill[1]
-        assert wait_until(lambda: room in srv1._book.rooms and srv1._book.rooms[room].targets, 10)
-        ident = next(iter(srv1._book.rooms[room].targets.values())).ident
+        assert wait_until(lambda: room in srv1.machine.rooms and srv1.machine.rooms[room].targets, 10)
+        ident = next(iter(srv1.machine.rooms[room].targets.values())).ident
         ep = srv1
         msgs = [wire.PagesDone(**{**report, "cp_rank": 1}, logical_pages=b"", aux=True, num_tokens=n)] * 2
         expect = "aux row reported twice"

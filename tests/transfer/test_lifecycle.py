@@ -15,7 +15,7 @@ from _cluster import wait_final, wait_until
 from _local import replies, rogue_request
 from kvbridge.errors import RoomInUse
 from kvbridge.transfer.channel import PeerSet
-from kvbridge.transfer.lifecycle import Stage, Tombstones
+from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 
 
@@ -35,7 +35,7 @@ def test_a_reused_room_id_is_refused_until_the_old_room_is_closed(cluster):
         c.decode.receiver(30, f"{c.name}-p")
     r.close()
     senders[0].close()
-    assert wait_until(lambda: 30 not in ep._book.rooms and 30 not in c.decode._book.rooms, 5)
+    assert wait_until(lambda: 30 not in ep.machine.rooms and 30 not in c.decode.machine.rooms, 5)
     senders = c.send(30, 8)  # a fresh room (opened on prefill before decode asks, see the lifecycle doc) ...
     again = c.decode.receiver(30, f"{c.name}-p")
     again.init(np.array([2, 3]), 1, 8)
@@ -73,7 +73,7 @@ def test_a_draining_room_keeps_its_id_until_no_write_can_land(cluster):
         peers.close()
     wait_final([s])
     assert s.poll() == KVPoll.Failed and "closed" in s.failure_reason
-    assert wait_until(lambda: 31 not in ep._book.rooms and 31 not in c.decode._book.rooms, 5)
+    assert wait_until(lambda: 31 not in ep.machine.rooms and 31 not in c.decode.machine.rooms, 5)
     ep.sender(31).close()  # the id is free again
 
 
@@ -87,10 +87,10 @@ def test_a_final_state_stays_readable_while_the_handle_lives(cluster):
     wait_final([r, *senders])
     later = time.monotonic() + 3600  # an hour of housekeeping later
     with c.decode._lock:
-        c.decode._book.next_scan = 0.0
-        c.decode._book.tick(later)
+        c.decode.machine.next_scan = 0.0
+        c.decode._carry_out(c.decode.machine.tick(later))
     with c.prefill[0]._lock:
-        c.prefill[0]._book.gc(later)
+        c.prefill[0]._carry_out(c.prefill[0].machine.gc(later))
     assert r.poll() == KVPoll.Success and r.failure_reason is None and r.aux.room == 32
     assert r.stats["state"] == "Success" and senders[0].poll() == KVPoll.Success
 
@@ -104,7 +104,7 @@ def test_close_and_with_end_a_room_that_has_not_finished(cluster):
     assert s.poll() == KVPoll.Failed and "closed room 33's sender" in s.failure_reason
     assert r.poll() == KVPoll.Failed and "closed room 34's receiver" in r.failure_reason
     s.close()  # idempotent
-    assert wait_until(lambda: not c.prefill[0]._book.rooms and not c.decode._book.rooms, 5)
+    assert wait_until(lambda: not c.prefill[0].machine.rooms and not c.decode.machine.rooms, 5)
 
 
 def test_dropping_a_handle_closes_its_room(cluster):
@@ -115,7 +115,7 @@ def test_dropping_a_handle_closes_its_room(cluster):
     room = s._room
     del s
     gc.collect()
-    assert wait_until(lambda: 35 not in ep._book.rooms, 5)
+    assert wait_until(lambda: 35 not in ep.machine.rooms, 5)
     assert room.state.state == KVPoll.Failed and room.life.stage == Stage.CLOSED
 
 
@@ -126,7 +126,7 @@ def test_a_late_request_for_a_closed_room_is_refused_with_its_outcome(cluster):
     s = ep.sender(36)
     s.init(8)
     s.close()
-    assert wait_until(lambda: 36 not in ep._book.rooms, 5)
+    assert wait_until(lambda: 36 not in ep.machine.rooms, 5)
     r = c.decode.receiver(36, f"{c.name}-p")
     r.init(np.array([0, 1]), 0, 8)
     wait_final([r], timeout=10)
@@ -145,9 +145,9 @@ def test_rooms_are_forgotten_once_closed_and_quiet(cluster):
             assert r.poll() == KVPoll.Success, r.failure_reason
             for s in senders:
                 s.close()
-    books = [c.decode._book, *(ep._book for ep in c.prefill)]
+    books = [c.decode.machine, *(ep.machine for ep in c.prefill)]
     assert wait_until(lambda: not any(b.rooms for b in books), 5)
-    assert all(len(ep._book.tombstones) == 20 for ep in c.prefill)
+    assert all(len(ep.machine.rooms.tombstones) == 20 for ep in c.prefill)
     stones = Tombstones(ttl_s=60, max_entries=3)
     for room in range(10):
         stones.add(room, "Success")

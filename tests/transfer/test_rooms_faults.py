@@ -130,7 +130,7 @@ def test_a_frozen_prefill_rank_keeps_its_pages_held_past_its_lease(daemon):
         p.proc.send_signal(signal.SIGSTOP)
         assert wait_until(lambda: recv.poll() == KVPoll.Failed, 20)
         assert "prefill-frozen/cp0" in recv.failure_reason
-        peer = d.ep._book.peers[p.endpoint]
+        peer = d.ep.machine.peers[p.endpoint]
         assert wait_until(lambda: peer.lease_gone, 20), "its 2 s lease runs out while it is stopped"
         assert not wait_until(lambda: recv.pages_releasable, 1.0), "pages freed at lease expiry: a resumed rank writes into them"
         p.proc.send_signal(signal.SIGCONT)

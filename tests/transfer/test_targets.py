@@ -12,9 +12,9 @@ from kvbridge.errors import LayoutError, PageRangeError, PairingError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, preset_pools
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import RegionAddr
-from kvbridge.transfer.decode_peers import DecodePeer
-from kvbridge.transfer.sender import SendRoom
-from kvbridge.transfer.targets import target_from_request
+from kvbridge.transfer.prefill.peers import DecodePeer
+from kvbridge.transfer.prefill.room import PrefillRoom
+from kvbridge.transfer.prefill.targets import target_from_request
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
 AUX = AuxSchema.standard(16, "bfloat16", 1)
@@ -40,8 +40,8 @@ def request(pages, room: int = 1, aux_slot: int = 0, first_page: int = 0, num_pa
         want_digest=False, fingerprint="x", num_decode_ranks=1)
 
 
-def send_room(num_pages: int = 2, cp_size: int = 1, cp_rank: int = 0) -> SendRoom:
-    r = SendRoom(1, cp_rank, OwnerLanes(cp_size), 4)
+def send_room(num_pages: int = 2, cp_size: int = 1, cp_rank: int = 0) -> PrefillRoom:
+    r = PrefillRoom(1, cp_rank, OwnerLanes(cp_size), 4)
     r.set_num_tokens(4 * num_pages, "test")
     return r
 
@@ -89,7 +89,7 @@ def test_a_decode_tp_rank_gets_its_head_slice_and_only_from_the_ranks_of_its_rou
     takes head 3 from tp 1 (offset 32 B of its 64 B row), nothing from tp 0; one range per
     valid row; tp 1 is its first source (aux row); two decode ranks ask tp 1."""
     from kvbridge.layout import HeadGeometry, tp_spec
-    from kvbridge.transfer.targets import plan_target
+    from kvbridge.transfer.prefill.targets import plan_target
 
     geom = HeadGeometry(4, 8, "float32")
     full = {n: geom.spec(n, 4, (0, 1)) for n in ("k", "v")}

@@ -1,4 +1,4 @@
-"""Turning a decode rank's TransferRequest into a checked :class:`Target`.
+"""Turning a decode rank's TransferRequest into a checked :class:`Target` (pure: no I/O).
 
 Everything about the destination is checked here, before any write is posted
 (hard rule 5), against what the decode rank *registered* with the bootstrap
@@ -17,9 +17,9 @@ whole rows or as the route's head slice (``plan_target``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -27,10 +27,52 @@ from kvbridge.errors import KVBridgeError, LayoutError, PageRangeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec, TransferPlan, num_drawing, plan_head_transfer, plan_transfer, tp_route
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import RegionAddr, packed_base
-from kvbridge.transfer.decode_peers import DecodePeer
-from kvbridge.transfer.sender import SendRoom, Target, TargetPart
+from kvbridge.transfer.prefill.peers import DecodePeer, TargetPart
 
 NO_DEADLINE_S = 3600.0
+
+
+@dataclass
+class Target:
+    """One decode rank that receives a room (checked against what it registered), and how far
+    the room's writes to it got."""
+
+    decode_rank: str
+    ident: bytes  # the id of the decode rank's connection to our control server
+    session: str
+    first_page: int  # decode already holds logical pages [0, first_page)
+    dst_pages: np.ndarray  # logical page first_page + i -> destination physical page dst_pages[i]
+    pools: tuple[str, ...]
+    aux_dst: dict[str, RegionAddr]  # the decode rank's registered aux regions
+    aux_slot: int
+    deadline: float  # monotonic
+    want_digest: bool
+    parts: tuple[TargetPart, ...]  # what of which pools goes to this decode rank (TP route)
+    created: float  # monotonic
+    num_expected: int = 0  # owned pages >= first_page: what this target receives
+    aux_source: bool = True  # this TP rank writes the aux row to it (when this CP rank owns the last token)
+    num_decode_targets: int = 1  # decode ranks that draw from this TP rank (each asks for the room)
+    aux_row_base: int | None = None  # the decode rank's aux rows are one packed store from here (None: by region)
+    posted: int = 0  # chunks posted so far
+    inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # write id -> (logical pages, aux row too)
+    aux_posted: bool = False
+    aux_done: bool = False
+    num_pages_done: int = 0
+    failure: str | None = None
+    abort_reason: str | None = None  # decode asked to abort
+    closed: bool = False  # final report (success, failure or abort ack) sent
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None and self.abort_reason is None
+
+
+class Sized(Protocol):
+    """What a request is checked against of its room: its length and this rank's share."""
+
+    @property
+    def num_pages(self) -> int: ...
+    def num_owned_from(self, first_page: int) -> int: ...
 
 
 def target_from_request(
@@ -39,12 +81,13 @@ def target_from_request(
     specs: Mapping[str, PoolSpec],
     src_bufs: Sequence[BufferDesc],
     aux_schema: AuxSchema,
-    room: SendRoom,
+    room: Sized,
     peer: DecodePeer,
     *,
     tp: tuple[int, int] = (1, 0),
+    now: float = 0.0,
 ) -> Target:
-    """``tp``: this prefill rank's (tp_size, tp_rank). What holds for every request of this
+    """``tp``: this prefill rank's (tp_size, tp_rank); ``now``: the time (deadlines count from it). What holds for every request of this
     decode rank (its TP route, buffer pairing, aux regions) is checked once per peer
     (``PeerRoute``); the request's own fields are checked here, every time."""
     ctx = dict(room=req.room, rank=req.decode_rank)
@@ -70,10 +113,10 @@ def target_from_request(
         r = next(r for r in route.aux if not 0 <= req.aux_slot < r.capacity_rows)
         raise PageRangeError(f"aux slot {req.aux_slot} outside the {r.capacity_rows} rows decode rank {peer.label} "
                              f"registered for aux region {r.name!r}; nothing written", field="aux_slot", **ctx)
-    deadline = time.monotonic() + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
+    deadline = now + (req.deadline_ms / 1000.0 if req.deadline_ms > 0 else NO_DEADLINE_S)
     return Target(decode_rank=req.decode_rank, ident=ident, session=peer.session, first_page=req.first_page,
                   dst_pages=dst_pages, pools=pools, aux_dst=peer.aux, aux_slot=req.aux_slot, deadline=deadline,
-                  want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base,
+                  want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base, created=now,
                   num_expected=room.num_owned_from(req.first_page),
                   aux_source=route.aux_source, num_decode_targets=route.num_drawing)
 

@@ -1,11 +1,16 @@
-"""DecodeEndpoint: one decode rank's control loop.
+"""DecodeEndpoint: one decode rank's shell around its rooms' state machine.
 
-One loop thread owns every socket and room; bootstrap look-ups run on a small
-bounded pool (results cached per prefill DP group for a moment), so 1,000 rooms
-in flight are 1,000 dict entries, not 1,000 threads. The loop reads like ``step()``:
+The shell owns what the machine (``decode/room.py``) must not: the loop thread, the
+lock, the control channel (a reconnecting client per prefill rank), a small bounded
+pool for bootstrap look-ups and lease checks, and the aux rows in memory. It feeds the
+machine events and carries out the actions it returns. 1,000 rooms in flight are 1,000
+dict entries, not 1,000 threads. The loop reads like ``step()``:
 
-    receive (PagesDone, with the aux row / AbortAck / Heartbeat)  ->  apply look-ups
-    ->  send TransferRequests  ->  commit complete rooms  ->  pings, liveness, deadlines
+    receive (PagesDone, with the aux row / AbortAck / Heartbeat)  ->  feed each
+    ->  apply look-up answers  ->  close dropped receivers  ->  tick(now)  ->  carry out
+
+Fewest hops: ``init()`` of a room whose topology is known sends its requests from the
+engine's thread, under the lock, with no turn of the loop.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,59 +29,26 @@ import numpy as np
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
-from kvbridge.errors import (
-    BootstrapUnavailable,
-    ConfigError,
-    ContractMismatch,
-    InstanceIncomplete,
-    KVBridgeError,
-    LayoutError,
-    PageRangeError,
-    TransferError,
-)
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.checks import check_against_contract
-from kvbridge.transfer.decode_rooms import RoomBook
+from kvbridge.transfer.decode.config import DecodeConfig
+from kvbridge.transfer.decode.peers import CheckLease, DropPeer
+from kvbridge.transfer.decode.receiver import KVReceiver
+from kvbridge.transfer.decode.room import DecodeRoom, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.lifecycle import open_waiting
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.receiver import KVReceiver, RecvRoom
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.rooms import open_waiting
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    instance: str
-    dp_rank: int = 0
-    tp_rank: int = 0
-    dp_size: int = 1
-    tp_size: int = 1
-    host: str = "127.0.0.1"
-    secret: bytes | None = None
-    bootstrap_timeout: float = 30.0
-    waiting_timeout: float = 60.0
-    transfer_timeout: float = 120.0
-    peer_timeout: float = 5.0
-    ping_interval: float = 0.5
-    lease_ttl: float = 10.0
-    topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
-    # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
-    # After a silent prefill rank's lease is gone, its rooms' pages stay held this long more
-    # (unless it acknowledges the abort): a process that was frozen (SIGSTOP, a paused VM)
-    # past its lease still holds queued writes that land the moment it resumes.
-    lease_quarantine: float = 30.0
-    lookup_threads: int = 4
-    verify_digest: bool = False
-    trace: bool = False
-
-    @property
-    def rank_label(self) -> str:
-        return f"{self.instance}/dp{self.dp_rank}/tp{self.tp_rank}"
+__all__ = ["DecodeConfig", "DecodeEndpoint"]
 
 
 class DecodeEndpoint:
@@ -117,9 +89,16 @@ class DecodeEndpoint:
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
+        self.machine = DecodeRooms(
+            config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
+            page_digests=lambda pools, pages, phys, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
+                                                                    phys, n),
+            trace=self.trace,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
-        self._book = RoomBook(self)
+        self._results: deque[Callable[[], Any]] = deque()  # pool-thread answers: events for the loop to feed
+        self._released: deque[DecodeRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self._peers: PeerSet | None = None
         self._pool = ThreadPoolExecutor(max_workers=config.lookup_threads, thread_name_prefix="kvb-lookup")
         self._thread: threading.Thread | None = None
@@ -147,14 +126,13 @@ class DecodeEndpoint:
     def close(self, timeout: float = 5.0) -> None:
         """Abort rooms still in flight, wait (bounded) for their acks, deregister."""
         with self._lock:
-            for r in self._book.rooms.values():
-                self._book.fail(r, f"decode rank {self.config.rank_label} is shutting down")
+            self._carry_out(self.machine.shutdown(f"decode rank {self.config.rank_label} is shutting down",
+                                                  time.monotonic()))
         end = time.monotonic() + timeout
-        while time.monotonic() < end and self._book.unquiet():
+        while time.monotonic() < end and self._locked_unquiet():
             time.sleep(0.02)
         self._stop.set()
-        if self._peers is not None:
-            self._peers.wakeup.post()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -164,6 +142,16 @@ class DecodeEndpoint:
             self._peers.close()
         # a prefill rank that never acknowledged can no longer write into these pages
         unregister_quietly(self.engine, self.buffers, self.aux)
+
+    def _read_aux_row(self, slot: int) -> tuple[np.ndarray, float]:
+        """The machine's one read of memory: the aux row (and how long the read took)."""
+        start = time.monotonic()
+        row = self.aux.read_row(slot)
+        return row, time.monotonic() - start
+
+    def _locked_unquiet(self) -> bool:
+        with self._lock:
+            return self.machine.unquiet()
 
     def __enter__(self) -> DecodeEndpoint:
         self.start()
@@ -179,23 +167,24 @@ class DecodeEndpoint:
         """A KVReceiver for ``room``. RoomInUse while a previous room of that id is open, or draining
         (a prefill rank may still write its pages) for longer than ``wait`` seconds."""
         with self._lock:
-            r = open_waiting(lambda: self._book.open(room, prefill_instance, dp_rank), self._room_freed, wait)
+            r = open_waiting(lambda: self.machine.open(room, prefill_instance, dp_rank, time.monotonic()),
+                             self._room_freed, wait)
             looking_up = r.state.state == KVPoll.Bootstrapping
         if looking_up:  # a cached topology leaves the loop nothing to do before init()
             self._wake()
         return KVReceiver(self, r)
 
-    def _init_room(self, r: RecvRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
+    def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
+        """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
         pages = page_ids if type(page_ids) is np.ndarray and page_ids.ndim == 1 else np.asarray(page_ids).reshape(-1)
         ctx = dict(room=r.room, rank=self.config.rank_label)
         if pages.size and pages.dtype.kind not in "iu":
             raise LayoutError(f"page ids must be integers, got {pages.dtype}", field="page_ids", **ctx)
-        page_size = self._book.page_size
+        page_size = self.machine.page_size
         if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
             raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r}", field="first_page",
                               **ctx)
         if num_tokens is None:  # only the pages are known: first_page + len(page_ids) of them
-            num_pages = int(first_page) + int(pages.size)
             if not pages.size:
                 raise LayoutError(f"no page ids after first_page {first_page}, and no num_tokens: the request would "
                                   "have nothing to receive, not even the page of its last token", field="page_ids",
@@ -218,118 +207,108 @@ class DecodeEndpoint:
                                  field="page_ids", **ctx)
         self.aux.check_slot(aux_slot, room=r.room)
         with self._lock:
-            self._book.init(r, pages.astype(np.int64), int(aux_slot), None if num_tokens is None else int(num_tokens),
-                            int(first_page))  # (a copy: the engine may reuse its array)
-            # topology known (cached or looked up): the requests go out from this thread, no hop to the loop
-            sent = self._book.request_if_ready(r)
+            # (a copy: the engine may reuse its array); topology known (cached or looked up): the
+            # requests go out from this thread, no hop to the loop
+            self._carry_out(self.machine.init(r, pages.astype(np.int64), int(aux_slot),
+                                              None if num_tokens is None else int(num_tokens), int(first_page),
+                                              time.monotonic()))
+            sent = r.state.state == KVPoll.Transferring
         if not sent:
             self._wake()
 
-    def _locked(self, fn: Callable[[], T]) -> T:
+    def locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the endpoint's lock held (what a handle reads)."""
         with self._lock:
             return fn()
 
-    def _release(self, r: RecvRoom) -> None:
+    def release(self, r: DecodeRoom) -> None:
         """The engine dropped its receiver: the room closes at the next step.
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._book.released.append(r)
+        self._released.append(r)
 
-    def _close_room(self, r: RecvRoom) -> None:
+    def close_room(self, r: DecodeRoom) -> None:
         with self._lock:
-            self._book.close(r)
+            self._carry_out(self.machine.close(r, time.monotonic()))
         self._wake()
 
-    def _abort(self, r: RecvRoom, reason: str) -> None:
+    def abort_room(self, r: DecodeRoom, reason: str) -> None:
         with self._lock:
-            self._book.fail(r, reason)
+            self._carry_out(self.machine.abort(r, reason, time.monotonic()))
         self._wake()
 
     def _wake(self) -> None:
         if self._peers is not None:
             self._peers.wakeup.post()
 
-    # -- look-ups (pool threads) ----------------------------------------------
+    # -- carrying out actions (lock held) ---------------------------------------
 
-    def lookup_async(self, r: RecvRoom) -> None:
-        """Ask the daemon on a pool thread; the answer is applied by the loop thread
-        (``apply_lookup``), never under a lock taken from the pool thread: a future that
-        is already done runs its callback inline, on the loop thread that holds the lock."""
-        r.lookup_pending = True
-        key = self._book.lookup_key(r)
-        self._book.lookups_in_flight.add(key)
-        fut: Future = self._pool.submit(self.bootstrap.lookup, r.prefill_instance, r.room, self.contract,
-                                        self.identity, r.dp_rank)
-        fut.add_done_callback(lambda f, room=r.room: self.hand_to_loop(lambda: self.apply_lookup(room, key, f)))
-
-    def refresh_async(self, key: tuple[str, int]) -> None:
-        """Refresh the cached topology of ``key`` = (instance, DP group) on a pool thread."""
-        self._book.lookups_in_flight.add(key)
-        instance, dp = key
-        fut: Future = self._pool.submit(self.bootstrap.lookup, instance, dp, self.contract, self.identity, dp)
-
-        def done(f: Future) -> None:
-            topo = None if f.exception() is not None else f.result()
-            self.hand_to_loop(lambda: self._book.refreshed(key, topo))
-
-        fut.add_done_callback(done)
-
-    def hand_to_loop(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the loop thread, with the lock held (safe from any thread)."""
-        self._book.results.append(work)
-        self._wake()
-
-    def apply_lookup(self, room: int, key: tuple[str, int | None], fut: Future) -> None:
-        self._book.lookups_in_flight.discard(key)
-        self._book.wake_waiting(key[0])  # rooms that waited for this look-up use its answer now
-        r = self._book.rooms.get(room)
-        if r is None or r.state.final:
-            return
-        r.lookup_pending = False
-        exc = fut.exception()
-        if exc is None:
-            self._book.topology_ready(r, fut.result(), fresh=True)
-        elif isinstance(exc, ContractMismatch):
-            fields = ", ".join(getattr(d, "path", str(d)) for d in exc.diff[:6])
-            reason = f"contract mismatch with prefill instance {r.prefill_instance!r} (fields: {fields}); nothing transferred"
-            # a definitive answer: other rooms toward this instance are refused without asking again for a while
-            self._book.refusals[r.prefill_instance] = (time.monotonic(), reason, list(exc.diff))
-            self._book.refuse(r)
-        elif isinstance(exc, BootstrapUnavailable):
-            # the daemon is down: a topology it gave us before still names live ranks (liveness
-            # pings catch the ones that are not); without one, ask again until the bootstrap timeout
-            stale = self._book.stale(r)
-            r.lookup_problem = str(exc)
-            if stale is not None:
-                self._book.topology_ready(r, stale)
+    def _carry_out(self, actions: Iterable[Any]) -> None:
+        for a in actions:
+            if type(a) is Send:
+                frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
+                for endpoint in a.to:
+                    self._send_frame(endpoint, frame)
+            elif type(a) is FreeRoom:
+                self._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
+            elif type(a) is LookUp:
+                self._look_up(a)
+            elif type(a) is Refresh:
+                self._refresh(a)
+            elif type(a) is CheckLease:
+                self._pool.submit(self._check_lease, a)
+            elif type(a) is DropPeer:
+                self._peers.drop(a.endpoint)
             else:
-                r.next_lookup = time.monotonic() + 0.25
-        elif isinstance(exc, InstanceIncomplete):
-            r.next_lookup = time.monotonic() + 0.1  # the instance is still coming up: ask again
-            r.lookup_problem = str(exc)
-        elif isinstance(exc, KVBridgeError):
-            self._book.fail(r, f"bootstrap look-up failed: {exc}")
-        else:
-            self._book.fail(r, f"bootstrap look-up failed: {type(exc).__name__}: {exc}")
+                raise TypeError(f"decode endpoint cannot carry out {a!r}")
 
-    # -- the loop -------------------------------------------------------------
-
-    def send(self, endpoint: str, msg: Any) -> None:
-        self.send_frame(endpoint, self.encode(msg))
-
-    def encode(self, msg: Any) -> bytes:
-        """``msg`` as the control channel sends it (sealed with the channel's secret)."""
-        return self._peers.encode(msg)
-
-    def send_frame(self, endpoint: str, frame: bytes) -> None:
-        """Send an ``encode()``d message (one encoding may go to several ranks)."""
+    def _send_frame(self, endpoint: str, frame: bytes) -> None:
         try:
             self._peers.send_frame(endpoint, frame)
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
 
-    def drop_peer(self, endpoint: str) -> None:
-        """Close the connection to a prefill rank that is gone (loop thread only)."""
-        self._peers.drop(endpoint)
+    def _hand_to_loop(self, event: Callable[[], Any]) -> None:
+        """Feed ``event()`` (a machine event returning actions) on the loop thread, with the lock
+        held (safe from any thread)."""
+        self._results.append(event)
+        self._wake()
+
+    def _look_up(self, a: LookUp) -> None:
+        """Ask the daemon on a pool thread; the answer is fed by the loop thread, never under a lock
+        taken from the pool thread: a future that is already done runs its callback inline, on the
+        loop thread that holds the lock."""
+        fut: Future = self._pool.submit(self.bootstrap.lookup, a.instance, a.room, self.contract, self.identity,
+                                        a.dp_rank)
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            topo = f.result() if error is None else None
+            self._hand_to_loop(lambda: self.machine.looked_up(a.room, a.key, topo, error, time.monotonic()))
+
+        fut.add_done_callback(done)
+
+    def _refresh(self, a: Refresh) -> None:
+        instance, dp = a.key
+        fut: Future = self._pool.submit(self.bootstrap.lookup, instance, dp, self.contract, self.identity, dp)
+
+        def done(f: Future) -> None:
+            topo = None if f.exception() is not None else f.result()
+            self._hand_to_loop(lambda: self.machine.refreshed(a.key, topo, time.monotonic()))
+
+        fut.add_done_callback(done)
+
+    def _check_lease(self, a: CheckLease) -> None:
+        """Pool thread: is the dead rank's lease gone?"""
+        try:
+            view = self.bootstrap.instance(a.instance)
+            gone = all(rk.rank_id != a.rank_id for rk in view.ranks)
+        except UnknownInstance:  # the whole instance is gone
+            gone = True
+        except KVBridgeError:  # daemon unreachable: cannot tell, so keep waiting (safe)
+            gone = False
+        self._hand_to_loop(lambda: self.machine.lease_checked(a.endpoint, a.rank_id, gone, time.monotonic()))
+
+    # -- the loop -------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -342,6 +321,10 @@ class DecodeEndpoint:
     def _step(self) -> None:
         for endpoint, msg in self._peers.recv_ready(20):
             with self._lock:
-                self._book.on_message(endpoint, msg)
+                self._carry_out(self.machine.message(endpoint, msg, time.monotonic()))
         with self._lock:
-            self._book.tick(time.monotonic())
+            while self._results:
+                self._carry_out(self._results.popleft()())
+            while self._released:
+                self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
+            self._carry_out(self.machine.tick(time.monotonic()))

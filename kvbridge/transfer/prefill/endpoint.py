@@ -1,21 +1,23 @@
-"""PrefillEndpoint: one prefill rank's control loop and data path.
+"""PrefillEndpoint: one prefill rank's shell around its rooms' state machine.
 
-One loop thread owns the control socket and every room's state; engine threads
-only queue work under the lock and wake it. The loop reads like ``step()``:
+The shell owns what the machine (``prefill/room.py``) must not: the loop thread, the
+lock, the control server, the transfer engine, one thread that reads decode ranks'
+registrations from the daemon, the aux rows in memory and the lease. It feeds the
+machine events and carries out the actions it returns (``Send``, ``PostWrite``,
+``Resolve``, ``ReleaseAux``, ``FreeRoom``). The loop reads like ``step()``:
 
-    receive control messages  ->  post writes for new chunks and new targets
-    ->  collect completions  ->  report (PagesDone, the aux row in it / AbortAck)  ->  deadlines
+    receive control messages -> feed each  ->  apply registrations read  ->  collect
+    completions (write_final)  ->  tick(now): post, settle, deadlines  ->  carry out
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already
 here; a write that becomes final is reported from the engine's completion callback
 (its thread), not by waking the loop:
 
-    decode init() --request--> loop: parse, check, plan, post --engine--> callback: report --> decode
+    decode init() --request--> loop: check, plan, post --engine--> callback: report --> decode
 
-Threads: the loop, the engine's own, the bootstrap lease keeper and one thread
-that reads decode ranks' registrations from the daemon (``decode_peers.py``);
-never one per room.
+Threads: the loop, the engine's own, the bootstrap lease keeper and the registration
+reader; never one per room.
 """
 
 from __future__ import annotations
@@ -24,59 +26,34 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec
-from kvbridge.transfer.channel import wire
+from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
-from kvbridge.transfer.decode_peers import DecodePeers
-from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.lifecycle import open_waiting
-from kvbridge.transfer.prefill_rooms import SendBook
+from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.engine import TransferEngine, WriteState
+from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.prefill.peers import Resolve
+from kvbridge.transfer.prefill.room import PostWrite, PrefillRoom, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
-from kvbridge.transfer.kvsender import KVSender
-from kvbridge.transfer.sender import SendRoom
+from kvbridge.transfer.rooms import open_waiting
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    instance: str
-    dp_rank: int = 0
-    cp_rank: int = 0
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_size: int = 1
-    cp_size: int = 1
-    tp_size: int = 1
-    pp_size: int = 1
-    lane_rule: str = "interleaved"
-    host: str = "127.0.0.1"
-    control_port: int = 0
-    secret: bytes | None = None
-    housekeeping_interval: float = 0.5  # how often closed, quiet rooms are forgotten
-    lease_ttl: float = 10.0
-    target_timeout: float = 60.0  # how long a room waits for its decode ranks to ask
-    peer_timeout: float = 5.0  # a decode connection silent this long fails its targets (> decode's ping_interval)
-    max_slices_per_call: int = 1024
-    aux_slots: int = 1024
-    aux_device: str = "cpu"  # aux staging rows; "cuda:N" for transports that move device memory only (NVLink)
-    trace: bool = False
-
-    @property
-    def rank_label(self) -> str:
-        return f"{self.instance}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
+__all__ = ["PrefillConfig", "PrefillEndpoint"]
 
 
 class PrefillEndpoint:
@@ -115,17 +92,23 @@ class PrefillEndpoint:
         self.aux_schema = aux_schema
         self.aux_staging = AuxStaging(aux_schema, config.aux_slots, rank=rank, device=config.aux_device)
         self.aux_buffers = None if aux_buffer is None else AuxBuffers(aux_schema, aux_buffer, rank=rank)
-        self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
+        self.machine = PrefillRooms(
+            config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
+            page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
+                                                                     local, n),
+            digests_readable=self.buffers.readable, trace=self.trace,
+        )  # fmt: skip
         self._lock = _OwnedLock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
-        self._peers = DecodePeers(bootstrap, self._hand_to_loop, self._deliver, self._refuse)
-        self._book = SendBook(self, self._peers)
+        self._results: deque[Callable[[], Any]] = deque()  # registration answers: events for the loop to feed
+        self._released: deque[PrefillRoom] = deque()  # dropped KVSenders (appended without the lock)
+        self._final_while_posting = False  # a write became final inside submit_write: collect after posting
+        self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
         self._server: ControlServer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._closing = False
         self._lease: LeaseKeeper | None = None
 
     # -- life cycle -----------------------------------------------------------
@@ -137,9 +120,14 @@ class PrefillEndpoint:
         return self._server.endpoint
 
     @property
+    def lanes(self) -> OwnerLanes:
+        """The instance's owner lanes (which CP rank holds which logical page)."""
+        return self.machine.lanes
+
+    @property
     def counters(self) -> dict[str, int]:
         """Rooms ok/failed, bytes and slices posted since start."""
-        return self._book.counters
+        return self.machine.counters
 
     def start(self) -> None:
         self.buffers.register(self.engine)
@@ -159,22 +147,22 @@ class PrefillEndpoint:
     def close(self, timeout: float = 5.0) -> None:
         """Let in-flight rooms finish for up to ``timeout`` s, fail the rest, deregister."""
         with self._lock:
-            self._closing = True
+            self.machine.closing = True
         end = time.monotonic() + timeout
-        while time.monotonic() < end and self._busy():
+        while time.monotonic() < end and self.locked(lambda: self.machine.busy):
             time.sleep(0.02)
         with self._lock:
-            for room in self._book.rooms.values():
-                self._book.fail_room(room, f"prefill rank {self.config.rank_label} is shutting down")
+            self._carry_out(self.machine.shutdown(f"prefill rank {self.config.rank_label} is shutting down",
+                                                  time.monotonic()))
         end = time.monotonic() + timeout
-        while time.monotonic() < end and self._book.handles:
+        while time.monotonic() < end and self.machine.writes:
             time.sleep(0.02)
         self._stop.set()
         if self._server is not None:
             self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._peers.close()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
         if self._lease is not None:
             self._lease.stop(deregister=True)
         if self._server is not None:
@@ -194,61 +182,29 @@ class PrefillEndpoint:
         if self._server is not None:
             self._server.wakeup.post()
 
-    def _write_final(self) -> None:
-        """Engine callback, a write became final: report it from this thread (no loop turn).
-        Inside submit_write (a write refused at once) the poster holds the lock and collects."""
-        if self._lock.held_here():
-            self._book.final_while_posting = True
-            return
-        with self._lock:
-            self._book.collect()
-
-    def _hand_to_loop(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the loop thread with the lock held (safe from any thread)."""
-        self._book.results.append(work)
-        self._wake()
-
-    def _deliver(self, ident: bytes, req: wire.TransferRequest) -> None:
-        self._book.deliver(ident, req)
-
-    def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str) -> None:
-        self._book.refuse(ident, req, reason)
-
-    def _reply(self, ident: bytes, msg: Any) -> None:
-        try:
-            self._server.send(ident, msg)
-        except TransferError as exc:  # the decode rank went away; liveness fails its targets
-            log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
-
-    def _busy(self) -> bool:
-        with self._lock:
-            return any(not r.state.final for r in self._book.rooms.values())
-
     # -- engine-facing (any thread) -------------------------------------------
 
     def sender(self, room: int, *, wait: float = 0.0) -> KVSender:
         """A KVSender for ``room``. RoomInUse while a previous room of that id is open, or draining
         (its writes still in flight) for longer than ``wait`` seconds (``RoomInUse.draining``)."""
         with self._lock:
-            r = open_waiting(lambda: self._open(room), self._room_freed, wait)
+            r = open_waiting(lambda: self.machine.open(room, time.monotonic()), self._room_freed, wait)
         return KVSender(self, r)
 
-    def _open(self, room: int) -> SendRoom:
-        if self._closing:
-            raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.config.rank_label)
-        return self._book.open(room)
-
-    def _locked(self, fn: Callable[[], T]) -> T:
+    def locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the endpoint's lock held (what a handle reads)."""
         with self._lock:
             return fn()
 
-    def _init_room(self, r: SendRoom, num_tokens: int | None, num_pages: int | None) -> None:
+    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None) -> None:
         with self._lock:
-            r.engine_init(num_tokens, num_pages)
-            self._book.post_and_settle(r)  # a rank with nothing to send completes here if decode asked
+            self._carry_out(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic()))
 
-    def _send(self, r: SendRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-              aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
+    def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
+                   aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
+        """KVSender.send(): the engine's input checked, the chunk queued, and posted from this thread
+        when the decode ranks already asked (no loop turn); completions are reported from the
+        engine's callback."""
         with self._lock:
             if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
                 log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
@@ -260,16 +216,15 @@ class PrefillEndpoint:
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            r.add_chunk(logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
+            self.machine.chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
             if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
                 try:
                     self.aux_staging.stage(r.room, row, after=ready_event)
                 except KVBridgeError as exc:
-                    self._book.fail_room(r, f"aux row of room {r.room} cannot be staged: {exc}")
+                    self._carry_out(self.machine.abort(r, f"aux row of room {r.room} cannot be staged: {exc}",
+                                                       time.monotonic()))
                     raise
-            # post from this thread when the decode ranks already asked (no loop turn); completions
-            # are reported from the engine's callback
-            self._book.post_and_settle(r)
+            self._carry_out(self.machine.post(r, time.monotonic()))
 
     def _check_aux_slot(self, room: int, slot: int) -> None:
         if self.aux_buffers is None:
@@ -282,20 +237,102 @@ class PrefillEndpoint:
                 raise LayoutError(f"aux slot {slot} holds room {echoed}'s row", room=room,
                                   rank=self.config.rank_label, field="aux_slot")
 
-    def _release(self, r: SendRoom) -> None:
+    def release(self, r: PrefillRoom) -> None:
         """The engine dropped its sender: the room closes at the next housekeeping.
         Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._book.released.append(r)
+        self._released.append(r)
 
-    def _close_room(self, r: SendRoom) -> None:
+    def close_room(self, r: PrefillRoom) -> None:
         with self._lock:
-            self._book.close(r)
+            self._carry_out(self.machine.close(r, time.monotonic()))
         self._wake()
 
-    def _abort(self, r: SendRoom, reason: str) -> None:
+    def abort_room(self, r: PrefillRoom, reason: str) -> None:
         with self._lock:
-            if not r.state.final:
-                self._book.fail_room(r, reason)
+            self._carry_out(self.machine.abort(r, reason, time.monotonic()))
+        self._wake()
+
+    # -- carrying out actions (lock held) ---------------------------------------
+
+    def _carry_out(self, actions: Iterable[Any]) -> None:
+        for a in actions:
+            if type(a) is PostWrite:
+                self._post(a)
+            elif type(a) is Send:
+                for ident in a.to:
+                    self._reply(ident, a.msg)
+            elif type(a) is ReleaseAux:
+                self.aux_staging.release(a.room)
+            elif type(a) is FreeRoom:
+                self._room_freed.notify_all()  # sender(room, wait=...) may open it now
+            elif type(a) is Resolve:
+                self._resolver.submit(self._resolve, a)
+            else:
+                raise TypeError(f"prefill endpoint cannot carry out {a!r}")
+        if self._final_while_posting:  # every handle is registered now
+            self._final_while_posting = False
+            self._collect()
+
+    def _post(self, a: PostWrite) -> None:
+        if not a.target.active:  # its target failed since the write was planned: nothing to post
+            self._carry_out(self.machine.post_failed(a, None, time.monotonic()))
+            return
+        try:
+            handle = self.engine.submit_write(a.session, a.src, a.dst, a.length, after=a.after)
+        except KVBridgeError as exc:
+            self._carry_out(self.machine.post_failed(a, str(exc), time.monotonic()))
+            return
+        except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
+            log.exception("room %d on %s: posting to %s failed", a.room, self.config.rank_label, a.target.decode_rank)
+            reason = f"internal error posting room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
+            self._carry_out(self.machine.post_failed(a, reason, time.monotonic()))
+            return
+        self.machine.posted(a, handle, time.monotonic())
+
+    def _aux_source(self, room: int, row: np.ndarray | None, aux_slot: int | None, after: Any) -> tuple:
+        """Where room ``room``'s aux row is written from: kvbridge's staging row (staged by send();
+        its device copy is one more event to wait on) or the engine's own aux rows."""
+        if row is not None:
+            slot = self.aux_staging.stage(room, row, after=after)
+            return self.aux_staging.regions, slot, self.aux_staging.row_base, \
+                self.aux_staging.ready_event(room) or after
+        return self.aux_buffers.regions, aux_slot, self.aux_buffers.row_base, after
+
+    def _reply(self, ident: bytes, msg: Any) -> None:
+        try:
+            self._server.send(ident, msg)
+        except TransferError as exc:  # the decode rank went away; liveness fails its targets
+            log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
+
+    def _write_final(self) -> None:
+        """Engine callback, a write became final: report it from this thread (no loop turn).
+        Inside submit_write (a write refused at once) the poster holds the lock and collects."""
+        if self._lock.held_here():
+            self._final_while_posting = True
+            return
+        with self._lock:
+            self._collect()
+
+    def _collect(self) -> None:
+        """Feed the writes that became final (the loop, or the engine's callback thread)."""
+        final = self.engine.take_final()
+        handles = self.machine.handles
+        for handle in list(handles) if final is None else [h for h in final if h in handles]:
+            status = self.engine.poll(handle)
+            if status.state is WriteState.PENDING:
+                continue
+            self._carry_out(self.machine.write_final(handle, status, time.monotonic()))
+
+    def _resolve(self, a: Resolve) -> None:
+        """Resolver thread: read a decode rank's registration, hand the answer to the loop."""
+        try:
+            detail, problem = self.bootstrap.rank(a.rank_id), None
+        except UnknownInstance:
+            detail, problem = None, (f"decode rank {a.label} (registration {a.rank_id}) is not registered with the "
+                                     "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
+        except KVBridgeError as exc:
+            detail, problem = None, f"cannot read decode rank {a.label}'s registration {a.rank_id}: {exc}"
+        self._results.append(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
         self._wake()
 
     # -- the loop -------------------------------------------------------------
@@ -309,7 +346,9 @@ class PrefillEndpoint:
                 if now >= next_housekeeping:
                     next_housekeeping = now + self.config.housekeeping_interval
                     with self._lock:
-                        self._book.gc(now)
+                        while self._released:
+                            self._carry_out(self.machine.close(self._released.popleft(), now))
+                        self._carry_out(self.machine.gc(now))
             except Exception:  # a bug must not kill the rank's only control loop
                 log.exception("prefill loop step failed")
                 time.sleep(0.05)
@@ -317,34 +356,13 @@ class PrefillEndpoint:
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
         for ident, msg in self._server.recv_ready(50):
-            self._on_message(ident, msg)
-        with self._lock:
-            while self._book.results:
-                self._book.results.popleft()()
-            self._book.collect()
-            self._book.pump()
-            self._book.deadlines()
-
-    def _on_message(self, ident: bytes, msg: Any) -> None:
-        if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
             with self._lock:
-                self._peers.heard_from(ident, time.monotonic())
-                self._book.on_request(ident, msg)
-                self._book.pump()
-            return
+                self._carry_out(self.machine.message(ident, msg, time.monotonic()))
         with self._lock:
-            self._peers.heard_from(ident, time.monotonic())  # any message: the decode rank is alive
-        if isinstance(msg, KVBridgeError):
-            log.warning("bad control message from %r: %s", ident, msg)
-            return  # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
-        if isinstance(msg, wire.Ping):
-            self._reply(ident, wire.Heartbeat(cp_rank=self.config.cp_rank, seq=msg.seq))
-        elif isinstance(msg, wire.Abort):
-            with self._lock:
-                self._book.on_abort(ident, msg)
-        else:
-            self._reply(ident, wire.ErrorReply(ref_type=msg.TAG, room=getattr(msg, "room", None),
-                                               reason=f"a prefill rank does not accept {type(msg).__name__}"))
+            while self._results:
+                self._carry_out(self._results.popleft()())
+            self._collect()
+            self._carry_out(self.machine.tick(time.monotonic()))
 
 
 class _OwnedLock:

@@ -1,4 +1,4 @@
-"""What a prefill rank knows of the decode ranks that ask it for rooms.
+"""Prefill's view of the decode ranks that ask it for rooms, as state.
 
 **Registrations.** A TransferRequest names the decode rank's registration id
 (``decode_rank_id``), not its buffers: the prefill rank reads the registration
@@ -10,36 +10,53 @@ wait for it; a registration that cannot be read refuses them, naming the rank.
 
     request(rank id R) --cached--> checked -> Target
          |  not yet
-         +--> waiting[R] ... pool thread: client.rank(R) ... loop: cache, then deliver or refuse
+         +--> waiting[R], a Resolve action ... the endpoint asks the daemon off the loop ...
+              ``resolved(R, detail, problem)``: cache, then the waiting requests are delivered or refused
 
 **Liveness.** A decode rank pings each prefill rank it has rooms with; any
 message counts. A connection silent for ``peer_timeout`` fails the targets on
 it, naming the decode rank (writes to a dead rank fail too).
+
+No socket, thread or clock here: the room state machine (``prefill/room.py``) feeds it.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.errors import KVBridgeError, UnknownInstance
 from kvbridge.layout import BufferDesc, HeadSlice, PoolSpec, TPRoute, pair_head_buffers, tp_spec
 from kvbridge.layout.pairing import PairedBuffers, pair_buffers
 from kvbridge.transfer.aux_rows import RegionAddr
-from kvbridge.transfer.sender import TargetPart
 
 if TYPE_CHECKING:
-    from kvbridge.bootstrap.client import BootstrapClient
     from kvbridge.bootstrap.schemas import RankDetail
     from kvbridge.transfer.channel.wire import TransferRequest
 
-log = logging.getLogger(__name__)
-
 Waiter = tuple[bytes, "TransferRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Read registration ``rank_id`` from the daemon (off the loop); answer with
+    ``PrefillRooms.resolved(rank_id, detail, problem, now)``."""
+
+    rank_id: str
+    label: str
+
+
+@dataclass(frozen=True)
+class TargetPart:
+    """Pools sent to one decode rank the same way: whole rows (``head_slice`` None, planned
+    like any page) or one head slice (``dst_specs``: the decode rank's row widths). Buffers
+    paired with the decode rank's registered ones and checked once."""
+
+    pools: tuple[str, ...]
+    paired: PairedBuffers
+    head_slice: HeadSlice | None = None
+    dst_specs: Mapping[str, PoolSpec] | None = None
 
 
 @dataclass
@@ -101,19 +118,14 @@ class DecodePeer:
 
 
 class DecodePeers:
-    """Registrations by id (resolved off the loop), and the last time each connection spoke."""
+    """Registrations by id (read off the loop by the endpoint), the requests waiting for one,
+    and the last time each connection spoke."""
 
-    def __init__(self, client: BootstrapClient, hand_to_loop: Callable[[Callable[[], None]], None],
-                 deliver: Callable[[bytes, TransferRequest], None], refuse: Callable[[bytes, TransferRequest, str], None],
-                 *, max_entries: int = 256, max_waiting: int = 10_000) -> None:
-        self.client = client
-        self.hand_to_loop = hand_to_loop
-        self.deliver, self.refuse = deliver, refuse
+    def __init__(self, *, max_entries: int = 256, max_waiting: int = 10_000) -> None:
         self.max_entries, self.max_waiting = max_entries, max_waiting
         self.entries: OrderedDict[str, DecodePeer] = OrderedDict()
         self.waiting: dict[str, list[Waiter]] = {}
-        self.heard: dict[bytes, float] = {}  # connection -> monotonic time of its last message
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
+        self.heard: dict[bytes, float] = {}  # connection -> time of its last message
 
     def get(self, rank_id: str) -> DecodePeer | None:
         peer = self.entries.get(rank_id)
@@ -121,28 +133,18 @@ class DecodePeers:
             self.entries.move_to_end(rank_id)
         return peer
 
-    def wait_for(self, ident: bytes, req: TransferRequest) -> None:
-        """Hold ``req`` until its registration is read (loop thread, lock held)."""
+    def wait_for(self, ident: bytes, req: TransferRequest) -> Resolve | None | bool:
+        """Hold ``req`` until its registration is read: a Resolve for the first request of that
+        rank, None for the next ones, False when too many already wait (refuse it)."""
         if sum(len(w) for w in self.waiting.values()) >= self.max_waiting:
-            self.refuse(ident, req, f"{self.max_waiting} requests already wait for decode registrations")
-            return
+            return False
         first = req.decode_rank_id not in self.waiting
         self.waiting.setdefault(req.decode_rank_id, []).append((ident, req))
-        if first:
-            self._pool.submit(self._resolve, req.decode_rank_id, req.decode_rank)
+        return Resolve(req.decode_rank_id, req.decode_rank) if first else None
 
-    def _resolve(self, rank_id: str, label: str) -> None:
-        """Pool thread: ask the daemon, hand the answer to the loop."""
-        try:
-            detail, problem = self.client.rank(rank_id), None
-        except UnknownInstance:
-            detail, problem = None, (f"decode rank {label} (registration {rank_id}) is not registered with the "
-                                     "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
-        except KVBridgeError as exc:
-            detail, problem = None, f"cannot read decode rank {label}'s registration {rank_id}: {exc}"
-        self.hand_to_loop(lambda: self._resolved(rank_id, detail, problem))
-
-    def _resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None) -> None:
+    def resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None) -> tuple[list[Waiter], str | None]:
+        """The daemon's answer: keep the registration; the requests that waited for it, and the
+        reason to refuse them (None: deliver them)."""
         waiters = self.waiting.pop(rank_id, [])
         if detail is not None and detail.rank.role != "decode":
             detail, problem = None, f"registration {rank_id} is a {detail.rank.role} rank ({detail.rank.label})"
@@ -150,11 +152,7 @@ class DecodePeers:
             self.entries[rank_id] = DecodePeer.of(detail)
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)
-        for ident, req in waiters:
-            if problem is None:
-                self.deliver(ident, req)
-            else:
-                self.refuse(ident, req, problem)
+        return waiters, problem
 
     def heard_from(self, ident: bytes, now: float) -> None:
         self.heard[ident] = now
@@ -167,6 +165,3 @@ class DecodePeers:
         """Forget connections no target uses that have been quiet for ``horizon`` seconds."""
         for ident in [i for i, t in self.heard.items() if i not in keep and now - t > horizon]:
             del self.heard[ident]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

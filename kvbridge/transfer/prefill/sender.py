@@ -1,20 +1,30 @@
-"""The engine-facing sender of one room on one prefill CP rank: a thread-safe handle on
-the room's state (:class:`~kvbridge.transfer.sender.SendRoom`) that the
-:class:`~kvbridge.transfer.prefill.PrefillEndpoint` drives; every call takes the
-endpoint's lock. See ``sender.py`` for chunk boundaries and heterogeneous TP."""
+"""KVSender: the prefill engine's handle on one room (thread-safe: every call takes the
+endpoint's lock). Chunk boundaries and heterogeneous TP: ``prefill/room.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from kvbridge.transfer.lifecycle import RoomHandle
+from kvbridge.layout import AuxRow
+from kvbridge.transfer.prefill.room import PrefillRoom
+from kvbridge.transfer.rooms import RoomHandle
 
-if TYPE_CHECKING:
-    from kvbridge.layout import AuxRow
-    from kvbridge.transfer.prefill import PrefillEndpoint
-    from kvbridge.transfer.sender import SendRoom
+T = TypeVar("T")
+
+
+class Endpoint(Protocol):
+    """What a KVSender needs of its endpoint (the PrefillEndpoint; named here, not imported:
+    the endpoint imports this module)."""
+
+    def locked(self, fn: Callable[[], T]) -> T: ...
+    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None) -> None: ...
+    def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
+                   aux: Any, aux_slot: int | None, ready_event: Any = None) -> None: ...
+    def abort_room(self, r: PrefillRoom, reason: str) -> None: ...
 
 
 class KVSender(RoomHandle):
@@ -23,8 +33,8 @@ class KVSender(RoomHandle):
     ``close()`` (or leaving a ``with`` block, or dropping the handle) ends the room;
     until then its final state, and the reason of a failure, stay readable."""
 
-    _ep: PrefillEndpoint
-    _room: SendRoom
+    _ep: Endpoint
+    _room: PrefillRoom
 
     def init(self, num_tokens: int | None = None, *, num_pages: int | None = None) -> None:
         """The request's length: its valid token count, or, for an engine that only knows pages
@@ -32,7 +42,7 @@ class KVSender(RoomHandle):
         ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
         travel (hard rule 1). A rank with nothing to send (no owned page, not the owner of the
         last page) is done once the decode ranks asked: no send() needed."""
-        self._ep._init_room(self._room, num_tokens, num_pages)
+        self._ep.init_room(self._room, num_tokens, num_pages)
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
              is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
@@ -49,28 +59,28 @@ class KVSender(RoomHandle):
         after the writes; no byte of the chunk is read before it completes (the copy stream
         waits on it on the GPU, or the engine's thread waits on the host; ``send()`` never
         blocks on it). Without it, the pages must be complete when ``send()`` is called."""
-        self._ep._send(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
+        self._ep.send_chunk(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
 
     @property
     def owned_pages(self) -> np.ndarray:
         """Logical pages this rank sends, ascending (after init)."""
-        return self._ep._locked(lambda: self._room.owned.copy())
+        return self._ep.locked(lambda: self._room.owned.copy())
 
     @property
     def writes_aux(self) -> bool:
         """True when this rank's CP rank owns the last valid token: pass the aux row with the last
         chunk (after init). With prefill TP > 1 every TP rank of that CP rank passes it; each writes
         it only to the decode ranks whose first source it is (``kvbridge.layout.tp_route``)."""
-        return self._ep._locked(lambda: self._room.owns_last_token)
+        return self._ep.locked(lambda: self._room.owns_last_token)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(logical, local)`` pages this rank sends, from its page table (see ``SendRoom.select``)."""
-        return self._ep._locked(lambda: self._room.select(page_table))
+        """``(logical, local)`` pages this rank sends, from its page table (see ``PrefillRoom.select``)."""
+        return self._ep.locked(lambda: self._room.select(page_table))
 
     @property
     def num_tokens(self) -> int | None:
         """The request's valid token count, once known (init(num_tokens) or the last chunk)."""
-        return self._ep._locked(lambda: self._room.num_tokens)
+        return self._ep.locked(lambda: self._room.num_tokens)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -78,7 +88,7 @@ class KVSender(RoomHandle):
         ``seconds`` spent in each poll state it left; ``transfer_s``, from the first write posted
         to Success or Failed (to now while in flight; None before any write); ``total_s``, since
         the room was opened."""
-        return self._ep._locked(self._room.stats)
+        return self._ep.locked(lambda: self._room.stats(time.monotonic()))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        self._ep._abort(self._room, reason)
+        self._ep.abort_room(self._room, reason)

@@ -1,0 +1,35 @@
+"""DecodeConfig: one decode rank's settings (the endpoint's and its rooms')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    instance: str
+    dp_rank: int = 0
+    tp_rank: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    secret: bytes | None = None
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    transfer_timeout: float = 120.0
+    peer_timeout: float = 5.0
+    ping_interval: float = 0.5
+    lease_ttl: float = 10.0
+    topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
+    # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
+    # After a silent prefill rank's lease is gone, its rooms' pages stay held this long more
+    # (unless it acknowledges the abort): a process that was frozen (SIGSTOP, a paused VM)
+    # past its lease still holds queued writes that land the moment it resumes.
+    lease_quarantine: float = 30.0
+    lookup_threads: int = 4
+    verify_digest: bool = False
+    trace: bool = False
+
+    @property
+    def rank_label(self) -> str:
+        return f"{self.instance}/dp{self.dp_rank}/tp{self.tp_rank}"

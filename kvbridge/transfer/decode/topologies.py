@@ -1,0 +1,156 @@
+"""Decode's knowledge of prefill instances: look-up answers per DP group, refusals, and
+the senders each answer places for this decode rank's TP route.
+
+One look-up answer serves every room of its (instance, DP group) for ``topology_ttl``
+seconds; a group in use is looked up again, off the loop, half way to expiry, so a room
+never waits for a look-up only because the last room of its group came a while ago. A
+409 (contract mismatch, hard rule 7) refuses other rooms toward the instance for
+``topology_ttl`` without asking again. While the daemon is unreachable the last answer,
+however old, still names the ranks (liveness pings catch the dead ones).
+
+    (instance, dp) ──▶ (when, LookupResponse) ──placed for our TP route──▶ Placement
+                                                                           (senders asked, by (cp, tp))
+
+Plain state: the time is passed in; the look-ups themselves are the room state
+machine's ``LookUp`` / ``Refresh`` actions, carried out by the endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.errors import TopologyError
+from kvbridge.layout import OwnerLanes, PoolSpec, TPRoute, tp_route
+from kvbridge.transfer.decode.config import DecodeConfig
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap.schemas import LookupResponse
+
+REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed before it expires
+MAX_PLACEMENTS = 1024  # DP groups whose last look-up answer is kept placed for our TP route
+
+Key = tuple[str, int | None]  # (prefill instance, DP group; None until the instance's dp_size is known)
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """The senders a room of one prefill DP group asks, for this decode rank's TP route: every
+    CP rank and, in it, every TP rank of the route, with the pools each sends. Built once per
+    look-up answer and shared by the rooms that use it (read-only)."""
+
+    topology: LookupResponse
+    route: TPRoute
+    lanes: OwnerLanes
+    senders: dict[tuple[int, int], Any]  # (cp_rank, tp_rank) -> SenderRank
+    by_endpoint: dict[str, tuple[int, int]]  # a sender's control endpoint -> (cp_rank, tp_rank)
+    asks: tuple[tuple[tuple[int, int], Any, tuple[str, ...]], ...]  # (key, sender, its pools), by key
+
+    @classmethod
+    def of(cls, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
+        if any(r.pp_rank for r in topo.ranks):
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists pipeline stages past the "
+                                "first; pipeline-parallel prefill is not supported yet", room=room, field="ranks")
+        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
+        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
+        if need - set(senders):
+            cp, tp = min(need - set(senders))
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
+                                f"this decode rank's TP route draws from", room=room, field="ranks")
+        chosen = {key: senders[key] for key in sorted(need)}
+        return cls(topo, route, OwnerLanes(topo.plan.cp_size, topo.plan.rule), chosen,
+                   {s.control_endpoint: key for key, s in chosen.items()},
+                   tuple((key, s, tuple(route.pools_from(key[1]))) for key, s in chosen.items()))
+
+
+class Topologies:
+    def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec]) -> None:
+        self.cfg = config
+        self.specs = specs
+        self.cache: dict[tuple[str, int], tuple[float, LookupResponse]] = {}
+        self.cache_used: dict[tuple[str, int], float] = {}  # when a room last took a cached topology
+        self.dp_sizes: dict[str, int] = {}
+        self.in_flight: set[Key] = set()  # rooms of a group wait for its one look-up
+        self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
+        self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
+        self.placements: dict[tuple[str, int], Placement] = {}  # (instance, DP group) -> its last answer, placed
+
+    def key(self, instance: str, dp_rank: int | None, room: int) -> Key:
+        """(instance, DP group) of a room; the group is None until the instance's dp_size is known."""
+        if dp_rank is None and instance in self.dp_sizes:
+            dp_rank = room % self.dp_sizes[instance]
+        return instance, dp_rank
+
+    def cached(self, key: Key, now: float) -> LookupResponse | None:
+        hit = self.cache.get(key) if key[1] is not None else None  # type: ignore[arg-type]
+        if hit and now - hit[0] < self.cfg.topology_ttl:
+            self.cache_used[key] = now  # type: ignore[index]
+            return hit[1]  # shared by the group's rooms, not copied per room (its ``room``: the one that looked up)
+        return None
+
+    def stale(self, key: Key) -> LookupResponse | None:
+        """The last answer for the group however old (the daemon is unreachable)."""
+        hit = self.cache.get(key) if key[1] is not None else None  # type: ignore[arg-type]
+        return None if hit is None else hit[1]
+
+    def store(self, topo: LookupResponse, now: float) -> None:
+        """A fresh answer from the daemon: (re)starts the cache's clock, ends a refusal."""
+        self.cache[(topo.instance, topo.dp_rank)] = (now, topo)
+        self.refusals.pop(topo.instance, None)
+        self.dp_sizes[topo.instance] = topo.topology.dp_size
+
+    def refresh_due(self, now: float) -> list[tuple[str, int]]:
+        """Groups half way to expiry that a room used lately and no look-up is asking for."""
+        due = []
+        for key, (when, _) in self.cache.items():
+            if now - when < self.cfg.topology_ttl / 2 or key in self.in_flight:
+                continue
+            if now - self.cache_used.get(key, when) <= REFRESH_IDLE_S:
+                due.append(key)
+        return due
+
+    def refreshed(self, key: tuple[str, int], topo: LookupResponse | None, now: float) -> None:
+        """A refresh's answer. A failed one changes nothing: the entry expires as it would have, and
+        the next room looks up itself (meeting the error, or using ``stale`` while the daemon is away)."""
+        self.in_flight.discard(key)
+        if topo is not None and key in self.cache:
+            self.cache[key] = (now, topo)
+
+    def refuse(self, instance: str, reason: str, diff: list[Any], now: float) -> None:
+        self.refusals[instance] = (now, reason, list(diff))
+
+    def refusal(self, instance: str, now: float | None = None) -> tuple[float, str, list[Any]] | None:
+        """The instance's last 409 (within ``topology_ttl`` of ``now`` when given)."""
+        hit = self.refusals.get(instance)
+        if hit is None or (now is not None and now - hit[0] >= self.cfg.topology_ttl):
+            return None
+        return hit
+
+    def forget_instance(self, instance: str) -> None:
+        """A rank of ``instance`` died: its answers are no longer trusted."""
+        self.cache = {k: v for k, v in self.cache.items() if k[0] != instance}
+
+    def clear(self) -> None:
+        """Forget every answer: the next room of each group looks up again."""
+        self.cache.clear()
+
+    def placement(self, topo: LookupResponse, room: int) -> Placement:
+        """The senders of ``topo`` for this rank's TP route, placed once per look-up answer
+        (TopologyError: the answer lacks a sender the route needs, or the heads do not split;
+        nothing is kept then)."""
+        route = self.route(topo.topology.tp_size)
+        key = (topo.instance, topo.dp_rank)  # one kept per DP group: a newer answer replaces it
+        hit = self.placements.get(key)
+        if hit is None or hit.topology is not topo or hit.route is not route:
+            if key not in self.placements and len(self.placements) >= MAX_PLACEMENTS:
+                self.placements.clear()
+            hit = self.placements[key] = Placement.of(topo, route, room)
+        return hit
+
+    def route(self, prefill_tp: int) -> TPRoute:
+        """Which prefill TP ranks send this rank what (TopologyError when the heads do not split)."""
+        hit = self.routes.get(prefill_tp)
+        if hit is None:
+            hit = self.routes[prefill_tp] = tp_route(self.specs, prefill_tp, self.cfg.tp_size, self.cfg.tp_rank)
+        return hit

@@ -1,0 +1,845 @@
+"""Prefill's rooms as a state machine: events in, actions out.
+
+One :class:`PrefillRoom` per room, and :class:`PrefillRooms`, the side's machine that
+drives them all. Events are method calls (open, engine init, chunk, message from a decode
+rank, registration resolved, write posted / failed to post, write final, abort, close,
+tick, gc); each returns the actions for the endpoint's shell to carry out, in order
+(``Send``, ``PostWrite``, ``Resolve``, ``ReleaseAux``, ``FreeRoom``). No socket, thread,
+lock, clock or engine call inside: the time is passed in; the aux row's source slot and
+the page digests are read through the two readers given at construction.
+
+A room on a prefill CP rank holds the chunks of owned pages the engine handed
+in, and one :class:`~kvbridge.transfer.prefill.targets.Target` per decode rank that asked
+for the room. Every chunk is posted to every target (one plan per chunk and target); each
+write is reported when it becomes final.
+
+    decode init() --request--> message(): check, plan --PostWrite--> shell: engine.submit_write
+                                                      <--posted(write, handle)--
+    engine callback --write_final(handle, status)--> Send(PagesDone) --> decode
+
+A write is in flight from the moment its PostWrite is emitted (so no failure report or
+abort ack leaves before the shell posted it, hard rule 6) until ``write_final`` or
+``post_failed``.
+
+Chunk boundaries. ``send(..., num_tokens_ready=t)`` says tokens ``[0, t)`` of the
+request exist. A page is complete once all its valid rows exist; a page that a
+chunk ends inside is *held* and travels with the chunk that completes it:
+
+    page_size 4, 10 tokens          page 0     page 1     page 2
+                                    0 1 2 3 |  4 5 6 7 |  8 9 . .
+    send([0, 1], ready=6)           sent       held (rows 6, 7 not computed yet)
+    send([2], ready=10, is_last)               sent       sent (2 valid rows)
+
+    send(chunk 0) ... send(chunk n, is_last)      engine thread
+          |                     |
+       chunks[0]  ...       chunks[n] (+ held pages completed now) (+ aux row)
+          |                     |
+     target A: posted 0..n, in flight {write: pages}, pages done, aux done
+     target B: ...
+
+Heterogeneous TP. A target is one decode TP rank; what this prefill TP rank sends
+it follows their TP route (``kvbridge.layout.tp_routes``): whole rows of some
+pools, one head slice of others (``Target.parts``), and the aux row only when this
+is the decode rank's first source (``Target.aux_source``) and this CP rank owns
+the last valid token. Every TP rank of that CP rank passes the aux row to
+``send()``; each writes it only to the decode ranks it is the first source of.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError, LayoutError
+from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
+from kvbridge.transfer.engine import WriteState, WriteStatus
+from kvbridge.transfer.poll import KVPoll, RoomState
+from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.prefill.peers import DecodePeers
+from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
+from kvbridge.transfer.rooms import Life, Rooms, Stage
+
+log = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_NONE: tuple = ()  # what an event that asks for nothing returns
+DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
+
+
+class PrefillRoom:
+    """Everything the prefill rank knows about one room."""
+
+    def __init__(self, room: int, cp_rank: int, lanes: OwnerLanes, page_size: int, stage: Stage = Stage.OPEN,
+                 now: float = 0.0) -> None:
+        self.room = room
+        self.cp_rank = cp_rank
+        self.lanes = lanes
+        self.page_size = page_size
+        self.state = RoomState(now)
+        self.life = Life(stage)
+        self.num_tokens: int | None = None  # None until known (init(num_tokens), or the last chunk)
+        self._num_pages: int | None = None
+        self._aux_owner = -1  # the cp rank of the last page (which holds the last valid token), once known
+        self.num_tokens_ready = 0
+        self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
+        self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
+        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
+        self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
+        self.last_event: Any = None  # the latest send()'s event (the aux row written with it waits on it)
+        self.held: tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY)  # given, not yet complete
+        self.is_last = False
+        self.auto_last = False  # nothing to send: complete on init() alone
+        self.aux_row: np.ndarray | None = None  # packed row, staged by kvbridge
+        self.aux_slot: int | None = None  # or: a slot of the engine's own registered aux rows
+        self.targets: dict[str, Target] = {}
+        self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
+        self.num_expected_targets: int | None = None
+        self.created = now
+        self.first_post: float | None = None  # monotonic time of the first write posted (transfer timing)
+        self.num_slices = 0  # posted for this room, all targets
+        self.num_bytes = 0
+
+    # -- derived --------------------------------------------------------------
+
+    @property
+    def ctx(self) -> dict[str, Any]:
+        return {"room": self.room, "rank": f"cp{self.cp_rank}"}
+
+    @property
+    def num_pages(self) -> int:
+        if self._num_pages is None:
+            raise LayoutError("the room's length is not known before init()", field="num_tokens", **self.ctx)
+        return self._num_pages
+
+    @property
+    def length_known(self) -> bool:
+        return self._num_pages is not None
+
+    @property
+    def plan_tokens(self) -> int:
+        """The token count to plan writes with: the request's, or, while only its page count is
+        known, every page full (true of every page queued then: a page is queued once complete,
+        and the last page is complete only once the last chunk says the length)."""
+        return self.num_tokens if self.num_tokens is not None else self.num_pages * self.page_size
+
+    @property
+    def owns_last_token(self) -> bool:
+        """The last valid token lies in the last page, whatever the token count: its owner."""
+        return self._num_pages is not None and self._aux_owner == self.cp_rank
+
+    @property
+    def has_aux(self) -> bool:
+        return self.aux_row is not None or self.aux_slot is not None
+
+    def age_ms(self, now: float) -> float:
+        return (now - self.created) * 1000
+
+    @property
+    def drain_reason(self) -> str:
+        return f"{self.num_inflight} write(s) of the previous room still in flight"
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(len(t.inflight) for t in self.targets.values())
+
+    def stats(self, now: float) -> dict[str, Any]:
+        end = self.state.entered[self.state.state] if self.state.final else now
+        return {
+            "slices": self.num_slices,
+            "bytes": self.num_bytes,
+            "seconds": self.state.durations(),
+            "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),
+            "total_s": round(now - self.created, 6),
+        }
+
+    def num_owned_from(self, first_page: int) -> int:
+        """Owned pages at or after ``first_page``: what a target with that decode prefix receives."""
+        if first_page <= 0:  # (no prefix: every owned page)
+            return int(self.owned.size)
+        return int(np.count_nonzero(self.owned >= first_page))
+
+    def target_complete(self, t: Target) -> bool:
+        """Every page (and the aux row, if this rank owns it) written to ``t``."""
+        return (
+            self.is_last
+            and t.active
+            and not t.inflight
+            and t.posted == len(self.chunks)
+            and t.num_pages_done == t.num_expected
+            and (t.aux_done or not (self.owns_last_token and t.aux_source))
+        )
+
+    # -- engine input ---------------------------------------------------------
+
+    def set_length(self, source: str, *, num_tokens: int | None = None, num_pages: int | None = None) -> None:
+        """The request's length, from the engine or a decode rank: its valid tokens, or only its
+        page count (an engine that knows pages; the tokens then come with the last chunk). Every
+        source must agree with what is already known."""
+        for name, value in (("num_tokens", num_tokens), ("num_pages", num_pages)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                                      or value <= 0):
+                raise LayoutError(f"{name} must be a positive integer, got {value!r} ({source})", field=name,
+                                  **self.ctx)
+        if num_tokens is None and num_pages is None:
+            raise LayoutError(f"{source} gives neither num_tokens nor num_pages", field="num_tokens", **self.ctx)
+        pages = -(-int(num_tokens) // self.page_size) if num_tokens is not None else int(num_pages)
+        if num_pages is not None and pages != num_pages:
+            raise LayoutError(f"{source}: {num_tokens} tokens are {pages} pages of {self.page_size}, not {num_pages}",
+                              field="num_pages", **self.ctx)
+        if self._num_pages is not None and pages != self._num_pages:
+            known = f"{self.num_tokens} tokens" if self.num_tokens is not None else f"{self._num_pages} pages"
+            raise LayoutError(f"{source} says {num_tokens if num_tokens is not None else pages} "
+                              f"{'tokens' if num_tokens is not None else 'pages'}, but the room was started with "
+                              f"{known}", field="num_tokens", **self.ctx)
+        if num_tokens is not None:
+            self._learn_tokens(int(num_tokens), source)
+        if self._num_pages is None:
+            self._num_pages = pages
+            self._aux_owner = self.lanes.owner_of_page(pages - 1, pages)  # asked on every settle
+            self.owned = self.lanes.owned_pages(self.cp_rank, pages)
+            self.given = np.zeros(pages, dtype=bool)
+
+    def set_num_tokens(self, num_tokens: int, source: str) -> None:
+        self.set_length(source, num_tokens=num_tokens)
+
+    def _learn_tokens(self, num_tokens: int, source: str) -> None:
+        if self.num_tokens is not None and self.num_tokens != num_tokens:
+            raise LayoutError(f"{source} says {num_tokens} tokens, but the room was started with {self.num_tokens}",
+                              field="num_tokens", **self.ctx)
+        if num_tokens < self.num_tokens_ready:
+            raise LayoutError(f"{source} says {num_tokens} tokens, but {self.num_tokens_ready} are already ready",
+                              field="num_tokens", **self.ctx)
+        self.num_tokens = num_tokens
+
+    def engine_init(self, num_tokens: int | None, num_pages: int | None = None) -> None:
+        """The engine's init(): a rank with nothing to send is done once decode asked (only the
+        engine says so: a room decode asked for first waits for its sender)."""
+        self.set_length("init()", num_tokens=num_tokens, num_pages=num_pages)
+        if not self.owned.size and not self.owns_last_token and not self.is_last:
+            self.is_last = self.auto_last = True
+            self.num_tokens_ready = self.num_tokens or 0
+
+    def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(logical pages, local pages)`` this rank sends, from its page table: entry ``i`` is
+        the physical page of the ``i``-th page this rank stores for the request (its lane order:
+        ``OwnerLanes.owners(...)[1]``). A shorter table (chunked prefill) selects what it covers."""
+        table = np.asarray(page_table).reshape(-1)
+        num_pages = self.num_pages
+        stored = self.lanes.num_local_pages(self.cp_rank, num_pages)
+        if table.size > stored or (table.size and not np.issubdtype(table.dtype, np.integer)):
+            raise LayoutError(f"page table of {table.size} {table.dtype} entries; this rank stores {stored} pages of "
+                              f"the request (integers)", field="page_table", **self.ctx)
+        _, local_index = self.lanes.owners(self.owned, num_pages)
+        keep = local_index < table.size
+        return self.owned[keep], table[local_index[keep]].astype(np.int64)
+
+    def add_chunk(self, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
+                  aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
+        """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
+        ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes."""
+        ctx = self.ctx
+        if not self.length_known:
+            raise LayoutError("send() before init()", field="num_tokens", **ctx)
+        logical = np.asarray(logical, dtype=np.int64).reshape(-1)
+        local = np.asarray(local, dtype=np.int64).reshape(-1)
+        if self.auto_last and not logical.size and aux_row is None and aux_slot is None:
+            return  # a rank with nothing to send may still call send(): nothing to do
+        if self.is_last:
+            raise LayoutError("send() after the last chunk", field="is_last", **ctx)
+        if logical.shape != local.shape:
+            raise LayoutError(f"{logical.size} logical pages but {local.size} local pages", field="local_pages", **ctx)
+        ready = self._ready(num_tokens_ready, is_last)
+        num_pages = self.num_pages
+        if logical.size:
+            if logical.min() < 0 or logical.max() >= num_pages:
+                raise LayoutError(f"logical pages must lie in [0, {num_pages})", field="logical_pages", **ctx)
+            owner, _ = self.lanes.owners(logical, num_pages)
+            if (owner != self.cp_rank).any():
+                bad = int(np.flatnonzero(owner != self.cp_rank)[0])
+                raise LayoutError(f"logical page {int(logical[bad])} is owned by cp rank {int(owner[bad])}, not this "
+                                  "rank", field="logical_pages", **ctx)
+            if self.given[logical].any() or np.unique(logical).size != logical.size:
+                raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
+        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + logical.size)
+        if is_last and self.num_tokens is None:  # started from its page count: the last chunk gives the length
+            self._learn_tokens(ready, "the last chunk's num_tokens_ready")
+        # pages complete within `ready` go now; the rest wait for the chunk that completes them
+        pend_logical = np.concatenate([self.held[0], logical])
+        pend_local = np.concatenate([self.held[1], local])
+        complete = ((pend_logical + 1) * self.page_size <= ready) | (
+            (pend_logical == num_pages - 1) & (ready == self.num_tokens))
+        self.given[logical] = True
+        self.held = (pend_logical[~complete], pend_local[~complete])
+        if complete.any():
+            self.chunks.append((pend_logical[complete], pend_local[complete]))
+            self.chunk_events.append(ready_event)  # on one stream, it also covers the held pages' rows
+        self.last_event = ready_event
+        self.num_tokens_ready = ready
+        self.is_last = is_last
+        if is_last:
+            self.aux_row, self.aux_slot = aux_row, aux_slot
+
+    def _ready(self, num_tokens_ready: int | None, is_last: bool) -> int:
+        """How many tokens exist after this chunk. A room started from its page count learns
+        its length here: the last chunk's ``num_tokens_ready``, inside the last page."""
+        ctx, n = self.ctx, self.num_tokens
+        if num_tokens_ready is None:
+            if not is_last:
+                raise LayoutError("a chunk that is not the last must say how many tokens of the request are ready "
+                                  "(num_tokens_ready): a page it ends inside is held until its rows exist",
+                                  field="num_tokens_ready", **ctx)
+            if n is None:
+                raise LayoutError("this room was started from its page count: the last chunk must say the request's "
+                                  "length (num_tokens_ready), so that only the valid rows of its last page travel",
+                                  field="num_tokens_ready", **ctx)
+            return int(n)
+        low, high = self.num_tokens_ready, n if n is not None else self.num_pages * self.page_size
+        if is_last and n is None:
+            low = max(low, (self.num_pages - 1) * self.page_size + 1)
+        if not isinstance(num_tokens_ready, (int, np.integer)) or isinstance(num_tokens_ready, bool) \
+                or not low <= num_tokens_ready <= high:
+            what = "the last chunk's" if is_last and n is None else ""
+            raise LayoutError(f"{what or 'num_tokens_ready'} {num_tokens_ready!r} must lie in [{low}, {high}] "
+                              f"({'inside the last of ' + str(self.num_pages) + ' pages; ' if what else ''}"
+                              "it never goes back)", field="num_tokens_ready", **ctx)
+        if is_last and n is not None and num_tokens_ready != n:
+            raise LayoutError(f"the last chunk leaves tokens [{num_tokens_ready}, {n}) not ready",
+                              field="num_tokens_ready", **ctx)
+        return int(num_tokens_ready)
+
+    def _check_aux(self, is_last: bool, aux_row: np.ndarray | None, aux_slot: int | None, num_given: int) -> None:
+        ctx = self.ctx
+        has_aux = aux_row is not None or aux_slot is not None
+        if aux_row is not None and aux_slot is not None:
+            raise LayoutError("pass the aux row (aux=) or the slot of your registered aux rows (aux_slot=), not both",
+                              field="aux", **ctx)
+        if not is_last:
+            if has_aux:
+                raise LayoutError("the aux row goes with the last chunk", field="aux", **ctx)
+            return
+        if num_given != self.owned.size:
+            raise LayoutError(f"last chunk leaves {self.owned.size - num_given} owned pages unsent",
+                              field="logical_pages", **ctx)
+        if self.owns_last_token and not has_aux:
+            raise LayoutError("this rank owns the last valid token: the last send() must carry the aux row (aux= or "
+                              "aux_slot=)", field="aux", **ctx)
+        if not self.owns_last_token and has_aux:
+            raise LayoutError("aux row given, but another cp rank owns the last valid token (hard rule 4)",
+                              field="aux", **ctx)
+
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """Submit write ``write`` (the machine's id) of room ``room`` to ``target`` (its session):
+    ``src``/``dst``/``length`` slices, after the events ``after``. Answer with
+    ``PrefillRooms.posted(action, handle, now)``, or ``post_failed(action, reason, now)``; a
+    write of a target that failed meanwhile is not submitted (``post_failed(action, None)``)."""
+
+    write: int
+    room: int
+    target: Target
+    session: str
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    after: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseAux:
+    """The room is final: its aux staging slot may be reused."""
+
+    room: int
+
+
+AuxSource = Callable[[int, "np.ndarray | None", "int | None", Any], tuple[Mapping[str, RegionAddr], int, "int | None", Any]]
+Digests = Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray]
+
+
+class PrefillRooms:
+    """The prefill rank's rooms and what drives them. ``aux_source(room, row, aux_slot, after)``:
+    where a room's aux row is read from: (regions, slot, packed row base, the events its write
+    waits on); ``page_digests(pools, logical, local, num_tokens)``: digests of our pages."""
+
+    def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
+                 aux_schema: AuxSchema, fingerprint: str, *, aux_source: AuxSource, page_digests: Digests,
+                 digests_readable: bool = True, trace: bool = False) -> None:
+        self.cfg = config
+        self.specs = dict(specs)
+        self.src_bufs = src_bufs
+        self.aux_schema = aux_schema
+        self.fingerprint = fingerprint
+        self.aux_source = aux_source
+        self.page_digests = page_digests
+        self.digests_readable = digests_readable
+        self.trace = trace
+        self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
+        self.page_size = next(iter(self.specs.values())).page_size
+        self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
+        self.peers = DecodePeers()
+        self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
+        self.handles: dict[int, int] = {}  # engine handle -> write id
+        self.next_write = 0
+        self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
+        self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
+        self.next_deadline_scan = 0.0
+        self.closing = False
+        self._out: list[Any] = []
+
+    def _actions(self) -> list[Any] | tuple:
+        if not self._out:
+            return _NONE
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        """Some room is not final yet."""
+        return any(not r.state.final for r in self.rooms.values())
+
+    # -- events from the engine -------------------------------------------------
+
+    def open(self, room: int, now: float) -> PrefillRoom:
+        """The room for a new KVSender: fresh, or the one a decode rank asked for first."""
+        if self.closing:
+            raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.cfg.rank_label)
+        return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now))
+
+    def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
+                    now: float) -> list[Any] | tuple:
+        r.engine_init(num_tokens, num_pages)
+        self._post_and_settle(r, now)  # a rank with nothing to send completes here if decode asked
+        return self._actions()
+
+    def chunk(self, r: PrefillRoom, logical: Any, local: np.ndarray, num_tokens_ready: int | None, is_last: bool,
+              aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
+        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it."""
+        r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event)
+
+    def post(self, r: PrefillRoom, now: float) -> list[Any] | tuple:
+        """Post what the room has queued to the decode ranks that asked (from the engine's thread
+        in send(): no loop turn)."""
+        self._post_and_settle(r, now)
+        return self._actions()
+
+    def abort(self, r: PrefillRoom, reason: str, now: float) -> list[Any] | tuple:
+        if not r.state.final:
+            self.fail_room(r, reason, now)
+        return self._actions()
+
+    def close(self, r: PrefillRoom, now: float) -> list[Any] | tuple:
+        """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        if self.rooms.close(r):
+            if not r.state.final:
+                self.fail_room(r, f"the engine closed room {r.room}'s sender on {self.cfg.rank_label} before it "
+                                  "finished", now)
+            self._forget_if_quiet(r, now)
+        return self._actions()
+
+    def shutdown(self, reason: str, now: float) -> list[Any] | tuple:
+        """Fail every room (the endpoint closes; ``closing`` already refuses new ones)."""
+        for r in list(self.rooms.values()):
+            self.fail_room(r, reason, now)
+        return self._actions()
+
+    # -- messages from decode ranks ---------------------------------------------
+
+    def message(self, ident: bytes, msg: Any, now: float) -> list[Any] | tuple:
+        """A message on connection ``ident`` (or the channel's error for a bad one)."""
+        self.peers.heard_from(ident, now)  # any message: the decode rank is alive
+        if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
+            self._on_request(ident, msg, now)
+            self._pump(now)
+        elif isinstance(msg, KVBridgeError):
+            log.warning("bad control message from %r: %s", ident, msg)
+            # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
+        elif isinstance(msg, wire.Ping):
+            self._out.append(Send((ident,), wire.Heartbeat(cp_rank=self.cfg.cp_rank, seq=msg.seq)))
+        elif isinstance(msg, wire.Abort):
+            self._on_abort(ident, msg, now)
+        else:
+            self._out.append(Send((ident,), wire.ErrorReply(
+                ref_type=msg.TAG, room=getattr(msg, "room", None),
+                reason=f"a prefill rank does not accept {type(msg).__name__}")))
+        return self._actions()
+
+    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
+        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
+        waiters, problem = self.peers.resolved(rank_id, detail, problem)
+        for ident, req in waiters:
+            if problem is None:
+                self._deliver(ident, req, now)
+            else:
+                self._refuse(ident, req, problem, now)
+        return self._actions()
+
+    def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
+        rank = self.cfg.rank_label
+        if self.trace:
+            log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, rank, now,
+                     req.decode_rank, len(req.page_ids) // 4)
+        if self.closing:
+            self._reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
+            return
+        if req.fingerprint != self.fingerprint:
+            self._refuse(ident, req, f"contract fingerprint {req.fingerprint} differs from prefill rank {rank}'s "
+                                     f"{self.fingerprint}; nothing transferred (hard rule 7)", now)
+            return
+        if self.peers.get(req.decode_rank_id) is None:
+            self._wait_for_peer(ident, req, now)  # its registration is read off the loop, then delivered
+        else:
+            self._deliver(ident, req, now)
+
+    def _wait_for_peer(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
+        ask = self.peers.wait_for(ident, req)
+        if ask is False:
+            self._refuse(ident, req, f"{self.peers.max_waiting} requests already wait for decode registrations", now)
+        elif ask is not None:
+            self._out.append(ask)
+
+    def _deliver(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
+        """A request whose decode registration is known: check it into a Target."""
+        rank = self.cfg.rank_label
+        peer = self.peers.get(req.decode_rank_id)
+        if peer is None:  # evicted meanwhile: read it again
+            self._wait_for_peer(ident, req, now)
+            return
+        r = self.rooms.get(req.room)
+        if r is None:
+            closed = self.rooms.tombstones.get(req.room)
+            if closed is not None:
+                self._reply_failed(ident, req.room, f"room {req.room} was already closed on prefill rank {rank} "
+                                                    f"({closed}) when decode rank {req.decode_rank} asked")
+                return
+            r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
+                                                      Stage.UNATTACHED, now=now))
+        if r.state.final:
+            reason = f": {r.state.reason}" if r.state.reason else ""
+            self._reply_failed(ident, req.room, f"room {req.room} already ended on {rank} ({r.state.state.name}{reason})")
+            return
+        failing = next((t.failure or t.abort_reason for t in r.targets.values() if not t.active), None)
+        if r.life.stage == Stage.DRAINING or failing is not None:  # no new target for a room on its way out
+            why = failing or "its sender was closed"
+            self._reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
+            return
+        if peer.fingerprint != self.fingerprint:
+            self._refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
+                                     f"{rank} has {self.fingerprint}; nothing transferred (hard rule 7)", now)
+            return
+        if req.want_digest and not self.digests_readable:
+            self._refuse(ident, req, f"decode rank {req.decode_rank} wants page digests, but prefill rank {rank}'s "
+                                     "buffers are device memory given as addresses (RawBuffer), which kvbridge cannot "
+                                     "read: turn verify_digest off on decode", now)
+            return
+        try:
+            # num_tokens 0: the decode rank knows only its pages (first_page + page ids)
+            r.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
+                         num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
+            target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
+                                         tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now)
+        except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
+            self._refuse(ident, req, str(exc), now)
+            return
+        if req.decode_rank in r.targets:
+            self._reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
+            return
+        r.targets[req.decode_rank] = target
+        r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
+        self.dirty.add(r.room)
+        if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
+            r.state.to(KVPoll.WaitingForInput, now=now)
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f target %s pages=%d first_page=%d pools=%s", req.room, rank,
+                     r.age_ms(now), now, req.decode_rank, target.dst_pages.size, target.first_page,
+                     ",".join(target.pools))
+
+    def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
+        """Refuse a request (nothing of it was posted) and fail its room here."""
+        r = self.rooms.get(req.room)
+        if r is not None and not r.state.final:
+            self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}", now)
+        self._reply_failed(ident, req.room, reason)
+
+    def _on_abort(self, ident: bytes, msg: wire.Abort, now: float) -> None:
+        """A decode rank aborts: its target (if any) stops, and so does the room for every decode
+        rank, since a decode instance's TP ranks give up a request together. The ack waits until
+        nothing of the room is in flight (``_reply_when_quiet``)."""
+        r = self.rooms.get(msg.room)
+        t = r.targets.get(msg.decode_rank) if r else None
+        if t is not None and not t.closed:
+            t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"
+            self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {t.abort_reason}", now)
+            return  # settle() acks once the room is quiet
+        if r is not None and not r.state.final:
+            self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {msg.reason or 'aborted by decode'}", now)
+        self._reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
+
+    def _reply_failed(self, ident: bytes, room: int, reason: str) -> None:
+        log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
+        self._reply_when_quiet(room, ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed",
+                                                           reason=reason, pools=[], logical_pages=b"", digests=None))
+
+    def _reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck) -> None:
+        """Send a failure report or abort ack once no write of ``room`` is in flight to *any* decode
+        rank. Either one tells the decode rank it may free the room's pages (hard rule 6), and the
+        TP ranks of a decode instance free together (SGLang all-reduces their poll states with
+        MIN): one rank's go-ahead must mean no write can land in another's pages either."""
+        r = self.rooms.get(room)
+        if r is not None and r.num_inflight:
+            r.pending_replies.append((ident, msg))
+        else:
+            self._out.append(Send((ident,), msg))
+
+    def _flush_replies(self, r: PrefillRoom) -> None:
+        while r.pending_replies and not r.num_inflight:
+            ident, msg = r.pending_replies.pop(0)
+            self._out.append(Send((ident,), msg))
+
+    # -- posting and collecting -------------------------------------------------
+
+    def _pump(self, now: float) -> None:
+        """Post and settle the rooms something happened to since the last step (O(events),
+        not O(rooms): a rank with 1,000 rooms in flight does not rescan them per message)."""
+        while self.dirty:
+            r = self.rooms.get(self.dirty.pop())
+            if r is not None:
+                self._post_and_settle(r, now)
+
+    def _post_and_settle(self, r: PrefillRoom, now: float) -> None:
+        self._post_room(r, now)
+        self._settle(r, now)
+
+    def _post_room(self, r: PrefillRoom, now: float) -> None:
+        """Every queued chunk (and the aux row) to every active target."""
+        if r.state.final or not r.length_known:
+            return
+        for t in r.targets.values():
+            while t.active and t.posted < len(r.chunks):
+                last_chunk = t.posted == len(r.chunks) - 1
+                # the aux row rides in the last chunk's batch: one write, one completion
+                with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
+                self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
+                t.posted += 1
+            if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
+                self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=True, after=r.last_event)
+        if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
+            r.state.to(KVPoll.Transferring, now=now)
+
+    def _post_chunk(self, r: PrefillRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
+                    after: Any = None) -> None:
+        if t.first_page:  # the decode rank already holds pages below its prefix
+            keep = logical >= t.first_page
+            logical, local = logical[keep], local[keep]
+        if not logical.size and not with_aux:
+            return
+        try:
+            aux = None
+            if with_aux:
+                t.aux_posted = True
+                regions, slot, row_base, after = self.aux_source(r.room, r.aux_row, r.aux_slot, after)
+                aux = aux_slices(self.aux_schema, regions, slot, t.aux_dst, t.aux_slot, src_base=row_base,
+                                 dst_base=t.aux_row_base)
+            if logical.size:  # the aux row rides in the same write, after the pages' slices
+                plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
+                                   rank=self.cfg.rank_label, extra=aux)
+                src, dst, length = plan.src, plan.dst, plan.length
+            else:
+                src, dst, length = (np.asarray(a, dtype=np.uint64) for a in aux)
+        except KVBridgeError as exc:
+            t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
+            return
+        except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
+            log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
+            t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
+            return
+        w = self.next_write
+        self.next_write += 1
+        t.inflight[w] = (logical, with_aux)  # in flight from here: no report leaves before it is final
+        self.writes[w] = (r, t)
+        self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
+
+    def posted(self, a: PostWrite, handle: int, now: float) -> None:
+        """The shell submitted write ``a``: the engine's ``handle`` reports it."""
+        self.handles[handle] = a.write
+        r, t = self.writes[a.write]
+        if r.first_post is None:
+            r.first_post = now
+        num_bytes, num_slices = int(a.length.sum()), len(a.length)
+        self.counters["bytes"] += num_bytes
+        self.counters["slices"] += num_slices
+        r.num_bytes += num_bytes
+        r.num_slices += num_slices
+        if self.trace:
+            logical, with_aux = t.inflight[a.write]
+            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, _pages_text(logical),
+                     " +aux" if with_aux else "", num_slices, num_bytes)
+
+    def post_failed(self, a: PostWrite, reason: str | None, now: float) -> list[Any] | tuple:
+        """Write ``a`` was refused at submission (``reason``), or not submitted because its target
+        failed meanwhile (None): nothing of it is in flight."""
+        r, t = self.writes.pop(a.write)
+        t.inflight.pop(a.write, None)
+        if reason is not None:
+            t.failure = reason
+        self._settle(r, now)
+        self._forget_if_quiet(r, now)
+        return self._actions()
+
+    def write_final(self, handle: int, status: WriteStatus, now: float) -> list[Any] | tuple:
+        """A posted write is done or failed: report it (one report per write)."""
+        w = self.handles.pop(handle, None)
+        if w is None:
+            return _NONE
+        r, t = self.writes.pop(w)
+        pages, with_aux = t.inflight.pop(w)
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f write of %d pages%s to %s %s", r.room,
+                     self.cfg.rank_label, r.age_ms(now), now, pages.size, " +aux" if with_aux else "",
+                     t.decode_rank, status.state.value)
+        if status.state is WriteState.FAILED:
+            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
+        elif t.active:
+            digests = None
+            if pages.size:
+                t.num_pages_done += pages.size
+                if t.want_digest:
+                    local = _local_pages_of(r, pages)
+                    digests = self.page_digests(t.pools, pages, local, r.plan_tokens).tobytes()
+            if with_aux:
+                t.aux_done = True
+            # one report per write: its pages and, when it carried it, the aux row
+            self._out.append(Send((t.ident,), wire.PagesDone(
+                room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
+                pools=list(t.pools) if pages.size else [], logical_pages=pages.astype("<i4").tobytes(),
+                digests=digests, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)))
+        self._settle(r, now)
+        self._forget_if_quiet(r, now)
+        return self._actions()
+
+    def _settle(self, r: PrefillRoom, now: float) -> None:
+        """Send final reports and move the room to its final state. A failure report or abort ack
+        goes out only once nothing of the room is in flight to any decode rank (see
+        ``_reply_when_quiet``)."""
+        quiet = not r.num_inflight
+        for t in r.targets.values():
+            if t.closed or not quiet and not t.active or t.inflight:
+                continue
+            if t.abort_reason is not None:
+                self._out.append(Send((t.ident,), wire.AbortAck(room=r.room, cp_rank=self.cfg.cp_rank)))
+                t.closed = True
+            elif t.failure is not None:
+                self._out.append(Send((t.ident,), wire.PagesDone(
+                    room=r.room, cp_rank=self.cfg.cp_rank, status="failed", reason=t.failure, pools=[],
+                    logical_pages=b"", digests=None)))
+                t.closed = True
+            elif r.target_complete(t):
+                t.closed = True
+        if not quiet:
+            return
+        self._flush_replies(r)
+        if r.state.final:
+            return
+        failures = [t.failure or f"decode rank {t.decode_rank} aborted: {t.abort_reason}"
+                    for t in r.targets.values() if not t.active]
+        if failures:
+            r.state.to(KVPoll.Failed, failures[0], now=now)
+        elif (r.num_expected_targets is not None and len(r.targets) >= r.num_expected_targets
+              and all(r.target_complete(t) for t in r.targets.values())):
+            r.state.advance_to(KVPoll.Success, now=now)
+        else:
+            return
+        self._out.append(ReleaseAux(r.room))
+        self.counters["rooms_ok" if r.state.state == KVPoll.Success else "rooms_failed"] += 1
+        if self.trace or r.state.state == KVPoll.Failed:
+            log.log(logging.INFO if r.state.state == KVPoll.Success else logging.WARNING,
+                    "room %d on %s: %s %s", r.room, self.cfg.rank_label, r.state.state.name, r.state.reason or "")
+
+    def fail_room(self, r: PrefillRoom, reason: str, now: float) -> None:
+        """Stop posting; the room turns Failed once nothing of it is in flight."""
+        for t in r.targets.values():
+            if t.active:
+                t.failure = reason
+        if not r.targets and not r.state.final:
+            r.state.to(KVPoll.Failed, reason, now=now)
+            self._out.append(ReleaseAux(r.room))
+            self.counters["rooms_failed"] += 1
+        else:
+            self._settle(r, now)
+
+    def _forget_if_quiet(self, r: PrefillRoom, now: float) -> None:
+        """Close a room no handle holds once it is final and quiet. One decode asked for first
+        that failed before the engine attached stays ``target_timeout`` longer, so that the
+        engine's sender() still finds it and reads why."""
+        if not r.state.final or r.num_inflight or r.life.stage not in (Stage.UNATTACHED, Stage.DRAINING):
+            return
+        if r.life.stage == Stage.UNATTACHED and r.state.since(now) < self.cfg.target_timeout:
+            return
+        self._flush_replies(r)
+        self.rooms.forget(r, now, tombstone=True)
+        self._out.append(FreeRoom(r.room))  # sender(room, wait=...) may open it now
+
+    # -- the clock --------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Any] | tuple:
+        """Post what events queued; every ``DEADLINE_SCAN_S``, deadlines and silent peers."""
+        self._pump(now)
+        if now >= self.next_deadline_scan:
+            self.next_deadline_scan = now + DEADLINE_SCAN_S
+            self._deadlines(now)
+        return self._actions()
+
+    def _deadlines(self, now: float) -> None:
+        for r in list(self.rooms.values()):
+            if r.state.final:
+                continue
+            if r.state.state == KVPoll.Bootstrapping and now - r.created > self.cfg.target_timeout:
+                asked = f"only {len(r.targets)} of {r.num_expected_targets}" if r.targets else "no"
+                self.fail_room(r, f"{asked} decode ranks asked for room {r.room} within {self.cfg.target_timeout:.1f}s",
+                               now)
+            for t in r.targets.values():
+                if not t.active or t.closed:
+                    continue
+                silent = self.peers.silent_for(t.ident, now, t.created)
+                if silent > self.cfg.peer_timeout:  # the decode rank pings while it has rooms here
+                    t.failure = (f"decode rank {t.decode_rank} ({t.session}) sent nothing for {silent:.1f}s "
+                                 f"(peer timeout {self.cfg.peer_timeout:.1f}s): presumed dead")
+                elif now > t.deadline:
+                    t.failure = f"decode rank {t.decode_rank}'s deadline passed before the room was written"
+            self._settle(r, now)
+            self._forget_if_quiet(r, now)
+
+    def gc(self, now: float) -> list[Any] | tuple:
+        """Forget quiet rooms no handle holds; prune tombstones and silent connections."""
+        for room in list(self.rooms.unowned):
+            r = self.rooms.get(room)
+            if r is None:
+                self.rooms.unowned.discard(room)
+            else:
+                self._forget_if_quiet(r, now)
+        self.rooms.tombstones.prune(now)
+        in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
+        self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
+        return self._actions()
+
+
+def _local_pages_of(r: PrefillRoom, pages: np.ndarray) -> np.ndarray:
+    logical = np.concatenate([c[0] for c in r.chunks])
+    local = np.concatenate([c[1] for c in r.chunks])
+    order = np.argsort(logical)
+    return local[order[np.searchsorted(logical[order], pages)]]
+
+
+def _pages_text(pages: np.ndarray) -> str:
+    """A trace line's page list: in full when short, else its count and ends."""
+    if pages.size <= 8:
+        return str(pages.tolist())
+    return f"{pages.size}[{int(pages[0])}..{int(pages[-1])}]"

@@ -1,0 +1,355 @@
+"""Decode's rooms as a state machine, driven by events alone: no socket, no thread, no clock
+(the time is passed in), no engine. Every abort/failure order we can name, and what the
+machine asks its shell to do for each (Send, LookUp, Refresh, CheckLease, DropPeer, FreeRoom)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.bootstrap.schemas import LookupResponse, SenderRank
+from kvbridge.bootstrap.topology import OwnerLanePlan, Topology
+from kvbridge.errors import BootstrapUnavailable, ContractMismatch, InstanceIncomplete, LayoutError, RoomInUse
+from kvbridge.layout import AuxSchema, deepseek_pools
+from kvbridge.transfer import wire
+from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.decode.config import DecodeConfig
+from kvbridge.transfer.decode.peers import CheckLease, DropPeer
+from kvbridge.transfer.decode.room import SCAN_S, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.rooms import Stage
+
+PAGE = 4
+SCHEMA = AuxSchema.standard(hidden_size=8)
+INSTANCE = "pre"
+
+
+def topology(cp: int = 2, fingerprint: str = "fp") -> LookupResponse:
+    ranks = [SenderRank(rank_id=f"rank{c}", dp_rank=0, cp_rank=c, tp_rank=0, pp_rank=0,
+                        control_endpoint=f"tcp://p{c}", session_id=f"s{c}", pools=[]) for c in range(cp)]
+    return LookupResponse(instance=INSTANCE, room=1, dp_rank=0, fingerprint=fingerprint, ranks=ranks,
+                          topology=Topology(role="prefill", dp_size=1, cp_size=cp, tp_size=1, pp_size=1),
+                          plan=OwnerLanePlan(cp_size=cp, rule="interleaved"))
+
+
+class Memory:
+    """The aux rows as they landed (what the shell's reader returns) and page digests."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((8, SCHEMA.row_bytes), dtype=np.uint8)
+
+    def land(self, slot: int, room: int) -> None:
+        """A row that echoes ``room`` (every other region zero: a valid standard row)."""
+        self.rows[slot] = 0
+        at = SCHEMA.offsets["room"]
+        self.rows[slot, at : at + 8] = np.frombuffer(np.uint64(room).tobytes(), np.uint8)
+
+    def read(self, slot: int) -> tuple[np.ndarray, float]:
+        return self.rows[slot].copy(), 0.0
+
+
+@pytest.fixture
+def m():
+    mem = Memory()
+    machine = DecodeRooms(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_quarantine=30.0,
+                                       transfer_timeout=100.0),
+                          deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0), SCHEMA,
+                          read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
+                          rank_id=lambda: "dec-id")
+    machine.memory = mem
+    return machine
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def sends(actions, msg_type):
+    return [(a.to, a.msg) for a in of(actions, Send) if isinstance(a.msg, msg_type)]
+
+
+def done(room: int, cp: int, pages: list[int], aux: bool = False, num_tokens: int = 0) -> wire.PagesDone:
+    return wire.PagesDone(room=room, cp_rank=cp, status="ok", reason="", pools=["target"] if pages else [],
+                          logical_pages=np.asarray(pages, "<i4").tobytes(), digests=None, aux=aux,
+                          num_tokens=num_tokens)
+
+
+def failed(room: int, cp: int, reason: str = "write failed") -> wire.PagesDone:
+    return wire.PagesDone(room=room, cp_rank=cp, status="failed", reason=reason, pools=[], logical_pages=b"",
+                          digests=None)
+
+
+def booted(m, room: int = 7, now: float = 1.0, cp: int = 2):
+    """A room whose look-up was answered (topology known, WaitingForInput)."""
+    r = m.open(room, INSTANCE, None, now)
+    if r.state.state == KVPoll.Bootstrapping:  # (no cached answer)
+        (ask,) = of(m.tick(now), LookUp)
+        assert ask.room == room and r.lookup_pending
+        m.looked_up(room, ask.key, topology(cp), None, now)
+    assert r.state.state == KVPoll.WaitingForInput
+    return r
+
+
+def requested(m, room: int = 7, now: float = 1.0, num_tokens: int = 10, cp: int = 2):
+    """A room that sent its TransferRequests (pages 0..2 of 10 tokens; cp0 owns 0, 2 and the aux row)."""
+    r = booted(m, room, now, cp)
+    acts = m.init(r, np.arange(3, dtype=np.int64) + 10, 1, num_tokens, 0, now)
+    (to, req), = sends(acts, wire.TransferRequest)
+    assert set(to) == {f"tcp://p{c}" for c in range(cp)} and req.decode_rank_id == "dec-id"
+    assert r.state.state == KVPoll.Transferring
+    return r
+
+
+def test_a_room_commits_on_every_page_and_the_echoed_aux_row(m):
+    r = requested(m)
+    assert m.message("tcp://p1", done(7, 1, [1]), 2.0) == ()
+    m.memory.land(1, 7)
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 2.1)
+    assert r.state.state == KVPoll.Success and r.aux.room == 7 and r.pages_releasable
+    acts = m.close(r, 3.0)
+    assert of(acts, FreeRoom) == [FreeRoom(7)] and 7 not in m.rooms and r.life.stage == Stage.CLOSED
+
+
+def test_the_requests_go_out_at_the_tick_that_learns_the_topology(m):
+    r = m.open(8, INSTANCE, None, 1.0)
+    assert m.init(r, np.array([0, 1, 2]), 0, 10, 0, 1.0) == ()  # nothing known yet: nothing to send
+    (ask,) = of(m.tick(1.0), LookUp)
+    m.looked_up(8, ask.key, topology(), None, 1.01)
+    assert len(sends(m.tick(1.02), wire.TransferRequest)) == 1 and r.state.state == KVPoll.Transferring
+
+
+def test_rooms_of_one_group_wait_for_its_one_look_up_then_use_the_cache(m):
+    a = m.open(1, INSTANCE, None, 1.0)
+    b = m.open(2, INSTANCE, None, 1.0)
+    asks = of(m.tick(1.0), LookUp)
+    assert len(asks) == 1  # one look-up per DP group at a time
+    m.looked_up(asks[0].room, asks[0].key, topology(), None, 1.0)
+    m.tick(1.001)
+    assert a.state.state == b.state.state == KVPoll.WaitingForInput
+    c = m.open(3, INSTANCE, None, 1.1)  # served from the cache at once
+    assert c.state.state == KVPoll.WaitingForInput
+
+
+def test_a_used_topology_is_refreshed_ahead_of_expiry(m):
+    booted(m, 1, now=1.0)
+    m.open(2, INSTANCE, None, 1.5)  # uses the cache (ttl 2 s)
+    acts = m.tick(2.1)  # half way to expiry
+    (ref,) = of(acts, Refresh)
+    assert of(m.tick(2.2), Refresh) == []  # one at a time
+    m.refreshed(ref.key, topology(), 2.2)
+    assert m.topologies.cached(ref.key, 4.0) is not None  # its clock restarted
+
+
+def test_a_contract_mismatch_fails_the_room_with_its_diff_and_refuses_the_next_without_asking(m):
+    r = m.open(1, INSTANCE, None, 1.0)
+    (ask,) = of(m.tick(1.0), LookUp)
+    m.looked_up(1, ask.key, None, ContractMismatch("differs", diff=["pools.target.dtype"]), 1.0)
+    assert r.state.state == KVPoll.Failed and "contract mismatch" in r.state.reason and r.mismatch
+    r2 = m.open(2, INSTANCE, None, 1.5)
+    assert of(m.tick(1.5), LookUp) == [] and r2.state.state == KVPoll.Failed and r2.mismatch
+
+
+def test_an_unreachable_daemon_uses_the_last_answer_or_asks_again(m):
+    r = m.open(1, INSTANCE, None, 1.0)
+    (ask,) = of(m.tick(1.0), LookUp)
+    m.looked_up(1, ask.key, None, BootstrapUnavailable("daemon down"), 1.0)
+    assert r.state.state == KVPoll.Bootstrapping and r.next_lookup == pytest.approx(1.25)
+    assert of(m.tick(1.1), LookUp) == []
+    (again,) = of(m.tick(1.3), LookUp)
+    m.looked_up(1, again.key, None, InstanceIncomplete("cp1 missing"), 1.3)
+    assert r.state.state == KVPoll.Bootstrapping and "cp1 missing" in r.lookup_problem
+    m.tick(40.0)  # past the bootstrap timeout: the last answer is in the reason
+    assert r.state.state == KVPoll.Failed and "bootstrap timeout" in r.state.reason and "cp1 missing" in r.state.reason
+
+
+def test_abort_before_the_request_tells_no_one_and_frees_at_once(m):
+    r = booted(m)
+    assert sends(m.abort(r, "engine gave up", 2.0), wire.Abort) == []
+    assert r.state.state == KVPoll.Failed and r.pages_releasable
+    assert of(m.close(r, 2.1), FreeRoom) == [FreeRoom(7)]
+
+
+def test_abort_after_init_but_before_the_request_aborts_every_sender(m):
+    """Pages assigned, no TransferRequest yet: another TP rank may have asked; every CP rank is
+    told, and the pages wait for every ack (hard rule 6)."""
+    r = m.open(7, INSTANCE, None, 1.0)
+    (ask,) = of(m.tick(1.0), LookUp)
+    r.page_ids, r.aux_slot = np.array([1, 2, 3]), 0  # init() happened; the loop has not asked yet
+    m.looked_up(7, ask.key, topology(), None, 1.0)
+    aborts = sends(m.abort(r, "gone", 1.1), wire.Abort)
+    assert sorted(to for (to,), _ in aborts) == ["tcp://p0", "tcp://p1"] and not r.pages_releasable
+
+
+def test_abort_mid_write_frees_pages_only_once_every_rank_acked(m):
+    r = requested(m)
+    m.message("tcp://p1", done(7, 1, [1]), 2.0)
+    acts = m.abort(r, "engine gave up", 2.1)
+    assert len(sends(acts, wire.Abort)) == 2 and r.state.reason == "engine gave up"
+    m.close(r, 2.2)
+    m.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.3)
+    assert not r.pages_releasable and 7 in m.rooms  # cp1 may still write
+    m.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.4)
+    assert r.pages_releasable
+    assert of(m.tick(2.5), FreeRoom) == [FreeRoom(7)] and 7 not in m.rooms
+
+
+def test_unacked_aborts_are_sent_again(m):
+    r = requested(m)
+    m.abort(r, "x", 2.0)
+    m.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.1)
+    again = sends(m.tick(3.1), wire.Abort)
+    assert [to for to, _ in again] == [("tcp://p1",)]
+
+
+def test_a_write_failure_then_abort_counts_the_failed_rank_quiet(m):
+    r = requested(m)
+    m.message("tcp://p0", failed(7, 0, "queue full"), 2.0)
+    assert r.state.state == KVPoll.Failed and "queue full" in r.state.reason
+    assert (0, 0) in r.quiet
+    acts = m.abort(r, "too late", 2.1)  # already final: nothing changes, nothing sent
+    assert acts == () and "queue full" in r.state.reason
+    m.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.2)
+    assert r.pages_releasable
+
+
+def test_a_report_after_the_room_failed_is_not_counted_but_a_late_failure_makes_it_quiet(m):
+    r = requested(m)
+    m.abort(r, "x", 2.0)
+    m.message("tcp://p1", done(7, 1, [1]), 2.1)  # a late success report: ignored
+    assert r.state.state == KVPoll.Failed and r.ledger.pages_by_rank == {}
+    m.message("tcp://p1", failed(7, 1, "aborted"), 2.2)
+    assert (1, 0) in r.quiet  # (cp, tp)
+
+
+def test_a_forged_cp_rank_fails_the_room(m):
+    r = requested(m)
+    m.message("tcp://p1", done(7, 0, [0, 2]), 2.0)  # cp1's connection claims cp0
+    assert r.state.state == KVPoll.Failed and "claims cp rank 0" in r.state.reason
+
+
+def test_a_duplicate_report_fails_the_room_and_never_the_loop(m):
+    r = requested(m)
+    m.message("tcp://p1", done(7, 1, [1]), 2.0)
+    m.message("tcp://p1", done(7, 1, [1]), 2.1)
+    assert r.state.state == KVPoll.Failed and "page 1 of pool 'target' reported twice" in r.state.reason
+
+
+def test_a_page_of_another_lane_fails_the_room(m):
+    r = requested(m)
+    m.message("tcp://p1", done(7, 1, [0]), 2.0)  # page 0 belongs to cp0
+    assert r.state.state == KVPoll.Failed and "cp rank 0 owns it" in r.state.reason
+
+
+def test_an_aux_row_echoing_another_room_fails_the_commit(m):
+    r = requested(m)
+    m.memory.land(1, 99)
+    m.message("tcp://p1", done(7, 1, [1]), 2.0)
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True), 2.1)
+    assert r.state.state == KVPoll.Failed and "carries room 99, expected 7" in r.state.reason
+
+
+def test_an_error_reply_to_the_request_fails_the_room_and_makes_that_rank_quiet(m):
+    r = requested(m)
+    m.message("tcp://p0", wire.ErrorReply(ref_type=wire.TransferRequest.TAG, room=7, reason="refused"), 2.0)
+    assert r.state.state == KVPoll.Failed and "refused our" in r.state.reason and (0, 0) in r.quiet
+
+
+def test_peer_silence_fails_its_rooms_and_a_late_report_changes_nothing(m):
+    r = requested(m, now=1.0)
+    acts = m.tick(1.0 + SCAN_S)
+    assert len(sends(acts, wire.Ping)) == 2  # both ranks pinged
+    m.message("tcp://p1", wire.Heartbeat(cp_rank=1, seq=1), 3.0)
+    now = 1.0 + SCAN_S
+    for step in range(1, 25):  # loop turns every 0.25 s: cp0 never answers
+        now = 1.0 + step * 0.25
+        if step < 20:
+            m.message("tcp://p1", wire.Heartbeat(cp_rank=1, seq=step), now)
+        acts = m.tick(now)
+        if r.state.final:
+            break
+    assert r.state.state == KVPoll.Failed and "prefill rank pre/cp0" in r.state.reason
+    assert "sent nothing" in r.state.reason
+    assert of(acts, CheckLease) == [CheckLease("tcp://p0", INSTANCE, "rank0")]
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True), now + 0.1)  # it was only slow
+    assert r.state.state == KVPoll.Failed and not r.pages_releasable  # still not quiet: hard rule 6
+    m.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), now + 0.2)
+    # its lease is gone: quiet only after the quarantine (a frozen process still holds writes)
+    m.lease_checked("tcp://p0", "rank0", True, now + 0.3)
+    m.tick(now + 1.0)
+    assert not r.pages_releasable
+    m.tick(now + 31.0)
+    assert r.pages_releasable
+
+
+def test_a_frozen_loop_blames_no_peer(m):
+    r = requested(m, now=1.0)
+    m.tick(1.0 + SCAN_S)
+    m.tick(100.0)  # the loop itself did not run for 99 s
+    assert r.state.state == KVPoll.Transferring
+
+
+def test_a_dead_peer_gone_for_good_is_dropped(m):
+    r = requested(m, now=1.0, cp=1)
+    m.abort(r, "x", 1.0)
+    m.close(r, 1.0)
+    now, checks = 1.0, []
+    while now < 7.0:  # the loop turns; the rank says nothing
+        now += 0.5
+        checks += of(m.tick(now), CheckLease)
+    assert checks == [CheckLease("tcp://p0", INSTANCE, "rank0")]
+    m.lease_checked("tcp://p0", "rank0", True, now)
+    drops = []
+    while now < 40.0:  # quarantine over: quiet, room forgotten, then the connection
+        now += 1.0
+        drops += of(m.tick(now), DropPeer)
+    assert r.pages_releasable and 7 not in m.rooms
+    assert drops == [DropPeer("tcp://p0")] and "tcp://p0" not in m.peers
+
+
+def test_close_during_drain_and_reopen_refused_until_quiet(m):
+    r = requested(m)
+    m.close(r, 2.0)  # the engine let go before the end: fails, aborts, drains
+    assert r.state.state == KVPoll.Failed and "closed room 7's receiver" in r.state.reason
+    with pytest.raises(RoomInUse, match="draining: a prefill rank may still write its pages") as err:
+        m.open(7, INSTANCE, None, 2.1)
+    assert err.value.draining
+    for cp in (0, 1):
+        m.message(f"tcp://p{cp}", wire.AbortAck(room=7, cp_rank=cp), 2.2)
+    m.tick(2.3)
+    assert m.open(7, INSTANCE, None, 2.4) is not r  # a fresh room
+
+
+def test_an_open_room_is_refused_and_init_twice_is_an_error(m):
+    r = booted(m)
+    with pytest.raises(RoomInUse, match="open: a KVReceiver still holds it") as err:
+        m.open(7, INSTANCE, None, 1.1)
+    assert not err.value.draining
+    m.init(r, np.array([0, 1, 2]), 0, 10, 0, 1.2)
+    with pytest.raises(LayoutError, match="init\\(\\) called twice"):
+        m.init(r, np.array([0, 1, 2]), 0, 10, 0, 1.3)
+
+
+def test_init_after_a_failure_asks_nothing(m):
+    r = booted(m)
+    m.abort(r, "gone", 1.1)
+    assert m.init(r, np.array([0, 1, 2]), 0, 10, 0, 1.2) == ()
+
+
+def test_timeouts_fail_rooms_in_each_state(m):
+    waiting = booted(m, 1, now=1.0)
+    moving = requested(m, 2, now=1.0)
+    m.tick(62.0)  # waiting_timeout 60
+    assert "waiting timeout" in waiting.state.reason and moving.state.state == KVPoll.Transferring
+    m.message("tcp://p0", wire.Heartbeat(cp_rank=0, seq=1), 100.0)
+    m.message("tcp://p1", wire.Heartbeat(cp_rank=1, seq=1), 100.0)
+    m.tick(102.0)  # transfer_timeout 100
+    assert "transfer timeout" in moving.state.reason and "missing" in moving.state.reason
+
+
+def test_the_token_count_can_come_with_the_aux_row(m):
+    r = booted(m)
+    m.init(r, np.array([0, 1, 2]), 1, None, 0, 1.0)  # pages only
+    m.memory.land(1, 7)
+    m.message("tcp://p1", done(7, 1, [1]), 2.0)
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=13), 2.1)  # 13 tokens > 3 pages of 4
+    assert r.state.state == KVPoll.Failed and "13 tokens" in r.state.reason

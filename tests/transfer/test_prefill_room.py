@@ -1,0 +1,298 @@
+"""Prefill's rooms as a state machine, driven by events alone: no socket, no thread, no clock
+(the time is passed in), no engine (the test plays the shell: it answers each PostWrite with
+``posted`` and later ``write_final``). Every abort/failure order we can name, and what the
+machine asks its shell to do for each (Send, PostWrite, Resolve, ReleaseAux, FreeRoom)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import KVBridgeError, LayoutError, RoomInUse
+from kvbridge.layout import AuxSchema, BufferDesc, preset_pools
+from kvbridge.transfer import wire
+from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.aux_rows import RegionAddr
+from kvbridge.transfer.engine import WriteState, WriteStatus
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
+from kvbridge.transfer.prefill.room import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.rooms import Stage
+
+SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
+AUX = AuxSchema.standard(16, "bfloat16", 1)
+DONE = WriteStatus(WriteState.DONE)
+D = b"decode-connection"
+
+
+def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
+    return [BufferDesc(p, layer, shift + 10**6 * (i * 10 + layer), capacity, s.bytes_per_page)
+            for i, (p, s) in enumerate(SPECS.items()) for layer in s.layer_ids]
+
+
+def regions(base: int) -> dict[str, RegionAddr]:
+    return {r.name: RegionAddr(r.name, base + AUX.offsets[r.name], 4, AUX.row_bytes) for r in AUX.regions}
+
+
+def peer() -> DecodePeer:
+    return DecodePeer(rank_id="r1", label="d/dp0/tp0", session="127.0.0.1:1", fingerprint="x",
+                      buffers=bufs(1 << 40), aux=regions(1 << 50))
+
+
+def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, fingerprint: str = "x",
+            decode_rank: str = "d/dp0/tp0") -> wire.TransferRequest:
+    pages = -(-num_tokens // 4)
+    return wire.TransferRequest(
+        room=room, decode_rank=decode_rank, decode_rank_id="r1", page_ids=wire.pack_pages(np.arange(pages) + 3),
+        first_page=0, pools=sorted(SPECS), aux_slot=1, num_tokens=num_tokens, deadline_ms=deadline_ms,
+        want_digest=False, fingerprint=fingerprint, num_decode_ranks=1)
+
+
+@pytest.fixture
+def m():
+    machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
+                           "x", aux_source=lambda room, row, slot, after: (regions(1 << 30), 0, None, after),
+                           page_digests=lambda *a: np.zeros(0, np.uint64))
+    machine.peers.entries["r1"] = peer()  # its registration was read before
+    return machine
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def msgs(actions, msg_type):
+    return [a.msg for a in of(actions, Send) if isinstance(a.msg, msg_type)]
+
+
+def _packed(room: int) -> np.ndarray:
+    """A packed aux row echoing ``room`` (the engine's row; its content is not looked at here)."""
+    r = np.zeros(1, dtype=AUX.dtype)
+    r["room"][0] = room
+    return r
+
+
+class Shell:
+    """What the endpoint does with PostWrite: hand out engine handles, keep them."""
+
+    def __init__(self, m: PrefillRooms) -> None:
+        self.m, self.next = m, 100
+        self.posted: list[tuple[int, PostWrite]] = []
+
+    def run(self, actions, now: float):
+        out = []
+        for a in actions:
+            if isinstance(a, PostWrite):
+                if not a.target.active:
+                    out += self.run(self.m.post_failed(a, None, now), now)
+                    continue
+                self.next += 1
+                self.m.posted(a, self.next, now)
+                self.posted.append((self.next, a))
+            out.append(a)
+        return out
+
+
+def opened_and_asked(m, room: int = 1, now: float = 1.0, num_tokens: int = 7):
+    r = m.open(room, now)
+    m.engine_init(r, num_tokens, None, now)
+    acts = m.message(D, request(room, num_tokens), now)
+    assert r.state.state == KVPoll.WaitingForInput and not of(acts, PostWrite)
+    return r
+
+
+def send_all(m, sh, r, now: float = 1.1):
+    """The whole request in one chunk with the aux row: one write."""
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(r.room), None)
+    acts = sh.run(m.post(r, now), now)
+    (w,) = of(acts, PostWrite)
+    return w
+
+
+def test_a_room_writes_once_reports_once_and_leaves_a_tombstone(m):
+    sh = Shell(m)
+    r = opened_and_asked(m)
+    w = send_all(m, sh, r)
+    assert r.state.state == KVPoll.Transferring and w.session == "127.0.0.1:1" and len(w.src) == len(w.length)
+    (handle, _), = sh.posted
+    acts = m.write_final(handle, DONE, 1.2)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "ok" and report.aux and report.num_tokens == 7
+    assert r.state.state == KVPoll.Success and of(acts, ReleaseAux) == [ReleaseAux(1)]
+    assert of(m.close(r, 1.3), FreeRoom) == [FreeRoom(1)] and r.life.stage == Stage.CLOSED
+    late = msgs(m.message(D, request(1), 1.4), wire.PagesDone)
+    assert late[0].status == "failed" and "was already closed" in late[0].reason and "Success" in late[0].reason
+
+
+def test_chunks_sent_before_the_request_are_posted_in_the_turn_that_receives_it(m):
+    r = m.open(2, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(2), None)
+    assert m.post(r, 1.0) == ()  # nobody asked yet
+    assert len(of(m.message(D, request(2), 1.1), PostWrite)) == 1
+
+
+def test_decode_asking_first_opens_an_unattached_room_the_engine_attaches_to(m):
+    m.message(D, request(3), 1.0)
+    r = m.rooms[3]
+    assert r.life.stage == Stage.UNATTACHED
+    assert m.open(3, 1.1) is r and r.life.stage == Stage.OPEN
+
+
+def test_an_unknown_registration_is_resolved_once_then_refused_with_the_reason(m):
+    m.peers.entries.clear()
+    r = m.open(4, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    (ask,) = of(m.message(D, request(4), 1.0), Resolve)
+    assert ask == Resolve("r1", "d/dp0/tp0")
+    assert of(m.message(D, request(4, decode_rank="d/dp0/tp1"), 1.0), Resolve) == []  # one read per rank
+    acts = m.resolved("r1", None, "not registered", 1.1)
+    assert [x.status for x in msgs(acts, wire.PagesDone)] == ["failed", "failed"]
+    assert r.state.state == KVPoll.Failed and "not registered" in r.state.reason
+
+
+def test_a_fingerprint_mismatch_is_refused_and_writes_nothing(m):
+    r = m.open(5, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    acts = m.message(D, request(5, fingerprint="other"), 1.0)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "failed" and "hard rule 7" in report.reason and not of(acts, PostWrite)
+    assert r.state.state == KVPoll.Failed
+
+
+def test_abort_before_the_request_refuses_the_late_request(m):
+    r = m.open(6, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.abort(r, "engine gave up", 1.0)
+    assert r.state.state == KVPoll.Failed
+    (report,) = msgs(m.message(D, request(6), 1.1), wire.PagesDone)
+    assert report.status == "failed" and "already ended" in report.reason and "engine gave up" in report.reason
+
+
+def test_decode_abort_mid_write_is_acked_only_once_the_write_is_final(m):
+    sh = Shell(m)
+    r = opened_and_asked(m, 7)
+    send_all(m, sh, r)
+    acts = m.message(D, wire.Abort(room=7, decode_rank="d/dp0/tp0", reason="gone"), 1.2)
+    assert msgs(acts, wire.AbortAck) == [] and r.state.state != KVPoll.Failed  # a write may still land
+    (handle, _), = sh.posted
+    acts = m.write_final(handle, DONE, 1.3)
+    assert msgs(acts, wire.PagesDone) == []  # the write finished, but the target aborted: no ok report
+    assert len(msgs(acts, wire.AbortAck)) == 1 and r.state.state == KVPoll.Failed and "gone" in r.state.reason
+
+
+def test_a_write_failure_then_abort_reports_the_failure_and_acks_at_once(m):
+    sh = Shell(m)
+    r = opened_and_asked(m, 8)
+    send_all(m, sh, r)
+    (handle, _), = sh.posted
+    acts = m.write_final(handle, WriteStatus(WriteState.FAILED, "queue full"), 1.3)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "failed" and "queue full" in report.reason and r.state.state == KVPoll.Failed
+    acts = m.message(D, wire.Abort(room=8, decode_rank="d/dp0/tp0", reason="x"), 1.4)
+    assert len(msgs(acts, wire.AbortAck)) == 1
+
+
+def test_a_write_refused_at_submission_fails_the_target_and_the_next_chunk_is_not_posted(m):
+    sh = Shell(m)
+    r = opened_and_asked(m, 9)
+    m.chunk(r, [0], np.array([5]), 4, False, None, None)
+    m.chunk(r, [1], np.array([6]), None, True, _packed(9), None)
+    first, second = of(m.post(r, 1.1), PostWrite)
+    acts = m.post_failed(first, "engine refused", 1.2)
+    assert msgs(acts, wire.PagesDone) == []  # the second write is still counted in flight
+    acts = sh.run([second], 1.2)  # the shell does not submit a write of a failed target
+    assert sh.posted == [] and r.state.state == KVPoll.Failed and "engine refused" in r.state.reason
+
+
+def test_a_silent_decode_rank_fails_its_target_and_a_late_completion_reports_no_success(m):
+    sh = Shell(m)
+    r = opened_and_asked(m, 10, now=1.0)
+    send_all(m, sh, r, now=1.1)
+    acts = m.tick(7.0)  # nothing heard from it for 6 s (peer_timeout 5)
+    assert msgs(acts, wire.PagesDone) == [] and r.state.state != KVPoll.Failed  # its write is in flight
+    (handle, _), = sh.posted
+    acts = m.write_final(handle, DONE, 7.1)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "failed" and "presumed dead" in report.reason and r.state.state == KVPoll.Failed
+
+
+def test_a_missed_deadline_fails_the_target(m):
+    r = m.open(11, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.message(D, request(11, deadline_ms=500), 1.0)
+    m.message(D, wire.Ping(decode_rank="d/dp0/tp0", seq=1), 1.9)
+    (report,) = msgs(m.tick(2.0), wire.PagesDone)
+    assert "deadline passed" in report.reason and r.state.state == KVPoll.Failed
+
+
+def test_nobody_asking_within_target_timeout_fails_the_room(m):
+    r = m.open(12, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.tick(62.0)
+    assert r.state.state == KVPoll.Failed and "no decode ranks asked" in r.state.reason
+
+
+def test_a_second_request_from_the_same_rank_and_forged_completions_are_refused(m):
+    r = opened_and_asked(m, 13)
+    (report,) = msgs(m.message(D, request(13), 1.1), wire.PagesDone)
+    assert "asked twice" in report.reason
+    assert m.write_final(424242, DONE, 1.2) == ()  # a handle the machine never posted: ignored
+
+
+def test_close_during_drain_refuses_the_id_until_the_write_is_final(m):
+    sh = Shell(m)
+    r = opened_and_asked(m, 14)
+    send_all(m, sh, r)
+    m.close(r, 1.2)  # the engine lets go while the write is in flight
+    with pytest.raises(RoomInUse, match=r"draining: 1 write\(s\) of the previous room still in flight") as err:
+        m.open(14, 1.3)
+    assert err.value.draining
+    (handle, _), = sh.posted
+    acts = m.write_final(handle, DONE, 1.4)
+    assert of(acts, FreeRoom) == [FreeRoom(14)] and r.state.state == KVPoll.Failed
+    assert "closed room 14's sender" in r.state.reason
+    assert m.open(14, 1.5) is not r
+
+
+def test_an_open_room_is_refused_and_a_bad_chunk_keeps_nothing(m):
+    r = m.open(15, 1.0)
+    with pytest.raises(RoomInUse, match="open: a KVSender still holds it"):
+        m.open(15, 1.0)
+    with pytest.raises(LayoutError, match="before init"):
+        m.chunk(r, [0], np.array([5]), 4, False, None, None)
+    m.engine_init(r, 7, None, 1.0)
+    with pytest.raises(LayoutError, match="aux row goes with the last chunk"):
+        m.chunk(r, [0], np.array([5]), 4, False, _packed(15), None)
+    assert r.chunks == []
+
+
+def test_pings_are_answered_and_messages_a_prefill_rank_does_not_take_are_refused(m):
+    (beat,) = msgs(m.message(D, wire.Ping(decode_rank="d/dp0/tp0", seq=9), 1.0), wire.Heartbeat)
+    assert beat.seq == 9
+    (err,) = msgs(m.message(D, wire.AbortAck(room=1, cp_rank=0), 1.0), wire.ErrorReply)
+    assert "does not accept AbortAck" in err.reason
+    assert m.message(D, KVBridgeError("bad frame"), 1.0) == ()
+
+
+def test_shutting_down_refuses_new_rooms_and_requests(m):
+    r = opened_and_asked(m, 16)
+    m.closing = True
+    with pytest.raises(KVBridgeError, match="shutting down"):
+        m.open(17, 1.0)
+    (report,) = msgs(m.message(D, request(18), 1.0), wire.PagesDone)
+    assert "shutting down" in report.reason
+    m.shutdown("prefill rank p is shutting down", 1.1)
+    assert r.state.state == KVPoll.Failed
+
+
+def test_an_unattached_room_that_failed_lingers_so_the_engine_reads_why(m):
+    m.message(D, request(19, deadline_ms=100), 1.0)
+    m.tick(1.5)  # its deadline passed before the engine even opened it
+    r = m.rooms[19]
+    assert r.state.state == KVPoll.Failed
+    m.gc(2.0)
+    assert m.open(19, 2.1) is r  # attached: sender(19) reads the reason
+    m.close(r, 2.2)
+    assert 19 not in m.rooms
