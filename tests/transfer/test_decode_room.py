@@ -11,7 +11,7 @@ from kvbridge.bootstrap.schemas import LookupResponse, SenderRank
 from kvbridge.bootstrap.topology import OwnerLanePlan, Topology
 from kvbridge.errors import BootstrapUnavailable, ContractMismatch, InstanceIncomplete, LayoutError, RoomInUse
 from kvbridge.layout import AuxSchema, deepseek_pools
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.errors import KVBridgeError, LayoutError, RoomInUse
 from kvbridge.layout import AuxSchema, BufferDesc, preset_pools
-from kvbridge.transfer import wire
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.engine import WriteState, WriteStatus
