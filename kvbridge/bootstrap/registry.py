@@ -377,8 +377,16 @@ class Registry:
             self._expire_locked()
             return [inst.fingerprint_view() for _, inst in sorted(self._index.instances.items())]
 
-    def gauges(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+    def gauges(self, replica: str = "") -> dict[str, list[tuple[dict[str, str], float]]]:
         """Live numbers for /metrics."""
+        h = self.store.health()
+        who = {"kind": h.kind, "replica": replica}
+        store = {
+            "kvbridge_bootstrap_store_up": [(who, 1.0 if h.ok else 0.0)],
+            "kvbridge_bootstrap_store_requests": [(who, float(h.requests))],
+            "kvbridge_bootstrap_store_watch_restarts": [(who, float(h.watch_restarts))],
+            "kvbridge_bootstrap_replicas": [({"replica": replica}, float(max(1, len(self.store.replicas()))))],
+        }
         with self._lock:
             self._expire_locked()
             ranks = {"prefill": 0, "decode": 0}
@@ -390,6 +398,7 @@ class Registry:
         return {
             "kvbridge_bootstrap_registered_ranks": [({"role": r}, n) for r, n in sorted(ranks.items())],
             "kvbridge_bootstrap_instances": [({"role": r, "complete": c}, n) for (r, c), n in sorted(insts.items())],
+            **store,
         }
 
     def counts(self) -> tuple[int, int]:

@@ -65,13 +65,12 @@ class StoreHealth:
     cause: str = ""  # why not ok, for a person
     since: float = field(default_factory=time.time)  # wall time of the last change of ``ok``
     endpoints: tuple[str, ...] = ()
-    members: int = 0  # etcd members that answered the last health probe
     requests: int = 0  # requests this replica made to the store since it started
     watch_restarts: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "ok": self.ok, "cause": self.cause, "since": self.since,
-                "endpoints": list(self.endpoints), "members": self.members, "requests": self.requests,
+                "endpoints": list(self.endpoints), "requests": self.requests,
                 "watch_restarts": self.watch_restarts}
 
 
