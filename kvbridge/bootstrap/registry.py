@@ -211,6 +211,8 @@ class Registry:
 
     def _rank(self, rank_id: str, what: str) -> RankRecord:
         rec = self._index.rank(rank_id)
+        if rec is None and self.store.catch_up():  # registered through another replica a moment ago
+            rec = self._index.rank(rank_id)
         if rec is None:
             raise self.store.unknown(rank_id, what)
         return rec
@@ -253,7 +255,14 @@ class Registry:
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
         try:
-            return self._lookup(req)
+            try:
+                return self._lookup(req)
+            except (UnknownInstance, InstanceIncomplete):
+                # A shared store's cache may lag a registration made through another replica:
+                # catch up (rate-limited by the store) and answer once more.
+                if not self.store.catch_up():
+                    raise
+                return self._lookup(req)
         except ContractMismatch:
             self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="mismatch")
             raise

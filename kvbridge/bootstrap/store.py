@@ -175,6 +175,11 @@ class RegistryStore(ABC):
             raise StoreUnavailable(f"{action} refused: the {h.kind} store is unavailable ({h.cause}); retry later",
                                    **ctx)  # type: ignore[arg-type]
 
+    def catch_up(self) -> bool:
+        """Bring the index up to the store's state now, if it may lag it (a watched cache);
+        True when it did (the caller looks again). Stores rate-limit this."""
+        return False
+
     def start(self) -> None:
         """Connect and fill the index; raise ``StoreUnavailable`` when that is impossible."""
 
@@ -199,6 +204,10 @@ class EtcdOptions:
     password: str | None = None
     prefix: str = "/kvbridge/"
     timeout_s: float = 2.0  # one request to one member
+    # how long a request keeps trying the members before the store is declared down: longer
+    # than an election (etcd's default election timeout is 1 s), so a member lost with quorum
+    # kept costs a short wait, never a 503
+    failover_window_s: float = 3.0
     health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -210,7 +219,7 @@ class EtcdOptions:
             raise ConfigError("give both --etcd-user and --etcd-password, or neither", field="etcd_user")
         if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
             raise ConfigError(f"etcd prefix {self.prefix!r} must start and end with '/'", field="etcd_prefix")
-        if self.timeout_s <= 0 or self.health_interval_s <= 0:
+        if self.timeout_s <= 0 or self.health_interval_s <= 0 or self.failover_window_s < 0:
             raise ConfigError("etcd timeout and health interval must be positive", field="etcd_timeout")
 
     @property

@@ -70,7 +70,8 @@ __all__ = ["EtcdStore"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_STALE_TICKS = 4  # a watch that saw none of our own tick writes for this many ticks is dead
+_STALE_TICKS = 3  # a watch that saw none of our own tick writes for this many ticks is dead
+CATCH_UP_INTERVAL_S = 1.0  # a look-up miss reloads the cache at most this often
 
 
 class StoredRank(BaseModel):
@@ -128,11 +129,12 @@ class _Members:
     """One ``etcd3gw`` client per endpoint; a call goes to the current one and moves on
     to the next when a member is down, slow or leaderless. All failing: StoreUnavailable."""
 
-    def __init__(self, options: EtcdOptions) -> None:
+    def __init__(self, options: EtcdOptions, on_down: Callable[[str], None] = lambda cause: None) -> None:
         import etcd3gw  # the client is imported only by the etcd store
         from etcd3gw import exceptions as etcd_exc
 
         self._opts = options
+        self._on_down = on_down
         self._errors: tuple[type[BaseException], ...] = (etcd_exc.Etcd3Exception,)
         self._clients = [
             etcd3gw.Etcd3Client(host=h, port=p, protocol="https" if options.tls else "http",
@@ -162,15 +164,20 @@ class _Members:
             first = self._current
         last: BaseException | None = None
         n = len(self._clients)
-        for k in range(n):
+        deadline = time.monotonic() + self._opts.failover_window_s
+        k = 0
+        while k < n or time.monotonic() < deadline:  # every member once, then rounds until the window closes
+            if k and k % n == 0:
+                time.sleep(0.2)  # a round failed: an election may be under way
             i = (first + k) % n
+            k += 1
             try:
                 self.requests += 1
                 self._authenticate(i)
                 out = fn(self._clients[i])
             except self._errors as exc:
                 last = exc
-                if "auth" in str(exc).lower():
+                if "auth" in str(getattr(exc, "detail_text", "") or exc).lower():
                     self._authed.discard(i)  # an expired token: authenticate again next time
                 log.debug("etcd %s at %s:%d failed: %s", what, *self._opts.endpoints[i], exc)
                 continue
@@ -180,8 +187,10 @@ class _Members:
             return out
         text = str(getattr(last, "detail_text", "") or last).strip()
         detail = f"{type(last).__name__}: {text}" if text else type(last).__name__
-        raise StoreUnavailable(f"etcd cluster {self.where} did not complete {what} on any member "
+        exc = StoreUnavailable(f"etcd cluster {self.where} did not complete {what} on any member "
                                f"(quorum lost or members unreachable): {detail[:300]}")
+        self._on_down(str(exc))
+        raise exc
 
     def client(self) -> Any:
         with self._lock:
@@ -201,17 +210,20 @@ class EtcdStore(RegistryStore):
         self.replica = replica or f"replica-{secrets.token_hex(3)}"
         self.url = url
         self.started = time.time()
-        self._members = _Members(options)
+        # A failed request marks the store down at once; only the health tick marks it up again
+        # (after reloading the cache, which may have missed changes meanwhile).
+        self._members = _Members(options, on_down=lambda cause: self._set_health(False, cause))
         self._refusals = MismatchLog(max_refusals)
         self._refusal_keys: list[str] = []  # oldest first, for trimming
         self._replicas: dict[str, tuple[dict[str, Any], float]] = {}  # name -> (value, seen at, monotonic)
-        self._health = StoreHealth(kind="etcd", ok=False, cause="not started", endpoints=options.urls)
+        self._health = StoreHealth(kind="etcd", ok=True, endpoints=options.urls)
         self._stop = threading.Event()
         self._replica_lease: Any = None
         self._watch_cancel: Callable[[], None] | None = None
         self._watch_thread: threading.Thread | None = None
         self._tick_thread: threading.Thread | None = None
         self._last_event = clock()
+        self._last_reload = -CATCH_UP_INTERVAL_S
         self._generation = 0  # bumped on every reload: events of an older watch are ignored
 
     # -- keys --------------------------------------------------------------------
@@ -396,8 +408,23 @@ class EtcdStore(RegistryStore):
 
     # -- the cache -----------------------------------------------------------------
 
+    def catch_up(self) -> bool:
+        """A miss (unknown rank or instance, an incomplete one) may be a registration the watch
+        has not delivered yet, or a watch that died with its member: reload, at most once per
+        ``CATCH_UP_INTERVAL_S``, so that a flood of misses costs etcd one read per interval."""
+        now = self.clock()
+        if not self._health.ok or now - self._last_reload < CATCH_UP_INTERVAL_S:
+            return False
+        self._last_reload = now
+        try:
+            self._reload()
+        except StoreUnavailable:
+            return False
+        return True
+
     def _reload(self) -> None:
         """Snapshot the prefix at one revision, replace the cache, watch from the next."""
+        self._last_reload = self.clock()
         end = _prefix_end(self.prefix)
         txn = {"compare": [], "success": [{"request_range": {"key": _b64(self.prefix), "range_end": _b64(end)}}],
                "failure": []}
