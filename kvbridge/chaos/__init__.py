@@ -6,7 +6,10 @@
     traffic.py  rooms through them over the ops channel
     faults.py   one fault injected during traffic, and its accounting
     engine.py   FaultyEngine: a worker's engine that fails writes on SIGUSR1
-    names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors
+    names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors;
+                STORE_FAULTS (asked for by name): replica SIGKILL, etcd member SIGKILL, etcd quorum loss
+    store_faults.py  those three, run on three daemon replicas over a three-member etcd
+    etcd.py     EtcdCluster: a local etcd cluster on free loopback ports (also for tests and benches)
 
 The report's ``faults`` list has one entry per fault with at least ``fault``,
 ``rooms_affected``, ``seconds_to_failed``, ``reason_names_rank``, ``rooms_after_recovery``
