@@ -99,6 +99,7 @@ class Stats:
     lookups: list[float] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
     errors: int = 0
+    refused: dict[int, int] = field(default_factory=dict)  # status -> count, answers no retry changes
     reregistrations: int = 0
 
 
@@ -117,17 +118,20 @@ class Rank:
     async def register(self) -> None:
         r = await self.sim.call(self, "POST", "/v1/ranks", json=self.body,
                                 headers={"X-KVBridge-Lease": self.secret} if self.secret else None)
-        answer = r.json()
-        self.rank_id, self.secret = answer["rank_id"], answer["lease_secret"]
+        if r is not None:
+            answer = r.json()
+            self.rank_id, self.secret = answer["rank_id"], answer["lease_secret"]
 
     async def heartbeat(self) -> None:
-        if self.busy:
+        if self.busy or not self.rank_id:
             return
         self.busy = True
         try:
             t0 = time.perf_counter()
             r = await self.sim.call(self, "POST", f"/v1/ranks/{self.rank_id}/heartbeat",
                                     headers={"X-KVBridge-Lease": self.secret}, ok=(200, 404))
+            if r is None:
+                return
             if r.status_code == 404:  # the daemon forgot this rank (an in-memory daemon restarted)
                 self.sim.stats.reregistrations += 1
                 await self.register()
@@ -152,8 +156,10 @@ class Sim:
         self.prefill_instances = sorted({r.instance for r in self.ranks if r.role == "prefill"})
         self.decode_ranks = [r for r in self.ranks if r.role == "decode"]
 
-    async def call(self, rank: Rank, method: str, path: str, *, ok: tuple[int, ...] = (200, 201), **kw: Any) -> httpx.Response:
-        """Fail over to the next replica at once; after a round of failures, back off with jitter."""
+    async def call(self, rank: Rank, method: str, path: str, *, ok: tuple[int, ...] = (200, 201),
+                   **kw: Any) -> httpx.Response | None:
+        """Fail over to the next replica at once; after a round of failures, back off with jitter.
+        None (counted as an error) for an answer no retry changes (a 4xx other than 409)."""
         n, k = len(self.urls), 0
         while True:
             url = self.urls[rank.replica % n]
@@ -163,7 +169,8 @@ class Sim:
                     return r
                 self.stats.errors += 1
                 if r.status_code < 500 and r.status_code != 409:
-                    raise RuntimeError(f"{method} {path}: HTTP {r.status_code} {r.text[:200]}")
+                    self.stats.refused[r.status_code] = self.stats.refused.get(r.status_code, 0) + 1
+                    return None
             except httpx.TransportError:
                 self.stats.errors += 1
             rank.replica += 1
@@ -175,8 +182,8 @@ class Sim:
         body = {"prefill_instance": random.choice(self.prefill_instances), "room": room, "contract": self.contract,
                 "rank": rank.body["rank"]}
         t0 = time.perf_counter()
-        await self.call(rank, "POST", "/v1/lookup", json=body)
-        self.stats.lookups.append(time.perf_counter() - t0)
+        if await self.call(rank, "POST", "/v1/lookup", json=body) is not None:
+            self.stats.lookups.append(time.perf_counter() - t0)
 
     async def heartbeats(self, until: float) -> None:
         """Every rank every ttl/3, spread evenly."""
@@ -232,6 +239,7 @@ async def run_mode(daemons: list[Daemon], args: argparse.Namespace) -> dict[str,
     try:
         t0 = time.monotonic()
         sem = asyncio.Semaphore(args.connections)
+        hb = asyncio.create_task(sim.heartbeats(float("inf")))  # from the start: ranks renew while others register
 
         async def reg(rank: Rank) -> None:
             async with sem:
@@ -239,11 +247,10 @@ async def run_mode(daemons: list[Daemon], args: argparse.Namespace) -> dict[str,
 
         await asyncio.gather(*(reg(r) for r in sim.ranks))
         register_s = time.monotonic() - t0
-        errors_at_start = sim.stats.errors
+        errors_at_start = sim.stats.errors + sum(sim.stats.refused.values())
         sim.stats = Stats()
         req0, w0 = store_requests(urls), time.monotonic()
-        until = time.monotonic() + args.steady_s
-        await asyncio.gather(sim.heartbeats(until), sim.rooms(args.rooms_per_s, until))
+        await sim.rooms(args.rooms_per_s, time.monotonic() + args.steady_s)
         etcd_rate = (store_requests(urls) - req0) / (time.monotonic() - w0)
         steady = sim.stats
 
@@ -254,7 +261,6 @@ async def run_mode(daemons: list[Daemon], args: argparse.Namespace) -> dict[str,
             await loop.run_in_executor(None, d.stop)
         t_down = time.monotonic()
         storm_until = t_down + args.storm_timeout_s
-        hb = asyncio.create_task(sim.heartbeats(storm_until))
         await loop.run_in_executor(None, lambda: [d.start() for d in daemons])
         t_up = time.monotonic()
         while len(sim.back) < len(sim.ranks) and time.monotonic() < storm_until:
@@ -277,12 +283,14 @@ async def run_mode(daemons: list[Daemon], args: argparse.Namespace) -> dict[str,
             "heartbeat_p50_ms": pct(steady.heartbeats, 0.5),
             "heartbeat_p99_ms": pct(steady.heartbeats, 0.99),
             "steady_errors": steady.errors,
+            "steady_refused": steady.refused,
             "etcd_requests_per_s": round(etcd_rate, 1),
             "storm_restart_s": round(t_up - t_down, 2),
             "storm_all_back_s": round(back_s, 2) if everyone else None,
             "storm_back": len(sim.back),
             "storm_reregistrations": sim.stats.reregistrations,
             "storm_errors": sim.stats.errors,
+            "storm_refused": sim.stats.refused,
             "storm_within_2_ttl": everyone and back_s <= 2 * args.lease_ttl,
         }
     finally:

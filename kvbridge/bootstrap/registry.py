@@ -170,7 +170,13 @@ class Registry:
                 secret_digest=secret_digest(secret),
                 scratch=req.scratch,
             )
-            self.store.add_rank(inst, rec, replaced)  # LeaseHeld: another replica took the coordinates meanwhile
+            if not self.store.remote:
+                self.store.add_rank(inst, rec, replaced)
+        if self.store.remote:
+            # A shared store settles conflicting writers itself (one transaction: LeaseHeld when
+            # another replica took the coordinates meanwhile); its round trips must not hold the
+            # lock that look-ups, answered from the cache, take.
+            self.store.add_rank(inst, rec, replaced)
         self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
         log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
         return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced,
@@ -247,6 +253,9 @@ class Registry:
             rec = self._rank(rank_id, "")
             check_secret(rec.secret_digest, lease_secret, admin=admin, action="deregistration", label=rec.identity.label,
                          rank_id=rank_id)
+            if not self.store.remote:
+                self.store.remove_rank(rank_id)
+        if self.store.remote:
             self.store.remove_rank(rank_id)
         self.metrics.inc("kvbridge_bootstrap_deregistrations_total")
         log.info("deregistered %s (%s)%s", rec.identity.label, rank_id, " by an admin" if admin and not lease_secret else "")

@@ -11,10 +11,11 @@ store answers reads from, and ``open_store`` (a store chosen by URL).
 
 Reads (look-ups, views, diagnostics) are answered from ``RankIndex``, an in-memory
 index of instances and their ranks: the store's whole state for ``MemoryStore``, the
-watched cache for ``EtcdStore``. The registry holds ``store.lock`` around a check and
-the write that follows it; a store that is shared by several daemons also makes the
-write itself conditional (etcd transactions), so two replicas cannot both win one
-rank's coordinates.
+watched cache for ``EtcdStore``. The registry checks its rules under ``store.lock``;
+an in-memory store's write follows under the same lock, a remote store's after it is
+released (its round trips must not stall look-ups): that store makes the write itself
+conditional (an etcd transaction), so two writers, in one replica or in two, cannot
+both win one rank's coordinates.
 """
 
 from __future__ import annotations

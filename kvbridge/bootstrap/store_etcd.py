@@ -295,7 +295,8 @@ class EtcdStore(RegistryStore):
                 expect = None  # the rank being replaced expired meanwhile: the coordinates are free
                 continue
             self._revoke(rec.lease_id)
-            held = self.index.rank(holder) if holder else None
+            with self.lock:
+                held = self.index.rank(holder) if holder else None
             remaining = max(0.0, held.expires_at - self.clock()) if held else rec.lease_ttl_s
             raise LeaseHeld(f"{rec.identity.label} is held by live rank {holder} (registered through another "
                             f"replica): register with its lease secret, wait for its lease to run out, or use the "
@@ -303,12 +304,15 @@ class EtcdStore(RegistryStore):
         else:  # pragma: no cover - the loop breaks or raises
             raise StoreUnavailable(f"registration of {rec.identity.label}: etcd transaction did not settle")
         if replaces is not None:
-            old = self.index.rank(replaces)
+            with self.lock:
+                old = self.index.rank(replaces)
             if old is not None and old.lease_id:
-                self._revoke(old.lease_id)
-            self.index.drop(replaces)
+                self._revoke(old.lease_id)  # its keys are gone or moved to the new lease: nothing else on it
         rec.expires_at = self.clock() + rec.lease_ttl_s
-        self.index.put(inst, rec)
+        with self.lock:
+            if replaces is not None:
+                self.index.drop(replaces)
+            self.index.put(inst, rec)
 
     def renew(self, rec: RankRecord) -> None:
         ttl = self._members.call(f"lease keep-alive of {rec.identity.label}", lambda c: int(
@@ -320,12 +324,14 @@ class EtcdStore(RegistryStore):
         rec.expires_at = self.clock() + rec.lease_ttl_s
 
     def remove_rank(self, rank_id: str) -> None:
-        rec = self.index.rank(rank_id)
+        with self.lock:
+            rec = self.index.rank(rank_id)
         if rec is None:
             return
         self._members.call(f"deregistration of {rec.identity.label}", lambda c: c.post(
             c.get_url("/kv/lease/revoke"), json={"ID": rec.lease_id}))
-        self.index.drop(rank_id)
+        with self.lock:
+            self.index.drop(rank_id)
 
     def expire(self, now: float) -> list[RankRecord]:
         return []  # etcd deletes a rank's keys when its lease runs out; the watch drops it here
