@@ -217,7 +217,7 @@ class Registry:
 
     def _rank(self, rank_id: str, what: str) -> RankRecord:
         rec = self._index.rank(rank_id)
-        if rec is None and self.store.catch_up():  # registered through another replica a moment ago
+        if rec is None and self.store.catch_up(rank_id=rank_id):  # registered through another replica a moment ago
             rec = self._index.rank(rank_id)
         if rec is None:
             raise self.store.unknown(rank_id, what)
@@ -269,7 +269,7 @@ class Registry:
             except (UnknownInstance, InstanceIncomplete):
                 # A shared store's cache may lag a registration made through another replica:
                 # catch up (rate-limited by the store) and answer once more.
-                if not self.store.catch_up():
+                if not self.store.catch_up(instance=req.prefill_instance):
                     raise
                 return self._lookup(req)
         except ContractMismatch:

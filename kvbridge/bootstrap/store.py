@@ -176,9 +176,10 @@ class RegistryStore(ABC):
             raise StoreUnavailable(f"{action} refused: the {h.kind} store is unavailable ({h.cause}); retry later",
                                    **ctx)  # type: ignore[arg-type]
 
-    def catch_up(self) -> bool:
-        """Bring the index up to the store's state now, if it may lag it (a watched cache);
-        True when it did (the caller looks again). Stores rate-limit this."""
+    def catch_up(self, *, rank_id: str | None = None, instance: str | None = None) -> bool:
+        """Read one rank (or one instance's ranks) from the store into the index now, where the
+        index may lag the store (a watched cache); True when it found something new (the caller
+        looks again). Stores rate-limit this per key."""
         return False
 
     def start(self) -> None:

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STALE_TICKS = 3  # a watch that saw none of our own tick writes for this many ticks is dead
-CATCH_UP_INTERVAL_S = 1.0  # a look-up miss reloads the cache at most this often
+CATCH_UP_INTERVAL_S = 1.0  # a miss reads its key from etcd at most this often
 
 
 class StoredRank(BaseModel):
@@ -223,7 +223,7 @@ class EtcdStore(RegistryStore):
         self._watch_thread: threading.Thread | None = None
         self._tick_thread: threading.Thread | None = None
         self._last_event = clock()
-        self._last_reload = -CATCH_UP_INTERVAL_S
+        self._caught_up: dict[str, float] = {}  # catch-up key -> when (bounded)
         self._generation = 0  # bumped on every reload: events of an older watch are ignored
 
     # -- keys --------------------------------------------------------------------
@@ -414,23 +414,41 @@ class EtcdStore(RegistryStore):
 
     # -- the cache -----------------------------------------------------------------
 
-    def catch_up(self) -> bool:
-        """A miss (unknown rank or instance, an incomplete one) may be a registration the watch
-        has not delivered yet, or a watch that died with its member: reload, at most once per
-        ``CATCH_UP_INTERVAL_S``, so that a flood of misses costs etcd one read per interval."""
+    def catch_up(self, *, rank_id: str | None = None, instance: str | None = None) -> bool:
+        """A miss (an unknown rank, an unknown or incomplete instance) may be a registration the
+        watch has not delivered yet, or a watch that died with its member: read just that rank, or
+        that instance's coordinates and the ranks behind them, from etcd. At most once per key per
+        ``CATCH_UP_INTERVAL_S`` (bounded table), so a flood of misses for a name nobody registered
+        costs etcd one small read per interval."""
+        key = f"r:{rank_id}" if rank_id is not None else f"i:{instance}"
         now = self.clock()
-        if not self._health.ok or now - self._last_reload < CATCH_UP_INTERVAL_S:
-            return False
-        self._last_reload = now
+        with self.lock:
+            if not self._health.ok or now - self._caught_up.get(key, -CATCH_UP_INTERVAL_S) < CATCH_UP_INTERVAL_S:
+                return False
+            self._caught_up[key] = now
+            while len(self._caught_up) > 4096:
+                self._caught_up.pop(next(iter(self._caught_up)))
         try:
-            self._reload()
+            if rank_id is not None:
+                ids = [rank_id]
+            else:
+                coords = self._members.call("catch-up read", lambda c: c.get_prefix(f"{self.prefix}coords/{instance}/"))
+                ids = [value.decode() for value, _meta in coords]  # get_prefix answers (value, metadata)
+            with self.lock:
+                ids = [i for i in ids if self.index.rank(i) is None]
+            found = False
+            for i in ids:
+                values = self._members.call("catch-up read", lambda c, k=self._rank_key(i): c.get(k))
+                if values:
+                    with self.lock:
+                        self._apply(self._rank_key(i), values[0], deleted=False)
+                    found = True
+            return found
         except StoreUnavailable:
             return False
-        return True
 
     def _reload(self) -> None:
         """Snapshot the prefix at one revision, replace the cache, watch from the next."""
-        self._last_reload = self.clock()
         end = _prefix_end(self.prefix)
         txn = {"compare": [], "success": [{"request_range": {"key": _b64(self.prefix), "range_end": _b64(end)}}],
                "failure": []}
