@@ -46,7 +46,8 @@ from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
 from kvbridge.bootstrap.page import render_diagnostics
 from kvbridge.bootstrap.registry import Registry
 from kvbridge.bootstrap.responses import ERROR_RESPONSES, install_handlers
-from kvbridge.bootstrap.store import EtcdOptions, RegistryStore, open_store
+from kvbridge.bootstrap.store import EtcdOptions, RegistryStore
+from kvbridge.bootstrap.store_memory import MemoryStore
 from kvbridge.bootstrap.schemas import (
     HeartbeatResponse,
     InstanceFingerprint,
@@ -107,9 +108,9 @@ class BootstrapSettings:
 def make_store(settings: BootstrapSettings) -> RegistryStore:
     """The store ``settings`` name, not started (``start()`` connects)."""
     if settings.etcd is None:
-        return open_store(None, max_refusals=settings.max_mismatches,
-                          pause_grace_s=max(3 * settings.sweep_interval_s, 2.0))  # the sweep runs every sweep_interval_s
-    from kvbridge.bootstrap.store_etcd import EtcdStore
+        return MemoryStore(max_refusals=settings.max_mismatches,
+                           pause_grace_s=max(3 * settings.sweep_interval_s, 2.0))  # the sweep runs every sweep_interval_s
+    from kvbridge.bootstrap.store_etcd import EtcdStore  # the etcd client only where it is used
 
     return EtcdStore(settings.etcd, max_refusals=settings.max_mismatches, replica=settings.replica, url=settings.url)
 

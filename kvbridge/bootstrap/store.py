@@ -1,5 +1,6 @@
 """Where the daemon's state lives: the ``RegistryStore`` interface, the index every
-store answers reads from, and ``open_store`` (a store chosen by URL).
+store answers reads from, and the etcd options (``--store etcd://...``). The daemon
+picks its store in ``app.make_store`` (the etcd one imported only there).
 
     Registry (registry.py)        the rules, written once: lease secrets, caps, contract
          │                        checks, field diffs, the 409/503/404 answers
@@ -39,7 +40,6 @@ __all__ = [
     "RegistryStore",
     "EtcdOptions",
     "parse_store_url",
-    "open_store",
 ]
 
 
@@ -246,15 +246,3 @@ def parse_store_url(url: str) -> tuple[Literal["memory", "etcd"], tuple[tuple[st
             raise ConfigError(f"store {url!r}: endpoint {item!r} is not host:port", field="store")
         endpoints.append((host, int(port)))
     return "etcd", tuple(endpoints), parts.scheme == "etcds"
-
-
-def open_store(options: EtcdOptions | None, **memory_args: object) -> RegistryStore:
-    """The etcd store for ``options``, else an in-memory one (``memory_args``: its
-    limits and clocks). The etcd client is imported only here."""
-    if options is None:
-        from kvbridge.bootstrap.store_memory import MemoryStore
-
-        return MemoryStore(**memory_args)  # type: ignore[arg-type]
-    from kvbridge.bootstrap.store_etcd import EtcdStore
-
-    return EtcdStore(options, max_refusals=int(memory_args.get("max_refusals", 100)))  # type: ignore[arg-type]
