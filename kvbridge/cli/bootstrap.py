@@ -41,7 +41,7 @@ STORE_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("etcd_password_file", None, "file holding the etcd user's password (KVBRIDGE_ETCD_PASSWORD also works)"),
     ("etcd_prefix", "/kvbridge/", "key prefix in etcd (one prefix per kvbridge cluster)"),
     ("etcd_timeout", 2.0, "seconds one etcd request may take before the next member is tried"),
-    ("replica_name", "", "this daemon's name among replicas (default: host:port)"),
+    ("replica_name", "", "this daemon's name among replicas, in X-KVBridge-Replica and /diagnostics (empty: host:port)"),
 )
 ETCD_PASSWORD_ENV = "KVBRIDGE_ETCD_PASSWORD"
 
