@@ -166,8 +166,12 @@ class _Members:
         n = len(self._clients)
         deadline = time.monotonic() + self._opts.failover_window_s
         k = 0
+        refused = 0  # members of this round that refused the connection: nothing listens there
         while k < n or time.monotonic() < deadline:  # every member once, then rounds until the window closes
             if k and k % n == 0:
+                if refused == n:
+                    break  # no member listens at all: no election to wait for
+                refused = 0
                 time.sleep(0.2)  # a round failed: an election may be under way
             i = (first + k) % n
             k += 1
@@ -177,6 +181,7 @@ class _Members:
                 out = fn(self._clients[i])
             except self._errors as exc:
                 last = exc
+                refused += "refused" in str(getattr(exc, "detail_text", "") or exc).lower()
                 if "auth" in str(getattr(exc, "detail_text", "") or exc).lower():
                     self._authed.discard(i)  # an expired token: authenticate again next time
                 log.debug("etcd %s at %s:%d failed: %s", what, *self._opts.endpoints[i], exc)
