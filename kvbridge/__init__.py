@@ -49,7 +49,7 @@ from kvbridge.transfer import (
     create_engine,
     mooncake_available,
 )
-from kvbridge.worker.launch import start_bootstrap
+from kvbridge.bootstrap.starter import start_bootstrap
 
 __all__ = [
     *_errors_all,

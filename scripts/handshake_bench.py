@@ -1,8 +1,13 @@
 #!/usr/bin/env python
-"""Handshake benchmark of the bootstrap daemon.
+"""Handshake benchmark of the bootstrap daemon, per store, in one run.
 
-Starts a daemon process on loopback (a free port the kernel picks), registers
-64 ranks with the full DeepSeek-V3.2 fp8 contract (61 + 1 layers):
+    memory   one daemon, in-memory store (the default)
+    etcd1    one daemon replica on a local three-member etcd cluster
+    etcd3    three daemon replicas on that cluster (client threads spread over them)
+
+For each: daemon processes on loopback (free ports the kernel picks); registrations
+timed from the client threads (``--registrations`` ranks of 8-rank instances, full
+contract each), then 64 ranks with the full DeepSeek-V3.2 fp8 contract (61 + 1 layers):
 
     prefill-bench   dp 2 x cp 4 x tp 4 x pp 1 = 32 ranks   (senders: 4 per DP group)
     decode-bench    dp 2 x cp 2 x tp 8 x pp 1 = 32 ranks
@@ -12,26 +17,32 @@ senders + plan out) from several client threads and reports handshakes per
 second with p50/p90/p99 latency (and the unloaded latency of one thread). The same run measures GET /healthz with the
 same threads as the ceiling of the HTTP stack, and reports the ratio.
 
-    .venv/bin/python scripts/handshake_bench.py [--requests 4000] [--threads 8] [--json]
+    .venv/bin/python scripts/handshake_bench.py [--stores memory,etcd1,etcd3] [--requests 4000] [--threads 8] [--json]
+
+The etcd modes need Debian's etcd-server (scripts/setup.sh installs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.contract import RuntimeContract, contract_from_preset
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
 from kvbridge import start_bootstrap
+from kvbridge.errors import KVBridgeError
 
 PREFILL = ("prefill-bench", "prefill", (2, 4, 4, 1))
 DECODE = ("decode-bench", "decode", (2, 2, 8, 1))
@@ -63,15 +74,19 @@ def register_instance(client: BootstrapClient, contract: RuntimeContract, name: 
     return count
 
 
-def drive(url: str, threads: int, requests: int, op: Callable[[BootstrapClient, int], None]) -> tuple[float, list[float]]:
-    """Run ``requests`` calls of ``op`` spread over ``threads`` threads; (wall seconds, latencies)."""
+def drive(url: str | list[str], threads: int, requests: int,
+          op: Callable[[BootstrapClient, int], None]) -> tuple[float, list[float]]:
+    """Run ``requests`` calls of ``op`` spread over ``threads`` threads; (wall seconds, latencies).
+    With several replica URLs, thread i starts at replica i (mod n)."""
+    urls = [url] if isinstance(url, str) else url
     latencies: list[list[float]] = [[] for _ in range(threads)]
     per_thread = [requests // threads + (1 if i < requests % threads else 0) for i in range(threads)]
     barrier = threading.Barrier(threads + 1)
 
     def worker(i: int) -> None:
         rng = random.Random(i)
-        with BootstrapClient(url, timeout=10.0) as client:
+        k = i % len(urls)
+        with BootstrapClient(urls[k:] + urls[:k], timeout=10.0) as client:
             op(client, rng.randrange(1 << 62))  # open the connection before timing
             barrier.wait()
             for _ in range(per_thread[i]):
@@ -93,72 +108,129 @@ def pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+def register_many(urls: list[str], contract: RuntimeContract, threads: int, n: int, tag: str) -> tuple[float, list[float]]:
+    """``n`` registrations (instances of 8 TP ranks, one instance per 8) from ``threads`` threads."""
+    counter = iter(range(n))
+    lock = threading.Lock()
+
+    def op(client: BootstrapClient, _room: int) -> None:
+        with lock:
+            k = next(counter, None)
+        if k is None:
+            return
+        rank = RankIdentity(instance=f"reg-{tag}-{k // 8}", role="prefill", tp_size=8, tp_rank=k % 8)
+        client.register(RegisterRequest(rank=rank, control_endpoint=f"tcp://127.0.0.1:{20000 + k}",
+                                         session_id=f"127.0.0.1:{40000 + k}", pools=[], contract=contract,
+                                         lease_ttl_s=120.0))
+
+    warm = threads  # drive() calls op once per thread untimed: those are registrations too
+    wall, lat = drive(urls, threads, n - warm, op)
+    return wall, lat
+
+
+def measure(urls: list[str], contract: RuntimeContract, args: argparse.Namespace, tag: str) -> dict[str, object]:
+    decode_rank = RankIdentity(instance=DECODE[0], role="decode", dp_size=2, cp_size=2, tp_size=8)
+    reg_wall, reg_lat = register_many(urls, contract, args.threads, args.registrations, tag)
+    with BootstrapClient(urls, timeout=10.0) as client:
+        ranks = register_instance(client, contract, *PREFILL) + register_instance(client, contract, *DECODE)
+        deadline = time.monotonic() + 10
+        while True:  # replicas learn of the registrations through their watches
+            try:
+                probe = client.lookup(PREFILL[0], room=1, contract=contract, rank=decode_rank)
+                break
+            except KVBridgeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def lookup(c: BootstrapClient, room: int) -> None:
+        ans = c.lookup(PREFILL[0], room=room, contract=contract, rank=decode_rank)
+        if len(ans.ranks) != 4:
+            raise RuntimeError(f"expected 4 senders, got {len(ans.ranks)}")
+
+    _, unloaded_lat = drive(urls, 1, min(500, args.requests), lookup)
+    lookup_wall, lookup_lat = drive(urls, args.threads, args.requests, lookup)
+    return {
+        "replicas": len(urls),
+        "ranks_registered": ranks + args.registrations,
+        "registrations_per_s": round(len(reg_lat) / reg_wall, 1),
+        "register_p50_ms": round(pct(reg_lat, 0.50) * 1e3, 2),
+        "register_p99_ms": round(pct(reg_lat, 0.99) * 1e3, 2),
+        "lookups": len(lookup_lat),
+        "lookup_response_bytes": len(probe.model_dump_json()),
+        "handshakes_per_s": round(len(lookup_lat) / lookup_wall, 1),
+        "lookup_p50_ms": round(pct(lookup_lat, 0.50) * 1e3, 2),
+        "lookup_p99_ms": round(pct(lookup_lat, 0.99) * 1e3, 2),
+        "unloaded_lookup_p50_ms": round(pct(unloaded_lat, 0.50) * 1e3, 2),
+    }
+
+
+@contextlib.contextmanager
+def daemons(mode: str, etcd_url: str | None) -> Iterator[list[str]]:
+    """The daemon URLs of ``mode`` for the ``with`` block (every process stopped after)."""
+    with contextlib.ExitStack() as stack:
+        if mode == "memory":
+            args: tuple[str, ...] = ("--lease-ttl", "120")
+            n = 1
+        else:
+            prefix = f"/bench-{mode}-{random.randrange(1 << 30)}/"
+            args = ("--lease-ttl", "120", "--store", str(etcd_url), "--etcd-prefix", prefix)
+            n = 3 if mode == "etcd3" else 1
+        urls = [stack.enter_context(start_bootstrap(extra_args=(*args, "--replica-name", f"r{i}"), with_token=False))[0]
+                for i in range(n)]
+        yield urls
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=4000, help="lookups to time (default: 4000)")
+    ap.add_argument("--stores", default="memory,etcd1,etcd3", help="comma-separated: memory, etcd1, etcd3 (default: all)")
+    ap.add_argument("--requests", type=int, default=4000, help="lookups to time per store (default: 4000)")
+    ap.add_argument("--registrations", type=int, default=256, help="registrations to time per store (default: 256)")
     ap.add_argument("--threads", type=int, default=8, help="client threads (default: 8)")
     ap.add_argument("--layers", type=int, default=61, help="target layers of the contract (default: 61)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
-    if args.requests < args.threads or args.threads < 1:
-        ap.error("--requests must be at least --threads, which must be positive")
+    modes = [m.strip() for m in args.stores.split(",") if m.strip()]
+    if args.requests < args.threads or args.threads < 1 or args.registrations <= args.threads:
+        ap.error("--requests and --registrations must exceed --threads, which must be positive")
+    if set(modes) - {"memory", "etcd1", "etcd3"}:
+        ap.error(f"unknown store(s) {sorted(set(modes) - {'memory', 'etcd1', 'etcd3'})}")
 
     contract = contract_from_preset("deepseek-v3.2-fp8", num_layers=args.layers)
-    decode_rank = RankIdentity(instance=DECODE[0], role="decode", dp_size=2, cp_size=2, tp_size=8)
-    with start_bootstrap(extra_args=("--lease-ttl", "120"), with_token=False) as (url, _token):
-        with BootstrapClient(url, timeout=10.0) as client:
-            t0 = time.perf_counter()
-            ranks = register_instance(client, contract, *PREFILL) + register_instance(client, contract, *DECODE)
-            register_s = time.perf_counter() - t0
-            probe = client.lookup(PREFILL[0], room=1, contract=contract, rank=decode_rank)
-        request_bytes = len(json.dumps({"prefill_instance": PREFILL[0], "room": 1, "contract": contract.model_dump(mode="json"),
-                                        "rank": decode_rank.model_dump()}))
-        response_bytes = len(probe.model_dump_json())
+    result: dict[str, object] = {"host": f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}",
+                                 "threads": args.threads}
+    with contextlib.ExitStack() as stack:
+        etcd_url = None
+        if any(m.startswith("etcd") for m in modes):
+            from kvbridge.chaos.etcd import EtcdCluster
 
-        def lookup(c: BootstrapClient, room: int) -> None:
-            ans = c.lookup(PREFILL[0], room=room, contract=contract, rank=decode_rank)
-            if len(ans.ranks) != 4:
-                raise RuntimeError(f"expected 4 senders, got {len(ans.ranks)}")
-
-        _, unloaded_lat = drive(url, 1, min(500, args.requests), lookup)
-        lookup_wall, lookup_lat = drive(url, args.threads, args.requests, lookup)
-        health_wall, health_lat = drive(url, args.threads, args.requests, lambda c, _room: c.health() and None)
-
-    lookups_per_s = len(lookup_lat) / lookup_wall
-    health_per_s = len(health_lat) / health_wall
-    result = {
-        "host": f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}",
-        "ranks_registered": ranks,
-        "register_s": round(register_s, 3),
-        "threads": args.threads,
-        "lookups": len(lookup_lat),
-        "lookup_request_bytes": request_bytes,
-        "lookup_response_bytes": response_bytes,
-        "handshakes_per_s": round(lookups_per_s, 1),
-        "lookup_p50_ms": round(pct(lookup_lat, 0.50) * 1e3, 2),
-        "lookup_p90_ms": round(pct(lookup_lat, 0.90) * 1e3, 2),
-        "lookup_p99_ms": round(pct(lookup_lat, 0.99) * 1e3, 2),
-        "lookup_max_ms": round(lookup_lat[-1] * 1e3, 2),
-        "unloaded_lookup_p50_ms": round(pct(unloaded_lat, 0.50) * 1e3, 2),
-        "unloaded_lookup_p99_ms": round(pct(unloaded_lat, 0.99) * 1e3, 2),
-        "healthz_per_s": round(health_per_s, 1),
-        "healthz_p50_ms": round(pct(health_lat, 0.50) * 1e3, 2),
-        "handshakes_vs_healthz": round(lookups_per_s / health_per_s, 3),
-    }
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbridge-etcd-"))
+            etcd_url = stack.enter_context(EtcdCluster(Path(tmp), members=3)).store_url
+        for mode in modes:
+            with daemons(mode, etcd_url) as urls:
+                result[mode] = measure(urls, contract, args, mode)
+    base = result.get("memory")
+    if isinstance(base, dict):
+        for mode in modes:
+            r = result[mode]
+            assert isinstance(r, dict)
+            r["lookups_vs_memory"] = round(float(r["handshakes_per_s"]) / float(base["handshakes_per_s"]), 3)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(f"kvbridge handshake benchmark ({result['host']})")
-        print(f"  registered {ranks} ranks in {register_s:.2f} s ({PREFILL[0]} dp2 x cp4 x tp4, {DECODE[0]} dp2 x cp2 x tp8; "
-              f"{args.layers}+1 layers, V3.2 fp8)")
-        print(f"  lookup: request {request_bytes} B, response {response_bytes} B (4 senders x {len(probe.ranks[0].pools)} pool descriptors)")
-        print(f"  {len(lookup_lat)} lookups, {args.threads} threads: {lookups_per_s:,.0f} handshakes/s, "
-              f"p50 {result['lookup_p50_ms']} ms, p90 {result['lookup_p90_ms']} ms, p99 {result['lookup_p99_ms']} ms, "
-              f"max {result['lookup_max_ms']} ms")
-        print(f"  unloaded (1 thread, {len(unloaded_lat)} lookups): p50 {result['unloaded_lookup_p50_ms']} ms, "
-              f"p99 {result['unloaded_lookup_p99_ms']} ms")
-        print(f"  ceiling (GET /healthz, same threads): {health_per_s:,.0f} req/s, p50 {result['healthz_p50_ms']} ms; "
-              f"handshakes reach {result['handshakes_vs_healthz']:.0%} of it")
+        return 0
+    print(f"kvbridge handshake benchmark ({result['host']}, {args.threads} client threads, "
+          f"{args.layers}+1 layers V3.2 fp8 contract)")
+    head = ("store", "replicas", "reg/s", "reg p50/p99 ms", "lookups/s", "lookup p50/p99 ms", "vs memory")
+    rows = [head]
+    for mode in modes:
+        r = result[mode]
+        assert isinstance(r, dict)
+        rows.append((mode, str(r["replicas"]), f"{r['registrations_per_s']:,.0f}",
+                     f"{r['register_p50_ms']} / {r['register_p99_ms']}", f"{r['handshakes_per_s']:,.0f}",
+                     f"{r['lookup_p50_ms']} / {r['lookup_p99_ms']}", str(r.get("lookups_vs_memory", "-"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
     return 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates or reuses the virtual environment and installs everything kvbridge
 # needs on a CPU host: Debian packages (libibverbs1 for Mooncake, Chromium for
-# the diagnostics-page test), the pinned CPU build of torch first (a bare
+# the diagnostics-page test, etcd-server for the bootstrap daemon's etcd store:
+# its tests start their own three-member cluster on free loopback ports), the pinned CPU build of torch first (a bare
 # `torch` requirement would pull a CUDA build of several GB), then the package.
 set -euo pipefail
 VENV=${VENV:-.venv}
@@ -9,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${KVBRIDGE_TORCH_VERSION:-2.13.0}
 
 need_apt=()
-for pkg in libibverbs1 chromium chromium-driver; do
+for pkg in libibverbs1 chromium chromium-driver etcd-server; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -17,6 +18,10 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need_apt[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    # the package enables a system etcd on 2379; kvbridge runs its own clusters: leave that one off
+    if [[ " ${need_apt[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+      systemctl disable --now etcd >/dev/null 2>&1 || true
+    fi
   else
     echo "setup: missing Debian packages (${need_apt[*]}); install them as root" >&2
   fi

@@ -245,3 +245,58 @@ def test_readme_documents_what_kvbridge_cannot_protect_and_the_restart_paths():
     text = (DEPLOY / "README.md").read_text()
     for words in ("lease secret", "admin token", "read token", "NetworkPolicy", "KVBRIDGE_LEASE_FILE", "kvbridge doctor"):
         assert words in text, words
+
+
+# ---- store mode: three replicas on etcd ----------------------------------------------------------
+def store_docs() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s" / "store-etcd").glob("*.yaml")):
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_store_mode_manifests_run_three_replicas_on_a_three_member_etcd():
+    from kvbridge.bootstrap.store import parse_store_url
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in store_docs()}
+    boot = docs[("Deployment", "kvbridge-bootstrap")]
+    etcd = docs[("StatefulSet", "kvbridge-etcd")]
+    assert boot["spec"]["replicas"] == 3 and etcd["spec"]["replicas"] == 3
+    assert ("Service", "kvbridge-etcd") in docs and etcd["spec"]["serviceName"] == "kvbridge-etcd"
+    (c,) = boot["spec"]["template"]["spec"]["containers"]
+    argv = [*c["command"], *c["args"]]
+    env = {e["name"]: e.get("value", "x") for e in c["env"]}
+    check_command(argv[1:], env, "store-etcd/bootstrap-replicas.yaml")
+    kind, endpoints, _ = parse_store_url(argv[argv.index("--store") + 1])
+    assert kind == "etcd" and [h for h, _ in endpoints] == [f"kvbridge-etcd-{i}.kvbridge-etcd" for i in range(3)]
+    (member,) = etcd["spec"]["template"]["spec"]["containers"]
+    cluster = next(a for a in member["args"] if a.startswith("--initial-cluster="))
+    assert cluster.count("kvbridge-etcd-") == 2 * 3  # each member's name and its peer URL
+    # the same Service name as the in-memory mode's: workers need no change
+    single = next(d for _, d in k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvbridge-bootstrap")
+    assert single["metadata"]["labels"] == boot["metadata"]["labels"]
+
+
+def test_store_mode_systemd_env_names_an_etcd_store_with_tls():
+    from kvbridge.bootstrap.store import parse_store_url
+
+    env = read_env_file(DEPLOY / "systemd" / "bootstrap-etcd.env")
+    kind, endpoints, tls = parse_store_url(env["KVBRIDGE_STORE"])
+    assert kind == "etcd" and len(endpoints) == 3 and tls
+    assert {"KVBRIDGE_ETCD_CA_CERT", "KVBRIDGE_ETCD_CERT", "KVBRIDGE_ETCD_KEY"} <= set(env)
+    member = read_env_file(DEPLOY / "systemd" / "etcd-member.env")
+    assert member["ETCD_INITIAL_CLUSTER"].count("=http") == 3
+
+
+def test_grafana_shows_the_store_health():
+    dash = json.loads((DEPLOY / "grafana" / "kvbridge.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for needed in ("kvbridge_bootstrap_store_up", "kvbridge_bootstrap_replicas", "kvbridge_bootstrap_store_requests",
+                   "kvbridge_bootstrap_store_watch_restarts"):
+        assert needed in exprs, needed
+
+
+def test_readme_shows_both_store_modes_and_the_failure_table():
+    text = (DEPLOY / "README.md").read_text()
+    for words in ("--store etcd://", "in-memory", "quorum", "store_unavailable", "store-etcd/"):
+        assert words in text, words

@@ -11,7 +11,11 @@
     GET    /diagnostics                    the same for a person (HTML)
     GET    /healthz, /metrics, /docs, /openapi.json   (always open)
 
-State (registry, metrics, look-up limiter) is created in the lifespan and lives on
+Every answer names the replica that gave it (header ``X-KVBridge-Replica``): with the
+etcd store, any number of replicas serve one cluster, and ``/healthz``, ``/metrics`` and
+``/diagnostics`` show the store's health and every replica it knows.
+
+State (store, registry, metrics, look-up limiter) is created in the lifespan and lives on
 ``app.state``. ``Guard`` (guard.py) checks tokens and body size before routing: the
 write token on writes, the read token on ``/v1`` and ``/diagnostics`` reads (when one
 is configured; write and admin tokens read too). Per-rank credentials (lease
@@ -33,14 +37,17 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
-import kvbridge
+from kvbridge._version import __version__
 from kvbridge.bootstrap.guard import ADMIN, LEASE_HEADER, Guard, access_of
 from kvbridge.bootstrap.limits import RateLimiter
 from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
 from kvbridge.bootstrap.page import render_diagnostics
 from kvbridge.bootstrap.registry import Registry
 from kvbridge.bootstrap.responses import ERROR_RESPONSES, install_handlers
+from kvbridge.bootstrap.store import EtcdOptions, RegistryStore
+from kvbridge.bootstrap.store_memory import MemoryStore
 from kvbridge.bootstrap.schemas import (
     HeartbeatResponse,
     InstanceFingerprint,
@@ -54,7 +61,9 @@ from kvbridge.bootstrap.schemas import (
 )
 from kvbridge.errors import ConfigError, LimitExceeded
 
-__all__ = ["BootstrapSettings", "create_app"]
+__all__ = ["BootstrapSettings", "create_app", "REPLICA_HEADER"]
+
+REPLICA_HEADER = "X-KVBridge-Replica"
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,9 @@ class BootstrapSettings:
     max_instances: int = 1024
     max_lookups_per_s: float = 1000.0  # per asking decode instance; 0: unlimited
     sweep_interval_s: float = 1.0
+    etcd: EtcdOptions | None = None  # None: the in-memory store
+    replica: str = ""  # this daemon's name among replicas ("" : host:port or a random one)
+    url: str = ""  # where clients reach this replica (shown to operators)
 
     def __post_init__(self) -> None:
         named = {"token": self.token, "read_token": self.read_token, "admin_token": self.admin_token}
@@ -93,16 +105,36 @@ class BootstrapSettings:
             raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
 
 
-def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> FastAPI:
+def make_store(settings: BootstrapSettings) -> RegistryStore:
+    """The store ``settings`` name, not started (``start()`` connects)."""
+    if settings.etcd is None:
+        return MemoryStore(max_refusals=settings.max_mismatches,
+                           pause_grace_s=max(3 * settings.sweep_interval_s, 2.0))  # the sweep runs every sweep_interval_s
+    from kvbridge.bootstrap.store_etcd import EtcdStore  # the etcd client only where it is used
+
+    return EtcdStore(settings.etcd, max_refusals=settings.max_mismatches, replica=settings.replica, url=settings.url)
+
+
+def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStore | None = None,
+               **overrides: Any) -> FastAPI:
     """A fresh daemon; all state is made in its lifespan and kept on ``app.state``.
     ``overrides`` replace fields of ``settings`` (``create_app(token="t")``); an
-    unknown name is a TypeError, not silently ignored."""
+    unknown name is a TypeError, not silently ignored. ``store``: one already started
+    (``serve`` connects before it listens); otherwise the lifespan makes and starts the
+    one ``settings`` name, and closes it at shutdown either way."""
     settings = dataclasses.replace(settings or BootstrapSettings(), **overrides)
+    replica = settings.replica or (store.replica if store is not None and hasattr(store, "replica") else "")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.settings = settings
         app.state.metrics = Metrics()
+        own = store
+        if own is None:
+            own = make_store(settings)
+            await run_in_threadpool(own.start)
+        app.state.store = own
+        app.state.replica = replica or str(getattr(own, "replica", "")) or "memory"
         app.state.registry = Registry(
             metrics=app.state.metrics,
             default_ttl_s=settings.lease_ttl_s,
@@ -110,9 +142,9 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
             max_mismatches=settings.max_mismatches,
             max_ranks_per_instance=settings.max_ranks_per_instance,
             max_instances=settings.max_instances,
-            pause_grace_s=max(3 * settings.sweep_interval_s, 2.0),  # the sweep runs every sweep_interval_s
+            store=own,
         )
-        app.state.metrics.gauge_source = app.state.registry.gauges
+        app.state.metrics.gauge_source = lambda: app.state.registry.gauges(app.state.replica)
         app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)
         app.state.started = time.time()
 
@@ -130,18 +162,41 @@ def create_app(settings: BootstrapSettings | None = None, **overrides: Any) -> F
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await run_in_threadpool(own.close)
 
     app = FastAPI(
         title="kvbridge bootstrap daemon",
-        version=kvbridge.__version__,
+        version=__version__,
         description="Rank registry, contract fingerprints and prefill-topology lookups for PD disaggregation.",
         lifespan=lifespan,
     )
     tokens = {"write": settings.token, "read": settings.read_token, "admin": settings.admin_token}
     app.add_middleware(Guard, tokens=tokens, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(_NameReplica)
+
     install_handlers(app)
     _install_routes(app, settings)
     return app
+
+
+class _NameReplica:
+    """Adds ``X-KVBridge-Replica`` to every answer (plain ASGI: no per-request task)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        name = str(getattr(scope["app"].state, "replica", "")).encode()
+
+        async def named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (REPLICA_HEADER.lower().encode(), name)]
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 def _registry(request: Request) -> Registry:
@@ -158,8 +213,25 @@ _bearer = HTTPBearer(auto_error=False, description="the daemon's write token (wr
 _Lease = Header(default=None, alias=LEASE_HEADER, description="the rank's lease secret, from its registration")
 
 
+async def _run(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A registry write: on the event loop for the in-memory store (microseconds), in the
+    thread pool for a remote one (its round trips must not stall look-ups)."""
+    if request.app.state.store.remote:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def _admin(request: Request) -> bool:
     return ADMIN in access_of(request)
+
+
+def _store_state(request: Request) -> dict[str, Any]:
+    """The store's health and the replicas it knows, as every replica reports them."""
+    store: RegistryStore = request.app.state.store
+    state = store.health().as_dict()
+    state["replicas"] = [dataclasses.asdict(r) for r in store.replicas()]
+    state["answered_by"] = request.app.state.replica
+    return state
 
 
 def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
@@ -170,17 +242,17 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
         """Register a rank with its contract, endpoints and pool descriptors; returns its id, lease and
         lease secret. Coordinates a live rank holds need that rank's lease secret or the admin token."""
-        return _registry(request).register(body, lease_secret=lease, admin=_admin(request))
+        return await _run(request, _registry(request).register, body, lease_secret=lease, admin=_admin(request))
 
     @app.post("/v1/ranks/{rank_id}/heartbeat", response_model=HeartbeatResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
     async def heartbeat(rank_id: str, request: Request, lease: str | None = _Lease) -> HeartbeatResponse:
         """Renew a lease (needs the rank's lease secret). 404 means the daemon no longer knows the rank: register again."""
-        return _registry(request).heartbeat(rank_id, lease_secret=lease, admin=_admin(request))
+        return await _run(request, _registry(request).heartbeat, rank_id, lease_secret=lease, admin=_admin(request))
 
     @app.delete("/v1/ranks/{rank_id}", status_code=204, responses=_ERRORS, dependencies=auth, tags=["ranks"])
     async def deregister(rank_id: str, request: Request, lease: str | None = _Lease) -> Response:
         """Drop a rank (needs its lease secret, or the admin token)."""
-        _registry(request).deregister(rank_id, lease_secret=lease, admin=_admin(request))
+        await _run(request, _registry(request).deregister, rank_id, lease_secret=lease, admin=_admin(request))
         return Response(status_code=204)
 
     @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, tags=["ranks"])
@@ -223,7 +295,7 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     @app.get("/diagnostics", response_class=HTMLResponse, responses=_HTML_ERRORS, dependencies=read_auth, tags=["diagnostics"])
     async def diagnostics_page(request: Request) -> HTMLResponse:
         reg = _registry(request)
-        html = render_diagnostics(reg.instances(), reg.fingerprints(), reg.mismatches())
+        html = render_diagnostics(reg.instances(), reg.fingerprints(), reg.mismatches(), store=_store_state(request))
         csp = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
         return HTMLResponse(html, headers={"Content-Security-Policy": csp, "Cache-Control": "no-store"})
 
@@ -231,8 +303,10 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     async def healthz(request: Request) -> dict[str, Any]:
         n_instances, n_ranks = _registry(request).counts()
         now = time.time()  # "time": what `kvbridge doctor` compares its clock with
-        return {"status": "ok", "version": kvbridge.__version__, "instances": n_instances, "ranks": n_ranks,
-                "uptime_s": round(now - request.app.state.started, 3), "time": now}
+        store = _store_state(request)
+        return {"status": "ok" if store["ok"] else "degraded", "version": __version__, "instances": n_instances,
+                "ranks": n_ranks, "uptime_s": round(now - request.app.state.started, 3), "time": now,
+                "replica": request.app.state.replica, "store": store}
 
     @app.get("/metrics", response_class=Response, tags=["operations"])
     async def metrics(request: Request) -> Response:

@@ -9,6 +9,15 @@ HTTP answers become kvbridge errors where they enter (one mapping, ``_raise_for`
     other 4xx/5xx -> BootstrapError (field named)
     connection refused / timeout / reset, 502 and 504, and 429 with a Retry-After,
     after ``retries`` retries with backoff -> BootstrapUnavailable (or the last 429)
+    503 store_unavailable (the replicas' store lost its quorum) -> BootstrapUnavailable,
+    naming the daemon's cause, after the same retries
+
+Several daemon replicas (``"http://a:8998,http://b:8998"`` or a list; any replica serves
+any request, a heartbeat included): a request goes to the replica that answered last;
+a replica that fails (connection, 502/504, 503 store_unavailable) is left for the next
+one at once, and only after every replica failed does the client sleep, for a jittered
+backoff (``backoff * 2**round``, times 0.5-1.5, so that a thousand ranks whose replicas
+restarted together do not come back in step), before the next round.
 
 Per-rank credentials: a registration returns a lease secret, kept in the
 ``Registration`` and sent (header ``X-KVBridge-Lease``) with its heartbeats, its
@@ -26,8 +35,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -70,6 +81,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_STATUS = frozenset({502, 504})  # a proxy in front of a restarting daemon
 LEASE_HEADER = "X-KVBridge-Lease"
+REPLICA_HEADER = "X-KVBridge-Replica"
 MAX_RETRY_AFTER_S = 2.0  # a 429's Retry-After is honoured up to this per retry
 
 
@@ -113,6 +125,8 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
         exc = ContractMismatch(message, diff=[FieldDiff.model_validate(d) for d in body.get("diff") or []])
     elif resp.status_code == 429:
         exc = LimitExceeded(message, retry_after=retry_after)
+    elif resp.status_code == 503 and code == "store_unavailable":
+        exc = BootstrapUnavailable(message)
     elif resp.status_code == 503:
         exc = InstanceIncomplete(message, missing=list(body.get("missing") or []))
     else:
@@ -129,12 +143,34 @@ def _retry_after(resp: httpx.Response) -> float | None:
         return None
 
 
+def daemon_urls(base_url: str | Sequence[str]) -> list[str]:
+    """``"http://a:8998,http://b:8998"`` or a list of URLs -> the replicas' URLs, checked."""
+    items = base_url.split(",") if isinstance(base_url, str) else list(base_url)
+    urls = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not urls:
+        raise ConfigError("no bootstrap daemon URL given", field="bootstrap")
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ConfigError(f"bootstrap URL {u!r} must start with http:// or https://", field="bootstrap")
+    return urls
+
+
+def _is_store_down(resp: httpx.Response) -> bool:
+    if resp.status_code != 503:
+        return False
+    try:
+        return bool(resp.json().get("error") == "store_unavailable")
+    except ValueError:
+        return False
+
+
 class BootstrapClient:
-    """Sync client of one daemon. Thread-safe (one httpx connection pool)."""
+    """Sync client of one daemon or of several replicas of it (failover, see above).
+    Thread-safe (one httpx connection pool)."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         token: str | None = None,
         timeout: float = 2.0,
         retries: int = 3,
@@ -148,7 +184,11 @@ class BootstrapClient:
     ) -> None:
         if retries < 0 or backoff < 0 or timeout <= 0 or lease_wait_s < 0:
             raise ConfigError("timeout must be positive; retries, backoff and lease_wait_s non-negative", field="retries")
-        self.base_url = base_url.rstrip("/")
+        self.urls = daemon_urls(base_url)
+        self.base_url = ",".join(self.urls)  # what messages name
+        self._current = 0  # index of the replica that answered last
+        self.last_replica = ""  # the X-KVBridge-Replica of the last answer
+        self.failovers = 0
         self.retries = retries
         self.backoff = backoff
         self.lease_file = Path(lease_file) if lease_file else None  # one rank per client when set
@@ -156,37 +196,51 @@ class BootstrapClient:
         self.scratch = scratch  # advertised with every registration that names none (kvbridge doctor probes it)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: a cluster's HTTP(S)_PROXY must not capture daemon traffic.
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport, trust_env=trust_env
-        )
+        self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport, trust_env=trust_env)
 
     # -- plumbing ---------------------------------------------------------------
 
     def _request(self, method: str, path: str, what: str, json: Any = None, params: Any = None,
                  headers: dict[str, str] | None = None) -> httpx.Response:
         last: BaseException | None = None
+        down: httpx.Response | None = None  # the last 503 store_unavailable, raised as it is if nothing answers
         pause = 0.0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(max(pause, self.backoff * 2 ** (attempt - 1)))
+        n = len(self.urls)
+        for attempt in range((self.retries + 1) * n):
+            if attempt and attempt % n == 0:  # a whole round of replicas failed: back off, jittered
+                rnd = attempt // n
+                time.sleep(max(pause, self.backoff * 2 ** (rnd - 1) * random.uniform(0.5, 1.5)))
             pause = 0.0
+            i = self._current
             try:
-                resp = self._http.request(method, path, json=json, params=params, headers=headers)
+                resp = self._http.request(method, self.urls[i] + path, json=json, params=params, headers=headers)
             except httpx.TransportError as exc:
                 last = exc
-                log.debug("%s: attempt %d failed: %r", what, attempt + 1, exc)
+                log.debug("%s: attempt %d at %s failed: %r", what, attempt + 1, self.urls[i], exc)
+                self._next_replica(i)
                 continue
-            if resp.status_code in _RETRY_STATUS:
-                last = BootstrapError(f"HTTP {resp.status_code}")
+            if resp.status_code in _RETRY_STATUS or _is_store_down(resp):
+                last = BootstrapError(f"HTTP {resp.status_code} from {self.urls[i]}")
+                down = resp if resp.status_code == 503 else down
+                self._next_replica(i)
                 continue
-            if resp.status_code == 429 and attempt < self.retries and (wait := _retry_after(resp)) is not None:
+            if resp.status_code == 429 and attempt < (self.retries + 1) * n - 1 and (wait := _retry_after(resp)) is not None:
                 pause = min(wait, MAX_RETRY_AFTER_S)  # a limit that waiting lifts: wait, within the retry budget
                 continue
+            self.last_replica = resp.headers.get(REPLICA_HEADER, "")
             _raise_for(resp, what)
             return resp
+        if down is not None:
+            _raise_for(down, what)  # BootstrapUnavailable naming the store's cause
+        where = f"bootstrap daemon at {self.urls[0]}" if n == 1 else f"bootstrap daemons {', '.join(self.urls)}"
         raise BootstrapUnavailable(
-            f"{what}: bootstrap daemon at {self.base_url} unreachable after {self.retries + 1} attempt(s): {last!r}"
+            f"{what}: {where} unreachable after {self.retries + 1} attempt(s){' each' if n > 1 else ''}: {last!r}"
         ) from last
+
+    def _next_replica(self, failed: int) -> None:
+        if len(self.urls) > 1 and self._current == failed:
+            self._current = (failed + 1) % len(self.urls)
+            self.failovers += 1
 
     def close(self) -> None:
         self._http.close()

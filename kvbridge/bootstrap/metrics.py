@@ -38,6 +38,13 @@ _HISTOGRAM = ("kvbridge_bootstrap_request_duration_seconds", "HTTP request laten
 _GAUGES = {
     "kvbridge_bootstrap_registered_ranks": ("Ranks holding a live lease, by role.", ("role",)),
     "kvbridge_bootstrap_instances": ("Instances with at least one live rank, by role and completeness.", ("role", "complete")),
+    "kvbridge_bootstrap_store_up": ("1 when the store takes writes and new look-ups (etcd: quorum reached), else 0.",
+                                    ("kind", "replica")),
+    "kvbridge_bootstrap_store_requests": ("Requests this replica made to its store since it started (etcd).",
+                                          ("kind", "replica")),
+    "kvbridge_bootstrap_store_watch_restarts": ("Times this replica reloaded its cache from a fresh etcd snapshot.",
+                                                ("kind", "replica")),
+    "kvbridge_bootstrap_replicas": ("Daemon replicas the store knows (the same from every replica).", ("replica",)),
 }
 
 # what the daemon's registry reports at scrape time: gauge name -> [(labels, value)]

@@ -1,51 +1,44 @@
 """The recent refusals kept for diagnostics (hard rule 7: the diff is kept).
 
 A bounded log, newest last inside, newest first out; each record names both
-sides (instance, rank, fingerprint) and carries the field diff."""
+sides (instance, rank, fingerprint) and carries the field diff. The registry
+builds the records (registry.py); a store keeps them here (in memory, or as the
+cache of what etcd holds)."""
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
-from typing import Literal
 
-from kvbridge.bootstrap.diff import FieldDiff
-from kvbridge.bootstrap.metrics import Metrics
-from kvbridge.bootstrap.schemas import MismatchRecord, MismatchSide
+from kvbridge.bootstrap.schemas import MismatchRecord
 
 __all__ = ["MismatchLog"]
 
-log = logging.getLogger(__name__)
-
 
 class MismatchLog:
-    def __init__(self, metrics: Metrics, maxlen: int = 100, wall_clock: Callable[[], float] = time.time) -> None:
-        self._metrics = metrics
-        self._wall = wall_clock
+    def __init__(self, maxlen: int = 100) -> None:
         self._lock = threading.Lock()
         self._records: deque[MismatchRecord] = deque(maxlen=maxlen)
 
-    def record(
-        self,
-        kind: Literal["lookup", "register"],
-        reason: Literal["contract", "topology"],
-        message: str,
-        left: MismatchSide,
-        right: MismatchSide,
-        diff: list[FieldDiff],
-    ) -> MismatchRecord:
-        rec = MismatchRecord(time=self._wall(), kind=kind, reason=reason, message=message, left=left, right=right, diff=diff)
+    @property
+    def maxlen(self) -> int:
+        return self._records.maxlen or 0
+
+    def append(self, rec: MismatchRecord) -> None:
         with self._lock:
             self._records.append(rec)
-        self._metrics.inc("kvbridge_bootstrap_mismatches_total", kind=kind, reason=reason)
-        log.warning("refused (%s, %s): %s", kind, reason, message)
-        return rec
+
+    def replace(self, records: list[MismatchRecord]) -> None:
+        """Oldest first (a store's full reload)."""
+        with self._lock:
+            self._records.clear()
+            self._records.extend(records)
 
     def recent(self, limit: int | None = None) -> list[MismatchRecord]:
         """Newest first."""
         with self._lock:
             items = list(reversed(self._records))
         return items[:limit] if limit is not None else items
+
+    def __len__(self) -> int:
+        return len(self._records)

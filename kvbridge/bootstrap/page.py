@@ -88,11 +88,29 @@ def _contracts(fingerprints: list[InstanceFingerprint]) -> str:
     return "".join(parts) or '<p class="muted">None.</p>'
 
 
+def _store(store: dict[str, Any] | None) -> str:
+    """The store's health and the replicas it knows (any replica shows the same)."""
+    if not store:
+        return ""
+    state = "available" if store.get("ok") else f"UNAVAILABLE: {store.get('cause', '')}"
+    rows = "".join(
+        f'<tr class="replica" data-replica="{_e(r["name"])}"><td>{_e(r["name"])}</td><td>{_e(r["url"])}</td>'
+        f'<td>{r["seen_s_ago"]:.1f}s ago</td></tr>' for r in store.get("replicas", [])
+    )
+    table = (f"<table><tr><th>replica</th><th>url</th><th>last seen</th></tr>{rows}</table>" if rows else "")
+    answered = f" &middot; answered by <b>{_e(str(store.get('answered_by', '')))}</b>" if store.get("answered_by") else ""
+    return (f'<h2>Store</h2><p id="store" data-ok="{str(bool(store.get("ok"))).lower()}">{_e(str(store.get("kind")))} '
+            f'store: <b>{_e(state)}</b>{answered}<br><span class="muted">{_e(", ".join(store.get("endpoints", [])))}'
+            f'</span></p>{table}')
+
+
 def render_diagnostics(
-    instances: list[InstanceView], fingerprints: list[InstanceFingerprint], mismatches: list[MismatchRecord]
+    instances: list[InstanceView], fingerprints: list[InstanceFingerprint], mismatches: list[MismatchRecord],
+    store: dict[str, Any] | None = None,
 ) -> str:
     body = [
         "<h1>kvbridge bootstrap: diagnostics</h1>",
+        _store(store),
         "<h2>Instances and fingerprints</h2>",
         _instances_table(instances),
         f"<h2>Recent refusals ({len(mismatches)})</h2>",

@@ -39,6 +39,7 @@ class RankRecord:
     secret_digest: bytes = b""  # SHA-256 of the lease secret handed out at registration
     scratch: ScratchDescriptor | None = None
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
+    lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""

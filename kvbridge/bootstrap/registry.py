@@ -1,5 +1,6 @@
-"""The daemon's in-memory state: instances, their ranks and leases, and the
-recent refusals kept for diagnostics. One ``Registry`` per app (``app.state``).
+"""The registry's rules, written once above its store: instances, their ranks and
+leases, and the recent refusals kept for diagnostics. One ``Registry`` per app
+(``app.state``); its state lives in a ``RegistryStore`` (store.py: in memory, or etcd).
 
     instance "prefill-a" (role, sizes, contract + fingerprint fixed by its first rank)
       └── ranks by id, and by coordinates (dp, cp, tp, pp): a re-registration of the
@@ -9,19 +10,22 @@ recent refusals kept for diagnostics. One ``Registry`` per app (``app.state``).
 Limits: an instance's topology may not exceed ``max_ranks_per_instance`` ranks, and
 at most ``max_instances`` instances live at once (429, named).
 
-Leases: every rank holds one for ``lease_ttl_s``; a heartbeat renews it. Expired
-ranks are dropped lazily on every access (cheap: only when the earliest lease
-has passed) and by the app's periodic sweep; an instance with no rank left is
+Leases: every rank holds one for ``lease_ttl_s``; a heartbeat renews it. The store
+drops expired ranks (in memory: lazily on every access and by the app's periodic
+sweep; etcd: by itself, with no daemon running); an instance with no rank left is
 forgotten, so it may come back with a new contract.
+
+Store down (etcd quorum lost): registrations, heartbeats and new look-ups answer 503
+``store_unavailable`` naming the cause; views keep answering from the cache.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
@@ -32,7 +36,6 @@ from kvbridge.bootstrap.leases import (
     secret_digest,
 )
 from kvbridge.bootstrap.metrics import Metrics
-from kvbridge.bootstrap.mismatches import MismatchLog
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import (
     HeartbeatResponse,
@@ -47,6 +50,8 @@ from kvbridge.bootstrap.schemas import (
     RegisterRequest,
     RegisterResponse,
 )
+from kvbridge.bootstrap.store import RegistryStore
+from kvbridge.bootstrap.store_memory import MemoryStore
 from kvbridge.bootstrap.topology import (
     OwnerLanePlan,
     check_descriptors,
@@ -54,6 +59,7 @@ from kvbridge.bootstrap.topology import (
     topology_diff,
 )
 from kvbridge.errors import (
+    BootstrapUnavailable,
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
@@ -86,6 +92,7 @@ class Registry:
         pause_grace_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        store: RegistryStore | None = None,
     ) -> None:
         self.metrics = metrics
         self.default_ttl_s = default_ttl_s
@@ -93,14 +100,16 @@ class Registry:
         self.max_ranks_per_instance = max_ranks_per_instance
         self.max_instances = max_instances
         self._clock = clock
-        self.pause_grace_s = pause_grace_s  # a gap between two sweeps longer than this is a pause (None: off)
-        self._last_tick = clock()
-        self.pauses = 0
-        self._lock = threading.Lock()
-        self._instances: dict[str, InstanceRecord] = {}
-        self._rank_instance: dict[str, str] = {}  # rank id -> instance name
-        self.refusals = MismatchLog(metrics, max_mismatches, wall_clock)
-        self._next_expiry = float("inf")
+        self._wall = wall_clock
+        self.store = store if store is not None else MemoryStore(max_refusals=max_mismatches, pause_grace_s=pause_grace_s,
+                                                                 clock=clock)
+        self._lock = self.store.lock
+        self._index = self.store.index
+
+    @property
+    def pauses(self) -> int:
+        """Pauses of the daemon forgiven by lengthening leases (in-memory store only)."""
+        return getattr(self.store, "pauses", 0)
 
     # -- leases -----------------------------------------------------------------
 
@@ -110,43 +119,12 @@ class Registry:
             return self._expire_locked()
 
     def _expire_locked(self) -> int:
-        now = self._clock()
-        self._forgive_pause(now)
-        if now < self._next_expiry:
-            return 0
-        dropped = [r for inst in self._instances.values() for r in inst.ranks.values() if r.expires_at <= now]
+        dropped = self.store.expire(self._clock())
         for rec in dropped:
             log.info("lease of %s (%s) expired", rec.identity.label, rec.rank_id)
-            self._remove_locked(rec.rank_id)
-        self._next_expiry = min(
-            (r.expires_at for inst in self._instances.values() for r in inst.ranks.values()), default=float("inf")
-        )
         if dropped:
             self.metrics.inc("kvbridge_bootstrap_leases_expired_total", len(dropped))
         return len(dropped)
-
-    def _forgive_pause(self, now: float) -> None:
-        """A daemon that did not run for a while (SIGSTOP, a suspended VM) could not take the
-        heartbeats sent meanwhile: lengthen every lease by the gap rather than expire them all
-        at once on resume. (Longer, never shorter: decode ranks free a dead rank's pages only
-        after its lease is gone, so this errs on the safe side of hard rule 6.)"""
-        gap, self._last_tick = now - self._last_tick, now
-        if self.pause_grace_s is None or gap <= self.pause_grace_s:
-            return
-        ranks = [r for inst in self._instances.values() for r in inst.ranks.values()]
-        for r in ranks:
-            r.expires_at += gap
-        self._next_expiry += gap
-        self.pauses += 1
-        log.warning("the daemon did not run for %.1fs: %d lease(s) lengthened by that much", gap, len(ranks))
-
-    def _remove_locked(self, rank_id: str) -> RankRecord:
-        inst = self._instances[self._rank_instance.pop(rank_id)]
-        rec = inst.ranks.pop(rank_id)
-        inst.by_coords.pop(rec.identity.coords, None)
-        if not inst.ranks:
-            del self._instances[inst.name]
-        return rec
 
     def _ttl(self, asked: float | None) -> float:
         return min(asked if asked is not None else self.default_ttl_s, self.max_ttl_s)
@@ -161,7 +139,8 @@ class Registry:
         secret = new_secret()
         with self._lock:
             self._expire_locked()
-            inst = self._instances.get(ident.instance)
+            self.store.check_available(f"registration of {ident.label}", rank=ident.label)
+            inst = self._index.instances.get(ident.instance)
             replaced = inst.by_coords.get(ident.coords) if inst is not None else None
             if inst is not None and replaced is not None:
                 old = inst.ranks[replaced]
@@ -169,16 +148,12 @@ class Registry:
                                    remaining_s=old.expires_at - self._clock())
             if inst is not None and replaced is not None and len(inst.ranks) == 1:
                 # The instance's only rank restarts: it may come back with a new contract.
-                self._remove_locked(replaced)
                 inst = None
             if inst is not None:
                 self._check_same_instance(inst, req, fp)
-                if replaced is not None:
-                    self._remove_locked(replaced)
             else:
-                self._check_limits(ident)
+                self._check_limits(ident, replacing=replaced is not None)
                 inst = InstanceRecord(ident.instance, ident.topology, req.contract, fp)
-                self._instances[inst.name] = inst
             if replaced is not None:
                 log.info("%s registers again; replacing %s", ident.label, replaced)
             ttl = self._ttl(req.lease_ttl_s)
@@ -195,16 +170,19 @@ class Registry:
                 secret_digest=secret_digest(secret),
                 scratch=req.scratch,
             )
-            inst.ranks[rec.rank_id] = rec
-            inst.by_coords[ident.coords] = rec.rank_id
-            self._rank_instance[rec.rank_id] = inst.name
-            self._next_expiry = min(self._next_expiry, rec.expires_at)
+            if not self.store.remote:
+                self.store.add_rank(inst, rec, replaced)
+        if self.store.remote:
+            # A shared store settles conflicting writers itself (one transaction: LeaseHeld when
+            # another replica took the coordinates meanwhile); its round trips must not hold the
+            # lock that look-ups, answered from the cache, take.
+            self.store.add_rank(inst, rec, replaced)
         self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
         log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
         return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced,
                                 lease_secret=secret)
 
-    def _check_limits(self, ident: RankIdentity) -> None:
+    def _check_limits(self, ident: RankIdentity, *, replacing: bool = False) -> None:
         """A new instance: its size and the number of instances stay under the daemon's limits."""
         n = ident.topology.num_ranks
         if n > self.max_ranks_per_instance:
@@ -214,9 +192,10 @@ class Registry:
                                 rank=ident.label, field="rank")
             exc.code = "too_many_ranks"  # type: ignore[attr-defined]
             raise exc
-        if len(self._instances) >= self.max_instances:
+        live = len(self._index.instances) - (1 if replacing else 0)  # an instance restarting its only rank
+        if live >= self.max_instances:
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="too_many_instances")
-            exc = LimitExceeded(f"{len(self._instances)} instances are registered, this daemon's limit "
+            exc = LimitExceeded(f"{live} instances are registered, this daemon's limit "
                                 f"(--max-instances); {ident.instance!r} refused", rank=ident.label, field="rank.instance")
             exc.code = "too_many_instances"  # type: ignore[attr-defined]
             raise exc
@@ -226,21 +205,23 @@ class Registry:
         tdiff = topology_diff(inst.topology, ident.topology)
         if tdiff:
             msg = f"{ident.label} reports {ident.topology.role} {ident.topology.shape}; instance is {inst.topology.role} {inst.topology.shape}"
-            self.refusals.record("register", "topology", msg, self._registered_side(inst), self._incoming_side(ident, fp), tdiff)
+            self._refuse("register", "topology", msg, self._registered_side(inst), self._incoming_side(ident, fp), tdiff)
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="topology")
             raise _topology_error(msg, tdiff, rank=ident.label, field=tdiff[0].path)
         if fp != inst.fingerprint:
             diff = diff_contracts(inst.contract, req.contract)
             msg = f"{ident.label} has contract {fp}, instance {inst.name!r} has {inst.fingerprint}: {len(diff)} field(s) differ"
-            self.refusals.record("register", "contract", msg, self._registered_side(inst), self._incoming_side(ident, fp), diff)
+            self._refuse("register", "contract", msg, self._registered_side(inst), self._incoming_side(ident, fp), diff)
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="mismatch")
             raise ContractMismatch(msg, diff=diff, rank=ident.label, field=diff[0].path if diff else None)
 
     def _rank(self, rank_id: str, what: str) -> RankRecord:
-        name = self._rank_instance.get(rank_id)
-        if name is None:
-            raise UnknownInstance(f"no rank {rank_id!r} (lease expired or daemon restarted){what}", field="rank_id")
-        return self._instances[name].ranks[rank_id]
+        rec = self._index.rank(rank_id)
+        if rec is None and self.store.catch_up(rank_id=rank_id):  # registered through another replica a moment ago
+            rec = self._index.rank(rank_id)
+        if rec is None:
+            raise self.store.unknown(rank_id, what)
+        return rec
 
     def heartbeat(self, rank_id: str, *, lease_secret: str | None = None, admin: bool = False) -> HeartbeatResponse:
         with self._lock:
@@ -255,7 +236,14 @@ class Registry:
             except KVBridgeError:
                 self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="refused")
                 raise
-            rec.expires_at = self._clock() + rec.lease_ttl_s
+        try:
+            self.store.renew(rec)  # outside the lock: a remote store's round trip must not hold up look-ups
+        except UnknownInstance:
+            self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="unknown")
+            raise
+        except KVBridgeError:
+            self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="unavailable")
+            raise
         self.metrics.inc("kvbridge_bootstrap_heartbeats_total", outcome="ok")
         return HeartbeatResponse(rank_id=rank_id, lease_ttl_s=rec.lease_ttl_s)
 
@@ -265,7 +253,10 @@ class Registry:
             rec = self._rank(rank_id, "")
             check_secret(rec.secret_digest, lease_secret, admin=admin, action="deregistration", label=rec.identity.label,
                          rank_id=rank_id)
-            self._remove_locked(rank_id)
+            if not self.store.remote:
+                self.store.remove_rank(rank_id)
+        if self.store.remote:
+            self.store.remove_rank(rank_id)
         self.metrics.inc("kvbridge_bootstrap_deregistrations_total")
         log.info("deregistered %s (%s)%s", rec.identity.label, rank_id, " by an admin" if admin and not lease_secret else "")
 
@@ -273,7 +264,14 @@ class Registry:
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
         try:
-            return self._lookup(req)
+            try:
+                return self._lookup(req)
+            except (UnknownInstance, InstanceIncomplete):
+                # A shared store's cache may lag a registration made through another replica:
+                # catch up (rate-limited by the store) and answer once more.
+                if not self.store.catch_up(instance=req.prefill_instance):
+                    raise
+                return self._lookup(req)
         except ContractMismatch:
             self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="mismatch")
             raise
@@ -286,13 +284,19 @@ class Registry:
         except TopologyError:
             self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="topology")
             raise
+        except BootstrapUnavailable:
+            self.metrics.inc("kvbridge_bootstrap_lookups_total", outcome="unavailable")
+            raise
 
     def _lookup(self, req: LookupRequest) -> LookupResponse:
         who = req.rank.label
         fp = fingerprint(req.contract)
+        # A store that lost its quorum may have missed changes: new look-ups wait for it
+        # (decode ranks keep using the topology they cached).
+        self.store.check_available(f"look-up of room {req.room} on {req.prefill_instance!r}", room=req.room, rank=who)
         with self._lock:
             self._expire_locked()
-            inst = self._instances.get(req.prefill_instance)
+            inst = self._index.instances.get(req.prefill_instance)
             if inst is None:
                 raise UnknownInstance(f"no prefill instance {req.prefill_instance!r} is registered", rank=who, field="prefill_instance")
             if inst.topology.role != "prefill":
@@ -305,7 +309,7 @@ class Registry:
                        f"disagree on {len(diff)} field(s): {', '.join(d.path for d in diff[:5])}")
                 left = MismatchSide(label="prefill", instance=inst.name, role="prefill", rank=f"{inst.name}/dp{dp}", fingerprint=inst.fingerprint)
                 right = MismatchSide(label="decode", instance=req.rank.instance, role=req.rank.role, rank=who, fingerprint=fp)
-                self.refusals.record("lookup", "contract", msg, left, right, diff)
+                self._refuse("lookup", "contract", msg, left, right, diff)
                 raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
             if dp >= topo.dp_size:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
@@ -343,18 +347,28 @@ class Registry:
     def _incoming_side(ident: RankIdentity, fp: str) -> MismatchSide:
         return MismatchSide(label="incoming", instance=ident.instance, role=ident.role, rank=ident.label, fingerprint=fp)
 
+    def _refuse(self, kind: Literal["lookup", "register"], reason: Literal["contract", "topology"], message: str,
+                left: MismatchSide, right: MismatchSide, diff: list[FieldDiff]) -> None:
+        rec = MismatchRecord(time=self._wall(), kind=kind, reason=reason, message=message, left=left, right=right, diff=diff)
+        self.metrics.inc("kvbridge_bootstrap_mismatches_total", kind=kind, reason=reason)
+        log.warning("refused (%s, %s): %s", kind, reason, message)
+        try:
+            self.store.add_refusal(rec)
+        except BootstrapUnavailable as exc:  # the refusal itself still answers 409; only its record is lost
+            log.warning("refusal not kept in the store: %s", exc)
+
     def mismatches(self, limit: int | None = None) -> list[MismatchRecord]:
         """Recent refusals, newest first."""
-        return self.refusals.recent(limit)
+        return self.store.refusals(limit)
 
     def rank(self, rank_id: str) -> RankDetail:
         """One registered rank with its buffers; UnknownInstance (404) once its lease is gone."""
         with self._lock:
             self._expire_locked()
-            name = self._rank_instance.get(rank_id)
+            name = self._index.rank_instance.get(rank_id)
             if name is None:
                 raise UnknownInstance(f"no rank {rank_id!r} is registered (never, or its lease expired)", field="rank_id")
-            inst = self._instances[name]
+            inst = self._index.instances[name]
             r = inst.ranks[rank_id]
             return RankDetail(rank_id=rank_id, rank=r.identity, fingerprint=inst.fingerprint,
                               control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
@@ -365,13 +379,13 @@ class Registry:
         now = self._clock()
         with self._lock:
             self._expire_locked()
-            return [inst.view(now) for _, inst in sorted(self._instances.items())]
+            return [inst.view(now) for _, inst in sorted(self._index.instances.items())]
 
     def instance(self, name: str) -> InstanceView:
         now = self._clock()
         with self._lock:
             self._expire_locked()
-            inst = self._instances.get(name)
+            inst = self._index.instances.get(name)
             if inst is None:
                 raise UnknownInstance(f"no instance {name!r} is registered", field="instance")
             return inst.view(now)
@@ -379,23 +393,32 @@ class Registry:
     def fingerprints(self) -> list[InstanceFingerprint]:
         with self._lock:
             self._expire_locked()
-            return [inst.fingerprint_view() for _, inst in sorted(self._instances.items())]
+            return [inst.fingerprint_view() for _, inst in sorted(self._index.instances.items())]
 
-    def gauges(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+    def gauges(self, replica: str = "") -> dict[str, list[tuple[dict[str, str], float]]]:
         """Live numbers for /metrics."""
+        h = self.store.health()
+        who = {"kind": h.kind, "replica": replica}
+        store = {
+            "kvbridge_bootstrap_store_up": [(who, 1.0 if h.ok else 0.0)],
+            "kvbridge_bootstrap_store_requests": [(who, float(h.requests))],
+            "kvbridge_bootstrap_store_watch_restarts": [(who, float(h.watch_restarts))],
+            "kvbridge_bootstrap_replicas": [({"replica": replica}, float(max(1, len(self.store.replicas()))))],
+        }
         with self._lock:
             self._expire_locked()
             ranks = {"prefill": 0, "decode": 0}
             insts: dict[tuple[str, str], int] = {}
-            for inst in self._instances.values():
+            for inst in self._index.instances.values():
                 ranks[inst.topology.role] += len(inst.ranks)
                 key = (inst.topology.role, "true" if inst.complete else "false")
                 insts[key] = insts.get(key, 0) + 1
         return {
             "kvbridge_bootstrap_registered_ranks": [({"role": r}, n) for r, n in sorted(ranks.items())],
             "kvbridge_bootstrap_instances": [({"role": r, "complete": c}, n) for (r, c), n in sorted(insts.items())],
+            **store,
         }
 
     def counts(self) -> tuple[int, int]:
         with self._lock:
-            return len(self._instances), len(self._rank_instance)
+            return len(self._index.instances), len(self._index.rank_instance)

@@ -14,7 +14,8 @@
     413     body_too_large;  415 unsupported_media_type
     422     invalid_request (fields): the body does not match the OpenAPI schema
     429     too_many_ranks, too_many_instances, too_many_lookups (Retry-After)
-    503     instance_incomplete (missing, Retry-After)
+    503     instance_incomplete (missing, Retry-After), store_unavailable (the store's cause named:
+            etcd quorum lost or members unreachable; Retry-After)
 
 So the schema and the validation agree: whatever ``/openapi.json`` accepts is never
 answered 422.
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvbridge.bootstrap.schemas import ErrorBody
+from kvbridge.bootstrap.store import StoreUnavailable
 from kvbridge.errors import (
     BufferSpecError,
     ContractMismatch,
@@ -70,6 +72,8 @@ def status_of(exc: KVBridgeError) -> tuple[int, str]:
         return 409, "lease_held"
     if isinstance(exc, InstanceIncomplete):
         return 503, "instance_incomplete"
+    if isinstance(exc, StoreUnavailable):
+        return 503, "store_unavailable"
     if isinstance(exc, UnknownInstance):
         return 404, "unknown_rank" if exc.field == "rank_id" else "unknown_instance"
     if isinstance(exc, Unauthorized):

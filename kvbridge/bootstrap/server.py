@@ -5,6 +5,7 @@ file for whoever started us (tests, scripts) without guessing free ports."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kvbridge.bootstrap.app import BootstrapSettings, create_app
+from kvbridge.bootstrap.app import BootstrapSettings, create_app, make_store
 from kvbridge.errors import ConfigError
 
 __all__ = ["bind_socket", "serve"]
@@ -82,11 +83,23 @@ def serve(
         log.warning("listening on %s without a read token: anyone who reaches this port can read the topology", host)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
+    settings = dataclasses.replace(settings, replica=settings.replica or f"{socket.gethostname()}:{bound}",
+                                   url=settings.url or url)
+    store = make_store(settings)
+    try:
+        store.start()  # an unreachable etcd: StoreUnavailable names it, and the daemon exits non-zero
+    except BaseException:
+        sock.close()
+        raise
+    if settings.etcd is not None:
+        log.info("registry on etcd %s (prefix %s) as replica %s", ",".join(settings.etcd.urls), settings.etcd.prefix,
+                 settings.replica)
     log.info("kvbridge bootstrap listening on http://%s:%d (docs at /docs)", host if ":" not in host else f"[{host}]", bound)
     if port_file is not None:
         _publish_port(port_file, bound)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, store=store),
         log_level=log_level.lower(),
         access_log=log_level.upper() == "DEBUG",
         lifespan="on",

@@ -5,7 +5,12 @@
     cluster.py  the daemon, a CP prefill instance and a decode rank as restartable processes
     traffic.py  rooms through them over the ops channel
     faults.py   one fault injected during traffic, and its accounting
-    names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors
+    names.py    FAULTS: prefill / decode / daemon x SIGKILL / SIGSTOP / SIGTERM, and engine errors;
+                STORE_FAULTS (asked for by name): replica SIGKILL, etcd member SIGKILL, etcd quorum loss
+    store_faults.py  those three, run on three daemon replicas over a three-member etcd
+    etcd.py     EtcdCluster: a local etcd cluster on free loopback ports (also for tests and benches)
+    hostile.py  ``--hostile``: attacks (aliasing, pre-auth flood, slow connection, slot exhaustion,
+                room collision, read exposure) against a local cluster, defended or not
 
 The report's ``faults`` list has one entry per fault with at least ``fault``,
 ``rooms_affected``, ``seconds_to_failed``, ``reason_names_rank``, ``rooms_after_recovery``

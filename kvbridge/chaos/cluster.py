@@ -3,6 +3,9 @@ separate processes on loopback, each one restartable with the same command line
 (workers keep their lease secret in a lease file, so a restarted rank takes its
 coordinates back at once; the daemon comes back on the same port). Every process
 is stopped by ``close()``.
+
+Store mode (``replicas > 0``): a three-member etcd cluster (``chaos/etcd.py``) and that
+many daemon replicas on it; the workers get every replica's URL (``--bootstrap a,b,c``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvbridge.chaos.etcd import EtcdCluster
 from kvbridge.worker import ops
 from kvbridge.worker.cluster import HOST, spawn_bootstrap
 from kvbridge.worker.launch import Proc, ProcessGroup, kvbridge_argv
@@ -59,8 +63,11 @@ class Member:
 
 class ChaosCluster:
     def __init__(self, workdir: Path, *, cp: int, layers: int, pages: int, lease_ttl: float, peer_timeout: float,
-                 transfer_timeout: float, failed_writes: int) -> None:
+                 transfer_timeout: float, failed_writes: int, replicas: int = 0) -> None:
         self.workdir = workdir
+        self.etcd = EtcdCluster(workdir / "etcd", members=3) if replicas else None
+        self.replicas = [Member(f"replica-{i}", "daemon", []) for i in range(replicas)]
+        self.replica_ports = [0] * replicas
         self.token, self.secret = secrets.token_hex(16), secrets.token_hex(16)
         self.prefill_instance, self.decode_instance = "chaos-p", "chaos-d"
         self.group = ProcessGroup(workdir, env={"KVBRIDGE_BOOTSTRAP_TOKEN": self.token, "KVBRIDGE_SECRET": self.secret,
@@ -85,7 +92,14 @@ class ChaosCluster:
 
     @property
     def members(self) -> list[Member]:
-        return [self.daemon, *self.workers]
+        return [*(self.replicas or [self.daemon]), *self.workers]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every daemon the workers may ask (the replicas in store mode)."""
+        if not self.replicas:
+            return [self.url]
+        return [f"http://{HOST}:{p}" for p in self.replica_ports]
 
     # -- starting and stopping ----------------------------------------------------
 
@@ -97,7 +111,15 @@ class ChaosCluster:
             self._await(m, timeout)
 
     def start_daemon(self, timeout: float = 30.0) -> None:
-        """The daemon, on the port it had before (a restart) or a free one (the first start)."""
+        """The daemon, on the port it had before (a restart) or a free one (the first start);
+        in store mode the etcd cluster and every replica."""
+        if self.replicas:
+            if self.etcd is not None and not self.etcd.running():
+                self.etcd.start()
+            for i in range(len(self.replicas)):
+                self.start_replica(i, timeout)
+            self.daemon = self.replicas[0]
+            return
         self.daemon.starts += 1
         extra = ("--port", str(self.port)) if self.port else ()
         self.url = spawn_bootstrap(self.group, timeout, extra)
@@ -106,7 +128,25 @@ class ChaosCluster:
         for m in self.workers:
             m.argv = _with_flag(m.argv, "--bootstrap", self.url)
 
+    def start_replica(self, i: int, timeout: float = 30.0) -> None:
+        """Replica ``i`` on the etcd cluster, on the port it had before or a free one."""
+        assert self.etcd is not None
+        m = self.replicas[i]
+        m.starts += 1
+        extra = ["--store", self.etcd.store_url, "--replica-name", m.name]
+        if self.replica_ports[i]:
+            extra += ["--port", str(self.replica_ports[i])]
+        url = spawn_bootstrap(self.group, timeout, extra)
+        self.replica_ports[i] = int(url.rsplit(":", 1)[1])
+        m.proc = self.group.procs[-1]
+        self.url = self.urls[0]
+        for w in self.workers:
+            w.argv = _with_flag(w.argv, "--bootstrap", ",".join(self.urls))
+
     def restart(self, m: Member, timeout: float = 60.0) -> None:
+        if m in self.replicas:
+            self.start_replica(self.replicas.index(m), timeout)
+            return
         if m is self.daemon:
             self.start_daemon(timeout)
             return
@@ -143,6 +183,8 @@ class ChaosCluster:
             if m.client is not None:
                 m.client.close()
         codes = self.group.stop_all(timeout=15)
+        if self.etcd is not None:
+            self.etcd.stop()
         return {m.name: codes.get(m.proc.name) for m in self.members if m.proc is not None}
 
     # -- looking at the members ----------------------------------------------------
@@ -177,13 +219,15 @@ class ChaosCluster:
         return reply.stats if isinstance(reply, ops.StatsReply) else {}
 
     def registered(self, instance: str) -> int:
-        """Ranks of ``instance`` the daemon lists now (0 when it does not answer)."""
-        try:
-            r = httpx.get(f"{self.url}/v1/instances/{instance}", timeout=1.0, trust_env=False,
-                          headers={"Authorization": f"Bearer {self.token}"})
-            return int(r.json()["num_ranks"]) if r.status_code == 200 else 0
-        except (httpx.HTTPError, ValueError, KeyError):
-            return 0
+        """Ranks of ``instance`` a daemon lists now (0 when none answers)."""
+        for url in self.urls:
+            try:
+                r = httpx.get(f"{url}/v1/instances/{instance}", timeout=1.0, trust_env=False,
+                              headers={"Authorization": f"Bearer {self.token}"})
+                return int(r.json()["num_ranks"]) if r.status_code == 200 else 0
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+        return 0
 
     def wait_registered(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

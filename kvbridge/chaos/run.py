@@ -11,7 +11,8 @@ from typing import Any
 
 from kvbridge.chaos.cluster import ChaosCluster
 from kvbridge.chaos.faults import Fault, inject
-from kvbridge.chaos.names import FAULTS
+from kvbridge.chaos.names import ALL_FAULTS, FAULTS, STORE_FAULTS
+from kvbridge.chaos.store_faults import inject_store_fault
 from kvbridge.chaos.traffic import Traffic
 
 __all__ = ["ChaosSpec", "run_chaos", "format_report"]
@@ -47,17 +48,18 @@ class ChaosSpec:
 
 
 def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
-    unknown = [f for f in spec.faults if f not in FAULTS]
+    unknown = [f for f in spec.faults if f not in ALL_FAULTS]
     if unknown:
         from kvbridge.errors import ConfigError
 
-        raise ConfigError(f"unknown fault(s) {unknown}; faults are {list(FAULTS)}", field="faults")
+        raise ConfigError(f"unknown fault(s) {unknown}; faults are {list(ALL_FAULTS)}", field="faults")
+    store_mode = any(f in STORE_FAULTS for f in spec.faults)  # three daemon replicas on a three-member etcd
     t0 = time.monotonic()
     tmp = None if spec.workdir else tempfile.TemporaryDirectory(prefix="kvbridge-chaos-")
     workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
     cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=spec.lease_ttl,
                            peer_timeout=spec.peer_timeout, transfer_timeout=spec.transfer_timeout,
-                           failed_writes=spec.failed_writes)
+                           failed_writes=spec.failed_writes, replicas=3 if store_mode else 0)
     results = []
     try:
         cluster.start()
@@ -65,8 +67,10 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
         warm = traffic.batch(spec.recovery_rooms, 60.0)
         baseline_ok = all(r.ok for r in warm)
         for name in spec.faults:
-            res = inject(cluster, traffic, Fault(name), stop_s=spec.stop_s, recovery_rooms=spec.recovery_rooms,
-                         settle_s=spec.settle_s, recovery_timeout=spec.recovery_timeout)
+            injector = inject_store_fault if name in STORE_FAULTS else (
+                lambda c, t, n, **kw: inject(c, t, Fault(n), **kw))
+            res = injector(cluster, traffic, name, stop_s=spec.stop_s, recovery_rooms=spec.recovery_rooms,
+                           settle_s=spec.settle_s, recovery_timeout=spec.recovery_timeout)
             results.append(res)
             if progress is not None:
                 progress(res)
@@ -78,7 +82,7 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
     problems = [f"{r.fault}: {p}" for r in results for p in r.problems]
     if not baseline_ok:
         problems.insert(0, "rooms failed before any fault was injected")
-    if results and not in_flight:
+    if results and not in_flight and not all(r.fault in STORE_FAULTS for r in results):
         problems.append("no fault hit a moment with writes in flight")
     return {
         "ok": not problems,
@@ -87,6 +91,8 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
         "writes_in_flight_hit": in_flight,
         "rooms": len(traffic.rooms) if results else 0,
         "late_writes": sum(r.late_writes for r in results),
+        "rooms_lost": sum(r.rooms_lost for r in results),
+        "store": "etcd (3 members), 3 daemon replicas" if store_mode else "memory",
         "exit_codes": exit_codes,
         "seconds": round(time.monotonic() - t0, 1),
         "spec": asdict(spec),

@@ -6,9 +6,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from kvbridge.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 TOKEN_ENV = "KVBRIDGE_BOOTSTRAP_TOKEN"
 READ_TOKEN_ENV = "KVBRIDGE_READ_TOKEN"
@@ -21,6 +28,22 @@ TOKENS = (
     ("admin-token", ADMIN_TOKEN_ENV, "operators' bearer token: reads, writes, and renews, replaces or deregisters any "
      "rank without its lease secret (none: only a rank's own lease secret can)"),
 )
+
+# The store: flag > KVBRIDGE_<NAME> environment variable > [bootstrap] table of --config > default.
+# (name, default, help); the flag is --<name with dashes>, the TOML key <name>.
+STORE_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("store", "memory", "where the registry lives: 'memory' (this process only) or etcd://h1:2379,h2:2379,h3:2379 "
+     "(etcds:// for TLS); with etcd any number of daemons serve one cluster"),
+    ("etcd_ca_cert", None, "CA bundle that signs the etcd members' certificates (etcds://)"),
+    ("etcd_cert", None, "client certificate for etcd (mutual TLS; with --etcd-key)"),
+    ("etcd_key", None, "client certificate key for etcd"),
+    ("etcd_user", None, "etcd user (role-based auth; with --etcd-password or its file)"),
+    ("etcd_password_file", None, "file holding the etcd user's password (KVBRIDGE_ETCD_PASSWORD also works)"),
+    ("etcd_prefix", "/kvbridge/", "key prefix in etcd (one prefix per kvbridge cluster)"),
+    ("etcd_timeout", 2.0, "seconds one etcd request may take before the next member is tried"),
+    ("replica_name", "", "this daemon's name among replicas, in X-KVBridge-Replica and /diagnostics (empty: host:port)"),
+)
+ETCD_PASSWORD_ENV = "KVBRIDGE_ETCD_PASSWORD"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +73,67 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-lookups-per-s", type=float, default=1000.0,
                    help="handshakes (room look-ups) per second per decode instance, bursts of twice that; "
                    "more get 429 with Retry-After; 0: unlimited (default: 1000)")
+    for name, default, text in STORE_SETTINGS:
+        p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"{text} (default: {default!r}; env "
+                       f"KVBRIDGE_{name.upper()}; key {name} of --config's [bootstrap] table)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="TOML file whose [bootstrap] table sets the store options above (default: $KVBRIDGE_CONFIG)")
     p.set_defaults(func=run)
+
+
+def _read_toml(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        table = tomllib.loads(path.read_text()).get("bootstrap", {})
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}", field="config") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {str(path)!r} is not TOML: {exc}", field="config") from exc
+    known = {n for n, _, _ in STORE_SETTINGS}
+    table = {k.replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"config {str(path)!r}: unknown key(s) {unknown} in [bootstrap] (known: {sorted(known)})",
+                          field=unknown[0])
+    return table
+
+
+def store_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The store options by precedence: flag > environment > TOML > default."""
+    config = args.config or (Path(os.environ["KVBRIDGE_CONFIG"]) if os.environ.get("KVBRIDGE_CONFIG") else None)
+    toml = _read_toml(config)
+    out: dict[str, Any] = {}
+    for name, default, _ in STORE_SETTINGS:
+        value = getattr(args, name)
+        if value is None:
+            value = os.environ.get(f"KVBRIDGE_{name.upper()}") or None
+        if value is None:
+            value = toml.get(name, default)
+        out[name] = value
+    try:
+        out["etcd_timeout"] = float(out["etcd_timeout"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"etcd timeout {out['etcd_timeout']!r} is not a number of seconds", field="etcd_timeout") from exc
+    return out
+
+
+def etcd_options(opts: dict[str, Any]) -> Any:
+    """``EtcdOptions`` for an etcd store URL, None for the in-memory store."""
+    from kvbridge.bootstrap.store import EtcdOptions, parse_store_url
+
+    kind, endpoints, tls = parse_store_url(str(opts["store"]))
+    if kind == "memory":
+        return None
+    password = os.environ.get(ETCD_PASSWORD_ENV) or None
+    if opts["etcd_password_file"]:
+        try:
+            password = Path(opts["etcd_password_file"]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read etcd password file: {exc.strerror}", field="etcd_password_file") from exc
+    return EtcdOptions(endpoints=endpoints, tls=tls or bool(opts["etcd_ca_cert"]), ca_cert=opts["etcd_ca_cert"],
+                       cert=opts["etcd_cert"], key=opts["etcd_key"], user=opts["etcd_user"], password=password,
+                       prefix=str(opts["etcd_prefix"]), timeout_s=opts["etcd_timeout"])
 
 
 def _token(args: argparse.Namespace, stem: str, env: str) -> str | None:
@@ -77,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port {args.port} is outside 0..65535", field="port")
     tokens = {stem.replace("-", "_"): _token(args, stem, env) for stem, env, _ in TOKENS}
+    store = store_settings(args)
     settings = BootstrapSettings(
+        etcd=etcd_options(store),
+        replica=str(store["replica_name"]),
         **tokens,
         lease_ttl_s=args.lease_ttl,
         max_lease_ttl_s=args.max_lease_ttl,

@@ -62,7 +62,10 @@ class DoctorReport:
 def run_doctor(spec: DoctorSpec) -> DoctorReport:
     t0 = time.monotonic()
     report = DoctorReport(spec)
-    rows, reads_ok = bootstrap_checks(spec.bootstrap, spec.token, spec.timeout, spec.max_skew_s)
+    rows, reads_ok = [], True
+    for url in [u.strip() for u in spec.bootstrap.split(",") if u.strip()]:  # every replica listed
+        got, ok = bootstrap_checks(url, spec.token, spec.timeout, spec.max_skew_s)
+        rows, reads_ok = rows + got, reads_ok and ok
     report.checks += rows
     if not reads_ok:
         report.checks.append(Check("instance", f"{spec.prefill}, {spec.decode}", SKIP, "needs the daemon and a token "

@@ -60,6 +60,12 @@ def bootstrap_checks(url: str, token: str | None, timeout: float, max_skew_s: fl
         out.append(Check("bootstrap", url, OK, f"kvbridge {body.get('version')}, {body.get('ranks')} rank(s) in "
                          f"{body.get('instances')} instance(s), answered in {1000 * (t1 - t0):.1f} ms", seconds=t1 - t0))
         out.append(_clock(url, body, t0, t1, max_skew_s))
+        store = body.get("store")
+        if isinstance(store, dict) and store.get("kind") == "etcd":
+            out.append(Check("store", url, OK if store.get("ok") else FAIL,
+                             f"etcd store {'available' if store.get('ok') else 'UNAVAILABLE: ' + str(store.get('cause'))}"
+                             f" ({len(store.get('replicas', []))} replica(s) known)"[:300],
+                             "" if store.get("ok") else "bring the etcd members back until a quorum answers"))
         reads = _token_check(http, "GET", "/v1/instances", None, "read", token)
         writes = _token_check(http, "POST", "/v1/lookup", {}, "write", token)  # {} is invalid: nothing changes
         out += [reads, writes]

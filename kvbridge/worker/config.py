@@ -127,7 +127,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_port", int, 0, "Prometheus /metrics port (0: pick a free one, reported in the ready file; -1: off)"),
     Setting("max_slices_per_call", int, 1024, "slices per Mooncake batch call"),
     # bootstrap and security
-    Setting("bootstrap", str, "http://127.0.0.1:8998", "bootstrap daemon URL"),
+    Setting("bootstrap", str, "http://127.0.0.1:8998", "bootstrap daemon URL, or several replicas' URLs separated by "
+            "commas (any replica serves any request; the client fails over with jittered backoff)"),
     Setting("token", str, "", "bearer token for the bootstrap daemon (prefer the env variable; "
             "KVBRIDGE_BOOTSTRAP_TOKEN, the daemon's own, is read too)", env_aliases=("KVBRIDGE_BOOTSTRAP_TOKEN",)),
     Setting("secret", str, "", "cluster secret: HMAC on control and ops messages (prefer the env variable)"),
@@ -320,8 +321,10 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{name} {getattr(cfg, name)} is not a port", field=name)
     if not -1 <= cfg.metrics_port < 65536:
         raise ConfigError(f"metrics_port {cfg.metrics_port} is not a port (or -1: off)", field="metrics_port")
-    if not cfg.bootstrap.startswith(("http://", "https://")):
-        raise ConfigError(f"bootstrap URL {cfg.bootstrap!r} must start with http:// or https://", field="bootstrap")
+    for url in cfg.bootstrap.split(","):
+        if not url.strip().startswith(("http://", "https://")):
+            raise ConfigError(f"bootstrap URL {url.strip()!r} (of {cfg.bootstrap!r}) must start with http:// or https://",
+                              field="bootstrap")
     if cfg.model and cfg.poison_pages:
         raise ConfigError("--poison-pages is for synthetic KV: model mode poisons its decode pages itself (checked "
                           "before use and past the valid rows of every room)", field="poison_pages")

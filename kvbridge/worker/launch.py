@@ -8,23 +8,23 @@ failures stop everything too. Output goes to one log file per process.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvbridge.bootstrap.starter import start_bootstrap
 from kvbridge.errors import KVBridgeError
+
+__all__ = ["LaunchError", "ProcessGroup", "Proc", "kvbridge_argv", "spawn_bootstrap", "start_bootstrap", "HOST"]
 
 
 class LaunchError(KVBridgeError):
@@ -160,29 +160,3 @@ def spawn_bootstrap(group: ProcessGroup, timeout: float = 30.0, extra_args: Sequ
     url = f"http://{host}:{group.wait_file(boot, port_file, timeout).strip()}"
     group.wait_http(boot, f"{url}/healthz", timeout)
     return url
-
-
-@contextlib.contextmanager
-def start_bootstrap(
-    *,
-    host: str = HOST,
-    port: int = 0,
-    lease_ttl: float | None = None,
-    with_token: bool = True,
-    timeout: float = 30.0,
-    extra_args: Sequence[str] = (),
-) -> Iterator[tuple[str, str]]:
-    """A bootstrap daemon process for the ``with`` block, for embedding and tests::
-
-        with kvbridge.start_bootstrap() as (url, token):
-            client = kvbridge.BootstrapClient(url, token=token)
-
-    Yields ``(url, token)``: the token is fresh (writes need it), or "" when ``with_token`` is
-    False (an open daemon). ``port`` 0 lets the kernel pick; ``lease_ttl`` is the default
-    lease of ranks that ask for none; ``extra_args`` go to ``kvbridge bootstrap`` as they are.
-    The daemon is stopped (SIGTERM, then SIGKILL) when the block ends, however it ends."""
-    token = secrets.token_hex(16) if with_token else ""
-    args = [*extra_args, *(("--lease-ttl", str(lease_ttl)) if lease_ttl is not None else ())]
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bootstrap-") as tmp:
-        with ProcessGroup(tmp, env={"KVBRIDGE_BOOTSTRAP_TOKEN": token} if token else None) as group:
-            yield spawn_bootstrap(group, timeout, args, host=host, port=port), token

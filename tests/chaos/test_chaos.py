@@ -79,3 +79,20 @@ def test_poisoned_pages_catch_a_write_after_release() -> None:
     poison.poison(np.array([2]))
     assert all(int(b[2].view(-1).numpy().view(np.uint8)[0]) == POISON_BYTE for b in buffers.values())
 
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="needs the Mooncake transfer engine")
+def test_chaos_store_faults_json() -> None:
+    """Three daemon replicas on a three-member etcd: a replica killed, a member killed, quorum lost."""
+    from kvbridge.chaos.names import STORE_FAULTS
+
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "chaos", "--quick", "--json", "--faults", ",".join(STORE_FAULTS)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    report = json.loads(done.stdout)
+    assert done.returncode == (0 if report["ok"] else 1), done.stderr[-3000:]
+    assert [f["fault"] for f in report["faults"]] == list(STORE_FAULTS) and report["store"].startswith("etcd")
+    for f in report["faults"]:
+        assert REQUIRED <= set(f), f
+        assert f["rooms_lost"] == 0 and f["late_writes"] == 0 and f["rooms_hung"] == 0, f
+        assert f["rooms_after_recovery"] == f["recovery_rooms"], f
+    assert not report["problems"], report["problems"]
