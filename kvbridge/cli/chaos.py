@@ -9,7 +9,7 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvbridge.chaos.names import FAULTS
+    from kvbridge.chaos.names import FAULTS, STORE_FAULTS
 
     p = sub.add_parser(
         "chaos",
@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "not name the process), or when no fault hit a write in flight.",
     )
     p.add_argument("--quick", action="store_true", help="smaller rooms and fewer of them (the test suite runs this)")
-    p.add_argument("--faults", default=None, help=f"comma-separated subset of: {', '.join(FAULTS)} (default: all)")
+    p.add_argument("--faults", default=None, help=f"comma-separated subset of: {', '.join(FAULTS)} (default: all); "
+                   f"also, by name only: {', '.join(STORE_FAULTS)} (three daemon replicas on a local etcd)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per room (default: 16384; quick 8192)")
     p.add_argument("--workdir", default=None, help="keep the processes' logs in this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
