@@ -42,7 +42,7 @@ from kvbridge import (
 )
 from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import SGLangCache, read_kv_args
-from kvbridge.integrations.sglang.patches import sglang_version
+from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang.settings import Settings, read_settings
 
 log = logging.getLogger(__name__)

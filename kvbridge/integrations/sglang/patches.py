@@ -15,9 +15,9 @@ and has no registry for out-of-tree backends. Three things make ``kvbridge`` one
    an if-chain. It is wrapped: ``KVBRIDGE`` gets kvbridge's manager, sender,
    receiver and bootstrap server (``kvbridge.integrations.sglang.backend``);
    every other backend, and every ``KVARGS`` request, goes to SGLang's own
-   function. Modules that imported the function by name before ``install()``
-   (``prefill``, ``decode``, ``disagg_service``...) are re-pointed, as SGLang's
-   own ``HookRegistry`` does.
+   function. SGLang's modules that imported the function by name before
+   ``install()`` (``prefill``, ``decode``, ``disagg_service``...) are re-pointed,
+   as SGLang's own ``HookRegistry`` does; no module outside ``sglang.*`` is touched.
 3. The flag's choices: ``add_disagg_transfer_backend_choices(["kvbridge"])``,
    SGLang's own extension point (``sglang.srt.arg_groups.choices``).
 
@@ -51,12 +51,12 @@ from enum import Enum
 from typing import Any
 
 from kvbridge import ConfigError
+from kvbridge.integrations.sglang.version import SUPPORTED_VERSIONS, sglang_version
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "kvbridge"  # the value of --disaggregation-transfer-backend
 MEMBER = "KVBRIDGE"  # TransferBackend.KVBRIDGE
-SUPPORTED_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "KVBRIDGE_SGLANG_UNTESTED"
 _MARK = "__kvbridge_backend__"  # set on the get_kv_class wrapper
 
@@ -146,16 +146,6 @@ METADATA_INIT = ("self", "size", "hidden_size", "hidden_states_dtype", "max_samp
 class SGLangMismatch(ConfigError):
     """The installed SGLang is not the version, or does not have the interface,
     that kvbridge's backend was written for."""
-
-
-def sglang_version() -> str:
-    """The installed SGLang's version ('' when it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return ""
 
 
 def installed() -> bool:
@@ -379,12 +369,22 @@ def _wrap_get_kv_class(utils: Any, member: Enum) -> None:
 
     setattr(get_kv_class, _MARK, True)
     utils.get_kv_class = get_kv_class
-    # ``from ...utils import get_kv_class`` copied the old function into modules
-    # imported before now; point them at the wrapper.
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if module is utils or not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
+    for module in sglang_modules_holding(original):
+        for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, get_kv_class)
+
+
+def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:
+    """SGLang's own modules (``sglang`` and ``sglang.*``, ``utils`` excepted) with a global
+    bound to ``function``: ``from ...utils import get_kv_class`` copied it into those imported
+    before ``install()``, and they are re-pointed at the wrapper. Only SGLang's: a user's
+    module that kept SGLang's function on purpose keeps it."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        if name == _UTILS or not (name == "sglang" or name.startswith("sglang.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and any(value is function for value in namespace.values()):
+            out.append(module)
+    return out
