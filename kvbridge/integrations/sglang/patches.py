@@ -20,6 +20,12 @@ and has no registry for out-of-tree backends. Three things make ``kvbridge`` one
    as SGLang's own ``HookRegistry`` does; no module outside ``sglang.*`` is touched.
 3. The flag's choices: ``add_disagg_transfer_backend_choices(["kvbridge"])``,
    SGLang's own extension point (``sglang.srt.arg_groups.choices``).
+4. ``SGLANG_HTTP_SERVER_APP_PATH``, when unset (or SGLang's default), names
+   ``kvbridge.integrations.sglang.http_app:app``: SGLang's extra tokenizer worker
+   processes (``--tokenizer-worker-num > 1``) import that app and run no plugin
+   loader; kvbridge's app registers the backend there first (``http_app.py``).
+   Set to another app, it is left alone with a warning: that app must call
+   ``install()``.
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -64,6 +70,9 @@ _UTILS = "sglang.srt.disaggregation.utils"
 _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
+APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
+APP_PATH = "kvbridge.integrations.sglang.http_app:app"  # patch 4: what the HTTP workers import
+SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"  # SGLang's default, handed back by http_app
 
 # What kvbridge calls, overrides or subclasses: dotted name -> parameter names.
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -135,7 +144,7 @@ KVARGS_FIELDS = (
 SGLANG_ENVS = (
     "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
-    "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
+    "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "SGLANG_HTTP_SERVER_APP_PATH",
 )  # fmt: skip
 
 # MetadataBuffers' constructor: the aux regions follow from these.
@@ -190,6 +199,7 @@ def install(*, allow_untested: bool = False) -> None:
     choices = importlib.import_module(_CHOICES)
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
+    _point_http_workers_at_kvbridge()
     logger.debug("kvbridge registered as SGLang %s transfer backend %r", version, BACKEND)
 
 
@@ -388,3 +398,16 @@ def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:
         if isinstance(namespace, dict) and any(value is function for value in namespace.values()):
             out.append(module)
     return out
+
+
+def _point_http_workers_at_kvbridge() -> None:
+    """Patch 4 (module docstring). The environment is the one channel to the HTTP server's
+    worker processes, which SGLang starts after this process loaded its plugins."""
+    current = os.environ.get(APP_PATH_ENV, "")
+    if current in ("", SGLANG_APP_PATH):
+        os.environ[APP_PATH_ENV] = APP_PATH
+    elif current != APP_PATH:
+        logger.warning("%s=%s: with --tokenizer-worker-num > 1 that app's worker processes must call "
+                       "kvbridge.integrations.sglang.install() before SGLang builds its TokenizerWorker, or "
+                       "TransferBackend('kvbridge') fails there (kvbridge's app %s does it)", APP_PATH_ENV, current,
+                       APP_PATH)
