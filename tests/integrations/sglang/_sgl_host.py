@@ -35,17 +35,9 @@ from kvbridge.integrations.sglang import install  # noqa: E402
 
 install()
 
-from sglang.srt.server_args import ServerArgs  # noqa: E402
-
 import _sgl_sched as sched  # noqa: E402
 import _sgl_world as world  # noqa: E402
-
-
-def server_args(role: str, port: int = 8998, sharding: bool = False) -> ServerArgs:
-    return ServerArgs(model_path="tiny-deepseek-v3.2", served_model_name="tiny-deepseek-v3.2",
-                      disaggregation_mode=role, disaggregation_transfer_backend="kvbridge", host="127.0.0.1",
-                      disaggregation_bootstrap_port=port, speculative_algorithm="NEXTN", speculative_eagle_topk=1,
-                      dtype="bfloat16", enable_kv_cache_sharding=sharding)  # fmt: skip
+from _sgl_world import server_args  # noqa: E402
 
 
 def prefill_server(cfg: dict) -> sched.PrefillServer:

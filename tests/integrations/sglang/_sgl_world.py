@@ -7,7 +7,8 @@ cache) and an ``MLATokenToKVPool`` for the NextN draft layer; SGLang's
 ``PrefillBootstrapQueue._init_kv_manager`` and ``DecodePreallocQueue._init_kv_manager``
 fill it (SGLang's ``get_kv_transfer_buf_infos``, ``build_kv_layer_ids``,
 ``setup_state_kv_args``, ``MetadataBuffers.get_buf_infos``); and the manager SGLang
-would get from ``get_kv_class(TransferBackend.KVBRIDGE, ...)``. Its place in the
+would get from ``get_kv_class(TransferBackend.KVBRIDGE, ...)`` (looked up at call time:
+``install()`` re-points only SGLang's own modules). Its place in the
 attention DP x CP x TP grid is stamped into SGLang's ``get_parallel()`` before its
 pools and manager are built, so several ranks share one process.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation import utils as disagg_utils
 from sglang.srt.disaggregation.utils import (
     DisaggregationMode,
     KVClassType,
@@ -29,7 +31,6 @@ from sglang.srt.disaggregation.utils import (
     ReqToMetadataIdxAllocator,
     TransferBackend,
     build_kv_layer_ids,
-    get_kv_class,
     get_kv_transfer_buf_infos,
     get_pd_kv_layout,
     is_mla_backend,
@@ -80,7 +81,7 @@ class RankWorld:
         self.meta_alloc = ReqToMetadataIdxAllocator(META_ROWS)
         self.kv_args = self._kv_args(ranks.get("attn_tp_rank", 0))
         with environ(env):
-            manager = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
+            manager = disagg_utils.get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
             self.mgr = manager(self.kv_args, mode, server_args, is_mla_backend(self.pool))
         self.specs = pool_specs(self.mgr.cache)
@@ -170,3 +171,10 @@ def metadata_errors(bufs: tuple, room: int) -> list[str]:
     if int(echo[0]) != room:
         errors.append(f"room {room}: bootstrap_room echo {int(echo[0])}")
     return errors
+
+
+def server_args(role: str, port: int = 8998, sharding: bool = False, **more: Any) -> ServerArgs:
+    return ServerArgs(model_path="tiny-deepseek-v3.2", served_model_name="tiny-deepseek-v3.2",
+                      disaggregation_mode=role, disaggregation_transfer_backend="kvbridge", host="127.0.0.1",
+                      disaggregation_bootstrap_port=port, speculative_algorithm="NEXTN", speculative_eagle_topk=1,
+                      dtype="bfloat16", enable_kv_cache_sharding=sharding, **more)  # fmt: skip
