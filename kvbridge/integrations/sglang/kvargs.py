@@ -64,6 +64,21 @@ METADATA_FIELDS: tuple[tuple[str, str, int | None, str], ...] = (
     ("bootstrap_room", "uint64", 8, ""),
     ("kv_checksum", "uint64", 8, "kv_checksum"),
 )
+# SGLang 0.5.23 state types (StateType values) kvbridge refuses, by the model family that registers them.
+STATE_FAMILIES = {
+    "mamba": "hybrid linear-attention models with Mamba/GDN state pools, the Qwen3-Next class",
+    "swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
+    "block_scale_swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
+    "swa_ring": "DeepSeek V4 (its SWA ring and compressed state)",
+    "c128_state": "DeepSeek V4 (its SWA ring and compressed state)",
+    "dsa_tail": "DeepSeek V4 (its SWA ring and compressed state)",
+    "request_row": "DeepSeek V4 (its SWA ring and compressed state)",
+    "qsa_pending": "QSA sparse-attention models",
+    "qsa_compressed": "QSA sparse-attention models",
+    "minimax_index_k": "MiniMax sparse-attention models",
+    "minimax_dense_kv": "MiniMax sparse-attention models",
+    "block_scale": "block-scaled KV caches",
+}
 ITEMSIZE = {"int32": 4, "int64": 8, "uint64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "bfloat16": "bfloat16", "float16": "float16",
                   "fp16": "float16", "half": "float16", "float32": "float32", "fp8_e4m3": "fp8_e4m3",
@@ -345,8 +360,12 @@ def _index_pool(
     types = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
     unsupported = [t for t in types if t != DSA_STATE]
     if unsupported:
-        raise ConfigError(f"SGLang state {unsupported} is not supported by kvbridge (only the DSA index K, "
-                          f"'{DSA_STATE}')", field="state_types")  # fmt: skip
+        families = sorted({STATE_FAMILIES.get(t, f"models with SGLang state {t!r}") for t in unsupported})
+        raise ConfigError(
+            f"SGLang state {unsupported} is not supported by kvbridge ({'; '.join(families)}): kvbridge moves KV "
+            f"pages and the DSA index K ('{DSA_STATE}') on the request's page mapping, and its core does not yet "
+            "carry a per-request state buffer outside those pages (what SGLang's state_indices address); instead "
+            "serve this model with --disaggregation-transfer-backend mooncake", field="state_types")  # fmt: skip
     if not types:
         return None
     if types.count(DSA_STATE) != 1:

@@ -222,7 +222,11 @@ class KVBridgeKVManager(BaseKVManager):
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
         """PD retraction rebootstrap: not supported; the receiver fails, naming it."""
-        kv_receiver.fail("PD retraction rebootstrap (a prefill recompute) is not supported by kvbridge's backend")
+        kv_receiver.fail("PD retraction re-bootstrap (SGLang asks prefill to recompute a retracted request) is not "
+                         "supported by kvbridge's backend: the request would need a second room on the same prefill "
+                         "pages; instead give decode a retraction backup (--disaggregation-decode-retraction-backup "
+                         "cpu_tensor or host_pool: a retracted request resumes from its own KV), or serve with "
+                         "--disaggregation-transfer-backend mooncake")
 
 
 def _wait_for_daemon(client: BootstrapClient, url: str, timeout: float) -> None:

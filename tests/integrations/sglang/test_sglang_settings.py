@@ -67,6 +67,10 @@ def test_decode_finds_daemons_by_bootstrap_address(rank):
      "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
     ("decode", {}, {"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"}, {}, "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
     ("prefill", {"speculative_algorithm": "STANDALONE"}, {}, {}, "speculative_algorithm"),
+    ("decode", {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}, {}, {},
+     "--disaggregation-enable-kv-checksum"),
+    ("decode", {"disaggregation_enable_kv_checksum": True, "enable_hierarchical_cache": True}, {}, {},
+     "--disaggregation-enable-kv-checksum"),
 ])  # fmt: skip
 def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, role, kw, env, stamp, flag):
     rank(**stamp)
@@ -75,6 +79,26 @@ def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, ro
     with pytest.raises(ConfigError) as err:
         read_settings(role, args(**kw), True, env=ENV)
     assert err.value.field.split("=")[0] == flag, str(err.value)
+
+
+def test_g3_g6_refusals_say_why_and_what_instead(rank):
+    """G3: the KV checksum with a decode prefix cache (prefill cannot learn decode's prefix through
+    kvbridge's public API); G6: pipeline-parallel prefill. Each names the flag, why, and what to use."""
+    rank()
+    kw = {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}
+    with pytest.raises(ConfigError) as err:
+        read_settings("decode", args(**kw), True, env=ENV)
+    msg = str(err.value)
+    assert "--disaggregation-enable-kv-checksum with a decode prefix cache" in msg
+    assert "pop_decode_prefix_len() returns 0" in msg and "instead drop --disaggregation-enable-kv-checksum" in msg
+    assert read_settings("decode", args(disaggregation_enable_kv_checksum=True), True, env=ENV).kv_checksum  # alone: fine
+    assert read_settings("prefill", args(**kw), True, env=ENV).kv_checksum  # prefill has no prefix of decode's
+    rank(pp_size=2)
+    with pytest.raises(ConfigError) as err:
+        read_settings("prefill", args(), True, env=ENV)
+    msg = str(err.value)
+    assert msg.startswith("--pp-size > 1 is not supported by kvbridge's SGLang backend: each pipeline stage")
+    assert "instead serve prefill with --pp-size 1" in msg and "--disaggregation-transfer-backend mooncake" in msg
 
 
 def test_mha_over_attention_tp_and_bad_names_are_refused(rank):
@@ -117,3 +141,30 @@ def test_the_contract_from_sglangs_pools_and_from_a_file(rank, tmp_path):
     with pytest.raises(ConfigError, match="layer_ids"):
         rank_contract(read_kv_args(kv_args(layers=3, draft=1), is_mla=True), from_file, lane_rule="replicated",
                       kv_layout=None, sglang_version="0.5.23")
+
+
+@pytest.mark.parametrize("state, family", [
+    ("MAMBA", "hybrid linear-attention models with Mamba/GDN state pools, the Qwen3-Next class"),
+    ("SWA", "hybrid sliding-window models with an SWA pool"),
+    ("SWA_RING", "DeepSeek V4"),
+])  # fmt: skip
+def test_g5_state_pools_are_refused_when_sglang_builds_the_manager(rank, monkeypatch, state, family):
+    """G5: SGLang's KV manager (got from get_kv_class, built as _init_kv_manager builds it) refuses
+    the state pools of hybrid models at start-up, naming the family, why, and what to use."""
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base.conn import StateType
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang import install
+
+    install()
+    rank()
+    monkeypatch.setenv("KVBRIDGE_HOST", "127.0.0.1")
+    kv = kv_args(layers=4, draft=1)
+    kv.state_types = [getattr(StateType, state)]
+    manager = utils.get_kv_class(utils.TransferBackend.KVBRIDGE, utils.KVClassType.MANAGER)
+    with pytest.raises(ConfigError) as err:
+        manager(kv, utils.DisaggregationMode.PREFILL, args(), True)
+    msg = str(err.value)
+    assert family in msg and "per-request state buffer" in msg and err.value.field == "state_types"
+    assert "instead serve this model with --disaggregation-transfer-backend mooncake" in msg
