@@ -83,6 +83,8 @@ class KVBridgeKVManager(BaseKVManager):
         self._resolving: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._creating = threading.Lock()  # decode endpoints are made on pool threads
+        self._engines: list[Any] = []  # one per endpoint, closed with it
+        self.released = False  # SGLang released the KV memory (deregister_buffer_to_engine)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
         atexit.register(self.close)
         if role == "prefill":
@@ -117,22 +119,63 @@ class KVBridgeKVManager(BaseKVManager):
 
     def engine(self) -> Any:
         s = self.settings
-        return create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+        engine = create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+        with self._lock:
+            self._engines.append(engine)
+        return engine
 
     def close(self) -> None:
         """Stop the endpoints and deregister (process exit; SGLang never closes a manager)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_endpoints()
+        for c in self._clients.values():
+            c.close()
+        self._clients = {}
+
+    def _stop_endpoints(self) -> None:
+        """Every endpoint stops (its rooms fail, its rank leaves the daemon, its memory is withdrawn
+        from its engine), then the engines close; decode forgets the prefill instances it resolved."""
         with self._lock:
             endpoints = [*self._endpoints.values(), *([self.endpoint] if self.endpoint else [])]
+            engines, self._engines = self._engines, []
             self._endpoints, self.endpoint = {}, None
+            self._instances, self._resolving = {}, {}
+            self.prefill_info_table.clear()
         for ep in endpoints:
             try:
                 ep.close(timeout=2.0)
             except KVBridgeError as exc:
                 log.warning("closing %s: %s", ep.config.rank_label, exc)
-        for c in self._clients.values():
-            c.close()
-        self._clients = {}
+        for engine in engines:
+            engine.close()
+
+    # -- SGLang's release_memory_occupation / resume_memory_occupation ---------------------
+
+    RELEASED = ("SGLang released this rank's KV memory (release_memory_occupation: memory saver or a weight "
+                "update); its buffers are withdrawn from kvbridge's transfer engine until resume_memory_occupation")
+
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang calls this before it frees the KV pools. No registration may outlive the memory:
+        every endpoint of this rank stops and its engine closes (rooms still open fail, naming the
+        shutdown). Until ``register_buffer_to_engine``, a room on this rank is refused (``RELEASED``)."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._stop_endpoints()
+        log.info("kvbridge %s rank %s: KV memory released, buffers withdrawn", self.settings.role, self.settings.label)
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang calls this once the KV pools are back (at the addresses in ``KVArgs``): prefill
+        registers them again with a fresh engine and rejoins the daemon; decode makes its endpoints
+        again as requests resolve their prefill instance."""
+        with self._lock:
+            if not self.released:
+                return
+            self.released = False
+        if self.settings.role == "prefill":
+            self._start_prefill()
+        log.info("kvbridge %s rank %s: KV memory resumed, buffers registered", self.settings.role, self.settings.label)
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -158,6 +201,8 @@ class KVBridgeKVManager(BaseKVManager):
         resolves a request's prefill DP rank: True once the prefill instance at ``bootstrap_addr``
         is known and this rank has an endpoint at its daemon. The daemon is asked off the
         scheduler thread; the first calls start that and return False."""
+        if self.released:
+            return False  # nothing to resolve into: the receiver refuses the request (RELEASED)
         if bootstrap_addr in self.prefill_info_table:
             return True
         with self._lock:
@@ -197,6 +242,8 @@ class KVBridgeKVManager(BaseKVManager):
                 ep = self._endpoints.get(url)
             if ep is not None:
                 return ep
+            if self.released:  # a look-up that was under way when SGLang released the memory
+                raise ConfigError(self.RELEASED, field="kv_memory")
             s = self.settings
             specs, schema, contract = self.contract(lane_rule)
             kv, aux = self.buffers()

@@ -59,7 +59,9 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         self._tokens_given = 0
         self._page_ids: list[np.ndarray] = []
         s = mgr.settings
-        if s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
+        if mgr.released:
+            self.fail(mgr.RELEASED)
+        elif s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
             self.fail(f"room {self.bootstrap_room} came to prefill DP rank {s.dp_rank}, but decode looks it up in "
                       f"DP rank {self.bootstrap_room % s.dp_size} (room % dp_size): route with "
                       "load_balance_method follow_bootstrap_room, or pass the prefill DP rank with the request")
