@@ -10,9 +10,8 @@ What kvbridge does not support is refused here, naming the flag, why, and (where
 is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
 decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
 layer split, the staging buffer, HiSparse, the ``prefill_complete`` allocation
-policy, PD role switching, forced DP-rank queries, metadata buffers in GPU memory
-on decode, and MHA/GQA caches over more than one attention TP rank (heterogeneous
-TP is the endpoints' next step).
+policy, PD role switching, forced DP-rank queries, and metadata buffers in GPU memory
+on decode.
 """
 
 from __future__ import annotations
@@ -63,14 +62,15 @@ class Settings:
 
     role: str  # "prefill" | "decode"
     is_mla: bool
-    # kvbridge coordinates: prefill (dp, cp) with one sender per CP rank; decode (dp, tp)
+    # kvbridge coordinates: prefill (dp, cp, tp: tp 0 of 1 for MLA); decode (dp, tp)
     dp_rank: int
     dp_size: int
     cp_rank: int
     cp_size: int
     tp_rank: int
     tp_size: int
-    sends: bool  # prefill: this rank has an endpoint (attention TP rank 0 of its CP rank, or a KV shard)
+    sends: bool  # prefill: this rank has an endpoint (MLA: attention TP rank 0 of its CP rank, or a KV shard;
+    # MHA/GQA: every attention TP rank, each holding its heads)
     lane_rule: str  # prefill: how its CP ranks own pages
     kv_shard_size: int  # > 1: logical-page KV sharding, a rank holds logical page p as local page p // N
     instance: str
@@ -125,8 +125,10 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         else:
             cp_rank, cp_size = attn["cp_rank"], attn["cp_size"]
             rule = sglang_lane_rule(attn_cp_size=cp_size, all_cp_ranks=_sglang_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"))
-            sends = attn["tp_rank"] == 0
-        tp_rank, tp_size = 0, 1
+            sends = attn["tp_rank"] == 0 or not is_mla  # MHA/GQA: each TP rank holds (and sends) its heads
+        # MLA's latent is replicated over attention TP (one sender per CP rank); MHA/GQA heads are
+        # sharded over it: each TP rank is a kvbridge TP rank, and decode takes head slices
+        tp_rank, tp_size = (0, 1) if is_mla else (attn["tp_rank"], attn["tp_size"])
     else:
         cp_rank, cp_size, tp_rank, tp_size, rule, sends = 0, 1, attn["tp_rank"], attn["tp_size"], "interleaved", True
     host = env.get(ENV_HOST) or _local_ip()
@@ -202,9 +204,6 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
         (int(getattr(sa, "dp_size", 1) or 1) > 1 and not getattr(sa, "enable_dp_attention", False),
          "--dp-size > 1 without --enable-dp-attention",
          "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
-        (not is_mla and int(_par(par, "attn_tp_size", 1)) > 1, "an MHA/GQA cache over attention TP > 1",
-         "its TP ranks hold different heads; the SGLang backend sends MLA caches (replicated across TP) or "
-         "attention TP 1"),
     ]
     if role == "decode":
         decode_prefix_cache = bool(getattr(sa, "disaggregation_decode_enable_radix_cache", False)

@@ -101,10 +101,39 @@ def test_g3_g6_refusals_say_why_and_what_instead(rank):
     assert "instead serve prefill with --pp-size 1" in msg and "--disaggregation-transfer-backend mooncake" in msg
 
 
-def test_mha_over_attention_tp_and_bad_names_are_refused(rank):
-    rank(tp=(0, 2))
-    with pytest.raises(ConfigError, match="MHA/GQA cache over attention TP > 1 is not supported"):
-        read_settings("decode", args(), False, env=ENV)
+def test_mha_over_attention_tp_every_tp_rank_is_a_kvbridge_tp_rank(rank):
+    """G1: an MHA/GQA cache's heads are sharded over attention TP: every prefill TP rank sends its
+    heads (MLA: TP rank 0 alone, the latent is replicated)."""
+    rank(tp=(1, 2))
+    p = read_settings("prefill", args(), False, env=ENV)
+    assert (p.tp_rank, p.tp_size, p.sends) == (1, 2, True)
+    assert (read_settings("prefill", args(), True, env=ENV).sends, read_settings("prefill", args(), True,
+                                                                                 env=ENV).tp_size) == (False, 1)
+    d = read_settings("decode", args(), False, env=ENV)
+    assert (d.tp_rank, d.tp_size) == (1, 2)
+
+
+def test_prefill_tp_wider_than_the_kv_heads_is_refused(rank, monkeypatch):
+    from sglang.srt.disaggregation import utils
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang import install
+    from kvbridge.integrations.sglang.kvargs import head_range
+
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated heads
+    assert [head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+    install()
+    rank(tp=(0, 4))
+    monkeypatch.setenv("KVBRIDGE_HOST", "127.0.0.1")
+    kv = kv_args(layers=2, draft=0, item=64 * 32, index=False, mla=False)
+    kv.kv_head_num, kv.total_kv_head_num = 1, 2
+    manager = utils.get_kv_class(utils.TransferBackend.KVBRIDGE, utils.KVClassType.MANAGER)
+    with pytest.raises(ConfigError, match=r"prefill attention TP 4 over 2 KV heads is not supported .* instead serve "
+                                          r"prefill with attention TP <= 2 \(decode may use any TP"):  # fmt: skip
+        manager(kv, utils.DisaggregationMode.PREFILL, args(), False)
+
+
+def test_bad_names_are_refused(rank):
     rank()
     with pytest.raises(ConfigError, match="instance name 'a b'"):
         read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_INSTANCE": "a b"})
