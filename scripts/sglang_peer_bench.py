@@ -16,8 +16,9 @@ pages of every layer as one Mooncake batch, which at 8K tokens and more fills Mo
 per-peer queue, and the session is then blacklisted and every later room fails.
 
 Two child processes (this script with ``--child``): one holds every prefill server, one every
-decode server; each configuration first moves one uncounted warm-up room. Latency is decode's, from ``send_metadata`` to ``poll() == Success``; GB/s is the
-room's KV bytes over it. Every room's decode pages start poisoned and must equal the prefill
+decode server; each configuration first moves one uncounted warm-up room. Latency is decode's,
+from ``send_metadata`` to ``poll() == Success``; GB/s is the rooms' KV bytes over their summed
+latencies. Every room's decode pages start poisoned and must equal the prefill
 pages they came from, byte for byte, in every layer.
 """
 
@@ -86,7 +87,8 @@ class Rank:
         kv.kv_layer_ids = list(range(layers))
         kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens = self.meta.get_buf_infos()
         kv.ib_device, kv.gpu_id = None, 0
-        kv.state_types, kv.state_data_ptrs, kv.state_data_lens, kv.state_item_lens, kv.state_layer_ids = [], [], [], [], []
+        kv.state_types, kv.state_data_ptrs, kv.state_data_lens = [], [], []
+        kv.state_item_lens, kv.state_layer_ids = [], []
         self.backend = utils.TransferBackend(backend)
         manager = utils.get_kv_class(self.backend, utils.KVClassType.MANAGER)
         mode = utils.DisaggregationMode.PREFILL if role == "prefill" else utils.DisaggregationMode.DECODE

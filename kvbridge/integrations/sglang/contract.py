@@ -43,8 +43,8 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
             raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: not a runtime contract ({exc})",
                               field="KVBRIDGE_CONTRACT") from None
         if heads is not None:
-            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path} with a head-sharded MHA/GQA cache (attention "
-                              "TP > 1): build the contract from SGLang's pools instead (unset KVBRIDGE_CONTRACT)",
+            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path} with a head-sharded MHA/GQA cache: "
+                              "build the contract from SGLang's pools instead (unset KVBRIDGE_CONTRACT)",
                               field="KVBRIDGE_CONTRACT")
         specs = check_against_contract(cache, contract)
         if contract.aux.to_schema() != schema:

@@ -234,7 +234,8 @@ class KVBridgeKVManager(BaseKVManager):
         _wait_for_daemon(client, s.daemon_url, DAEMON_WAIT_S)
         kv, aux = self.buffers()
         cfg = PrefillConfig(instance=s.instance, dp_rank=s.dp_rank, cp_rank=s.cp_rank, dp_size=s.dp_size,
-                            cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule, host=s.host, secret=s.secret,
+                            cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule,
+                            host=s.host, secret=s.secret,
                             lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
                             aux_slots=1)  # fmt: skip
         self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)
