@@ -8,6 +8,7 @@ and the checks of SGLang's interface are in ``patches.py``, the one place that
 patches SGLang); SGLang's plugin loader calls ``plugin()`` in each process it
 starts. Then:
 
+    version.py           the installed SGLang's version, the supported ones
     kvargs.py            SGLang's KVArgs -> kvbridge pools, RawBuffers, aux regions
     cp_modes.py          SGLang's CP modes -> owner-lane rules
     settings.py          what the backend reads from SGLang and KVBRIDGE_* (once), and refuses
@@ -16,27 +17,37 @@ starts. Then:
                          bootstrap_server.py (they import SGLang)
     launch.py            runs SGLang's server (``kvbridge sglang``)
 
-Nothing here imports SGLang until a function needs it.
+Imports point one way: ``patches -> backend -> manager -> version, settings, ...``;
+nothing below ``patches`` imports it. The names below are resolved on first use
+(this package imports no submodule when it is imported), and nothing here imports
+SGLang until a function needs it.
 """
 
-from kvbridge.integrations.sglang.patches import (
-    BACKEND,
-    SUPPORTED_VERSIONS,
-    SGLangMismatch,
-    install,
-    installed,
-    interface_differences,
-    plugin,
-    sglang_version,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BACKEND",
-    "SUPPORTED_VERSIONS",
-    "SGLangMismatch",
-    "install",
-    "installed",
-    "interface_differences",
-    "plugin",
-    "sglang_version",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BACKEND": "patches",
+    "SGLangMismatch": "patches",
+    "install": "patches",
+    "installed": "patches",
+    "interface_differences": "patches",
+    "plugin": "patches",
+    "SUPPORTED_VERSIONS": "version",
+    "sglang_version": "version",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -30,9 +30,11 @@ def aux_schema(cache: SGLangCache) -> AuxSchema:
 
 
 def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_layout: str | None,
-                  sglang_version: str) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
+                  sglang_version: str, heads: tuple[int, int, int] | None = None,
+                  ) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
     """``(specs, aux schema, contract)`` of one rank; ConfigError naming the field when SGLang's
-    pools do not fit the contract file."""
+    pools do not fit the contract file. ``heads``: (KV heads of the row, first, stop) of this
+    rank's head-sharded k/v pools (MHA/GQA over attention TP > 1); the contract holds whole rows."""
     schema = aux_schema(cache)
     if settings.contract_path:
         try:
@@ -40,6 +42,10 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
         except (OSError, ValueError) as exc:
             raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: not a runtime contract ({exc})",
                               field="KVBRIDGE_CONTRACT") from None
+        if heads is not None:
+            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path} with a head-sharded MHA/GQA cache: "
+                              "build the contract from SGLang's pools instead (unset KVBRIDGE_CONTRACT)",
+                              field="KVBRIDGE_CONTRACT")
         specs = check_against_contract(cache, contract)
         if contract.aux.to_schema() != schema:
             raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: its aux regions "
@@ -47,7 +53,7 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
                               f"{list(schema.names)}: the first token and the draft state would land in the wrong "
                               "bytes", field="aux.regions")
         return specs, schema, contract
-    specs = pool_specs(cache)
+    specs = pool_specs(cache, heads)
     target = specs.get("target") or specs["k"]
     draft = specs.get("draft") or specs.get("draft_k")
     model = {"name": settings.model_name, "revision": settings.revision, "target_layers": target.num_layers,

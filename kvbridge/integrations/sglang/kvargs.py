@@ -64,6 +64,21 @@ METADATA_FIELDS: tuple[tuple[str, str, int | None, str], ...] = (
     ("bootstrap_room", "uint64", 8, ""),
     ("kv_checksum", "uint64", 8, "kv_checksum"),
 )
+# SGLang 0.5.23 state types (StateType values) kvbridge refuses, by the model family that registers them.
+STATE_FAMILIES = {
+    "mamba": "hybrid linear-attention models with Mamba/GDN state pools, the Qwen3-Next class",
+    "swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
+    "block_scale_swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
+    "swa_ring": "DeepSeek V4 (its SWA ring and compressed state)",
+    "c128_state": "DeepSeek V4 (its SWA ring and compressed state)",
+    "dsa_tail": "DeepSeek V4 (its SWA ring and compressed state)",
+    "request_row": "DeepSeek V4 (its SWA ring and compressed state)",
+    "qsa_pending": "QSA sparse-attention models",
+    "qsa_compressed": "QSA sparse-attention models",
+    "minimax_index_k": "MiniMax sparse-attention models",
+    "minimax_dense_kv": "MiniMax sparse-attention models",
+    "block_scale": "block-scaled KV caches",
+}
 ITEMSIZE = {"int32": 4, "int64": 8, "uint64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "bfloat16": "bfloat16", "float16": "float16",
                   "fp16": "float16", "half": "float16", "float32": "float32", "fp8_e4m3": "fp8_e4m3",
@@ -282,14 +297,35 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
     return specs
 
 
-def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
+def head_range(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """KV heads ``[h0, h1)`` of attention TP rank ``tp_rank``, as SGLang shards an MHA/GQA cache:
+    ``num_heads / tp_size`` consecutive heads each when TP divides the heads; one head each when
+    TP exceeds them (rank r holds head ``r * num_heads // tp_size``: replicated)."""
+    if num_heads < 1 or tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"KV heads {num_heads} over attention TP rank {tp_rank} of {tp_size}", field="kv_head_num")
+    if tp_size <= num_heads:
+        if num_heads % tp_size:
+            raise ConfigError(f"{num_heads} KV heads do not split evenly over attention TP {tp_size}",
+                              field="total_kv_head_num")  # fmt: skip
+        per = num_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    if tp_size % num_heads:
+        raise ConfigError(f"attention TP {tp_size} is not a multiple of the {num_heads} KV heads it replicates",
+                          field="total_kv_head_num")  # fmt: skip
+    head = tp_rank * num_heads // tp_size
+    return head, head + 1
+
+
+def pool_specs(cache: SGLangCache, heads: tuple[int, int, int] | None = None) -> dict[str, PoolSpec]:
     """``PoolSpec``s for the geometries kvbridge knows: DeepSeek MLA in bf16
     (1152 B/token), fp8 with scales (656 B/token: V3.2's DSA pool) or plain fp8
     (576 B/token: SGLang's MLA pool for V3, one scale per tensor), the NSA index K
     (128 fp8 values then 4 scale bytes per token) and plain k/v pools in
-    bf16/fp16/fp32/fp8.
+    bf16/fp16/fp32/fp8. ``heads`` = (KV heads of the whole row, first, stop): the k/v pools
+    are head-sharded over attention TP and this rank's rows hold heads ``[first, stop)``.
     Anything else raises ``ConfigError``: describe it with ``PoolSpec`` yourself."""
     dtype = _DTYPE_ALIASES.get(cache.kv_cache_dtype.lower())
+    sharding = {} if heads is None else dict(zip(("num_heads", "head_start", "head_stop"), heads))
     out = {}
     for name, pool in cache.pools.items():
         per_token, rem = divmod(pool.bytes_per_page, cache.page_size)
@@ -308,9 +344,9 @@ def pool_specs(cache: SGLangCache) -> dict[str, PoolSpec]:
         elif cache.is_mla and dtype in ("fp8_e4m3", "fp8_e5m2") and per_token == 576:  # V3: one fp8 per value
             out[name] = PoolSpec(dtype=dtype, abi="uint8", kernel_abi=f"mla-{dtype}-576", **geometry)
         elif not cache.is_mla and dtype in ("bfloat16", "float16", "float32") and name != INDEX:
-            out[name] = PoolSpec(dtype=dtype, abi=dtype, **geometry)
+            out[name] = PoolSpec(dtype=dtype, abi=dtype, **geometry, **sharding)
         elif not cache.is_mla and dtype in ("fp8_e4m3", "fp8_e5m2") and name != INDEX:
-            out[name] = PoolSpec(dtype=dtype, abi="uint8", **geometry)
+            out[name] = PoolSpec(dtype=dtype, abi="uint8", **geometry, **sharding)
         else:
             raise ConfigError(
                 f"pool {name!r}: no known kvbridge geometry for {'MLA' if cache.is_mla else 'MHA'} "
@@ -345,8 +381,12 @@ def _index_pool(
     types = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
     unsupported = [t for t in types if t != DSA_STATE]
     if unsupported:
-        raise ConfigError(f"SGLang state {unsupported} is not supported by kvbridge (only the DSA index K, "
-                          f"'{DSA_STATE}')", field="state_types")  # fmt: skip
+        families = sorted({STATE_FAMILIES.get(t, f"models with SGLang state {t!r}") for t in unsupported})
+        raise ConfigError(
+            f"SGLang state {unsupported} is not supported by kvbridge ({'; '.join(families)}): kvbridge moves KV "
+            f"pages and the DSA index K ('{DSA_STATE}') on the request's page mapping, and its core does not yet "
+            "carry a per-request state buffer outside those pages (what SGLang's state_indices address); instead "
+            "serve this model with --disaggregation-transfer-backend mooncake", field="state_types")  # fmt: skip
     if not types:
         return None
     if types.count(DSA_STATE) != 1:

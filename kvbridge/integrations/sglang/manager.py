@@ -6,9 +6,10 @@ translation happens once: ``KVArgs`` -> pools, buffers (``RawBuffer``) and aux
 regions (``kvargs``), server arguments and ranks -> ``Settings``, both -> the
 runtime contract.
 
-    prefill   an endpoint when this rank sends (attention TP rank 0 of each CP rank, or
-              each rank of a KV shard group), registered at the prefill's daemon as
-              (dp, cp); the other TP ranks send nothing and report what their peers do
+    prefill   an endpoint when this rank sends (MLA: attention TP rank 0 of each CP rank, or
+              each rank of a KV shard group; MHA/GQA: every attention TP rank, its heads),
+              registered at the prefill's daemon as (dp, cp, tp); the other TP ranks send
+              nothing and report what their peers do
     decode    one endpoint per bootstrap daemon, made on the first request toward it
               (``try_ensure_parallel_info``): a cluster daemon, or the daemon of each
               prefill instance; its contract takes the prefill instance's lane rule
@@ -38,11 +39,12 @@ from kvbridge import (
     PrefillEndpoint,
     PrefillInfo,
     RawBuffer,
+    UnknownInstance,
     create_engine,
 )
 from kvbridge.integrations.sglang.contract import rank_contract
-from kvbridge.integrations.sglang.kvargs import SGLangCache, read_kv_args
-from kvbridge.integrations.sglang.patches import sglang_version
+from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args
+from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang.settings import Settings, read_settings
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class KVBridgeKVManager(BaseKVManager):
         self._resolving: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._creating = threading.Lock()  # decode endpoints are made on pool threads
+        self._engines: list[Any] = []  # one per endpoint, closed with it
+        self.released = False  # SGLang released the KV memory (deregister_buffer_to_engine)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
         atexit.register(self.close)
         if role == "prefill":
@@ -105,9 +109,53 @@ class KVBridgeKVManager(BaseKVManager):
         aux_device = "cpu"  # MetadataBuffers: host memory (decode refuses SGLang's NVLink pool, settings.py)
         return kv, {a.name: a.buffer.raw(aux_device) for a in self.cache.aux}
 
-    def contract(self, lane_rule: str) -> tuple[Any, Any, Any]:
-        return rank_contract(self.cache, self.settings, lane_rule=lane_rule,
-                             kv_layout=getattr(self.kv_args, "kv_layout", None), sglang_version=sglang_version())
+    def contract(self, lane_rule: str, num_kv_heads: int | None = None) -> tuple[Any, Any, Any]:
+        """``num_kv_heads``: the KV heads of the whole row of an MHA/GQA cache (its k/v pools are
+        head-sharded over attention TP, at any TP size, so that prefill and decode of different TP
+        sizes build the same contract); this rank's share follows from its TP rank (``head_range``)."""
+        s = self.settings
+        heads = None
+        if num_kv_heads is not None and not self.cache.is_mla:
+            heads = (num_kv_heads, *head_range(num_kv_heads, s.tp_size, s.tp_rank))
+        return rank_contract(self.cache, s, lane_rule=lane_rule, kv_layout=getattr(self.kv_args, "kv_layout", None),
+                             sglang_version=sglang_version(), heads=heads)
+
+    def _prefill_kv_heads(self) -> int | None:
+        """Prefill, MHA/GQA: the model's KV heads (SGLang's ``PrefillBootstrapQueue._init_kv_manager``
+        sets ``total_kv_head_num``; without it, TP 1 sends whole rows). A prefill TP wider than the
+        heads is refused: its replica ranks would send the same heads twice."""
+        s = self.settings
+        if self.cache.is_mla:
+            return None
+        total = int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        if total < 1 and s.tp_size == 1:
+            return None
+        if total < 1:
+            raise ConfigError("KVArgs.total_kv_head_num is not set: kvbridge needs the model's KV heads to send an "
+                              "MHA/GQA cache over attention TP > 1", field="total_kv_head_num")
+        if s.tp_size > total:
+            raise ConfigError(f"prefill attention TP {s.tp_size} over {total} KV heads is not supported by kvbridge's "
+                              "SGLang backend: its ranks hold replicas of the same heads, and kvbridge draws each head "
+                              f"from one prefill rank; instead serve prefill with attention TP <= {total} (decode may "
+                              "use any TP, heads are replicated there)", field="attn_tp_size")
+        return total
+
+    def _decode_kv_heads(self, client: BootstrapClient, instance: str) -> int | None:
+        """Decode, MHA/GQA: the KV heads of the prefill instance's contract (SGLang's decode
+        ``KVArgs`` does not carry them); None when that contract has whole rows (decode TP 1 only)."""
+        if self.cache.is_mla:
+            return None
+        for f in client.fingerprints():
+            if f.instance == instance:
+                specs = {p.name: p.to_spec() for p in f.contract.pools}
+                if "k" in specs and specs["k"].num_heads:
+                    return specs["k"].num_heads
+                if self.settings.tp_size == 1:
+                    return None
+                raise ConfigError(f"prefill instance {instance!r} sends whole k/v rows (no KV head count in its "
+                                  f"contract); decode attention TP {self.settings.tp_size} needs head-sharded pools",
+                                  field="pools.k.num_heads")  # fmt: skip
+        raise UnknownInstance(f"prefill instance {instance!r} has no contract at the daemon", field="instance")
 
     def client(self, url: str) -> BootstrapClient:
         with self._lock:
@@ -117,35 +165,77 @@ class KVBridgeKVManager(BaseKVManager):
 
     def engine(self) -> Any:
         s = self.settings
-        return create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+        engine = create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+        with self._lock:
+            self._engines.append(engine)
+        return engine
 
     def close(self) -> None:
         """Stop the endpoints and deregister (process exit; SGLang never closes a manager)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_endpoints()
+        for c in self._clients.values():
+            c.close()
+        self._clients = {}
+
+    def _stop_endpoints(self) -> None:
+        """Every endpoint stops (its rooms fail, its rank leaves the daemon, its memory is withdrawn
+        from its engine), then the engines close; decode forgets the prefill instances it resolved."""
         with self._lock:
             endpoints = [*self._endpoints.values(), *([self.endpoint] if self.endpoint else [])]
+            engines, self._engines = self._engines, []
             self._endpoints, self.endpoint = {}, None
+            self._instances, self._resolving = {}, {}
+            self.prefill_info_table.clear()
         for ep in endpoints:
             try:
                 ep.close(timeout=2.0)
             except KVBridgeError as exc:
                 log.warning("closing %s: %s", ep.config.rank_label, exc)
-        for c in self._clients.values():
-            c.close()
-        self._clients = {}
+        for engine in engines:
+            engine.close()
+
+    # -- SGLang's release_memory_occupation / resume_memory_occupation ---------------------
+
+    RELEASED = ("SGLang released this rank's KV memory (release_memory_occupation: memory saver or a weight "
+                "update); its buffers are withdrawn from kvbridge's transfer engine until resume_memory_occupation")
+
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang calls this before it frees the KV pools. No registration may outlive the memory:
+        every endpoint of this rank stops and its engine closes (rooms still open fail, naming the
+        shutdown). Until ``register_buffer_to_engine``, a room on this rank is refused (``RELEASED``)."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._stop_endpoints()
+        log.info("kvbridge %s rank %s: KV memory released, buffers withdrawn", self.settings.role, self.settings.label)
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang calls this once the KV pools are back (at the addresses in ``KVArgs``): prefill
+        registers them again with a fresh engine and rejoins the daemon; decode makes its endpoints
+        again as requests resolve their prefill instance."""
+        with self._lock:
+            if not self.released:
+                return
+            self.released = False
+        if self.settings.role == "prefill":
+            self._start_prefill()
+        log.info("kvbridge %s rank %s: KV memory resumed, buffers registered", self.settings.role, self.settings.label)
 
     # -- prefill --------------------------------------------------------------------------
 
     def _start_prefill(self) -> None:
         s = self.settings
-        specs, schema, contract = self.contract(s.lane_rule)
+        specs, schema, contract = self.contract(s.lane_rule, self._prefill_kv_heads())
         if not s.sends:
             return
         client = self.client(s.daemon_url)
         _wait_for_daemon(client, s.daemon_url, DAEMON_WAIT_S)
         kv, aux = self.buffers()
         cfg = PrefillConfig(instance=s.instance, dp_rank=s.dp_rank, cp_rank=s.cp_rank, dp_size=s.dp_size,
-                            cp_size=s.cp_size, lane_rule=s.lane_rule, host=s.host, secret=s.secret,
+                            cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule,
+                            host=s.host, secret=s.secret,
                             lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
                             aux_slots=1)  # fmt: skip
         self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)
@@ -158,6 +248,8 @@ class KVBridgeKVManager(BaseKVManager):
         resolves a request's prefill DP rank: True once the prefill instance at ``bootstrap_addr``
         is known and this rank has an endpoint at its daemon. The daemon is asked off the
         scheduler thread; the first calls start that and return False."""
+        if self.released:
+            return False  # nothing to resolve into: the receiver refuses the request (RELEASED)
         if bootstrap_addr in self.prefill_info_table:
             return True
         with self._lock:
@@ -186,10 +278,10 @@ class KVBridgeKVManager(BaseKVManager):
         if not info.complete:
             raise InstanceIncomplete(f"prefill instance {info.instance!r} at {url}: not every rank registered yet",
                                      field="instance")
-        self._decode_endpoint(url, info.lane_rule)
+        self._decode_endpoint(url, info.lane_rule, self._decode_kv_heads(self.client(url), info.instance))
         return url, info
 
-    def _decode_endpoint(self, url: str, lane_rule: str) -> DecodeEndpoint:
+    def _decode_endpoint(self, url: str, lane_rule: str, num_kv_heads: int | None = None) -> DecodeEndpoint:
         """The endpoint at daemon ``url``; its contract takes the prefill instance's lane rule
         (decode has no CP mode of its own: the look-up tells it who owns which page)."""
         with self._creating:  # one endpoint per daemon, however many prefill instances resolve to it at once
@@ -197,8 +289,10 @@ class KVBridgeKVManager(BaseKVManager):
                 ep = self._endpoints.get(url)
             if ep is not None:
                 return ep
+            if self.released:  # a look-up that was under way when SGLang released the memory
+                raise ConfigError(self.RELEASED, field="kv_memory")
             s = self.settings
-            specs, schema, contract = self.contract(lane_rule)
+            specs, schema, contract = self.contract(lane_rule, num_kv_heads)
             kv, aux = self.buffers()
             cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
                                tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
@@ -222,7 +316,11 @@ class KVBridgeKVManager(BaseKVManager):
 
     def submit_prefill_recompute(self, kv_receiver: Any, payload: Any) -> None:
         """PD retraction rebootstrap: not supported; the receiver fails, naming it."""
-        kv_receiver.fail("PD retraction rebootstrap (a prefill recompute) is not supported by kvbridge's backend")
+        kv_receiver.fail("PD retraction re-bootstrap (SGLang asks prefill to recompute a retracted request) is not "
+                         "supported by kvbridge's backend: the request would need a second room on the same prefill "
+                         "pages; instead give decode a retraction backup (--disaggregation-decode-retraction-backup "
+                         "cpu_tensor or host_pool: a retracted request resumes from its own KV), or serve with "
+                         "--disaggregation-transfer-backend mooncake")
 
 
 def _wait_for_daemon(client: BootstrapClient, url: str, timeout: float) -> None:

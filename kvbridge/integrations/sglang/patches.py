@@ -15,11 +15,17 @@ and has no registry for out-of-tree backends. Three things make ``kvbridge`` one
    an if-chain. It is wrapped: ``KVBRIDGE`` gets kvbridge's manager, sender,
    receiver and bootstrap server (``kvbridge.integrations.sglang.backend``);
    every other backend, and every ``KVARGS`` request, goes to SGLang's own
-   function. Modules that imported the function by name before ``install()``
-   (``prefill``, ``decode``, ``disagg_service``...) are re-pointed, as SGLang's
-   own ``HookRegistry`` does.
+   function. SGLang's modules that imported the function by name before
+   ``install()`` (``prefill``, ``decode``, ``disagg_service``...) are re-pointed,
+   as SGLang's own ``HookRegistry`` does; no module outside ``sglang.*`` is touched.
 3. The flag's choices: ``add_disagg_transfer_backend_choices(["kvbridge"])``,
    SGLang's own extension point (``sglang.srt.arg_groups.choices``).
+4. ``SGLANG_HTTP_SERVER_APP_PATH``, when unset (or SGLang's default), names
+   ``kvbridge.integrations.sglang.http_app:app``: SGLang's extra tokenizer worker
+   processes (``--tokenizer-worker-num > 1``) import that app and run no plugin
+   loader; kvbridge's app registers the backend there first (``http_app.py``).
+   Set to another app, it is left alone with a warning: that app must call
+   ``install()``.
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -51,12 +57,12 @@ from enum import Enum
 from typing import Any
 
 from kvbridge import ConfigError
+from kvbridge.integrations.sglang.version import SUPPORTED_VERSIONS, sglang_version
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "kvbridge"  # the value of --disaggregation-transfer-backend
 MEMBER = "KVBRIDGE"  # TransferBackend.KVBRIDGE
-SUPPORTED_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "KVBRIDGE_SGLANG_UNTESTED"
 _MARK = "__kvbridge_backend__"  # set on the get_kv_class wrapper
 
@@ -64,6 +70,9 @@ _UTILS = "sglang.srt.disaggregation.utils"
 _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
+APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
+APP_PATH = "kvbridge.integrations.sglang.http_app:app"  # patch 4: what the HTTP workers import
+SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"  # SGLang's default, handed back by http_app
 
 # What kvbridge calls, overrides or subclasses: dotted name -> parameter names.
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -135,7 +144,7 @@ KVARGS_FIELDS = (
 SGLANG_ENVS = (
     "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
-    "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
+    "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "SGLANG_HTTP_SERVER_APP_PATH",
 )  # fmt: skip
 
 # MetadataBuffers' constructor: the aux regions follow from these.
@@ -146,16 +155,6 @@ METADATA_INIT = ("self", "size", "hidden_size", "hidden_states_dtype", "max_samp
 class SGLangMismatch(ConfigError):
     """The installed SGLang is not the version, or does not have the interface,
     that kvbridge's backend was written for."""
-
-
-def sglang_version() -> str:
-    """The installed SGLang's version ('' when it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return ""
 
 
 def installed() -> bool:
@@ -200,6 +199,7 @@ def install(*, allow_untested: bool = False) -> None:
     choices = importlib.import_module(_CHOICES)
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
+    _point_http_workers_at_kvbridge()
     logger.debug("kvbridge registered as SGLang %s transfer backend %r", version, BACKEND)
 
 
@@ -379,12 +379,35 @@ def _wrap_get_kv_class(utils: Any, member: Enum) -> None:
 
     setattr(get_kv_class, _MARK, True)
     utils.get_kv_class = get_kv_class
-    # ``from ...utils import get_kv_class`` copied the old function into modules
-    # imported before now; point them at the wrapper.
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if module is utils or not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
+    for module in sglang_modules_holding(original):
+        for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, get_kv_class)
+
+
+def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:
+    """SGLang's own modules (``sglang`` and ``sglang.*``, ``utils`` excepted) with a global
+    bound to ``function``: ``from ...utils import get_kv_class`` copied it into those imported
+    before ``install()``, and they are re-pointed at the wrapper. Only SGLang's: a user's
+    module that kept SGLang's function on purpose keeps it."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        if name == _UTILS or not (name == "sglang" or name.startswith("sglang.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and any(value is function for value in namespace.values()):
+            out.append(module)
+    return out
+
+
+def _point_http_workers_at_kvbridge() -> None:
+    """Patch 4 (module docstring). The environment is the one channel to the HTTP server's
+    worker processes, which SGLang starts after this process loaded its plugins."""
+    current = os.environ.get(APP_PATH_ENV, "")
+    if current in ("", SGLANG_APP_PATH):
+        os.environ[APP_PATH_ENV] = APP_PATH
+    elif current != APP_PATH:
+        logger.warning("%s=%s: with --tokenizer-worker-num > 1 that app's worker processes must call "
+                       "kvbridge.integrations.sglang.install() before SGLang builds its TokenizerWorker, or "
+                       "TransferBackend('kvbridge') fails there (kvbridge's app %s does it)", APP_PATH_ENV, current,
+                       APP_PATH)

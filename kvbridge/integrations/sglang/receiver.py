@@ -52,6 +52,9 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
         self._open()
 
     def _open(self) -> None:
+        if self.kv_mgr.released:
+            self.fail(self.kv_mgr.RELEASED)
+            return
         found = self.kv_mgr.receiver_endpoint(self.bootstrap_addr)
         if found is None:
             self.fail(f"no kvbridge prefill instance known at bootstrap address {self.bootstrap_addr}")

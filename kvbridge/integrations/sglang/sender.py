@@ -12,7 +12,8 @@ over attention TP and CP with MIN:
     init(num_pages, aux_index)                  sender.init(num_pages=num_pages): SGLang knows pages
     send(page ids, state, num_kv_tokens)        sender.send(logical, local, num_tokens_ready=sum of
                                                 num_kv_tokens, is_last=all pages given, aux_slot=aux_index
-                                                on the owner of the last page)
+                                                on the owner of the last page, ready_event=the
+                                                early-send wait event: no byte read before it completes)
     poll() / failure_exception() / abort()      poll() / KVTransferError(room, reason) / abort()
     clear()                                     close()
     get_transfer_metric()                       stats: bytes posted, first write to the final state
@@ -48,13 +49,19 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
         self._start(mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
+        # SGLang's early send of a cached prefix (Scheduler.maybe_send_cached_prefix_chunk) sets this,
+        # under overlap scheduling, to a CUDA event recorded after the previous forward pass that may
+        # still write those pages; it belongs to the next send() only.
+        self._early_send_wait_event: Any = None
         self._num_pages: int | None = None
         self._aux_index: int | None = None
         self._pages_given = 0
         self._tokens_given = 0
         self._page_ids: list[np.ndarray] = []
         s = mgr.settings
-        if s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
+        if mgr.released:
+            self.fail(mgr.RELEASED)
+        elif s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
             self.fail(f"room {self.bootstrap_room} came to prefill DP rank {s.dp_rank}, but decode looks it up in "
                       f"DP rank {self.bootstrap_room % s.dp_size} (room % dp_size): route with "
                       "load_balance_method follow_bootstrap_room, or pass the prefill DP rank with the request")
@@ -83,6 +90,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None) -> None:
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
         if self._failure is not None or self._num_pages is None:
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -103,7 +111,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             logical, local = self._owned(np.arange(start, self._pages_given), pages)
             aux_slot = self._aux_index if is_last and self._handle.writes_aux else None
             self._handle.send(logical, local, num_tokens_ready=self._tokens_given, is_last=is_last,
-                              aux_slot=aux_slot)  # fmt: skip
+                              aux_slot=aux_slot, ready_event=wait_event)  # fmt: skip
         except KVBridgeError as exc:
             self.fail(str(exc))
 

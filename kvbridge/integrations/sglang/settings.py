@@ -6,12 +6,12 @@ attention DP x CP x TP grid (``get_parallel()``), the PD environment variables
 it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
 own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 
-What kvbridge does not support is refused here, naming the flag: pipeline-parallel
-prefill, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
+What kvbridge does not support is refused here, naming the flag, why, and (where there
+is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
+decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
 layer split, the staging buffer, HiSparse, the ``prefill_complete`` allocation
-policy, PD role switching, forced DP-rank queries, metadata buffers in GPU memory
-on decode, and MHA/GQA caches over more than one attention TP rank (heterogeneous
-TP is the endpoints' next step).
+policy, PD role switching, forced DP-rank queries, and metadata buffers in GPU memory
+on decode.
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ class Settings:
 
     role: str  # "prefill" | "decode"
     is_mla: bool
-    # kvbridge coordinates: prefill (dp, cp) with one sender per CP rank; decode (dp, tp)
+    # kvbridge coordinates: prefill (dp, cp, tp: tp 0 of 1 for MLA); decode (dp, tp)
     dp_rank: int
     dp_size: int
     cp_rank: int
     cp_size: int
     tp_rank: int
     tp_size: int
-    sends: bool  # prefill: this rank has an endpoint (attention TP rank 0 of its CP rank, or a KV shard)
+    sends: bool  # prefill: this rank has an endpoint (MLA: attention TP rank 0 of its CP rank, or a KV shard;
+    # MHA/GQA: every attention TP rank, each holding its heads)
     lane_rule: str  # prefill: how its CP ranks own pages
     kv_shard_size: int  # > 1: logical-page KV sharding, a rank holds logical page p as local page p // N
     instance: str
@@ -124,8 +125,10 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         else:
             cp_rank, cp_size = attn["cp_rank"], attn["cp_size"]
             rule = sglang_lane_rule(attn_cp_size=cp_size, all_cp_ranks=_sglang_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"))
-            sends = attn["tp_rank"] == 0
-        tp_rank, tp_size = 0, 1
+            sends = attn["tp_rank"] == 0 or not is_mla  # MHA/GQA: each TP rank holds (and sends) its heads
+        # MLA's latent is replicated over attention TP (one sender per CP rank); MHA/GQA heads are
+        # sharded over it: each TP rank is a kvbridge TP rank, and decode takes head slices
+        tp_rank, tp_size = (0, 1) if is_mla else (attn["tp_rank"], attn["tp_size"])
     else:
         cp_rank, cp_size, tp_rank, tp_size, rule, sends = 0, 1, attn["tp_rank"], attn["tp_size"], "interleaved", True
     host = env.get(ENV_HOST) or _local_ip()
@@ -171,10 +174,18 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
 # -- refusals ------------------------------------------------------------------------------
 
 
+PP_INSTEAD = ("serve prefill with --pp-size 1 (attention TP or CP for memory), or use "
+              "--disaggregation-transfer-backend mooncake for a pipeline-parallel prefill")
+CHECKSUM_INSTEAD = ("drop --disaggregation-enable-kv-checksum (kvbridge counts every page of every layer on "
+                    "arrival, and its optional per-page digests cover the same pages on both sides), or serve decode "
+                    "without a prefix cache")
+
+
 def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
     checks = [
         (int(_par(par, "pp_size", 1)) > 1, "--pp-size > 1",
-         "pipeline-parallel prefill is not supported by kvbridge yet (decode refuses a PP prefill's look-up)"),
+         "each pipeline stage of a prefill holds only its own layers, while kvbridge's core sends every layer of a "
+         f"page from one prefill rank and refuses a PP prefill instance at look-up; instead {PP_INSTEAD}"),
         (int(_par(par, "attn_dcp_size", 1)) > 1, "decode context parallelism (DCP)",
          "kvbridge writes whole pages into one decode rank; DCP relayouts them across ranks"),
         (bool(_par(par, "enable_cp_tp_group_sharing", False)), "--enable-cp-tp-group-sharing",
@@ -193,12 +204,18 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
         (int(getattr(sa, "dp_size", 1) or 1) > 1 and not getattr(sa, "enable_dp_attention", False),
          "--dp-size > 1 without --enable-dp-attention",
          "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
-        (not is_mla and int(_par(par, "attn_tp_size", 1)) > 1, "an MHA/GQA cache over attention TP > 1",
-         "its TP ranks hold different heads; the SGLang backend sends MLA caches (replicated across TP) or "
-         "attention TP 1"),
     ]
     if role == "decode":
+        decode_prefix_cache = bool(getattr(sa, "disaggregation_decode_enable_radix_cache", False)
+                                   or getattr(sa, "enable_hierarchical_cache", False))  # fmt: skip
         checks += [
+            (bool(getattr(sa, "disaggregation_enable_kv_checksum", False)) and decode_prefix_cache,
+             "--disaggregation-enable-kv-checksum with a decode prefix cache (--disaggregation-decode-enable-radix-"
+             "cache or --enable-hierarchical-cache)",
+             "decode checksums its pages after the cached prefix, but kvbridge's prefill cannot learn that prefix "
+             "before it sends (pop_decode_prefix_len() returns 0: kvbridge's public KVSender does not expose the "
+             "decode ranks' first page), so it checksums from token 0 and every prefix hit would be aborted as a "
+             f"mismatch; instead {CHECKSUM_INSTEAD}"),
             (_sglang_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
              "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
              "kvbridge finds a room's prefill DP rank by room % dp_size, or from the request's DP rank"),

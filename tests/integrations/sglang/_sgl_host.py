@@ -4,7 +4,9 @@
 
 config: {"role": "prefill" | "decode", "servers": [...]} where a prefill server is
 {"name", "cp", "tp", "mode": "replicated" | "balanced" | "interleaved", "port",
-"cluster": url or ""} and a decode server {"name", "cluster": url or ""}. It
+"cluster": url or "", "heads": KV heads of an MHA/GQA model (0: DeepSeek V3.2)} and a
+decode server (one attention TP rank) {"name", "cluster": url or "", "tp": [rank, size],
+"heads", "http_port" (names the decode instance: its TP ranks share it)}. It
 registers kvbridge's backend (``install()``, as SGLang's plugin loader would),
 builds every rank (``_sgl_world.RankWorld``), prints {"ready": true}, then runs the
 servers' loops, reading one JSON command per stdin line:
@@ -35,17 +37,9 @@ from kvbridge.integrations.sglang import install  # noqa: E402
 
 install()
 
-from sglang.srt.server_args import ServerArgs  # noqa: E402
-
 import _sgl_sched as sched  # noqa: E402
 import _sgl_world as world  # noqa: E402
-
-
-def server_args(role: str, port: int = 8998, sharding: bool = False) -> ServerArgs:
-    return ServerArgs(model_path="tiny-deepseek-v3.2", served_model_name="tiny-deepseek-v3.2",
-                      disaggregation_mode=role, disaggregation_transfer_backend="kvbridge", host="127.0.0.1",
-                      disaggregation_bootstrap_port=port, speculative_algorithm="NEXTN", speculative_eagle_topk=1,
-                      dtype="bfloat16", enable_kv_cache_sharding=sharding)  # fmt: skip
+from _sgl_world import server_args  # noqa: E402
 
 
 def prefill_server(cfg: dict) -> sched.PrefillServer:
@@ -58,17 +52,22 @@ def prefill_server(cfg: dict) -> sched.PrefillServer:
     sharding = cfg["mode"] == "interleaved"
     if cfg["mode"] == "balanced":
         env["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
-    args = server_args("prefill", cfg["port"], sharding)
+    heads = cfg.get("heads", 0)  # > 0: an MHA/GQA model with that many KV heads
+    args = server_args("prefill", cfg["port"], sharding, **(world.MHA_ARGS if heads else {}))
     worlds = [world.RankWorld("prefill", args, {"attn_cp_rank": cp, "attn_cp_size": cfg["cp"], "attn_tp_rank": tp,
-                                                "attn_tp_size": cfg["tp"], "attn_dp_rank": 0, "attn_dp_size": 1}, env)
+                                                "attn_tp_size": cfg["tp"], "attn_dp_rank": 0, "attn_dp_size": 1}, env,
+                              mha_heads=heads)
               for cp in range(cfg["cp"]) for tp in range(cfg["tp"])]  # fmt: skip
     return sched.PrefillServer(cfg["name"], worlds, cfg["tp"] if sharding else 1, f"127.0.0.1:{cfg['port']}")
 
 
 def decode_server(cfg: dict) -> sched.DecodeServer:
-    ranks = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size": 1, "attn_dp_rank": 0,
-             "attn_dp_size": 1}  # fmt: skip
-    rank = world.RankWorld("decode", server_args("decode"), ranks, {"KVBRIDGE_BOOTSTRAP_URL": cfg.get("cluster", "")})
+    tp_rank, tp_size = cfg.get("tp", (0, 1))  # one attention TP rank of a decode server of tp_size ranks
+    heads = cfg.get("heads", 0)
+    ranks = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": tp_rank, "attn_tp_size": tp_size,
+             "attn_dp_rank": 0, "attn_dp_size": 1}  # fmt: skip
+    args = server_args("decode", port=cfg.get("http_port", 30000), **(world.MHA_ARGS if heads else {}))
+    rank = world.RankWorld("decode", args, ranks, {"KVBRIDGE_BOOTSTRAP_URL": cfg.get("cluster", "")}, mha_heads=heads)
     return sched.DecodeServer(cfg["name"], rank)
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, _apply_metadata_gate, get_kv_class
+from sglang.srt.disaggregation import utils as disagg_utils
+from sglang.srt.disaggregation.utils import KVClassType, _apply_metadata_gate
 from sglang.srt.mem_cache.common import kv_to_page_indices, kv_to_page_num, suffix_page_indices
 
 from _sgl_world import NOT_COMPUTED, PAGE, POOL_PAGES, PREFIX_MARK, RankWorld, metadata_errors, metadata_req
@@ -68,7 +69,7 @@ class PrefillServer:
     def add(self, room: int, n: int, chunk: int, optimistic: bool = False, hold_after: int | None = None,
             bad_pages: bool = False) -> None:
         """``PrefillBootstrapQueue.add`` -> ``create_sender``."""
-        sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)
+        sender = disagg_utils.get_kv_class(disagg_utils.TransferBackend.KVBRIDGE, KVClassType.SENDER)
         senders = [sender(mgr=w.mgr, bootstrap_addr=self.addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
                    for w in self.worlds]
         pages = self._alloc(kv_to_page_num(n, PAGE), bad_pages)
@@ -265,7 +266,7 @@ class DecodeServer:
 
     def add(self, room: int, n: int, prefix: int, addr: str) -> None:
         """``DecodePreallocQueue.add`` -> ``_create_receiver_and_enqueue`` -> ``_resolve_prefill_dp_rank``."""
-        receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)
+        receiver = disagg_utils.get_kv_class(disagg_utils.TransferBackend.KVBRIDGE, KVClassType.RECEIVER)
         r = DReq(room, n, prefix, addr, receiver(mgr=self.w.mgr, bootstrap_addr=addr, bootstrap_room=room))
         self.reqs[room] = r
         dp = self.resolve_prefill_dp_rank(r)

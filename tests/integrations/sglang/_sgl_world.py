@@ -7,7 +7,8 @@ cache) and an ``MLATokenToKVPool`` for the NextN draft layer; SGLang's
 ``PrefillBootstrapQueue._init_kv_manager`` and ``DecodePreallocQueue._init_kv_manager``
 fill it (SGLang's ``get_kv_transfer_buf_infos``, ``build_kv_layer_ids``,
 ``setup_state_kv_args``, ``MetadataBuffers.get_buf_infos``); and the manager SGLang
-would get from ``get_kv_class(TransferBackend.KVBRIDGE, ...)``. Its place in the
+would get from ``get_kv_class(TransferBackend.KVBRIDGE, ...)`` (looked up at call time:
+``install()`` re-points only SGLang's own modules). Its place in the
 attention DP x CP x TP grid is stamped into SGLang's ``get_parallel()`` before its
 pools and manager are built, so several ranks share one process.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation import utils as disagg_utils
 from sglang.srt.disaggregation.utils import (
     DisaggregationMode,
     KVClassType,
@@ -29,21 +31,20 @@ from sglang.srt.disaggregation.utils import (
     ReqToMetadataIdxAllocator,
     TransferBackend,
     build_kv_layer_ids,
-    get_kv_class,
     get_kv_transfer_buf_infos,
     get_pd_kv_layout,
     is_mla_backend,
     setup_state_kv_args,
 )
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs
 
-from kvbridge.integrations.sglang.kvargs import pool_specs
 from kvbridge.worker.synthetic import PAD_BYTE, SENTINEL_BYTE, as_bytes, token_bytes
 
 PAGE, LAYERS, POOL_PAGES, META_ROWS = 64, 2, 24, 12
 HIDDEN, TOP_LOGPROBS, DSA_TOPK = 32, 4, 8
+MHA_HEAD_DIM = 16  # bf16: 32 B per head per token
 NOT_COMPUTED = 0xC3  # prefill rows no chunk has computed yet: an early page would carry them
 PREFIX_MARK = 0x11  # decode pages of a cached prefix: never written by a transfer
 
@@ -65,31 +66,52 @@ def environ(values: dict[str, str]):
 class RankWorld:
     """One SGLang rank's memory and KV manager (see the module docstring)."""
 
-    def __init__(self, role: str, server_args: ServerArgs, ranks: dict[str, int], env: dict[str, str]) -> None:
+    def __init__(self, role: str, server_args: ServerArgs, ranks: dict[str, int], env: dict[str, str],
+                 mha_heads: int = 0) -> None:
+        """``mha_heads`` > 0: an MHA/GQA model instead (SGLang's ``MHATokenToKVPool``, that many KV
+        heads in the whole row, sharded over attention TP as SGLang shards them; no draft)."""
         get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, **ranks)
-        self.role, self.ranks = role, ranks
-        self.pool = DSATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,
-                                     qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", index_head_dim=128,
-                                     enable_memory_saver=False, kv_cache_dim=576)
-        self.draft = MLATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512,
-                                      qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False,
-                                      start_layer=LAYERS)
+        self.role, self.ranks, self.mha_heads = role, ranks, mha_heads
+        if mha_heads:
+            self._mha_pools(mha_heads, ranks.get("attn_tp_size", 1))
+        else:
+            self._dsa_pools()
         self.meta = MetadataBuffers(META_ROWS, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=TOP_LOGPROBS,
                                     output_dsa_topk_indices_dim=DSA_TOPK)
         self.meta_alloc = ReqToMetadataIdxAllocator(META_ROWS)
         self.kv_args = self._kv_args(ranks.get("attn_tp_rank", 0))
         with environ(env):
-            manager = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
+            manager = disagg_utils.get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
             self.mgr = manager(self.kv_args, mode, server_args, is_mla_backend(self.pool))
-        self.specs = pool_specs(self.mgr.cache)
-        tensors = {t.data_ptr(): t for t in (*self.pool.kv_buffer, *self.draft.kv_buffer,
-                                             *self.pool.index_k_with_scale_buffer)}
+        # the specs this rank's endpoint uses (head-sharded k/v: this rank's heads)
+        self.specs = self.mgr.contract("replicated", mha_heads or None)[0]
+        tensors = {t.data_ptr(): t for t in self._tensors()}
         self.buffers = {(p.name, layer): as_bytes(tensors[b.ptr], p.bytes_per_page)
                         for p in self.mgr.cache.pools.values() for layer, b in zip(p.layer_ids, p.buffers)}
         for buf in self.buffers.values():
             buf[:] = NOT_COMPUTED if role == "prefill" else SENTINEL_BYTE
+
+    def _mha_pools(self, heads: int, tp_size: int) -> None:
+        local = max(1, heads // tp_size)  # SGLang: get_num_kv_heads(tp_size)
+        self.pool = MHATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16, head_num=local,
+                                     head_dim=MHA_HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                                     enable_alt_stream=False)  # fmt: skip
+        self.draft = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        if self.mha_heads:
+            return [*self.pool.k_buffer, *self.pool.v_buffer]
+        return [*self.pool.kv_buffer, *self.draft.kv_buffer, *self.pool.index_k_with_scale_buffer]
+
+    def _dsa_pools(self) -> None:
+        self.pool = DSATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,
+                                     qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", index_head_dim=128,
+                                     enable_memory_saver=False, kv_cache_dim=576)
+        self.draft = MLATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512,
+                                      qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False,
+                                      start_layer=LAYERS)
 
     def _kv_args(self, engine_rank: int) -> KVArgs:
         """As ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``."""
@@ -99,7 +121,7 @@ class RankWorld:
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
         kv_args.prefill_start_layer = self.pool.start_layer
         ptrs, lens, items = get_kv_transfer_buf_infos(self.pool)
-        dptrs, dlens, ditems = self.draft.get_contiguous_buf_infos()
+        dptrs, dlens, ditems = self.draft.get_contiguous_buf_infos() if self.draft is not None else ([], [], [])
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs + dptrs, lens + dlens, items + ditems
         kv_args.num_draft_entries = len(dptrs)
         kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
@@ -107,6 +129,8 @@ class RankWorld:
         kv_args.page_size = self.pool.page_size
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id = None, 0
+        if self.mha_heads and self.role == "prefill":  # PrefillBootstrapQueue._init_kv_manager (decode: not set)
+            kv_args.kv_head_num, kv_args.total_kv_head_num = self.pool.head_num, self.mha_heads
         setup_state_kv_args(kv_args, self.pool, self.draft, LAYERS, req_to_token_pool=None)
         return kv_args
 
@@ -122,7 +146,9 @@ class RankWorld:
         slots = page_ids * PAGE + tokens % PAGE
         for (pool, layer), buf in self.buffers.items():
             spec = self.specs[pool]
-            rows = token_bytes(room, pool, layer, tokens, spec.bytes_per_token)
+            rows = token_bytes(room, pool, layer, tokens, spec.full_bytes_per_token)
+            if spec.head_sharded:  # this rank's heads of the whole row
+                rows = np.ascontiguousarray(rows[:, spec.head_start * spec.head_bytes : spec.head_stop * spec.head_bytes])
             rows[tokens >= num_tokens] = PAD_BYTE
             spec.write_rows(buf, slots, rows)
 
@@ -170,3 +196,16 @@ def metadata_errors(bufs: tuple, room: int) -> list[str]:
     if int(echo[0]) != room:
         errors.append(f"room {room}: bootstrap_room echo {int(echo[0])}")
     return errors
+
+
+def server_args(role: str, bootstrap_port: int = 8998, sharding: bool = False, **more: Any) -> ServerArgs:
+    kw = dict(model_path="tiny-deepseek-v3.2", served_model_name="tiny-deepseek-v3.2", disaggregation_mode=role,
+              disaggregation_transfer_backend="kvbridge", host="127.0.0.1", disaggregation_bootstrap_port=bootstrap_port,
+              speculative_algorithm="NEXTN", speculative_eagle_topk=1, dtype="bfloat16",
+              enable_kv_cache_sharding=sharding)  # fmt: skip
+    return ServerArgs(**{**kw, **more})
+
+
+# An MHA/GQA model (no draft): what server_args() takes for it.
+MHA_ARGS = dict(model_path="tiny-gqa", served_model_name="tiny-gqa", speculative_algorithm=None,
+                speculative_eagle_topk=None)  # fmt: skip

@@ -148,7 +148,11 @@ def test_index_layers_without_index_k_are_skipped():
         (dict(page_size=0), "page_size must be a positive integer"),
         (dict(kv_item_lens=[1000] * 5), "1000 bytes per page is not 64 whole token rows"),
         (dict(kv_data_lens=[10] * 5), "holds no page"),
-        (dict(state_types=["mamba"]), r"state \['mamba'\] is not supported"),
+        (dict(state_types=["mamba"]), r"state \['mamba'\] is not supported by kvbridge \(hybrid linear-attention "
+                                      r"models with Mamba/GDN state pools, the Qwen3-Next class\).*instead serve this "
+                                      r"model with --disaggregation-transfer-backend mooncake"),
+        (dict(state_types=["swa"]), r"state \['swa'\] .*hybrid sliding-window models with an SWA pool.*per-request "
+                                    r"state buffer"),
         (dict(state_data_ptrs=[[1, 2]]), "DSA state has 2/4/4"),
         (dict(kv_layer_ids=[0, 1]), "2 kv_layer_ids for 5 KV entries"),
     ],

@@ -67,6 +67,10 @@ def test_decode_finds_daemons_by_bootstrap_address(rank):
      "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
     ("decode", {}, {"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"}, {}, "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
     ("prefill", {"speculative_algorithm": "STANDALONE"}, {}, {}, "speculative_algorithm"),
+    ("decode", {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}, {}, {},
+     "--disaggregation-enable-kv-checksum"),
+    ("decode", {"disaggregation_enable_kv_checksum": True, "enable_hierarchical_cache": True}, {}, {},
+     "--disaggregation-enable-kv-checksum"),
 ])  # fmt: skip
 def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, role, kw, env, stamp, flag):
     rank(**stamp)
@@ -77,10 +81,59 @@ def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, ro
     assert err.value.field.split("=")[0] == flag, str(err.value)
 
 
-def test_mha_over_attention_tp_and_bad_names_are_refused(rank):
-    rank(tp=(0, 2))
-    with pytest.raises(ConfigError, match="MHA/GQA cache over attention TP > 1 is not supported"):
-        read_settings("decode", args(), False, env=ENV)
+def test_g3_g6_refusals_say_why_and_what_instead(rank):
+    """G3: the KV checksum with a decode prefix cache (prefill cannot learn decode's prefix through
+    kvbridge's public API); G6: pipeline-parallel prefill. Each names the flag, why, and what to use."""
+    rank()
+    kw = {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}
+    with pytest.raises(ConfigError) as err:
+        read_settings("decode", args(**kw), True, env=ENV)
+    msg = str(err.value)
+    assert "--disaggregation-enable-kv-checksum with a decode prefix cache" in msg
+    assert "pop_decode_prefix_len() returns 0" in msg and "instead drop --disaggregation-enable-kv-checksum" in msg
+    assert read_settings("decode", args(disaggregation_enable_kv_checksum=True), True, env=ENV).kv_checksum  # alone: fine
+    assert read_settings("prefill", args(**kw), True, env=ENV).kv_checksum  # prefill has no prefix of decode's
+    rank(pp_size=2)
+    with pytest.raises(ConfigError) as err:
+        read_settings("prefill", args(), True, env=ENV)
+    msg = str(err.value)
+    assert msg.startswith("--pp-size > 1 is not supported by kvbridge's SGLang backend: each pipeline stage")
+    assert "instead serve prefill with --pp-size 1" in msg and "--disaggregation-transfer-backend mooncake" in msg
+
+
+def test_mha_over_attention_tp_every_tp_rank_is_a_kvbridge_tp_rank(rank):
+    """G1: an MHA/GQA cache's heads are sharded over attention TP: every prefill TP rank sends its
+    heads (MLA: TP rank 0 alone, the latent is replicated)."""
+    rank(tp=(1, 2))
+    p = read_settings("prefill", args(), False, env=ENV)
+    assert (p.tp_rank, p.tp_size, p.sends) == (1, 2, True)
+    assert (read_settings("prefill", args(), True, env=ENV).sends, read_settings("prefill", args(), True,
+                                                                                 env=ENV).tp_size) == (False, 1)
+    d = read_settings("decode", args(), False, env=ENV)
+    assert (d.tp_rank, d.tp_size) == (1, 2)
+
+
+def test_prefill_tp_wider_than_the_kv_heads_is_refused(rank, monkeypatch):
+    from sglang.srt.disaggregation import utils
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang import install
+    from kvbridge.integrations.sglang.kvargs import head_range
+
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated heads
+    assert [head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+    install()
+    rank(tp=(0, 4))
+    monkeypatch.setenv("KVBRIDGE_HOST", "127.0.0.1")
+    kv = kv_args(layers=2, draft=0, item=64 * 32, index=False, mla=False)
+    kv.kv_head_num, kv.total_kv_head_num = 1, 2
+    manager = utils.get_kv_class(utils.TransferBackend.KVBRIDGE, utils.KVClassType.MANAGER)
+    with pytest.raises(ConfigError, match=r"prefill attention TP 4 over 2 KV heads is not supported .* instead serve "
+                                          r"prefill with attention TP <= 2 \(decode may use any TP"):  # fmt: skip
+        manager(kv, utils.DisaggregationMode.PREFILL, args(), False)
+
+
+def test_bad_names_are_refused(rank):
     rank()
     with pytest.raises(ConfigError, match="instance name 'a b'"):
         read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_INSTANCE": "a b"})
@@ -117,3 +170,30 @@ def test_the_contract_from_sglangs_pools_and_from_a_file(rank, tmp_path):
     with pytest.raises(ConfigError, match="layer_ids"):
         rank_contract(read_kv_args(kv_args(layers=3, draft=1), is_mla=True), from_file, lane_rule="replicated",
                       kv_layout=None, sglang_version="0.5.23")
+
+
+@pytest.mark.parametrize("state, family", [
+    ("MAMBA", "hybrid linear-attention models with Mamba/GDN state pools, the Qwen3-Next class"),
+    ("SWA", "hybrid sliding-window models with an SWA pool"),
+    ("SWA_RING", "DeepSeek V4"),
+])  # fmt: skip
+def test_g5_state_pools_are_refused_when_sglang_builds_the_manager(rank, monkeypatch, state, family):
+    """G5: SGLang's KV manager (got from get_kv_class, built as _init_kv_manager builds it) refuses
+    the state pools of hybrid models at start-up, naming the family, why, and what to use."""
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base.conn import StateType
+    from test_sglang_kvargs import kv_args
+
+    from kvbridge.integrations.sglang import install
+
+    install()
+    rank()
+    monkeypatch.setenv("KVBRIDGE_HOST", "127.0.0.1")
+    kv = kv_args(layers=4, draft=1)
+    kv.state_types = [getattr(StateType, state)]
+    manager = utils.get_kv_class(utils.TransferBackend.KVBRIDGE, utils.KVClassType.MANAGER)
+    with pytest.raises(ConfigError) as err:
+        manager(kv, utils.DisaggregationMode.PREFILL, args(), True)
+    msg = str(err.value)
+    assert family in msg and "per-request state buffer" in msg and err.value.field == "state_types"
+    assert "instead serve this model with --disaggregation-transfer-backend mooncake" in msg
