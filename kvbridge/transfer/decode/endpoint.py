@@ -281,6 +281,8 @@ class DecodeEndpoint:
                                         a.dp_rank)
 
         def done(f: Future) -> None:
+            if f.cancelled():  # the pool was shut down with the endpoint: its rooms were failed by shutdown
+                return
             error = f.exception()
             topo = f.result() if error is None else None
             self._hand_to_loop(lambda: self.machine.looked_up(a.room, a.key, topo, error, time.monotonic()))
@@ -292,6 +294,8 @@ class DecodeEndpoint:
         fut: Future = self._pool.submit(self.bootstrap.lookup, instance, dp, self.contract, self.identity, dp)
 
         def done(f: Future) -> None:
+            if f.cancelled():  # the pool was shut down with the endpoint
+                return
             topo = None if f.exception() is not None else f.result()
             self._hand_to_loop(lambda: self.machine.refreshed(a.key, topo, time.monotonic()))
 
