@@ -28,10 +28,14 @@ $(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/sglang-requireme
 
 setup-sglang: $(SGLANG_STAMP)
 
-# Everything but the SGLang tests in .venv, then those in .venv-sglang.
+# Everything but the SGLang tests in .venv, and those in .venv-sglang, side by side (both
+# suites mostly wait on the processes they start); each prints its own summary, and the
+# target fails when either fails.
 test: setup setup-sglang
-	$(PY) -m pytest -q --ignore=$(SGLANG_TESTS)
-	$(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
+	@$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider $(SGLANG_TESTS) > .sglang-tests.log 2>&1 & sgl=$$!; \
+	$(PY) -m pytest -q --ignore=$(SGLANG_TESTS); main=$$?; \
+	wait $$sgl; sglrc=$$?; echo "== SGLang suite (.venv-sglang)"; cat .sglang-tests.log; rm -f .sglang-tests.log; \
+	test $$main = 0 && test $$sglrc = 0
 
 test-sglang: setup setup-sglang
 	$(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)
