@@ -8,6 +8,7 @@
     404     unknown_rank, unknown_instance, not_found
     405     method_not_allowed
     409     contract_mismatch (diff), topology_mismatch (diff), lease_held (Retry-After),
+            claim_held (holder): the transport session or an address range is another live rank's,
             inconsistent_request: the body matches the OpenAPI schema but breaks a rule the
             schema cannot express (a rank outside its sizes, a source digest that does not match
             its files, duplicate names ...); the message names the rule and the field
@@ -35,6 +36,7 @@ from kvbridge.bootstrap.schemas import ErrorBody
 from kvbridge.bootstrap.store import StoreUnavailable
 from kvbridge.errors import (
     BufferSpecError,
+    ClaimHeld,
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
@@ -70,6 +72,8 @@ def status_of(exc: KVBridgeError) -> tuple[int, str]:
         return 409, "topology_mismatch"
     if isinstance(exc, LeaseHeld):
         return 409, "lease_held"
+    if isinstance(exc, ClaimHeld):
+        return 409, "claim_held"
     if isinstance(exc, InstanceIncomplete):
         return 503, "instance_incomplete"
     if isinstance(exc, StoreUnavailable):
@@ -108,7 +112,8 @@ def install_handlers(app: FastAPI) -> None:
             headers = _retry_after(exc.retry_after)
         diff = getattr(exc, "diff", None)
         missing = exc.missing if isinstance(exc, InstanceIncomplete) else None
-        return error_response(status, code, str(exc), headers=headers, field=exc.field, diff=diff or None, missing=missing)
+        return error_response(status, code, str(exc), headers=headers, field=exc.field, diff=diff or None, missing=missing,
+                              holder=getattr(exc, "holder", None) or None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
