@@ -17,8 +17,8 @@ etcd store, any number of replicas serve one cluster, and ``/healthz``, ``/metri
 
 State (store, registry, metrics, look-up limiter) is created in the lifespan and lives on
 ``app.state``. ``Guard`` (guard.py) checks tokens and body size before routing: the
-write token on writes, the read token on ``/v1`` and ``/diagnostics`` reads (when one
-is configured; write and admin tokens read too). Per-rank credentials (lease
+write token on writes, a read-granting token (read, write or admin) on ``/v1`` and
+``/diagnostics`` reads whenever any token is configured. Per-rank credentials (lease
 secrets, leases.py) and the limits (registry.py, limits.py) are checked by the
 routes. Every error body is an ``ErrorBody`` (responses.py lists the codes).
 """
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BootstrapSettings:
     token: str | None = None  # write token: every write needs it (or the admin token)
-    read_token: str | None = None  # reads of /v1 and /diagnostics need a token when set
+    read_token: str | None = None  # read-only access to /v1 and /diagnostics (any token configured: reads need one)
     admin_token: str | None = None  # operators: replace, renew or drop any rank; read and write
     lease_ttl_s: float = 10.0  # default lease when a rank asks for none
     max_lease_ttl_s: float = 300.0
@@ -236,7 +236,8 @@ def _store_state(request: Request) -> dict[str, Any]:
 
 def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     auth = [Depends(_bearer)] if settings.token else []  # writes are open without a write token
-    read_auth = [Depends(_bearer)] if settings.read_token else []
+    # reads need a token whenever any is configured (guard.py says why)
+    read_auth = [Depends(_bearer)] if (settings.token or settings.read_token or settings.admin_token) else []
 
     @app.post("/v1/ranks", status_code=201, response_model=RegisterResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
     async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
@@ -255,7 +256,7 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
         await _run(request, _registry(request).deregister, rank_id, lease_secret=lease, admin=_admin(request))
         return Response(status_code=204)
 
-    @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, tags=["ranks"])
+    @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, dependencies=read_auth, tags=["ranks"])
     async def rank(rank_id: str, request: Request) -> RankDetail:
         """One registered rank: its identity, endpoints, pool and aux-region descriptors. A prefill
         rank checks a decode rank's requests against what that rank registered here."""

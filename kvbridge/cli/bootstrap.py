@@ -24,7 +24,8 @@ ADMIN_TOKEN_ENV = "KVBRIDGE_ADMIN_TOKEN"
 TOKENS = (
     ("token", TOKEN_ENV, "bearer token required on every write (none: writes are open)"),
     ("read-token", READ_TOKEN_ENV, "bearer token required to read /v1/instances, /v1/ranks/{id}, /v1/diagnostics/* "
-     "and /diagnostics; the write and admin tokens read too (none: reads are open; set one in production)"),
+     "and /diagnostics; the write and admin tokens read too (reads need one of the three whenever any token is set; "
+     "no token at all: reads are open)"),
     ("admin-token", ADMIN_TOKEN_ENV, "operators' bearer token: reads, writes, and renews, replaces or deregisters any "
      "rank without its lease secret (none: only a rank's own lease secret can)"),
 )
