@@ -28,13 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPBearer
 from starlette.concurrency import run_in_threadpool
@@ -169,7 +173,10 @@ def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStor
         version=__version__,
         description="Rank registry, contract fingerprints and prefill-topology lookups for PD disaggregation.",
         lifespan=lifespan,
+        dependencies=[Depends(_one_value_per_query_parameter)],
     )
+    app.router.route_class = _WholeNumberRoute
+    _exact_openapi_bounds(app)
     tokens = {"write": settings.token, "read": settings.read_token, "admin": settings.admin_token}
     app.add_middleware(Guard, tokens=tokens, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_NameReplica)
@@ -197,6 +204,70 @@ class _NameReplica:
             await send(message)
 
         await self.app(scope, receive, named)
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when it is a whole number (exactly: no
+    f64 rounding of large values), else a float."""
+    d = Decimal(text)
+    return int(d) if d.is_finite() and d == d.to_integral_value() else float(text)
+
+
+class _WholeNumberRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_float=_json_number)
+        return self._json
+
+
+class _WholeNumberRoute(APIRoute):
+    """Bodies are read with whole numbers as ints. JSON Schema's ``integer`` includes ``992.0``
+    (and OpenAPI clients send it), but the strict request models refuse a float for an int field;
+    reading ``992.0`` as ``992`` keeps them strict about strings and booleans while accepting
+    everything the schema allows. Float fields take ints as they are."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def whole_numbers(request: Request) -> Response:
+            return await handler(_WholeNumberRequest(request.scope, request.receive))
+
+        return whole_numbers
+
+
+def _one_value_per_query_parameter(request: Request) -> None:
+    """Every query parameter of this API is one value: ``?limit=1&limit=2`` is refused (422
+    naming the parameter), where FastAPI would silently take the last."""
+    repeated = sorted({k for k, _ in request.query_params.multi_items() if len(request.query_params.getlist(k)) > 1})
+    if repeated:
+        raise RequestValidationError([{"type": "repeated_parameter", "loc": ("query", name),
+                                       "msg": f"query parameter {name!r} given more than once", "input": None}
+                                      for name in repeated])
+
+
+def _exact_openapi_bounds(app: FastAPI) -> None:
+    """FastAPI's OpenAPI models hold numeric bounds as floats, so ``lt=2**63`` came out as
+    ``9.223372036854776e+18`` and a schema-driven client computed its edge cases in floats (and
+    sent values the daemon refuses). Whole-number bounds are written back as exact integers."""
+    plain = app.openapi
+
+    def exact(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else exact(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [exact(v) for v in node]
+        return node
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = exact(plain())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 
 
 def _registry(request: Request) -> Registry:

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from kvbridge.bootstrap.schemas import ErrorBody
 from kvbridge.bootstrap.store import StoreUnavailable
@@ -101,6 +102,18 @@ def field_of(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of ``request``'s path answers. Starlette's own 405 names only the
+    first route whose path matched (``GET /v1/ranks/{id}`` and ``DELETE /v1/ranks/{id}`` are two
+    routes), so its ``Allow`` header left the others out."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "\x00"})  # a method no route has: PARTIAL on a path match
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(KVBridgeError)
     async def kvbridge_error(request: Request, exc: KVBridgeError) -> JSONResponse:
@@ -131,6 +144,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            allowed = allowed_methods(request)
+            return error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}; "
+                                  f"allowed: {', '.join(allowed)}", headers={"Allow": ", ".join(allowed)})
         if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
             return error_response(400, "json_too_deep", "body nests JSON deeper than the parser allows "
                                   "(about 1,000 levels); no kvbridge body needs more than 10", field="body")
