@@ -84,6 +84,9 @@ class BootstrapSettings:
     max_ranks_per_instance: int = 1024
     max_instances: int = 1024
     max_lookups_per_s: float = 1000.0  # per asking decode instance; 0: unlimited
+    # per client address, look-ups and /v1 reads together: a client that invents a new decode
+    # instance name per look-up (a fresh bucket each) still meets this one; 0: unlimited
+    max_requests_per_s_per_address: float = 2000.0
     sweep_interval_s: float = 1.0
     etcd: EtcdOptions | None = None  # None: the in-memory store
     replica: str = ""  # this daemon's name among replicas ("" : host:port or a random one)
@@ -107,6 +110,9 @@ class BootstrapSettings:
             raise ConfigError("max_ranks_per_instance and max_instances must be >= 1", field="max_ranks_per_instance")
         if self.max_lookups_per_s < 0:
             raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
+        if self.max_requests_per_s_per_address < 0:
+            raise ConfigError("max_requests_per_s_per_address must be >= 0 (0: unlimited)",
+                              field="max_requests_per_s_per_address")
 
 
 def make_store(settings: BootstrapSettings) -> RegistryStore:
@@ -150,6 +156,7 @@ def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStor
         )
         app.state.metrics.gauge_source = lambda: app.state.registry.gauges(app.state.replica)
         app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)
+        app.state.address_limit = RateLimiter(settings.max_requests_per_s_per_address)
         app.state.started = time.time()
 
         async def sweep() -> None:
@@ -270,6 +277,20 @@ def _exact_openapi_bounds(app: FastAPI) -> None:
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 
 
+def _per_address(request: Request) -> None:
+    """Look-ups and /v1 reads per client address (``--max-requests-per-s-per-address``): 429
+    ``too_many_requests`` with Retry-After past it."""
+    address = request.client.host if request.client else "?"
+    wait = request.app.state.address_limit.take(address)
+    if wait > 0:
+        request.app.state.metrics.inc("kvbridge_bootstrap_rejected_requests_total", reason="too_many_requests")
+        limit = request.app.state.settings.max_requests_per_s_per_address
+        exc = LimitExceeded(f"client {address} is over this daemon's limit of {limit:g} look-ups and reads per second "
+                            f"(--max-requests-per-s-per-address)", retry_after=wait, field="client")
+        exc.code = "too_many_requests"  # type: ignore[attr-defined]
+        raise exc
+
+
 def _registry(request: Request) -> Registry:
     return request.app.state.registry  # type: ignore[no-any-return]
 
@@ -309,6 +330,7 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     auth = [Depends(_bearer)] if settings.token else []  # writes are open without a write token
     # reads need a token whenever any is configured (guard.py says why)
     read_auth = [Depends(_bearer)] if (settings.token or settings.read_token or settings.admin_token) else []
+    read_auth = [*read_auth, Depends(_per_address)]
 
     @app.post("/v1/ranks", status_code=201, response_model=RegisterResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
     async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
@@ -333,7 +355,8 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
         rank checks a decode rank's requests against what that rank registered here."""
         return _registry(request).rank(rank_id)
 
-    @app.post("/v1/lookup", response_model=LookupResponse, responses=_ERRORS, dependencies=auth, tags=["handshake"])
+    @app.post("/v1/lookup", response_model=LookupResponse, responses=_ERRORS, dependencies=[*auth, Depends(_per_address)],
+              tags=["handshake"])
     async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
         """The senders of a room (tp_rank 0 of every CP rank and PP stage of the chosen DP group),
         the owner-lane plan and the prefill fingerprint; 409 with the field diff on mismatch."""

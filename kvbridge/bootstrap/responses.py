@@ -14,7 +14,7 @@
             its files, duplicate names ...); the message names the rule and the field
     413     body_too_large;  415 unsupported_media_type
     422     invalid_request (fields): the body does not match the OpenAPI schema
-    429     too_many_ranks, too_many_instances, too_many_lookups (Retry-After)
+    429     too_many_ranks, too_many_instances, too_many_lookups, too_many_requests (Retry-After)
     503     instance_incomplete (missing, Retry-After), store_unavailable (the store's cause named:
             etcd quorum lost or members unreachable; Retry-After)
 

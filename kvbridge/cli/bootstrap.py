@@ -74,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-lookups-per-s", type=float, default=1000.0,
                    help="handshakes (room look-ups) per second per decode instance, bursts of twice that; "
                    "more get 429 with Retry-After; 0: unlimited (default: 1000)")
+    p.add_argument("--max-requests-per-s-per-address", type=float, default=2000.0,
+                   help="look-ups and /v1 reads per second per client address, bursts of twice that (a client "
+                   "that names a new decode instance per look-up still meets it); more get 429 "
+                   "too_many_requests with Retry-After; 0: unlimited (default: 2000)")
     for name, default, text in STORE_SETTINGS:
         p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"{text} (default: {default!r}; env "
                        f"KVBRIDGE_{name.upper()}; key {name} of --config's [bootstrap] table)")
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         max_ranks_per_instance=args.max_ranks_per_instance,
         max_instances=args.max_instances,
         max_lookups_per_s=args.max_lookups_per_s,
+        max_requests_per_s_per_address=args.max_requests_per_s_per_address,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     serve(settings, host=args.host, port=args.port, port_file=args.port_file, log_level=str(level))
