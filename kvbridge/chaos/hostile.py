@@ -57,8 +57,8 @@ from kvbridge.worker import ops
 __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
-# what the transport and the daemon defend (the others wait for issue 20's transport half)
-QUICK_ATTACKS = ("preauth_flood", "slow_connection", "slot_exhaustion", "read_exposure")
+# what the transport and the daemon defend (room_collision waits for issue 20's transport half)
+QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "read_exposure")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -155,6 +155,7 @@ class Hostile:
         out.details = details
         if reg.status_code != 201:
             details["refusal"] = reg.text[:300]
+            out.rss_after_mib = self.rss(victim_m)
             out.outcome = DEFENDED
             return
         attacker = reg.json()
