@@ -312,6 +312,9 @@ class EtcdStore(RegistryStore):
                 {"request_put": {"key": _b64(ck), "value": _b64(rec.rank_id), "lease": rec.lease_id}},
                 {"request_put": {"key": _b64(cp + rec.rank_id), "value": _b64(claim.to_json()), "lease": rec.lease_id}}]
         expect = replaces
+        with self.lock:
+            replaced = self.index.rank(replaces) if replaces is not None else None
+        old_claim_key = f"{self._claims_prefix(replaced.claim())}{replaces}" if replaced is not None else None
         for _ in range(8):  # each retry follows a concurrent change of this session's claims
             revision, held = self._read_claims(claim, label)
             conflict = find_conflict(held, claim, exclude=(replaces, rec.rank_id))
@@ -328,6 +331,8 @@ class EtcdStore(RegistryStore):
             else:
                 compare = [{"key": _b64(ck), "result": "EQUAL", "target": "VALUE", "value": _b64(expect)}]
                 ops = [*puts, {"request_delete_range": {"key": _b64(self._rank_key(expect))}}]
+                if old_claim_key is not None and old_claim_key != cp + rec.rank_id:
+                    ops.append({"request_delete_range": {"key": _b64(old_claim_key)}})  # its session is free at once
             txn = {"compare": [*compare, claims_unchanged], "success": ops,
                    "failure": [{"request_range": {"key": _b64(ck)}}]}
             answer = self._members.call(f"registration of {label}", lambda c: c.transaction(txn))

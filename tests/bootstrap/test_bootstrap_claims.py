@@ -206,3 +206,25 @@ def test_etcd_racing_replicas_cannot_both_accept_one_session(etcd_cluster: Any, 
 def _quiet_numpy() -> Any:
     with np.errstate(over="raise"):
         yield
+
+
+def test_etcd_a_rank_that_moves_frees_its_old_session_at_once(etcd_cluster: Any, etcd_prefix: str,
+                                                              start_daemon: Callable[..., Any], kvb: Any,
+                                                              small_contract: RuntimeContract,
+                                                              instance_name: Callable[[str], str]) -> None:
+    """A restarted worker re-registers its coordinates (lease secret) from a new process (new
+    session): its old claim goes in the same transaction, not when the old lease runs out."""
+    (d,) = _replicas(start_daemon, etcd_cluster, etcd_prefix, 1)
+    name, other = instance_name("mover"), instance_name("next")
+    body = _body(kvb, small_contract, name, lease_ttl_s=VICTIM_TTL)
+    with httpx.Client(base_url=d.url, trust_env=False) as h:
+        first = h.post("/v1/ranks", json=body)
+        assert first.status_code == 201, first.text
+        moved = h.post("/v1/ranks", json={**body, "session_id": body["session_id"] + "-restarted"},
+                       headers={LEASE: first.json()["lease_secret"]})
+        assert moved.status_code == 201 and moved.json()["replaced"] == first.json()["rank_id"], moved.text
+        r = h.post("/v1/ranks", json=_body(kvb, small_contract, other, session_id=body["session_id"]))
+        assert r.status_code == 201, r.text
+        r = h.post("/v1/ranks", json=_body(kvb, small_contract, instance_name("late"),
+                                           session_id=body["session_id"] + "-restarted"))
+        assert r.status_code == 409 and moved.json()["rank_id"] in r.json()["holder"], r.text
