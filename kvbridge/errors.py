@@ -16,6 +16,7 @@
     │   ├── InstanceIncomplete         not every rank registered yet (503); carries .missing
     │   ├── Unauthorized               missing or wrong bearer token (401) or lease secret (403)
     │   ├── LeaseHeld                  a live rank holds these coordinates (409); carries .retry_after
+    │   ├── ClaimHeld                  a live rank holds this transport session or address range (409); .holder
     │   └── LimitExceeded              a daemon limit refused the request (429)
     └── TransferError                  the data path
         ├── EngineError                the transfer engine refused or failed a write
@@ -52,6 +53,7 @@ __all__ = [
     "InstanceIncomplete",
     "Unauthorized",
     "LeaseHeld",
+    "ClaimHeld",
     "LimitExceeded",
     "TransferError",
     "EngineError",
@@ -157,6 +159,15 @@ class LeaseHeld(BootstrapError):
 
     def __init__(self, message: str, *, retry_after: float = 0.0, **ctx: Any) -> None:
         self.retry_after = retry_after
+        super().__init__(message, **ctx)
+
+
+class ClaimHeld(BootstrapError):
+    """A registration claims a transport session or an address range (pool buffers, aux,
+    scratch) that another live rank holds; ``holder`` names that rank (its id and label)."""
+
+    def __init__(self, message: str, *, holder: str = "", **ctx: Any) -> None:
+        self.holder = holder
         super().__init__(message, **ctx)
 
 

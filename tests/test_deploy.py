@@ -300,3 +300,61 @@ def test_readme_shows_both_store_modes_and_the_failure_table():
     text = (DEPLOY / "README.md").read_text()
     for words in ("--store etcd://", "in-memory", "quorum", "store_unavailable", "store-etcd/"):
         assert words in text, words
+
+
+# ---- every secret set (issue 20) -------------------------------------------------------------------
+# The daemon guards writes, reads and operator actions with three tokens; the workers need the write
+# token (which reads too) and the cluster secret. A production config that leaves one out leaves the
+# door it guards open (an unset write token: anyone registers; no token at all: anyone reads every
+# rank's sessions and addresses; no cluster secret: control messages unauthenticated).
+DAEMON_SECRETS = {"KVBRIDGE_BOOTSTRAP_TOKEN", "KVBRIDGE_READ_TOKEN", "KVBRIDGE_ADMIN_TOKEN"}
+WORKER_SECRETS = {"KVBRIDGE_BOOTSTRAP_TOKEN", "KVBRIDGE_SECRET"}
+SECRET_OF = {"bootstrap": DAEMON_SECRETS, "prefill-worker": WORKER_SECRETS, "decode-worker": WORKER_SECRETS}
+
+
+def example_secret_keys() -> set[tuple[str, str]]:
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / "secret.example.yaml").read_text())
+    return {(d["metadata"]["name"], key) for d in docs if d and d["kind"] == "Secret" for key in d["stringData"]}
+
+
+def all_k8s_containers():
+    for path in sorted((DEPLOY / "k8s").rglob("*.yaml")):
+        for d in yaml.safe_load_all(path.read_text()):
+            if d and d["kind"] in ("Deployment", "StatefulSet"):
+                for c in d["spec"]["template"]["spec"]["containers"]:
+                    yield f"{path.relative_to(DEPLOY)}:{c['name']}", c
+
+
+def test_k8s_sets_every_secret_from_a_secret():
+    keys = example_secret_keys()
+    seen = set()
+    for where, c in all_k8s_containers():
+        argv = [*c.get("command", []), *c.get("args", [])]
+        if argv[:1] != ["kvbridge"]:
+            continue  # etcd itself
+        need = SECRET_OF[argv[1]]
+        seen.add(argv[1])
+        refs = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in c.get("env", [])}
+        for name in need:
+            ref = refs.get(name)
+            assert ref, f"{where}: {name} is not set from a Secret"
+            assert (ref["name"], ref["key"]) in keys, f"{where}: {name} names {ref} that secret.example.yaml lacks"
+        if argv[1] != "bootstrap":  # the admin token never reaches a worker
+            assert "KVBRIDGE_ADMIN_TOKEN" not in refs, where
+    assert seen == set(SECRET_OF), seen
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_sets_every_secret(unit):
+    service = parse_unit(unit)["Service"]
+    env: dict[str, str] = {}
+    for ref in service.get("EnvironmentFile", []):
+        env.update(read_env_file(DEPLOY / "systemd" / Path(ref.lstrip("-")).name))
+    command = shlex.split(service["ExecStart"][0].replace("%i", "1"))[1]
+    for name in SECRET_OF[command]:
+        assert env.get(name, "").strip(), f"{unit.name}: {name} is not set by its EnvironmentFile(s)"
+    if command == "bootstrap":
+        tokens = [env[n] for n in DAEMON_SECRETS]
+        assert len(set(tokens)) == len(tokens), f"{unit.name}: the three tokens must differ"
+    else:
+        assert "KVBRIDGE_ADMIN_TOKEN" not in env, unit.name

@@ -17,8 +17,8 @@ etcd store, any number of replicas serve one cluster, and ``/healthz``, ``/metri
 
 State (store, registry, metrics, look-up limiter) is created in the lifespan and lives on
 ``app.state``. ``Guard`` (guard.py) checks tokens and body size before routing: the
-write token on writes, the read token on ``/v1`` and ``/diagnostics`` reads (when one
-is configured; write and admin tokens read too). Per-rank credentials (lease
+write token on writes, a read-granting token (read, write or admin) on ``/v1`` and
+``/diagnostics`` reads whenever any token is configured. Per-rank credentials (lease
 secrets, leases.py) and the limits (registry.py, limits.py) are checked by the
 routes. Every error body is an ``ErrorBody`` (responses.py lists the codes).
 """
@@ -28,13 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPBearer
 from starlette.concurrency import run_in_threadpool
@@ -71,7 +75,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BootstrapSettings:
     token: str | None = None  # write token: every write needs it (or the admin token)
-    read_token: str | None = None  # reads of /v1 and /diagnostics need a token when set
+    read_token: str | None = None  # read-only access to /v1 and /diagnostics (any token configured: reads need one)
     admin_token: str | None = None  # operators: replace, renew or drop any rank; read and write
     lease_ttl_s: float = 10.0  # default lease when a rank asks for none
     max_lease_ttl_s: float = 300.0
@@ -80,6 +84,9 @@ class BootstrapSettings:
     max_ranks_per_instance: int = 1024
     max_instances: int = 1024
     max_lookups_per_s: float = 1000.0  # per asking decode instance; 0: unlimited
+    # per client address, look-ups and /v1 reads together: a client that invents a new decode
+    # instance name per look-up (a fresh bucket each) still meets this one; 0: unlimited
+    max_requests_per_s_per_address: float = 2000.0
     sweep_interval_s: float = 1.0
     etcd: EtcdOptions | None = None  # None: the in-memory store
     replica: str = ""  # this daemon's name among replicas ("" : host:port or a random one)
@@ -103,6 +110,9 @@ class BootstrapSettings:
             raise ConfigError("max_ranks_per_instance and max_instances must be >= 1", field="max_ranks_per_instance")
         if self.max_lookups_per_s < 0:
             raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
+        if self.max_requests_per_s_per_address < 0:
+            raise ConfigError("max_requests_per_s_per_address must be >= 0 (0: unlimited)",
+                              field="max_requests_per_s_per_address")
 
 
 def make_store(settings: BootstrapSettings) -> RegistryStore:
@@ -146,6 +156,7 @@ def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStor
         )
         app.state.metrics.gauge_source = lambda: app.state.registry.gauges(app.state.replica)
         app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)
+        app.state.address_limit = RateLimiter(settings.max_requests_per_s_per_address)
         app.state.started = time.time()
 
         async def sweep() -> None:
@@ -169,7 +180,10 @@ def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStor
         version=__version__,
         description="Rank registry, contract fingerprints and prefill-topology lookups for PD disaggregation.",
         lifespan=lifespan,
+        dependencies=[Depends(_one_value_per_query_parameter)],
     )
+    app.router.route_class = _WholeNumberRoute
+    _exact_openapi_bounds(app)
     tokens = {"write": settings.token, "read": settings.read_token, "admin": settings.admin_token}
     app.add_middleware(Guard, tokens=tokens, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_NameReplica)
@@ -197,6 +211,84 @@ class _NameReplica:
             await send(message)
 
         await self.app(scope, receive, named)
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when it is a whole number (exactly: no
+    f64 rounding of large values), else a float."""
+    d = Decimal(text)
+    return int(d) if d.is_finite() and d == d.to_integral_value() else float(text)
+
+
+class _WholeNumberRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_float=_json_number)
+        return self._json
+
+
+class _WholeNumberRoute(APIRoute):
+    """Bodies are read with whole numbers as ints. JSON Schema's ``integer`` includes ``992.0``
+    (and OpenAPI clients send it), but the strict request models refuse a float for an int field;
+    reading ``992.0`` as ``992`` keeps them strict about strings and booleans while accepting
+    everything the schema allows. Float fields take ints as they are."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def whole_numbers(request: Request) -> Response:
+            return await handler(_WholeNumberRequest(request.scope, request.receive))
+
+        return whole_numbers
+
+
+def _one_value_per_query_parameter(request: Request) -> None:
+    """Every query parameter of this API is one value: ``?limit=1&limit=2`` is refused (422
+    naming the parameter), where FastAPI would silently take the last."""
+    repeated = sorted({k for k, _ in request.query_params.multi_items() if len(request.query_params.getlist(k)) > 1})
+    if repeated:
+        raise RequestValidationError([{"type": "repeated_parameter", "loc": ("query", name),
+                                       "msg": f"query parameter {name!r} given more than once", "input": None}
+                                      for name in repeated])
+
+
+def _exact_openapi_bounds(app: FastAPI) -> None:
+    """FastAPI's OpenAPI models hold numeric bounds as floats, so ``lt=2**63`` came out as
+    ``9.223372036854776e+18`` and a schema-driven client computed its edge cases in floats (and
+    sent values the daemon refuses). Whole-number bounds are written back as exact integers."""
+    plain = app.openapi
+
+    def exact(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else exact(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [exact(v) for v in node]
+        return node
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = exact(plain())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+
+
+def _per_address(request: Request) -> None:
+    """Look-ups and /v1 reads per client address (``--max-requests-per-s-per-address``): 429
+    ``too_many_requests`` with Retry-After past it."""
+    address = request.client.host if request.client else "?"
+    wait = request.app.state.address_limit.take(address)
+    if wait > 0:
+        request.app.state.metrics.inc("kvbridge_bootstrap_rejected_requests_total", reason="too_many_requests")
+        limit = request.app.state.settings.max_requests_per_s_per_address
+        exc = LimitExceeded(f"client {address} is over this daemon's limit of {limit:g} look-ups and reads per second "
+                            f"(--max-requests-per-s-per-address)", retry_after=wait, field="client")
+        exc.code = "too_many_requests"  # type: ignore[attr-defined]
+        raise exc
 
 
 def _registry(request: Request) -> Registry:
@@ -236,7 +328,9 @@ def _store_state(request: Request) -> dict[str, Any]:
 
 def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     auth = [Depends(_bearer)] if settings.token else []  # writes are open without a write token
-    read_auth = [Depends(_bearer)] if settings.read_token else []
+    # reads need a token whenever any is configured (guard.py says why)
+    read_auth = [Depends(_bearer)] if (settings.token or settings.read_token or settings.admin_token) else []
+    read_auth = [*read_auth, Depends(_per_address)]
 
     @app.post("/v1/ranks", status_code=201, response_model=RegisterResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])
     async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
@@ -255,13 +349,14 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
         await _run(request, _registry(request).deregister, rank_id, lease_secret=lease, admin=_admin(request))
         return Response(status_code=204)
 
-    @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, tags=["ranks"])
+    @app.get("/v1/ranks/{rank_id}", response_model=RankDetail, responses=_ERRORS, dependencies=read_auth, tags=["ranks"])
     async def rank(rank_id: str, request: Request) -> RankDetail:
         """One registered rank: its identity, endpoints, pool and aux-region descriptors. A prefill
         rank checks a decode rank's requests against what that rank registered here."""
         return _registry(request).rank(rank_id)
 
-    @app.post("/v1/lookup", response_model=LookupResponse, responses=_ERRORS, dependencies=auth, tags=["handshake"])
+    @app.post("/v1/lookup", response_model=LookupResponse, responses=_ERRORS, dependencies=[*auth, Depends(_per_address)],
+              tags=["handshake"])
     async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
         """The senders of a room (tp_rank 0 of every CP rank and PP stage of the chosen DP group),
         the owner-lane plan and the prefill fingerprint; 409 with the field diff on mismatch."""

@@ -1,9 +1,17 @@
 """``Guard``: who may do what, and how big a body may be, decided before routing.
 
-    request                                   needs, when that token is configured
-    POST / PUT / PATCH / DELETE (any path)    the write token or the admin token       401 otherwise
-    GET / HEAD of /v1/... and /diagnostics    the read, write or admin token           401 otherwise
+    request                                   needs                                    otherwise
+    POST / PUT / PATCH / DELETE (any path)    the write or admin token, when the       401
+                                              write token is configured
+    GET / HEAD of /v1/... and /diagnostics    the read, write or admin token, when     401
+                                              *any* token is configured
     /healthz, /metrics, /docs, /openapi.json  nothing (probes, scrapers, humans)
+
+Reads name what a peer needs to reach a rank (control endpoints, transport session ids,
+buffer addresses): a daemon that guards its writes guards its reads too, so with only a
+write token configured an anonymous read is refused, and the ranks (which hold the write
+token) read as before. Only a daemon with no token at all (a laptop, a test) answers
+anonymous reads; ``serve`` warns when such a daemon listens beyond loopback.
 
 A prefix rule, not a per-route list: a read route added under ``/v1/`` (such as
 ``GET /v1/ranks/{rank_id}``) is covered the day it is added. The token is compared in
@@ -98,7 +106,7 @@ class Guard:
         if method in WRITE_METHODS:
             need, configured = WRITE, WRITE in self.tokens
         elif scope["path"].startswith(READ_PREFIXES):
-            need, configured = READ, READ in self.tokens
+            need, configured = READ, bool(self.tokens)
         else:
             return None
         if not configured or need in granted:

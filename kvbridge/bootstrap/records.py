@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbridge.bootstrap.claims import Claim, claim_of
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import (
     InstanceFingerprint,
@@ -40,6 +41,12 @@ class RankRecord:
     scratch: ScratchDescriptor | None = None
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
+
+    def claim(self) -> Claim:
+        """The transport session and address ranges this rank holds (claims.py)."""
+        i = self.identity
+        return claim_of(self.rank_id, i.label, i.instance, self.session_id, self.pools, self.aux, self.aux_regions,
+                        self.scratch)
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from kvbridge.bootstrap.claims import claim_held, find_conflict
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
 from kvbridge.bootstrap.leases import (
@@ -170,17 +171,29 @@ class Registry:
                 secret_digest=secret_digest(secret),
                 scratch=req.scratch,
             )
+            self._check_claims(rec, replaced)
             if not self.store.remote:
                 self.store.add_rank(inst, rec, replaced)
         if self.store.remote:
             # A shared store settles conflicting writers itself (one transaction: LeaseHeld when
-            # another replica took the coordinates meanwhile); its round trips must not hold the
+            # another replica took the coordinates meanwhile, ClaimHeld when it took the session
+            # or an address range); its round trips must not hold the
             # lock that look-ups, answered from the cache, take.
             self.store.add_rank(inst, rec, replaced)
         self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
         log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
         return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced,
                                 lease_secret=secret)
+
+    def _check_claims(self, rec: RankRecord, replaced: str | None) -> None:
+        """A rank's transport session and address ranges are its own (claims.py): 409
+        ``claim_held`` naming the live rank that holds them. The rank it replaces holds nothing
+        against it."""
+        claim = rec.claim()
+        conflict = find_conflict(self._index.session_claims(claim.session), claim, exclude=(replaced, rec.rank_id))
+        if conflict is not None:
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="claim_held")
+            raise claim_held(rec.identity.label, *conflict)
 
     def _check_limits(self, ident: RankIdentity, *, replacing: bool = False) -> None:
         """A new instance: its size and the number of instances stay under the daemon's limits."""

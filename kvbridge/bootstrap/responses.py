@@ -8,12 +8,13 @@
     404     unknown_rank, unknown_instance, not_found
     405     method_not_allowed
     409     contract_mismatch (diff), topology_mismatch (diff), lease_held (Retry-After),
+            claim_held (holder): the transport session or an address range is another live rank's,
             inconsistent_request: the body matches the OpenAPI schema but breaks a rule the
             schema cannot express (a rank outside its sizes, a source digest that does not match
             its files, duplicate names ...); the message names the rule and the field
     413     body_too_large;  415 unsupported_media_type
     422     invalid_request (fields): the body does not match the OpenAPI schema
-    429     too_many_ranks, too_many_instances, too_many_lookups (Retry-After)
+    429     too_many_ranks, too_many_instances, too_many_lookups, too_many_requests (Retry-After)
     503     instance_incomplete (missing, Retry-After), store_unavailable (the store's cause named:
             etcd quorum lost or members unreachable; Retry-After)
 
@@ -30,11 +31,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from kvbridge.bootstrap.schemas import ErrorBody
 from kvbridge.bootstrap.store import StoreUnavailable
 from kvbridge.errors import (
     BufferSpecError,
+    ClaimHeld,
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
@@ -70,6 +73,8 @@ def status_of(exc: KVBridgeError) -> tuple[int, str]:
         return 409, "topology_mismatch"
     if isinstance(exc, LeaseHeld):
         return 409, "lease_held"
+    if isinstance(exc, ClaimHeld):
+        return 409, "claim_held"
     if isinstance(exc, InstanceIncomplete):
         return 503, "instance_incomplete"
     if isinstance(exc, StoreUnavailable):
@@ -97,6 +102,18 @@ def field_of(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of ``request``'s path answers. Starlette's own 405 names only the
+    first route whose path matched (``GET /v1/ranks/{id}`` and ``DELETE /v1/ranks/{id}`` are two
+    routes), so its ``Allow`` header left the others out."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "\x00"})  # a method no route has: PARTIAL on a path match
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(KVBridgeError)
     async def kvbridge_error(request: Request, exc: KVBridgeError) -> JSONResponse:
@@ -108,7 +125,8 @@ def install_handlers(app: FastAPI) -> None:
             headers = _retry_after(exc.retry_after)
         diff = getattr(exc, "diff", None)
         missing = exc.missing if isinstance(exc, InstanceIncomplete) else None
-        return error_response(status, code, str(exc), headers=headers, field=exc.field, diff=diff or None, missing=missing)
+        return error_response(status, code, str(exc), headers=headers, field=exc.field, diff=diff or None, missing=missing,
+                              holder=getattr(exc, "holder", None) or None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -126,6 +144,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            allowed = allowed_methods(request)
+            return error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}; "
+                                  f"allowed: {', '.join(allowed)}", headers={"Allow": ", ".join(allowed)})
         if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
             return error_response(400, "json_too_deep", "body nests JSON deeper than the parser allows "
                                   "(about 1,000 levels); no kvbridge body needs more than 10", field="body")

@@ -237,3 +237,4 @@ class ErrorBody(BaseModel):
     diff: list[FieldDiff] | None = None
     missing: list[str] | None = None
     fields: list[dict[str, Any]] | None = None
+    holder: str | None = None  # claim_held: the live rank holding the session or range

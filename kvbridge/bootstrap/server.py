@@ -79,8 +79,9 @@ def serve(
     """Serve until SIGINT/SIGTERM (uvicorn shuts down gracefully on both)."""
     if not _is_loopback(host) and settings.token is None:
         log.warning("listening on %s without a token: anyone who reaches this port can register ranks", host)
-    if not _is_loopback(host) and settings.read_token is None:
-        log.warning("listening on %s without a read token: anyone who reaches this port can read the topology", host)
+    if not _is_loopback(host) and not (settings.token or settings.read_token or settings.admin_token):
+        log.warning("listening on %s without any token: anyone who reaches this port can read every rank's session "
+                    "id, endpoints and buffer addresses", host)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"

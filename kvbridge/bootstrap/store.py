@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from kvbridge.bootstrap.claims import Claim, session_key
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import MismatchRecord
 from kvbridge.errors import BootstrapUnavailable, ConfigError, UnknownInstance
@@ -76,12 +77,17 @@ class StoreHealth:
 
 
 class RankIndex:
-    """Instances and their ranks, indexed by rank id and coordinates. Not locked itself:
-    callers hold the owning store's ``lock``."""
+    """Instances and their ranks, indexed by rank id, coordinates and claimed transport
+    session (claims.py). Not locked itself: callers hold the owning store's ``lock``."""
 
     def __init__(self) -> None:
         self.instances: dict[str, InstanceRecord] = {}
         self.rank_instance: dict[str, str] = {}  # rank id -> instance name
+        self.sessions: dict[str, dict[str, Claim]] = {}  # session key -> rank id -> its claim
+
+    def session_claims(self, session: str) -> list[Claim]:
+        """The live claims in one transport session (``claims.session_key``)."""
+        return list(self.sessions.get(session, {}).values())
 
     def rank(self, rank_id: str) -> RankRecord | None:
         name = self.rank_instance.get(rank_id)
@@ -100,6 +106,8 @@ class RankIndex:
         held.ranks[rec.rank_id] = rec
         held.by_coords[rec.identity.coords] = rec.rank_id
         self.rank_instance[rec.rank_id] = inst.name
+        claim = rec.claim()
+        self.sessions.setdefault(claim.session, {})[rec.rank_id] = claim
 
     def drop(self, rank_id: str) -> RankRecord | None:
         name = self.rank_instance.pop(rank_id, None)
@@ -109,6 +117,11 @@ class RankIndex:
         rec = inst.ranks.pop(rank_id)
         if inst.by_coords.get(rec.identity.coords) == rank_id:
             del inst.by_coords[rec.identity.coords]
+        session = session_key(rec.session_id)
+        claims = self.sessions.get(session, {})
+        claims.pop(rank_id, None)
+        if not claims:
+            self.sessions.pop(session, None)
         if not inst.ranks:
             del self.instances[name]
         return rec
@@ -116,6 +129,7 @@ class RankIndex:
     def clear(self) -> None:
         self.instances.clear()
         self.rank_instance.clear()
+        self.sessions.clear()
 
     def all_ranks(self) -> list[RankRecord]:
         return [r for inst in self.instances.values() for r in inst.ranks.values()]

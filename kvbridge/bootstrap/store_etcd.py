@@ -8,6 +8,8 @@ Keys (under ``prefix``, ``/kvbridge/`` by default):
                                               lease secret                  [rank's lease]
     coords/<instance>/<dp>.<cp>.<tp>.<pp>     the rank id holding these coordinates
                                                                             [rank's lease]
+    claims/<session digest>/<rank_id>         the transport session and address ranges the
+                                              rank holds (claims.py)        [rank's lease]
     refusals/<time ns>-<random>               a refusal with its field diff (bounded: the
                                               oldest are deleted past max_refusals)
     replicas/<name>                           a daemon replica, rewritten every health tick
@@ -15,8 +17,12 @@ Keys (under ``prefix``, ``/kvbridge/`` by default):
 
 Every rank has its own etcd lease with the rank's TTL: a heartbeat (to any replica) is
 a lease keep-alive, and etcd deletes both keys when the lease runs out. A registration is
-one transaction that puts both keys only if the coordinates are free (or still held by the
-rank being replaced), so two replicas cannot both win one rank's coordinates.
+one transaction that puts its keys only if the coordinates are free (or still held by the
+rank being replaced) and no key under its session's ``claims/`` prefix changed since it read
+them and found no conflict (an etcd compare over the prefix: every key's mod revision below
+the read's). So two replicas cannot both win one rank's coordinates, nor two conflicting
+claims on one session; claims vanish with their rank's lease, and a daemon restart reads them
+back from etcd.
 
 The cache: a snapshot of the prefix (one range read at revision R), then a watch from
 R + 1 applies every put and delete to the ``RankIndex`` that look-ups read, so a look-up
@@ -51,6 +57,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from kvbridge.bootstrap.claims import Claim, claim_held, find_conflict
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.mismatches import MismatchLog
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
@@ -236,6 +243,9 @@ class EtcdStore(RegistryStore):
     def _rank_key(self, rank_id: str) -> str:
         return f"{self.prefix}ranks/{rank_id}"
 
+    def _claims_prefix(self, claim: Claim) -> str:
+        return f"{self.prefix}claims/{claim.digest}/"
+
     def _coords_key(self, ident: RankIdentity) -> str:
         return f"{self.prefix}coords/{ident.instance}/{ident.dp_rank}.{ident.cp_rank}.{ident.tp_rank}.{ident.pp_rank}"
 
@@ -276,22 +286,56 @@ class EtcdStore(RegistryStore):
         except StoreUnavailable as exc:
             log.info("lease %x left to expire: %s", lease_id, exc)
 
+    def _read_claims(self, claim: Claim, label: str) -> tuple[int, list[Claim]]:
+        """The claims held in ``claim``'s session, as etcd has them now, and the revision read."""
+        cp = self._claims_prefix(claim)
+        txn = {"compare": [], "success": [{"request_range": {"key": _b64(cp), "range_end": _b64(_prefix_end(cp))}}],
+               "failure": []}
+        answer = self._members.call(f"claims read of {label}", lambda c: c.transaction(txn))
+        kvs = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        held = []
+        for kv in kvs:
+            try:
+                held.append(Claim.from_json(_unb64(kv.get("value", ""))))
+            except (ValueError, KeyError) as exc:
+                log.warning("etcd key %s holds no valid claim: %s", _unb64(kv["key"]).decode(errors="replace"), exc)
+        return int(answer["header"]["revision"]), held
+
     def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None) -> None:
+        label = rec.identity.label
+        claim = rec.claim()
+        cp = self._claims_prefix(claim)
         rec.lease_id = self._grant(rec.lease_ttl_s)
         ck, rk = self._coords_key(rec.identity), self._rank_key(rec.rank_id)
         value = StoredRank.of(inst, rec).model_dump_json()
         puts = [{"request_put": {"key": _b64(rk), "value": _b64(value), "lease": rec.lease_id}},
-                {"request_put": {"key": _b64(ck), "value": _b64(rec.rank_id), "lease": rec.lease_id}}]
+                {"request_put": {"key": _b64(ck), "value": _b64(rec.rank_id), "lease": rec.lease_id}},
+                {"request_put": {"key": _b64(cp + rec.rank_id), "value": _b64(claim.to_json()), "lease": rec.lease_id}}]
         expect = replaces
-        for _ in range(2):
+        with self.lock:
+            replaced = self.index.rank(replaces) if replaces is not None else None
+        old_claim_key = f"{self._claims_prefix(replaced.claim())}{replaces}" if replaced is not None else None
+        for _ in range(8):  # each retry follows a concurrent change of this session's claims
+            revision, held = self._read_claims(claim, label)
+            conflict = find_conflict(held, claim, exclude=(replaces, rec.rank_id))
+            if conflict is not None:
+                self._revoke(rec.lease_id)
+                raise claim_held(label, *conflict)
+            # nothing under the session's claims prefix changed since the read (a new key's
+            # mod revision would be above it; a deleted one frees, never conflicts)
+            claims_unchanged = {"key": _b64(cp), "range_end": _b64(_prefix_end(cp)), "result": "LESS", "target": "MOD",
+                                "mod_revision": revision + 1}
             if expect is None:
                 compare = [{"key": _b64(ck), "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
                 ops = puts
             else:
                 compare = [{"key": _b64(ck), "result": "EQUAL", "target": "VALUE", "value": _b64(expect)}]
                 ops = [*puts, {"request_delete_range": {"key": _b64(self._rank_key(expect))}}]
-            txn = {"compare": compare, "success": ops, "failure": [{"request_range": {"key": _b64(ck)}}]}
-            answer = self._members.call(f"registration of {rec.identity.label}", lambda c: c.transaction(txn))
+                if old_claim_key is not None and old_claim_key != cp + rec.rank_id:
+                    ops.append({"request_delete_range": {"key": _b64(old_claim_key)}})  # its session is free at once
+            txn = {"compare": [*compare, claims_unchanged], "success": ops,
+                   "failure": [{"request_range": {"key": _b64(ck)}}]}
+            answer = self._members.call(f"registration of {label}", lambda c: c.transaction(txn))
             if answer.get("succeeded"):
                 break
             kvs = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
@@ -299,15 +343,19 @@ class EtcdStore(RegistryStore):
             if holder is None and expect is not None:
                 expect = None  # the rank being replaced expired meanwhile: the coordinates are free
                 continue
+            if holder == expect:
+                continue  # the coordinates are as expected: the session's claims changed; read them again
             self._revoke(rec.lease_id)
             with self.lock:
-                held = self.index.rank(holder) if holder else None
-            remaining = max(0.0, held.expires_at - self.clock()) if held else rec.lease_ttl_s
-            raise LeaseHeld(f"{rec.identity.label} is held by live rank {holder} (registered through another "
+                held_rank = self.index.rank(holder) if holder else None
+            remaining = max(0.0, held_rank.expires_at - self.clock()) if held_rank else rec.lease_ttl_s
+            raise LeaseHeld(f"{label} is held by live rank {holder} (registered through another "
                             f"replica): register with its lease secret, wait for its lease to run out, or use the "
-                            f"admin token", retry_after=remaining, rank=rec.identity.label, field="rank")
-        else:  # pragma: no cover - the loop breaks or raises
-            raise StoreUnavailable(f"registration of {rec.identity.label}: etcd transaction did not settle")
+                            f"admin token", retry_after=remaining, rank=label, field="rank")
+        else:
+            self._revoke(rec.lease_id)
+            raise StoreUnavailable(f"registration of {label}: etcd transaction did not settle (the session's "
+                                   f"claims kept changing)")
         if replaces is not None:
             with self.lock:
                 old = self.index.rank(replaces)

@@ -24,7 +24,8 @@ ADMIN_TOKEN_ENV = "KVBRIDGE_ADMIN_TOKEN"
 TOKENS = (
     ("token", TOKEN_ENV, "bearer token required on every write (none: writes are open)"),
     ("read-token", READ_TOKEN_ENV, "bearer token required to read /v1/instances, /v1/ranks/{id}, /v1/diagnostics/* "
-     "and /diagnostics; the write and admin tokens read too (none: reads are open; set one in production)"),
+     "and /diagnostics; the write and admin tokens read too (reads need one of the three whenever any token is set; "
+     "no token at all: reads are open)"),
     ("admin-token", ADMIN_TOKEN_ENV, "operators' bearer token: reads, writes, and renews, replaces or deregisters any "
      "rank without its lease secret (none: only a rank's own lease secret can)"),
 )
@@ -73,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-lookups-per-s", type=float, default=1000.0,
                    help="handshakes (room look-ups) per second per decode instance, bursts of twice that; "
                    "more get 429 with Retry-After; 0: unlimited (default: 1000)")
+    p.add_argument("--max-requests-per-s-per-address", type=float, default=2000.0,
+                   help="look-ups and /v1 reads per second per client address, bursts of twice that (a client "
+                   "that names a new decode instance per look-up still meets it); more get 429 "
+                   "too_many_requests with Retry-After; 0: unlimited (default: 2000)")
     for name, default, text in STORE_SETTINGS:
         p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"{text} (default: {default!r}; env "
                        f"KVBRIDGE_{name.upper()}; key {name} of --config's [bootstrap] table)")
@@ -172,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         max_ranks_per_instance=args.max_ranks_per_instance,
         max_instances=args.max_instances,
         max_lookups_per_s=args.max_lookups_per_s,
+        max_requests_per_s_per_address=args.max_requests_per_s_per_address,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     serve(settings, host=args.host, port=args.port, port_file=args.port_file, log_level=str(level))

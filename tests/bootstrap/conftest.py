@@ -167,7 +167,7 @@ def make_register(
     return RegisterRequest(
         rank=rank,
         control_endpoint=f"tcp://127.0.0.1:{port}",
-        session_id=f"127.0.0.1:{port + 1}",
+        session_id=f"127.0.0.1:{port + 1}/{instance}",  # one process per rank: its own session
         pools=descriptors(contract),
         aux=AuxDescriptor(base=1 << 44, capacity_rows=64, row_bytes=contract.aux.row_bytes),
         contract=contract,

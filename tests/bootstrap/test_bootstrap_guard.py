@@ -47,8 +47,16 @@ def test_writes_need_the_token(guarded: Any, kvb: Any, small_contract: RuntimeCo
     assert httpx.delete(f"{guarded.url}/v1/ranks/{rank_id}", trust_env=False).status_code == 401
     # A malformed body without a token is still a 401: the token is checked before parsing.
     assert httpx.post(url, content=b"{", trust_env=False).status_code == 401
-    # Reads stay open.
-    assert httpx.get(f"{guarded.url}/v1/instances", trust_env=False).status_code == 200
+    # Reads name sessions, endpoints and addresses: with a write token set, they need a token too
+    # (issue 20, finding 6); the write token reads, and the open endpoints stay open.
+    for path in ("/v1/instances", f"/v1/ranks/{rank_id}", "/v1/diagnostics/fingerprints", "/diagnostics"):
+        anon = httpx.get(f"{guarded.url}{path}", trust_env=False)
+        assert anon.status_code == 401 and anon.json()["error"] == "missing_token", (path, anon.text)
+        assert "session_id" not in anon.text and '"base"' not in anon.text
+        assert httpx.get(f"{guarded.url}{path}", headers={"Authorization": f"Bearer {TOKEN}"},
+                         trust_env=False).status_code == 200, path
+    for path in ("/healthz", "/metrics", "/openapi.json"):
+        assert httpx.get(f"{guarded.url}{path}", trust_env=False).status_code == 200, path
     # The write token alone does not reach another rank's registration: its lease secret does.
     assert httpx.delete(f"{guarded.url}/v1/ranks/{rank_id}", headers={"Authorization": f"Bearer {TOKEN}"},
                         trust_env=False).status_code == 403

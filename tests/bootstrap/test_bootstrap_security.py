@@ -258,3 +258,20 @@ def test_a_daemon_that_did_not_run_lengthens_leases_instead_of_expiring_them_all
         reg.expire()
     assert reg.instances() == [] and reg.pauses == 1
     assert kept.lease_secret
+
+
+def test_lookups_and_reads_per_client_address_are_rate_limited(start_daemon: Callable[..., Any], kvb: Any,
+                                                                small_contract: RuntimeContract) -> None:
+    """Issue 20, finding 6: a client that names a new decode instance on every look-up gets a fresh
+    per-instance bucket each time; the per-address cap (on by default, 2,000/s) still stops it, and
+    it counts the /v1 reads too. Writes (registration, heartbeats) do not count."""
+    d = start_daemon("--token", WRITE, "--max-requests-per-s-per-address", "5")
+    with httpx.Client(base_url=d.url, headers=bearer(WRITE), timeout=5.0, trust_env=False) as h:
+        assert h.post("/v1/ranks", json=kvb.body(kvb.register_request(small_contract, "p"))).status_code == 201
+        codes = [h.post("/v1/lookup", json=kvb.lookup_body(small_contract, "p", room=1, decode=f"name-{i}")).status_code
+                 for i in range(30)]
+        assert codes.count(200) >= 5 and codes[-1] == 429, codes
+        r = h.get("/v1/instances")
+        assert r.status_code == 429 and r.json()["error"] == "too_many_requests" and int(r.headers["retry-after"]) >= 1
+        assert "127.0.0.1" in r.json()["message"]
+        assert h.post("/v1/ranks", json=kvb.body(kvb.register_request(small_contract, "q"))).status_code == 201

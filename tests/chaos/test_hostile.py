@@ -65,6 +65,28 @@ def test_preauth_flood_is_defended(quick: dict[str, Any]) -> None:
     assert d["closed_by_server"] > 0, d  # the server closed them; the attacker did not give up
 
 
+def test_aliasing_writes_nothing_to_the_victim(quick: dict[str, Any]) -> None:
+    """A write-token + secret holder registers the victim decode rank's session id and pool bases
+    as its own, to ask both prefill ranks for a room into the victim's free (poisoned) pages.
+    Before issue 20 the registration was accepted and 974,848 bytes landed from each prefill rank
+    (8 pages); now the daemon refuses the claim on the victim's session (409 claim_held, naming
+    the victim rank) and nothing is sent."""
+    a = attack(quick, "aliasing")
+    assert a["outcome"] == "defended", a
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    assert a["details"]["registration_status"] == 409 and "claim_held" in a["details"]["refusal"], a
+
+
+def test_reads_expose_no_sessions_or_addresses(quick: dict[str, Any]) -> None:
+    """An anonymous client reads GET /v1/ranks/{id} and /v1/instances of a daemon that has a write
+    token. Before issue 20 both answered 200 with session ids and buffer base addresses (reads were
+    open unless a read token was set); now any configured token closes reads to anonymous clients."""
+    a = attack(quick, "read_exposure")
+    assert a["outcome"] == "defended", a
+    for path, seen in a["details"]["anonymous"].items():
+        assert seen["status"] == 401 and not seen["session_ids"] and not seen["buffer_addresses"], (path, seen)
+
+
 def test_slow_connection_is_defended(quick: dict[str, Any]) -> None:
     """A connection that sends a Hello's frame header, then one byte a second. The old transport
     had no deadline on a partial frame and kept it for as long as it dribbled (the 8 s watch

@@ -12,33 +12,19 @@ from kvbridge.chaos.hostile import HostileSpec, run_hostile
 from kvbridge.transfer.engine import mooncake_available
 
 pytestmark = pytest.mark.skip(reason=(
-    "issue 20: waits for (aliasing) the daemon refusing a registration whose transport session or address "
-    "range a live rank holds (409 naming the holder), prefill accepting a request only for the registration of "
-    "the rank that sent it, and the nonce echo that proves a rank holds its memory before the first write; "
-    "(room_collision) first claim wins a room id on prefill: a second decode instance's TransferRequest and "
-    "Abort are refused, naming the holder; (read_exposure) reads need the read token, or leave out session ids "
-    "and addresses without it"))
+    "issue 20: waits for (room_collision) first claim wins a room id on prefill: a second decode instance's TransferRequest and "
+    "Abort are refused, naming the holder"))
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
     if not mooncake_available():
         pytest.skip("needs the Mooncake transfer engine")
-    return run_hostile(HostileSpec(attacks=("aliasing", "room_collision", "read_exposure"), collision_trials=4))
+    return run_hostile(HostileSpec(attacks=("room_collision",), collision_trials=4))
 
 
 def attack(report: dict[str, Any], name: str) -> dict[str, Any]:
     return next(a for a in report["attacks"] if a["attack"] == name)
-
-
-def test_aliasing_writes_nothing_to_the_victim(report: dict[str, Any]) -> None:
-    """A write-token + secret holder registers the victim decode rank's session id and pool bases
-    as its own and asks both prefill ranks for a room into the victim's free (poisoned) pages.
-    Today the registration is accepted and 974,848 bytes land from each prefill rank (8 pages)."""
-    a = attack(report, "aliasing")
-    assert a["outcome"] == "defended", a
-    assert a["bytes_written_where_not_allowed"] == 0, a
-    assert a["details"].get("victim_pages_overwritten", 0) == 0, a
 
 
 def test_room_collision_first_claim_wins(report: dict[str, Any]) -> None:
@@ -49,10 +35,3 @@ def test_room_collision_first_claim_wins(report: dict[str, Any]) -> None:
     assert a["outcome"] == "defended", a
     assert a["details"]["served_twice"] == 0 and a["details"]["legit_failed"] == 0, a
     assert a["bytes_written_where_not_allowed"] == 0, a
-
-
-def test_reads_expose_no_sessions_or_addresses(report: dict[str, Any]) -> None:
-    """An anonymous client reads GET /v1/ranks/{id} and /v1/instances; today both answer 200 with
-    session ids and buffer base addresses (reads are open by default)."""
-    a = attack(report, "read_exposure")
-    assert a["outcome"] == "defended", a

@@ -86,7 +86,8 @@ def test_cli_json_and_exit_status(cluster: Cluster) -> None:
 def test_wrong_token(cluster: Cluster) -> None:
     report = doctor(cluster, token="not-the-token")
     reads, writes = rows(report, "token")
-    assert reads.status == OK  # this cluster's daemon has no read token: reads are open
+    # the daemon has a write token: reads need a token too (issue 20, finding 6), and this one is wrong
+    assert reads.status == FAIL and "401" in reads.detail
     assert writes.status == FAIL and "401" in writes.detail and "KVBRIDGE_BOOTSTRAP_TOKEN" in writes.fix
     assert not report.ok and "what to fix" in format_table(report)
 

@@ -26,7 +26,8 @@ def wait_reply(worker, request_id: int, timeout: float) -> ops.Reply:
 
 
 def registered_ranks(cluster: Cluster, instance: str) -> int:
-    resp = httpx.get(f"{cluster.bootstrap_url}/v1/instances/{instance}", timeout=2.0)
+    resp = httpx.get(f"{cluster.bootstrap_url}/v1/instances/{instance}", timeout=2.0, trust_env=False,
+                     headers={"Authorization": f"Bearer {cluster.spec.token}"})  # reads need the write token
     return 0 if resp.status_code == 404 else len(resp.json()["ranks"])
 
 
