@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import replies, rogue_request
+from _local import ProvingPeers, replies, rogue_request
 from kvbridge.errors import RoomInUse
-from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 
@@ -59,7 +58,7 @@ def test_a_draining_room_keeps_its_id_until_no_write_can_land(cluster):
         ep.sender(31)
     with pytest.raises(RoomInUse, match="room 31 is draining: a prefill rank may still write its pages"):
         c.decode.receiver(31, f"{c.name}-p")
-    peers = PeerSet()  # another decode rank asking now gets no new target on a closed room ...
+    peers = ProvingPeers(c.decode)  # another decode rank asking now gets no new target on a closed room ...
     try:
         peers.send(ep.endpoint, rogue_request(c, 31, 8, rank_id=c.decode.rank_id))
         # ... and its refusal waits until no write of the room is in flight to anyone: a decode

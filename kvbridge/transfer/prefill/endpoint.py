@@ -348,7 +348,7 @@ class PrefillEndpoint:
         time: this one thread is the only user of the nonce source)."""
         try:
             self.scratch.set_source(a.nonce)
-            self.engine.write(a.session, np.array([self.scratch.source], np.uint64), np.array([a.dst], np.uint64),
+            self.engine.probe_write(a.session, np.array([self.scratch.source], np.uint64), np.array([a.dst], np.uint64),
                               np.array([len(a.nonce)], np.uint64), timeout=self.config.peer_timeout)
             problem = None
         except KVBridgeError as exc:

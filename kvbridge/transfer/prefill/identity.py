@@ -22,7 +22,9 @@ Only memory registered with the transfer-engine session R names can take the wri
 only the process that holds that memory can read the nonce back: a registration that
 aliases a live rank's session and addresses fails here, before any KV is written (finding 1).
 Messages that arrive meanwhile wait (bounded); once proven they are delivered in order;
-refused, each gets an ErrorReply naming the rank and why.
+refused, each gets an ErrorReply naming the rank and why, as does every message of the
+next ``retry_s`` seconds; a later one starts a fresh proof (a nonce write may fail for a
+passing reason, and each try costs prefill one small write).
 
 No socket, thread or clock here: the room state machine (``prefill/room.py``) feeds it.
 """
@@ -72,6 +74,7 @@ class Connection:
     offset: int = 0
     deadline: float = 0.0
     why: str = ""  # the refusal, once refused
+    retry_at: float = 0.0  # refused: a message after this starts a fresh proof (a failed write may be transient)
     waiting: list[Any] = field(default_factory=list)  # messages held until proven
 
 
@@ -79,9 +82,10 @@ class Identities:
     """Connections by id, what each proved, and the messages held until it did.
     ``timeout``: seconds from the first message to the echo; ``nonce_source(n)``: n random bytes."""
 
-    def __init__(self, *, timeout: float = 5.0, max_waiting: int = 1_000,
+    def __init__(self, *, timeout: float = 5.0, max_waiting: int = 1_000, retry_s: float = 1.0,
                  nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
         self.timeout = timeout
+        self.retry_s = retry_s
         self.max_waiting = max_waiting
         self.nonce_source = nonce_source
         self.conns: dict[bytes, Connection] = {}

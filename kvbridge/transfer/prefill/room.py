@@ -484,8 +484,14 @@ class PrefillRooms:
             self._error(ident, msg, f"a prefill rank does not accept {type(msg).__name__}")
 
     def _error(self, ident: bytes, msg: Any, reason: str) -> None:
-        self._out.append(Send((ident,), wire.ErrorReply(ref_type=msg.TAG, room=getattr(msg, "room", None),
-                                                        reason=reason)))
+        """Refuse ``msg`` with an ErrorReply. A refused request leaves only once nothing of its room
+        is in flight: decode frees a room's pages on it, for every rank of its instance (hard rule 6)."""
+        room = getattr(msg, "room", None)
+        reply = wire.ErrorReply(ref_type=msg.TAG, room=room, reason=reason)
+        if isinstance(msg, wire.TransferRequest):
+            self._reply_when_quiet(room, ident, reply)
+        else:
+            self._out.append(Send((ident,), reply))
 
     # -- who is on a connection (prefill/identity.py) ------------------------------
 
@@ -501,8 +507,8 @@ class PrefillRooms:
                                     "registration; nothing done")
             return False
         c = self.identities.get(ident)
-        if c is None or c.rank_id != said:
-            c = self.identities.start(ident, said)
+        if c is None or c.rank_id != said or (c.state is Proof.REFUSED and now >= c.retry_at):
+            c = self.identities.start(ident, said)  # (a refused connection may try again after a pause)
             peer = self.peers.get(said)
             if peer is None:
                 if self.identities.wait_registration(c):
@@ -524,16 +530,17 @@ class PrefillRooms:
         if peer.scratch is None:
             self._refuse_identity(c, f"its registration has no scratch region, so prefill rank {self.cfg.rank_label} "
                                      "cannot check that its session holds the memory it names (a kvbridge "
-                                     "DecodeEndpoint registers one)")
+                                     "DecodeEndpoint registers one)", now)
             return
         base, nbytes = peer.scratch
         c.instance = peer.instance
         self._out.append(self.identities.challenge(c, peer.session, base, nbytes, now))
 
-    def _refuse_identity(self, c: Connection, why: str) -> None:
+    def _refuse_identity(self, c: Connection, why: str, now: float) -> None:
         peer = self.peers.get(c.rank_id)
         label = f"decode rank {peer.label} (registration {c.rank_id})" if peer else f"decode registration {c.rank_id}"
         c.state, c.why = Proof.REFUSED, f"{label} {PROOF_FAILED}: {why}"
+        c.retry_at = now + self.identities.retry_s
         log.warning("prefill rank %s refuses connection %s: %s", self.cfg.rank_label, c.ident.hex(), c.why)
         waiting, c.waiting = c.waiting, []
         for msg in waiting:
@@ -545,7 +552,7 @@ class PrefillRooms:
         if c is None or c.state is not Proof.WRITING:
             return self._actions()
         if problem is not None:
-            self._refuse_identity(c, f"the nonce write into its scratch region failed: {problem}")
+            self._refuse_identity(c, f"the nonce write into its scratch region failed: {problem}", now)
         else:
             c.state = Proof.CHALLENGED
             self._out.append(Send((ident,), wire.Challenge(offset=c.offset)))
@@ -560,7 +567,7 @@ class PrefillRooms:
             peer = self.peers.get(c.rank_id)
             session = peer.session if peer else "?"
             self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
-                                     f"session {session}: that memory is not its own")
+                                     f"session {session}: that memory is not its own", now)
             return
         c.state, c.nonce = Proof.PROVEN, b""
         waiting, c.waiting = c.waiting, []
@@ -569,7 +576,7 @@ class PrefillRooms:
 
     def _proof_deadlines(self, now: float) -> None:
         for c in self.identities.overdue(now):
-            self._refuse_identity(c, f"no echo of the nonce within {self.identities.timeout:.1f}s")
+            self._refuse_identity(c, f"no echo of the nonce within {self.identities.timeout:.1f}s", now)
 
     def _instance_of(self, ident: bytes, rank_id: str) -> str | None:
         """The decode instance registration ``rank_id`` belongs to (kept with the connection that
@@ -589,7 +596,7 @@ class PrefillRooms:
             if c is None or c.state is not Proof.RESOLVING:
                 continue
             if problem is not None or peer is None:
-                self._refuse_identity(c, problem or f"registration {rank_id} could not be read")
+                self._refuse_identity(c, problem or f"registration {rank_id} could not be read", now)
             else:
                 self._challenge(c, peer, now)
         for ident, req in waiters:
@@ -739,7 +746,7 @@ class PrefillRooms:
         self._reply_when_quiet(room, ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed",
                                                            reason=reason, pools=[], logical_pages=b"", digests=None))
 
-    def _reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck) -> None:
+    def _reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck | wire.ErrorReply) -> None:
         """Send a failure report or abort ack once no write of ``room`` is in flight to *any* decode
         rank. Either one tells the decode rank it may free the room's pages (hard rule 6), and the
         TP ranks of a decode instance free together (SGLang all-reduces their poll states with
