@@ -175,12 +175,21 @@ class DecodeEndpoint:
         """A KVReceiver for ``room``. RoomInUse while a previous room of that id is open, or draining
         (a prefill rank may still write its pages) for longer than ``wait`` seconds."""
         with self._lock:
-            r = open_waiting(lambda: self.machine.open(room, prefill_instance, dp_rank, time.monotonic()),
-                             self._room_freed, wait)
+            r = open_waiting(lambda: self._open(room, prefill_instance, dp_rank), self._room_freed, wait)
             looking_up = r.state.state == KVPoll.Bootstrapping
         if looking_up:  # a cached topology leaves the loop nothing to do before init()
             self._wake()
         return KVReceiver(self, r)
+
+    def _open(self, room: int, prefill_instance: str, dp_rank: int | None) -> DecodeRoom:
+        """(lock held) Close the rooms of dropped handles first: a dropped KVReceiver holds its room
+        no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
+        self._close_released()
+        return self.machine.open(room, prefill_instance, dp_rank, time.monotonic())
+
+    def _close_released(self) -> None:
+        while self._released:
+            self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
 
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
@@ -336,6 +345,5 @@ class DecodeEndpoint:
         with self._lock:
             while self._results:
                 self._carry_out(self._results.popleft()())
-            while self._released:
-                self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
+            self._close_released()
             self._carry_out(self.machine.tick(time.monotonic()))

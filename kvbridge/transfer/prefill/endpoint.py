@@ -194,8 +194,18 @@ class PrefillEndpoint:
         """A KVSender for ``room``. RoomInUse while a previous room of that id is open, or draining
         (its writes still in flight) for longer than ``wait`` seconds (``RoomInUse.draining``)."""
         with self._lock:
-            r = open_waiting(lambda: self.machine.open(room, time.monotonic()), self._room_freed, wait)
+            r = open_waiting(lambda: self._open(room), self._room_freed, wait)
         return KVSender(self, r)
+
+    def _open(self, room: int) -> PrefillRoom:
+        """(lock held) Close the rooms of dropped handles first: a dropped KVSender holds its room
+        no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
+        self._close_released(time.monotonic())
+        return self.machine.open(room, time.monotonic())
+
+    def _close_released(self, now: float) -> None:
+        while self._released:
+            self._carry_out(self.machine.close(self._released.popleft(), now))
 
     def locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the endpoint's lock held (what a handle reads)."""
@@ -374,8 +384,7 @@ class PrefillEndpoint:
                 if now >= next_housekeeping:
                     next_housekeeping = now + self.config.housekeeping_interval
                     with self._lock:
-                        while self._released:
-                            self._carry_out(self.machine.close(self._released.popleft(), now))
+                        self._close_released(now)
                         self._carry_out(self.machine.gc(now))
             except Exception:  # a bug must not kill the rank's only control loop
                 log.exception("prefill loop step failed")
