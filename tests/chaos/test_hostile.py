@@ -1,8 +1,9 @@
 """``kvbridge chaos --hostile --quick --json`` end to end: the transport attacks (pre-auth flood,
 slow connection, slot exhaustion) against real processes (daemon with a write token, CP 2
 prefill ranks, a decode rank with poisoned pages, a cluster secret, real Mooncake over
-loopback), each asserted defended; and the report's shape. The attacks that today's code does
-not defend are asserted in ``test_hostile_pending.py`` (skipped until their fixes land)."""
+loopback), each asserted defended, and the request-acceptance attacks (aliasing, room
+collision); and the report's shape. The attack that today's code does not defend (read
+exposure) is asserted in ``test_hostile_pending.py`` (skipped until its fix lands)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,36 @@ def test_slot_exhaustion_is_defended(quick: dict[str, Any]) -> None:
     d = a["details"]
     assert d["restarted_decode_room_ok"] is True, d
     assert d["attacker_open_peak"] >= HostileSpec.quick().exhaust_connections, d  # the flood really held the cap
+
+
+def test_aliasing_writes_nothing_to_the_victim(quick: dict[str, Any]) -> None:
+    """A write-token + secret holder registers the victim decode rank's session id, pool bases and
+    scratch region as its own, names that registration in its Hello and asks both prefill ranks
+    for a room into the victim's free (poisoned) pages. Before the ownership proof the
+    registration was accepted and 974,848 bytes landed from each prefill rank (8 pages); now
+    each prefill rank writes a nonce into the scratch region at the victim's session, the
+    attacker cannot echo it, and the request is refused before any KV write."""
+    a = attack(quick, "aliasing")
+    assert a["outcome"] == "defended", a
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    d = a["details"]
+    assert d.get("victim_pages_overwritten", 0) == 0, d
+    if d["registration_status"] == 201:  # (a daemon that refuses the alias outright defends it too)
+        assert len(d["prefill_refusals"]) == 2, d
+        assert all("could not prove it holds the memory it registered" in r for r in d["prefill_refusals"]), d
+
+
+def test_room_collision_first_claim_wins(quick: dict[str, Any]) -> None:
+    """A second decode instance (a real decode worker) asks for a room the legitimate one claimed
+    and, every other trial, an Abort for it is sent in the second instance's name. Before, the
+    KV was served to both, or the legitimate room failed on the other's abort; now the
+    legitimate room succeeds exactly once and the second is refused, naming the holder."""
+    a = attack(quick, "room_collision")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["served_twice"] == 0 and d["legit_failed"] == 0, d
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    assert all("claimed by decode instance" in t["second"] for t in d["trials"]), d
 
 
 def test_unknown_attack_is_refused_before_anything_starts() -> None:

@@ -82,7 +82,7 @@ class Identities:
     """Connections by id, what each proved, and the messages held until it did.
     ``timeout``: seconds from the first message to the echo; ``nonce_source(n)``: n random bytes."""
 
-    def __init__(self, *, timeout: float = 5.0, max_waiting: int = 1_000, retry_s: float = 1.0,
+    def __init__(self, *, timeout: float = 5.0, max_waiting: int = 10_000, retry_s: float = 1.0,
                  nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
         self.timeout = timeout
         self.retry_s = retry_s
