@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
