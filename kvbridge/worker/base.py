@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig

@@ -433,3 +433,18 @@ def test_the_second_instance_asking_first_holds_the_room_when_decode_asks_before
     m.message(E, intruder_request(42), 1.0)
     (err,) = msgs(m.message(D, request(42), 1.01), wire.ErrorReply)
     assert "claimed by decode instance intruder" in err.reason
+
+
+def test_a_refused_connection_may_try_again_after_a_pause(m):
+    """A nonce write may fail for a passing reason: messages within ``retry_s`` of the refusal
+    are refused with it; a later one starts a fresh proof (a fresh nonce)."""
+    m.peers.entries["r2"] = fresh_peer()
+    first = _challenged(m, E, "r2", wire.Ping(decode_rank="d/dp0/tp1", seq=1, decode_rank_id="r2"))
+    m.nonce_written(E, "peer busy", 1.01)
+    (err,) = msgs(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=2, decode_rank_id="r2"), 1.5), wire.ErrorReply)
+    assert "peer busy" in err.reason
+    again = of(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=3, decode_rank_id="r2"), 1.01 + 1.1), WriteNonce)
+    assert len(again) == 1 and again[0].nonce != first.nonce
+    m.nonce_written(E, None, 2.2)
+    (beat,) = msgs(m.message(E, wire.ChallengeEcho(nonce=again[0].nonce), 2.3), wire.Heartbeat)
+    assert beat.seq == 3  # the held Ping, answered once proven
