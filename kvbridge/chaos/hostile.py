@@ -311,10 +311,10 @@ class Hostile:
         second.ready = self.c.group.wait_ready(second.proc, 60.0)
         second.client = ops.OpsClient(second.ready["ops"], secret=self.c.secret.encode())
         label = "hostile-d2/dp0/tp0"  # the decode rank label the second instance uses (DecodeConfig.rank_label)
-        second_id = self.ranks_of("hostile-d2")[0]["rank_id"]
+        second_rank_id = self.ranks_of("hostile-d2")[0]["rank_id"]
         # the aborts name the second instance's registration on a connection of their own, which
         # cannot prove it holds that rank's memory; the second instance's own requests prove it
-        peers = PeerSet(secret=self.c.secret.encode(), name=second_id)
+        peers = PeerSet(secret=self.c.secret.encode(), name=second_rank_id)
         aborts_refused: list[str] = []
         trials, served_twice = [], 0
         try:
@@ -330,7 +330,7 @@ class Hostile:
                 if abort:
                     for cp_rank in range(len(self.c.prefill)):
                         peers.send(self.endpoint(cp_rank), wire.Abort(room=room, decode_rank=label, reason="hostile",
-                                                                      decode_rank_id=second_id))
+                                                                      decode_rank_id=second_rank_id))
                     time.sleep(0.1)
                 pending = [(p, _submit(p, ops.Prefill(room, s.tokens, 0))) for p in self.c.prefill]
                 legit_r = _wait_reply(legit, legit_id, s.room_timeout)
@@ -346,6 +346,10 @@ class Hostile:
                     out.bytes_written_where_not_allowed += second_r.num_bytes  # type: ignore[union-attr]
                 trials.append({"room": room, "abort_sent": abort, "verdict": verdict, "legit": _reason(legit_r),
                                "second": _reason(second_r)})
+            # an abort's connection cannot prove its registration: refused at the proof's deadline
+            until = time.monotonic() + (5.0 if any(t["abort_sent"] for t in trials) and not aborts_refused else 0.0)
+            while not aborts_refused and time.monotonic() < until:
+                aborts_refused += [m.reason[:300] for _, m in peers.recv_ready(50) if isinstance(m, wire.ErrorReply)]
         finally:
             peers.close()
             second.client.close()
