@@ -386,7 +386,7 @@ class Registry:
             return RankDetail(rank_id=rank_id, rank=r.identity, fingerprint=inst.fingerprint,
                               control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
                               aux_regions=r.aux_regions, lease_ttl_s=r.lease_ttl_s,
-                              lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3))
+                              lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3), scratch=r.scratch)
 
     def instances(self) -> list[InstanceView]:
         now = self._clock()

@@ -186,6 +186,7 @@ class RankDetail(_Strict):
     aux_regions: list[AuxRegionDescriptor] = Field(default_factory=list)
     lease_ttl_s: float
     lease_remaining_s: float
+    scratch: ScratchDescriptor | None = None  # where prefill writes the nonce that proves the rank holds its memory
 
 
 class InstanceView(_Strict):

@@ -57,8 +57,8 @@ from kvbridge.worker import ops
 __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
-# what the transport and the daemon defend (room_collision waits for issue 20's transport half)
-QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "read_exposure")
+# every attack is defended now; quick runs them all with fewer trials
+QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -147,9 +147,11 @@ class Hostile:
         victim = self.get(f"/v1/ranks/{victim_id}").json()  # the attacker holds the write token, which reads
         contract = next(f["contract"] for f in self.get("/v1/diagnostics/fingerprints").json()
                         if f["instance"] == self.c.decode_instance)
+        # the strongest alias: the victim's session, pools, aux rows and scratch region
         body = {"rank": {"instance": "hostile-alias", "role": "decode"}, "control_endpoint": "tcp://127.0.0.1:9",
                 "session_id": victim["session_id"], "pools": victim["pools"], "aux": victim["aux"],
-                "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0}
+                "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
+                "scratch": victim.get("scratch")}
         reg = httpx.post(f"{self.c.url}/v1/ranks", json=body, headers=self.auth, timeout=5.0, trust_env=False)
         details: dict[str, Any] = {"registration_status": reg.status_code, "victim_session": victim["session_id"]}
         out.details = details
@@ -166,8 +168,11 @@ class Hostile:
         room = next(ATTACK_ROOMS)
         pending = [(m, _submit(m, ops.Prefill(room, self.spec.tokens, 0))) for m in self.c.prefill]
         label = "hostile-alias/dp0/tp0"
-        peers = PeerSet(secret=self.c.secret.encode(), name=label)
+        # its connections name its own registration (as a decode rank's do), so that the request
+        # passes the binding and meets the ownership proof
+        peers = PeerSet(secret=self.c.secret.encode(), name=attacker["rank_id"])
         reports: dict[int, list[str]] = {}  # what each prefill rank told the attacker
+        refusals: dict[str, str] = {}  # endpoint -> the ErrorReply's reason
         replies: dict[str, Any] = {}
         try:
             pools = sorted({p["pool"] for p in victim["pools"]})
@@ -178,8 +183,12 @@ class Hostile:
             for cp_rank in range(len(self.c.prefill)):
                 peers.send(self.endpoint(cp_rank), req)
             deadline = time.monotonic() + self.spec.room_timeout
-            while len(replies) < len(pending) and time.monotonic() < deadline:
-                for _, msg in peers.recv_ready(20):
+            while len(replies) < len(pending) and len(refusals) < len(pending) and time.monotonic() < deadline:
+                for where, msg in peers.recv_ready(20):
+                    if isinstance(msg, wire.Challenge):  # it cannot read the victim's scratch: its best guess
+                        peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
+                    elif isinstance(msg, wire.ErrorReply):
+                        refusals[where] = msg.reason[:300]
                     if isinstance(msg, wire.PagesDone) and msg.room == room:
                         reports.setdefault(msg.cp_rank, []).append(msg.status if msg.status == "ok"
                                                                    else f"failed: {msg.reason[:200]}")
@@ -199,7 +208,7 @@ class Hostile:
         out.bytes_written_where_not_allowed = overwritten * page_bytes
         out.rss_after_mib = self.rss(victim_m)
         details.update(victim_pages_overwritten=overwritten, prefill_reports=reports,
-                       prefill_bytes_posted=prefill_bytes)
+                       prefill_bytes_posted=prefill_bytes, prefill_refusals=sorted(refusals.values()))
         out.outcome = DEFENDED if overwritten == 0 else VULNERABLE
 
     # -- 2. pre-authentication flood ----------------------------------------------------
@@ -304,7 +313,11 @@ class Hostile:
         second.ready = self.c.group.wait_ready(second.proc, 60.0)
         second.client = ops.OpsClient(second.ready["ops"], secret=self.c.secret.encode())
         label = "hostile-d2/dp0/tp0"  # the decode rank label the second instance uses (DecodeConfig.rank_label)
-        peers = PeerSet(secret=self.c.secret.encode(), name=label)
+        second_rank_id = self.ranks_of("hostile-d2")[0]["rank_id"]
+        # the aborts name the second instance's registration on a connection of their own, which
+        # cannot prove it holds that rank's memory; the second instance's own requests prove it
+        peers = PeerSet(secret=self.c.secret.encode(), name=second_rank_id)
+        aborts_refused: list[str] = []
         trials, served_twice = [], 0
         try:
             for _ in range(s.collision_trials):
@@ -318,13 +331,15 @@ class Hostile:
                 time.sleep(0.3)
                 if abort:
                     for cp_rank in range(len(self.c.prefill)):
-                        peers.send(self.endpoint(cp_rank), wire.Abort(room=room, decode_rank=label, reason="hostile"))
+                        peers.send(self.endpoint(cp_rank), wire.Abort(room=room, decode_rank=label, reason="hostile",
+                                                                      decode_rank_id=second_rank_id))
                     time.sleep(0.1)
                 pending = [(p, _submit(p, ops.Prefill(room, s.tokens, 0))) for p in self.c.prefill]
                 legit_r = _wait_reply(legit, legit_id, s.room_timeout)
                 second_r = _wait_reply(second, second_id, s.room_timeout)
                 for p, request_id in pending:
                     _wait_reply(p, request_id, s.room_timeout)
+                aborts_refused += [m.reason[:300] for _, m in peers.recv_ready(0) if isinstance(m, wire.ErrorReply)]
                 legit_ok = isinstance(legit_r, ops.RoomResult) and legit_r.ok
                 second_ok = isinstance(second_r, ops.RoomResult) and second_r.ok
                 verdict = ("legit_failed" if not legit_ok else "served_twice" if second_ok else "defended")
@@ -333,12 +348,17 @@ class Hostile:
                     out.bytes_written_where_not_allowed += second_r.num_bytes  # type: ignore[union-attr]
                 trials.append({"room": room, "abort_sent": abort, "verdict": verdict, "legit": _reason(legit_r),
                                "second": _reason(second_r)})
+            # an abort's connection cannot prove its registration: refused at the proof's deadline
+            until = time.monotonic() + (5.0 if any(t["abort_sent"] for t in trials) and not aborts_refused else 0.0)
+            while not aborts_refused and time.monotonic() < until:
+                aborts_refused += [m.reason[:300] for _, m in peers.recv_ready(50) if isinstance(m, wire.ErrorReply)]
         finally:
             peers.close()
             second.client.close()
         out.rss_after_mib = self.rss(self.c.prefill[0])
         out.details = {"trials": trials, "served_twice": served_twice,
-                       "legit_failed": sum(t["verdict"] == "legit_failed" for t in trials)}
+                       "legit_failed": sum(t["verdict"] == "legit_failed" for t in trials),
+                       "aborts_refused": aborts_refused[:4]}
         out.outcome = DEFENDED if all(t["verdict"] == "defended" for t in trials) else VULNERABLE
 
     # -- 6. read exposure ------------------------------------------------------------------

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hostile", action="store_true",
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
                    "room collision, read exposure: see docs/security.md); exit 1 if any is not defended; "
-                   "--quick runs all but room_collision: aliasing, the transport attacks and read_exposure")
+                   "--quick runs every attack with fewer trials")
     p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
                    "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure")
     p.set_defaults(func=run)

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
-from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
+from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor
 from kvbridge.bootstrap.topology import PoolDescriptor
 from kvbridge.errors import BufferSpecError, KVBridgeError
 from kvbridge.layout import BufferDesc, PoolSpec, RawBuffer, describe_buffer
@@ -58,7 +58,7 @@ class EndpointBuffers:
             engine.unregister(self._registered.pop())
 
 
-def unregister_quietly(engine: TransferEngine, *regions: EndpointBuffers | AuxBuffers | None) -> None:
+def unregister_quietly(engine: TransferEngine, *regions: Any) -> None:
     """Withdraw an endpoint's memory at close; an engine that is already closed has none left."""
     for region in regions:
         if region is None:
@@ -84,8 +84,10 @@ def register_rank(
     aux: AuxBuffers,
     contract: RuntimeContract,
     lease_ttl: float,
+    scratch: ScratchDescriptor | None = None,
 ) -> LeaseKeeper:
-    """Register this rank with the daemon and keep its lease alive."""
+    """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
+    scratch region (``transfer/scratch.py``), where its ownership is proven."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
@@ -94,6 +96,7 @@ def register_rank(
     )
     request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),
-                              aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl)
+                              aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl,
+                              scratch=scratch)
     registration = client.register(request)
     return LeaseKeeper(client, registration).start()

@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
@@ -51,7 +49,6 @@ class Task:
         return time.monotonic() - self.started
 
 
-SCRATCH_BYTES = 4096
 BACKSTOP_GRACE_S = 2.0
 
 
@@ -75,7 +72,6 @@ class WorkerBase:
         self.endpoint: Any = None
         self.ops_server: Any = None  # ops.OpsServer once started
         self.metrics = WorkerMetrics(self)
-        self.scratch: torch.Tensor | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -99,9 +95,8 @@ class WorkerBase:
         metrics_url = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else ""
         self.buffers = self.allocate_buffers()
         self.engine = (self.engine_factory or self._create_engine)()
-        # a region that holds no KV, advertised at registration: `kvbridge doctor` probes it
-        self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8)
-        self.engine.register(self.scratch.data_ptr(), SCRATCH_BYTES)
+        # the endpoint owns the rank's scratch region (registered, advertised): prefill proves the
+        # rank's ownership there, and `kvbridge doctor` probes it
         self.endpoint = self.make_endpoint()
         self.endpoint.start()
         ready = {
@@ -118,14 +113,12 @@ class WorkerBase:
         return ready
 
     def bootstrap_client(self) -> Any:
-        """The rank's client of the daemon: its token, lease file and scratch region."""
+        """The rank's client of the daemon: its token and lease file (the endpoint names its scratch region)."""
         from kvbridge.bootstrap.client import BootstrapClient
-        from kvbridge.bootstrap.schemas import ScratchDescriptor
 
         cfg = self.cfg
-        scratch = None if self.scratch is None else ScratchDescriptor(base=self.scratch.data_ptr(), nbytes=SCRATCH_BYTES)
         return BootstrapClient(cfg.bootstrap, token=cfg.token or None, lease_file=cfg.lease_file or None,
-                               lease_wait_s=2 * cfg.lease_ttl + 5, scratch=scratch)
+                               lease_wait_s=2 * cfg.lease_ttl + 5)
 
     def _create_engine(self) -> Any:
         from kvbridge.transfer.engine import create_engine

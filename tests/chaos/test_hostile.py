@@ -1,8 +1,9 @@
 """``kvbridge chaos --hostile --quick --json`` end to end: the transport attacks (pre-auth flood,
 slow connection, slot exhaustion) against real processes (daemon with a write token, CP 2
 prefill ranks, a decode rank with poisoned pages, a cluster secret, real Mooncake over
-loopback), each asserted defended; and the report's shape. The attacks that today's code does
-not defend are asserted in ``test_hostile_pending.py`` (skipped until their fixes land)."""
+loopback), each asserted defended, and the request-acceptance attacks (aliasing, room
+collision); and the report's shape. The attack that today's code does not defend (read
+exposure) is asserted in ``test_hostile_pending.py`` (skipped until its fix lands)."""
 
 from __future__ import annotations
 
@@ -65,18 +66,6 @@ def test_preauth_flood_is_defended(quick: dict[str, Any]) -> None:
     assert d["closed_by_server"] > 0, d  # the server closed them; the attacker did not give up
 
 
-def test_aliasing_writes_nothing_to_the_victim(quick: dict[str, Any]) -> None:
-    """A write-token + secret holder registers the victim decode rank's session id and pool bases
-    as its own, to ask both prefill ranks for a room into the victim's free (poisoned) pages.
-    Before issue 20 the registration was accepted and 974,848 bytes landed from each prefill rank
-    (8 pages); now the daemon refuses the claim on the victim's session (409 claim_held, naming
-    the victim rank) and nothing is sent."""
-    a = attack(quick, "aliasing")
-    assert a["outcome"] == "defended", a
-    assert a["bytes_written_where_not_allowed"] == 0, a
-    assert a["details"]["registration_status"] == 409 and "claim_held" in a["details"]["refusal"], a
-
-
 def test_reads_expose_no_sessions_or_addresses(quick: dict[str, Any]) -> None:
     """An anonymous client reads GET /v1/ranks/{id} and /v1/instances of a daemon that has a write
     token. Before issue 20 both answered 200 with session ids and buffer base addresses (reads were
@@ -111,6 +100,39 @@ def test_slot_exhaustion_is_defended(quick: dict[str, Any]) -> None:
     assert d["attacker_open_peak"] >= HostileSpec.quick().exhaust_connections, d  # the flood really held the cap
 
 
+def test_aliasing_writes_nothing_to_the_victim(quick: dict[str, Any]) -> None:
+    """A write-token + secret holder registers the victim decode rank's session id, pool bases and
+    scratch region as its own, names that registration in its Hello and asks both prefill ranks
+    for a room into the victim's free (poisoned) pages. Before issue 20 the registration was
+    accepted and 974,848 bytes landed from each prefill rank (8 pages). Now the daemon refuses
+    the claim on the victim's session (409 claim_held, naming the victim rank); behind it, each
+    prefill rank would write a nonce into the scratch region at the victim's session, which the
+    attacker cannot echo (tests/transfer/test_ownership.py drives that second wall alone)."""
+    a = attack(quick, "aliasing")
+    assert a["outcome"] == "defended", a
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    d = a["details"]
+    assert d.get("victim_pages_overwritten", 0) == 0, d
+    if d["registration_status"] == 409:
+        assert "claim_held" in d["refusal"], d
+    else:  # a daemon that let the alias through: the ownership proof must stop it
+        assert len(d["prefill_refusals"]) == 2, d
+        assert all("could not prove it holds the memory it registered" in r for r in d["prefill_refusals"]), d
+
+
+def test_room_collision_first_claim_wins(quick: dict[str, Any]) -> None:
+    """A second decode instance (a real decode worker) asks for a room the legitimate one claimed
+    and, every other trial, an Abort for it is sent in the second instance's name. Before, the
+    KV was served to both, or the legitimate room failed on the other's abort; now the
+    legitimate room succeeds exactly once and the second is refused, naming the holder."""
+    a = attack(quick, "room_collision")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["served_twice"] == 0 and d["legit_failed"] == 0, d
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    assert all("claimed by decode instance" in t["second"] for t in d["trials"]), d
+
+
 def test_unknown_attack_is_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="unknown attack"):
         run_hostile(HostileSpec(attacks=("aliasing", "nope")))
@@ -119,7 +141,7 @@ def test_unknown_attack_is_refused_before_anything_starts() -> None:
 def test_record_fields_and_table() -> None:
     """The JSON record of an attack has exactly the documented fields, and the table names each."""
     assert {f.name for f in fields(Outcome)} == RECORD
-    assert set(QUICK_ATTACKS) < set(ATTACKS)
+    assert set(QUICK_ATTACKS) <= set(ATTACKS)
     assert tuple(ATTACK_METHODS) == ATTACKS  # every attack has its method, in the order they run
     out = Outcome("aliasing", "vulnerable", "decode-tp0", 1949696, 334.0, 335.0, 0.5, {}, None)
     report = {"attacks": [vars(out)], "defended": [], "seconds": 1.0, "problems": ["aliasing: vulnerable"]}

@@ -127,6 +127,26 @@ def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0
         num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.contract), num_decode_ranks=1)
 
 
+class ProvingPeers(PeerSet):
+    """A hand-driven decode connection for ``endpoint``'s registration (named in its Hello, or
+    ``rank_id``) that answers prefill's ownership Challenge from ``endpoint``'s scratch region, as
+    the decode rank itself does: this process holds that memory. Challenges are answered inside
+    ``recv_ready`` and never returned."""
+
+    def __init__(self, endpoint, *, secret: bytes | None = None, rank_id: str | None = None) -> None:
+        super().__init__(secret=secret, name=rank_id or endpoint.rank_id)
+        self.scratch = endpoint.scratch
+
+    def recv_ready(self, timeout_ms: int) -> list:
+        out = []
+        for where, msg in super().recv_ready(timeout_ms):
+            if isinstance(msg, wire.Challenge):
+                self.send(where, wire.ChallengeEcho(nonce=self.scratch.read(msg.offset)))
+            else:
+                out.append((where, msg))
+        return out
+
+
 def replies(peers: PeerSet, count: int, timeout: float = 10) -> list:
     """Messages that arrive on ``peers`` (up to ``count``, within ``timeout``)."""
     got: list = []

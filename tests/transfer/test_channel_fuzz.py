@@ -38,7 +38,7 @@ def valid_map(rng: random.Random) -> dict:
               "buffers": [["target", 0, 4096, 8, 64]], "aux_base": 0, "aux_capacity": 1, "aux_row_bytes": 8,
               "aux_slot": 0, "num_tokens": 10, "deadline_ms": 100, "want_digest": False, "fingerprint": "f",
               "num_decode_ranks": 1, "decode_rank_id": "r1", "first_page": 0, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
-              "digests": None, "ref_type": "ping", "aux": False}
+              "digests": None, "ref_type": "ping", "aux": False, "nonce": b"\0" * wire.NONCE_BYTES, "offset": 0}
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 

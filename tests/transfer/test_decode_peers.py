@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from _cluster import wait_final, wait_until
-from _local import replies, rogue_request
+from _local import ProvingPeers, replies, rogue_request
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.poll import KVPoll
@@ -41,11 +41,11 @@ def test_a_decode_ranks_buffers_are_read_from_the_daemon_once(cluster, daemon):
 
 def test_a_request_from_an_unregistered_rank_is_refused_naming_it(cluster):
     c = cluster(cp=1)
-    peers = PeerSet()
+    peers = PeerSet(name="feedfacecafebeef")
     try:
         peers.send(c.prefill[0].endpoint, rogue_request(c, 70, 8, rank_id="feedfacecafebeef"))
         (msg,) = replies(peers, 1)
-        assert isinstance(msg, wire.PagesDone) and msg.status == "failed"
+        assert isinstance(msg, wire.ErrorReply) and msg.room == 70
         assert "decode rank rogue/dp0/tp0 (registration feedfacecafebeef) is not registered" in msg.reason
     finally:
         peers.close()
@@ -61,7 +61,7 @@ def test_reading_a_registration_never_blocks_the_loop(cluster):
         return slow(rank_id)
 
     ep.bootstrap.rank = held_rank
-    peers = PeerSet()
+    peers = ProvingPeers(c.decode)
     try:
         peers.send(ep.endpoint, rogue_request(c, 71, 8, rank_id=c.decode.rank_id))
         peers.send(ep.endpoint, wire.Ping(decode_rank="rogue/dp0/tp0", seq=1))
@@ -77,7 +77,7 @@ def test_a_request_without_an_aux_slot_is_refused_and_the_rank_keeps_serving(clu
     the worker when its aux row was posted. It is refused at the boundary; send() still works."""
     c = cluster(cp=1, prefill_secret=b"s3cret", decode_secret=b"s3cret")
     ep = c.prefill[0]
-    peers = PeerSet(secret=b"s3cret")
+    peers = ProvingPeers(c.decode, secret=b"s3cret")
     try:
         peers.send(ep.endpoint, rogue_request(c, 72, 8, rank_id=c.decode.rank_id, aux_slot=-1))
         (msg,) = replies(peers, 1)

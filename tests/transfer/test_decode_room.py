@@ -353,3 +353,18 @@ def test_the_token_count_can_come_with_the_aux_row(m):
     m.message("tcp://p1", done(7, 1, [1]), 2.0)
     m.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=13), 2.1)  # 13 tokens > 3 pages of 4
     assert r.state.state == KVPoll.Failed and "13 tokens" in r.state.reason
+
+
+def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_connection():
+    """Prefill proves a decode rank holds its registered memory: it writes a nonce into the
+    rank's scratch region and sends Challenge(offset); the rank echoes what it reads there."""
+    scratch = bytes(range(64)) * 2
+    specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                    page_digests=lambda *a: None, rank_id=lambda: "r1",
+                    read_scratch=lambda offset: scratch[offset:offset + wire.NONCE_BYTES])
+    (send,) = m.message("tcp://p:1", wire.Challenge(offset=32), 1.0)
+    assert send.to == ("tcp://p:1",) and send.msg == wire.ChallengeEcho(nonce=scratch[32:64])
+    silent = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                         page_digests=lambda *a: None, rank_id=lambda: "r1")
+    assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import replies, rogue_request
+from _local import ProvingPeers, replies, rogue_request
 from kvbridge.errors import RoomInUse
-from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 
@@ -59,7 +58,7 @@ def test_a_draining_room_keeps_its_id_until_no_write_can_land(cluster):
         ep.sender(31)
     with pytest.raises(RoomInUse, match="room 31 is draining: a prefill rank may still write its pages"):
         c.decode.receiver(31, f"{c.name}-p")
-    peers = PeerSet()  # another decode rank asking now gets no new target on a closed room ...
+    peers = ProvingPeers(c.decode)  # another decode rank asking now gets no new target on a closed room ...
     try:
         peers.send(ep.endpoint, rogue_request(c, 31, 8, rank_id=c.decode.rank_id))
         # ... and its refusal waits until no write of the room is in flight to anyone: a decode
@@ -117,6 +116,35 @@ def test_dropping_a_handle_closes_its_room(cluster):
     gc.collect()
     assert wait_until(lambda: 35 not in ep.machine.rooms, 5)
     assert room.state.state == KVPoll.Failed and room.life.stage == Stage.CLOSED
+
+
+def test_a_dropped_handle_holds_its_room_no_more_and_wait_waits_for_the_drain(cluster):
+    """Issue 20 finding 7: right after a handle is dropped, sender(id)/receiver(id) said a handle
+    still held the room (until the next housekeeping, ~0.5 s), and wait=5 did not wait. Now the
+    dropped handle's room is closed first: free at once when quiet, else draining (wait= waits)."""
+    c = cluster(cp=1)
+    ep = c.prefill[0]
+    ep.sender(36).init(8)  # dropped at once
+    ep.sender(36).close()  # quiet: the id is free again immediately
+    r = c.decode.receiver(37, f"{c.name}-p")
+    del r
+    c.decode.receiver(37, f"{c.name}-p").close()
+    gate = threading.Event()
+    ep.engine.faults.gate = gate  # writes stay in flight: a dropped sender's room drains
+    try:
+        rcv = c.decode.receiver(38, f"{c.name}-p")
+        rcv.init(np.array([4, 5]), 0, 8)
+        (s,) = c.send(38, 8)
+        assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
+        del s
+        with pytest.raises(RoomInUse, match="draining") as info:
+            ep.sender(38)
+        assert info.value.draining and "still holds it" not in str(info.value)
+        threading.Timer(0.3, gate.set).start()
+        ep.sender(38, wait=5).close()  # waits for the drain, then opens
+    finally:
+        gate.set()
+    rcv.close()
 
 
 def test_a_late_request_for_a_closed_room_is_refused_with_its_outcome(cluster):

@@ -25,9 +25,8 @@ import pytest
 
 import kvbridge as kvb
 from _cluster import wait_final, wait_until
-from _local import replies
+from _local import ProvingPeers, replies
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.engine import LocalFabric
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_aux, verify_pages
 
@@ -323,9 +322,10 @@ def test_an_abort_from_a_decode_rank_without_a_target_fails_the_room_acked_when_
     m.write_aux(ep, 0, 706, 8)
     s.send([0, 1], [3, 4], is_last=True, aux_slot=0)
     assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 5)
-    peers = PeerSet()
+    peers = ProvingPeers(m.decode[0])  # another rank of the decode instance that holds the room
     try:
-        peers.send(ep.endpoint, wire.Abort(room=706, decode_rank="other/dp0/tp1", reason="gone"))
+        peers.send(ep.endpoint, wire.Abort(room=706, decode_rank="other/dp0/tp1", reason="gone",
+                                           decode_rank_id=m.decode[0].rank_id))
         assert replies(peers, 1, timeout=0.5) == []  # writes to the asking rank are still in flight
         gate.set()
         (ack,) = replies(peers, 1)

@@ -16,6 +16,7 @@ from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
 from kvbridge.transfer.prefill.room import PostWrite, PrefillRooms, ReleaseAux
 from kvbridge.transfer.rooms import Stage
@@ -24,6 +25,7 @@ SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
 AUX = AuxSchema.standard(16, "bfloat16", 1)
 DONE = WriteStatus(WriteState.DONE)
 D = b"decode-connection"
+HELLO = {D: "r1"}  # the registration each connection named in its Hello
 
 
 def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
@@ -37,14 +39,14 @@ def regions(base: int) -> dict[str, RegionAddr]:
 
 def peer() -> DecodePeer:
     return DecodePeer(rank_id="r1", label="d/dp0/tp0", session="127.0.0.1:1", fingerprint="x",
-                      buffers=bufs(1 << 40), aux=regions(1 << 50))
+                      buffers=bufs(1 << 40), aux=regions(1 << 50), instance="d")
 
 
 def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, fingerprint: str = "x",
-            decode_rank: str = "d/dp0/tp0") -> wire.TransferRequest:
+            decode_rank: str = "d/dp0/tp0", rank_id: str = "r1") -> wire.TransferRequest:
     pages = -(-num_tokens // 4)
     return wire.TransferRequest(
-        room=room, decode_rank=decode_rank, decode_rank_id="r1", page_ids=wire.pack_pages(np.arange(pages) + 3),
+        room=room, decode_rank=decode_rank, decode_rank_id=rank_id, page_ids=wire.pack_pages(np.arange(pages) + 3),
         first_page=0, pools=sorted(SPECS), aux_slot=1, num_tokens=num_tokens, deadline_ms=deadline_ms,
         want_digest=False, fingerprint=fingerprint, num_decode_ranks=1)
 
@@ -53,8 +55,9 @@ def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, finge
 def m():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
                            "x", aux_source=lambda room, row, slot, after: (regions(1 << 30), 0, None, after),
-                           page_digests=lambda *a: np.zeros(0, np.uint64))
+                           page_digests=lambda *a: np.zeros(0, np.uint64), hello_of=lambda ident: HELLO.get(ident))
     machine.peers.entries["r1"] = peer()  # its registration was read before
+    machine.identities.prove(D, "r1")  # and connection D proved it holds its memory
     return machine
 
 
@@ -174,7 +177,7 @@ def test_decode_abort_mid_write_is_acked_only_once_the_write_is_final(m):
     sh = Shell(m)
     r = opened_and_asked(m, 7)
     send_all(m, sh, r)
-    acts = m.message(D, wire.Abort(room=7, decode_rank="d/dp0/tp0", reason="gone"), 1.2)
+    acts = m.message(D, wire.Abort(room=7, decode_rank="d/dp0/tp0", reason="gone", decode_rank_id="r1"), 1.2)
     assert msgs(acts, wire.AbortAck) == [] and r.state.state != KVPoll.Failed  # a write may still land
     (handle, _), = sh.posted
     acts = m.write_final(handle, DONE, 1.3)
@@ -190,7 +193,7 @@ def test_a_write_failure_then_abort_reports_the_failure_and_acks_at_once(m):
     acts = m.write_final(handle, WriteStatus(WriteState.FAILED, "queue full"), 1.3)
     (report,) = msgs(acts, wire.PagesDone)
     assert report.status == "failed" and "queue full" in report.reason and r.state.state == KVPoll.Failed
-    acts = m.message(D, wire.Abort(room=8, decode_rank="d/dp0/tp0", reason="x"), 1.4)
+    acts = m.message(D, wire.Abort(room=8, decode_rank="d/dp0/tp0", reason="x", decode_rank_id="r1"), 1.4)
     assert len(msgs(acts, wire.AbortAck)) == 1
 
 
@@ -296,3 +299,152 @@ def test_an_unattached_room_that_failed_lingers_so_the_engine_reads_why(m):
     assert m.open(19, 2.1) is r  # attached: sender(19) reads the reason
     m.close(r, 2.2)
     assert 19 not in m.rooms
+
+
+# -- who is on a connection: binding and the ownership proof (issue 20, findings 1 and 5) ------------
+
+E = b"other-connection"
+
+
+def fresh_peer(rank_id: str = "r2", instance: str = "d", scratch: tuple[int, int] | None = (1 << 45, 4096),
+               label: str = "d/dp0/tp1") -> DecodePeer:
+    p = DecodePeer(rank_id=rank_id, label=label, session="127.0.0.1:2", fingerprint="x", buffers=bufs(1 << 41),
+                   aux=regions(1 << 51), instance=instance, scratch=scratch)
+    return p
+
+
+def test_a_message_naming_another_registration_than_its_hello_is_refused_and_nothing_happens(m):
+    HELLO[E] = "r2"
+    r = m.open(30, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    for msg in (request(30), wire.Abort(room=30, decode_rank="d/dp0/tp0", reason="x", decode_rank_id="r1"),
+                wire.Ping(decode_rank="d/dp0/tp0", seq=1, decode_rank_id="r1")):
+        acts = m.message(E, msg, 1.1)  # E said it is r2, the message acts for r1
+        (err,) = msgs(acts, wire.ErrorReply)
+        assert "names decode registration 'r1'" in err.reason and "'r2'" in err.reason, err
+        assert len(acts) == 1
+    assert r.state.state == KVPoll.Bootstrapping and not r.targets and r.holder is None
+
+
+def _challenged(m, ident: bytes, rank_id: str, msg, now: float = 1.0):
+    """Feed ``msg`` on a new connection: it waits; returns the nonce write the machine asked for."""
+    HELLO[ident] = rank_id
+    acts = m.message(ident, msg, now)
+    (w,) = of(acts, WriteNonce)
+    assert not msgs(acts, wire.ErrorReply) and w.ident == ident and len(w.nonce) == wire.NONCE_BYTES
+    return w
+
+
+def test_a_new_connection_proves_its_memory_before_its_requests_are_served(m):
+    m.peers.entries["r2"] = fresh_peer()
+    r = m.open(31, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    w = _challenged(m, E, "r2", request(31, decode_rank="d/dp0/tp1", rank_id="r2"))
+    assert not r.targets  # held until proven
+    assert w.session == "127.0.0.1:2" and (1 << 45) <= w.dst < (1 << 45) + 4096
+    (ch,) = msgs(m.nonce_written(E, None, 1.01), wire.Challenge)
+    assert ch.offset == w.dst - (1 << 45)
+    m.message(E, wire.ChallengeEcho(nonce=w.nonce), 1.02)
+    assert "d/dp0/tp1" in r.targets and r.holder == ("d", "d/dp0/tp1")
+
+
+@pytest.mark.parametrize("how, why", [
+    ("wrong_echo", "echoed other bytes"),
+    ("write_failed", "nonce write into its scratch region failed: refused"),
+    ("no_scratch", "has no scratch region"),
+    ("silent", "no echo of the nonce within"),
+    ("unregistered", "not registered"),
+])
+def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how, why):
+    m.peers.entries["r2"] = fresh_peer(scratch=None if how == "no_scratch" else (1 << 45, 4096))
+    if how == "unregistered":
+        del m.peers.entries["r2"]
+    r = m.open(32, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    HELLO[E] = "r2"
+    acts = list(m.message(E, request(32, decode_rank="d/dp0/tp1", rank_id="r2"), 1.0))
+    if how == "unregistered":
+        (res,) = of(acts, Resolve)
+        acts = m.resolved("r2", None, "registration r2 is not registered", 1.01)
+    elif how != "no_scratch":
+        (w,) = of(acts, WriteNonce)
+        if how == "write_failed":
+            acts = m.nonce_written(E, "refused", 1.01)
+        elif how == "silent":
+            m.nonce_written(E, None, 1.01)
+            acts = m.tick(1.0 + m.identities.timeout + 0.1)
+        else:
+            m.nonce_written(E, None, 1.01)
+            acts = m.message(E, wire.ChallengeEcho(nonce=bytes(32)), 1.02)
+    (err,) = msgs(acts, wire.ErrorReply)
+    assert "could not prove it holds the memory it registered" in err.reason and why in err.reason, err
+    assert "r2" in err.reason and err.room == 32
+    assert not r.targets and r.state.state == KVPoll.Bootstrapping  # nothing else happened
+    (again,) = msgs(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=1, decode_rank_id="r2"), 1.5),
+                    wire.ErrorReply)
+    assert "could not prove" in again.reason  # the connection stays refused
+
+
+# -- room ids: first claim wins (finding 4) ------------------------------------------------------------
+
+def _second_instance(m, ident: bytes = E) -> None:
+    m.peers.entries["r2"] = fresh_peer(instance="intruder", label="intruder/dp0/tp0")
+    HELLO[ident] = "r2"
+    m.identities.prove(ident, "r2").instance = "intruder"
+
+
+def intruder_request(room: int) -> wire.TransferRequest:
+    return request(room, decode_rank="intruder/dp0/tp0", rank_id="r2")
+
+
+def test_a_room_claimed_by_one_instance_is_refused_to_another_naming_the_holder(m):
+    sh = Shell(m)
+    _second_instance(m)
+    r = opened_and_asked(m, 40)
+    acts = m.message(E, intruder_request(40), 1.05)
+    (err,) = msgs(acts, wire.ErrorReply)
+    assert "claimed by decode instance d (rank d/dp0/tp0)" in err.reason and "intruder" in err.reason
+    assert list(r.targets) == ["d/dp0/tp0"] and r.state.state == KVPoll.WaitingForInput
+    send_all(m, sh, r)
+    (handle, a), = sh.posted
+    assert a.target.decode_rank == "d/dp0/tp0"  # served once, to the holder
+    m.write_final(handle, DONE, 1.3)
+    assert r.state.state == KVPoll.Success
+
+
+def test_an_abort_from_another_instance_is_refused_and_never_fails_the_holders_room(m):
+    sh = Shell(m)
+    _second_instance(m)
+    r = opened_and_asked(m, 41)
+    acts = m.message(E, wire.Abort(room=41, decode_rank="intruder/dp0/tp0", reason="hostile", decode_rank_id="r2"),
+                     1.05)
+    (err,) = msgs(acts, wire.ErrorReply)
+    assert "abort from decode instance intruder is refused" in err.reason and not msgs(acts, wire.AbortAck)
+    assert r.state.state == KVPoll.WaitingForInput
+    send_all(m, sh, r)
+    (handle, _), = sh.posted
+    m.write_final(handle, DONE, 1.3)
+    assert r.state.state == KVPoll.Success
+
+
+def test_the_second_instance_asking_first_holds_the_room_when_decode_asks_before_the_engine(m):
+    """Claims are by arrival, also for a room decode asked for before the engine opened it."""
+    _second_instance(m)
+    m.message(E, intruder_request(42), 1.0)
+    (err,) = msgs(m.message(D, request(42), 1.01), wire.ErrorReply)
+    assert "claimed by decode instance intruder" in err.reason
+
+
+def test_a_refused_connection_may_try_again_after_a_pause(m):
+    """A nonce write may fail for a passing reason: messages within ``retry_s`` of the refusal
+    are refused with it; a later one starts a fresh proof (a fresh nonce)."""
+    m.peers.entries["r2"] = fresh_peer()
+    first = _challenged(m, E, "r2", wire.Ping(decode_rank="d/dp0/tp1", seq=1, decode_rank_id="r2"))
+    m.nonce_written(E, "peer busy", 1.01)
+    (err,) = msgs(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=2, decode_rank_id="r2"), 1.5), wire.ErrorReply)
+    assert "peer busy" in err.reason
+    again = of(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=3, decode_rank_id="r2"), 1.01 + 1.1), WriteNonce)
+    assert len(again) == 1 and again[0].nonce != first.nonce
+    m.nonce_written(E, None, 2.2)
+    (beat,) = msgs(m.message(E, wire.ChallengeEcho(nonce=again[0].nonce), 2.3), wire.Heartbeat)
+    assert beat.seq == 3  # the held Ping, answered once proven

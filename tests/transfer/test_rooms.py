@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
+from _local import ProvingPeers
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.errors import PageRangeError
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll
 
@@ -85,7 +85,7 @@ def test_batch_of_rooms_arrives_byte_exact(prefill, daemon, num_decode):
 def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
     cp = len(prefill)
     d = DecodeRank(daemon.url, pages=64)
-    peers = PeerSet()
+    peers = ProvingPeers(d.ep)
     try:
         # the decode side refuses its own bad page ids at once
         r = d.ep.receiver(7001, f"prefill-cp{cp}")

@@ -21,6 +21,8 @@ from kvbridge.transfer.channel.wire import (
     WIRE_VERSION,
     Abort,
     AbortAck,
+    Challenge,
+    ChallengeEcho,
     ErrorReply,
     Heartbeat,
     PagesDone,
@@ -57,7 +59,7 @@ def request(**changes: object) -> TransferRequest:
 SAMPLES = [
     request(),
     request(aux_slot=-1, want_digest=False, pools=[], page_ids=b"", first_page=0),
-    Abort(room=7, decode_rank="d0", reason="client went away"),
+    Abort(room=7, decode_rank="d0", reason="client went away", decode_rank_id="r-1"),
     Ping(decode_rank="d0", seq=0),
     PagesDone(room=7, cp_rank=1, status="ok", reason="", pools=["target"], logical_pages=pack_pages(np.arange(5)), digests=b"\x01" * 40),
     PagesDone(room=7, cp_rank=0, status="failed", reason="page 9 outside capacity", pools=[], logical_pages=b"", digests=None),
@@ -67,6 +69,9 @@ SAMPLES = [
     Heartbeat(cp_rank=2, seq=2**40),
     ErrorReply(ref_type="transfer_request", room=None, reason="unknown message type 'x'"),
     ErrorReply(ref_type="abort", room=5, reason="no such room"),
+    Ping(decode_rank="d0", seq=3, decode_rank_id="r-1"),
+    ChallengeEcho(nonce=bytes(range(32))),
+    Challenge(offset=4064),
 ]
 
 
@@ -98,7 +103,7 @@ def test_round_trip(msg: wire.Message, secret: bytes | None) -> None:
 def test_plain_encoding_is_a_versioned_envelope_around_a_tagged_map() -> None:
     data = encode(Ping(decode_rank="d", seq=1))
     assert struct.unpack(">HB", data[:3]) == (WIRE_VERSION, 0)
-    assert msgpack.unpackb(data[3:]) == {"t": "ping", "decode_rank": "d", "seq": 1}
+    assert msgpack.unpackb(data[3:]) == {"t": "ping", "decode_rank": "d", "seq": 1, "decode_rank_id": ""}
 
 
 def test_hmac_envelope_is_version_kind_sha256_mac_then_body() -> None:
@@ -148,6 +153,43 @@ def test_the_v2_aux_report_is_refused_by_version_and_by_tag() -> None:
         decode(PLAIN.with_version(2).seal(old))
     with pytest.raises(ProtocolError, match="unknown message type 'aux_done'"):
         decode(PLAIN.seal(old))
+
+
+def test_a_v5_abort_without_its_registration_is_refused_by_version_and_by_field() -> None:
+    """Wire v6: an Abort names the decode registration it acts for (prefill binds it to the
+    connection's Hello); a v5 Abort had none."""
+    old = msgpack.packb({"t": "abort", "room": 7, "decode_rank": "d", "reason": "x"})
+    with pytest.raises(ProtocolError, match="unsupported wire version 5"):
+        decode(PLAIN.with_version(5).seal(old))
+    with pytest.raises(ProtocolError, match="missing field 'decode_rank_id' in abort") as info:
+        decode(PLAIN.seal(old))
+    assert info.value.field == "decode_rank_id" and info.value.room == 7
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"t": "challenge_echo", "nonce": b"\0" * 31}, "nonce"),
+    ({"t": "challenge_echo", "nonce": b"\0" * 33}, "nonce"),
+    ({"t": "challenge_echo", "nonce": "x" * 32}, "nonce"),
+    ({"t": "challenge", "offset": -32}, "offset"),
+    ({"t": "abort", "room": 1, "decode_rank": "d", "reason": "", "decode_rank_id": ""}, "decode_rank_id"),
+    ({"t": "ping", "decode_rank": "d", "seq": 1, "decode_rank_id": "x" * 129}, "decode_rank_id"),
+])
+def test_ownership_messages_refuse_bad_fields_naming_them(fields: dict, name: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(body(**fields))
+    assert info.value.field == name, info.value
+
+
+def test_a_nonce_of_the_wrong_length_fails_at_the_sender() -> None:
+    with pytest.raises(ProtocolError, match="must be 32 bytes") as info:
+        ChallengeEcho(nonce=b"short")
+    assert info.value.field == "nonce"
+
+
+def test_a_ping_without_a_registration_is_a_probe() -> None:
+    """A Ping's registration may be left out (``kvbridge doctor``): prefill answers it with a
+    Heartbeat and nothing else."""
+    assert decode(body(t="ping", decode_rank="doctor", seq=1)).decode_rank_id == ""
 
 
 def test_a_v4_message_is_refused_by_version() -> None:

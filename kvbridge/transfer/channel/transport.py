@@ -685,6 +685,13 @@ class Clients(_Channel[str]):
     def send_frame(self, endpoint: str, data: bytes) -> None:
         self.get(endpoint).send_frame(data)
 
+    def rename(self, name: str) -> None:
+        """Say ``name`` in the Hello from now on: every connection is dropped and opened again
+        on the next send (a peer binds a connection to what its Hello said)."""
+        self.name = name
+        for endpoint in list(self._clients):
+            self.drop(endpoint)
+
     def connected(self, endpoint: str) -> bool:
         client = self._clients.get(endpoint)
         return client is not None and client.stream.connected and client.stream.sock is not None

@@ -1,7 +1,13 @@
 """Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
 
-    decode -> prefill   TransferRequest  Abort  Ping
-    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply
+    decode -> prefill   TransferRequest  Abort  Ping  ChallengeEcho
+    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  Challenge
+
+A decode rank acts only for its own registration: every TransferRequest, Abort and Ping names
+it (``decode_rank_id``), and prefill accepts one only when it equals what the connection said
+in its Hello and the connection proved it holds the memory of that registration: prefill
+writes a fresh nonce into the registration's scratch region through its transfer engine and
+sends ``Challenge(offset)``; the rank reads its scratch there and answers ``ChallengeEcho``.
 
 A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
 carried it (the aux row rides in the last chunk's batch), with the request's length.
@@ -11,7 +17,9 @@ and are checked by one typed decoder: types, ranges and the value rules below, e
 naming its field. Page lists travel as packed little-endian int32 (``pack_pages``/
 ``unpack_pages``). Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1
 (no aux row: refused by prefill, every room has one); page byte strings a multiple of 4;
-status "ok" or "failed"; decode_rank_id 1 to 128 characters. The value rules run where a
+status "ok" or "failed"; decode_rank_id 1 to 128 characters (a Ping's may be empty: a probe
+that acts for no registration, answered with a Heartbeat and nothing else); a nonce
+NONCE_BYTES long. The value rules run where a
 message is built too (``__post_init__``); types and ranges are checked where it is decoded.
 """
 
@@ -32,6 +40,9 @@ __all__ = [
     "WIRE_VERSION",
     "Abort",
     "AbortAck",
+    "NONCE_BYTES",
+    "Challenge",
+    "ChallengeEcho",
     "ErrorReply",
     "Heartbeat",
     "Message",
@@ -47,9 +58,11 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
+NONCE_BYTES = 32  # the ownership proof's nonce (prefill/identity.py)
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+RankId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 class _Message(msgspec.Struct, frozen=True, tag_field="t"):
@@ -70,7 +83,7 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
 
     room: Room
     decode_rank: str
-    decode_rank_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    decode_rank_id: RankId
     page_ids: bytes
     first_page: Count
     pools: list[str]
@@ -86,14 +99,33 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
 
 
 class Abort(_Message, frozen=True, tag="abort"):
+    """Stop room ``room`` for my registration ``decode_rank_id`` (refused from another instance
+    than the one that claimed the room)."""
+
     room: Room
     decode_rank: str
     reason: str
+    decode_rank_id: RankId
 
 
 class Ping(_Message, frozen=True, tag="ping"):
+    """Are you alive? ``decode_rank_id``: the registration I ping for (my rooms' liveness), or
+    empty for a probe that acts for nobody (``kvbridge doctor``)."""
+
     decode_rank: str
     seq: Count
+    decode_rank_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+class ChallengeEcho(_Message, frozen=True, tag="challenge_echo"):
+    """The NONCE_BYTES I read from my scratch region at the offset a Challenge named."""
+
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nonce, bytes) and len(self.nonce) != NONCE_BYTES:
+            raise ProtocolError(f"field 'nonce' of challenge_echo must be {NONCE_BYTES} bytes, got {len(self.nonce)}",
+                                field="nonce")
 
 
 # ---- prefill -> decode ------------------------------------------------------------------------
@@ -132,6 +164,13 @@ class Heartbeat(_Message, frozen=True, tag="heartbeat"):
     seq: Count
 
 
+class Challenge(_Message, frozen=True, tag="challenge"):
+    """I wrote a fresh nonce into your registered scratch region at ``offset``: echo it
+    (ChallengeEcho) on this connection to prove you hold the memory you registered."""
+
+    offset: Count
+
+
 class ErrorReply(_Message, frozen=True, tag="error_reply"):
     """The message of type ``ref_type`` (room ``room`` when known) was refused because ``reason``."""
 
@@ -140,12 +179,12 @@ class ErrorReply(_Message, frozen=True, tag="error_reply"):
     reason: str
 
 
-Message = Union[TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply]
+Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls
-    for cls in (TransferRequest, Abort, Ping, PagesDone, AbortAck, Heartbeat, ErrorReply)
+    for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply)
 }
 
 

@@ -44,6 +44,7 @@ from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
+from kvbridge.transfer.scratch import Scratch, device_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,11 +87,15 @@ class DecodeEndpoint:
                               "back (the room echo, hard rule 4), so give them as tensors or host memory", rank=rank,
                               field="aux_buffer")
         self.aux_buffer = aux_buffer
+        # registered and advertised: prefill writes a nonce here that only this process can read back,
+        # the proof that this rank holds the memory it registers (kvbridge doctor probes it too)
+        self.scratch = Scratch(device=device_of(self.aux.tensors.values()))
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
+            read_scratch=lambda offset: self.scratch.read(offset),
             page_digests=lambda pools, pages, phys, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
                                                                     phys, n),
             trace=self.trace,
@@ -115,10 +120,13 @@ class DecodeEndpoint:
     def start(self) -> None:
         self.buffers.register(self.engine)
         self.aux.register(self.engine)
-        self._peers = PeerSet(secret=self.config.secret)
+        self.scratch.register(self.engine)
         self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
-                                    self.config.lease_ttl)
+                                    self.config.lease_ttl, scratch=self.scratch.descriptor)
+        # every connection's Hello names our registration: prefill acts on a message only for the
+        # registration of the connection it came on
+        self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")
         self._thread = threading.Thread(target=self._run, name=f"kvb-decode-{self.config.tp_rank}", daemon=True)
         self._thread.start()
         log.info("decode rank %s up (session %s)", self.config.rank_label, self.engine.session_id)
@@ -141,7 +149,7 @@ class DecodeEndpoint:
         if self._peers is not None:
             self._peers.close()
         # a prefill rank that never acknowledged can no longer write into these pages
-        unregister_quietly(self.engine, self.buffers, self.aux)
+        unregister_quietly(self.engine, self.buffers, self.aux, self.scratch)
 
     def _read_aux_row(self, slot: int) -> tuple[np.ndarray, float]:
         """The machine's one read of memory: the aux row (and how long the read took)."""
@@ -167,12 +175,21 @@ class DecodeEndpoint:
         """A KVReceiver for ``room``. RoomInUse while a previous room of that id is open, or draining
         (a prefill rank may still write its pages) for longer than ``wait`` seconds."""
         with self._lock:
-            r = open_waiting(lambda: self.machine.open(room, prefill_instance, dp_rank, time.monotonic()),
-                             self._room_freed, wait)
+            r = open_waiting(lambda: self._open(room, prefill_instance, dp_rank), self._room_freed, wait)
             looking_up = r.state.state == KVPoll.Bootstrapping
         if looking_up:  # a cached topology leaves the loop nothing to do before init()
             self._wake()
         return KVReceiver(self, r)
+
+    def _open(self, room: int, prefill_instance: str, dp_rank: int | None) -> DecodeRoom:
+        """(lock held) Close the rooms of dropped handles first: a dropped KVReceiver holds its room
+        no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
+        self._close_released()
+        return self.machine.open(room, prefill_instance, dp_rank, time.monotonic())
+
+    def _close_released(self) -> None:
+        while self._released:
+            self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
 
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
@@ -245,6 +262,9 @@ class DecodeEndpoint:
     def _carry_out(self, actions: Iterable[Any]) -> None:
         for a in actions:
             if type(a) is Send:
+                rank_id = self.rank_id
+                if rank_id and rank_id != self._peers.name:  # re-registered: reconnect under the new name
+                    self._peers.rename(rank_id)
                 frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
                 for endpoint in a.to:
                     self._send_frame(endpoint, frame)
@@ -329,6 +349,5 @@ class DecodeEndpoint:
         with self._lock:
             while self._results:
                 self._carry_out(self._results.popleft()())
-            while self._released:
-                self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
+            self._close_released()
             self._carry_out(self.machine.tick(time.monotonic()))

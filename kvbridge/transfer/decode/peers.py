@@ -81,8 +81,9 @@ class Verdicts:
 class PrefillPeers:
     """The prefill ranks decode's rooms talk to, by control endpoint."""
 
-    def __init__(self, config: DecodeConfig) -> None:
+    def __init__(self, config: DecodeConfig, rank_id: Callable[[], str | None] = lambda: None) -> None:
         self.cfg = config
+        self.rank_id = rank_id  # this rank's registration: its pings name it
         self._peers: dict[str, PrefillPeer] = {}
 
     def get(self, endpoint: str) -> PrefillPeer | None:
@@ -153,7 +154,8 @@ class PrefillPeers:
                     out.actions.append(CheckLease(p.endpoint, p.instance, p.rank_id))
             elif now - p.last_ping >= self.cfg.ping_interval:
                 p.last_ping, p.seq = now, p.seq + 1
-                out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq)))
+                out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
+                                                                    decode_rank_id=self.rank_id() or "")))
         return out
 
     def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> None:

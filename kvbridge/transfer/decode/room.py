@@ -214,21 +214,24 @@ class DecodeRooms:
     """The decode rank's rooms and what drives them. ``read_aux_row(slot)``: the aux row as it
     landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical, num_tokens)``: digests of
     our pages (only with ``verify_digest``); ``rank_id()``: this rank's registration id (it
-    changes when the lease keeper re-registers)."""
+    changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
+    rank wrote into our scratch region (answers its Challenge; None: no scratch region)."""
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  read_aux_row: Callable[[int], tuple[np.ndarray, float]],
                  page_digests: Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray],
-                 rank_id: Callable[[], str | None], trace: bool = False) -> None:
+                 rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
+                 trace: bool = False) -> None:
         self.cfg = config
         self.specs = dict(specs)
         self.aux_schema = aux_schema
         self.read_aux_row = read_aux_row
         self.page_digests = page_digests
         self.rank_id = rank_id
+        self.read_scratch = read_scratch
         self.trace = trace
         self.rooms: Rooms[DecodeRoom] = Rooms(config.rank_label, "KVReceiver", "receiver(room, ..., wait=...)")
-        self.peers = PrefillPeers(config)
+        self.peers = PrefillPeers(config, rank_id)
         self.topologies = Topologies(config, self.specs)
         self.page_size = next(iter(self.specs.values())).page_size
         self.pools = sorted(self.specs)
@@ -411,7 +414,8 @@ class DecodeRooms:
         for key in sorted(r.requested - r.quiet - r.abort_sent):
             s = r.senders[key]
             self._out.append(Send((s.control_endpoint,), wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
-                                                                   reason=r.state.reason or "aborted")))
+                                                                   reason=r.state.reason or "aborted",
+                                                                   decode_rank_id=self.rank_id() or "?")))
             r.abort_sent.add(key)
         r.last_abort = now
 
@@ -433,6 +437,9 @@ class DecodeRooms:
             return _NONE
         if isinstance(msg, wire.Heartbeat):
             return _NONE
+        if isinstance(msg, wire.Challenge):
+            self._answer_challenge(endpoint, msg)
+            return self._actions()
         r = self.rooms.get(getattr(msg, "room", None))
         if r is None:
             if isinstance(msg, wire.ErrorReply):
@@ -449,6 +456,20 @@ class DecodeRooms:
             self.fail(r, str(exc), now)
         self._maybe_commit(r, now)
         return self._actions()
+
+    def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
+        """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``
+        (our proof that we hold the memory we registered). Without a scratch region, or for an
+        offset outside it, no echo: that prefill rank then refuses us, naming why."""
+        if self.read_scratch is None:
+            log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
+            return
+        try:
+            nonce = self.read_scratch(msg.offset)
+        except KVBridgeError as exc:
+            log.warning("prefill %s challenged %s at a bad offset: %s", endpoint, self.cfg.rank_label, exc)
+            return
+        self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=nonce)))
 
     def _dispatch(self, r: DecodeRoom, endpoint: str, key: tuple[int, int] | None, msg: Any, now: float) -> None:
         if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first

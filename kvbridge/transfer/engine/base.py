@@ -114,6 +114,12 @@ class TransferEngine(ABC):
         """Synchronous convenience: submit and wait; raises EngineError or TransferTimeout."""
         self.wait(self.submit_write(session, src, dst, length, after=after), timeout)
 
+    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout: float = 5.0) -> None:
+        """A small control-plane write (an ownership nonce): synchronous like ``write``, and
+        outside any fault plan, which counts and holds KV writes only."""
+        self.write(session, src, dst, length, timeout)
+
     def __enter__(self) -> TransferEngine:
         return self
 

@@ -65,6 +65,10 @@ class FaultyEngine(TransferEngine):
             self._notify()  # final at once: wake whoever collects completions
         return handle
 
+    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout: float = 5.0) -> None:
+        self.inner.probe_write(session, src, dst, length, timeout)  # armed failures are for KV writes
+
     def poll(self, handle: int) -> WriteStatus:
         if handle < 0:
             with self._lock:

@@ -147,6 +147,14 @@ class IpcEngine(IpcTables, JobEngine):
     # ---- writes -----------------------------------------------------------------------------
     def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                      after: Any = None) -> int:
+        return self._submit(session, src, dst, length, after, probe=False)
+
+    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout: float = 5.0) -> None:
+        self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)
+
+    def _submit(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, after: Any, *,
+                probe: bool) -> int:
         self._check_open()
         if not isinstance(session, str) or not session:
             raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
@@ -177,7 +185,7 @@ class IpcEngine(IpcTables, JobEngine):
             return job.handle
         for i, (a, b) in enumerate(cuts):
             self._post(job, i, peer, src[a:b], dst_here[a:b], length[a:b], device_src[a:b], device_dst[a:b], used[i],
-                       after)
+                       after, probe=probe)
         return job.handle
 
     def _translate(self, session: str, dst: np.ndarray, length: np.ndarray, cuts: list[tuple[int, int]]
@@ -208,11 +216,16 @@ class IpcEngine(IpcTables, JobEngine):
 
 
     def _post(self, job: Job, index: int, peer: Peer, src: np.ndarray, dst_here: np.ndarray, length: np.ndarray,
-              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion], after: Any = None) -> None:
-        """Launch one batch (translated and counted in flight by _translate) and queue it for the pump."""
-        with self._lock:
-            number, self._batches = self._batches, self._batches + 1
-        faults = self.faults
+              device_src: np.ndarray, device_dst: np.ndarray, used: list[PeerRegion], after: Any = None, *,
+              probe: bool = False) -> None:
+        """Launch one batch (translated and counted in flight by _translate) and queue it for the pump.
+        A probe (``probe_write``) takes no fault and no batch number: fault plans count KV writes."""
+        if probe:
+            number, faults = -1, Faults()
+        else:
+            with self._lock:
+                number, self._batches = self._batches, self._batches + 1
+            faults = self.faults
         reason = ""
         if number in faults.fail_batches:
             keep = (src.size + 1) // 2

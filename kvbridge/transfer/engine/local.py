@@ -107,6 +107,7 @@ class _Batch:
     length: np.ndarray
     due: float  # monotonic time it may land
     after: Any = None  # events the source bytes wait on (the worker waits before landing)
+    probe: bool = False  # a control-plane write (probe_write): no fault applies to it
 
     def describe(self) -> str:
         return (
@@ -148,6 +149,14 @@ class LocalEngine(JobEngine):
 
     def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                      after: Any = None) -> int:
+        return self._submit(session, src, dst, length, after, probe=False)
+
+    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout: float = 5.0) -> None:
+        self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)
+
+    def _submit(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, after: Any, *,
+                probe: bool) -> int:
         self._check_open()
         if not isinstance(session, str) or not session:
             raise EngineError(f"{self._who}: session must be a non-empty string, got {session!r}", field="session")
@@ -162,15 +171,19 @@ class LocalEngine(JobEngine):
             )
         cap = self.max_slices_per_call
         starts = range(0, src.size, cap)
-        due = time.monotonic() + self.faults.delay_s
+        due = time.monotonic() + (0.0 if probe else self.faults.delay_s)
         with self._cond:
             self._check_open()
-            job = self._jobs.open(session, len(starts), int(src.size)) if src.size else None
-            if job is not None:
+            job = self._jobs.open(session, 1 if probe else len(starts), int(src.size)) if src.size else None
+            if job is not None and probe:  # lands here and now: never queued behind held KV batches
+                batch = _Batch(job, -1, 0, src, dst, length, due, None, True)
+            elif job is not None:
                 for i, a in enumerate(starts):
                     b = slice(a, a + cap)
                     self._queue.append(_Batch(job, next(self._numbers), i, src[b], dst[b], length[b], due, after))
                 self._cond.notify()
+        if job is not None and probe:
+            self._jobs.batch_finished(job, self._land(batch))
         return job.handle if job is not None else self._jobs.open(session, 0, 0).handle
 
     def close(self) -> None:

@@ -44,11 +44,13 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.room import PostWrite, PrefillRoom, PrefillRooms, ReleaseAux
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
+from kvbridge.transfer.scratch import Scratch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,8 +100,10 @@ class PrefillEndpoint:
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
             page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
                                                                      local, n),
-            digests_readable=self.buffers.readable, trace=self.trace,
+            hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
         )  # fmt: skip
+        # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
+        self.scratch = Scratch(device=config.aux_device)
         self._lock = _OwnedLock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
         self._results: deque[Callable[[], Any]] = deque()  # registration answers: events for the loop to feed
@@ -131,6 +135,7 @@ class PrefillEndpoint:
 
     def start(self) -> None:
         self.buffers.register(self.engine)
+        self.scratch.register(self.engine)
         self.aux_staging.register(self.engine)
         if self.aux_buffers is not None:
             self.aux_buffers.register(self.engine)
@@ -141,6 +146,7 @@ class PrefillEndpoint:
         self._lease = register_rank(
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
             self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
+            scratch=self.scratch.descriptor,
         )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
 
@@ -169,7 +175,7 @@ class PrefillEndpoint:
             self._server.close()
         self.engine.set_notify(None)
         # the engine may outlive this endpoint: withdraw our memory before the caller frees it
-        unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers)
+        unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers, self.scratch)
 
     def __enter__(self) -> PrefillEndpoint:
         self.start()
@@ -188,8 +194,18 @@ class PrefillEndpoint:
         """A KVSender for ``room``. RoomInUse while a previous room of that id is open, or draining
         (its writes still in flight) for longer than ``wait`` seconds (``RoomInUse.draining``)."""
         with self._lock:
-            r = open_waiting(lambda: self.machine.open(room, time.monotonic()), self._room_freed, wait)
+            r = open_waiting(lambda: self._open(room), self._room_freed, wait)
         return KVSender(self, r)
+
+    def _open(self, room: int) -> PrefillRoom:
+        """(lock held) Close the rooms of dropped handles first: a dropped KVSender holds its room
+        no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
+        self._close_released(time.monotonic())
+        return self.machine.open(room, time.monotonic())
+
+    def _close_released(self, now: float) -> None:
+        while self._released:
+            self._carry_out(self.machine.close(self._released.popleft(), now))
 
     def locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the endpoint's lock held (what a handle reads)."""
@@ -267,6 +283,8 @@ class PrefillEndpoint:
                 self._room_freed.notify_all()  # sender(room, wait=...) may open it now
             elif type(a) is Resolve:
                 self._resolver.submit(self._resolve, a)
+            elif type(a) is WriteNonce:
+                self._resolver.submit(self._write_nonce, a)
             else:
                 raise TypeError(f"prefill endpoint cannot carry out {a!r}")
         if self._final_while_posting:  # every handle is registered now
@@ -335,6 +353,26 @@ class PrefillEndpoint:
         self._results.append(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
         self._wake()
 
+    def _write_nonce(self, a: WriteNonce) -> None:
+        """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a
+        time: this one thread is the only user of the nonce source)."""
+        try:
+            self.scratch.set_source(a.nonce)
+            self.engine.probe_write(a.session, np.array([self.scratch.source], np.uint64), np.array([a.dst], np.uint64),
+                              np.array([len(a.nonce)], np.uint64), timeout=self.config.peer_timeout)
+            problem = None
+        except KVBridgeError as exc:
+            problem = f"session {a.session}: {exc}"
+        except Exception as exc:  # a bug refuses this connection, never the resolver thread
+            log.exception("nonce write to %s failed", a.session)
+            problem = f"session {a.session}: {type(exc).__name__}: {exc}"
+        self._results.append(lambda: self.machine.nonce_written(a.ident, problem, time.monotonic()))
+        self._wake()
+
+    def _hello_of(self, ident: bytes) -> str | None:
+        hello = self._server.hello_of(ident) if self._server is not None else None
+        return None if hello is None else hello.peer
+
     # -- the loop -------------------------------------------------------------
 
     def _run(self) -> None:
@@ -346,8 +384,7 @@ class PrefillEndpoint:
                 if now >= next_housekeeping:
                     next_housekeeping = now + self.config.housekeeping_interval
                     with self._lock:
-                        while self._released:
-                            self._carry_out(self.machine.close(self._released.popleft(), now))
+                        self._close_released(now)
                         self._carry_out(self.machine.gc(now))
             except Exception:  # a bug must not kill the rank's only control loop
                 log.exception("prefill loop step failed")

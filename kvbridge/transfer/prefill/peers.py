@@ -71,6 +71,8 @@ class DecodePeer:
     aux: dict[str, RegionAddr]
     tp_size: int = 1
     tp_rank: int = 0
+    instance: str = ""  # the decode instance (a room belongs to the first instance that claims it)
+    scratch: tuple[int, int] | None = None  # (base, nbytes) of its scratch region: where its ownership is proven
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
     checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
@@ -81,7 +83,8 @@ class DecodePeer:
             rank_id=detail.rank_id, label=detail.rank.label, session=detail.session_id, fingerprint=detail.fingerprint,
             buffers=[BufferDesc(p.pool, p.layer_id, p.base, p.capacity_pages, p.bytes_per_page) for p in detail.pools],
             aux={r.name: RegionAddr.of(r) for r in detail.aux_regions},
-            tp_size=detail.rank.tp_size, tp_rank=detail.rank.tp_rank,
+            tp_size=detail.rank.tp_size, tp_rank=detail.rank.tp_rank, instance=detail.rank.instance,
+            scratch=None if detail.scratch is None else (detail.scratch.base, detail.scratch.nbytes),
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],

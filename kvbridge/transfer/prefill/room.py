@@ -62,7 +62,8 @@ from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.peers import DecodePeers
+from kvbridge.transfer.prefill.identity import PROOF_FAILED, Connection, Identities, Proof, WriteNonce
+from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
 from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
 from kvbridge.transfer.rooms import Life, Rooms, Stage
 
@@ -99,6 +100,7 @@ class PrefillRoom:
         self.aux_row: np.ndarray | None = None  # packed row, staged by kvbridge
         self.aux_slot: int | None = None  # or: a slot of the engine's own registered aux rows
         self.targets: dict[str, Target] = {}
+        self.holder: tuple[str, str] | None = None  # (decode instance, rank label) of the first claim: the only one served
         self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
         self.num_expected_targets: int | None = None
         self.created = now
@@ -362,16 +364,19 @@ class ReleaseAux:
 
 AuxSource = Callable[[int, "np.ndarray | None", "int | None", Any], tuple[Mapping[str, RegionAddr], int, "int | None", Any]]
 Digests = Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray]
+_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
     """The prefill rank's rooms and what drives them. ``aux_source(room, row, aux_slot, after)``:
     where a room's aux row is read from: (regions, slot, packed row base, the events its write
-    waits on); ``page_digests(pools, logical, local, num_tokens)``: digests of our pages."""
+    waits on); ``page_digests(pools, logical, local, num_tokens)``: digests of our pages;
+    ``hello_of(connection)``: the registration the connection named in its Hello (None: none)."""
 
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *, aux_source: AuxSource, page_digests: Digests,
-                 digests_readable: bool = True, trace: bool = False) -> None:
+                 hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
+                 trace: bool = False) -> None:
         self.cfg = config
         self.specs = dict(specs)
         self.src_bufs = src_bufs
@@ -385,6 +390,8 @@ class PrefillRooms:
         self.page_size = next(iter(self.specs.values())).page_size
         self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
         self.peers = DecodePeers()
+        self.hello_of = hello_of
+        self.identities = Identities(timeout=config.peer_timeout)
         self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
         self.next_write = 0
@@ -455,6 +462,12 @@ class PrefillRooms:
     def message(self, ident: bytes, msg: Any, now: float) -> list[Any] | tuple:
         """A message on connection ``ident`` (or the channel's error for a bad one)."""
         self.peers.heard_from(ident, now)  # any message: the decode rank is alive
+        if isinstance(msg, _BOUND) and not self._admitted(ident, msg, now):
+            return self._actions()  # refused, or held until the connection proves its registration
+        self._dispatch(ident, msg, now)
+        return self._actions()
+
+    def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
             self._on_request(ident, msg, now)
             self._pump(now)
@@ -465,15 +478,127 @@ class PrefillRooms:
             self._out.append(Send((ident,), wire.Heartbeat(cp_rank=self.cfg.cp_rank, seq=msg.seq)))
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
+        elif isinstance(msg, wire.ChallengeEcho):
+            self._on_echo(ident, msg, now)
         else:
-            self._out.append(Send((ident,), wire.ErrorReply(
-                ref_type=msg.TAG, room=getattr(msg, "room", None),
-                reason=f"a prefill rank does not accept {type(msg).__name__}")))
+            self._error(ident, msg, f"a prefill rank does not accept {type(msg).__name__}")
+
+    def _error(self, ident: bytes, msg: Any, reason: str) -> None:
+        """Refuse ``msg`` with an ErrorReply. A refused request leaves only once nothing of its room
+        is in flight: decode frees a room's pages on it, for every rank of its instance (hard rule 6)."""
+        room = getattr(msg, "room", None)
+        reply = wire.ErrorReply(ref_type=msg.TAG, room=room, reason=reason)
+        if isinstance(msg, wire.TransferRequest):
+            self._reply_when_quiet(room, ident, reply)
+        else:
+            self._out.append(Send((ident,), reply))
+
+    # -- who is on a connection (prefill/identity.py) ------------------------------
+
+    def _admitted(self, ident: bytes, msg: Any, now: float) -> bool:
+        """``msg`` acts for the registration its connection named and proved: deliver it now
+        (True); else refuse it, or hold it while the proof runs (False)."""
+        if isinstance(msg, wire.Ping) and not msg.decode_rank_id:
+            return True  # a probe that acts for nobody: a Heartbeat, and nothing else
+        said = self.hello_of(ident)
+        if msg.decode_rank_id != said:
+            self._error(ident, msg, f"{msg.TAG} names decode registration {msg.decode_rank_id!r}, but its connection "
+                                    f"said it is {said!r} in its Hello: a connection acts only for its own "
+                                    "registration; nothing done")
+            return False
+        c = self.identities.get(ident)
+        if c is None or c.rank_id != said or (c.state is Proof.REFUSED and now >= c.retry_at):
+            c = self.identities.start(ident, said)  # (a refused connection may try again after a pause)
+            peer = self.peers.get(said)
+            if peer is None:
+                if self.identities.wait_registration(c):
+                    self._out.append(Resolve(said, getattr(msg, "decode_rank", said)))
+            else:
+                self._challenge(c, peer, now)
+        if c.state is Proof.PROVEN:
+            return True
+        if c.state is Proof.REFUSED:
+            self._error(ident, msg, c.why)
+        elif len(c.waiting) >= self.identities.max_waiting:
+            self._error(ident, msg, f"{self.identities.max_waiting} messages already wait for decode registration "
+                                    f"{said} to prove it holds its memory")
+        else:
+            c.waiting.append(msg)
+        return False
+
+    def _challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
+        if peer.scratch is None:
+            self._refuse_identity(c, f"its registration has no scratch region, so prefill rank {self.cfg.rank_label} "
+                                     "cannot check that its session holds the memory it names (a kvbridge "
+                                     "DecodeEndpoint registers one)", now)
+            return
+        base, nbytes = peer.scratch
+        c.instance = peer.instance
+        self._out.append(self.identities.challenge(c, peer.session, base, nbytes, now))
+
+    def _refuse_identity(self, c: Connection, why: str, now: float) -> None:
+        peer = self.peers.get(c.rank_id)
+        label = f"decode rank {peer.label} (registration {c.rank_id})" if peer else f"decode registration {c.rank_id}"
+        c.state, c.why = Proof.REFUSED, f"{label} {PROOF_FAILED}: {why}"
+        c.retry_at = now + self.identities.retry_s
+        log.warning("prefill rank %s refuses connection %s: %s", self.cfg.rank_label, c.ident.hex(), c.why)
+        waiting, c.waiting = c.waiting, []
+        for msg in waiting:
+            self._error(c.ident, msg, c.why)
+
+    def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
+        """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
+        c = self.identities.get(ident)
+        if c is None or c.state is not Proof.WRITING:
+            return self._actions()
+        if problem is not None:
+            self._refuse_identity(c, f"the nonce write into its scratch region failed: {problem}", now)
+        else:
+            c.state = Proof.CHALLENGED
+            self._out.append(Send((ident,), wire.Challenge(offset=c.offset)))
         return self._actions()
+
+    def _on_echo(self, ident: bytes, msg: wire.ChallengeEcho, now: float) -> None:
+        c = self.identities.get(ident)
+        if c is None or c.state is not Proof.CHALLENGED:
+            self._error(ident, msg, "no challenge is waiting for an echo on this connection")
+            return
+        if not self.identities.echo_matches(c, msg.nonce):
+            peer = self.peers.get(c.rank_id)
+            session = peer.session if peer else "?"
+            self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
+                                     f"session {session}: that memory is not its own", now)
+            return
+        c.state, c.nonce = Proof.PROVEN, b""
+        waiting, c.waiting = c.waiting, []
+        for held in waiting:
+            self._dispatch(ident, held, now)
+
+    def _proof_deadlines(self, now: float) -> None:
+        for c in self.identities.overdue(now):
+            self._refuse_identity(c, f"no echo of the nonce within {self.identities.timeout:.1f}s", now)
+
+    def _instance_of(self, ident: bytes, rank_id: str) -> str | None:
+        """The decode instance registration ``rank_id`` belongs to (kept with the connection that
+        proved it, so a registration evicted from the cache still answers)."""
+        c = self.identities.get(ident)
+        if c is not None and c.rank_id == rank_id and c.instance:
+            return c.instance
+        peer = self.peers.get(rank_id)
+        return peer.instance if peer is not None else None
 
     def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
         """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
         waiters, problem = self.peers.resolved(rank_id, detail, problem)
+        for ident in self.identities.resolving.pop(rank_id, []):
+            c = self.identities.get(ident)
+            peer = self.peers.get(rank_id)
+            if c is None or c.state is not Proof.RESOLVING:
+                continue
+            if problem is not None or peer is None:
+                self._refuse_identity(c, problem or f"registration {rank_id} could not be read", now)
+            else:
+                self._challenge(c, peer, now)
         for ident, req in waiters:
             if problem is None:
                 self._deliver(ident, req, now)
@@ -488,6 +613,8 @@ class PrefillRooms:
                      req.decode_rank, len(req.page_ids) // 4)
         if self.closing:
             self._reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
+            return
+        if not self._claim(ident, req):
             return
         if req.fingerprint != self.fingerprint:
             self._refuse(ident, req, f"contract fingerprint {req.fingerprint} differs from prefill rank {rank}'s "
@@ -521,6 +648,8 @@ class PrefillRooms:
                 return
             r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
                                                       Stage.UNATTACHED, now=now))
+        if not self._claim(ident, req):
+            return
         if r.state.final:
             reason = f": {r.state.reason}" if r.state.reason else ""
             self._reply_failed(ident, req.room, f"room {req.room} already ended on {rank} ({r.state.state.name}{reason})")
@@ -564,15 +693,45 @@ class PrefillRooms:
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
         """Refuse a request (nothing of it was posted) and fail its room here."""
         r = self.rooms.get(req.room)
-        if r is not None and not r.state.final:
+        if r is not None and not r.state.final and self._holds(r, ident, req.decode_rank_id):
             self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}", now)
         self._reply_failed(ident, req.room, reason)
+
+    # -- room ids: first claim wins -------------------------------------------------
+
+    def _holds(self, r: PrefillRoom, ident: bytes, rank_id: str) -> bool:
+        """The decode instance of registration ``rank_id`` holds room ``r`` (or nobody claimed it yet)."""
+        return r.holder is None or r.holder[0] == self._instance_of(ident, rank_id)
+
+    def _claim(self, ident: bytes, req: wire.TransferRequest) -> bool:
+        """A room id belongs to the decode instance whose request reached it first: its TP ranks
+        share it, any other instance is refused with an ErrorReply naming the holder, and the
+        holder's room goes on untouched (served once, to the holder)."""
+        r = self.rooms.get(req.room)
+        instance = self._instance_of(ident, req.decode_rank_id)
+        if r is None or instance is None:
+            return True  # no room yet (claimed where it is created), or the registration is being read again
+        if r.holder is None:
+            r.holder = (instance, req.decode_rank)
+            return True
+        if r.holder[0] == instance:
+            return True
+        self._error(ident, req, f"room {req.room} is claimed by decode instance {r.holder[0]} (rank {r.holder[1]}) on "
+                                f"prefill rank {self.cfg.rank_label}: decode instance {instance} may not claim it "
+                                "(first claim wins); nothing done")
+        return False
 
     def _on_abort(self, ident: bytes, msg: wire.Abort, now: float) -> None:
         """A decode rank aborts: its target (if any) stops, and so does the room for every decode
         rank, since a decode instance's TP ranks give up a request together. The ack waits until
         nothing of the room is in flight (``_reply_when_quiet``)."""
         r = self.rooms.get(msg.room)
+        if r is not None and not self._holds(r, ident, msg.decode_rank_id):
+            self._error(ident, msg, f"room {msg.room} is claimed by decode instance {r.holder[0]} (rank "
+                                    f"{r.holder[1]}) on prefill rank {self.cfg.rank_label}: an abort from decode "
+                                    f"instance {self._instance_of(ident, msg.decode_rank_id)} is refused; the room "
+                                    "goes on")
+            return
         t = r.targets.get(msg.decode_rank) if r else None
         if t is not None and not t.closed:
             t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"
@@ -587,7 +746,7 @@ class PrefillRooms:
         self._reply_when_quiet(room, ident, wire.PagesDone(room=room, cp_rank=self.cfg.cp_rank, status="failed",
                                                            reason=reason, pools=[], logical_pages=b"", digests=None))
 
-    def _reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck) -> None:
+    def _reply_when_quiet(self, room: int, ident: bytes, msg: wire.PagesDone | wire.AbortAck | wire.ErrorReply) -> None:
         """Send a failure report or abort ack once no write of ``room`` is in flight to *any* decode
         rank. Either one tells the decode rank it may free the room's pages (hard rule 6), and the
         TP ranks of a decode instance free together (SGLang all-reduces their poll states with
@@ -798,6 +957,7 @@ class PrefillRooms:
         return self._actions()
 
     def _deadlines(self, now: float) -> None:
+        self._proof_deadlines(now)
         for r in list(self.rooms.values()):
             if r.state.final:
                 continue
@@ -828,6 +988,7 @@ class PrefillRooms:
         self.rooms.tombstones.prune(now)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
+        self.identities.prune(set(self.peers.heard))
         return self._actions()
 
 

@@ -1,0 +1,133 @@
+"""Who is on each decode connection, and whether it proved it, as state.
+
+**Binding.** A connection's Hello names the decode registration it acts for (the rank id
+the daemon gave it). A TransferRequest, Abort or Ping that names another registration is
+refused with an ErrorReply and nothing else happens: a connection acts only for its own
+registration (issue 20, finding 5).
+
+**Proof.** Naming a registration is not owning its memory: anyone with the write token can
+register another rank's session and addresses. Before the first message of a connection is
+acted on, prefill proves the connection's rank holds the memory its registration describes:
+
+    first message on connection C (Hello: registration R)
+      registration of R known?  no -> Resolve(R) ... resolved
+      R has a scratch region?   no -> refused
+      WriteNonce(C, R's session, scratch base + offset, nonce)  (the shell: engine write, off the loop)
+      nonce_written(C, problem)   failed -> refused
+      Send(C, Challenge(offset))
+      ChallengeEcho(nonce') on C: compare in constant time -> proven | refused
+      (no echo within ``timeout`` -> refused)
+
+Only memory registered with the transfer-engine session R names can take the write, and
+only the process that holds that memory can read the nonce back: a registration that
+aliases a live rank's session and addresses fails here, before any KV is written (finding 1).
+Messages that arrive meanwhile wait (bounded); once proven they are delivered in order;
+refused, each gets an ErrorReply naming the rank and why, as does every message of the
+next ``retry_s`` seconds; a later one starts a fresh proof (a nonce write may fail for a
+passing reason, and each try costs prefill one small write).
+
+No socket, thread or clock here: the room state machine (``prefill/room.py``) feeds it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvbridge.transfer.channel.wire import NONCE_BYTES
+
+PROOF_FAILED = "could not prove it holds the memory it registered"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteNonce:
+    """Write ``nonce`` through the transfer engine to ``dst`` at decode session ``session`` (its
+    registered scratch region), off the loop; answer with ``PrefillRooms.nonce_written(ident,
+    problem, now)`` (problem None: written)."""
+
+    ident: bytes
+    rank_id: str
+    session: str
+    dst: int
+    nonce: bytes
+
+
+class Proof(Enum):
+    RESOLVING = "resolving"  # the registration is being read
+    WRITING = "writing"  # the nonce write is out
+    CHALLENGED = "challenged"  # Challenge sent, waiting for the echo
+    PROVEN = "proven"
+    REFUSED = "refused"
+
+
+@dataclass
+class Connection:
+    ident: bytes
+    rank_id: str  # the registration its Hello named
+    instance: str = ""  # that registration's decode instance (read with it)
+    state: Proof = Proof.RESOLVING
+    nonce: bytes = b""
+    offset: int = 0
+    deadline: float = 0.0
+    why: str = ""  # the refusal, once refused
+    retry_at: float = 0.0  # refused: a message after this starts a fresh proof (a failed write may be transient)
+    waiting: list[Any] = field(default_factory=list)  # messages held until proven
+
+
+class Identities:
+    """Connections by id, what each proved, and the messages held until it did.
+    ``timeout``: seconds from the first message to the echo; ``nonce_source(n)``: n random bytes."""
+
+    def __init__(self, *, timeout: float = 5.0, max_waiting: int = 10_000, retry_s: float = 1.0,
+                 nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self.max_waiting = max_waiting
+        self.nonce_source = nonce_source
+        self.conns: dict[bytes, Connection] = {}
+        self.resolving: dict[str, list[bytes]] = {}  # registration -> connections waiting for it
+
+    def get(self, ident: bytes) -> Connection | None:
+        return self.conns.get(ident)
+
+    def start(self, ident: bytes, rank_id: str) -> Connection:
+        c = self.conns[ident] = Connection(ident, rank_id)
+        return c
+
+    def prove(self, ident: bytes, rank_id: str) -> Connection:
+        """Mark ``ident`` proven for ``rank_id`` (what a passed challenge does; tests use it)."""
+        c = self.conns.get(ident) or self.start(ident, rank_id)
+        c.state = Proof.PROVEN
+        return c
+
+    def wait_registration(self, c: Connection) -> bool:
+        """Hold ``c`` until its registration is read; True when no read is out for it yet."""
+        first = c.rank_id not in self.resolving
+        self.resolving.setdefault(c.rank_id, []).append(c.ident)
+        return first
+
+    def challenge(self, c: Connection, session: str, base: int, nbytes: int, now: float) -> WriteNonce:
+        """A fresh nonce at a random aligned offset of the scratch region ``[base, base + nbytes)``."""
+        c.nonce = self.nonce_source(NONCE_BYTES)
+        c.offset = secrets.randbelow(nbytes // NONCE_BYTES) * NONCE_BYTES
+        c.state = Proof.WRITING
+        c.deadline = now + self.timeout
+        return WriteNonce(c.ident, c.rank_id, session, base + c.offset, c.nonce)
+
+    @staticmethod
+    def echo_matches(c: Connection, nonce: bytes) -> bool:
+        return hmac.compare_digest(c.nonce, nonce)
+
+    def overdue(self, now: float) -> list[Connection]:
+        return [c for c in self.conns.values()
+                if c.state in (Proof.WRITING, Proof.CHALLENGED) and now > c.deadline]
+
+    def prune(self, alive: set[bytes]) -> None:
+        """Forget settled connections that are gone (no longer heard from)."""
+        for ident in [i for i, c in self.conns.items()
+                      if i not in alive and c.state in (Proof.PROVEN, Proof.REFUSED)]:
+            del self.conns[ident]

@@ -1,0 +1,92 @@
+"""A rank's scratch region: a few KiB that hold no KV, registered with its transfer engine
+and described in its registration (``ScratchDescriptor``).
+
+    [0, nbytes)                      advertised: prefill writes an ownership nonce here
+                                     (prefill/identity.py), ``kvbridge doctor`` a probe
+    [nbytes, nbytes + NONCE_BYTES)   not advertised: the source of the nonces this rank
+                                     writes into others' scratch (never written from outside)
+
+Each endpoint owns one, so that a library user's rank proves what it registered the same
+way a worker's does. Host memory (numpy) by default; ``device`` puts it where the engine
+reaches (CUDA IPC reaches device memory only), through torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvbridge.bootstrap.schemas import ScratchDescriptor
+from kvbridge.errors import KVBridgeError, LayoutError
+from kvbridge.transfer.channel.wire import NONCE_BYTES
+from kvbridge.transfer.engine import TransferEngine, tensor_region
+
+SCRATCH_BYTES = 4096
+
+__all__ = ["SCRATCH_BYTES", "Scratch", "device_of"]
+
+
+class Scratch:
+    """``nbytes`` advertised bytes plus a private nonce source, on ``device`` ("cpu": numpy)."""
+
+    def __init__(self, nbytes: int = SCRATCH_BYTES, device: str = "cpu") -> None:
+        self.nbytes = nbytes
+        self.device = device
+        if device == "cpu":
+            self.memory: Any = np.zeros(nbytes + NONCE_BYTES, dtype=np.uint8)
+        else:
+            import torch
+
+            self.memory = torch.zeros(nbytes + NONCE_BYTES, dtype=torch.uint8, device=device)
+        self.base, _ = tensor_region(self.memory)
+        self._registered = False
+
+    @property
+    def descriptor(self) -> ScratchDescriptor:
+        return ScratchDescriptor(base=self.base, nbytes=self.nbytes)
+
+    @property
+    def source(self) -> int:
+        """Address of the nonce source (registered, not advertised)."""
+        return self.base + self.nbytes
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(self.base, self.nbytes + NONCE_BYTES)
+        self._registered = True
+
+    def unregister(self, engine: TransferEngine) -> None:
+        if self._registered:
+            self._registered = False
+            engine.unregister(self.base)
+
+    def read(self, offset: int, length: int = NONCE_BYTES) -> bytes:
+        """The advertised bytes ``[offset, offset + length)``; LayoutError outside them."""
+        if not (isinstance(offset, int) and 0 <= offset and offset + length <= self.nbytes):
+            raise LayoutError(f"offset {offset!r} + {length} lies outside the {self.nbytes}-byte scratch region",
+                              field="offset")
+        view = self.memory[offset:offset + length]
+        return bytes(view.tobytes() if self.device == "cpu" else view.cpu().numpy().tobytes())
+
+    def set_source(self, nonce: bytes) -> None:
+        """Put ``nonce`` where this rank's nonce writes read from."""
+        if len(nonce) != NONCE_BYTES:
+            raise KVBridgeError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}", field="nonce")
+        data = np.frombuffer(nonce, dtype=np.uint8)
+        if self.device == "cpu":
+            self.memory[self.nbytes:] = data
+        else:
+            import torch
+
+            self.memory[self.nbytes:].copy_(torch.from_numpy(data.copy()))
+            torch.cuda.synchronize(self.memory.device)
+
+
+def device_of(tensors: Any) -> str:
+    """Where a scratch region should live next to ``tensors`` (an endpoint's aux memory): the
+    device of the first torch tensor that is not on the CPU, else "cpu"."""
+    for t in tensors:
+        device = getattr(t, "device", None)
+        if getattr(device, "type", "cpu") not in ("cpu",):
+            return str(device)
+    return "cpu"

@@ -1,0 +1,101 @@
+"""Issue 20 end to end, in one process over real sockets and a real daemon: a write goes only
+where its requester proved it owns the memory (findings 1, 5), and a room id belongs to the
+first decode instance that claims it (finding 4). The state-machine orders are in
+``test_prefill_room.py``; the same attacks against worker processes over Mooncake are
+``kvbridge chaos --hostile`` (tests/chaos/test_hostile.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from _cluster import wait_final, wait_until
+from _local import ProvingPeers, replies, rogue_request
+from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
+from kvbridge.transfer.channel import PeerSet, wire
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.registration import pool_descriptors
+from kvbridge.worker.resources import allocate_buffers
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes
+
+
+def test_an_alias_of_a_live_decode_rank_gets_nothing_written(cluster):
+    """A write-token holder registers the decode rank's session, pools, aux rows and scratch
+    region as its own instance, names that registration in its Hello and asks for a room into
+    the victim's pages: each prefill rank writes a nonce into the victim's scratch, the alias
+    cannot echo it, and the request is refused naming why; not a byte lands in the pages."""
+    c = cluster(cp=2)
+    victim = c.decode
+    client = c.clients[-1]
+    alias = client.register(RegisterRequest(
+        rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
+        session_id=victim.engine.session_id, pools=pool_descriptors(victim.buffers.descs),
+        aux=victim.aux.packed_descriptor(), aux_regions=victim.aux.descriptors(), contract=c.contract,
+        lease_ttl_s=30.0, scratch=victim.scratch.descriptor))
+    peers = PeerSet(name=alias.rank_id)
+    try:
+        for ep in c.prefill:
+            ep.sender(90).init(8)
+            peers.send(ep.endpoint, rogue_request(c, 90, 8, rank_id=alias.rank_id))
+        got: list = []
+
+        def answer() -> bool:
+            for where, m in peers.recv_ready(50):
+                if isinstance(m, wire.Challenge):  # it cannot read the victim's scratch: its best guess
+                    peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
+                got.append(m)
+            return len([m for m in got if isinstance(m, wire.ErrorReply)]) >= 2
+
+        assert wait_until(answer, 10), got
+        errors = [m for m in got if isinstance(m, wire.ErrorReply)]
+        assert all("could not prove it holds the memory it registered" in e.reason and alias.rank_id in e.reason
+                   for e in errors), errors
+        assert not [m for m in got if isinstance(m, wire.PagesDone)]
+    finally:
+        peers.close()
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())  # nothing landed
+    assert not any(ep.counters["bytes"] for ep in c.prefill)
+
+
+def test_a_request_naming_another_registration_than_its_connection_is_refused(cluster):
+    c = cluster(cp=1)
+    peers = ProvingPeers(c.decode, rank_id="someone-else")
+    try:
+        peers.send(c.prefill[0].endpoint, rogue_request(c, 91, 8, rank_id=c.decode.rank_id))
+        (err,) = replies(peers, 1)
+        assert isinstance(err, wire.ErrorReply) and "its connection said it is 'someone-else'" in err.reason
+    finally:
+        peers.close()
+    assert 91 not in c.prefill[0].machine.rooms  # nothing else happened
+
+
+def test_a_room_id_is_served_once_to_the_instance_that_claimed_it_first(cluster):
+    c = cluster(cp=2)
+    dbufs = allocate_buffers(c.specs, 64)
+    for b in dbufs.values():
+        as_bytes(b)[:] = SENTINEL_BYTE
+    second = DecodeEndpoint(DecodeConfig(instance=f"{c.name}-d2", lease_ttl=2.0, peer_timeout=2.0, ping_interval=0.1),
+                            c._engine(), c.specs, dbufs, c.contract, c._client(c.clients[0].base_url),
+                            torch.zeros((8, c.aux_schema.row_bytes), dtype=torch.uint8), c.aux_schema)
+    second.start()
+    try:
+        pages = np.array([1, 2])
+        legit = c.decode.receiver(92, f"{c.name}-p")
+        legit.init(pages, 0, 8)
+        claimed = lambda ep: ep.locked(lambda: 92 in ep.machine.rooms and ep.machine.rooms[92].holder is not None)  # noqa: E731
+        assert wait_until(lambda: all(claimed(ep) for ep in c.prefill), 10)  # the legitimate claims landed first
+        other = second.receiver(92, f"{c.name}-p")
+        other.init(pages, 0, 8)
+        wait_final([other])
+        assert other.poll() == KVPoll.Failed
+        assert f"claimed by decode instance {c.name}-d" in other.failure_reason, other.failure_reason
+        senders = c.send(92, 8)
+        wait_final([legit, *senders])
+        assert legit.poll() == KVPoll.Success and c.verified(92, 8, pages)
+        assert all(s.poll() == KVPoll.Success for s in senders)
+        assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in dbufs.values())  # never served to the second
+        other.close()
+        legit.close()
+    finally:
+        second.close(timeout=2)
