@@ -64,6 +64,7 @@ from kvbridge.bootstrap.schemas import (
 from kvbridge.errors import (
     BootstrapError,
     BootstrapUnavailable,
+    ClaimHeld,
     ConfigError,
     ContractMismatch,
     InstanceIncomplete,
@@ -119,6 +120,8 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
     elif resp.status_code == 409 and code == "topology_mismatch":
         exc = TopologyError(message)
         exc.diff = [FieldDiff.model_validate(d) for d in body.get("diff") or []]  # type: ignore[attr-defined]
+    elif resp.status_code == 409 and code == "claim_held":
+        exc = ClaimHeld(message, holder=str(body.get("holder") or ""))
     elif resp.status_code == 409 and code == "lease_held":
         exc = LeaseHeld(message, retry_after=retry_after or 0.0)
     elif resp.status_code == 409 and code == "contract_mismatch":

@@ -7,6 +7,7 @@ first decode instance that claims it (finding 4). The state-machine orders are i
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from _cluster import wait_final, wait_until
@@ -15,24 +16,47 @@ from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.transfer.channel import PeerSet, wire
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.registration import pool_descriptors
+from kvbridge.errors import ClaimHeld
+from kvbridge.transfer.registration import EndpointBuffers, pool_descriptors
+from kvbridge.transfer.scratch import Scratch
 from kvbridge.worker.resources import allocate_buffers
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes
 
 
-def test_an_alias_of_a_live_decode_rank_gets_nothing_written(cluster):
-    """A write-token holder registers the decode rank's session, pools, aux rows and scratch
-    region as its own instance, names that registration in its Hello and asks for a room into
-    the victim's pages: each prefill rank writes a nonce into the victim's scratch, the alias
-    cannot echo it, and the request is refused naming why; not a byte lands in the pages."""
-    c = cluster(cp=2)
+def test_an_alias_of_a_live_decode_rank_is_refused_by_the_daemon(cluster):
+    """The first wall: a registration naming a live decode rank's transport session is refused
+    at the daemon (409 claim_held, naming the holder)."""
+    c = cluster(cp=1)
     victim = c.decode
-    client = c.clients[-1]
-    alias = client.register(RegisterRequest(
+    with pytest.raises(ClaimHeld, match=victim.rank_id):
+        c.clients[-1].register(RegisterRequest(
+            rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
+            session_id=victim.engine.session_id, pools=pool_descriptors(victim.buffers.descs),
+            aux=victim.aux.packed_descriptor(), aux_regions=victim.aux.descriptors(), contract=c.contract,
+            lease_ttl_s=30.0, scratch=victim.scratch.descriptor))
+
+
+def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
+    """The second wall, alone: uniqueness does not prove ownership, since a fake may name a segment
+    no kvbridge rank has registered at the daemon yet. Here that segment is a transfer-engine
+    session with KV-shaped buffers and a scratch region that no rank registered; the fake
+    registers them as its own, names that registration in its Hello and asks for a room: each
+    prefill rank writes a nonce into the segment's scratch, the fake cannot echo it, and the
+    request is refused naming why; not a byte lands in the segment's pages."""
+    c = cluster(cp=2)
+    engine = c._engine()  # the segment's process: memory registered with the engine, not at the daemon
+    bufs = allocate_buffers(c.specs, 64)
+    for b in bufs.values():
+        as_bytes(b)[:] = SENTINEL_BYTE
+    segment = EndpointBuffers(c.specs, bufs, "segment")
+    segment.register(engine)
+    scratch = Scratch()
+    scratch.register(engine)
+    alias = c.clients[-1].register(RegisterRequest(
         rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
-        session_id=victim.engine.session_id, pools=pool_descriptors(victim.buffers.descs),
-        aux=victim.aux.packed_descriptor(), aux_regions=victim.aux.descriptors(), contract=c.contract,
-        lease_ttl_s=30.0, scratch=victim.scratch.descriptor))
+        session_id=engine.session_id, pools=pool_descriptors(segment.descs),
+        aux=c.decode.aux.packed_descriptor(), aux_regions=c.decode.aux.descriptors(), contract=c.contract,
+        lease_ttl_s=30.0, scratch=scratch.descriptor))
     peers = PeerSet(name=alias.rank_id)
     try:
         for ep in c.prefill:
@@ -54,8 +78,9 @@ def test_an_alias_of_a_live_decode_rank_gets_nothing_written(cluster):
         assert not [m for m in got if isinstance(m, wire.PagesDone)]
     finally:
         peers.close()
-    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())  # nothing landed
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in bufs.values())  # nothing landed
     assert not any(ep.counters["bytes"] for ep in c.prefill)
+    engine.close()
 
 
 def test_a_request_naming_another_registration_than_its_connection_is_refused(cluster):
