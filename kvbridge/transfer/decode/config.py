@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.transfer.staging_settings import check_staging
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -28,7 +30,24 @@ class DecodeConfig:
     lease_quarantine: float = 30.0
     lookup_threads: int = 4
     verify_digest: bool = False
+    # Staged transfers (docs/staging.md): the staging area remote writes land in, registered host
+    # memory of staging_bytes cut into slots of staging_slot_bytes. "auto": prefill chooses per
+    # target; "always": every page arrives staged (an aborted room's pages free at once);
+    # "never": no area, every write direct. 64 MiB in 8 MiB slots: eight chunks in flight keep a
+    # TCP or RDMA link busy while scatters run, and a slot of 8 MiB carries about 200 page-sized
+    # slices of a 42 KB latent page, far past where per-slice cost matters.
+    staging: str = "auto"
+    staging_bytes: int = 64 << 20
+    staging_slot_bytes: int = 8 << 20
     trace: bool = False
+
+    def __post_init__(self) -> None:
+        check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
+
+    @property
+    def staging_slots(self) -> int:
+        """Slots of the staging area (0 with staging "never": no area)."""
+        return 0 if self.staging == "never" else self.staging_bytes // self.staging_slot_bytes
 
     @property
     def rank_label(self) -> str:
