@@ -102,7 +102,8 @@ class DecodeEndpoint:
                                                                     phys, n),
             trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
-                                                                    self.buffers.descs, rank),
+                                                                    self.buffers.descs, rank,
+                                                                    aux_ranges=self._aux_ranges),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
@@ -153,6 +154,22 @@ class DecodeEndpoint:
             self._peers.close()
         # a prefill rank that never acknowledged can no longer write into these pages
         unregister_quietly(self.engine, self.buffers, self.aux, self.staging)
+
+    def _aux_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """The byte ranges of aux row ``slot`` (where a staged aux row may be scattered)."""
+        if not 0 <= slot < self.aux.capacity_rows:
+            return []
+        if self.aux.row_base is not None:  # one packed store: the row is written whole (aux_slices)
+            start = self.aux.row_base + slot * self.aux_schema.row_bytes
+            return [(start, start + self.aux_schema.row_bytes)]
+        sizes = {r.name: r.nbytes for r in self.aux_schema.regions}
+        merged: list[tuple[int, int]] = []  # adjacent regions as one range (a scatter entry may span them)
+        for start, end in sorted((a.at(slot), a.at(slot) + sizes[name]) for name, a in self.aux.regions.items()):
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], end)
+            else:
+                merged.append((start, end))
+        return merged
 
     def _read_aux_row(self, slot: int) -> tuple[np.ndarray, float]:
         """The machine's one read of memory: the aux row (and how long the read took)."""

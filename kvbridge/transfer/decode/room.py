@@ -480,7 +480,7 @@ class DecodeRooms:
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
                     self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
         elif isinstance(msg, wire.ChunkLanded):
-            self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, self._out)
+            self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
         elif isinstance(msg, wire.SlotRequest):
             if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
                 self._staging_for(r, msg).request(r.room, key, endpoint, msg, self._out)

@@ -21,7 +21,7 @@ connection; the room commits only once no scatter of it is pending.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +53,12 @@ class Scatter:
 class DecodeStaging:
     """The slots of this rank's staging area at ``base`` and who asked for them."""
 
-    def __init__(self, area: StagingArea, base: int, dst_bufs: Sequence[BufferDesc], rank: str) -> None:
+    def __init__(self, area: StagingArea, base: int, dst_bufs: Sequence[BufferDesc], rank: str,
+                 aux_ranges: Callable[[int], list[tuple[int, int]]] = lambda slot: []) -> None:
+        """``aux_ranges(slot)``: the ``[start, end)`` byte ranges of aux row ``slot`` (the aux row
+        rides in a staged target's last write, so it is scattered from a slot too)."""
         self.area, self.base, self.rank = area, base, rank
+        self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
         self.pending: dict[int, int] = {}  # room -> chunks landed, not yet scattered
         # (room, endpoint) -> the (cp, tp) sender that asked there: a late report of a room already
@@ -101,7 +105,7 @@ class DecodeStaging:
                                                         chunk=chunk, slot=g.slot)))
 
     def landed(self, room: int, sender: tuple[int, int], msg: wire.ChunkLanded, page_ids: np.ndarray | None,
-               out: list) -> None:
+               aux_slot: int, out: list) -> None:
         """A chunk's write into its slot is final: scatter it (ok) or free the slot (failed)."""
         ck = self.key(sender, msg.chunk)
         if msg.slot >= self.area.num_slots or self.area.owner(msg.slot) != (room, ck):
@@ -117,7 +121,7 @@ class DecodeStaging:
             self.grant(self.area.release(msg.slot), out)
             return
         off, dst, length = wire.unpack_scatter(msg.scatter)
-        problem = self._outside(off, dst, length, page_ids)
+        problem = self._outside(off, dst, length, page_ids, aux_slot)
         if problem is not None:
             self.grant(self.area.release(msg.slot), out)
             raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
@@ -181,14 +185,22 @@ class DecodeStaging:
         self.grant(grants, out)
 
     # ---- checks ------------------------------------------------------------------------------
-    def _outside(self, off: np.ndarray, dst: np.ndarray, length: np.ndarray, page_ids: np.ndarray | None) -> str | None:
-        """Why a scatter list would write outside the slot or the room's own pages (None: it does not)."""
+    def _outside(self, off: np.ndarray, dst: np.ndarray, length: np.ndarray, page_ids: np.ndarray | None,
+                 aux_slot: int) -> str | None:
+        """Why a scatter list would write outside the slot or the room's own pages and aux row
+        (None: it does not)."""
         if not length.size:
             return None
         if page_ids is None:
             return "came before the room's pages are known"
         if int(length.min()) < 1 or int((off + length).max()) > self.area.slot_bytes:
             return f"reads outside its {self.area.slot_bytes} B slot"
+        in_aux = np.zeros(len(dst), dtype=bool)
+        for start, end in self.aux_ranges(aux_slot) if aux_slot >= 0 else ():
+            in_aux |= (dst >= np.uint64(start)) & (dst + length <= np.uint64(end))
+        dst, length = dst[~in_aux], length[~in_aux]
+        if not length.size:
+            return None
         i = np.searchsorted(self._base, dst, side="right").astype(np.int64) - 1
         if (i < 0).any():
             return "writes below every registered buffer"

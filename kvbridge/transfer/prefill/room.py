@@ -56,6 +56,7 @@ import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
+from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
@@ -637,8 +638,7 @@ class PrefillRooms:
             while t.active and t.posted < len(r.chunks):
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
-                with_aux = (last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
-                            and r.paths.get(t.decode_rank) != "staged")
+                with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
                 self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
                 t.posted += 1
             if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
@@ -662,19 +662,14 @@ class PrefillRooms:
                                  dst_base=t.aux_row_base)
             if logical.size:  # the aux row rides in the same write, after the pages' slices
                 plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
-                                   rank=self.cfg.rank_label)
-                path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
-                if path == "staged":  # pages through staging; the aux row travels direct, alone
-                    if with_aux:
-                        t.aux_posted = False
-                    self._stage_write(r, t, logical, plan, after)
-                    return
-                if aux is not None:
-                    plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
-                                       rank=self.cfg.rank_label, extra=aux)
-                src, dst, length = plan.src, plan.dst, plan.length
+                                   rank=self.cfg.rank_label, extra=aux)
             else:
-                src, dst, length = (np.asarray(a, dtype=np.uint64) for a in aux)
+                plan = TransferPlan(*aux)
+            path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
+            if path == "staged":  # the same write through staging slots (the aux row too)
+                self._stage_write(r, t, logical, with_aux, plan, after)
+                return
+            src, dst, length = plan.src, plan.dst, plan.length
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
             return
@@ -688,12 +683,13 @@ class PrefillRooms:
         self.writes[w] = (r, t)
         self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
 
-    def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, plan: Any, after: Any) -> None:
-        """A write of ``logical`` pages through staging: in flight from here, reported (PagesDone)
-        once every chunk landed."""
+    def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
+                     after: Any) -> None:
+        """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
+        reported (one PagesDone, as a direct write) once every chunk landed."""
         w = self.next_write
         self.next_write += 1
-        t.inflight[w] = (logical, False)
+        t.inflight[w] = (logical, with_aux)
         self.writes[w] = (r, t)
         sw = self.stage.start(w, r.room, t, plan, after, self._out)
         r.staged["plan_slices"] += sw.staged.num_plan_slices

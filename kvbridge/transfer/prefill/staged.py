@@ -14,7 +14,9 @@ staging area:
 
 Remote writes land only in granted decode slots. A write is in flight (for the room's abort
 ack and failure report, hard rule 6) until every chunk posted is final and no more will be
-posted. The aux row is not staged: it travels as today, direct into the decode aux slot.
+posted. The aux row rides in the last chunk's write as on the direct path, so it is staged too
+(decode checks it lands in the room's own aux slot): nothing of a staged target writes anywhere
+on decode but its staging slots.
 No socket, clock or engine call here: the machine (``room.py``) calls it under the shell's lock.
 """
 
