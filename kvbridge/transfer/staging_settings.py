@@ -5,6 +5,12 @@ from __future__ import annotations
 from kvbridge.errors import ConfigError
 
 STAGING_MODES = ("auto", "always", "never")
+# Decode's staging area: 64 MiB in 8 MiB slots, eight chunks in flight at once, which keeps a TCP or
+# RDMA link busy while scatters run; a slot carries about 200 page-sized slices of a 42 KB latent
+# page, far past where per-slice cost matters. Prefill's gather buffer: two slots, one gathering
+# while the other is on the wire.
+DEFAULT_SLOT_BYTES = 8 << 20
+DEFAULT_BYTES = {"decode": 8 * DEFAULT_SLOT_BYTES, "prefill": 2 * DEFAULT_SLOT_BYTES}
 
 
 def check_staging(mode: str, nbytes: int, slot_bytes: int, rank: str) -> None:

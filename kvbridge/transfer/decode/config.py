@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.transfer.staging_settings import check_staging
+from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,13 @@ class DecodeConfig:
     lease_quarantine: float = 30.0
     lookup_threads: int = 4
     verify_digest: bool = False
-    # Staged transfers (docs/staging.md): the staging area remote writes land in, registered host
-    # memory of staging_bytes cut into slots of staging_slot_bytes. "auto": prefill chooses per
-    # target; "always": every page arrives staged (an aborted room's pages free at once);
-    # "never": no area, every write direct. 64 MiB in 8 MiB slots: eight chunks in flight keep a
-    # TCP or RDMA link busy while scatters run, and a slot of 8 MiB carries about 200 page-sized
-    # slices of a 42 KB latent page, far past where per-slice cost matters.
+    # Staged transfers (docs/staging.md): the staging area remote writes land in, registered
+    # memory beside the pages of staging_bytes cut into slots of staging_slot_bytes (defaults and
+    # why: staging_settings.py). "auto": prefill chooses per target; "always": every page arrives
+    # staged (an aborted room's pages free at once); "never": no area, every write direct.
     staging: str = "auto"
-    staging_bytes: int = 64 << 20
-    staging_slot_bytes: int = 8 << 20
+    staging_bytes: int = DEFAULT_BYTES["decode"]
+    staging_slot_bytes: int = DEFAULT_SLOT_BYTES
     trace: bool = False
 
     def __post_init__(self) -> None:
