@@ -51,6 +51,7 @@ from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.staging_buffer import StagingBuffer
+from kvbridge.transfer.staging_settings import STAGING_MODES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -199,6 +200,18 @@ class PrefillEndpoint:
         with self._lock:
             r = open_waiting(lambda: self.machine.open(room, time.monotonic()), self._room_freed, wait)
         return KVSender(self, r)
+
+    def set_staging(self, mode: str) -> None:
+        """Change the staging override (auto, always, never) for targets not yet planned (the
+        bench compares the paths on one set of ranks)."""
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
+                              field="staging")
+        if mode != "never" and self.gather is None:
+            raise ConfigError("this rank has no gather buffer (staging 'never' at start, or pages given as device "
+                              "addresses)", rank=self.config.rank_label, field="staging")
+        with self._lock:
+            self.machine.stage.mode = mode
 
     def locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the endpoint's lock held (what a handle reads)."""
