@@ -155,12 +155,14 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
 
 
 def _against_contiguous(rows: list[dict[str, Any]]) -> None:
-    """The newest row's staged throughput against kvbridge on contiguous pages (same CP, length)."""
-    row = rows[-1]
-    base = next((r for r in rows if r["alloc"] == "contiguous" and (r["cp"], r["tokens"]) == (row["cp"], row["tokens"])
-                 and r.get("kvbridge_gbps")), None)
-    if base is not None and row.get("staged_gbps"):
-        row["staged_vs_contiguous"] = round(row["staged_gbps"] / base["kvbridge_gbps"], 4)
+    """Each row's staged throughput against kvbridge on contiguous pages of the same CP size and
+    length, once that row exists (allocations are swept in any order)."""
+    base = {(r["cp"], r["tokens"]): r["kvbridge_gbps"] for r in rows
+            if r["alloc"] == "contiguous" and r.get("kvbridge_gbps")}
+    for row in rows:
+        contiguous = base.get((row["cp"], row["tokens"]))
+        if contiguous and row.get("staged_gbps"):
+            row["staged_vs_contiguous"] = round(row["staged_gbps"] / contiguous, 4)
 
 
 def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress: bool = True,
