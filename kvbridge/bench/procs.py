@@ -149,7 +149,8 @@ class PrefillRank(RankBase):
         state = s.poll()
         st = s.stats
         return {"state": state.name, "reason": s.failure_reason or "", "slices": int(st.get("slices", 0)),
-                "chunks": int(st.get("chunks", 0)), "bytes_staged": int(st.get("bytes_staged", 0))}
+                "chunks": int(st.get("chunks", 0)), "bytes_staged": int(st.get("bytes_staged", 0)),
+                "paths": sorted(set(st.get("paths", {}).values()))}
 
     def raw(self, cmd: dict) -> dict:
         """Post this rank's plan at monotonic time ``at``: ``mooncake`` straight to the binding

@@ -5,7 +5,9 @@ writes land), prefill its gather buffer (where pages are gathered before the wir
 where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
 device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
 given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
-buffer on): ``for_buffers`` returns None and every target goes direct.
+buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
+only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
+until the staged path of the rooms is measured on GPUs.
 """
 
 from __future__ import annotations
@@ -46,17 +48,20 @@ class StagingBuffer:
         self._registered = False
 
     @classmethod
-    def for_buffers(cls, tensors: Mapping[Any, Any], nbytes: int, slot_bytes: int, *, rank: str,
-                    enabled: bool = True) -> StagingBuffer | None:
-        """A buffer beside ``tensors`` (the endpoint's page buffers), or None when staging is off or
-        the pages are device addresses kvbridge cannot place a buffer beside."""
-        if not enabled or nbytes < slot_bytes:
+    def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
+                    rank: str) -> StagingBuffer | None:
+        """A buffer beside ``tensors`` (the endpoint's page buffers) for staging ``mode``, or None
+        when staging is off ("never"), the pages are device addresses kvbridge cannot place a
+        buffer beside, or they are GPU pages and staging was not asked for ("always")."""
+        if mode == "never" or nbytes < slot_bytes:
             return None
         devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
         if any(type(t).__name__ == "RawBuffer" for t in tensors.values()) or len(devices) > 1:
             log.info("%s: pages given as device addresses or on several devices: staging off, writes direct", rank)
             return None
         if devices == {"cuda"}:
+            if mode != "always":
+                return None
             return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device)
         return cls(nbytes, slot_bytes, rank=rank)
 

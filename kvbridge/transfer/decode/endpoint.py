@@ -93,9 +93,8 @@ class DecodeEndpoint:
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the staging area remote writes of staged targets land in (docs/staging.md)
-        self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging_bytes,
-                                                 config.staging_slot_bytes, rank=rank,
-                                                 enabled=config.staging_slots > 0)
+        self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
+                                                 config.staging_slot_bytes, rank=rank)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             page_digests=lambda pools, pages, phys, n: page_digests(self.specs, self.buffers.tensors, pools, pages,

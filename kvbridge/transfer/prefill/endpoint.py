@@ -98,9 +98,8 @@ class PrefillEndpoint:
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the gather buffer staged writes leave from (docs/staging.md)
-        self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging_bytes,
-                                                config.staging_slot_bytes, rank=rank,
-                                                enabled=config.staging != "never")
+        self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
+                                                config.staging_slot_bytes, rank=rank)
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
             page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,

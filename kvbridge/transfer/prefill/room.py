@@ -932,6 +932,7 @@ class PrefillRooms:
             else:
                 self._forget_if_quiet(r, now)
         self.rooms.tombstones.prune(now)
+        self.stage.prune(lambda room: self.rooms.get(room) is not None)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         return self._actions()

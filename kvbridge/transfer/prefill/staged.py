@@ -248,6 +248,13 @@ class StagedWrites:
             for key in [key for key in book if key[0] == room]:
                 del book[key]
 
+    def prune(self, known: Callable[[int], bool]) -> None:
+        """Drop the offers of rooms the machine does not hold (a request refused before its room
+        existed leaves one behind)."""
+        for book in (self.offers, self.paths, self.next_chunk):
+            for key in [key for key in book if not known(key[0])]:
+                del book[key]
+
 
 def _landed_failed(msg: wire.SlotGrant, cp_rank: int, reason: str) -> wire.ChunkLanded:
     return wire.ChunkLanded(room=msg.room, cp_rank=cp_rank, chunk=msg.chunk, slot=msg.slot, status="failed",
