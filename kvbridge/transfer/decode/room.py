@@ -480,6 +480,10 @@ class DecodeRooms:
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
                     self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
         elif isinstance(msg, wire.ChunkLanded):
+            if self.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
+                         r.room, self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot,
+                         msg.status, len(msg.scatter) // 24)
             self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
         elif isinstance(msg, wire.SlotRequest):
             if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
