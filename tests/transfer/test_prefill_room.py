@@ -402,3 +402,22 @@ def test_staging_only_decode_and_a_prefill_that_never_stages_fail_the_target_by_
     acts = m.post(r, 1.1)
     assert not of(acts, PostWrite)
     assert r.state.state == KVPoll.Failed and "takes staged writes only" in r.state.reason
+
+
+def test_an_offer_outlives_gc_while_its_request_waits_for_the_registration(ms):
+    """The staging area of a request that waits for the decode rank's registration (its room not
+    made yet) survives housekeeping: the room is staged once delivered, never silently direct."""
+    ms.peers.entries.clear()
+    assert of(ms.message(D, staged_request(24), 1.0), Resolve)
+    ms.gc(2.0)  # housekeeping while the registration is read
+    ms.peers.entries["r1"] = peer()
+    ms.resolved("r1", None, None, 2.1)
+    r = ms.open(24, 2.2)
+    ms.engine_init(r, 7, None, 2.2)
+    ms.chunk(r, np.arange(2), np.arange(2) + 5, None, True, _packed(24), None)
+    acts = ms.post(r, 2.3)
+    assert msgs(acts, wire.SlotRequest) and not of(acts, PostWrite) and r.paths == {"d/dp0/tp0": "staged"}
+    ms.message(D, staged_request(25), 3.0)  # refused later or never delivered: pruned after the horizon
+    ms.rooms.forget(ms.rooms[25], 3.0, tombstone=False)
+    ms.gc(3.0 + 2 * 60.0 + 1)
+    assert (25, "d/dp0/tp0") not in ms.stage.offers

@@ -466,7 +466,7 @@ class PrefillRooms:
         """A message on connection ``ident`` (or the channel's error for a bad one)."""
         self.peers.heard_from(ident, now)  # any message: the decode rank is alive
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
-            self.stage.offered(msg)
+            self.stage.offered(msg, now)
             self._on_request(ident, msg, now)
             self._pump(now)
         elif isinstance(msg, wire.SlotGrant):
@@ -932,7 +932,7 @@ class PrefillRooms:
             else:
                 self._forget_if_quiet(r, now)
         self.rooms.tombstones.prune(now)
-        self.stage.prune(lambda room: self.rooms.get(room) is not None)
+        self.stage.prune(lambda room: self.rooms.get(room) is not None, now, 2 * self.cfg.target_timeout)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         return self._actions()

@@ -100,6 +100,7 @@ class StagedWrites:
         self.cp_rank = cp_rank
         self.rank = rank
         self.offers: dict[tuple[int, str], Offer] = {}  # (room, decode rank) -> its staging area
+        self.offered_at: dict[tuple[int, str], float] = {}
         self.paths: dict[tuple[int, str], str] = {}  # (room, decode rank) -> "direct" / "staged"
         self.next_chunk: dict[tuple[int, str], int] = {}
         self.writes: dict[int, StagedWrite] = {}
@@ -108,10 +109,13 @@ class StagedWrites:
                          "direct_targets": 0, "staged_targets": 0}
 
     # ---- the choice --------------------------------------------------------------------------
-    def offered(self, req: wire.TransferRequest) -> None:
+    def offered(self, req: wire.TransferRequest, now: float) -> None:
+        """A request's staging area, kept from its arrival (it may wait for the decode rank's
+        registration before its room exists here)."""
         if req.staging_slots:
-            self.offers[(req.room, req.decode_rank)] = Offer(req.staging_slots, req.staging_slot_bytes,
-                                                             req.staging_base, req.staging_only)
+            key = (req.room, req.decode_rank)
+            self.offers[key] = Offer(req.staging_slots, req.staging_slot_bytes, req.staging_base, req.staging_only)
+            self.offered_at[key] = now
 
     def path(self, room: int, t: Target, plan: TransferPlan) -> str:
         """The target's path, chosen on its first plan and kept (LayoutError when the decode rank
@@ -244,14 +248,17 @@ class StagedWrites:
             self.by_chunk.pop((sw.room, sw.target.decode_rank, sw.first_chunk + k), None)
 
     def forget_room(self, room: int) -> None:
-        for book in (self.offers, self.paths, self.next_chunk):
+        for book in (self.offers, self.offered_at, self.paths, self.next_chunk):
             for key in [key for key in book if key[0] == room]:
                 del book[key]
 
-    def prune(self, known: Callable[[int], bool]) -> None:
-        """Drop the offers of rooms the machine does not hold (a request refused before its room
-        existed leaves one behind)."""
-        for book in (self.offers, self.paths, self.next_chunk):
+    def prune(self, known: Callable[[int], bool], now: float, horizon: float) -> None:
+        """Drop what is kept of rooms the machine does not hold: an offer once it is ``horizon``
+        seconds old (a request refused before its room existed leaves one behind; one still
+        waiting for its registration is younger)."""
+        for key in [key for key in self.offers if not known(key[0]) and now - self.offered_at[key] > horizon]:
+            del self.offers[key], self.offered_at[key]
+        for book in (self.paths, self.next_chunk):
             for key in [key for key in book if not known(key[0])]:
                 del book[key]
 
