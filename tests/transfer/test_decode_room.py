@@ -464,3 +464,14 @@ def test_a_chunk_reported_in_a_slot_it_was_not_granted_fails_the_room(ms):
     ms.message("tcp://p0", ask(7, 0, 0), 2.0)
     ms.message("tcp://p1", landed(ms, 7, 1, 0, 0, page=11), 2.1)  # slot 0 is cp0's
     assert r.state.state == KVPoll.Failed and "which it was not granted" in r.state.reason
+
+
+def test_a_staged_only_room_refuses_a_write_that_came_through_no_slot(ms):
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1)
+    ms.scattered(7, 0, 2.2)
+    ms.message("tcp://p0", done(7, 0, [0]), 2.3)  # came through slot 0: counted
+    assert r.state.state == KVPoll.Transferring
+    ms.message("tcp://p1", done(7, 1, [1]), 2.4)  # cp1 landed nothing in staging
+    assert r.state.state == KVPoll.Failed and "came through no staging slot" in r.state.reason

@@ -467,6 +467,10 @@ class DecodeRooms:
             if self.trace:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
                          r.age_ms(now), now, msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
+            if r.staged_only and not self.staging.reported(r.room, key):
+                raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
+                                  "writes only (its pages are freed at once on failure)", room=r.room,
+                                  rank=f"cp{msg.cp_rank}", field="staging")
             if msg.logical_pages:
                 pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
                 r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])

@@ -64,6 +64,9 @@ class DecodeStaging:
         # (room, endpoint) -> the (cp, tp) sender that asked there: a late report of a room already
         # forgotten (staged only: its pages were freed at once) still frees its quarantined slots
         self.senders: dict[tuple[int, str], tuple[int, int]] = {}
+        # (room, sender) -> chunks landed since its last PagesDone: a staged-only room's report with
+        # none before it means that sender wrote the pages directly
+        self.unreported: dict[tuple[int, tuple[int, int]], int] = {}
         bufs = sorted(dst_bufs, key=lambda b: b.base)
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
         self._end = np.array([b.base + b.capacity_pages * b.bytes_per_page for b in bufs], dtype=np.uint64)
@@ -127,9 +130,14 @@ class DecodeStaging:
             raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
                               field="scatter")
         self.pending[room] = self.pending.get(room, 0) + 1
+        self.unreported[(room, sender)] = self.unreported.get((room, sender), 0) + 1
         self.counters["scatter_slices"] += len(length)
         self.counters["bytes_scattered"] += int(length.sum())
         out.append(Scatter(room, msg.slot, off + np.uint64(self.base + self.area.offset(msg.slot)), dst, length))
+
+    def reported(self, room: int, sender: tuple[int, int]) -> bool:
+        """``sender`` reported a write (PagesDone ok): True when chunks of it landed in staging."""
+        return self.unreported.pop((room, sender), 0) > 0
 
     def scattered(self, room: int, slot: int, out: list) -> None:
         """The shell copied the slot into the pages: the slot is free."""
@@ -147,6 +155,7 @@ class DecodeStaging:
         for key in [k for k in self.asks if k[0] == room]:
             del self.asks[key]
         self.pending.pop(room, None)
+        self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         self.grant(self.area.fail_room(room, free_at), out)
 
     def sender_quiet(self, room: int, sender: tuple[int, int], out: list) -> None:
@@ -173,6 +182,7 @@ class DecodeStaging:
 
     def forget(self, room: int) -> None:
         """The rooms forgot ``room``: keep its senders only while a slot of it is quarantined."""
+        self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         if not self.area.slots_of(room):
             self.senders = {k: v for k, v in self.senders.items() if k[0] != room}
 
