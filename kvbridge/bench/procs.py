@@ -5,7 +5,7 @@ process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
     -> {"ready": true, "session": ..., ...}          once the endpoint is registered
     <- {"op": ...}  -> one JSON line per command     (``quit`` ends the process)
 
-prefill commands: fill, plan, send, wait_sent, raw, copy, stats
+prefill commands: fill, plan, staging, send, wait_sent, raw, copy, stats
 decode commands:  prepare, recv, check, stats
 
 Each process has the engine kvbridge runs on (``engine``: mooncake, ipc or auto) and,
@@ -87,11 +87,15 @@ class PrefillRank(RankBase):
 
         super().__init__(cfg, cfg["src_capacity"])
         self.rank = cfg["cp_rank"]
+        # staging "never" until a staged room asks (the ``staging`` command): kvbridge rows stay direct
         pcfg = PrefillConfig(instance=cfg["instance"], cp_rank=self.rank, cp_size=cfg["cp"],
-                             max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"])
+                             max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"],
+                             staging="always" if cfg.get("staged") else "never")
         self.endpoint = PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract,
                                         BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux_schema)
         self.endpoint.start()
+        if cfg.get("staged"):
+            self.endpoint.set_staging("never")
         self.owned = self.local = np.zeros(0, np.int64)
         self.plan: Any = None
         self.senders: dict[int, Any] = {}
@@ -120,6 +124,11 @@ class PrefillRank(RankBase):
         self.plan = plan_transfer(self.specs, src, dst, self.owned, self.local, page_ids[self.owned], cmd["tokens"])
         return {"slices": self.plan.num_slices, "bytes": self.plan.num_bytes, "ms": (time.perf_counter() - t0) * 1e3}
 
+    def staging(self, cmd: dict) -> dict:
+        """The path of the rooms sent from now on: "never" (kvbridge direct) or "always" (staged)."""
+        self.endpoint.set_staging(cmd["mode"])
+        return {"staging": cmd["mode"]}
+
     def send(self, cmd: dict) -> dict:
         from kvbridge.worker.synthetic import make_aux
 
@@ -138,7 +147,10 @@ class PrefillRank(RankBase):
         while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
             time.sleep(0.0005)
         state = s.poll()
-        return {"state": state.name, "reason": s.failure_reason or "", "slices": int(s.stats.get("slices", 0))}
+        st = s.stats
+        return {"state": state.name, "reason": s.failure_reason or "", "slices": int(st.get("slices", 0)),
+                "chunks": int(st.get("chunks", 0)), "bytes_staged": int(st.get("bytes_staged", 0)),
+                "paths": sorted(set(st.get("paths", {}).values()))}
 
     def raw(self, cmd: dict) -> dict:
         """Post this rank's plan at monotonic time ``at``: ``mooncake`` straight to the binding
@@ -187,7 +199,8 @@ class DecodeRank(RankBase):
         super().__init__(cfg, cfg["dst_capacity"])
         torch = self.torch
         self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
-        dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0)
+        dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
+                            staging="auto" if cfg.get("staged") else "never")
         self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
                                        self.aux_schema)
@@ -269,7 +282,7 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     rank = PrefillRank(cfg) if role == "prefill" else DecodeRank(cfg)
     ops = {"fill": getattr(rank, "fill", None), "plan": getattr(rank, "do_plan", None),
-           "send": getattr(rank, "send", None), "wait_sent": getattr(rank, "wait_sent", None),
+           "staging": getattr(rank, "staging", None), "send": getattr(rank, "send", None), "wait_sent": getattr(rank, "wait_sent", None),
            "raw": getattr(rank, "raw", None), "copy": getattr(rank, "copy", None),
            "prepare": getattr(rank, "prepare", None), "recv": getattr(rank, "recv", None),
            "check": getattr(rank, "check", None), "stats": rank.stats}

@@ -15,6 +15,8 @@ COLUMNS = (
     ("ideal", "ideal_slices", "{:>7}"),
     ("plan ms", "plan_ms", "{:>8.2f}"),
     ("kvb GB/s", "kvbridge_gbps", "{:>9.3f}"),
+    ("staged GB/s", "staged_gbps", "{:>11.3f}"),
+    ("stg slices", "staged_slices", "{:>10}"),
     ("raw GB/s", "raw_gbps", "{:>9.3f}"),
     ("engine GB/s", "engine_gbps", "{:>11.3f}"),
     ("memcpy GB/s", "memcpy_gbps", "{:>11.2f}"),
@@ -22,6 +24,8 @@ COLUMNS = (
     ("raw p50 ms", "raw_p50_ms", "{:>10.1f}"),
     ("kvb p99 ms", "kvbridge_p99_ms", "{:>10.1f}"),
     ("vs raw", "ratio_vs_raw", "{:>7.2f}"),
+    ("stg/raw", "staged_vs_raw", "{:>7.2f}"),
+    ("stg/contig", "staged_vs_contiguous", "{:>10.2f}"),
     ("vs memcpy", "ratio_vs_memcpy", "{:>9.3f}"),
     ("ok", "ok", "{:>3}"),
 )
@@ -55,6 +59,16 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{'met' if worst >= 0.9 else 'NOT met'}",
             f"slices kvbridge posted per room == ideal (runs x layers x pools + 1 aux row): {'yes' if ideal else 'NO'}",
         ]
+    staged = [r for r in rows if r["tokens"] >= 8192 and r["alloc"] == "random" and r.get("staged_gbps")]
+    if staged:
+        vs_contig = [r["staged_vs_contiguous"] for r in staged if r.get("staged_vs_contiguous")]
+        vs_raw = [r["staged_vs_raw"] for r in staged if r.get("staged_vs_raw")]
+        if vs_contig:
+            lines.append(f"goal staged (random) >= 0.8x kvbridge contiguous for >= 8K tokens: worst "
+                         f"{min(vs_contig):.2f}x -> {'met' if min(vs_contig) >= 0.8 else 'NOT met'}")
+        if vs_raw:
+            lines.append(f"goal staged (random) >= 2x raw Mooncake on the same slices for >= 8K tokens: worst "
+                         f"{min(vs_raw):.2f}x -> {'met' if min(vs_raw) >= 2 else 'NOT met'}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,10 @@ exactly the same slices between the same buffers:
               prefill ranks queued their sends before (their KV is ready), as in serving
     raw       the plan's (src, dst, length) of every CP rank posted straight to the Mooncake
               binding, <= 1,024 slices per synchronous call, the ranks starting together
+    staged    the kvbridge room through staging (prefill gathers into its gather buffer, writes
+              large pieces into decode's staging slots, decode scatters): the same pages and
+              checks, the prefill ranks switched to staging "always" for the room; the kvbridge
+              rows are direct (staging "never")
     engine    the same slices through kvbridge's engine (submit_write + wait): the data
               path without the control protocol
     memcpy    (host memory) each rank copies the same slices into a scratch buffer
@@ -64,6 +68,7 @@ class RigSpec:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str = ""  # every rank's log (stderr) goes here; a fresh temporary folder when empty
     poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
+    staged: bool = False  # give both sides their staging buffers (the staged method)
 
     @property
     def max_pages(self) -> int:
@@ -136,7 +141,7 @@ class Rig:
         self.prefill_instance = f"bench-prefill-{tag}"
         base = {"bootstrap": spec.bootstrap, "token": spec.token, "preset": spec.preset, "layers": spec.layers,
                 "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
-                "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake}
+                "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged}
         env = dict(os.environ, **spec.env)
         env.setdefault("GLOG_minloglevel", "2")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
@@ -147,6 +152,7 @@ class Rig:
         self.log_dir = logs
         self.decode: Child | None = None
         self.prefill: list[Child] = []
+        self.staging_mode = "never"
         try:
             self.decode = Child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
                                            "dst_capacity": self.dst_capacity, "instance": f"bench-decode-{tag}"},
@@ -198,8 +204,13 @@ class Rig:
         out = self.decode.ask(op="check", page_ids=pages.page_ids.tolist(), tokens=num_tokens, seed=seed, timeout=600)
         return out["checked"], out["errors"]
 
-    def run_kvbridge(self, room: int, pages: Allocation, num_tokens: int) -> tuple[float, int]:
-        """Seconds from the decode receiver's creation to commit; slices the senders posted."""
+    def run_kvbridge(self, room: int, pages: Allocation, num_tokens: int, staging: str = "never") -> tuple[float, int]:
+        """Seconds from the decode receiver's creation to commit; slices the senders posted (staged:
+        wire pieces). ``staging``: the prefill ranks' path for the room, "never" (direct) or "always"."""
+        if staging != self.staging_mode:
+            for child in self.prefill:
+                child.ask(op="staging", mode=staging)
+            self.staging_mode = staging
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
         for rank, child in enumerate(self.prefill):  # their KV is ready: sends queue until decode asks
             child.ask(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner)
@@ -207,6 +218,9 @@ class Rig:
                               prefill=self.prefill_instance, poll_s=self.spec.poll_s)
         sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
         problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
+        want = "staged" if staging == "always" else "direct"
+        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want} (decode offers no staging area on GPU pages "
+                     "unless its staging is 'always')" for r, s in enumerate(sent) if set(s["paths"]) - {want}]
         if res["state"] != "Success" or res["aux_room"] != room or problems:
             raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
                                 f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)

@@ -3,7 +3,9 @@
 For each CP size one Rig (every rank its own process, pools sized for the longest
 request); for each allocation and length: fill once, plan, then a checked warm-up
 of each method and ``reps`` turns of kvbridge end to end, raw Mooncake, the engine
-alone and (host memory) memcpy. Throughput uses the median time; rows carry ratios.
+alone and (host memory) memcpy, and with ``staged`` the same kvbridge rooms through staging.
+Throughput uses the median time; rows carry ratios (``staged_vs_contiguous``: against the
+kvbridge row of the contiguous allocation of the same CP size and length, when swept).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class BenchSpec:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str = ""
     poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
+    staged: bool = True  # the staged method beside kvbridge direct
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -77,23 +80,26 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
     failures: list[str] = []
     problems: list[str] = []
     verified = rooms_verified = 0
-    kvbridge_slices = 0
+    posted = {"kvbridge": 0, "staged": 0}  # slices posted per room (staged: wire pieces)
 
     room_ids: list[int] = []
 
-    def kvbridge_room(check: bool) -> float:
-        nonlocal verified, rooms_verified, kvbridge_slices
+    def kvbridge_room(check: bool, staging: str = "never") -> float:
+        nonlocal verified, rooms_verified
         if check:
             rig.poison(pages)
         room_ids.append(rooms.getrandbits(63))
-        seconds, kvbridge_slices = rig.run_kvbridge(room_ids[-1], pages, num_tokens)
+        seconds, posted["staged" if staging == "always" else "kvbridge"] = rig.run_kvbridge(
+            room_ids[-1], pages, num_tokens, staging)
         if check:
             verified, errors = rig.check(pages, num_tokens, seed)
             rooms_verified += 1
-            problems.extend(errors)
+            problems.extend(f"staged: {e}" if staging == "always" else e for e in errors)
         return seconds
 
     methods: dict[str, Callable[[], float]] = {"kvbridge": lambda: kvbridge_room(spec.verify_every)}
+    if spec.staged:
+        methods["staged"] = lambda: kvbridge_room(spec.verify_every, "always")
     if spec.raw_mooncake:
         methods["raw"] = rig.run_raw
     if spec.engine != "mooncake" or not spec.raw_mooncake:
@@ -106,6 +112,8 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         try:
             if name == "kvbridge":
                 warm[name] = kvbridge_room(spec.verify)
+            elif name == "staged":
+                warm[name] = kvbridge_room(spec.verify, "always")
             elif name == "raw" and spec.verify:
                 rig.poison(pages)
                 warm[name] = fn()
@@ -124,23 +132,37 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
     row: dict[str, Any] = {
         "cp": rig.spec.cp, "alloc": alloc, "engine": spec.engine, "tokens": num_tokens, "layers": spec.layers,
         "draft_layers": spec.draft_layers, "bytes": num_bytes, "slices": num_slices,
-        "kvbridge_slices": kvbridge_slices or None, "ideal_slices": rig.ideal_slices(pages), "plan_ms": round(plan_ms, 3),
+        "kvbridge_slices": posted["kvbridge"] or None, "staged_slices": posted["staged"] or None, "ideal_slices": rig.ideal_slices(pages), "plan_ms": round(plan_ms, 3),
         "reps": reps,
     }
-    for name in ("kvbridge", "raw", "engine", "memcpy"):
+    for name in ("kvbridge", "staged", "raw", "engine", "memcpy"):
         t = times.get(name) or []
         row[f"{name}_gbps"] = round(num_bytes / float(np.median(t)) / 1e9, 4) if t else None
         row[f"{name}_p50_ms"] = percentile_ms(t, 50) if t else None
-        if name in ("kvbridge", "raw"):
+        if name in ("kvbridge", "staged", "raw"):
             row[f"{name}_p99_ms"] = percentile_ms(t, 99) if t else None
     for other in ("raw", "engine", "memcpy"):
         if row["kvbridge_gbps"] and row[f"{other}_gbps"]:
             row[f"ratio_vs_{other}"] = round(row["kvbridge_gbps"] / row[f"{other}_gbps"], 4)
+    for other in ("raw", "kvbridge"):
+        if row["staged_gbps"] and row[f"{other}_gbps"]:
+            row[f"staged_vs_{other}"] = round(row["staged_gbps"] / row[f"{other}_gbps"], 4)
     if row["kvbridge_p50_ms"] is not None and row["raw_p50_ms"] is not None:
         row["fixed_cost_ms"] = round(row["kvbridge_p50_ms"] - row["raw_p50_ms"], 3)
     row.update(kvbridge_failures=failures[:3], bytes_verified=verified, rooms_verified=rooms_verified,
                verify_errors=problems[:3], room_ids=room_ids[1:])  # the timed rooms (trace breakdowns)
     return row
+
+
+def _against_contiguous(rows: list[dict[str, Any]]) -> None:
+    """Each row's staged throughput against kvbridge on contiguous pages of the same CP size and
+    length, once that row exists (allocations are swept in any order)."""
+    base = {(r["cp"], r["tokens"]): r["kvbridge_gbps"] for r in rows
+            if r["alloc"] == "contiguous" and r.get("kvbridge_gbps")}
+    for row in rows:
+        contiguous = base.get((row["cp"], row["tokens"]))
+        if contiguous and row.get("staged_gbps"):
+            row["staged_vs_contiguous"] = round(row["staged_gbps"] / contiguous, 4)
 
 
 def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress: bool = True,
@@ -157,12 +179,13 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               engine=spec.engine, protocol=spec.protocol, raw_mooncake=spec.raw_mooncake,
                               device=spec.device, decode_device=spec.decode_device, prefill_aux=spec.prefill_aux,
                               decode_aux=spec.decode_aux, dst_order=spec.dst_order, env=dict(spec.env),
-                              log_dir=spec.log_dir, poll_s=spec.poll_s))  # fmt: skip
+                              log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:
                         bar.set_postfix_str(f"cp={cp} {alloc} tokens={n}")
                         rows.append(measure(rig, alloc, n, spec, rooms))
+                        _against_contiguous(rows)
                         if on_row is not None:
                             on_row(rows[-1])
                         bar.update(1)

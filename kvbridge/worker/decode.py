@@ -64,6 +64,9 @@ class DecodeWorker(WorkerBase):
             peer_timeout=cfg.peer_timeout,
             lease_quarantine=cfg.lease_quarantine,
             lease_ttl=cfg.lease_ttl,
+            staging=cfg.staging,
+            staging_bytes=cfg.staging_bytes_for_role,
+            staging_slot_bytes=cfg.staging_slot_bytes,
             trace=cfg.trace,
         )
         self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8,

@@ -17,6 +17,12 @@ ends; gauges are read at scrape time.
     kvbridge_worker_pages{state}                    pool pages free / owned / held
     kvbridge_worker_control_messages_total{kind}    control channel: malformed / unauthenticated / error replies
     kvbridge_worker_late_writes_total               decode with --poison-pages: pages written after release
+    kvbridge_worker_staging_targets_total{path}     prefill: targets by path chosen, direct / staged
+    kvbridge_worker_staging_total{kind}             staged transfers: prefill chunks, bytes_staged, plan_slices,
+                                                    gather_waits; decode slot_requests, slot_waits (back-pressure),
+                                                    chunks_scattered, bytes_scattered, scatter_slices
+    kvbridge_worker_staging_slots{state}            decode: staging slots free / assigned / landed / quarantined
+    kvbridge_worker_staging_waiting                 decode: chunks waiting for a staging slot now
     kvbridge_worker_info{rank,role,instance}        1
 
 Phases, from what the endpoints expose today (the KVSender exposes bytes and slices
@@ -176,6 +182,7 @@ class _Live(Collector):
             fam.add_metric(["alive"], sum(1 for p in peers if not p.dead))
             fam.add_metric(["dead"], sum(1 for p in peers if p.dead))
             yield fam
+        yield from _staging(w.role, ep, book)
         channel = getattr(ep, "_server", None) or getattr(ep, "_peers", None)
         stats = getattr(channel, "stats", None)
         if stats is not None:
@@ -184,6 +191,39 @@ class _Live(Collector):
             for kind in ("received", "sent", "malformed", "unauthenticated", "error_replies"):
                 fam.add_metric([kind], getattr(stats, kind, 0))
             yield fam
+
+
+def _staging(role: str, ep: Any, book: Any) -> Iterator[Metric]:
+    """Staged transfers (docs/staging.md): the paths chosen, what was staged, and decode's slots."""
+    if role == "prefill" and hasattr(book, "stage"):
+        with ep._lock:
+            counters = dict(book.stage.counters)
+        paths = CounterMetricFamily("kvbridge_worker_staging_targets", "Targets by the path chosen.", labels=["path"])
+        for path in ("direct", "staged"):
+            paths.add_metric([path], counters.pop(f"{path}_targets", 0))
+        yield paths
+    elif role == "decode" and getattr(book, "staging", None) is not None:
+        from kvbridge.transfer.engine.staging_area import SlotState
+
+        with ep._lock:
+            counters = dict(book.staging.counters)
+            area = book.staging.area
+            states = [area.state(i) for i in range(area.num_slots)]
+            waiting = area.num_waiting
+        slots = GaugeMetricFamily("kvbridge_worker_staging_slots", "Staging slots by state.", labels=["state"])
+        for state in SlotState:
+            slots.add_metric([state.value], sum(1 for s in states if s is state))
+        yield slots
+        queue = GaugeMetricFamily("kvbridge_worker_staging_waiting", "Chunks waiting for a staging slot "
+                                  "(back-pressure).")
+        queue.add_metric([], waiting)
+        yield queue
+    else:
+        return
+    fam = CounterMetricFamily("kvbridge_worker_staging", "Staged transfers by kind.", labels=["kind"])
+    for kind, value in sorted(counters.items()):
+        fam.add_metric([kind], value)
+    yield fam
 
 
 class WorkerMetrics:

@@ -64,6 +64,9 @@ class PrefillWorker(WorkerBase):
             target_timeout=cfg.transfer_timeout,
             max_slices_per_call=cfg.max_slices_per_call,
             aux_device=self.aux_device,
+            staging=cfg.staging,
+            staging_bytes=cfg.staging_bytes_for_role,
+            staging_slot_bytes=cfg.staging_slot_bytes,
             trace=cfg.trace,
         )
         bootstrap = self.bootstrap_client()

@@ -68,6 +68,10 @@ def main() -> None:
     ap.add_argument("--target-timeout", type=float, default=30.0)
     ap.add_argument("--model", default="", help="kv-fp32: the k/v float32 model of _models.py (public API only), "
                                                  "with the aux rows in the engine's own per-region tensors")
+    ap.add_argument("--staging", default="auto", help="PrefillConfig.staging: auto, always or never")
+    ap.add_argument("--staging-bytes", type=int, default=16 << 20)
+    ap.add_argument("--staging-slot-bytes", type=int, default=8 << 20)
+    ap.add_argument("--random-local", type=int, default=0, help="a seed: local pages drawn at random, not bumped")
     args = ap.parse_args()
 
     engine_aux = None
@@ -88,7 +92,8 @@ def main() -> None:
     cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
                         tp_size=args.tp_size, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
-                        secret=args.secret.encode() or None)
+                        secret=args.secret.encode() or None, staging=args.staging,
+                        staging_bytes=args.staging_bytes, staging_slot_bytes=args.staging_slot_bytes)
     ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),
                          aux_schema, aux_buffer=engine_aux)
     ep.start()
@@ -96,6 +101,8 @@ def main() -> None:
     lanes = OwnerLanes(args.cp_size, args.lane_rule)
     page_size = args.page_size
     next_free = [0]
+    order = (np.random.default_rng(args.random_local).permutation(args.pages) if args.random_local
+             else np.arange(args.pages))
     alloc_lock = threading.Lock()
     senders = {}
 
@@ -106,7 +113,7 @@ def main() -> None:
         with alloc_lock:  # bump allocation, wrapping: tests keep far fewer pages in flight than --pages
             if next_free[0] + owned.size > args.pages:
                 next_free[0] = 0
-            local = np.arange(next_free[0], next_free[0] + owned.size)
+            local = order[next_free[0]: next_free[0] + owned.size]  # scattered with --random-local
             next_free[0] += owned.size
         for (pool, layer), buf in buffers.items():
             fill_pages(specs[pool], buf, room, layer, owned, local, n)
@@ -135,7 +142,10 @@ def main() -> None:
         deadline = time.monotonic() + 60
         while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
             time.sleep(0.005)
-        emit({"room": room, "state": sender.poll().name, "reason": sender.failure_reason})
+        st = sender.stats
+        emit({"room": room, "state": sender.poll().name, "reason": sender.failure_reason,
+              "paths": st.get("paths", {}), "chunks": st.get("chunks", 0), "bytes_staged": st.get("bytes_staged", 0),
+              "slices": st.get("slices", 0)})
 
     def guarded(cmd: dict) -> None:
         try:

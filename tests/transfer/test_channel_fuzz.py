@@ -38,7 +38,9 @@ def valid_map(rng: random.Random) -> dict:
               "buffers": [["target", 0, 4096, 8, 64]], "aux_base": 0, "aux_capacity": 1, "aux_row_bytes": 8,
               "aux_slot": 0, "num_tokens": 10, "deadline_ms": 100, "want_digest": False, "fingerprint": "f",
               "num_decode_ranks": 1, "decode_rank_id": "r1", "first_page": 0, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
-              "digests": None, "ref_type": "ping", "aux": False, "nonce": b"\0" * wire.NONCE_BYTES, "offset": 0}
+              "digests": None, "ref_type": "ping", "aux": False, "nonce": b"\0" * wire.NONCE_BYTES, "offset": 0,
+              "staging_slots": 0, "staging_slot_bytes": 0, "staging_base": 0, "staging_only": False, "chunk": 0,
+              "slot": 0, "num_bytes": 0, "scatter": b""}
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 
@@ -58,8 +60,10 @@ def broken(rng: random.Random) -> tuple[str, bytes]:
     elif kind == "tag":
         m["t"] = rng.choice(["launch", "", 3, None, ["ping"], {"t": 1}])
         body = msgpack.packb(m)
-    elif kind == "missing":
-        del m[rng.choice(fields)]
+    elif kind == "missing":  # a field without a default (one with a default may be left out)
+        cls = wire.MESSAGE_TYPES[m["t"]]
+        required = cls.__struct_fields__[: len(cls.__struct_fields__) - len(cls.__struct_defaults__)]
+        del m[rng.choice(required)]
         body = msgpack.packb(m)
     elif kind == "type":
         name = rng.choice(fields)

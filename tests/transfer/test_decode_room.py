@@ -368,3 +368,123 @@ def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_co
     silent = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                          page_digests=lambda *a: None, rank_id=lambda: "r1")
     assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo
+# ---- staged transfers (decode/staging.py) ------------------------------------------------------
+SLOT = 4096
+AREA_BASE = 1 << 44
+PAGES_BASE = 1 << 40
+
+
+@pytest.fixture
+def ms():
+    """A machine whose staging area has 2 slots; staged only (an aborted room's pages free at once)."""
+    from kvbridge.layout import BufferDesc
+    from kvbridge.transfer.decode.staging import DecodeStaging
+    from kvbridge.transfer.engine.staging_area import StagingArea
+
+    mem = Memory()
+    specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+    (pool, spec), = specs.items()
+    bufs = [BufferDesc(pool, layer, PAGES_BASE + layer * (1 << 30), 64, spec.bytes_per_page) for layer in spec.layer_ids]
+    cfg = DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_ttl=2.0, lease_quarantine=3.0,
+                       transfer_timeout=100.0, staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT)
+    machine = DecodeRooms(cfg, specs, SCHEMA, read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
+                          rank_id=lambda: "dec-id",
+                          staging=DecodeStaging(StagingArea(2, SLOT), AREA_BASE, bufs, "dec/dp0/tp0"))
+    machine.memory, machine.page_bytes = mem, spec.bytes_per_page
+    return machine
+
+
+def ask(room: int, cp: int, chunk: int) -> wire.SlotRequest:
+    return wire.SlotRequest(room=room, cp_rank=cp, chunk=chunk, num_bytes=SLOT)
+
+
+def landed(m, room: int, cp: int, chunk: int, slot: int, page: int, status: str = "ok") -> wire.ChunkLanded:
+    """Chunk ``chunk`` landed in ``slot``: 64 bytes for physical page ``page`` of layer 0."""
+    scatter = wire.pack_scatter(np.array([0]), np.array([PAGES_BASE + page * m.page_bytes]), np.array([64]))
+    return wire.ChunkLanded(room=room, cp_rank=cp, chunk=chunk, slot=slot, status=status, reason="",
+                            scatter=scatter if status == "ok" else b"")
+
+
+def test_the_request_describes_the_staging_area(ms):
+    r = booted(ms)
+    (_, req), = sends(ms.init(r, np.array([10, 11, 12]), 1, 10, 0, 1.0), wire.TransferRequest)
+    assert (req.staging_slots, req.staging_slot_bytes, req.staging_base, req.staging_only) == (2, SLOT, AREA_BASE, True)
+
+
+def test_slots_are_granted_fifo_scattered_on_landing_and_the_room_commits_after_the_scatter(ms):
+    from kvbridge.transfer.decode.staging import Scatter
+
+    r = requested(ms)
+    grants = [sends(ms.message(f"tcp://p{c}", ask(7, c, k), 2.0), wire.SlotGrant) for c, k in ((0, 0), (1, 0), (0, 1))]
+    assert [g[0][1].slot for g in grants[:2]] == [0, 1] and grants[2] == []  # full: the third waits
+    assert ms.staging.area.num_waiting == 1
+    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1)
+    (sc,) = of(acts, Scatter)
+    assert sc.slot == 0 and int(sc.src[0]) == AREA_BASE and int(sc.dst[0]) == PAGES_BASE + 10 * ms.page_bytes
+    assert sends(acts, wire.SlotGrant) == []  # the slot is busy until the shell scattered it
+    acts = ms.scattered(7, 0, 2.2)
+    (to, g), = sends(acts, wire.SlotGrant)
+    assert to == ("tcp://p0",) and (g.chunk, g.slot) == (1, 0)  # the waiter gets the freed slot
+    ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.3)  # landed, not yet scattered
+    ms.message("tcp://p1", done(7, 1, [1]), 2.4)
+    ms.memory.land(1, 7)
+    ms.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 2.5)
+    assert r.state.state == KVPoll.Transferring  # every page reported, but one chunk is not scattered
+    ms.scattered(7, 1, 2.6)
+    assert r.state.state == KVPoll.Success
+
+
+def test_a_scatter_outside_the_rooms_pages_fails_the_room_and_frees_the_slot(ms):
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=40), 2.1)  # page 40 is not the room's
+    assert r.state.state == KVPoll.Failed and "pages this room does not hold" in r.state.reason
+    assert ms.staging.area.num_free == 2 and len(sends(acts, wire.Abort)) == 2
+
+
+def test_a_failed_staged_room_frees_pages_at_once_and_quarantines_its_slot_until_the_ack(ms):
+    from kvbridge.transfer.engine.staging_area import SlotState
+
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.message("tcp://p1", ask(7, 1, 0), 2.0)
+    ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.0)  # landed: not scattered yet
+    ms.abort(r, "user cancelled", 2.1)
+    assert r.pages_releasable  # staged only: no remote write lands in the pages
+    area = ms.staging.area
+    assert area.state(0) is SlotState.QUARANTINED  # cp0's chunk may still land in slot 0
+    assert area.state(1) is SlotState.FREE  # cp1's landed chunk: nothing more lands there
+    ms.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.2)
+    assert area.state(0) is SlotState.QUARANTINED  # another sender's ack frees nothing of cp0's
+    ms.close(r, 2.3)
+    assert 7 not in ms.rooms  # forgotten at once; a late ack still frees the slot
+    ms.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.4)
+    assert area.num_free == 2
+
+
+def test_a_quarantined_slot_of_a_silent_sender_frees_after_lease_and_quarantine(ms):
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.abort(r, "user cancelled", 2.1)
+    ms.tick(2.1 + 4.9)
+    assert ms.staging.area.num_free == 1
+    ms.tick(2.1 + 5.1)  # lease_ttl 2 + lease_quarantine 3
+    assert ms.staging.area.num_free == 2 and ms.staging.area.counters["expired"] == 1
+
+
+def test_a_chunk_reported_in_a_slot_it_was_not_granted_fails_the_room(ms):
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.message("tcp://p1", landed(ms, 7, 1, 0, 0, page=11), 2.1)  # slot 0 is cp0's
+    assert r.state.state == KVPoll.Failed and "which it was not granted" in r.state.reason
+
+
+def test_a_staged_only_room_refuses_a_write_that_came_through_no_slot(ms):
+    r = requested(ms)
+    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1)
+    ms.scattered(7, 0, 2.2)
+    ms.message("tcp://p0", done(7, 0, [0]), 2.3)  # came through slot 0: counted
+    assert r.state.state == KVPoll.Transferring
+    ms.message("tcp://p1", done(7, 1, [1]), 2.4)  # cp1 landed nothing in staging
+    assert r.state.state == KVPoll.Failed and "came through no staging slot" in r.state.reason

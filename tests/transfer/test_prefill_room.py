@@ -448,3 +448,128 @@ def test_a_refused_connection_may_try_again_after_a_pause(m):
     m.nonce_written(E, None, 2.2)
     (beat,) = msgs(m.message(E, wire.ChallengeEcho(nonce=again[0].nonce), 2.3), wire.Heartbeat)
     assert beat.seq == 3  # the held Ping, answered once proven
+# ---- staged writes (prefill/staged.py) ---------------------------------------------------------
+SLOT = 4096
+STAGING_BASE = 1 << 45
+
+
+@pytest.fixture
+def ms():
+    """A machine with a gather buffer of 2 slots that stages every target offered a staging area."""
+    from kvbridge.transfer.engine.staging_area import StagingArea
+
+    machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0, staging="always",
+                                         staging_bytes=2 * SLOT, staging_slot_bytes=SLOT),
+                           SPECS, bufs(0), AUX, "x",
+                           aux_source=lambda room, row, slot, after: (regions(1 << 30), 0, None, after),
+                           page_digests=lambda *a: np.zeros(0, np.uint64), gather=StagingArea(2, SLOT),
+                           hello_of=lambda ident: HELLO.get(ident))
+    machine.peers.entries["r1"] = peer()
+    machine.identities.prove(D, "r1")
+    return machine
+
+
+def staged_request(room: int, num_tokens: int = 7, only: bool = False) -> wire.TransferRequest:
+    import msgspec
+
+    return msgspec.structs.replace(request(room, num_tokens), staging_slots=3, staging_slot_bytes=SLOT,
+                                   staging_base=STAGING_BASE, staging_only=only)
+
+
+def staged_room(ms, room: int, num_tokens: int = 7):
+    """A staged room asked for and sent in one chunk: returns the room and the SlotRequests out."""
+    r = ms.open(room, 1.0)
+    ms.engine_init(r, num_tokens, None, 1.0)
+    ms.message(D, staged_request(room, num_tokens), 1.0)
+    pages = -(-num_tokens // 4)
+    ms.chunk(r, np.arange(pages), np.arange(pages) + 5, None, True, _packed(room), None)
+    return r, ms.post(r, 1.1)
+
+
+def test_a_staged_write_asks_a_slot_per_chunk_posts_into_the_slot_and_reports_after_every_chunk(ms):
+    from kvbridge.transfer.prefill.staged import PostChunk
+
+    r, acts = staged_room(ms, 20)
+    asks = msgs(acts, wire.SlotRequest)
+    assert len(asks) == 2 and [a.chunk for a in asks] == [0, 1]  # two gather slots: two chunks asked at once
+    assert not of(acts, PostWrite) and not of(acts, PostChunk)  # nothing posted before a grant
+    (sw,) = ms.stage.writes.values()
+    assert sw.num_chunks > 2 and r.paths == {"d/dp0/tp0": "staged"}
+    handle, landed, reports, direct = 500, [], [], []
+    for k in range(sw.num_chunks):
+        acts = ms.message(D, wire.SlotGrant(room=20, decode_rank="d/dp0/tp0", chunk=k, slot=k % 3), 1.2)
+        (post,) = of(acts, PostChunk)
+        assert post.remote_addr == STAGING_BASE + (k % 3) * SLOT and post.chunk == k
+        handle += 1
+        ms.chunk_posted(post, handle, 1, int(sw.staged.chunk_bytes[k]), 1.2)
+        acts = ms.write_final(handle, DONE, 1.3)
+        landed += msgs(acts, wire.ChunkLanded)
+        reports += msgs(acts, wire.PagesDone)
+        if k + 2 < sw.num_chunks:  # its gather slot went to the next chunk waiting
+            assert [a.chunk for a in msgs(acts, wire.SlotRequest)] == [k + 2]
+        direct += of(acts, PostWrite)
+    assert [c.chunk for c in landed] == list(range(sw.num_chunks)) and all(c.status == "ok" for c in landed)
+    off, dst, length = wire.unpack_scatter(landed[0].scatter)
+    assert int((off + length).max()) <= SLOT and dst.min() >= 1 << 40  # slot offsets -> decode's pages
+    (report,) = reports  # one report per write; the aux row rode in it (staged too): nothing went direct
+    assert report.status == "ok" and report.aux and wire.unpack_pages(report.logical_pages).tolist() == [0, 1]
+    assert direct == [] and r.state.state == KVPoll.Success
+    assert r.stats(1.4)["chunks"] == sw.num_chunks and r.stats(1.4)["bytes_staged"] == sw.staged.num_bytes
+
+
+def test_a_staged_abort_is_acked_once_the_posted_chunk_is_final_and_a_late_grant_is_refused(ms):
+    from kvbridge.transfer.prefill.staged import PostChunk
+
+    r, acts = staged_room(ms, 21)
+    (post,) = of(ms.message(D, wire.SlotGrant(room=21, decode_rank="d/dp0/tp0", chunk=0, slot=2), 1.2), PostChunk)
+    ms.chunk_posted(post, 900, 1, 100, 1.2)
+    acts = ms.message(D, wire.Abort(room=21, decode_rank="d/dp0/tp0", reason="gone", decode_rank_id="r1"), 1.3)
+    assert msgs(acts, wire.AbortAck) == []  # chunk 0 may still land in decode slot 2
+    assert ms.stage.gather.num_free == 1  # chunk 1 asked but never granted: its gather slot is free at once
+    acts = ms.write_final(900, DONE, 1.4)
+    (landed,) = msgs(acts, wire.ChunkLanded)
+    assert landed.status == "failed" and landed.slot == 2  # decode frees the slot; nothing scatters
+    assert len(msgs(acts, wire.AbortAck)) == 1 and r.state.state == KVPoll.Failed
+    late = ms.message(D, wire.SlotGrant(room=21, decode_rank="d/dp0/tp0", chunk=1, slot=0), 1.5)
+    assert [m.status for m in msgs(late, wire.ChunkLanded)] == ["failed"] and not of(late, PostChunk)
+    assert ms.stage.gather.num_free == 2
+
+
+def test_a_grant_on_another_connection_or_outside_the_area_posts_nothing(ms):
+    from kvbridge.transfer.prefill.staged import PostChunk
+
+    r, _ = staged_room(ms, 22)
+    acts = ms.message(b"someone-else", wire.SlotGrant(room=22, decode_rank="d/dp0/tp0", chunk=0, slot=0), 1.2)
+    assert not of(acts, PostChunk) and msgs(acts, wire.ChunkLanded)[0].status == "failed"
+    acts = ms.message(D, wire.SlotGrant(room=22, decode_rank="d/dp0/tp0", chunk=0, slot=3), 1.2)  # 3 slots: 0..2
+    assert not of(acts, PostChunk)
+    assert r.state.state == KVPoll.Failed and "outside its 3 staging slots" in r.state.reason
+
+
+def test_staging_only_decode_and_a_prefill_that_never_stages_fail_the_target_by_name(m):
+    r = m.open(23, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.message(D, staged_request(23, only=True), 1.0)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(23), None)
+    acts = m.post(r, 1.1)
+    assert not of(acts, PostWrite)
+    assert r.state.state == KVPoll.Failed and "takes staged writes only" in r.state.reason
+
+
+def test_an_offer_outlives_gc_while_its_request_waits_for_the_registration(ms):
+    """The staging area of a request that waits for the decode rank's registration (its room not
+    made yet) survives housekeeping: the room is staged once delivered, never silently direct."""
+    ms.peers.entries.clear()
+    assert of(ms.message(D, staged_request(24), 1.0), Resolve)
+    ms.gc(2.0)  # housekeeping while the registration is read
+    ms.peers.entries["r1"] = peer()
+    ms.resolved("r1", None, None, 2.1)
+    r = ms.open(24, 2.2)
+    ms.engine_init(r, 7, None, 2.2)
+    ms.chunk(r, np.arange(2), np.arange(2) + 5, None, True, _packed(24), None)
+    acts = ms.post(r, 2.3)
+    assert msgs(acts, wire.SlotRequest) and not of(acts, PostWrite) and r.paths == {"d/dp0/tp0": "staged"}
+    ms.message(D, staged_request(25), 3.0)  # refused later or never delivered: pruned after the horizon
+    ms.rooms.forget(ms.rooms[25], 3.0, tombstone=False)
+    ms.gc(3.0 + 2 * 60.0 + 1)
+    assert (25, "d/dp0/tp0") not in ms.stage.offers

@@ -72,6 +72,12 @@ SAMPLES = [
     Ping(decode_rank="d0", seq=3, decode_rank_id="r-1"),
     ChallengeEcho(nonce=bytes(range(32))),
     Challenge(offset=4064),
+    request(staging_slots=8, staging_slot_bytes=8 << 20, staging_base=2**47, staging_only=True),
+    wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=8 << 20),
+    wire.SlotGrant(room=7, decode_rank="d0", chunk=3, slot=5),
+    wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=5, status="ok", reason="",
+                     scatter=wire.pack_scatter(np.array([0, 64]), np.array([2**40, 2**41]), np.array([64, 16]))),
+    wire.ChunkLanded(room=7, cp_rank=1, chunk=4, slot=5, status="failed", reason="write failed", scatter=b""),
 ]
 
 
@@ -88,6 +94,17 @@ def valid_map(msg: wire.Message) -> dict:
 
 
 # ---- round trips --------------------------------------------------------------------------------
+def test_scatter_lists_round_trip_and_bad_ones_are_named() -> None:
+    off, dst, length = np.array([0, 64], np.uint64), np.array([2**40, 2**63], np.uint64), np.array([64, 16], np.uint64)
+    for a, b in zip(wire.unpack_scatter(wire.pack_scatter(off, dst, length)), (off, dst, length)):
+        assert a.dtype == np.uint64 and (a == b).all()
+    with pytest.raises(ProtocolError, match="scatter"):
+        wire.ChunkLanded(room=1, cp_rank=0, chunk=0, slot=0, status="ok", reason="", scatter=b"x" * 23)
+    with pytest.raises(ProtocolError, match="staging_only"):
+        request(staging_only=True)
+
+
+
 def test_every_message_type_has_a_sample() -> None:
     assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
 

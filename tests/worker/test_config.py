@@ -45,12 +45,26 @@ def test_config_file_from_env_and_bool_parsing(tmp_path):
         (["--layers", "x"], {}, "layers"),
         ([], {"KVBRIDGE_ENGINE": "nccl"}, "engine"),
         ([], {"KVBRIDGE_BOOTSTRAP": "127.0.0.1:8998"}, "bootstrap"),
+        (["--staging", "sometimes"], {}, "staging"),
+        (["--staging-slot-bytes", "100"], {}, "staging_slot_bytes"),
+        (["--staging-bytes", "4096"], {}, "staging_slot_bytes"),  # less than one slot
     ],
 )
 def test_bad_values_are_named(argv, env, text):
     with pytest.raises(ConfigError) as info:
         load_config("prefill", parse("prefill", argv), env)
     assert info.value.field == text
+
+
+def test_staging_settings_from_flag_env_and_toml_with_each_roles_default(tmp_path):
+    toml = tmp_path / "w.toml"
+    toml.write_text('staging-slot-bytes = 1048576\n[decode]\nstaging = "always"\n')
+    d = load_config("decode", parse("decode", ["--config", str(toml)]), {"KVBRIDGE_STAGING_BYTES": "8388608"})
+    assert (d.staging, d.staging_bytes_for_role, d.staging_slot_bytes) == ("always", 8 << 20, 1 << 20)
+    assert d.sources["staging"] == "toml" and d.sources["staging_bytes"] == "env"
+    p = load_config("prefill", parse("prefill", ["--config", str(toml), "--staging", "never"]), {})
+    assert p.staging == "never" and p.staging_bytes_for_role == 16 << 20  # 0: the role's default
+    assert load_config("decode", parse("decode", []), {}).staging_bytes_for_role == 64 << 20
 
 
 def test_unknown_toml_key_is_an_error(tmp_path):

@@ -66,6 +66,30 @@ def test_scrape_a_running_prefill_and_decode_worker() -> None:
                                      ("role", "prefill"))) in p
 
 
+@needs_mooncake
+def test_staged_rooms_show_in_both_workers_metrics() -> None:
+    """--staging always (flags of both workers): the path chosen, the chunks and bytes staged, and
+    decode's slots (all free after the rooms) and back-pressure, on each side's /metrics."""
+    spec = ClusterSpec(cp=1, decode_ranks=1, layers=2, pages=64, prefill_instance="staged-prefill",
+                       extra_args=("--staging", "always", "--staging-bytes", str(256 << 10),
+                                   "--staging-slot-bytes", str(64 << 10)))
+    with Cluster(spec) as cluster:
+        results = []
+        for room in range(2):
+            results += wait_all(cluster, cluster.submit_room(room + 1, 300, chunk_tokens=128))
+        assert all(isinstance(r, ops.RoomResult) and r.ok for r in results), results
+        p, d = scrape(cluster.prefill[0].ready["metrics"]), scrape(cluster.decode[0].ready["metrics"])
+    per_token = 2 * (656 + 132) + 656
+    assert p[("kvbridge_worker_staging_targets_total", (("path", "staged"),))] == 2
+    assert p[("kvbridge_worker_staging_targets_total", (("path", "direct"),))] == 0
+    assert p[("kvbridge_worker_staging_total", (("kind", "bytes_staged"),))] >= 2 * 300 * per_token
+    assert p[("kvbridge_worker_staging_total", (("kind", "chunks"),))] > 2
+    assert d[("kvbridge_worker_staging_total", (("kind", "chunks_scattered"),))] == \
+        p[("kvbridge_worker_staging_total", (("kind", "chunks"),))]
+    assert d[("kvbridge_worker_staging_slots", (("state", "free"),))] == 4
+    assert d[("kvbridge_worker_staging_waiting", ())] == 0
+
+
 @pytest.mark.parametrize(
     "reason, cls",
     [

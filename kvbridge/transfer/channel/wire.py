@@ -1,13 +1,20 @@
 """Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
 
-    decode -> prefill   TransferRequest  Abort  Ping  ChallengeEcho
-    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  Challenge
+    decode -> prefill   TransferRequest  Abort  Ping  ChallengeEcho  SlotGrant
+    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  Challenge  SlotRequest  ChunkLanded
 
 A decode rank acts only for its own registration: every TransferRequest, Abort and Ping names
 it (``decode_rank_id``), and prefill accepts one only when it equals what the connection said
 in its Hello and the connection proved it holds the memory of that registration: prefill
 writes a fresh nonce into the registration's scratch region through its transfer engine and
 sends ``Challenge(offset)``; the rank reads its scratch there and answers ``ChallengeEcho``.
+
+Staged transfers (``docs/staging.md``): a TransferRequest that describes the decode rank's
+staging area (``staging_slots`` > 0) lets the prefill rank stage a target. Per chunk the prefill
+rank asks for a slot (SlotRequest), the decode rank grants one when it is free (SlotGrant, FIFO),
+the prefill rank writes the chunk into the slot only, and reports it (ChunkLanded, with the
+scatter list: slot offset -> page address, length); the decode rank scatters it into its pages.
+The write's PagesDone follows its chunks' ChunkLanded on the same connection.
 
 A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
 carried it (the aux row rides in the last chunk's batch), with the request's length.
@@ -43,18 +50,23 @@ __all__ = [
     "NONCE_BYTES",
     "Challenge",
     "ChallengeEcho",
+    "ChunkLanded",
     "ErrorReply",
     "Heartbeat",
     "Message",
     "PagesDone",
     "Ping",
+    "SlotGrant",
+    "SlotRequest",
     "TransferRequest",
     "auth_limit",
     "codec",
     "decode",
     "encode",
     "pack_pages",
+    "pack_scatter",
     "unpack_pages",
+    "unpack_scatter",
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
@@ -93,9 +105,20 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     want_digest: bool
     fingerprint: str
     num_decode_ranks: Count
+    # my staging area (staged transfers): ``staging_slots`` slots of ``staging_slot_bytes`` from
+    # address ``staging_base`` in my registered memory (0 slots: none, every write is direct);
+    # ``staging_only``: write my pages through staging only, never directly (an aborted room's
+    # pages are then free at once)
+    staging_slots: Count = 0
+    staging_slot_bytes: Count = 0
+    staging_base: Count = 0
+    staging_only: bool = False
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)
+        if self.staging_only and not self.staging_slots:
+            raise ProtocolError("staging_only without a staging area (staging_slots 0)", room=self.room,
+                                field="staging_only")
 
 
 class Abort(_Message, frozen=True, tag="abort"):
@@ -179,12 +202,56 @@ class ErrorReply(_Message, frozen=True, tag="error_reply"):
     reason: str
 
 
-Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply]
+# ---- staged transfers ---------------------------------------------------------------------------
+class SlotRequest(_Message, frozen=True, tag="slot_request"):
+    """prefill -> decode: chunk ``chunk`` (numbered per room, CP rank and TP rank from 0) of
+    ``num_bytes`` bytes needs a staging slot."""
+
+    room: Room
+    cp_rank: Count
+    chunk: Count
+    num_bytes: Count
+
+
+class SlotGrant(_Message, frozen=True, tag="slot_grant"):
+    """decode -> prefill: write chunk ``chunk`` into my staging slot ``slot`` (and nowhere else)."""
+
+    room: Room
+    decode_rank: str
+    chunk: Count
+    slot: Count
+
+
+class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
+    """prefill -> decode: chunk ``chunk``'s write into ``slot`` is final: ``ok`` (scatter ``scatter``,
+    packed little-endian uint64 triples: slot offset, page address, length) or ``failed``
+    (nothing of it is in flight any more)."""
+
+    room: Room
+    cp_rank: Count
+    chunk: Count
+    slot: Count
+    status: Literal["ok", "failed"]
+    reason: str
+    scatter: bytes
+
+    def __post_init__(self) -> None:
+        if self.status not in ("ok", "failed"):
+            raise ProtocolError(f"field 'status' of chunk_landed must be 'ok' or 'failed', got {self.status!r:.40}",
+                                room=self.room, field="status")
+        if isinstance(self.scatter, bytes) and len(self.scatter) % 24:
+            raise ProtocolError(f"field 'scatter' of chunk_landed must be packed uint64 triples (a multiple of 24 "
+                                f"bytes), got {len(self.scatter)}", room=self.room, field="scatter")
+
+
+Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
+                SlotRequest, SlotGrant, ChunkLanded]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls
-    for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply)
+    for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
+                SlotRequest, SlotGrant, ChunkLanded)
 }
 
 
@@ -236,6 +303,19 @@ def unpack_pages(data: bytes) -> np.ndarray:
     if len(data) % 4:
         raise ProtocolError(f"packed pages must be a multiple of 4 bytes, got {len(data)}", field="pages")
     return np.frombuffer(data, dtype="<i4").astype(np.int32)
+
+
+def pack_scatter(off: np.ndarray, dst: np.ndarray, length: np.ndarray) -> bytes:
+    """A chunk's scatter list -> packed little-endian uint64 triples (ChunkLanded.scatter)."""
+    return np.stack([np.asarray(a, dtype="<u8").reshape(-1) for a in (off, dst, length)], axis=1).tobytes()
+
+
+def unpack_scatter(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ChunkLanded.scatter -> (slot offsets, page addresses, lengths) as uint64 arrays."""
+    if len(data) % 24:
+        raise ProtocolError(f"a scatter list must be a multiple of 24 bytes, got {len(data)}", field="scatter")
+    rows = np.frombuffer(data, dtype="<u8").reshape(-1, 3).astype(np.uint64)
+    return rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
 
 
 def _check_pages(msg: _Message, name: str, value: bytes) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -28,7 +30,22 @@ class DecodeConfig:
     lease_quarantine: float = 30.0
     lookup_threads: int = 4
     verify_digest: bool = False
+    # Staged transfers (docs/staging.md): the staging area remote writes land in, registered
+    # memory beside the pages of staging_bytes cut into slots of staging_slot_bytes (defaults and
+    # why: staging_settings.py). "auto": prefill chooses per target; "always": every page arrives
+    # staged (an aborted room's pages free at once); "never": no area, every write direct.
+    staging: str = "auto"
+    staging_bytes: int = DEFAULT_BYTES["decode"]
+    staging_slot_bytes: int = DEFAULT_SLOT_BYTES
     trace: bool = False
+
+    def __post_init__(self) -> None:
+        check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
+
+    @property
+    def staging_slots(self) -> int:
+        """Slots of the staging area (0 with staging "never": no area)."""
+        return 0 if self.staging == "never" else self.staging_bytes // self.staging_slot_bytes
 
     @property
     def rank_label(self) -> str:

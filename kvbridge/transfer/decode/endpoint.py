@@ -39,12 +39,15 @@ from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
 from kvbridge.transfer.decode.room import DecodeRoom, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.engine.staging import HostStager, copy_slices
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch, device_of
+from kvbridge.transfer.staging_buffer import StagingBuffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,12 +96,18 @@ class DecodeEndpoint:
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
+        # the staging area remote writes of staged targets land in (docs/staging.md)
+        self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
+                                                 config.staging_slot_bytes, rank=rank)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset),
             page_digests=lambda pools, pages, phys, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
                                                                     phys, n),
             trace=self.trace,
+            staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
+                                                                    self.buffers.descs, rank,
+                                                                    aux_ranges=self._aux_ranges),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
@@ -121,6 +130,8 @@ class DecodeEndpoint:
         self.buffers.register(self.engine)
         self.aux.register(self.engine)
         self.scratch.register(self.engine)
+        if self.staging is not None:
+            self.staging.register(self.engine)
         self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
                                     self.config.lease_ttl, scratch=self.scratch.descriptor)
@@ -149,7 +160,23 @@ class DecodeEndpoint:
         if self._peers is not None:
             self._peers.close()
         # a prefill rank that never acknowledged can no longer write into these pages
-        unregister_quietly(self.engine, self.buffers, self.aux, self.scratch)
+        unregister_quietly(self.engine, self.buffers, self.aux, self.scratch, self.staging)
+
+    def _aux_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """The byte ranges of aux row ``slot`` (where a staged aux row may be scattered)."""
+        if not 0 <= slot < self.aux.capacity_rows:
+            return []
+        if self.aux.row_base is not None:  # one packed store: the row is written whole (aux_slices)
+            start = self.aux.row_base + slot * self.aux_schema.row_bytes
+            return [(start, start + self.aux_schema.row_bytes)]
+        sizes = {r.name: r.nbytes for r in self.aux_schema.regions}
+        merged: list[tuple[int, int]] = []  # adjacent regions as one range (a scatter entry may span them)
+        for start, end in sorted((a.at(slot), a.at(slot) + sizes[name]) for name, a in self.aux.regions.items()):
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], end)
+            else:
+                merged.append((start, end))
+        return merged
 
     def _read_aux_row(self, slot: int) -> tuple[np.ndarray, float]:
         """The machine's one read of memory: the aux row (and how long the read took)."""
@@ -268,6 +295,8 @@ class DecodeEndpoint:
                 frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
                 for endpoint in a.to:
                     self._send_frame(endpoint, frame)
+            elif type(a) is Scatter:
+                self._scatter(a)
             elif type(a) is FreeRoom:
                 self._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
             elif type(a) is LookUp:
@@ -280,6 +309,17 @@ class DecodeEndpoint:
                 self._peers.drop(a.endpoint)
             else:
                 raise TypeError(f"decode endpoint cannot carry out {a!r}")
+
+    def _scatter(self, a: Scatter) -> None:
+        """Empty a landed staging slot into the room's pages (checked by the machine), then free it.
+        Done before the next message is read: the write's PagesDone follows on the same connection."""
+        stager = self.staging.stager
+        if isinstance(stager, HostStager):
+            copy_slices(a.src, a.dst, a.length)
+        else:
+            stager.copier.launch(a.src, a.dst, a.length)
+            stager.synchronize(stager.copier.record())
+        self._carry_out(self.machine.scattered(a.room, a.slot, time.monotonic()))
 
     def _send_frame(self, endpoint: str, frame: bytes) -> None:
         try:

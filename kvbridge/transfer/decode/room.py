@@ -57,6 +57,7 @@ from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.ledger import PageLedger
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
+from kvbridge.transfer.decode.staging import DecodeStaging
 from kvbridge.transfer.decode.topologies import Key, Placement, Topologies
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.rooms import Life, Rooms, Stage
@@ -126,6 +127,7 @@ class DecodeRoom:
         self.next_lookup = 0.0
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
         self.bytes_expected = 0
+        self.staged_only = False  # every page arrives through staging: its pages free at once on failure
 
     def mark_bootstrapped(self) -> None:
         """The topology is known or the room failed (endpoint lock held)."""
@@ -159,7 +161,8 @@ class DecodeRoom:
         """True when no write of this room can still land (hard rule 6)."""
         if self.state.state == KVPoll.Success:
             return True
-        return self.state.state == KVPoll.Failed and self.requested <= self.quiet
+        # staged only: remote writes land in staging slots (quarantined on failure), never in the pages
+        return self.state.state == KVPoll.Failed and (self.staged_only or self.requested <= self.quiet)
 
     def age_ms(self, now: float) -> float:
         return (now - self.created) * 1000
@@ -221,8 +224,9 @@ class DecodeRooms:
                  read_aux_row: Callable[[int], tuple[np.ndarray, float]],
                  page_digests: Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray],
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
-                 trace: bool = False) -> None:
+                 trace: bool = False, staging: DecodeStaging | None = None) -> None:
         self.cfg = config
+        self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
         self.aux_schema = aux_schema
         self.read_aux_row = read_aux_row
@@ -398,6 +402,8 @@ class DecodeRooms:
         if r.state.final:
             return
         r.state.to(KVPoll.Failed, reason, now=now)
+        if self.staging is not None:  # a slot a write may still land in waits out the lease and the quarantine
+            self.staging.fail_room(r.room, now + self.cfg.lease_ttl + self.cfg.lease_quarantine, self._out)
         r.mark_bootstrapped()  # wait_bootstrapped() returns (and says why) instead of waiting on
         log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
         if r.initialised:
@@ -423,6 +429,8 @@ class DecodeRooms:
         if r.life.stage != Stage.DRAINING or not r.state.final or not r.pages_releasable:
             return
         self.rooms.forget(r, now)
+        if self.staging is not None:
+            self.staging.forget(r.room)
         self._out.append(FreeRoom(r.room))  # receiver(room, ..., wait=...) may open it now
         for s in r.senders.values():
             self.peers.discard_room(s.control_endpoint, r.room)
@@ -442,6 +450,9 @@ class DecodeRooms:
             return self._actions()
         r = self.rooms.get(getattr(msg, "room", None))
         if r is None:
+            if self.staging is not None and isinstance(msg, (wire.AbortAck, wire.ChunkLanded, wire.PagesDone)):
+                self.staging.late(msg.room, endpoint, msg, self._out)
+                return self._actions()
             if isinstance(msg, wire.ErrorReply):
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
             return _NONE
@@ -476,6 +487,10 @@ class DecodeRooms:
             if self.trace:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
                          r.age_ms(now), now, msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
+            if r.staged_only and not self.staging.reported(r.room, key):
+                raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
+                                  "writes only (its pages are freed at once on failure)", room=r.room,
+                                  rank=f"cp{msg.cp_rank}", field="staging")
             if msg.logical_pages:
                 pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
                 r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
@@ -488,8 +503,19 @@ class DecodeRooms:
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
                     self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
+        elif isinstance(msg, wire.ChunkLanded):
+            if self.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
+                         r.room, self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot,
+                         msg.status, len(msg.scatter) // 24)
+            self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
+        elif isinstance(msg, wire.SlotRequest):
+            if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
+                self._staging_for(r, msg).request(r.room, key, endpoint, msg, self._out)
         elif isinstance(msg, wire.AbortAck):
             r.quiet.add(key)
+            if self.staging is not None:
+                self.staging.sender_quiet(r.room, key, self._out)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
@@ -497,13 +523,31 @@ class DecodeRooms:
         elif r.state.final:
             if getattr(msg, "status", "ok") == "failed":
                 r.quiet.add(key)  # a failure report means its writes have drained
+                if self.staging is not None:
+                    self.staging.sender_quiet(r.room, key, self._out)
         elif isinstance(msg, wire.PagesDone):  # failed
             r.quiet.add(key)
             self.fail(r, f"{_label(msg, endpoint, key)}: {msg.reason}", now)
 
+    def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
+        if self.staging is None:
+            raise LedgerError(f"{msg.TAG} for a rank without a staging area (staging 'never')", room=r.room,
+                              rank=f"cp{msg.cp_rank}", field="staging")
+        return self.staging
+
+    def scattered(self, room: int, slot: int, now: float) -> list[Any] | tuple:
+        """The shell carried out a ``Scatter``: the slot is free, and the room may commit."""
+        self.staging.scattered(room, slot, self._out)
+        r = self.rooms.get(room)
+        if r is not None:
+            self._maybe_commit(r, now)
+        return self._actions()
+
     def _maybe_commit(self, r: DecodeRoom, now: float) -> None:
         if r.state.final or r.ledger is None or not r.ledger.complete:
             return
+        if self.staging is not None and self.staging.pending.get(r.room):
+            return  # a landed chunk is not scattered yet: its pages are not written
         schema = self.aux_schema
         try:
             row, read_s = self.read_aux_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
@@ -560,6 +604,8 @@ class DecodeRooms:
         for r in list(self.rooms.values()):
             self._advance(r, now)
         self._liveness(now)
+        if self.staging is not None:
+            self.staging.expire(now, self._out)
         for key in self.topologies.refresh_due(now):
             self.topologies.in_flight.add(key)
             self._out.append(Refresh(key))
@@ -606,6 +652,12 @@ class DecodeRooms:
         rank's TP route, for the pools that route takes from it (one Send per pool set: the CP
         ranks of one TP source get the same request, encoded once)."""
         page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
+        staging: dict[str, Any] = {}
+        if self.staging is not None:
+            area = self.staging.area
+            r.staged_only = self.cfg.staging == "always"
+            staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
+                           staging_base=self.staging.base, staging_only=r.staged_only)
         by_pools: dict[tuple[str, ...], list[str]] = {}
         for _, s, pools in r.placement.asks:
             by_pools.setdefault(pools, []).append(s.control_endpoint)
@@ -615,6 +667,7 @@ class DecodeRooms:
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
+                **staging,
             )))
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)

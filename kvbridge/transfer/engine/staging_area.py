@@ -178,6 +178,10 @@ class StagingArea:
                 grants += self.release(i)
         return grants
 
+    def withdraw(self, room: int) -> None:
+        """The room's requests still waiting leave the queue (its slots stay as they are)."""
+        self._waiting = deque(w for w in self._waiting if w[0] != room)
+
     def room_acknowledged(self, room: int) -> list[Grant]:
         """The sender acknowledged the room's abort: its QUARANTINED slots are free."""
         return [g for i in self.slots_of(room) if self._slots[i].state is S.QUARANTINED

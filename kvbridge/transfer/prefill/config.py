@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -27,7 +29,18 @@ class PrefillConfig:
     max_slices_per_call: int = 1024
     aux_slots: int = 1024
     aux_device: str = "cpu"  # aux staging rows; "cuda:N" for transports that move device memory only (NVLink)
+    # Staged transfers (docs/staging.md): "auto" chooses per target (choose_path), "always"
+    # stages every target whose decode rank offers a staging area, "never" writes directly.
+    staging: str = "auto"
+    # The gather buffer: registered host memory cut into slots of staging_slot_bytes; a chunk is
+    # at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering while
+    # another is on the wire; the default matches the decode default's slot size.
+    staging_bytes: int = 16 << 20
+    staging_slot_bytes: int = 8 << 20
     trace: bool = False
+
+    def __post_init__(self) -> None:
+        check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
 
     @property
     def rank_label(self) -> str:

@@ -47,10 +47,13 @@ from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.room import PostWrite, PrefillRoom, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.staged import PostChunk
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch
+from kvbridge.transfer.staging_buffer import StagingBuffer
+from kvbridge.transfer.staging_settings import STAGING_MODES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,11 +99,15 @@ class PrefillEndpoint:
         self.aux_buffers = None if aux_buffer is None else AuxBuffers(aux_schema, aux_buffer, rank=rank)
         self.page_size = next(iter(self.specs.values())).page_size
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
+        # the gather buffer staged writes leave from (docs/staging.md)
+        self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
+                                                config.staging_slot_bytes, rank=rank)
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
             page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
                                                                      local, n),
             hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
+            gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
@@ -139,6 +146,8 @@ class PrefillEndpoint:
         self.aux_staging.register(self.engine)
         if self.aux_buffers is not None:
             self.aux_buffers.register(self.engine)
+        if self.gather is not None:
+            self.gather.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
         self.engine.set_notify(self._write_final)
         self._thread = threading.Thread(target=self._run, name=f"kvb-prefill-{self.config.cp_rank}", daemon=True)
@@ -175,7 +184,7 @@ class PrefillEndpoint:
             self._server.close()
         self.engine.set_notify(None)
         # the engine may outlive this endpoint: withdraw our memory before the caller frees it
-        unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers, self.scratch)
+        unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers, self.scratch, self.gather)
 
     def __enter__(self) -> PrefillEndpoint:
         self.start()
@@ -206,6 +215,18 @@ class PrefillEndpoint:
     def _close_released(self, now: float) -> None:
         while self._released:
             self._carry_out(self.machine.close(self._released.popleft(), now))
+
+    def set_staging(self, mode: str) -> None:
+        """Change the staging override (auto, always, never) for targets not yet planned (the
+        bench compares the paths on one set of ranks)."""
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
+                              field="staging")
+        if mode != "never" and self.gather is None:
+            raise ConfigError("this rank has no gather buffer (staging 'never' at start, or pages given as device "
+                              "addresses)", rank=self.config.rank_label, field="staging")
+        with self._lock:
+            self.machine.stage.mode = mode
 
     def locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the endpoint's lock held (what a handle reads)."""
@@ -274,6 +295,8 @@ class PrefillEndpoint:
         for a in actions:
             if type(a) is PostWrite:
                 self._post(a)
+            elif type(a) is PostChunk:
+                self._post_chunk(a)
             elif type(a) is Send:
                 for ident in a.to:
                     self._reply(ident, a.msg)
@@ -306,6 +329,38 @@ class PrefillEndpoint:
             self._carry_out(self.machine.post_failed(a, reason, time.monotonic()))
             return
         self.machine.posted(a, handle, time.monotonic())
+
+    def _post_chunk(self, a: PostChunk) -> None:
+        """Gather a staged chunk into our gather slot, then write the slot's pieces into the decode
+        slot it was granted (the write waits for the gather: ``after`` on the GPU, at once on the host)."""
+        if not a.target.active:
+            self._carry_out(self.machine.chunk_post_failed(a, None, time.monotonic()))
+            return
+        try:
+            stager, local = self.gather.stager, self.gather.slot_addr(a.local_slot)
+            if a.chunk == 0 and a.after is not None:
+                stager.wait_for(a.after)  # the source pages are whole
+            event = stager.gather(a.staged, a.chunk, local)
+            src, dst, length = a.staged.wire(a.chunk, local, a.remote_addr)
+            handle = self.engine.submit_write(a.session, src, dst, length, after=event)
+        except KVBridgeError as exc:
+            self._carry_out(self.machine.chunk_post_failed(a, str(exc), time.monotonic()))
+            return
+        except Exception as exc:  # a bug must fail this target, not the thread that called us
+            log.exception("room %d on %s: staging a chunk to %s failed", a.room, self.config.rank_label,
+                          a.target.decode_rank)
+            reason = f"internal error staging room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
+            self._carry_out(self.machine.chunk_post_failed(a, reason, time.monotonic()))
+            return
+        self.machine.chunk_posted(a, handle, len(length), int(a.staged.chunk_bytes[a.chunk]), time.monotonic())
+
+    def _engine_kind(self, session: str) -> str:
+        """The kind of engine a write to ``session`` goes through (choose_path's ``engine``)."""
+        route = getattr(self.engine, "route", None)
+        if route is not None:
+            return route(session)
+        name = type(self.engine).__name__.lower()
+        return next((kind for kind in ("ipc", "mooncake", "local") if kind in name), "mooncake")
 
     def _aux_source(self, room: int, row: np.ndarray | None, aux_slot: int | None, after: Any) -> tuple:
         """Where room ``room``'s aux row is written from: kvbridge's staging row (staged by send();

@@ -56,14 +56,17 @@ import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
+from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.config import PrefillConfig
+from kvbridge.transfer.engine.staging_area import StagingArea
 from kvbridge.transfer.prefill.identity import PROOF_FAILED, Connection, Identities, Proof, WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
+from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites
 from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
 from kvbridge.transfer.rooms import Life, Rooms, Stage
 
@@ -107,6 +110,8 @@ class PrefillRoom:
         self.first_post: float | None = None  # monotonic time of the first write posted (transfer timing)
         self.num_slices = 0  # posted for this room, all targets
         self.num_bytes = 0
+        self.paths: dict[str, str] = {}  # decode rank -> "direct" / "staged"
+        self.staged = {"chunks": 0, "bytes_staged": 0, "plan_slices": 0}  # staged writes, all targets
 
     # -- derived --------------------------------------------------------------
 
@@ -156,6 +161,8 @@ class PrefillRoom:
         return {
             "slices": self.num_slices,
             "bytes": self.num_bytes,
+            "paths": dict(self.paths),
+            **self.staged,
             "seconds": self.state.durations(),
             "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),
             "total_s": round(now - self.created, 6),
@@ -376,7 +383,8 @@ class PrefillRooms:
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *, aux_source: AuxSource, page_digests: Digests,
                  hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
-                 trace: bool = False) -> None:
+                 trace: bool = False, gather: StagingArea | None = None,
+                 engine_kind: Callable[[str], str] = lambda session: "local") -> None:
         self.cfg = config
         self.specs = dict(specs)
         self.src_bufs = src_bufs
@@ -396,6 +404,8 @@ class PrefillRooms:
         self.handles: dict[int, int] = {}  # engine handle -> write id
         self.next_write = 0
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
+        # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
+        self.stage = StagedWrites(config.staging, gather, engine_kind, config.cp_rank, config.rank_label)
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.next_deadline_scan = 0.0
         self.closing = False
@@ -469,8 +479,11 @@ class PrefillRooms:
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
+            self.stage.offered(msg, now)
             self._on_request(ident, msg, now)
             self._pump(now)
+        elif isinstance(msg, wire.SlotGrant):
+            self._on_grant(ident, msg, now)
         elif isinstance(msg, KVBridgeError):
             log.warning("bad control message from %r: %s", ident, msg)
             # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
@@ -809,9 +822,13 @@ class PrefillRooms:
             if logical.size:  # the aux row rides in the same write, after the pages' slices
                 plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
                                    rank=self.cfg.rank_label, extra=aux)
-                src, dst, length = plan.src, plan.dst, plan.length
             else:
-                src, dst, length = (np.asarray(a, dtype=np.uint64) for a in aux)
+                plan = TransferPlan(*aux)
+            path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
+            if path == "staged":  # the same write through staging slots (the aux row too)
+                self._stage_write(r, t, logical, with_aux, plan, after)
+                return
+            src, dst, length = plan.src, plan.dst, plan.length
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
             return
@@ -824,6 +841,82 @@ class PrefillRooms:
         t.inflight[w] = (logical, with_aux)  # in flight from here: no report leaves before it is final
         self.writes[w] = (r, t)
         self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
+
+    def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
+                     after: Any) -> None:
+        """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
+        reported (one PagesDone, as a direct write) once every chunk landed."""
+        w = self.next_write
+        self.next_write += 1
+        t.inflight[w] = (logical, with_aux)
+        self.writes[w] = (r, t)
+        sw = self.stage.start(w, r.room, t, plan, after, self._out)
+        r.staged["plan_slices"] += sw.staged.num_plan_slices
+        if self.trace:
+            log.info("trace room=%d rank=%s -> %s staged pages=%s chunks=%d plan_slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, t.decode_rank, _pages_text(logical), sw.num_chunks,
+                     sw.staged.num_plan_slices, sw.staged.num_bytes)
+
+    def _on_grant(self, ident: bytes, msg: wire.SlotGrant, now: float) -> None:
+        a = self.stage.granted(ident, msg, self._out)
+        if a is not None:
+            self._out.append(a)
+            return
+        found = self.stage.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
+        if found is not None and found[0] in self.stage.writes:
+            self._settle_staged(self.stage.writes[found[0]], now)
+
+    def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int, now: float) -> None:
+        """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
+        self.handles[handle] = a.write
+        self.stage.posted(a, handle)
+        r, t = self.writes[a.write]
+        if r.first_post is None:
+            r.first_post = now
+        self.counters["bytes"] += num_bytes
+        self.counters["slices"] += num_slices
+        r.num_bytes += num_bytes
+        r.num_slices += num_slices
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d slot %d slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk,
+                     self.stage.writes[a.write].remote[a.chunk], num_slices, num_bytes)
+
+    def chunk_post_failed(self, a: PostChunk, reason: str | None, now: float) -> list[Any] | tuple:
+        """Chunk ``a`` was not submitted (gather or submission refused: ``reason``; or its target
+        failed meanwhile: None): nothing of it is in flight."""
+        sw = self.stage.writes[a.write]
+        if reason is not None:
+            a.target.failure = a.target.failure or reason
+        self.stage.chunk_final(sw, a.chunk, False, reason or "target failed", self._out)
+        self._settle_staged(sw, now)
+        return self._actions()
+
+    def _chunk_final(self, handle: int, sw: StagedWrite, status: WriteStatus, now: float) -> None:
+        k = sw.posted.pop(handle)
+        t = sw.target
+        ok = status.state is not WriteState.FAILED
+        if not ok:
+            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
+        ok = ok and t.active  # (a chunk of a target that failed meanwhile is reported failed: nothing scatters)
+        self.stage.chunk_final(sw, k, ok, status.reason if status.reason else (t.failure or ""), self._out)
+        if ok:
+            r = self.writes[sw.write][0]
+            r.staged["chunks"] += 1
+            r.staged["bytes_staged"] += int(sw.staged.chunk_bytes[k])
+        self._settle_staged(sw, now)
+
+    def _settle_staged(self, sw: StagedWrite, now: float) -> None:
+        """A staged write whose chunks are all landed is reported like a direct write; one that failed
+        ends (not in flight any more) once its posted chunks are final."""
+        if not sw.target.active:
+            self.stage.cancel(sw, self._out)
+        if not self.stage.settled(sw):
+            return
+        self.stage.forget(sw)
+        ok = sw.done == sw.num_chunks and sw.target.active
+        self._write_done(sw.write, WriteStatus.DONE if ok else WriteStatus.failed(sw.target.failure or
+                                                                                  "staged write failed"), now)
 
     def posted(self, a: PostWrite, handle: int, now: float) -> None:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
@@ -858,6 +951,15 @@ class PrefillRooms:
         w = self.handles.pop(handle, None)
         if w is None:
             return _NONE
+        sw = self.stage.writes.get(w)
+        if sw is not None:
+            self._chunk_final(handle, sw, status, now)
+        else:
+            self._write_done(w, status, now)
+        return self._actions()
+
+    def _write_done(self, w: int, status: WriteStatus, now: float) -> None:
+        """Write ``w`` (direct, or every chunk of a staged one) is final: one report per write."""
         r, t = self.writes.pop(w)
         pages, with_aux = t.inflight.pop(w)
         if self.trace:
@@ -882,12 +984,15 @@ class PrefillRooms:
                 digests=digests, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)))
         self._settle(r, now)
         self._forget_if_quiet(r, now)
-        return self._actions()
 
     def _settle(self, r: PrefillRoom, now: float) -> None:
         """Send final reports and move the room to its final state. A failure report or abort ack
         goes out only once nothing of the room is in flight to any decode rank (see
         ``_reply_when_quiet``)."""
+        if self.stage.writes and any(not t.active and t.inflight for t in r.targets.values()):
+            for w in [w for t in r.targets.values() if not t.active for w in t.inflight]:
+                if w in self.stage.writes:
+                    self._settle_staged(self.stage.writes[w], now)  # (re-enters _settle once it ends)
         quiet = not r.num_inflight
         for t in r.targets.values():
             if t.closed or not quiet and not t.active or t.inflight:
@@ -944,6 +1049,7 @@ class PrefillRooms:
             return
         self._flush_replies(r)
         self.rooms.forget(r, now, tombstone=True)
+        self.stage.forget_room(r.room)
         self._out.append(FreeRoom(r.room))  # sender(room, wait=...) may open it now
 
     # -- the clock --------------------------------------------------------------
@@ -986,6 +1092,7 @@ class PrefillRooms:
             else:
                 self._forget_if_quiet(r, now)
         self.rooms.tombstones.prune(now)
+        self.stage.prune(lambda room: self.rooms.get(room) is not None, now, 2 * self.cfg.target_timeout)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         self.identities.prune(set(self.peers.heard))

@@ -87,7 +87,9 @@ class KVSender(RoomHandle):
         """What this rank did for the room (every decode target): ``slices`` and ``bytes`` posted;
         ``seconds`` spent in each poll state it left; ``transfer_s``, from the first write posted
         to Success or Failed (to now while in flight; None before any write); ``total_s``, since
-        the room was opened."""
+        the room was opened. Staged transfers: ``paths`` (decode rank -> "direct" or "staged"),
+        ``chunks`` landed, ``bytes_staged``, ``plan_slices`` (the slices staging packed; ``slices``
+        counts the wire pieces posted)."""
         return self._ep.locked(lambda: self._room.stats(time.monotonic()))
 
     def abort(self, reason: str = "aborted by prefill") -> None:

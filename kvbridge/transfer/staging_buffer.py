@@ -1,0 +1,78 @@
+"""A rank's registered staging memory and the stager that copies between it and the pages.
+
+Both sides of a staged transfer own one fixed buffer: decode its staging area (where remote
+writes land), prefill its gather buffer (where pages are gathered before the wire). It lives
+where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
+device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
+given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
+buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
+only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
+until the staged path of the rooms is measured on GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.engine.staging import CudaStager, HostStager
+from kvbridge.transfer.engine.staging_area import StagingArea
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StagingBuffer"]
+
+
+class StagingBuffer:
+    """``nbytes`` of registered memory cut into slots of ``slot_bytes`` (``area``), with its stager."""
+
+    def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None) -> None:
+        num_slots = nbytes // slot_bytes
+        self.area = StagingArea(num_slots, slot_bytes, rank=rank)
+        size = num_slots * slot_bytes
+        if device is None:
+            self.memory: Any = np.zeros(size, dtype=np.uint8)
+            self.base = int(self.memory.ctypes.data)
+            self.stager: Any = HostStager()
+        else:
+            import torch
+
+            self.memory = torch.zeros(size, dtype=torch.uint8, device=device)
+            self.base = int(self.memory.data_ptr())
+            self.stager = CudaStager(self.memory.device.index or 0)
+        self.nbytes = size
+        self._registered = False
+
+    @classmethod
+    def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
+                    rank: str) -> StagingBuffer | None:
+        """A buffer beside ``tensors`` (the endpoint's page buffers) for staging ``mode``, or None
+        when staging is off ("never"), the pages are device addresses kvbridge cannot place a
+        buffer beside, or they are GPU pages and staging was not asked for ("always")."""
+        if mode == "never" or nbytes < slot_bytes:
+            return None
+        devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
+        if any(type(t).__name__ == "RawBuffer" for t in tensors.values()) or len(devices) > 1:
+            log.info("%s: pages given as device addresses or on several devices: staging off, writes direct", rank)
+            return None
+        if devices == {"cuda"}:
+            if mode != "always":
+                return None
+            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device)
+        return cls(nbytes, slot_bytes, rank=rank)
+
+    def slot_addr(self, slot: int) -> int:
+        return self.base + self.area.offset(slot)
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(self.base, self.nbytes)
+        self._registered = True
+
+    def unregister(self, engine: TransferEngine) -> None:
+        if self._registered:
+            self._registered = False
+            engine.unregister(self.base)

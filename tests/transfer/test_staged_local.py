@@ -1,0 +1,147 @@
+"""Staged transfers between real endpoints in one process over the local engine (fault
+injection), against a real bootstrap daemon: random pages on both sides, rooms larger than
+the staging area, back-pressure, aborts mid-chunk, a corrupted chunk. The same over Mooncake
+TCP between processes is in test_staged_rooms.py."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from _cluster import wait_final, wait_until
+from _local import PAGE
+from kvbridge.transfer.engine.staging_area import SlotState
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
+
+SLOT = 4096  # a few pages per chunk: every room here streams through several slots
+STAGED = dict(staging="always", staging_bytes=4 * SLOT, staging_slot_bytes=SLOT)
+GATHER = dict(staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT)
+
+
+def staged_cluster(cluster, **kw):
+    kw.setdefault("cp", 2)
+    return cluster(prefill_cfg=kw.pop("prefill_cfg", GATHER), **{**STAGED, **kw})
+
+
+def send_random(c, room: int, n: int, rng: np.random.Generator, local_pages: dict | None = None):
+    """Every CP rank sends its owned pages of ``room`` from random local pages."""
+    num_pages = -(-n // PAGE)
+    senders = []
+    for rank, ep in enumerate(c.prefill):
+        owned = c.lanes.owned_pages(rank, num_pages)
+        local = rng.permutation(np.arange(10, 64))[: owned.size] if local_pages is None else local_pages[rank]
+        for (pool, layer), buf in ep.buffers.tensors.items():
+            fill_pages(c.specs[pool], buf, room, layer, owned, local, n)
+        s = ep.sender(room)
+        s.init(n)
+        owns_last = c.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
+        s.send(owned, local, is_last=True, aux=make_aux(c.aux_schema, room, n) if owns_last else None)
+        senders.append(s)
+    return senders
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("n", [37, 64])  # 37: a partial last page (index-K as its value and scale ranges)
+def test_random_pages_both_sides_through_staging(cluster, cp, n):
+    c = staged_cluster(cluster, cp=cp)
+    rng = np.random.default_rng(n + cp)
+    pages = rng.permutation(64)[: -(-n // PAGE)]
+    r = c.decode.receiver(1, f"{c.name}-p")
+    r.init(pages, 2, n)
+    senders = send_random(c, 1, n, rng)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(1, n, pages)
+    stats = [s.stats for s in senders]
+    assert all(set(st["paths"].values()) <= {"staged"} for st in stats)
+    assert sum(st["chunks"] for st in stats) > 4 * cp, "the room is larger than the staging area: it streamed"
+    assert sum(st["bytes_staged"] for st in stats) == sum(st["bytes"] for st in stats)  # the aux row rode staged too
+    area = c.decode.staging.area
+    assert area.num_free == area.num_slots, "every slot is free after the room"
+
+
+def test_staging_full_under_many_rooms_none_fails(cluster):
+    """Back-pressure: more chunks than slots at once wait their turn (FIFO); none fails, nothing grows."""
+    c = staged_cluster(cluster, staging_bytes=2 * SLOT)  # 2 decode slots, 2 CP ranks x 2 gather slots asking
+    rng = np.random.default_rng(5)
+    rooms, n = range(100, 105), 48
+    free = rng.permutation(64)
+    receivers, senders = [], []
+    for i, room in enumerate(rooms):
+        r = c.decode.receiver(room, f"{c.name}-p")
+        r.init(free[i * 12:(i + 1) * 12], i, n)
+        receivers.append((r, free[i * 12:(i + 1) * 12]))
+    for i, room in enumerate(rooms):
+        local = np.arange(10, 16) + i * 8  # each room its own (scattered) local pages on both CP ranks
+        senders += send_random(c, room, n, rng, local_pages={0: local, 1: local})
+    wait_final([r for r, _ in receivers] + senders)
+    assert all(r.poll() == KVPoll.Success for r, _ in receivers), [r.failure_reason for r, _ in receivers]
+    assert all(c.verified(room, n, pages) for room, (_, pages) in zip(rooms, receivers))
+    area = c.decode.staging.area
+    assert area.counters["waits"] > 0 and area.counters["max_waiting"] > 0, "staging was never full"
+    assert area.num_free == area.num_slots == 2
+    assert c.decode.machine.staging.counters["slot_waits"] > 0
+
+
+def test_abort_mid_chunk_frees_pages_at_once_and_quarantines_the_slot(cluster):
+    """Hard rule 6 for staging: remote writes land only in slots, so an aborted room's pages are free
+    at once; the slot a write may still land in stays QUARANTINED until prefill acks the abort."""
+    c = staged_cluster(cluster, cp=1)
+    gate = threading.Event()
+    c.prefill[0].engine.faults.gate = gate  # every write is held in flight until the gate opens
+    n, pages = 40, np.arange(20, 30)
+    r = c.decode.receiver(3, f"{c.name}-p")
+    r.init(pages, 0, n)
+    senders = send_random(c, 3, n, np.random.default_rng(3))
+    area = c.decode.staging.area
+    assert wait_until(lambda: c.decode.locked(lambda: area.num_free) < area.num_slots, 10), "no slot granted"
+    r.abort("user cancelled")
+    assert r.poll() == KVPoll.Failed
+    assert r.pages_releasable, "a staged-only room's pages are free at once"
+    held = c.decode.locked(lambda: [area.state(i) for i in range(area.num_slots)])
+    assert SlotState.QUARANTINED in held
+    for (pool, layer), buf in c.dbufs.items():  # nothing landed in the pages
+        view = as_bytes(buf).reshape(64, -1)
+        assert (view[pages] == SENTINEL_BYTE).all()
+    gate.set()
+    wait_final(senders)
+    assert senders[0].poll() == KVPoll.Failed
+    assert wait_until(lambda: c.decode.locked(lambda: area.num_free) == area.num_slots, 10), \
+        "the quarantined slot is free once prefill acknowledged the abort"
+    for (pool, layer), buf in c.dbufs.items():
+        assert (as_bytes(buf).reshape(64, -1)[pages] == SENTINEL_BYTE).all(), "a late write reached the pages"
+
+
+def test_corrupted_chunk_is_caught_by_the_digest_check(cluster):
+    c = staged_cluster(cluster, cp=1, verify_digest=True)
+    ep = c.decode
+    real = ep._scatter
+
+    def corrupt_then_scatter(a):  # a byte flipped in the slot after it landed (a bad link, bad memory)
+        import ctypes
+        addr = int(a.src[0])
+        ctypes.memset(addr, ctypes.c_uint8.from_address(addr).value ^ 0xFF, 1)
+        real(a)
+    ep._scatter = corrupt_then_scatter
+    n, pages = 24, np.arange(30, 36)
+    r = ep.receiver(4, f"{c.name}-p")
+    r.init(pages, 1, n)
+    senders = send_random(c, 4, n, np.random.default_rng(4))
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Failed and "digest mismatch" in r.failure_reason
+
+
+def test_a_failed_chunk_write_fails_the_room_and_frees_its_slots(cluster):
+    c = staged_cluster(cluster, cp=1)
+    c.prefill[0].engine.faults.fail_batches = {1}
+    n, pages = 40, np.arange(0, 10)
+    r = c.decode.receiver(5, f"{c.name}-p")
+    r.init(pages, 0, n)
+    senders = send_random(c, 5, n, np.random.default_rng(5))
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Failed and "injected failure" in r.failure_reason
+    area = c.decode.staging.area
+    assert wait_until(lambda: c.decode.locked(lambda: area.num_free) == area.num_slots, 10)

@@ -1,0 +1,179 @@
+"""Staged transfers over real Mooncake (TCP) between real processes: prefill CP ranks are child
+processes whose pages are scattered at random; the decode rank (this process) takes every page
+through its staging area (``staging="always"``) into random pages, poisoned first. Every byte of
+every pool and the aux row is checked, and no byte outside the room's pages changes.
+
+    prefill proc (gather buffer, 2 slots) --SlotRequest/ChunkLanded--> decode (staging area, slots)
+                                          ==== wire pieces ====>       slot --scatter--> pages
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
+from kvbridge.transfer.engine import mooncake_available
+from kvbridge.transfer.engine.staging_area import SlotState
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.worker.synthetic import as_bytes
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")]
+
+SLOT = 16 << 10  # a few pages per chunk: rooms stream through many slots
+PREFILL_STAGED = ("--staging", "always", "--staging-bytes", str(2 * SLOT), "--staging-slot-bytes", str(SLOT),
+                  "--random-local", "7")
+DECODE_STAGED = dict(staging="always", staging_bytes=4 * SLOT, staging_slot_bytes=SLOT)
+LENGTHS = (1, 9, 22, 150)  # a lone partial page, partial last pages, a room of ~20 chunks
+
+
+def start(daemon, instance: str, cp: int, *extra: str, **kw) -> list[PrefillProc]:
+    procs = []
+    try:
+        for rank in range(cp):
+            procs.append(PrefillProc(daemon.url, rank, cp, *PREFILL_STAGED, *extra, instance=instance, **kw))
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["cp1", "cp2"])
+def staged_prefill(request, daemon):
+    cp = request.param
+    procs = start(daemon, f"staged-p-cp{cp}", cp)
+    yield procs, f"staged-p-cp{cp}"
+    for p in procs:
+        p.stop()
+
+
+def test_random_pages_every_pool_through_staging(staged_prefill, daemon):
+    procs, instance = staged_prefill
+    d = DecodeRank(daemon.url, instance=f"staged-d-{len(procs)}", pages=128, **DECODE_STAGED)
+    try:
+        rng = np.random.default_rng(len(procs))
+        table = rng.permutation(d.pages)
+        used, receivers = 0, []
+        for i, n in enumerate(LENGTHS):
+            room = 90_000 + 100 * len(procs) + i
+            m = -(-n // 4)
+            receivers.append(d.receive(room, n, table[used: used + m], prefill=instance))
+            used += m
+            for p in procs:
+                p.send(room, n, chunks=sorted({max(1, n // 2), n}))
+        wait_final(receivers)
+        for r in receivers:
+            assert r.poll() == KVPoll.Success, r.failure_reason
+            assert d.verify(r) == []
+        assert d.untouched_except(table[:used])
+        results = [p.result(r.room) for r in receivers for p in procs]
+        assert all(res["state"] == "Success" for res in results), results
+        assert all(set(res["paths"].values()) <= {"staged"} for res in results)
+        assert sum(res["chunks"] for res in results) > 4 * len(LENGTHS), "rooms larger than the area streamed"
+        area = d.ep.staging.area
+        assert area.num_free == area.num_slots
+    finally:
+        d.close()
+
+
+def test_staging_full_under_many_concurrent_rooms_none_fails(daemon):
+    """Two decode slots, two CP ranks asking for two each, eight rooms at once: rooms wait for
+    slots (back-pressure, counted), none fails, the area never grows."""
+    procs = start(daemon, "staged-burst-p", 2)
+    d = DecodeRank(daemon.url, instance="staged-burst-d", pages=256, staging="always", staging_bytes=2 * SLOT,
+                   staging_slot_bytes=SLOT)
+    try:
+        n, rooms = 40, list(range(91_000, 91_008))
+        receivers = [d.receive(room, n, np.arange(10) + 10 * i + 20, prefill="staged-burst-p")
+                     for i, room in enumerate(rooms)]
+        for p in procs:
+            p.command(op="burst", rooms=rooms, num_tokens=n)
+        wait_final(receivers)
+        assert all(r.poll() == KVPoll.Success for r in receivers), [r.failure_reason for r in receivers]
+        assert all(d.verify(r) == [] for r in receivers)
+        area = d.ep.staging.area
+        assert area.counters["waits"] > 0, "staging was never full"
+        assert area.num_slots == 2 and area.num_free == 2
+    finally:
+        d.close()
+        for p in procs:
+            p.stop()
+
+
+def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(daemon):
+    """A prefill rank killed while its chunks are in flight: the room fails, its pages are free at
+    once (nothing lands in them), and its slots stay QUARANTINED until its lease is gone plus the
+    quarantine (a frozen process could still write into them)."""
+    (p,) = start(daemon, "staged-death-p", 1)
+    d = DecodeRank(daemon.url, instance="staged-death-d", pages=256, lease_quarantine=1.0, **DECODE_STAGED)
+    try:
+        n, pages = 600, np.arange(150) + 50
+        r = d.receive(92_000, n, pages, prefill="staged-death-p")
+        p.send(92_000, n)
+        area = d.ep.staging.area
+        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
+        p.kill()
+        wait_final([r])
+        assert r.poll() == KVPoll.Failed
+        assert r.pages_releasable
+        states = d.ep.locked(lambda: [area.state(i) for i in range(area.num_slots)])
+        assert SlotState.LANDED not in states and SlotState.SCATTERED not in states
+        # the lease (2 s) expires, then the quarantine: every slot is free again
+        assert wait_until(lambda: d.ep.locked(lambda: area.num_free) == area.num_slots, 30)
+    finally:
+        d.close()
+        p.stop()
+
+
+def test_abort_mid_chunk_over_mooncake(daemon):
+    (p,) = start(daemon, "staged-abort-p", 1)
+    d = DecodeRank(daemon.url, instance="staged-abort-d", pages=256, **DECODE_STAGED)
+    try:
+        n, pages = 600, np.arange(150) + 50
+        r = d.receive(93_000, n, pages, prefill="staged-abort-p")
+        p.send(93_000, n)
+        area = d.ep.staging.area
+        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
+        r.abort("user cancelled")
+        assert r.poll() == KVPoll.Failed and r.pages_releasable  # free at once: writes land in slots only
+        at_abort = {k: as_bytes(b, d.bytes_per_page[k])[pages].copy() for k, b in d.buffers.items()}
+        assert p.result(93_000)["state"] == "Failed"
+        assert wait_until(lambda: d.ep.locked(lambda: area.num_free) == area.num_slots, 10), \
+            "the slots are free once prefill acknowledged the abort"
+        time.sleep(0.2)
+        assert all((as_bytes(b, d.bytes_per_page[k])[pages] == at_abort[k]).all() for k, b in d.buffers.items()), \
+            "a write reached the room's pages after the abort"
+        assert d.untouched_except(pages)
+    finally:
+        d.close()
+        p.stop()
+
+
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1-cp2"])
+def test_heterogeneous_tp_through_staging(daemon, p, d):
+    """Head slicing for heterogeneous TP happens in the gather (prefill packs only the heads a
+    decode rank takes); the wire carries whole pieces; each decode rank checks its head slice."""
+    from test_hetero_tp import run_rooms
+
+    instance = f"staged-heads-p{p}"
+    procs = []
+    try:
+        for c in range(p):  # p=2: CP 2 x TP 2 prefill ranks
+            for t in range(p):
+                procs.append(PrefillProc(daemon.url, c, p, "--model", "kv-heads", *PREFILL_STAGED,
+                                         instance=instance, tp_rank=t, tp_size=p))
+        decodes = [DecodeRank(daemon.url, model="kv-heads", tp_rank=j, tp_size=d, pages=64,
+                              instance=f"staged-heads-d{d}-p{p}", **DECODE_STAGED) for j in range(d)]
+        try:
+            run_rooms(procs, instance, decodes, base=94_000 + 100 * p)
+            paths = [set(proc.result(94_000 + 100 * p + i)["paths"].values()) for proc in procs for i in range(3)]
+            assert all(ps <= {"staged"} for ps in paths) and {"staged"} in paths, paths
+        finally:
+            for dr in decodes:
+                dr.close()
+    finally:
+        for proc in procs:
+            proc.stop()
