@@ -28,7 +28,7 @@ from kvbridge.chaos.cluster import ChaosCluster, Member
 from kvbridge.chaos.names import FAULTS
 from kvbridge.chaos.traffic import Room, Traffic
 
-__all__ = ["FAULTS", "Fault", "FaultResult", "inject"]
+__all__ = ["FAULTS", "Fault", "FaultResult", "inject", "recover"]
 
 
 
@@ -165,7 +165,7 @@ def inject(cluster: ChaosCluster, traffic: Traffic, fault: Fault, *, stop_s: flo
         cluster.restart(m)
     t_recovered = time.monotonic()
     _account(result, cluster, traffic, m, first_room, open_at_fault, t_fault)
-    _recover(result, cluster, traffic, recovery_rooms, recovery_timeout, t_recovered)
+    recover(result, cluster, traffic, recovery_rooms, recovery_timeout, t_recovered)
 
     late_after = int(cluster.stats(cluster.decode[0]).get("late_writes", 0))
     decode_restarted = fault.target == "decode" and fault.how in ("SIGKILL", "SIGTERM")
@@ -197,7 +197,7 @@ def _account(result: FaultResult, cluster: ChaosCluster, traffic: Traffic, m: Me
             result.problems.append(f"a failure reason does not name {result.target}: {bad[:200]}")
 
 
-def _recover(result: FaultResult, cluster: ChaosCluster, traffic: Traffic, n: int, timeout: float,
+def recover(result: FaultResult, cluster: ChaosCluster, traffic: Traffic, n: int, timeout: float,
              t_recovered: float) -> None:
     """Rooms served once the fault is over: batches until one is all ok (or the time is up)."""
     if not cluster.wait_registered(timeout):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from kvbridge.chaos.cluster import ChaosCluster
-from kvbridge.chaos.faults import FaultResult, _recover
+from kvbridge.chaos.faults import FaultResult, recover
 from kvbridge.chaos.traffic import Traffic
 
 __all__ = ["inject_store_fault"]
@@ -87,7 +87,7 @@ def inject_store_fault(cluster: ChaosCluster, traffic: Traffic, name: str, *, st
     if name != "etcd quorum loss" and result.rooms_affected:
         result.problems.append(f"{result.rooms_affected} room(s) failed although the cluster kept serving")
 
-    _recover(result, cluster, traffic, recovery_rooms, recovery_timeout, time.monotonic())
+    recover(result, cluster, traffic, recovery_rooms, recovery_timeout, time.monotonic())
     result.late_writes = int(cluster.stats(cluster.decode[0]).get("late_writes", 0)) - late_before
     if result.late_writes:
         result.problems.append(f"{result.late_writes} page(s) written after decode released them (hard rule 6)")

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import BufferSpecError, LayoutError, PairingError, TopologyError
-from kvbridge.layout.pairing import BufferDesc, PairedBuffers, _index
-from kvbridge.layout.plan import TransferPlan, _broadcast, _check_inside, _checked_pages, plan_transfer
+from kvbridge.layout.pairing import BufferDesc, PairedBuffers, index_buffers
+from kvbridge.layout.plan import TransferPlan, broadcast_plan, check_inside, checked_pages, plan_transfer
 from kvbridge.layout.pools import ABI_ITEMSIZE, ROWS, PoolSpec
 
 
@@ -217,7 +217,7 @@ def pair_head_buffers(
     ctx: dict[str, Any] = {"room": room, "rank": rank}
     names = tuple(pools)
     _check_specs(src_specs, dst_specs, names, head_slice, ctx)
-    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
+    src_index, dst_index = index_buffers(src_bufs, "source", ctx), index_buffers(dst_bufs, "destination", ctx)
     return PairedBuffers(names, tuple((dst_specs[n], *_pair_sliced(src_specs[n], dst_specs[n], src_index, dst_index,
                                                                     ctx)) for n in names))
 
@@ -253,12 +253,12 @@ def plan_head_transfer(
             dst_specs, src_bufs, dst_bufs, logical_pages, src_pages, dst_pages, num_tokens,
             pools=names, room=room, rank=rank, paired=paired,
         )
-    logical, src, dst, _, num_valid_last, paired = _checked_pages(
+    logical, src, dst, _, num_valid_last, paired = checked_pages(
         logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
         lambda: pair_head_buffers(src_specs, dst_specs, head_slice, src_bufs, dst_bufs, names, room=room, rank=rank),
         ctx,
     )
-    _check_inside(paired, src_specs, dst_specs, src, dst, logical, ctx)
+    check_inside(paired, src_specs, dst_specs, src, dst, logical, ctx)
     if not len(logical) or not names:
         return TransferPlan.empty()
 
@@ -271,7 +271,7 @@ def plan_head_transfer(
     rel_src = (src[entry] * (page_size * s) + row * s + head_slice.src_offset).astype(np.uint64)
     rel_dst = (dst[entry] * (page_size * d) + row * d + head_slice.dst_offset).astype(np.uint64)
     length = np.full(len(entry), head_slice.nbytes, dtype=np.uint64)
-    return _broadcast([(sb, db, rel_src, rel_dst, length) for _, sb, db, _, _ in paired.pairs])
+    return broadcast_plan([(sb, db, rel_src, rel_dst, length) for _, sb, db, _, _ in paired.pairs])
 
 
 def _check_specs(

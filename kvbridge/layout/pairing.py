@@ -99,7 +99,7 @@ class PairedBuffers:
 
     def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
         """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
-        per side; ``_check_inside`` names the offending page and layer when not)."""
+        per side; ``plan.check_inside`` names the offending page and layer when not)."""
         return (src_span[0] >= 0 and src_span[1] < self.min_src_capacity
                 and dst_span[0] >= 0 and dst_span[1] < self.min_dst_capacity)
 
@@ -161,11 +161,11 @@ def pair_buffers(
     """Pair buffers by (pool, layer id), never by position (hard rule 8): a missing
     layer or differing page sizes raise PairingError naming pool and layer."""
     ctx: dict[str, Any] = {"room": room, "rank": rank}
-    src_index, dst_index = _index(src_bufs, "source", ctx), _index(dst_bufs, "destination", ctx)
+    src_index, dst_index = index_buffers(src_bufs, "source", ctx), index_buffers(dst_bufs, "destination", ctx)
     return PairedBuffers(tuple(pools), tuple(_pair(specs[n], src_index, dst_index, ctx) for n in pools))
 
 
-def _index(bufs: Sequence[BufferDesc], side: str, ctx: dict[str, Any]) -> dict[tuple[str, int], BufferDesc]:
+def index_buffers(bufs: Sequence[BufferDesc], side: str, ctx: dict[str, Any]) -> dict[tuple[str, int], BufferDesc]:
     index: dict[tuple[str, int], BufferDesc] = {}
     for buf in bufs:
         key = (buf.pool, int(buf.layer_id))

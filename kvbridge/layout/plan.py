@@ -31,7 +31,10 @@ from kvbridge.layout.pools import PoolSpec
 
 _I64 = np.dtype(np.int64)
 
-__all__ = ["BufferDesc", "PairedBuffers", "TransferPlan", "describe_buffer", "pair_buffers", "plan_transfer"]
+# checked_pages, check_inside and broadcast_plan are the steps every planner shares (heads.py plans
+# head slices with them)
+__all__ = ["BufferDesc", "PairedBuffers", "TransferPlan", "broadcast_plan", "check_inside", "checked_pages",
+           "describe_buffer", "pair_buffers", "plan_transfer"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +119,7 @@ def plan_transfer(
             f"pools {names} share one page mapping but have page sizes {sorted(page_sizes)}", field="page_size", **ctx
         )
     page_size = page_sizes.pop() if names else 1
-    logical, src, dst, increasing, num_valid_last, paired = _checked_pages(
+    logical, src, dst, increasing, num_valid_last, paired = checked_pages(
         logical_pages, src_pages, dst_pages, num_tokens, page_size, names, paired,
         lambda: pair_buffers(specs, src_bufs, dst_bufs, names, room=room, rank=rank), ctx,
     )
@@ -126,7 +129,7 @@ def plan_transfer(
         spans = ((src_lo, src_hi), (dst_lo, dst_hi))
     else:
         spans = ((0, -1), (0, -1))
-    _check_inside(paired, specs, specs, src, dst, logical, ctx, spans)
+    check_inside(paired, specs, specs, src, dst, logical, ctx, spans)
     if not len(logical) or not names:
         return TransferPlan.empty() if extra is None else TransferPlan(*extra)
     # position of the partial last page in the given order, if this call carries it; ascending
@@ -211,7 +214,7 @@ def _runs_of(brk: np.ndarray, pages: np.ndarray, partial: int) -> tuple[np.ndarr
     return pages[:, None, starts].view(np.uint64), count.view(np.uint64), run
 
 
-def _checked_pages(
+def checked_pages(
     logical_pages: Any, src_pages: Any, dst_pages: Any, num_tokens: int, page_size: int, names: tuple[str, ...],
     paired: PairedBuffers | None, pair: Callable[[], PairedBuffers], ctx: dict[str, Any],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool, int, PairedBuffers]:
@@ -227,7 +230,7 @@ def _checked_pages(
     return logical, src, dst, increasing, num_valid_last, paired
 
 
-def _broadcast(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> TransferPlan:
+def broadcast_plan(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> TransferPlan:
     """The plan of ``parts`` = (src layer bases, dst layer bases, src offsets, dst offsets,
     lengths): every layer shares the page mapping, so the per-layer slices broadcast over the
     layer bases, written straight into the plan's arrays (no concatenation: a scattered
@@ -287,7 +290,7 @@ def _check_logical(logical: np.ndarray, num_tokens: int, page_size: int, ctx: di
     return increasing, num_valid_last
 
 
-def _check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,
+def check_inside(paired: PairedBuffers, src_specs: Mapping[str, Any], dst_specs: Mapping[str, Any], src: np.ndarray,
                  dst: np.ndarray, logical: np.ndarray, ctx: dict,
                  spans: tuple[tuple[int, int], tuple[int, int]] | None = None) -> None:
     """Hard rule 5 for a plan: every source and destination page inside every paired buffer.

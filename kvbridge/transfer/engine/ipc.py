@@ -64,7 +64,7 @@ from kvbridge.errors import EngineError
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, check_slices, locate
 from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.ipc_channel import Channel, Conn
-from kvbridge.transfer.engine.ipc_tables import _DEVICE, Export, IpcTables, Peer, PeerRegion
+from kvbridge.transfer.engine.ipc_tables import DEVICE, Export, IpcTables, Peer, PeerRegion
 from kvbridge.transfer.engine.local import Faults
 from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
 
@@ -280,7 +280,7 @@ class IpcEngine(IpcTables, JobEngine):
             from kvbridge.transfer.engine.slicecopy import CudaCopier
 
             device = self._device if self._device is not None else next(
-                (r.device for r in batch.regions if r.kind == _DEVICE), 0)
+                (r.device for r in batch.regions if r.kind == DEVICE), 0)
             self._copier = CudaCopier(device, direct_min_bytes=self._direct_min_bytes, **self._copier_options)
         return self._copier
 

@@ -33,7 +33,7 @@ log = logging.getLogger("kvbridge.transfer.engine.ipc")
 
 CONNECT_TIMEOUT_S = 5.0
 REVOKE_TIMEOUT_S = 30.0
-_DEVICE, _HOST = "device", "host"
+DEVICE, HOST = "device", "host"
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Peer:
         self.regions = sorted(regions, key=lambda r: r.start)
         self.starts = np.array([r.start for r in self.regions], dtype=np.uint64)
         self.ends = np.array([r.start + r.nbytes for r in self.regions], dtype=np.uint64)
-        self.device = np.array([r.kind == _DEVICE for r in self.regions], dtype=bool)
+        self.device = np.array([r.kind == DEVICE for r in self.regions], dtype=bool)
         self.shift = None
 
     def shifts(self) -> np.ndarray:
@@ -102,7 +102,7 @@ class IpcTables:
         export = self._describe(ptr, nbytes) if ptr > 0 and nbytes > 0 else None
         with self._lock:
             self._regions.add(ptr, nbytes, self._who)
-            self._kinds[ptr] = export.kind if export else _HOST
+            self._kinds[ptr] = export.kind if export else HOST
             self._exports[ptr] = export
             self._rebuild_kinds()
 
@@ -118,23 +118,23 @@ class IpcTables:
         self._revoke(ptr, writers)
 
     def _rebuild_kinds(self) -> None:
-        self._own_device = np.array([self._kinds[int(s)] == _DEVICE for s in self._regions.sorted_starts.tolist()],
+        self._own_device = np.array([self._kinds[int(s)] == DEVICE for s in self._regions.sorted_starts.tolist()],
                                     dtype=bool)
 
     def _describe(self, ptr: int, nbytes: int) -> Export:
         if not self._has_cuda:
-            return Export(ptr, nbytes, _HOST)
+            return Export(ptr, nbytes, HOST)
         from kvbridge.transfer.engine._cuda import cuda
 
         kind, device = cuda().pointer_kind(ptr)
-        if kind == _HOST:
-            return Export(ptr, nbytes, _HOST)
+        if kind == HOST:
+            return Export(ptr, nbytes, HOST)
         base, size = cuda().allocation(ptr, device)
         if ptr + nbytes > base + size:
             raise EngineError(f"{self._who}: region {ptr:#x}+{nbytes} spans more than one CUDA allocation")
         if self._device is None:
             self._device = device
-        return Export(ptr, nbytes, _DEVICE, device, cuda().ipc_handle(base, device), ptr - base)
+        return Export(ptr, nbytes, DEVICE, device, cuda().ipc_handle(base, device), ptr - base)
 
     def _revoke(self, ptr: int, writers: list[Conn]) -> None:
         """Tell ``writers`` (those that learnt ``ptr``) to stop; return once each confirmed (or went away)."""
@@ -233,7 +233,7 @@ class IpcTables:
         self._release(peer, region)
 
     def _release(self, peer: Peer, region: PeerRegion) -> None:
-        if region.local and region.kind == _DEVICE and not peer.conn.same_process:
+        if region.local and region.kind == DEVICE and not peer.conn.same_process:
             from kvbridge.transfer.engine._cuda import mappings
 
             try:
@@ -289,7 +289,7 @@ class IpcTables:
                     f"memory registered by session {peer.session}")
         if not peer.conn.same_process:
             for r in self._used(peer, idx):
-                if r.kind == _HOST:
+                if r.kind == HOST:
                     return (f"{self._who}: destination region {r.start:#x}+{r.nbytes} of session {peer.session} is "
                             f"host memory of process {peer.conn.peer_pid}; CUDA IPC reaches device memory only")
         return None
@@ -309,7 +309,7 @@ class IpcTables:
     def _open(self, peer: Peer, region: PeerRegion) -> None:
         if region.local:
             return
-        if peer.conn.same_process or region.kind == _HOST:
+        if peer.conn.same_process or region.kind == HOST:
             region.local = region.start
             return
         from kvbridge.transfer.engine._cuda import mappings
