@@ -140,6 +140,25 @@ def test_every_arrow_points_down():
     assert up == []
 
 
+def _private_imports() -> list[str]:
+    """``from kvbridge.x import _name`` where ``_name`` is not a module: one module reaching into
+    another's private names (a resource cut in two, STYLE.md point 6)."""
+    modules = _modules()
+    out = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("kvbridge"):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and f"{node.module}.{alias.name}" not in modules:
+                        out.append(f"{name} takes {alias.name} from {node.module}")
+    return sorted(out)
+
+
+def test_no_module_takes_another_modules_private_names():
+    assert _private_imports() == []
+
+
 def test_the_checker_sees_a_circle_and_an_arrow_up():
     """The checks above can fail: a made-up graph with one circle and one arrow up."""
     edges = {"kvbridge.layout.a": {"kvbridge.layout.b"}, "kvbridge.layout.b": {"kvbridge.layout.a"},
