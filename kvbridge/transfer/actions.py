@@ -1,5 +1,5 @@
 """What both sides' room state machines ask their endpoint to do, besides their own
-actions (``prefill/room.py``, ``decode/room.py``): small frozen records, carried out
+actions (``prefill/machine.py``, ``decode/machine.py``): small frozen records, carried out
 by the endpoint's shell in the order they were emitted."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ attachment, not a reattachment. Memory is bounded: open rooms by the handles the
 holds, draining rooms by their writes, tombstones by age and count.
 
 :class:`Rooms` holds no socket, thread, lock or clock: the side's state machine
-(``prefill/room.py``, ``decode/room.py``) passes the time in. :class:`RoomHandle` and
+(``prefill/machine.py``, ``decode/machine.py``) passes the time in. :class:`RoomHandle` and
 ``open_waiting`` are the engine-facing half, used by the endpoints' shells.
 """
 

@@ -15,7 +15,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
-from kvbridge.transfer.decode.room import SCAN_S, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.machine import SCAN_S, DecodeRooms, LookUp, Refresh
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.rooms import Stage
 

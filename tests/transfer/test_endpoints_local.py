@@ -16,7 +16,7 @@ from _cluster import wait_final, wait_until
 from _local import PAGE, Cluster, HostEvent
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
-from kvbridge.transfer.decode.room import LookUp
+from kvbridge.transfer.decode.machine import LookUp
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
 

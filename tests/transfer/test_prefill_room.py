@@ -18,7 +18,7 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
-from kvbridge.transfer.prefill.room import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
 from kvbridge.transfer.rooms import Stage
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)

@@ -1,4 +1,4 @@
-"""The decode side: the rooms' state machine (``room.py``, with ``ledger.py``,
+"""The decode side: the rooms' state machine (``machine.py`` over ``room.py``, with ``ledger.py``,
 ``peers.py`` and ``topologies.py``), the endpoint that runs it (``endpoint.py``) and
 the engine's handle (``receiver.py``)."""
 

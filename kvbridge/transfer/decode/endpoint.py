@@ -38,7 +38,8 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
-from kvbridge.transfer.decode.room import DecodeRoom, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.machine import DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine

@@ -15,7 +15,7 @@ queued writes that land when it resumes, so an expired lease alone does not free
 
 No socket, thread or clock: ``tick(now, ...)`` returns what to do (pings, lease checks,
 connections to drop) and what it found (peers dead, peers quiet), and the room state
-machine (``decode/room.py``) applies the verdicts to its rooms.
+machine (``decode/machine.py``) applies the verdicts to its rooms.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The prefill side: the rooms' state machine (``room.py``, with ``targets.py`` and
+"""The prefill side: the rooms' state machine (``machine.py`` over ``room.py``, with ``targets.py`` and
 ``peers.py``), the endpoint that runs it (``endpoint.py``), the engine's handle
 (``sender.py``) and what a decode engine can learn of a prefill instance (``info.py``)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
+from kvbridge.transfer.staging_settings import check_staging
 
 
 @dataclass(frozen=True)

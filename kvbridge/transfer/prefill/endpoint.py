@@ -1,6 +1,6 @@
 """PrefillEndpoint: one prefill rank's shell around its rooms' state machine.
 
-The shell owns what the machine (``prefill/room.py``) must not: the loop thread, the
+The shell owns what the machine (``prefill/machine.py``) must not: the loop thread, the
 lock, the control server, the transfer engine, one thread that reads decode ranks'
 registrations from the daemon, the aux rows in memory and the lease. It feeds the
 machine events and carries out the actions it returns (``Send``, ``PostWrite``,
@@ -46,7 +46,8 @@ from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
-from kvbridge.transfer.prefill.room import PostWrite, PrefillRoom, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import PostChunk
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly

@@ -26,7 +26,7 @@ refused, each gets an ErrorReply naming the rank and why, as does every message 
 next ``retry_s`` seconds; a later one starts a fresh proof (a nonce write may fail for a
 passing reason, and each try costs prefill one small write).
 
-No socket, thread or clock here: the room state machine (``prefill/room.py``) feeds it.
+No socket, thread or clock here: the room state machine (``prefill/machine.py``) feeds it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ wait for it; a registration that cannot be read refuses them, naming the rank.
 message counts. A connection silent for ``peer_timeout`` fails the targets on
 it, naming the decode rank (writes to a dead rank fail too).
 
-No socket, thread or clock here: the room state machine (``prefill/room.py``) feeds it.
+No socket, thread or clock here: the room state machine (``prefill/machine.py``) feeds it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ack and failure report, hard rule 6) until every chunk posted is final and no mo
 posted. The aux row rides in the last chunk's write as on the direct path, so it is staged too
 (decode checks it lands in the room's own aux slot): nothing of a staged target writes anywhere
 on decode but its staging slots.
-No socket, clock or engine call here: the machine (``room.py``) calls it under the shell's lock.
+No socket, clock or engine call here: the machine (``machine.py``) calls it under the shell's lock.
 """
 
 from __future__ import annotations

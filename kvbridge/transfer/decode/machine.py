@@ -1,0 +1,572 @@
+"""Decode's rooms as a state machine: events in, actions out.
+
+One :class:`DecodeRoom` per room, and :class:`DecodeRooms`, the side's machine that
+drives them all. Events are method calls (open, init, message from a prefill rank,
+look-up answered, lease checked, abort, close, tick); each returns the actions for
+the endpoint's shell to carry out, in order (``Send``, ``LookUp``, ``Refresh``,
+``CheckLease``, ``DropPeer``, ``FreeRoom``). No socket, thread, lock, clock or engine
+call inside: the time is passed in, and the one read of memory (the aux row and the
+page digests at commit) goes through the two readers given at construction.
+
+The room itself, its states and its pages: ``room.py``.
+
+Between scans (every ``SCAN_S``) only the rooms something happened to are advanced:
+O(events), not O(rooms). A loop that was itself frozen blames no peer for the silence
+it did not listen to (``tick``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvbridge.errors import (
+    BootstrapUnavailable,
+    ContractMismatch,
+    InstanceIncomplete,
+    KVBridgeError,
+    LayoutError,
+    LedgerError,
+)
+from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.decode.config import DecodeConfig
+from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
+from kvbridge.transfer.decode.room import DecodeRoom
+from kvbridge.transfer.decode.staging import DecodeStaging
+from kvbridge.transfer.decode.topologies import Key, Topologies
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.rooms import Rooms, Stage
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap.schemas import LookupResponse
+
+log = logging.getLogger(__name__)
+
+SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
+ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
+_NONE: tuple = ()  # what an event that asks for nothing returns
+
+
+
+@dataclass(frozen=True, slots=True)
+class LookUp:
+    """Ask the daemon for the topology of ``room``'s prefill DP group (off the loop); answer
+    with ``DecodeRooms.looked_up(room, key, topo, error, now)``."""
+
+    room: int
+    instance: str
+    dp_rank: int | None
+    key: Key
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """Look ``key`` = (instance, DP group) up again ahead of expiry; answer with
+    ``DecodeRooms.refreshed(key, topo, now)`` (topo None when it failed)."""
+
+    key: tuple[str, int]
+
+class DecodeRooms:
+    """The decode rank's rooms and what drives them. ``read_aux_row(slot)``: the aux row as it
+    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical, num_tokens)``: digests of
+    our pages (only with ``verify_digest``); ``rank_id()``: this rank's registration id (it
+    changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
+    rank wrote into our scratch region (answers its Challenge; None: no scratch region)."""
+
+    def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
+                 read_aux_row: Callable[[int], tuple[np.ndarray, float]],
+                 page_digests: Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray],
+                 rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
+                 trace: bool = False, staging: DecodeStaging | None = None) -> None:
+        self.cfg = config
+        self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
+        self.specs = dict(specs)
+        self.aux_schema = aux_schema
+        self.read_aux_row = read_aux_row
+        self.page_digests = page_digests
+        self.rank_id = rank_id
+        self.read_scratch = read_scratch
+        self.trace = trace
+        self.rooms: Rooms[DecodeRoom] = Rooms(config.rank_label, "KVReceiver", "receiver(room, ..., wait=...)")
+        self.peers = PrefillPeers(config, rank_id)
+        self.topologies = Topologies(config, self.specs)
+        self.page_size = next(iter(self.specs.values())).page_size
+        self.pools = sorted(self.specs)
+        self.bytes_per_token = sum(s.bytes_per_token * s.num_layers for s in self.specs.values())
+        self.dirty: set[int] = set()  # rooms to advance at the next tick
+        self.next_scan = 0.0
+        self.last_scan = 0.0
+        self._out: list[Any] = []
+
+    def _actions(self) -> list[Any] | tuple:
+        if not self._out:
+            return _NONE
+        out, self._out = self._out, []
+        return out
+
+    # -- events from the engine -------------------------------------------------
+
+    def open(self, room: int, prefill_instance: str, dp_rank: int | None, now: float) -> DecodeRoom:
+        """A new receiver's room (RoomInUse while the id is open or draining). Asks for nothing:
+        its look-up goes out at the next tick, unless a cached topology serves it at once."""
+        r = self.rooms.open(room, lambda: DecodeRoom(room, prefill_instance, dp_rank, now))
+        self.dirty.add(room)
+        cached = self.topologies.cached(self._key(r), now)
+        if cached is not None:
+            self.topology_ready(r, cached, now)  # (a room failing here asked no rank: nothing to send)
+        return r
+
+    def init(self, r: DecodeRoom, pages: np.ndarray, aux_slot: int, num_tokens: int | None, first_page: int,
+             now: float) -> list[Any] | tuple:
+        """The engine's init() (checked by the endpoint): the requests go out now when the topology
+        is known, else at the tick that learns it."""
+        if r.initialised:
+            raise LayoutError("init() called twice", room=r.room, rank=self.cfg.rank_label, field="page_ids")
+        if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
+            return _NONE
+        r.page_ids, r.aux_slot, r.first_page = pages, aux_slot, first_page
+        self.dirty.add(r.room)
+        if num_tokens is not None:
+            self.learn_num_tokens(r, num_tokens)
+        if r.state.state == KVPoll.WaitingForInput:
+            self.dirty.discard(r.room)
+            self._request(r, now)
+        return self._actions()
+
+    def abort(self, r: DecodeRoom, reason: str, now: float) -> list[Any] | tuple:
+        self.fail(r, reason, now)
+        return self._actions()
+
+    def close(self, r: DecodeRoom, now: float) -> list[Any] | tuple:
+        """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        if self.rooms.close(r):
+            self.fail(r, f"the engine closed room {r.room}'s receiver on {self.cfg.rank_label} before it finished",
+                      now, level=logging.INFO)  # the engine's own decision: not a warning
+            self._forget_if_quiet(r, now)
+        return self._actions()
+
+    def shutdown(self, reason: str, now: float) -> list[Any] | tuple:
+        """Fail every room (the endpoint closes)."""
+        for r in list(self.rooms.values()):
+            self.fail(r, reason, now)
+        return self._actions()
+
+    def unquiet(self) -> bool:
+        """Some failed room may still see writes (its pages are not releasable yet)."""
+        return any(r.state.state == KVPoll.Failed and not r.pages_releasable for r in self.rooms.values())
+
+    def learn_num_tokens(self, r: DecodeRoom, num_tokens: int, source: str = "init()") -> None:
+        """The request's token count (from init(), or from the prefill rank with the aux row): it must
+        end inside the last page, and agree with what is known."""
+        if r.num_tokens is not None:
+            if num_tokens != r.num_tokens:
+                raise LedgerError(f"{source} says {num_tokens} tokens, the room has {r.num_tokens}", room=r.room,
+                                  rank=self.cfg.rank_label, field="num_tokens")
+            return
+        low, high = (r.num_pages - 1) * self.page_size + 1, r.num_pages * self.page_size
+        if not low <= num_tokens <= high:
+            raise LedgerError(f"{source} says {num_tokens} tokens, outside [{low}, {high}] for a request of "
+                              f"{r.num_pages} pages", room=r.room, rank=self.cfg.rank_label, field="num_tokens")
+        r.num_tokens = num_tokens
+        tokens = num_tokens - min(num_tokens, r.first_page * self.page_size)
+        r.bytes_expected = self.bytes_per_token * tokens
+
+    # -- look-ups -----------------------------------------------------------------
+
+    def _key(self, r: DecodeRoom) -> Key:
+        return self.topologies.key(r.prefill_instance, r.dp_rank, r.room)
+
+    def looked_up(self, room: int, key: Key, topo: LookupResponse | None, error: BaseException | None,
+                  now: float) -> list[Any] | tuple:
+        """The answer to a ``LookUp``: a topology, or the error the daemon (or the way to it) gave."""
+        self.topologies.in_flight.discard(key)
+        self._wake_waiting(key[0])  # rooms that waited for this look-up use its answer now
+        r = self.rooms.get(room)
+        if r is None or r.state.final:
+            return self._actions()
+        r.lookup_pending = False
+        if error is None:
+            self.topology_ready(r, topo, now, fresh=True)
+        elif isinstance(error, ContractMismatch):
+            fields = ", ".join(getattr(d, "path", str(d)) for d in error.diff[:6])
+            reason = f"contract mismatch with prefill instance {r.prefill_instance!r} (fields: {fields}); nothing transferred"
+            # a definitive answer: other rooms toward this instance are refused without asking again for a while
+            self.topologies.refuse(r.prefill_instance, reason, list(error.diff), now)
+            self._refuse(r, now)
+        elif isinstance(error, BootstrapUnavailable):
+            # the daemon is down: a topology it gave us before still names live ranks (liveness
+            # pings catch the ones that are not); without one, ask again until the bootstrap timeout
+            stale = self.topologies.stale(self._key(r))
+            r.lookup_problem = str(error)
+            if stale is not None:
+                self.topology_ready(r, stale, now)
+            else:
+                r.next_lookup = now + 0.25
+        elif isinstance(error, InstanceIncomplete):
+            r.next_lookup = now + 0.1  # the instance is still coming up: ask again
+            r.lookup_problem = str(error)
+        elif isinstance(error, KVBridgeError):
+            self.fail(r, f"bootstrap look-up failed: {error}", now)
+        else:
+            self.fail(r, f"bootstrap look-up failed: {type(error).__name__}: {error}", now)
+        return self._actions()
+
+    def refreshed(self, key: tuple[str, int], topo: LookupResponse | None, now: float) -> list[Any] | tuple:
+        self.topologies.refreshed(key, topo, now)
+        self._wake_waiting(key[0])
+        return self._actions()
+
+    def topology_ready(self, r: DecodeRoom, topo: LookupResponse, now: float, fresh: bool = False) -> None:
+        """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
+        so under steady traffic the cache still expires every ``topology_ttl``."""
+        if topo.topology.pp_size != 1:  # (the daemon keeps every rank's pp_rank below its pp_size)
+            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
+                         "pipeline-parallel prefill is not supported yet", now)
+            return
+        try:
+            r.set_topology(self.topologies.placement(topo, r.room))
+        except KVBridgeError as exc:
+            self.fail(r, f"prefill instance {r.prefill_instance!r} ({topo.topology.shape}): {exc.reason}", now)
+            return
+        if fresh:
+            self.topologies.store(topo, now)
+        r.state.to(KVPoll.WaitingForInput, now=now)
+        r.mark_bootstrapped()
+        self.dirty.add(r.room)
+
+    def _wake_waiting(self, instance: str) -> None:
+        self.dirty.update(k for k, r in self.rooms.items()
+                          if r.state.state == KVPoll.Bootstrapping and r.prefill_instance == instance)
+
+    def _refuse(self, r: DecodeRoom, now: float) -> None:
+        """Fail a room toward an instance whose contract differs (hard rule 7), keeping the diff."""
+        _, reason, diff = self.topologies.refusal(r.prefill_instance)
+        r.mismatch = list(diff)
+        self.fail(r, reason, now)
+
+    def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> list[Any] | tuple:
+        """The daemon's answer to a ``CheckLease``."""
+        self.peers.lease_checked(endpoint, rank_id, gone, now)
+        return self._actions()
+
+    # -- failing and quiescence -------------------------------------------------
+
+    def fail(self, r: DecodeRoom, reason: str, now: float, level: int = logging.WARNING) -> None:
+        if r.state.final:
+            return
+        r.state.to(KVPoll.Failed, reason, now=now)
+        if self.staging is not None:  # a slot a write may still land in waits out the lease and the quarantine
+            self.staging.fail_room(r.room, now + self.cfg.lease_ttl + self.cfg.lease_quarantine, self._out)
+        r.mark_bootstrapped()  # wait_bootstrapped() returns (and says why) instead of waiting on
+        log.log(level, "room %d on %s failed: %s", r.room, self.cfg.rank_label, reason)
+        if r.initialised:
+            # pages are assigned: every sender of the DP group must stop before they are freed, also one
+            # not asked yet, which another decode rank of this instance may have asked (its ranks free
+            # pages together); an abort fails the room for every decode rank there, acked once quiet
+            for key, s in r.senders.items():
+                if key not in r.requested:
+                    r.requested.add(key)
+                    self.peers.peer(s, r.prefill_instance, now).rooms.add(r.room)
+        self._send_aborts(r, now)
+
+    def _send_aborts(self, r: DecodeRoom, now: float) -> None:
+        for key in sorted(r.requested - r.quiet - r.abort_sent):
+            s = r.senders[key]
+            self._out.append(Send((s.control_endpoint,), wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
+                                                                   reason=r.state.reason or "aborted",
+                                                                   decode_rank_id=self.rank_id() or "?")))
+            r.abort_sent.add(key)
+        r.last_abort = now
+
+    def _forget_if_quiet(self, r: DecodeRoom, now: float) -> None:
+        if r.life.stage != Stage.DRAINING or not r.state.final or not r.pages_releasable:
+            return
+        self.rooms.forget(r, now)
+        if self.staging is not None:
+            self.staging.forget(r.room)
+        self._out.append(FreeRoom(r.room))  # receiver(room, ..., wait=...) may open it now
+        for s in r.senders.values():
+            self.peers.discard_room(s.control_endpoint, r.room)
+
+    # -- messages from prefill ranks --------------------------------------------
+
+    def message(self, endpoint: str, msg: Any, now: float) -> list[Any] | tuple:
+        """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
+        self.peers.heard(endpoint, now)
+        if isinstance(msg, KVBridgeError):
+            log.warning("bad control message from %s: %s", endpoint, msg)
+            return _NONE
+        if isinstance(msg, wire.Heartbeat):
+            return _NONE
+        if isinstance(msg, wire.Challenge):
+            self._answer_challenge(endpoint, msg)
+            return self._actions()
+        r = self.rooms.get(getattr(msg, "room", None))
+        if r is None:
+            if self.staging is not None and isinstance(msg, (wire.AbortAck, wire.ChunkLanded, wire.PagesDone)):
+                self.staging.late(msg.room, endpoint, msg, self._out)
+                return self._actions()
+            if isinstance(msg, wire.ErrorReply):
+                log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
+            return _NONE
+        cp = getattr(msg, "cp_rank", None)
+        key = r.by_endpoint.get(endpoint)  # (cp, tp) of the sender on that connection
+        if cp is not None and (key is None or key[0] != cp):
+            self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there", now)
+            return self._actions()
+        try:
+            self._dispatch(r, endpoint, key, msg, now)
+        except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
+            self.fail(r, str(exc), now)
+        self._maybe_commit(r, now)
+        return self._actions()
+
+    def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
+        """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``
+        (our proof that we hold the memory we registered). Without a scratch region, or for an
+        offset outside it, no echo: that prefill rank then refuses us, naming why."""
+        if self.read_scratch is None:
+            log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
+            return
+        try:
+            nonce = self.read_scratch(msg.offset)
+        except KVBridgeError as exc:
+            log.warning("prefill %s challenged %s at a bad offset: %s", endpoint, self.cfg.rank_label, exc)
+            return
+        self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=nonce)))
+
+    def _dispatch(self, r: DecodeRoom, endpoint: str, key: tuple[int, int] | None, msg: Any, now: float) -> None:
+        if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
+            if self.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
+                         r.age_ms(now), now, msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
+            if r.staged_only and not self.staging.reported(r.room, key):
+                raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
+                                  "writes only (its pages are freed at once on failure)", room=r.room,
+                                  rank=f"cp{msg.cp_rank}", field="staging")
+            if msg.logical_pages:
+                pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
+                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
+                if self.cfg.verify_digest:
+                    if msg.digests is None:
+                        raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
+                                          rank=f"cp{msg.cp_rank}", field="digests")
+                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
+            if msg.aux:  # the same write carried the aux row
+                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+                if msg.num_tokens and msg.num_tokens != r.num_tokens:
+                    self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
+        elif isinstance(msg, wire.ChunkLanded):
+            if self.trace:
+                log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
+                         r.room, self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot,
+                         msg.status, len(msg.scatter) // 24)
+            self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
+        elif isinstance(msg, wire.SlotRequest):
+            if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
+                self._staging_for(r, msg).request(r.room, key, endpoint, msg, self._out)
+        elif isinstance(msg, wire.AbortAck):
+            r.quiet.add(key)
+            if self.staging is not None:
+                self.staging.sender_quiet(r.room, key, self._out)
+        elif isinstance(msg, wire.ErrorReply):
+            if msg.ref_type == wire.TransferRequest.TAG:
+                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
+            self.fail(r, f"{_label(msg, endpoint, key)} refused our {msg.ref_type}: {msg.reason}", now)
+        elif r.state.final:
+            if getattr(msg, "status", "ok") == "failed":
+                r.quiet.add(key)  # a failure report means its writes have drained
+                if self.staging is not None:
+                    self.staging.sender_quiet(r.room, key, self._out)
+        elif isinstance(msg, wire.PagesDone):  # failed
+            r.quiet.add(key)
+            self.fail(r, f"{_label(msg, endpoint, key)}: {msg.reason}", now)
+
+    def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
+        if self.staging is None:
+            raise LedgerError(f"{msg.TAG} for a rank without a staging area (staging 'never')", room=r.room,
+                              rank=f"cp{msg.cp_rank}", field="staging")
+        return self.staging
+
+    def scattered(self, room: int, slot: int, now: float) -> list[Any] | tuple:
+        """The shell carried out a ``Scatter``: the slot is free, and the room may commit."""
+        self.staging.scattered(room, slot, self._out)
+        r = self.rooms.get(room)
+        if r is not None:
+            self._maybe_commit(r, now)
+        return self._actions()
+
+    def _maybe_commit(self, r: DecodeRoom, now: float) -> None:
+        if r.state.final or r.ledger is None or not r.ledger.complete:
+            return
+        if self.staging is not None and self.staging.pending.get(r.room):
+            return  # a landed chunk is not scattered yet: its pages are not written
+        schema = self.aux_schema
+        try:
+            row, read_s = self.read_aux_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
+            echoed, problem = schema.head(row)  # what unpacking would refuse fails the room now; decoding waits
+        except KVBridgeError as exc:
+            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}", now)
+            return
+        if echoed != r.room:  # hard rule 4: a row written for another room
+            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}", now)
+            return
+        if problem is not None:
+            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {problem}", now)
+            return
+        if self.cfg.verify_digest:
+            if r.num_tokens is None:
+                self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count", now)
+                return
+            bad = self._digest_mismatch(r)
+            if bad is not None:
+                self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent", now)
+                return
+        r.keep_aux_row(row, schema)
+        r.state.advance_to(KVPoll.Success, now=now)
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms",
+                     r.room, self.cfg.rank_label, r.age_ms(now), now, dict(sorted(r.ledger.pages_by_rank.items())),
+                     r.ledger.aux_owner, read_s * 1e3)
+
+    def _digest_mismatch(self, r: DecodeRoom) -> int | None:
+        pages = np.concatenate([p for p, _ in r.digests])
+        sent = np.concatenate([d for _, d in r.digests])
+        mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
+        bad = np.flatnonzero(mine != sent)
+        return int(pages[bad[0]]) if bad.size else None
+
+    # -- the clock --------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Any] | tuple:
+        """Advance the rooms something happened to; every ``SCAN_S``, every room: deadlines,
+        look-ups, retries, pings, liveness, forgetting."""
+        if now < self.next_scan:  # between scans only the rooms something happened to: O(events)
+            while self.dirty:
+                r = self.rooms.get(self.dirty.pop())
+                if r is not None:
+                    self._advance(r, now)
+            return self._actions()
+        if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
+            # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
+            # listened to nothing, so no peer is blamed for the gap
+            self.peers.loop_was_frozen(now)
+        self.last_scan = now
+        self.next_scan = now + SCAN_S
+        self.dirty.clear()
+        for r in list(self.rooms.values()):
+            self._advance(r, now)
+        self._liveness(now)
+        if self.staging is not None:
+            self.staging.expire(now, self._out)
+        for key in self.topologies.refresh_due(now):
+            self.topologies.in_flight.add(key)
+            self._out.append(Refresh(key))
+        for room in list(self.rooms.unowned):
+            r = self.rooms.get(room)
+            if r is None:
+                self.rooms.unowned.discard(room)
+            else:
+                self._forget_if_quiet(r, now)
+        return self._actions()
+
+    def _advance(self, r: DecodeRoom, now: float) -> None:
+        st = r.state.state
+        if st == KVPoll.Bootstrapping:
+            if r.state.since(now) > self.cfg.bootstrap_timeout:
+                self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
+                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)"
+                             + (f"; last answer: {r.lookup_problem}" if r.lookup_problem else ""), now)
+            elif not r.lookup_pending and now >= r.next_lookup:
+                key = self._key(r)
+                cached = self.topologies.cached(key, now)
+                if cached is not None:
+                    self.topology_ready(r, cached, now)
+                elif self.topologies.refusal(r.prefill_instance, now) is not None:
+                    self._refuse(r, now)
+                elif key not in self.topologies.in_flight:  # one look-up per DP group at a time
+                    r.lookup_pending = True
+                    self.topologies.in_flight.add(key)
+                    self._out.append(LookUp(r.room, r.prefill_instance, r.dp_rank, key))
+        elif st == KVPoll.WaitingForInput:
+            if r.initialised:
+                self._request(r, now)
+            elif r.state.since(now) > self.cfg.waiting_timeout:
+                self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
+        elif st == KVPoll.Transferring and r.state.since(now) > self.cfg.transfer_timeout:
+            self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
+                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}", now)
+        elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
+            r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
+            self._send_aborts(r, now)
+
+    def _request(self, r: DecodeRoom, now: float) -> None:
+        """Ask every sender of the prefill DP group: each CP rank, and in it each TP rank of this
+        rank's TP route, for the pools that route takes from it (one Send per pool set: the CP
+        ranks of one TP source get the same request, encoded once)."""
+        page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
+        staging: dict[str, Any] = {}
+        if self.staging is not None:
+            area = self.staging.area
+            r.staged_only = self.cfg.staging == "always"
+            staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
+                           staging_base=self.staging.base, staging_only=r.staged_only)
+        by_pools: dict[tuple[str, ...], list[str]] = {}
+        for _, s, pools in r.placement.asks:
+            by_pools.setdefault(pools, []).append(s.control_endpoint)
+        for pools, endpoints in by_pools.items():
+            self._out.append(Send(tuple(endpoints), wire.TransferRequest(
+                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.rank_id(), page_ids=page_ids,
+                first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
+                deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
+                fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
+                **staging,
+            )))
+        # the books while the requests travel (the shell sends them with the lock held: no report of
+        # this room is handled before they are written)
+        r.start_ledger(self.pools)
+        for key, s, _ in r.placement.asks:
+            peer = self.peers.peer(s, r.prefill_instance, now)
+            if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death
+                peer.last_seen = max(peer.last_seen, now)
+            peer.rooms.add(r.room)
+            r.requested.add(key)
+        r.state.to(KVPoll.Transferring, now=now)
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label,
+                     r.age_ms(now), now, sorted(r.requested))
+
+    # -- liveness ---------------------------------------------------------------
+
+    def _any_active(self, p: PrefillPeer) -> bool:
+        """A room toward this peer may still see writes from it (stops at the first)."""
+        rooms = self.rooms
+        return any(k in rooms and not rooms[k].pages_releasable for k in p.rooms)
+
+    def _active(self, p: PrefillPeer) -> list[DecodeRoom]:
+        """Rooms toward this peer that may still see writes from it."""
+        rooms = self.rooms
+        return [rooms[k] for k in p.rooms if k in rooms and not rooms[k].pages_releasable]
+
+    def _liveness(self, now: float) -> None:
+        found = self.peers.tick(now, self._active)
+        self._out.extend(found.actions)
+        for p in found.newly_dead:
+            self.topologies.forget_instance(p.instance)
+        for p, rooms in found.dead:
+            for r in rooms:
+                self.fail(r, p.dead, now)
+        for p, rooms in found.quiet:
+            for r in rooms:
+                r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == p.endpoint)
+
+
+def _label(msg: Any, endpoint: str, key: tuple[int, int] | None) -> str:
+    tp = f"/tp{key[1]}" if key is not None and key[1] else ""
+    return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
