@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.transfer.staging_settings import check_staging
+from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class PrefillConfig:
     # The gather buffer: registered host memory cut into slots of staging_slot_bytes; a chunk is
     # at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering while
     # another is on the wire; the default matches the decode default's slot size.
-    staging_bytes: int = 16 << 20
-    staging_slot_bytes: int = 8 << 20
+    staging_bytes: int = DEFAULT_BYTES["prefill"]
+    staging_slot_bytes: int = DEFAULT_SLOT_BYTES
     trace: bool = False
 
     def __post_init__(self) -> None:
