@@ -417,6 +417,10 @@ def test_a_connection_that_ends_delivers_every_frame_it_carried(served: tuple[Co
     server, _ = served
     with RawControl(server.endpoint) as raw:
         raw.send_bytes(b"".join(streams_frame(wire.encode(Ping(decode_rank="d0", seq=i))) for i in range(3000)))
+        # an orderly end (FIN): closing with the server's answers unread would reset the connection
+        # (RST), and TCP then drops whatever this socket had not yet sent, which no server can read
+        raw.sock.shutdown(socket.SHUT_WR)
+        assert raw.closed_by_peer(60)  # the server closes its end once it has read everything
     deadline = time.monotonic() + 20
     while server.stats.received < 3000 and time.monotonic() < deadline:
         time.sleep(0.02)
