@@ -114,18 +114,21 @@ def test_a_silent_decode_rank_fails_its_prefill_targets_naming_it(cluster):
 def test_the_topology_cache_expires_under_steady_traffic(cluster, daemon):
     """Issue 10 bug 2: every cached hit re-stored the timestamp, so a steady flow of rooms kept
     a stale topology forever. A fresh look-up happens every topology_ttl whatever the traffic."""
-    c = cluster(cp=1, topology_ttl=0.3)
+    c = cluster(cp=1, topology_ttl=1.0)  # (long beside a room's set-up even on a loaded machine)
     before = metric(daemon.url, "kvbridge_bootstrap_lookups_total", outcome="ok")
     receivers, room = [], 800
+
+    def lookups() -> float:
+        return metric(daemon.url, "kvbridge_bootstrap_lookups_total", outcome="ok") - before
 
     def steady() -> bool:  # a room every 50 ms, each served from the cache while it is fresh
         nonlocal room
         receivers.append(c.decode.receiver(room, f"{c.name}-p"))
         room += 1
         time.sleep(0.05)
-        return metric(daemon.url, "kvbridge_bootstrap_lookups_total", outcome="ok") - before >= 3
+        return lookups() >= 3
 
-    assert wait_until(steady, 30, step=0), "the cached topology never expired while rooms kept coming"
-    assert len(receivers) > 3  # most rooms used the cache
+    assert wait_until(steady, 60, step=0), "the cached topology never expired while rooms kept coming"
+    assert len(receivers) > lookups()  # rooms were served from the cache in between
     for r in receivers:
         r.close()
