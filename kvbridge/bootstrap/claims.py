@@ -4,7 +4,7 @@ reads inside its check-and-claim transaction.
 
 A registration names memory a peer will write into: a transport session (the process) and
 address ranges inside it (every pool buffer, the aux buffer and its regions, the scratch
-region). Addresses mean something only inside one process, and the session names the
+region, a decode rank's staging area). Addresses mean something only inside one process, and the session names the
 process, so a claim is ``(session, [start, end) ranges)``:
 
     session S, held by rank a of instance "decode-1":  [a0, a1) [a2, a3)
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.bootstrap.schemas import ScratchDescriptor
+from kvbridge.bootstrap.schemas import ScratchDescriptor, StagingDescriptor
 from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor, PoolDescriptor
 from kvbridge.errors import ClaimHeld
 
@@ -83,7 +83,7 @@ def _merged(ranges: np.ndarray) -> np.ndarray:
 
 def claim_of(rank_id: str, label: str, instance: str, session_id: str, pools: Iterable[PoolDescriptor],
              aux: AuxDescriptor | None, aux_regions: Iterable[AuxRegionDescriptor],
-             scratch: ScratchDescriptor | None) -> Claim:
+             scratch: ScratchDescriptor | None, staging: StagingDescriptor | None = None) -> Claim:
     """A rank's claim from its registration's descriptors."""
     pools = list(pools)
     regions = list(aux_regions)
@@ -95,6 +95,9 @@ def claim_of(rank_id: str, label: str, instance: str, session_id: str, pools: It
     if scratch is not None:
         starts.append(scratch.base)
         sizes.append(scratch.nbytes)
+    if staging is not None:
+        starts.append(staging.base)
+        sizes.append(staging.nbytes)
     # python ints first: a base near 2**64 plus its size must not wrap in uint64
     ends = [min(s + n, 2**64 - 1) for s, n in zip(starts, sizes)]
     ranges = np.array([starts, ends], dtype=np.uint64).T.reshape(-1, 2)

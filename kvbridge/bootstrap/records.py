@@ -13,6 +13,7 @@ from kvbridge.bootstrap.schemas import (
     RankView,
     ScratchDescriptor,
     SenderRank,
+    StagingDescriptor,
 )
 from kvbridge.bootstrap.topology import (
     AuxDescriptor,
@@ -41,12 +42,13 @@ class RankRecord:
     scratch: ScratchDescriptor | None = None
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
+    staging: StagingDescriptor | None = None  # a decode rank's staging area
 
     def claim(self) -> Claim:
         """The transport session and address ranges this rank holds (claims.py)."""
         i = self.identity
         return claim_of(self.rank_id, i.label, i.instance, self.session_id, self.pools, self.aux, self.aux_regions,
-                        self.scratch)
+                        self.scratch, self.staging)
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""

@@ -170,6 +170,7 @@ class Registry:
                 aux_regions=list(req.aux_regions),
                 secret_digest=secret_digest(secret),
                 scratch=req.scratch,
+                staging=req.staging,
             )
             self._check_claims(rec, replaced)
             if not self.store.remote:
@@ -386,7 +387,8 @@ class Registry:
             return RankDetail(rank_id=rank_id, rank=r.identity, fingerprint=inst.fingerprint,
                               control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
                               aux_regions=r.aux_regions, lease_ttl_s=r.lease_ttl_s,
-                              lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3), scratch=r.scratch)
+                              lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3), scratch=r.scratch,
+                              staging=r.staging)
 
     def instances(self) -> list[InstanceView]:
         now = self._clock()

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_ROOM",
     "RankIdentity",
     "ScratchDescriptor",
+    "StagingDescriptor",
     "RegisterRequest",
     "RegisterResponse",
     "HeartbeatResponse",
@@ -89,6 +90,30 @@ class ScratchDescriptor(_Strict):
     nbytes: int = Field(ge=16, le=1 << 20)
 
 
+class StagingDescriptor(_Strict):
+    """A decode rank's staging area (staged transfers, docs/staging.md): ``nbytes`` of registered
+    memory from ``base``, cut into slots of ``slot_bytes``. Prefill writes a staged chunk only
+    into one whole slot of it, and checks every request's area against this (hard rule 5)."""
+
+    base: int = Field(ge=0, lt=2**64)
+    nbytes: int = Field(ge=16, le=1 << 40)
+    slot_bytes: int = Field(ge=16, le=1 << 40)
+
+    @field_validator("slot_bytes")
+    @classmethod
+    def _slots(cls, v: int, info: ValidationInfo) -> int:
+        nbytes = info.data.get("nbytes")
+        if v % 16:
+            raise ValueError(f"slot_bytes {v} is not a multiple of 16")
+        if nbytes is not None and (nbytes < v or nbytes % v):
+            raise ValueError(f"nbytes {nbytes} is not a whole number of {v}-byte slots")
+        return v
+
+    @property
+    def num_slots(self) -> int:
+        return self.nbytes // self.slot_bytes
+
+
 class RegisterRequest(_Strict):
     rank: RankIdentity
     control_endpoint: str = Field(min_length=1, max_length=512, pattern=r"^[a-z][a-z0-9+.-]*://\S+$")
@@ -99,6 +124,7 @@ class RegisterRequest(_Strict):
     contract: RuntimeContract
     lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
     scratch: ScratchDescriptor | None = None
+    staging: StagingDescriptor | None = None  # a decode rank's staging area (None: every write direct)
 
 
 class RegisterResponse(_Strict):
@@ -187,6 +213,7 @@ class RankDetail(_Strict):
     lease_ttl_s: float
     lease_remaining_s: float
     scratch: ScratchDescriptor | None = None  # where prefill writes the nonce that proves the rank holds its memory
+    staging: StagingDescriptor | None = None  # where staged chunks may land (prefill checks requests against it)
 
 
 class InstanceView(_Strict):

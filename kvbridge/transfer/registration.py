@@ -11,7 +11,7 @@ from typing import Any
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
-from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor
+from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor, StagingDescriptor
 from kvbridge.bootstrap.topology import PoolDescriptor
 from kvbridge.errors import BufferSpecError, KVBridgeError
 from kvbridge.layout import BufferDesc, PoolSpec, RawBuffer, describe_buffer
@@ -85,9 +85,11 @@ def register_rank(
     contract: RuntimeContract,
     lease_ttl: float,
     scratch: ScratchDescriptor | None = None,
+    staging: StagingDescriptor | None = None,
 ) -> LeaseKeeper:
     """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
-    scratch region (``transfer/scratch.py``), where its ownership is proven."""
+    scratch region (``transfer/scratch.py``), where its ownership is proven; ``staging``: a decode
+    rank's staging area (``transfer/staging_buffer.py``), the only place staged chunks may land."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
@@ -97,6 +99,6 @@ def register_rank(
     request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),
                               aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl,
-                              scratch=scratch)
+                              scratch=scratch, staging=staging)
     registration = client.register(request)
     return LeaseKeeper(client, registration).start()

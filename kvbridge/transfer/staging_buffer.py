@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bootstrap.schemas import StagingDescriptor
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
@@ -64,6 +65,11 @@ class StagingBuffer:
                 return None
             return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device)
         return cls(nbytes, slot_bytes, rank=rank)
+
+    @property
+    def descriptor(self) -> StagingDescriptor:
+        """The area as the rank registers it with the daemon (what prefill checks requests against)."""
+        return StagingDescriptor(base=self.base, nbytes=self.nbytes, slot_bytes=self.area.slot_bytes)
 
     def slot_addr(self, slot: int) -> int:
         return self.base + self.area.offset(slot)

@@ -228,3 +228,15 @@ def test_etcd_a_rank_that_moves_frees_its_old_session_at_once(etcd_cluster: Any,
         r = h.post("/v1/ranks", json=_body(kvb, small_contract, instance_name("late"),
                                            session_id=body["session_id"] + "-restarted"))
         assert r.status_code == 409 and moved.json()["rank_id"] in r.json()["holder"], r.text
+
+
+def test_a_staging_area_is_claimed_like_the_pools() -> None:
+    """A decode rank's staging area is memory peers write into: another rank's range over it is a
+    conflict, as over its pools."""
+    from kvbridge.bootstrap.schemas import StagingDescriptor
+
+    staged = claim_of("d", "i/d", "i", "S", [], None, [], None, StagingDescriptor(base=4096, nbytes=1024, slot_bytes=256))
+    assert staged.ranges.tolist() == [[4096, 5120]]
+    alias = claim_of("e", "i/e", "i", "S", [], AuxDescriptor(base=5000, capacity_rows=1, row_bytes=8), [], None)
+    held, why = find_conflict([staged], alias)  # type: ignore[misc]
+    assert held.rank_id == "d" and "overlaps [0x1000, 0x1400)" in why

@@ -39,7 +39,8 @@ def regions(base: int) -> dict[str, RegionAddr]:
 
 def peer() -> DecodePeer:
     return DecodePeer(rank_id="r1", label="d/dp0/tp0", session="127.0.0.1:1", fingerprint="x",
-                      buffers=bufs(1 << 40), aux=regions(1 << 50), instance="d")
+                      buffers=bufs(1 << 40), aux=regions(1 << 50), instance="d",
+                      staging=(1 << 45, 3 * 4096, 4096))  # its registered staging area: 3 slots of 4 KiB
 
 
 def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, fingerprint: str = "x",
@@ -543,7 +544,8 @@ def test_a_grant_on_another_connection_or_outside_the_area_posts_nothing(ms):
     assert not of(acts, PostChunk) and msgs(acts, wire.ChunkLanded)[0].status == "failed"
     acts = ms.message(D, wire.SlotGrant(room=22, decode_rank="d/dp0/tp0", chunk=0, slot=3), 1.2)  # 3 slots: 0..2
     assert not of(acts, PostChunk)
-    assert r.state.state == KVPoll.Failed and "outside its 3 staging slots" in r.state.reason
+    assert r.state.state == KVPoll.Failed and "outside its 3 staging slots (registered area" in r.state.reason
+    assert "field=slot" in r.state.reason
 
 
 def test_staging_only_decode_and_a_prefill_that_never_stages_fail_the_target_by_name(m):
@@ -573,3 +575,41 @@ def test_an_offer_outlives_gc_while_its_request_waits_for_the_registration(ms):
     ms.rooms.forget(ms.rooms[25], 3.0, tombstone=False)
     ms.gc(3.0 + 2 * 60.0 + 1)
     assert (25, "d/dp0/tp0") not in ms.stage.offers
+
+
+@pytest.mark.parametrize("field, value", [("staging_base", STAGING_BASE + SLOT), ("staging_slot_bytes", 2 * SLOT),
+                                          ("staging_slots", 4)])
+def test_a_staging_area_other_than_the_registered_one_is_refused_naming_the_field(ms, field, value):
+    """Hard rule 5 for staging: the area a request offers must be the one its decode rank
+    registered, slot for slot; one field off refuses the request (nothing posted, the room fails)."""
+    import msgspec
+
+    r = ms.open(26, 1.0)
+    ms.engine_init(r, 7, None, 1.0)
+    acts = ms.message(D, msgspec.structs.replace(staged_request(26), **{field: value}), 1.0)
+    (failed,) = msgs(acts, wire.PagesDone)
+    assert failed.status == "failed" and f"field={field}" in failed.reason and "registered" in failed.reason
+    assert "room=26" in failed.reason and "rank=d/dp0/tp0" in failed.reason
+    assert r.state.state == KVPoll.Failed and not r.targets and (26, "d/dp0/tp0") not in ms.stage.offers
+    ms.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(26), None)
+    acts = ms.post(r, 1.1)
+    assert not of(acts, PostWrite) and not msgs(acts, wire.SlotRequest)
+
+
+def test_a_staging_area_offered_by_a_rank_that_registered_none_is_refused(ms):
+    ms.peers.entries["r1"].staging = None
+    r = ms.open(27, 1.0)
+    ms.engine_init(r, 7, None, 1.0)
+    (failed,) = msgs(ms.message(D, staged_request(27), 1.0), wire.PagesDone)
+    assert "registered none" in failed.reason and "field=staging_slots" in failed.reason
+    assert r.state.state == KVPoll.Failed
+
+
+def test_the_registered_area_is_the_one_written_and_a_request_without_staging_goes_direct(ms):
+    r, acts = staged_room(ms, 28)
+    assert ms.stage.offers[(28, "d/dp0/tp0")].end == STAGING_BASE + 3 * SLOT
+    r2 = ms.open(29, 1.0)
+    ms.engine_init(r2, 7, None, 1.0)
+    ms.message(D, request(29), 1.0)  # no area offered: direct, though one is registered
+    ms.chunk(r2, [0, 1], np.array([5, 6]), None, True, _packed(29), None)
+    assert of(ms.post(r2, 1.1), PostWrite) and r2.paths == {"d/dp0/tp0": "direct"}

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import PAGE
+from _local import PAGE, ProvingPeers, replies, rogue_request
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine.staging_area import SlotState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
@@ -145,3 +146,37 @@ def test_a_failed_chunk_write_fails_the_room_and_frees_its_slots(cluster):
     assert r.poll() == KVPoll.Failed and "injected failure" in r.failure_reason
     area = c.decode.staging.area
     assert wait_until(lambda: c.decode.locked(lambda: area.num_free) == area.num_slots, 10)
+
+
+def test_the_staging_area_is_registered_and_a_request_naming_another_is_refused(cluster):
+    """Hard rule 5 for staging, through the real endpoints: the decode rank's staging area is in
+    its registration at the daemon, and a request (authenticated, on a connection that proved its
+    registration) offering another area, here the decode rank's own page buffer, is refused by
+    every prefill rank naming the field; not a byte lands anywhere on decode."""
+    import msgspec
+
+    c = staged_cluster(cluster, cp=2)
+    registered = c.clients[0].rank(c.decode.rank_id).staging
+    assert registered == c.decode.staging.descriptor and registered.num_slots == 4
+    pages_base = min(d.base for d in c.decode.buffers.descs)
+    n = 8
+    request = msgspec.structs.replace(rogue_request(c, 95, n, rank_id=c.decode.rank_id), staging_slots=4,
+                                      staging_slot_bytes=SLOT, staging_base=pages_base, staging_only=True)
+    peers = ProvingPeers(c.decode)  # the decode rank's own registration: it proves it holds the memory
+    try:
+        senders = []
+        for ep in c.prefill:
+            s = ep.sender(95)
+            s.init(n)
+            senders.append(s)
+            peers.send(ep.endpoint, request)
+        got = replies(peers, len(c.prefill))
+    finally:
+        peers.close()
+    failed = [m for m in got if isinstance(m, wire.PagesDone)]
+    assert len(failed) == len(c.prefill), got
+    assert all(m.status == "failed" and "field=staging_base" in m.reason and "registered" in m.reason
+               and "room=95" in m.reason for m in failed), failed
+    assert all(s.poll() == KVPoll.Failed for s in senders)
+    assert not any(ep.counters["bytes"] for ep in c.prefill)
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())  # nothing landed

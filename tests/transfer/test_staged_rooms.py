@@ -177,3 +177,36 @@ def test_heterogeneous_tp_through_staging(daemon, p, d):
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon):
+    """Hard rule 5 for staging over Mooncake TCP between processes: the decode rank's staging area
+    is in its registration; a request on its own proven connection offering its page buffer as the
+    area is refused by the prefill process naming the field, and not a byte lands on decode."""
+    from _local import ProvingPeers, replies
+    from kvbridge.bootstrap.contract import fingerprint
+    from kvbridge.transfer.channel import wire
+
+    (p,) = start(daemon, "staged-alias-p", 1)
+    d = DecodeRank(daemon.url, instance="staged-alias-d", pages=64, **DECODE_STAGED)
+    peers = ProvingPeers(d.ep)
+    try:
+        assert d.client.rank(d.ep.rank_id).staging == d.ep.staging.descriptor
+        n = 8
+        p.send(96_000, n)
+        request = wire.TransferRequest(
+            room=96_000, decode_rank=d.ep.config.rank_label, decode_rank_id=d.ep.rank_id,
+            page_ids=wire.pack_pages(np.arange(n // 4)), first_page=0, pools=sorted(d.specs), aux_slot=0,
+            num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.contract),
+            num_decode_ranks=1, staging_slots=4, staging_slot_bytes=SLOT,
+            staging_base=min(b.base for b in d.ep.buffers.descs), staging_only=True)
+        peers.send(p.endpoint, request)
+        (failed,) = [m for m in replies(peers, 1, timeout=30) if isinstance(m, wire.PagesDone)]
+        assert failed.status == "failed" and "field=staging_base" in failed.reason, failed
+        assert p.result(96_000)["state"] == "Failed"
+        assert failed.room == 96_000
+    finally:
+        peers.close()
+        d.close()
+        p.stop()
+    assert d.untouched_except(np.array([], dtype=np.int64))

@@ -135,7 +135,8 @@ class DecodeEndpoint:
             self.staging.register(self.engine)
         self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
-                                    self.config.lease_ttl, scratch=self.scratch.descriptor)
+                                    self.config.lease_ttl, scratch=self.scratch.descriptor,
+                                    staging=None if self.staging is None else self.staging.descriptor)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")

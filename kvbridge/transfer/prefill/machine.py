@@ -33,7 +33,7 @@ from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.engine.staging_area import StagingArea
 from kvbridge.transfer.prefill.identity import PROOF_FAILED, Connection, Identities, Proof
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
-from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites
+from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
 from kvbridge.transfer.rooms import Rooms, Stage
@@ -179,7 +179,6 @@ class PrefillRooms:
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
-            self.stage.offered(msg, now)
             self._on_request(ident, msg, now)
             self._pump(now)
         elif isinstance(msg, wire.SlotGrant):
@@ -387,6 +386,7 @@ class PrefillRooms:
                          num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
             target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
                                          tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now)
+            offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self._refuse(ident, req, str(exc), now)
             return
@@ -394,6 +394,7 @@ class PrefillRooms:
             self._reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
             return
         r.targets[req.decode_rank] = target
+        self.stage.offered(req.room, req.decode_rank, offer, now)
         r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
         self.dirty.add(r.room)
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:

@@ -73,6 +73,8 @@ class DecodePeer:
     tp_rank: int = 0
     instance: str = ""  # the decode instance (a room belongs to the first instance that claims it)
     scratch: tuple[int, int] | None = None  # (base, nbytes) of its scratch region: where its ownership is proven
+    # (base, nbytes, slot_bytes) of its staging area: the only memory staged chunks may land in (None: none)
+    staging: tuple[int, int, int] | None = None
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
     checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
@@ -85,6 +87,8 @@ class DecodePeer:
             aux={r.name: RegionAddr.of(r) for r in detail.aux_regions},
             tp_size=detail.rank.tp_size, tp_rank=detail.rank.tp_rank, instance=detail.rank.instance,
             scratch=None if detail.scratch is None else (detail.scratch.base, detail.scratch.nbytes),
+            staging=None if detail.staging is None else (detail.staging.base, detail.staging.nbytes,
+                                                         detail.staging.slot_bytes),
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],

@@ -1,7 +1,9 @@
 """Prefill's staged writes: a sans-I/O book of chunks, slots and grants.
 
 A target whose decode rank offered a staging area (``TransferRequest.staging_slots``) may be
-*staged* (``choose_path``, or the ``staging`` override on either side). A staged write is the
+*staged*. The area offered must be the one the decode rank registered with the daemon, slot for
+slot (``registered_offer``, hard rule 5): the request only says that this room may use it. A
+target may be *staged* (``choose_path``, or the ``staging`` override on either side). A staged write is the
 same write the direct path would post (its pages, one report), cut by ``stage_plan`` into
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
@@ -26,20 +28,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.errors import LayoutError
+from kvbridge.errors import LayoutError, PageRangeError
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.layout.staging import StagedPlan, choose_path, stage_plan
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine.staging_area import Grant, StagingArea
+from kvbridge.transfer.prefill.peers import DecodePeer
 from kvbridge.transfer.prefill.targets import Target
 
-__all__ = ["Offer", "PostChunk", "StagedWrite", "StagedWrites"]
+__all__ = ["Offer", "PostChunk", "StagedWrite", "StagedWrites", "registered_offer"]
 
 
 @dataclass(frozen=True)
 class Offer:
-    """A decode rank's staging area, as its TransferRequest describes it."""
+    """A decode rank's staging area, as it registered it (``registered_offer``), and whether its
+    request takes staged writes only."""
 
     slots: int
     slot_bytes: int
@@ -48,6 +52,35 @@ class Offer:
 
     def slot_addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes
+
+    @property
+    def end(self) -> int:
+        return self.base + self.slots * self.slot_bytes
+
+
+def registered_offer(req: wire.TransferRequest, peer: DecodePeer) -> Offer | None:
+    """The staging area ``req`` offers (None: none), checked against the area its decode rank
+    registered (hard rule 5: a remote write lands only inside memory the daemon says that rank
+    registered). A request is authenticated, but its sender may be wrong about its own area or
+    name another's memory: any field that differs from the registration refuses the request,
+    naming the field; nothing is written."""
+    if not req.staging_slots:
+        return None
+    ctx = dict(room=req.room, rank=req.decode_rank)
+    if peer.staging is None:
+        raise PageRangeError(f"decode rank {peer.label} offers a staging area of {req.staging_slots} slots at "
+                             f"{req.staging_base:#x} but registered none; nothing written", field="staging_slots",
+                             **ctx)
+    base, nbytes, slot_bytes = peer.staging
+    for name, asked, registered in (("staging_base", req.staging_base, base),
+                                    ("staging_slot_bytes", req.staging_slot_bytes, slot_bytes),
+                                    ("staging_slots", req.staging_slots, nbytes // slot_bytes)):
+        if asked != registered:
+            shown = (f"{asked:#x}", f"{registered:#x}") if name == "staging_base" else (asked, registered)
+            raise PageRangeError(f"the request's {name} {shown[0]} differs from the {shown[1]} decode rank "
+                                 f"{peer.label} registered (staging area [{base:#x}, {base + nbytes:#x}) in "
+                                 f"{slot_bytes}-byte slots); nothing written", field=name, **ctx)
+    return Offer(nbytes // slot_bytes, slot_bytes, base, req.staging_only)
 
 
 @dataclass
@@ -109,12 +142,12 @@ class StagedWrites:
                          "direct_targets": 0, "staged_targets": 0}
 
     # ---- the choice --------------------------------------------------------------------------
-    def offered(self, req: wire.TransferRequest, now: float) -> None:
-        """A request's staging area, kept from its arrival (it may wait for the decode rank's
-        registration before its room exists here)."""
-        if req.staging_slots:
-            key = (req.room, req.decode_rank)
-            self.offers[key] = Offer(req.staging_slots, req.staging_slot_bytes, req.staging_base, req.staging_only)
+    def offered(self, room: int, decode_rank: str, offer: Offer | None, now: float) -> None:
+        """A target's staging area (``registered_offer``: checked against the decode rank's
+        registration), kept until its room is forgotten."""
+        if offer is not None:
+            key = (room, decode_rank)
+            self.offers[key] = offer
             self.offered_at[key] = now
 
     def path(self, room: int, t: Target, plan: TransferPlan) -> str:
@@ -193,9 +226,11 @@ class StagedWrites:
             out.append(Send((ident,), _landed_failed(msg, self.cp_rank, "no chunk of this rank waits for that slot")))
             return None
         k = found[1]
-        if msg.slot >= sw.offer.slots:
+        if msg.slot >= sw.offer.slots:  # (the offer is the registered area: a slot inside it lies inside it)
             sw.target.failure = sw.target.failure or (
-                f"decode rank {msg.decode_rank} granted slot {msg.slot} outside its {sw.offer.slots} staging slots")
+                f"decode rank {msg.decode_rank} granted slot {msg.slot} outside its {sw.offer.slots} staging slots "
+                f"(registered area [{sw.offer.base:#x}, {sw.offer.end:#x})); nothing written [room={msg.room} "
+                f"rank={msg.decode_rank} field=slot]")
         if sw.failed or not sw.target.active:
             out.append(Send((ident,), _landed_failed(msg, self.cp_rank, sw.target.failure or "target failed")))
             self._free_gather(sw.local.pop(k), out)
