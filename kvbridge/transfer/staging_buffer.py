@@ -58,7 +58,10 @@ class StagingBuffer:
             return None
         devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
         if any(type(t).__name__ == "RawBuffer" for t in tensors.values()) or len(devices) > 1:
-            log.info("%s: pages given as device addresses or on several devices: staging off, writes direct", rank)
+            # an operator who asked for "always" must hear that it has no effect here
+            (log.warning if mode == "always" else log.info)(
+                "%s: pages given as device addresses or on several devices: no staging buffer (staging %r), "
+                "every write direct", rank, mode)
             return None
         if devices == {"cuda"}:
             if mode != "always":

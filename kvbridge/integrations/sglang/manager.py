@@ -237,7 +237,7 @@ class KVBridgeKVManager(BaseKVManager):
                             cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule,
                             host=s.host, secret=s.secret,
                             lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
-                            aux_slots=1)  # fmt: skip
+                            aux_slots=1, **s.staging_config)  # fmt: skip
         self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)
         self.endpoint.start()
 
@@ -297,7 +297,7 @@ class KVBridgeKVManager(BaseKVManager):
             cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
                                tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
                                waiting_timeout=s.bootstrap_timeout, transfer_timeout=s.waiting_timeout,
-                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl)  # fmt: skip
+                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl, **s.staging_config)  # fmt: skip
             ep = DecodeEndpoint(cfg, self.engine(), specs, kv, contract, self.client(url), aux, schema)
             ep.start()
             with self._lock:

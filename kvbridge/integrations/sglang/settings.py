@@ -9,7 +9,7 @@ own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 What kvbridge does not support is refused here, naming the flag, why, and (where there
 is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
 decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
-layer split, the staging buffer, HiSparse, the ``prefill_complete`` allocation
+layer split, SGLang's own staging buffer (kvbridge stages by itself: ``KVBRIDGE_STAGING``), HiSparse, the ``prefill_complete`` allocation
 policy, PD role switching, forced DP-rank queries, and metadata buffers in GPU memory
 on decode.
 """
@@ -29,6 +29,9 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
                                               "KVBRIDGE_INSTANCE", "KVBRIDGE_HOST")  # fmt: skip
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
+# staged transfers (docs/staging.md): the same names and meanings as the workers' settings
+ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
+                                                          "KVBRIDGE_STAGING_SLOT_BYTES")  # fmt: skip
 ENVIRONMENT = (
     (ENV_URL, "one bootstrap daemon for the whole cluster (`kvbridge bootstrap`); unset: each prefill server "
               "starts one on its --disaggregation-bootstrap-port, and decode finds it at the request's bootstrap "
@@ -44,6 +47,13 @@ ENVIRONMENT = (
     (ENV_LEASE, "lease of a rank at the daemon, seconds (default 10)"),
     (ENV_PEER, "silence after which a peer rank counts as dead, seconds (default 5)"),
     (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+    (ENV_STAGING, "staged transfers (docs/staging.md): auto (default: chosen per target, many small slices "
+                  "staged; GPU pages stay direct), always (decode: every page through its staging area; prefill: "
+                  "stage every target that offers one; GPU pages too), never"),
+    (ENV_STAGING_BYTES, "registered staging memory in bytes: decode's staging area, prefill's gather buffer "
+                        "(default: decode 64 MiB, prefill 16 MiB)"),
+    (ENV_STAGING_SLOT_BYTES, "staging slot size in bytes, a multiple of 16: the largest chunk one write carries "
+                             "(default 8 MiB)"),
 )
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
@@ -93,6 +103,15 @@ class Settings:
     secret: bytes | None
     bootstrap_timeout: float  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: prefill waits this long for decode
     waiting_timeout: float  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: decode waits this long for the KV
+    # staged transfers (KVBRIDGE_STAGING*): the mode, and the sizes given (0: the role's config default)
+    staging: str = "auto"
+    staging_bytes: int = 0
+    staging_slot_bytes: int = 0
+
+    @property
+    def staging_config(self) -> dict[str, Any]:
+        """The staging keywords of this rank's ``PrefillConfig`` / ``DecodeConfig``."""
+        return staging_config(self.staging, self.staging_bytes, self.staging_slot_bytes)
 
     @property
     def label(self) -> str:
@@ -155,6 +174,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
     if dtype not in HIDDEN_DTYPES:
         raise ConfigError(f"{ENV_HIDDEN}={dtype!r} is not one of {HIDDEN_DTYPES}", field=ENV_HIDDEN)
     secret = env.get(ENV_SECRET, "")
+    staging = _staging(role, instance, env)
     return Settings(
         role=role, is_mla=is_mla, dp_rank=attn["dp_rank"], dp_size=attn["dp_size"], cp_rank=cp_rank, cp_size=cp_size,
         tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard, instance=instance,
@@ -168,6 +188,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         peer_timeout=_seconds(env, ENV_PEER, 5.0), secret=secret.encode() if secret else None,
         bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
+        **staging,
     )  # fmt: skip
 
 
@@ -193,7 +214,10 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
         (bool(getattr(sa, "enable_dsa_cache_layer_split", False)), "--enable-dsa-cache-layer-split",
          "each CP rank would hold a share of the layers; kvbridge sends every layer from the page's owner"),
         (_sglang_env("SGLANG_DISAGG_STAGING_BUFFER"), "SGLANG_DISAGG_STAGING_BUFFER",
-         "kvbridge writes pages directly; it has no staging buffer"),
+         "it switches SGLang's schedulers to its Mooncake backend's staging buffer (a prefetch grid on prefill, a "
+         "staging handler on the KV manager), which kvbridge's backend does not implement; kvbridge stages "
+         f"scattered pages by itself: unset it, and set {ENV_STAGING}=always to stage every page "
+         "(default auto: chosen per target)"),
         (bool(getattr(sa, "enable_hisparse", False)), "--enable-hisparse",
          "its decode pool is host memory laid out per HiSparse page; kvbridge writes the device pool"),
         (getattr(sa, "disaggregation_decode_allocation_policy", "early") != "early",
@@ -271,6 +295,36 @@ def _kv_device(gpu_id: int) -> str:
     import torch
 
     return f"cuda:{gpu_id}" if torch.cuda.is_available() else "cpu"
+
+
+def staging_config(mode: str, nbytes: int, slot_bytes: int) -> dict[str, Any]:
+    """Staging keywords for a ``PrefillConfig`` / ``DecodeConfig``: sizes left out where not
+    given (0), so that each role keeps its config's default (they differ by role)."""
+    given = {"staging_bytes": nbytes, "staging_slot_bytes": slot_bytes}
+    return {"staging": mode, **{k: v for k, v in given.items() if v}}
+
+
+def _staging(role: str, instance: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``KVBRIDGE_STAGING*`` settings, checked by the role's own config (the one rule for
+    staging settings); a refusal names the variable."""
+    from kvbridge import DecodeConfig, PrefillConfig
+
+    out: dict[str, Any] = {"staging": env.get(ENV_STAGING) or "auto"}
+    for name, key in ((ENV_STAGING_BYTES, "staging_bytes"), (ENV_STAGING_SLOT_BYTES, "staging_slot_bytes")):
+        raw = env.get(name) or "0"
+        try:
+            out[key] = int(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a whole number of bytes", field=name) from None
+        if out[key] < 0:
+            raise ConfigError(f"{name}={raw!r} must be positive (0 or unset: the default)", field=name)
+    try:
+        kw = staging_config(out["staging"], out["staging_bytes"], out["staging_slot_bytes"])
+        (PrefillConfig if role == "prefill" else DecodeConfig)(instance=instance, **kw)
+    except ConfigError as exc:
+        name = f"KVBRIDGE_{(exc.field or 'staging').upper()}"
+        raise ConfigError(f"{name}: {exc.reason}", field=name) from None
+    return out
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

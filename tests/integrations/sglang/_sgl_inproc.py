@@ -20,11 +20,12 @@ RANKS = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size"
 
 
 class Pair:
-    def __init__(self, cluster_url: str, name: str) -> None:
+    def __init__(self, cluster_url: str, name: str, env: dict[str, str] | None = None) -> None:
+        """``env``: more environment for both servers' managers (``KVBRIDGE_*``, read once at start)."""
         from kvbridge.integrations.sglang import install
 
         install()
-        env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": cluster_url}
+        env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": cluster_url, **(env or {})}
         port = free_port()  # names the prefill instance (a cluster daemon: nothing listens there)
         self.addr = f"127.0.0.1:{port}"
         try:

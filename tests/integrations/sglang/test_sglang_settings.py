@@ -197,3 +197,27 @@ def test_g5_state_pools_are_refused_when_sglang_builds_the_manager(rank, monkeyp
     msg = str(err.value)
     assert family in msg and "per-request state buffer" in msg and err.value.field == "state_types"
     assert "instead serve this model with --disaggregation-transfer-backend mooncake" in msg
+
+
+def test_staging_is_chosen_by_kvbridge_settings_and_sglangs_own_buffer_is_refused(rank, monkeypatch):
+    """KVBRIDGE_STAGING* (docs/staging.md) reach both roles' configs; sizes not given keep each
+    role's default; a bad value is refused naming the variable. SGLang's own staging buffer
+    switches its schedulers to its Mooncake backend's machinery: refused, pointing at kvbridge's."""
+    rank()
+    s = read_settings("decode", args(), True, env=ENV)
+    assert s.staging_config == {"staging": "auto"}
+    env = {**ENV, "KVBRIDGE_STAGING": "always", "KVBRIDGE_STAGING_BYTES": str(1 << 20),
+           "KVBRIDGE_STAGING_SLOT_BYTES": str(1 << 18)}
+    for role in ("prefill", "decode"):
+        assert read_settings(role, args(), True, env=env).staging_config == {
+            "staging": "always", "staging_bytes": 1 << 20, "staging_slot_bytes": 1 << 18}
+    assert read_settings("prefill", args(), True, env={**ENV, "KVBRIDGE_STAGING": "never"}).staging == "never"
+    for name, value in (("KVBRIDGE_STAGING", "sometimes"), ("KVBRIDGE_STAGING_SLOT_BYTES", "1000"),
+                        ("KVBRIDGE_STAGING_BYTES", "lots")):
+        with pytest.raises(ConfigError) as err:
+            read_settings("decode", args(), True, env={**ENV, name: value})
+        assert err.value.field == name, str(err.value)
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    with pytest.raises(ConfigError) as err:
+        read_settings("prefill", args(), True, env=ENV)
+    assert err.value.field == "SGLANG_DISAGG_STAGING_BUFFER" and "KVBRIDGE_STAGING=always" in str(err.value)
