@@ -133,6 +133,28 @@ def test_overlapping_ranges_in_one_shared_session_are_refused(http: httpx.Client
     assert http.post("/v1/ranks", json=b).status_code == 201
 
 
+def test_a_staging_area_is_registered_read_back_and_claimed(http: httpx.Client, kvb: Any,
+                                                             small_contract: RuntimeContract,
+                                                             instance_name: Callable[[str], str]) -> None:
+    """A decode rank's staging area: read back as registered (prefill checks requests against
+    it), a whole number of slots, and no other rank of the session may overlap it."""
+    name = instance_name("stg")
+    a = kvb.body(kvb.register_request(small_contract, name, "decode", sizes=(1, 1, 2, 1), coords=(0, 0, 0, 0)))
+    a["staging"] = {"base": 1 << 47, "nbytes": 4 * 4096, "slot_bytes": 4096}
+    bad = http.post("/v1/ranks", json={**a, "staging": {**a["staging"], "slot_bytes": 3 * 4096}})
+    assert bad.status_code == 409 and bad.json()["field"] == "staging.slot_bytes", bad.text  # inconsistent_request
+    assert "not a whole number of 12288-byte slots" in bad.json()["message"]
+    ra = http.post("/v1/ranks", json=a)
+    assert ra.status_code == 201, ra.text
+    assert http.get(f"/v1/ranks/{ra.json()['rank_id']}").json()["staging"] == a["staging"]
+    b = kvb.body(kvb.register_request(small_contract, name, "decode", sizes=(1, 1, 2, 1), coords=(0, 0, 1, 0)))
+    b.update(session_id=a["session_id"], aux={**b["aux"], "base": 1 << 45}, scratch={"base": 1 << 46, "nbytes": 64})
+    b["pools"] = [{**p, "base": p["base"] + (1 << 42)} for p in b["pools"]]
+    r = http.post("/v1/ranks", json={**b, "scratch": {"base": (1 << 47) + 4096, "nbytes": 64}})  # in a's area
+    assert r.status_code == 409 and r.json()["error"] == "claim_held", r.text
+    assert http.post("/v1/ranks", json=b).status_code == 201
+
+
 # ---- on etcd: one transaction, two replicas, restarts, lease expiry -------------------------------
 
 def _replicas(start_daemon: Callable[..., Any], cluster: Any, prefix: str, n: int) -> list[Any]:
