@@ -180,3 +180,35 @@ def test_the_staging_area_is_registered_and_a_request_naming_another_is_refused(
     assert all(s.poll() == KVPoll.Failed for s in senders)
     assert not any(ep.counters["bytes"] for ep in c.prefill)
     assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())  # nothing landed
+
+
+def test_a_slot_grant_outside_the_registered_area_writes_nothing(cluster):
+    """A request offering exactly the registered area passes; a SlotGrant for a slot past it fails
+    the target by name (room, decode rank, field), and no chunk is written anywhere."""
+    import msgspec
+
+    c = staged_cluster(cluster, cp=1)
+    area = c.decode.staging.descriptor
+    n = 8
+    request = msgspec.structs.replace(rogue_request(c, 96, n, rank_id=c.decode.rank_id), staging_slots=area.num_slots,
+                                      staging_slot_bytes=area.slot_bytes, staging_base=area.base, staging_only=True)
+    peers = ProvingPeers(c.decode)
+    ep = c.prefill[0]
+    try:
+        s = ep.sender(96)
+        s.init(n)
+        peers.send(ep.endpoint, request)
+        s.send(np.arange(2), np.arange(2) + 10, is_last=True, aux=make_aux(c.aux_schema, 96, n))
+        ask = next(m for m in replies(peers, 1) if isinstance(m, wire.SlotRequest))
+        peers.send(ep.endpoint, wire.SlotGrant(room=96, decode_rank=request.decode_rank, chunk=ask.chunk,
+                                               slot=area.num_slots))  # one past the registered area
+        got = replies(peers, 2)
+    finally:
+        peers.close()
+    landed = [m for m in got if isinstance(m, wire.ChunkLanded)]
+    assert landed and all(m.status == "failed" for m in landed), got
+    wait_final([s])
+    assert s.poll() == KVPoll.Failed and "outside its 4 staging slots (registered area" in s.failure_reason
+    assert "field=slot" in s.failure_reason and "room=96" in s.failure_reason
+    assert ep.counters["bytes"] == 0
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())
