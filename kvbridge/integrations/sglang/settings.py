@@ -9,9 +9,9 @@ own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 What kvbridge does not support is refused here, naming the flag, why, and (where there
 is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
 decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
-layer split, SGLang's own staging buffer (kvbridge stages by itself: ``KVBRIDGE_STAGING``), HiSparse, the ``prefill_complete`` allocation
-policy, PD role switching, forced DP-rank queries, and metadata buffers in GPU memory
-on decode.
+layer split, SGLang's own staging buffer (kvbridge stages by itself: ``KVBRIDGE_STAGING``),
+HiSparse, the ``prefill_complete`` allocation policy, PD role switching, forced DP-rank
+queries, and metadata buffers in GPU memory on decode.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Prefill's staged writes: a sans-I/O book of chunks, slots and grants.
 
 A target whose decode rank offered a staging area (``TransferRequest.staging_slots``) may be
-*staged*. The area offered must be the one the decode rank registered with the daemon, slot for
-slot (``registered_offer``, hard rule 5): the request only says that this room may use it. A
-target may be *staged* (``choose_path``, or the ``staging`` override on either side). A staged write is the
+*staged* (``choose_path``, or the ``staging`` override on either side). The area offered must
+be the one the decode rank registered with the daemon, slot for slot (``registered_offer``,
+hard rule 5): the request only says that this room may use it. A staged write is the
 same write the direct path would post (its pages, one report), cut by ``stage_plan`` into
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
@@ -289,8 +289,7 @@ class StagedWrites:
 
     def prune(self, known: Callable[[int], bool], now: float, horizon: float) -> None:
         """Drop what is kept of rooms the machine does not hold: an offer once it is ``horizon``
-        seconds old (a request refused before its room existed leaves one behind; one still
-        waiting for its registration is younger)."""
+        seconds old (kept with its target; a room forgotten without ``forget_room`` leaves one)."""
         for key in [key for key in self.offers if not known(key[0]) and now - self.offered_at[key] > horizon]:
             del self.offers[key], self.offered_at[key]
         for book in (self.paths, self.next_chunk):
