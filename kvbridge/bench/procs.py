@@ -31,6 +31,15 @@ log = logging.getLogger("kvbridge.bench")
 CAP = 1024  # slices per Mooncake call
 
 
+def staging_sizes(cfg: dict[str, Any], role: str) -> dict[str, int]:
+    """The staging sizes the bench asked for (``staging_slot_bytes`` > 0), else the configs' own."""
+    slot = int(cfg.get("staging_slot_bytes") or 0)
+    if not slot:
+        return {}
+    slots = cfg.get("staging_slots") or [2, 8]
+    return {"staging_slot_bytes": slot, "staging_bytes": slot * int(slots[0 if role == "prefill" else 1])}
+
+
 def emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -90,7 +99,7 @@ class PrefillRank(RankBase):
         # staging "never" until a staged room asks (the ``staging`` command): kvbridge rows stay direct
         pcfg = PrefillConfig(instance=cfg["instance"], cp_rank=self.rank, cp_size=cfg["cp"],
                              max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"],
-                             staging="always" if cfg.get("staged") else "never")
+                             staging="always" if cfg.get("staged") else "never", **staging_sizes(cfg, "prefill"))
         self.endpoint = PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract,
                                         BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux_schema)
         self.endpoint.start()
@@ -200,7 +209,7 @@ class DecodeRank(RankBase):
         torch = self.torch
         self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
         dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
-                            staging="auto" if cfg.get("staged") else "never")
+                            staging="auto" if cfg.get("staged") else "never", **staging_sizes(cfg, "decode"))
         self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
                                        self.aux_schema)

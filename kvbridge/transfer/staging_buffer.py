@@ -5,9 +5,9 @@ writes land), prefill its gather buffer (where pages are gathered before the wir
 where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
 device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
 given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
-buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
-only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
-until the staged path of the rooms is measured on GPUs.
+buffer on): ``for_buffers`` returns None and every target goes direct. Over the IPC engine
+``auto`` makes no device buffer: every target there goes direct (``choose_path``), so the
+memory would never be used.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.engine import TransferEngine, tensor_region
+from kvbridge.transfer.engine.ipc import IpcEngine
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
 
@@ -30,7 +31,8 @@ __all__ = ["StagingBuffer"]
 class StagingBuffer:
     """``nbytes`` of registered memory cut into slots of ``slot_bytes`` (``area``), with its stager."""
 
-    def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None) -> None:
+    def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None,
+                 device_pages: Any = ()) -> None:
         num_slots = nbytes // slot_bytes
         self.area = StagingArea(num_slots, slot_bytes, rank=rank)
         size = num_slots * slot_bytes
@@ -43,16 +45,19 @@ class StagingBuffer:
 
             self.memory = torch.zeros(size, dtype=torch.uint8, device=device)
             self.base = int(self.memory.data_ptr())
-            self.stager = CudaStager(self.memory.device.index or 0)
+            # the kernel copies between the pages and the slots; anything else (aux rows) by copy
+            ranges = [(self.base, size), *(tensor_region(t) for t in device_pages)]
+            self.stager = CudaStager(self.memory.device.index or 0, device_ranges=ranges)
         self.nbytes = size
         self._registered = False
 
     @classmethod
     def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
-                    rank: str) -> StagingBuffer | None:
+                    rank: str, engine: Any = None) -> StagingBuffer | None:
         """A buffer beside ``tensors`` (the endpoint's page buffers) for staging ``mode``, or None
         when staging is off ("never"), the pages are device addresses kvbridge cannot place a
-        buffer beside, or they are GPU pages and staging was not asked for ("always")."""
+        buffer beside, or they are GPU pages, ``engine`` is the IPC engine (whose slice kernel
+        copies scattered pages itself) and staging was not asked for ("always")."""
         if mode == "never" or nbytes < slot_bytes:
             return None
         devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
@@ -60,9 +65,10 @@ class StagingBuffer:
             log.info("%s: pages given as device addresses or on several devices: staging off, writes direct", rank)
             return None
         if devices == {"cuda"}:
-            if mode != "always":
+            if mode != "always" and isinstance(engine, IpcEngine):
                 return None
-            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device)
+            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device,
+                       device_pages=tensors.values())
         return cls(nbytes, slot_bytes, rank=rank)
 
     def slot_addr(self, slot: int) -> int:

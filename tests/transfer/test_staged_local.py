@@ -145,3 +145,35 @@ def test_a_failed_chunk_write_fails_the_room_and_frees_its_slots(cluster):
     assert r.poll() == KVPoll.Failed and "injected failure" in r.failure_reason
     area = c.decode.staging.area
     assert wait_until(lambda: c.decode.locked(lambda: area.num_free) == area.num_slots, 10)
+
+
+def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
+    """The slice kernel touches only device memory it was told of (pages, slots): an aux row in
+    host memory goes by one plain copy on the same stream, the rest in one launch (a recording
+    copier stands in for the GPU)."""
+    from kvbridge.transfer.engine.staging import AddressRanges, CudaStager
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.launches, self.copies = [], []
+
+        def launch(self, src, dst, length):
+            self.launches.append((src.tolist(), dst.tolist(), length.tolist()))
+
+        def copy_async(self, dst, src, nbytes):
+            self.copies.append((src, dst, nbytes))
+
+    pages, slot, host = (1 << 20, 4096), (1 << 24, 8192), 1 << 30  # device regions; an address outside them
+    ranges = AddressRanges([slot, pages])
+    assert ranges.hold(np.array([1 << 20, (1 << 20) + 4000, 1 << 24, host], np.uint64),
+                       np.array([4096, 200, 8192, 8], np.uint64)).tolist() == [True, False, True, False]
+    rec = Recorder()
+    stager = CudaStager(copier=rec, device_ranges=[pages, slot])
+    src = np.array([1 << 20, (1 << 20) + 1024, host], np.uint64)  # two page slices, the aux row
+    dst = np.array([1 << 24, (1 << 24) + 1024, (1 << 24) + 2048], np.uint64)
+    stager.copy(src, dst, np.array([1024, 1024, 64], np.uint64))
+    assert rec.launches == [([1 << 20, (1 << 20) + 1024], [1 << 24, (1 << 24) + 1024], [1024, 1024])]
+    assert rec.copies == [(host, (1 << 24) + 2048, 64)]
+    rec.launches.clear()
+    stager.copy(src[2:], dst[2:], np.array([64], np.uint64))  # nothing for the kernel: no launch
+    assert rec.launches == []

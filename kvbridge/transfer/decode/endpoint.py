@@ -99,7 +99,7 @@ class DecodeEndpoint:
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the staging area remote writes of staged targets land in (docs/staging.md)
         self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
-                                                 config.staging_slot_bytes, rank=rank)
+                                                 config.staging_slot_bytes, rank=rank, engine=engine)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset),
@@ -317,8 +317,8 @@ class DecodeEndpoint:
         stager = self.staging.stager
         if isinstance(stager, HostStager):
             copy_slices(a.src, a.dst, a.length)
-        else:
-            stager.copier.launch(a.src, a.dst, a.length)
+        else:  # the kernel for pages, a plain copy for an aux row in host memory
+            stager.copy(a.src, a.dst, a.length)
             stager.synchronize(stager.copier.record())
         self._carry_out(self.machine.scattered(a.room, a.slot, time.monotonic()))
 
