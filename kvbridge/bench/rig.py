@@ -10,8 +10,8 @@ exactly the same slices between the same buffers:
               binding, <= 1,024 slices per synchronous call, the ranks starting together
     staged    the kvbridge room through staging (prefill gathers into its gather buffer, writes
               large pieces into decode's staging slots, decode scatters): the same pages and
-              checks, the prefill ranks switched to staging "always" for the room; the kvbridge
-              rows are direct (staging "never")
+              checks, every rank switched to staging "always" for the room; the kvbridge
+              rows are direct (staging "never" on every rank)
     engine    the same slices through kvbridge's engine (submit_write + wait): the data
               path without the control protocol
     memcpy    (host memory) each rank copies the same slices into a scratch buffer
@@ -211,7 +211,7 @@ class Rig:
         """Seconds from the decode receiver's creation to commit; slices the senders posted (staged:
         wire pieces). ``staging``: the prefill ranks' path for the room, "never" (direct) or "always"."""
         if staging != self.staging_mode:
-            for child in self.prefill:
+            for child in (*self.prefill, self.decode):
                 child.ask(op="staging", mode=staging)
             self.staging_mode = staging
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)

@@ -5,9 +5,9 @@ writes land), prefill its gather buffer (where pages are gathered before the wir
 where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
 device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
 given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
-buffer on): ``for_buffers`` returns None and every target goes direct. Over the IPC engine
-``auto`` makes no device buffer: every target there goes direct (``choose_path``), so the
-memory would never be used.
+buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
+only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
+until the staged rooms are measured end to end on a GPU (``scripts/gpu_bench.py``'s staged table).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from kvbridge.transfer.engine import TransferEngine, tensor_region
-from kvbridge.transfer.engine.ipc import IpcEngine
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
 
@@ -53,11 +52,10 @@ class StagingBuffer:
 
     @classmethod
     def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
-                    rank: str, engine: Any = None) -> StagingBuffer | None:
+                    rank: str) -> StagingBuffer | None:
         """A buffer beside ``tensors`` (the endpoint's page buffers) for staging ``mode``, or None
         when staging is off ("never"), the pages are device addresses kvbridge cannot place a
-        buffer beside, or they are GPU pages, ``engine`` is the IPC engine (whose slice kernel
-        copies scattered pages itself) and staging was not asked for ("always")."""
+        buffer beside, or they are GPU pages and staging was not asked for ("always")."""
         if mode == "never" or nbytes < slot_bytes:
             return None
         devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
@@ -65,7 +63,7 @@ class StagingBuffer:
             log.info("%s: pages given as device addresses or on several devices: staging off, writes direct", rank)
             return None
         if devices == {"cuda"}:
-            if mode != "always" and isinstance(engine, IpcEngine):
+            if mode != "always":
                 return None
             return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device,
                        device_pages=tensors.values())

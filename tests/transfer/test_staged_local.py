@@ -177,3 +177,27 @@ def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
     rec.launches.clear()
     stager.copy(src[2:], dst[2:], np.array([64], np.uint64))  # nothing for the kernel: no launch
     assert rec.launches == []
+
+
+def test_decode_set_staging_switches_what_rooms_offer(cluster):
+    """DecodeEndpoint.set_staging (the bench compares the paths on one set of ranks): "never" offers
+    no area (the room goes direct though prefill stages always), "always" makes the next room staged
+    only; a bad mode is a named error."""
+    from kvbridge.errors import ConfigError
+
+    c = staged_cluster(cluster, cp=1)
+    rng = np.random.default_rng(3)
+    paths = {}
+    for room, mode in ((11, "never"), (12, "always")):
+        c.decode.set_staging(mode)
+        pages = rng.permutation(64)[:3]
+        r = c.decode.receiver(room, f"{c.name}-p")
+        r.init(pages, room % 4, 3 * PAGE)
+        senders = send_random(c, room, 3 * PAGE, rng)
+        wait_final([r, *senders])
+        assert r.poll() == KVPoll.Success, r.failure_reason
+        assert c.verified(room, 3 * PAGE, pages)
+        paths[mode] = set(senders[0].stats["paths"].values())
+    assert paths == {"never": {"direct"}, "always": {"staged"}}
+    with pytest.raises(ConfigError, match="staging"):
+        c.decode.set_staging("sometimes")

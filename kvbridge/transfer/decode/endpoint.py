@@ -49,6 +49,7 @@ from kvbridge.transfer.registration import EndpointBuffers, register_rank, unreg
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch, device_of
 from kvbridge.transfer.staging_buffer import StagingBuffer
+from kvbridge.transfer.staging_settings import STAGING_MODES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +100,7 @@ class DecodeEndpoint:
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the staging area remote writes of staged targets land in (docs/staging.md)
         self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
-                                                 config.staging_slot_bytes, rank=rank, engine=engine)
+                                                 config.staging_slot_bytes, rank=rank)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset),
@@ -280,6 +281,19 @@ class DecodeEndpoint:
         with self._lock:
             self._carry_out(self.machine.abort(r, reason, time.monotonic()))
         self._wake()
+
+    def set_staging(self, mode: str) -> None:
+        """Change what rooms requested from now on offer (auto, always, never: docs/staging.md) on a
+        rank that has its staging area (the bench compares the paths on one set of ranks)."""
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
+                              field="staging")
+        if mode != "never" and self.staging is None:
+            raise ConfigError("this rank has no staging area (staging 'never' at start, GPU pages without "
+                              "'always', or pages given as device addresses)", rank=self.config.rank_label,
+                              field="staging")
+        with self._lock:
+            self.machine.staging_mode = mode
 
     def _wake(self) -> None:
         if self._peers is not None:

@@ -102,7 +102,7 @@ class PrefillEndpoint:
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the gather buffer staged writes leave from (docs/staging.md)
         self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
-                                                config.staging_slot_bytes, rank=rank, engine=engine)
+                                                config.staging_slot_bytes, rank=rank)
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
             page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
