@@ -510,7 +510,8 @@ def staged_table(rows: list[dict[str, Any]], ceilings: list[dict[str, Any]], slo
             f"{r['alloc']:>10} {r['tokens']:>6} {r['bytes'] / 1e6:>7.0f} {f(r['kvbridge_gbps']):>7} "
             f"{f(r['kvbridge_slices'], 'd'):>7} {f(r.get('staged_gbps')):>7} {f(r.get('staged_slices'), 'd'):>6} "
             f"{f(r['raw_gbps']):>7} {f(ceil):>7} {f(ratio(r.get('staged_gbps'), r['kvbridge_gbps']), '.2f'):>7} "
-            f"{f(ratio(r.get('staged_gbps'), r['raw_gbps']), '.2f'):>7} {f(ratio(r.get('staged_gbps'), ceil), '.2f'):>8} "
+            f"{f(ratio(r.get('staged_gbps'), r['raw_gbps']), '.2f'):>7} "
+            f"{f(ratio(r.get('staged_gbps'), ceil), '.2f'):>8} "
             f"{f(ratio(r.get('staged_gbps'), contiguous.get(r['tokens'])), '.2f'):>10} {('yes' if ok else 'NO'):>8}")
         for why in r["kvbridge_failures"] + r["verify_errors"]:
             lines.append(f"    {r['alloc']} {r['tokens']}: {why}")
@@ -641,7 +642,8 @@ def main() -> None:
                   f"{p['wire_pieces']} pieces; ok {p['ok']}")
     mc_rows = [r for r in result["rows"] if r["group"].startswith("mooncake")]
     if any(r.get("staged_gbps") for r in mc_rows):
-        print(f"\nstaged rooms end to end ({mc_rows[0]['group']}; {'ONE GPU: both sides on cuda:0' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
+        where = "ONE GPU: both sides on cuda:0" if result["info"]["one_gpu"] else "cuda:0 -> cuda:1"
+        print(f"\nstaged rooms end to end ({mc_rows[0]['group']}; {where}; "
               f"{args.staged_slot_mib} MiB slots, 2 per prefill rank, {args.decode_slots} on decode); direct / "
               f"staged / raw: GB/s of payload, median of {args.reps}; slices: kvbridge direct's per room, pieces: "
               f"staged wire pieces per room; ceiling: the staging ceiling of the same pages (one process, "

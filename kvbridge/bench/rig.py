@@ -222,7 +222,8 @@ class Rig:
         sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
         problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
         want = "staged" if staging == "always" else "direct"
-        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want} (decode offered no staging area)" for r, s in enumerate(sent) if set(s["paths"]) - {want}]
+        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(sent)
+                     if set(s["paths"]) - {want}]
         if res["state"] != "Success" or res["aux_room"] != room or problems:
             raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
                                 f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)
