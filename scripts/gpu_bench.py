@@ -13,7 +13,12 @@ one GPU) and one process per prefill CP rank (cuda:0). Groups:
 
 For each allocation (contiguous: decode pages lane-major; random: both sides from a
 shuffled free list) and length: fill, plan, then a checked warm-up and ``--reps`` turns
-per method; every kvbridge room lands on poisoned pages and is checked on the GPU.
+per method; every kvbridge room lands on poisoned pages and is checked on the GPU. On the
+Mooncake groups the methods are kvbridge direct, kvbridge staged (the prefill ranks switched
+to staging "always": the slice kernel gathers into a GPU gather slot, Mooncake carries whole
+slots into decode's GPU staging slots, decode's kernel scatters; ``--staged-slot-mib`` slots,
+two per prefill rank and ``--decode-slots`` on decode) and raw Mooncake on the same slices;
+the staged table sets them beside the staging ceiling of the same pages (``--staged-ceilings``).
 
 Ceilings (``--ceilings``, one process, both sides on cuda:0 -> decode's GPU): a
 device-to-device copy, ``index_select`` + ``index_copy_`` of random 41,984 B pages, the
@@ -23,11 +28,13 @@ staged building blocks (``stage_plan`` chunks through ``CudaStager``: the whole 
 part alone), and the staging ceiling of real rooms (``--tokens``, random allocation, CP 2: each
 rank's plan staged through ``--slot-mib`` slots; gather, slot copy, scatter, the whole, against
 the same slices in one slice-kernel launch).
+``--staged-ceilings`` measures only those staged rooms' ceilings (not the copy ceilings).
 ``--trace-tokens N [M ...]`` adds rooms of those lengths run with KVBRIDGE_TRACE=1 and prints
 where their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fixed cost).
 
     python scripts/gpu_bench.py [--tokens 8192 32768 131072] [--alloc contiguous random]
-        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings] [--slot-mib 16 64] [--trace-tokens 8192 131072]
+        [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings | --staged-ceilings] [--slot-mib 16 64]
+        [--staged-slot-mib 256] [--decode-slots 4] [--trace-tokens 8192 131072]
         [--json out.json]
 
 Geometry: DeepSeek V3.2 fp8 (target 656 B/token, index-K 132 B/token, one NextN draft
@@ -403,13 +410,15 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      allocs=allocs, raw_mooncake=g["engine"] == "mooncake", device=src_dev, decode_device=dst_dev,
                      prefill_aux=src_dev if g["aux"] == "device" else "cpu",
                      decode_aux=dst_dev if g["aux"] == "device" else "cpu", env=env, log_dir=trace_dir,
-                     # staging GPU pages is opt-in (decode staging "always") and its rooms are not benched
-                     # end to end yet; --ceilings measures the staged building blocks on these pages
-                     staged=False)
+                     # staged rooms where the engine is Mooncake (the IPC engine's kernel copies scattered
+                     # pages in one launch: never staged there); traced rooms stay direct
+                     staged=g["engine"] == "mooncake" and not trace_dir,
+                     staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(2, args.decode_slots))
 
     def show(row: dict[str, Any]) -> None:
         log(f"  {name} {row['alloc']} {row['tokens']}: kvbridge {row['kvbridge_gbps']} GB/s (p50 "
-            f"{row['kvbridge_p50_ms']} ms), raw {row['raw_gbps']}, engine {row['engine_gbps']}, verified "
+            f"{row['kvbridge_p50_ms']} ms, {row['kvbridge_slices']} slices), staged {row.get('staged_gbps')} "
+            f"({row.get('staged_slices')} pieces), raw {row['raw_gbps']}, engine {row['engine_gbps']}, verified "
             f"{row['rooms_verified']} rooms, failures {row['kvbridge_failures'] + row['verify_errors']}")
 
     rows = run_sweep(spec, url, None, show_progress=False, on_row=show)
@@ -475,6 +484,49 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def staged_table(rows: list[dict[str, Any]], ceilings: list[dict[str, Any]], slot_mib: int) -> str:
+    """The Mooncake rows' staged method against direct, raw Mooncake, the staging ceiling of the same
+    pages (``staged_rooms``, slots of ``slot_mib``) and kvbridge on contiguous pages, with the goals."""
+    ceiling = {r["tokens"]: r.get(f"slot{slot_mib}", {}).get("staged_gbps") for r in ceilings}
+    contiguous = {r["tokens"]: r["kvbridge_gbps"] for r in rows if r["alloc"] == "contiguous"}
+    head = (f"{'alloc':>10} {'tokens':>6} {'MB':>7} {'direct':>7} {'slices':>7} {'staged':>7} {'pieces':>6} "
+            f"{'raw mc':>7} {'ceiling':>7} {'stg/dir':>7} {'stg/raw':>7} {'stg/ceil':>8} {'stg/contig':>10} "
+            f"{'verified':>8}")
+    lines = [head]
+
+    def f(v: Any, spec: str = ".1f") -> str:
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+    goals = []
+    for r in sorted(rows, key=lambda r: (r["alloc"], r["tokens"])):
+        if not r.get("staged_gbps") and not r.get("kvbridge_gbps"):
+            continue
+        ceil = ceiling.get(r["tokens"]) if r["alloc"] == "random" else None
+        ok = not r["verify_errors"] and not r["kvbridge_failures"] and r["rooms_verified"]
+        lines.append(
+            f"{r['alloc']:>10} {r['tokens']:>6} {r['bytes'] / 1e6:>7.0f} {f(r['kvbridge_gbps']):>7} "
+            f"{f(r['kvbridge_slices'], 'd'):>7} {f(r.get('staged_gbps')):>7} {f(r.get('staged_slices'), 'd'):>6} "
+            f"{f(r['raw_gbps']):>7} {f(ceil):>7} {f(ratio(r.get('staged_gbps'), r['kvbridge_gbps']), '.2f'):>7} "
+            f"{f(ratio(r.get('staged_gbps'), r['raw_gbps']), '.2f'):>7} "
+            f"{f(ratio(r.get('staged_gbps'), ceil), '.2f'):>8} "
+            f"{f(ratio(r.get('staged_gbps'), contiguous.get(r['tokens'])), '.2f'):>10} {('yes' if ok else 'NO'):>8}")
+        for why in r["kvbridge_failures"] + r["verify_errors"]:
+            lines.append(f"    {r['alloc']} {r['tokens']}: {why}")
+        if r["alloc"] == "random" and r.get("staged_gbps"):
+            bar = {8192: 100.0, 131072: 300.0}.get(r["tokens"])
+            if bar:
+                goals.append(f"goal {r['tokens']} tokens random >= {bar:.0f} GB/s: staged {r['staged_gbps']:.1f} "
+                             f"({'met' if r['staged_gbps'] >= bar else 'not met'})")
+            c = ratio(r["staged_gbps"], ceil)
+            if c is not None:
+                goals.append(f"goal {r['tokens']} tokens random >= 0.8x the staging ceiling: {c:.2f} "
+                             f"({'met' if c >= 0.8 else 'not met'})")
+    return "\n".join(lines + goals)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -489,7 +541,11 @@ def main() -> None:
     ap.add_argument("--ceilings", action="store_true", help="measure the copy ceilings first (one process)")
     ap.add_argument("--ceiling-pages", type=int, default=65536)
     ap.add_argument("--slot-mib", type=int, nargs="+", default=[16, 64],
-                    help="staging slot sizes (MiB) for the staged rooms of --ceilings")
+                    help="staging slot sizes (MiB) for the staged rooms of --ceilings (the staged rows' own is added)")
+    ap.add_argument("--staged-ceilings", action="store_true",
+                    help="measure only the staging ceiling of the rooms' pages (not the copy ceilings)")
+    ap.add_argument("--staged-slot-mib", type=int, default=256, help="the staged rooms' slots (MiB), both sides")
+    ap.add_argument("--decode-slots", type=int, default=4, help="decode's staging slots for the staged rooms")
     ap.add_argument("--trace-tokens", type=int, nargs="*", default=[],
                     help="also run traced rooms of these lengths (contiguous), every group")
     ap.add_argument("--trace-reps", type=int, default=10)
@@ -511,6 +567,8 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
+    if args.staged_slot_mib not in args.slot_mib:
+        args.slot_mib = [*args.slot_mib, args.staged_slot_mib]
     if args.ceilings:
         t = time.perf_counter()
         try:
@@ -520,6 +578,7 @@ def main() -> None:
             result["errors"].append(f"ceilings: {type(exc).__name__}: {exc}")
         log(f"# ceilings ({time.perf_counter() - t:.0f}s): {json.dumps(result.get('ceilings'))}")
         save()
+    if args.ceilings or args.staged_ceilings:
         t = time.perf_counter()
         try:
             result["staged_rooms"] = staged_rooms(args.tokens, args.layers, args.slot_mib, "cuda:0")
@@ -581,6 +640,15 @@ def main() -> None:
                   f"{p['gather_gbps']}, slot copy {p['wire_gbps']}, scatter {p['scatter_gbps']}; serial sum "
                   f"{p['serial_sum_gbps']}); slice kernel direct {r['kernel_direct_gbps']}; {p['chunks']} chunks, "
                   f"{p['wire_pieces']} pieces; ok {p['ok']}")
+    mc_rows = [r for r in result["rows"] if r["group"].startswith("mooncake")]
+    if any(r.get("staged_gbps") for r in mc_rows):
+        where = "ONE GPU: both sides on cuda:0" if result["info"]["one_gpu"] else "cuda:0 -> cuda:1"
+        print(f"\nstaged rooms end to end ({mc_rows[0]['group']}; {where}; "
+              f"{args.staged_slot_mib} MiB slots, 2 per prefill rank, {args.decode_slots} on decode); direct / "
+              f"staged / raw: GB/s of payload, median of {args.reps}; slices: kvbridge direct's per room, pieces: "
+              f"staged wire pieces per room; ceiling: the staging ceiling of the same pages (one process, "
+              f"{args.staged_slot_mib} MiB slots); stg/contig: staged over kvbridge direct on contiguous pages")
+        print(staged_table(mc_rows, result.get("staged_rooms") or [], args.staged_slot_mib))
     for e in result["errors"]:
         print(f"error: {e}")
     save()

@@ -6,7 +6,7 @@ process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
     <- {"op": ...}  -> one JSON line per command     (``quit`` ends the process)
 
 prefill commands: fill, plan, staging, send, wait_sent, raw, copy, stats
-decode commands:  prepare, recv, check, stats
+decode commands:  staging, prepare, recv, check, stats
 
 Each process has the engine kvbridge runs on (``engine``: mooncake, ipc or auto) and,
 when ``raw_mooncake`` is set, a Mooncake engine over the same buffers for the raw
@@ -29,6 +29,15 @@ import numpy as np
 
 log = logging.getLogger("kvbridge.bench")
 CAP = 1024  # slices per Mooncake call
+
+
+def staging_sizes(cfg: dict[str, Any], role: str) -> dict[str, int]:
+    """The staging sizes the bench asked for (``staging_slot_bytes`` > 0), else the configs' own."""
+    slot = int(cfg.get("staging_slot_bytes") or 0)
+    if not slot:
+        return {}
+    slots = cfg.get("staging_slots") or [2, 8]
+    return {"staging_slot_bytes": slot, "staging_bytes": slot * int(slots[0 if role == "prefill" else 1])}
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -90,7 +99,7 @@ class PrefillRank(RankBase):
         # staging "never" until a staged room asks (the ``staging`` command): kvbridge rows stay direct
         pcfg = PrefillConfig(instance=cfg["instance"], cp_rank=self.rank, cp_size=cfg["cp"],
                              max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"],
-                             staging="always" if cfg.get("staged") else "never")
+                             staging="always" if cfg.get("staged") else "never", **staging_sizes(cfg, "prefill"))
         self.endpoint = PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract,
                                         BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux_schema)
         self.endpoint.start()
@@ -199,13 +208,21 @@ class DecodeRank(RankBase):
         super().__init__(cfg, cfg["dst_capacity"])
         torch = self.torch
         self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
+        # staging "always" makes the area (on GPU pages too); "never" until a staged room asks
         dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
-                            staging="auto" if cfg.get("staged") else "never")
+                            staging="always" if cfg.get("staged") else "never", **staging_sizes(cfg, "decode"))
         self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
                                        self.aux_schema)
         self.endpoint.start()
+        if cfg.get("staged"):
+            self.endpoint.set_staging("never")
         self.trace = os.environ.get("KVBRIDGE_TRACE") == "1"
+
+    def staging(self, cmd: dict) -> dict:
+        """What the rooms requested from now on offer: "never" (kvbridge direct) or "always" (staged only)."""
+        self.endpoint.set_staging(cmd["mode"])
+        return {"staging": cmd["mode"]}
 
     def ready(self) -> dict[str, Any]:
         return {"ready": True, "session": self.engine.session_id,

@@ -10,8 +10,8 @@ exactly the same slices between the same buffers:
               binding, <= 1,024 slices per synchronous call, the ranks starting together
     staged    the kvbridge room through staging (prefill gathers into its gather buffer, writes
               large pieces into decode's staging slots, decode scatters): the same pages and
-              checks, the prefill ranks switched to staging "always" for the room; the kvbridge
-              rows are direct (staging "never")
+              checks, every rank switched to staging "always" for the room; the kvbridge
+              rows are direct (staging "never" on every rank)
     engine    the same slices through kvbridge's engine (submit_write + wait): the data
               path without the control protocol
     memcpy    (host memory) each rank copies the same slices into a scratch buffer
@@ -69,6 +69,8 @@ class RigSpec:
     log_dir: str = ""  # every rank's log (stderr) goes here; a fresh temporary folder when empty
     poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
     staged: bool = False  # give both sides their staging buffers (the staged method)
+    staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
+    staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots (with a slot size)
 
     @property
     def max_pages(self) -> int:
@@ -141,7 +143,8 @@ class Rig:
         self.prefill_instance = f"bench-prefill-{tag}"
         base = {"bootstrap": spec.bootstrap, "token": spec.token, "preset": spec.preset, "layers": spec.layers,
                 "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
-                "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged}
+                "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged,
+                "staging_slot_bytes": spec.staging_slot_bytes, "staging_slots": list(spec.staging_slots)}
         env = dict(os.environ, **spec.env)
         env.setdefault("GLOG_minloglevel", "2")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
@@ -208,7 +211,7 @@ class Rig:
         """Seconds from the decode receiver's creation to commit; slices the senders posted (staged:
         wire pieces). ``staging``: the prefill ranks' path for the room, "never" (direct) or "always"."""
         if staging != self.staging_mode:
-            for child in self.prefill:
+            for child in (*self.prefill, self.decode):
                 child.ask(op="staging", mode=staging)
             self.staging_mode = staging
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
@@ -219,8 +222,8 @@ class Rig:
         sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
         problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
         want = "staged" if staging == "always" else "direct"
-        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want} (decode offers no staging area on GPU pages "
-                     "unless its staging is 'always')" for r, s in enumerate(sent) if set(s["paths"]) - {want}]
+        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(sent)
+                     if set(s["paths"]) - {want}]
         if res["state"] != "Success" or res["aux_room"] != room or problems:
             raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
                                 f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)

@@ -54,6 +54,8 @@ class BenchSpec:
     log_dir: str = ""
     poll_s: float = 0.0  # decode's wait: 0 blocks in KVReceiver.wait(); > 0 polls that often, like an engine's step
     staged: bool = True  # the staged method beside kvbridge direct
+    staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
+    staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -179,7 +181,9 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               engine=spec.engine, protocol=spec.protocol, raw_mooncake=spec.raw_mooncake,
                               device=spec.device, decode_device=spec.decode_device, prefill_aux=spec.prefill_aux,
                               decode_aux=spec.decode_aux, dst_order=spec.dst_order, env=dict(spec.env),
-                              log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged))  # fmt: skip
+                              log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged,
+                              staging_slot_bytes=spec.staging_slot_bytes,
+                              staging_slots=tuple(spec.staging_slots)))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:

@@ -7,7 +7,7 @@ device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tens
 given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
 buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
 only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
-until the staged path of the rooms is measured on GPUs.
+until the staged rooms are measured end to end on a GPU (``scripts/gpu_bench.py``'s staged table).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.bootstrap.schemas import StagingDescriptor
-from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.engine import TransferEngine, tensor_region
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
 
@@ -31,7 +31,8 @@ __all__ = ["StagingBuffer"]
 class StagingBuffer:
     """``nbytes`` of registered memory cut into slots of ``slot_bytes`` (``area``), with its stager."""
 
-    def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None) -> None:
+    def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None,
+                 device_pages: Any = ()) -> None:
         num_slots = nbytes // slot_bytes
         self.area = StagingArea(num_slots, slot_bytes, rank=rank)
         size = num_slots * slot_bytes
@@ -44,7 +45,9 @@ class StagingBuffer:
 
             self.memory = torch.zeros(size, dtype=torch.uint8, device=device)
             self.base = int(self.memory.data_ptr())
-            self.stager = CudaStager(self.memory.device.index or 0)
+            # the kernel copies between the pages and the slots; anything else (aux rows) by copy
+            ranges = [(self.base, size), *(tensor_region(t) for t in device_pages)]
+            self.stager = CudaStager(self.memory.device.index or 0, device_ranges=ranges)
         self.nbytes = size
         self._registered = False
 
@@ -66,7 +69,8 @@ class StagingBuffer:
         if devices == {"cuda"}:
             if mode != "always":
                 return None
-            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device)
+            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device,
+                       device_pages=tensors.values())
         return cls(nbytes, slot_bytes, rank=rank)
 
     @property

@@ -26,7 +26,12 @@
 #   PYTEST_ARGS="tests/transfer/test_staging_gpu.py tests/transfer/test_gpu.py" \
 #   BENCH_ARGS="--ceilings --alloc random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
 # and the staged rooms alone (no groups; under a minute): BENCH_ARGS="--ceilings --alloc random --groups
-# --slot-mib 16 64 256" SKIP_TEST=1. From a copy of the tree elsewhere, point WHEELS and DEBS at the
+# --slot-mib 16 64 256" SKIP_TEST=1. Staged rooms on GPU pages end to end (the staged GPU tests, then staged vs
+# direct vs raw Mooncake beside the staging ceiling of the same pages; about 6 minutes):
+#   PYTEST_ARGS="tests/transfer/test_gpu.py tests/transfer/test_staging_gpu.py" PYTEST_TIMEOUT=240 \
+#   BENCH_ARGS="--staged-ceilings --slot-mib 64 --groups mooncake-nvlink --alloc random contiguous \
+#   --tokens 1024 2048 8192 32768 131072" BENCH_TIMEOUT=300 bash scripts/device/run_gpu.sh
+# From a copy of the tree elsewhere, point WHEELS and DEBS at the
 # carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
 set -u
 export PYTHONUNBUFFERED=1 GLOG_minloglevel=2

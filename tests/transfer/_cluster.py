@@ -35,11 +35,11 @@ class PrefillProc:
 
     def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
                  layers: int = 2, page_size: int = 4, engine: str = "mooncake", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, device: str = "cpu") -> None:
         cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
                "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--tp-rank", str(tp_rank),
                "--tp-size", str(tp_size), "--layers", str(layers),
-               "--page-size", str(page_size), "--engine", engine, *extra]
+               "--page-size", str(page_size), "--engine", engine, "--device", device, *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
@@ -97,28 +97,38 @@ class PrefillProc:
 
 
 class DecodeRank:
-    """A decode rank in this process, pools filled with SENTINEL_BYTE (poison)."""
+    """A decode rank in this process, pools filled with SENTINEL_BYTE (poison); ``device`` puts
+    the pools on a GPU (preset and kv-heads models; the aux rows stay in host memory), checked
+    through host copies (``host_buffers``)."""
 
     def __init__(self, bootstrap: str, *, tp_rank: int = 0, tp_size: int = 1, layers: int = 2, page_size: int = 4,
                  pages: int = 512, engine: str = "mooncake", instance: str = "decode", aux_rows: int = 64,
-                 model: str = "", **cfg: Any) -> None:
+                 model: str = "", device: str = "cpu", **cfg: Any) -> None:
+        if device != "cpu" and model == "kv-fp32":
+            raise ValueError("the kv-fp32 test model keeps its pools in host memory")
         if model == "kv-fp32":  # public API only; aux rows in one tensor per region
             self.specs, self.contract, self.aux_schema = kv_fp32(layers, page_size)
             self.buffers = token_major_buffers(self.specs, pages)
             self.aux: Any = region_tensors(self.aux_schema, aux_rows)
         elif model == "kv-heads":  # head-sharded k/v: this decode TP rank's heads
             self.specs, self.contract, self.aux_schema = kv_heads(layers, page_size, tp_size, tp_rank)
-            self.buffers = allocate_buffers(self.specs, pages)
+            self.buffers = allocate_buffers(self.specs, pages, device=device)
             self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
         else:
             self.specs = build_specs("deepseek-v3.2-fp8", layers, page_size, 1)
             self.contract = build_contract("deepseek-v3.2-fp8", layers, page_size, 1, "interleaved")
             self.aux_schema = aux_schema_of(self.contract)
-            self.buffers = allocate_buffers(self.specs, pages)
+            self.buffers = allocate_buffers(self.specs, pages, device=device)
             self.aux = torch.zeros((aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8)
         self.bytes_per_page = {key: self.specs[key[0]].bytes_per_page for key in self.buffers}
+        self.device = device
         for key, buf in self.buffers.items():
-            as_bytes(buf, self.bytes_per_page[key])[:] = SENTINEL_BYTE
+            if device == "cpu":
+                as_bytes(buf, self.bytes_per_page[key])[:] = SENTINEL_BYTE
+            else:
+                buf.view(torch.uint8).fill_(SENTINEL_BYTE)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         cfg.setdefault("peer_timeout", 2.0)
         cfg.setdefault("ping_interval", 0.2)
         cfg.setdefault("transfer_timeout", 60.0)
@@ -142,7 +152,7 @@ class DecodeRank:
     def verify(self, r) -> list[str]:
         """Every byte of every pool and layer of the room (from its first page on), plus the aux row."""
         errors = []
-        for (pool, layer), buf in self.buffers.items():
+        for (pool, layer), buf in self.host_buffers().items():
             v = verify_pages(self.specs[pool], buf, r.room, layer, r.page_ids, r.num_tokens, first_page=r.first_page)
             if not v.ok:
                 errors.append(v.first_error)
@@ -156,7 +166,14 @@ class DecodeRank:
         mask = np.ones(self.pages, dtype=bool)
         mask[np.asarray(page_ids, dtype=np.int64)] = False
         return all(bool((as_bytes(b, self.bytes_per_page[k])[mask] == SENTINEL_BYTE).all())
-                   for k, b in self.buffers.items())
+                   for k, b in self.host_buffers().items())
+
+    def host_buffers(self) -> dict:
+        """The pools as host memory: the buffers themselves, or copies of GPU pools (taken now)."""
+        if self.device == "cpu":
+            return self.buffers
+        torch.cuda.synchronize(self.device)
+        return {k: b.cpu() for k, b in self.buffers.items()}
 
     def close(self) -> None:
         self.ep.close(timeout=3)

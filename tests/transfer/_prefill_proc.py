@@ -17,6 +17,8 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
 with the aux rows in the engine's own per-region tensors (``send(aux_slot=...)``).
 ``--model kv-heads --tp-rank t --tp-size p`` runs TP rank t of a head-sharded k/v model
 (4 KV heads): its pools hold its heads of every row.
+``--device cuda:0`` puts the pools on that GPU (preset and kv-heads models): synthetic KV is made
+in host mirrors and copied to the room's pages on the GPU before they are sent.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--staging-bytes", type=int, default=16 << 20)
     ap.add_argument("--staging-slot-bytes", type=int, default=8 << 20)
     ap.add_argument("--random-local", type=int, default=0, help="a seed: local pages drawn at random, not bumped")
+    ap.add_argument("--device", default="cpu", help="where the pools live (cuda:N: not with --model kv-fp32)")
     args = ap.parse_args()
 
     engine_aux = None
@@ -81,14 +84,28 @@ def main() -> None:
         engine_aux = region_tensors(aux_schema, 64)
     elif args.model == "kv-heads":
         specs, contract, aux_schema = kv_heads(args.layers, args.page_size, args.tp_size, args.tp_rank, args.lane_rule)
-        buffers = allocate_buffers(specs, args.pages)
+        buffers = allocate_buffers(specs, args.pages, device=args.device)
     else:
         specs = build_specs(args.preset, args.layers, args.page_size, 1)
         contract = build_contract(args.preset, args.layers, args.page_size, 1, args.lane_rule)
         if args.kernel_abi:  # a deliberately different contract, for the mismatch test
             contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
         aux_schema = aux_schema_of(contract)
-        buffers = allocate_buffers(specs, args.pages)
+        buffers = allocate_buffers(specs, args.pages, device=args.device)
+    # host mirrors of device pools: fill_pages writes host memory; fill() copies the pages over
+    mirrors = {k: b.cpu() for k, b in buffers.items()} if args.device != "cpu" else buffers
+
+    def fill(room: int, owned: np.ndarray, local: np.ndarray, n: int) -> None:
+        for (pool, layer), buf in mirrors.items():
+            fill_pages(specs[pool], buf, room, layer, owned, local, n)
+        if mirrors is not buffers:
+            import torch
+
+            idx = torch.as_tensor(np.asarray(local, dtype=np.int64))
+            for key, gpu in buffers.items():
+                gpu[idx.to(gpu.device)] = mirrors[key][idx].to(gpu.device)
+            torch.cuda.synchronize(args.device)
+
     cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
                         tp_size=args.tp_size, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
@@ -115,8 +132,7 @@ def main() -> None:
                 next_free[0] = 0
             local = order[next_free[0]: next_free[0] + owned.size]  # scattered with --random-local
             next_free[0] += owned.size
-        for (pool, layer), buf in buffers.items():
-            fill_pages(specs[pool], buf, room, layer, owned, local, n)
+        fill(room, owned, local, n)
         sender = senders[room] = ep.sender(room)
         sender.init(n)
         owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
@@ -161,8 +177,7 @@ def main() -> None:
         live = {}
         for i, room in enumerate(cmd["rooms"]):
             local = (np.arange(owned.size) + i * owned.size) % args.pages
-            for (pool, layer), buf in buffers.items():
-                fill_pages(specs[pool], buf, room, layer, owned, local, n)
+            fill(room, owned, local, n)
             s = live[room] = ep.sender(room)
             s.init(n)
             s.send(owned, local, is_last=True, aux=make_aux(aux_schema, room, n) if owns_last else None)

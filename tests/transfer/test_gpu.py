@@ -464,3 +464,26 @@ def test_auto_engine_reaches_a_gpu_peer_in_another_process_over_ipc(tmp_path):
             assert engine.stats["ipc_kernel_launches"] >= 1
     finally:
         engine.close()
+
+
+# ---- staged rooms on GPU pages: test_staged_rooms.py's matrix, both sides' pools on the GPU ----------
+# Prefill CP ranks are processes, decode this process, over Mooncake TCP (as the rooms above); staging
+# "always" on decode, so every page goes through the slots: the slice kernel gathers and scatters,
+# the aux rows (host memory) ride in the same chunks by plain copies. The local engine moves host
+# memory only and is not in this matrix.
+from test_staged_rooms import staged_prefill  # noqa: E402,F401 - the module's fixture, run with the GPU device
+from test_staged_rooms import (  # noqa: E402
+    test_abort_mid_chunk_over_mooncake as test_staged_abort_mid_chunk,
+    test_heterogeneous_tp_through_staging as test_staged_heterogeneous_tp,
+    test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine as test_staged_prefill_death,
+    test_random_pages_every_pool_through_staging as test_staged_random_pages_every_pool,
+    test_staging_full_under_many_concurrent_rooms_none_fails as test_staged_many_rooms_few_slots,
+)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(_prefill_device(), id="staged-gpu")])
+def device(request) -> str:
+    """The staged tests' pools: on the GPU (test_staged_rooms.py's fixture of the same name: the host)."""
+    if not mooncake_available():
+        pytest.skip("Mooncake not installed")
+    return request.param

@@ -212,3 +212,59 @@ def test_a_slot_grant_outside_the_registered_area_writes_nothing(cluster):
     assert "field=slot" in s.failure_reason and "room=96" in s.failure_reason
     assert ep.counters["bytes"] == 0
     assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())
+
+
+def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
+    """The slice kernel touches only device memory it was told of (pages, slots): an aux row in
+    host memory goes by one plain copy on the same stream, the rest in one launch (a recording
+    copier stands in for the GPU)."""
+    from kvbridge.transfer.engine.staging import AddressRanges, CudaStager
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.launches, self.copies = [], []
+
+        def launch(self, src, dst, length):
+            self.launches.append((src.tolist(), dst.tolist(), length.tolist()))
+
+        def copy_async(self, dst, src, nbytes):
+            self.copies.append((src, dst, nbytes))
+
+    pages, slot, host = (1 << 20, 4096), (1 << 24, 8192), 1 << 30  # device regions; an address outside them
+    ranges = AddressRanges([slot, pages])
+    assert ranges.hold(np.array([1 << 20, (1 << 20) + 4000, 1 << 24, host], np.uint64),
+                       np.array([4096, 200, 8192, 8], np.uint64)).tolist() == [True, False, True, False]
+    rec = Recorder()
+    stager = CudaStager(copier=rec, device_ranges=[pages, slot])
+    src = np.array([1 << 20, (1 << 20) + 1024, host], np.uint64)  # two page slices, the aux row
+    dst = np.array([1 << 24, (1 << 24) + 1024, (1 << 24) + 2048], np.uint64)
+    stager.copy(src, dst, np.array([1024, 1024, 64], np.uint64))
+    assert rec.launches == [([1 << 20, (1 << 20) + 1024], [1 << 24, (1 << 24) + 1024], [1024, 1024])]
+    assert rec.copies == [(host, (1 << 24) + 2048, 64)]
+    rec.launches.clear()
+    stager.copy(src[2:], dst[2:], np.array([64], np.uint64))  # nothing for the kernel: no launch
+    assert rec.launches == []
+
+
+def test_decode_set_staging_switches_what_rooms_offer(cluster):
+    """DecodeEndpoint.set_staging (the bench compares the paths on one set of ranks): "never" offers
+    no area (the room goes direct though prefill stages always), "always" makes the next room staged
+    only; a bad mode is a named error."""
+    from kvbridge.errors import ConfigError
+
+    c = staged_cluster(cluster, cp=1)
+    rng = np.random.default_rng(3)
+    paths = {}
+    for room, mode in ((11, "never"), (12, "always")):
+        c.decode.set_staging(mode)
+        pages = rng.permutation(64)[:3]
+        r = c.decode.receiver(room, f"{c.name}-p")
+        r.init(pages, room % 4, 3 * PAGE)
+        senders = send_random(c, room, 3 * PAGE, rng)
+        wait_final([r, *senders])
+        assert r.poll() == KVPoll.Success, r.failure_reason
+        assert c.verified(room, 3 * PAGE, pages)
+        paths[mode] = set(senders[0].stats["paths"].values())
+    assert paths == {"never": {"direct"}, "always": {"staged"}}
+    with pytest.raises(ConfigError, match="staging"):
+        c.decode.set_staging("sometimes")

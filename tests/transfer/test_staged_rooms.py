@@ -3,6 +3,10 @@ processes whose pages are scattered at random; the decode rank (this process) ta
 through its staging area (``staging="always"``) into random pages, poisoned first. Every byte of
 every pool and the aux row is checked, and no byte outside the room's pages changes.
 
+The pools' place is the ``device`` fixture: host memory here; ``tests/transfer/test_gpu.py`` runs
+these same tests with GPU pools on both sides (the gather and scatter by the slice kernel, the
+aux rows in host memory by plain copies).
+
     prefill proc (gather buffer, 2 slots) --SlotRequest/ChunkLanded--> decode (staging area, slots)
                                           ==== wire pieces ====>       slot --scatter--> pages
 """
@@ -29,11 +33,23 @@ DECODE_STAGED = dict(staging="always", staging_bytes=4 * SLOT, staging_slot_byte
 LENGTHS = (1, 9, 22, 150)  # a lone partial page, partial last pages, a room of ~20 chunks
 
 
-def start(daemon, instance: str, cp: int, *extra: str, **kw) -> list[PrefillProc]:
+@pytest.fixture(scope="module")
+def device() -> str:
+    """Where both sides' pools live (test_gpu.py overrides it with a GPU)."""
+    return "cpu"
+
+
+def room_base(device: str) -> int:
+    """Room ids of one device's run, apart from the other's (one daemon may serve both)."""
+    return 0 if device == "cpu" else 1_000_000
+
+
+def start(daemon, instance: str, cp: int, *extra: str, device: str = "cpu", **kw) -> list[PrefillProc]:
     procs = []
     try:
         for rank in range(cp):
-            procs.append(PrefillProc(daemon.url, rank, cp, *PREFILL_STAGED, *extra, instance=instance, **kw))
+            procs.append(PrefillProc(daemon.url, rank, cp, *PREFILL_STAGED, *extra, instance=instance,
+                                     device=device, **kw))
     except BaseException:
         for p in procs:
             p.stop()
@@ -42,23 +58,24 @@ def start(daemon, instance: str, cp: int, *extra: str, **kw) -> list[PrefillProc
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["cp1", "cp2"])
-def staged_prefill(request, daemon):
+def staged_prefill(request, daemon, device):
     cp = request.param
-    procs = start(daemon, f"staged-p-cp{cp}", cp)
-    yield procs, f"staged-p-cp{cp}"
+    instance = f"staged-p-cp{cp}-{device}"
+    procs = start(daemon, instance, cp, device=device)
+    yield procs, instance
     for p in procs:
         p.stop()
 
 
-def test_random_pages_every_pool_through_staging(staged_prefill, daemon):
+def test_random_pages_every_pool_through_staging(staged_prefill, daemon, device):
     procs, instance = staged_prefill
-    d = DecodeRank(daemon.url, instance=f"staged-d-{len(procs)}", pages=128, **DECODE_STAGED)
+    d = DecodeRank(daemon.url, instance=f"staged-d-{len(procs)}-{device}", pages=128, device=device, **DECODE_STAGED)
     try:
         rng = np.random.default_rng(len(procs))
         table = rng.permutation(d.pages)
         used, receivers = 0, []
         for i, n in enumerate(LENGTHS):
-            room = 90_000 + 100 * len(procs) + i
+            room = room_base(device) + 90_000 + 100 * len(procs) + i
             m = -(-n // 4)
             receivers.append(d.receive(room, n, table[used: used + m], prefill=instance))
             used += m
@@ -79,15 +96,15 @@ def test_random_pages_every_pool_through_staging(staged_prefill, daemon):
         d.close()
 
 
-def test_staging_full_under_many_concurrent_rooms_none_fails(daemon):
+def test_staging_full_under_many_concurrent_rooms_none_fails(daemon, device):
     """Two decode slots, two CP ranks asking for two each, eight rooms at once: rooms wait for
     slots (back-pressure, counted), none fails, the area never grows."""
-    procs = start(daemon, "staged-burst-p", 2)
-    d = DecodeRank(daemon.url, instance="staged-burst-d", pages=256, staging="always", staging_bytes=2 * SLOT,
-                   staging_slot_bytes=SLOT)
+    procs = start(daemon, f"staged-burst-p-{device}", 2, device=device)
+    d = DecodeRank(daemon.url, instance=f"staged-burst-d-{device}", pages=256, staging="always",
+                   staging_bytes=2 * SLOT, staging_slot_bytes=SLOT, device=device)
     try:
-        n, rooms = 40, list(range(91_000, 91_008))
-        receivers = [d.receive(room, n, np.arange(10) + 10 * i + 20, prefill="staged-burst-p")
+        n, rooms = 40, list(range(room_base(device) + 91_000, room_base(device) + 91_008))
+        receivers = [d.receive(room, n, np.arange(10) + 10 * i + 20, prefill=f"staged-burst-p-{device}")
                      for i, room in enumerate(rooms)]
         for p in procs:
             p.command(op="burst", rooms=rooms, num_tokens=n)
@@ -103,16 +120,17 @@ def test_staging_full_under_many_concurrent_rooms_none_fails(daemon):
             p.stop()
 
 
-def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(daemon):
+def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(daemon, device):
     """A prefill rank killed while its chunks are in flight: the room fails, its pages are free at
     once (nothing lands in them), and its slots stay QUARANTINED until its lease is gone plus the
     quarantine (a frozen process could still write into them)."""
-    (p,) = start(daemon, "staged-death-p", 1)
-    d = DecodeRank(daemon.url, instance="staged-death-d", pages=256, lease_quarantine=1.0, **DECODE_STAGED)
+    (p,) = start(daemon, f"staged-death-p-{device}", 1, device=device)
+    d = DecodeRank(daemon.url, instance=f"staged-death-d-{device}", pages=256, lease_quarantine=1.0, device=device,
+                   **DECODE_STAGED)
     try:
-        n, pages = 600, np.arange(150) + 50
-        r = d.receive(92_000, n, pages, prefill="staged-death-p")
-        p.send(92_000, n)
+        room, n, pages = room_base(device) + 92_000, 600, np.arange(150) + 50
+        r = d.receive(room, n, pages, prefill=f"staged-death-p-{device}")
+        p.send(room, n)
         area = d.ep.staging.area
         assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
         p.kill()
@@ -128,23 +146,24 @@ def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(
         p.stop()
 
 
-def test_abort_mid_chunk_over_mooncake(daemon):
-    (p,) = start(daemon, "staged-abort-p", 1)
-    d = DecodeRank(daemon.url, instance="staged-abort-d", pages=256, **DECODE_STAGED)
+def test_abort_mid_chunk_over_mooncake(daemon, device):
+    (p,) = start(daemon, f"staged-abort-p-{device}", 1, device=device)
+    d = DecodeRank(daemon.url, instance=f"staged-abort-d-{device}", pages=256, device=device, **DECODE_STAGED)
     try:
-        n, pages = 600, np.arange(150) + 50
-        r = d.receive(93_000, n, pages, prefill="staged-abort-p")
-        p.send(93_000, n)
+        room, n, pages = room_base(device) + 93_000, 600, np.arange(150) + 50
+        r = d.receive(room, n, pages, prefill=f"staged-abort-p-{device}")
+        p.send(room, n)
         area = d.ep.staging.area
         assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
         r.abort("user cancelled")
         assert r.poll() == KVPoll.Failed and r.pages_releasable  # free at once: writes land in slots only
-        at_abort = {k: as_bytes(b, d.bytes_per_page[k])[pages].copy() for k, b in d.buffers.items()}
-        assert p.result(93_000)["state"] == "Failed"
+        at_abort = {k: as_bytes(b, d.bytes_per_page[k])[pages].copy() for k, b in d.host_buffers().items()}
+        assert p.result(room)["state"] == "Failed"
         assert wait_until(lambda: d.ep.locked(lambda: area.num_free) == area.num_slots, 10), \
             "the slots are free once prefill acknowledged the abort"
         time.sleep(0.2)
-        assert all((as_bytes(b, d.bytes_per_page[k])[pages] == at_abort[k]).all() for k, b in d.buffers.items()), \
+        assert all((as_bytes(b, d.bytes_per_page[k])[pages] == at_abort[k]).all()
+                   for k, b in d.host_buffers().items()), \
             "a write reached the room's pages after the abort"
         assert d.untouched_except(pages)
     finally:
@@ -153,23 +172,25 @@ def test_abort_mid_chunk_over_mooncake(daemon):
 
 
 @pytest.mark.parametrize("p, d", [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1-cp2"])
-def test_heterogeneous_tp_through_staging(daemon, p, d):
+def test_heterogeneous_tp_through_staging(daemon, device, p, d):
     """Head slicing for heterogeneous TP happens in the gather (prefill packs only the heads a
     decode rank takes); the wire carries whole pieces; each decode rank checks its head slice."""
     from test_hetero_tp import run_rooms
 
-    instance = f"staged-heads-p{p}"
+    instance = f"staged-heads-p{p}-{device}"
     procs = []
     try:
         for c in range(p):  # p=2: CP 2 x TP 2 prefill ranks
             for t in range(p):
                 procs.append(PrefillProc(daemon.url, c, p, "--model", "kv-heads", *PREFILL_STAGED,
-                                         instance=instance, tp_rank=t, tp_size=p))
+                                         instance=instance, tp_rank=t, tp_size=p, device=device))
         decodes = [DecodeRank(daemon.url, model="kv-heads", tp_rank=j, tp_size=d, pages=64,
-                              instance=f"staged-heads-d{d}-p{p}", **DECODE_STAGED) for j in range(d)]
+                              instance=f"staged-heads-d{d}-p{p}-{device}", device=device, **DECODE_STAGED)
+                   for j in range(d)]
         try:
-            run_rooms(procs, instance, decodes, base=94_000 + 100 * p)
-            paths = [set(proc.result(94_000 + 100 * p + i)["paths"].values()) for proc in procs for i in range(3)]
+            base = room_base(device) + 94_000 + 100 * p
+            run_rooms(procs, instance, decodes, base=base)
+            paths = [set(proc.result(base + i)["paths"].values()) for proc in procs for i in range(3)]
             assert all(ps <= {"staged"} for ps in paths) and {"staged"} in paths, paths
         finally:
             for dr in decodes:

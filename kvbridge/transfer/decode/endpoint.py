@@ -49,6 +49,7 @@ from kvbridge.transfer.registration import EndpointBuffers, register_rank, unreg
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch, device_of
 from kvbridge.transfer.staging_buffer import StagingBuffer
+from kvbridge.transfer.staging_settings import STAGING_MODES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -282,6 +283,19 @@ class DecodeEndpoint:
             self._carry_out(self.machine.abort(r, reason, time.monotonic()))
         self._wake()
 
+    def set_staging(self, mode: str) -> None:
+        """Change what rooms requested from now on offer (auto, always, never: docs/staging.md) on a
+        rank that has its staging area (the bench compares the paths on one set of ranks)."""
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
+                              field="staging")
+        if mode != "never" and self.staging is None:
+            raise ConfigError("this rank has no staging area (staging 'never' at start, GPU pages without "
+                              "'always', or pages given as device addresses)", rank=self.config.rank_label,
+                              field="staging")
+        with self._lock:
+            self.machine.staging_mode = mode
+
     def _wake(self) -> None:
         if self._peers is not None:
             self._peers.wakeup.post()
@@ -318,8 +332,8 @@ class DecodeEndpoint:
         stager = self.staging.stager
         if isinstance(stager, HostStager):
             copy_slices(a.src, a.dst, a.length)
-        else:
-            stager.copier.launch(a.src, a.dst, a.length)
+        else:  # the kernel for pages, a plain copy for an aux row in host memory
+            stager.copy(a.src, a.dst, a.length)
             stager.synchronize(stager.copier.record())
         self._carry_out(self.machine.scattered(a.room, a.slot, time.monotonic()))
 

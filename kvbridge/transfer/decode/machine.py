@@ -85,6 +85,7 @@ class DecodeRooms:
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
                  trace: bool = False, staging: DecodeStaging | None = None) -> None:
         self.cfg = config
+        self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
         self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
         self.aux_schema = aux_schema
@@ -512,9 +513,9 @@ class DecodeRooms:
         ranks of one TP source get the same request, encoded once)."""
         page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
         staging: dict[str, Any] = {}
-        if self.staging is not None:
+        if self.staging is not None and self.staging_mode != "never":
             area = self.staging.area
-            r.staged_only = self.cfg.staging == "always"
+            r.staged_only = self.staging_mode == "always"
             staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
                            staging_base=self.staging.base, staging_only=r.staged_only)
         by_pools: dict[tuple[str, ...], list[str]] = {}

@@ -36,7 +36,7 @@ from kvbridge.layout.staging import StagedPlan
 from kvbridge.transfer.engine.base import TransferEngine, WriteState, wait_ready
 from kvbridge.transfer.engine.staging_area import Grant, StagingArea
 
-__all__ = ["CudaStager", "HostStager", "StagedStats", "StagedWriter", "copy_slices"]
+__all__ = ["AddressRanges", "CudaStager", "HostStager", "StagedStats", "StagedWriter", "copy_slices"]
 
 BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
 ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
@@ -106,22 +106,42 @@ class HostStager:
 class CudaStager:
     """Gather and scatter in device memory with the slice kernel, on the copier's stream: each
     call returns a CUDA event recorded after its copies (pass it as ``after=`` to the write that
-    reads the slot; ``synchronize`` it before the slot is reused)."""
+    reads the slot; ``synchronize`` it before the slot is reused).
 
-    def __init__(self, device: int = 0, copier: Any = None) -> None:
+    ``device_ranges``: the ``(address, nbytes)`` regions of device memory the kernel may touch
+    (the pages and the slots). A slice with an end outside them (an aux row in host memory) is
+    one ``cudaMemcpyAsync`` on the same stream instead: the kernel cannot read or write pageable
+    host memory, the copy engine can. Without ranges every slice goes to the kernel."""
+
+    def __init__(self, device: int = 0, copier: Any = None, device_ranges: Any = ()) -> None:
         if copier is None:
             from kvbridge.transfer.engine.slicecopy import CudaCopier
 
             copier = CudaCopier(device)
         self.copier = copier
+        self.ranges = AddressRanges(device_ranges) if len(device_ranges) else None
 
     def gather(self, staged: StagedPlan, chunk: int, slot_addr: int) -> Any:
-        self.copier.launch(*staged.gather(chunk, slot_addr))
+        self.copy(*staged.gather(chunk, slot_addr))
         return self.copier.record()
 
     def scatter(self, staged: StagedPlan, chunk: int, slot_addr: int) -> Any:
-        self.copier.launch(*staged.scatter(chunk, slot_addr))
+        self.copy(*staged.scatter(chunk, slot_addr))
         return self.copier.record()
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        """Enqueue the slices: device to device by the kernel (one launch), the rest (few: aux
+        rows) one plain copy each, all on the copier's stream."""
+        src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
+        if self.ranges is not None and length.size:
+            other = ~(self.ranges.hold(src, length) & self.ranges.hold(dst, length))
+            if other.any():
+                for s, d, n in zip(src[other].tolist(), dst[other].tolist(), length[other].tolist()):
+                    self.copier.copy_async(d, s, n)
+                keep = ~other
+                src, dst, length = src[keep], dst[keep], length[keep]
+        if length.size:
+            self.copier.launch(src, dst, length)
 
     @staticmethod
     def synchronize(event: Any) -> None:
@@ -131,6 +151,22 @@ class CudaStager:
     def wait_for(self, after: Any) -> None:
         """Make the copier's stream wait for the producer's events (on the GPU, not the host)."""
         self.copier.wait_for(after)
+
+
+class AddressRanges:
+    """Disjoint ``(address, nbytes)`` regions, asked vectorised whether slices lie inside one."""
+
+    def __init__(self, regions: Any) -> None:
+        pairs = sorted((int(a), int(n)) for a, n in regions)
+        self.starts = np.array([a for a, _ in pairs], dtype=np.uint64)
+        self.ends = np.array([a + n for a, n in pairs], dtype=np.uint64)
+
+    def hold(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Per slice: ``[addr, addr + length)`` lies inside one region."""
+        i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        found = i >= 0
+        i = np.maximum(i, 0)
+        return found & (addr + length <= self.ends[i])
 
 
 @dataclass
