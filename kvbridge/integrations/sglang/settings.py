@@ -7,11 +7,10 @@ it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
 own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 
 What kvbridge does not support is refused here, naming the flag, why, and (where there
-is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
-decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
-layer split, the staging buffer, HiSparse, the ``prefill_complete`` allocation
-policy, PD role switching, forced DP-rank queries, and metadata buffers in GPU memory
-on decode.
+is one) what to use instead: pipeline-parallel prefill, decode context parallelism (DCP),
+CP-TP group sharing, the DSA cache layer split, the staging buffer, HiSparse, the
+``prefill_complete`` allocation policy, PD role switching, forced DP-rank queries, and
+metadata buffers in GPU memory on decode.
 """
 
 from __future__ import annotations
@@ -176,9 +175,6 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
 
 PP_INSTEAD = ("serve prefill with --pp-size 1 (attention TP or CP for memory), or use "
               "--disaggregation-transfer-backend mooncake for a pipeline-parallel prefill")
-CHECKSUM_INSTEAD = ("drop --disaggregation-enable-kv-checksum (kvbridge counts every page of every layer on "
-                    "arrival, and its optional per-page digests cover the same pages on both sides), or serve decode "
-                    "without a prefix cache")
 
 
 def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
@@ -206,16 +202,7 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
          "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
     ]
     if role == "decode":
-        decode_prefix_cache = bool(getattr(sa, "disaggregation_decode_enable_radix_cache", False)
-                                   or getattr(sa, "enable_hierarchical_cache", False))  # fmt: skip
         checks += [
-            (bool(getattr(sa, "disaggregation_enable_kv_checksum", False)) and decode_prefix_cache,
-             "--disaggregation-enable-kv-checksum with a decode prefix cache (--disaggregation-decode-enable-radix-"
-             "cache or --enable-hierarchical-cache)",
-             "decode checksums its pages after the cached prefix, but kvbridge's prefill cannot learn that prefix "
-             "before it sends (pop_decode_prefix_len() returns 0: kvbridge's public KVSender does not expose the "
-             "decode ranks' first page), so it checksums from token 0 and every prefix hit would be aborted as a "
-             f"mismatch; instead {CHECKSUM_INSTEAD}"),
             (_sglang_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
              "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
              "kvbridge finds a room's prefill DP rank by room % dp_size, or from the request's DP rank"),
