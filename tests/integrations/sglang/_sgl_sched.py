@@ -357,8 +357,9 @@ class DecodeServer:
                 self.finish(r, "Failed", self.failure(r), releasable=releasable, held_polls=r.held_polls)
             elif poll == KVPoll.Success:
                 errors = metadata_errors(self.w.meta.get_buf(r.meta_idx), r.room) + self.verify(r)
-                r.receiver = None  # _commit_transfer_to_req drops it
-                self.finish(r, "Success", "", errors=errors)
+                r.receiver = None  # _commit_transfer_to_req drops it, keeping the checksum of the row
+                checksum = self.w.meta.get_kv_checksum(r.meta_idx) if self.w.meta.kv_checksum is not None else None
+                self.finish(r, "Success", "", errors=errors, checksum=checksum)
 
     def verify(self, r: DReq) -> list[str]:
         """Every byte of every pool and layer of the room; prefix pages still hold their marker."""
