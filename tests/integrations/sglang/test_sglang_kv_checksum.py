@@ -11,6 +11,10 @@ its Adler-32 kernel is CUDA-only, so ``compute`` digests the same items (page p 
 ``item_len`` bytes at ``ptr + p * item_len``) on the host. Decode's side is what
 ``_verify_kv_checksums`` computes, with SGLang's ``page_indices_for_request`` and
 ``state_indices_for_request``.
+
+Prefill has attention TP 2 (an MLA cache: TP rank 0 sends, TP rank 1 has no endpoint). Rank 1
+is asked by no decode rank and says prefix 0, so SGLang digests tokens ``[0, n)`` there, into
+rank 1's own metadata row; decode receives rank 0's row, digested over ``[prefix, n)``.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def scheduler(world, rows: torch.Tensor) -> types.SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def pair(daemon):
-    p = Pair(daemon.url, "g3", disaggregation_enable_kv_checksum=True)
+    p = Pair(daemon.url, "g3", prefill_tp=2, disaggregation_enable_kv_checksum=True)
     yield p
     p.close()
 
@@ -101,19 +105,24 @@ def transfer(pair: Pair, room: int, n: int) -> tuple[dict, dict, int]:
     pair.decode.add(room, n, PREFIX, pair.addr)
     r, d = pair.prefill.reqs[room], pair.decode.reqs[room]
     pair.run(lambda: not r.pending_bootstrap and d.phase == "transfer")
-    assert r.decode_prefix == [PREFIX] and r.start_send_idx == [PREFIX]  # pop_decode_prefix_len()
-    (w,) = pair.prefill.worlds
-    w.write_rows(room, r.pages, 0, n, n, 1)  # the forward pass
-    req = metadata_req(room, r.meta_idx[0])
-    for k, v in dict(rid=f"g3-{room}", extend_end=n, origin_input_ids=list(range(n)), kv=types.SimpleNamespace(
-            req_pool_idx=0), start_send_idx=r.start_send_idx[0], disagg_decode_prefix_len=r.decode_prefix[0],
-            disagg_kv_sender=r.senders[0]).items():  # fmt: skip
-        setattr(req, k, v)
-    scheduler(w, req_to_token(r.pages)).send_kv_chunk(req, last_chunk=True)  # SGLang's own code path
-    assert req.start_send_idx == n
+    assert r.decode_prefix == [PREFIX, 0] and r.start_send_idx == [PREFIX, 0]  # pop_decode_prefix_len()
+    digests = []
+    for i, w in enumerate(pair.prefill.worlds):  # every TP rank: its own Req, its own metadata row
+        w.write_rows(room, r.pages, 0, n, n, 1)  # the forward pass (the latent is replicated over TP)
+        req = metadata_req(room, r.meta_idx[i])
+        for k, v in dict(rid=f"g3-{room}", extend_end=n, origin_input_ids=list(range(n)), kv=types.SimpleNamespace(
+                req_pool_idx=0), start_send_idx=r.start_send_idx[i], disagg_decode_prefix_len=r.decode_prefix[i],
+                disagg_kv_sender=r.senders[i]).items():  # fmt: skip
+            setattr(req, k, v)
+        scheduler(w, req_to_token(r.pages)).send_kv_chunk(req, last_chunk=True)  # SGLang's own code path
+        assert req.start_send_idx == n
+        digests.append(w.meta.get_kv_checksum(r.meta_idx[i])[0])
+    assert digests[0] != digests[1]  # [prefix, n) on rank 0, [0, n) on rank 1
     r.phase, r.extend_end = "inflight", n
     pair.run(lambda: all(pair.done(room)))
     pe, de = pair.done(room)
+    assert de["state"] == "Success", de
+    assert de["checksum"][0] == digests[0]  # rank 0's row is the one decode has; rank 1's reaches nobody
     dw = pair.decode.w
     dsched = scheduler(dw, req_to_token(np.concatenate([d.prefix_pages, d.pages])))
     dreq = types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=0))
@@ -126,7 +135,7 @@ def test_the_checksum_covers_what_follows_the_decode_prefix_on_both_sides(pair):
     """256 tokens (4 whole pages), decode holds pages 0, 1: pages 2, 3 move, decode's prefix pages
     keep their own bytes, and decode's digest of [128, 256) is the one prefill wrote."""
     pe, de, actual = transfer(pair, 2**62 + 31, 4 * PAGE)
-    assert pe["state"] == "Success" and pe["prefix"] == [PREFIX], pe["reasons"]
+    assert pe["state"] == "Success" and pe["prefix"] == [PREFIX, 0], pe["reasons"]
     assert de["state"] == "Success" and de["errors"] == [], de
     digest, signature = de["checksum"]
     assert signature == kv_layout_signature(pair.decode.w.kv_args)  # _kv_checksum_comparable
