@@ -77,7 +77,7 @@ class PrefillRoom:
         self._aux_owner = -1  # the cp rank of the last page (which holds the last valid token), once known
         self.num_tokens_ready = 0
         self.owned: np.ndarray = _EMPTY  # logical pages this rank owns (after init)
-        self.engine_first_page = 0  # the engine sends owned pages from here on (init(first_page=)); decode holds the rest
+        self.engine_first_page = 0  # the engine hands in owned pages from here (init(first_page=)): decode has the rest
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
         self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None

@@ -38,8 +38,8 @@ class Pair:
                     self.addr)  # fmt: skip
                 decode_args = {**args, "disaggregation_decode_enable_radix_cache": True} \
                     if args.get("disaggregation_enable_kv_checksum") else args
-                self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld("decode", server_args("decode", **decode_args),
-                                                                             RANKS, env))  # fmt: skip
+                self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld(
+                    "decode", server_args("decode", **decode_args), RANKS, env))  # fmt: skip
         finally:
             get_parallel().clear_stamp()
 
