@@ -613,3 +613,88 @@ def test_the_registered_area_is_the_one_written_and_a_request_without_staging_go
     ms.message(D, request(29), 1.0)  # no area offered: direct, though one is registered
     ms.chunk(r2, [0, 1], np.array([5, 6]), None, True, _packed(29), None)
     assert of(ms.post(r2, 1.1), PostWrite) and r2.paths == {"d/dp0/tp0": "direct"}
+
+
+# -- the decode prefix: decode_first_page and init(first_page=) ------------------------------
+
+D2 = b"decode-connection-2"
+HELLO[D2] = "r2"
+
+
+def prefix_request(room: int, first_page: int, *, num_tokens: int = 15, decode_rank: str = "d/dp0/tp0",
+                   rank_id: str = "r1", num_decode_ranks: int = 1) -> wire.TransferRequest:
+    """A request for the pages of a ``num_tokens`` request (page 4) after a decode prefix."""
+    pages = -(-num_tokens // 4)
+    return wire.TransferRequest(
+        room=room, decode_rank=decode_rank, decode_rank_id=rank_id,
+        page_ids=wire.pack_pages(np.arange(first_page, pages) + 3), first_page=first_page, pools=sorted(SPECS),
+        aux_slot=1, num_tokens=0, deadline_ms=10_000, want_digest=False, fingerprint="x",
+        num_decode_ranks=num_decode_ranks)  # fmt: skip
+
+
+def test_the_decode_prefix_is_read_once_decode_asked_and_only_pages_after_it_move(m):
+    """15 tokens (4 pages of 4), decode holds pages 0, 1. Before decode asked the prefix is an error,
+    not 0; then the engine sends from page 2 on (SGLang: pop_decode_prefix_len, init of the
+    pages after it): the last chunk needs no page below, and one below is refused."""
+    sh = Shell(m)
+    r = m.open(40, 1.0)
+    with pytest.raises(LayoutError, match="not known before every decode rank asked") as err:
+        r.decode_first_page
+    assert err.value.field == "decode_first_page" and err.value.room == 40
+    m.message(D, prefix_request(40, 2), 1.0)
+    assert r.state.state == KVPoll.WaitingForInput and r.decode_first_page == 2
+    m.engine_init(r, None, 4, 1.0, first_page=2)
+    assert r.num_to_send == 2 and r.engine_first_page == 2
+    with pytest.raises(LayoutError, match="logical page 1 lies below first page 2"):
+        m.chunk(r, [1, 2], np.array([5, 6]), 12, False, None, None)
+    m.chunk(r, [2], np.array([6]), 12, False, None, None)  # tokens [0, 12) exist: page 2 complete
+    m.chunk(r, [3], np.array([7]), 15, True, _packed(40), None)
+    writes = of(sh.run(m.post(r, 1.1), 1.1), PostWrite)
+    assert len(writes) == 2 and [c[0].tolist() for c in r.chunks] == [[2], [3]]
+    reports = [msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)[0] for handle, _ in sh.posted]
+    assert [np.frombuffer(x.logical_pages, "<i4").tolist() for x in reports] == [[2], [3]]
+    assert reports[1].aux and reports[1].num_tokens == 15 and r.state.state == KVPoll.Success
+
+
+def two_decode_ranks(m) -> None:
+    """Decode TP 2 (an MLA cache: each rank takes whole rows from our one TP rank)."""
+    m.peers.entries["r1"] = DecodePeer(**{**vars(peer()), "tp_size": 2, "tp_rank": 0, "checked": {}})
+    m.peers.entries["r2"] = DecodePeer(**{**vars(peer()), "rank_id": "r2", "label": "d/dp0/tp1", "tp_size": 2,
+                                          "tp_rank": 1, "checked": {}})  # fmt: skip
+    m.identities.prove(D2, "r2")
+
+
+def test_decode_ranks_holding_different_prefixes_are_named_with_their_first_pages(m):
+    two_decode_ranks(m)
+    r = m.open(41, 1.0)
+    m.message(D, prefix_request(41, 1, num_decode_ranks=2), 1.0)
+    with pytest.raises(LayoutError, match=r"1 of 2 of its decode ranks"):
+        r.decode_first_page
+    m.message(D2, prefix_request(41, 2, decode_rank="d/dp0/tp1", rank_id="r2", num_decode_ranks=2), 1.0)
+    assert r.state.state == KVPoll.WaitingForInput
+    with pytest.raises(LayoutError) as err:
+        r.decode_first_page
+    assert "decode ranks of room 41 hold different prefixes (d/dp0/tp0 first page 1, d/dp0/tp1 first page 2)" in str(
+        err.value) and err.value.field == "first_page"
+    m.engine_init(r, 15, None, 1.0)  # an engine that sends every page still serves both
+    assert r.num_to_send == 4
+
+
+def test_a_decode_rank_holding_less_than_the_engine_skips_is_refused_by_name(m):
+    """The engine skips pages [0, 2) (init before decode asked); a decode rank that holds only page
+    0 would wait for page 1 forever: its request is refused and the room fails, naming both."""
+    r = m.open(42, 1.0)
+    m.engine_init(r, 15, None, 1.0, first_page=2)
+    acts = m.message(D, prefix_request(42, 1), 1.1)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "failed" and "holds pages [0, 1) of room 42" in report.reason
+    assert "sends pages from 2 on: pages [1, 2) would never come" in report.reason
+    assert r.state.state == KVPoll.Failed
+    r2 = m.open(43, 1.0)
+    m.message(D, prefix_request(43, 1), 1.0)
+    with pytest.raises(LayoutError, match=r"decode rank d/dp0/tp0 holds pages \[0, 1\) of room 43"):
+        m.engine_init(r2, 15, None, 1.1, first_page=3)
+    for bad in (-1, 5, True):
+        with pytest.raises(LayoutError, match="first_page") as err:
+            m.engine_init(m.open(44 + (bad is True) + 2 * (bad == 5), 1.0), 15, None, 1.0, first_page=bad)
+        assert err.value.field == "first_page"

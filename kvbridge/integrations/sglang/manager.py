@@ -45,6 +45,7 @@ from kvbridge import (
 from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args
 from kvbridge.integrations.sglang.version import sglang_version
+from kvbridge.integrations.sglang import settings
 from kvbridge.integrations.sglang.settings import Settings, read_settings
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class KVBridgeKVManager(BaseKVManager):
         self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
                                                hidden_dtype=s.hidden_dtype)
         self.page_size = self.cache.page_size
+        settings.refuse_checksum_of_partial_pages(s.kv_checksum, self.page_size)
         # what SGLang's schedulers read on a manager
         self.attn_cp_rank, self.attn_cp_size = s.cp_rank, s.cp_size
         self.enable_all_cp_ranks_for_transfer = False  # consulted only with host-tensor page indices

@@ -7,18 +7,24 @@ over attention TP and CP with MIN:
 
     SGLang                                      kvbridge
     __init__(mgr, addr, room, has_dp_rank)      ep.sender(room)   (a draining id: retried from poll())
-    pop_decode_prefix_len() -> 0                decode's prefix is its own first_page: prefill skips
-                                                owned pages below it for that decode rank
-    init(num_pages, aux_index)                  sender.init(num_pages=num_pages): SGLang knows pages
-    send(page ids, state, num_kv_tokens)        sender.send(logical, local, num_tokens_ready=sum of
-                                                num_kv_tokens, is_last=all pages given, aux_slot=aux_index
-                                                on the owner of the last page, ready_event=the
-                                                early-send wait event: no byte read before it completes)
+    pop_decode_prefix_len() -> P * page_size    P = sender.decode_first_page: the prefix every decode
+                                                rank holds (SGLang asks once poll() read WaitingForInput)
+    init(num_pages, aux_index)                  sender.init(num_pages=P + num_pages, first_page=P): SGLang
+                                                counts the pages after the prefix
+    send(page ids, state, num_kv_tokens)        sender.send(logical = P + pages given so far.., local,
+                                                num_tokens_ready=P * page_size + sum of num_kv_tokens,
+                                                is_last=all pages given, aux_slot=aux_index on the owner
+                                                of the last page, ready_event=the early-send wait event:
+                                                no byte read before it completes)
     poll() / failure_exception() / abort()      poll() / KVTransferError(room, reason) / abort()
     clear()                                     close()
     get_transfer_metric()                       stats: bytes posted, first write to the final state
 
-A chunk's pages are the request's positions ``[sent, sent + len)``; this rank passes
+The decode prefix. SGLang sends, and with ``--disaggregation-enable-kv-checksum`` digests,
+tokens ``[prefix, n)`` on prefill, and decode digests the same range of its own pages: the
+prefix must be what decode holds, so it is kvbridge's ``decode_first_page`` (decode TP ranks
+holding different prefixes cannot be told to SGLang as one number: the room fails, naming
+them). A chunk's pages are the request's positions ``[P + sent, P + sent + len)``; this rank passes
 those it owns (its lane), each stored at ``page id`` (``page id // N`` with
 logical-page KV sharding over N ranks, where SGLang places page id p on rank
 ``p % N``: kvbridge requires that to be the position's lane, and fails a room whose
@@ -27,7 +33,12 @@ ids: target, index and draft move with one mapping (hard rule 3).
 
 A rank without an endpoint (attention TP ranks > 0 of an MLA cache) sends nothing
 and reports Success, so that the MIN is its peers' state; it still fails on its
-own abort and raises from ``failure_exception`` like every rank.
+own abort and raises from ``failure_exception`` like every rank. No decode rank asks it
+for anything, so it cannot learn the decode prefix, and its ``pop_decode_prefix_len()``
+is 0. Nothing of that value leaves the rank: SGLang uses it only for this rank's own
+``init``/``send`` (which send nothing) and its own checksum, written into its own
+metadata row, while the row decode receives, checksum included, is the endpoint rank's
+(TP rank 0 of the CP rank owning the last page), taken over ``[prefix, n)``.
 """
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         # under overlap scheduling, to a CUDA event recorded after the previous forward pass that may
         # still write those pages; it belongs to the next send() only.
         self._early_send_wait_event: Any = None
-        self._num_pages: int | None = None
+        self._num_pages: int | None = None  # SGLang's count: pages after the decode prefix
+        self._prefix_pages = 0  # the decode prefix (pop_decode_prefix_len), in pages
         self._aux_index: int | None = None
         self._pages_given = 0
         self._tokens_given = 0
@@ -76,15 +88,25 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: Any = None) -> None:
         self._num_pages = int(num_kv_indices)
         self._aux_index = None if aux_index is None else int(aux_index)
+        self._tokens_given = self._prefix_pages * self.kv_mgr.page_size  # the prefix exists: tokens [0, P*page)
         if self._handle is None or self._failure is not None:
             return
         try:
-            self._handle.init(num_pages=self._num_pages)
+            self._handle.init(num_pages=self._prefix_pages + self._num_pages, first_page=self._prefix_pages)
         except KVBridgeError as exc:
             self.fail(str(exc))
 
     def pop_decode_prefix_len(self) -> int:
-        return 0  # every page is sent; kvbridge skips a decode rank's prefix pages for it
+        """The decode prefix in tokens (whole pages): what every decode rank of the room holds.
+        SGLang asks once poll() read WaitingForInput (every decode rank asked), before init()."""
+        if self._handle is None or self._failure is not None:
+            return 0  # no endpoint (see the module docstring), or failed: nothing is sent
+        try:
+            self._prefix_pages = int(self._handle.decode_first_page)
+        except KVBridgeError as exc:  # asked too early, or decode ranks holding different prefixes
+            self.fail(str(exc))
+            return 0
+        return self._prefix_pages * self.kv_mgr.page_size
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk
@@ -94,7 +116,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         if self._failure is not None or self._num_pages is None:
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        start = self._pages_given
+        start = self._prefix_pages + self._pages_given  # SGLang's pages start after the decode prefix
         self._pages_given += pages.size
         self._page_ids.append(pages)
         if num_kv_tokens is None:
@@ -108,7 +130,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         if self._handle is None:
             return
         try:
-            logical, local = self._owned(np.arange(start, self._pages_given), pages)
+            logical, local = self._owned(np.arange(start, self._prefix_pages + self._pages_given), pages)
             aux_slot = self._aux_index if is_last and self._handle.writes_aux else None
             self._handle.send(logical, local, num_tokens_ready=self._tokens_given, is_last=is_last,
                               aux_slot=aux_slot, ready_event=wait_event)  # fmt: skip

@@ -7,11 +7,10 @@ it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
 own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 
 What kvbridge does not support is refused here, naming the flag, why, and (where there
-is one) what to use instead: pipeline-parallel prefill, the KV checksum together with a
-decode prefix cache, decode context parallelism (DCP), CP-TP group sharing, the DSA cache
-layer split, SGLang's own staging buffer (kvbridge stages by itself: ``KVBRIDGE_STAGING``),
-HiSparse, the ``prefill_complete`` allocation policy, PD role switching, forced DP-rank
-queries, and metadata buffers in GPU memory on decode.
+is one) what to use instead: pipeline-parallel prefill, decode context parallelism (DCP),
+CP-TP group sharing, the DSA cache layer split, SGLang's own staging buffer (kvbridge stages
+by itself: ``KVBRIDGE_STAGING``), HiSparse, the ``prefill_complete`` allocation policy, PD role
+switching, forced DP-rank queries, and metadata buffers in GPU memory on decode.
 """
 
 from __future__ import annotations
@@ -197,9 +196,23 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
 
 PP_INSTEAD = ("serve prefill with --pp-size 1 (attention TP or CP for memory), or use "
               "--disaggregation-transfer-backend mooncake for a pipeline-parallel prefill")
-CHECKSUM_INSTEAD = ("drop --disaggregation-enable-kv-checksum (kvbridge counts every page of every layer on "
-                    "arrival, and its optional per-page digests cover the same pages on both sides), or serve decode "
-                    "without a prefix cache")
+
+
+def refuse_checksum_of_partial_pages(kv_checksum: bool, page_size: int) -> None:
+    """SGLang's KV checksum digests whole pages, the rows past a request's last token included;
+    kvbridge writes only the valid rows of a partial last page (hard rule 1), so decode's rows
+    there keep decode's own bytes and the two digests differ for every request whose length is
+    not a multiple of the page size: with a page size above 1 the flag would abort such requests
+    as mismatches, so it is refused at start-up instead (``page_size``: the KV pools' own, from
+    SGLang's KVArgs)."""
+    if kv_checksum and page_size > 1:
+        raise ConfigError(
+            f"--disaggregation-enable-kv-checksum with --page-size {page_size} is not supported by kvbridge's SGLang "
+            "backend: SGLang digests whole pages, the rows past a request's last token included, and kvbridge writes "
+            "only a partial last page's valid rows (never padding), so every request whose length is not a multiple "
+            f"of {page_size} would be aborted as a checksum mismatch; instead serve with --page-size 1, or drop the "
+            "flag (kvbridge counts every page of every layer on arrival, and its optional per-page digests cover "
+            "the same rows on both sides)", field="--disaggregation-enable-kv-checksum")
 
 
 def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
@@ -230,16 +243,7 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
          "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
     ]
     if role == "decode":
-        decode_prefix_cache = bool(getattr(sa, "disaggregation_decode_enable_radix_cache", False)
-                                   or getattr(sa, "enable_hierarchical_cache", False))  # fmt: skip
         checks += [
-            (bool(getattr(sa, "disaggregation_enable_kv_checksum", False)) and decode_prefix_cache,
-             "--disaggregation-enable-kv-checksum with a decode prefix cache (--disaggregation-decode-enable-radix-"
-             "cache or --enable-hierarchical-cache)",
-             "decode checksums its pages after the cached prefix, but kvbridge's prefill cannot learn that prefix "
-             "before it sends (pop_decode_prefix_len() returns 0: kvbridge's public KVSender does not expose the "
-             "decode ranks' first page), so it checksums from token 0 and every prefix hit would be aborted as a "
-             f"mismatch; instead {CHECKSUM_INSTEAD}"),
             (_sglang_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
              "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
              "kvbridge finds a room's prefill DP rank by room % dp_size, or from the request's DP rank"),

@@ -234,9 +234,9 @@ class PrefillEndpoint:
         with self._lock:
             return fn()
 
-    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None) -> None:
+    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0) -> None:
         with self._lock:
-            self._carry_out(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic()))
+            self._carry_out(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:

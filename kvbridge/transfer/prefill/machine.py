@@ -130,9 +130,9 @@ class PrefillRooms:
             raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.cfg.rank_label)
         return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now))
 
-    def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
-                    now: float) -> list[Any] | tuple:
-        r.engine_init(num_tokens, num_pages)
+    def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
+                    first_page: int = 0) -> list[Any] | tuple:
+        r.engine_init(num_tokens, num_pages, first_page)
         self._post_and_settle(r, now)  # a rank with nothing to send completes here if decode asked
         return self._actions()
 
@@ -387,6 +387,7 @@ class PrefillRooms:
             target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
                                          tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now)
             offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
+            r.check_prefix(target)  # the engine may already skip pages below its first page
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self._refuse(ident, req, str(exc), now)
             return

@@ -29,6 +29,15 @@ chunk ends inside is *held* and travels with the chunk that completes it:
      target A: posted 0..n, in flight {write: pages}, pages done, aux done
      target B: ...
 
+Decode prefix. A target holds logical pages ``[0, first_page)`` already (its prefix
+cache) and receives the owned pages from there on. An engine may send every page (each
+target takes what it lacks), or, once every target asked, read the prefix they share
+(``decode_first_page``) and hand in only the pages after it (``init(first_page=)``):
+
+    4 pages, decode prefix 2     page 0   page 1 | page 2   page 3
+    engine_first_page 0          given    given  | given    given     (pages 0, 1 filtered per target)
+    engine_first_page 2          -        -      | given    given     (the last chunk needs only these)
+
 Heterogeneous TP. A target is one decode TP rank; what this prefill TP rank sends
 it follows their TP route (``kvbridge.layout.tp_routes``): whole rows of some
 pools, one head slice of others (``Target.parts``), and the aux row only when this
@@ -45,7 +54,7 @@ import numpy as np
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import OwnerLanes
-from kvbridge.transfer.poll import RoomState
+from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.targets import Target
 from kvbridge.transfer.rooms import Life, Stage
 
@@ -67,7 +76,8 @@ class PrefillRoom:
         self._num_pages: int | None = None
         self._aux_owner = -1  # the cp rank of the last page (which holds the last valid token), once known
         self.num_tokens_ready = 0
-        self.owned: np.ndarray = _EMPTY  # logical pages this rank sends (after init)
+        self.owned: np.ndarray = _EMPTY  # logical pages this rank owns (after init)
+        self.engine_first_page = 0  # the engine hands in owned pages from here (init(first_page=)): decode has the rest
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
         self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
@@ -143,6 +153,35 @@ class PrefillRoom:
             "total_s": round(now - self.created, 6),
         }
 
+    @property
+    def decode_first_page(self) -> int:
+        """The decode prefix every target of this room holds, in pages (logical pages
+        ``[0, p)``), once every decode rank that draws from this rank asked (the poll state
+        WaitingForInput). One prefix per room: targets that hold different prefixes (decode TP
+        ranks whose caches differ) are an error naming each rank and its first page, since an
+        engine that skips the prefix (SGLang's ``pop_decode_prefix_len``) has one number to
+        give; an engine that cannot honour that sends every page (``engine_first_page`` 0) and
+        each target still receives only the pages after its own prefix."""
+        expected = self.num_expected_targets
+        if expected is None or len(self.targets) < expected:
+            failed = f"; the room failed: {self.state.reason}" if self.state.state == KVPoll.Failed else ""
+            asked = f"{len(self.targets)} of {expected}" if expected is not None else "none"
+            raise LayoutError(f"the decode prefix of room {self.room} is not known before every decode rank asked "
+                              f"for it ({asked} of its decode ranks have; poll() reads WaitingForInput once all "
+                              f"have){failed}", field="decode_first_page", **self.ctx)
+        first = {t.first_page for t in self.targets.values()}
+        if len(first) > 1:
+            ranks = ", ".join(f"{name} first page {t.first_page}" for name, t in sorted(self.targets.items()))
+            raise LayoutError(f"the decode ranks of room {self.room} hold different prefixes ({ranks}): one "
+                              "prefix per room can be skipped by the engine; send every page instead "
+                              "(init without first_page)", field="first_page", **self.ctx)
+        return first.pop()
+
+    @property
+    def num_to_send(self) -> int:
+        """Owned pages the engine hands in: those at or after its first page."""
+        return self.num_owned_from(self.engine_first_page)
+
     def num_owned_from(self, first_page: int) -> int:
         """Owned pages at or after ``first_page``: what a target with that decode prefix receives."""
         if first_page <= 0:  # (no prefix: every owned page)
@@ -202,13 +241,33 @@ class PrefillRoom:
                               field="num_tokens", **self.ctx)
         self.num_tokens = num_tokens
 
-    def engine_init(self, num_tokens: int | None, num_pages: int | None = None) -> None:
+    def engine_init(self, num_tokens: int | None, num_pages: int | None = None, first_page: int = 0) -> None:
         """The engine's init(): a rank with nothing to send is done once decode asked (only the
-        engine says so: a room decode asked for first waits for its sender)."""
+        engine says so: a room decode asked for first waits for its sender). ``first_page``:
+        the engine sends no page below it, since every decode rank holds them: a target with
+        a shorter prefix (asked already, or later) is refused, as its pages would never come."""
+        if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
+            raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r} (init())",
+                              field="first_page", **self.ctx)
+        for t in self.targets.values():
+            self.check_prefix(t, int(first_page))
         self.set_length("init()", num_tokens=num_tokens, num_pages=num_pages)
-        if not self.owned.size and not self.owns_last_token and not self.is_last:
+        if first_page > self.num_pages:
+            raise LayoutError(f"first_page {first_page} outside a request of {self.num_pages} pages (init())",
+                              field="first_page", **self.ctx)
+        self.engine_first_page = int(first_page)
+        if not self.num_to_send and not self.owns_last_token and not self.is_last:
             self.is_last = self.auto_last = True
             self.num_tokens_ready = self.num_tokens or 0
+
+    def check_prefix(self, t: Target, first_page: int | None = None) -> None:
+        """Target ``t`` holds at least the pages the engine skips (``first_page``: the engine's,
+        by default), or it would wait for pages that never come."""
+        first = self.engine_first_page if first_page is None else first_page
+        if t.first_page < first:
+            raise LayoutError(f"decode rank {t.decode_rank} holds pages [0, {t.first_page}) of room {self.room}, but "
+                              f"the prefill engine sends pages from {first} on: pages [{t.first_page}, {first}) would "
+                              "never come", field="first_page", **self.ctx)
 
     def select(self, page_table: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(logical pages, local pages)`` this rank sends, from its page table: entry ``i`` is
@@ -249,6 +308,10 @@ class PrefillRoom:
                 bad = int(np.flatnonzero(owner != self.cp_rank)[0])
                 raise LayoutError(f"logical page {int(logical[bad])} is owned by cp rank {int(owner[bad])}, not this "
                                   "rank", field="logical_pages", **ctx)
+            if logical.min() < self.engine_first_page:
+                raise LayoutError(f"logical page {int(logical.min())} lies below first page {self.engine_first_page}, "
+                                  "where this engine said it starts (init(first_page=): the decode ranks hold the "
+                                  "pages below)", field="logical_pages", **ctx)
             if self.given[logical].any() or np.unique(logical).size != logical.size:
                 raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
         self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + logical.size)
@@ -308,8 +371,8 @@ class PrefillRoom:
             if has_aux:
                 raise LayoutError("the aux row goes with the last chunk", field="aux", **ctx)
             return
-        if num_given != self.owned.size:
-            raise LayoutError(f"last chunk leaves {self.owned.size - num_given} owned pages unsent",
+        if num_given != self.num_to_send:
+            raise LayoutError(f"last chunk leaves {self.num_to_send - num_given} owned pages unsent",
                               field="logical_pages", **ctx)
         if self.owns_last_token and not has_aux:
             raise LayoutError("this rank owns the last valid token: the last send() must carry the aux row (aux= or "

@@ -21,7 +21,8 @@ class Endpoint(Protocol):
     the endpoint imports this module)."""
 
     def locked(self, fn: Callable[[], T]) -> T: ...
-    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None) -> None: ...
+    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
+                  first_page: int = 0) -> None: ...
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None) -> None: ...
     def abort_room(self, r: PrefillRoom, reason: str) -> None: ...
@@ -36,13 +37,27 @@ class KVSender(RoomHandle):
     _ep: Endpoint
     _room: PrefillRoom
 
-    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None) -> None:
+    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None, first_page: int = 0) -> None:
         """The request's length: its valid token count, or, for an engine that only knows pages
         (SGLang), ``num_pages`` alone; then the last ``send()`` says the token count in its
         ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
         travel (hard rule 1). A rank with nothing to send (no owned page, not the owner of the
-        last page) is done once the decode ranks asked: no send() needed."""
-        self._ep.init_room(self._room, num_tokens, num_pages)
+        last page) is done once the decode ranks asked: no send() needed.
+
+        ``first_page``: this engine sends only logical pages from ``first_page`` on, because
+        every decode rank holds the ones below (pass ``decode_first_page``). Counts and
+        ``num_tokens_ready`` stay the request's own (tokens ``[0, t)``, prefix included). A
+        decode rank that asks later with a shorter prefix is refused, naming both."""
+        self._ep.init_room(self._room, num_tokens, num_pages, first_page)
+
+    @property
+    def decode_first_page(self) -> int:
+        """The decode prefix, in pages, that every decode rank of this room holds (they asked
+        for logical pages from it on): readable once they all asked, which ``poll()`` shows as
+        WaitingForInput. Before that, or when they hold different prefixes (decode TP ranks
+        whose prefix caches differ), a LayoutError names the room, the ranks and their first
+        pages (field ``decode_first_page`` / ``first_page``)."""
+        return self._ep.locked(lambda: self._room.decode_first_page)
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
              is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,

@@ -20,8 +20,12 @@ RANKS = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size"
 
 
 class Pair:
-    def __init__(self, cluster_url: str, name: str, env: dict[str, str] | None = None) -> None:
-        """``env``: more environment for both servers' managers (``KVBRIDGE_*``, read once at start)."""
+    def __init__(self, cluster_url: str, name: str, prefill_tp: int = 1, env: dict[str, str] | None = None,
+                 **args) -> None:
+        """``prefill_tp``: the prefill's attention TP ranks (MLA: rank 0 sends, the others have no
+        endpoint); ``env``: more environment for both servers' managers (``KVBRIDGE_*``, read once
+        at start); ``args``: more server arguments of both servers (decode also gets a prefix
+        cache, ``--disaggregation-decode-enable-radix-cache``, when they enable the KV checksum)."""
         from kvbridge.integrations.sglang import install
 
         install()
@@ -30,10 +34,14 @@ class Pair:
         self.addr = f"127.0.0.1:{port}"
         try:
             with world.environ(env):
-                self.prefill = sched.PrefillServer(name, [world.RankWorld("prefill", server_args("prefill", port),
-                                                                          RANKS, env)], 1, self.addr)  # fmt: skip
-                self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld("decode", server_args("decode"),
-                                                                             RANKS, env))  # fmt: skip
+                prefill_args = server_args("prefill", port, **args)
+                self.prefill = sched.PrefillServer(name, [world.RankWorld("prefill", prefill_args, {
+                    **RANKS, "attn_tp_rank": tp, "attn_tp_size": prefill_tp}, env) for tp in range(prefill_tp)], 1,
+                    self.addr)  # fmt: skip
+                decode_args = {**args, "disaggregation_decode_enable_radix_cache": True} \
+                    if args.get("disaggregation_enable_kv_checksum") else args
+                self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld(
+                    "decode", server_args("decode", **decode_args), RANKS, env))  # fmt: skip
         finally:
             get_parallel().clear_stamp()
 

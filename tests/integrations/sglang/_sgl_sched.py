@@ -49,7 +49,9 @@ class PReq:
     phase: str = "bootstrap"  # bootstrap | running | inflight | done
     meta_idx: list[int] = field(default_factory=list)
     extend_end: int = 0
-    start_send_idx: int = 0
+    # per rank, as each rank's own Req holds them: req.start_send_idx, req.disagg_decode_prefix_len
+    start_send_idx: list[int] = field(default_factory=list)
+    decode_prefix: list[int] = field(default_factory=list)
     chunks_done: int = 0
     pending_bootstrap: bool = True
     held_reported: bool = False
@@ -77,7 +79,8 @@ class PrefillServer:
             held = pages if self.shard == 1 else pages[pages % self.shard == w.ranks["attn_tp_rank"]] // self.shard
             for buf in w.buffers.values():
                 buf[held] = NOT_COMPUTED
-        self.reqs[room] = PReq(room, n, chunk, pages, senders, optimistic=optimistic, hold_after=hold_after)
+        self.reqs[room] = PReq(room, n, chunk, pages, senders, optimistic=optimistic, hold_after=hold_after,
+                               start_send_idx=[0] * len(senders), decode_prefix=[0] * len(senders))  # fmt: skip
 
     def _alloc(self, num_pages: int, bad: bool) -> np.ndarray:
         """Page ids (the same on every rank: SGLang allocates SPMD). With a KV shard of N ranks the
@@ -118,11 +121,12 @@ class PrefillServer:
             r.meta_idx = [w.meta_alloc.alloc() for w in self.worlds]
 
     def finalize_bootstrap(self, r: PReq) -> None:
-        """``PrefillBootstrapQueue.finalize_bootstrap``: ``init(num_pages, metadata_buffer_index)``."""
+        """``PrefillBootstrapQueue.finalize_bootstrap``: ``pop_decode_prefix_len()``, then
+        ``init(pages after the prefix, metadata_buffer_index)``, on every rank."""
         self.ensure_metadata_buffer(r)
-        for s, idx in zip(r.senders, r.meta_idx):
+        for i, (s, idx) in enumerate(zip(r.senders, r.meta_idx)):
             prefix = s.pop_decode_prefix_len()
-            r.start_send_idx = prefix
+            r.start_send_idx[i] = r.decode_prefix[i] = prefix
             s.init(kv_to_page_num(r.n - prefix, PAGE), idx)
         r.pending_bootstrap = False
 
@@ -149,24 +153,24 @@ class PrefillServer:
             self.send_kv_chunk(r, last_chunk=True)
 
     def send_kv_chunk(self, r: PReq, last_chunk: bool) -> None:
-        """``Scheduler._send_kv_chunk``: a chunk that is not the last ends on a page boundary (its
-        partial page waits); the last carries the DSA state indices and the metadata row."""
-        start, end = r.start_send_idx, min(r.extend_end, r.n)
-        if not last_chunk:
-            end -= end % PAGE
-        if end < start:
-            return
+        """``Scheduler._send_kv_chunk`` on every rank: from the rank's ``start_send_idx`` (the
+        decode prefix at first); a chunk that is not the last ends on a page boundary (its
+        partial page waits); the last carries the DSA state indices after the decode prefix
+        (``suffix_page_indices``) and the metadata row."""
         req_to_token = torch.as_tensor(np.repeat(r.pages, PAGE) * PAGE + np.tile(np.arange(PAGE), r.pages.size))[None]
-        state = None
-        if last_chunk:
-            state = [suffix_page_indices(req_to_token, 0, 0, r.n, PAGE)]  # decode_prefix_len is 0 here
-        page_indices = kv_to_page_indices(req_to_token[0, start:end], PAGE)
-        for w, s, idx in zip(self.worlds, r.senders, r.meta_idx):
+        for i, (w, s, idx) in enumerate(zip(self.worlds, r.senders, r.meta_idx)):
+            start, end = r.start_send_idx[i], min(r.extend_end, r.n)
+            if not last_chunk:
+                end -= end % PAGE
+            if end < start:
+                continue
+            state = [suffix_page_indices(req_to_token, 0, r.decode_prefix[i], r.n, PAGE)] if last_chunk else None
+            page_indices = kv_to_page_indices(req_to_token[0, start:end], PAGE)
             if last_chunk:
                 w.meta.set_buf(metadata_req(r.room, idx))
             if s.should_send_kv_chunk(len(page_indices), last_chunk):
                 s.send(page_indices, state, num_kv_tokens=end - start)
-        r.start_send_idx = end
+            r.start_send_idx[i] = end
 
     def process_inflight_queue(self) -> None:
         """``process_disagg_prefill_inflight_queue`` (``handle_pending_bootstrap`` for a request
@@ -183,7 +187,7 @@ class PrefillServer:
                 for s in r.senders:
                     s.clear()
                 metrics = [vars(s.get_transfer_metric()) for s in r.senders]
-                self.finish(r, "Success", "", metrics=metrics)
+                self.finish(r, "Success", "", metrics=metrics, prefix=list(r.decode_prefix))
             elif poll == KVPoll.Failed:
                 self.finish(r, "Failed", self.failure(r))
 
@@ -353,8 +357,9 @@ class DecodeServer:
                 self.finish(r, "Failed", self.failure(r), releasable=releasable, held_polls=r.held_polls)
             elif poll == KVPoll.Success:
                 errors = metadata_errors(self.w.meta.get_buf(r.meta_idx), r.room) + self.verify(r)
-                r.receiver = None  # _commit_transfer_to_req drops it
-                self.finish(r, "Success", "", errors=errors)
+                r.receiver = None  # _commit_transfer_to_req drops it, keeping the checksum of the row
+                checksum = self.w.meta.get_kv_checksum(r.meta_idx) if self.w.meta.kv_checksum is not None else None
+                self.finish(r, "Success", "", errors=errors, checksum=checksum)
 
     def verify(self, r: DReq) -> list[str]:
         """Every byte of every pool and layer of the room; prefix pages still hold their marker."""

@@ -69,7 +69,8 @@ class RankWorld:
     def __init__(self, role: str, server_args: ServerArgs, ranks: dict[str, int], env: dict[str, str],
                  mha_heads: int = 0) -> None:
         """``mha_heads`` > 0: an MHA/GQA model instead (SGLang's ``MHATokenToKVPool``, that many KV
-        heads in the whole row, sharded over attention TP as SGLang shards them; no draft)."""
+        heads in the whole row, sharded over attention TP as SGLang shards them; no draft). The
+        metadata rows carry SGLang's KV checksum when the server arguments enable it."""
         get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, **ranks)
         self.role, self.ranks, self.mha_heads = role, ranks, mha_heads
         if mha_heads:
@@ -78,7 +79,8 @@ class RankWorld:
             self._dsa_pools()
         self.meta = MetadataBuffers(META_ROWS, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=TOP_LOGPROBS,
-                                    output_dsa_topk_indices_dim=DSA_TOPK)
+                                    output_dsa_topk_indices_dim=DSA_TOPK,
+                                    kv_checksum_enabled=bool(server_args.disaggregation_enable_kv_checksum))
         self.meta_alloc = ReqToMetadataIdxAllocator(META_ROWS)
         self.kv_args = self._kv_args(ranks.get("attn_tp_rank", 0))
         with environ(env):

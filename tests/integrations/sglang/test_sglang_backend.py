@@ -93,16 +93,24 @@ def test_cp1_chunked_prefill_with_a_silent_tp_rank(hosts):
 
 
 def test_decode_prefix_and_prefill_before_bootstrap(hosts):
-    """Decode holds the first page (its radix cache): only pages 1.. move and the prefix page keeps
-    its content. Prefill computed the whole request before decode asked (optimistic prefill)."""
-    assert_success(*transfer(hosts, "cp1", 200, 64, prefix=64)[1:])
-    assert_success(*transfer(hosts, "cp1", 130, 50, optimistic=True)[1:])
+    """Decode holds the first page (its radix cache): pop_decode_prefix_len() gives it to SGLang,
+    which sends only pages 1..; the prefix page keeps its content. TP rank 1 (no endpoint, asked
+    by nobody) says 0: that value reaches nothing (sender.py). Prefill computed the whole request
+    before decode asked (optimistic prefill: SGLang asks the prefix then, and sends it all at once)."""
+    _, pe, de = transfer(hosts, "cp1", 200, 64, prefix=64)
+    assert_success(pe, de)
+    assert pe["prefix"] == [64, 0]
+    _, pe, de = transfer(hosts, "cp1", 330, 50, prefix=128, optimistic=True)
+    assert_success(pe, de)
+    assert pe["prefix"] == [128, 0]
 
 
 @pytest.mark.parametrize("server", ["rep", "bal", "shard"])
 def test_cp2_in_each_cp_mode(hosts, server):
     assert_success(*transfer(hosts, server, 330, 100)[1:])
-    assert_success(*transfer(hosts, server, 300, 128, prefix=128)[1:])
+    _, pe, de = transfer(hosts, server, 300, 128, prefix=128)
+    assert_success(pe, de)
+    assert pe["prefix"] == [128, 128]  # every rank has an endpoint, and every decode rank asked each
 
 
 def test_kv_sharding_with_pages_off_their_lane_fails_clearly(hosts):

@@ -91,7 +91,7 @@ def test_prefix_pages_are_read_only_after_the_early_send_event(pair, monkeypatch
     pair.run(lambda: not r.pending_bootstrap and d.phase == "transfer")
     req_to_token = torch.as_tensor(np.repeat(r.pages, PAGE) * PAGE + np.tile(np.arange(PAGE), r.pages.size))[None]
     req = types.SimpleNamespace(rid="r0", prefix_len=PREFIX, host_hit_length=0, pending_bootstrap=False,
-                                early_send_prefix_end=None, start_send_idx=r.start_send_idx, extend_end=PREFIX,
+                                early_send_prefix_end=None, start_send_idx=r.start_send_idx[0], extend_end=PREFIX,
                                 origin_input_ids=list(range(N)), kv=types.SimpleNamespace(req_pool_idx=0),
                                 disagg_decode_prefix_len=0, disagg_kv_sender=r.senders[0])  # fmt: skip
 
@@ -110,7 +110,7 @@ def test_prefix_pages_are_read_only_after_the_early_send_event(pair, monkeypatch
         w.write_rows(room, r.pages, 0, PREFIX, N, 1)
     event.done.set()
 
-    r.start_send_idx, r.extend_end, r.hold_after = req.start_send_idx, PREFIX, None  # the rest of the prompt
+    r.start_send_idx[0], r.extend_end, r.hold_after = req.start_send_idx, PREFIX, None  # the rest of the prompt
     pair.run(lambda: all(pair.done(room)))
     pe, de = pair.done(room)
     assert pe["state"] == "Success", pe["reasons"]

@@ -72,3 +72,22 @@ def test_mha_heads_across_tp_sizes(hosts, prefill, decode, n, chunk):
         assert de["errors"] == [], de["errors"]
     assert pe["state"] == "Success", pe["reasons"]
     assert all(m["transfer_total_bytes"] for m in pe["metrics"])  # every prefill TP rank sent its heads
+
+
+def test_decode_tp_ranks_holding_different_prefixes_fail_the_room_by_name(hosts):
+    """G3: SGLang's prefill takes one decode prefix per request (pop_decode_prefix_len). Decode TP
+    ranks whose prefix caches differ (64 and 128 tokens) cannot be told to it as one number: the
+    room fails on prefill, naming each decode rank and its first page, and decode hears why."""
+    room = next(ROOM)
+    p, d = hosts["prefill"], hosts["decode"]
+    p.command("add", server="p1", room=room, n=200, chunk=200)
+    for name, prefix in (("d2r0", 64), ("d2r1", 128)):
+        d.command("add", server=name, room=room, n=200, prefix=prefix, addr=f"127.0.0.1:{hosts['ports']['p1']}")
+    pe = p.event("p1", room)
+    assert pe["state"] == "Failed"
+    (reason,) = pe["reasons"]
+    assert f"the decode ranks of room {room} hold different prefixes (" in reason, reason
+    assert "/tp0 first page 1, " in reason and "/tp1 first page 2)" in reason, reason
+    for name in ("d2r0", "d2r1"):
+        de = d.event(name, room)
+        assert de["state"] == "Failed" and de["releasable"] and "hold different prefixes" in de["reasons"][0]

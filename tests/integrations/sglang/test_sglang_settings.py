@@ -67,10 +67,6 @@ def test_decode_finds_daemons_by_bootstrap_address(rank):
      "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
     ("decode", {}, {"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"}, {}, "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
     ("prefill", {"speculative_algorithm": "STANDALONE"}, {}, {}, "speculative_algorithm"),
-    ("decode", {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}, {}, {},
-     "--disaggregation-enable-kv-checksum"),
-    ("decode", {"disaggregation_enable_kv_checksum": True, "enable_hierarchical_cache": True}, {}, {},
-     "--disaggregation-enable-kv-checksum"),
 ])  # fmt: skip
 def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, role, kw, env, stamp, flag):
     rank(**stamp)
@@ -82,17 +78,13 @@ def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, ro
 
 
 def test_g3_g6_refusals_say_why_and_what_instead(rank):
-    """G3: the KV checksum with a decode prefix cache (prefill cannot learn decode's prefix through
-    kvbridge's public API); G6: pipeline-parallel prefill. Each names the flag, why, and what to use."""
+    """G3 is closed: the KV checksum with a decode prefix cache is served (prefill digests from the
+    decode prefix, ``pop_decode_prefix_len``); G6: pipeline-parallel prefill names the flag, why,
+    and what to use."""
     rank()
-    kw = {"disaggregation_enable_kv_checksum": True, "disaggregation_decode_enable_radix_cache": True}
-    with pytest.raises(ConfigError) as err:
-        read_settings("decode", args(**kw), True, env=ENV)
-    msg = str(err.value)
-    assert "--disaggregation-enable-kv-checksum with a decode prefix cache" in msg
-    assert "pop_decode_prefix_len() returns 0" in msg and "instead drop --disaggregation-enable-kv-checksum" in msg
-    assert read_settings("decode", args(disaggregation_enable_kv_checksum=True), True, env=ENV).kv_checksum  # alone: fine
-    assert read_settings("prefill", args(**kw), True, env=ENV).kv_checksum  # prefill has no prefix of decode's
+    for cache in ({"disaggregation_decode_enable_radix_cache": True}, {"enable_hierarchical_cache": True}):
+        for role in ("decode", "prefill"):
+            assert read_settings(role, args(disaggregation_enable_kv_checksum=True, **cache), True, env=ENV).kv_checksum
     rank(pp_size=2)
     with pytest.raises(ConfigError) as err:
         read_settings("prefill", args(), True, env=ENV)
