@@ -39,7 +39,7 @@ from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging
-from kvbridge.transfer.decode.topologies import Key, Topologies
+from kvbridge.transfer.decode.topologies import Key, SenderKey, Topologies
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.rooms import Rooms, Stage
 
@@ -225,9 +225,10 @@ class DecodeRooms:
     def topology_ready(self, r: DecodeRoom, topo: LookupResponse, now: float, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
         so under steady traffic the cache still expires every ``topology_ttl``."""
-        if topo.topology.pp_size != 1:  # (the daemon keeps every rank's pp_rank below its pp_size)
-            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
-                         "pipeline-parallel prefill is not supported yet", now)
+        if topo.topology.pp_size > 1 and self.cfg.verify_digest:  # each stage digests its own layers only
+            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}: page digests "
+                         "(verify_digest) cover every layer of a page, and each pipeline stage sends only its own; "
+                         "turn verify_digest off for pipeline-parallel prefill", now)
             return
         try:
             r.set_topology(self.topologies.placement(topo, r.room))
@@ -316,7 +317,7 @@ class DecodeRooms:
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
             return _NONE
         cp = getattr(msg, "cp_rank", None)
-        key = r.by_endpoint.get(endpoint)  # (cp, tp) of the sender on that connection
+        key = r.by_endpoint.get(endpoint)  # (cp, tp, pp) of the sender on that connection
         if cp is not None and (key is None or key[0] != cp):
             self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there", now)
             return self._actions()
@@ -341,27 +342,28 @@ class DecodeRooms:
             return
         self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=nonce)))
 
-    def _dispatch(self, r: DecodeRoom, endpoint: str, key: tuple[int, int] | None, msg: Any, now: float) -> None:
+    def _dispatch(self, r: DecodeRoom, endpoint: str, key: SenderKey | None, msg: Any, now: float) -> None:
         if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
             if self.trace:
-                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
-                         r.age_ms(now), now, msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
+                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d%s pages=%d%s", r.room, self.cfg.rank_label,
+                         r.age_ms(now), now, msg.cp_rank, f"/pp{key[2]}" if r.placement.aux_stage else "",
+                         len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
             if r.staged_only and not self.staging.reported(r.room, key):
                 raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
                                   "writes only (its pages are freed at once on failure)", room=r.room,
                                   rank=f"cp{msg.cp_rank}", field="staging")
             if msg.logical_pages:
                 pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
-                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
+                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1], pp_rank=key[2])
                 if self.cfg.verify_digest:
                     if msg.digests is None:
                         raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
                                           rank=f"cp{msg.cp_rank}", field="digests")
                     r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
             if msg.aux:  # the same write carried the aux row
-                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
-                    self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
+                    self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key, r)} (with the aux row)")
         elif isinstance(msg, wire.ChunkLanded):
             if self.trace:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
@@ -378,7 +380,7 @@ class DecodeRooms:
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
-            self.fail(r, f"{_label(msg, endpoint, key)} refused our {msg.ref_type}: {msg.reason}", now)
+            self.fail(r, f"{_label(msg, endpoint, key, r)} refused our {msg.ref_type}: {msg.reason}", now)
         elif r.state.final:
             if getattr(msg, "status", "ok") == "failed":
                 r.quiet.add(key)  # a failure report means its writes have drained
@@ -386,7 +388,7 @@ class DecodeRooms:
                     self.staging.sender_quiet(r.room, key, self._out)
         elif isinstance(msg, wire.PagesDone):  # failed
             r.quiet.add(key)
-            self.fail(r, f"{_label(msg, endpoint, key)}: {msg.reason}", now)
+            self.fail(r, f"{_label(msg, endpoint, key, r)}: {msg.reason}", now)
 
     def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
         if self.staging is None:
@@ -500,8 +502,10 @@ class DecodeRooms:
             elif r.state.since(now) > self.cfg.waiting_timeout:
                 self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
         elif st == KVPoll.Transferring and r.state.since(now) > self.cfg.transfer_timeout:
+            stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
-                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}", now)
+                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}"
+                         + (f" from pipeline stage(s) {', '.join(f'pp{s}' for s in stages)}" if stages else ""), now)
         elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
             self._send_aborts(r, now)
@@ -539,7 +543,7 @@ class DecodeRooms:
             r.requested.add(key)
         r.state.to(KVPoll.Transferring, now=now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label,
+            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from (cp, tp, pp) ranks %s", r.room, self.cfg.rank_label,
                      r.age_ms(now), now, sorted(r.requested))
 
     # -- liveness ---------------------------------------------------------------
@@ -567,6 +571,8 @@ class DecodeRooms:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == p.endpoint)
 
 
-def _label(msg: Any, endpoint: str, key: tuple[int, int] | None) -> str:
+def _label(msg: Any, endpoint: str, key: SenderKey | None, r: DecodeRoom) -> str:
     tp = f"/tp{key[1]}" if key is not None and key[1] else ""
-    return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
+    staged = r.placement is not None and r.placement.aux_stage > 0  # a pipeline-parallel instance: name the stage
+    pp = f"/pp{key[2]}" if key is not None and staged else ""
+    return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp}{pp} ({endpoint})"
