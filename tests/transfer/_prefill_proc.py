@@ -16,7 +16,8 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
 ``--model kv-fp32`` runs the k/v float32 model of ``_models.py`` instead of a preset,
 with the aux rows in the engine's own per-region tensors (``send(aux_slot=...)``).
 ``--model kv-heads --tp-rank t --tp-size p`` runs TP rank t of a head-sharded k/v model
-(4 KV heads): its pools hold its heads of every row.
+(4 KV heads): its pools hold its heads of every row. ``--pp-rank s --pp-size p --pp-layers
+a,b`` runs pipeline stage s, holding (and sending) target layers [a, b) only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import OwnerLanes, stage_specs
 from kvbridge.transfer.engine import create_engine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--staging-bytes", type=int, default=16 << 20)
     ap.add_argument("--staging-slot-bytes", type=int, default=8 << 20)
     ap.add_argument("--random-local", type=int, default=0, help="a seed: local pages drawn at random, not bumped")
+    ap.add_argument("--pp-rank", type=int, default=0)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--pp-layers", default="", help="start,end: this pipeline stage's target layers")
     args = ap.parse_args()
 
     engine_aux = None
@@ -89,7 +93,11 @@ def main() -> None:
             contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
         aux_schema = aux_schema_of(contract)
         buffers = allocate_buffers(specs, args.pages)
-    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
+    pp_layers = tuple(int(v) for v in args.pp_layers.split(",")) if args.pp_layers else None
+    if pp_layers is not None:  # a pipeline stage holds (and fills) its own layers only
+        buffers = allocate_buffers(stage_specs(specs, pp_layers, contract.model.target_layers), args.pages)
+    last_stage = args.pp_rank == args.pp_size - 1
+    cfg = PrefillConfig(pp_rank=args.pp_rank, pp_size=args.pp_size, pp_layers=pp_layers,instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
                         tp_size=args.tp_size, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None, staging=args.staging,
@@ -119,7 +127,7 @@ def main() -> None:
             fill_pages(specs[pool], buf, room, layer, owned, local, n)
         sender = senders[room] = ep.sender(room)
         sender.init(n)
-        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        owns_last = last_stage and lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
         sent = np.zeros(owned.size, dtype=bool)
         chunks = cmd.get("chunks") or [n]
         for i, upto in enumerate(chunks):
@@ -157,7 +165,7 @@ def main() -> None:
         n = cmd["num_tokens"]
         num_pages = -(-n // page_size)
         owned = lanes.owned_pages(args.cp_rank, num_pages)
-        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        owns_last = last_stage and lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
         live = {}
         for i, room in enumerate(cmd["rooms"]):
             local = (np.arange(owned.size) + i * owned.size) % args.pages
