@@ -186,7 +186,30 @@ def test_a_lookup_whose_stages_do_not_tile_a_pool_is_refused(m, split, extra, wo
     assert not r.requested  # nothing asked of any stage
 
 
-def test_page_digests_are_refused_toward_a_pipeline_parallel_instance():
-    m = machine(verify_digest=True)
-    r = booted(m, topology())
-    assert r.state.state == KVPoll.Failed and "turn verify_digest off" in r.state.reason
+def test_page_digests_are_checked_per_stage_over_that_stages_layers():
+    """Each stage digests its own layers of the pools it sent: decode recomputes each report's
+    digests over the same layers (the sender's registered ones) and fails on a difference."""
+    asked = []
+
+    def digests(pools, logical, physical, num_tokens, layers=None):
+        asked.append((tuple(pools), {p: layers[p] for p in pools} if layers else None))
+        return logical.astype(np.uint64) * 7  # "ours": page * 7
+
+    def run(bad: bool):
+        m = machine(verify_digest=True)
+        m.page_digests = digests
+        r, _ = requested(m, cp=1)
+        m.memory.land(1, 7)
+        for s, pools in ((0, ["index", "target"]), (1, ["draft", "index", "target"])):
+            sent = np.arange(3, dtype=np.uint64) * 7 + (1 if bad and s == 1 else 0)
+            m.message(endpoint(0, s), wire.PagesDone(room=7, cp_rank=0, status="ok", reason="", pools=pools,
+                                                      logical_pages=np.arange(3, dtype="<i4").tobytes(),
+                                                      digests=sent.tobytes(), aux=s == 1, num_tokens=10), 2.0)
+        return r
+
+    r = run(bad=False)
+    assert r.state.state == KVPoll.Success, r.state.reason
+    assert asked == [(("index", "target"), {"index": (0, 1), "target": (0, 1)}),
+                     (("draft", "index", "target"), {"draft": (4,), "index": (2, 3), "target": (2, 3)})]
+    r = run(bad=True)
+    assert r.state.state == KVPoll.Failed and "digest mismatch on logical page 0" in r.state.reason

@@ -7,8 +7,6 @@ naming it; a stage that aborts fails the room on every side."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -129,9 +127,10 @@ def final(*handles, timeout: float = 30) -> bool:
     return wait_until(lambda: all(h.poll() in FINAL for h in handles), timeout)
 
 
-@pytest.mark.parametrize("pp, cp", [(2, 1), (2, 2), (3, 1), (3, 2)])
-def test_stages_send_their_layers_and_decode_commits_every_byte(daemon, pp, cp) -> None:
-    st = Stages(daemon.url, f"pp{pp}cp{cp}", pp, cp)
+@pytest.mark.parametrize("pp, cp, digest", [(2, 1, False), (2, 2, True), (3, 1, True), (3, 2, False)])
+def test_stages_send_their_layers_and_decode_commits_every_byte(daemon, pp, cp, digest) -> None:
+    """``digest``: decode checks each stage's page digests over that stage's layers too."""
+    st = Stages(daemon.url, f"pp{pp}cp{cp}", pp, cp, verify_digest=digest)
     try:
         # each stage registered its own layers only: the draft (id LAYERS) with the last stage
         held = {s: sorted({(d.pool, d.layer_id) for d in st.prefill[(0, s)].buffers.descs}) for s in range(pp)}
@@ -205,5 +204,4 @@ def test_a_stage_without_layers_or_with_the_wrong_end_is_refused_at_construction
 def test_overlapping_stages_are_refused_at_registration(daemon) -> None:
     """The second stage's registration is refused by the daemon, naming both stages."""
     with pytest.raises(TopologyError, match=r"pp0 \[0, 3\) and pp1 \[2, 6\) overlap at layers \[2, 3\)"):
-        Stages(daemon.url, "overlap", 2, 1, layers=[(0, 3), (2, 6)])
-    time.sleep(0)  # (every endpoint the failed construction started was closed by it)
+        Stages(daemon.url, "overlap", 2, 1, layers=[(0, 3), (2, 6)])  # (it closes what it started)

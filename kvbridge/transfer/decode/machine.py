@@ -18,7 +18,7 @@ it did not listen to (``tick``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,14 +74,15 @@ class Refresh:
 
 class DecodeRooms:
     """The decode rank's rooms and what drives them. ``read_aux_row(slot)``: the aux row as it
-    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical, num_tokens)``: digests of
-    our pages (only with ``verify_digest``); ``rank_id()``: this rank's registration id (it
+    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical,
+    num_tokens, layers=None)``: digests of our pages (only with ``verify_digest``; ``layers``: a pipeline
+    stage's layer ids per pool); ``rank_id()``: this rank's registration id (it
     changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
     rank wrote into our scratch region (answers its Challenge; None: no scratch region)."""
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  read_aux_row: Callable[[int], tuple[np.ndarray, float]],
-                 page_digests: Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray],
+                 page_digests: Callable[..., np.ndarray],
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
                  trace: bool = False, staging: DecodeStaging | None = None) -> None:
         self.cfg = config
@@ -225,11 +226,6 @@ class DecodeRooms:
     def topology_ready(self, r: DecodeRoom, topo: LookupResponse, now: float, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
         so under steady traffic the cache still expires every ``topology_ttl``."""
-        if topo.topology.pp_size > 1 and self.cfg.verify_digest:  # each stage digests its own layers only
-            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}: page digests "
-                         "(verify_digest) cover every layer of a page, and each pipeline stage sends only its own; "
-                         "turn verify_digest off for pipeline-parallel prefill", now)
-            return
         try:
             r.set_topology(self.topologies.placement(topo, r.room))
         except KVBridgeError as exc:
@@ -359,7 +355,7 @@ class DecodeRooms:
                     if msg.digests is None:
                         raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
                                           rank=f"cp{msg.cp_rank}", field="digests")
-                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
+                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64), key, tuple(msg.pools)))
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
@@ -438,11 +434,20 @@ class DecodeRooms:
                      r.ledger.aux_owner, read_s * 1e3)
 
     def _digest_mismatch(self, r: DecodeRoom) -> int | None:
-        pages = np.concatenate([p for p, _ in r.digests])
-        sent = np.concatenate([d for _, d in r.digests])
-        mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
-        bad = np.flatnonzero(mine != sent)
-        return int(pages[bad[0]]) if bad.size else None
+        if not r.placement.layers:  # one stage: every report digests every layer of every pool
+            pages = np.concatenate([p for p, _, _, _ in r.digests])
+            sent = np.concatenate([d for _, d, _, _ in r.digests])
+            mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
+            bad = np.flatnonzero(mine != sent)
+            return int(pages[bad[0]]) if bad.size else None
+        # pipeline stages: each digested its own layers of the pools it sent; check each against the same
+        for pages, sent, key, pools in r.digests:
+            mine = self.page_digests(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens,
+                                     r.placement.layers[key])
+            bad = np.flatnonzero(mine != sent)
+            if bad.size:
+                return int(pages[bad[0]])
+        return None
 
     # -- the clock --------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class DecodeRoom:
         self._aux: AuxRow | None = None
         self._aux_regions: dict[str, np.ndarray] | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
-        self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
+        self.digests: list[tuple[np.ndarray, np.ndarray, Any, tuple[str, ...]]] = []  # (logical pages, digests, sender, pools) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason

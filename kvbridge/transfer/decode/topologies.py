@@ -55,6 +55,7 @@ class Placement:
     asks: tuple[tuple[SenderKey, Any, tuple[str, ...]], ...]  # (key, sender, its pools), by key
     stages: dict[str, tuple[int, ...]]  # pool -> the pipeline stages that send its layers
     aux_stage: int  # the stage that writes the aux row (the last)
+    layers: dict[SenderKey, dict[str, tuple[int, ...]]]  # pp > 1: each sender's layer ids per pool (its digests)
 
     @classmethod
     def of(cls, topo: LookupResponse, route: TPRoute, room: int, specs: Mapping[str, PoolSpec]) -> Placement:
@@ -68,17 +69,19 @@ class Placement:
                                 f"which this decode rank's TP route draws from", room=room, field="ranks")
         chosen = {key: senders[key] for key in sorted(need)}
         pools = {key: tuple(route.pools_from(key[1])) for key in chosen}
-        stages = {p: (0,) for p in specs}
+        stages: dict[str, tuple[int, ...]] = {p: (0,) for p in specs}
+        layers: dict[SenderKey, dict[str, tuple[int, ...]]] = {}
         if pp > 1:
-            pools, stages = _stage_pools(topo, chosen, pools, specs, room)
+            pools, stages, layers = _stage_pools(topo, chosen, pools, specs, room)
         return cls(topo, route, OwnerLanes(topo.plan.cp_size, topo.plan.rule), chosen,
                    {s.control_endpoint: key for key, s in chosen.items()},
-                   tuple((key, s, pools[key]) for key, s in chosen.items() if pools[key]), stages, pp - 1)
+                   tuple((key, s, pools[key]) for key, s in chosen.items() if pools[key]), stages, pp - 1, layers)
 
 
 def _stage_pools(topo: LookupResponse, chosen: Mapping[SenderKey, Any], pools: Mapping[SenderKey, tuple[str, ...]],
-                 specs: Mapping[str, PoolSpec], room: int) -> tuple[dict[SenderKey, tuple[str, ...]],
-                                                                    dict[str, tuple[int, ...]]]:
+                 specs: Mapping[str, PoolSpec], room: int
+                 ) -> tuple[dict[SenderKey, tuple[str, ...]], dict[str, tuple[int, ...]],
+                            dict[SenderKey, dict[str, tuple[int, ...]]]]:
     """Which pools each pipeline stage sends (those it registered layers of), checked: in every
     (cp, tp) group the stages' layers of each pool tile the pool's layers, and every CP rank's
     stages hold the same pools (TopologyError naming pool, layer and stages)."""
@@ -116,7 +119,8 @@ def _stage_pools(topo: LookupResponse, chosen: Mapping[SenderKey, Any], pools: M
                 raise TopologyError(f"pool {pool!r} comes from pipeline stages {sorted(stages[pool])} on one CP rank and "
                                     f"{list(senders_of)} {where}: every CP rank splits the layers alike",
                                     room=room, field="ranks")
-    return out, {p: tuple(sorted(st)) for p, st in stages.items()}
+    layers = {key: {p: tuple(sorted(ids)) for p, ids in held[key].items()} for key in chosen}
+    return out, {p: tuple(sorted(st)) for p, st in stages.items()}, layers
 
 
 class Topologies:
