@@ -37,7 +37,7 @@ class Stages:
     """pp x cp prefill ranks and one decode rank, one LocalFabric."""
 
     def __init__(self, url: str, name: str, pp: int, cp: int, layers: list[tuple[int, int]] | None = None,
-                 **decode_cfg) -> None:
+                 prefill_cfg: dict | None = None, **decode_cfg) -> None:
         self.specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
         self.contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, "interleaved")
         self.schema = aux_schema_of(self.contract)
@@ -53,7 +53,7 @@ class Stages:
                 for s in range(pp):
                     cfg = PrefillConfig(instance=f"{name}-p", cp_rank=c, cp_size=cp, pp_rank=s, pp_size=pp,
                                         pp_layers=self.layers[s], lease_ttl=2.0, target_timeout=5.0,
-                                        housekeeping_interval=0.1)
+                                        housekeeping_interval=0.1, **(prefill_cfg or {}))
                     bufs = allocate_buffers(stage_specs(self.specs, self.layers[s], LAYERS), PAGES)
                     ep = PrefillEndpoint(cfg, create_engine("local", fabric=self.fabric), self.specs, bufs,
                                          self.contract, self._client(url), self.schema)
@@ -151,6 +151,30 @@ def test_stages_send_their_layers_and_decode_commits_every_byte(daemon, pp, cp, 
             r.close()
             for s, _, _ in opened.values():
                 s.close()
+    finally:
+        st.close()
+
+
+SLOT = 4096  # a few pages per chunk: every room streams through several staging slots
+
+
+def test_staged_writes_from_every_stage_land_through_decode_staging_slots(daemon) -> None:
+    """Staging "always": each stage's chunks go through decode's staging slots (their keys carry
+    the stage), scattered into the pages; every byte checked."""
+    st = Stages(daemon.url, "staged", 3, 2, staging="always", staging_bytes=4 * SLOT, staging_slot_bytes=SLOT,
+                prefill_cfg=dict(staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT))
+    try:
+        for i, n in enumerate((9, 61)):
+            room = 300 + i
+            r, pages = st.receive(room, n, slot=i)
+            opened = st.open(room, n)
+            st.send(room, n, opened)
+            assert final(r, *(s for s, _, _ in opened.values()))
+            assert r.poll() == KVPoll.Success, r.failure_reason
+            assert st.verify(room, n, pages, r) == []
+            for key, (s, owned, _) in opened.items():  # every stage with pages staged them
+                if owned.size:
+                    assert set(s.stats["paths"].values()) == {"staged"} and s.stats["chunks"] >= 1, (key, s.stats)
     finally:
         st.close()
 
