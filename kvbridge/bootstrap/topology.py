@@ -7,7 +7,10 @@ They still have rules, checked here with their own errors (``TopologyError``):
 - a rank's coordinates lie inside those sizes (checked by the schema);
 - a rank's pool descriptors agree with its own contract: known pool, one of the
   pool's layer ids, ``bytes_per_page = page_size * bytes_per_token``, each
-  ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8).
+  ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8);
+- a prefill pipeline stage (``pp_size > 1``) declares its target layers ``pp_layers``
+  and describes exactly its layers of every pool (``check_stage``); the stages of an
+  instance tile the target layers in stage order (``stage_layers_conflict``, by name).
 
 Senders. Pipeline stages hold disjoint layers, so every stage sends its own;
 every CP rank sends the pages it owns. Inside a CP rank's TP group the senders
