@@ -85,7 +85,9 @@ class PrefillEndpoint:
     rows, packed uint8 ``[rows, row_bytes]`` or ``{region: tensor[rows, ...]}``, registered so
     that ``send(..., aux_slot=i)`` writes row ``i`` without a copy; ``send(..., aux=row)`` uses
     kvbridge's staging rows. Specs, aux schema and lane rule are checked against the contract
-    here (ConfigError naming the field)."""
+    here (ConfigError naming the field). A pipeline stage (``config.pp_layers``) takes the whole
+    model's specs and contract but buffers of its own layers only (``stage_specs``,
+    docs/pipeline.md)."""
 
     def __init__(
         self,
