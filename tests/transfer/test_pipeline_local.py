@@ -52,7 +52,7 @@ class Stages:
             for c in range(cp):
                 for s in range(pp):
                     cfg = PrefillConfig(instance=f"{name}-p", cp_rank=c, cp_size=cp, pp_rank=s, pp_size=pp,
-                                        pp_layers=self.layers[s], lease_ttl=2.0, target_timeout=5.0,
+                                        pp_layers=self.layers[s], lease_ttl=5.0, target_timeout=20.0,
                                         housekeeping_interval=0.1, **(prefill_cfg or {}))
                     bufs = allocate_buffers(stage_specs(self.specs, self.layers[s], LAYERS), PAGES)
                     ep = PrefillEndpoint(cfg, create_engine("local", fabric=self.fabric), self.specs, bufs,
@@ -63,9 +63,10 @@ class Stages:
             for b in self.dbufs.values():
                 as_bytes(b)[:] = SENTINEL_BYTE
             self.aux = torch.zeros((8, self.schema.row_bytes), dtype=torch.uint8)
-            decode_cfg.setdefault("peer_timeout", 2.0)
-            decode_cfg.setdefault("ping_interval", 0.1)
-            self.decode = DecodeEndpoint(DecodeConfig(instance=f"{name}-d", lease_ttl=2.0, **decode_cfg),
+            # generous liveness bounds: seven endpoint loops share a loaded 2-core machine here
+            decode_cfg.setdefault("peer_timeout", 5.0)
+            decode_cfg.setdefault("ping_interval", 0.2)
+            self.decode = DecodeEndpoint(DecodeConfig(instance=f"{name}-d", lease_ttl=5.0, **decode_cfg),
                                          create_engine("local", fabric=self.fabric), self.specs, self.dbufs,
                                          self.contract, self._client(url), self.aux, self.schema)
             self.decode.start()
@@ -143,9 +144,10 @@ def test_stages_send_their_layers_and_decode_commits_every_byte(daemon, pp, cp, 
             r, pages = st.receive(room, n, slot=i % 8)
             opened = st.open(room, n)
             st.send(room, n, opened)
-            assert final(r, *(s for s, _, _ in opened.values()))
+            assert final(r, *(s for s, _, _ in opened.values())), (r.poll(), r.failure_reason)
             assert r.poll() == KVPoll.Success, r.failure_reason
-            assert all(s.poll() == KVPoll.Success for s, _, _ in opened.values())
+            assert all(s.poll() == KVPoll.Success for s, _, _ in opened.values()), \
+                {k: (s.poll(), s.failure_reason) for k, (s, _, _) in opened.items()}
             assert st.verify(room, n, pages, r) == []
             assert set(r.stats["pages_by_stage"]) == set(range(pp))  # the stats name each stage
             r.close()
