@@ -5,7 +5,8 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
 - errors: ``KVBridgeError`` and its tree (see ``kvbridge.errors``);
 - geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``,
   ``RawBuffer`` (a buffer given as an address), ``HeadGeometry``/``rank_heads`` (the heads a TP rank holds
-  in an MHA/GQA row: heterogeneous TP);
+  in an MHA/GQA row: heterogeneous TP), ``stage_specs`` (a pipeline stage's layers of every pool: the
+  buffers a stage registers, docs/pipeline.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
@@ -36,6 +37,7 @@ from kvbridge.layout import (
     deepseek_pools,
     preset_pools,
     rank_heads,
+    stage_specs,
 )
 from kvbridge.transfer import (
     DecodeConfig,
@@ -82,5 +84,6 @@ __all__ = [
     "mooncake_available",
     "preset_pools",
     "rank_heads",
+    "stage_specs",
     "start_bootstrap",
 ]

@@ -16,7 +16,7 @@ EXPECTED = {
     "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
     "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
-    "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "start_bootstrap",
+    "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
 }
 
 

@@ -80,6 +80,8 @@ _SECTION_BREAKS = {
     "topology.cp_size": "owner lanes (logical page -> CP rank) would be computed over a different number of CP ranks",
     "topology.tp_size": "ranks would disagree on which TP ranks send which heads (see kvbridge.layout.tp_routes)",
     "topology.pp_size": "layers would be split across a different number of pipeline stages",
+    "rank.pp_layers": "pipeline stages would leave layers unsent or send a layer twice: decode would attend over "
+                      "pages no stage wrote, or count a layer range twice",
 }
 
 

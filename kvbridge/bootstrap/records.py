@@ -54,13 +54,14 @@ class RankRecord:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""
         i = self.identity
         return SenderRank(rank_id=self.rank_id, dp_rank=i.dp_rank, cp_rank=i.cp_rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank,
-                          control_endpoint=self.control_endpoint, session_id=self.session_id, pools=self.pools, aux=self.aux)
+                          control_endpoint=self.control_endpoint, session_id=self.session_id, pools=self.pools, aux=self.aux,
+                          pp_layers=i.pp_layers)
 
     def view(self, now: float) -> RankView:
         i = self.identity
         return RankView(rank_id=self.rank_id, dp_rank=i.dp_rank, cp_rank=i.cp_rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank,
                         control_endpoint=self.control_endpoint, session_id=self.session_id, num_pools=len(self.pools),
-                        has_aux=self.aux is not None, lease_ttl_s=self.lease_ttl_s,
+                        has_aux=self.aux is not None, pp_layers=i.pp_layers, lease_ttl_s=self.lease_ttl_s,
                         lease_remaining_s=round(max(0.0, self.expires_at - now), 3), scratch=self.scratch)
 
 

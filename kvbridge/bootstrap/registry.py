@@ -29,7 +29,7 @@ from typing import Literal
 
 from kvbridge.bootstrap.claims import claim_held, find_conflict
 from kvbridge.bootstrap.contract import fingerprint
-from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
+from kvbridge.bootstrap.diff import FieldDiff, breaks_for, diff_contracts
 from kvbridge.bootstrap.leases import (
     check_secret,
     new_secret,
@@ -56,7 +56,9 @@ from kvbridge.bootstrap.store_memory import MemoryStore
 from kvbridge.bootstrap.topology import (
     OwnerLanePlan,
     check_descriptors,
+    check_stage,
     sender_coords,
+    stage_layers_conflict,
     topology_diff,
 )
 from kvbridge.errors import (
@@ -137,6 +139,8 @@ class Registry:
         fp = fingerprint(req.contract)
         check_descriptors(req.contract, req.pools, req.aux, rank=ident.label, aux_regions=req.aux_regions,
                           tp=(ident.tp_size, ident.tp_rank))  # BufferSpecError -> 409
+        check_stage(req.contract, ident.role, ident.pp_size, ident.pp_rank, ident.pp_layers, req.pools,
+                    rank=ident.label)  # TopologyError / BufferSpecError -> 409
         secret = new_secret()
         with self._lock:
             self._expire_locked()
@@ -155,6 +159,7 @@ class Registry:
             else:
                 self._check_limits(ident, replacing=replaced is not None)
                 inst = InstanceRecord(ident.instance, ident.topology, req.contract, fp)
+            self._check_stages(inst, ident, fp, replaced)
             if replaced is not None:
                 log.info("%s registers again; replacing %s", ident.label, replaced)
             ttl = self._ttl(req.lease_ttl_s)
@@ -228,6 +233,25 @@ class Registry:
             self._refuse("register", "contract", msg, self._registered_side(inst), self._incoming_side(ident, fp), diff)
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="mismatch")
             raise ContractMismatch(msg, diff=diff, rank=ident.label, field=diff[0].path if diff else None)
+
+    def _check_stages(self, inst: InstanceRecord, ident: RankIdentity, fp: str, replaced: str | None) -> None:
+        """Pipeline stages (``kvbridge.layout.stages``): the incoming stage's layers agree with the
+        stages registered so far; refused (409, kept for diagnostics) naming both stages."""
+        others = [(r.identity.label, r.identity.pp_rank, r.identity.pp_layers) for k, r in inst.ranks.items()
+                  if k != replaced]
+        problem = stage_layers_conflict(others, ident.pp_rank, ident.pp_layers, ident.pp_size,
+                                        inst.contract.model.target_layers)
+        if problem is None:
+            return
+        msg = f"{ident.label}: pipeline stages of instance {inst.name!r} do not tile its target layers: {problem}"
+        registered = {f"pp{r.identity.pp_rank}": [r.identity.pp_layers.start, r.identity.pp_layers.end]
+                      for _, r in sorted(inst.ranks.items()) if r.identity.pp_layers is not None}
+        incoming = [ident.pp_layers.start, ident.pp_layers.end] if ident.pp_layers is not None else None
+        diff = [FieldDiff(path="rank.pp_layers", prefill=registered, decode={f"pp{ident.pp_rank}": incoming},
+                          breaks=breaks_for("rank.pp_layers"))]
+        self._refuse("register", "topology", msg, self._registered_side(inst), self._incoming_side(ident, fp), diff)
+        self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="topology")
+        raise _topology_error(msg, diff, rank=ident.label, field="rank.pp_layers")
 
     def _rank(self, rank_id: str, what: str) -> RankRecord:
         rec = self._index.rank(rank_id)

@@ -13,7 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff
-from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor, OwnerLanePlan, PoolDescriptor, Topology
+from kvbridge.bootstrap.topology import (
+    AuxDescriptor,
+    AuxRegionDescriptor,
+    LayerRange,
+    OwnerLanePlan,
+    PoolDescriptor,
+    Topology,
+)
 
 __all__ = [
     "INSTANCE_PATTERN",
@@ -59,6 +66,9 @@ class RankIdentity(_Strict):
     cp_rank: int = Field(default=0, ge=0)
     tp_rank: int = Field(default=0, ge=0)
     pp_rank: int = Field(default=0, ge=0)
+    # a prefill pipeline stage's target layers (required when pp_size > 1; the daemon checks that
+    # the stages of an instance tile the model's target layers, kvbridge.layout.stages)
+    pp_layers: LayerRange | None = None
 
     @field_validator("dp_rank", "cp_rank", "tp_rank", "pp_rank")
     @classmethod
@@ -167,6 +177,7 @@ class SenderRank(_Strict):
     session_id: str
     pools: list[PoolDescriptor]
     aux: AuxDescriptor | None = None
+    pp_layers: LayerRange | None = None  # the stage's target layers (None: pp_size 1, all of them)
 
 
 class LookupResponse(_Strict):
@@ -193,6 +204,7 @@ class RankView(_Strict):
     session_id: str
     num_pools: int
     has_aux: bool
+    pp_layers: LayerRange | None = None
     scratch: ScratchDescriptor | None = None
     lease_ttl_s: float
     lease_remaining_s: float

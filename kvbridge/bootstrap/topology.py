@@ -7,7 +7,10 @@ They still have rules, checked here with their own errors (``TopologyError``):
 - a rank's coordinates lie inside those sizes (checked by the schema);
 - a rank's pool descriptors agree with its own contract: known pool, one of the
   pool's layer ids, ``bytes_per_page = page_size * bytes_per_token``, each
-  ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8).
+  ``(pool, layer_id)`` once (``BufferSpecError``, hard rules 5 and 8);
+- a prefill pipeline stage (``pp_size > 1``) declares its target layers ``pp_layers``
+  and describes exactly its layers of every pool (``check_stage``); the stages of an
+  instance tile the target layers in stage order (``stage_layers_conflict``, by name).
 
 Senders. Pipeline stages hold disjoint layers, so every stage sends its own;
 every CP rank sends the pages it owns. Inside a CP rank's TP group the senders
@@ -23,15 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.diff import FieldDiff, breaks_for
-from kvbridge.errors import BufferSpecError
-from kvbridge.layout import tp_route, tp_spec
+from kvbridge.errors import BufferSpecError, TopologyError
+from kvbridge.layout import stage_conflict, stage_layer_ids, tp_route, tp_spec
 
-__all__ = ["Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "AuxRegionDescriptor", "topology_diff",
-           "check_descriptors", "sender_coords"]
+__all__ = ["Topology", "LayerRange", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor", "AuxRegionDescriptor", "topology_diff",
+           "check_descriptors", "check_stage", "stage_layers_conflict", "sender_coords"]
 
 SIZE_FIELDS = ("dp_size", "cp_size", "tp_size", "pp_size")
 
@@ -52,6 +55,26 @@ class Topology(BaseModel):
     @property
     def shape(self) -> str:
         return f"dp{self.dp_size} x cp{self.cp_size} x tp{self.tp_size} x pp{self.pp_size}"
+
+
+class LayerRange(BaseModel):
+    """The target layers ``[start, end)`` a pipeline stage holds (``kvbridge.layout.stages``:
+    index-K layers follow the same split; draft layers and the aux row belong to the last stage)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LayerRange:
+        if self.start >= self.end:
+            raise ValueError(f"layer range [{self.start}, {self.end}) is empty: start must be below end")
+        return self
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.start, self.end)
 
 
 class OwnerLanePlan(BaseModel):
@@ -168,6 +191,63 @@ def check_descriptors(
                 f"contract's regions are {sizes} (name: bytes)", rank=rank, field=f"aux_regions[{i}]",
             )
         seen_regions.add(r.name)
+
+
+def check_stage(contract: RuntimeContract, role: str, pp_size: int, pp_rank: int, layers: LayerRange | None,
+                descriptors: Sequence[PoolDescriptor], *, rank: str) -> None:
+    """A rank's own pipeline-stage declaration, alone (``kvbridge.layout.stages``): a prefill rank of
+    ``pp_size > 1`` declares its target layers ``pp_layers``, inside the contract's target layers, and
+    registers exactly the layers of every pool its stage holds; with ``pp_size`` 1 a declaration, if
+    any, is every target layer. TopologyError / BufferSpecError (409) naming the field."""
+    n = contract.model.target_layers
+    if layers is None:
+        if pp_size > 1 and role == "prefill":
+            raise TopologyError(f"{rank} is pipeline stage pp{pp_rank} of {pp_size} but declares no layer range "
+                                "(rank.pp_layers: the target layers [start, end) this stage holds and sends)",
+                                rank=rank, field="rank.pp_layers")
+        return
+    if role != "prefill":
+        raise TopologyError(f"{rank} is a {role} rank: only prefill pipeline stages declare layers (rank.pp_layers); "
+                            "a decode rank holds every layer", rank=rank, field="rank.pp_layers")
+    if layers.end > n or (pp_size == 1 and layers.span != (0, n)):
+        raise TopologyError(f"{rank} declares layers [{layers.start}, {layers.end}); "
+                            + (f"the contract's model has {n} target layers" if layers.end > n else
+                               f"with pp_size 1 the one stage holds every target layer [0, {n})"),
+                            rank=rank, field="rank.pp_layers")
+    have: dict[str, set[int]] = {}
+    for i, d in enumerate(descriptors):
+        have.setdefault(d.pool, set()).add(d.layer_id)
+    for pool in contract.pools:
+        want = set(stage_layer_ids(pool.to_spec(), layers.span, n))
+        got = have.get(pool.name, set())
+        if got - want:
+            raise BufferSpecError(f"pool {pool.name!r} layer {min(got - want)} lies outside pipeline stage pp{pp_rank}'s "
+                                  f"layers [{layers.start}, {layers.end}) (a stage registers and sends its own layers "
+                                  "only)", rank=rank, field="pools")
+        if want - got:
+            raise BufferSpecError(f"pipeline stage pp{pp_rank} holds pool {pool.name!r} layer {min(want - got)} "
+                                  f"(layers [{layers.start}, {layers.end})) but registers no buffer for it",
+                                  rank=rank, field="pools")
+
+
+def stage_layers_conflict(registered: Sequence[tuple[str, int, LayerRange | None]], pp_rank: int,
+                          layers: LayerRange | None, pp_size: int, num_target_layers: int) -> str | None:
+    """The incoming stage against the stages of its instance registered so far (``(label, pp_rank,
+    layers)`` of each rank): the same stage declares the same layers on every rank, and the
+    stages tile ``[0, num_target_layers)`` in stage order (``stage_conflict``). A sentence naming the
+    stages, or None."""
+    if layers is None:
+        return None
+    stages: dict[int, tuple[int, int]] = {}
+    for label, s, other in registered:
+        if other is None:
+            continue
+        if s == pp_rank and other.span != layers.span:
+            return (f"stage pp{pp_rank} declares layers [{layers.start}, {layers.end}) here but "
+                    f"[{other.start}, {other.end}) on {label}: every rank of a stage holds the same layers")
+        stages[s] = other.span
+    stages[pp_rank] = layers.span
+    return stage_conflict(stages, pp_size, num_target_layers)
 
 
 def sender_coords(topology: Topology, dp_rank: int, contract: RuntimeContract | None = None,

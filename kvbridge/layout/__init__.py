@@ -27,6 +27,7 @@ from kvbridge.layout.rows import (
     strip_padding,
     valid_row_index,
 )
+from kvbridge.layout.stages import check_stage_layers, stage_conflict, stage_layer_ids, stage_specs
 from kvbridge.layout.staging import DEFAULT_THRESHOLDS, PathThresholds, StagedPlan, choose_path, stage_plan
 from kvbridge.layout.tp_routes import TPRoute, num_drawing, tp_route
 
@@ -52,6 +53,7 @@ __all__ = [
     "TransferPlan",
     "aux_dtype",
     "build_rank_rows",
+    "check_stage_layers",
     "choose_path",
     "deepseek_pools",
     "describe_buffer",
@@ -67,7 +69,10 @@ __all__ = [
     "rank_heads",
     "request_bases",
     "slices_to_send",
+    "stage_conflict",
+    "stage_layer_ids",
     "stage_plan",
+    "stage_specs",
     "strip_padding",
     "tp_route",
     "tp_spec",

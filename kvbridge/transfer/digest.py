@@ -75,8 +75,10 @@ def page_digests(
     logical_pages: np.ndarray,
     physical_pages: np.ndarray,
     num_tokens: int,
+    layers: Mapping[str, Sequence[int]] | None = None,
 ) -> np.ndarray:
-    """uint64 digest per logical page over the valid bytes of every (pool, layer)."""
+    """uint64 digest per logical page over the valid bytes of every (pool, layer); ``layers``:
+    only these layer ids of each pool (a pipeline stage's share: what that stage digested)."""
     logical = np.asarray(logical_pages, dtype=np.int64)
     physical = np.asarray(physical_pages, dtype=np.int64)
     out = _weights(1, 0)[0] * (logical.astype(np.uint64) + np.uint64(1))  # an all-zero page still has a digest
@@ -85,7 +87,7 @@ def page_digests(
         valid = np.clip(num_tokens - logical * spec.page_size, 0, spec.page_size)
         mask = valid_mask(spec, valid)
         nbytes = spec.bytes_per_page + (-spec.bytes_per_page) % 8
-        for layer in sorted(spec.layer_ids):
+        for layer in sorted(spec.layer_ids if layers is None else layers[pool]):
             pages = page_bytes(buffers[(pool, layer)], physical)
             data = np.zeros((logical.size, nbytes), dtype=np.uint8)
             data[:, : spec.bytes_per_page] = np.where(mask, pages, 0)

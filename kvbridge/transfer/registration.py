@@ -12,7 +12,7 @@ from typing import Any
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor, StagingDescriptor
-from kvbridge.bootstrap.topology import PoolDescriptor
+from kvbridge.bootstrap.topology import LayerRange, PoolDescriptor
 from kvbridge.errors import BufferSpecError, KVBridgeError
 from kvbridge.layout import BufferDesc, PoolSpec, RawBuffer, describe_buffer
 from kvbridge.transfer.aux_rows import AuxBuffers
@@ -74,6 +74,11 @@ def pool_descriptors(descs: list[BufferDesc]) -> list[PoolDescriptor]:
                            bytes_per_page=d.bytes_per_page) for d in descs]
 
 
+def _layers(config: Any) -> LayerRange | None:
+    layers = getattr(config, "pp_layers", None)
+    return None if layers is None else LayerRange(start=int(layers[0]), end=int(layers[1]))
+
+
 def register_rank(
     client: BootstrapClient,
     config: Any,
@@ -94,7 +99,7 @@ def register_rank(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
         pp_size=getattr(config, "pp_size", 1), dp_rank=config.dp_rank, cp_rank=getattr(config, "cp_rank", 0),
-        tp_rank=config.tp_rank, pp_rank=getattr(config, "pp_rank", 0),
+        tp_rank=config.tp_rank, pp_rank=getattr(config, "pp_rank", 0), pp_layers=_layers(config),
     )
     request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),

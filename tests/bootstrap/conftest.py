@@ -14,7 +14,8 @@ import pytest
 from kvbridge.bootstrap import digest
 from kvbridge.bootstrap.contract import RuntimeContract, contract_from_preset
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
-from kvbridge.bootstrap.topology import AuxDescriptor, PoolDescriptor
+from kvbridge.bootstrap.topology import AuxDescriptor, LayerRange, PoolDescriptor
+from kvbridge.layout import stage_layer_ids
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,14 @@ def instance_name() -> Callable[[str], str]:
     return lambda prefix="inst": f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def descriptors(contract: RuntimeContract, *, base: int = 1 << 40, capacity_pages: int = 32) -> list[PoolDescriptor]:
+def descriptors(contract: RuntimeContract, *, base: int = 1 << 40, capacity_pages: int = 32,
+                pp_layers: tuple[int, int] | None = None) -> list[PoolDescriptor]:
+    """One descriptor per (pool, layer) of the contract; ``pp_layers``: a pipeline stage's layers only."""
     out = []
     for pool in contract.pools:
-        for layer in pool.layer_ids:
+        ids = pool.layer_ids if pp_layers is None else stage_layer_ids(pool.to_spec(), pp_layers,
+                                                                       contract.model.target_layers)
+        for layer in ids:
             out.append(PoolDescriptor(pool=pool.name, layer_id=layer, base=base, capacity_pages=capacity_pages,
                                       bytes_per_page=pool.bytes_per_page))
             base += capacity_pages * pool.bytes_per_page
@@ -158,17 +163,24 @@ def make_register(
     sizes: tuple[int, int, int, int] = (1, 1, 1, 1),
     coords: tuple[int, int, int, int] = (0, 0, 0, 0),
     lease_ttl_s: float | None = None,
+    pp_layers: tuple[int, int] | None = None,
 ) -> RegisterRequest:
+    """A rank's registration; a prefill pipeline stage (pp_size > 1) declares ``pp_layers``
+    (default: the target layers split evenly, in stage order) and describes those layers only."""
     dp_size, cp_size, tp_size, pp_size = sizes
     dp, cp, tp, pp = coords
+    if pp_layers is None and pp_size > 1 and role == "prefill":
+        n = contract.model.target_layers
+        pp_layers = (n * pp // pp_size, n * (pp + 1) // pp_size)
     rank = RankIdentity(instance=instance, role=role, dp_size=dp_size, cp_size=cp_size, tp_size=tp_size, pp_size=pp_size,
-                        dp_rank=dp, cp_rank=cp, tp_rank=tp, pp_rank=pp)
+                        dp_rank=dp, cp_rank=cp, tp_rank=tp, pp_rank=pp,
+                        pp_layers=None if pp_layers is None else LayerRange(start=pp_layers[0], end=pp_layers[1]))
     port = 20000 + (dp * 1000 + cp * 100 + tp * 10 + pp)
     return RegisterRequest(
         rank=rank,
         control_endpoint=f"tcp://127.0.0.1:{port}",
         session_id=f"127.0.0.1:{port + 1}/{instance}",  # one process per rank: its own session
-        pools=descriptors(contract),
+        pools=descriptors(contract, pp_layers=pp_layers),
         aux=AuxDescriptor(base=1 << 44, capacity_rows=64, row_bytes=contract.aux.row_bytes),
         contract=contract,
         lease_ttl_s=lease_ttl_s,

@@ -19,7 +19,7 @@ import pytest
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.bootstrap.contract import RuntimeContract
-from kvbridge.errors import BootstrapUnavailable, ContractMismatch, InstanceIncomplete
+from kvbridge.errors import BootstrapUnavailable, ContractMismatch, InstanceIncomplete, TopologyError
 
 TTL = 3.0  # etcd's shortest leases are about 2 s
 
@@ -213,3 +213,23 @@ def test_quorum_lost_answers_503_naming_the_cause_and_resumes(etcd_cluster: Any,
             client.heartbeat(reg)
         assert all(reg.reregistrations == 0 for reg in regs)
         client.register(kvb.register_request(small_contract, instance_name("after")))
+
+
+def test_pipeline_stages_and_their_layers_live_in_etcd(etcd_cluster: Any, etcd_prefix: str,
+                                                       start_daemon: Callable[..., Any], kvb: Any,
+                                                       small_contract: RuntimeContract,
+                                                       instance_name: Callable[[str], str]) -> None:
+    """A stage's layer range is stored with its rank: another replica's look-up (from its watched
+    cache) names each stage's layers, and that replica refuses a stage that disagrees with them."""
+    d0, d1 = replicas(start_daemon, etcd_cluster, etcd_prefix, 2)
+    name = instance_name("pp")
+    sizes = (2, 1, 1, 2)  # DP 2 x PP 2; 2 target layers: [0, 1) and [1, 2)
+    with BootstrapClient(d0.url) as a, BootstrapClient(d1.url) as b:
+        for pp in range(2):
+            a.register(kvb.register_request(small_contract, name, sizes=sizes, coords=(0, 0, 0, pp), lease_ttl_s=TTL))
+        answer = eventually(lambda: lookup(b, kvb, small_contract, name, room=4))  # room 4: DP group 0
+        assert b.last_replica == "r1"
+        assert [(r.pp_rank, r.pp_layers.start, r.pp_layers.end) for r in answer.ranks] == [(0, 0, 1), (1, 1, 2)]
+        with pytest.raises(TopologyError, match=r"stage pp1 declares layers \[0, 2\) here but \[1, 2\) on"):
+            b.register(kvb.register_request(small_contract, name, sizes=sizes, coords=(1, 0, 0, 1), pp_layers=(0, 2),
+                                            lease_ttl_s=TTL))

@@ -35,7 +35,11 @@ class PrefillProc:
 
     def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
                  layers: int = 2, page_size: int = 4, engine: str = "mooncake", tp_rank: int = 0,
-                 tp_size: int = 1, device: str = "cpu") -> None:
+                 tp_size: int = 1, device: str = "cpu", pp_rank: int = 0, pp_size: int = 1,
+                 pp_layers: tuple[int, int] | None = None) -> None:
+        if pp_layers is not None:
+            extra = (*extra, "--pp-rank", str(pp_rank), "--pp-size", str(pp_size), "--pp-layers",
+                     f"{pp_layers[0]},{pp_layers[1]}")
         cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
                "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--tp-rank", str(tp_rank),
                "--tp-size", str(tp_size), "--layers", str(layers),

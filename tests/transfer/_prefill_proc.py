@@ -16,7 +16,8 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
 ``--model kv-fp32`` runs the k/v float32 model of ``_models.py`` instead of a preset,
 with the aux rows in the engine's own per-region tensors (``send(aux_slot=...)``).
 ``--model kv-heads --tp-rank t --tp-size p`` runs TP rank t of a head-sharded k/v model
-(4 KV heads): its pools hold its heads of every row.
+(4 KV heads): its pools hold its heads of every row. ``--pp-rank s --pp-size p --pp-layers
+a,b`` runs pipeline stage s, holding (and sending) target layers [a, b) only.
 ``--device cuda:0`` puts the pools on that GPU (preset and kv-heads models): synthetic KV is made
 in host mirrors and copied to the room's pages on the GPU before they are sent.
 """
@@ -32,7 +33,7 @@ import time
 import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import OwnerLanes, stage_specs
 from kvbridge.transfer.engine import create_engine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("--staging-slot-bytes", type=int, default=8 << 20)
     ap.add_argument("--random-local", type=int, default=0, help="a seed: local pages drawn at random, not bumped")
     ap.add_argument("--device", default="cpu", help="where the pools live (cuda:N: not with --model kv-fp32)")
+    ap.add_argument("--pp-rank", type=int, default=0)
+    ap.add_argument("--pp-size", type=int, default=1)
+    ap.add_argument("--pp-layers", default="", help="start,end: this pipeline stage's target layers")
     args = ap.parse_args()
 
     engine_aux = None
@@ -92,6 +96,11 @@ def main() -> None:
             contract = contract.model_copy(update={"kernel": contract.kernel.model_copy(update={"abi": args.kernel_abi})})
         aux_schema = aux_schema_of(contract)
         buffers = allocate_buffers(specs, args.pages, device=args.device)
+    pp_layers = tuple(int(v) for v in args.pp_layers.split(",")) if args.pp_layers else None
+    if pp_layers is not None:  # a pipeline stage holds (and fills) its own layers only
+        buffers = allocate_buffers(stage_specs(specs, pp_layers, contract.model.target_layers), args.pages,
+                                   device=args.device)
+    last_stage = args.pp_rank == args.pp_size - 1
     # host mirrors of device pools: fill_pages writes host memory; fill() copies the pages over
     mirrors = {k: b.cpu() for k, b in buffers.items()} if args.device != "cpu" else buffers
 
@@ -107,7 +116,7 @@ def main() -> None:
             torch.cuda.synchronize(args.device)
 
     cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, tp_rank=args.tp_rank,
-                        tp_size=args.tp_size, lane_rule=args.lane_rule,
+                        tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size, pp_layers=pp_layers, lane_rule=args.lane_rule,
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None, staging=args.staging,
                         staging_bytes=args.staging_bytes, staging_slot_bytes=args.staging_slot_bytes)
@@ -135,7 +144,7 @@ def main() -> None:
         fill(room, owned, local, n)
         sender = senders[room] = ep.sender(room)
         sender.init(n)
-        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        owns_last = last_stage and lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
         sent = np.zeros(owned.size, dtype=bool)
         chunks = cmd.get("chunks") or [n]
         for i, upto in enumerate(chunks):
@@ -173,7 +182,7 @@ def main() -> None:
         n = cmd["num_tokens"]
         num_pages = -(-n // page_size)
         owned = lanes.owned_pages(args.cp_rank, num_pages)
-        owns_last = lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
+        owns_last = last_stage and lanes.owner_of_token(n - 1, page_size, num_pages) == args.cp_rank
         live = {}
         for i, room in enumerate(cmd["rooms"]):
             local = (np.arange(owned.size) + i * owned.size) % args.pages

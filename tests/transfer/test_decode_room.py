@@ -205,7 +205,7 @@ def test_a_write_failure_then_abort_counts_the_failed_rank_quiet(m):
     r = requested(m)
     m.message("tcp://p0", failed(7, 0, "queue full"), 2.0)
     assert r.state.state == KVPoll.Failed and "queue full" in r.state.reason
-    assert (0, 0) in r.quiet
+    assert (0, 0, 0) in r.quiet
     acts = m.abort(r, "too late", 2.1)  # already final: nothing changes, nothing sent
     assert acts == () and "queue full" in r.state.reason
     m.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.2)
@@ -218,7 +218,7 @@ def test_a_report_after_the_room_failed_is_not_counted_but_a_late_failure_makes_
     m.message("tcp://p1", done(7, 1, [1]), 2.1)  # a late success report: ignored
     assert r.state.state == KVPoll.Failed and r.ledger.pages_by_rank == {}
     m.message("tcp://p1", failed(7, 1, "aborted"), 2.2)
-    assert (1, 0) in r.quiet  # (cp, tp)
+    assert (1, 0, 0) in r.quiet  # (cp, tp, pp)
 
 
 def test_a_forged_cp_rank_fails_the_room(m):
@@ -251,7 +251,7 @@ def test_an_aux_row_echoing_another_room_fails_the_commit(m):
 def test_an_error_reply_to_the_request_fails_the_room_and_makes_that_rank_quiet(m):
     r = requested(m)
     m.message("tcp://p0", wire.ErrorReply(ref_type=wire.TransferRequest.TAG, room=7, reason="refused"), 2.0)
-    assert r.state.state == KVPoll.Failed and "refused our" in r.state.reason and (0, 0) in r.quiet
+    assert r.state.state == KVPoll.Failed and "refused our" in r.state.reason and (0, 0, 0) in r.quiet
 
 
 def test_peer_silence_fails_its_rooms_and_a_late_report_changes_nothing(m):

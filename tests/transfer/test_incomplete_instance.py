@@ -60,32 +60,3 @@ def test_bootstrap_timeout_names_the_ranks_that_never_registered(daemon) -> None
         prefill.close(timeout=2)
         for c in clients:
             c.close()
-
-
-def test_a_pipeline_parallel_prefill_instance_is_refused_with_a_clear_reason(daemon) -> None:
-    """Sending from pipeline stages is not built: a room toward a prefill instance of pp_size 2
-    fails at bootstrap, saying so, and asks none of its ranks for anything."""
-    specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
-    contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, "interleaved")
-    schema = aux_schema_of(contract)
-    fabric = LocalFabric()
-    prefill = [PrefillEndpoint(PrefillConfig(instance="pp-p", pp_rank=pp, pp_size=2), create_engine("local", fabric=fabric),
-                               specs, allocate_buffers(specs, 16), contract, BootstrapClient(daemon.url), schema)
-               for pp in range(2)]
-    aux = torch.zeros((4, schema.row_bytes), dtype=torch.uint8)
-    decode = DecodeEndpoint(DecodeConfig(instance="pp-d"), create_engine("local", fabric=fabric), specs,
-                            allocate_buffers(specs, 16), contract, BootstrapClient(daemon.url), aux, schema)
-    for ep in (*prefill, decode):
-        ep.start()
-    try:
-        receiver = decode.receiver(6, "pp-p")
-        deadline = time.monotonic() + 20
-        while receiver.poll() != KVPoll.Failed and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert receiver.poll() == KVPoll.Failed
-        assert "pp_size 2" in receiver.failure_reason and "pipeline-parallel" in receiver.failure_reason
-        assert receiver.pages_releasable  # nothing was asked of any prefill rank
-    finally:
-        decode.close(timeout=2)
-        for ep in prefill:
-            ep.close(timeout=2)

@@ -113,3 +113,45 @@ def test_a_pool_named_twice_in_one_report_is_refused():
     with pytest.raises(LedgerError, match="name a pool twice"):
         lg.record(0, ["target", "target", "index"], np.array([0]))
     assert lg.pages_by_rank == {} and not lg.pages_complete
+
+
+STAGES = {"draft": (2,), "index": (0, 1, 2), "target": (0, 1, 2)}  # pp 3: the draft with the last stage
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_with_pipeline_stages_a_page_counts_once_every_stage_sent_it_in_any_order(seed):
+    """Reports of every (cp rank, stage), in chunks, in a random order: the ledger is complete
+    exactly at the last one, and never before (every stage's layer range counts)."""
+    rng = np.random.default_rng(seed)
+    num_pages, cp = 7, 2
+    lanes = OwnerLanes(cp)
+    lg = PageLedger(room=7, pools=POOLS, num_pages=num_pages, lanes=lanes, aux_owner=0, stages=STAGES, aux_stage=2)
+    reports = []
+    for c in range(cp):
+        owned = lanes.owned_pages(c, num_pages)
+        for s in range(3):
+            pools = tuple(p for p in POOLS if s in STAGES[p])
+            for chunk in np.array_split(owned, rng.integers(1, 3)):
+                reports.append((c, s, pools, chunk))
+    rng.shuffle(reports)
+    lg.record_aux(0, pp_rank=2)
+    for c, s, pools, chunk in reports:
+        assert not lg.pages_complete
+        lg.record(c, pools, chunk, pp_rank=s)
+    assert lg.complete and lg.pages_by_stage == {0: num_pages, 1: num_pages, 2: num_pages}
+
+
+def test_with_pipeline_stages_missing_names_the_stage_and_wrong_reports_fail():
+    lg = PageLedger(room=7, pools=POOLS, num_pages=2, lanes=OwnerLanes(1), aux_owner=0, stages=STAGES, aux_stage=2)
+    lg.record(0, ("index", "target"), np.array([0, 1]), pp_rank=0)
+    lg.record(0, ("draft", "index", "target"), np.array([0, 1]), pp_rank=2)
+    assert lg.missing() == {"index@pp1": [0, 1], "target@pp1": [0, 1]} and lg.missing_stages() == [1, 2]
+    with pytest.raises(LedgerError, match="pool 'draft' reported by pipeline stage pp1, which holds no layer"):
+        lg.record(0, ("draft",), np.array([0]), pp_rank=1)
+    with pytest.raises(LedgerError, match=r"page 0 of pool 'index' \(layers of stage pp0\) reported twice"):
+        lg.record(0, ("index",), np.array([0]), pp_rank=0)
+    with pytest.raises(LedgerError, match="aux row reported by pipeline stage pp1; the last stage pp2"):
+        lg.record_aux(0, pp_rank=1)
+    lg.record(0, ("index", "target"), np.array([0, 1]), pp_rank=1)
+    lg.record_aux(0, pp_rank=2)
+    assert lg.complete and lg.missing() == {} and lg.missing_stages() == []

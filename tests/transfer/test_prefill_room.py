@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import KVBridgeError, LayoutError, RoomInUse
-from kvbridge.layout import AuxSchema, BufferDesc, preset_pools
+from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, preset_pools
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import RegionAddr
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
@@ -698,3 +699,20 @@ def test_a_decode_rank_holding_less_than_the_engine_skips_is_refused_by_name(m):
         with pytest.raises(LayoutError, match="first_page") as err:
             m.engine_init(m.open(44 + (bad is True) + 2 * (bad == 5), 1.0), 15, None, 1.0, first_page=bad)
         assert err.value.field == "first_page"
+
+
+def test_only_the_last_pipeline_stage_writes_the_aux_row():
+    """A stage before the last holds no last hidden state: it neither needs nor takes the aux
+    row; the last stage's owner of the last token must carry it."""
+    row = np.zeros(8, dtype=np.uint8)
+    first = PrefillRoom(1, 0, OwnerLanes(1), 4, pp=(0, 2))
+    first.engine_init(10)
+    assert not first.owns_last_token and first.ctx["rank"] == "cp0/pp0"
+    with pytest.raises(LayoutError, match="aux row given to pipeline stage pp0 of 2; the last stage writes it"):
+        first.add_chunk([0, 1, 2], [0, 1, 2], 10, True, row, None)
+    first.add_chunk([0, 1, 2], [0, 1, 2], 10, True, None, None)  # no aux row needed
+    last = PrefillRoom(1, 0, OwnerLanes(1), 4, pp=(1, 2))
+    last.engine_init(10)
+    assert last.owns_last_token and last.stats(0.0)["pp_rank"] == 1
+    with pytest.raises(LayoutError, match="must carry the aux row"):
+        last.add_chunk([0, 1, 2], [0, 1, 2], 10, True, None, None)

@@ -218,8 +218,9 @@ def refuse_checksum_of_partial_pages(kv_checksum: bool, page_size: int) -> None:
 def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
     checks = [
         (int(_par(par, "pp_size", 1)) > 1, "--pp-size > 1",
-         "each pipeline stage of a prefill holds only its own layers, while kvbridge's core sends every layer of a "
-         f"page from one prefill rank and refuses a PP prefill instance at look-up; instead {PP_INSTEAD}"),
+         "each pipeline stage of a prefill holds only its own layers; kvbridge's core sends each stage's layers "
+         "(docs/pipeline.md), but this backend does not pass SGLang's stage layers to it yet; instead "
+         f"{PP_INSTEAD}"),
         (int(_par(par, "attn_dcp_size", 1)) > 1, "decode context parallelism (DCP)",
          "kvbridge writes whole pages into one decode rank; DCP relayouts them across ranks"),
         (bool(_par(par, "enable_cp_tp_group_sharing", False)), "--enable-cp-tp-group-sharing",

@@ -104,8 +104,8 @@ class DecodeEndpoint:
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset),
-            page_digests=lambda pools, pages, phys, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
-                                                                    phys, n),
+            page_digests=lambda pools, pages, phys, n, layers=None: page_digests(self.specs, self.buffers.tensors,
+                                                                                 pools, pages, phys, n, layers),
             trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,

@@ -21,11 +21,22 @@ aux row come from the route's first source alone.
     route p 2 -> d 1 (4 heads)  page:  0 1 2
       k  from tp 0                      x x .
       k  from tp 1                      x . .      page 1 of k is not complete yet
+
+With pipeline-parallel prefill each stage sends its own layer range of a pool
+(``kvbridge.layout.stages``): the bitmap has a row per (pool, source TP rank, stage)
+for the stages that hold layers of the pool, and a page counts only once every stage
+sent it. The aux row comes from the last stage alone.
+
+    pp 3, draft on pp2          page:  0 1 2
+      target  pp0 [0, 4)                x x x
+      target  pp1 [4, 7)                x . x      page 1 of target is not complete yet
+      target  pp2 [7, 10)               x x x
+      draft   pp2                       x x .
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +47,8 @@ from kvbridge.layout import OwnerLanes, TPRoute
 
 class PageLedger:
     def __init__(self, room: int, pools: Sequence[str], num_pages: int, lanes: OwnerLanes, aux_owner: int,
-                 first_page: int = 0, route: TPRoute | None = None) -> None:
+                 first_page: int = 0, route: TPRoute | None = None,
+                 stages: Mapping[str, Sequence[int]] | None = None, aux_stage: int = 0) -> None:
         self.room = room
         self.pools = tuple(pools)
         self.num_pages = num_pages
@@ -44,30 +56,36 @@ class PageLedger:
         self.lanes = lanes
         self.aux_owner = aux_owner
         self.aux_tp = route.first_source if route is not None else 0
-        # one bitmap row per (pool, source tp rank): a head-sharded pool has one per head slice
-        self._slots = [(p, tp) for p in self.pools for tp in (route.sources_of(p) if route is not None else (0,))]
+        self.aux_stage = aux_stage
+        self.staged = stages is not None and any(tuple(st) != (0,) for st in stages.values())
+        # one bitmap row per (pool, source tp rank, pipeline stage): a head-sharded pool has one per
+        # head slice, a pool split across stages one per stage's layer range
+        self._slots = [(p, tp, pp) for p in self.pools for tp in (route.sources_of(p) if route is not None else (0,))
+                       for pp in (stages.get(p, (0,)) if stages is not None else (0,))]
         self._slot_index = {slot: i for i, slot in enumerate(self._slots)}
-        self._pool_names = {p for p, _ in self._slots}
+        self._pool_names = {p for p, _, _ in self._slots}
         self._seen = np.zeros((len(self._slots), num_pages), dtype=bool)
         self._seen[:, :first_page] = True  # the decode prefix is already here
         self._left = len(self._slots) * (num_pages - first_page)  # cells not yet reported
         self._touched: dict[int, int] = {}  # cp rank -> bit mask of the bitmap rows it reported anything in
         self._shares: dict[int, np.ndarray] = {}  # cp rank -> the pages it owns from first_page on
-        self._rows: dict[tuple[tuple[str, ...], int], tuple[list[int], Any, int]] = {}  # (pools, tp) -> rows
+        self._rows: dict[tuple[tuple[str, ...], int, int], tuple[list[int], Any, int]] = {}  # (pools, tp, pp) -> rows
         self.aux_done = False
-        self.pages_by_rank: dict[int, int] = {}  # page reports per CP rank (one per head slice)
+        self.pages_by_rank: dict[int, int] = {}  # page reports per CP rank (one per head slice and stage)
+        self.pages_by_stage: dict[int, int] = {}  # page reports per pipeline stage
 
-    def record(self, cp_rank: int, pools: Sequence[str], logical_pages: np.ndarray, tp_rank: int = 0) -> None:
-        """Mark pages written by ``(cp_rank, tp_rank)``; checks everything before marking anything.
+    def record(self, cp_rank: int, pools: Sequence[str], logical_pages: np.ndarray, tp_rank: int = 0,
+               pp_rank: int = 0) -> None:
+        """Mark pages written by ``(cp_rank, tp_rank, pp_rank)``; checks everything before marking anything.
         A rank's first report of its whole share (every page it owns, in order: one write per
         room) is checked by one comparison; any other report page by page."""
         pages = logical_pages if type(logical_pages) is np.ndarray else np.asarray(logical_pages, dtype=np.int64)
         if pages.size == 0:
             return
-        key = (tuple(pools), tp_rank)
+        key = (tuple(pools), tp_rank, pp_rank)
         rows = self._rows.get(key)
         if rows is None:
-            rows = self._rows[key] = self._rows_of(key[0], tp_rank, cp_rank)
+            rows = self._rows[key] = self._rows_of(key[0], tp_rank, pp_rank, cp_rank)
         row_list, index, mask = rows
         share = self._shares.get(cp_rank)
         if share is None:
@@ -76,21 +94,22 @@ class PageLedger:
         # cp_rank may report its pages, and it reported none of these rows yet)
         touched = self._touched.get(cp_rank, 0)
         if touched & mask or pages.size != share.size or not (pages == share).all():
-            self._check_pages(cp_rank, row_list, pages, self._rank(cp_rank, tp_rank))
+            self._check_pages(cp_rank, row_list, pages, self._rank(cp_rank, tp_rank, pp_rank))
         self._seen[index, pages] = True
         self._touched[cp_rank] = touched | mask
         self._left -= len(row_list) * int(pages.size)
         self.pages_by_rank[cp_rank] = self.pages_by_rank.get(cp_rank, 0) + int(pages.size)
+        if self.staged:
+            self.pages_by_stage[pp_rank] = self.pages_by_stage.get(pp_rank, 0) + int(pages.size)
 
-    @staticmethod
-    def _rank(cp_rank: int, tp_rank: int) -> str:
-        return f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
+    def _rank(self, cp_rank: int, tp_rank: int, pp_rank: int = 0) -> str:
+        return f"cp{cp_rank}" + (f"/tp{tp_rank}" if tp_rank else "") + (f"/pp{pp_rank}" if self.staged else "")
 
-    def _rows_of(self, pools: tuple[str, ...], tp_rank: int, cp_rank: int) -> tuple[list[int], Any, int]:
-        """The bitmap rows of ``pools`` from ``tp_rank``: as a list, as an index of the bitmap's
-        first axis (a slice when they are consecutive), and as a bit mask."""
-        rank = self._rank(cp_rank, tp_rank)
-        rows = [self._row(pool, tp_rank, rank) for pool in pools]
+    def _rows_of(self, pools: tuple[str, ...], tp_rank: int, pp_rank: int, cp_rank: int) -> tuple[list[int], Any, int]:
+        """The bitmap rows of ``pools`` from ``(tp_rank, pp_rank)``: as a list, as an index of the
+        bitmap's first axis (a slice when they are consecutive), and as a bit mask."""
+        rank = self._rank(cp_rank, tp_rank, pp_rank)
+        rows = [self._row(pool, tp_rank, pp_rank, rank) for pool in pools]
         if len(set(rows)) != len(rows):  # (each row's pages count once: a pool named twice would count twice)
             raise LedgerError(f"pools {list(pools)} name a pool twice in one report", room=self.room, rank=rank,
                               field="pools")
@@ -98,13 +117,16 @@ class PageLedger:
         index = slice(rows[0], rows[0] + len(rows)) if rows and consecutive else np.asarray(rows, dtype=np.int64)[:, None]
         return rows, index, sum(1 << row for row in set(rows))
 
-    def _row(self, pool: str, tp_rank: int, rank: str) -> int:
-        row = self._slot_index.get((pool, tp_rank))
+    def _row(self, pool: str, tp_rank: int, pp_rank: int, rank: str) -> int:
+        row = self._slot_index.get((pool, tp_rank, pp_rank))
         if row is not None:
             return row
         if pool not in self._pool_names:
             raise LedgerError(f"pages reported for pool {pool!r}, which this room does not receive",
                               room=self.room, rank=rank, field="pools")
+        if not any(p == pool and pp == pp_rank for p, _, pp in self._slots):
+            raise LedgerError(f"pages of pool {pool!r} reported by pipeline stage pp{pp_rank}, which holds no layer "
+                              "of it", room=self.room, rank=rank, field="pools")
         raise LedgerError(f"pages of pool {pool!r} reported by tp rank {tp_rank}, which this decode rank's TP "
                           f"route does not draw it from", room=self.room, rank=rank, field="pools")
 
@@ -147,15 +169,22 @@ class PageLedger:
         seen = self._seen[np.asarray(rows)[:, None], pages[None, :]]
         if seen.any():
             r, c = np.argwhere(seen)[0]
-            pool, tp = self._slots[rows[r]]
-            what = f"pool {pool!r}" if len(self._slots) == len(self.pools) else f"pool {pool!r} (head slice of tp {tp})"
+            pool, tp, pp = self._slots[rows[r]]
+            what = f"pool {pool!r}"
+            if len({slot[:2] for slot in self._slots}) != len(self.pools):
+                what += f" (head slice of tp {tp})"
+            if self.staged:
+                what += f" (layers of stage pp{pp})"
             raise LedgerError(
                 f"page {int(pages[c])} of {what} reported twice",
                 room=self.room, rank=rank, field="logical_pages",
             )
 
-    def record_aux(self, cp_rank: int, tp_rank: int = 0) -> None:
-        rank = f"cp{cp_rank}" if tp_rank == 0 else f"cp{cp_rank}/tp{tp_rank}"
+    def record_aux(self, cp_rank: int, tp_rank: int = 0, pp_rank: int = 0) -> None:
+        rank = self._rank(cp_rank, tp_rank, pp_rank)
+        if pp_rank != self.aux_stage:
+            raise LedgerError(f"aux row reported by pipeline stage pp{pp_rank}; the last stage pp{self.aux_stage} "
+                              "writes it", room=self.room, rank=rank, field="aux")
         if cp_rank != self.aux_owner:
             raise LedgerError(
                 f"aux row reported by cp rank {cp_rank}, but cp rank {self.aux_owner} owns the last valid token",
@@ -177,11 +206,22 @@ class PageLedger:
         return self._left == 0 and self.aux_done
 
     def missing(self) -> dict[str, list[int]]:
-        """Logical pages not yet complete, per pool (first few), for error messages."""
+        """Logical pages not yet complete, per pool (first few), for error messages; with
+        pipeline stages per pool and stage (``"target@pp1"``), naming the stage that did not send."""
         out = {}
         for pool in self.pools:
-            rows = [i for i, (p, _) in enumerate(self._slots) if p == pool]
-            done = self._seen[rows].all(axis=0)
-            if not done.all():
-                out[pool] = np.flatnonzero(~done)[:8].tolist()
+            stages = sorted({pp for p, _, pp in self._slots if p == pool})
+            for stage in stages:
+                rows = [i for i, (p, _, pp) in enumerate(self._slots) if p == pool and pp == stage]
+                done = self._seen[rows].all(axis=0)
+                if not done.all():
+                    out[f"{pool}@pp{stage}" if self.staged else pool] = np.flatnonzero(~done)[:8].tolist()
         return out
+
+    def missing_stages(self) -> list[int]:
+        """Pipeline stages that still owe pages (or, the last one, the aux row)."""
+        left = ~self._seen.all(axis=1)
+        stages = {self._slots[i][2] for i in np.flatnonzero(left)}
+        if not self.aux_done:
+            stages.add(self.aux_stage)
+        return sorted(stages)

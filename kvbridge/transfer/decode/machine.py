@@ -18,7 +18,7 @@ it did not listen to (``tick``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging
-from kvbridge.transfer.decode.topologies import Key, Topologies
+from kvbridge.transfer.decode.topologies import Key, SenderKey, Topologies
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.rooms import Rooms, Stage
 
@@ -74,14 +74,15 @@ class Refresh:
 
 class DecodeRooms:
     """The decode rank's rooms and what drives them. ``read_aux_row(slot)``: the aux row as it
-    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical, num_tokens)``: digests of
-    our pages (only with ``verify_digest``); ``rank_id()``: this rank's registration id (it
+    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical,
+    num_tokens, layers=None)``: digests of our pages (only with ``verify_digest``; ``layers``: a pipeline
+    stage's layer ids per pool); ``rank_id()``: this rank's registration id (it
     changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
     rank wrote into our scratch region (answers its Challenge; None: no scratch region)."""
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  read_aux_row: Callable[[int], tuple[np.ndarray, float]],
-                 page_digests: Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray],
+                 page_digests: Callable[..., np.ndarray],
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
                  trace: bool = False, staging: DecodeStaging | None = None) -> None:
         self.cfg = config
@@ -226,10 +227,6 @@ class DecodeRooms:
     def topology_ready(self, r: DecodeRoom, topo: LookupResponse, now: float, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
         so under steady traffic the cache still expires every ``topology_ttl``."""
-        if topo.topology.pp_size != 1:  # (the daemon keeps every rank's pp_rank below its pp_size)
-            self.fail(r, f"prefill instance {r.prefill_instance!r} has pp_size {topo.topology.pp_size}; "
-                         "pipeline-parallel prefill is not supported yet", now)
-            return
         try:
             r.set_topology(self.topologies.placement(topo, r.room))
         except KVBridgeError as exc:
@@ -317,7 +314,7 @@ class DecodeRooms:
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
             return _NONE
         cp = getattr(msg, "cp_rank", None)
-        key = r.by_endpoint.get(endpoint)  # (cp, tp) of the sender on that connection
+        key = r.by_endpoint.get(endpoint)  # (cp, tp, pp) of the sender on that connection
         if cp is not None and (key is None or key[0] != cp):
             self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there", now)
             return self._actions()
@@ -342,27 +339,28 @@ class DecodeRooms:
             return
         self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=nonce)))
 
-    def _dispatch(self, r: DecodeRoom, endpoint: str, key: tuple[int, int] | None, msg: Any, now: float) -> None:
+    def _dispatch(self, r: DecodeRoom, endpoint: str, key: SenderKey | None, msg: Any, now: float) -> None:
         if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
             if self.trace:
-                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d pages=%d%s", r.room, self.cfg.rank_label,
-                         r.age_ms(now), now, msg.cp_rank, len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
+                log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d%s pages=%d%s", r.room, self.cfg.rank_label,
+                         r.age_ms(now), now, msg.cp_rank, f"/pp{key[2]}" if r.placement.aux_stage else "",
+                         len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
             if r.staged_only and not self.staging.reported(r.room, key):
                 raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
                                   "writes only (its pages are freed at once on failure)", room=r.room,
                                   rank=f"cp{msg.cp_rank}", field="staging")
             if msg.logical_pages:
                 pages = np.frombuffer(msg.logical_pages, dtype="<i4")  # (decoding checked: whole int32s)
-                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1])
+                r.ledger.record(msg.cp_rank, msg.pools, pages, tp_rank=key[1], pp_rank=key[2])
                 if self.cfg.verify_digest:
                     if msg.digests is None:
                         raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
                                           rank=f"cp{msg.cp_rank}", field="digests")
-                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64)))
+                    r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64), key, tuple(msg.pools)))
             if msg.aux:  # the same write carried the aux row
-                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1])
+                r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
-                    self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key)} (with the aux row)")
+                    self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key, r)} (with the aux row)")
         elif isinstance(msg, wire.ChunkLanded):
             if self.trace:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
@@ -379,7 +377,7 @@ class DecodeRooms:
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
-            self.fail(r, f"{_label(msg, endpoint, key)} refused our {msg.ref_type}: {msg.reason}", now)
+            self.fail(r, f"{_label(msg, endpoint, key, r)} refused our {msg.ref_type}: {msg.reason}", now)
         elif r.state.final:
             if getattr(msg, "status", "ok") == "failed":
                 r.quiet.add(key)  # a failure report means its writes have drained
@@ -387,7 +385,7 @@ class DecodeRooms:
                     self.staging.sender_quiet(r.room, key, self._out)
         elif isinstance(msg, wire.PagesDone):  # failed
             r.quiet.add(key)
-            self.fail(r, f"{_label(msg, endpoint, key)}: {msg.reason}", now)
+            self.fail(r, f"{_label(msg, endpoint, key, r)}: {msg.reason}", now)
 
     def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
         if self.staging is None:
@@ -437,11 +435,20 @@ class DecodeRooms:
                      r.ledger.aux_owner, read_s * 1e3)
 
     def _digest_mismatch(self, r: DecodeRoom) -> int | None:
-        pages = np.concatenate([p for p, _ in r.digests])
-        sent = np.concatenate([d for _, d in r.digests])
-        mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
-        bad = np.flatnonzero(mine != sent)
-        return int(pages[bad[0]]) if bad.size else None
+        if not r.placement.layers:  # one stage: every report digests every layer of every pool
+            pages = np.concatenate([p for p, _, _, _ in r.digests])
+            sent = np.concatenate([d for _, d, _, _ in r.digests])
+            mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
+            bad = np.flatnonzero(mine != sent)
+            return int(pages[bad[0]]) if bad.size else None
+        # pipeline stages: each digested its own layers of the pools it sent; check each against the same
+        for pages, sent, key, pools in r.digests:
+            mine = self.page_digests(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens,
+                                     r.placement.layers[key])
+            bad = np.flatnonzero(mine != sent)
+            if bad.size:
+                return int(pages[bad[0]])
+        return None
 
     # -- the clock --------------------------------------------------------------
 
@@ -501,8 +508,10 @@ class DecodeRooms:
             elif r.state.since(now) > self.cfg.waiting_timeout:
                 self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
         elif st == KVPoll.Transferring and r.state.since(now) > self.cfg.transfer_timeout:
+            stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
-                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}", now)
+                         f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}"
+                         + (f" from pipeline stage(s) {', '.join(f'pp{s}' for s in stages)}" if stages else ""), now)
         elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
             self._send_aborts(r, now)
@@ -540,7 +549,7 @@ class DecodeRooms:
             r.requested.add(key)
         r.state.to(KVPoll.Transferring, now=now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from cp ranks %s", r.room, self.cfg.rank_label,
+            log.info("trace room=%d rank=%s +%.2fms @%.6f requested from (cp, tp, pp) ranks %s", r.room, self.cfg.rank_label,
                      r.age_ms(now), now, sorted(r.requested))
 
     # -- liveness ---------------------------------------------------------------
@@ -568,6 +577,8 @@ class DecodeRooms:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == p.endpoint)
 
 
-def _label(msg: Any, endpoint: str, key: tuple[int, int] | None) -> str:
+def _label(msg: Any, endpoint: str, key: SenderKey | None, r: DecodeRoom) -> str:
     tp = f"/tp{key[1]}" if key is not None and key[1] else ""
-    return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp} ({endpoint})"
+    staged = r.placement is not None and r.placement.aux_stage > 0  # a pipeline-parallel instance: name the stage
+    pp = f"/pp{key[2]}" if key is not None and staged else ""
+    return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp}{pp} ({endpoint})"

@@ -4,7 +4,8 @@
     WaitingForInput   topology known (wait_bootstrapped() returns the owner lanes), waiting for
                       init(page_ids, aux_slot, num_tokens=None, first_page=...)
     Transferring      TransferRequest sent to every CP rank; the ledger fills up
-    Success           every (pool, page >= first_page) once + the aux row's room echo (+ digests, when asked)
+    Success           every (pool, page >= first_page) once, from every pipeline stage that holds layers
+                      of the pool, + the aux row's room echo (+ digests, when asked)
     Failed            reason kept; pages released only once every CP rank that was
                       asked is quiet: acked the abort, reported failure, or is dead (hard rule 6)
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from kvbridge.layout import AuxRow, AuxSchema, OwnerLanes, TPRoute
 from kvbridge.transfer.decode.ledger import PageLedger
-from kvbridge.transfer.decode.topologies import Placement
+from kvbridge.transfer.decode.topologies import Placement, SenderKey
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.rooms import Life
 
@@ -56,23 +57,23 @@ class DecodeRoom:
         self.placement: Placement | None = None
         self.topology: LookupResponse | None = None
         self.lanes: OwnerLanes | None = None
-        self.senders: dict[tuple[int, int], Any] = {}  # (cp_rank, tp_rank) -> SenderRank
-        self.by_endpoint: dict[str, tuple[int, int]] = {}  # a sender's control endpoint -> (cp_rank, tp_rank)
+        self.senders: dict[SenderKey, Any] = {}  # (cp_rank, tp_rank, pp_rank) -> SenderRank
+        self.by_endpoint: dict[str, SenderKey] = {}  # a sender's control endpoint -> (cp_rank, tp_rank, pp_rank)
         self.route: TPRoute | None = None  # which prefill TP ranks send what to this decode rank
         self.page_ids: np.ndarray | None = None  # physical pages of logical pages [first_page, num_pages)
         self.first_page = 0
         self.aux_slot = -1
         self.num_tokens: int | None = None  # None until known (init(), or the PagesDone of the aux row)
         self.ledger: PageLedger | None = None
-        self.requested: set[tuple[int, int]] = set()  # (cp, tp) ranks a TransferRequest went to
-        self.quiet: set[tuple[int, int]] = set()  # (cp, tp) ranks that will write nothing more (hard rule 6)
-        self.abort_sent: set[tuple[int, int]] = set()
+        self.requested: set[SenderKey] = set()  # (cp, tp, pp) ranks a TransferRequest went to
+        self.quiet: set[SenderKey] = set()  # (cp, tp, pp) ranks that will write nothing more (hard rule 6)
+        self.abort_sent: set[SenderKey] = set()
         self.last_abort = 0.0
         self._aux_row: tuple[np.ndarray, AuxSchema] | None = None  # the committed row, decoded when first read
         self._aux: AuxRow | None = None
         self._aux_regions: dict[str, np.ndarray] | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
-        self.digests: list[tuple[np.ndarray, np.ndarray]] = []  # (logical pages, their digests) per PagesDone
+        self.digests: list[tuple[np.ndarray, np.ndarray, Any, tuple[str, ...]]] = []  # (logical pages, digests, sender, pools) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
@@ -147,8 +148,10 @@ class DecodeRoom:
     def start_ledger(self, pools: list[str]) -> None:
         last = self.num_pages - 1  # the last valid token lies in the last page, whatever the count
         aux_owner = self.lanes.owner_of_page(last, self.num_pages)
+        p = self.placement
         self.ledger = PageLedger(self.room, pools, self.num_pages, self.lanes, aux_owner, first_page=self.first_page,
-                                 route=self.route)
+                                 route=self.route, stages=p.stages if p is not None else None,
+                                 aux_stage=p.aux_stage if p is not None else 0)
 
     def stats(self, now: float) -> dict[str, Any]:
         return {
@@ -158,6 +161,7 @@ class DecodeRoom:
             "first_page": self.first_page,
             "bytes": self.bytes_expected if self.state.state == KVPoll.Success else 0,
             "pages_by_rank": dict(self.ledger.pages_by_rank) if self.ledger else {},
+            **({"pages_by_stage": dict(self.ledger.pages_by_stage)} if self.ledger and self.ledger.staged else {}),
             "seconds": self.state.durations(),
             "total_s": round(now - self.created, 6),
         }

@@ -35,7 +35,8 @@ from kvbridge.transfer.engine.staging_area import Grant, SlotState, StagingArea
 __all__ = ["DecodeStaging", "Scatter"]
 
 _SENDER_SHIFT = 32  # chunk key = sender index << 32 | chunk
-_TP_SPAN = 4096
+_TP_SPAN = 4096  # sender index = (cp * span + tp) * span + pp (every size is at most 4096)
+Sender = tuple[int, int, int]  # (cp_rank, tp_rank, pp_rank) of a prefill sender
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +62,12 @@ class DecodeStaging:
         self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
         self.pending: dict[int, int] = {}  # room -> chunks landed, not yet scattered
-        # (room, endpoint) -> the (cp, tp) sender that asked there: a late report of a room already
+        # (room, endpoint) -> the (cp, tp, pp) sender that asked there: a late report of a room already
         # forgotten (staged only: its pages were freed at once) still frees its quarantined slots
-        self.senders: dict[tuple[int, str], tuple[int, int]] = {}
+        self.senders: dict[tuple[int, str], Sender] = {}
         # (room, sender) -> chunks landed since its last PagesDone: a staged-only room's report with
         # none before it means that sender wrote the pages directly
-        self.unreported: dict[tuple[int, tuple[int, int]], int] = {}
+        self.unreported: dict[tuple[int, Sender], int] = {}
         bufs = sorted(dst_bufs, key=lambda b: b.base)
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
         self._end = np.array([b.base + b.capacity_pages * b.bytes_per_page for b in bufs], dtype=np.uint64)
@@ -76,15 +77,18 @@ class DecodeStaging:
                          "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0}
 
     @staticmethod
-    def key(sender: tuple[int, int], chunk: int) -> int:
-        return ((sender[0] * _TP_SPAN + sender[1]) << _SENDER_SHIFT) | chunk
+    def key(sender: Sender, chunk: int) -> int:
+        cp, tp, pp = sender
+        return (((cp * _TP_SPAN + tp) * _TP_SPAN + pp) << _SENDER_SHIFT) | chunk
 
     @staticmethod
-    def sender_of(key: int) -> tuple[int, int]:
-        return divmod(key >> _SENDER_SHIFT, _TP_SPAN)
+    def sender_of(key: int) -> Sender:
+        cp_tp, pp = divmod(key >> _SENDER_SHIFT, _TP_SPAN)
+        cp, tp = divmod(cp_tp, _TP_SPAN)
+        return (cp, tp, pp)
 
     # ---- events ------------------------------------------------------------------------------
-    def request(self, room: int, sender: tuple[int, int], endpoint: str, msg: wire.SlotRequest,
+    def request(self, room: int, sender: Sender, endpoint: str, msg: wire.SlotRequest,
                 out: list) -> None:
         if msg.chunk >= 1 << _SENDER_SHIFT or msg.num_bytes > self.area.slot_bytes:
             raise LedgerError(f"slot request for chunk {msg.chunk} of {msg.num_bytes} B: slots hold "
@@ -107,7 +111,7 @@ class DecodeStaging:
             out.append(Send((endpoint,), wire.SlotGrant(room=g.room, decode_rank=self.rank,
                                                         chunk=chunk, slot=g.slot)))
 
-    def landed(self, room: int, sender: tuple[int, int], msg: wire.ChunkLanded, page_ids: np.ndarray | None,
+    def landed(self, room: int, sender: Sender, msg: wire.ChunkLanded, page_ids: np.ndarray | None,
                aux_slot: int, out: list) -> None:
         """A chunk's write into its slot is final: scatter it (ok) or free the slot (failed)."""
         ck = self.key(sender, msg.chunk)
@@ -135,7 +139,7 @@ class DecodeStaging:
         self.counters["bytes_scattered"] += int(length.sum())
         out.append(Scatter(room, msg.slot, off + np.uint64(self.base + self.area.offset(msg.slot)), dst, length))
 
-    def reported(self, room: int, sender: tuple[int, int]) -> bool:
+    def reported(self, room: int, sender: Sender) -> bool:
         """``sender`` reported a write (PagesDone ok): True when chunks of it landed in staging."""
         return self.unreported.pop((room, sender), 0) > 0
 
@@ -158,7 +162,7 @@ class DecodeStaging:
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         self.grant(self.area.fail_room(room, free_at), out)
 
-    def sender_quiet(self, room: int, sender: tuple[int, int], out: list) -> None:
+    def sender_quiet(self, room: int, sender: Sender, out: list) -> None:
         """``sender`` acknowledged the room's abort (or reported it failed): its quarantined slots are free."""
         for i in self.area.slots_of(room):
             owner = self.area.owner(i)[1]

@@ -9,7 +9,7 @@ never waits for a look-up only because the last room of its group came a while a
 however old, still names the ranks (liveness pings catch the dead ones).
 
     (instance, dp) ──▶ (when, LookupResponse) ──placed for our TP route──▶ Placement
-                                                                           (senders asked, by (cp, tp))
+                                                                           (senders asked, by (cp, tp, pp))
 
 Plain state: the time is passed in; the look-ups themselves are the room state
 machine's ``LookUp`` / ``Refresh`` actions, carried out by the endpoint.
@@ -32,36 +32,95 @@ REFRESH_IDLE_S = 30.0  # a cached topology used within this long is refreshed be
 MAX_PLACEMENTS = 1024  # DP groups whose last look-up answer is kept placed for our TP route
 
 Key = tuple[str, int | None]  # (prefill instance, DP group; None until the instance's dp_size is known)
+SenderKey = tuple[int, int, int]  # (cp_rank, tp_rank, pp_rank) of a prefill sender
 
 
 @dataclass(frozen=True, eq=False)
 class Placement:
     """The senders a room of one prefill DP group asks, for this decode rank's TP route: every
-    CP rank and, in it, every TP rank of the route, with the pools each sends. Built once per
-    look-up answer and shared by the rooms that use it (read-only)."""
+    CP rank and, in it, every TP rank of the route and every pipeline stage, with the pools each
+    sends. Built once per look-up answer and shared by the rooms that use it (read-only).
+
+    Pipeline stages: a stage sends the layers it registered (``kvbridge.layout.stages``), so it
+    is asked only for the pools it holds a layer of; for every pool the stages' registered
+    layers must tile the pool's layers exactly (checked here: a layer no stage sends, or two
+    stages send, refuses the answer). ``stages[pool]``: the stages a page of that pool comes from,
+    each with its own layer range; the ledger counts a page done once every one of them sent it."""
 
     topology: LookupResponse
     route: TPRoute
     lanes: OwnerLanes
-    senders: dict[tuple[int, int], Any]  # (cp_rank, tp_rank) -> SenderRank
-    by_endpoint: dict[str, tuple[int, int]]  # a sender's control endpoint -> (cp_rank, tp_rank)
-    asks: tuple[tuple[tuple[int, int], Any, tuple[str, ...]], ...]  # (key, sender, its pools), by key
+    senders: dict[SenderKey, Any]  # (cp_rank, tp_rank, pp_rank) -> SenderRank
+    by_endpoint: dict[str, SenderKey]  # a sender's control endpoint -> (cp_rank, tp_rank, pp_rank)
+    asks: tuple[tuple[SenderKey, Any, tuple[str, ...]], ...]  # (key, sender, its pools), by key
+    stages: dict[str, tuple[int, ...]]  # pool -> the pipeline stages that send its layers
+    aux_stage: int  # the stage that writes the aux row (the last)
+    layers: dict[SenderKey, dict[str, tuple[int, ...]]]  # pp > 1: each sender's layer ids per pool (its digests)
 
     @classmethod
-    def of(cls, topo: LookupResponse, route: TPRoute, room: int) -> Placement:
-        if any(r.pp_rank for r in topo.ranks):
-            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists pipeline stages past the "
-                                "first; pipeline-parallel prefill is not supported yet", room=room, field="ranks")
-        senders = {(r.cp_rank, r.tp_rank): r for r in topo.ranks}
-        need = {(cp, tp) for cp in range(topo.plan.cp_size) for tp in route.sources}
+    def of(cls, topo: LookupResponse, route: TPRoute, room: int, specs: Mapping[str, PoolSpec]) -> Placement:
+        pp = topo.topology.pp_size
+        senders = {(r.cp_rank, r.tp_rank, r.pp_rank): r for r in topo.ranks}
+        need = {(cp, tp, s) for cp in range(topo.plan.cp_size) for tp in route.sources for s in range(pp)}
         if need - set(senders):
-            cp, tp = min(need - set(senders))
-            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}, which "
-                                f"this decode rank's TP route draws from", room=room, field="ranks")
+            cp, tp, s = min(need - set(senders))
+            stage = f"/pp{s}" if pp > 1 else ""
+            raise TopologyError(f"the look-up of prefill instance {topo.instance!r} lists no sender cp{cp}/tp{tp}{stage}, "
+                                f"which this decode rank's TP route draws from", room=room, field="ranks")
         chosen = {key: senders[key] for key in sorted(need)}
+        pools = {key: tuple(route.pools_from(key[1])) for key in chosen}
+        stages: dict[str, tuple[int, ...]] = {p: (0,) for p in specs}
+        layers: dict[SenderKey, dict[str, tuple[int, ...]]] = {}
+        if pp > 1:
+            pools, stages, layers = _stage_pools(topo, chosen, pools, specs, room)
         return cls(topo, route, OwnerLanes(topo.plan.cp_size, topo.plan.rule), chosen,
                    {s.control_endpoint: key for key, s in chosen.items()},
-                   tuple((key, s, tuple(route.pools_from(key[1]))) for key, s in chosen.items()))
+                   tuple((key, s, pools[key]) for key, s in chosen.items() if pools[key]), stages, pp - 1, layers)
+
+
+def _stage_pools(topo: LookupResponse, chosen: Mapping[SenderKey, Any], pools: Mapping[SenderKey, tuple[str, ...]],
+                 specs: Mapping[str, PoolSpec], room: int
+                 ) -> tuple[dict[SenderKey, tuple[str, ...]], dict[str, tuple[int, ...]],
+                            dict[SenderKey, dict[str, tuple[int, ...]]]]:
+    """Which pools each pipeline stage sends (those it registered layers of), checked: in every
+    (cp, tp) group the stages' layers of each pool tile the pool's layers, and every CP rank's
+    stages hold the same pools (TopologyError naming pool, layer and stages)."""
+    held: dict[SenderKey, dict[str, set[int]]] = {}
+    for key, s in chosen.items():
+        layers: dict[str, set[int]] = {}
+        for d in s.pools:
+            layers.setdefault(d.pool, set()).add(d.layer_id)
+        held[key] = layers
+    out = {key: tuple(p for p in pools[key] if p in held[key]) for key in chosen}
+    stages: dict[str, set[int]] = {}
+    groups = sorted({key[:2] for key in chosen})
+    for cp, tp in groups:
+        group = [key for key in chosen if key[:2] == (cp, tp)]
+        for pool in pools[group[0]]:
+            want = set(specs[pool].layer_ids)
+            owners: dict[int, list[int]] = {}
+            for key in group:
+                for lid in held[key].get(pool, ()):
+                    owners.setdefault(lid, []).append(key[2])
+            where = f"of prefill instance {topo.instance!r} (cp{cp}/tp{tp})"
+            twice = sorted(lid for lid, st in owners.items() if len(st) > 1)
+            if twice:
+                st = sorted(owners[twice[0]])
+                raise TopologyError(f"pool {pool!r} layer {twice[0]} is registered by pipeline stages "
+                                    f"{', '.join(f'pp{s}' for s in st)} {where}: a layer comes from one stage",
+                                    room=room, field="ranks")
+            if set(owners) != want:
+                gone = sorted(want - set(owners))
+                what = (f"layer {gone[0]} is registered by no pipeline stage {where}" if gone else
+                        f"layer {min(set(owners) - want)} registered {where} is not a layer of this decode rank's pool")
+                raise TopologyError(f"pool {pool!r} {what}", room=room, field="ranks")
+            senders_of = tuple(sorted({s for st in owners.values() for s in st}))
+            if stages.setdefault(pool, set(senders_of)) != set(senders_of):
+                raise TopologyError(f"pool {pool!r} comes from pipeline stages {sorted(stages[pool])} on one CP rank and "
+                                    f"{list(senders_of)} {where}: every CP rank splits the layers alike",
+                                    room=room, field="ranks")
+    layers = {key: {p: tuple(sorted(ids)) for p, ids in held[key].items()} for key in chosen}
+    return out, {p: tuple(sorted(st)) for p, st in stages.items()}, layers
 
 
 class Topologies:
@@ -145,7 +204,7 @@ class Topologies:
         if hit is None or hit.topology is not topo or hit.route is not route:
             if key not in self.placements and len(self.placements) >= MAX_PLACEMENTS:
                 self.placements.clear()
-            hit = self.placements[key] = Placement.of(topo, route, room)
+            hit = self.placements[key] = Placement.of(topo, route, room, self.specs)
         return hit
 
     def route(self, prefill_tp: int) -> TPRoute:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
 
 
@@ -18,6 +19,10 @@ class PrefillConfig:
     cp_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
+    # Pipeline-parallel prefill (docs/pipeline.md): the target layers [start, end) this stage
+    # holds and sends; required when pp_size > 1. Index-K layers follow the same split; draft
+    # layers and the aux row belong to the last stage (kvbridge.layout.stages).
+    pp_layers: tuple[int, int] | None = None
     lane_rule: str = "interleaved"
     host: str = "127.0.0.1"
     control_port: int = 0
@@ -41,6 +46,23 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError(f"pp_rank {self.pp_rank} is outside pp_size {self.pp_size}", rank=self.rank_label,
+                              field="pp_rank")
+        if self.pp_layers is None:
+            if self.pp_size > 1:
+                raise ConfigError(f"pipeline stage pp{self.pp_rank} of {self.pp_size} needs pp_layers: the target "
+                                  "layers [start, end) it holds and sends", rank=self.rank_label, field="pp_layers")
+            return
+        if (len(self.pp_layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in self.pp_layers)
+                or not 0 <= self.pp_layers[0] < self.pp_layers[1]):
+            raise ConfigError(f"pp_layers {self.pp_layers!r} must be two integers [start, end), 0 <= start < end",
+                              rank=self.rank_label, field="pp_layers")
+
+    @property
+    def last_stage(self) -> bool:
+        """The last pipeline stage: it holds the draft layers and writes the aux row."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def rank_label(self) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
-from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec
+from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
@@ -62,13 +62,32 @@ T = TypeVar("T")
 __all__ = ["PrefillConfig", "PrefillEndpoint"]
 
 
+def _stage_specs(config: PrefillConfig, specs: Mapping[str, PoolSpec], num_target_layers: int) -> dict[str, PoolSpec]:
+    """The specs of this rank's pipeline stage: every pool cut to the stage's layers (all of them
+    without ``pp_layers``). The last stage's layers end at the model's last target layer."""
+    if config.pp_layers is None:
+        return dict(specs)
+    start, end = config.pp_layers
+    if end > num_target_layers:
+        raise ConfigError(f"pp_layers [{start}, {end}) reach past the contract's {num_target_layers} target layers",
+                          rank=config.rank_label, field="pp_layers")
+    if config.last_stage != (end == num_target_layers):
+        raise ConfigError(f"pipeline stage pp{config.pp_rank} of {config.pp_size} declares layers [{start}, {end}): "
+                          f"{'the last' if config.last_stage else 'only the last'} stage's layers end at the model's "
+                          f"last target layer ({num_target_layers}); it holds the draft layers and the aux row",
+                          rank=config.rank_label, field="pp_layers")
+    return stage_specs(specs, (start, end), num_target_layers)
+
+
 class PrefillEndpoint:
     """One prefill rank. ``bootstrap`` is required: the rank registers there, and reads each
     decode rank's registered buffers from it. ``aux_buffer`` (optional): the engine's own aux
     rows, packed uint8 ``[rows, row_bytes]`` or ``{region: tensor[rows, ...]}``, registered so
     that ``send(..., aux_slot=i)`` writes row ``i`` without a copy; ``send(..., aux=row)`` uses
     kvbridge's staging rows. Specs, aux schema and lane rule are checked against the contract
-    here (ConfigError naming the field)."""
+    here (ConfigError naming the field). A pipeline stage (``config.pp_layers``) takes the whole
+    model's specs and contract but buffers of its own layers only (``stage_specs``,
+    docs/pipeline.md)."""
 
     def __init__(
         self,
@@ -90,7 +109,8 @@ class PrefillEndpoint:
                                tp_size=config.tp_size, tp_rank=config.tp_rank)
         self.config = config
         self.engine = engine
-        self.specs = dict(specs)
+        # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
+        self.specs = _stage_specs(config, specs, contract.model.target_layers)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         self.contract = contract
         self.fingerprint = fingerprint(contract)

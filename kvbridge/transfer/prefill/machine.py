@@ -128,7 +128,8 @@ class PrefillRooms:
         """The room for a new KVSender: fresh, or the one a decode rank asked for first."""
         if self.closing:
             raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.cfg.rank_label)
-        return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now))
+        return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now,
+                                                            pp=(self.cfg.pp_rank, self.cfg.pp_size)))
 
     def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
                     first_page: int = 0) -> list[Any] | tuple:
@@ -359,7 +360,8 @@ class PrefillRooms:
                                                     f"({closed}) when decode rank {req.decode_rank} asked")
                 return
             r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
-                                                      Stage.UNATTACHED, now=now))
+                                                      Stage.UNATTACHED, now=now,
+                                                      pp=(self.cfg.pp_rank, self.cfg.pp_size)))
         if not self._claim(ident, req):
             return
         if r.state.final:
@@ -385,7 +387,8 @@ class PrefillRooms:
             r.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
                          num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
             target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
-                                         tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now)
+                                         tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now,
+                                         aux_stage=self.cfg.last_stage)
             offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
             r.check_prefix(target)  # the engine may already skip pages below its first page
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse

@@ -65,9 +65,10 @@ class PrefillRoom:
     """Everything the prefill rank knows about one room."""
 
     def __init__(self, room: int, cp_rank: int, lanes: OwnerLanes, page_size: int, stage: Stage = Stage.OPEN,
-                 now: float = 0.0) -> None:
+                 now: float = 0.0, pp: tuple[int, int] = (0, 1)) -> None:
         self.room = room
         self.cp_rank = cp_rank
+        self.pp_rank, self.pp_size = pp  # pipeline stage: only the last one writes the aux row
         self.lanes = lanes
         self.page_size = page_size
         self.state = RoomState(now)
@@ -102,7 +103,7 @@ class PrefillRoom:
 
     @property
     def ctx(self) -> dict[str, Any]:
-        return {"room": self.room, "rank": f"cp{self.cp_rank}"}
+        return {"room": self.room, "rank": f"cp{self.cp_rank}" + (f"/pp{self.pp_rank}" if self.pp_size > 1 else "")}
 
     @property
     def num_pages(self) -> int:
@@ -123,8 +124,9 @@ class PrefillRoom:
 
     @property
     def owns_last_token(self) -> bool:
-        """The last valid token lies in the last page, whatever the token count: its owner."""
-        return self._num_pages is not None and self._aux_owner == self.cp_rank
+        """The last valid token lies in the last page, whatever the token count: its owner, in the
+        last pipeline stage (which holds the last hidden state)."""
+        return self._num_pages is not None and self._aux_owner == self.cp_rank and self.pp_rank == self.pp_size - 1
 
     @property
     def has_aux(self) -> bool:
@@ -144,6 +146,7 @@ class PrefillRoom:
     def stats(self, now: float) -> dict[str, Any]:
         end = self.state.entered[self.state.state] if self.state.final else now
         return {
+            **({"pp_rank": self.pp_rank} if self.pp_size > 1 else {}),
             "slices": self.num_slices,
             "bytes": self.num_bytes,
             "paths": dict(self.paths),
@@ -378,5 +381,8 @@ class PrefillRoom:
             raise LayoutError("this rank owns the last valid token: the last send() must carry the aux row (aux= or "
                               "aux_slot=)", field="aux", **ctx)
         if not self.owns_last_token and has_aux:
+            if self.pp_rank != self.pp_size - 1:
+                raise LayoutError(f"aux row given to pipeline stage pp{self.pp_rank} of {self.pp_size}; the last stage "
+                                  "writes it (it holds the last hidden state)", field="aux", **ctx)
             raise LayoutError("aux row given, but another cp rank owns the last valid token (hard rule 4)",
                               field="aux", **ctx)

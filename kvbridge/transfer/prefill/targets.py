@@ -86,9 +86,11 @@ def target_from_request(
     *,
     tp: tuple[int, int] = (1, 0),
     now: float = 0.0,
+    aux_stage: bool = True,
 ) -> Target:
-    """``tp``: this prefill rank's (tp_size, tp_rank); ``now``: the time (deadlines count from it). What holds for every request of this
-    decode rank (its TP route, buffer pairing, aux regions) is checked once per peer
+    """``tp``: this prefill rank's (tp_size, tp_rank); ``now``: the time (deadlines count from it);
+    ``aux_stage``: this rank is in the pipeline stage that writes the aux row (the last). What
+    holds for every request of this decode rank (its TP route, buffer pairing, aux regions) is checked once per peer
     (``PeerRoute``); the request's own fields are checked here, every time."""
     ctx = dict(room=req.room, rank=req.decode_rank)
     pools = tuple(req.pools)
@@ -118,7 +120,7 @@ def target_from_request(
                   dst_pages=dst_pages, pools=pools, aux_dst=peer.aux, aux_slot=req.aux_slot, deadline=deadline,
                   want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base, created=now,
                   num_expected=room.num_owned_from(req.first_page),
-                  aux_source=route.aux_source, num_decode_targets=route.num_drawing)
+                  aux_source=route.aux_source and aux_stage, num_decode_targets=route.num_drawing)
 
 
 def _checked_route(req: wire.TransferRequest, pools: tuple[str, ...], specs: Mapping[str, PoolSpec],
