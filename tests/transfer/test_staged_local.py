@@ -246,6 +246,19 @@ def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
     assert rec.launches == []
 
 
+def test_a_slice_running_from_one_pool_tensor_into_the_next_goes_to_the_kernel():
+    """Contiguous pages merge into runs, and a run may cross from one pool's tensor into the next
+    one, adjacent in memory: the kernel copies it (a plain copy across two allocations is refused
+    by the driver, 'invalid argument', which failed contiguous staged rooms on one H200)."""
+    from kvbridge.transfer.engine.staging import AddressRanges
+
+    a, b, slot = (1 << 20, 4096), ((1 << 20) + 4096, 4096), (1 << 24, 8192)  # a and b adjacent
+    ranges = AddressRanges([a, b, slot])
+    held = ranges.hold(np.array([(1 << 20) + 2048, (1 << 20) + 6000, 1 << 30, (1 << 24) + 8000], np.uint64),
+                       np.array([4096, 4000, 8, 400], np.uint64))
+    assert held.tolist() == [True, False, False, False]  # across a|b; past b's end; host; past the slot
+
+
 def test_decode_set_staging_switches_what_rooms_offer(cluster):
     """DecodeEndpoint.set_staging (the bench compares the paths on one set of ranks): "never" offers
     no area (the room goes direct though prefill stages always), "always" makes the next room staged

@@ -162,11 +162,16 @@ class AddressRanges:
         self.ends = np.array([a + n for a, n in pairs], dtype=np.uint64)
 
     def hold(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """Per slice: ``[addr, addr + length)`` lies inside one region."""
+        """Per slice: its first and its last byte each lie inside a region. A slice may run from
+        one region into the next (a merged run of pages crossing from one pool's tensor into the
+        next one's, adjacent in memory): the kernel copies it like any other device slice, while a
+        plain copy across two allocations would be refused by the driver."""
+        return self._inside(addr) & self._inside(addr + np.maximum(length, 1) - 1)
+
+    def _inside(self, addr: np.ndarray) -> np.ndarray:
         i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
         found = i >= 0
-        i = np.maximum(i, 0)
-        return found & (addr + length <= self.ends[i])
+        return found & (addr < self.ends[np.maximum(i, 0)])
 
 
 @dataclass
