@@ -40,7 +40,7 @@ HOPS = (
 _ROOM = re.compile(r"trace room=(\d+)")
 _AT = re.compile(r"@(\d+\.\d+)")
 _AUX_READ = re.compile(r"aux_read=(\d+\.\d+)ms")
-_KINDS = (("bench recv", "recv"), ("requested from cp ranks", "requested"), (" request from ", "received"),
+_KINDS = (("bench recv", "recv"), ("requested from (cp, tp, pp) ranks", "requested"), (" request from ", "received"),
           (" target ", "target"), (" -> ", "posted"), ("write of", "written"), (" report from ", "reported"),
           ("committed", "committed"), ("bench final", "final"))
 

@@ -69,7 +69,7 @@ def test_a_transfer_of_valid_rows_passes_the_check_and_a_flipped_byte_fails_it()
 def test_trace_breakdown_takes_each_event_at_its_last_rank():
     lines = [
         "x trace room=5 bench recv @10.0000",
-        "x trace room=5 rank=d +1.00ms @10.0010 requested from cp ranks [0, 1]",
+        "x trace room=5 rank=d +1.00ms @10.0010 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
         "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
         "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
         "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
