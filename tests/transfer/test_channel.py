@@ -434,16 +434,17 @@ def test_a_flood_is_read_no_faster_than_it_is_handled() -> None:
     from kvbridge.transfer.channel.frames import READ_PER_CALL
 
     server = ControlServer(secret=SECRET)
-    loop = EchoLoop(server)
     peak, stop = [0], threading.Event()
 
-    def watch() -> None:  # the reader's buffer (the channel's internals: what this test is about)
+    def slow_loop() -> None:  # a loop that handles one batch every 10 ms: slower than any sender
         while not stop.is_set():
+            server.recv_ready(timeout_ms=50)
+            # the reader's buffer, read on the loop's own thread (the internals this test is about)
             peak[0] = max([peak[0]] + [len(s.reader._buf) for s in list(server._by_fd.values())])
-            time.sleep(0.005)
+            time.sleep(0.01)
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    loop = threading.Thread(target=slow_loop, daemon=True)
+    loop.start()
     try:
         with RawControl(server.endpoint, timeout=0.5, secret=SECRET) as raw:
             with pytest.raises(TimeoutError):  # push-back: the server takes the bytes as it handles them
@@ -453,8 +454,8 @@ def test_a_flood_is_read_no_faster_than_it_is_handled() -> None:
         assert server.stats.unauthenticated > 0 and server.stats.error_replies == 0
     finally:
         stop.set()
-        watcher.join(5)
-        loop.stop()
+        server.wakeup.post()
+        loop.join(5)
         server.close()
 
 
