@@ -411,8 +411,8 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      prefill_aux=src_dev if g["aux"] == "device" else "cpu",
                      decode_aux=dst_dev if g["aux"] == "device" else "cpu", env=env, log_dir=trace_dir,
                      # staged rooms where the engine is Mooncake (the IPC engine's kernel copies scattered
-                     # pages in one launch: never staged there); traced rooms stay direct
-                     staged=g["engine"] == "mooncake" and not trace_dir,
+                     # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
+                     staged=g["engine"] == "mooncake" and (not trace_dir or args.trace_staged),
                      staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(2, args.decode_slots))
 
     def show(row: dict[str, Any]) -> None:
@@ -431,17 +431,18 @@ def traced(name: str, args: argparse.Namespace, url: str, tokens: int) -> dict[s
     from kvbridge.bench.trace import breakdown, format_breakdown, parse
 
     folder = tempfile.mkdtemp(prefix=f"gpu-bench-trace-{name}-")
-    rows = run_group(name, args, url, [tokens], ["contiguous"], args.trace_reps, trace_dir=folder)
+    alloc = "random" if args.trace_staged else "contiguous"
+    rows = run_group(name, args, url, [tokens], [alloc], args.trace_reps, trace_dir=folder)
     lines = [line for p in sorted(Path(folder).glob("*.log")) for line in p.read_text(errors="replace").splitlines()]
     rooms = parse(lines)
     row = rows[0]
     hops = breakdown({r: rooms[r] for r in row["room_ids"] if r in rooms})
-    log(format_breakdown(hops, f"{name}, {tokens} tokens contiguous, KVBRIDGE_TRACE=1: kvbridge p50 "
+    log(format_breakdown(hops, f"{name}, {tokens} tokens {alloc}, KVBRIDGE_TRACE=1: kvbridge p50 "
                                f"{row['kvbridge_p50_ms']} ms, raw p50 {row['raw_p50_ms']} ms, engine p50 "
                                f"{row['engine_p50_ms']} ms"))
     if args.trace_out:
         Path(args.trace_out).mkdir(parents=True, exist_ok=True)
-        (Path(args.trace_out) / f"trace-{name}-{tokens}.log").write_text("\n".join(
+        (Path(args.trace_out) / f"trace-{name}-{alloc}-{tokens}.log").write_text("\n".join(
             line for line in lines if "trace " in line)[-2_000_000:] + "\n")
     return {"group": name, "tokens": tokens, "row": row, "hops": hops}
 
@@ -549,6 +550,8 @@ def main() -> None:
     ap.add_argument("--trace-tokens", type=int, nargs="*", default=[],
                     help="also run traced rooms of these lengths (contiguous), every group")
     ap.add_argument("--trace-reps", type=int, default=10)
+    ap.add_argument("--trace-staged", action="store_true",
+                    help="traced rooms on random pages, staged ones too (Mooncake groups): the chunk timeline")
     ap.add_argument("--trace-out", default="", help="copy the trace lines here")
     ap.add_argument("--json", default="", help="write everything here")
     args = ap.parse_args()
