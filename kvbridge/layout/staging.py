@@ -269,7 +269,13 @@ class PathThresholds:
 # number in the thousands; with runs of several pages, or a few hundred slices, gather and scatter
 # cost more than the per-slice overhead they save. The local engine follows the same rule.
 _PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
-DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {"mooncake": _PAGE_SIZED, "auto": _PAGE_SIZED, "local": _PAGE_SIZED}
+# GPU pages over Mooncake (NVLink, or RDMA from device memory): staging wins from some hundreds of
+# page-sized slices on, since each posted slice costs far more than gathering it on the GPU, while
+# runs of several pages (contiguous allocation) stay direct by their size (scripts/gpu_bench.py's
+# staged table; docs/performance.md).
+_GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
+DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {"mooncake": _PAGE_SIZED, "auto": _PAGE_SIZED, "local": _PAGE_SIZED,
+                                                    "mooncake-gpu": _GPU_PAGE_SIZED}
 DIRECT_ONLY = frozenset({"ipc"})  # one kernel launch copies scattered slices: nothing to save
 
 

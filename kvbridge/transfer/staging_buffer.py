@@ -5,9 +5,9 @@ writes land), prefill its gather buffer (where pages are gathered before the wir
 where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
 device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
 given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
-buffer on): ``for_buffers`` returns None and every target goes direct. Device staging is made
-only when asked for (``staging="always"``): with ``auto`` on GPU pages every target stays direct
-until the staged rooms are measured end to end on a GPU (``scripts/gpu_bench.py``'s staged table).
+buffer on): ``for_buffers`` returns None and every target goes direct. On GPU pages with
+``staging="auto"`` a buffer is made unless the engine copies scattered slices itself (the IPC
+engine: one kernel launch, nothing to save); its sizes default per device (staging_settings.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvbridge.bootstrap.schemas import StagingDescriptor
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
+from kvbridge.transfer.staging_settings import staging_sizes
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,12 @@ class StagingBuffer:
 
     @classmethod
     def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
-                    rank: str) -> StagingBuffer | None:
-        """A buffer beside ``tensors`` (the endpoint's page buffers) for staging ``mode``, or None
-        when staging is off ("never"), the pages are device addresses kvbridge cannot place a
-        buffer beside, or they are GPU pages and staging was not asked for ("always")."""
-        if mode == "never" or nbytes < slot_bytes:
+                    rank: str, role: str, engine: Any = None) -> StagingBuffer | None:
+        """A ``role`` rank's buffer beside ``tensors`` (the endpoint's page buffers) for staging
+        ``mode``, or None when staging is off ("never"), the pages are device addresses kvbridge
+        cannot place a buffer beside, or they are GPU pages under "auto" and ``engine`` copies
+        scattered slices itself (``direct_only``). ``nbytes``/``slot_bytes`` 0: the device's default."""
+        if mode == "never":
             return None
         devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
         if any(type(t).__name__ == "RawBuffer" for t in tensors.values()) or len(devices) > 1:
@@ -66,12 +68,18 @@ class StagingBuffer:
                 "%s: pages given as device addresses or on several devices: no staging buffer (staging %r), "
                 "every write direct", rank, mode)
             return None
-        if devices == {"cuda"}:
-            if mode != "always":
-                return None
+        on_gpu = devices == {"cuda"}
+        if on_gpu and mode == "auto" and getattr(engine, "direct_only", False):
+            return None
+        nbytes, slot_bytes = staging_sizes(role, on_gpu, nbytes, slot_bytes, rank)
+        if on_gpu:
             return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device,
                        device_pages=tensors.values())
         return cls(nbytes, slot_bytes, rank=rank)
+
+    @property
+    def on_gpu(self) -> bool:
+        return not isinstance(self.memory, np.ndarray)
 
     @property
     def descriptor(self) -> StagingDescriptor:

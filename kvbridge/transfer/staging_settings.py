@@ -5,21 +5,42 @@ from __future__ import annotations
 from kvbridge.errors import ConfigError
 
 STAGING_MODES = ("auto", "always", "never")
-# Decode's staging area: 64 MiB in 8 MiB slots, eight chunks in flight at once, which keeps a TCP or
-# RDMA link busy while scatters run; a slot carries about 200 page-sized slices of a 42 KB latent
-# page, far past where per-slice cost matters. Prefill's gather buffer: two slots, one gathering
-# while the other is on the wire.
+# Host pages. Decode's staging area: 64 MiB in 8 MiB slots, eight chunks in flight at once, which
+# keeps a TCP or RDMA link busy while scatters run; a slot carries about 200 page-sized slices of
+# a 42 KB latent page, far past where per-slice cost matters. Prefill's gather buffer: two slots,
+# one gathering while the other is on the wire.
 DEFAULT_SLOT_BYTES = 8 << 20
 DEFAULT_BYTES = {"decode": 8 * DEFAULT_SLOT_BYTES, "prefill": 2 * DEFAULT_SLOT_BYTES}
+# GPU pages: 256 MiB slots, four on decode and two per prefill rank. Smaller slots leave the slice
+# kernel launch-bound and pay a transport's fixed cost per write (Mooncake's NVLink transport:
+# milliseconds per batch) on fewer bytes; docs/performance.md, "Staged rooms on GPU pages".
+DEFAULT_GPU_SLOT_BYTES = 256 << 20
+DEFAULT_GPU_BYTES = {"decode": 4 * DEFAULT_GPU_SLOT_BYTES, "prefill": 2 * DEFAULT_GPU_SLOT_BYTES}
 
 
 def check_staging(mode: str, nbytes: int, slot_bytes: int, rank: str) -> None:
-    """A named ConfigError for a staging setting no endpoint can use."""
+    """A named ConfigError for a staging setting no endpoint can use (0: the default for the
+    pages' device, ``staging_sizes``)."""
     if mode not in STAGING_MODES:
         raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=rank, field="staging")
     for name, value in (("staging_bytes", nbytes), ("staging_slot_bytes", slot_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}", rank=rank, field=name)
-    if slot_bytes % 16 or nbytes < slot_bytes:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{name} must be a non-negative integer (0: the default for the pages' device), got "
+                              f"{value!r}", rank=rank, field=name)
+    if slot_bytes % 16 or (nbytes and slot_bytes and nbytes < slot_bytes):
         raise ConfigError(f"staging_slot_bytes {slot_bytes} must be a multiple of 16 and at most staging_bytes "
                           f"{nbytes}", rank=rank, field="staging_slot_bytes")
+
+
+def staging_sizes(role: str, on_gpu: bool, nbytes: int, slot_bytes: int, rank: str) -> tuple[int, int]:
+    """``(nbytes, slot_bytes)`` of a ``role`` rank's staging memory: what was set, and the
+    default of the pages' device for what was left 0 (a set slot size keeps the default count
+    of slots)."""
+    default_slot = DEFAULT_GPU_SLOT_BYTES if on_gpu else DEFAULT_SLOT_BYTES
+    default_bytes = (DEFAULT_GPU_BYTES if on_gpu else DEFAULT_BYTES)[role]
+    slot = slot_bytes or default_slot
+    size = nbytes or default_bytes // default_slot * slot
+    if size < slot:
+        raise ConfigError(f"staging_bytes {size} is smaller than one {slot}-byte slot", rank=rank,
+                          field="staging_bytes")
+    return size, slot

@@ -24,7 +24,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import PRESETS, preset_pools
-from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, STAGING_MODES, check_staging
+from kvbridge.transfer.staging_settings import STAGING_MODES, check_staging
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -141,8 +141,10 @@ SETTINGS: tuple[Setting, ...] = (
             "ones direct), always (decode: every page through staging, an aborted room's pages free at once), never",
             choices=STAGING_MODES),
     Setting("staging_bytes", int, 0, "registered staging memory: decode's staging area (remote writes land only "
-            "there), prefill's gather buffer; 0: the role's default (decode 64 MiB, prefill 16 MiB)"),
-    Setting("staging_slot_bytes", int, DEFAULT_SLOT_BYTES, "staging slot size: the largest chunk one write carries"),
+            "there), prefill's gather buffer; 0: the default for the role and the pages' device (host: decode 64 MiB, "
+            "prefill 16 MiB; GPU: decode 1 GiB, prefill 512 MiB)"),
+    Setting("staging_slot_bytes", int, 0, "staging slot size: the largest chunk one write carries; 0: the default "
+            "for the pages' device (host 8 MiB, GPU 256 MiB)"),
     # behaviour
     Setting("transfer_timeout", float, 120.0, "seconds a room may take from its op to its end"),
     Setting("drain_timeout", float, 10.0, "seconds in-flight rooms get to finish on SIGTERM"),
@@ -213,11 +215,6 @@ class WorkerConfig:
     @property
     def secret_bytes(self) -> bytes | None:
         return self.secret.encode() if self.secret else None
-
-    @property
-    def staging_bytes_for_role(self) -> int:
-        """``staging_bytes``, or (0) the role's default: the configs' own."""
-        return self.staging_bytes or DEFAULT_BYTES[self.role]
 
     @property
     def rank_name(self) -> str:
@@ -330,7 +327,7 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}", field=name)
     if not cfg.lease_quarantine >= 0:
         raise ConfigError(f"lease_quarantine must be >= 0 seconds, got {cfg.lease_quarantine}", field="lease_quarantine")
-    check_staging(cfg.staging, cfg.staging_bytes_for_role, cfg.staging_slot_bytes, cfg.rank_name)
+    check_staging(cfg.staging, cfg.staging_bytes, cfg.staging_slot_bytes, cfg.rank_name)
     if not cfg.drain_timeout >= 0:
         raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}", field="drain_timeout")
     for name in ("control_port", "ops_port"):

@@ -65,7 +65,7 @@ class DecodeWorker(WorkerBase):
             lease_quarantine=cfg.lease_quarantine,
             lease_ttl=cfg.lease_ttl,
             staging=cfg.staging,
-            staging_bytes=cfg.staging_bytes_for_role,
+            staging_bytes=cfg.staging_bytes,
             staging_slot_bytes=cfg.staging_slot_bytes,
             trace=cfg.trace,
         )

@@ -65,7 +65,7 @@ class PrefillWorker(WorkerBase):
             max_slices_per_call=cfg.max_slices_per_call,
             aux_device=self.aux_device,
             staging=cfg.staging,
-            staging_bytes=cfg.staging_bytes_for_role,
+            staging_bytes=cfg.staging_bytes,
             staging_slot_bytes=cfg.staging_slot_bytes,
             trace=cfg.trace,
         )

@@ -239,7 +239,12 @@ def test_choose_path() -> None:
     assert choose_path(10, "mooncake", mean_slice_bytes=41984) == "direct"  # few slices
     assert choose_path(4000, "mooncake", mean_slice_bytes=4 * 41984) == "direct"  # runs of pages
     assert choose_path(pages, "local", PathThresholds(min_slices=10_000, max_mean_slice_bytes=1 << 20)) == "direct"
-    assert set(DEFAULT_THRESHOLDS) >= {"mooncake", "local", "auto"}
+    assert set(DEFAULT_THRESHOLDS) >= {"mooncake", "local", "auto", "mooncake-gpu"}
+    # GPU pages: a 1K-token room's rank posts ~1,000 page slices (staged: about twice direct's rate
+    # on one H200), while a contiguous room's ~120 runs of ~200 KB stay direct
+    assert choose_path(984, "mooncake-gpu", mean_slice_bytes=25_000) == "staged"
+    assert choose_path(984, "mooncake", mean_slice_bytes=25_000) == "direct"  # host pages: too few
+    assert choose_path(123, "mooncake-gpu", mean_slice_bytes=200_000) == "direct"
     with pytest.raises(LayoutError, match="no staging thresholds for engine 'rdma'"):
         choose_path(pages, "rdma")
     with pytest.raises(LayoutError, match="min_slices"):

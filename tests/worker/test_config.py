@@ -47,7 +47,7 @@ def test_config_file_from_env_and_bool_parsing(tmp_path):
         ([], {"KVBRIDGE_BOOTSTRAP": "127.0.0.1:8998"}, "bootstrap"),
         (["--staging", "sometimes"], {}, "staging"),
         (["--staging-slot-bytes", "100"], {}, "staging_slot_bytes"),
-        (["--staging-bytes", "4096"], {}, "staging_slot_bytes"),  # less than one slot
+        (["--staging-bytes", "4096", "--staging-slot-bytes", "8192"], {}, "staging_slot_bytes"),  # less than one slot
     ],
 )
 def test_bad_values_are_named(argv, env, text):
@@ -60,11 +60,28 @@ def test_staging_settings_from_flag_env_and_toml_with_each_roles_default(tmp_pat
     toml = tmp_path / "w.toml"
     toml.write_text('staging-slot-bytes = 1048576\n[decode]\nstaging = "always"\n')
     d = load_config("decode", parse("decode", ["--config", str(toml)]), {"KVBRIDGE_STAGING_BYTES": "8388608"})
-    assert (d.staging, d.staging_bytes_for_role, d.staging_slot_bytes) == ("always", 8 << 20, 1 << 20)
+    assert (d.staging, d.staging_bytes, d.staging_slot_bytes) == ("always", 8 << 20, 1 << 20)
     assert d.sources["staging"] == "toml" and d.sources["staging_bytes"] == "env"
     p = load_config("prefill", parse("prefill", ["--config", str(toml), "--staging", "never"]), {})
-    assert p.staging == "never" and p.staging_bytes_for_role == 16 << 20  # 0: the role's default
-    assert load_config("decode", parse("decode", []), {}).staging_bytes_for_role == 64 << 20
+    assert p.staging == "never" and p.staging_bytes == 0  # 0: the default of the role and the pages' device
+    assert load_config("decode", parse("decode", []), {}).staging_bytes == 0
+
+
+def test_staging_sizes_default_per_role_and_device():
+    """0 takes the default of the role and the pages' device; a set slot size keeps the default
+    number of slots; an area smaller than one slot is a named error."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.transfer.staging_settings import staging_sizes
+
+    assert staging_sizes("decode", False, 0, 0, "r") == (64 << 20, 8 << 20)
+    assert staging_sizes("prefill", False, 0, 0, "r") == (16 << 20, 8 << 20)
+    assert staging_sizes("decode", True, 0, 0, "r") == (1 << 30, 256 << 20)
+    assert staging_sizes("prefill", True, 0, 0, "r") == (512 << 20, 256 << 20)
+    assert staging_sizes("decode", False, 0, 1 << 20, "r") == (8 << 20, 1 << 20)
+    assert staging_sizes("decode", True, 3 << 20, 1 << 20, "r") == (3 << 20, 1 << 20)
+    with pytest.raises(ConfigError) as err:
+        staging_sizes("decode", True, 64 << 20, 0, "r")  # one GPU slot is 256 MiB
+    assert err.value.field == "staging_bytes"
 
 
 def test_unknown_toml_key_is_an_error(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
+from kvbridge.transfer.staging_settings import check_staging
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,12 @@ class DecodeConfig:
     # why: staging_settings.py). "auto": prefill chooses per target; "always": every page arrives
     # staged (an aborted room's pages free at once); "never": no area, every write direct.
     staging: str = "auto"
-    staging_bytes: int = DEFAULT_BYTES["decode"]
-    staging_slot_bytes: int = DEFAULT_SLOT_BYTES
+    staging_bytes: int = 0  # 0: the default for the pages' device (staging_settings.py)
+    staging_slot_bytes: int = 0
     trace: bool = False
 
     def __post_init__(self) -> None:
         check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
-
-    @property
-    def staging_slots(self) -> int:
-        """Slots of the staging area (0 with staging "never": no area)."""
-        return 0 if self.staging == "never" else self.staging_bytes // self.staging_slot_bytes
 
     @property
     def rank_label(self) -> str:

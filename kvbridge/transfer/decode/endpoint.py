@@ -100,7 +100,8 @@ class DecodeEndpoint:
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the staging area remote writes of staged targets land in (docs/staging.md)
         self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
-                                                 config.staging_slot_bytes, rank=rank)
+                                                 config.staging_slot_bytes, rank=rank, role="decode",
+                                                 engine=self.engine)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset),

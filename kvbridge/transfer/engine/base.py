@@ -66,6 +66,9 @@ class TransferEngine(ABC):
     """Moves bytes from local registered memory into a peer's registered memory."""
 
     max_slices_per_call: int
+    # True where one call copies any number of scattered slices at memory speed (the IPC engine's
+    # kernel): staging them first would only copy every byte twice more, so "auto" never stages
+    direct_only: bool = False
 
     @property
     @abstractmethod

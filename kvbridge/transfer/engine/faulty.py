@@ -28,6 +28,7 @@ class FaultyEngine(TransferEngine):
         self.inner = inner
         self.failures_per_arm = failures_per_arm
         self.max_slices_per_call = inner.max_slices_per_call
+        self.direct_only = inner.direct_only
         self.injected = 0  # writes failed so far
         self._armed = 0
         self._lock = threading.Lock()

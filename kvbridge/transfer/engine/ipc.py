@@ -99,6 +99,8 @@ class _Batch:
 
 
 class IpcEngine(IpcTables, JobEngine):
+    direct_only = True  # one kernel launch per write copies scattered slices (slicecopy.py)
+
     def __init__(self, *, session: str | None = None, max_slices_per_call: int = 1 << 20, device: int | None = None,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, copier_options: dict[str, int] | None = None) -> None:
         if max_slices_per_call < 1:

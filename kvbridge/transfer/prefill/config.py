@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.staging_settings import DEFAULT_BYTES, DEFAULT_SLOT_BYTES, check_staging
+from kvbridge.transfer.staging_settings import check_staging
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class PrefillConfig:
     # The gather buffer: registered host memory cut into slots of staging_slot_bytes; a chunk is
     # at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering while
     # another is on the wire; the default matches the decode default's slot size.
-    staging_bytes: int = DEFAULT_BYTES["prefill"]
-    staging_slot_bytes: int = DEFAULT_SLOT_BYTES
+    staging_bytes: int = 0  # 0: the default for the pages' device (staging_settings.py)
+    staging_slot_bytes: int = 0
     trace: bool = False
 
     def __post_init__(self) -> None:

@@ -122,7 +122,8 @@ class PrefillEndpoint:
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the gather buffer staged writes leave from (docs/staging.md)
         self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
-                                                config.staging_slot_bytes, rank=rank)
+                                                config.staging_slot_bytes, rank=rank, role="prefill",
+                                                engine=self.engine)
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
             page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
@@ -379,9 +380,12 @@ class PrefillEndpoint:
         """The kind of engine a write to ``session`` goes through (choose_path's ``engine``)."""
         route = getattr(self.engine, "route", None)
         if route is not None:
-            return route(session)
-        name = type(self.engine).__name__.lower()
-        return next((kind for kind in ("ipc", "mooncake", "local") if kind in name), "mooncake")
+            kind = route(session)
+        else:
+            name = type(self.engine).__name__.lower()
+            kind = next((k for k in ("ipc", "mooncake", "local") if k in name), "mooncake")
+        # pages on a GPU stage against thresholds of their own (layout/staging.py)
+        return f"{kind}-gpu" if kind == "mooncake" and self.gather is not None and self.gather.on_gpu else kind
 
     def _aux_source(self, room: int, row: np.ndarray | None, aux_slot: int | None, after: Any) -> tuple:
         """Where room ``room``'s aux row is written from: kvbridge's staging row (staged by send();
