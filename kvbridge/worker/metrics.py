@@ -165,58 +165,48 @@ class _Live(Collector):
 
     @staticmethod
     def _endpoint(w: WorkerBase) -> Iterator[Metric]:
-        """Numbers the endpoints keep but do not publish yet (read defensively: an
-        endpoint without them just lacks the metric)."""
-        ep, engine = w.endpoint, getattr(w.engine, "inner", w.engine)  # through a chaos FaultyEngine
-        jobs = getattr(engine, "_jobs", None)
-        if w.role == "prefill" and jobs is not None:
-            inflight = GaugeMetricFamily("kvbridge_worker_writes_in_flight", "Engine writes posted and not yet complete.")
-            inflight.add_metric([], jobs.pending())
-            yield inflight
-        book = getattr(ep, "machine", None)
-        if w.role == "decode" and book is not None and hasattr(book, "peers"):
-            with ep._lock:
-                peers = list(book.peers.values())
+        """What the endpoint's health() snapshot and the engine tell (an engine without a
+        count of writes in flight just lacks that metric)."""
+        health = w.endpoint.health()
+        in_flight = getattr(getattr(w.engine, "inner", w.engine), "writes_in_flight", None)  # (a chaos FaultyEngine)
+        if w.role == "prefill" and in_flight is not None:
+            fam = GaugeMetricFamily("kvbridge_worker_writes_in_flight", "Engine writes posted and not yet complete.")
+            fam.add_metric([], in_flight())
+            yield fam
+        if w.role == "decode":
             fam = GaugeMetricFamily("kvbridge_worker_peers", "Prefill ranks this decode rank talks to, by liveness.",
                                     labels=["state"])
-            fam.add_metric(["alive"], sum(1 for p in peers if not p.dead))
-            fam.add_metric(["dead"], sum(1 for p in peers if p.dead))
+            for state in ("alive", "dead"):
+                fam.add_metric([state], health["peers"][state])
             yield fam
-        yield from _staging(w.role, ep, book)
-        channel = getattr(ep, "_server", None) or getattr(ep, "_peers", None)
-        stats = getattr(channel, "stats", None)
-        if stats is not None:
+        yield from _staging(w.role, health["staging"])
+        if health["control"]:
             fam = CounterMetricFamily("kvbridge_worker_control_messages", "Control-channel messages by kind.",
                                       labels=["kind"])
-            for kind in ("received", "sent", "malformed", "unauthenticated", "error_replies"):
-                fam.add_metric([kind], getattr(stats, kind, 0))
+            for kind, value in health["control"].items():
+                fam.add_metric([kind], value)
             yield fam
 
 
-def _staging(role: str, ep: Any, book: Any) -> Iterator[Metric]:
+def _staging(role: str, staging: Any) -> Iterator[Metric]:
     """Staged transfers (docs/staging.md): the paths chosen, what was staged, and decode's slots."""
-    if role == "prefill" and hasattr(book, "stage"):
-        with ep._lock:
-            counters = dict(book.stage.counters)
+    if role == "prefill":
+        counters = dict(staging)
         paths = CounterMetricFamily("kvbridge_worker_staging_targets", "Targets by the path chosen.", labels=["path"])
         for path in ("direct", "staged"):
             paths.add_metric([path], counters.pop(f"{path}_targets", 0))
         yield paths
-    elif role == "decode" and getattr(book, "staging", None) is not None:
+    elif staging is not None:
         from kvbridge.transfer.engine.staging_area import SlotState
 
-        with ep._lock:
-            counters = dict(book.staging.counters)
-            area = book.staging.area
-            states = [area.state(i) for i in range(area.num_slots)]
-            waiting = area.num_waiting
+        counters = staging["counters"]
         slots = GaugeMetricFamily("kvbridge_worker_staging_slots", "Staging slots by state.", labels=["state"])
         for state in SlotState:
-            slots.add_metric([state.value], sum(1 for s in states if s is state))
+            slots.add_metric([state.value], sum(1 for s in staging["slots"] if s is state))
         yield slots
         queue = GaugeMetricFamily("kvbridge_worker_staging_waiting", "Chunks waiting for a staging slot "
                                   "(back-pressure).")
-        queue.add_metric([], waiting)
+        queue.add_metric([], staging["waiting"])
         yield queue
     else:
         return

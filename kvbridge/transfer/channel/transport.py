@@ -98,6 +98,11 @@ class ChannelStats:
     evicted: int = 0  # pending connections closed to make room for newer ones
     refused: int = 0  # authenticated connections over max_connections
 
+    def counts(self) -> dict[str, int]:
+        """The message counts (what metrics publish)."""
+        return {"received": self.received, "sent": self.sent, "malformed": self.malformed,
+                "unauthenticated": self.unauthenticated, "error_replies": self.error_replies}
+
 
 class Wakeup:
     """Thread-safe hand-off to a loop thread: ``post`` from anywhere, ``drain`` in the loop."""

@@ -124,6 +124,21 @@ class DecodeEndpoint:
 
     # -- life cycle -----------------------------------------------------------
 
+    def health(self) -> dict[str, Any]:
+        """A snapshot for metrics and operators, read under the endpoint's lock: ``peers``
+        (prefill ranks alive / dead), ``staging`` (None without a staging area; else its
+        counters, its slots by state and the chunks waiting for one), ``control`` (the control
+        channel's message counts)."""
+        with self._lock:
+            peers = list(self.machine.peers.values())
+            staging = self.machine.staging
+            if staging is not None:
+                area = staging.area
+                staging = {"counters": dict(staging.counters), "waiting": area.num_waiting,
+                           "slots": [area.state(i) for i in range(area.num_slots)]}
+        return {"peers": {"alive": sum(1 for p in peers if not p.dead), "dead": sum(1 for p in peers if p.dead)},
+                "staging": staging, "control": {} if self._peers is None else self._peers.stats.counts()}
+
     @property
     def rank_id(self) -> str | None:
         """This rank's registration at the daemon (requests name it; it changes on re-registration)."""

@@ -279,3 +279,7 @@ class JobEngine(TransferEngine):
 
     def take_final(self) -> list[int] | None:
         return self._jobs.take_final()
+
+    def writes_in_flight(self) -> int:
+        """Writes posted and not yet complete (for metrics)."""
+        return self._jobs.pending()

@@ -162,6 +162,14 @@ class PrefillEndpoint:
         """Rooms ok/failed, bytes and slices posted since start."""
         return self.machine.counters
 
+    def health(self) -> dict[str, Any]:
+        """A snapshot for metrics and operators, read under the endpoint's lock: ``staging``
+        (the staged-transfer counters, the paths chosen among them), ``control`` (the control
+        channel's message counts)."""
+        with self._lock:
+            staging = dict(self.machine.stage.counters)
+        return {"staging": staging, "control": {} if self._server is None else self._server.stats.counts()}
+
     def start(self) -> None:
         self.buffers.register(self.engine)
         self.scratch.register(self.engine)
@@ -519,3 +527,4 @@ def _on_host(aux: AuxBuffers) -> bool:
     # torch: device.type; numpy (2.x) has a device too, the string "cpu"
     return aux.readable and all(getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
                                 for t in aux.tensors.values())
+
