@@ -37,10 +37,11 @@ class PrefillConfig:
     # Staged transfers (docs/staging.md): "auto" chooses per target (choose_path), "always"
     # stages every target whose decode rank offers a staging area, "never" writes directly.
     staging: str = "auto"
-    # The gather buffer: registered host memory cut into slots of staging_slot_bytes; a chunk is
-    # at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering while
-    # another is on the wire; the default matches the decode default's slot size.
-    staging_bytes: int = 0  # 0: the default for the pages' device (staging_settings.py)
+    # The gather buffer: registered memory beside the pages cut into slots of staging_slot_bytes;
+    # a chunk is at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering
+    # while another is on the wire; the defaults (0) are the pages' device's and match decode's
+    # slot size there (staging_settings.py).
+    staging_bytes: int = 0
     staging_slot_bytes: int = 0
     trace: bool = False
 
