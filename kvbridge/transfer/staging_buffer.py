@@ -4,8 +4,8 @@ Both sides of a staged transfer own one fixed buffer: decode its staging area (w
 writes land), prefill its gather buffer (where pages are gathered before the wire). It lives
 where the pages live: host memory (``HostStager``: vectorised numpy copies) for host pages,
 device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tensors. Pages
-given as device ``RawBuffer`` addresses cannot be staged (kvbridge knows no device to put the
-buffer on): ``for_buffers`` returns None and every target goes direct. On GPU pages with
+given as ``RawBuffer`` addresses stage on the device they name (an engine's GPU pools: the
+buffer goes on that GPU); pages on several devices, or another accelerator's, go direct. On GPU pages with
 ``staging="auto"`` a buffer is made unless the engine copies scattered slices itself (the IPC
 engine: one kernel launch, nothing to save); its sizes default per device (staging_settings.py).
 """
@@ -56,25 +56,25 @@ class StagingBuffer:
     def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
                     rank: str, role: str, engine: Any = None) -> StagingBuffer | None:
         """A ``role`` rank's buffer beside ``tensors`` (the endpoint's page buffers) for staging
-        ``mode``, or None when staging is off ("never"), the pages are device addresses kvbridge
-        cannot place a buffer beside, or they are GPU pages under "auto" and ``engine`` copies
+        ``mode``, or None when staging is off ("never"), the pages lie on several devices or on an
+        accelerator other than a CUDA GPU, or they are GPU pages under "auto" and ``engine`` copies
         scattered slices itself (``direct_only``). ``nbytes``/``slot_bytes`` 0: the device's default."""
         if mode == "never":
             return None
-        devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in tensors.values()}
-        if any(type(t).__name__ == "RawBuffer" for t in tensors.values()) or len(devices) > 1:
+        devices = {_device_of(t) for t in tensors.values()}
+        device = next(iter(devices)) if len(devices) == 1 else None
+        if device is None or not (device == "cpu" or device.startswith("cuda")):
             # an operator who asked for "always" must hear that it has no effect here
             (log.warning if mode == "always" else log.info)(
-                "%s: pages given as device addresses or on several devices: no staging buffer (staging %r), "
-                "every write direct", rank, mode)
+                "%s: pages on %s: no staging buffer (staging %r), every write direct", rank,
+                "several devices" if device is None else device, mode)
             return None
-        on_gpu = devices == {"cuda"}
+        on_gpu = device != "cpu"
         if on_gpu and mode == "auto" and getattr(engine, "direct_only", False):
             return None
         nbytes, slot_bytes = staging_sizes(role, on_gpu, nbytes, slot_bytes, rank)
-        if on_gpu:
-            return cls(nbytes, slot_bytes, rank=rank, device=next(iter(tensors.values())).device,
-                       device_pages=tensors.values())
+        if on_gpu:  # beside the pages, on their GPU (tensors, or device addresses an engine gave)
+            return cls(nbytes, slot_bytes, rank=rank, device=device, device_pages=tensors.values())
         return cls(nbytes, slot_bytes, rank=rank)
 
     @property
@@ -97,3 +97,13 @@ class StagingBuffer:
         if self._registered:
             self._registered = False
             engine.unregister(self.base)
+
+
+def _device_of(buf: Any) -> str:
+    """Where a page buffer lives: ``"cpu"``, ``"cuda:N"`` (a torch tensor's device, a
+    ``RawBuffer``'s ``device``), or another accelerator's name."""
+    device = getattr(buf, "device", None)
+    if device is None:
+        return "cpu"
+    text = str(device)
+    return f"{text}:0" if text == "cuda" else text  # (a tensor's device always has its index)

@@ -281,3 +281,22 @@ def test_decode_set_staging_switches_what_rooms_offer(cluster):
     assert paths == {"never": {"direct"}, "always": {"staged"}}
     with pytest.raises(ConfigError, match="staging"):
         c.decode.set_staging("sometimes")
+
+
+def test_a_staging_buffer_goes_where_the_pages_are():
+    """Pages given as RawBuffer addresses stage on the device they name (host here; a GPU's on
+    that GPU); pages on several devices or on another accelerator go direct, named in the log;
+    sizes left 0 take the role's default for the device."""
+    from kvbridge import RawBuffer
+    from kvbridge.transfer.staging_buffer import StagingBuffer
+
+    host = np.zeros(4096, dtype=np.uint8)
+    raw = RawBuffer(int(host.ctypes.data), host.nbytes, "cpu")
+    buf = StagingBuffer.for_buffers({("target", 0): raw}, "auto", 0, 0, rank="r", role="prefill")
+    assert buf is not None and not buf.on_gpu and (buf.nbytes, buf.area.slot_bytes) == (16 << 20, 8 << 20)
+    assert StagingBuffer.for_buffers({("target", 0): raw}, "never", 0, 0, rank="r", role="prefill") is None
+    npu = RawBuffer(int(host.ctypes.data), host.nbytes, "npu:0")
+    assert StagingBuffer.for_buffers({("target", 0): npu}, "always", 0, 0, rank="r", role="decode") is None
+    gpu = RawBuffer(1 << 40, 4096, "cuda:0")  # never touched: refused before any allocation
+    assert StagingBuffer.for_buffers({("target", 0): raw, ("target", 1): gpu}, "always", 0, 0, rank="r",
+                                     role="decode") is None

@@ -306,8 +306,8 @@ class DecodeEndpoint:
             raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
                               field="staging")
         if mode != "never" and self.staging is None:
-            raise ConfigError("this rank has no staging area (staging 'never' at start, GPU pages without "
-                              "'always', or pages given as device addresses)", rank=self.config.rank_label,
+            raise ConfigError("this rank has no staging area (staging 'never' at start, GPU pages on a "
+                              "direct-only engine, or pages on several devices)", rank=self.config.rank_label,
                               field="staging")
         with self._lock:
             self.machine.staging_mode = mode

@@ -253,8 +253,8 @@ class PrefillEndpoint:
             raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
                               field="staging")
         if mode != "never" and self.gather is None:
-            raise ConfigError("this rank has no gather buffer (staging 'never' at start, or pages given as device "
-                              "addresses)", rank=self.config.rank_label, field="staging")
+            raise ConfigError("this rank has no gather buffer (staging 'never' at start, GPU pages on a direct-only "
+                              "engine, or pages on several devices)", rank=self.config.rank_label, field="staging")
         with self._lock:
             self.machine.stage.mode = mode
 
