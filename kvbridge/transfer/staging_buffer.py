@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.bootstrap.schemas import StagingDescriptor
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 from kvbridge.transfer.engine.staging import CudaStager, HostStager
 from kvbridge.transfer.engine.staging_area import StagingArea
@@ -73,9 +74,18 @@ class StagingBuffer:
         if on_gpu and mode == "auto" and getattr(engine, "direct_only", False):
             return None
         nbytes, slot_bytes = staging_sizes(role, on_gpu, nbytes, slot_bytes, rank)
-        if on_gpu:  # beside the pages, on their GPU (tensors, or device addresses an engine gave)
+        if not on_gpu:
+            return cls(nbytes, slot_bytes, rank=rank)
+        try:  # beside the pages, on their GPU (tensors, or device addresses an engine gave)
             return cls(nbytes, slot_bytes, rank=rank, device=device, device_pages=tensors.values())
-        return cls(nbytes, slot_bytes, rank=rank)
+        except RuntimeError as exc:  # torch's out-of-memory error: the pools took the GPU
+            if mode == "always":
+                raise ConfigError(f"staging 'always' needs {nbytes} bytes of {device} memory for the staging buffer "
+                                  f"and cannot have them ({exc}); leave room for it or set smaller staging sizes",
+                                  rank=rank, field="staging_bytes") from None
+            log.warning("%s: no room on %s for a %d-byte staging buffer (%s): every write direct; leave room for "
+                        "it or set smaller staging sizes", rank, device, nbytes, exc)
+            return None
 
     @property
     def on_gpu(self) -> bool:

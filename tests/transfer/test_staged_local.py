@@ -300,3 +300,22 @@ def test_a_staging_buffer_goes_where_the_pages_are():
     gpu = RawBuffer(1 << 40, 4096, "cuda:0")  # never touched: refused before any allocation
     assert StagingBuffer.for_buffers({("target", 0): raw, ("target", 1): gpu}, "always", 0, 0, rank="r",
                                      role="decode") is None
+
+
+def test_no_room_for_a_gpu_staging_buffer_goes_direct_under_auto_and_is_named_under_always(monkeypatch):
+    """An engine's pools may leave no GPU memory for the staging buffer (its allocation raises
+    torch's out-of-memory error, a RuntimeError; simulated here): "auto" writes direct and says
+    so, "always" refuses the endpoint naming the bytes and the device."""
+    from kvbridge import RawBuffer
+    from kvbridge.errors import ConfigError
+    from kvbridge.transfer.staging_buffer import StagingBuffer
+
+    def no_memory(self, nbytes, slot_bytes, *, rank, device=None, device_pages=()):
+        raise RuntimeError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+
+    monkeypatch.setattr(StagingBuffer, "__init__", no_memory)
+    pages = {("target", 0): RawBuffer(1 << 40, 4096, "cuda:0")}
+    assert StagingBuffer.for_buffers(pages, "auto", 0, 0, rank="r", role="decode") is None
+    with pytest.raises(ConfigError) as err:
+        StagingBuffer.for_buffers(pages, "always", 0, 0, rank="r", role="decode")
+    assert "1073741824 bytes of cuda:0" in str(err.value) and err.value.field == "staging_bytes"
