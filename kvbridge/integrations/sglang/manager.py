@@ -100,7 +100,11 @@ class KVBridgeKVManager(BaseKVManager):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
         atexit.register(self.close)
         if role == "prefill":
-            self._start_prefill()
+            try:
+                self._start_prefill()
+            except BaseException:  # a refused start-up leaves no client, engine or endpoint behind
+                self.close()
+                raise
         log.info("kvbridge %s rank %s ready (lane rule %s%s)", role, s.label, s.lane_rule,
                  "" if s.sends else ", sends nothing")
 

@@ -69,3 +69,27 @@ def test_each_stage_sends_its_layers_and_decode_commits(daemon, stage_draft):
         early.clear()
     finally:
         pair.close()
+
+
+def test_a_stage_without_its_last_stage_fails_by_name(daemon, monkeypatch):
+    """A stage but the last takes the model's layers from the last stage's contract: without it
+    the wait is bounded and the start-up error names the stage, the instance and why."""
+    from sglang.srt.runtime_context import get_parallel
+
+    import _sgl_world as world
+    from _sgl_inproc import RANKS
+    from _sgl_procs import CHILD_ENV, free_port
+    from kvbridge import InstanceIncomplete
+    from kvbridge.integrations.sglang import install
+    from kvbridge.integrations.sglang import manager
+
+    install()
+    monkeypatch.setattr(manager, "DAEMON_WAIT_S", 0.5)
+    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url}
+    try:
+        with world.environ(env), pytest.raises(InstanceIncomplete, match=r"pipeline stage pp0 of 2 .* no stage "
+                                               r"registered the model's contract .* the last stage pp1 registers it"):
+            world.RankWorld("prefill", world.server_args("prefill", free_port()), {**RANKS, "pp_size": 2}, env,
+                            layers=LAYERS)
+    finally:
+        get_parallel().clear_stamp()
