@@ -13,6 +13,11 @@ model and KV settings build the same contract without sharing a file:
 
 ``KVBRIDGE_CONTRACT`` names a contract file to use instead; it is checked against
 the pools SGLang registered (``kvargs.check_against_contract``) and the aux regions.
+
+A pipeline stage (``--pp-size > 1``) registers its own layers but the whole model's contract
+(docs/pipeline.md): the last stage builds it from its own pools (``kvargs.model_specs``); any
+other stage takes the model's layers from the last stage's contract (or the contract file) and
+checks its own pools against it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbridge import AuxRegion, AuxSchema, ConfigError, PoolSpec, RuntimeContract, contract_for
-from kvbridge.integrations.sglang.kvargs import SGLangCache, check_against_contract, pool_specs
+from kvbridge.integrations.sglang.kvargs import SGLangCache, check_against_contract, model_specs, pool_specs
 from kvbridge.integrations.sglang.settings import Settings
 
 
@@ -31,29 +36,35 @@ def aux_schema(cache: SGLangCache) -> AuxSchema:
 
 def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_layout: str | None,
                   sglang_version: str, heads: tuple[int, int, int] | None = None,
+                  stage: tuple[int, int] | None = None, model: RuntimeContract | None = None,
                   ) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
     """``(specs, aux schema, contract)`` of one rank; ConfigError naming the field when SGLang's
     pools do not fit the contract file. ``heads``: (KV heads of the row, first, stop) of this
-    rank's head-sharded k/v pools (MHA/GQA over attention TP > 1); the contract holds whole rows."""
+    rank's head-sharded k/v pools (MHA/GQA over attention TP > 1); the contract holds whole rows.
+    ``stage``: a pipeline stage's target layers ``[start, end)``; ``model``: for a stage but the
+    last, the last stage's contract (the specs returned are the whole model's either way)."""
     schema = aux_schema(cache)
+    if settings.contract_path and stage is not None:
+        model = _contract_file(settings.contract_path)
+    if model is not None:  # a stage that does not know the model alone: the model's contract, checked
+        theirs = {p.name: p.to_spec() for p in model.pools}
+        specs = model_specs(pool_specs(cache, heads), stage, model.model.target_layers, theirs)
+        source = f"KVBRIDGE_CONTRACT={settings.contract_path}" if settings.contract_path else \
+            "the last stage's contract"
+        _check_aux(model, schema, source)
+        return specs, schema, model
     if settings.contract_path:
-        try:
-            contract = RuntimeContract.model_validate_json(Path(settings.contract_path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: not a runtime contract ({exc})",
-                              field="KVBRIDGE_CONTRACT") from None
+        contract = _contract_file(settings.contract_path)
         if heads is not None:
             raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path} with a head-sharded MHA/GQA cache: "
                               "build the contract from SGLang's pools instead (unset KVBRIDGE_CONTRACT)",
                               field="KVBRIDGE_CONTRACT")
         specs = check_against_contract(cache, contract)
-        if contract.aux.to_schema() != schema:
-            raise ConfigError(f"KVBRIDGE_CONTRACT={settings.contract_path}: its aux regions "
-                              f"{list(contract.aux.to_schema().names)} are not SGLang's metadata buffers "
-                              f"{list(schema.names)}: the first token and the draft state would land in the wrong "
-                              "bytes", field="aux.regions")
+        _check_aux(contract, schema, f"KVBRIDGE_CONTRACT={settings.contract_path}")
         return specs, schema, contract
     specs = pool_specs(cache, heads)
+    if stage is not None:  # the last stage: its layers end the model's
+        specs = model_specs(specs, stage, stage[1])
     target = specs.get("target") or specs["k"]
     draft = specs.get("draft") or specs.get("draft_k")
     model = {"name": settings.model_name, "revision": settings.revision, "target_layers": target.num_layers,
@@ -66,3 +77,18 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
     kernel = {"attention_backend": f"sglang-{sglang_version}", "abi": f"kv_layout={kv_layout or 'default'}"}
     contract = contract_for(specs, model=model, aux=schema, lane_rule=lane_rule, kernel=kernel, speculative=speculative)
     return specs, schema, contract
+
+
+def _contract_file(path: str) -> RuntimeContract:
+    try:
+        return RuntimeContract.model_validate_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"KVBRIDGE_CONTRACT={path}: not a runtime contract ({exc})",
+                          field="KVBRIDGE_CONTRACT") from None
+
+
+def _check_aux(contract: RuntimeContract, schema: AuxSchema, source: str) -> None:
+    if contract.aux.to_schema() != schema:
+        raise ConfigError(f"{source}: its aux regions {list(contract.aux.to_schema().names)} are not SGLang's "
+                          f"metadata buffers {list(schema.names)}: the first token and the draft state would land in "
+                          "the wrong bytes", field="aux.regions")

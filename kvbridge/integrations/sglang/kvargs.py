@@ -27,12 +27,16 @@ gives the ``kvbridge.RawBuffer`` an endpoint takes): SGLang never hands tensors.
 ``check_against_contract`` compares the geometry with a runtime contract;
 ``pool_specs`` gives the ``PoolSpec``s for geometries kvbridge knows (DeepSeek
 V3/V3.2 MLA bf16/fp8, index K, k/v pools).
+
+A pipeline stage (``--pp-size > 1``) lists only its own target layers, from
+``KVArgs.prefill_start_layer`` (``stage_layers``); ``model_specs`` turns its specs into the
+whole model's, which every stage and decode share (see ``model_specs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
@@ -295,6 +299,66 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
                               f"{spec.bytes_per_page} ({spec.page_size} tokens x {spec.bytes_per_token} B): "
                               "rows would land at the wrong offsets", field=f"pools.{name}.bytes_per_page")  # fmt: skip
     return specs
+
+
+def stage_layers(cache: SGLangCache, kv_args: Any) -> tuple[int, int]:
+    """A pipeline stage's target layers ``[start, end)``: SGLang lists the stage's own layers from
+    ``KVArgs.prefill_start_layer`` on, and sets ``prefill_end_layer`` (the pool's end layer) where
+    the pool has one; the two must agree."""
+    ids = cache.pools[TARGET if cache.is_mla else K].layer_ids
+    start, end = ids[0], ids[-1] + 1
+    given = getattr(kv_args, "prefill_end_layer", None)
+    if given is not None and int(given) != end:
+        raise ConfigError(f"KVArgs.prefill_end_layer {given}, but the stage lists {len(ids)} target layers from "
+                          f"prefill_start_layer {start} (to {end})", field="prefill_end_layer")  # fmt: skip
+    return start, end
+
+
+def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target_layers: int,
+                model: Mapping[str, PoolSpec] | None = None) -> dict[str, PoolSpec]:
+    """The whole model's specs from a pipeline stage's own (``pool_specs`` of its ``KVArgs``, target
+    layers ``layers``); every stage and decode must build the same contract from them.
+
+    The last stage (``layers`` ends at ``num_target_layers``, the end of its own range) knows the
+    model: a pool's ids in its range become ``[0, num_target_layers)``, ids past it (draft layers,
+    numbered after the target's) stay. Another stage does not know the model's layer count, nor,
+    on every SGLang set-up, its draft layers (with ``SGLANG_ENABLE_PP_SPEC`` only the last stage
+    lists a draft pool): ``model`` is the last stage's (its registered contract's specs), and each
+    pool takes its layer ids from there, its geometry from this stage's own spec where the stage
+    holds the pool's layers (ConfigError naming the pool where the two differ), else (the draft
+    pools, sent by the last stage only) the last stage's spec."""
+    start, end = layers
+    if model is None:
+        if end != num_target_layers:
+            raise ConfigError(f"pipeline stage layers [{start}, {end}) do not end the model's {num_target_layers} "
+                              "target layers: only the last stage knows them alone", field="prefill_end_layer")
+        every = tuple(range(num_target_layers))
+        return {name: spec if not any(start <= i < end for i in spec.layer_ids) else
+                replace(spec, layer_ids=every + tuple(i for i in spec.layer_ids if i >= end))
+                for name, spec in own.items()}  # fmt: skip
+    extra = sorted(set(own) - set(model))
+    if extra:
+        raise ConfigError(f"this pipeline stage registers pools {extra} that the last stage's contract does not "
+                          f"have ({sorted(model)}): the stages of one prefill serve one model", field="pools")
+    # this rank's heads of a head-sharded cache (MHA/GQA over attention TP): the last stage's specs are
+    # whole rows (the contract's), this rank's share of them is what it registers
+    sharded = next(((m.head_start, m.head_stop) for m in own.values() if m.num_heads), None)
+    out = {}
+    for name, theirs in model.items():
+        if theirs.num_heads and sharded is not None:
+            theirs = theirs.with_heads(*sharded)
+        mine = own.get(name)
+        if mine is None or not any(start <= i < end for i in mine.layer_ids):
+            out[name] = theirs
+            continue
+        missing = sorted(set(range(start, end)) - set(theirs.layer_ids))
+        if missing or replace(mine, layer_ids=theirs.layer_ids) != theirs:
+            why = (f"layers {_span(missing)} are not in its layers {_span(theirs.layer_ids)}" if missing else
+                   f"{mine} here, {theirs} there")
+            raise ConfigError(f"pool {name!r} of pipeline stage layers [{start}, {end}) differs from the last "
+                              f"stage's contract: {why}", field=f"pools.{name}")  # fmt: skip
+        out[name] = theirs
+    return out
 
 
 def head_range(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:

@@ -8,8 +8,11 @@ runtime contract.
 
     prefill   an endpoint when this rank sends (MLA: attention TP rank 0 of each CP rank, or
               each rank of a KV shard group; MHA/GQA: every attention TP rank, its heads),
-              registered at the prefill's daemon as (dp, cp, tp); the other TP ranks send
-              nothing and report what their peers do
+              registered at the prefill's daemon as (dp, cp, tp, pp); the other TP ranks send
+              nothing and report what their peers do. A pipeline stage (--pp-size > 1) is a
+              kvbridge stage: its layers [prefill_start_layer, +its count), the whole model's
+              contract; a stage but the last waits (DAEMON_WAIT_S) for the last stage's contract
+              at the daemon, since only the last stage knows the model's layers from its KVArgs
     decode    one endpoint per bootstrap daemon, made on the first request toward it
               (``try_ensure_parallel_info``): a cluster daemon, or the daemon of each
               prefill instance; its contract takes the prefill instance's lane rule
@@ -39,11 +42,13 @@ from kvbridge import (
     PrefillEndpoint,
     PrefillInfo,
     RawBuffer,
+    RuntimeContract,
     UnknownInstance,
     create_engine,
+    stage_specs,
 )
 from kvbridge.integrations.sglang.contract import rank_contract
-from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args
+from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args, stage_layers
 from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang import settings
 from kvbridge.integrations.sglang.settings import Settings, read_settings
@@ -74,6 +79,9 @@ class KVBridgeKVManager(BaseKVManager):
         self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
                                                hidden_dtype=s.hidden_dtype)
         self.page_size = self.cache.page_size
+        # a pipeline stage's target layers [start, end) (prefill; None without pipeline parallelism)
+        self.stage: tuple[int, int] | None = stage_layers(self.cache, args) if role == "prefill" and s.pp_size > 1 \
+            else None
         settings.refuse_checksum_of_partial_pages(s.kv_checksum, self.page_size)
         # what SGLang's schedulers read on a manager
         self.attn_cp_rank, self.attn_cp_size = s.cp_rank, s.cp_size
@@ -92,7 +100,11 @@ class KVBridgeKVManager(BaseKVManager):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvb-sglang")
         atexit.register(self.close)
         if role == "prefill":
-            self._start_prefill()
+            try:
+                self._start_prefill()
+            except BaseException:  # a refused start-up leaves no client, engine or endpoint behind
+                self.close()
+                raise
         log.info("kvbridge %s rank %s ready (lane rule %s%s)", role, s.label, s.lane_rule,
                  "" if s.sends else ", sends nothing")
 
@@ -104,23 +116,57 @@ class KVBridgeKVManager(BaseKVManager):
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         return True
 
-    def buffers(self) -> tuple[dict[tuple[str, int], RawBuffer], dict[str, RawBuffer]]:
-        """This rank's pool buffers and aux regions as kvbridge takes them."""
+    def buffers(self, specs: Any = None) -> tuple[dict[tuple[str, int], RawBuffer], dict[str, RawBuffer]]:
+        """This rank's pool buffers and aux regions as kvbridge takes them. A pipeline stage
+        (``specs``: the whole model's) hands its own layers only: SGLang lists a draft pool on
+        every stage on CUDA (its draft pool is not built per stage), but the draft layers are the
+        last stage's to send (kvbridge's rule: they follow the last hidden state)."""
+        keep = None
+        if self.stage is not None and specs is not None:
+            cut = stage_specs(specs, self.stage, self._num_target_layers(specs))
+            keep = {(name, layer) for name, spec in cut.items() for layer in spec.layer_ids}
         kv = {(p.name, layer): b.raw(self.settings.kv_device) for p in self.cache.pools.values()
-              for layer, b in zip(p.layer_ids, p.buffers)}
+              for layer, b in zip(p.layer_ids, p.buffers) if keep is None or (p.name, layer) in keep}
         aux_device = "cpu"  # MetadataBuffers: host memory (decode refuses SGLang's NVLink pool, settings.py)
         return kv, {a.name: a.buffer.raw(aux_device) for a in self.cache.aux}
 
-    def contract(self, lane_rule: str, num_kv_heads: int | None = None) -> tuple[Any, Any, Any]:
+    def contract(self, lane_rule: str, num_kv_heads: int | None = None,
+                 model: RuntimeContract | None = None) -> tuple[Any, Any, Any]:
         """``num_kv_heads``: the KV heads of the whole row of an MHA/GQA cache (its k/v pools are
         head-sharded over attention TP, at any TP size, so that prefill and decode of different TP
-        sizes build the same contract); this rank's share follows from its TP rank (``head_range``)."""
+        sizes build the same contract); this rank's share follows from its TP rank (``head_range``).
+        ``model``: on a pipeline stage but the last, the last stage's contract."""
         s = self.settings
         heads = None
         if num_kv_heads is not None and not self.cache.is_mla:
             heads = (num_kv_heads, *head_range(num_kv_heads, s.tp_size, s.tp_rank))
         return rank_contract(self.cache, s, lane_rule=lane_rule, kv_layout=getattr(self.kv_args, "kv_layout", None),
-                             sglang_version=sglang_version(), heads=heads)
+                             sglang_version=sglang_version(), heads=heads, stage=self.stage, model=model)
+
+    def _num_target_layers(self, specs: Any) -> int:
+        return specs["target" if self.cache.is_mla else "k"].num_layers
+
+    @property
+    def last_stage(self) -> bool:
+        """Prefill: the last pipeline stage (or no pipeline parallelism)."""
+        return self.settings.pp_rank == self.settings.pp_size - 1
+
+    def _last_stage_contract(self, client: BootstrapClient, timeout: float) -> RuntimeContract:
+        """A stage but the last: the model's contract, which the last stage registers (the stages
+        start together; the last does not wait for the others, so this wait ends)."""
+        s = self.settings
+        deadline = time.monotonic() + timeout
+        while True:
+            for f in client.fingerprints():
+                if f.instance == s.instance:
+                    return f.contract
+            if time.monotonic() > deadline:
+                raise InstanceIncomplete(f"pipeline stage pp{s.pp_rank} of {s.pp_size} of prefill instance "
+                                         f"{s.instance!r}: no stage registered the model's contract at "
+                                         f"{s.daemon_url} within {timeout:.0f}s; the last stage pp{s.pp_size - 1} "
+                                         "registers it (it alone knows the model's layers from SGLang's KVArgs)",
+                                         field="pp_rank")  # fmt: skip
+            time.sleep(0.1)
 
     def _prefill_kv_heads(self) -> int | None:
         """Prefill, MHA/GQA: the model's KV heads (SGLang's ``PrefillBootstrapQueue._init_kv_manager``
@@ -229,15 +275,23 @@ class KVBridgeKVManager(BaseKVManager):
 
     def _start_prefill(self) -> None:
         s = self.settings
-        specs, schema, contract = self.contract(s.lane_rule, self._prefill_kv_heads())
+        heads = self._prefill_kv_heads()
+        model = None
+        if not self.last_stage:  # the model's layers come from the last stage (see the module docstring)
+            if not s.sends:
+                return
+            client = self.client(s.daemon_url)
+            _wait_for_daemon(client, s.daemon_url, DAEMON_WAIT_S)
+            model = None if s.contract_path else self._last_stage_contract(client, DAEMON_WAIT_S)
+        specs, schema, contract = self.contract(s.lane_rule, heads, model)
         if not s.sends:
             return
         client = self.client(s.daemon_url)
         _wait_for_daemon(client, s.daemon_url, DAEMON_WAIT_S)
-        kv, aux = self.buffers()
+        kv, aux = self.buffers(specs)
         cfg = PrefillConfig(instance=s.instance, dp_rank=s.dp_rank, cp_rank=s.cp_rank, dp_size=s.dp_size,
                             cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule,
-                            host=s.host, secret=s.secret,
+                            pp_rank=s.pp_rank, pp_size=s.pp_size, pp_layers=self.stage, host=s.host, secret=s.secret,
                             lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
                             aux_slots=1, **s.staging_config)  # fmt: skip
         self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)

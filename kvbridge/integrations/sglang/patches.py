@@ -137,7 +137,8 @@ KVPOLL = {"Failed": 0, "Bootstrapping": 1, "WaitingForInput": 2, "Transferring":
 KVARGS_FIELDS = (
     "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids", "kv_cache_dtype_str",
     "aux_data_ptrs", "aux_data_lens", "aux_item_lens", "state_types", "state_data_ptrs", "state_data_lens",
-    "state_item_lens", "page_size", "pp_rank", "prefill_start_layer", "num_draft_entries", "ib_device", "gpu_id",
+    "state_item_lens", "page_size", "pp_rank", "prefill_start_layer", "prefill_end_layer", "num_draft_entries",
+    "ib_device", "gpu_id",
 )  # fmt: skip
 
 # SGLang's PD environment variables the backend reads (settings.py).

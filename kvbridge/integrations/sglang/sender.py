@@ -39,6 +39,17 @@ is 0. Nothing of that value leaves the rank: SGLang uses it only for this rank's
 ``init``/``send`` (which send nothing) and its own checksum, written into its own
 metadata row, while the row decode receives, checksum included, is the endpoint rank's
 (TP rank 0 of the CP rank owning the last page), taken over ``[prefix, n)``.
+
+Pipeline-parallel prefill (``--pp-size > 1``), as SGLang 0.5.23's PP prefill loop
+(``event_loop_pp_disagg_prefill``) drives the stages: the bootstrap poll is PP rank 0's alone
+(``poll_and_all_reduce_prefill_pp`` hands it to every stage), so every stage runs
+``finalize_bootstrap`` once decode asked stage 0; every stage calls ``send_kv_chunk`` for its own
+layers and fills its own metadata row; a request is released once every stage polled Success or
+Failed (the intersection of their lists). In kvbridge each stage is a pipeline stage sending its
+own layers; the aux row is the last stage's (it holds the last hidden state), so the other stages
+pass no aux slot (``writes_aux`` is False there). A stage that decode has not asked yet when stage 0
+bootstraps cannot know the decode prefix: ``pop_decode_prefix_len()`` returns 0 there, the stage
+hands in every page, and kvbridge still writes each decode rank only the pages after its prefix.
 """
 
 from __future__ import annotations
@@ -101,6 +112,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         SGLang asks once poll() read WaitingForInput (every decode rank asked), before init()."""
         if self._handle is None or self._failure is not None:
             return 0  # no endpoint (see the module docstring), or failed: nothing is sent
+        if self.kv_mgr.settings.pp_size > 1 and int(self._handle.poll()) == KVPoll.Bootstrapping:
+            return 0  # a stage decode has not asked yet (see the module docstring)
         try:
             self._prefix_pages = int(self._handle.decode_first_page)
         except KVBridgeError as exc:  # asked too early, or decode ranks holding different prefixes

@@ -7,7 +7,8 @@ it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
 own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
 
 What kvbridge does not support is refused here, naming the flag, why, and (where there
-is one) what to use instead: pipeline-parallel prefill, decode context parallelism (DCP),
+is one) what to use instead: pipeline-parallel decode, the KV checksum over a pipeline-parallel
+prefill, decode context parallelism (DCP),
 CP-TP group sharing, the DSA cache layer split, SGLang's own staging buffer (kvbridge stages
 by itself: ``KVBRIDGE_STAGING``), HiSparse, the ``prefill_complete`` allocation policy, PD role
 switching, forced DP-rank queries, and metadata buffers in GPU memory on decode.
@@ -82,6 +83,9 @@ class Settings:
     # MHA/GQA: every attention TP rank, each holding its heads)
     lane_rule: str  # prefill: how its CP ranks own pages
     kv_shard_size: int  # > 1: logical-page KV sharding, a rank holds logical page p as local page p // N
+    # prefill: the rank's pipeline stage (SGLang's --pp-size); each stage sends its own layers
+    pp_rank: int
+    pp_size: int
     instance: str
     own_bootstrap: str  # prefill: "host:port" of its bootstrap address; decode: ""
     daemon_url: str  # prefill: the daemon it registers with; decode: the cluster daemon or ""
@@ -115,7 +119,8 @@ class Settings:
     @property
     def label(self) -> str:
         where = f"cp{self.cp_rank}" if self.role == "prefill" else f"tp{self.tp_rank}"
-        return f"{self.instance}/dp{self.dp_rank}/{where}"
+        stage = f"/pp{self.pp_rank}" if self.pp_size > 1 else ""
+        return f"{self.instance}/dp{self.dp_rank}/{where}{stage}"
 
     def daemon_for(self, bootstrap_addr: str) -> tuple[str, str | None]:
         """Decode: the daemon and the prefill instance of a request's bootstrap address. A cluster
@@ -176,7 +181,8 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
     staging = _staging(role, instance, env)
     return Settings(
         role=role, is_mla=is_mla, dp_rank=attn["dp_rank"], dp_size=attn["dp_size"], cp_rank=cp_rank, cp_size=cp_size,
-        tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard, instance=instance,
+        tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard,
+        pp_rank=int(_par(par, "pp_rank", 0)), pp_size=int(_par(par, "pp_size", 1)), instance=instance,
         own_bootstrap=own_bootstrap, daemon_url=daemon, token=env.get(ENV_TOKEN, ""), host=host,
         protocol=env.get(ENV_PROTOCOL) or ("rdma" if ib_device else "tcp"), ib_device=ib_device,
         kv_device=_kv_device(gpu_id), contract_path=env.get(ENV_CONTRACT, ""), hidden_dtype=dtype,
@@ -192,10 +198,6 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
 
 
 # -- refusals ------------------------------------------------------------------------------
-
-
-PP_INSTEAD = ("serve prefill with --pp-size 1 (attention TP or CP for memory), or use "
-              "--disaggregation-transfer-backend mooncake for a pipeline-parallel prefill")
 
 
 def refuse_checksum_of_partial_pages(kv_checksum: bool, page_size: int) -> None:
@@ -217,10 +219,6 @@ def refuse_checksum_of_partial_pages(kv_checksum: bool, page_size: int) -> None:
 
 def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping[str, str]) -> None:
     checks = [
-        (int(_par(par, "pp_size", 1)) > 1, "--pp-size > 1",
-         "each pipeline stage of a prefill holds only its own layers; kvbridge's core sends each stage's layers "
-         "(docs/pipeline.md), but this backend does not pass SGLang's stage layers to it yet; instead "
-         f"{PP_INSTEAD}"),
         (int(_par(par, "attn_dcp_size", 1)) > 1, "decode context parallelism (DCP)",
          "kvbridge writes whole pages into one decode rank; DCP relayouts them across ranks"),
         (bool(_par(par, "enable_cp_tp_group_sharing", False)), "--enable-cp-tp-group-sharing",
@@ -243,8 +241,22 @@ def _refuse_unsupported(role: str, sa: Any, par: Any, is_mla: bool, env: Mapping
          "--dp-size > 1 without --enable-dp-attention",
          "kvbridge addresses a prefill DP group by its attention DP rank; give each replica its own server"),
     ]
+    pp_size = int(_par(par, "pp_size", 1))
+    if role == "prefill":
+        checks += [
+            (pp_size > 1 and bool(getattr(sa, "disaggregation_enable_kv_checksum", False)),
+             "--disaggregation-enable-kv-checksum with --pp-size > 1",
+             "SGLang digests each pipeline stage's own layers into that stage's metadata row, and decode receives the "
+             "row of the last stage only (it holds the last hidden state), whose digest covers that stage's layers "
+             "while decode digests every layer: every request would be aborted as a mismatch; instead drop the flag "
+             "(kvbridge counts every page of every layer of every stage on arrival) or serve prefill with --pp-size 1"),
+        ]
     if role == "decode":
         checks += [
+            (pp_size > 1, "--pp-size > 1 on decode",
+             "a kvbridge decode rank receives every layer of its pages (prefill may be pipeline-parallel: each stage "
+             "sends its own layers); instead serve decode with --pp-size 1 (attention TP or DP for memory), or use "
+             "--disaggregation-transfer-backend mooncake"),
             (_sglang_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
              "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",
              "kvbridge finds a room's prefill DP rank by room % dp_size, or from the request's DP rank"),

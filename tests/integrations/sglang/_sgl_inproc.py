@@ -16,16 +16,19 @@ from _sgl_world import server_args
 from _sgl_procs import CHILD_ENV, free_port
 
 RANKS = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size": 1, "attn_dp_rank": 0,
-         "attn_dp_size": 1}  # fmt: skip
+         "attn_dp_size": 1, "pp_rank": 0, "pp_size": 1}  # fmt: skip
 
 
 class Pair:
     def __init__(self, cluster_url: str, name: str, prefill_tp: int = 1, env: dict[str, str] | None = None,
-                 **args) -> None:
+                 pp: int = 1, layers: int = world.LAYERS, stage_draft: bool = True, **args) -> None:
         """``prefill_tp``: the prefill's attention TP ranks (MLA: rank 0 sends, the others have no
         endpoint); ``env``: more environment for both servers' managers (``KVBRIDGE_*``, read once
-        at start); ``args``: more server arguments of both servers (decode also gets a prefix
-        cache, ``--disaggregation-decode-enable-radix-cache``, when they enable the KV checksum)."""
+        at start); ``pp``: the prefill's pipeline stages over a model of ``layers`` target layers
+        (``stage_draft``: every stage lists the draft pool, see ``_sgl_world``; the last stage is
+        built first: the others wait for its contract); ``args``: more server arguments of both
+        servers (decode also gets a prefix cache, ``--disaggregation-decode-enable-radix-cache``,
+        when they enable the KV checksum)."""
         from kvbridge.integrations.sglang import install
 
         install()
@@ -35,13 +38,16 @@ class Pair:
         try:
             with world.environ(env):
                 prefill_args = server_args("prefill", port, **args)
-                self.prefill = sched.PrefillServer(name, [world.RankWorld("prefill", prefill_args, {
-                    **RANKS, "attn_tp_rank": tp, "attn_tp_size": prefill_tp}, env) for tp in range(prefill_tp)], 1,
-                    self.addr)  # fmt: skip
+                worlds = [world.RankWorld("prefill", prefill_args, {
+                    **RANKS, "attn_tp_rank": tp, "attn_tp_size": prefill_tp, "pp_rank": pp_rank, "pp_size": pp},
+                    env, layers=layers, stage_draft=stage_draft)
+                    for pp_rank in reversed(range(pp)) for tp in range(prefill_tp)]  # fmt: skip
+                worlds.sort(key=lambda w: (w.ranks["pp_rank"], w.ranks["attn_tp_rank"]))
+                self.prefill = sched.PrefillServer(name, worlds, 1, self.addr)
                 decode_args = {**args, "disaggregation_decode_enable_radix_cache": True} \
                     if args.get("disaggregation_enable_kv_checksum") else args
                 self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld(
-                    "decode", server_args("decode", **decode_args), RANKS, env))  # fmt: skip
+                    "decode", server_args("decode", **decode_args), RANKS, env, layers=layers))  # fmt: skip
         finally:
             get_parallel().clear_stamp()
 

@@ -60,10 +60,18 @@ class PReq:
 class PrefillServer:
     """One prefill server: its ranks (all attention CP x TP ranks, in this process), driven like
     ``Scheduler.event_loop_normal_disagg_prefill``: ``pop_bootstrapped``, run one chunk of each
-    running request, ``process_disagg_prefill_inflight_queue``."""
+    running request, ``process_disagg_prefill_inflight_queue``.
+
+    With pipeline stages (ranks with ``pp_rank``), as ``event_loop_pp_disagg_prefill``: the
+    bootstrap poll is PP rank 0's, all-reduced over its ranks and handed to every stage
+    (``poll_and_all_reduce_prefill_pp``); every stage finalizes, computes its layers and calls
+    ``send_kv_chunk`` (its own metadata row included); a request leaves the inflight queue once
+    every stage polls Success or Failed (``_pp_pd_get_prefill_transferred_ids``: the intersection
+    of the stages' lists), with the MIN of their polls."""
 
     def __init__(self, name: str, worlds: list[RankWorld], shard: int, bootstrap_addr: str) -> None:
         self.name, self.worlds, self.shard, self.addr = name, worlds, shard, bootstrap_addr
+        self.pp_size = max(w.ranks.get("pp_size", 1) for w in worlds)
         self.reqs: dict[int, PReq] = {}
         self.free = list(range(1, POOL_PAGES + 1))  # page 0 is SGLang's padding slot
         self.events: list[dict] = []
@@ -94,8 +102,18 @@ class PrefillServer:
             pages.append(page)
         return np.array(pages, dtype=np.int64)
 
-    def polls(self, reqs: list[PReq]) -> list[int]:
-        return min_poll([[int(r.senders[i].poll()) for r in reqs] for i in range(len(self.worlds))])
+    def polls(self, reqs: list[PReq], stage: int | None = None) -> list[int]:
+        """The MIN of the ranks' polls (``stage``: of that pipeline stage's ranks only)."""
+        ranks = [i for i, w in enumerate(self.worlds) if stage is None or w.ranks.get("pp_rank", 0) == stage]
+        return min_poll([[int(r.senders[i].poll()) for r in reqs] for i in ranks])
+
+    def inflight_polls(self, reqs: list[PReq]) -> list[int]:
+        """Pipeline stages: Transferring until every stage's poll is final (see the class docstring)."""
+        if self.pp_size == 1:
+            return self.polls(reqs)
+        stages = [self.polls(reqs, s) for s in range(self.pp_size)]
+        final = (KVPoll.Success, KVPoll.Failed)
+        return [min(p) if all(x in final for x in p) else int(KVPoll.Transferring) for p in zip(*stages)]
 
     def step(self) -> None:
         self.pop_bootstrapped()
@@ -106,7 +124,7 @@ class PrefillServer:
     def pop_bootstrapped(self) -> None:
         """``PrefillBootstrapQueue.pop_bootstrapped`` (optimistic prefill: ``can_prefill_before_bootstrap``)."""
         queue = [r for r in self.reqs.values() if r.phase == "bootstrap"]
-        for r, poll in zip(queue, self.polls(queue)):
+        for r, poll in zip(queue, self.polls(queue, 0 if self.pp_size > 1 else None)):
             if poll == KVPoll.Failed:
                 self.finish(r, "Failed", self.failure(r))  # handle_bootstrap_failure
             elif poll == KVPoll.Bootstrapping and r.optimistic:
@@ -166,8 +184,9 @@ class PrefillServer:
                 continue
             state = [suffix_page_indices(req_to_token, 0, r.decode_prefix[i], r.n, PAGE)] if last_chunk else None
             page_indices = kv_to_page_indices(req_to_token[0, start:end], PAGE)
-            if last_chunk:
-                w.meta.set_buf(metadata_req(r.room, idx))
+            if last_chunk:  # a stage but the last holds no last hidden state: its row is not the room's
+                last_stage = w.ranks.get("pp_rank", 0) == self.pp_size - 1
+                w.meta.set_buf(metadata_req(r.room if last_stage else r.room ^ 1, idx))
             if s.should_send_kv_chunk(len(page_indices), last_chunk):
                 s.send(page_indices, state, num_kv_tokens=end - start)
             r.start_send_idx[i] = end
@@ -176,7 +195,7 @@ class PrefillServer:
         """``process_disagg_prefill_inflight_queue`` (``handle_pending_bootstrap`` for a request
         that prefilled before its bootstrap finished)."""
         queue = [r for r in self.reqs.values() if r.phase == "inflight"]
-        for r, poll in zip(queue, self.polls(queue)):
+        for r, poll in zip(queue, self.inflight_polls(queue)):
             if r.pending_bootstrap:
                 if poll == KVPoll.Failed:
                     self.finish(r, "Failed", self.failure(r))

@@ -11,6 +11,12 @@ would get from ``get_kv_class(TransferBackend.KVBRIDGE, ...)`` (looked up at cal
 ``install()`` re-points only SGLang's own modules). Its place in the
 attention DP x CP x TP grid is stamped into SGLang's ``get_parallel()`` before its
 pools and manager are built, so several ranks share one process.
+
+A pipeline stage (``pp_rank``/``pp_size`` in its ranks) holds SGLang's share of a model of
+``layers`` target layers (``get_pp_indices``, as ``make_pp_layers`` splits them): its pools start
+at the stage's first layer, its ``KVArgs`` carry ``prefill_start_layer``/``prefill_end_layer``, and,
+as on CUDA without ``SGLANG_ENABLE_PP_SPEC``, every stage lists the draft pool (``stage_draft``
+False: only the last stage does, as with it). ``buffers`` and ``specs`` are the stage's own layers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.distributed.utils import get_pp_indices
 from sglang.srt.disaggregation import utils as disagg_utils
 from sglang.srt.disaggregation.utils import (
     DisaggregationMode,
@@ -67,12 +74,15 @@ class RankWorld:
     """One SGLang rank's memory and KV manager (see the module docstring)."""
 
     def __init__(self, role: str, server_args: ServerArgs, ranks: dict[str, int], env: dict[str, str],
-                 mha_heads: int = 0) -> None:
+                 mha_heads: int = 0, layers: int = LAYERS, stage_draft: bool = True) -> None:
         """``mha_heads`` > 0: an MHA/GQA model instead (SGLang's ``MHATokenToKVPool``, that many KV
         heads in the whole row, sharded over attention TP as SGLang shards them; no draft). The
         metadata rows carry SGLang's KV checksum when the server arguments enable it."""
         get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, **ranks)
-        self.role, self.ranks, self.mha_heads = role, ranks, mha_heads
+        self.role, self.ranks, self.mha_heads, self.layers = role, ranks, mha_heads, layers
+        pp_rank, pp_size = ranks.get("pp_rank", 0), ranks.get("pp_size", 1)
+        self.stage = get_pp_indices(layers, pp_rank, pp_size)
+        self.with_draft = stage_draft or pp_rank == pp_size - 1
         if mha_heads:
             self._mha_pools(mha_heads, ranks.get("attn_tp_size", 1))
         else:
@@ -87,11 +97,15 @@ class RankWorld:
             manager = disagg_utils.get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
             self.mgr = manager(self.kv_args, mode, server_args, is_mla_backend(self.pool))
-        # the specs this rank's endpoint uses (head-sharded k/v: this rank's heads)
-        self.specs = self.mgr.contract("replicated", mha_heads or None)[0]
+        # the specs this rank's endpoint uses (head-sharded k/v: this rank's heads; a stage: its layers)
+        if self.mgr.stage is not None:
+            self.specs = self.mgr.endpoint.specs
+        else:
+            self.specs = self.mgr.contract("replicated", mha_heads or None)[0]
         tensors = {t.data_ptr(): t for t in self._tensors()}
         self.buffers = {(p.name, layer): as_bytes(tensors[b.ptr], p.bytes_per_page)
-                        for p in self.mgr.cache.pools.values() for layer, b in zip(p.layer_ids, p.buffers)}
+                        for p in self.mgr.cache.pools.values() for layer, b in zip(p.layer_ids, p.buffers)
+                        if p.name in self.specs and layer in self.specs[p.name].layer_ids}
         for buf in self.buffers.values():
             buf[:] = NOT_COMPUTED if role == "prefill" else SENTINEL_BYTE
 
@@ -105,35 +119,38 @@ class RankWorld:
     def _tensors(self) -> list[torch.Tensor]:
         if self.mha_heads:
             return [*self.pool.k_buffer, *self.pool.v_buffer]
-        return [*self.pool.kv_buffer, *self.draft.kv_buffer, *self.pool.index_k_with_scale_buffer]
+        draft = self.draft.kv_buffer if self.draft is not None else []
+        return [*self.pool.kv_buffer, *draft, *self.pool.index_k_with_scale_buffer]
 
     def _dsa_pools(self) -> None:
+        start, end = self.stage
         self.pool = DSATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,
-                                     qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", index_head_dim=128,
-                                     enable_memory_saver=False, kv_cache_dim=576)
+                                     qk_rope_head_dim=64, layer_num=end - start, device="cpu", index_head_dim=128,
+                                     enable_memory_saver=False, kv_cache_dim=576, start_layer=start, end_layer=end)
         self.draft = MLATokenToKVPool(size=POOL_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512,
                                       qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False,
-                                      start_layer=LAYERS)
+                                      start_layer=self.layers) if self.with_draft else None
 
     def _kv_args(self, engine_rank: int) -> KVArgs:
         """As ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``."""
         kv_args = KVArgs()
-        kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = engine_rank, 0, 0
+        kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = engine_rank, self.ranks.get("pp_rank", 0), 0
         kv_args.kv_cache_dtype_str = "auto"
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
         kv_args.prefill_start_layer = self.pool.start_layer
+        kv_args.prefill_end_layer = getattr(self.pool, "end_layer", None)
         ptrs, lens, items = get_kv_transfer_buf_infos(self.pool)
         dptrs, dlens, ditems = self.draft.get_contiguous_buf_infos() if self.draft is not None else ([], [], [])
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs + dptrs, lens + dlens, items + ditems
         kv_args.num_draft_entries = len(dptrs)
         kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
-                                                  num_draft_entries=len(dptrs), num_hidden_layers=LAYERS)
+                                                  num_draft_entries=len(dptrs), num_hidden_layers=self.layers)
         kv_args.page_size = self.pool.page_size
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id = None, 0
         if self.mha_heads and self.role == "prefill":  # PrefillBootstrapQueue._init_kv_manager (decode: not set)
             kv_args.kv_head_num, kv_args.total_kv_head_num = self.pool.head_num, self.mha_heads
-        setup_state_kv_args(kv_args, self.pool, self.draft, LAYERS, req_to_token_pool=None)
+        setup_state_kv_args(kv_args, self.pool, self.draft, self.layers, req_to_token_pool=None)
         return kv_args
 
     def write_rows(self, room: int, pages: np.ndarray, start: int, end: int, num_tokens: int, shard: int) -> None:

@@ -12,6 +12,7 @@ from kvbridge.integrations.sglang.cp_modes import check_lane_rule, lane_rule
 from kvbridge.integrations.sglang.kvargs import (
     METADATA_FIELDS,
     check_against_contract,
+    model_specs,
     pool_specs,
     read_kv_args,
     read_metadata_buffers,
@@ -238,3 +239,24 @@ def test_sglang_real_metadata_buffers(monkeypatch):
             assert str(tensor.dtype).removeprefix("torch.") == region.dtype, region.name
             assert tuple(tensor.shape) == (4, *region.shape), region.name
             assert tensor.data_ptr() == region.buffer.ptr and region.buffer.capacity == 4
+
+
+def test_pipeline_stage_specs_become_the_whole_models():
+    """G6: a stage lists its own layers (``prefill_start_layer`` on); the last stage extends its
+    pools to the model's target layers (draft ids past them stay), another stage takes the ids
+    from the last stage's specs and is refused, naming the pool, where its geometry differs."""
+    ids = lambda specs: {k: v.layer_ids for k, v in specs.items()}  # noqa: E731
+    stage = kv_args(layers=2, draft=1)
+    stage.prefill_start_layer = 3
+    last = pool_specs(read_kv_args(stage, is_mla=True, num_hidden_layers=5))
+    model = model_specs(last, (3, 5), 5)
+    assert ids(model) == {"target": (0, 1, 2, 3, 4), "draft": (5,), "index": (0, 1, 2, 3, 4)}
+    first = pool_specs(read_kv_args(kv_args(layers=3, draft=1), is_mla=True))  # its draft ids are not the model's
+    assert model_specs(first, (0, 3), 5, model) == model
+    no_draft = pool_specs(read_kv_args(kv_args(layers=3, draft=0), is_mla=True))  # SGLANG_ENABLE_PP_SPEC: none listed
+    assert model_specs(no_draft, (0, 3), 5, model) == model
+    fp8 = pool_specs(read_kv_args(kv_args(layers=3, draft=0, item=MLA_FP8, dtype="fp8_e4m3"), is_mla=True))
+    with pytest.raises(ConfigError, match="pool 'target' of pipeline stage layers \\[0, 3\\) differs from the last"):
+        model_specs(fp8, (0, 3), 5, model)
+    with pytest.raises(ConfigError, match="only the last stage knows them alone"):
+        model_specs(first, (0, 3), 5)

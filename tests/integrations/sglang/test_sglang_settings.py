@@ -58,7 +58,8 @@ def test_decode_finds_daemons_by_bootstrap_address(rank):
 
 
 @pytest.mark.parametrize("role, kw, env, stamp, flag", [
-    ("prefill", {}, {}, {"pp_size": 2}, "--pp-size"),
+    ("decode", {}, {}, {"pp_size": 2}, "--pp-size"),
+    ("prefill", {"disaggregation_enable_kv_checksum": True}, {}, {"pp_size": 2}, "--disaggregation-enable-kv-checksum"),
     ("prefill", {"enable_hisparse": True}, {}, {}, "--enable-hisparse"),
     ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"}, {}, {},
      "--disaggregation-decode-allocation-policy"),
@@ -79,18 +80,25 @@ def test_what_kvbridge_does_not_support_is_refused_by_name(rank, monkeypatch, ro
 
 def test_g3_g6_refusals_say_why_and_what_instead(rank):
     """G3 is closed: the KV checksum with a decode prefix cache is served (prefill digests from the
-    decode prefix, ``pop_decode_prefix_len``); G6: pipeline-parallel prefill names the flag, why,
-    and what to use."""
+    decode prefix, ``pop_decode_prefix_len``); G6: a pipeline-parallel prefill is served (each stage
+    a kvbridge pipeline stage), while PP on decode and the KV checksum over PP prefill stages are
+    refused, naming the flag, why, and what to use."""
     rank()
     for cache in ({"disaggregation_decode_enable_radix_cache": True}, {"enable_hierarchical_cache": True}):
         for role in ("decode", "prefill"):
             assert read_settings(role, args(disaggregation_enable_kv_checksum=True, **cache), True, env=ENV).kv_checksum
-    rank(pp_size=2)
+    rank(pp_size=2, pp_rank=1)
+    s = read_settings("prefill", args(), True, env=ENV)
+    assert (s.pp_rank, s.pp_size) == (1, 2) and s.label.endswith("/cp0/pp1"), s
     with pytest.raises(ConfigError) as err:
-        read_settings("prefill", args(), True, env=ENV)
+        read_settings("decode", args(), True, env=ENV)
     msg = str(err.value)
-    assert msg.startswith("--pp-size > 1 is not supported by kvbridge's SGLang backend: each pipeline stage")
-    assert "instead serve prefill with --pp-size 1" in msg and "--disaggregation-transfer-backend mooncake" in msg
+    assert msg.startswith("--pp-size > 1 on decode is not supported by kvbridge's SGLang backend: a kvbridge decode")
+    assert "instead serve decode with --pp-size 1" in msg and "--disaggregation-transfer-backend mooncake" in msg
+    with pytest.raises(ConfigError) as err:
+        read_settings("prefill", args(disaggregation_enable_kv_checksum=True), True, env=ENV)
+    assert "the row of the last stage only" in str(err.value)
+    assert err.value.field == "--disaggregation-enable-kv-checksum"
 
 
 def test_mha_over_attention_tp_every_tp_rank_is_a_kvbridge_tp_rank(rank):
