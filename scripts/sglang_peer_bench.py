@@ -21,7 +21,8 @@ request's pages of every layer as one Mooncake batch, which at 8K tokens and mor
 TCP per-peer queue, and the session is then blacklisted and every later room fails.
 
 Two child processes (this script with ``--child``): one holds every prefill server, one every
-decode server; each configuration first moves one uncounted warm-up room. Latency is decode's,
+decode server; each configuration first moves one uncounted warm-up room, then the rooms go round
+robin over the configurations (room i of each before room i + 1 of any). Latency is decode's,
 from ``send_metadata`` to ``poll() == Success``; GB/s is the rooms' KV bytes over their summed
 latencies. Every room's decode pages start poisoned and must equal the prefill
 pages they came from, byte for byte, in every layer.
@@ -329,30 +330,41 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
             decode.send(op="room", server=server, room=room, n=n, src=src, dst=dst)
             return decode.next(300), prefill.next(300)
 
-        for label, backend, cp, staging in configs:
-            server = server_name(label, cp)
+        def sizes_of(staging: str | None) -> list[int]:
+            return (staged_sizes or sizes) if staging == "always" else sizes
+
+        for label, _, cp, _ in configs:  # warm-up, not counted: connections and first-use set-up on both sides
             room += 1
-            one(server, min(sizes))  # warm-up, not counted: connections and first-use set-up on both sides
-            for n in (staged_sizes or sizes) if staging == "always" else sizes:
-                lat, ok, failed = [], 0, 0
-                paths: dict[str, int] = {}  # a room's path (its senders' targets' paths, joined) -> rooms
-                posted = staged = 0
-                for _ in range(rooms):
+            one(server_name(label, cp), min(sizes))
+        # round robin: room i of every configuration before room i + 1 of any, so that a change in the
+        # machine's load (its cores are shared) falls on every configuration alike
+        runs: dict[tuple[str, int], dict] = {}
+        for n in sizes:
+            for _ in range(rooms):
+                for label, _, cp, staging in configs:
+                    if n not in sizes_of(staging):
+                        continue
                     room += 1
-                    d, p = one(server, n)
+                    d, p = one(server_name(label, cp), n)
+                    acc = runs.setdefault((server_name(label, cp), n), {"lat": [], "ok": 0, "failed": 0, "paths": {},
+                                                                        "posted": 0, "staged": 0})  # fmt: skip
                     if d["state"] == 4 and p["state"] == 4:
-                        lat.append(d["latency_s"])
-                        ok += d["ok"]
-                        path = "+".join(p["paths"]) or "-"
-                        paths[path] = paths.get(path, 0) + 1
-                        posted, staged = posted + p["bytes"], staged + p["bytes_staged"]
+                        acc["lat"].append(d["latency_s"])
+                        acc["ok"] += d["ok"]
+                        path = "+".join(p["paths"]) or "-"  # the room's path: its senders' targets', joined
+                        acc["paths"][path] = acc["paths"].get(path, 0) + 1
+                        acc["posted"] += p["bytes"]
+                        acc["staged"] += p["bytes_staged"]
                     else:
-                        failed += 1
-                nbytes = n * ROW * layers
+                        acc["failed"] += 1
+        for label, _, cp, staging in configs:
+            for n in sizes_of(staging):
+                acc, nbytes = runs[(server_name(label, cp), n)], n * ROW * layers
+                lat, posted = acc["lat"], acc["posted"]
                 rows.append({"backend": label, "cp": cp, "staging": staging, "tokens": n, "rooms": rooms,
-                             "succeeded": len(lat), "failed": failed, "bytes_checked": ok, "paths": paths,
-                             "staged_share": staged / posted if posted else None, "mb_per_room": nbytes / 1e6,
-                             "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
+                             "succeeded": len(lat), "failed": acc["failed"], "bytes_checked": acc["ok"],
+                             "paths": acc["paths"], "staged_share": acc["staged"] / posted if posted else None,
+                             "mb_per_room": nbytes / 1e6, "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
                              "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None})  # fmt: skip
     finally:
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
