@@ -7,16 +7,22 @@ classes (``get_kv_class`` -> manager, sender, receiver, bootstrap server; ``KVAr
     ... --layers 61 --rooms 20 --json out.json
 
 Workload: DeepSeek V3.2's latent cache geometry (656 B per token per layer, fp8 with scales, page
-64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page
-ids on both sides. Configurations: ``mooncake`` CP 1, ``kvbridge`` CP 1 and CP 2 (all CP ranks
-transfer, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1). Both backends use Mooncake TCP on
-loopback (``MC_FORCE_TCP=1``). The stock backend runs with
-``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=16``: with its default it posts a whole request's
-pages of every layer as one Mooncake batch, which at 8K tokens and more fills Mooncake's TCP
-per-peer queue, and the session is then blacklisted and every later room fails.
+64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page ids
+on both sides. Configurations: ``mooncake`` CP 1; ``kvbridge`` CP 1 and CP 2 (all CP ranks
+transfer, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1) with the default
+``KVBRIDGE_STAGING=auto`` (kvbridge picks direct or staged per target by its slice count and
+size); ``kvbridge staged`` CP 1 and CP 2 with ``KVBRIDGE_STAGING=always`` on both servers (every
+page through decode's staging area; ``--staged-sizes``); with ``--direct`` also ``kvbridge
+direct`` CP 1 and CP 2 (``KVBRIDGE_STAGING=never``: the direct path where auto would stage). The
+path column is what the prefill senders report for each room (``room_stats["paths"]``), never
+assumed. Both backends use Mooncake TCP on loopback (``MC_FORCE_TCP=1``). The stock backend runs
+with ``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=16``: with its default it posts a whole
+request's pages of every layer as one Mooncake batch, which at 8K tokens and more fills Mooncake's
+TCP per-peer queue, and the session is then blacklisted and every later room fails.
 
 Two child processes (this script with ``--child``): one holds every prefill server, one every
-decode server; each configuration first moves one uncounted warm-up room. Latency is decode's,
+decode server; each configuration first moves one uncounted warm-up room, then the rooms go round
+robin over the configurations (room i of each before room i + 1 of any). Latency is decode's,
 from ``send_metadata`` to ``poll() == Success``; GB/s is the rooms' KV bytes over their summed
 latencies. Every room's decode pages start poisoned and must equal the prefill
 pages they came from, byte for byte, in every layer.
@@ -39,7 +45,10 @@ from typing import Any
 
 PAGE, ROW = 64, 656  # tokens per page, bytes per token per layer
 POISON = 0xEE
-CONFIGS = (("mooncake", 1), ("kvbridge", 1), ("kvbridge", 2))
+# (label, backend, CP size, KVBRIDGE_STAGING of both servers; None: the stock backend, which has no such setting)
+CONFIGS = (("mooncake", "mooncake", 1, None), ("kvbridge", "kvbridge", 1, "auto"), ("kvbridge", "kvbridge", 2, "auto"),
+           ("kvbridge staged", "kvbridge", 1, "always"), ("kvbridge staged", "kvbridge", 2, "always"))
+DIRECT = (("kvbridge direct", "kvbridge", 1, "never"), ("kvbridge direct", "kvbridge", 2, "never"))  # --direct
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                 "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
                 "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 65536,
@@ -47,6 +56,10 @@ MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 CHILD_ENV = {"MC_FORCE_TCP": "1", "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "16", "HF_HUB_OFFLINE": "1",
              "KVBRIDGE_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
              "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}  # fmt: skip
+
+
+def server_name(label: str, cp: int) -> str:
+    return f"{label.replace(' ', '-')}{cp}"
 
 
 def free_port() -> int:
@@ -67,7 +80,6 @@ class Rank:
         import torch
         from sglang.srt.disaggregation import utils
         from sglang.srt.disaggregation.base.conn import KVArgs
-        from sglang.srt.runtime_context import get_parallel
 
         if backend == "kvbridge":  # the rank's place in the attention grid (kvbridge's settings read it)
             stamp_ranks(*cp)
@@ -110,10 +122,14 @@ def stamp_ranks(cp_rank: int, cp_size: int) -> None:
 
 
 def pattern(pages: Any, layer: int) -> Any:
+    """Page p of layer l holds byte ``(p * 31 + l * 7 + j) % 251`` at offset j: row c of a sliding
+    window over ``(0, 1, .., 250, 0, ..)`` is ``(c + j) % 251``, so a page is a copy of window row
+    ``(p * 31 + l * 7) % 251`` (a gather of rows, not arithmetic on every byte of every page)."""
     import numpy as np
 
-    pages = np.asarray(pages, dtype=np.int64).reshape(-1, 1)
-    return ((pages * 31 + layer * 7 + np.arange(PAGE * ROW)) % 251).astype(np.uint8)
+    base = (np.arange(PAGE * ROW + 251) % 251).astype(np.uint8)
+    rows = np.lib.stride_tricks.sliding_window_view(base, PAGE * ROW)
+    return rows[(np.asarray(pages, dtype=np.int64).reshape(-1) * 31 + layer * 7) % 251]
 
 
 def wait_poll(handles: list, want: set[int], timeout: float) -> int:
@@ -140,9 +156,15 @@ def prefill_room(ranks: list[Rank], addr: str, room: int, n: int, pages: list[in
             r.meta.bootstrap_room[0, 0] = room  # what set_buf writes for the room
             s.send(np.asarray(pages, dtype=np.int64), None, num_kv_tokens=n)
         state = wait_poll(senders, {4}, 120)
+    # kvbridge's account of the room on each rank (the stock sender has none): the path of each
+    # decode target, and the bytes that went through staging
+    stats = [s.room_stats for s in senders if hasattr(s, "room_stats")]
     for s in senders:
         s.clear() if state == 4 else None
-    return {"room": room, "side": "prefill", "state": state}
+    return {"room": room, "side": "prefill", "state": state,
+            "paths": sorted({p for st in stats for p in st.get("paths", {}).values()}),
+            "bytes": sum(st.get("bytes", 0) for st in stats),
+            "bytes_staged": sum(st.get("bytes_staged", 0) for st in stats)}  # fmt: skip
 
 
 def decode_room(rank: Rank, addr: str, room: int, n: int, src: list[int], dst: list[int]) -> dict:
@@ -199,16 +221,22 @@ def child(cfg: dict) -> None:
     init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     servers: dict[str, list[Rank]] = {}
     keep = []
-    for backend, cp in CONFIGS:
-        name, port = f"{backend}{cp}", cfg["ports"][f"{backend}{cp}"]
-        env = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1" if cp > 1 else "0"}
-        os.environ.update(env)
+    for label, backend, cp, staging in cfg["configs"]:
+        name = server_name(label, cp)
+        port = cfg["ports"][name]
+        # read by each manager as it starts (kvbridge's settings: KVBRIDGE_STAGING), as a server's
+        # environment would be: set for this configuration's ranks on both sides, then dropped
+        os.environ["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1" if cp > 1 else "0"
+        os.environ.pop("KVBRIDGE_STAGING", None)
+        if staging is not None:
+            os.environ["KVBRIDGE_STAGING"] = staging
         if role == "prefill":  # start_disagg_service on the prefill's TokenizerManager
             keep.append(utils.get_kv_class(utils.TransferBackend(backend), utils.KVClassType.BOOTSTRAP_SERVER)(
                 host="127.0.0.1", port=port))
         sa = server_args(backend, port)
         count = cp if role == "prefill" else 1
         servers[name] = [Rank(role, backend, sa, layers, pages, (i, count)) for i in range(count)]
+    os.environ.pop("KVBRIDGE_STAGING", None)
     stamp_ranks(0, 1)  # what SGLang's Mooncake manager may read again at run time: one rank
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -273,7 +301,9 @@ class Child:
         self.log.close()
 
 
-def run(layers: int, sizes: list[int], rooms: int, workdir: Path) -> list[dict]:
+def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: list[int] | None = None,
+        configs: tuple = CONFIGS) -> list[dict]:
+    """``staged_sizes``: the sizes the ``kvbridge staged`` configurations run (default: ``sizes``)."""
     import numpy as np
 
     model = workdir / "model"
@@ -281,8 +311,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path) -> list[dict]:
     (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
     max_pages = max(sizes) // PAGE
     pages = max_pages + max(64, max_pages // 4) + 1  # free pages to draw random ids from (page 0: SGLang's padding)
-    ports = {f"{b}{cp}": free_port() for b, cp in CONFIGS}
-    common = {"layers": layers, "pages": pages, "model": str(model), "ports": ports}
+    ports = {server_name(label, cp): free_port() for label, _, cp, _ in configs}
+    common = {"layers": layers, "pages": pages, "model": str(model), "ports": ports, "configs": configs}
     prefill = Child({**common, "role": "prefill", "http_port": free_port()}, workdir / "prefill.log")
     decode = Child({**common, "role": "decode", "http_port": free_port()}, workdir / "decode.log")
     rng = np.random.default_rng(0)
@@ -300,49 +330,78 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path) -> list[dict]:
             decode.send(op="room", server=server, room=room, n=n, src=src, dst=dst)
             return decode.next(300), prefill.next(300)
 
-        for backend, cp in CONFIGS:
-            server = f"{backend}{cp}"
+        def sizes_of(staging: str | None) -> list[int]:
+            return (staged_sizes or sizes) if staging == "always" else sizes
+
+        for label, _, cp, _ in configs:  # warm-up, not counted: connections and first-use set-up on both sides
             room += 1
-            one(server, min(sizes))  # warm-up, not counted: connections and first-use set-up on both sides
-            for n in sizes:
-                lat, ok, failed = [], 0, 0
-                for _ in range(rooms):
+            one(server_name(label, cp), min(sizes))
+        # round robin: room i of every configuration before room i + 1 of any, so that a change in the
+        # machine's load (its cores are shared) falls on every configuration alike
+        runs: dict[tuple[str, int], dict] = {}
+        for n in sizes:
+            for _ in range(rooms):
+                for label, _, cp, staging in configs:
+                    if n not in sizes_of(staging):
+                        continue
                     room += 1
-                    d, p = one(server, n)
+                    d, p = one(server_name(label, cp), n)
+                    acc = runs.setdefault((server_name(label, cp), n), {"lat": [], "ok": 0, "failed": 0, "paths": {},
+                                                                        "posted": 0, "staged": 0})  # fmt: skip
                     if d["state"] == 4 and p["state"] == 4:
-                        lat.append(d["latency_s"])
-                        ok += d["ok"]
+                        acc["lat"].append(d["latency_s"])
+                        acc["ok"] += d["ok"]
+                        path = "+".join(p["paths"]) or "-"  # the room's path: its senders' targets', joined
+                        acc["paths"][path] = acc["paths"].get(path, 0) + 1
+                        acc["posted"] += p["bytes"]
+                        acc["staged"] += p["bytes_staged"]
                     else:
-                        failed += 1
-                nbytes = n * ROW * layers
-                rows.append({"backend": backend, "cp": cp, "tokens": n, "rooms": rooms, "succeeded": len(lat),
-                             "failed": failed, "bytes_checked": ok, "mb_per_room": nbytes / 1e6,
-                             "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
+                        acc["failed"] += 1
+        for label, _, cp, staging in configs:
+            for n in sizes_of(staging):
+                acc, nbytes = runs[(server_name(label, cp), n)], n * ROW * layers
+                lat, posted = acc["lat"], acc["posted"]
+                rows.append({"backend": label, "cp": cp, "staging": staging, "tokens": n, "rooms": rooms,
+                             "succeeded": len(lat), "failed": acc["failed"], "bytes_checked": acc["ok"],
+                             "paths": acc["paths"], "staged_share": acc["staged"] / posted if posted else None,
+                             "mb_per_room": nbytes / 1e6, "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
                              "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None})  # fmt: skip
     finally:
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
         prefill.stop()
-    stock = {r["tokens"]: r["gb_s"] for r in rows if r["backend"] == "mooncake"}
+    stock = {r["tokens"]: r for r in rows if r["backend"] == "mooncake"}
     for r in rows:
-        base = stock.get(r["tokens"])
-        r["ratio"] = r["gb_s"] / base if r["gb_s"] and base else None
+        base = stock.get(r["tokens"], {})
+        r["ratio"] = r["gb_s"] / base["gb_s"] if r["gb_s"] and base.get("gb_s") else None
+        r["p50_ratio"] = r["p50_ms"] / base["p50_ms"] if r["p50_ms"] and base.get("p50_ms") else None
     return rows
 
 
 def table(rows: list[dict], layers: int) -> str:
     out = [f"SGLang peer benchmark: {layers} layers x {ROW} B per token, page {PAGE}, random pages, Mooncake TCP "
-           "(loopback), one room at a time; ratio = GB/s over SGLang's Mooncake backend at the same size",
-           f"{'backend':<9} {'cp':>2} {'tokens':>6} {'MB/room':>8} {'rooms':>5} {'ok':>3} {'bytes ok':>8} "
-           f"{'p50 ms':>8} {'GB/s':>6} {'ratio':>6}"]  # fmt: skip
+           "(loopback), one room at a time; staging = KVBRIDGE_STAGING of both servers; path = what the prefill "
+           "senders report per room; ratio = GB/s over SGLang's Mooncake backend at the same size, p50 x = p50 "
+           "over its p50",
+           f"{'backend':<15} {'cp':>2} {'staging':<7} {'path':<17} {'tokens':>6} {'MB/room':>8} {'rooms':>5} "
+           f"{'ok':>3} {'bytes ok':>8} {'p50 ms':>8} {'p50 x':>6} {'GB/s':>6} {'ratio':>6}"]  # fmt: skip
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
-        out.append(f"{r['backend']:<9} {r['cp']:>2} {r['tokens']:>6} {r['mb_per_room']:>8.1f} {r['rooms']:>5} "
-                   f"{r['succeeded']:>3} {r['bytes_checked']:>8} {f(r['p50_ms'], '8.1f')} {f(r['gb_s'], '6.2f')} "
-                   f"{f(r['ratio'], '6.2f')}")  # fmt: skip
+        out.append(f"{r['backend']:<15} {r['cp']:>2} {r['staging'] or '-':<7} {path_cell(r['paths']):<17} "
+                   f"{r['tokens']:>6} {r['mb_per_room']:>8.1f} {r['rooms']:>5} {r['succeeded']:>3} "
+                   f"{r['bytes_checked']:>8} {f(r['p50_ms'], '8.1f')} {f(r['p50_ratio'], '6.2f')} "
+                   f"{f(r['gb_s'], '6.2f')} {f(r['ratio'], '6.2f')}")  # fmt: skip
     return "\n".join(out)
+
+
+def path_cell(paths: dict[str, int]) -> str:
+    """``staged``, ``direct``, or the rooms of each where they differed (``direct 3/staged 2``);
+    ``-`` for the stock backend, whose senders report no path."""
+    if len(paths) <= 1:
+        return next(iter(paths), "-")
+    return "/".join(f"{p} {n}" for p, n in sorted(paths.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="KV layers (default 16; --quick 4; DeepSeek: 61)")
     ap.add_argument("--sizes", default="1024,8192,32768", help="request sizes in tokens, multiples of 64")
     ap.add_argument("--rooms", type=int, default=None, help="rooms per size and configuration (default 5; --quick 2)")
+    ap.add_argument("--staged-sizes", default="", help="sizes of the 'kvbridge staged' rows (default: --sizes)")
+    ap.add_argument("--direct", action="store_true", help="also 'kvbridge direct' CP 1 and 2 (KVBRIDGE_STAGING=never "
+                    "on both servers): the direct path at every size, where auto would stage")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--logs", default="", help="keep the children's logs in this directory")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -361,18 +423,28 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(s <= 0 or s % PAGE for s in sizes):
         ap.error(f"--sizes must be positive multiples of {PAGE}")
+    # --quick (CI) stages at every size too: 1K is one chunk smaller than a slot, 8K several chunks,
+    # and at 4 layers 32K (86 MB) is more than decode's default 64 MiB area, so it streams through
+    # the slots (reuse, back-pressure)
+    staged = [int(s) for s in args.staged_sizes.split(",")] if args.staged_sizes else sizes
+    if any(s not in sizes for s in staged):
+        ap.error(f"--staged-sizes {args.staged_sizes}: each must be one of --sizes {args.sizes}")
     layers = args.layers or (4 if args.quick else 16)
     rooms = args.rooms or (2 if args.quick else 5)
+    configs = CONFIGS + DIRECT if args.direct else CONFIGS
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
-        rows = run(layers, sizes, rooms, Path(args.logs))
+        rows = run(layers, sizes, rooms, Path(args.logs), staged, configs)
     else:
         with tempfile.TemporaryDirectory(prefix="sglang-peer-bench-") as tmp:
-            rows = run(layers, sizes, rooms, Path(tmp))
+            rows = run(layers, sizes, rooms, Path(tmp), staged, configs)
     print(table(rows, layers))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    bad = [r for r in rows if r["failed"] or r["bytes_checked"] != r["rooms"]]
+    # a failed room, a byte that differs, or a room whose path is not the one its servers' mode forces
+    bad = [r for r in rows if r["failed"] or r["bytes_checked"] != r["rooms"]
+           or (r["staging"] == "always" and r["paths"] != {"staged": r["rooms"]})
+           or (r["staging"] == "never" and r["paths"] != {"direct": r["rooms"]})]
     return 1 if bad else 0
 
 

@@ -19,6 +19,7 @@ over attention TP and CP with MIN:
     poll() / failure_exception() / abort()      poll() / KVTransferError(room, reason) / abort()
     clear()                                     close()
     get_transfer_metric()                       stats: bytes posted, first write to the final state
+    room_stats (not SGLang's)                   stats: the whole account (paths direct/staged, chunks)
 
 The decode prefix. SGLang sends, and with ``--disaggregation-enable-kv-checksum`` digests,
 tokens ``[prefix, n)`` on prefill, and decode digests the same range of its own pages: the
@@ -180,6 +181,14 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
                       "kvbridge moves index K with the KV's page mapping (hard rule 3)")
             return False
         return True
+
+    @property
+    def room_stats(self) -> dict[str, Any]:
+        """kvbridge's account of this room on this rank (``KVSender.stats``: ``slices`` and
+        ``bytes`` posted, ``paths`` decode rank -> "direct"/"staged", staged ``chunks`` and
+        ``bytes_staged``); SGLang's ``KVTransferMetric`` has no field for the path. Empty on a rank
+        without an endpoint or a room never opened. Read it before ``clear()``."""
+        return {} if self._handle is None else dict(self._handle.stats)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._handle is None:

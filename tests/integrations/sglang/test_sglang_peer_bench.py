@@ -1,16 +1,19 @@
 """The peer benchmark (scripts/sglang_peer_bench.py) in its quick mode: SGLang's Mooncake backend
-and kvbridge's (CP 1 and 2) through SGLang's classes, in child processes over Mooncake TCP on
-loopback. Checks its rows (every room of every configuration and size succeeded and was
-byte-checked, a ratio against the stock backend), never its speed."""
+and kvbridge's (CP 1 and 2, staging auto; and staged, KVBRIDGE_STAGING=always) through SGLang's classes, in child processes over Mooncake TCP on loopback. Checks its rows
+(every room of every configuration and size succeeded and was byte-checked, the path each
+kvbridge room took as its senders reported it, staged rows wholly staged, a ratio against the
+stock backend), never its speed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("sglang.srt.disaggregation.mooncake.conn", reason="needs SGLang: make test-sglang")
@@ -31,11 +34,37 @@ def test_quick_mode_rows(tmp_path):
                           timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(r["backend"], r["cp"], r["tokens"]) for r in rows] == [
-        (b, cp, n) for b, cp in (("mooncake", 1), ("kvbridge", 1), ("kvbridge", 2)) for n in (1024, 8192, 32768)]
+    sizes = (1024, 8192, 32768)
+    configs = (("mooncake", 1, None), ("kvbridge", 1, "auto"), ("kvbridge", 2, "auto"), ("kvbridge staged", 1, "always"),
+               ("kvbridge staged", 2, "always"))  # fmt: skip
+    assert [(r["backend"], r["cp"], r["staging"], r["tokens"]) for r in rows] == [
+        (b, cp, mode, n) for b, cp, mode in configs for n in sizes]
     for r in rows:
         assert r["rooms"] == r["succeeded"] == r["bytes_checked"] == 2 and r["failed"] == 0, r
         assert r["gb_s"] > 0 and r["ratio"] > 0 and r["mb_per_room"] == pytest.approx(r["tokens"] * 656 * 4 / 1e6)
-    assert all(r["ratio"] == 1.0 for r in rows if r["backend"] == "mooncake")
+        assert r["p50_ms"] > 0 and r["p50_ratio"] > 0
+        if r["backend"] == "mooncake":  # the stock sender reports no path
+            assert r["ratio"] == r["p50_ratio"] == 1.0 and r["paths"] == {"-": 2} and r["staged_share"] is None
+        elif r["staging"] == "always":  # every byte of every room through decode's staging area
+            assert r["paths"] == {"staged": 2} and r["staged_share"] == 1.0, r
+        else:  # auto: the path the senders chose, read back; 64 slices a room at 1K stay direct
+            assert sum(r["paths"].values()) == 2 and set(r["paths"]) <= {"direct", "staged"}, r
+            if r["tokens"] == 1024:
+                assert r["paths"] == {"direct": 2} and r["staged_share"] == 0.0, r
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("SGLang peer benchmark: 4 layers x 656 B per token") and len(lines) == 2 + len(rows)
+    assert [line.split()[3:5] for line in lines[-6:]] == [["always", "staged"]] * 6, lines[-6:]
+
+
+def test_page_pattern_is_the_formula():
+    """The byte check is only as strong as the pattern: page p of layer l holds (p*31 + l*7 + j) % 251
+    at offset j, so pages and layers differ; the bench builds it by gathering window rows."""
+    spec = importlib.util.spec_from_file_location("sglang_peer_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    pages, j = np.array([1, 9, 250, 251, 4000]), np.arange(64 * 656)
+    for layer in (0, 3, 60):
+        want = ((pages.reshape(-1, 1) * 31 + layer * 7 + j) % 251).astype(np.uint8)
+        assert np.array_equal(bench.pattern(pages, layer), want)
+    assert not np.array_equal(bench.pattern([1], 0), bench.pattern([2], 0))
+    assert not np.array_equal(bench.pattern([1], 0), bench.pattern([1], 1))

@@ -35,7 +35,7 @@ def test_a_room_through_sglangs_classes_takes_the_path_the_settings_choose(daemo
         pe, de = pair.done(room)
         assert pe["state"] == "Success", pe["reasons"]
         assert de["state"] == "Success" and de["errors"] == [], de  # every byte of every pool and the aux row
-        stats = senders[0]._handle.stats  # kvbridge's KVSender under SGLang's
+        stats = senders[0].room_stats  # kvbridge's KVSender.stats, read through SGLang's sender
         assert set(stats["paths"].values()) == {path}, stats["paths"]
         if path == "staged":
             assert stats["bytes_staged"] == stats["bytes"] > 0 and stats["chunks"] > 4
