@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="pool device of every rank: cpu (default) or cuda:N")
     p.add_argument("--no-staged", action="store_true",
                    help="skip the staged method (kvbridge rooms through staging slots, beside kvbridge direct); "
-                   "GPU pages (--device cuda) skip it always: staging GPU pages is opt-in and not benched yet")
+                   "on GPU pages (--device cuda) it runs on the Mooncake engine only (the IPC engine never stages)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, verify_every=args.verify_every,
         quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
         decode_aux=args.device if args.engine in ("ipc", "auto") else "cpu", poll_s=args.poll_ms / 1e3,
-        env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir, staged=not args.no_staged and not str(args.device).startswith("cuda"),
+        env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir, staged=not args.no_staged and (not str(args.device).startswith("cuda") or args.engine == "mooncake"),
     )  # fmt: skip
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,

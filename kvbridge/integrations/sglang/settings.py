@@ -48,12 +48,12 @@ ENVIRONMENT = (
     (ENV_PEER, "silence after which a peer rank counts as dead, seconds (default 5)"),
     (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
     (ENV_STAGING, "staged transfers (docs/staging.md): auto (default: chosen per target, many small slices "
-                  "staged; GPU pages stay direct), always (decode: every page through its staging area; prefill: "
-                  "stage every target that offers one; GPU pages too), never"),
+                  "staged, few large ones direct), always (decode: every page through its staging area; prefill: "
+                  "stage every target that offers one), never"),
     (ENV_STAGING_BYTES, "registered staging memory in bytes: decode's staging area, prefill's gather buffer "
-                        "(default: decode 64 MiB, prefill 16 MiB)"),
+                        "(0 or unset: host pools decode 64 MiB, prefill 16 MiB; GPU pools decode 1 GiB, prefill 512 MiB)"),
     (ENV_STAGING_SLOT_BYTES, "staging slot size in bytes, a multiple of 16: the largest chunk one write carries "
-                             "(default 8 MiB)"),
+                             "(0 or unset: host pools 8 MiB, GPU pools 256 MiB)"),
 )
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
