@@ -17,7 +17,7 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import WriteNonce
+from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
 from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
 from kvbridge.transfer.rooms import Stage
@@ -350,6 +350,24 @@ def test_a_new_connection_proves_its_memory_before_its_requests_are_served(m):
     assert "d/dp0/tp1" in r.targets and r.holder == ("d", "d/dp0/tp1")
 
 
+def test_a_nonce_another_rank_overwrote_is_challenged_again_at_a_fresh_offset(m):
+    """Two prefill ranks proving themselves to one decode rank at once may pick the same scratch
+    offset; the earlier nonce is then replaced and its echo differs. A fresh nonce at a fresh
+    offset follows, and the connection is proven by its echo."""
+    m.peers.entries["r2"] = fresh_peer()
+    r = m.open(33, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    w = _challenged(m, E, "r2", request(33, decode_rank="d/dp0/tp1", rank_id="r2"))
+    m.nonce_written(E, None, 1.01)
+    other = bytes(range(32))  # what the other rank wrote at the same offset
+    (w2,) = of(m.message(E, wire.ChallengeEcho(nonce=other), 1.02), WriteNonce)
+    assert w2.nonce != w.nonce and not r.targets
+    (ch,) = msgs(m.nonce_written(E, None, 1.03), wire.Challenge)
+    assert ch.offset == w2.dst - (1 << 45)
+    m.message(E, wire.ChallengeEcho(nonce=w2.nonce), 1.04)
+    assert "d/dp0/tp1" in r.targets
+
+
 @pytest.mark.parametrize("how, why", [
     ("wrong_echo", "echoed other bytes"),
     ("write_failed", "nonce write into its scratch region failed: refused"),
@@ -375,9 +393,12 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
         elif how == "silent":
             m.nonce_written(E, None, 1.01)
             acts = m.tick(1.0 + m.identities.timeout + 0.1)
-        else:
-            m.nonce_written(E, None, 1.01)
-            acts = m.message(E, wire.ChallengeEcho(nonce=bytes(32)), 1.02)
+        else:  # every fresh nonce echoed wrong: refused after PROOF_ATTEMPTS tries
+            for attempt in range(PROOF_ATTEMPTS):
+                m.nonce_written(E, None, 1.01)
+                acts = m.message(E, wire.ChallengeEcho(nonce=bytes(32)), 1.02)
+                if attempt < PROOF_ATTEMPTS - 1:
+                    assert of(acts, WriteNonce) and not msgs(acts, wire.ErrorReply)
     (err,) = msgs(acts, wire.ErrorReply)
     assert "could not prove it holds the memory it registered" in err.reason and why in err.reason, err
     assert "r2" in err.reason and err.room == 32

@@ -41,6 +41,13 @@ from typing import Any
 from kvbridge.transfer.channel.wire import NONCE_BYTES
 
 PROOF_FAILED = "could not prove it holds the memory it registered"
+# Echoes that differ before a connection is refused. Every prefill rank of every instance that
+# talks to a decode rank writes its nonce into that rank's one scratch region at an offset of its
+# own choosing, so two proofs at once may pick the same offset and the later write replaces the
+# earlier nonce (with 16 ranks and 128 offsets, more often than not): the overwritten one sees
+# another's bytes. A fresh nonce at a fresh offset settles that; memory that is not the rank's
+# own never echoes any nonce, so the retries cost an impostor nothing but time.
+PROOF_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,7 @@ class Connection:
     state: Proof = Proof.RESOLVING
     nonce: bytes = b""
     offset: int = 0
+    attempts: int = 0  # challenges written so far (PROOF_ATTEMPTS)
     deadline: float = 0.0
     why: str = ""  # the refusal, once refused
     retry_at: float = 0.0  # refused: a message after this starts a fresh proof (a failed write may be transient)
@@ -114,6 +122,7 @@ class Identities:
         """A fresh nonce at a random aligned offset of the scratch region ``[base, base + nbytes)``."""
         c.nonce = self.nonce_source(NONCE_BYTES)
         c.offset = secrets.randbelow(nbytes // NONCE_BYTES) * NONCE_BYTES
+        c.attempts += 1
         c.state = Proof.WRITING
         c.deadline = now + self.timeout
         return WriteNonce(c.ident, c.rank_id, session, base + c.offset, c.nonce)

@@ -31,7 +31,7 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.engine.staging_area import StagingArea
-from kvbridge.transfer.prefill.identity import PROOF_FAILED, Connection, Identities, Proof
+from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, PROOF_FAILED, Connection, Identities, Proof
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
 from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer
 from kvbridge.transfer.prefill.room import PrefillRoom
@@ -278,9 +278,12 @@ class PrefillRooms:
             return
         if not self.identities.echo_matches(c, msg.nonce):
             peer = self.peers.get(c.rank_id)
+            if peer is not None and c.attempts < PROOF_ATTEMPTS:  # (another rank's nonce may have replaced ours)
+                self._challenge(c, peer, now)
+                return
             session = peer.session if peer else "?"
             self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
-                                     f"session {session}: that memory is not its own", now)
+                                     f"session {session}, {c.attempts} times: that memory is not its own", now)
             return
         c.state, c.nonce = Proof.PROVEN, b""
         waiting, c.waiting = c.waiting, []
