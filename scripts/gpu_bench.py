@@ -218,7 +218,7 @@ def staged_blocks(src: Any, dst: Any, s_addr: np.ndarray, d_addr: np.ndarray, le
     import torch
 
     from kvbridge.layout import TransferPlan, stage_plan
-    from kvbridge.transfer.engine.staging import CudaStager
+    from kvbridge.transfer.staging.stagers import CudaStager
 
     slot_bytes = 64 << 20
     staged = stage_plan(TransferPlan(s_addr, d_addr, length), slot_bytes)
@@ -274,7 +274,7 @@ def staged_rooms(tokens: list[int], layers: int, slot_mib: list[int], device: st
 
     from kvbridge.bench.alloc import allocate
     from kvbridge.layout import OwnerLanes, describe_buffer, plan_transfer, preset_pools, stage_plan
-    from kvbridge.transfer.engine.staging import CudaStager
+    from kvbridge.transfer.staging.stagers import CudaStager
 
     specs = preset_pools(PRESET, num_layers=layers, page_size=PAGE, draft_layers=1)
     lanes = OwnerLanes(CP)

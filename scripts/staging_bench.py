@@ -30,8 +30,8 @@ import numpy as np
 
 from kvbridge.layout import TransferPlan, deepseek_pools, describe_buffer, plan_transfer, stage_plan
 from kvbridge.transfer.engine import create_engine, tensor_region
-from kvbridge.transfer.engine.staging import HostStager, StagedWriter, copy_slices
-from kvbridge.transfer.engine.staging_area import StagingArea
+from kvbridge.transfer.staging import HostStager, StagedWriter, copy_slices
+from kvbridge.transfer.staging.area import StagingArea
 
 CAP = 1024
 

@@ -165,3 +165,18 @@ def test_the_checker_sees_a_circle_and_an_arrow_up():
              "kvbridge.layout.c": {"kvbridge.transfer"}, "kvbridge.transfer": set()}
     assert _circles(edges) == [["kvbridge.layout.a", "kvbridge.layout.b"]]
     assert _floor("kvbridge.layout.c") < _floor("kvbridge.transfer")
+
+
+def test_staging_is_one_package_below_both_sides():
+    """Staging's slot table, stagers, buffer and settings live in ``kvbridge.transfer.staging``:
+    both sides' rooms import them from there, nothing of staging sits among the engines, and the
+    package imports neither side (it is below both)."""
+    graph = _graph()
+    staging = {m for m in graph if m == "kvbridge.transfer.staging" or m.startswith("kvbridge.transfer.staging.")}
+    assert {"kvbridge.transfer.staging.area", "kvbridge.transfer.staging.stagers"} <= staging
+    assert [m for m in graph if m.startswith("kvbridge.transfer.engine.") and "stag" in m] == []
+    sides = ("kvbridge.transfer.prefill", "kvbridge.transfer.decode")
+    assert sorted(f"{a} -> {b}" for a in staging for b in graph[a] if b.startswith(sides)) == []
+    for side in sides:
+        users = {a for a, targets in graph.items() if a.startswith(side) and targets & staging}
+        assert users, f"no module of {side} uses the staging package"

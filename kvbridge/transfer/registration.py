@@ -94,7 +94,7 @@ def register_rank(
 ) -> LeaseKeeper:
     """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
     scratch region (``transfer/scratch.py``), where its ownership is proven; ``staging``: a decode
-    rank's staging area (``transfer/staging_buffer.py``), the only place staged chunks may land."""
+    rank's staging area (``transfer/staging/buffer.py``), the only place staged chunks may land."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,

@@ -24,7 +24,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import PRESETS, preset_pools
-from kvbridge.transfer.staging_settings import STAGING_MODES, check_staging
+from kvbridge.transfer.staging.settings import STAGING_MODES, check_staging
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -197,7 +197,7 @@ def _staging(role: str, staging: Any) -> Iterator[Metric]:
             paths.add_metric([path], counters.pop(f"{path}_targets", 0))
         yield paths
     elif staging is not None:
-        from kvbridge.transfer.engine.staging_area import SlotState
+        from kvbridge.transfer.staging.area import SlotState
 
         counters = staging["counters"]
         slots = GaugeMetricFamily("kvbridge_worker_staging_slots", "Staging slots by state.", labels=["state"])

@@ -379,7 +379,7 @@ def ms():
     """A machine whose staging area has 2 slots; staged only (an aborted room's pages free at once)."""
     from kvbridge.layout import BufferDesc
     from kvbridge.transfer.decode.staging import DecodeStaging
-    from kvbridge.transfer.engine.staging_area import StagingArea
+    from kvbridge.transfer.staging.area import StagingArea
 
     mem = Memory()
     specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
@@ -443,7 +443,7 @@ def test_a_scatter_outside_the_rooms_pages_fails_the_room_and_frees_the_slot(ms)
 
 
 def test_a_failed_staged_room_frees_pages_at_once_and_quarantines_its_slot_until_the_ack(ms):
-    from kvbridge.transfer.engine.staging_area import SlotState
+    from kvbridge.transfer.staging.area import SlotState
 
     r = requested(ms)
     ms.message("tcp://p0", ask(7, 0, 0), 2.0)

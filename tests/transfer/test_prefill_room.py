@@ -479,7 +479,7 @@ STAGING_BASE = 1 << 45
 @pytest.fixture
 def ms():
     """A machine with a gather buffer of 2 slots that stages every target offered a staging area."""
-    from kvbridge.transfer.engine.staging_area import StagingArea
+    from kvbridge.transfer.staging.area import StagingArea
 
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0, staging="always",
                                          staging_bytes=2 * SLOT, staging_slot_bytes=SLOT),

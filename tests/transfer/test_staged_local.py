@@ -13,7 +13,7 @@ import pytest
 from _cluster import wait_final, wait_until
 from _local import PAGE, ProvingPeers, replies, rogue_request
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.engine.staging_area import SlotState
+from kvbridge.transfer.staging.area import SlotState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
 
@@ -218,7 +218,7 @@ def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
     """The slice kernel touches only device memory it was told of (pages, slots): an aux row in
     host memory goes by one plain copy on the same stream, the rest in one launch (a recording
     copier stands in for the GPU)."""
-    from kvbridge.transfer.engine.staging import AddressRanges, CudaStager
+    from kvbridge.transfer.staging.stagers import AddressRanges, CudaStager
 
     class Recorder:
         def __init__(self) -> None:
@@ -250,7 +250,7 @@ def test_a_slice_running_from_one_pool_tensor_into_the_next_goes_to_the_kernel()
     """Contiguous pages merge into runs, and a run may cross from one pool's tensor into the next
     one, adjacent in memory: the kernel copies it (a plain copy across two allocations is refused
     by the driver, 'invalid argument', which failed contiguous staged rooms on one H200)."""
-    from kvbridge.transfer.engine.staging import AddressRanges
+    from kvbridge.transfer.staging.stagers import AddressRanges
 
     a, b, slot = (1 << 20, 4096), ((1 << 20) + 4096, 4096), (1 << 24, 8192)  # a and b adjacent
     ranges = AddressRanges([a, b, slot])
@@ -288,7 +288,7 @@ def test_a_staging_buffer_goes_where_the_pages_are():
     that GPU); pages on several devices or on another accelerator go direct, named in the log;
     sizes left 0 take the role's default for the device."""
     from kvbridge import RawBuffer
-    from kvbridge.transfer.staging_buffer import StagingBuffer
+    from kvbridge.transfer.staging.buffer import StagingBuffer
 
     host = np.zeros(4096, dtype=np.uint8)
     raw = RawBuffer(int(host.ctypes.data), host.nbytes, "cpu")
@@ -308,7 +308,7 @@ def test_no_room_for_a_gpu_staging_buffer_goes_direct_under_auto_and_is_named_un
     so, "always" refuses the endpoint naming the bytes and the device."""
     from kvbridge import RawBuffer
     from kvbridge.errors import ConfigError
-    from kvbridge.transfer.staging_buffer import StagingBuffer
+    from kvbridge.transfer.staging.buffer import StagingBuffer
 
     def no_memory(self, nbytes, slot_bytes, *, rank, device=None, device_pages=()):
         raise RuntimeError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")

@@ -20,7 +20,7 @@ import pytest
 
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
 from kvbridge.transfer.engine import mooncake_available
-from kvbridge.transfer.engine.staging_area import SlotState
+from kvbridge.transfer.staging.area import SlotState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import as_bytes
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvbridge.errors import ConfigError, TransferError
-from kvbridge.transfer.engine.staging_area import EVENTS, TRANSITIONS, Grant, SlotState, StagingArea, StagingSlotError
+from kvbridge.transfer.staging.area import EVENTS, TRANSITIONS, Grant, SlotState, StagingArea, StagingSlotError
 
 S = SlotState
 

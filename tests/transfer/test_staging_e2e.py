@@ -18,8 +18,8 @@ from kvbridge.layout import TransferPlan, deepseek_pools, describe_buffer, plan_
 from kvbridge.layout.heads import HeadGeometry, head_slices, plan_head_transfer
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import LocalFabric, TransferEngine, create_engine, mooncake_available, tensor_region
-from kvbridge.transfer.engine.staging import HostStager, StagedWriter, copy_slices
-from kvbridge.transfer.engine.staging_area import SlotState, StagingArea
+from kvbridge.transfer.staging import HostStager, StagedWriter, copy_slices
+from kvbridge.transfer.staging.area import SlotState, StagingArea
 
 POISON = 0x55
 needs_mooncake = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvbridge.layout import deepseek_pools, describe_buffer, plan_transfer, stage_plan
-from kvbridge.transfer.engine.staging import CudaStager
+from kvbridge.transfer.staging.stagers import CudaStager
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

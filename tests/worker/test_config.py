@@ -71,7 +71,7 @@ def test_staging_sizes_default_per_role_and_device():
     """0 takes the default of the role and the pages' device; a set slot size keeps the default
     number of slots; an area smaller than one slot is a named error."""
     from kvbridge.errors import ConfigError
-    from kvbridge.transfer.staging_settings import staging_sizes
+    from kvbridge.transfer.staging.settings import staging_sizes
 
     assert staging_sizes("decode", False, 0, 0, "r") == (64 << 20, 8 << 20)
     assert staging_sizes("prefill", False, 0, 0, "r") == (16 << 20, 8 << 20)

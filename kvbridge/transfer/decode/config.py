@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.transfer.staging_settings import check_staging
+from kvbridge.transfer.staging.settings import check_staging
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,10 @@ class DecodeConfig:
     verify_digest: bool = False
     # Staged transfers (docs/staging.md): the staging area remote writes land in, registered
     # memory beside the pages of staging_bytes cut into slots of staging_slot_bytes (defaults and
-    # why: staging_settings.py). "auto": prefill chooses per target; "always": every page arrives
+    # why: staging/settings.py). "auto": prefill chooses per target; "always": every page arrives
     # staged (an aborted room's pages free at once); "never": no area, every write direct.
     staging: str = "auto"
-    staging_bytes: int = 0  # 0: the default for the pages' device (staging_settings.py)
+    staging_bytes: int = 0  # 0: the default for the pages' device (staging/settings.py)
     staging_slot_bytes: int = 0
     trace: bool = False
 

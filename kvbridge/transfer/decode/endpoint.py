@@ -43,13 +43,11 @@ from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine
-from kvbridge.transfer.engine.staging import HostStager, copy_slices
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch, device_of
-from kvbridge.transfer.staging_buffer import StagingBuffer
-from kvbridge.transfer.staging_settings import STAGING_MODES
+from kvbridge.transfer.staging import STAGING_MODES, HostStager, StagingBuffer, copy_slices
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

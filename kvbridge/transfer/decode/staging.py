@@ -30,7 +30,7 @@ from kvbridge.errors import LedgerError
 from kvbridge.layout import BufferDesc
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.engine.staging_area import Grant, SlotState, StagingArea
+from kvbridge.transfer.staging import Grant, SlotState, StagingArea
 
 __all__ = ["DecodeStaging", "Scatter"]
 

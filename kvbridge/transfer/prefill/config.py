@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.staging_settings import check_staging
+from kvbridge.transfer.staging.settings import check_staging
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PrefillConfig:
     # The gather buffer: registered memory beside the pages cut into slots of staging_slot_bytes;
     # a chunk is at most min(this slot, the decode rank's slot). Two slots keep a chunk gathering
     # while another is on the wire; the defaults (0) are the pages' device's and match decode's
-    # slot size there (staging_settings.py).
+    # slot size there (staging/settings.py).
     staging_bytes: int = 0
     staging_slot_bytes: int = 0
     trace: bool = False

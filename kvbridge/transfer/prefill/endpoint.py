@@ -53,8 +53,7 @@ from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch
-from kvbridge.transfer.staging_buffer import StagingBuffer
-from kvbridge.transfer.staging_settings import STAGING_MODES
+from kvbridge.transfer.staging import STAGING_MODES, StagingBuffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.engine.staging_area import StagingArea
+from kvbridge.transfer.staging import StagingArea
 from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, PROOF_FAILED, Connection, Identities, Proof
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
 from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer

@@ -33,7 +33,7 @@ from kvbridge.layout.plan import TransferPlan
 from kvbridge.layout.staging import StagedPlan, choose_path, stage_plan
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.engine.staging_area import Grant, StagingArea
+from kvbridge.transfer.staging import Grant, StagingArea
 from kvbridge.transfer.prefill.peers import DecodePeer
 from kvbridge.transfer.prefill.targets import Target
 

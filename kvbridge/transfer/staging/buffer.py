@@ -7,7 +7,7 @@ device memory on the pages' GPU (``CudaStager``: the slice kernel) for CUDA tens
 given as ``RawBuffer`` addresses stage on the device they name (an engine's GPU pools: the
 buffer goes on that GPU); pages on several devices, or another accelerator's, go direct. On GPU pages with
 ``staging="auto"`` a buffer is made unless the engine copies scattered slices itself (the IPC
-engine: one kernel launch, nothing to save); its sizes default per device (staging_settings.py).
+engine: one kernel launch, nothing to save); its sizes default per device (settings.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 from kvbridge.bootstrap.schemas import StagingDescriptor
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.engine import TransferEngine, tensor_region
-from kvbridge.transfer.engine.staging import CudaStager, HostStager
-from kvbridge.transfer.engine.staging_area import StagingArea
-from kvbridge.transfer.staging_settings import staging_sizes
+from kvbridge.transfer.staging.stagers import CudaStager, HostStager
+from kvbridge.transfer.staging.area import StagingArea
+from kvbridge.transfer.staging.settings import staging_sizes
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,162 @@
+"""Stagers: the copies between a side's pages and its staging slots (``kvbridge.layout.staging``'s
+gather and scatter lists).
+
+    sender                                  wire (engine)                 receiver
+    pages --gather--> send slot  ==== pieces of the slot ====>  recv slot --scatter--> pages
+
+Stagers copy between pages and a slot on one side:
+
+- :class:`HostStager`: host memory, vectorised numpy (:func:`copy_slices`): the slices are
+  grouped by length and each group of short slices is one fancy-indexed copy over a byte
+  window of the process's memory (rows of one length at any byte offset), in batches of a few
+  MiB; runs of pages (64 KiB and more: few, long) one ``memmove`` each;
+- :class:`CudaStager`: device memory, the slice kernel of ``slicecopy.CudaCopier`` (torch and
+  Triton imported only when one is made).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from kvbridge.layout.staging import StagedPlan
+from kvbridge.transfer.engine.base import wait_ready
+
+__all__ = ["AddressRanges", "CudaStager", "HostStager", "copy_slices"]
+
+BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
+ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
+RUN_MIN_BYTES = 64 << 10  # slices at least this long (runs of pages: few, long) are one memmove each
+_MAX_VIEW = 1 << 62  # rows x row length of a window view must stay inside numpy's sizes
+
+
+def copy_slices(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_bytes: int = BATCH_BYTES) -> None:
+    """Copy host slices of this process: ``length[i]`` bytes from ``src[i]`` to ``dst[i]``.
+
+    Slices are grouped by length; a group of short slices (pages, rows, scale ranges) is copied
+    as ``window[dst_offsets] = window[src_offsets]`` over a view of the bytes from the lowest to
+    the highest address involved whose rows are ``L`` bytes long and start at every byte
+    (stride 1), in batches of about ``batch_bytes``; a slice of ``RUN_MIN_BYTES`` or more is one
+    ``memmove``. Only the slices' bytes are touched; the caller checked they lie in memory it
+    owns (registered regions). Slices of one call must not overlap each other."""
+    src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
+    if length.size == 0:
+        return
+    lo = int(min(src.min(), dst.min()))
+    hi = int(max((src + length).max(), (dst + length).max()))
+    s_off = (src - np.uint64(lo)).astype(np.int64)
+    d_off = (dst - np.uint64(lo)).astype(np.int64)
+    sizes, inverse, counts = np.unique(length, return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    buf = None
+    for j, size in enumerate(sizes.tolist()):  # one step per distinct length, not per slice
+        members = order[bounds[j] : bounds[j + 1]]
+        if size >= RUN_MIN_BYTES or (hi - lo) * size >= _MAX_VIEW:
+            for s, d in zip((src[members]).tolist(), (dst[members]).tolist()):
+                ctypes.memmove(d, s, size)
+            continue
+        if buf is None:
+            buf = (ctypes.c_uint8 * (hi - lo)).from_address(lo)
+        if size >= ROW_MIN_BYTES:
+            window = np.ndarray((hi - lo - size + 1, size), dtype=np.uint8, buffer=buf, strides=(1, 1))
+        else:
+            window = np.ndarray((hi - lo - size + 1,), dtype=np.dtype((np.void, size)), buffer=buf, strides=(1,))
+        step = max(1, batch_bytes // size)
+        for a in range(0, len(members), step):
+            m = members[a : a + step]
+            window[d_off[m]] = window[s_off[m]]
+
+
+class HostStager:
+    """Gather and scatter in host memory; the copy is done when the call returns."""
+
+    def gather(self, staged: StagedPlan, chunk: int, slot_addr: int) -> None:
+        copy_slices(*staged.gather(chunk, slot_addr))
+        return None
+
+    def scatter(self, staged: StagedPlan, chunk: int, slot_addr: int) -> None:
+        copy_slices(*staged.scatter(chunk, slot_addr))
+        return None
+
+    @staticmethod
+    def synchronize(event: Any) -> None:
+        return None
+
+    @staticmethod
+    def wait_for(after: Any) -> None:
+        """Block until the producer's events (``after``) completed: the pages are whole."""
+        wait_ready(after)
+
+
+class CudaStager:
+    """Gather and scatter in device memory with the slice kernel, on the copier's stream: each
+    call returns a CUDA event recorded after its copies (pass it as ``after=`` to the write that
+    reads the slot; ``synchronize`` it before the slot is reused).
+
+    ``device_ranges``: the ``(address, nbytes)`` regions of device memory the kernel may touch
+    (the pages and the slots). A slice with an end outside them (an aux row in host memory) is
+    one ``cudaMemcpyAsync`` on the same stream instead: the kernel cannot read or write pageable
+    host memory, the copy engine can. Without ranges every slice goes to the kernel."""
+
+    def __init__(self, device: int = 0, copier: Any = None, device_ranges: Any = ()) -> None:
+        if copier is None:
+            from kvbridge.transfer.engine.slicecopy import CudaCopier
+
+            copier = CudaCopier(device)
+        self.copier = copier
+        self.ranges = AddressRanges(device_ranges) if len(device_ranges) else None
+
+    def gather(self, staged: StagedPlan, chunk: int, slot_addr: int) -> Any:
+        self.copy(*staged.gather(chunk, slot_addr))
+        return self.copier.record()
+
+    def scatter(self, staged: StagedPlan, chunk: int, slot_addr: int) -> Any:
+        self.copy(*staged.scatter(chunk, slot_addr))
+        return self.copier.record()
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        """Enqueue the slices: device to device by the kernel (one launch), the rest (few: aux
+        rows) one plain copy each, all on the copier's stream."""
+        src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
+        if self.ranges is not None and length.size:
+            other = ~(self.ranges.hold(src, length) & self.ranges.hold(dst, length))
+            if other.any():
+                for s, d, n in zip(src[other].tolist(), dst[other].tolist(), length[other].tolist()):
+                    self.copier.copy_async(d, s, n)
+                keep = ~other
+                src, dst, length = src[keep], dst[keep], length[keep]
+        if length.size:
+            self.copier.launch(src, dst, length)
+
+    @staticmethod
+    def synchronize(event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def wait_for(self, after: Any) -> None:
+        """Make the copier's stream wait for the producer's events (on the GPU, not the host)."""
+        self.copier.wait_for(after)
+
+
+class AddressRanges:
+    """Disjoint ``(address, nbytes)`` regions, asked vectorised whether slices lie inside one."""
+
+    def __init__(self, regions: Any) -> None:
+        pairs = sorted((int(a), int(n)) for a, n in regions)
+        self.starts = np.array([a for a, _ in pairs], dtype=np.uint64)
+        self.ends = np.array([a + n for a, n in pairs], dtype=np.uint64)
+
+    def hold(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Per slice: its first and its last byte each lie inside a region. A slice may run from
+        one region into the next (a merged run of pages crossing from one pool's tensor into the
+        next one's, adjacent in memory): the kernel copies it like any other device slice, while a
+        plain copy across two allocations would be refused by the driver."""
+        return self._inside(addr) & self._inside(addr + np.maximum(length, 1) - 1)
+
+    def _inside(self, addr: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        found = i >= 0
+        return found & (addr < self.ends[np.maximum(i, 0)])
