@@ -209,7 +209,7 @@ def test_a_lookup_answered_before_its_callback_is_attached_does_not_deadlock(clu
     def lookup_under_lock() -> None:
         with c.decode._lock:
             key = ("instance-that-answers-at-once", None)
-            c.decode._carry_out([LookUp(13, key[0], None, key)])
+            c.decode._feed([LookUp(13, key[0], None, key)])
         finished.set()
 
     threading.Thread(target=lookup_under_lock, daemon=True).start()
@@ -353,10 +353,10 @@ def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypat
     orig = type(ep.machine)._post_room
     monkeypatch.setattr(type(ep.machine), "_post_room", lambda self, r, now: (touched.append(r.room), orig(self, r, now)))
     with ep._lock:
-        ep._carry_out(ep.machine.tick(time.monotonic()))  # whatever the init() calls left to do
+        ep._feed(ep.machine.tick(time.monotonic()))  # whatever the init() calls left to do
         touched.clear()
         ep.machine.dirty.add(950)
-        ep._carry_out(ep.machine.tick(time.monotonic()))
+        ep._feed(ep.machine.tick(time.monotonic()))
     assert touched == [950]
     for s in senders:
         s.abort("test over")

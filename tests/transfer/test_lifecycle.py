@@ -87,9 +87,9 @@ def test_a_final_state_stays_readable_while_the_handle_lives(cluster):
     later = time.monotonic() + 3600  # an hour of housekeeping later
     with c.decode._lock:
         c.decode.machine.next_scan = 0.0
-        c.decode._carry_out(c.decode.machine.tick(later))
+        c.decode._feed(c.decode.machine.tick(later))
     with c.prefill[0]._lock:
-        c.prefill[0]._carry_out(c.prefill[0].machine.gc(later))
+        c.prefill[0]._feed(c.prefill[0].machine.gc(later))
     assert r.poll() == KVPoll.Success and r.failure_reason is None and r.aux.room == 32
     assert r.stats["state"] == "Success" and senders[0].poll() == KVPoll.Success
 

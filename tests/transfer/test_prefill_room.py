@@ -19,7 +19,7 @@ from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
-from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux
 from kvbridge.transfer.rooms import Stage
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
@@ -36,6 +36,9 @@ def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
 
 def regions(base: int) -> dict[str, RegionAddr]:
     return {r.name: RegionAddr(r.name, base + AUX.offsets[r.name], 4, AUX.row_bytes) for r in AUX.regions}
+
+
+AUXF = AuxFrom(regions(1 << 30), 0)  # where the shell staged a room's aux row (plain data, no callback)
 
 
 def peer() -> DecodePeer:
@@ -56,8 +59,7 @@ def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, finge
 @pytest.fixture
 def m():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
-                           "x", aux_source=lambda room, row, slot, after: (regions(1 << 30), 0, None, after),
-                           page_digests=lambda *a: np.zeros(0, np.uint64), hello_of=lambda ident: HELLO.get(ident))
+                           "x", hello_of=lambda ident: HELLO.get(ident))
     machine.peers.entries["r1"] = peer()  # its registration was read before
     machine.identities.prove(D, "r1")  # and connection D proved it holds its memory
     return machine
@@ -110,7 +112,7 @@ def opened_and_asked(m, room: int = 1, now: float = 1.0, num_tokens: int = 7):
 def send_all(m, sh, r, now: float = 1.1):
     """The whole request in one chunk with the aux row: one write."""
     m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(r.room), None)
-    acts = sh.run(m.post(r, now), now)
+    acts = sh.run(m.post(r, now, AUXF), now)
     (w,) = of(acts, PostWrite)
     return w
 
@@ -134,7 +136,7 @@ def test_chunks_sent_before_the_request_are_posted_in_the_turn_that_receives_it(
     r = m.open(2, 1.0)
     m.engine_init(r, 7, None, 1.0)
     m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(2), None)
-    assert m.post(r, 1.0) == ()  # nobody asked yet
+    assert m.post(r, 1.0, AUXF) == ()  # nobody asked yet
     assert len(of(m.message(D, request(2), 1.1), PostWrite)) == 1
 
 
@@ -204,7 +206,7 @@ def test_a_write_refused_at_submission_fails_the_target_and_the_next_chunk_is_no
     r = opened_and_asked(m, 9)
     m.chunk(r, [0], np.array([5]), 4, False, None, None)
     m.chunk(r, [1], np.array([6]), None, True, _packed(9), None)
-    first, second = of(m.post(r, 1.1), PostWrite)
+    first, second = of(m.post(r, 1.1, AUXF), PostWrite)
     acts = m.post_failed(first, "engine refused", 1.2)
     assert msgs(acts, wire.PagesDone) == []  # the second write is still counted in flight
     acts = sh.run([second], 1.2)  # the shell does not submit a write of a failed target
@@ -484,8 +486,7 @@ def ms():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0, staging="always",
                                          staging_bytes=2 * SLOT, staging_slot_bytes=SLOT),
                            SPECS, bufs(0), AUX, "x",
-                           aux_source=lambda room, row, slot, after: (regions(1 << 30), 0, None, after),
-                           page_digests=lambda *a: np.zeros(0, np.uint64), gather=StagingArea(2, SLOT),
+                           gather=StagingArea(2, SLOT),
                            hello_of=lambda ident: HELLO.get(ident))
     machine.peers.entries["r1"] = peer()
     machine.identities.prove(D, "r1")
@@ -506,7 +507,7 @@ def staged_room(ms, room: int, num_tokens: int = 7):
     ms.message(D, staged_request(room, num_tokens), 1.0)
     pages = -(-num_tokens // 4)
     ms.chunk(r, np.arange(pages), np.arange(pages) + 5, None, True, _packed(room), None)
-    return r, ms.post(r, 1.1)
+    return r, ms.post(r, 1.1, AUXF)
 
 
 def test_a_staged_write_asks_a_slot_per_chunk_posts_into_the_slot_and_reports_after_every_chunk(ms):
@@ -575,7 +576,7 @@ def test_staging_only_decode_and_a_prefill_that_never_stages_fail_the_target_by_
     m.engine_init(r, 7, None, 1.0)
     m.message(D, staged_request(23, only=True), 1.0)
     m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(23), None)
-    acts = m.post(r, 1.1)
+    acts = m.post(r, 1.1, AUXF)
     assert not of(acts, PostWrite)
     assert r.state.state == KVPoll.Failed and "takes staged writes only" in r.state.reason
 
@@ -591,7 +592,7 @@ def test_an_offer_outlives_gc_while_its_request_waits_for_the_registration(ms):
     r = ms.open(24, 2.2)
     ms.engine_init(r, 7, None, 2.2)
     ms.chunk(r, np.arange(2), np.arange(2) + 5, None, True, _packed(24), None)
-    acts = ms.post(r, 2.3)
+    acts = ms.post(r, 2.3, AUXF)
     assert msgs(acts, wire.SlotRequest) and not of(acts, PostWrite) and r.paths == {"d/dp0/tp0": "staged"}
     ms.message(D, staged_request(25), 3.0)  # refused later or never delivered: pruned after the horizon
     ms.rooms.forget(ms.rooms[25], 3.0, tombstone=False)
@@ -614,7 +615,7 @@ def test_a_staging_area_other_than_the_registered_one_is_refused_naming_the_fiel
     assert "room=26" in failed.reason and "rank=d/dp0/tp0" in failed.reason
     assert r.state.state == KVPoll.Failed and not r.targets and (26, "d/dp0/tp0") not in ms.stage.offers
     ms.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(26), None)
-    acts = ms.post(r, 1.1)
+    acts = ms.post(r, 1.1, AUXF)
     assert not of(acts, PostWrite) and not msgs(acts, wire.SlotRequest)
 
 
@@ -634,7 +635,7 @@ def test_the_registered_area_is_the_one_written_and_a_request_without_staging_go
     ms.engine_init(r2, 7, None, 1.0)
     ms.message(D, request(29), 1.0)  # no area offered: direct, though one is registered
     ms.chunk(r2, [0, 1], np.array([5, 6]), None, True, _packed(29), None)
-    assert of(ms.post(r2, 1.1), PostWrite) and r2.paths == {"d/dp0/tp0": "direct"}
+    assert of(ms.post(r2, 1.1, AUXF), PostWrite) and r2.paths == {"d/dp0/tp0": "direct"}
 
 
 # -- the decode prefix: decode_first_page and init(first_page=) ------------------------------
@@ -671,7 +672,7 @@ def test_the_decode_prefix_is_read_once_decode_asked_and_only_pages_after_it_mov
         m.chunk(r, [1, 2], np.array([5, 6]), 12, False, None, None)
     m.chunk(r, [2], np.array([6]), 12, False, None, None)  # tokens [0, 12) exist: page 2 complete
     m.chunk(r, [3], np.array([7]), 15, True, _packed(40), None)
-    writes = of(sh.run(m.post(r, 1.1), 1.1), PostWrite)
+    writes = of(sh.run(m.post(r, 1.1, AUXF), 1.1), PostWrite)
     assert len(writes) == 2 and [c[0].tolist() for c in r.chunks] == [[2], [3]]
     reports = [msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)[0] for handle, _ in sh.posted]
     assert [np.frombuffer(x.logical_pages, "<i4").tolist() for x in reports] == [[2], [3]]

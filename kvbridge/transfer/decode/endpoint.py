@@ -1,13 +1,14 @@
 """DecodeEndpoint: one decode rank's shell around its rooms' state machine.
 
-The shell owns what the machine (``decode/room.py``) must not: the loop thread, the
-lock, the control channel (a reconnecting client per prefill rank), a small bounded
+The shell (``transfer/shell.py``: the loop, the lock, the event queue) owns what the
+machine (``decode/machine.py``) must not: the control channel (a reconnecting client per prefill rank), a small bounded
 pool for bootstrap look-ups and lease checks, and the aux rows in memory. It feeds the
 machine events and carries out the actions it returns. 1,000 rooms in flight are 1,000
 dict entries, not 1,000 threads. The loop reads like ``step()``:
 
-    receive (PagesDone, with the aux row / AbortAck / Heartbeat)  ->  feed each
-    ->  apply look-up answers  ->  close dropped receivers  ->  tick(now)  ->  carry out
+    receive (PagesDone, with the aux row / AbortAck / Heartbeat / ChunkLanded)  ->  feed each
+    ->  feed queued events (look-up answers, scatters done)  ->  close dropped receivers
+    ->  tick(now)  ->  carry out
 
 Fewest hops: ``init()`` of a room whose topology is known sends its requests from the
 engine's thread, under the lock, with no turn of the loop.
@@ -17,12 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -47,15 +46,15 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch, device_of
-from kvbridge.transfer.staging import STAGING_MODES, HostStager, StagingBuffer, copy_slices
+from kvbridge.transfer.shell import EndpointShell, Event
+from kvbridge.transfer.staging import HostStager, StagingBuffer, copy_slices
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 __all__ = ["DecodeConfig", "DecodeEndpoint"]
 
 
-class DecodeEndpoint:
+class DecodeEndpoint(EndpointShell):
     """One decode rank. ``aux_buffer``: where aux rows land, a packed uint8 ``[rows, row_bytes]``
     tensor or ``{region: tensor[rows, ...]}`` (SGLang's metadata buffers). Specs and aux schema
     are checked against the contract here (ConfigError naming the field)."""
@@ -71,6 +70,8 @@ class DecodeEndpoint:
         aux_buffer: Any,
         aux_schema: AuxSchema,
     ) -> None:
+        super().__init__()
+        self._loop_name = "decode"
         rank = config.rank_label
         if bootstrap is None:
             raise ConfigError("a DecodeEndpoint needs a BootstrapClient: it registers there and looks prefill "
@@ -110,14 +111,8 @@ class DecodeEndpoint:
                                                                     self.buffers.descs, rank,
                                                                     aux_ranges=self._aux_ranges),
         )  # fmt: skip
-        self._lock = threading.Lock()
-        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
-        self._results: deque[Callable[[], Any]] = deque()  # pool-thread answers: events for the loop to feed
-        self._released: deque[DecodeRoom] = deque()  # rooms whose KVReceiver was dropped (appended without the lock)
         self._peers: PeerSet | None = None
         self._pool = ThreadPoolExecutor(max_workers=config.lookup_threads, thread_name_prefix="kvb-lookup")
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._lease: LeaseKeeper | None = None
 
     # -- life cycle -----------------------------------------------------------
@@ -155,22 +150,18 @@ class DecodeEndpoint:
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")
-        self._thread = threading.Thread(target=self._run, name=f"kvb-decode-{self.config.tp_rank}", daemon=True)
-        self._thread.start()
+        self._start_loop(f"kvb-decode-{self.config.tp_rank}")
         log.info("decode rank %s up (session %s)", self.config.rank_label, self.engine.session_id)
 
     def close(self, timeout: float = 5.0) -> None:
         """Abort rooms still in flight, wait (bounded) for their acks, deregister."""
         with self._lock:
-            self._carry_out(self.machine.shutdown(f"decode rank {self.config.rank_label} is shutting down",
-                                                  time.monotonic()))
+            self._feed(self.machine.shutdown(f"decode rank {self.config.rank_label} is shutting down",
+                                             time.monotonic()))
         end = time.monotonic() + timeout
         while time.monotonic() < end and self._locked_unquiet():
             time.sleep(0.02)
-        self._stop.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stop_loop(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lease is not None:
             self._lease.stop(deregister=True)
@@ -205,13 +196,6 @@ class DecodeEndpoint:
         with self._lock:
             return self.machine.unquiet()
 
-    def __enter__(self) -> DecodeEndpoint:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- engine-facing (any thread) -------------------------------------------
 
     def receiver(self, room: int, prefill_instance: str, dp_rank: int | None = None, *,
@@ -230,10 +214,6 @@ class DecodeEndpoint:
         no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
         self._close_released()
         return self.machine.open(room, prefill_instance, dp_rank, time.monotonic())
-
-    def _close_released(self) -> None:
-        while self._released:
-            self._carry_out(self.machine.close(self._released.popleft(), time.monotonic()))
 
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
         """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
@@ -270,43 +250,17 @@ class DecodeEndpoint:
         with self._lock:
             # (a copy: the engine may reuse its array); topology known (cached or looked up): the
             # requests go out from this thread, no hop to the loop
-            self._carry_out(self.machine.init(r, pages.astype(np.int64), int(aux_slot),
-                                              None if num_tokens is None else int(num_tokens), int(first_page),
-                                              time.monotonic()))
+            self._feed(self.machine.init(r, pages.astype(np.int64), int(aux_slot),
+                                         None if num_tokens is None else int(num_tokens), int(first_page),
+                                         time.monotonic()))
             sent = r.state.state == KVPoll.Transferring
         if not sent:
             self._wake()
 
-    def locked(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with the endpoint's lock held (what a handle reads)."""
-        with self._lock:
-            return fn()
-
-    def release(self, r: DecodeRoom) -> None:
-        """The engine dropped its receiver: the room closes at the next step.
-        Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._released.append(r)
-
-    def close_room(self, r: DecodeRoom) -> None:
-        with self._lock:
-            self._carry_out(self.machine.close(r, time.monotonic()))
-        self._wake()
-
-    def abort_room(self, r: DecodeRoom, reason: str) -> None:
-        with self._lock:
-            self._carry_out(self.machine.abort(r, reason, time.monotonic()))
-        self._wake()
-
     def set_staging(self, mode: str) -> None:
         """Change what rooms requested from now on offer (auto, always, never: docs/staging.md) on a
         rank that has its staging area (the bench compares the paths on one set of ranks)."""
-        if mode not in STAGING_MODES:
-            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
-                              field="staging")
-        if mode != "never" and self.staging is None:
-            raise ConfigError("this rank has no staging area (staging 'never' at start, GPU pages on a "
-                              "direct-only engine, or pages on several devices)", rank=self.config.rank_label,
-                              field="staging")
+        self._check_staging_mode(mode, self.staging, "staging area")
         with self._lock:
             self.machine.staging_mode = mode
 
@@ -316,29 +270,28 @@ class DecodeEndpoint:
 
     # -- carrying out actions (lock held) ---------------------------------------
 
-    def _carry_out(self, actions: Iterable[Any]) -> None:
-        for a in actions:
-            if type(a) is Send:
-                rank_id = self.rank_id
-                if rank_id and rank_id != self._peers.name:  # re-registered: reconnect under the new name
-                    self._peers.rename(rank_id)
-                frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
-                for endpoint in a.to:
-                    self._send_frame(endpoint, frame)
-            elif type(a) is Scatter:
-                self._scatter(a)
-            elif type(a) is FreeRoom:
-                self._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
-            elif type(a) is LookUp:
-                self._look_up(a)
-            elif type(a) is Refresh:
-                self._refresh(a)
-            elif type(a) is CheckLease:
-                self._pool.submit(self._check_lease, a)
-            elif type(a) is DropPeer:
-                self._peers.drop(a.endpoint)
-            else:
-                raise TypeError(f"decode endpoint cannot carry out {a!r}")
+    def _carry(self, a: Any) -> None:
+        if type(a) is Send:
+            rank_id = self.rank_id
+            if rank_id and rank_id != self._peers.name:  # re-registered: reconnect under the new name
+                self._peers.rename(rank_id)
+            frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
+            for endpoint in a.to:
+                self._send_frame(endpoint, frame)
+        elif type(a) is Scatter:
+            self._scatter(a)
+        elif type(a) is FreeRoom:
+            self._room_freed.notify_all()  # receiver(room, ..., wait=...) may open it now
+        elif type(a) is LookUp:
+            self._look_up(a)
+        elif type(a) is Refresh:
+            self._refresh(a)
+        elif type(a) is CheckLease:
+            self._pool.submit(self._check_lease, a)
+        elif type(a) is DropPeer:
+            self._peers.drop(a.endpoint)
+        else:
+            raise TypeError(f"decode endpoint cannot carry out {a!r}")
 
     def _scatter(self, a: Scatter) -> None:
         """Empty a landed staging slot into the room's pages (checked by the machine), then free it.
@@ -349,7 +302,7 @@ class DecodeEndpoint:
         else:  # the kernel for pages, a plain copy for an aux row in host memory
             stager.copy(a.src, a.dst, a.length)
             stager.synchronize(stager.copier.record())
-        self._carry_out(self.machine.scattered(a.room, a.slot, time.monotonic()))
+        self._queue(lambda: self.machine.scattered(a.room, a.slot, time.monotonic()))
 
     def _send_frame(self, endpoint: str, frame: bytes) -> None:
         try:
@@ -357,11 +310,10 @@ class DecodeEndpoint:
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
 
-    def _hand_to_loop(self, event: Callable[[], Any]) -> None:
+    def _hand_to_loop(self, event: Event) -> None:
         """Feed ``event()`` (a machine event returning actions) on the loop thread, with the lock
         held (safe from any thread)."""
-        self._results.append(event)
-        self._wake()
+        self._queue(event)
 
     def _look_up(self, a: LookUp) -> None:
         """Ask the daemon on a pool thread; the answer is fed by the loop thread, never under a lock
@@ -404,20 +356,13 @@ class DecodeEndpoint:
 
     # -- the loop -------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._step()
-            except Exception:  # a bug must not kill the rank's only control loop
-                log.exception("decode loop step failed")
-                time.sleep(0.05)
-
     def _step(self) -> None:
         for endpoint, msg in self._peers.recv_ready(20):
             with self._lock:
-                self._carry_out(self.machine.message(endpoint, msg, time.monotonic()))
+                self._feed(self.machine.message(endpoint, msg, time.monotonic()))
+                self._feed_queued()  # a chunk's scatter is done before the next message is read
         with self._lock:
-            while self._results:
-                self._carry_out(self._results.popleft()())
+            self._feed_queued()
             self._close_released()
-            self._carry_out(self.machine.tick(time.monotonic()))
+            self._feed(self.machine.tick(time.monotonic()))
+            self._feed_queued()

@@ -1,20 +1,23 @@
 """PrefillEndpoint: one prefill rank's shell around its rooms' state machine.
 
-The shell owns what the machine (``prefill/machine.py``) must not: the loop thread, the
-lock, the control server, the transfer engine, one thread that reads decode ranks'
-registrations from the daemon, the aux rows in memory and the lease. It feeds the
-machine events and carries out the actions it returns (``Send``, ``PostWrite``,
-``Resolve``, ``ReleaseAux``, ``FreeRoom``). The loop reads like ``step()``:
+The shell (``transfer/shell.py``: the loop, the lock, the event queue) owns what the
+machine (``prefill/machine.py``) must not: the control server, the transfer engine, one
+thread that reads decode ranks' registrations from the daemon, the aux rows and the pages
+in memory, and the lease. It feeds the machine events and carries out the actions it
+returns (``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``,
+``ReleaseAux``, ``FreeRoom``). The loop reads like ``step()``:
 
-    receive control messages -> feed each  ->  apply registrations read  ->  collect
-    completions (write_final)  ->  tick(now): post, settle, deadlines  ->  carry out
+    receive control messages -> feed each  ->  feed queued events (registrations read,
+    writes refused at submission)  ->  collect completions (write_final)  ->  tick(now)
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already
-here; a write that becomes final is reported from the engine's completion callback
-(its thread), not by waking the loop:
+here. An engine's result is an event for the loop: the completion callback only wakes
+it, and a write refused inside ``submit_write`` is queued, so the machine is never
+entered from inside a post:
 
-    decode init() --request--> loop: check, plan, post --engine--> callback: report --> decode
+    decode init() --request--> loop: check, plan, post --engine--> callback: wake
+                                                     loop: collect, report --> decode
 
 Threads: the loop, the engine's own, the bootstrap lease keeper and the registration
 reader; never one per room.
@@ -24,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
+
+import msgspec
 
 import numpy as np
 
@@ -46,17 +49,17 @@ from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
-from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import PostChunk
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch
-from kvbridge.transfer.staging import STAGING_MODES, StagingBuffer
+from kvbridge.transfer.shell import EndpointShell
+from kvbridge.transfer.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 __all__ = ["PrefillConfig", "PrefillEndpoint"]
 
@@ -78,7 +81,7 @@ def _stage_specs(config: PrefillConfig, specs: Mapping[str, PoolSpec], num_targe
     return stage_specs(specs, (start, end), num_target_layers)
 
 
-class PrefillEndpoint:
+class PrefillEndpoint(EndpointShell):
     """One prefill rank. ``bootstrap`` is required: the rank registers there, and reads each
     decode rank's registered buffers from it. ``aux_buffer`` (optional): the engine's own aux
     rows, packed uint8 ``[rows, row_bytes]`` or ``{region: tensor[rows, ...]}``, registered so
@@ -100,6 +103,8 @@ class PrefillEndpoint:
         *,
         aux_buffer: Any = None,
     ) -> None:
+        super().__init__()
+        self._loop_name = "prefill"
         rank = config.rank_label
         if bootstrap is None:
             raise ConfigError("a PrefillEndpoint needs a BootstrapClient: it registers there and reads each decode "
@@ -124,23 +129,15 @@ class PrefillEndpoint:
                                                 config.staging_slot_bytes, rank=rank, role="prefill",
                                                 engine=self.engine)
         self.machine = PrefillRooms(
-            config, self.specs, self.buffers.descs, aux_schema, self.fingerprint, aux_source=self._aux_source,
-            page_digests=lambda pools, pages, local, n: page_digests(self.specs, self.buffers.tensors, pools, pages,
-                                                                     local, n),
+            config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
             hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
             gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
-        self._lock = _OwnedLock()
-        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
-        self._results: deque[Callable[[], Any]] = deque()  # registration answers: events for the loop to feed
-        self._released: deque[PrefillRoom] = deque()  # dropped KVSenders (appended without the lock)
-        self._final_while_posting = False  # a write became final inside submit_write: collect after posting
         self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
         self._server: ControlServer | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._next_housekeeping = 0.0
         self._lease: LeaseKeeper | None = None
 
     # -- life cycle -----------------------------------------------------------
@@ -178,9 +175,8 @@ class PrefillEndpoint:
         if self.gather is not None:
             self.gather.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
-        self.engine.set_notify(self._write_final)
-        self._thread = threading.Thread(target=self._run, name=f"kvb-prefill-{self.config.cp_rank}", daemon=True)
-        self._thread.start()
+        self.engine.set_notify(self._wake)  # a write became final: collected on the loop's next turn
+        self._start_loop(f"kvb-prefill-{self.config.cp_rank}")
         self._lease = register_rank(
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
             self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
@@ -196,16 +192,12 @@ class PrefillEndpoint:
         while time.monotonic() < end and self.locked(lambda: self.machine.busy):
             time.sleep(0.02)
         with self._lock:
-            self._carry_out(self.machine.shutdown(f"prefill rank {self.config.rank_label} is shutting down",
-                                                  time.monotonic()))
+            self._feed(self.machine.shutdown(f"prefill rank {self.config.rank_label} is shutting down",
+                                             time.monotonic()))
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.machine.writes:
             time.sleep(0.02)
-        self._stop.set()
-        if self._server is not None:
-            self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stop_loop(timeout)
         self._resolver.shutdown(wait=False, cancel_futures=True)
         if self._lease is not None:
             self._lease.stop(deregister=True)
@@ -214,13 +206,6 @@ class PrefillEndpoint:
         self.engine.set_notify(None)
         # the engine may outlive this endpoint: withdraw our memory before the caller frees it
         unregister_quietly(self.engine, self.buffers, self.aux_staging, self.aux_buffers, self.scratch, self.gather)
-
-    def __enter__(self) -> PrefillEndpoint:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _wake(self) -> None:
         if self._server is not None:
@@ -238,33 +223,19 @@ class PrefillEndpoint:
     def _open(self, room: int) -> PrefillRoom:
         """(lock held) Close the rooms of dropped handles first: a dropped KVSender holds its room
         no more, so its id is draining or free now, never "still held" (and ``wait`` applies)."""
-        self._close_released(time.monotonic())
+        self._close_released()
         return self.machine.open(room, time.monotonic())
-
-    def _close_released(self, now: float) -> None:
-        while self._released:
-            self._carry_out(self.machine.close(self._released.popleft(), now))
 
     def set_staging(self, mode: str) -> None:
         """Change the staging override (auto, always, never) for targets not yet planned (the
         bench compares the paths on one set of ranks)."""
-        if mode not in STAGING_MODES:
-            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
-                              field="staging")
-        if mode != "never" and self.gather is None:
-            raise ConfigError("this rank has no gather buffer (staging 'never' at start, GPU pages on a direct-only "
-                              "engine, or pages on several devices)", rank=self.config.rank_label, field="staging")
+        self._check_staging_mode(mode, self.gather, "gather buffer")
         with self._lock:
             self.machine.stage.mode = mode
 
-    def locked(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with the endpoint's lock held (what a handle reads)."""
-        with self._lock:
-            return fn()
-
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0) -> None:
         with self._lock:
-            self._carry_out(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page))
+            self._feed(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
@@ -283,14 +254,19 @@ class PrefillEndpoint:
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
             self.machine.chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
+            aux = None
             if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
                 try:
-                    self.aux_staging.stage(r.room, row, after=ready_event)
+                    slot = self.aux_staging.stage(r.room, row, after=ready_event)
                 except KVBridgeError as exc:
-                    self._carry_out(self.machine.abort(r, f"aux row of room {r.room} cannot be staged: {exc}",
-                                                       time.monotonic()))
+                    self._feed(self.machine.abort(r, f"aux row of room {r.room} cannot be staged: {exc}",
+                                                  time.monotonic()))
                     raise
-            self._carry_out(self.machine.post(r, time.monotonic()))
+                aux = AuxFrom(self.aux_staging.regions, slot, self.aux_staging.row_base,
+                              self.aux_staging.ready_event(r.room))
+            elif aux_slot is not None:  # the engine's own row: written from where it is
+                aux = AuxFrom(self.aux_buffers.regions, aux_slot, self.aux_buffers.row_base)
+            self._feed(self.machine.post(r, time.monotonic(), aux))
 
     def _check_aux_slot(self, room: int, slot: int) -> None:
         if self.aux_buffers is None:
@@ -303,67 +279,59 @@ class PrefillEndpoint:
                 raise LayoutError(f"aux slot {slot} holds room {echoed}'s row", room=room,
                                   rank=self.config.rank_label, field="aux_slot")
 
-    def release(self, r: PrefillRoom) -> None:
-        """The engine dropped its sender: the room closes at the next housekeeping.
-        Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
-        self._released.append(r)
-
-    def close_room(self, r: PrefillRoom) -> None:
-        with self._lock:
-            self._carry_out(self.machine.close(r, time.monotonic()))
-        self._wake()
-
-    def abort_room(self, r: PrefillRoom, reason: str) -> None:
-        with self._lock:
-            self._carry_out(self.machine.abort(r, reason, time.monotonic()))
-        self._wake()
-
     # -- carrying out actions (lock held) ---------------------------------------
 
-    def _carry_out(self, actions: Iterable[Any]) -> None:
-        for a in actions:
-            if type(a) is PostWrite:
-                self._post(a)
-            elif type(a) is PostChunk:
-                self._post_chunk(a)
-            elif type(a) is Send:
-                for ident in a.to:
-                    self._reply(ident, a.msg)
-            elif type(a) is ReleaseAux:
-                self.aux_staging.release(a.room)
-            elif type(a) is FreeRoom:
-                self._room_freed.notify_all()  # sender(room, wait=...) may open it now
-            elif type(a) is Resolve:
-                self._resolver.submit(self._resolve, a)
-            elif type(a) is WriteNonce:
-                self._resolver.submit(self._write_nonce, a)
-            else:
-                raise TypeError(f"prefill endpoint cannot carry out {a!r}")
-        if self._final_while_posting:  # every handle is registered now
-            self._final_while_posting = False
-            self._collect()
+    def _carry(self, a: Any) -> None:
+        if type(a) is PostWrite:
+            self._post(a)
+        elif type(a) is PostChunk:
+            self._post_chunk(a)
+        elif type(a) is Send:
+            for ident in a.to:
+                self._reply(ident, a.msg)
+        elif type(a) is SendDigested:
+            self._send_digested(a)
+        elif type(a) is ReleaseAux:
+            self.aux_staging.release(a.room)
+        elif type(a) is FreeRoom:
+            self._room_freed.notify_all()  # sender(room, wait=...) may open it now
+        elif type(a) is Resolve:
+            self._resolver.submit(self._resolve, a)
+        elif type(a) is WriteNonce:
+            self._resolver.submit(self._write_nonce, a)
+        else:
+            raise TypeError(f"prefill endpoint cannot carry out {a!r}")
 
     def _post(self, a: PostWrite) -> None:
+        """Submit a write. A refusal is an event for the loop's next turn (the machine is not
+        entered from inside a post); a completion comes through ``take_final``, also on the loop."""
         if not a.target.active:  # its target failed since the write was planned: nothing to post
-            self._carry_out(self.machine.post_failed(a, None, time.monotonic()))
+            self._queue(lambda: self.machine.post_failed(a, None, time.monotonic()))
             return
         try:
             handle = self.engine.submit_write(a.session, a.src, a.dst, a.length, after=a.after)
         except KVBridgeError as exc:
-            self._carry_out(self.machine.post_failed(a, str(exc), time.monotonic()))
+            reason = str(exc)
+            self._queue(lambda: self.machine.post_failed(a, reason, time.monotonic()))
             return
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
             log.exception("room %d on %s: posting to %s failed", a.room, self.config.rank_label, a.target.decode_rank)
             reason = f"internal error posting room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
-            self._carry_out(self.machine.post_failed(a, reason, time.monotonic()))
+            self._queue(lambda: self.machine.post_failed(a, reason, time.monotonic()))
             return
-        self.machine.posted(a, handle, time.monotonic())
+        now = time.monotonic()
+        self._queue(lambda: self.machine.posted(a, handle, now))  # booked before any completion is collected
+
+    def _send_digested(self, a: SendDigested) -> None:
+        """The machine's report with the digests of the pages it names, read here."""
+        digests = page_digests(self.specs, self.buffers.tensors, a.pools, a.pages, a.local, a.num_tokens)
+        self._reply(a.to, msgspec.structs.replace(a.msg, digests=digests.tobytes()))
 
     def _post_chunk(self, a: PostChunk) -> None:
         """Gather a staged chunk into our gather slot, then write the slot's pieces into the decode
         slot it was granted (the write waits for the gather: ``after`` on the GPU, at once on the host)."""
         if not a.target.active:
-            self._carry_out(self.machine.chunk_post_failed(a, None, time.monotonic()))
+            self._queue(lambda: self.machine.chunk_post_failed(a, None, time.monotonic()))
             return
         try:
             stager, local = self.gather.stager, self.gather.slot_addr(a.local_slot)
@@ -373,15 +341,17 @@ class PrefillEndpoint:
             src, dst, length = a.staged.wire(a.chunk, local, a.remote_addr)
             handle = self.engine.submit_write(a.session, src, dst, length, after=event)
         except KVBridgeError as exc:
-            self._carry_out(self.machine.chunk_post_failed(a, str(exc), time.monotonic()))
+            reason = str(exc)
+            self._queue(lambda: self.machine.chunk_post_failed(a, reason, time.monotonic()))
             return
         except Exception as exc:  # a bug must fail this target, not the thread that called us
             log.exception("room %d on %s: staging a chunk to %s failed", a.room, self.config.rank_label,
                           a.target.decode_rank)
             reason = f"internal error staging room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
-            self._carry_out(self.machine.chunk_post_failed(a, reason, time.monotonic()))
+            self._queue(lambda: self.machine.chunk_post_failed(a, reason, time.monotonic()))
             return
-        self.machine.chunk_posted(a, handle, len(length), int(a.staged.chunk_bytes[a.chunk]), time.monotonic())
+        num_slices, now = len(length), time.monotonic()
+        self._queue(lambda: self.machine.chunk_posted(a, handle, num_slices, int(a.staged.chunk_bytes[a.chunk]), now))
 
     def _engine_kind(self, session: str) -> str:
         """The kind of engine a write to ``session`` goes through (choose_path's ``engine``)."""
@@ -394,39 +364,21 @@ class PrefillEndpoint:
         # pages on a GPU stage against thresholds of their own (layout/staging.py)
         return f"{kind}-gpu" if kind == "mooncake" and self.gather is not None and self.gather.on_gpu else kind
 
-    def _aux_source(self, room: int, row: np.ndarray | None, aux_slot: int | None, after: Any) -> tuple:
-        """Where room ``room``'s aux row is written from: kvbridge's staging row (staged by send();
-        its device copy is one more event to wait on) or the engine's own aux rows."""
-        if row is not None:
-            slot = self.aux_staging.stage(room, row, after=after)
-            return self.aux_staging.regions, slot, self.aux_staging.row_base, \
-                self.aux_staging.ready_event(room) or after
-        return self.aux_buffers.regions, aux_slot, self.aux_buffers.row_base, after
-
     def _reply(self, ident: bytes, msg: Any) -> None:
         try:
             self._server.send(ident, msg)
         except TransferError as exc:  # the decode rank went away; liveness fails its targets
             log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
 
-    def _write_final(self) -> None:
-        """Engine callback, a write became final: report it from this thread (no loop turn).
-        Inside submit_write (a write refused at once) the poster holds the lock and collects."""
-        if self._lock.held_here():
-            self._final_while_posting = True
-            return
-        with self._lock:
-            self._collect()
-
     def _collect(self) -> None:
-        """Feed the writes that became final (the loop, or the engine's callback thread)."""
+        """Feed the writes that became final (the loop's turn, lock held)."""
         final = self.engine.take_final()
         handles = self.machine.handles
         for handle in list(handles) if final is None else [h for h in final if h in handles]:
             status = self.engine.poll(handle)
             if status.state is WriteState.PENDING:
                 continue
-            self._carry_out(self.machine.write_final(handle, status, time.monotonic()))
+            self._feed(self.machine.write_final(handle, status, time.monotonic()))
 
     def _resolve(self, a: Resolve) -> None:
         """Resolver thread: read a decode rank's registration, hand the answer to the loop."""
@@ -437,8 +389,7 @@ class PrefillEndpoint:
                                      "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
         except KVBridgeError as exc:
             detail, problem = None, f"cannot read decode rank {a.label}'s registration {a.rank_id}: {exc}"
-        self._results.append(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
-        self._wake()
+        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
 
     def _write_nonce(self, a: WriteNonce) -> None:
         """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a
@@ -453,8 +404,7 @@ class PrefillEndpoint:
         except Exception as exc:  # a bug refuses this connection, never the resolver thread
             log.exception("nonce write to %s failed", a.session)
             problem = f"session {a.session}: {type(exc).__name__}: {exc}"
-        self._results.append(lambda: self.machine.nonce_written(a.ident, problem, time.monotonic()))
-        self._wake()
+        self._queue(lambda: self.machine.nonce_written(a.ident, problem, time.monotonic()))
 
     def _hello_of(self, ident: bytes) -> str | None:
         hello = self._server.hello_of(ident) if self._server is not None else None
@@ -462,64 +412,23 @@ class PrefillEndpoint:
 
     # -- the loop -------------------------------------------------------------
 
-    def _run(self) -> None:
-        next_housekeeping = 0.0
-        while not self._stop.is_set():
-            try:
-                self._step()
-                now = time.monotonic()
-                if now >= next_housekeeping:
-                    next_housekeeping = now + self.config.housekeeping_interval
-                    with self._lock:
-                        self._close_released(now)
-                        self._carry_out(self.machine.gc(now))
-            except Exception:  # a bug must not kill the rank's only control loop
-                log.exception("prefill loop step failed")
-                time.sleep(0.05)
-
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
         for ident, msg in self._server.recv_ready(50):
             with self._lock:
-                self._carry_out(self.machine.message(ident, msg, time.monotonic()))
+                self._feed(self.machine.message(ident, msg, time.monotonic()))
+                self._feed_queued()
         with self._lock:
-            while self._results:
-                self._carry_out(self._results.popleft()())
+            self._feed_queued()
             self._collect()
-            self._carry_out(self.machine.tick(time.monotonic()))
-
-
-class _OwnedLock:
-    """A lock that knows its holder: the engine's completion callback may run on a thread that
-    already holds it (inside submit_write), and must not wait for itself there."""
-
-    __slots__ = ("_lock", "_owner")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if not self._lock.acquire(blocking, timeout):
-            return False
-        self._owner = threading.get_ident()
-        return True
-
-    def release(self) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def __enter__(self) -> _OwnedLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def held_here(self) -> bool:
-        return self._owner == threading.get_ident()
-
-    _is_owned = held_here  # what threading.Condition asks
+            self._feed_queued()
+            now = time.monotonic()
+            self._feed(self.machine.tick(now))
+            if now >= self._next_housekeeping:
+                self._next_housekeeping = now + self.config.housekeeping_interval
+                self._close_released()
+                self._feed(self.machine.gc(now))
+            self._feed_queued()
 
 
 def _on_host(aux: AuxBuffers) -> bool:

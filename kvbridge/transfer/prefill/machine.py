@@ -4,9 +4,13 @@ One :class:`PrefillRoom` per room, and :class:`PrefillRooms`, the side's machine
 drives them all. Events are method calls (open, engine init, chunk, message from a decode
 rank, registration resolved, write posted / failed to post, write final, abort, close,
 tick, gc); each returns the actions for the endpoint's shell to carry out, in order
-(``Send``, ``PostWrite``, ``Resolve``, ``ReleaseAux``, ``FreeRoom``). No socket, thread,
-lock, clock or engine call inside: the time is passed in; the aux row's source slot and
-the page digests are read through the two readers given at construction.
+(``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``, ``ReleaseAux``,
+``FreeRoom``). No socket, thread, lock, clock, engine call or memory touch inside, and no
+callable held: the time is passed in, the aux row's source comes in as plain data
+(``AuxFrom``, with ``post``), and the pages to digest go out as plain data
+(``SendDigested``): the shell does every memory touch. An engine's result (a write
+posted, refused, final) is an event the shell feeds on its loop's next turn, never a call
+back into the machine from inside a post.
 
 The rooms themselves (chunks, held pages, targets) are ``room.py``; a connection's
 identity proof ``identity.py``; staged writes ``staged.py``.
@@ -63,25 +67,47 @@ class PostWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class AuxFrom:
+    """Where a room's aux row is written from (the shell staged it, or it is a slot of the
+    engine's own registered rows): the rows' regions, the slot, the packed row base (None: by
+    region), and the events the row's write waits on besides the chunk's (None: none)."""
+
+    regions: Mapping[str, RegionAddr]
+    slot: int
+    row_base: int | None = None
+    after: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendDigested:
+    """Send ``msg`` (a PagesDone) to connection ``to`` with ``digests`` filled in: the digests
+    of ``pages`` (logical) held in our ``local`` pages of ``pools``, over ``num_tokens``."""
+
+    to: bytes
+    msg: wire.PagesDone
+    pools: tuple[str, ...]
+    pages: np.ndarray
+    local: np.ndarray
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseAux:
     """The room is final: its aux staging slot may be reused."""
 
     room: int
 
 
-AuxSource = Callable[[int, "np.ndarray | None", "int | None", Any], tuple[Mapping[str, RegionAddr], int, "int | None", Any]]
-Digests = Callable[[Sequence[str], np.ndarray, np.ndarray, int], np.ndarray]
 _BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
-    """The prefill rank's rooms and what drives them. ``aux_source(room, row, aux_slot, after)``:
-    where a room's aux row is read from: (regions, slot, packed row base, the events its write
-    waits on); ``page_digests(pools, logical, local, num_tokens)``: digests of our pages;
-    ``hello_of(connection)``: the registration the connection named in its Hello (None: none)."""
+    """The prefill rank's rooms and what drives them. ``hello_of(connection)``: the
+    registration the connection named in its Hello (None: none), a read of the channel's
+    books (no memory)."""
 
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
-                 aux_schema: AuxSchema, fingerprint: str, *, aux_source: AuxSource, page_digests: Digests,
+                 aux_schema: AuxSchema, fingerprint: str, *,
                  hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
                  trace: bool = False, gather: StagingArea | None = None,
                  engine_kind: Callable[[str], str] = lambda session: "local") -> None:
@@ -90,8 +116,6 @@ class PrefillRooms:
         self.src_bufs = src_bufs
         self.aux_schema = aux_schema
         self.fingerprint = fingerprint
-        self.aux_source = aux_source
-        self.page_digests = page_digests
         self.digests_readable = digests_readable
         self.trace = trace
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
@@ -142,9 +166,12 @@ class PrefillRooms:
         """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it."""
         r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event)
 
-    def post(self, r: PrefillRoom, now: float) -> list[Any] | tuple:
+    def post(self, r: PrefillRoom, now: float, aux: AuxFrom | None = None) -> list[Any] | tuple:
         """Post what the room has queued to the decode ranks that asked (from the engine's thread
-        in send(): no loop turn)."""
+        in send(): no loop turn). ``aux``: where the room's aux row is written from, once the
+        shell staged it (the send() that passed it)."""
+        if aux is not None:
+            r.aux_from = aux
         self._post_and_settle(r, now)
         return self._actions()
 
@@ -524,9 +551,13 @@ class PrefillRooms:
             aux = None
             if with_aux:
                 t.aux_posted = True
-                regions, slot, row_base, after = self.aux_source(r.room, r.aux_row, r.aux_slot, after)
-                aux = aux_slices(self.aux_schema, regions, slot, t.aux_dst, t.aux_slot, src_base=row_base,
-                                 dst_base=t.aux_row_base)
+                src = r.aux_from
+                if src is None:
+                    raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
+                                        room=r.room, rank=self.cfg.rank_label, field="aux")
+                after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
+                aux = aux_slices(self.aux_schema, src.regions, src.slot, t.aux_dst, t.aux_slot,
+                                 src_base=src.row_base, dst_base=t.aux_row_base)
             if logical.size:  # the aux row rides in the same write, after the pages' slices
                 plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
                                    rank=self.cfg.rank_label, extra=aux)
@@ -574,7 +605,8 @@ class PrefillRooms:
         if found is not None and found[0] in self.stage.writes:
             self._settle_staged(self.stage.writes[found[0]], now)
 
-    def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int, now: float) -> None:
+    def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int,
+                     now: float) -> list[Any] | tuple:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
         self.handles[handle] = a.write
         self.stage.posted(a, handle)
@@ -589,6 +621,7 @@ class PrefillRooms:
             log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d slot %d slices=%d bytes=%d", r.room,
                      self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk,
                      self.stage.writes[a.write].remote[a.chunk], num_slices, num_bytes)
+        return self._actions()
 
     def chunk_post_failed(self, a: PostChunk, reason: str | None, now: float) -> list[Any] | tuple:
         """Chunk ``a`` was not submitted (gather or submission refused: ``reason``; or its target
@@ -626,7 +659,7 @@ class PrefillRooms:
         self._write_done(sw.write, WriteStatus.DONE if ok else WriteStatus.failed(sw.target.failure or
                                                                                   "staged write failed"), now)
 
-    def posted(self, a: PostWrite, handle: int, now: float) -> None:
+    def posted(self, a: PostWrite, handle: int, now: float) -> list[Any] | tuple:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
         self.handles[handle] = a.write
         r, t = self.writes[a.write]
@@ -642,6 +675,7 @@ class PrefillRooms:
             log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
                      self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, _pages_text(logical),
                      " +aux" if with_aux else "", num_slices, num_bytes)
+        return self._actions()
 
     def post_failed(self, a: PostWrite, reason: str | None, now: float) -> list[Any] | tuple:
         """Write ``a`` was refused at submission (``reason``), or not submitted because its target
@@ -677,19 +711,20 @@ class PrefillRooms:
         if status.state is WriteState.FAILED:
             t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
         elif t.active:
-            digests = None
             if pages.size:
                 t.num_pages_done += pages.size
-                if t.want_digest:
-                    local = _local_pages_of(r, pages)
-                    digests = self.page_digests(t.pools, pages, local, r.plan_tokens).tobytes()
             if with_aux:
                 t.aux_done = True
             # one report per write: its pages and, when it carried it, the aux row
-            self._out.append(Send((t.ident,), wire.PagesDone(
+            msg = wire.PagesDone(
                 room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
                 pools=list(t.pools) if pages.size else [], logical_pages=pages.astype("<i4").tobytes(),
-                digests=digests, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)))
+                digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)
+            if pages.size and t.want_digest:  # the shell reads the pages and fills the digests in
+                self._out.append(SendDigested(t.ident, msg, tuple(t.pools), pages, _local_pages_of(r, pages),
+                                              r.plan_tokens))
+            else:
+                self._out.append(Send((t.ident,), msg))
         self._settle(r, now)
         self._forget_if_quiet(r, now)
 

@@ -88,6 +88,7 @@ class PrefillRoom:
         self.auto_last = False  # nothing to send: complete on init() alone
         self.aux_row: np.ndarray | None = None  # packed row, staged by kvbridge
         self.aux_slot: int | None = None  # or: a slot of the engine's own registered aux rows
+        self.aux_from: Any = None  # where the shell says the row is written from (machine.AuxFrom)
         self.targets: dict[str, Target] = {}
         self.holder: tuple[str, str] | None = None  # (decode instance, rank label) of the first claim: the only one served
         self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet

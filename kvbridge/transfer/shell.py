@@ -1,0 +1,158 @@
+"""The shell both endpoints share around their rooms' state machine.
+
+A side's machine (``prefill/machine.py``, ``decode/machine.py``) is sans-I/O: events in,
+actions out. Its endpoint is the shell: it owns the loop thread, the lock and the queue of
+events that other threads produced (an engine's completion, a daemon's answer, a copy
+that finished), and it is the only caller of the machine:
+
+    any thread:  engine callback / pool thread / copy done  --queue(event)-->  wake the loop
+    loop turn:   receive messages -> feed each  ->  feed the queued events  ->  tick(now)
+                 every feed: machine event -> actions -> carried out, in order
+
+Nothing calls into the machine from inside an action the shell is carrying out: an
+action's result (a write refused at submission, a scatter done) is queued as an event
+and fed after the actions of the current event are carried out, so the machine never
+sees a second event while the first one's actions are still running (``feeding``: a
+guard that raises instead of nesting). The engine's completion callback only queues and
+wakes: it never takes the lock, so it may fire on any thread, inside ``submit_write`` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.staging import STAGING_MODES
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["EndpointShell", "Event"]
+
+Event = Callable[[], Iterable[Any]]  # a machine event, bound to its arguments; returns actions
+
+
+class EndpointShell:
+    """The loop, the lock and the event queue of one endpoint. Subclasses set ``machine``,
+    ``config`` and the staging buffer (``_staging_buffer``), and define ``_carry``
+    (one action), ``_wake`` and ``_step`` (one loop turn)."""
+
+    machine: Any
+    config: Any
+    _loop_name = "endpoint"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
+        self._events: deque[Event] = deque()  # fed on the loop's next turn (appended from any thread)
+        self._released: deque[Any] = deque()  # rooms whose handle was dropped (appended without the lock)
+        self._feeding = False  # the machine's actions are being carried out (lock held)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- feeding the machine (lock held) ----------------------------------------
+
+    def _feed(self, actions: Iterable[Any]) -> None:
+        """Carry out the actions one machine event returned, then feed the events queued
+        meanwhile (by those actions or by other threads), oldest first, one at a time: the
+        machine sees its next event only once the last one's actions are all carried out."""
+        if self._feeding:  # an action called back into the machine: the recursion this shell exists to rule out
+            raise RuntimeError(f"{self.config.rank_label}: a machine event was fed while another one's actions "
+                               "were being carried out")
+        self._feeding = True
+        try:
+            while True:
+                for a in actions:
+                    self._carry(a)
+                if not self._events:
+                    return
+                actions = self._events.popleft()()
+        finally:
+            self._feeding = False
+
+    def _feed_queued(self) -> None:
+        """Feed every queued event, oldest first (lock held)."""
+        if self._events:
+            self._feed(())
+
+    def _queue(self, event: Event) -> None:
+        """Feed ``event`` on the loop's next turn (any thread, lock held or not)."""
+        self._events.append(event)
+        self._wake()
+
+    def _carry(self, action: Any) -> None:
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    # -- engine-facing (any thread) -------------------------------------------
+
+    def locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the endpoint's lock held (what a handle reads)."""
+        with self._lock:
+            return fn()
+
+    def release(self, r: Any) -> None:
+        """The engine dropped its handle: the room closes at the next housekeeping.
+        Runs from a GC finalizer, possibly on a thread that holds the lock: no locking here."""
+        self._released.append(r)
+
+    def _close_released(self) -> None:
+        """(lock held) Close the rooms of dropped handles."""
+        while self._released:
+            self._feed(self.machine.close(self._released.popleft(), time.monotonic()))
+
+    def close_room(self, r: Any) -> None:
+        with self._lock:
+            self._feed(self.machine.close(r, time.monotonic()))
+        self._wake()
+
+    def abort_room(self, r: Any, reason: str) -> None:
+        with self._lock:
+            self._feed(self.machine.abort(r, reason, time.monotonic()))
+        self._wake()
+
+    def _check_staging_mode(self, mode: str, buffer: Any, what: str) -> None:
+        """``set_staging``'s checks: a known mode, and a rank that has its staging buffer."""
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=self.config.rank_label,
+                              field="staging")
+        if mode != "never" and buffer is None:
+            raise ConfigError(f"this rank has no {what} (staging 'never' at start, GPU pages on a direct-only "
+                              "engine, or pages on several devices)", rank=self.config.rank_label, field="staging")
+
+    def __enter__(self) -> Any:
+        self.start()  # type: ignore[attr-defined]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    # -- the loop -------------------------------------------------------------
+
+    def _start_loop(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _stop_loop(self, timeout: float) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # a bug must not kill the rank's only control loop
+                log.exception("%s loop step failed", self._loop_name)
+                time.sleep(0.05)
