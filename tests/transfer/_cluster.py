@@ -107,7 +107,7 @@ class DecodeRank:
 
     def __init__(self, bootstrap: str, *, tp_rank: int = 0, tp_size: int = 1, layers: int = 2, page_size: int = 4,
                  pages: int = 512, engine: str = "mooncake", instance: str = "decode", aux_rows: int = 64,
-                 model: str = "", device: str = "cpu", **cfg: Any) -> None:
+                 model: str = "", device: str = "cpu", raw_buffers: bool = False, **cfg: Any) -> None:
         if device != "cpu" and model == "kv-fp32":
             raise ValueError("the kv-fp32 test model keeps its pools in host memory")
         if model == "kv-fp32":  # public API only; aux rows in one tensor per region
@@ -138,7 +138,14 @@ class DecodeRank:
         cfg.setdefault("transfer_timeout", 60.0)
         config = DecodeConfig(instance=instance, tp_rank=tp_rank, tp_size=tp_size, lease_ttl=2.0, **cfg)
         self.client = BootstrapClient(bootstrap)
-        self.ep = DecodeEndpoint(config, create_engine(engine), self.specs, self.buffers, self.contract, self.client,
+        handed = self.buffers
+        if raw_buffers:  # addresses only, as the SGLang backend hands them (the tensors stay alive here)
+            from kvbridge.layout import RawBuffer
+            from kvbridge.transfer.engine import tensor_region
+
+            handed = {k: RawBuffer(*tensor_region(b), device=str(getattr(b, "device", "cpu")))
+                      for k, b in self.buffers.items()}
+        self.ep = DecodeEndpoint(config, create_engine(engine), self.specs, handed, self.contract, self.client,
                                  self.aux, self.aux_schema)
         self.ep.start()
         self.page_size = page_size

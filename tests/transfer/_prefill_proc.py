@@ -37,6 +37,7 @@ from kvbridge.layout import OwnerLanes, stage_specs
 from kvbridge.transfer.engine import create_engine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+from kvbridge.layout import RawBuffer
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
 from kvbridge.worker.synthetic import fill_pages, make_aux
 
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--staging-slot-bytes", type=int, default=8 << 20)
     ap.add_argument("--random-local", type=int, default=0, help="a seed: local pages drawn at random, not bumped")
     ap.add_argument("--device", default="cpu", help="where the pools live (cuda:N: not with --model kv-fp32)")
+    ap.add_argument("--raw-buffers", action="store_true",
+                    help="hand the pools to the endpoint as RawBuffer addresses (as the SGLang backend does)")
     ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--pp-size", type=int, default=1)
     ap.add_argument("--pp-layers", default="", help="start,end: this pipeline stage's target layers")
@@ -120,7 +123,12 @@ def main() -> None:
                         lease_ttl=args.lease_ttl, housekeeping_interval=0.2, target_timeout=args.target_timeout,
                         secret=args.secret.encode() or None, staging=args.staging,
                         staging_bytes=args.staging_bytes, staging_slot_bytes=args.staging_slot_bytes)
-    ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, buffers, contract, BootstrapClient(args.bootstrap),
+    handed = buffers
+    if args.raw_buffers:  # the tensors stay alive here; the endpoint sees addresses only
+        from kvbridge.transfer.engine import tensor_region
+
+        handed = {k: RawBuffer(*tensor_region(b), device=str(getattr(b, "device", "cpu"))) for k, b in buffers.items()}
+    ep = PrefillEndpoint(cfg, create_engine(args.engine), specs, handed, contract, BootstrapClient(args.bootstrap),
                          aux_schema, aux_buffer=engine_aux)
     ep.start()
     aux_slots = iter(range(10**9))

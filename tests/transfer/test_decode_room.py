@@ -448,11 +448,14 @@ def test_a_failed_staged_room_frees_pages_at_once_and_quarantines_its_slot_until
     r = requested(ms)
     ms.message("tcp://p0", ask(7, 0, 0), 2.0)
     ms.message("tcp://p1", ask(7, 1, 0), 2.0)
-    ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.0)  # landed: not scattered yet
+    acts = ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.0)  # landed: its scatter starts
+    (scatter,) = [a for a in acts if type(a).__name__ == "Scatter"]
     ms.abort(r, "user cancelled", 2.1)
-    assert r.pages_releasable  # staged only: no remote write lands in the pages
     area = ms.staging.area
     assert area.state(0) is SlotState.QUARANTINED  # cp0's chunk may still land in slot 0
+    assert area.state(1) is SlotState.SCATTERING and not r.pages_releasable  # the copy still writes the pages
+    ms.scattered(7, scatter.slot, 2.15)
+    assert r.pages_releasable  # staged only: no remote write lands in the pages
     assert area.state(1) is SlotState.FREE  # cp1's landed chunk: nothing more lands there
     ms.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.2)
     assert area.state(0) is SlotState.QUARANTINED  # another sender's ack frees nothing of cp0's
@@ -488,3 +491,36 @@ def test_a_staged_only_room_refuses_a_write_that_came_through_no_slot(ms):
     assert r.state.state == KVPoll.Transferring
     ms.message("tcp://p1", done(7, 1, [1]), 2.4)  # cp1 landed nothing in staging
     assert r.state.state == KVPoll.Failed and "came through no staging slot" in r.state.reason
+
+
+def test_a_slot_still_scattering_is_never_granted_or_reported_into_and_every_free_slot_is_granted_at_once(ms):
+    """Credits on decode: every free slot is granted the turn it is asked for; a slot whose scatter
+    has not completed is neither granted again nor accepted as a landing (refused by name)."""
+    from kvbridge.transfer.decode.staging import Scatter
+    from kvbridge.transfer.staging.area import SlotState
+
+    r = requested(ms)
+    granted = [g.slot for c, k in ((0, 0), (0, 1)) for _, g in sends(ms.message("tcp://p0", ask(7, c, k), 2.0),
+                                                                     wire.SlotGrant)]
+    assert granted == [0, 1]  # two asks, two free slots: both granted at once
+    assert sends(ms.message("tcp://p1", ask(7, 1, 0), 2.0), wire.SlotGrant) == []  # none free: it waits
+    (sc,) = of(ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1), Scatter)
+    assert ms.staging.area.state(0) is SlotState.SCATTERING and ms.staging.area.num_waiting == 1
+    ms.tick(2.15)
+    assert ms.staging.area.state(0) is SlotState.SCATTERING  # no grant of a slot whose copy still runs
+    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.2)  # a second landing into it
+    assert r.state.state == KVPoll.Failed and "landed not allowed in state SCATTERING" in r.state.reason
+    assert ms.staging.area.state(0) is SlotState.SCATTERING and not r.pages_releasable  # its copy still writes
+    acts = ms.scattered(7, sc.slot, 2.3)
+    assert ms.staging.area.state(0) is not SlotState.SCATTERING and r.pages_releasable
+
+
+def test_a_grant_past_the_area_is_refused_by_the_slot_table():
+    from kvbridge.errors import StagingSlotError
+    from kvbridge.transfer.staging.area import StagingArea
+
+    area = StagingArea(2, 64, rank="d0")
+    for call in (lambda: area.landed(2, 1, 0), lambda: area.scatter(5), lambda: area.release(-1)):
+        with pytest.raises(StagingSlotError, match="outside the area's 2 slots") as err:
+            call()
+        assert err.value.rank == "d0" and err.value.field == "slot"

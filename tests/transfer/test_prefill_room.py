@@ -738,3 +738,36 @@ def test_only_the_last_pipeline_stage_writes_the_aux_row():
     assert last.owns_last_token and last.stats(0.0)["pp_rank"] == 1
     with pytest.raises(LayoutError, match="must carry the aux row"):
         last.add_chunk([0, 1, 2], [0, 1, 2], 10, True, None, None)
+
+
+def test_each_chunk_is_gathered_when_it_takes_its_gather_slot_before_its_grant_comes(ms):
+    """Credits: a chunk holding a gather slot is gathered at once (Gather) while it asks decode for
+    a slot; the grant then writes it, nothing left to copy."""
+    from kvbridge.transfer.prefill.staged import Gather, PostChunk
+
+    r, acts = staged_room(ms, 30)
+    gathers, asks = of(acts, Gather), msgs(acts, wire.SlotRequest)
+    assert [(g.chunk, g.local_slot) for g in gathers] == [(0, 0), (1, 1)] and [a.chunk for a in asks] == [0, 1]
+    assert acts.index(gathers[0]) < min(i for i, a in enumerate(acts) if isinstance(a, Send))  # gathered first
+    (post,) = of(ms.message(D, wire.SlotGrant(room=30, decode_rank="d/dp0/tp0", chunk=1, slot=2), 1.2), PostChunk)
+    assert (post.chunk, post.local_slot) == (1, 1)  # grants may come in any order: each writes its own slot
+
+
+def test_a_chunk_granted_twice_is_refused_by_name_and_never_frees_the_slot_it_writes(ms):
+    from kvbridge.transfer.prefill.staged import PostChunk
+
+    r, _ = staged_room(ms, 31)
+    (post,) = of(ms.message(D, wire.SlotGrant(room=31, decode_rank="d/dp0/tp0", chunk=0, slot=1), 1.2), PostChunk)
+    ms.chunk_posted(post, 950, 1, 100, 1.2)
+    other = ms.message(D, wire.SlotGrant(room=31, decode_rank="d/dp0/tp0", chunk=0, slot=2), 1.25)
+    (answer,) = msgs(other, wire.ChunkLanded)  # a second slot for chunk 0: that slot is handed back unused
+    assert not of(other, PostChunk) and answer.slot == 2 and answer.status == "failed"
+    assert "granted chunk 0 twice (slot 2; it holds slot 1)" in answer.reason
+    same = ms.message(D, wire.SlotGrant(room=31, decode_rank="d/dp0/tp0", chunk=0, slot=1), 1.3)
+    assert not of(same, PostChunk) and msgs(same, wire.ChunkLanded) == []  # slot 1 is being written: not freed
+    assert ms.stage.counters["grants_refused"] == 2
+    acts = ms.write_final(950, DONE, 1.4)  # the write into slot 1 is final: now it is reported, failed
+    assert [(c.slot, c.status) for c in msgs(acts, wire.ChunkLanded)] == [(1, "failed")]
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.status == "failed" and "granted chunk 0 twice" in report.reason and "field=slot" in report.reason
+    assert r.state.state == KVPoll.Failed

@@ -231,3 +231,38 @@ def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon
         d.close()
         p.stop()
     assert d.untouched_except(np.array([], dtype=np.int64))
+
+
+def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, device):
+    """Pools handed as ``RawBuffer`` addresses on both sides (what the SGLang backend hands
+    kvbridge; on a GPU the addresses name it, and the staging buffers go beside them), staging
+    "auto" on both sides: a room of a few scattered pages goes direct, one of thousands of
+    page-sized slices is staged (``choose_path``'s thresholds for the pages' device), and both
+    land byte-exact."""
+    instance = f"staged-raw-p-{device}"
+    (p,) = start(daemon, instance, 1, "--staging", "auto", "--raw-buffers", "--pages", "1024", device=device)
+    d = DecodeRank(daemon.url, instance=f"staged-raw-d-{device}", pages=1024, device=device, raw_buffers=True,
+                   staging="auto", staging_bytes=4 * SLOT, staging_slot_bytes=SLOT)
+    try:
+        assert d.ep.staging is not None and d.ep.staging.on_gpu == (device != "cpu")
+        rng = np.random.default_rng(11)
+        table = rng.permutation(d.pages)
+        small, large = room_base(device) + 95_000, room_base(device) + 95_001
+        rooms = {small: 9, large: 2000}  # 3 pages x 5 buffers = 15 slices; 500 pages x 5 = 2,500 slices
+        receivers, used = [], 0
+        for room, n in rooms.items():
+            m = -(-n // 4)
+            receivers.append(d.receive(room, n, table[used: used + m], prefill=instance))
+            used += m
+            p.send(room, n)
+        wait_final(receivers)
+        for r in receivers:
+            assert r.poll() == KVPoll.Success, r.failure_reason
+            assert d.verify(r) == []
+        assert d.untouched_except(table[:used])
+        paths = {room: set(p.result(room)["paths"].values()) for room in rooms}
+        assert paths == {small: {"direct"}, large: {"staged"}}, paths
+        assert p.result(large)["chunks"] > 1
+    finally:
+        d.close()
+        p.stop()

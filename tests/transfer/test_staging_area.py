@@ -21,8 +21,10 @@ def area_in(state: SlotState) -> StagingArea:
     assert area.acquire(7, 0) == Grant(7, 0, 0)
     if state is S.QUARANTINED:
         area.quarantine(0, free_at=10.0)
-    elif state in (S.LANDED, S.SCATTERED):
+    elif state in (S.LANDED, S.SCATTERING, S.SCATTERED):
         area.landed(0, 7, 0)
+        if state is not S.LANDED:
+            area.scatter(0)
         if state is S.SCATTERED:
             area.scattered(0)
     assert area.state(0) is state
@@ -33,6 +35,7 @@ def event(area: StagingArea, name: str) -> None:
     {
         "acquire": lambda: area._move(0, "acquire"),
         "landed": lambda: area.landed(0, 7, 0),
+        "scatter": lambda: area.scatter(0),
         "scattered": lambda: area.scattered(0),
         "release": lambda: area.release(0),
         "quarantine": lambda: area.quarantine(0, 1.0),
@@ -46,7 +49,8 @@ def test_the_table_is_the_documented_cycle() -> None:
     assert TRANSITIONS == {
         S.FREE: {"acquire": S.ASSIGNED},
         S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED},
-        S.LANDED: {"scattered": S.SCATTERED, "release": S.FREE},
+        S.LANDED: {"scatter": S.SCATTERING, "release": S.FREE},
+        S.SCATTERING: {"scattered": S.SCATTERED},
         S.SCATTERED: {"release": S.FREE},
         S.QUARANTINED: {"acknowledged": S.FREE, "expire": S.FREE},
     }
@@ -96,6 +100,7 @@ def test_back_pressure_is_fifo_and_never_grows() -> None:
     with pytest.raises(StagingSlotError, match="chunk 0 already holds or awaits"):
         area.acquire(2, 0)
     area.landed(1, 1, 1)
+    area.scatter(1)
     area.scattered(1)
     assert area.release(1) == [Grant(2, 0, 1, waited=True)]  # the oldest waiter, on the slot just freed
     area.landed(0, 1, 0)
@@ -113,6 +118,7 @@ def test_a_failed_room_quarantines_what_may_still_land_and_frees_the_rest() -> N
     area.acquire(9, 4)  # waits too; leaves the queue with its room
     area.landed(1, 9, 1)
     area.landed(2, 9, 2)
+    area.scatter(2)
     area.scattered(2)
     grants = area.fail_room(9, free_at=100.0)
     assert grants == [Grant(5, 0, 1, waited=True)]  # the LANDED slot went to the next room at once

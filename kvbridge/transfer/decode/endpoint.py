@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -112,6 +113,7 @@ class DecodeEndpoint(EndpointShell):
                                                                     aux_ranges=self._aux_ranges),
         )  # fmt: skip
         self._peers: PeerSet | None = None
+        self._scattering: deque[tuple[Any, Scatter]] = deque()  # GPU scatters queued: (event, action)
         self._pool = ThreadPoolExecutor(max_workers=config.lookup_threads, thread_name_prefix="kvb-lookup")
         self._lease: LeaseKeeper | None = None
 
@@ -294,15 +296,42 @@ class DecodeEndpoint(EndpointShell):
             raise TypeError(f"decode endpoint cannot carry out {a!r}")
 
     def _scatter(self, a: Scatter) -> None:
-        """Empty a landed staging slot into the room's pages (checked by the machine), then free it.
-        Done before the next message is read: the write's PagesDone follows on the same connection."""
+        """Empty a landed staging slot into the room's pages (checked by the machine). Host
+        memory: copied here, and ``scattered`` is fed before the next message is read. GPU: the
+        kernel is queued on the stager's stream and its event polled by the loop (no synchronise
+        on this thread); ``scattered`` is fed the turn it completes, and the slot's credit goes
+        back to the next waiter then. The room commits only once its scatters completed."""
         stager = self.staging.stager
-        if isinstance(stager, HostStager):
-            copy_slices(a.src, a.dst, a.length)
-        else:  # the kernel for pages, a plain copy for an aux row in host memory
-            stager.copy(a.src, a.dst, a.length)
-            stager.synchronize(stager.copier.record())
-        self._queue(lambda: self.machine.scattered(a.room, a.slot, time.monotonic()))
+        try:
+            if isinstance(stager, HostStager):
+                copy_slices(a.src, a.dst, a.length)
+                event = None
+            else:  # the kernel for pages, a plain copy for an aux row in host memory
+                stager.copy(a.src, a.dst, a.length)
+                event = stager.copier.record()
+        except Exception as exc:  # nothing runs: fail the room (never commit unwritten pages), then free the slot
+            log.exception("room %d on %s: scatter out of staging slot %d failed", a.room, self.config.rank_label,
+                          a.slot)
+            reason = f"scatter out of staging slot {a.slot} failed: {type(exc).__name__}: {exc}"
+            self._queue(lambda: self._scatter_failed(a, reason))
+            return
+        if event is None:
+            self._queue(lambda: self.machine.scattered(a.room, a.slot, time.monotonic()))
+        else:
+            self._scattering.append((event, a))
+
+    def _scatter_failed(self, a: Scatter, reason: str) -> list[Any]:
+        r = self.machine.rooms.get(a.room)
+        now = time.monotonic()
+        failed = list(self.machine.abort(r, reason, now)) if r is not None else []
+        return [*failed, *self.machine.scattered(a.room, a.slot, now)]
+
+    def _poll_scatters(self) -> None:
+        """(lock held) Feed ``scattered`` for every GPU scatter whose event completed (one stream:
+        they complete in order)."""
+        while self._scattering and self._scattering[0][0].query():
+            a = self._scattering.popleft()[1]
+            self._feed(self.machine.scattered(a.room, a.slot, time.monotonic()))
 
     def _send_frame(self, endpoint: str, frame: bytes) -> None:
         try:
@@ -357,11 +386,13 @@ class DecodeEndpoint(EndpointShell):
     # -- the loop -------------------------------------------------------------
 
     def _step(self) -> None:
-        for endpoint, msg in self._peers.recv_ready(20):
+        # a GPU scatter in flight: poll its event every turn (no wait); else wait for input
+        for endpoint, msg in self._peers.recv_ready(0 if self._scattering else 20):
             with self._lock:
                 self._feed(self.machine.message(endpoint, msg, time.monotonic()))
                 self._feed_queued()  # a chunk's scatter is done before the next message is read
         with self._lock:
+            self._poll_scatters()
             self._feed_queued()
             self._close_released()
             self._feed(self.machine.tick(time.monotonic()))

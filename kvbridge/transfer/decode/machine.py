@@ -366,7 +366,11 @@ class DecodeRooms:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
                          r.room, self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot,
                          msg.status, len(msg.scatter) // 24)
-            self._staging_for(r, msg).landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
+            staging = self._staging_for(r, msg)
+            try:
+                staging.landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
+            finally:
+                r.scatters = staging.scattering(r.room)
         elif isinstance(msg, wire.SlotRequest):
             if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
                 self._staging_for(r, msg).request(r.room, key, endpoint, msg, self._out)
@@ -398,7 +402,9 @@ class DecodeRooms:
         self.staging.scattered(room, slot, self._out)
         r = self.rooms.get(room)
         if r is not None:
+            r.scatters = self.staging.scattering(room)
             self._maybe_commit(r, now)
+            self._forget_if_quiet(r, now)  # a failed room's pages are free once no scatter writes them
         return self._actions()
 
     def _maybe_commit(self, r: DecodeRoom, now: float) -> None:

@@ -79,6 +79,7 @@ class DecodeRoom:
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason
         self.bytes_expected = 0
         self.staged_only = False  # every page arrives through staging: its pages free at once on failure
+        self.scatters = 0  # scatters out of staging slots into its pages started, not yet completed
 
     def mark_bootstrapped(self) -> None:
         """The topology is known or the room failed (endpoint lock held)."""
@@ -109,7 +110,10 @@ class DecodeRoom:
 
     @property
     def pages_releasable(self) -> bool:
-        """True when no write of this room can still land (hard rule 6)."""
+        """True when no write of this room can still land (hard rule 6), remote or the local
+        scatter out of a staging slot."""
+        if self.scatters:
+            return False
         if self.state.state == KVPoll.Success:
             return True
         # staged only: remote writes land in staging slots (quarantined on failure), never in the pages

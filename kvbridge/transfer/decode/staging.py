@@ -7,8 +7,10 @@ staged target land only there:
     SlotRequest(room, cp, chunk)  ->  acquire (FIFO; none free: the chunk waits, back-pressure)
                                   ->  SlotGrant(slot) to that prefill rank
     ChunkLanded(ok, scatter list) ->  every destination checked inside the room's own pages
-                                  ->  Scatter action (the shell copies slot -> pages)
-                                  ->  scattered(): slot free, the next waiter granted
+                                  ->  slot SCATTERING, Scatter action (the shell starts the copy
+                                      slot -> pages: on a GPU a kernel whose event the loop polls)
+                                  ->  scattered() once the copy completed: slot free, the next
+                                      waiter granted at once (the slot's credit goes back)
     room failed                   ->  ASSIGNED slots QUARANTINED (a write may still land in them)
                                       until that prefill rank acks the abort (or reports the room
                                       failed), or its lease expires plus the quarantine
@@ -16,7 +18,8 @@ staged target land only there:
 
 Chunks are keyed per sender: ``(cp_rank, tp_rank, chunk)`` -> one int of the area. Pages count
 in the ledger only from a PagesDone, which follows the write's ChunkLanded on the same
-connection; the room commits only once no scatter of it is pending.
+connection; the room commits only once no scatter of it is pending, and a failed room's pages
+are free only once no scatter of it is still running (``in_flight``: the copy writes them).
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class DecodeStaging:
         self.area, self.base, self.rank = area, base, rank
         self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
-        self.pending: dict[int, int] = {}  # room -> chunks landed, not yet scattered
+        self.pending: dict[int, int] = {}  # room -> chunks landed, not yet scattered (cleared when it fails)
+        self.in_flight: dict[int, int] = {}  # room -> scatters started, not yet completed (kept when it fails)
         # (room, endpoint) -> the (cp, tp, pp) sender that asked there: a late report of a room already
         # forgotten (staged only: its pages were freed at once) still frees its quarantined slots
         self.senders: dict[tuple[int, str], Sender] = {}
@@ -133,7 +137,9 @@ class DecodeStaging:
             self.grant(self.area.release(msg.slot), out)
             raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
                               field="scatter")
+        self.area.scatter(msg.slot)
         self.pending[room] = self.pending.get(room, 0) + 1
+        self.in_flight[room] = self.in_flight.get(room, 0) + 1
         self.unreported[(room, sender)] = self.unreported.get((room, sender), 0) + 1
         self.counters["scatter_slices"] += len(length)
         self.counters["bytes_scattered"] += int(length.sum())
@@ -144,15 +150,21 @@ class DecodeStaging:
         return self.unreported.pop((room, sender), 0) > 0
 
     def scattered(self, room: int, slot: int, out: list) -> None:
-        """The shell copied the slot into the pages: the slot is free."""
-        if self.pending.get(room, 0) > 0:
-            self.pending[room] -= 1
-            if not self.pending[room]:
-                del self.pending[room]
-        if self.area.state(slot) is SlotState.LANDED and self.area.owner(slot)[0] == room:
+        """The shell's copy of the slot into the pages completed: the slot is free (also when the
+        room failed meanwhile: nothing of it reads the slot or writes the pages any more)."""
+        for book in (self.pending, self.in_flight):
+            if book.get(room, 0) > 0:
+                book[room] -= 1
+                if not book[room]:
+                    del book[room]
+        if self.area.state(slot) is SlotState.SCATTERING and self.area.owner(slot)[0] == room:
             self.area.scattered(slot)
             self.counters["chunks_scattered"] += 1
             self.grant(self.area.release(slot), out)
+
+    def scattering(self, room: int) -> int:
+        """Scatters of ``room`` started and not completed (its pages are being written)."""
+        return self.in_flight.get(room, 0)
 
     def fail_room(self, room: int, free_at: float, out: list) -> None:
         """The room failed: its waiting requests leave, its ASSIGNED slots are quarantined."""

@@ -51,7 +51,7 @@ from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.staged import PostChunk
+from kvbridge.transfer.prefill.staged import Gather, PostChunk
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
@@ -138,6 +138,7 @@ class PrefillEndpoint(EndpointShell):
         self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
         self._server: ControlServer | None = None
         self._next_housekeeping = 0.0
+        self._gathered: dict[int, Any] = {}  # gather slot -> its gather's event (None: host, done), or why it failed
         self._lease: LeaseKeeper | None = None
 
     # -- life cycle -----------------------------------------------------------
@@ -284,6 +285,8 @@ class PrefillEndpoint(EndpointShell):
     def _carry(self, a: Any) -> None:
         if type(a) is PostWrite:
             self._post(a)
+        elif type(a) is Gather:
+            self._gather(a)
         elif type(a) is PostChunk:
             self._post_chunk(a)
         elif type(a) is Send:
@@ -327,17 +330,33 @@ class PrefillEndpoint(EndpointShell):
         digests = page_digests(self.specs, self.buffers.tensors, a.pools, a.pages, a.local, a.num_tokens)
         self._reply(a.to, msgspec.structs.replace(a.msg, digests=digests.tobytes()))
 
+    def _gather(self, a: Gather) -> None:
+        """Gather a staged chunk into our gather slot now, ahead of its grant (GPU: queued on the
+        stager's stream after the source pages' events; host: copied here). What went wrong is
+        kept for the chunk's PostChunk, which then posts nothing."""
+        stager = self.gather.stager
+        try:
+            if a.after is not None:
+                stager.wait_for(a.after)  # the source pages are whole (GPU: the stream waits, not this thread)
+            self._gathered[a.local_slot] = stager.gather(a.staged, a.chunk, self.gather.slot_addr(a.local_slot))
+        except Exception as exc:
+            if not isinstance(exc, KVBridgeError):
+                log.exception("room %d on %s: gathering chunk %d failed", a.room, self.config.rank_label, a.chunk)
+            self._gathered[a.local_slot] = _GatherFailed(f"gathering chunk {a.chunk} of room {a.room} failed: "
+                                                         f"{type(exc).__name__}: {exc}")
+
     def _post_chunk(self, a: PostChunk) -> None:
-        """Gather a staged chunk into our gather slot, then write the slot's pieces into the decode
-        slot it was granted (the write waits for the gather: ``after`` on the GPU, at once on the host)."""
+        """Write a gathered chunk's pieces into the decode slot it was granted (GPU: the write
+        waits for the gather's event; host: the gather is done)."""
+        event = self._gathered.pop(a.local_slot, None)
         if not a.target.active:
             self._queue(lambda: self.machine.chunk_post_failed(a, None, time.monotonic()))
             return
+        if isinstance(event, _GatherFailed):
+            self._queue(lambda: self.machine.chunk_post_failed(a, event.reason, time.monotonic()))
+            return
         try:
-            stager, local = self.gather.stager, self.gather.slot_addr(a.local_slot)
-            if a.chunk == 0 and a.after is not None:
-                stager.wait_for(a.after)  # the source pages are whole
-            event = stager.gather(a.staged, a.chunk, local)
+            local = self.gather.slot_addr(a.local_slot)
             src, dst, length = a.staged.wire(a.chunk, local, a.remote_addr)
             handle = self.engine.submit_write(a.session, src, dst, length, after=event)
         except KVBridgeError as exc:
@@ -429,6 +448,13 @@ class PrefillEndpoint(EndpointShell):
                 self._close_released()
                 self._feed(self.machine.gc(now))
             self._feed_queued()
+
+
+class _GatherFailed:
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
 
 def _on_host(aux: AuxBuffers) -> bool:

@@ -8,10 +8,18 @@ same write the direct path would post (its pages, one report), cut by ``stage_pl
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
 
-    chunk k:  gather slot (ours, FIFO)  --SlotRequest-->  decode
+    chunk k:  gather slot (ours, FIFO)  ->  Gather: the shell gathers pages -> gather slot now
+              (on a GPU queued on the stager's stream), while  --SlotRequest-->  decode
               <--SlotGrant(slot)--  decode (FIFO: back-pressure when its area is full)
-              PostChunk: shell gathers pages -> gather slot, writes wire pieces -> decode slot
+              PostChunk: the shell writes the gathered slot's pieces -> decode slot (on a GPU the
+              write waits for the gather's event, not this thread)
               write final  --ChunkLanded(scatter list)-->  decode scatters slot -> pages
+
+Credits: a rank has as many chunks asking for (or holding) a decode slot as it has gather
+slots, and each is gathered before its grant comes back, so a grant is written the turn it
+arrives; decode grants every free slot at once and each slot again the turn its scatter
+completes. A grant that is not for a chunk of ours waiting for one (granted twice, or after
+the write ended), or for a slot outside the registered area, is refused by name.
     every chunk landed: the write's PagesDone (after its ChunkLanded, on the same connection)
 
 Remote writes land only in granted decode slots. A write is in flight (for the room's abort
@@ -37,7 +45,7 @@ from kvbridge.transfer.staging import Grant, StagingArea
 from kvbridge.transfer.prefill.peers import DecodePeer
 from kvbridge.transfer.prefill.targets import Target
 
-__all__ = ["Offer", "PostChunk", "StagedWrite", "StagedWrites", "registered_offer"]
+__all__ = ["Gather", "Offer", "PostChunk", "StagedWrite", "StagedWrites", "registered_offer"]
 
 
 @dataclass(frozen=True)
@@ -106,9 +114,23 @@ class StagedWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class Gather:
+    """Gather chunk ``chunk`` of write ``write`` into our gather slot ``local_slot`` now, ahead of
+    its decode slot's grant, after the source pages' events ``after``. Nothing to answer: the
+    chunk's ``PostChunk`` (same write, chunk and slot) writes what was gathered."""
+
+    write: int
+    room: int
+    chunk: int
+    staged: StagedPlan
+    local_slot: int
+    after: Any
+
+
+@dataclass(frozen=True, slots=True)
 class PostChunk:
-    """Gather chunk ``chunk`` of write ``write`` into our gather slot ``local_slot``, then write
-    its wire pieces into the decode slot at ``remote_addr``. Answer with
+    """Write the wire pieces of chunk ``chunk`` of write ``write``, gathered into our gather slot
+    ``local_slot`` (its ``Gather``), into the decode slot at ``remote_addr``. Answer with
     ``PrefillRooms.chunk_posted(action, handle, now)`` or ``chunk_post_failed(action, reason, now)``."""
 
     write: int
@@ -139,7 +161,7 @@ class StagedWrites:
         self.writes: dict[int, StagedWrite] = {}
         self.by_chunk: dict[tuple[int, str, int], tuple[int, int]] = {}  # (room, rank, wire chunk) -> (write, k)
         self.counters = {"staged_writes": 0, "chunks": 0, "bytes_staged": 0, "plan_slices": 0, "gather_waits": 0,
-                         "direct_targets": 0, "staged_targets": 0}
+                         "direct_targets": 0, "staged_targets": 0, "grants_refused": 0}
 
     # ---- the choice --------------------------------------------------------------------------
     def offered(self, room: int, decode_rank: str, offer: Offer | None, now: float) -> None:
@@ -206,6 +228,7 @@ class StagedWrites:
             self._free_gather(g.slot, out)
             return
         sw.local[g.chunk] = g.slot
+        out.append(Gather(sw.write, sw.room, g.chunk, sw.staged, g.slot, sw.after))
         out.append(Send((sw.target.ident,), wire.SlotRequest(
             room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + g.chunk,
             num_bytes=int(sw.staged.chunk_span[g.chunk]))))
@@ -221,8 +244,21 @@ class StagedWrites:
         not ours) a ChunkLanded "failed" that frees the decode slot at once (nothing was posted)."""
         found = self.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
         sw = self.writes.get(found[0]) if found else None
-        if sw is None or sw.target.ident != ident or found[1] not in sw.local or found[1] in sw.remote:
+        if sw is not None and sw.target.ident == ident and found[1] in sw.remote:
+            # granted twice: refused by name. The same slot again must not be answered "failed" (that
+            # would free a slot our write may still land in): the target fails, and its abort settles it
+            self.counters["grants_refused"] += 1
+            held = sw.remote[found[1]]
+            why = (f"decode rank {msg.decode_rank} granted chunk {msg.chunk} twice (slot {msg.slot}; it holds slot "
+                   f"{held}) [room={msg.room} rank={msg.decode_rank} field=slot]")
+            if msg.slot == held:
+                sw.target.failure = sw.target.failure or why
+            else:
+                out.append(Send((ident,), _landed_failed(msg, self.cp_rank, why)))
+            return None
+        if sw is None or sw.target.ident != ident or found[1] not in sw.local:
             # (the write ended, or its chunk gave its gather slot up: nothing will be posted)
+            self.counters["grants_refused"] += 1
             out.append(Send((ident,), _landed_failed(msg, self.cp_rank, "no chunk of this rank waits for that slot")))
             return None
         k = found[1]

@@ -3,11 +3,16 @@
 A registered staging area of ``num_slots * slot_bytes`` bytes is cut into fixed slots;
 a chunk of a staged room (``kvbridge.layout.staging``) passes through one slot:
 
-    FREE --acquire--> ASSIGNED(room, chunk) --landed--> LANDED --scattered--> SCATTERED --release--> FREE
-                          |                               |
-                          |                               +--release (room failed; nothing more lands)--> FREE
+    FREE --acquire--> ASSIGNED(room, chunk) --landed--> LANDED --scatter--> SCATTERING --scattered--> SCATTERED
+                          |                               |                                              |
+                          |                               +--release (room failed; nothing more lands)   release
+                          |                                  --> FREE                                    --> FREE
                           +--quarantine (room failed, a write may still land)--> QUARANTINED
     QUARANTINED --acknowledged (the sender confirmed the abort) / expired (lease + quarantine)--> FREE
+
+SCATTERING: the receiver's copy out of the slot is running (a CUDA event not yet complete). A
+failed room leaves it as it is: the slot is read, and the room's pages written, until the copy
+completes; only then is the slot free (and the room's pages with it).
 
 Hard rule 6 for staging: remote writes land only in slots, so a failed room's pages are free
 at once, while its ASSIGNED slots wait in QUARANTINED until nothing of the room can land.
@@ -33,6 +38,7 @@ class SlotState(enum.Enum):
     FREE = "free"
     ASSIGNED = "assigned"
     LANDED = "landed"
+    SCATTERING = "scattering"
     SCATTERED = "scattered"
     QUARANTINED = "quarantined"
 
@@ -42,11 +48,12 @@ S = SlotState
 TRANSITIONS: dict[SlotState, dict[str, SlotState]] = {
     S.FREE: {"acquire": S.ASSIGNED},
     S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED},
-    S.LANDED: {"scattered": S.SCATTERED, "release": S.FREE},
+    S.LANDED: {"scatter": S.SCATTERING, "release": S.FREE},
+    S.SCATTERING: {"scattered": S.SCATTERED},
     S.SCATTERED: {"release": S.FREE},
     S.QUARANTINED: {"acknowledged": S.FREE, "expire": S.FREE},
 }
-EVENTS = ("acquire", "landed", "scattered", "release", "quarantine", "acknowledged", "expire")
+EVENTS = ("acquire", "landed", "scatter", "scattered", "release", "quarantine", "acknowledged", "expire")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,12 @@ class StagingArea:
                 field="slot")
         self._move(slot, "landed")
 
+    def scatter(self, slot: int) -> None:
+        """The copy out of the slot into the pages started (LANDED -> SCATTERING)."""
+        self._move(slot, "scatter")
+
     def scattered(self, slot: int) -> None:
+        """The copy out of the slot completed (SCATTERING -> SCATTERED)."""
         self._move(slot, "scattered")
 
     def release(self, slot: int) -> list[Grant]:
@@ -167,7 +179,8 @@ class StagingArea:
 
     def fail_room(self, room: int, free_at: float) -> list[Grant]:
         """A failed or aborted room: its waiting requests leave the queue, its ASSIGNED slots go
-        to QUARANTINED (a write may still land), its LANDED and SCATTERED slots are free."""
+        to QUARANTINED (a write may still land), its LANDED and SCATTERED slots are free, its
+        SCATTERING slots free once their copy completed (``scattered``, then ``release``)."""
         self._waiting = deque(w for w in self._waiting if w[0] != room)
         grants: list[Grant] = []
         for i in self.slots_of(room):

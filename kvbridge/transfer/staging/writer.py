@@ -150,6 +150,7 @@ class StagedWriter:
         grants = self.send.area.release(entry.send_slot)
         self.recv.area.landed(entry.recv_slot, room, k)
         t = time.perf_counter()
+        self.recv.area.scatter(entry.recv_slot)
         self.recv.stager.synchronize(self.recv.stager.scatter(staged, k, self.recv.addr(entry.recv_slot)))
         stats.seconds["scatter"] += time.perf_counter() - t
         self.recv.area.scattered(entry.recv_slot)
