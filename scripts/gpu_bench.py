@@ -17,7 +17,7 @@ per method; every kvbridge room lands on poisoned pages and is checked on the GP
 Mooncake groups the methods are kvbridge direct, kvbridge staged (the prefill ranks switched
 to staging "always": the slice kernel gathers into a GPU gather slot, Mooncake carries whole
 slots into decode's GPU staging slots, decode's kernel scatters; ``--staged-slot-mib`` slots,
-two per prefill rank and ``--decode-slots`` on decode) and raw Mooncake on the same slices;
+``--gather-slots`` per prefill rank and ``--decode-slots`` on decode) and raw Mooncake on the same slices;
 the staged table sets them beside the staging ceiling of the same pages (``--staged-ceilings``).
 
 Ceilings (``--ceilings``, one process, both sides on cuda:0 -> decode's GPU): a
@@ -34,7 +34,7 @@ where their time goes, hop by hop (kvbridge p50 minus raw p50 is the per-room fi
 
     python scripts/gpu_bench.py [--tokens 8192 32768 131072] [--alloc contiguous random]
         [--groups mooncake-nvlink ipc] [--reps 5] [--ceilings | --staged-ceilings] [--slot-mib 16 64]
-        [--staged-slot-mib 256] [--decode-slots 4] [--trace-tokens 8192 131072]
+        [--staged-slot-mib 256] [--decode-slots 4] [--gather-slots 2] [--trace-tokens 8192 131072]
         [--json out.json]
 
 Geometry: DeepSeek V3.2 fp8 (target 656 B/token, index-K 132 B/token, one NextN draft
@@ -413,7 +413,7 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      # staged rooms where the engine is Mooncake (the IPC engine's kernel copies scattered
                      # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
                      staged=g["engine"] == "mooncake" and (not trace_dir or args.trace_staged),
-                     staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(2, args.decode_slots))
+                     staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots))
 
     def show(row: dict[str, Any]) -> None:
         log(f"  {name} {row['alloc']} {row['tokens']}: kvbridge {row['kvbridge_gbps']} GB/s (p50 "
@@ -547,6 +547,7 @@ def main() -> None:
                     help="measure only the staging ceiling of the rooms' pages (not the copy ceilings)")
     ap.add_argument("--staged-slot-mib", type=int, default=256, help="the staged rooms' slots (MiB), both sides")
     ap.add_argument("--decode-slots", type=int, default=4, help="decode's staging slots for the staged rooms")
+    ap.add_argument("--gather-slots", type=int, default=2, help="each prefill rank's gather slots for the staged rooms")
     ap.add_argument("--trace-tokens", type=int, nargs="*", default=[],
                     help="also run traced rooms of these lengths (contiguous), every group")
     ap.add_argument("--trace-reps", type=int, default=10)
@@ -647,7 +648,8 @@ def main() -> None:
     if any(r.get("staged_gbps") for r in mc_rows):
         where = "ONE GPU: both sides on cuda:0" if result["info"]["one_gpu"] else "cuda:0 -> cuda:1"
         print(f"\nstaged rooms end to end ({mc_rows[0]['group']}; {where}; "
-              f"{args.staged_slot_mib} MiB slots, 2 per prefill rank, {args.decode_slots} on decode); direct / "
+              f"{args.staged_slot_mib} MiB slots, {args.gather_slots} per prefill rank, {args.decode_slots} on "
+              f"decode); direct / "
               f"staged / raw: GB/s of payload, median of {args.reps}; slices: kvbridge direct's per room, pieces: "
               f"staged wire pieces per room; ceiling: the staging ceiling of the same pages (one process, "
               f"{args.staged_slot_mib} MiB slots); stg/contig: staged over kvbridge direct on contiguous pages")
