@@ -771,3 +771,36 @@ def test_a_chunk_granted_twice_is_refused_by_name_and_never_frees_the_slot_it_wr
     (report,) = msgs(acts, wire.PagesDone)
     assert report.status == "failed" and "granted chunk 0 twice" in report.reason and "field=slot" in report.reason
     assert r.state.state == KVPoll.Failed
+
+
+def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reported_whole(ms, monkeypatch):
+    """The first group's gathers go out before the rest is planned: one slot-sized group per
+    tick, each its own staged write and report; every page reported once, the aux row with the
+    last group, and the room succeeds."""
+    import kvbridge.transfer.prefill.machine as machine
+    from kvbridge.transfer.prefill.staged import Gather, PostChunk
+
+    monkeypatch.setattr(machine, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
+    r, acts = staged_room(ms, 32, num_tokens=13)  # 4 pages
+    assert ms.later == {32} and of(acts, Gather)  # group 0 is gathering; groups 1-3 wait for the next ticks
+    (sw,) = ms.stage.writes.values()
+    assert sw.staged.num_plan_slices < 20  # one page's slices, not the room's
+    queue, reports, handle, now, ticks = list(acts), [], 700, 1.2, 0
+    while queue or ms.later:
+        if not queue:
+            queue, ticks = list(ms.tick(now)), ticks + 1
+            continue
+        a = queue.pop(0)
+        if isinstance(a, Send) and isinstance(a.msg, wire.SlotRequest):
+            grant = wire.SlotGrant(room=32, decode_rank="d/dp0/tp0", chunk=a.msg.chunk, slot=a.msg.chunk % 3)
+            (post,) = of(ms.message(D, grant, now), PostChunk)
+            handle += 1
+            queue += list(ms.chunk_posted(post, handle, 1, 64, now))
+            queue += list(ms.write_final(handle, DONE, now))
+        elif isinstance(a, Send) and isinstance(a.msg, wire.PagesDone):
+            reports.append(a.msg)
+        now += 0.01
+    assert ticks == 3 and r.state.state == KVPoll.Success
+    pages = [p for m in reports for p in wire.unpack_pages(m.logical_pages).tolist()]
+    assert sorted(pages) == [0, 1, 2, 3] and [m.aux for m in reports] == [False, False, False, True]
+    assert all(m.status == "ok" for m in reports) and r.paths == {"d/dp0/tp0": "staged"}

@@ -319,3 +319,26 @@ def test_no_room_for_a_gpu_staging_buffer_goes_direct_under_auto_and_is_named_un
     with pytest.raises(ConfigError) as err:
         StagingBuffer.for_buffers(pages, "always", 0, 0, rank="r", role="decode")
     assert "1073741824 bytes of cuda:0" in str(err.value) and err.value.field == "staging_bytes"
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_room_planned_group_by_group_lands_byte_exact(cluster, monkeypatch, cp):
+    """Real endpoints, a staged chunk of many slot-sized groups (the groups' floor lowered so that
+    this geometry's rooms split): each group planned on its own loop turn, its own write and
+    report; the room lands byte for byte, the partial last page and the aux row included."""
+    import kvbridge.transfer.prefill.machine as machine
+
+    monkeypatch.setattr(machine, "GROUP_MIN_SLICES", 5)
+    c = staged_cluster(cluster, cp=cp)
+    n = 61  # 16 pages, the last partial
+    rng = np.random.default_rng(61 + cp)
+    pages = rng.permutation(64)[: -(-n // PAGE)]
+    r = c.decode.receiver(5, f"{c.name}-p")
+    r.init(pages, 1, n)
+    senders = send_random(c, 5, n, rng)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(5, n, pages)
+    assert all(set(s.stats["paths"].values()) == {"staged"} for s in senders)
+    assert sum(ep.machine.counters["rooms_ok"] for ep in c.prefill) == cp
+    assert sum(ep.machine.stage.counters["staged_writes"] for ep in c.prefill) >= 16 // 2, "it went in groups"

@@ -433,7 +433,8 @@ class PrefillEndpoint(EndpointShell):
 
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
-        for ident, msg in self._server.recv_ready(50):
+        # a staged chunk's next group to plan: take the next turn at once
+        for ident, msg in self._server.recv_ready(0 if self.machine.later else 50):
             with self._lock:
                 self._feed(self.machine.message(ident, msg, time.monotonic()))
                 self._feed_queued()

@@ -12,6 +12,9 @@ callable held: the time is passed in, the aux row's source comes in as plain dat
 posted, refused, final) is an event the shell feeds on its loop's next turn, never a call
 back into the machine from inside a post.
 
+A staged chunk larger than one slot is planned and staged in slot-sized groups of pages, one
+group per tick (``later``), so its first gather starts after one group's planning.
+
 The rooms themselves (chunks, held pages, targets) are ``room.py``; a connection's
 identity proof ``identity.py``; staged writes ``staged.py``.
 """
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
+GROUP_MIN_SLICES = 4096  # a staged chunk's first group has at least this many slices (see _group_pages)
+ALIGN_SLACK = 16  # per slice: stage_plan aligns each slice's slot offset to 16 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,7 @@ class PrefillRooms:
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, engine_kind, config.cp_rank, config.rank_label)
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
+        self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
         self.closing = False
         self._out: list[Any] = []
@@ -533,20 +539,51 @@ class PrefillRooms:
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
-                self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux, after=r.chunk_events[t.posted])
+                if not self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux,
+                                        after=r.chunk_events[t.posted]):
+                    self.later.add(r.room)  # one staged group started: the next is planned on the next tick
+                    break
                 t.posted += 1
-            if t.active and r.is_last and r.has_aux and t.aux_source and not t.aux_posted:
+            if t.active and t.posted == len(r.chunks) and r.is_last and r.has_aux and t.aux_source \
+                    and not t.aux_posted:
                 self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=True, after=r.last_event)
-        if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted for t in r.targets.values()):
+        if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted or t.inflight
+                                                           for t in r.targets.values()):
             r.state.to(KVPoll.Transferring, now=now)
 
     def _post_chunk(self, r: PrefillRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
-                    after: Any = None) -> None:
+                    after: Any = None) -> bool:
+        """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
+        False when one slot-sized group of a staged chunk was started and the rest waits for the
+        next tick (its first gather starts after one group's planning, not the whole room's)."""
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
+        if t.group_at:
+            logical, local = logical[t.group_at:], local[t.group_at:]
+        group = self._group_pages(r, t, logical.size)
+        if group:
+            try:
+                part = plan_target(self.specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
+                                   room=r.room, rank=self.cfg.rank_label)
+                path = r.paths[t.decode_rank] = self.stage.path(r.room, t, part)
+                if path == "staged":
+                    self._stage_write(r, t, logical[:group], False, part, after)
+                    t.group_at += group
+                    return False
+            except KVBridgeError as exc:
+                t.failure = str(exc)
+                t.group_at = 0
+                return True
+            except Exception as exc:  # a bug must fail this target, not the thread that called us
+                log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
+                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
+                t.group_at = 0
+                return True
+            # direct: the whole chunk is one write, planned below
+        t.group_at = 0
         if not logical.size and not with_aux:
-            return
+            return True
         try:
             aux = None
             if with_aux:
@@ -566,20 +603,38 @@ class PrefillRooms:
             path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
             if path == "staged":  # the same write through staging slots (the aux row too)
                 self._stage_write(r, t, logical, with_aux, plan, after)
-                return
+                return True
             src, dst, length = plan.src, plan.dst, plan.length
         except KVBridgeError as exc:
             t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
-            return
+            return True
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
             log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
             t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
-            return
+            return True
         w = self.next_write
         self.next_write += 1
         t.inflight[w] = (logical, with_aux)  # in flight from here: no report leaves before it is final
         self.writes[w] = (r, t)
         self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
+        return True
+
+    def _group_pages(self, r: PrefillRoom, t: Target, num_pages: int) -> int | None:
+        """How many of ``num_pages`` to plan and stage first when a staged chunk is larger than
+        one slot (None: plan it whole). A group fills about one slot, and holds enough pages for
+        at least ``GROUP_MIN_SLICES`` slices, so that the path chosen on the first group is the one
+        the whole chunk would get (``choose_path``'s thresholds are far below it)."""
+        stage, key = self.stage, (r.room, t.decode_rank)
+        offer = stage.offers.get(key)
+        if stage.gather is None or stage.mode == "never" or offer is None or stage.paths.get(key) == "direct":
+            return None
+        bufs = [b for b in self.src_bufs if b.pool in t.pools]
+        if not bufs:
+            return None
+        slot = min(stage.gather.slot_bytes, offer.slot_bytes)
+        page_bytes = sum(b.bytes_per_page for b in bufs) + ALIGN_SLACK * len(bufs)
+        group = max(slot // page_bytes, -(-GROUP_MIN_SLICES // len(bufs)), 1)
+        return group if num_pages > group else None
 
     def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
                      after: Any) -> None:
@@ -798,7 +853,11 @@ class PrefillRooms:
     # -- the clock --------------------------------------------------------------
 
     def tick(self, now: float) -> list[Any] | tuple:
-        """Post what events queued; every ``DEADLINE_SCAN_S``, deadlines and silent peers."""
+        """Post what events queued (and the next group of each staged chunk started in groups);
+        every ``DEADLINE_SCAN_S``, deadlines and silent peers."""
+        if self.later:
+            self.dirty |= self.later
+            self.later.clear()
         self._pump(now)
         if now >= self.next_deadline_scan:
             self.next_deadline_scan = now + DEADLINE_SCAN_S

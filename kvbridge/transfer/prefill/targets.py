@@ -54,6 +54,7 @@ class Target:
     num_decode_targets: int = 1  # decode ranks that draw from this TP rank (each asks for the room)
     aux_row_base: int | None = None  # the decode rank's aux rows are one packed store from here (None: by region)
     posted: int = 0  # chunks posted so far
+    group_at: int = 0  # pages of the chunk being posted already started (a staged chunk goes in slot-sized groups)
     inflight: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)  # write id -> (logical pages, aux row too)
     aux_posted: bool = False
     aux_done: bool = False

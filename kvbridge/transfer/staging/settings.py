@@ -11,9 +11,12 @@ STAGING_MODES = ("auto", "always", "never")
 # one gathering while the other is on the wire.
 DEFAULT_SLOT_BYTES = 8 << 20
 DEFAULT_BYTES = {"decode": 8 * DEFAULT_SLOT_BYTES, "prefill": 2 * DEFAULT_SLOT_BYTES}
-# GPU pages: 256 MiB slots, four on decode and two per prefill rank. Smaller slots leave the slice
-# kernel launch-bound and pay a transport's fixed cost per write (Mooncake's NVLink transport:
-# milliseconds per batch) on fewer bytes; docs/performance.md, "Staged rooms on GPU pages".
+# GPU pages: 256 MiB slots, four on decode and two per prefill rank (1 GiB and 512 MiB of the GPU).
+# Smaller slots leave the slice kernel launch-bound (the staging ceiling of a 128K room: 77 / 295 /
+# 587 GB/s at 16 / 64 / 256 MiB) and pay a transport's fixed cost per write (Mooncake's NVLink
+# transport: 1.5-1.7 ms per batch) on fewer bytes; twice the slots at half the size (the same memory)
+# measured no faster end to end (docs/performance.md, "Staged rooms with credits ..."). Host pages
+# keep 8 MiB slots (staging_bench.py's figures). Both per role, set per rank by the configs.
 DEFAULT_GPU_SLOT_BYTES = 256 << 20
 DEFAULT_GPU_BYTES = {"decode": 4 * DEFAULT_GPU_SLOT_BYTES, "prefill": 2 * DEFAULT_GPU_SLOT_BYTES}
 
