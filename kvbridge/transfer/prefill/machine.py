@@ -4,9 +4,10 @@ One :class:`PrefillRoom` per room, and :class:`PrefillRooms`, the side's machine
 drives them all. Events are method calls (open, engine init, chunk, message from a decode
 rank, registration resolved, write posted / failed to post, write final, abort, close,
 tick, gc); each returns the actions for the endpoint's shell to carry out, in order
-(``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``, ``ReleaseAux``,
+(``Send``, ``SendDigested``, ``PostWrite``, ``Gather``, ``PostChunk``, ``Resolve``, ``ReleaseAux``,
 ``FreeRoom``). No socket, thread, lock, clock, engine call or memory touch inside, and no
-callable held: the time is passed in, the aux row's source comes in as plain data
+callback into memory (``hello_of`` and ``engine_kind`` read the channel's and the engine's
+books): the time is passed in, the aux row's source comes in as plain data
 (``AuxFrom``, with ``post``), and the pages to digest go out as plain data
 (``SendDigested``): the shell does every memory touch. An engine's result (a write
 posted, refused, final) is an event the shell feeds on its loop's next turn, never a call
