@@ -12,12 +12,13 @@ returns (``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``,
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already
-here. An engine's result is an event for the loop: the completion callback only wakes
-it, and a write refused inside ``submit_write`` is queued, so the machine is never
-entered from inside a post:
+here. An engine's result is an event, never a call into the machine from inside a post:
+a write refused inside ``submit_write`` is queued and fed once the current actions are
+carried out; the completion callback collects and reports from its own thread only when
+the lock is free (no loop turn), and otherwise wakes the loop, which collects:
 
-    decode init() --request--> loop: check, plan, post --engine--> callback: wake
-                                                     loop: collect, report --> decode
+    decode init() --request--> loop: check, plan, post --engine--> callback: collect, report
+                                                     (lock held: the loop's next turn) --> decode
 
 Threads: the loop, the engine's own, the bootstrap lease keeper and the registration
 reader; never one per room.
@@ -176,7 +177,7 @@ class PrefillEndpoint(EndpointShell):
         if self.gather is not None:
             self.gather.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
-        self.engine.set_notify(self._wake)  # a write became final: collected on the loop's next turn
+        self.engine.set_notify(self._engine_final)
         self._start_loop(f"kvb-prefill-{self.config.cp_rank}")
         self._lease = register_rank(
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
@@ -388,6 +389,19 @@ class PrefillEndpoint(EndpointShell):
             self._server.send(ident, msg)
         except TransferError as exc:  # the decode rank went away; liveness fails its targets
             log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
+
+    def _engine_final(self) -> None:
+        """Engine callback, a write became final (any thread, inside ``submit_write`` too): when
+        the lock is free, collect and report from this thread (no loop turn: the fewest hops);
+        when it is held (by the poster inside ``submit_write``, or the loop), wake the loop, which
+        collects once the holder is done. Never a wait for the lock, never a nested feed."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._collect()
+            finally:
+                self._lock.release()
+        else:
+            self._wake()
 
     def _collect(self) -> None:
         """Feed the writes that became final (the loop's turn, lock held)."""
