@@ -97,6 +97,15 @@ class PairedBuffers:
             by_layout.setdefault(spec.layout, []).append((spec, src_base, dst_base))
         return tuple(LayoutGroup.of(layout, members) for layout, members in by_layout.items())
 
+    @cached_property
+    def whole_pages(self) -> LayoutGroup:
+        """Every group's layers stacked in the groups' order: whole pages are sliced alike in every
+        layout, so a plan without a partial page is one broadcast over all of them."""
+        g = self.groups
+        return LayoutGroup(True, *(np.concatenate([getattr(x, k) for x in g]) for k in
+                                   ("src_base", "dst_base", "bytes_per_page", "row_bytes", "scale_bytes",
+                                    "scale_offset")))
+
     def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
         """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
         per side; ``plan.check_inside`` names the offending page and layer when not)."""

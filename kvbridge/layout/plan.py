@@ -142,7 +142,9 @@ def plan_transfer(
         else:
             at = np.flatnonzero(logical == last)
             partial = int(at[0]) if len(at) else -1
-    return _plan_groups(paired.groups, pages, partial, page_size, num_valid_last, extra)
+    # whole pages only: every layout slices them alike, one broadcast over every layer of every group
+    groups = paired.groups if partial >= 0 else (paired.whole_pages,)
+    return _plan_groups(groups, pages, partial, page_size, num_valid_last, extra)
 
 
 def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int, page_size: int,
@@ -203,6 +205,8 @@ def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int,
 def _runs_of(brk: np.ndarray, pages: np.ndarray, partial: int) -> tuple[np.ndarray, np.ndarray, int]:
     """The first (source, destination) page of each run as a ``(2, 1, runs)`` uint64 array,
     the pages in each run, and the run holding the partial page (-1: none)."""
+    if not brk[1:].any():  # one run (contiguous on both sides): the common case of a small room
+        return pages[:, None, :1].view(np.uint64), np.array([len(brk)], dtype=np.uint64), 0 if partial >= 0 else -1
     starts = np.flatnonzero(brk)
     count = np.empty_like(starts)
     count[:-1] = starts[1:] - starts[:-1]

@@ -295,7 +295,9 @@ def choose_path(plan: TransferPlan | int, engine: str, thresholds: PathThreshold
         thresholds = DEFAULT_THRESHOLDS[engine]
     if isinstance(plan, TransferPlan):
         num_slices = plan.num_slices
-        mean = plan.num_bytes // num_slices if num_slices else 0
+        if num_slices < max(thresholds.min_slices, 1):  # too few slices to gain: no byte count needed
+            return "direct"
+        mean = plan.num_bytes // num_slices
     else:
         if mean_slice_bytes is None:
             raise LayoutError("a slice count needs mean_slice_bytes", field="mean_slice_bytes")

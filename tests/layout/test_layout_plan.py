@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError, PairingError
 from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan, deepseek_pools, describe_buffer, plan_transfer
+from kvbridge.layout.pairing import pair_buffers
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -263,3 +264,26 @@ def test_extra_slices_ride_at_the_end_of_the_plan():
     empty = np.zeros(0, np.int64)
     alone = plan_transfer(specs, src, dst, empty, empty, empty, 10, extra=extra)
     assert (alone.src.tolist(), alone.dst.tolist(), alone.length.tolist()) == extra
+
+
+@FAST
+@given(num_pages=st.integers(1, 40), num_layers=st.integers(1, 3), scattered=st.booleans(), seed=st.integers(0, 1000))
+def test_whole_pages_of_every_layout_plan_as_the_per_layout_formula(num_pages, num_layers, scattered, seed):
+    """Whole pages (no partial last page) are planned in one broadcast over every layer of every
+    in-page layout: the slices, in order, are each layout group's runs, layer by layer, computed
+    here the slow way."""
+    specs = deepseek_pools(num_layers=num_layers, page_size=4, kv_dtype="fp8", draft_layers=1)
+    rng = np.random.default_rng(seed)
+    logical = np.arange(num_pages)
+    src = rng.permutation(200)[:num_pages] if scattered else np.arange(num_pages) + 7
+    dst = rng.permutation(200)[:num_pages] if scattered else np.arange(num_pages) + 3
+    plan = plan_transfer(specs, descs(specs, 256), descs(specs, 256, 100), logical, src, dst, num_pages * 4)
+    paired = pair_buffers(specs, descs(specs, 256), descs(specs, 256, 100), tuple(specs))
+    starts = [i for i in range(num_pages) if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1]
+    counts = np.diff([*starts, num_pages])
+    want = []
+    for g in paired.groups:  # layouts in order, every layer, then its runs
+        for sb, db, bpp in zip(g.src_base[:, 0].tolist(), g.dst_base[:, 0].tolist(), g.bytes_per_page[:, 0].tolist()):
+            want += [(sb + int(src[s]) * bpp, db + int(dst[s]) * bpp, int(c) * bpp) for s, c in zip(starts, counts)]
+    assert list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist())) == want
+    assert len(paired.groups) == 2  # rows (target, draft) and values_then_scales (index K): both layouts ran

@@ -87,6 +87,8 @@ class Faults:
     def hold(self, due: float, cond: threading.Condition, closed: Callable[[], bool]) -> bool:
         """Wait until monotonic ``due`` (on ``cond``, notified at close) and until the gate is open;
         False when ``closed()`` turned true first."""
+        if self.gate is None and due <= time.monotonic():  # (no fault holds it: no lock, no wait)
+            return not closed()
         with cond:
             while not closed() and time.monotonic() < due:
                 cond.wait(due - time.monotonic())
@@ -246,8 +248,9 @@ class LocalEngine(JobEngine):
             if batch.number in self.faults.fail_batches:
                 ok[(batch.src.size + 1) // 2 :] = False
                 reason = reason or f"{self._who}: injected failure of batch {batch.number}: {batch.describe()}"
-            for i in np.flatnonzero(ok):
-                ctypes.memmove(int(batch.dst[i]), int(batch.src[i]), int(batch.length[i]))
+            everything = bool(ok.all())
+            for d, s, n in zip(*((a if everything else a[ok]).tolist() for a in (batch.dst, batch.src, batch.length))):
+                ctypes.memmove(d, s, n)
             if batch.number in self.faults.corrupt_batches and ok.size and ok[0]:
                 byte = ctypes.c_uint8.from_address(int(batch.dst[0]))
                 byte.value ^= 0xFF
