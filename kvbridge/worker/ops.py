@@ -124,7 +124,7 @@ class OpsServer(Server):
         try:
             super().__init__(codec(secret), f"tcp://{bracketed}:{port}")
         except ConfigError as exc:
-            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc.reason}", field="ops_port") from None
+            raise ConfigError(exc.reason, field="ops_port") from None  # (it names the channel and address)
 
     def receive(self, timeout: float) -> list[tuple[bytes, int, Op]]:
         """Ops that arrived within ``timeout`` seconds: ``(peer, request id, op)``."""
