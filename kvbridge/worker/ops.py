@@ -29,7 +29,7 @@ import msgspec
 from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
 from kvbridge.transfer.channel import Clients, Codec, Server
 
-OPS_VERSION = 2
+OPS_VERSION = 3  # 3: the Hello answers the server's challenge (transfer/channel/envelope.py)
 MAX_OP_BYTES = 1 << 20
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
