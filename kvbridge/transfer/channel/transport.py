@@ -1069,17 +1069,25 @@ class Clients(_Channel[str]):
         return None if result is None else (endpoint, result)
 
     def _answer(self, stream: Stream, body: bytes) -> Received[str] | None:
-        """Send the Hello that answers the server's challenge, then what waits; a first frame
-        that is no challenge of this channel (another channel, version or secret) is handed to
-        the caller and the connection is tried again later."""
+        """Send the Hello that answers the server's challenge, then what waits. A first frame
+        that is no challenge of this channel (another channel, version or secret: the server
+        said nothing, so the caller hears nothing) is logged and counted, and the connection is
+        tried again later."""
         endpoint = stream.client.endpoint
         try:
             challenge = self.codec.open_challenge(body)
         except ProtocolError as err:
             self.stats.received += 1
-            self._malformed(err, endpoint)
+            if err.field == "mac":
+                self.stats.unauthenticated += 1
+            else:
+                self.stats.malformed += 1
+            if _power_of_two(self.stats.unauthenticated + self.stats.malformed):
+                log.warning("%s channel to %s: the server's first frame is no hello challenge we can answer "
+                            "(%d so far): %s", self.codec.name, endpoint,
+                            self.stats.unauthenticated + self.stats.malformed, err)
             self._lost(stream, f"no hello challenge: {err}")
-            return endpoint, err
+            return None
         try:
             stream.open(frame(self.codec.hello(self.name, challenge.nonce)))
         except OSError as exc:
