@@ -7,7 +7,7 @@ loopback source addresses (127.0.0.2, ...; the default fills every slot: 4,096 =
 the 64-per-address cap). The child's RSS and the bytes its readers hold are sampled while the
 flood holds, and a real rank (a PeerSet with the secret) pings through it.
 
-    .venv/bin/python scripts/postauth_flood.py [--connections 4096] [--addresses 64] [--hold-s 3]
+    .venv/bin/python scripts/postauth_flood.py [--connections 4096] [--addresses 64] [--hold-s 5]
 
 Prints one line per phase and a JSON summary (RSS in MiB; buffered: the readers' bytes, whose
 bound is connections x frame_allowance + frame_budget; what the server counted; the real rank's
@@ -83,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=4096, help="authenticated connections to open")
     ap.add_argument("--addresses", type=int, default=64, help="loopback source addresses the flood comes from")
-    ap.add_argument("--hold-s", type=float, default=3.0, help="how long the flood pushes before RSS is read")
+    ap.add_argument("--hold-s", type=float, default=5.0, help="how long the flood pushes before RSS is read")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.connections + 512)), hard))
@@ -95,7 +95,7 @@ def main() -> None:
     before = rss_mib(proc.pid)
     print(f"server RSS before the flood: {before:.1f} MiB", flush=True)
     socks: list[socket.socket] = []
-    chunk = b"\0" * (64 << 10)
+    chunk = b"\0" * (256 << 10)
     pushed = 0
     peak = before
     try:
