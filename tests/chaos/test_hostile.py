@@ -149,7 +149,7 @@ def test_a_replayed_hello_holds_no_slot(quick: dict[str, Any]) -> None:
 def test_partial_frames_after_a_valid_hello_are_bounded(quick: dict[str, Any]) -> None:
     """Connections that pass the challenge (the attacker holds the secret) announce the largest
     frame (8 MiB) and push its body while a room moves. Before issue 26 each buffered up to 8 MiB
-    for 10 s (40 connections: +331 MiB on a prefill rank); now they share one 32 MiB budget beyond
+    for 10 s (40 connections: +331 MiB on a prefill rank); now they share one 16 MiB budget beyond
     8 KiB each, the rest wait, and the room still succeeds."""
     a = attack(quick, "postauth_partial")
     assert a["outcome"] == "defended", a

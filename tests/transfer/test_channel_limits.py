@@ -332,14 +332,14 @@ def test_every_limit_and_its_default_is_stated_in_security_md() -> None:
     shown = {"hello_timeout": "2 s", "frame_timeout": "3 s + n / 2 MiB/s", "frame_rate": "3 s + n / 2 MiB/s",
              "idle_timeout": "120 s", "max_connections": "4,096", "max_connections_per_address": "64",
              "max_pending": "128 / 16", "max_pending_per_address": "128 / 16", "max_bad_macs": "3",
-             "frame_allowance": "8 KiB", "frame_budget": "32 MiB", "max_queued_bytes": "64 MiB"}
+             "frame_allowance": "8 KiB", "frame_budget": "16 MiB", "max_queued_bytes": "32 MiB"}
     assert set(shown) == {f.name for f in fields(Limits)}  # a new limit needs its row
     defaults = Limits()
     assert (defaults.hello_timeout, defaults.frame_timeout, defaults.frame_rate, defaults.idle_timeout) == \
         (2.0, 3.0, float(2 << 20), 120.0)
     assert (defaults.max_connections, defaults.max_connections_per_address, defaults.max_pending,
             defaults.max_pending_per_address, defaults.max_bad_macs) == (4096, 64, 128, 16, 3)
-    assert (defaults.frame_allowance, defaults.frame_budget, defaults.max_queued_bytes) == (8 << 10, 32 << 20, 64 << 20)
+    assert (defaults.frame_allowance, defaults.frame_budget, defaults.max_queued_bytes) == (8 << 10, 16 << 20, 32 << 20)
     rows = [line for line in doc.splitlines() if line.startswith("| `")]
     for name, value in shown.items():
         assert any(f"`{name}`" in row and value in row for row in rows), name

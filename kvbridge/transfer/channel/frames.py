@@ -66,7 +66,10 @@ class FrameReader:
             out.append(bytes(buf[start : start + size]))
             pos = start + size
         if pos:
-            del buf[:pos]
+            if end - pos < pos:  # mostly taken: a fresh buffer, so that a large frame's memory goes back
+                self._buf = buf[pos:]
+            else:
+                del buf[:pos]
         return out
 
     @property
@@ -87,7 +90,7 @@ class FrameReader:
         return size > self.max_frame or len(self._buf) - HEADER.size >= size
 
     def clear(self) -> None:
-        self._buf.clear()
+        self._buf = bytearray()
 
 
 def frame(body: bytes) -> bytes:

@@ -116,8 +116,8 @@ class Limits:
     max_pending_per_address: int = 16
     max_bad_macs: int = 3  # frames failing their MAC after the Hello before the connection is closed
     frame_allowance: int = 8 << 10  # bytes a connection's reader holds without drawing on the shared budget
-    frame_budget: int = 32 << 20  # bytes beyond their allowances that all connections' readers share
-    max_queued_bytes: int = 64 << 20  # unsent output of all peers together (plus one frame each)
+    frame_budget: int = 16 << 20  # bytes beyond their allowances that all connections' readers share
+    max_queued_bytes: int = 32 << 20  # unsent output of all peers together (plus one frame each)
 
     def frame_deadline(self, size: int) -> float:
         """Seconds a frame of ``size`` bytes may take from its first byte to its last."""
