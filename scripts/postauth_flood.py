@@ -54,12 +54,13 @@ def serve(ready: mp.Queue, stop: mp.Event) -> None:
 
 
 def attacker(port: int, source: str) -> socket.socket | None:
-    """One authenticated connection that announces the largest frame (nothing of it sent yet)."""
+    """One authenticated connection (it announces its frame once every slot is taken: a frame's
+    clock starts with its first byte)."""
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
         (size,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
         nonce = codec(SECRET).open_challenge(sock.recv(size, socket.MSG_WAITALL)).nonce
-        sock.sendall(frame(codec(SECRET).hello(f"flood-{source}", nonce)) + HEADER.pack(auth_limit(4 << 20)))
+        sock.sendall(frame(codec(SECRET).hello(f"flood-{source}", nonce)))
     except OSError:
         return None
     sock.setblocking(False)
@@ -106,6 +107,11 @@ def main() -> None:
                 socks.append(sock)
         print(f"{len(socks)} authenticated connections, each announcing a {auth_limit(4 << 20):,}-byte frame",
               flush=True)
+        for sock in socks:
+            try:
+                sock.send(HEADER.pack(auth_limit(4 << 20)))
+            except OSError:
+                pass
         until = time.monotonic() + args.hold_s
         while time.monotonic() < until:  # push the announced bodies as fast as the server reads them
             for sock in socks:

@@ -436,6 +436,9 @@ class Server(_Channel[bytes]):
                  on_lost: Callable[[bytes], None] | None = None) -> None:
         super().__init__(codec, hwm=hwm)
         self.limits = limits or Limits()
+        if self.limits.frame_allowance < 64:
+            raise ConfigError(f"the {codec.name} channel's frame_allowance ({self.limits.frame_allowance} bytes) must "
+                              "hold at least a frame header and a small message (64 bytes)", field="frame_allowance")
         if self.limits.frame_budget < self._max_frame + HEADER.size:
             raise ConfigError(f"the {codec.name} channel's frame_budget ({self.limits.frame_budget} bytes) must hold "
                               f"its largest frame ({self._max_frame + HEADER.size} bytes)", field="frame_budget")
@@ -873,7 +876,6 @@ class Clients(_Channel[str]):
         self._clients: dict[str, Client] = {}
         self._retry: set[Client] = set()
         self._connecting: set[Client] = set()
-        self._early: list[Received[str]] = []  # what a sending thread read (a refused challenge) for the loop
 
     def get(self, endpoint: str) -> Client:
         """The client of ``endpoint``, connected on first use (any thread)."""
@@ -967,7 +969,7 @@ class Clients(_Channel[str]):
         else:
             why = "closed by the peer"
         if stream.sock is not None:
-            self._frames_of(stream, self._early, 1)
+            self._frames_of(stream, [], 1)  # (the challenge: answered, or refused and logged; nothing for the caller)
         if stream.sock is not None and not alive:
             self._lost(stream, why)
 
@@ -1050,9 +1052,6 @@ class Clients(_Channel[str]):
         return min([c.retry_at for c in self._retry] + [c.connect_by for c in self._connecting])
 
     def _housekeeping(self, out: list[Received[str]]) -> None:
-        if self._early:
-            out.extend(self._early)
-            self._early.clear()
         if not self._retry and not self._connecting:
             return
         now = time.monotonic()
