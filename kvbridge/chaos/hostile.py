@@ -21,6 +21,18 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     read_exposure    an anonymous client reads GET /v1/ranks/{id} and /v1/instances;
                      defended: no session id or buffer address comes back (the daemon
                      has a write token, so reads need a token too)
+    hello_replay     one valid Hello captured off a real connection, replayed on more
+                     connections than there are slots (re-opened when closed) while the
+                     decode rank is restarted; defended: no replay holds a slot past the
+                     Hello deadline and the restarted rank's room succeeds
+    postauth_partial connections that pass the challenge with a valid Hello (the attacker
+                     holds the secret) announce the largest frame and push its body; defended:
+                     the prefill rank's RSS grows at most 3 x (connections x frame_allowance +
+                     frame_budget) + ``postauth_slack_mib`` (docs/security.md) and a real room
+                     moves meanwhile
+    mac_flood        authenticated connections send frames that fail their MAC as fast as
+                     the socket takes them, re-opening when closed; defended: every one is
+                     closed by the server and a real room moves meanwhile
 
 Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
 harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
@@ -31,6 +43,7 @@ harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rs
 from __future__ import annotations
 
 import itertools
+import os
 import selectors
 import signal
 import socket
@@ -47,18 +60,20 @@ import numpy as np
 
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.traffic import Traffic
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ProtocolError
 from kvbridge.transfer.channel import Limits, PeerSet
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
-from kvbridge.transfer.channel.frames import HEADER
+from kvbridge.transfer.channel.frames import HEADER, frame
 from kvbridge.worker import ops
 
 __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
-ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
+ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
+           "hello_replay", "postauth_partial", "mac_flood")
 # every attack is defended now; quick runs them all with fewer trials
-QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure")
+QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
+                 "hello_replay", "postauth_partial", "mac_flood")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -83,12 +98,18 @@ class HostileSpec:
     exhaust_connections: int = 4200  # over the 4,096 authenticated-connection cap
     exhaust_addresses: int = 64
     collision_trials: int = 5
+    replay_connections: int = 4200  # replays of one captured Hello held open (over the 4,096 slots)
+    postauth_connections: int = 400  # authenticated connections pushing partial frames
+    postauth_addresses: int = 16  # (25 each: under the 64-per-address cap)
+    postauth_slack_mib: float = 16.0  # bookkeeping of the connections, the loop's own allocations
+    mac_flood_connections: int = 32
     workdir: str | None = None
 
     @classmethod
     def quick(cls, **kw: Any) -> HostileSpec:
         return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
-                       "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0} | kw))
+                       "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0,
+                       "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16} | kw))
 
 
 @dataclass
@@ -269,12 +290,12 @@ class Hostile:
         hello_s = _dribble(port, b"", HEADER.pack(HELLO_MAX_BYTES), s.slow_wait_s)
         details["before_hello"] = {"deadline_s": limits.hello_timeout, "closed_after_s": hello_s}
         ok = hello_s is not None and hello_s <= limits.hello_timeout + SLOW_SLACK_S
-        if s.slow_authenticated:
-            hello = wire.codec(self.c.secret.encode()).hello("hostile-slow")
-            frame_s = _dribble(port, HEADER.pack(len(hello)) + hello, HEADER.pack(1024),
-                               max(s.slow_wait_s, limits.frame_timeout + 2 * SLOW_SLACK_S))
-            details["after_hello"] = {"deadline_s": limits.frame_timeout, "closed_after_s": frame_s}
-            ok = ok and frame_s is not None and frame_s <= limits.frame_timeout + SLOW_SLACK_S
+        if s.slow_authenticated:  # a 1 KiB frame, one byte a second: its deadline grows with its size
+            due = limits.frame_deadline(1024)
+            frame_s = _dribble(port, b"", HEADER.pack(1024), max(s.slow_wait_s, due + 2 * SLOW_SLACK_S),
+                               hello_secret=self.c.secret.encode())
+            details["after_hello"] = {"deadline_s": round(due, 3), "closed_after_s": frame_s}
+            ok = ok and frame_s is not None and frame_s <= due + SLOW_SLACK_S
         out.rss_after_mib = self.rss(m)
         out.details = details
         out.outcome = DEFENDED if ok else VULNERABLE
@@ -379,11 +400,143 @@ class Hostile:
         out.outcome = VULNERABLE if leaked else DEFENDED
 
 
+    # -- 7. Hello replay ------------------------------------------------------------------
+
+    def hello_replay(self, out: Outcome) -> None:
+        s, m, decode = self.spec, self.c.prefill[0], self.c.decode[0]
+        out.target = m.name
+        out.rss_before_mib = peak = self.rss(m)
+        port, limits = _port(self.endpoint(0)), Limits()
+        with socket.create_connection(("127.0.0.1", port), timeout=5.0) as real:  # the capture: a real
+            captured = _hello_for(real, self.c.secret.encode(), "decode-rank-captured")  # Hello off the wire
+        replayer = _Replayer(port, s.replay_connections, s.exhaust_addresses, captured,
+                             limits.hello_timeout + SLOW_SLACK_S)
+        replayer.start()
+        try:
+            replayer.wait_filled(15.0)
+            self.c.signal(decode, signal.SIGTERM)
+            self.c.wait_exit(decode, 20.0)
+            self.c.restart(decode)
+            ok, seconds, why = self.room_ok()
+            peak = max(peak or 0.0, self.rss(m) or 0.0)
+        finally:
+            replayer.stop()
+        out.rss_after_mib = self.rss(m)
+        out.details = {"replays_open_peak": replayer.peak_open, "connects": replayer.connects,
+                       "closed_by_server": replayer.closed_by_server, "connect_failures": replayer.failures,
+                       "slots_held": replayer.held_peak, "held_means": f"open past the {limits.hello_timeout:g}s "
+                       f"hello deadline + {SLOW_SLACK_S:g}s", "rss_peak_mib": peak,
+                       "restarted_decode_room_ok": ok, "room_seconds": seconds, "room_failure": why}
+        out.outcome = DEFENDED if ok and replayer.held_peak == 0 else VULNERABLE
+
+    # -- 8. partial frames after a valid Hello -----------------------------------------------
+
+    def postauth_partial(self, out: Outcome) -> None:
+        s, m, limits = self.spec, self.c.prefill[0], Limits()
+        out.target = m.name
+        port, secret = _port(self.endpoint(0)), self.c.secret.encode()
+        socks: list[socket.socket] = []
+        pushed: dict[socket.socket, int] = {}
+        peak = before = self.rss(m) or 0.0
+        out.rss_before_mib = before
+        chunk = b"\0" * (256 << 10)
+        announce = HEADER.pack(wire.auth_limit(wire.MAX_MESSAGE_BYTES))  # the largest frame it takes
+        try:
+            for i in range(s.postauth_connections):
+                sock = _authenticated(port, i, s.postauth_addresses, secret, f"hostile-partial-{i}")
+                if sock is not None and _try_send(sock, announce):
+                    socks.append(sock)
+                    pushed[sock] = 0
+            result: list[tuple[bool, float, str]] = []
+            room = threading.Thread(target=lambda: result.append(self.room_ok()), daemon=True)
+            room.start()
+            hold_until = time.monotonic() + s.flood_hold_s
+            while room.is_alive() or time.monotonic() < hold_until:
+                for sock in socks:
+                    pushed[sock] += _try_send(sock, chunk)
+                peak = max(peak, self.rss(m) or 0.0)
+                time.sleep(0.02)
+            closed = sum(1 for sock in socks if _closed(sock))
+        finally:
+            for sock in socks:
+                sock.close()
+        time.sleep(0.5)
+        out.rss_after_mib = self.rss(m)
+        ok, seconds, why = result[0] if result else (False, 0.0, "room thread failed")
+        growth = round(peak - before, 1)
+        # the readers' bound, and as much again twice while a loop turn holds the frames it took
+        # out and their decoded messages (docs/security.md)
+        readers = (len(socks) * limits.frame_allowance + limits.frame_budget) / (1 << 20)
+        bound = round(3 * readers + s.postauth_slack_mib, 1)
+        out.details = {"connections": len(socks), "addresses": s.postauth_addresses,
+                       "announced_bytes": wire.auth_limit(wire.MAX_MESSAGE_BYTES),
+                       "bytes_pushed_mib": round(sum(pushed.values()) / (1 << 20), 1), "rss_peak_mib": peak,
+                       "rss_growth_mib": growth, "rss_bound_mib": bound, "closed_by_server": closed,
+                       "room_during_flood_ok": ok, "room_seconds": seconds, "room_failure": why}
+        out.outcome = DEFENDED if ok and growth <= bound else VULNERABLE
+
+    # -- 9. frames failing their MAC after a valid Hello ------------------------------------------
+
+    def mac_flood(self, out: Outcome) -> None:
+        s, m, limits = self.spec, self.c.prefill[0], Limits()
+        out.target = m.name
+        port, secret = _port(self.endpoint(0)), self.c.secret.encode()
+        out.rss_before_mib = peak = self.rss(m) or 0.0
+        bad = frame(wire.codec(b"not-the-cluster-secret").encode(wire.Ping(decode_rank="hostile", seq=0)))
+        burst = bad * 2000
+        cpu0 = _cpu_seconds(m.pid)  # type: ignore[arg-type]
+        live: list[socket.socket] = []
+        opened = closed = frames = 0
+        result: list[tuple[bool, float, str]] = []
+        room = threading.Thread(target=lambda: result.append(self.room_ok()), daemon=True)
+        t0 = time.monotonic()
+        try:
+            room.start()
+            while room.is_alive() or time.monotonic() < t0 + s.flood_hold_s:
+                while len(live) < s.mac_flood_connections:
+                    sock = _authenticated(port, opened, s.flood_addresses, secret, f"hostile-mac-{opened}")
+                    opened += 1
+                    if sock is None:
+                        break
+                    live.append(sock)
+                for sock in list(live):
+                    sent = _try_send(sock, burst)
+                    frames += sent // len(bad)
+                    if _closed(sock):
+                        closed += 1
+                        live.remove(sock)
+                        sock.close()
+                peak = max(peak, self.rss(m) or 0.0)
+                time.sleep(0.01)
+            until = time.monotonic() + 2 * SLOW_SLACK_S  # the last ones' frames are still being read
+            while live and time.monotonic() < until:
+                for sock in list(live):
+                    if _closed(sock):
+                        closed += 1
+                        live.remove(sock)
+                        sock.close()
+                time.sleep(0.05)
+        finally:
+            for sock in live:
+                sock.close()
+        seconds_flooded = time.monotonic() - t0
+        cpu = (_cpu_seconds(m.pid) or 0.0) - (cpu0 or 0.0)  # type: ignore[arg-type]
+        out.rss_after_mib = self.rss(m)
+        ok, seconds, why = result[0] if result else (False, 0.0, "room thread failed")
+        out.details = {"connections_opened": opened, "closed_by_server": closed, "left_open": len(live),
+                       "max_bad_macs": limits.max_bad_macs, "bad_frames_pushed": frames,
+                       "target_cpu_s": round(cpu, 2), "flood_s": round(seconds_flooded, 1), "rss_peak_mib": peak,
+                       "room_during_flood_ok": ok, "room_seconds": seconds, "room_failure": why}
+        out.outcome = DEFENDED if ok and not live else VULNERABLE
+
+
 # One table from attack name to its method (the order of ATTACKS is the order they run in).
 ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "aliasing": Hostile.aliasing, "preauth_flood": Hostile.preauth_flood, "slow_connection": Hostile.slow_connection,
     "slot_exhaustion": Hostile.slot_exhaustion, "room_collision": Hostile.room_collision,
     "read_exposure": Hostile.read_exposure,
+    "hello_replay": Hostile.hello_replay, "postauth_partial": Hostile.postauth_partial,
+    "mac_flood": Hostile.mac_flood,
 }
 
 
@@ -475,21 +628,29 @@ def _try_send(sock: socket.socket, data: bytes) -> int:
 
 
 def _closed(sock: socket.socket) -> bool:
-    """The server closed (or reset) this non-blocking socket."""
+    """The server closed (or reset) this non-blocking socket (what it sent before, such as its
+    hello challenge, is read and dropped)."""
     try:
-        return sock.recv(4096) == b""
+        for _ in range(16):
+            if sock.recv(65536) == b"":
+                return True
     except BlockingIOError:
         return False
     except OSError:
         return True
+    return False
 
 
-def _dribble(port: int, first: bytes, dribble: bytes, wait_s: float) -> float | None:
-    """Send ``first``, then ``dribble`` one byte a second (then keep the frame open); seconds
-    until the server closed the connection, or None if it had not after ``wait_s``."""
+def _dribble(port: int, first: bytes, dribble: bytes, wait_s: float, hello_secret: bytes | None = None) -> float | None:
+    """Send ``first`` (after a valid Hello when ``hello_secret`` is given), then ``dribble`` one
+    byte a second (then keep the frame open); seconds until the server closed the connection,
+    or None if it had not after ``wait_s``."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
     t0 = time.monotonic()
     try:
+        if hello_secret is not None:
+            sock.sendall(_hello_for(sock, hello_secret, "hostile-slow"))
+            t0 = time.monotonic()
         sock.sendall(first)
         sock.setblocking(False)
         i = 0
@@ -560,6 +721,93 @@ class _Holder:
             first = False
             self._filled.set()
             self._stop.wait(self.SWEEP_S)
+
+
+def _hello_for(sock: socket.socket, secret: bytes, name: str) -> bytes:
+    """Read the server's challenge on ``sock`` (blocking) and return the framed valid Hello that
+    answers it: what a real rank sends, and what a capture of its connection would hold."""
+    (size,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    nonce = wire.codec(secret).open_challenge(sock.recv(size, socket.MSG_WAITALL)).nonce
+    return frame(wire.codec(secret).hello(name, nonce))
+
+
+def _authenticated(port: int, i: int, addresses: int, secret: bytes, name: str) -> socket.socket | None:
+    """A non-blocking connection that answered its challenge with a valid Hello (the attacker
+    holds the secret), or None."""
+    sock = _connect(port, i, addresses)
+    if sock is None:
+        return None
+    try:
+        sock.settimeout(5.0)
+        sock.sendall(_hello_for(sock, secret, name))
+        sock.setblocking(False)
+    except (OSError, ProtocolError):
+        sock.close()
+        return None
+    return sock
+
+
+class _Replayer:
+    """Keeps ``n`` connections open that each sent ``captured`` (one real connection's Hello)
+    first, re-opening those the server closes, until stopped; ``held_peak``: the most that
+    were open ``held_after`` seconds after they sent it (a replay the server took as a peer)."""
+
+    SWEEP_S = 0.25
+    REOPEN_PER_SWEEP = 200  # bounds the connect storm on a small host
+
+    def __init__(self, port: int, n: int, addresses: int, captured: bytes, held_after: float) -> None:
+        self.port, self.n, self.addresses, self.captured, self.held_after = port, n, addresses, captured, held_after
+        self.socks: dict[socket.socket, float] = {}  # socket -> when it sent the replay
+        self.connects = self.failures = self.closed_by_server = self.peak_open = self.held_peak = 0
+        self._stop = threading.Event()
+        self._filled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hostile-replayer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_filled(self, timeout: float) -> None:
+        self._filled.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30.0)
+        for sock in self.socks:
+            sock.close()
+        self.socks.clear()
+
+    def _run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for sock in [s for s in self.socks if _closed(s)]:
+                self.closed_by_server += 1
+                del self.socks[sock]
+                sock.close()
+            self.held_peak = max(self.held_peak, sum(1 for t in self.socks.values() if now - t > self.held_after))
+            budget = self.n if first else self.REOPEN_PER_SWEEP
+            while len(self.socks) < self.n and budget > 0 and not self._stop.is_set():
+                sock = _connect(self.port, self.connects, self.addresses)
+                self.connects += 1
+                budget -= 1
+                if sock is None:
+                    self.failures += 1
+                    continue
+                _try_send(sock, self.captured)
+                self.socks[sock] = time.monotonic()
+            self.peak_open = max(self.peak_open, len(self.socks))
+            first = False
+            self._filled.set()
+            self._stop.wait(self.SWEEP_S)
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- small helpers ----------------------------------------------------------------------------

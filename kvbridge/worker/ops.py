@@ -27,9 +27,9 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
-from kvbridge.transfer.channel import Clients, Codec, Server
+from kvbridge.transfer.channel import Clients, Codec, Limits, Server
 
-OPS_VERSION = 2
+OPS_VERSION = 3  # 3: the Hello answers the server's challenge (transfer/channel/envelope.py)
 MAX_OP_BYTES = 1 << 20
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -116,15 +116,22 @@ def decode(data: bytes, secret: bytes | None = None) -> tuple[int, Op | Reply]:
     return frame.id, frame.msg
 
 
+# The ops channel's limits: its clients are operators and harnesses (a few connections), so its
+# budgets are a small fraction of the control channel's (docs/security.md: the worst case of a
+# worker process is the two channels' together)
+OPS_LIMITS = Limits(max_connections=256, max_connections_per_address=64, frame_budget=4 << 20,
+                    max_queued_bytes=8 << 20)
+
+
 class OpsServer(Server):
     """Worker side; ``receive`` never raises on a bad message (it answers OpError)."""
 
     def __init__(self, host: str, port: int = 0, secret: bytes | None = None) -> None:
         bracketed = f"[{host}]" if ":" in host else host
         try:
-            super().__init__(codec(secret), f"tcp://{bracketed}:{port}")
+            super().__init__(codec(secret), f"tcp://{bracketed}:{port}", limits=OPS_LIMITS)
         except ConfigError as exc:
-            raise ConfigError(f"cannot bind the ops channel to {host}:{port}: {exc.reason}", field="ops_port") from None
+            raise ConfigError(exc.reason, field="ops_port") from None  # (it names the channel and address)
 
     def receive(self, timeout: float) -> list[tuple[bytes, int, Op]]:
         """Ops that arrived within ``timeout`` seconds: ``(peer, request id, op)``."""

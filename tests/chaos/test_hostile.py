@@ -133,6 +133,43 @@ def test_room_collision_first_claim_wins(quick: dict[str, Any]) -> None:
     assert all("claimed by decode instance" in t["second"] for t in d["trials"]), d
 
 
+def test_a_replayed_hello_holds_no_slot(quick: dict[str, Any]) -> None:
+    """One valid Hello captured off a real connection, replayed on 1,200 connections (4,200 in the
+    full run) re-opened as they are closed, while the decode rank is restarted. Before issue 26 a
+    Hello carried no nonce: 4,200 replays held all 4,096 slots, never timed out, and the restarted
+    decode rank could not connect (its room failed). Now each replay answers another connection's
+    challenge and is closed at once; none is open past the Hello deadline."""
+    a = attack(quick, "hello_replay")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["slots_held"] == 0 and d["restarted_decode_room_ok"] is True, d
+    assert d["closed_by_server"] > 0 and d["connects"] >= HostileSpec.quick().replay_connections, d
+
+
+def test_partial_frames_after_a_valid_hello_are_bounded(quick: dict[str, Any]) -> None:
+    """Connections that pass the challenge (the attacker holds the secret) announce the largest
+    frame (8 MiB) and push its body while a room moves. Before issue 26 each buffered up to 8 MiB
+    for 10 s (40 connections: +331 MiB on a prefill rank); now they share one 16 MiB budget beyond
+    8 KiB each, the rest wait, and the room still succeeds."""
+    a = attack(quick, "postauth_partial")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["room_during_flood_ok"] is True and d["rss_growth_mib"] <= d["rss_bound_mib"], d
+    assert d["connections"] == HostileSpec.quick().postauth_connections and d["bytes_pushed_mib"] > 64, d
+
+
+def test_a_mac_failing_flood_is_closed(quick: dict[str, Any]) -> None:
+    """Authenticated connections push frames signed with another secret as fast as the socket
+    takes them. Before issue 26 such frames never closed a connection (8.8 M empty frames cost a
+    prefill rank 7.8 CPU-seconds); now each connection is closed after max_bad_macs (3) frames,
+    and a room moves meanwhile."""
+    a = attack(quick, "mac_flood")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["room_during_flood_ok"] is True and d["left_open"] == 0, d
+    assert d["closed_by_server"] >= HostileSpec.quick().mac_flood_connections, d
+
+
 def test_unknown_attack_is_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="unknown attack"):
         run_hostile(HostileSpec(attacks=("aliasing", "nope")))

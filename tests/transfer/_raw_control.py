@@ -1,7 +1,8 @@
 """A bare client of a control channel, for tests that play a hostile or broken peer: a plain
 TCP socket that sends whatever bytes it is given (framed, or not) and reads frames back,
-checking nothing. It opens with a Hello (signed with ``secret`` when given) unless
-``hello=False``: a connection's first frame must be one."""
+checking nothing. The server's first frame is a HelloChallenge; unless ``hello=False`` it is
+read and answered with a Hello (signed with ``secret`` when given): a connection's first
+frame must be one. ``challenge()`` reads it when ``hello=False``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import select
 import socket
 import time
 
+import msgspec
+
 from kvbridge.transfer.channel import wire
+from kvbridge.transfer.channel.envelope import HelloChallenge
 from kvbridge.transfer.channel.frames import HEADER, frame
 
 
@@ -19,8 +23,19 @@ class RawControl:
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self._buf = b""
+        self.secret = secret
+        self.nonce = b""
         if hello:
-            self.sock.sendall(frame(wire.codec(secret).hello(name)))
+            self.sock.sendall(frame(wire.codec(secret).hello(name, self.challenge(timeout))))
+
+    def challenge(self, timeout: float = 5.0) -> bytes:
+        """The nonce of the server's HelloChallenge (read once; b"" when none came)."""
+        if not self.nonce:
+            body = self.recv(timeout)
+            if body is not None:  # (its MAC is not checked: a bare client checks nothing)
+                signed = len(body) > 2 and body[2] == 1
+                self.nonce = msgspec.msgpack.decode(body[3 + 32 * signed :], type=HelloChallenge).nonce
+        return self.nonce
 
     def send(self, body: bytes) -> None:
         """One frame holding ``body``."""

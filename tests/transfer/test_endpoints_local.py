@@ -170,7 +170,10 @@ def test_unauthenticated_control_messages_are_dropped(cluster):
     r.init(np.array([0, 1]), 0, 8)
     wait_final([r], timeout=10)
     assert r.poll() == KVPoll.Failed and "sent nothing" in r.failure_reason
-    assert bad.prefill[0]._server.stats.unauthenticated > 0
+    # the prefill rank's challenge does not authenticate with the decode rank's secret: the decode
+    # rank sends no Hello (it counts the refusal) and the prefill rank reads nothing from it
+    assert bad.decode._peers.stats.unauthenticated > 0
+    assert bad.prefill[0]._server.stats.received == 0 and bad.prefill[0]._server.num_peers == 0
     assert as_bytes(bad.dbufs[("target", 0)])[[0, 1]].min() == SENTINEL_BYTE  # nothing written
 
 

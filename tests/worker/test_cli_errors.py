@@ -30,8 +30,12 @@ def test_ops_port_in_use(command: str) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        proc = run_cli(command, "--ops-port", str(busy.getsockname()[1]), "--bootstrap", "http://127.0.0.1:9")
+        port = str(busy.getsockname()[1])
+        proc = run_cli(command, "--ops-port", port, "--bootstrap", "http://127.0.0.1:9")
     assert_one_line_error(proc, command, "ops_port")
+    # said once: the bind error is not wrapped in a copy of itself (issue 26)
+    assert proc.stderr.count("cannot bind the ops channel") == 1, proc.stderr[-2000:]
+    assert proc.stderr.count(port) == 1, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """kvbridge's one transport and one codec (control, workers' ops, the IPC engine's side channel).
 
-    envelope.py   Codec: typed msgspec structs over MessagePack, version + HMAC envelope, Hello
+    envelope.py   Codec: typed msgspec structs over MessagePack, version + HMAC envelope, HelloChallenge + Hello
     frames.py     length-prefixed frames over one non-blocking socket (FrameReader, Stream)
-    transport.py  the two ends over TCP / Unix sockets: Server, Clients, Wakeup, Limits (pre-auth bounds)
+    transport.py  the two ends over TCP / Unix sockets: Server, Clients, Wakeup, Limits (what a connection may cost)
     wire.py       the control messages (TransferRequest ... ErrorReply), pack_pages/unpack_pages
     control.py    ControlServer (prefill end) and PeerSet (decode end)
 """

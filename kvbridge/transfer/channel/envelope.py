@@ -12,12 +12,20 @@ compare), then the size limit; without one, the size limit, and a MAC'd envelope
 refused. Then the version, then the body through one ``msgspec.msgpack.Decoder`` of the
 channel's union: unknown tag, missing field, wrong type, value out of range, each named
 (``field``). Unknown extra fields are ignored, and a field with a default may be missing,
-so a peer may add optional fields without a version bump. The MAC authenticates; it does
-not stop replays (closed clusters).
+so a peer may add optional fields without a version bump.
 
-A connection's first frame is a :class:`Hello` in this same envelope (``HELLO_MAX_BYTES`` at
-most): who the peer is, and which channel it means. The transport reads nothing larger
-from a connection before it.
+A connection opens with a challenge, so that a Hello opens only the connection it was made for:
+
+    server ── HelloChallenge(channel, nonce: CHALLENGE_BYTES fresh random bytes) ──▶ client
+    server ◀── Hello(channel, challenge=nonce, peer)   (MAC over all of it) ──────── client
+
+The server keeps the nonce it sent and accepts a Hello only when its MAC is good and it
+carries that nonce (constant-time compare): a Hello captured from another connection
+carries another nonce, and without the secret nobody can make one that carries this one.
+The secret never travels; only MACs do. Both frames are in this same envelope, at most
+``HELLO_MAX_BYTES``; the transport reads nothing larger from a connection before its Hello.
+Messages after the Hello carry the cluster secret's MAC, which authenticates them but does not
+bind them to a connection: only a connection that authenticated can carry them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import secrets
 import struct
 from typing import Annotated, Any, Generic, TypeVar, Union
 
@@ -32,21 +41,33 @@ import msgspec
 
 from kvbridge.errors import ConfigError, ProtocolError
 
-__all__ = ["HELLO_MAX_BYTES", "Codec", "Hello", "auth_limit", "check_secret"]
+__all__ = ["CHALLENGE_BYTES", "HELLO_MAX_BYTES", "Codec", "Hello", "HelloChallenge", "auth_limit", "check_secret"]
 
 HEADER = struct.Struct(">HB")
 MAC_BYTES = hashlib.sha256().digest_size
 PLAIN, SIGNED = 0, 1
 HELLO_MAX_BYTES = 4096  # a connection's first frame: what an unauthenticated peer can make a server buffer
+CHALLENGE_BYTES = 16  # a server's challenge nonce (128 bits: never drawn twice)
 
 M = TypeVar("M")
+Nonce = Annotated[bytes, msgspec.Meta(min_length=CHALLENGE_BYTES, max_length=CHALLENGE_BYTES)]
+ChannelName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+
+
+class HelloChallenge(msgspec.Struct, frozen=True, tag="hello_challenge", tag_field="t"):
+    """A server's first frame on every connection: the nonce the client's Hello must carry."""
+
+    channel: ChannelName
+    nonce: Nonce
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="t"):
-    """A connection's first frame: ``channel`` names what it connects to ("control", "ops",
-    "ipc"), ``peer`` who connects (a rank's name or registration id)."""
+    """A client's first frame: ``channel`` names what it connects to ("control", "ops", "ipc"),
+    ``challenge`` is the nonce of this connection's HelloChallenge, ``peer`` who connects (a
+    rank's name or registration id)."""
 
-    channel: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    channel: ChannelName
+    challenge: Nonce
     peer: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
@@ -86,6 +107,7 @@ class Codec(Generic[M]):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Union[types])  # type: ignore[valid-type]
         self._hello = msgspec.msgpack.Decoder(Hello)
+        self._challenge = msgspec.msgpack.Decoder(HelloChallenge)
         self._plain = HEADER.pack(version, PLAIN)
         self._signed = HEADER.pack(version, SIGNED)
 
@@ -98,7 +120,7 @@ class Codec(Generic[M]):
 
     # ---- sealing ----------------------------------------------------------------------------
     def encode(self, msg: M, *, max_bytes: int | None = None) -> bytes:
-        if type(msg) not in self.types and type(msg) is not Hello:
+        if type(msg) not in self.types and type(msg) not in (Hello, HelloChallenge):
             raise ProtocolError(f"cannot encode a {type(msg).__name__}: not a {self.name} message")
         try:
             body = self._encoder.encode(msg)
@@ -116,8 +138,14 @@ class Codec(Generic[M]):
             return self._plain + body
         return self._signed + hmac.new(self.secret, self._signed + body, hashlib.sha256).digest() + body
 
-    def hello(self, peer: str) -> bytes:
-        return self.seal(self._encoder.encode(Hello(channel=self.name, peer=peer)))
+    def challenge(self) -> tuple[bytes, bytes]:
+        """A fresh ``(nonce, sealed HelloChallenge)`` for a new connection (server side)."""
+        nonce = secrets.token_bytes(CHALLENGE_BYTES)
+        return nonce, self.seal(self._encoder.encode(HelloChallenge(channel=self.name, nonce=nonce)))
+
+    def hello(self, peer: str, challenge: bytes) -> bytes:
+        """The sealed Hello answering the connection's ``challenge`` nonce (client side)."""
+        return self.seal(self._encoder.encode(Hello(channel=self.name, challenge=challenge, peer=peer)))
 
     # ---- opening ----------------------------------------------------------------------------
     def unseal(self, data: bytes | memoryview) -> memoryview:
@@ -168,15 +196,30 @@ class Codec(Generic[M]):
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"not msgpack: {exc}"[:300]) from None
 
-    def open_hello(self, data: bytes | memoryview) -> Hello:
-        """A connection's first frame: ProtocolError unless it is this channel's Hello."""
+    def open_hello(self, data: bytes | memoryview, challenge: bytes) -> Hello:
+        """A connection's first frame: ProtocolError unless it is this channel's Hello answering
+        ``challenge`` (the nonce this side sent on the connection)."""
         try:
             hello = self._hello.decode(self.unseal(data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"first frame is not a hello: {exc}"[:300], field="hello") from None
         if hello.channel != self.name:
             raise ProtocolError(f"hello for channel {hello.channel!r:.40}, this is {self.name!r}", field="hello")
+        if not hmac.compare_digest(hello.challenge, challenge):
+            raise ProtocolError("hello answers another connection's challenge (replayed?)", field="challenge")
         return hello
+
+    def open_challenge(self, data: bytes | memoryview) -> HelloChallenge:
+        """A server's first frame: ProtocolError unless it is this channel's HelloChallenge."""
+        try:
+            challenge = self._challenge.decode(self.unseal(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"first frame from the server is not a hello challenge: {exc}"[:300],
+                                field="hello") from None
+        if challenge.channel != self.name:
+            raise ProtocolError(f"the server speaks the {challenge.channel!r:.40} channel, not {self.name!r}",
+                                field="hello")
+        return challenge
 
     def peek(self, body: bytes | memoryview) -> tuple[str, int | None]:
         """Best-effort (type tag, room) of a body that failed to decode, for an error reply."""

@@ -10,10 +10,12 @@ connected socket:
     queue(frame)   the kernel takes what it can now; the rest waits (at most ``hwm`` frames)
     flush()        when the socket is writable: more of what waits
     read(limit)    what the socket holds, at most ``limit`` bytes, into the reader
+    open(hello)    a client's stream (``holds``) sends nothing until its Hello, which goes first
 
 A frame only partly sent when its connection breaks is sent again, whole, on the next
-connection (``reset``), after the stream's ``preamble`` (a client's Hello). A stream is not
-thread-safe: the lock of the channel that owns it guards every call.
+connection (``reset``), after that connection's Hello. What waits unsent is counted in
+``queued_bytes`` and in the owner's ``meter`` (one counter shared by a server's streams). A
+stream is not thread-safe: the lock of the channel that owns it guards every call.
 """
 
 from __future__ import annotations
@@ -64,12 +66,20 @@ class FrameReader:
             out.append(bytes(buf[start : start + size]))
             pos = start + size
         if pos:
-            del buf[:pos]
+            if end - pos < pos:  # mostly taken: a fresh buffer, so that a large frame's memory goes back
+                self._buf = buf[pos:]
+            else:
+                del buf[:pos]
         return out
 
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+    @property
+    def announced(self) -> int:
+        """The length the first buffered frame's header announces (0: no whole header yet)."""
+        return HEADER.unpack_from(self._buf)[0] if len(self._buf) >= HEADER.size else 0
 
     @property
     def ready(self) -> bool:
@@ -80,11 +90,20 @@ class FrameReader:
         return size > self.max_frame or len(self._buf) - HEADER.size >= size
 
     def clear(self) -> None:
-        self._buf.clear()
+        self._buf = bytearray()
 
 
 def frame(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
+
+
+class Meter:
+    """Bytes waiting unsent in a channel's streams, all together."""
+
+    __slots__ = ("queued",)
+
+    def __init__(self) -> None:
+        self.queued = 0
 
 
 class Stream:
@@ -103,9 +122,17 @@ class Stream:
         self.info: Any = None  # what the owner's admit() returned (the IPC side channel: the peer's pid)
         self.client: Any = None  # a client end's Client
         self.hello_by = 0.0  # server side, pending: monotonic deadline of the Hello
+        self.challenge = b""  # server side: the nonce this connection's Hello must carry
         self.last_rx = 0.0
         self.partial_since = 0.0  # when the frame now buffered began (0: none)
-        self.preamble: bytes | None = None  # a client's Hello: first on every connection
+        self.budget = 0  # server side: bytes of the shared frame budget the reader holds
+        self.throttled = 0.0  # server side: since when reading waits for the shared budget (0: not)
+        self.bad_macs = 0  # server side: frames after the Hello that failed their MAC
+        self.holds = False  # client side: send nothing on a connection before its Hello (``open``)
+        self.held = False
+        self.meter: Meter | None = None
+        self.queued_bytes = 0
+        self._hello: bytes | None = None  # the Hello queued first on this connection
         self._out: collections.deque[bytes] = collections.deque()
         self._sent = 0
 
@@ -117,29 +144,49 @@ class Stream:
     def wants_write(self) -> bool:
         return bool(self._out)
 
+    @property
+    def queued_frames(self) -> int:
+        return len(self._out)
+
     def queue(self, data: bytes) -> None:
         """Send one frame or keep it for ``flush``; QueueFull at ``hwm`` waiting frames (a client's
         Hello not counted); OSError when the connection broke (the frame is kept)."""
-        hello_waits = self.preamble is not None and bool(self._out) and self._out[0] is self.preamble
+        hello_waits = self._hello is not None and bool(self._out) and self._out[0] is self._hello
         if len(self._out) - hello_waits >= self.hwm:
             raise QueueFull
         self._out.append(data)
-        if len(self._out) == 1 and self.connected:
+        self._count(len(data))
+        if len(self._out) == 1 and self.connected and not self.held:
             self.flush()
+
+    def open(self, hello: bytes) -> None:
+        """A client's connection answered: ``hello`` first, then what waits (OSError: broken)."""
+        self._out.appendleft(hello)
+        self._hello = hello
+        self._count(len(hello))
+        self.held = False
+        self.flush()
 
     def flush(self) -> None:
         out, sock = self._out, self.sock
-        while out and self.connected:
+        while out and self.connected and not self.held:
             first = out[0]
             try:
                 sent = sock.send(memoryview(first)[self._sent :] if self._sent else first, _NOSIGNAL)
             except BlockingIOError:
                 return
             self._sent += sent
+            self._count(-sent)
             if self._sent < len(first):
                 return
-            out.popleft()
+            if out.popleft() is self._hello:
+                self._hello = None
             self._sent = 0
+
+    def _count(self, n: int) -> None:
+        self.queued_bytes += n
+        if self.meter is not None:
+            self.meter.queued += n
 
     def read(self, limit: int = READ_PER_CALL) -> bool:
         """Receive up to ``limit`` bytes; False at end of stream."""
@@ -159,21 +206,29 @@ class Stream:
 
     def reset(self, sock: socket.socket | None, connected: bool = True) -> None:
         """A new connection (or none): partial input dropped, the frame being sent starts over,
-        and the preamble (a client's Hello) goes first."""
+        the last connection's Hello is dropped, and (``holds``) nothing goes out before ``open``."""
         self.sock = sock
         self.connected = sock is not None and connected
         self.broken = False
         self.events = 0
         self.reader.clear()
+        self._count(self._sent)
         self._sent = 0
-        if self.preamble is not None and sock is not None and not (self._out and self._out[0] is self.preamble):
-            self._out.appendleft(self.preamble)
+        if self._hello is not None and self._out and self._out[0] is self._hello:
+            self._out.popleft()
+            self._count(-len(self._hello))
+        self._hello = None
+        self.held = self.holds
 
     def drop_output(self) -> None:
+        self._count(-self.queued_bytes)
         self._out.clear()
         self._sent = 0
+        self._hello = None
 
     def close(self) -> None:
+        """Close the socket; what waits stays for the next connection (a client's; a server's
+        streams ``drop_output`` first)."""
         if self.sock is not None:
             self.sock.close()
         self.reset(None)

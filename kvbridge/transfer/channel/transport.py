@@ -5,8 +5,10 @@ endpoint), both on ``selectors``, both carrying one codec's envelopes (``envelop
     frame = 4-byte big-endian length | envelope
 
     client (Clients)                                     server (Server)
-    connect, then Hello (first frame, <= 4 KiB) ───────▶ accept: pending (reads <= one Hello)
-    messages ──────────────────────────────────────────▶ after a valid Hello: peer (full frames)
+    connect ────────────────────────────────────────────▶ accept: pending (reads <= one Hello)
+            ◀──────────────────── HelloChallenge(nonce)   (first frame, fresh per connection)
+    Hello(nonce, MAC) (first frame, <= 4 KiB) ──────────▶ a valid Hello carrying the nonce: peer
+    messages (held until the Hello went) ───────────────▶ (full frames, within the budgets below)
              ◀───────────────── replies go back on the connection that asked
 
 One loop thread receives (``recv_ready``); any thread may send. Every socket call goes
@@ -25,13 +27,35 @@ Nothing unauthenticated costs memory or a slot for long (``Limits``): a pending 
 buffers at most one Hello, must send it within ``hello_timeout``, and holds one of
 ``max_pending`` slots (``max_pending_per_address`` per source address; a newcomer evicts the
 oldest pending connection of its address, or overall), apart from the ``max_connections``
-slots of authenticated peers; an authenticated peer must finish a frame it started within
-``frame_timeout`` (a byte-a-second sender is closed) and, when ``idle_timeout`` is set, send
-something that often. A frame over ``auth_limit(max_bytes)`` closes its connection at once.
+slots of authenticated peers. A Hello opens only the connection whose challenge it carries
+(``envelope.py``), so captured bytes open nothing.
+
+What an authenticated peer costs is bounded too:
+- slots: at most ``max_connections_per_address`` per source address (the peer's address, not
+  the name its Hello claims: any holder of the secret can claim any name, and a cap per name
+  would let it lock a named rank out; an address is what the network gives it). When every
+  slot is taken, a newcomer from an address holding fewer connections than the busiest
+  address displaces that address's oldest connection; otherwise it is refused;
+- input: a reader buffers ``frame_allowance`` bytes on its own; beyond that it draws on one
+  ``frame_budget`` shared by all connections (one frame at most). A connection that would
+  exceed it is not read (TCP pushes back) until the budget frees, and its frame's clock stops
+  meanwhile. So a server's buffered input is at most ``max_connections x frame_allowance +
+  frame_budget``, whatever the peers send;
+- time: a frame of n bytes must be complete ``frame_timeout + n / frame_rate`` seconds after it
+  began, and a peer must send something every ``idle_timeout`` seconds (a deadline is checked
+  after reading what the socket holds, so a busy loop never closes a peer that kept up);
+- MAC failures: a connection whose frames fail their MAC ``max_bad_macs`` times is closed;
+- output: what waits unsent for all peers together is at most ``max_queued_bytes`` plus one
+  frame per peer (an empty queue always takes a frame): over it, the peer with the most unsent
+  output (one that does not read) is closed. A malformed message is answered only while its
+  peer's queue holds fewer than ``REFUSALS_QUEUED`` frames.
+A frame over ``auth_limit(max_bytes)`` closes its connection at once.
 
 A client connects on first use and again, every RECONNECT_S doubling to RECONNECT_MAX_S,
 while the peer is unreachable (a connect nobody answers is given CONNECT_TIMEOUT_S); frames
-sent meanwhile wait (up to ``hwm``) and go out, after a fresh Hello, once connected. A frame
+sent meanwhile wait (up to ``hwm``) and go out once connected, after the Hello that answers
+the connection's challenge (a first frame that is not one is handed to the caller as a
+ProtocolError, and the connection is dropped and tried again). A frame
 only partly sent when its connection broke is sent again whole: the server drops a partial
 frame with its connection, so a frame arrives once or not at all. A server that cannot accept
 (out of file descriptors) stops listening for ACCEPT_PAUSE_S instead of spinning. A connection
@@ -55,7 +79,7 @@ from typing import Any, Generic, TypeVar, Union
 
 from kvbridge.errors import ConfigError, KVBridgeError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES, Codec, Hello, auth_limit
-from kvbridge.transfer.channel.frames import HEADER, READ_PER_CALL, FrameError, QueueFull, Stream, frame
+from kvbridge.transfer.channel.frames import HEADER, READ_PER_CALL, FrameError, Meter, QueueFull, Stream, frame
 
 log = logging.getLogger("kvbridge.transfer.channel")
 
@@ -67,7 +91,9 @@ RECONNECT_S = 0.05
 RECONNECT_MAX_S = 1.0
 CONNECT_TIMEOUT_S = 5.0
 ACCEPT_PAUSE_S = 0.1
-SCAN_S = 0.05  # deadlines are checked this often (at most)
+SCAN_S = 0.05  # deadlines are checked this often (at most) while a Hello or a frame is due
+IDLE_SCAN_S = 1.0  # and this often when only idle deadlines are
+REFUSALS_QUEUED = 8  # a malformed message is answered only while fewer frames wait for its peer
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 PeerT = TypeVar("PeerT", bound=Hashable)
@@ -76,14 +102,26 @@ Received = tuple[PeerT, Union[Any, ProtocolError]]  # (peer, message) or (peer, 
 
 @dataclass(frozen=True)
 class Limits:
-    """How long and how much a server gives a connection (seconds, counts)."""
+    """How long and how much a server gives a connection (seconds, counts, bytes); see the
+    module docstring for what each bounds. ``docs/security.md`` states the defaults and the
+    worst case they give."""
 
     hello_timeout: float = 2.0  # a new connection's Hello must have arrived by then
-    frame_timeout: float = 10.0  # a frame an authenticated peer started must be complete by then
-    idle_timeout: float | None = None  # an authenticated peer silent this long is closed (None: never)
+    frame_timeout: float = 3.0  # a frame of n bytes must be complete frame_timeout + n / frame_rate after it began
+    frame_rate: float = float(2 << 20)  # bytes per second
+    idle_timeout: float | None = 120.0  # an authenticated peer silent this long is closed (None: never)
     max_connections: int = 4096  # authenticated peers
+    max_connections_per_address: int | None = 64  # of them from one source address (None: no cap)
     max_pending: int = 128  # connections that have not sent their Hello yet
     max_pending_per_address: int = 16
+    max_bad_macs: int = 3  # frames failing their MAC after the Hello before the connection is closed
+    frame_allowance: int = 8 << 10  # bytes a connection's reader holds without drawing on the shared budget
+    frame_budget: int = 16 << 20  # bytes beyond their allowances that all connections' readers share
+    max_queued_bytes: int = 32 << 20  # unsent output of all peers together (plus one frame each)
+
+    def frame_deadline(self, size: int) -> float:
+        """Seconds a frame of ``size`` bytes may take from its first byte to its last."""
+        return self.frame_timeout + size / self.frame_rate
 
 
 @dataclass
@@ -96,7 +134,11 @@ class ChannelStats:
     dropped: int = 0  # connections closed for an oversized frame (unanswered)
     timed_out: int = 0  # connections closed for a missed hello, frame or idle deadline
     evicted: int = 0  # pending connections closed to make room for newer ones
-    refused: int = 0  # authenticated connections over max_connections
+    refused: int = 0  # authenticated connections over max_connections or max_connections_per_address
+    displaced: int = 0  # authenticated connections closed for a newcomer from a less busy address
+    bad_mac_closed: int = 0  # connections closed after max_bad_macs frames failed their MAC
+    throttled: int = 0  # times a connection's reading waited for the shared frame budget
+    output_closed: int = 0  # connections closed holding the most unsent output, over max_queued_bytes
 
     def counts(self) -> dict[str, int]:
         """The message counts (what metrics publish)."""
@@ -190,8 +232,11 @@ class _Channel(Generic[PeerT]):
         """Monotonic time of the next housekeeping, or None."""
         return None
 
-    def _housekeeping(self) -> None:
-        """After every wait, io lock held (never raises)."""
+    def _housekeeping(self, out: list[Received[PeerT]]) -> None:
+        """After every wait, io lock held (never raises); may read (into ``out``)."""
+
+    def _taken(self, stream: Stream) -> None:
+        """Frames were taken out of ``stream``'s reader (or it grew)."""
 
     def _readable(self, stream: Stream) -> bool:
         return stream.read()
@@ -218,7 +263,7 @@ class _Channel(Generic[PeerT]):
         with self._io:
             if self._closed:
                 return out
-            self._housekeeping()
+            self._housekeeping(out)
             for key, ev in events:
                 stream = key.data
                 if not isinstance(stream, Stream):
@@ -283,12 +328,13 @@ class _Channel(Generic[PeerT]):
             stream.partial_since = 0.0
         elif bodies or not stream.partial_since:  # a frame began in this read: its clock starts now
             stream.partial_since = time.monotonic()
+        self._taken(stream)
         for body in bodies:
             item = self._receive(stream, body)
-            if stream.sock is None:  # (a Hello that failed closed it)
-                return
             if item is not None:
                 out.append(item)
+            if stream.sock is None:  # (a Hello that failed, or the last bad MAC, closed it)
+                return
         if stream.reader.ready:
             self._backlog.add(stream)
 
@@ -335,10 +381,13 @@ class _Channel(Generic[PeerT]):
             self._interest(stream)
 
     def _interest(self, stream: Stream) -> None:
-        """Watch ``stream`` for input, and for output while frames wait or it connects."""
-        events = _R | (_W if stream.wants_write or not stream.connected else 0)
+        """Watch ``stream`` for input (unless throttled), and for output while frames wait or it
+        connects."""
+        events = (0 if stream.throttled else _R) | (_W if stream.wants_write or not stream.connected else 0)
         if events != stream.events:
-            if stream.events:
+            if not events:
+                self._sel.unregister(stream.sock)
+            elif stream.events:
                 self._sel.modify(stream.sock, events, stream)
             else:
                 self._sel.register(stream.sock, events, stream)
@@ -387,6 +436,12 @@ class Server(_Channel[bytes]):
                  on_lost: Callable[[bytes], None] | None = None) -> None:
         super().__init__(codec, hwm=hwm)
         self.limits = limits or Limits()
+        if self.limits.frame_allowance < 64:
+            raise ConfigError(f"the {codec.name} channel's frame_allowance ({self.limits.frame_allowance} bytes) must "
+                              "hold at least a frame header and a small message (64 bytes)", field="frame_allowance")
+        if self.limits.frame_budget < self._max_frame + HEADER.size:
+            raise ConfigError(f"the {codec.name} channel's frame_budget ({self.limits.frame_budget} bytes) must hold "
+                              f"its largest frame ({self._max_frame + HEADER.size} bytes)", field="frame_budget")
         self._admit = admit
         self._on_lost = on_lost
         family, sockaddr, label = parse_address(address, listen=True)
@@ -407,6 +462,10 @@ class Server(_Channel[bytes]):
         self._peers: dict[bytes, Stream] = {}
         self._pending: dict[Stream, None] = {}  # accepted, no Hello yet (oldest first)
         self._pending_by_address: collections.Counter[str] = collections.Counter()
+        self._by_address: dict[str, dict[Stream, None]] = {}  # authenticated peers per address (oldest first)
+        self._budget_used = 0  # bytes of frame_budget the readers hold
+        self._throttled: dict[Stream, None] = {}  # readers waiting for frame_budget (oldest first)
+        self._meter = Meter()  # unsent output of every connection
         self._ids = itertools.count(1)
         self._accept_failures = 0
         self._listen_paused = 0.0
@@ -420,6 +479,26 @@ class Server(_Channel[bytes]):
     @property
     def num_peers(self) -> int:
         return len(self._peers)
+
+    @property
+    def peers(self) -> list[bytes]:
+        """The connected peers (authenticated connections), in no promised order."""
+        return list(self._peers)
+
+    def peers_from(self, address: str) -> int:
+        """Authenticated connections from one source address."""
+        return len(self._by_address.get(address, ()))
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes every connection's reader holds (what the frame budgets bound)."""
+        with self._io:
+            return sum(s.reader.buffered for s in self._by_fd.values())
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting unsent for every peer (what max_queued_bytes bounds)."""
+        return self._meter.queued
 
     def hello_of(self, peer: bytes) -> Hello | None:
         """What a connected peer said it is (its Hello), or None once it is gone."""
@@ -444,6 +523,25 @@ class Server(_Channel[bytes]):
             self._send(stream, data, who)
             if stream.sock is None or stream.broken:
                 raise PeerLost(f"{self.codec.name} channel to {who}: connection closed")
+            if self._meter.queued > self.limits.max_queued_bytes:
+                self._shed_output()
+                if stream.sock is None:
+                    raise PeerLost(f"{self.codec.name} channel to {who}: closed holding the most unsent output "
+                                   f"(over {self.limits.max_queued_bytes} bytes for all peers)")
+
+    def _shed_output(self) -> None:
+        """Over max_queued_bytes: close the peers holding the most unsent output (ones that do
+        not read) until under it again."""
+        while self._meter.queued > self.limits.max_queued_bytes:
+            hoarder = max(self._peers.values(), key=lambda s: s.queued_bytes, default=None)
+            if hoarder is None or not hoarder.queued_bytes:
+                return
+            self.stats.output_closed += 1
+            if _power_of_two(self.stats.output_closed):
+                log.warning("%s channel %s: closed %d connection(s) holding the most unsent output; latest from %s "
+                            "(%d bytes)", self.codec.name, self.endpoint, self.stats.output_closed, hoarder.address,
+                            hoarder.queued_bytes)
+            self._lost(hoarder, f"{hoarder.queued_bytes} bytes unsent: the peer does not read")
 
     def _refusal(self, err: ProtocolError, body: bytes) -> Any:
         """The answer to a malformed message (None: no answer)."""
@@ -455,8 +553,19 @@ class Server(_Channel[bytes]):
             return None
         stream.last_rx = time.monotonic()
         result = self._decode(body, f"peer {stream.ident.hex()}")
+        if result is None:  # it failed its MAC
+            stream.bad_macs += 1
+            if stream.bad_macs >= self.limits.max_bad_macs:
+                self.stats.bad_mac_closed += 1
+                if _power_of_two(self.stats.bad_mac_closed):
+                    log.warning("%s channel %s: closed %d connection(s) whose frames failed their MAC; latest from %s",
+                                self.codec.name, self.endpoint, self.stats.bad_mac_closed, stream.address)
+                self._lost(stream, f"{stream.bad_macs} frames failed their MAC")
+            return None
         if isinstance(result, ProtocolError):
-            reply = self._refusal(result, getattr(result, "body", b""))
+            reply = None
+            if stream.queued_frames < REFUSALS_QUEUED:  # (a peer that does not read gets no pile of them)
+                reply = self._refusal(result, getattr(result, "body", b""))
             if reply is not None:
                 try:
                     self.send(stream.ident, reply)
@@ -468,7 +577,7 @@ class Server(_Channel[bytes]):
     def _authenticate(self, stream: Stream, body: bytes) -> None:
         """A pending connection's first frame: its Hello, or the connection is closed."""
         try:
-            hello = self.codec.open_hello(body)
+            hello = self.codec.open_hello(body, stream.challenge)
         except ProtocolError as err:
             self.stats.unauthenticated += 1
             if _power_of_two(self.stats.unauthenticated):
@@ -477,26 +586,107 @@ class Server(_Channel[bytes]):
             self._lost(stream, f"no valid hello: {err}")
             return
         self._unpend(stream)
-        if len(self._peers) >= self.limits.max_connections:
+        limits, address = self.limits, stream.address
+        cap = limits.max_connections_per_address
+        why = None
+        if cap is not None and self.peers_from(address) >= cap:
+            why = f"{cap} connections from {address} already"
+        elif len(self._peers) >= limits.max_connections:
+            busiest = self._displaceable(address)
+            if busiest is None:
+                why = f"{len(self._peers)} peers connected"
+            else:
+                self.stats.displaced += 1
+                if _power_of_two(self.stats.displaced):
+                    log.warning("%s channel %s: every slot taken; %d connection(s) of the busiest address displaced "
+                                "for newcomers (latest: one of %s's for %s)", self.codec.name, self.endpoint,
+                                self.stats.displaced, busiest.address, address)
+                self._lost(busiest, f"displaced: every slot taken, and {busiest.address} holds the most")
+        if why is not None:
             self.stats.refused += 1
             if _power_of_two(self.stats.refused):
-                log.warning("%s channel %s: %d peers connected; refusing another", self.codec.name, self.endpoint,
-                            len(self._peers))
-            self._lost(stream, "too many peers")
+                log.warning("%s channel %s: refused %d authenticated connection(s); latest from %s: %s",
+                            self.codec.name, self.endpoint, self.stats.refused, address, why)
+            self._lost(stream, f"too many peers: {why}")
             return
         stream.hello = hello
         stream.last_rx = time.monotonic()
         stream.reader.max_frame = self._max_frame
         self._peers[stream.ident] = stream
+        self._by_address.setdefault(address, {})[stream] = None
+
+    def _displaceable(self, address: str) -> Stream | None:
+        """The oldest connection of the address holding the most, when it holds more than one
+        more than ``address`` does (so that displacing it makes the table fairer), else None."""
+        busiest = max(self._by_address, key=lambda a: len(self._by_address[a]), default=None)
+        if busiest is None or len(self._by_address[busiest]) <= self.peers_from(address) + 1:
+            return None
+        return next(iter(self._by_address[busiest]))
 
     def _greeting(self, stream: Stream) -> bool:
         return stream.hello is None
 
     def _readable(self, stream: Stream) -> bool:
-        if stream.hello is not None:
-            return stream.read()
-        # pending: never more than one Hello's frame is buffered
-        return stream.read(max(0, HEADER.size + HELLO_MAX_BYTES - stream.reader.buffered))
+        if stream.hello is None:  # pending: never more than one Hello's frame is buffered
+            return stream.read(max(0, HEADER.size + HELLO_MAX_BYTES - stream.reader.buffered))
+        room = self._room(stream)
+        if room <= 0:
+            self._throttle(stream)
+            return True
+        alive = stream.read(min(READ_PER_CALL, room))
+        self._taken(stream)
+        return alive
+
+    # -- the frame budget ------------------------------------------------------------------------
+    #   a reader's bytes:  [0, frame_allowance)                its own: small frames, headers
+    #                      [frame_allowance, end of frame)     reserved whole from frame_budget
+    # A frame larger than the allowance is read only once its whole excess is reserved (all or
+    # nothing, first come first served): whoever holds a reservation can finish its frame, so
+    # the readers never wait on one another in a circle, and the budget comes back when the frame
+    # is taken out or its connection closes.
+    def _room(self, stream: Stream) -> int:
+        """Bytes ``stream`` may read now (<= 0: it waits for the budget)."""
+        return self.limits.frame_allowance + stream.budget - stream.reader.buffered
+
+    def _taken(self, stream: Stream) -> None:
+        if stream.hello is None:
+            return
+        size = stream.reader.announced if stream.sock is not None else 0
+        need = max(0, HEADER.size + size - self.limits.frame_allowance) if size else 0
+        if need == stream.budget:
+            return
+        first = next(iter(self._throttled), stream)
+        if need > stream.budget and (first is not stream or
+                                     self._budget_used - stream.budget + need > self.limits.frame_budget):
+            need = 0  # not now: what it held goes back, and it waits its turn
+        freed = need < stream.budget
+        self._budget_used += need - stream.budget
+        stream.budget = need
+        if freed and self._throttled:
+            self._unthrottle()
+
+    def _throttle(self, stream: Stream) -> None:
+        if not stream.throttled:
+            stream.throttled = time.monotonic()
+            self._throttled[stream] = None
+            self.stats.throttled += 1
+            self._interest(stream)
+
+    def _unthrottle(self) -> None:
+        """Readers waiting for the budget are read again, oldest first, while it has room; their
+        frame's clock did not run while they waited."""
+        now = time.monotonic()
+        while self._throttled:
+            stream = next(iter(self._throttled))
+            self._taken(stream)
+            if self._room(stream) <= 0:
+                return
+            del self._throttled[stream]
+            if stream.partial_since:
+                stream.partial_since += now - stream.throttled
+            stream.throttled = 0.0
+            if stream.sock is not None:
+                self._interest(stream)
 
     def _broken(self, stream: Stream, why: str) -> None:
         """The peer stopped reading: nothing more is sent, but what it sent is still read."""
@@ -548,11 +738,17 @@ class Server(_Channel[bytes]):
         stream.ident = b"\x00" + next(self._ids).to_bytes(4, "big")
         stream.address = address
         stream.info = info
+        stream.meter = self._meter
         stream.hello_by = time.monotonic() + limits.hello_timeout
+        stream.challenge, challenge = self.codec.challenge()
         self._pending[stream] = None
         self._pending_by_address[address] += 1
+        try:
+            stream.queue(frame(challenge))  # (a few dozen bytes: the kernel takes them at once)
+        except OSError as exc:
+            self._lost(stream, f"could not send the hello challenge: {exc}")
+            return
         self._watch(stream)
-        self._service(stream, _R, out)  # its Hello is usually here already: authenticate it now
 
     def _evict(self, stream: Stream) -> None:
         self.stats.evicted += 1
@@ -569,27 +765,39 @@ class Server(_Channel[bytes]):
 
     def _due(self) -> float | None:
         due = self._listen_paused or None
-        if self._pending or self.limits.idle_timeout is not None or any(
+        if self._pending or (self._peers and self.limits.idle_timeout is not None) or any(
                 s.partial_since for s in self._peers.values()):
             due = min(due or self._next_scan, self._next_scan)
         return due
 
-    def _housekeeping(self) -> None:
+    def _housekeeping(self, out: list[Received[bytes]]) -> None:
         now = time.monotonic()
         if self._listen_paused and now >= self._listen_paused:
             self._listen_paused = 0.0
             self._sel.register(self._listener, _R, None)
         if now < self._next_scan:
             return
-        self._next_scan = now + SCAN_S
+        urgent = self._pending or any(s.partial_since for s in self._peers.values())
+        self._next_scan = now + (SCAN_S if urgent else IDLE_SCAN_S)
         for stream in [s for s in self._pending if s.hello_by <= now]:
             self._expire(stream, f"no hello within {self.limits.hello_timeout:g}s")
+        for stream in [s for s in self._peers.values() if self._overdue(s, now)]:
+            if stream.sock is not None and not stream.throttled:  # what it sent meanwhile counts first
+                self._service(stream, _R, out)
+            if stream.sock is not None and (why := self._overdue(stream, time.monotonic())):
+                self._expire(stream, why)
+
+    def _overdue(self, stream: Stream, now: float) -> str | None:
+        """Why ``stream`` missed a deadline, or None (a throttled reader's frame clock is stopped)."""
         limits = self.limits
-        for stream in list(self._peers.values()):
-            if stream.partial_since and now - stream.partial_since > limits.frame_timeout:
-                self._expire(stream, f"a frame not completed within {limits.frame_timeout:g}s")
-            elif limits.idle_timeout is not None and now - stream.last_rx > limits.idle_timeout:
-                self._expire(stream, f"idle for {limits.idle_timeout:g}s")
+        if stream.partial_since and not stream.throttled:
+            size = stream.reader.announced
+            allowed = limits.frame_deadline(size)
+            if now - stream.partial_since > allowed:
+                return f"a frame of {size} bytes not completed within {allowed:.3g}s"
+        if limits.idle_timeout is not None and now - stream.last_rx > limits.idle_timeout:
+            return f"idle for {limits.idle_timeout:g}s"
+        return None
 
     def _expire(self, stream: Stream, why: str) -> None:
         self.stats.timed_out += 1
@@ -601,7 +809,14 @@ class Server(_Channel[bytes]):
     def _lost(self, stream: Stream, why: str) -> None:
         self._unwatch(stream)
         self._unpend(stream)
+        self._throttled.pop(stream, None)
+        stream.throttled = 0.0
+        stream.drop_output()
         stream.close()
+        self._taken(stream)  # (its budget back)
+        same = self._by_address.get(stream.address)
+        if same is not None and same.pop(stream, 0) is None and not same:
+            del self._by_address[stream.address]
         known = self._peers.pop(stream.ident, None) is not None
         log.debug("%s channel %s: connection %s closed (%s)", self.codec.name, self.endpoint, stream.ident.hex(), why)
         if known and self._on_lost is not None:
@@ -614,6 +829,8 @@ class Server(_Channel[bytes]):
             streams = list(self._peers.values()) + list(self._pending)
             self._peers.clear()
             self._pending.clear()
+            self._by_address.clear()
+            self._throttled.clear()
             if not self._listen_paused:
                 self._sel.unregister(self._listener)
             self._close(streams, [self._listener])
@@ -623,14 +840,13 @@ class Server(_Channel[bytes]):
 class Client:
     """The connection to one server; created and owned by a ``Clients``."""
 
-    def __init__(self, owner: Clients, endpoint: str, address: tuple[int, Any], max_frame: int, hwm: int,
-                 hello: bytes) -> None:
+    def __init__(self, owner: Clients, endpoint: str, address: tuple[int, Any], max_frame: int, hwm: int) -> None:
         self._owner = owner
         self.endpoint = endpoint
         self.address = address  # (socket family, sockaddr)
         self.stream = Stream(None, max_frame, hwm)
         self.stream.client = self
-        self.stream.preamble = frame(hello)
+        self.stream.holds = True  # every connection: nothing goes out before the Hello that answers its challenge
         self.connecting = False
         self.connect_by = 0.0
         self.retry_at = 0.0
@@ -675,8 +891,7 @@ class Clients(_Channel[str]):
                 raise TransferError(f"{self.codec.name} channel is closed")
             if len(self._clients) >= self.max_peers:
                 raise TransferError(f"more than {self.max_peers} {self.codec.name} peers; drop() the ones that are gone")
-            client = self._clients[endpoint] = Client(self, endpoint, (family, sockaddr), self._max_frame, self.hwm,
-                                                      self.codec.hello(self.name))
+            client = self._clients[endpoint] = Client(self, endpoint, (family, sockaddr), self._max_frame, self.hwm)
             self._connect(client)
         return client
 
@@ -739,7 +954,24 @@ class Clients(_Channel[str]):
                 self._connect(client)  # down and due: now rather than at the next loop turn
             elif client.connecting:
                 self._finish_connect(client)  # on loopback it is done by now: send at once
+            if client.stream.held and client.stream.connected:
+                self._greet(client)
             self._send(client.stream, data, client.endpoint)
+
+    def _greet(self, client: Client) -> None:
+        """Answer the connection's challenge from this thread when it is here already (on
+        loopback it usually is), so that what is sent now goes out now, not at the loop's turn."""
+        stream = client.stream
+        try:
+            alive = stream.read(HEADER.size + HELLO_MAX_BYTES)
+        except OSError as exc:
+            alive, why = False, str(exc)
+        else:
+            why = "closed by the peer"
+        if stream.sock is not None:
+            self._frames_of(stream, [], 1)  # (the challenge: answered, or refused and logged; nothing for the caller)
+        if stream.sock is not None and not alive:
+            self._lost(stream, why)
 
     def _connect(self, client: Client) -> None:
         """Start connecting (never raises: a failure schedules the next attempt)."""
@@ -819,7 +1051,7 @@ class Clients(_Channel[str]):
             return None
         return min([c.retry_at for c in self._retry] + [c.connect_by for c in self._connecting])
 
-    def _housekeeping(self) -> None:
+    def _housekeeping(self, out: list[Received[str]]) -> None:
         if not self._retry and not self._connecting:
             return
         now = time.monotonic()
@@ -830,8 +1062,38 @@ class Clients(_Channel[str]):
 
     def _receive(self, stream: Stream, body: bytes) -> Received[str] | None:
         endpoint = stream.client.endpoint
+        if stream.held:  # the connection's first frame: the server's challenge
+            return self._answer(stream, body)
         result = self._decode(body, endpoint)
         return None if result is None else (endpoint, result)
+
+    def _answer(self, stream: Stream, body: bytes) -> Received[str] | None:
+        """Send the Hello that answers the server's challenge, then what waits. A first frame
+        that is no challenge of this channel (another channel, version or secret: the server
+        said nothing, so the caller hears nothing) is logged and counted, and the connection is
+        tried again later."""
+        endpoint = stream.client.endpoint
+        try:
+            challenge = self.codec.open_challenge(body)
+        except ProtocolError as err:
+            self.stats.received += 1
+            if err.field == "mac":
+                self.stats.unauthenticated += 1
+            else:
+                self.stats.malformed += 1
+            if _power_of_two(self.stats.unauthenticated + self.stats.malformed):
+                log.warning("%s channel to %s: the server's first frame is no hello challenge we can answer "
+                            "(%d so far): %s", self.codec.name, endpoint,
+                            self.stats.unauthenticated + self.stats.malformed, err)
+            self._lost(stream, f"no hello challenge: {err}")
+            return None
+        try:
+            stream.open(frame(self.codec.hello(self.name, challenge.nonce)))
+        except OSError as exc:
+            self._lost(stream, str(exc))
+            return None
+        self._interest(stream)
+        return None
 
 
 # ---- addresses --------------------------------------------------------------------------------------

@@ -36,13 +36,18 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from kvbridge.errors import ConfigError, EngineError, ProtocolError, TransferError
-from kvbridge.transfer.channel import Clients, Codec, Server
+from kvbridge.transfer.channel import Clients, Codec, Limits, Server
 
 log = logging.getLogger(__name__)
 
-IPC_VERSION = 1
+IPC_VERSION = 2  # 2: the Hello answers the server's challenge (transfer/channel/envelope.py)
 MAX_MESSAGE_BYTES = 64 << 20  # a region table of thousands of regions is well under this
 _CRED = struct.Struct("3i")  # pid, uid, gid
+# the server's limits: peers are processes of this user on this host (admitted by their
+# credentials) holding a connection for an engine's life, so no idle deadline and no cap per
+# address (every peer's is "unix"); budgets that hold a whole region table
+_LIMITS = Limits(idle_timeout=None, max_connections_per_address=None, frame_budget=3 * MAX_MESSAGE_BYTES,
+                 max_queued_bytes=4 * MAX_MESSAGE_BYTES)
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -133,7 +138,8 @@ class Channel:
         self._ids = itertools.count(1)
         self._closed = threading.Event()
         try:
-            self._server = Server(self._codec, _endpoint(session), admit=_same_user, on_lost=self._server_lost)
+            self._server = Server(self._codec, _endpoint(session), admit=_same_user, on_lost=self._server_lost,
+                                  limits=_LIMITS)
         except ConfigError as exc:  # the name is taken
             raise EngineError(f"IPC side channel: cannot listen as {session!r}: {exc}") from exc
         self._clients = Clients(self._codec, name=session, admit=_same_user, on_lost=self._client_lost)
