@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 9  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 10  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -13,3 +13,5 @@ WIRE_VERSION = 9  # 2: TransferRequest names the decode rank's registration inst
 # (a 7 decode registers none, so its staged requests would be refused: the contract tells them apart first)
 # 9: a connection opens with the server's HelloChallenge; the Hello carries its nonce under the MAC
 # (a captured Hello opens no other connection)
+# 10: KeyChallenge / KeyProof: a connection proves it is the registration its Hello names with the proof
+# key in that registration, before the scratch nonce is written (issue 26: reading the nonce is not enough)

@@ -17,6 +17,7 @@
     │   ├── Unauthorized               missing or wrong bearer token (401) or lease secret (403)
     │   ├── LeaseHeld                  a live rank holds these coordinates (409); carries .retry_after
     │   ├── ClaimHeld                  a live rank holds this transport session or address range (409); .holder
+    │   ├── EndpointError              an endpoint a registration names is malformed, ambiguous or not allowed here (400)
     │   └── LimitExceeded              a daemon limit refused the request (429)
     └── TransferError                  the data path
         ├── EngineError                the transfer engine refused or failed a write
@@ -54,6 +55,7 @@ __all__ = [
     "Unauthorized",
     "LeaseHeld",
     "ClaimHeld",
+    "EndpointError",
     "LimitExceeded",
     "TransferError",
     "EngineError",
@@ -169,6 +171,12 @@ class ClaimHeld(BootstrapError):
     def __init__(self, message: str, *, holder: str = "", **ctx: Any) -> None:
         self.holder = holder
         super().__init__(message, **ctx)
+
+
+class EndpointError(BootstrapError):
+    """A session or control endpoint that is not one canonical address (bootstrap/endpoints.py):
+    malformed, a name that resolves to none or several addresses, or an address this daemon's
+    mode refuses (loopback in network mode, anything else in local mode)."""
 
 
 class LimitExceeded(BootstrapError):

@@ -1,6 +1,6 @@
 """The bootstrap daemon as a FastAPI app: ``create_app(...)``.
 
-    POST   /v1/ranks                       register       201 | 400 401 409 413 415 422 429
+    POST   /v1/ranks                       register       201 | 400 401 409 413 415 422 429  (400 bad_endpoint: endpoints.py)
     POST   /v1/ranks/{rank_id}/heartbeat   renew lease    200 | 401 403 404 (register again)
     DELETE /v1/ranks/{rank_id}             deregister     204 | 401 403 404
     GET    /v1/ranks/{rank_id}             one rank       200 | 401 404   (its buffers, for prefill's checks)
@@ -44,6 +44,7 @@ from fastapi.security import HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from kvbridge._version import __version__
+from kvbridge.bootstrap.endpoints import Resolver, canonical_endpoint, canonical_session, resolve_host
 from kvbridge.bootstrap.guard import ADMIN, LEASE_HEADER, Guard, access_of
 from kvbridge.bootstrap.limits import RateLimiter
 from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
@@ -63,7 +64,7 @@ from kvbridge.bootstrap.schemas import (
     RegisterRequest,
     RegisterResponse,
 )
-from kvbridge.errors import ConfigError, LimitExceeded
+from kvbridge.errors import ConfigError, EndpointError, LimitExceeded
 
 __all__ = ["BootstrapSettings", "create_app", "REPLICA_HEADER"]
 
@@ -91,6 +92,10 @@ class BootstrapSettings:
     etcd: EtcdOptions | None = None  # None: the in-memory store
     replica: str = ""  # this daemon's name among replicas ("" : host:port or a random one)
     url: str = ""  # where clients reach this replica (shown to operators)
+    # which hosts a registration may name (bootstrap/endpoints.py): "local" (every rank on this
+    # host: loopback only, one spelling), "network" (loopback refused), "auto": ``serve`` picks
+    # local when it listens on loopback only, network otherwise; ``create_app`` alone: local
+    endpoints: str = "auto"
 
     def __post_init__(self) -> None:
         named = {"token": self.token, "read_token": self.read_token, "admin_token": self.admin_token}
@@ -108,11 +113,33 @@ class BootstrapSettings:
             raise ConfigError("max_mismatches and sweep_interval_s must be positive", field="max_mismatches")
         if self.max_ranks_per_instance < 1 or self.max_instances < 1:
             raise ConfigError("max_ranks_per_instance and max_instances must be >= 1", field="max_ranks_per_instance")
+        if self.endpoints not in ("auto", "local", "network"):
+            raise ConfigError(f"endpoints {self.endpoints!r} is not auto, local or network", field="endpoints")
         if self.max_lookups_per_s < 0:
             raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
         if self.max_requests_per_s_per_address < 0:
             raise ConfigError("max_requests_per_s_per_address must be >= 0 (0: unlimited)",
                               field="max_requests_per_s_per_address")
+
+
+    @property
+    def local_endpoints(self) -> bool:
+        """Local mode (``endpoints``): "auto" left undecided by ``serve`` is local."""
+        return self.endpoints != "network"
+
+
+def canonical_registration(body: RegisterRequest, *, local: bool, resolve: Resolver = resolve_host) -> RegisterRequest:
+    """``body`` with its session and control endpoint in canonical form (bootstrap/endpoints.py),
+    so claims, look-ups and prefill's writes all use one spelling; EndpointError (400 bad_endpoint) naming
+    the rank and the field when one is refused."""
+    try:
+        session = canonical_session(body.session_id, local=local, resolve=resolve)
+        endpoint = canonical_endpoint(body.control_endpoint, local=local, resolve=resolve)
+    except EndpointError as exc:
+        raise EndpointError(f"{body.rank.label} refused: {exc.reason}", rank=body.rank.label, field=exc.field) from None
+    if session == body.session_id and endpoint == body.control_endpoint:
+        return body
+    return body.model_copy(update={"session_id": session, "control_endpoint": endpoint})
 
 
 def make_store(settings: BootstrapSettings) -> RegistryStore:
@@ -336,6 +363,8 @@ def _install_routes(app: FastAPI, settings: BootstrapSettings) -> None:
     async def register(body: RegisterRequest, request: Request, lease: str | None = _Lease) -> RegisterResponse:
         """Register a rank with its contract, endpoints and pool descriptors; returns its id, lease and
         lease secret. Coordinates a live rank holds need that rank's lease secret or the admin token."""
+        # canonical first, off the loop: a host name is resolved (bootstrap/endpoints.py)
+        body = await run_in_threadpool(canonical_registration, body, local=request.app.state.settings.local_endpoints)
         return await _run(request, _registry(request).register, body, lease_secret=lease, admin=_admin(request))
 
     @app.post("/v1/ranks/{rank_id}/heartbeat", response_model=HeartbeatResponse, responses=_ERRORS, dependencies=auth, tags=["ranks"])

@@ -30,16 +30,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.bootstrap.endpoints import canonical_session
 from kvbridge.bootstrap.schemas import ScratchDescriptor, StagingDescriptor
 from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor, PoolDescriptor
-from kvbridge.errors import ClaimHeld
+from kvbridge.errors import ClaimHeld, EndpointError
 
 __all__ = ["Claim", "claim_of", "session_key", "find_conflict", "claim_held"]
 
 
 def session_key(session_id: str) -> str:
-    """The session as claims compare it: case and surrounding blanks do not make a new process."""
-    return session_id.strip().lower()
+    """The session as claims compare it: its canonical form (``endpoints.canonical_session``,
+    either mode, no resolution), so two spellings of one process are one claim. The daemon
+    stores sessions canonical already; a spelling that does not parse (a record written by an
+    older daemon) is compared without case or surrounding blanks."""
+    try:
+        return canonical_session(session_id, local=None, resolve=None)
+    except EndpointError:
+        return session_id.strip().lower()
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ HTTP answers become kvbridge errors where they enter (one mapping, ``_raise_for`
     401, 403 -> Unauthorized     404 -> UnknownInstance        409 -> ContractMismatch (.diff),
     503 -> InstanceIncomplete (.missing)                            TopologyError (.diff)
     429 -> LimitExceeded (.retry_after)                             or LeaseHeld (.retry_after)
+    400 bad_endpoint -> EndpointError                               409 claim_held -> ClaimHeld (.holder)
     other 4xx/5xx -> BootstrapError (field named)
     connection refused / timeout / reset, 502 and 504, and 429 with a Retry-After,
     after ``retries`` retries with backoff -> BootstrapUnavailable (or the last 429)
@@ -65,6 +66,7 @@ from kvbridge.errors import (
     BootstrapError,
     BootstrapUnavailable,
     ClaimHeld,
+    EndpointError,
     ConfigError,
     ContractMismatch,
     InstanceIncomplete,
@@ -126,6 +128,8 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
         exc = LeaseHeld(message, retry_after=retry_after or 0.0)
     elif resp.status_code == 409 and code == "contract_mismatch":
         exc = ContractMismatch(message, diff=[FieldDiff.model_validate(d) for d in body.get("diff") or []])
+    elif resp.status_code == 400 and code == "bad_endpoint":
+        exc = EndpointError(message)
     elif resp.status_code == 429:
         exc = LimitExceeded(message, retry_after=retry_after)
     elif resp.status_code == 503 and code == "store_unavailable":

@@ -43,6 +43,7 @@ class RankRecord:
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
     staging: StagingDescriptor | None = None  # a decode rank's staging area
+    proof_key: str | None = None  # its ownership-proof public key (hex)
 
     def claim(self) -> Claim:
         """The transport session and address ranges this rank holds (claims.py)."""

@@ -3,6 +3,8 @@
 
     status  error code                                  when
     400     malformed_json, json_too_deep, bad_request    the body is not JSON, or nests past the parser's limit
+            bad_endpoint: a session or control endpoint that is not one canonical address, or
+            one this daemon's mode refuses (bootstrap/endpoints.py); the message says why
     401     missing_token, wrong_token                    bearer token (writes; reads with --read-token)
     403     lease_secret_required, wrong_lease_secret     a rank's heartbeat, deregistration or replacement
     404     unknown_rank, unknown_instance, not_found
@@ -38,6 +40,7 @@ from kvbridge.bootstrap.store import StoreUnavailable
 from kvbridge.errors import (
     BufferSpecError,
     ClaimHeld,
+    EndpointError,
     ContractMismatch,
     InstanceIncomplete,
     KVBridgeError,
@@ -75,6 +78,8 @@ def status_of(exc: KVBridgeError) -> tuple[int, str]:
         return 409, "lease_held"
     if isinstance(exc, ClaimHeld):
         return 409, "claim_held"
+    if isinstance(exc, EndpointError):
+        return 400, "bad_endpoint"
     if isinstance(exc, InstanceIncomplete):
         return 503, "instance_incomplete"
     if isinstance(exc, StoreUnavailable):

@@ -135,6 +135,9 @@ class RegisterRequest(_Strict):
     lease_ttl_s: float | None = Field(default=None, gt=0, le=3600)
     scratch: ScratchDescriptor | None = None
     staging: StagingDescriptor | None = None  # a decode rank's staging area (None: every write direct)
+    # a decode rank's Ed25519 public key (hex): the proof that a connection is this registration
+    # (transfer/ownership.py); prefill refuses to write for a decode registration without one
+    proof_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
 class RegisterResponse(_Strict):
@@ -226,6 +229,7 @@ class RankDetail(_Strict):
     lease_remaining_s: float
     scratch: ScratchDescriptor | None = None  # where prefill writes the nonce that proves the rank holds its memory
     staging: StagingDescriptor | None = None  # where staged chunks may land (prefill checks requests against it)
+    proof_key: str | None = None  # the key a connection acting for this registration signs with (ownership.py)
 
 
 class InstanceView(_Strict):

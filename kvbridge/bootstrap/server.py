@@ -82,6 +82,10 @@ def serve(
     if not _is_loopback(host) and not (settings.token or settings.read_token or settings.admin_token):
         log.warning("listening on %s without any token: anyone who reaches this port can read every rank's session "
                     "id, endpoints and buffer addresses", host)
+    if settings.endpoints == "auto":  # every rank on this host when nothing else can reach the daemon
+        settings = dataclasses.replace(settings, endpoints="local" if _is_loopback(host) else "network")
+    log.info("registrations name %s endpoints (--endpoints)", "loopback (local mode)" if settings.local_endpoints
+             else "network (loopback refused)")
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"

@@ -10,7 +10,9 @@
     store_faults.py  those three, run on three daemon replicas over a three-member etcd
     etcd.py     EtcdCluster: a local etcd cluster on free loopback ports (also for tests and benches)
     hostile.py  ``--hostile``: attacks (aliasing, pre-auth flood, slow connection, slot exhaustion,
-                room collision, read exposure) against a local cluster, defended or not
+                room collision, read exposure) against a local cluster, defended or not;
+                hostile_identity.py: spellings of a live session, a Mooncake-reading attacker
+                (spellings.py: the spellings)
 
 The report's ``faults`` list has one entry per fault with at least ``fault``,
 ``rooms_affected``, ``seconds_to_failed``, ``reason_names_rank``, ``rooms_after_recovery``

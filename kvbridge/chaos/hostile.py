@@ -33,6 +33,9 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     mac_flood        authenticated connections send frames that fail their MAC as fast as
                      the socket takes them, re-opening when closed; defended: every one is
                      closed by the server and a real room moves meanwhile
+    spellings, mooncake_reader   identity attacks (``hostile_identity.py``): every other spelling
+                     of the victim's session registered as an alias; an attacker that reads
+                     any Mooncake-registered memory acting for the victim's registration
 
 Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
 harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
@@ -58,6 +61,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvbridge.chaos import hostile_identity
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.traffic import Traffic
 from kvbridge.errors import ConfigError, ProtocolError
@@ -70,10 +74,10 @@ from kvbridge.worker import ops
 __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
-           "hello_replay", "postauth_partial", "mac_flood")
+           "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader")
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
-                 "hello_replay", "postauth_partial", "mac_flood")
+                 "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -153,6 +157,12 @@ class Hostile:
         room = self.traffic.batch(1, self.spec.room_timeout)[0]
         why = "; ".join(f"{m}: {r}" for m, _, r in room.failures)[:300] or ("" if room.done else "no answer in time")
         return room.ok, round(time.monotonic() - t0, 2), why
+
+    def next_room(self) -> int:
+        return next(ATTACK_ROOMS)
+
+    def submit(self, m: Member, op: ops.Op) -> int:
+        return _submit(m, op)
 
     def rss(self, m: Member) -> float | None:
         res = proc_resources(m.pid) if m.alive else None  # type: ignore[arg-type]
@@ -537,6 +547,7 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "read_exposure": Hostile.read_exposure,
     "hello_replay": Hostile.hello_replay, "postauth_partial": Hostile.postauth_partial,
     "mac_flood": Hostile.mac_flood,
+    "spellings": hostile_identity.spelling_aliases, "mooncake_reader": hostile_identity.mooncake_reader,
 }
 
 

@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     for stem, env, text in TOKENS:
         p.add_argument(f"--{stem}", default=None, help=f"{text} (default: ${env})")
         p.add_argument(f"--{stem}-file", type=Path, default=None, help=f"read --{stem} from this file (keeps it out of ps)")
+    p.add_argument("--endpoints", choices=("auto", "local", "network"), default="auto",
+                   help="hosts a registration's session and control endpoint may name: local (every rank on this "
+                        "host: loopback only, each spelling of it made 127.0.0.1), network (loopback and 0.0.0.0 "
+                        "refused; names resolved to one address), auto: local when --host is loopback, else "
+                        "network (default: auto)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease in seconds for ranks that ask for none (default: 10)")
     p.add_argument("--max-lease-ttl", type=float, default=300.0, help="longest lease a rank may ask for (default: 300)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
@@ -178,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         max_instances=args.max_instances,
         max_lookups_per_s=args.max_lookups_per_s,
         max_requests_per_s_per_address=args.max_requests_per_s_per_address,
+        endpoints=args.endpoints,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     serve(settings, host=args.host, port=args.port, port_file=args.port_file, log_level=str(level))

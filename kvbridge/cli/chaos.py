@@ -30,11 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--hostile", action="store_true",
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
-                   "room collision, read exposure, Hello replay, post-auth partial frames, MAC-failing flood: see "
-                   "docs/security.md); exit 1 if any is not defended; --quick runs every attack with fewer trials")
+                   "room collision, read exposure, Hello replay, post-auth partial frames, MAC-failing flood, "
+                   "session spellings, a Mooncake-reading attacker: see docs/security.md); exit 1 if any is not "
+                   "defended; --quick runs every attack with fewer trials")
     p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
                    "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure, hello_replay, "
-                   "postauth_partial, mac_flood")
+                   "postauth_partial, mac_flood, spellings, mooncake_reader")
     p.set_defaults(func=run)
 
 

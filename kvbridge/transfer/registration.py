@@ -91,10 +91,12 @@ def register_rank(
     lease_ttl: float,
     scratch: ScratchDescriptor | None = None,
     staging: StagingDescriptor | None = None,
+    proof_key: str | None = None,
 ) -> LeaseKeeper:
     """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
     scratch region (``transfer/scratch.py``), where its ownership is proven; ``staging``: a decode
-    rank's staging area (``transfer/staging/buffer.py``), the only place staged chunks may land."""
+    rank's staging area (``transfer/staging/buffer.py``), the only place staged chunks may land;
+    ``proof_key``: a decode rank's ownership-proof public key (``transfer/ownership.py``)."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
@@ -104,6 +106,6 @@ def register_rank(
     request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),
                               aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl,
-                              scratch=scratch, staging=staging)
+                              scratch=scratch, staging=staging, proof_key=proof_key)
     registration = client.register(request)
     return LeaseKeeper(client, registration).start()

@@ -155,6 +155,19 @@ def descriptors(contract: RuntimeContract, *, base: int = 1 << 40, capacity_page
     return out
 
 
+_SESSION_PORTS: dict[tuple[str, tuple[int, int, int, int]], int] = {}
+
+
+def session_port(instance: str, coords: tuple[int, int, int, int]) -> int:
+    """A loopback port of its own for each rank (instance, coordinates) of the test session: a
+    session is ``127.0.0.1:port`` in canonical form (bootstrap/endpoints.py), and one process
+    per rank means one session each; the same rank gets the same port when it registers again."""
+    key = (instance, coords)
+    if key not in _SESSION_PORTS:
+        _SESSION_PORTS[key] = 10_000 + len(_SESSION_PORTS) % 55_000
+    return _SESSION_PORTS[key]
+
+
 def make_register(
     contract: RuntimeContract,
     instance: str,
@@ -179,7 +192,7 @@ def make_register(
     return RegisterRequest(
         rank=rank,
         control_endpoint=f"tcp://127.0.0.1:{port}",
-        session_id=f"127.0.0.1:{port + 1}/{instance}",  # one process per rank: its own session
+        session_id=f"127.0.0.1:{session_port(instance, coords)}",  # one process per rank: its own session
         pools=descriptors(contract, pp_layers=pp_layers),
         aux=AuxDescriptor(base=1 << 44, capacity_rows=64, row_bytes=contract.aux.row_bytes),
         contract=contract,

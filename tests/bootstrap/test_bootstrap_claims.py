@@ -101,9 +101,12 @@ def test_a_victims_session_is_refused_naming_the_holder(http: httpx.Client, kvb:
     r = http.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=stolen["session_id"]))
     assert r.status_code == 409, r.text
     assert r.json()["error"] == "claim_held" and vid in r.json()["holder"] and vid in r.json()["message"]
-    # the same session spelt with other case or blanks is the same process
-    r = http.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=f" {stolen['session_id'].upper()} "))
+    # the same session spelt otherwise is the same process (every spelling: test_bootstrap_endpoints.py)
+    host, port = stolen["session_id"].rsplit(":", 1)
+    r = http.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=f"LOCALHOST.:0{port}"))
     assert r.status_code == 409 and r.json()["error"] == "claim_held", r.text
+    r = http.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=f" {host}:{port} "))
+    assert r.status_code == 400 and r.json()["error"] == "bad_endpoint", r.text  # blanks: malformed
     # the same rank re-registering its own coordinates with its lease secret is no conflict
     again = http.post("/v1/ranks", json=_body(kvb, small_contract, victim), headers={LEASE: v.json()["lease_secret"]})
     assert again.status_code == 201 and again.json()["replaced"] == vid, again.text
@@ -206,7 +209,7 @@ def test_etcd_racing_replicas_cannot_both_accept_one_session(etcd_cluster: Any, 
                                                              instance_name: Callable[[str], str]) -> None:
     """Eight instances register one session at once, half through each replica: exactly one wins."""
     daemons = _replicas(start_daemon, etcd_cluster, etcd_prefix, 2)
-    session = "127.0.0.1:1/raced"
+    session = "127.0.0.1:64999"  # (a port no other rank of the test session has)
     results: list[int] = []
     gate = threading.Barrier(8)
 
@@ -239,16 +242,17 @@ def test_etcd_a_rank_that_moves_frees_its_old_session_at_once(etcd_cluster: Any,
     (d,) = _replicas(start_daemon, etcd_cluster, etcd_prefix, 1)
     name, other = instance_name("mover"), instance_name("next")
     body = _body(kvb, small_contract, name, lease_ttl_s=VICTIM_TTL)
+    restarted = "127.0.0.1:64998"  # the new process's session
     with httpx.Client(base_url=d.url, trust_env=False) as h:
         first = h.post("/v1/ranks", json=body)
         assert first.status_code == 201, first.text
-        moved = h.post("/v1/ranks", json={**body, "session_id": body["session_id"] + "-restarted"},
+        moved = h.post("/v1/ranks", json={**body, "session_id": restarted},
                        headers={LEASE: first.json()["lease_secret"]})
         assert moved.status_code == 201 and moved.json()["replaced"] == first.json()["rank_id"], moved.text
         r = h.post("/v1/ranks", json=_body(kvb, small_contract, other, session_id=body["session_id"]))
         assert r.status_code == 201, r.text
         r = h.post("/v1/ranks", json=_body(kvb, small_contract, instance_name("late"),
-                                           session_id=body["session_id"] + "-restarted"))
+                                           session_id=restarted))
         assert r.status_code == 409 and moved.json()["rank_id"] in r.json()["holder"], r.text
 
 

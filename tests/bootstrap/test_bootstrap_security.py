@@ -58,7 +58,7 @@ def test_another_instance_with_the_write_token_cannot_touch_a_rank(http: httpx.C
     assert r.status_code == 403 and r.json()["error"] == "wrong_lease_secret"
     # the probe that redirected a rank's control endpoint: re-register its coordinates elsewhere
     hijack = kvb.body(kvb.register_request(small_contract, name))
-    hijack["control_endpoint"] = "tcp://203.0.113.9:1"
+    hijack["control_endpoint"] = "tcp://127.0.0.1:1"  # (a local-mode daemon refuses other hosts first: 400)
     r = http.post("/v1/ranks", json=hijack, headers=bearer(WRITE))
     assert r.status_code == 409 and r.json()["error"] == "lease_held" and int(r.headers["retry-after"]) >= 1
     r = http.post("/v1/ranks", json=hijack, headers=bearer(WRITE, "guessed"))

@@ -2,7 +2,7 @@
 slow connection, slot exhaustion) against real processes (daemon with a write token, CP 2
 prefill ranks, a decode rank with poisoned pages, a cluster secret, real Mooncake over
 loopback), each asserted defended, and the request-acceptance attacks (aliasing, room
-collision); and the report's shape. The attack that today's code does not defend (read
+collision, session spellings, a Mooncake-reading attacker); and the report's shape. The attack that today's code does not defend (read
 exposure) is asserted in ``test_hostile_pending.py`` (skipped until its fix lands)."""
 
 from __future__ import annotations
@@ -168,6 +168,37 @@ def test_a_mac_failing_flood_is_closed(quick: dict[str, Any]) -> None:
     d = a["details"]
     assert d["room_during_flood_ok"] is True and d["left_open"] == 0, d
     assert d["closed_by_server"] >= HostileSpec.quick().mac_flood_connections, d
+
+
+def test_no_spelling_of_a_live_session_is_another_claim(quick: dict[str, Any]) -> None:
+    """Issue 26: the daemon compared sessions as strings and took 7 of 9 other spellings of a live
+    decode rank's session as new ones (``localhost:P``, ``127.1:P``, ``127.0.0.1:0P`` ...); prefill's
+    proof nonces then landed in the victim. Now every generated spelling is the victim's claim
+    (409 naming it) or malformed (400), none is registered, nothing lands, and a real room
+    succeeds afterwards."""
+    a = attack(quick, "spellings")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["spellings_tried"] >= 90 and not d["accepted"] and set(d["by_status"]) <= {"409", "400"}, d
+    assert d["by_status"]["409"] >= 80, d  # (the spellings the resolver reads as the victim's session)
+    assert a["bytes_written_where_not_allowed"] == 0 and d["legit_room_ok"], d
+
+
+def test_an_attacker_reading_mooncake_memory_cannot_prove_the_victims_registration(quick: dict[str, Any]) -> None:
+    """Issue 26: an attacker that reads any Mooncake-registered memory read the ownership nonce out
+    of the victim's scratch region and echoed it, and prefill wrote the room into the victim. Now
+    the first step is a signature by the victim's proof key, which no registered memory holds:
+    both prefill ranks refuse the attacker's, no nonce is written (the victim's scratch read back
+    unchanged), no page lands, and the victim's own rank is then served the very room."""
+    a = attack(quick, "mooncake_reader")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["key_proofs_sent"] == 2 and d["nonces_echoed"] == 0 and d["mooncake_reads"] >= 2, d
+    assert len(d["prefill_refusals"]) == 2 and all("not a signature by the proof key" in r
+                                                    for r in d["prefill_refusals"]), d
+    assert d["pages_overwritten"] == 0 and d["scratch_bytes_changed"] == 0, d
+    assert a["bytes_written_where_not_allowed"] == 0, a
+    assert d["room_served_to_the_legitimate_rank"] and d["legit_room_ok"], d
 
 
 def test_unknown_attack_is_refused_before_anything_starts() -> None:

@@ -129,18 +129,21 @@ def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0
 
 class ProvingPeers(PeerSet):
     """A hand-driven decode connection for ``endpoint``'s registration (named in its Hello, or
-    ``rank_id``) that answers prefill's ownership Challenge from ``endpoint``'s scratch region, as
-    the decode rank itself does: this process holds that memory. Challenges are answered inside
-    ``recv_ready`` and never returned."""
+    ``rank_id``) that answers prefill's ownership proof as the decode rank itself does: its
+    KeyChallenge with ``endpoint``'s proof key, its Challenge from ``endpoint``'s scratch region
+    (this process holds both). Challenges are answered inside ``recv_ready`` and never returned."""
 
     def __init__(self, endpoint, *, secret: bytes | None = None, rank_id: str | None = None) -> None:
         super().__init__(secret=secret, name=rank_id or endpoint.rank_id)
         self.scratch = endpoint.scratch
+        self.proof_key = endpoint.proof_key
 
     def recv_ready(self, timeout_ms: int) -> list:
         out = []
         for where, msg in super().recv_ready(timeout_ms):
-            if isinstance(msg, wire.Challenge):
+            if isinstance(msg, wire.KeyChallenge):
+                self.send(where, wire.KeyProof(signature=self.proof_key.sign(self.name, where, msg.nonce)))
+            elif isinstance(msg, wire.Challenge):
                 self.send(where, wire.ChallengeEcho(nonce=self.scratch.read(msg.offset)))
             else:
                 out.append((where, msg))

@@ -368,6 +368,28 @@ def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_co
     silent = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                          page_digests=lambda *a: None, rank_id=lambda: "r1")
     assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo
+
+
+def test_a_key_challenge_is_signed_with_our_proof_key_for_our_registration_and_that_prefill_rank():
+    """The key half of the proof (transfer/ownership.py): the signature is over our registration
+    id, the prefill endpoint as we dialled it (canonical) and its nonce, with the key whose public
+    half is in our registration; without a key or a registration, no answer."""
+    from kvbridge.transfer.ownership import ProofKey, verify_proof
+
+    key = ProofKey()
+    specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                    page_digests=lambda *a: None, rank_id=lambda: "r1", proof_key=key)
+    nonce = bytes(range(32))
+    (send,) = m.message("tcp://localhost:01", wire.KeyChallenge(nonce=nonce), 1.0)
+    assert send.to == ("tcp://localhost:01",) and isinstance(send.msg, wire.KeyProof)
+    assert verify_proof(key.public_hex, "r1", "tcp://127.0.0.1:1", nonce, send.msg.signature)
+    assert not verify_proof(key.public_hex, "r1", "tcp://127.0.0.1:2", nonce, send.msg.signature)
+    assert not verify_proof(key.public_hex, "r2", "tcp://127.0.0.1:1", nonce, send.msg.signature)
+    assert not verify_proof(ProofKey().public_hex, "r1", "tcp://127.0.0.1:1", nonce, send.msg.signature)
+    keyless = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                          page_digests=lambda *a: None, rank_id=lambda: "r1")
+    assert not keyless.message("tcp://p:1", wire.KeyChallenge(nonce=nonce), 1.0)
 # ---- staged transfers (decode/staging.py) ------------------------------------------------------
 SLOT = 4096
 AREA_BASE = 1 << 44

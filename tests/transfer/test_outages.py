@@ -42,7 +42,10 @@ def test_a_frozen_decode_loop_blames_no_prefill_rank(cluster):
     r = c.decode.receiver(7, f"{c.name}-p")
     r.init(np.array([1, 2]), 0, 7)
     senders = c.send(7, 7)
-    assert wait_until(lambda: r.poll() == KVPoll.Transferring, 10)
+    ep = c.prefill[0]
+    # in flight: decode transferring, and prefill holding the target (its connection proven, the write gated)
+    asked = lambda: ep.locked(lambda: 7 in ep.machine.rooms and bool(ep.machine.rooms[7].targets))  # noqa: E731
+    assert wait_until(lambda: r.poll() == KVPoll.Transferring and asked(), 10)
     with c.decode._lock:  # the decode loop cannot run: no pings go out, so no heartbeat comes back
         threading.Event().wait(2.0)
     assert not wait_until(lambda: r.poll() == KVPoll.Failed, 0.5), r.failure_reason

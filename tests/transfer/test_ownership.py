@@ -18,6 +18,7 @@ from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.errors import ClaimHeld
 from kvbridge.transfer.registration import EndpointBuffers, pool_descriptors
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch
 from kvbridge.worker.resources import allocate_buffers
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes
@@ -52,11 +53,12 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
     segment.register(engine)
     scratch = Scratch()
     scratch.register(engine)
+    key = ProofKey()  # the fake's own key: it passes the key step for its own registration
     alias = c.clients[-1].register(RegisterRequest(
         rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
         session_id=engine.session_id, pools=pool_descriptors(segment.descs),
         aux=c.decode.aux.packed_descriptor(), aux_regions=c.decode.aux.descriptors(), contract=c.contract,
-        lease_ttl_s=30.0, scratch=scratch.descriptor))
+        lease_ttl_s=30.0, scratch=scratch.descriptor, proof_key=key.public_hex))
     peers = PeerSet(name=alias.rank_id)
     try:
         for ep in c.prefill:
@@ -66,7 +68,9 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
 
         def answer() -> bool:
             for where, m in peers.recv_ready(50):
-                if isinstance(m, wire.Challenge):  # it cannot read the victim's scratch: its best guess
+                if isinstance(m, wire.KeyChallenge):
+                    peers.send(where, wire.KeyProof(signature=key.sign(alias.rank_id, where, m.nonce)))
+                if isinstance(m, wire.Challenge):  # it cannot read the segment's scratch: its best guess
                     peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
                 got.append(m)
             return len([m for m in got if isinstance(m, wire.ErrorReply)]) >= 2
@@ -74,7 +78,7 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
         assert wait_until(answer, 10), got
         errors = [m for m in got if isinstance(m, wire.ErrorReply)]
         assert all("could not prove it holds the memory it registered" in e.reason and alias.rank_id in e.reason
-                   for e in errors), errors
+                   and "echoed other bytes" in e.reason for e in errors), errors
         assert not [m for m in got if isinstance(m, wire.PagesDone)]
     finally:
         peers.close()
@@ -124,3 +128,57 @@ def test_a_room_id_is_served_once_to_the_instance_that_claimed_it_first(cluster)
         legit.close()
     finally:
         second.close(timeout=2)
+
+
+def test_an_attacker_who_reads_and_writes_all_registered_memory_cannot_act_for_a_victim(cluster):
+    """Issue 26: the attacker holds the write token and the cluster secret and can read and write
+    every registered byte (Mooncake has no authentication; here, in one process, it reads the
+    victim's memory directly). It names the victim's own registration in its Hello and asks both
+    prefill ranks for a room into the victim's pages. Before, prefill wrote its nonce into the
+    victim's scratch region, the attacker read it back and echoed it, and the room was written into
+    the victim. Now the first step is a signature by the victim's proof key, which lies in no
+    registered memory: the attacker's best (its own key, with the victim's scratch bytes planted
+    where it likes) is refused, and prefill writes nothing, not even a nonce. The victim's own
+    connections still prove themselves and its rooms succeed."""
+    c = cluster(cp=2)
+    victim = c.decode
+    for b in c.dbufs.values():
+        as_bytes(b)[:] = SENTINEL_BYTE
+    mine = ProofKey()
+    victim.scratch.memory[: victim.scratch.nbytes] = 7  # the attacker writes the victim's scratch too
+    before = victim.scratch.memory.copy()
+    peers = PeerSet(name=victim.rank_id)
+    try:
+        for ep in c.prefill:
+            ep.sender(93).init(8)
+            peers.send(ep.endpoint, rogue_request(c, 93, 8, rank_id=victim.rank_id))
+        got: list = []
+
+        def answer() -> bool:
+            for where, m in peers.recv_ready(50):
+                if isinstance(m, wire.KeyChallenge):  # the best signature it can make
+                    peers.send(where, wire.KeyProof(signature=mine.sign(victim.rank_id, where, m.nonce)))
+                elif isinstance(m, wire.Challenge):  # would read the nonce where prefill wrote it
+                    nonce = bytes(victim.scratch.memory[m.offset:m.offset + wire.NONCE_BYTES])
+                    peers.send(where, wire.ChallengeEcho(nonce=nonce))
+                got.append(m)
+            return len([m for m in got if isinstance(m, wire.ErrorReply)]) >= 2
+
+        assert wait_until(answer, 10), got
+        errors = [m for m in got if isinstance(m, wire.ErrorReply)]
+        assert all("is not a signature by the proof key" in e.reason and victim.rank_id in e.reason
+                   for e in errors), errors
+        assert not [m for m in got if isinstance(m, (wire.Challenge, wire.PagesDone))]  # never reached the nonce
+    finally:
+        peers.close()
+    assert (victim.scratch.memory == before).all()  # not even a nonce landed in the victim
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())
+    assert not any(ep.counters["bytes"] for ep in c.prefill)
+    # the victim itself still gets in: its room (another id) moves as usual
+    pages = np.array([1, 2])
+    legit = victim.receiver(94, f"{c.name}-p")
+    legit.init(pages, 0, 8)
+    senders = c.send(94, 8)
+    wait_final([legit, *senders])
+    assert legit.poll() == KVPoll.Success and c.verified(94, 8, pages)
+    legit.close()

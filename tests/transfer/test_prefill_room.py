@@ -20,6 +20,7 @@ from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.rooms import Stage
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
@@ -27,6 +28,8 @@ AUX = AuxSchema.standard(16, "bfloat16", 1)
 DONE = WriteStatus(WriteState.DONE)
 D = b"decode-connection"
 HELLO = {D: "r1"}  # the registration each connection named in its Hello
+ME = "tcp://127.0.0.1:7000"  # this prefill rank's control endpoint (what KeyProofs sign)
+KEYS = {"r2": ProofKey()}  # what decode registration r2's process holds
 
 
 def bufs(shift: int, capacity: int = 16) -> list[BufferDesc]:
@@ -59,7 +62,7 @@ def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, finge
 @pytest.fixture
 def m():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
-                           "x", hello_of=lambda ident: HELLO.get(ident))
+                           "x", hello_of=lambda ident: HELLO.get(ident), endpoint=lambda: ME)
     machine.peers.entries["r1"] = peer()  # its registration was read before
     machine.identities.prove(D, "r1")  # and connection D proved it holds its memory
     return machine
@@ -311,10 +314,22 @@ E = b"other-connection"
 
 
 def fresh_peer(rank_id: str = "r2", instance: str = "d", scratch: tuple[int, int] | None = (1 << 45, 4096),
-               label: str = "d/dp0/tp1") -> DecodePeer:
-    p = DecodePeer(rank_id=rank_id, label=label, session="127.0.0.1:2", fingerprint="x", buffers=bufs(1 << 41),
-                   aux=regions(1 << 51), instance=instance, scratch=scratch)
+               label: str = "d/dp0/tp1", session: str = "127.0.0.1:2", keyed: bool = True) -> DecodePeer:
+    p = DecodePeer(rank_id=rank_id, label=label, session=session, fingerprint="x", buffers=bufs(1 << 41),
+                   aux=regions(1 << 51), instance=instance, scratch=scratch,
+                   proof_key=KEYS[rank_id].public_hex if keyed else None)
     return p
+
+
+def _signed(m, ident: bytes, acts, *, key: ProofKey | None = None, rank_id: str | None = None,
+            endpoint: str = ME, now: float = 1.0):
+    """Answer the KeyChallenge among ``acts`` as the registration's process does (or with
+    another ``key``, ``rank_id`` or ``endpoint``); the machine's answer."""
+    (ch,) = msgs(acts, wire.KeyChallenge)
+    assert not of(acts, WriteNonce)  # nothing is written before the key proof
+    rid = rank_id or HELLO[ident]
+    signature = (key or KEYS[HELLO[ident]]).sign(rid, endpoint, ch.nonce)
+    return m.message(ident, wire.KeyProof(signature=signature), now)
 
 
 def test_a_message_naming_another_registration_than_its_hello_is_refused_and_nothing_happens(m):
@@ -333,7 +348,7 @@ def test_a_message_naming_another_registration_than_its_hello_is_refused_and_not
 def _challenged(m, ident: bytes, rank_id: str, msg, now: float = 1.0):
     """Feed ``msg`` on a new connection: it waits; returns the nonce write the machine asked for."""
     HELLO[ident] = rank_id
-    acts = m.message(ident, msg, now)
+    acts = _signed(m, ident, m.message(ident, msg, now), now=now)
     (w,) = of(acts, WriteNonce)
     assert not msgs(acts, wire.ErrorReply) and w.ident == ident and len(w.nonce) == wire.NONCE_BYTES
     return w
@@ -374,11 +389,19 @@ def test_a_nonce_another_rank_overwrote_is_challenged_again_at_a_fresh_offset(m)
     ("wrong_echo", "echoed other bytes"),
     ("write_failed", "nonce write into its scratch region failed: refused"),
     ("no_scratch", "has no scratch region"),
+    ("no_key", "has no proof key"),
+    ("alias_spelling", "not in canonical form"),
     ("silent", "no echo of the nonce within"),
+    ("silent_key", "no key proof within"),
+    ("other_key", "not a signature by the proof key"),
+    ("other_registration", "not a signature by the proof key"),
+    ("other_prefill", "not a signature by the proof key"),
     ("unregistered", "not registered"),
 ])
 def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how, why):
-    m.peers.entries["r2"] = fresh_peer(scratch=None if how == "no_scratch" else (1 << 45, 4096))
+    m.peers.entries["r2"] = fresh_peer(scratch=None if how == "no_scratch" else (1 << 45, 4096),
+                                       keyed=how != "no_key",
+                                       session="localhost:02" if how == "alias_spelling" else "127.0.0.1:2")
     if how == "unregistered":
         del m.peers.entries["r2"]
     r = m.open(32, 1.0)
@@ -388,7 +411,17 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
     if how == "unregistered":
         (res,) = of(acts, Resolve)
         acts = m.resolved("r2", None, "registration r2 is not registered", 1.01)
-    elif how != "no_scratch":
+    elif how == "silent_key":
+        assert msgs(acts, wire.KeyChallenge)
+        acts = m.tick(1.0 + m.identities.timeout + 0.1)
+    elif how in ("other_key", "other_registration", "other_prefill"):
+        # what an attacker who reads and writes every registered byte can sign: not with r2's key
+        key = ProofKey() if how == "other_key" else None
+        acts = _signed(m, E, acts, key=key, rank_id="r9" if how == "other_registration" else None,
+                       endpoint="tcp://127.0.0.1:7001" if how == "other_prefill" else ME)
+        assert not of(acts, WriteNonce)  # refused before any write: 0 bytes anywhere
+    elif how not in ("no_scratch", "no_key", "alias_spelling"):
+        acts = _signed(m, E, acts)
         (w,) = of(acts, WriteNonce)
         if how == "write_failed":
             acts = m.nonce_written(E, "refused", 1.01)
@@ -468,7 +501,8 @@ def test_a_refused_connection_may_try_again_after_a_pause(m):
     m.nonce_written(E, "peer busy", 1.01)
     (err,) = msgs(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=2, decode_rank_id="r2"), 1.5), wire.ErrorReply)
     assert "peer busy" in err.reason
-    again = of(m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=3, decode_rank_id="r2"), 1.01 + 1.1), WriteNonce)
+    later = m.message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=3, decode_rank_id="r2"), 1.01 + 1.1)
+    again = of(_signed(m, E, later, now=2.15), WriteNonce)
     assert len(again) == 1 and again[0].nonce != first.nonce
     m.nonce_written(E, None, 2.2)
     (beat,) = msgs(m.message(E, wire.ChallengeEcho(nonce=again[0].nonce), 2.3), wire.Heartbeat)

@@ -25,6 +25,8 @@ from kvbridge.transfer.channel.wire import (
     ChallengeEcho,
     ErrorReply,
     Heartbeat,
+    KeyChallenge,
+    KeyProof,
     PagesDone,
     Ping,
     TransferRequest,
@@ -72,6 +74,8 @@ SAMPLES = [
     Ping(decode_rank="d0", seq=3, decode_rank_id="r-1"),
     ChallengeEcho(nonce=bytes(range(32))),
     Challenge(offset=4064),
+    KeyChallenge(nonce=bytes(range(32, 64))),
+    KeyProof(signature=bytes(range(64))),
     request(staging_slots=8, staging_slot_bytes=8 << 20, staging_base=2**47, staging_only=True),
     wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=8 << 20),
     wire.SlotGrant(room=7, decode_rank="d0", chunk=3, slot=5),
@@ -201,6 +205,12 @@ def test_a_nonce_of_the_wrong_length_fails_at_the_sender() -> None:
     with pytest.raises(ProtocolError, match="must be 32 bytes") as info:
         ChallengeEcho(nonce=b"short")
     assert info.value.field == "nonce"
+    with pytest.raises(ProtocolError, match="must be 32 bytes") as info:
+        KeyChallenge(nonce=bytes(33))
+    assert info.value.field == "nonce"
+    with pytest.raises(ProtocolError, match="must be 64 bytes") as info:
+        KeyProof(signature=bytes(63))
+    assert info.value.field == "signature"
 
 
 def test_a_ping_without_a_registration_is_a_probe() -> None:

@@ -1,13 +1,16 @@
 """Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
 
-    decode -> prefill   TransferRequest  Abort  Ping  ChallengeEcho  SlotGrant
-    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  Challenge  SlotRequest  ChunkLanded
+    decode -> prefill   TransferRequest  Abort  Ping  KeyProof  ChallengeEcho  SlotGrant
+    prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  KeyChallenge  Challenge  SlotRequest
+                        ChunkLanded
 
 A decode rank acts only for its own registration: every TransferRequest, Abort and Ping names
 it (``decode_rank_id``), and prefill accepts one only when it equals what the connection said
-in its Hello and the connection proved it holds the memory of that registration: prefill
-writes a fresh nonce into the registration's scratch region through its transfer engine and
-sends ``Challenge(offset)``; the rank reads its scratch there and answers ``ChallengeEcho``.
+in its Hello and the connection proved it is that registration and holds its memory: prefill
+sends ``KeyChallenge(nonce)`` and the rank answers ``KeyProof``, a signature with the proof key
+whose public half is in its registration (``transfer/ownership.py``); then prefill writes a fresh
+nonce into the registration's scratch region through its transfer engine and sends
+``Challenge(offset)``; the rank reads its scratch there and answers ``ChallengeEcho``.
 
 Staged transfers (``docs/staging.md``): a TransferRequest that describes the decode rank's
 staging area (``staging_slots`` > 0) lets the prefill rank stage a target. Per chunk the prefill
@@ -50,6 +53,9 @@ __all__ = [
     "NONCE_BYTES",
     "Challenge",
     "ChallengeEcho",
+    "KeyChallenge",
+    "KeyProof",
+    "SIGNATURE_BYTES",
     "ChunkLanded",
     "ErrorReply",
     "Heartbeat",
@@ -71,6 +77,7 @@ __all__ = [
 
 MAX_MESSAGE_BYTES = 4 << 20
 NONCE_BYTES = 32  # the ownership proof's nonce (prefill/identity.py)
+SIGNATURE_BYTES = 64  # an Ed25519 signature (transfer/ownership.py)
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -151,6 +158,17 @@ class ChallengeEcho(_Message, frozen=True, tag="challenge_echo"):
                                 field="nonce")
 
 
+class KeyProof(_Message, frozen=True, tag="key_proof"):
+    """My proof key's signature over the KeyChallenge's nonce (``transfer/ownership.py``)."""
+
+    signature: Annotated[bytes, msgspec.Meta(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.signature, bytes) and len(self.signature) != SIGNATURE_BYTES:
+            raise ProtocolError(f"field 'signature' of key_proof must be {SIGNATURE_BYTES} bytes, got "
+                                f"{len(self.signature)}", field="signature")
+
+
 # ---- prefill -> decode ------------------------------------------------------------------------
 class PagesDone(_Message, frozen=True, tag="pages_done"):
     """``logical_pages`` (LE int32) of ``pools`` were written by ``cp_rank``, or failed. ``aux``:
@@ -192,6 +210,18 @@ class Challenge(_Message, frozen=True, tag="challenge"):
     (ChallengeEcho) on this connection to prove you hold the memory you registered."""
 
     offset: Count
+
+
+class KeyChallenge(_Message, frozen=True, tag="key_challenge"):
+    """Sign ``nonce`` with your registration's proof key (KeyProof) on this connection: the
+    proof that you are the registration your Hello named (``transfer/ownership.py``)."""
+
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nonce, bytes) and len(self.nonce) != NONCE_BYTES:
+            raise ProtocolError(f"field 'nonce' of key_challenge must be {NONCE_BYTES} bytes, got {len(self.nonce)}",
+                                field="nonce")
 
 
 class ErrorReply(_Message, frozen=True, tag="error_reply"):
@@ -245,13 +275,13 @@ class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
 
 
 Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded]
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls
     for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded)
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof)
 }
 
 

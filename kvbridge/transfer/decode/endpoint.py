@@ -46,6 +46,7 @@ from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch, device_of
 from kvbridge.transfer.shell import EndpointShell, Event
 from kvbridge.transfer.staging import HostStager, StagingBuffer, copy_slices
@@ -95,6 +96,7 @@ class DecodeEndpoint(EndpointShell):
         # registered and advertised: prefill writes a nonce here that only this process can read back,
         # the proof that this rank holds the memory it registers (kvbridge doctor probes it too)
         self.scratch = Scratch(device=device_of(self.aux.tensors.values()))
+        self.proof_key = ProofKey()  # its public half goes into the registration (transfer/ownership.py)
         self.identity = RankIdentity(instance=config.instance, role="decode", dp_size=config.dp_size,
                                      tp_size=config.tp_size, dp_rank=config.dp_rank, tp_rank=config.tp_rank)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
@@ -104,7 +106,7 @@ class DecodeEndpoint(EndpointShell):
                                                  engine=self.engine)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
-            read_scratch=lambda offset: self.scratch.read(offset),
+            read_scratch=lambda offset: self.scratch.read(offset), proof_key=self.proof_key,
             page_digests=lambda pools, pages, phys, n, layers=None: page_digests(self.specs, self.buffers.tensors,
                                                                                  pools, pages, phys, n, layers),
             trace=self.trace,
@@ -148,7 +150,8 @@ class DecodeEndpoint(EndpointShell):
         self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
                                     self.config.lease_ttl, scratch=self.scratch.descriptor,
-                                    staging=None if self.staging is None else self.staging.descriptor)
+                                    staging=None if self.staging is None else self.staging.descriptor,
+                                    proof_key=self.proof_key.public_hex)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")

@@ -33,6 +33,7 @@ from kvbridge.errors import (
     LedgerError,
 )
 from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.decode.config import DecodeConfig
@@ -78,14 +79,18 @@ class DecodeRooms:
     num_tokens, layers=None)``: digests of our pages (only with ``verify_digest``; ``layers``: a pipeline
     stage's layer ids per pool); ``rank_id()``: this rank's registration id (it
     changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
-    rank wrote into our scratch region (answers its Challenge; None: no scratch region)."""
+    rank wrote into our scratch region (answers its Challenge; None: no scratch region);
+    ``proof_key``: the key whose public half is in our registration (answers a KeyChallenge;
+    None: none, and prefill refuses us)."""
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  read_aux_row: Callable[[int], tuple[np.ndarray, float]],
                  page_digests: Callable[..., np.ndarray],
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
-                 trace: bool = False, staging: DecodeStaging | None = None) -> None:
+                 trace: bool = False, staging: DecodeStaging | None = None,
+                 proof_key: ProofKey | None = None) -> None:
         self.cfg = config
+        self.proof_key = proof_key
         self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
         self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
@@ -305,6 +310,9 @@ class DecodeRooms:
         if isinstance(msg, wire.Challenge):
             self._answer_challenge(endpoint, msg)
             return self._actions()
+        if isinstance(msg, wire.KeyChallenge):
+            self._answer_key_challenge(endpoint, msg)
+            return self._actions()
         r = self.rooms.get(getattr(msg, "room", None))
         if r is None:
             if self.staging is not None and isinstance(msg, (wire.AbortAck, wire.ChunkLanded, wire.PagesDone)):
@@ -324,6 +332,16 @@ class DecodeRooms:
             self.fail(r, str(exc), now)
         self._maybe_commit(r, now)
         return self._actions()
+
+    def _answer_key_challenge(self, endpoint: str, msg: wire.KeyChallenge) -> None:
+        """A prefill rank asks us to show we are our registration: sign its nonce, our
+        registration id and its endpoint as we dialled it (transfer/ownership.py)."""
+        rank_id = self.rank_id()
+        if self.proof_key is None or not rank_id:
+            log.warning("prefill %s key-challenged %s, which has no proof key or registration", endpoint,
+                        self.cfg.rank_label)
+            return
+        self._out.append(Send((endpoint,), wire.KeyProof(signature=self.proof_key.sign(rank_id, endpoint, msg.nonce))))
 
     def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
         """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``

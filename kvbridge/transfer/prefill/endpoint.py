@@ -133,6 +133,7 @@ class PrefillEndpoint(EndpointShell):
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
             hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
             gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
+            endpoint=lambda: self.endpoint,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)

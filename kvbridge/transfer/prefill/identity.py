@@ -5,22 +5,29 @@ the daemon gave it). A TransferRequest, Abort or Ping that names another registr
 refused with an ErrorReply and nothing else happens: a connection acts only for its own
 registration (issue 20, finding 5).
 
-**Proof.** Naming a registration is not owning its memory: anyone with the write token can
-register another rank's session and addresses. Before the first message of a connection is
-acted on, prefill proves the connection's rank holds the memory its registration describes:
+**Proof.** Naming a registration is not being it, nor owning its memory: anyone with the
+write token and the cluster secret can name another rank's registration in a Hello, or
+register another process's session and addresses. Before the first message of a connection
+is acted on, prefill proves the connection is the registration and holds its memory:
 
     first message on connection C (Hello: registration R)
       registration of R known?  no -> Resolve(R) ... resolved
-      R has a scratch region?   no -> refused
+      R's session canonical, R has a proof key and a scratch region?   no -> refused
+      Send(C, KeyChallenge(k))                                          (KEYING)
+      KeyProof(sig) on C: sig by R's proof key over (R, our endpoint, k)?   no -> refused (no retry)
       WriteNonce(C, R's session, scratch base + offset, nonce)  (the shell: engine write, off the loop)
       nonce_written(C, problem)   failed -> refused
       Send(C, Challenge(offset))
-      ChallengeEcho(nonce') on C: compare in constant time -> proven | refused
-      (no echo within ``timeout`` -> refused)
+      ChallengeEcho(nonce') on C: compare in constant time -> proven | retried | refused
+      (no answer within ``timeout`` -> refused)
 
-Only memory registered with the transfer-engine session R names can take the write, and
-only the process that holds that memory can read the nonce back: a registration that
-aliases a live rank's session and addresses fails here, before any KV is written (finding 1).
+The key step binds C to R: R's proof key is the one its registrant put in the registration,
+whose private half never lies in memory a transfer engine can reach, so reading or writing
+any rank's registered memory does not forge it, and prefill writes nothing before it holds
+(transfer/ownership.py). The daemon's claim check binds R to its session and ranges in
+canonical form (bootstrap/endpoints.py): no live registration's memory is another's. The
+nonce step then shows R's process reaches the memory it named (a registrant that named memory
+it cannot read fails there). docs/security.md, "Ownership proof", gives the whole argument.
 Messages that arrive meanwhile wait (bounded); once proven they are delivered in order;
 refused, each gets an ErrorReply naming the rank and why, as does every message of the
 next ``retry_s`` seconds; a later one starts a fresh proof (a nonce write may fail for a
@@ -38,7 +45,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvbridge.bootstrap.endpoints import is_canonical_session
 from kvbridge.transfer.channel.wire import NONCE_BYTES
+from kvbridge.transfer.ownership import verify_proof
 
 PROOF_FAILED = "could not prove it holds the memory it registered"
 # Echoes that differ before a connection is refused. Every prefill rank of every instance that
@@ -65,6 +74,7 @@ class WriteNonce:
 
 class Proof(Enum):
     RESOLVING = "resolving"  # the registration is being read
+    KEYING = "keying"  # KeyChallenge sent, waiting for the registration key's signature
     WRITING = "writing"  # the nonce write is out
     CHALLENGED = "challenged"  # Challenge sent, waiting for the echo
     PROVEN = "proven"
@@ -78,6 +88,7 @@ class Connection:
     instance: str = ""  # that registration's decode instance (read with it)
     state: Proof = Proof.RESOLVING
     nonce: bytes = b""
+    key_nonce: bytes = b""  # the KeyChallenge's nonce
     offset: int = 0
     attempts: int = 0  # challenges written so far (PROOF_ATTEMPTS)
     deadline: float = 0.0
@@ -118,6 +129,30 @@ class Identities:
         self.resolving.setdefault(c.rank_id, []).append(c.ident)
         return first
 
+    def key_challenge(self, c: Connection, now: float) -> bytes:
+        """A fresh nonce for connection ``c`` to sign (KeyChallenge)."""
+        c.key_nonce = self.nonce_source(NONCE_BYTES)
+        c.state = Proof.KEYING
+        c.deadline = now + self.timeout
+        return c.key_nonce
+
+    @staticmethod
+    def key_matches(c: Connection, proof_key: str, endpoint: str, signature: bytes) -> bool:
+        """``signature`` is ``proof_key``'s over (c's registration, our ``endpoint``, c's nonce)."""
+        return bool(c.key_nonce) and verify_proof(proof_key, c.rank_id, endpoint, c.key_nonce, signature)
+
+    @staticmethod
+    def unprovable(session: str, proof_key: str | None, scratch: tuple[int, int] | None) -> str | None:
+        """Why a registration cannot be proven at all (None: it can)."""
+        if not is_canonical_session(session):
+            return (f"its transfer-engine session {session!r} is not in canonical form (bootstrap/endpoints.py), so "
+                    "it may be another spelling of a session another rank holds")
+        if proof_key is None:
+            return "its registration has no proof key, so no connection can show it is that registration"
+        if scratch is None:
+            return "its registration has no scratch region"
+        return None
+
     def challenge(self, c: Connection, session: str, base: int, nbytes: int, now: float) -> WriteNonce:
         """A fresh nonce at a random aligned offset of the scratch region ``[base, base + nbytes)``."""
         c.nonce = self.nonce_source(NONCE_BYTES)
@@ -133,7 +168,7 @@ class Identities:
 
     def overdue(self, now: float) -> list[Connection]:
         return [c for c in self.conns.values()
-                if c.state in (Proof.WRITING, Proof.CHALLENGED) and now > c.deadline]
+                if c.state in (Proof.KEYING, Proof.WRITING, Proof.CHALLENGED) and now > c.deadline]
 
     def prune(self, alive: set[bytes]) -> None:
         """Forget settled connections that are gone (no longer heard from)."""

@@ -110,13 +110,15 @@ _BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a regist
 class PrefillRooms:
     """The prefill rank's rooms and what drives them. ``hello_of(connection)``: the
     registration the connection named in its Hello (None: none), a read of the channel's
-    books (no memory)."""
+    books (no memory); ``endpoint()``: our control endpoint, as decode ranks dial it (what their
+    KeyProofs sign)."""
 
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *,
                  hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
                  trace: bool = False, gather: StagingArea | None = None,
-                 engine_kind: Callable[[str], str] = lambda session: "local") -> None:
+                 engine_kind: Callable[[str], str] = lambda session: "local",
+                 endpoint: Callable[[], str] = lambda: "") -> None:
         self.cfg = config
         self.specs = dict(specs)
         self.src_bufs = src_bufs
@@ -129,6 +131,7 @@ class PrefillRooms:
         self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
         self.peers = DecodePeers()
         self.hello_of = hello_of
+        self.endpoint = endpoint
         self.identities = Identities(timeout=config.peer_timeout)
         self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
@@ -225,6 +228,8 @@ class PrefillRooms:
             self._out.append(Send((ident,), wire.Heartbeat(cp_rank=self.cfg.cp_rank, seq=msg.seq)))
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
+        elif isinstance(msg, wire.KeyProof):
+            self._on_key_proof(ident, msg, now)
         elif isinstance(msg, wire.ChallengeEcho):
             self._on_echo(ident, msg, now)
         else:
@@ -274,13 +279,36 @@ class PrefillRooms:
         return False
 
     def _challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        if peer.scratch is None:
-            self._refuse_identity(c, f"its registration has no scratch region, so prefill rank {self.cfg.rank_label} "
-                                     "cannot check that its session holds the memory it names (a kvbridge "
-                                     "DecodeEndpoint registers one)", now)
+        """The proof's first step (identity.py): the registration's key signs a fresh nonce."""
+        why = self.identities.unprovable(peer.session, peer.proof_key, peer.scratch)
+        if why is not None:
+            self._refuse_identity(c, f"{why}, so prefill rank {self.cfg.rank_label} cannot check that the connection "
+                                     "holds the memory it names (a kvbridge DecodeEndpoint registers all it needs)", now)
             return
-        base, nbytes = peer.scratch
         c.instance = peer.instance
+        self._out.append(Send((c.ident,), wire.KeyChallenge(nonce=self.identities.key_challenge(c, now))))
+
+    def _on_key_proof(self, ident: bytes, msg: wire.KeyProof, now: float) -> None:
+        c = self.identities.get(ident)
+        if c is None or c.state is not Proof.KEYING:
+            self._error(ident, msg, "no key challenge is waiting for a proof on this connection")
+            return
+        peer = self.peers.get(c.rank_id)
+        if peer is None or peer.proof_key is None:
+            self._refuse_identity(c, f"registration {c.rank_id} is no longer known here", now)
+            return
+        if not self.identities.key_matches(c, peer.proof_key, self.endpoint(), msg.signature):
+            # no retry: a signature is no nonce another proof could have replaced
+            self._refuse_identity(c, "its KeyProof is not a signature by the proof key of the registration its Hello "
+                                     f"named, over prefill rank {self.cfg.rank_label}'s challenge: the connection is "
+                                     "not that registration", now)
+            return
+        c.key_nonce = b""
+        self._write_challenge(c, peer, now)
+
+    def _write_challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
+        """The proof's second step: a nonce into the registration's scratch region, to echo."""
+        base, nbytes = peer.scratch  # type: ignore[misc]  # (unprovable() checked it)
         self._out.append(self.identities.challenge(c, peer.session, base, nbytes, now))
 
     def _refuse_identity(self, c: Connection, why: str, now: float) -> None:
@@ -313,7 +341,7 @@ class PrefillRooms:
         if not self.identities.echo_matches(c, msg.nonce):
             peer = self.peers.get(c.rank_id)
             if peer is not None and c.attempts < PROOF_ATTEMPTS:  # (another rank's nonce may have replaced ours)
-                self._challenge(c, peer, now)
+                self._write_challenge(c, peer, now)
                 return
             session = peer.session if peer else "?"
             self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
@@ -326,7 +354,8 @@ class PrefillRooms:
 
     def _proof_deadlines(self, now: float) -> None:
         for c in self.identities.overdue(now):
-            self._refuse_identity(c, f"no echo of the nonce within {self.identities.timeout:.1f}s", now)
+            what = "key proof" if c.state is Proof.KEYING else "echo of the nonce"
+            self._refuse_identity(c, f"no {what} within {self.identities.timeout:.1f}s", now)
 
     def _instance_of(self, ident: bytes, rank_id: str) -> str | None:
         """The decode instance registration ``rank_id`` belongs to (kept with the connection that

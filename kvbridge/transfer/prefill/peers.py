@@ -75,6 +75,7 @@ class DecodePeer:
     scratch: tuple[int, int] | None = None  # (base, nbytes) of its scratch region: where its ownership is proven
     # (base, nbytes, slot_bytes) of its staging area: the only memory staged chunks may land in (None: none)
     staging: tuple[int, int, int] | None = None
+    proof_key: str | None = None  # its ownership-proof public key (hex): who may act for it (transfer/ownership.py)
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
     checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
@@ -89,6 +90,7 @@ class DecodePeer:
             scratch=None if detail.scratch is None else (detail.scratch.base, detail.scratch.nbytes),
             staging=None if detail.staging is None else (detail.staging.base, detail.staging.nbytes,
                                                          detail.staging.slot_bytes),
+            proof_key=detail.proof_key,
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],

@@ -1,0 +1,70 @@
+"""The key half of the ownership proof: a rank's proof key, and what it signs.
+
+A decode endpoint makes an Ed25519 key pair when it is built. The public half goes into its
+registration at the daemon (``proof_key``, 32 bytes as hex), where the claim check binds it to
+the session and ranges the registration names; the private half stays in this process's heap,
+never in memory registered with a transfer engine, so whoever reads or writes every registered
+byte of every rank (Mooncake has no authentication) learns nothing of it.
+
+A prefill rank proving a connection sends ``KeyChallenge(nonce)``; the rank answers
+``KeyProof(signature)`` over
+
+    "kvbridge ownership proof v1" | registration id | prefill control endpoint | nonce
+    (each part after the first prefixed with its length, 2 bytes big-endian: no two
+    challenges sign the same bytes)
+
+with the endpoint as the decode rank dialled it (canonical: ``bootstrap.endpoints``), so a
+proof made for one prefill rank is no proof to another, and a nonce is never signed twice.
+Prefill checks it with the public key the daemon holds for that registration: only the
+process that registered it can answer for it (docs/security.md, "Ownership proof").
+"""
+
+from __future__ import annotations
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from kvbridge.bootstrap.endpoints import canonical_endpoint
+from kvbridge.errors import EndpointError
+
+__all__ = ["DOMAIN", "KEY_BYTES", "SIGNATURE_BYTES", "ProofKey", "proof_message", "proof_peer", "verify_proof"]
+
+DOMAIN = b"kvbridge ownership proof v1"
+KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+
+
+def proof_peer(endpoint: str) -> str:
+    """A prefill control endpoint as both sides put it into the signed message: canonical
+    where it parses (a literal address), else as given."""
+    try:
+        return canonical_endpoint(endpoint, local=None, resolve=None)
+    except EndpointError:
+        return endpoint
+
+
+def proof_message(rank_id: str, prefill_endpoint: str, nonce: bytes) -> bytes:
+    parts = (rank_id.encode(), proof_peer(prefill_endpoint).encode(), bytes(nonce))
+    return DOMAIN + b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
+class ProofKey:
+    """One rank's proof key: ``public_hex`` for its registration, ``sign`` for KeyProofs."""
+
+    def __init__(self) -> None:
+        self._private = Ed25519PrivateKey.generate()
+        self.public_hex = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+    def sign(self, rank_id: str, prefill_endpoint: str, nonce: bytes) -> bytes:
+        return self._private.sign(proof_message(rank_id, prefill_endpoint, nonce))
+
+
+def verify_proof(public_hex: str, rank_id: str, prefill_endpoint: str, nonce: bytes, signature: bytes) -> bool:
+    """True when ``signature`` is the registration's key's over this challenge; never raises."""
+    try:
+        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
+        key.verify(signature, proof_message(rank_id, prefill_endpoint, nonce))
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
