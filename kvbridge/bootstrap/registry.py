@@ -176,6 +176,7 @@ class Registry:
                 secret_digest=secret_digest(secret),
                 scratch=req.scratch,
                 staging=req.staging,
+                engine_metadata=req.engine_metadata,
             )
             self._check_claims(rec, replaced)
             if not self.store.remote:
@@ -412,7 +413,7 @@ class Registry:
                               control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
                               aux_regions=r.aux_regions, lease_ttl_s=r.lease_ttl_s,
                               lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3), scratch=r.scratch,
-                              staging=r.staging)
+                              staging=r.staging, engine_metadata=r.engine_metadata)
 
     def instances(self) -> list[InstanceView]:
         now = self._clock()

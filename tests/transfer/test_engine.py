@@ -4,6 +4,7 @@ process)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
@@ -381,13 +382,12 @@ def line_reader(stream) -> tuple[queue.Queue, threading.Thread]:
     return lines, thread
 
 
-@pytest.mark.mooncake
-@pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")
-def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [pytest.param("mooncake", marks=needs_mooncake), pytest.param("nixl", marks=needs_nixl)])
+def test_write_into_another_process_then_it_dies(tmp_path: Path, kind: str) -> None:
     num = 256
     stderr = (tmp_path / "peer.err").open("w")
     child = subprocess.Popen(
-        [sys.executable, str(PEER), str(num * PAGE)],
+        [sys.executable, str(PEER), str(num * PAGE), kind],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -396,8 +396,9 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
     lines, reader = line_reader(child.stdout)
     engine = None
     try:
-        engine = create_engine("mooncake")
+        engine = create_engine(kind)
         info = json.loads(lines.get(timeout=20))
+        engine.add_peer(info["session"], base64.b64decode(info["metadata"]))
         expected = np.random.default_rng(7).integers(0, 256, num * PAGE, dtype=np.uint8)
         perm = np.random.default_rng(8).permutation(num)
         src = np.ascontiguousarray(expected.reshape(num, PAGE)[perm]).reshape(-1)  # page i goes to perm[i]

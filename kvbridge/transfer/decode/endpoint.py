@@ -83,7 +83,8 @@ class DecodeEndpoint:
         self.engine = engine
         self.specs = dict(specs)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
-        self.contract = contract
+        # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
+        self.contract = contract.with_transport(engine.transport)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
         self.aux = AuxBuffers(aux_schema, aux_buffer, rank=rank)
@@ -153,7 +154,8 @@ class DecodeEndpoint:
         self._lease = register_rank(self.bootstrap, self.config, "decode", f"tcp://{self.config.host}:0",
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
                                     self.config.lease_ttl, scratch=self.scratch.descriptor,
-                                    staging=None if self.staging is None else self.staging.descriptor)
+                                    staging=None if self.staging is None else self.staging.descriptor,
+                                    engine_metadata=self.engine.metadata)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")

@@ -22,6 +22,7 @@ reader; never one per room.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -112,7 +113,8 @@ class PrefillEndpoint:
         # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
         self.specs = _stage_specs(config, specs, contract.model.target_layers)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
-        self.contract = contract
+        # the contract as this rank holds it: on its engine's transport (decode ranks on another are refused)
+        self.contract = contract = contract.with_transport(engine.transport)
         self.fingerprint = fingerprint(contract)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
@@ -185,7 +187,7 @@ class PrefillEndpoint:
         self._lease = register_rank(
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
             self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
-            scratch=self.scratch.descriptor,
+            scratch=self.scratch.descriptor, engine_metadata=self.engine.metadata,
         )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
 
@@ -438,6 +440,12 @@ class PrefillEndpoint:
                                      "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
         except KVBridgeError as exc:
             detail, problem = None, f"cannot read decode rank {a.label}'s registration {a.rank_id}: {exc}"
+        if detail is not None:  # what the engine must know before writing there (NIXL: the agent's metadata)
+            try:
+                self.engine.add_peer(detail.session_id, base64.b64decode(detail.engine_metadata, validate=True))
+            except (KVBridgeError, ValueError) as exc:  # binascii.Error is a ValueError
+                detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
+                                         f"metadata does not load: {exc}")
         self._results.append(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
         self._wake()
 
