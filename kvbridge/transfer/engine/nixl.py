@@ -51,6 +51,7 @@ import hashlib
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -480,7 +481,11 @@ def _groups(local_mem: np.ndarray, remote_mem: np.ndarray) -> list[tuple[int, in
 
 
 def _memory_kind(ptr: int) -> tuple[int, int]:
-    """(DRAM, 0) for host memory, (VRAM, ordinal) for CUDA device memory."""
+    """(DRAM, 0) for host memory, (VRAM, ordinal) for CUDA device memory. Device memory exists only
+    where torch is loaded already (kvbridge allocates it with torch): without it, host memory, and
+    no import of torch (seconds) for a host-only engine."""
+    if "torch" not in sys.modules:
+        return DRAM, 0
     from kvbridge.transfer.engine._cuda import cuda, cuda_available
 
     if not cuda_available():
