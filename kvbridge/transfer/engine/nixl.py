@@ -62,7 +62,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.errors import EngineError
+from kvbridge.errors import EngineError, TransferTimeout
 from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.base import wait_ready
 
@@ -340,6 +340,51 @@ class NixlEngine(JobEngine):
                                           remote if whole else remote[sel], after))
             self._cond.notify()
         return job.handle
+
+    def read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray, timeout: float = 5.0) -> None:
+        """Synchronous READ of the peer's ``src[i]`` into our registered ``dst[i]`` (``kvbridge doctor``'s
+        read-back; rooms only write). EngineError naming the session, TransferTimeout past ``timeout``."""
+        self._check_open()
+        dst, src, length = check_write(self._who, session, dst, src, length, self._regions, self._regions_lock)
+        peer = self._peers.get(session)
+        if peer is None:
+            raise EngineError(f"{self._who}: no NIXL metadata for session {session}", field="session")
+        remote_at, local_at = peer.regions.locate(src, length), self._regions.locate(dst, length)
+        if (remote_at < 0).any():
+            raise EngineError(f"{self._who}: a read from session {session} outside the memory it registered",
+                              field="src")
+        if len(set((peer.mem[remote_at] * 2 + self._local_mem[local_at]).tolist())) != 1:
+            raise EngineError(f"{self._who}: one read moves one pair of memory types", field="src")
+        handles: list[Any] = []
+        deadline = time.monotonic() + timeout
+        try:
+            with self._lock:
+                n = self._nixl
+                handles.append(n.prep_xfer_dlist("NIXL_INIT_AGENT", np.stack((dst, length, self._local_dev[local_at]),
+                                                                              1), _MEM_NAMES[self._local_mem[local_at[0]]]))
+                handles.append(n.prep_xfer_dlist(peer.agent, np.stack((src, length, peer.dev[remote_at]), 1),
+                                                 _MEM_NAMES[peer.mem[remote_at[0]]]))
+                idx = np.arange(dst.size, dtype=np.int32)
+                handles.append(n.make_prepped_xfer("READ", handles[0], idx, handles[1], idx))
+                state = n.transfer(handles[2])
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(POLL_MIN_S)
+                with self._lock:
+                    state = self._nixl.check_xfer_state(handles[2])
+        except Exception as exc:
+            raise EngineError(f"{self._who}: NIXL read from session {session} failed: {_what(exc)}") from exc
+        finally:
+            with self._lock:
+                for h in reversed(handles):
+                    try:
+                        h.release()
+                    except Exception as exc:  # still in flight: NIXL keeps it; say so in the log
+                        log.warning("%s: releasing a read from %s: %s", self._who, session, _what(exc))
+        if state == "PROC":
+            raise TransferTimeout(f"{self._who}: read from session {session} still in flight after {timeout:g}s",
+                                  field="timeout")
+        if state != "DONE":
+            raise EngineError(f"{self._who}: NIXL read from session {session} ended in state {state}")
 
     def close(self) -> None:
         with self._cond:
