@@ -200,12 +200,14 @@ class PrefillRank(RankBase):
         lists prepared, one request, posted and polled here (no pump, no job table)."""
         eng = self.engine
         agent, peer = eng._nixl, eng._peers[session].agent  # the binding itself: no adapter in the way
-        mem = "VRAM" if self.device.startswith("cuda") else "DRAM"
-        if mem == "VRAM":
-            local[:, 2] = remote[:, 2] = self.torch.cuda.current_device()
+        # memory type and device of each side from the engine's tables (ours; the peer's published)
+        at_local = eng._regions.locate(local[:, 0], local[:, 1])
+        at_remote = eng._peers[session].regions.locate(remote[:, 0], remote[:, 1])
+        local[:, 2], remote[:, 2] = eng._local_dev[at_local], eng._peers[session].dev[at_remote]
+        names = ("DRAM", "VRAM")
         with eng._lock:
-            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem)
-            rh = agent.prep_xfer_dlist(peer, remote, mem)
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, names[int(eng._local_mem[at_local[0]])])
+            rh = agent.prep_xfer_dlist(peer, remote, names[int(eng._peers[session].mem[at_remote[0]])])
             idx = np.arange(local.shape[0], dtype=np.int32)
             req = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx)
             state = agent.transfer(req)
