@@ -10,6 +10,9 @@ one GPU) and one process per prefill CP rank (cuda:0). Groups:
     mooncake-tcp     the same over Mooncake TCP (the fallback when nvlink does not start)
     ipc              kvbridge on the IPC engine (slice kernel over CUDA IPC); the engine alone
     auto             kvbridge on the auto engine (IPC between these GPU processes, chosen by itself)
+    nixl             kvbridge on NIXL (UCX: cuda_ipc between these GPU processes, UCX's own choice;
+                     UCX_TLS overrides it), direct and staged; raw NIXL (the agent under kvbridge's
+                     engine, prepared descriptor lists, one request per rank) on the same slices
 
 For each allocation (contiguous: decode pages lane-major; random: both sides from a
 shuffled free list) and length: fill, plan, then a checked warm-up and ``--reps`` turns
@@ -68,7 +71,10 @@ GROUPS = {
     "mooncake-tcp": {"engine": "mooncake", "protocol": "tcp", "env": {}, "aux": "host"},
     "ipc": {"engine": "ipc", "protocol": "tcp", "env": {}, "aux": "device"},
     "auto": {"engine": "auto", "protocol": "tcp", "env": {}, "aux": "device"},  # IPC here: same host, GPU memory
+    "nixl": {"engine": "nixl", "protocol": "tcp", "env": {}, "aux": "device"},  # UCX cuda_ipc here
 }
+RAW_BASELINE = ("mooncake", "nixl")  # engines whose binding the bench drives raw on the same slices
+STAGED = ("mooncake", "nixl")  # engines whose rooms are also run staged (the IPC engine never stages)
 
 
 def log(msg: str) -> None:
@@ -407,12 +413,12 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
         env["KVBRIDGE_TRACE"] = "1"
     spec = BenchSpec(tokens=tokens, cps=[CP], layers=args.layers, preset=PRESET, page_size=PAGE, reps=reps,
                      engine=g["engine"], protocol=g["protocol"], verify=True, verify_every=not args.verify_first,
-                     allocs=allocs, raw_mooncake=g["engine"] == "mooncake", device=src_dev, decode_device=dst_dev,
+                     allocs=allocs, raw_mooncake=g["engine"] in RAW_BASELINE, device=src_dev, decode_device=dst_dev,
                      prefill_aux=src_dev if g["aux"] == "device" else "cpu",
                      decode_aux=dst_dev if g["aux"] == "device" else "cpu", env=env, log_dir=trace_dir,
                      # staged rooms where the engine is Mooncake (the IPC engine's kernel copies scattered
                      # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
-                     staged=g["engine"] == "mooncake" and (not trace_dir or args.trace_staged),
+                     staged=g["engine"] in STAGED and (not trace_dir or args.trace_staged),
                      staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots))
 
     def show(row: dict[str, Any]) -> None:
@@ -483,6 +489,45 @@ def table(rows: list[dict[str, Any]]) -> str:
             for why in g["kvbridge_failures"] + g["verify_errors"]:
                 lines.append(f"    {g['group']} {alloc} {n}: {why}")
     return "\n".join(lines)
+
+
+def nixl_table(rows: list[dict[str, Any]]) -> str:
+    """The NIXL group beside Mooncake's on the same pages, with the issue-27 goals: random 128K staged on
+    NIXL >= 0.8x staged on Mooncake; contiguous 128K kvbridge on NIXL >= 0.85x raw NIXL."""
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["alloc"], r["tokens"]), {})[r["group"]] = r
+
+    def f(v: Any, spec: str = ".1f") -> str:
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+    lines = [f"{'alloc':>10} {'tokens':>6} {'kvb nixl':>8} {'stg nixl':>8} {'raw nixl':>8} {'nixl eng':>8} "
+             f"{'kvb/raw':>7} {'stg/raw':>7} {'kvb mc':>7} {'stg mc':>7} {'stg n/mc':>8} {'verified':>8}"]
+    goals = []
+    for (alloc, n), groups in sorted(by_key.items()):
+        nx = groups.get("nixl")
+        if not nx:
+            continue
+        mc = groups.get("mooncake-nvlink") or groups.get("mooncake-tcp") or {}
+        ok = not nx["verify_errors"] and not nx["kvbridge_failures"] and nx["rooms_verified"]
+        stg_vs_mc = ratio(nx.get("staged_gbps"), mc.get("staged_gbps"))
+        kvb_vs_raw = ratio(nx.get("kvbridge_gbps"), nx.get("raw_gbps"))
+        lines.append(f"{alloc:>10} {n:>6} {f(nx.get('kvbridge_gbps')):>8} {f(nx.get('staged_gbps')):>8} "
+                     f"{f(nx.get('raw_gbps')):>8} {f(nx.get('engine_gbps')):>8} {f(kvb_vs_raw, '.2f'):>7} "
+                     f"{f(ratio(nx.get('staged_gbps'), nx.get('raw_gbps')), '.2f'):>7} {f(mc.get('kvbridge_gbps')):>7} "
+                     f"{f(mc.get('staged_gbps')):>7} {f(stg_vs_mc, '.2f'):>8} {('yes' if ok else 'NO'):>8}")
+        if n >= 131072 and alloc == "random" and stg_vs_mc is not None:
+            goals.append(f"goal random {n} staged on NIXL >= 0.8x staged on Mooncake: {stg_vs_mc:.2f}x -> "
+                         f"{'met' if stg_vs_mc >= 0.8 else 'NOT met'}")
+        if n >= 131072 and alloc == "contiguous" and kvb_vs_raw is not None:
+            goals.append(f"goal contiguous {n} kvbridge on NIXL >= 0.85x raw NIXL: {kvb_vs_raw:.2f}x -> "
+                         f"{'met' if kvb_vs_raw >= 0.85 else 'NOT met'}")
+        for why in nx["kvbridge_failures"] + nx["verify_errors"]:
+            lines.append(f"    nixl {alloc} {n}: {why}")
+    return "\n".join(lines + goals)
 
 
 def staged_table(rows: list[dict[str, Any]], ceilings: list[dict[str, Any]], slot_mib: int) -> str:
@@ -627,6 +672,12 @@ def main() -> None:
               f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
               f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
         print(table(result["rows"]))
+    if any(r["group"] == "nixl" for r in result["rows"]):
+        where = "ONE GPU: both sides on cuda:0" if result["info"]["one_gpu"] else "cuda:0 -> cuda:1"
+        print(f"\nkvbridge on NIXL (UCX; {where}), beside Mooncake on the same pages; GB/s of payload, median of "
+              f"{args.reps}; raw nixl: the NIXL agent on the same slices; stg n/mc: staged on NIXL over staged on "
+              "Mooncake")
+        print(nixl_table(result["rows"]))
     if result.get("ceilings"):
         c = result["ceilings"]
         best = max(c["kernel_random_pages"].items(), key=lambda kv: kv[1]["gbps"])

@@ -31,3 +31,9 @@ fi
 PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install "torch==$TORCH_VERSION"
 "${PIP[@]}" install -e ".[cpu,dev]"
+# NIXL (kvbridge[nixl]): the wheel and its meta package without their requirements (the meta
+# package requires both CUDA wheels, and both require torch); their one runtime need, numpy,
+# is installed above. The NIXL tests fail rather than skip under CI=true without it.
+NIXL_VERSION=1.5.1
+"$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('nixl-cu12') != '$NIXL_VERSION')" \
+  2>/dev/null || "${PIP[@]}" install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"

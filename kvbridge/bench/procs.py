@@ -8,15 +8,17 @@ process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
 prefill commands: fill, plan, staging, send, wait_sent, raw, copy, stats
 decode commands:  staging, prepare, recv, check, stats
 
-Each process has the engine kvbridge runs on (``engine``: mooncake, ipc or auto) and,
-when ``raw_mooncake`` is set, a Mooncake engine over the same buffers for the raw
-baseline: kvbridge's own (mooncake), the one inside auto, or a second one (ipc). With
+Each process has the engine kvbridge runs on (``engine``: mooncake, nixl, ipc or auto) and,
+when ``raw_mooncake`` is set, a raw baseline over the same buffers: the Mooncake binding of
+kvbridge's own engine (mooncake), the one inside auto, or a second one (ipc); on nixl, the NIXL
+agent of kvbridge's engine, driven directly (prepared descriptor lists, one request per rank). With
 ``KVBRIDGE_TRACE=1`` the decode process adds ``trace room=R bench recv|final @T``
 lines around each timed room (``kvbridge.bench.trace`` reads them).
 """
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import logging
@@ -68,7 +70,8 @@ class RankBase:
         self.buffers = allocate_buffers(self.specs, capacity, device=self.device)
         self.engine = create_engine(cfg["engine"], protocol=cfg["protocol"], max_slices_per_call=cfg.get("cap"))
         # raw Mooncake: the binding under kvbridge's engine (auto holds one), else a second engine
-        self.raw_engine = {"mooncake": self.engine, "auto": getattr(self.engine, "_mc", None)}.get(cfg["engine"])
+        self.raw_engine = {"mooncake": self.engine, "auto": getattr(self.engine, "_mc", None),
+                           "nixl": self.engine}.get(cfg["engine"])
         if cfg.get("raw_mooncake") and self.raw_engine is None:
             self.raw_engine = create_engine("mooncake", protocol=cfg["protocol"], max_slices_per_call=CAP)
             from kvbridge.transfer.engine import tensor_region
@@ -165,12 +168,20 @@ class PrefillRank(RankBase):
         """Post this rank's plan at monotonic time ``at``: ``mooncake`` straight to the binding
         (<= 1,024 slices per synchronous call), ``engine`` through kvbridge's engine adapter."""
         calls = []
+        if cmd.get("metadata"):  # NIXL: the decode agent's metadata, as a registration carries it
+            self.engine.add_peer(cmd["session"], base64.b64decode(cmd["metadata"]))
         if cmd["method"] == "mooncake":
             mc = self.raw_engine._mc  # the binding itself: no adapter in the way
             calls = [(b[0].tolist(), b[1].tolist(), b[2].tolist()) for b in self.plan.batches(CAP)]
+        elif cmd["method"] == "nixl":
+            zeros = np.zeros(self.plan.src.size, np.uint64)
+            local = np.stack((self.plan.src.astype(np.uint64), self.plan.length.astype(np.uint64), zeros), 1)
+            remote = np.stack((self.plan.dst.astype(np.uint64), self.plan.length.astype(np.uint64), zeros), 1)
         _wait_until(cmd["at"])
         failure = ""
-        if cmd["method"] == "mooncake":
+        if cmd["method"] == "nixl":
+            failure = self._raw_nixl(cmd["session"], local, remote)
+        elif cmd["method"] == "mooncake":
             for s, d, n in calls:
                 rc = mc.batch_transfer_sync_write(cmd["session"], s, d, n)
                 if rc != 0:
@@ -183,6 +194,28 @@ class PrefillRank(RankBase):
             except Exception as exc:  # reported in the row
                 failure = f"cp{self.rank}: {exc}"
         return {"end": time.monotonic(), "failure": failure}
+
+    def _raw_nixl(self, session: str, local: np.ndarray, remote: np.ndarray) -> str:
+        """The plan's slices straight through the NIXL agent under kvbridge's engine: both descriptor
+        lists prepared, one request, posted and polled here (no pump, no job table)."""
+        eng = self.engine
+        agent, peer = eng._nixl, eng._peers[session].agent  # the binding itself: no adapter in the way
+        # memory type and device of each side from the engine's tables (ours; the peer's published)
+        at_local = eng._regions.locate(local[:, 0], local[:, 1])
+        at_remote = eng._peers[session].regions.locate(remote[:, 0], remote[:, 1])
+        local[:, 2], remote[:, 2] = eng._local_dev[at_local], eng._peers[session].dev[at_remote]
+        names = ("DRAM", "VRAM")
+        with eng._lock:
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, names[int(eng._local_mem[at_local[0]])])
+            rh = agent.prep_xfer_dlist(peer, remote, names[int(eng._peers[session].mem[at_remote[0]])])
+            idx = np.arange(local.shape[0], dtype=np.int32)
+            req = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx)
+            state = agent.transfer(req)
+            while state == "PROC":
+                state = agent.check_xfer_state(req)
+            for h in (req, rh, lh):
+                h.release()
+        return "" if state == "DONE" else f"cp{self.rank}: raw NIXL transfer ended {state}"
 
     def copy(self, cmd: dict) -> dict:
         """The same slices copied within this process into a scratch buffer (memcpy ceiling, host only)."""
@@ -227,6 +260,7 @@ class DecodeRank(RankBase):
     def ready(self) -> dict[str, Any]:
         return {"ready": True, "session": self.engine.session_id,
                 "raw_session": self.raw_engine.session_id if self.raw_engine is not None else None,
+                "metadata": base64.b64encode(self.engine.metadata).decode(),
                 "buffers": [d.to_list() for d in self.endpoint.buffers.descs]}
 
     def prepare(self, cmd: dict) -> dict:

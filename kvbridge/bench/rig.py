@@ -167,6 +167,7 @@ class Rig:
                                           env, logs / f"prefill-{tag}-cp{rank}.log"))
             ready = self.decode.reply(CHILD_START_S)
             self.session, self.raw_session, self.dst_descs = ready["session"], ready["raw_session"], ready["buffers"]
+            self.metadata = ready.get("metadata", "")  # the decode engine's (NIXL needs it before a raw write)
             for child in self.prefill:
                 child.reply(CHILD_START_S)
         except BaseException:
@@ -241,10 +242,11 @@ class Rig:
         return max(r["end"] for r in replies) - at
 
     def run_raw(self) -> float:
-        return self.run_together("raw", method="mooncake", session=self.raw_session)
+        method = "nixl" if self.spec.engine == "nixl" else "mooncake"
+        return self.run_together("raw", method=method, session=self.raw_session, metadata=self.metadata)
 
     def run_engine(self) -> float:
-        return self.run_together("raw", method="engine", session=self.session)
+        return self.run_together("raw", method="engine", session=self.session, metadata=self.metadata)
 
     def run_memcpy(self) -> float:
         return self.run_together("copy")

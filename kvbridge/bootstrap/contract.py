@@ -11,7 +11,10 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
     ├── aux                aux-row regions (name, dtype, shape, offset, bytes) and row bytes
-    └── source             digest over the source files that define the byte meaning
+    ├── source             digest over the source files that define the byte meaning
+    └── transport          the transfer engine's session family (mooncake | nixl | ...): the
+                           endpoints stamp their engine's, so sides on different engines (whose
+                           sessions and memory keys mean nothing to each other) are refused
 
 Sizes that may legally differ between the sides (tp/cp/dp/pp, addresses,
 capacities) are topology, not contract: see ``kvbridge.bootstrap.topology``. A
@@ -21,6 +24,8 @@ head: each TP rank holds its own head range of it, whatever the TP size.
 The canonical encoding is compact JSON with sorted keys over ints, strings,
 lists and objects only (no floats), pools sorted by name and layer ids sorted,
 so the fingerprint is equal across processes, machines and Python versions.
+``transport`` is left out of it when it is ``mooncake`` (the encoding of contracts that
+predate the field), so a Mooncake contract's fingerprint did not change.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ CP_RULES = LANE_RULES  # interleaved, contiguous, replicated, balanced (kvbridge
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn")
 CONTRACT_PRESETS = PRESETS
 
+DEFAULT_TRANSPORT = "mooncake"  # Mooncake and the "auto" engine (its sessions are Mooncake's)
 CpRule = Literal["interleaved", "contiguous", "replicated", "balanced"]
 SpecAlgorithm = Literal["none", "eagle", "eagle3", "nextn"]
 _NAME = Field(min_length=1, max_length=256)
@@ -252,6 +258,7 @@ class RuntimeContract(_Frozen):
     speculative: SpeculativeContract
     aux: AuxContract
     source: SourceDigest
+    transport: str = Field(default=DEFAULT_TRANSPORT, min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_-]*$")
 
     @field_validator("pools")
     @classmethod
@@ -281,6 +288,12 @@ class RuntimeContract(_Frozen):
     def fingerprint(self) -> str:
         return fingerprint(self)
 
+    def with_transport(self, transport: str) -> RuntimeContract:
+        """This contract as a rank on an engine of ``transport`` (``TransferEngine.transport``) holds it."""
+        if transport == self.transport:
+            return self
+        return RuntimeContract.model_validate({**self.model_dump(), "transport": transport})
+
 
 def _check_plain(value: Any, path: str) -> None:
     """Only ints, strings, lists and string-keyed objects may enter the encoding."""
@@ -299,12 +312,16 @@ def _check_plain(value: Any, path: str) -> None:
 _HEAD_FIELDS = ("tp_sharding", "num_heads", "head_dim")
 
 
+
 def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
     """Sorted-key, compact, ASCII JSON of the contract's plain form. A replicated pool
-    leaves its TP-sharding fields out (the encoding of contracts that predate them)."""
+    leaves its TP-sharding fields out, and a Mooncake contract its transport (the encoding
+    of contracts that predate them)."""
     if isinstance(contract, dict):
         contract = RuntimeContract.model_validate(contract)
     plain = contract.model_dump(mode="json")
+    if plain["transport"] == DEFAULT_TRANSPORT:
+        del plain["transport"]
     for pool in plain["pools"]:
         if pool["tp_sharding"] == "replicated":
             for key in _HEAD_FIELDS:

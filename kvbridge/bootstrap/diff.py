@@ -75,6 +75,8 @@ _SECTION_BREAKS = {
     "speculative": "speculative decoding would start from a state the other side did not produce",
     "aux": "the aux row (first token, cached-token count, speculative state) would be decoded with the wrong field layout",
     "source": "the code that defines the byte meaning differs between the sides",
+    "transport": "the two sides run different transfer engines: prefill's writes could never reach decode's "
+                 "memory (one engine's sessions and memory keys mean nothing to the other); run both on one engine",
     "topology.role": "an instance has one role: a prefill rank and a decode rank cannot share it",
     "topology.dp_size": "rooms would be routed to different DP groups (room % dp_size) by different ranks",
     "topology.cp_size": "owner lanes (logical page -> CP rank) would be computed over a different number of CP ranks",

@@ -44,6 +44,7 @@ class RankRecord:
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
     staging: StagingDescriptor | None = None  # a decode rank's staging area
     proof_key: str | None = None  # its ownership-proof public key (hex)
+    engine_metadata: str = ""  # base64, what a writer's engine loads first (NIXL); "" for Mooncake
 
     def claim(self) -> Claim:
         """The transport session and address ranges this rank holds (claims.py)."""

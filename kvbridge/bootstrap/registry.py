@@ -177,6 +177,7 @@ class Registry:
                 scratch=req.scratch,
                 staging=req.staging,
                 proof_key=req.proof_key,
+                engine_metadata=req.engine_metadata,
             )
             self._check_claims(rec, replaced)
             if not self.store.remote:
@@ -413,7 +414,8 @@ class Registry:
                               control_endpoint=r.control_endpoint, session_id=r.session_id, pools=r.pools, aux=r.aux,
                               aux_regions=r.aux_regions, lease_ttl_s=r.lease_ttl_s,
                               lease_remaining_s=round(max(0.0, r.expires_at - self._clock()), 3), scratch=r.scratch,
-                              staging=r.staging, proof_key=r.proof_key)
+                              staging=r.staging, proof_key=r.proof_key,
+                              engine_metadata=r.engine_metadata)
 
     def instances(self) -> list[InstanceView]:
         now = self._clock()

@@ -124,6 +124,9 @@ class StagingDescriptor(_Strict):
         return self.nbytes // self.slot_bytes
 
 
+ENGINE_METADATA_MAX = 512 << 10  # base64 characters: a NIXL agent with hundreds of regions fits
+
+
 class RegisterRequest(_Strict):
     rank: RankIdentity
     control_endpoint: str = Field(min_length=1, max_length=512, pattern=r"^[a-z][a-z0-9+.-]*://\S+$")
@@ -138,6 +141,9 @@ class RegisterRequest(_Strict):
     # a decode rank's Ed25519 public key (hex): the proof that a connection is this registration
     # (transfer/ownership.py); prefill refuses to write for a decode registration without one
     proof_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # what a writer must load before writing into this rank's memory, base64 (the transfer engine's
+    # ``metadata``: a NIXL agent's; empty for Mooncake, whose session id is enough)
+    engine_metadata: str = Field(default="", max_length=ENGINE_METADATA_MAX, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
 
 
 class RegisterResponse(_Strict):
@@ -230,6 +236,7 @@ class RankDetail(_Strict):
     scratch: ScratchDescriptor | None = None  # where prefill writes the nonce that proves the rank holds its memory
     staging: StagingDescriptor | None = None  # where staged chunks may land (prefill checks requests against it)
     proof_key: str | None = None  # the key a connection acting for this registration signs with (ownership.py)
+    engine_metadata: str = ""  # base64: what a writer loads into its engine first (``RegisterRequest``)
 
 
 class InstanceView(_Strict):

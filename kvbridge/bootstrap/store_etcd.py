@@ -97,6 +97,7 @@ class StoredRank(BaseModel):
     scratch: ScratchDescriptor | None = None
     staging: StagingDescriptor | None = None
     proof_key: str | None = None
+    engine_metadata: str = ""
     lease_ttl_s: float
     lease_id: int
     secret_sha256: str  # hex; the secret itself is never stored
@@ -108,7 +109,8 @@ class StoredRank(BaseModel):
     def of(cls, inst: InstanceRecord, rec: RankRecord) -> StoredRank:
         return cls(rank_id=rec.rank_id, identity=rec.identity, control_endpoint=rec.control_endpoint,
                    session_id=rec.session_id, pools=rec.pools, aux=rec.aux, aux_regions=rec.aux_regions,
-                   scratch=rec.scratch, staging=rec.staging, proof_key=rec.proof_key, lease_ttl_s=rec.lease_ttl_s, lease_id=rec.lease_id,
+                   scratch=rec.scratch, staging=rec.staging, proof_key=rec.proof_key,
+                   engine_metadata=rec.engine_metadata, lease_ttl_s=rec.lease_ttl_s, lease_id=rec.lease_id,
                    secret_sha256=rec.secret_digest.hex(), topology=inst.topology, contract=inst.contract,
                    fingerprint=inst.fingerprint)
 
@@ -119,7 +121,7 @@ class StoredRank(BaseModel):
                          lease_ttl_s=self.lease_ttl_s, expires_at=now + self.lease_ttl_s,
                          secret_digest=bytes.fromhex(self.secret_sha256), scratch=self.scratch,
                          aux_regions=list(self.aux_regions), lease_id=self.lease_id, staging=self.staging,
-                         proof_key=self.proof_key)
+                         proof_key=self.proof_key, engine_metadata=self.engine_metadata)
         return inst, rec
 
 

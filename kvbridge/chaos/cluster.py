@@ -63,7 +63,7 @@ class Member:
 
 class ChaosCluster:
     def __init__(self, workdir: Path, *, cp: int, layers: int, pages: int, lease_ttl: float, peer_timeout: float,
-                 transfer_timeout: float, failed_writes: int, replicas: int = 0) -> None:
+                 transfer_timeout: float, failed_writes: int, replicas: int = 0, engine: str = "mooncake") -> None:
         self.workdir = workdir
         self.etcd = EtcdCluster(workdir / "etcd", members=3) if replicas else None
         self.replicas = [Member(f"replica-{i}", "daemon", []) for i in range(replicas)]
@@ -76,7 +76,7 @@ class ChaosCluster:
         self.url = ""
         self.port = 0
         common = ["--preset", "deepseek-v3.2-fp8", "--layers", str(layers), "--draft-layers", "1", "--page-size", "64",
-                  "--pages", str(pages), "--engine", "mooncake", "--host", HOST, "--lease-ttl", str(lease_ttl),
+                  "--pages", str(pages), "--engine", engine, "--host", HOST, "--lease-ttl", str(lease_ttl),
                   "--drain-timeout", "1", "--transfer-timeout", str(transfer_timeout)]
         self.prefill = [Member(f"prefill-cp{r}", "prefill", kvbridge_argv(
             "prefill-worker", "--instance", self.prefill_instance, "--cp-rank", str(r), "--cp-size", str(cp),

@@ -35,6 +35,7 @@ class ChaosSpec:
     recovery_timeout: float = 20.0
     transfer_timeout: float = 20.0
     workdir: str | None = None  # keep the processes' logs here
+    engine: str = "mooncake"  # the workers' transfer engine (mooncake | nixl)
 
     @classmethod
     def quick(cls, **kw: Any) -> ChaosSpec:
@@ -59,7 +60,7 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
     workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
     cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=spec.lease_ttl,
                            peer_timeout=spec.peer_timeout, transfer_timeout=spec.transfer_timeout,
-                           failed_writes=spec.failed_writes, replicas=3 if store_mode else 0)
+                           failed_writes=spec.failed_writes, replicas=3 if store_mode else 0, engine=spec.engine)
     results = []
     try:
         cluster.start()

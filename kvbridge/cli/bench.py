@@ -34,6 +34,17 @@ def _allocs(text: str) -> list[str]:
     return values
 
 
+ENGINES = ("mooncake", "nixl", "ipc", "auto")
+
+
+def _engines(text: str) -> list[str]:
+    values = [x for x in text.split(",") if x]
+    bad = [x for x in values if x not in ENGINES]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(ENGINES)}")
+    return list(dict.fromkeys(values))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -54,9 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2-fp8", help="geometry preset (default %(default)s)")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
-    p.add_argument("--engine", choices=("mooncake", "ipc", "auto"), default="mooncake",
-                   help="transfer engine kvbridge runs on (ipc: same host, GPU memory; needs --device cuda:N; "
-                   "auto: IPC where it reaches, Mooncake for the rest; the route shows in --json's engine stats)")
+    p.add_argument("--engine", type=_engines, default=["mooncake"],
+                   help="transfer engine(s) kvbridge runs on, comma-separated, swept in turn on the same pages: "
+                   "mooncake (raw: the Mooncake binding), nixl (raw: the NIXL agent, prepared descriptor lists), "
+                   "ipc (same host, GPU memory; needs --device cuda:N), auto (IPC where it reaches, Mooncake for "
+                   "the rest; the route shows in --json's engine stats); e.g. mooncake,nixl")
     p.add_argument("--alloc", type=_allocs, default=["contiguous"],
                    help="page allocation(s), comma-separated: contiguous (decode pages in --dst-order) and/or "
                    "random (both sides from a shuffled free list, as an engine's allocator after some traffic)")
@@ -105,24 +118,29 @@ def run(args: argparse.Namespace) -> int:
             note = f"{layers} target layers instead of 61 so that {max(tokens)} tokens fit {args.memory_gb:.0f} GB"
     if layers < 1 or args.draft_layers < 0:
         raise ConfigError("--layers must be >= 1 and --draft-layers >= 0", field="layers")
-    if args.engine == "ipc" and not args.device.startswith("cuda"):
+    if "ipc" in args.engine and not args.device.startswith("cuda"):
         raise ConfigError("--engine ipc moves GPU memory between processes: add --device cuda:N", field="engine")
     log_dir = tempfile.mkdtemp(prefix="kvbridge-bench-") if args.trace else ""
-    spec = BenchSpec(
+    gpu = str(args.device).startswith("cuda")
+    specs = [BenchSpec(
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
-        reps=args.reps or 5, engine=args.engine, verify=not args.no_verify, verify_every=args.verify_every,
+        reps=args.reps or 5, engine=engine, verify=not args.no_verify, verify_every=args.verify_every,
         quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
-        decode_aux=args.device if args.engine in ("ipc", "auto") else "cpu", poll_s=args.poll_ms / 1e3,
-        env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir, staged=not args.no_staged and (not str(args.device).startswith("cuda") or args.engine == "mooncake"),
-    )  # fmt: skip
+        decode_aux=args.device if engine in ("ipc", "auto") else "cpu", poll_s=args.poll_ms / 1e3,
+        env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
+        staged=not args.no_staged and (not gpu or engine in ("mooncake", "nixl")),
+    ) for engine in args.engine]  # fmt: skip
+    spec = specs[0]
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
-        "engine": spec.engine, "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens), "cps": list(cps),
-        "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms, "allocs": list(args.alloc), "device": args.device,
-        "staged": spec.staged,
+        "engine": ",".join(args.engine), "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens),
+        "cps": list(cps), "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms,
+        "allocs": list(args.alloc), "device": args.device, "staged": spec.staged,
     }  # fmt: skip
+    rows = []
     with start_bootstrap() as (url, token):
-        rows = run_sweep(spec, url, token, show_progress=not args.no_progress)
+        for one in specs:  # one engine after the other, on the same pages (allocation seeds are the lengths)
+            rows += run_sweep(one, url, token, show_progress=not args.no_progress)
     print(format_table(rows, meta))
     if args.trace:
         from kvbridge.bench.trace import breakdown, format_breakdown, parse

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens per room (default: 16384; quick 8192)")
     p.add_argument("--workdir", default=None, help="keep the processes' logs in this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake",
+                   help="the workers' transfer engine (default %(default)s; nixl: kvbridge[nixl])")
     p.add_argument("--hostile", action="store_true",
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
                    "room collision, read exposure, Hello replay, post-auth partial frames, MAC-failing flood, "
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         kw["tokens"] = args.tokens
     if args.workdir:
         kw["workdir"] = args.workdir
+    kw["engine"] = args.engine
     spec = ChaosSpec.quick(**kw) if args.quick else ChaosSpec(**kw)
 
     def progress(res) -> None:

@@ -84,13 +84,19 @@ def run_doctor(spec: DoctorSpec) -> DoctorReport:
     views = [v for v in (prefill, decode) if v is not None]
     for view in views:
         report.checks += lease_checks(view)
-    report.checks += _data_path(spec, prefill, views)
+    report.checks += _data_path(spec, prefill, views, lambda rank_id: _rank_detail(spec, rank_id))
     report.seconds = time.monotonic() - t0
     return report
 
 
-def _data_path(spec: DoctorSpec, prefill: Any, views: list[Any]) -> list[Check]:
-    from kvbridge.doctor.probes import EngineProbe, control_checks
+def _rank_detail(spec: DoctorSpec, rank_id: str) -> Any:
+    """A rank's registration (what a NIXL session's probe loads its metadata from)."""
+    with BootstrapClient(spec.bootstrap, token=spec.token, timeout=spec.timeout, retries=1) as client:
+        return client.rank(rank_id)
+
+
+def _data_path(spec: DoctorSpec, prefill: Any, views: list[Any], detail: Any) -> list[Check]:
+    from kvbridge.doctor.probes import EngineProbe, NixlProbe, control_checks
 
     out: list[Check] = []
     if prefill is not None:
@@ -99,18 +105,26 @@ def _data_path(spec: DoctorSpec, prefill: Any, views: list[Any]) -> list[Check]:
         out += control_checks(senders, spec.secret, spec.timeout)
     if not spec.engine:
         return out + [Check("engine", "all sessions", SKIP, "--no-engine: transfer-engine sessions not probed")]
-    try:
-        probe = EngineProbe(spec.host)
-    except (ImportError, KVBridgeError) as exc:
-        return out + [Check("engine", "doctor", FAIL, f"doctor's own Mooncake engine did not start: {exc}"[:300],
-                            "install mooncake-transfer-engine (the cpu or gpu extra), or pass --no-engine")]
-    try:
-        for view in views:
-            for r in view.ranks:
-                label = f"{view.name}/dp{r.dp_rank}/cp{r.cp_rank}/tp{r.tp_rank}/pp{r.pp_rank}"
-                out.append(probe.check(label, r, spec.timeout))
-    finally:
-        probe.close()
+    ranks = [(f"{v.name}/dp{r.dp_rank}/cp{r.cp_rank}/tp{r.tp_rank}/pp{r.pp_rank}", r) for v in views for r in v.ranks]
+    nixl = [(label, r) for label, r in ranks if r.session_id.startswith("nixl:")]  # NIXL agents' sessions
+    mooncake = [(label, r) for label, r in ranks if not r.session_id.startswith("nixl:")]
+    for kind, probe_cls, todo, fix in (
+            ("Mooncake", EngineProbe, mooncake, "install mooncake-transfer-engine (the cpu or gpu extra)"),
+            ("NIXL", NixlProbe, nixl, "install kvbridge[nixl] (scripts/setup.sh)")):
+        if not todo:
+            continue
+        try:
+            probe = probe_cls(spec.host)
+        except (ImportError, KVBridgeError) as exc:
+            out.append(Check("engine", "doctor", FAIL, f"doctor's own {kind} engine did not start: {exc}"[:300],
+                             f"{fix}, or pass --no-engine"))
+            continue
+        try:
+            for label, r in todo:
+                out.append(probe.check(label, r, spec.timeout) if probe_cls is EngineProbe
+                           else probe.check(label, r, detail, spec.timeout))
+        finally:
+            probe.close()
     return out
 
 

@@ -5,7 +5,8 @@ Control: a ``Ping`` over the real control channel, sealed with the cluster secre
 back as a ``Heartbeat``. A TCP connect first tells "nobody listens" apart from "listens,
 but does not answer us" (a rank drops what does not carry its secret, without a word).
 
-Engine: doctor runs its own Mooncake engine with a registered scratch buffer. For every
+Engine: doctor runs its own engine of the rank's kind (Mooncake; NIXL for a ``nixl:`` session,
+loading the metadata the rank's registration carries) with a registered scratch buffer. For every
 rank that advertises a scratch region (``ScratchDescriptor`` in its registration: a few
 KiB registered with its engine that hold no KV), doctor writes a random nonce into it
 (this host -> the rank) and reads it back (the rank -> this host), then compares. A probe
@@ -17,6 +18,7 @@ Run doctor on a prefill host to check the prefill -> decode direction rooms use.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import socket
@@ -28,13 +30,13 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from kvbridge.bootstrap.schemas import RankView, ScratchDescriptor
+from kvbridge.bootstrap.schemas import RankDetail, RankView, ScratchDescriptor
 from kvbridge.doctor.checks import FAIL, OK, SKIP, Check
-from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
 
-__all__ = ["control_checks", "EngineProbe"]
+__all__ = ["control_checks", "EngineProbe", "NixlProbe"]
 
 PROBE_BYTES = 16
 
@@ -164,6 +166,54 @@ class EngineProbe:
         if not np.array_equal(self.buf[PROBE_BYTES:], nonce):
             return "read-back differs from what was written (another writer on the scratch region?)"
         return ""
+
+
+class NixlProbe:
+    """Doctor's own NIXL engine (kvbridge's adapter, the one rooms write through) and scratch
+    buffer, for ranks whose session is a NIXL agent (``close()`` it)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        from kvbridge.transfer.engine import create_engine
+
+        self.engine = create_engine("nixl", host=host)
+        self.buf = np.zeros(2 * PROBE_BYTES, dtype=np.uint8)
+        self.engine.register(self.buf.ctypes.data, self.buf.nbytes)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def check(self, label: str, rank: RankView, detail: Callable[[str], RankDetail], timeout: float) -> Check:
+        """``detail(rank_id)``: the rank's registration (the daemon's), which carries its NIXL metadata."""
+        if rank.scratch is None:
+            return Check("engine", label, SKIP, f"{rank.session_id}: the rank advertises no scratch region; doctor "
+                         "never writes into KV pages, so this session is not probed")
+        t0 = time.monotonic()
+        session, scratch = rank.session_id, rank.scratch
+        try:
+            metadata = base64.b64decode(detail(rank.rank_id).engine_metadata, validate=True)
+            self.engine.add_peer(session, metadata)
+        except (KVBridgeError, ValueError) as exc:
+            return Check("engine", label, FAIL, f"session {session}: its registration's NIXL metadata does not load: "
+                         f"{exc}"[:300], "the rank registered without (or with stale) engine metadata: restart it "
+                         "on kvbridge's NIXL engine", seconds=time.monotonic() - t0)
+        nonce = np.frombuffer(secrets.token_bytes(PROBE_BYTES), dtype=np.uint8)
+        self.buf[:PROBE_BYTES], self.buf[PROBE_BYTES:] = nonce, 0
+        remote = scratch.base + secrets.randbelow(scratch.nbytes // PROBE_BYTES) * PROBE_BYTES
+        local = self.buf.ctypes.data
+        try:
+            self.engine.write(session, [local], [remote], [PROBE_BYTES], timeout)
+            self.engine.read(session, [local + PROBE_BYTES], [remote], [PROBE_BYTES], timeout)
+            problem = "" if np.array_equal(self.buf[PROBE_BYTES:], nonce) else \
+                "read-back differs from what was written (another writer on the scratch region?)"
+        except KVBridgeError as exc:
+            problem = str(exc)
+        seconds = time.monotonic() - t0
+        if problem:
+            return Check("engine", label, FAIL, f"session {session}: {problem}"[:300],
+                         "check that UCX reaches the rank from here (UCX_TLS, UCX_NET_DEVICES) and that the rank "
+                         "is alive", seconds=seconds)
+        return Check("engine", label, OK, f"session {session}: {PROBE_BYTES} B written into its scratch and read "
+                     f"back over NIXL in {1000 * seconds:.1f} ms", seconds=seconds)
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> Any:

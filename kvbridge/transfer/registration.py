@@ -4,6 +4,7 @@ daemon. Buffers are keyed by (pool name, layer id), never by position."""
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -92,11 +93,14 @@ def register_rank(
     scratch: ScratchDescriptor | None = None,
     staging: StagingDescriptor | None = None,
     proof_key: str | None = None,
+    engine_metadata: bytes = b"",
 ) -> LeaseKeeper:
     """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
     scratch region (``transfer/scratch.py``), where its ownership is proven; ``staging``: a decode
     rank's staging area (``transfer/staging/buffer.py``), the only place staged chunks may land;
-    ``proof_key``: a decode rank's ownership-proof public key (``transfer/ownership.py``)."""
+    ``proof_key``: a decode rank's ownership-proof public key (``transfer/ownership.py``);
+    ``engine_metadata``: the engine's ``metadata`` (NIXL's agent; read after every register), what
+    a writer loads before writing here."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
@@ -106,6 +110,7 @@ def register_rank(
     request = RegisterRequest(rank=identity, control_endpoint=endpoint, session_id=session,
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),
                               aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl,
-                              scratch=scratch, staging=staging, proof_key=proof_key)
+                              scratch=scratch, staging=staging, proof_key=proof_key,
+                              engine_metadata=base64.b64encode(engine_metadata).decode())
     registration = client.register(request)
     return LeaseKeeper(client, registration).start()

@@ -31,6 +31,18 @@
 #   PYTEST_ARGS="tests/transfer/test_gpu.py tests/transfer/test_staging_gpu.py" PYTEST_TIMEOUT=240 \
 #   BENCH_ARGS="--staged-ceilings --slot-mib 64 --groups mooncake-nvlink --alloc random contiguous \
 #   --tokens 1024 2048 8192 32768 131072" BENCH_TIMEOUT=300 bash scripts/device/run_gpu.sh
+# NIXL (issue 27): the CUDA 13 wheel, nixl-cu13 1.5.1, is 56 MiB; cut to kvbridge's use (no nixl_ep, UCX plugin
+# only) it is 27 MiB, still too much beside Mooncake's 48 MiB in one call's 64 MiB carry, so NIXL goes in a call
+# of its own, with the control plane's wheels (the list above without the Mooncake wheel) in .whl-nixl:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d /tmp/nixl-whl nixl-cu13==1.5.1
+#   python3 scripts/device/trim_nixl_wheel.py /tmp/nixl-whl/nixl_cu13-1.5.1-*.whl .whl-nixl
+# then (carry .whl-nixl and .debs; the NIXL engine tests on GPU memory, then the NIXL group: direct, staged and
+# raw NIXL on the same slices; about 5 minutes):
+#   WHEELS=.whl-nixl PYTEST_ARGS="tests/transfer/test_engine.py -k nixl" BENCH_ARGS="--groups nixl --alloc \
+#   contiguous random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
+# Mooncake's figures for the comparison (staged on NIXL against staged on Mooncake, same pages) come from a
+# Mooncake call of the same BENCH_ARGS with --groups mooncake-nvlink.
 # From a copy of the tree elsewhere, point WHEELS and DEBS at the
 # carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
 set -u
@@ -45,8 +57,15 @@ export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/debs; for f in $DEBS/*.deb; do dpkg -x $f /tmp/debs; done
 CUDART=$(python3 -c "import glob,site,os;print(':'.join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s+'/nvidia/**/libcudart.so*',recursive=True)})))")
 export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu:$CUDART:${LD_LIBRARY_PATH:-}
-ldd /tmp/site/mooncake/engine.so | grep -i "not found"
-python3 -c 'from mooncake.engine import TransferEngine; import zmq, msgspec, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
+# the engines carried: Mooncake's wheel, NIXL's (nixl_cu13), or both
+if [ -e /tmp/site/mooncake/engine.so ]; then
+  ldd /tmp/site/mooncake/engine.so | grep -i "not found"
+  python3 -c 'from mooncake.engine import TransferEngine; print("mooncake ok")' || exit 1
+fi
+if [ -d /tmp/site/nixl_cu13 ]; then
+  python3 -c 'from kvbridge.transfer.engine import create_engine; create_engine("nixl").close(); print("nixl ok")' || exit 1
+fi
+python3 -c 'import msgspec, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
 if [ "${SKIP_TEST:-0}" != 1 ]; then
   echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_auto_engine.py tests/transfer/test_engine.py}"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS} -q -rs -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | grep -v "^[IWE][0-9]\{4\} " | tail -40

@@ -116,6 +116,7 @@ MUTATIONS = [Mutation(*m) for m in [
     ("aux-row-bytes", _aux_width, "aux.row_bytes"),
     ("source-file", _source_file, "source.files.kvbridge/layout/pools.py"),
     ("source-extra-file", _source_extra, "source.files.engine/kv_pool.py"),
+    ("transport", _set("transport", "nixl"), "transport"),
 ]]
 
 

@@ -4,6 +4,7 @@ and its parts: the faulty engine and poisoned pages."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 from kvbridge.transfer.engine.faulty import INJECTED, FaultyEngine
 from kvbridge.chaos.names import FAULTS
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available
+from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available, nixl_available
 from kvbridge.worker.poison import POISON_BYTE, PagePoison
 from kvbridge.worker.resources import allocate_buffers, build_specs
 
@@ -95,4 +96,20 @@ def test_chaos_store_faults_json() -> None:
         assert REQUIRED <= set(f), f
         assert f["rooms_lost"] == 0 and f["late_writes"] == 0 and f["rooms_hung"] == 0, f
         assert f["rooms_after_recovery"] == f["recovery_rooms"], f
+    assert not report["problems"], report["problems"]
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not nixl_available() and os.environ.get("CI") != "true", reason="NIXL not importable")
+def test_chaos_over_nixl_prefill_killed_mid_transfer() -> None:
+    """Workers on NIXL: a prefill rank SIGKILLed with writes in flight fails its rooms, rooms after it
+    succeed, and not a byte lands in a released page (poisoned and checked)."""
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "chaos", "--quick", "--engine", "nixl", "--faults",
+            "prefill SIGKILL", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["ok"], done.stderr[-3000:]
+    (fault,) = report["faults"]
+    assert fault["fault"] == "prefill SIGKILL" and fault["late_writes"] == 0 and fault["rooms_hung"] == 0, fault
+    assert fault["rooms_after_recovery"] == fault["recovery_rooms"], fault
     assert not report["problems"], report["problems"]

@@ -5,6 +5,7 @@ port nobody listens on, an engine session nothing answers, a contract that diffe
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor
 from kvbridge.doctor import FAIL, OK, SKIP, DoctorReport, DoctorSpec, format_table, run_doctor
-from kvbridge.transfer.engine import mooncake_available
+from kvbridge.transfer.engine import mooncake_available, nixl_available
 from kvbridge.worker.cluster import Cluster, ClusterSpec
 from kvbridge.worker.resources import build_contract
 
@@ -133,3 +134,21 @@ def test_a_contract_that_differs(cluster: Cluster) -> None:
     (contract,) = rows(report, "contract")
     assert contract.status == FAIL and "model.target_layers" in contract.detail
     assert any(d["path"] == "model.target_layers" for d in contract.data["diff"])
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not nixl_available() and os.environ.get("CI") != "true", reason="NIXL not importable")
+def test_a_healthy_cluster_on_nixl_passes_the_engine_hop() -> None:
+    """Workers on NIXL: doctor loads each rank's NIXL metadata from its registration and writes
+    and reads back a nonce in its scratch through kvbridge's NIXL engine."""
+    spec = ClusterSpec(cp=1, decode_ranks=1, layers=2, pages=32, prefill_instance="doc-nixl-p",
+                       decode_instance="doc-nixl-d", engine="nixl")
+    with Cluster(spec) as c:
+        report = run_doctor(DoctorSpec(bootstrap=c.bootstrap_url, prefill=spec.prefill_instance,
+                                       decode=spec.decode_instance, token=spec.token, secret=spec.secret.encode(),
+                                       timeout=5.0))
+    assert report.ok, format_table(report)
+    engine = rows(report, "engine")
+    assert [c.status for c in engine] == [OK, OK]  # the prefill and the decode session
+    assert all(c.target.startswith("doc-nixl") and "read back over NIXL" in c.detail and "nixl:" in c.detail
+               for c in engine), engine

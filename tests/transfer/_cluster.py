@@ -45,6 +45,7 @@ class PrefillProc:
                "--tp-size", str(tp_size), "--layers", str(layers),
                "--page-size", str(page_size), "--engine", engine, "--device", device, *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.engine, self.instance = engine, instance
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         self.results: dict[int, dict] = {}
@@ -145,7 +146,8 @@ class DecodeRank:
 
             handed = {k: RawBuffer(*tensor_region(b), device=str(getattr(b, "device", "cpu")))
                       for k, b in self.buffers.items()}
-        self.ep = DecodeEndpoint(config, create_engine(engine), self.specs, handed, self.contract, self.client,
+        self.engine = create_engine(engine)
+        self.ep = DecodeEndpoint(config, self.engine, self.specs, handed, self.contract, self.client,
                                  self.aux, self.aux_schema)
         self.ep.start()
         self.page_size = page_size
@@ -189,6 +191,7 @@ class DecodeRank:
     def close(self) -> None:
         self.ep.close(timeout=3)
         self.client.close()
+        self.engine.close()
 
 
 def wait_final(receivers, timeout: float = 60) -> None:

@@ -124,7 +124,7 @@ def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0
     return wire.TransferRequest(
         room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=rank_id,
         page_ids=wire.pack_pages(np.arange(-(-n // PAGE))), first_page=0, pools=sorted(c.specs), aux_slot=aux_slot,
-        num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.contract), num_decode_ranks=1)
+        num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(c.decode.contract), num_decode_ranks=1)
 
 
 class ProvingPeers(PeerSet):

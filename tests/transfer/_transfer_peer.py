@@ -1,7 +1,8 @@
 """A transfer-engine peer in its own process, for tests that write across processes.
 
-    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default), ipc or auto; DEVICE: cpu or cuda)
-    -> prints {"session": ..., "addr": ..., "nbytes": ...} once its zeroed buffer is registered
+    python _transfer_peer.py NBYTES [ENGINE [DEVICE]]   (ENGINE: mooncake (default), nixl, ipc or auto; DEVICE: cpu or cuda)
+    -> prints {"session": ..., "addr": ..., "nbytes": ..., "metadata": base64} once its zeroed buffer is
+       registered (a writer loads ``metadata`` with ``add_peer``: NIXL needs it)
     <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
     <- "zero"        -> "ok" when the buffer is still all zeros, else "mismatch N bytes"
     <- "unregister"  -> "unregistered" once the engine withdrew the buffer
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -68,7 +70,8 @@ def main() -> None:
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize()
     engine.register(*tensor_region(buf))
-    print(json.dumps({"session": engine.session_id, "addr": tensor_region(buf)[0], "nbytes": nbytes}), flush=True)
+    print(json.dumps({"session": engine.session_id, "addr": tensor_region(buf)[0], "nbytes": nbytes,
+                      "metadata": base64.b64encode(engine.metadata).decode()}), flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
         host = buf if device == "cpu" else buf.cpu().numpy()

@@ -1,9 +1,12 @@
-"""Transfer engines: the same behaviour tests against real Mooncake (TCP, loopback) and the
-local engine, then what only one of them can show (faults; a second process)."""
+"""Transfer engines: the same behaviour tests against real Mooncake (TCP, loopback), real NIXL
+(UCX on loopback) and the local engine, then what only one of them can show (faults; a second
+process)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -26,14 +29,19 @@ from kvbridge.transfer.engine import (
     WriteStatus,
     create_engine,
     mooncake_available,
+    nixl_available,
     tensor_region,
 )
 
 PAGE = 4096
 needs_mooncake = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")]
+# never skipped in CI: without NIXL there the tests run and fail (create_engine says what to install)
+needs_nixl = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available() and os.environ.get("CI") != "true",
+                                                   reason="NIXL not importable (pip install kvbridge[nixl])")]
 KINDS = [pytest.param("local", id="local"), pytest.param("ipc", id="ipc"),
          pytest.param("mooncake", id="mooncake", marks=needs_mooncake),
-         pytest.param("auto", id="auto", marks=needs_mooncake)]
+         pytest.param("auto", id="auto", marks=needs_mooncake),
+         pytest.param("nixl", id="nixl", marks=needs_nixl)]
 
 
 @dataclass
@@ -46,11 +54,18 @@ class Pair:
     def new_engine(self) -> TransferEngine:
         return create_engine(self.kind, fabric=self.fabric)
 
+    @property
+    def target(self) -> str:
+        """b's session, with b's metadata as it is now loaded into a (what a registration carries:
+        NIXL needs it, after b registered its memory; the other engines need none)."""
+        self.a.add_peer(self.b.session_id, self.b.metadata)
+        return self.b.session_id
+
 
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     fabric = LocalFabric() if request.param == "local" else None
-    cap = 1024 if request.param in ("ipc", "auto") else None  # one batch per kernel launch; the split test needs a cap
+    cap = 1024 if request.param in ("ipc", "auto", "nixl") else None  # one batch per kernel launch; the split test needs a cap
     a = create_engine(request.param, fabric=fabric, max_slices_per_call=cap)
     b = create_engine(request.param, fabric=fabric, max_slices_per_call=cap)
     yield Pair(request.param, a, b, fabric)
@@ -105,7 +120,7 @@ def test_sync_write_moves_scattered_pages(pair: Pair) -> None:
     src, dst = random_bytes(64 * PAGE), np.zeros(64 * PAGE, np.uint8)
     with registered(pair.a, src), registered(pair.b, dst):
         s, d, n, perm = scatter(src, dst, 64)
-        pair.a.write(pair.b.session_id, s, d, n)
+        pair.a.write(pair.target, s, d, n)
         assert landed(src, dst, perm)
 
 
@@ -113,7 +128,7 @@ def test_async_write_is_polled_then_released(pair: Pair) -> None:
     src, dst = random_bytes(32 * PAGE, 1), np.zeros(32 * PAGE, np.uint8)
     with registered(pair.a, src), registered(pair.b, dst):
         s, d, n, perm = scatter(src, dst, 32, 1)
-        handle = pair.a.submit_write(pair.b.session_id, s, d, n)
+        handle = pair.a.submit_write(pair.target, s, d, n)
         assert poll_until_final(pair.a, handle) == WriteStatus.DONE
         assert landed(src, dst, perm)
         with pytest.raises(EngineError, match="unknown write handle"):
@@ -126,7 +141,7 @@ def test_a_write_over_the_slice_cap_is_split(pair: Pair) -> None:
     src, dst = random_bytes(num * PAGE, 2), np.zeros(num * PAGE, np.uint8)
     with registered(pair.a, src), registered(pair.b, dst):
         s, d, n, perm = scatter(src, dst, num, 2)
-        pair.a.write(pair.b.session_id, s, d, n, timeout=20)
+        pair.a.write(pair.target, s, d, n, timeout=20)
         assert landed(src, dst, perm)
 
 
@@ -140,8 +155,9 @@ def test_many_writes_in_flight_are_collected_by_one_thread(pair: Pair) -> None:
     try:
         with registered(pair.a, src), registered(pair.b, dst):
             s, d, n, perm = scatter(src, dst, rooms * per_room, 3)
+            session = pair.target
             handles = {
-                pair.a.submit_write(pair.b.session_id, s[r::rooms], d[r::rooms], n[r::rooms]): r for r in range(rooms)
+                pair.a.submit_write(session, s[r::rooms], d[r::rooms], n[r::rooms]): r for r in range(rooms)
             }
             deadline = time.monotonic() + 20
             while handles and time.monotonic() < deadline:
@@ -164,13 +180,13 @@ def test_write_outside_registered_memory_fails_and_touches_nothing_outside(pair:
     with registered(pair.a, src), registered(pair.b, region):
         s = src.ctypes.data + np.arange(4, dtype=np.uint64) * PAGE
         d = dst.ctypes.data + np.array([0, 5, 6, 7], dtype=np.uint64) * PAGE  # slice 0 inside, 1-3 outside
-        handle = pair.a.submit_write(pair.b.session_id, s, d, np.full(4, PAGE, np.uint64))
+        handle = pair.a.submit_write(pair.target, s, d, np.full(4, PAGE, np.uint64))
         status = poll_until_final(pair.a, handle)
         assert status.state is WriteState.FAILED
         assert pair.b.session_id in status.reason and "4 slices" in status.reason
         assert (dst[4 * PAGE :] == 0xAB).all()
         with pytest.raises(EngineError, match=pair.b.session_id):
-            pair.a.write(pair.b.session_id, s[1:], d[1:], np.full(3, PAGE, np.uint64))
+            pair.a.write(pair.target, s[1:], d[1:], np.full(3, PAGE, np.uint64))
         assert (dst[4 * PAGE :] == 0xAB).all()
 
 
@@ -178,6 +194,7 @@ def test_dead_peer_fails_within_bounded_time(pair: Pair) -> None:
     peer = pair.new_engine()
     buf = np.zeros(PAGE, np.uint8)
     peer.register(*tensor_region(buf))
+    pair.a.add_peer(peer.session_id, peer.metadata)
     session = peer.session_id
     peer.close()
     src = random_bytes(PAGE)
@@ -205,7 +222,7 @@ def test_dead_peer_fails_within_bounded_time(pair: Pair) -> None:
 )
 def test_bad_slice_arrays_are_refused_before_posting(pair: Pair, src: list, dst: list, length: list, match: str) -> None:
     with pytest.raises(EngineError, match=match):
-        pair.a.submit_write(pair.b.session_id, np.array(src), np.array(dst), np.array(length))
+        pair.a.submit_write(pair.target, np.array(src), np.array(dst), np.array(length))
 
 
 def test_regions_name_the_first_slice_not_inside_one_region() -> None:
@@ -233,7 +250,7 @@ def test_regions_name_the_first_slice_not_inside_one_region() -> None:
 def test_source_outside_registered_memory_is_refused(pair: Pair) -> None:
     src = random_bytes(PAGE)
     with pytest.raises(EngineError, match="source .* not inside memory registered"):
-        pair.a.submit_write(pair.b.session_id, [src.ctypes.data], [1 << 40], [PAGE])
+        pair.a.submit_write(pair.target, [src.ctypes.data], [1 << 40], [PAGE])
 
 
 def test_registering_twice_or_unregistering_unknown_is_an_error(pair: Pair) -> None:
@@ -252,7 +269,7 @@ def test_registering_twice_or_unregistering_unknown_is_an_error(pair: Pair) -> N
 
 
 def test_an_empty_write_is_done_at_once(pair: Pair) -> None:
-    handle = pair.a.submit_write(pair.b.session_id, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+    handle = pair.a.submit_write(pair.target, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
     assert pair.a.poll(handle) == WriteStatus.DONE
 
 
@@ -265,7 +282,7 @@ def test_torch_cpu_tensors_register_and_receive(pair: Pair) -> None:
     pair.a.register(sp, sn)
     pair.b.register(dp, dn)
     try:
-        pair.a.write(pair.b.session_id, [sp, sp + PAGE], [dp + 3 * PAGE, dp], [PAGE, PAGE])
+        pair.a.write(pair.target, [sp, sp + PAGE], [dp + 3 * PAGE, dp], [PAGE, PAGE])
         got = dst.view(torch.int16).reshape(-1)
         assert torch.equal(got[3 * PAGE // 2 :], src[: PAGE // 2]) and torch.equal(got[: PAGE // 2], src[PAGE // 2 :])
     finally:
@@ -365,13 +382,12 @@ def line_reader(stream) -> tuple[queue.Queue, threading.Thread]:
     return lines, thread
 
 
-@pytest.mark.mooncake
-@pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")
-def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [pytest.param("mooncake", marks=needs_mooncake), pytest.param("nixl", marks=needs_nixl)])
+def test_write_into_another_process_then_it_dies(tmp_path: Path, kind: str) -> None:
     num = 256
     stderr = (tmp_path / "peer.err").open("w")
     child = subprocess.Popen(
-        [sys.executable, str(PEER), str(num * PAGE)],
+        [sys.executable, str(PEER), str(num * PAGE), kind],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -380,8 +396,9 @@ def test_mooncake_write_into_another_process_then_it_dies(tmp_path: Path) -> Non
     lines, reader = line_reader(child.stdout)
     engine = None
     try:
-        engine = create_engine("mooncake")
+        engine = create_engine(kind)
         info = json.loads(lines.get(timeout=20))
+        engine.add_peer(info["session"], base64.b64decode(info["metadata"]))
         expected = np.random.default_rng(7).integers(0, 256, num * PAGE, dtype=np.uint8)
         perm = np.random.default_rng(8).permutation(num)
         src = np.ascontiguousarray(expected.reshape(num, PAGE)[perm]).reshape(-1)  # page i goes to perm[i]

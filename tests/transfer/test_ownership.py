@@ -6,11 +6,14 @@ first decode instance that claims it (finding 4). The state-machine orders are i
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import torch
 
 from _cluster import wait_final, wait_until
+from _engines import needs_nixl
 from _local import ProvingPeers, replies, rogue_request
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest
 from kvbridge.transfer.channel import PeerSet, wire
@@ -37,14 +40,15 @@ def test_an_alias_of_a_live_decode_rank_is_refused_by_the_daemon(cluster):
             lease_ttl_s=30.0, scratch=victim.scratch.descriptor))
 
 
-def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
+@pytest.mark.parametrize("engine", ["local", pytest.param("nixl", marks=needs_nixl)])
+def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster, engine):
     """The second wall, alone: uniqueness does not prove ownership, since a fake may name a segment
     no kvbridge rank has registered at the daemon yet. Here that segment is a transfer-engine
     session with KV-shaped buffers and a scratch region that no rank registered; the fake
     registers them as its own, names that registration in its Hello and asks for a room: each
     prefill rank writes a nonce into the segment's scratch, the fake cannot echo it, and the
     request is refused naming why; not a byte lands in the segment's pages."""
-    c = cluster(cp=2)
+    c = cluster(cp=2, engine=engine)
     engine = c._engine()  # the segment's process: memory registered with the engine, not at the daemon
     bufs = allocate_buffers(c.specs, 64)
     for b in bufs.values():
@@ -57,8 +61,10 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster):
     alias = c.clients[-1].register(RegisterRequest(
         rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
         session_id=engine.session_id, pools=pool_descriptors(segment.descs),
-        aux=c.decode.aux.packed_descriptor(), aux_regions=c.decode.aux.descriptors(), contract=c.contract,
-        lease_ttl_s=30.0, scratch=scratch.descriptor, proof_key=key.public_hex))
+        aux=c.decode.aux.packed_descriptor(), aux_regions=c.decode.aux.descriptors(),
+        contract=c.contract.with_transport(engine.transport), lease_ttl_s=30.0, scratch=scratch.descriptor,
+        proof_key=key.public_hex,
+        engine_metadata=base64.b64encode(engine.metadata).decode()))  # NIXL: what lets prefill write there
     peers = PeerSet(name=alias.rank_id)
     try:
         for ep in c.prefill:

@@ -1,5 +1,6 @@
 """Rooms end to end: prefill CP ranks in real processes write through real
-Mooncake TCP on loopback into decode ranks in this process; every byte checked.
+Mooncake TCP (and real NIXL over UCX) on loopback into decode ranks in this process;
+every byte checked.
 
 Pools are poisoned (SENTINEL_BYTE) before a transfer: padding rows and the tail
 of a partial last page must keep the poison, pages outside a room must stay
@@ -21,7 +22,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll
 
-pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")]
+from _engines import needs_mooncake, needs_nixl
 
 PAGE = 4
 
@@ -33,13 +34,16 @@ def scattered_pages(rng: np.random.Generator, num_pages: int, capacity: int, tak
     return pages
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda cp: f"cp{cp}")
+# every CP size over Mooncake; CP 1 and 2 over NIXL (the same tests, the other engine)
+@pytest.fixture(scope="module", params=[pytest.param((cp, "mooncake"), id=f"cp{cp}", marks=needs_mooncake)
+                                        for cp in (1, 2, 4)]
+                + [pytest.param((cp, "nixl"), id=f"nixl-cp{cp}", marks=needs_nixl) for cp in (1, 2)])
 def prefill(request, daemon):
-    cp = request.param
+    cp, engine = request.param
     procs = []
     try:
         for rank in range(cp):
-            procs.append(PrefillProc(daemon.url, rank, cp, instance=f"prefill-cp{cp}"))
+            procs.append(PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}", engine=engine))
         yield procs
     finally:
         for p in procs:
@@ -52,7 +56,8 @@ def test_batch_of_rooms_arrives_byte_exact(prefill, daemon, num_decode):
     index + draft pools, into one or two decode ranks; every byte compared."""
     cp = len(prefill)
     rng = np.random.default_rng(cp * 10 + num_decode)
-    decodes = [DecodeRank(daemon.url, tp_rank=t, tp_size=num_decode) for t in range(num_decode)]
+    decodes = [DecodeRank(daemon.url, tp_rank=t, tp_size=num_decode, engine=prefill[0].engine,
+                          instance=f"decode-{prefill[0].engine}") for t in range(num_decode)]
     try:
         taken = [set() for _ in decodes]
         rooms = []
@@ -63,7 +68,7 @@ def test_batch_of_rooms_arrives_byte_exact(prefill, daemon, num_decode):
             receivers = []
             for d, tk in zip(decodes, taken):
                 pages = scattered_pages(rng, -(-n // PAGE), d.pages, tk)
-                receivers.append(d.receive(room, n, pages, prefill=f"prefill-cp{cp}"))
+                receivers.append(d.receive(room, n, pages, prefill=prefill[0].instance))
             for p in prefill:
                 p.send(room, n, chunks=cuts)
             rooms.append((room, receivers))
@@ -84,11 +89,11 @@ def test_batch_of_rooms_arrives_byte_exact(prefill, daemon, num_decode):
 
 def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
     cp = len(prefill)
-    d = DecodeRank(daemon.url, pages=64)
+    d = DecodeRank(daemon.url, pages=64, engine=prefill[0].engine, instance=f"decode-{prefill[0].engine}")
     peers = ProvingPeers(d.ep)
     try:
         # the decode side refuses its own bad page ids at once
-        r = d.ep.receiver(7001, f"prefill-cp{cp}")
+        r = d.ep.receiver(7001, prefill[0].instance)
         with pytest.raises(PageRangeError, match="registered capacity"):
             r.init(np.array([0, 64]), 0, 2 * PAGE)
         r.abort("test")
@@ -99,7 +104,7 @@ def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
             peers.send(p.endpoint, wire.TransferRequest(
                 room=room, decode_rank="rogue/dp0/tp0", decode_rank_id=d.ep.rank_id,
                 page_ids=wire.pack_pages(np.array([1, 2, 3, 64])), first_page=0, pools=sorted(d.specs), aux_slot=0,
-                num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.contract),
+                num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.ep.contract),
                 num_decode_ranks=1))
         replies = []
         assert wait_until(lambda: replies.extend(peers.recv_ready(50)) or len(replies) >= cp, 20)
@@ -117,10 +122,10 @@ def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
 
 def test_abort_during_transfer_waits_for_acks(prefill, daemon):
     cp = len(prefill)
-    d = DecodeRank(daemon.url)
+    d = DecodeRank(daemon.url, engine=prefill[0].engine, instance=f"decode-{prefill[0].engine}")
     try:
         room, n = 8001, 16 * PAGE
-        recv = d.receive(room, n, np.arange(100, 116), prefill=f"prefill-cp{cp}")
+        recv = d.receive(room, n, np.arange(100, 116), prefill=prefill[0].instance)
         for p in prefill:  # first half now, the rest after a long pause
             p.send(room, n, chunks=[n // 2, n], pause=30)
         assert wait_until(lambda: recv.stats.get("pages_by_rank"), 30)
@@ -131,7 +136,7 @@ def test_abort_during_transfer_waits_for_acks(prefill, daemon):
             res = p.result(room)
             assert res["state"] == "Failed" and "aborted" in res["reason"]
         # a room after the abort still works on the same ranks
-        ok = d.receive(8002, 5, np.array([200, 201]), prefill=f"prefill-cp{cp}")
+        ok = d.receive(8002, 5, np.array([200, 201]), prefill=prefill[0].instance)
         for p in prefill:
             p.send(8002, 5)
         wait_final([ok])
@@ -140,6 +145,8 @@ def test_abort_during_transfer_waits_for_acks(prefill, daemon):
         d.close()
 
 
+@pytest.mark.mooncake
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")
 def test_thousand_rooms_in_flight_use_bounded_threads(daemon):
     p = PrefillProc(daemon.url, 0, 1, "--pages", "2048", instance="prefill-burst")
     d = DecodeRank(daemon.url, pages=2048, aux_rows=1024, instance="decode-burst")

@@ -24,7 +24,9 @@ from kvbridge.transfer.staging.area import SlotState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import as_bytes
 
-pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")]
+from _engines import ENGINES, needs_mooncake, needs_nixl
+
+mooncake_only = pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")
 
 SLOT = 16 << 10  # a few pages per chunk: rooms stream through many slots
 PREFILL_STAGED = ("--staging", "always", "--staging-bytes", str(2 * SLOT), "--staging-slot-bytes", str(SLOT),
@@ -57,11 +59,14 @@ def start(daemon, instance: str, cp: int, *extra: str, device: str = "cpu", **kw
     return procs
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["cp1", "cp2"])
+@pytest.fixture(scope="module", params=[pytest.param((1, "mooncake"), id="cp1", marks=needs_mooncake),
+                                        pytest.param((2, "mooncake"), id="cp2", marks=needs_mooncake),
+                                        pytest.param((1, "nixl"), id="nixl-cp1", marks=needs_nixl),
+                                        pytest.param((2, "nixl"), id="nixl-cp2", marks=needs_nixl)])
 def staged_prefill(request, daemon, device):
-    cp = request.param
-    instance = f"staged-p-cp{cp}-{device}"
-    procs = start(daemon, instance, cp, device=device)
+    cp, engine = request.param
+    instance = f"staged-p-{engine}-cp{cp}-{device}"
+    procs = start(daemon, instance, cp, device=device, engine=engine)
     yield procs, instance
     for p in procs:
         p.stop()
@@ -69,7 +74,8 @@ def staged_prefill(request, daemon, device):
 
 def test_random_pages_every_pool_through_staging(staged_prefill, daemon, device):
     procs, instance = staged_prefill
-    d = DecodeRank(daemon.url, instance=f"staged-d-{len(procs)}-{device}", pages=128, device=device, **DECODE_STAGED)
+    d = DecodeRank(daemon.url, instance=f"staged-d-{procs[0].engine}-{len(procs)}-{device}", pages=128, device=device,
+                   engine=procs[0].engine, **DECODE_STAGED)
     try:
         rng = np.random.default_rng(len(procs))
         table = rng.permutation(d.pages)
@@ -96,6 +102,8 @@ def test_random_pages_every_pool_through_staging(staged_prefill, daemon, device)
         d.close()
 
 
+@pytest.mark.mooncake
+@mooncake_only
 def test_staging_full_under_many_concurrent_rooms_none_fails(daemon, device):
     """Two decode slots, two CP ranks asking for two each, eight rooms at once: rooms wait for
     slots (back-pressure, counted), none fails, the area never grows."""
@@ -120,6 +128,8 @@ def test_staging_full_under_many_concurrent_rooms_none_fails(daemon, device):
             p.stop()
 
 
+@pytest.mark.mooncake
+@mooncake_only
 def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(daemon, device):
     """A prefill rank killed while its chunks are in flight: the room fails, its pages are free at
     once (nothing lands in them), and its slots stay QUARANTINED until its lease is gone plus the
@@ -146,12 +156,15 @@ def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(
         p.stop()
 
 
-def test_abort_mid_chunk_over_mooncake(daemon, device):
-    (p,) = start(daemon, f"staged-abort-p-{device}", 1, device=device)
-    d = DecodeRank(daemon.url, instance=f"staged-abort-d-{device}", pages=256, device=device, **DECODE_STAGED)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_abort_mid_chunk_over_mooncake(daemon, device, engine):
+    """Abort with writes in flight (over Mooncake, and NIXL): no write lands after it."""
+    (p,) = start(daemon, f"staged-abort-p-{engine}-{device}", 1, device=device, engine=engine)
+    d = DecodeRank(daemon.url, instance=f"staged-abort-d-{engine}-{device}", pages=256, device=device, engine=engine,
+                   **DECODE_STAGED)
     try:
-        room, n, pages = room_base(device) + 93_000, 600, np.arange(150) + 50
-        r = d.receive(room, n, pages, prefill=f"staged-abort-p-{device}")
+        room, n, pages = room_base(device) + 93_000 + (10 if engine == "nixl" else 0), 600, np.arange(150) + 50
+        r = d.receive(room, n, pages, prefill=f"staged-abort-p-{engine}-{device}")
         p.send(room, n)
         area = d.ep.staging.area
         assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
@@ -171,24 +184,26 @@ def test_abort_mid_chunk_over_mooncake(daemon, device):
         p.stop()
 
 
-@pytest.mark.parametrize("p, d", [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1-cp2"])
-def test_heterogeneous_tp_through_staging(daemon, device, p, d):
+@pytest.mark.parametrize("p, d, engine", [pytest.param(1, 2, "mooncake", id="p1-d2", marks=needs_mooncake),
+                                          pytest.param(2, 1, "mooncake", id="p2-d1-cp2", marks=needs_mooncake),
+                                          pytest.param(1, 2, "nixl", id="nixl-p1-d2", marks=needs_nixl)])
+def test_heterogeneous_tp_through_staging(daemon, device, p, d, engine):
     """Head slicing for heterogeneous TP happens in the gather (prefill packs only the heads a
     decode rank takes); the wire carries whole pieces; each decode rank checks its head slice."""
     from test_hetero_tp import run_rooms
 
-    instance = f"staged-heads-p{p}-{device}"
+    instance = f"staged-heads-{engine}-p{p}-{device}"
     procs = []
     try:
         for c in range(p):  # p=2: CP 2 x TP 2 prefill ranks
             for t in range(p):
                 procs.append(PrefillProc(daemon.url, c, p, "--model", "kv-heads", *PREFILL_STAGED,
-                                         instance=instance, tp_rank=t, tp_size=p, device=device))
-        decodes = [DecodeRank(daemon.url, model="kv-heads", tp_rank=j, tp_size=d, pages=64,
-                              instance=f"staged-heads-d{d}-p{p}-{device}", device=device, **DECODE_STAGED)
+                                         instance=instance, tp_rank=t, tp_size=p, device=device, engine=engine))
+        decodes = [DecodeRank(daemon.url, model="kv-heads", tp_rank=j, tp_size=d, pages=64, engine=engine,
+                              instance=f"staged-heads-{engine}-d{d}-p{p}-{device}", device=device, **DECODE_STAGED)
                    for j in range(d)]
         try:
-            base = room_base(device) + 94_000 + 100 * p
+            base = room_base(device) + 94_000 + 100 * p + (10 if engine == "nixl" else 0)
             run_rooms(procs, instance, decodes, base=base)
             paths = [set(proc.result(base + i)["paths"].values()) for proc in procs for i in range(3)]
             assert all(ps <= {"staged"} for ps in paths) and {"staged"} in paths, paths
@@ -200,7 +215,8 @@ def test_heterogeneous_tp_through_staging(daemon, device, p, d):
             proc.stop()
 
 
-def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon, engine):
     """Hard rule 5 for staging over Mooncake TCP between processes: the decode rank's staging area
     is in its registration; a request on its own proven connection offering its page buffer as the
     area is refused by the prefill process naming the field, and not a byte lands on decode."""
@@ -208,8 +224,8 @@ def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon
     from kvbridge.bootstrap.contract import fingerprint
     from kvbridge.transfer.channel import wire
 
-    (p,) = start(daemon, "staged-alias-p", 1)
-    d = DecodeRank(daemon.url, instance="staged-alias-d", pages=64, **DECODE_STAGED)
+    (p,) = start(daemon, f"staged-alias-p-{engine}", 1, engine=engine)
+    d = DecodeRank(daemon.url, instance=f"staged-alias-d-{engine}", pages=64, engine=engine, **DECODE_STAGED)
     peers = ProvingPeers(d.ep)
     try:
         assert d.client.rank(d.ep.rank_id).staging == d.ep.staging.descriptor
@@ -218,7 +234,7 @@ def test_a_request_offering_another_staging_area_is_refused_over_mooncake(daemon
         request = wire.TransferRequest(
             room=96_000, decode_rank=d.ep.config.rank_label, decode_rank_id=d.ep.rank_id,
             page_ids=wire.pack_pages(np.arange(n // 4)), first_page=0, pools=sorted(d.specs), aux_slot=0,
-            num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.contract),
+            num_tokens=n, deadline_ms=10_000, want_digest=False, fingerprint=fingerprint(d.ep.contract),
             num_decode_ranks=1, staging_slots=4, staging_slot_bytes=SLOT,
             staging_base=min(b.base for b in d.ep.buffers.descs), staging_only=True)
         peers.send(p.endpoint, request)

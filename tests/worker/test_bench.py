@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from kvbridge.transfer.engine import mooncake_available
+from kvbridge.transfer.engine import mooncake_available, nixl_available
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="needs the Mooncake transfer engine")
 
@@ -33,3 +34,25 @@ def test_quick_bench_json_and_plot(tmp_path):
         assert 0 < row["staged_slices"] and row["staged_vs_contiguous"] > 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "vs raw" in done.stdout
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not nixl_available() and os.environ.get("CI") != "true", reason="NIXL not importable")
+def test_bench_rows_of_both_engines_side_by_side(tmp_path):
+    """``--engine mooncake,nixl``: one row per engine on the same pages, each with its own raw engine
+    (the Mooncake binding; the NIXL agent) beside kvbridge, every room's bytes checked (staged rooms
+    over NIXL: tests/transfer/test_staged_rooms.py)."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "bench", "--engine", "mooncake,nixl", "--tokens", "1K",
+            "--cp", "1", "--layers", "2", "--reps", "1", "--alloc", "random", "--no-staged", "--json", str(out), "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["mooncake", "nixl"]
+    assert rows[0]["slices"] == rows[1]["slices"] and rows[0]["bytes"] == rows[1]["bytes"]  # the same pages
+    for row in rows:
+        assert row["raw_gbps"] > 0 and row["ratio_vs_raw"] > 0
+        assert row["bytes_verified"] == row["bytes"] and not row["verify_errors"] and not row["kvbridge_failures"]
+    assert rows[1]["engine_gbps"] > 0  # kvbridge's NIXL adapter alone on the slices
+    table = done.stdout.splitlines()
+    assert any(line.split()[:2] == ["nixl", "1"] for line in table), done.stdout  # the engine column

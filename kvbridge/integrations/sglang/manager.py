@@ -213,7 +213,7 @@ class KVBridgeKVManager(BaseKVManager):
 
     def engine(self) -> Any:
         s = self.settings
-        engine = create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.ib_device)
+        engine = create_engine(s.engine, host=s.host, protocol=s.protocol, device=s.ib_device)
         with self._lock:
             self._engines.append(engine)
         return engine

@@ -29,6 +29,8 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
                                               "KVBRIDGE_INSTANCE", "KVBRIDGE_HOST")  # fmt: skip
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
+ENV_ENGINE = "KVBRIDGE_ENGINE"
+ENGINES = ("mooncake", "nixl")  # what an SGLang rank's transfer engine may be (both sides on one)
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
                                                           "KVBRIDGE_STAGING_SLOT_BYTES")  # fmt: skip
@@ -40,7 +42,9 @@ ENVIRONMENT = (
     (ENV_INSTANCE, "this server's instance name at the daemon; default, prefill: its bootstrap address host:port "
                    "(what the router hands decode: a cluster daemon resolves it); decode: sglang-decode-host:port"),
     (ENV_HOST, "the address this rank's transfer engine and control socket use (default: SGLang's local IP)"),
-    (ENV_PROTOCOL, "tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
+    (ENV_ENGINE, "the transfer engine: mooncake (default) or nixl (NVIDIA NIXL over UCX, kvbridge[nixl]); "
+                 "prefill and decode must use the same one (the daemon refuses a mismatch with the field diff)"),
+    (ENV_PROTOCOL, "Mooncake: tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
     (ENV_CONTRACT, "a runtime-contract JSON file to use instead of the one built from SGLang's pools (checked "
                    "against them)"),
     (ENV_HIDDEN, "dtype of the carried hidden state (default: --dtype, else bfloat16)"),
@@ -93,6 +97,7 @@ class Settings:
     host: str
     protocol: str
     ib_device: str
+    engine: str  # KVBRIDGE_ENGINE: mooncake | nixl
     kv_device: str
     contract_path: str
     hidden_dtype: str
@@ -178,13 +183,16 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
     if dtype not in HIDDEN_DTYPES:
         raise ConfigError(f"{ENV_HIDDEN}={dtype!r} is not one of {HIDDEN_DTYPES}", field=ENV_HIDDEN)
     secret = env.get(ENV_SECRET, "")
+    engine = env.get(ENV_ENGINE) or "mooncake"
+    if engine not in ENGINES:
+        raise ConfigError(f"{ENV_ENGINE}={engine!r} is not one of {', '.join(ENGINES)}", field=ENV_ENGINE)
     staging = _staging(role, instance, env)
     return Settings(
         role=role, is_mla=is_mla, dp_rank=attn["dp_rank"], dp_size=attn["dp_size"], cp_rank=cp_rank, cp_size=cp_size,
         tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard,
         pp_rank=int(_par(par, "pp_rank", 0)), pp_size=int(_par(par, "pp_size", 1)), instance=instance,
         own_bootstrap=own_bootstrap, daemon_url=daemon, token=env.get(ENV_TOKEN, ""), host=host,
-        protocol=env.get(ENV_PROTOCOL) or ("rdma" if ib_device else "tcp"), ib_device=ib_device,
+        protocol=env.get(ENV_PROTOCOL) or ("rdma" if ib_device else "tcp"), ib_device=ib_device, engine=engine,
         kv_device=_kv_device(gpu_id), contract_path=env.get(ENV_CONTRACT, ""), hidden_dtype=dtype,
         kv_checksum=bool(getattr(sa, "disaggregation_enable_kv_checksum", False)),
         model_name=str(getattr(sa, "served_model_name", "") or getattr(sa, "model_path", "") or "unknown"),

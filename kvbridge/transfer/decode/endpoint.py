@@ -84,7 +84,8 @@ class DecodeEndpoint(EndpointShell):
         self.engine = engine
         self.specs = dict(specs)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
-        self.contract = contract
+        # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
+        self.contract = contract.with_transport(engine.transport)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
         self.aux = AuxBuffers(aux_schema, aux_buffer, rank=rank)
@@ -151,7 +152,8 @@ class DecodeEndpoint(EndpointShell):
                                     self.engine.session_id, self.buffers.descs, self.aux, self.contract,
                                     self.config.lease_ttl, scratch=self.scratch.descriptor,
                                     staging=None if self.staging is None else self.staging.descriptor,
-                                    proof_key=self.proof_key.public_hex)
+                                    proof_key=self.proof_key.public_hex,
+                                    engine_metadata=self.engine.metadata)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")

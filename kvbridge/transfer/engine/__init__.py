@@ -1,13 +1,15 @@
 """Transfer engines behind one small interface, chosen by name.
 
     engine = create_engine("auto")              # CUDA IPC to same-host peers, Mooncake to the rest
-    engine = create_engine("mooncake")          # or "ipc" (same host only), "local" (tests, faults)
+    engine = create_engine("mooncake")          # or "nixl", "ipc" (same host only), "local" (tests, faults)
     engine.register(*tensor_region(kv_buffer))
     handle = engine.submit_write(peer_session, src, dst, length)
     ... engine.poll(handle) -> WriteStatus.PENDING / DONE / FAILED(reason)
 
-The Mooncake adapter is imported only inside :func:`create_engine`, so
-``import kvbridge`` works on hosts without it.
+The Mooncake and NIXL adapters are imported only inside :func:`create_engine`, so
+``import kvbridge`` works on hosts without them. A NIXL peer must be introduced before the
+first write: ``writer.add_peer(target.session_id, target.metadata)`` (the registration at the
+bootstrap daemon carries ``metadata``; the endpoints do this themselves).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ __all__ = [
     "WriteStatus",
     "create_engine",
     "mooncake_available",
+    "nixl_available",
     "tensor_region",
 ]
 
-ENGINE_KINDS = ("mooncake", "ipc", "auto", "local")
+ENGINE_KINDS = ("mooncake", "nixl", "ipc", "auto", "local")
 
 
 def mooncake_available() -> bool:
@@ -42,6 +45,13 @@ def mooncake_available() -> bool:
     except (ImportError, OSError):  # not installed, or e.g. the CUDA build without libcudart
         return False
     return True
+
+
+def nixl_available() -> bool:
+    """True when a NIXL wheel (``nixl-cu12`` or ``nixl-cu13``, extra ``kvbridge[nixl]``) imports here."""
+    from kvbridge.transfer.engine.nixl import nixl_available as available
+
+    return available()
 
 
 def create_engine(
@@ -62,7 +72,10 @@ def create_engine(
     (``kvbridge.transfer.engine.ipc``); its peers must be "ipc" engines too. "auto" is a
     Mooncake engine (its session id) with an IPC engine beside it: writes to a peer whose
     IPC side channel answers (an "auto" engine on this host) go over IPC where it reaches
-    the destination, everything else over Mooncake (``kvbridge.transfer.engine.auto``)."""
+    the destination, everything else over Mooncake (``kvbridge.transfer.engine.auto``).
+
+    "nixl" is NVIDIA's NIXL with its UCX backend (``kvbridge.transfer.engine.nixl``; default
+    65,536 slices per request); its peers must be "nixl" engines, introduced with ``add_peer``."""
     if fabric is not None and kind != "local":
         raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
     if kind == "ipc":
@@ -81,6 +94,16 @@ def create_engine(
             mooncake.close()
             raise
         return AutoEngine(mooncake=mooncake, ipc=ipc)
+    if kind == "nixl":
+        if not nixl_available():
+            raise EngineError(
+                "NIXL is not importable: install kvbridge[nixl] (nixl-cu12 1.5.1 with --no-deps; "
+                "scripts/setup.sh does), or nixl-cu13 on CUDA 13 hosts",
+                field="engine",
+            )
+        from kvbridge.transfer.engine.nixl import NixlEngine
+
+        return NixlEngine(host=host, max_slices_per_call=max_slices_per_call or 1 << 16)
     max_slices_per_call = max_slices_per_call or 1024
     if kind == "local":
         return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)

@@ -69,11 +69,24 @@ class TransferEngine(ABC):
     # True where one call copies any number of scattered slices at memory speed (the IPC engine's
     # kernel): staging them first would only copy every byte twice more, so "auto" never stages
     direct_only: bool = False
+    # the family of sessions this engine writes to and is written by: both sides of a transfer must
+    # share it (the runtime contract's ``transport``); "mooncake" for Mooncake and "auto" (its sessions)
+    transport: str = "mooncake"
 
     @property
     @abstractmethod
     def session_id(self) -> str:
         """What a peer passes as ``session`` to write into this engine's memory."""
+
+    @property
+    def metadata(self) -> bytes:
+        """What a peer must load (``add_peer``) before it writes into this engine: published with the
+        rank's registration. Empty for engines whose session id is enough (Mooncake)."""
+        return b""
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        """Learn a peer from the ``metadata`` it published (its registration's); a no-op for engines
+        that need none. EngineError when the metadata does not belong to ``session``."""
 
     @abstractmethod
     def register(self, ptr: int, nbytes: int) -> None:

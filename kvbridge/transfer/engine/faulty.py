@@ -29,6 +29,7 @@ class FaultyEngine(TransferEngine):
         self.failures_per_arm = failures_per_arm
         self.max_slices_per_call = inner.max_slices_per_call
         self.direct_only = inner.direct_only
+        self.transport = inner.transport
         self.injected = 0  # writes failed so far
         self._armed = 0
         self._lock = threading.Lock()
@@ -44,6 +45,13 @@ class FaultyEngine(TransferEngine):
     @property
     def session_id(self) -> str:
         return self.inner.session_id
+
+    @property
+    def metadata(self) -> bytes:
+        return self.inner.metadata
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        self.inner.add_peer(session, metadata)
 
     def register(self, ptr: int, nbytes: int) -> None:
         self.inner.register(ptr, nbytes)

@@ -26,6 +26,7 @@ reader; never one per room.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import time
@@ -117,7 +118,8 @@ class PrefillEndpoint(EndpointShell):
         # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
         self.specs = _stage_specs(config, specs, contract.model.target_layers)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
-        self.contract = contract
+        # the contract as this rank holds it: on its engine's transport (decode ranks on another are refused)
+        self.contract = contract = contract.with_transport(engine.transport)
         self.fingerprint = fingerprint(contract)
         self.bootstrap = bootstrap
         self.aux_schema = aux_schema
@@ -183,7 +185,7 @@ class PrefillEndpoint(EndpointShell):
         self._lease = register_rank(
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
             self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
-            scratch=self.scratch.descriptor,
+            scratch=self.scratch.descriptor, engine_metadata=self.engine.metadata,
         )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
 
@@ -423,6 +425,12 @@ class PrefillEndpoint(EndpointShell):
                                      "bootstrap daemon (never, or its lease expired): its buffers cannot be checked")
         except KVBridgeError as exc:
             detail, problem = None, f"cannot read decode rank {a.label}'s registration {a.rank_id}: {exc}"
+        if detail is not None:  # what the engine must know before writing there (NIXL: the agent's metadata)
+            try:
+                self.engine.add_peer(detail.session_id, base64.b64decode(detail.engine_metadata, validate=True))
+            except (KVBridgeError, ValueError) as exc:  # binascii.Error is a ValueError
+                detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
+                                         f"metadata does not load: {exc}")
         self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
 
     def _write_nonce(self, a: WriteNonce) -> None:
