@@ -39,8 +39,10 @@ Rules, in order:
   check that a registration it read is already canonical);
 - multicast, broadcast and reserved addresses are refused in either mode;
 - opaque sessions of engines that are not addressed over the network are compared exactly:
-  ``ipc:...`` (CUDA IPC side channels, named by the engine) in either mode, ``local:...``
-  (an in-process test fabric) in local mode.
+  ``ipc:...`` (CUDA IPC side channels, named by the engine) and ``nixl:<agent>`` (a NIXL agent:
+  its network address is in the agent metadata the registration carries, and a writer refuses
+  metadata naming another agent) in either mode, ``local:...`` (an in-process test fabric) in
+  local mode.
 
 What this cannot see: two addresses of one multi-homed host (two NICs, IPv4 and IPv6) are
 two endpoints here. docs/security.md says what covers that (the ownership proof's channel key
@@ -63,7 +65,7 @@ __all__ = ["LOOPBACK", "Resolver", "canonical_endpoint", "canonical_host", "cano
 
 LOOPBACK = "127.0.0.1"  # the one spelling of "this host" in local mode
 Resolver = Callable[[str], "list[str]"]  # a host name -> the addresses it resolves to
-OPAQUE_ANY = ("ipc:",)
+OPAQUE_ANY = ("ipc:", "nixl:")
 OPAQUE_LOCAL = ("local:",)
 MAX_LENGTH = 256
 _PRINTABLE = re.compile(r"^[\x21-\x7e]+$")
@@ -201,7 +203,7 @@ def _checked_text(text: object, what: str) -> str:
 
 def canonical_session(session: str, *, local: bool | None, resolve: Resolver | None = resolve_host) -> str:
     """The canonical transfer-engine session: ``host:port`` as the module docstring says, or an
-    opaque ``ipc:`` (any mode) / ``local:`` (local mode) name, unchanged; EndpointError
+    opaque ``ipc:`` / ``nixl:`` (any mode) / ``local:`` (local mode) name, unchanged; EndpointError
     (``field="session_id"``) naming why when it is refused."""
     text = _checked_text(session, "session_id")
     if text.startswith(OPAQUE_ANY):
