@@ -54,8 +54,10 @@ A frame over ``auth_limit(max_bytes)`` closes its connection at once.
 A client connects on first use and again, every RECONNECT_S doubling to RECONNECT_MAX_S,
 while the peer is unreachable (a connect nobody answers is given CONNECT_TIMEOUT_S); frames
 sent meanwhile wait (up to ``hwm``) and go out once connected, after the Hello that answers
-the connection's challenge (a first frame that is not one is handed to the caller as a
-ProtocolError, and the connection is dropped and tried again). A frame
+the connection's challenge (a first frame that is not one is logged and counted, and the
+connection is dropped and tried again). A send on a connection whose challenge has not come
+yet waits for it (GREET_WAIT_S off the loop thread, GREET_WAIT_LOOP_S on it) and answers it
+itself, so what it sent goes out even when nobody turns this side's loop meanwhile. A frame
 only partly sent when its connection broke is sent again whole: the server drops a partial
 frame with its connection, so a frame arrives once or not at all. A server that cannot accept
 (out of file descriptors) stops listening for ACCEPT_PAUSE_S instead of spinning. A connection
