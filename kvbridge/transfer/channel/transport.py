@@ -54,8 +54,10 @@ A frame over ``auth_limit(max_bytes)`` closes its connection at once.
 A client connects on first use and again, every RECONNECT_S doubling to RECONNECT_MAX_S,
 while the peer is unreachable (a connect nobody answers is given CONNECT_TIMEOUT_S); frames
 sent meanwhile wait (up to ``hwm``) and go out once connected, after the Hello that answers
-the connection's challenge (a first frame that is not one is handed to the caller as a
-ProtocolError, and the connection is dropped and tried again). A frame
+the connection's challenge (a first frame that is not one is logged and counted, and the
+connection is dropped and tried again). A send on a connection whose challenge has not come
+yet waits for it (GREET_WAIT_S off the loop thread, GREET_WAIT_LOOP_S on it) and answers it
+itself, so what it sent goes out even when nobody turns this side's loop meanwhile. A frame
 only partly sent when its connection broke is sent again whole: the server drops a partial
 frame with its connection, so a frame arrives once or not at all. A server that cannot accept
 (out of file descriptors) stops listening for ACCEPT_PAUSE_S instead of spinning. A connection
@@ -69,6 +71,7 @@ import errno
 import itertools
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -90,6 +93,8 @@ MAX_WAKEUP_ITEMS = 10_000
 RECONNECT_S = 0.05
 RECONNECT_MAX_S = 1.0
 CONNECT_TIMEOUT_S = 5.0
+GREET_WAIT_S = 1.0  # how long a send on a new connection waits for the server's challenge (off the loop)
+GREET_WAIT_LOOP_S = 0.01  # (on the loop thread, which must not stall; its next turn reads it anyway)
 ACCEPT_PAUSE_S = 0.1
 SCAN_S = 0.05  # deadlines are checked this often (at most) while a Hello or a frame is due
 IDLE_SCAN_S = 1.0  # and this often when only idle deadlines are
@@ -957,10 +962,47 @@ class Clients(_Channel[str]):
             if client.stream.held and client.stream.connected:
                 self._greet(client)
             self._send(client.stream, data, client.endpoint)
+        if client.stream.held:
+            self._await_challenge(client, GREET_WAIT_S if threading.get_ident() != self._loop else GREET_WAIT_LOOP_S)
 
-    def _greet(self, client: Client) -> None:
+    def _await_challenge(self, client: Client, wait_s: float) -> None:
+        """A send on a connection whose challenge has not come yet waits for it, up to
+        ``wait_s``, and answers it: what it sent goes out now even if no thread turns this side's
+        loop (a caller that sends, then waits on another peer), or the loop stalls after the send.
+        A connection the server closed meanwhile (one that waited unanswered past the server's
+        hello deadline) is opened again within the same wait, its backoff permitting."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._io:
+                stream = client.stream
+                if self._closed or client.dropped or not stream.held:
+                    return
+                retry_in = client.retry_at - time.monotonic()
+                if stream.sock is None and retry_in <= 0 and stream.wants_write:
+                    self._connect(client)  # (its backoff holds: a server that refuses us is not hammered)
+                elif stream.sock is not None and stream.connected and self._greet(client):
+                    continue
+                fd = stream.fd
+            left = deadline - time.monotonic()
+            if left <= 0 or (fd < 0 and (not stream.wants_write or retry_in >= left)):
+                return
+            if fd < 0:
+                time.sleep(max(0.0, retry_in))
+                continue
+            poll = select.poll()
+            poll.register(fd, select.POLLIN | select.POLLOUT if not stream.connected else select.POLLIN)
+            try:
+                poll.poll(max(1, int(left * 1000)))
+            except OSError:
+                return
+            with self._io:
+                if client.connecting and client.stream.fd == fd:
+                    self._finish_connect(client)
+
+    def _greet(self, client: Client) -> bool:
         """Answer the connection's challenge from this thread when it is here already (on
-        loopback it usually is), so that what is sent now goes out now, not at the loop's turn."""
+        loopback it usually is), so that what is sent now goes out now, not at the loop's turn.
+        True when it is settled (answered, refused, or the connection found closed)."""
         stream = client.stream
         try:
             alive = stream.read(HEADER.size + HELLO_MAX_BYTES)
@@ -972,6 +1014,7 @@ class Clients(_Channel[str]):
             self._frames_of(stream, [], 1)  # (the challenge: answered, or refused and logged; nothing for the caller)
         if stream.sock is not None and not alive:
             self._lost(stream, why)
+        return not alive or not stream.held or stream.sock is None
 
     def _connect(self, client: Client) -> None:
         """Start connecting (never raises: a failure schedules the next attempt)."""
