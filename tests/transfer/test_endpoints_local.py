@@ -199,14 +199,16 @@ def test_a_lookup_answered_before_its_callback_is_attached_does_not_deadlock(clu
     """``Future.add_done_callback`` runs the callback inline when the future is already
     done, i.e. on the loop thread that holds the lock: the answer must be queued, not applied."""
     c = cluster(cp=1)
-    r = c.decode.receiver(13, "instance-that-answers-at-once")
 
     def done_submit(fn, *args):
         fut: Future = Future()
         fut.set_exception(UnknownInstance("no such instance (answered at once)"))
         return fut
 
+    # before the receiver opens: its own look-up must not reach the real daemon first (a 404 of
+    # its own would decide the room before the look-up below is fed)
     c.decode._pool.submit = done_submit
+    r = c.decode.receiver(13, "instance-that-answers-at-once")
     finished = threading.Event()
 
     def lookup_under_lock() -> None:
