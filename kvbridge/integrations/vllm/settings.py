@@ -44,6 +44,8 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, seconds (default 5)"),
     "target_timeout": ("", "prefill: how long a finished prompt waits for decode to ask, seconds (default 60)"),
     "transfer_timeout": ("", "decode: how long a room may take once asked, seconds (default 120)"),
+    "lease_quarantine": ("", "decode: how long a silent prefill rank's rooms keep their blocks after its lease "
+                             "expired (a frozen process may still write), seconds (default 30)"),
     "trace": ("KVBRIDGE_TRACE", "1/true: one trace line per room event"),
     "tp_rank": ("", "the worker's TP rank when vLLM's parallel state is not initialised (external launchers, "
                     "tests); vLLM's own rank wins when it is"),
@@ -74,6 +76,7 @@ class Settings:
     peer_timeout: float
     target_timeout: float
     transfer_timeout: float
+    lease_quarantine: float
     trace: bool
     tp_rank_override: int | None
     aux_slots: int
@@ -142,6 +145,7 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         secret=secret.encode() if isinstance(secret, str) and secret else None,
         lease_ttl=_number(get, "lease_ttl", 10.0), peer_timeout=_number(get, "peer_timeout", 5.0),
         target_timeout=_number(get, "target_timeout", 60.0), transfer_timeout=_number(get, "transfer_timeout", 120.0),
+        lease_quarantine=_number(get, "lease_quarantine", 30.0),
         trace=str(get("trace", "")).lower() in ("1", "true", "yes"),
         tp_rank_override=None if tp_rank is None else int(_number(get, "tp_rank", 0)),
         aux_slots=int(_number(get, "aux_slots", 1024)), vllm_version=str(vllm.__version__),

@@ -127,6 +127,7 @@ class WorkerSide:
                 cfg = DecodeConfig(instance=s.instance, dp_rank=self.dp_rank, dp_size=dp_size, tp_rank=tp_rank,
                                    tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
                                    transfer_timeout=s.transfer_timeout, peer_timeout=s.peer_timeout, trace=s.trace,
+                                   lease_quarantine=s.lease_quarantine,
                                    **s.staging_config)  # fmt: skip
                 self.endpoint = DecodeEndpoint(cfg, self.engine, specs, buffers, contract, self.client, self._aux,
                                                AUX_SCHEMA)

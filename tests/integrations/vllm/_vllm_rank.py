@@ -103,6 +103,15 @@ class Rank:
             stray += int(np.count_nonzero(arr[touched] != SENTINEL))
         return {"wrong": wrong, "stray": stray}
 
+    def digest(self) -> str:
+        """A hash of every byte of every layer: two equal digests mean nothing was written between."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name in sorted(self.u8):
+            h.update(self.u8[name].contiguous().numpy().tobytes())
+        return h.hexdigest()
+
     def reset(self) -> None:
         for t in self.u8.values():
             t.fill_(SENTINEL if self.cfg["role"] == "kv_consumer" else 0)

@@ -155,6 +155,16 @@ class Instance:
             self.step(seeds)
             time.sleep(0.01)
 
+    def shuffle_free_blocks(self, seed: int) -> None:
+        """Take every free block and give them back in random order: vLLM's allocator then hands
+        out scattered block ids (its free queue is the order blocks were freed)."""
+        import random
+
+        pool = self.scheduler.kv_cache_manager.block_pool
+        blocks = pool.get_new_blocks(pool.get_num_free_blocks())
+        random.Random(seed).shuffle(blocks)
+        pool.free_blocks(blocks)
+
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
