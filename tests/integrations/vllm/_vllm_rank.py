@@ -126,8 +126,9 @@ def main(conn: Any, cfg: dict[str, Any]) -> None:
     except Exception as exc:  # the start-up refusal is what some tests look at
         conn.send(("error", type(exc).__name__, str(exc), getattr(exc, "field", None)))
         return
-    conn.send(("ready", {"local_heads": rank.local_heads, "layout": rank.connector.worker_side.cache.layout
-                         if rank.connector.worker_side.cache else None}))
+    side = rank.connector.worker_side
+    conn.send(("ready", {"local_heads": rank.local_heads, "layout": side.cache.layout if side.cache else None,
+                         "endpoint": side.endpoint is not None}))
     while True:
         cmd, args = conn.recv()
         try:

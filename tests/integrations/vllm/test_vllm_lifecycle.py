@@ -11,6 +11,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from test_vllm_transfer import BS, _check, _prefill, _run_pair, _world
 
@@ -27,6 +28,7 @@ def _still(dec, seconds=1.5):
     assert [w.call("digest") for w in dec.workers] == before
 
 
+@pytest.mark.timeout(900)
 def test_request_lifecycle(tmp_path, daemon):
     pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p={"target_timeout": 3.0, "lease_ttl": 2.0},
                       extra_d={"lease_quarantine": 1.0})

@@ -19,11 +19,11 @@ BS = 16
 
 
 def _world(tmp_path, daemon, *, p_tp, d_tp, layout="LBNHC", kind="gqa", num_blocks=64, max_batched=64,
-           extra_p=None, extra_d=None):
+           extra_p=None, extra_d=None, model_overrides=None):
     import _vllm_config as C
 
     url, token = daemon
-    model = C.model_dir(tmp_path, kind)
+    model = C.model_dir(tmp_path, kind, **(model_overrides or {}))
     tag = uuid.uuid4().hex[:6]
     base = {"bootstrap_url": url, "bootstrap_token": token, "peer_timeout": 2.0}
     pre = Instance("kv_producer", model, {**base, "instance": f"p-{tag}", **(extra_p or {})}, tp=p_tp, layout=layout,
@@ -76,6 +76,7 @@ def _run_pair(pre, dec, prompt, seed, *, first_page=0):
     return rid
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1)])
 def test_gqa_nhd_heterogeneous_tp(tmp_path, daemon, p_tp, d_tp):
     """GQA (2 KV heads), NHD: p1 -> d1, p1 -> d2, p2 -> d1; prompts of several lengths
