@@ -163,12 +163,24 @@ class WorkerSide:
     # -- prefill ----------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVBridgeMetadata | None) -> None:
-        if not self.is_prefill or meta is None:
+        if not self.is_prefill or meta is None or not meta.sends:
             return
+        ready = self._ready_event()
         for chunk in meta.sends:
-            self._send(chunk)
+            self._send(chunk, ready)
 
-    def _send(self, c: SendChunk) -> None:
+    def _ready_event(self) -> Any:
+        """GPU caches: an event after the step's forward pass on the current stream; kvbridge
+        reads no byte of the chunk before it completes (the forward may still be queued)."""
+        if self.cache is None or self.cache.layers[0].device == "cpu":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _send(self, c: SendChunk, ready_event: Any = None) -> None:
         if self.endpoint is None:
             self._sending_ids.add(c.req_id)
             return
@@ -181,7 +193,7 @@ class WorkerSide:
             local = np.asarray(c.block_ids, dtype=np.int64)
             ready = self._tokens(c.num_tokens) if c.is_last else c.tokens_ready
             aux = {} if c.is_last and sender.writes_aux else None
-            sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux)
+            sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux, ready_event=ready_event)
         except KVBridgeError as exc:
             log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
             if sender is not None:
