@@ -26,13 +26,14 @@ LLAMA_GQA: dict[str, Any] = {
     "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2,
 }  # fmt: skip
-# DeepSeek-V3-shaped MLA (kv_lora_rank + rope dims as V3's, scaled down), dense layers only.
+# DeepSeek-V3-shaped MLA: V3's 576-wide latent (kv_lora_rank 512 + rope 64: the only latent width vLLM's MLA
+# backends take), fewer and narrower heads, dense layers only.
 DEEPSEEK_MLA: dict[str, Any] = {
     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": VOCAB,
     "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
     "first_k_dense_replace": 2, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
     "n_group": 1, "topk_group": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
-    "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
     "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2,
 }  # fmt: skip
