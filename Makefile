@@ -10,7 +10,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvbridge-sglang-installed
 SGLANG_TESTS := tests/integrations/sglang
 # The vLLM integration tests likewise (vLLM's CPU build serves there: scripts/setup_vllm.sh and
 # scripts/vllm-requirements.txt). KVBRIDGE_REQUIRE_VLLM=1 turns a missing vLLM into a failure
-# instead of a skip (tests/integrations/vllm/conftest.py).
+# instead of a skip (tests/conftest.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvbridge-vllm-installed
 VLLM_TESTS := tests/integrations/vllm
@@ -42,8 +42,10 @@ setup-vllm: $(VLLM_STAMP)
 
 # Everything but the SGLang and vLLM tests in .venv, those in .venv-sglang and .venv-vllm, side by
 # side (the suites mostly wait on the processes they start); each prints its own summary, and the
-# target fails when any fails.
-test: setup setup-sglang setup-vllm
+# target fails when any fails. The two engine venvs are built side by side too (downloads and
+# unpacking overlap; each behind its stamp, so a built one costs nothing).
+test: setup
+	@$(MAKE) --no-print-directory -j2 setup-sglang setup-vllm
 	@$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider $(SGLANG_TESTS) > .sglang-tests.log 2>&1 & sgl=$$!; \
 	KVBRIDGE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > .vllm-tests.log 2>&1 & vll=$$!; \
 	$(PY) -m pytest -q --ignore=$(SGLANG_TESTS) --ignore=$(VLLM_TESTS); main=$$?; \

@@ -8,8 +8,10 @@ unhealthy raises with the tail of its log.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from _vllm_model import words
 
 HOST = "127.0.0.1"
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -171,3 +175,27 @@ def tokens_of(resp: httpx.Response) -> list[int]:
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == "length", choice
     return choice["token_ids"]
+
+
+def prompt(n: int, salt: int) -> str:
+    return words([3 + (i * 37 + salt * 101) % 500 for i in range(n)])
+
+
+def sources(url: str) -> dict[str, float]:
+    """decode's vllm:prompt_tokens_by_source_total counters: local_compute, local_cache_hit,
+    external_kv_transfer."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0, trust_env=False).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{.*source="(\w+)"\} (\S+)$', text, re.M)}  # fmt: skip
+
+
+def start_all(servers: list[VllmServer]) -> None:
+    for s in servers:
+        s.start()
+    try:
+        with cf.ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda s: s.wait_ready(), servers))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise

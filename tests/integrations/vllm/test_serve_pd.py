@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import re
 import time
 from pathlib import Path
 
@@ -35,8 +34,9 @@ from kvbridge.transfer.engine import mooncake_available  # noqa: E402
 if not mooncake_available():
     pytest.skip("Mooncake not installed", allow_module_level=True)
 
-from _vllm_model import LLAMA_GQA, build_model, words  # noqa: E402
-from _vllm_serve import BLOCK_SIZE, Proxy, VllmServer, complete, tokens_of, transfer_config  # noqa: E402
+from _vllm_model import LLAMA_GQA, build_model  # noqa: E402
+from _vllm_serve import (BLOCK_SIZE, Proxy, VllmServer, complete, prompt, sources, start_all, tokens_of,  # noqa: E402
+                         transfer_config)
 
 from kvbridge.cli.vllm_proxy import prefill_request  # noqa: E402
 
@@ -45,21 +45,9 @@ pytestmark = pytest.mark.timeout(900)
 ERROR_BOUND_S = 90.0  # a failed room must end the request within this
 
 
-def _prompt(n: int, salt: int) -> str:
-    return words([3 + (i * 37 + salt * 101) % 500 for i in range(n)])
-
-
 # Lengths in tokens before BOS: under a block, a block's worth around the boundary, several blocks.
 LENGTHS = (4, BLOCK_SIZE - 2, BLOCK_SIZE - 1, BLOCK_SIZE, 2 * BLOCK_SIZE + 5, 200)
-SHARED = _prompt(3 * BLOCK_SIZE, salt=99)  # the prefix of the prefix-hit prompts (3 whole blocks)
-
-
-def _sources(url: str) -> dict[str, float]:
-    """decode's vllm:prompt_tokens_by_source_total counters: local_compute, local_cache_hit,
-    external_kv_transfer."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0, trust_env=False).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{.*source="(\w+)"\} (\S+)$', text, re.M)}  # fmt: skip
+SHARED = prompt(3 * BLOCK_SIZE, salt=99)  # the prefix of the prefix-hit prompts (3 whole blocks)
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +63,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bootstrap(module_daemons):
     return module_daemons("--lease-ttl", "10")
-
-
-def _start_all(servers: list[VllmServer]) -> None:
-    for s in servers:
-        s.start()
-    try:
-        with cf.ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(), servers))
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
 
 
 def _producer(name: str, model: Path, workdir: Path, url: str) -> VllmServer:
@@ -107,7 +83,7 @@ def cluster(model: Path, workdir: Path, bootstrap):
                "prefill-0": _producer("prefill-0", model, workdir, bootstrap.url),
                "decode-0": _consumer("decode-0", model, workdir, bootstrap.url)}  # fmt: skip
     started = time.monotonic()
-    _start_all(list(servers.values()))
+    start_all(list(servers.values()))
     print(f"three vllm servers healthy {time.monotonic() - started:.0f}s after start")
     proxy = Proxy(workdir, [servers["prefill-0"].url], [servers["decode-0"].url]).start().wait_ready()
     yield servers, proxy
@@ -136,12 +112,12 @@ def late_servers(cluster, model: Path, workdir: Path, bootstrap):
 def test_disaggregated_tokens_equal_colocated(cluster):
     servers, proxy = cluster
     decode = servers["decode-0"].url
-    prompts = [_prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
-    hits = [SHARED + " " + _prompt(n, salt=50 + n) for n in (3, BLOCK_SIZE + 7)]  # share 3 blocks with SHARED
+    prompts = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
+    hits = [SHARED + " " + prompt(n, salt=50 + n) for n in (3, BLOCK_SIZE + 7)]  # share 3 blocks with SHARED
     want = {p: tokens_of(complete(servers["colocated"].url, p, 16)) for p in [*prompts, SHARED, *hits]}
     assert len({tuple(t) for t in want.values()}) == len(want)  # the model's output depends on the context
 
-    before = _sources(decode)
+    before = sources(decode)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:  # one batch, as decode schedules it
         got = dict(zip(prompts, pool.map(lambda p: tokens_of(complete(proxy.url, p, 16)), prompts)))
     got[SHARED] = tokens_of(complete(proxy.url, SHARED, 16))  # decode caches its 3 blocks
@@ -151,7 +127,7 @@ def test_disaggregated_tokens_equal_colocated(cluster):
     assert got.pop("again") == want[hits[-1]]
     assert got == want
 
-    after = _sources(decode)
+    after = sources(decode)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     num_prompt_tokens = sum(len(p.split()) + 1 for p in [*prompts, SHARED, *hits, hits[-1]])  # + BOS each
     assert delta["local_compute"] == 0, delta  # decode computed no prompt token itself
@@ -163,7 +139,7 @@ def test_disaggregated_tokens_equal_colocated(cluster):
 @pytest.mark.parametrize("field, diff", [
     ("block_size", "pools.kv.page_size: prefill 32 != decode 64"),
     ("dtype", "pools.kv.dtype: prefill 'bfloat16' != decode 'float32'"),
-])  # fmt: skip
+], ids=["block_size", "dtype"])  # fmt: skip
 def test_a_mismatched_decode_is_refused_at_start_up_naming_the_field(late_servers, bootstrap, field, diff):
     refused, _ = late_servers
     server = refused[field]
@@ -176,7 +152,7 @@ def test_a_mismatched_decode_is_refused_at_start_up_naming_the_field(late_server
         time.sleep(1.0)
     log = server.log_tail(10**6)
     assert "kvbridge.errors.ContractMismatch: decode " in log, log[-4000:]
-    assert f"does not match prefill instance 'prefill-0': " in log and diff in log, log[-4000:]
+    assert "does not match prefill instance 'prefill-0': " in log and diff in log, log[-4000:]
     assert f"{bootstrap.url}/diagnostics" in log  # where the field-by-field page is
     server.stop()
     assert server.proc.returncode != 0
@@ -187,7 +163,7 @@ def test_prefill_killed_with_a_room_pending_fails_the_decode_request(cluster, la
     before decode asks for the room: decode's request ends in an error, not in tokens."""
     servers, _ = cluster
     _, prefill_1 = late_servers
-    body = {"model": "tiny", "prompt": _prompt(2 * BLOCK_SIZE + 3, salt=7), "max_tokens": 8, "temperature": 0.0,
+    body = {"model": "tiny", "prompt": prompt(2 * BLOCK_SIZE + 3, salt=7), "max_tokens": 8, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     r = httpx.post(f"{prefill_1.url}/v1/completions", json=prefill_request(body, room=(1 << 62) + 17), timeout=60.0,
                    trust_env=False)  # fmt: skip
@@ -203,13 +179,13 @@ def test_prefill_killed_with_a_room_pending_fails_the_decode_request(cluster, la
     log = servers["decode-0"].log_tail(10**7)
     assert f"(room {(1 << 62) + 17}): KV load failed: prefill rank prefill-1/cp0" in log, log[-4000:]
     # decode lives on and serves the next room from prefill-0
-    again = _prompt(BLOCK_SIZE + 1, salt=8)
+    again = prompt(BLOCK_SIZE + 1, salt=8)
     assert len(tokens_of(complete(cluster[1].url, again, 8))) == 8
 
 
 def test_decode_killed_mid_request_ends_in_errors(cluster):
     servers, proxy = cluster
-    body = {"model": "tiny", "prompt": _prompt(40, salt=11), "max_tokens": 400, "temperature": 0.0,
+    body = {"model": "tiny", "prompt": prompt(40, salt=11), "max_tokens": 400, "temperature": 0.0,
             "ignore_eos": True}  # fmt: skip
     with cf.ThreadPoolExecutor(1) as pool:
         plain = pool.submit(httpx.post, f"{proxy.url}/v1/completions", json=body, timeout=ERROR_BOUND_S,
