@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ from kvbridge.integrations.vllm.settings import Settings
 log = logging.getLogger(__name__)
 
 FINAL = (KVPoll.Success, KVPoll.Failed)
+STATS_KEPT = 256
 
 
 @dataclass
@@ -85,6 +87,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._free_slots: list[int] = []
         self._aux: dict[str, np.ndarray] = {}
+        # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
+        # paths direct/staged), request id -> stats, the newest STATS_KEPT
+        self.room_stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -273,7 +278,8 @@ class WorkerSide:
                 continue
             if state == KVPoll.Failed:
                 log.warning("kvbridge prefill %s: request %s: %s", self.label, req_id, sender.failure_reason)
-            elif self.settings.trace:
+            self._keep_stats(req_id, sender.stats)
+            if state != KVPoll.Failed and self.settings.trace:
                 log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
             sender.close()
             del self._senders[req_id]
@@ -287,6 +293,7 @@ class WorkerSide:
             if rec.handle is not None and not rec.failure:
                 state = rec.handle.poll()
                 if state == KVPoll.Success:
+                    self._keep_stats(req_id, rec.handle.stats)
                     if self.settings.trace:
                         log.info("kvbridge decode %s: request %s received: %s", self.label, req_id,
                                  _stats_line(rec.handle.stats))
@@ -304,6 +311,11 @@ class WorkerSide:
             self._release(req_id, rec)
             done.add(req_id)
         return done
+
+    def _keep_stats(self, req_id: str, stats: dict[str, Any]) -> None:
+        self.room_stats[req_id] = dict(stats)
+        while len(self.room_stats) > STATS_KEPT:
+            self.room_stats.popitem(last=False)
 
     def _release(self, req_id: str, rec: _Recv) -> None:
         if rec.handle is not None:

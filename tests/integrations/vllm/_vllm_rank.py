@@ -103,6 +103,9 @@ class Rank:
             stray += int(np.count_nonzero(arr[touched] != SENTINEL))
         return {"wrong": wrong, "stray": stray}
 
+    def stats(self, req_id: str) -> dict:
+        return self.connector.worker_side.room_stats.get(req_id, {})
+
     def digest(self) -> str:
         """A hash of every byte of every layer: two equal digests mean nothing was written between."""
         import hashlib

@@ -97,3 +97,21 @@ def test_gqa_nhd_heterogeneous_tp(tmp_path, daemon, p_tp, d_tp):
     finally:
         pre.stop()
         dec.stop()
+
+
+@pytest.mark.timeout(600)
+def test_staged_path(tmp_path, daemon):
+    """staging "always" (the path "auto" picks for many small slices): prefill gathers into its
+    staging buffer, decode scatters from its staging area; p1 -> d2, every byte equal."""
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, extra_p={"staging": "always"}, extra_d={"staging": "always"})
+    try:
+        prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 70)]
+        rid = _run_pair(pre, dec, prompt, 41)
+        _check(dec, rid, prompt, 41)
+        pre.run_until(lambda: bool(pre.workers[0].call("stats", rid)))  # prefill reports its final room
+        stats = pre.workers[0].call("stats", rid)
+        assert len(stats["paths"]) == 2 and set(stats["paths"].values()) == {"staged"}, stats
+        assert stats["bytes_staged"] > 0, stats
+    finally:
+        pre.stop()
+        dec.stop()
