@@ -1,0 +1,70 @@
+"""kvbridge as a vLLM KV connector (vLLM >= 0.32, ``KVConnectorBase_V1``).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.integrations.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"bootstrap_url": "http://127.0.0.1:8998", "instance": "prefill-0"}}'
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.integrations.vllm", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"bootstrap_url": "http://127.0.0.1:8998", "instance": "decode-0",
+                                      "prefill_instance": "prefill-0"}}'
+
+with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer``
+(prefill) and ``kv_consumer`` (decode); ``kv_both`` is refused.
+
+``kv_connector_extra_config`` keys (``settings.EXTRA_KEYS``; a key not listed is refused):
+
+    bootstrap_url       required: the daemon's URL (or KVBRIDGE_BOOTSTRAP_URL)
+    bootstrap_token     the daemon's bearer token, if it has one (or KVBRIDGE_BOOTSTRAP_TOKEN)
+    instance            this server's name at the daemon (default: vLLM's engine_id); what
+                        prefill returns to the proxy as kvbridge_instance
+    prefill_instance    decode: compare contracts with this prefill instance at start-up and
+                        refuse a mismatch naming the field; unset: checked at each request
+    prefill_wait_s      decode: how long start-up waits for prefill_instance (default 60)
+    host, protocol, device   the transfer engine: address (default 127.0.0.1), tcp | rdma, RDMA NIC
+    staging             auto (default) | always | never; staging_bytes, staging_slot_bytes
+    secret, lease_ttl, peer_timeout, target_timeout (prefill), transfer_timeout (decode), trace
+    tp_rank             a worker's TP rank when vLLM's parallel state is not initialised
+    aux_slots           decode: rooms in flight per rank (default 1024)
+
+``kv_transfer_params``, vLLM's usual P/D proxy flow:
+
+    1. to prefill (max_tokens 1):  {"do_remote_decode": true}
+                                   optional "kvbridge_room": a 63-bit room id (default: drawn
+                                   from vLLM's request id)
+    2. prefill's response carries  {"do_remote_prefill": true, "do_remote_decode": false,
+                                    "kvbridge_room": R, "kvbridge_instance": "prefill-0",
+                                    "kvbridge_num_tokens": N}
+    3. to decode: those params as they are (the same prompt)
+
+Decode's blocks reach prefill over kvbridge's control path (decode's receiver asks the
+prefill ranks the daemon names, with its block ids), not through the params: the
+proxy needs no knowledge of blocks, prefix hits or TP layouts.
+
+Modules: ``settings`` (what is read and refused), ``cache`` (vLLM's tensors -> pool,
+buffers, contract), ``meta`` (scheduler -> worker), ``scheduler``, ``worker``,
+``connector`` (the class vLLM loads). vLLM is imported by those modules only; this
+package imports none of them until ``KVBridgeConnector`` is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVBridgeConnector": "connector",
+    "EXTRA_KEYS": "settings",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,138 @@
+"""``KVBridgeConnector``: vLLM's ``KVConnectorBase_V1`` on kvbridge, one facade over the
+scheduler side (``scheduler.py``) and the worker side (``worker.py``); vLLM builds it
+with the role it needs, in the process that needs it.
+
+Every abstract method of the base is implemented; what kvbridge does not do is said
+by name below (the base's defaults stand for the rest):
+
+    supports HMA                  no: vLLM turns the hybrid manager off; hybrid models are refused
+    save_kv_layer                 no per-layer sends: kvbridge's sender moves a chunk of every layer
+                                  at once; pages go out in wait_for_save, after the step's forward
+    wait_for_layer_load           nothing to wait: loads are asynchronous (WAITING_FOR_REMOTE_KVS)
+    get_handshake_metadata        None: the bootstrap daemon pairs ranks, not vLLM's side channel
+    kv_both                       refused (settings.py)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvbridge import ConfigError
+from kvbridge.integrations.vllm.meta import KVBridgeMetadata
+from kvbridge.integrations.vllm.scheduler import SchedulerSide
+from kvbridge.integrations.vllm.settings import read_settings, refuse_hybrid
+from kvbridge.integrations.vllm.worker import WorkerSide
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = read_settings(vllm_config)
+        if kv_cache_config is not None:
+            refuse_hybrid(kv_cache_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(self.settings, vllm_config.cache_config.block_size)
+        else:
+            if kv_cache_config is None:
+                raise ConfigError("the worker side needs vLLM's KVCacheConfig (the number of blocks)",
+                                  field="kv_cache_config")
+            mc = vllm_config.model_config
+            self.worker_side = WorkerSide(self.settings, tp_rank=_tp_rank(self.settings),
+                                          total_kv_heads=int(mc.get_total_num_kv_heads()), is_mla=bool(mc.use_mla),
+                                          num_blocks=int(kv_cache_config.num_blocks))  # fmt: skip
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_work
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads finish before the request is scheduled (asynchronous loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the step's pages are sent in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._worker.get_transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise ConfigError("a scheduler-side call on the worker side of KVBridgeConnector", field="role")
+        return self.scheduler_side
+
+    @property
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise ConfigError("a worker-side call on the scheduler side of KVBridgeConnector", field="role")
+        return self.worker_side
+
+    def _meta(self) -> KVBridgeMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVBridgeMetadata) else None
+
+
+def _tp_rank(settings: Any) -> int:
+    """vLLM's TP rank of this worker when its parallel state is up; else ``tp_rank`` from the
+    extra config (external launchers, tests), else 0."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    return settings.tp_rank_override or 0

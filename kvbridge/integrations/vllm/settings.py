@@ -1,0 +1,196 @@
+"""Everything the vLLM connector reads from vLLM's config and the environment: read once,
+when a connector (scheduler or worker side) is built, here and nowhere else.
+
+From ``VllmConfig``: the KV role, the engine id, the model's name and revision, the
+block size, the parallel layout (TP size; PP, DCP and PCP are refused), whether the
+hybrid KV cache manager is on. From ``kv_connector_extra_config`` (the keys in
+``EXTRA_KEYS``, documented in the package docstring), falling back to the
+``KVBRIDGE_*`` variables of the SGLang backend where both exist.
+
+What kvbridge's connector does not serve is refused here, naming the setting: pipeline
+parallelism, decode/prefill context parallelism, ``kv_both`` (P/D uses producer and
+consumer), hybrid models (several KV cache groups, or a group that is not full attention).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge import ConfigError, DecodeConfig, PrefillConfig
+
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+STAGING_MODES = ("auto", "always", "never")
+INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
+
+# kv_connector_extra_config: key -> (environment fallback, meaning)
+EXTRA_KEYS: dict[str, tuple[str, str]] = {
+    "bootstrap_url": ("KVBRIDGE_BOOTSTRAP_URL", "the kvbridge bootstrap daemon (`kvbridge bootstrap`), required"),
+    "bootstrap_token": ("KVBRIDGE_BOOTSTRAP_TOKEN", "the daemon's bearer token, when it has one"),
+    "instance": ("KVBRIDGE_INSTANCE", "this server's instance name at the daemon (default: vLLM's engine_id)"),
+    "prefill_instance": ("", "decode: the prefill instance to check the contract against at start-up"),
+    "prefill_wait_s": ("", "decode: how long start-up waits for prefill_instance to register (default 60)"),
+    "host": ("KVBRIDGE_HOST", "the address of this rank's transfer engine and control socket (default 127.0.0.1)"),
+    "protocol": ("KVBRIDGE_PROTOCOL", "Mooncake protocol: tcp (default) or rdma"),
+    "device": ("", "the RDMA device name(s) for protocol rdma"),
+    "staging": ("KVBRIDGE_STAGING", "staged transfers: auto (default), always, never (docs/staging.md)"),
+    "staging_bytes": ("KVBRIDGE_STAGING_BYTES", "registered staging memory in bytes (0: the role's default)"),
+    "staging_slot_bytes": ("KVBRIDGE_STAGING_SLOT_BYTES", "staging slot size in bytes (0: the default)"),
+    "secret": ("KVBRIDGE_SECRET", "control-channel HMAC secret, the same on every server"),
+    "lease_ttl": ("KVBRIDGE_LEASE_TTL", "lease of a rank at the daemon, seconds (default 10)"),
+    "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, seconds (default 5)"),
+    "target_timeout": ("", "prefill: how long a finished prompt waits for decode to ask, seconds (default 60)"),
+    "transfer_timeout": ("", "decode: how long a room may take once asked, seconds (default 120)"),
+    "lease_quarantine": ("", "decode: how long a silent prefill rank's rooms keep their blocks after its lease "
+                             "expired (a frozen process may still write), seconds (default 30)"),
+    "trace": ("KVBRIDGE_TRACE", "1/true: one trace line per room event"),
+    "tp_rank": ("", "the worker's TP rank when vLLM's parallel state is not initialised (external launchers, "
+                    "tests); vLLM's own rank wins when it is"),
+    "aux_slots": ("", "decode: rooms in flight at once on a rank (default 1024)"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    role: str  # "prefill" | "decode"
+    instance: str
+    daemon_url: str
+    token: str
+    host: str
+    protocol: str
+    device: str
+    model_name: str
+    revision: str
+    block_size: int
+    tp_size: int
+    prefill_instance: str
+    prefill_wait_s: float
+    staging: str
+    staging_bytes: int
+    staging_slot_bytes: int
+    secret: bytes | None
+    lease_ttl: float
+    peer_timeout: float
+    target_timeout: float
+    transfer_timeout: float
+    lease_quarantine: float
+    trace: bool
+    tp_rank_override: int | None
+    aux_slots: int
+    vllm_version: str
+
+    @property
+    def staging_config(self) -> dict[str, Any]:
+        given = {"staging_bytes": self.staging_bytes, "staging_slot_bytes": self.staging_slot_bytes}
+        return {"staging": self.staging, **{k: v for k, v in given.items() if v}}
+
+    def label(self, tp_rank: int) -> str:
+        return f"{self.instance}/tp{tp_rank}"
+
+
+def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Settings:
+    """The connector's settings from ``VllmConfig`` (and ``env``, default ``os.environ``);
+    ConfigError naming the setting for anything refused."""
+    import vllm
+
+    env = os.environ if env is None else env
+    kv = vllm_config.kv_transfer_config
+    extra = dict(kv.kv_connector_extra_config or {})
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config has unknown keys {unknown}; kvbridge reads "
+                          f"{sorted(EXTRA_KEYS)}", field=f"kv_connector_extra_config.{unknown[0]}")
+    role = ROLES.get(kv.kv_role)
+    if role is None:
+        raise ConfigError(f"kv_role {kv.kv_role!r}: kvbridge's connector serves prefill as kv_producer and decode as "
+                          "kv_consumer (vLLM retires kv_both for P/D disaggregation)", field="kv_role")
+    refuse_parallel(vllm_config.parallel_config)
+
+    def get(key: str, default: Any = "") -> Any:
+        if key in extra and extra[key] not in (None, ""):
+            return extra[key]
+        env_name = EXTRA_KEYS[key][0]
+        if env_name and env.get(env_name):
+            return env[env_name]
+        return default
+
+    url = str(get("bootstrap_url"))
+    if not url:
+        raise ConfigError("no bootstrap daemon: set kv_connector_extra_config.bootstrap_url (or "
+                          "KVBRIDGE_BOOTSTRAP_URL) to a `kvbridge bootstrap` daemon's URL",
+                          field="kv_connector_extra_config.bootstrap_url")
+    instance = str(get("instance", kv.engine_id or ""))
+    if not INSTANCE_NAME.match(instance):
+        raise ConfigError(f"instance name {instance!r} must match {INSTANCE_NAME.pattern}",
+                          field="kv_connector_extra_config.instance")
+    staging = str(get("staging", "auto"))
+    if staging not in STAGING_MODES:
+        raise ConfigError(f"staging {staging!r} is not one of {STAGING_MODES}", field="kv_connector_extra_config.staging")
+    mc = vllm_config.model_config
+    names = getattr(mc, "served_model_name", None) or mc.model
+    name = names[0] if isinstance(names, (list, tuple)) else str(names)
+    tp_rank = get("tp_rank", None)
+    secret = get("secret", "")
+    s = Settings(
+        role=role, instance=instance, daemon_url=url.rstrip("/"), token=str(get("bootstrap_token")),
+        host=str(get("host", "127.0.0.1")), protocol=str(get("protocol", "tcp")), device=str(get("device")),
+        model_name=name, revision=str(getattr(mc, "revision", None) or "unspecified"),
+        block_size=int(vllm_config.cache_config.block_size), tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        prefill_instance=str(get("prefill_instance")), prefill_wait_s=_number(get, "prefill_wait_s", 60.0),
+        staging=staging, staging_bytes=int(_number(get, "staging_bytes", 0)),
+        staging_slot_bytes=int(_number(get, "staging_slot_bytes", 0)),
+        secret=secret.encode() if isinstance(secret, str) and secret else None,
+        lease_ttl=_number(get, "lease_ttl", 10.0), peer_timeout=_number(get, "peer_timeout", 5.0),
+        target_timeout=_number(get, "target_timeout", 60.0), transfer_timeout=_number(get, "transfer_timeout", 120.0),
+        lease_quarantine=_number(get, "lease_quarantine", 30.0),
+        trace=str(get("trace", "")).lower() in ("1", "true", "yes"),
+        tp_rank_override=None if tp_rank is None else int(_number(get, "tp_rank", 0)),
+        aux_slots=int(_number(get, "aux_slots", 1024)), vllm_version=str(vllm.__version__),
+    )  # fmt: skip
+    # the role's own config checks the staging sizes (the one rule for staging settings)
+    cfg = PrefillConfig if role == "prefill" else DecodeConfig
+    cfg(instance=s.instance, **s.staging_config)
+    return s
+
+
+def refuse_parallel(parallel: Any) -> None:
+    """Pipeline and context parallelism are not served by kvbridge's vLLM connector."""
+    refusals = (
+        ("pipeline_parallel_size", "pipeline parallelism (--pipeline-parallel-size > 1): vLLM's stages would each "
+                                   "need a kvbridge stage of their own layers, which this connector does not build"),
+        ("decode_context_parallel_size", "decode context parallelism (--decode-context-parallel-size > 1): its KV is "
+                                         "interleaved over ranks by token, not by kvbridge's page lanes"),
+        ("prefill_context_parallel_size", "prefill context parallelism (--prefill-context-parallel-size > 1)"),
+    )
+    for attr, why in refusals:
+        size = int(getattr(parallel, attr, 1) or 1)
+        if size > 1:
+            raise ConfigError(f"{why} is not supported by kvbridge's vLLM connector; serve with {attr} 1",
+                              field=f"parallel_config.{attr}")
+
+
+def refuse_hybrid(kv_cache_config: Any) -> None:
+    """One KV cache group of full attention (or MLA): hybrid models are refused by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise ConfigError(f"a hybrid model (KV cache groups {kinds}: sliding-window, Mamba/linear-attention or mixed "
+                          "layers) is not supported by kvbridge's vLLM connector, which moves one full-attention "
+                          "group; serve it with vLLM's NixlConnector or MooncakeConnector",
+                          field="kv_cache_config.kv_cache_groups")
+
+
+def _number(get: Any, key: str, default: float) -> float:
+    raw = get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} {raw!r} is not a number", field=f"kv_connector_extra_config.{key}") from None
+    if value < 0:
+        raise ConfigError(f"{key} {raw!r} must not be negative", field=f"kv_connector_extra_config.{key}")
+    return value

@@ -1,0 +1,354 @@
+"""The connector's worker side: one per vLLM worker (one TP rank), owning its kvbridge
+endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles.
+
+    register_kv_caches   vLLM's layer tensors -> pool, buffers, contract (``cache.py``); the
+                         endpoint starts and registers at the daemon; decode with
+                         ``prefill_instance`` set compares contracts now and refuses a mismatch
+    wait_for_save        prefill: each SendChunk of the step -> sender.send (the step's forward
+                         pass has written those pages); opens the room on its first chunk
+    start_load_kv        decode: each Receive -> receiver(room).init(pages, first_page=hit)
+                         both: aborts
+    get_transfer_results prefill: rooms final (Success or Failed) of requests vLLM finished ->
+                         finished_sending (vLLM frees their blocks); decode: rooms Success, or
+                         Failed once no write can land (hard rule 6) -> finished_recving, a
+                         failed room's blocks -> get_block_ids_with_load_errors (vLLM fails the
+                         request, or recomputes it under kv_load_failure_policy=recompute)
+
+Which ranks are kvbridge ranks:
+
+    NHD GQA/MHA   every TP rank, its heads [h0, h1): kvbridge slices heads for a decode of
+                  another TP size (p1 -> d2, p2 -> d1)
+    HND           every TP rank pairs with the decode rank of the same TP rank: each is its own
+                  kvbridge DP group (dp_rank = tp_rank), whole blocks, TP size in the contract
+    MLA           prefill TP rank 0 sends (the latent is replicated), the other prefill ranks send
+                  nothing and report their requests finished; every decode rank receives
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge import (
+    BootstrapClient,
+    ConfigError,
+    ContractMismatch,
+    DecodeConfig,
+    DecodeEndpoint,
+    KVBridgeError,
+    KVPoll,
+    PrefillConfig,
+    PrefillEndpoint,
+    create_engine,
+    diff_contracts,
+)
+from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, MLA, VLLMCache, pool_spec, rank_contract, read_kv_caches
+from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
+from kvbridge.integrations.vllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FINAL = (KVPoll.Success, KVPoll.Failed)
+STATS_KEPT = 256
+
+
+@dataclass
+class _Recv:
+    receive: Receive
+    handle: Any = None
+    aux_slot: int | None = None
+    failure: str = ""  # set when the room failed, or could not be opened
+    started: float = field(default_factory=time.monotonic)
+
+
+class WorkerSide:
+    def __init__(self, settings: Settings, *, tp_rank: int, total_kv_heads: int, is_mla: bool, num_blocks: int) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.total_kv_heads = total_kv_heads
+        self.is_mla = is_mla
+        self.num_blocks = num_blocks
+        self.is_prefill = settings.role == "prefill"
+        self.label = settings.label(tp_rank)
+        self.cache: VLLMCache | None = None
+        self.endpoint: Any = None
+        self.engine: Any = None
+        self.client: BootstrapClient | None = None
+        self.dp_rank = 0  # the kvbridge DP group of this rank (HND: its TP rank)
+        self._senders: dict[str, Any] = {}  # prefill: req id -> KVSender
+        self._finished: set[str] = set()  # prefill: requests vLLM finished, not yet reported
+        self._sending_ids: set[str] = set()  # prefill ranks that send nothing: requests seen
+        self._recvs: dict[str, _Recv] = {}
+        self._load_errors: set[int] = set()
+        self._free_slots: list[int] = []
+        self._aux: dict[str, np.ndarray] = {}
+        # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
+        # paths direct/staged), request id -> stats, the newest STATS_KEPT
+        self.room_stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        s = self.settings
+        self.cache = cache = read_kv_caches(kv_caches, self.num_blocks, s.block_size, self.is_mla)
+        if cache.layout == HND:  # each TP rank is a DP group of its own (module docstring)
+            self.dp_rank, tp_size, tp_rank, dp_size = self.tp_rank, 1, 0, s.tp_size
+        else:
+            tp_size, tp_rank, dp_size = s.tp_size, self.tp_rank, 1
+        if self.is_prefill and cache.layout != HND and not self.is_mla and s.tp_size > self.total_kv_heads:
+            raise ConfigError(f"prefill TP {s.tp_size} over {self.total_kv_heads} KV heads: its ranks hold replicas "
+                              "of the same heads and kvbridge draws each head from one prefill rank; serve prefill "
+                              f"with TP <= {self.total_kv_heads} (decode may use any TP)", field="tensor_parallel_size")
+        spec = pool_spec(cache, self.total_kv_heads, tp_size if cache.layout != HND else 1, tp_rank)
+        contract = rank_contract(cache, spec, model_name=s.model_name, revision=s.revision, tp_size=s.tp_size,
+                                 vllm_version=s.vllm_version)
+        if self.is_prefill and self.is_mla:
+            tp_size, tp_rank = 1, 0
+            if self.tp_rank != 0:
+                log.info("kvbridge prefill %s: MLA latent is replicated, TP rank 0 sends; this rank sends nothing",
+                         self.label)
+                return
+        self.client = BootstrapClient(s.daemon_url, token=s.token or None)
+        if not self.is_prefill and s.prefill_instance:
+            self._check_prefill_contract(contract)
+        self.engine = create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.device or None)
+        specs, buffers = {spec.name: spec}, cache.buffers()
+        try:
+            if self.is_prefill:
+                cfg = PrefillConfig(instance=s.instance, dp_rank=self.dp_rank, dp_size=dp_size, tp_rank=tp_rank,
+                                    tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
+                                    target_timeout=s.target_timeout, peer_timeout=s.peer_timeout, trace=s.trace,
+                                    **s.staging_config)  # fmt: skip
+                self.endpoint = PrefillEndpoint(cfg, self.engine, specs, buffers, contract, self.client, AUX_SCHEMA)
+            else:
+                slots = max(1, s.aux_slots)
+                self._aux = {"room": np.zeros((slots, 1), dtype=np.uint64)}
+                self._free_slots = list(range(slots - 1, -1, -1))
+                cfg = DecodeConfig(instance=s.instance, dp_rank=self.dp_rank, dp_size=dp_size, tp_rank=tp_rank,
+                                   tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
+                                   transfer_timeout=s.transfer_timeout, peer_timeout=s.peer_timeout, trace=s.trace,
+                                   lease_quarantine=s.lease_quarantine,
+                                   **s.staging_config)  # fmt: skip
+                self.endpoint = DecodeEndpoint(cfg, self.engine, specs, buffers, contract, self.client, self._aux,
+                                               AUX_SCHEMA)
+            self.endpoint.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("kvbridge %s %s ready: %s, %d layers, %s blocks of %d tokens, pool %s (%d B/token)", s.role,
+                 self.label, cache.layout, len(cache.layers), cache.num_blocks, cache.block_size, spec.name,
+                 spec.bytes_per_token)
+
+    def _check_prefill_contract(self, contract: Any) -> None:
+        """Decode with ``prefill_instance``: the prefill instance's contract, compared before the
+        first request; a difference is refused naming every field (hard rule 7)."""
+        s = self.settings
+        deadline = time.monotonic() + s.prefill_wait_s
+        while True:
+            found = [f for f in self.client.fingerprints() if f.instance == s.prefill_instance and f.role == "prefill"]
+            if found:
+                break
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"prefill instance {s.prefill_instance!r} is not registered at {s.daemon_url} "
+                                  f"after {s.prefill_wait_s:.0f}s (start prefill first, or unset prefill_instance to "
+                                  "check contracts at each request)", rank=self.label, field="prefill_instance")
+            time.sleep(0.2)
+        diff = diff_contracts(found[0].contract, contract)
+        if diff:
+            fields = ", ".join(f"{d.path}: prefill {d.prefill!r} != decode {d.decode!r}" for d in diff[:6])
+            raise ContractMismatch(f"decode {self.label} does not match prefill instance {s.prefill_instance!r}: "
+                                   f"{fields} (field by field: {s.daemon_url}/diagnostics)", diff=diff,
+                                   rank=self.label, field=diff[0].path)
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVBridgeMetadata | None) -> None:
+        if not self.is_prefill or meta is None or not meta.sends:
+            return
+        ready = self._ready_event()
+        for chunk in meta.sends:
+            self._send(chunk, ready)
+
+    def _ready_event(self) -> Any:
+        """GPU caches: an event after the step's forward pass on the current stream; kvbridge
+        reads no byte of the chunk before it completes (the forward may still be queued)."""
+        if self.cache is None or self.cache.layers[0].device == "cpu":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _send(self, c: SendChunk, ready_event: Any = None) -> None:
+        if self.endpoint is None:
+            self._sending_ids.add(c.req_id)
+            return
+        sender = self._senders.get(c.req_id)
+        try:
+            if sender is None:
+                sender = self._senders[c.req_id] = self.endpoint.sender(c.room)
+                sender.init(self._tokens(c.num_tokens))
+            logical = np.arange(c.first_page, c.first_page + len(c.block_ids), dtype=np.int64)
+            local = np.asarray(c.block_ids, dtype=np.int64)
+            ready = self._tokens(c.num_tokens) if c.is_last else c.tokens_ready
+            aux = {} if c.is_last and sender.writes_aux else None
+            sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux, ready_event=ready_event)
+        except KVBridgeError as exc:
+            log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
+            if sender is not None:
+                sender.abort(str(exc))
+            else:
+                self._sending_ids.add(c.req_id)  # no room: reported finished as soon as vLLM finishes it
+
+    def _tokens(self, n: int) -> int:
+        """HND moves whole blocks: the prompt rounded up to them (cache.py)."""
+        bs = self.settings.block_size
+        return -(-n // bs) * bs if self.cache is not None and self.cache.whole_blocks else n
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVBridgeMetadata | None) -> None:
+        if meta is None:
+            return
+        for req_id in meta.aborts:
+            self._abort(req_id)
+        if self.is_prefill:
+            return
+        for r in meta.receives:
+            self._receive(r)
+
+    def _receive(self, r: Receive) -> None:
+        rec = self._recvs[r.req_id] = _Recv(r)
+        if r.error:
+            rec.failure = r.error
+            return
+        if self.endpoint is None:
+            rec.failure = "kvbridge decode endpoint not started (register_kv_caches was not called)"
+            return
+        if not self._free_slots:
+            rec.failure = f"all {len(self._aux['room'])} aux slots in use (raise kv_connector_extra_config.aux_slots)"
+            return
+        rec.aux_slot = self._free_slots.pop()
+        try:
+            rec.handle = self.endpoint.receiver(r.room, r.prefill_instance, self.dp_rank)
+            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page)
+        except KVBridgeError as exc:
+            rec.failure = str(exc)
+            if rec.handle is not None:
+                rec.handle.abort(str(exc))
+
+    def _abort(self, req_id: str) -> None:
+        sender = self._senders.get(req_id)
+        if sender is not None:
+            sender.abort(f"request {req_id} aborted by vLLM")
+            self._finished.add(req_id)
+        rec = self._recvs.get(req_id)
+        if rec is not None and rec.handle is not None:
+            rec.handle.abort(f"request {req_id} aborted by vLLM")
+
+    # -- both: what is done -------------------------------------------------------------------
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` of this step."""
+        if self.is_prefill:
+            return self._finished_sending(finished_req_ids), set(), set()
+        return set(), self._finished_recving(), set()
+
+    def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        self._finished.update(finished_req_ids)
+        done = set()
+        for req_id in list(self._finished):
+            if req_id in self._sending_ids:
+                self._sending_ids.discard(req_id)
+                self._finished.discard(req_id)
+                done.add(req_id)
+                continue
+            sender = self._senders.get(req_id)
+            if sender is None:
+                self._finished.discard(req_id)  # not ours (vLLM passes every finished request)
+                continue
+            state = sender.poll()
+            if state not in FINAL:
+                continue
+            if state == KVPoll.Failed:
+                log.warning("kvbridge prefill %s: request %s: %s", self.label, req_id, sender.failure_reason)
+            self._keep_stats(req_id, sender.stats)
+            if state != KVPoll.Failed and self.settings.trace:
+                log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
+            sender.close()
+            del self._senders[req_id]
+            self._finished.discard(req_id)
+            done.add(req_id)
+        return done
+
+    def _finished_recving(self) -> set[str]:
+        done = set()
+        for req_id, rec in list(self._recvs.items()):
+            if rec.handle is not None and not rec.failure:
+                state = rec.handle.poll()
+                if state == KVPoll.Success:
+                    self._keep_stats(req_id, rec.handle.stats)
+                    if self.settings.trace:
+                        log.info("kvbridge decode %s: request %s received: %s", self.label, req_id,
+                                 _stats_line(rec.handle.stats))
+                    self._release(req_id, rec)
+                    done.add(req_id)
+                    continue
+                if state != KVPoll.Failed:
+                    continue
+                rec.failure = rec.handle.failure_reason or "room failed"
+            if rec.handle is not None and not rec.handle.pages_releasable:
+                continue  # a write may still land in these blocks (hard rule 6)
+            log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
+                        rec.receive.room, rec.failure)
+            self._load_errors.update(rec.receive.block_ids)
+            self._release(req_id, rec)
+            done.add(req_id)
+        return done
+
+    def _keep_stats(self, req_id: str, stats: dict[str, Any]) -> None:
+        self.room_stats[req_id] = dict(stats)
+        while len(self.room_stats) > STATS_KEPT:
+            self.room_stats.popitem(last=False)
+
+    def _release(self, req_id: str, rec: _Recv) -> None:
+        if rec.handle is not None:
+            rec.handle.close()
+        if rec.aux_slot is not None:
+            self._free_slots.append(rec.aux_slot)
+        del self._recvs[req_id]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        for rec in self._recvs.values():
+            if rec.handle is not None:
+                rec.handle.close()
+        self._senders, self._recvs = {}, {}
+        if self.endpoint is not None:
+            try:
+                self.endpoint.close(timeout=2.0)
+            except KVBridgeError as exc:
+                log.warning("closing kvbridge %s: %s", self.label, exc)
+            self.endpoint = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def _stats_line(stats: dict[str, Any]) -> str:
+    keys = ("bytes", "slices", "transfer_s", "total_s", "paths")
+    return " ".join(f"{k}={stats[k]}" for k in keys if k in stats)

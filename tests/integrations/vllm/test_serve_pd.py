@@ -1,0 +1,215 @@
+"""The test a user trusts: real ``vllm serve`` processes with kvbridge's connector.
+
+A real bootstrap daemon (``kvbridge bootstrap``), a prefill server (``kv_producer``) and a
+decode server (``kv_consumer``) started with ``--kv-transfer-config`` exactly as docs/vllm.md
+has a user type it, ``kvbridge vllm-proxy`` in front, and a colocated server (no connector) as
+the reference, all on a tiny random-weight Llama-shaped GQA model built here (no downloads).
+
+- greedy tokens through the proxy equal the colocated server's, for a batch of prompts of several
+  lengths sent at once, including prefix-cache hits on decode; decode's own counters show that it
+  computed no prompt token itself (every one came over kvbridge or from its prefix cache);
+- a decode whose block size or dtype differs from prefill's is refused at start-up, naming the
+  field, and never becomes healthy;
+- prefill killed with a room pending, and decode killed mid-generation, both end in errors within
+  a bound; nothing is served as a success.
+
+vLLM start-up dominates the wall time (about 50 s for one server alone on 2 cores, 2-3 min for
+three at once): the servers are started once for the module, in parallel.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: make test-vllm")
+
+from kvbridge.transfer.engine import mooncake_available  # noqa: E402
+
+if not mooncake_available():
+    pytest.skip("Mooncake not installed", allow_module_level=True)
+
+from _vllm_model import LLAMA_GQA, build_model  # noqa: E402
+from _vllm_serve import (BLOCK_SIZE, Proxy, VllmServer, complete, prompt, sources, start_all, tokens_of,  # noqa: E402
+                         transfer_config)
+
+from kvbridge.cli.vllm_proxy import prefill_request  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+ERROR_BOUND_S = 90.0  # a failed room must end the request within this
+
+
+# Lengths in tokens before BOS: under a block, a block's worth around the boundary, several blocks.
+LENGTHS = (4, BLOCK_SIZE - 2, BLOCK_SIZE - 1, BLOCK_SIZE, 2 * BLOCK_SIZE + 5, 200)
+SHARED = prompt(3 * BLOCK_SIZE, salt=99)  # the prefix of the prefix-hit prompts (3 whole blocks)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("model") / "tiny-llama", LLAMA_GQA)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def bootstrap(module_daemons):
+    return module_daemons("--lease-ttl", "10")
+
+
+def _producer(name: str, model: Path, workdir: Path, url: str) -> VllmServer:
+    return VllmServer(name, workdir, model, "--kv-transfer-config",
+                      transfer_config("kv_producer", {"bootstrap_url": url, "instance": name}))  # fmt: skip
+
+
+def _consumer(name: str, model: Path, workdir: Path, url: str, *args: str) -> VllmServer:
+    return VllmServer(name, workdir, model, *args, "--kv-transfer-config",
+                      transfer_config("kv_consumer", {"bootstrap_url": url, "instance": name,
+                                                      "prefill_instance": "prefill-0"}))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path, workdir: Path, bootstrap):
+    """colocated (no connector), prefill-0, decode-0 and the proxy in front of the pair."""
+    servers = {"colocated": VllmServer("colocated", workdir, model),
+               "prefill-0": _producer("prefill-0", model, workdir, bootstrap.url),
+               "decode-0": _consumer("decode-0", model, workdir, bootstrap.url)}  # fmt: skip
+    started = time.monotonic()
+    start_all(list(servers.values()))
+    print(f"three vllm servers healthy {time.monotonic() - started:.0f}s after start")
+    proxy = Proxy(workdir, [servers["prefill-0"].url], [servers["decode-0"].url]).start().wait_ready()
+    yield servers, proxy
+    proxy.stop()
+    for s in servers.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def late_servers(cluster, model: Path, workdir: Path, bootstrap):
+    """Started after the first test, together: two decode servers that differ from prefill-0
+    (block size, dtype) and prefill-1, the one the prefill-death test kills."""
+    refused = {"block_size": _consumer("decode-bs64", model, workdir, bootstrap.url, "--block-size", "64"),
+               "dtype": _consumer("decode-fp32", model, workdir, bootstrap.url, "--dtype", "float32")}  # fmt: skip
+    prefill_1 = _producer("prefill-1", model, workdir, bootstrap.url)
+    for s in (*refused.values(), prefill_1):
+        s.start()
+    try:
+        prefill_1.wait_ready()
+        yield refused, prefill_1
+    finally:
+        for s in (*refused.values(), prefill_1):
+            s.stop()
+
+
+def test_disaggregated_tokens_equal_colocated(cluster):
+    servers, proxy = cluster
+    decode = servers["decode-0"].url
+    prompts = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
+    hits = [SHARED + " " + prompt(n, salt=50 + n) for n in (3, BLOCK_SIZE + 7)]  # share 3 blocks with SHARED
+    want = {p: tokens_of(complete(servers["colocated"].url, p, 16)) for p in [*prompts, SHARED, *hits]}
+    assert len({tuple(t) for t in want.values()}) == len(want)  # the model's output depends on the context
+
+    before = sources(decode)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:  # one batch, as decode schedules it
+        got = dict(zip(prompts, pool.map(lambda p: tokens_of(complete(proxy.url, p, 16)), prompts)))
+    got[SHARED] = tokens_of(complete(proxy.url, SHARED, 16))  # decode caches its 3 blocks
+    for p in hits:
+        got[p] = tokens_of(complete(proxy.url, p, 16))
+    got["again"] = tokens_of(complete(proxy.url, hits[-1], 16))  # the same prompt twice: a hit on both sides
+    assert got.pop("again") == want[hits[-1]]
+    assert got == want
+
+    after = sources(decode)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    num_prompt_tokens = sum(len(p.split()) + 1 for p in [*prompts, SHARED, *hits, hits[-1]])  # + BOS each
+    assert delta["local_compute"] == 0, delta  # decode computed no prompt token itself
+    assert delta["local_cache_hit"] >= 3 * BLOCK_SIZE * (len(hits) + 1), delta  # the shared blocks stayed home
+    assert delta["local_cache_hit"] + delta["external_kv_transfer"] == num_prompt_tokens, delta
+    servers["colocated"].stop()  # its answers are taken; free the cores for the servers still to start
+
+
+@pytest.mark.parametrize("field, diff", [
+    ("block_size", "pools.kv.page_size: prefill 32 != decode 64"),
+    ("dtype", "pools.kv.dtype: prefill 'bfloat16' != decode 'float32'"),
+], ids=["block_size", "dtype"])  # fmt: skip
+def test_a_mismatched_decode_is_refused_at_start_up_naming_the_field(late_servers, bootstrap, field, diff):
+    refused, _ = late_servers
+    server = refused[field]
+    deadline = time.monotonic() + 420.0
+    while time.monotonic() < deadline and server.alive() and "ContractMismatch" not in server.log_tail(10**6):
+        try:  # never healthy: the refusal comes before the engine serves
+            assert httpx.get(f"{server.url}/health", timeout=1.0, trust_env=False).status_code != 200
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    log = server.log_tail(10**6)
+    assert "kvbridge.errors.ContractMismatch: decode " in log, log[-4000:]
+    assert "does not match prefill instance 'prefill-0': " in log and diff in log, log[-4000:]
+    assert f"{bootstrap.url}/diagnostics" in log  # where the field-by-field page is
+    server.stop()
+    assert server.proc.returncode != 0
+
+
+def test_prefill_killed_with_a_room_pending_fails_the_decode_request(cluster, late_servers):
+    """The proxy's first step (its own prefill_request) against prefill-1, which is then killed
+    before decode asks for the room: decode's request ends in an error, not in tokens."""
+    servers, _ = cluster
+    _, prefill_1 = late_servers
+    body = {"model": "tiny", "prompt": prompt(2 * BLOCK_SIZE + 3, salt=7), "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    r = httpx.post(f"{prefill_1.url}/v1/completions", json=prefill_request(body, room=(1 << 62) + 17), timeout=60.0,
+                   trust_env=False)  # fmt: skip
+    params = r.json()["kv_transfer_params"]
+    assert params["kvbridge_instance"] == "prefill-1" and params["kvbridge_room"] == (1 << 62) + 17, params
+    prefill_1.kill()
+    started = time.monotonic()
+    d = httpx.post(f"{servers['decode-0'].url}/v1/completions", json={**body, "kv_transfer_params": params},
+                   timeout=ERROR_BOUND_S, trust_env=False)  # fmt: skip
+    assert time.monotonic() - started < ERROR_BOUND_S
+    # vLLM's kv_load_failure_policy "fail" (its default): the request ends as an internal error
+    assert d.status_code == 500, d.text[:2000]
+    log = servers["decode-0"].log_tail(10**7)
+    assert f"(room {(1 << 62) + 17}): KV load failed: prefill rank prefill-1/cp0" in log, log[-4000:]
+    # decode lives on and serves the next room from prefill-0
+    again = prompt(BLOCK_SIZE + 1, salt=8)
+    assert len(tokens_of(complete(cluster[1].url, again, 8))) == 8
+
+
+def test_decode_killed_mid_request_ends_in_errors(cluster):
+    servers, proxy = cluster
+    body = {"model": "tiny", "prompt": prompt(40, salt=11), "max_tokens": 400, "temperature": 0.0,
+            "ignore_eos": True}  # fmt: skip
+    with cf.ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(httpx.post, f"{proxy.url}/v1/completions", json=body, timeout=ERROR_BOUND_S,
+                            trust_env=False)  # fmt: skip
+        events: list[str] = []
+        with httpx.stream("POST", f"{proxy.url}/v1/completions", json={**body, "stream": True},
+                          timeout=ERROR_BOUND_S, trust_env=False) as stream:  # fmt: skip
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 3:  # decoding: kill decode mid-generation
+                    servers["decode-0"].kill()
+                    break
+            try:
+                events.extend(line for line in lines if line.startswith("data: "))
+            except httpx.HTTPError:
+                pass  # the connection may break instead of ending: an error either way
+        assert "data: [DONE]" not in events  # cut short, never a complete answer
+        finished = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events if e != "data: [DONE]"]
+        assert "length" not in finished and "stop" not in finished
+        resp = plain.result(timeout=ERROR_BOUND_S)
+    assert resp.status_code == 502 and "decode" in resp.json()["error"]["message"], resp.text[:2000]
+    assert proxy.alive()
+    assert servers["prefill-0"].alive()
+    assert httpx.get(f"{servers['prefill-0'].url}/health", timeout=5.0, trust_env=False).status_code == 200

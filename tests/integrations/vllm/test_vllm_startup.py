@@ -1,0 +1,111 @@
+"""What the connector refuses when vLLM builds it, by name, before any request: in one
+process, with vLLM's real config objects and its own KV tensor allocation."""
+
+from __future__ import annotations
+
+import pytest
+
+import _vllm_config as C
+from kvbridge import ConfigError
+
+URL = {"bootstrap_url": "http://127.0.0.1:9"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return C.model_dir(tmp_path_factory.mktemp("m"), "gqa")
+
+
+def _scheduler_side(vc):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge.integrations.vllm import KVBridgeConnector
+
+    return KVBridgeConnector(vc, KVConnectorRole.SCHEDULER, C.kv_cache_config(vc, 64))
+
+
+def test_vllm_factory_loads_the_connector_by_module_path(model):
+    """The JSON a user types selects our class through vLLM's own factory."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    vc = C.vllm_config(model, "kv_producer", URL)
+    cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
+    assert cls.__name__ == "KVBridgeConnector" and cls.__module__ == "kvbridge.integrations.vllm.connector"
+
+
+@pytest.mark.parametrize("role,extra,field", [
+    ("kv_both", URL, "kv_role"),
+    ("kv_producer", {}, "kv_connector_extra_config.bootstrap_url"),
+    ("kv_producer", {**URL, "bootstarp_url": "x"}, "kv_connector_extra_config.bootstarp_url"),
+    ("kv_producer", {**URL, "staging": "sometimes"}, "kv_connector_extra_config.staging"),
+    ("kv_consumer", {**URL, "peer_timeout": "soon"}, "kv_connector_extra_config.peer_timeout"),
+])  # fmt: skip
+def test_bad_settings_refused_by_name(model, monkeypatch, role, extra, field):
+    monkeypatch.delenv("KVBRIDGE_BOOTSTRAP_URL", raising=False)
+    vc = C.vllm_config(model, role, extra)
+    with pytest.raises(ConfigError) as err:
+        _scheduler_side(vc)
+    assert err.value.field == field
+
+
+def test_pipeline_parallel_refused(model):
+    from kvbridge.integrations.vllm.settings import read_settings
+
+    vc = C.vllm_config(model, "kv_producer", URL)
+    vc.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline parallelism") as err:
+        read_settings(vc)
+    assert err.value.field == "parallel_config.pipeline_parallel_size"
+
+
+def test_hybrid_model_refused(model):
+    """A sliding-window group beside the full-attention one (the hybrid manager's shape)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvbridge.integrations.vllm import KVBridgeConnector
+
+    vc = C.vllm_config(model, "kv_producer", URL)
+    kvcc = C.kv_cache_config(vc, 64)
+    kvcc.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.9.self_attn.attn"], SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)))
+    with pytest.raises(ConfigError, match="hybrid model") as err:
+        KVBridgeConnector(vc, KVConnectorRole.SCHEDULER, kvcc)
+    assert err.value.field == "kv_cache_config.kv_cache_groups"
+
+
+@pytest.mark.parametrize("layout,pool,per_token", [("LBNHC", "kv", 2 * 256), ("LBHNC", "kv", 2 * 256)])
+def test_vllm_tensors_read_as_one_pool(model, layout, pool, per_token):
+    """vLLM's own allocation: one buffer per layer, keyed by the layer index in its name."""
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvbridge.integrations.vllm.cache import pool_spec, read_kv_caches
+
+    vc = C.vllm_config(model, "kv_producer", URL, layout=layout)
+    kvcc = C.kv_cache_config(vc, 64)
+    caches = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout[layout])
+    cache = read_kv_caches(caches, kvcc.num_blocks, 16, is_mla=False)
+    assert cache.layout == layout and [b.layer_id for b in cache.layers] == [0, 1, 2]
+    first = caches["model.layers.1.self_attn.attn"]
+    assert cache.layers[1].ptr == first.data_ptr() and cache.layers[1].nbytes == kvcc.num_blocks * cache.block_bytes
+    spec = pool_spec(cache, 2, 1, 0)
+    assert (spec.name, spec.bytes_per_token, spec.page_size) == (pool, per_token, 16)
+
+
+def test_cross_layer_layout_refused(model):
+    """Block-outermost layouts put every layer's page of a block together: refused by name."""
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvbridge.integrations.vllm.cache import read_kv_caches
+
+    vc = C.vllm_config(model, "kv_producer", URL, layout="BLNHC")
+    kvcc = C.kv_cache_config(vc, 64)
+    caches = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout.BLNHC)
+    with pytest.raises(ConfigError) as err:
+        read_kv_caches(caches, kvcc.num_blocks, 16, is_mla=False)
+    assert err.value.field == "kv_cache_layout"
