@@ -474,7 +474,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for (alloc, n), groups in sorted(by_key.items()):
         mc = groups.get("mooncake-nvlink") or groups.get("mooncake-tcp") or {}
         ipc = groups.get("ipc") or groups.get("auto") or {}
-        any_row = mc or ipc
+        any_row = mc or ipc or next(iter(groups.values()))  # a run of other groups only (--groups nixl)
         ratio = ipc.get("kvbridge_gbps") / mc["raw_gbps"] if ipc.get("kvbridge_gbps") and mc.get("raw_gbps") else None
         ok = all(not g["verify_errors"] and not g["kvbridge_failures"] and g["rooms_verified"] for g in groups.values())
         lines.append(
