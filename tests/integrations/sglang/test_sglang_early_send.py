@@ -77,7 +77,9 @@ def scheduler(req_to_token: torch.Tensor) -> types.SimpleNamespace:
 
 @pytest.fixture
 def pair(daemon):
-    p = Pair(daemon.url, "early")
+    # no peer dies here, and the test holds the transfer for 1 s on purpose: a loaded machine must not
+    # read that pause as a dead decode rank (CHILD_ENV's 1 s peer timeout is for the tests that kill one)
+    p = Pair(daemon.url, "early", env={"KVBRIDGE_PEER_TIMEOUT": "10"})
     yield p
     p.close()
 
