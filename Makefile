@@ -40,18 +40,12 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/vllm-requirements.tx
 
 setup-vllm: $(VLLM_STAMP)
 
-# Everything but the SGLang and vLLM tests in .venv, those in .venv-sglang and .venv-vllm, side by
-# side (the suites mostly wait on the processes they start); each prints its own summary, and the
-# target fails when any fails. The two engine venvs are built side by side too (downloads and
-# unpacking overlap; each behind its stamp, so a built one costs nothing).
+# Everything but the SGLang and vLLM tests in .venv (two shards: tests/transfer and the rest),
+# started at once; the SGLang and vLLM venvs are built beside it (each behind its stamp), then
+# their suites run in them. Each suite prints its own summary; the target fails when any fails
+# (scripts/run_tests.sh).
 test: setup
-	@$(MAKE) --no-print-directory -j2 setup-sglang setup-vllm
-	@$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider $(SGLANG_TESTS) > .sglang-tests.log 2>&1 & sgl=$$!; \
-	KVBRIDGE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) > .vllm-tests.log 2>&1 & vll=$$!; \
-	$(PY) -m pytest -q --ignore=$(SGLANG_TESTS) --ignore=$(VLLM_TESTS); main=$$?; \
-	wait $$sgl; sglrc=$$?; echo "== SGLang suite (.venv-sglang)"; cat .sglang-tests.log; rm -f .sglang-tests.log; \
-	wait $$vll; vllrc=$$?; echo "== vLLM suite (.venv-vllm)"; cat .vllm-tests.log; rm -f .vllm-tests.log; \
-	test $$main = 0 && test $$sglrc = 0 && test $$vllrc = 0
+	@MAKE="$(MAKE)" VENV=$(VENV) SGLANG_VENV=$(SGLANG_VENV) VLLM_VENV=$(VLLM_VENV) bash scripts/run_tests.sh
 
 test-sglang: setup setup-sglang
 	$(SGLANG_VENV)/bin/python -m pytest -q $(SGLANG_TESTS)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `make test`: every suite, side by side, with the engines' venvs built beside the main suite.
+#
+# The main suite (.venv, built before this runs) starts at once, in two shards: tests/transfer
+# and the rest. Its tests mostly wait on the processes they start, so two shards use the two
+# cores where one left most of a core idle. Beside it, .venv-sglang and .venv-vllm are built
+# (each behind its stamp: a built one costs nothing), then the SGLang and vLLM suites start.
+# Each suite writes its own log; the logs are printed in a fixed order once all have ended,
+# each with its summary, and the script fails when any suite failed (or a venv failed to build).
+#
+# KVBRIDGE_TEST_SHARDS=1 runs the main suite as one process.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+MAKE=${MAKE:-make}
+SHARDS=${KVBRIDGE_TEST_SHARDS:-2}
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-tests.XXXXXX")
+trap 'rm -rf "$LOGS"' EXIT
+PYTEST=(-m pytest -q -p no:cacheprovider)
+ENGINE_SUITES=(--ignore=tests/integrations/sglang --ignore=tests/integrations/vllm)
+start=$(date +%s)
+
+declare -A pids=()
+run() {  # run NAME CMD...: in the background, output to its log, its exit code kept
+  local name=$1; shift
+  ( "$@" > "$LOGS/$name.log" 2>&1; echo $? > "$LOGS/$name.rc"; \
+    echo "$(( $(date +%s) - start ))" > "$LOGS/$name.end" ) &
+  pids[$name]=$!
+}
+
+if [ "$SHARDS" = 1 ]; then
+  run main "$VENV/bin/python" "${PYTEST[@]}" "${ENGINE_SUITES[@]}"
+  names=(main)
+else
+  # each shard its own --basetemp: two pytest processes share no temporary folder
+  run main-transfer "$VENV/bin/python" "${PYTEST[@]}" --basetemp="$LOGS/tmp-transfer" tests/transfer
+  run main-rest "$VENV/bin/python" "${PYTEST[@]}" --basetemp="$LOGS/tmp-rest" "${ENGINE_SUITES[@]}" \
+    --ignore=tests/transfer
+  names=(main-transfer main-rest)
+fi
+
+engines() {
+  "$MAKE" --no-print-directory -j2 setup-sglang setup-vllm > "$LOGS/engine-venvs.log" 2>&1 || {
+    echo "the SGLang / vLLM venvs failed to build:"; tail -40 "$LOGS/engine-venvs.log"; return 1; }
+  echo "engine venvs ready after $(( $(date +%s) - start )) s"
+  ( "$SGLANG_VENV/bin/python" "${PYTEST[@]}" tests/integrations/sglang > "$LOGS/sglang.log" 2>&1
+    echo $? > "$LOGS/sglang.rc" ) &
+  local sgl=$!
+  ( KVBRIDGE_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" "${PYTEST[@]}" tests/integrations/vllm > "$LOGS/vllm.log" 2>&1
+    echo $? > "$LOGS/vllm.rc" ) &
+  wait $sgl $!
+}
+run engines engines
+names+=(engines)
+
+for name in "${names[@]}"; do wait "${pids[$name]}"; done
+
+rc=0
+show() {  # show TITLE NAME
+  echo "== $1"
+  cat "$LOGS/$2.log" 2>/dev/null
+  local code; code=$(cat "$LOGS/$2.rc" 2>/dev/null || echo 1)
+  [ "$code" = 0 ] || { echo "-- $1 exited $code"; rc=1; }
+}
+for name in "${names[@]}"; do
+  [ "$name" = engines ] && continue
+  show "main suite: $name (.venv, ended after $(cat "$LOGS/$name.end") s)" "$name"
+done
+show "engine venvs" engines
+show "SGLang suite (.venv-sglang)" sglang
+show "vLLM suite (.venv-vllm)" vllm
+echo "== make test: $(( $(date +%s) - start )) s, $([ $rc = 0 ] && echo passed || echo FAILED)"
+exit $rc
