@@ -18,39 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import resource
 import socket
 import time
 
-from kvbridge.transfer.channel import ControlServer, Limits, PeerSet
+from _flood import ServerChild, ping_line, raise_nofile, source_address
+
+from kvbridge.transfer.channel import Limits
 from kvbridge.transfer.channel.frames import HEADER, frame
-from kvbridge.transfer.channel.wire import Heartbeat, Ping, auth_limit, codec
+from kvbridge.transfer.channel.wire import auth_limit, codec
 
 SECRET = b"postauth-flood-secret"
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def serve(ready: mp.Queue, stop: mp.Event) -> None:
-    server = ControlServer(secret=SECRET)
-    ready.put(server.port)
-    peak_buffered = peak_peers = 0
-    while not stop.is_set():
-        for peer, msg in server.recv_ready(50):
-            if isinstance(msg, Ping):
-                server.send(peer, Heartbeat(cp_rank=0, seq=msg.seq))
-        peak_buffered = max(peak_buffered, server.buffered_bytes)
-        peak_peers = max(peak_peers, server.num_peers)
-    ready.put({"stats": vars(server.stats), "peers_peak": peak_peers, "buffered_peak_mib":
-               round(peak_buffered / (1 << 20), 1), "limits": vars(server.limits)})
-    server.close()
 
 
 def attacker(port: int, source: str) -> socket.socket | None:
@@ -67,33 +44,16 @@ def attacker(port: int, source: str) -> socket.socket | None:
     return sock
 
 
-def real_rank_ping(port: int, timeout: float = 20.0) -> float | None:
-    peers = PeerSet(secret=SECRET, name="decode-rank-0")
-    try:
-        t0 = time.monotonic()
-        peers.send(f"tcp://127.0.0.1:{port}", Ping(decode_rank="d0", seq=1))
-        while time.monotonic() - t0 < timeout:
-            if any(isinstance(m, Heartbeat) for _, m in peers.recv_ready(50)):
-                return time.monotonic() - t0
-        return None
-    finally:
-        peers.close()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=4096, help="authenticated connections to open")
     ap.add_argument("--addresses", type=int, default=64, help="loopback source addresses the flood comes from")
     ap.add_argument("--hold-s", type=float, default=5.0, help="how long the flood pushes before RSS is read")
     args = ap.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.connections + 512)), hard))
-    ready, stop = mp.Queue(), mp.Event()
-    proc = mp.Process(target=serve, args=(ready, stop), daemon=True)
-    proc.start()
-    port = ready.get(timeout=30)
-    time.sleep(0.5)
-    before = rss_mib(proc.pid)
+    raise_nofile(args.connections + 512)
+    server = ServerChild(SECRET)
+    port = server.start()
+    before = server.rss_mib()
     print(f"server RSS before the flood: {before:.1f} MiB", flush=True)
     socks: list[socket.socket] = []
     chunk = b"\0" * (256 << 10)
@@ -101,8 +61,7 @@ def main() -> None:
     peak = before
     try:
         for i in range(args.connections):
-            n = i % args.addresses + 2
-            sock = attacker(port, f"127.0.{n // 256}.{n % 256}")
+            sock = attacker(port, source_address(i, args.addresses))
             if sock is not None:
                 socks.append(sock)
         print(f"{len(socks)} authenticated connections, each announcing a {auth_limit(4 << 20):,}-byte frame",
@@ -119,27 +78,22 @@ def main() -> None:
                     pushed += sock.send(chunk)
                 except OSError:  # kernel buffer full (the server reads no more), or closed
                     pass
-            peak = max(peak, rss_mib(proc.pid))
-        ping_s = real_rank_ping(port)
-        peak = max(peak, rss_mib(proc.pid))
+            peak = max(peak, server.rss_mib())
+        ping_s = server.real_rank_ping(port, timeout=20.0)
+        peak = max(peak, server.rss_mib())
         print(f"server RSS peak with {len(socks)} connections pushing partial frames: {peak:.1f} MiB "
               f"(+{peak - before:.1f} MiB); {pushed / (1 << 20):.0f} MiB pushed into sockets", flush=True)
-        print("real rank answered through the flood in "
-              + (f"{ping_s * 1000:.0f} ms" if ping_s is not None else "NEVER"), flush=True)
+        print(ping_line(ping_s), flush=True)
     finally:
         for sock in socks:
             sock.close()
-        stop.set()
-        summary = ready.get(timeout=60)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        summary = server.stop()
     limits = Limits()
     bound = len(socks) * limits.frame_allowance + limits.frame_budget
     print(json.dumps({"connections": len(socks), "addresses": args.addresses, "rss_before_mib": round(before, 1),
                       "rss_peak_mib": round(peak, 1), "rss_growth_mib": round(peak - before, 1),
                       "buffered_bound_mib": round(bound / (1 << 20), 1), "pushed_mib": round(pushed / (1 << 20), 1),
-                      "real_rank_ping_ms": None if ping_s is None else round(ping_s * 1000, 1), **summary}))
+                      "real_rank_ping_ms": None if ping_s is None else round(ping_s * 1000, 1), **{k: summary[k] for k in ("stats", "peers_peak", "buffered_peak_mib", "limits")}}))
 
 
 if __name__ == "__main__":
