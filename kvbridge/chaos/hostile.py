@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import selectors
 import signal
 import socket
 import tempfile
@@ -63,8 +62,10 @@ import numpy as np
 
 from kvbridge.chaos import hostile_identity
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
+from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
+                                            port_of, try_send)
 from kvbridge.chaos.traffic import Traffic
-from kvbridge.errors import ConfigError, ProtocolError
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.channel import Limits, PeerSet
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
@@ -202,9 +203,7 @@ class Hostile:
         # its connections name its own registration (as a decode rank's do), so that the request
         # passes the binding and meets the ownership proof
         peers = PeerSet(secret=self.c.secret.encode(), name=attacker["rank_id"])
-        reports: dict[int, list[str]] = {}  # what each prefill rank told the attacker
-        refusals: dict[str, str] = {}  # endpoint -> the ErrorReply's reason
-        replies: dict[str, Any] = {}
+        watch = RoomWatch(room, pending)  # what each prefill rank told the attacker
         try:
             pools = sorted({p["pool"] for p in victim["pools"]})
             req = wire.TransferRequest(
@@ -214,24 +213,17 @@ class Hostile:
             for cp_rank in range(len(self.c.prefill)):
                 peers.send(self.endpoint(cp_rank), req)
             deadline = time.monotonic() + self.spec.room_timeout
-            while len(replies) < len(pending) and len(refusals) < len(pending) and time.monotonic() < deadline:
+            while watch.open() and time.monotonic() < deadline:
                 for where, msg in peers.recv_ready(20):
                     if isinstance(msg, wire.Challenge):  # it cannot read the victim's scratch: its best guess
                         peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
-                    elif isinstance(msg, wire.ErrorReply):
-                        refusals[where] = msg.reason[:300]
-                    if isinstance(msg, wire.PagesDone) and msg.room == room:
-                        reports.setdefault(msg.cp_rank, []).append(msg.status if msg.status == "ok"
-                                                                   else f"failed: {msg.reason[:200]}")
-                for m, request_id in pending:
-                    m.client.poll(0.0)  # type: ignore[union-attr]
-                    reply = m.client.take(request_id)  # type: ignore[union-attr]
-                    if reply is not None:
-                        replies[m.name] = reply
+                    watch.note(where, msg)
+                watch.take_replies()
         finally:
             peers.close()
             httpx.delete(f"{self.c.url}/v1/ranks/{attacker['rank_id']}", timeout=5.0, trust_env=False,
                          headers={**self.auth, "X-KVBridge-Lease": attacker.get("lease_secret", "")})
+        reports, refusals, replies = watch.reports, watch.refusals, watch.replies
         prefill_bytes = {name: r.num_bytes if isinstance(r, ops.RoomResult) and r.ok else 0
                          for name, r in replies.items()}
         overwritten = int(self.c.stats(victim_m).get("late_writes", 0)) - before
@@ -247,7 +239,7 @@ class Hostile:
     def preauth_flood(self, out: Outcome) -> None:
         s, m = self.spec, self.c.prefill[0]
         out.target = m.name
-        port = _port(self.endpoint(0))
+        port = port_of(self.endpoint(0))
         stalled = HEADER.pack(HELLO_MAX_BYTES) + b"\0" * (HELLO_MAX_BYTES - 1)
         push = s.flood_push_mib << 20
         chunk = b"\0" * (256 << 10)
@@ -257,11 +249,11 @@ class Hostile:
         out.rss_before_mib = before
         try:
             for i in range(s.flood_connections):
-                sock = _connect(port, i, s.flood_addresses)
+                sock = connect(port, i, s.flood_addresses)
                 if sock is None:
                     continue
                 huge = i % s.flood_huge_every == 0
-                _try_send(sock, HEADER.pack(8 << 20) if huge else stalled)
+                try_send(sock, HEADER.pack(8 << 20) if huge else stalled)
                 socks.append((sock, huge))
                 pushed[sock] = 0
             result: list[tuple[bool, float, str]] = []
@@ -271,10 +263,10 @@ class Hostile:
             while room.is_alive() or time.monotonic() < hold_until:  # keep pushing the announced bodies
                 for sock, huge in socks:
                     if huge and pushed[sock] < push:
-                        pushed[sock] += _try_send(sock, chunk)
+                        pushed[sock] += try_send(sock, chunk)
                 peak = max(peak, self.rss(m) or 0.0)
                 time.sleep(0.05)
-            closed = sum(1 for sock, _ in socks if _closed(sock))
+            n_closed = sum(1 for sock, _ in socks if closed(sock))
         finally:
             for sock, _ in socks:
                 sock.close()
@@ -285,7 +277,7 @@ class Hostile:
         out.details = {"connections": len(socks), "addresses": s.flood_addresses, "held_s": s.flood_hold_s,
                        "bytes_pushed_mib": round(sum(pushed.values()) / (1 << 20), 1), "rss_peak_mib": peak,
                        "rss_growth_mib": growth, "rss_bound_mib": s.rss_bound_mib,
-                       "closed_by_server": closed, "room_during_flood_ok": ok, "room_seconds": seconds,
+                       "closed_by_server": n_closed, "room_during_flood_ok": ok, "room_seconds": seconds,
                        "room_failure": why}
         out.outcome = DEFENDED if ok and growth <= s.rss_bound_mib else VULNERABLE
 
@@ -295,14 +287,14 @@ class Hostile:
         s, m = self.spec, self.c.prefill[0]
         out.target = m.name
         out.rss_before_mib = self.rss(m)
-        port, limits = _port(self.endpoint(0)), Limits()
+        port, limits = port_of(self.endpoint(0)), Limits()
         details: dict[str, Any] = {}
-        hello_s = _dribble(port, b"", HEADER.pack(HELLO_MAX_BYTES), s.slow_wait_s)
+        hello_s = dribble(port, b"", HEADER.pack(HELLO_MAX_BYTES), s.slow_wait_s)
         details["before_hello"] = {"deadline_s": limits.hello_timeout, "closed_after_s": hello_s}
         ok = hello_s is not None and hello_s <= limits.hello_timeout + SLOW_SLACK_S
         if s.slow_authenticated:  # a 1 KiB frame, one byte a second: its deadline grows with its size
             due = limits.frame_deadline(1024)
-            frame_s = _dribble(port, b"", HEADER.pack(1024), max(s.slow_wait_s, due + 2 * SLOW_SLACK_S),
+            frame_s = dribble(port, b"", HEADER.pack(1024), max(s.slow_wait_s, due + 2 * SLOW_SLACK_S),
                                hello_secret=self.c.secret.encode())
             details["after_hello"] = {"deadline_s": round(due, 3), "closed_after_s": frame_s}
             ok = ok and frame_s is not None and frame_s <= due + SLOW_SLACK_S
@@ -316,7 +308,7 @@ class Hostile:
         s, m, decode = self.spec, self.c.prefill[0], self.c.decode[0]
         out.target = m.name
         out.rss_before_mib = self.rss(m)
-        holder = _Holder(_port(self.endpoint(0)), s.exhaust_connections, s.exhaust_addresses)
+        holder = Holder(port_of(self.endpoint(0)), s.exhaust_connections, s.exhaust_addresses)
         holder.start()
         try:
             holder.wait_filled(15.0)
@@ -416,10 +408,10 @@ class Hostile:
         s, m, decode = self.spec, self.c.prefill[0], self.c.decode[0]
         out.target = m.name
         out.rss_before_mib = peak = self.rss(m)
-        port, limits = _port(self.endpoint(0)), Limits()
+        port, limits = port_of(self.endpoint(0)), Limits()
         with socket.create_connection(("127.0.0.1", port), timeout=5.0) as real:  # the capture: a real
-            captured = _hello_for(real, self.c.secret.encode(), "decode-rank-captured")  # Hello off the wire
-        replayer = _Replayer(port, s.replay_connections, s.exhaust_addresses, captured,
+            captured = hello_for(real, self.c.secret.encode(), "decode-rank-captured")  # Hello off the wire
+        replayer = Replayer(port, s.replay_connections, s.exhaust_addresses, captured,
                              limits.hello_timeout + SLOW_SLACK_S)
         replayer.start()
         try:
@@ -444,7 +436,7 @@ class Hostile:
     def postauth_partial(self, out: Outcome) -> None:
         s, m, limits = self.spec, self.c.prefill[0], Limits()
         out.target = m.name
-        port, secret = _port(self.endpoint(0)), self.c.secret.encode()
+        port, secret = port_of(self.endpoint(0)), self.c.secret.encode()
         socks: list[socket.socket] = []
         pushed: dict[socket.socket, int] = {}
         peak = before = self.rss(m) or 0.0
@@ -453,8 +445,8 @@ class Hostile:
         announce = HEADER.pack(wire.auth_limit(wire.MAX_MESSAGE_BYTES))  # the largest frame it takes
         try:
             for i in range(s.postauth_connections):
-                sock = _authenticated(port, i, s.postauth_addresses, secret, f"hostile-partial-{i}")
-                if sock is not None and _try_send(sock, announce):
+                sock = authenticated(port, i, s.postauth_addresses, secret, f"hostile-partial-{i}")
+                if sock is not None and try_send(sock, announce):
                     socks.append(sock)
                     pushed[sock] = 0
             result: list[tuple[bool, float, str]] = []
@@ -463,10 +455,10 @@ class Hostile:
             hold_until = time.monotonic() + s.flood_hold_s
             while room.is_alive() or time.monotonic() < hold_until:
                 for sock in socks:
-                    pushed[sock] += _try_send(sock, chunk)
+                    pushed[sock] += try_send(sock, chunk)
                 peak = max(peak, self.rss(m) or 0.0)
                 time.sleep(0.02)
-            closed = sum(1 for sock in socks if _closed(sock))
+            n_closed = sum(1 for sock in socks if closed(sock))
         finally:
             for sock in socks:
                 sock.close()
@@ -481,7 +473,7 @@ class Hostile:
         out.details = {"connections": len(socks), "addresses": s.postauth_addresses,
                        "announced_bytes": wire.auth_limit(wire.MAX_MESSAGE_BYTES),
                        "bytes_pushed_mib": round(sum(pushed.values()) / (1 << 20), 1), "rss_peak_mib": peak,
-                       "rss_growth_mib": growth, "rss_bound_mib": bound, "closed_by_server": closed,
+                       "rss_growth_mib": growth, "rss_bound_mib": bound, "closed_by_server": n_closed,
                        "room_during_flood_ok": ok, "room_seconds": seconds, "room_failure": why}
         out.outcome = DEFENDED if ok and growth <= bound else VULNERABLE
 
@@ -490,13 +482,13 @@ class Hostile:
     def mac_flood(self, out: Outcome) -> None:
         s, m, limits = self.spec, self.c.prefill[0], Limits()
         out.target = m.name
-        port, secret = _port(self.endpoint(0)), self.c.secret.encode()
+        port, secret = port_of(self.endpoint(0)), self.c.secret.encode()
         out.rss_before_mib = peak = self.rss(m) or 0.0
         bad = frame(wire.codec(b"not-the-cluster-secret").encode(wire.Ping(decode_rank="hostile", seq=0)))
         burst = bad * 2000
         cpu0 = _cpu_seconds(m.pid)  # type: ignore[arg-type]
         live: list[socket.socket] = []
-        opened = closed = frames = 0
+        opened = n_closed = frames = 0
         result: list[tuple[bool, float, str]] = []
         room = threading.Thread(target=lambda: result.append(self.room_ok()), daemon=True)
         t0 = time.monotonic()
@@ -504,16 +496,16 @@ class Hostile:
             room.start()
             while room.is_alive() or time.monotonic() < t0 + s.flood_hold_s:
                 while len(live) < s.mac_flood_connections:
-                    sock = _authenticated(port, opened, s.flood_addresses, secret, f"hostile-mac-{opened}")
+                    sock = authenticated(port, opened, s.flood_addresses, secret, f"hostile-mac-{opened}")
                     opened += 1
                     if sock is None:
                         break
                     live.append(sock)
                 for sock in list(live):
-                    sent = _try_send(sock, burst)
+                    sent = try_send(sock, burst)
                     frames += sent // len(bad)
-                    if _closed(sock):
-                        closed += 1
+                    if closed(sock):
+                        n_closed += 1
                         live.remove(sock)
                         sock.close()
                 peak = max(peak, self.rss(m) or 0.0)
@@ -521,8 +513,8 @@ class Hostile:
             until = time.monotonic() + 2 * SLOW_SLACK_S  # the last ones' frames are still being read
             while live and time.monotonic() < until:
                 for sock in list(live):
-                    if _closed(sock):
-                        closed += 1
+                    if closed(sock):
+                        n_closed += 1
                         live.remove(sock)
                         sock.close()
                 time.sleep(0.05)
@@ -533,7 +525,7 @@ class Hostile:
         cpu = (_cpu_seconds(m.pid) or 0.0) - (cpu0 or 0.0)  # type: ignore[arg-type]
         out.rss_after_mib = self.rss(m)
         ok, seconds, why = result[0] if result else (False, 0.0, "room thread failed")
-        out.details = {"connections_opened": opened, "closed_by_server": closed, "left_open": len(live),
+        out.details = {"connections_opened": opened, "closed_by_server": n_closed, "left_open": len(live),
                        "max_bad_macs": limits.max_bad_macs, "bad_frames_pushed": frames,
                        "target_cpu_s": round(cpu, 2), "flood_s": round(seconds_flooded, 1), "rss_peak_mib": peak,
                        "room_during_flood_ok": ok, "room_seconds": seconds, "room_failure": why}
@@ -610,206 +602,6 @@ def format_hostile(report: dict[str, Any]) -> str:
     lines += [f"  - {p}" for p in report["problems"]]
     lines += [f"  {a['attack']}: {a['error']}" for a in report["attacks"] if a["error"]]
     return "\n".join(lines)
-
-
-# ---- sockets ----------------------------------------------------------------------------------
-def _port(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
-
-
-def _source(i: int, addresses: int) -> str:
-    n = i % addresses + 2
-    return f"127.0.{n // 256}.{n % 256}"
-
-
-def _connect(port: int, i: int, addresses: int) -> socket.socket | None:
-    try:
-        sock = socket.create_connection(("127.0.0.1", port), timeout=2.0, source_address=(_source(i, addresses), 0))
-    except OSError:
-        return None
-    sock.setblocking(False)
-    return sock
-
-
-def _try_send(sock: socket.socket, data: bytes) -> int:
-    try:
-        return sock.send(data)
-    except OSError:  # the kernel buffer is full, or the server closed it: the attack goes on
-        return 0
-
-
-def _closed(sock: socket.socket) -> bool:
-    """The server closed (or reset) this non-blocking socket (what it sent before, such as its
-    hello challenge, is read and dropped)."""
-    try:
-        for _ in range(16):
-            if sock.recv(65536) == b"":
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return False
-
-
-def _dribble(port: int, first: bytes, dribble: bytes, wait_s: float, hello_secret: bytes | None = None) -> float | None:
-    """Send ``first`` (after a valid Hello when ``hello_secret`` is given), then ``dribble`` one
-    byte a second (then keep the frame open); seconds until the server closed the connection,
-    or None if it had not after ``wait_s``."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
-    t0 = time.monotonic()
-    try:
-        if hello_secret is not None:
-            sock.sendall(_hello_for(sock, hello_secret, "hostile-slow"))
-            t0 = time.monotonic()
-        sock.sendall(first)
-        sock.setblocking(False)
-        i = 0
-        while time.monotonic() - t0 < wait_s:
-            if i < len(dribble):
-                if _try_send(sock, dribble[i:i + 1]) == 0 and _closed(sock):
-                    return round(time.monotonic() - t0, 2)
-                i += 1
-            else:
-                _try_send(sock, b"\0")  # the frame's body, still one byte a second
-            with selectors.DefaultSelector() as sel:
-                sel.register(sock, selectors.EVENT_READ)
-                if sel.select(1.0) and _closed(sock):
-                    return round(time.monotonic() - t0, 2)
-        return None
-    finally:
-        sock.close()
-
-
-class _Holder:
-    """Keeps ``n`` idle connections open (re-opening those the server closes) until stopped."""
-
-    SWEEP_S = 0.25
-    REOPEN_PER_SWEEP = 400  # bounds the connect storm on a small host
-
-    def __init__(self, port: int, n: int, addresses: int) -> None:
-        self.port, self.n, self.addresses = port, n, addresses
-        self.socks: list[socket.socket] = []
-        self.connects = self.failures = self.closed_by_server = self.peak_open = 0
-        self._stop = threading.Event()
-        self._filled = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hostile-holder", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def wait_filled(self, timeout: float) -> None:
-        self._filled.wait(timeout)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30.0)
-        for sock in self.socks:
-            sock.close()
-        self.socks.clear()
-
-    def _run(self) -> None:
-        first = True
-        while not self._stop.is_set():
-            alive = []
-            for sock in self.socks:
-                if _closed(sock):
-                    self.closed_by_server += 1
-                    sock.close()
-                else:
-                    alive.append(sock)
-            self.socks = alive
-            budget = self.n if first else self.REOPEN_PER_SWEEP
-            while len(self.socks) < self.n and budget > 0 and not self._stop.is_set():
-                sock = _connect(self.port, self.connects, self.addresses)
-                self.connects += 1
-                budget -= 1
-                if sock is None:
-                    self.failures += 1
-                else:
-                    self.socks.append(sock)
-            self.peak_open = max(self.peak_open, len(self.socks))
-            first = False
-            self._filled.set()
-            self._stop.wait(self.SWEEP_S)
-
-
-def _hello_for(sock: socket.socket, secret: bytes, name: str) -> bytes:
-    """Read the server's challenge on ``sock`` (blocking) and return the framed valid Hello that
-    answers it: what a real rank sends, and what a capture of its connection would hold."""
-    (size,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
-    nonce = wire.codec(secret).open_challenge(sock.recv(size, socket.MSG_WAITALL)).nonce
-    return frame(wire.codec(secret).hello(name, nonce))
-
-
-def _authenticated(port: int, i: int, addresses: int, secret: bytes, name: str) -> socket.socket | None:
-    """A non-blocking connection that answered its challenge with a valid Hello (the attacker
-    holds the secret), or None."""
-    sock = _connect(port, i, addresses)
-    if sock is None:
-        return None
-    try:
-        sock.settimeout(5.0)
-        sock.sendall(_hello_for(sock, secret, name))
-        sock.setblocking(False)
-    except (OSError, ProtocolError):
-        sock.close()
-        return None
-    return sock
-
-
-class _Replayer:
-    """Keeps ``n`` connections open that each sent ``captured`` (one real connection's Hello)
-    first, re-opening those the server closes, until stopped; ``held_peak``: the most that
-    were open ``held_after`` seconds after they sent it (a replay the server took as a peer)."""
-
-    SWEEP_S = 0.25
-    REOPEN_PER_SWEEP = 200  # bounds the connect storm on a small host
-
-    def __init__(self, port: int, n: int, addresses: int, captured: bytes, held_after: float) -> None:
-        self.port, self.n, self.addresses, self.captured, self.held_after = port, n, addresses, captured, held_after
-        self.socks: dict[socket.socket, float] = {}  # socket -> when it sent the replay
-        self.connects = self.failures = self.closed_by_server = self.peak_open = self.held_peak = 0
-        self._stop = threading.Event()
-        self._filled = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hostile-replayer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def wait_filled(self, timeout: float) -> None:
-        self._filled.wait(timeout)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30.0)
-        for sock in self.socks:
-            sock.close()
-        self.socks.clear()
-
-    def _run(self) -> None:
-        first = True
-        while not self._stop.is_set():
-            now = time.monotonic()
-            for sock in [s for s in self.socks if _closed(s)]:
-                self.closed_by_server += 1
-                del self.socks[sock]
-                sock.close()
-            self.held_peak = max(self.held_peak, sum(1 for t in self.socks.values() if now - t > self.held_after))
-            budget = self.n if first else self.REOPEN_PER_SWEEP
-            while len(self.socks) < self.n and budget > 0 and not self._stop.is_set():
-                sock = _connect(self.port, self.connects, self.addresses)
-                self.connects += 1
-                budget -= 1
-                if sock is None:
-                    self.failures += 1
-                    continue
-                _try_send(sock, self.captured)
-                self.socks[sock] = time.monotonic()
-            self.peak_open = max(self.peak_open, len(self.socks))
-            first = False
-            self._filled.set()
-            self._stop.wait(self.SWEEP_S)
 
 
 def _cpu_seconds(pid: int | None) -> float | None:

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvbridge.chaos.hostile_sockets import RoomWatch
 from kvbridge.chaos.spellings import spellings
 from kvbridge.errors import EngineError
 from kvbridge.transfer.channel import PeerSet, wire
@@ -99,9 +100,7 @@ def act_for(h: Hostile, victim: dict[str, Any], rank_id: str, label: str, key: P
     room = h.next_room()
     pending = [(m, h.submit(m, ops.Prefill(room, h.spec.tokens, 0))) for m in h.c.prefill]
     peers = PeerSet(secret=h.c.secret.encode(), name=rank_id)
-    refusals: dict[str, str] = {}
-    reports: dict[int, list[str]] = {}
-    replies: dict[str, Any] = {}
+    watch = RoomWatch(room, pending)
     echoed = signed = 0
     try:
         req = wire.TransferRequest(
@@ -111,7 +110,7 @@ def act_for(h: Hostile, victim: dict[str, Any], rank_id: str, label: str, key: P
         for cp_rank in range(len(h.c.prefill)):
             peers.send(h.endpoint(cp_rank), req)
         deadline = time.monotonic() + h.spec.room_timeout
-        while len(replies) < len(pending) and len(refusals) < len(pending) and time.monotonic() < deadline:
+        while watch.open() and time.monotonic() < deadline:
             for where, msg in peers.recv_ready(20):
                 if isinstance(msg, wire.KeyChallenge):  # its best: a signature by a key it holds
                     peers.send(where, wire.KeyProof(signature=key.sign(rank_id, where, msg.nonce)))
@@ -120,18 +119,12 @@ def act_for(h: Hostile, victim: dict[str, Any], rank_id: str, label: str, key: P
                     nonce = snoop.read(session, scratch["base"] + msg.offset, wire.NONCE_BYTES)
                     peers.send(where, wire.ChallengeEcho(nonce=nonce))
                     echoed += 1
-                elif isinstance(msg, wire.ErrorReply):
-                    refusals[where] = msg.reason[:300]
-                elif isinstance(msg, wire.PagesDone) and msg.room == room:
-                    reports.setdefault(msg.cp_rank, []).append(msg.status if msg.status == "ok"
-                                                               else f"failed: {msg.reason[:200]}")
-            for m, request_id in pending:
-                m.client.poll(0.0)  # type: ignore[union-attr]
-                reply = m.client.take(request_id)  # type: ignore[union-attr]
-                if reply is not None:
-                    replies[m.name] = reply
+                else:
+                    watch.note(where, msg)
+            watch.take_replies()
     finally:
         peers.close()
+    refusals, reports, replies = watch.refusals, watch.reports, watch.replies
     after = snoop.read(session, scratch["base"], scratch["nbytes"])
     # the legitimate decode rank asks for the room the attacker tried to take: it is served to it
     # (a refused request claims nothing), and every prefill rank's room ends before shutdown
