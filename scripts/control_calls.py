@@ -10,7 +10,8 @@ Segments: decode's receiver() + init() up to the request handed to the channel; 
 loop from the channel's wait to submit_write; the engine's thread from the copy to the report
 handed to the channel; decode's loop from the channel's wait to the commit. numpy's ufunc
 calls are not profiler events: they do not show in the counts (CPUTIME does show them)."""
-import time, runpy, sys, threading, functools, importlib, statistics, collections, os
+import time, sys, threading, statistics, collections, os
+from _probes import run_control_bench, wrap
 local = threading.local()
 seg_counts = collections.defaultdict(list)   # seg -> list of (py, c) per occurrence
 detail = collections.defaultdict(collections.Counter)
@@ -34,20 +35,6 @@ def close_seg(name=None):
     if s is None or (name and s != name): return
     cpu_us[s].append((time.thread_time() - local.t0) * 1e6)
     seg_counts[s].append((local.py, local.c)); local.seg = None
-def wrap(modname, clsname, meth, on_in=None, on_out=None, only=None):
-    try:
-        cls = getattr(importlib.import_module(modname), clsname)
-    except (ImportError, AttributeError):
-        return False
-    f = getattr(cls, meth)
-    @functools.wraps(f)
-    def g(self, *a, **k):
-        if only and type(self).__name__ != only: return f(self, *a, **k)
-        if on_in: on_in()
-        try: return f(self, *a, **k)
-        finally:
-            if on_out: on_out()
-    setattr(cls, meth, g); return True
 import kvbridge as kvb
 n = [0]
 orig_recv = kvb.DecodeEndpoint.receiver
@@ -70,8 +57,7 @@ ok = [
 assert all(ok), ok
 CPU = os.environ.get('CPUTIME')
 if not CPU: threading.setprofile(prof); sys.setprofile(prof)
-sys.argv = ["control_bench.py", *sys.argv[2:]]
-runpy.run_path("scripts/control_bench.py", run_name="__main__")
+run_control_bench()
 sys.setprofile(None); threading.setprofile(None)
 tot = 0
 for s in sorted(seg_counts):

@@ -8,29 +8,15 @@ Everything after ``--`` goes to control_bench. With CP > 1 a prefill event is it
 occurrence in the room (the last rank decides). The probes name modules of this tree and,
 failing that, of older trees (so one script measures commits across the rooms merge); on a
 machine shared with other work read the hops beside each other, not one figure alone."""
-import runpy, sys, threading, time, functools, importlib, statistics, collections
+import time, statistics, collections
+from _probes import run_control_bench, wrap
 rooms = []  # list of dict event -> [times]
 cur = [None]
 def mark(ev):
     if cur[0] is not None:
         cur[0][ev].append(time.perf_counter())
-def wrap(modname, clsname, meth, ev_in=None, ev_out=None, only=None):
-    try:
-        cls = getattr(importlib.import_module(modname), clsname)
-    except (ImportError, AttributeError):
-        return False
-    f = getattr(cls, meth)
-    @functools.wraps(f)
-    def g(self, *a, **k):
-        if only and type(self).__name__ != only:
-            return f(self, *a, **k)
-        if ev_in: mark(ev_in)
-        try:
-            return f(self, *a, **k)
-        finally:
-            if ev_out: mark(ev_out)
-    setattr(cls, meth, g)
-    return True
+def at(ev):
+    return lambda: mark(ev)
 import kvbridge as kvb
 orig_recv = kvb.DecodeEndpoint.receiver
 def receiver(self, *a, **k):
@@ -39,17 +25,16 @@ def receiver(self, *a, **k):
 kvb.DecodeEndpoint.receiver = receiver
 T = "kvbridge.transfer."
 ok = [
- wrap(T+"channel.transport", "Clients", "send_frame", "req_sent") or wrap(T+"channel_client", "PeerSet", "send_frame", "req_sent"),
- wrap(T+"prefill.machine", "PrefillRooms", "message", "p_msg") or wrap(T+"prefill", "PrefillEndpoint", "_on_message", "p_msg"),
- wrap(T+"engine.local", "LocalEngine", "submit_write", "submit", "submitted"),
- wrap(T+"engine.local", "LocalEngine", "_land", None, "landed"),
- wrap(T+"channel.transport", "Server", "send_frame", "report_sent") or wrap(T+"channel_server", "ControlServer", "send_frame", "report_sent"),
- wrap(T+"decode.machine", "DecodeRooms", "message", "d_msg", "d_msg_end") or wrap(T+"decode_rooms", "RoomBook", "on_message", "d_msg", "d_msg_end"),
- wrap(T+"rooms", "RoomHandle", "wait", None, "done", only="KVReceiver") or wrap(T+"lifecycle", "RoomHandle", "wait", None, "done", only="KVReceiver"),
+ wrap(T+"channel.transport", "Clients", "send_frame", at("req_sent")) or wrap(T+"channel_client", "PeerSet", "send_frame", at("req_sent")),
+ wrap(T+"prefill.machine", "PrefillRooms", "message", at("p_msg")) or wrap(T+"prefill", "PrefillEndpoint", "_on_message", at("p_msg")),
+ wrap(T+"engine.local", "LocalEngine", "submit_write", at("submit"), at("submitted")),
+ wrap(T+"engine.local", "LocalEngine", "_land", None, at("landed")),
+ wrap(T+"channel.transport", "Server", "send_frame", at("report_sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", at("report_sent")),
+ wrap(T+"decode.machine", "DecodeRooms", "message", at("d_msg"), at("d_msg_end")) or wrap(T+"decode_rooms", "RoomBook", "on_message", at("d_msg"), at("d_msg_end")),
+ wrap(T+"rooms", "RoomHandle", "wait", None, at("done"), only="KVReceiver") or wrap(T+"lifecycle", "RoomHandle", "wait", None, at("done"), only="KVReceiver"),
 ]
 assert all(ok), ok
-sys.argv = ["control_bench.py", *sys.argv[2:]]
-runpy.run_path("scripts/control_bench.py", run_name="__main__")
+run_control_bench()
 order = ["recv", "req_sent", "p_msg", "submit", "submitted", "landed", "report_sent", "d_msg", "d_msg_end", "done"]
 names = {"req_sent": "receiver() + init() -> request handed to the channel (decode)", "p_msg": "request trip: send, wake, read, decode -> prefill machine",
  "submit": "parse + checks + plan (prefill loop)", "submitted": "engine submit_write", "landed": "engine worker wakes + copies",
