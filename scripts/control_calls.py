@@ -46,12 +46,12 @@ kvb.DecodeEndpoint.receiver = receiver
 T = "kvbridge.transfer."
 req_close = lambda: close_seg("1 decode: receiver()+init() -> request sent")
 ok = [
- wrap(T+"channel.transport", "Clients", "send_frame", req_close) or wrap(T+"channel_client", "PeerSet", "send_frame", req_close),
- wrap(T+"channel.transport", "Server", "recv_ready", lambda: open_seg("2 prefill: socket read + decode + checks + plan -> submit"), None) or wrap(T+"channel", "_Channel", "recv_ready", lambda: open_seg("2 prefill: socket read + decode + checks + plan -> submit") if threading.current_thread().name.startswith("kvb-prefill") else open_seg("5 decode: socket read + decode + ledger + commit"), None),
+ wrap(T+"channel.clients", "Clients", "send_frame", req_close) or wrap(T+"channel_client", "PeerSet", "send_frame", req_close),
+ wrap(T+"channel.server", "Server", "recv_ready", lambda: open_seg("2 prefill: socket read + decode + checks + plan -> submit"), None) or wrap(T+"channel", "_Channel", "recv_ready", lambda: open_seg("2 prefill: socket read + decode + checks + plan -> submit") if threading.current_thread().name.startswith("kvb-prefill") else open_seg("5 decode: socket read + decode + ledger + commit"), None),
  wrap(T+"engine.local", "LocalEngine", "submit_write", lambda: close_seg("2 prefill: socket read + decode + checks + plan -> submit")),
  wrap(T+"engine.local", "LocalEngine", "_land", None, lambda: open_seg("4 engine: landed -> report sent")),
- wrap(T+"channel.transport", "Server", "send_frame", lambda: close_seg("4 engine: landed -> report sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", lambda: close_seg("4 engine: landed -> report sent")),
- wrap(T+"channel.transport", "Clients", "recv_ready", lambda: open_seg("5 decode: socket read + decode + ledger + commit")) or True,
+ wrap(T+"channel.server", "Server", "send_frame", lambda: close_seg("4 engine: landed -> report sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", lambda: close_seg("4 engine: landed -> report sent")),
+ wrap(T+"channel.clients", "Clients", "recv_ready", lambda: open_seg("5 decode: socket read + decode + ledger + commit")) or True,
  wrap(T+"decode.machine", "DecodeRooms", "_maybe_commit", None, lambda: close_seg("5 decode: socket read + decode + ledger + commit")) or wrap(T+"decode.room", "DecodeRooms", "_maybe_commit", None, lambda: close_seg("5 decode: socket read + decode + ledger + commit")) or wrap(T+"decode_rooms", "RoomBook", "_maybe_commit", None, lambda: close_seg("5 decode: socket read + decode + ledger + commit")),
 ]
 assert all(ok), ok

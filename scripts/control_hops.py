@@ -25,11 +25,11 @@ def receiver(self, *a, **k):
 kvb.DecodeEndpoint.receiver = receiver
 T = "kvbridge.transfer."
 ok = [
- wrap(T+"channel.transport", "Clients", "send_frame", at("req_sent")) or wrap(T+"channel_client", "PeerSet", "send_frame", at("req_sent")),
+ wrap(T+"channel.clients", "Clients", "send_frame", at("req_sent")) or wrap(T+"channel_client", "PeerSet", "send_frame", at("req_sent")),
  wrap(T+"prefill.machine", "PrefillRooms", "message", at("p_msg")) or wrap(T+"prefill", "PrefillEndpoint", "_on_message", at("p_msg")),
  wrap(T+"engine.local", "LocalEngine", "submit_write", at("submit"), at("submitted")),
  wrap(T+"engine.local", "LocalEngine", "_land", None, at("landed")),
- wrap(T+"channel.transport", "Server", "send_frame", at("report_sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", at("report_sent")),
+ wrap(T+"channel.server", "Server", "send_frame", at("report_sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", at("report_sent")),
  wrap(T+"decode.machine", "DecodeRooms", "message", at("d_msg"), at("d_msg_end")) or wrap(T+"decode_rooms", "RoomBook", "on_message", at("d_msg"), at("d_msg_end")),
  wrap(T+"rooms", "RoomHandle", "wait", None, at("done"), only="KVReceiver") or wrap(T+"lifecycle", "RoomHandle", "wait", None, at("done"), only="KVReceiver"),
 ]

@@ -13,7 +13,9 @@ from __future__ import annotations
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel.envelope import check_secret
-from kvbridge.transfer.channel.transport import DEFAULT_HWM, MAX_PEERS, Client, Clients, Limits, Server
+from kvbridge.transfer.channel.clients import Client, Clients
+from kvbridge.transfer.channel.server import Server
+from kvbridge.transfer.channel.transport import DEFAULT_HWM, MAX_PEERS, Limits
 from kvbridge.transfer.channel.wire import MAX_MESSAGE_BYTES, ErrorReply, Message
 
 ControlClient = Client
