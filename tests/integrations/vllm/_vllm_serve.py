@@ -12,10 +12,12 @@ import concurrent.futures as cf
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ class Proc:
         self.name, self.workdir, self.cmd = name, workdir, cmd
         self.env = {**os.environ, **SERVER_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._rpc_dir: str | None = None
 
     @property
     def log_path(self) -> Path:
@@ -68,6 +71,11 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
     def start(self) -> Proc:
+        # vLLM's ZMQ IPC sockets (VLLM_RPC_BASE_PATH, default /tmp) in a short folder of this
+        # process's own, removed by stop(): a killed server leaves its socket files behind
+        # (a socket path must stay under 108 bytes, which a pytest tmp_path may not)
+        self._rpc_dir = self._rpc_dir or tempfile.mkdtemp(prefix="kvb-vllm-")
+        self.env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True, cwd=self.workdir)  # fmt: skip
@@ -108,6 +116,9 @@ class Proc:
                 pass
         self._signal_group(signal.SIGKILL)  # the engine core and workers too, whatever the parent did
         self.proc.wait(STOP_TIMEOUT_S)
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
 
 class VllmServer(Proc):
