@@ -175,6 +175,7 @@ class PrefillRoom:
             "slices": self.num_slices,
             "bytes": self.num_bytes,
             "paths": dict(self.paths),
+            "layer_sends": sum(1 for span in self.chunk_layers if span is not None),
             **self.staged,
             "seconds": self.state.durations(),
             "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),

@@ -115,7 +115,7 @@ class KVSender(RoomHandle):
         to Success or Failed (to now while in flight; None before any write); ``total_s``, since
         the room was opened. Staged transfers: ``paths`` (decode rank -> "direct" or "staged"),
         ``chunks`` landed, ``bytes_staged``, ``plan_slices`` (the slices staging packed; ``slices``
-        counts the wire pieces posted)."""
+        counts the wire pieces posted); ``layer_sends``, the layer-range sends the engine handed in."""
         return self._ep.locked(lambda: self._room.stats(time.monotonic()))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
