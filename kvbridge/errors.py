@@ -6,7 +6,9 @@
     │   ├── BufferSpecError            a buffer does not match its pool spec (dtype, bytes per page)
     │   ├── PaddingError               row-domain counts do not add up; padding provenance missing
     │   ├── PageRangeError             a page index outside a registered region (hard rule 5)
-    │   └── PairingError               buffers cannot be paired by (pool, layer id) (hard rule 8)
+    │   ├── PairingError               buffers cannot be paired by (pool, layer id) (hard rule 8)
+    │   └── LayerRangeError            a layer-range send outside the rank's layers, sent twice, or left
+    │                                  incomplete by the last chunk
     ├── ContractError                  runtime contract problems
     │   ├── ContractMismatch           fingerprints differ; carries the field diff (hard rule 7)
     │   └── TopologyError              sizes that may differ, but not like this
@@ -45,6 +47,7 @@ __all__ = [
     "PaddingError",
     "PageRangeError",
     "PairingError",
+    "LayerRangeError",
     "ContractError",
     "ContractMismatch",
     "TopologyError",
@@ -112,6 +115,10 @@ class PageRangeError(LayoutError):
 
 
 class PairingError(LayoutError):
+    pass
+
+
+class LayerRangeError(LayoutError):
     pass
 
 

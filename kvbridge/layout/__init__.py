@@ -27,7 +27,7 @@ from kvbridge.layout.rows import (
     strip_padding,
     valid_row_index,
 )
-from kvbridge.layout.stages import check_stage_layers, stage_conflict, stage_layer_ids, stage_specs
+from kvbridge.layout.stages import check_stage_layers, layer_range_specs, stage_conflict, stage_layer_ids, stage_specs
 from kvbridge.layout.staging import DEFAULT_THRESHOLDS, PathThresholds, StagedPlan, choose_path, stage_plan
 from kvbridge.layout.tp_routes import TPRoute, num_drawing, tp_route
 
@@ -54,6 +54,7 @@ __all__ = [
     "aux_dtype",
     "build_rank_rows",
     "check_stage_layers",
+    "layer_range_specs",
     "choose_path",
     "deepseek_pools",
     "describe_buffer",

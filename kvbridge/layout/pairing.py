@@ -106,6 +106,21 @@ class PairedBuffers:
                                    ("src_base", "dst_base", "bytes_per_page", "row_bytes", "scale_bytes",
                                     "scale_offset")))
 
+    def cut(self, specs: Mapping[str, PoolSpec]) -> PairedBuffers:
+        """The pairs of the pools in ``specs`` only, each cut to its spec's layer ids (a subset of
+        the paired ones: ``layer_range_specs``), for the plan of one layer range."""
+        pairs = []
+        for spec, src_base, dst_base, src_cap, dst_cap in self.pairs:
+            cut = specs.get(spec.name)
+            if cut is None:
+                continue
+            if tuple(cut.layer_ids) == tuple(spec.layer_ids):
+                pairs.append((spec, src_base, dst_base, src_cap, dst_cap))
+                continue
+            keep = np.isin(np.asarray(spec.layer_ids), np.asarray(cut.layer_ids))
+            pairs.append((cut, src_base[keep], dst_base[keep], src_cap[keep], dst_cap[keep]))
+        return PairedBuffers(tuple(p[0].name for p in pairs), tuple(pairs))
+
     def all_inside(self, src_span: tuple[int, int], dst_span: tuple[int, int]) -> bool:
         """Pages spanning ``[lo, hi]`` on each side lie inside every paired buffer (one comparison
         per side; ``plan.check_inside`` names the offending page and layer when not)."""

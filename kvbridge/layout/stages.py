@@ -15,6 +15,12 @@ the stage whose range ends at ``num_target_layers``, the last one, which also ho
 last hidden state and so writes the aux row. A stage registers, and sends, exactly its
 layers; a pool it holds no layer of is not among its pools at all.
 
+A layer-range send (``KVSender.send(..., layers=(start, end))``, layer by layer as the
+forward pass computes them) cuts the rank's pools by the same rule (``layer_range_specs``):
+the range ``[start, end)`` of target layers carries those ids of every pool that has them
+(index K follows the target ids), and the range that ends at ``num_target_layers`` carries
+the draft layers too.
+
 ``stage_conflict`` is the tiling rule the bootstrap daemon applies to the stages an
 instance has registered so far (refusing the first one that breaks it, by name) and a
 decode rank applies again to a look-up answer.
@@ -28,7 +34,7 @@ from dataclasses import replace
 from kvbridge.errors import LayoutError
 from kvbridge.layout.pools import PoolSpec
 
-__all__ = ["check_stage_layers", "stage_conflict", "stage_layer_ids", "stage_specs"]
+__all__ = ["check_stage_layers", "layer_range_specs", "stage_conflict", "stage_layer_ids", "stage_specs"]
 
 Layers = tuple[int, int]  # [start, end) of the target layers
 
@@ -52,6 +58,12 @@ def stage_specs(specs: Mapping[str, PoolSpec], layers: Layers, num_target_layers
     """The specs a stage registers and sends: each pool cut to the stage's layer ids; a pool
     the stage holds no layer of (the draft pool before the last stage) left out."""
     check_stage_layers(layers, num_target_layers)
+    return layer_range_specs(specs, layers, num_target_layers)
+
+
+def layer_range_specs(specs: Mapping[str, PoolSpec], layers: Layers, num_target_layers: int) -> dict[str, PoolSpec]:
+    """Each pool cut to the layer ids that target layers ``layers`` carry (the stage rule above);
+    a pool with none of them left out. The caller checked the range."""
     out = {}
     for name, spec in specs.items():
         ids = stage_layer_ids(spec, layers, num_target_layers)

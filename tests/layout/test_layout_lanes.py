@@ -115,7 +115,7 @@ def test_public_names_are_pinned():
             # staged transfers: chunks through staging slots, and when to use them (layout/staging.py)
             "DEFAULT_THRESHOLDS", "PathThresholds", "StagedPlan", "choose_path", "stage_plan",
             # pipeline-parallel prefill: a stage's layers of every pool, the tiling rule (layout/stages.py)
-            "check_stage_layers", "stage_conflict", "stage_layer_ids", "stage_specs",
+            "check_stage_layers", "layer_range_specs", "stage_conflict", "stage_layer_ids", "stage_specs",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)

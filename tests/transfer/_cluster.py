@@ -74,8 +74,9 @@ class PrefillProc:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
-    def send(self, room: int, num_tokens: int, chunks: list[int] | None = None, pause: float = 0.0) -> None:
-        self.command(op="send", room=room, num_tokens=num_tokens, chunks=chunks or [num_tokens], pause=pause)
+    def send(self, room: int, num_tokens: int, chunks: list[int] | None = None, pause: float = 0.0,
+             **extra: Any) -> None:
+        self.command(op="send", room=room, num_tokens=num_tokens, chunks=chunks or [num_tokens], pause=pause, **extra)
 
     def result(self, room: int, timeout: float = 60) -> dict:
         deadline = time.monotonic() + timeout

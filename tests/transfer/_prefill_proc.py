@@ -10,6 +10,10 @@ line per finished room: ``{"room", "state", "reason"}``. Commands (JSON lines):
         page the chunk ends inside until a later chunk completes it); ``pause``
         seconds between chunks. The aux row goes with the last chunk if this rank
         owns the last valid token.
+        ``"layers": [[a, b], ...]``: the last chunk's pages go per layer range
+        (``send(..., layers=)``), then a send without pages carries ``is_last`` and the aux row
+        (``"last_with_range": true``: the last range carries them); a refused send reports
+        ``{"state": "Refused", "error": class name, "reason"}`` and leaves the room open (abort it).
     {"op": "abort", "room": R}
     {"op": "quit"}
 
@@ -33,6 +37,7 @@ import time
 import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.errors import KVBridgeError
 from kvbridge.layout import OwnerLanes, stage_specs
 from kvbridge.transfer.engine import create_engine
 from kvbridge.transfer.poll import KVPoll
@@ -163,8 +168,16 @@ def main() -> None:
                 aux_slot = next(aux_slots) % 64
                 write_region_row(engine_aux, aux_schema, aux_slot, aux)
                 aux = None
-            sender.send(owned[ready], local[ready], num_tokens_ready=n if last else upto, is_last=last, aux=aux,
-                        aux_slot=aux_slot)
+            if last and cmd.get("layers"):
+                try:
+                    send_layers(sender, owned[ready], local[ready], n, cmd, aux, aux_slot)
+                except KVBridgeError as exc:
+                    emit({"room": room, "state": "Refused", "error": type(exc).__name__, "reason": str(exc),
+                          "field": exc.field})
+                    return
+            else:
+                sender.send(owned[ready], local[ready], num_tokens_ready=n if last else upto, is_last=last, aux=aux,
+                            aux_slot=aux_slot)
             sent |= ready
             if not last:  # pause between chunks, as a long prefill would; stop if the room ended meanwhile
                 until = time.monotonic() + cmd.get("pause", 0.0)
@@ -179,6 +192,17 @@ def main() -> None:
         emit({"room": room, "state": sender.poll().name, "reason": sender.failure_reason,
               "paths": st.get("paths", {}), "chunks": st.get("chunks", 0), "bytes_staged": st.get("bytes_staged", 0),
               "slices": st.get("slices", 0)})
+
+    def send_layers(sender, logical, local, n, cmd, aux, aux_slot) -> None:
+        ranges = [tuple(r) for r in cmd["layers"]]
+        with_range = cmd.get("last_with_range", False)
+        for i, span in enumerate(ranges):
+            end = with_range and i == len(ranges) - 1
+            sender.send(logical, local, num_tokens_ready=n, layers=span, is_last=end, aux=aux if end else None,
+                        aux_slot=aux_slot if end else None)
+        if not with_range:
+            empty = np.zeros(0, dtype=np.int64)
+            sender.send(empty, empty, num_tokens_ready=n, is_last=True, aux=aux, aux_slot=aux_slot)
 
     def guarded(cmd: dict) -> None:
         try:

@@ -25,6 +25,9 @@ with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer
     secret, lease_ttl, peer_timeout, target_timeout (prefill), transfer_timeout (decode), trace
     tp_rank             a worker's TP rank when vLLM's parallel state is not initialised
     aux_slots           decode: rooms in flight per rank (default 1024)
+    layerwise           prefill: true (default) sends a prompt's last step layer by layer, each
+                        layer as save_kv_layer fires; false sends it all in wait_for_save
+                        (or KVBRIDGE_LAYERWISE)
 
 ``kv_transfer_params``, vLLM's usual P/D proxy flow:
 

@@ -6,8 +6,8 @@ Every abstract method of the base is implemented; what kvbridge does not do is s
 by name below (the base's defaults stand for the rest):
 
     supports HMA                  no: vLLM turns the hybrid manager off; hybrid models are refused
-    save_kv_layer                 no per-layer sends: kvbridge's sender moves a chunk of every layer
-                                  at once; pages go out in wait_for_save, after the step's forward
+    save_kv_layer                 prefill, layerwise (default): the layer of the prompts ending in this
+                                  step goes out now; wait_for_save sends what is left (worker.py)
     wait_for_layer_load           nothing to wait: loads are asynchronous (WAITING_FOR_REMOTE_KVS)
     get_handshake_metadata        None: the bootstrap daemon pairs ranks, not vLLM's side channel
     kv_both                       refused (settings.py)
@@ -89,7 +89,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return None  # loads finish before the request is scheduled (asynchronous loading)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # the step's pages are sent in wait_for_save, once every layer is written
+        self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._meta())

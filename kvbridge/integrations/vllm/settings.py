@@ -50,6 +50,8 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "tp_rank": ("", "the worker's TP rank when vLLM's parallel state is not initialised (external launchers, "
                     "tests); vLLM's own rank wins when it is"),
     "aux_slots": ("", "decode: rooms in flight at once on a rank (default 1024)"),
+    "layerwise": ("KVBRIDGE_LAYERWISE", "prefill: true (default) sends a prompt's last step layer by layer as "
+                                        "save_kv_layer fires; false sends it all in wait_for_save"),
 }
 
 
@@ -81,6 +83,7 @@ class Settings:
     tp_rank_override: int | None
     aux_slots: int
     vllm_version: str
+    layerwise: bool = True
 
     @property
     def staging_config(self) -> dict[str, Any]:
@@ -149,6 +152,7 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         trace=str(get("trace", "")).lower() in ("1", "true", "yes"),
         tp_rank_override=None if tp_rank is None else int(_number(get, "tp_rank", 0)),
         aux_slots=int(_number(get, "aux_slots", 1024)), vllm_version=str(vllm.__version__),
+        layerwise=_flag(get, "layerwise", True),
     )  # fmt: skip
     # the role's own config checks the staging sizes (the one rule for staging settings)
     cfg = PrefillConfig if role == "prefill" else DecodeConfig
@@ -183,6 +187,18 @@ def refuse_hybrid(kv_cache_config: Any) -> None:
                           "layers) is not supported by kvbridge's vLLM connector, which moves one full-attention "
                           "group; serve it with vLLM's NixlConnector or MooncakeConnector",
                           field="kv_cache_config.kv_cache_groups")
+
+
+def _flag(get: Any, key: str, default: bool) -> bool:
+    raw = get(key, default)
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key} {raw!r} is not true or false", field=f"kv_connector_extra_config.{key}")
 
 
 def _number(get: Any, key: str, default: float) -> float:

@@ -4,8 +4,17 @@ endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles
     register_kv_caches   vLLM's layer tensors -> pool, buffers, contract (``cache.py``); the
                          endpoint starts and registers at the daemon; decode with
                          ``prefill_instance`` set compares contracts now and refuses a mismatch
+    save_kv_layer        prefill (``layerwise``, the default): as vLLM's forward pass writes layer
+                         l, the pages of each request whose prompt ends in this step (its
+                         last SendChunk) -> sender.send(..., layers=(l, l + 1)); a step with
+                         no such request (a decode step: the hook fires then too) sends nothing
     wait_for_save        prefill: each SendChunk of the step -> sender.send (the step's forward
-                         pass has written those pages); opens the room on its first chunk
+                         pass has written those pages); opens the room on its first chunk; a
+                         last chunk sent layer by layer sends only what is left: any layer the
+                         hook missed, then is_last with the aux row (and a page an earlier
+                         chunk ended inside). Earlier chunks of a chunked prefill go here
+                         whole, as their step ends (their pages are few next to the last one's
+                         wait, and a page they end inside must wait for its rows anyway)
     start_load_kv        decode: each Receive -> receiver(room).init(pages, first_page=hit)
                          both: aborts
     get_transfer_results prefill: rooms final (Success or Failed) of requests vLLM finished ->
@@ -83,6 +92,8 @@ class WorkerSide:
         self._senders: dict[str, Any] = {}  # prefill: req id -> KVSender
         self._finished: set[str] = set()  # prefill: requests vLLM finished, not yet reported
         self._sending_ids: set[str] = set()  # prefill ranks that send nothing: requests seen
+        self._layers_sent: dict[str, set[int]] = {}  # prefill: req id -> layers its last chunk sent by save_kv_layer
+        self._broken: set[str] = set()  # prefill: requests whose room failed on a send: nothing more is sent
         self._recvs: dict[str, _Recv] = {}
         self._load_errors: set[int] = set()
         self._free_slots: list[int] = []
@@ -167,12 +178,67 @@ class WorkerSide:
 
     # -- prefill ----------------------------------------------------------------------------
 
+    def save_kv_layer(self, layer_name: str, meta: KVBridgeMetadata | None) -> None:
+        """Layer ``layer_name`` of this step is written: send it for the requests whose prompt
+        ends in this step (on a GPU after an event recorded now, behind the layer's kernels)."""
+        if not self.is_prefill or not self.settings.layerwise or meta is None or self.endpoint is None:
+            return
+        last = [c for c in meta.sends if c.is_last]
+        if not last:  # a decode step, or only earlier chunks of chunked prefills: nothing per layer
+            return
+        try:
+            layer = self.cache.layer_of(layer_name)
+        except ConfigError:  # not a layer registered with kvbridge: wait_for_save sends what no hook did
+            return
+        ready = self._ready_event()
+        for c in last:
+            if c.req_id in self._broken:
+                continue
+            sent = self._layers_sent.setdefault(c.req_id, set())
+            if layer in sent:
+                continue
+            sender = self._sender(c)
+            if sender is None:
+                continue
+            try:
+                logical, local = self._pages(c)
+                if logical.size:
+                    sender.send(logical, local, num_tokens_ready=self._tokens(c.num_tokens), layers=(layer, layer + 1),
+                                ready_event=ready)
+                sent.add(layer)
+            except KVBridgeError as exc:
+                self._failed(c, sender, exc)
+
     def wait_for_save(self, meta: KVBridgeMetadata | None) -> None:
         if not self.is_prefill or meta is None or not meta.sends:
             return
         ready = self._ready_event()
         for chunk in meta.sends:
-            self._send(chunk, ready)
+            if chunk.req_id in self._broken:
+                continue
+            sent = self._layers_sent.pop(chunk.req_id, None) if chunk.is_last else None
+            if sent:
+                self._send_rest(chunk, sent, ready)
+            else:
+                self._send(chunk, ready)
+
+    def _send_rest(self, c: SendChunk, sent: set[int], ready_event: Any) -> None:
+        """A last chunk whose layers went out layer by layer: the layers no hook sent, then the end."""
+        sender = self._senders.get(c.req_id)
+        if sender is None:  # opening it failed in the hook: reported finished already
+            return
+        try:
+            missing = sorted({b.layer_id for b in self.cache.layers} - sent)
+            logical, local = self._pages(c)
+            for start, end in _runs(missing):
+                sender.send(logical, local, num_tokens_ready=self._tokens(c.num_tokens), layers=(start, end),
+                            ready_event=ready_event)
+            empty = np.zeros(0, dtype=np.int64)
+            aux = {} if sender.writes_aux else None
+            sender.send(empty, empty, num_tokens_ready=self._tokens(c.num_tokens), is_last=True, aux=aux,
+                        ready_event=ready_event)
+        except KVBridgeError as exc:
+            self._failed(c, sender, exc)
 
     def _ready_event(self) -> Any:
         """GPU caches: an event after the step's forward pass on the current stream; kvbridge
@@ -189,22 +255,44 @@ class WorkerSide:
         if self.endpoint is None:
             self._sending_ids.add(c.req_id)
             return
-        sender = self._senders.get(c.req_id)
+        sender = self._sender(c)
+        if sender is None:
+            return
         try:
-            if sender is None:
-                sender = self._senders[c.req_id] = self.endpoint.sender(c.room)
-                sender.init(self._tokens(c.num_tokens))
-            logical = np.arange(c.first_page, c.first_page + len(c.block_ids), dtype=np.int64)
-            local = np.asarray(c.block_ids, dtype=np.int64)
+            logical, local = self._pages(c)
             ready = self._tokens(c.num_tokens) if c.is_last else c.tokens_ready
             aux = {} if c.is_last and sender.writes_aux else None
             sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux, ready_event=ready_event)
         except KVBridgeError as exc:
-            log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
-            if sender is not None:
-                sender.abort(str(exc))
-            else:
-                self._sending_ids.add(c.req_id)  # no room: reported finished as soon as vLLM finishes it
+            self._failed(c, sender, exc)
+
+    def _sender(self, c: SendChunk) -> Any:
+        """The request's KVSender, opened and initialised on its first chunk (None: that failed)."""
+        sender = self._senders.get(c.req_id)
+        if sender is None:
+            try:
+                sender = self.endpoint.sender(c.room)
+                sender.init(self._tokens(c.num_tokens))
+            except KVBridgeError as exc:
+                self._failed(c, sender, exc)
+                return None
+            self._senders[c.req_id] = sender
+        return sender
+
+    @staticmethod
+    def _pages(c: SendChunk) -> tuple[np.ndarray, np.ndarray]:
+        return (np.arange(c.first_page, c.first_page + len(c.block_ids), dtype=np.int64),
+                np.asarray(c.block_ids, dtype=np.int64))
+
+    def _failed(self, c: SendChunk, sender: Any, exc: KVBridgeError) -> None:
+        log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
+        self._layers_sent.pop(c.req_id, None)
+        self._broken.add(c.req_id)
+        if sender is not None:
+            sender.abort(str(exc))
+            self._senders.setdefault(c.req_id, sender)
+        else:
+            self._sending_ids.add(c.req_id)  # no room: reported finished as soon as vLLM finishes it
 
     def _tokens(self, n: int) -> int:
         """HND moves whole blocks: the prompt rounded up to them (cache.py)."""
@@ -266,6 +354,7 @@ class WorkerSide:
         for req_id in list(self._finished):
             if req_id in self._sending_ids:
                 self._sending_ids.discard(req_id)
+                self._broken.discard(req_id)
                 self._finished.discard(req_id)
                 done.add(req_id)
                 continue
@@ -283,6 +372,7 @@ class WorkerSide:
                 log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
             sender.close()
             del self._senders[req_id]
+            self._broken.discard(req_id)
             self._finished.discard(req_id)
             done.add(req_id)
         return done
@@ -347,6 +437,17 @@ class WorkerSide:
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Ascending ids as ``[start, end)`` runs: 0 1 2 5 -> (0, 3), (5, 6)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _stats_line(stats: dict[str, Any]) -> str:

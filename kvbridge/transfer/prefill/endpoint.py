@@ -135,7 +135,7 @@ class PrefillEndpoint(EndpointShell):
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
             hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
             gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
-            endpoint=lambda: self.endpoint,
+            endpoint=lambda: self.endpoint, target_layers=contract.model.target_layers,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
@@ -243,7 +243,7 @@ class PrefillEndpoint(EndpointShell):
             self._feed(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-                   aux: Any, aux_slot: int | None, ready_event: Any = None) -> None:
+                   aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None:
         """KVSender.send(): the engine's input checked, the chunk queued, and posted from this thread
         when the decode ranks already asked (no loop turn); completions are reported from the
         engine's callback."""
@@ -258,7 +258,7 @@ class PrefillEndpoint(EndpointShell):
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            self.machine.chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event)
+            self.machine.chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event, layers)
             aux = None
             if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
                 try:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
+from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec, layer_range_specs
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
@@ -118,9 +118,16 @@ class PrefillRooms:
                  hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
                  trace: bool = False, gather: StagingArea | None = None,
                  engine_kind: Callable[[str], str] = lambda session: "local",
-                 endpoint: Callable[[], str] = lambda: "") -> None:
+                 endpoint: Callable[[], str] = lambda: "", target_layers: int | None = None) -> None:
+        """``target_layers``: the model's target layer count (the contract's; default: one past the
+        largest layer id of ``specs``), which places the draft layers of a layer-range send."""
         self.cfg = config
         self.specs = dict(specs)
+        self.num_target_layers = target_layers if target_layers is not None else 1 + max(
+            (max(s.layer_ids) for s in self.specs.values() if s.layer_ids), default=0)
+        # the target layers this rank holds: its pipeline stage's, or all
+        self.layer_span = config.pp_layers if config.pp_layers is not None else (0, self.num_target_layers)
+        self._cut_specs: dict[tuple[int, int], dict[str, PoolSpec]] = {}  # layer range -> its pools' cut
         self.src_bufs = src_bufs
         self.aux_schema = aux_schema
         self.fingerprint = fingerprint
@@ -163,7 +170,7 @@ class PrefillRooms:
         if self.closing:
             raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.cfg.rank_label)
         return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now,
-                                                            pp=(self.cfg.pp_rank, self.cfg.pp_size)))
+                                                            pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
 
     def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
                     first_page: int = 0) -> list[Any] | tuple:
@@ -172,9 +179,11 @@ class PrefillRooms:
         return self._actions()
 
     def chunk(self, r: PrefillRoom, logical: Any, local: np.ndarray, num_tokens_ready: int | None, is_last: bool,
-              aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
-        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it."""
-        r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event)
+              aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None,
+              layers: tuple[int, int] | None = None) -> None:
+        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it.
+        ``layers``: target layers ``[start, end)`` of its pages only (``room.py``)."""
+        r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event, layers)
 
     def post(self, r: PrefillRoom, now: float, aux: AuxFrom | None = None) -> list[Any] | tuple:
         """Post what the room has queued to the decode ranks that asked (from the engine's thread
@@ -427,7 +436,7 @@ class PrefillRooms:
                 return
             r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
                                                       Stage.UNATTACHED, now=now,
-                                                      pp=(self.cfg.pp_rank, self.cfg.pp_size)))
+                                                      pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
         if not self._claim(ident, req):
             return
         if r.state.final:
@@ -570,7 +579,7 @@ class PrefillRooms:
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
                 if not self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux,
-                                        after=r.chunk_events[t.posted]):
+                                        after=r.chunk_events[t.posted], layers=r.chunk_layers[t.posted]):
                     self.later.add(r.room)  # one staged group started: the next is planned on the next tick
                     break
                 t.posted += 1
@@ -582,10 +591,14 @@ class PrefillRooms:
             r.state.to(KVPoll.Transferring, now=now)
 
     def _post_chunk(self, r: PrefillRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
-                    after: Any = None) -> bool:
+                    after: Any = None, layers: tuple[int, int] | None = None) -> bool:
         """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
         False when one slot-sized group of a staged chunk was started and the rest waits for the
-        next tick (its first gather starts after one group's planning, not the whole room's)."""
+        next tick (its first gather starts after one group's planning, not the whole room's).
+        ``layers``: the chunk carries those target layers of its pages only (planned on the
+        pools cut to them; direct or staged alike)."""
+        specs = self.specs if layers is None else self._layer_specs(layers)
+        num_layers = None if layers is None else layers[1] - layers[0]
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
@@ -594,11 +607,11 @@ class PrefillRooms:
         group = self._group_pages(r, t, logical.size)
         if group:
             try:
-                part = plan_target(self.specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
-                                   room=r.room, rank=self.cfg.rank_label)
+                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
+                                   room=r.room, rank=self.cfg.rank_label, layers=layers)
                 path = r.paths[t.decode_rank] = self.stage.path(r.room, t, part)
                 if path == "staged":
-                    self._stage_write(r, t, logical[:group], False, part, after)
+                    self._stage_write(r, t, logical[:group], False, part, after, num_layers)
                     t.group_at += group
                     return False
             except KVBridgeError as exc:
@@ -626,13 +639,13 @@ class PrefillRooms:
                 aux = aux_slices(self.aux_schema, src.regions, src.slot, t.aux_dst, t.aux_slot,
                                  src_base=src.row_base, dst_base=t.aux_row_base)
             if logical.size:  # the aux row rides in the same write, after the pages' slices
-                plan = plan_target(self.specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
-                                   rank=self.cfg.rank_label, extra=aux)
+                plan = plan_target(specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
+                                   rank=self.cfg.rank_label, extra=aux, layers=layers)
             else:
                 plan = TransferPlan(*aux)
             path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
             if path == "staged":  # the same write through staging slots (the aux row too)
-                self._stage_write(r, t, logical, with_aux, plan, after)
+                self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
                 return True
             src, dst, length = plan.src, plan.dst, plan.length
         except KVBridgeError as exc:
@@ -644,10 +657,17 @@ class PrefillRooms:
             return True
         w = self.next_write
         self.next_write += 1
-        t.inflight[w] = (logical, with_aux)  # in flight from here: no report leaves before it is final
+        t.inflight[w] = (logical, with_aux, num_layers)  # in flight from here: no report leaves before it is final
         self.writes[w] = (r, t)
         self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
         return True
+
+    def _layer_specs(self, layers: tuple[int, int]) -> dict[str, PoolSpec]:
+        """The pools cut to the layer ids that target layers ``layers`` carry (kept per range)."""
+        cut = self._cut_specs.get(layers)
+        if cut is None:
+            cut = self._cut_specs[layers] = layer_range_specs(self.specs, layers, self.num_target_layers)
+        return cut
 
     def _group_pages(self, r: PrefillRoom, t: Target, num_pages: int) -> int | None:
         """How many of ``num_pages`` to plan and stage first when a staged chunk is larger than
@@ -667,12 +687,12 @@ class PrefillRooms:
         return group if num_pages > group else None
 
     def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
-                     after: Any) -> None:
+                     after: Any, num_layers: int | None = None) -> None:
         """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
         reported (one PagesDone, as a direct write) once every chunk landed."""
         w = self.next_write
         self.next_write += 1
-        t.inflight[w] = (logical, with_aux)
+        t.inflight[w] = (logical, with_aux, num_layers)
         self.writes[w] = (r, t)
         sw = self.stage.start(w, r.room, t, plan, after, self._out)
         r.staged["plan_slices"] += sw.staged.num_plan_slices
@@ -756,7 +776,7 @@ class PrefillRooms:
         r.num_bytes += num_bytes
         r.num_slices += num_slices
         if self.trace:
-            logical, with_aux = t.inflight[a.write]
+            logical, with_aux, _ = t.inflight[a.write]
             log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
                      self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, _pages_text(logical),
                      " +aux" if with_aux else "", num_slices, num_bytes)
@@ -788,7 +808,7 @@ class PrefillRooms:
     def _write_done(self, w: int, status: WriteStatus, now: float) -> None:
         """Write ``w`` (direct, or every chunk of a staged one) is final: one report per write."""
         r, t = self.writes.pop(w)
-        pages, with_aux = t.inflight.pop(w)
+        pages, with_aux, num_layers = t.inflight.pop(w)
         if self.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f write of %d pages%s to %s %s", r.room,
                      self.cfg.rank_label, r.age_ms(now), now, pages.size, " +aux" if with_aux else "",
@@ -796,6 +816,8 @@ class PrefillRooms:
         if status.state is WriteState.FAILED:
             t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
         elif t.active:
+            if num_layers is not None and pages.size:  # a layer range: the pages whose every layer reached t
+                pages = t.count_layers(pages, num_layers, r.layer_width, r.num_pages)
             if pages.size:
                 t.num_pages_done += pages.size
             if with_aux:
@@ -806,7 +828,7 @@ class PrefillRooms:
                 pools=list(t.pools) if pages.size else [], logical_pages=pages.astype("<i4").tobytes(),
                 digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)
             if pages.size and t.want_digest:  # the shell reads the pages and fills the digests in
-                self._out.append(SendDigested(t.ident, msg, tuple(t.pools), pages, _local_pages_of(r, pages),
+                self._out.append(SendDigested(t.ident, msg, tuple(t.pools), pages, r.local_of[pages],
                                               r.plan_tokens))
             else:
                 self._out.append(Send((t.ident,), msg))
@@ -929,13 +951,6 @@ class PrefillRooms:
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         self.identities.prune(set(self.peers.heard))
         return self._actions()
-
-
-def _local_pages_of(r: PrefillRoom, pages: np.ndarray) -> np.ndarray:
-    logical = np.concatenate([c[0] for c in r.chunks])
-    local = np.concatenate([c[1] for c in r.chunks])
-    order = np.argsort(logical)
-    return local[order[np.searchsorted(logical[order], pages)]]
 
 
 def _pages_text(pages: np.ndarray) -> str:

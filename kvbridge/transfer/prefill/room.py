@@ -29,6 +29,24 @@ chunk ends inside is *held* and travels with the chunk that completes it:
      target A: posted 0..n, in flight {write: pages}, pages done, aux done
      target B: ...
 
+Layer ranges. ``send(..., layers=(start, end))`` hands in complete pages of target layers
+``[start, end)`` only (the forward pass has written those layers), as the engine computes
+them; the room's layer span is its pipeline stage's target layers (all of them without
+pipeline parallelism), and a range carries every pool's layers by the stage rule
+(``kvbridge.layout.layer_range_specs``: index K follows the target ids, the draft goes with
+the range that ends at the last target layer). A page is given once every layer of the
+span was handed in; a range handed in twice for a page, outside the span, or left unsent
+when the last chunk comes is refused (LayerRangeError, nothing queued):
+
+    4 layers, pages 0-2          layers 0-1   layers 2-3
+    send([0,1,2], layers=(0,2))  given        -            (one write per target: 2 layers)
+    send([0,1,2], layers=(2,4))  given        given        pages given; reported to a target
+                                                           once both writes to it are final
+    send([], is_last, aux=row)   the aux row, and any page held from an earlier chunk
+
+A page that a chunk ends inside is held and travels with a later send of every layer (a
+layer-range send neither carries nor completes it).
+
 Decode prefix. A target holds logical pages ``[0, first_page)`` already (its prefix
 cache) and receives the owned pages from there on. An engine may send every page (each
 target takes what it lacks), or, once every target asked, read the prefix they share
@@ -52,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import LayoutError
+from kvbridge.errors import LayerRangeError, LayoutError
 from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.targets import Target
@@ -65,12 +83,14 @@ class PrefillRoom:
     """Everything the prefill rank knows about one room."""
 
     def __init__(self, room: int, cp_rank: int, lanes: OwnerLanes, page_size: int, stage: Stage = Stage.OPEN,
-                 now: float = 0.0, pp: tuple[int, int] = (0, 1)) -> None:
+                 now: float = 0.0, pp: tuple[int, int] = (0, 1),
+                 layer_span: tuple[int, int] = (0, 1 << 30)) -> None:
         self.room = room
         self.cp_rank = cp_rank
         self.pp_rank, self.pp_size = pp  # pipeline stage: only the last one writes the aux row
         self.lanes = lanes
         self.page_size = page_size
+        self.layer_span = layer_span  # the target layers [start, end) this rank holds: a layer range lies inside
         self.state = RoomState(now)
         self.life = Life(stage)
         self.num_tokens: int | None = None  # None until known (init(num_tokens), or the last chunk)
@@ -82,6 +102,10 @@ class PrefillRoom:
         self.given: np.ndarray = np.zeros(0, dtype=bool)  # per logical page: handed in by the engine
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
         self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
+        self.chunk_layers: list[tuple[int, int] | None] = []  # per chunk: its target layer range (None: all)
+        self.local_of: np.ndarray = _EMPTY  # per logical page: the local page it was handed in at (-1: not yet)
+        # per logical page and target layer of the span: handed in (allocated by the first layer-range send)
+        self.layers_given: np.ndarray | None = None
         self.last_event: Any = None  # the latest send()'s event (the aux row written with it waits on it)
         self.held: tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY)  # given, not yet complete
         self.is_last = False
@@ -151,6 +175,7 @@ class PrefillRoom:
             "slices": self.num_slices,
             "bytes": self.num_bytes,
             "paths": dict(self.paths),
+            "layer_sends": sum(1 for span in self.chunk_layers if span is not None),
             **self.staged,
             "seconds": self.state.durations(),
             "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),
@@ -192,6 +217,11 @@ class PrefillRoom:
             return int(self.owned.size)
         return int(np.count_nonzero(self.owned >= first_page))
 
+    @property
+    def layer_width(self) -> int:
+        """Target layers a page has on this rank: what a target must receive of it to count it."""
+        return self.layer_span[1] - self.layer_span[0]
+
     def target_complete(self, t: Target) -> bool:
         """Every page (and the aux row, if this rank owns it) written to ``t``."""
         return (
@@ -232,6 +262,7 @@ class PrefillRoom:
             self._aux_owner = self.lanes.owner_of_page(pages - 1, pages)  # asked on every settle
             self.owned = self.lanes.owned_pages(self.cp_rank, pages)
             self.given = np.zeros(pages, dtype=bool)
+            self.local_of = np.full(pages, -1, dtype=np.int64)
 
     def set_num_tokens(self, num_tokens: int, source: str) -> None:
         self.set_length(source, num_tokens=num_tokens)
@@ -288,9 +319,11 @@ class PrefillRoom:
         return self.owned[keep], table[local_index[keep]].astype(np.int64)
 
     def add_chunk(self, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-                  aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None) -> None:
+                  aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None,
+                  layers: Any = None) -> None:
         """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
-        ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes."""
+        ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes.
+        ``layers``: only target layers ``[start, end)`` of the pages (module docstring)."""
         ctx = self.ctx
         if not self.length_known:
             raise LayoutError("send() before init()", field="num_tokens", **ctx)
@@ -302,6 +335,7 @@ class PrefillRoom:
             raise LayoutError("send() after the last chunk", field="is_last", **ctx)
         if logical.shape != local.shape:
             raise LayoutError(f"{logical.size} logical pages but {local.size} local pages", field="local_pages", **ctx)
+        span = None if layers is None else self._check_layers(layers)
         ready = self._ready(num_tokens_ready, is_last)
         num_pages = self.num_pages
         if logical.size:
@@ -316,21 +350,51 @@ class PrefillRoom:
                 raise LayoutError(f"logical page {int(logical.min())} lies below first page {self.engine_first_page}, "
                                   "where this engine said it starts (init(first_page=): the decode ranks hold the "
                                   "pages below)", field="logical_pages", **ctx)
-            if self.given[logical].any() or np.unique(logical).size != logical.size:
+            if np.unique(logical).size != logical.size:
                 raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
-        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + logical.size)
+            if span is None and self.given[logical].any():
+                bad = int(logical[self.given[logical]][0])
+                what = "" if self.layers_given is None or self.layers_given[bad].all() else " (some of its layers)"
+                raise LayoutError(f"logical page {bad} was sent twice{what}", field="logical_pages", **ctx)
+        if span is not None:
+            self._check_layer_pages(logical, local, span, ready, self.num_tokens if self.num_tokens is not None
+                                    else ready if is_last else -1)
+            if is_last and self.held[0].size:
+                raise LayerRangeError(f"logical page {int(self.held[0][0])} is held from an earlier chunk (it ended "
+                                      "inside it) and travels with a send of every layer: end with a send without "
+                                      "layers", field="layers", **ctx)
+        new = logical[~self.given[logical]] if logical.size else logical
+        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + new.size)
+        if is_last:
+            self._check_layers_complete(logical, span)
         if is_last and self.num_tokens is None:  # started from its page count: the last chunk gives the length
             self._learn_tokens(ready, "the last chunk's num_tokens_ready")
+        self.given[logical] = True
+        self.local_of[logical] = local
+        if span is not None:  # complete pages of some layers: queued as they are; held pages wait
+            self._give_layers(logical, span)
+            if logical.size:
+                self.chunks.append((logical, local))
+                self.chunk_events.append(ready_event)
+                self.chunk_layers.append(span)
+            self.last_event = ready_event
+            self.num_tokens_ready = ready
+            self.is_last = is_last
+            if is_last:
+                self.aux_row, self.aux_slot = aux_row, aux_slot
+            return
+        if self.layers_given is not None and logical.size:
+            self.layers_given[logical] = True
         # pages complete within `ready` go now; the rest wait for the chunk that completes them
         pend_logical = np.concatenate([self.held[0], logical])
         pend_local = np.concatenate([self.held[1], local])
         complete = ((pend_logical + 1) * self.page_size <= ready) | (
             (pend_logical == num_pages - 1) & (ready == self.num_tokens))
-        self.given[logical] = True
         self.held = (pend_logical[~complete], pend_local[~complete])
         if complete.any():
             self.chunks.append((pend_logical[complete], pend_local[complete]))
             self.chunk_events.append(ready_event)  # on one stream, it also covers the held pages' rows
+            self.chunk_layers.append(None)
         self.last_event = ready_event
         self.num_tokens_ready = ready
         self.is_last = is_last
@@ -387,3 +451,84 @@ class PrefillRoom:
                                   "writes it (it holds the last hidden state)", field="aux", **ctx)
             raise LayoutError("aux row given, but another cp rank owns the last valid token (hard rule 4)",
                               field="aux", **ctx)
+
+    # -- layer ranges ----------------------------------------------------------
+
+    def _check_layers(self, layers: Any) -> tuple[int, int]:
+        """``layers`` as ``(start, end)`` inside this rank's layer span."""
+        lo, hi = self.layer_span
+        ok = isinstance(layers, (tuple, list)) and len(layers) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in layers)
+        if not ok or not lo <= layers[0] < layers[1] <= hi:
+            raise LayerRangeError(f"layers {layers!r} must be a range [start, end) of target layers with {lo} <= "
+                                  f"start < end <= {hi} (the layers this rank holds)", field="layers", **self.ctx)
+        return int(layers[0]), int(layers[1])
+
+    def _check_layer_pages(self, logical: np.ndarray, local: np.ndarray, span: tuple[int, int], ready: int,
+                           num_tokens: int) -> None:
+        """A layer-range send carries complete pages, each at the local page it was first handed
+        in at, none of whose layers in ``span`` was handed in before."""
+        ctx = self.ctx
+        if not logical.size:
+            return
+        complete = ((logical + 1) * self.page_size <= ready) | (
+            (logical == self.num_pages - 1) & (ready == num_tokens))
+        if not complete.all():
+            bad = int(logical[~complete][0])
+            raise LayerRangeError(f"logical page {bad} ends past the {ready} tokens ready: a layer-range send carries "
+                                  "complete pages only (a page a chunk ends inside goes with a send of every layer)",
+                                  field="layers", **ctx)
+        seen = self.given[logical]
+        if seen.any():
+            moved = seen & (self.local_of[logical] != local)
+            if moved.any():
+                i = int(np.flatnonzero(moved)[0])
+                raise LayerRangeError(f"logical page {int(logical[i])} was handed in at local page "
+                                      f"{int(self.local_of[logical[i]])}, now at {int(local[i])}: every layer range "
+                                      "of a page names the same local page", field="local_pages", **ctx)
+            given = self.layers_given
+            a, b = span[0] - self.layer_span[0], span[1] - self.layer_span[0]
+            twice = seen if given is None else given[logical, a:b].any(axis=1)  # (no layers_given: all full pages)
+            if twice.any():
+                i = int(np.flatnonzero(twice)[0])
+                rows = np.ones(self.layer_width, dtype=bool) if given is None else given[logical[i]]
+                sent = np.flatnonzero(rows[a:b]) + span[0]
+                raise LayerRangeError(f"layer {int(sent[0])} of logical page {int(logical[i])} was sent twice (layers "
+                                      f"[{span[0]}, {span[1]}) asked again)", field="layers", **ctx)
+
+    def _check_layers_complete(self, logical: np.ndarray, span: tuple[int, int] | None) -> None:
+        """The last chunk: every page handed in has every layer of the span, this chunk's included."""
+        given = self.layers_given
+        if given is None and span is None:
+            return
+        after = np.zeros((self.num_pages, self.layer_width), dtype=bool) if given is None else given.copy()
+        if given is None:
+            after[self.given] = True  # (every page before the first layer range came whole)
+        if span is not None:
+            after[logical, span[0] - self.layer_span[0]:span[1] - self.layer_span[0]] = True
+        else:
+            after[logical] = True
+        short = self.given.copy()
+        short[logical] = True
+        short &= ~after.all(axis=1)
+        if short.any():
+            page = int(np.flatnonzero(short)[0])
+            missing = np.flatnonzero(~after[page]) + self.layer_span[0]
+            raise LayerRangeError(f"the last chunk leaves {int(np.count_nonzero(short))} pages with layers unsent: "
+                                  f"logical page {page} misses layers {_ranges(missing)}", field="layers", **self.ctx)
+
+    def _give_layers(self, logical: np.ndarray, span: tuple[int, int]) -> None:
+        if self.layers_given is None:
+            self.layers_given = np.zeros((self.num_pages, self.layer_width), dtype=bool)
+            self.layers_given[self.given & (self.local_of >= 0)] = True
+            self.layers_given[logical] = False  # (given just now: only the range below)
+        self.layers_given[logical, span[0] - self.layer_span[0]:span[1] - self.layer_span[0]] = True
+
+
+def _ranges(ids: np.ndarray) -> str:
+    """``[0, 2), [5, 6)`` for ids 0 1 5."""
+    if not ids.size:
+        return "none"
+    brk = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts, ends = np.r_[ids[0], ids[brk]], np.r_[ids[brk - 1], ids[-1]] + 1
+    return ", ".join(f"[{int(a)}, {int(b)})" for a, b in zip(starts, ends))

@@ -24,7 +24,7 @@ class Endpoint(Protocol):
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
                   first_page: int = 0) -> None: ...
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
-                   aux: Any, aux_slot: int | None, ready_event: Any = None) -> None: ...
+                   aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None: ...
     def abort_room(self, r: PrefillRoom, reason: str) -> None: ...
 
 
@@ -61,7 +61,7 @@ class KVSender(RoomHandle):
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
              is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
-             ready_event: Any = None) -> None:
+             ready_event: Any = None, layers: tuple[int, int] | None = None) -> None:
         """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
         ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
         ``[0, t)`` exist; a page not complete within them is held until a later chunk
@@ -73,8 +73,19 @@ class KVSender(RoomHandle):
         by GPU work still queued, a CUDA event (``torch.cuda.Event``) recorded on that stream
         after the writes; no byte of the chunk is read before it completes (the copy stream
         waits on it on the GPU, or the engine's thread waits on the host; ``send()`` never
-        blocks on it). Without it, the pages must be complete when ``send()`` is called."""
-        self._ep.send_chunk(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot, ready_event)
+        blocks on it). Without it, the pages must be complete when ``send()`` is called.
+
+        ``layers=(start, end)``: only target layers ``[start, end)`` of these pages, sent as the
+        forward pass computes them (layer by layer), each pool's layers by the pipeline-stage
+        rule (index K follows the target ids; the range that ends at the last target layer
+        carries the draft layers). The pages must be complete within ``num_tokens_ready``; a
+        page counts as sent, and reaches a decode rank's ledger, once every layer of every pool
+        did. A range sent twice for a page, outside the rank's layers, or pages still missing
+        layers when the last chunk comes raise LayerRangeError (nothing queued). The last send
+        may carry the last range, or no pages at all (then the aux row and any page held from
+        an earlier chunk)."""
+        self._ep.send_chunk(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot,
+                            ready_event, layers)
 
     @property
     def owned_pages(self) -> np.ndarray:
@@ -104,7 +115,7 @@ class KVSender(RoomHandle):
         to Success or Failed (to now while in flight; None before any write); ``total_s``, since
         the room was opened. Staged transfers: ``paths`` (decode rank -> "direct" or "staged"),
         ``chunks`` landed, ``bytes_staged``, ``plan_slices`` (the slices staging packed; ``slices``
-        counts the wire pieces posted)."""
+        counts the wire pieces posted); ``layer_sends``, the layer-range sends the engine handed in."""
         return self._ep.locked(lambda: self._room.stats(time.monotonic()))
 
     def abort(self, reason: str = "aborted by prefill") -> None:

@@ -13,12 +13,16 @@ With another TP size on the decode side, the request must ask this TP rank for
 exactly the pools of the decode rank's TP route (``kvbridge.layout.tp_route``,
 from the TP sizes and ranks both sides registered), and each pool is planned as
 whole rows or as the route's head slice (``plan_target``).
+
+A layer-range write (``send(..., layers=)``) plans the same parts cut to the range's layer
+ids (``layer_range_specs``; ``Target.cut_parts``, kept per range). Its pages count for the
+target only once writes of every layer of every pool reached it (``Target.layers_done``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -62,10 +66,37 @@ class Target:
     failure: str | None = None
     abort_reason: str | None = None  # decode asked to abort
     closed: bool = False  # final report (success, failure or abort ack) sent
+    # layer-range writes: per logical page, target layers written (final, ok); None: none yet
+    layers_done: np.ndarray | None = None
+    cut: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)  # layer range -> its parts
 
     @property
     def active(self) -> bool:
         return self.failure is None and self.abort_reason is None
+
+    def cut_parts(self, layers: tuple[int, int], specs: Mapping[str, PoolSpec]) -> tuple[TargetPart, ...]:
+        """The parts of a layer range's writes: each part's pools that have layers in ``specs``
+        (the range's cut, ``layer_range_specs``), their pairs and decode widths cut alike."""
+        hit = self.cut.get(layers)
+        if hit is None:
+            parts = []
+            for part in self.parts:
+                paired = part.paired.cut({n: specs[n] for n in part.pools if n in specs})
+                if not paired.pools:
+                    continue
+                dst = None if part.dst_specs is None else {
+                    n: replace(part.dst_specs[n], layer_ids=specs[n].layer_ids) for n in paired.pools}
+                parts.append(replace(part, pools=paired.pools, paired=paired, dst_specs=dst))
+            hit = self.cut[layers] = tuple(parts)
+        return hit
+
+    def count_layers(self, pages: np.ndarray, num_layers: int, width: int, num_pages: int) -> np.ndarray:
+        """A layer-range write of ``pages`` carrying ``num_layers`` target layers is final (ok):
+        the pages whose every layer (of ``width``) has now reached this target."""
+        if self.layers_done is None:
+            self.layers_done = np.zeros(num_pages, dtype=np.int32)
+        self.layers_done[pages] += num_layers  # (a range is refused twice: no page counted twice)
+        return pages[self.layers_done[pages] >= width]
 
 
 class Sized(Protocol):
@@ -207,17 +238,22 @@ def _raise_outside(parts: Sequence[TargetPart], bad: int, ctx: dict) -> None:
 
 def plan_target(specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], t: Target, logical: np.ndarray,
                 local: np.ndarray, num_tokens: int, *, room: int, rank: str,
-                extra: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> TransferPlan:
+                extra: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                layers: tuple[int, int] | None = None) -> TransferPlan:
     """The writes of ``logical`` pages (at our ``local`` pages) to target ``t``: whole rows and
     head slices as its parts say, every page checked (hard rule 5); ``extra`` slices (the aux
-    row) after them."""
+    row) after them. ``layers``: only that range's layers, ``specs`` then being its cut
+    (``layer_range_specs``)."""
     dst = t.dst_pages[logical - t.first_page if t.first_page else logical]
-    if len(t.parts) == 1 and t.parts[0].head_slice is None:  # (every MLA model: whole rows)
-        part = t.parts[0]
+    parts = t.parts if layers is None else t.cut_parts(layers, specs)
+    if not parts:  # (this target takes no pool with layers in the range)
+        return TransferPlan.empty() if extra is None else TransferPlan(*extra)
+    if len(parts) == 1 and parts[0].head_slice is None:  # (every MLA model: whole rows)
+        part = parts[0]
         return plan_transfer(specs, src_bufs, [], logical, local, dst, num_tokens, pools=part.pools, room=room,
                              rank=rank, paired=part.paired, extra=extra)
     plans = []
-    for part in t.parts:
+    for part in parts:
         if part.head_slice is None:
             plans.append(plan_transfer(specs, src_bufs, [], logical, local, dst, num_tokens, pools=part.pools,
                                        room=room, rank=rank, paired=part.paired))

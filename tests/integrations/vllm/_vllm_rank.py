@@ -58,8 +58,9 @@ class Rank:
 
         return [(layer_id(name), t) for name, t in self.u8.items()]
 
-    def write(self, block_ids: list[int], start: int, stop: int, seed: int) -> None:
-        """The forward pass of tokens [start, stop) of a request with block table ``block_ids``."""
+    def write(self, block_ids: list[int], start: int, stop: int, seed: int, only: int | None = None) -> None:
+        """The forward pass of tokens [start, stop) of a request with block table ``block_ids``
+        (``only``: of that layer alone)."""
         import torch
 
         pos = np.arange(start, stop)
@@ -67,14 +68,22 @@ class Rank:
         offs = torch.as_tensor(pos % self.block_size)
         heads = np.arange(self.h0, self.h0 + self.local_heads)
         for layer, t in self._layers():
-            t[blocks, :, offs, :] = torch.from_numpy(expected(layer, heads, pos, t.shape[3], seed))
+            if only is None or layer == only:
+                t[blocks, :, offs, :] = torch.from_numpy(expected(layer, heads, pos, t.shape[3], seed))
 
     def step(self, meta: Any, finished: set[str], writes: list[tuple]) -> dict[str, Any]:
-        for w in writes:
-            self.write(*w)
+        """One engine step as vLLM's model runner drives the connector: the forward pass layer by
+        layer, ``save_kv_layer`` after each layer is written (on every step, decode steps too),
+        then ``wait_for_save``."""
         c = self.connector
         c.bind_connector_metadata(meta)
         c.start_load_kv(None)
+        from kvbridge.integrations.vllm.cache import layer_id
+
+        for layer, name in sorted((layer_id(n), n) for n in self.caches):
+            for w in writes:
+                self.write(*w, only=layer)
+            c.save_kv_layer(name, self.caches[name], None)
         c.wait_for_save()
         res = c.get_transfer_results(set(finished))
         errors = c.get_block_ids_with_load_errors()
@@ -102,6 +111,17 @@ class Rank:
                 touched[mine[page], :, rows] = False
             stray += int(np.count_nonzero(arr[touched] != SENTINEL))
         return {"wrong": wrong, "stray": stray}
+
+    def hooks_only(self, meta: Any) -> dict:
+        """``save_kv_layer`` for every layer and ``wait_for_save`` under ``meta`` (a decode step's,
+        say), nothing written: what the endpoint posted and the rooms it opened meanwhile."""
+        side = self.connector.worker_side
+        before = dict(side.endpoint.counters), len(side._senders)
+        self.connector.bind_connector_metadata(meta)
+        for name, t in self.caches.items():
+            self.connector.save_kv_layer(name, t, None)
+        self.connector.clear_connector_metadata()
+        return {"before": before, "after": (dict(side.endpoint.counters), len(side._senders))}
 
     def stats(self, req_id: str) -> dict:
         return self.connector.worker_side.room_stats.get(req_id, {})

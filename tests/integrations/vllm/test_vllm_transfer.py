@@ -115,3 +115,41 @@ def test_staged_path(tmp_path, daemon):
     finally:
         pre.stop()
         dec.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_layer_by_layer_sends(tmp_path, daemon, layerwise):
+    """The worker connector's save_kv_layer after each layer of the prompt's last step sends that
+    layer (one layer-range send per layer), wait_for_save the rest; ``layerwise: false`` sends
+    it all in wait_for_save. Chunked prefill (max_batched 32, a 70-token prompt): the earlier
+    chunks go whole, the last per layer; p1 -> d2, every byte equal either way."""
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p={"layerwise": layerwise})
+    try:
+        prompt = [int(t) for t in np.random.default_rng(7).integers(3, 500, 70)]
+        rid = _run_pair(pre, dec, prompt, 51)
+        _check(dec, rid, prompt, 51)
+        pre.run_until(lambda: bool(pre.workers[0].call("stats", rid)))
+        stats = pre.workers[0].call("stats", rid)
+        num_layers = int(pre.vc.model_config.get_num_layers(pre.vc.parallel_config))
+        assert num_layers > 1 and stats["layer_sends"] == (num_layers if layerwise else 0), stats
+    finally:
+        pre.stop()
+        dec.stop()
+
+
+@pytest.mark.timeout(600)
+def test_layer_hooks_of_decode_steps_send_nothing(tmp_path, daemon):
+    """save_kv_layer fires on every step; on a step whose metadata ends no prompt (a decode step's
+    empty metadata, or a chunk that is not the prompt's last) it opens no room and posts nothing."""
+    from kvbridge.integrations.vllm.meta import KVBridgeMetadata, SendChunk
+
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=1)
+    try:
+        w = pre.workers[0]
+        for meta in (KVBridgeMetadata(), KVBridgeMetadata(sends=[SendChunk("mid", 99, (3, 4), 0, 32, 70, False)])):
+            got = w.call("hooks_only", meta)
+            assert got["before"] == got["after"], got
+    finally:
+        pre.stop()
+        dec.stop()
