@@ -56,7 +56,7 @@ from kvbridge import (
     create_engine,
     diff_contracts,
 )
-from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, MLA, VLLMCache, pool_spec, rank_contract, read_kv_caches
+from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
 from kvbridge.integrations.vllm.settings import Settings
 
