@@ -82,7 +82,9 @@ MODELS: dict[str, dict[str, Any]] = {
 # vLLM's block size on the CPU: 128 by default for GQA (CPU_ATTN refuses 16: "No common block size
 # for 16 (CPU_ATTN: [MultipleOf(32)])"), and 16 for MLA (vLLM's CPU MLA backend forces it)
 BLOCK = {"gqa": 128, "mla": 16}
-MOONCAKE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "1048576", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "1048576"}
+# 32768: the largest Mooncake 0.3.13 accepts of those tried (65536 is "Invalid ..., using default 1024");
+# a 32K-token MLA room of 8 layers, block 16, is 16,384 slices in one batch
+MOONCAKE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "32768", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "32768"}
 CHILD_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_TLS": "tcp",
              "UCX_NET_DEVICES": "lo", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MC_FORCE_TCP": "1",
              "VLLM_LOGGING_LEVEL": "WARNING", "KVBRIDGE_HOST": "127.0.0.1", **MOONCAKE_ENV}  # fmt: skip
@@ -348,7 +350,13 @@ class Engine:
             failed = req_id in self.failed or bool(self.invalid & set(blocks))
             wrong = self.check(blocks[:cmd["pages"]], cmd["seed"]) if ok and not failed else -1
         return {"ok": ok and not failed, "wrong": wrong, "blocks": blocks[:cmd["pages"]],
-                "latency_s": (end - start) if end else None}
+                "latency_s": (end - start) if end else None, "stats": self.room_stats(req_id)}
+
+    def room_stats(self, req_id: str) -> dict:
+        """kvbridge's own account of a room (its worker side keeps one per request): the seconds in
+        each state, the slices, the path; {} for vLLM's connectors."""
+        side = getattr(self.worker, "worker_side", None)
+        return dict(side.room_stats.get(req_id, {})) if side is not None else {}
 
     def idle(self, timeout: float) -> bool:
         """Every request gone and every block back (prefill: the transfer released them)."""
@@ -379,7 +387,7 @@ def child(cfg: dict) -> None:
         elif cmd["op"] == "decode":
             out = engine.decode(cmd)
         else:
-            out = {"idle": engine.idle(cmd.get("timeout", 30))}
+            out = {"idle": engine.idle(cmd.get("timeout", 30)), "stats": engine.room_stats(cmd.get("req_id", ""))}
         print(json.dumps(out), flush=True)
     engine.stop = True
     try:
@@ -504,8 +512,9 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                                    "remote_bootstrap_addr": f"http://{boot[c]}"}
                     d = dec.call(op="decode", req_id=req_id, prompt=prompt, params=dparams, seed=seed,
                                  pages=n // bs)
-                    idle = pre.call(op="idle", timeout=60)["idle"]
-                    return {**d, "prefill_blocks": p["blocks"][: n // bs], "prefill_freed": idle}
+                    idle = pre.call(op="idle", timeout=60, req_id=req_id)
+                    return {**d, "prefill_blocks": p["blocks"][: n // bs], "prefill_freed": idle["idle"],
+                            "prefill_stats": idle["stats"]}
 
                 for c in live:  # warm-up, not counted
                     room(c, min(sizes), 1)
@@ -517,7 +526,9 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                         for c in live:
                             r = room(c, n, seed)
                             a = acc.setdefault((c, n), {"lat": [], "ok": 0, "failed": 0, "same_blocks": 0,
-                                                        "freed": 0})
+                                                        "freed": 0, "kvbridge": []})
+                            if r.get("stats"):  # kvbridge's rooms: where the time went
+                                a["kvbridge"].append({"decode": r["stats"], "prefill": r.get("prefill_stats")})
                             if r["ok"] and r.get("latency_s"):
                                 a["lat"].append(r["latency_s"])
                                 a["ok"] += r["wrong"] == 0
@@ -542,7 +553,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                                      "bytes_per_token_layer": layer_bytes, "tokens": n, "rooms": rooms,
                                      "succeeded": len(lat), "failed": a["failed"], "bytes_ok": a["ok"],
                                      "same_blocks": a["same_blocks"], "prefill_freed": a["freed"],
-                                     "mb_per_room": nbytes / 1e6,
+                                     "mb_per_room": nbytes / 1e6, "kvbridge_rooms": a["kvbridge"],
                                      "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
                                      "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None})  # fmt: skip
             finally:
