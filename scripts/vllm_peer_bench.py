@@ -149,7 +149,7 @@ class Engine:
         self.vc = vc
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{cfg['dist_port']}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
             initialize_model_parallel(1, 1)
         layers = mc.hf_config.num_hidden_layers
         if mc.use_mla:
@@ -480,7 +480,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                               "mooncake_bootstrap": f"127.0.0.1:{free_port()}"}  # fmt: skip
                     for role in ("kv_producer", "kv_consumer"):
                         cfg = {**common, "role": role, "engine_id": f"{common['tag']}-{role}",
-                               "dist_port": free_port(), "transfer_json": transfer_json(c, role, common),
+                               "transfer_json": transfer_json(c, role, common),
                                "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}}
                         children[(c, role)] = Child(cfg, workdir / f"{kind}-{c}-{role}.log")
                     boot[c] = common["mooncake_bootstrap"]
