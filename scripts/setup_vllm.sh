@@ -51,7 +51,7 @@ PY
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("vllm", "vllm.entrypoints.cli.main", "vllm.v1.core.sched.scheduler",
-             "vllm.distributed.kv_transfer.kv_connector.v1.base", "mooncake.engine", "kvbridge",
+             "vllm.distributed.kv_transfer.kv_connector.v1.base", "mooncake.engine", "nixl._api", "kvbridge",
              "kvbridge.bootstrap.app"):
     importlib.import_module(name)
 import torch
