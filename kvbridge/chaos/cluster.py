@@ -187,6 +187,20 @@ class ChaosCluster:
             self.etcd.stop()
         return {m.name: codes.get(m.proc.name) for m in self.members if m.proc is not None}
 
+    def exit_problems(self, codes: dict[str, int | None]) -> list[str]:
+        """One line per member whose last process did not exit 0 at ``close()``: its name, pid, exit
+        code (a negative one is the signal that ended it) and the tail of its log."""
+        out = []
+        for m in self.members:
+            code = codes.get(m.name)
+            if m.proc is None or code == 0:
+                continue
+            how = (f"killed by signal {-code}" if code is not None and code < 0 else
+                   "did not exit" if code is None else f"exited {code}")
+            tail = " | ".join(m.proc.log_tail(6).splitlines())[-600:]
+            out.append(f"{m.name} (pid {m.pid}, {m.proc.name}) {how} at close; its log ends: {tail}")
+        return out
+
     # -- looking at the members ----------------------------------------------------
 
     def resources(self) -> dict[str, dict[str, Any]]:

@@ -33,6 +33,7 @@ class ChaosSpec:
     recovery_rooms: int = 3
     settle_s: float = 30.0  # rooms hit by a fault must end within this
     recovery_timeout: float = 20.0
+    warmup_timeout: float = 60.0  # the fresh cluster must serve one whole batch within this, before any fault
     transfer_timeout: float = 20.0
     workdir: str | None = None  # keep the processes' logs here
     engine: str = "mooncake"  # the workers' transfer engine (mooncake | nixl)
@@ -65,8 +66,7 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
     try:
         cluster.start()
         traffic = Traffic(cluster, spec.tokens, spec.chunk_tokens, spec.concurrency)
-        warm = traffic.batch(spec.recovery_rooms, 60.0)
-        baseline_ok = all(r.ok for r in warm)
+        warm_ok, warm_failures = warm_up(traffic, spec.recovery_rooms, spec.warmup_timeout)
         for name in spec.faults:
             injector = inject_store_fault if name in STORE_FAULTS else (
                 lambda c, t, n, **kw: inject(c, t, Fault(n), **kw))
@@ -77,12 +77,15 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
                 progress(res)
     finally:
         exit_codes = cluster.close()
+        exit_problems = cluster.exit_problems(exit_codes)
         if tmp is not None:
             tmp.cleanup()
     in_flight = any(r.writes_in_flight_at_fault > 0 for r in results)
     problems = [f"{r.fault}: {p}" for r in results for p in r.problems]
-    if not baseline_ok:
-        problems.insert(0, "rooms failed before any fault was injected")
+    if not warm_ok:
+        problems.insert(0, f"no batch of {spec.recovery_rooms} rooms served within {spec.warmup_timeout:.0f}s "
+                           f"before any fault was injected: {warm_failures[-3:]}")
+    problems += exit_problems
     if results and not in_flight and not all(r.fault in STORE_FAULTS for r in results):
         problems.append("no fault hit a moment with writes in flight")
     return {
@@ -90,6 +93,7 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
         "faults": [r.as_dict() for r in results],
         "problems": problems,
         "writes_in_flight_hit": in_flight,
+        "warmup_failures": warm_failures,
         "rooms": len(traffic.rooms) if results else 0,
         "late_writes": sum(r.late_writes for r in results),
         "rooms_lost": sum(r.rooms_lost for r in results),
@@ -98,6 +102,25 @@ def run_chaos(spec: ChaosSpec, progress: Any = None) -> dict[str, Any]:
         "seconds": round(time.monotonic() - t0, 1),
         "spec": asdict(spec),
     }
+
+
+def warm_up(traffic: Traffic, n: int, timeout: float) -> tuple[bool, list[str]]:
+    """Batches of ``n`` rooms until one is served whole (the cluster is up), or ``timeout``; returns
+    whether one was, and every failure seen on the way as ``room N: member: reason``. A freshly
+    started rank on a loaded machine can be silent past the decode rank's peer timeout on its
+    first room (its start-up and first contact compete for the CPU): that room fails, correctly,
+    and says so; it is not a fault's doing, so the run is judged from the first whole batch."""
+    deadline = time.monotonic() + timeout
+    failures: list[str] = []
+    while True:
+        rooms = traffic.batch(n, max(1.0, deadline - time.monotonic()))
+        failures += [f"room {r.room}: {name}: {reason}" for r in rooms for name, _, reason in r.failures]
+        failures += [f"room {r.room}: {name}: no answer" for r in rooms for name in r.waiting]
+        if all(r.ok for r in rooms):
+            return True, failures
+        if time.monotonic() >= deadline:
+            return False, failures
+        time.sleep(0.2)
 
 
 def format_report(report: dict[str, Any]) -> str:
