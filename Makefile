@@ -40,9 +40,9 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/_venv_space.sh scrip
 
 setup-vllm: $(VLLM_STAMP)
 
-# Everything but the SGLang and vLLM tests in .venv (two shards: tests/transfer and the rest),
-# started at once; the SGLang and vLLM venvs are built beside it (each behind its stamp), then
-# their suites run in them. Each suite prints its own summary; the target fails when any fails
+# Everything but the SGLang and vLLM tests in .venv, started at once; the SGLang and vLLM venvs
+# are built beside it (each behind its stamp), then their suites run in them, one after the
+# other (at most two suites on the cores at a time). Each suite prints its own summary; the target fails when any fails
 # (scripts/run_tests.sh).
 test: setup
 	@MAKE="$(MAKE)" VENV=$(VENV) SGLANG_VENV=$(SGLANG_VENV) VLLM_VENV=$(VLLM_VENV) bash scripts/run_tests.sh

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # `make test`: every suite, side by side, with the engines' venvs built beside the main suite.
 #
-# The main suite (.venv, built before this runs) starts at once, in two shards: tests/transfer
-# and the rest. Its tests mostly wait on the processes they start, so two shards use the two
-# cores where one left most of a core idle. Beside it, .venv-sglang and .venv-vllm are built
-# (each behind its stamp: a built one costs nothing), then the SGLang and vLLM suites start.
-# Each suite writes its own log; the logs are printed in a fixed order once all have ended,
-# each with its summary, and the script fails when any suite failed (or a venv failed to build).
+# The main suite (.venv, built before this runs) starts at once. Beside it, .venv-sglang and
+# .venv-vllm are built (each behind its stamp: a built one costs nothing), then the SGLang suite
+# runs, then the vLLM suite: at most two suites share the two cores at any time. (Three at once,
+# or the main suite in two shards beside both, saturated the cores: tests that start real
+# servers then missed their start-up deadlines, in a fresh-clone run.) Each suite writes its own
+# log; the logs are printed in a fixed order once all have ended, each with its summary, and the
+# script fails when any suite failed (or a venv failed to build).
 #
-# KVBRIDGE_TEST_SHARDS=1 runs the main suite as one process.
+# KVBRIDGE_TEST_SHARDS=2 runs the main suite in two shards (tests/transfer and the rest), for a
+# host with cores to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 MAKE=${MAKE:-make}
-SHARDS=${KVBRIDGE_TEST_SHARDS:-2}
+SHARDS=${KVBRIDGE_TEST_SHARDS:-1}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-tests.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
 PYTEST=(-m pytest -q -p no:cacheprovider)
@@ -45,12 +47,12 @@ engines() {
   "$MAKE" --no-print-directory -j2 setup-sglang setup-vllm > "$LOGS/engine-venvs.log" 2>&1 || {
     echo "the SGLang / vLLM venvs failed to build:"; tail -40 "$LOGS/engine-venvs.log"; return 1; }
   echo "engine venvs ready after $(( $(date +%s) - start )) s"
-  ( "$SGLANG_VENV/bin/python" "${PYTEST[@]}" tests/integrations/sglang > "$LOGS/sglang.log" 2>&1
-    echo $? > "$LOGS/sglang.rc" ) &
-  local sgl=$!
-  ( KVBRIDGE_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" "${PYTEST[@]}" tests/integrations/vllm > "$LOGS/vllm.log" 2>&1
-    echo $? > "$LOGS/vllm.rc" ) &
-  wait $sgl $!
+  "$SGLANG_VENV/bin/python" "${PYTEST[@]}" tests/integrations/sglang > "$LOGS/sglang.log" 2>&1
+  echo $? > "$LOGS/sglang.rc"
+  echo "SGLang suite ended after $(( $(date +%s) - start )) s"
+  KVBRIDGE_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" "${PYTEST[@]}" tests/integrations/vllm > "$LOGS/vllm.log" 2>&1
+  echo $? > "$LOGS/vllm.rc"
+  echo "vLLM suite ended after $(( $(date +%s) - start )) s"
 }
 run engines engines
 names+=(engines)
