@@ -25,7 +25,8 @@ SGLang until a function needs it.
 
 from __future__ import annotations
 
-from kvbridge.integrations._lazy import lazy_exports
+import importlib
+from typing import Any
 
 _EXPORTS = {
     "BACKEND": "patches",
@@ -41,4 +42,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

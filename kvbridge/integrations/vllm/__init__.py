@@ -51,7 +51,8 @@ package imports none of them until ``KVBridgeConnector`` is asked for.
 
 from __future__ import annotations
 
-from kvbridge.integrations._lazy import lazy_exports
+import importlib
+from typing import Any
 
 _EXPORTS = {
     "KVBridgeConnector": "connector",
@@ -61,4 +62,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
