@@ -49,7 +49,11 @@ def free_port() -> int:
 
 
 def transfer_config(role: str, extra: dict[str, Any]) -> str:
-    """The ``--kv-transfer-config`` value a user types (docs/vllm.md)."""
+    """The ``--kv-transfer-config`` value a user types (docs/vllm.md), with a peer timeout of 15 s
+    unless ``extra`` names one: under make test's load a CPU ``vllm serve``'s forward passes
+    starve its kvbridge threads past the default 5 s (a fresh-clone run: prefill presumed a live
+    decode rank dead and the batch's rooms failed)."""
+    extra = {"peer_timeout": 15, **extra}
     return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                        "kv_role": role, "kv_connector_extra_config": extra})  # fmt: skip
 
