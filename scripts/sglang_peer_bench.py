@@ -33,15 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from _child import Child
 
 PAGE, ROW = 64, 656  # tokens per page, bytes per token per layer
 POISON = 0xEE
@@ -262,43 +261,8 @@ def child(cfg: dict) -> None:
 # -- the parent -------------------------------------------------------------------------------
 
 
-class Child:
-    def __init__(self, cfg: dict, log: Path) -> None:
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **CHILD_ENV})  # fmt: skip
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-        self.lines.put({"exited": self.proc.poll()})
-
-    def next(self, timeout: float) -> dict:
-        try:
-            out = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no answer from the {self.proc.args[-1][:40]} child within {timeout:.0f}s") from None
-        if "exited" in out:
-            raise RuntimeError(f"a child exited ({out['exited']}); see {self.log.name}")
-        return out
-
-    def send(self, **cmd: Any) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(op="quit")
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+def _child(cfg: dict, log: Path) -> Child:
+    return Child([sys.executable, __file__], cfg, log, CHILD_ENV, f"the {cfg['role']} child")
 
 
 def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: list[int] | None = None,
@@ -313,8 +277,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
     pages = max_pages + max(64, max_pages // 4) + 1  # free pages to draw random ids from (page 0: SGLang's padding)
     ports = {server_name(label, cp): free_port() for label, _, cp, _ in configs}
     common = {"layers": layers, "pages": pages, "model": str(model), "ports": ports, "configs": configs}
-    prefill = Child({**common, "role": "prefill", "http_port": free_port()}, workdir / "prefill.log")
-    decode = Child({**common, "role": "decode", "http_port": free_port()}, workdir / "decode.log")
+    prefill = _child({**common, "role": "prefill", "http_port": free_port()}, workdir / "prefill.log")
+    decode = _child({**common, "role": "decode", "http_port": free_port()}, workdir / "decode.log")
     rng = np.random.default_rng(0)
     rows = []
     try:

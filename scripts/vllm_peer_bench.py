@@ -53,15 +53,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from _child import Child
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 0xEE
@@ -401,46 +401,9 @@ def child(cfg: dict) -> None:
 # -- the parent -------------------------------------------------------------------------------
 
 
-class Child:
-    def __init__(self, cfg: dict, log: Path) -> None:
-        self.name = f"{cfg['connector']} {cfg['role']}"
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(["nice", sys.executable, __file__, "--child", json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **CHILD_ENV, **cfg.get("env", {})})  # fmt: skip
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-        self.lines.put({"exited": self.proc.poll()})
-
-    def next(self, timeout: float) -> dict:
-        try:
-            out = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no answer from {self.name} within {timeout:.0f}s; see {self.log.name}") from None
-        if "exited" in out:
-            raise RuntimeError(f"{self.name} exited ({out['exited']}); see {self.log.name}")
-        return out
-
-    def call(self, timeout: float = 180, **cmd: Any) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.next(timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+def _child(cfg: dict, log: Path) -> Child:
+    return Child(["nice", sys.executable, __file__], cfg, log, {**CHILD_ENV, **cfg.get("env", {})},
+                 f"{cfg['connector']} {cfg['role']}")
 
 
 def nixl_missing() -> str:
@@ -482,7 +445,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                         cfg = {**common, "role": role, "engine_id": f"{common['tag']}-{role}",
                                "transfer_json": transfer_json(c, role, common),
                                "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}}
-                        children[(c, role)] = Child(cfg, workdir / f"{kind}-{c}-{role}.log")
+                        children[(c, role)] = _child(cfg, workdir / f"{kind}-{c}-{role}.log")
                     boot[c] = common["mooncake_bootstrap"]
                 for c in connectors:
                     answers = [children[(c, r)].next(300) for r in ("kv_producer", "kv_consumer")]

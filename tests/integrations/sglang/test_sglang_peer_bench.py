@@ -56,9 +56,10 @@ def test_quick_mode_rows(tmp_path):
     assert [line.split()[3:5] for line in lines[-6:]] == [["always", "staged"]] * 6, lines[-6:]
 
 
-def test_page_pattern_is_the_formula():
+def test_page_pattern_is_the_formula(monkeypatch):
     """The byte check is only as strong as the pattern: page p of layer l holds (p*31 + l*7 + j) % 251
     at offset j, so pages and layers differ; the bench builds it by gathering window rows."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules, as when run as a script
     spec = importlib.util.spec_from_file_location("sglang_peer_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
