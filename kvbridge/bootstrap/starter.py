@@ -25,9 +25,14 @@ import httpx
 
 from kvbridge.errors import BootstrapUnavailable
 
-__all__ = ["start_bootstrap"]
+__all__ = ["STARTUP_TIMEOUT_S", "start_bootstrap"]
 
 HOST = "127.0.0.1"
+# How long a start-up wait gives a process that is alive but not yet ready before it is called
+# hung. A process that exits fails the wait at once, so this bound only costs time when a process
+# hangs; it is long because an interpreter importing its stack on a host loaded to several times
+# its cores takes tens of seconds to answer, and that is slowness, not failure.
+STARTUP_TIMEOUT_S = 120.0
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], port_file: Path, host: str, log: Path, timeout: float) -> str:
@@ -65,7 +70,7 @@ def start_bootstrap(
     port: int = 0,
     lease_ttl: float | None = None,
     with_token: bool = True,
-    timeout: float = 30.0,
+    timeout: float = STARTUP_TIMEOUT_S,
     extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, str]]:
     """A bootstrap daemon process for the ``with`` block, for embedding and tests::

@@ -23,7 +23,7 @@ import httpx
 from kvbridge.chaos.etcd import EtcdCluster
 from kvbridge.worker import ops
 from kvbridge.worker.cluster import HOST, spawn_bootstrap
-from kvbridge.worker.launch import Proc, ProcessGroup, kvbridge_argv
+from kvbridge.worker.launch import STARTUP_TIMEOUT_S, Proc, ProcessGroup, kvbridge_argv
 
 __all__ = ["ChaosCluster", "Member", "proc_resources"]
 
@@ -110,7 +110,7 @@ class ChaosCluster:
         for m in self.workers:
             self._await(m, timeout)
 
-    def start_daemon(self, timeout: float = 30.0) -> None:
+    def start_daemon(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         """The daemon, on the port it had before (a restart) or a free one (the first start);
         in store mode the etcd cluster and every replica."""
         if self.replicas:
@@ -128,7 +128,7 @@ class ChaosCluster:
         for m in self.workers:
             m.argv = _with_flag(m.argv, "--bootstrap", self.url)
 
-    def start_replica(self, i: int, timeout: float = 30.0) -> None:
+    def start_replica(self, i: int, timeout: float = STARTUP_TIMEOUT_S) -> None:
         """Replica ``i`` on the etcd cluster, on the port it had before or a free one."""
         assert self.etcd is not None
         m = self.replicas[i]

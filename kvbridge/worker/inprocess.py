@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from kvbridge.worker.base import WorkerBase
-from kvbridge.worker.launch import LaunchError
+from kvbridge.worker.launch import STARTUP_TIMEOUT_S, LaunchError
 from kvbridge.worker.runtime import STEP_SECONDS
 
 
@@ -26,7 +26,7 @@ class ThreadWorker:
         self._ready: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"kvb-worker-{self.name}", daemon=True)
 
-    def start(self, timeout: float = 30.0) -> dict[str, Any]:
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         self._thread.start()
         try:
             ready = self._ready.get(timeout=timeout)

@@ -21,10 +21,11 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bootstrap.starter import start_bootstrap
+from kvbridge.bootstrap.starter import STARTUP_TIMEOUT_S, start_bootstrap
 from kvbridge.errors import KVBridgeError
 
-__all__ = ["LaunchError", "ProcessGroup", "Proc", "kvbridge_argv", "spawn_bootstrap", "start_bootstrap", "HOST"]
+__all__ = ["HOST", "STARTUP_TIMEOUT_S", "LaunchError", "Proc", "ProcessGroup", "kvbridge_argv", "spawn_bootstrap",
+           "start_bootstrap"]
 
 
 class LaunchError(KVBridgeError):
@@ -92,13 +93,13 @@ class ProcessGroup:
         self.procs.append(proc)
         return proc
 
-    def wait_ready(self, proc: Proc, timeout: float = 30.0) -> dict[str, Any]:
+    def wait_ready(self, proc: Proc, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
         """The JSON record the worker wrote to its ready file."""
         if proc.ready_file is None:
             raise LaunchError(f"{proc.name} was started without a ready file")
         return json.loads(self.wait_file(proc, proc.ready_file, timeout))
 
-    def wait_file(self, proc: Proc, path: Path, timeout: float = 30.0) -> str:
+    def wait_file(self, proc: Proc, path: Path, timeout: float = STARTUP_TIMEOUT_S) -> str:
         """The non-empty content of ``path`` once ``proc`` wrote it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -109,7 +110,7 @@ class ProcessGroup:
             time.sleep(0.05)
         raise LaunchError(f"{proc.name}: no {path.name} after {timeout:.0f}s; log tail:\n{proc.log_tail()}")
 
-    def wait_http(self, proc: Proc, url: str, timeout: float = 30.0) -> None:
+    def wait_http(self, proc: Proc, url: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive(proc)
@@ -149,7 +150,7 @@ class ProcessGroup:
 HOST = "127.0.0.1"
 
 
-def spawn_bootstrap(group: ProcessGroup, timeout: float = 30.0, extra_args: Sequence[str] = (),
+def spawn_bootstrap(group: ProcessGroup, timeout: float = STARTUP_TIMEOUT_S, extra_args: Sequence[str] = (),
                     host: str = HOST, port: int = 0) -> str:
     """Start ``kvbridge bootstrap`` in ``group`` (port 0: the kernel picks one, the daemon reports
     it); returns its URL once ``/healthz`` answers."""
