@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout.pools import PRESETS
+from kvbridge.transfer.engine.registry import engine_names
 
 MEMORY_BUDGET_GB = 10.0
 
@@ -34,7 +35,7 @@ def _allocs(text: str) -> list[str]:
     return values
 
 
-ENGINES = ("mooncake", "nixl", "ipc", "auto")
+ENGINES = engine_names("network", "same-host", "composite")  # the registry's, less in-process ones
 
 
 def _engines(text: str) -> list[str]:

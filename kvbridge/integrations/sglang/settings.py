@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError
+from kvbridge import ConfigError, engine_names
 from kvbridge.integrations.sglang.cp_modes import lane_rule as sglang_lane_rule
 
 ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDGE_BOOTSTRAP_TOKEN",
@@ -30,7 +30,7 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
 ENV_ENGINE = "KVBRIDGE_ENGINE"
-ENGINES = ("mooncake", "nixl")  # what an SGLang rank's transfer engine may be (both sides on one)
+ENGINES = engine_names("network")  # what an SGLang rank's transfer engine may be (both sides on one)
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
                                                           "KVBRIDGE_STAGING_SLOT_BYTES")  # fmt: skip
@@ -42,8 +42,9 @@ ENVIRONMENT = (
     (ENV_INSTANCE, "this server's instance name at the daemon; default, prefill: its bootstrap address host:port "
                    "(what the router hands decode: a cluster daemon resolves it); decode: sglang-decode-host:port"),
     (ENV_HOST, "the address this rank's transfer engine and control socket use (default: SGLang's local IP)"),
-    (ENV_ENGINE, "the transfer engine: mooncake (default) or nixl (NVIDIA NIXL over UCX, kvbridge[nixl]); "
-                 "prefill and decode must use the same one (the daemon refuses a mismatch with the field diff)"),
+    (ENV_ENGINE, f"the transfer engine: {' or '.join(ENGINES)} (default mooncake; nixl: NVIDIA NIXL over UCX, "
+                 "kvbridge[nixl]); prefill and decode must use the same one (the daemon refuses a mismatch with the "
+                 "field diff)"),
     (ENV_PROTOCOL, "Mooncake: tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
     (ENV_CONTRACT, "a runtime-contract JSON file to use instead of the one built from SGLang's pools (checked "
                    "against them)"),

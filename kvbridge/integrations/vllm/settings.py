@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, DecodeConfig, PrefillConfig
+from kvbridge import STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, engine_names
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-STAGING_MODES = ("auto", "always", "never")
+ENGINES = engine_names("network")  # what a vLLM worker's transfer engine may be (both sides on one)
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 
 # kv_connector_extra_config: key -> (environment fallback, meaning)
@@ -34,6 +34,8 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "prefill_instance": ("", "decode: the prefill instance to check the contract against at start-up"),
     "prefill_wait_s": ("", "decode: how long start-up waits for prefill_instance to register (default 60)"),
     "host": ("KVBRIDGE_HOST", "the address of this rank's transfer engine and control socket (default 127.0.0.1)"),
+    "engine": ("KVBRIDGE_ENGINE", f"the transfer engine: {' or '.join(ENGINES)} (default mooncake); prefill and "
+                                  "decode must use the same one"),
     "protocol": ("KVBRIDGE_PROTOCOL", "Mooncake protocol: tcp (default) or rdma"),
     "device": ("", "the RDMA device name(s) for protocol rdma"),
     "staging": ("KVBRIDGE_STAGING", "staged transfers: auto (default), always, never (docs/staging.md)"),
@@ -62,6 +64,7 @@ class Settings:
     daemon_url: str
     token: str
     host: str
+    engine: str
     protocol: str
     device: str
     model_name: str
@@ -129,6 +132,9 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
     if not INSTANCE_NAME.match(instance):
         raise ConfigError(f"instance name {instance!r} must match {INSTANCE_NAME.pattern}",
                           field="kv_connector_extra_config.instance")
+    engine = str(get("engine", "mooncake"))
+    if engine not in ENGINES:
+        raise ConfigError(f"engine {engine!r} is not one of {', '.join(ENGINES)}", field="kv_connector_extra_config.engine")
     staging = str(get("staging", "auto"))
     if staging not in STAGING_MODES:
         raise ConfigError(f"staging {staging!r} is not one of {STAGING_MODES}", field="kv_connector_extra_config.staging")
@@ -139,7 +145,7 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
     secret = get("secret", "")
     s = Settings(
         role=role, instance=instance, daemon_url=url.rstrip("/"), token=str(get("bootstrap_token")),
-        host=str(get("host", "127.0.0.1")), protocol=str(get("protocol", "tcp")), device=str(get("device")),
+        host=str(get("host", "127.0.0.1")), engine=engine, protocol=str(get("protocol", "tcp")), device=str(get("device")),
         model_name=name, revision=str(getattr(mc, "revision", None) or "unspecified"),
         block_size=int(vllm_config.cache_config.block_size), tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         prefill_instance=str(get("prefill_instance")), prefill_wait_s=_number(get, "prefill_wait_s", 60.0),
