@@ -71,8 +71,8 @@ def create_engine(
     max_slices_per_call: int | None = None,
     fabric: LocalFabric | None = None,
 ) -> TransferEngine:
-    """A started engine of ``kind``, one of the registry's names (the list below is generated from
-    it). ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0"); ``fabric`` is for
+    """A started engine named ``kind``, one of the registry's names (``ENGINE_KINDS``; the list
+    below is generated from the registry: name, what kind of engine, transport, default cap). ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0"); ``fabric`` is for
     "local" only (a fresh one when omitted). ``max_slices_per_call`` (default: the entry's) also caps
     the slices a Mooncake engine keeps in flight per destination session.
 
@@ -80,7 +80,7 @@ def create_engine(
     (an "auto" engine on this host) over IPC where it reaches the destination, everything else over
     Mooncake; "nixl"'s peers must be "nixl" engines, introduced with ``add_peer``.
 
-    Kinds:
+    Engines:
     """
     entry = engine_entry(kind)
     if fabric is not None and "fabric" not in entry.options:

@@ -2,7 +2,7 @@
 
 ``ENGINES`` below: name -> how it is built (a factory imported only then), what kind of engine
 it is, its transport label, whether it is direct only, the staging thresholds measured for it,
-a one-line description (``kvbridge doctor``/``--help`` texts quote it).
+a one-line description (the workers' ``--engine`` help quotes it).
 
 Everything else asks this table: :func:`~kvbridge.transfer.engine.create_engine` builds from
 it, ``ENGINE_KINDS`` and every ``--engine`` choice, ``KVBRIDGE_ENGINE`` and the integrations'
