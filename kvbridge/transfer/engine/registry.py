@@ -55,9 +55,9 @@ PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
 # of several pages stay direct by their size (scripts/gpu_bench.py's staged table; docs/performance.md).
 GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
 # NIXL/UCX on host memory (scripts/staging_bench.py --engine nixl; docs/engines.md, "Staging
-# thresholds"): UCX moves scattered page-sized slices faster than gather + write + scatter at every
-# count measured (staged 0.4-0.7x direct from 1,024 to 32,768 slices, where Mooncake's staged path
-# won), so staging starts only past one NIXL request's worth (65,536 slices), beyond what was measured.
+# thresholds"): UCX moved scattered page-sized slices faster than gather + write + scatter at every
+# count measured, so staging starts only past one NIXL request's worth of slices (65,536), beyond
+# what was measured. GPU pages over NIXL: not measured, Mooncake's GPU rule.
 NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 10)
 
 
