@@ -9,8 +9,10 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   buffers a stage registers, docs/pipeline.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
-- bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
-- data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
+- integrations: ``SettingsReader`` (the one settings convention, kvbridge/integrations/README.md);
+- bootstrap: ``BootstrapClient, ``start_bootstrap`` (a daemon process for a ``with`` block);
+- data path: ``create_engine`` and ``engine_names`` (the engine registry's names, by kind),
+  ``STAGING_MODES`` (the ``staging`` setting's values), ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
   ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened).
 """
 
@@ -51,11 +53,16 @@ from kvbridge.transfer import (
     create_engine,
     mooncake_available,
 )
+from kvbridge.settings import SettingsReader
+from kvbridge.transfer.engine.registry import engine_names
+from kvbridge.transfer.staging.settings import STAGING_MODES
 from kvbridge.bootstrap.starter import start_bootstrap
 
 __all__ = [
     *_errors_all,
     "PRESETS",
+    "STAGING_MODES",
+    "SettingsReader",
     "WIRE_VERSION",
     "AuxRegion",
     "AuxRow",
@@ -80,6 +87,7 @@ __all__ = [
     "create_engine",
     "deepseek_pools",
     "diff_contracts",
+    "engine_names",
     "fingerprint",
     "mooncake_available",
     "preset_pools",

@@ -1,23 +1,25 @@
 #!/usr/bin/env python
-"""Staged transfers' building blocks against the direct path, on Mooncake TCP loopback.
+"""Staged transfers' building blocks against the direct path, on Mooncake TCP loopback (or NIXL).
 
-Two Mooncake engines in this process (TCP on 127.0.0.1): the prefill pools and send staging
-area registered with one, the decode pools and receive staging area with the other. One CP
+Two engines in this process (Mooncake: TCP on 127.0.0.1; ``--engine nixl``: NIXL/UCX): the
+prefill pools and send staging area registered with one, the decode pools and receive staging
+area with the other. One CP
 rank, V3.2 fp8 latent geometry (656 B per token per layer, page 64: 41,984 B pages), random
 allocation on both sides (every page of every layer its own slice). Per room size:
 
     direct       kvbridge's Mooncake engine, the plan's slices as they are (submit_write + wait)
     raw          the Mooncake binding, the same slices, <= 1,024 per batch_transfer_sync_write
+                 (Mooncake only: on NIXL the column is left out)
     staged       StagedWriter: gather -> wire pieces -> scatter, pipelined by chunks
     ceiling      the staged path's parts alone: every gather, one contiguous write of the
                  room's bytes (in slot-sized pieces), every scatter; serial sum and the slowest
     contiguous   kvbridge's engine on contiguous pages (one slice per layer)
 
 then a crossover sweep: slices of one size (1 to 64 pages) and counts, direct vs staged,
-which sets ``kvbridge.layout.staging.DEFAULT_THRESHOLDS``. Every staged room is checked byte
-for byte against the source. Figures are the best of --reps.
+which sets the engine's staging thresholds (its entry in ``kvbridge/transfer/engine/registry.py``).
+Every staged room is checked byte for byte against the source. Figures are the best of --reps.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/staging_bench.py [--tokens 8K,32K] [--layers 61] [--reps 2]
+    PYTHONPATH=$PWD .venv/bin/python scripts/staging_bench.py [--engine nixl] [--tokens 8K,32K] [--layers 61] [--reps 2]
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ def tokens(text: str) -> list[int]:
 
 
 class Rig:
-    def __init__(self, layers: int, capacity: int, slot_bytes: int, num_slots: int, piece_bytes: int) -> None:
+    def __init__(self, layers: int, capacity: int, slot_bytes: int, num_slots: int, piece_bytes: int,
+                 engine: str = "mooncake") -> None:
         self.specs = {"target": deepseek_pools(num_layers=layers, page_size=64, kv_dtype="fp8", index=False,
                                                draft_layers=0)["target"]}
         spec = self.specs["target"]
-        self.a = create_engine("mooncake", max_slices_per_call=CAP)
-        self.b = create_engine("mooncake", max_slices_per_call=CAP)
+        self.engine = engine
+        self.a = create_engine(engine, max_slices_per_call=CAP if engine == "mooncake" else None)
+        self.b = create_engine(engine, max_slices_per_call=CAP if engine == "mooncake" else None)
         rng = np.random.default_rng(0)
         self.src = {lid: rng.integers(0, 256, (capacity, spec.bytes_per_page), dtype=np.uint8)
                     for lid in spec.layer_ids}
@@ -58,6 +62,7 @@ class Rig:
             self.a.register(*tensor_region(arr))
         for arr in [*self.dst.values(), self.recv]:
             self.b.register(*tensor_region(arr))
+        self.a.add_peer(self.b.session_id, self.b.metadata)  # NIXL: the writer loads its target (a no-op elsewhere)
         self.src_descs = [describe_buffer(spec, lid, arr) for lid, arr in self.src.items()]
         self.dst_descs = [describe_buffer(spec, lid, arr) for lid, arr in self.dst.items()]
         self.slot_bytes, self.num_slots, self.piece_bytes = slot_bytes, num_slots, piece_bytes
@@ -86,6 +91,8 @@ class Rig:
         self.a.write(self.b.session_id, plan.src, plan.dst, plan.length, timeout=300)
 
     def raw(self, plan: TransferPlan) -> None:
+        if self.engine != "mooncake":
+            return
         mc = self.a._mc  # the binding itself: no adapter in the way
         for s, d, n in plan.batches(CAP):
             if mc.batch_transfer_sync_write(self.b.session_id, s.tolist(), d.tolist(), n.tolist()) != 0:
@@ -161,7 +168,7 @@ def room_rows(rig: Rig, num_tokens: int, reps: int) -> dict:
         runs["ceiling"].append(rig.ceiling(plan))
         runs["contiguous"].append(timed(lambda: rig.direct(contiguous)))
     for name in ("direct", "raw", "contiguous"):
-        row[name] = gb / min(runs[name])
+        row[name] = gb / min(runs[name]) if rig.engine == "mooncake" or name != "raw" else float("nan")
     fastest = min(runs["staged"], key=lambda r: r["s"])
     row["staged"] = gb / fastest["s"]
     row.update({k: fastest[k] for k in ("chunks", "wire_pieces", "gather_slices", "scatter_slices", "slot_waits")})
@@ -172,7 +179,7 @@ def room_rows(rig: Rig, num_tokens: int, reps: int) -> dict:
     return row
 
 
-def sweep(rig: Rig, total_bytes: int, reps: int) -> list[dict]:
+def sweep(rig: Rig, total_bytes: int, reps: int, counts: tuple[int, ...] = (16, 64, 256, 1024)) -> list[dict]:
     """Slices of ``run`` pages each at random places of random layers, about ``total_bytes`` per
     room; then page-sized slices in growing numbers: direct vs staged."""
     spec = rig.specs["target"]
@@ -184,7 +191,7 @@ def sweep(rig: Rig, total_bytes: int, reps: int) -> list[dict]:
     rows = []
     rng = np.random.default_rng(2)
     cases = [(run, max(1, total_bytes // (run * page))) for run in (1, 4, 16, 64)]
-    cases += [(1, n) for n in (16, 64, 256, 1024)]
+    cases += [(1, n) for n in counts]
     for run, count in cases:
         blocks = capacity // run * len(lids)  # (layer, block) places, each used once per side
         if count > blocks:
@@ -213,20 +220,25 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4, help="slots per staging area")
     ap.add_argument("--piece-mib", type=int, default=4, help="largest wire piece (MiB)")
     ap.add_argument("--sweep-mib", type=int, default=48, help="bytes per crossover room (MiB)")
+    ap.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--counts", default="16,64,256,1024",
+                    help="page-sized slice counts of the crossover's second part (comma-separated)")
+    ap.add_argument("--no-rooms", action="store_true", help="the crossover sweep only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sizes = tokens(args.tokens)
     capacity = max(sizes) // 64 * 5 // 4
-    rig = Rig(args.layers, capacity, args.slot_mib << 20, args.slots, args.piece_mib << 20)
+    rig = Rig(args.layers, capacity, args.slot_mib << 20, args.slots, args.piece_mib << 20, args.engine)
+    counts = tuple(int(c) for c in args.counts.split(","))
     try:
-        rows = [room_rows(rig, n, args.reps) for n in sizes]
-        cross = sweep(rig, args.sweep_mib << 20, max(args.reps, 5))  # small rooms: noisier, cheaper
+        rows = [] if args.no_rooms else [room_rows(rig, n, args.reps) for n in sizes]
+        cross = sweep(rig, args.sweep_mib << 20, max(args.reps, 5), counts)  # small rooms: noisier, cheaper
     finally:
         rig.close()
     if args.json:
         print(json.dumps({"rooms": rows, "crossover": cross}, indent=1))
         return
-    print(f"Mooncake TCP loopback, 2 engines in one process, {args.layers} layers x 41,984 B pages, "
+    print(f"{'Mooncake TCP' if args.engine == 'mooncake' else 'NIXL/UCX'} loopback, 2 engines in one process, {args.layers} layers x 41,984 B pages, "
           f"staging {args.slots} x {args.slot_mib} MiB per side, wire pieces <= {args.piece_mib} MiB, best of {args.reps}")
     print("| tokens | MB | slices | direct | raw | staged | ceiling serial / slowest | gather / wire / scatter "
           "| contiguous | staged/direct | staged/raw | staged/contiguous | chunks, wire pieces |")

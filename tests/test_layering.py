@@ -1,7 +1,7 @@
 """The import graph of kvbridge/: no circles (type-only imports included) and every arrow
 points down the floors below. A module's floor is that of its top-level part:
 
-    0  kvbridge._version, kvbridge.errors, kvbridge.log
+    0  kvbridge._version, kvbridge.errors, kvbridge.log, kvbridge.settings
     1  kvbridge.layout                  pure geometry and planning
     2  kvbridge.bootstrap               contract, daemon, client
     3  kvbridge.transfer                engines, channel, rooms, endpoints
@@ -25,7 +25,7 @@ import kvbridge
 
 ROOT = Path(kvbridge.__file__).parent
 FLOORS = {
-    "kvbridge._version": 0, "kvbridge.errors": 0, "kvbridge.log": 0,
+    "kvbridge._version": 0, "kvbridge.errors": 0, "kvbridge.log": 0, "kvbridge.settings": 0,
     "kvbridge.layout": 1,
     "kvbridge.bootstrap": 2,
     "kvbridge.transfer": 3,

@@ -36,7 +36,7 @@ class ChaosSpec:
     warmup_timeout: float = 60.0  # the fresh cluster must serve one whole batch within this, before any fault
     transfer_timeout: float = 20.0
     workdir: str | None = None  # keep the processes' logs here
-    engine: str = "mooncake"  # the workers' transfer engine (mooncake | nixl)
+    engine: str = "mooncake"  # the workers' transfer engine: a "network" engine of the registry
 
     @classmethod
     def quick(cls, **kw: Any) -> ChaosSpec:

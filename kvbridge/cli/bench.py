@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout.pools import PRESETS
+from kvbridge.transfer.engine.registry import engine_entry, engine_names
 
 MEMORY_BUDGET_GB = 10.0
 
@@ -34,7 +35,7 @@ def _allocs(text: str) -> list[str]:
     return values
 
 
-ENGINES = ("mooncake", "nixl", "ipc", "auto")
+ENGINES = engine_names("network", "same-host", "composite")  # the registry's, less in-process ones
 
 
 def _engines(text: str) -> list[str]:
@@ -118,17 +119,20 @@ def run(args: argparse.Namespace) -> int:
             note = f"{layers} target layers instead of 61 so that {max(tokens)} tokens fit {args.memory_gb:.0f} GB"
     if layers < 1 or args.draft_layers < 0:
         raise ConfigError("--layers must be >= 1 and --draft-layers >= 0", field="layers")
-    if "ipc" in args.engine and not args.device.startswith("cuda"):
-        raise ConfigError("--engine ipc moves GPU memory between processes: add --device cuda:N", field="engine")
+    same_host = [e for e in args.engine if engine_entry(e).kind == "same-host"]
+    if same_host and not args.device.startswith("cuda"):
+        raise ConfigError(f"--engine {same_host[0]} moves GPU memory between processes: add --device cuda:N",
+                          field="engine")
     log_dir = tempfile.mkdtemp(prefix="kvbridge-bench-") if args.trace else ""
     gpu = str(args.device).startswith("cuda")
     specs = [BenchSpec(
         tokens=tokens, cps=cps, layers=layers, draft_layers=args.draft_layers, preset=args.preset,
         reps=args.reps or 5, engine=engine, verify=not args.no_verify, verify_every=args.verify_every,
         quick=args.quick, dst_order=args.dst_order, allocs=args.alloc, device=args.device, decode_device=args.device,
-        decode_aux=args.device if engine in ("ipc", "auto") else "cpu", poll_s=args.poll_ms / 1e3,
+        decode_aux=args.device if engine_entry(engine).kind in ("same-host", "composite") else "cpu",
+        poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
-        staged=not args.no_staged and (not gpu or engine in ("mooncake", "nixl")),
+        staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"),
     ) for engine in args.engine]  # fmt: skip
     spec = specs[0]
     meta = {

@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens per room (default: 16384; quick 8192)")
     p.add_argument("--workdir", default=None, help="keep the processes' logs in this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake",
+    from kvbridge.transfer.engine.registry import engine_names
+
+    p.add_argument("--engine", choices=engine_names("network"), default="mooncake",
                    help="the workers' transfer engine (default %(default)s; nixl: kvbridge[nixl])")
     p.add_argument("--hostile", action="store_true",
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "

@@ -8,6 +8,7 @@ import json
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout.pools import PRESETS
+from kvbridge.transfer.engine.registry import engine_names
 
 MODEL_DEFAULTS = {"requests": 6, "tokens": "13,4,1,30,7,22", "page_size": 4, "chunk_tokens": 5}
 SYNTHETIC_DEFAULTS = {"requests": 24, "tokens": "100,1000,2048,3000,4097", "page_size": 64, "chunk_tokens": 1024}
@@ -43,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=4, help="target layers (default 4, to stay quick)")
     p.add_argument("--draft-layers", type=int, default=1, help="draft layers (default 1)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 64; 4 with --model)")
-    p.add_argument("--engine", choices=("mooncake", "local"), default="mooncake", help="transfer engine (default mooncake)")
+    p.add_argument("--engine", choices=("mooncake", *engine_names("in-process")), default="mooncake",
+                   help="transfer engine: mooncake (worker processes), local (worker threads of this process) "
+                        "(default mooncake)")
     p.add_argument("--concurrency", type=int, default=4, help="rooms in flight at once (default 4; synthetic)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="chunked-prefill size; 0: one chunk (default 1024; 5 with --model)")

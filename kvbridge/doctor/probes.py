@@ -19,7 +19,7 @@ Run doctor on a prefill host to check the prefill -> decode direction rooms use.
 from __future__ import annotations
 
 import base64
-import os
+import logging
 import secrets
 import socket
 import threading
@@ -35,6 +35,7 @@ from kvbridge.doctor.checks import FAIL, OK, SKIP, Check
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.channel import PeerSet
+from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
 __all__ = ["control_checks", "EngineProbe", "NixlProbe"]
 
@@ -110,11 +111,15 @@ class EngineProbe:
     """Doctor's own Mooncake engine and scratch buffer (``close()`` it)."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every refused connection at ERROR otherwise
         from mooncake.engine import TransferEngine  # lazily: doctor's other hops work without Mooncake
 
-        self.engine = TransferEngine()
-        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        # Mooncake's glog lines (its start-up's, and an ERROR per refused connection) go to fd 2
+        # from C++: kept off doctor's output and handed to kvbridge's log, as the engines do
+        # (native_logs.py: GLOG_minloglevel does not reach Mooncake's glog)
+        with quiet_native_logs():
+            self.engine = TransferEngine()
+            started = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if started != 0:
             raise TransferError(f"doctor: Mooncake engine did not start on {host}", field="host")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.buf = np.zeros(2 * PROBE_BYTES, dtype=np.uint8)
@@ -135,7 +140,8 @@ class EngineProbe:
             return Check("engine", label, FAIL, f"session {rank.session_id}: nothing answers ({closed})",
                          "the rank's transfer engine is down, or a firewall/NetworkPolicy blocks its RPC port from "
                          "here (Mooncake picks its ports at start-up)", seconds=time.monotonic() - t0)
-        problem = self._write_and_read(rank.session_id, rank.scratch, timeout)
+        with quiet_native_logs(error_level=logging.DEBUG):  # a failure is this check's to report
+            problem = self._write_and_read(rank.session_id, rank.scratch, timeout)
         seconds = time.monotonic() - t0
         if problem:
             return Check("engine", label, FAIL, f"session {rank.session_id}: {problem}",

@@ -28,14 +28,13 @@ from kvbridge.layout.rows import (
     valid_row_index,
 )
 from kvbridge.layout.stages import check_stage_layers, layer_range_specs, stage_conflict, stage_layer_ids, stage_specs
-from kvbridge.layout.staging import DEFAULT_THRESHOLDS, PathThresholds, StagedPlan, choose_path, stage_plan
+from kvbridge.layout.staging import PathThresholds, StagedPlan, choose_path, stage_plan
 from kvbridge.layout.tp_routes import TPRoute, num_drawing, tp_route
 
 __all__ = [
     "AuxRegion",
     "AuxRow",
     "AuxSchema",
-    "DEFAULT_THRESHOLDS",
     "BufferDesc",
     "HeadGeometry",
     "HeadSlice",

@@ -26,13 +26,13 @@ the two sides may use different slots for the same chunk. Nothing here touches m
 
 ``choose_path`` decides per target whether staging pays: direct when the slices are few
 and large (gather and scatter then cost more than they save), staged when they are many
-and small. The same-host IPC engine copies scattered slices in one kernel launch and is
-always direct.
+and small. Where that turns is a property of the engine, measured per engine: the caller
+passes the thresholds (``PathThresholds``, or None for an engine that copies scattered
+slices in one launch, never staged); this module knows no engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,6 @@ from kvbridge.errors import LayoutError
 from kvbridge.layout.plan import TransferPlan
 
 __all__ = [
-    "DEFAULT_THRESHOLDS",
     "PATHS",
     "PathThresholds",
     "StagedPlan",
@@ -264,35 +263,16 @@ class PathThresholds:
                 raise LayoutError(f"{name} must be a non-negative integer, got {value!r}", field=name)
 
 
-# Defaults from scripts/staging_bench.py (docs/performance.md, "Staged transfers"): on Mooncake TCP
-# staging wins once a target's slices are page-sized (a 41,984 B fp8 latent page and below) and
-# number in the thousands; with runs of several pages, or a few hundred slices, gather and scatter
-# cost more than the per-slice overhead they save. The local engine follows the same rule.
-_PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
-# GPU pages over Mooncake (NVLink, or RDMA from device memory): staging wins from some hundreds of
-# page-sized slices on, since each posted slice costs far more than gathering it on the GPU, while
-# runs of several pages (contiguous allocation) stay direct by their size (scripts/gpu_bench.py's
-# staged table; docs/performance.md).
-_GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
-DEFAULT_THRESHOLDS: Mapping[str, PathThresholds] = {"mooncake": _PAGE_SIZED, "auto": _PAGE_SIZED, "local": _PAGE_SIZED,
-                                                    "mooncake-gpu": _GPU_PAGE_SIZED}
-DIRECT_ONLY = frozenset({"ipc"})  # one kernel launch copies scattered slices: nothing to save
-
-
-def choose_path(plan: TransferPlan | int, engine: str, thresholds: PathThresholds | None = None, *,
+def choose_path(plan: TransferPlan | int, thresholds: PathThresholds | None, *,
                 mean_slice_bytes: int | None = None) -> str:
-    """``"direct"`` or ``"staged"`` for a target's plan over an engine of kind ``engine``
-    (the route's kind: for an "auto" engine, "ipc" where the peer is on this host).
-    ``plan`` may be a slice count, with ``mean_slice_bytes`` given."""
-    if engine in DIRECT_ONLY:
-        return "direct"
+    """``"direct"`` or ``"staged"`` for a target's plan under ``thresholds``: the route's engine's
+    (its registry entry, ``kvbridge/transfer/engine/registry.py``, measured per engine); None for
+    an engine that copies scattered slices at once (never staged). ``plan`` may be a slice count,
+    with ``mean_slice_bytes`` given."""
     if thresholds is None:
-        if engine not in DEFAULT_THRESHOLDS:
-            raise LayoutError(
-                f"no staging thresholds for engine {engine!r}; known: {sorted(DEFAULT_THRESHOLDS) + sorted(DIRECT_ONLY)}",
-                field="engine",
-            )
-        thresholds = DEFAULT_THRESHOLDS[engine]
+        return "direct"
+    if not isinstance(thresholds, PathThresholds):
+        raise LayoutError(f"thresholds must be PathThresholds or None, got {thresholds!r}", field="thresholds")
     if isinstance(plan, TransferPlan):
         num_slices = plan.num_slices
         if num_slices < max(thresholds.min_slices, 1):  # too few slices to gain: no byte count needed

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.transfer.engine.registry import engine_entry
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
 from kvbridge.worker.metrics import WorkerMetrics
@@ -76,17 +77,18 @@ class WorkerBase:
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
         """Allocate, start the engine and endpoint, bind the ops channel; returns the ready record."""
-        if self.cfg.engine == "local" and self.engine_factory is None:
+        kind = engine_entry(self.cfg.engine).kind
+        if kind == "in-process" and self.engine_factory is None:
             raise ConfigError(
-                "the local engine moves bytes between regions of one process; a worker's peers are other "
+                f"the {self.cfg.engine} engine moves bytes between regions of one process; a worker's peers are other "
                 "processes: use --engine mooncake (the local engine is for tests and the in-process bench)",
                 field="engine",
             )
-        if self.cfg.engine == "ipc" and self.engine_factory is None and not (
+        if kind == "same-host" and self.engine_factory is None and not (
                 self.cfg.model and self.cfg.model_device.startswith("cuda")):
             raise ConfigError(
-                "the ipc engine reaches GPU memory of other processes only, and this worker keeps its KV in host "
-                "memory (synthetic KV, or --model-device cpu): use --engine auto (CUDA IPC where both sides are "
+                f"the {self.cfg.engine} engine reaches GPU memory of other processes only, and this worker keeps its KV "
+                "in host memory (synthetic KV, or --model-device cpu): use --engine auto (CUDA IPC where both sides are "
                 "GPU memory on one host, Mooncake for the rest) or --engine mooncake",
                 field="engine",
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge.transfer.engine.registry import engine_entry
 from kvbridge.worker import ops
 from kvbridge.worker.inprocess import ThreadWorker
 from kvbridge.worker.launch import HOST, Proc, ProcessGroup, kvbridge_argv, spawn_bootstrap, start_bootstrap
@@ -97,7 +98,7 @@ class Cluster:
 
     def start(self, timeout: float = 60.0) -> None:
         self.bootstrap_url = spawn_bootstrap(self.group, timeout)
-        if self.spec.engine == "local":
+        if engine_entry(self.spec.engine).kind == "in-process":  # the local engine: worker threads of this process
             self._start_threads(timeout)
         else:
             self._start_processes(timeout)

@@ -24,6 +24,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.layout.lanes import LANE_RULES
 from kvbridge.layout.pools import PRESETS, preset_pools
+from kvbridge.transfer.engine.registry import ENGINES, engine_names
 from kvbridge.transfer.staging.settings import STAGING_MODES, check_staging
 
 if sys.version_info >= (3, 11):
@@ -117,10 +118,9 @@ SETTINGS: tuple[Setting, ...] = (
             "them when the pools are head-sharded (a stand-in for TP attention) and writes the room's tokens and "
             "logits; the files stay until their reader (kvbridge demo) removes them", DECODE),
     # transfer engine and network
-    Setting("engine", str, "mooncake", "transfer engine: mooncake; nixl (NVIDIA NIXL over UCX, kvbridge[nixl]); "
-            "auto (CUDA IPC to GPU peers on this host, Mooncake for the rest); ipc (same host, GPU memory only); "
-            "local (tests). Prefill and decode must run the same one (refused at the handshake otherwise)",
-            choices=("mooncake", "nixl", "auto", "ipc", "local")),
+    Setting("engine", str, "mooncake", "transfer engine: " + "; ".join(
+            f"{e.name} ({e.description})" for e in ENGINES.values()) + ". Prefill and decode must run the same one "
+            "(refused at the handshake otherwise)", choices=engine_names()),
     Setting("protocol", str, "tcp", "Mooncake protocol", choices=("tcp", "rdma")),
     Setting("device", str, "", "RDMA device names for Mooncake (empty: auto)"),
     Setting("host", str, "127.0.0.1", "address this worker advertises and binds"),

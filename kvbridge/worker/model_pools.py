@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kvbridge.transfer.engine.registry import engine_entry
+
 
 class ModelPools:
     """Mixed into a worker before its role class (``ModelPools, PrefillWorker``)."""
@@ -28,7 +30,8 @@ class ModelPools:
         return self.model_rank.specs, self.model_rank.contract, self.model_rank.aux_schema
 
     def allocate_buffers(self) -> dict:
-        if (self.cfg.protocol == "rdma" or self.cfg.engine in ("ipc", "auto")) and self.cfg.model_device.startswith("cuda"):
+        reaches_gpu = engine_entry(self.cfg.engine).kind in ("same-host", "composite")  # CUDA IPC: ipc, auto
+        if (self.cfg.protocol == "rdma" or reaches_gpu) and self.cfg.model_device.startswith("cuda"):
             # NVLink and CUDA IPC move device memory only (auto would send host rows over Mooncake): aux rows there too
             self.aux_device = self.cfg.model_device
         return self.model_rank.paged.buffers()

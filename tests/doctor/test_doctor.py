@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from kvbridge.worker.resources import build_contract
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="needs the Mooncake transfer engine")
 
+GLOG = re.compile(r"^([IWEF]\d{4} \d|WARNING: Logging before InitGoogleLogging)", re.M)  # Mooncake's glog lines
 SPEC = ClusterSpec(cp=2, decode_ranks=1, layers=2, pages=32, prefill_instance="doc-p", decode_instance="doc-d")
 
 
@@ -79,6 +81,7 @@ def test_cli_json_and_exit_status(cluster: Cluster) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["ok"] is True and out["failed"] == 0 and {c["hop"] for c in out["checks"]} >= {"engine", "control"}
+    assert not GLOG.search(done.stderr), done.stderr[-3000:]  # Mooncake's own lines stay off doctor's output
     env["KVBRIDGE_SECRET"] = "not-the-secret"
     bad = subprocess.run(argv[:-2] + ["--timeout", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and json.loads(bad.stdout)["ok"] is False
@@ -152,3 +155,37 @@ def test_a_healthy_cluster_on_nixl_passes_the_engine_hop() -> None:
     assert [c.status for c in engine] == [OK, OK]  # the prefill and the decode session
     assert all(c.target.startswith("doc-nixl") and "read back over NIXL" in c.detail and "nixl:" in c.detail
                for c in engine), engine
+
+
+PROBE_QUIETLY = """
+import logging, sys
+import numpy as np
+from kvbridge.bootstrap.schemas import RankView, ScratchDescriptor
+from kvbridge.doctor.probes import EngineProbe
+from kvbridge.transfer.engine import create_engine
+level = sys.argv[1]
+if level != "-":
+    logging.basicConfig(level=level)
+target = create_engine("mooncake")
+scratch = np.zeros(4096, np.uint8)
+target.register(scratch.ctypes.data, scratch.nbytes)
+probe = EngineProbe()
+desc = ScratchDescriptor(base=scratch.ctypes.data, nbytes=scratch.nbytes)
+print(probe._write_and_read(target.session_id, desc, 5.0) or "ok")
+probe.close()
+target.close()
+"""
+
+
+@pytest.mark.parametrize("level", ["-", "DEBUG"])
+def test_doctors_own_mooncake_engine_keeps_its_log_lines_off_stderr(level: str) -> None:
+    """Doctor's engine (the Mooncake binding itself, not kvbridge's adapter) starts and probes with
+    its glog lines captured, as kvbridge's engines do: nothing of Mooncake's on stderr unless the
+    ``kvbridge.transfer.engine`` logger is at DEBUG (then they are Mooncake's own, straight through)."""
+    done = subprocess.run([sys.executable, "-c", PROBE_QUIETLY, level], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout[-2000:] + done.stderr[-2000:]
+    if level == "-":
+        assert not GLOG.search(done.stderr), done.stderr[-3000:]
+    else:
+        assert GLOG.search(done.stderr), done.stderr[-3000:]  # the test sees the lines when they do come

@@ -113,7 +113,7 @@ def test_public_names_are_pinned():
             # TP routes: which prefill TP ranks a decode TP rank draws each pool from (layout/tp_routes.py)
             "TPRoute", "num_drawing", "tp_route",
             # staged transfers: chunks through staging slots, and when to use them (layout/staging.py)
-            "DEFAULT_THRESHOLDS", "PathThresholds", "StagedPlan", "choose_path", "stage_plan",
+            "PathThresholds", "StagedPlan", "choose_path", "stage_plan",
             # pipeline-parallel prefill: a stage's layers of every pool, the tiling rule (layout/stages.py)
             "check_stage_layers", "layer_range_specs", "stage_conflict", "stage_layer_ids", "stage_specs",
         ]

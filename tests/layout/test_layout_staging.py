@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import (
-    DEFAULT_THRESHOLDS,
     PathThresholds,
     StagedPlan,
     TransferPlan,
@@ -231,21 +230,28 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_choose_path() -> None:
+    """Thresholds are data the caller passes (an engine's registry entry, tests/transfer/
+    test_engine_registry.py); None: the engine copies scattered slices at once, never staged."""
+    host = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
+    gpu = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
     pages = TransferPlan(np.arange(4000) * 41984, np.arange(4000) * 41984, np.full(4000, 41984))
     runs = TransferPlan(np.arange(20) * (1 << 22), np.arange(20) * (1 << 22), np.full(20, 1 << 22))
-    assert choose_path(pages, "mooncake") == "staged"
-    assert choose_path(runs, "mooncake") == "direct"
-    assert choose_path(pages, "ipc") == "direct"  # the slice kernel copies scattered pages at once
-    assert choose_path(10, "mooncake", mean_slice_bytes=41984) == "direct"  # few slices
-    assert choose_path(4000, "mooncake", mean_slice_bytes=4 * 41984) == "direct"  # runs of pages
-    assert choose_path(pages, "local", PathThresholds(min_slices=10_000, max_mean_slice_bytes=1 << 20)) == "direct"
-    assert set(DEFAULT_THRESHOLDS) >= {"mooncake", "local", "auto", "mooncake-gpu"}
+    assert choose_path(pages, host) == "staged"
+    assert choose_path(runs, host) == "direct"
+    assert choose_path(pages, None) == "direct"  # e.g. the slice kernel copies scattered pages at once
+    assert choose_path(10, host, mean_slice_bytes=41984) == "direct"  # few slices
+    assert choose_path(4000, host, mean_slice_bytes=4 * 41984) == "direct"  # runs of pages
+    assert choose_path(4000, host, mean_slice_bytes=64 << 10) == "staged"  # the bounds are inclusive
+    assert choose_path(2047, host, mean_slice_bytes=1) == "direct"
+    assert choose_path(pages, PathThresholds(min_slices=10_000, max_mean_slice_bytes=1 << 20)) == "direct"
     # GPU pages: a 1K-token room's rank posts ~1,000 page slices (staged: about twice direct's rate
     # on one H200), while a contiguous room's ~120 runs of ~200 KB stay direct
-    assert choose_path(984, "mooncake-gpu", mean_slice_bytes=25_000) == "staged"
-    assert choose_path(984, "mooncake", mean_slice_bytes=25_000) == "direct"  # host pages: too few
-    assert choose_path(123, "mooncake-gpu", mean_slice_bytes=200_000) == "direct"
-    with pytest.raises(LayoutError, match="no staging thresholds for engine 'rdma'"):
-        choose_path(pages, "rdma")
+    assert choose_path(984, gpu, mean_slice_bytes=25_000) == "staged"
+    assert choose_path(984, host, mean_slice_bytes=25_000) == "direct"  # host pages: too few
+    assert choose_path(123, gpu, mean_slice_bytes=200_000) == "direct"
+    with pytest.raises(LayoutError, match="thresholds must be PathThresholds or None, got 'mooncake'"):
+        choose_path(pages, "mooncake")  # type: ignore[arg-type]  # a name is the registry's to resolve
+    with pytest.raises(LayoutError, match="mean_slice_bytes"):
+        choose_path(4000, host)
     with pytest.raises(LayoutError, match="min_slices"):
         PathThresholds(min_slices=-1, max_mean_slice_bytes=0)

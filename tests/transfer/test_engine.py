@@ -227,7 +227,7 @@ def test_bad_slice_arrays_are_refused_before_posting(pair: Pair, src: list, dst:
 
 def test_regions_name_the_first_slice_not_inside_one_region() -> None:
     """first_outside: a slice must lie inside one registered region, whole (pure, no engine)."""
-    from kvbridge.transfer.engine._common import Regions
+    from kvbridge.transfer.engine.jobs import Regions
 
     regions = Regions()
     assert regions.first_outside(np.array([64], np.uint64), np.array([1], np.uint64)) == 0  # nothing registered

@@ -236,7 +236,7 @@ def test_the_side_channel_checks_each_message_against_its_type_and_answers_reque
     closing one side tells the other."""
     import uuid
 
-    from kvbridge.transfer.engine.ipc_channel import Channel
+    from kvbridge.transfer.engine.ipc.channel import Channel
 
     closed: list[str] = []
 

@@ -25,6 +25,7 @@ from kvbridge.errors import EngineError
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import TransferEngine, WriteState, WriteStatus
+from kvbridge.transfer.engine.registry import entry_of
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
@@ -128,6 +129,13 @@ class _Injecting(TransferEngine):
     @property
     def inside(self) -> bool:
         return getattr(self.local, "inside", False)
+
+    @property
+    def transport(self) -> str:
+        return self.inner.transport
+
+    def route(self, session: str) -> str:  # the registry name of the engine underneath (staging thresholds)
+        return entry_of(self.inner).name
 
     @property
     def session_id(self) -> str:

@@ -4,7 +4,8 @@ when a KV manager (or the bootstrap server) starts, here and nowhere else.
 From SGLang: the server arguments the manager is given, the rank's place in the
 attention DP x CP x TP grid (``get_parallel()``), the PD environment variables
 it already has (``SGLANG_DISAGGREGATION_*``). From the environment, kvbridge's
-own (``ENVIRONMENT``, also in ``kvbridge sglang --help``).
+own (``ENVIRONMENT``, also in ``kvbridge sglang --help``), through kvbridge's one settings
+convention (``kvbridge.SettingsReader`` over ``KEYS``; kvbridge/integrations/README.md).
 
 What kvbridge does not support is refused here, naming the flag, why, and (where there
 is one) what to use instead: pipeline-parallel decode, the KV checksum over a pipeline-parallel
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError
+from kvbridge import ConfigError, SettingsReader, engine_names
 from kvbridge.integrations.sglang.cp_modes import lane_rule as sglang_lane_rule
 
 ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDGE_BOOTSTRAP_TOKEN",
@@ -30,7 +31,7 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
 ENV_ENGINE = "KVBRIDGE_ENGINE"
-ENGINES = ("mooncake", "nixl")  # what an SGLang rank's transfer engine may be (both sides on one)
+ENGINES = engine_names("network")  # what an SGLang rank's transfer engine may be (both sides on one)
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
                                                           "KVBRIDGE_STAGING_SLOT_BYTES")  # fmt: skip
@@ -42,8 +43,9 @@ ENVIRONMENT = (
     (ENV_INSTANCE, "this server's instance name at the daemon; default, prefill: its bootstrap address host:port "
                    "(what the router hands decode: a cluster daemon resolves it); decode: sglang-decode-host:port"),
     (ENV_HOST, "the address this rank's transfer engine and control socket use (default: SGLang's local IP)"),
-    (ENV_ENGINE, "the transfer engine: mooncake (default) or nixl (NVIDIA NIXL over UCX, kvbridge[nixl]); "
-                 "prefill and decode must use the same one (the daemon refuses a mismatch with the field diff)"),
+    (ENV_ENGINE, f"the transfer engine: {' or '.join(ENGINES)} (default mooncake; nixl: NVIDIA NIXL over UCX, "
+                 "kvbridge[nixl]); prefill and decode must use the same one (the daemon refuses a mismatch with the "
+                 "field diff)"),
     (ENV_PROTOCOL, "Mooncake: tcp or rdma (default: rdma when --disaggregation-ib-device is set)"),
     (ENV_CONTRACT, "a runtime-contract JSON file to use instead of the one built from SGLang's pools (checked "
                    "against them)"),
@@ -59,6 +61,8 @@ ENVIRONMENT = (
     (ENV_STAGING_SLOT_BYTES, "staging slot size in bytes, a multiple of 16: the largest chunk one write carries "
                              "(0 or unset: host pools 8 MiB, GPU pools 256 MiB)"),
 )
+# the settings table (kvbridge.SettingsReader): KVBRIDGE_LEASE_TTL is key "lease_ttl", and so on
+KEYS = {name.removeprefix("KVBRIDGE_").lower(): (name, meaning) for name, meaning in ENVIRONMENT}
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
@@ -140,6 +144,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
                   env: Mapping[str, str] | None = None) -> Settings:
     """Settings of one SGLang rank; ConfigError naming the flag for what kvbridge does not support."""
     env = os.environ if env is None else env
+    r = SettingsReader(KEYS, None, env, where="environment")
     par = _parallel()
     sa = server_args
     _refuse_unsupported(role, sa, par, is_mla, env)
@@ -159,17 +164,17 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         tp_rank, tp_size = (0, 1) if is_mla else (attn["tp_rank"], attn["tp_size"])
     else:
         cp_rank, cp_size, tp_rank, tp_size, rule, sends = 0, 1, attn["tp_rank"], attn["tp_size"], "interleaved", True
-    host = env.get(ENV_HOST) or _local_ip()
+    host = r.text("host") or _local_ip()
     advertised = sa.host if getattr(sa, "host", "") not in WILDCARDS else host
     bootstrap_port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
     own_bootstrap = f"{advertised}:{bootstrap_port}" if role == "prefill" else ""
     node0 = str(getattr(sa, "dist_init_addr", "") or "")
     if role == "prefill":
-        instance = env.get(ENV_INSTANCE) or own_bootstrap
+        instance = r.text("instance") or own_bootstrap
         daemon_host = node0.rsplit(":", 1)[0] if node0 else (sa.host if sa.host not in WILDCARDS else "127.0.0.1")
         daemon = cluster_url(env) or f"http://{daemon_host}:{bootstrap_port}"
     else:
-        instance = env.get(ENV_INSTANCE) or f"sglang-decode-{node0 or f'{advertised}:{sa.port}'}"
+        instance = r.text("instance") or f"sglang-decode-{node0 or f'{advertised}:{sa.port}'}"
         daemon = cluster_url(env)
     if not INSTANCE_NAME.match(instance):
         raise ConfigError(f"instance name {instance!r} (from {ENV_INSTANCE} or the server's address) must match "
@@ -179,26 +184,22 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
     if spec and spec not in SPEC_ALGORITHMS:
         raise ConfigError(f"--speculative-algorithm {spec}: kvbridge carries the draft state of "
                           f"{', '.join(SPEC_ALGORITHMS)} only", field="speculative_algorithm")
-    dtype = env.get(ENV_HIDDEN) or (sa.dtype if getattr(sa, "dtype", "") in HIDDEN_DTYPES else "bfloat16")
-    if dtype not in HIDDEN_DTYPES:
-        raise ConfigError(f"{ENV_HIDDEN}={dtype!r} is not one of {HIDDEN_DTYPES}", field=ENV_HIDDEN)
-    secret = env.get(ENV_SECRET, "")
-    engine = env.get(ENV_ENGINE) or "mooncake"
-    if engine not in ENGINES:
-        raise ConfigError(f"{ENV_ENGINE}={engine!r} is not one of {', '.join(ENGINES)}", field=ENV_ENGINE)
-    staging = _staging(role, instance, env)
+    dtype = r.choice("hidden_dtype", HIDDEN_DTYPES, sa.dtype if getattr(sa, "dtype", "") in HIDDEN_DTYPES else "bfloat16")
+    secret = r.text("secret")
+    engine = r.choice("engine", ENGINES, "mooncake")
+    staging = _staging(role, instance, r)
     return Settings(
         role=role, is_mla=is_mla, dp_rank=attn["dp_rank"], dp_size=attn["dp_size"], cp_rank=cp_rank, cp_size=cp_size,
         tp_rank=tp_rank, tp_size=tp_size, sends=sends, lane_rule=rule, kv_shard_size=shard,
         pp_rank=int(_par(par, "pp_rank", 0)), pp_size=int(_par(par, "pp_size", 1)), instance=instance,
-        own_bootstrap=own_bootstrap, daemon_url=daemon, token=env.get(ENV_TOKEN, ""), host=host,
-        protocol=env.get(ENV_PROTOCOL) or ("rdma" if ib_device else "tcp"), ib_device=ib_device, engine=engine,
-        kv_device=_kv_device(gpu_id), contract_path=env.get(ENV_CONTRACT, ""), hidden_dtype=dtype,
+        own_bootstrap=own_bootstrap, daemon_url=daemon, token=r.text("bootstrap_token"), host=host,
+        protocol=r.choice("protocol", ("tcp", "rdma"), "rdma" if ib_device else "tcp"), ib_device=ib_device,
+        engine=engine, kv_device=_kv_device(gpu_id), contract_path=r.text("contract"), hidden_dtype=dtype,
         kv_checksum=bool(getattr(sa, "disaggregation_enable_kv_checksum", False)),
         model_name=str(getattr(sa, "served_model_name", "") or getattr(sa, "model_path", "") or "unknown"),
         revision=str(getattr(sa, "revision", "") or "unspecified"), spec_algorithm=SPEC_ALGORITHMS.get(spec, "none"),
-        spec_topk=int(getattr(sa, "speculative_eagle_topk", 0) or 1), lease_ttl=_seconds(env, ENV_LEASE, 10.0),
-        peer_timeout=_seconds(env, ENV_PEER, 5.0), secret=secret.encode() if secret else None,
+        spec_topk=int(getattr(sa, "speculative_eagle_topk", 0) or 1), lease_ttl=r.number("lease_ttl", 10.0, positive=True),
+        peer_timeout=r.number("peer_timeout", 5.0, positive=True), secret=secret.encode() if secret else None,
         bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
         **staging,
@@ -329,20 +330,14 @@ def staging_config(mode: str, nbytes: int, slot_bytes: int) -> dict[str, Any]:
     return {"staging": mode, **{k: v for k, v in given.items() if v}}
 
 
-def _staging(role: str, instance: str, env: Mapping[str, str]) -> dict[str, Any]:
+def _staging(role: str, instance: str, r: SettingsReader) -> dict[str, Any]:
     """The ``KVBRIDGE_STAGING*`` settings, checked by the role's own config (the one rule for
     staging settings); a refusal names the variable."""
-    from kvbridge import DecodeConfig, PrefillConfig
+    from kvbridge import STAGING_MODES, DecodeConfig, PrefillConfig
 
-    out: dict[str, Any] = {"staging": env.get(ENV_STAGING) or "auto"}
-    for name, key in ((ENV_STAGING_BYTES, "staging_bytes"), (ENV_STAGING_SLOT_BYTES, "staging_slot_bytes")):
-        raw = env.get(name) or "0"
-        try:
-            out[key] = int(raw)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a whole number of bytes", field=name) from None
-        if out[key] < 0:
-            raise ConfigError(f"{name}={raw!r} must be positive (0 or unset: the default)", field=name)
+    out: dict[str, Any] = {"staging": r.choice("staging", STAGING_MODES, "auto"),
+                           "staging_bytes": r.integer("staging_bytes", 0),
+                           "staging_slot_bytes": r.integer("staging_slot_bytes", 0)}
     try:
         kw = staging_config(out["staging"], out["staging_bytes"], out["staging_slot_bytes"])
         (PrefillConfig if role == "prefill" else DecodeConfig)(instance=instance, **kw)
@@ -351,15 +346,3 @@ def _staging(role: str, instance: str, env: Mapping[str, str]) -> dict[str, Any]
         raise ConfigError(f"{name}: {exc.reason}", field=name) from None
     return out
 
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds", field=name) from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be positive", field=name)
-    return value

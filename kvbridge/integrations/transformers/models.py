@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ import torch
 
 import kvbridge as kvb
 
+# model mode's settings table (kvbridge.SettingsReader; kvbridge/integrations/README.md)
+KEYS = {"cache": ("KVBRIDGE_CACHE", "where tiny models are built and kept (<cache>/models; default ~/.cache/kvbridge)")}
 SEED = 0
 BUILDER_VERSION = 2
 MTP_FILE = "mtp.safetensors"
@@ -96,13 +98,13 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def cache_root(cache_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Path:
     """Where tiny models live: ``cache_dir``, else ``$KVBRIDGE_CACHE/models``,
-    else ``~/.cache/kvbridge/models``."""
+    else ``~/.cache/kvbridge/models`` (``KEYS``, read with ``kvbridge.SettingsReader``)."""
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get("KVBRIDGE_CACHE")
-    return Path(env) / "models" if env else Path.home() / ".cache" / "kvbridge" / "models"
+    root = kvb.SettingsReader(KEYS, None, env, where="environment").text("cache")
+    return Path(root) / "models" if root else Path.home() / ".cache" / "kvbridge" / "models"
 
 
 def tiny_key(name: str) -> str:

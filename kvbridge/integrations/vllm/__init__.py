@@ -20,6 +20,8 @@ with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer
     prefill_instance    decode: compare contracts with this prefill instance at start-up and
                         refuse a mismatch naming the field; unset: checked at each request
     prefill_wait_s      decode: how long start-up waits for prefill_instance (default 60)
+    engine              the transfer engine: mooncake (default) or nixl, the same on both sides
+                        (or KVBRIDGE_ENGINE)
     host, protocol, device   the transfer engine: address (default 127.0.0.1), tcp | rdma, RDMA NIC
     staging             auto (default) | always | never; staging_bytes, staging_slot_bytes
     secret, lease_ttl, peer_timeout, target_timeout (prefill), transfer_timeout (decode), trace

@@ -5,7 +5,8 @@ From ``VllmConfig``: the KV role, the engine id, the model's name and revision, 
 block size, the parallel layout (TP size; PP, DCP and PCP are refused), whether the
 hybrid KV cache manager is on. From ``kv_connector_extra_config`` (the keys in
 ``EXTRA_KEYS``, documented in the package docstring), falling back to the
-``KVBRIDGE_*`` variables of the SGLang backend where both exist.
+``KVBRIDGE_*`` variables of the SGLang backend where both exist: kvbridge's one settings
+convention (``kvbridge.SettingsReader``; kvbridge/integrations/README.md).
 
 What kvbridge's connector does not serve is refused here, naming the setting: pipeline
 parallelism, decode/prefill context parallelism, ``kv_both`` (P/D uses producer and
@@ -14,16 +15,15 @@ consumer), hybrid models (several KV cache groups, or a group that is not full a
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, DecodeConfig, PrefillConfig
+from kvbridge import STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, SettingsReader, engine_names
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-STAGING_MODES = ("auto", "always", "never")
+ENGINES = engine_names("network")  # what a vLLM worker's transfer engine may be (both sides on one)
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 
 # kv_connector_extra_config: key -> (environment fallback, meaning)
@@ -34,6 +34,8 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "prefill_instance": ("", "decode: the prefill instance to check the contract against at start-up"),
     "prefill_wait_s": ("", "decode: how long start-up waits for prefill_instance to register (default 60)"),
     "host": ("KVBRIDGE_HOST", "the address of this rank's transfer engine and control socket (default 127.0.0.1)"),
+    "engine": ("KVBRIDGE_ENGINE", f"the transfer engine: {' or '.join(ENGINES)} (default mooncake); prefill and "
+                                  "decode must use the same one"),
     "protocol": ("KVBRIDGE_PROTOCOL", "Mooncake protocol: tcp (default) or rdma"),
     "device": ("", "the RDMA device name(s) for protocol rdma"),
     "staging": ("KVBRIDGE_STAGING", "staged transfers: auto (default), always, never (docs/staging.md)"),
@@ -62,6 +64,7 @@ class Settings:
     daemon_url: str
     token: str
     host: str
+    engine: str
     protocol: str
     device: str
     model_name: str
@@ -99,60 +102,42 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
     ConfigError naming the setting for anything refused."""
     import vllm
 
-    env = os.environ if env is None else env
     kv = vllm_config.kv_transfer_config
-    extra = dict(kv.kv_connector_extra_config or {})
-    unknown = sorted(set(extra) - set(EXTRA_KEYS))
-    if unknown:
-        raise ConfigError(f"kv_connector_extra_config has unknown keys {unknown}; kvbridge reads "
-                          f"{sorted(EXTRA_KEYS)}", field=f"kv_connector_extra_config.{unknown[0]}")
+    r = SettingsReader(EXTRA_KEYS, kv.kv_connector_extra_config, env, where="kv_connector_extra_config")
     role = ROLES.get(kv.kv_role)
     if role is None:
         raise ConfigError(f"kv_role {kv.kv_role!r}: kvbridge's connector serves prefill as kv_producer and decode as "
                           "kv_consumer (vLLM retires kv_both for P/D disaggregation)", field="kv_role")
     refuse_parallel(vllm_config.parallel_config)
-
-    def get(key: str, default: Any = "") -> Any:
-        if key in extra and extra[key] not in (None, ""):
-            return extra[key]
-        env_name = EXTRA_KEYS[key][0]
-        if env_name and env.get(env_name):
-            return env[env_name]
-        return default
-
-    url = str(get("bootstrap_url"))
+    url = r.text("bootstrap_url")
     if not url:
         raise ConfigError("no bootstrap daemon: set kv_connector_extra_config.bootstrap_url (or "
                           "KVBRIDGE_BOOTSTRAP_URL) to a `kvbridge bootstrap` daemon's URL",
                           field="kv_connector_extra_config.bootstrap_url")
-    instance = str(get("instance", kv.engine_id or ""))
+    instance = r.text("instance", kv.engine_id or "")
     if not INSTANCE_NAME.match(instance):
-        raise ConfigError(f"instance name {instance!r} must match {INSTANCE_NAME.pattern}",
-                          field="kv_connector_extra_config.instance")
-    staging = str(get("staging", "auto"))
-    if staging not in STAGING_MODES:
-        raise ConfigError(f"staging {staging!r} is not one of {STAGING_MODES}", field="kv_connector_extra_config.staging")
+        raise ConfigError(f"instance name {instance!r} must match {INSTANCE_NAME.pattern}", field=r.source("instance"))
     mc = vllm_config.model_config
     names = getattr(mc, "served_model_name", None) or mc.model
     name = names[0] if isinstance(names, (list, tuple)) else str(names)
-    tp_rank = get("tp_rank", None)
-    secret = get("secret", "")
+    secret = r.text("secret")
     s = Settings(
-        role=role, instance=instance, daemon_url=url.rstrip("/"), token=str(get("bootstrap_token")),
-        host=str(get("host", "127.0.0.1")), protocol=str(get("protocol", "tcp")), device=str(get("device")),
+        role=role, instance=instance, daemon_url=url.rstrip("/"), token=r.text("bootstrap_token"),
+        host=r.text("host", "127.0.0.1"), engine=r.choice("engine", ENGINES, "mooncake"),
+        protocol=r.choice("protocol", ("tcp", "rdma"), "tcp"), device=r.text("device"),
         model_name=name, revision=str(getattr(mc, "revision", None) or "unspecified"),
         block_size=int(vllm_config.cache_config.block_size), tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        prefill_instance=str(get("prefill_instance")), prefill_wait_s=_number(get, "prefill_wait_s", 60.0),
-        staging=staging, staging_bytes=int(_number(get, "staging_bytes", 0)),
-        staging_slot_bytes=int(_number(get, "staging_slot_bytes", 0)),
-        secret=secret.encode() if isinstance(secret, str) and secret else None,
-        lease_ttl=_number(get, "lease_ttl", 10.0), peer_timeout=_number(get, "peer_timeout", 5.0),
-        target_timeout=_number(get, "target_timeout", 60.0), transfer_timeout=_number(get, "transfer_timeout", 120.0),
-        lease_quarantine=_number(get, "lease_quarantine", 30.0),
-        trace=str(get("trace", "")).lower() in ("1", "true", "yes"),
-        tp_rank_override=None if tp_rank is None else int(_number(get, "tp_rank", 0)),
-        aux_slots=int(_number(get, "aux_slots", 1024)), vllm_version=str(vllm.__version__),
-        layerwise=_flag(get, "layerwise", True),
+        prefill_instance=r.text("prefill_instance"), prefill_wait_s=r.number("prefill_wait_s", 60.0),
+        staging=r.choice("staging", STAGING_MODES, "auto"), staging_bytes=r.integer("staging_bytes", 0),
+        staging_slot_bytes=r.integer("staging_slot_bytes", 0),
+        secret=secret.encode() if secret else None,
+        lease_ttl=r.number("lease_ttl", 10.0), peer_timeout=r.number("peer_timeout", 5.0),
+        target_timeout=r.number("target_timeout", 60.0), transfer_timeout=r.number("transfer_timeout", 120.0),
+        lease_quarantine=r.number("lease_quarantine", 30.0),
+        trace=r.flag("trace", False),
+        tp_rank_override=None if r.raw("tp_rank", None) is None else r.integer("tp_rank", 0),
+        aux_slots=r.integer("aux_slots", 1024), vllm_version=str(vllm.__version__),
+        layerwise=r.flag("layerwise", True),
     )  # fmt: skip
     # the role's own config checks the staging sizes (the one rule for staging settings)
     cfg = PrefillConfig if role == "prefill" else DecodeConfig
@@ -188,25 +173,3 @@ def refuse_hybrid(kv_cache_config: Any) -> None:
                           "group; serve it with vLLM's NixlConnector or MooncakeConnector",
                           field="kv_cache_config.kv_cache_groups")
 
-
-def _flag(get: Any, key: str, default: bool) -> bool:
-    raw = get(key, default)
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key} {raw!r} is not true or false", field=f"kv_connector_extra_config.{key}")
-
-
-def _number(get: Any, key: str, default: float) -> float:
-    raw = get(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} {raw!r} is not a number", field=f"kv_connector_extra_config.{key}") from None
-    if value < 0:
-        raise ConfigError(f"{key} {raw!r} must not be negative", field=f"kv_connector_extra_config.{key}")
-    return value

@@ -127,7 +127,7 @@ class WorkerSide:
         self.client = BootstrapClient(s.daemon_url, token=s.token or None)
         if not self.is_prefill and s.prefill_instance:
             self._check_prefill_contract(contract)
-        self.engine = create_engine("mooncake", host=s.host, protocol=s.protocol, device=s.device or None)
+        self.engine = create_engine(s.engine, host=s.host, protocol=s.protocol, device=s.device or None)
         specs, buffers = {spec.name: spec}, cache.buffers()
         try:
             if self.is_prefill:

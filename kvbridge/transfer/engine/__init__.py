@@ -6,8 +6,9 @@
     handle = engine.submit_write(peer_session, src, dst, length)
     ... engine.poll(handle) -> WriteStatus.PENDING / DONE / FAILED(reason)
 
-The Mooncake and NIXL adapters are imported only inside :func:`create_engine`, so
-``import kvbridge`` works on hosts without them. A NIXL peer must be introduced before the
+Which engines exist, and what each is, is the registry's (``registry.py``: one entry per
+engine). The adapters are imported only inside :func:`create_engine`, so ``import kvbridge``
+works on hosts without Mooncake or NIXL. An adapter extends ``JobEngine`` (``jobs.py``). A NIXL peer must be introduced before the
 first write: ``writer.add_peer(target.session_id, target.metadata)`` (the registration at the
 bootstrap daemon carries ``metadata``; the endpoints do this themselves).
 """
@@ -19,23 +20,30 @@ from typing import Any
 from kvbridge.errors import ConfigError, EngineError
 from kvbridge.layout.buffers import RawBuffer
 from kvbridge.transfer.engine.base import TransferEngine, WriteState, WriteStatus
+from kvbridge.transfer.engine.jobs import JobEngine
 from kvbridge.transfer.engine.local import Faults, LocalEngine, LocalFabric
+from kvbridge.transfer.engine.registry import ENGINES, EngineEntry, engine_entry, engine_names
 
 __all__ = [
+    "ENGINES",
     "ENGINE_KINDS",
+    "EngineEntry",
     "Faults",
+    "JobEngine",
     "LocalEngine",
     "LocalFabric",
     "TransferEngine",
     "WriteState",
     "WriteStatus",
     "create_engine",
+    "engine_entry",
+    "engine_names",
     "mooncake_available",
     "nixl_available",
     "tensor_region",
 ]
 
-ENGINE_KINDS = ("mooncake", "nixl", "ipc", "auto", "local")
+ENGINE_KINDS = engine_names()  # every registered engine (registry.py), in the table's order
 
 
 def mooncake_available() -> bool:
@@ -63,61 +71,30 @@ def create_engine(
     max_slices_per_call: int | None = None,
     fabric: LocalFabric | None = None,
 ) -> TransferEngine:
-    """A started engine. ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0");
-    ``fabric`` is for "local" only (a fresh one when omitted). ``max_slices_per_call`` (default
-    1,024; "ipc": 1,048,576 slices per kernel launch) also caps the slices a Mooncake engine keeps
-    in flight per destination session.
+    """A started engine named ``kind``, one of the registry's names (``ENGINE_KINDS``; the list
+    below is generated from the registry: name, what kind of engine, transport, default cap). ``protocol``/``device`` go to Mooncake as they are ("rdma", "mlx5_0"); ``fabric`` is for
+    "local" only (a fresh one when omitted). ``max_slices_per_call`` (default: the entry's) also caps
+    the slices a Mooncake engine keeps in flight per destination session.
 
-    "ipc" writes into peers on this host through CUDA IPC, many slices per kernel launch
-    (``kvbridge.transfer.engine.ipc``); its peers must be "ipc" engines too. "auto" is a
-    Mooncake engine (its session id) with an IPC engine beside it: writes to a peer whose
-    IPC side channel answers (an "auto" engine on this host) go over IPC where it reaches
-    the destination, everything else over Mooncake (``kvbridge.transfer.engine.auto``).
+    "ipc"'s peers must be "ipc" engines too; "auto" writes to a peer whose IPC side channel answers
+    (an "auto" engine on this host) over IPC where it reaches the destination, everything else over
+    Mooncake; "nixl"'s peers must be "nixl" engines, introduced with ``add_peer``.
 
-    "nixl" is NVIDIA's NIXL with its UCX backend (``kvbridge.transfer.engine.nixl``; default
-    65,536 slices per request); its peers must be "nixl" engines, introduced with ``add_peer``."""
-    if fabric is not None and kind != "local":
-        raise ConfigError("a LocalFabric only applies to the 'local' engine", field="fabric")
-    if kind == "ipc":
-        from kvbridge.transfer.engine.ipc import IpcEngine
+    Engines:
+    """
+    entry = engine_entry(kind)
+    if fabric is not None and "fabric" not in entry.options:
+        raise ConfigError(f"a LocalFabric only applies to the 'local' engine, not {kind!r}", field="fabric")
+    if not entry.is_available():
+        raise EngineError(entry.missing, field="engine")
+    given = {"host": host, "protocol": protocol, "device": device, "fabric": fabric}
+    options = {name: given[name] for name in entry.options}
+    return entry.load()(**options, max_slices_per_call=max_slices_per_call or entry.max_slices_per_call)
 
-        return IpcEngine(max_slices_per_call=max_slices_per_call or 1 << 20)
-    if kind == "auto":
-        from kvbridge.transfer.engine.auto import AutoEngine, ipc_session
-        from kvbridge.transfer.engine.ipc import IpcEngine
 
-        mooncake = create_engine("mooncake", host=host, protocol=protocol, device=device,
-                                 max_slices_per_call=max_slices_per_call)
-        try:
-            ipc = IpcEngine(session=ipc_session(mooncake.session_id))
-        except BaseException:
-            mooncake.close()
-            raise
-        return AutoEngine(mooncake=mooncake, ipc=ipc)
-    if kind == "nixl":
-        if not nixl_available():
-            raise EngineError(
-                "NIXL is not importable: install kvbridge[nixl] (nixl-cu12 1.5.1 with --no-deps; "
-                "scripts/setup.sh does), or nixl-cu13 on CUDA 13 hosts",
-                field="engine",
-            )
-        from kvbridge.transfer.engine.nixl import NixlEngine
-
-        return NixlEngine(host=host, max_slices_per_call=max_slices_per_call or 1 << 16)
-    max_slices_per_call = max_slices_per_call or 1024
-    if kind == "local":
-        return LocalEngine(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)
-    if kind == "mooncake":
-        if not mooncake_available():
-            raise EngineError(
-                "the Mooncake transfer engine is not importable: install mooncake-transfer-engine-non-cuda "
-                "(CPU hosts, needs libibverbs1) or mooncake-transfer-engine (CUDA 12)",
-                field="engine",
-            )
-        from kvbridge.transfer.engine.mooncake import MooncakeEngine
-
-        return MooncakeEngine(host=host, protocol=protocol, device=device, max_slices_per_call=max_slices_per_call)
-    raise ConfigError(f"unknown transfer engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}", field="engine")
+create_engine.__doc__ = (create_engine.__doc__ or "") + "".join(
+    f"\n    - ``{e.name}`` ({e.kind}, transport ``{e.transport}``, {e.max_slices_per_call:,} slices per call): "
+    f"{e.description}" for e in ENGINES.values())
 
 
 def tensor_region(buf: Any) -> tuple[int, int]:

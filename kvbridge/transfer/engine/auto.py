@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import JobEngine, JobTable, Regions, check_write
 from kvbridge.transfer.engine.base import TransferEngine, WriteState
+from kvbridge.transfer.engine.jobs import JobEngine, JobTable, Regions, check_write
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,22 @@ def ipc_session(mooncake_session: str) -> str:
 
 
 class AutoEngine(JobEngine):
+    transport = "mooncake"  # its session is its Mooncake engine's: plain Mooncake peers write into it
+
+    @classmethod
+    def create(cls, *, host: str, protocol: str, device: str, max_slices_per_call: int) -> AutoEngine:
+        """``create_engine("auto")``: a Mooncake engine and an IPC engine named after its session."""
+        from kvbridge.transfer.engine.ipc import IpcEngine
+        from kvbridge.transfer.engine.mooncake import MooncakeEngine
+
+        mooncake = MooncakeEngine(host=host, protocol=protocol, device=device, max_slices_per_call=max_slices_per_call)
+        try:
+            ipc = IpcEngine(session=ipc_session(mooncake.session_id))
+        except BaseException:
+            mooncake.close()
+            raise
+        return cls(mooncake=mooncake, ipc=ipc)
+
     def __init__(self, *, mooncake: TransferEngine, ipc: TransferEngine | None) -> None:
         self._mc = mooncake
         self._ipc = ipc

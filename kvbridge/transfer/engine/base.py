@@ -69,9 +69,14 @@ class TransferEngine(ABC):
     # True where one call copies any number of scattered slices at memory speed (the IPC engine's
     # kernel): staging them first would only copy every byte twice more, so "auto" never stages
     direct_only: bool = False
-    # the family of sessions this engine writes to and is written by: both sides of a transfer must
-    # share it (the runtime contract's ``transport``); "mooncake" for Mooncake and "auto" (its sessions)
-    transport: str = "mooncake"
+
+    @property
+    @abstractmethod
+    def transport(self) -> str:
+        """The family of sessions this engine writes to and is written by: both sides of a transfer
+        must share it (the runtime contract's ``transport``; the engine's registry entry carries the
+        same label). Abstract on purpose: an engine that does not say what it is does not construct
+        (a class attribute, ``transport = "nixl"``, declares it)."""
 
     @property
     @abstractmethod

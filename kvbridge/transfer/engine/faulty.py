@@ -17,6 +17,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
+from kvbridge.transfer.engine.registry import entry_of
 
 __all__ = ["FaultyEngine", "INJECTED"]
 
@@ -29,13 +30,21 @@ class FaultyEngine(TransferEngine):
         self.failures_per_arm = failures_per_arm
         self.max_slices_per_call = inner.max_slices_per_call
         self.direct_only = inner.direct_only
-        self.transport = inner.transport
         self.injected = 0  # writes failed so far
         self._armed = 0
         self._lock = threading.Lock()
         self._failed: set[int] = set()
         self._ids = itertools.count(-1, -1)  # the real engines' handles are positive
         self._notify: Callable[[], None] | None = None
+
+    @property
+    def transport(self) -> str:
+        return self.inner.transport
+
+    def route(self, session: str) -> str:
+        """The registry name of the engine a write to ``session`` goes through: the inner engine's."""
+        route = getattr(self.inner, "route", None)
+        return route(session) if route is not None else entry_of(self.inner).name
 
     def arm(self) -> None:
         """Fail the next ``failures_per_arm`` writes (signal-safe: no I/O, one lock)."""

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, check_slices
 from kvbridge.transfer.engine.base import wait_ready
+from kvbridge.transfer.engine.jobs import Job, JobEngine, JobTable, Regions, check_slices
 
 _GATE_POLL_S = 0.02
 
@@ -119,6 +119,13 @@ class _Batch:
 
 
 class LocalEngine(JobEngine):
+    transport = "local"  # sessions of a LocalFabric in this process
+
+    @classmethod
+    def create(cls, *, fabric: LocalFabric | None = None, max_slices_per_call: int = 1024) -> LocalEngine:
+        """``create_engine("local")``: on ``fabric``, or a fresh one."""
+        return cls(fabric if fabric is not None else LocalFabric(), max_slices_per_call=max_slices_per_call)
+
     def __init__(self, fabric: LocalFabric, *, max_slices_per_call: int = 1024) -> None:
         if max_slices_per_call < 1:
             raise EngineError(f"max_slices_per_call must be positive, got {max_slices_per_call}", field="max_slices_per_call")

@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.base import wait_ready
+from kvbridge.transfer.engine.jobs import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class _Batch:
 
 
 class MooncakeEngine(JobEngine):
+    transport = "mooncake"
+
     def __init__(self, *, host: str, protocol: str, device: str, max_slices_per_call: int) -> None:
         try:
             from mooncake.engine import TransferEngine as _Mooncake

@@ -45,8 +45,10 @@ def verbose() -> bool:
 
 
 @contextlib.contextmanager
-def quiet_native_logs() -> Iterator[None]:
-    """Around an engine's creation: keep Mooncake's start-up lines off stderr (see module doc)."""
+def quiet_native_logs(error_level: int = logging.WARNING) -> Iterator[None]:
+    """Around an engine's creation (or any Mooncake call): keep Mooncake's lines off stderr (see
+    module doc). An unexpected ERROR line goes to our log at ``error_level``: DEBUG where the caller
+    reports the failure itself (``kvbridge doctor``'s probes)."""
     if verbose():
         yield
         return
@@ -62,7 +64,7 @@ def quiet_native_logs() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            _hand_over(captured.read().decode(errors="replace"))
+            _hand_over(captured.read().decode(errors="replace"), error_level)
 
 
 def set_min_level(level: int) -> bool:
@@ -78,13 +80,13 @@ def set_min_level(level: int) -> bool:
     return True
 
 
-def _hand_over(text: str) -> None:
+def _hand_over(text: str, error_level: int = logging.WARNING) -> None:
     for line in text.splitlines():
         if not line.strip():
             continue
         if any(h in line for h in HARMLESS) or (GLOG_LINE.match(line) and line[0] in "IW"):
             log.debug("mooncake: %s", line)
         elif GLOG_LINE.match(line):
-            log.warning("mooncake: %s", line)
+            log.log(error_level, "mooncake: %s", line)
         else:  # not Mooncake's (another thread wrote meanwhile): give it back
             os.write(2, (line + "\n").encode())

@@ -63,8 +63,8 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import EngineError, TransferTimeout
-from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.base import wait_ready
+from kvbridge.transfer.engine.jobs import Job, JobEngine, JobTable, Regions, as_int, check_write
 
 log = logging.getLogger(__name__)
 

@@ -48,6 +48,7 @@ from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
+from kvbridge.transfer.engine.registry import entry_of, route_key
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.identity import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
@@ -377,15 +378,12 @@ class PrefillEndpoint(EndpointShell):
         self._queue(lambda: self.machine.chunk_posted(a, handle, num_slices, int(a.staged.chunk_bytes[a.chunk]), now))
 
     def _engine_kind(self, session: str) -> str:
-        """The kind of engine a write to ``session`` goes through (choose_path's ``engine``)."""
+        """The route a write to ``session`` goes through (``registry.route_key``: the registered
+        engine, per peer for one that routes, and where the pages are), whose entry's staging
+        thresholds ``choose_path`` takes."""
         route = getattr(self.engine, "route", None)
-        if route is not None:
-            kind = route(session)
-        else:
-            name = type(self.engine).__name__.lower()
-            kind = next((k for k in ("ipc", "mooncake", "local") if k in name), "mooncake")
-        # pages on a GPU stage against thresholds of their own (layout/staging.py)
-        return f"{kind}-gpu" if kind == "mooncake" and self.gather is not None and self.gather.on_gpu else kind
+        name = route(session) if route is not None else entry_of(self.engine).name
+        return route_key(name, on_gpu=self.gather is not None and self.gather.on_gpu)
 
     def _reply(self, ident: bytes, msg: Any) -> None:
         try:

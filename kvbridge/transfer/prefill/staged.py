@@ -39,6 +39,7 @@ from typing import Any
 from kvbridge.errors import LayoutError, PageRangeError
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.layout.staging import StagedPlan, choose_path, stage_plan
+from kvbridge.transfer.engine.registry import staging_thresholds
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging import Grant, StagingArea
@@ -194,7 +195,7 @@ class StagedWrites:
         elif self.mode == "always":
             path = "staged"
         else:
-            path = choose_path(plan, self.engine_kind(t.session))
+            path = choose_path(plan, staging_thresholds(self.engine_kind(t.session)))
         self.paths[key] = path
         self.counters[f"{path}_targets"] += 1
         return path

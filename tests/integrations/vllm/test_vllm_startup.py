@@ -39,6 +39,7 @@ def test_vllm_factory_loads_the_connector_by_module_path(model):
     ("kv_producer", {**URL, "bootstarp_url": "x"}, "kv_connector_extra_config.bootstarp_url"),
     ("kv_producer", {**URL, "staging": "sometimes"}, "kv_connector_extra_config.staging"),
     ("kv_consumer", {**URL, "peer_timeout": "soon"}, "kv_connector_extra_config.peer_timeout"),
+    ("kv_producer", {**URL, "engine": "nccl"}, "kv_connector_extra_config.engine"),
 ])  # fmt: skip
 def test_bad_settings_refused_by_name(model, monkeypatch, role, extra, field):
     monkeypatch.delenv("KVBRIDGE_BOOTSTRAP_URL", raising=False)
@@ -46,6 +47,19 @@ def test_bad_settings_refused_by_name(model, monkeypatch, role, extra, field):
     with pytest.raises(ConfigError) as err:
         _scheduler_side(vc)
     assert err.value.field == field
+
+
+def test_settings_from_the_environment_are_refused_by_their_variable(model, monkeypatch):
+    """kvbridge's one settings convention: a bad value names where it came from (the variable),
+    and the engine setting reaches the registry's names."""
+    from kvbridge.integrations.vllm.settings import read_settings
+
+    monkeypatch.setenv("KVBRIDGE_ENGINE", "nixl")
+    assert read_settings(C.vllm_config(model, "kv_producer", URL)).engine == "nixl"
+    monkeypatch.setenv("KVBRIDGE_STAGING", "sometimes")
+    with pytest.raises(ConfigError, match="KVBRIDGE_STAGING='sometimes' is not one of auto, always, never") as err:
+        read_settings(C.vllm_config(model, "kv_producer", URL))
+    assert err.value.field == "KVBRIDGE_STAGING"
 
 
 def test_pipeline_parallel_refused(model):

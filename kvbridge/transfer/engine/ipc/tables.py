@@ -1,4 +1,4 @@
-"""Region tables of the IPC engine (``ipc.py``): who may write where.
+"""Region tables of the IPC engine (``ipc.engine``): who may write where.
 
 Two tables, one per side of a write, kept by every ``IpcEngine`` (this mixin holds
 their methods; the engine holds the state and the one lock that covers both):
@@ -12,7 +12,7 @@ their methods; the engine holds the state and the one lock that covers both):
              is forgotten, its mapping closed and the withdrawal confirmed once the
              batches writing into it completed (``_forget``, ``_retire``, ``_release``)
 
-Side-channel messages (``ipc_channel``): ``get`` -> ``regions`` (a table), ``revoke`` ->
+Side-channel messages (``ipc.channel``): ``get`` -> ``regions`` (a table), ``revoke`` ->
 ``revoked`` (a confirmation).
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import as_int, locate
-from kvbridge.transfer.engine.ipc_channel import Conn
+from kvbridge.transfer.engine.ipc.channel import Conn
+from kvbridge.transfer.engine.jobs import as_int, locate
 
 log = logging.getLogger("kvbridge.transfer.engine.ipc")
 

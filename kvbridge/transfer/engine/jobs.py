@@ -1,4 +1,5 @@
-"""Pieces both engines share: slice validation, registered regions, the job table.
+"""The base most engines extend (``JobEngine``) and what it keeps: slice validation, registered
+regions, the job table. Public: an engine adapter outside this package extends ``JobEngine``.
 
 A *job* is what one ``submit_write`` returns a handle for; it is carried out as
 one or more *batches* of at most ``max_slices_per_call`` slices:
@@ -23,6 +24,8 @@ import numpy as np
 
 from kvbridge.errors import EngineError, TransferTimeout
 from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
+
+__all__ = ["Job", "JobEngine", "JobTable", "Regions", "U64_MAX", "as_int", "check_slices", "check_write", "locate"]
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ A write of tens of thousands of scattered pages is one kernel launch
 
     submit_write(session, src, dst, length)
       1. src must lie in our registered regions, every dst in a region the peer
-         registered (its table comes over the side channel, ``ipc_channel``, and
+         registered (its table comes over the side channel, ``ipc.channel``, and
          is fetched again once on a miss); otherwise the write FAILS and nothing
          of it is written (hard rule 5 against what the peer registered)
       2. dst -> an address valid here: the peer's allocation opened once per
@@ -22,7 +22,7 @@ A write of tens of thousands of scattered pages is one kernel launch
          saw it complete, so "final" means "nothing of it can still land"
 
 The region tables (ours as exported, each peer's as learnt) and their side-channel
-messages are in ``ipc_tables``. Withdrawal: ``unregister(ptr)`` tells every writer
+messages are in ``ipc.tables``. Withdrawal: ``unregister(ptr)`` tells every writer
 that learnt the region; each forgets it (new writes into it fail), waits for its
 copies into it to complete, closes its mapping and confirms; only then does
 ``unregister`` return. A peer never writes into memory after the owner withdrew it.
@@ -61,14 +61,14 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine._common import Job, JobEngine, JobTable, Regions, check_slices, locate
 from kvbridge.transfer.engine.base import wait_ready
-from kvbridge.transfer.engine.ipc_channel import Channel, Conn
-from kvbridge.transfer.engine.ipc_tables import DEVICE, Export, IpcTables, Peer, PeerRegion
+from kvbridge.transfer.engine.ipc.channel import Channel, Conn
+from kvbridge.transfer.engine.ipc.tables import DEVICE, Export, IpcTables, Peer, PeerRegion
+from kvbridge.transfer.engine.jobs import Job, JobEngine, JobTable, Regions, check_slices, locate
 from kvbridge.transfer.engine.local import Faults
 from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbridge.transfer.engine.ipc")  # one logger for the engine and its tables
 
 _sessions = itertools.count()
 
@@ -100,6 +100,7 @@ class _Batch:
 
 class IpcEngine(IpcTables, JobEngine):
     direct_only = True  # one kernel launch per write copies scattered slices (slicecopy.py)
+    transport = "ipc"  # its sessions are side-channel names on this host: its peers are IPC engines
 
     def __init__(self, *, session: str | None = None, max_slices_per_call: int = 1 << 20, device: int | None = None,
                  direct_min_bytes: int = DIRECT_MIN_BYTES, copier_options: dict[str, int] | None = None) -> None:

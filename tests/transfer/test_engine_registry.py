@@ -1,0 +1,194 @@
+"""The engine registry is the one list of engines: every other list, choice and label is derived
+from it, an engine must say what it is, and a prefill rank's staging thresholds are its engine's
+entry's (no class-name match)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout import PathThresholds, choose_path
+from kvbridge.transfer.engine import ENGINE_KINDS, JobEngine, LocalFabric, TransferEngine, create_engine
+from kvbridge.transfer.engine.faulty import FaultyEngine
+from kvbridge.transfer.engine.jobs import JobTable
+from kvbridge.transfer.engine.registry import (
+    ENGINES,
+    GPU_PAGE_SIZED,
+    KINDS,
+    NIXL_PAGE_SIZED,
+    PAGE_SIZED,
+    EngineEntry,
+    engine_entry,
+    engine_names,
+    entry_of,
+    route_key,
+    staging_thresholds,
+)
+from kvbridge.transfer.prefill.endpoint import PrefillEndpoint
+
+
+def _sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _choices(parser: argparse.ArgumentParser, name: str) -> tuple[str, ...]:
+    """The choices of ``--engine`` of ``kvbridge name``."""
+    (action,) = [a for a in _sub(parser, name)._actions if "--engine" in a.option_strings]
+    return tuple(action.choices) if action.choices is not None else ()
+
+
+def test_every_list_of_engines_is_the_registry():
+    names = tuple(ENGINES)
+    assert ENGINE_KINDS == engine_names() == names == ("mooncake", "nixl", "ipc", "auto", "local")
+    assert engine_names("network") == ("mooncake", "nixl")
+    # create_engine's documented kinds are generated from the table: each entry, once
+    doc = inspect.getdoc(create_engine) or ""
+    for e in ENGINES.values():
+        assert doc.count(f"``{e.name}`` ({e.kind}, transport ``{e.transport}``") == 1, e.name
+    # the command line: every --engine choice comes from the registry
+    from kvbridge.cli.bench import ENGINES as BENCH_ENGINES
+    from kvbridge.cli.main import build_parser
+    from kvbridge.worker.config import SETTINGS
+
+    parser = build_parser()
+    for worker in ("prefill-worker", "decode-worker"):  # the settings validate; the metavar lists them
+        (action,) = [a for a in _sub(parser, worker)._actions if "--engine" in a.option_strings]
+        assert action.metavar == "{" + ",".join(names) + "}"
+    assert BENCH_ENGINES == engine_names("network", "same-host", "composite")
+    assert _choices(parser, "chaos") == engine_names("network")
+    assert set(_choices(parser, "demo")) <= set(names)
+    (engine,) = [s for s in SETTINGS if s.name == "engine"]
+    assert engine.choices == names and all(e.description in engine.help for e in ENGINES.values())
+
+
+def test_the_integrations_settings_take_the_registry_names():
+    import kvbridge
+
+    assert kvbridge.engine_names is engine_names
+    # the SGLang and vLLM settings (their packages import without their engines: settings only)
+    from kvbridge.integrations.sglang import settings as sglang_settings
+
+    assert sglang_settings.ENGINES == engine_names("network")
+    assert "KVBRIDGE_ENGINE" in dict(sglang_settings.ENVIRONMENT)
+    vllm_settings = pytest.importorskip("kvbridge.integrations.vllm.settings")
+    assert vllm_settings.ENGINES == engine_names("network")
+    assert vllm_settings.EXTRA_KEYS["engine"][0] == "KVBRIDGE_ENGINE"
+
+
+def test_every_entry_names_a_class_that_declares_the_entrys_transport():
+    """The contract's ``transport`` is what the engine declares; the entry carries the same label,
+    and its direct_only flag is the class's."""
+    for e in ENGINES.values():
+        assert e.kind in KINDS
+        module, _, attr = e.class_path.partition(":")
+        cls = __import__(module, fromlist=[attr])
+        cls = getattr(cls, attr)  # imports the adapter's module only (Mooncake and NIXL load inside __init__)
+        assert issubclass(cls, TransferEngine), e.name
+        assert f"{cls.__module__}:{cls.__qualname__}" == e.class_path
+        assert cls.transport == e.transport, e.name
+        assert cls.direct_only == e.direct_only, e.name
+        assert callable(e.load())
+
+
+@pytest.mark.parametrize("name", ["local", "ipc"])
+def test_the_contract_transport_of_a_built_engine_is_its_entrys(name):
+    """Built through create_engine, the engine is its entry's, and the contract an endpoint stamps
+    (``contract.with_transport(engine.transport)``) carries the entry's label."""
+    from kvbridge.worker.resources import build_contract
+
+    engine = create_engine(name)
+    try:
+        assert entry_of(engine) is engine_entry(name)
+        contract = build_contract("deepseek-v3.2-fp8", 2, 4, 1, "interleaved").with_transport(engine.transport)
+        assert contract.transport == engine_entry(name).transport
+    finally:
+        engine.close()
+
+
+def test_an_engine_that_does_not_say_its_transport_does_not_construct():
+    class Anonymous(JobEngine):  # everything but the transport
+        max_slices_per_call = 8
+        session_id = "anon"
+
+        def __init__(self) -> None:
+            self._jobs = JobTable("anonymous")
+
+        def register(self, ptr: int, nbytes: int) -> None: ...
+
+        def unregister(self, ptr: int) -> None: ...
+
+        def submit_write(self, session, src, dst, length, *, after=None) -> int:
+            return 0
+
+        def close(self) -> None: ...
+
+    with pytest.raises(TypeError, match="transport"):
+        Anonymous()
+
+    class Declared(Anonymous):
+        transport = "anon"
+
+    assert Declared().transport == "anon"
+    with pytest.raises(ConfigError, match="Declared is not a registered transfer engine"):
+        entry_of(Declared())
+
+
+def test_nixl_has_its_own_measured_thresholds_and_the_endpoint_looks_them_up():
+    assert staging_thresholds("nixl") is NIXL_PAGE_SIZED != PAGE_SIZED
+    assert staging_thresholds("mooncake") is PAGE_SIZED and staging_thresholds("mooncake-gpu") is GPU_PAGE_SIZED
+    assert staging_thresholds("local") is PAGE_SIZED and staging_thresholds("ipc") is None
+    assert staging_thresholds("nixl-gpu") is GPU_PAGE_SIZED  # not measured for NIXL: the rule it ran under
+    # 3,000 scattered 41,984 B pages: staged on Mooncake TCP, direct on NIXL (measured: UCX moves them
+    # faster than gather + write + scatter, docs/engines.md)
+    pages = 3000
+    assert choose_path(pages, staging_thresholds("mooncake"), mean_slice_bytes=41_984) == "staged"
+    assert choose_path(pages, staging_thresholds("nixl"), mean_slice_bytes=41_984) == "direct"
+
+    from kvbridge.transfer.engine.nixl import NixlEngine
+
+    class Nixlish(NixlEngine):  # a NIXL engine by class (registry lookup through the MRO), never started
+        def __init__(self) -> None:
+            pass
+
+    class MooncakeLookalike:  # a name that the class-name match took for Mooncake
+        transport = "mooncake"
+
+    def kind(engine: object, on_gpu: bool = False) -> str:
+        shell = SimpleNamespace(engine=engine, gather=SimpleNamespace(on_gpu=on_gpu))
+        return PrefillEndpoint._engine_kind(shell, "peer")  # type: ignore[arg-type]
+
+    assert kind(Nixlish()) == "nixl" and kind(Nixlish(), on_gpu=True) == "nixl-gpu"
+    with pytest.raises(ConfigError, match="not a registered transfer engine"):
+        kind(MooncakeLookalike())
+    fabric = LocalFabric()
+    local = create_engine("local", fabric=fabric)
+    try:
+        assert kind(local) == "local" and kind(local, on_gpu=True) == "local-gpu"
+        assert staging_thresholds("local-gpu") is PAGE_SIZED  # no GPU thresholds of its own: the host's
+        faulty = FaultyEngine(local, 1)  # a wrapper routes as the engine it wraps
+        assert kind(faulty) == "local" and faulty.transport == "local"
+    finally:
+        local.close()
+
+
+def test_bad_names_and_entries_are_named_errors():
+    with pytest.raises(ConfigError, match="unknown transfer engine 'nccl'; choose one of mooncake, nixl"):
+        engine_entry("nccl")
+    with pytest.raises(ConfigError, match="unknown transfer engine 'rdma'"):
+        staging_thresholds("rdma")
+    with pytest.raises(ConfigError, match="unknown engine kind 'fast'"):
+        engine_names("fast")
+    with pytest.raises(ConfigError, match="unknown transfer engine"):
+        route_key("nccl", on_gpu=False)
+    with pytest.raises(ConfigError, match="kind 'wire'"):
+        EngineEntry("x", "m:C", "wire", "x", "", (), 1)
+    with pytest.raises(ConfigError, match="direct only and has staging thresholds"):
+        EngineEntry("x", "m:C", "network", "x", "", (), 1, direct_only=True,
+                    staging=PathThresholds(min_slices=1, max_mean_slice_bytes=1))
+    assert np.all([engine_entry(n).max_slices_per_call > 0 for n in ENGINES])
