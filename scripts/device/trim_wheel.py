@@ -4,8 +4,13 @@ one device call's 64 MiB carry (mooncake-transfer-engine-cuda13 0.3.14 is 47 MiB
 56 MiB; cut: about 15 and 27 MiB).
 
     NIXL (nixl-cu12 / nixl-cu13)   dropped: the ``nixl_ep_*`` package (expert-parallel kernels for
-                                   torch) and every backend plugin but UCX (plugins are loaded by
-                                   name at run time: NIXL lists the rest as missing)
+                                   torch), every backend plugin but UCX (plugins are loaded by
+                                   name at run time: NIXL lists the rest as missing), and UCX's
+                                   InfiniBand and RDMA-CM transports (one GPU host moves bytes by
+                                   cuda_ipc, shared memory or TCP; UCX skips a module it cannot
+                                   find). Those load the wheel's own libibverbs and libnl-route
+                                   beside the host's (Mooncake's), and that second libnl-route
+                                   crashes in rtnl_tc_unregister at process exit (exit code 139)
     Mooncake (mooncake-transfer-   kept: ``mooncake.engine`` (engine.so) and the libraries it links
     engine*)                       (readelf -d: libasio, libetcd_wrapper, nvlink_allocator, glog,
                                    gflags, jsoncpp, yaml-cpp); dropped: the store, the expert-
@@ -25,7 +30,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-DROP_NIXL = re.compile(r"^(nixl_ep_[^/]+/|[^/]+\.libs/nixl/libplugin_(?!UCX\b)[A-Z_]+\.so)")
+DROP_NIXL = re.compile(r"^(nixl_ep_[^/]+/|[^/]+\.libs/(nixl|plugins)/libplugin_(?!UCX\b)[A-Z_]+\.so"
+                       r"|[^/]+\.libs/ucx/libuct_(ib|rdmacm)[^/]*\.so)")
 DROP_MOONCAKE = re.compile(
     r"^(mooncake/(_ep|_store)\.cpython[^/]*\.so|mooncake/(mooncake_master|mooncake_client|transfer_engine_bench)$"
     r"|mooncake/lib(mooncake_pg|mooncake_pg_device|mooncake_ep_device)\.so$|mooncake/(_pg_jit|mooncake_ep_jit|store|reshard)/"
