@@ -51,6 +51,7 @@ from kvbridge.transfer import (
     create_engine,
     mooncake_available,
 )
+from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
 from kvbridge.bootstrap.starter import start_bootstrap
 
 __all__ = [
@@ -67,17 +68,20 @@ __all__ = [
     "KVPoll",
     "KVReceiver",
     "KVSender",
+    "LayerPosts",
     "OwnerLanes",
     "PoolSpec",
     "PrefillConfig",
     "PrefillEndpoint",
     "PrefillInfo",
     "RawBuffer",
+    "RoomSend",
     "RuntimeContract",
     "__version__",
     "contract_for",
     "contract_from_preset",
     "create_engine",
+    "cuda_graph_note",
     "deepseek_pools",
     "diff_contracts",
     "fingerprint",

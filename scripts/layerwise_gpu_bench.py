@@ -16,7 +16,8 @@ own process, both sides on one GPU (cuda:0) when there is one.
                               ready_event; layer-wise: ``kvbridge.transfer.prefill.layerwise.
                               LayerPosts`` - after each layer's write ``layer_done(l)`` (an
                               event on the forward's stream per layer group, the sends made on
-                              the poster thread), then the last send with the aux row
+                              the poster thread), then one last send: the last layer group and
+                              the aux row
     decode (one process)      asks before the forward starts, poisons its pages, polls, reports
                               the monotonic time of Success and a checksum of each rank's pages
     all                       the real bootstrap daemon; the IPC engine (kvbridge's CUDA IPC
@@ -239,9 +240,8 @@ def prefill_main(args) -> None:
             event.record()
         row = make_aux(aux, room, n) if sender.writes_aux else None
         if lp is not None:
-            lp.finish()
-            empty = np.zeros(0, dtype=np.int64)
-            sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
+            last = lp.finish()  # every group but the last is with the sender; the last goes with the end
+            sender.send(owned, local, num_tokens_ready=n, layers=last, is_last=True, aux=row, ready_event=event)
         else:
             sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
         while sender.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed):
@@ -317,7 +317,8 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
                 rows.append({"tokens": n, "cp": cp, "mode": mode, "room": room, "warmup": k < 2, "ok": ok,
                              "reason": got.get("reason"), "forward_s": t_fwd - t0, "tail_s": got["commit"] - t_fwd,
                              "ttft_s": got["commit"] - t0, "forward_alone_s": statistics.median(alone),
-                             "layer_sends": sent[0].get("layer_sends"), "groups": sent[0].get("groups")})
+                             "layer_sends": sent[0].get("layer_sends"), "groups": sent[0].get("groups"),
+                             "min_group_mib": args.min_group_mib})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for p in procs:
@@ -360,7 +361,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--ffn", type=int, default=4096, help="the dense MLP's width (sets the forward's time)")
-    ap.add_argument("--min-group-mib", type=int, default=2, help="layer-wise: the least bytes one post carries")
+    ap.add_argument("--min-group-mib", type=int, default=8, help="layer-wise: the least bytes one post carries")
     ap.add_argument("--engine", choices=("ipc", "mooncake"), default="ipc")
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run (a check of the script)")

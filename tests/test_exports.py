@@ -13,9 +13,9 @@ import kvbridge.transfer as transfer
 EXPECTED = {
     *errors.__all__,
     "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "HeadGeometry", "KVPoll",
-    "KVReceiver", "KVSender", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
-    "RuntimeContract",
-    "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
+    "KVReceiver", "KVSender", "LayerPosts", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
+    "RoomSend", "RuntimeContract",
+    "__version__", "contract_for", "contract_from_preset", "create_engine", "cuda_graph_note", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
 }
 

@@ -6,7 +6,8 @@
       an event recorded on the current          ready_event=event) per room        event, then posts
       stream when l closes a group;
       nothing waits, nothing is planned here
-    posts.finish()      <-- first error --    queue drained
+    posts.finish()      <-- first error --    queue drained; returns the last group, held back
+    sender.send(..., layers=last, is_last=True, aux=row)    one post for the last layers and the end
 
 ``layer_done`` costs the forward thread one ``cudaEventRecord`` per group and a queue put: the
 slices are planned and submitted on the poster thread, and the bytes are read only once the
@@ -18,6 +19,10 @@ layer's writes are done when ``layer_done`` is called, and the poster sends at o
 token per layer, 0.6 MiB at 1K tokens): posted alone, the per-post cost dominates. Consecutive
 layers are grouped so each post carries at least ``min_bytes`` (``layer_groups``); a group is
 sent when its last layer is written.
+
+**The last group** is not posted by ``layer_done``: it is ready only when the forward ends, and
+the caller's last send (the aux row, ``is_last``) carries it, so the tail after the forward is one
+post, not two.
 
 **CUDA graphs.** ``layer_done`` must run eagerly after each layer's KV write: inside a captured
 full-model CUDA graph it runs once at capture, never at replay. An engine that captures prefill
@@ -37,7 +42,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MIN_BYTES = 2 << 20  # a post under this carries more per-post cost than bytes (one GPU, NVLink)
+# A post under this costs more (planning, submit, completion: Python time the poster takes from the
+# forward's thread under the GIL) than its bytes take on the wire: measured on one H200 (docs/performance.md,
+# "Layer-wise sends on the GPU"), groups of 2 MiB slowed a 1K forward 3x, short forwards being launch-bound
+DEFAULT_MIN_BYTES = 8 << 20
 _STOP = object()
 
 
@@ -81,7 +89,8 @@ class RoomSend:
 
 class LayerPosts:
     """The poster of one prefill rank: ``begin`` a forward pass with its rooms, ``layer_done`` after
-    each layer's KV write (forward thread), ``finish`` at its end; then the last send (the aux row).
+    each layer's KV write (forward thread), ``finish`` at its end; then the last send (the last
+    group's layers and the aux row).
 
     ``device``: the pools' device ("cpu" or "cuda:N"); on CUDA an event is recorded on the current
     stream of that device when a group closes."""
@@ -90,7 +99,8 @@ class LayerPosts:
                  min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         self.num_layers = num_layers
         self.groups = layer_groups(num_layers, layer_bytes, min_bytes)
-        self._closes = {end - 1: (start, end) for start, end in self.groups}
+        self.last_group = self.groups[-1]  # posted by the caller's last send (finish() returns it)
+        self._closes = {end - 1: (start, end) for start, end in self.groups[:-1]}
         self._cuda = str(device).startswith("cuda")
         self._rooms: list[RoomSend] = []
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -117,13 +127,16 @@ class LayerPosts:
             event.record()
         self._queue.put((self._rooms, group, event))
 
-    def finish(self) -> None:
-        """The pass ended: wait until every group is handed to its sender; raise the first error."""
+    def finish(self) -> tuple[int, int]:
+        """The pass ended: wait until every group but the last is handed to its sender; raise the
+        first error. Returns the last group ``(start, end)``: send it with the last send
+        (``layers=``, ``is_last=True``, its own ready event)."""
         self._queue.join()
         self._rooms = []
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+        return self.last_group
 
     def close(self) -> None:
         self._queue.put(_STOP)
