@@ -16,8 +16,7 @@ own process, both sides on one GPU (cuda:0) when there is one.
                               ready_event; layer-wise: ``kvbridge.transfer.prefill.layerwise.
                               LayerPosts`` - after each layer's write ``layer_done(l)`` (an
                               event on the forward's stream per layer group, the sends made on
-                              the poster thread), then one last send: the last layer group and
-                              the aux row
+                              the poster thread), then the last send with the aux row
     decode (one process)      asks before the forward starts, poisons its pages, polls, reports
                               the monotonic time of Success and a checksum of each rank's pages
     all                       the real bootstrap daemon; the IPC engine (kvbridge's CUDA IPC
@@ -240,8 +239,9 @@ def prefill_main(args) -> None:
             event.record()
         row = make_aux(aux, room, n) if sender.writes_aux else None
         if lp is not None:
-            last = lp.finish()  # every group but the last is with the sender; the last goes with the end
-            sender.send(owned, local, num_tokens_ready=n, layers=last, is_last=True, aux=row, ready_event=event)
+            lp.finish()  # every layer group is with the sender
+            empty = np.zeros(0, dtype=np.int64)
+            sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
         else:
             sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
         while sender.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed):

@@ -6,8 +6,8 @@
       an event recorded on the current          ready_event=event) per room        event, then posts
       stream when l closes a group;
       nothing waits, nothing is planned here
-    posts.finish()      <-- first error --    queue drained; returns the last group, held back
-    sender.send(..., layers=last, is_last=True, aux=row)    one post for the last layers and the end
+    posts.finish()      <-- first error --    queue drained
+    sender.send(empty, is_last=True, aux=row)   the end: the aux row
 
 ``layer_done`` costs the forward thread one ``cudaEventRecord`` per group and a queue put: the
 slices are planned and submitted on the poster thread, and the bytes are read only once the
@@ -20,9 +20,10 @@ token per layer, 0.6 MiB at 1K tokens): posted alone, the per-post cost dominate
 layers are grouped so each post carries at least ``min_bytes`` (``layer_groups``); a group is
 sent when its last layer is written.
 
-**The last group** is not posted by ``layer_done``: it is ready only when the forward ends, and
-the caller's last send (the aux row, ``is_last``) carries it, so the tail after the forward is one
-post, not two.
+**The last group** is posted like the others, as its layer is written: the forward's end (the
+first token read back) comes after it, and its transfer overlaps that. Holding it back for the
+last send (one post instead of two after the forward) measured worse on one H200: the tail
+after the forward grew from 2.2 to 3.5 ms at 32K (docs/performance.md).
 
 **CUDA graphs.** ``layer_done`` must run eagerly after each layer's KV write: inside a captured
 full-model CUDA graph it runs once at capture, never at replay. An engine that captures prefill
@@ -89,8 +90,7 @@ class RoomSend:
 
 class LayerPosts:
     """The poster of one prefill rank: ``begin`` a forward pass with its rooms, ``layer_done`` after
-    each layer's KV write (forward thread), ``finish`` at its end; then the last send (the last
-    group's layers and the aux row).
+    each layer's KV write (forward thread), ``finish`` at its end; then the last send (the aux row).
 
     ``device``: the pools' device ("cpu" or "cuda:N"); on CUDA an event is recorded on the current
     stream of that device when a group closes."""
@@ -99,8 +99,7 @@ class LayerPosts:
                  min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         self.num_layers = num_layers
         self.groups = layer_groups(num_layers, layer_bytes, min_bytes)
-        self.last_group = self.groups[-1]  # posted by the caller's last send (finish() returns it)
-        self._closes = {end - 1: (start, end) for start, end in self.groups[:-1]}
+        self._closes = {end - 1: (start, end) for start, end in self.groups}
         self._cuda = str(device).startswith("cuda")
         self._rooms: list[RoomSend] = []
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -127,16 +126,14 @@ class LayerPosts:
             event.record()
         self._queue.put((self._rooms, group, event))
 
-    def finish(self) -> tuple[int, int]:
-        """The pass ended: wait until every group but the last is handed to its sender; raise the
-        first error. Returns the last group ``(start, end)``: send it with the last send
-        (``layers=``, ``is_last=True``, its own ready event)."""
+    def finish(self) -> None:
+        """The pass ended: wait until every group is handed to its sender; raise the first error.
+        Then the caller's last send: no pages, ``is_last=True`` and the aux row."""
         self._queue.join()
         self._rooms = []
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-        return self.last_group
 
     def close(self) -> None:
         self._queue.put(_STOP)
