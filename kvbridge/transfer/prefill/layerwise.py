@@ -23,7 +23,7 @@ sent when its last layer is written.
 **The last group** is posted like the others, as its layer is written: the forward's end (the
 first token read back) comes after it, and its transfer overlaps that. Holding it back for the
 last send (one post instead of two after the forward) measured worse on one H200: the tail
-after the forward grew from 2.2 to 3.5 ms at 32K (docs/performance.md).
+after the forward grew from 1.9 to 3.5 ms at 32K (docs/performance.md).
 
 **CUDA graphs.** ``layer_done`` must run eagerly after each layer's KV write: inside a captured
 full-model CUDA graph it runs once at capture, never at replay. An engine that captures prefill
