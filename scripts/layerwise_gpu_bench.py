@@ -160,8 +160,10 @@ class Model:
                 x = x + torch.nn.functional.silu(x @ self.w1) @ self.w2
                 kv = (x @ self.wkv).to(torch.bfloat16).view(torch.uint8).view(n_pad, TARGET_B + INDEX_B)
                 last = layer == self.args.layers - 1  # the draft layer is written with it
-                for pool, lid, lo, hi in (("target", layer, 0, TARGET_B), ("index", layer, TARGET_B, TARGET_B + INDEX_B),
-                                          *((("draft", draft, 0, TARGET_B),) if last else ())):
+                writes = [("target", layer, 0, TARGET_B), ("index", layer, TARGET_B, TARGET_B + INDEX_B)]
+                if last:
+                    writes.append(("draft", draft, 0, TARGET_B))
+                for pool, lid, lo, hi in writes:
                     t = bufs[(pool, lid)]
                     t.view(torch.uint8).view(t.shape[0], -1)[idx] = kv[:, lo:hi].reshape(idx.numel(), -1)
                 on_layer(layer)
@@ -312,7 +314,8 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
                     ask(p, {"op": "go"})
                 got = answer(decode)
                 sent = [answer(p) for p in prefill]
-                ok = got["state"] == "Success" and all(s["ok"] for s in sent) and got["sums"] == [s["sum"] for s in sent]
+                sums_equal = got["sums"] == [s["sum"] for s in sent]
+                ok = got["state"] == "Success" and all(s["ok"] for s in sent) and sums_equal
                 t0, t_fwd = min(s["t0"] for s in sent), max(s["t_fwd"] for s in sent)
                 rows.append({"tokens": n, "cp": cp, "mode": mode, "room": room, "warmup": k < 2, "ok": ok,
                              "reason": got.get("reason"), "forward_s": t_fwd - t0, "tail_s": got["commit"] - t_fwd,

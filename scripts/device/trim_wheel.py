@@ -34,7 +34,8 @@ DROP_NIXL = re.compile(r"^(nixl_ep_[^/]+/|[^/]+\.libs/(nixl|plugins)/libplugin_(
                        r"|[^/]+\.libs/ucx/libuct_(ib|rdmacm)[^/]*\.so)")
 DROP_MOONCAKE = re.compile(
     r"^(mooncake/(_ep|_store)\.cpython[^/]*\.so|mooncake/(mooncake_master|mooncake_client|transfer_engine_bench)$"
-    r"|mooncake/lib(mooncake_pg|mooncake_pg_device|mooncake_ep_device)\.so$|mooncake/(_pg_jit|mooncake_ep_jit|store|reshard)/"
+    r"|mooncake/lib(mooncake_pg|mooncake_pg_device|mooncake_ep_device)\.so$"
+    r"|mooncake/(_pg_jit|mooncake_ep_jit|store|reshard)/"
     r"|mooncake_transfer_engine[^/]*\.libs/lib(etcd_wrapper|zmq|crypto|sodium|pgm|unwind)-)")
 
 
