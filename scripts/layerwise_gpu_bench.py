@@ -195,6 +195,11 @@ def prefill_main(args) -> None:
                              engine, specs, bufs, contract, client, aux)
     ep.start()
     sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
+    prof = None
+    if args.profile and rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile()
     posts = {}
     rng = np.random.default_rng(10 + rank)
     print(json.dumps({"ready": True}), flush=True)
@@ -240,12 +245,16 @@ def prefill_main(args) -> None:
             event = torch.cuda.Event()
             event.record()
         row = make_aux(aux, room, n) if sender.writes_aux else None
+        if prof is not None and mode == "whole":
+            prof.enable()  # the last send on this thread: checks, plan, aux staging, post (not the engine's threads)
         if lp is not None:
             lp.finish()  # every layer group is with the sender
             empty = np.zeros(0, dtype=np.int64)
             sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
         else:
             sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
+        if prof is not None:
+            prof.disable()
         while sender.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed):
             time.sleep(0.0005)
         stats = sender.stats
@@ -254,6 +263,13 @@ def prefill_main(args) -> None:
         print(json.dumps({"room": room, "t0": t0, "t_fwd": t_fwd, "ok": ok, "sum": checksum(bufs, specs, local),
                           "layer_sends": stats.get("layer_sends"), "groups": len(lp.groups) if lp else 0}),
               flush=True)
+    if prof is not None:
+        import io
+        import pstats
+
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
+        Path(args.profile).write_text(out.getvalue())
     for lp in posts.values():
         lp.close()
     ep.close(timeout=3)
@@ -367,6 +383,7 @@ def main() -> None:
     ap.add_argument("--min-group-mib", type=int, default=8, help="layer-wise: the least bytes one post carries")
     ap.add_argument("--engine", choices=("ipc", "mooncake"), default="ipc")
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="cProfile of prefill rank 0's whole sends (its thread) to this file")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run (a check of the script)")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
@@ -389,14 +406,14 @@ def main() -> None:
         args.engine = "mooncake"  # the IPC engine needs a GPU
         if not args.role:
             args.layers, args.hidden, args.ffn = min(args.layers, 4), 64, 64
-    args.aux_device = args.device if args.engine == "ipc" else "cpu"
+    args.aux_device = args.device  # aux rows and the scratch where the pages are (Mooncake NVLink: device memory only)
     if args.role == "decode":
         return decode_main(args)
     if args.role == "prefill":
         return prefill_main(args)
     args.passthrough = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--hidden", str(args.hidden),
                         "--ffn", str(args.ffn), "--min-group-mib", str(args.min_group_mib), "--engine", args.engine,
-                        "--device", args.device]
+                        "--device", args.device, *(["--profile", args.profile] if args.profile else [])]
     import kvbridge as kvb
 
     rows = []
