@@ -8,7 +8,7 @@
 #
 #   P="python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
 #   $P --platform manylinux_2_28_x86_64 -d /tmp/engine-whl mooncake-transfer-engine-cuda13==0.3.14 nixl-cu13==1.5.1
-#   for w in /tmp/engine-whl/*.whl; do python3 scripts/device/trim_wheel.py $w .whl; done   # 9 + 27 MiB
+#   for w in /tmp/engine-whl/*.whl; do python3 scripts/device/trim_wheel.py $w .whl; done   # 9 + 25 MiB
 #   $P --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl msgspec fastapi opentelemetry-api starlette uvicorn pydantic \
 #       pydantic-core typing-extensions typing-inspection annotated-types annotated-doc

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A transfer engine's wheel cut to what kvbridge uses, so Mooncake's and NIXL's fit together in
 one device call's 64 MiB carry (mooncake-transfer-engine-cuda13 0.3.14 is 47 MiB, nixl-cu13 1.5.1
-56 MiB; cut: about 15 and 27 MiB).
+56 MiB; cut: 9 and 25 MiB).
 
     NIXL (nixl-cu12 / nixl-cu13)   dropped: the ``nixl_ep_*`` package (expert-parallel kernels for
                                    torch), every backend plugin but UCX (plugins are loaded by
