@@ -56,6 +56,7 @@ from kvbridge.transfer import (
 from kvbridge.settings import SettingsReader
 from kvbridge.transfer.engine.registry import engine_names
 from kvbridge.transfer.staging.settings import STAGING_MODES
+from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
 from kvbridge.bootstrap.starter import start_bootstrap
 
 __all__ = [
@@ -74,17 +75,20 @@ __all__ = [
     "KVPoll",
     "KVReceiver",
     "KVSender",
+    "LayerPosts",
     "OwnerLanes",
     "PoolSpec",
     "PrefillConfig",
     "PrefillEndpoint",
     "PrefillInfo",
     "RawBuffer",
+    "RoomSend",
     "RuntimeContract",
     "__version__",
     "contract_for",
     "contract_from_preset",
     "create_engine",
+    "cuda_graph_note",
     "deepseek_pools",
     "diff_contracts",
     "engine_names",

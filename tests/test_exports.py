@@ -17,6 +17,11 @@ EXPECTED = {
     "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
     "engine_names", "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
+    "PRESETS", "WIRE_VERSION", "AuxRegion", "AuxRow", "AuxSchema", "BootstrapClient", "DecodeConfig", "DecodeEndpoint", "HeadGeometry", "KVPoll",
+    "KVReceiver", "KVSender", "LayerPosts", "OwnerLanes", "PoolSpec", "PrefillConfig", "PrefillEndpoint", "PrefillInfo", "RawBuffer",
+    "RoomSend", "RuntimeContract",
+    "__version__", "contract_for", "contract_from_preset", "create_engine", "cuda_graph_note", "deepseek_pools", "diff_contracts",
+    "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
 }
 
 

@@ -42,9 +42,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             value = row["bytes"] / 1e6 if key == "bytes" else row.get(key)
             if key == "ok":
                 value = "yes" if not row["verify_errors"] and not row["kvbridge_failures"] else "NO"
-            elif value is None:
-                value = float("nan") if "." in fmt else "-"
-                fmt = "{:>10}" if value == "-" else fmt
+            elif value is None:  # not measured for this row (the engine alone on Mooncake: raw is it)
+                value, fmt = "-", "{}"
             cells.append(fmt.format(value).rjust(w))
         lines.append(" ".join(cells))
     for row in rows:
@@ -91,7 +90,9 @@ def _describe(meta: dict[str, Any]) -> str:
         f"kvbridge bench: {meta['preset']}, {meta['layers']} target + {meta['draft_layers']} draft layers, "
         f"page {meta['page_size']}, engine {meta['engine']}, {meta['reps']} rooms per method, every rank its "
         f"own process; allocation {'/'.join(meta.get('allocs', ['contiguous']))} (contiguous: decode pages "
-        f"{meta.get('dst_order', 'logical')}; random: both sides from a shuffled free list)"
+        f"{meta.get('dst_order', 'logical')}; random: both sides from a shuffled free list); engine GB/s: "
+        "the engine alone on the same slices where kvbridge's engine is not the one raw drives (on Mooncake "
+        "raw GB/s is the engine alone: '-')"
     )
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"

@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and the ratios; --trace adds where a room's time goes, hop by hop. Starts its own bootstrap daemon.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (under two minutes)")
+                   help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (about three minutes "
+                        "on 2 cores)")
     p.add_argument("--tokens", type=_ints, default=None, help="request lengths, e.g. 1K,8K,128K (default: 1K..128K)")
     p.add_argument("--cp", type=_ints, default=None, help="CP sizes to sweep (default: 1,2,4; quick: 1,2)")
     p.add_argument("--layers", type=int, default=None,

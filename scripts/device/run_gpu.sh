@@ -1,18 +1,21 @@
 #!/bin/bash
 # Runs the GPU tests and scripts/gpu_bench.py on a device host (H200 image: Python 3.12, torch cu130,
-# Triton, no package registry). Carried, not committed: the Mooncake CUDA wheel, the control plane's
-# wheels (pyzmq and msgspec both, while the one replaces the other) and their small pure dependencies,
-# and five Debian packages (both folders are git-ignored). Prepare them once on a machine
-# with a registry, from the repository root:
+# Triton, no package registry). Carried, not committed: the engines' wheels (Mooncake's CUDA 13 wheel and
+# NIXL's, each cut to what kvbridge uses by scripts/device/trim_wheel.py so both fit one call's 64 MiB),
+# the control plane's wheels and their small pure dependencies (cryptography, cffi and pycparser too:
+# decode's endpoint imports the ownership proof's Ed25519 at module level), and five Debian packages
+# (.whl and .debs are git-ignored). Prepare them once on a machine with a registry, from the repository root:
 #
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl mooncake-transfer-engine-cuda13==0.3.14 pyzmq msgspec \
-#       fastapi opentelemetry-api starlette uvicorn pydantic pydantic-core typing-extensions typing-inspection \
-#       annotated-types annotated-doc
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl prometheus-client msgpack \
+#   P="python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
+#   $P --platform manylinux_2_28_x86_64 -d /tmp/engine-whl mooncake-transfer-engine-cuda13==0.3.14 nixl-cu13==1.5.1
+#   for w in /tmp/engine-whl/*.whl; do python3 scripts/device/trim_wheel.py $w .whl; done   # 9 + 25 MiB
+#   $P --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl msgspec fastapi opentelemetry-api starlette uvicorn pydantic \
+#       pydantic-core typing-extensions typing-inspection annotated-types annotated-doc
+#   $P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl prometheus-client msgpack \
 #       httpx httpcore h11 anyio idna certifi sniffio click
+#   $P --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl cryptography cffi pycparser
 #   apt-get update && (mkdir -p .debs && cd .debs && apt-get download libibverbs1 ibverbs-providers libnl-3-200 \
 #       libnl-route-3-200 libnuma1)
 #
@@ -31,20 +34,15 @@
 #   PYTEST_ARGS="tests/transfer/test_gpu.py tests/transfer/test_staging_gpu.py" PYTEST_TIMEOUT=240 \
 #   BENCH_ARGS="--staged-ceilings --slot-mib 64 --groups mooncake-nvlink --alloc random contiguous \
 #   --tokens 1024 2048 8192 32768 131072" BENCH_TIMEOUT=300 bash scripts/device/run_gpu.sh
-# NIXL (issue 27): the CUDA 13 wheel, nixl-cu13 1.5.1, is 56 MiB; cut to kvbridge's use (no nixl_ep, UCX plugin
-# only) it is 27 MiB, still too much beside Mooncake's 48 MiB in one call's 64 MiB carry, so NIXL goes in a call
-# of its own, with the control plane's wheels (the list above without the Mooncake wheel) in .whl-nixl:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d /tmp/nixl-whl nixl-cu13==1.5.1
-#   python3 scripts/device/trim_nixl_wheel.py /tmp/nixl-whl/nixl_cu13-1.5.1-*.whl .whl-nixl
-# then (carry .whl-nixl and .debs; the NIXL engine tests on GPU memory, then the NIXL group: direct, staged and
-# raw NIXL on the same slices; about 5 minutes):
-#   WHEELS=.whl-nixl PYTEST_ARGS="tests/transfer/test_engine.py -k nixl" BENCH_ARGS="--groups nixl --alloc \
-#   contiguous random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
-# Mooncake's figures for the comparison (staged on NIXL against staged on Mooncake, same pages) come from a
-# Mooncake call of the same BENCH_ARGS with --groups mooncake-nvlink.
+# NIXL (issue 27; both engines' trimmed wheels in .whl as above: the NIXL engine tests on GPU memory, the
+# four NIXL staged-room GPU tests, then the NIXL group: direct, staged and raw NIXL on the same slices):
+#   PYTEST_ARGS="tests/transfer/test_engine.py tests/transfer/test_gpu.py -k nixl" BENCH_ARGS="--groups nixl \
+#   --alloc contiguous random --tokens 8192 32768 131072" bash scripts/device/run_gpu.sh
+# NIXL_PROBE=1 first runs scripts/device/nixl_exit_probe.sh (the exit segfault's variants, docs/engines.md).
+# A wheel folder of NIXL alone (WHEELS=.whl-nixl: the control plane's wheels without Mooncake's) works too.
 # From a copy of the tree elsewhere, point WHEELS and DEBS at the
-# carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH.
+# carried folders. Knobs: PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, SKIP_TEST, SKIP_BENCH, NIXL_PROBE,
+# EXTRA (a command run last, in the same environment: the wheels on PYTHONPATH, the libraries found).
 set -u
 export PYTHONUNBUFFERED=1 GLOG_minloglevel=2
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -63,9 +61,11 @@ if [ -e /tmp/site/mooncake/engine.so ]; then
   python3 -c 'from mooncake.engine import TransferEngine; print("mooncake ok")' || exit 1
 fi
 if [ -d /tmp/site/nixl_cu13 ]; then
-  python3 -c 'from kvbridge.transfer.engine import create_engine; create_engine("nixl").close(); print("nixl ok")' || exit 1
+  [ "${NIXL_PROBE:-0}" = 1 ] && bash scripts/device/nixl_exit_probe.sh
+  python3 -c 'from kvbridge.transfer.engine import create_engine; create_engine("nixl").close(); print("nixl ok")'
+  rc=$?; echo "nixl check exit code $rc"; [ $rc = 0 ] || [ "${NIXL_PROBE:-0}" = 1 ] || exit 1
 fi
-python3 -c 'import msgspec, fastapi, uvicorn, pydantic; print("imports ok")' || exit 1
+python3 -c 'import msgspec, fastapi, uvicorn, pydantic, cryptography; import kvbridge.transfer.decode.endpoint; print("imports ok")' || exit 1
 if [ "${SKIP_TEST:-0}" != 1 ]; then
   echo "== pytest: ${PYTEST_ARGS:=tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_auto_engine.py tests/transfer/test_engine.py}"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS} -q -rs -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | grep -v "^[IWE][0-9]\{4\} " | tail -40
@@ -73,5 +73,9 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench: ${BENCH_ARGS:=--ceilings --trace-tokens 8192 131072}"
   timeout ${BENCH_TIMEOUT:-480} python3 scripts/gpu_bench.py --json $OUT/gpu_bench.json --trace-out $OUT $BENCH_ARGS 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tee $OUT/bench.log
+fi
+if [ -n "${EXTRA:-}" ]; then
+  echo "== extra: $EXTRA"
+  bash -c "$EXTRA" 2>&1 | grep -v "^[IWE][0-9]\{4\} "
 fi
 echo "== done"

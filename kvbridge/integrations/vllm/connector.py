@@ -7,7 +7,10 @@ by name below (the base's defaults stand for the rest):
 
     supports HMA                  no: vLLM turns the hybrid manager off; hybrid models are refused
     save_kv_layer                 prefill, layerwise (default): the layer of the prompts ending in this
-                                  step goes out now; wait_for_save sends what is left (worker.py)
+                                  step goes out now; wait_for_save sends what is left (worker.py).
+                                  It must run at every prefill step: with cudagraph_mode=FULL (prefill
+                                  replayed as one graph) the connector says so at start (a warning):
+                                  use PIECEWISE / FULL_AND_PIECEWISE, or layerwise=false
     wait_for_layer_load           nothing to wait: loads are asynchronous (WAITING_FOR_REMOTE_KVS)
     get_handshake_metadata        None: the bootstrap daemon pairs ranks, not vLLM's side channel
     kv_both                       refused (settings.py)
@@ -15,6 +18,7 @@ by name below (the base's defaults stand for the rest):
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,11 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvbridge import ConfigError
+from kvbridge import ConfigError, cuda_graph_note
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.integrations.vllm.settings import read_settings, refuse_hybrid
 from kvbridge.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -45,6 +51,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if kv_cache_config is None:
                 raise ConfigError("the worker side needs vLLM's KVCacheConfig (the number of blocks)",
                                   field="kv_cache_config")
+            note = cuda_graph_note(self.settings.role == "prefill" and self.settings.layerwise,
+                                   str(getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", "")))
+            if note:  # the per-layer hook must run at every prefill step (kvbridge.LayerPosts' docstring)
+                log.warning("kvbridge: %s", note)
             mc = vllm_config.model_config
             self.worker_side = WorkerSide(self.settings, tp_rank=_tp_rank(self.settings),
                                           total_kv_heads=int(mc.get_total_num_kv_heads()), is_mla=bool(mc.use_mla),

@@ -110,6 +110,20 @@ class CudaCopier:
         self._lock = threading.Lock()  # the tables: one launch at a time fills and posts one
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_programs = max(1, sms * programs_per_sm)
+        self._warm()
+
+    def _warm(self) -> None:
+        """Compile the kernel now (made at an endpoint's start), not inside the first room: a cold
+        Triton compile takes seconds on the thread that launches it, and a prefill loop silent that
+        long is a dead peer to decode. Triton compiles one variant per piece count class (one, a
+        multiple of 16, any other): the two a room uses, on a scratch buffer of this copier."""
+        torch = self._torch
+        scratch = torch.zeros(64 * 32, dtype=torch.uint8, device=self.device)
+        base = np.uint64(scratch.data_ptr())
+        for n in (2, 16):
+            offs = np.arange(n, dtype=np.uint64) * np.uint64(64)
+            self.launch(base + offs, base + np.uint64(1024) + offs, np.full(n, 64, dtype=np.uint64))
+        self.stream.synchronize()
 
     def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> dict[str, int]:
         """Enqueue the copy of every slice on ``stream``; returns what went how (the piece tables

@@ -1,0 +1,117 @@
+"""``kvbridge.transfer.prefill.layerwise``: layer groups, the CUDA-graph note, and ``LayerPosts``
+(the poster thread) on host pools (no event: the CPU fallback of the GPU path) with a recording
+sender. The GPU path (events on the forward's stream, the IPC engine's copy stream waiting on
+them) is measured by ``scripts/layerwise_gpu_bench.py`` on a device host."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import LayerRangeError
+from kvbridge.transfer.prefill.layerwise import (
+    DEFAULT_MIN_BYTES,
+    LayerPosts,
+    RoomSend,
+    cuda_graph_note,
+    layer_groups,
+)
+
+
+def test_groups_cover_every_layer_once_in_order():
+    for layers, layer_bytes, least in [(61, 656 * 1024, 2 << 20), (61, 656 * 32768, 2 << 20), (5, 1, 100), (1, 10, 5)]:
+        groups = layer_groups(layers, layer_bytes, least)
+        flat = [i for a, b in groups for i in range(a, b)]
+        assert flat == list(range(layers))
+        assert all(b > a for a, b in groups)
+        if len(groups) > 1:  # every group carries at least the least bytes, the last one included
+            assert all((b - a) * layer_bytes >= least for a, b in groups)
+
+
+def test_groups_of_one_layer_when_a_layer_is_big_enough():
+    assert layer_groups(4, 10 << 20, 8 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_small_layers_are_grouped_and_the_remainder_joins_the_last_group():
+    # 61 layers of 0.64 MiB (V3.2 fp8 at 1K tokens), 2 MiB: 4 layers a group, 61 = 15 x 4 + 1
+    groups = layer_groups(61, 656 * 1024, 2 << 20)
+    assert groups[0] == (0, 4) and groups[-1] == (56, 61) and len(groups) == 15
+
+
+@pytest.mark.parametrize("layers, layer_bytes", [(0, 1), (3, 0), (-1, 5)])
+def test_groups_refuse_nonsense(layers, layer_bytes):
+    with pytest.raises(ValueError):
+        layer_groups(layers, layer_bytes)
+
+
+def test_cuda_graph_note_only_for_full_graphs_with_layerwise_on():
+    assert cuda_graph_note(True, "FULL")
+    assert cuda_graph_note(True, "CUDAGraphMode.FULL")  # vLLM's enum as str()
+    for mode in ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", None, ""):
+        assert cuda_graph_note(True, mode) is None
+    assert cuda_graph_note(False, "FULL") is None
+
+
+class Recorder:
+    """A KVSender that records its sends and the thread they came from."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.sends: list[dict] = []
+        self.fail_at = fail_at
+
+    def send(self, logical, local, *, num_tokens_ready=None, is_last=False, aux=None, ready_event=None, layers=None):
+        if self.fail_at is not None and layers is not None and layers[0] <= self.fail_at < layers[1]:
+            raise LayerRangeError(f"layers {layers} refused", field="layers")
+        self.sends.append({"layers": layers, "event": ready_event, "thread": threading.current_thread().name,
+                           "pages": np.asarray(logical).copy(), "tokens": num_tokens_ready})
+
+
+def test_posts_send_each_group_off_the_callers_thread():
+    posts = LayerPosts(10, 3 << 20, min_bytes=6 << 20)  # groups of 2 layers
+    try:
+        a, b = Recorder(), Recorder()
+        pages = np.arange(4, dtype=np.int64)
+        posts.begin([RoomSend(a, pages, pages + 10, 256), RoomSend(b, pages, pages + 20, 256)])
+        for layer in range(10):
+            posts.layer_done(layer)
+        posts.finish()
+        for r in (a, b):
+            assert [s["layers"] for s in r.sends] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+            assert {s["thread"] for s in r.sends} == {"kvb-layer-posts"}
+            assert all(s["event"] is None and s["tokens"] == 256 for s in r.sends)  # host pools: no event
+        # the next pass starts clean
+        c = Recorder()
+        posts.begin([RoomSend(c, pages, pages, 64)])
+        for layer in range(10):
+            posts.layer_done(layer)
+        posts.finish()
+        assert len(c.sends) == 5 and len(a.sends) == 5
+    finally:
+        posts.close()
+
+
+def test_a_refused_send_is_raised_by_finish_and_no_later_group_of_the_pass_is_sent():
+    posts = LayerPosts(8, 1 << 20, min_bytes=1 << 20)
+    try:
+        r = Recorder(fail_at=3)
+        posts.begin([RoomSend(r, np.arange(2), np.arange(2), 128)])
+        for layer in range(8):
+            posts.layer_done(layer)
+        with pytest.raises(LayerRangeError, match=r"layers \(3, 4\)"):
+            posts.finish()
+        assert [s["layers"] for s in r.sends] == [(0, 1), (1, 2), (2, 3)]
+    finally:
+        posts.close()
+
+
+def test_layers_done_outside_a_pass_send_nothing():
+    posts = LayerPosts(4, DEFAULT_MIN_BYTES)
+    try:
+        for layer in range(4):
+            posts.layer_done(layer)
+        posts.finish()
+        assert posts.posted == 0
+    finally:
+        posts.close()
