@@ -10,7 +10,7 @@ exits, and call it hung only after ``STARTUP_TIMEOUT_S`` (kvbridge's own bound, 
 host loaded to several times its cores takes tens of seconds to start an interpreter). The
 clean-exit promise (SIGTERM -> exit 0) is asserted only of a daemon that became ready: before
 that it may not have installed its handler yet. ``KVBRIDGE_TEST_TIMEOUT_SCALE`` (default 1)
-scales the tests' own deadlines (``scaled(seconds)``) on a slow or loaded host.
+scales the tests' own deadlines (``tests/_timing.py``) on a slow or loaded host.
 """
 
 from __future__ import annotations
@@ -27,16 +27,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from _timing import scaled
+
 from kvbridge.bootstrap.starter import STARTUP_TIMEOUT_S
 
 HOST = "127.0.0.1"
-TIMEOUT_SCALE = float(os.environ.get("KVBRIDGE_TEST_TIMEOUT_SCALE", "1") or 1)
-START_TIMEOUT_S = STARTUP_TIMEOUT_S * TIMEOUT_SCALE
-
-
-def scaled(seconds: float) -> float:
-    """A test's own deadline, scaled for a slow host (``KVBRIDGE_TEST_TIMEOUT_SCALE``)."""
-    return seconds * TIMEOUT_SCALE
+START_TIMEOUT_S = scaled(STARTUP_TIMEOUT_S)
 
 
 def _port_open(port: int) -> bool:
