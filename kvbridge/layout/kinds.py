@@ -11,6 +11,8 @@ exactly those bytes (hard rules 1 and 5 for every kind).
                                                   tail: n % R tokens ----> are complete; the tail is state
     state                     one slot per request row                      the whole slot, once, with the
                                                                             last chunk (like the aux row)
+    state, tail (R)           slot = R rows, pos at row pos % R             rows [0, n % R): a compressor's
+                                                                            incomplete window, once, last chunk
 
 A compressed pool's "token" is an entry: ``page_size`` entries per page, ``bytes_per_token``
 bytes per entry. A state pool's "page" is a slot (``page_size`` 1). ``Extent`` is what decode
@@ -34,12 +36,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvbridge.errors import LayoutError, PageRangeError, PairingError
+from kvbridge.errors import LayoutError, PageRangeError, PairingError, TopologyError
 from kvbridge.layout.pairing import BufferDesc
 from kvbridge.layout.plan import TransferPlan, broadcast_plan
 from kvbridge.layout.pools import COMPRESSED, KINDS, ROWS, STATE, WINDOW, PoolSpec
 
-__all__ = ["KINDS", "Extent", "chunk_extent", "needed_bytes", "needed_extent", "plan_kind", "state_slices",
+__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "needed_bytes", "needed_extent", "plan_kind", "row_bytes", "state_slices",
            "state_tp_spec", "tail_tokens"]
 
 
@@ -93,6 +95,8 @@ def needed_extent(spec: PoolSpec, num_tokens: int) -> Extent:
                           field="num_tokens")
     ps = spec.page_size
     if spec.kind == STATE:
+        if spec.ratio:  # a tail slot: rows [0, n % R) (positions n - n % R .. n - 1, each at pos % R)
+            return Extent(0, 1 if num_tokens else 0, 0, num_tokens % spec.ratio, spec.ratio)
         return Extent(0, 1 if num_tokens else 0, 0, 1, 1)
     rows = _entries(spec, num_tokens)
     start = max(0, rows - spec.window) if spec.kind == WINDOW else 0
@@ -106,7 +110,12 @@ def needed_extent(spec: PoolSpec, num_tokens: int) -> Extent:
 
 def needed_bytes(spec: PoolSpec, num_tokens: int) -> int:
     """Bytes of ``spec`` (this rank's rows, every layer) that decode needs for ``num_tokens``."""
-    return needed_extent(spec, num_tokens).num_rows * spec.bytes_per_token * spec.num_layers
+    return needed_extent(spec, num_tokens).num_rows * row_bytes(spec) * spec.num_layers
+
+
+def row_bytes(spec: PoolSpec) -> int:
+    """Bytes of one row of an extent: a token's (an entry's) row, a slot, or a tail slot's row."""
+    return spec.bytes_per_token // spec.ratio if spec.kind == STATE and spec.ratio else spec.bytes_per_token
 
 
 def chunk_extent(spec: PoolSpec, num_tokens: int, done: int, end: int, last: bool) -> Extent:
@@ -259,6 +268,8 @@ def plan_kind(
         _check_units(spec, "source", src_units, src_cap, room, rank)
         _check_units(dst_spec, "destination", dst_units, dst_cap, room, rank)
         s_off, d_off, length = state_slices(spec, *tp)
+        if spec.ratio:  # a tail slot: its first n % R rows
+            length = np.minimum(length, extent.num_rows * row_bytes(spec))
         rel = (s_off + src_units[0] * spec.bytes_per_page, d_off + dst_units[0] * dst_spec.bytes_per_page)
     elif ring:
         rel = _ring_ranges(spec, extent, int(src_units[0]), int(dst_units[0]), src_cap, dst_cap, ctx)
@@ -305,3 +316,25 @@ def _ring_ranges(spec: PoolSpec, extent: Extent, src_row: int, dst_row: int, src
     dst = (dst_row * stride + pos % stride) * bpt
     return src, dst, np.full(len(pos), bpt, dtype=np.int64)
 
+
+
+def check_kind_topology(specs: Sequence[PoolSpec], cp_size: int, lane_rule: str = "interleaved") -> None:
+    """Refuse, by name, what the kinds do not support under CP (the rule is in docs/concepts.md):
+
+    * paged and paged-window pools: token pages, owned like every page (the lane rule);
+    * ring-addressed window pools: CP 1 only (slots by request row, not pages: no owner lane);
+    * compressed pools: CP 1 only, or every page on every rank (``replicated``): an entry
+      needs all R tokens of its window on the rank that builds it, and lanes split them;
+    * state slots: written by the owner of the last valid token, with the aux row (any CP).
+
+    Layer ranges (PP, layer-wise sends) cut every kind's layers alike."""
+    if cp_size <= 1 or lane_rule == "replicated":
+        return
+    for spec in specs:
+        if spec.kind == COMPRESSED:
+            raise TopologyError(f"pool {spec.name!r} is compressed (ratio {spec.ratio}): CP {cp_size} with "
+                                f"{lane_rule} lanes would split an entry's {spec.ratio}-token window across ranks",
+                                field="cp_size")
+        if spec.kind == WINDOW and spec.ring_stride:
+            raise TopologyError(f"pool {spec.name!r} is a ring-addressed window: its slots have no owner lane "
+                                f"under CP {cp_size}", field="cp_size")

@@ -67,7 +67,8 @@ class PoolSpec:
     kind: str = PAGED  # paged | window | compressed | state
     window: int = 0  # window: the last `window` tokens are what decode reads
     ring_stride: int = 0  # window: ring-addressed, slot = request row * stride + pos % stride (0: pages)
-    ratio: int = 0  # compressed: source tokens per entry (a "token" of this pool is an entry)
+    ratio: int = 0  # compressed: source tokens per entry (a "token" of this pool is an entry); state: a tail
+    # slot of `ratio` rows of per-token state, of which decode needs the first n % ratio
     shard_units: tuple[int, ...] = ()  # state: TP-sharded groups of the slot, in units (empty: replicated)
     unit_bytes: int = 0  # state: bytes of one unit of shard_units
     tp_size: int = 1  # state: the TP size this rank's slot is cut for (each group split into tp_size parts)
@@ -106,7 +107,7 @@ class PoolSpec:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise LayoutError(f"{where}: {name} must be a non-negative integer, got {value!r}", field=name)
         own = {PAGED: (), WINDOW: ("window", "ring_stride"), COMPRESSED: ("ratio",),
-               STATE: ("shard_units", "unit_bytes")}[self.kind]
+               STATE: ("shard_units", "unit_bytes", "ratio")}[self.kind]
         for name in ("window", "ring_stride", "ratio", "shard_units", "unit_bytes"):
             if getattr(self, name) and name not in own:
                 raise LayoutError(f"{where}: {name} belongs to another pool kind", field=name)
@@ -132,6 +133,10 @@ class PoolSpec:
                               field="layout")
         if self.tp_size < 1:
             raise LayoutError(f"{where}: tp_size must be at least 1", field="tp_size")
+        if self.ratio and (self.shard_units or self.bytes_per_token % self.ratio):
+            raise LayoutError(f"{where}: a tail slot is {self.ratio} whole rows of per-token state, replicated "
+                              f"across TP; {self.bytes_per_token} B with shard groups {self.shard_units}",
+                              field="ratio")
         units = tuple(self.shard_units)
         if not all(isinstance(u, (int, np.integer)) and not isinstance(u, bool) and u > 0 for u in units):
             raise LayoutError(f"{where}: shard_units must be positive integers, got {units!r}", field="shard_units")

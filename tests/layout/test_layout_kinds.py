@@ -378,3 +378,33 @@ def test_every_kind_extent_matches_bytes_over_many_lengths():
     for spec, n in itertools.product(specs, range(0, 300, 7)):
         ext = needed_extent(spec, n)
         assert needed_bytes(spec, n) == ext.num_rows * spec.bytes_per_token * spec.num_layers
+
+
+@pytest.mark.parametrize("spec", [compressed_spec(4), window_spec(ring_stride=12)])
+def test_cp_combinations_the_kinds_do_not_support_are_refused_by_name(spec):
+    from kvbridge.errors import TopologyError
+    from kvbridge.layout.kinds import check_kind_topology
+
+    with pytest.raises(TopologyError) as err:
+        check_kind_topology([window_spec(), spec], cp_size=2)
+    assert err.value.field == "cp_size" and spec.name in str(err.value)
+    check_kind_topology([spec], cp_size=1)
+    check_kind_topology([spec], cp_size=2, lane_rule="replicated")
+    check_kind_topology([window_spec(), state_spec()], cp_size=4)
+
+
+@pytest.mark.parametrize("n", [0, 4, 5, 7, 130])
+def test_tail_state_moves_the_incomplete_window_rows_only(n):
+    spec = PoolSpec(name="tail", dtype="float32", abi="float32", bytes_per_token=4 * 8, page_size=1, layer_ids=(0,),
+                    kind="state", ratio=4)
+    mem = Memory()
+    src, dst = mem.buffers(spec, 2), mem.buffers(spec, 2, fill=SENTINEL)
+    ext = needed_extent(spec, n)
+    assert needed_bytes(spec, n) == (n % 4) * 8
+    mem.apply(plan_kind(spec, src, dst, ext, [1] * ext.count, [0] * ext.count))
+    got, want = mem.region(dst[0])[:32], mem.region(src[0])[32:]
+    assert (got[: (n % 4) * 8] == want[: (n % 4) * 8]).all() and (got[(n % 4) * 8 :] == SENTINEL).all()
+    with pytest.raises(LayoutError) as err:
+        PoolSpec(name="tail", dtype="float32", abi="float32", bytes_per_token=16, page_size=1, layer_ids=(0,),
+                 kind="state", ratio=3)
+    assert err.value.field == "ratio"
