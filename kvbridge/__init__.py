@@ -9,7 +9,8 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   buffers a stage registers, docs/pipeline.md); pool kinds beyond paged KV: ``window_pool``,
   ``compressed_pool``, ``state_pool``, ``mamba_pools``, ``deepseek_v4_pools``, what decode needs of each
   (``needed_extent``/``needed_bytes``, ``chunk_extent`` per prefill chunk) and the plan that moves it
-  (``plan_kind``; ``state_slices``/``state_tp_spec`` for state slots across TP sizes; docs/models.md);
+  (``plan_kind`` over ``describe_buffer``'s descriptors; ``state_slices``/``state_tp_spec`` for state
+  slots across TP sizes; docs/models.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
@@ -34,6 +35,7 @@ from kvbridge.layout import (
     chunk_extent,
     compressed_pool,
     deepseek_v4_pools,
+    describe_buffer,
     mamba_pools,
     needed_bytes,
     needed_extent,
@@ -104,6 +106,7 @@ __all__ = [
     "Extent",
     "compressed_pool",
     "deepseek_v4_pools",
+    "describe_buffer",
     "mamba_pools",
     "needed_bytes",
     "needed_extent",
