@@ -408,3 +408,16 @@ def test_tail_state_moves_the_incomplete_window_rows_only(n):
         PoolSpec(name="tail", dtype="float32", abi="float32", bytes_per_token=16, page_size=1, layer_ids=(0,),
                  kind="state", ratio=3)
     assert err.value.field == "ratio"
+
+
+def test_layer_ranges_cut_every_kind_and_sum_to_the_whole():
+    from kvbridge.layout import deepseek_v4_pools, stage_specs
+
+    specs = deepseek_v4_pools(6, 4, sliding_window=16, hca_ratio=32, head_dim=8, index_head_dim=4)
+    stages = [stage_specs(specs, r, 6) for r in ((0, 2), (2, 5), (5, 6))]
+    for name, spec in specs.items():
+        parts = [s[name] for s in stages if name in s]
+        assert all(p.kind == spec.kind and p.window == spec.window and p.ratio == spec.ratio for p in parts)
+        assert sorted(lid for p in parts for lid in p.layer_ids) == list(spec.layer_ids)
+        for n in (7, 45, 131):
+            assert sum(needed_bytes(p, n) for p in parts) == needed_bytes(spec, n)
