@@ -19,16 +19,15 @@ rebuilds a cache from what arrived (``read_cache``). Only kvbridge's public API 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 import kvbridge as kvb
+from kvbridge.integrations.transformers.kinds import KindPools, send_chunk
 
-_STATE_POOLS = ("csa_tail", "csa_index_tail", "csa_overlap", "hca_tail")
-
+__all__ = ["V4Pools", "send_chunk", "v4_specs"]
 
 def v4_specs(config: Any, page_size: int = 16) -> dict[str, kvb.PoolSpec]:
     """The pools of a transformers ``DeepseekV4Config`` (float32 reference weights: float32 rows)."""
@@ -41,70 +40,8 @@ def v4_specs(config: Any, page_size: int = 16) -> dict[str, kvb.PoolSpec]:
         state_dtype="float32")
 
 
-class V4Pools:
-    """One rank's V4 pools (``capacity`` units of each), for one request at a time: ``units[pool]``
-    are the physical units (pages, or one slot) of the request's logical units."""
-
-    def __init__(self, specs: Mapping[str, kvb.PoolSpec], capacity: int, fill: int = 0) -> None:
-        self.specs = dict(specs)
-        self.buffers = {
-            (name, lid): torch.full((capacity * spec.bytes_per_page,), fill, dtype=torch.uint8)
-            for name, spec in self.specs.items() for lid in spec.layer_ids
-        }
-        self.units: dict[str, np.ndarray] = {}
-        self.first: dict[str, int] = {}  # the logical unit of units[pool][0]
-
-    def descs(self) -> list[Any]:
-        """The buffers as a peer sees them (``BufferDesc``)."""
-        return [kvb.describe_buffer(self.specs[name], lid, buf.view(getattr(torch, self.specs[name].abi)))
-                for (name, lid), buf in sorted(self.buffers.items())]
-
-    def regions(self) -> list[tuple[int, int]]:
-        return [(buf.data_ptr(), buf.numel()) for _, buf in sorted(self.buffers.items())]
-
-    def allocate(self, num_tokens: int, *, needed: bool, order: str = "ascending", base: int = 0) -> None:
-        """Physical units for a request of ``num_tokens``: prefill every logical unit it writes,
-        decode (``needed``) only the units of what it needs (``kvbridge.needed_extent``: the
-        window's pages, the complete entries' pages, the slot); ascending or reversed."""
-        self.units, self.first = {}, {}
-        for name, spec in self.specs.items():
-            ext = kvb.needed_extent(spec, num_tokens)
-            if needed or spec.kind == "state":
-                first, count = ext.first, ext.count
-            else:
-                rows = num_tokens // spec.ratio if spec.kind == "compressed" else num_tokens
-                first, count = 0, -(-rows // spec.page_size)
-            ids = np.arange(base, base + count, dtype=np.int64)
-            self.units[name] = ids[::-1].copy() if order == "reversed" else ids
-            self.first[name] = first
-
-    # --- rows <-> pages ------------------------------------------------------------------------------------
-
-    def _page_rows(self, name: str, lid: int) -> torch.Tensor:
-        spec = self.specs[name]
-        return self.buffers[(name, lid)].view(-1, spec.page_size, spec.bytes_per_token)
-
-    def _put(self, name: str, lid: int, first: int, rows: torch.Tensor) -> None:
-        """Rows (any float tensor, ``[k, width]``) of logical positions ``first..first+k-1``."""
-        if not len(rows):
-            return
-        spec = self.specs[name]
-        pos = np.arange(first, first + len(rows))
-        pages = self.units[name][pos // spec.page_size - self.first[name]]
-        data = rows.contiguous().view(torch.uint8).reshape(len(rows), -1)
-        self._page_rows(name, lid)[torch.from_numpy(pages), torch.from_numpy(pos % spec.page_size)] = data
-
-    def _get(self, name: str, lid: int, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        spec = self.specs[name]
-        pos = np.arange(first, first + count)
-        pages = self.units[name][pos // spec.page_size - self.first[name]]
-        rows = self._page_rows(name, lid)[torch.from_numpy(pages), torch.from_numpy(pos % spec.page_size)]
-        return rows.contiguous().view(dtype)
-
-    def _slot(self, name: str, lid: int) -> torch.Tensor:
-        spec = self.specs[name]
-        slot = int(self.units[name][0])
-        return self.buffers[(name, lid)][slot * spec.bytes_per_page : (slot + 1) * spec.bytes_per_page]
+class V4Pools(KindPools):
+    """A rank's DeepSeek-V4 pools: ``write_cache`` after each prefill chunk, ``read_cache`` on decode."""
 
     # --- the cache ------------------------------------------------------------------------------------------
 
@@ -114,13 +51,13 @@ class V4Pools:
         the same bytes (a token's row does not change)."""
         for lid, layer in enumerate(cache.layers):
             keys = layer.keys[0, 0]  # [rows, D]: the last min(n, W-1) tokens
-            self._put("swa", lid, num_tokens - len(keys), keys)
+            self.put("swa", lid, num_tokens - len(keys), keys)
             csa = hasattr(layer, "overlap_kv")
             kv_pool = "csa" if csa else "hca"
             for name, pool in (("compressor", kv_pool), ("indexer", "csa_index")):
                 if name not in layer.compressed_kv or layer.compressed_kv[name] is None:
                     continue
-                self._put(pool, lid, 0, layer.compressed_kv[name][0])
+                self.put(pool, lid, 0, layer.compressed_kv[name][0])
             if not last:
                 continue
             self._write_state(layer, lid, csa)
@@ -129,13 +66,13 @@ class V4Pools:
         tails = (("compressor", "csa_tail"), ("indexer", "csa_index_tail")) if csa else (("compressor", "hca_tail"),)
         for name, pool in tails:
             kv, gate = layer.buffer_kv[name], layer.buffer_gate[name]
-            slot = self._slot(pool, lid).view(torch.float32).view(self.specs[pool].ratio, -1)
+            slot = self.slot(pool, lid).view(torch.float32).view(self.specs[pool].ratio, -1)
             if kv is not None and kv.shape[1]:
                 width = kv.shape[-1]
                 slot[: kv.shape[1], :width] = kv[0]
                 slot[: kv.shape[1], width:] = gate[0]
         if csa and layer.overlap_kv["compressor"] is not None:
-            slot = self._slot("csa_overlap", lid).view(torch.float32).view(layer.compress_rate, -1)
+            slot = self.slot("csa_overlap", lid).view(torch.float32).view(layer.compress_rate, -1)
             parts = [layer.overlap_kv["compressor"][0], layer.overlap_gate["compressor"][0],
                      layer.overlap_kv["indexer"][0], layer.overlap_gate["indexer"][0]]
             slot[:] = torch.cat(parts, dim=-1)
@@ -150,7 +87,7 @@ class V4Pools:
         f32 = torch.float32
         for lid, layer in enumerate(cache.layers):
             start = max(0, num_tokens - window)
-            keys = self._get("swa", lid, start, num_tokens - start, f32).view(1, 1, -1, d)
+            keys = self.get("swa", lid, start, num_tokens - start, f32).view(1, 1, -1, d)
             layer.lazy_initialization(keys, keys)
             layer.keys = keys
             layer.values = keys
@@ -164,40 +101,15 @@ class V4Pools:
             if csa:
                 named += (("indexer", "csa_index", di, "csa_index_tail", 2 * di),)
             for name, pool, width, tail_pool, tail_width in named:
-                layer.compressed_kv[name] = self._get(pool, lid, 0, entries, f32).view(1, entries, width)
+                layer.compressed_kv[name] = self.get(pool, lid, 0, entries, f32).view(1, entries, width)
                 layer.entry_count[name] = entries
-                slot = self._slot(tail_pool, lid).view(f32).view(ratio, -1)
+                slot = self.slot(tail_pool, lid).view(f32).view(ratio, -1)
                 layer.buffer_kv[name] = slot[:tail, :tail_width].clone().unsqueeze(0)
                 layer.buffer_gate[name] = slot[:tail, tail_width:].clone().unsqueeze(0)
             if csa and entries:
-                rows = self._slot("csa_overlap", lid).view(f32).view(ratio, -1)
+                rows = self.slot("csa_overlap", lid).view(f32).view(ratio, -1)
                 cuts = np.cumsum([0, d, d, di, di])
                 kv_c, gate_c, kv_i, gate_i = (rows[:, a:b].clone().unsqueeze(0) for a, b in zip(cuts, cuts[1:]))
                 layer.overlap_kv.update(compressor=kv_c, indexer=kv_i)
                 layer.overlap_gate.update(compressor=gate_c, indexer=gate_i)
         return cache
-
-
-def send_chunk(src: V4Pools, dst: V4Pools, engine: Any, session: str, num_tokens: int, done: int, end: int,
-               last: bool) -> int:
-    """Plan and write one prefill chunk's share of every pool (``kvbridge.chunk_extent``: each
-    unit once, state with the last chunk) from ``src`` into ``dst`` through ``engine``; returns
-    the bytes written."""
-    src_descs, dst_descs = src.descs(), dst.descs()
-    plans = []
-    for name, spec in src.specs.items():
-        ext = kvb.chunk_extent(spec, num_tokens, done, end, last)
-        if not ext.count:
-            continue
-        if spec.kind == "state":
-            s_units, d_units = src.units[name], dst.units[name]
-        else:  # each side's units start at its own first logical unit
-            s_units = src.units[name][ext.first - src.first[name] : ext.stop - src.first[name]]
-            d_units = dst.units[name][ext.first - dst.first[name] : ext.stop - dst.first[name]]
-        plans.append(kvb.plan_kind(spec, src_descs, dst_descs, ext, s_units, d_units))
-    total = 0
-    for plan in plans:
-        if plan.num_slices:
-            engine.write(session, plan.src, plan.dst, plan.length)
-            total += plan.num_bytes
-    return total
