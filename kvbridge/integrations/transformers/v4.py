@@ -27,7 +27,26 @@ import torch
 import kvbridge as kvb
 from kvbridge.integrations.transformers.kinds import KindPools, send_chunk
 
-__all__ = ["V4Pools", "send_chunk", "v4_specs"]
+__all__ = ["TINY_V4", "V4Pools", "run_v4_request", "send_chunk", "tiny_v4_model", "v4_specs"]
+
+# A tiny random DeepSeek-V4: HCA and CSA layers, indexer on, window 16, ratios 4 and 32 (small
+# so that short prompts complete HCA windows); float32, built in a second from a fixed seed.
+TINY_V4 = dict(
+    vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=32, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+    index_topk=8, hc_mult=2, max_position_embeddings=4096,
+    layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
+
+
+def tiny_v4_model(seed: int = 0) -> Any:
+    """``DeepseekV4ForCausalLM`` of ``TINY_V4`` with random weights (seeded), in eval mode."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    return DeepseekV4ForCausalLM(DeepseekV4Config(**TINY_V4)).eval()
 
 def v4_specs(config: Any, page_size: int = 16) -> dict[str, kvb.PoolSpec]:
     """The pools of a transformers ``DeepseekV4Config`` (float32 reference weights: float32 rows)."""
@@ -113,3 +132,60 @@ class V4Pools(KindPools):
                 layer.overlap_kv.update(compressor=kv_c, indexer=kv_i)
                 layer.overlap_gate.update(compressor=gate_c, indexer=gate_i)
         return cache
+
+
+def _prefill(model: Any, ids: torch.Tensor, cuts: list[int]) -> Any:
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    bounds = [0, *cuts, ids.shape[1]]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        with torch.no_grad():
+            out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
+        yield cache, a, b, i == len(bounds) - 2, out.logits[:, -1]
+
+
+def _decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+    logits, tokens, tok = [], [int(first)], first
+    for _ in range(steps):
+        with torch.no_grad():
+            out = model(tok.view(1, 1), past_key_values=cache, use_cache=True)
+        logits.append(out.logits[0, -1])
+        tok = out.logits[0, -1].argmax()
+        tokens.append(int(tok))
+    return torch.stack(logits) if logits else torch.zeros(0), tokens
+
+
+def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tuple[Any, Any], steps: int = 4,
+                   page_size: int = 4, capacity: int = 128) -> dict[str, Any]:
+    """One request colocated and disaggregated: chunked prefill, each chunk's share of every pool
+    written through ``engines`` (prefill's, decode's) into poisoned decode pools at reversed
+    units, the decode cache rebuilt from them, ``steps`` greedy steps on both. Returns the
+    bytes moved and needed, whether logits are bit-equal and tokens equal, and the tokens."""
+    n = ids.shape[1]
+    for cache, *_, logits in _prefill(model, ids, cuts):
+        pass
+    want, want_tokens = _decode(model, cache, logits[0].argmax(), steps)
+    specs = v4_specs(model.config, page_size=page_size)
+    src_pools, dst_pools = V4Pools(specs, capacity), V4Pools(specs, capacity, fill=0xEE)
+    src_pools.allocate(n, needed=False, base=1)
+    dst_pools.allocate(n, needed=True, order="reversed", base=2)
+    src, dst = engines
+    for ptr, size in src_pools.regions():
+        src.register(ptr, size)
+    for ptr, size in dst_pools.regions():
+        dst.register(ptr, size)
+    try:
+        moved = 0
+        for cache, done, end, last, logits in _prefill(model, ids, cuts):
+            src_pools.write_cache(cache, end, last)
+            moved += send_chunk(src_pools, dst_pools, src, dst.session_id, n, done, end, last)
+    finally:
+        for ptr, _ in src_pools.regions():
+            src.unregister(ptr)
+        for ptr, _ in dst_pools.regions():
+            dst.unregister(ptr)
+    got, got_tokens = _decode(model, dst_pools.read_cache(model.config, n), logits[0].argmax(), steps)
+    return {"tokens": n, "bytes_moved": moved, "bytes_needed": sum(kvb.needed_bytes(s, n) for s in specs.values()),
+            "logits_equal": bool(torch.equal(got, want)), "tokens_equal": got_tokens == want_tokens,
+            "generated": got_tokens}
