@@ -103,3 +103,17 @@ def test_handshake_refuses_a_decode_whose_window_differs(http: httpx.Client, kvb
     assert recorded and recorded[0]["diff"][0]["path"] == "pools.swa.window"
     page = httpx.get(f"{daemon.url}/diagnostics", trust_env=False).text
     assert "pools.swa.window" in page
+
+
+def test_doctor_names_the_kind_field_that_differs(v4):
+    from kvbridge.bootstrap.schemas import InstanceFingerprint
+    from kvbridge.doctor.checks import contract_check
+
+    other = _changed(v4, "hca", ratio=64)
+    rows = [InstanceFingerprint(instance="p", role="prefill", fingerprint=v4.fingerprint(), contract=v4, ranks=["r"]),
+            InstanceFingerprint(instance="d", role="decode", fingerprint=other.fingerprint(), contract=other,
+                                ranks=["r"])]
+    check = contract_check(rows, "p", "d")
+    assert check.status == "FAIL"
+    assert "pools.hca.ratio: prefill 128 / decode 64" in check.detail
+    assert check.data["diff"][0]["path"] == "pools.hca.ratio"
