@@ -18,7 +18,7 @@ EXPECTED = {
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
     # pool kinds (issue 30)
-    "Extent", "chunk_extent", "compressed_pool", "deepseek_v4_pools", "describe_buffer", "mamba_pools", "needed_bytes", "needed_extent",
+    "Extent", "chunk_extent", "compressed_pool", "deepseek_v4_pools", "describe_buffer", "lane_units", "mamba_pools", "needed_bytes", "needed_extent",
     "plan_kind", "state_pool", "state_slices", "state_tp_spec", "window_pool",
 }
 

@@ -37,11 +37,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvbridge.errors import LayoutError, PageRangeError, PairingError, TopologyError
+from kvbridge.layout.aux import owner_of_last_token
+from kvbridge.layout.lanes import OwnerLanes
 from kvbridge.layout.pairing import BufferDesc
 from kvbridge.layout.plan import TransferPlan, broadcast_plan
 from kvbridge.layout.pools import COMPRESSED, KINDS, ROWS, STATE, WINDOW, PoolSpec
 
-__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "needed_bytes", "needed_extent", "plan_kind", "row_bytes", "state_slices",
+__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "lane_units", "needed_bytes", "needed_extent", "plan_kind", "row_bytes", "state_slices",
            "state_tp_spec", "tail_tokens"]
 
 
@@ -67,13 +69,12 @@ class Extent:
             return 0
         return self.count * self.unit_rows - self.first_row - (self.unit_rows - self.last_rows)
 
-    def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per unit, the first row and the number of rows that travel."""
-        start = np.zeros(self.count, dtype=np.int64)
-        stop = np.full(self.count, self.unit_rows, dtype=np.int64)
-        if self.count:
-            start[0] = self.first_row
-            stop[-1] = self.last_rows
+    def rows(self, units: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Per unit (of ``units``, logical units inside the extent; default all), the first row
+        and the number of rows that travel."""
+        units = np.arange(self.first, self.stop, dtype=np.int64) if units is None else units
+        start = np.where(units == self.first, self.first_row, 0).astype(np.int64)
+        stop = np.where(units == self.stop - 1, self.last_rows, self.unit_rows).astype(np.int64)
         return start, stop - start
 
 
@@ -237,6 +238,7 @@ def plan_kind(
     *,
     dst_spec: PoolSpec | None = None,
     tp: tuple[int, int, int, int] = (1, 0, 1, 0),
+    logical: np.ndarray | Sequence[int] | None = None,
     room: int | None = None,
     rank: str | None = None,
 ) -> TransferPlan:
@@ -246,7 +248,9 @@ def plan_kind(
     window, compressed), or one request row each (ring window: slots ``row * stride + pos %
     stride``; state: the slot). ``dst_spec``: decode's spec when it differs (a state slot cut
     for another TP size); ``tp``: ``(src_tp, src_rank, dst_tp, dst_rank)`` for state slices.
-    Checked before anything is returned: an error means nothing may be written."""
+    ``logical``: only these logical units of the extent (a CP rank's owned pages,
+    ``lane_units``), with ``src_units``/``dst_units`` theirs. Checked before anything is
+    returned: an error means nothing may be written."""
     ctx = {"room": room, "rank": rank}
     dst_spec = dst_spec or spec
     src_units = np.asarray(src_units, dtype=np.int64).reshape(-1)
@@ -254,6 +258,16 @@ def plan_kind(
     ring = spec.kind == WINDOW and bool(spec.ring_stride)
     per_unit = not (ring or spec.kind == STATE)
     want = extent.count if per_unit else (1 if extent.count else 0)
+    if logical is not None:
+        logical = np.asarray(logical, dtype=np.int64).reshape(-1)
+        if not per_unit:
+            raise LayoutError(f"pool {spec.name!r} ({spec.kind}): a unit subset applies to pages only",
+                              field="logical_pages", **ctx)
+        if len(logical) and (logical.min() < extent.first or logical.max() >= extent.stop
+                             or (np.diff(logical) <= 0).any()):
+            raise LayoutError(f"pool {spec.name!r}: logical units must ascend inside [{extent.first}, "
+                              f"{extent.stop})", field="logical_pages", **ctx)
+        want = len(logical)
     if len(src_units) != want or len(dst_units) != want:
         raise LayoutError(f"pool {spec.name!r} ({spec.kind}): {len(src_units)} source and {len(dst_units)} "
                           f"destination units for an extent of {want}", field="dst_pages", **ctx)
@@ -262,7 +276,7 @@ def plan_kind(
         raise PairingError(f"pool {spec.name!r}: registered pages of {sorted(set(src_bpp) | set(dst_bpp))} B, "
                            f"the spec's are {spec.bytes_per_page} / {dst_spec.bytes_per_page} B", field="bytes_per_page",
                            **ctx)
-    if not extent.count:
+    if not extent.count or not want:
         return TransferPlan.empty()
     if spec.kind == STATE:
         _check_units(spec, "source", src_units, src_cap, room, rank)
@@ -278,7 +292,7 @@ def plan_kind(
     else:
         _check_units(spec, "source", src_units, src_cap, room, rank)
         _check_units(spec, "destination", dst_units, dst_cap, room, rank)
-        start, count = extent.rows()
+        start, count = extent.rows(logical)
         parts = []
         for offset, width in _parts(spec):
             parts.append((src_units * spec.bytes_per_page + offset + start * width,
@@ -338,3 +352,20 @@ def check_kind_topology(specs: Sequence[PoolSpec], cp_size: int, lane_rule: str 
         if spec.kind == WINDOW and spec.ring_stride:
             raise TopologyError(f"pool {spec.name!r} is a ring-addressed window: its slots have no owner lane "
                                 f"under CP {cp_size}", field="cp_size")
+
+
+def lane_units(spec: PoolSpec, extent: Extent, lanes: OwnerLanes, cp_rank: int, num_tokens: int,
+               token_page_size: int) -> np.ndarray:
+    """The logical units of ``extent`` that CP rank ``cp_rank`` owns and sends (docs/concepts.md):
+    a token page's owner lane (paged and paged-window pools, the lane rule over the request's
+    token pages); a state slot on the owner of the last valid token (``token_page_size``: the
+    token pages the lanes split), nothing on the others. Compressed pools and ring windows
+    under CP are refused (``check_kind_topology``)."""
+    check_kind_topology([spec], lanes.cp_size, lanes.rule)
+    units = np.arange(extent.first, extent.stop, dtype=np.int64)
+    if lanes.cp_size == 1 or lanes.rule == "replicated" or not len(units):
+        return units
+    if spec.kind == STATE:
+        return units if owner_of_last_token(num_tokens, token_page_size, lanes) == cp_rank else units[:0]
+    owner, _ = lanes.owners(units, -(-num_tokens // spec.page_size))
+    return units[owner == cp_rank]

@@ -421,3 +421,44 @@ def test_layer_ranges_cut_every_kind_and_sum_to_the_whole():
         assert sorted(lid for p in parts for lid in p.layer_ids) == list(spec.layer_ids)
         for n in (7, 45, 131):
             assert sum(needed_bytes(p, n) for p in parts) == needed_bytes(spec, n)
+
+
+@pytest.mark.parametrize("rule", ["interleaved", "contiguous", "balanced"])
+@pytest.mark.parametrize("n", [13, 41])
+def test_cp_lanes_split_a_window_and_the_state_once(rule, n):
+    from kvbridge.layout import OwnerLanes
+    from kvbridge.layout.kinds import lane_units
+
+    lanes = OwnerLanes(3, rule)
+    spec, state = window_spec(), state_spec()
+    ext = needed_extent(spec, n)
+    parts = [lane_units(spec, ext, lanes, r, n, 4) for r in range(3)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(ext.first, ext.stop))
+    owner, _ = lanes.owners(np.arange(ext.first, ext.stop), -(-n // 4))
+    for r, part in enumerate(parts):
+        assert (owner[part - ext.first] == r).all()
+    senders = [r for r in range(3) if len(lane_units(state, needed_extent(state, n), lanes, r, n, 4))]
+    assert senders == [int(lanes.owners(np.array([(n - 1) // 4]), -(-n // 4))[0][0])]
+    # the ranks' plans together move the window once
+    mem = Memory()
+    src, dst = mem.buffers(spec, 16), mem.buffers(spec, 16, fill=SENTINEL)
+    total = 0
+    for part in parts:
+        plan = plan_kind(spec, src, dst, ext, part, part - ext.first, logical=part)
+        total += plan.num_bytes
+        mem.apply(plan)
+    assert total == needed_bytes(spec, n)
+    window = np.arange(max(0, n - 10), n)
+    for s, d in zip(src, dst):
+        got = spec.read_rows(mem.region(d), (window // 4 - ext.first) * 4 + window % 4)
+        assert (got == spec.read_rows(mem.region(s), window)).all()
+
+
+def test_a_unit_subset_outside_the_extent_is_refused():
+    spec = window_spec()
+    mem = Memory()
+    src, dst = mem.buffers(spec, 16), mem.buffers(spec, 16)
+    ext = needed_extent(spec, 41)
+    with pytest.raises(LayoutError) as err:
+        plan_kind(spec, src, dst, ext, [1], [1], logical=[6])
+    assert err.value.field == "logical_pages"

@@ -84,24 +84,26 @@ class KindPools:
 
 
 def send_chunk(src: KindPools, dst: KindPools, engine: Any, session: str, num_tokens: int, done: int, end: int,
-               last: bool) -> int:
+               last: bool, lanes: Any = None, cp_rank: int = 0, token_page_size: int = 1) -> int:
     """Plan and write one prefill chunk's share of every pool (``kvbridge.chunk_extent``: each
-    unit once, state with the last chunk) from ``src`` into ``dst`` through ``engine``; returns
-    the bytes written."""
+    unit once, state with the last chunk) from ``src`` into ``dst`` through ``engine``; with
+    ``lanes`` (``kvbridge.OwnerLanes``) only what CP rank ``cp_rank`` owns
+    (``kvbridge.lane_units``). Returns the bytes written."""
     src_descs, dst_descs = src.descs(), dst.descs()
-    plans = []
+    total = 0
     for name, spec in src.specs.items():
         ext = kvb.chunk_extent(spec, num_tokens, done, end, last)
         if not ext.count:
             continue
         if spec.kind == "state":
-            s_units, d_units = src.units[name], dst.units[name]
+            if lanes is not None and not len(kvb.lane_units(spec, ext, lanes, cp_rank, num_tokens, token_page_size)):
+                continue
+            plan = kvb.plan_kind(spec, src_descs, dst_descs, ext, src.units[name], dst.units[name])
         else:  # each side's units start at its own first logical unit
-            s_units = src.units[name][ext.first - src.first[name] : ext.stop - src.first[name]]
-            d_units = dst.units[name][ext.first - dst.first[name] : ext.stop - dst.first[name]]
-        plans.append(kvb.plan_kind(spec, src_descs, dst_descs, ext, s_units, d_units))
-    total = 0
-    for plan in plans:
+            logical = np.arange(ext.first, ext.stop) if lanes is None else \
+                kvb.lane_units(spec, ext, lanes, cp_rank, num_tokens, token_page_size)
+            plan = kvb.plan_kind(spec, src_descs, dst_descs, ext, src.units[name][logical - src.first[name]],
+                                 dst.units[name][logical - dst.first[name]], logical=logical)
         if plan.num_slices:
             engine.write(session, plan.src, plan.dst, plan.length)
             total += plan.num_bytes

@@ -63,7 +63,7 @@ def _decode(model, cache, first):
     return torch.stack(logits)
 
 
-def _run(model, groups, n, cuts):
+def _run(model, groups, n, cuts, cp=1):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     for cache, *_, logits in _prefill(model, ids, cuts):
         pass
@@ -71,20 +71,27 @@ def _run(model, groups, n, cuts):
     specs = hybrid_specs(template, page_size=4, conv_groups=groups)
     want = _decode(model, cache, logits[0].argmax())
 
-    prefill_pools, decode_pools = HybridPools(specs, 16), HybridPools(specs, 16, fill=0xEE)
-    prefill_pools.allocate(n, needed=False, base=2)
+    # CP is simulated as model mode does: every CP rank runs the whole prompt, and sends only what it owns
+    ranks = [HybridPools(specs, 16) for _ in range(cp)]
+    decode_pools = HybridPools(specs, 16, fill=0xEE)
+    for r, pools in enumerate(ranks):
+        pools.allocate(n, needed=False, base=2 + r)
     decode_pools.allocate(n, needed=True, order="reversed", base=1)
+    lanes = kvb.OwnerLanes(cp) if cp > 1 else None
     fabric = LocalFabric()
     src, dst = create_engine("local", fabric=fabric), create_engine("local", fabric=fabric)
     try:
-        for ptr, size in prefill_pools.regions():
-            src.register(ptr, size)
+        for pools in ranks:
+            for ptr, size in pools.regions():
+                src.register(ptr, size)
         for ptr, size in decode_pools.regions():
             dst.register(ptr, size)
         moved = 0
         for cache, done, end, last, logits in _prefill(model, ids, cuts):
-            prefill_pools.write_cache(cache, end, last)
-            moved += send_chunk(prefill_pools, decode_pools, src, dst.session_id, n, done, end, last)
+            for r, pools in enumerate(ranks):
+                pools.write_cache(cache, end, last)
+                moved += send_chunk(pools, decode_pools, src, dst.session_id, n, done, end, last, lanes=lanes,
+                                    cp_rank=r, token_page_size=4)
     finally:
         src.close()
         dst.close()
@@ -105,3 +112,11 @@ def test_qwen3_next_disaggregated_equals_colocated(qwen3_next, n, cuts):
 def test_gpt_oss_disaggregated_equals_colocated(gpt_oss, n, cuts):
     specs = _run(*gpt_oss, n, cuts)
     assert specs["swa"].kind == "window" and specs["swa"].window == 7
+
+
+@pytest.mark.parametrize("n, cuts", [(13, ()), (30, (9, 17))])
+def test_cp2_lanes_send_each_owned_unit_once(qwen3_next, gpt_oss, n, cuts):
+    """CP 2, interleaved lanes: each rank sends the token pages (paged and window) it owns and
+    the owner of the last token the state; together exactly what decode needs."""
+    _run(*qwen3_next, n, cuts, cp=2)
+    _run(*gpt_oss, n, cuts, cp=2)
