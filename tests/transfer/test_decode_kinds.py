@@ -77,3 +77,20 @@ def test_abort_frees_state_slots_only_once_every_asked_rank_is_quiet():
     with pytest.raises(StagingSlotError):
         slots.release(b)
     assert slots.fail(12, asked=()) == [a]
+
+
+@pytest.mark.parametrize("rule", ["interleaved", "contiguous"])
+def test_cp_ranks_report_their_lanes_and_the_ledger_completes_once(rule):
+    from kvbridge.layout import OwnerLanes, lane_units
+
+    specs = {k: v for k, v in SPECS.items() if v.kind != "compressed"}  # compressed pools are CP 1 only
+    lanes, n = OwnerLanes(2, rule), 45
+    ledger = KindLedger(9, specs, n)
+    for r in range(2):
+        for name, spec in specs.items():
+            ext = chunk_extent(spec, n, 0, n, True)
+            ledger.record_units(name, lane_units(spec, ext, lanes, r, n, 4), last=True, rank=f"cp{r}")
+    assert ledger.complete
+    with pytest.raises(LedgerError, match="reported twice"):
+        ledger.record_units("swa", lane_units(specs["swa"], chunk_extent(specs["swa"], n, 0, n, True), lanes, 1, n, 4),
+                            last=True, rank="cp1")

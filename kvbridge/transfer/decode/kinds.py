@@ -41,28 +41,36 @@ class KindLedger:
         self.last_seen = False
 
     def record(self, pool: str, first: int, count: int, *, last: bool, rank: str = "") -> None:
-        """Units ``[first, first + count)`` of ``pool`` written; ``last``: by the room's last chunk.
-        Checks everything before marking anything."""
+        """Units ``[first, first + count)`` of ``pool`` written; ``last``: by the room's last chunk."""
+        self.record_units(pool, np.arange(first, first + max(count, 0), dtype=np.int64), last=last, rank=rank)
+
+    def record_units(self, pool: str, units: np.ndarray, *, last: bool, rank: str = "") -> None:
+        """Logical ``units`` of ``pool`` written (a CP rank's owned pages: ``kvbridge.lane_units``);
+        ``last``: by the room's last chunk. Checks everything before marking anything."""
         if pool not in self.extents:
             raise LedgerError(f"units reported for pool {pool!r}, which this room does not receive", room=self.room,
                               rank=rank, field="pools")
         ext, kind = self.extents[pool], self.kinds[pool]
+        units = np.asarray(units, dtype=np.int64).reshape(-1)
         if kind == "state" and not last:
             raise LedgerError(f"state of pool {pool!r} reported before the last chunk: state is committed once, "
                               "with the last chunk", room=self.room, rank=rank, field="state")
         if self.last_seen and not last:
             raise LedgerError(f"pool {pool!r}: a chunk reported after the last one", room=self.room, rank=rank,
                               field="chunk")
-        if count < 0 or first < ext.first or first + count > ext.stop:
-            raise LedgerError(f"pool {pool!r} ({kind}): units [{first}, {first + count}) outside what decode needs "
-                              f"[{ext.first}, {ext.stop})", room=self.room, rank=rank, field="logical_pages")
-        seen = self._seen[pool][first - ext.first : first - ext.first + count]
+        if len(units) and (units.min() < ext.first or units.max() >= ext.stop):
+            raise LedgerError(f"pool {pool!r} ({kind}): units [{units.min()}, {units.max() + 1}) outside what decode "
+                              f"needs [{ext.first}, {ext.stop})", room=self.room, rank=rank, field="logical_pages")
+        if len(np.unique(units)) != len(units):
+            raise LedgerError(f"pool {pool!r} ({kind}): a unit reported twice in one report", room=self.room,
+                              rank=rank, field="logical_pages")
+        seen = self._seen[pool][units - ext.first]
         if seen.any():
-            what = "state slot" if kind == "state" else f"unit {first + int(np.argmax(seen))}"
+            what = "state slot" if kind == "state" else f"unit {int(units[np.argmax(seen)])}"
             raise LedgerError(f"pool {pool!r} ({kind}): {what} reported twice", room=self.room, rank=rank,
                               field="state" if kind == "state" else "logical_pages")
-        seen[:] = True
-        self._left -= count
+        self._seen[pool][units - ext.first] = True
+        self._left -= len(units)
         self.last_seen = self.last_seen or last
 
     @property
