@@ -117,3 +117,12 @@ def test_doctor_names_the_kind_field_that_differs(v4):
     assert check.status == "FAIL"
     assert "pools.hca.ratio: prefill 128 / decode 64" in check.detail
     assert check.data["diff"][0]["path"] == "pools.hca.ratio"
+
+
+def test_contract_show_prints_the_kinds(capsys):
+    from kvbridge.cli.main import main
+
+    assert main(["contract", "show", "--preset", "deepseek-v4", "--layers", "4", "--page-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "window 127" in out and "compressed 1:128" in out and "state slot (tail of 4)" in out
+    assert out.split()[1] == contract_from_preset("deepseek-v4", num_layers=4, page_size=16).fingerprint()
