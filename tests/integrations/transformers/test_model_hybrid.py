@@ -6,6 +6,7 @@ the rebuilt cache is bit-equal to colocated; the bytes moved equal ``needed_byte
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -120,3 +121,66 @@ def test_cp2_lanes_send_each_owned_unit_once(qwen3_next, gpt_oss, n, cuts):
     the owner of the last token the state; together exactly what decode needs."""
     _run(*qwen3_next, n, cuts, cp=2)
     _run(*gpt_oss, n, cuts, cp=2)
+
+
+@pytest.mark.parametrize("n", [13, 30])
+def test_qwen3_next_state_from_two_tp_ranks_into_one(qwen3_next, n):
+    """Heterogeneous TP of the state slots on a real model's layout: two prefill TP ranks each
+    hold their half of every conv channel group (q, k, v) and of the SSM heads
+    (``kvb.state_tp_spec``); each sends its part (``state_slices`` through ``plan_kind``) into
+    the decode TP 1 rank's whole slot, and decode is bit-equal. (TP is simulated as model mode
+    does: both ranks ran the whole prompt; the pages come whole from rank 0.)"""
+    model, groups = qwen3_next
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    for cache, *_, logits in _prefill(model, ids, ()):
+        pass
+    template = cache
+    full = hybrid_specs(template, page_size=4, conv_groups=groups)
+    want = _decode(model, cache, logits[0].argmax())
+    for cache, *_ in _prefill(model, ids, ()):
+        pass
+    decode_pools = HybridPools(full, 16, fill=0xEE)
+    decode_pools.allocate(n, needed=True, order="reversed", base=1)
+    fabric = LocalFabric()
+    src, dst = create_engine("local", fabric=fabric), create_engine("local", fabric=fabric)
+    try:
+        for ptr, size in decode_pools.regions():
+            dst.register(ptr, size)
+        moved = 0
+        for r in range(2):
+            specs = {name: kvb.state_tp_spec(s, 2) if s.kind == "state" else s for name, s in full.items()}
+            pools = HybridPools(specs, 16)
+            pools.allocate(n, needed=False, base=2)
+            for ptr, size in pools.regions():
+                src.register(ptr, size)
+            pools.write_cache(cache, n, last=False)  # the pages
+            for lid, layer in enumerate(cache.layers):
+                if not hasattr(layer, "conv_states"):
+                    continue
+                conv, ssm = layer.conv_states[0][0], layer.recurrent_states[0][0]  # [channels, K], [heads, k, v]
+                parts, at = [], 0
+                for g in groups:
+                    parts.append(conv[at + r * g // 2 : at + (r + 1) * g // 2])
+                    at += g
+                pools.slot("conv", lid).view(torch.float32)[:] = torch.cat(parts).reshape(-1)
+                heads = ssm.shape[0]
+                pools.slot("ssm", lid).view(torch.float32)[:] = ssm[r * heads // 2 : (r + 1) * heads // 2].reshape(-1)
+            for name, spec in specs.items():
+                ext = kvb.needed_extent(spec, n)
+                if spec.kind == "state":
+                    plan = kvb.plan_kind(spec, pools.descs(), decode_pools.descs(), ext, pools.units[name],
+                                         decode_pools.units[name], dst_spec=full[name], tp=(2, r, 1, 0))
+                elif r == 0:
+                    units = np.arange(ext.first, ext.stop)
+                    plan = kvb.plan_kind(spec, pools.descs(), decode_pools.descs(), ext, pools.units[name][units],
+                                         decode_pools.units[name][units - ext.first])
+                else:
+                    continue
+                src.write(dst.session_id, plan.src, plan.dst, plan.length)
+                moved += plan.num_bytes
+    finally:
+        src.close()
+        dst.close()
+    assert moved == sum(kvb.needed_bytes(s, n) for s in full.values())
+    got = _decode(model, decode_pools.read_cache(model.config, n, template), logits[0].argmax())
+    assert torch.equal(got, want)
