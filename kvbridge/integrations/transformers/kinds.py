@@ -84,11 +84,13 @@ class KindPools:
 
 
 def send_chunk(src: KindPools, dst: KindPools, engine: Any, session: str, num_tokens: int, done: int, end: int,
-               last: bool, lanes: Any = None, cp_rank: int = 0, token_page_size: int = 1) -> int:
+               last: bool, lanes: Any = None, cp_rank: int = 0, token_page_size: int = 1,
+               reports: list | None = None) -> int:
     """Plan and write one prefill chunk's share of every pool (``kvbridge.chunk_extent``: each
     unit once, state with the last chunk) from ``src`` into ``dst`` through ``engine``; with
     ``lanes`` (``kvbridge.OwnerLanes``) only what CP rank ``cp_rank`` owns
-    (``kvbridge.lane_units``). Returns the bytes written."""
+    (``kvbridge.lane_units``). Returns the bytes written; ``reports`` gets ``(pool, logical
+    units, last)`` per pool written, what a prefill rank reports to decode's ledger."""
     src_descs, dst_descs = src.descs(), dst.descs()
     total = 0
     for name, spec in src.specs.items():
@@ -99,6 +101,7 @@ def send_chunk(src: KindPools, dst: KindPools, engine: Any, session: str, num_to
             if lanes is not None and not len(kvb.lane_units(spec, ext, lanes, cp_rank, num_tokens, token_page_size)):
                 continue
             plan = kvb.plan_kind(spec, src_descs, dst_descs, ext, src.units[name], dst.units[name])
+            logical = np.arange(ext.first, ext.stop)
         else:  # each side's units start at its own first logical unit
             logical = np.arange(ext.first, ext.stop) if lanes is None else \
                 kvb.lane_units(spec, ext, lanes, cp_rank, num_tokens, token_page_size)
@@ -107,4 +110,6 @@ def send_chunk(src: KindPools, dst: KindPools, engine: Any, session: str, num_to
         if plan.num_slices:
             engine.write(session, plan.src, plan.dst, plan.length)
             total += plan.num_bytes
+        if reports is not None and len(logical):
+            reports.append((name, logical, last))
     return total

@@ -157,11 +157,12 @@ def _decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> tuple[to
 
 
 def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tuple[Any, Any], steps: int = 4,
-                   page_size: int = 4, capacity: int = 128) -> dict[str, Any]:
+                   page_size: int = 4, capacity: int = 128, reports: list | None = None) -> dict[str, Any]:
     """One request colocated and disaggregated: chunked prefill, each chunk's share of every pool
     written through ``engines`` (prefill's, decode's) into poisoned decode pools at reversed
     units, the decode cache rebuilt from them, ``steps`` greedy steps on both. Returns the
-    bytes moved and needed, whether logits are bit-equal and tokens equal, and the tokens."""
+    bytes moved and needed, whether logits are bit-equal and tokens equal, and the tokens;
+    ``reports`` gets what each chunk reported (``send_chunk``)."""
     n = ids.shape[1]
     for cache, *_, logits in _prefill(model, ids, cuts):
         pass
@@ -179,7 +180,7 @@ def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tupl
         moved = 0
         for cache, done, end, last, logits in _prefill(model, ids, cuts):
             src_pools.write_cache(cache, end, last)
-            moved += send_chunk(src_pools, dst_pools, src, dst.session_id, n, done, end, last)
+            moved += send_chunk(src_pools, dst_pools, src, dst.session_id, n, done, end, last, reports=reports)
     finally:
         for ptr, _ in src_pools.regions():
             src.unregister(ptr)

@@ -33,15 +33,24 @@ def _engines(kind):
 
 
 def _run(model, n, cuts, engine_kind):
+    from kvbridge.integrations.transformers.v4 import v4_specs
+    from kvbridge.transfer.decode.kinds import KindLedger
+
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     engines = _engines(engine_kind)
+    reports: list = []
     try:
-        r = run_v4_request(model, ids, list(cuts), engines, steps=3)
+        r = run_v4_request(model, ids, list(cuts), engines, steps=3, reports=reports)
     finally:
         for e in engines:
             e.close()
     assert r["bytes_moved"] == r["bytes_needed"]
     assert r["logits_equal"] and r["tokens_equal"]
+    # decode's ledger, fed what each chunk reported: complete, each kind counted once
+    ledger = KindLedger(n, v4_specs(model.config, page_size=4), n)
+    for pool, units, last in reports:
+        ledger.record_units(pool, units, last=last, rank="cp0")
+    assert ledger.complete, ledger.missing()
 
 
 @pytest.mark.parametrize("n, cuts", [
