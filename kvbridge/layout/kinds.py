@@ -43,8 +43,8 @@ from kvbridge.layout.pairing import BufferDesc
 from kvbridge.layout.plan import TransferPlan, broadcast_plan
 from kvbridge.layout.pools import COMPRESSED, KINDS, ROWS, STATE, WINDOW, PoolSpec
 
-__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "lane_units", "needed_bytes", "needed_extent", "plan_kind", "row_bytes", "state_slices",
-           "state_tp_spec", "tail_tokens"]
+__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "lane_units", "needed_bytes", "needed_extent",
+           "plan_kind", "row_bytes", "state_slices", "state_tp_spec", "tail_tokens"]
 
 
 @dataclass(frozen=True)
