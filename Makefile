@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/kvbridge demo
 	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v3 --cp 2
+	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v4
 
 $(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/_venv_space.sh scripts/sglang-requirements.txt | $(STAMP)
 	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh

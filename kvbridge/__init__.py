@@ -6,7 +6,11 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
 - geometry: ``PoolSpec``, ``preset_pools``, ``OwnerLanes``, ``AuxSchema``/``AuxRegion``, ``AuxRow``,
   ``RawBuffer`` (a buffer given as an address), ``HeadGeometry``/``rank_heads`` (the heads a TP rank holds
   in an MHA/GQA row: heterogeneous TP), ``stage_specs`` (a pipeline stage's layers of every pool: the
-  buffers a stage registers, docs/pipeline.md);
+  buffers a stage registers, docs/pipeline.md); pool kinds beyond paged KV: ``window_pool``,
+  ``compressed_pool``, ``state_pool``, ``mamba_pools``, ``deepseek_v4_pools``, what decode needs of each
+  (``needed_extent``/``needed_bytes``, ``chunk_extent`` per prefill chunk) and the plan that moves it
+  (``plan_kind`` over ``describe_buffer``'s descriptors; ``state_slices``/``state_tp_spec`` for state
+  slots across TP sizes; docs/models.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``;
 - integrations: ``SettingsReader`` (the one settings convention, kvbridge/integrations/README.md);
@@ -29,6 +33,20 @@ from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
 from kvbridge.layout import (
     PRESETS,
+    Extent,
+    chunk_extent,
+    compressed_pool,
+    deepseek_v4_pools,
+    describe_buffer,
+    lane_units,
+    mamba_pools,
+    needed_bytes,
+    needed_extent,
+    plan_kind,
+    state_pool,
+    state_slices,
+    state_tp_spec,
+    window_pool,
     AuxRegion,
     AuxRow,
     AuxSchema,
@@ -98,4 +116,18 @@ __all__ = [
     "rank_heads",
     "stage_specs",
     "start_bootstrap",
+    "Extent",
+    "compressed_pool",
+    "deepseek_v4_pools",
+    "describe_buffer",
+    "lane_units",
+    "mamba_pools",
+    "needed_bytes",
+    "needed_extent",
+    "chunk_extent",
+    "plan_kind",
+    "state_pool",
+    "state_slices",
+    "state_tp_spec",
+    "window_pool",
 ]

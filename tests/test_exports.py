@@ -22,6 +22,9 @@ EXPECTED = {
     "RoomSend", "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "cuda_graph_note", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
+    # pool kinds (issue 30)
+    "Extent", "chunk_extent", "compressed_pool", "deepseek_v4_pools", "describe_buffer", "lane_units", "mamba_pools", "needed_bytes", "needed_extent",
+    "plan_kind", "state_pool", "state_slices", "state_tp_spec", "window_pool",
 }
 
 

@@ -8,7 +8,7 @@ points down the floors below. A module's floor is that of its top-level part:
     4  kvbridge (the public API)
     5  kvbridge.integrations, kvbridge.doctor
     6  kvbridge.worker
-    7  kvbridge.chaos, kvbridge.bench, kvbridge.demo, kvbridge.demo_model
+    7  kvbridge.chaos, kvbridge.bench, kvbridge.demo, kvbridge.demo_model, kvbridge.demo_v4
     8  kvbridge.cli
 
 Read from the source with ``ast`` (nothing is imported), so a lazy import inside a function
@@ -33,6 +33,7 @@ FLOORS = {
     "kvbridge.integrations": 5, "kvbridge.doctor": 5,
     "kvbridge.worker": 6,
     "kvbridge.chaos": 7, "kvbridge.bench": 7, "kvbridge.demo": 7, "kvbridge.demo_model": 7,
+    "kvbridge.demo_v4": 7,
     "kvbridge.cli": 8,
 }
 

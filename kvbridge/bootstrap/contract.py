@@ -6,7 +6,9 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     ├── model              name, weights revision, target / draft layer counts
     ├── pools[]            per pool: dtype, abi, bytes/token, page size, in-page layout,
     │                      value/scale split, kernel ABI, layer ids   (matched by name);
-    │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row)
+    │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row);
+    │                      kind: paged | window (window, ring_stride) | compressed (ratio) |
+    │                      state (shard_units x unit_bytes, the whole slot)
     ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated | balanced
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
@@ -43,6 +45,7 @@ from kvbridge.bootstrap.digest import ExtraFiles
 from kvbridge.errors import ContractError, LayoutError
 from kvbridge.layout.aux import AuxSchema
 from kvbridge.layout.lanes import LANE_RULES
+from kvbridge.layout.hybrid import KIND_PRESETS, deepseek_v4_pools
 from kvbridge.layout.pools import ABI_ITEMSIZE, PRESETS, PoolSpec, preset_pools
 
 __all__ = [
@@ -72,7 +75,7 @@ __all__ = [
 FINGERPRINT_PREFIX = "kvb1:"
 CP_RULES = LANE_RULES  # interleaved, contiguous, replicated, balanced (kvbridge.layout.lanes)
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn")
-CONTRACT_PRESETS = PRESETS
+CONTRACT_PRESETS = PRESETS + KIND_PRESETS  # deepseek-v4: window, compressed and state pools
 
 DEFAULT_TRANSPORT = "mooncake"  # Mooncake and the "auto" engine (its sessions are Mooncake's)
 CpRule = Literal["interleaved", "contiguous", "replicated", "balanced"]
@@ -110,6 +113,13 @@ class PoolContract(_Frozen):
     tp_sharding: Literal["replicated", "heads"] = "replicated"
     num_heads: int = Field(default=0, ge=0)
     head_dim: int = Field(default=0, ge=0)
+    # pool kind (kvbridge.layout.kinds); a paged pool leaves these out of the encoding
+    kind: Literal["paged", "window", "compressed", "state"] = "paged"
+    window: int = Field(default=0, ge=0)  # window: the last `window` tokens
+    ring_stride: int = Field(default=0, ge=0)  # window: ring-addressed slots per request row (0: pages)
+    ratio: int = Field(default=0, ge=0)  # compressed: tokens per entry
+    shard_units: list[int] = Field(default_factory=list)  # state: TP-sharded groups, in units (whole slot)
+    unit_bytes: int = Field(default=0, ge=0)  # state: bytes per unit
 
     @field_validator("layer_ids")
     @classmethod
@@ -120,6 +130,11 @@ class PoolContract(_Frozen):
 
     @model_validator(mode="after")
     def _heads(self) -> PoolContract:
+        if self.kind != "paged":
+            try:
+                self.to_spec()
+            except LayoutError as exc:
+                raise ValueError(exc.reason) from None
         if self.tp_sharding == "replicated":
             if self.num_heads or self.head_dim:
                 raise ValueError(f"pool {self.name!r}: num_heads/head_dim describe head-sharded pools only")
@@ -141,6 +156,9 @@ class PoolContract(_Frozen):
     def from_spec(cls, spec: PoolSpec) -> PoolContract:
         """The contract's form of a pool: a head-sharded rank's spec becomes its whole row."""
         heads = dict(tp_sharding="heads", num_heads=spec.num_heads, head_dim=spec.head_dim) if spec.head_sharded else {}
+        if spec.kind != "paged":
+            heads.update(kind=spec.kind, window=spec.window, ring_stride=spec.ring_stride, ratio=spec.ratio,
+                         shard_units=list(spec.shard_units), unit_bytes=spec.unit_bytes)
         return cls(
             name=spec.name,
             dtype=spec.dtype,
@@ -170,6 +188,12 @@ class PoolContract(_Frozen):
             scale_bytes_per_token=self.scale_bytes_per_token,
             kernel_abi=self.kernel_abi,
             num_heads=self.num_heads,
+            kind=self.kind,
+            window=self.window,
+            ring_stride=self.ring_stride,
+            ratio=self.ratio,
+            shard_units=tuple(self.shard_units),
+            unit_bytes=self.unit_bytes,
         )
 
     @property
@@ -266,10 +290,12 @@ class RuntimeContract(_Frozen):
         names = [p.name for p in v]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be distinct: {names}")
-        # Target, index and draft share one page mapping (hard rule 3): one page size.
-        if len({p.page_size for p in v}) != 1:
-            raise ValueError("all pools share one logical-to-physical page mapping, so one page size: "
-                             + ", ".join(f"{p.name}={p.page_size}" for p in v))
+        # Target, index and draft share one page mapping (hard rule 3): one page size. Token-paged
+        # kinds (paged, paged window) share it; compressed pools page entries, state pools slots.
+        token_paged = [p for p in v if p.kind == "paged" or (p.kind == "window" and not p.ring_stride)]
+        if len({p.page_size for p in token_paged}) > 1:
+            raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size: "
+                             + ", ".join(f"{p.name}={p.page_size}" for p in token_paged))
         return sorted(v, key=lambda p: p.name)
 
     def pool(self, name: str) -> PoolContract:
@@ -280,6 +306,10 @@ class RuntimeContract(_Frozen):
 
     @property
     def page_size(self) -> int:
+        """The page size of the token-paged pools (of the first pool when none is)."""
+        for p in self.pools:
+            if p.kind == "paged" or (p.kind == "window" and not p.ring_stride):
+                return p.page_size
         return self.pools[0].page_size
 
     def canonical(self) -> bytes:
@@ -310,13 +340,14 @@ def _check_plain(value: Any, path: str) -> None:
 
 
 _HEAD_FIELDS = ("tp_sharding", "num_heads", "head_dim")
+_KIND_FIELDS = ("kind", "window", "ring_stride", "ratio", "shard_units", "unit_bytes")
 
 
 
 def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
     """Sorted-key, compact, ASCII JSON of the contract's plain form. A replicated pool
-    leaves its TP-sharding fields out, and a Mooncake contract its transport (the encoding
-    of contracts that predate them)."""
+    leaves its TP-sharding fields out, a paged pool its kind fields, and a Mooncake contract
+    its transport (the encoding of contracts that predate them)."""
     if isinstance(contract, dict):
         contract = RuntimeContract.model_validate(contract)
     plain = contract.model_dump(mode="json")
@@ -325,6 +356,9 @@ def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
     for pool in plain["pools"]:
         if pool["tp_sharding"] == "replicated":
             for key in _HEAD_FIELDS:
+                del pool[key]
+        if pool["kind"] == "paged":
+            for key in _KIND_FIELDS:
                 del pool[key]
     _check_plain(plain, "")
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -394,12 +428,14 @@ def _plain(value: Mapping[str, Any] | BaseModel) -> dict[str, Any]:
     return value.model_dump() if isinstance(value, BaseModel) else dict(value)
 
 
-_MODEL_NAMES = {"deepseek-v3": "deepseek-ai/DeepSeek-V3", "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2"}
+_MODEL_NAMES = {"deepseek-v3": "deepseek-ai/DeepSeek-V3", "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
+                "deepseek-v4": "deepseek-ai/DeepSeek-V4-Flash"}
+_V4_HIDDEN = 4096  # DeepSeek-V4-Flash (transformers' DeepseekV4Config default)
 
 
 def contract_from_preset(
     preset: str,
-    num_layers: int = 61,
+    num_layers: int | None = None,
     page_size: int = 64,
     draft_layers: int = 1,
     *,
@@ -412,18 +448,27 @@ def contract_from_preset(
     source_files: ExtraFiles | None = None,
     wire_version: int = WIRE_VERSION,
 ) -> RuntimeContract:
-    """The contract of a DeepSeek V3 / V3.2 preset: ``contract_for`` over ``preset_pools``.
-    Defaults: NextN with a 7168-wide bf16 hidden state and top-1 when there are draft
-    layers, no speculation otherwise; the standard aux row for that state; FlashMLA
-    (sparse for V3.2)."""
-    pools = preset_pools(preset, num_layers=num_layers, page_size=page_size, draft_layers=draft_layers)
-    family = "deepseek-v3.2" if preset.startswith("deepseek-v3.2") else "deepseek-v3"
+    """The contract of a DeepSeek V3 / V3.2 / V4 preset: ``contract_for`` over ``preset_pools``
+    (``deepseek_v4_pools`` for V4). Defaults: 61 layers (V4: 43), NextN with a 7168-wide
+    (V4: 4096) bf16 hidden state and top-1 when there are draft layers, no speculation
+    otherwise; the standard aux row for that state; FlashMLA (sparse for V3.2 and V4)."""
+    if preset in KIND_PRESETS:
+        family = "deepseek-v4"
+        num_layers = 43 if num_layers is None else num_layers
+        pools = deepseek_v4_pools(num_layers, page_size, draft_layers=draft_layers)
+    else:
+        family = "deepseek-v3.2" if preset.startswith("deepseek-v3.2") else "deepseek-v3"
+        num_layers = 61 if num_layers is None else num_layers
+        pools = preset_pools(preset, num_layers=num_layers, page_size=page_size, draft_layers=draft_layers)
+    hidden = _V4_HIDDEN if family == "deepseek-v4" else 7168
     if speculative is None:
         speculative = (
-            SpeculativeContract(algorithm="nextn", hidden_size=7168, hidden_dtype="bfloat16", topk=1)
+            SpeculativeContract(algorithm="nextn", hidden_size=hidden, hidden_dtype="bfloat16", topk=1)
             if draft_layers
             else SpeculativeContract(algorithm="none", hidden_size=0, hidden_dtype="bfloat16", topk=0)
         )
+    if kernel is None and family == "deepseek-v4":
+        kernel = KernelContract(attention_backend="flashmla-sparse-swa", abi="v4-swa+compressed-v1")
     if kernel is None:
         sparse = family == "deepseek-v3.2"
         kernel = KernelContract(

@@ -57,6 +57,13 @@ _POOL_BREAKS = {
     "tp_sharding": "{pool} rows would be taken whole by one side and as head slices by the other",
     "num_heads": "{pool} head slices would be cut at the wrong heads: decode ranks would attend over other ranks' heads",
     "head_dim": "{pool} head slices would be cut at the wrong byte offsets",
+    "kind": "{pool} would be read as another pool kind: which tokens' rows it holds and how they are addressed differ",
+    "window": "{pool} holds another sliding window: decode would attend over tokens prefill never sent, or miss some",
+    "ring_stride": "{pool} ring slots (row * stride + pos % stride) would hold other positions on the two sides",
+    "ratio": "{pool} entries would summarise another number of tokens: every compressed entry means something else",
+    "shard_units": "{pool} state slots would be cut into TP parts at other offsets: decode ranks would hold other "
+                   "ranks' channels or heads",
+    "unit_bytes": "{pool} state slots would be cut into TP parts at other byte offsets",
     "heads": "{pool} rows would hold other heads than this TP rank's: peers would cut the wrong head slices",
 }
 _SECTION_BREAKS = {

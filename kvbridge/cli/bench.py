@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
+from kvbridge.layout.hybrid import KIND_PRESETS
 from kvbridge.layout.pools import PRESETS
 from kvbridge.transfer.engine.registry import engine_entry, engine_names
 
@@ -64,7 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help=f"target layers (default: quick 4; else the most that fit {MEMORY_BUDGET_GB:.0f} GB, <= 61)")
     p.add_argument("--draft-layers", type=int, default=1, help="draft layers (default 1)")
-    p.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2-fp8", help="geometry preset (default %(default)s)")
+    p.add_argument("--preset", choices=PRESETS + KIND_PRESETS, default="deepseek-v3.2-fp8",
+                   help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
+                   "size beside V3.2's, and GB/s of both through one engine pair (--max-move-tokens, --layers; the "
+                   "rooms do not carry V4's pools yet)")
+    p.add_argument("--max-move-tokens", type=int, default=32 * 1024,
+                   help="deepseek-v4: the longest length actually moved for GB/s (default 32K; longer ones are "
+                   "computed from the layout only)")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
     p.add_argument("--engine", type=_engines, default=["mooncake"],
@@ -107,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
 
     tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    if args.preset in KIND_PRESETS:
+        return _run_kinds(args, tokens)
     cps = args.cp or ([1, 2] if args.quick else [1, 2, 4])
     note = ""
     if args.layers is not None:
@@ -165,3 +174,24 @@ def run(args: argparse.Namespace) -> int:
         write_plot(args.plot, rows, meta)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0 if all(not r["verify_errors"] and not r["kvbridge_failures"] for r in rows) else 1
+
+
+def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
+    """``--preset deepseek-v4``: bytes from the plans at full size, GB/s through one engine pair."""
+    import json
+
+    from kvbridge.bench.kinds import byte_rows, format_bytes, format_speed, speed_rows
+
+    engine = args.engine[0]
+    if engine not in ("mooncake",):
+        raise ConfigError("--preset deepseek-v4 measures GB/s on the mooncake engine (host memory)", field="engine")
+    rows = byte_rows(tokens)
+    print(format_bytes(rows))
+    moved = [n for n in tokens if n <= args.max_move_tokens]
+    speed = speed_rows(engine, moved, args.layers or 4, args.reps or 5) if moved else []
+    print()
+    print(format_speed(speed, engine))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bytes": rows, "speed": speed}, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if all(r["v4_moved"] == r["v4_needed"] for r in rows) else 1

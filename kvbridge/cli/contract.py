@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout.lanes import LANE_RULES
+from kvbridge.layout.hybrid import KIND_PRESETS
 from kvbridge.layout.pools import PRESETS
 
 if TYPE_CHECKING:
@@ -30,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="contract_command", metavar="ACTION", required=True)
 
     show = csub.add_parser("show", help="print a preset's contract and fingerprint", description="Print a preset's runtime contract and its fingerprint.")
-    show.add_argument("--preset", choices=PRESETS, default="deepseek-v3.2", help="model preset (default: deepseek-v3.2)")
-    show.add_argument("--layers", type=int, default=61, help="target layers (default: 61)")
+    show.add_argument("--preset", choices=PRESETS + KIND_PRESETS, default="deepseek-v3.2",
+                      help="model preset (default: deepseek-v3.2)")
+    show.add_argument("--layers", type=int, default=None, help="target layers (default: 61; deepseek-v4: 43)")
     show.add_argument("--page-size", type=int, default=64, help="tokens per page (default: 64)")
     show.add_argument("--draft-layers", type=int, default=1, help="NextN/EAGLE draft layers; 0 disables speculation (default: 1)")
     show.add_argument("--cp-rule", choices=LANE_RULES, default="interleaved", help="CP owner-lane rule")
@@ -95,8 +97,13 @@ def run_show(args: argparse.Namespace) -> int:
     print("pools")
     for p in c.pools:
         split = f" ({p.value_bytes_per_token}+{p.scale_bytes_per_token})" if p.layout == "values_then_scales" else ""
-        print(f"  {p.name:<7} {p.dtype:<20} abi={p.abi:<9} {p.bytes_per_token} B/token{split} x {p.page_size} = "
-              f"{p.bytes_per_page} B/page, {p.layout}, kernel {p.kernel_abi}, layers {p.layer_ids[0]}..{p.layer_ids[-1]}")
+        kind = {"paged": "", "window": f", window {p.window}" + (f" ring {p.ring_stride}" if p.ring_stride else ""),
+                "compressed": f", compressed 1:{p.ratio}",
+                "state": ", state slot" + (f" (tail of {p.ratio})" if p.ratio else "")
+                + (f", TP groups {p.shard_units} x {p.unit_bytes} B" if p.shard_units else "")}[p.kind]
+        print(f"  {p.name:<14} {p.dtype:<20} abi={p.abi:<9} {p.bytes_per_token} B/token{split} x {p.page_size} = "
+              f"{p.bytes_per_page} B/page, {p.layout}{kind}, kernel {p.kernel_abi}, "
+              f"layers {p.layer_ids[0]}..{p.layer_ids[-1]}")
     print(f"source        {c.source.digest[:16]} over {len(c.source.files)} file(s)")
     for name, h in c.source.files.items():
         print(f"  {name}  {h[:16]}")

@@ -54,7 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     m = p.add_argument_group("model mode")
-    m.add_argument("--model", default="", help="tiny-qwen2, tiny-deepseek-v3 or a local Hugging Face directory")
+    m.add_argument("--model", default="", help="tiny-qwen2, tiny-deepseek-v3 or a local Hugging Face directory; "
+                   "tiny-deepseek-v4: V4's window, compressed and state pools between two Mooncake engines in this "
+                   "process (the workers do not carry them yet), colocated against disaggregated")
     m.add_argument("--prefill-tp", type=int, default=1,
                    help="prefill TP ranks per CP rank (processes; each stores its KV heads) (default 1)")
     m.add_argument("--batch-size", type=int, default=3, help="requests prefilled together (default 3)")
@@ -115,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_model(args: argparse.Namespace, tokens: list[int]) -> int:
+    if args.model == "tiny-deepseek-v4":
+        from kvbridge.demo_v4 import format_v4_summary, run_v4_demo
+
+        summary = run_v4_demo(tokens, args.chunk_tokens, args.max_new_tokens, seed=args.seed, engine=args.engine,
+                              threads=args.threads)
+        print(json.dumps(summary) if args.json else format_v4_summary(summary))
+        return 0 if summary["requests_ok"] == summary["requests"] > 0 else 1
     if args.engine != "mooncake":
         raise ConfigError("--model runs the workers as processes: use --engine mooncake", field="engine")
     if args.max_new_tokens < 0 or args.chunk_tokens < 0:

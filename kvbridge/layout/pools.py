@@ -9,6 +9,12 @@ A pool is a family of buffers, one per layer, each ``capacity_pages`` pages of
 
 so rows ``[a, b)`` of a ``values_then_scales`` page are two byte ranges, not one.
 
+Kinds (``kind``; what decode needs of each: ``kvbridge.layout.kinds``): ``paged`` (every
+token), ``window`` (the last ``window`` tokens; paged or ring-addressed), ``compressed``
+(one entry per ``ratio`` tokens; a "token" of the pool is an entry, a page holds
+``page_size`` entries) and ``state`` (one slot per request row: ``page_size`` 1,
+``bytes_per_token`` the slot's bytes).
+
 Head-sharded pools (MHA/GQA ``k``/``v`` under tensor parallelism): a row holds KV
 heads head-major, and a TP rank's buffers hold only its heads ``[head_start,
 head_stop)`` of the ``num_heads`` of the whole row; ``bytes_per_token`` is the
@@ -30,6 +36,8 @@ from kvbridge.errors import BufferSpecError, LayoutError, PageRangeError
 from kvbridge.layout.buffers import RawBuffer
 
 ROWS = "rows"
+PAGED, WINDOW, COMPRESSED, STATE = "paged", "window", "compressed", "state"
+KINDS = (PAGED, WINDOW, COMPRESSED, STATE)
 VALUES_THEN_SCALES = "values_then_scales"
 LAYOUTS = (ROWS, VALUES_THEN_SCALES)
 
@@ -55,6 +63,15 @@ class PoolSpec:
     num_heads: int = 0  # head-sharded across TP: KV heads of the whole row; 0: replicated across TP
     head_start: int = 0  # heads [head_start, head_stop) this rank's rows hold (head_stop 0: all of them)
     head_stop: int = 0
+    # pool kind (kvbridge.layout.kinds): which rows of a request decode needs and how they are addressed
+    kind: str = PAGED  # paged | window | compressed | state
+    window: int = 0  # window: the last `window` tokens are what decode reads
+    ring_stride: int = 0  # window: ring-addressed, slot = request row * stride + pos % stride (0: pages)
+    ratio: int = 0  # compressed: source tokens per entry (a "token" of this pool is an entry); state: a tail
+    # slot of `ratio` rows of per-token state, of which decode needs the first n % ratio
+    shard_units: tuple[int, ...] = ()  # state: TP-sharded groups of the slot, in units (empty: replicated)
+    unit_bytes: int = 0  # state: bytes of one unit of shard_units
+    tp_size: int = 1  # state: the TP size this rank's slot is cut for (each group split into tp_size parts)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -78,6 +95,65 @@ class PoolSpec:
                     field="value_bytes_per_token",
                 )
         self._check_heads()
+        self._check_kind()
+
+    def _check_kind(self) -> None:
+        """A kind's own fields, and none of another kind's (a typo must not pass as a paged pool)."""
+        where = f"pool {self.name!r} ({self.kind})"
+        if self.kind not in KINDS:
+            raise LayoutError(f"pool {self.name!r}: kind {self.kind!r} is not one of {KINDS}", field="kind")
+        for name in ("window", "ring_stride", "ratio", "unit_bytes", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"{where}: {name} must be a non-negative integer, got {value!r}", field=name)
+        own = {PAGED: (), WINDOW: ("window", "ring_stride"), COMPRESSED: ("ratio",),
+               STATE: ("shard_units", "unit_bytes", "ratio")}[self.kind]
+        for name in ("window", "ring_stride", "ratio", "shard_units", "unit_bytes"):
+            if getattr(self, name) and name not in own:
+                raise LayoutError(f"{where}: {name} belongs to another pool kind", field=name)
+        if self.tp_size != 1 and self.kind != STATE:
+            raise LayoutError(f"{where}: tp_size cuts state slots only", field="tp_size")
+        if self.kind == WINDOW:
+            if self.window <= 0:
+                raise LayoutError(f"{where}: a window pool needs window > 0 tokens", field="window")
+            if self.ring_stride and (self.ring_stride < self.window or self.ring_stride % self.page_size):
+                raise LayoutError(f"{where}: ring stride {self.ring_stride} must hold the window of {self.window} "
+                                  f"tokens in whole pages of {self.page_size}", field="ring_stride")
+        elif self.kind == COMPRESSED and self.ratio <= 0:
+            raise LayoutError(f"{where}: a compressed pool needs ratio > 0 (tokens per entry)", field="ratio")
+        elif self.kind == STATE:
+            self._check_state(where)
+
+    def _check_state(self, where: str) -> None:
+        if self.page_size != 1:
+            raise LayoutError(f"{where}: a state pool has one slot per request row (page_size 1), "
+                              f"not {self.page_size}", field="page_size")
+        if self.layout != ROWS or self.num_heads:
+            raise LayoutError(f"{where}: state slots use the rows layout and shard by shard_units, not heads",
+                              field="layout")
+        if self.tp_size < 1:
+            raise LayoutError(f"{where}: tp_size must be at least 1", field="tp_size")
+        if self.ratio and (self.shard_units or self.bytes_per_token % self.ratio):
+            raise LayoutError(f"{where}: a tail slot is {self.ratio} whole rows of per-token state, replicated "
+                              f"across TP; {self.bytes_per_token} B with shard groups {self.shard_units}",
+                              field="ratio")
+        units = tuple(self.shard_units)
+        if not all(isinstance(u, (int, np.integer)) and not isinstance(u, bool) and u > 0 for u in units):
+            raise LayoutError(f"{where}: shard_units must be positive integers, got {units!r}", field="shard_units")
+        object.__setattr__(self, "shard_units", tuple(int(u) for u in units))
+        if not units:
+            if self.unit_bytes or self.tp_size != 1:
+                raise LayoutError(f"{where}: a replicated state slot has no unit_bytes or tp_size", field="unit_bytes")
+            return
+        if self.unit_bytes <= 0:
+            raise LayoutError(f"{where}: sharded state needs unit_bytes > 0", field="unit_bytes")
+        bad = [u for u in units if u % self.tp_size]
+        if bad:
+            raise LayoutError(f"{where}: shard groups {units} do not split into {self.tp_size} TP parts ({bad[0]})",
+                              field="shard_units")
+        if self.bytes_per_token != sum(units) // self.tp_size * self.unit_bytes:
+            raise LayoutError(f"{where}: a slot of {self.bytes_per_token} B is not 1/{self.tp_size} of groups "
+                              f"{units} x {self.unit_bytes} B", field="bytes_per_token")
 
     def _check_heads(self) -> None:
         where = f"pool {self.name!r}"
@@ -120,7 +196,10 @@ class PoolSpec:
 
     @property
     def full_bytes_per_token(self) -> int:
-        """Bytes of the whole row, every head (the row itself when not head-sharded)."""
+        """Bytes of the whole row, every head (the row itself when not head-sharded; a sharded
+        state slot: every TP part of every group)."""
+        if self.shard_units:
+            return sum(self.shard_units) * self.unit_bytes
         return self.num_heads * self.head_bytes if self.num_heads else self.bytes_per_token
 
     def with_heads(self, head_start: int, head_stop: int) -> PoolSpec:
@@ -130,7 +209,9 @@ class PoolSpec:
                                    head_stop=head_stop)
 
     def full(self) -> PoolSpec:
-        """The whole-row spec (every head): what the contract describes."""
+        """The whole-row spec (every head; a state slot's every TP part): what the contract describes."""
+        if self.shard_units:
+            return dataclasses.replace(self, bytes_per_token=self.full_bytes_per_token, tp_size=1)
         return self.with_heads(0, self.num_heads) if self.num_heads else self
 
     @property

@@ -27,6 +27,11 @@ class EndpointBuffers:
     checked on construction."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], buffers: Mapping[tuple[str, int], Any], rank: str) -> None:
+        unmoved = sorted(f"{name} ({spec.kind})" for name, spec in specs.items() if spec.kind != "paged")
+        if unmoved:  # the rooms move token pages of one mapping; the kinds are planned in kvbridge.layout.kinds
+            raise BufferSpecError(f"pools {', '.join(unmoved)} are not paged: the room endpoints move paged pools "
+                                  "only (window, compressed and state pools are planned by kvbridge.layout.kinds "
+                                  "but not yet carried by the rooms; docs/models.md)", rank=rank, field="kind")
         expected = {(p, layer) for p, spec in specs.items() for layer in spec.layer_ids}
         missing = sorted(expected - set(buffers))
         extra = sorted(set(buffers) - expected)

@@ -116,6 +116,11 @@ def test_public_names_are_pinned():
             "PathThresholds", "StagedPlan", "choose_path", "stage_plan",
             # pipeline-parallel prefill: a stage's layers of every pool, the tiling rule (layout/stages.py)
             "check_stage_layers", "layer_range_specs", "stage_conflict", "stage_layer_ids", "stage_specs",
+            # pool kinds beyond paged KV and hybrid models' pools (layout/kinds.py, layout/hybrid.py)
+            "KINDS", "KIND_PRESETS", "Extent", "check_kind_topology", "chunk_extent", "compressed_pool",
+            "deepseek_v4_layer_types", "deepseek_v4_pools", "lane_units", "mamba_pools", "needed_bytes",
+            "needed_extent", "plan_kind", "row_bytes", "state_pool", "state_slices", "state_tp_spec", "tail_tokens",
+            "window_pool",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)

@@ -6,6 +6,9 @@
     <- "check SEED"  -> "ok" when the buffer equals rng(SEED) bytes, else "mismatch N bytes"
     <- "zero"        -> "ok" when the buffer is still all zeros, else "mismatch N bytes"
     <- "unregister"  -> "unregistered" once the engine withdrew the buffer
+    <- "sha256 [A B]" -> the sha256 hex of the buffer (of its bytes [A, B)) (cpu)
+    <- "copy JSON"   -> "ok" after copying [[src_off, dst_off, len], ...] inside the buffer (a
+                        receiver's scatter out of its staging slot) (cpu)
     <- EOF or "exit" -> closes the engine and exits
 """
 
@@ -81,6 +84,15 @@ def main() -> None:
         elif cmd == "zero":
             bad = int(np.count_nonzero(host))
             print("ok" if bad == 0 else f"mismatch {bad} bytes", flush=True)
+        elif cmd == "sha256":
+            import hashlib
+
+            a, b = (int(args[0]), int(args[1])) if args else (0, nbytes)
+            print(hashlib.sha256(host[a:b].tobytes()).hexdigest(), flush=True)
+        elif cmd == "copy":
+            for src, dst, n in json.loads(line.split(maxsplit=1)[1]):
+                buf[dst : dst + n] = buf[src : src + n]
+            print("ok", flush=True)
         elif cmd == "unregister":
             engine.unregister(tensor_region(buf)[0])
             print("unregistered", flush=True)

@@ -1,0 +1,161 @@
+"""``kvbridge bench --preset deepseek-v4``: what a DeepSeek-V4 room moves against what decode
+needs, beside DeepSeek-V3.2 at the same token counts, and GB/s of both through one engine.
+
+Bytes, at full size (V4: 43 layers + 1 draft, V3.2: 61 + 1, bf16, pages of 64): for each
+length the plans of every pool are built (``plan_kind`` for V4's window, compressed and state
+pools; ``plan_transfer`` for V3.2's paged pools) over descriptor-only buffers (planning touches
+no memory), and their bytes are set beside ``needed_bytes`` (what decode needs: window +
+complete compressed entries + state) and V3.2's.
+
+GB/s (``--layers`` layers, host memory, lengths up to ``--max-move-tokens``): the same plans
+between two engines of one process (prefill's pages ascending, decode's shuffled), written
+with ``engine.write``; median of ``--reps``. The room protocol is not in these figures: the
+rooms do not carry the kinds yet (docs/models.md), so this is the data path alone, for both
+models alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbridge.layout import BufferDesc, deepseek_v4_pools, needed_bytes, needed_extent, plan_kind, plan_transfer
+from kvbridge.layout.plan import TransferPlan
+from kvbridge.layout.pools import PoolSpec, preset_pools
+
+__all__ = ["byte_rows", "format_bytes", "format_speed", "speed_rows"]
+
+V32_PRESET = "deepseek-v3.2"
+
+
+def _v4(layers: int, draft: int) -> dict[str, PoolSpec]:
+    return deepseek_v4_pools(layers, 64, draft_layers=draft)
+
+
+def _v32(layers: int, draft: int) -> dict[str, PoolSpec]:
+    return preset_pools(V32_PRESET, num_layers=layers, page_size=64, draft_layers=draft)
+
+
+def _descs(specs: Mapping[str, PoolSpec], capacity: int, base: int, bases: dict | None = None) -> list[BufferDesc]:
+    out, at = [], base
+    for name, spec in specs.items():
+        for lid in spec.layer_ids:
+            addr = bases[(name, lid)] if bases is not None else at
+            out.append(BufferDesc(name, lid, addr, capacity, spec.bytes_per_page))
+            at += capacity * spec.bytes_per_page
+    return out
+
+
+def _units(spec: PoolSpec, n: int, *, decode: bool, rng: np.random.Generator | None) -> np.ndarray:
+    ext = needed_extent(spec, n)
+    if spec.kind == "state" or not decode:
+        ids = np.arange(ext.first, ext.stop) if spec.kind != "state" else np.zeros(ext.count, np.int64)
+    else:
+        ids = np.arange(ext.count)
+    return rng.permutation(ids) if rng is not None and spec.kind != "state" else ids
+
+
+def v4_plan(specs: Mapping[str, PoolSpec], n: int, src: Sequence[BufferDesc], dst: Sequence[BufferDesc],
+            rng: np.random.Generator | None = None) -> TransferPlan:
+    """Every V4 pool's writes of a room of ``n`` tokens (one prefill rank, the whole request)."""
+    plans = [plan_kind(spec, src, dst, needed_extent(spec, n), _units(spec, n, decode=False, rng=None),
+                       _units(spec, n, decode=True, rng=rng)) for spec in specs.values()]
+    return TransferPlan.concat(plans)
+
+
+def v32_plan(specs: Mapping[str, PoolSpec], n: int, src: Sequence[BufferDesc], dst: Sequence[BufferDesc],
+             rng: np.random.Generator | None = None) -> TransferPlan:
+    pages = -(-n // 64)
+    logical = np.arange(pages)
+    dst_pages = rng.permutation(pages) if rng is not None else logical
+    return plan_transfer(specs, src, dst, logical, logical, dst_pages, n)
+
+
+def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
+    """Per length: V4 bytes planned and needed (by kind), V3.2 bytes planned, the ratio."""
+    v4, v32 = _v4(43, 1), _v32(61, 1)
+    rows = []
+    for n in tokens:
+        cap4 = max(-(-n // 64), 1)
+        plan4 = v4_plan(v4, n, _descs(v4, cap4, 1 << 40), _descs(v4, cap4, 1 << 50))
+        plan32 = v32_plan(v32, n, _descs(v32, cap4, 1 << 40), _descs(v32, cap4, 1 << 50))
+        by_kind: dict[str, int] = {}
+        for spec in v4.values():
+            by_kind[spec.kind] = by_kind.get(spec.kind, 0) + needed_bytes(spec, n)
+        need4 = sum(by_kind.values())
+        rows.append({"tokens": n, "v4_moved": plan4.num_bytes, "v4_needed": need4, "v4_window": by_kind["window"],
+                     "v4_compressed": by_kind["compressed"], "v4_state": by_kind["state"],
+                     "v32_moved": plan32.num_bytes, "v32_needed": sum(needed_bytes(s, n) for s in v32.values()),
+                     "ratio": plan4.num_bytes / plan32.num_bytes, "v4_slices": plan4.num_slices,
+                     "v32_slices": plan32.num_slices})
+    return rows
+
+
+def speed_rows(engine_kind: str, tokens: Sequence[int], layers: int, reps: int) -> list[dict[str, Any]]:
+    """GB/s of V4 and V3.2 rooms' plans through two engines of one process (host memory)."""
+    from kvbridge.transfer.engine import LocalFabric, create_engine
+
+    rows = []
+    for model, build, plan in (("deepseek-v4", _v4, v4_plan), (V32_PRESET, _v32, v32_plan)):
+        specs = build(layers, 1)
+        for n in tokens:
+            cap = max(-(-n // 64), 1)
+            fabric = LocalFabric() if engine_kind == "local" else None
+            src_e = create_engine(engine_kind, fabric=fabric) if fabric else create_engine(engine_kind)
+            dst_e = create_engine(engine_kind, fabric=fabric) if fabric else create_engine(engine_kind)
+            try:
+                mem = {}
+                for side, eng in (("src", src_e), ("dst", dst_e)):
+                    bases = {}
+                    for name, spec in specs.items():
+                        for lid in spec.layer_ids:
+                            buf = np.ones(cap * spec.bytes_per_page, np.uint8)
+                            eng.register(buf.ctypes.data, buf.nbytes)
+                            mem[(side, name, lid)] = buf
+                            bases[(name, lid)] = buf.ctypes.data
+                    mem[side] = _descs(specs, cap, 0, bases)
+                rng = np.random.default_rng(n)
+                p = plan(specs, n, mem["src"], mem["dst"], rng)
+                src_e.write(dst_e.session_id, p.src, p.dst, p.length)  # warm-up: connect, first call
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    dst_e_session = dst_e.session_id
+                    src_e.write(dst_e_session, p.src, p.dst, p.length)
+                    times.append(time.perf_counter() - t)
+                med = float(np.median(times))
+                rows.append({"model": model, "tokens": n, "layers": layers, "bytes": p.num_bytes,
+                             "slices": p.num_slices, "p50_ms": round(med * 1e3, 3),
+                             "gbps": round(p.num_bytes / med / 1e9, 3)})
+            finally:
+                src_e.close()
+                dst_e.close()
+    return rows
+
+
+def _mb(x: int) -> str:
+    return f"{x / 1e6:,.1f}"
+
+
+def format_bytes(rows: Sequence[dict[str, Any]]) -> str:
+    head = (f"{'tokens':>7} {'V4 moved MB':>12} {'V4 needed MB':>13} {'=':>2} {'window':>9} {'compressed':>11} "
+            f"{'state':>8} {'V3.2 MB':>10} {'V4/V3.2':>8}")
+    lines = ["bytes per room, full size (V4 43+1 layers, V3.2 61+1, bf16, pages of 64), from the plans:", head]
+    for r in rows:
+        same = "=" if r["v4_moved"] == r["v4_needed"] else "!"
+        lines.append(f"{r['tokens']:>7} {_mb(r['v4_moved']):>12} {_mb(r['v4_needed']):>13} {same:>2} "
+                     f"{_mb(r['v4_window']):>9} {_mb(r['v4_compressed']):>11} {_mb(r['v4_state']):>8} "
+                     f"{_mb(r['v32_moved']):>10} {r['ratio']:>8.3f}")
+    return "\n".join(lines)
+
+
+def format_speed(rows: Sequence[dict[str, Any]], engine: str) -> str:
+    lines = [f"GB/s through one {engine} engine pair in one process (host memory; no room protocol):",
+             f"{'model':>14} {'tokens':>7} {'layers':>6} {'MB':>9} {'slices':>7} {'p50 ms':>8} {'GB/s':>7}"]
+    for r in rows:
+        lines.append(f"{r['model']:>14} {r['tokens']:>7} {r['layers']:>6} {_mb(r['bytes']):>9} {r['slices']:>7} "
+                     f"{r['p50_ms']:>8} {r['gbps']:>7}")
+    return "\n".join(lines)

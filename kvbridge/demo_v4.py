@@ -1,0 +1,62 @@
+"""``kvbridge demo --model tiny-deepseek-v4``: DeepSeek-V4's window, compressed and state pools
+moved between two Mooncake engines, every request colocated against disaggregated.
+
+    colocated        prefill (same chunks), greedy decode from the model's own cache
+    disaggregated    after every chunk the prefill side writes its cache into its pools and
+                     sends the chunk's share (``kvbridge.chunk_extent``, planned by
+                     ``plan_kind``) into poisoned decode pools at reversed units; decode
+                     rebuilds its cache from them and decodes
+    per request      bytes moved = bytes decode needs; logits bit-equal; tokens equal
+
+In one process, through two real Mooncake engines (TCP on loopback): the room endpoints and
+workers do not carry V4's pools yet (docs/models.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def run_v4_demo(tokens: list[int], chunk_tokens: int, steps: int, seed: int = 0, engine: str = "mooncake",
+                threads: int = 1) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)  # bit-equal logits need one thread count on both sides; and it is faster here
+
+    from kvbridge.integrations.transformers.v4 import run_v4_request, tiny_v4_model
+    from kvbridge.transfer.engine import LocalFabric, create_engine
+
+    model = tiny_v4_model()
+    rng = np.random.default_rng(seed)
+    fabric = LocalFabric() if engine == "local" else None
+    engines = (create_engine(engine, fabric=fabric), create_engine(engine, fabric=fabric)) if fabric \
+        else (create_engine(engine), create_engine(engine))
+    per_request = []
+    try:
+        for n in tokens:
+            ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, n)))
+            cuts = list(range(chunk_tokens, n, chunk_tokens)) if chunk_tokens else []
+            per_request.append(run_v4_request(model, ids, cuts, engines, steps=steps))
+    finally:
+        for e in engines:
+            e.close()
+    ok = [r for r in per_request if r["logits_equal"] and r["tokens_equal"] and r["bytes_moved"] == r["bytes_needed"]]
+    return {"model": "tiny-deepseek-v4", "engine": engine, "requests": len(per_request), "requests_ok": len(ok),
+            "logits_equal": sum(r["logits_equal"] for r in per_request),
+            "tokens_equal": sum(r["tokens_equal"] for r in per_request),
+            "bytes_equal": sum(r["bytes_moved"] == r["bytes_needed"] for r in per_request),
+            "per_request": per_request}
+
+
+def format_v4_summary(summary: dict[str, Any]) -> str:
+    lines = [f"{'req':>4} {'tokens':>6} {'moved B':>9} {'needed B':>9} {'logits':>7} {'tokens':>7}  generated"]
+    for i, r in enumerate(summary["per_request"]):
+        eq = "=" if r["bytes_moved"] == r["bytes_needed"] else "!"
+        lines.append(f"{i:>4} {r['tokens']:>6} {r['bytes_moved']:>9} {r['bytes_needed']:>8}{eq} "
+                     f"{'=' if r['logits_equal'] else '!':>7} {'=' if r['tokens_equal'] else '!':>7}  {r['generated']}")
+    lines.append(f"requests {summary['requests']}: ok {summary['requests_ok']}, tokens equal {summary['tokens_equal']}, "
+                 f"logits equal {summary['logits_equal']}, bytes moved = needed {summary['bytes_equal']} "
+                 f"(window, compressed and state pools; one process, {summary['engine']} engines)")
+    return "\n".join(lines)

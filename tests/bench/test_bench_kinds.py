@@ -1,0 +1,26 @@
+"""``kvbridge bench --preset deepseek-v4``: the plans of a V4 room move exactly the bytes decode
+needs at every length (full size, descriptor-only buffers), a fraction of V3.2's; the speed
+rows run through a real engine pair and move what the plans say."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.bench.kinds import byte_rows, format_bytes, format_speed, speed_rows
+
+
+def test_v4_rooms_move_what_decode_needs_at_full_size():
+    rows = byte_rows([1000, 1024, 8191, 131072])
+    for r in rows:
+        assert r["v4_moved"] == r["v4_needed"] == r["v4_window"] + r["v4_compressed"] + r["v4_state"]
+        assert r["v32_moved"] == r["v32_needed"]
+    assert rows[-1]["ratio"] < 0.1
+    assert "131072" in format_bytes(rows)
+
+
+@pytest.mark.parametrize("engine", ["local"])
+def test_speed_rows_write_the_planned_bytes(engine):
+    rows = speed_rows(engine, [300], layers=2, reps=1)
+    assert [r["model"] for r in rows] == ["deepseek-v4", "deepseek-v3.2"]
+    assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
+    assert "deepseek-v4" in format_speed(rows, engine)
