@@ -70,7 +70,6 @@ __all__ = [
     "deepseek_pools",
     "deepseek_v4_layer_types",
     "deepseek_v4_pools",
-    "DEFAULT_THRESHOLDS",
     "describe_buffer",
     "Extent",
     "float32_to_bf16_bits",
