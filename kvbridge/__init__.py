@@ -11,7 +11,9 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   ``fingerprint``, ``diff_contracts``;
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
 - data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
-  ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened).
+  ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened);
+- rooms bound to their request: ``room_binding`` (a request's digest, passed to ``init(binding=)`` on both
+  sides), ``sign_room``/``verify_room`` (room ids a router chooses, signed with the cluster's room key).
 """
 
 from kvbridge._version import WIRE_VERSION, __version__
@@ -52,6 +54,7 @@ from kvbridge.transfer import (
     mooncake_available,
 )
 from kvbridge.bootstrap.starter import start_bootstrap
+from kvbridge.transfer.binding import room_binding, sign_room, verify_room
 
 __all__ = [
     *_errors_all,
@@ -84,6 +87,9 @@ __all__ = [
     "mooncake_available",
     "preset_pools",
     "rank_heads",
+    "room_binding",
+    "sign_room",
     "stage_specs",
     "start_bootstrap",
+    "verify_room",
 ]
