@@ -8,7 +8,7 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   in an MHA/GQA row: heterogeneous TP), ``stage_specs`` (a pipeline stage's layers of every pool: the
   buffers a stage registers, docs/pipeline.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
-  ``fingerprint``, ``diff_contracts``;
+  ``fingerprint``, ``diff_contracts``, ``weights_digest`` (a checkpoint's identity for ``model.weights``);
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
 - data path: ``create_engine``, ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
   ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened);
@@ -24,6 +24,7 @@ from kvbridge.bootstrap import (
     contract_from_preset,
     diff_contracts,
     fingerprint,
+    weights_digest,
 )
 from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
@@ -92,4 +93,5 @@ __all__ = [
     "stage_specs",
     "start_bootstrap",
     "verify_room",
+    "weights_digest",
 ]

@@ -17,7 +17,7 @@ EXPECTED = {
     "RuntimeContract",
     "__version__", "contract_for", "contract_from_preset", "create_engine", "deepseek_pools", "diff_contracts",
     "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
-    "room_binding", "sign_room", "verify_room",
+    "room_binding", "sign_room", "verify_room", "weights_digest",
 }
 
 
