@@ -14,16 +14,21 @@ consumer), hybrid models (several KV cache groups, or a group that is not full a
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, DecodeConfig, PrefillConfig
+from kvbridge import ConfigError, DecodeConfig, PrefillConfig, weights_digest
+
+log = logging.getLogger(__name__)
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 STAGING_MODES = ("auto", "always", "never")
+PEER_TIMEOUT_S = 15.0  # the library's 5 s is tripped by a loaded CPU host (docs/vllm.md, "Liveness")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 
 # kv_connector_extra_config: key -> (environment fallback, meaning)
@@ -41,7 +46,15 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "staging_slot_bytes": ("KVBRIDGE_STAGING_SLOT_BYTES", "staging slot size in bytes (0: the default)"),
     "secret": ("KVBRIDGE_SECRET", "control-channel HMAC secret, the same on every server"),
     "lease_ttl": ("KVBRIDGE_LEASE_TTL", "lease of a rank at the daemon, seconds (default 10)"),
-    "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, seconds (default 5)"),
+    "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, and the deadline of "
+                                              "a connection's ownership proof, seconds (default 15: a CPU forward "
+                                              "pass on a loaded host starves kvbridge's threads past 5)"),
+    "room_key": ("KVBRIDGE_ROOM_KEY", "HMAC key shared by the cluster: prefill signs the params it returns and "
+                                      "decode refuses params not signed, expired or bound to another prompt; a "
+                                      "router-chosen kvbridge_room must then be signed (docs/vllm.md)"),
+    "room_ttl_s": ("", "how long the params prefill returns stay valid with room_key, seconds (default 600)"),
+    "weights": ("KVBRIDGE_WEIGHTS", "the contract's weights identity: auto (default: kvbridge.weights_digest of the "
+                                    "model's local folder, headers + sizes + sampled bytes), off, or a digest to use"),
     "target_timeout": ("", "prefill: how long a finished prompt waits for decode to ask, seconds (default 60)"),
     "transfer_timeout": ("", "decode: how long a room may take once asked, seconds (default 120)"),
     "lease_quarantine": ("", "decode: how long a silent prefill rank's rooms keep their blocks after its lease "
@@ -84,6 +97,10 @@ class Settings:
     aux_slots: int
     vllm_version: str
     layerwise: bool = True
+    room_key: bytes = b""
+    room_ttl_s: float = 600.0
+    weights: str = "auto"  # auto | off | a digest
+    model_path: str = ""  # the model as vLLM names it: a local folder or a hub id (its cached snapshot)
 
     @property
     def staging_config(self) -> dict[str, Any]:
@@ -146,18 +163,49 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         staging=staging, staging_bytes=int(_number(get, "staging_bytes", 0)),
         staging_slot_bytes=int(_number(get, "staging_slot_bytes", 0)),
         secret=secret.encode() if isinstance(secret, str) and secret else None,
-        lease_ttl=_number(get, "lease_ttl", 10.0), peer_timeout=_number(get, "peer_timeout", 5.0),
+        lease_ttl=_number(get, "lease_ttl", 10.0), peer_timeout=_number(get, "peer_timeout", PEER_TIMEOUT_S),
         target_timeout=_number(get, "target_timeout", 60.0), transfer_timeout=_number(get, "transfer_timeout", 120.0),
         lease_quarantine=_number(get, "lease_quarantine", 30.0),
         trace=str(get("trace", "")).lower() in ("1", "true", "yes"),
         tp_rank_override=None if tp_rank is None else int(_number(get, "tp_rank", 0)),
         aux_slots=int(_number(get, "aux_slots", 1024)), vllm_version=str(vllm.__version__),
-        layerwise=_flag(get, "layerwise", True),
+        layerwise=_flag(get, "layerwise", True), room_key=str(get("room_key", "")).encode(),
+        room_ttl_s=_number(get, "room_ttl_s", 600.0), weights=str(get("weights", "auto")), model_path=str(mc.model),
     )  # fmt: skip
     # the role's own config checks the staging sizes (the one rule for staging settings)
     cfg = PrefillConfig if role == "prefill" else DecodeConfig
     cfg(instance=s.instance, **s.staging_config)
     return s
+
+
+def model_weights(settings: Settings) -> str:
+    """The contract's ``model.weights``: ``kvbridge.weights_digest`` of the model's folder (a local
+    path, or a hub id's cached snapshot at its revision) with ``weights`` auto; "unspecified" when
+    off, or when no local copy or no weight file is found (logged); the given string otherwise.
+    Cost: the safetensors headers and 8 x 64 KiB per file (bootstrap/weights.py)."""
+    if settings.weights == "off":
+        return "unspecified"
+    if settings.weights != "auto":
+        return settings.weights
+    folder = settings.model_path
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            revision = None if settings.revision == "unspecified" else settings.revision
+            folder = snapshot_download(folder, revision=revision, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
+            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
+                        settings.model_path, exc)
+            return "unspecified"
+    started = time.monotonic()
+    try:
+        digest = weights_digest(folder)
+    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
+        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
+        return "unspecified"
+    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
+    return digest
 
 
 def refuse_parallel(parallel: Any) -> None:

@@ -58,7 +58,7 @@ from kvbridge import (
 )
 from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
-from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.settings import Settings, model_weights
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class WorkerSide:
                               f"with TP <= {self.total_kv_heads} (decode may use any TP)", field="tensor_parallel_size")
         spec = pool_spec(cache, self.total_kv_heads, tp_size if cache.layout != HND else 1, tp_rank)
         contract = rank_contract(cache, spec, model_name=s.model_name, revision=s.revision, tp_size=s.tp_size,
-                                 vllm_version=s.vllm_version)
+                                 vllm_version=s.vllm_version, weights=model_weights(s))
         if self.is_prefill and self.is_mla:
             tp_size, tp_rank = 1, 0
             if self.tp_rank != 0:
@@ -272,7 +272,7 @@ class WorkerSide:
         if sender is None:
             try:
                 sender = self.endpoint.sender(c.room)
-                sender.init(self._tokens(c.num_tokens))
+                sender.init(self._tokens(c.num_tokens), binding=c.binding)
             except KVBridgeError as exc:
                 self._failed(c, sender, exc)
                 return None
@@ -325,7 +325,8 @@ class WorkerSide:
         rec.aux_slot = self._free_slots.pop()
         try:
             rec.handle = self.endpoint.receiver(r.room, r.prefill_instance, self.dp_rank)
-            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page)
+            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page,
+                            binding=r.binding)
         except KVBridgeError as exc:
             rec.failure = str(exc)
             if rec.handle is not None:
