@@ -11,10 +11,14 @@ by name below (the base's defaults stand for the rest):
     wait_for_layer_load           nothing to wait: loads are asynchronous (WAITING_FOR_REMOTE_KVS)
     get_handshake_metadata        None: the bootstrap daemon pairs ranks, not vLLM's side channel
     kv_both                       refused (settings.py)
+
+kvbridge's log records go through vLLM's logging configuration (``route_logs``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,6 +38,7 @@ from kvbridge.integrations.vllm.worker import WorkerSide
 class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_logs(os.environ.get("KVBRIDGE_LOG_LEVEL"))
         self.settings = read_settings(vllm_config)
         if kv_cache_config is not None:
             refuse_hybrid(kv_cache_config)
@@ -126,6 +131,28 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def _meta(self) -> KVBridgeMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVBridgeMetadata) else None
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def route_logs(level: str | None) -> None:
+    """kvbridge's records through vLLM's logging configuration: the ``kvbridge`` logger takes vLLM's
+    handlers (its format: level, time, file and line; vLLM prefixes each process's lines with its
+    name and pid) at ``level`` (``KVBRIDGE_LOG_LEVEL``), else vLLM's level (``VLLM_LOGGING_LEVEL``,
+    INFO by default), so INFO lines show when asked. Without vLLM's handlers
+    (``VLLM_CONFIGURE_LOGGING=0``) kvbridge's records go to the root logger the user configured."""
+    if level is not None and level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"KVBRIDGE_LOG_LEVEL {level!r} is not one of {', '.join(LOG_LEVELS)}",
+                          field="KVBRIDGE_LOG_LEVEL")
+    ours, vllm_log = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    if not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.setLevel(level.upper() if level else vllm_log.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _tp_rank(settings: Any) -> int:

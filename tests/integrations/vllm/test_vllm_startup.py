@@ -109,3 +109,31 @@ def test_cross_layer_layout_refused(model):
     with pytest.raises(ConfigError) as err:
         read_kv_caches(caches, kvcc.num_blocks, 16, is_mla=False)
     assert err.value.field == "kv_cache_layout"
+
+
+def test_kvbridge_logs_go_through_vllms_logging_with_time_and_level(model, capfd, monkeypatch):
+    """kvbridge's records reach vLLM's log with its format (level, time, file and line), INFO
+    included when asked (KVBRIDGE_LOG_LEVEL); a bad level is refused by name."""
+    import logging
+    import re
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())  # what a vLLM process does at start-up, before it builds connectors
+    ours = logging.getLogger("kvbridge")
+    saved = (list(ours.handlers), ours.level, ours.propagate)
+    try:
+        monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "INFO")
+        _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+        logging.getLogger("kvbridge.integrations.vllm.worker").info("room 7 probe line")
+        out = capfd.readouterr()
+        line = next(x for x in (out.out + out.err).splitlines() if "room 7 probe line" in x)
+        assert "INFO" in line and re.search(r"\d\d:\d\d:\d\d", line) and "worker" not in line.split("]")[-1], line
+        monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "LOUD")
+        with pytest.raises(ConfigError) as err:
+            _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+        assert err.value.field == "KVBRIDGE_LOG_LEVEL"
+    finally:
+        ours.handlers[:], ours.propagate = saved[0], saved[2]
+        ours.setLevel(saved[1])
