@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -32,6 +33,7 @@ from kvbridge import ConfigError
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.integrations.vllm.settings import read_settings, refuse_hybrid
+from kvbridge.integrations.vllm.stats import build_stats
 from kvbridge.integrations.vllm.worker import WorkerSide
 
 
@@ -78,6 +80,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_work
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Refusals, rooms sent, received and failed, by reason, since vLLM last asked (stats.py)."""
+        side = self.scheduler_side if self.scheduler_side is not None else self.worker_side
+        return None if side is None else side.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return build_stats(data)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

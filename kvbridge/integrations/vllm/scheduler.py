@@ -41,6 +41,7 @@ from typing import Any
 from kvbridge import KVBridgeError, room_binding, sign_room, verify_room
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
 from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.stats import KVBridgeStats
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class SchedulerSide:
         self._open_rooms: dict[int, str] = {}  # prefill: room -> the request whose room it is, until freed
         self._room_of: dict[str, int] = {}
         self.refusals: Counter[str] = Counter()  # reason -> requests refused a transfer (prefill or decode)
+        self.stats = KVBridgeStats()  # the same, since vLLM last took them (get_kv_connector_stats)
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class SchedulerSide:
 
     def _count(self, reason: str, req_id: str, detail: str) -> None:
         self.refusals[reason] += 1
+        self.stats.count(reason)
         log.warning("kvbridge %s: request %s: no transfer (%s, %d so far): %s", self.settings.role, req_id, reason,
                     self.refusals[reason], detail)
 

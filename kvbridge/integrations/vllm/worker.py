@@ -59,6 +59,7 @@ from kvbridge import (
 from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
 from kvbridge.integrations.vllm.settings import Settings, model_weights
+from kvbridge.integrations.vllm.stats import KVBridgeStats
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class WorkerSide:
         # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
         # paths direct/staged), request id -> stats, the newest STATS_KEPT
         self.room_stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.stats = KVBridgeStats()  # rooms sent, received and failed since vLLM last took them
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -285,6 +287,7 @@ class WorkerSide:
                 np.asarray(c.block_ids, dtype=np.int64))
 
     def _failed(self, c: SendChunk, sender: Any, exc: KVBridgeError) -> None:
+        self.stats.count("send_failed")
         log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
         self._layers_sent.pop(c.req_id, None)
         self._broken.add(c.req_id)
@@ -367,7 +370,11 @@ class WorkerSide:
             if state not in FINAL:
                 continue
             if state == KVPoll.Failed:
+                if req_id not in self._broken:  # a failure _failed() did not count
+                    self.stats.count("send_failed")
                 log.warning("kvbridge prefill %s: request %s: %s", self.label, req_id, sender.failure_reason)
+            else:
+                self.stats.count("rooms_sent")
             self._keep_stats(req_id, sender.stats)
             if state != KVPoll.Failed and self.settings.trace:
                 log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
@@ -384,6 +391,7 @@ class WorkerSide:
             if rec.handle is not None and not rec.failure:
                 state = rec.handle.poll()
                 if state == KVPoll.Success:
+                    self.stats.count("rooms_received")
                     self._keep_stats(req_id, rec.handle.stats)
                     if self.settings.trace:
                         log.info("kvbridge decode %s: request %s received: %s", self.label, req_id,
@@ -396,6 +404,7 @@ class WorkerSide:
                 rec.failure = rec.handle.failure_reason or "room failed"
             if rec.handle is not None and not rec.handle.pages_releasable:
                 continue  # a write may still land in these blocks (hard rule 6)
+            self.stats.count("load_failed")
             log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
                         rec.receive.room, rec.failure)
             self._load_errors.update(rec.receive.block_ids)

@@ -137,3 +137,19 @@ def test_kvbridge_logs_go_through_vllms_logging_with_time_and_level(model, capfd
     finally:
         ours.handlers[:], ours.propagate = saved[0], saved[2]
         ours.setLevel(saved[1])
+
+
+def test_refusals_reach_vllms_connector_stats_by_reason(model):
+    """What was refused is counted by reason in vLLM's connector stats (taken once: vLLM's scheduler
+    asks every step and aggregates the workers' into them)."""
+    from kvbridge.integrations.vllm import KVBridgeConnector
+
+    connector = _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+    side = connector.scheduler_side
+    for reason in ("room_in_use", "room_in_use", "room_refused"):
+        side._count(reason, "req-1", "probe")
+    stats = connector.get_kv_connector_stats()
+    assert stats.reduce() == {"room_in_use": 2, "room_refused": 1} and connector.get_kv_connector_stats() is None
+    workers = KVBridgeConnector.build_kv_connector_stats({"load_failed": 1, "room_in_use": 1})
+    assert stats.aggregate(workers).reduce() == {"room_in_use": 3, "room_refused": 1, "load_failed": 1}
+    assert side.refusals == {"room_in_use": 2, "room_refused": 1}  # the running totals stay
