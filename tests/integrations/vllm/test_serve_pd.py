@@ -258,8 +258,12 @@ def test_decode_killed_mid_request_ends_in_errors(cluster):
             except httpx.HTTPError:
                 pass  # the connection may break instead of ending: an error either way
         assert "data: [DONE]" not in events  # cut short, never a complete answer
-        finished = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events if e != "data: [DONE]"]
+        bodies = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+        finished = [b["choices"][0].get("finish_reason") for b in bodies if "choices" in b]
         assert "length" not in finished and "stop" not in finished
+        # the proxy says so: an error event naming decode (unless the connection broke before it)
+        errors = [b["error"]["message"] for b in bodies if "error" in b]
+        assert all("decode" in m and "stream broke" in m for m in errors), errors
         resp = plain.result(timeout=ERROR_BOUND_S)
     assert resp.status_code == 502 and "decode" in resp.json()["error"]["message"], resp.text[:2000]
     assert proxy.alive()
