@@ -12,12 +12,14 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   (``plan_kind`` over ``describe_buffer``'s descriptors; ``state_slices``/``state_tp_spec`` for state
   slots across TP sizes; docs/models.md);
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
-  ``fingerprint``, ``diff_contracts``;
+  ``fingerprint``, ``diff_contracts``, ``weights_digest`` (a checkpoint's identity for ``model.weights``);
 - integrations: ``SettingsReader`` (the one settings convention, kvbridge/integrations/README.md);
-- bootstrap: ``BootstrapClient, ``start_bootstrap`` (a daemon process for a ``with`` block);
+- bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
 - data path: ``create_engine`` and ``engine_names`` (the engine registry's names, by kind),
   ``STAGING_MODES`` (the ``staging`` setting's values), ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
-  ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened).
+  ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened);
+- rooms bound to their request: ``room_binding`` (a request's digest, passed to ``init(binding=)`` on both
+  sides), ``sign_room``/``verify_room`` (room ids a router chooses, signed with the cluster's room key).
 """
 
 from kvbridge._version import WIRE_VERSION, __version__
@@ -28,6 +30,7 @@ from kvbridge.bootstrap import (
     contract_from_preset,
     diff_contracts,
     fingerprint,
+    weights_digest,
 )
 from kvbridge.errors import *  # noqa: F401,F403
 from kvbridge.errors import __all__ as _errors_all
@@ -76,6 +79,7 @@ from kvbridge.transfer.engine.registry import engine_names
 from kvbridge.transfer.staging.settings import STAGING_MODES
 from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
 from kvbridge.bootstrap.starter import start_bootstrap
+from kvbridge.transfer.binding import room_binding, sign_room, verify_room
 
 __all__ = [
     *_errors_all,
@@ -114,6 +118,8 @@ __all__ = [
     "mooncake_available",
     "preset_pools",
     "rank_heads",
+    "room_binding",
+    "sign_room",
     "stage_specs",
     "start_bootstrap",
     "Extent",
@@ -130,4 +136,6 @@ __all__ = [
     "state_slices",
     "state_tp_spec",
     "window_pool",
+    "verify_room",
+    "weights_digest",
 ]

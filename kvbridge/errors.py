@@ -29,6 +29,8 @@
         ├── LedgerError                pages missing, reported twice, or aux row wrong
         ├── Aborted                    the room was aborted by either side
         ├── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
+        ├── RoomBindingError           a claim of a room bound to another request, or a room signature that
+        │                              does not verify or has expired (transfer/binding.py)
         └── StagingSlotError           a staging-slot event its table does not allow (a caller's bug)
 
 Every message names what it can of the room, the rank and the field involved:
@@ -69,6 +71,7 @@ __all__ = [
     "StagingSlotError",
     "Aborted",
     "RoomInUse",
+    "RoomBindingError",
 ]
 
 
@@ -232,6 +235,10 @@ class RoomInUse(TransferError):
     def __init__(self, message: str, *, draining: bool = False, **ctx: Any) -> None:
         self.draining = draining
         super().__init__(message, **ctx)
+
+
+class RoomBindingError(TransferError):
+    pass
 
 
 class StagingSlotError(TransferError):

@@ -3,7 +3,7 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
 
     RuntimeContract
     ├── wire_version       kvbridge control-message protocol
-    ├── model              name, weights revision, target / draft layer counts
+    ├── model              name, weights revision, target / draft layer counts, weights digest
     ├── pools[]            per pool: dtype, abi, bytes/token, page size, in-page layout,
     │                      value/scale split, kernel ABI, layer ids   (matched by name);
     │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row);
@@ -93,6 +93,9 @@ class ModelIdentity(_Frozen):
     revision: str = Field(min_length=1, max_length=256)  # weights revision or digest
     target_layers: int = Field(ge=1)
     draft_layers: int = Field(ge=0)
+    # the checkpoint's own identity (``bootstrap/weights.py``: headers, sizes, sampled bytes), so that
+    # other weights under the same name are refused; "unspecified": not computed (left out of the encoding)
+    weights: str = Field(default="unspecified", min_length=1, max_length=256)
 
 
 class PoolContract(_Frozen):
@@ -346,13 +349,16 @@ _KIND_FIELDS = ("kind", "window", "ring_stride", "ratio", "shard_units", "unit_b
 
 def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
     """Sorted-key, compact, ASCII JSON of the contract's plain form. A replicated pool
-    leaves its TP-sharding fields out, a paged pool its kind fields, and a Mooncake contract
-    its transport (the encoding of contracts that predate them)."""
+    leaves its TP-sharding fields out, a paged pool its kind fields, a Mooncake contract its
+    transport, and a model without a weights digest its ``weights`` (the encoding of contracts
+    that predate them)."""
     if isinstance(contract, dict):
         contract = RuntimeContract.model_validate(contract)
     plain = contract.model_dump(mode="json")
     if plain["transport"] == DEFAULT_TRANSPORT:
         del plain["transport"]
+    if plain["model"]["weights"] == "unspecified":
+        del plain["model"]["weights"]
     for pool in plain["pools"]:
         if pool["tp_sharding"] == "replicated":
             for key in _HEAD_FIELDS:

@@ -70,6 +70,8 @@ _SECTION_BREAKS = {
     "wire_version": "control messages would be encoded and decoded by different wire protocol versions",
     "model.name": "the pages hold another model's KV: decode would attend over foreign activations",
     "model.revision": "the KV was computed by other weights: decode would attend over activations its weights never produced",
+    "model.weights": "another checkpoint under this name (its weights digest differs): decode would attend over KV its "
+                     "own weights never produced, and answer garbage with success",
     "model.target_layers": "target layers would not pair one to one: some layers' pages would have no destination",
     "model.draft_layers": "draft layers would not pair one to one: the draft model would decode from missing KV",
     "model": "the two sides serve different models",

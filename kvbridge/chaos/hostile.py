@@ -36,6 +36,9 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     spellings, mooncake_reader   identity attacks (``hostile_identity.py``): every other spelling
                      of the victim's session registered as an alias; an attacker that reads
                      any Mooncake-registered memory acting for the victim's registration
+    bound_rooms, room_signatures   attacks on room ids (``hostile_rooms.py``): another request's
+                     room, a room claimed before it opens, a reused room, a longer prompt; forged,
+                     expired and moved router signatures
 
 Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
 harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
@@ -60,7 +63,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvbridge.chaos import hostile_identity
+from kvbridge.chaos import hostile_identity, hostile_rooms
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
@@ -75,10 +78,12 @@ from kvbridge.worker import ops
 __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
-           "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader")
+           "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
+           "room_signatures")
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
-                 "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader")
+                 "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
+                 "room_signatures")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -164,6 +169,22 @@ class Hostile:
 
     def submit(self, m: Member, op: ops.Op) -> int:
         return _submit(m, op)
+
+    def wait_reply(self, m: Member, request_id: int, timeout: float) -> Any:
+        return _wait_reply(m, request_id, timeout)
+
+    def reason(self, reply: Any) -> str:
+        return _reason(reply)
+
+    def spawn_decode(self, name: str) -> Member:
+        """Another decode instance with every flag of the cluster's own (an attacker's), started."""
+        legit = self.c.decode[0]
+        m = Member(name, "decode", _with_flags(legit.argv, {"--instance": name,
+                                                            "--lease-file": str(self.c.workdir / f"{name}.lease")}))
+        m.proc = self.c.group.spawn(name, m.argv, ready_file=True)
+        m.ready = self.c.group.wait_ready(m.proc, 60.0)
+        m.client = ops.OpsClient(m.ready["ops"], secret=self.c.secret.encode())
+        return m
 
     def rss(self, m: Member) -> float | None:
         res = proc_resources(m.pid) if m.alive else None  # type: ignore[arg-type]
@@ -540,6 +561,7 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "hello_replay": Hostile.hello_replay, "postauth_partial": Hostile.postauth_partial,
     "mac_flood": Hostile.mac_flood,
     "spellings": hostile_identity.spelling_aliases, "mooncake_reader": hostile_identity.mooncake_reader,
+    "bound_rooms": hostile_rooms.bound_rooms, "room_signatures": hostile_rooms.room_signatures,
 }
 
 

@@ -33,6 +33,7 @@ class DecodeTask(Task):
     page_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     aux_slot: int = -1
     initialised: bool = False
+    binding: bytes = b""
 
 
 class DecodeWorker(WorkerBase):
@@ -86,7 +87,8 @@ class DecodeWorker(WorkerBase):
         except BaseException:
             self.pages.free(op.room)
             raise
-        task = DecodeTask(op.room, op.num_tokens, peer, request_id, page_ids=page_ids, aux_slot=aux_slot)
+        task = DecodeTask(op.room, op.num_tokens, peer, request_id, page_ids=page_ids, aux_slot=aux_slot,
+                          binding=op.binding)
         try:
             self.aux_buffer[aux_slot] = 0
             task.receiver = self.endpoint.receiver(op.room, op.prefill_instance, op.prefill_dp_rank)
@@ -104,7 +106,7 @@ class DecodeWorker(WorkerBase):
             for spec in self.specs.values():
                 for layer_id in spec.layer_ids:
                     prepare_destination(spec, self.buffers[(spec.name, layer_id)], task.page_ids, task.num_tokens)
-            task.receiver.init(task.page_ids, task.aux_slot, task.num_tokens)
+            task.receiver.init(task.page_ids, task.aux_slot, task.num_tokens, binding=task.binding)
             task.initialised = True
         elif state == KVPoll.Transferring:
             task.mark("transferring")

@@ -49,6 +49,7 @@ class Prefill(_Op, frozen=True, tag="prefill"):
     prompt: list[int] = []
     batch_id: _Count = 0
     batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    binding: bytes = b""  # the request's digest: the room is opened bound to it (kvbridge.room_binding)
 
 
 class Decode(_Op, frozen=True, tag="decode"):
@@ -57,6 +58,7 @@ class Decode(_Op, frozen=True, tag="decode"):
     prefill_instance: str
     prefill_dp_rank: _Count = 0
     max_new_tokens: _Count = 0  # model mode: greedy steps after the first token (TP rank 0 generates)
+    binding: bytes = b""  # the digest presented with the claim (a room bound to another refuses it)
 
 
 class Stats(_Op, frozen=True, tag="stats"):

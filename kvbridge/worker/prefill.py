@@ -93,7 +93,7 @@ class PrefillWorker(WorkerBase):
             if owner_of_last_token(op.num_tokens, ps, self.lanes) == self.cfg.cp_rank:
                 task.aux = self.aux_schema.unpack(make_aux(self.aux_schema, op.room, op.num_tokens))
             task.sender = self.endpoint.sender(op.room)
-            task.sender.init(op.num_tokens)
+            task.sender.init(op.num_tokens, binding=op.binding)
         except BaseException:
             self.pages.free(op.room)
             raise

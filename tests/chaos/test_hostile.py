@@ -30,7 +30,7 @@ def quick() -> dict[str, Any]:
     if not mooncake_available():
         pytest.skip("needs the Mooncake transfer engine")
     argv = [sys.executable, "-m", "kvbridge.cli.main", "chaos", "--hostile", "--quick", "--json"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=340)
     report = json.loads(done.stdout)
     assert done.returncode == (0 if report["ok"] else 1), done.stderr[-3000:]
     return report
@@ -131,6 +131,28 @@ def test_room_collision_first_claim_wins(quick: dict[str, Any]) -> None:
     assert d["served_twice"] == 0 and d["legit_failed"] == 0, d
     assert a["bytes_written_where_not_allowed"] == 0, a
     assert all("claimed by decode instance" in t["second"] for t in d["trials"]), d
+
+
+def test_rooms_bound_to_their_request_serve_no_attacker(quick: dict[str, Any]) -> None:
+    """Issue 31 through real workers: a second decode instance claims another request's room with
+    its own prompt's digest, claims a room before its owner opens it, claims a room already
+    received, and claims with a prompt one token longer; it is served in no trial (0 bytes), and
+    the owner of the room it tried first is still served."""
+    a = attack(quick, "bound_rooms")
+    assert a["outcome"] == "defended", a
+    trials = {t["case"]: t for t in a["details"]["trials"]}
+    assert set(trials) == {"foreign", "preclaimed", "reused", "longer"} and a["bytes_written_where_not_allowed"] == 0
+    assert "bound to another request" in trials["foreign"]["attacker"] and trials["foreign"]["owner"] == "ok", trials
+    assert trials["reused"]["owner"] == "ok" and trials["reused"]["attacker"].startswith("failed"), trials
+    assert trials["preclaimed"]["attacker"].startswith("failed"), trials
+
+
+def test_forged_expired_and_moved_room_signatures_are_refused(quick: dict[str, Any]) -> None:
+    a = attack(quick, "room_signatures")
+    assert a["outcome"] == "defended", a
+    assert a["details"]["refused"] == {"forged": "kvbridge_room_sig", "expired": "kvbridge_room_expires",
+                                       "other_room": "kvbridge_room_sig", "moved_expiry": "kvbridge_room_sig",
+                                       "other_prompt": "kvbridge_room_sig"}, a
 
 
 def test_a_replayed_hello_holds_no_slot(quick: dict[str, Any]) -> None:

@@ -86,7 +86,7 @@ class Cluster:
         self.clients.append(c)
         return c
 
-    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None, aux=None):
+    def send(self, room: int, n: int, ranks=None, corrupt_room: int | None = None, aux=None, binding: bytes = b""):
         """Fill and send every rank's owned pages of ``room``; returns the senders. ``aux``: the
         row the owner of the last token sends (default: a good one)."""
         num_pages = -(-n // PAGE)
@@ -99,7 +99,7 @@ class Cluster:
             for (pool, layer), buf in ep.buffers.tensors.items():
                 fill_pages(self.specs[pool], buf, room, layer, owned, local, n)
             s = ep.sender(room)
-            s.init(n)
+            s.init(n, binding=binding)
             owns_last = self.lanes.owner_of_token(n - 1, PAGE, num_pages) == rank
             row = make_aux(self.aux_schema, corrupt_room or room, n) if aux is None else aux
             if corrupt_room is not None:

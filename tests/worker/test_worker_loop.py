@@ -34,8 +34,8 @@ class FakeSender:
         self.ready = []
         self.failure_reason = None
 
-    def init(self, num_tokens):
-        self.num_tokens = num_tokens
+    def init(self, num_tokens, *, binding=b""):
+        self.num_tokens, self.binding = num_tokens, binding
 
     def send(self, logical, local, *, num_tokens_ready=None, is_last=False, aux=None):
         self.sends.append((logical.tolist(), local.tolist(), is_last, aux))
@@ -58,7 +58,7 @@ class FakeReceiver:
         self.inits = []
         self.lanes = OwnerLanes(1)  # what the bootstrap topology would give
 
-    def init(self, page_ids, aux_slot, num_tokens):
+    def init(self, page_ids, aux_slot, num_tokens, *, binding=b""):
         self.inits.append((page_ids.tolist(), aux_slot, num_tokens))
 
     def poll(self):

@@ -51,7 +51,8 @@ ENVIRONMENT = (
                    "against them)"),
     (ENV_HIDDEN, "dtype of the carried hidden state (default: --dtype, else bfloat16)"),
     (ENV_LEASE, "lease of a rank at the daemon, seconds (default 10)"),
-    (ENV_PEER, "silence after which a peer rank counts as dead, seconds (default 5)"),
+    (ENV_PEER, "silence after which a peer rank counts as dead, and the deadline of a connection's ownership "
+               "proof, seconds (default 15: a loaded host starves kvbridge's threads past 5; docs/sglang.md)"),
     (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
     (ENV_STAGING, "staged transfers (docs/staging.md): auto (default: chosen per target, many small slices "
                   "staged, few large ones direct), always (decode: every page through its staging area; prefill: "
@@ -67,6 +68,8 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+PEER_TIMEOUT_S = 15.0  # the library's 5 s is tripped by a loaded CPU host (docs/sglang.md, "Liveness")
 
 
 def cluster_url(env: Mapping[str, str] | None = None) -> str:
@@ -199,7 +202,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         model_name=str(getattr(sa, "served_model_name", "") or getattr(sa, "model_path", "") or "unknown"),
         revision=str(getattr(sa, "revision", "") or "unspecified"), spec_algorithm=SPEC_ALGORITHMS.get(spec, "none"),
         spec_topk=int(getattr(sa, "speculative_eagle_topk", 0) or 1), lease_ttl=r.number("lease_ttl", 10.0, positive=True),
-        peer_timeout=r.number("peer_timeout", 5.0, positive=True), secret=secret.encode() if secret else None,
+        peer_timeout=r.number("peer_timeout", PEER_TIMEOUT_S, positive=True), secret=secret.encode() if secret else None,
         bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
         **staging,

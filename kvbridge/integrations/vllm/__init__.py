@@ -24,7 +24,14 @@ with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer
                         (or KVBRIDGE_ENGINE)
     host, protocol, device   the transfer engine: address (default 127.0.0.1), tcp | rdma, RDMA NIC
     staging             auto (default) | always | never; staging_bytes, staging_slot_bytes
-    secret, lease_ttl, peer_timeout, target_timeout (prefill), transfer_timeout (decode), trace
+    secret, lease_ttl, target_timeout (prefill), transfer_timeout (decode), trace
+    peer_timeout        silence that counts a peer as dead, and the ownership proof's deadline
+                        (default 15 s: a loaded CPU host trips 5)
+    room_key            HMAC key of the cluster (or KVBRIDGE_ROOM_KEY): prefill signs the params
+                        it returns, decode refuses them unsigned, forged, expired or bound to
+                        another prompt; a router's kvbridge_room must be signed (room_ttl_s: 600)
+    weights             the contract's model.weights: auto (kvbridge.weights_digest of the
+                        model folder), off, or a digest of your own
     tp_rank             a worker's TP rank when vLLM's parallel state is not initialised
     aux_slots           decode: rooms in flight per rank (default 1024)
     layerwise           prefill: true (default) sends a prompt's last step layer by layer, each
@@ -35,11 +42,14 @@ with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer
 
     1. to prefill (max_tokens 1):  {"do_remote_decode": true}
                                    optional "kvbridge_room": a 63-bit room id (default: drawn
-                                   from vLLM's request id)
+                                   from vLLM's request id); with room_key it must come with
+                                   "kvbridge_room_sig" and "kvbridge_room_expires"
     2. prefill's response carries  {"do_remote_prefill": true, "do_remote_decode": false,
                                     "kvbridge_room": R, "kvbridge_instance": "prefill-0",
-                                    "kvbridge_num_tokens": N}
-    3. to decode: those params as they are (the same prompt)
+                                    "kvbridge_num_tokens": N[, "kvbridge_room_sig": ...,
+                                    "kvbridge_room_expires": ...]}
+    3. to decode: those params as they are (the same prompt: the room is bound to its
+       token ids, and a claim from another prompt is refused with nothing loaded)
 
 Decode's blocks reach prefill over kvbridge's control path (decode's receiver asks the
 prefill ranks the daemon names, with its block ids), not through the params: the
@@ -47,7 +57,7 @@ proxy needs no knowledge of blocks, prefix hits or TP layouts.
 
 Modules: ``settings`` (what is read and refused), ``cache`` (vLLM's tensors -> pool,
 buffers, contract), ``meta`` (scheduler -> worker), ``scheduler``, ``worker``,
-``connector`` (the class vLLM loads). vLLM is imported by those modules only; this
+``connector`` (the class vLLM loads), ``proxy`` (``kvbridge vllm-proxy``: no vLLM import). vLLM is imported by those modules only; this
 package imports none of them until ``KVBridgeConnector`` is asked for.
 """
 

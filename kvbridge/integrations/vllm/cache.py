@@ -176,11 +176,12 @@ def pool_spec(cache: VLLMCache, total_kv_heads: int, tp_size: int, tp_rank: int)
 
 
 def rank_contract(cache: VLLMCache, spec: PoolSpec, *, model_name: str, revision: str, tp_size: int,
-                  vllm_version: str) -> RuntimeContract:
+                  vllm_version: str, weights: str = "unspecified") -> RuntimeContract:
     """The contract both sides must agree on: the model, the pool (dtype, block size, the
     whole row's heads), vLLM's version and layout; HND adds the TP size (whole blocks)."""
     abi = f"layout={cache.layout}" + (f",tp={tp_size}" if cache.layout == HND else "")
     return contract_for({spec.name: spec.full()}, model={"name": model_name, "revision": revision,
-                                                         "target_layers": spec.num_layers, "draft_layers": 0},
+                                                         "target_layers": spec.num_layers, "draft_layers": 0,
+                                                         "weights": weights},
                         aux=AUX_SCHEMA, lane_rule="interleaved",
                         kernel={"attention_backend": f"vllm-{vllm_version}", "abi": abi})

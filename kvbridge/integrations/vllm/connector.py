@@ -14,13 +14,17 @@ by name below (the base's defaults stand for the rest):
     wait_for_layer_load           nothing to wait: loads are asynchronous (WAITING_FOR_REMOTE_KVS)
     get_handshake_metadata        None: the bootstrap daemon pairs ranks, not vLLM's side channel
     kv_both                       refused (settings.py)
+
+kvbridge's log records go through vLLM's logging configuration (``route_logs``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -32,6 +36,7 @@ from kvbridge import ConfigError, cuda_graph_note
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.integrations.vllm.settings import read_settings, refuse_hybrid
+from kvbridge.integrations.vllm.stats import build_stats
 from kvbridge.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,7 @@ log = logging.getLogger(__name__)
 class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_logs(os.environ.get("KVBRIDGE_LOG_LEVEL"))
         self.settings = read_settings(vllm_config)
         if kv_cache_config is not None:
             refuse_hybrid(kv_cache_config)
@@ -83,6 +89,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_work
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Refusals, rooms sent, received and failed, by reason, since vLLM last asked (stats.py)."""
+        side = self.scheduler_side if self.scheduler_side is not None else self.worker_side
+        return None if side is None else side.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return build_stats(data)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
@@ -136,6 +151,28 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def _meta(self) -> KVBridgeMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVBridgeMetadata) else None
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def route_logs(level: str | None) -> None:
+    """kvbridge's records through vLLM's logging configuration: the ``kvbridge`` logger takes vLLM's
+    handlers (its format: level, time, file and line; vLLM prefixes each process's lines with its
+    name and pid) at ``level`` (``KVBRIDGE_LOG_LEVEL``), else vLLM's level (``VLLM_LOGGING_LEVEL``,
+    INFO by default), so INFO lines show when asked. Without vLLM's handlers
+    (``VLLM_CONFIGURE_LOGGING=0``) kvbridge's records go to the root logger the user configured."""
+    if level is not None and level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"KVBRIDGE_LOG_LEVEL {level!r} is not one of {', '.join(LOG_LEVELS)}",
+                          field="KVBRIDGE_LOG_LEVEL")
+    ours, vllm_log = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    if not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.setLevel(level.upper() if level else vllm_log.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _tp_rank(settings: Any) -> int:

@@ -24,6 +24,7 @@ class SendChunk:
     tokens_ready: int  # tokens [0, t) exist once this step's forward pass is done
     num_tokens: int  # the prompt's tokens: what decode receives
     is_last: bool
+    binding: bytes = b""  # the prompt's digest (kvbridge.room_binding): the room is opened bound to it
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Receive:
     block_ids: tuple[int, ...]
     first_page: int
     error: str = ""  # the scheduler side refused the request's params: fail its load, naming this
+    binding: bytes = b""  # the prompt's digest, presented with the claim (a room bound to another refuses it)
 
 
 @dataclass

@@ -14,6 +14,16 @@ workers (``meta.py``); the bytes move on the worker side.
       is final (finished_sending); the params for       aborted, its blocks held until no write
       decode (PARAMS_TO_DECODE)                         can land (finished_recving)
 
+A room is bound to its request: prefill opens it with the digest of the prompt's token ids
+(``kvbridge.room_binding``) and decode presents the digest of its own prompt with the claim, so
+a room id taken from another request, or a longer prompt ending in the same block, is refused
+by prefill at once with nothing written. Before anything is loaded decode also checks its prompt's
+token count against ``kvbridge_num_tokens``; with ``room_key`` the params prefill returns are
+signed (room, expiry, binding) and decode refuses them unsigned, forged or expired, and a
+router-chosen ``kvbridge_room`` must carry the router's signature. A room id already open on this
+engine is refused before the request runs (no params returned: never another request's room).
+Every refusal is counted by reason (``refusals``) and logged.
+
 A request's blocks are freed exactly once: vLLM frees them when ``request_finished``
 returns False, else when a worker reports the request finished (every worker of the
 engine: vLLM's output aggregator waits for all of them).
@@ -22,14 +32,29 @@ engine: vLLM's output aggregator waits for all of them).
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge import KVBridgeError, room_binding, sign_room, verify_room
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
 from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.stats import KVBridgeStats
+
+log = logging.getLogger(__name__)
 
 ROOM, INSTANCE, NUM_TOKENS = "kvbridge_room", "kvbridge_instance", "kvbridge_num_tokens"
+SIG, EXPIRES = "kvbridge_room_sig", "kvbridge_room_expires"
 MAX_ROOM = (1 << 63) - 1
+
+
+def prompt_binding(request: Any) -> bytes:
+    """The digest of the request's prompt (token ids and count); b"" for a prompt given as
+    embeddings (no ids: the room is then unbound)."""
+    ids, n = getattr(request, "prompt_token_ids", None), int(request.num_prompt_tokens)
+    return room_binding(ids, n) if ids is not None and n > 0 else b""
 
 
 def room_of(request_id: str) -> int:
@@ -55,6 +80,7 @@ class _Send:
     request: Any
     room: int
     num_tokens: int
+    binding: bytes = b""
     sent_pages: int = 0  # pages handed to the workers so far
     opened: bool = False  # a chunk reached the workers: their senders exist
     done: bool = False  # the last chunk reached them
@@ -71,6 +97,10 @@ class SchedulerSide:
         self._receives: list[Receive] = []  # decode: to hand out in the next metadata
         self._receiving: set[str] = set()  # decode: handed out, not reported finished yet
         self._aborts: list[str] = []
+        self._open_rooms: dict[int, str] = {}  # prefill: room -> the request whose room it is, until freed
+        self._room_of: dict[str, int] = {}
+        self.refusals: Counter[str] = Counter()  # reason -> requests refused a transfer (prefill or decode)
+        self.stats = KVBridgeStats()  # the same, since vLLM last took them (get_kv_connector_stats)
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -87,11 +117,7 @@ class SchedulerSide:
             return
         if self.is_prefill:
             if params.get("do_remote_decode") and request.request_id not in self._sends:
-                try:
-                    room = requested_room(params, request.request_id)
-                except ValueError:
-                    return  # not a kvbridge room: the request runs without a transfer
-                self._sends[request.request_id] = _Send(request, room, int(request.num_prompt_tokens))
+                self._open(request, params)
             return
         if not params.get("do_remote_prefill") or ROOM not in params:
             return
@@ -102,19 +128,68 @@ class SchedulerSide:
         local = int(request.num_prompt_tokens) - int(num_external_tokens)
         block_ids = list(blocks.get_block_ids()[0])
         error = ""
+        binding = prompt_binding(request)
         try:
             room = requested_room(params, req_id)
             instance = str(params.get(INSTANCE) or "")
             if not instance:
                 raise ValueError(f"kv_transfer_params.{INSTANCE} is missing (pass on what prefill returned)")
-        except ValueError as exc:
+            self._check_claim(params, request, room, binding)
+        except (ValueError, KVBridgeError) as exc:
             room, instance, error = 0, "", str(exc)
+            self._count("decode_params_refused", req_id, error)
         if not error and local % self.block_size:
             error = (f"decode's local prefix hit of {local} tokens is not whole blocks of {self.block_size}: "
                      "kvbridge moves the blocks after a block-aligned prefix")
         first = local // self.block_size
         pages = tuple(block_ids[first:cdiv(int(request.num_prompt_tokens), self.block_size)])
-        self._receives.append(Receive(req_id, room, instance, pages, first, error))
+        self._receives.append(Receive(req_id, room, instance, pages, first, error, binding))
+
+    def _check_claim(self, params: dict[str, Any], request: Any, room: int, binding: bytes) -> None:
+        """Decode, before anything is loaded: the room carries this prompt's token count, and with
+        ``room_key`` the params are prefill's, unexpired and bound to this prompt."""
+        n, claimed = int(request.num_prompt_tokens), params.get(NUM_TOKENS)
+        if isinstance(claimed, bool) or not isinstance(claimed, int):
+            raise ValueError(f"kv_transfer_params.{NUM_TOKENS} {claimed!r} is missing or not an integer (pass on "
+                             f"what prefill returned)")
+        if claimed != n:
+            raise ValueError(f"room {room} carries {claimed} tokens ({NUM_TOKENS}) but decode's prompt has {n}: "
+                             "another prompt's room; nothing loaded")
+        if self.settings.room_key:
+            verify_room(self.settings.room_key, room, params.get(EXPIRES), params.get(SIG), now=time.time(),
+                        binding=binding)
+
+    def _open(self, request: Any, params: dict[str, Any]) -> None:
+        """Prefill: the room of a ``do_remote_decode`` request, bound to its prompt; refused (the
+        request runs without a transfer and returns no params) when the room id is bad, unsigned
+        under ``room_key``, or already open on this engine."""
+        req_id = request.request_id
+        binding = prompt_binding(request)
+        try:
+            room = requested_room(params, req_id)
+            if ROOM in params and self.settings.room_key:  # a router's room: signed, unexpired
+                verify_room(self.settings.room_key, room, params.get(EXPIRES), params.get(SIG), now=time.time(),
+                            binding=binding)
+        except (ValueError, KVBridgeError) as exc:
+            self._count("room_refused", req_id, str(exc))
+            return
+        holder = self._open_rooms.get(room)
+        if holder is not None:
+            self._count("room_in_use", req_id, f"room {room} is already open for request {holder} on this engine")
+            return
+        self._open_rooms[room], self._room_of[req_id] = req_id, room
+        self._sends[req_id] = _Send(request, room, int(request.num_prompt_tokens), binding)
+
+    def _count(self, reason: str, req_id: str, detail: str) -> None:
+        self.refusals[reason] += 1
+        self.stats.count(reason)
+        log.warning("kvbridge %s: request %s: no transfer (%s, %d so far): %s", self.settings.role, req_id, reason,
+                    self.refusals[reason], detail)
+
+    def _free_room(self, req_id: str) -> None:
+        room = self._room_of.pop(req_id, None)
+        if room is not None:
+            del self._open_rooms[room]
 
     # -- both ------------------------------------------------------------------------------
 
@@ -136,7 +211,7 @@ class SchedulerSide:
                 continue
             block_ids = self._block_ids(req_id, scheduler_output)
             meta.sends.append(SendChunk(req_id, s.room, tuple(block_ids[s.sent_pages:upto]), s.sent_pages, ready,
-                                        s.num_tokens, is_last))
+                                        s.num_tokens, is_last, s.binding))
             s.sent_pages, s.opened, s.done = upto, True, is_last
         return meta
 
@@ -152,11 +227,17 @@ class SchedulerSide:
         if self.is_prefill:
             s = self._sends.pop(req_id, None)
             if s is None or not s.opened:
+                self._free_room(req_id)
                 return False, None  # no worker holds a room of it
             self._held.add(req_id)
             if s.done and not _aborted(request):
-                return True, {"do_remote_prefill": True, "do_remote_decode": False, ROOM: s.room,
-                              INSTANCE: self.settings.instance, NUM_TOKENS: s.num_tokens}
+                params = {"do_remote_prefill": True, "do_remote_decode": False, ROOM: s.room,
+                          INSTANCE: self.settings.instance, NUM_TOKENS: s.num_tokens}
+                if self.settings.room_key:
+                    expires = int(time.time() + self.settings.room_ttl_s)
+                    params.update({SIG: sign_room(self.settings.room_key, s.room, expires, s.binding),
+                                   EXPIRES: expires})
+                return True, params
             self._aborts.append(req_id)
             return True, None
         pending = [r for r in self._receives if r.req_id == req_id]
@@ -175,6 +256,7 @@ class SchedulerSide:
             self._held.discard(req_id)
         for req_id in output.finished_sending or ():
             self._held.discard(req_id)
+            self._free_room(req_id)
 
     @property
     def has_pending_work(self) -> bool:

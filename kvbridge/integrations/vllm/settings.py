@@ -15,15 +15,21 @@ consumer), hybrid models (several KV cache groups, or a group that is not full a
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, SettingsReader, engine_names
+from kvbridge import STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, SettingsReader, engine_names, weights_digest
+
+log = logging.getLogger(__name__)
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 ENGINES = engine_names("network")  # what a vLLM worker's transfer engine may be (both sides on one)
+PEER_TIMEOUT_S = 15.0  # the library's 5 s is tripped by a loaded CPU host (docs/vllm.md, "Liveness")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 
 # kv_connector_extra_config: key -> (environment fallback, meaning)
@@ -43,7 +49,15 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "staging_slot_bytes": ("KVBRIDGE_STAGING_SLOT_BYTES", "staging slot size in bytes (0: the default)"),
     "secret": ("KVBRIDGE_SECRET", "control-channel HMAC secret, the same on every server"),
     "lease_ttl": ("KVBRIDGE_LEASE_TTL", "lease of a rank at the daemon, seconds (default 10)"),
-    "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, seconds (default 5)"),
+    "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, and the deadline of "
+                                              "a connection's ownership proof, seconds (default 15: a CPU forward "
+                                              "pass on a loaded host starves kvbridge's threads past 5)"),
+    "room_key": ("KVBRIDGE_ROOM_KEY", "HMAC key shared by the cluster: prefill signs the params it returns and "
+                                      "decode refuses params not signed, expired or bound to another prompt; a "
+                                      "router-chosen kvbridge_room must then be signed (docs/vllm.md)"),
+    "room_ttl_s": ("", "how long the params prefill returns stay valid with room_key, seconds (default 600)"),
+    "weights": ("KVBRIDGE_WEIGHTS", "the contract's weights identity: auto (default: kvbridge.weights_digest of the "
+                                    "model's local folder, headers + sizes + sampled bytes), off, or a digest to use"),
     "target_timeout": ("", "prefill: how long a finished prompt waits for decode to ask, seconds (default 60)"),
     "transfer_timeout": ("", "decode: how long a room may take once asked, seconds (default 120)"),
     "lease_quarantine": ("", "decode: how long a silent prefill rank's rooms keep their blocks after its lease "
@@ -87,6 +101,10 @@ class Settings:
     aux_slots: int
     vllm_version: str
     layerwise: bool = True
+    room_key: bytes = b""
+    room_ttl_s: float = 600.0
+    weights: str = "auto"  # auto | off | a digest
+    model_path: str = ""  # the model as vLLM names it: a local folder or a hub id (its cached snapshot)
 
     @property
     def staging_config(self) -> dict[str, Any]:
@@ -131,18 +149,49 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         staging=r.choice("staging", STAGING_MODES, "auto"), staging_bytes=r.integer("staging_bytes", 0),
         staging_slot_bytes=r.integer("staging_slot_bytes", 0),
         secret=secret.encode() if secret else None,
-        lease_ttl=r.number("lease_ttl", 10.0), peer_timeout=r.number("peer_timeout", 5.0),
+        lease_ttl=r.number("lease_ttl", 10.0), peer_timeout=r.number("peer_timeout", PEER_TIMEOUT_S),
         target_timeout=r.number("target_timeout", 60.0), transfer_timeout=r.number("transfer_timeout", 120.0),
         lease_quarantine=r.number("lease_quarantine", 30.0),
         trace=r.flag("trace", False),
         tp_rank_override=None if r.raw("tp_rank", None) is None else r.integer("tp_rank", 0),
         aux_slots=r.integer("aux_slots", 1024), vllm_version=str(vllm.__version__),
-        layerwise=r.flag("layerwise", True),
+        layerwise=r.flag("layerwise", True), room_key=r.text("room_key").encode(),
+        room_ttl_s=r.number("room_ttl_s", 600.0), weights=r.text("weights", "auto"), model_path=str(mc.model),
     )  # fmt: skip
     # the role's own config checks the staging sizes (the one rule for staging settings)
     cfg = PrefillConfig if role == "prefill" else DecodeConfig
     cfg(instance=s.instance, **s.staging_config)
     return s
+
+
+def model_weights(settings: Settings) -> str:
+    """The contract's ``model.weights``: ``kvbridge.weights_digest`` of the model's folder (a local
+    path, or a hub id's cached snapshot at its revision) with ``weights`` auto; "unspecified" when
+    off, or when no local copy or no weight file is found (logged); the given string otherwise.
+    Cost: the safetensors headers and 8 x 64 KiB per file (bootstrap/weights.py)."""
+    if settings.weights == "off":
+        return "unspecified"
+    if settings.weights != "auto":
+        return settings.weights
+    folder = settings.model_path
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            revision = None if settings.revision == "unspecified" else settings.revision
+            folder = snapshot_download(folder, revision=revision, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
+            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
+                        settings.model_path, exc)
+            return "unspecified"
+    started = time.monotonic()
+    try:
+        digest = weights_digest(folder)
+    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
+        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
+        return "unspecified"
+    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
+    return digest
 
 
 def refuse_parallel(parallel: Any) -> None:

@@ -58,7 +58,8 @@ from kvbridge import (
 )
 from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
-from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.settings import Settings, model_weights
+from kvbridge.integrations.vllm.stats import KVBridgeStats
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class WorkerSide:
         # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
         # paths direct/staged), request id -> stats, the newest STATS_KEPT
         self.room_stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.stats = KVBridgeStats()  # rooms sent, received and failed since vLLM last took them
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -117,7 +119,7 @@ class WorkerSide:
                               f"with TP <= {self.total_kv_heads} (decode may use any TP)", field="tensor_parallel_size")
         spec = pool_spec(cache, self.total_kv_heads, tp_size if cache.layout != HND else 1, tp_rank)
         contract = rank_contract(cache, spec, model_name=s.model_name, revision=s.revision, tp_size=s.tp_size,
-                                 vllm_version=s.vllm_version)
+                                 vllm_version=s.vllm_version, weights=model_weights(s))
         if self.is_prefill and self.is_mla:
             tp_size, tp_rank = 1, 0
             if self.tp_rank != 0:
@@ -272,7 +274,7 @@ class WorkerSide:
         if sender is None:
             try:
                 sender = self.endpoint.sender(c.room)
-                sender.init(self._tokens(c.num_tokens))
+                sender.init(self._tokens(c.num_tokens), binding=c.binding)
             except KVBridgeError as exc:
                 self._failed(c, sender, exc)
                 return None
@@ -285,6 +287,7 @@ class WorkerSide:
                 np.asarray(c.block_ids, dtype=np.int64))
 
     def _failed(self, c: SendChunk, sender: Any, exc: KVBridgeError) -> None:
+        self.stats.count("send_failed")
         log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
         self._layers_sent.pop(c.req_id, None)
         self._broken.add(c.req_id)
@@ -325,7 +328,8 @@ class WorkerSide:
         rec.aux_slot = self._free_slots.pop()
         try:
             rec.handle = self.endpoint.receiver(r.room, r.prefill_instance, self.dp_rank)
-            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page)
+            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page,
+                            binding=r.binding)
         except KVBridgeError as exc:
             rec.failure = str(exc)
             if rec.handle is not None:
@@ -366,7 +370,11 @@ class WorkerSide:
             if state not in FINAL:
                 continue
             if state == KVPoll.Failed:
+                if req_id not in self._broken:  # a failure _failed() did not count
+                    self.stats.count("send_failed")
                 log.warning("kvbridge prefill %s: request %s: %s", self.label, req_id, sender.failure_reason)
+            else:
+                self.stats.count("rooms_sent")
             self._keep_stats(req_id, sender.stats)
             if state != KVPoll.Failed and self.settings.trace:
                 log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
@@ -383,6 +391,7 @@ class WorkerSide:
             if rec.handle is not None and not rec.failure:
                 state = rec.handle.poll()
                 if state == KVPoll.Success:
+                    self.stats.count("rooms_received")
                     self._keep_stats(req_id, rec.handle.stats)
                     if self.settings.trace:
                         log.info("kvbridge decode %s: request %s received: %s", self.label, req_id,
@@ -395,6 +404,7 @@ class WorkerSide:
                 rec.failure = rec.handle.failure_reason or "room failed"
             if rec.handle is not None and not rec.handle.pages_releasable:
                 continue  # a write may still land in these blocks (hard rule 6)
+            self.stats.count("load_failed")
             log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
                         rec.receive.room, rec.failure)
             self._load_errors.update(rec.receive.block_ids)

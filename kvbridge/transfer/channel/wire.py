@@ -120,6 +120,9 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     staging_slot_bytes: Count = 0
     staging_base: Count = 0
     staging_only: bool = False
+    # the digest of the request I decode (``transfer/binding.py``): a room its engine opened bound to
+    # another digest refuses me at once (b"": I bind nothing; refused by a bound room)
+    binding: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)

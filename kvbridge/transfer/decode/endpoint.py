@@ -222,7 +222,8 @@ class DecodeEndpoint(EndpointShell):
         self._close_released()
         return self.machine.open(room, prefill_instance, dp_rank, time.monotonic())
 
-    def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int) -> None:
+    def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int,
+                  binding: bytes = b"") -> None:
         """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
         pages = page_ids if type(page_ids) is np.ndarray and page_ids.ndim == 1 else np.asarray(page_ids).reshape(-1)
         ctx = dict(room=r.room, rank=self.config.rank_label)
@@ -254,7 +255,10 @@ class DecodeEndpoint(EndpointShell):
             raise PageRangeError(f"page ids must lie in [0, {capacity}) (registered capacity)",
                                  field="page_ids", **ctx)
         self.aux.check_slot(aux_slot, room=r.room)
+        if not isinstance(binding, bytes) or len(binding) > 64:
+            raise LayoutError(f"binding must be at most 64 bytes, got {binding!r:.80}", field="binding", **ctx)
         with self._lock:
+            r.binding = binding
             # (a copy: the engine may reuse its array); topology known (cached or looked up): the
             # requests go out from this thread, no hop to the loop
             self._feed(self.machine.init(r, pages.astype(np.int64), int(aux_slot),

@@ -559,7 +559,7 @@ class DecodeRooms:
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.rank_id(), page_ids=page_ids,
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
-                fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size,
+                fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
                 **staging,
             )))
         # the books while the requests travel (the shell sends them with the lock held: no report of

@@ -239,9 +239,10 @@ class PrefillEndpoint(EndpointShell):
         with self._lock:
             self.machine.stage.mode = mode
 
-    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0) -> None:
+    def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0,
+                  binding: bytes = b"") -> None:
         with self._lock:
-            self._feed(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page))
+            self._feed(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page, binding))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None:

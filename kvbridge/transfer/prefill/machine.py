@@ -35,6 +35,7 @@ from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
+from kvbridge.transfer.binding import claim_refusal
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
@@ -173,8 +174,8 @@ class PrefillRooms:
                                                             pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
 
     def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
-                    first_page: int = 0) -> list[Any] | tuple:
-        r.engine_init(num_tokens, num_pages, first_page)
+                    first_page: int = 0, binding: bytes = b"") -> list[Any] | tuple:
+        r.engine_init(num_tokens, num_pages, first_page, binding)
         self._post_and_settle(r, now)  # a rank with nothing to send completes here if decode asked
         return self._actions()
 
@@ -402,7 +403,7 @@ class PrefillRooms:
         if self.closing:
             self._reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
             return
-        if not self._claim(ident, req):
+        if not self._bound(ident, req) or not self._claim(ident, req):
             return
         if req.fingerprint != self.fingerprint:
             self._refuse(ident, req, f"contract fingerprint {req.fingerprint} differs from prefill rank {rank}'s "
@@ -437,7 +438,7 @@ class PrefillRooms:
             r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
                                                       Stage.UNATTACHED, now=now,
                                                       pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
-        if not self._claim(ident, req):
+        if not self._bound(ident, req) or not self._claim(ident, req):
             return
         if r.state.final:
             reason = f": {r.state.reason}" if r.state.reason else ""
@@ -473,6 +474,8 @@ class PrefillRooms:
             self._reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
             return
         r.targets[req.decode_rank] = target
+        if r.claimed_binding is None:
+            r.claimed_binding = req.binding
         self.stage.offered(req.room, req.decode_rank, offer, now)
         r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
         self.dirty.add(r.room)
@@ -495,6 +498,18 @@ class PrefillRooms:
     def _holds(self, r: PrefillRoom, ident: bytes, rank_id: str) -> bool:
         """The decode instance of registration ``rank_id`` holds room ``r`` (or nobody claimed it yet)."""
         return r.holder is None or r.holder[0] == self._instance_of(ident, rank_id)
+
+    def _bound(self, ident: bytes, req: wire.TransferRequest) -> bool:
+        """The claim presents the room's binding (``transfer/binding.py``), or is refused now, before it
+        claims the room: an ErrorReply naming both digests, the room untouched."""
+        r = self.rooms.get(req.room)
+        refusal = None if r is None else claim_refusal(r.binding, r.claimed_binding, req.binding, room=req.room,
+                                                       rank=self.cfg.rank_label, decode_rank=req.decode_rank)
+        if refusal is None:
+            return True
+        log.warning("%s", refusal)
+        self._out.append(Send((ident,), wire.ErrorReply(ref_type=req.TAG, room=req.room, reason=refusal)))
+        return False
 
     def _claim(self, ident: bytes, req: wire.TransferRequest) -> bool:
         """A room id belongs to the decode instance whose request reached it first: its TP ranks
@@ -530,7 +545,8 @@ class PrefillRooms:
             t.abort_reason = t.abort_reason or msg.reason or "aborted by decode"
             self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {t.abort_reason}", now)
             return  # settle() acks once the room is quiet
-        if r is not None and not r.state.final:
+        # a bound room nobody claimed is not another request's to end (its refused claim aborts too)
+        if r is not None and not r.state.final and (r.holder is not None or not r.binding):
             self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {msg.reason or 'aborted by decode'}", now)
         self._reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
 

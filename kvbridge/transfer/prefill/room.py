@@ -70,8 +70,9 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import LayerRangeError, LayoutError
+from kvbridge.errors import LayerRangeError, LayoutError, RoomBindingError
 from kvbridge.layout import OwnerLanes
+from kvbridge.transfer.binding import engine_binding_refusal
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.targets import Target
 from kvbridge.transfer.rooms import Life, Stage
@@ -115,6 +116,8 @@ class PrefillRoom:
         self.aux_from: Any = None  # where the shell says the row is written from (machine.AuxFrom)
         self.targets: dict[str, Target] = {}
         self.holder: tuple[str, str] | None = None  # (decode instance, rank label) of the first claim: the only one served
+        self.binding: bytes | None = None  # the engine's digest of the request (init(binding=)); None: not said yet
+        self.claimed_binding: bytes | None = None  # the digest the accepted claims presented (transfer/binding.py)
         self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
         self.num_expected_targets: int | None = None
         self.created = now
@@ -276,7 +279,8 @@ class PrefillRoom:
                               field="num_tokens", **self.ctx)
         self.num_tokens = num_tokens
 
-    def engine_init(self, num_tokens: int | None, num_pages: int | None = None, first_page: int = 0) -> None:
+    def engine_init(self, num_tokens: int | None, num_pages: int | None = None, first_page: int = 0,
+                    binding: bytes = b"") -> None:
         """The engine's init(): a rank with nothing to send is done once decode asked (only the
         engine says so: a room decode asked for first waits for its sender). ``first_page``:
         the engine sends no page below it, since every decode rank holds them: a target with
@@ -284,9 +288,16 @@ class PrefillRoom:
         if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
             raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r} (init())",
                               field="first_page", **self.ctx)
+        if not isinstance(binding, bytes) or len(binding) > 64:
+            raise RoomBindingError(f"binding must be at most 64 bytes, got {binding!r:.80}", field="binding",
+                                   **self.ctx)
+        refusal = engine_binding_refusal(binding, self.claimed_binding, room=self.room)
+        if refusal is not None:
+            raise RoomBindingError(refusal, field="binding", **self.ctx)
         for t in self.targets.values():
             self.check_prefix(t, int(first_page))
         self.set_length("init()", num_tokens=num_tokens, num_pages=num_pages)
+        self.binding = binding
         if first_page > self.num_pages:
             raise LayoutError(f"first_page {first_page} outside a request of {self.num_pages} pages (init())",
                               field="first_page", **self.ctx)

@@ -22,7 +22,7 @@ class Endpoint(Protocol):
 
     def locked(self, fn: Callable[[], T]) -> T: ...
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
-                  first_page: int = 0) -> None: ...
+                  first_page: int = 0, binding: bytes = b"") -> None: ...
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None: ...
     def abort_room(self, r: PrefillRoom, reason: str) -> None: ...
@@ -37,7 +37,8 @@ class KVSender(RoomHandle):
     _ep: Endpoint
     _room: PrefillRoom
 
-    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None, first_page: int = 0) -> None:
+    def init(self, num_tokens: int | None = None, *, num_pages: int | None = None, first_page: int = 0,
+             binding: bytes = b"") -> None:
         """The request's length: its valid token count, or, for an engine that only knows pages
         (SGLang), ``num_pages`` alone; then the last ``send()`` says the token count in its
         ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
@@ -47,8 +48,13 @@ class KVSender(RoomHandle):
         ``first_page``: this engine sends only logical pages from ``first_page`` on, because
         every decode rank holds the ones below (pass ``decode_first_page``). Counts and
         ``num_tokens_ready`` stay the request's own (tokens ``[0, t)``, prefix included). A
-        decode rank that asks later with a shorter prefix is refused, naming both."""
-        self._ep.init_room(self._room, num_tokens, num_pages, first_page)
+        decode rank that asks later with a shorter prefix is refused, naming both.
+
+        ``binding``: the request's digest (``kvbridge.room_binding(prompt token ids)``); a decode
+        rank whose claim presents another digest is refused at once, nothing written or read;
+        one that claimed first with another digest makes this call raise RoomBindingError.
+        b"" binds nothing (any claim is served)."""
+        self._ep.init_room(self._room, num_tokens, num_pages, first_page, binding)
 
     @property
     def decode_first_page(self) -> int:

@@ -15,7 +15,9 @@ no third server is started for it.
   never becomes healthy (a dtype mismatch is refused the same way, naming ``pools.kv.dtype``:
   test_vllm_layouts.py, with vLLM's real classes);
 - prefill killed with a room pending, and decode killed mid-generation, both end in errors within
-  a bound; nothing is served as a success.
+  a bound; nothing is served as a success;
+- issue 31's attacks on rooms (another request's room, a longer prompt, a reused room, a room
+  claimed before its owner) end in errors on the same servers, and the owner is still served.
 
 vLLM start-up dominates the wall time (about 50 s for one server alone on 2 cores, 2-3 min for
 several at once): four servers in all, each started once for the module, two at a time.
@@ -42,7 +44,7 @@ from _vllm_model import LLAMA_GQA, build_model  # noqa: E402
 from _vllm_serve import (BLOCK_SIZE, Proxy, VllmServer, complete, prompt, sources, start_all, tokens_of,  # noqa: E402
                          transfer_config)
 
-from kvbridge.cli.vllm_proxy import prefill_request  # noqa: E402
+from kvbridge.integrations.vllm.proxy import prefill_request  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -145,6 +147,51 @@ def test_disaggregated_tokens_equal_colocated(cluster):
     assert delta["local_cache_hit"] + delta["external_kv_transfer"] == num_prompt_tokens, delta
 
 
+def _decode(url: str, body: dict, params: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=ERROR_BOUND_S,
+                      trust_env=False)  # fmt: skip
+
+
+def test_attacks_on_rooms_end_in_errors_and_the_owner_is_served(cluster):
+    """Issue 31's attacks, straight at the servers (no proxy): another request's room, a longer
+    prompt that ends in the same block, a room used twice and a room claimed before its owner
+    opened it each end in an error, never in tokens; the owner of the room a foreign claim tried
+    is still served its own tokens (the refused claim touched nothing)."""
+    servers, _ = cluster
+    prefill, decode = servers["prefill-0"].url, servers["decode-0"].url
+    n = 2 * BLOCK_SIZE + 3  # + BOS: 68 tokens, the last block partial
+    body = {"model": "tiny", "prompt": prompt(n, salt=21), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    want = tokens_of(complete(prefill, body["prompt"], 8))  # colocated
+    params = httpx.post(f"{prefill}/v1/completions", json=prefill_request(body), timeout=60.0,
+                        trust_env=False).json()["kv_transfer_params"]  # fmt: skip
+    room = params["kvbridge_room"]
+
+    foreign = _decode(decode, {**body, "prompt": prompt(n, salt=22)}, params)  # same length, other tokens
+    assert foreign.status_code >= 400, foreign.text[:2000]
+    longer = _decode(decode, {**body, "prompt": body["prompt"] + " w9"}, params)  # same last block
+    assert longer.status_code >= 400, longer.text[:2000]
+    assert tokens_of(_decode(decode, body, params)) == want  # the owner, after both
+    reused = _decode(decode, body, params)
+    assert reused.status_code >= 400, reused.text[:2000]
+    log = servers["decode-0"].log_tail(10**7)
+    assert f"room {room} on prefill rank prefill-0" in log and "is bound to another request" in log, log[-4000:]
+    assert f"room {room} carries {n + 1} tokens (kvbridge_num_tokens) but decode's prompt has {n + 2}" in log
+
+    # pre-claimed: a claim of a room id before its owner's prefill opens it (client-chosen room ids)
+    victim, chosen = {**body, "prompt": prompt(n, salt=23)}, (1 << 62) + 31
+    forged = {**params, "kvbridge_room": chosen}
+    with cf.ThreadPoolExecutor(1) as pool:
+        attacker = pool.submit(_decode, decode, {**body, "prompt": prompt(n, salt=24)}, forged)
+        time.sleep(2.0)  # the attacker's claim reaches prefill first
+        r = httpx.post(f"{prefill}/v1/completions", json=prefill_request(victim, room=chosen), timeout=60.0,
+                       trust_env=False)  # fmt: skip
+        victim_d = _decode(decode, victim, r.json().get("kv_transfer_params") or forged)
+        assert attacker.result(timeout=ERROR_BOUND_S).status_code >= 400
+    assert victim_d.status_code >= 400, victim_d.text[:2000]  # an error, never the attacker's KV or garbage
+    assert "claimed with binding" in servers["prefill-0"].log_tail(10**7)
+
+
 def test_a_mismatched_decode_is_refused_at_start_up_naming_the_field(late_servers, bootstrap):
     refused, _ = late_servers
     server, diff = refused["block_size"], "pools.kv.page_size: prefill 32 != decode 64"
@@ -211,8 +258,12 @@ def test_decode_killed_mid_request_ends_in_errors(cluster):
             except httpx.HTTPError:
                 pass  # the connection may break instead of ending: an error either way
         assert "data: [DONE]" not in events  # cut short, never a complete answer
-        finished = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events if e != "data: [DONE]"]
+        bodies = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+        finished = [b["choices"][0].get("finish_reason") for b in bodies if "choices" in b]
         assert "length" not in finished and "stop" not in finished
+        # the proxy says so: an error event naming decode (unless the connection broke before it)
+        errors = [b["error"]["message"] for b in bodies if "error" in b]
+        assert all("decode" in m and "stream broke" in m for m in errors), errors
         resp = plain.result(timeout=ERROR_BOUND_S)
     assert resp.status_code == 502 and "decode" in resp.json()["error"]["message"], resp.text[:2000]
     assert proxy.alive()

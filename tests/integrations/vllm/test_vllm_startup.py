@@ -123,3 +123,89 @@ def test_cross_layer_layout_refused(model):
     with pytest.raises(ConfigError) as err:
         read_kv_caches(caches, kvcc.num_blocks, 16, is_mla=False)
     assert err.value.field == "kv_cache_layout"
+
+
+def test_kvbridge_logs_go_through_vllms_logging_with_time_and_level(model, capfd, monkeypatch):
+    """kvbridge's records reach vLLM's log with its format (level, time, file and line), INFO
+    included when asked (KVBRIDGE_LOG_LEVEL); a bad level is refused by name."""
+    import logging
+    import re
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())  # what a vLLM process does at start-up, before it builds connectors
+    ours = logging.getLogger("kvbridge")
+    saved = (list(ours.handlers), ours.level, ours.propagate)
+    try:
+        monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "INFO")
+        _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+        logging.getLogger("kvbridge.integrations.vllm.worker").info("room 7 probe line")
+        out = capfd.readouterr()
+        line = next(x for x in (out.out + out.err).splitlines() if "room 7 probe line" in x)
+        assert "INFO" in line and re.search(r"\d\d:\d\d:\d\d", line) and "worker" not in line.split("]")[-1], line
+        monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "LOUD")
+        with pytest.raises(ConfigError) as err:
+            _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+        assert err.value.field == "KVBRIDGE_LOG_LEVEL"
+    finally:
+        ours.handlers[:], ours.propagate = saved[0], saved[2]
+        ours.setLevel(saved[1])
+
+
+def test_refusals_reach_vllms_connector_stats_by_reason(model):
+    """What was refused is counted by reason in vLLM's connector stats (taken once: vLLM's scheduler
+    asks every step and aggregates the workers' into them)."""
+    from kvbridge.integrations.vllm import KVBridgeConnector
+
+    connector = _scheduler_side(C.vllm_config(model, "kv_producer", URL))
+    side = connector.scheduler_side
+    for reason in ("room_in_use", "room_in_use", "room_refused"):
+        side._count(reason, "req-1", "probe")
+    stats = connector.get_kv_connector_stats()
+    assert stats.reduce() == {"room_in_use": 2, "room_refused": 1} and connector.get_kv_connector_stats() is None
+    workers = KVBridgeConnector.build_kv_connector_stats({"load_failed": 1, "room_in_use": 1})
+    assert stats.aggregate(workers).reduce() == {"room_in_use": 3, "room_refused": 1, "load_failed": 1}
+    assert side.refusals == {"room_in_use": 2, "room_refused": 1}  # the running totals stay
+
+
+def test_another_checkpoint_under_the_same_name_differs_in_model_weights(model, tmp_path):
+    """The contract a worker builds names the checkpoint (weights auto: the model folder's
+    kvbridge.weights_digest): a copy of the model's config with weight files of its own, served
+    under the same name, differs from the original in ``model.weights`` alone, which decode's
+    start-up check refuses by name (``_check_prefill_contract``: any differing field); off, or a
+    folder without weight files, leaves it unspecified."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvbridge import diff_contracts
+    from kvbridge.integrations.vllm.cache import pool_spec, rank_contract, read_kv_caches
+    from kvbridge.integrations.vllm.settings import model_weights, read_settings
+
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(Path(model) / "config.json", other / "config.json")
+    data = torch.arange(64, dtype=torch.float32).numpy().tobytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [64], "data_offsets": [0, len(data)]}}).encode()
+    (other / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+    contracts = {}
+    for name, folder, extra in (("original", model, {}), ("other", str(other), {}),
+                                ("off", str(other), {"weights": "off"})):
+        vc = C.vllm_config(folder, "kv_consumer", {**URL, **extra})
+        vc.model_config.served_model_name = "tiny"
+        s = read_settings(vc)
+        kvcc = C.kv_cache_config(vc, 64)
+        cache = read_kv_caches(allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout["LBNHC"]), 64, 16, False)
+        contracts[name] = rank_contract(cache, pool_spec(cache, 2, 1, 0), model_name=s.model_name, revision=s.revision,
+                                        tp_size=1, vllm_version=s.vllm_version, weights=model_weights(s))
+    assert contracts["original"].model.weights == "unspecified"  # the test model has no weight files
+    assert contracts["other"].model.weights.startswith("wd1:")
+    [d] = diff_contracts(contracts["original"], contracts["other"])
+    assert d.path == "model.weights" and "another checkpoint" in d.breaks
+    assert diff_contracts(contracts["original"], contracts["off"]) == []

@@ -153,3 +153,58 @@ def test_layer_hooks_of_decode_steps_send_nothing(tmp_path, daemon):
     finally:
         pre.stop()
         dec.stop()
+
+
+@pytest.mark.timeout(600)
+def test_rooms_are_bound_to_their_prompt_and_signed(tmp_path, daemon):
+    """Issue 31 on vLLM's real scheduler and workers, ``room_key`` set on both sides: decode refuses
+    before loading anything a longer prompt ending in the same block, another prompt of the same
+    length, a forged and an expired signature (each request ends in an error, counted by reason);
+    the owner is then served every byte; prefill refuses a router's room that is unsigned or
+    already open, returning no params (never another request's room)."""
+    import time
+
+    from kvbridge import sign_room
+
+    key = "k" * 32
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=1, extra_p={"room_key": key}, extra_d={"room_key": key})
+    try:
+        prompt = list(range(3, 3 + 2 * BS + 5))
+        params = _prefill(pre, "owner", prompt, 11)
+        assert len(params["kvbridge_room_sig"]) == 64 and params["kvbridge_room_expires"] > time.time()
+        refused = {
+            "longer": (prompt + [9], params),
+            "foreign": ([t + 1 for t in prompt], params),
+            "forged": (prompt, {**params, "kvbridge_room_sig": "0" * 64}),
+            "expired": (prompt, {**params, "kvbridge_room_expires": int(time.time()) - 1}),
+        }
+        for rid, (p, prm) in refused.items():
+            out = _decode(dec, rid, p, prm)
+            assert str(out.finish_reason) in ("error", "FinishReason.ERROR"), (rid, out)
+        assert dec.scheduler.connector.scheduler_side.refusals["decode_params_refused"] == 4
+
+        dec.add("owner", prompt, params, max_tokens=3)
+        blocks = {}
+
+        def loaded():
+            if "owner" in dec.scheduler.requests:
+                blocks["owner"] = dec.block_ids("owner")
+            return "owner" in dec.outputs and dec.outputs["owner"].finish_reason is not None
+
+        dec.run_until(loaded)
+        assert str(dec.outputs["owner"].finish_reason) not in ("error", "FinishReason.ERROR")
+        dec._last_blocks = {"owner": blocks["owner"]}
+        _check(dec, "owner", prompt, 11)
+
+        expires = int(time.time()) + 60
+        router = {"kvbridge_room": 77, "kvbridge_room_sig": sign_room(key.encode(), 77, expires),
+                  "kvbridge_room_expires": expires}  # fmt: skip
+        assert _prefill(pre, "r1", prompt, 12, router)["kvbridge_room"] == 77
+        for rid, prm in (("r2", router), ("r3", {"kvbridge_room": 78})):  # room 77 still open; 78 unsigned
+            pre.add(rid, prompt, {"do_remote_decode": True, **prm})
+            pre.run_until(lambda: rid in pre.outputs and pre.outputs[rid].finish_reason is not None)
+            assert pre.outputs[rid].kv_transfer_params is None, pre.outputs[rid]
+        assert dict(pre.scheduler.connector.scheduler_side.refusals) == {"room_in_use": 1, "room_refused": 1}
+    finally:
+        pre.stop()
+        dec.stop()
