@@ -2,8 +2,9 @@
 # `make test`: every suite, side by side, with the engines' venvs built beside the main suite.
 #
 # The main suite (.venv, built before this runs) starts at once. Beside it, .venv-sglang and
-# .venv-vllm are built (each behind its stamp: a built one costs nothing), then the SGLang suite
-# runs, then the vLLM suite: at most two suites share the two cores at any time. (Three at once,
+# .venv-vllm are built (each behind its stamp: a built one costs nothing); the SGLang suite runs
+# as soon as its venv is ready (the vLLM venv builds meanwhile), then the vLLM suite: at most two
+# suites share the two cores at any time. (Three at once,
 # or the main suite in two shards beside both, saturated the cores: tests that start real
 # servers then missed their start-up deadlines, in a fresh-clone run.) Each suite writes its own
 # log; the logs are printed in a fixed order once all have ended, each with its summary, and the
@@ -44,12 +45,17 @@ else
 fi
 
 engines() {
-  "$MAKE" --no-print-directory -j2 setup-sglang setup-vllm > "$LOGS/engine-venvs.log" 2>&1 || {
-    echo "the SGLang / vLLM venvs failed to build:"; tail -40 "$LOGS/engine-venvs.log"; return 1; }
-  echo "engine venvs ready after $(( $(date +%s) - start )) s"
+  # the SGLang suite starts as soon as its venv is ready, while the vLLM venv is still building
+  "$MAKE" --no-print-directory setup-vllm > "$LOGS/vllm-venv.log" 2>&1 &
+  local vllm_venv=$!
+  "$MAKE" --no-print-directory setup-sglang > "$LOGS/sglang-venv.log" 2>&1 || {
+    echo "the SGLang venv failed to build:"; tail -40 "$LOGS/sglang-venv.log"; wait "$vllm_venv"; return 1; }
+  echo "SGLang venv ready after $(( $(date +%s) - start )) s"
   "$SGLANG_VENV/bin/python" "${PYTEST[@]}" tests/integrations/sglang > "$LOGS/sglang.log" 2>&1
   echo $? > "$LOGS/sglang.rc"
   echo "SGLang suite ended after $(( $(date +%s) - start )) s"
+  wait "$vllm_venv" || { echo "the vLLM venv failed to build:"; tail -40 "$LOGS/vllm-venv.log"; return 1; }
+  echo "vLLM venv ready after $(( $(date +%s) - start )) s"
   KVBRIDGE_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" "${PYTEST[@]}" tests/integrations/vllm > "$LOGS/vllm.log" 2>&1
   echo $? > "$LOGS/vllm.rc"
   echo "vLLM suite ended after $(( $(date +%s) - start )) s"
