@@ -49,7 +49,7 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import WriteNonce
+from kvbridge.transfer.prefill.admission import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
