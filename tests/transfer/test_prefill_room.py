@@ -811,10 +811,10 @@ def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reporte
     """The first group's gathers go out before the rest is planned: one slot-sized group per
     tick, each its own staged write and report; every page reported once, the aux row with the
     last group, and the room succeeds."""
-    import kvbridge.transfer.prefill.machine as machine
+    import kvbridge.transfer.prefill.staged as staged
     from kvbridge.transfer.prefill.staged import Gather, PostChunk
 
-    monkeypatch.setattr(machine, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
+    monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
     r, acts = staged_room(ms, 32, num_tokens=13)  # 4 pages
     assert ms.later == {32} and of(acts, Gather)  # group 0 is gathering; groups 1-3 wait for the next ticks
     (sw,) = ms.stage.writes.values()

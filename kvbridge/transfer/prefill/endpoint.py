@@ -53,7 +53,7 @@ from kvbridge.transfer.prefill.admission import WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.staged import Gather, PostChunk
+from kvbridge.transfer.prefill.staged import Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
@@ -134,7 +134,7 @@ class PrefillEndpoint(EndpointShell):
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
             hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
-            gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
+            gather=None if self.gather is None else self.gather.area,
             endpoint=lambda: self.endpoint, target_layers=contract.model.target_layers,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
@@ -236,7 +236,7 @@ class PrefillEndpoint(EndpointShell):
         bench compares the paths on one set of ranks)."""
         self._check_staging_mode(mode, self.gather, "gather buffer")
         with self._lock:
-            self.machine.stage.mode = mode
+            self._feed(self.machine.stage.feed(SetMode(mode)))
 
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0) -> None:
         with self._lock:
@@ -431,7 +431,8 @@ class PrefillEndpoint(EndpointShell):
             except (KVBridgeError, ValueError) as exc:  # binascii.Error is a ValueError
                 detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
                                          f"metadata does not load: {exc}")
-        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
+        kind = "local" if detail is None else self._engine_kind(detail.session_id)
+        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic(), kind))
 
     def _write_nonce(self, a: WriteNonce) -> None:
         """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a

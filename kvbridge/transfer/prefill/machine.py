@@ -52,7 +52,22 @@ from kvbridge.transfer.prefill.admission import (
     RegistrationRead,
 )
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
-from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer
+from kvbridge.transfer.prefill.staged import (
+    ChunkCounted,
+    ChunkFinal,
+    ChunkPostFailed,
+    ChunkPosted,
+    GrantIn,
+    PostChunk,
+    Prune,
+    RoomGone,
+    Settle,
+    StagedWrites,
+    StageWrite,
+    Started,
+    WriteEnded,
+    registered_offer,
+)
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
 from kvbridge.transfer.rooms import Rooms, Stage
@@ -62,8 +77,6 @@ log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
-GROUP_MIN_SLICES = 4096  # a staged chunk's first group has at least this many slices (see _group_pages)
-ALIGN_SLACK = 16  # per slice: stage_plan aligns each slice's slot offset to 16 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +141,6 @@ class PrefillRooms:
                  aux_schema: AuxSchema, fingerprint: str, *,
                  hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
                  trace: bool = False, gather: StagingArea | None = None,
-                 engine_kind: Callable[[str], str] = lambda session: "local",
                  endpoint: Callable[[], str] = lambda: "", target_layers: int | None = None) -> None:
         """``target_layers``: the model's target layer count (the contract's; default: one past the
         largest layer id of ``specs``), which places the draft layers of a layer-range send."""
@@ -156,7 +168,7 @@ class PrefillRooms:
         self.next_write = 0
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
-        self.stage = StagedWrites(config.staging, gather, engine_kind, config.cp_rank, config.rank_label)
+        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
@@ -243,7 +255,7 @@ class PrefillRooms:
             self._on_request(ident, msg, now)
             self._pump(now)
         elif isinstance(msg, wire.SlotGrant):
-            self._on_grant(ident, msg, now)
+            self._stage(self.stage.feed(GrantIn(ident, msg)), now)
         elif isinstance(msg, KVBridgeError):
             log.warning("bad control message from %r: %s", ident, msg)
             # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
@@ -300,9 +312,11 @@ class PrefillRooms:
         self._admit(self.admission.feed(NonceWritten(ident, problem, now)), now)
         return self._actions()
 
-    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
-        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
-        waiters, problem = self.peers.resolved(rank_id, detail, problem)
+    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float,
+                 engine_kind: str = "local") -> list[Any] | tuple:
+        """The daemon's answer to a ``Resolve`` (and the kind of engine our writes to its session go
+        through): the requests that waited are delivered or refused."""
+        waiters, problem = self.peers.resolved(rank_id, detail, problem, engine_kind)
         self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:
@@ -521,7 +535,7 @@ class PrefillRooms:
             logical, local = logical[keep], local[keep]
         if t.group_at:
             logical, local = logical[t.group_at:], local[t.group_at:]
-        group = self._group_pages(r, t, logical.size)
+        group = self.stage.group_size(r.room, t, logical.size)
         if group:
             try:
                 part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
@@ -586,23 +600,6 @@ class PrefillRooms:
             cut = self._cut_specs[layers] = layer_range_specs(self.specs, layers, self.num_target_layers)
         return cut
 
-    def _group_pages(self, r: PrefillRoom, t: Target, num_pages: int) -> int | None:
-        """How many of ``num_pages`` to plan and stage first when a staged chunk is larger than
-        one slot (None: plan it whole). A group fills about one slot, and holds enough pages for
-        at least ``GROUP_MIN_SLICES`` slices, so that the path chosen on the first group is the one
-        the whole chunk would get (``choose_path``'s thresholds are far below it)."""
-        stage, key = self.stage, (r.room, t.decode_rank)
-        offer = stage.offers.get(key)
-        if stage.gather is None or stage.mode == "never" or offer is None or stage.paths.get(key) == "direct":
-            return None
-        bufs = [b for b in self.src_bufs if b.pool in t.pools]
-        if not bufs:
-            return None
-        slot = min(stage.gather.slot_bytes, offer.slot_bytes)
-        page_bytes = sum(b.bytes_per_page for b in bufs) + ALIGN_SLACK * len(bufs)
-        group = max(slot // page_bytes, -(-GROUP_MIN_SLICES // len(bufs)), 1)
-        return group if num_pages > group else None
-
     def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
                      after: Any, num_layers: int | None = None) -> None:
         """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
@@ -611,27 +608,35 @@ class PrefillRooms:
         self.next_write += 1
         t.inflight[w] = (logical, with_aux, num_layers)
         self.writes[w] = (r, t)
-        sw = self.stage.start(w, r.room, t, plan, after, self._out)
-        r.staged["plan_slices"] += sw.staged.num_plan_slices
+        self._stage(self.stage.feed(StageWrite(w, r.room, t, plan, after)), 0.0)
         if self.trace:
-            log.info("trace room=%d rank=%s -> %s staged pages=%s chunks=%d plan_slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, t.decode_rank, _pages_text(logical), sw.num_chunks,
-                     sw.staged.num_plan_slices, sw.staged.num_bytes)
+            log.info("trace room=%d rank=%s -> %s staged pages=%s", r.room, self.cfg.rank_label, t.decode_rank,
+                     _pages_text(logical))
 
-    def _on_grant(self, ident: bytes, msg: wire.SlotGrant, now: float) -> None:
-        a = self.stage.granted(ident, msg, self._out)
-        if a is not None:
-            self._out.append(a)
-            return
-        found = self.stage.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
-        if found is not None and found[0] in self.stage.writes:
-            self._settle_staged(self.stage.writes[found[0]], now)
+    def _stage(self, out: list[Any], now: float) -> None:
+        """Carry out what the staged-writes machine answered: book, report, or pass on."""
+        for a in out:
+            kind = type(a)
+            if kind is WriteEnded:
+                self._write_done(a.write, WriteStatus.DONE if a.ok else WriteStatus.failed(a.reason), now)
+            elif kind is ChunkCounted:
+                r = self.writes[a.write][0]
+                r.staged["chunks"] += 1
+                r.staged["bytes_staged"] += a.num_bytes
+            elif kind is Started:
+                r = self.writes[a.write][0]
+                r.staged["plan_slices"] += a.plan_slices
+                if self.trace:
+                    log.info("trace room=%d rank=%s staged write %d: chunks=%d plan_slices=%d bytes=%d", r.room,
+                             self.cfg.rank_label, a.write, a.num_chunks, a.plan_slices, a.num_bytes)
+            else:
+                self._out.append(a)
 
     def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int,
                      now: float) -> list[Any] | tuple:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
         self.handles[handle] = a.write
-        self.stage.posted(a, handle)
+        self._stage(self.stage.feed(ChunkPosted(a, handle, num_slices, num_bytes, now)), now)
         r, t = self.writes[a.write]
         if r.first_post is None:
             r.first_post = now
@@ -640,46 +645,16 @@ class PrefillRooms:
         r.num_bytes += num_bytes
         r.num_slices += num_slices
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d slot %d slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk,
-                     self.stage.writes[a.write].remote[a.chunk], num_slices, num_bytes)
+            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d at %#x slices=%d bytes=%d", r.room,
+                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk, a.remote_addr, num_slices,
+                     num_bytes)
         return self._actions()
 
     def chunk_post_failed(self, a: PostChunk, reason: str | None, now: float) -> list[Any] | tuple:
         """Chunk ``a`` was not submitted (gather or submission refused: ``reason``; or its target
         failed meanwhile: None): nothing of it is in flight."""
-        sw = self.stage.writes[a.write]
-        if reason is not None:
-            a.target.failure = a.target.failure or reason
-        self.stage.chunk_final(sw, a.chunk, False, reason or "target failed", self._out)
-        self._settle_staged(sw, now)
+        self._stage(self.stage.feed(ChunkPostFailed(a, reason, now)), now)
         return self._actions()
-
-    def _chunk_final(self, handle: int, sw: StagedWrite, status: WriteStatus, now: float) -> None:
-        k = sw.posted.pop(handle)
-        t = sw.target
-        ok = status.state is not WriteState.FAILED
-        if not ok:
-            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
-        ok = ok and t.active  # (a chunk of a target that failed meanwhile is reported failed: nothing scatters)
-        self.stage.chunk_final(sw, k, ok, status.reason if status.reason else (t.failure or ""), self._out)
-        if ok:
-            r = self.writes[sw.write][0]
-            r.staged["chunks"] += 1
-            r.staged["bytes_staged"] += int(sw.staged.chunk_bytes[k])
-        self._settle_staged(sw, now)
-
-    def _settle_staged(self, sw: StagedWrite, now: float) -> None:
-        """A staged write whose chunks are all landed is reported like a direct write; one that failed
-        ends (not in flight any more) once its posted chunks are final."""
-        if not sw.target.active:
-            self.stage.cancel(sw, self._out)
-        if not self.stage.settled(sw):
-            return
-        self.stage.forget(sw)
-        ok = sw.done == sw.num_chunks and sw.target.active
-        self._write_done(sw.write, WriteStatus.DONE if ok else WriteStatus.failed(sw.target.failure or
-                                                                                  "staged write failed"), now)
 
     def posted(self, a: PostWrite, handle: int, now: float) -> list[Any] | tuple:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
@@ -715,9 +690,8 @@ class PrefillRooms:
         w = self.handles.pop(handle, None)
         if w is None:
             return _NONE
-        sw = self.stage.writes.get(w)
-        if sw is not None:
-            self._chunk_final(handle, sw, status, now)
+        if self.stage.holds(w):
+            self._stage(self.stage.feed(ChunkFinal(w, handle, status)), now)
         else:
             self._write_done(w, status, now)
         return self._actions()
@@ -756,10 +730,10 @@ class PrefillRooms:
         """Send final reports and move the room to its final state. A failure report or abort ack
         goes out only once nothing of the room is in flight to any decode rank (see
         ``_reply_when_quiet``)."""
-        if self.stage.writes and any(not t.active and t.inflight for t in r.targets.values()):
+        if any(not t.active and t.inflight for t in r.targets.values()):
             for w in [w for t in r.targets.values() if not t.active for w in t.inflight]:
-                if w in self.stage.writes:
-                    self._settle_staged(self.stage.writes[w], now)  # (re-enters _settle once it ends)
+                if self.stage.holds(w):
+                    self._stage(self.stage.feed(Settle(w)), now)  # (re-enters _settle once it ends)
         quiet = not r.num_inflight
         for t in r.targets.values():
             if t.closed or not quiet and not t.active or t.inflight:
@@ -816,7 +790,7 @@ class PrefillRooms:
             return
         self._flush_replies(r)
         self.rooms.forget(r, now, tombstone=True)
-        self.stage.forget_room(r.room)
+        self._stage(self.stage.feed(RoomGone(r.room)), now)
         self._out.append(FreeRoom(r.room))  # sender(room, wait=...) may open it now
 
     # -- the clock --------------------------------------------------------------
@@ -863,7 +837,7 @@ class PrefillRooms:
             else:
                 self._forget_if_quiet(r, now)
         self.rooms.tombstones.prune(now)
-        self.stage.prune(lambda room: self.rooms.get(room) is not None, now, 2 * self.cfg.target_timeout)
+        self._stage(self.stage.feed(Prune(frozenset(self.rooms), now, 2 * self.cfg.target_timeout)), now)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         self._admit(self.admission.feed(Forget(frozenset(self.peers.heard))), now)
