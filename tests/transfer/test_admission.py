@@ -27,7 +27,7 @@ from kvbridge.transfer.prefill.admission import (
     RegistrationRead,
     WriteNonce,
 )
-from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
+from kvbridge.transfer.prefill.targets import DecodePeer, Resolve
 
 C = b"conn"
 ME = "tcp://127.0.0.1:7000"

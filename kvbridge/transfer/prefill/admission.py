@@ -58,7 +58,7 @@ from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.ownership import verify_proof
 from kvbridge.transfer.poll import IllegalTransition
-from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
+from kvbridge.transfer.prefill.targets import DecodePeer, Resolve
 
 log = logging.getLogger(__name__)
 

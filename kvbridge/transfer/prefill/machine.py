@@ -1,30 +1,22 @@
-"""Prefill's rooms as a state machine: events in, actions out.
+"""Prefill's room machine: request -> target -> post -> report -> settle, events in, actions out.
 
-One :class:`PrefillRoom` per room, and :class:`PrefillRooms`, the side's machine that
-drives them all. Events are method calls (open, engine init, chunk, message from a decode
-rank, registration resolved, write posted / failed to post, write final, abort, close,
-tick, gc); each returns the actions for the endpoint's shell to carry out, in order
-(``Send``, ``SendDigested``, ``PostWrite``, ``Gather``, ``PostChunk``, ``Resolve``, ``ReleaseAux``,
-``FreeRoom``). No socket, thread, lock, clock, engine call or memory touch inside, and no
-callback into memory (``hello_of`` and ``engine_kind`` read the channel's and the engine's
-books): the time is passed in, the aux row's source comes in as plain data
-(``AuxFrom``, with ``post``), and the pages to digest go out as plain data
-(``SendDigested``): the shell does every memory touch. An engine's result (a write
-posted, refused, final) is an event the shell feeds on its loop's next turn, never a call
-back into the machine from inside a post.
-
-A staged chunk larger than one slot is planned and staged in slot-sized groups of pages, one
-group per tick (``later``), so its first gather starts after one group's planning.
-
-The rooms themselves (chunks, held pages, targets) are ``room.py``; a connection's
-identity proof ``admission.py`` (a machine of its own); staged writes ``staged.py``.
+One :class:`PrefillRoom` per room (``room.py``), and :class:`PrefillRooms`, the side's machine
+that drives them all through one door, ``feed(event)``: the event records and the actions are
+``events.py`` (``EVENTS`` lists every type it takes). Two flows with states of their own are
+small machines of their own, fed by this one and answering in plain data: a connection's
+ownership proof (``admission.py``: ``Admitted`` / ``Refused`` / actions) and staged writes
+(``staged.py``: chunks, gather slots, grants -> ``Started`` / ``ChunkCounted`` / ``WriteEnded``
+/ actions). No socket, thread, lock, clock, engine call, memory touch or callable inside: the
+time comes with each event, the aux row's source comes in as plain data (``AuxFrom``), the
+pages to digest go out as plain data (``SendDigested``), and an engine's result (a write
+posted, refused, final) is an event the shell feeds on its loop's next turn. A staged chunk
+larger than one slot is planned in slot-sized groups, one per tick (``later``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,43 +25,22 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec, layer_range_specs
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.actions import FreeRoom, Send
-from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
+from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
-from kvbridge.transfer.prefill.admission import (
-    Admission,
-    Admitted,
-    Arrived,
-    EchoGiven,
-    Forget,
-    KeyProofGiven,
-    NonceWritten,
-    Overdue,
-    Refused,
-    RegistrationRead,
-)
-from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
-from kvbridge.transfer.prefill.staged import (
-    ChunkCounted,
-    ChunkFinal,
-    ChunkPostFailed,
-    ChunkPosted,
-    GrantIn,
-    PostChunk,
-    Prune,
-    RoomGone,
-    Settle,
-    StagedWrites,
-    StageWrite,
-    Started,
-    WriteEnded,
-    registered_offer,
-)
+from kvbridge.transfer.prefill.admission import (Admission, Admitted, Arrived, EchoGiven, Forget, KeyProofGiven,
+                                                 NonceWritten, Overdue, Refused, RegistrationRead)
+from kvbridge.transfer.prefill.targets import DecodePeer, DecodePeers
+from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
+                                              Posted, PostWrite, ReleaseAux, Resolved, SendDigested, Serving,
+                                              WriteFinal)
+from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
+                                              RoomGone, SetMode, Settle, StagedWrites, StageWrite, Started,
+                                              WriteEnded, registered_offer)
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
+from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target, request_target
 from kvbridge.transfer.rooms import Rooms, Stage
 
 log = logging.getLogger(__name__)
@@ -79,69 +50,19 @@ _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
 
-@dataclass(frozen=True, slots=True)
-class PostWrite:
-    """Submit write ``write`` (the machine's id) of room ``room`` to ``target`` (its session):
-    ``src``/``dst``/``length`` slices, after the events ``after``. Answer with
-    ``PrefillRooms.posted(action, handle, now)``, or ``post_failed(action, reason, now)``; a
-    write of a target that failed meanwhile is not submitted (``post_failed(action, None)``)."""
-
-    write: int
-    room: int
-    target: Target
-    session: str
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-    after: Any
-
-
-@dataclass(frozen=True, slots=True)
-class AuxFrom:
-    """Where a room's aux row is written from (the shell staged it, or it is a slot of the
-    engine's own registered rows): the rows' regions, the slot, the packed row base (None: by
-    region), and the events the row's write waits on besides the chunk's (None: none)."""
-
-    regions: Mapping[str, RegionAddr]
-    slot: int
-    row_base: int | None = None
-    after: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class SendDigested:
-    """Send ``msg`` (a PagesDone) to connection ``to`` with ``digests`` filled in: the digests
-    of ``pages`` (logical) held in our ``local`` pages of ``pools``, over ``num_tokens``."""
-
-    to: bytes
-    msg: wire.PagesDone
-    pools: tuple[str, ...]
-    pages: np.ndarray
-    local: np.ndarray
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseAux:
-    """The room is final: its aux staging slot may be reused."""
-
-    room: int
-
-
 _BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
-    """The prefill rank's rooms and what drives them. ``hello_of(connection)``: the
-    registration the connection named in its Hello (None: none), a read of the channel's
-    books (no memory); ``endpoint()``: our control endpoint, as decode ranks dial it (what their
-    KeyProofs sign)."""
+    """The prefill rank's rooms and what drives them: one door, ``feed(event)`` (``EVENTS``,
+    ``events.py``), and a few read-only queries for the shell (``busy``, ``writing``,
+    ``wants_turn``, ``pending``, ``staging_counters``; ``open`` hands the engine's handle its
+    room record)."""
 
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *,
-                 hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
-                 trace: bool = False, gather: StagingArea | None = None,
-                 endpoint: Callable[[], str] = lambda: "", target_layers: int | None = None) -> None:
+                 digests_readable: bool = True, trace: bool = False, gather: StagingArea | None = None,
+                 target_layers: int | None = None) -> None:
         """``target_layers``: the model's target layer count (the contract's; default: one past the
         largest layer id of ``specs``), which places the draft layers of a layer-range send."""
         self.cfg = config
@@ -160,8 +81,7 @@ class PrefillRooms:
         self.page_size = next(iter(self.specs.values())).page_size
         self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
         self.peers = DecodePeers()
-        self.hello_of = hello_of
-        self.endpoint = endpoint
+        self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
         self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
         self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
@@ -175,16 +95,47 @@ class PrefillRooms:
         self.closing = False
         self._out: list[Any] = []
 
+    def _trace(self, r: Any, now: float, what: str, *args: Any) -> None:
+        log.info("trace room=%d rank=%s +%.2fms @%.6f " + what, r.room, self.cfg.rank_label, r.age_ms(now), now, *args)
+
     def _actions(self) -> list[Any] | tuple:
         if not self._out:
             return _NONE
         out, self._out = self._out, []
         return out
 
+    def feed(self, event: Any) -> list[Any] | tuple:
+        """The door: one event in (``EVENTS``), the actions for the shell out, in order."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"the prefill room machine does not take {type(event).__name__}")
+        handler(self, event)
+        return self._actions()
+
+    # -- read-only queries for the shell ----------------------------------------------
+
     @property
     def busy(self) -> bool:
-        """Some room is not final yet."""
+        """Some room is not final yet (close() waits for them, bounded)."""
         return any(not r.state.final for r in self.rooms.values())
+
+    @property
+    def writing(self) -> bool:
+        """Some write is in flight (close() waits for them before it stops the loop)."""
+        return bool(self.writes)
+
+    @property
+    def wants_turn(self) -> bool:
+        """A staged chunk's next group waits to be planned: the loop takes its next turn at once."""
+        return bool(self.later)
+
+    def pending(self, final: Any = None) -> list[int]:
+        """The engine handles of writes in flight (among ``final``, when the engine said which)."""
+        handles = self.handles
+        return list(handles) if final is None else [h for h in final if h in handles]
+
+    def staging_counters(self) -> dict[str, int]:
+        return dict(self.stage.counters)
 
     # -- events from the engine -------------------------------------------------
 
@@ -195,60 +146,51 @@ class PrefillRooms:
         return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now,
                                                             pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
 
-    def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
-                    first_page: int = 0) -> list[Any] | tuple:
-        r.engine_init(num_tokens, num_pages, first_page)
-        self._post_and_settle(r, now)  # a rank with nothing to send completes here if decode asked
-        return self._actions()
+    def _engine_init(self, e: EngineInit) -> None:
+        e.room.engine_init(e.num_tokens, e.num_pages, e.first_page)
+        self._post_and_settle(e.room, e.now)  # a rank with nothing to send completes here if decode asked
 
-    def chunk(self, r: PrefillRoom, logical: Any, local: np.ndarray, num_tokens_ready: int | None, is_last: bool,
-              aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None,
-              layers: tuple[int, int] | None = None) -> None:
-        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it.
-        ``layers``: target layers ``[start, end)`` of its pages only (``room.py``)."""
-        r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event, layers)
+    def _chunk(self, e: Chunk) -> None:
+        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``Post`` sends it."""
+        e.room.add_chunk(e.logical, e.local, e.num_tokens_ready, e.is_last, e.aux_row, e.aux_slot, e.ready_event,
+                         e.layers)
 
-    def post(self, r: PrefillRoom, now: float, aux: AuxFrom | None = None) -> list[Any] | tuple:
+    def _post(self, e: Post) -> None:
         """Post what the room has queued to the decode ranks that asked (from the engine's thread
-        in send(): no loop turn). ``aux``: where the room's aux row is written from, once the
-        shell staged it (the send() that passed it)."""
-        if aux is not None:
-            r.aux_from = aux
-        self._post_and_settle(r, now)
-        return self._actions()
+        in send(): no loop turn)."""
+        if e.aux is not None:
+            e.room.aux_from = e.aux
+        self._post_and_settle(e.room, e.now)
 
-    def abort(self, r: PrefillRoom, reason: str, now: float) -> list[Any] | tuple:
-        if not r.state.final:
-            self.fail_room(r, reason, now)
-        return self._actions()
+    def _abort(self, e: AbortRoom) -> None:
+        if not e.room.state.final:
+            self.fail_room(e.room, e.reason, e.now)
 
-    def close(self, r: PrefillRoom, now: float) -> list[Any] | tuple:
+    def _close(self, e: CloseRoom) -> None:
         """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        r = e.room
         if self.rooms.close(r):
             if not r.state.final:
                 self.fail_room(r, f"the engine closed room {r.room}'s sender on {self.cfg.rank_label} before it "
-                                  "finished", now)
-            self._forget_if_quiet(r, now)
-        return self._actions()
+                                  "finished", e.now)
+            self._forget_if_quiet(r, e.now)
 
-    def shutdown(self, reason: str, now: float) -> list[Any] | tuple:
-        """Fail every room (the endpoint closes; ``closing`` already refuses new ones)."""
+    def _shutdown(self, e: Shutdown) -> None:
+        """Fail every room (the endpoint closes; ``Closing`` already refuses new ones)."""
         for r in list(self.rooms.values()):
-            self.fail_room(r, reason, now)
-        return self._actions()
+            self.fail_room(r, e.reason, e.now)
 
     # -- messages from decode ranks ---------------------------------------------
 
-    def message(self, ident: bytes, msg: Any, now: float) -> list[Any] | tuple:
+    def _message(self, e: Message) -> None:
         """A message on connection ``ident`` (or the channel's error for a bad one)."""
+        ident, msg, said, now = e.ident, e.msg, e.hello, e.now
         self.peers.heard_from(ident, now)  # any message: the decode rank is alive
         if isinstance(msg, _BOUND):  # delivered, refused, or held until the connection proves its registration
-            said = self.hello_of(ident)
             self._admit(self.admission.feed(Arrived(ident, msg, said, self.peers.get(said) if said else None, now)),
                         now)
         else:
             self._dispatch(ident, msg, now)
-        return self._actions()
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
@@ -265,7 +207,7 @@ class PrefillRooms:
             self._on_abort(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
             peer = self._proving(ident)
-            self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint(), now)), now)
+            self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint, now)), now)
         elif isinstance(msg, wire.ChallengeEcho):
             self._admit(self.admission.feed(EchoGiven(ident, msg, self._proving(ident), now)), now)
         else:
@@ -307,23 +249,16 @@ class PrefillRooms:
         peer = self.peers.get(rank_id)
         return peer.instance if peer is not None else None
 
-    def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
-        """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
-        self._admit(self.admission.feed(NonceWritten(ident, problem, now)), now)
-        return self._actions()
-
-    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float,
-                 engine_kind: str = "local") -> list[Any] | tuple:
-        """The daemon's answer to a ``Resolve`` (and the kind of engine our writes to its session go
-        through): the requests that waited are delivered or refused."""
-        waiters, problem = self.peers.resolved(rank_id, detail, problem, engine_kind)
+    def _resolved(self, e: Resolved) -> None:
+        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
+        rank_id, now = e.rank_id, e.now
+        waiters, problem = self.peers.resolved(rank_id, e.detail, e.problem, e.engine_kind)
         self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:
                 self._deliver(ident, req, now)
             else:
                 self._refuse(ident, req, problem, now)
-        return self._actions()
 
     def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
         rank = self.cfg.rank_label
@@ -379,24 +314,12 @@ class PrefillRooms:
             why = failing or "its sender was closed"
             self._reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
             return
-        if peer.fingerprint != self.fingerprint:
-            self._refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
-                                     f"{rank} has {self.fingerprint}; nothing transferred (hard rule 7)", now)
-            return
-        if req.want_digest and not self.digests_readable:
-            self._refuse(ident, req, f"decode rank {req.decode_rank} wants page digests, but prefill rank {rank}'s "
-                                     "buffers are device memory given as addresses (RawBuffer), which kvbridge cannot "
-                                     "read: turn verify_digest off on decode", now)
-            return
         try:
-            # num_tokens 0: the decode rank knows only its pages (first_page + page ids)
-            r.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
-                         num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
-            target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
-                                         tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now,
-                                         aux_stage=self.cfg.last_stage)
+            target = request_target(req, ident, r, peer, self.specs, self.src_bufs, self.aux_schema,
+                                    fingerprint=self.fingerprint, digests_readable=self.digests_readable,
+                                    tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now, aux_stage=self.cfg.last_stage,
+                                    rank=rank)
             offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
-            r.check_prefix(target)  # the engine may already skip pages below its first page
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self._refuse(ident, req, str(exc), now)
             return
@@ -410,9 +333,8 @@ class PrefillRooms:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput, now=now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f target %s pages=%d first_page=%d pools=%s", req.room, rank,
-                     r.age_ms(now), now, req.decode_rank, target.dst_pages.size, target.first_page,
-                     ",".join(target.pools))
+            self._trace(r, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank, target.dst_pages.size,
+                        target.first_page, ",".join(target.pools))
 
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
         """Refuse a request (nothing of it was posted) and fail its room here."""
@@ -424,22 +346,15 @@ class PrefillRooms:
     # -- room ids: first claim wins -------------------------------------------------
 
     def _holds(self, r: PrefillRoom, ident: bytes, rank_id: str) -> bool:
-        """The decode instance of registration ``rank_id`` holds room ``r`` (or nobody claimed it yet)."""
-        return r.holder is None or r.holder[0] == self._instance_of(ident, rank_id)
+        return r.held_by(self._instance_of(ident, rank_id))
 
     def _claim(self, ident: bytes, req: wire.TransferRequest) -> bool:
-        """A room id belongs to the decode instance whose request reached it first: its TP ranks
-        share it, any other instance is refused with an ErrorReply naming the holder, and the
-        holder's room goes on untouched (served once, to the holder)."""
+        """First claim wins the room id (``PrefillRoom.claim``); another instance is refused with an
+        ErrorReply naming the holder, and the holder's room goes on untouched."""
         r = self.rooms.get(req.room)
         instance = self._instance_of(ident, req.decode_rank_id)
-        if r is None or instance is None:
-            return True  # no room yet (claimed where it is created), or the registration is being read again
-        if r.holder is None:
-            r.holder = (instance, req.decode_rank)
-            return True
-        if r.holder[0] == instance:
-            return True
+        if r is None or instance is None or r.claim(instance, req.decode_rank):
+            return True  # (no room yet: claimed where it is created; or the registration is being read again)
         self._error(ident, req, f"room {req.room} is claimed by decode instance {r.holder[0]} (rank {r.holder[1]}) on "
                                 f"prefill rank {self.cfg.rank_label}: decode instance {instance} may not claim it "
                                 "(first claim wins); nothing done")
@@ -476,15 +391,11 @@ class PrefillRooms:
         TP ranks of a decode instance free together (SGLang all-reduces their poll states with
         MIN): one rank's go-ahead must mean no write can land in another's pages either."""
         r = self.rooms.get(room)
-        if r is not None and r.num_inflight:
-            r.pending_replies.append((ident, msg))
-        else:
+        if r is None or not r.reply_when_quiet(ident, msg):
             self._out.append(Send((ident,), msg))
 
     def _flush_replies(self, r: PrefillRoom) -> None:
-        while r.pending_replies and not r.num_inflight:
-            ident, msg = r.pending_replies.pop(0)
-            self._out.append(Send((ident,), msg))
+        self._out.extend(Send((ident,), msg) for ident, msg in r.quiet_replies())
 
     # -- posting and collecting -------------------------------------------------
 
@@ -525,73 +436,57 @@ class PrefillRooms:
                     after: Any = None, layers: tuple[int, int] | None = None) -> bool:
         """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
         False when one slot-sized group of a staged chunk was started and the rest waits for the
-        next tick (its first gather starts after one group's planning, not the whole room's).
-        ``layers``: the chunk carries those target layers of its pages only (planned on the
-        pools cut to them; direct or staged alike)."""
+        next tick. ``layers``: the chunk carries those target layers of its pages only."""
         specs = self.specs if layers is None else self._layer_specs(layers)
         num_layers = None if layers is None else layers[1] - layers[0]
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
-        if t.group_at:
-            logical, local = logical[t.group_at:], local[t.group_at:]
+        logical, local = logical[t.group_at:], local[t.group_at:]
         group = self.stage.group_size(r.room, t, logical.size)
-        if group:
-            try:
-                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
-                                   room=r.room, rank=self.cfg.rank_label, layers=layers)
-                path = r.paths[t.decode_rank] = self.stage.path(r.room, t, part)
-                if path == "staged":
+        rank = self.cfg.rank_label
+        try:
+            if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
+                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
+                                   rank=rank, layers=layers)
+                if self._path(r, t, part) == "staged":
                     self._stage_write(r, t, logical[:group], False, part, after, num_layers)
                     t.group_at += group
                     return False
-            except KVBridgeError as exc:
-                t.failure = str(exc)
-                t.group_at = 0
+            t.group_at = 0  # direct: the whole chunk is one write
+            if not logical.size and not with_aux:
                 return True
-            except Exception as exc:  # a bug must fail this target, not the thread that called us
-                log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
-                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
-                t.group_at = 0
-                return True
-            # direct: the whole chunk is one write, planned below
-        t.group_at = 0
-        if not logical.size and not with_aux:
-            return True
-        try:
-            aux = None
+            src = None
             if with_aux:
                 t.aux_posted = True
                 src = r.aux_from
                 if src is None:
                     raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
-                                        room=r.room, rank=self.cfg.rank_label, field="aux")
+                                        room=r.room, rank=rank, field="aux")
                 after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
-                aux = aux_slices(self.aux_schema, src.regions, src.slot, t.aux_dst, t.aux_slot,
-                                 src_base=src.row_base, dst_base=t.aux_row_base)
-            if logical.size:  # the aux row rides in the same write, after the pages' slices
-                plan = plan_target(specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
-                                   rank=self.cfg.rank_label, extra=aux, layers=layers)
-            else:
-                plan = TransferPlan(*aux)
-            path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
-            if path == "staged":  # the same write through staging slots (the aux row too)
+            plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
+                              room=r.room, rank=rank, layers=layers)
+            if self._path(r, t, plan) == "staged":  # the same write through staging slots (the aux row too)
                 self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
                 return True
-            src, dst, length = plan.src, plan.dst, plan.length
-        except KVBridgeError as exc:
-            t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
-            return True
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
-            log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
-            t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
+            t.group_at = 0
+            if isinstance(exc, KVBridgeError):
+                t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
+            else:
+                log.exception("room %d on %s: planning for %s failed", r.room, rank, t.decode_rank)
+                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
             return True
         w = self.next_write
         self.next_write += 1
         t.inflight[w] = (logical, with_aux, num_layers)  # in flight from here: no report leaves before it is final
         self.writes[w] = (r, t)
-        self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
+        self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
         return True
+
+    def _path(self, r: PrefillRoom, t: Target, plan: TransferPlan) -> str:
+        path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
+        return path
 
     def _layer_specs(self, layers: tuple[int, int]) -> dict[str, PoolSpec]:
         """The pools cut to the layer ids that target layers ``layers`` carry (kept per range)."""
@@ -632,78 +527,62 @@ class PrefillRooms:
             else:
                 self._out.append(a)
 
-    def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int,
-                     now: float) -> list[Any] | tuple:
+    def _chunk_posted(self, e: ChunkPosted) -> None:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
-        self.handles[handle] = a.write
-        self._stage(self.stage.feed(ChunkPosted(a, handle, num_slices, num_bytes, now)), now)
-        r, t = self.writes[a.write]
-        if r.first_post is None:
-            r.first_post = now
-        self.counters["bytes"] += num_bytes
-        self.counters["slices"] += num_slices
-        r.num_bytes += num_bytes
-        r.num_slices += num_slices
+        a = e.action
+        r, t = self._book(a.write, e.handle, e.num_bytes, e.num_slices, e.now)
+        self._stage(self.stage.feed(e), e.now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d at %#x slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk, a.remote_addr, num_slices,
-                     num_bytes)
-        return self._actions()
+            self._trace(r, e.now, "-> %s chunk %d at %#x slices=%d bytes=%d", t.decode_rank, a.chunk, a.remote_addr,
+                        e.num_slices, e.num_bytes)
 
-    def chunk_post_failed(self, a: PostChunk, reason: str | None, now: float) -> list[Any] | tuple:
-        """Chunk ``a`` was not submitted (gather or submission refused: ``reason``; or its target
-        failed meanwhile: None): nothing of it is in flight."""
-        self._stage(self.stage.feed(ChunkPostFailed(a, reason, now)), now)
-        return self._actions()
-
-    def posted(self, a: PostWrite, handle: int, now: float) -> list[Any] | tuple:
+    def _posted(self, e: Posted) -> None:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
-        self.handles[handle] = a.write
-        r, t = self.writes[a.write]
-        if r.first_post is None:
-            r.first_post = now
-        num_bytes, num_slices = int(a.length.sum()), len(a.length)
-        self.counters["bytes"] += num_bytes
-        self.counters["slices"] += num_slices
-        r.num_bytes += num_bytes
-        r.num_slices += num_slices
+        a = e.action
+        r, t = self._book(a.write, e.handle, int(a.length.sum()), len(a.length), e.now)
         if self.trace:
             logical, with_aux, _ = t.inflight[a.write]
-            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, _pages_text(logical),
-                     " +aux" if with_aux else "", num_slices, num_bytes)
-        return self._actions()
+            self._trace(r, e.now, "-> %s pages=%s%s slices=%d bytes=%d", t.decode_rank, _pages_text(logical),
+                        " +aux" if with_aux else "", len(a.length), int(a.length.sum()))
 
-    def post_failed(self, a: PostWrite, reason: str | None, now: float) -> list[Any] | tuple:
-        """Write ``a`` was refused at submission (``reason``), or not submitted because its target
-        failed meanwhile (None): nothing of it is in flight."""
-        r, t = self.writes.pop(a.write)
-        t.inflight.pop(a.write, None)
-        if reason is not None:
-            t.failure = reason
-        self._settle(r, now)
-        self._forget_if_quiet(r, now)
-        return self._actions()
+    def _book(self, w: int, handle: int, num_bytes: int, num_slices: int, now: float) -> tuple[PrefillRoom, Target]:
+        """Write ``w`` is in the engine as ``handle``: its bytes and slices counted."""
+        self.handles[handle] = w
+        r, t = self.writes[w]
+        if r.first_post is None:
+            r.first_post = now
+        self.counters["bytes"] += num_bytes
+        self.counters["slices"] += num_slices
+        r.num_bytes += num_bytes
+        r.num_slices += num_slices
+        return r, t
 
-    def write_final(self, handle: int, status: WriteStatus, now: float) -> list[Any] | tuple:
+    def _post_failed(self, e: PostFailed) -> None:
+        """Write ``a`` was refused at submission, or not submitted: nothing of it is in flight."""
+        r, t = self.writes.pop(e.action.write)
+        t.inflight.pop(e.action.write, None)
+        if e.reason is not None:
+            t.failure = e.reason
+        self._settle(r, e.now)
+        self._forget_if_quiet(r, e.now)
+
+    def _write_final(self, e: WriteFinal) -> None:
         """A posted write is done or failed: report it (one report per write)."""
-        w = self.handles.pop(handle, None)
+        w = self.handles.pop(e.handle, None)
         if w is None:
-            return _NONE
+            return
         if self.stage.holds(w):
-            self._stage(self.stage.feed(ChunkFinal(w, handle, status)), now)
+            self._stage(self.stage.feed(ChunkFinal(w, e.handle, e.status)), e.now)
         else:
-            self._write_done(w, status, now)
-        return self._actions()
+            self._write_done(w, e.status, e.now)
 
     def _write_done(self, w: int, status: WriteStatus, now: float) -> None:
         """Write ``w`` (direct, or every chunk of a staged one) is final: one report per write."""
         r, t = self.writes.pop(w)
         pages, with_aux, num_layers = t.inflight.pop(w)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f write of %d pages%s to %s %s", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, pages.size, " +aux" if with_aux else "",
-                     t.decode_rank, status.state.value)
+            self._trace(r, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
+                        t.decode_rank, status.state.value)
         if status.state is WriteState.FAILED:
             t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
         elif t.active:
@@ -795,9 +674,10 @@ class PrefillRooms:
 
     # -- the clock --------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Any] | tuple:
+    def _tick(self, e: Tick) -> None:
         """Post what events queued (and the next group of each staged chunk started in groups);
         every ``DEADLINE_SCAN_S``, deadlines and silent peers."""
+        now = e.now
         if self.later:
             self.dirty |= self.later
             self.later.clear()
@@ -805,7 +685,6 @@ class PrefillRooms:
         if now >= self.next_deadline_scan:
             self.next_deadline_scan = now + DEADLINE_SCAN_S
             self._deadlines(now)
-        return self._actions()
 
     def _deadlines(self, now: float) -> None:
         self._admit(self.admission.feed(Overdue(now)), now)
@@ -828,8 +707,9 @@ class PrefillRooms:
             self._settle(r, now)
             self._forget_if_quiet(r, now)
 
-    def gc(self, now: float) -> list[Any] | tuple:
+    def _gc(self, e: Gc) -> None:
         """Forget quiet rooms no handle holds; prune tombstones and silent connections."""
+        now = e.now
         for room in list(self.rooms.unowned):
             r = self.rooms.get(room)
             if r is None:
@@ -841,7 +721,19 @@ class PrefillRooms:
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
         self._admit(self.admission.feed(Forget(frozenset(self.peers.heard))), now)
-        return self._actions()
+
+    def _pass_on(self, e: Any) -> None:
+        """An event for a small machine of its own that the room machine only passes on."""
+        if type(e) is NonceWritten:
+            self._admit(self.admission.feed(e), e.now)
+        else:
+            self._stage(self.stage.feed(e), getattr(e, "now", 0.0))
+
+    def _serving(self, e: Serving) -> None:
+        self.endpoint = e.endpoint
+
+    def _closing(self, e: Closing) -> None:
+        self.closing = True
 
 
 def _pages_text(pages: np.ndarray) -> str:
@@ -849,3 +741,15 @@ def _pages_text(pages: np.ndarray) -> str:
     if pages.size <= 8:
         return str(pages.tolist())
     return f"{pages.size}[{int(pages[0])}..{int(pages[-1])}]"
+
+
+_HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
+    Serving: PrefillRooms._serving, Closing: PrefillRooms._closing, EngineInit: PrefillRooms._engine_init,
+    Chunk: PrefillRooms._chunk, Post: PrefillRooms._post, AbortRoom: PrefillRooms._abort,
+    CloseRoom: PrefillRooms._close, Shutdown: PrefillRooms._shutdown, Message: PrefillRooms._message,
+    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, Posted: PrefillRooms._posted,
+    PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
+    ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
+    Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,
+}
+assert set(_HANDLERS) == set(EVENTS), "every event type of events.py has its handler here"

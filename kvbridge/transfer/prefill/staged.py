@@ -61,7 +61,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.layout import BufferDesc
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.staging import Grant, StagingArea
-from kvbridge.transfer.prefill.peers import DecodePeer
+from kvbridge.transfer.prefill.targets import DecodePeer
 from kvbridge.transfer.prefill.targets import Target
 
 __all__ = [
