@@ -11,8 +11,18 @@ points down the floors below. A module's floor is that of its top-level part:
     7  kvbridge.chaos, kvbridge.bench, kvbridge.demo, kvbridge.demo_model, kvbridge.demo_v4
     8  kvbridge.cli
 
+Inside ``kvbridge.transfer`` (38% of the package) the same rule holds between its parts:
+
+    0  channel, poll, actions, ownership, digest, checks     wire and plain records
+    1  engine                                                 transfer engines (IPC rides the channel)
+    2  staging, aux_rows, scratch, registration               memory both sides register and stage through
+    3  rooms, shell                                           what both sides' rooms and shells share
+    4  prefill | decode                                       one side each: never one importing the other
+    5  kvbridge.transfer (its __init__)                       the package's face
+
 Read from the source with ``ast`` (nothing is imported), so a lazy import inside a function
-counts as much as one at the top: it is an arrow all the same.
+counts as much as one at the top: it is an arrow all the same. Imports are absolute (no
+``from . import``), and no module takes another's private names, relative or not.
 """
 
 from __future__ import annotations
@@ -36,6 +46,17 @@ FLOORS = {
     "kvbridge.demo_v4": 7,
     "kvbridge.cli": 8,
 }
+
+
+TRANSFER_FLOORS = {
+    "channel": 0, "poll": 0, "actions": 0, "ownership": 0, "digest": 0, "checks": 0,
+    "engine": 1,
+    "staging": 2, "aux_rows": 2, "scratch": 2, "registration": 2,
+    "rooms": 3, "shell": 3,
+    "prefill": 4, "decode": 4,
+    "": 5,
+}
+SIDES = ("prefill", "decode")  # one floor, and neither imports the other
 
 
 def _modules() -> dict[str, Path]:
@@ -142,18 +163,94 @@ def test_every_arrow_points_down():
 
 
 def _private_imports() -> list[str]:
-    """``from kvbridge.x import _name`` where ``_name`` is not a module: one module reaching into
-    another's private names (a resource cut in two, STYLE.md point 6)."""
+    """``from kvbridge.x import _name`` (or ``from .x import _name``) where ``_name`` is not a
+    module: one module reaching into another's private names (a resource cut in two, STYLE.md
+    point 6)."""
     modules = _modules()
     out = []
     for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("kvbridge"):
-                for alias in node.names:
-                    private = alias.name.startswith("_") and not alias.name.startswith("__")
-                    if private and f"{node.module}.{alias.name}" not in modules:
-                        out.append(f"{name} takes {alias.name} from {node.module}")
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            if not base.startswith("kvbridge"):
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{base}.{alias.name}" not in modules:
+                    out.append(f"{name} takes {alias.name} from {base}")
     return sorted(out)
+
+
+def _relative_imports() -> list[str]:
+    out = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                out.append(f"{name}: from {'.' * node.level}{node.module or ''} import ...")
+    return sorted(out)
+
+
+def test_imports_are_absolute():
+    assert _relative_imports() == []
+
+
+def _transfer_part(module: str) -> str | None:
+    """``kvbridge.transfer.prefill.machine`` -> ``prefill``; the package itself -> ``""``."""
+    if module != "kvbridge.transfer" and not module.startswith("kvbridge.transfer."):
+        return None
+    return module[len("kvbridge.transfer."):].split(".")[0] if module != "kvbridge.transfer" else ""
+
+
+def _transfer_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Arrows inside ``kvbridge.transfer`` that point up its floors, or between the two sides; a
+    part with no floor is named too (place it in TRANSFER_FLOORS)."""
+    out = []
+    for a, targets in edges.items():
+        pa = _transfer_part(a)
+        if pa is None:
+            continue
+        if pa not in TRANSFER_FLOORS:
+            out.append(f"{a}: transfer part {pa!r} has no floor")
+            continue
+        for b in targets:
+            pb = _transfer_part(b)
+            if pb is None or pb == pa:
+                continue
+            if pb not in TRANSFER_FLOORS:
+                out.append(f"{b}: transfer part {pb!r} has no floor")
+            elif pa in SIDES and pb in SIDES:
+                out.append(f"{a} -> {b}: one side imports the other")
+            elif TRANSFER_FLOORS[pb] > TRANSFER_FLOORS[pa]:
+                out.append(f"{a} -> {b}: up from floor {TRANSFER_FLOORS[pa]} to {TRANSFER_FLOORS[pb]}")
+    return sorted(set(out))
+
+
+def test_inside_transfer_every_arrow_points_down_and_the_sides_never_meet():
+    assert _transfer_violations(_graph()) == []
+
+
+def test_the_transfer_checker_sees_each_kind_of_violation():
+    """The check above can fail: an arrow up (channel -> prefill, engine -> decode), the two sides
+    meeting (prefill -> decode, decode -> prefill), and a part without a floor."""
+    edges = {
+        "kvbridge.transfer.channel.wire": {"kvbridge.transfer.prefill.machine"},
+        "kvbridge.transfer.engine.base": {"kvbridge.transfer.decode.room"},
+        "kvbridge.transfer.prefill.machine": {"kvbridge.transfer.decode.machine", "kvbridge.transfer.rooms"},
+        "kvbridge.transfer.decode.machine": {"kvbridge.transfer.prefill.targets"},
+        "kvbridge.transfer.newpart": set(),
+    }
+    assert _transfer_violations(edges) == [
+        "kvbridge.transfer.channel.wire -> kvbridge.transfer.prefill.machine: up from floor 0 to 4",
+        "kvbridge.transfer.decode.machine -> kvbridge.transfer.prefill.targets: one side imports the other",
+        "kvbridge.transfer.engine.base -> kvbridge.transfer.decode.room: up from floor 1 to 4",
+        "kvbridge.transfer.newpart: transfer part 'newpart' has no floor",
+        "kvbridge.transfer.prefill.machine -> kvbridge.transfer.decode.machine: one side imports the other",
+    ]
 
 
 def test_no_module_takes_another_modules_private_names():

@@ -1,20 +1,30 @@
 """The shell both endpoints share around their rooms' state machine.
 
 A side's machine (``prefill/machine.py``, ``decode/machine.py``) is sans-I/O: events in,
-actions out. Its endpoint is the shell: it owns the loop thread, the lock and the queue of
-events that other threads produced (an engine's completion, a daemon's answer, a copy
-that finished), and it is the only caller of the machine:
+actions out, through one door, ``machine.feed(event)``, where an event is a frozen record
+(``prefill/events.py``, ``decode/machine.py``, the shared ones in ``actions.py``). Its
+endpoint is the shell: it owns the loop thread, the lock and the queue of events that other
+threads produced (an engine's completion, a daemon's answer, a copy that finished), and it is
+the only caller of the machine:
 
-    any thread:  engine callback / pool thread / copy done  --queue(event)-->  wake the loop
-    loop turn:   receive messages -> feed each  ->  feed the queued events  ->  tick(now)
-                 every feed: machine event -> actions -> carried out, in order
+    any thread:  pool thread / copy done / write refused  --queue(event)-->  wake the loop
+    loop turn:   receive messages -> feed each  ->  feed the queued events  ->  Tick(now)
+                 every feed: machine.feed(event) -> actions -> carried out, in order
 
 Nothing calls into the machine from inside an action the shell is carrying out: an
 action's result (a write refused at submission, a scatter done) is queued as an event
-and fed after the actions of the current event are carried out, so the machine never
+record and fed after the actions of the current event are carried out, so the machine never
 sees a second event while the first one's actions are still running (``feeding``: a
-guard that raises instead of nesting). The engine's completion callback only queues and
-wakes: it never takes the lock, so it may fire on any thread, inside ``submit_write`` too.
+guard that raises instead of nesting).
+
+Locking, the same on both sides: every feed runs with the lock held. A thread that is not
+the loop never *waits* for the lock to hand the machine a result: a pool thread (a daemon's
+answer, a nonce written) only queues and wakes. The engine's completion callback
+(``_engine_final``, installed by the side whose engine writes: prefill) may fire on any
+thread, inside ``submit_write`` too: it *tries* the lock, and when it is free collects the
+completions on its own thread (no loop turn: the fewest hops); when it is held (by the poster
+inside ``submit_write``, or the loop) it only wakes the loop, which collects once the holder
+is done. Never a wait for the lock, never a nested feed.
 """
 
 from __future__ import annotations
@@ -23,24 +33,23 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.actions import AbortRoom, CloseRoom
 from kvbridge.transfer.staging import STAGING_MODES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["EndpointShell", "Event"]
-
-Event = Callable[[], Iterable[Any]]  # a machine event, bound to its arguments; returns actions
+__all__ = ["EndpointShell"]
 
 
 class EndpointShell:
     """The loop, the lock and the event queue of one endpoint. Subclasses set ``machine``,
-    ``config`` and the staging buffer (``_staging_buffer``), and define ``_carry``
-    (one action), ``_wake`` and ``_step`` (one loop turn)."""
+    ``config`` and the staging buffer, and define ``_carry`` (one action), ``_wake``, ``_step``
+    (one loop turn) and, where the engine reports completions, ``_collect``."""
 
     machine: Any
     config: Any
@@ -49,7 +58,7 @@ class EndpointShell:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._room_freed = threading.Condition(self._lock)  # notified when a room id is forgotten
-        self._events: deque[Event] = deque()  # fed on the loop's next turn (appended from any thread)
+        self._events: deque[Any] = deque()  # event records fed on the loop's next turn (appended from any thread)
         self._released: deque[Any] = deque()  # rooms whose handle was dropped (appended without the lock)
         self._feeding = False  # the machine's actions are being carried out (lock held)
         self._thread: threading.Thread | None = None
@@ -57,7 +66,11 @@ class EndpointShell:
 
     # -- feeding the machine (lock held) ----------------------------------------
 
-    def _feed(self, actions: Iterable[Any]) -> None:
+    def _feed_event(self, event: Any) -> None:
+        """Feed one event record through the machine's door and carry out what it returns."""
+        self._feed(self.machine.feed(event))
+
+    def _feed(self, actions: Any) -> None:
         """Carry out the actions one machine event returned, then feed the events queued
         meanwhile (by those actions or by other threads), oldest first, one at a time: the
         machine sees its next event only once the last one's actions are all carried out."""
@@ -71,7 +84,7 @@ class EndpointShell:
                     self._carry(a)
                 if not self._events:
                     return
-                actions = self._events.popleft()()
+                actions = self.machine.feed(self._events.popleft())
         finally:
             self._feeding = False
 
@@ -80,8 +93,9 @@ class EndpointShell:
         if self._events:
             self._feed(())
 
-    def _queue(self, event: Event) -> None:
-        """Feed ``event`` on the loop's next turn (any thread, lock held or not)."""
+    def _queue(self, event: Any) -> None:
+        """Feed the event record ``event`` on the loop's next turn (any thread, lock held or not:
+        it never takes the lock)."""
         self._events.append(event)
         self._wake()
 
@@ -94,7 +108,23 @@ class EndpointShell:
     def _step(self) -> None:
         raise NotImplementedError
 
+    def _collect(self) -> None:
+        """(lock held) Feed the engine's completions (the side whose engine writes defines it)."""
+        raise NotImplementedError
+
     # -- engine-facing (any thread) -------------------------------------------
+
+    def _engine_final(self) -> None:
+        """Engine callback, a write became final (any thread, inside ``submit_write`` too): when
+        the lock is free, collect and report from this thread; when it is held, wake the loop,
+        which collects once the holder is done. Never a wait for the lock, never a nested feed."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._collect()
+            finally:
+                self._lock.release()
+        else:
+            self._wake()
 
     def locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the endpoint's lock held (what a handle reads)."""
@@ -109,16 +139,16 @@ class EndpointShell:
     def _close_released(self) -> None:
         """(lock held) Close the rooms of dropped handles."""
         while self._released:
-            self._feed(self.machine.close(self._released.popleft(), time.monotonic()))
+            self._feed_event(CloseRoom(self._released.popleft(), time.monotonic()))
 
     def close_room(self, r: Any) -> None:
         with self._lock:
-            self._feed(self.machine.close(r, time.monotonic()))
+            self._feed_event(CloseRoom(r, time.monotonic()))
         self._wake()
 
     def abort_room(self, r: Any, reason: str) -> None:
         with self._lock:
-            self._feed(self.machine.abort(r, reason, time.monotonic()))
+            self._feed_event(AbortRoom(r, reason, time.monotonic()))
         self._wake()
 
     def _check_staging_mode(self, mode: str, buffer: Any, what: str) -> None:

@@ -15,8 +15,10 @@ from kvbridge.layout import AuxSchema, deepseek_pools, stage_specs
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.decode.config import DecodeConfig
-from kvbridge.transfer.decode.machine import DecodeRooms, LookUp
+from kvbridge.transfer.decode.events import LookUp
+from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.poll import KVPoll
+from _machines import decode_machine
 
 PAGE = 4
 SCHEMA = AuxSchema.standard(hidden_size=8)
@@ -63,7 +65,7 @@ class Memory:
 def machine(**cfg) -> DecodeRooms:
     mem = Memory()
     cfg = dict(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_quarantine=30.0, transfer_timeout=100.0) | cfg
-    m = DecodeRooms(DecodeConfig(**cfg), SPECS, SCHEMA, read_aux_row=mem.read,
+    m = decode_machine(DecodeConfig(**cfg), SPECS, SCHEMA, read_aux_row=mem.read,
                     page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id")
     m.memory = mem
     return m

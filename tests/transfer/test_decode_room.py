@@ -15,9 +15,11 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
-from kvbridge.transfer.decode.machine import SCAN_S, DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.events import LookUp, Refresh
+from kvbridge.transfer.decode.machine import SCAN_S, DecodeRooms
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.rooms import Stage
+from _machines import decode_machine
 
 PAGE = 4
 SCHEMA = AuxSchema.standard(hidden_size=8)
@@ -51,7 +53,7 @@ class Memory:
 @pytest.fixture
 def m():
     mem = Memory()
-    machine = DecodeRooms(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_quarantine=30.0,
+    machine = decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_quarantine=30.0,
                                        transfer_timeout=100.0),
                           deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0), SCHEMA,
                           read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
@@ -360,12 +362,12 @@ def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_co
     rank's scratch region and sends Challenge(offset); the rank echoes what it reads there."""
     scratch = bytes(range(64)) * 2
     specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
-    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+    m = decode_machine(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                     page_digests=lambda *a: None, rank_id=lambda: "r1",
                     read_scratch=lambda offset: scratch[offset:offset + wire.NONCE_BYTES])
     (send,) = m.message("tcp://p:1", wire.Challenge(offset=32), 1.0)
     assert send.to == ("tcp://p:1",) and send.msg == wire.ChallengeEcho(nonce=scratch[32:64])
-    silent = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+    silent = decode_machine(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                          page_digests=lambda *a: None, rank_id=lambda: "r1")
     assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo
 
@@ -378,7 +380,7 @@ def test_a_key_challenge_is_signed_with_our_proof_key_for_our_registration_and_t
 
     key = ProofKey()
     specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
-    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+    m = decode_machine(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                     page_digests=lambda *a: None, rank_id=lambda: "r1", proof_key=key)
     nonce = bytes(range(32))
     (send,) = m.message("tcp://localhost:01", wire.KeyChallenge(nonce=nonce), 1.0)
@@ -387,7 +389,7 @@ def test_a_key_challenge_is_signed_with_our_proof_key_for_our_registration_and_t
     assert not verify_proof(key.public_hex, "r1", "tcp://127.0.0.1:2", nonce, send.msg.signature)
     assert not verify_proof(key.public_hex, "r2", "tcp://127.0.0.1:1", nonce, send.msg.signature)
     assert not verify_proof(ProofKey().public_hex, "r1", "tcp://127.0.0.1:1", nonce, send.msg.signature)
-    keyless = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+    keyless = decode_machine(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
                           page_digests=lambda *a: None, rank_id=lambda: "r1")
     assert not keyless.message("tcp://p:1", wire.KeyChallenge(nonce=nonce), 1.0)
 # ---- staged transfers (decode/staging.py) ------------------------------------------------------
@@ -409,7 +411,7 @@ def ms():
     bufs = [BufferDesc(pool, layer, PAGES_BASE + layer * (1 << 30), 64, spec.bytes_per_page) for layer in spec.layer_ids]
     cfg = DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, lease_ttl=2.0, lease_quarantine=3.0,
                        transfer_timeout=100.0, staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT)
-    machine = DecodeRooms(cfg, specs, SCHEMA, read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
+    machine = decode_machine(cfg, specs, SCHEMA, read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
                           rank_id=lambda: "dec-id",
                           staging=DecodeStaging(StagingArea(2, SLOT), AREA_BASE, bufs, "dec/dp0/tp0"))
     machine.memory, machine.page_bytes = mem, spec.bytes_per_page
@@ -546,3 +548,62 @@ def test_a_grant_past_the_area_is_refused_by_the_slot_table():
         with pytest.raises(StagingSlotError, match="outside the area's 2 slots") as err:
             call()
         assert err.value.rank == "d0" and err.value.field == "slot"
+
+
+# ---- the door: every event type the machine takes, fed through feed() -------------------------------
+
+def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
+    """``decode.events.EVENTS`` lists what DecodeRooms.feed takes; rooms walk through every type
+    (a new event type without a case here fails). The machine reads no memory: a commit asks the
+    shell for the aux row (ReadForCommit) and a Challenge for an echo (EchoScratch); anything
+    that is not an event is refused."""
+    from kvbridge.transfer.actions import AbortRoom, CloseRoom, Shutdown, Tick
+    from kvbridge.transfer.decode import events as ev
+    from kvbridge.transfer.decode.staging import Scatter
+
+    dm = ms.machine
+    fed: set[type] = set()
+
+    def feed(event):
+        fed.add(type(event))
+        return dm.feed(event)
+
+    feed(ev.Registered("dec-id"))
+    feed(ev.SetStaging("always"))
+    r = dm.open(7, INSTANCE, None, 1.0)
+    (look,) = of(feed(Tick(1.0)), ev.LookUp)
+    feed(ev.LookedUp(7, look.key, topology(1), None, 1.0))
+    (_, req), = sends(feed(ev.Init(r, np.array([10, 11, 12]), 1, 10, 0, 1.0)), wire.TransferRequest)
+    assert req.decode_rank_id == "dec-id"
+    # one page through a staging slot: grant, land, scatter (done, and another that failed)
+    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(7, 0, 0), 1.1)), wire.SlotGrant)
+    (sc,) = of(feed(ev.Message("tcp://p0", landed(ms, 7, 0, 0, grant.slot, 10), 1.2)), Scatter)
+    feed(ev.Scattered(7, sc.slot, 1.2))
+    acts = feed(ev.Message("tcp://p0", wire.PagesDone(room=7, cp_rank=0, status="ok", reason="", pools=["target"],
+                                                      logical_pages=np.asarray([0, 1, 2], "<i4").tobytes(),
+                                                      digests=None, aux=True, num_tokens=10), 1.3))
+    (read,) = of(acts, ev.ReadForCommit)  # every page written: the shell reads the row, the machine checks it
+    assert read == ev.ReadForCommit(7, 1, ()) and r.state.state == KVPoll.Transferring
+    ms.memory.land(1, 7)
+    row, read_s = ms.memory.read(read.aux_slot)
+    feed(ev.CommitRead(7, row, read_s, (), None, 1.4))
+    assert r.state.state == KVPoll.Success
+    feed(CloseRoom(r, 1.5))
+    r2 = dm.open(8, INSTANCE, None, 2.0)
+    feed(Tick(2.0))
+    feed(ev.Init(r2, np.array([20, 21, 22]), 2, 10, 0, 2.0))
+    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(8, 0, 0), 2.1)), wire.SlotGrant)
+    (sc,) = of(feed(ev.Message("tcp://p0", landed(ms, 8, 0, 0, grant.slot, 20), 2.2)), Scatter)
+    feed(ev.ScatterFailed(8, sc.slot, "copy refused", 2.2))
+    assert r2.state.state == KVPoll.Failed and "copy refused" in r2.state.reason
+    feed(AbortRoom(r2, "again", 2.3))  # (already failed: nothing more)
+    # the answers of the shell's pool threads, a prefill rank's Challenge, the clock, the end
+    feed(ev.Refreshed(("pre", 0), None, 2.4))
+    feed(ev.LeaseChecked("tcp://p0", "rank0", False, 2.4))
+    dm.scratch = True  # (a rank that registered a scratch region)
+    (echo,) = of(dm.feed(ev.Message("tcp://p0", wire.Challenge(offset=32), 2.5)), ev.EchoScratch)
+    assert echo == ev.EchoScratch("tcp://p0", 32)  # read and sent by the shell
+    feed(Shutdown("the endpoint closes", 3.0))
+    assert fed == set(ev.EVENTS), set(ev.EVENTS) - fed
+    with pytest.raises(TypeError, match="does not take"):
+        dm.feed(wire.Ping(decode_rank="x", seq=1))

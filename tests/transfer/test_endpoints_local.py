@@ -16,9 +16,10 @@ from _cluster import wait_final, wait_until
 from _local import PAGE, Cluster, HostEvent
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
-from kvbridge.transfer.decode.machine import LookUp
+from kvbridge.transfer.decode.events import LookUp
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux
+from kvbridge.transfer.actions import Tick
 
 
 @pytest.mark.parametrize("engine", ["local", "ipc"])
@@ -358,10 +359,10 @@ def test_a_loop_step_touches_only_the_rooms_an_event_concerns(cluster, monkeypat
     orig = type(ep.machine)._post_room
     monkeypatch.setattr(type(ep.machine), "_post_room", lambda self, r, now: (touched.append(r.room), orig(self, r, now)))
     with ep._lock:
-        ep._feed(ep.machine.tick(time.monotonic()))  # whatever the init() calls left to do
+        ep._feed_event(Tick(time.monotonic()))  # whatever the init() calls left to do
         touched.clear()
         ep.machine.dirty.add(950)
-        ep._feed(ep.machine.tick(time.monotonic()))
+        ep._feed_event(Tick(time.monotonic()))
     assert touched == [950]
     for s in senders:
         s.abort("test over")

@@ -14,7 +14,9 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms
+from kvbridge.transfer.prefill.events import PostWrite
+from kvbridge.transfer.prefill.machine import PrefillRooms
+from _machines import prefill_machine
 
 from test_prefill_room import AUX, AUXF, D, DONE, HELLO, ME, SPECS, Shell, _packed, bufs, msgs, of, peer, request
 
@@ -24,10 +26,10 @@ DECODE_BASE = 1 << 40
 
 @pytest.fixture
 def m():
-    machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
+    machine = prefill_machine(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
                            "x", hello_of=lambda ident: HELLO.get(ident), endpoint=lambda: ME, target_layers=2)
     machine.peers.entries["r1"] = peer()
-    machine.identities.prove(D, "r1")
+    machine.admission.prove(D, "r1")
     return machine
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvbridge.errors import LedgerError
 from kvbridge.layout import OwnerLanes
-from kvbridge.transfer.decode.ledger import PageLedger
+from kvbridge.transfer.decode.room import PageLedger
 
 POOLS = ("draft", "index", "target")
 

@@ -16,6 +16,8 @@ from _local import ProvingPeers, replies, rogue_request
 from kvbridge.errors import RoomInUse
 from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.actions import Tick
+from kvbridge.transfer.prefill.events import Gc
 
 
 def test_a_reused_room_id_is_refused_until_the_old_room_is_closed(cluster):
@@ -87,9 +89,9 @@ def test_a_final_state_stays_readable_while_the_handle_lives(cluster):
     later = time.monotonic() + 3600  # an hour of housekeeping later
     with c.decode._lock:
         c.decode.machine.next_scan = 0.0
-        c.decode._feed(c.decode.machine.tick(later))
+        c.decode._feed_event(Tick(later))
     with c.prefill[0]._lock:
-        c.prefill[0]._feed(c.prefill[0].machine.gc(later))
+        c.prefill[0]._feed_event(Gc(later))
     assert r.poll() == KVPoll.Success and r.failure_reason is None and r.aux.room == 32
     assert r.stats["state"] == "Success" and senders[0].poll() == KVPoll.Success
 

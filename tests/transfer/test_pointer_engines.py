@@ -29,6 +29,7 @@ from _local import ProvingPeers, replies
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import LocalFabric
 from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, fill_pages, make_aux, verify_aux, verify_pages
+from kvbridge.transfer.actions import AbortRoom
 
 PAGE, LAYERS, PAGES = 4, 2, 32
 
@@ -348,6 +349,6 @@ def test_a_decode_room_failing_before_its_request_aborts_every_sender(mini):
     with dep._lock:  # between init() and the loop's TransferRequest
         room = dep.machine.rooms[707]
         room.page_ids, room.aux_slot = np.array([1, 2]), 0  # init() without its request: the loop would send it
-        dep._feed(dep.machine.abort(room, "aborted by the engine", time.monotonic()))
+        dep._feed_event(AbortRoom(room, "aborted by the engine", time.monotonic()))
         assert room.requested == set(room.senders) and not room.pages_releasable
     assert wait_until(lambda: r.pages_releasable, 10)  # both CP ranks acked (no room there: at once)

@@ -17,11 +17,13 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, WriteNonce
-from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
-from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.admission import PROOF_ATTEMPTS, WriteNonce
+from kvbridge.transfer.prefill.targets import DecodePeer, Resolve
+from kvbridge.transfer.prefill.events import AuxFrom, Closing, PostWrite, ReleaseAux
+from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.rooms import Stage
+from _machines import prefill_machine
 
 SPECS = preset_pools("deepseek-v3.2-fp8", num_layers=2, page_size=4)
 AUX = AuxSchema.standard(16, "bfloat16", 1)
@@ -61,10 +63,10 @@ def request(room: int = 1, num_tokens: int = 7, deadline_ms: int = 10_000, finge
 
 @pytest.fixture
 def m():
-    machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
+    machine = prefill_machine(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
                            "x", hello_of=lambda ident: HELLO.get(ident), endpoint=lambda: ME)
     machine.peers.entries["r1"] = peer()  # its registration was read before
-    machine.identities.prove(D, "r1")  # and connection D proved it holds its memory
+    machine.admission.prove(D, "r1")  # and connection D proved it holds its memory
     return machine
 
 
@@ -288,7 +290,7 @@ def test_pings_are_answered_and_messages_a_prefill_rank_does_not_take_are_refuse
 
 def test_shutting_down_refuses_new_rooms_and_requests(m):
     r = opened_and_asked(m, 16)
-    m.closing = True
+    m.feed(Closing())
     with pytest.raises(KVBridgeError, match="shutting down"):
         m.open(17, 1.0)
     (report,) = msgs(m.message(D, request(18), 1.0), wire.PagesDone)
@@ -413,7 +415,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
         acts = m.resolved("r2", None, "registration r2 is not registered", 1.01)
     elif how == "silent_key":
         assert msgs(acts, wire.KeyChallenge)
-        acts = m.tick(1.0 + m.identities.timeout + 0.1)
+        acts = m.tick(1.0 + m.admission.timeout + 0.1)
     elif how in ("other_key", "other_registration", "other_prefill"):
         # what an attacker who reads and writes every registered byte can sign: not with r2's key
         key = ProofKey() if how == "other_key" else None
@@ -427,7 +429,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
             acts = m.nonce_written(E, "refused", 1.01)
         elif how == "silent":
             m.nonce_written(E, None, 1.01)
-            acts = m.tick(1.0 + m.identities.timeout + 0.1)
+            acts = m.tick(1.0 + m.admission.timeout + 0.1)
         else:  # every fresh nonce echoed wrong: refused after PROOF_ATTEMPTS tries
             for attempt in range(PROOF_ATTEMPTS):
                 m.nonce_written(E, None, 1.01)
@@ -448,7 +450,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
 def _second_instance(m, ident: bytes = E) -> None:
     m.peers.entries["r2"] = fresh_peer(instance="intruder", label="intruder/dp0/tp0")
     HELLO[ident] = "r2"
-    m.identities.prove(ident, "r2").instance = "intruder"
+    m.admission.prove(ident, "r2").instance = "intruder"
 
 
 def intruder_request(room: int) -> wire.TransferRequest:
@@ -517,13 +519,13 @@ def ms():
     """A machine with a gather buffer of 2 slots that stages every target offered a staging area."""
     from kvbridge.transfer.staging.area import StagingArea
 
-    machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0, staging="always",
+    machine = prefill_machine(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0, staging="always",
                                          staging_bytes=2 * SLOT, staging_slot_bytes=SLOT),
                            SPECS, bufs(0), AUX, "x",
                            gather=StagingArea(2, SLOT),
                            hello_of=lambda ident: HELLO.get(ident))
     machine.peers.entries["r1"] = peer()
-    machine.identities.prove(D, "r1")
+    machine.admission.prove(D, "r1")
     return machine
 
 
@@ -718,7 +720,7 @@ def two_decode_ranks(m) -> None:
     m.peers.entries["r1"] = DecodePeer(**{**vars(peer()), "tp_size": 2, "tp_rank": 0, "checked": {}})
     m.peers.entries["r2"] = DecodePeer(**{**vars(peer()), "rank_id": "r2", "label": "d/dp0/tp1", "tp_size": 2,
                                           "tp_rank": 1, "checked": {}})  # fmt: skip
-    m.identities.prove(D2, "r2")
+    m.admission.prove(D2, "r2")
 
 
 def test_decode_ranks_holding_different_prefixes_are_named_with_their_first_pages(m):
@@ -811,10 +813,10 @@ def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reporte
     """The first group's gathers go out before the rest is planned: one slot-sized group per
     tick, each its own staged write and report; every page reported once, the aux row with the
     last group, and the room succeeds."""
-    import kvbridge.transfer.prefill.machine as machine
+    import kvbridge.transfer.prefill.staged as staged
     from kvbridge.transfer.prefill.staged import Gather, PostChunk
 
-    monkeypatch.setattr(machine, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
+    monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
     r, acts = staged_room(ms, 32, num_tokens=13)  # 4 pages
     assert ms.later == {32} and of(acts, Gather)  # group 0 is gathering; groups 1-3 wait for the next ticks
     (sw,) = ms.stage.writes.values()
@@ -838,3 +840,98 @@ def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reporte
     pages = [p for m in reports for p in wire.unpack_pages(m.logical_pages).tolist()]
     assert sorted(pages) == [0, 1, 2, 3] and [m.aux for m in reports] == [False, False, False, True]
     assert all(m.status == "ok" for m in reports) and r.paths == {"d/dp0/tp0": "staged"}
+
+
+# ---- the door: every event type the machine takes, fed through feed() -------------------------------
+
+def test_every_event_type_of_the_prefill_machine_is_fed_through_its_one_door(ms):
+    """``events.EVENTS`` lists what PrefillRooms.feed takes; one room of each path walks through
+    every type (a new event type without a case here fails), and the machine answers anything
+    else with a TypeError."""
+    from kvbridge.transfer.actions import AbortRoom, CloseRoom, Shutdown, Tick
+    from kvbridge.transfer.prefill import events as ev
+    from kvbridge.transfer.prefill.admission import NonceWritten
+    from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, PostChunk, SetMode
+
+    fed: set[type] = set()
+
+    def feed(event):
+        fed.add(type(event))
+        return ms.machine.feed(event)
+
+    feed(ev.Serving(ME))
+    assert ms.machine.endpoint == ME
+    feed(SetMode("always"))
+    # a staged room: request, init, chunk, post, grant, chunk posted, final
+    r = ms.open(50, 1.0)
+    feed(ev.Message(D, staged_request(50), "r1", 1.0))
+    feed(ev.EngineInit(r, 7, None, 1.0))
+    feed(ev.Chunk(r, np.arange(2), np.arange(2) + 5, None, True, _packed(50), None))
+    feed(ev.Post(r, 1.1, AUXF))
+    (sw,) = ms.stage.writes.values()
+    for k in range(sw.num_chunks):
+        (post,) = of(feed(ev.Message(D, wire.SlotGrant(room=50, decode_rank="d/dp0/tp0", chunk=k, slot=k % 3),
+                                     "r1", 1.2)), PostChunk)
+        if k == 0:  # the first chunk's submission refused: the staged write fails
+            acts = feed(ChunkPostFailed(post, "refused", 1.2))
+            assert [c.status for c in msgs(acts, wire.ChunkLanded)] == ["failed"]
+            break
+    assert r.state.state == KVPoll.Failed
+    feed(CloseRoom(r, 1.3))
+    # a direct room: its write posted, then final; another refused at submission
+    feed(SetMode("never"))
+    for room in (51, 52):
+        r = ms.open(room, 2.0)
+        feed(ev.Message(D, request(room), "r1", 2.0))
+        feed(ev.EngineInit(r, 7, None, 2.0))
+        feed(ev.Chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(room), None))
+        (w,) = of(feed(ev.Post(r, 2.1, AUXF)), PostWrite)
+        if room == 51:
+            feed(ev.Posted(w, 700, 2.1))
+            assert msgs(feed(ev.WriteFinal(700, DONE, 2.2)), wire.PagesDone)[0].status == "ok"
+            assert r.state.state == KVPoll.Success
+        else:
+            feed(ev.PostFailed(w, "engine refused", 2.1))
+            assert r.state.state == KVPoll.Failed
+    # a staged chunk that was posted: its handle is booked (ChunkPosted), its final reported
+    feed(SetMode("always"))
+    r = ms.open(53, 3.0)
+    feed(ev.Message(D, staged_request(53), "r1", 3.0))
+    feed(ev.EngineInit(r, 7, None, 3.0))
+    feed(ev.Chunk(r, np.arange(2), np.arange(2) + 5, None, True, _packed(53), None))
+    feed(ev.Post(r, 3.1, AUXF))
+    (post,) = of(feed(ev.Message(D, wire.SlotGrant(room=53, decode_rank="d/dp0/tp0", chunk=0, slot=0), "r1", 3.2)),
+                 PostChunk)
+    feed(ChunkPosted(post, 800, 1, 100, 3.2))
+    assert msgs(feed(ev.WriteFinal(800, DONE, 3.3)), wire.ChunkLanded)[0].status == "ok"
+    feed(AbortRoom(r, "the engine gave up", 3.4))
+    # the proof's answers and the daemon's
+    HELLO[E] = "r2"
+    ms.peers.entries["r2"] = fresh_peer()
+    feed(ev.Message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=1, decode_rank_id="r2"), "r2", 4.0))
+    feed(NonceWritten(E, "not asked for", 4.0))  # no nonce write out yet: ignored
+    acts = feed(ev.Resolved("r9", None, "registration r9 is not registered", 4.0))
+    assert acts == ()  # nobody waited for it
+    feed(Tick(4.1))
+    feed(ev.Gc(4.2))
+    feed(ev.Closing())
+    with pytest.raises(KVBridgeError, match="shutting down"):
+        ms.open(54, 4.3)
+    feed(Shutdown("the endpoint closes", 4.4))
+    assert fed == set(ev.EVENTS), set(ev.EVENTS) - fed
+    with pytest.raises(TypeError, match="does not take"):
+        ms.machine.feed(wire.Ping(decode_rank="x", seq=1))
+
+
+def test_every_event_type_of_the_staged_writes_machine_has_a_handler():
+    """``staged.EVENTS`` is what StagedWrites.feed takes (each fed through the room machine's door
+    in the test above, or by it); anything else is refused."""
+    from kvbridge.transfer.prefill import staged
+
+    m = staged.StagedWrites("auto", None, 0, "p/cp0")
+    assert set(staged._HANDLERS) == set(staged.EVENTS)
+    assert m.feed(staged.SetMode("never")) == [] and m.mode == "never"
+    assert m.feed(staged.RoomGone(1)) == [] and m.feed(staged.Prune(frozenset(), 1.0, 2.0)) == []
+    assert m.feed(staged.Settle(7)) == []  # no such write: nothing
+    with pytest.raises(TypeError, match="does not take"):
+        m.feed(object())

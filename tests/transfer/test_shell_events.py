@@ -28,7 +28,9 @@ from kvbridge.transfer.engine import TransferEngine, WriteState, WriteStatus
 from kvbridge.transfer.engine.registry import entry_of
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.machine import PostWrite, PrefillRooms, ReleaseAux
+from kvbridge.transfer.prefill.events import PostWrite, ReleaseAux
+from kvbridge.transfer.prefill.machine import PrefillRooms
+from _machines import prefill_machine
 from test_prefill_room import AUX, AUXF, D, HELLO, SPECS, _packed, bufs, peer, request
 
 DONE = WriteStatus(WriteState.DONE)
@@ -37,10 +39,10 @@ OUTCOMES = ("done", "failed", "refused")  # a write completes, fails at completi
 
 
 def _machine() -> PrefillRooms:
-    m = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX, "x",
+    m = prefill_machine(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX, "x",
                      hello_of=lambda ident: HELLO.get(ident))
     m.peers.entries["r1"] = peer()
-    m.identities.prove(D, "r1")
+    m.admission.prove(D, "r1")
     return m
 
 
@@ -187,7 +189,7 @@ class _Injecting(TransferEngine):
 
 
 class _Watched:
-    """The endpoint's machine, watched: every event returning actions hands them out through an
+    """The endpoint's machine, watched at its door: every ``feed`` hands its actions out through an
     iterator that marks them as being carried out; an event fed meanwhile, or from inside the
     engine's ``submit_write``, is recorded."""
 
@@ -199,7 +201,7 @@ class _Watched:
 
     def __getattr__(self, name):
         value = getattr(self._machine, name)
-        if not callable(value) or name.startswith("_"):
+        if name != "feed":  # the machine's one door; the rest are read-only queries
             return value
 
         def call(*args, **kw):

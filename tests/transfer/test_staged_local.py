@@ -326,9 +326,9 @@ def test_a_room_planned_group_by_group_lands_byte_exact(cluster, monkeypatch, cp
     """Real endpoints, a staged chunk of many slot-sized groups (the groups' floor lowered so that
     this geometry's rooms split): each group planned on its own loop turn, its own write and
     report; the room lands byte for byte, the partial last page and the aux row included."""
-    import kvbridge.transfer.prefill.machine as machine
+    import kvbridge.transfer.prefill.staged as staged
 
-    monkeypatch.setattr(machine, "GROUP_MIN_SLICES", 5)
+    monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)
     c = staged_cluster(cluster, cp=cp)
     n = 61  # 16 pages, the last partial
     rng = np.random.default_rng(61 + cp)

@@ -12,7 +12,7 @@ from kvbridge.errors import LayoutError, PageRangeError, PairingError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, preset_pools
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import RegionAddr
-from kvbridge.transfer.prefill.peers import DecodePeer
+from kvbridge.transfer.prefill.targets import DecodePeer
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.targets import target_from_request
 

@@ -31,14 +31,18 @@ from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, PoolSpec
-from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.actions import FreeRoom, Send, Shutdown, Tick
+from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.channel import PeerSet
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
-from kvbridge.transfer.decode.machine import DecodeRooms, LookUp, Refresh
+from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, LeaseChecked, LookedUp, LookUp, Message,
+                                             ReadForCommit, Refresh, Refreshed, Registered, Scattered, ScatterFailed,
+                                             SetStaging)
+from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
@@ -48,7 +52,7 @@ from kvbridge.transfer.registration import EndpointBuffers, register_rank, unreg
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch, device_of
-from kvbridge.transfer.shell import EndpointShell, Event
+from kvbridge.transfer.shell import EndpointShell
 from kvbridge.transfer.staging import HostStager, StagingBuffer, copy_slices
 
 log = logging.getLogger(__name__)
@@ -106,11 +110,7 @@ class DecodeEndpoint(EndpointShell):
                                                  config.staging_slot_bytes, rank=rank, role="decode",
                                                  engine=self.engine)
         self.machine = DecodeRooms(
-            config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
-            read_scratch=lambda offset: self.scratch.read(offset), proof_key=self.proof_key,
-            page_digests=lambda pools, pages, phys, n, layers=None: page_digests(self.specs, self.buffers.tensors,
-                                                                                 pools, pages, phys, n, layers),
-            trace=self.trace,
+            config, self.specs, aux_schema, proof_key=self.proof_key, trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,
                                                                     aux_ranges=self._aux_ranges),
@@ -128,14 +128,10 @@ class DecodeEndpoint(EndpointShell):
         counters, its slots by state and the chunks waiting for one), ``control`` (the control
         channel's message counts)."""
         with self._lock:
-            peers = list(self.machine.peers.values())
-            staging = self.machine.staging
-            if staging is not None:
-                area = staging.area
-                staging = {"counters": dict(staging.counters), "waiting": area.num_waiting,
-                           "slots": [area.state(i) for i in range(area.num_slots)]}
-        return {"peers": {"alive": sum(1 for p in peers if not p.dead), "dead": sum(1 for p in peers if p.dead)},
-                "staging": staging, "control": {} if self._peers is None else self._peers.stats.counts()}
+            found = self.machine.health()
+        staging = found.pop("staging")
+        return {"peers": found, "staging": staging,
+                "control": {} if self._peers is None else self._peers.stats.counts()}
 
     @property
     def rank_id(self) -> str | None:
@@ -163,8 +159,7 @@ class DecodeEndpoint(EndpointShell):
     def close(self, timeout: float = 5.0) -> None:
         """Abort rooms still in flight, wait (bounded) for their acks, deregister."""
         with self._lock:
-            self._feed(self.machine.shutdown(f"decode rank {self.config.rank_label} is shutting down",
-                                             time.monotonic()))
+            self._feed_event(Shutdown(f"decode rank {self.config.rank_label} is shutting down", time.monotonic()))
         end = time.monotonic() + timeout
         while time.monotonic() < end and self._locked_unquiet():
             time.sleep(0.02)
@@ -193,11 +188,36 @@ class DecodeEndpoint(EndpointShell):
                 merged.append((start, end))
         return merged
 
-    def _read_aux_row(self, slot: int) -> tuple[np.ndarray, float]:
-        """The machine's one read of memory: the aux row (and how long the read took)."""
+    def _read_for_commit(self, a: ReadForCommit) -> None:
+        """The memory reads a room's commit needs: its aux row (one copy to the host) and the
+        digests of its pages; the answer is queued for the machine (fed before the next message)."""
         start = time.monotonic()
-        row = self.aux.read_row(slot)
-        return row, time.monotonic() - start
+        try:
+            row = self.aux.read_row(a.aux_slot)
+            read_s = time.monotonic() - start
+            digests = tuple(page_digests(self.specs, self.buffers.tensors, d.pools, d.pages, d.physical,
+                                         d.num_tokens, d.layers) for d in a.digests)
+            error = None
+        except KVBridgeError as exc:
+            row, read_s, digests, error = None, 0.0, (), str(exc)
+        self._queue(CommitRead(a.room, row, read_s, digests, error, time.monotonic()))
+
+    def _echo_scratch(self, a: EchoScratch) -> None:
+        """A prefill rank's Challenge: echo the nonce it wrote into our scratch region."""
+        try:
+            nonce = self.scratch.read(a.offset)
+        except KVBridgeError as exc:
+            log.warning("prefill %s challenged %s at a bad offset: %s", a.endpoint, self.config.rank_label, exc)
+            return
+        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=nonce)))
+
+    def _feed_event(self, event: Any) -> None:
+        """(lock held) Feed one event; first this rank's registration id when the lease keeper
+        changed it (requests, aborts and pings name it)."""
+        rank_id = self.rank_id
+        if rank_id != self.machine.registration:
+            self._feed(self.machine.feed(Registered(rank_id)))
+        self._feed(self.machine.feed(event))
 
     def _locked_unquiet(self) -> bool:
         with self._lock:
@@ -261,9 +281,8 @@ class DecodeEndpoint(EndpointShell):
             r.binding = binding
             # (a copy: the engine may reuse its array); topology known (cached or looked up): the
             # requests go out from this thread, no hop to the loop
-            self._feed(self.machine.init(r, pages.astype(np.int64), int(aux_slot),
-                                         None if num_tokens is None else int(num_tokens), int(first_page),
-                                         time.monotonic()))
+            self._feed_event(Init(r, pages.astype(np.int64), int(aux_slot),
+                                  None if num_tokens is None else int(num_tokens), int(first_page), time.monotonic()))
             sent = r.state.state == KVPoll.Transferring
         if not sent:
             self._wake()
@@ -273,7 +292,7 @@ class DecodeEndpoint(EndpointShell):
         rank that has its staging area (the bench compares the paths on one set of ranks)."""
         self._check_staging_mode(mode, self.staging, "staging area")
         with self._lock:
-            self.machine.staging_mode = mode
+            self._feed_event(SetStaging(mode))
 
     def _wake(self) -> None:
         if self._peers is not None:
@@ -301,6 +320,10 @@ class DecodeEndpoint(EndpointShell):
             self._pool.submit(self._check_lease, a)
         elif type(a) is DropPeer:
             self._peers.drop(a.endpoint)
+        elif type(a) is ReadForCommit:
+            self._read_for_commit(a)
+        elif type(a) is EchoScratch:
+            self._echo_scratch(a)
         else:
             raise TypeError(f"decode endpoint cannot carry out {a!r}")
 
@@ -322,36 +345,25 @@ class DecodeEndpoint(EndpointShell):
             log.exception("room %d on %s: scatter out of staging slot %d failed", a.room, self.config.rank_label,
                           a.slot)
             reason = f"scatter out of staging slot {a.slot} failed: {type(exc).__name__}: {exc}"
-            self._queue(lambda: self._scatter_failed(a, reason))
+            self._queue(ScatterFailed(a.room, a.slot, reason, time.monotonic()))
             return
         if event is None:
-            self._queue(lambda: self.machine.scattered(a.room, a.slot, time.monotonic()))
+            self._queue(Scattered(a.room, a.slot, time.monotonic()))
         else:
             self._scattering.append((event, a))
-
-    def _scatter_failed(self, a: Scatter, reason: str) -> list[Any]:
-        r = self.machine.rooms.get(a.room)
-        now = time.monotonic()
-        failed = list(self.machine.abort(r, reason, now)) if r is not None else []
-        return [*failed, *self.machine.scattered(a.room, a.slot, now)]
 
     def _poll_scatters(self) -> None:
         """(lock held) Feed ``scattered`` for every GPU scatter whose event completed (one stream:
         they complete in order)."""
         while self._scattering and self._scattering[0][0].query():
             a = self._scattering.popleft()[1]
-            self._feed(self.machine.scattered(a.room, a.slot, time.monotonic()))
+            self._feed_event(Scattered(a.room, a.slot, time.monotonic()))
 
     def _send_frame(self, endpoint: str, frame: bytes) -> None:
         try:
             self._peers.send_frame(endpoint, frame)
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
-
-    def _hand_to_loop(self, event: Event) -> None:
-        """Feed ``event()`` (a machine event returning actions) on the loop thread, with the lock
-        held (safe from any thread)."""
-        self._queue(event)
 
     def _look_up(self, a: LookUp) -> None:
         """Ask the daemon on a pool thread; the answer is fed by the loop thread, never under a lock
@@ -365,7 +377,7 @@ class DecodeEndpoint(EndpointShell):
                 return
             error = f.exception()
             topo = f.result() if error is None else None
-            self._hand_to_loop(lambda: self.machine.looked_up(a.room, a.key, topo, error, time.monotonic()))
+            self._queue(LookedUp(a.room, a.key, topo, error, time.monotonic()))
 
         fut.add_done_callback(done)
 
@@ -377,7 +389,7 @@ class DecodeEndpoint(EndpointShell):
             if f.cancelled():  # the pool was shut down with the endpoint
                 return
             topo = None if f.exception() is not None else f.result()
-            self._hand_to_loop(lambda: self.machine.refreshed(a.key, topo, time.monotonic()))
+            self._queue(Refreshed(a.key, topo, time.monotonic()))
 
         fut.add_done_callback(done)
 
@@ -390,7 +402,7 @@ class DecodeEndpoint(EndpointShell):
             gone = True
         except KVBridgeError:  # daemon unreachable: cannot tell, so keep waiting (safe)
             gone = False
-        self._hand_to_loop(lambda: self.machine.lease_checked(a.endpoint, a.rank_id, gone, time.monotonic()))
+        self._queue(LeaseChecked(a.endpoint, a.rank_id, gone, time.monotonic()))
 
     # -- the loop -------------------------------------------------------------
 
@@ -398,11 +410,11 @@ class DecodeEndpoint(EndpointShell):
         # a GPU scatter in flight: poll its event every turn (no wait); else wait for input
         for endpoint, msg in self._peers.recv_ready(0 if self._scattering else 20):
             with self._lock:
-                self._feed(self.machine.message(endpoint, msg, time.monotonic()))
+                self._feed_event(Message(endpoint, msg, time.monotonic()))
                 self._feed_queued()  # a chunk's scatter is done before the next message is read
         with self._lock:
             self._poll_scatters()
             self._feed_queued()
             self._close_released()
-            self._feed(self.machine.tick(time.monotonic()))
+            self._feed_event(Tick(time.monotonic()))
             self._feed_queued()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,7 +34,10 @@ from kvbridge.errors import (
 from kvbridge.layout import AuxSchema, PoolSpec
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
+from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, EchoScratch, Init, LeaseChecked, LookedUp,
+                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
+                                             ScatterFailed, Scattered, SetStaging)
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -55,53 +57,27 @@ _NONE: tuple = ()  # what an event that asks for nothing returns
 
 
 
-@dataclass(frozen=True, slots=True)
-class LookUp:
-    """Ask the daemon for the topology of ``room``'s prefill DP group (off the loop); answer
-    with ``DecodeRooms.looked_up(room, key, topo, error, now)``."""
-
-    room: int
-    instance: str
-    dp_rank: int | None
-    key: Key
-
-
-@dataclass(frozen=True, slots=True)
-class Refresh:
-    """Look ``key`` = (instance, DP group) up again ahead of expiry; answer with
-    ``DecodeRooms.refreshed(key, topo, now)`` (topo None when it failed)."""
-
-    key: tuple[str, int]
-
 class DecodeRooms:
-    """The decode rank's rooms and what drives them. ``read_aux_row(slot)``: the aux row as it
-    landed (a host copy) and the seconds the read took (for the trace); ``page_digests(pools, logical, physical,
-    num_tokens, layers=None)``: digests of our pages (only with ``verify_digest``; ``layers``: a pipeline
-    stage's layer ids per pool); ``rank_id()``: this rank's registration id (it
-    changes when the lease keeper re-registers); ``read_scratch(offset)``: the nonce a prefill
-    rank wrote into our scratch region (answers its Challenge; None: no scratch region);
-    ``proof_key``: the key whose public half is in our registration (answers a KeyChallenge;
-    None: none, and prefill refuses us)."""
+    """The decode rank's rooms and what drives them: one door, ``feed(event)`` (``EVENTS``,
+    ``events.py``), and read-only queries for the shell (``unquiet``, ``health``; ``open``
+    hands the engine's handle its room record). ``proof_key``: the key whose public half is in
+    our registration (answers a KeyChallenge; None: none, and prefill refuses us);
+    ``scratch``: whether we registered a scratch region (a Challenge is echoed from it)."""
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
-                 read_aux_row: Callable[[int], tuple[np.ndarray, float]],
-                 page_digests: Callable[..., np.ndarray],
-                 rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
                  trace: bool = False, staging: DecodeStaging | None = None,
-                 proof_key: ProofKey | None = None) -> None:
+                 proof_key: ProofKey | None = None, scratch: bool = True) -> None:
         self.cfg = config
         self.proof_key = proof_key
+        self.scratch = scratch
+        self.registration: str | None = None  # this rank's registration id (``Registered``)
         self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
         self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
         self.aux_schema = aux_schema
-        self.read_aux_row = read_aux_row
-        self.page_digests = page_digests
-        self.rank_id = rank_id
-        self.read_scratch = read_scratch
         self.trace = trace
         self.rooms: Rooms[DecodeRoom] = Rooms(config.rank_label, "KVReceiver", "receiver(room, ..., wait=...)")
-        self.peers = PrefillPeers(config, rank_id)
+        self.peers = PrefillPeers(config)
         self.topologies = Topologies(config, self.specs)
         self.page_size = next(iter(self.specs.values())).page_size
         self.pools = sorted(self.specs)
@@ -117,6 +93,28 @@ class DecodeRooms:
         out, self._out = self._out, []
         return out
 
+    def feed(self, event: Any) -> list[Any] | tuple:
+        """The door: one event in (``EVENTS``), the actions for the shell out, in order."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"the decode room machine does not take {type(event).__name__}")
+        handler(self, event)
+        return self._actions()
+
+    def health(self) -> dict[str, Any]:
+        """Peers alive and dead; the staging area's counters, slots and waiters (None: no area)."""
+        peers = list(self.peers.values())
+        staging = None
+        if self.staging is not None:
+            area = self.staging.area
+            staging = {"counters": dict(self.staging.counters), "waiting": area.num_waiting,
+                       "slots": [area.state(i) for i in range(area.num_slots)]}
+        return {"alive": sum(1 for p in peers if not p.dead), "dead": sum(1 for p in peers if p.dead),
+                "staging": staging}
+
+    def rank_id(self) -> str | None:
+        return self.registration
+
     # -- events from the engine -------------------------------------------------
 
     def open(self, room: int, prefill_instance: str, dp_rank: int | None, now: float) -> DecodeRoom:
@@ -129,14 +127,14 @@ class DecodeRooms:
             self.topology_ready(r, cached, now)  # (a room failing here asked no rank: nothing to send)
         return r
 
-    def init(self, r: DecodeRoom, pages: np.ndarray, aux_slot: int, num_tokens: int | None, first_page: int,
-             now: float) -> list[Any] | tuple:
+    def _init(self, e: Any) -> None:
         """The engine's init() (checked by the endpoint): the requests go out now when the topology
         is known, else at the tick that learns it."""
+        r, pages, aux_slot, num_tokens, first_page, now = e.room, e.pages, e.aux_slot, e.num_tokens, e.first_page, e.now
         if r.initialised:
             raise LayoutError("init() called twice", room=r.room, rank=self.cfg.rank_label, field="page_ids")
         if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
-            return _NONE
+            return
         r.page_ids, r.aux_slot, r.first_page = pages, aux_slot, first_page
         self.dirty.add(r.room)
         if num_tokens is not None:
@@ -144,25 +142,28 @@ class DecodeRooms:
         if r.state.state == KVPoll.WaitingForInput:
             self.dirty.discard(r.room)
             self._request(r, now)
-        return self._actions()
 
-    def abort(self, r: DecodeRoom, reason: str, now: float) -> list[Any] | tuple:
-        self.fail(r, reason, now)
-        return self._actions()
+    def _abort(self, e: AbortRoom) -> None:
+        self.fail(e.room, e.reason, e.now)
 
-    def close(self, r: DecodeRoom, now: float) -> list[Any] | tuple:
+    def _close(self, e: CloseRoom) -> None:
         """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        r = e.room
         if self.rooms.close(r):
             self.fail(r, f"the engine closed room {r.room}'s receiver on {self.cfg.rank_label} before it finished",
-                      now, level=logging.INFO)  # the engine's own decision: not a warning
-            self._forget_if_quiet(r, now)
-        return self._actions()
+                      e.now, level=logging.INFO)  # the engine's own decision: not a warning
+            self._forget_if_quiet(r, e.now)
 
-    def shutdown(self, reason: str, now: float) -> list[Any] | tuple:
+    def _shutdown(self, e: Shutdown) -> None:
         """Fail every room (the endpoint closes)."""
         for r in list(self.rooms.values()):
-            self.fail(r, reason, now)
-        return self._actions()
+            self.fail(r, e.reason, e.now)
+
+    def _registered(self, e: Registered) -> None:
+        self.registration = self.peers.registration = e.rank_id
+
+    def _set_staging(self, e: SetStaging) -> None:
+        self.staging_mode = e.mode
 
     def unquiet(self) -> bool:
         """Some failed room may still see writes (its pages are not releasable yet)."""
@@ -189,14 +190,14 @@ class DecodeRooms:
     def _key(self, r: DecodeRoom) -> Key:
         return self.topologies.key(r.prefill_instance, r.dp_rank, r.room)
 
-    def looked_up(self, room: int, key: Key, topo: LookupResponse | None, error: BaseException | None,
-                  now: float) -> list[Any] | tuple:
+    def _looked_up(self, e: LookedUp) -> None:
         """The answer to a ``LookUp``: a topology, or the error the daemon (or the way to it) gave."""
+        room, key, topo, error, now = e.room, e.key, e.topo, e.error, e.now
         self.topologies.in_flight.discard(key)
         self._wake_waiting(key[0])  # rooms that waited for this look-up use its answer now
         r = self.rooms.get(room)
         if r is None or r.state.final:
-            return self._actions()
+            return
         r.lookup_pending = False
         if error is None:
             self.topology_ready(r, topo, now, fresh=True)
@@ -222,12 +223,10 @@ class DecodeRooms:
             self.fail(r, f"bootstrap look-up failed: {error}", now)
         else:
             self.fail(r, f"bootstrap look-up failed: {type(error).__name__}: {error}", now)
-        return self._actions()
 
-    def refreshed(self, key: tuple[str, int], topo: LookupResponse | None, now: float) -> list[Any] | tuple:
-        self.topologies.refreshed(key, topo, now)
-        self._wake_waiting(key[0])
-        return self._actions()
+    def _refreshed(self, e: Refreshed) -> None:
+        self.topologies.refreshed(e.key, e.topo, e.now)
+        self._wake_waiting(e.key[0])
 
     def topology_ready(self, r: DecodeRoom, topo: LookupResponse, now: float, fresh: bool = False) -> None:
         """Use a topology; only a ``fresh`` answer from the daemon (re)starts the cache's clock,
@@ -253,10 +252,9 @@ class DecodeRooms:
         r.mismatch = list(diff)
         self.fail(r, reason, now)
 
-    def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> list[Any] | tuple:
+    def _lease_checked(self, e: LeaseChecked) -> None:
         """The daemon's answer to a ``CheckLease``."""
-        self.peers.lease_checked(endpoint, rank_id, gone, now)
-        return self._actions()
+        self.peers.lease_checked(e.endpoint, e.rank_id, e.gone, e.now)
 
     # -- failing and quiescence -------------------------------------------------
 
@@ -283,7 +281,7 @@ class DecodeRooms:
             s = r.senders[key]
             self._out.append(Send((s.control_endpoint,), wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
                                                                    reason=r.state.reason or "aborted",
-                                                                   decode_rank_id=self.rank_id() or "?")))
+                                                                   decode_rank_id=self.registration or "?")))
             r.abort_sent.add(key)
         r.last_abort = now
 
@@ -299,44 +297,44 @@ class DecodeRooms:
 
     # -- messages from prefill ranks --------------------------------------------
 
-    def message(self, endpoint: str, msg: Any, now: float) -> list[Any] | tuple:
+    def _message(self, e: Message) -> None:
         """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
+        endpoint, msg, now = e.endpoint, e.msg, e.now
         self.peers.heard(endpoint, now)
         if isinstance(msg, KVBridgeError):
             log.warning("bad control message from %s: %s", endpoint, msg)
-            return _NONE
+            return
         if isinstance(msg, wire.Heartbeat):
-            return _NONE
+            return
         if isinstance(msg, wire.Challenge):
             self._answer_challenge(endpoint, msg)
-            return self._actions()
+            return
         if isinstance(msg, wire.KeyChallenge):
             self._answer_key_challenge(endpoint, msg)
-            return self._actions()
+            return
         r = self.rooms.get(getattr(msg, "room", None))
         if r is None:
             if self.staging is not None and isinstance(msg, (wire.AbortAck, wire.ChunkLanded, wire.PagesDone)):
                 self.staging.late(msg.room, endpoint, msg, self._out)
-                return self._actions()
+                return
             if isinstance(msg, wire.ErrorReply):
                 log.warning("prefill %s refused a %s: %s", endpoint, msg.ref_type, msg.reason)
-            return _NONE
+            return
         cp = getattr(msg, "cp_rank", None)
         key = r.by_endpoint.get(endpoint)  # (cp, tp, pp) of the sender on that connection
         if cp is not None and (key is None or key[0] != cp):
             self.fail(r, f"message from {endpoint} claims cp rank {cp}, which the topology does not place there", now)
-            return self._actions()
+            return
         try:
             self._dispatch(r, endpoint, key, msg, now)
         except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
             self.fail(r, str(exc), now)
         self._maybe_commit(r, now)
-        return self._actions()
 
     def _answer_key_challenge(self, endpoint: str, msg: wire.KeyChallenge) -> None:
         """A prefill rank asks us to show we are our registration: sign its nonce, our
         registration id and its endpoint as we dialled it (transfer/ownership.py)."""
-        rank_id = self.rank_id()
+        rank_id = self.registration
         if self.proof_key is None or not rank_id:
             log.warning("prefill %s key-challenged %s, which has no proof key or registration", endpoint,
                         self.cfg.rank_label)
@@ -347,15 +345,10 @@ class DecodeRooms:
         """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``
         (our proof that we hold the memory we registered). Without a scratch region, or for an
         offset outside it, no echo: that prefill rank then refuses us, naming why."""
-        if self.read_scratch is None:
+        if not self.scratch:
             log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
             return
-        try:
-            nonce = self.read_scratch(msg.offset)
-        except KVBridgeError as exc:
-            log.warning("prefill %s challenged %s at a bad offset: %s", endpoint, self.cfg.rank_label, exc)
-            return
-        self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=nonce)))
+        self._out.append(EchoScratch(endpoint, msg.offset))  # the shell reads the nonce there and echoes it
 
     def _dispatch(self, r: DecodeRoom, endpoint: str, key: SenderKey | None, msg: Any, now: float) -> None:
         if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
@@ -415,25 +408,52 @@ class DecodeRooms:
                               rank=f"cp{msg.cp_rank}", field="staging")
         return self.staging
 
-    def scattered(self, room: int, slot: int, now: float) -> list[Any] | tuple:
+    def _scattered(self, e: Scattered) -> None:
         """The shell carried out a ``Scatter``: the slot is free, and the room may commit."""
-        self.staging.scattered(room, slot, self._out)
-        r = self.rooms.get(room)
+        self.staging.scattered(e.room, e.slot, self._out)
+        r = self.rooms.get(e.room)
         if r is not None:
-            r.scatters = self.staging.scattering(room)
-            self._maybe_commit(r, now)
-            self._forget_if_quiet(r, now)  # a failed room's pages are free once no scatter writes them
-        return self._actions()
+            r.scatters = self.staging.scattering(e.room)
+            self._maybe_commit(r, e.now)
+            self._forget_if_quiet(r, e.now)  # a failed room's pages are free once no scatter writes them
+
+    def _scatter_failed(self, e: ScatterFailed) -> None:
+        """Fail the room (never commit unwritten pages), then free the slot."""
+        r = self.rooms.get(e.room)
+        if r is not None:
+            self.fail(r, e.reason, e.now)
+        self._scattered(Scattered(e.room, e.slot, e.now))
 
     def _maybe_commit(self, r: DecodeRoom, now: float) -> None:
-        if r.state.final or r.ledger is None or not r.ledger.complete:
+        """Every page is written: ask the shell to read the aux row (and the digests to check)."""
+        if r.state.final or r.ledger is None or not r.ledger.complete or r.commit_reading:
             return
         if self.staging is not None and self.staging.pending.get(r.room):
             return  # a landed chunk is not scattered yet: its pages are not written
+        r.commit_reading = True
+        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r)))
+
+    def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead, ...]:
+        if not self.cfg.verify_digest or r.num_tokens is None:
+            return ()
+        if not r.placement.layers:  # one stage: every report digests every layer of every pool
+            pages = np.concatenate([p for p, _, _, _ in r.digests])
+            return (DigestRead(tuple(self.pools), pages, r.page_ids[pages - r.first_page], r.num_tokens),)
+        # pipeline stages: each digested its own layers of the pools it sent; check each against the same
+        return tuple(DigestRead(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens, r.placement.layers[key])
+                     for pages, _, key, pools in r.digests)
+
+    def _commit_read(self, e: CommitRead) -> None:
+        """The aux row (and digests) as read: check the room echo and the digests, then commit."""
+        r, now = self.rooms.get(e.room), e.now
+        if r is None or r.state.final:
+            return
+        r.commit_reading = False
         schema = self.aux_schema
         try:
-            row, read_s = self.read_aux_row(r.aux_slot)  # one copy to the host (a device row: one synchronisation)
-            echoed, problem = schema.head(row)  # what unpacking would refuse fails the room now; decoding waits
+            if e.error is not None:
+                raise KVBridgeError(e.error)
+            echoed, problem = schema.head(e.row)  # what unpacking would refuse fails the room now; decoding waits
         except KVBridgeError as exc:
             self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}", now)
             return
@@ -447,44 +467,43 @@ class DecodeRooms:
             if r.num_tokens is None:
                 self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count", now)
                 return
-            bad = self._digest_mismatch(r)
+            bad = self._digest_mismatch(r, e.digests)
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent", now)
                 return
-        r.keep_aux_row(row, schema)
+        r.keep_aux_row(e.row, schema)
         r.state.advance_to(KVPoll.Success, now=now)
         if self.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms",
                      r.room, self.cfg.rank_label, r.age_ms(now), now, dict(sorted(r.ledger.pages_by_rank.items())),
-                     r.ledger.aux_owner, read_s * 1e3)
+                     r.ledger.aux_owner, e.read_s * 1e3)
 
-    def _digest_mismatch(self, r: DecodeRoom) -> int | None:
-        if not r.placement.layers:  # one stage: every report digests every layer of every pool
+    def _digest_mismatch(self, r: DecodeRoom, mine: tuple[np.ndarray, ...]) -> int | None:
+        if not r.placement.layers:
             pages = np.concatenate([p for p, _, _, _ in r.digests])
-            sent = np.concatenate([d for _, d, _, _ in r.digests])
-            mine = self.page_digests(self.pools, pages, r.page_ids[pages - r.first_page], r.num_tokens)
-            bad = np.flatnonzero(mine != sent)
-            return int(pages[bad[0]]) if bad.size else None
-        # pipeline stages: each digested its own layers of the pools it sent; check each against the same
-        for pages, sent, key, pools in r.digests:
-            mine = self.page_digests(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens,
-                                     r.placement.layers[key])
-            bad = np.flatnonzero(mine != sent)
+            sent = [np.concatenate([d for _, d, _, _ in r.digests])]
+            found = [pages]
+        else:
+            found = [p for p, _, _, _ in r.digests]
+            sent = [d for _, d, _, _ in r.digests]
+        for pages, theirs, ours in zip(found, sent, mine):
+            bad = np.flatnonzero(ours != theirs)
             if bad.size:
                 return int(pages[bad[0]])
         return None
 
     # -- the clock --------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Any] | tuple:
+    def _tick(self, e: Tick) -> None:
         """Advance the rooms something happened to; every ``SCAN_S``, every room: deadlines,
         look-ups, retries, pings, liveness, forgetting."""
+        now = e.now
         if now < self.next_scan:  # between scans only the rooms something happened to: O(events)
             while self.dirty:
                 r = self.rooms.get(self.dirty.pop())
                 if r is not None:
                     self._advance(r, now)
-            return self._actions()
+            return
         if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
             # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
             # listened to nothing, so no peer is blamed for the gap
@@ -506,7 +525,6 @@ class DecodeRooms:
                 self.rooms.unowned.discard(room)
             else:
                 self._forget_if_quiet(r, now)
-        return self._actions()
 
     def _advance(self, r: DecodeRoom, now: float) -> None:
         st = r.state.state
@@ -556,7 +574,7 @@ class DecodeRooms:
             by_pools.setdefault(pools, []).append(s.control_endpoint)
         for pools, endpoints in by_pools.items():
             self._out.append(Send(tuple(endpoints), wire.TransferRequest(
-                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.rank_id(), page_ids=page_ids,
+                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
@@ -606,3 +624,13 @@ def _label(msg: Any, endpoint: str, key: SenderKey | None, r: DecodeRoom) -> str
     staged = r.placement is not None and r.placement.aux_stage > 0  # a pipeline-parallel instance: name the stage
     pp = f"/pp{key[2]}" if key is not None and staged else ""
     return f"prefill cp rank {getattr(msg, 'cp_rank', '?')}{tp}{pp} ({endpoint})"
+
+
+_HANDLERS: dict[type, Callable[[DecodeRooms, Any], None]] = {
+    Registered: DecodeRooms._registered, SetStaging: DecodeRooms._set_staging, Init: DecodeRooms._init,
+    AbortRoom: DecodeRooms._abort, CloseRoom: DecodeRooms._close, Shutdown: DecodeRooms._shutdown,
+    Message: DecodeRooms._message, LookedUp: DecodeRooms._looked_up, Refreshed: DecodeRooms._refreshed,
+    LeaseChecked: DecodeRooms._lease_checked, Scattered: DecodeRooms._scattered,
+    ScatterFailed: DecodeRooms._scatter_failed, CommitRead: DecodeRooms._commit_read, Tick: DecodeRooms._tick,
+}
+assert set(_HANDLERS) == set(EVENTS), "every event type of events.py has its handler here"

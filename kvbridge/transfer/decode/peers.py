@@ -81,9 +81,9 @@ class Verdicts:
 class PrefillPeers:
     """The prefill ranks decode's rooms talk to, by control endpoint."""
 
-    def __init__(self, config: DecodeConfig, rank_id: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(self, config: DecodeConfig) -> None:
         self.cfg = config
-        self.rank_id = rank_id  # this rank's registration: its pings name it
+        self.registration: str | None = None  # this rank's registration: its pings name it (the machine sets it)
         self._peers: dict[str, PrefillPeer] = {}
 
     def get(self, endpoint: str) -> PrefillPeer | None:
@@ -155,7 +155,7 @@ class PrefillPeers:
             elif now - p.last_ping >= self.cfg.ping_interval:
                 p.last_ping, p.seq = now, p.seq + 1
                 out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
-                                                                    decode_rank_id=self.rank_id() or "")))
+                                                                    decode_rank_id=self.registration or "")))
         return out
 
     def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> None:

@@ -12,10 +12,11 @@ returns (``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``,
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already
-here. An engine's result is an event, never a call into the machine from inside a post:
-a write refused inside ``submit_write`` is queued and fed once the current actions are
-carried out; the completion callback collects and reports from its own thread only when
-the lock is free (no loop turn), and otherwise wakes the loop, which collects:
+here. The machine's one door is ``feed(event)`` (``prefill/events.py``); an engine's result is
+an event record, never a call into the machine from inside a post: a write refused inside
+``submit_write`` is queued (``PostFailed``) and fed once the current actions are carried out;
+the completion callback (``EndpointShell._engine_final``) collects and reports from its own
+thread only when the lock is free (no loop turn), and otherwise wakes the loop, which collects:
 
     decode init() --request--> loop: check, plan, post --engine--> callback: collect, report
                                                      (lock held: the loop's next turn) --> decode
@@ -42,7 +43,7 @@ from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
-from kvbridge.transfer.actions import FreeRoom, Send
+from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
@@ -50,11 +51,14 @@ from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.engine.registry import entry_of, route_key
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import WriteNonce
-from kvbridge.transfer.prefill.peers import Resolve
-from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
+from kvbridge.transfer.prefill.admission import NonceWritten, WriteNonce
+from kvbridge.transfer.prefill.targets import Resolve
+from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
+                                              Posted, PostWrite, ReleaseAux, Resolved, SendDigested, Serving,
+                                              WriteFinal)
+from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.staged import Gather, PostChunk
+from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
@@ -134,9 +138,8 @@ class PrefillEndpoint(EndpointShell):
                                                 engine=self.engine)
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
-            hello_of=self._hello_of, digests_readable=self.buffers.readable, trace=self.trace,
-            gather=None if self.gather is None else self.gather.area, engine_kind=self._engine_kind,
-            endpoint=lambda: self.endpoint, target_layers=contract.model.target_layers,
+            digests_readable=self.buffers.readable, trace=self.trace,
+            gather=None if self.gather is None else self.gather.area, target_layers=contract.model.target_layers,
         )  # fmt: skip
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
@@ -169,7 +172,7 @@ class PrefillEndpoint(EndpointShell):
         (the staged-transfer counters, the paths chosen among them), ``control`` (the control
         channel's message counts)."""
         with self._lock:
-            staging = dict(self.machine.stage.counters)
+            staging = self.machine.staging_counters()
         return {"staging": staging, "control": {} if self._server is None else self._server.stats.counts()}
 
     def start(self) -> None:
@@ -181,6 +184,8 @@ class PrefillEndpoint(EndpointShell):
         if self.gather is not None:
             self.gather.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
+        with self._lock:
+            self._feed_event(Serving(self._server.endpoint))  # what decode ranks' KeyProofs sign
         self.engine.set_notify(self._engine_final)
         self._start_loop(f"kvb-prefill-{self.config.cp_rank}")
         self._lease = register_rank(
@@ -193,15 +198,14 @@ class PrefillEndpoint(EndpointShell):
     def close(self, timeout: float = 5.0) -> None:
         """Let in-flight rooms finish for up to ``timeout`` s, fail the rest, deregister."""
         with self._lock:
-            self.machine.closing = True
+            self._feed_event(Closing())
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.locked(lambda: self.machine.busy):
             time.sleep(0.02)
         with self._lock:
-            self._feed(self.machine.shutdown(f"prefill rank {self.config.rank_label} is shutting down",
-                                             time.monotonic()))
+            self._feed_event(Shutdown(f"prefill rank {self.config.rank_label} is shutting down", time.monotonic()))
         end = time.monotonic() + timeout
-        while time.monotonic() < end and self.machine.writes:
+        while time.monotonic() < end and self.machine.writing:
             time.sleep(0.02)
         self._stop_loop(timeout)
         self._resolver.shutdown(wait=False, cancel_futures=True)
@@ -237,12 +241,12 @@ class PrefillEndpoint(EndpointShell):
         bench compares the paths on one set of ranks)."""
         self._check_staging_mode(mode, self.gather, "gather buffer")
         with self._lock:
-            self.machine.stage.mode = mode
+            self._feed_event(SetMode(mode))
 
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0,
                   binding: bytes = b"") -> None:
         with self._lock:
-            self._feed(self.machine.engine_init(r, num_tokens, num_pages, time.monotonic(), first_page, binding))
+            self._feed_event(EngineInit(r, num_tokens, num_pages, time.monotonic(), first_page, binding))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None:
@@ -260,20 +264,20 @@ class PrefillEndpoint(EndpointShell):
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")
-            self.machine.chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event, layers)
+            self._feed_event(Chunk(r, logical, local_arr, num_tokens_ready, is_last, row, aux_slot, ready_event, layers))
             aux = None
             if row is not None:  # staged now (a device copy is queued, not waited for), off the request's path
                 try:
                     slot = self.aux_staging.stage(r.room, row, after=ready_event)
                 except KVBridgeError as exc:
-                    self._feed(self.machine.abort(r, f"aux row of room {r.room} cannot be staged: {exc}",
-                                                  time.monotonic()))
+                    self._feed_event(AbortRoom(r, f"aux row of room {r.room} cannot be staged: {exc}",
+                                               time.monotonic()))
                     raise
                 aux = AuxFrom(self.aux_staging.regions, slot, self.aux_staging.row_base,
                               self.aux_staging.ready_event(r.room))
             elif aux_slot is not None:  # the engine's own row: written from where it is
                 aux = AuxFrom(self.aux_buffers.regions, aux_slot, self.aux_buffers.row_base)
-            self._feed(self.machine.post(r, time.monotonic(), aux))
+            self._feed_event(Post(r, time.monotonic(), aux))
 
     def _check_aux_slot(self, room: int, slot: int) -> None:
         if self.aux_buffers is None:
@@ -315,21 +319,19 @@ class PrefillEndpoint(EndpointShell):
         """Submit a write. A refusal is an event for the loop's next turn (the machine is not
         entered from inside a post); a completion comes through ``take_final``, also on the loop."""
         if not a.target.active:  # its target failed since the write was planned: nothing to post
-            self._queue(lambda: self.machine.post_failed(a, None, time.monotonic()))
+            self._queue(PostFailed(a, None, time.monotonic()))
             return
         try:
             handle = self.engine.submit_write(a.session, a.src, a.dst, a.length, after=a.after)
         except KVBridgeError as exc:
-            reason = str(exc)
-            self._queue(lambda: self.machine.post_failed(a, reason, time.monotonic()))
+            self._queue(PostFailed(a, str(exc), time.monotonic()))
             return
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
             log.exception("room %d on %s: posting to %s failed", a.room, self.config.rank_label, a.target.decode_rank)
             reason = f"internal error posting room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
-            self._queue(lambda: self.machine.post_failed(a, reason, time.monotonic()))
+            self._queue(PostFailed(a, reason, time.monotonic()))
             return
-        now = time.monotonic()
-        self._queue(lambda: self.machine.posted(a, handle, now))  # booked before any completion is collected
+        self._queue(Posted(a, handle, time.monotonic()))  # booked before any completion is collected
 
     def _send_digested(self, a: SendDigested) -> None:
         """The machine's report with the digests of the pages it names, read here."""
@@ -356,27 +358,25 @@ class PrefillEndpoint(EndpointShell):
         waits for the gather's event; host: the gather is done)."""
         event = self._gathered.pop(a.local_slot, None)
         if not a.target.active:
-            self._queue(lambda: self.machine.chunk_post_failed(a, None, time.monotonic()))
+            self._queue(ChunkPostFailed(a, None, time.monotonic()))
             return
         if isinstance(event, _GatherFailed):
-            self._queue(lambda: self.machine.chunk_post_failed(a, event.reason, time.monotonic()))
+            self._queue(ChunkPostFailed(a, event.reason, time.monotonic()))
             return
         try:
             local = self.gather.slot_addr(a.local_slot)
             src, dst, length = a.staged.wire(a.chunk, local, a.remote_addr)
             handle = self.engine.submit_write(a.session, src, dst, length, after=event)
         except KVBridgeError as exc:
-            reason = str(exc)
-            self._queue(lambda: self.machine.chunk_post_failed(a, reason, time.monotonic()))
+            self._queue(ChunkPostFailed(a, str(exc), time.monotonic()))
             return
         except Exception as exc:  # a bug must fail this target, not the thread that called us
             log.exception("room %d on %s: staging a chunk to %s failed", a.room, self.config.rank_label,
                           a.target.decode_rank)
             reason = f"internal error staging room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
-            self._queue(lambda: self.machine.chunk_post_failed(a, reason, time.monotonic()))
+            self._queue(ChunkPostFailed(a, reason, time.monotonic()))
             return
-        num_slices, now = len(length), time.monotonic()
-        self._queue(lambda: self.machine.chunk_posted(a, handle, num_slices, int(a.staged.chunk_bytes[a.chunk]), now))
+        self._queue(ChunkPosted(a, handle, len(length), int(a.staged.chunk_bytes[a.chunk]), time.monotonic()))
 
     def _engine_kind(self, session: str) -> str:
         """The route a write to ``session`` goes through (``registry.route_key``: the registered
@@ -392,28 +392,13 @@ class PrefillEndpoint(EndpointShell):
         except TransferError as exc:  # the decode rank went away; liveness fails its targets
             log.warning("cannot reach decode peer %s: %s", ident.hex(), exc)
 
-    def _engine_final(self) -> None:
-        """Engine callback, a write became final (any thread, inside ``submit_write`` too): when
-        the lock is free, collect and report from this thread (no loop turn: the fewest hops);
-        when it is held (by the poster inside ``submit_write``, or the loop), wake the loop, which
-        collects once the holder is done. Never a wait for the lock, never a nested feed."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._collect()
-            finally:
-                self._lock.release()
-        else:
-            self._wake()
-
     def _collect(self) -> None:
         """Feed the writes that became final (the loop's turn, lock held)."""
-        final = self.engine.take_final()
-        handles = self.machine.handles
-        for handle in list(handles) if final is None else [h for h in final if h in handles]:
+        for handle in self.machine.pending(self.engine.take_final()):
             status = self.engine.poll(handle)
             if status.state is WriteState.PENDING:
                 continue
-            self._feed(self.machine.write_final(handle, status, time.monotonic()))
+            self._feed_event(WriteFinal(handle, status, time.monotonic()))
 
     def _resolve(self, a: Resolve) -> None:
         """Resolver thread: read a decode rank's registration, hand the answer to the loop."""
@@ -430,7 +415,8 @@ class PrefillEndpoint(EndpointShell):
             except (KVBridgeError, ValueError) as exc:  # binascii.Error is a ValueError
                 detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
                                          f"metadata does not load: {exc}")
-        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
+        kind = "local" if detail is None else self._engine_kind(detail.session_id)
+        self._queue(Resolved(a.rank_id, detail, problem, time.monotonic(), kind))
 
     def _write_nonce(self, a: WriteNonce) -> None:
         """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a
@@ -445,7 +431,7 @@ class PrefillEndpoint(EndpointShell):
         except Exception as exc:  # a bug refuses this connection, never the resolver thread
             log.exception("nonce write to %s failed", a.session)
             problem = f"session {a.session}: {type(exc).__name__}: {exc}"
-        self._queue(lambda: self.machine.nonce_written(a.ident, problem, time.monotonic()))
+        self._queue(NonceWritten(a.ident, problem, time.monotonic()))
 
     def _hello_of(self, ident: bytes) -> str | None:
         hello = self._server.hello_of(ident) if self._server is not None else None
@@ -456,20 +442,20 @@ class PrefillEndpoint(EndpointShell):
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
         # a staged chunk's next group to plan: take the next turn at once
-        for ident, msg in self._server.recv_ready(0 if self.machine.later else 50):
+        for ident, msg in self._server.recv_ready(0 if self.machine.wants_turn else 50):
             with self._lock:
-                self._feed(self.machine.message(ident, msg, time.monotonic()))
+                self._feed_event(Message(ident, msg, self._hello_of(ident), time.monotonic()))
                 self._feed_queued()
         with self._lock:
             self._feed_queued()
             self._collect()
             self._feed_queued()
             now = time.monotonic()
-            self._feed(self.machine.tick(now))
+            self._feed_event(Tick(now))
             if now >= self._next_housekeeping:
                 self._next_housekeeping = now + self.config.housekeeping_interval
                 self._close_released()
-                self._feed(self.machine.gc(now))
+                self._feed_event(Gc(now))
             self._feed_queued()
 
 

@@ -1,30 +1,22 @@
-"""Prefill's rooms as a state machine: events in, actions out.
+"""Prefill's room machine: request -> target -> post -> report -> settle, events in, actions out.
 
-One :class:`PrefillRoom` per room, and :class:`PrefillRooms`, the side's machine that
-drives them all. Events are method calls (open, engine init, chunk, message from a decode
-rank, registration resolved, write posted / failed to post, write final, abort, close,
-tick, gc); each returns the actions for the endpoint's shell to carry out, in order
-(``Send``, ``SendDigested``, ``PostWrite``, ``Gather``, ``PostChunk``, ``Resolve``, ``ReleaseAux``,
-``FreeRoom``). No socket, thread, lock, clock, engine call or memory touch inside, and no
-callback into memory (``hello_of`` and ``engine_kind`` read the channel's and the engine's
-books): the time is passed in, the aux row's source comes in as plain data
-(``AuxFrom``, with ``post``), and the pages to digest go out as plain data
-(``SendDigested``): the shell does every memory touch. An engine's result (a write
-posted, refused, final) is an event the shell feeds on its loop's next turn, never a call
-back into the machine from inside a post.
-
-A staged chunk larger than one slot is planned and staged in slot-sized groups of pages, one
-group per tick (``later``), so its first gather starts after one group's planning.
-
-The rooms themselves (chunks, held pages, targets) are ``room.py``; a connection's
-identity proof ``identity.py``; staged writes ``staged.py``.
+One :class:`PrefillRoom` per room (``room.py``), and :class:`PrefillRooms`, the side's machine
+that drives them all through one door, ``feed(event)``: the event records and the actions are
+``events.py`` (``EVENTS`` lists every type it takes). Two flows with states of their own are
+small machines of their own, fed by this one and answering in plain data: a connection's
+ownership proof (``admission.py``: ``Admitted`` / ``Refused`` / actions) and staged writes
+(``staged.py``: chunks, gather slots, grants -> ``Started`` / ``ChunkCounted`` / ``WriteEnded``
+/ actions). No socket, thread, lock, clock, engine call, memory touch or callable inside: the
+time comes with each event, the aux row's source comes in as plain data (``AuxFrom``), the
+pages to digest go out as plain data (``SendDigested``), and an engine's result (a write
+posted, refused, final) is an event the shell feeds on its loop's next turn. A staged chunk
+larger than one slot is planned in slot-sized groups, one per tick (``later``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,18 +25,23 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec, layer_range_specs
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.actions import FreeRoom, Send
-from kvbridge.transfer.aux_rows import RegionAddr, aux_slices
+from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.binding import claim_refusal
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
-from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, PROOF_FAILED, Connection, Identities, Proof
-from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
-from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer
+from kvbridge.transfer.prefill.admission import (Admission, Admitted, Arrived, EchoGiven, Forget, KeyProofGiven,
+                                                 NonceWritten, Overdue, Refused, RegistrationRead)
+from kvbridge.transfer.prefill.targets import DecodePeer, DecodePeers
+from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
+                                              Posted, PostWrite, ReleaseAux, Resolved, SendDigested, Serving,
+                                              WriteFinal)
+from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
+                                              RoomGone, SetMode, Settle, StagedWrites, StageWrite, Started,
+                                              WriteEnded, registered_offer)
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.targets import Target, plan_target, target_from_request
+from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target, request_target
 from kvbridge.transfer.rooms import Rooms, Stage
 
 log = logging.getLogger(__name__)
@@ -52,74 +49,21 @@ log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
-GROUP_MIN_SLICES = 4096  # a staged chunk's first group has at least this many slices (see _group_pages)
-ALIGN_SLACK = 16  # per slice: stage_plan aligns each slice's slot offset to 16 bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PostWrite:
-    """Submit write ``write`` (the machine's id) of room ``room`` to ``target`` (its session):
-    ``src``/``dst``/``length`` slices, after the events ``after``. Answer with
-    ``PrefillRooms.posted(action, handle, now)``, or ``post_failed(action, reason, now)``; a
-    write of a target that failed meanwhile is not submitted (``post_failed(action, None)``)."""
-
-    write: int
-    room: int
-    target: Target
-    session: str
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-    after: Any
-
-
-@dataclass(frozen=True, slots=True)
-class AuxFrom:
-    """Where a room's aux row is written from (the shell staged it, or it is a slot of the
-    engine's own registered rows): the rows' regions, the slot, the packed row base (None: by
-    region), and the events the row's write waits on besides the chunk's (None: none)."""
-
-    regions: Mapping[str, RegionAddr]
-    slot: int
-    row_base: int | None = None
-    after: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class SendDigested:
-    """Send ``msg`` (a PagesDone) to connection ``to`` with ``digests`` filled in: the digests
-    of ``pages`` (logical) held in our ``local`` pages of ``pools``, over ``num_tokens``."""
-
-    to: bytes
-    msg: wire.PagesDone
-    pools: tuple[str, ...]
-    pages: np.ndarray
-    local: np.ndarray
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseAux:
-    """The room is final: its aux staging slot may be reused."""
-
-    room: int
 
 
 _BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
-    """The prefill rank's rooms and what drives them. ``hello_of(connection)``: the
-    registration the connection named in its Hello (None: none), a read of the channel's
-    books (no memory); ``endpoint()``: our control endpoint, as decode ranks dial it (what their
-    KeyProofs sign)."""
+    """The prefill rank's rooms and what drives them: one door, ``feed(event)`` (``EVENTS``,
+    ``events.py``), and a few read-only queries for the shell (``busy``, ``writing``,
+    ``wants_turn``, ``pending``, ``staging_counters``; ``open`` hands the engine's handle its
+    room record)."""
 
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *,
-                 hello_of: Callable[[bytes], str | None] = lambda ident: None, digests_readable: bool = True,
-                 trace: bool = False, gather: StagingArea | None = None,
-                 engine_kind: Callable[[str], str] = lambda session: "local",
-                 endpoint: Callable[[], str] = lambda: "", target_layers: int | None = None) -> None:
+                 digests_readable: bool = True, trace: bool = False, gather: StagingArea | None = None,
+                 target_layers: int | None = None) -> None:
         """``target_layers``: the model's target layer count (the contract's; default: one past the
         largest layer id of ``specs``), which places the draft layers of a layer-range send."""
         self.cfg = config
@@ -138,20 +82,22 @@ class PrefillRooms:
         self.page_size = next(iter(self.specs.values())).page_size
         self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
         self.peers = DecodePeers()
-        self.hello_of = hello_of
-        self.endpoint = endpoint
-        self.identities = Identities(timeout=config.peer_timeout)
+        self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
+        self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
         self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
         self.next_write = 0
         self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
-        self.stage = StagedWrites(config.staging, gather, engine_kind, config.cp_rank, config.rank_label)
+        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
         self.closing = False
         self._out: list[Any] = []
+
+    def _trace(self, r: Any, now: float, what: str, *args: Any) -> None:
+        log.info("trace room=%d rank=%s +%.2fms @%.6f " + what, r.room, self.cfg.rank_label, r.age_ms(now), now, *args)
 
     def _actions(self) -> list[Any] | tuple:
         if not self._out:
@@ -159,10 +105,38 @@ class PrefillRooms:
         out, self._out = self._out, []
         return out
 
+    def feed(self, event: Any) -> list[Any] | tuple:
+        """The door: one event in (``EVENTS``), the actions for the shell out, in order."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"the prefill room machine does not take {type(event).__name__}")
+        handler(self, event)
+        return self._actions()
+
+    # -- read-only queries for the shell ----------------------------------------------
+
     @property
     def busy(self) -> bool:
-        """Some room is not final yet."""
+        """Some room is not final yet (close() waits for them, bounded)."""
         return any(not r.state.final for r in self.rooms.values())
+
+    @property
+    def writing(self) -> bool:
+        """Some write is in flight (close() waits for them before it stops the loop)."""
+        return bool(self.writes)
+
+    @property
+    def wants_turn(self) -> bool:
+        """A staged chunk's next group waits to be planned: the loop takes its next turn at once."""
+        return bool(self.later)
+
+    def pending(self, final: Any = None) -> list[int]:
+        """The engine handles of writes in flight (among ``final``, when the engine said which)."""
+        handles = self.handles
+        return list(handles) if final is None else [h for h in final if h in handles]
+
+    def staging_counters(self) -> dict[str, int]:
+        return dict(self.stage.counters)
 
     # -- events from the engine -------------------------------------------------
 
@@ -173,64 +147,58 @@ class PrefillRooms:
         return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now,
                                                             pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
 
-    def engine_init(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, now: float,
-                    first_page: int = 0, binding: bytes = b"") -> list[Any] | tuple:
-        r.engine_init(num_tokens, num_pages, first_page, binding)
-        self._post_and_settle(r, now)  # a rank with nothing to send completes here if decode asked
-        return self._actions()
+    def _engine_init(self, e: EngineInit) -> None:
+        e.room.engine_init(e.num_tokens, e.num_pages, e.first_page, e.binding)
+        self._post_and_settle(e.room, e.now)  # a rank with nothing to send completes here if decode asked
 
-    def chunk(self, r: PrefillRoom, logical: Any, local: np.ndarray, num_tokens_ready: int | None, is_last: bool,
-              aux_row: np.ndarray | None, aux_slot: int | None, ready_event: Any = None,
-              layers: tuple[int, int] | None = None) -> None:
-        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``post`` sends it.
-        ``layers``: target layers ``[start, end)`` of its pages only (``room.py``)."""
-        r.add_chunk(logical, local, num_tokens_ready, is_last, aux_row, aux_slot, ready_event, layers)
+    def _chunk(self, e: Chunk) -> None:
+        """Queue a checked chunk (raises, keeping nothing, when it is bad); ``Post`` sends it."""
+        e.room.add_chunk(e.logical, e.local, e.num_tokens_ready, e.is_last, e.aux_row, e.aux_slot, e.ready_event,
+                         e.layers)
 
-    def post(self, r: PrefillRoom, now: float, aux: AuxFrom | None = None) -> list[Any] | tuple:
+    def _post(self, e: Post) -> None:
         """Post what the room has queued to the decode ranks that asked (from the engine's thread
-        in send(): no loop turn). ``aux``: where the room's aux row is written from, once the
-        shell staged it (the send() that passed it)."""
-        if aux is not None:
-            r.aux_from = aux
-        self._post_and_settle(r, now)
-        return self._actions()
+        in send(): no loop turn)."""
+        if e.aux is not None:
+            e.room.aux_from = e.aux
+        self._post_and_settle(e.room, e.now)
 
-    def abort(self, r: PrefillRoom, reason: str, now: float) -> list[Any] | tuple:
-        if not r.state.final:
-            self.fail_room(r, reason, now)
-        return self._actions()
+    def _abort(self, e: AbortRoom) -> None:
+        if not e.room.state.final:
+            self.fail_room(e.room, e.reason, e.now)
 
-    def close(self, r: PrefillRoom, now: float) -> list[Any] | tuple:
+    def _close(self, e: CloseRoom) -> None:
         """The engine let go of the room: fail it if unfinished; forget it once quiet."""
+        r = e.room
         if self.rooms.close(r):
             if not r.state.final:
                 self.fail_room(r, f"the engine closed room {r.room}'s sender on {self.cfg.rank_label} before it "
-                                  "finished", now)
-            self._forget_if_quiet(r, now)
-        return self._actions()
+                                  "finished", e.now)
+            self._forget_if_quiet(r, e.now)
 
-    def shutdown(self, reason: str, now: float) -> list[Any] | tuple:
-        """Fail every room (the endpoint closes; ``closing`` already refuses new ones)."""
+    def _shutdown(self, e: Shutdown) -> None:
+        """Fail every room (the endpoint closes; ``Closing`` already refuses new ones)."""
         for r in list(self.rooms.values()):
-            self.fail_room(r, reason, now)
-        return self._actions()
+            self.fail_room(r, e.reason, e.now)
 
     # -- messages from decode ranks ---------------------------------------------
 
-    def message(self, ident: bytes, msg: Any, now: float) -> list[Any] | tuple:
+    def _message(self, e: Message) -> None:
         """A message on connection ``ident`` (or the channel's error for a bad one)."""
+        ident, msg, said, now = e.ident, e.msg, e.hello, e.now
         self.peers.heard_from(ident, now)  # any message: the decode rank is alive
-        if isinstance(msg, _BOUND) and not self._admitted(ident, msg, now):
-            return self._actions()  # refused, or held until the connection proves its registration
-        self._dispatch(ident, msg, now)
-        return self._actions()
+        if isinstance(msg, _BOUND):  # delivered, refused, or held until the connection proves its registration
+            self._admit(self.admission.feed(Arrived(ident, msg, said, self.peers.get(said) if said else None, now)),
+                        now)
+        else:
+            self._dispatch(ident, msg, now)
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
             self._on_request(ident, msg, now)
             self._pump(now)
         elif isinstance(msg, wire.SlotGrant):
-            self._on_grant(ident, msg, now)
+            self._stage(self.stage.feed(GrantIn(ident, msg)), now)
         elif isinstance(msg, KVBridgeError):
             log.warning("bad control message from %r: %s", ident, msg)
             # the channel counted it (stats.malformed / unauthenticated) and replied or dropped it
@@ -239,11 +207,17 @@ class PrefillRooms:
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
-            self._on_key_proof(ident, msg, now)
+            peer = self._proving(ident)
+            self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint, now)), now)
         elif isinstance(msg, wire.ChallengeEcho):
-            self._on_echo(ident, msg, now)
+            self._admit(self.admission.feed(EchoGiven(ident, msg, self._proving(ident), now)), now)
         else:
             self._error(ident, msg, f"a prefill rank does not accept {type(msg).__name__}")
+
+    def _proving(self, ident: bytes) -> DecodePeer | None:
+        """The registration connection ``ident`` is proving, as known here (None: none, or not read)."""
+        rank_id = self.admission.rank_of(ident)
+        return None if rank_id is None else self.peers.get(rank_id)
 
     def _error(self, ident: bytes, msg: Any, reason: str) -> None:
         """Refuse ``msg`` with an ErrorReply. A refused request leaves only once nothing of its room
@@ -255,145 +229,37 @@ class PrefillRooms:
         else:
             self._out.append(Send((ident,), reply))
 
-    # -- who is on a connection (prefill/identity.py) ------------------------------
+    # -- who is on a connection (prefill/admission.py) -----------------------------
 
-    def _admitted(self, ident: bytes, msg: Any, now: float) -> bool:
-        """``msg`` acts for the registration its connection named and proved: deliver it now
-        (True); else refuse it, or hold it while the proof runs (False)."""
-        if isinstance(msg, wire.Ping) and not msg.decode_rank_id:
-            return True  # a probe that acts for nobody: a Heartbeat, and nothing else
-        said = self.hello_of(ident)
-        if msg.decode_rank_id != said:
-            self._error(ident, msg, f"{msg.TAG} names decode registration {msg.decode_rank_id!r}, but its connection "
-                                    f"said it is {said!r} in its Hello: a connection acts only for its own "
-                                    "registration; nothing done")
-            return False
-        c = self.identities.get(ident)
-        if c is None or c.rank_id != said or (c.state is Proof.REFUSED and now >= c.retry_at):
-            c = self.identities.start(ident, said)  # (a refused connection may try again after a pause)
-            peer = self.peers.get(said)
-            if peer is None:
-                if self.identities.wait_registration(c):
-                    self._out.append(Resolve(said, getattr(msg, "decode_rank", said)))
+    def _admit(self, out: list[Any], now: float) -> None:
+        """Carry out what the admission machine answered: deliver, refuse, or pass on."""
+        for a in out:
+            if type(a) is Admitted:
+                self._dispatch(a.ident, a.msg, now)
+            elif type(a) is Refused:
+                self._error(a.ident, a.msg, a.why)
             else:
-                self._challenge(c, peer, now)
-        if c.state is Proof.PROVEN:
-            return True
-        if c.state is Proof.REFUSED:
-            self._error(ident, msg, c.why)
-        elif len(c.waiting) >= self.identities.max_waiting:
-            self._error(ident, msg, f"{self.identities.max_waiting} messages already wait for decode registration "
-                                    f"{said} to prove it holds its memory")
-        else:
-            c.waiting.append(msg)
-        return False
-
-    def _challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        """The proof's first step (identity.py): the registration's key signs a fresh nonce."""
-        why = self.identities.unprovable(peer.session, peer.proof_key, peer.scratch)
-        if why is not None:
-            self._refuse_identity(c, f"{why}, so prefill rank {self.cfg.rank_label} cannot check that the connection "
-                                     "holds the memory it names (a kvbridge DecodeEndpoint registers all it needs)", now)
-            return
-        c.instance = peer.instance
-        self._out.append(Send((c.ident,), wire.KeyChallenge(nonce=self.identities.key_challenge(c, now))))
-
-    def _on_key_proof(self, ident: bytes, msg: wire.KeyProof, now: float) -> None:
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.KEYING:
-            self._error(ident, msg, "no key challenge is waiting for a proof on this connection")
-            return
-        peer = self.peers.get(c.rank_id)
-        if peer is None or peer.proof_key is None:
-            self._refuse_identity(c, f"registration {c.rank_id} is no longer known here", now)
-            return
-        if not self.identities.key_matches(c, peer.proof_key, self.endpoint(), msg.signature):
-            # no retry: a signature is no nonce another proof could have replaced
-            self._refuse_identity(c, "its KeyProof is not a signature by the proof key of the registration its Hello "
-                                     f"named, over prefill rank {self.cfg.rank_label}'s challenge: the connection is "
-                                     "not that registration", now)
-            return
-        c.key_nonce = b""
-        self._write_challenge(c, peer, now)
-
-    def _write_challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        """The proof's second step: a nonce into the registration's scratch region, to echo."""
-        base, nbytes = peer.scratch  # type: ignore[misc]  # (unprovable() checked it)
-        self._out.append(self.identities.challenge(c, peer.session, base, nbytes, now))
-
-    def _refuse_identity(self, c: Connection, why: str, now: float) -> None:
-        peer = self.peers.get(c.rank_id)
-        label = f"decode rank {peer.label} (registration {c.rank_id})" if peer else f"decode registration {c.rank_id}"
-        c.state, c.why = Proof.REFUSED, f"{label} {PROOF_FAILED}: {why}"
-        c.retry_at = now + self.identities.retry_s
-        log.warning("prefill rank %s refuses connection %s: %s", self.cfg.rank_label, c.ident.hex(), c.why)
-        waiting, c.waiting = c.waiting, []
-        for msg in waiting:
-            self._error(c.ident, msg, c.why)
-
-    def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
-        """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.WRITING:
-            return self._actions()
-        if problem is not None:
-            self._refuse_identity(c, f"the nonce write into its scratch region failed: {problem}", now)
-        else:
-            c.state = Proof.CHALLENGED
-            self._out.append(Send((ident,), wire.Challenge(offset=c.offset)))
-        return self._actions()
-
-    def _on_echo(self, ident: bytes, msg: wire.ChallengeEcho, now: float) -> None:
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.CHALLENGED:
-            self._error(ident, msg, "no challenge is waiting for an echo on this connection")
-            return
-        if not self.identities.echo_matches(c, msg.nonce):
-            peer = self.peers.get(c.rank_id)
-            if peer is not None and c.attempts < PROOF_ATTEMPTS:  # (another rank's nonce may have replaced ours)
-                self._write_challenge(c, peer, now)
-                return
-            session = peer.session if peer else "?"
-            self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
-                                     f"session {session}, {c.attempts} times: that memory is not its own", now)
-            return
-        c.state, c.nonce = Proof.PROVEN, b""
-        waiting, c.waiting = c.waiting, []
-        for held in waiting:
-            self._dispatch(ident, held, now)
-
-    def _proof_deadlines(self, now: float) -> None:
-        for c in self.identities.overdue(now):
-            what = "key proof" if c.state is Proof.KEYING else "echo of the nonce"
-            self._refuse_identity(c, f"no {what} within {self.identities.timeout:.1f}s", now)
+                self._out.append(a)
 
     def _instance_of(self, ident: bytes, rank_id: str) -> str | None:
         """The decode instance registration ``rank_id`` belongs to (kept with the connection that
         proved it, so a registration evicted from the cache still answers)."""
-        c = self.identities.get(ident)
-        if c is not None and c.rank_id == rank_id and c.instance:
-            return c.instance
+        instance = self.admission.instance_of(ident, rank_id)
+        if instance is not None:
+            return instance
         peer = self.peers.get(rank_id)
         return peer.instance if peer is not None else None
 
-    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
+    def _resolved(self, e: Resolved) -> None:
         """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
-        waiters, problem = self.peers.resolved(rank_id, detail, problem)
-        for ident in self.identities.resolving.pop(rank_id, []):
-            c = self.identities.get(ident)
-            peer = self.peers.get(rank_id)
-            if c is None or c.state is not Proof.RESOLVING:
-                continue
-            if problem is not None or peer is None:
-                self._refuse_identity(c, problem or f"registration {rank_id} could not be read", now)
-            else:
-                self._challenge(c, peer, now)
+        rank_id, now = e.rank_id, e.now
+        waiters, problem = self.peers.resolved(rank_id, e.detail, e.problem, e.engine_kind)
+        self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:
                 self._deliver(ident, req, now)
             else:
                 self._refuse(ident, req, problem, now)
-        return self._actions()
 
     def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
         rank = self.cfg.rank_label
@@ -449,24 +315,12 @@ class PrefillRooms:
             why = failing or "its sender was closed"
             self._reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
             return
-        if peer.fingerprint != self.fingerprint:
-            self._refuse(ident, req, f"decode rank {peer.label} registered contract {peer.fingerprint}, prefill rank "
-                                     f"{rank} has {self.fingerprint}; nothing transferred (hard rule 7)", now)
-            return
-        if req.want_digest and not self.digests_readable:
-            self._refuse(ident, req, f"decode rank {req.decode_rank} wants page digests, but prefill rank {rank}'s "
-                                     "buffers are device memory given as addresses (RawBuffer), which kvbridge cannot "
-                                     "read: turn verify_digest off on decode", now)
-            return
         try:
-            # num_tokens 0: the decode rank knows only its pages (first_page + page ids)
-            r.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
-                         num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
-            target = target_from_request(req, ident, self.specs, self.src_bufs, self.aux_schema, r, peer,
-                                         tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now,
-                                         aux_stage=self.cfg.last_stage)
+            target = request_target(req, ident, r, peer, self.specs, self.src_bufs, self.aux_schema,
+                                    fingerprint=self.fingerprint, digests_readable=self.digests_readable,
+                                    tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now, aux_stage=self.cfg.last_stage,
+                                    rank=rank)
             offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
-            r.check_prefix(target)  # the engine may already skip pages below its first page
         except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
             self._refuse(ident, req, str(exc), now)
             return
@@ -482,9 +336,8 @@ class PrefillRooms:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput, now=now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f target %s pages=%d first_page=%d pools=%s", req.room, rank,
-                     r.age_ms(now), now, req.decode_rank, target.dst_pages.size, target.first_page,
-                     ",".join(target.pools))
+            self._trace(r, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank, target.dst_pages.size,
+                        target.first_page, ",".join(target.pools))
 
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
         """Refuse a request (nothing of it was posted) and fail its room here."""
@@ -496,8 +349,7 @@ class PrefillRooms:
     # -- room ids: first claim wins -------------------------------------------------
 
     def _holds(self, r: PrefillRoom, ident: bytes, rank_id: str) -> bool:
-        """The decode instance of registration ``rank_id`` holds room ``r`` (or nobody claimed it yet)."""
-        return r.holder is None or r.holder[0] == self._instance_of(ident, rank_id)
+        return r.held_by(self._instance_of(ident, rank_id))
 
     def _bound(self, ident: bytes, req: wire.TransferRequest) -> bool:
         """The claim presents the room's binding (``transfer/binding.py``), or is refused now, before it
@@ -512,18 +364,12 @@ class PrefillRooms:
         return False
 
     def _claim(self, ident: bytes, req: wire.TransferRequest) -> bool:
-        """A room id belongs to the decode instance whose request reached it first: its TP ranks
-        share it, any other instance is refused with an ErrorReply naming the holder, and the
-        holder's room goes on untouched (served once, to the holder)."""
+        """First claim wins the room id (``PrefillRoom.claim``); another instance is refused with an
+        ErrorReply naming the holder, and the holder's room goes on untouched."""
         r = self.rooms.get(req.room)
         instance = self._instance_of(ident, req.decode_rank_id)
-        if r is None or instance is None:
-            return True  # no room yet (claimed where it is created), or the registration is being read again
-        if r.holder is None:
-            r.holder = (instance, req.decode_rank)
-            return True
-        if r.holder[0] == instance:
-            return True
+        if r is None or instance is None or r.claim(instance, req.decode_rank):
+            return True  # (no room yet: claimed where it is created; or the registration is being read again)
         self._error(ident, req, f"room {req.room} is claimed by decode instance {r.holder[0]} (rank {r.holder[1]}) on "
                                 f"prefill rank {self.cfg.rank_label}: decode instance {instance} may not claim it "
                                 "(first claim wins); nothing done")
@@ -561,15 +407,11 @@ class PrefillRooms:
         TP ranks of a decode instance free together (SGLang all-reduces their poll states with
         MIN): one rank's go-ahead must mean no write can land in another's pages either."""
         r = self.rooms.get(room)
-        if r is not None and r.num_inflight:
-            r.pending_replies.append((ident, msg))
-        else:
+        if r is None or not r.reply_when_quiet(ident, msg):
             self._out.append(Send((ident,), msg))
 
     def _flush_replies(self, r: PrefillRoom) -> None:
-        while r.pending_replies and not r.num_inflight:
-            ident, msg = r.pending_replies.pop(0)
-            self._out.append(Send((ident,), msg))
+        self._out.extend(Send((ident,), msg) for ident, msg in r.quiet_replies())
 
     # -- posting and collecting -------------------------------------------------
 
@@ -610,73 +452,57 @@ class PrefillRooms:
                     after: Any = None, layers: tuple[int, int] | None = None) -> bool:
         """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
         False when one slot-sized group of a staged chunk was started and the rest waits for the
-        next tick (its first gather starts after one group's planning, not the whole room's).
-        ``layers``: the chunk carries those target layers of its pages only (planned on the
-        pools cut to them; direct or staged alike)."""
+        next tick. ``layers``: the chunk carries those target layers of its pages only."""
         specs = self.specs if layers is None else self._layer_specs(layers)
         num_layers = None if layers is None else layers[1] - layers[0]
         if t.first_page:  # the decode rank already holds pages below its prefix
             keep = logical >= t.first_page
             logical, local = logical[keep], local[keep]
-        if t.group_at:
-            logical, local = logical[t.group_at:], local[t.group_at:]
-        group = self._group_pages(r, t, logical.size)
-        if group:
-            try:
-                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens,
-                                   room=r.room, rank=self.cfg.rank_label, layers=layers)
-                path = r.paths[t.decode_rank] = self.stage.path(r.room, t, part)
-                if path == "staged":
+        logical, local = logical[t.group_at:], local[t.group_at:]
+        group = self.stage.group_size(r.room, t, logical.size)
+        rank = self.cfg.rank_label
+        try:
+            if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
+                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
+                                   rank=rank, layers=layers)
+                if self._path(r, t, part) == "staged":
                     self._stage_write(r, t, logical[:group], False, part, after, num_layers)
                     t.group_at += group
                     return False
-            except KVBridgeError as exc:
-                t.failure = str(exc)
-                t.group_at = 0
+            t.group_at = 0  # direct: the whole chunk is one write
+            if not logical.size and not with_aux:
                 return True
-            except Exception as exc:  # a bug must fail this target, not the thread that called us
-                log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
-                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
-                t.group_at = 0
-                return True
-            # direct: the whole chunk is one write, planned below
-        t.group_at = 0
-        if not logical.size and not with_aux:
-            return True
-        try:
-            aux = None
+            src = None
             if with_aux:
                 t.aux_posted = True
                 src = r.aux_from
                 if src is None:
                     raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
-                                        room=r.room, rank=self.cfg.rank_label, field="aux")
+                                        room=r.room, rank=rank, field="aux")
                 after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
-                aux = aux_slices(self.aux_schema, src.regions, src.slot, t.aux_dst, t.aux_slot,
-                                 src_base=src.row_base, dst_base=t.aux_row_base)
-            if logical.size:  # the aux row rides in the same write, after the pages' slices
-                plan = plan_target(specs, self.src_bufs, t, logical, local, r.plan_tokens, room=r.room,
-                                   rank=self.cfg.rank_label, extra=aux, layers=layers)
-            else:
-                plan = TransferPlan(*aux)
-            path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
-            if path == "staged":  # the same write through staging slots (the aux row too)
+            plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
+                              room=r.room, rank=rank, layers=layers)
+            if self._path(r, t, plan) == "staged":  # the same write through staging slots (the aux row too)
                 self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
                 return True
-            src, dst, length = plan.src, plan.dst, plan.length
-        except KVBridgeError as exc:
-            t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
-            return True
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
-            log.exception("room %d on %s: planning for %s failed", r.room, self.cfg.rank_label, t.decode_rank)
-            t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
+            t.group_at = 0
+            if isinstance(exc, KVBridgeError):
+                t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
+            else:
+                log.exception("room %d on %s: planning for %s failed", r.room, rank, t.decode_rank)
+                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
             return True
         w = self.next_write
         self.next_write += 1
         t.inflight[w] = (logical, with_aux, num_layers)  # in flight from here: no report leaves before it is final
         self.writes[w] = (r, t)
-        self._out.append(PostWrite(w, r.room, t, t.session, src, dst, length, after))
+        self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
         return True
+
+    def _path(self, r: PrefillRoom, t: Target, plan: TransferPlan) -> str:
+        path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
+        return path
 
     def _layer_specs(self, layers: tuple[int, int]) -> dict[str, PoolSpec]:
         """The pools cut to the layer ids that target layers ``layers`` carry (kept per range)."""
@@ -684,23 +510,6 @@ class PrefillRooms:
         if cut is None:
             cut = self._cut_specs[layers] = layer_range_specs(self.specs, layers, self.num_target_layers)
         return cut
-
-    def _group_pages(self, r: PrefillRoom, t: Target, num_pages: int) -> int | None:
-        """How many of ``num_pages`` to plan and stage first when a staged chunk is larger than
-        one slot (None: plan it whole). A group fills about one slot, and holds enough pages for
-        at least ``GROUP_MIN_SLICES`` slices, so that the path chosen on the first group is the one
-        the whole chunk would get (``choose_path``'s thresholds are far below it)."""
-        stage, key = self.stage, (r.room, t.decode_rank)
-        offer = stage.offers.get(key)
-        if stage.gather is None or stage.mode == "never" or offer is None or stage.paths.get(key) == "direct":
-            return None
-        bufs = [b for b in self.src_bufs if b.pool in t.pools]
-        if not bufs:
-            return None
-        slot = min(stage.gather.slot_bytes, offer.slot_bytes)
-        page_bytes = sum(b.bytes_per_page for b in bufs) + ALIGN_SLACK * len(bufs)
-        group = max(slot // page_bytes, -(-GROUP_MIN_SLICES // len(bufs)), 1)
-        return group if num_pages > group else None
 
     def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
                      after: Any, num_layers: int | None = None) -> None:
@@ -710,125 +519,86 @@ class PrefillRooms:
         self.next_write += 1
         t.inflight[w] = (logical, with_aux, num_layers)
         self.writes[w] = (r, t)
-        sw = self.stage.start(w, r.room, t, plan, after, self._out)
-        r.staged["plan_slices"] += sw.staged.num_plan_slices
+        self._stage(self.stage.feed(StageWrite(w, r.room, t, plan, after)), 0.0)
         if self.trace:
-            log.info("trace room=%d rank=%s -> %s staged pages=%s chunks=%d plan_slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, t.decode_rank, _pages_text(logical), sw.num_chunks,
-                     sw.staged.num_plan_slices, sw.staged.num_bytes)
+            log.info("trace room=%d rank=%s -> %s staged pages=%s", r.room, self.cfg.rank_label, t.decode_rank,
+                     _pages_text(logical))
 
-    def _on_grant(self, ident: bytes, msg: wire.SlotGrant, now: float) -> None:
-        a = self.stage.granted(ident, msg, self._out)
-        if a is not None:
-            self._out.append(a)
-            return
-        found = self.stage.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
-        if found is not None and found[0] in self.stage.writes:
-            self._settle_staged(self.stage.writes[found[0]], now)
+    def _stage(self, out: list[Any], now: float) -> None:
+        """Carry out what the staged-writes machine answered: book, report, or pass on."""
+        for a in out:
+            kind = type(a)
+            if kind is WriteEnded:
+                self._write_done(a.write, WriteStatus.DONE if a.ok else WriteStatus.failed(a.reason), now)
+            elif kind is ChunkCounted:
+                r = self.writes[a.write][0]
+                r.staged["chunks"] += 1
+                r.staged["bytes_staged"] += a.num_bytes
+            elif kind is Started:
+                r = self.writes[a.write][0]
+                r.staged["plan_slices"] += a.plan_slices
+                if self.trace:
+                    log.info("trace room=%d rank=%s staged write %d: chunks=%d plan_slices=%d bytes=%d", r.room,
+                             self.cfg.rank_label, a.write, a.num_chunks, a.plan_slices, a.num_bytes)
+            else:
+                self._out.append(a)
 
-    def chunk_posted(self, a: PostChunk, handle: int, num_slices: int, num_bytes: int,
-                     now: float) -> list[Any] | tuple:
+    def _chunk_posted(self, e: ChunkPosted) -> None:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
-        self.handles[handle] = a.write
-        self.stage.posted(a, handle)
-        r, t = self.writes[a.write]
-        if r.first_post is None:
-            r.first_post = now
-        self.counters["bytes"] += num_bytes
-        self.counters["slices"] += num_slices
-        r.num_bytes += num_bytes
-        r.num_slices += num_slices
+        a = e.action
+        r, t = self._book(a.write, e.handle, e.num_bytes, e.num_slices, e.now)
+        self._stage(self.stage.feed(e), e.now)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s chunk %d slot %d slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, a.chunk,
-                     self.stage.writes[a.write].remote[a.chunk], num_slices, num_bytes)
-        return self._actions()
+            self._trace(r, e.now, "-> %s chunk %d at %#x slices=%d bytes=%d", t.decode_rank, a.chunk, a.remote_addr,
+                        e.num_slices, e.num_bytes)
 
-    def chunk_post_failed(self, a: PostChunk, reason: str | None, now: float) -> list[Any] | tuple:
-        """Chunk ``a`` was not submitted (gather or submission refused: ``reason``; or its target
-        failed meanwhile: None): nothing of it is in flight."""
-        sw = self.stage.writes[a.write]
-        if reason is not None:
-            a.target.failure = a.target.failure or reason
-        self.stage.chunk_final(sw, a.chunk, False, reason or "target failed", self._out)
-        self._settle_staged(sw, now)
-        return self._actions()
-
-    def _chunk_final(self, handle: int, sw: StagedWrite, status: WriteStatus, now: float) -> None:
-        k = sw.posted.pop(handle)
-        t = sw.target
-        ok = status.state is not WriteState.FAILED
-        if not ok:
-            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
-        ok = ok and t.active  # (a chunk of a target that failed meanwhile is reported failed: nothing scatters)
-        self.stage.chunk_final(sw, k, ok, status.reason if status.reason else (t.failure or ""), self._out)
-        if ok:
-            r = self.writes[sw.write][0]
-            r.staged["chunks"] += 1
-            r.staged["bytes_staged"] += int(sw.staged.chunk_bytes[k])
-        self._settle_staged(sw, now)
-
-    def _settle_staged(self, sw: StagedWrite, now: float) -> None:
-        """A staged write whose chunks are all landed is reported like a direct write; one that failed
-        ends (not in flight any more) once its posted chunks are final."""
-        if not sw.target.active:
-            self.stage.cancel(sw, self._out)
-        if not self.stage.settled(sw):
-            return
-        self.stage.forget(sw)
-        ok = sw.done == sw.num_chunks and sw.target.active
-        self._write_done(sw.write, WriteStatus.DONE if ok else WriteStatus.failed(sw.target.failure or
-                                                                                  "staged write failed"), now)
-
-    def posted(self, a: PostWrite, handle: int, now: float) -> list[Any] | tuple:
+    def _posted(self, e: Posted) -> None:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
-        self.handles[handle] = a.write
-        r, t = self.writes[a.write]
-        if r.first_post is None:
-            r.first_post = now
-        num_bytes, num_slices = int(a.length.sum()), len(a.length)
-        self.counters["bytes"] += num_bytes
-        self.counters["slices"] += num_slices
-        r.num_bytes += num_bytes
-        r.num_slices += num_slices
+        a = e.action
+        r, t = self._book(a.write, e.handle, int(a.length.sum()), len(a.length), e.now)
         if self.trace:
             logical, with_aux, _ = t.inflight[a.write]
-            log.info("trace room=%d rank=%s +%.2fms @%.6f -> %s pages=%s%s slices=%d bytes=%d", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, t.decode_rank, _pages_text(logical),
-                     " +aux" if with_aux else "", num_slices, num_bytes)
-        return self._actions()
+            self._trace(r, e.now, "-> %s pages=%s%s slices=%d bytes=%d", t.decode_rank, _pages_text(logical),
+                        " +aux" if with_aux else "", len(a.length), int(a.length.sum()))
 
-    def post_failed(self, a: PostWrite, reason: str | None, now: float) -> list[Any] | tuple:
-        """Write ``a`` was refused at submission (``reason``), or not submitted because its target
-        failed meanwhile (None): nothing of it is in flight."""
-        r, t = self.writes.pop(a.write)
-        t.inflight.pop(a.write, None)
-        if reason is not None:
-            t.failure = reason
-        self._settle(r, now)
-        self._forget_if_quiet(r, now)
-        return self._actions()
+    def _book(self, w: int, handle: int, num_bytes: int, num_slices: int, now: float) -> tuple[PrefillRoom, Target]:
+        """Write ``w`` is in the engine as ``handle``: its bytes and slices counted."""
+        self.handles[handle] = w
+        r, t = self.writes[w]
+        if r.first_post is None:
+            r.first_post = now
+        self.counters["bytes"] += num_bytes
+        self.counters["slices"] += num_slices
+        r.num_bytes += num_bytes
+        r.num_slices += num_slices
+        return r, t
 
-    def write_final(self, handle: int, status: WriteStatus, now: float) -> list[Any] | tuple:
+    def _post_failed(self, e: PostFailed) -> None:
+        """Write ``a`` was refused at submission, or not submitted: nothing of it is in flight."""
+        r, t = self.writes.pop(e.action.write)
+        t.inflight.pop(e.action.write, None)
+        if e.reason is not None:
+            t.failure = e.reason
+        self._settle(r, e.now)
+        self._forget_if_quiet(r, e.now)
+
+    def _write_final(self, e: WriteFinal) -> None:
         """A posted write is done or failed: report it (one report per write)."""
-        w = self.handles.pop(handle, None)
+        w = self.handles.pop(e.handle, None)
         if w is None:
-            return _NONE
-        sw = self.stage.writes.get(w)
-        if sw is not None:
-            self._chunk_final(handle, sw, status, now)
+            return
+        if self.stage.holds(w):
+            self._stage(self.stage.feed(ChunkFinal(w, e.handle, e.status)), e.now)
         else:
-            self._write_done(w, status, now)
-        return self._actions()
+            self._write_done(w, e.status, e.now)
 
     def _write_done(self, w: int, status: WriteStatus, now: float) -> None:
         """Write ``w`` (direct, or every chunk of a staged one) is final: one report per write."""
         r, t = self.writes.pop(w)
         pages, with_aux, num_layers = t.inflight.pop(w)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f write of %d pages%s to %s %s", r.room,
-                     self.cfg.rank_label, r.age_ms(now), now, pages.size, " +aux" if with_aux else "",
-                     t.decode_rank, status.state.value)
+            self._trace(r, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
+                        t.decode_rank, status.state.value)
         if status.state is WriteState.FAILED:
             t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
         elif t.active:
@@ -855,10 +625,10 @@ class PrefillRooms:
         """Send final reports and move the room to its final state. A failure report or abort ack
         goes out only once nothing of the room is in flight to any decode rank (see
         ``_reply_when_quiet``)."""
-        if self.stage.writes and any(not t.active and t.inflight for t in r.targets.values()):
+        if any(not t.active and t.inflight for t in r.targets.values()):
             for w in [w for t in r.targets.values() if not t.active for w in t.inflight]:
-                if w in self.stage.writes:
-                    self._settle_staged(self.stage.writes[w], now)  # (re-enters _settle once it ends)
+                if self.stage.holds(w):
+                    self._stage(self.stage.feed(Settle(w)), now)  # (re-enters _settle once it ends)
         quiet = not r.num_inflight
         for t in r.targets.values():
             if t.closed or not quiet and not t.active or t.inflight:
@@ -915,14 +685,15 @@ class PrefillRooms:
             return
         self._flush_replies(r)
         self.rooms.forget(r, now, tombstone=True)
-        self.stage.forget_room(r.room)
+        self._stage(self.stage.feed(RoomGone(r.room)), now)
         self._out.append(FreeRoom(r.room))  # sender(room, wait=...) may open it now
 
     # -- the clock --------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Any] | tuple:
+    def _tick(self, e: Tick) -> None:
         """Post what events queued (and the next group of each staged chunk started in groups);
         every ``DEADLINE_SCAN_S``, deadlines and silent peers."""
+        now = e.now
         if self.later:
             self.dirty |= self.later
             self.later.clear()
@@ -930,10 +701,9 @@ class PrefillRooms:
         if now >= self.next_deadline_scan:
             self.next_deadline_scan = now + DEADLINE_SCAN_S
             self._deadlines(now)
-        return self._actions()
 
     def _deadlines(self, now: float) -> None:
-        self._proof_deadlines(now)
+        self._admit(self.admission.feed(Overdue(now)), now)
         for r in list(self.rooms.values()):
             if r.state.final:
                 continue
@@ -953,8 +723,9 @@ class PrefillRooms:
             self._settle(r, now)
             self._forget_if_quiet(r, now)
 
-    def gc(self, now: float) -> list[Any] | tuple:
+    def _gc(self, e: Gc) -> None:
         """Forget quiet rooms no handle holds; prune tombstones and silent connections."""
+        now = e.now
         for room in list(self.rooms.unowned):
             r = self.rooms.get(room)
             if r is None:
@@ -962,11 +733,23 @@ class PrefillRooms:
             else:
                 self._forget_if_quiet(r, now)
         self.rooms.tombstones.prune(now)
-        self.stage.prune(lambda room: self.rooms.get(room) is not None, now, 2 * self.cfg.target_timeout)
+        self._stage(self.stage.feed(Prune(frozenset(self.rooms), now, 2 * self.cfg.target_timeout)), now)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
-        self.identities.prune(set(self.peers.heard))
-        return self._actions()
+        self._admit(self.admission.feed(Forget(frozenset(self.peers.heard))), now)
+
+    def _pass_on(self, e: Any) -> None:
+        """An event for a small machine of its own that the room machine only passes on."""
+        if type(e) is NonceWritten:
+            self._admit(self.admission.feed(e), e.now)
+        else:
+            self._stage(self.stage.feed(e), getattr(e, "now", 0.0))
+
+    def _serving(self, e: Serving) -> None:
+        self.endpoint = e.endpoint
+
+    def _closing(self, e: Closing) -> None:
+        self.closing = True
 
 
 def _pages_text(pages: np.ndarray) -> str:
@@ -974,3 +757,15 @@ def _pages_text(pages: np.ndarray) -> str:
     if pages.size <= 8:
         return str(pages.tolist())
     return f"{pages.size}[{int(pages[0])}..{int(pages[-1])}]"
+
+
+_HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
+    Serving: PrefillRooms._serving, Closing: PrefillRooms._closing, EngineInit: PrefillRooms._engine_init,
+    Chunk: PrefillRooms._chunk, Post: PrefillRooms._post, AbortRoom: PrefillRooms._abort,
+    CloseRoom: PrefillRooms._close, Shutdown: PrefillRooms._shutdown, Message: PrefillRooms._message,
+    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, Posted: PrefillRooms._posted,
+    PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
+    ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
+    Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,
+}
+assert set(_HANDLERS) == set(EVENTS), "every event type of events.py has its handler here"

@@ -163,6 +163,31 @@ class PrefillRoom:
     def age_ms(self, now: float) -> float:
         return (now - self.created) * 1000
 
+    def claim(self, instance: str, decode_rank: str) -> bool:
+        """A room id belongs to the decode instance whose request reached it first (its TP ranks
+        share it): True when ``instance`` holds it now (claimed here, or before)."""
+        if self.holder is None:
+            self.holder = (instance, decode_rank)
+        return self.holder[0] == instance
+
+    def held_by(self, instance: str | None) -> bool:
+        """Nobody claimed the room yet, or ``instance`` did."""
+        return self.holder is None or self.holder[0] == instance
+
+    def reply_when_quiet(self, ident: bytes, msg: Any) -> bool:
+        """Keep a failure report or abort ack until no write of the room is in flight (True: kept)."""
+        if self.num_inflight:
+            self.pending_replies.append((ident, msg))
+            return True
+        return False
+
+    def quiet_replies(self) -> list[tuple[bytes, Any]]:
+        """The replies kept, once nothing of the room is in flight (else none)."""
+        if self.num_inflight or not self.pending_replies:
+            return []
+        out, self.pending_replies = self.pending_replies, []
+        return out
+
     @property
     def drain_reason(self) -> str:
         return f"{self.num_inflight} write(s) of the previous room still in flight"

@@ -27,7 +27,24 @@ ack and failure report, hard rule 6) until every chunk posted is final and no mo
 posted. The aux row rides in the last chunk's write as on the direct path, so it is staged too
 (decode checks it lands in the room's own aux slot): nothing of a staged target writes anywhere
 on decode but its staging slots.
-No socket, clock or engine call here: the machine (``machine.py``) calls it under the shell's lock.
+**The machine.** :class:`StagedWrites` takes the events below through ``feed(event)``
+(``StageWrite``, ``GrantIn``, ``ChunkPosted``, ``ChunkPostFailed``, ``ChunkFinal``, ``Settle``,
+``RoomGone``, ``Prune``, ``SetMode``) and returns what follows: the shell's actions (``Gather``,
+``PostChunk``, ``Send``) and, for the room machine, ``Started`` (a write's plan),
+``ChunkCounted`` (a chunk landed) and ``WriteEnded`` (every chunk final: report it like a direct
+write). The room machine (``machine.py``) feeds it under the shell's lock; what it knows of a
+write comes in with ``StageWrite`` (its ``Target``, the room's record of that decode rank: the
+room machine fails it, this machine reads whether it is active and names why a grant failed it).
+No socket, clock, engine call or callable here.
+
+    chunk k, as a table (per chunk; a write is the sum of its chunks):
+      queued for a gather slot  --slot free-->            gathered, SlotRequest sent   (Gather, Send)
+      gathered                  --GrantIn-->              posted                       (PostChunk)
+      gathered                  --GrantIn, write failed-> given up                     (Send ChunkLanded failed)
+      posted                    --ChunkPosted-->          in flight
+      posted                    --ChunkPostFailed-->      final, failed                (Send ChunkLanded failed)
+      in flight                 --ChunkFinal-->           final                        (Send ChunkLanded)
+      write with every chunk final, or failed and nothing in flight            -->    WriteEnded
 """
 
 from __future__ import annotations
@@ -42,11 +59,19 @@ from kvbridge.layout.staging import StagedPlan, choose_path, stage_plan
 from kvbridge.transfer.engine.registry import staging_thresholds
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
+from kvbridge.layout import BufferDesc
+from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.staging import Grant, StagingArea
-from kvbridge.transfer.prefill.peers import DecodePeer
+from kvbridge.transfer.prefill.targets import DecodePeer
 from kvbridge.transfer.prefill.targets import Target
 
-__all__ = ["Gather", "Offer", "PostChunk", "StagedWrite", "StagedWrites", "registered_offer"]
+__all__ = [
+    "EVENTS", "ChunkCounted", "ChunkFinal", "ChunkPostFailed", "ChunkPosted", "Gather", "GrantIn", "Offer",
+    "PostChunk", "Prune", "RoomGone", "SetMode", "Settle", "StageWrite", "StagedWrite", "StagedWrites", "Started",
+    "WriteEnded", "registered_offer",
+]
+GROUP_MIN_SLICES = 4096  # a staged chunk's first group has at least this many slices (see group_size)
+ALIGN_SLACK = 16  # per slice: stage_plan aligns each slice's slot offset to 16 bytes
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,7 @@ class Offer:
     slot_bytes: int
     base: int
     only: bool
+    engine_kind: str = "local"  # the kind of engine a write to that rank goes through (choose_path's ``engine``)
 
     def slot_addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes
@@ -89,7 +115,7 @@ def registered_offer(req: wire.TransferRequest, peer: DecodePeer) -> Offer | Non
             raise PageRangeError(f"the request's {name} {shown[0]} differs from the {shown[1]} decode rank "
                                  f"{peer.label} registered (staging area [{base:#x}, {base + nbytes:#x}) in "
                                  f"{slot_bytes}-byte slots); nothing written", field=name, **ctx)
-    return Offer(nbytes // slot_bytes, slot_bytes, base, req.staging_only)
+    return Offer(nbytes // slot_bytes, slot_bytes, base, req.staging_only, peer.engine_kind)
 
 
 @dataclass
@@ -145,16 +171,133 @@ class PostChunk:
     after: Any
 
 
-class StagedWrites:
-    """The staged writes of one prefill rank, its gather slots, and the decode offers."""
+# -- events in (frozen plain data) -------------------------------------------------------------
 
-    def __init__(self, mode: str, gather: StagingArea | None, engine_kind: Callable[[str], str], cp_rank: int,
-                 rank: str) -> None:
+@dataclass(frozen=True, slots=True)
+class StageWrite:
+    """Stage write ``write`` (the room machine's id) of room ``room`` to ``target``: ``plan``'s
+    slices, after the events ``after``."""
+
+    write: int
+    room: int
+    target: Target
+    plan: TransferPlan
+    after: Any
+
+
+@dataclass(frozen=True, slots=True)
+class GrantIn:
+    """A SlotGrant on connection ``ident``."""
+
+    ident: bytes
+    msg: wire.SlotGrant
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPosted:
+    """The shell's answer to a ``PostChunk``: gathered and submitted; the engine's ``handle``."""
+
+    action: PostChunk
+    handle: int
+    num_slices: int
+    num_bytes: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPostFailed:
+    """The shell's answer to a ``PostChunk``: not submitted (gather or submission refused:
+    ``reason``; or its target failed meanwhile: None); nothing of it is in flight."""
+
+    action: PostChunk
+    reason: str | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFinal:
+    """The engine's write ``handle`` of staged write ``write`` is final."""
+
+    write: int
+    handle: int
+    status: WriteStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Write ``write``'s target failed: give up what is not posted; end it once nothing is in flight."""
+
+    write: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomGone:
+    """Room ``room`` was forgotten: its offers, paths and chunk numbers go."""
+
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prune:
+    """Drop what is kept of rooms not among ``known``: an offer once ``horizon`` seconds old."""
+
+    known: frozenset[int]
+    now: float
+    horizon: float
+
+
+@dataclass(frozen=True, slots=True)
+class SetMode:
+    """The staging override (auto, always, never) for targets not yet planned."""
+
+    mode: str
+
+
+EVENTS = (StageWrite, GrantIn, ChunkPosted, ChunkPostFailed, ChunkFinal, Settle, RoomGone, Prune, SetMode)
+
+
+# -- what comes out for the room machine, besides the shell's actions ----------------------------
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Write ``write`` was cut into ``num_chunks`` chunks of ``plan_slices`` slices, ``num_bytes``."""
+
+    write: int
+    num_chunks: int
+    plan_slices: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCounted:
+    """A chunk of write ``write`` landed: ``num_bytes`` staged."""
+
+    write: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEnded:
+    """Write ``write`` is final: every chunk landed (``ok``), or it failed (``reason``) and nothing
+    of it is in flight. Report it like a direct write."""
+
+    write: int
+    ok: bool
+    reason: str
+
+
+class StagedWrites:
+    """The staged writes of one prefill rank, its gather slots, and the decode offers.
+    ``gather``: our gather buffer's slots (None: no gather buffer, every target direct);
+    ``src_bufs``: our registered buffers (a staged chunk's group size)."""
+
+    def __init__(self, mode: str, gather: StagingArea | None, cp_rank: int, rank: str,
+                 src_bufs: tuple[BufferDesc, ...] = ()) -> None:
         self.mode = mode
-        self.gather = gather  # None: no gather buffer, every target direct
-        self.engine_kind = engine_kind
+        self.gather = gather
         self.cp_rank = cp_rank
         self.rank = rank
+        self.src_bufs = tuple(src_bufs)
         self.offers: dict[tuple[int, str], Offer] = {}  # (room, decode rank) -> its staging area
         self.offered_at: dict[tuple[int, str], float] = {}
         self.paths: dict[tuple[int, str], str] = {}  # (room, decode rank) -> "direct" / "staged"
@@ -163,8 +306,41 @@ class StagedWrites:
         self.by_chunk: dict[tuple[int, str, int], tuple[int, int]] = {}  # (room, rank, wire chunk) -> (write, k)
         self.counters = {"staged_writes": 0, "chunks": 0, "bytes_staged": 0, "plan_slices": 0, "gather_waits": 0,
                          "direct_targets": 0, "staged_targets": 0, "grants_refused": 0}
+        self._out: list[Any] = []
 
-    # ---- the choice --------------------------------------------------------------------------
+    # ---- the door ----------------------------------------------------------------------------
+    def feed(self, event: Any) -> list[Any]:
+        """One event in; the shell's actions and ``Started`` / ``ChunkCounted`` / ``WriteEnded`` out."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"the staged-writes machine does not take {type(event).__name__}")
+        handler(self, event)
+        out, self._out = self._out, []
+        return out
+
+    # ---- read-only queries -------------------------------------------------------------------
+    def holds(self, write: int) -> bool:
+        """Write ``write`` is a staged one not yet ended."""
+        return write in self.writes
+
+    def group_size(self, room: int, t: Target, num_pages: int) -> int | None:
+        """How many of ``num_pages`` to plan and stage first when a staged chunk is larger than
+        one slot (None: plan it whole). A group fills about one slot, and holds enough pages for
+        at least ``GROUP_MIN_SLICES`` slices, so that the path chosen on the first group is the one
+        the whole chunk would get (``choose_path``'s thresholds are far below it)."""
+        key = (room, t.decode_rank)
+        offer = self.offers.get(key)
+        if self.gather is None or self.mode == "never" or offer is None or self.paths.get(key) == "direct":
+            return None
+        bufs = [b for b in self.src_bufs if b.pool in t.pools]
+        if not bufs:
+            return None
+        slot = min(self.gather.slot_bytes, offer.slot_bytes)
+        page_bytes = sum(b.bytes_per_page for b in bufs) + ALIGN_SLACK * len(bufs)
+        group = max(slot // page_bytes, -(-GROUP_MIN_SLICES // len(bufs)), 1)
+        return group if num_pages > group else None
+
+    # ---- the choice (a decision kept once made) ----------------------------------------------
     def offered(self, room: int, decode_rank: str, offer: Offer | None, now: float) -> None:
         """A target's staging area (``registered_offer``: checked against the decode rank's
         registration), kept until its room is forgotten."""
@@ -195,52 +371,109 @@ class StagedWrites:
         elif self.mode == "always":
             path = "staged"
         else:
-            path = choose_path(plan, staging_thresholds(self.engine_kind(t.session)))
+            path = choose_path(plan, staging_thresholds(offer.engine_kind))
         self.paths[key] = path
         self.counters[f"{path}_targets"] += 1
         return path
 
-    # ---- events ------------------------------------------------------------------------------
-    def start(self, w: int, room: int, t: Target, plan: TransferPlan, after: Any, out: list[Any]) -> StagedWrite:
+    # ---- handlers ----------------------------------------------------------------------------
+    def _start(self, e: StageWrite) -> None:
         """Stage write ``w``: its chunks queue for our gather slots; each slot taken asks decode for one."""
+        w, room, t = e.write, e.room, e.target
         key = (room, t.decode_rank)
         offer = self.offers[key]
         slot_bytes = min(self.gather.slot_bytes, offer.slot_bytes) & ~15
-        staged = stage_plan(plan, slot_bytes, room=room, rank=self.rank)
+        staged = stage_plan(e.plan, slot_bytes, room=room, rank=self.rank)
         first = self.next_chunk.get(key, 0)
         self.next_chunk[key] = first + staged.num_chunks
-        sw = StagedWrite(w, room, t, offer, staged, first, after)
+        sw = StagedWrite(w, room, t, offer, staged, first, e.after)
         self.writes[w] = sw
         for k in range(staged.num_chunks):
             self.by_chunk[(room, t.decode_rank, first + k)] = (w, k)
         self.counters["staged_writes"] += 1
         self.counters["plan_slices"] += staged.num_plan_slices
+        self._out.append(Started(w, staged.num_chunks, staged.num_plan_slices, staged.num_bytes))
         for k in range(staged.num_chunks):
             grant = self.gather.acquire(w, k)
             if grant is None:
                 self.counters["gather_waits"] += 1
             else:
-                self._gather_granted(grant, out)
-        return sw
+                self._gather_granted(grant)
 
-    def _gather_granted(self, g: Grant, out: list[Any]) -> None:
+    def _grant(self, e: GrantIn) -> None:
+        a = self._granted(e.ident, e.msg)
+        if a is not None:
+            self._out.append(a)
+            return
+        found = self.by_chunk.get((e.msg.room, e.msg.decode_rank, e.msg.chunk))
+        if found is not None and found[0] in self.writes:
+            self._settle(self.writes[found[0]])
+
+    def _posted(self, e: ChunkPosted) -> None:
+        self.writes[e.action.write].posted[e.handle] = e.action.chunk
+
+    def _post_failed(self, e: ChunkPostFailed) -> None:
+        a = e.action
+        sw = self.writes[a.write]
+        if e.reason is not None:
+            a.target.failure = a.target.failure or e.reason
+        self._chunk_final(sw, a.chunk, False, e.reason or "target failed")
+        self._settle(sw)
+
+    def _final(self, e: ChunkFinal) -> None:
+        sw = self.writes[e.write]
+        k = sw.posted.pop(e.handle)
+        t = sw.target
+        ok = e.status.state is not WriteState.FAILED
+        if not ok:
+            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {e.status.reason}"
+        ok = ok and t.active  # (a chunk of a target that failed meanwhile is reported failed: nothing scatters)
+        self._chunk_final(sw, k, ok, e.status.reason if e.status.reason else (t.failure or ""))
+        if ok:
+            self._out.append(ChunkCounted(sw.write, int(sw.staged.chunk_bytes[k])))
+        self._settle(sw)
+
+    def _settle_event(self, e: Settle) -> None:
+        sw = self.writes.get(e.write)
+        if sw is not None:
+            self._settle(sw)
+
+    def _room_gone(self, e: RoomGone) -> None:
+        for book in (self.offers, self.offered_at, self.paths, self.next_chunk):
+            for key in [key for key in book if key[0] == e.room]:
+                del book[key]
+
+    def _prune(self, e: Prune) -> None:
+        """Drop what is kept of rooms the machine does not hold: an offer once it is ``horizon``
+        seconds old (kept with its target; a room forgotten without ``RoomGone`` leaves one)."""
+        for key in [key for key in self.offers if key[0] not in e.known and e.now - self.offered_at[key] > e.horizon]:
+            del self.offers[key], self.offered_at[key]
+        for book in (self.paths, self.next_chunk):
+            for key in [key for key in book if key[0] not in e.known]:
+                del book[key]
+
+    def _set_mode(self, e: SetMode) -> None:
+        self.mode = e.mode
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _gather_granted(self, g: Grant) -> None:
         sw = self.writes.get(g.room)
         if sw is None or sw.failed or not sw.target.active:  # (the write ended while its chunk waited)
-            self._free_gather(g.slot, out)
+            self._free_gather(g.slot)
             return
         sw.local[g.chunk] = g.slot
-        out.append(Gather(sw.write, sw.room, g.chunk, sw.staged, g.slot, sw.after))
-        out.append(Send((sw.target.ident,), wire.SlotRequest(
+        self._out.append(Gather(sw.write, sw.room, g.chunk, sw.staged, g.slot, sw.after))
+        self._out.append(Send((sw.target.ident,), wire.SlotRequest(
             room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + g.chunk,
             num_bytes=int(sw.staged.chunk_span[g.chunk]))))
 
-    def _free_gather(self, slot: int, out: list[Any]) -> None:
+    def _free_gather(self, slot: int) -> None:
         """Our gather slot is free again (its chunk's write is final, or was never posted)."""
         self.gather.landed(slot, *self.gather.owner(slot))
         for g in self.gather.release(slot):
-            self._gather_granted(g, out)
+            self._gather_granted(g)
 
-    def granted(self, ident: bytes, msg: wire.SlotGrant, out: list[Any]) -> PostChunk | None:
+    def _granted(self, ident: bytes, msg: wire.SlotGrant) -> PostChunk | None:
         """Decode granted a slot: the chunk's PostChunk, or (the write ended meanwhile, or the grant is
         not ours) a ChunkLanded "failed" that frees the decode slot at once (nothing was posted)."""
         found = self.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
@@ -255,12 +488,13 @@ class StagedWrites:
             if msg.slot == held:
                 sw.target.failure = sw.target.failure or why
             else:
-                out.append(Send((ident,), _landed_failed(msg, self.cp_rank, why)))
+                self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank, why)))
             return None
         if sw is None or sw.target.ident != ident or found[1] not in sw.local:
             # (the write ended, or its chunk gave its gather slot up: nothing will be posted)
             self.counters["grants_refused"] += 1
-            out.append(Send((ident,), _landed_failed(msg, self.cp_rank, "no chunk of this rank waits for that slot")))
+            self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank,
+                                                           "no chunk of this rank waits for that slot")))
             return None
         k = found[1]
         if msg.slot >= sw.offer.slots:  # (the offer is the registered area: a slot inside it lies inside it)
@@ -269,19 +503,15 @@ class StagedWrites:
                 f"(registered area [{sw.offer.base:#x}, {sw.offer.end:#x})); nothing written [room={msg.room} "
                 f"rank={msg.decode_rank} field=slot]")
         if sw.failed or not sw.target.active:
-            out.append(Send((ident,), _landed_failed(msg, self.cp_rank, sw.target.failure or "target failed")))
-            self._free_gather(sw.local.pop(k), out)
+            self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank, sw.target.failure or "target failed")))
+            self._free_gather(sw.local.pop(k))
             return None
         sw.remote[k] = msg.slot
         return PostChunk(sw.write, sw.room, k, sw.target, sw.target.session, sw.staged, sw.local[k],
                          sw.offer.slot_addr(msg.slot), sw.after)
 
-    def posted(self, a: PostChunk, handle: int) -> None:
-        self.writes[a.write].posted[handle] = a.chunk
-
-    def chunk_final(self, sw: StagedWrite, k: int, ok: bool, reason: str, out: list[Any]) -> None:
+    def _chunk_final(self, sw: StagedWrite, k: int, ok: bool, reason: str) -> None:
         """Chunk ``k``'s write is final (or failed to post): report it to decode, free our slot."""
-        t = sw.target
         if ok:
             off, dst, length = sw.staged.scatter(k, 0)
             msg = wire.ChunkLanded(room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=sw.remote[k],
@@ -293,45 +523,34 @@ class StagedWrites:
             sw.failed = True
             msg = wire.ChunkLanded(room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=sw.remote[k],
                                    status="failed", reason=reason, scatter=b"")
-        out.append(Send((t.ident,), msg))
-        self._free_gather(sw.local.pop(k), out)
+        self._out.append(Send((sw.target.ident,), msg))
+        self._free_gather(sw.local.pop(k))
 
-    def settled(self, sw: StagedWrite) -> bool:
-        """Nothing of the write is in flight and nothing more will be posted: every chunk landed, or
-        it failed (its target too) and its posted chunks are final. Chunks that still wait for a
-        slot leave our queue (a grant that comes later is answered "failed")."""
-        if sw.done == sw.num_chunks:
-            return True
-        if not (sw.failed or not sw.target.active) or sw.posted:
-            return False
-        sw.failed = True
-        self.gather.withdraw(sw.write)  # chunks waiting for a gather slot leave the FIFO
-        return True
-
-    def cancel(self, sw: StagedWrite, out: list[Any]) -> None:
-        """The write failed: gather slots of chunks asked for but not granted are free (nothing was
-        posted from them; a grant that comes later is answered "failed")."""
-        for k in [k for k in sw.local if k not in sw.remote]:
-            self._free_gather(sw.local.pop(k), out)
-
-    def forget(self, sw: StagedWrite) -> None:
+    def _settle(self, sw: StagedWrite) -> None:
+        """A staged write whose chunks are all landed ends ok; one that failed ends (not in flight
+        any more) once its posted chunks are final: gather slots of chunks asked for but not
+        granted are free (a grant that comes later is answered "failed"), chunks that still wait
+        for a gather slot leave our queue."""
+        if not sw.target.active:
+            for k in [k for k in sw.local if k not in sw.remote]:
+                self._free_gather(sw.local.pop(k))
+        if sw.done != sw.num_chunks:
+            if not (sw.failed or not sw.target.active) or sw.posted:
+                return
+            sw.failed = True
+            self.gather.withdraw(sw.write)
         self.writes.pop(sw.write, None)
         for k in range(sw.num_chunks):
             self.by_chunk.pop((sw.room, sw.target.decode_rank, sw.first_chunk + k), None)
+        ok = sw.done == sw.num_chunks and sw.target.active
+        self._out.append(WriteEnded(sw.write, ok, "" if ok else (sw.target.failure or "staged write failed")))
 
-    def forget_room(self, room: int) -> None:
-        for book in (self.offers, self.offered_at, self.paths, self.next_chunk):
-            for key in [key for key in book if key[0] == room]:
-                del book[key]
 
-    def prune(self, known: Callable[[int], bool], now: float, horizon: float) -> None:
-        """Drop what is kept of rooms the machine does not hold: an offer once it is ``horizon``
-        seconds old (kept with its target; a room forgotten without ``forget_room`` leaves one)."""
-        for key in [key for key in self.offers if not known(key[0]) and now - self.offered_at[key] > horizon]:
-            del self.offers[key], self.offered_at[key]
-        for book in (self.paths, self.next_chunk):
-            for key in [key for key in book if not known(key[0])]:
-                del book[key]
+_HANDLERS: dict[type, Callable[[StagedWrites, Any], None]] = {
+    StageWrite: StagedWrites._start, GrantIn: StagedWrites._grant, ChunkPosted: StagedWrites._posted,
+    ChunkPostFailed: StagedWrites._post_failed, ChunkFinal: StagedWrites._final, Settle: StagedWrites._settle_event,
+    RoomGone: StagedWrites._room_gone, Prune: StagedWrites._prune, SetMode: StagedWrites._set_mode,
+}
 
 
 def _landed_failed(msg: wire.SlotGrant, cp_rank: int, reason: str) -> wire.ChunkLanded:

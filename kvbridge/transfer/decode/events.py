@@ -1,0 +1,186 @@
+"""What goes in and out of decode's room machine (``machine.py``): the door's vocabulary.
+
+Events are frozen records fed through ``DecodeRooms.feed(event)``; ``EVENTS`` lists every type
+the door takes (its own and the shared ones of ``transfer/actions.py``). Actions are what
+``feed`` returns for the shell to carry out: ``LookUp``, ``Refresh``, ``EchoScratch`` and
+``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``), ``CheckLease`` and
+``DropPeer`` (``peers.py``), ``Scatter`` (``staging.py``). The machine reads no memory: what it
+needs read (an aux row and page digests at commit, a nonce in our scratch region) goes out as
+an action over plain data, and what was read comes back as an event (``CommitRead``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvbridge.transfer.actions import AbortRoom, CloseRoom, Shutdown, Tick
+from kvbridge.transfer.decode.topologies import Key
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap.schemas import LookupResponse
+    from kvbridge.transfer.decode.room import DecodeRoom
+
+__all__ = [
+    "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "LeaseChecked", "LookUp", "LookedUp", "Message",
+    "ReadForCommit", "Refresh", "Refreshed", "Registered", "ScatterFailed", "Scattered", "SetStaging",
+]
+
+
+# -- actions ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LookUp:
+    """Ask the daemon for the topology of ``room``'s prefill DP group (off the loop); answer
+    with ``LookedUp(room, key, topo, error, now)``."""
+
+    room: int
+    instance: str
+    dp_rank: int | None
+    key: Key
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """Look ``key`` = (instance, DP group) up again ahead of expiry; answer with
+    ``Refreshed(key, topo, now)`` (topo None when it failed)."""
+
+    key: tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class EchoScratch:
+    """A prefill rank wrote a nonce into our scratch region: read the ``NONCE_BYTES`` at
+    ``offset`` and send them back to ``endpoint`` as a ChallengeEcho (an offset outside the
+    region: no echo, a warning; that prefill rank then refuses us, naming why). Nothing to answer."""
+
+    endpoint: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class DigestRead:
+    """Digests of our ``physical`` pages holding logical ``pages`` of ``pools``, over ``num_tokens``
+    (``layers``: a pipeline stage's layer ids per pool; None: every layer)."""
+
+    pools: tuple[str, ...]
+    pages: np.ndarray
+    physical: np.ndarray
+    num_tokens: int
+    layers: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadForCommit:
+    """Room ``room``'s pages are all written: read its aux row (slot ``aux_slot``, one copy to the
+    host) and the digests ``digests`` asks for; answer with ``CommitRead``."""
+
+    room: int
+    aux_slot: int
+    digests: tuple[DigestRead, ...]
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """This rank's registration id at the daemon (requests and pings name it; it changes when the
+    lease keeper re-registers)."""
+
+    rank_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SetStaging:
+    """What rooms requested from now on offer (auto, always, never)."""
+
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class Init:
+    """KVReceiver.init(), checked by the shell: where the room's pages and aux row go."""
+
+    room: DecodeRoom
+    pages: np.ndarray
+    aux_slot: int
+    num_tokens: int | None
+    first_page: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
+
+    endpoint: str
+    msg: Any
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookedUp:
+    """The answer to a ``LookUp``: a topology, or the error the daemon (or the way to it) gave."""
+
+    room: int
+    key: Key
+    topo: LookupResponse | None
+    error: BaseException | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refreshed:
+    key: tuple[str, int]
+    topo: LookupResponse | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseChecked:
+    """The daemon's answer to a ``CheckLease``."""
+
+    endpoint: str
+    rank_id: str
+    gone: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scattered:
+    """The shell carried out a ``Scatter``: the slot is free, and the room may commit."""
+
+    room: int
+    slot: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterFailed:
+    """A ``Scatter`` could not run: the room fails (its pages were not written), then the slot is free."""
+
+    room: int
+    slot: int
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRead:
+    """The answer to a ``ReadForCommit``: the aux row as it landed and the seconds the read took,
+    and the digests asked for (one array per ``DigestRead``), or the ``error`` that stopped the read."""
+
+    room: int
+    row: np.ndarray | None
+    read_s: float
+    digests: tuple[np.ndarray, ...]
+    error: str | None
+    now: float
+
+
+EVENTS = (
+    Registered, SetStaging, Init, AbortRoom, CloseRoom, Shutdown, Message, LookedUp, Refreshed, LeaseChecked,
+    Scattered, ScatterFailed, CommitRead, Tick,
+)
