@@ -49,7 +49,7 @@ FLOORS = {
 
 
 TRANSFER_FLOORS = {
-    "channel": 0, "poll": 0, "actions": 0, "ownership": 0, "digest": 0, "checks": 0,
+    "channel": 0, "poll": 0, "actions": 0, "ownership": 0, "digest": 0, "checks": 0, "binding": 0,
     "engine": 1,
     "staging": 2, "aux_rows": 2, "scratch": 2, "registration": 2,
     "rooms": 3, "shell": 3,
