@@ -45,6 +45,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvbridge._version import __version__
 from kvbridge.bootstrap.endpoints import Resolver, canonical_endpoint, canonical_session, resolve_host
+from kvbridge.bootstrap.reach import claim_key
 from kvbridge.bootstrap.guard import ADMIN, LEASE_HEADER, Guard, access_of
 from kvbridge.bootstrap.limits import RateLimiter
 from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
@@ -135,6 +136,7 @@ def canonical_registration(body: RegisterRequest, *, local: bool, resolve: Resol
     try:
         session = canonical_session(body.session_id, local=local, resolve=resolve)
         endpoint = canonical_endpoint(body.control_endpoint, local=local, resolve=resolve)
+        claim_key(session, body.engine_metadata)  # what the session reaches must parse (a NIXL worker)
     except EndpointError as exc:
         raise EndpointError(f"{body.rank.label} refused: {exc.reason}", rank=body.rank.label, field=exc.field) from None
     if session == body.session_id and endpoint == body.control_endpoint:

@@ -50,7 +50,7 @@ class RankRecord:
         """The transport session and address ranges this rank holds (claims.py)."""
         i = self.identity
         return claim_of(self.rank_id, i.label, i.instance, self.session_id, self.pools, self.aux, self.aux_regions,
-                        self.scratch, self.staging)
+                        self.scratch, self.staging, self.engine_metadata)
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""

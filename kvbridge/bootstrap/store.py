@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kvbridge.bootstrap.claims import Claim, session_key
+from kvbridge.bootstrap.claims import Claim
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import MismatchRecord
 from kvbridge.errors import BootstrapUnavailable, ConfigError, UnknownInstance
@@ -83,7 +83,8 @@ class RankIndex:
     def __init__(self) -> None:
         self.instances: dict[str, InstanceRecord] = {}
         self.rank_instance: dict[str, str] = {}  # rank id -> instance name
-        self.sessions: dict[str, dict[str, Claim]] = {}  # session key -> rank id -> its claim
+        self.sessions: dict[str, dict[str, Claim]] = {}  # claim key -> rank id -> its claim
+        self.claim_keys: dict[str, str] = {}  # rank id -> its claim's key (claims.claim_session)
 
     def session_claims(self, session: str) -> list[Claim]:
         """The live claims in one transport session (``claims.session_key``)."""
@@ -108,6 +109,7 @@ class RankIndex:
         self.rank_instance[rec.rank_id] = inst.name
         claim = rec.claim()
         self.sessions.setdefault(claim.session, {})[rec.rank_id] = claim
+        self.claim_keys[rec.rank_id] = claim.session
 
     def drop(self, rank_id: str) -> RankRecord | None:
         name = self.rank_instance.pop(rank_id, None)
@@ -117,7 +119,7 @@ class RankIndex:
         rec = inst.ranks.pop(rank_id)
         if inst.by_coords.get(rec.identity.coords) == rank_id:
             del inst.by_coords[rec.identity.coords]
-        session = session_key(rec.session_id)
+        session = self.claim_keys.pop(rank_id, "")
         claims = self.sessions.get(session, {})
         claims.pop(rank_id, None)
         if not claims:
@@ -130,6 +132,7 @@ class RankIndex:
         self.instances.clear()
         self.rank_instance.clear()
         self.sessions.clear()
+        self.claim_keys.clear()
 
     def all_ranks(self) -> list[RankRecord]:
         return [r for inst in self.instances.values() for r in inst.ranks.values()]
