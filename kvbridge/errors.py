@@ -29,6 +29,7 @@
         ├── LedgerError                pages missing, reported twice, or aux row wrong
         ├── Aborted                    the room was aborted by either side
         ├── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
+        ├── RoomEnded                  send() on a room that already reached its final state
         └── StagingSlotError           a staging-slot event its table does not allow (a caller's bug)
 
 Every message names what it can of the room, the rank and the field involved:
@@ -69,6 +70,7 @@ __all__ = [
     "StagingSlotError",
     "Aborted",
     "RoomInUse",
+    "RoomEnded",
 ]
 
 
@@ -232,6 +234,12 @@ class RoomInUse(TransferError):
     def __init__(self, message: str, *, draining: bool = False, **ctx: Any) -> None:
         self.draining = draining
         super().__init__(message, **ctx)
+
+
+class RoomEnded(TransferError):
+    """``KVSender.send()`` on a room that already reached its final state (Success, or Failed:
+    an abort or a lost peer that ``poll()`` shows): nothing of the call is queued, and the
+    message names the room, the rank, the state and why it ended."""
 
 
 class StagingSlotError(TransferError):

@@ -160,6 +160,6 @@ def find_conflict(held: Iterable[Claim], new: Claim, *, exclude: Iterable[str | 
 
 def claim_held(label: str, holder: Claim, why: str) -> ClaimHeld:
     """The 409 answer (``claim_held``): who asked, who holds it, and what."""
-    return ClaimHeld(f"{label} refused: {why} (live rank {holder.rank_id}, {holder.label}); a rank registers only "
+    return ClaimHeld(f"{label} refused: {why} (rank {holder.rank_id}, {holder.label}); a rank registers only "
                      f"memory of its own process, and the same rank re-registers with its lease secret",
                      holder=f"{holder.rank_id} ({holder.label})", rank=label, field="session_id")

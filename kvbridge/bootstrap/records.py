@@ -42,6 +42,7 @@ class RankRecord:
     scratch: ScratchDescriptor | None = None
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
+    grace_lease_id: int = 0  # etcd: the lease of its lapsed claim (TTL + grace, lapses.py)
     staging: StagingDescriptor | None = None  # a decode rank's staging area
     proof_key: str | None = None  # its ownership-proof public key (hex)
     engine_metadata: str = ""  # base64, what a writer's engine loads first (NIXL); "" for Mooncake

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvbridge.bootstrap.endpoints import canonical_endpoint
+from kvbridge.bootstrap.lapses import claim_message
 from kvbridge.errors import EndpointError
 
 __all__ = ["DOMAIN", "KEY_BYTES", "SIGNATURE_BYTES", "ProofKey", "proof_message", "proof_peer", "verify_proof"]
@@ -58,6 +59,11 @@ class ProofKey:
 
     def sign(self, rank_id: str, prefill_endpoint: str, nonce: bytes) -> bytes:
         return self._private.sign(proof_message(rank_id, prefill_endpoint, nonce))
+
+    def sign_claim(self, instance: str, coords: tuple[int, int, int, int]) -> bytes:
+        """The registration's claim signature (bootstrap/lapses.py): lets this key's holder take
+        back its own lapsed claim, which nobody else can."""
+        return self._private.sign(claim_message(instance, coords, self.public_hex))
 
 
 def verify_proof(public_hex: str, rank_id: str, prefill_endpoint: str, nonce: bytes, signature: bytes) -> bool:

@@ -153,7 +153,8 @@ class DecodeEndpoint(EndpointShell):
                                     self.config.lease_ttl, scratch=self.scratch.descriptor,
                                     staging=None if self.staging is None else self.staging.descriptor,
                                     proof_key=self.proof_key.public_hex,
-                                    engine_metadata=self.engine.metadata)
+                                    engine_metadata=self.engine.metadata,
+                                    proof_signature=self.proof_key.sign_claim)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")

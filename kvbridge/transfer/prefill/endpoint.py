@@ -40,7 +40,7 @@ import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, RoomEnded, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import FreeRoom, Send
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
@@ -49,7 +49,7 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import WriteNonce
+from kvbridge.transfer.prefill.identity import Proof, WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
@@ -179,7 +179,8 @@ class PrefillEndpoint(EndpointShell):
             self.aux_buffers.register(self.engine)
         if self.gather is not None:
             self.gather.register(self.engine)
-        self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
+        self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret,
+                                     vouch=self._known_rank, protected=self._proven)
         self.engine.set_notify(self._engine_final)
         self._start_loop(f"kvb-prefill-{self.config.cp_rank}")
         self._lease = register_rank(
@@ -188,6 +189,18 @@ class PrefillEndpoint(EndpointShell):
             scratch=self.scratch.descriptor, engine_metadata=self.engine.metadata,
         )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
+
+    # Slots for known ranks (channel/server.py): read on the channel's loop thread without the lock
+    # (it may hold the channel's while a sender holds ours), so only single dict reads here.
+    def _proven(self, ident: bytes) -> bool:
+        """A connection that proved its registration (never displaced by a newcomer)."""
+        c = self.machine.identities.conns.get(ident)
+        return c is not None and c.state is Proof.PROVEN
+
+    def _known_rank(self, hello: Any) -> bool:
+        """A newcomer naming a decode registration this rank has read (a rank that reconnects):
+        it may displace an unproven connection when every slot is taken."""
+        return bool(hello.peer) and self.machine.peers.entries.get(hello.peer) is not None
 
     def close(self, timeout: float = 5.0) -> None:
         """Let in-flight rooms finish for up to ``timeout`` s, fail the rest, deregister."""
@@ -248,9 +261,11 @@ class PrefillEndpoint(EndpointShell):
         when the decode ranks already asked (no loop turn); completions are reported from the
         engine's callback."""
         with self._lock:
-            if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
-                log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
-                return
+            if r.state.final:  # ended meanwhile (abort, peer loss) or before: nothing is queued, and the engine hears why
+                why = f": {r.state.reason}" if r.state.reason else ""
+                raise RoomEnded(f"send() on room {r.room}, which already ended ({r.state.state.name}{why}); nothing "
+                                "queued: poll() says a room's final state", room=r.room, rank=self.config.rank_label,
+                                field="send")
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)
