@@ -2,7 +2,7 @@
 and described in its registration (``ScratchDescriptor``).
 
     [0, nbytes)                      advertised: prefill writes an ownership nonce here
-                                     (prefill/identity.py), ``kvbridge doctor`` a probe
+                                     (prefill/admission.py), ``kvbridge doctor`` a probe
     [nbytes, nbytes + NONCE_BYTES)   not advertised: the source of the nonces this rank
                                      writes into others' scratch (never written from outside)
 

@@ -27,7 +27,7 @@ def m():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
                            "x", hello_of=lambda ident: HELLO.get(ident), endpoint=lambda: ME, target_layers=2)
     machine.peers.entries["r1"] = peer()
-    machine.identities.prove(D, "r1")
+    machine.admission.prove(D, "r1")
     return machine
 
 

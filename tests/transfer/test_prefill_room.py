@@ -17,7 +17,7 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, WriteNonce
+from kvbridge.transfer.prefill.admission import PROOF_ATTEMPTS, WriteNonce
 from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux
 from kvbridge.transfer.ownership import ProofKey
@@ -64,7 +64,7 @@ def m():
     machine = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX,
                            "x", hello_of=lambda ident: HELLO.get(ident), endpoint=lambda: ME)
     machine.peers.entries["r1"] = peer()  # its registration was read before
-    machine.identities.prove(D, "r1")  # and connection D proved it holds its memory
+    machine.admission.prove(D, "r1")  # and connection D proved it holds its memory
     return machine
 
 
@@ -413,7 +413,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
         acts = m.resolved("r2", None, "registration r2 is not registered", 1.01)
     elif how == "silent_key":
         assert msgs(acts, wire.KeyChallenge)
-        acts = m.tick(1.0 + m.identities.timeout + 0.1)
+        acts = m.tick(1.0 + m.admission.timeout + 0.1)
     elif how in ("other_key", "other_registration", "other_prefill"):
         # what an attacker who reads and writes every registered byte can sign: not with r2's key
         key = ProofKey() if how == "other_key" else None
@@ -427,7 +427,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
             acts = m.nonce_written(E, "refused", 1.01)
         elif how == "silent":
             m.nonce_written(E, None, 1.01)
-            acts = m.tick(1.0 + m.identities.timeout + 0.1)
+            acts = m.tick(1.0 + m.admission.timeout + 0.1)
         else:  # every fresh nonce echoed wrong: refused after PROOF_ATTEMPTS tries
             for attempt in range(PROOF_ATTEMPTS):
                 m.nonce_written(E, None, 1.01)
@@ -448,7 +448,7 @@ def test_a_connection_that_cannot_prove_its_memory_is_refused_naming_why(m, how,
 def _second_instance(m, ident: bytes = E) -> None:
     m.peers.entries["r2"] = fresh_peer(instance="intruder", label="intruder/dp0/tp0")
     HELLO[ident] = "r2"
-    m.identities.prove(ident, "r2").instance = "intruder"
+    m.admission.prove(ident, "r2").instance = "intruder"
 
 
 def intruder_request(room: int) -> wire.TransferRequest:
@@ -523,7 +523,7 @@ def ms():
                            gather=StagingArea(2, SLOT),
                            hello_of=lambda ident: HELLO.get(ident))
     machine.peers.entries["r1"] = peer()
-    machine.identities.prove(D, "r1")
+    machine.admission.prove(D, "r1")
     return machine
 
 
@@ -718,7 +718,7 @@ def two_decode_ranks(m) -> None:
     m.peers.entries["r1"] = DecodePeer(**{**vars(peer()), "tp_size": 2, "tp_rank": 0, "checked": {}})
     m.peers.entries["r2"] = DecodePeer(**{**vars(peer()), "rank_id": "r2", "label": "d/dp0/tp1", "tp_size": 2,
                                           "tp_rank": 1, "checked": {}})  # fmt: skip
-    m.identities.prove(D2, "r2")
+    m.admission.prove(D2, "r2")
 
 
 def test_decode_ranks_holding_different_prefixes_are_named_with_their_first_pages(m):

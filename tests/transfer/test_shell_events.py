@@ -39,7 +39,7 @@ def _machine() -> PrefillRooms:
     m = PrefillRooms(PrefillConfig(instance="p", peer_timeout=5.0, target_timeout=60.0), SPECS, bufs(0), AUX, "x",
                      hello_of=lambda ident: HELLO.get(ident))
     m.peers.entries["r1"] = peer()
-    m.identities.prove(D, "r1")
+    m.admission.prove(D, "r1")
     return m
 
 

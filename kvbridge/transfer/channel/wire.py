@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
-NONCE_BYTES = 32  # the ownership proof's nonce (prefill/identity.py)
+NONCE_BYTES = 32  # the ownership proof's nonce (prefill/admission.py)
 SIGNATURE_BYTES = 64  # an Ed25519 signature (transfer/ownership.py)
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

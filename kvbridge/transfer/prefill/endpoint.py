@@ -49,7 +49,7 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.identity import Proof, WriteNonce
+from kvbridge.transfer.prefill.admission import Proof, WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
@@ -194,7 +194,7 @@ class PrefillEndpoint(EndpointShell):
     # (it may hold the channel's while a sender holds ours), so only single dict reads here.
     def _proven(self, ident: bytes) -> bool:
         """A connection that proved its registration (never displaced by a newcomer)."""
-        c = self.machine.identities.conns.get(ident)
+        c = self.machine.admission.conns.get(ident)
         return c is not None and c.state is Proof.PROVEN
 
     def _known_rank(self, hello: Any) -> bool:

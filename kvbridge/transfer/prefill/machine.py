@@ -17,7 +17,7 @@ A staged chunk larger than one slot is planned and staged in slot-sized groups o
 group per tick (``later``), so its first gather starts after one group's planning.
 
 The rooms themselves (chunks, held pages, targets) are ``room.py``; a connection's
-identity proof ``identity.py``; staged writes ``staged.py``.
+identity proof ``admission.py`` (a machine of its own); staged writes ``staged.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,18 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
-from kvbridge.transfer.prefill.identity import PROOF_ATTEMPTS, PROOF_FAILED, Connection, Identities, Proof
+from kvbridge.transfer.prefill.admission import (
+    Admission,
+    Admitted,
+    Arrived,
+    EchoGiven,
+    Forget,
+    KeyProofGiven,
+    NonceWritten,
+    Overdue,
+    Refused,
+    RegistrationRead,
+)
 from kvbridge.transfer.prefill.peers import DecodePeer, DecodePeers, Resolve
 from kvbridge.transfer.prefill.staged import PostChunk, StagedWrite, StagedWrites, registered_offer
 from kvbridge.transfer.prefill.room import PrefillRoom
@@ -139,7 +150,7 @@ class PrefillRooms:
         self.peers = DecodePeers()
         self.hello_of = hello_of
         self.endpoint = endpoint
-        self.identities = Identities(timeout=config.peer_timeout)
+        self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
         self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
         self.next_write = 0
@@ -219,9 +230,12 @@ class PrefillRooms:
     def message(self, ident: bytes, msg: Any, now: float) -> list[Any] | tuple:
         """A message on connection ``ident`` (or the channel's error for a bad one)."""
         self.peers.heard_from(ident, now)  # any message: the decode rank is alive
-        if isinstance(msg, _BOUND) and not self._admitted(ident, msg, now):
-            return self._actions()  # refused, or held until the connection proves its registration
-        self._dispatch(ident, msg, now)
+        if isinstance(msg, _BOUND):  # delivered, refused, or held until the connection proves its registration
+            said = self.hello_of(ident)
+            self._admit(self.admission.feed(Arrived(ident, msg, said, self.peers.get(said) if said else None, now)),
+                        now)
+        else:
+            self._dispatch(ident, msg, now)
         return self._actions()
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
@@ -238,11 +252,17 @@ class PrefillRooms:
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
-            self._on_key_proof(ident, msg, now)
+            peer = self._proving(ident)
+            self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint(), now)), now)
         elif isinstance(msg, wire.ChallengeEcho):
-            self._on_echo(ident, msg, now)
+            self._admit(self.admission.feed(EchoGiven(ident, msg, self._proving(ident), now)), now)
         else:
             self._error(ident, msg, f"a prefill rank does not accept {type(msg).__name__}")
+
+    def _proving(self, ident: bytes) -> DecodePeer | None:
+        """The registration connection ``ident`` is proving, as known here (None: none, or not read)."""
+        rank_id = self.admission.rank_of(ident)
+        return None if rank_id is None else self.peers.get(rank_id)
 
     def _error(self, ident: bytes, msg: Any, reason: str) -> None:
         """Refuse ``msg`` with an ErrorReply. A refused request leaves only once nothing of its room
@@ -254,139 +274,36 @@ class PrefillRooms:
         else:
             self._out.append(Send((ident,), reply))
 
-    # -- who is on a connection (prefill/identity.py) ------------------------------
+    # -- who is on a connection (prefill/admission.py) -----------------------------
 
-    def _admitted(self, ident: bytes, msg: Any, now: float) -> bool:
-        """``msg`` acts for the registration its connection named and proved: deliver it now
-        (True); else refuse it, or hold it while the proof runs (False)."""
-        if isinstance(msg, wire.Ping) and not msg.decode_rank_id:
-            return True  # a probe that acts for nobody: a Heartbeat, and nothing else
-        said = self.hello_of(ident)
-        if msg.decode_rank_id != said:
-            self._error(ident, msg, f"{msg.TAG} names decode registration {msg.decode_rank_id!r}, but its connection "
-                                    f"said it is {said!r} in its Hello: a connection acts only for its own "
-                                    "registration; nothing done")
-            return False
-        c = self.identities.get(ident)
-        if c is None or c.rank_id != said or (c.state is Proof.REFUSED and now >= c.retry_at):
-            c = self.identities.start(ident, said)  # (a refused connection may try again after a pause)
-            peer = self.peers.get(said)
-            if peer is None:
-                if self.identities.wait_registration(c):
-                    self._out.append(Resolve(said, getattr(msg, "decode_rank", said)))
+    def _admit(self, out: list[Any], now: float) -> None:
+        """Carry out what the admission machine answered: deliver, refuse, or pass on."""
+        for a in out:
+            if type(a) is Admitted:
+                self._dispatch(a.ident, a.msg, now)
+            elif type(a) is Refused:
+                self._error(a.ident, a.msg, a.why)
             else:
-                self._challenge(c, peer, now)
-        if c.state is Proof.PROVEN:
-            return True
-        if c.state is Proof.REFUSED:
-            self._error(ident, msg, c.why)
-        elif len(c.waiting) >= self.identities.max_waiting:
-            self._error(ident, msg, f"{self.identities.max_waiting} messages already wait for decode registration "
-                                    f"{said} to prove it holds its memory")
-        else:
-            c.waiting.append(msg)
-        return False
-
-    def _challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        """The proof's first step (identity.py): the registration's key signs a fresh nonce."""
-        why = self.identities.unprovable(peer.session, peer.proof_key, peer.scratch)
-        if why is not None:
-            self._refuse_identity(c, f"{why}, so prefill rank {self.cfg.rank_label} cannot check that the connection "
-                                     "holds the memory it names (a kvbridge DecodeEndpoint registers all it needs)", now)
-            return
-        c.instance = peer.instance
-        self._out.append(Send((c.ident,), wire.KeyChallenge(nonce=self.identities.key_challenge(c, now))))
-
-    def _on_key_proof(self, ident: bytes, msg: wire.KeyProof, now: float) -> None:
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.KEYING:
-            self._error(ident, msg, "no key challenge is waiting for a proof on this connection")
-            return
-        peer = self.peers.get(c.rank_id)
-        if peer is None or peer.proof_key is None:
-            self._refuse_identity(c, f"registration {c.rank_id} is no longer known here", now)
-            return
-        if not self.identities.key_matches(c, peer.proof_key, self.endpoint(), msg.signature):
-            # no retry: a signature is no nonce another proof could have replaced
-            self._refuse_identity(c, "its KeyProof is not a signature by the proof key of the registration its Hello "
-                                     f"named, over prefill rank {self.cfg.rank_label}'s challenge: the connection is "
-                                     "not that registration", now)
-            return
-        c.key_nonce = b""
-        self._write_challenge(c, peer, now)
-
-    def _write_challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        """The proof's second step: a nonce into the registration's scratch region, to echo."""
-        base, nbytes = peer.scratch  # type: ignore[misc]  # (unprovable() checked it)
-        self._out.append(self.identities.challenge(c, peer.session, base, nbytes, now))
-
-    def _refuse_identity(self, c: Connection, why: str, now: float) -> None:
-        peer = self.peers.get(c.rank_id)
-        label = f"decode rank {peer.label} (registration {c.rank_id})" if peer else f"decode registration {c.rank_id}"
-        c.state, c.why = Proof.REFUSED, f"{label} {PROOF_FAILED}: {why}"
-        c.retry_at = now + self.identities.retry_s
-        log.warning("prefill rank %s refuses connection %s: %s", self.cfg.rank_label, c.ident.hex(), c.why)
-        waiting, c.waiting = c.waiting, []
-        for msg in waiting:
-            self._error(c.ident, msg, c.why)
-
-    def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
-        """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.WRITING:
-            return self._actions()
-        if problem is not None:
-            self._refuse_identity(c, f"the nonce write into its scratch region failed: {problem}", now)
-        else:
-            c.state = Proof.CHALLENGED
-            self._out.append(Send((ident,), wire.Challenge(offset=c.offset)))
-        return self._actions()
-
-    def _on_echo(self, ident: bytes, msg: wire.ChallengeEcho, now: float) -> None:
-        c = self.identities.get(ident)
-        if c is None or c.state is not Proof.CHALLENGED:
-            self._error(ident, msg, "no challenge is waiting for an echo on this connection")
-            return
-        if not self.identities.echo_matches(c, msg.nonce):
-            peer = self.peers.get(c.rank_id)
-            if peer is not None and c.attempts < PROOF_ATTEMPTS:  # (another rank's nonce may have replaced ours)
-                self._write_challenge(c, peer, now)
-                return
-            session = peer.session if peer else "?"
-            self._refuse_identity(c, f"it echoed other bytes than the nonce written into the scratch region of "
-                                     f"session {session}, {c.attempts} times: that memory is not its own", now)
-            return
-        c.state, c.nonce = Proof.PROVEN, b""
-        waiting, c.waiting = c.waiting, []
-        for held in waiting:
-            self._dispatch(ident, held, now)
-
-    def _proof_deadlines(self, now: float) -> None:
-        for c in self.identities.overdue(now):
-            what = "key proof" if c.state is Proof.KEYING else "echo of the nonce"
-            self._refuse_identity(c, f"no {what} within {self.identities.timeout:.1f}s", now)
+                self._out.append(a)
 
     def _instance_of(self, ident: bytes, rank_id: str) -> str | None:
         """The decode instance registration ``rank_id`` belongs to (kept with the connection that
         proved it, so a registration evicted from the cache still answers)."""
-        c = self.identities.get(ident)
-        if c is not None and c.rank_id == rank_id and c.instance:
-            return c.instance
+        instance = self.admission.instance_of(ident, rank_id)
+        if instance is not None:
+            return instance
         peer = self.peers.get(rank_id)
         return peer.instance if peer is not None else None
+
+    def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
+        """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
+        self._admit(self.admission.feed(NonceWritten(ident, problem, now)), now)
+        return self._actions()
 
     def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
         """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
         waiters, problem = self.peers.resolved(rank_id, detail, problem)
-        for ident in self.identities.resolving.pop(rank_id, []):
-            c = self.identities.get(ident)
-            peer = self.peers.get(rank_id)
-            if c is None or c.state is not Proof.RESOLVING:
-                continue
-            if problem is not None or peer is None:
-                self._refuse_identity(c, problem or f"registration {rank_id} could not be read", now)
-            else:
-                self._challenge(c, peer, now)
+        self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:
                 self._deliver(ident, req, now)
@@ -917,7 +834,7 @@ class PrefillRooms:
         return self._actions()
 
     def _deadlines(self, now: float) -> None:
-        self._proof_deadlines(now)
+        self._admit(self.admission.feed(Overdue(now)), now)
         for r in list(self.rooms.values()):
             if r.state.final:
                 continue
@@ -949,7 +866,7 @@ class PrefillRooms:
         self.stage.prune(lambda room: self.rooms.get(room) is not None, now, 2 * self.cfg.target_timeout)
         in_use = {t.ident for r in self.rooms.values() for t in r.targets.values() if not t.closed}
         self.peers.prune(now, in_use, horizon=10 * self.cfg.peer_timeout)
-        self.identities.prune(set(self.peers.heard))
+        self._admit(self.admission.feed(Forget(frozenset(self.peers.heard))), now)
         return self._actions()
 
 

@@ -1,0 +1,112 @@
+"""The admission machine (prefill/admission.py) on its own: its table, and every event it takes
+fed through its one door (a new event type without a case here fails)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.transfer.actions import Send
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.ownership import ProofKey
+from kvbridge.transfer.poll import IllegalTransition
+from kvbridge.transfer.prefill import admission as am
+from kvbridge.transfer.prefill.admission import (
+    EVENTS,
+    TABLE,
+    TRANSITIONS,
+    Admission,
+    Admitted,
+    Arrived,
+    EchoGiven,
+    Forget,
+    KeyProofGiven,
+    NonceWritten,
+    Overdue,
+    Proof,
+    Refused,
+    RegistrationRead,
+    WriteNonce,
+)
+from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
+
+C = b"conn"
+ME = "tcp://127.0.0.1:7000"
+KEY = ProofKey()
+
+
+def peer() -> DecodePeer:
+    return DecodePeer(rank_id="r1", label="d/dp0/tp0", session="127.0.0.1:1", fingerprint="x", buffers=[], aux={},
+                      instance="d", scratch=(1 << 40, 4096), proof_key=KEY.public_hex)
+
+
+def ping(seq: int = 1) -> wire.Ping:
+    return wire.Ping(decode_rank="d/dp0/tp0", seq=seq, decode_rank_id="r1")
+
+
+def of(out, kind):
+    return [a for a in out if isinstance(a, kind)]
+
+
+def test_the_table_moves_only_along_the_transitions():
+    """Every (event, state) row of TABLE leads only to states TRANSITIONS allows from there, and
+    every event type the door takes is named in EVENTS."""
+    for (event, state), targets in TABLE.items():
+        assert event in EVENTS
+        assert targets <= TRANSITIONS[state] | ({state} if event is Arrived else set()), (event, state)
+    assert set(am._HANDLERS) == set(EVENTS)
+    assert TRANSITIONS[Proof.PROVEN] == TRANSITIONS[Proof.REFUSED] == frozenset()
+
+
+def _proven(a: Admission, now: float = 1.0) -> None:
+    """Walk connection C through the whole proof; returns once it is proven."""
+    out = a.feed(Arrived(C, ping(), "r1", None, now))
+    (res,) = of(out, Resolve)
+    assert res.rank_id == "r1" and a.conns[C].state is Proof.RESOLVING
+    out = a.feed(RegistrationRead("r1", peer(), None, now))
+    (ch,) = [s.msg for s in of(out, Send)]
+    assert isinstance(ch, wire.KeyChallenge) and a.conns[C].state is Proof.KEYING
+    out = a.feed(KeyProofGiven(C, wire.KeyProof(signature=KEY.sign("r1", ME, ch.nonce)), peer(), ME, now))
+    (w,) = of(out, WriteNonce)
+    assert a.conns[C].state is Proof.WRITING
+    out = a.feed(NonceWritten(C, None, now))
+    assert [type(s.msg) for s in of(out, Send)] == [wire.Challenge] and a.conns[C].state is Proof.CHALLENGED
+    out = a.feed(EchoGiven(C, wire.ChallengeEcho(nonce=w.nonce), peer(), now))
+    assert out == [Admitted(C, ping())] and a.conns[C].state is Proof.PROVEN  # the held Ping, delivered
+
+
+def test_every_event_type_is_fed_through_the_door():
+    a = Admission("p/cp0")
+    fed = set()
+    _proven(a)
+    fed |= {Arrived, RegistrationRead, KeyProofGiven, NonceWritten, EchoGiven}
+    assert a.feed(Arrived(C, ping(2), "r1", peer(), 1.1)) == [Admitted(C, ping(2))]  # proven: at once
+    # a connection that says it is another registration: refused by name, nothing else
+    (ref,) = a.feed(Arrived(b"x", ping(), "r9", None, 1.1))
+    assert isinstance(ref, Refused) and "'r9'" in ref.why
+    # the clock: a connection silent after its KeyChallenge is refused, its held message answered
+    a.feed(Arrived(b"y", wire.Ping(decode_rank="d/dp0/tp0", seq=1, decode_rank_id="r1"), "r1", peer(), 2.0))
+    assert a.conns[b"y"].state is Proof.KEYING
+    out = a.feed(Overdue(2.0 + a.timeout + 0.1))
+    fed.add(Overdue)
+    (ref,) = of(out, Refused)
+    assert "no key proof within" in ref.why and "d/dp0/tp0" in ref.why and a.conns[b"y"].state is Proof.REFUSED
+    assert a.feed(Forget(frozenset({C}))) == []
+    fed.add(Forget)
+    assert set(a.conns) == {C}  # the refused connection, no longer heard from, is forgotten
+    assert fed == set(EVENTS)
+    with pytest.raises(TypeError, match="does not take"):
+        a.feed(object())
+
+
+def test_a_state_change_outside_the_table_raises():
+    a = Admission("p/cp0")
+    c = a.prove(C, "r1")
+    with pytest.raises(IllegalTransition):
+        am._to(c, Proof.KEYING)
+
+
+def test_an_echo_nobody_waits_for_is_refused_and_a_late_nonce_answer_ignored():
+    a = Admission("p/cp0")
+    (ref,) = a.feed(EchoGiven(C, wire.ChallengeEcho(nonce=bytes(32)), peer(), 1.0))
+    assert isinstance(ref, Refused) and "no challenge is waiting" in ref.why
+    assert a.feed(NonceWritten(C, None, 1.0)) == []
