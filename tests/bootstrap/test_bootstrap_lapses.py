@@ -144,3 +144,29 @@ def test_a_real_daemon_restarted_keeps_a_claim_for_its_owner(start_daemon: Calla
         assert v.json()["rank_id"] in r.json()["holder"] and "lapsed" in r.json()["message"]
         assert h.post("/v1/ranks", json=victim).status_code == 201  # the owner, first try
         assert h.post("/v1/ranks", json=squat).status_code == 409
+
+
+def test_ranks_and_engine_metadata_held_are_capped_in_all(kvb: Any, small_contract: Any) -> None:
+    """Issue 32: 512 registrations of 512 Ki characters of engine_metadata each added +259 MiB to
+    the daemon. The daemon now holds at most max_ranks ranks and max_metadata_chars characters of
+    engine_metadata, every instance together (429, naming the field); a replacement counts once."""
+    from kvbridge.errors import LimitExceeded
+
+    clocks = Clocks()
+    reg = Registry(metrics=Metrics(), clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall,
+                   max_ranks=3, max_metadata_chars=100_000)
+    md = "A" * 40_000
+    held = [reg.register(kvb.register_request(small_contract, f"i{i}", "decode").model_copy(
+        update={"engine_metadata": md, "session_id": f"127.0.0.1:{47100 + i}"})) for i in range(2)]
+    with pytest.raises(LimitExceeded, match="max-metadata-chars") as over:
+        reg.register(kvb.register_request(small_contract, "i2", "decode").model_copy(
+            update={"engine_metadata": md, "session_id": "127.0.0.1:47102"}))
+    assert over.value.field == "engine_metadata"
+    # the same rank re-registering (its lease secret) replaces its own metadata: no double count
+    again = kvb.register_request(small_contract, "i0", "decode").model_copy(
+        update={"engine_metadata": md, "session_id": "127.0.0.1:47100"})
+    assert reg.register(again, lease_secret=held[0].lease_secret).replaced == held[0].rank_id
+    reg.register(kvb.register_request(small_contract, "i3", "decode").model_copy(update={"session_id": "127.0.0.1:47103"}))
+    with pytest.raises(LimitExceeded, match="max-ranks") as many:
+        reg.register(kvb.register_request(small_contract, "i4", "decode").model_copy(update={"session_id": "127.0.0.1:47104"}))
+    assert many.value.field == "rank"

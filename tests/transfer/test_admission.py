@@ -110,3 +110,32 @@ def test_an_echo_nobody_waits_for_is_refused_and_a_late_nonce_answer_ignored():
     (ref,) = a.feed(EchoGiven(C, wire.ChallengeEcho(nonce=bytes(32)), peer(), 1.0))
     assert isinstance(ref, Refused) and "no challenge is waiting" in ref.why
     assert a.feed(NonceWritten(C, None, 1.0)) == []
+
+
+def _big(seq: int, pages: int) -> wire.TransferRequest:
+    return wire.TransferRequest(room=seq, decode_rank="d/dp0/tp0", decode_rank_id="r1", page_ids=b"\0" * (4 * pages),
+                                first_page=0, pools=["target"], aux_slot=0, num_tokens=1, deadline_ms=1000,
+                                want_digest=False, fingerprint="x", num_decode_ranks=1)
+
+
+def test_messages_held_while_proving_are_capped_in_bytes_per_connection_and_in_all():
+    """Issue 32: held messages were capped by count only (16 connections held +422 MiB on a
+    prefill rank). Large requests on connections that never finish their proof are refused once
+    their connection holds the per-connection cap, or all of them the total; those held are
+    released (and counted off) when the proof settles."""
+    a = Admission("p/cp0", max_waiting_bytes=3 << 20, max_waiting_bytes_per_connection=1 << 20)
+    one = am.held_bytes(_big(0, 100_000))  # about 400 KB each
+    assert 400_000 < one < 401_000
+    refused = []
+    for conn in range(6):
+        ident = b"c%d" % conn
+        for seq in range(3):
+            out = a.feed(Arrived(ident, _big(seq, 100_000), "r1", None, 1.0))
+            refused += of(out, am.Refused)
+        assert a.conns[ident].waiting_bytes <= 1 << 20
+    assert a.waiting_bytes <= 3 << 20
+    # two fit per connection (the third is over 1 MiB), and the total stops the fourth connection on
+    held = sum(len(c.waiting) for c in a.conns.values())
+    assert held == 7 and len(refused) == 18 - 7 and "bytes of messages wait" in refused[0].why
+    a.feed(RegistrationRead("r1", None, "gone", 2.0))  # every proof refused: what they held is answered
+    assert a.waiting_bytes == 0 and all(c.waiting_bytes == 0 and not c.waiting for c in a.conns.values())

@@ -63,7 +63,7 @@ from kvbridge.transfer.prefill.peers import DecodePeer, Resolve
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "EVENTS", "PROOF_ATTEMPTS", "PROOF_FAILED", "TABLE", "TRANSITIONS", "Admission", "Admitted", "Arrived",
+    "EVENTS", "MAX_WAITING_BYTES", "MAX_WAITING_BYTES_PER_CONNECTION", "PROOF_ATTEMPTS", "held_bytes", "PROOF_FAILED", "TABLE", "TRANSITIONS", "Admission", "Admitted", "Arrived",
     "Connection", "EchoGiven", "Forget", "KeyProofGiven", "NonceWritten", "Overdue", "Proof", "Refused",
     "RegistrationRead", "WriteNonce",
 ]
@@ -76,6 +76,24 @@ PROOF_FAILED = "could not prove it holds the memory it registered"
 # another's bytes. A fresh nonce at a fresh offset settles that; memory that is not the rank's
 # own never echoes any nonce, so the retries cost an impostor nothing but time.
 PROOF_ATTEMPTS = 4
+# Messages held while their connection proves itself weigh at most this much, on all connections
+# together and on one: a flood of large requests on connections that never finish their proof
+# costs a bounded amount, and one connection cannot take every byte (docs/security.md)
+MAX_WAITING_BYTES = 32 << 20
+MAX_WAITING_BYTES_PER_CONNECTION = 4 << 20
+HELD_OVERHEAD = 512  # per held message: the decoded struct and its small fields, counted generously
+
+
+def held_bytes(msg: Any) -> int:
+    """What a held message weighs: its byte and text fields (page lists) plus ``HELD_OVERHEAD``."""
+    size = HELD_OVERHEAD
+    for name in getattr(msg, "__struct_fields__", ()):
+        value = getattr(msg, name, None)
+        if isinstance(value, (bytes, bytearray, str)):
+            size += len(value)
+        elif isinstance(value, (list, tuple)):
+            size += sum(len(v) if isinstance(v, (bytes, str)) else 16 for v in value)
+    return size
 
 
 class Proof(Enum):
@@ -233,6 +251,7 @@ class Connection:
     why: str = ""  # the refusal, once refused
     retry_at: float = 0.0  # refused: a message after this starts a fresh proof (a failed write may be transient)
     waiting: list[Any] = field(default_factory=list)  # messages held until proven
+    waiting_bytes: int = 0  # what they weigh (held_bytes)
 
 
 class Admission:
@@ -241,11 +260,16 @@ class Admission:
     bytes (a test may pass its own)."""
 
     def __init__(self, rank: str, *, timeout: float = 5.0, max_waiting: int = 10_000, retry_s: float = 1.0,
-                 nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
+                 nonce_source: Callable[[int], bytes] = secrets.token_bytes,
+                 max_waiting_bytes: int = MAX_WAITING_BYTES,
+                 max_waiting_bytes_per_connection: int = MAX_WAITING_BYTES_PER_CONNECTION) -> None:
         self.rank = rank
         self.timeout = timeout
         self.retry_s = retry_s
         self.max_waiting = max_waiting
+        self.max_waiting_bytes = max_waiting_bytes  # every connection's held messages together
+        self.max_waiting_bytes_per_connection = max_waiting_bytes_per_connection
+        self.waiting_bytes = 0
         self.nonce_source = nonce_source
         self.conns: dict[bytes, Connection] = {}
         self.resolving: dict[str, list[bytes]] = {}  # registration -> connections waiting for it
@@ -309,8 +333,16 @@ class Admission:
         elif len(c.waiting) >= self.max_waiting:
             self._out.append(Refused(e.ident, msg, f"{self.max_waiting} messages already wait for decode registration "
                                                    f"{e.said} to prove it holds its memory"))
+        elif (c.waiting_bytes + (size := held_bytes(msg)) > self.max_waiting_bytes_per_connection
+              or self.waiting_bytes + size > self.max_waiting_bytes):
+            self._out.append(Refused(e.ident, msg, f"{c.waiting_bytes} bytes of messages wait on this connection and "
+                                                   f"{self.waiting_bytes} on all (caps {self.max_waiting_bytes_per_connection}"
+                                                   f" and {self.max_waiting_bytes}) for decode registrations to prove "
+                                                   "they hold their memory; this one is not held"))
         else:
             c.waiting.append(msg)
+            c.waiting_bytes += size
+            self.waiting_bytes += size
 
     def _registration_read(self, e: RegistrationRead) -> None:
         for ident in self.resolving.pop(e.rank_id, []):
@@ -364,7 +396,7 @@ class Admission:
             return
         _to(c, Proof.PROVEN)
         c.nonce = b""
-        waiting, c.waiting = c.waiting, []
+        waiting = self._take_waiting(c)
         self._out.extend(Admitted(e.ident, held) for held in waiting)
 
     def _overdue(self, e: Overdue) -> None:
@@ -379,7 +411,16 @@ class Admission:
 
     # -- steps ------------------------------------------------------------------------------
 
+    def _take_waiting(self, c: Connection) -> list[Any]:
+        waiting, c.waiting = c.waiting, []
+        self.waiting_bytes -= c.waiting_bytes
+        c.waiting_bytes = 0
+        return waiting
+
     def _start(self, ident: bytes, rank_id: str) -> Connection:
+        old = self.conns.get(ident)
+        if old is not None and old.waiting:  # (a record is replaced only once settled; never lose count)
+            self._take_waiting(old)
         c = self.conns[ident] = Connection(ident, rank_id)
         return c
 
@@ -414,7 +455,7 @@ class Admission:
         c.why = f"{label} {PROOF_FAILED}: {why}"
         c.retry_at = now + self.retry_s
         log.warning("prefill rank %s refuses connection %s: %s", self.rank, c.ident.hex(), c.why)
-        waiting, c.waiting = c.waiting, []
+        waiting = self._take_waiting(c)
         self._out.extend(Refused(c.ident, msg, c.why) for msg in waiting)
 
 
