@@ -115,6 +115,9 @@ def act_for(h: Hostile, victim: dict[str, Any], rank_id: str, label: str, key: P
                 if isinstance(msg, wire.KeyChallenge):  # its best: a signature by a key it holds
                     peers.send(where, wire.KeyProof(signature=key.sign(rank_id, where, msg.nonce)))
                     signed += 1
+                elif isinstance(msg, wire.Challenge) and msg.nonce:  # proof by read: it cannot sign as the victim
+                    peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
+                    echoed += 1
                 elif isinstance(msg, wire.Challenge):  # the nonce, read where prefill wrote it
                     nonce = snoop.read(session, scratch["base"] + msg.offset, wire.NONCE_BYTES)
                     peers.send(where, wire.ChallengeEcho(nonce=nonce))

@@ -370,6 +370,37 @@ def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_co
     assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo
 
 
+def test_a_memory_challenge_is_answered_by_writing_our_proof_into_our_own_scratch():
+    """Proof by read (issue 32): a Challenge with a nonce asks us to write our proof key's
+    signature over it (our registration, the prefill endpoint as dialled, the nonce, the offset)
+    into our own scratch region at the offset, for that prefill rank to read back; the echo is the
+    SHA-256 of what we wrote. Without a key, a way to write, or for an offset outside: no answer."""
+    import hashlib
+
+    from kvbridge.transfer.ownership import ProofKey, verify_memory
+
+    key, scratch = ProofKey(), bytearray(256)
+
+    def write(offset: int, data: bytes) -> None:
+        if offset + len(data) > len(scratch):
+            raise LayoutError("outside", field="offset")
+        scratch[offset:offset + len(data)] = data
+
+    specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                    page_digests=lambda *a: None, rank_id=lambda: "r1", proof_key=key, write_scratch=write)
+    nonce = bytes(range(32))
+    (send,) = m.message("tcp://localhost:01", wire.Challenge(offset=128, nonce=nonce), 1.0)
+    written = bytes(scratch[128:192])
+    assert verify_memory(key.public_hex, "r1", "tcp://127.0.0.1:1", nonce, 128, written)
+    assert not verify_memory(key.public_hex, "r1", "tcp://127.0.0.1:1", nonce, 64, written)  # another offset
+    assert send.msg == wire.ChallengeEcho(nonce=hashlib.sha256(written).digest())
+    assert not m.message("tcp://p:1", wire.Challenge(offset=224, nonce=nonce), 1.0)  # 224 + 64 > 256
+    keyless = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, read_aux_row=lambda slot: (None, 0.0),
+                          page_digests=lambda *a: None, rank_id=lambda: "r1", write_scratch=write)
+    assert not keyless.message("tcp://p:1", wire.Challenge(offset=0, nonce=nonce), 1.0)
+
+
 def test_a_key_challenge_is_signed_with_our_proof_key_for_our_registration_and_that_prefill_rank():
     """The key half of the proof (transfer/ownership.py): the signature is over our registration
     id, the prefill endpoint as we dialled it (canonical) and its nonce, with the key whose public

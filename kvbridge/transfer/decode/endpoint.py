@@ -108,6 +108,7 @@ class DecodeEndpoint(EndpointShell):
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, read_aux_row=self._read_aux_row, rank_id=lambda: self.rank_id,
             read_scratch=lambda offset: self.scratch.read(offset), proof_key=self.proof_key,
+            write_scratch=self.scratch.write,
             page_digests=lambda pools, pages, phys, n, layers=None: page_digests(self.specs, self.buffers.tensors,
                                                                                  pools, pages, phys, n, layers),
             trace=self.trace,

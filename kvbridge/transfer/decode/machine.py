@@ -17,6 +17,8 @@ it did not listen to (``tick``).
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -88,7 +90,8 @@ class DecodeRooms:
                  page_digests: Callable[..., np.ndarray],
                  rank_id: Callable[[], str | None], read_scratch: Callable[[int], bytes] | None = None,
                  trace: bool = False, staging: DecodeStaging | None = None,
-                 proof_key: ProofKey | None = None) -> None:
+                 proof_key: ProofKey | None = None,
+                 write_scratch: Callable[[int, bytes], None] | None = None) -> None:
         self.cfg = config
         self.proof_key = proof_key
         self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
@@ -99,6 +102,7 @@ class DecodeRooms:
         self.page_digests = page_digests
         self.rank_id = rank_id
         self.read_scratch = read_scratch
+        self.write_scratch = write_scratch  # our memory proofs into our own scratch region (proof by read)
         self.trace = trace
         self.rooms: Rooms[DecodeRoom] = Rooms(config.rank_label, "KVReceiver", "receiver(room, ..., wait=...)")
         self.peers = PrefillPeers(config, rank_id)
@@ -344,9 +348,25 @@ class DecodeRooms:
         self._out.append(Send((endpoint,), wire.KeyProof(signature=self.proof_key.sign(rank_id, endpoint, msg.nonce))))
 
     def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
-        """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``
-        (our proof that we hold the memory we registered). Without a scratch region, or for an
-        offset outside it, no echo: that prefill rank then refuses us, naming why."""
+        """Our proof that we hold the memory we registered. With a nonce (proof by read): our proof
+        key's signature over it, written into our own scratch region at ``offset``, for the prefill
+        rank to read back; the echo says what we wrote (its SHA-256). Without: a prefill rank wrote
+        a nonce there; echo what lies at ``offset``. Without a scratch region, or for an offset
+        outside it, no echo: that prefill rank then refuses us, naming why."""
+        if msg.nonce:
+            rank_id = self.rank_id()
+            if self.proof_key is None or self.write_scratch is None or not rank_id:
+                log.warning("prefill %s asked %s for a memory proof; it has no proof key or scratch region", endpoint,
+                            self.cfg.rank_label)
+                return
+            proof = self.proof_key.sign_memory(rank_id, endpoint, msg.nonce, msg.offset)
+            try:
+                self.write_scratch(msg.offset, proof)
+            except KVBridgeError as exc:
+                log.warning("prefill %s challenged %s at a bad offset: %s", endpoint, self.cfg.rank_label, exc)
+                return
+            self._out.append(Send((endpoint,), wire.ChallengeEcho(nonce=hashlib.sha256(proof).digest())))
+            return
         if self.read_scratch is None:
             log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
             return

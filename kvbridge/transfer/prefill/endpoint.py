@@ -49,7 +49,7 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.admission import Proof, WriteNonce
+from kvbridge.transfer.prefill.admission import Proof, ReadProof, WriteNonce
 from kvbridge.transfer.prefill.peers import Resolve
 from kvbridge.transfer.prefill.machine import AuxFrom, PostWrite, PrefillRooms, ReleaseAux, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
@@ -321,6 +321,8 @@ class PrefillEndpoint(EndpointShell):
             self._resolver.submit(self._resolve, a)
         elif type(a) is WriteNonce:
             self._resolver.submit(self._write_nonce, a)
+        elif type(a) is ReadProof:
+            self._resolver.submit(self._read_proof, a)
         else:
             raise TypeError(f"prefill endpoint cannot carry out {a!r}")
 
@@ -446,7 +448,23 @@ class PrefillEndpoint(EndpointShell):
             except (KVBridgeError, ValueError) as exc:  # binascii.Error is a ValueError
                 detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
                                          f"metadata does not load: {exc}")
-        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic()))
+        by_read = detail is not None and self.engine.reads(detail.session_id)
+        self._queue(lambda: self.machine.resolved(a.rank_id, detail, problem, time.monotonic(), by_read))
+
+    def _read_proof(self, a: ReadProof) -> None:
+        """Resolver thread: read a decode rank's memory proof out of its scratch region into our
+        private scratch bytes (one at a time: this one thread is their only user). Nothing is
+        written into the decode rank's memory."""
+        try:
+            self.engine.probe_read(a.session, np.array([self.scratch.landing], np.uint64), np.array([a.src], np.uint64),
+                                   np.array([a.length], np.uint64), timeout=self.config.peer_timeout)
+            data, problem = self.scratch.read_landing(a.length), None
+        except KVBridgeError as exc:
+            data, problem = b"", f"session {a.session}: {exc}"
+        except Exception as exc:  # a bug refuses this connection, never the resolver thread
+            log.exception("proof read from %s failed", a.session)
+            data, problem = b"", f"session {a.session}: {type(exc).__name__}: {exc}"
+        self._queue(lambda: self.machine.proof_read(a.ident, data, problem, time.monotonic()))
 
     def _write_nonce(self, a: WriteNonce) -> None:
         """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a

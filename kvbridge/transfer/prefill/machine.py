@@ -48,6 +48,7 @@ from kvbridge.transfer.prefill.admission import (
     KeyProofGiven,
     NonceWritten,
     Overdue,
+    ProofRead,
     Refused,
     RegistrationRead,
 )
@@ -295,14 +296,22 @@ class PrefillRooms:
         peer = self.peers.get(rank_id)
         return peer.instance if peer is not None else None
 
+    def proof_read(self, ident: bytes, data: bytes, problem: str | None, now: float) -> list[Any] | tuple:
+        """The shell's answer to a ``ReadProof``: the bytes read, or why not."""
+        self._admit(self.admission.feed(ProofRead(ident, data, problem, self._proving(ident), self.endpoint(), now)),
+                    now)
+        return self._actions()
+
     def nonce_written(self, ident: bytes, problem: str | None, now: float) -> list[Any] | tuple:
         """The shell's answer to a ``WriteNonce``: written (problem None), then challenge; or not."""
         self._admit(self.admission.feed(NonceWritten(ident, problem, now)), now)
         return self._actions()
 
-    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float) -> list[Any] | tuple:
-        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
-        waiters, problem = self.peers.resolved(rank_id, detail, problem)
+    def resolved(self, rank_id: str, detail: Any, problem: str | None, now: float,
+                 by_read: bool = False) -> list[Any] | tuple:
+        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused.
+        ``by_read``: our engine reads the registration's session (its memory is proven by read)."""
+        waiters, problem = self.peers.resolved(rank_id, detail, problem, by_read)
         self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:

@@ -76,12 +76,13 @@ class DecodePeer:
     # (base, nbytes, slot_bytes) of its staging area: the only memory staged chunks may land in (None: none)
     staging: tuple[int, int, int] | None = None
     proof_key: str | None = None  # its ownership-proof public key (hex): who may act for it (transfer/ownership.py)
+    by_read: bool = False  # our engine reads its session: its memory is proven by read (prefill/admission.py)
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
     checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
 
     @classmethod
-    def of(cls, detail: RankDetail) -> DecodePeer:
+    def of(cls, detail: RankDetail, by_read: bool = False) -> DecodePeer:
         return cls(
             rank_id=detail.rank_id, label=detail.rank.label, session=detail.session_id, fingerprint=detail.fingerprint,
             buffers=[BufferDesc(p.pool, p.layer_id, p.base, p.capacity_pages, p.bytes_per_page) for p in detail.pools],
@@ -90,7 +91,7 @@ class DecodePeer:
             scratch=None if detail.scratch is None else (detail.scratch.base, detail.scratch.nbytes),
             staging=None if detail.staging is None else (detail.staging.base, detail.staging.nbytes,
                                                          detail.staging.slot_bytes),
-            proof_key=detail.proof_key,
+            proof_key=detail.proof_key, by_read=by_read,
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],
@@ -151,14 +152,15 @@ class DecodePeers:
         self.waiting.setdefault(req.decode_rank_id, []).append((ident, req))
         return Resolve(req.decode_rank_id, req.decode_rank) if first else None
 
-    def resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None) -> tuple[list[Waiter], str | None]:
+    def resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None,
+                 by_read: bool = False) -> tuple[list[Waiter], str | None]:
         """The daemon's answer: keep the registration; the requests that waited for it, and the
         reason to refuse them (None: deliver them)."""
         waiters = self.waiting.pop(rank_id, [])
         if detail is not None and detail.rank.role != "decode":
             detail, problem = None, f"registration {rank_id} is a {detail.rank.role} rank ({detail.rank.label})"
         if detail is not None:
-            self.entries[rank_id] = DecodePeer.of(detail)
+            self.entries[rank_id] = DecodePeer.of(detail, by_read)
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)
         return waiters, problem
