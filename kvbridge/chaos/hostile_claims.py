@@ -30,7 +30,7 @@ import msgspec
 
 from kvbridge.bootstrap.reach import nixl_worker_addresses
 from kvbridge.bootstrap.schemas import ENGINE_METADATA_MAX
-from kvbridge.chaos.hostile_identity import _contract, _victim
+from kvbridge.chaos.hostile_identity import contract_of, victim_of
 from kvbridge.transfer.ownership import ProofKey
 
 __all__ = ["lease_squat", "metadata_flood", "nixl_metadata"]
@@ -59,10 +59,10 @@ def _room_within(h: Any, seconds: float) -> tuple[bool, float, str]:
 
 
 def lease_squat(h: Any, out: Any) -> None:
-    victim_m, victim, victim_id = _victim(h)
+    victim_m, victim, victim_id = victim_of(h)
     out.target = victim_m.name
     out.rss_before_mib = h.rss(victim_m)
-    contract = _contract(h)
+    contract = contract_of(h)
     lease = float(victim.get("lease_ttl_s") or 2.0)
     body = {"control_endpoint": "tcp://127.0.0.1:9", "session_id": victim["session_id"], "pools": victim["pools"],
             "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
@@ -110,7 +110,7 @@ def nixl_metadata(h: Any, out: Any) -> None:
 
     out.target = "bootstrap"
     out.rss_before_mib = h.rss(h.c.daemon)
-    contract = _contract(h)
+    contract = contract_of(h)
     engine = create_engine("nixl")
     buf = np.zeros(1 << 20, np.uint8)
     regs: list[dict[str, Any]] = []
@@ -118,7 +118,7 @@ def nixl_metadata(h: Any, out: Any) -> None:
     try:
         engine.register(buf.ctypes.data, buf.nbytes)
         metadata = base64.b64encode(engine.metadata).decode()
-        shape = _victim(h)[1]
+        shape = victim_of(h)[1]
         base = {"control_endpoint": "tcp://127.0.0.1:9", "pools": shape["pools"], "aux": shape["aux"],
                 "aux_regions": shape["aux_regions"], "contract": contract, "lease_ttl_s": 60.0}
         victim = _post(h, {**base, "rank": {"instance": "hostile-nixl-victim", "role": "decode"},
@@ -147,8 +147,8 @@ def nixl_metadata(h: Any, out: Any) -> None:
 def metadata_flood(h: Any, out: Any) -> None:
     out.target = "bootstrap"
     before = out.rss_before_mib = h.rss(h.c.daemon)
-    contract = _contract(h)
-    shape = _victim(h)[1]
+    contract = contract_of(h)
+    shape = victim_of(h)[1]
     metadata = "A" * ENGINE_METADATA_MAX
     regs: list[dict[str, Any]] = []
     statuses: dict[str, int] = {}
