@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 10  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 11  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -15,3 +15,5 @@ WIRE_VERSION = 10  # 2: TransferRequest names the decode rank's registration ins
 # (a captured Hello opens no other connection)
 # 10: KeyChallenge / KeyProof: a connection proves it is the registration its Hello names with the proof
 # key in that registration, before the scratch nonce is written (issue 26: reading the nonce is not enough)
+# 11: proof by read: a Challenge with a nonce asks the rank to write its key's signature into its own scratch
+# region, which prefill reads back; nothing is written into memory before it is proven (issue 32)

@@ -31,6 +31,7 @@
         ├── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
         ├── RoomBindingError           a claim of a room bound to another request, or a room signature that
         │                              does not verify or has expired (transfer/binding.py)
+        ├── RoomEnded                  send() on a room that already reached its final state
         └── StagingSlotError           a staging-slot event its table does not allow (a caller's bug)
 
 Every message names what it can of the room, the rank and the field involved:
@@ -72,6 +73,7 @@ __all__ = [
     "Aborted",
     "RoomInUse",
     "RoomBindingError",
+    "RoomEnded",
 ]
 
 
@@ -239,6 +241,12 @@ class RoomInUse(TransferError):
 
 class RoomBindingError(TransferError):
     pass
+
+
+class RoomEnded(TransferError):
+    """``KVSender.send()`` on a room that already reached its final state (Success, or Failed:
+    an abort or a lost peer that ``poll()`` shows): nothing of the call is queued, and the
+    message names the room, the rank, the state and why it ended."""
 
 
 class StagingSlotError(TransferError):

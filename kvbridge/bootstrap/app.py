@@ -45,6 +45,8 @@ from starlette.concurrency import run_in_threadpool
 
 from kvbridge._version import __version__
 from kvbridge.bootstrap.endpoints import Resolver, canonical_endpoint, canonical_session, resolve_host
+from kvbridge.bootstrap.lapses import DEFAULT_CLAIM_GRACE_S
+from kvbridge.bootstrap.reach import claim_key
 from kvbridge.bootstrap.guard import ADMIN, LEASE_HEADER, Guard, access_of
 from kvbridge.bootstrap.limits import RateLimiter
 from kvbridge.bootstrap.metrics import CONTENT_TYPE, Metrics
@@ -96,6 +98,13 @@ class BootstrapSettings:
     # host: loopback only, one spelling), "network" (loopback refused), "auto": ``serve`` picks
     # local when it listens on loopback only, network otherwise; ``create_app`` alone: local
     endpoints: str = "auto"
+    # a lapsed claim stays its owner's key's this long (bootstrap/lapses.py)
+    claim_grace_s: float = DEFAULT_CLAIM_GRACE_S
+    # the in-memory store keeps its claims here too, read back at a restart (None: not kept)
+    claims_file: str | None = None
+    # ranks registered at once, and engine_metadata characters they hold together (429 over either)
+    max_ranks: int = 8192
+    max_metadata_chars: int = 64 << 20
 
     def __post_init__(self) -> None:
         named = {"token": self.token, "read_token": self.read_token, "admin_token": self.admin_token}
@@ -115,6 +124,10 @@ class BootstrapSettings:
             raise ConfigError("max_ranks_per_instance and max_instances must be >= 1", field="max_ranks_per_instance")
         if self.endpoints not in ("auto", "local", "network"):
             raise ConfigError(f"endpoints {self.endpoints!r} is not auto, local or network", field="endpoints")
+        if self.claim_grace_s < 0:
+            raise ConfigError("claim_grace_s must be >= 0", field="claim_grace_s")
+        if self.max_ranks < 1 or self.max_metadata_chars < 0:
+            raise ConfigError("max_ranks must be >= 1 and max_metadata_chars >= 0", field="max_ranks")
         if self.max_lookups_per_s < 0:
             raise ConfigError("max_lookups_per_s must be >= 0 (0: unlimited)", field="max_lookups_per_s")
         if self.max_requests_per_s_per_address < 0:
@@ -135,6 +148,7 @@ def canonical_registration(body: RegisterRequest, *, local: bool, resolve: Resol
     try:
         session = canonical_session(body.session_id, local=local, resolve=resolve)
         endpoint = canonical_endpoint(body.control_endpoint, local=local, resolve=resolve)
+        claim_key(session, body.engine_metadata)  # what the session reaches must parse (a NIXL worker)
     except EndpointError as exc:
         raise EndpointError(f"{body.rank.label} refused: {exc.reason}", rank=body.rank.label, field=exc.field) from None
     if session == body.session_id and endpoint == body.control_endpoint:
@@ -146,10 +160,12 @@ def make_store(settings: BootstrapSettings) -> RegistryStore:
     """The store ``settings`` name, not started (``start()`` connects)."""
     if settings.etcd is None:
         return MemoryStore(max_refusals=settings.max_mismatches,
-                           pause_grace_s=max(3 * settings.sweep_interval_s, 2.0))  # the sweep runs every sweep_interval_s
+                           pause_grace_s=max(3 * settings.sweep_interval_s, 2.0),  # the sweep runs every sweep_interval_s
+                           claims_file=settings.claims_file, claim_grace_s=settings.claim_grace_s)
     from kvbridge.bootstrap.store_etcd import EtcdStore  # the etcd client only where it is used
 
-    return EtcdStore(settings.etcd, max_refusals=settings.max_mismatches, replica=settings.replica, url=settings.url)
+    return EtcdStore(settings.etcd, max_refusals=settings.max_mismatches, replica=settings.replica, url=settings.url,
+                     claim_grace_s=settings.claim_grace_s)
 
 
 def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStore | None = None,
@@ -180,6 +196,9 @@ def create_app(settings: BootstrapSettings | None = None, *, store: RegistryStor
             max_ranks_per_instance=settings.max_ranks_per_instance,
             max_instances=settings.max_instances,
             store=own,
+            claim_grace_s=settings.claim_grace_s,
+            max_ranks=settings.max_ranks,
+            max_metadata_chars=settings.max_metadata_chars,
         )
         app.state.metrics.gauge_source = lambda: app.state.registry.gauges(app.state.replica)
         app.state.lookup_limit = RateLimiter(settings.max_lookups_per_s)

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.bootstrap.endpoints import canonical_session
+from kvbridge.bootstrap.reach import claim_key
 from kvbridge.bootstrap.schemas import ScratchDescriptor, StagingDescriptor
 from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor, PoolDescriptor
 from kvbridge.errors import ClaimHeld, EndpointError
 
-__all__ = ["Claim", "claim_of", "session_key", "find_conflict", "claim_held"]
+__all__ = ["Claim", "claim_of", "claim_session", "session_key", "find_conflict", "claim_held"]
 
 
 def session_key(session_id: str) -> str:
@@ -47,6 +48,17 @@ def session_key(session_id: str) -> str:
         return canonical_session(session_id, local=None, resolve=None)
     except EndpointError:
         return session_id.strip().lower()
+
+
+def claim_session(session_id: str, engine_metadata: str = "") -> str:
+    """The key a claim is compared by: what the session really reaches (``reach.claim_key``: a
+    NIXL session's UCX worker address, not its agent name). A registration whose key is refused
+    never gets here (the daemon refuses it first, 400); a record of an older daemon that does not
+    parse falls back to ``session_key``."""
+    try:
+        return claim_key(session_id, engine_metadata)
+    except EndpointError:
+        return session_key(session_id)
 
 
 @dataclass(frozen=True)
@@ -90,8 +102,10 @@ def _merged(ranges: np.ndarray) -> np.ndarray:
 
 def claim_of(rank_id: str, label: str, instance: str, session_id: str, pools: Iterable[PoolDescriptor],
              aux: AuxDescriptor | None, aux_regions: Iterable[AuxRegionDescriptor],
-             scratch: ScratchDescriptor | None, staging: StagingDescriptor | None = None) -> Claim:
-    """A rank's claim from its registration's descriptors."""
+             scratch: ScratchDescriptor | None, staging: StagingDescriptor | None = None,
+             engine_metadata: str = "") -> Claim:
+    """A rank's claim from its registration's descriptors (``engine_metadata``: what a NIXL
+    session really reaches is in it)."""
     pools = list(pools)
     regions = list(aux_regions)
     starts = [p.base for p in pools] + [r.base for r in regions]
@@ -108,7 +122,7 @@ def claim_of(rank_id: str, label: str, instance: str, session_id: str, pools: It
     # python ints first: a base near 2**64 plus its size must not wrap in uint64
     ends = [min(s + n, 2**64 - 1) for s, n in zip(starts, sizes)]
     ranges = np.array([starts, ends], dtype=np.uint64).T.reshape(-1, 2)
-    return Claim(rank_id, label, instance, session_key(session_id), _merged(ranges))
+    return Claim(rank_id, label, instance, claim_session(session_id, engine_metadata), _merged(ranges))
 
 
 def find_conflict(held: Iterable[Claim], new: Claim, *, exclude: Iterable[str | None] = ()) -> tuple[Claim, str] | None:
@@ -146,6 +160,6 @@ def find_conflict(held: Iterable[Claim], new: Claim, *, exclude: Iterable[str | 
 
 def claim_held(label: str, holder: Claim, why: str) -> ClaimHeld:
     """The 409 answer (``claim_held``): who asked, who holds it, and what."""
-    return ClaimHeld(f"{label} refused: {why} (live rank {holder.rank_id}, {holder.label}); a rank registers only "
+    return ClaimHeld(f"{label} refused: {why} (rank {holder.rank_id}, {holder.label}); a rank registers only "
                      f"memory of its own process, and the same rank re-registers with its lease secret",
                      holder=f"{holder.rank_id} ({holder.label})", rank=label, field="session_id")

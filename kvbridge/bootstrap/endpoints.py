@@ -68,10 +68,11 @@ Resolver = Callable[[str], "list[str]"]  # a host name -> the addresses it resol
 OPAQUE_ANY = ("ipc:", "nixl:")
 OPAQUE_LOCAL = ("local:",)
 MAX_LENGTH = 256
-_PRINTABLE = re.compile(r"^[\x21-\x7e]+$")
-_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-_IPV4_CHARS = re.compile(r"^[0-9a-fx.]+$")
-_DIGITS = re.compile(r"^[0-9]{1,10}$")
+# whole-string matches (``fullmatch``): ``$`` would also match before a trailing newline
+_PRINTABLE = re.compile(r"[\x21-\x7e]+")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_IPV4_CHARS = re.compile(r"[0-9a-fx.]+")
+_DIGITS = re.compile(r"[0-9]{1,10}")
 
 
 def resolve_host(name: str) -> list[str]:
@@ -90,7 +91,7 @@ def resolve_host(name: str) -> list[str]:
 
 def _ipv4(host: str) -> ipaddress.IPv4Address | None:
     """``host`` as the C library reads an IPv4 literal (inet_aton), else None."""
-    if not _IPV4_CHARS.match(host) or host.startswith(".") or host.endswith(".") or ".." in host:
+    if not _IPV4_CHARS.fullmatch(host) or host.startswith(".") or host.endswith(".") or ".." in host:
         return None
     try:
         return ipaddress.IPv4Address(socket.inet_aton(host))
@@ -117,7 +118,7 @@ def _name(host: str) -> str:
     if name.endswith("."):
         name = name[:-1]
     labels = name.split(".")
-    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
         raise EndpointError(f"host {host!r} is neither an address nor a valid host name", field="host")
     if labels[-1].isdigit():
         raise EndpointError(f"host {host!r} is not an IPv4 address the resolver reads, nor a host name", field="host")
@@ -184,7 +185,7 @@ def _split(text: str, what: str) -> tuple[str, str]:
 
 
 def _port(text: str, spelled: str, what: str, *, allow_zero: bool) -> int:
-    if not _DIGITS.match(text):
+    if not _DIGITS.fullmatch(text):
         raise EndpointError(f"{what} {spelled!r}: port {text!r} is not a decimal number", field=what)
     port = int(text)
     if not (0 if allow_zero else 1) <= port <= 65535:
@@ -195,7 +196,7 @@ def _port(text: str, spelled: str, what: str, *, allow_zero: bool) -> int:
 def _checked_text(text: object, what: str) -> str:
     if not isinstance(text, str) or not text:
         raise EndpointError(f"{what} must be a non-empty string, got {text!r:.60}", field=what)
-    if len(text) > MAX_LENGTH or not _PRINTABLE.match(text):
+    if len(text) > MAX_LENGTH or not _PRINTABLE.fullmatch(text):
         raise EndpointError(f"{what} {text!r:.80} holds blanks, control or non-ASCII characters, or is over "
                             f"{MAX_LENGTH} characters", field=what)
     return text

@@ -42,6 +42,7 @@ class RankRecord:
     scratch: ScratchDescriptor | None = None
     aux_regions: list[AuxRegionDescriptor] = field(default_factory=list)  # per-region aux rows (prefill's checks)
     lease_id: int = 0  # the store's lease (etcd), 0 where the store keeps leases itself
+    grace_lease_id: int = 0  # etcd: the lease of its lapsed claim (TTL + grace, lapses.py)
     staging: StagingDescriptor | None = None  # a decode rank's staging area
     proof_key: str | None = None  # its ownership-proof public key (hex)
     engine_metadata: str = ""  # base64, what a writer's engine loads first (NIXL); "" for Mooncake
@@ -50,7 +51,7 @@ class RankRecord:
         """The transport session and address ranges this rank holds (claims.py)."""
         i = self.identity
         return claim_of(self.rank_id, i.label, i.instance, self.session_id, self.pools, self.aux, self.aux_regions,
-                        self.scratch, self.staging)
+                        self.scratch, self.staging, self.engine_metadata)
 
     def sender(self) -> SenderRank:
         """What a decode rank needs to reach this rank (a look-up answer's entry)."""

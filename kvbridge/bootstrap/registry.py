@@ -30,6 +30,7 @@ from typing import Literal
 from kvbridge.bootstrap.claims import claim_held, find_conflict
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.bootstrap.diff import FieldDiff, breaks_for, diff_contracts
+from kvbridge.bootstrap.lapses import DEFAULT_CLAIM_GRACE_S, check_lapsed, signature_ok
 from kvbridge.bootstrap.leases import (
     check_secret,
     new_secret,
@@ -96,12 +97,18 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         store: RegistryStore | None = None,
+        claim_grace_s: float = DEFAULT_CLAIM_GRACE_S,
+        max_ranks: int = 8192,
+        max_metadata_chars: int = 64 << 20,
     ) -> None:
         self.metrics = metrics
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
         self.max_ranks_per_instance = max_ranks_per_instance
         self.max_instances = max_instances
+        self.claim_grace_s = claim_grace_s  # how long a lapsed claim stays its owner's (lapses.py)
+        self.max_ranks = max_ranks
+        self.max_metadata_chars = max_metadata_chars
         self._clock = clock
         self._wall = wall_clock
         self.store = store if store is not None else MemoryStore(max_refusals=max_mismatches, pause_grace_s=pause_grace_s,
@@ -119,13 +126,19 @@ class Registry:
     def expire(self) -> int:
         """Drop every rank whose lease has passed; returns how many."""
         with self._lock:
-            return self._expire_locked()
+            n = self._expire_locked()
+            self._index.expire_lapsed(self._wall())
+            return n
 
     def _expire_locked(self) -> int:
         dropped = self.store.expire(self._clock())
         for rec in dropped:
-            log.info("lease of %s (%s) expired", rec.identity.label, rec.rank_id)
+            log.info("lease of %s (%s) expired; its claim stays its owner's for %.0f s", rec.identity.label,
+                     rec.rank_id, self.claim_grace_s)
         if dropped:
+            # the grace counts from when each lease ran out, not from when the daemon noticed
+            wall, now = self._wall(), self._clock()
+            self.store.lapse([(r, wall - max(0.0, now - r.expires_at) + self.claim_grace_s) for r in dropped])
             self.metrics.inc("kvbridge_bootstrap_leases_expired_total", len(dropped))
         return len(dropped)
 
@@ -160,6 +173,7 @@ class Registry:
                 self._check_limits(ident, replacing=replaced is not None)
                 inst = InstanceRecord(ident.instance, ident.topology, req.contract, fp)
             self._check_stages(inst, ident, fp, replaced)
+            self._check_totals(req, replaced)
             if replaced is not None:
                 log.info("%s registers again; replacing %s", ident.label, replaced)
             ttl = self._ttl(req.lease_ttl_s)
@@ -179,29 +193,60 @@ class Registry:
                 proof_key=req.proof_key,
                 engine_metadata=req.engine_metadata,
             )
-            self._check_claims(rec, replaced)
+            proven = signature_ok(req.proof_key, req.proof_signature, ident.instance, ident.coords)
+            retaken = self._check_claims(rec, replaced, proven)
             if not self.store.remote:
-                self.store.add_rank(inst, rec, replaced)
+                self.store.add_rank(inst, rec, replaced, retaken=retaken, proven=proven)
         if self.store.remote:
             # A shared store settles conflicting writers itself (one transaction: LeaseHeld when
             # another replica took the coordinates meanwhile, ClaimHeld when it took the session
             # or an address range); its round trips must not hold the
             # lock that look-ups, answered from the cache, take.
-            self.store.add_rank(inst, rec, replaced)
+            self.store.add_rank(inst, rec, replaced, retaken=retaken, proven=proven)
         self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="ok")
         log.info("registered %s as %s (%s)", ident.label, rec.rank_id, fp[:17])
         return RegisterResponse(rank_id=rec.rank_id, instance=inst.name, fingerprint=fp, lease_ttl_s=ttl, replaced=replaced,
                                 lease_secret=secret)
 
-    def _check_claims(self, rec: RankRecord, replaced: str | None) -> None:
+    def _check_claims(self, rec: RankRecord, replaced: str | None, proven: bool) -> tuple[str, ...]:
         """A rank's transport session and address ranges are its own (claims.py): 409
-        ``claim_held`` naming the live rank that holds them. The rank it replaces holds nothing
-        against it."""
+        ``claim_held`` naming the live rank that holds them, or the rank whose lapsed claim holds
+        them for its owner's key (lapses.py). The rank it replaces holds nothing against it.
+        Returns the lapsed claims it takes back (its own key's)."""
         claim = rec.claim()
         conflict = find_conflict(self._index.session_claims(claim.session), claim, exclude=(replaced, rec.rank_id))
+        retaken: list[str] = []
+        if conflict is None:
+            conflict, retaken = check_lapsed(self._index.lapsed_claims(claim.session), claim, proof_key=rec.proof_key,
+                                             proven=proven, now=self._wall())
         if conflict is not None:
             self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="claim_held")
             raise claim_held(rec.identity.label, *conflict)
+        if retaken:
+            log.info("%s takes its lapsed claim back (%s)", rec.identity.label, ", ".join(retaken))
+        return tuple(retaken)
+
+    def _check_totals(self, req: RegisterRequest, replaced: str | None) -> None:
+        """Every instance together: at most ``max_ranks`` ranks and ``max_metadata_chars`` of
+        engine_metadata held (429, named): one write-token holder registering new instances with
+        the largest metadata meets these, not the daemon's memory."""
+        ranks = self._index.all_ranks()
+        old = self._index.rank(replaced) if replaced is not None else None
+        n = len(ranks) - (old is not None)
+        if n >= self.max_ranks:
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="too_many_ranks")
+            exc = LimitExceeded(f"{n} ranks are registered, this daemon's limit (--max-ranks); {req.rank.label} "
+                                "refused", rank=req.rank.label, field="rank")
+            exc.code = "too_many_ranks"  # type: ignore[attr-defined]
+            raise exc
+        held = sum(len(r.engine_metadata) for r in ranks) - (len(old.engine_metadata) if old is not None else 0)
+        if held + len(req.engine_metadata) > self.max_metadata_chars:
+            self.metrics.inc("kvbridge_bootstrap_registrations_total", outcome="too_much_metadata")
+            exc = LimitExceeded(f"{req.rank.label}'s engine_metadata ({len(req.engine_metadata)} characters) would "
+                                f"take the daemon's total over {self.max_metadata_chars} (--max-metadata-chars; "
+                                f"{held} held)", rank=req.rank.label, field="engine_metadata")
+            exc.code = "too_much_metadata"  # type: ignore[attr-defined]
+            raise exc
 
     def _check_limits(self, ident: RankIdentity, *, replacing: bool = False) -> None:
         """A new instance: its size and the number of instances stay under the daemon's limits."""

@@ -124,7 +124,7 @@ class StagingDescriptor(_Strict):
         return self.nbytes // self.slot_bytes
 
 
-ENGINE_METADATA_MAX = 512 << 10  # base64 characters: a NIXL agent with hundreds of regions fits
+ENGINE_METADATA_MAX = 256 << 10  # base64 characters: a NIXL agent with thousands of regions fits
 
 
 class RegisterRequest(_Strict):
@@ -141,6 +141,9 @@ class RegisterRequest(_Strict):
     # a decode rank's Ed25519 public key (hex): the proof that a connection is this registration
     # (transfer/ownership.py); prefill refuses to write for a decode registration without one
     proof_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # that key's Ed25519 signature over this registration's instance and coordinates (hex;
+    # bootstrap/lapses.py): what lets a rank take its own lapsed claim back; never read back
+    proof_signature: str | None = Field(default=None, pattern=r"^[0-9a-f]{128}$")
     # what a writer must load before writing into this rank's memory, base64 (the transfer engine's
     # ``metadata``: a NIXL agent's; empty for Mooncake, whose session id is enough)
     engine_metadata: str = Field(default="", max_length=ENGINE_METADATA_MAX, pattern=r"^[A-Za-z0-9+/]*={0,2}$")

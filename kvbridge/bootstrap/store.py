@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kvbridge.bootstrap.claims import Claim, session_key
+from kvbridge.bootstrap.claims import Claim
+from kvbridge.bootstrap.lapses import Lapsed
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import MismatchRecord
 from kvbridge.errors import BootstrapUnavailable, ConfigError, UnknownInstance
@@ -83,11 +84,40 @@ class RankIndex:
     def __init__(self) -> None:
         self.instances: dict[str, InstanceRecord] = {}
         self.rank_instance: dict[str, str] = {}  # rank id -> instance name
-        self.sessions: dict[str, dict[str, Claim]] = {}  # session key -> rank id -> its claim
+        self.sessions: dict[str, dict[str, Claim]] = {}  # claim key -> rank id -> its claim
+        self.claim_keys: dict[str, str] = {}  # rank id -> its claim's key (claims.claim_session)
+        # claims whose lease lapsed, held for their owner's key (lapses.py): claim key -> rank id -> it
+        self.lapsed: dict[str, dict[str, Lapsed]] = {}
 
     def session_claims(self, session: str) -> list[Claim]:
         """The live claims in one transport session (``claims.session_key``)."""
         return list(self.sessions.get(session, {}).values())
+
+    def lapsed_claims(self, session: str) -> list[Lapsed]:
+        """The lapsed claims (lapses.py) in one claim key, still within their grace or not."""
+        return list(self.lapsed.get(session, {}).values())
+
+    def add_lapsed(self, lapsed: Lapsed) -> None:
+        self.lapsed.setdefault(lapsed.claim.session, {})[lapsed.claim.rank_id] = lapsed
+
+    def drop_lapsed(self, session: str, rank_ids: list[str]) -> None:
+        held = self.lapsed.get(session, {})
+        for r in rank_ids:
+            held.pop(r, None)
+        if not held:
+            self.lapsed.pop(session, None)
+
+    def expire_lapsed(self, now: float) -> int:
+        """Forget lapsed claims whose grace ended (``now``: wall clock); returns how many."""
+        n = 0
+        for session in list(self.lapsed):
+            gone = [r for r, x in self.lapsed[session].items() if x.until <= now]
+            n += len(gone)
+            self.drop_lapsed(session, gone)
+        return n
+
+    def all_lapsed(self) -> list[Lapsed]:
+        return [x for held in self.lapsed.values() for x in held.values()]
 
     def rank(self, rank_id: str) -> RankRecord | None:
         name = self.rank_instance.get(rank_id)
@@ -108,6 +138,7 @@ class RankIndex:
         self.rank_instance[rec.rank_id] = inst.name
         claim = rec.claim()
         self.sessions.setdefault(claim.session, {})[rec.rank_id] = claim
+        self.claim_keys[rec.rank_id] = claim.session
 
     def drop(self, rank_id: str) -> RankRecord | None:
         name = self.rank_instance.pop(rank_id, None)
@@ -117,7 +148,7 @@ class RankIndex:
         rec = inst.ranks.pop(rank_id)
         if inst.by_coords.get(rec.identity.coords) == rank_id:
             del inst.by_coords[rec.identity.coords]
-        session = session_key(rec.session_id)
+        session = self.claim_keys.pop(rank_id, "")
         claims = self.sessions.get(session, {})
         claims.pop(rank_id, None)
         if not claims:
@@ -130,6 +161,8 @@ class RankIndex:
         self.instances.clear()
         self.rank_instance.clear()
         self.sessions.clear()
+        self.claim_keys.clear()
+        self.lapsed.clear()
 
     def all_ranks(self) -> list[RankRecord]:
         return [r for inst in self.instances.values() for r in inst.ranks.values()]
@@ -149,9 +182,13 @@ class RegistryStore(ABC):
     # -- writes (the caller holds ``lock`` and has checked the rules) ------------
 
     @abstractmethod
-    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None) -> None:
+    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None, *, retaken: tuple[str, ...] = (),
+                 proven: bool = False) -> None:
         """Store ``rec`` (of instance ``inst``), replacing rank ``replaces`` at the same
-        coordinates. ``LeaseHeld`` when another writer took the coordinates meanwhile."""
+        coordinates and taking back the lapsed claims ``retaken`` (its owner's own, lapses.py;
+        ``proven``: its registration carried its proof key's claim signature). ``LeaseHeld`` when
+        another writer took the coordinates meanwhile, ``ClaimHeld`` when a live or lapsed claim
+        it may not take holds its session or ranges (a shared store checks again itself)."""
 
     @abstractmethod
     def renew(self, rec: RankRecord) -> None:
@@ -165,6 +202,10 @@ class RegistryStore(ABC):
     def expire(self, now: float) -> list[RankRecord]:
         """Drop the ranks whose lease has passed (stores with their own lease clock drop
         nothing here: theirs vanish by themselves) and return them."""
+
+    def lapse(self, lapsed: list[tuple[RankRecord, float]]) -> None:
+        """Keep the claims of ranks whose leases lapsed for their owners, each until its time
+        (wall clock; lapses.py). Stores that keep lapsed claims themselves (etcd) do nothing."""
 
     @abstractmethod
     def add_refusal(self, rec: MismatchRecord) -> None:

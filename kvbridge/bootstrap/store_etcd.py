@@ -10,6 +10,11 @@ Keys (under ``prefix``, ``/kvbridge/`` by default):
                                                                             [rank's lease]
     claims/<session digest>/<rank_id>         the transport session and address ranges the
                                               rank holds (claims.py)        [rank's lease]
+    lapse/<session digest>/<rank_id>          the same claim with the rank's proof key: once
+                                              the rank's lease is gone it is a lapsed claim,
+                                              its owner's key's for the grace (lapses.py)
+                                                     [grace lease: TTL + grace, kept alive with
+                                                      the rank's by every heartbeat]
     refusals/<time ns>-<random>               a refusal with its field diff (bounded: the
                                               oldest are deleted past max_refusals)
     replicas/<name>                           a daemon replica, rewritten every health tick
@@ -59,6 +64,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvbridge.bootstrap.claims import Claim, claim_held, find_conflict
 from kvbridge.bootstrap.contract import RuntimeContract
+from kvbridge.bootstrap.lapses import DEFAULT_CLAIM_GRACE_S, Lapsed, check_lapsed
 from kvbridge.bootstrap.mismatches import MismatchLog
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import MismatchRecord, RankIdentity, ScratchDescriptor, StagingDescriptor
@@ -100,6 +106,7 @@ class StoredRank(BaseModel):
     engine_metadata: str = ""
     lease_ttl_s: float
     lease_id: int
+    grace_lease_id: int = 0
     secret_sha256: str  # hex; the secret itself is never stored
     topology: Topology
     contract: RuntimeContract
@@ -111,6 +118,7 @@ class StoredRank(BaseModel):
                    session_id=rec.session_id, pools=rec.pools, aux=rec.aux, aux_regions=rec.aux_regions,
                    scratch=rec.scratch, staging=rec.staging, proof_key=rec.proof_key,
                    engine_metadata=rec.engine_metadata, lease_ttl_s=rec.lease_ttl_s, lease_id=rec.lease_id,
+                   grace_lease_id=rec.grace_lease_id,
                    secret_sha256=rec.secret_digest.hex(), topology=inst.topology, contract=inst.contract,
                    fingerprint=inst.fingerprint)
 
@@ -121,7 +129,8 @@ class StoredRank(BaseModel):
                          lease_ttl_s=self.lease_ttl_s, expires_at=now + self.lease_ttl_s,
                          secret_digest=bytes.fromhex(self.secret_sha256), scratch=self.scratch,
                          aux_regions=list(self.aux_regions), lease_id=self.lease_id, staging=self.staging,
-                         proof_key=self.proof_key, engine_metadata=self.engine_metadata)
+                         proof_key=self.proof_key, engine_metadata=self.engine_metadata,
+                         grace_lease_id=self.grace_lease_id)
         return inst, rec
 
 
@@ -219,8 +228,9 @@ class EtcdStore(RegistryStore):
     remote = True
 
     def __init__(self, options: EtcdOptions, *, max_refusals: int = 100, replica: str = "", url: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, claim_grace_s: float = DEFAULT_CLAIM_GRACE_S) -> None:
         super().__init__()
+        self.claim_grace_s = claim_grace_s
         self.options = options
         self.prefix = options.prefix
         self.clock = clock
@@ -250,6 +260,9 @@ class EtcdStore(RegistryStore):
 
     def _claims_prefix(self, claim: Claim) -> str:
         return f"{self.prefix}claims/{claim.digest}/"
+
+    def _lapse_prefix(self, claim: Claim) -> str:
+        return f"{self.prefix}lapse/{claim.digest}/"
 
     def _coords_key(self, ident: RankIdentity) -> str:
         return f"{self.prefix}coords/{ident.instance}/{ident.dp_rank}.{ident.cp_rank}.{ident.tp_rank}.{ident.pp_rank}"
@@ -291,51 +304,78 @@ class EtcdStore(RegistryStore):
         except StoreUnavailable as exc:
             log.info("lease %x left to expire: %s", lease_id, exc)
 
-    def _read_claims(self, claim: Claim, label: str) -> tuple[int, list[Claim]]:
-        """The claims held in ``claim``'s session, as etcd has them now, and the revision read."""
-        cp = self._claims_prefix(claim)
-        txn = {"compare": [], "success": [{"request_range": {"key": _b64(cp), "range_end": _b64(_prefix_end(cp))}}],
+    def _read_claims(self, claim: Claim, label: str) -> tuple[int, list[Claim], list[Lapsed]]:
+        """The live and the lapsed claims (lapses.py) in ``claim``'s session, as etcd has them now,
+        and the revision read (one transaction: one revision)."""
+        cp, lp = self._claims_prefix(claim), self._lapse_prefix(claim)
+        txn = {"compare": [], "success": [{"request_range": {"key": _b64(cp), "range_end": _b64(_prefix_end(cp))}},
+                                          {"request_range": {"key": _b64(lp), "range_end": _b64(_prefix_end(lp))}}],
                "failure": []}
         answer = self._members.call(f"claims read of {label}", lambda c: c.transaction(txn))
-        kvs = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
-        held = []
-        for kv in kvs:
-            try:
-                held.append(Claim.from_json(_unb64(kv.get("value", ""))))
-            except (ValueError, KeyError) as exc:
-                log.warning("etcd key %s holds no valid claim: %s", _unb64(kv["key"]).decode(errors="replace"), exc)
-        return int(answer["header"]["revision"]), held
+        responses = answer.get("responses", [{}, {}])
+        held: list[Claim] = []
+        lapsed: list[Lapsed] = []
+        for i, out in enumerate(responses[:2]):
+            for kv in out.get("response_range", {}).get("kvs", []):
+                try:
+                    value = _unb64(kv.get("value", ""))
+                    if i == 0:
+                        held.append(Claim.from_json(value))
+                    else:
+                        lapsed.append(Lapsed.from_json(value))
+                except (ValueError, KeyError) as exc:
+                    log.warning("etcd key %s holds no valid claim: %s", _unb64(kv["key"]).decode(errors="replace"), exc)
+        live = {c.rank_id for c in held}
+        # a lapse key outlives its rank's lease by the grace: while the rank is live it is no lapse;
+        # etcd deletes it when the grace ends, so what is left is within it
+        until = time.time() + self.claim_grace_s
+        lapsed = [Lapsed(x.claim, x.proof_key, until) for x in lapsed if x.claim.rank_id not in live]
+        return int(answer["header"]["revision"]), held, lapsed
 
-    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None) -> None:
+    def _revoke_both(self, rec: RankRecord) -> None:
+        self._revoke(rec.lease_id)
+        if rec.grace_lease_id:
+            self._revoke(rec.grace_lease_id)
+
+    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None, *, retaken: tuple[str, ...] = (),
+                 proven: bool = False) -> None:
         label = rec.identity.label
         claim = rec.claim()
-        cp = self._claims_prefix(claim)
+        cp, lp = self._claims_prefix(claim), self._lapse_prefix(claim)
         rec.lease_id = self._grant(rec.lease_ttl_s)
+        rec.grace_lease_id = self._grant(rec.lease_ttl_s + self.claim_grace_s)
         ck, rk = self._coords_key(rec.identity), self._rank_key(rec.rank_id)
         value = StoredRank.of(inst, rec).model_dump_json()
+        lapse = Lapsed(claim, rec.proof_key, 0.0).to_json()
         puts = [{"request_put": {"key": _b64(rk), "value": _b64(value), "lease": rec.lease_id}},
                 {"request_put": {"key": _b64(ck), "value": _b64(rec.rank_id), "lease": rec.lease_id}},
-                {"request_put": {"key": _b64(cp + rec.rank_id), "value": _b64(claim.to_json()), "lease": rec.lease_id}}]
+                {"request_put": {"key": _b64(cp + rec.rank_id), "value": _b64(claim.to_json()), "lease": rec.lease_id}},
+                {"request_put": {"key": _b64(lp + rec.rank_id), "value": _b64(lapse), "lease": rec.grace_lease_id}}]
         expect = replaces
         with self.lock:
             replaced = self.index.rank(replaces) if replaces is not None else None
         old_claim_key = f"{self._claims_prefix(replaced.claim())}{replaces}" if replaced is not None else None
         for _ in range(8):  # each retry follows a concurrent change of this session's claims
-            revision, held = self._read_claims(claim, label)
+            revision, held, lapsed = self._read_claims(claim, label)
             conflict = find_conflict(held, claim, exclude=(replaces, rec.rank_id))
+            back: list[str] = []
+            if conflict is None:
+                lapsed = [x for x in lapsed if x.claim.rank_id not in (replaces, rec.rank_id)]
+                conflict, back = check_lapsed(lapsed, claim, proof_key=rec.proof_key, proven=proven, now=time.time())
             if conflict is not None:
-                self._revoke(rec.lease_id)
+                self._revoke_both(rec)
                 raise claim_held(label, *conflict)
+            take_back = [{"request_delete_range": {"key": _b64(lp + r)}} for r in back]  # its owner's own
             # nothing under the session's claims prefix changed since the read (a new key's
             # mod revision would be above it; a deleted one frees, never conflicts)
             claims_unchanged = {"key": _b64(cp), "range_end": _b64(_prefix_end(cp)), "result": "LESS", "target": "MOD",
                                 "mod_revision": revision + 1}
             if expect is None:
                 compare = [{"key": _b64(ck), "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
-                ops = puts
+                ops = [*puts, *take_back]
             else:
                 compare = [{"key": _b64(ck), "result": "EQUAL", "target": "VALUE", "value": _b64(expect)}]
-                ops = [*puts, {"request_delete_range": {"key": _b64(self._rank_key(expect))}}]
+                ops = [*puts, *take_back, {"request_delete_range": {"key": _b64(self._rank_key(expect))}}]
                 if old_claim_key is not None and old_claim_key != cp + rec.rank_id:
                     ops.append({"request_delete_range": {"key": _b64(old_claim_key)}})  # its session is free at once
             txn = {"compare": [*compare, claims_unchanged], "success": ops,
@@ -350,7 +390,7 @@ class EtcdStore(RegistryStore):
                 continue
             if holder == expect:
                 continue  # the coordinates are as expected: the session's claims changed; read them again
-            self._revoke(rec.lease_id)
+            self._revoke_both(rec)
             with self.lock:
                 held_rank = self.index.rank(holder) if holder else None
             remaining = max(0.0, held_rank.expires_at - self.clock()) if held_rank else rec.lease_ttl_s
@@ -358,14 +398,14 @@ class EtcdStore(RegistryStore):
                             f"replica): register with its lease secret, wait for its lease to run out, or use the "
                             f"admin token", retry_after=remaining, rank=label, field="rank")
         else:
-            self._revoke(rec.lease_id)
+            self._revoke_both(rec)
             raise StoreUnavailable(f"registration of {label}: etcd transaction did not settle (the session's "
                                    f"claims kept changing)")
         if replaces is not None:
             with self.lock:
                 old = self.index.rank(replaces)
             if old is not None and old.lease_id:
-                self._revoke(old.lease_id)  # its keys are gone or moved to the new lease: nothing else on it
+                self._revoke_both(old)  # its keys are gone or moved to the new lease: nothing else on them
         rec.expires_at = self.clock() + rec.lease_ttl_s
         with self.lock:
             if replaces is not None:
@@ -379,6 +419,10 @@ class EtcdStore(RegistryStore):
             with self.lock:
                 self.index.drop(rec.rank_id)
             raise self.unknown(rec.rank_id, ": its etcd lease ran out; register again")
+        if rec.grace_lease_id:  # its lapsed claim outlives the rank's lease by the grace, counted from now
+            grace = rec.grace_lease_id
+            self._members.call(f"claim keep-alive of {rec.identity.label}", lambda c: c.post(
+                c.get_url("/lease/keepalive"), json={"ID": grace}))
         rec.expires_at = self.clock() + rec.lease_ttl_s
 
     def remove_rank(self, rank_id: str) -> None:
@@ -388,6 +432,9 @@ class EtcdStore(RegistryStore):
             return
         self._members.call(f"deregistration of {rec.identity.label}", lambda c: c.post(
             c.get_url("/kv/lease/revoke"), json={"ID": rec.lease_id}))
+        if rec.grace_lease_id:  # the owner lets go: no lapsed claim is left
+            self._members.call(f"deregistration of {rec.identity.label}", lambda c: c.post(
+                c.get_url("/kv/lease/revoke"), json={"ID": rec.grace_lease_id}))
         with self.lock:
             self.index.drop(rank_id)
 

@@ -8,14 +8,27 @@ could not take the heartbeats sent meanwhile: every lease is lengthened by the g
 rather than all expiring at once on resume. (Longer, never shorter: decode ranks
 free a dead rank's pages only after its lease is gone, so this errs on the safe
 side of hard rule 6.)
+
+Claims outlive leases for their owners (``lapses.py``): an expired rank's claim is kept, lapsed,
+for the grace period. With ``claims_file`` every claim (live and lapsed) is also written there
+(atomically, on every registration, deregistration and expiry; not on heartbeats), and a
+restarted daemon reads them back in ``start()``, before it answers anything: each claim that was
+live at the restart is lapsed from then for the grace period, so its owner (the same key) takes
+it back when it registers again and nobody else can meanwhile. Without a file a restart forgets
+every claim (docs/security.md says what that leaves).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from kvbridge.bootstrap.claims import Claim
+from kvbridge.bootstrap.lapses import DEFAULT_CLAIM_GRACE_S, Lapsed
 from kvbridge.bootstrap.mismatches import MismatchLog
 from kvbridge.bootstrap.records import InstanceRecord, RankRecord
 from kvbridge.bootstrap.schemas import MismatchRecord
@@ -31,9 +44,13 @@ class MemoryStore(RegistryStore):
     remote = False
 
     def __init__(self, *, max_refusals: int = 100, pause_grace_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, claims_file: str | Path | None = None,
+                 claim_grace_s: float = DEFAULT_CLAIM_GRACE_S, wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self.clock = clock
+        self.wall = wall_clock
+        self.claims_file = Path(claims_file) if claims_file is not None else None
+        self.claim_grace_s = claim_grace_s
         self.pause_grace_s = pause_grace_s  # a gap between two sweeps longer than this is a pause (None: off)
         self.pauses = 0
         self._last_tick = clock()
@@ -41,18 +58,62 @@ class MemoryStore(RegistryStore):
         self._refusals = MismatchLog(max_refusals)
         self._health = StoreHealth(kind="memory")
 
-    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None) -> None:
+    def start(self) -> None:
+        """Read the claims a previous daemon left in ``claims_file`` back, lapsed (lapses.py)."""
+        if self.claims_file is None or not self.claims_file.exists():
+            return
+        try:
+            data = json.loads(self.claims_file.read_text())
+            until = self.wall() + self.claim_grace_s
+            back = [Lapsed.from_json(json.dumps(x)) for x in data.get("lapsed", [])]
+            back += [Lapsed(Claim.from_json(json.dumps(x["claim"])), x.get("proof_key"), until)
+                     for x in data.get("live", [])]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("claims file %s unreadable (%s): starting with no claims", self.claims_file, exc)
+            return
+        with self.lock:
+            for x in back:
+                if x.until > self.wall():
+                    self.index.add_lapsed(x)
+        log.info("read %d claim(s) back from %s, each held for its owner until its grace ends", len(back),
+                 self.claims_file)
+
+    def _save(self) -> None:
+        """Every claim to ``claims_file`` (the caller holds ``lock``): write a temporary file, then
+        rename it over the old one, so a crash leaves the old file or the new, never half."""
+        if self.claims_file is None:
+            return
+        live = [{"claim": json.loads(r.claim().to_json()), "proof_key": r.proof_key} for r in self.index.all_ranks()]
+        lapsed = [json.loads(x.to_json()) for x in self.index.all_lapsed()]
+        tmp = self.claims_file.with_name(self.claims_file.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"live": live, "lapsed": lapsed}))
+            os.replace(tmp, self.claims_file)
+        except OSError as exc:
+            log.error("claims not saved to %s: %s", self.claims_file, exc)
+
+    def add_rank(self, inst: InstanceRecord, rec: RankRecord, replaces: str | None, *, retaken: tuple[str, ...] = (),
+                 proven: bool = False) -> None:
         rec.expires_at = self.clock() + rec.lease_ttl_s
         if replaces is not None:
             self.index.drop(replaces)
+        self.index.drop_lapsed(rec.claim().session, list(retaken))
         self.index.put(inst, rec)
         self._next_expiry = min(self._next_expiry, rec.expires_at)
+        self._save()
+
+    def lapse(self, lapsed: list[tuple[RankRecord, float]]) -> None:
+        for rec, until in lapsed:
+            self.index.add_lapsed(Lapsed(rec.claim(), rec.proof_key, until))
+        self.index.expire_lapsed(self.wall())
+        self._save()
 
     def renew(self, rec: RankRecord) -> None:
         rec.expires_at = self.clock() + rec.lease_ttl_s
 
     def remove_rank(self, rank_id: str) -> None:
         self.index.drop(rank_id)
+        self._save()
 
     def expire(self, now: float) -> list[RankRecord]:
         self._forgive_pause(now)

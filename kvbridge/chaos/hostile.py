@@ -63,7 +63,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvbridge.chaos import hostile_identity, hostile_rooms
+from kvbridge.chaos import hostile_claims, hostile_identity, hostile_rooms
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
@@ -79,11 +79,11 @@ __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hos
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
            "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-           "room_signatures")
+           "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
                  "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-                 "room_signatures")
+                 "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
 DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
@@ -113,6 +113,7 @@ class HostileSpec:
     postauth_addresses: int = 16  # (25 each: under the 64-per-address cap)
     postauth_slack_mib: float = 16.0  # bookkeeping of the connections, the loop's own allocations
     mac_flood_connections: int = 32
+    metadata_registrations: int = 512  # of the largest engine_metadata (the daemon's cap stops them at 256)
     workdir: str | None = None
 
     @classmethod
@@ -562,6 +563,8 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "mac_flood": Hostile.mac_flood,
     "spellings": hostile_identity.spelling_aliases, "mooncake_reader": hostile_identity.mooncake_reader,
     "bound_rooms": hostile_rooms.bound_rooms, "room_signatures": hostile_rooms.room_signatures,
+    "nixl_metadata": hostile_claims.nixl_metadata, "metadata_flood": hostile_claims.metadata_flood,
+    "lease_squat": hostile_claims.lease_squat,
 }
 
 

@@ -34,7 +34,7 @@ from kvbridge.transfer.channel import PeerSet, wire
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.worker import ops
 
-__all__ = ["Snoop", "mooncake_reader", "spelling_aliases"]
+__all__ = ["Snoop", "contract_of", "mooncake_reader", "spelling_aliases", "victim_of"]
 
 # ``h`` below is ``hostile.Hostile`` (the cluster, the spec and its helpers) and ``out`` its
 # ``Outcome``; named by duck type, so that this module and hostile.py do not import each other
@@ -73,13 +73,13 @@ class Snoop:
         self._mc.unregister_memory(self._ptr)
 
 
-def _victim(h: Hostile) -> tuple[Any, dict[str, Any], str]:
+def victim_of(h: Hostile) -> tuple[Any, dict[str, Any], str]:
     victim_m = h.c.decode[0]
     victim_id = h.ranks_of(h.c.decode_instance)[0]["rank_id"]
     return victim_m, h.get(f"/v1/ranks/{victim_id}").json(), victim_id
 
 
-def _contract(h: Hostile) -> dict[str, Any]:
+def contract_of(h: Hostile) -> dict[str, Any]:
     return next(f["contract"] for f in h.get("/v1/diagnostics/fingerprints").json()
                 if f["instance"] == h.c.decode_instance)
 
@@ -115,6 +115,9 @@ def act_for(h: Hostile, victim: dict[str, Any], rank_id: str, label: str, key: P
                 if isinstance(msg, wire.KeyChallenge):  # its best: a signature by a key it holds
                     peers.send(where, wire.KeyProof(signature=key.sign(rank_id, where, msg.nonce)))
                     signed += 1
+                elif isinstance(msg, wire.Challenge) and msg.nonce:  # proof by read: it cannot sign as the victim
+                    peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
+                    echoed += 1
                 elif isinstance(msg, wire.Challenge):  # the nonce, read where prefill wrote it
                     nonce = snoop.read(session, scratch["base"] + msg.offset, wire.NONCE_BYTES)
                     peers.send(where, wire.ChallengeEcho(nonce=nonce))
@@ -157,10 +160,10 @@ def _reason(reply: Any) -> str:
 
 
 def spelling_aliases(h: Hostile, out: Outcome) -> None:
-    victim_m, victim, _ = _victim(h)
+    victim_m, victim, _ = victim_of(h)
     out.target = victim_m.name
     out.rss_before_mib = h.rss(victim_m)
-    contract = _contract(h)
+    contract = contract_of(h)
     host, port = victim["session_id"].rsplit(":", 1)
     tried = spellings(host, int(port))
     statuses: dict[str, int] = {}
@@ -202,7 +205,7 @@ def spelling_aliases(h: Hostile, out: Outcome) -> None:
 
 
 def mooncake_reader(h: Hostile, out: Outcome) -> None:
-    victim_m, victim, victim_id = _victim(h)
+    victim_m, victim, victim_id = victim_of(h)
     out.target = victim_m.name
     out.rss_before_mib = h.rss(victim_m)
     snoop = Snoop()

@@ -76,6 +76,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ranks-per-instance", type=int, default=1024,
                    help="largest instance (dp x cp x tp x pp ranks) that may register (default: 1024)")
     p.add_argument("--max-instances", type=int, default=1024, help="instances registered at once (default: 1024)")
+    p.add_argument("--max-ranks", type=int, default=8192,
+                   help="ranks registered at once, every instance together; more get 429 (default: 8192)")
+    p.add_argument("--max-metadata-chars", type=int, default=64 << 20,
+                   help="engine_metadata characters (NIXL agents' metadata, base64) all registered ranks hold "
+                        "together; a registration over it gets 429 (default: 67108864)")
+    p.add_argument("--claim-grace-s", type=float, default=30.0,
+                   help="how long a rank's claim on its transport session outlives its lease, for its own proof "
+                        "key only (default: 30)")
+    p.add_argument("--claims-file", type=Path, default=None,
+                   help="in-memory store: keep every claim in this file too, and read them back at start, so a "
+                        "restarted daemon holds each for its owner (default: none; etcd keeps them itself)")
     p.add_argument("--max-lookups-per-s", type=float, default=1000.0,
                    help="handshakes (room look-ups) per second per decode instance, bursts of twice that; "
                    "more get 429 with Retry-After; 0: unlimited (default: 1000)")
@@ -184,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
         max_lookups_per_s=args.max_lookups_per_s,
         max_requests_per_s_per_address=args.max_requests_per_s_per_address,
         endpoints=args.endpoints,
+        claim_grace_s=args.claim_grace_s,
+        claims_file=str(args.claims_file) if args.claims_file is not None else None,
+        max_ranks=args.max_ranks,
+        max_metadata_chars=args.max_metadata_chars,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     serve(settings, host=args.host, port=args.port, port_file=args.port_file, log_level=str(level))

@@ -26,11 +26,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvbridge.bootstrap.endpoints import canonical_endpoint
+from kvbridge.bootstrap.lapses import claim_message
 from kvbridge.errors import EndpointError
 
-__all__ = ["DOMAIN", "KEY_BYTES", "SIGNATURE_BYTES", "ProofKey", "proof_message", "proof_peer", "verify_proof"]
+__all__ = ["DOMAIN", "KEY_BYTES", "MEMORY_DOMAIN", "SIGNATURE_BYTES", "ProofKey", "memory_message", "proof_message",
+           "proof_peer", "verify_memory", "verify_proof"]
 
 DOMAIN = b"kvbridge ownership proof v1"
+MEMORY_DOMAIN = b"kvbridge memory proof v1"  # what a rank writes into its own scratch region (proof by read)
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
@@ -49,6 +52,13 @@ def proof_message(rank_id: str, prefill_endpoint: str, nonce: bytes) -> bytes:
     return DOMAIN + b"".join(len(p).to_bytes(2, "big") + p for p in parts)
 
 
+def memory_message(rank_id: str, prefill_endpoint: str, nonce: bytes, offset: int) -> bytes:
+    """What a rank signs and writes into its own scratch region at ``offset`` for a memory
+    challenge: the prefill rank reads it back through its transfer engine (docs/security.md)."""
+    parts = (rank_id.encode(), proof_peer(prefill_endpoint).encode(), bytes(nonce), str(offset).encode())
+    return MEMORY_DOMAIN + b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
 class ProofKey:
     """One rank's proof key: ``public_hex`` for its registration, ``sign`` for KeyProofs."""
 
@@ -59,12 +69,32 @@ class ProofKey:
     def sign(self, rank_id: str, prefill_endpoint: str, nonce: bytes) -> bytes:
         return self._private.sign(proof_message(rank_id, prefill_endpoint, nonce))
 
+    def sign_memory(self, rank_id: str, prefill_endpoint: str, nonce: bytes, offset: int) -> bytes:
+        return self._private.sign(memory_message(rank_id, prefill_endpoint, nonce, offset))
+
+    def sign_claim(self, instance: str, coords: tuple[int, int, int, int]) -> bytes:
+        """The registration's claim signature (bootstrap/lapses.py): lets this key's holder take
+        back its own lapsed claim, which nobody else can."""
+        return self._private.sign(claim_message(instance, coords, self.public_hex))
+
 
 def verify_proof(public_hex: str, rank_id: str, prefill_endpoint: str, nonce: bytes, signature: bytes) -> bool:
     """True when ``signature`` is the registration's key's over this challenge; never raises."""
     try:
         key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
         key.verify(signature, proof_message(rank_id, prefill_endpoint, nonce))
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+
+
+def verify_memory(public_hex: str, rank_id: str, prefill_endpoint: str, nonce: bytes, offset: int,
+                  written: bytes) -> bool:
+    """True when ``written`` (read out of the registration's scratch) is its key's signature over
+    this memory challenge; never raises."""
+    try:
+        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
+        key.verify(bytes(written), memory_message(rank_id, prefill_endpoint, nonce, offset))
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False

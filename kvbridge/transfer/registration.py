@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -99,13 +99,16 @@ def register_rank(
     staging: StagingDescriptor | None = None,
     proof_key: str | None = None,
     engine_metadata: bytes = b"",
+    proof_signature: Callable[[str, tuple[int, int, int, int]], bytes] | None = None,
 ) -> LeaseKeeper:
     """Register this rank with the daemon and keep its lease alive. ``scratch``: the rank's
     scratch region (``transfer/scratch.py``), where its ownership is proven; ``staging``: a decode
     rank's staging area (``transfer/staging/buffer.py``), the only place staged chunks may land;
     ``proof_key``: a decode rank's ownership-proof public key (``transfer/ownership.py``);
     ``engine_metadata``: the engine's ``metadata`` (NIXL's agent; read after every register), what
-    a writer loads before writing here."""
+    a writer loads before writing here; ``proof_signature(instance, coords)``: the proof key's
+    signature of its claim (``ProofKey.sign_claim``), what lets this rank take its own lapsed claim
+    back (bootstrap/lapses.py)."""
     identity = RankIdentity(
         instance=config.instance, role=role,
         dp_size=config.dp_size, cp_size=getattr(config, "cp_size", 1), tp_size=config.tp_size,
@@ -116,6 +119,8 @@ def register_rank(
                               pools=pool_descriptors(descs), aux=aux.packed_descriptor(),
                               aux_regions=aux.descriptors(), contract=contract, lease_ttl_s=lease_ttl,
                               scratch=scratch, staging=staging, proof_key=proof_key,
+                              proof_signature=(proof_signature(identity.instance, identity.coords).hex()
+                                               if proof_signature is not None else None),
                               engine_metadata=base64.b64encode(engine_metadata).decode())
     registration = client.register(request)
     return LeaseKeeper(client, registration).start()

@@ -1,10 +1,13 @@
 """A rank's scratch region: a few KiB that hold no KV, registered with its transfer engine
 and described in its registration (``ScratchDescriptor``).
 
-    [0, nbytes)                      advertised: prefill writes an ownership nonce here
-                                     (prefill/admission.py), ``kvbridge doctor`` a probe
-    [nbytes, nbytes + NONCE_BYTES)   not advertised: the source of the nonces this rank
-                                     writes into others' scratch (never written from outside)
+    [0, nbytes)                      advertised: this rank writes its memory proofs here and
+                                     a prefill rank reads them back (proof by read), or, on an
+                                     engine that cannot read, prefill writes an ownership nonce
+                                     here (prefill/admission.py); ``kvbridge doctor`` a probe
+    [nbytes, nbytes + PRIVATE_BYTES) not advertised: the source of the nonces this rank writes
+                                     into others' scratch, and where its proof reads land
+                                     (never written from outside)
 
 Each endpoint owns one, so that a library user's rank proves what it registered the same
 way a worker's does. Host memory (numpy) by default; ``device`` puts it where the engine
@@ -23,8 +26,9 @@ from kvbridge.transfer.channel.wire import NONCE_BYTES
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 
 SCRATCH_BYTES = 4096
+PRIVATE_BYTES = 64  # a nonce (32) or a memory proof (an Ed25519 signature, 64)
 
-__all__ = ["SCRATCH_BYTES", "Scratch", "device_of"]
+__all__ = ["PRIVATE_BYTES", "SCRATCH_BYTES", "Scratch", "device_of"]
 
 
 class Scratch:
@@ -34,11 +38,11 @@ class Scratch:
         self.nbytes = nbytes
         self.device = device
         if device == "cpu":
-            self.memory: Any = np.zeros(nbytes + NONCE_BYTES, dtype=np.uint8)
+            self.memory: Any = np.zeros(nbytes + PRIVATE_BYTES, dtype=np.uint8)
         else:
             import torch
 
-            self.memory = torch.zeros(nbytes + NONCE_BYTES, dtype=torch.uint8, device=device)
+            self.memory = torch.zeros(nbytes + PRIVATE_BYTES, dtype=torch.uint8, device=device)
         self.base, _ = tensor_region(self.memory)
         self._registered = False
 
@@ -52,7 +56,7 @@ class Scratch:
         return self.base + self.nbytes
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(self.base, self.nbytes + NONCE_BYTES)
+        engine.register(self.base, self.nbytes + PRIVATE_BYTES)
         self._registered = True
 
     def unregister(self, engine: TransferEngine) -> None:
@@ -68,17 +72,41 @@ class Scratch:
         view = self.memory[offset:offset + length]
         return bytes(view.tobytes() if self.device == "cpu" else view.cpu().numpy().tobytes())
 
+    def write(self, offset: int, data: bytes) -> None:
+        """This rank's own bytes into ``[offset, offset + len(data))`` of the advertised region (a
+        memory proof, read back by a prefill rank); LayoutError outside it."""
+        if not (isinstance(offset, int) and 0 <= offset and offset + len(data) <= self.nbytes):
+            raise LayoutError(f"offset {offset!r} + {len(data)} lies outside the {self.nbytes}-byte scratch region",
+                              field="offset")
+        src = np.frombuffer(bytes(data), dtype=np.uint8)
+        if self.device == "cpu":
+            self.memory[offset:offset + len(data)] = src
+        else:
+            import torch
+
+            self.memory[offset:offset + len(data)].copy_(torch.from_numpy(src.copy()))
+            torch.cuda.synchronize(self.memory.device)
+
+    @property
+    def landing(self) -> int:
+        """Where this rank's proof reads land (its private bytes)."""
+        return self.source
+
+    def read_landing(self, length: int) -> bytes:
+        view = self.memory[self.nbytes:self.nbytes + length]
+        return bytes(view.tobytes() if self.device == "cpu" else view.cpu().numpy().tobytes())
+
     def set_source(self, nonce: bytes) -> None:
         """Put ``nonce`` where this rank's nonce writes read from."""
         if len(nonce) != NONCE_BYTES:
             raise KVBridgeError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}", field="nonce")
         data = np.frombuffer(nonce, dtype=np.uint8)
         if self.device == "cpu":
-            self.memory[self.nbytes:] = data
+            self.memory[self.nbytes:self.nbytes + NONCE_BYTES] = data
         else:
             import torch
 
-            self.memory[self.nbytes:].copy_(torch.from_numpy(data.copy()))
+            self.memory[self.nbytes:self.nbytes + NONCE_BYTES].copy_(torch.from_numpy(data.copy()))
             torch.cuda.synchronize(self.memory.device)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError, PeerLost
 from kvbridge.transfer.engine.registry import engine_entry
 from kvbridge.worker import ops
 from kvbridge.worker.config import WorkerConfig
@@ -180,8 +180,19 @@ class WorkerBase:
                 self.finish(task, result)
         self.housekeeping()
 
+    def reply(self, peer: bytes, request_id: int, msg: ops.Reply) -> None:
+        """Answer an ops client; one that went away meanwhile (an idle client closed, a router
+        restarted) loses its answer, and the worker goes on: the room's outcome is in its stats
+        and logs either way."""
+        try:
+            self.ops_server.reply(peer, request_id, msg)
+        except PeerLost as exc:
+            self.counters["replies_lost"] += 1
+            self.log.warning("the ops client of request %d is gone; its %s is dropped: %s", request_id,
+                             type(msg).__name__, exc)
+
     def handle(self, peer: bytes, request_id: int, op: ops.Op) -> None:
-        reply = self.ops_server.reply
+        reply = self.reply
         if isinstance(op, ops.Stats):
             reply(peer, request_id, ops.StatsReply(self.stats()))
         elif isinstance(op, ops.Shutdown):
@@ -210,7 +221,7 @@ class WorkerBase:
         level = logging.DEBUG if result.ok else logging.WARNING
         self.log.log(level, "room %d %s %s", task.room, "ok" if result.ok else "FAILED", result.reason)
         self.metrics.room_finished(task, result)
-        self.ops_server.reply(task.peer, task.request_id, result)
+        self.reply(task.peer, task.request_id, result)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from kvbridge.errors import ConfigError, ProtocolError, TransferTimeout
+from kvbridge.errors import ConfigError, PeerLost, ProtocolError, TransferTimeout
 from kvbridge.transfer.channel import Clients, Codec, Limits, Server
 
 OPS_VERSION = 3  # 3: the Hello answers the server's challenge (transfer/channel/envelope.py)
@@ -142,7 +142,10 @@ class OpsServer(Server):
             if isinstance(frame, ProtocolError):
                 continue  # (answered by _refusal)
             if not isinstance(frame.msg, OPS):
-                self.reply(peer, frame.id, OpError(f"{type(frame.msg).__name__} is a reply, not an op"))
+                try:
+                    self.reply(peer, frame.id, OpError(f"{type(frame.msg).__name__} is a reply, not an op"))
+                except PeerLost:
+                    pass  # it sent a reply and left: nobody to tell
                 continue
             out.append((peer, frame.id, frame.msg))
         return out

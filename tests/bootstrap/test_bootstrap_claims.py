@@ -19,6 +19,7 @@ from kvbridge.bootstrap.claims import Claim, claim_of, find_conflict
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import ScratchDescriptor
 from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor
+from kvbridge.transfer.ownership import ProofKey
 
 TTL = 3.0  # etcd's shortest leases are about 2 s
 VICTIM_TTL = 8.0
@@ -160,9 +161,12 @@ def test_a_staging_area_is_registered_read_back_and_claimed(http: httpx.Client, 
 
 # ---- on etcd: one transaction, two replicas, restarts, lease expiry -------------------------------
 
+GRACE = 4.0
+
+
 def _replicas(start_daemon: Callable[..., Any], cluster: Any, prefix: str, n: int) -> list[Any]:
     return [start_daemon("--store", cluster.store_url, "--etcd-prefix", prefix, "--replica-name", f"r{i}",
-                         "--lease-ttl", str(TTL)) for i in range(n)]
+                         "--lease-ttl", str(TTL), "--claim-grace-s", str(GRACE)) for i in range(n)]
 
 
 def test_etcd_claims_hold_across_replicas_restarts_and_leases(etcd_cluster: Any, etcd_prefix: str,
@@ -171,7 +175,9 @@ def test_etcd_claims_hold_across_replicas_restarts_and_leases(etcd_cluster: Any,
                                                               instance_name: Callable[[str], str]) -> None:
     r0, r1 = _replicas(start_daemon, etcd_cluster, etcd_prefix, 2)
     victim, attacker = instance_name("victim"), instance_name("attacker")
-    vbody = _body(kvb, small_contract, victim, lease_ttl_s=VICTIM_TTL)  # outlives the daemons' restart
+    key = ProofKey()
+    vbody = _body(kvb, small_contract, victim, lease_ttl_s=VICTIM_TTL, proof_key=key.public_hex)  # outlives the restart
+    vbody["proof_signature"] = key.sign_claim(victim, (0, 0, 0, 0)).hex()
     with httpx.Client(base_url=r0.url, trust_env=False) as h0, httpx.Client(base_url=r1.url, trust_env=False) as h1:
         v = h0.post("/v1/ranks", json=vbody)
         assert v.status_code == 201, v.text
@@ -190,17 +196,28 @@ def test_etcd_claims_hold_across_replicas_restarts_and_leases(etcd_cluster: Any,
     with httpx.Client(base_url=r2.url, trust_env=False) as h2:
         r = h2.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=vbody["session_id"]))
         assert r.status_code == 409 and vid in r.json()["holder"], r.text
-        # the victim stops heartbeating: its claim goes with its lease
+        # the victim stops heartbeating: its rank goes with its lease, its claim stays its key's
+        squat = _body(kvb, small_contract, attacker, session_id=vbody["session_id"], lease_ttl_s=TTL,
+                      proof_key=key.public_hex)  # naming the victim's (public) key does not help
         deadline = time.monotonic() + 2 * VICTIM_TTL + 3
+        while h2.get(f"/v1/ranks/{vid}").status_code == 200 and time.monotonic() < deadline:
+            r = h2.post("/v1/ranks", json=squat)
+            assert r.status_code == 409 and r.json()["error"] == "claim_held", r.text
+            time.sleep(0.3)
+        assert h2.post(f"/v1/ranks/{vid}/heartbeat", headers={LEASE: secret}).status_code == 404
+        r = h2.post("/v1/ranks", json=squat)
+        assert r.status_code == 409 and "lapsed" in r.json()["message"] and vid in r.json()["holder"], r.text
+        back = h2.post("/v1/ranks", json={**vbody, "lease_ttl_s": TTL})  # its owner takes it back
+        assert back.status_code == 201, back.text
+        # lapsed again, then the grace passes: free
+        deadline = time.monotonic() + TTL + GRACE + 8
         while time.monotonic() < deadline:
-            r = h2.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=vbody["session_id"],
-                                                lease_ttl_s=TTL))
+            r = h2.post("/v1/ranks", json=squat)
             if r.status_code == 201:
                 break
             assert r.json()["error"] == "claim_held", r.text
             time.sleep(0.3)
         assert r.status_code == 201, r.text
-        assert h2.post(f"/v1/ranks/{vid}/heartbeat", headers={LEASE: secret}).status_code == 404
 
 
 def test_etcd_racing_replicas_cannot_both_accept_one_session(etcd_cluster: Any, etcd_prefix: str,

@@ -34,7 +34,9 @@ MALFORMED = [f" 127.0.0.1:{P}", f"127.0.0.1:{P} ", f"127.0.0.1 :{P}", f"127.0.0.
              f"127.0.0.1:{P}.0", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:", f":{P}", "127.0.0.1",
              f"[::1:{P}", f"[::1]{P}", f"[fe80::1%eth0]:{P}", f"127.0.0.1:{P}/x", f"127.0.0.1..1:{P}", f"-bad-:{P}",
              f"under_score:{P}", f"1.2.3.4.5:{P}", f"caf\u00e9:{P}", "", "x" * 300, f"256.0.0.1.2:{P}",
-             f"[224.0.0.1]:{P}", f"224.0.0.1:{P}", f"255.255.255.255:{P}"]
+             f"[224.0.0.1]:{P}", f"224.0.0.1:{P}", f"255.255.255.255:{P}",
+             # a trailing newline: ``$`` matches before one, so every check matches the whole string
+             f"127.0.0.1:{P}\n", f"localhost\n:{P}", f"127.0.0.1\n:{P}", "nixl:agent\n", "ipc:x\n"]
 
 
 def no_dns(name: str) -> list[str]:
@@ -199,7 +201,8 @@ def test_control_endpoints_are_canonical_too() -> None:
     assert canonical_endpoint("TCP://localhost.:09000", local=True, resolve=no_dns) == "tcp://127.0.0.1:9000"
     assert canonical_endpoint("tcp://127.0.0.1:0", local=True, resolve=no_dns) == "tcp://127.0.0.1:0"  # listens on nothing
     assert canonical_endpoint("tcp://[::ffff:10.1.2.3]:5", local=False, resolve=no_dns) == "tcp://10.1.2.3:5"
-    for bad in ("udp://127.0.0.1:1", "tcp://127.0.0.1:1/path", "tcp:/127.0.0.1:1", "tcp:// 127.0.0.1:1"):
+    for bad in ("udp://127.0.0.1:1", "tcp://127.0.0.1:1/path", "tcp:/127.0.0.1:1", "tcp:// 127.0.0.1:1",
+                "tcp://127.0.0.1:1\n", "tcp://localhost\n:1"):
         with pytest.raises(EndpointError) as err:
             canonical_endpoint(bad, local=True, resolve=no_dns)
         assert err.value.field == "control_endpoint"

@@ -223,6 +223,39 @@ def test_an_attacker_reading_mooncake_memory_cannot_prove_the_victims_registrati
     assert d["room_served_to_the_legitimate_rank"] and d["legit_room_ok"], d
 
 
+def test_forged_nixl_metadata_is_the_victims_claim(quick: dict[str, Any]) -> None:
+    """Issue 32: a renamed copy of a live NIXL rank's metadata got 201 and prefill connected to the
+    victim's worker. Now the UCX worker address is the claim: every renamed copy is 409."""
+    a = attack(quick, "nixl_metadata")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["statuses"]["victim"] == 201 and not d["forgeries_accepted"], d
+    assert [v for k, v in d["statuses"].items() if k != "victim"] == [409, 409, 409], d
+    assert a["bytes_written_where_not_allowed"] == 0 and d["legit_room_ok"], d
+
+
+def test_the_daemon_holds_engine_metadata_within_its_cap(quick: dict[str, Any]) -> None:
+    """Issue 32: 512 registrations of 512 Ki characters of metadata added +259 MiB to the daemon,
+    with no bound. Now it refuses (429 too_much_metadata) past its 64 Mi-character total."""
+    a = attack(quick, "metadata_flood")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["statuses"].get("429 too_much_metadata") == 1 and d["metadata_held_mib"] <= 64, d
+    assert d["rss_growth_mib"] <= d["rss_bound_mib"] and d["legit_room_ok"], d
+
+
+def test_a_lapsed_lease_is_not_squatted(quick: dict[str, Any]) -> None:
+    """Issue 32: a decode worker stopped past its lease had its exact session registered by a
+    token holder (201), and its own re-registration was refused. Now the lapsed claim is its key's:
+    every squat is 409 (its own key, the victim's public key, none), and after SIGCONT the victim
+    registers again and a real room succeeds."""
+    a = attack(quick, "lease_squat")
+    assert a["outcome"] == "defended", a
+    d = a["details"]
+    assert d["victim_lapsed_while_stopped"] and set(d["squat_statuses"].values()) == {409}, d
+    assert d["squats_accepted"] == 0 and d["legit_room_ok"], d
+
+
 def test_unknown_attack_is_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="unknown attack"):
         run_hostile(HostileSpec(attacks=("aliasing", "nope")))

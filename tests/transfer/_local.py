@@ -130,8 +130,8 @@ def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0
 class ProvingPeers(PeerSet):
     """A hand-driven decode connection for ``endpoint``'s registration (named in its Hello, or
     ``rank_id``) that answers prefill's ownership proof as the decode rank itself does: its
-    KeyChallenge with ``endpoint``'s proof key, its Challenge from ``endpoint``'s scratch region
-    (this process holds both). Challenges are answered inside ``recv_ready`` and never returned."""
+    KeyChallenge with ``endpoint``'s proof key, its Challenge by writing its memory proof into
+    ``endpoint``'s scratch region (or, by write, echoing the nonce there; this process holds both). Challenges are answered inside ``recv_ready`` and never returned."""
 
     def __init__(self, endpoint, *, secret: bytes | None = None, rank_id: str | None = None) -> None:
         super().__init__(secret=secret, name=rank_id or endpoint.rank_id)
@@ -143,6 +143,10 @@ class ProvingPeers(PeerSet):
         for where, msg in super().recv_ready(timeout_ms):
             if isinstance(msg, wire.KeyChallenge):
                 self.send(where, wire.KeyProof(signature=self.proof_key.sign(self.name, where, msg.nonce)))
+            elif isinstance(msg, wire.Challenge) and msg.nonce:  # proof by read: write ours, say so
+                proof = self.proof_key.sign_memory(self.name, where, msg.nonce, msg.offset)
+                self.scratch.write(msg.offset, proof)
+                self.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
             elif isinstance(msg, wire.Challenge):
                 self.send(where, wire.ChallengeEcho(nonce=self.scratch.read(msg.offset)))
             else:

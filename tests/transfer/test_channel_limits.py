@@ -343,3 +343,63 @@ def test_every_limit_and_its_default_is_stated_in_security_md() -> None:
     rows = [line for line in doc.splitlines() if line.startswith("| `")]
     for name, value in shown.items():
         assert any(f"`{name}`" in row and value in row for row in rows), name
+
+
+# ---- fairness (issue 32) -----------------------------------------------------------------------------
+def test_one_addresss_flood_of_large_frames_cannot_starve_another_address() -> None:
+    """The budget fits two largest frames. Six connections from 127.0.0.2 announce the largest
+    frame and stall one byte short; a frame from 127.0.0.3 arriving after them is read at once
+    (no address holds more than its share, and waiting addresses take turns): before, readers were
+    served in arrival order and it waited behind the stalled ones until their deadlines."""
+    one = HEADER.size + wire.auth_limit(SMALL)
+    limits = budget_limits(frame_budget=2 * one)
+    for server, loop in serve(limits, max_bytes=SMALL):
+        body = b"\x00" * wire.auth_limit(SMALL)  # the largest frame read (its MAC would fail: it never ends)
+        flood = [raw_from(server.endpoint, "127.0.0.2", secret=SECRET, name=f"f{i}") for i in range(6)]
+        try:
+            for raw in flood:
+                raw.sock.settimeout(5.0)
+                raw.send_bytes(frame(body)[:-1])
+            assert wait_for(lambda: server.stats.throttled >= 5)
+            assert server._budget_by_address["127.0.0.2"] <= server._address_share
+            other = wire.encode(Ping(decode_rank="y" * (SMALL - 300), seq=2), SECRET, max_bytes=SMALL)
+            with raw_from(server.endpoint, "127.0.0.3", secret=SECRET, name="real") as real:
+                real.sock.settimeout(5.0)
+                start = time.monotonic()
+                real.send_bytes(frame(other))
+                assert wait_for(lambda: any(isinstance(m, Ping) and m.seq == 2 for m in loop.received), 10)
+                waited = time.monotonic() - start
+            # the flood's stalled frames are still open (their deadlines, about 3 s, not reached)
+            assert waited < limits.frame_deadline(len(body)), waited
+            assert server.stats.timed_out == 0
+        finally:
+            for raw in flood:
+                raw.close()
+
+
+def test_proven_connections_are_never_displaced_and_a_known_rank_gets_back_in() -> None:
+    """Every slot taken by one connection per address (an address flood): a newcomer from yet
+    another address would displace the busiest address's oldest connection, a host with two
+    ranks; connections the owner vouches for (a proven rank) stay. A newcomer whose Hello names a
+    known rank displaces an unproven one instead of being refused."""
+    proven: set[bytes] = set()
+    for server, _ in serve(Limits(max_connections=4, max_connections_per_address=None),
+                           protected=lambda ident: ident in proven, vouch=lambda hello: hello.peer == "known"):
+        ranks = [raw_from(server.endpoint, "127.0.0.2", secret=SECRET, name=f"rank{i}") for i in range(2)]
+        flood = []
+        try:
+            assert wait_for(lambda: server.num_peers == 2)
+            proven.update(server.peers)
+            flood = [raw_from(server.endpoint, f"127.0.1.{i}", secret=SECRET, name="f") for i in range(2)]
+            assert wait_for(lambda: server.num_peers == 4)
+            with raw_from(server.endpoint, "127.0.2.1", secret=SECRET, name="f") as late:
+                assert late.closed_by_peer(5)  # refused: nothing fairer to displace but proven ranks
+            assert server.stats.displaced == 0 and server.peers_from("127.0.0.2") == 2
+            assert not any(raw.closed_by_peer(0.2) for raw in ranks)
+            with raw_from(server.endpoint, "127.0.2.2", secret=SECRET, name="known") as back:
+                assert wait_for(lambda: server.stats.displaced == 1)
+                assert not back.closed_by_peer(0.3) and server.peers_from("127.0.2.2") == 1
+            assert server.peers_from("127.0.0.2") == 2 and sum(raw.closed_by_peer(1) for raw in flood) == 1
+        finally:
+            for raw in ranks + flood:
+                raw.close()

@@ -372,6 +372,34 @@ def test_a_challenge_is_answered_with_what_lies_in_the_scratch_region_on_that_co
     assert not silent.message("tcp://p:1", wire.Challenge(offset=0), 1.0)  # no scratch region: no echo
 
 
+def test_a_memory_challenge_is_answered_by_writing_our_proof_into_our_own_scratch():
+    """Proof by read (issue 32): a Challenge with a nonce asks us to write our proof key's
+    signature over it (our registration, the prefill endpoint as dialled, the nonce, the offset)
+    into our own scratch region at the offset, for that prefill rank to read back. The machine
+    signs and hands the shell a ``WriteProof`` (the memory touch is the shell's, which then echoes
+    the SHA-256 of what it wrote); without a key, a registration or a scratch region: no answer."""
+    from kvbridge.transfer.decode import events as ev
+    from kvbridge.transfer.ownership import ProofKey, verify_memory
+
+    key = ProofKey()
+    specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+    m = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, proof_key=key)
+    nonce = bytes(range(32))
+    assert not of(m.feed(ev.Message("tcp://localhost:01", wire.Challenge(offset=128, nonce=nonce), 1.0)),
+                  ev.WriteProof)  # no registration yet: nothing to sign for
+    m.feed(ev.Registered("r1"))
+    (w,) = of(m.feed(ev.Message("tcp://localhost:01", wire.Challenge(offset=128, nonce=nonce), 1.0)), ev.WriteProof)
+    assert (w.endpoint, w.offset) == ("tcp://localhost:01", 128)
+    assert verify_memory(key.public_hex, "r1", "tcp://127.0.0.1:1", nonce, 128, w.proof)
+    assert not verify_memory(key.public_hex, "r1", "tcp://127.0.0.1:1", nonce, 64, w.proof)  # another offset
+    keyless = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA)
+    keyless.feed(ev.Registered("r1"))
+    assert not keyless.feed(ev.Message("tcp://p:1", wire.Challenge(offset=0, nonce=nonce), 1.0))
+    no_scratch = DecodeRooms(DecodeConfig(instance="d"), specs, SCHEMA, proof_key=key, scratch=False)
+    no_scratch.feed(ev.Registered("r1"))
+    assert not no_scratch.feed(ev.Message("tcp://p:1", wire.Challenge(offset=0, nonce=nonce), 1.0))
+
+
 def test_a_key_challenge_is_signed_with_our_proof_key_for_our_registration_and_that_prefill_rank():
     """The key half of the proof (transfer/ownership.py): the signature is over our registration
     id, the prefill endpoint as we dialled it (canonical) and its nonce, with the key whose public

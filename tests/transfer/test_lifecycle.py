@@ -13,7 +13,7 @@ import pytest
 
 from _cluster import wait_final, wait_until
 from _local import ProvingPeers, replies, rogue_request
-from kvbridge.errors import RoomInUse
+from kvbridge.errors import RoomEnded, RoomInUse
 from kvbridge.transfer.rooms import Stage, Tombstones
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.actions import Tick
@@ -94,6 +94,19 @@ def test_a_final_state_stays_readable_while_the_handle_lives(cluster):
         c.prefill[0]._feed_event(Gc(later))
     assert r.poll() == KVPoll.Success and r.failure_reason is None and r.aux.room == 32
     assert r.stats["state"] == "Success" and senders[0].poll() == KVPoll.Success
+    # send() on the ended room is a clear error (it was ignored silently), naming the room and state
+    with pytest.raises(RoomEnded, match="room 32, which already ended \\(Success\\)") as late:
+        senders[0].send(np.array([0]), np.array([0]), num_tokens_ready=8)
+    assert late.value.room == 32 and late.value.field == "send"
+
+
+def test_send_on_an_aborted_room_names_why_it_ended(cluster):
+    c = cluster(cp=1)
+    with c.prefill[0].sender(35) as s:
+        s.init(8)
+        s.abort("the engine gave up")
+        with pytest.raises(RoomEnded, match="Failed: .*the engine gave up"):
+            s.send(np.array([0]), np.array([0]), num_tokens_ready=8, is_last=True)
 
 
 def test_close_and_with_end_a_room_that_has_not_finished(cluster):

@@ -46,8 +46,10 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster, eng
     no kvbridge rank has registered at the daemon yet. Here that segment is a transfer-engine
     session with KV-shaped buffers and a scratch region that no rank registered; the fake
     registers them as its own, names that registration in its Hello and asks for a room: each
-    prefill rank writes a nonce into the segment's scratch, the fake cannot echo it, and the
-    request is refused naming why; not a byte lands in the segment's pages."""
+    prefill rank asks it for a memory proof and reads the segment's scratch back (proof by read:
+    issue 32), finds no signature of the fake's key there (the fake cannot write into the
+    segment), and refuses the request naming why; not a byte lands in the segment, not even in
+    its scratch region."""
     c = cluster(cp=2, engine=engine)
     engine = c._engine()  # the segment's process: memory registered with the engine, not at the daemon
     bufs = allocate_buffers(c.specs, 64)
@@ -76,7 +78,8 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster, eng
             for where, m in peers.recv_ready(50):
                 if isinstance(m, wire.KeyChallenge):
                     peers.send(where, wire.KeyProof(signature=key.sign(alias.rank_id, where, m.nonce)))
-                if isinstance(m, wire.Challenge):  # it cannot read the segment's scratch: its best guess
+                if isinstance(m, wire.Challenge):  # it cannot write the segment's scratch: it says it did
+                    assert m.nonce  # proof by read: the memory step asks, it writes nothing
                     peers.send(where, wire.ChallengeEcho(nonce=bytes(wire.NONCE_BYTES)))
                 got.append(m)
             return len([m for m in got if isinstance(m, wire.ErrorReply)]) >= 2
@@ -84,11 +87,12 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster, eng
         assert wait_until(answer, 10), got
         errors = [m for m in got if isinstance(m, wire.ErrorReply)]
         assert all("could not prove it holds the memory it registered" in e.reason and alias.rank_id in e.reason
-                   and "echoed other bytes" in e.reason for e in errors), errors
+                   and "held no proof by its key" in e.reason for e in errors), errors
         assert not [m for m in got if isinstance(m, wire.PagesDone)]
     finally:
         peers.close()
     assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in bufs.values())  # nothing landed
+    assert not scratch.memory[:scratch.nbytes].any()  # not even a nonce: prefill only read there
     assert not any(ep.counters["bytes"] for ep in c.prefill)
     engine.close()
 

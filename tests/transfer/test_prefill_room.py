@@ -910,6 +910,7 @@ def test_every_event_type_of_the_prefill_machine_is_fed_through_its_one_door(ms)
     ms.peers.entries["r2"] = fresh_peer()
     feed(ev.Message(E, wire.Ping(decode_rank="d/dp0/tp1", seq=1, decode_rank_id="r2"), "r2", 4.0))
     feed(NonceWritten(E, "not asked for", 4.0))  # no nonce write out yet: ignored
+    feed(ev.ProofReadBack(E, b"", "not asked for", 4.0))  # no proof read out yet: ignored
     acts = feed(ev.Resolved("r9", None, "registration r9 is not registered", 4.0))
     assert acts == ()  # nobody waited for it
     feed(Tick(4.1))

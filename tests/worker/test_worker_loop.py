@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvbridge.errors import PeerLost
 from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.worker import ops
@@ -152,3 +153,60 @@ def test_decode_refuses_ops_while_draining_and_for_the_wrong_role():
     assert isinstance(replies[1], ops.OpError) and "does not run Prefill" in replies[1].reason
     assert isinstance(replies[2], ops.StatsReply) and replies[2].stats["capacity_pages"] == 16
     assert isinstance(replies[3], ops.OpError) and "shutting down" in replies[3].reason
+
+
+class GoneOps(FakeOps):
+    """The ops server of a worker whose client went away: every answer to it is PeerLost."""
+
+    def reply(self, peer, request_id, msg):
+        if peer == b"gone":
+            raise PeerLost("ops channel to peer 676f6e65: peer not connected")
+        super().reply(peer, request_id, msg)
+
+
+def test_a_worker_outlives_the_ops_client_that_asked_for_a_room():
+    """Issue 32: an idle ops client closed before its 135 s room ended made the worker exit 2
+    (the room's answer raised PeerLost out of the loop). The answer is dropped and counted; the
+    next client's room runs."""
+    w = worker(PrefillWorker, "prefill", FakeSender)
+    w.ops_server = GoneOps([(b"gone", 1, ops.Prefill(7, 8)), (b"gone", 2, ops.Prefill(7, 8))])
+    w.step(0)  # the second op (room 7 again) is refused: its answer is lost too
+    sender = w.endpoint.made[7]
+    sender.state = KVPoll.WaitingForInput
+    w.step(0)
+    sender.state = KVPoll.Success
+    w.step(0)  # the room ends; its client is gone
+    assert 7 not in w.tasks and w.counters["rooms_ok"] == 1 and w.counters["replies_lost"] == 2
+    w.ops_server.inbox = [(b"c", 3, ops.Stats())]
+    w.step(0)
+    (rid, reply), = w.ops_server.replies
+    assert rid == 3 and isinstance(reply, ops.StatsReply)
+
+
+def test_a_real_ops_server_answering_a_closed_client_raises_peer_lost_which_the_worker_absorbs():
+    server = ops.OpsServer("127.0.0.1")
+    try:
+        client = ops.OpsClient(server.endpoint)
+        client.submit(ops.Stats())
+        got = []
+        for _ in range(200):  # one thread: each side turns its own loop
+            client.poll(0.01)
+            got += server.receive(0.01)
+            if got:
+                break
+        (peer, rid, _), = got
+        client.close()
+        w = worker(PrefillWorker, "prefill", FakeSender)
+        w.ops_server = server
+        for _ in range(100):  # the server notices the close on its loop
+            try:
+                server.reply(peer, rid, ops.Ack())
+            except PeerLost:
+                break
+            server.receive(0.02)
+        else:
+            raise AssertionError("a closed client's peer never became PeerLost")
+        w.reply(peer, rid, ops.Ack())  # absorbed, counted
+        assert w.counters["replies_lost"] == 1
+    finally:
+        server.close()

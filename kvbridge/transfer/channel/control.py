@@ -10,9 +10,11 @@ can be read); see ``transport.py`` for everything else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.channel.envelope import check_secret
+from kvbridge.transfer.channel.envelope import Hello, check_secret
 from kvbridge.transfer.channel.clients import Client, Clients
 from kvbridge.transfer.channel.server import Server
 from kvbridge.transfer.channel.transport import DEFAULT_HWM, MAX_PEERS, Limits
@@ -25,10 +27,11 @@ class ControlServer(Server):
     """Listens on ``tcp://host:port`` (port 0: a free one); a peer is its connection's id (bytes)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None,
-                 max_bytes: int = MAX_MESSAGE_BYTES, hwm: int = DEFAULT_HWM, limits: Limits | None = None) -> None:
+                 max_bytes: int = MAX_MESSAGE_BYTES, hwm: int = DEFAULT_HWM, limits: Limits | None = None,
+                 vouch: Callable[[Hello], bool] | None = None, protected: Callable[[bytes], bool] | None = None) -> None:
         bracketed = f"[{host}]" if ":" in host else host
         super().__init__(wire.codec(check_secret(secret), max_bytes), f"tcp://{bracketed}:{port}", hwm=hwm,
-                         limits=limits)
+                         limits=limits, vouch=vouch, protected=protected)
 
     def send(self, peer: bytes, msg: Message) -> None:
         self.send_frame(peer, wire.encode(msg, self.secret, max_bytes=self.max_bytes))

@@ -30,7 +30,9 @@ class Server(Channel[bytes]):
 
     def __init__(self, codec: Codec[Any], address: str, *, hwm: int = DEFAULT_HWM, limits: Limits | None = None,
                  admit: Callable[[socket.socket], Any] | None = None,
-                 on_lost: Callable[[bytes], None] | None = None) -> None:
+                 on_lost: Callable[[bytes], None] | None = None,
+                 vouch: Callable[[Hello], bool] | None = None,
+                 protected: Callable[[bytes], bool] | None = None) -> None:
         super().__init__(codec, hwm=hwm)
         self.limits = limits or Limits()
         if self.limits.frame_allowance < 64:
@@ -41,6 +43,12 @@ class Server(Channel[bytes]):
                               f"its largest frame ({self._max_frame + HEADER.size} bytes)", field="frame_budget")
         self._admit = admit
         self._on_lost = on_lost
+        # slots for known peers: a connection ``protected(peer)`` vouches for (a rank that proved
+        # itself) is never displaced, and a newcomer whose Hello ``vouch`` accepts (names such a
+        # rank) displaces an unprotected connection when every slot is taken, instead of being
+        # refused: a flood from many addresses can neither push a proven rank out nor keep it out
+        self._vouch = vouch
+        self._is_protected = protected
         family, sockaddr, label = parse_address(address, listen=True)
         try:
             self._listener = listen_socket(family, sockaddr)
@@ -61,7 +69,14 @@ class Server(Channel[bytes]):
         self._pending_by_address: collections.Counter[str] = collections.Counter()
         self._by_address: dict[str, dict[Stream, None]] = {}  # authenticated peers per address (oldest first)
         self._budget_used = 0  # bytes of frame_budget the readers hold
+        self._budget_by_address: collections.Counter[str] = collections.Counter()  # of it, per source address
+        # at most this much of the budget for one address (at least one largest frame): a flood from
+        # one address leaves the rest to the others
+        self._address_share = max(self.limits.frame_budget // 2, self._max_frame + HEADER.size)
         self._throttled: dict[Stream, None] = {}  # readers waiting for frame_budget (oldest first)
+        # the same readers by source address, the addresses in turn order: the next grant goes to the
+        # first address here whose share has room (its oldest waiting reader); served, it moves to the end
+        self._turns: dict[str, dict[Stream, None]] = {}
         self._meter = Meter()  # unsent output of every connection
         self._ids = itertools.count(1)
         self._accept_failures = 0
@@ -189,7 +204,7 @@ class Server(Channel[bytes]):
         if cap is not None and self.peers_from(address) >= cap:
             why = f"{cap} connections from {address} already"
         elif len(self._peers) >= limits.max_connections:
-            busiest = self._displaceable(address)
+            busiest = self._displaceable(address, known=self._vouch is not None and self._vouch(hello))
             if busiest is None:
                 why = f"{len(self._peers)} peers connected"
             else:
@@ -212,13 +227,22 @@ class Server(Channel[bytes]):
         self._peers[stream.ident] = stream
         self._by_address.setdefault(address, {})[stream] = None
 
-    def _displaceable(self, address: str) -> Stream | None:
-        """The oldest connection of the address holding the most, when it holds more than one
-        more than ``address`` does (so that displacing it makes the table fairer), else None."""
-        busiest = max(self._by_address, key=lambda a: len(self._by_address[a]), default=None)
-        if busiest is None or len(self._by_address[busiest]) <= self.peers_from(address) + 1:
-            return None
-        return next(iter(self._by_address[busiest]))
+    def _protected(self, stream: Stream) -> bool:
+        return self._is_protected is not None and self._is_protected(stream.ident)
+
+    def _displaceable(self, address: str, *, known: bool = False) -> Stream | None:
+        """The oldest unprotected connection of the address holding the most, when it holds more
+        than one more than ``address`` does (so that displacing it makes the table fairer), or,
+        for a ``known`` newcomer, whatever it holds; else None. Protected connections stay."""
+        mine = self.peers_from(address)
+        for busiest in sorted(self._by_address, key=lambda a: len(self._by_address[a]), reverse=True):
+            held = self._by_address[busiest]
+            if not known and len(held) <= mine + 1:
+                return None
+            victim = next((s for s in held if not self._protected(s)), None)
+            if victim is not None:
+                return victim
+        return None
 
     def _greeting(self, stream: Stream) -> bool:
         return stream.hello is None
@@ -238,26 +262,45 @@ class Server(Channel[bytes]):
     #   a reader's bytes:  [0, frame_allowance)                its own: small frames, headers
     #                      [frame_allowance, end of frame)     reserved whole from frame_budget
     # A frame larger than the allowance is read only once its whole excess is reserved (all or
-    # nothing, first come first served): whoever holds a reservation can finish its frame, so
-    # the readers never wait on one another in a circle, and the budget comes back when the frame
-    # is taken out or its connection closes.
+    # nothing): whoever holds a reservation can finish its frame, so the readers never wait on one
+    # another in a circle, and the budget comes back when the frame is taken out or its connection
+    # closes. Waiting readers are served fairly by source address, not in arrival order: the
+    # addresses take turns (round robin; within one, oldest first), and no address holds more than
+    # ``_address_share`` at once, so a flood of large frames from one address (any number of its
+    # connections) delays another address's frame by at most one turn, never starves it.
     def _room(self, stream: Stream) -> int:
         """Bytes ``stream`` may read now (<= 0: it waits for the budget)."""
         return self.limits.frame_allowance + stream.budget - stream.reader.buffered
 
+    def _next_in_turn(self) -> Stream | None:
+        """The waiting reader whose turn it is: the oldest of the first address in turn order
+        whose share has room for it; None when no waiting reader's address has room."""
+        for address, waiting in self._turns.items():
+            stream = next(iter(waiting))  # (oldest first)
+            if self._budget_by_address[address] - stream.budget + self._need(stream) <= self._address_share:
+                return stream
+        return None
+
+    def _need(self, stream: Stream) -> int:
+        size = stream.reader.announced if stream.sock is not None else 0
+        return max(0, HEADER.size + size - self.limits.frame_allowance) if size else 0
+
     def _taken(self, stream: Stream) -> None:
         if stream.hello is None:
             return
-        size = stream.reader.announced if stream.sock is not None else 0
-        need = max(0, HEADER.size + size - self.limits.frame_allowance) if size else 0
+        need = self._need(stream)
         if need == stream.budget:
             return
-        first = next(iter(self._throttled), stream)
-        if need > stream.budget and (first is not stream or
-                                     self._budget_used - stream.budget + need > self.limits.frame_budget):
-            need = 0  # not now: what it held goes back, and it waits its turn
+        if need > stream.budget:
+            waiting = bool(self._throttled) and not (stream.throttled and self._next_in_turn() is stream)
+            over_share = self._budget_by_address[stream.address] - stream.budget + need > self._address_share
+            if waiting or over_share or self._budget_used - stream.budget + need > self.limits.frame_budget:
+                need = 0  # not now: what it held goes back, and it waits its turn
         freed = need < stream.budget
         self._budget_used += need - stream.budget
+        self._budget_by_address[stream.address] += need - stream.budget
+        if self._budget_by_address[stream.address] <= 0:
+            del self._budget_by_address[stream.address]
         stream.budget = need
         if freed and self._throttled:
             self._unthrottle()
@@ -266,22 +309,38 @@ class Server(Channel[bytes]):
         if not stream.throttled:
             stream.throttled = time.monotonic()
             self._throttled[stream] = None
+            self._turns.setdefault(stream.address, {})[stream] = None
             self.stats.throttled += 1
             self._interest(stream)
+            self._unthrottle()  # the budget may have room for it, or for a waiter its turn puts first
+
+    def _unwait(self, stream: Stream) -> None:
+        """``stream`` waits no more; its address leaves the turns when none of its readers waits."""
+        if self._throttled.pop(stream, 0) is None:
+            same = self._turns[stream.address]
+            del same[stream]
+            if not same:
+                del self._turns[stream.address]
+        stream.throttled = 0.0
 
     def _unthrottle(self) -> None:
-        """Readers waiting for the budget are read again, oldest first, while it has room; their
+        """Readers waiting for the budget are read again, in turn, while it has room; their
         frame's clock did not run while they waited."""
         now = time.monotonic()
         while self._throttled:
-            stream = next(iter(self._throttled))
+            stream = self._next_in_turn()
+            if stream is None:
+                return
             self._taken(stream)
             if self._room(stream) <= 0:
                 return
-            del self._throttled[stream]
+            since = stream.throttled
+            self._unwait(stream)
+            rest = self._turns.pop(stream.address, None)  # served: its address goes to the end of the turns
+            if rest:
+                self._turns[stream.address] = rest
             if stream.partial_since:
-                stream.partial_since += now - stream.throttled
-            stream.throttled = 0.0
+                stream.partial_since += now - since
             if stream.sock is not None:
                 self._interest(stream)
 
@@ -406,8 +465,7 @@ class Server(Channel[bytes]):
     def _lost(self, stream: Stream, why: str) -> None:
         self._unwatch(stream)
         self._unpend(stream)
-        self._throttled.pop(stream, None)
-        stream.throttled = 0.0
+        self._unwait(stream)
         stream.drop_output()
         stream.close()
         self._taken(stream)  # (its budget back)
@@ -428,6 +486,7 @@ class Server(Channel[bytes]):
             self._pending.clear()
             self._by_address.clear()
             self._throttled.clear()
+            self._turns.clear()
             if not self._listen_paused:
                 self._sel.unregister(self._listener)
             self._close(streams, [self._listener])

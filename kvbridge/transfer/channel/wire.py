@@ -209,10 +209,18 @@ class Heartbeat(_Message, frozen=True, tag="heartbeat"):
 
 
 class Challenge(_Message, frozen=True, tag="challenge"):
-    """I wrote a fresh nonce into your registered scratch region at ``offset``: echo it
-    (ChallengeEcho) on this connection to prove you hold the memory you registered."""
+    """Prove you hold the memory you registered, at ``offset`` of your scratch region. With a
+    ``nonce`` (proof by read): write your proof key's signature over it (``ownership.memory_message``)
+    there yourself and say so (ChallengeEcho: the SHA-256 of what you wrote); I read it back, and
+    I write nothing. Without (engines that cannot read): I wrote a fresh nonce there; echo it."""
 
     offset: Count
+    nonce: bytes = b""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nonce, bytes) and len(self.nonce) not in (0, NONCE_BYTES):
+            raise ProtocolError(f"field 'nonce' of challenge must be 0 or {NONCE_BYTES} bytes, got {len(self.nonce)}",
+                                field="nonce")
 
 
 class KeyChallenge(_Message, frozen=True, tag="key_challenge"):

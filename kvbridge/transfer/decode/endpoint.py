@@ -16,6 +16,7 @@ engine's thread, under the lock, with no turn of the loop.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
 from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, LeaseChecked, LookedUp, LookUp, Message,
                                              ReadForCommit, Refresh, Refreshed, Registered, Scattered, ScatterFailed,
-                                             SetStaging)
+                                             SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
@@ -149,7 +150,8 @@ class DecodeEndpoint(EndpointShell):
                                     self.config.lease_ttl, scratch=self.scratch.descriptor,
                                     staging=None if self.staging is None else self.staging.descriptor,
                                     proof_key=self.proof_key.public_hex,
-                                    engine_metadata=self.engine.metadata)
+                                    engine_metadata=self.engine.metadata,
+                                    proof_signature=self.proof_key.sign_claim)
         # every connection's Hello names our registration: prefill acts on a message only for the
         # registration of the connection it came on
         self._peers = PeerSet(secret=self.config.secret, name=self.rank_id or "")
@@ -210,6 +212,16 @@ class DecodeEndpoint(EndpointShell):
             log.warning("prefill %s challenged %s at a bad offset: %s", a.endpoint, self.config.rank_label, exc)
             return
         self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=nonce)))
+
+    def _write_proof(self, a: WriteProof) -> None:
+        """A prefill rank's Challenge with a nonce: our proof into our own scratch region, then the
+        echo naming what we wrote (the prefill rank reads it back: proof by read)."""
+        try:
+            self.scratch.write(a.offset, a.proof)
+        except KVBridgeError as exc:
+            log.warning("prefill %s challenged %s at a bad offset: %s", a.endpoint, self.config.rank_label, exc)
+            return
+        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=hashlib.sha256(a.proof).digest())))
 
     def _feed_event(self, event: Any) -> None:
         """(lock held) Feed one event; first this rank's registration id when the lease keeper
@@ -324,6 +336,8 @@ class DecodeEndpoint(EndpointShell):
             self._read_for_commit(a)
         elif type(a) is EchoScratch:
             self._echo_scratch(a)
+        elif type(a) is WriteProof:
+            self._write_proof(a)
         else:
             raise TypeError(f"decode endpoint cannot carry out {a!r}")
 

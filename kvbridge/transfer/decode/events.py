@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "LeaseChecked", "LookUp", "LookedUp", "Message",
-    "ReadForCommit", "Refresh", "Refreshed", "Registered", "ScatterFailed", "Scattered", "SetStaging",
+    "ReadForCommit", "Refresh", "Refreshed", "Registered", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
 ]
 
 
@@ -48,6 +48,18 @@ class Refresh:
     ``Refreshed(key, topo, now)`` (topo None when it failed)."""
 
     key: tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteProof:
+    """A prefill rank's Challenge with a nonce (proof by read): write ``proof`` (our proof key's
+    signature over it) into our own scratch region at ``offset``, then send ``endpoint`` a
+    ChallengeEcho carrying its SHA-256; the prefill rank reads the proof back. An offset outside the
+    region: nothing written, no echo, a warning. Nothing to answer."""
+
+    endpoint: str
+    offset: int
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)

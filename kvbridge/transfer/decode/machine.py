@@ -17,6 +17,7 @@ it did not listen to (``tick``).
 
 from __future__ import annotations
 
+
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, EchoScratch, Init, LeaseChecked, LookedUp,
                                              LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
-                                             ScatterFailed, Scattered, SetStaging)
+                                             ScatterFailed, Scattered, SetStaging, WriteProof)
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -342,9 +343,21 @@ class DecodeRooms:
         self._out.append(Send((endpoint,), wire.KeyProof(signature=self.proof_key.sign(rank_id, endpoint, msg.nonce))))
 
     def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
-        """A prefill rank wrote a nonce into our scratch region: echo what lies at ``offset``
-        (our proof that we hold the memory we registered). Without a scratch region, or for an
-        offset outside it, no echo: that prefill rank then refuses us, naming why."""
+        """Our proof that we hold the memory we registered. With a nonce (proof by read): our proof
+        key's signature over it, for the shell to write into our own scratch region at ``offset``
+        (``WriteProof``) and the prefill rank to read back; the echo says what we wrote (its
+        SHA-256). Without: a prefill rank wrote a nonce there; echo what lies at ``offset``. Without a
+        scratch region, or for an offset outside it, no echo: that prefill rank then refuses us,
+        naming why."""
+        if msg.nonce:
+            rank_id = self.registration
+            if self.proof_key is None or not self.scratch or not rank_id:
+                log.warning("prefill %s asked %s for a memory proof; it has no proof key or scratch region", endpoint,
+                            self.cfg.rank_label)
+                return
+            self._out.append(WriteProof(endpoint, msg.offset,
+                                        self.proof_key.sign_memory(rank_id, endpoint, msg.nonce, msg.offset)))
+            return
         if not self.scratch:
             log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
             return

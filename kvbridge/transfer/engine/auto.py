@@ -141,6 +141,13 @@ class AutoEngine(JobEngine):
             log.info("%s: writes to %s go over %s", self._who, session, found)
         return found
 
+    def reads(self, session: str) -> bool:
+        return self._mc.reads(session)  # (the session is Mooncake's; IPC reaches only some of it)
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        self._mc.probe_read(session, dst, src, length, timeout)
+
     # ---- writes -----------------------------------------------------------------------------
     def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                      after: Any = None) -> int:

@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvbridge.errors import EngineError
+
 
 class WriteState(enum.Enum):
     PENDING = "pending"
@@ -134,6 +136,17 @@ class TransferEngine(ABC):
               after: Any = None) -> None:
         """Synchronous convenience: submit and wait; raises EngineError or TransferTimeout."""
         self.wait(self.submit_write(session, src, dst, length, after=after), timeout)
+
+    def reads(self, session: str) -> bool:
+        """Whether ``probe_read`` reaches ``session`` (the ownership proof reads there instead of
+        writing a nonce: docs/security.md, "Ownership proof")."""
+        return False
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        """A small control-plane read: the peer's ``src[i]`` into our registered ``dst[i]``,
+        synchronous; EngineError when this engine cannot read or the read fails."""
+        raise EngineError(f"{type(self).__name__} cannot read from session {session}", field="session")
 
     def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
                     timeout: float = 5.0) -> None:

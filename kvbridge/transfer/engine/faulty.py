@@ -87,6 +87,13 @@ class FaultyEngine(TransferEngine):
                     timeout: float = 5.0) -> None:
         self.inner.probe_write(session, src, dst, length, timeout)  # armed failures are for KV writes
 
+    def reads(self, session: str) -> bool:
+        return self.inner.reads(session)
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        self.inner.probe_read(session, dst, src, length, timeout)
+
     def poll(self, handle: int) -> WriteStatus:
         if handle < 0:
             with self._lock:

@@ -164,6 +164,24 @@ class LocalEngine(JobEngine):
                     timeout: float = 5.0) -> None:
         self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)
 
+    def reads(self, session: str) -> bool:
+        return True
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        """The peer's registered ``src[i]`` into our registered ``dst[i]``, now (in-process)."""
+        self._check_open()
+        dst, src, length = check_slices(dst, src, length)
+        with self.fabric.lock:
+            peer = self.fabric.regions(session)
+            if peer is None:
+                raise EngineError(f"{self._who}: no session {session} on this fabric", field="session")
+            if self._own_regions().first_outside(dst, length) >= 0 or peer.first_outside(src, length) >= 0:
+                raise EngineError(f"{self._who}: a read from session {session} outside registered memory",
+                                  field="src")
+            for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
+                ctypes.memmove(d, s, n)
+
     def _submit(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, after: Any, *,
                 probe: bool) -> int:
         self._check_open()

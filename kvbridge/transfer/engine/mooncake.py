@@ -182,6 +182,20 @@ class MooncakeEngine(JobEngine):
                 self._cond.notify()
         return job.handle
 
+    def reads(self, session: str) -> bool:
+        return True
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        """The ownership proof's read: each slice with ``transfer_sync_read`` (a few, small)."""
+        self._check_open()
+        dst, src, length = check_write(self._who, session, dst, src, length, self._regions, self._regions_lock)
+        for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
+            rc = self._mc.transfer_sync_read(session, d, s, n)
+            if rc != 0:
+                raise EngineError(f"{self._who}: read of {n} bytes at {s:#x} from session {session} failed (rc {rc})",
+                                  field="src")
+
     def _direct(self, session: str, src: np.ndarray, length: np.ndarray, after: Any) -> bool:
         """Post from the caller (lock held): a write of few slices and bytes, with no source event to
         wait for, to a session with nothing queued or in flight. Larger writes go to the pump: the

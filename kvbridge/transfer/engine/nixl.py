@@ -348,6 +348,13 @@ class NixlEngine(JobEngine):
             self._cond.notify()
         return job.handle
 
+    def reads(self, session: str) -> bool:
+        return True
+
+    def probe_read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                   timeout: float = 5.0) -> None:
+        self.read(session, dst, src, length, timeout)
+
     def read(self, session: str, dst: np.ndarray, src: np.ndarray, length: np.ndarray, timeout: float = 5.0) -> None:
         """Synchronous READ of the peer's ``src[i]`` into our registered ``dst[i]`` (``kvbridge doctor``'s
         read-back; rooms only write). EngineError naming the session, TransferTimeout past ``timeout``."""

@@ -15,11 +15,22 @@ is acted on, prefill proves the connection is the registration and holds its mem
       R's session canonical, R has a proof key and a scratch region?   no -> refused
       Send(C, KeyChallenge(k))                                          (KEYING)
       KeyProof(sig) on C: sig by R's proof key over (R, our endpoint, k)?   no -> refused (no retry)
-      WriteNonce(C, R's session, scratch base + offset, nonce)          (WRITING; the shell: engine write, off the loop)
-      NonceWritten(C, problem)   failed -> refused
-      Send(C, Challenge(offset))                                        (CHALLENGED)
-      ChallengeEcho(nonce') on C: compare in constant time -> PROVEN | WRITING again | refused
+      proof by read (an engine that reads R's session: Mooncake, NIXL, the local fabric):
+        Send(C, Challenge(offset, nonce))                               (CHALLENGED)
+          R writes sig' = its key's signature over (R, our endpoint, nonce, offset) into its
+          own scratch region at offset, and says so: ChallengeEcho
+        ReadProof(C, R's session, scratch base + offset, 64)            (READING; the shell: engine read, off the loop)
+        ProofRead(C, bytes, problem): a signature by R's key over that? -> PROVEN | CHALLENGED again | refused
+      proof by write (an engine that cannot read: CUDA IPC on one host):
+        WriteNonce(C, R's session, scratch base + offset, nonce)        (WRITING; the shell: engine write, off the loop)
+        NonceWritten(C, problem)   failed -> refused
+        Send(C, Challenge(offset))                                      (CHALLENGED)
+        ChallengeEcho(nonce') on C: compare in constant time -> PROVEN | WRITING again | refused
       (no answer within ``timeout`` -> refused)
+
+By read, prefill writes nothing anywhere before the connection is proven: it reads what the
+registrant wrote into memory it named, and only the process that holds both R's key and write
+access to that memory can have put a fresh signature there (docs/security.md, "Ownership proof").
 
 The key step binds C to R: R's proof key is the one its registrant put in the registration,
 whose private half never lies in memory a transfer engine can reach, so reading or writing
@@ -56,16 +67,16 @@ from typing import Any
 from kvbridge.bootstrap.endpoints import is_canonical_session
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.ownership import verify_proof
+from kvbridge.transfer.ownership import SIGNATURE_BYTES, verify_memory, verify_proof
 from kvbridge.transfer.poll import IllegalTransition
 from kvbridge.transfer.prefill.targets import DecodePeer, Resolve
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "EVENTS", "PROOF_ATTEMPTS", "PROOF_FAILED", "TABLE", "TRANSITIONS", "Admission", "Admitted", "Arrived",
-    "Connection", "EchoGiven", "Forget", "KeyProofGiven", "NonceWritten", "Overdue", "Proof", "Refused",
-    "RegistrationRead", "WriteNonce",
+    "EVENTS", "MAX_WAITING_BYTES", "MAX_WAITING_BYTES_PER_CONNECTION", "PROOF_ATTEMPTS", "held_bytes", "PROOF_FAILED", "TABLE", "TRANSITIONS", "Admission", "Admitted", "Arrived",
+    "Connection", "EchoGiven", "Forget", "KeyProofGiven", "NonceWritten", "Overdue", "Proof", "ProofRead", "ReadProof",
+    "Refused", "RegistrationRead", "WriteNonce",
 ]
 
 PROOF_FAILED = "could not prove it holds the memory it registered"
@@ -76,13 +87,32 @@ PROOF_FAILED = "could not prove it holds the memory it registered"
 # another's bytes. A fresh nonce at a fresh offset settles that; memory that is not the rank's
 # own never echoes any nonce, so the retries cost an impostor nothing but time.
 PROOF_ATTEMPTS = 4
+# Messages held while their connection proves itself weigh at most this much, on all connections
+# together and on one: a flood of large requests on connections that never finish their proof
+# costs a bounded amount, and one connection cannot take every byte (docs/security.md)
+MAX_WAITING_BYTES = 32 << 20
+MAX_WAITING_BYTES_PER_CONNECTION = 4 << 20
+HELD_OVERHEAD = 512  # per held message: the decoded struct and its small fields, counted generously
+
+
+def held_bytes(msg: Any) -> int:
+    """What a held message weighs: its byte and text fields (page lists) plus ``HELD_OVERHEAD``."""
+    size = HELD_OVERHEAD
+    for name in getattr(msg, "__struct_fields__", ()):
+        value = getattr(msg, name, None)
+        if isinstance(value, (bytes, bytearray, str)):
+            size += len(value)
+        elif isinstance(value, (list, tuple)):
+            size += sum(len(v) if isinstance(v, (bytes, str)) else 16 for v in value)
+    return size
 
 
 class Proof(Enum):
     RESOLVING = "resolving"  # the registration is being read
     KEYING = "keying"  # KeyChallenge sent, waiting for the registration key's signature
-    WRITING = "writing"  # the nonce write is out
+    WRITING = "writing"  # the nonce write is out (proof by write)
     CHALLENGED = "challenged"  # Challenge sent, waiting for the echo
+    READING = "reading"  # the memory proof's read is out (proof by read)
     PROVEN = "proven"
     REFUSED = "refused"
 
@@ -92,9 +122,10 @@ class Proof(Enum):
 # later message after ``retry_s`` (refused) or naming another registration starts a new one.
 TRANSITIONS: dict[Proof, frozenset[Proof]] = {
     Proof.RESOLVING: frozenset({Proof.KEYING, Proof.REFUSED}),
-    Proof.KEYING: frozenset({Proof.WRITING, Proof.REFUSED}),
+    Proof.KEYING: frozenset({Proof.WRITING, Proof.CHALLENGED, Proof.REFUSED}),
     Proof.WRITING: frozenset({Proof.CHALLENGED, Proof.REFUSED}),
-    Proof.CHALLENGED: frozenset({Proof.PROVEN, Proof.WRITING, Proof.REFUSED}),
+    Proof.CHALLENGED: frozenset({Proof.PROVEN, Proof.WRITING, Proof.READING, Proof.REFUSED}),
+    Proof.READING: frozenset({Proof.PROVEN, Proof.CHALLENGED, Proof.REFUSED}),
     Proof.PROVEN: frozenset(),
     Proof.REFUSED: frozenset(),
 }
@@ -147,6 +178,19 @@ class EchoGiven:
 
 
 @dataclass(frozen=True, slots=True)
+class ProofRead:
+    """The shell's answer to a ``ReadProof``: the bytes read (``problem`` None), or why not;
+    ``peer`` and ``endpoint`` as in ``KeyProofGiven`` (what the proof is checked against)."""
+
+    ident: bytes
+    data: bytes
+    problem: str | None
+    peer: DecodePeer | None
+    endpoint: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class RegistrationRead:
     """The daemon's answer for registration ``rank_id``: ``peer`` (None with ``problem``)."""
 
@@ -170,18 +214,19 @@ class Forget:
     alive: frozenset[bytes]
 
 
-EVENTS = (Arrived, KeyProofGiven, NonceWritten, EchoGiven, RegistrationRead, Overdue, Forget)
+EVENTS = (Arrived, KeyProofGiven, NonceWritten, EchoGiven, ProofRead, RegistrationRead, Overdue, Forget)
 
 # Which event moves a connection from which state (to the states the event may lead to). An
 # event for a connection in a state not listed here is answered as the protocol says: a proof
 # or echo nobody waits for is refused by name, a late nonce answer or registration is ignored.
-_WAITING = (Proof.KEYING, Proof.WRITING, Proof.CHALLENGED)
+_WAITING = (Proof.KEYING, Proof.WRITING, Proof.CHALLENGED, Proof.READING)
 TABLE: dict[tuple[type, Proof], frozenset[Proof]] = {
     (Arrived, Proof.RESOLVING): frozenset({Proof.KEYING, Proof.REFUSED}),  # (a fresh record)
     (RegistrationRead, Proof.RESOLVING): frozenset({Proof.KEYING, Proof.REFUSED}),
-    (KeyProofGiven, Proof.KEYING): frozenset({Proof.WRITING, Proof.REFUSED}),
+    (KeyProofGiven, Proof.KEYING): frozenset({Proof.WRITING, Proof.CHALLENGED, Proof.REFUSED}),
     (NonceWritten, Proof.WRITING): frozenset({Proof.CHALLENGED, Proof.REFUSED}),
-    (EchoGiven, Proof.CHALLENGED): frozenset({Proof.PROVEN, Proof.WRITING, Proof.REFUSED}),
+    (EchoGiven, Proof.CHALLENGED): frozenset({Proof.PROVEN, Proof.WRITING, Proof.READING, Proof.REFUSED}),
+    (ProofRead, Proof.READING): frozenset({Proof.PROVEN, Proof.CHALLENGED, Proof.REFUSED}),
     **{(Overdue, s): frozenset({Proof.REFUSED}) for s in _WAITING},
 }
 
@@ -218,6 +263,19 @@ class WriteNonce:
     nonce: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class ReadProof:
+    """Read ``length`` bytes at ``src`` of decode session ``session`` (its registered scratch
+    region) through the transfer engine into our own memory, off the loop; answer with
+    ``ProofRead(ident, data, problem, ...)``. Nothing is written anywhere."""
+
+    ident: bytes
+    rank_id: str
+    session: str
+    src: int
+    length: int
+
+
 @dataclass
 class Connection:
     ident: bytes
@@ -229,10 +287,12 @@ class Connection:
     key_nonce: bytes = b""  # the KeyChallenge's nonce
     offset: int = 0
     attempts: int = 0  # challenges written so far (PROOF_ATTEMPTS)
+    by_read: bool = False  # proof by read (its engine reads the registration's session)
     deadline: float = 0.0
     why: str = ""  # the refusal, once refused
     retry_at: float = 0.0  # refused: a message after this starts a fresh proof (a failed write may be transient)
     waiting: list[Any] = field(default_factory=list)  # messages held until proven
+    waiting_bytes: int = 0  # what they weigh (held_bytes)
 
 
 class Admission:
@@ -241,11 +301,16 @@ class Admission:
     bytes (a test may pass its own)."""
 
     def __init__(self, rank: str, *, timeout: float = 5.0, max_waiting: int = 10_000, retry_s: float = 1.0,
-                 nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
+                 nonce_source: Callable[[int], bytes] = secrets.token_bytes,
+                 max_waiting_bytes: int = MAX_WAITING_BYTES,
+                 max_waiting_bytes_per_connection: int = MAX_WAITING_BYTES_PER_CONNECTION) -> None:
         self.rank = rank
         self.timeout = timeout
         self.retry_s = retry_s
         self.max_waiting = max_waiting
+        self.max_waiting_bytes = max_waiting_bytes  # every connection's held messages together
+        self.max_waiting_bytes_per_connection = max_waiting_bytes_per_connection
+        self.waiting_bytes = 0
         self.nonce_source = nonce_source
         self.conns: dict[bytes, Connection] = {}
         self.resolving: dict[str, list[bytes]] = {}  # registration -> connections waiting for it
@@ -309,8 +374,16 @@ class Admission:
         elif len(c.waiting) >= self.max_waiting:
             self._out.append(Refused(e.ident, msg, f"{self.max_waiting} messages already wait for decode registration "
                                                    f"{e.said} to prove it holds its memory"))
+        elif (c.waiting_bytes + (size := held_bytes(msg)) > self.max_waiting_bytes_per_connection
+              or self.waiting_bytes + size > self.max_waiting_bytes):
+            self._out.append(Refused(e.ident, msg, f"{c.waiting_bytes} bytes of messages wait on this connection and "
+                                                   f"{self.waiting_bytes} on all (caps {self.max_waiting_bytes_per_connection}"
+                                                   f" and {self.max_waiting_bytes}) for decode registrations to prove "
+                                                   "they hold their memory; this one is not held"))
         else:
             c.waiting.append(msg)
+            c.waiting_bytes += size
+            self.waiting_bytes += size
 
     def _registration_read(self, e: RegistrationRead) -> None:
         for ident in self.resolving.pop(e.rank_id, []):
@@ -354,6 +427,15 @@ class Admission:
         if c is None or c.state is not Proof.CHALLENGED:
             self._out.append(Refused(e.ident, e.msg, "no challenge is waiting for an echo on this connection"))
             return
+        if c.by_read:  # it says it wrote its proof: read it back (nothing written by us)
+            if e.peer is None or e.peer.scratch is None:
+                self._refuse(c, f"registration {c.rank_id} is no longer known here", e.now)
+                return
+            _to(c, Proof.READING)
+            c.deadline = e.now + self.timeout
+            self._out.append(ReadProof(c.ident, c.rank_id, e.peer.session, e.peer.scratch[0] + c.offset,
+                                       SIGNATURE_BYTES))
+            return
         if not hmac.compare_digest(c.nonce, e.msg.nonce):
             if e.peer is not None and c.attempts < PROOF_ATTEMPTS:  # (another rank's nonce may have replaced ours)
                 self._write_challenge(c, e.peer, e.now)
@@ -364,12 +446,36 @@ class Admission:
             return
         _to(c, Proof.PROVEN)
         c.nonce = b""
-        waiting, c.waiting = c.waiting, []
+        waiting = self._take_waiting(c)
         self._out.extend(Admitted(e.ident, held) for held in waiting)
+
+    def _proof_read(self, e: ProofRead) -> None:
+        c = self.conns.get(e.ident)
+        if c is None or c.state is not Proof.READING:
+            return  # (refused or re-started meanwhile)
+        if e.problem is not None:
+            self._refuse(c, f"its memory proof could not be read from its scratch region: {e.problem}", e.now)
+            return
+        if e.peer is None or e.peer.proof_key is None:
+            self._refuse(c, f"registration {c.rank_id} is no longer known here", e.now)
+            return
+        if verify_memory(e.peer.proof_key, c.rank_id, e.endpoint, c.nonce, c.offset, e.data):
+            _to(c, Proof.PROVEN)
+            c.nonce = b""
+            waiting = self._take_waiting(c)
+            self._out.extend(Admitted(e.ident, held) for held in waiting)
+            return
+        if c.attempts < PROOF_ATTEMPTS:  # (another prefill rank's challenge may have taken that offset meanwhile)
+            self._write_challenge(c, e.peer, e.now)
+            return
+        self._refuse(c, f"the memory of session {e.peer.session} it registered held no proof by its key at the "
+                        f"offsets asked, {c.attempts} times: that memory is not its own (or it cannot write there)",
+                     e.now)
 
     def _overdue(self, e: Overdue) -> None:
         for c in [c for c in self.conns.values() if c.state in _WAITING and e.now > c.deadline]:
-            what = "key proof" if c.state is Proof.KEYING else "echo of the nonce"
+            what = {Proof.KEYING: "key proof", Proof.READING: "read of its memory proof"}.get(c.state,
+                                                                                              "echo of the nonce")
             self._refuse(c, f"no {what} within {self.timeout:.1f}s", e.now)
 
     def _forget(self, e: Forget) -> None:
@@ -379,7 +485,16 @@ class Admission:
 
     # -- steps ------------------------------------------------------------------------------
 
+    def _take_waiting(self, c: Connection) -> list[Any]:
+        waiting, c.waiting = c.waiting, []
+        self.waiting_bytes -= c.waiting_bytes
+        c.waiting_bytes = 0
+        return waiting
+
     def _start(self, ident: bytes, rank_id: str) -> Connection:
+        old = self.conns.get(ident)
+        if old is not None and old.waiting:  # (a record is replaced only once settled; never lose count)
+            self._take_waiting(old)
         c = self.conns[ident] = Connection(ident, rank_id)
         return c
 
@@ -398,9 +513,22 @@ class Admission:
         self._out.append(Send((c.ident,), wire.KeyChallenge(nonce=c.key_nonce)))
 
     def _write_challenge(self, c: Connection, peer: DecodePeer, now: float) -> None:
-        """The proof's second step: a fresh nonce at a random aligned offset of the registration's
-        scratch region, to echo."""
+        """The proof's second step. By read: a fresh nonce and a random aligned offset of the
+        registration's scratch region, where it writes its key's signature over them. By write
+        (an engine that cannot read): a fresh nonce written at such an offset, to echo."""
         base, nbytes = peer.scratch  # type: ignore[misc]  # (_unprovable checked it)
+        c.by_read = peer.by_read
+        if c.by_read:
+            if nbytes < SIGNATURE_BYTES:
+                self._refuse(c, f"its scratch region ({nbytes} bytes) cannot hold a memory proof", now)
+                return
+            c.nonce = self.nonce_source(wire.NONCE_BYTES)
+            c.offset = secrets.randbelow(nbytes // SIGNATURE_BYTES) * SIGNATURE_BYTES
+            c.attempts += 1
+            _to(c, Proof.CHALLENGED)
+            c.deadline = now + self.timeout
+            self._out.append(Send((c.ident,), wire.Challenge(offset=c.offset, nonce=c.nonce)))
+            return
         c.nonce = self.nonce_source(wire.NONCE_BYTES)
         c.offset = secrets.randbelow(nbytes // wire.NONCE_BYTES) * wire.NONCE_BYTES
         c.attempts += 1
@@ -414,13 +542,14 @@ class Admission:
         c.why = f"{label} {PROOF_FAILED}: {why}"
         c.retry_at = now + self.retry_s
         log.warning("prefill rank %s refuses connection %s: %s", self.rank, c.ident.hex(), c.why)
-        waiting, c.waiting = c.waiting, []
+        waiting = self._take_waiting(c)
         self._out.extend(Refused(c.ident, msg, c.why) for msg in waiting)
 
 
 _HANDLERS: dict[type, Callable[[Admission, Any], None]] = {
     Arrived: Admission._arrived, KeyProofGiven: Admission._key_proof, NonceWritten: Admission._nonce_written,
-    EchoGiven: Admission._echo, RegistrationRead: Admission._registration_read, Overdue: Admission._overdue,
+    EchoGiven: Admission._echo, ProofRead: Admission._proof_read, RegistrationRead: Admission._registration_read,
+    Overdue: Admission._overdue,
     Forget: Admission._forget,
 }
 

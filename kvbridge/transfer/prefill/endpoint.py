@@ -41,7 +41,7 @@ import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, TransferError, UnknownInstance
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, RoomEnded, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
@@ -51,11 +51,11 @@ from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.engine.registry import entry_of, route_key
 from kvbridge.transfer.prefill.config import PrefillConfig
-from kvbridge.transfer.prefill.admission import NonceWritten, WriteNonce
+from kvbridge.transfer.prefill.admission import NonceWritten, ReadProof, WriteNonce
 from kvbridge.transfer.prefill.targets import Resolve
 from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
-                                              Posted, PostWrite, ReleaseAux, Resolved, SendDigested, Serving,
-                                              WriteFinal)
+                                              Posted, PostWrite, ProofReadBack, ReleaseAux, Resolved, SendDigested,
+                                              Serving, WriteFinal)
 from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
@@ -183,7 +183,8 @@ class PrefillEndpoint(EndpointShell):
             self.aux_buffers.register(self.engine)
         if self.gather is not None:
             self.gather.register(self.engine)
-        self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret)
+        self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret,
+                                     vouch=self._known_rank, protected=self._proven)
         with self._lock:
             self._feed_event(Serving(self._server.endpoint))  # what decode ranks' KeyProofs sign
         self.engine.set_notify(self._engine_final)
@@ -194,6 +195,17 @@ class PrefillEndpoint(EndpointShell):
             scratch=self.scratch.descriptor, engine_metadata=self.engine.metadata,
         )
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
+
+    # Slots for known ranks (channel/server.py): read on the channel's loop thread without the lock
+    # (it may hold the channel's while a sender holds ours), so only single dict reads here.
+    def _proven(self, ident: bytes) -> bool:
+        """A connection that proved its registration (never displaced by a newcomer)."""
+        return self.machine.is_proven(ident)
+
+    def _known_rank(self, hello: Any) -> bool:
+        """A newcomer naming a decode registration this rank has read (a rank that reconnects):
+        it may displace an unproven connection when every slot is taken."""
+        return bool(hello.peer) and self.machine.knows_rank(hello.peer)
 
     def close(self, timeout: float = 5.0) -> None:
         """Let in-flight rooms finish for up to ``timeout`` s, fail the rest, deregister."""
@@ -254,9 +266,11 @@ class PrefillEndpoint(EndpointShell):
         when the decode ranks already asked (no loop turn); completions are reported from the
         engine's callback."""
         with self._lock:
-            if r.state.final:  # failed meanwhile (abort, peer loss): poll() tells the engine; nothing to send
-                log.debug("send() on room %d ignored: %s %s", r.room, r.state.state.name, r.state.reason)
-                return
+            if r.state.final:  # ended meanwhile (abort, peer loss) or before: nothing is queued, and the engine hears why
+                why = f": {r.state.reason}" if r.state.reason else ""
+                raise RoomEnded(f"send() on room {r.room}, which already ended ({r.state.state.name}{why}); nothing "
+                                "queued: poll() says a room's final state", room=r.room, rank=self.config.rank_label,
+                                field="send")
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)
@@ -312,6 +326,8 @@ class PrefillEndpoint(EndpointShell):
             self._resolver.submit(self._resolve, a)
         elif type(a) is WriteNonce:
             self._resolver.submit(self._write_nonce, a)
+        elif type(a) is ReadProof:
+            self._resolver.submit(self._read_proof, a)
         else:
             raise TypeError(f"prefill endpoint cannot carry out {a!r}")
 
@@ -416,7 +432,23 @@ class PrefillEndpoint(EndpointShell):
                 detail, problem = None, (f"decode rank {a.label}'s registration {a.rank_id}: its transfer engine's "
                                          f"metadata does not load: {exc}")
         kind = "local" if detail is None else self._engine_kind(detail.session_id)
-        self._queue(Resolved(a.rank_id, detail, problem, time.monotonic(), kind))
+        by_read = detail is not None and self.engine.reads(detail.session_id)
+        self._queue(Resolved(a.rank_id, detail, problem, time.monotonic(), kind, by_read))
+
+    def _read_proof(self, a: ReadProof) -> None:
+        """Resolver thread: read a decode rank's memory proof out of its scratch region into our
+        private scratch bytes (one at a time: this one thread is their only user). Nothing is
+        written into the decode rank's memory."""
+        try:
+            self.engine.probe_read(a.session, np.array([self.scratch.landing], np.uint64), np.array([a.src], np.uint64),
+                                   np.array([a.length], np.uint64), timeout=self.config.peer_timeout)
+            data, problem = self.scratch.read_landing(a.length), None
+        except KVBridgeError as exc:
+            data, problem = b"", f"session {a.session}: {exc}"
+        except Exception as exc:  # a bug refuses this connection, never the resolver thread
+            log.exception("proof read from %s failed", a.session)
+            data, problem = b"", f"session {a.session}: {type(exc).__name__}: {exc}"
+        self._queue(ProofReadBack(a.ident, data, problem, time.monotonic()))
 
     def _write_nonce(self, a: WriteNonce) -> None:
         """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a

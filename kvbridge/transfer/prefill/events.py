@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENTS", "AuxFrom", "Chunk", "Closing", "EngineInit", "Gc", "Message", "Post", "PostFailed", "PostWrite",
-    "Posted", "ReleaseAux", "Resolved", "SendDigested", "Serving", "WriteFinal",
+    "Posted", "ProofReadBack", "ReleaseAux", "Resolved", "SendDigested", "Serving", "WriteFinal",
 ]
 
 
@@ -159,6 +159,18 @@ class Resolved:
     problem: str | None
     now: float
     engine_kind: str = "local"
+    by_read: bool = False  # our engine reads that session: its memory is proven by read (admission.py)
+
+
+@dataclass(frozen=True, slots=True)
+class ProofReadBack:
+    """The shell's answer to a ``ReadProof`` (admission.py): the bytes read from the registrant's
+    scratch (``problem`` None), or why they could not be read."""
+
+    ident: bytes
+    data: bytes
+    problem: str | None
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +209,6 @@ class Gc:
 
 
 EVENTS = (
-    Serving, Closing, EngineInit, Chunk, Post, AbortRoom, CloseRoom, Shutdown, Message, Resolved, NonceWritten,
+    Serving, Closing, EngineInit, Chunk, Post, AbortRoom, CloseRoom, Shutdown, Message, Resolved, NonceWritten, ProofReadBack,
     Posted, PostFailed, ChunkPosted, ChunkPostFailed, WriteFinal, SetMode, Tick, Gc,
 )

@@ -32,11 +32,12 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
 from kvbridge.transfer.prefill.admission import (Admission, Admitted, Arrived, EchoGiven, Forget, KeyProofGiven,
-                                                 NonceWritten, Overdue, Refused, RegistrationRead)
+                                                 NonceWritten, Overdue, Proof, ProofRead, Refused,
+                                                 RegistrationRead)
 from kvbridge.transfer.prefill.targets import DecodePeer, DecodePeers
 from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
-                                              Posted, PostWrite, ReleaseAux, Resolved, SendDigested, Serving,
-                                              WriteFinal)
+                                              Posted, PostWrite, ProofReadBack, ReleaseAux, Resolved, SendDigested,
+                                              Serving, WriteFinal)
 from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
                                               RoomGone, SetMode, Settle, StagedWrites, StageWrite, Started,
                                               WriteEnded, registered_offer)
@@ -134,6 +135,15 @@ class PrefillRooms:
         """The engine handles of writes in flight (among ``final``, when the engine said which)."""
         handles = self.handles
         return list(handles) if final is None else [h for h in final if h in handles]
+
+    def is_proven(self, ident: bytes) -> bool:
+        """Whether connection ``ident`` proved its registration (the channel never displaces it)."""
+        c = self.admission.conns.get(ident)
+        return c is not None and c.state is Proof.PROVEN
+
+    def knows_rank(self, rank_id: str) -> bool:
+        """Whether the registration of decode rank ``rank_id`` has been read here."""
+        return self.peers.entries.get(rank_id) is not None
 
     def staging_counters(self) -> dict[str, int]:
         return dict(self.stage.counters)
@@ -250,10 +260,16 @@ class PrefillRooms:
         peer = self.peers.get(rank_id)
         return peer.instance if peer is not None else None
 
+    def _proof_read(self, e: ProofReadBack) -> None:
+        """The shell's answer to a ``ReadProof``: the bytes read, or why not (admission checks them)."""
+        self._admit(self.admission.feed(ProofRead(e.ident, e.data, e.problem, self._proving(e.ident), self.endpoint,
+                                                  e.now)), e.now)
+
     def _resolved(self, e: Resolved) -> None:
-        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused."""
+        """The daemon's answer to a ``Resolve``: the requests that waited are delivered or refused.
+        ``by_read``: our engine reads the registration's session (its memory is proven by read)."""
         rank_id, now = e.rank_id, e.now
-        waiters, problem = self.peers.resolved(rank_id, e.detail, e.problem, e.engine_kind)
+        waiters, problem = self.peers.resolved(rank_id, e.detail, e.problem, e.engine_kind, e.by_read)
         self._admit(self.admission.feed(RegistrationRead(rank_id, self.peers.get(rank_id), problem, now)), now)
         for ident, req in waiters:
             if problem is None:
@@ -763,7 +779,7 @@ _HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
     Serving: PrefillRooms._serving, Closing: PrefillRooms._closing, EngineInit: PrefillRooms._engine_init,
     Chunk: PrefillRooms._chunk, Post: PrefillRooms._post, AbortRoom: PrefillRooms._abort,
     CloseRoom: PrefillRooms._close, Shutdown: PrefillRooms._shutdown, Message: PrefillRooms._message,
-    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, Posted: PrefillRooms._posted,
+    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, ProofReadBack: PrefillRooms._proof_read, Posted: PrefillRooms._posted,
     PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
     ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
     Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,

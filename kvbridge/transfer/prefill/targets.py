@@ -101,12 +101,13 @@ class DecodePeer:
     staging: tuple[int, int, int] | None = None
     proof_key: str | None = None  # its ownership-proof public key (hex): who may act for it (transfer/ownership.py)
     engine_kind: str = "local"  # the kind of engine our writes to its session go through (choose_path's ``engine``)
+    by_read: bool = False  # our engine reads its session: its memory is proven by read (prefill/admission.py)
     pairings: dict[tuple[str, ...], PairedBuffers] = field(default_factory=dict)
     routes: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)
     checked: dict[tuple[int, int], Any] = field(default_factory=dict)  # (tp size, tp rank) -> targets.PeerRoute
 
     @classmethod
-    def of(cls, detail: RankDetail, engine_kind: str = "local") -> DecodePeer:
+    def of(cls, detail: RankDetail, engine_kind: str = "local", by_read: bool = False) -> DecodePeer:
         return cls(
             rank_id=detail.rank_id, label=detail.rank.label, session=detail.session_id, fingerprint=detail.fingerprint,
             buffers=[BufferDesc(p.pool, p.layer_id, p.base, p.capacity_pages, p.bytes_per_page) for p in detail.pools],
@@ -115,7 +116,7 @@ class DecodePeer:
             scratch=None if detail.scratch is None else (detail.scratch.base, detail.scratch.nbytes),
             staging=None if detail.staging is None else (detail.staging.base, detail.staging.nbytes,
                                                          detail.staging.slot_bytes),
-            proof_key=detail.proof_key, engine_kind=engine_kind,
+            proof_key=detail.proof_key, engine_kind=engine_kind, by_read=by_read,
         )  # fmt: skip
 
     def pairing(self, specs: Mapping[str, PoolSpec], src: Sequence[BufferDesc], pools: tuple[str, ...],
@@ -177,7 +178,7 @@ class DecodePeers:
         return Resolve(req.decode_rank_id, req.decode_rank) if first else None
 
     def resolved(self, rank_id: str, detail: RankDetail | None, problem: str | None,
-                 engine_kind: str = "local") -> tuple[list[Waiter], str | None]:
+                 engine_kind: str = "local", by_read: bool = False) -> tuple[list[Waiter], str | None]:
         """The daemon's answer (and the kind of engine our writes to its session go through): keep
         the registration; the requests that waited for it, and the reason to refuse them (None:
         deliver them)."""
@@ -185,7 +186,7 @@ class DecodePeers:
         if detail is not None and detail.rank.role != "decode":
             detail, problem = None, f"registration {rank_id} is a {detail.rank.role} rank ({detail.rank.label})"
         if detail is not None:
-            self.entries[rank_id] = DecodePeer.of(detail, engine_kind)
+            self.entries[rank_id] = DecodePeer.of(detail, engine_kind, by_read)
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)
         return waiters, problem
