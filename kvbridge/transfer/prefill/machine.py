@@ -19,15 +19,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec, layer_range_specs
-from kvbridge.layout.plan import TransferPlan
+from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.binding import claim_refusal
-from kvbridge.transfer.engine import WriteState, WriteStatus
+from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
@@ -36,18 +33,17 @@ from kvbridge.transfer.prefill.admission import (Admission, Admitted, Arrived, E
                                                  RegistrationRead)
 from kvbridge.transfer.prefill.targets import DecodePeer, DecodePeers
 from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
-                                              Posted, PostWrite, ProofReadBack, ReleaseAux, Resolved, SendDigested,
-                                              Serving, WriteFinal)
+                                              Posted, ProofReadBack, ReleaseAux, Resolved, Serving, WriteFinal)
 from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
-                                              RoomGone, SetMode, Settle, StagedWrites, StageWrite, Started,
-                                              WriteEnded, registered_offer)
+                                              RoomGone, SetMode, Settle, StagedWrites, Started, WriteEnded,
+                                              registered_offer)
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target, request_target
+from kvbridge.transfer.prefill.targets import request_target
+from kvbridge.transfer.prefill.writes import Writes, trace_room
 from kvbridge.transfer.rooms import Rooms, Stage
 
 log = logging.getLogger(__name__)
 
-_EMPTY = np.zeros(0, dtype=np.int64)
 _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
@@ -73,7 +69,6 @@ class PrefillRooms:
             (max(s.layer_ids) for s in self.specs.values() if s.layer_ids), default=0)
         # the target layers this rank holds: its pipeline stage's, or all
         self.layer_span = config.pp_layers if config.pp_layers is not None else (0, self.num_target_layers)
-        self._cut_specs: dict[tuple[int, int], dict[str, PoolSpec]] = {}  # layer range -> its pools' cut
         self.src_bufs = src_bufs
         self.aux_schema = aux_schema
         self.fingerprint = fingerprint
@@ -85,20 +80,17 @@ class PrefillRooms:
         self.peers = DecodePeers()
         self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
         self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
-        self.writes: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
-        self.handles: dict[int, int] = {}  # engine handle -> write id
-        self.next_write = 0
-        self.counters = {"rooms_ok": 0, "rooms_failed": 0, "bytes": 0, "slices": 0}
+        self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
+        # the writes in flight, direct and staged (``writes.py``)
+        self.writes = Writes(self.specs, src_bufs, aux_schema, self.num_target_layers, self.stage,
+                             cp_rank=config.cp_rank, rank=config.rank_label, trace=trace)
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
         self.closing = False
         self._out: list[Any] = []
-
-    def _trace(self, r: Any, now: float, what: str, *args: Any) -> None:
-        log.info("trace room=%d rank=%s +%.2fms @%.6f " + what, r.room, self.cfg.rank_label, r.age_ms(now), now, *args)
 
     def _actions(self) -> list[Any] | tuple:
         if not self._out:
@@ -124,7 +116,7 @@ class PrefillRooms:
     @property
     def writing(self) -> bool:
         """Some write is in flight (close() waits for them before it stops the loop)."""
-        return bool(self.writes)
+        return len(self.writes) > 0
 
     @property
     def wants_turn(self) -> bool:
@@ -133,8 +125,7 @@ class PrefillRooms:
 
     def pending(self, final: Any = None) -> list[int]:
         """The engine handles of writes in flight (among ``final``, when the engine said which)."""
-        handles = self.handles
-        return list(handles) if final is None else [h for h in final if h in handles]
+        return self.writes.pending(final)
 
     def is_proven(self, ident: bytes) -> bool:
         """Whether connection ``ident`` proved its registration (the channel never displaces it)."""
@@ -144,6 +135,11 @@ class PrefillRooms:
     def knows_rank(self, rank_id: str) -> bool:
         """Whether the registration of decode rank ``rank_id`` has been read here."""
         return self.peers.entries.get(rank_id) is not None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rooms ok/failed, bytes and slices posted since start."""
+        return {**self.num_rooms, "bytes": self.writes.num_bytes, "slices": self.writes.num_slices}
 
     def staging_counters(self) -> dict[str, int]:
         return dict(self.stage.counters)
@@ -352,7 +348,7 @@ class PrefillRooms:
         if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
             r.state.to(KVPoll.WaitingForInput, now=now)
         if self.trace:
-            self._trace(r, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank, target.dst_pages.size,
+            trace_room(r, self.cfg.rank_label, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank, target.dst_pages.size,
                         target.first_page, ",".join(target.pools))
 
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
@@ -444,101 +440,16 @@ class PrefillRooms:
         self._settle(r, now)
 
     def _post_room(self, r: PrefillRoom, now: float) -> None:
-        """Every queued chunk (and the aux row) to every active target."""
+        """Every queued chunk (and the aux row) to every active target (``writes.py``)."""
         if r.state.final or not r.length_known:
             return
-        for t in r.targets.values():
-            while t.active and t.posted < len(r.chunks):
-                last_chunk = t.posted == len(r.chunks) - 1
-                # the aux row rides in the last chunk's batch: one write, one completion
-                with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
-                if not self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux,
-                                        after=r.chunk_events[t.posted], layers=r.chunk_layers[t.posted]):
-                    self.later.add(r.room)  # one staged group started: the next is planned on the next tick
-                    break
-                t.posted += 1
-            if t.active and t.posted == len(r.chunks) and r.is_last and r.has_aux and t.aux_source \
-                    and not t.aux_posted:
-                self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=True, after=r.last_event)
+        out, more = self.writes.post(r)
+        if more:
+            self.later.add(r.room)  # one staged group started: the next is planned on the next tick
+        self._stage(out, now)
         if r.state.state == KVPoll.WaitingForInput and any(t.posted or t.aux_posted or t.inflight
                                                            for t in r.targets.values()):
             r.state.to(KVPoll.Transferring, now=now)
-
-    def _post_chunk(self, r: PrefillRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
-                    after: Any = None, layers: tuple[int, int] | None = None) -> bool:
-        """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
-        False when one slot-sized group of a staged chunk was started and the rest waits for the
-        next tick. ``layers``: the chunk carries those target layers of its pages only."""
-        specs = self.specs if layers is None else self._layer_specs(layers)
-        num_layers = None if layers is None else layers[1] - layers[0]
-        if t.first_page:  # the decode rank already holds pages below its prefix
-            keep = logical >= t.first_page
-            logical, local = logical[keep], local[keep]
-        logical, local = logical[t.group_at:], local[t.group_at:]
-        group = self.stage.group_size(r.room, t, logical.size)
-        rank = self.cfg.rank_label
-        try:
-            if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
-                part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
-                                   rank=rank, layers=layers)
-                if self._path(r, t, part) == "staged":
-                    self._stage_write(r, t, logical[:group], False, part, after, num_layers)
-                    t.group_at += group
-                    return False
-            t.group_at = 0  # direct: the whole chunk is one write
-            if not logical.size and not with_aux:
-                return True
-            src = None
-            if with_aux:
-                t.aux_posted = True
-                src = r.aux_from
-                if src is None:
-                    raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
-                                        room=r.room, rank=rank, field="aux")
-                after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
-            plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
-                              room=r.room, rank=rank, layers=layers)
-            if self._path(r, t, plan) == "staged":  # the same write through staging slots (the aux row too)
-                self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
-                return True
-        except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
-            t.group_at = 0
-            if isinstance(exc, KVBridgeError):
-                t.failure = f"{'aux row: ' if with_aux and not logical.size else ''}{exc}"
-            else:
-                log.exception("room %d on %s: planning for %s failed", r.room, rank, t.decode_rank)
-                t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
-            return True
-        w = self.next_write
-        self.next_write += 1
-        t.inflight[w] = (logical, with_aux, num_layers)  # in flight from here: no report leaves before it is final
-        self.writes[w] = (r, t)
-        self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
-        return True
-
-    def _path(self, r: PrefillRoom, t: Target, plan: TransferPlan) -> str:
-        path = r.paths[t.decode_rank] = self.stage.path(r.room, t, plan)
-        return path
-
-    def _layer_specs(self, layers: tuple[int, int]) -> dict[str, PoolSpec]:
-        """The pools cut to the layer ids that target layers ``layers`` carry (kept per range)."""
-        cut = self._cut_specs.get(layers)
-        if cut is None:
-            cut = self._cut_specs[layers] = layer_range_specs(self.specs, layers, self.num_target_layers)
-        return cut
-
-    def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
-                     after: Any, num_layers: int | None = None) -> None:
-        """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
-        reported (one PagesDone, as a direct write) once every chunk landed."""
-        w = self.next_write
-        self.next_write += 1
-        t.inflight[w] = (logical, with_aux, num_layers)
-        self.writes[w] = (r, t)
-        self._stage(self.stage.feed(StageWrite(w, r.room, t, plan, after)), 0.0)
-        if self.trace:
-            log.info("trace room=%d rank=%s -> %s staged pages=%s", r.room, self.cfg.rank_label, t.decode_rank,
-                     _pages_text(logical))
 
     def _stage(self, out: list[Any], now: float) -> None:
         """Carry out what the staged-writes machine answered: book, report, or pass on."""
@@ -547,11 +458,11 @@ class PrefillRooms:
             if kind is WriteEnded:
                 self._write_done(a.write, WriteStatus.DONE if a.ok else WriteStatus.failed(a.reason), now)
             elif kind is ChunkCounted:
-                r = self.writes[a.write][0]
+                r = self.writes.room_of(a.write)
                 r.staged["chunks"] += 1
                 r.staged["bytes_staged"] += a.num_bytes
             elif kind is Started:
-                r = self.writes[a.write][0]
+                r = self.writes.room_of(a.write)
                 r.staged["plan_slices"] += a.plan_slices
                 if self.trace:
                     log.info("trace room=%d rank=%s staged write %d: chunks=%d plan_slices=%d bytes=%d", r.room,
@@ -561,46 +472,22 @@ class PrefillRooms:
 
     def _chunk_posted(self, e: ChunkPosted) -> None:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``."""
-        a = e.action
-        r, t = self._book(a.write, e.handle, e.num_bytes, e.num_slices, e.now)
+        self.writes.chunk_posted(e)
         self._stage(self.stage.feed(e), e.now)
-        if self.trace:
-            self._trace(r, e.now, "-> %s chunk %d at %#x slices=%d bytes=%d", t.decode_rank, a.chunk, a.remote_addr,
-                        e.num_slices, e.num_bytes)
 
     def _posted(self, e: Posted) -> None:
         """The shell submitted write ``a``: the engine's ``handle`` reports it."""
-        a = e.action
-        r, t = self._book(a.write, e.handle, int(a.length.sum()), len(a.length), e.now)
-        if self.trace:
-            logical, with_aux, _ = t.inflight[a.write]
-            self._trace(r, e.now, "-> %s pages=%s%s slices=%d bytes=%d", t.decode_rank, _pages_text(logical),
-                        " +aux" if with_aux else "", len(a.length), int(a.length.sum()))
-
-    def _book(self, w: int, handle: int, num_bytes: int, num_slices: int, now: float) -> tuple[PrefillRoom, Target]:
-        """Write ``w`` is in the engine as ``handle``: its bytes and slices counted."""
-        self.handles[handle] = w
-        r, t = self.writes[w]
-        if r.first_post is None:
-            r.first_post = now
-        self.counters["bytes"] += num_bytes
-        self.counters["slices"] += num_slices
-        r.num_bytes += num_bytes
-        r.num_slices += num_slices
-        return r, t
+        self.writes.posted(e)
 
     def _post_failed(self, e: PostFailed) -> None:
         """Write ``a`` was refused at submission, or not submitted: nothing of it is in flight."""
-        r, t = self.writes.pop(e.action.write)
-        t.inflight.pop(e.action.write, None)
-        if e.reason is not None:
-            t.failure = e.reason
+        r = self.writes.failed(e.action.write, e.reason)
         self._settle(r, e.now)
         self._forget_if_quiet(r, e.now)
 
     def _write_final(self, e: WriteFinal) -> None:
         """A posted write is done or failed: report it (one report per write)."""
-        w = self.handles.pop(e.handle, None)
+        w = self.writes.take(e.handle)
         if w is None:
             return
         if self.stage.holds(w):
@@ -609,31 +496,9 @@ class PrefillRooms:
             self._write_done(w, e.status, e.now)
 
     def _write_done(self, w: int, status: WriteStatus, now: float) -> None:
-        """Write ``w`` (direct, or every chunk of a staged one) is final: one report per write."""
-        r, t = self.writes.pop(w)
-        pages, with_aux, num_layers = t.inflight.pop(w)
-        if self.trace:
-            self._trace(r, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
-                        t.decode_rank, status.state.value)
-        if status.state is WriteState.FAILED:
-            t.failure = t.failure or f"write to decode rank {t.decode_rank} ({t.session}) failed: {status.reason}"
-        elif t.active:
-            if num_layers is not None and pages.size:  # a layer range: the pages whose every layer reached t
-                pages = t.count_layers(pages, num_layers, r.layer_width, r.num_pages)
-            if pages.size:
-                t.num_pages_done += pages.size
-            if with_aux:
-                t.aux_done = True
-            # one report per write: its pages and, when it carried it, the aux row
-            msg = wire.PagesDone(
-                room=r.room, cp_rank=self.cfg.cp_rank, status="ok", reason="",
-                pools=list(t.pools) if pages.size else [], logical_pages=pages.astype("<i4").tobytes(),
-                digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)
-            if pages.size and t.want_digest:  # the shell reads the pages and fills the digests in
-                self._out.append(SendDigested(t.ident, msg, tuple(t.pools), pages, r.local_of[pages],
-                                              r.plan_tokens))
-            else:
-                self._out.append(Send((t.ident,), msg))
+        """Write ``w`` (direct, or every chunk of a staged one) is final: its report, then settle."""
+        r, report = self.writes.end(w, status, now)
+        self._out.extend(report)
         self._settle(r, now)
         self._forget_if_quiet(r, now)
 
@@ -674,7 +539,7 @@ class PrefillRooms:
         else:
             return
         self._out.append(ReleaseAux(r.room))
-        self.counters["rooms_ok" if r.state.state == KVPoll.Success else "rooms_failed"] += 1
+        self.num_rooms["rooms_ok" if r.state.state == KVPoll.Success else "rooms_failed"] += 1
         if self.trace or r.state.state == KVPoll.Failed:
             log.log(logging.INFO if r.state.state == KVPoll.Success else logging.WARNING,
                     "room %d on %s: %s %s", r.room, self.cfg.rank_label, r.state.state.name, r.state.reason or "")
@@ -687,7 +552,7 @@ class PrefillRooms:
         if not r.targets and not r.state.final:
             r.state.to(KVPoll.Failed, reason, now=now)
             self._out.append(ReleaseAux(r.room))
-            self.counters["rooms_failed"] += 1
+            self.num_rooms["rooms_failed"] += 1
         else:
             self._settle(r, now)
 
@@ -766,13 +631,6 @@ class PrefillRooms:
 
     def _closing(self, e: Closing) -> None:
         self.closing = True
-
-
-def _pages_text(pages: np.ndarray) -> str:
-    """A trace line's page list: in full when short, else its count and ends."""
-    if pages.size <= 8:
-        return str(pages.tolist())
-    return f"{pages.size}[{int(pages[0])}..{int(pages[-1])}]"
 
 
 _HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
