@@ -2,11 +2,20 @@
 
 One :class:`PrefillRoom` per room (``room.py``), and :class:`PrefillRooms`, the side's machine
 that drives them all through one door, ``feed(event)``: the event records and the actions are
-``events.py`` (``EVENTS`` lists every type it takes). Two flows with states of their own are
-small machines of their own, fed by this one and answering in plain data: a connection's
-ownership proof (``admission.py``: ``Admitted`` / ``Refused`` / actions) and staged writes
-(``staged.py``: chunks, gather slots, grants -> ``Started`` / ``ChunkCounted`` / ``WriteEnded``
-/ actions). No socket, thread, lock, clock, engine call, memory touch or callable inside: the
+``events.py`` (``EVENTS`` lists every type it takes). Each step of the walk is a module of
+its own that answers in plain data:
+
+    request   admission.py (a small machine: the connection's ownership proof -> Admitted /
+              Refused / actions), then intake.py (binding, first claim, contract, the room's
+              state, request_target -> a Refusal, or the Target and its staging offer)
+    target    PrefillRoom.add_target; the registration read off the loop (targets.py: Resolve)
+    post      writes.py (the writes in flight: plans -> PostWrite, or StageWrite to staged.py,
+              a small machine: chunks, gather slots, grants -> Started / ChunkCounted /
+              WriteEnded / actions)
+    report    writes.py (a final write -> PagesDone / SendDigested)
+    settle    here: final reports, the room's final state, forgetting it once quiet
+
+No socket, thread, lock, clock, engine call, memory touch or callable inside: the
 time comes with each event, the aux row's source comes in as plain data (``AuxFrom``), the
 pages to digest go out as plain data (``SendDigested``), and an engine's result (a write
 posted, refused, final) is an event the shell feeds on its loop's next turn. A staged chunk
@@ -23,7 +32,6 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
-from kvbridge.transfer.binding import claim_refusal
 from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
@@ -35,10 +43,9 @@ from kvbridge.transfer.prefill.targets import DecodePeer, DecodePeers
 from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
                                               Posted, ProofReadBack, ReleaseAux, Resolved, Serving, WriteFinal)
 from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
-                                              RoomGone, SetMode, Settle, StagedWrites, Started, WriteEnded,
-                                              registered_offer)
+                                              RoomGone, SetMode, Settle, StagedWrites, Started, WriteEnded)
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.targets import request_target
+from kvbridge.transfer.prefill.intake import ERROR, NOW, REFUSED, Intake, Refusal
 from kvbridge.transfer.prefill.writes import Writes, trace_room
 from kvbridge.transfer.rooms import Rooms, Stage
 
@@ -69,10 +76,6 @@ class PrefillRooms:
             (max(s.layer_ids) for s in self.specs.values() if s.layer_ids), default=0)
         # the target layers this rank holds: its pipeline stage's, or all
         self.layer_span = config.pp_layers if config.pp_layers is not None else (0, self.num_target_layers)
-        self.src_bufs = src_bufs
-        self.aux_schema = aux_schema
-        self.fingerprint = fingerprint
-        self.digests_readable = digests_readable
         self.trace = trace
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
         self.page_size = next(iter(self.specs.values())).page_size
@@ -80,6 +83,7 @@ class PrefillRooms:
         self.peers = DecodePeers()
         self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
         self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
+        self.intake = Intake(config, self.specs, src_bufs, aux_schema, fingerprint, digests_readable)
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
@@ -150,8 +154,11 @@ class PrefillRooms:
         """The room for a new KVSender: fresh, or the one a decode rank asked for first."""
         if self.closing:
             raise KVBridgeError("prefill rank is shutting down", room=room, rank=self.cfg.rank_label)
-        return self.rooms.open(room, lambda: PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, now=now,
-                                                            pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
+        return self.rooms.open(room, lambda: self._new_room(room, Stage.OPEN, now))
+
+    def _new_room(self, room: int, stage: Stage, now: float) -> PrefillRoom:
+        return PrefillRoom(room, self.cfg.cp_rank, self.lanes, self.page_size, stage, now=now,
+                           pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span)
 
     def _engine_init(self, e: EngineInit) -> None:
         e.room.engine_init(e.num_tokens, e.num_pages, e.first_page, e.binding)
@@ -274,20 +281,18 @@ class PrefillRooms:
                 self._refuse(ident, req, problem, now)
 
     def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
-        rank = self.cfg.rank_label
+        """A decode rank asks for a room: checked (``intake.py``), then delivered now or once its
+        registration is read (``Resolved``)."""
         if self.trace:
-            log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, rank, now,
+            log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, self.cfg.rank_label, now,
                      req.decode_rank, len(req.page_ids) // 4)
         if self.closing:
-            self._reply_failed(ident, req.room, f"prefill rank {rank} is shutting down")
+            self._reply_failed(ident, req.room, f"prefill rank {self.cfg.rank_label} is shutting down")
             return
-        if not self._bound(ident, req) or not self._claim(ident, req):
-            return
-        if req.fingerprint != self.fingerprint:
-            self._refuse(ident, req, f"contract fingerprint {req.fingerprint} differs from prefill rank {rank}'s "
-                                     f"{self.fingerprint}; nothing transferred (hard rule 7)", now)
-            return
-        if self.peers.get(req.decode_rank_id) is None:
+        refusal = self._claim(ident, req) or self.intake.contract(req)
+        if refusal is not None:
+            self._answer(ident, req, refusal, now)
+        elif self.peers.get(req.decode_rank_id) is None:
             self._wait_for_peer(ident, req, now)  # its registration is read off the loop, then delivered
         else:
             self._deliver(ident, req, now)
@@ -300,8 +305,7 @@ class PrefillRooms:
             self._out.append(ask)
 
     def _deliver(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
-        """A request whose decode registration is known: check it into a Target."""
-        rank = self.cfg.rank_label
+        """A request whose decode registration is known: checked into a Target of its room."""
         peer = self.peers.get(req.decode_rank_id)
         if peer is None:  # evicted meanwhile: read it again
             self._wait_for_peer(ident, req, now)
@@ -310,93 +314,53 @@ class PrefillRooms:
         if r is None:
             closed = self.rooms.tombstones.get(req.room)
             if closed is not None:
-                self._reply_failed(ident, req.room, f"room {req.room} was already closed on prefill rank {rank} "
-                                                    f"({closed}) when decode rank {req.decode_rank} asked")
+                self._answer(ident, req, self.intake.closed(req, closed), now)
                 return
-            r = self.rooms.add_unattached(PrefillRoom(req.room, self.cfg.cp_rank, self.lanes, self.page_size,
-                                                      Stage.UNATTACHED, now=now,
-                                                      pp=(self.cfg.pp_rank, self.cfg.pp_size), layer_span=self.layer_span))
-        if not self._bound(ident, req) or not self._claim(ident, req):
+            r = self.rooms.add_unattached(self._new_room(req.room, Stage.UNATTACHED, now))
+        answer = self._claim(ident, req) or self.intake.target(ident, req, r, peer, now)
+        if isinstance(answer, Refusal):
+            self._answer(ident, req, answer, now)
             return
-        if r.state.final:
-            reason = f": {r.state.reason}" if r.state.reason else ""
-            self._reply_failed(ident, req.room, f"room {req.room} already ended on {rank} ({r.state.state.name}{reason})")
-            return
-        failing = next((t.failure or t.abort_reason for t in r.targets.values() if not t.active), None)
-        if r.life.stage == Stage.DRAINING or failing is not None:  # no new target for a room on its way out
-            why = failing or "its sender was closed"
-            self._reply_failed(ident, req.room, f"room {req.room} is failing on {rank} ({why})")
-            return
-        try:
-            target = request_target(req, ident, r, peer, self.specs, self.src_bufs, self.aux_schema,
-                                    fingerprint=self.fingerprint, digests_readable=self.digests_readable,
-                                    tp=(self.cfg.tp_size, self.cfg.tp_rank), now=now, aux_stage=self.cfg.last_stage,
-                                    rank=rank)
-            offer = registered_offer(req, peer)  # its staging area: the one it registered, or refused
-        except KVBridgeError as exc:  # nothing was posted for this target: safe to refuse
-            self._refuse(ident, req, str(exc), now)
-            return
-        if req.decode_rank in r.targets:
-            self._reply_failed(ident, req.room, f"decode rank {req.decode_rank} asked twice for this room")
-            return
-        r.targets[req.decode_rank] = target
-        if r.claimed_binding is None:
-            r.claimed_binding = req.binding
+        target, offer = answer
+        r.add_target(target, req.binding, now)
         self.stage.offered(req.room, req.decode_rank, offer, now)
-        r.num_expected_targets = target.num_decode_targets  # the decode ranks whose TP route runs through us
         self.dirty.add(r.room)
-        if r.state.state == KVPoll.Bootstrapping and len(r.targets) >= r.num_expected_targets:
-            r.state.to(KVPoll.WaitingForInput, now=now)
         if self.trace:
-            trace_room(r, self.cfg.rank_label, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank, target.dst_pages.size,
-                        target.first_page, ",".join(target.pools))
+            trace_room(r, self.cfg.rank_label, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank,
+                       target.dst_pages.size, target.first_page, ",".join(target.pools))
+
+    def _claim(self, ident: bytes, req: wire.TransferRequest) -> Refusal | None:
+        """The request presents its room's binding, then claims the room (first claim wins)."""
+        r = self.rooms.get(req.room)
+        return self.intake.bound(r, req) or self.intake.claim(r, self._instance_of(ident, req.decode_rank_id), req)
+
+    def _answer(self, ident: bytes, req: wire.TransferRequest, refusal: Refusal, now: float) -> None:
+        """Answer a request the intake refused, as ``refusal.how`` says (``intake.py``)."""
+        if refusal.how == NOW:
+            log.warning("%s", refusal.reason)
+            self._out.append(Send((ident,), wire.ErrorReply(ref_type=req.TAG, room=req.room, reason=refusal.reason)))
+        elif refusal.how == ERROR:
+            self._error(ident, req, refusal.reason)
+        elif refusal.how == REFUSED:
+            self._refuse(ident, req, refusal.reason, now)
+        else:
+            self._reply_failed(ident, req.room, refusal.reason)
 
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
         """Refuse a request (nothing of it was posted) and fail its room here."""
         r = self.rooms.get(req.room)
-        if r is not None and not r.state.final and self._holds(r, ident, req.decode_rank_id):
+        if r is not None and not r.state.final and r.held_by(self._instance_of(ident, req.decode_rank_id)):
             self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}", now)
         self._reply_failed(ident, req.room, reason)
-
-    # -- room ids: first claim wins -------------------------------------------------
-
-    def _holds(self, r: PrefillRoom, ident: bytes, rank_id: str) -> bool:
-        return r.held_by(self._instance_of(ident, rank_id))
-
-    def _bound(self, ident: bytes, req: wire.TransferRequest) -> bool:
-        """The claim presents the room's binding (``transfer/binding.py``), or is refused now, before it
-        claims the room: an ErrorReply naming both digests, the room untouched."""
-        r = self.rooms.get(req.room)
-        refusal = None if r is None else claim_refusal(r.binding, r.claimed_binding, req.binding, room=req.room,
-                                                       rank=self.cfg.rank_label, decode_rank=req.decode_rank)
-        if refusal is None:
-            return True
-        log.warning("%s", refusal)
-        self._out.append(Send((ident,), wire.ErrorReply(ref_type=req.TAG, room=req.room, reason=refusal)))
-        return False
-
-    def _claim(self, ident: bytes, req: wire.TransferRequest) -> bool:
-        """First claim wins the room id (``PrefillRoom.claim``); another instance is refused with an
-        ErrorReply naming the holder, and the holder's room goes on untouched."""
-        r = self.rooms.get(req.room)
-        instance = self._instance_of(ident, req.decode_rank_id)
-        if r is None or instance is None or r.claim(instance, req.decode_rank):
-            return True  # (no room yet: claimed where it is created; or the registration is being read again)
-        self._error(ident, req, f"room {req.room} is claimed by decode instance {r.holder[0]} (rank {r.holder[1]}) on "
-                                f"prefill rank {self.cfg.rank_label}: decode instance {instance} may not claim it "
-                                "(first claim wins); nothing done")
-        return False
 
     def _on_abort(self, ident: bytes, msg: wire.Abort, now: float) -> None:
         """A decode rank aborts: its target (if any) stops, and so does the room for every decode
         rank, since a decode instance's TP ranks give up a request together. The ack waits until
         nothing of the room is in flight (``_reply_when_quiet``)."""
         r = self.rooms.get(msg.room)
-        if r is not None and not self._holds(r, ident, msg.decode_rank_id):
-            self._error(ident, msg, f"room {msg.room} is claimed by decode instance {r.holder[0]} (rank "
-                                    f"{r.holder[1]}) on prefill rank {self.cfg.rank_label}: an abort from decode "
-                                    f"instance {self._instance_of(ident, msg.decode_rank_id)} is refused; the room "
-                                    "goes on")
+        refusal = None if r is None else self.intake.abort(r, self._instance_of(ident, msg.decode_rank_id), msg)
+        if refusal is not None:
+            self._error(ident, msg, refusal.reason)
             return
         t = r.targets.get(msg.decode_rank) if r else None
         if t is not None and not t.closed:
@@ -457,16 +421,8 @@ class PrefillRooms:
             kind = type(a)
             if kind is WriteEnded:
                 self._write_done(a.write, WriteStatus.DONE if a.ok else WriteStatus.failed(a.reason), now)
-            elif kind is ChunkCounted:
-                r = self.writes.room_of(a.write)
-                r.staged["chunks"] += 1
-                r.staged["bytes_staged"] += a.num_bytes
-            elif kind is Started:
-                r = self.writes.room_of(a.write)
-                r.staged["plan_slices"] += a.plan_slices
-                if self.trace:
-                    log.info("trace room=%d rank=%s staged write %d: chunks=%d plan_slices=%d bytes=%d", r.room,
-                             self.cfg.rank_label, a.write, a.num_chunks, a.plan_slices, a.num_bytes)
+            elif kind is ChunkCounted or kind is Started:
+                self.writes.counted(a)
             else:
                 self._out.append(a)
 
@@ -593,14 +549,8 @@ class PrefillRooms:
                 self.fail_room(r, f"{asked} decode ranks asked for room {r.room} within {self.cfg.target_timeout:.1f}s",
                                now)
             for t in r.targets.values():
-                if not t.active or t.closed:
-                    continue
-                silent = self.peers.silent_for(t.ident, now, t.created)
-                if silent > self.cfg.peer_timeout:  # the decode rank pings while it has rooms here
-                    t.failure = (f"decode rank {t.decode_rank} ({t.session}) sent nothing for {silent:.1f}s "
-                                 f"(peer timeout {self.cfg.peer_timeout:.1f}s): presumed dead")
-                elif now > t.deadline:
-                    t.failure = f"decode rank {t.decode_rank}'s deadline passed before the room was written"
+                if t.active and not t.closed:  # (active: no failure yet)
+                    t.failure = t.overdue(self.peers.silent_for(t.ident, now, t.created), self.cfg.peer_timeout, now)
             self._settle(r, now)
             self._forget_if_quiet(r, now)
 

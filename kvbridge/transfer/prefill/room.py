@@ -170,6 +170,16 @@ class PrefillRoom:
             self.holder = (instance, decode_rank)
         return self.holder[0] == instance
 
+    def add_target(self, t: Target, binding: bytes, now: float) -> None:
+        """Decode rank ``t.decode_rank`` is a target now (its claim presented ``binding``); the room
+        waits for input once every decode rank whose TP route runs through us asked."""
+        self.targets[t.decode_rank] = t
+        if self.claimed_binding is None:
+            self.claimed_binding = binding
+        self.num_expected_targets = t.num_decode_targets
+        if self.state.state == KVPoll.Bootstrapping and len(self.targets) >= self.num_expected_targets:
+            self.state.to(KVPoll.WaitingForInput, now=now)
+
     def held_by(self, instance: str | None) -> bool:
         """Nobody claimed the room yet, or ``instance`` did."""
         return self.holder is None or self.holder[0] == instance

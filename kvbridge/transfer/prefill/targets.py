@@ -245,6 +245,16 @@ class Target:
     def active(self) -> bool:
         return self.failure is None and self.abort_reason is None
 
+    def overdue(self, silent: float, peer_timeout: float, now: float) -> str | None:
+        """Why this target fails now: its decode rank (which pings while it has rooms here) sent
+        nothing for ``silent`` seconds, past ``peer_timeout``, or its deadline passed (None: neither)."""
+        if silent > peer_timeout:
+            return (f"decode rank {self.decode_rank} ({self.session}) sent nothing for {silent:.1f}s "
+                    f"(peer timeout {peer_timeout:.1f}s): presumed dead")
+        if now > self.deadline:
+            return f"decode rank {self.decode_rank}'s deadline passed before the room was written"
+        return None
+
     def cut_parts(self, layers: tuple[int, int], specs: Mapping[str, PoolSpec]) -> tuple[TargetPart, ...]:
         """The parts of a layer range's writes: each part's pools that have layers in ``specs``
         (the range's cut, ``layer_range_specs``), their pairs and decode widths cut alike."""

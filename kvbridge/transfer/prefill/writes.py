@@ -30,7 +30,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.prefill.events import Posted, PostWrite, SendDigested
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.staged import ChunkPosted, StagedWrites, StageWrite
+from kvbridge.transfer.prefill.staged import ChunkCounted, ChunkPosted, StagedWrites, StageWrite, Started
 from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,18 @@ class Writes:
         handles = self.handles
         return list(handles) if final is None else [h for h in final if h in handles]
 
-    def room_of(self, w: int) -> PrefillRoom:
-        return self.rooms[w][0]
+    def counted(self, a: Started | ChunkCounted) -> None:
+        """A staged write's chunks were planned (``Started``), or one landed (``ChunkCounted``):
+        its room's staged counts."""
+        r = self.rooms[a.write][0]
+        if type(a) is ChunkCounted:
+            r.staged["chunks"] += 1
+            r.staged["bytes_staged"] += a.num_bytes
+            return
+        r.staged["plan_slices"] += a.plan_slices
+        if self.trace:
+            log.info("trace room=%d rank=%s staged write %d: chunks=%d plan_slices=%d bytes=%d", r.room, self.rank,
+                     a.write, a.num_chunks, a.plan_slices, a.num_bytes)
 
     # -- post ----------------------------------------------------------------------------
 
