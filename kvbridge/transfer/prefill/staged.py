@@ -158,7 +158,7 @@ class Gather:
 class PostChunk:
     """Write the wire pieces of chunk ``chunk`` of write ``write``, gathered into our gather slot
     ``local_slot`` (its ``Gather``), into the decode slot at ``remote_addr``. Answer with
-    ``PrefillRooms.chunk_posted(action, handle, now)`` or ``chunk_post_failed(action, reason, now)``."""
+    the event ``ChunkPosted`` (its engine handle) or ``ChunkPostFailed``, fed to the room machine."""
 
     write: int
     room: int

@@ -65,7 +65,7 @@ Waiter = tuple[bytes, "wire.TransferRequest"]
 @dataclass(frozen=True, slots=True)
 class Resolve:
     """Read registration ``rank_id`` from the daemon (off the loop); answer with
-    ``PrefillRooms.resolved(rank_id, detail, problem, now)``."""
+    the event ``Resolved`` (``events.py``), fed to the room machine."""
 
     rank_id: str
     label: str
