@@ -587,8 +587,8 @@ _HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
     Serving: PrefillRooms._serving, Closing: PrefillRooms._closing, EngineInit: PrefillRooms._engine_init,
     Chunk: PrefillRooms._chunk, Post: PrefillRooms._post, AbortRoom: PrefillRooms._abort,
     CloseRoom: PrefillRooms._close, Shutdown: PrefillRooms._shutdown, Message: PrefillRooms._message,
-    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, ProofReadBack: PrefillRooms._proof_read, Posted: PrefillRooms._posted,
-    PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
+    Resolved: PrefillRooms._resolved, NonceWritten: PrefillRooms._pass_on, ProofReadBack: PrefillRooms._proof_read,
+    Posted: PrefillRooms._posted, PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
     ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
     Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,
 }

@@ -66,7 +66,7 @@ class Writes:
         self.cp_rank = cp_rank
         self.rank = rank
         self.trace = trace
-        self.rooms: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
+        self.by_write: dict[int, tuple[PrefillRoom, Target]] = {}  # write id -> its room and target (in flight)
         self.handles: dict[int, int] = {}  # engine handle -> write id
         self.next_write = 0
         self.num_bytes = 0
@@ -76,7 +76,7 @@ class Writes:
 
     def __len__(self) -> int:
         """How many writes are in flight."""
-        return len(self.rooms)
+        return len(self.by_write)
 
     def pending(self, final: Iterable[int] | None = None) -> list[int]:
         """The engine handles of writes in flight (among ``final``, when the engine said which)."""
@@ -86,7 +86,7 @@ class Writes:
     def counted(self, a: Started | ChunkCounted) -> None:
         """A staged write's chunks were planned (``Started``), or one landed (``ChunkCounted``):
         its room's staged counts."""
-        r = self.rooms[a.write][0]
+        r = self.by_write[a.write][0]
         if type(a) is ChunkCounted:
             r.staged["chunks"] += 1
             r.staged["bytes_staged"] += a.num_bytes
@@ -172,7 +172,7 @@ class Writes:
         w = self.next_write
         self.next_write += 1
         t.inflight[w] = (logical, with_aux, num_layers)
-        self.rooms[w] = (r, t)
+        self.by_write[w] = (r, t)
         return w
 
     def _path(self, r: PrefillRoom, t: Target, plan: TransferPlan) -> str:
@@ -219,7 +219,7 @@ class Writes:
     def _book(self, w: int, handle: int, num_bytes: int, num_slices: int, now: float) -> tuple[PrefillRoom, Target]:
         """Write ``w`` is in the engine as ``handle``: its bytes and slices counted."""
         self.handles[handle] = w
-        r, t = self.rooms[w]
+        r, t = self.by_write[w]
         if r.first_post is None:
             r.first_post = now
         self.num_bytes += num_bytes
@@ -236,7 +236,7 @@ class Writes:
 
     def failed(self, w: int, reason: str | None) -> PrefillRoom:
         """Write ``w`` was refused at submission, or not submitted: nothing of it is in flight."""
-        r, t = self.rooms.pop(w)
+        r, t = self.by_write.pop(w)
         t.inflight.pop(w, None)
         if reason is not None:
             t.failure = reason
@@ -245,7 +245,7 @@ class Writes:
     def end(self, w: int, status: WriteStatus, now: float) -> tuple[PrefillRoom, list[Any]]:
         """Write ``w`` (direct, or every chunk of a staged one) is final: its room, and its report
         (one per write) unless its target failed or stopped."""
-        r, t = self.rooms.pop(w)
+        r, t = self.by_write.pop(w)
         pages, with_aux, num_layers = t.inflight.pop(w)
         if self.trace:
             trace_room(r, self.rank, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
