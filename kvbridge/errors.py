@@ -31,7 +31,8 @@
         ├── RoomInUse                  a room id still open or draining on this endpoint (never reattached)
         ├── RoomBindingError           a claim of a room bound to another request, or a room signature that
         │                              does not verify or has expired (transfer/binding.py)
-        ├── RoomEnded                  send() on a room that already reached its final state
+        ├── RoomEnded                  send() on a room that already reached its final state (logged:
+        │                              nothing queued, never raised on the engine's thread)
         └── StagingSlotError           a staging-slot event its table does not allow (a caller's bug)
 
 Every message names what it can of the room, the rank and the field involved:
@@ -246,7 +247,9 @@ class RoomBindingError(TransferError):
 class RoomEnded(TransferError):
     """``KVSender.send()`` on a room that already reached its final state (Success, or Failed:
     an abort or a lost peer that ``poll()`` shows): nothing of the call is queued, and the
-    message names the room, the rank, the state and why it ended."""
+    message names the room, the rank, the state and why it ended. Logged as a warning, never
+    raised: the engine may call send() before it polls the room's end (an idle CP rank's empty
+    send after a success is not logged at all)."""
 
 
 class StagingSlotError(TransferError):

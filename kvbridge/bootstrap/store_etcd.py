@@ -355,6 +355,7 @@ class EtcdStore(RegistryStore):
         with self.lock:
             replaced = self.index.rank(replaces) if replaces is not None else None
         old_claim_key = f"{self._claims_prefix(replaced.claim())}{replaces}" if replaced is not None else None
+        old_lapse_key = f"{self._lapse_prefix(replaced.claim())}{replaces}" if replaced is not None else None
         for _ in range(8):  # each retry follows a concurrent change of this session's claims
             revision, held, lapsed = self._read_claims(claim, label)
             conflict = find_conflict(held, claim, exclude=(replaces, rec.rank_id))
@@ -378,6 +379,9 @@ class EtcdStore(RegistryStore):
                 ops = [*puts, *take_back, {"request_delete_range": {"key": _b64(self._rank_key(expect))}}]
                 if old_claim_key is not None and old_claim_key != cp + rec.rank_id:
                     ops.append({"request_delete_range": {"key": _b64(old_claim_key)}})  # its session is free at once
+                if old_lapse_key is not None and old_lapse_key != lp + rec.rank_id:
+                    # and no lapsed claim is left on it: the owner moved, it did not lapse
+                    ops.append({"request_delete_range": {"key": _b64(old_lapse_key)}})
             txn = {"compare": [*compare, claims_unchanged], "success": ops,
                    "failure": [{"request_range": {"key": _b64(ck)}}]}
             answer = self._members.call(f"registration of {label}", lambda c: c.transaction(txn))
@@ -402,8 +406,8 @@ class EtcdStore(RegistryStore):
             raise StoreUnavailable(f"registration of {label}: etcd transaction did not settle (the session's "
                                    f"claims kept changing)")
         if replaces is not None:
-            with self.lock:
-                old = self.index.rank(replaces)
+            with self.lock:  # the record read before the transaction: the watch may have dropped it since
+                old = self.index.rank(replaces) or replaced
             if old is not None and old.lease_id:
                 self._revoke_both(old)  # its keys are gone or moved to the new lease: nothing else on them
         rec.expires_at = self.clock() + rec.lease_ttl_s

@@ -39,11 +39,11 @@ def test_bootstrap_timeout_names_the_ranks_that_never_registered(daemon) -> None
     decode.start()
     try:
         with pytest.raises(InstanceIncomplete) as exc:
-            clients[2].lookup("half-p", room=5, contract=contract, rank=decode.identity)
+            clients[2].lookup("half-p", room=5, contract=decode.contract, rank=decode.identity)  # its transport
         assert exc.value.missing == ["half-p/dp0/cp0/tp0/pp0", "half-p/dp0/cp2/tp0/pp0"]
         assert "half-p/dp0/cp0/tp0/pp0" in str(exc.value) and "503" in str(exc.value)
         raw = httpx.post(f"{daemon.url}/v1/lookup", trust_env=False, json={
-            "prefill_instance": "half-p", "room": 5, "contract": contract.model_dump(mode="json"),
+            "prefill_instance": "half-p", "room": 5, "contract": decode.contract.model_dump(mode="json"),
             "rank": {"instance": "half-d", "role": "decode"}})
         assert raw.status_code == 503 and raw.json()["missing"] == exc.value.missing
 

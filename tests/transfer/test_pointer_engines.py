@@ -271,7 +271,7 @@ def test_prefill_info_before_a_room_opens(mini, start_daemon):
     client = m.clients[0]
     info = kvb.PrefillInfo.lookup(client, f"{m.name}-p")
     assert (info.dp_size, info.cp_size, info.lane_rule, info.complete) == (1, 2, "balanced", True)
-    assert info.dp_rank_of(12345) == 0 and info.fingerprint == kvb.fingerprint(m.contract)
+    assert info.dp_rank_of(12345) == 0 and info.fingerprint == kvb.fingerprint(m.prefill[0].contract)  # on its engine's transport
     with pytest.raises(kvb.UnknownInstance, match="no prefill instance 'nope'"):
         kvb.PrefillInfo.lookup(client, "nope")
     with kvb.BootstrapClient(d.url) as empty:

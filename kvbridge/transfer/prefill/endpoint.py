@@ -49,6 +49,7 @@ from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
+from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.engine.registry import entry_of, route_key
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.admission import NonceWritten, ReadProof, WriteNonce
@@ -266,11 +267,17 @@ class PrefillEndpoint(EndpointShell):
         when the decode ranks already asked (no loop turn); completions are reported from the
         engine's callback."""
         with self._lock:
-            if r.state.final:  # ended meanwhile (abort, peer loss) or before: nothing is queued, and the engine hears why
-                why = f": {r.state.reason}" if r.state.reason else ""
-                raise RoomEnded(f"send() on room {r.room}, which already ended ({r.state.state.name}{why}); nothing "
-                                "queued: poll() says a room's final state", room=r.room, rank=self.config.rank_label,
-                                field="send")
+            if r.state.final:  # ended meanwhile (abort, peer loss) or before: nothing is queued
+                # An engine may still call send() on a room it has not polled since it ended (SGLang's CP
+                # ranks with nothing to send, the owner of the last token after decode refused the room):
+                # never an exception on its thread. Said in the log unless it carried nothing to a success.
+                carried = aux is not None or np.asarray(logical).size > 0
+                if carried or r.state.state != KVPoll.Success:
+                    why = f": {r.state.reason}" if r.state.reason else ""
+                    log.warning("%s", RoomEnded(f"send() on room {r.room}, which already ended ({r.state.state.name}"
+                                                f"{why}); nothing queued: poll() says a room's final state",
+                                                room=r.room, rank=self.config.rank_label, field="send"))
+                return
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)

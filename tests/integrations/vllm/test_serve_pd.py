@@ -237,7 +237,7 @@ def test_prefill_killed_with_a_room_pending_fails_the_decode_request(cluster, la
 
 def test_decode_killed_mid_request_ends_in_errors(cluster):
     servers, proxy = cluster
-    body = {"model": "tiny", "prompt": prompt(40, salt=11), "max_tokens": 400, "temperature": 0.0,
+    body = {"model": "tiny", "prompt": prompt(40, salt=11), "max_tokens": 460, "temperature": 0.0,
             "ignore_eos": True}  # fmt: skip
     with cf.ThreadPoolExecutor(1) as pool:
         plain = pool.submit(httpx.post, f"{proxy.url}/v1/completions", json=body, timeout=ERROR_BOUND_S,
@@ -250,8 +250,8 @@ def test_decode_killed_mid_request_ends_in_errors(cluster):
             for line in lines:
                 if line.startswith("data: "):
                     events.append(line)
-                if len(events) == 3:  # decoding: kill decode mid-generation
-                    servers["decode-0"].kill()
+                if len(events) == 1:  # decoding: kill decode mid-generation (at once: a CPU decode
+                    servers["decode-0"].kill()  # of this tiny model could finish while we read on)
                     break
             try:
                 events.extend(line for line in lines if line.startswith("data: "))
