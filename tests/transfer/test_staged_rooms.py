@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
+from _timing import scaled
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.staging.area import SlotState
 from kvbridge.transfer.poll import KVPoll
@@ -142,7 +143,8 @@ def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(
         r = d.receive(room, n, pages, prefill=f"staged-death-p-{device}")
         p.send(room, n)
         area = d.ep.staging.area
-        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
+        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, scaled(60)), \
+            f"no chunk started: room {r.poll().name} {r.failure_reason}"
         p.kill()
         wait_final([r])
         assert r.poll() == KVPoll.Failed
@@ -167,7 +169,8 @@ def test_abort_mid_chunk_over_mooncake(daemon, device, engine):
         r = d.receive(room, n, pages, prefill=f"staged-abort-p-{engine}-{device}")
         p.send(room, n)
         area = d.ep.staging.area
-        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, 30), "no chunk started"
+        assert wait_until(lambda: d.ep.locked(lambda: area.counters["acquired"]) >= 2, scaled(60)), \
+            f"no chunk started: room {r.poll().name} {r.failure_reason}"
         r.abort("user cancelled")
         assert r.poll() == KVPoll.Failed and r.pages_releasable  # free at once: writes land in slots only
         at_abort = {k: as_bytes(b, d.bytes_per_page[k])[pages].copy() for k, b in d.host_buffers().items()}
