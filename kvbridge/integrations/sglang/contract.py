@@ -4,7 +4,8 @@ Built with ``kvbridge.contract_for`` from the pools and aux regions ``kvargs``
 reads out of ``KVArgs``, so prefill and decode servers started with the same
 model and KV settings build the same contract without sharing a file:
 
-    model        --served-model-name (else --model-path), --revision, target / draft layers
+    model        --served-model-name (else --model-path), --revision, the weights' identity
+                 (settings.model_weights: KVBRIDGE_WEIGHTS), target / draft layers
     pools        kvargs.pool_specs: MLA target (+ draft), NSA index K, or k/v pools
     cp_rule      prefill: its CP mode (cp_modes.lane_rule); decode: the prefill instance's
     kernel       "sglang-<version>" with SGLang's KV byte layout tag (KVArgs.kv_layout)
@@ -37,7 +38,7 @@ def aux_schema(cache: SGLangCache) -> AuxSchema:
 def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_layout: str | None,
                   sglang_version: str, heads: tuple[int, int, int] | None = None,
                   stage: tuple[int, int] | None = None, model: RuntimeContract | None = None,
-                  ) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
+                  weights: str = "unspecified") -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
     """``(specs, aux schema, contract)`` of one rank; ConfigError naming the field when SGLang's
     pools do not fit the contract file. ``heads``: (KV heads of the row, first, stop) of this
     rank's head-sharded k/v pools (MHA/GQA over attention TP > 1); the contract holds whole rows.
@@ -67,8 +68,8 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
         specs = model_specs(specs, stage, stage[1])
     target = specs.get("target") or specs["k"]
     draft = specs.get("draft") or specs.get("draft_k")
-    model = {"name": settings.model_name, "revision": settings.revision, "target_layers": target.num_layers,
-             "draft_layers": draft.num_layers if draft else 0}
+    model = {"name": settings.model_name, "revision": settings.revision, "weights": weights,
+             "target_layers": target.num_layers, "draft_layers": draft.num_layers if draft else 0}
     hidden = schema.region("output_hidden_states")
     speculative = None
     if settings.spec_algorithm != "none":

@@ -1,8 +1,12 @@
-"""What SGLang's sender and receiver share on kvbridge: one room handle, a local failure
-and its reason, the retry of a room id still draining, and SGLang's error.
+"""What SGLang's sender and receiver share on kvbridge: one room handle, the request it is
+bound to, a local failure and its reason, the retry of a room id still draining, and SGLang's error.
 
     open      ep.sender(room) / ep.receiver(room, ...); RoomInUse on a draining id (the previous
               room's writes are still in flight) is retried from poll() for the bootstrap timeout
+    bind      bind_request(req), right after SGLang made the handle (patches.py wraps the queue
+              method that makes it): the digest of the request's prompt token ids and their count
+              (kvbridge.room_binding). Prefill binds the room to it when it opens; decode presents
+              it, and the count, with its claim: a room of another request refuses the claim at once
     fail      a local failure (a request kvbridge cannot move): the reason, and the handle aborted
     raise     failure_exception(): SGLang's KVTransferError, naming this rank and the cause; a rank
               that did not fail itself says so (is_from_another_rank: the MIN of its peers failed)
@@ -18,7 +22,7 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
-from kvbridge import KVBridgeError, RoomInUse
+from kvbridge import KVBridgeError, RoomInUse, room_binding
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,22 @@ class RoomHandle:
         self._handle: Any = None  # kvbridge's KVSender / KVReceiver
         self._failure: str | None = None
         self._retry_until = 0.0  # a draining room id is retried from poll() until then
+        self.binding = b""  # the request's digest (bind_request); b"": not bound
+        self.num_tokens: int | None = None  # the request's prompt tokens, once bound
+        self._counted = False
+
+    def bind_request(self, req: Any) -> None:
+        """Bind this handle to SGLang's request: the digest of ``req.origin_input_ids`` (a request
+        given as embeddings has placeholder ids of its length: the digest then binds the count)."""
+        ids = getattr(req, "origin_input_ids", None)
+        if ids is None or len(ids) == 0:
+            return
+        self.num_tokens = len(ids)
+        self.binding = room_binding(ids, self.num_tokens)
+        self._bound()
+
+    def _bound(self) -> None:
+        """What a side does once it knows the binding (prefill: bind its open room)."""
 
     @property
     def label(self) -> str:
@@ -44,6 +64,8 @@ class RoomHandle:
         try:
             self._handle = open_room()
             self._retry_until = 0.0
+            if self.binding:
+                self._bound()
         except RoomInUse as exc:
             timeout = self.kv_mgr.settings.bootstrap_timeout
             if not exc.draining:
@@ -97,6 +119,9 @@ class RoomHandle:
         reason = self._failure or (self._handle.failure_reason if self._handle is not None else None)
         self.conclude_state = int(KVPoll.Failed)
         self.clear()
+        if reason is not None and not self._counted:  # SGLang asks once per failed request and rank
+            self._counted = True
+            self.kv_mgr.counters.count(reason)
         if reason is None:
             raise KVTransferError(self.bootstrap_room, f"failed on another rank (kvbridge {self.role} rank "
                                   f"{self.label} itself did not fail)", is_from_another_rank=True)  # fmt: skip

@@ -51,7 +51,9 @@ from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args, stage_layers
 from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang import settings
-from kvbridge.integrations.sglang.settings import Settings, read_settings
+from kvbridge.integrations.sglang.logs import route_logs
+from kvbridge.integrations.sglang.metrics import Counters
+from kvbridge.integrations.sglang.settings import Settings, model_weights, read_settings
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ class KVBridgeKVManager(BaseKVManager):
         self.settings: Settings = read_settings(role, server_args, self.is_mla_backend,
                                                 gpu_id=int(getattr(args, "gpu_id", 0) or 0))
         s = self.settings
+        route_logs(s.log_level or None)
+        self.counters = Counters(role, shared=s.metrics)  # refusals and failures by reason (metrics.py)
+        self._weights: str | None = None  # the contract's model.weights (settings.model_weights)
         self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
                                                hidden_dtype=s.hidden_dtype)
         self.page_size = self.cache.page_size
@@ -140,8 +145,11 @@ class KVBridgeKVManager(BaseKVManager):
         heads = None
         if num_kv_heads is not None and not self.cache.is_mla:
             heads = (num_kv_heads, *head_range(num_kv_heads, s.tp_size, s.tp_rank))
+        if self._weights is None:  # once per rank, when its first contract is built
+            self._weights = model_weights(s)
         return rank_contract(self.cache, s, lane_rule=lane_rule, kv_layout=getattr(self.kv_args, "kv_layout", None),
-                             sglang_version=sglang_version(), heads=heads, stage=self.stage, model=model)
+                             sglang_version=sglang_version(), heads=heads, stage=self.stage, model=model,
+                             weights=self._weights)
 
     def _num_target_layers(self, specs: Any) -> int:
         return specs["target" if self.cache.is_mla else "k"].num_layers

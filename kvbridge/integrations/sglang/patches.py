@@ -2,7 +2,7 @@
 that patches SGLang.
 
 SGLang 0.5.23 picks a PD transfer backend with ``--disaggregation-transfer-backend``
-and has no registry for out-of-tree backends. Three things make ``kvbridge`` one:
+and has no registry for out-of-tree backends. These patches make ``kvbridge`` one:
 
 1. ``TransferBackend`` (``sglang.srt.disaggregation.utils``) is a closed ``Enum``
    that SGLang builds from the flag (``TransferBackend(name)``, in the scheduler
@@ -26,6 +26,15 @@ and has no registry for out-of-tree backends. Three things make ``kvbridge`` one
    loader; kvbridge's app registers the backend there first (``http_app.py``).
    Set to another app, it is left alone with a warning: that app must call
    ``install()``.
+
+5. Rooms bound to their request: SGLang makes a request's sender in
+   ``PrefillBootstrapQueue.create_sender(req, ...)`` and its receiver in
+   ``DecodePreallocQueue._create_receiver_and_enqueue(req, ...)``, handing them only the room
+   id. Both methods are wrapped on their classes: after SGLang's own body, a kvbridge
+   sender/receiver gets ``bind_request(req)`` (``handles.py``): prefill binds the room to the
+   digest of the request's prompt token ids and count (``kvbridge.room_binding``), decode
+   presents its own with the claim, so a room id taken from another request is refused by
+   name, nothing written or read. Other backends' handles are left alone.
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -70,6 +79,11 @@ _UTILS = "sglang.srt.disaggregation.utils"
 _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
+_PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
+_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+# patch 5: the queue methods that make a request's sender / receiver, and where it lands
+BINDS = {f"{_PREFILL_QUEUE}.create_sender": "disagg_kv_sender", f"{_DECODE_QUEUE}._create_receiver_and_enqueue": ""}
+REQ_FIELDS = ("origin_input_ids", "bootstrap_room")  # what bind_request reads of SGLang's Req
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 APP_PATH = "kvbridge.integrations.sglang.http_app:app"  # patch 4: what the HTTP workers import
 SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"  # SGLang's default, handed back by http_app
@@ -112,6 +126,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_UTILS}.MetadataBuffers.get_buf_infos": ("self",),
     f"{_CHOICES}.add_disagg_transfer_backend_choices": ("iterable",),
     "sglang.srt.plugins.load_plugins": (),
+    f"{_PREFILL_QUEUE}.create_sender": ("self", "req", "num_kv_heads"),
+    f"{_DECODE_QUEUE}._create_receiver_and_enqueue": ("self", "req", "is_rebootstrap"),
     "sglang.cli.serve.serve": ("args", "extra_argv"),
 }  # fmt: skip
 
@@ -201,6 +217,7 @@ def install(*, allow_untested: bool = False) -> None:
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
     _point_http_workers_at_kvbridge()
+    _bind_rooms_to_requests()
     logger.debug("kvbridge registered as SGLang %s transfer backend %r", version, BACKEND)
 
 
@@ -275,6 +292,13 @@ def interface_differences() -> list[str]:
         missing_envs = [name for name in SGLANG_ENVS if not hasattr(envs, name)]
         if missing_envs:
             out.append(f"sglang.srt.environ.envs lacks {missing_envs}")
+    req_init, err = _resolve("sglang.srt.managers.schedule_batch.Req.__init__")
+    if err:
+        out.append(err)
+    else:
+        missing_req = [f for f in REQ_FIELDS if f not in (_params(req_init) or ())]
+        if missing_req:
+            out.append(f"sglang.srt.managers.schedule_batch.Req takes no {missing_req}: kvbridge binds a room to them")
     out.extend(_transfer_backend_differences())
     choices, err = _resolve(f"{_CHOICES}.DISAGG_TRANSFER_BACKEND_CHOICES")
     if err:
@@ -399,6 +423,34 @@ def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:
         if isinstance(namespace, dict) and any(value is function for value in namespace.values()):
             out.append(module)
     return out
+
+
+def _bind_rooms_to_requests() -> None:
+    """Patch 5 (module docstring): wrap the two queue methods in their classes, once."""
+    for name, attr in BINDS.items():
+        owner, _, method = name.rpartition(".")
+        cls, _ = _resolve(owner)
+        original = cls.__dict__[method]
+        if getattr(original, _MARK, False):
+            continue
+        setattr(cls, method, _binding_wrapper(original, attr))
+
+
+def _binding_wrapper(original: Callable[..., Any], attr: str) -> Callable[..., Any]:
+    """``original`` then ``bind_request(req)`` on the handle it made: ``req.<attr>`` (the sender),
+    or the returned DecodeRequest's ``kv_receiver``. Only kvbridge's handles have ``bind_request``."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, req, *args, **kwargs)
+        handle = getattr(req, attr, None) if attr else getattr(result, "kv_receiver", None)
+        bind = getattr(handle, "bind_request", None)
+        if bind is not None and (not attr or result):
+            bind(req)
+        return result
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
 
 
 def _point_http_workers_at_kvbridge() -> None:

@@ -9,8 +9,13 @@ and all-reduces every attention TP rank's ``poll()`` with MIN:
     __init__(mgr, bootstrap_addr, room)             nothing yet: the prefill instance may be unknown
     init(prefill_dp_rank)                           ep.receiver(room, instance, dp_rank) at the daemon
                                                     of bootstrap_addr (manager.try_ensure_parallel_info)
-    send_metadata(page ids, aux_index, state,       receiver.init(page ids, aux_index, first_page=
-                  decode_prefix_len)                prefix // page_size): pages only, no token count
+    bind_request(req) (kvbridge's patch of          the request's digest and token count, presented with
+      _create_receiver_and_enqueue)                 the claim (room_binding of req.origin_input_ids)
+    send_metadata(page ids, aux_index, state,       receiver.init(page ids, aux_index, len(prompt), first_page=
+                  decode_prefix_len)                prefix // page_size, binding=the digest): prefill refuses
+                                                    a claim whose digest or count is not its room's, at once,
+                                                    before anything is written; decode checks the count
+                                                    against its pages before it asks
     poll()                                          poll(), but Failed only once pages_releasable
     failure_exception() / abort() / clear()         KVTransferError(room, reason) / abort() / close()
 
@@ -87,7 +92,8 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
                           f"({pages.size}): kvbridge moves index K with the KV's page mapping (hard rule 3)")
                 return
         try:
-            self._handle.init(pages, int(aux_index), None, first_page=prefix // page_size)
+            self._handle.init(pages, int(aux_index), self.num_tokens, first_page=prefix // page_size,
+                              binding=self.binding)
         except KVBridgeError as exc:
             self.fail(str(exc))
 

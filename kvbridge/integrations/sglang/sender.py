@@ -7,10 +7,12 @@ over attention TP and CP with MIN:
 
     SGLang                                      kvbridge
     __init__(mgr, addr, room, has_dp_rank)      ep.sender(room)   (a draining id: retried from poll())
+    bind_request(req) (kvbridge's patch of      sender.bind(room_binding(req.origin_input_ids)): a claim
+      create_sender)                            of another request is refused from now on
     pop_decode_prefix_len() -> P * page_size    P = sender.decode_first_page: the prefix every decode
                                                 rank holds (SGLang asks once poll() read WaitingForInput)
-    init(num_pages, aux_index)                  sender.init(num_pages=P + num_pages, first_page=P): SGLang
-                                                counts the pages after the prefix
+    init(num_pages, aux_index)                  sender.init(len(prompt), num_pages=P + num_pages, first_page=P,
+                                                binding=the same): SGLang counts the pages after the prefix
     send(page ids, state, num_kv_tokens)        sender.send(logical = P + pages given so far.., local,
                                                 num_tokens_ready=P * page_size + sum of num_kv_tokens,
                                                 is_last=all pages given, aux_slot=aux_index on the owner
@@ -95,6 +97,17 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
     def _open(self) -> None:
         self._open_with(lambda: self.kv_mgr.endpoint.sender(self.bootstrap_room))
 
+    def _bound(self) -> None:
+        """The open room takes the request's binding now: a decode claim with another digest (a
+        room id taken from another request, a longer prompt) is refused at once; one accepted
+        before this call with another digest fails this request (its room was pre-claimed)."""
+        if self._handle is None or self._failure is not None:
+            return
+        try:
+            self._handle.bind(self.binding)
+        except KVBridgeError as exc:
+            self.fail(str(exc))
+
     # -- SGLang's calls -------------------------------------------------------------------
 
     def init(self, num_kv_indices: int, aux_index: Any = None) -> None:
@@ -104,7 +117,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         if self._handle is None or self._failure is not None:
             return
         try:
-            self._handle.init(num_pages=self._prefix_pages + self._num_pages, first_page=self._prefix_pages)
+            self._handle.init(self.num_tokens, num_pages=self._prefix_pages + self._num_pages,
+                              first_page=self._prefix_pages, binding=self.binding)
         except KVBridgeError as exc:
             self.fail(str(exc))
 

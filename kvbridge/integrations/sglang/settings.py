@@ -17,20 +17,22 @@ switching, forced DP-rank queries, and metadata buffers in GPU memory on decode.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, SettingsReader, engine_names
+from kvbridge import ConfigError, SettingsReader, engine_names, weights_digest
 from kvbridge.integrations.sglang.cp_modes import lane_rule as sglang_lane_rule
 
 ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDGE_BOOTSTRAP_TOKEN",
                                               "KVBRIDGE_INSTANCE", "KVBRIDGE_HOST")  # fmt: skip
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
-ENV_ENGINE = "KVBRIDGE_ENGINE"
+ENV_ENGINE, ENV_WEIGHTS, ENV_LOG_LEVEL = "KVBRIDGE_ENGINE", "KVBRIDGE_WEIGHTS", "KVBRIDGE_LOG_LEVEL"
 ENGINES = engine_names("network")  # what an SGLang rank's transfer engine may be (both sides on one)
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
@@ -54,6 +56,12 @@ ENVIRONMENT = (
     (ENV_PEER, "silence after which a peer rank counts as dead, and the deadline of a connection's ownership "
                "proof, seconds (default 15: a loaded host starves kvbridge's threads past 5; docs/sglang.md)"),
     (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+    (ENV_WEIGHTS, "the contract's weights identity: auto (default: kvbridge.weights_digest of --model-path, a "
+                  "local folder or the hub cache's snapshot; names, sizes, safetensors headers and sampled chunks), "
+                  "off, or a digest to use as it is; a decode whose checkpoint differs is refused by field "
+                  "model.weights"),
+    (ENV_LOG_LEVEL, "level of kvbridge's records, which go through SGLang's log handlers tagged with level and "
+                    "process (default: SGLang's --log-level)"),
     (ENV_STAGING, "staged transfers (docs/staging.md): auto (default: chosen per target, many small slices "
                   "staged, few large ones direct), always (decode: every page through its staging area; prefill: "
                   "stage every target that offers one), never"),
@@ -68,6 +76,8 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the daemon accepts
 SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 15.0  # the library's 5 s is tripped by a loaded CPU host (docs/sglang.md, "Liveness")
 
@@ -122,6 +132,10 @@ class Settings:
     staging: str = "auto"
     staging_bytes: int = 0
     staging_slot_bytes: int = 0
+    model_path: str = ""
+    weights: str = "auto"  # KVBRIDGE_WEIGHTS: auto | off | a digest
+    log_level: str = ""  # KVBRIDGE_LOG_LEVEL ("": SGLang's)
+    metrics: bool = False  # --enable-metrics: kvbridge's counters join SGLang's /metrics
 
     @property
     def staging_config(self) -> dict[str, Any]:
@@ -205,8 +219,50 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         peer_timeout=r.number("peer_timeout", PEER_TIMEOUT_S, positive=True), secret=secret.encode() if secret else None,
         bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
-        **staging,
+        model_path=str(getattr(sa, "model_path", "") or ""), weights=r.text("weights") or "auto",
+        log_level=_log_level(r),
+        metrics=bool(getattr(sa, "enable_metrics", False)), **staging,
     )  # fmt: skip
+
+
+def _log_level(r: SettingsReader) -> str:
+    level = r.text("log_level").upper()
+    if level not in ("", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"{ENV_LOG_LEVEL}={level!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL",
+                          field=ENV_LOG_LEVEL)
+    return level
+
+
+def model_weights(settings: Settings) -> str:
+    """The contract's ``model.weights``: ``kvbridge.weights_digest`` of --model-path (a local folder,
+    or a hub id's cached snapshot at --revision) with ``KVBRIDGE_WEIGHTS`` auto; "unspecified" when
+    off or when there is no local copy or no weight file (logged); the given string otherwise.
+    Cost: the safetensors headers and 8 x 64 KiB per file (kvbridge.weights_digest)."""
+    if settings.weights == "off":
+        return "unspecified"
+    if settings.weights != "auto":
+        return settings.weights
+    folder = settings.model_path
+    if not folder:
+        return "unspecified"
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            revision = None if settings.revision == "unspecified" else settings.revision
+            folder = snapshot_download(folder, revision=revision, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
+            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
+                        settings.model_path, exc)
+            return "unspecified"
+    started = time.monotonic()
+    try:
+        digest = weights_digest(folder)
+    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
+        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
+        return "unspecified"
+    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
+    return digest
 
 
 # -- refusals ------------------------------------------------------------------------------

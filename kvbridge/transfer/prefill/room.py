@@ -323,12 +323,7 @@ class PrefillRoom:
         if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) or first_page < 0:
             raise LayoutError(f"first_page must be a non-negative integer, got {first_page!r} (init())",
                               field="first_page", **self.ctx)
-        if not isinstance(binding, bytes) or len(binding) > 64:
-            raise RoomBindingError(f"binding must be at most 64 bytes, got {binding!r:.80}", field="binding",
-                                   **self.ctx)
-        refusal = engine_binding_refusal(binding, self.claimed_binding, room=self.room)
-        if refusal is not None:
-            raise RoomBindingError(refusal, field="binding", **self.ctx)
+        binding = self.check_binding(binding or self.binding or b"", "init()")
         for t in self.targets.values():
             self.check_prefix(t, int(first_page))
         self.set_length("init()", num_tokens=num_tokens, num_pages=num_pages)
@@ -340,6 +335,25 @@ class PrefillRoom:
         if not self.num_to_send and not self.owns_last_token and not self.is_last:
             self.is_last = self.auto_last = True
             self.num_tokens_ready = self.num_tokens or 0
+
+    def bind(self, binding: bytes) -> None:
+        """The engine's digest of the request, said when the room opens (``KVSender.bind``), so that
+        a claim arriving before ``init()`` is judged by it at once (SGLang: decode asks before init)."""
+        self.binding = self.check_binding(binding, "bind()")
+
+    def check_binding(self, binding: bytes, source: str) -> bytes:
+        """``binding`` if the engine may bind the room to it: at most 64 bytes, the digest it said
+        before (if any), and the one the claims accepted so far presented; else RoomBindingError."""
+        if not isinstance(binding, bytes) or len(binding) > 64:
+            raise RoomBindingError(f"binding must be at most 64 bytes, got {binding!r:.80} ({source})",
+                                   field="binding", **self.ctx)
+        if self.binding and binding != self.binding:
+            raise RoomBindingError(f"{source} binds room {self.room} to {binding.hex() or '(none)'}, but it was bound "
+                                   f"to {self.binding.hex()}", field="binding", **self.ctx)
+        refusal = engine_binding_refusal(binding, self.claimed_binding, room=self.room)
+        if refusal is not None:
+            raise RoomBindingError(refusal, field="binding", **self.ctx)
+        return binding
 
     def check_prefix(self, t: Target, first_page: int | None = None) -> None:
         """Target ``t`` holds at least the pages the engine skips (``first_page``: the engine's,

@@ -56,6 +56,14 @@ class KVSender(RoomHandle):
         b"" binds nothing (any claim is served)."""
         self._ep.init_room(self._room, num_tokens, num_pages, first_page, binding)
 
+    def bind(self, binding: bytes) -> None:
+        """Bind the room to the request's digest now, before ``init()`` (an engine whose decode
+        ranks ask before it inits, as SGLang's): a claim with another digest is refused at once,
+        nothing written or read. A claim accepted before this call (it came first) that presented
+        another digest makes this raise RoomBindingError: that claim is another request's.
+        ``init(binding=)`` then needs no binding, or the same."""
+        self._ep.locked(lambda: self._room.bind(binding))
+
     @property
     def decode_first_page(self) -> int:
         """The decode prefix, in pages, that every decode rank of this room holds (they asked

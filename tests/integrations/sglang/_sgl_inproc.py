@@ -21,10 +21,11 @@ RANKS = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size"
 
 class Pair:
     def __init__(self, cluster_url: str, name: str, prefill_tp: int = 1, env: dict[str, str] | None = None,
-                 pp: int = 1, layers: int = world.LAYERS, stage_draft: bool = True, **args) -> None:
+                 pp: int = 1, layers: int = world.LAYERS, stage_draft: bool = True,
+                 decode_env: dict[str, str] | None = None, **args) -> None:
         """``prefill_tp``: the prefill's attention TP ranks (MLA: rank 0 sends, the others have no
         endpoint); ``env``: more environment for both servers' managers (``KVBRIDGE_*``, read once
-        at start); ``pp``: the prefill's pipeline stages over a model of ``layers`` target layers
+        at start; ``decode_env``: more for decode's alone); ``pp``: the prefill's pipeline stages over a model of ``layers`` target layers
         (``stage_draft``: every stage lists the draft pool, see ``_sgl_world``; the last stage is
         built first: the others wait for its contract); ``args``: more server arguments of both
         servers (decode also gets a prefix cache, ``--disaggregation-decode-enable-radix-cache``,
@@ -46,8 +47,10 @@ class Pair:
                 self.prefill = sched.PrefillServer(name, worlds, 1, self.addr)
                 decode_args = {**args, "disaggregation_decode_enable_radix_cache": True} \
                     if args.get("disaggregation_enable_kv_checksum") else args
+            with world.environ({**env, **(decode_env or {})}):
                 self.decode = sched.DecodeServer(f"{name}-d", world.RankWorld(
-                    "decode", server_args("decode", **decode_args), RANKS, env, layers=layers))  # fmt: skip
+                    "decode", server_args("decode", **decode_args), RANKS, {**env, **(decode_env or {})},
+                    layers=layers))  # fmt: skip
         finally:
             get_parallel().clear_stamp()
 

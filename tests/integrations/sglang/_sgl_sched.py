@@ -15,17 +15,33 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation import utils as disagg_utils
-from sglang.srt.disaggregation.utils import KVClassType, _apply_metadata_gate
+from sglang.srt.disaggregation.decode import DecodePreallocQueue
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+from sglang.srt.disaggregation.utils import _apply_metadata_gate
 from sglang.srt.mem_cache.common import kv_to_page_indices, kv_to_page_num, suffix_page_indices
 
 from _sgl_world import NOT_COMPUTED, PAGE, POOL_PAGES, PREFIX_MARK, RankWorld, metadata_errors, metadata_req
 from kvbridge.worker.synthetic import SENTINEL_BYTE, verify_pages
+
+
+def prompt(room: int, n: int, salt: int = 0) -> np.ndarray:
+    """A request's prompt token ids (deterministic per room): what both servers' Req carry."""
+    return (np.arange(n, dtype=np.int64) * 37 + room % 9973 + salt * 101) % 50_000
+
+
+def sglang_req(room: int, addr: str, tokens: np.ndarray) -> SimpleNamespace:
+    """What SGLang's queue methods read of a ``Req``: its prompt and bootstrap fields."""
+    host, port = addr.rsplit(":", 1)
+    return SimpleNamespace(rid=f"req-{room}", origin_input_ids=[int(t) for t in tokens], bootstrap_host=host,
+                           bootstrap_port=int(port), bootstrap_room=room, disagg_prefill_dp_rank=None,
+                           sampling_params=SimpleNamespace(max_new_tokens=16))
 
 
 def min_poll(per_rank: list[list[int]]) -> list[int]:
@@ -77,11 +93,18 @@ class PrefillServer:
         self.events: list[dict] = []
 
     def add(self, room: int, n: int, chunk: int, optimistic: bool = False, hold_after: int | None = None,
-            bad_pages: bool = False) -> None:
-        """``PrefillBootstrapQueue.add`` -> ``create_sender``."""
-        sender = disagg_utils.get_kv_class(disagg_utils.TransferBackend.KVBRIDGE, KVClassType.SENDER)
-        senders = [sender(mgr=w.mgr, bootstrap_addr=self.addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
-                   for w in self.worlds]
+            bad_pages: bool = False, tokens: np.ndarray | None = None) -> None:
+        """``PrefillBootstrapQueue.add`` -> SGLang's own ``create_sender`` (kvbridge's patch binds the
+        room to ``tokens``, the prompt: default ``prompt(room, n)``) on every rank."""
+        tokens = prompt(room, n) if tokens is None else tokens
+        senders = []
+        for w in self.worlds:
+            req = sglang_req(room, self.addr, tokens)
+            queue = SimpleNamespace(transfer_backend=disagg_utils.TransferBackend.KVBRIDGE, kv_manager=w.mgr,
+                                    bootstrap_port=req.bootstrap_port, _check_if_req_exceed_kv_capacity=lambda _r: False,
+                                    _process_req=lambda _r: None)  # fmt: skip
+            assert PrefillBootstrapQueue.create_sender(queue, req, 0)
+            senders.append(req.disagg_kv_sender)
         pages = self._alloc(kv_to_page_num(n, PAGE), bad_pages)
         for w in self.worlds:  # rows no chunk computed yet
             held = pages if self.shard == 1 else pages[pages % self.shard == w.ranks["attn_tp_rank"]] // self.shard
@@ -287,10 +310,14 @@ class DecodeServer:
         self.tries: dict[str, tuple[float, int]] = {}
         self.events: list[dict] = []
 
-    def add(self, room: int, n: int, prefix: int, addr: str) -> None:
-        """``DecodePreallocQueue.add`` -> ``_create_receiver_and_enqueue`` -> ``_resolve_prefill_dp_rank``."""
-        receiver = disagg_utils.get_kv_class(disagg_utils.TransferBackend.KVBRIDGE, KVClassType.RECEIVER)
-        r = DReq(room, n, prefix, addr, receiver(mgr=self.w.mgr, bootstrap_addr=addr, bootstrap_room=room))
+    def add(self, room: int, n: int, prefix: int, addr: str, tokens: np.ndarray | None = None) -> None:
+        """``DecodePreallocQueue.add`` -> SGLang's own ``_create_receiver_and_enqueue`` (kvbridge's patch
+        binds the receiver to ``tokens``: default ``prompt(room, n)``) -> ``_resolve_prefill_dp_rank``."""
+        tokens = prompt(room, n) if tokens is None else tokens
+        queue = SimpleNamespace(transfer_backend=disagg_utils.TransferBackend.KVBRIDGE, kv_manager=self.w.mgr,
+                                queue=[])
+        made = DecodePreallocQueue._create_receiver_and_enqueue(queue, sglang_req(room, addr, tokens), False)
+        r = DReq(room, n, prefix, addr, made.kv_receiver)
         self.reqs[room] = r
         dp = self.resolve_prefill_dp_rank(r)
         if dp is not None:
