@@ -110,3 +110,30 @@ def test_a_claim_before_the_engine_opens_must_match_its_binding(cluster):
     s.abort("bound to another request")
     wait_final([r], 20)
     assert r.poll() == KVPoll.Failed
+
+
+def test_a_room_bound_when_it_opens_refuses_a_foreign_claim_before_init(cluster):
+    """KVSender.bind (SGLang: decode asks before prefill's init): the binding is said at open, so a
+    claim of another request is refused at once, the owner's is accepted, and init() keeps it."""
+    c = cluster(cp=1)
+    room, n = 0x5153, 8
+    own = room_binding(PROMPT[:n])
+    s = c.prefill[0].sender(room)
+    s.bind(own)
+    foreign = c.decode.receiver(room, f"{c.name}-p")
+    foreign.init(np.array([3, 4]), 0, n, binding=room_binding(PROMPT[1:n + 1]))
+    wait_final([foreign], 20)
+    assert foreign.poll() == KVPoll.Failed and "bound to another request" in foreign.failure_reason
+    assert s.poll() == KVPoll.Bootstrapping  # the room is untouched, still waiting for its owner
+    with pytest.raises(RoomBindingError, match="was bound to"):
+        s.bind(room_binding(PROMPT[2:n + 2]))
+    assert wait_until(lambda: foreign.pages_releasable, 10)
+    foreign.close()
+    owner = c.decode.receiver(room, f"{c.name}-p", wait=10)
+    owner.init(np.array([5, 6]), 1, n, binding=own)
+    assert wait_until(lambda: s.poll() == KVPoll.WaitingForInput, 10)
+    with pytest.raises(RoomBindingError, match="was bound to"):
+        s.init(n, binding=room_binding(PROMPT[2:n + 2]))
+    s.init(n)  # no binding given: the one said at open stands
+    s.abort("test over")
+    wait_final([owner], 20)
