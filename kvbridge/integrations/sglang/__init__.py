@@ -14,6 +14,8 @@ starts. Then:
     cp_modes.py          SGLang's CP modes -> owner-lane rules
     settings.py          what the backend reads from SGLang and KVBRIDGE_* (once), and refuses
     contract.py          the runtime contract of a rank, from its pools
+    logs.py              kvbridge's records through SGLang's log handlers (level, process)
+    metrics.py           refusals and failures by reason (prometheus counters on SGLang's /metrics)
     backend.py           the classes SGLang instantiates: manager.py, sender.py, receiver.py,
                          bootstrap_server.py (they import SGLang)
     launch.py            runs SGLang's server (``kvbridge sglang``)
