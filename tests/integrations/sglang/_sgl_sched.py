@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -37,9 +38,11 @@ def prompt(room: int, n: int, salt: int = 0) -> np.ndarray:
 
 
 def sglang_req(room: int, addr: str, tokens: np.ndarray) -> SimpleNamespace:
-    """What SGLang's queue methods read of a ``Req``: its prompt and bootstrap fields."""
+    """What SGLang's queue methods read of a ``Req``: its prompt (``array('q')``, as SGLang's
+    ``Req.origin_input_ids``) and bootstrap fields."""
     host, port = addr.rsplit(":", 1)
-    return SimpleNamespace(rid=f"req-{room}", origin_input_ids=[int(t) for t in tokens], bootstrap_host=host,
+    return SimpleNamespace(rid=f"req-{room}", origin_input_ids=array("q", np.asarray(tokens, np.int64).tolist()),
+                           bootstrap_host=host,
                            bootstrap_port=int(port), bootstrap_room=room, disagg_prefill_dp_rank=None,
                            sampling_params=SimpleNamespace(max_new_tokens=16))
 
