@@ -225,7 +225,12 @@ def plugin() -> None:
     """SGLang's plugin loader calls this in every SGLang process (entry point
     ``sglang.srt.plugins: kvbridge``). A mismatch is logged, not raised: SGLang
     then serves its own backends, and ``--disaggregation-transfer-backend
-    kvbridge`` is refused as an unknown choice after this warning."""
+    kvbridge`` is refused as an unknown choice after this warning. kvbridge's records of every
+    SGLang process go through SGLang's log handlers from here on (``logs.route_logs``; the level:
+    SGLang's, or ``KVBRIDGE_LOG_LEVEL`` once a KV manager read it)."""
+    from kvbridge.integrations.sglang.logs import route_logs  # only in SGLang's processes
+
+    route_logs(None)
     try:
         install()
     except SGLangMismatch as exc:
