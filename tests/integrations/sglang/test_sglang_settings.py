@@ -221,3 +221,34 @@ def test_staging_is_chosen_by_kvbridge_settings_and_sglangs_own_buffer_is_refuse
     with pytest.raises(ConfigError) as err:
         read_settings("prefill", args(), True, env=ENV)
     assert err.value.field == "SGLANG_DISAGG_STAGING_BUFFER" and "KVBRIDGE_STAGING=always" in str(err.value)
+
+
+def test_the_weights_identity_of_model_path(rank, tmp_path):
+    """KVBRIDGE_WEIGHTS: auto digests --model-path (the checkpoint, not the folder's name), off and
+    an empty folder give "unspecified", a given digest is used as it is; a bad log level is refused."""
+    import json
+
+    import numpy as np
+
+    from kvbridge.integrations.sglang.settings import model_weights
+
+    def checkpoint(root, seed):
+        root.mkdir()
+        data = np.random.default_rng(seed).standard_normal((64, 64)).astype("<f4").tobytes()
+        header = json.dumps({"w": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, len(data)]}}).encode()
+        (root / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+        return str(root)
+
+    rank()
+    a, a_copy, other = (checkpoint(tmp_path / n, s) for n, s in (("a", 1), ("a-copy", 1), ("other", 2)))
+    (tmp_path / "empty").mkdir()
+
+    def weights(path, value=None):
+        env = {**ENV, **({"KVBRIDGE_WEIGHTS": value} if value else {})}
+        return model_weights(read_settings("decode", ServerArgs(model_path=path, port=30000), True, env=env))
+
+    assert weights(a).startswith("wd1:") and weights(a) == weights(a_copy) != weights(other)
+    assert weights(a, "off") == weights(str(tmp_path / "empty")) == "unspecified"
+    assert weights(a, "wd1:given") == "wd1:given"
+    with pytest.raises(ConfigError, match="KVBRIDGE_LOG_LEVEL='LOUD'"):
+        read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_LOG_LEVEL": "loud"})
