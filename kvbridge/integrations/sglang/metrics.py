@@ -5,7 +5,8 @@
                                                          request failed, nothing written or read
     kvbridge_sglang_failed_transfers_total{role, reason} a room that failed after it opened
 
-Reasons are a bounded set (``REFUSALS``, ``FAILURES``: first match of the failure's text wins,
+A request counts once on each rank that failed it itself (SGLang asks each rank's
+``failure_exception()``; a rank that only saw a peer's failure counts nothing). Reasons are a bounded set (``REFUSALS``, ``FAILURES``: first match of the failure's text wins,
 else ``other``), so the label set stays small whatever the text; the text itself is logged.
 
 Where the numbers go. With ``--enable-metrics`` SGLang's scheduler processes write their
