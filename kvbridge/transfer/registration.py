@@ -21,13 +21,17 @@ from kvbridge.transfer.engine import TransferEngine, tensor_region
 
 log = logging.getLogger(__name__)
 
+# the pool kinds the room endpoints carry (kvbridge.layout.pools.KINDS lists every kind planned);
+# an integration checks its pools against this before it opens an endpoint
+ROOM_POOL_KINDS: frozenset[str] = frozenset({"paged"})
+
 
 class EndpointBuffers:
     """One buffer per (pool, layer id) of every spec (a tensor, an array or a ``RawBuffer``);
     checked on construction."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], buffers: Mapping[tuple[str, int], Any], rank: str) -> None:
-        unmoved = sorted(f"{name} ({spec.kind})" for name, spec in specs.items() if spec.kind != "paged")
+        unmoved = sorted(f"{name} ({spec.kind})" for name, spec in specs.items() if spec.kind not in ROOM_POOL_KINDS)
         if unmoved:  # the rooms move token pages of one mapping; the kinds are planned in kvbridge.layout.kinds
             raise BufferSpecError(f"pools {', '.join(unmoved)} are not paged: the room endpoints move paged pools "
                                   "only (window, compressed and state pools are planned by kvbridge.layout.kinds "
