@@ -138,14 +138,6 @@ def test_what_the_rooms_do_not_carry_is_refused_at_construction_by_name(daemon):
             with pytest.raises(ConfigError) as err:
                 PrefillEndpoint(cfg, eng, specs, bufs, ct, client, AUX)
             assert err.value.field == field, err.value
-        hyb = model_specs("hybrid")
-        odd = {**hyb, "swa": kvb.window_pool("swa", [0, 2], 32, window=6, page_size=8)}
-        with pytest.raises(ConfigError) as err:  # a window page that is not a token page, under CP
-            PrefillEndpoint(PrefillConfig(instance="kr-r4", cp_size=2, staging="never"), eng,
-                            {**odd, "k": kvb.PoolSpec(name="k", dtype="bfloat16", abi="bfloat16", bytes_per_token=16,
-                                                      page_size=4, layer_ids=(0, 2))},
-                            buffers(odd, None), contract(odd), client, AUX)
-        assert err.value.field in ("page_size", "buffers", "pools"), err.value
         for cfg, field in [(DecodeConfig(instance="kr-d1"), "staging"),
                            (DecodeConfig(instance="kr-d2", staging="never", verify_digest=True), "verify_digest")]:
             with pytest.raises(ConfigError) as err:

@@ -579,6 +579,7 @@ class DecodeRooms:
             stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
                          f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}"
+                         + (f", of the kind pools {self.kinds.missing(r.room)}" if self.kinds.missing(r.room) else "")
                          + (f" from pipeline stage(s) {', '.join(f'pp{s}' for s in stages)}" if stages else ""), now)
         elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet

@@ -15,8 +15,7 @@ the chunk's pages (``kvbridge.layout.kinds``: ``chunk_extent``, ``lane_units``, 
 
 What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes, layer
 ranges (PP, layer-wise sends), heterogeneous TP, a decode prefix, decode ranks that do not say
-the token count; under CP, compressed and ring-window pools (``check_kind_topology``) and window
-pools whose pages are not the token pages.
+the token count; under CP, compressed and ring-window pools (``check_kind_topology``).
 
 Pure bookkeeping over plain data: the room machine's write book (``writes.py``) asks ``plan``
 and puts the answer in the write it posts.
@@ -33,7 +32,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeEr
 from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan
 from kvbridge.layout.kinds import (check_kind_topology, chunk_extent, kind_specs, lane_units, needed_extent,
                                    own_units_pools, plan_kind, token_page_size)
-from kvbridge.layout.pools import STATE, WINDOW
+from kvbridge.layout.pools import STATE
 from kvbridge.transfer.channel import wire
 
 __all__ = ["KindWrites", "check_kind_config", "token_page_size"]
@@ -56,13 +55,8 @@ def check_kind_config(specs: Mapping[str, PoolSpec], *, cp_size: int, lane_rule:
         check_kind_topology(list(kinds.values()), cp_size, lane_rule)
     except KVBridgeError as exc:
         raise ConfigError(exc.reason, rank=rank, field=exc.field or "cp_size") from None
-    ps = token_page_size(specs)
-    if cp_size > 1 and lane_rule != "replicated":
-        odd = [n for n, s in kinds.items() if s.kind == WINDOW and s.page_size != ps]
-        if odd:
-            raise ConfigError(f"window pool {odd[0]!r} pages {kinds[odd[0]].page_size} tokens, the room's pages "
-                              f"{ps}: under CP {cp_size} a window page must be a token page (its owner lane)",
-                              rank=rank, field="page_size")
+    # (a paged window's page is a token page: the contract gives every token-paged pool one page
+    # size, so its owner lane is the token page's)
 
 
 @dataclass
