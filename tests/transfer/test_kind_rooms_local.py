@@ -79,6 +79,7 @@ class KindCluster:
     ("v4", 1, 45, ()),  # one chunk: one HCA entry, a CSA tail
     ("hybrid", 1, 22, (9,)),  # window of 6 tokens: pages 4 and 5 only; state with the last chunk
     ("hybrid", 2, 30, (13, 21)),  # CP 2: window pages from their owner lanes, state from the last token's owner
+    ("hybrid", 2, 3, ()),  # CP 2, one page: cp1 owns nothing and sends nothing, yet completes
 ])
 def test_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n, cuts):
     c = KindCluster(daemon.url, model, f"kr-{request.node.callspec.id[:20]}", cp)
