@@ -6,6 +6,8 @@ the rebuilt cache is bit-equal to colocated; the bytes moved equal ``needed_byte
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -195,9 +197,8 @@ def _shared_pages(pools, page_ids, n, needed):
             pools.units[name], pools.first[name] = page_ids[first:], first
 
 
-@pytest.mark.parametrize("which, n, cuts", [("qwen3_next", 21, ()), ("qwen3_next", 30, (9, 17)),
-                                             ("gpt_oss", 13, ()), ("gpt_oss", 30, (9, 17))])
-def test_hybrids_through_the_rooms_equal_colocated(request, which, n, cuts):
+@pytest.mark.parametrize("which, n, cuts", [("qwen3_next", 30, (9, 17)), ("gpt_oss", 30, (9, 17))])
+def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, n, cuts):
     """The same models through a prefill and a decode endpoint (a room per request, a bootstrap
     daemon, local engines): paged pools beside window or state pools in one room, the window on
     the room's page mapping, the state slots as kind_units; decode's logits bit-equal, the bytes
@@ -222,42 +223,39 @@ def test_hybrids_through_the_rooms_equal_colocated(request, which, n, cuts):
     typed = lambda pools: {k: b.view(getattr(torch, specs[k[0]].abi)) for k, b in pools.buffers.items()}  # noqa: E731
     engines = [create_engine("local")]
     engines.append(create_engine("local", fabric=engines[0].fabric))
-    with kvb.start_bootstrap() as (url, token):
-        clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
-        p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{which}-p", staging="never"), engines[0], specs,
-                                typed(src), contract, clients[0], aux)
-        d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{which}-d", staging="never"), engines[1], specs,
-                               typed(dst), contract, clients[1], torch.zeros((2, aux.row_bytes), dtype=torch.uint8),
-                               aux)
-        p.start()
-        d.start()
-        try:
-            with d.receiver(1, f"{which}-p") as rx, p.sender(1) as tx:
-                rx.init(dst.units["kv"], 0, n, kind_units={k: dst.units[k] for k in own} or None)
-                tx.init(n, kind_units={k: src.units[k] for k in own} or None)
-                sent = 0
-                for cache, _, end, last, _ in _prefill(model, ids, cuts):
-                    src.write_cache(cache, end, last)
-                    upto = num_pages if last else -(-end // 4)
-                    row = dict(first_token=int(first), num_cached_tokens=n, hidden_is_cp_local=True,
-                               hidden=np.zeros(8, np.float32), topk_ids=np.zeros(0, np.int32),
-                               topk_probs=np.zeros(0, np.float32)) if last else None
-                    tx.send(np.arange(sent, upto), src.units["kv"][sent:upto], num_tokens_ready=end, is_last=last,
-                            aux=row)
-                    sent = upto
-                for _ in range(3000):
-                    if rx.poll() in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and tx.poll() == rx.poll():
-                        break
-                    import time
-
-                    time.sleep(0.005)
-                assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
-                assert tx.stats["bytes"] - aux.row_bytes == sum(kvb.needed_bytes(s, n) for s in specs.values())
-                got_first = torch.tensor(int(rx.aux.first_token))
-        finally:
-            d.close(timeout=2)
-            p.close(timeout=2)
-            for c in clients:
-                c.close()
+    clients = [kvb.BootstrapClient(daemon.url) for _ in "pd"]
+    p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{which}-p", staging="never"), engines[0], specs,
+                            typed(src), contract, clients[0], aux)
+    d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{which}-d", staging="never"), engines[1], specs,
+                           typed(dst), contract, clients[1], torch.zeros((2, aux.row_bytes), dtype=torch.uint8),
+                           aux)
+    p.start()
+    d.start()
+    try:
+        with d.receiver(1, f"{which}-p") as rx, p.sender(1) as tx:
+            rx.init(dst.units["kv"], 0, n, kind_units={k: dst.units[k] for k in own} or None)
+            tx.init(n, kind_units={k: src.units[k] for k in own} or None)
+            sent = 0
+            for cache, _, end, last, _ in _prefill(model, ids, cuts):
+                src.write_cache(cache, end, last)
+                upto = num_pages if last else -(-end // 4)
+                row = dict(first_token=int(first), num_cached_tokens=n, hidden_is_cp_local=True,
+                           hidden=np.zeros(8, np.float32), topk_ids=np.zeros(0, np.int32),
+                           topk_probs=np.zeros(0, np.float32)) if last else None
+                tx.send(np.arange(sent, upto), src.units["kv"][sent:upto], num_tokens_ready=end, is_last=last,
+                        aux=row)
+                sent = upto
+            for _ in range(3000):
+                if rx.poll() in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and tx.poll() == rx.poll():
+                    break
+                time.sleep(0.005)
+            assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+            assert tx.stats["bytes"] - aux.row_bytes == sum(kvb.needed_bytes(s, n) for s in specs.values())
+            got_first = torch.tensor(int(rx.aux.first_token))
+    finally:
+        d.close(timeout=2)
+        p.close(timeout=2)
+        for c in clients:
+            c.close()
     got = _decode(model, dst.read_cache(model.config, n, template), got_first)
     assert torch.equal(got, want), (got - want).abs().max()
