@@ -329,7 +329,8 @@ def _profile_threads(folder: str, role: str) -> Any:
     """``KVBRIDGE_PROFILE_DIR``: a cProfile of every thread of this rank (its endpoint loop, the
     engine's pump, the main thread; before Python 3.12 each enabled on the thread's first call, from
     3.12 one profiler of the whole interpreter); returns the
-    function that writes them, merged, to ``<folder>/<role>-<pid>.txt`` (by own time) and ``.prof``."""
+    function that writes them, merged, to ``<folder>/<role>-<pid>.txt`` (by own time, then kvbridge's transfer and layout functions by
+    cumulative time) and ``.prof``."""
     import cProfile
     import pstats
     import threading
@@ -357,7 +358,8 @@ def _profile_threads(folder: str, role: str) -> Any:
         path = os.path.join(folder, f"{role}-{os.getpid()}")
         stats.dump_stats(path + ".prof")
         with open(path + ".txt", "w") as out:
-            pstats.Stats(path + ".prof", stream=out).sort_stats("tottime").print_stats(60)
+            pstats.Stats(path + ".prof", stream=out).sort_stats("tottime").print_stats(40)
+            pstats.Stats(path + ".prof", stream=out).sort_stats("cumulative").print_stats(r"kvbridge/(transfer|layout)", 80)
 
     return dump
 
