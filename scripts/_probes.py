@@ -17,9 +17,9 @@ def wrap(modname: str, clsname: str, meth: str, on_in: Callable[[], None] | None
     module or class is not in this tree (the scripts then try an older tree's names)."""
     try:
         cls = getattr(importlib.import_module(modname), clsname)
+        f = getattr(cls, meth)
     except (ImportError, AttributeError):
         return False
-    f = getattr(cls, meth)
 
     @functools.wraps(f)
     def g(self, *a, **k):
@@ -34,6 +34,31 @@ def wrap(modname: str, clsname: str, meth: str, on_in: Callable[[], None] | None
                 on_out()
 
     setattr(cls, meth, g)
+    return True
+
+
+def wrap_message(modname: str, on_in: Callable[[], None] | None = None,
+                 on_out: Callable[[], None] | None = None) -> bool:
+    """Wrap the handler of ``Message`` events in a room machine module's ``_HANDLERS`` table (the
+    machines take events through ``feed``; a class attribute patch would not reach the table);
+    False when the module has no such table (an older tree)."""
+    try:
+        module = importlib.import_module(modname)
+        table, message = module._HANDLERS, module.Message
+    except (ImportError, AttributeError):
+        return False
+    f = table[message]
+
+    def g(machine, event):
+        if on_in:
+            on_in()
+        try:
+            return f(machine, event)
+        finally:
+            if on_out:
+                on_out()
+
+    table[message] = g
     return True
 
 

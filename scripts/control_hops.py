@@ -9,7 +9,7 @@ occurrence in the room (the last rank decides). The probes name modules of this 
 failing that, of older trees (so one script measures commits across the rooms merge); on a
 machine shared with other work read the hops beside each other, not one figure alone."""
 import time, statistics, collections
-from _probes import run_control_bench, wrap
+from _probes import run_control_bench, wrap, wrap_message
 rooms = []  # list of dict event -> [times]
 cur = [None]
 def mark(ev):
@@ -26,11 +26,11 @@ kvb.DecodeEndpoint.receiver = receiver
 T = "kvbridge.transfer."
 ok = [
  wrap(T+"channel.clients", "Clients", "send_frame", at("req_sent")) or wrap(T+"channel_client", "PeerSet", "send_frame", at("req_sent")),
- wrap(T+"prefill.machine", "PrefillRooms", "message", at("p_msg")) or wrap(T+"prefill", "PrefillEndpoint", "_on_message", at("p_msg")),
+ wrap_message(T+"prefill.machine", at("p_msg")) or wrap(T+"prefill.machine", "PrefillRooms", "message", at("p_msg")) or wrap(T+"prefill", "PrefillEndpoint", "_on_message", at("p_msg")),
  wrap(T+"engine.local", "LocalEngine", "submit_write", at("submit"), at("submitted")),
  wrap(T+"engine.local", "LocalEngine", "_land", None, at("landed")),
  wrap(T+"channel.server", "Server", "send_frame", at("report_sent")) or wrap(T+"channel_server", "ControlServer", "send_frame", at("report_sent")),
- wrap(T+"decode.machine", "DecodeRooms", "message", at("d_msg"), at("d_msg_end")) or wrap(T+"decode_rooms", "RoomBook", "on_message", at("d_msg"), at("d_msg_end")),
+ wrap_message(T+"decode.machine", at("d_msg"), at("d_msg_end")) or wrap(T+"decode.machine", "DecodeRooms", "message", at("d_msg"), at("d_msg_end")) or wrap(T+"decode_rooms", "RoomBook", "on_message", at("d_msg"), at("d_msg_end")),
  wrap(T+"rooms", "RoomHandle", "wait", None, at("done"), only="KVReceiver") or wrap(T+"lifecycle", "RoomHandle", "wait", None, at("done"), only="KVReceiver"),
 ]
 assert all(ok), ok

@@ -325,8 +325,49 @@ def _wait_until(t: float) -> None:
         pass
 
 
+def _profile_threads(folder: str, role: str) -> Any:
+    """``KVBRIDGE_PROFILE_DIR``: a cProfile of every thread of this rank (its endpoint loop, the
+    engine's pump, the main thread; before Python 3.12 each enabled on the thread's first call, from
+    3.12 one profiler of the whole interpreter); returns the
+    function that writes them, merged, to ``<folder>/<role>-<pid>.txt`` (by own time, then kvbridge's transfer and layout functions by
+    cumulative time) and ``.prof``."""
+    import cProfile
+    import pstats
+    import threading
+
+    profiles: list[Any] = []
+
+    def start(*_: Any) -> None:  # threading's profile hook: replaced by the thread's own profiler
+        prof = cProfile.Profile()
+        profiles.append(prof)
+        prof.enable()
+
+    if sys.version_info < (3, 12):  # from 3.12 one profiler sees every thread (sys.monitoring), and only one may run
+        threading.setprofile(start)
+    main_prof = cProfile.Profile()
+    profiles.append(main_prof)
+    main_prof.enable()
+
+    def dump() -> None:
+        threading.setprofile(None)
+        for prof in profiles:
+            prof.disable()
+        stats = pstats.Stats(*profiles) if profiles else None
+        if stats is None:
+            return
+        path = os.path.join(folder, f"{role}-{os.getpid()}")
+        stats.dump_stats(path + ".prof")
+        with open(path + ".txt", "w") as out:
+            pstats.Stats(path + ".prof", stream=out).sort_stats("tottime").print_stats(40)
+            pstats.Stats(path + ".prof", stream=out).sort_stats("cumulative").print_stats(r"kvbridge/(transfer|layout)", 80)
+
+    return dump
+
+
 def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    profile_dir = os.environ.get("KVBRIDGE_PROFILE_DIR")
+    dump_profile = _profile_threads(profile_dir, role) if profile_dir else None
     logging.basicConfig(level=logging.INFO if os.environ.get("KVBRIDGE_TRACE") == "1" else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
@@ -354,6 +395,8 @@ def main() -> None:
                 emit({"error": f"{role} {cmd['op']}: {type(exc).__name__}: {exc}"})
     finally:
         rank.close()
+        if dump_profile is not None:
+            dump_profile()
 
 
 if __name__ == "__main__":

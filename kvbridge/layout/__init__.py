@@ -38,7 +38,7 @@ from kvbridge.layout.kinds import (
     state_tp_spec,
     tail_tokens,
 )
-from kvbridge.layout.lanes import LANE_RULES, OwnerLanes
+from kvbridge.layout.lanes import LANE_RULES, OwnerLanes, has_repeats
 from kvbridge.layout.pairing import BufferDesc, describe_buffer
 from kvbridge.layout.plan import TransferPlan, plan_transfer
 from kvbridge.layout.pools import LAYOUTS, PRESETS, PoolSpec, deepseek_pools, preset_pools
@@ -73,6 +73,7 @@ __all__ = [
     "describe_buffer",
     "Extent",
     "float32_to_bf16_bits",
+    "has_repeats",
     "head_slices",
     "HeadGeometry",
     "HeadSlice",

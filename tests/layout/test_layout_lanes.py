@@ -121,6 +121,8 @@ def test_public_names_are_pinned():
             "deepseek_v4_layer_types", "deepseek_v4_pools", "lane_units", "mamba_pools", "needed_bytes",
             "needed_extent", "plan_kind", "row_bytes", "state_pool", "state_slices", "state_tp_spec", "tail_tokens",
             "window_pool",
+            # the rooms' duplicate-page check, without np.unique's import of numpy.ma (layout/lanes.py)
+            "has_repeats",
         ]
     )  # fmt: skip
     assert all(hasattr(kvbridge.layout, name) for name in kvbridge.layout.__all__)
@@ -176,3 +178,22 @@ def test_lane_major_destination_gives_one_run_per_rank(cp_size, rule, num_tokens
             else:
                 expected += spec.num_layers * (int(has_full) + 2 * int(has_partial))
         assert plan.num_slices == expected
+
+
+def test_has_repeats_agrees_with_unique_without_importing_numpy_ma():
+    """The rooms' duplicate-page check: the same answer as ``np.unique``, without its first call's
+    import of ``numpy.ma`` (98 ms on a GPU host's first room)."""
+    import subprocess
+    import sys
+
+    from kvbridge.layout import has_repeats
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 7, 300):
+        for hi in (2, 10, 10**6):
+            values = rng.integers(0, hi, n)
+            assert has_repeats(values) == (np.unique(values).size != values.size), (n, hi)
+    code = ("import sys, numpy as np; from kvbridge.layout import has_repeats; "
+            "has_repeats(np.array([3, 1, 3])); print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -462,6 +462,21 @@ def test_mooncake_posts_a_small_write_itself_and_queues_the_rest_behind_the_pump
             assert a.direct_posts == 2
             a.write(b.session_id, s[:4], d[:4], n[:4])
             assert a.direct_posts == 3
+            # source events: completed ones (an aux row's copy by the room's last send) still let the
+            # caller post; one not yet completed sends the write to the pump, which waits for it
+            done, pending = threading.Event(), threading.Event()
+            done.set()
+            done.query = done.is_set  # an event as engines see one: query() and synchronize()
+            done.synchronize = done.wait
+            pending.query = pending.is_set
+            pending.synchronize = pending.wait
+            dst[:] = 0
+            assert poll_until_final(a, a.submit_write(b.session_id, s[:4], d[:4], n[:4], after=done)) == WriteStatus.DONE
+            assert a.direct_posts == 4
+            h = a.submit_write(b.session_id, s[:4], d[:4], n[:4], after=pending)
+            assert a.direct_posts == 4 and a.poll(h) == WriteStatus.PENDING
+            pending.set()
+            assert poll_until_final(a, h) == WriteStatus.DONE
     finally:
         a.close()
         b.close()

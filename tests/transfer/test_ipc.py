@@ -102,6 +102,21 @@ def test_a_region_registered_after_the_first_write_is_found(engines):
     assert (later.reshape(-1, PAGE)[perm] == src.reshape(-1, PAGE)).all()
 
 
+def test_a_peers_regions_are_mapped_when_its_table_is_learnt(engines):
+    """Mapping a peer's regions (``cudaIpcOpenMemHandle`` on a GPU) happens when the writer learns
+    the table (``reaches``, the first write, a miss), not inside a room's first write; a region
+    registered later is mapped when the table is fetched again."""
+    a, b = engines
+    first, later = np.zeros(4 * PAGE, np.uint8), np.zeros(4 * PAGE, np.uint8)
+    b.register(*tensor_region(first))
+    assert a.reaches(b.session_id)
+    peer = a._peers[b.session_id]
+    assert [r.local for r in peer.regions] == [first.ctypes.data]  # one process: mapped as itself
+    b.register(*tensor_region(later))
+    a._peer(b.session_id, refresh=True)
+    assert sorted(r.local for r in a._peers[b.session_id].regions) == sorted([first.ctypes.data, later.ctypes.data])
+
+
 def test_unregister_waits_for_a_write_in_flight_then_writes_fail(engines):
     """Withdrawal: the owner's unregister returns only after the writer's copy into the
     region landed; afterwards the writer refuses the region and writes nothing into it."""

@@ -1,7 +1,8 @@
 """``kvbridge.transfer.prefill.layerwise``: layer groups, the CUDA-graph note, and ``LayerPosts``
 (the poster thread) on host pools (no event: the CPU fallback of the GPU path) with a recording
-sender. The GPU path (events on the forward's stream, the IPC engine's copy stream waiting on
-them) is measured by ``scripts/layerwise_gpu_bench.py`` on a device host."""
+sender; on a CUDA device (skipped without one) the events on the forward's stream, nothing
+synchronising it. The GPU path end to end (the IPC engine's copy stream waiting on the events)
+is measured by ``scripts/layerwise_gpu_bench.py`` on a device host."""
 
 from __future__ import annotations
 
@@ -113,5 +114,81 @@ def test_layers_done_outside_a_pass_send_nothing():
             posts.layer_done(layer)
         posts.finish()
         assert posts.posted == 0
+    finally:
+        posts.close()
+
+
+def test_a_failed_room_stops_alone_and_each_room_says_what_it_sent():
+    """Two rooms in one pass: the one whose send is refused gets no later group and keeps its error;
+    the other is sent every group (the vLLM worker fails that room alone and completes the other)."""
+    posts = LayerPosts(8, 1 << 20, min_bytes=2 << 20)  # groups of 2 layers
+    try:
+        bad, good = Recorder(fail_at=3), Recorder()
+        rooms = [RoomSend(bad, np.arange(2), np.arange(2), 128), RoomSend(good, np.arange(2), np.arange(2), 128)]
+        posts.begin(rooms)
+        for layer in range(8):
+            posts.layer_done(layer)
+        assert posts.active
+        posts.finish(raise_first=False)
+        assert not posts.active
+        assert isinstance(rooms[0].error, LayerRangeError) and rooms[0].sent == [(0, 2)]
+        assert rooms[1].error is None and rooms[1].sent == [(0, 2), (2, 4), (4, 6), (6, 8)]
+        assert [s["layers"] for s in good.sends] == rooms[1].sent
+    finally:
+        posts.close()
+
+
+def test_begin_regroups_by_the_pass_bytes():
+    """An engine's steps differ in size: ``begin(layer_bytes=)`` groups this pass's layers anew."""
+    posts = LayerPosts(6, 1 << 20, min_bytes=4 << 20)
+    try:
+        assert posts.groups == [(0, 6)]
+        r = Recorder()
+        posts.begin([RoomSend(r, np.arange(2), np.arange(2), 64)], layer_bytes=4 << 20)
+        assert posts.groups == [(i, i + 1) for i in range(6)]
+        for layer in range(6):
+            posts.layer_done(layer)
+        posts.finish()
+        assert [s["layers"] for s in r.sends] == posts.groups
+    finally:
+        posts.close()
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device (torch with CUDA)")
+def test_on_the_gpu_each_group_waits_on_an_event_of_the_forward_stream_and_nothing_synchronises_it():
+    """CUDA pools: ``layer_done`` records an event on the current stream and returns; the poster
+    sends with that event, before the forward's queued work has run (no synchronise); each event
+    completes once the stream reaches it, and the bytes it guards are then written."""
+    import torch
+
+    posts = LayerPosts(4, 1 << 20, device="cuda:0", min_bytes=1 << 20)
+    try:
+        stream = torch.cuda.Stream()
+        kv = torch.zeros(4, 1 << 20, dtype=torch.uint8, device="cuda:0")
+        big = torch.randn(4096, 4096, device="cuda:0")
+        r = Recorder()
+        posts.begin([RoomSend(r, np.arange(1), np.arange(1), 64)])
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued ahead of the layers
+            for layer in range(4):
+                big = big @ big  # the layer's compute
+                kv[layer].fill_(layer + 1)  # its KV write
+                posts.layer_done(layer)
+        posts.finish()  # every group handed to the sender: the stream is still busy
+        events = [s["event"] for s in r.sends]
+        assert [s["layers"] for s in r.sends] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        assert all(isinstance(e, torch.cuda.Event) for e in events)
+        assert not events[-1].query(), "the poster ran after the forward's stream: something synchronised it"
+        events[-1].synchronize()
+        assert all(e.query() for e in events)
+        assert kv[:, 0].tolist() == [1, 2, 3, 4]
     finally:
         posts.close()

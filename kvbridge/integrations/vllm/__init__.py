@@ -37,6 +37,8 @@ with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer
     layerwise           prefill: true (default) sends a prompt's last step layer by layer, each
                         layer as save_kv_layer fires; false sends it all in wait_for_save
                         (or KVBRIDGE_LAYERWISE)
+    layer_group_bytes   prefill, layerwise: consecutive layers are posted together until a
+                        post carries this many bytes of the step's prompts (default 8 MiB)
 
 ``kv_transfer_params``, vLLM's usual P/D proxy flow:
 

@@ -5,9 +5,14 @@ endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles
                          endpoint starts and registers at the daemon; decode with
                          ``prefill_instance`` set compares contracts now and refuses a mismatch
     save_kv_layer        prefill (``layerwise``, the default): as vLLM's forward pass writes layer
-                         l, the pages of each request whose prompt ends in this step (its
-                         last SendChunk) -> sender.send(..., layers=(l, l + 1)); a step with
-                         no such request (a decode step: the hook fires then too) sends nothing
+                         l, ``LayerPosts.layer_done(l)``: when l closes a layer group (at least
+                         ``layer_group_bytes`` of the step's prompts, 8 MiB by default) a CUDA
+                         event is recorded on the current stream and the poster thread sends
+                         the group, sender.send(..., layers=group, ready_event=event), for each
+                         request whose prompt ends in this step (its last SendChunk; rooms opened
+                         at the step's first hook); vLLM's thread plans nothing, nothing waits on
+                         the model's stream; a step with no such request (a decode step: the hook
+                         fires then too) sends nothing
     wait_for_save        prefill: each SendChunk of the step -> sender.send (the step's forward
                          pass has written those pages); opens the room on its first chunk; a
                          last chunk sent layer by layer sends only what is left: any layer the
@@ -51,8 +56,10 @@ from kvbridge import (
     DecodeEndpoint,
     KVBridgeError,
     KVPoll,
+    LayerPosts,
     PrefillConfig,
     PrefillEndpoint,
+    RoomSend,
     create_engine,
     diff_contracts,
 )
@@ -95,6 +102,9 @@ class WorkerSide:
         self._sending_ids: set[str] = set()  # prefill ranks that send nothing: requests seen
         self._layers_sent: dict[str, set[int]] = {}  # prefill: req id -> layers its last chunk sent by save_kv_layer
         self._broken: set[str] = set()  # prefill: requests whose room failed on a send: nothing more is sent
+        self._posts: LayerPosts | None = None  # prefill, layerwise: the poster thread of this rank's layer groups
+        self._pass_meta: KVBridgeMetadata | None = None  # the step whose layers are being posted
+        self._pass_rooms: dict[str, tuple[SendChunk, RoomSend]] = {}
         self._recvs: dict[str, _Recv] = {}
         self._load_errors: set[int] = set()
         self._free_slots: list[int] = []
@@ -150,6 +160,7 @@ class WorkerSide:
                 self.endpoint = DecodeEndpoint(cfg, self.engine, specs, buffers, contract, self.client, self._aux,
                                                AUX_SCHEMA)
             self.endpoint.start()
+            self._posts = self._layer_posts(cache) if self.is_prefill and s.layerwise else None
         except BaseException:
             self.shutdown()
             raise
@@ -180,11 +191,69 @@ class WorkerSide:
 
     # -- prefill ----------------------------------------------------------------------------
 
+    def _layer_posts(self, cache: VLLMCache) -> LayerPosts | None:
+        """The rank's ``LayerPosts`` when its layer ids are 0..n-1 (what layer groups count), else
+        None: each layer is then sent from vLLM's thread as it is written (``_save_layer_alone``)."""
+        ids = sorted(b.layer_id for b in cache.layers)
+        if ids != list(range(len(ids))):
+            log.info("kvbridge prefill %s: layer ids %s..%s are not 0..n-1: layers are sent one by one from the "
+                     "forward's thread", self.label, ids[0], ids[-1])
+            return None
+        return LayerPosts(len(ids), cache.block_bytes, device=cache.layers[0].device,
+                          min_bytes=self.settings.layer_group_bytes)
+
     def save_kv_layer(self, layer_name: str, meta: KVBridgeMetadata | None) -> None:
-        """Layer ``layer_name`` of this step is written: send it for the requests whose prompt
-        ends in this step (on a GPU after an event recorded now, behind the layer's kernels)."""
+        """Layer ``layer_name`` of this step is written: when it closes a layer group, that group is
+        sent for the requests whose prompt ends in this step, by ``LayerPosts``' poster thread after
+        a CUDA event recorded now on the current stream (behind the layer's kernels): this thread
+        plans nothing and waits for nothing, and nothing synchronises the model's stream."""
         if not self.is_prefill or not self.settings.layerwise or meta is None or self.endpoint is None:
             return
+        if self._posts is None:
+            self._save_layer_alone(layer_name, meta)
+            return
+        if meta is not self._pass_meta:
+            self._begin_pass(meta)
+        if not self._pass_rooms:  # a decode step, or only earlier chunks of chunked prefills: nothing per layer
+            return
+        try:
+            layer = self.cache.layer_of(layer_name)
+        except ConfigError:  # not a layer registered with kvbridge: wait_for_save sends what no hook did
+            return
+        self._posts.layer_done(layer)
+
+    def _begin_pass(self, meta: KVBridgeMetadata) -> None:
+        """The step's first hook: its prompts' last chunks become the pass's rooms (opened now)."""
+        self._end_pass()
+        self._pass_meta = meta
+        for c in meta.sends:
+            if not c.is_last or c.req_id in self._broken:
+                continue
+            sender = self._sender(c)
+            if sender is None:
+                continue
+            logical, local = self._pages(c)
+            if logical.size:  # no pages: wait_for_save sends the end alone
+                self._pass_rooms[c.req_id] = (c, RoomSend(sender, logical, local, self._tokens(c.num_tokens)))
+        if self._pass_rooms:
+            pages = sum(r.logical.size for _, r in self._pass_rooms.values())
+            self._posts.begin([r for _, r in self._pass_rooms.values()], layer_bytes=pages * self.cache.block_bytes)
+
+    def _end_pass(self) -> None:
+        """Every group of the pass handed to its sender: each room's layers sent are what
+        ``_send_rest`` completes; a room whose send failed is failed."""
+        rooms, self._pass_rooms, self._pass_meta = self._pass_rooms, {}, None
+        if not rooms:
+            return
+        self._posts.finish(raise_first=False)
+        for req_id, (c, r) in rooms.items():
+            if r.error is not None:
+                self._failed(c, r.sender, r.error)
+            else:
+                self._layers_sent[req_id] = {layer for start, end in r.sent for layer in range(start, end)}
+
+    def _save_layer_alone(self, layer_name: str, meta: KVBridgeMetadata) -> None:
+        """Without ``LayerPosts``: layer ``layer_name`` sent now, from this thread, after an event."""
         last = [c for c in meta.sends if c.is_last]
         if not last:  # a decode step, or only earlier chunks of chunked prefills: nothing per layer
             return
@@ -212,6 +281,9 @@ class WorkerSide:
                 self._failed(c, sender, exc)
 
     def wait_for_save(self, meta: KVBridgeMetadata | None) -> None:
+        if self._pass_rooms:
+            self._end_pass()
+        self._pass_meta = None
         if not self.is_prefill or meta is None or not meta.sends:
             return
         ready = self._ready_event()
@@ -429,6 +501,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._posts is not None:
+            self._posts.close()
+            self._posts = None
         for sender in self._senders.values():
             sender.close()
         for rec in self._recvs.values():

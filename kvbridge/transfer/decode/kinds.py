@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from kvbridge.errors import LedgerError, StagingSlotError
-from kvbridge.layout import Extent, PoolSpec, needed_extent
+from kvbridge.layout import Extent, PoolSpec, has_repeats, needed_extent
 
 __all__ = ["KindLedger", "StateSlots"]
 
@@ -61,7 +61,7 @@ class KindLedger:
         if len(units) and (units.min() < ext.first or units.max() >= ext.stop):
             raise LedgerError(f"pool {pool!r} ({kind}): units [{units.min()}, {units.max() + 1}) outside what decode "
                               f"needs [{ext.first}, {ext.stop})", room=self.room, rank=rank, field="logical_pages")
-        if len(np.unique(units)) != len(units):
+        if has_repeats(np.asarray(units)):
             raise LedgerError(f"pool {pool!r} ({kind}): a unit reported twice in one report", room=self.room,
                               rank=rank, field="logical_pages")
         seen = self._seen[pool][units - ext.first]

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.errors import LedgerError
-from kvbridge.layout import AuxRow, AuxSchema, OwnerLanes, TPRoute
+from kvbridge.layout import AuxRow, AuxSchema, OwnerLanes, TPRoute, has_repeats
 from kvbridge.transfer.decode.topologies import Placement, SenderKey
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.rooms import Life
@@ -185,7 +185,7 @@ class PageLedger:
                 f"prefix (first_page {self.first_page}): decode already holds it",
                 room=self.room, rank=rank, field="logical_pages",
             )
-        if np.unique(pages).size != pages.size:
+        if has_repeats(pages):
             raise LedgerError(f"cp rank {cp_rank} reported a page twice in one message", room=self.room, rank=rank,
                               field="logical_pages")
         owner, _ = self.lanes.owners(pages, self.num_pages)

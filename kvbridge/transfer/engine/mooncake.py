@@ -30,7 +30,7 @@ much as the hand-off it saves, and the intra-node NVLink transport copies inside
 that call, a synchronous ``cudaMemcpy`` per slice. So only a *small* write (at
 most ``DIRECT_MAX_SLICES`` slices and ``DIRECT_MAX_BYTES``; over TCP, where a post
 only queues the slices, up to ``DIRECT_MAX_SLICES_TCP`` slices of any size; no
-source event) to a session with nothing queued or in flight is posted by the
+source event still pending) to a session with nothing queued or in flight is posted by the
 caller, saving the pump's wake-up on the room's path; the pump still waits for it
 and reports it (``direct_posts`` counts them). Source events (``after``) are waited for on the
 pump thread, before posting.
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import EngineError
-from kvbridge.transfer.engine.base import wait_ready
+from kvbridge.transfer.engine.base import is_ready, wait_ready
 from kvbridge.transfer.engine.jobs import U64_MAX, Job, JobEngine, JobTable, Regions, as_int, check_write
 from kvbridge.transfer.engine.native_logs import quiet_native_logs
 
@@ -197,10 +197,11 @@ class MooncakeEngine(JobEngine):
                                   field="src")
 
     def _direct(self, session: str, src: np.ndarray, length: np.ndarray, after: Any) -> bool:
-        """Post from the caller (lock held): a write of few slices and bytes, with no source event to
-        wait for, to a session with nothing queued or in flight. Larger writes go to the pump: the
+        """Post from the caller (lock held): a write of few slices and bytes, with no source event
+        still to wait for (an aux row's copy has completed by the room's last send: its write is
+        posted here, not after the pump's wake-up), to a session with nothing queued or in flight. Larger writes go to the pump: the
         intra-node transports copy inside the post call, which must not hold up the caller."""
-        return (after is None and src.size <= self._direct_max_slices
+        return ((after is None or is_ready(after)) and src.size <= self._direct_max_slices
                 and session not in self._queued and session not in self._inflight_slices
                 and (self._direct_max_bytes is None or int(length.sum()) <= self._direct_max_bytes))
 

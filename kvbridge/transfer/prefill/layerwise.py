@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,12 +80,15 @@ def cuda_graph_note(layerwise: bool, cudagraph_mode: str | None) -> str | None:
 
 @dataclass
 class RoomSend:
-    """One room's part of a forward pass: its sender and the pages the pass writes."""
+    """One room's part of a forward pass: its sender and the pages the pass writes; after
+    ``finish``, the layer groups handed to its sender and its first error (none sent after it)."""
 
     sender: Any  # KVSender
     logical: np.ndarray
     local: np.ndarray
     num_tokens: int
+    sent: list[tuple[int, int]] = field(default_factory=list)  # groups handed to the sender (poster thread)
+    error: BaseException | None = None
 
 
 class LayerPosts:
@@ -98,6 +101,7 @@ class LayerPosts:
     def __init__(self, num_layers: int, layer_bytes: int, *, device: str = "cpu",
                  min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         self.num_layers = num_layers
+        self.min_bytes = min_bytes
         self.groups = layer_groups(num_layers, layer_bytes, min_bytes)
         self._closes = {end - 1: (start, end) for start, end in self.groups}
         self._cuda = str(device).startswith("cuda")
@@ -108,10 +112,20 @@ class LayerPosts:
         self._thread = threading.Thread(target=self._run, name="kvb-layer-posts", daemon=True)
         self._thread.start()
 
-    def begin(self, rooms: list[RoomSend]) -> None:
+    def begin(self, rooms: list[RoomSend], *, layer_bytes: int | None = None) -> None:
+        """A forward pass starts with ``rooms``. ``layer_bytes``: this pass's bytes per layer (all its
+        rooms), to group layers anew (an engine's steps differ in size); None keeps the groups."""
         self._queue.join()
+        if layer_bytes is not None:
+            self.groups = layer_groups(self.num_layers, max(1, int(layer_bytes)), self.min_bytes)
+            self._closes = {end - 1: (start, end) for start, end in self.groups}
         self._rooms = list(rooms)
         self._error = None
+
+    @property
+    def active(self) -> bool:
+        """A pass is under way (between ``begin`` with rooms and ``finish``)."""
+        return bool(self._rooms)
 
     def layer_done(self, layer: int) -> None:
         """Forward thread, after layer ``layer``'s KV writes are queued: no wait, no planning."""
@@ -126,13 +140,14 @@ class LayerPosts:
             event.record()
         self._queue.put((self._rooms, group, event))
 
-    def finish(self) -> None:
-        """The pass ended: wait until every group is handed to its sender; raise the first error.
-        Then the caller's last send: no pages, ``is_last=True`` and the aux row."""
+    def finish(self, *, raise_first: bool = True) -> None:
+        """The pass ended: wait until every group is handed to its sender; raise the first error
+        (``raise_first``; else each room's is in its ``RoomSend.error``). Then the caller's last
+        send: no pages, ``is_last=True`` and the aux row (and any layer a room's ``sent`` lacks)."""
         self._queue.join()
         self._rooms = []
-        if self._error is not None:
-            err, self._error = self._error, None
+        err, self._error = self._error, None
+        if err is not None and raise_first:
             raise err
 
     def close(self) -> None:
@@ -147,13 +162,16 @@ class LayerPosts:
                     return
                 rooms, (start, end), event = item
                 for r in rooms:
-                    if self._error is not None:
-                        break
+                    if r.error is not None:  # a room whose send failed gets no later group
+                        continue
                     try:
                         r.sender.send(r.logical, r.local, num_tokens_ready=r.num_tokens, layers=(start, end),
                                       ready_event=event)
+                        r.sent.append((start, end))
                         self.posted += 1
                     except BaseException as exc:  # kept for finish(): the forward thread raises it
-                        self._error = exc
+                        r.error = exc
+                        if self._error is None:
+                            self._error = exc
             finally:
                 self._queue.task_done()

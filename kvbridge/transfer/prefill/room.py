@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import LayerRangeError, LayoutError, RoomBindingError
-from kvbridge.layout import OwnerLanes
+from kvbridge.layout import OwnerLanes, has_repeats
 from kvbridge.transfer.binding import engine_binding_refusal
 from kvbridge.transfer.poll import KVPoll, RoomState
 from kvbridge.transfer.prefill.targets import Target
@@ -412,7 +412,7 @@ class PrefillRoom:
                 raise LayoutError(f"logical page {int(logical.min())} lies below first page {self.engine_first_page}, "
                                   "where this engine said it starts (init(first_page=): the decode ranks hold the "
                                   "pages below)", field="logical_pages", **ctx)
-            if np.unique(logical).size != logical.size:
+            if has_repeats(logical):
                 raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
             if span is None and self.given[logical].any():
                 bad = int(logical[self.given[logical]][0])

@@ -120,11 +120,12 @@ def test_staged_path(tmp_path, daemon):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
 def test_layer_by_layer_sends(tmp_path, daemon, layerwise):
-    """The worker connector's save_kv_layer after each layer of the prompt's last step sends that
-    layer (one layer-range send per layer), wait_for_save the rest; ``layerwise: false`` sends
+    """The worker connector's save_kv_layer after each layer of the prompt's last step posts that
+    layer (``LayerPosts``' poster thread; groups of one layer with layer_group_bytes 1, so one
+    layer-range send per layer), wait_for_save the rest; ``layerwise: false`` sends
     it all in wait_for_save. Chunked prefill (max_batched 32, a 70-token prompt): the earlier
     chunks go whole, the last per layer; p1 -> d2, every byte equal either way."""
-    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p={"layerwise": layerwise})
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p={"layerwise": layerwise, "layer_group_bytes": 1})
     try:
         prompt = [int(t) for t in np.random.default_rng(7).integers(3, 500, 70)]
         rid = _run_pair(pre, dec, prompt, 51)

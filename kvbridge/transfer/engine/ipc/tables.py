@@ -304,7 +304,24 @@ class IpcTables:
             refresh = True
         if refresh:  # the reply is installed by the I/O thread (_install) before request() returns
             self._channel.request(peer.conn, {"t": "get"}, CONNECT_TIMEOUT_S)
+            self._open_all(peer)
         return peer
+
+    def _open_all(self, peer: Peer) -> None:
+        """Map every region of a table just learnt, at connect rather than on a room's first write
+        (``cudaIpcOpenMemHandle`` per allocation: 69 opens in a first 8K room's submit on the GPU
+        host). A region that does not open stays closed: a write into it tries again and fails
+        with the reason."""
+        with self._lock:
+            for region in peer.regions:
+                if region.local or region.revoke_seq is not None:
+                    continue
+                try:
+                    self._open(peer, region)
+                except EngineError as exc:
+                    log.debug("%s: region %#x of session %s not opened at connect: %s", self._who, region.start,
+                              peer.session, exc)
+            peer.shift = None
 
     def _open(self, peer: Peer, region: PeerRegion) -> None:
         if region.local:
