@@ -197,21 +197,24 @@ def test_a_ticket_not_signed_by_the_deciders_key_is_refused_and_the_claims_it_ca
     assert r is None or (r.holder is None and not r.targets)
 
 
-def test_a_ticket_naming_a_registration_that_is_not_the_decider_is_refused():
+@pytest.mark.parametrize("who", [("p", "decode", (0, 0, 0, 0)), ("p", "prefill", (0, 1, 0, 0)),
+                                 ("p", "prefill", (0, 0, 0, 1)), ("other", "prefill", (0, 0, 0, 0)),
+                                 ("p", "prefill", (1, 0, 0, 0))], ids=["decode", "cp1", "pp1", "instance", "dp1"])
+def test_a_ticket_naming_a_registration_that_is_not_the_deciders_is_refused(who):
+    """The attacker signs its own ticket with the key of a registration it made: anything but
+    (our instance, our DP group, cp 0, our TP rank, pp 0) is no decider."""
     col = Column()
     col.deliver("A", 1, request("A", 7), 1.0)
-    key = ProofKey()  # an attacker's own prefill-looking registration
+    key = ProofKey()
     t = wire.RoomTicket(room=7, decode_rank_id="rA", decider="evil", instance="A", decode_rank="A/dp0/tp0",
                         binding=b"", signature=key.sign_ticket("evil", 7, "A", "A/dp0/tp0", b""))
-    acts = list(col.m[1].message(b"conn-A", t, 1.1))
-    (read,) = [a for a in acts if isinstance(a, ReadDecider)]
-    for role, coords in (("decode", (0, 0, 0, 0)), ("prefill", (0, 1, 0, 0))):
-        col.deliver("A", 1, request("A", 8 + coords[1]), 1.2)  # (a fresh claim for each reading)
-    acts = col.m[1].feed(DeciderRead("evil", "p", "prefill", (0, 1, 0, 0), key.public_hex, None, 1.3))
-    col.book(acts)
+    (read,) = [a for a in col.m[1].message(b"conn-A", t, 1.1) if isinstance(a, ReadDecider)]
+    instance, role, coords = who
+    col.book(col.m[1].feed(DeciderRead(read.rank_id, instance, role, coords, key.public_hex, None, 1.2)))
     errs = col.errors("A")
-    assert any("not p/dp0/cp0/tp0/pp0" in e.reason for e in errs), errs
-    assert col.m[1].rooms.get(7) is None or col.m[1].rooms.get(7).holder is None
+    assert len(errs) == 2 and all("not p/dp0/cp0/tp0/pp0" in e.reason for e in errs), errs  # ticket and claim
+    r = col.m[1].rooms.get(7)
+    assert (r is None or r.holder is None) and not col.m[1].tickets.held
 
 
 def test_a_ticket_is_only_read_from_the_instance_it_names():
@@ -271,3 +274,27 @@ def test_without_a_proof_key_each_rank_decides_alone_as_before():
     m.admission.prove(b"conn-A", "rA").instance = "A"
     m.message(b"conn-A", request("A", 7), 1.0)
     assert m.rooms.get(7).holder[0] == "A" and not m.tickets.held
+
+
+# -- the decode side: the winner hands the decider's ticket on -------------------------------------
+
+def test_a_decode_rank_hands_the_deciders_ticket_to_the_other_cp_ranks_it_asked_and_only_that():
+    from test_decode_room import requested, sends as decode_sends  # (its machine and topology)
+    from kvbridge.layout import deepseek_pools, AuxSchema as Schema
+    from kvbridge.transfer.decode.config import DecodeConfig
+    from _machines import decode_machine
+
+    m = decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0),
+                       deepseek_pools(num_layers=2, page_size=4, index=False, draft_layers=0),
+                       Schema.standard(hidden_size=8), read_aux_row=lambda slot: (None, 0.0),
+                       page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id")
+    r = requested(m, room=7, cp=4)
+    t = wire.RoomTicket(room=7, decode_rank_id="dec-id", decider="rank0", instance="dec", decode_rank="dec/dp0/tp0",
+                        binding=b"", signature=bytes(64))
+    (to, msg), = decode_sends(m.message("tcp://p0", t, 1.1), wire.RoomTicket)
+    assert set(to) == {"tcp://p1", "tcp://p2", "tcp://p3"} and msg is t  # unchanged, to every other CP rank
+    assert decode_sends(m.message("tcp://p1", t, 1.2), wire.RoomTicket) == []  # not the decider: no decision
+    other = wire.RoomTicket(room=7, decode_rank_id="someone", decider="rank0", instance="dec",
+                            decode_rank="dec/dp0/tp0", binding=b"", signature=bytes(64))
+    assert decode_sends(m.message("tcp://p0", other, 1.3), wire.RoomTicket) == []  # not ours to hand on
+    assert r.state.state == KVPoll.Transferring
