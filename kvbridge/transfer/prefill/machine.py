@@ -288,10 +288,11 @@ class PrefillRooms:
             else:
                 self._refuse(ident, req, problem, now)
 
-    def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
+    def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float, held: bool = False) -> None:
         """A decode rank asks for a room: checked (``intake.py``), then delivered now or once its
-        registration is read (``Resolved``)."""
-        if self.trace:
+        registration is read (``Resolved``). ``held``: a claim that waited for the room's decision
+        (``tickets.py``), taken up again (traced when it came)."""
+        if self.trace and not held:
             log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, self.cfg.rank_label, now,
                      req.decode_rank, len(req.page_ids) // 4)
         if self.closing:
@@ -444,7 +445,7 @@ class PrefillRooms:
             log.info("trace room=%d rank=%s @%.6f decided for %s by %s", t.room, self.cfg.rank_label, now, t.instance,
                      t.decider)
         for h in self.tickets.take(t.room):
-            self._on_request(h.ident, h.req, now)
+            self._on_request(h.ident, h.req, now, held=True)
         self._pump(now)
 
     def _undecided(self, now: float) -> None:
