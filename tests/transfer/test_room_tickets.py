@@ -298,3 +298,17 @@ def test_a_decode_rank_hands_the_deciders_ticket_to_the_other_cp_ranks_it_asked_
                             decode_rank="dec/dp0/tp0", binding=b"", signature=bytes(64))
     assert decode_sends(m.message("tcp://p0", other, 1.3), wire.RoomTicket) == []  # not ours to hand on
     assert r.state.state == KVPoll.Transferring
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["failed", "closed"])
+def test_a_held_claim_on_a_room_the_engine_ended_is_refused_at_the_next_scan(closed):
+    col = Column()
+    m = col.m[1]
+    r = m.open(7, 1.0)
+    col.deliver("A", 1, request("A", 7), 1.0)  # held: no decision yet
+    m.abort(r, "the engine gave up", 1.1)
+    if closed:
+        m.close(r, 1.2)
+    col.book(m.tick(1.3))
+    (err,) = col.errors("A")
+    assert "room 7" in err.reason and "the engine gave up" in err.reason and not m.tickets.held

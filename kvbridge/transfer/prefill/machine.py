@@ -451,9 +451,11 @@ class PrefillRooms:
     def _undecided(self, now: float) -> None:
         """Held claims whose room ended here, or that no decision reached in time, are refused."""
         for room in list(self.tickets.held):
-            r = self.rooms.get(room)
+            r, closed = self.rooms.get(room), self.rooms.tombstones.get(room)
             if r is not None and r.state.final:
                 why = f"room {room} ended on prefill rank {self.cfg.rank_label} ({r.state.reason or r.state.state.name})"
+            elif r is None and closed is not None:
+                why = f"room {room} was closed on prefill rank {self.cfg.rank_label} ({closed})"
             elif room in self.tickets.overdue(now, self.cfg.target_timeout):
                 why = (f"no decision on room {room} reached prefill rank {self.cfg.rank_label} within "
                        f"{self.cfg.target_timeout:.1f}s: its decider {self.tickets.decider_label} granted this claim's "
