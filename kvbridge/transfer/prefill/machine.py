@@ -414,17 +414,10 @@ class PrefillRooms:
         elif isinstance(verdict, str):  # refused: the instance's claims that waited on it are refused too
             reason = f"prefill rank {self.cfg.rank_label} refused a RoomTicket: {verdict}; nothing written"
             self._error(ident, t, reason)
-            for h in self._withdrawn(t.room, t.instance):
+            for h in self.tickets.withdraw(t.room, t.instance):
                 self._reply_failed(h.ident, t.room, reason)
         elif verdict is not None and verdict is not False:
             self._out.append(verdict)  # ReadDecider: checked once the decider's key is read
-
-    def _withdrawn(self, room: int, instance: str) -> list[Any]:
-        held = self.tickets.take(room)
-        keep = [h for h in held if h.instance != instance]
-        for h in keep:
-            self.tickets.hold(h.ident, h.req, h.instance, h.since)
-        return [h for h in held if h.instance == instance]
 
     def _decider_read(self, e: DeciderRead) -> None:
         waiting, problem = self.tickets.decider_read(e)

@@ -159,14 +159,17 @@ class Tickets:
         self.num_held -= len(out)
         return out
 
-    def withdraw(self, room: int, instance: str | None) -> None:
-        """An abort from ``instance``: its claims on ``room`` no longer wait."""
-        keep = [h for h in self.held.get(room, ()) if h.instance != instance]
-        self.num_held -= len(self.held.get(room, ())) - len(keep)
+    def withdraw(self, room: int, instance: str | None) -> list[Held]:
+        """``instance``'s claims on ``room`` no longer wait (an abort, or a ticket refused): them."""
+        held = self.held.get(room, [])
+        gone = [h for h in held if h.instance == instance]
+        keep = [h for h in held if h.instance != instance]
+        self.num_held -= len(gone)
         if keep:
             self.held[room] = keep
         else:
             self.held.pop(room, None)
+        return gone
 
     def overdue(self, now: float, timeout: float) -> list[int]:
         """Rooms whose oldest held claim waited longer than ``timeout``."""
