@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 11  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 12  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -17,3 +17,6 @@ WIRE_VERSION = 11  # 2: TransferRequest names the decode rank's registration ins
 # key in that registration, before the scratch nonce is written (issue 26: reading the nonce is not enough)
 # 11: proof by read: a Challenge with a nonce asks the rank to write its key's signature into its own scratch
 # region, which prefill reads back; nothing is written into memory before it is proven (issue 32)
+# 12: RoomTicket: a room's decider (CP rank 0, stage 0 of the TP column) signs who holds it; the decode rank
+# hands it to the column's other ranks, which serve only the instance it names (issue 32: one decision per room); TransferRequest.kind_units and
+# PagesDone.kind_units/kind_last carry window, compressed and state pools (issue 30)

@@ -39,6 +39,8 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     bound_rooms, room_signatures   attacks on room ids (``hostile_rooms.py``): another request's
                      room, a room claimed before it opens, a reused room, a longer prompt; forged,
                      expired and moved router signatures
+    split_collision  two decode instances race for one room id (``hostile_split.py``); defended:
+                     one is served every page and the other refused by name, 0 bytes to it
 
 Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
 harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
@@ -63,7 +65,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvbridge.chaos import hostile_claims, hostile_identity, hostile_rooms
+from kvbridge.chaos import hostile_claims, hostile_identity, hostile_rooms, hostile_split
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
@@ -80,6 +82,7 @@ __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hos
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
            "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
            "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
+ATTACKS += ("split_collision",)  # (full runs only: tests/transfer/test_room_race_mooncake.py races real processes in CI)
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
                  "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
@@ -565,6 +568,7 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "bound_rooms": hostile_rooms.bound_rooms, "room_signatures": hostile_rooms.room_signatures,
     "nixl_metadata": hostile_claims.nixl_metadata, "metadata_flood": hostile_claims.metadata_flood,
     "lease_squat": hostile_claims.lease_squat,
+    "split_collision": hostile_split.split_collision,
 }
 
 

@@ -36,12 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
                    "room collision, read exposure, Hello replay, post-auth partial frames, MAC-failing flood, "
                    "session spellings, a Mooncake-reading attacker, forged NIXL metadata, a metadata flood at the "
-                   "daemon, a lapsed lease squatted: see docs/security.md); exit 1 if any is not "
-                   "defended; --quick runs every attack with fewer trials")
+                   "daemon, a lapsed lease squatted, two decode instances racing for one room: see "
+                   "docs/security.md); exit 1 if any is not defended; --quick runs every attack with fewer trials "
+                   "(but the race: split_collision runs in full runs or by name)")
     p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
                    "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure, hello_replay, "
                    "postauth_partial, mac_flood, spellings, mooncake_reader, nixl_metadata, metadata_flood, "
-                   "lease_squat")
+                   "lease_squat, split_collision")
     p.set_defaults(func=run)
 
 

@@ -29,11 +29,12 @@ from kvbridge.bootstrap.endpoints import canonical_endpoint
 from kvbridge.bootstrap.lapses import claim_message
 from kvbridge.errors import EndpointError
 
-__all__ = ["DOMAIN", "KEY_BYTES", "MEMORY_DOMAIN", "SIGNATURE_BYTES", "ProofKey", "memory_message", "proof_message",
-           "proof_peer", "verify_memory", "verify_proof"]
+__all__ = ["DOMAIN", "KEY_BYTES", "MEMORY_DOMAIN", "SIGNATURE_BYTES", "TICKET_DOMAIN", "ProofKey", "memory_message",
+           "proof_message", "proof_peer", "ticket_message", "verify_memory", "verify_proof", "verify_ticket"]
 
 DOMAIN = b"kvbridge ownership proof v1"
 MEMORY_DOMAIN = b"kvbridge memory proof v1"  # what a rank writes into its own scratch region (proof by read)
+TICKET_DOMAIN = b"kvbridge room ticket v1"  # a room's decider: who holds the room (prefill/tickets.py)
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
@@ -59,6 +60,13 @@ def memory_message(rank_id: str, prefill_endpoint: str, nonce: bytes, offset: in
     return MEMORY_DOMAIN + b"".join(len(p).to_bytes(2, "big") + p for p in parts)
 
 
+def ticket_message(decider: str, room: int, instance: str, decode_rank: str, binding: bytes) -> bytes:
+    """What a room's decider signs: the room is held by decode ``instance`` (its rank
+    ``decode_rank``'s claim won, presenting ``binding``), as decided by registration ``decider``."""
+    parts = (decider.encode(), str(room).encode(), instance.encode(), decode_rank.encode(), bytes(binding))
+    return TICKET_DOMAIN + b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
 class ProofKey:
     """One rank's proof key: ``public_hex`` for its registration, ``sign`` for KeyProofs."""
 
@@ -71,6 +79,11 @@ class ProofKey:
 
     def sign_memory(self, rank_id: str, prefill_endpoint: str, nonce: bytes, offset: int) -> bytes:
         return self._private.sign(memory_message(rank_id, prefill_endpoint, nonce, offset))
+
+    def sign_ticket(self, decider: str, room: int, instance: str, decode_rank: str, binding: bytes) -> bytes:
+        """A room's decider's ticket (``ticket_message``): the room's other prefill ranks check it
+        with the public half in the decider's registration."""
+        return self._private.sign(ticket_message(decider, room, instance, decode_rank, binding))
 
     def sign_claim(self, instance: str, coords: tuple[int, int, int, int]) -> bytes:
         """The registration's claim signature (bootstrap/lapses.py): lets this key's holder take
@@ -95,6 +108,17 @@ def verify_memory(public_hex: str, rank_id: str, prefill_endpoint: str, nonce: b
     try:
         key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
         key.verify(bytes(written), memory_message(rank_id, prefill_endpoint, nonce, offset))
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+
+
+def verify_ticket(public_hex: str, decider: str, room: int, instance: str, decode_rank: str, binding: bytes,
+                  signature: bytes) -> bool:
+    """True when ``signature`` is the decider's key's over this room ticket; never raises."""
+    try:
+        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
+        key.verify(bytes(signature), ticket_message(decider, room, instance, decode_rank, binding))
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False

@@ -40,7 +40,8 @@ def valid_map(rng: random.Random) -> dict:
               "num_decode_ranks": 1, "decode_rank_id": "r1", "first_page": 0, "reason": "r", "seq": 1, "cp_rank": 0, "status": "ok", "logical_pages": b"",
               "digests": None, "ref_type": "ping", "aux": False, "nonce": b"\0" * wire.NONCE_BYTES, "offset": 0,
               "staging_slots": 0, "staging_slot_bytes": 0, "staging_base": 0, "staging_only": False, "chunk": 0,
-              "slot": 0, "num_bytes": 0, "scatter": b"", "signature": b"\0" * wire.SIGNATURE_BYTES, "binding": b""}
+              "slot": 0, "num_bytes": 0, "scatter": b"", "signature": b"\0" * wire.SIGNATURE_BYTES, "binding": b"",
+              "decider": "p0", "instance": "d"}
     sample.update(kind_units={}, kind_last=False)  # the pool kinds' units (transfer/prefill/kinds.py)
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 

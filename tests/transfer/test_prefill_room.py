@@ -926,6 +926,9 @@ def test_every_event_type_of_the_prefill_machine_is_fed_through_its_one_door(ms)
     feed(ev.ProofReadBack(E, b"", "not asked for", 4.0))  # no proof read out yet: ignored
     acts = feed(ev.Resolved("r9", None, "registration r9 is not registered", 4.0))
     assert acts == ()  # nobody waited for it
+    # room tickets (tickets.py): our registration, and a decider's registration nobody waits for
+    feed(ev.RegisteredAs("p-cp0"))
+    assert feed(ev.DeciderRead("p-cp0", "p", "prefill", (0, 0, 0, 0), None, "not asked for", 4.0)) == ()
     feed(Tick(4.1))
     feed(ev.Gc(4.2))
     feed(ev.Closing())

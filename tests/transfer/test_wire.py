@@ -76,6 +76,8 @@ SAMPLES = [
     Challenge(offset=4064),
     KeyChallenge(nonce=bytes(range(32, 64))),
     KeyProof(signature=bytes(range(64))),
+    wire.RoomTicket(room=7, decode_rank_id="r1", decider="p-cp0", instance="d", decode_rank="d/dp0/tp0",
+                    binding=b"\x02" * 16, signature=bytes(range(64))),
     request(staging_slots=8, staging_slot_bytes=8 << 20, staging_base=2**47, staging_only=True),
     wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=8 << 20),
     wire.SlotGrant(room=7, decode_rank="d0", chunk=3, slot=5),

@@ -1,8 +1,14 @@
 """Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
 
-    decode -> prefill   TransferRequest  Abort  Ping  KeyProof  ChallengeEcho  SlotGrant
+    decode -> prefill   TransferRequest  Abort  Ping  KeyProof  ChallengeEcho  SlotGrant  RoomTicket
     prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  KeyChallenge  Challenge  SlotRequest
-                        ChunkLanded
+                        ChunkLanded  RoomTicket
+
+Room ownership is decided once per room, by the room's decider (the prefill rank at CP rank 0 and
+pipeline stage 0 of the decode rank's TP column): it grants the first decode instance to claim the
+room a ``RoomTicket`` signed with its proof key, and the decode rank hands that ticket on to the
+column's other ranks, which serve the room only to the instance a ticket names
+(``transfer/prefill/tickets.py``, docs/concepts.md "Room ownership").
 
 A decode rank acts only for its own registration: every TransferRequest, Abort and Ping names
 it (``decode_rank_id``), and prefill accepts one only when it equals what the connection said
@@ -62,6 +68,7 @@ __all__ = [
     "Message",
     "PagesDone",
     "Ping",
+    "RoomTicket",
     "SlotGrant",
     "SlotRequest",
     "TransferRequest",
@@ -176,6 +183,30 @@ class KeyProof(_Message, frozen=True, tag="key_proof"):
         if isinstance(self.signature, bytes) and len(self.signature) != SIGNATURE_BYTES:
             raise ProtocolError(f"field 'signature' of key_proof must be {SIGNATURE_BYTES} bytes, got "
                                 f"{len(self.signature)}", field="signature")
+
+
+class RoomTicket(_Message, frozen=True, tag="room_ticket"):
+    """Both ways: the decision on who holds ``room``. The decider (registration ``decider``) grants
+    it to the decode rank whose claim won, signed with its proof key over (decider, room,
+    instance, decode_rank, binding) (``ownership.ticket_message``); that decode rank hands it on,
+    unchanged, to the other prefill ranks it asked for the room. ``instance``/``decode_rank``: the
+    decode instance that holds the room and the rank whose claim won; ``binding``: the digest the
+    winning claim presented (``transfer/binding.py``); ``decode_rank_id``: the registration of the
+    winning claim, on whose connection the ticket travels both ways (prefill admits it as it admits
+    that registration's requests)."""
+
+    room: Room
+    decode_rank_id: RankId  # the decode registration that claimed and hands it on (its connection's)
+    decider: RankId
+    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    decode_rank: Annotated[str, msgspec.Meta(max_length=256)]
+    binding: Annotated[bytes, msgspec.Meta(max_length=64)]
+    signature: Annotated[bytes, msgspec.Meta(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.signature, bytes) and len(self.signature) != SIGNATURE_BYTES:
+            raise ProtocolError(f"field 'signature' of room_ticket must be {SIGNATURE_BYTES} bytes, got "
+                                f"{len(self.signature)}", room=self.room, field="signature")
 
 
 # ---- prefill -> decode ------------------------------------------------------------------------
@@ -299,13 +330,13 @@ class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
 
 
 Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof]
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls
     for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof)
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket)
 }
 
 

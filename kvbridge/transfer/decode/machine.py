@@ -412,6 +412,8 @@ class DecodeRooms:
             r.quiet.add(key)
             if self.staging is not None:
                 self.staging.sender_quiet(r.room, key, self._out)
+        elif isinstance(msg, wire.RoomTicket):
+            self._hand_on(r, key, msg)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
@@ -424,6 +426,16 @@ class DecodeRooms:
         elif isinstance(msg, wire.PagesDone):  # failed
             r.quiet.add(key)
             self.fail(r, f"{_label(msg, endpoint, key, r)}: {msg.reason}", now)
+
+    def _hand_on(self, r: DecodeRoom, key: SenderKey | None, t: wire.RoomTicket) -> None:
+        """The room's decider (cp 0, pp 0 of a TP column) granted us the room: hand its ticket on,
+        unchanged, to the column's other ranks we asked, which serve only the instance it names
+        (transfer/prefill/tickets.py). A ticket from any other rank is not a decision: ignored."""
+        if r.state.final or key is None or key[0] != 0 or key[2] != 0 or t.decode_rank_id != self.registration:
+            return
+        to = tuple(s.control_endpoint for k, s, _ in r.placement.asks if k[1] == key[1] and k != key)
+        if to:
+            self._out.append(Send(to, t))
 
     def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
         if self.staging is None:

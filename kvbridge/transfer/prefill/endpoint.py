@@ -55,6 +55,8 @@ from kvbridge.transfer.engine.registry import entry_of, route_key
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.admission import NonceWritten, ReadProof, WriteNonce
 from kvbridge.transfer.prefill.targets import Resolve
+from kvbridge.transfer.prefill.tickets import DeciderRead, ReadDecider, RegisteredAs
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineInit, Gc, Message, Post, PostFailed,
                                               Posted, PostWrite, ProofReadBack, ReleaseAux, Resolved, SendDigested,
                                               Serving, WriteFinal)
@@ -142,11 +144,16 @@ class PrefillEndpoint(EndpointShell):
         self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
                                                 config.staging_slot_bytes, rank=rank, role="prefill",
                                                 engine=self.engine)
+        # signs this rank's room tickets when it is a room's decider (prefill/tickets.py); its public
+        # half is in the registration, where the instance's other ranks read it
+        self.proof_key = ProofKey()
         self.machine = PrefillRooms(
             config, self.specs, self.buffers.descs, aux_schema, self.fingerprint,
             digests_readable=self.buffers.readable, trace=self.trace,
             gather=None if self.gather is None else self.gather.area, target_layers=contract.model.target_layers,
+            proof_key=self.proof_key,
         )  # fmt: skip
+        self._registered_as: str | None = None  # the registration the machine's tickets name
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
         self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
@@ -199,7 +206,10 @@ class PrefillEndpoint(EndpointShell):
             self.bootstrap, self.config, "prefill", self.endpoint, self.engine.session_id,
             self.buffers.descs, self.aux_buffers or self.aux_staging, self.contract, self.config.lease_ttl,
             scratch=self.scratch.descriptor, engine_metadata=self.engine.metadata,
+            proof_key=self.proof_key.public_hex, proof_signature=self.proof_key.sign_claim,
         )
+        with self._lock:
+            self._note_registration()
         log.info("prefill rank %s serving %s (session %s)", self.config.rank_label, self.endpoint, self.engine.session_id)
 
     # Slots for known ranks (channel/server.py): read on the channel's loop thread without the lock
@@ -351,6 +361,8 @@ class PrefillEndpoint(EndpointShell):
             self._resolver.submit(self._write_nonce, a)
         elif type(a) is ReadProof:
             self._resolver.submit(self._read_proof, a)
+        elif type(a) is ReadDecider:
+            self._resolver.submit(self._read_decider, a)
         else:
             raise TypeError(f"prefill endpoint cannot carry out {a!r}")
 
@@ -458,6 +470,24 @@ class PrefillEndpoint(EndpointShell):
         by_read = detail is not None and self.engine.reads(detail.session_id)
         self._queue(Resolved(a.rank_id, detail, problem, time.monotonic(), kind, by_read))
 
+    def _note_registration(self) -> None:
+        """Tell the machine our registration (the decider its tickets name) when it is new (with the lock)."""
+        rank_id = None if self._lease is None else self._lease.registration.rank_id
+        if rank_id and rank_id != self._registered_as:
+            self._registered_as = rank_id
+            self._feed_event(RegisteredAs(rank_id))
+
+    def _read_decider(self, a: ReadDecider) -> None:
+        """Resolver thread: read a room decider's registration (its proof key and coordinates)."""
+        try:
+            d = self.bootstrap.rank(a.rank_id)
+            ev = DeciderRead(a.rank_id, d.rank.instance, d.rank.role,
+                             (d.rank.dp_rank, d.rank.cp_rank, d.rank.tp_rank, d.rank.pp_rank), d.proof_key, None,
+                             time.monotonic())
+        except KVBridgeError as exc:
+            ev = DeciderRead(a.rank_id, "", "", (0, 0, 0, 0), None, str(exc), time.monotonic())
+        self._queue(ev)
+
     def _read_proof(self, a: ReadProof) -> None:
         """Resolver thread: read a decode rank's memory proof out of its scratch region into our
         private scratch bytes (one at a time: this one thread is their only user). Nothing is
@@ -510,6 +540,7 @@ class PrefillEndpoint(EndpointShell):
             if now >= self._next_housekeeping:
                 self._next_housekeeping = now + self.config.housekeeping_interval
                 self._close_released()
+                self._note_registration()  # (a re-registration after a daemon restart gives a new id)
                 self._feed_event(Gc(now))
             self._feed_queued()
 

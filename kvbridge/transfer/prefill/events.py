@@ -6,7 +6,7 @@ shell feeds back for the admission and staged-writes machines, which the room ma
 and passes on). Actions are what ``feed`` returns for the shell to carry out: ``PostWrite``,
 ``SendDigested`` and ``ReleaseAux`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``),
 ``Resolve`` (``targets.py``), ``WriteNonce`` (``admission.py``), ``Gather`` and ``PostChunk``
-(``staged.py``). Plain data both ways: no callable, no pointer back into a machine.
+(``staged.py``), ``ReadDecider`` (``tickets.py``, answered with ``DeciderRead``). Plain data both ways: no callable, no pointer back into a machine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.prefill.admission import NonceWritten
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, SetMode
 from kvbridge.transfer.prefill.targets import Target
+from kvbridge.transfer.prefill.tickets import DeciderRead, RegisteredAs
 
 if TYPE_CHECKING:
     from kvbridge.bootstrap.schemas import RankDetail
@@ -219,6 +220,6 @@ class Gc:
 
 EVENTS = (
     Serving, Closing, EngineInit, Chunk, Post, AbortRoom, CloseRoom, Shutdown, Message, Resolved, NonceWritten, ProofReadBack,
-    Posted, PostFailed, ChunkPosted, ChunkPostFailed, WriteFinal, SetMode, Tick, Gc,
+    Posted, PostFailed, ChunkPosted, ChunkPostFailed, WriteFinal, SetMode, Tick, Gc, RegisteredAs, DeciderRead,
     KindUnits,
 )

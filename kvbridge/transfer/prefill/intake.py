@@ -12,7 +12,9 @@ The room machine (``machine.py``) runs the checks in this order and carries the 
 
 How a refusal is answered (``Refusal.how``): ``NOW``: an ErrorReply at once, the room untouched;
 ``ERROR``: an ErrorReply once nothing of the room is in flight; ``FAILED``: a failed PagesDone
-once quiet; ``REFUSED``: as FAILED, and the room fails here when the asker holds it. Nothing here
+once quiet; ``REFUSED``: as FAILED, and the room fails here when the asker holds it; ``HOLD``: no
+answer yet, the claim waits for the room's decision (``tickets.py``: a rank that is not the
+room's decider serves only the decode instance the decider's RoomTicket names). Nothing here
 sends, waits or keeps state: the rooms and registrations are the room machine's, passed in.
 """
 
@@ -33,6 +35,7 @@ from kvbridge.transfer.prefill.targets import DecodePeer, Target, request_target
 from kvbridge.transfer.rooms import Stage
 
 NOW, ERROR, FAILED, REFUSED = "now", "error", "failed", "refused"  # how a refusal is answered
+HOLD = "hold"  # not a refusal: the room is not decided on this rank yet; the claim waits (tickets.py)
 
 
 @dataclass(frozen=True)

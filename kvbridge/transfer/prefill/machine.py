@@ -7,7 +7,8 @@ its own that answers in plain data:
 
     request   admission.py (a small machine: the connection's ownership proof -> Admitted /
               Refused / actions), then intake.py (binding, first claim, contract, the room's
-              state, request_target -> a Refusal, or the Target and its staging offer)
+              state, request_target -> a Refusal, or the Target and its staging offer); a claim
+              on a room not yet decided here waits for the decider's RoomTicket (tickets.py)
     target    PrefillRoom.add_target; the registration read off the loop (targets.py: Resolve)
     post      writes.py (the writes in flight: plans -> PostWrite, or StageWrite to staged.py,
               a small machine: chunks, gather slots, grants -> Started / ChunkCounted /
@@ -33,6 +34,7 @@ from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.engine import WriteStatus
+from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.staging import StagingArea
@@ -45,7 +47,8 @@ from kvbridge.transfer.prefill.events import (EVENTS, Chunk, Closing, EngineInit
 from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPostFailed, ChunkPosted, GrantIn, Prune,
                                               RoomGone, SetMode, Settle, StagedWrites, Started, WriteEnded)
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.intake import ERROR, NOW, REFUSED, Intake, Refusal
+from kvbridge.transfer.prefill.intake import ERROR, HOLD, NOW, REFUSED, Intake, Refusal
+from kvbridge.transfer.prefill.tickets import DeciderRead, RegisteredAs, Tickets
 from kvbridge.transfer.prefill.writes import Writes, trace_room
 from kvbridge.transfer.prefill.kinds import KindWrites, token_page_size
 from kvbridge.transfer.prefill.events import KindUnits
@@ -57,7 +60,7 @@ _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
 
-_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
+_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping, wire.RoomTicket)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
@@ -69,9 +72,11 @@ class PrefillRooms:
     def __init__(self, config: PrefillConfig, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc],
                  aux_schema: AuxSchema, fingerprint: str, *,
                  digests_readable: bool = True, trace: bool = False, gather: StagingArea | None = None,
-                 target_layers: int | None = None) -> None:
+                 target_layers: int | None = None, proof_key: ProofKey | None = None) -> None:
         """``target_layers``: the model's target layer count (the contract's; default: one past the
-        largest layer id of ``specs``), which places the draft layers of a layer-range send."""
+        largest layer id of ``specs``), which places the draft layers of a layer-range send.
+        ``proof_key``: the key this rank's room tickets are signed with (``tickets.py``; None: each
+        rank decides its rooms alone, as a machine tested on its own)."""
         self.cfg = config
         self.specs = dict(specs)
         self.num_target_layers = target_layers if target_layers is not None else 1 + max(
@@ -86,6 +91,7 @@ class PrefillRooms:
         self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
         self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
         self.intake = Intake(config, self.specs, src_bufs, aux_schema, fingerprint, digests_readable)
+        self.tickets = Tickets(config, proof_key)  # one decision per room across the instance's ranks
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
@@ -225,6 +231,8 @@ class PrefillRooms:
             self._out.append(Send((ident,), wire.Heartbeat(cp_rank=self.cfg.cp_rank, seq=msg.seq)))
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
+        elif isinstance(msg, wire.RoomTicket):
+            self._on_ticket(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
             peer = self._proving(ident)
             self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint, now)), now)
@@ -286,10 +294,11 @@ class PrefillRooms:
             else:
                 self._refuse(ident, req, problem, now)
 
-    def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float) -> None:
+    def _on_request(self, ident: bytes, req: wire.TransferRequest, now: float, held: bool = False) -> None:
         """A decode rank asks for a room: checked (``intake.py``), then delivered now or once its
-        registration is read (``Resolved``)."""
-        if self.trace:
+        registration is read (``Resolved``). ``held``: a claim that waited for the room's decision
+        (``tickets.py``), taken up again (traced when it came)."""
+        if self.trace and not held:
             log.info("trace room=%d rank=%s @%.6f request from %s pages=%d", req.room, self.cfg.rank_label, now,
                      req.decode_rank, len(req.page_ids) // 4)
         if self.closing:
@@ -329,6 +338,9 @@ class PrefillRooms:
             return
         target, offer = answer
         r.add_target(target, req.binding, now)
+        ticket = self.tickets.grant(r.room, req.decode_rank_id, r.holder, r.claimed_binding) if r.holder else None
+        if ticket is not None:  # the decider: this claim's instance holds the room on every rank of the column
+            self._out.append(Send((ident,), ticket))
         self.stage.offered(req.room, req.decode_rank, offer, now)
         self.dirty.add(r.room)
         if self.trace:
@@ -336,8 +348,11 @@ class PrefillRooms:
                        target.dst_pages.size, target.first_page, ",".join(target.pools))
 
     def _claim(self, ident: bytes, req: wire.TransferRequest) -> Refusal | None:
-        """The request presents its room's binding, then claims the room (first claim wins)."""
+        """The request presents its room's binding, then claims the room: first claim wins at the
+        room's decider; elsewhere the claim waits for its decision (``tickets.py``)."""
         r = self.rooms.get(req.room)
+        if self.tickets.waits(None if r is None else r.holder, self.rooms.tombstones.get(req.room) is not None):
+            return self.intake.bound(r, req) or Refusal(HOLD, "")
         return self.intake.bound(r, req) or self.intake.claim(r, self._instance_of(ident, req.decode_rank_id), req)
 
     def _answer(self, ident: bytes, req: wire.TransferRequest, refusal: Refusal, now: float) -> None:
@@ -349,6 +364,11 @@ class PrefillRooms:
             self._error(ident, req, refusal.reason)
         elif refusal.how == REFUSED:
             self._refuse(ident, req, refusal.reason, now)
+        elif refusal.how == HOLD:
+            instance = self._instance_of(ident, req.decode_rank_id) or ""
+            if not self.tickets.hold(ident, req, instance, now):
+                self._reply_failed(ident, req.room, f"{self.tickets.max_held} claims already wait on prefill rank "
+                                                    f"{self.cfg.rank_label} for their rooms' decisions")
         else:
             self._reply_failed(ident, req.room, refusal.reason)
 
@@ -364,7 +384,12 @@ class PrefillRooms:
         rank, since a decode instance's TP ranks give up a request together. The ack waits until
         nothing of the room is in flight (``_reply_when_quiet``)."""
         r = self.rooms.get(msg.room)
-        refusal = None if r is None else self.intake.abort(r, self._instance_of(ident, msg.decode_rank_id), msg)
+        instance = self._instance_of(ident, msg.decode_rank_id)
+        if self.tickets.waits(None if r is None else r.holder, False):  # not decided here: it withdraws its claims
+            self.tickets.withdraw(msg.room, instance)
+            self._reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
+            return
+        refusal = None if r is None else self.intake.abort(r, instance, msg)
         if refusal is not None:
             self._error(ident, msg, refusal.reason)
             return
@@ -377,6 +402,70 @@ class PrefillRooms:
         if r is not None and not r.state.final and (r.holder is not None or not r.binding):
             self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {msg.reason or 'aborted by decode'}", now)
         self._reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
+
+    # -- one decision per room (tickets.py) ----------------------------------------
+
+    def _on_ticket(self, ident: bytes, t: wire.RoomTicket, now: float) -> None:
+        """A decode rank hands on its room's ticket (on its own proven connection, admission.py)."""
+        instance = self._instance_of(ident, t.decode_rank_id)
+        if instance != t.instance:
+            self._error(ident, t, f"a RoomTicket for decode instance {t.instance} came from a connection of decode "
+                                  f"instance {instance}: an instance hands on its own tickets only; nothing done")
+            return
+        self._ticket_checked(ident, t, self.tickets.check(ident, t), now)
+
+    def _ticket_checked(self, ident: bytes, t: wire.RoomTicket, verdict: Any, now: float) -> None:
+        if verdict is True:
+            self._decide(t, now)
+        elif isinstance(verdict, str):  # refused: the instance's claims that waited on it are refused too
+            reason = f"prefill rank {self.cfg.rank_label} refused a RoomTicket: {verdict}; nothing written"
+            self._error(ident, t, reason)
+            for h in self.tickets.withdraw(t.room, t.instance):
+                self._reply_failed(h.ident, t.room, reason)
+        elif verdict is not None and verdict is not False:
+            self._out.append(verdict)  # ReadDecider: checked once the decider's key is read
+
+    def _decider_read(self, e: DeciderRead) -> None:
+        waiting, problem = self.tickets.decider_read(e)
+        for ident, t in waiting:
+            self._ticket_checked(ident, t, problem if problem is not None else self.tickets.check(ident, t), e.now)
+
+    def _decide(self, t: wire.RoomTicket, now: float) -> None:
+        """The decider's ticket: ``t.instance`` holds the room here; the held claims go on (its
+        own) or are refused by name (every other instance's)."""
+        r = self.rooms.get(t.room)
+        if r is None and self.rooms.tombstones.get(t.room) is None:
+            r = self.rooms.add_unattached(self._new_room(t.room, Stage.UNATTACHED, now))
+        if r is not None and r.holder is None:
+            r.claim(t.instance, t.decode_rank)
+            if t.binding and r.claimed_binding is None:
+                r.claimed_binding = t.binding  # the winning claim's digest: the engine's init() must agree
+        if self.trace:
+            log.info("trace room=%d rank=%s @%.6f decided for %s by %s", t.room, self.cfg.rank_label, now, t.instance,
+                     t.decider)
+        for h in self.tickets.take(t.room):
+            self._on_request(h.ident, h.req, now, held=True)
+        self._pump(now)
+
+    def _undecided(self, now: float) -> None:
+        """Held claims whose room ended here, or that no decision reached in time, are refused."""
+        for room in list(self.tickets.held):
+            r, closed = self.rooms.get(room), self.rooms.tombstones.get(room)
+            if r is not None and r.state.final:
+                why = f"room {room} ended on prefill rank {self.cfg.rank_label} ({r.state.reason or r.state.state.name})"
+            elif r is None and closed is not None:
+                why = f"room {room} was closed on prefill rank {self.cfg.rank_label} ({closed})"
+            elif room in self.tickets.overdue(now, self.cfg.target_timeout):
+                why = (f"no decision on room {room} reached prefill rank {self.cfg.rank_label} within "
+                       f"{self.cfg.target_timeout:.1f}s: its decider {self.tickets.decider_label} granted this claim's "
+                       "decode instance no RoomTicket; nothing written")
+            else:
+                continue
+            for h in self.tickets.take(room):
+                self._reply_failed(h.ident, room, why)
+
+    def _registered_as(self, e: RegisteredAs) -> None:
+        self.tickets.rank_id = e.rank_id
 
     def _reply_failed(self, ident: bytes, room: int, reason: str) -> None:
         log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
@@ -527,6 +616,7 @@ class PrefillRooms:
         if r.life.stage == Stage.UNATTACHED and r.state.since(now) < self.cfg.target_timeout:
             return
         self._flush_replies(r)
+        self.tickets.forget(r.room)
         self.rooms.forget(r, now, tombstone=True)
         self._stage(self.stage.feed(RoomGone(r.room)), now)
         self.kinds.forget(r.room)
@@ -548,6 +638,8 @@ class PrefillRooms:
 
     def _deadlines(self, now: float) -> None:
         self._admit(self.admission.feed(Overdue(now)), now)
+        if self.tickets.held:
+            self._undecided(now)
         for r in list(self.rooms.values()):
             if r.state.final:
                 continue
@@ -598,6 +690,7 @@ _HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
     Posted: PrefillRooms._posted, PostFailed: PrefillRooms._post_failed, ChunkPosted: PrefillRooms._chunk_posted,
     ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
     Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,
+    RegisteredAs: PrefillRooms._registered_as, DeciderRead: PrefillRooms._decider_read,
 }
 
 
