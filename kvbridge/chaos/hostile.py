@@ -63,7 +63,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvbridge.chaos import hostile_claims, hostile_identity, hostile_rooms
+from kvbridge.chaos import hostile_budgets, hostile_claims, hostile_identity, hostile_rooms
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
@@ -79,12 +79,23 @@ __all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hos
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
            "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-           "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
+           "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat", "starvation", "address_flood",
+           "proving_bytes", "restart_race")
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
                  "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-                 "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
-DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
+                 "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat", "starvation", "address_flood",
+                 "proving_bytes", "restart_race")
+DEFENDED, VULNERABLE, ERROR, NOT_APPLICABLE = "defended", "vulnerable", "error", "not_applicable"
+# attacks that cannot apply to a cluster on an engine, and why (reported as such, never as defended)
+NOT_APPLICABLE_ON: dict[str, dict[str, str]] = {
+    "nixl": {
+        "spellings": "a NIXL session is nixl:<agent>, not host:port: there are no other spellings of an address to "
+                     "try, and its claim is the UCX worker address in the metadata (nixl_metadata attacks that)",
+        "mooncake_reader": "the attacker reads through Mooncake's unauthenticated listener; a NIXL cluster runs no "
+                           "Mooncake listener (a NIXL-reading attacker is not written)",
+    },
+}
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
 
@@ -114,13 +125,24 @@ class HostileSpec:
     postauth_slack_mib: float = 16.0  # bookkeeping of the connections, the loop's own allocations
     mac_flood_connections: int = 32
     metadata_registrations: int = 512  # of the largest engine_metadata (the daemon's cap stops them at 256)
+    starve_connections: int = 40  # starvation: one identity's connections pushing the largest frames
+    starve_source: str = "127.0.0.2"  # (its one address)
+    probe_source: str = "127.0.0.3"  # the second identity, whose frame needs the shared budget
+    probe_bytes: int = 1 << 20
+    address_flood_extra: int = 100  # address_flood: connections beyond every slot, one address each
+    proving_connections: int = 16  # proving_bytes: connections naming a registration they cannot prove
+    proving_messages: int = 6  # requests each sends while its proof waits
+    proving_page_bytes: int = 1 << 20  # each request's page list
+    race_s: float = 3.0  # restart_race: how long the squats go on after the restarted daemon answers
+    engine: str = "mooncake"  # the cluster's transfer engine
     workdir: str | None = None
 
     @classmethod
     def quick(cls, **kw: Any) -> HostileSpec:
         return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
                        "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0,
-                       "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16} | kw))
+                       "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16,
+                       "race_s": 1.5} | kw))
 
 
 @dataclass
@@ -565,6 +587,8 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "bound_rooms": hostile_rooms.bound_rooms, "room_signatures": hostile_rooms.room_signatures,
     "nixl_metadata": hostile_claims.nixl_metadata, "metadata_flood": hostile_claims.metadata_flood,
     "lease_squat": hostile_claims.lease_squat,
+    "starvation": hostile_budgets.starvation, "address_flood": hostile_budgets.address_flood,
+    "proving_bytes": hostile_budgets.proving_bytes, "restart_race": hostile_budgets.restart_race,
 }
 
 
@@ -577,7 +601,8 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
     tmp = None if spec.workdir else tempfile.TemporaryDirectory(prefix="kvbridge-hostile-")
     workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
     cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=2.0,
-                           peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0)
+                           peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0, engine=spec.engine,
+                           claims_file=True)
     results: list[Outcome] = []
     problems: list[str] = []
     try:
@@ -589,6 +614,13 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
         for name in (a for a in ATTACKS if a in spec.attacks):
             out = Outcome(name)
             a0 = time.monotonic()
+            why_not = NOT_APPLICABLE_ON.get(spec.engine, {}).get(name)
+            if why_not is not None:
+                out.outcome, out.target, out.details = NOT_APPLICABLE, "-", {"engine": spec.engine, "reason": why_not}
+                results.append(out)
+                if progress is not None:
+                    progress(out)
+                continue
             try:
                 ATTACK_METHODS[name](hostile, out)
             except Exception as exc:  # the harness failed: recorded as this attack's error, and the run goes on
@@ -601,11 +633,13 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
         exit_codes = cluster.close()
         if tmp is not None:
             tmp.cleanup()
-    problems += [f"{o.attack}: {o.outcome}" for o in results if o.outcome != DEFENDED]
+    problems += [f"{o.attack}: {o.outcome}" for o in results if o.outcome not in (DEFENDED, NOT_APPLICABLE)]
     return {
         "ok": not problems,
+        "engine": spec.engine,
         "attacks": [asdict(o) for o in results],
         "defended": [o.attack for o in results if o.outcome == DEFENDED],
+        "not_applicable": [o.attack for o in results if o.outcome == NOT_APPLICABLE],
         "vulnerable": [o.attack for o in results if o.outcome == VULNERABLE],
         "errors": [o.attack for o in results if o.outcome == ERROR],
         "problems": problems,
@@ -618,12 +652,18 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
 def format_hostile(report: dict[str, Any]) -> str:
     rows = [("attack", "outcome", "target", "bytes written", "RSS before", "RSS after", "s")]
     for a in report["attacks"]:
-        rows.append((a["attack"], a["outcome"].upper() if a["outcome"] != DEFENDED else a["outcome"], a["target"],
+        rows.append((a["attack"], a["outcome"] if a["outcome"] in (DEFENDED, NOT_APPLICABLE) else a["outcome"].upper(),
+                     a["target"],
                      f"{a['bytes_written_where_not_allowed']:,}", str(a["rss_before_mib"]), str(a["rss_after_mib"]),
                      str(a["seconds"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines += ["", f"{len(report['defended'])}/{len(report['attacks'])} attacks defended, {report['seconds']}s"]
+    skipped = report.get("not_applicable", [])
+    lines += ["", f"{len(report['defended'])}/{len(report['attacks']) - len(skipped)} attacks defended"
+              + (f" ({len(skipped)} not applicable on {report.get('engine')})" if skipped else "")
+              + f", {report['seconds']}s"]
+    lines += [f"  n/a {a['attack']}: {a['details']['reason']}" for a in report["attacks"]
+              if a["outcome"] == NOT_APPLICABLE]
     lines += [f"  - {p}" for p in report["problems"]]
     lines += [f"  {a['attack']}: {a['error']}" for a in report["attacks"] if a["error"]]
     return "\n".join(lines)
