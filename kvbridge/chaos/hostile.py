@@ -131,7 +131,7 @@ class HostileSpec:
     probe_bytes: int = 1 << 20
     address_flood_extra: int = 100  # address_flood: connections beyond every slot, one address each
     proving_connections: int = 16  # proving_bytes: connections naming a registration they cannot prove
-    proving_messages: int = 6  # requests each sends while its proof waits
+    proving_messages: int = 12  # requests each sends while its proof waits (192 MiB: 6 times the held cap)
     proving_page_bytes: int = 1 << 20  # each request's page list
     race_s: float = 3.0  # restart_race: how long the squats go on after the restarted daemon answers
     engine: str = "mooncake"  # the cluster's transfer engine
@@ -142,7 +142,7 @@ class HostileSpec:
         return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
                        "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0,
                        "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16,
-                       "race_s": 1.5} | kw))
+                       "race_s": 1.5, "proving_messages": 8} | kw))
 
 
 @dataclass
