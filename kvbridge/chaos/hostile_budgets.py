@@ -387,10 +387,11 @@ def address_flood(h: Hostile, out: Outcome) -> None:
     watcher = None
     try:
         warm, _ = _rooms(h, tp2, 1)  # both TP ranks connect to both prefill ranks and prove
-        proven = 1 + 2  # prefill-cp0's proven connections: the cluster's decode rank and the TP 2 host's two
+        conns_before = h.c.stats(m).get("control_connections", {})
+        proven = int(conns_before.get("proven", 0))  # the cluster's decode rank and the TP 2 host's
         watcher = _rss_watch(h, m, stop, peak)
         t0 = time.monotonic()
-        free = limits.max_connections - proven
+        free = limits.max_connections - int(conns_before.get("peers", 0))
         for _ in range(8):  # (a Hello still unread when newer connections fill the pending pool is evicted)
             flood.open(free - len(flood.held), 60.0)
             if len(flood.held) >= free:
@@ -408,6 +409,7 @@ def address_flood(h: Hostile, out: Outcome) -> None:
             flood.sweep()
         rooms_t.join(1.0)
         flood.sweep()
+        conns_after = h.c.stats(m).get("control_connections", {})
     finally:
         flood.close()
         stop.set()
@@ -416,18 +418,19 @@ def address_flood(h: Hostile, out: Outcome) -> None:
         _stop(tp2)
     out.rss_after_mib = h.rss(m)
     rooms_ok, why = rooms[0] if rooms else (False, "room thread failed")
-    # the attacker holds every slot but those of the proven ranks, and no more: had a rank's
-    # connection been displaced, the attacker would hold its slot (or lose one when it came back)
-    displaced = max(0, held_full - (limits.max_connections - proven)) + flood.lost
+    # a proven connection lost during the hold is a registered rank displaced (or closed)
+    lost_proven = max(0, proven - int(conns_after.get("proven", 0)))
     out.details = {"addresses": flood.next_address - 2, "slots": limits.max_connections,
-                   "proven_connections": proven, "slots_held": held_full, "fill_s": fill_s,
+                   "connections_before": conns_before, "connections_after": conns_after,
+                   "proven_connections": proven, "proven_lost": lost_proven, "slots_held": held_full, "fill_s": fill_s,
                    "closed_while_filling": evicted_while_filling, "refused_after_hello": flood.refused, "connect_failures": flood.failed,
                    "knocks_during_hold": knocks, "held_closed_by_server": flood.lost,
-                   "registered_connections_displaced": displaced, "warm_room_ok": warm,
+                   "displaced_during_attack": int(conns_after.get("displaced", 0))
+                   - int(conns_before.get("displaced", 0)), "warm_room_ok": warm,
                    "rooms_during_hold_ok": rooms_ok, "rooms": 2,
                    "room_failures": why or None, "rss_peak_mib": peak[0], "legit_room_ok": rooms_ok}
-    filled = held_full + proven >= limits.max_connections
-    out.outcome = DEFENDED if warm and filled and displaced == 0 and rooms_ok else VULNERABLE
+    filled = held_full + int(conns_before.get("peers", 0)) >= limits.max_connections
+    out.outcome = DEFENDED if warm and filled and proven >= 3 and not lost_proven and rooms_ok else VULNERABLE
 
 
 # -- 3. messages held while a connection proves itself -------------------------------------------
