@@ -248,8 +248,12 @@ class Server(Channel[bytes]):
         return stream.hello is None
 
     def _readable(self, stream: Stream) -> bool:
-        if stream.hello is None:  # pending: never more than one Hello's frame is buffered
-            return stream.read(max(0, HEADER.size + HELLO_MAX_BYTES - stream.reader.buffered))
+        if stream.hello is None:  # pending: its header, then the Hello it announces, and no byte past it
+            # (what follows the Hello is read after it, within the allowance and the budget: taken
+            # in the same read, it would stay in the reader beyond both once the Hello is opened)
+            buffered = stream.reader.buffered
+            end = HEADER.size + min(stream.reader.announced, HELLO_MAX_BYTES) if buffered >= HEADER.size else HEADER.size
+            return stream.read(max(0, end - buffered))
         room = self._room(stream)
         if room <= 0:
             self._throttle(stream)
