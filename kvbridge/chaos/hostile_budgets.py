@@ -556,8 +556,10 @@ def restart_race(h: Hostile, out: Outcome) -> None:
         h.c.signal(h.c.daemon, signal.SIGTERM)
         code = h.c.wait_exit(h.c.daemon, 20.0)
         race.start()  # (squats from before the new daemon answers)
+        t0 = time.monotonic()
         # the daemon is started from this thread: a worker process dies with the thread that started it
         h.c.restart(h.c.daemon)
+        restart_s = round(time.monotonic() - t0, 1)
         race.join(60.0)
     finally:
         race.stop()
@@ -565,11 +567,16 @@ def restart_race(h: Hostile, out: Outcome) -> None:
         for reg in race.accepted:
             httpx.delete(f"{h.c.url}/v1/ranks/{reg['rank_id']}", timeout=5.0, trust_env=False,
                          headers={**h.auth, "X-KVBridge-Lease": reg.get("lease_secret", "")})
+    t0 = time.monotonic()
+    registered = h.c.wait_registered(30.0)  # every rank back (the victim with its own key), then a room
+    back_s = round(time.monotonic() - t0, 1)
     ok, seconds, why = _room_within(h, 30.0)
-    back = h.get(f"/v1/instances/{h.c.decode_instance}")  # (the daemon answers again: the room above asked it)
+    back = h.get(f"/v1/instances/{h.c.decode_instance}")
     out.rss_after_mib = h.rss(victim_m)
     accepted = race.accepted
-    out.details = {"daemon_exit": code, "claims_file": str(h.c.claims_file), "squat_tries": race.tries,
+    out.details = {"daemon_exit": code, "daemon_restart_s": restart_s, "ranks_back_s": back_s,
+                   "every_rank_registered_again": registered, "claims_file": str(h.c.claims_file),
+                   "squat_tries": race.tries,
                    "squats_before_it_answered": race.unanswered, "squat_statuses": race.statuses,
                    "squats_accepted": len(accepted), "slots_held": len(accepted),
                    "victim_registered_again": back.status_code == 200 and back.json().get("num_ranks") == 1,
