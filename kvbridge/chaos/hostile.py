@@ -39,11 +39,19 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     bound_rooms, room_signatures   attacks on room ids (``hostile_rooms.py``): another request's
                      room, a room claimed before it opens, a reused room, a longer prompt; forged,
                      expired and moved router signatures
+    nixl_metadata, metadata_flood, lease_squat   claims and the daemon's caps (``hostile_claims.py``)
+    starvation, address_flood, proving_bytes, restart_race   fair budgets and a daemon restart
+                     (``hostile_budgets.py``): one identity's paced flood of the largest frames, an
+                     address flood against a TP 2 host's proven connections, bytes held while a
+                     connection proves itself, squats raced against a restarted daemon
 
-Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
-harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
-``rss_after_mib`` (the attacked process), ``seconds``, ``details`` and ``error``. The report's
-``ok`` is True only when every attack was defended.
+``HostileSpec.engine`` picks the cluster's transfer engine (``--engine``); an attack that cannot
+apply to it (``NOT_APPLICABLE_ON``) is reported ``not_applicable`` with the reason, never as defended.
+
+Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", "error" when the
+harness could not run it, or "not_applicable" on this engine), ``target``,
+``bytes_written_where_not_allowed``, ``rss_before_mib``, ``rss_after_mib`` (the attacked process), ``seconds``, ``details`` and ``error``. The report's
+``ok`` is True only when every attack that applies was defended.
 """
 
 from __future__ import annotations
@@ -75,7 +83,8 @@ from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
 from kvbridge.transfer.channel.frames import HEADER, frame
 from kvbridge.worker import ops
 
-__all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
+__all__ = ["ATTACKS", "ATTACK_METHODS", "NOT_APPLICABLE_ON", "QUICK_ATTACKS", "HostileSpec", "run_hostile",
+           "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
            "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
@@ -228,6 +237,8 @@ class Hostile:
                 "session_id": victim["session_id"], "pools": victim["pools"], "aux": victim["aux"],
                 "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
                 "scratch": victim.get("scratch")}
+        if victim.get("engine_metadata"):  # (NIXL: what the engine reaches, copied whole)
+            body["engine_metadata"] = victim["engine_metadata"]
         reg = httpx.post(f"{self.c.url}/v1/ranks", json=body, headers=self.auth, timeout=5.0, trust_env=False)
         details: dict[str, Any] = {"registration_status": reg.status_code, "victim_session": victim["session_id"]}
         out.details = details
