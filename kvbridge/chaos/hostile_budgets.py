@@ -428,7 +428,8 @@ def address_flood(h: Hostile, out: Outcome) -> None:
                    "displaced_during_attack": int(conns_after.get("displaced", 0))
                    - int(conns_before.get("displaced", 0)), "warm_room_ok": warm,
                    "rooms_during_hold_ok": rooms_ok, "rooms": 2,
-                   "room_failures": why or None, "rss_peak_mib": peak[0], "legit_room_ok": rooms_ok}
+                   "room_failures": why or None, "rss_peak_mib": peak[0], "rss_growth_mib": round(peak[0] - before, 1),
+                   "legit_room_ok": rooms_ok}
     filled = held_full + int(conns_before.get("peers", 0)) >= limits.max_connections
     out.outcome = DEFENDED if warm and filled and proven >= 3 and not lost_proven and rooms_ok else VULNERABLE
 
