@@ -63,9 +63,9 @@ Hostile = Outcome = Any
 DEFENDED, VULNERABLE = "defended", "vulnerable"
 SLACK_MIB = 16.0  # the loop's own allocations and what the allocator keeps (as postauth_partial's)
 JUDGED_S = 0.3  # a Hello still open this long after it was sent was taken (a refusal closes at once)
-PROBE_SLACK_S = 2.0
+PROBE_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 STARVE_PACE = 0.6  # of Limits.frame_rate: a paced frame holds its reservation for most of its deadline
-STARVE_WARMUP_S = 0.5  # the flood pushes this long before the rooms and the other identity start  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
+STARVE_WARMUP_S = 0.5  # the flood pushes this long before the rooms and the other identity start
 
 
 def _rss_watch(h: Hostile, m: Any, stop: threading.Event, peak: list[float]) -> threading.Thread:
