@@ -63,8 +63,11 @@ class Member:
 
 class ChaosCluster:
     def __init__(self, workdir: Path, *, cp: int, layers: int, pages: int, lease_ttl: float, peer_timeout: float,
-                 transfer_timeout: float, failed_writes: int, replicas: int = 0, engine: str = "mooncake") -> None:
+                 transfer_timeout: float, failed_writes: int, replicas: int = 0, engine: str = "mooncake",
+                 claims_file: bool = False) -> None:
         self.workdir = workdir
+        # the in-memory daemon keeps its claims in a file, read back when it restarts (``--claims-file``)
+        self.claims_file = workdir / "claims.json" if claims_file else None
         self.etcd = EtcdCluster(workdir / "etcd", members=3) if replicas else None
         self.replicas = [Member(f"replica-{i}", "daemon", []) for i in range(replicas)]
         self.replica_ports = [0] * replicas
@@ -122,6 +125,8 @@ class ChaosCluster:
             return
         self.daemon.starts += 1
         extra = ("--port", str(self.port)) if self.port else ()
+        if self.claims_file is not None:
+            extra = (*extra, "--claims-file", str(self.claims_file))
         self.url = spawn_bootstrap(self.group, timeout, extra)
         self.port = int(self.url.rsplit(":", 1)[1])
         self.daemon.proc = self.group.procs[-1]

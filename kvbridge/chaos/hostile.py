@@ -39,13 +39,21 @@ cluster secret, all on 127.0.0.1. Each attack runs against those real processes:
     bound_rooms, room_signatures   attacks on room ids (``hostile_rooms.py``): another request's
                      room, a room claimed before it opens, a reused room, a longer prompt; forged,
                      expired and moved router signatures
+    nixl_metadata, metadata_flood, lease_squat   claims and the daemon's caps (``hostile_claims.py``)
+    starvation, address_flood, proving_bytes, restart_race   fair budgets and a daemon restart
+                     (``hostile_budgets.py``): one identity's paced flood of the largest frames, an
+                     address flood against a TP 2 host's proven connections, bytes held while a
+                     connection proves itself, squats raced against a restarted daemon
     split_collision  two decode instances race for one room id (``hostile_split.py``); defended:
                      one is served every page and the other refused by name, 0 bytes to it
 
-Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", or "error" when the
-harness could not run it), ``target``, ``bytes_written_where_not_allowed``, ``rss_before_mib``,
-``rss_after_mib`` (the attacked process), ``seconds``, ``details`` and ``error``. The report's
-``ok`` is True only when every attack was defended.
+``HostileSpec.engine`` picks the cluster's transfer engine (``--engine``); an attack that cannot
+apply to it (``NOT_APPLICABLE_ON``) is reported ``not_applicable`` with the reason, never as defended.
+
+Each attack's record: ``attack``, ``outcome`` ("defended", "vulnerable", "error" when the
+harness could not run it, or "not_applicable" on this engine), ``target``,
+``bytes_written_where_not_allowed``, ``rss_before_mib``, ``rss_after_mib`` (the attacked process), ``seconds``, ``details`` and ``error``. The report's
+``ok`` is True only when every attack that applies was defended.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvbridge.chaos import hostile_claims, hostile_identity, hostile_rooms, hostile_split
+from kvbridge.chaos import hostile_budgets, hostile_claims, hostile_identity, hostile_rooms, hostile_split
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
@@ -77,17 +85,29 @@ from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES
 from kvbridge.transfer.channel.frames import HEADER, frame
 from kvbridge.worker import ops
 
-__all__ = ["ATTACKS", "ATTACK_METHODS", "QUICK_ATTACKS", "HostileSpec", "run_hostile", "format_hostile"]
+__all__ = ["ATTACKS", "ATTACK_METHODS", "NOT_APPLICABLE_ON", "QUICK_ATTACKS", "HostileSpec", "run_hostile",
+           "format_hostile"]
 
 ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
            "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-           "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
+           "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat", "starvation", "address_flood",
+           "proving_bytes", "restart_race")
 ATTACKS += ("split_collision",)  # (full runs only: tests/transfer/test_room_race_mooncake.py races real processes in CI)
 # every attack is defended now; quick runs them all with fewer trials
 QUICK_ATTACKS = ("aliasing", "preauth_flood", "slow_connection", "slot_exhaustion", "room_collision", "read_exposure",
                  "hello_replay", "postauth_partial", "mac_flood", "spellings", "mooncake_reader", "bound_rooms",
-                 "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat")
-DEFENDED, VULNERABLE, ERROR = "defended", "vulnerable", "error"
+                 "room_signatures", "nixl_metadata", "metadata_flood", "lease_squat", "starvation", "address_flood",
+                 "proving_bytes", "restart_race")
+DEFENDED, VULNERABLE, ERROR, NOT_APPLICABLE = "defended", "vulnerable", "error", "not_applicable"
+# attacks that cannot apply to a cluster on an engine, and why (reported as such, never as defended)
+NOT_APPLICABLE_ON: dict[str, dict[str, str]] = {
+    "nixl": {
+        "spellings": "a NIXL session is nixl:<agent>, not host:port: there are no other spellings of an address to "
+                     "try, and its claim is the UCX worker address in the metadata (nixl_metadata attacks that)",
+        "mooncake_reader": "the attacker reads through Mooncake's unauthenticated listener; a NIXL cluster runs no "
+                           "Mooncake listener (a NIXL-reading attacker is not written)",
+    },
+}
 SLOW_SLACK_S = 2.0  # a deadline is checked every SCAN_S; a loaded 2-core host adds scheduling delay
 ATTACK_ROOMS = itertools.count(900_000)  # rooms the attacks open (Traffic's own rooms count from 1,000)
 
@@ -117,13 +137,24 @@ class HostileSpec:
     postauth_slack_mib: float = 16.0  # bookkeeping of the connections, the loop's own allocations
     mac_flood_connections: int = 32
     metadata_registrations: int = 512  # of the largest engine_metadata (the daemon's cap stops them at 256)
+    starve_connections: int = 40  # starvation: one identity's connections pushing the largest frames
+    starve_source: str = "127.0.0.2"  # (its one address)
+    probe_source: str = "127.0.0.3"  # the second identity, whose frame needs the shared budget
+    probe_bytes: int = 1 << 20
+    address_flood_extra: int = 100  # address_flood: connections beyond every slot, one address each
+    proving_connections: int = 16  # proving_bytes: connections naming a registration they cannot prove
+    proving_messages: int = 12  # requests each sends while its proof waits (192 MiB: 6 times the held cap)
+    proving_page_bytes: int = 1 << 20  # each request's page list
+    race_s: float = 3.0  # restart_race: how long the squats go on after the restarted daemon answers
+    engine: str = "mooncake"  # the cluster's transfer engine
     workdir: str | None = None
 
     @classmethod
     def quick(cls, **kw: Any) -> HostileSpec:
         return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
                        "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0,
-                       "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16} | kw))
+                       "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16,
+                       "race_s": 1.5, "proving_messages": 8} | kw))
 
 
 @dataclass
@@ -209,6 +240,8 @@ class Hostile:
                 "session_id": victim["session_id"], "pools": victim["pools"], "aux": victim["aux"],
                 "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
                 "scratch": victim.get("scratch")}
+        if victim.get("engine_metadata"):  # (NIXL: what the engine reaches, copied whole)
+            body["engine_metadata"] = victim["engine_metadata"]
         reg = httpx.post(f"{self.c.url}/v1/ranks", json=body, headers=self.auth, timeout=5.0, trust_env=False)
         details: dict[str, Any] = {"registration_status": reg.status_code, "victim_session": victim["session_id"]}
         out.details = details
@@ -569,6 +602,8 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "nixl_metadata": hostile_claims.nixl_metadata, "metadata_flood": hostile_claims.metadata_flood,
     "lease_squat": hostile_claims.lease_squat,
     "split_collision": hostile_split.split_collision,
+    "starvation": hostile_budgets.starvation, "address_flood": hostile_budgets.address_flood,
+    "proving_bytes": hostile_budgets.proving_bytes, "restart_race": hostile_budgets.restart_race,
 }
 
 
@@ -581,7 +616,8 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
     tmp = None if spec.workdir else tempfile.TemporaryDirectory(prefix="kvbridge-hostile-")
     workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
     cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=2.0,
-                           peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0)
+                           peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0, engine=spec.engine,
+                           claims_file=True)
     results: list[Outcome] = []
     problems: list[str] = []
     try:
@@ -593,6 +629,13 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
         for name in (a for a in ATTACKS if a in spec.attacks):
             out = Outcome(name)
             a0 = time.monotonic()
+            why_not = NOT_APPLICABLE_ON.get(spec.engine, {}).get(name)
+            if why_not is not None:
+                out.outcome, out.target, out.details = NOT_APPLICABLE, "-", {"engine": spec.engine, "reason": why_not}
+                results.append(out)
+                if progress is not None:
+                    progress(out)
+                continue
             try:
                 ATTACK_METHODS[name](hostile, out)
             except Exception as exc:  # the harness failed: recorded as this attack's error, and the run goes on
@@ -605,11 +648,13 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
         exit_codes = cluster.close()
         if tmp is not None:
             tmp.cleanup()
-    problems += [f"{o.attack}: {o.outcome}" for o in results if o.outcome != DEFENDED]
+    problems += [f"{o.attack}: {o.outcome}" for o in results if o.outcome not in (DEFENDED, NOT_APPLICABLE)]
     return {
         "ok": not problems,
+        "engine": spec.engine,
         "attacks": [asdict(o) for o in results],
         "defended": [o.attack for o in results if o.outcome == DEFENDED],
+        "not_applicable": [o.attack for o in results if o.outcome == NOT_APPLICABLE],
         "vulnerable": [o.attack for o in results if o.outcome == VULNERABLE],
         "errors": [o.attack for o in results if o.outcome == ERROR],
         "problems": problems,
@@ -622,12 +667,18 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
 def format_hostile(report: dict[str, Any]) -> str:
     rows = [("attack", "outcome", "target", "bytes written", "RSS before", "RSS after", "s")]
     for a in report["attacks"]:
-        rows.append((a["attack"], a["outcome"].upper() if a["outcome"] != DEFENDED else a["outcome"], a["target"],
+        rows.append((a["attack"], a["outcome"] if a["outcome"] in (DEFENDED, NOT_APPLICABLE) else a["outcome"].upper(),
+                     a["target"],
                      f"{a['bytes_written_where_not_allowed']:,}", str(a["rss_before_mib"]), str(a["rss_after_mib"]),
                      str(a["seconds"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines += ["", f"{len(report['defended'])}/{len(report['attacks'])} attacks defended, {report['seconds']}s"]
+    skipped = report.get("not_applicable", [])
+    lines += ["", f"{len(report['defended'])}/{len(report['attacks']) - len(skipped)} attacks defended"
+              + (f" ({len(skipped)} not applicable on {report.get('engine')})" if skipped else "")
+              + f", {report['seconds']}s"]
+    lines += [f"  n/a {a['attack']}: {a['details']['reason']}" for a in report["attacks"]
+              if a["outcome"] == NOT_APPLICABLE]
     lines += [f"  - {p}" for p in report["problems"]]
     lines += [f"  {a['attack']}: {a['error']}" for a in report["attacks"] if a["error"]]
     return "\n".join(lines)

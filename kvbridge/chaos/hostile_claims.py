@@ -67,6 +67,8 @@ def lease_squat(h: Any, out: Any) -> None:
     body = {"control_endpoint": "tcp://127.0.0.1:9", "session_id": victim["session_id"], "pools": victim["pools"],
             "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
             "scratch": victim["scratch"]}
+    if victim.get("engine_metadata"):  # (NIXL: what the engine reaches, copied whole)
+        body["engine_metadata"] = victim["engine_metadata"]
     statuses: dict[str, int] = {}
     accepted: list[dict[str, Any]] = []
     os.kill(victim_m.pid, signal.SIGSTOP)  # type: ignore[arg-type]

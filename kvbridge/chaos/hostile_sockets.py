@@ -28,11 +28,12 @@ def _source(i: int, addresses: int) -> str:
     return f"127.0.{n // 256}.{n % 256}"
 
 
-def connect(port: int, i: int, addresses: int) -> socket.socket | None:
-    """The ``i``-th attack connection (from the ``i % addresses``-th source address), non-blocking,
-    or None when the connect failed."""
+def connect(port: int, i: int, addresses: int, source: str | None = None) -> socket.socket | None:
+    """The ``i``-th attack connection (from the ``i % addresses``-th source address, or ``source``),
+    non-blocking, or None when the connect failed."""
     try:
-        sock = socket.create_connection(("127.0.0.1", port), timeout=2.0, source_address=(_source(i, addresses), 0))
+        sock = socket.create_connection(("127.0.0.1", port), timeout=2.0,
+                                        source_address=(source or _source(i, addresses), 0))
     except OSError:
         return None
     sock.setblocking(False)
@@ -68,9 +69,10 @@ def hello_for(sock: socket.socket, secret: bytes, name: str) -> bytes:
     return frame(wire.codec(secret).hello(name, nonce))
 
 
-def authenticated(port: int, i: int, addresses: int, secret: bytes, name: str) -> socket.socket | None:
+def authenticated(port: int, i: int, addresses: int, secret: bytes, name: str,
+                  source: str | None = None) -> socket.socket | None:
     """A non-blocking connection that answered its challenge with a valid Hello, or None."""
-    sock = connect(port, i, addresses)
+    sock = connect(port, i, addresses, source)
     if sock is None:
         return None
     try:

@@ -36,13 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run attacks instead of faults (aliasing, pre-auth flood, slow connection, slot exhaustion, "
                    "room collision, read exposure, Hello replay, post-auth partial frames, MAC-failing flood, "
                    "session spellings, a Mooncake-reading attacker, forged NIXL metadata, a metadata flood at the "
-                   "daemon, a lapsed lease squatted, two decode instances racing for one room: see "
-                   "docs/security.md); exit 1 if any is not defended; --quick runs every attack with fewer trials "
-                   "(but the race: split_collision runs in full runs or by name)")
+                   "daemon, a lapsed lease squatted, one identity's frame flood, an address flood against a TP 2 "
+                   "host, held bytes while a connection proves itself, a daemon-restart race, two decode instances "
+                   "racing for one room: see "
+                   "docs/security.md) over --engine; exit 1 if any is not defended (an attack that cannot apply "
+                   "to the engine is reported not applicable, with why); --quick runs every attack with fewer trials (but the race: "
+                   "split_collision runs in full runs or by name)")
     p.add_argument("--attacks", default=None, help="with --hostile: comma-separated subset of: aliasing, "
                    "preauth_flood, slow_connection, slot_exhaustion, room_collision, read_exposure, hello_replay, "
-                   "postauth_partial, mac_flood, spellings, mooncake_reader, nixl_metadata, metadata_flood, "
-                   "lease_squat, split_collision")
+                   "postauth_partial, mac_flood, spellings, mooncake_reader, bound_rooms, room_signatures, "
+                   "nixl_metadata, metadata_flood, lease_squat, starvation, address_flood, proving_bytes, "
+                   "restart_race, split_collision")
     p.set_defaults(func=run)
 
 
@@ -84,6 +88,7 @@ def run_hostile_cli(args: argparse.Namespace) -> int:
     from kvbridge.chaos.hostile import HostileSpec, format_hostile, run_hostile
 
     kw: dict = {"workdir": args.workdir} if args.workdir else {}
+    kw["engine"] = args.engine
     if args.attacks:
         kw["attacks"] = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
     spec = HostileSpec.quick(**kw) if args.quick else HostileSpec(**kw)

@@ -75,6 +75,9 @@ class PrefillWorker(WorkerBase):
     def extra_ready(self) -> dict[str, Any]:
         return {"control": self.endpoint.endpoint}
 
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "control_connections": self.endpoint.connections()}
+
     def begin(self, peer: bytes, request_id: int, op: ops.Prefill) -> PrefillTask:
         ps = self.cfg.page_size
         num_pages = -(-op.num_tokens // ps)

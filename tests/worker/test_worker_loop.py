@@ -79,6 +79,9 @@ class FakeEndpoint:
     def receiver(self, room, prefill_instance, dp_rank=None):
         return self.made.setdefault(room, self.make())
 
+    def connections(self):  # (a prefill worker's Stats carries its control connections)
+        return {"peers": 0, "proven": 0, "displaced": 0, "refused": 0}
+
 
 def worker(cls, role, make, **settings):
     cfg = load_config(role, {"layers": 1, "page_size": 4, "pages": 16, "aux_rows": 2, **settings}, {})

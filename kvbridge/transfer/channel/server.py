@@ -16,9 +16,9 @@ from typing import Any
 from kvbridge.errors import ConfigError, KVBridgeError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer.channel.envelope import HELLO_MAX_BYTES, Codec, Hello
 from kvbridge.transfer.channel.frames import HEADER, READ_PER_CALL, Meter, Stream, frame
-from kvbridge.transfer.channel.transport import (ACCEPT_PAUSE_S, DEFAULT_HWM, IDLE_SCAN_S, READ, REFUSALS_QUEUED,
-                                                 SCAN_S, Channel, Limits, Received, listen_socket, parse_address,
-                                                 power_of_two, set_nodelay)
+from kvbridge.transfer.channel.transport import (ACCEPT_PAUSE_S, DEFAULT_HWM, IDLE_SCAN_S, MAX_BATCH, READ,
+                                                 REFUSALS_QUEUED, SCAN_S, Channel, Limits, Received, listen_socket,
+                                                 parse_address, power_of_two, set_nodelay)
 
 log = logging.getLogger("kvbridge.transfer.channel")
 
@@ -247,9 +247,33 @@ class Server(Channel[bytes]):
     def _greeting(self, stream: Stream) -> bool:
         return stream.hello is None
 
+    def _frames(self, stream: Stream, out: list[Received[bytes]], limit: int | None = MAX_BATCH) -> None:
+        greeted = stream.hello is None
+        super()._frames(stream, out, limit)
+        if not greeted or stream.sock is None or stream.hello is None or stream.reader.ready:
+            return
+        # the Hello was opened in this turn: what its peer sent after it is read now, as a peer's
+        try:
+            alive, why = self._readable(stream), "closed by the peer"
+        except (OSError, KVBridgeError) as exc:
+            alive, why = False, str(exc)
+        if stream.sock is not None:
+            super()._frames(stream, out, limit if alive else None)
+        if stream.sock is not None and not alive:
+            self._lost(stream, why)
+
     def _readable(self, stream: Stream) -> bool:
-        if stream.hello is None:  # pending: never more than one Hello's frame is buffered
-            return stream.read(max(0, HEADER.size + HELLO_MAX_BYTES - stream.reader.buffered))
+        if stream.hello is None:  # pending: its header, then the Hello it announces, and no byte past it
+            # (what follows the Hello is read once it is opened, within the allowance and the
+            # budget: taken in the same read, it would stay in the reader beyond both; ``_frames``)
+            if stream.reader.buffered < HEADER.size:
+                if not stream.read(HEADER.size - stream.reader.buffered):
+                    return False
+                if stream.reader.buffered < HEADER.size:
+                    return True
+            if stream.reader.announced > HELLO_MAX_BYTES:
+                return True  # (refused at its header)
+            return stream.read(HEADER.size + stream.reader.announced - stream.reader.buffered)
         room = self._room(stream)
         if room <= 0:
             self._throttle(stream)

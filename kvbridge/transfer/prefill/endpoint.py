@@ -188,6 +188,17 @@ class PrefillEndpoint(EndpointShell):
             staging = self.machine.staging_counters()
         return {"staging": staging, "control": {} if self._server is None else self._server.stats.counts()}
 
+    def connections(self) -> dict[str, int]:
+        """The control channel's connections: ``peers`` now and ``proven`` among them (never
+        displaced), ``displaced`` and ``refused`` since start (``kvbridge chaos --hostile``'s
+        address flood reads them through the worker's Stats)."""
+        server = self._server
+        if server is None:
+            return {}
+        peers = server.peers
+        return {"peers": len(peers), "proven": sum(self._proven(p) for p in peers),
+                "displaced": server.stats.displaced, "refused": server.stats.refused}
+
     def start(self) -> None:
         self.buffers.register(self.engine)
         self.scratch.register(self.engine)
