@@ -55,7 +55,7 @@ _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
 
-_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping)  # what acts for a registration: bound and proven first
+_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping, wire.Release)  # acts for a registration: bound and proven first
 
 
 class PrefillRooms:
@@ -85,6 +85,7 @@ class PrefillRooms:
         self.admission = Admission(config.rank_label, timeout=config.peer_timeout)
         self.intake = Intake(config, self.specs, src_bufs, aux_schema, fingerprint, digests_readable)
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
+        self.releases = {"rooms_released": 0, "releases_refused": 0}  # decode needed nothing (wire.Release)
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
         # the writes in flight, direct and staged (``writes.py``)
@@ -143,7 +144,7 @@ class PrefillRooms:
     @property
     def counters(self) -> dict[str, int]:
         """Rooms ok/failed, bytes and slices posted since start."""
-        return {**self.num_rooms, "bytes": self.writes.num_bytes, "slices": self.writes.num_slices}
+        return {**self.num_rooms, **self.releases, "bytes": self.writes.num_bytes, "slices": self.writes.num_slices}
 
     def staging_counters(self) -> dict[str, int]:
         return dict(self.stage.counters)
@@ -219,6 +220,8 @@ class PrefillRooms:
             self._out.append(Send((ident,), wire.Heartbeat(cp_rank=self.cfg.cp_rank, seq=msg.seq)))
         elif isinstance(msg, wire.Abort):
             self._on_abort(ident, msg, now)
+        elif isinstance(msg, wire.Release):
+            self._on_release(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
             peer = self._proving(ident)
             self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint, now)), now)
@@ -250,6 +253,8 @@ class PrefillRooms:
             if type(a) is Admitted:
                 self._dispatch(a.ident, a.msg, now)
             elif type(a) is Refused:
+                if isinstance(a.msg, wire.Release):  # a release from a connection that is not its registration
+                    self.releases["releases_refused"] += 1
                 self._error(a.ident, a.msg, a.why)
             else:
                 self._out.append(a)
@@ -371,6 +376,35 @@ class PrefillRooms:
         if r is not None and not r.state.final and (r.holder is not None or not r.binding):
             self.fail_room(r, f"decode rank {msg.decode_rank} aborted: {msg.reason or 'aborted by decode'}", now)
         self._reply_when_quiet(msg.room, ident, wire.AbortAck(room=msg.room, cp_rank=self.cfg.cp_rank))
+
+    def _on_release(self, ident: bytes, msg: wire.Release, now: float) -> None:
+        """A decode instance needs nothing of the room (``wire.Release``): it ends now, Success with
+        nothing written (the engine frees its pages at once), when the release presents the room's
+        binding from the instance that may claim it; refused (ErrorReply) and counted otherwise. A
+        room its ranks already asked for fails instead (acked to them once quiet, hard rule 6);
+        one already ended, or closed, is left as it is (another rank of the instance released it)."""
+        r = self.rooms.get(msg.room)
+        if r is None and self.rooms.tombstones.get(msg.room) is not None:
+            return
+        refusal = self.intake.release(r, self._instance_of(ident, msg.decode_rank_id), msg)
+        if refusal is not None:
+            self.releases["releases_refused"] += 1
+            log.warning("%s (%d refused so far)", refusal.reason, self.releases["releases_refused"])
+            self._error(ident, msg, refusal.reason)
+            return
+        if r.state.final:
+            return
+        why = f"decode rank {msg.decode_rank} released the room: {msg.reason or 'it needs nothing'}"
+        r.released = why
+        if r.targets:
+            self.fail_room(r, why, now)
+            return
+        r.state.advance_to(KVPoll.Success, now=now)
+        self._out.append(ReleaseAux(r.room))
+        self.releases["rooms_released"] += 1
+        if self.trace:
+            log.info("room %d on %s: %s", r.room, self.cfg.rank_label, why)
+        self._forget_if_quiet(r, now)
 
     def _reply_failed(self, ident: bytes, room: int, reason: str) -> None:
         log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
