@@ -94,6 +94,7 @@ class PrefillRooms:
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
+        self.last_scan = 0.0  # when deadlines were last looked at (a longer gap: this loop was frozen)
         self.closing = False
         self._out: list[Any] = []
 
@@ -570,8 +571,18 @@ class PrefillRooms:
             self.later.clear()
         self._pump(now)
         if now >= self.next_deadline_scan:
-            self.next_deadline_scan = now + DEADLINE_SCAN_S
-            self._deadlines(now)
+            gap = now - self.last_scan if self.last_scan else 0.0
+            frozen = gap > self.cfg.peer_timeout / 2
+            self.last_scan, self.next_deadline_scan = now, now + DEADLINE_SCAN_S
+            if frozen:  # this loop itself did not run (a starved process, a loaded host): it heard nothing
+                # because it listened to nothing, so no peer is blamed for the gap, and what arrived
+                # meanwhile is read before any deadline is looked at again
+                for ident, heard in self.peers.heard.items():
+                    self.peers.heard[ident] = max(heard, now)
+                log.warning("prefill rank %s: its loop did not run for %.1fs (a starved process?): no peer blamed",
+                            self.cfg.rank_label, gap)
+            else:
+                self._deadlines(now)
 
     def _deadlines(self, now: float) -> None:
         self._admit(self.admission.feed(Overdue(now)), now)
