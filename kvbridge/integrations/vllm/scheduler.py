@@ -21,7 +21,7 @@ by prefill at once with nothing written. Before anything is loaded decode also c
 token count against ``kvbridge_num_tokens``; with ``room_key`` the params prefill returns are
 signed (room, expiry, binding) and decode refuses them unsigned, forged or expired, and a
 router-chosen ``kvbridge_room`` must carry the router's signature. A room id already open on this
-engine is refused before the request runs (no params returned: never another request's room).
+engine is refused before the request runs (fallback params returned: never another request's room).
 Every refusal is counted by reason (``refusals``) and logged.
 
 Nothing needed, and fallbacks. A decode request that needs nothing of its room (a local prefix
