@@ -198,7 +198,7 @@ class SchedulerSide:
 
     def _open(self, request: Any, params: dict[str, Any]) -> None:
         """Prefill: the room of a ``do_remote_decode`` request, bound to its prompt; refused (the
-        request runs without a transfer and returns no params) when the room id is bad, unsigned
+        request runs without a transfer and returns fallback params) when the room id is bad, unsigned
         under ``room_key``, or already open on this engine."""
         req_id = request.request_id
         binding = prompt_binding(request)
