@@ -31,6 +31,9 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvbridge_bootstrap_leases_expired_total": ("Ranks dropped because their lease expired.", ()),
     "kvbridge_bootstrap_lookups_total": ("Decode lookups (handshakes) by outcome.", ("outcome",)),
     "kvbridge_bootstrap_mismatches_total": ("Refusals recorded for diagnostics, by kind and reason.", ("kind", "reason")),
+    "kvbridge_bootstrap_contract_refusals_total": ("Contract refusals by differing field (its first two path "
+                                                   "segments, e.g. model.weights), one per field per refusal.",
+                                                   ("kind", "field")),
     "kvbridge_bootstrap_rejected_requests_total": ("Requests refused before routing or by a limit, by reason.", ("reason",)),
     "kvbridge_bootstrap_http_requests_total": ("HTTP requests by route, method and status code.", ("code", "method", "route")),
 }

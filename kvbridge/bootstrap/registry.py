@@ -436,6 +436,8 @@ class Registry:
                 left: MismatchSide, right: MismatchSide, diff: list[FieldDiff]) -> None:
         rec = MismatchRecord(time=self._wall(), kind=kind, reason=reason, message=message, left=left, right=right, diff=diff)
         self.metrics.inc("kvbridge_bootstrap_mismatches_total", kind=kind, reason=reason)
+        for field in sorted({".".join(d.path.split(".")[:2]) for d in diff[:32]}):  # bounded label values
+            self.metrics.inc("kvbridge_bootstrap_contract_refusals_total", kind=kind, field=field)
         log.warning("refused (%s, %s): %s", kind, reason, message)
         try:
             self.store.add_refusal(rec)

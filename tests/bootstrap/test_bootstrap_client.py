@@ -3,11 +3,13 @@ and automatic re-registration after the daemon process restarts."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
@@ -70,6 +72,9 @@ def test_client_raises_contract_mismatch_with_diff(daemon: Any, kvb: Any, small_
         assert "409" in str(exc.value)
         recent = client.mismatches(limit=5)
         assert recent[0].right.fingerprint == fingerprint(other) and recent[0].diff == exc.value.diff
+        metrics = httpx.get(f"{daemon.url}/metrics", trust_env=False).text  # counted by field
+        assert re.search(r'kvbridge_bootstrap_contract_refusals_total\{field="pools.index",kind="lookup"\} [1-9]',
+                         metrics), metrics[-2000:]
 
         with pytest.raises(TopologyError) as topo:
             client.register(kvb.register_request(small_contract, name, sizes=(1, 2, 1, 1), coords=(0, 1, 0, 0)))

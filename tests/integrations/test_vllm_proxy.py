@@ -57,6 +57,8 @@ class Upstream:
             if self.role == "prefill":
                 room = body["kv_transfer_params"].get("kvbridge_room") or random.randrange(1, 1 << 63)
                 params = None if self.mode == "no-params" else {"do_remote_prefill": True, "kvbridge_room": room}
+                if self.mode == "fallback":  # the room was refused: no room, decode computes the prompt
+                    params = {"do_remote_prefill": False, "do_remote_decode": False, "kvbridge_fallback": "room_in_use"}
                 return {"choices": [{"text": "x", "finish_reason": "length"}], "kv_transfer_params": params}
             if body.get("stream"):
                 async def events() -> Iterator[bytes]:
@@ -244,6 +246,16 @@ def test_a_failed_prefill_is_a_502_and_decode_is_not_asked(upstreams, proxy, mod
     r = _post(proxy, {"prompt": "w1", "max_tokens": 3})
     assert r.status_code == 502 and reason in r.json()["error"]["message"] and "prefill" in r.json()["error"]["message"]
     assert d.bodies == []
+
+
+def test_a_prefill_fallback_goes_to_decode_without_a_room_and_is_counted(upstreams, proxy):
+    p, d = upstreams
+    p.mode = "fallback"
+    r = _post(proxy, {"prompt": "w1", "max_tokens": 3})
+    assert r.status_code == 200 and d.bodies[0]["kv_transfer_params"]["do_remote_prefill"] is False
+    assert "kvbridge_room" not in d.bodies[0]["kv_transfer_params"]
+    metrics = httpx.get(f"{proxy}/metrics", trust_env=False).text
+    assert 'kvbridge_proxy_fallbacks_total{reason="room_in_use"} 1' in metrics, metrics
 
 
 def test_decodes_error_passes_through(upstreams, proxy):

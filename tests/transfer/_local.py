@@ -58,9 +58,9 @@ class Cluster:
         self.engine_kind = engine  # "ipc": the same-host engine, host memory in one process
         for rank in range(cp):
             eng = self._engine()
-            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0, target_timeout=2.0,
+            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, lease_ttl=2.0,
                                 secret=prefill_secret, lane_rule=lane_rule, housekeeping_interval=0.1,
-                                **(prefill_cfg or {}))
+                                **{"target_timeout": 2.0, **(prefill_cfg or {})})
             ep = PrefillEndpoint(cfg, eng, self.specs, allocate_buffers(self.specs, 64), self.contract,
                                  self._client(url), self.aux_schema)
             ep.start()

@@ -625,6 +625,9 @@ def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
     feed(ev.ScatterFailed(8, sc.slot, "copy refused", 2.2))
     assert r2.state.state == KVPoll.Failed and "copy refused" in r2.state.reason
     feed(AbortRoom(r2, "again", 2.3))  # (already failed: nothing more)
+    r3 = dm.open(9, INSTANCE, None, 2.3)  # topology cached: the release goes out at once, and the room is done
+    (_, rel), = sends(feed(ev.Release(r3, "prefix hit", 2.3)), wire.Release)
+    assert rel.room == 9 and rel.decode_rank_id == "dec-id" and r3.state.state == KVPoll.Success
     # the answers of the shell's pool threads, a prefill rank's Challenge, the clock, the end
     feed(ev.Refreshed(("pre", 0), None, 2.4))
     feed(ev.LeaseChecked("tcp://p0", "rank0", False, 2.4))

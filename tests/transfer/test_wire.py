@@ -84,6 +84,7 @@ SAMPLES = [
     wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=5, status="ok", reason="",
                      scatter=wire.pack_scatter(np.array([0, 64]), np.array([2**40, 2**41]), np.array([64, 16]))),
     wire.ChunkLanded(room=7, cp_rank=1, chunk=4, slot=5, status="failed", reason="write failed", scatter=b""),
+    wire.Release(room=7, decode_rank="d0", decode_rank_id="r-1", reason="full local prefix hit", binding=b"\x07" * 16),
 ]
 
 

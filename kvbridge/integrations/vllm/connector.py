@@ -127,6 +127,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         sending, recving, _ = self._worker.get_transfer_results(finished_req_ids)
         return sending or None, recving or None
 
+    def build_connector_worker_meta(self) -> Any:
+        """Prefill: the rooms that did not open or send this step (the scheduler answers them
+        without a room, ``scheduler.py``)."""
+        return self._worker.build_connector_worker_meta()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 

@@ -24,12 +24,17 @@ the stream with an error event and no ``data: [DONE]``. A client that leaves can
 (the upstream connection is closed: vLLM aborts the request). Request headers (an API key)
 are forwarded to both legs.
 
+Fallbacks: prefill answers a request whose room it refused (a room id in use, a bad signature, a
+room its worker could not open or send) with ``kvbridge_fallback`` (the reason) and no room: the
+proxy passes those params to decode, which computes the prompt itself (the tokens are right, the
+transfer is lost), and counts it by reason (``kvbridge_proxy_fallbacks_total``).
+
 Choice and failover: prefill and decode servers are taken in turn; a server that cannot be
 reached (connection refused or timed out before any answer) is skipped for ``DOWN_S`` seconds
 and the request goes to the next one of that side (a decode that was never reached never
 claimed the room, so another decode may). ``/health``: 200 while at least one prefill and one
 decode answer their ``/health``; ``/metrics``: Prometheus counters of requests by outcome and
-upstream failures by side and reason.
+upstream failures by side and reason, fallbacks to decode's local compute by reason.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (``Request``,
@@ -258,6 +263,9 @@ def create_app(prefills: Sequence[str], decodes: Sequence[str], *, timeout: floa
         lines += ["# TYPE kvbridge_proxy_upstream_failures_total counter"]
         lines += [f'kvbridge_proxy_upstream_failures_total{{side="{k[1]}",reason="{k[2]}"}} {v}'
                   for k, v in sorted(counts.items()) if k[0] == "upstream"]
+        lines += ["# TYPE kvbridge_proxy_fallbacks_total counter"]
+        lines += [f'kvbridge_proxy_fallbacks_total{{reason="{k[1]}"}} {v}' for k, v in sorted(counts.items())
+                  if k[0] == "fallback"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -307,6 +315,11 @@ def create_app(prefills: Sequence[str], decodes: Sequence[str], *, timeout: floa
             counts[("upstream", "prefill", "no_params")] += 1
             raise _Failed(error(502, f"prefill {url} returned no kv_transfer_params (is it started with kvbridge's "
                                      "connector as kv_producer?)", "upstream_error"))
+        fallback = params.get("kvbridge_fallback")
+        if fallback is not None:  # no room: decode computes the prompt itself
+            reason = str(fallback)[:64]
+            counts[("fallback", reason)] += 1
+            log.warning("prefill %s answered without a room (%s): decode computes the prompt", url, reason)
         return params
 
     async def one(client: Any, route: str, body: dict[str, Any], headers: dict[str, str]) -> Any:

@@ -21,8 +21,19 @@ by prefill at once with nothing written. Before anything is loaded decode also c
 token count against ``kvbridge_num_tokens``; with ``room_key`` the params prefill returns are
 signed (room, expiry, binding) and decode refuses them unsigned, forged or expired, and a
 router-chosen ``kvbridge_room`` must carry the router's signature. A room id already open on this
-engine is refused before the request runs (no params returned: never another request's room).
+engine is refused before the request runs (fallback params returned: never another request's room).
 Every refusal is counted by reason (``refusals``) and logged.
+
+Nothing needed, and fallbacks. A decode request that needs nothing of its room (a local prefix
+hit of the whole prompt, ``prompt_logprobs``, which vLLM computes locally, or a request that
+finished before it loaded) releases it: the workers tell prefill at once (``ReleaseRoom``), and
+prefill frees the room's blocks then, not after ``target_timeout``. A prefill request whose room
+was refused (here, or by a worker: the room did not open, a send failed; ``KVBridgeWorkerMeta``)
+is answered with fallback params (``kvbridge_fallback``: the reason; no room, no
+``do_remote_prefill``): decode then computes the prompt itself. A worker's refusal reaches vLLM's
+scheduler in the same step's output as the request's end, but after ``request_finished``: the
+params returned in that step are rewritten in place by ``update_connector_output``, which runs
+before the step's outputs leave the engine core. Every fallback is counted by reason.
 
 A request's blocks are freed exactly once: vLLM frees them when ``request_finished``
 returns False, else when a worker reports the request finished (every worker of the
@@ -39,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import KVBridgeError, room_binding, sign_room, verify_room
-from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
+from kvbridge.integrations.vllm.meta import KVBridgeMetadata, KVBridgeWorkerMeta, Receive, ReleaseRoom, SendChunk
 from kvbridge.integrations.vllm.settings import Settings
 from kvbridge.integrations.vllm.stats import KVBridgeStats
 
@@ -47,6 +58,7 @@ log = logging.getLogger(__name__)
 
 ROOM, INSTANCE, NUM_TOKENS = "kvbridge_room", "kvbridge_instance", "kvbridge_num_tokens"
 SIG, EXPIRES = "kvbridge_room_sig", "kvbridge_room_expires"
+FALLBACK = "kvbridge_fallback"  # prefill's params: why no room (decode computes the prompt itself)
 MAX_ROOM = (1 << 63) - 1
 
 
@@ -99,7 +111,10 @@ class SchedulerSide:
         self._aborts: list[str] = []
         self._open_rooms: dict[int, str] = {}  # prefill: room -> the request whose room it is, until freed
         self._room_of: dict[str, int] = {}
-        self.refusals: Counter[str] = Counter()  # reason -> requests refused a transfer (prefill or decode)
+        self.refusals: Counter[str] = Counter()  # reason -> requests refused a transfer or computed locally
+        self._releases: list[ReleaseRoom] = []  # decode: rooms to release in the next metadata
+        self._fallback: dict[str, str] = {}  # prefill: request -> why its room was refused (answered without one)
+        self._answered: dict[str, dict[str, Any]] = {}  # prefill: params returned since the last worker output
         self.stats = KVBridgeStats()  # the same, since vLLM last took them (get_kv_connector_stats)
 
     # -- decode ----------------------------------------------------------------------------
@@ -123,6 +138,12 @@ class SchedulerSide:
             return
         params["do_remote_prefill"] = False  # one transfer per request
         if num_external_tokens <= 0:
+            local = "prompt_logprobs: computed here" if getattr(request, "skip_reading_prefix_cache", False) else \
+                f"a local prefix hit of {int(request.num_computed_tokens)} of {int(request.num_prompt_tokens)} tokens"
+            if getattr(request, "skip_reading_prefix_cache", False):
+                self.refusals["local_compute_prompt_logprobs"] += 1
+                self.stats.count("local_compute_prompt_logprobs")
+            self._release(request, params, f"decode needs nothing of the room ({local})")
             return
         req_id = request.request_id
         local = int(request.num_prompt_tokens) - int(num_external_tokens)
@@ -145,6 +166,22 @@ class SchedulerSide:
         pages = tuple(block_ids[first:cdiv(int(request.num_prompt_tokens), self.block_size)])
         self._receives.append(Receive(req_id, room, instance, pages, first, error, binding))
 
+    def _release(self, request: Any, params: dict[str, Any], reason: str) -> None:
+        """Decode: tell the room's prefill ranks it is not needed (the workers send the release).
+        Params that do not check out (no instance, another prompt's count, a bad signature) release
+        nothing: the room is not this request's to end."""
+        binding = prompt_binding(request)
+        try:
+            room = requested_room(params, request.request_id)
+            instance = str(params.get(INSTANCE) or "")
+            if not instance:
+                raise ValueError(f"kv_transfer_params.{INSTANCE} is missing")
+            self._check_claim(params, request, room, binding)
+        except (ValueError, KVBridgeError) as exc:
+            log.info("kvbridge decode: request %s releases no room: %s", request.request_id, exc)
+            return
+        self._releases.append(ReleaseRoom(request.request_id, room, instance, binding, reason))
+
     def _check_claim(self, params: dict[str, Any], request: Any, room: int, binding: bytes) -> None:
         """Decode, before anything is loaded: the room carries this prompt's token count, and with
         ``room_key`` the params are prefill's, unexpired and bound to this prompt."""
@@ -161,7 +198,7 @@ class SchedulerSide:
 
     def _open(self, request: Any, params: dict[str, Any]) -> None:
         """Prefill: the room of a ``do_remote_decode`` request, bound to its prompt; refused (the
-        request runs without a transfer and returns no params) when the room id is bad, unsigned
+        request runs without a transfer and returns fallback params) when the room id is bad, unsigned
         under ``room_key``, or already open on this engine."""
         req_id = request.request_id
         binding = prompt_binding(request)
@@ -172,10 +209,12 @@ class SchedulerSide:
                             binding=binding)
         except (ValueError, KVBridgeError) as exc:
             self._count("room_refused", req_id, str(exc))
+            self._fallback[req_id] = "room_refused"
             return
         holder = self._open_rooms.get(room)
         if holder is not None:
             self._count("room_in_use", req_id, f"room {room} is already open for request {holder} on this engine")
+            self._fallback[req_id] = "room_in_use"
             return
         self._open_rooms[room], self._room_of[req_id] = req_id, room
         self._sends[req_id] = _Send(request, room, int(request.num_prompt_tokens), binding)
@@ -196,8 +235,10 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(aborts=self._aborts)
         self._aborts = []
+        self._answered.clear()  # their step's outputs left the engine core: never rewritten after
         if not self.is_prefill:
             meta.receives, self._receives = self._receives, []
+            meta.releases, self._releases = self._releases, []
             self._receiving.update(r.req_id for r in meta.receives)
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -226,10 +267,14 @@ class SchedulerSide:
         req_id = request.request_id
         if self.is_prefill:
             s = self._sends.pop(req_id, None)
+            refused = self._fallback.pop(req_id, None)
             if s is None or not s.opened:
                 self._free_room(req_id)
-                return False, None  # no worker holds a room of it
+                return False, (None if refused is None or _aborted(request) else self._fallen_back(req_id, refused))
             self._held.add(req_id)
+            if refused is not None:  # a worker could not open or send the room: no room to name
+                self._aborts.append(req_id)
+                return True, None if _aborted(request) else self._fallen_back(req_id, refused)
             if s.done and not _aborted(request):
                 params = {"do_remote_prefill": True, "do_remote_decode": False, ROOM: s.room,
                           INSTANCE: self.settings.instance, NUM_TOKENS: s.num_tokens}
@@ -237,20 +282,60 @@ class SchedulerSide:
                     expires = int(time.time() + self.settings.room_ttl_s)
                     params.update({SIG: sign_room(self.settings.room_key, s.room, expires, s.binding),
                                    EXPIRES: expires})
+                self._answered[req_id] = params  # a worker's refusal in this step's output rewrites it
                 return True, params
             self._aborts.append(req_id)
             return True, None
         pending = [r for r in self._receives if r.req_id == req_id]
-        if pending:  # never handed out: nothing was asked of prefill
+        if pending:  # never handed out: nothing was asked of prefill, which is told to free the room
             self._receives = [r for r in self._receives if r.req_id != req_id]
+            r = pending[0]
+            if not r.error:
+                self._releases.append(ReleaseRoom(req_id, r.room, r.prefill_instance, r.binding,
+                                                  "the decode request finished before it loaded"))
             return False, None
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and ROOM in params:  # finished before it was scheduled
+            params["do_remote_prefill"] = False
+            self._release(request, params, "the decode request finished before it was scheduled")
         if req_id in self._receiving:  # in flight: abort, free once no write can land
             self._aborts.append(req_id)
             self._held.add(req_id)
             return True, None
         return False, None
 
+    def _fallen_back(self, req_id: str, reason: str) -> dict[str, Any]:
+        """Prefill's answer for a request whose room was refused: no room, decode computes it."""
+        self.refusals[f"fallback_{reason}"] += 1
+        self.stats.count(f"fallback_{reason}")
+        log.warning("kvbridge prefill: request %s answered without a room (%s): decode computes its prompt", req_id,
+                    reason)
+        return {"do_remote_prefill": False, "do_remote_decode": False, FALLBACK: reason}
+
+    def _worker_refusals(self, meta: Any) -> None:
+        """Prefill: rooms a worker could not open or send this step. A request still running is
+        answered without a room when it finishes; one answered in this very step (vLLM calls
+        request_finished before it hands the connector the step's output) has its params rewritten
+        now, before they leave the engine core."""
+        if not isinstance(meta, KVBridgeWorkerMeta):
+            return
+        for req_id, reason in meta.refused.items():
+            params = self._answered.pop(req_id, None)
+            if params is not None:
+                params.clear()
+                params.update(self._fallen_back(req_id, reason))
+                self._aborts.append(req_id)  # the workers end what is left of the room
+            elif req_id in self._sends:
+                self._fallback.setdefault(req_id, reason)
+            else:
+                self.stats.count("refused_after_answer")
+                log.error("kvbridge prefill: request %s's room failed on a worker (%s) after its params were "
+                          "returned: decode's claim will fail by name", req_id, reason)
+
     def update_connector_output(self, output: Any) -> None:
+        if self.is_prefill:
+            self._worker_refusals(getattr(output, "kv_connector_worker_meta", None))
+            self._answered.clear()
         for req_id in output.finished_recving or ():
             self._receiving.discard(req_id)
             self._held.discard(req_id)

@@ -4,8 +4,13 @@ sides' and the scheduler side's and its stats logger reduces them (``KV Transfer
 
     room_refused            prefill: a router's room id bad, unsigned or expired under room_key
     room_in_use             prefill: the room id already open on this engine
+    fallback_<reason>       prefill: answered with fallback params, no room (room_refused,
+                            room_in_use, open_failed, send_failed): decode computes the prompt
+    refused_after_answer    prefill: a worker's refusal that came after the params left
     decode_params_refused   decode: params of another prompt (token count, binding), forged or
                             expired: the request fails, nothing loaded
+    local_compute_prompt_logprobs   decode: vLLM computes the prompt here (the room is released)
+    rooms_released, release_failed  decode: releases sent (or not); prefill: rooms a release ended
     rooms_sent, rooms_received      rooms that reached Success
     send_failed, load_failed        rooms that failed (the reason is in the log)
 """

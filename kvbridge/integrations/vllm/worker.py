@@ -20,8 +20,12 @@ endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles
                          chunk ended inside). Earlier chunks of a chunked prefill go here
                          whole, as their step ends (their pages are few next to the last one's
                          wait, and a page they end inside must wait for its rows anyway)
-    start_load_kv        decode: each Receive -> receiver(room).init(pages, first_page=hit)
+    start_load_kv        decode: each Receive -> receiver(room).init(pages, first_page=hit); each
+                         ReleaseRoom -> receiver(room).release(binding=): prefill frees the room now
                          both: aborts
+    build_connector_worker_meta
+                         prefill: the requests whose room did not open or send this step, by
+                         reason (the scheduler answers them without a room, decode computes them)
     get_transfer_results prefill: rooms final (Success or Failed) of requests vLLM finished ->
                          finished_sending (vLLM frees their blocks); decode: rooms Success, or
                          Failed once no write can land (hard rule 6) -> finished_recving, a
@@ -59,12 +63,13 @@ from kvbridge import (
     LayerPosts,
     PrefillConfig,
     PrefillEndpoint,
+    RoomInUse,
     RoomSend,
     create_engine,
     diff_contracts,
 )
 from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
-from kvbridge.integrations.vllm.meta import KVBridgeMetadata, Receive, SendChunk
+from kvbridge.integrations.vllm.meta import KVBridgeMetadata, KVBridgeWorkerMeta, Receive, ReleaseRoom, SendChunk
 from kvbridge.integrations.vllm.settings import Settings, model_weights
 from kvbridge.integrations.vllm.stats import KVBridgeStats
 
@@ -106,6 +111,8 @@ class WorkerSide:
         self._pass_meta: KVBridgeMetadata | None = None  # the step whose layers are being posted
         self._pass_rooms: dict[str, tuple[SendChunk, RoomSend]] = {}
         self._recvs: dict[str, _Recv] = {}
+        self._releasing: dict[str, Any] = {}  # decode: req id -> the KVReceiver whose release is on its way
+        self._refused: dict[str, str] = {}  # prefill: req id -> why its room failed this step (for the scheduler)
         self._load_errors: set[int] = set()
         self._free_slots: list[int] = []
         self._aux: dict[str, np.ndarray] = {}
@@ -360,6 +367,8 @@ class WorkerSide:
 
     def _failed(self, c: SendChunk, sender: Any, exc: KVBridgeError) -> None:
         self.stats.count("send_failed")
+        self._refused.setdefault(c.req_id, "room_in_use" if isinstance(exc, RoomInUse) else
+                                 "open_failed" if c.req_id not in self._senders else "send_failed")
         log.warning("kvbridge prefill %s: room %d of request %s failed: %s", self.label, c.room, c.req_id, exc)
         self._layers_sent.pop(c.req_id, None)
         self._broken.add(c.req_id)
@@ -385,6 +394,44 @@ class WorkerSide:
             return
         for r in meta.receives:
             self._receive(r)
+        for rel in meta.releases:
+            self._release_room(rel)
+
+    def _release_room(self, rel: ReleaseRoom) -> None:
+        """Tell the room's prefill ranks (those this rank would have asked) that it is not needed."""
+        if self.endpoint is None or rel.req_id in self._releasing:
+            return
+        try:
+            handle = self.endpoint.receiver(rel.room, rel.prefill_instance, self.dp_rank)
+            handle.release(binding=rel.binding, reason=f"request {rel.req_id}: {rel.reason}")
+        except KVBridgeError as exc:
+            self.stats.count("release_failed")
+            log.warning("kvbridge decode %s: request %s: room %d not released: %s", self.label, rel.req_id, rel.room,
+                        exc)
+            return
+        self._releasing[rel.req_id] = handle
+
+    def _released(self) -> None:
+        """Close the releases that went out (or failed: the prefill rank's timeout frees the room then)."""
+        for req_id, handle in list(self._releasing.items()):
+            state = handle.poll()
+            if state not in FINAL:
+                continue
+            if state == KVPoll.Success:
+                self.stats.count("rooms_released")
+            else:
+                self.stats.count("release_failed")
+                log.warning("kvbridge decode %s: request %s: room %d not released: %s", self.label, req_id,
+                            handle.room, handle.failure_reason)
+            handle.close()
+            del self._releasing[req_id]
+
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMeta | None:
+        """Prefill: the rooms that did not open or send since the last step, for the scheduler."""
+        if not self._refused:
+            return None
+        out, self._refused = KVBridgeWorkerMeta(refused=self._refused), {}
+        return out
 
     def _receive(self, r: Receive) -> None:
         rec = self._recvs[r.req_id] = _Recv(r)
@@ -422,6 +469,7 @@ class WorkerSide:
         """``(finished_sending, finished_recving, failed_recving)`` of this step."""
         if self.is_prefill:
             return self._finished_sending(finished_req_ids), set(), set()
+        self._released()
         return set(), self._finished_recving(), set()
 
     def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
@@ -446,7 +494,7 @@ class WorkerSide:
                     self.stats.count("send_failed")
                 log.warning("kvbridge prefill %s: request %s: %s", self.label, req_id, sender.failure_reason)
             else:
-                self.stats.count("rooms_sent")
+                self.stats.count("rooms_released" if sender.stats.get("released") else "rooms_sent")
             self._keep_stats(req_id, sender.stats)
             if state != KVPoll.Failed and self.settings.trace:
                 log.info("kvbridge prefill %s: request %s sent: %s", self.label, req_id, _stats_line(sender.stats))
@@ -509,7 +557,9 @@ class WorkerSide:
         for rec in self._recvs.values():
             if rec.handle is not None:
                 rec.handle.close()
-        self._senders, self._recvs = {}, {}
+        for handle in self._releasing.values():
+            handle.close()
+        self._senders, self._recvs, self._releasing = {}, {}, {}
         if self.endpoint is not None:
             try:
                 self.endpoint.close(timeout=2.0)

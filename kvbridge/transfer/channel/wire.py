@@ -1,6 +1,6 @@
 """Control-channel messages: one frozen ``msgspec.Struct`` per message, tagged by ``t``.
 
-    decode -> prefill   TransferRequest  Abort  Ping  KeyProof  ChallengeEcho  SlotGrant  RoomTicket
+    decode -> prefill   TransferRequest  Abort  Ping  KeyProof  ChallengeEcho  SlotGrant  RoomTicket  Release
     prefill -> decode   PagesDone  AbortAck  Heartbeat  ErrorReply  KeyChallenge  Challenge  SlotRequest
                         ChunkLanded  RoomTicket
 
@@ -24,6 +24,12 @@ rank asks for a slot (SlotRequest), the decode rank grants one when it is free (
 the prefill rank writes the chunk into the slot only, and reports it (ChunkLanded, with the
 scatter list: slot offset -> page address, length); the decode rank scatters it into its pages.
 The write's PagesDone follows its chunks' ChunkLanded on the same connection.
+
+A decode instance that needs nothing of a room (a full local prefix hit, a prompt whose KV it
+computes itself, a request cancelled before it loaded) says so with ``Release``: the prefill rank
+ends the room at once (its blocks free now, not after ``target_timeout``). A Release acts for a
+registration like an Abort, and it must present the room's binding: only the decode that could
+claim the room can release it (``prefill/intake.py``).
 
 A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
 carried it (the aux row rides in the last chunk's batch), with the request's length.
@@ -69,6 +75,7 @@ __all__ = [
     "PagesDone",
     "Ping",
     "RoomTicket",
+    "Release",
     "SlotGrant",
     "SlotRequest",
     "TransferRequest",
@@ -152,6 +159,19 @@ class Abort(_Message, frozen=True, tag="abort"):
     decode_rank: str
     reason: str
     decode_rank_id: RankId
+
+
+class Release(_Message, frozen=True, tag="release"):
+    """My instance needs nothing of room ``room`` (``reason``): end it now. ``binding``: the digest
+    of the request I decode, as a claim presents it (a bound room refuses another); acts for my
+    registration ``decode_rank_id`` (refused from another instance than the one that claimed the
+    room). Nothing is written either way; a room already ended is left as it is."""
+
+    room: Room
+    decode_rank: str
+    decode_rank_id: RankId
+    reason: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    binding: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Ping(_Message, frozen=True, tag="ping"):
@@ -330,13 +350,13 @@ class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
 
 
 Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket]
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket, Release]
 
 # The one table from type tag to class.
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls
     for cls in (TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
-                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket)
+                SlotRequest, SlotGrant, ChunkLanded, KeyChallenge, KeyProof, RoomTicket, Release)
 }
 
 

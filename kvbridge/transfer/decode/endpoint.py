@@ -41,8 +41,8 @@ from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
 from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, LeaseChecked, LookedUp, LookUp, Message,
-                                             ReadForCommit, Refresh, Refreshed, Registered, Scattered, ScatterFailed,
-                                             SetStaging, WriteProof)
+                                             ReadForCommit, Refresh, Refreshed, Registered, Release, Scattered,
+                                             ScatterFailed, SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds
 from kvbridge.transfer.decode.kind_rooms import check_decode_kind_config
@@ -303,6 +303,20 @@ class DecodeEndpoint(EndpointShell):
             self._feed_event(Init(r, pages.astype(np.int64), int(aux_slot),
                                   None if num_tokens is None else int(num_tokens), int(first_page), time.monotonic()))
             sent = r.state.state == KVPoll.Transferring
+        if not sent:
+            self._wake()
+
+    def release_room(self, r: DecodeRoom, binding: bytes, reason: str) -> None:
+        """KVReceiver.release(): checked here; the Release goes out from this thread when the
+        topology is known, else from the loop once it is."""
+        if not isinstance(binding, bytes) or len(binding) > 64:
+            raise LayoutError(f"binding must be at most 64 bytes, got {binding!r:.80}", field="binding", room=r.room,
+                              rank=self.config.rank_label)
+        with self._lock:
+            if not r.initialised and r.release_reason is None:
+                r.binding = binding
+            self._feed_event(Release(r, str(reason), time.monotonic()))
+            sent = r.state.final
         if not sent:
             self._wake()
 

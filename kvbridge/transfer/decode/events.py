@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "InitKinds", "LeaseChecked", "LookUp", "LookedUp", "Message",
-    "ReadForCommit", "Refresh", "Refreshed", "Registered", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
+    "ReadForCommit", "Refresh", "Refreshed", "Registered", "Release", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
 ]
 
 
@@ -133,6 +133,16 @@ class InitKinds:
 
 
 @dataclass(frozen=True, slots=True)
+class Release:
+    """KVReceiver.release(): this rank needs nothing of the room (``reason``); its prefill ranks are
+    told (``wire.Release``, presenting the room's binding) as soon as the topology is known."""
+
+    room: DecodeRoom
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
 
@@ -203,5 +213,5 @@ class CommitRead:
 
 EVENTS = (
     Registered, SetStaging, Init, AbortRoom, CloseRoom, Shutdown, Message, LookedUp, Refreshed, LeaseChecked,
-    Scattered, ScatterFailed, CommitRead, Tick, InitKinds,
+    Scattered, ScatterFailed, CommitRead, Tick, InitKinds, Release,
 )

@@ -39,7 +39,7 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, EchoScratch, Init, LeaseChecked, LookedUp,
                                              LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
-                                             ScatterFailed, Scattered, SetStaging, WriteProof)
+                                             Release, ScatterFailed, Scattered, SetStaging, WriteProof)
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -150,6 +150,34 @@ class DecodeRooms:
         if r.state.state == KVPoll.WaitingForInput:
             self.dirty.discard(r.room)
             self._request(r, now)
+
+    def _release(self, e: Release) -> None:
+        """The engine's release() (instead of init()): the room's prefill ranks are told that this
+        instance needs nothing of it, now when the topology is known, else at the tick that learns it."""
+        r = e.room
+        if r.initialised or r.release_reason is not None:
+            raise LayoutError("release() after init() or release()", room=r.room, rank=self.cfg.rank_label,
+                              field="release")
+        if r.state.final:  # failed meanwhile (closed, timed out): poll() says why
+            return
+        r.release_reason = e.reason or "decode needs nothing of the room"
+        if r.state.state == KVPoll.WaitingForInput:
+            self._send_release(r, e.now)
+        else:
+            self.dirty.add(r.room)
+
+    def _send_release(self, r: DecodeRoom, now: float) -> None:
+        """A Release to every prefill rank this rank would have asked (each frees its own blocks of the
+        room; the union over the instance's decode ranks is every rank that holds any), then Success:
+        nothing was asked, so nothing can land in our pages."""
+        endpoints = sorted({s.control_endpoint for _, s, _ in r.placement.asks})
+        self._out.append(Send(tuple(endpoints), wire.Release(
+            room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration or "?",
+            reason=r.release_reason[:512], binding=r.binding)))
+        r.state.advance_to(KVPoll.Success, now=now)
+        if self.trace:
+            log.info("trace room=%d rank=%s +%.2fms @%.6f released to %s: %s", r.room, self.cfg.rank_label,
+                     r.age_ms(now), now, ", ".join(endpoints), r.release_reason)
 
     def _abort(self, e: AbortRoom) -> None:
         self.fail(e.room, e.reason, e.now)
@@ -585,6 +613,8 @@ class DecodeRooms:
         elif st == KVPoll.WaitingForInput:
             if r.initialised:
                 self._request(r, now)
+            elif r.release_reason is not None:
+                self._send_release(r, now)
             elif r.state.since(now) > self.cfg.waiting_timeout:
                 self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
         elif st == KVPoll.Transferring and r.state.since(now) > self.cfg.transfer_timeout:
@@ -672,6 +702,7 @@ _HANDLERS: dict[type, Callable[[DecodeRooms, Any], None]] = {
     Message: DecodeRooms._message, LookedUp: DecodeRooms._looked_up, Refreshed: DecodeRooms._refreshed,
     LeaseChecked: DecodeRooms._lease_checked, Scattered: DecodeRooms._scattered,
     ScatterFailed: DecodeRooms._scatter_failed, CommitRead: DecodeRooms._commit_read, Tick: DecodeRooms._tick,
+    Release: DecodeRooms._release,
 }
 
 

@@ -28,6 +28,7 @@ class Endpoint(Protocol):
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None,
                   first_page: int, binding: bytes = b"", kind_units: Any = None) -> None: ...
     def abort_room(self, r: DecodeRoom, reason: str) -> None: ...
+    def release_room(self, r: DecodeRoom, binding: bytes, reason: str) -> None: ...
 
 
 class KVReceiver(RoomHandle):
@@ -57,6 +58,15 @@ class KVReceiver(RoomHandle):
         window's pages of ``page_ids``. ``num_tokens`` is required with any such pool. A state
         slot that a failed room's writes may still reach is refused (hard rule 6)."""
         self._ep.init_room(self._room, page_ids, aux_slot, num_tokens, first_page, binding, kind_units)
+
+    def release(self, *, binding: bytes = b"", reason: str = "") -> None:
+        """Instead of ``init()``: this decode instance needs nothing of the room (a full local prefix
+        hit, a prompt it computes itself, a request cancelled before it loaded). Its prefill ranks
+        are told at once (``wire.Release``, with ``binding`` as a claim would present it) and end
+        the room, freeing their pages then rather than after their ``target_timeout``; a bound
+        room refuses a release with another digest (counted there, ``releases_refused``). The room
+        turns Success once the release is sent (no aux row: nothing was asked); close() it then."""
+        self._ep.release_room(self._room, binding, reason)
 
     def wait_bootstrapped(self, timeout: float) -> OwnerLanes:
         """Block until the prefill topology is known; its owner lanes (allocate pages lane-major

@@ -280,6 +280,7 @@ class DecodeRoom:
         self.aux_slot = -1
         self.num_tokens: int | None = None  # None until known (init(), or the PagesDone of the aux row)
         self.binding = b""  # the request's digest, presented with every claim (transfer/binding.py)
+        self.release_reason: str | None = None  # release(): the engine needs nothing of the room (wire.Release)
         self.ledger: PageLedger | None = None
         self.requested: set[SenderKey] = set()  # (cp, tp, pp) ranks a TransferRequest went to
         self.quiet: set[SenderKey] = set()  # (cp, tp, pp) ranks that will write nothing more (hard rule 6)

@@ -9,6 +9,8 @@ The room machine (``machine.py``) runs the checks in this order and carries the 
         -- room ended, failing or draining? FAILED -- request_target (targets.py) and
         registered_offer (staged.py)? REFUSED -- asked twice? FAILED -- the Target is added
     Abort -- held by the asker's instance? (else ERROR) -- the room fails, AbortAck when quiet
+    Release -- the room open here? binding presented? held by (or free for) the asker's instance?
+        (else NOW) -- the room ends now (Success, nothing written), or fails when it has targets
 
 How a refusal is answered (``Refusal.how``): ``NOW``: an ErrorReply at once, the room untouched;
 ``ERROR``: an ErrorReply once nothing of the room is in flight; ``FAILED``: a failed PagesDone
@@ -123,3 +125,20 @@ class Intake:
         return Refusal(ERROR, f"room {msg.room} is claimed by decode instance {r.holder[0]} (rank {r.holder[1]}) on "
                               f"prefill rank {self.rank}: an abort from decode instance {instance} is refused; the "
                               "room goes on")
+
+    def release(self, r: PrefillRoom | None, instance: str | None, msg: wire.Release) -> Refusal | None:
+        """A release ends only a room this rank holds open, presenting the room's binding as a claim
+        would, from the instance that holds it (or may claim it): anything else is refused now, by
+        name, and the room goes on."""
+        if r is None:
+            return Refusal(NOW, f"room {msg.room} is not open on prefill rank {self.rank}: decode rank "
+                                f"{msg.decode_rank}'s release is refused")
+        why = claim_refusal(r.binding, r.claimed_binding, msg.binding, room=msg.room, rank=self.rank,
+                            decode_rank=msg.decode_rank)
+        if why is not None:
+            return Refusal(NOW, f"release: {why}; the room goes on")
+        if instance is None or not r.held_by(instance):
+            holder = "nobody" if r.holder is None else f"decode instance {r.holder[0]} (rank {r.holder[1]})"
+            return Refusal(NOW, f"room {msg.room} is claimed by {holder} on prefill rank {self.rank}: a release from "
+                                f"decode instance {instance} is refused; the room goes on")
+        return None

@@ -60,7 +60,7 @@ _NONE: tuple = ()  # what an event that asks for nothing returns
 DEADLINE_SCAN_S = 0.02  # deadlines are checked on this period, not on every step
 
 
-_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping, wire.RoomTicket)  # what acts for a registration: bound and proven first
+_BOUND = (wire.TransferRequest, wire.Abort, wire.Ping, wire.RoomTicket, wire.Release)  # what acts for a registration: bound and proven first
 
 
 class PrefillRooms:
@@ -93,6 +93,7 @@ class PrefillRooms:
         self.intake = Intake(config, self.specs, src_bufs, aux_schema, fingerprint, digests_readable)
         self.tickets = Tickets(config, proof_key)  # one decision per room across the instance's ranks
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
+        self.releases = {"rooms_released": 0, "releases_refused": 0}  # decode needed nothing (wire.Release)
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
         # the writes in flight, direct and staged (``writes.py``)
@@ -105,6 +106,7 @@ class PrefillRooms:
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
+        self.last_scan = 0.0  # when deadlines were last looked at (a longer gap: this loop was frozen)
         self.closing = False
         self._out: list[Any] = []
 
@@ -155,7 +157,7 @@ class PrefillRooms:
     @property
     def counters(self) -> dict[str, int]:
         """Rooms ok/failed, bytes and slices posted since start."""
-        return {**self.num_rooms, "bytes": self.writes.num_bytes, "slices": self.writes.num_slices}
+        return {**self.num_rooms, **self.releases, "bytes": self.writes.num_bytes, "slices": self.writes.num_slices}
 
     def staging_counters(self) -> dict[str, int]:
         return dict(self.stage.counters)
@@ -233,6 +235,8 @@ class PrefillRooms:
             self._on_abort(ident, msg, now)
         elif isinstance(msg, wire.RoomTicket):
             self._on_ticket(ident, msg, now)
+        elif isinstance(msg, wire.Release):
+            self._on_release(ident, msg, now)
         elif isinstance(msg, wire.KeyProof):
             peer = self._proving(ident)
             self._admit(self.admission.feed(KeyProofGiven(ident, msg, peer, self.endpoint, now)), now)
@@ -264,6 +268,8 @@ class PrefillRooms:
             if type(a) is Admitted:
                 self._dispatch(a.ident, a.msg, now)
             elif type(a) is Refused:
+                if isinstance(a.msg, wire.Release):  # a release from a connection that is not its registration
+                    self.releases["releases_refused"] += 1
                 self._error(a.ident, a.msg, a.why)
             else:
                 self._out.append(a)
@@ -466,6 +472,34 @@ class PrefillRooms:
 
     def _registered_as(self, e: RegisteredAs) -> None:
         self.tickets.rank_id = e.rank_id
+    def _on_release(self, ident: bytes, msg: wire.Release, now: float) -> None:
+        """A decode instance needs nothing of the room (``wire.Release``): it ends now, Success with
+        nothing written (the engine frees its pages at once), when the release presents the room's
+        binding from the instance that may claim it; refused (ErrorReply) and counted otherwise. A
+        room its ranks already asked for fails instead (acked to them once quiet, hard rule 6);
+        one already ended, or closed, is left as it is (another rank of the instance released it)."""
+        r = self.rooms.get(msg.room)
+        if r is None and self.rooms.tombstones.get(msg.room) is not None:
+            return
+        refusal = self.intake.release(r, self._instance_of(ident, msg.decode_rank_id), msg)
+        if refusal is not None:
+            self.releases["releases_refused"] += 1
+            log.warning("%s (%d refused so far)", refusal.reason, self.releases["releases_refused"])
+            self._error(ident, msg, refusal.reason)
+            return
+        if r.state.final:
+            return
+        why = f"decode rank {msg.decode_rank} released the room: {msg.reason or 'it needs nothing'}"
+        r.released = why
+        if r.targets:
+            self.fail_room(r, why, now)
+            return
+        r.state.advance_to(KVPoll.Success, now=now)
+        self._out.append(ReleaseAux(r.room))
+        self.releases["rooms_released"] += 1
+        if self.trace:
+            log.info("room %d on %s: %s", r.room, self.cfg.rank_label, why)
+        self._forget_if_quiet(r, now)
 
     def _reply_failed(self, ident: bytes, room: int, reason: str) -> None:
         log.warning("room %d refused on %s: %s", room, self.cfg.rank_label, reason)
@@ -633,8 +667,18 @@ class PrefillRooms:
             self.later.clear()
         self._pump(now)
         if now >= self.next_deadline_scan:
-            self.next_deadline_scan = now + DEADLINE_SCAN_S
-            self._deadlines(now)
+            gap = now - self.last_scan if self.last_scan else 0.0
+            frozen = gap > self.cfg.peer_timeout / 2
+            self.last_scan, self.next_deadline_scan = now, now + DEADLINE_SCAN_S
+            if frozen:  # this loop itself did not run (a starved process, a loaded host): it heard nothing
+                # because it listened to nothing, so no peer is blamed for the gap, and what arrived
+                # meanwhile is read before any deadline is looked at again
+                for ident, heard in self.peers.heard.items():
+                    self.peers.heard[ident] = max(heard, now)
+                log.warning("prefill rank %s: its loop did not run for %.1fs (a starved process?): no peer blamed",
+                            self.cfg.rank_label, gap)
+            else:
+                self._deadlines(now)
 
     def _deadlines(self, now: float) -> None:
         self._admit(self.admission.feed(Overdue(now)), now)

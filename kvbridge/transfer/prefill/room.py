@@ -119,6 +119,7 @@ class PrefillRoom:
         self.holder: tuple[str, str] | None = None  # (decode instance, rank label) of the first claim: the only one served
         self.binding: bytes | None = None  # the engine's digest of the request (init(binding=)); None: not said yet
         self.claimed_binding: bytes | None = None  # the digest the accepted claims presented (transfer/binding.py)
+        self.released: str | None = None  # why decode said it needs nothing of the room (wire.Release)
         self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
         self.num_expected_targets: int | None = None
         self.created = now
@@ -219,6 +220,7 @@ class PrefillRoom:
             "seconds": self.state.durations(),
             "transfer_s": None if self.first_post is None else round(max(0.0, end - self.first_post), 6),
             "total_s": round(now - self.created, 6),
+            **({"released": self.released} if self.released else {}),
         }
 
     @property

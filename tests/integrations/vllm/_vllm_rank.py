@@ -87,9 +87,11 @@ class Rank:
         c.wait_for_save()
         res = c.get_transfer_results(set(finished))
         errors = c.get_block_ids_with_load_errors()
+        worker_meta = c.build_connector_worker_meta()
+        stats = c.get_kv_connector_stats()
         c.clear_connector_metadata()
         return {"sending": res.finished_sending, "recving": res.finished_recving, "failed": res.failed_recving,
-                "invalid": errors}
+                "invalid": errors, "worker_meta": worker_meta, "stats": None if stats is None else stats.data}
 
     def check(self, block_ids: list[int], first_page: int, num_tokens: int, seed: int, whole_blocks: bool) -> dict:
         """Decode: the request's pages [first_page, ..) hold prefill's bytes for tokens
@@ -122,6 +124,15 @@ class Rank:
             self.connector.save_kv_layer(name, t, None)
         self.connector.clear_connector_metadata()
         return {"before": before, "after": (dict(side.endpoint.counters), len(side._senders))}
+
+    def hold_room(self, room: int) -> None:
+        """Open room ``room`` on this rank's endpoint and keep it (what the worker side meets as
+        RoomInUse when vLLM's scheduler hands it a request of that room)."""
+        self.held = getattr(self, "held", [])
+        self.held.append(self.connector.worker_side.endpoint.sender(room))
+
+    def counters(self) -> dict:
+        return dict(self.connector.worker_side.endpoint.counters)
 
     def stats(self, req_id: str) -> dict:
         return self.connector.worker_side.room_stats.get(req_id, {})

@@ -97,6 +97,7 @@ class Instance:
         self.workers: list[Worker] = []
         self.outputs: dict[str, Any] = {}  # request id -> its last EngineCoreOutput
         self.invalid_seen: set[int] = set()
+        self.worker_stats: dict[str, int] = {}  # the workers' connector stats (KVBridgeStats), summed
 
     def attach(self, answers: list[tuple]) -> None:
         for proc, conn, (kind, *rest) in answers:
@@ -149,7 +150,10 @@ class Instance:
         outs = []
         for r in results:
             kvo = KVConnectorOutput(finished_sending=r["sending"] or None, finished_recving=r["recving"] or None,
-                                    failed_recving=r["failed"], invalid_block_ids=r["invalid"])
+                                    failed_recving=r["failed"], invalid_block_ids=r["invalid"],
+                                    kv_connector_worker_meta=r.get("worker_meta"))
+            for k, v in (r.get("stats") or {}).items():  # the workers' connector stats, summed over the run
+                self.worker_stats[k] = self.worker_stats.get(k, 0) + v
             self.invalid_seen |= r["invalid"]
             ids = list(sampled)
             outs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={k: i for i, k in enumerate(ids)},

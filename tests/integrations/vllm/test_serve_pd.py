@@ -18,6 +18,8 @@ no third server is started for it.
   a bound; nothing is served as a success;
 - issue 31's attacks on rooms (another request's room, a longer prompt, a reused room, a room
   claimed before its owner) end in errors on the same servers, and the owner is still served.
+- a ``prompt_logprobs`` request (decode computes its prompt) releases its room: prefill counts it
+  at once, not after ``target_timeout``.
 
 vLLM start-up dominates the wall time (about 50 s for one server alone on 2 cores, 2-3 min for
 several at once): four servers in all, each started once for the module, two at a time.
@@ -190,6 +192,23 @@ def test_attacks_on_rooms_end_in_errors_and_the_owner_is_served(cluster):
         assert attacker.result(timeout=ERROR_BOUND_S).status_code >= 400
     assert victim_d.status_code >= 400, victim_d.text[:2000]  # an error, never the attacker's KV or garbage
     assert "claimed with binding" in servers["prefill-0"].log_tail(10**7)
+
+
+def test_prompt_logprobs_release_the_room_at_once(cluster):
+    """vLLM computes a ``prompt_logprobs`` request's prompt on decode (it reads no prefix), so decode
+    needs nothing of the room prefill opened: it releases it, and prefill ends the room and frees
+    its blocks at once (``target_timeout`` is 60 s); both servers count it in vLLM's connector
+    stats ("KV Transfer metrics", logged every 10 s)."""
+    servers, proxy = cluster
+    resp = complete(proxy.url, prompt(2 * BLOCK_SIZE + 3, salt=31), 2, prompt_logprobs=1)
+    assert resp.status_code == 200, resp.text[:2000]
+    assert resp.json()["choices"][0].get("prompt_logprobs"), resp.json()
+    deadline = time.monotonic() + 40.0  # two logging periods, well under target_timeout
+    while time.monotonic() < deadline and not all("rooms_released=" in servers[n].log_tail(200_000)
+                                                  for n in ("prefill-0", "decode-0")):
+        time.sleep(1.0)
+    assert "rooms_released=" in servers["prefill-0"].log_tail(200_000), servers["prefill-0"].log_tail()
+    assert "local_compute_prompt_logprobs=" in servers["decode-0"].log_tail(200_000)
 
 
 def test_a_mismatched_decode_is_refused_at_start_up_naming_the_field(late_servers, bootstrap):

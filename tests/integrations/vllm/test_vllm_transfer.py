@@ -162,7 +162,7 @@ def test_rooms_are_bound_to_their_prompt_and_signed(tmp_path, daemon):
     before loading anything a longer prompt ending in the same block, another prompt of the same
     length, a forged and an expired signature (each request ends in an error, counted by reason);
     the owner is then served every byte; prefill refuses a router's room that is unsigned or
-    already open, returning no params (never another request's room)."""
+    already open, returning fallback params (never another request's room)."""
     import time
 
     from kvbridge import sign_room
@@ -204,8 +204,11 @@ def test_rooms_are_bound_to_their_prompt_and_signed(tmp_path, daemon):
         for rid, prm in (("r2", router), ("r3", {"kvbridge_room": 78})):  # room 77 still open; 78 unsigned
             pre.add(rid, prompt, {"do_remote_decode": True, **prm})
             pre.run_until(lambda: rid in pre.outputs and pre.outputs[rid].finish_reason is not None)
-            assert pre.outputs[rid].kv_transfer_params is None, pre.outputs[rid]
-        assert dict(pre.scheduler.connector.scheduler_side.refusals) == {"room_in_use": 1, "room_refused": 1}
+            reason = "room_in_use" if rid == "r2" else "room_refused"  # no room: decode computes the prompt
+            assert pre.outputs[rid].kv_transfer_params == {"do_remote_prefill": False, "do_remote_decode": False,
+                                                           "kvbridge_fallback": reason}, pre.outputs[rid]
+        assert dict(pre.scheduler.connector.scheduler_side.refusals) == {
+            "room_in_use": 1, "room_refused": 1, "fallback_room_in_use": 1, "fallback_room_refused": 1}
     finally:
         pre.stop()
         dec.stop()
