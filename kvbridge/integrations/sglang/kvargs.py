@@ -44,7 +44,7 @@ from typing import Any
 
 from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
 from kvbridge.integrations.sglang.state_kinds import (HybridGeometry, component_pools, room_pool_kinds, state_kind,
-                                                      state_type_names)
+                                                      state_type_names, v4_kv_pools)
 
 TARGET, DRAFT, INDEX = "target", "draft", "index"
 K, V, DRAFT_K, DRAFT_V = "k", "v", "draft_k", "draft_v"
@@ -169,6 +169,9 @@ def read_kv_args(
     room endpoints do not carry (``kvbridge.ROOM_POOL_KINDS``) is refused by name. Raises
     ``ConfigError`` naming the field when SGLang's lists do not fit together."""
     page_size = _positive_int(getattr(kv_args, "page_size", None), "page_size")
+    if getattr(kv_args, "mla_compression_ratios", None) is not None:
+        return _v4_cache(kv_args, page_size, kv_checksum=kv_checksum, hidden_dtype=hidden_dtype,
+                         geometry=geometry or HybridGeometry())
     ptrs = _ints(kv_args, "kv_data_ptrs")
     lens = _ints(kv_args, "kv_data_lens")
     items = _ints(kv_args, "kv_item_lens")
@@ -222,6 +225,33 @@ def read_kv_args(
     dtype = str(getattr(kv_args, "kv_cache_dtype_str", "auto") or "auto")
     return SGLangCache(page_size=page_size, kv_cache_dtype=dtype, is_mla=is_mla, pools=pools, aux=aux,
                        kind_specs=kind_specs)
+
+
+def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: str,
+              geometry: HybridGeometry) -> SGLangCache:
+    """DeepSeek-V4 (``KVArgs.mla_compression_ratios`` set): its KV lists are compressed pools by
+    ratio (``state_kinds.v4_kv_pools``), refused by name while the rooms do not carry them."""
+    carried = room_pool_kinds()
+    if "compressed" not in carried:
+        raise ConfigError(
+            "SGLang's DeepSeek-V4 KV (KVArgs.mla_compression_ratios set) is kvbridge 'compressed' pools (C4, C4 indexer "
+            f"and C128 entries; integrations/sglang/state_kinds.py), and the room endpoints carry only {sorted(carried)} "
+            "pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this model with "
+            "--disaggregation-transfer-backend mooncake until they carry it", field="mla_compression_ratios")  # fmt: skip
+    _refuse_uncarried(state_type_names(kv_args))
+    pools: dict[str, PoolBuffers] = {}
+    specs: dict[str, PoolSpec] = {}
+    for made in v4_kv_pools(kv_args, page_size):
+        name = made.spec.name
+        bufs = [SGLangBuffer(p, n, i) for p, n, i in zip(made.ptrs, made.lens, made.items)]
+        pools[name], specs[name] = _pool(name, made.spec.layer_ids, bufs, made.spec.page_size), made.spec
+    target_ids = tuple(range(len(kv_args.mla_compression_ratios)))
+    specs.update(_state_pools(kv_args, pools, geometry, page_size=page_size, kv_dtype="bfloat16",
+                              target_ids=target_ids, draft_ids=()))
+    aux = read_metadata_buffers(_ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"),
+                                _ints(kv_args, "aux_item_lens"), kv_checksum=kv_checksum, hidden_dtype=hidden_dtype)
+    return SGLangCache(page_size=page_size, kv_cache_dtype=str(getattr(kv_args, "kv_cache_dtype_str", "auto")),
+                       is_mla=True, pools=pools, aux=aux, kind_specs=specs)
 
 
 def read_metadata_buffers(
@@ -441,13 +471,9 @@ def _pool(name: str, layer_ids: tuple[int, ...], buffers: Sequence[SGLangBuffer]
     return PoolBuffers(name, tuple(layer_ids), tuple(buffers))
 
 
-def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGeometry, *, page_size: int,
-                 kv_dtype: str, target_ids: tuple[int, ...], draft_ids: tuple[int, ...]) -> dict[str, PoolSpec]:
-    """Every state component of ``kv_args`` as kvbridge pools, added to ``pools``; returns the
-    specs of those that are not the DSA index (whose geometry ``pool_specs`` knows). A component
-    whose kind the room endpoints do not carry is refused by name (the first one, in SGLang's
-    order), as is one kvbridge has no kind for."""
-    types = state_type_names(kv_args)
+def _refuse_uncarried(types: Sequence[str]) -> None:
+    """The first state component (in SGLang's order) whose kind the rooms do not carry, or that
+    has no kind, refused by name."""
     carried = room_pool_kinds()
     for st in types:
         kind = state_kind(st)
@@ -457,6 +483,16 @@ def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGe
                 f"room endpoints carry only {sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; "
                 "serve this model with --disaggregation-transfer-backend mooncake until they carry it",
                 field="state_types")  # fmt: skip
+
+
+def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGeometry, *, page_size: int,
+                 kv_dtype: str, target_ids: tuple[int, ...], draft_ids: tuple[int, ...]) -> dict[str, PoolSpec]:
+    """Every state component of ``kv_args`` as kvbridge pools, added to ``pools``; returns the
+    specs of those that are not the DSA index (whose geometry ``pool_specs`` knows). A component
+    whose kind the room endpoints do not carry is refused by name (the first one, in SGLang's
+    order), as is one kvbridge has no kind for."""
+    types = state_type_names(kv_args)
+    _refuse_uncarried(types)
     specs: dict[str, PoolSpec] = {}
     seen: set[str] = set()
     for at, st in enumerate(types):

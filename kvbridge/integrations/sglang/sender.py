@@ -29,8 +29,9 @@ them). A chunk's pages are the request's positions ``[P + sent, P + sent + len)`
 those it owns (its lane), each stored at ``page id`` (``page id // N`` with
 logical-page KV sharding over N ranks, where SGLang places page id p on rank
 ``p % N``: kvbridge requires that to be the position's lane, and fails a room whose
-pages do not follow it). The DSA state indices (index K) must be the request's page
-ids: target, index and draft move with one mapping (hard rule 3).
+pages do not follow it). The paged state indices (DSA's index K, BLOCK_SCALE's MXFP8 scales)
+must be the request's page ids: target, index, scales and draft move with one mapping (hard
+rule 3).
 
 A rank without an endpoint (attention TP ranks > 0 of an MLA cache) sends nothing
 and reports Success, so that the MIN is its peers' state; it still fails on its
@@ -58,10 +59,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
 
 from kvbridge import KVBridgeError, LayoutError
 from kvbridge.integrations.sglang.handles import RoomHandle
+from kvbridge.integrations.sglang.state_kinds import STATE_KINDS, state_type_names
 
 
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
@@ -168,18 +170,34 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         return positions[mine], pages[mine]
 
     def _state_follows_pages(self, state_indices: Any) -> bool:
-        """The DSA state (index K) must move with the KV's own page mapping (hard rule 3)."""
-        types = list(getattr(self.kv_mgr.kv_args, "state_types", None) or [])
-        if StateType.DSA not in types or not state_indices:
+        """SGLang's state indices, checked against what kvbridge sends. Paged components (DSA's
+        index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of the
+        request) must be the KV's own pages: kvbridge moves them with the KV's page mapping (hard
+        rule 3). A component of another kind (window, state) that the rooms carry needs its own
+        indices handed to the room, which this sender does not do yet: the room fails, naming it,
+        rather than leave decode's window or state unwritten."""
+        types = state_type_names(self.kv_mgr.kv_args)
+        if not types:
             return True
-        dsa = state_indices[types.index(StateType.DSA)]
-        if dsa is None:
-            return True
+        given = list(state_indices or [])
         pages = np.concatenate(self._page_ids)
-        if not np.array_equal(np.asarray(dsa, dtype=np.int64).reshape(-1), pages):
-            self.fail(f"the DSA state indices ({np.size(dsa)} pages) are not the request's KV pages ({pages.size}): "
-                      "kvbridge moves index K with the KV's page mapping (hard rule 3)")
-            return False
+        for at, st in enumerate(types):
+            idx = given[at] if at < len(given) else None
+            if STATE_KINDS.get(st) != "paged":
+                if idx is not None and np.size(idx):
+                    self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools): this SGLang sender does not hand "
+                              "its indices to the room yet, so decode's copy would not be written")
+                    return False
+                continue
+            if idx is None:
+                continue
+            got = np.asarray(idx, dtype=np.int64).reshape(-1)
+            if st != "dsa":  # every page of the request: those after the decode prefix are the ones sent
+                got = got[self._prefix_pages:]
+            if not np.array_equal(got, pages):
+                self.fail(f"the {st!r} state indices ({got.size} pages) are not the request's KV pages "
+                          f"({pages.size}): kvbridge moves them with the KV's page mapping (hard rule 3)")
+                return False
         return True
 
     @property

@@ -25,6 +25,9 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
     REQUEST_ROW (request_row)  state       request_row            one item per request row (the DSpark
                                                                   draft's SWA valid-from)
 
+DeepSeek-V4's KV lists themselves (``kv_data_*`` when ``KVArgs.mla_compression_ratios`` is set)
+are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``).
+
 QSA and MiniMax components are not mapped (``NOT_MAPPED``). A component is built only when its
 kind is one the room endpoints carry (``room_pool_kinds()``: ``kvbridge.ROOM_POOL_KINDS``);
 ``kvargs.read_kv_args`` refuses the others by name, naming the kind. Where the kind is carried but
@@ -75,7 +78,7 @@ MXFP8_BLOCK = 32  # values per UE8M0 scale
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
 __all__ = ["NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs",
-           "room_pool_kinds", "state_kind", "state_type_names"]
+           "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
 
 
 def room_pool_kinds() -> frozenset[str]:
@@ -205,6 +208,46 @@ def _slot(name: str, ids: Sequence[int], nbytes: int, dtype: str, kernel_abi: st
                     kind=STATE, ratio=ratio, kernel_abi=kernel_abi)
 
 
+def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
+    """DeepSeek-V4's KV lists (``get_contiguous_buf_infos``): not one pool per layer but its
+    compressed caches by ratio, ``[C4 KV, C4 indexer K, C128 KV]`` over the stage's layers of each
+    ratio: ``compressed`` pools of ``page_size // ratio`` entries per page. ConfigError by name
+    where the bytes do not fit: V4's FlashMLA pages are padded to whole 576-byte rows, the fp8
+    two-pool (a rope group after each KV group) and ratio-1/2 layers have no kvbridge pool."""
+    ratios = list(kv_args.mla_compression_ratios)
+    start, stop = _stage(kv_args, ratios)
+    e = _Entries("kv", [int(x) for x in kv_args.kv_data_ptrs], [int(x) for x in kv_args.kv_data_lens],
+                 [int(x) for x in kv_args.kv_item_lens])
+    if any(r in (1, 2) for r in ratios):
+        raise ConfigError("DeepSeek-V4 KV with ratio-1/2 layers (V4.1 kv_source caches): no kvbridge pool describes "
+                          "them", field="mla_compression_ratios")
+    groups = [(name, r, [i for i in range(start, stop) if ratios[i] == r]) for name, r in
+              (("c4", 4), ("c4_index", 4), ("c128", 128))]
+    groups = [g for g in groups if g[2]]
+    if sum(len(ids) for _, _, ids in groups) != len(e.ptrs):
+        raise ConfigError(f"DeepSeek-V4 KV: {len(e.ptrs)} buffers for C4 layers, their indexer and C128 layers "
+                          f"({[len(ids) for _, _, ids in groups]}); the fp8 two-pool (a rope group after each KV group, "
+                          "SGLANG_DSV4_UNIFIED_KV_FP8) has no kvbridge pool", field="kv_data_ptrs")
+    out, at = [], 0
+    for name, r, ids in groups:
+        ptrs, lens, items = e.cut(at, at + len(ids))
+        at += len(ids)
+        entries = page_size // r
+        index = name == "c4_index"
+        row = (128, 4) if index else V4_ROW
+        if set(items) != {entries * sum(row)}:
+            raise ConfigError(f"pool {name!r}: DeepSeek-V4 compressed pages are {sorted(set(items))} B, {entries} entries "
+                              f"of {sum(row)} B ({entries * sum(row)} B)" + ("" if index else
+                              f" padded to whole {V4_PAGE_ALIGN}-byte rows") + "; kvbridge's PoolSpec has no page stride "
+                              "apart from its rows", field=f"pools.{name}.bytes_per_page")
+        spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale" if index else "v4_fp8_nope_bf16_rope", abi="uint8",
+                        bytes_per_token=sum(row), page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
+                        value_bytes_per_token=row[0], scale_bytes_per_token=row[1],
+                        kernel_abi="v4-indexer-k-fp8" if index else "flashmla-v4", kind=COMPRESSED, ratio=r)
+        out.append(StatePool("kv", spec, ptrs, lens, items))
+    return out
+
+
 def _window(state_type: str, geometry: HybridGeometry) -> int:
     if geometry.sliding_window <= 0:
         raise ConfigError(f"SGLang state {state_type!r}: the sliding window is not known (HybridGeometry."
@@ -266,9 +309,14 @@ def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGe
 
 
 def _stage(kv_args: Any, ratios: Sequence[int]) -> tuple[int, int]:
+    """The stage's layers ``[start, end)``. SGLang sets ``prefill_end_layer`` from the pool's
+    ``end_layer``, which is inclusive (``layer_num - 1``) for a pool of the whole model and the
+    exclusive end for a pipeline stage's; a stage from layer 0 ending at the last layer is the model."""
     start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
     end = getattr(kv_args, "prefill_end_layer", None)
-    return start, len(ratios) if end is None else int(end)
+    if end is None or (start == 0 and int(end) in (len(ratios) - 1, len(ratios))):
+        return start, len(ratios)
+    return start, int(end)
 
 
 def _swa_ring(e: _Entries, ratios: Sequence[int] | None, kv_args: Any, geometry: HybridGeometry,
