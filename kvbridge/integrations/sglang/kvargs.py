@@ -43,8 +43,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
-from kvbridge.integrations.sglang.state_kinds import (HybridGeometry, component_pools, room_pool_kinds, state_kind,
-                                                      state_type_names, v4_kv_pools)
+from kvbridge.integrations.sglang.state_kinds import (HEAD_SHARDED, HybridGeometry, component_pools, room_pool_kinds,
+                                                      state_kind, state_type_names, v4_kv_pools)
 
 TARGET, DRAFT, INDEX = "target", "draft", "index"
 K, V, DRAFT_K, DRAFT_V = "k", "v", "draft_k", "draft_v"
@@ -357,6 +357,11 @@ def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target
     holds the pool's layers (ConfigError naming the pool where the two differ), else (the draft
     pools, sent by the last stage only) the last stage's spec."""
     start, end = layers
+    unpaged = sorted(f"{n} ({s.kind})" for n, s in own.items() if s.kind != "paged")
+    if unpaged:
+        raise ConfigError(f"pipeline stage layers [{start}, {end}) with window, compressed or state pools {unpaged}: "
+                          "kvbridge's SGLang backend builds a stage's contract from paged pools only; serve this "
+                          "model with --pp-size 1", field="pools")
     if model is None:
         if end != num_target_layers:
             raise ConfigError(f"pipeline stage layers [{start}, {end}) do not end the model's {num_target_layers} "
@@ -422,7 +427,10 @@ def pool_specs(cache: SGLangCache, heads: tuple[int, int, int] | None = None) ->
     out = {}
     for name, pool in cache.pools.items():
         if name in cache.kind_specs:  # built from a state component, with its geometry (state_kinds.py)
-            out[name] = cache.kind_specs[name]
+            kind_spec = cache.kind_specs[name]
+            if heads is not None and name in HEAD_SHARDED:  # KV heads per row, like the k/v pools
+                kind_spec = replace(kind_spec, **sharding)
+            out[name] = kind_spec
             continue
         per_token, rem = divmod(pool.bytes_per_page, cache.page_size)
         geometry = dict(name=name, page_size=cache.page_size, layer_ids=pool.layer_ids, bytes_per_token=per_token)

@@ -75,9 +75,11 @@ NOT_MAPPED: dict[str, str] = {
 V4_ROW = (576, 8)  # FlashMLA's V4 layout: 448 fp8 nope + 64 bf16 rope values, then 7 UE8M0 scales + 1 pad
 V4_PAGE_ALIGN = 576  # ... and a page padded to whole 576-byte rows (KVLayout.page_bytes)
 MXFP8_BLOCK = 32  # values per UE8M0 scale
+# pools whose rows are KV heads, head-major, like SGLang's k/v pools: sharded over attention TP
+HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
-__all__ = ["NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs",
+__all__ = ["HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs",
            "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
 
 
@@ -111,9 +113,9 @@ class HybridGeometry:
     ``swa_ring_stride``: V4's unified ring rows per request (``unified_swa_ring_size``);
     ``dsa_tail_ratio`` / ``dsa_tail_slots``: the DSA kpool size and its ring's rows (``index_kpool``,
     plus ``tail_extra_slots``); ``c128_ring_size`` / ``c128_online``: V4's C128 state ring
-    (128 without speculation) or the online single row; ``kv_heads``: (KV heads of the whole row,
-    first, stop) of this rank's head-sharded pages (MHA/GQA under attention TP);
-    ``attn_tp_size``: what Mamba state slots are cut for."""
+    (128 without speculation) or the online single row; ``attn_tp_size``: what Mamba state slots
+    are cut for. (The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for
+    the k/v pools: ``HEAD_SHARDED``.)"""
 
     sliding_window: int = 0
     swa_layer_ids: tuple[int, ...] = ()
@@ -122,7 +124,6 @@ class HybridGeometry:
     dsa_tail_slots: int = 0
     c128_ring_size: int = 128
     c128_online: bool = False
-    kv_heads: tuple[int, int, int] | None = None
     attn_tp_size: int = 1
 
 
@@ -258,15 +259,14 @@ def _window(state_type: str, geometry: HybridGeometry) -> int:
 def _k_then_v(e: _Entries, names: tuple[str, str], ids: tuple[int, ...], geometry: HybridGeometry, page_size: int,
               kv_dtype: str, *, window: int = 0) -> list[StatePool]:
     """k entries then v entries, one per layer of ``ids``: paged (or window) pools of pages,
-    head-sharded like SGLang's k/v pools when ``geometry.kv_heads`` says so."""
+    whole KV heads per row like SGLang's k/v pools (``HEAD_SHARDED``: ``kvargs.pool_specs`` cuts
+    them for a rank's heads)."""
     if len(e.ptrs) != 2 * len(ids):
         raise ConfigError(f"SGLang state {e.state_type!r}: {len(e.ptrs)} buffers for k and v of {len(ids)} layers "
                           f"{list(ids)}", field="state_data_ptrs")
     scales = e.state_type in (BLOCK_SCALE, BLOCK_SCALE_SWA)
     dtype = "ue8m0" if scales else kv_dtype
     abi = "uint8" if scales or kv_dtype.startswith("fp8") else kv_dtype
-    heads = {} if geometry.kv_heads is None else dict(zip(("num_heads", "head_start", "head_stop"),
-                                                          geometry.kv_heads))
     out = []
     for half, name in enumerate(names):
         ptrs, lens, items = e.cut(half * len(ids), (half + 1) * len(ids))
@@ -275,7 +275,7 @@ def _k_then_v(e: _Entries, names: tuple[str, str], ids: tuple[int, ...], geometr
                               field=f"pools.{name}.bytes_per_page")
         kind = {"kind": WINDOW, "window": window} if window else {}
         spec = PoolSpec(name=name, dtype=dtype, abi=abi, bytes_per_token=items[0] // page_size, page_size=page_size,
-                        layer_ids=ids, kernel_abi="mxfp8-ue8m0-per-token" if scales else "", **kind, **heads)
+                        layer_ids=ids, kernel_abi="mxfp8-ue8m0-per-token" if scales else "", **kind)
         out.append(StatePool(e.state_type, spec, ptrs, lens, items))
     return out
 

@@ -369,8 +369,10 @@ def test_mxfp8_block_scales_are_paged_pools_on_the_kv_page_mapping(sgl, carried)
     assert [b.ptr for b in cache.pools["v_scale"].buffers] == [t.data_ptr() for t in pool.v_scale_buffer]
     assert specs["k"].dtype == "fp8_e4m3" and specs["k"].abi == "uint8"
     kvb.contract_for(specs, model="mxfp8", aux=kvb.AuxSchema.standard(0, "bfloat16", 0))
-    heads = pool_specs(read_kv_args(args, is_mla=False, geometry=HybridGeometry(kv_heads=(4, 2, 4))), (4, 2, 4))
+    heads = pool_specs(cache, (4, 2, 4))  # attention TP 2, rank 1: heads [2, 4) of 4, as the k/v pools
     assert (heads["k_scale"].num_heads, heads["k_scale"].head_start, heads["k_scale"].head_stop) == (4, 2, 4)
+    assert (heads["k"].num_heads, heads["k"].head_start) == (4, 2)
+    assert heads["k_scale"].full_bytes_per_token == 4 * 64 // 32
 
 
 def test_mxfp8_interleaved_scales_are_refused_by_name(sgl):
@@ -456,3 +458,14 @@ def test_sender_checks_paged_state_indices_and_refuses_unhanded_kinds():
     assert s._state_follows_pages([np.array([5, 6]), None])
     assert not s._state_follows_pages([np.array([5, 6]), [np.array([3])]])
     assert "SGLang state 'mamba' (state pools): this SGLang sender does not hand its indices" in s.failures[0]
+
+
+def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():
+    from kvbridge.integrations.sglang.kvargs import model_specs
+
+    own = {"k": kvb.PoolSpec(name="k", dtype="bfloat16", abi="bfloat16", bytes_per_token=32, page_size=16,
+                             layer_ids=(1, 3)),
+           "mamba_0": kvb.state_pool("mamba_0", (0, 2), 64)}
+    with pytest.raises(ConfigError, match=r"with window, compressed or state pools \['mamba_0 \(state\)'\]") as err:
+        model_specs(own, (0, 4), 4)
+    assert err.value.field == "pools"
