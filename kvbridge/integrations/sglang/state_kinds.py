@@ -114,7 +114,7 @@ class HybridGeometry:
     ``dsa_tail_ratio`` / ``dsa_tail_slots``: the DSA kpool size and its ring's rows (``index_kpool``,
     plus ``tail_extra_slots``); ``c128_ring_size`` / ``c128_online``: V4's C128 state ring
     (128 without speculation) or the online single row; ``attn_tp_size``: what Mamba state slots
-    are cut for. (The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for
+    are cut for (0: read off ``state_conv_shard_groups``, the conv tensor's whole dims over its part). (The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for
     the k/v pools: ``HEAD_SHARDED``.)"""
 
     sliding_window: int = 0
@@ -124,7 +124,7 @@ class HybridGeometry:
     dsa_tail_slots: int = 0
     c128_ring_size: int = 128
     c128_online: bool = False
-    attn_tp_size: int = 1
+    attn_tp_size: int = 0  # 0: read off the conv tensor (its full sub-block dims over this rank's part)
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,8 @@ def _c128_state(e: _Entries, ratios: Sequence[int] | None, kv_args: Any,
 
 
 def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec]:
-    """The MAMBA component of ``kv_args`` as state pools of this rank (cut for ``attn_tp_size``)."""
+    """The MAMBA component of ``kv_args`` as state pools of this rank (cut for ``attn_tp_size``; 0:
+    read off the conv tensor's ``state_conv_shard_groups``)."""
     types = state_type_names(kv_args)
     if MAMBA not in types:
         raise ConfigError(f"no mamba state component among {types}", field="state_types")
@@ -418,6 +419,12 @@ def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec
     if not (len(items) == len(layers) == len(dims) == len(outer) == len(groups)) or not items:
         raise ConfigError(f"mamba state lists differ in length: items {len(items)}, layer ids {len(layers)}, dims "
                           f"{len(dims)}, outer counts {len(outer)}, conv groups {len(groups)}", field="state_item_lens")
+    if not attn_tp_size:  # the conv tensor's whole sub-block dims over this rank's part of them
+        tps = {sum(g) // d for g, d in zip(groups, dims) if g and d and sum(g) % d == 0}
+        if len(tps) != 1:
+            raise ConfigError("the attention TP size that cuts the mamba state is not given and no conv tensor's "
+                              "state_conv_shard_groups tells it", field="attn_tp_size")
+        attn_tp_size = tps.pop()
     num_layers = len(dict.fromkeys(layers))
     if len(items) % num_layers:
         raise ConfigError(f"{len(items)} mamba entries are not whole tensors of {num_layers} layers",

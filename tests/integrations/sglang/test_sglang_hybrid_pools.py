@@ -314,8 +314,8 @@ def test_mamba_state_moves_across_tp_sizes(sgl, carried, src_tp, dst_tp):
     with pytest.raises(ConfigError, match="'mamba' maps to kvbridge 'state' pools"):
         read_kv_args(_kv_args(srcs[0]), is_mla=False)
     carried({"paged", "state"})
-    caches = {id(p): read_kv_args(_kv_args(p), is_mla=False, geometry=HybridGeometry(attn_tp_size=tp))
-              for group, tp in ((srcs, src_tp), (dsts, dst_tp)) for p in group}
+    caches = {id(p): read_kv_args(_kv_args(p), is_mla=False)  # attention TP read off the conv shard groups
+              for group in (srcs, dsts) for p in group}
     conv = pool_specs(caches[id(srcs[0])])["mamba_0"]
     assert (conv.kind, conv.shard_units, conv.tp_size, conv.layer_ids) == ("state", (Q, K_, V_), src_tp, (0, 2))
     assert [b.ptr for b in caches[id(srcs[0])].pools["mamba_0"].buffers] == \
