@@ -234,9 +234,9 @@ def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: 
     carried = room_pool_kinds()
     if "compressed" not in carried:
         raise ConfigError(
-            "SGLang's DeepSeek-V4 KV (KVArgs.mla_compression_ratios set) is kvbridge 'compressed' pools (C4, C4 indexer "
-            f"and C128 entries; integrations/sglang/state_kinds.py), and the room endpoints carry only {sorted(carried)} "
-            "pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this model with "
+            "SGLang's DeepSeek-V4 KV (KVArgs.mla_compression_ratios set) is kvbridge 'compressed' pools (C4, C4 "
+            "indexer and C128 entries; integrations/sglang/state_kinds.py), and the room endpoints carry only "
+            f"{sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this model with "
             "--disaggregation-transfer-backend mooncake until they carry it", field="mla_compression_ratios")  # fmt: skip
     _refuse_uncarried(state_type_names(kv_args))
     pools: dict[str, PoolBuffers] = {}
@@ -318,7 +318,8 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
         own_page = cache.kind_specs[name].page_size if name in cache.kind_specs else cache.page_size
         if spec.page_size != own_page:
             raise ConfigError(f"pool {name!r}: SGLang's page size {own_page}, the contract's "
-                              f"{spec.page_size}: pages would be cut differently", field=f"pools.{name}.page_size")  # fmt: skip
+                              f"{spec.page_size}: pages would be cut differently",
+                              field=f"pools.{name}.page_size")  # fmt: skip
         if sorted(spec.layer_ids) != sorted(pool.layer_ids):
             raise ConfigError(f"pool {name!r}: SGLang registers layers {_span(pool.layer_ids)}, the contract has "
                               f"{_span(spec.layer_ids)}: layers would be paired wrongly or not at all",

@@ -79,8 +79,8 @@ MXFP8_BLOCK = 32  # values per UE8M0 scale
 HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
-__all__ = ["HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs",
-           "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
+__all__ = ["HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
+           "mamba_state_specs", "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
 
 
 def room_pool_kinds() -> frozenset[str]:
@@ -114,8 +114,9 @@ class HybridGeometry:
     ``dsa_tail_ratio`` / ``dsa_tail_slots``: the DSA kpool size and its ring's rows (``index_kpool``,
     plus ``tail_extra_slots``); ``c128_ring_size`` / ``c128_online``: V4's C128 state ring
     (128 without speculation) or the online single row; ``attn_tp_size``: what Mamba state slots
-    are cut for (0: read off ``state_conv_shard_groups``, the conv tensor's whole dims over its part). (The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for
-    the k/v pools: ``HEAD_SHARDED``.)"""
+    are cut for (0: read off ``state_conv_shard_groups``, the conv tensor's whole dims over its
+    part). The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for the
+    k/v pools (``HEAD_SHARDED``)."""
 
     sliding_window: int = 0
     swa_layer_ids: tuple[int, ...] = ()
@@ -227,8 +228,8 @@ def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
     groups = [g for g in groups if g[2]]
     if sum(len(ids) for _, _, ids in groups) != len(e.ptrs):
         raise ConfigError(f"DeepSeek-V4 KV: {len(e.ptrs)} buffers for C4 layers, their indexer and C128 layers "
-                          f"({[len(ids) for _, _, ids in groups]}); the fp8 two-pool (a rope group after each KV group, "
-                          "SGLANG_DSV4_UNIFIED_KV_FP8) has no kvbridge pool", field="kv_data_ptrs")
+                          f"({[len(ids) for _, _, ids in groups]}); the fp8 two-pool (a rope group after each KV "
+                          "group, SGLANG_DSV4_UNIFIED_KV_FP8) has no kvbridge pool", field="kv_data_ptrs")
     out, at = [], 0
     for name, r, ids in groups:
         ptrs, lens, items = e.cut(at, at + len(ids))
@@ -237,10 +238,10 @@ def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
         index = name == "c4_index"
         row = (128, 4) if index else V4_ROW
         if set(items) != {entries * sum(row)}:
-            raise ConfigError(f"pool {name!r}: DeepSeek-V4 compressed pages are {sorted(set(items))} B, {entries} entries "
-                              f"of {sum(row)} B ({entries * sum(row)} B)" + ("" if index else
-                              f" padded to whole {V4_PAGE_ALIGN}-byte rows") + "; kvbridge's PoolSpec has no page stride "
-                              "apart from its rows", field=f"pools.{name}.bytes_per_page")
+            pad = "" if index else f" padded to whole {V4_PAGE_ALIGN}-byte rows"
+            raise ConfigError(f"pool {name!r}: DeepSeek-V4 compressed pages are {sorted(set(items))} B, {entries} "
+                              f"entries of {sum(row)} B ({entries * sum(row)} B){pad}; kvbridge's PoolSpec has no page "
+                              "stride apart from its rows", field=f"pools.{name}.bytes_per_page")
         spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale" if index else "v4_fp8_nope_bf16_rope", abi="uint8",
                         bytes_per_token=sum(row), page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
                         value_bytes_per_token=row[0], scale_bytes_per_token=row[1],
@@ -298,9 +299,10 @@ def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGe
                               f"({rows} B) padded to whole {V4_PAGE_ALIGN}-byte rows; kvbridge's PoolSpec has no page "
                               "stride apart from its rows", field="pools.swa.bytes_per_page")
     if c4:
-        raise ConfigError(f"pools 'c4_state', 'c4_index_state': DeepSeek-V4's C4 compressor rings ({e.items[num_swa]} B "
-                          "per SWA page) are addressed by the SWA page (state row = SWA page * ring + pos % ring), a "
-                          "ring inside each window page that no kvbridge kind describes", field="pools.c4_state.kind")
+        raise ConfigError(f"pools 'c4_state', 'c4_index_state': DeepSeek-V4's C4 compressor rings "
+                          f"({e.items[num_swa]} B per SWA page) are addressed by the SWA page (state row = SWA page "
+                          "* ring + pos % ring), a ring inside each window page that no kvbridge kind describes",
+                          field="pools.c4_state.kind")
     spec = PoolSpec(name="swa", dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW),
                     page_size=page_size, layer_ids=tuple(range(start, stop)), layout="values_then_scales",
                     value_bytes_per_token=V4_ROW[0], scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4",
@@ -384,10 +386,12 @@ def _c128_state(e: _Entries, ratios: Sequence[int] | None, kv_args: Any,
     item is 128 token rows (offline: token p at row p % 128, the n % 128 live ones from row 0) or
     one online row. A kvbridge tail slot of ratio 128 by request row when the ring is 128 rows."""
     if ratios is None:
-        raise ConfigError("SGLang state 'c128_state' without KVArgs.mla_compression_ratios", field="mla_compression_ratios")
+        raise ConfigError("SGLang state 'c128_state' without KVArgs.mla_compression_ratios",
+                          field="mla_compression_ratios")
     if any(r in (1, 2) for r in ratios):
         raise ConfigError("SGLang state 'c128_state' with ratio-1/2 layers: their pending-pair rings share the "
-                          "component with the C128 state and no kvbridge kind describes them", field="mla_compression_ratios")
+                          "component with the C128 state and no kvbridge kind describes them",
+                          field="mla_compression_ratios")
     start, stop = _stage(kv_args, ratios)
     ids = [i for i in range(start, stop) if ratios[i] == 128]
     if len(ids) != len(e.ptrs):
@@ -398,7 +402,8 @@ def _c128_state(e: _Entries, ratios: Sequence[int] | None, kv_args: Any,
                           "holds two 128-token pages per request, sent by (n - 1) % ring; kvbridge's tail slot is one "
                           "page per request row", field="c128_ring_size")
     if len(set(e.items)) != 1:
-        raise ConfigError(f"pool 'c128_state': items of {sorted(set(e.items))} B", field="pools.c128_state.bytes_per_token")
+        raise ConfigError(f"pool 'c128_state': items of {sorted(set(e.items))} B",
+                          field="pools.c128_state.bytes_per_token")
     tail = {} if geometry.c128_online else {"tail_ratio": 128}
     spec = kvb.state_pool("c128_state", ids, e.items[0], dtype="float32", kernel_abi="v4-compressor-c128", **tail)
     return [StatePool(e.state_type, spec, *e.cut(0, len(ids)))]
