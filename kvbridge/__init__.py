@@ -10,7 +10,7 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   ``compressed_pool``, ``state_pool``, ``mamba_pools``, ``deepseek_v4_pools``, what decode needs of each
   (``needed_extent``/``needed_bytes``, ``chunk_extent`` per prefill chunk) and the plan that moves it
   (``plan_kind`` over ``describe_buffer``'s descriptors; ``state_slices``/``state_tp_spec`` for state
-  slots across TP sizes; docs/models.md);
+  slots across TP sizes; docs/models.md); ``ROOM_POOL_KINDS``, the kinds the room endpoints carry;
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
   ``fingerprint``, ``diff_contracts``, ``weights_digest`` (a checkpoint's identity for ``model.weights``);
 - integrations: ``SettingsReader`` (the one settings convention, kvbridge/integrations/README.md);
@@ -80,10 +80,12 @@ from kvbridge.transfer.staging.settings import STAGING_MODES
 from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
 from kvbridge.bootstrap.starter import start_bootstrap
 from kvbridge.transfer.binding import room_binding, sign_room, verify_room
+from kvbridge.transfer.registration import ROOM_POOL_KINDS
 
 __all__ = [
     *_errors_all,
     "PRESETS",
+    "ROOM_POOL_KINDS",
     "STAGING_MODES",
     "SettingsReader",
     "WIRE_VERSION",

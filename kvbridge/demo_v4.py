@@ -1,15 +1,18 @@
 """``kvbridge demo --model tiny-deepseek-v4``: DeepSeek-V4's window, compressed and state pools
-moved between two Mooncake engines, every request colocated against disaggregated.
+moved room by room between a prefill and a decode endpoint, every request colocated against
+disaggregated.
 
     colocated        prefill (same chunks), greedy decode from the model's own cache
-    disaggregated    after every chunk the prefill side writes its cache into its pools and
-                     sends the chunk's share (``kvbridge.chunk_extent``, planned by
-                     ``plan_kind``) into poisoned decode pools at reversed units; decode
-                     rebuilds its cache from them and decodes
+    disaggregated    a room per request (``integrations/transformers/v4_rooms.py``): after every
+                     chunk the prefill side writes its cache into its pools and sends the chunk's
+                     pages; the rooms carry each kind's share (the window's pages, complete
+                     entries, the compressor state with the last chunk) into poisoned decode pools
+                     at reversed units; decode rebuilds its cache from them and decodes from the
+                     aux row's first token
     per request      bytes moved = bytes decode needs; logits bit-equal; tokens equal
 
-In one process, through two real Mooncake engines (TCP on loopback): the room endpoints and
-workers do not carry V4's pools yet (docs/models.md).
+In one process: a bootstrap daemon (a child process), the two endpoints and two transfer engines
+(Mooncake, TCP on loopback, by default).
 """
 
 from __future__ import annotations
@@ -25,23 +28,22 @@ def run_v4_demo(tokens: list[int], chunk_tokens: int, steps: int, seed: int = 0,
 
     torch.set_num_threads(threads)  # bit-equal logits need one thread count on both sides; and it is faster here
 
-    from kvbridge.integrations.transformers.v4 import run_v4_request, tiny_v4_model
-    from kvbridge.transfer.engine import LocalFabric, create_engine
+    import kvbridge as kvb
+    from kvbridge.integrations.transformers.v4 import tiny_v4_model
+    from kvbridge.integrations.transformers.v4_rooms import V4Rooms
 
     model = tiny_v4_model()
     rng = np.random.default_rng(seed)
-    fabric = LocalFabric() if engine == "local" else None
-    engines = (create_engine(engine, fabric=fabric), create_engine(engine, fabric=fabric)) if fabric \
-        else (create_engine(engine), create_engine(engine))
     per_request = []
-    try:
-        for n in tokens:
-            ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, n)))
-            cuts = list(range(chunk_tokens, n, chunk_tokens)) if chunk_tokens else []
-            per_request.append(run_v4_request(model, ids, cuts, engines, steps=steps))
-    finally:
-        for e in engines:
-            e.close()
+    with kvb.start_bootstrap() as (url, token):
+        rooms = V4Rooms(model, url, token=token, engine=engine)
+        try:
+            for n in tokens:
+                ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, n)))
+                cuts = list(range(chunk_tokens, n, chunk_tokens)) if chunk_tokens else []
+                per_request.append(rooms.run(ids, cuts, steps=steps))
+        finally:
+            rooms.close()
     ok = [r for r in per_request if r["logits_equal"] and r["tokens_equal"] and r["bytes_moved"] == r["bytes_needed"]]
     return {"model": "tiny-deepseek-v4", "engine": engine, "requests": len(per_request), "requests_ok": len(ok),
             "logits_equal": sum(r["logits_equal"] for r in per_request),
@@ -58,5 +60,5 @@ def format_v4_summary(summary: dict[str, Any]) -> str:
                      f"{'=' if r['logits_equal'] else '!':>7} {'=' if r['tokens_equal'] else '!':>7}  {r['generated']}")
     lines.append(f"requests {summary['requests']}: ok {summary['requests_ok']}, tokens equal {summary['tokens_equal']}, "
                  f"logits equal {summary['logits_equal']}, bytes moved = needed {summary['bytes_equal']} "
-                 f"(window, compressed and state pools; one process, {summary['engine']} engines)")
+                 f"(window, compressed and state pools through the rooms; one process, {summary['engine']} engines)")
     return "\n".join(lines)

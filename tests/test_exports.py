@@ -24,7 +24,7 @@ EXPECTED = {
     "fingerprint", "mooncake_available", "preset_pools", "rank_heads", "stage_specs", "start_bootstrap",
     # pool kinds (issue 30)
     "Extent", "chunk_extent", "compressed_pool", "deepseek_v4_pools", "describe_buffer", "lane_units", "mamba_pools", "needed_bytes", "needed_extent",
-    "plan_kind", "state_pool", "state_slices", "state_tp_spec", "window_pool",
+    "plan_kind", "state_pool", "state_slices", "state_tp_spec", "window_pool", "ROOM_POOL_KINDS",
     "room_binding", "sign_room", "verify_room", "weights_digest",
 }
 
@@ -33,6 +33,13 @@ def test_top_level_names_are_pinned_and_resolve():
     assert set(kvbridge.__all__) == EXPECTED and len(kvbridge.__all__) == len(EXPECTED)
     for name in kvbridge.__all__:
         assert getattr(kvbridge, name) is not None
+
+
+def test_room_pool_kinds_is_a_frozenset_of_known_kinds():
+    from kvbridge.layout.pools import KINDS
+
+    assert isinstance(kvbridge.ROOM_POOL_KINDS, frozenset) and "paged" in kvbridge.ROOM_POOL_KINDS
+    assert kvbridge.ROOM_POOL_KINDS <= set(KINDS)
 
 
 def test_transfer_names_are_pinned():

@@ -9,9 +9,9 @@ complete compressed entries + state) and V3.2's.
 
 GB/s (``--layers`` layers, host memory, lengths up to ``--max-move-tokens``): the same plans
 between two engines of one process (prefill's pages ascending, decode's shuffled), written
-with ``engine.write``; median of ``--reps``. The room protocol is not in these figures: the
-rooms do not carry the kinds yet (docs/models.md), so this is the data path alone, for both
-models alike.
+with ``engine.write``; median of ``--reps``. The room protocol is not in these figures (the
+rooms carry the kinds on the direct path: docs/concepts.md): this is the data path alone, for
+both models alike.
 """
 
 from __future__ import annotations

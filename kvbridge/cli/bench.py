@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS + KIND_PRESETS, default="deepseek-v3.2-fp8",
                    help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
                    "size beside V3.2's, and GB/s of both through one engine pair (--max-move-tokens, --layers; the "
-                   "rooms do not carry V4's pools yet)")
+                   "data path alone, not the rooms)")
     p.add_argument("--max-move-tokens", type=int, default=32 * 1024,
                    help="deepseek-v4: the longest length actually moved for GB/s (default 32K; longer ones are "
                    "computed from the layout only)")

@@ -55,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     m = p.add_argument_group("model mode")
     m.add_argument("--model", default="", help="tiny-qwen2, tiny-deepseek-v3 or a local Hugging Face directory; "
-                   "tiny-deepseek-v4: V4's window, compressed and state pools between two Mooncake engines in this "
-                   "process (the workers do not carry them yet), colocated against disaggregated")
+                   "tiny-deepseek-v4: V4's window, compressed and state pools through the rooms (a prefill and a decode "
+                   "endpoint in this process, two Mooncake engines), colocated against disaggregated")
     m.add_argument("--prefill-tp", type=int, default=1,
                    help="prefill TP ranks per CP rank (processes; each stores its KV heads) (default 1)")
     m.add_argument("--batch-size", type=int, default=3, help="requests prefilled together (default 3)")

@@ -41,9 +41,9 @@ from kvbridge.layout.aux import owner_of_last_token
 from kvbridge.layout.lanes import OwnerLanes
 from kvbridge.layout.pairing import BufferDesc
 from kvbridge.layout.plan import TransferPlan, broadcast_plan
-from kvbridge.layout.pools import COMPRESSED, KINDS, ROWS, STATE, WINDOW, PoolSpec
+from kvbridge.layout.pools import COMPRESSED, KINDS, PAGED, ROWS, STATE, WINDOW, PoolSpec
 
-__all__ = ["KINDS", "Extent", "check_kind_topology", "chunk_extent", "lane_units", "needed_bytes", "needed_extent",
+__all__ = ["KINDS", "Extent", "check_kind_topology", "kind_specs", "own_units_pools", "token_page_size", "chunk_extent", "lane_units", "needed_bytes", "needed_extent",
            "plan_kind", "row_bytes", "state_slices", "state_tp_spec", "tail_tokens"]
 
 
@@ -76,6 +76,27 @@ class Extent:
         start = np.where(units == self.first, self.first_row, 0).astype(np.int64)
         stop = np.where(units == self.stop - 1, self.last_rows, self.unit_rows).astype(np.int64)
         return start, stop - start
+
+
+def kind_specs(specs: dict[str, PoolSpec] | Sequence[PoolSpec] | object) -> dict[str, PoolSpec]:
+    """The pools of ``specs`` (name -> spec) that are not paged."""
+    return {name: spec for name, spec in specs.items() if spec.kind != PAGED}  # type: ignore[attr-defined]
+
+
+def own_units_pools(specs: dict[str, PoolSpec]) -> list[str]:
+    """Kind pools on units of their own, not the room's page mapping: compressed and state pools,
+    and ring windows (slots by request row). Paged windows share the token pages' mapping."""
+    return sorted(name for name, spec in specs.items()
+                  if spec.kind in (COMPRESSED, STATE) or (spec.kind == WINDOW and spec.ring_stride))
+
+
+def token_page_size(specs: dict[str, PoolSpec]) -> int:
+    """The page size of a room's page mapping: the token-paged pools' (paged and paged window;
+    the first pool's when none is)."""
+    for spec in specs.values():
+        if spec.kind == PAGED or (spec.kind == WINDOW and not spec.ring_stride):
+            return spec.page_size
+    return next(iter(specs.values())).page_size
 
 
 def _entries(spec: PoolSpec, num_tokens: int) -> int:

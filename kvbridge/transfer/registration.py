@@ -21,13 +21,17 @@ from kvbridge.transfer.engine import TransferEngine, tensor_region
 
 log = logging.getLogger(__name__)
 
+# the pool kinds the room endpoints carry (kvbridge.layout.pools.KINDS lists every kind planned);
+# an integration checks its pools against this before it opens an endpoint
+ROOM_POOL_KINDS: frozenset[str] = frozenset({"paged", "window", "compressed", "state"})
+
 
 class EndpointBuffers:
     """One buffer per (pool, layer id) of every spec (a tensor, an array or a ``RawBuffer``);
     checked on construction."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], buffers: Mapping[tuple[str, int], Any], rank: str) -> None:
-        unmoved = sorted(f"{name} ({spec.kind})" for name, spec in specs.items() if spec.kind != "paged")
+        unmoved = sorted(f"{name} ({spec.kind})" for name, spec in specs.items() if spec.kind not in ROOM_POOL_KINDS)
         if unmoved:  # the rooms move token pages of one mapping; the kinds are planned in kvbridge.layout.kinds
             raise BufferSpecError(f"pools {', '.join(unmoved)} are not paged: the room endpoints move paged pools "
                                   "only (window, compressed and state pools are planned by kvbridge.layout.kinds "
@@ -45,7 +49,11 @@ class EndpointBuffers:
         # host memory given as an address is read (digests) through a [pages, bytes_per_page] view of it
         self.tensors = {key: buf.host_view().reshape(-1, specs[key[0]].bytes_per_page)
                         if isinstance(buf, RawBuffer) and buf.on_host else buf for key, buf in buffers.items()}
-        self.min_capacity = min(d.capacity_pages for d in self.descs)
+        # the room's pages (token-paged pools: paged and paged window) lie inside this; compressed,
+        # state and ring pools are checked on their own units (transfer/prefill/kinds.py)
+        token = [d for d in self.descs if specs[d.pool].kind == "paged"
+                 or (specs[d.pool].kind == "window" and not specs[d.pool].ring_stride)]
+        self.min_capacity = min(d.capacity_pages for d in (token or self.descs))
         self._registered: list[int] = []
 
     @property

@@ -631,6 +631,7 @@ def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
     dm.scratch = True  # (a rank that registered a scratch region)
     (echo,) = of(dm.feed(ev.Message("tcp://p0", wire.Challenge(offset=32), 2.5)), ev.EchoScratch)
     assert echo == ev.EchoScratch("tcp://p0", 32)  # read and sent by the shell
+    feed(ev.InitKinds(r2, {}))  # the engine's kind units (a paged model has none: nothing claimed)
     feed(Shutdown("the endpoint closes", 3.0))
     assert fed == set(ev.EVENTS), set(ev.EVENTS) - fed
     with pytest.raises(TypeError, match="does not take"):

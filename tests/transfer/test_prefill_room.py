@@ -918,6 +918,7 @@ def test_every_event_type_of_the_prefill_machine_is_fed_through_its_one_door(ms)
     feed(ev.Closing())
     with pytest.raises(KVBridgeError, match="shutting down"):
         ms.open(54, 4.3)
+    feed(ev.KindUnits(r, {}))  # the engine's units of kind pools (a paged model has none: nothing kept)
     feed(Shutdown("the endpoint closes", 4.4))
     assert fed == set(ev.EVENTS), set(ev.EVENTS) - fed
     with pytest.raises(TypeError, match="does not take"):

@@ -8,6 +8,7 @@ byte for byte, logit for logit and token for token.
     runner.py     prefill (one shot or chunked) -> pages; pages -> cache; greedy decode
     check.py      bytes equal, poison intact, logits bit-equal, tokens equal
     rank.py       one rank: model + pools + paged buffers + contract (contract_for) + aux row
+    v4.py         DeepSeek-V4's cache <-> its window, compressed and state pools; v4_rooms.py: through the rooms
 
 ``import kvbridge`` never imports this package; this package imports torch, and
 transformers (an optional extra, ``pip install kvbridge[model]``) only when a

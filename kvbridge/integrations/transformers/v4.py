@@ -27,7 +27,7 @@ import torch
 import kvbridge as kvb
 from kvbridge.integrations.transformers.kinds import KindPools, send_chunk
 
-__all__ = ["TINY_V4", "V4Pools", "run_v4_request", "send_chunk", "tiny_v4_model", "v4_specs"]
+__all__ = ["TINY_V4", "V4Pools", "greedy_decode", "prefill_chunks", "run_v4_request", "send_chunk", "tiny_v4_model", "v4_specs"]
 
 # A tiny random DeepSeek-V4: HCA and CSA layers, indexer on, window 16, ratios 4 and 32 (small
 # so that short prompts complete HCA windows); float32, built in a second from a fixed seed.
@@ -134,7 +134,9 @@ class V4Pools(KindPools):
         return cache
 
 
-def _prefill(model: Any, ids: torch.Tensor, cuts: list[int]) -> Any:
+def prefill_chunks(model: Any, ids: torch.Tensor, cuts: list[int]) -> Any:
+    """Prefill ``ids`` in chunks ending at ``cuts`` (and the end): per chunk, the cache, the
+    chunk's bounds, whether it is the last, and the last position's logits."""
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -145,7 +147,8 @@ def _prefill(model: Any, ids: torch.Tensor, cuts: list[int]) -> Any:
         yield cache, a, b, i == len(bounds) - 2, out.logits[:, -1]
 
 
-def _decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+def greedy_decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """``steps`` greedy steps from ``cache`` after token ``first``: their logits and the tokens."""
     logits, tokens, tok = [], [int(first)], first
     for _ in range(steps):
         with torch.no_grad():
@@ -164,9 +167,9 @@ def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tupl
     bytes moved and needed, whether logits are bit-equal and tokens equal, and the tokens;
     ``reports`` gets what each chunk reported (``send_chunk``)."""
     n = ids.shape[1]
-    for cache, *_, logits in _prefill(model, ids, cuts):
+    for cache, *_, logits in prefill_chunks(model, ids, cuts):
         pass
-    want, want_tokens = _decode(model, cache, logits[0].argmax(), steps)
+    want, want_tokens = greedy_decode(model, cache, logits[0].argmax(), steps)
     specs = v4_specs(model.config, page_size=page_size)
     src_pools, dst_pools = V4Pools(specs, capacity), V4Pools(specs, capacity, fill=0xEE)
     src_pools.allocate(n, needed=False, base=1)
@@ -178,7 +181,7 @@ def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tupl
         dst.register(ptr, size)
     try:
         moved = 0
-        for cache, done, end, last, logits in _prefill(model, ids, cuts):
+        for cache, done, end, last, logits in prefill_chunks(model, ids, cuts):
             src_pools.write_cache(cache, end, last)
             moved += send_chunk(src_pools, dst_pools, src, dst.session_id, n, done, end, last, reports=reports)
     finally:
@@ -186,7 +189,7 @@ def run_v4_request(model: Any, ids: torch.Tensor, cuts: list[int], engines: tupl
             src.unregister(ptr)
         for ptr, _ in dst_pools.regions():
             dst.unregister(ptr)
-    got, got_tokens = _decode(model, dst_pools.read_cache(model.config, n), logits[0].argmax(), steps)
+    got, got_tokens = greedy_decode(model, dst_pools.read_cache(model.config, n), logits[0].argmax(), steps)
     return {"tokens": n, "bytes_moved": moved, "bytes_needed": sum(kvb.needed_bytes(s, n) for s in specs.values()),
             "logits_equal": bool(torch.equal(got, want)), "tokens_equal": got_tokens == want_tokens,
             "generated": got_tokens}

@@ -123,9 +123,15 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     # the digest of the request I decode (``transfer/binding.py``): a room its engine opened bound to
     # another digest refuses me at once (b"": I bind nothing; refused by a bound room)
     binding: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    # the pool kinds beyond paged KV (``transfer/prefill/kinds.py``): per compressed or state pool,
+    # my physical units (LE int32) of the units I need, from the needed extent's first (state: the
+    # slot); window pools use ``page_ids`` (token-paged pools share one mapping)
+    kind_units: dict[str, bytes] = {}
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)
+        for pool, units in self.kind_units.items() if isinstance(self.kind_units, dict) else ():
+            _check_pages(self, f"kind_units.{pool}", units)
         if self.staging_only and not self.staging_slots:
             raise ProtocolError("staging_only without a staging area (staging_slots 0)", room=self.room,
                                 field="staging_only")
@@ -188,12 +194,19 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
     digests: bytes | None
     aux: bool = False
     num_tokens: Count = 0
+    # the pool kinds beyond paged KV: per window, compressed or state pool, the logical units
+    # (LE int32) the write carried; ``kind_last``: the write carried the room's last chunk of them
+    # (state travels only then)
+    kind_units: dict[str, bytes] = {}
+    kind_last: bool = False
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "failed"):
             raise ProtocolError(f"field 'status' of pages_done must be one of ('ok', 'failed'), got {self.status!r:.40}",
                                 room=self.room, field="status")
         _check_pages(self, "logical_pages", self.logical_pages)
+        for pool, units in self.kind_units.items() if isinstance(self.kind_units, dict) else ():
+            _check_pages(self, f"kind_units.{pool}", units)
 
 
 class AbortAck(_Message, frozen=True, tag="abort_ack"):

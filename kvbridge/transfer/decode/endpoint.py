@@ -44,6 +44,8 @@ from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, Leas
                                              ReadForCommit, Refresh, Refreshed, Registered, Scattered, ScatterFailed,
                                              SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
+from kvbridge.transfer.decode.events import InitKinds
+from kvbridge.transfer.decode.kind_rooms import check_decode_kind_config
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
@@ -88,6 +90,7 @@ class DecodeEndpoint(EndpointShell):
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
+        check_decode_kind_config(self.specs, staging=config.staging, verify_digest=config.verify_digest, rank=rank)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
         self.contract = contract.with_transport(engine.transport)
@@ -115,6 +118,7 @@ class DecodeEndpoint(EndpointShell):
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,
                                                                     aux_ranges=self._aux_ranges),
+            kind_buffers=self.buffers.descs,
         )  # fmt: skip
         self._peers: PeerSet | None = None
         self._scattering: deque[tuple[Any, Scatter]] = deque()  # GPU scatters queued: (event, action)
@@ -255,7 +259,7 @@ class DecodeEndpoint(EndpointShell):
         return self.machine.open(room, prefill_instance, dp_rank, time.monotonic())
 
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None, first_page: int,
-                  binding: bytes = b"") -> None:
+                  binding: bytes = b"", kind_units: Any = None) -> None:
         """KVReceiver.init(): the engine's input checked here (nothing kept when it is bad)."""
         pages = page_ids if type(page_ids) is np.ndarray and page_ids.ndim == 1 else np.asarray(page_ids).reshape(-1)
         ctx = dict(room=r.room, rank=self.config.rank_label)
@@ -289,7 +293,10 @@ class DecodeEndpoint(EndpointShell):
         self.aux.check_slot(aux_slot, room=r.room)
         if not isinstance(binding, bytes) or len(binding) > 64:
             raise LayoutError(f"binding must be at most 64 bytes, got {binding!r:.80}", field="binding", **ctx)
+        kinds = self.machine.kinds.check_units(r.room, kind_units, num_tokens, first_page)
         with self._lock:
+            if self.machine.kinds:
+                self._feed_event(InitKinds(r, kinds))  # (raises, keeping nothing, when its state slot is taken)
             r.binding = binding
             # (a copy: the engine may reuse its array); topology known (cached or looked up): the
             # requests go out from this thread, no hop to the loop

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.decode.room import DecodeRoom
 
 __all__ = [
-    "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "LeaseChecked", "LookUp", "LookedUp", "Message",
+    "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "InitKinds", "LeaseChecked", "LookUp", "LookedUp", "Message",
     "ReadForCommit", "Refresh", "Refreshed", "Registered", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
 ]
 
@@ -124,6 +124,15 @@ class Init:
 
 
 @dataclass(frozen=True, slots=True)
+class InitKinds:
+    """KVReceiver.init(kind_units=), checked by the shell (``kind_rooms.py``): the room's units of
+    its compressed, state and ring pools; fed before its ``Init``."""
+
+    room: DecodeRoom
+    units: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
 
@@ -194,5 +203,5 @@ class CommitRead:
 
 EVENTS = (
     Registered, SetStaging, Init, AbortRoom, CloseRoom, Shutdown, Message, LookedUp, Refreshed, LeaseChecked,
-    Scattered, ScatterFailed, CommitRead, Tick,
+    Scattered, ScatterFailed, CommitRead, Tick, InitKinds,
 )

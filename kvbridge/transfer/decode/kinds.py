@@ -108,6 +108,20 @@ class StateSlots:
         self._held[room] = slot
         return slot
 
+    def claim(self, room: int, slot: int) -> None:
+        """Room ``room`` holds slot ``slot``, chosen by the engine (its request row): refused while
+        another room holds it or drains it (a write may still land there: hard rule 6)."""
+        if room in self._held or room in self._draining:
+            raise StagingSlotError(f"room {room} already holds a state slot", room=room, field="room")
+        if not 0 <= slot < self.capacity:
+            raise StagingSlotError(f"state slot {slot} outside the {self.capacity} registered", room=room, field="slot")
+        busy = {s: r for r, s in self._held.items()} | {s: r for r, (s, _) in self._draining.items()}
+        if slot in busy:
+            raise StagingSlotError(f"state slot {slot} is held by room {busy[slot]}", room=room, field="slot")
+        if slot in self._free:
+            self._free.remove(slot)
+        self._held[room] = slot
+
     def succeed(self, room: int) -> int:
         """The room committed: its slot now belongs to the engine's request (returned)."""
         return self._take(room)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,8 @@ from kvbridge.errors import (
     LayoutError,
     LedgerError,
 )
-from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
+from kvbridge.layout.kinds import token_page_size
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
@@ -42,6 +43,8 @@ from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, Ech
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
+from kvbridge.transfer.decode.events import InitKinds
+from kvbridge.transfer.decode.kind_rooms import DecodeKinds
 from kvbridge.transfer.decode.staging import DecodeStaging
 from kvbridge.transfer.decode.topologies import Key, SenderKey, Topologies
 from kvbridge.transfer.poll import KVPoll
@@ -67,7 +70,8 @@ class DecodeRooms:
 
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  trace: bool = False, staging: DecodeStaging | None = None,
-                 proof_key: ProofKey | None = None, scratch: bool = True) -> None:
+                 proof_key: ProofKey | None = None, scratch: bool = True,
+                 kind_buffers: Sequence[BufferDesc] = ()) -> None:
         self.cfg = config
         self.proof_key = proof_key
         self.scratch = scratch
@@ -80,8 +84,11 @@ class DecodeRooms:
         self.rooms: Rooms[DecodeRoom] = Rooms(config.rank_label, "KVReceiver", "receiver(room, ..., wait=...)")
         self.peers = PrefillPeers(config)
         self.topologies = Topologies(config, self.specs)
-        self.page_size = next(iter(self.specs.values())).page_size
-        self.pools = sorted(self.specs)
+        self.page_size = token_page_size(self.specs)  # the room's page mapping (paged windows share it)
+        self.pools = sorted(p for p, s in self.specs.items() if s.kind == "paged")  # the page ledger's
+        # the window, compressed and state pools' books (``kind_rooms.py``; ``kind_buffers``: our
+        # registered buffers of them, whose capacities bound the units)
+        self.kinds = DecodeKinds(self.specs, kind_buffers, config.rank_label)
         self.bytes_per_token = sum(s.bytes_per_token * s.num_layers for s in self.specs.values())
         self.dirty: set[int] = set()  # rooms to advance at the next tick
         self.next_scan = 0.0
@@ -290,6 +297,7 @@ class DecodeRooms:
         if r.life.stage != Stage.DRAINING or not r.state.final or not r.pages_releasable:
             return
         self.rooms.forget(r, now)
+        self.kinds.release(r.room)  # its state slot frees with its pages
         if self.staging is not None:
             self.staging.forget(r.room)
         self._out.append(FreeRoom(r.room))  # receiver(room, ..., wait=...) may open it now
@@ -381,6 +389,8 @@ class DecodeRooms:
                         raise LedgerError("digest check is on but the prefill rank sent no digests", room=r.room,
                                           rank=f"cp{msg.cp_rank}", field="digests")
                     r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64), key, tuple(msg.pools)))
+            if msg.kind_units:  # window, compressed and state units (kind_rooms.py)
+                self.kinds.record(r.room, msg, _label(msg, endpoint, key, r))
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
@@ -441,6 +451,8 @@ class DecodeRooms:
         """Every page is written: ask the shell to read the aux row (and the digests to check)."""
         if r.state.final or r.ledger is None or not r.ledger.complete or r.commit_reading:
             return
+        if not self.kinds.complete(r.room):
+            return  # a window, compressed or state unit is not reported yet
         if self.staging is not None and self.staging.pending.get(r.room):
             return  # a landed chunk is not scattered yet: its pages are not written
         r.commit_reading = True
@@ -486,6 +498,7 @@ class DecodeRooms:
                 return
         r.keep_aux_row(e.row, schema)
         r.state.advance_to(KVPoll.Success, now=now)
+        self.kinds.succeed(r.room)
         if self.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms",
                      r.room, self.cfg.rank_label, r.age_ms(now), now, dict(sorted(r.ledger.pages_by_rank.items())),
@@ -566,6 +579,7 @@ class DecodeRooms:
             stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
                          f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}"
+                         + (f", of the kind pools {self.kinds.missing(r.room)}" if self.kinds.missing(r.room) else "")
                          + (f" from pipeline stage(s) {', '.join(f'pp{s}' for s in stages)}" if stages else ""), now)
         elif st == KVPoll.Failed and not r.pages_releasable and now - r.last_abort >= ABORT_RESEND_S:
             r.abort_sent.clear()  # aborts are idempotent: ask again until every rank is quiet
@@ -591,11 +605,12 @@ class DecodeRooms:
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
-                **staging,
+                kind_units=self.kinds.request_units(r.room), **staging,
             )))
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)
         r.start_ledger(self.pools)
+        self.kinds.start(r.room, r.num_tokens)
         for key, s, _ in r.placement.asks:
             peer = self.peers.peer(s, r.prefill_instance, now)
             if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death
@@ -646,4 +661,16 @@ _HANDLERS: dict[type, Callable[[DecodeRooms, Any], None]] = {
     LeaseChecked: DecodeRooms._lease_checked, Scattered: DecodeRooms._scattered,
     ScatterFailed: DecodeRooms._scatter_failed, CommitRead: DecodeRooms._commit_read, Tick: DecodeRooms._tick,
 }
+
+
+def _init_kinds(self: DecodeRooms, e: InitKinds) -> None:
+    """KVReceiver.init(kind_units=), checked by the shell: the room's units of its window,
+    compressed and state pools kept, its state slot claimed (a failed room's slot is taken back
+    once its pages are releasable)."""
+    held = {room: (r is None or (r.state.state == KVPoll.Failed and r.pages_releasable))
+            for room in self.kinds.draining() for r in (self.rooms.get(room),)}
+    self.kinds.claim(e.room.room, e.units, held)
+
+
+_HANDLERS[InitKinds] = _init_kinds
 assert set(_HANDLERS) == set(EVENTS), "every event type of events.py has its handler here"

@@ -26,7 +26,7 @@ class Endpoint(Protocol):
 
     def locked(self, fn: Callable[[], T]) -> T: ...
     def init_room(self, r: DecodeRoom, page_ids: Any, aux_slot: int, num_tokens: int | None,
-                  first_page: int, binding: bytes = b"") -> None: ...
+                  first_page: int, binding: bytes = b"", kind_units: Any = None) -> None: ...
     def abort_room(self, r: DecodeRoom, reason: str) -> None: ...
 
 
@@ -41,15 +41,22 @@ class KVReceiver(RoomHandle):
     _room: DecodeRoom
 
     def init(self, page_ids: Any, aux_slot: int, num_tokens: int | None = None, *, first_page: int = 0,
-             binding: bytes = b"") -> None:
+             binding: bytes = b"", kind_units: dict[str, Any] | None = None) -> None:
         """Where the room goes: ``num_tokens`` valid tokens (None: only the pages are known; the
         request has ``first_page + len(page_ids)`` pages and prefill says the count); this rank
         already holds logical pages ``[0, first_page)``; logical page ``first_page + i`` goes to
         physical page ``page_ids[i]`` (one mapping for every pool); the aux row goes to row
         ``aux_slot`` of the aux buffers. ``binding``: the request's digest
         (``kvbridge.room_binding``), presented with the claim; a room bound to another request
-        fails this one at once (RoomBindingError's reason), nothing written."""
-        self._ep.init_room(self._room, page_ids, aux_slot, num_tokens, first_page, binding)
+        fails this one at once (RoomBindingError's reason), nothing written.
+
+        ``kind_units``: for the compressed, state and ring-window pools (units of their own),
+        this rank's physical units of what decode needs of ``num_tokens`` tokens
+        (``kvbridge.needed_extent``: the complete entries' pages from the extent's first; a
+        state or ring pool: its one slot, the request row). Window pools on pages receive the
+        window's pages of ``page_ids``. ``num_tokens`` is required with any such pool. A state
+        slot that a failed room's writes may still reach is refused (hard rule 6)."""
+        self._ep.init_room(self._room, page_ids, aux_slot, num_tokens, first_page, binding, kind_units)
 
     def wait_bootstrapped(self, timeout: float) -> OwnerLanes:
         """Block until the prefill topology is known; its owner lanes (allocate pages lane-major

@@ -41,7 +41,8 @@ import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, RoomEnded, TransferError, UnknownInstance
+from kvbridge.errors import (ConfigError, KVBridgeError, LayerRangeError, LayoutError, RoomEnded, TransferError,
+                             UnknownInstance)
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
@@ -58,6 +59,8 @@ from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineIni
                                               Posted, PostWrite, ProofReadBack, ReleaseAux, Resolved, SendDigested,
                                               Serving, WriteFinal)
 from kvbridge.transfer.prefill.machine import PrefillRooms
+from kvbridge.transfer.prefill.events import KindUnits
+from kvbridge.transfer.prefill.kinds import check_kind_config, token_page_size
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
@@ -123,6 +126,8 @@ class PrefillEndpoint(EndpointShell):
         self.engine = engine
         # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
         self.specs = _stage_specs(config, specs, contract.model.target_layers)
+        check_kind_config(self.specs, cp_size=config.cp_size, lane_rule=config.lane_rule, pp_size=config.pp_size,
+                          staging=config.staging, rank=rank)  # what the rooms carry of window/compressed/state
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (decode ranks on another are refused)
         self.contract = contract = contract.with_transport(engine.transport)
@@ -131,7 +136,7 @@ class PrefillEndpoint(EndpointShell):
         self.aux_schema = aux_schema
         self.aux_staging = AuxStaging(aux_schema, config.aux_slots, rank=rank, device=config.aux_device)
         self.aux_buffers = None if aux_buffer is None else AuxBuffers(aux_schema, aux_buffer, rank=rank)
-        self.page_size = next(iter(self.specs.values())).page_size
+        self.page_size = token_page_size(self.specs)
         self.trace = config.trace or os.environ.get("KVBRIDGE_TRACE") == "1"
         # the gather buffer staged writes leave from (docs/staging.md)
         self.gather = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
@@ -257,9 +262,16 @@ class PrefillEndpoint(EndpointShell):
             self._feed_event(SetMode(mode))
 
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None, first_page: int = 0,
-                  binding: bytes = b"") -> None:
+                  binding: bytes = b"", kind_units: Any = None) -> None:
         with self._lock:
+            if kind_units is not None:
+                self._feed_event(KindUnits(r, kind_units))
             self._feed_event(EngineInit(r, num_tokens, num_pages, time.monotonic(), first_page, binding))
+
+    def kind_units(self, r: PrefillRoom, kind_units: Any) -> None:
+        """KVSender.send(kind_units=) ahead of its chunk: the units as the engine has them now."""
+        with self._lock:
+            self._feed_event(KindUnits(r, kind_units))
 
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None:
@@ -278,6 +290,10 @@ class PrefillEndpoint(EndpointShell):
                                                 f"{why}); nothing queued: poll() says a room's final state",
                                                 room=r.room, rank=self.config.rank_label, field="send"))
                 return
+            if layers is not None and self.machine.kinds:
+                raise LayerRangeError(f"pools {sorted(self.machine.kinds.specs)} are window, compressed or state pools: "
+                                      "layer-range sends are not carried for them", room=r.room,
+                                      rank=self.config.rank_label, field="layers")
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)

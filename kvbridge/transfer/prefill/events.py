@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.prefill.room import PrefillRoom
 
 __all__ = [
-    "EVENTS", "AuxFrom", "Chunk", "Closing", "EngineInit", "Gc", "Message", "Post", "PostFailed", "PostWrite",
+    "EVENTS", "AuxFrom", "Chunk", "KindUnits", "Closing", "EngineInit", "Gc", "Message", "Post", "PostFailed", "PostWrite",
     "Posted", "ProofReadBack", "ReleaseAux", "Resolved", "SendDigested", "Serving", "WriteFinal",
 ]
 
@@ -110,6 +110,15 @@ class EngineInit:
     now: float
     first_page: int = 0
     binding: bytes = b""  # the request's digest (transfer/binding.py); b"" when the room is not bound
+
+
+@dataclass(frozen=True, slots=True)
+class KindUnits:
+    """KVSender.init/send(kind_units=), checked by the shell: our physical units of the room's
+    compressed, state and ring-window pools (``prefill/kinds.py``)."""
+
+    room: PrefillRoom
+    units: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,4 +220,5 @@ class Gc:
 EVENTS = (
     Serving, Closing, EngineInit, Chunk, Post, AbortRoom, CloseRoom, Shutdown, Message, Resolved, NonceWritten, ProofReadBack,
     Posted, PostFailed, ChunkPosted, ChunkPostFailed, WriteFinal, SetMode, Tick, Gc,
+    KindUnits,
 )

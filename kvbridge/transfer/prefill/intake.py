@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
@@ -56,6 +57,7 @@ class Intake:
         self.aux_schema = aux_schema
         self.fingerprint = fingerprint
         self.digests_readable = digests_readable
+        self.kinds: Any = None  # the kind pools' book (prefill/kinds.py: KindWrites), set by the room machine
 
     def bound(self, r: PrefillRoom | None, req: wire.TransferRequest) -> Refusal | None:
         """The claim presents the room's binding (``transfer/binding.py``), or is refused now,
@@ -103,6 +105,12 @@ class Intake:
             return Refusal(REFUSED, str(exc))
         if req.decode_rank in r.targets:
             return Refusal(FAILED, f"decode rank {req.decode_rank} asked twice for this room")
+        if self.kinds:  # the window, compressed and state pools it asks (prefill/kinds.py)
+            try:
+                self.kinds.accept(req, peer.buffers, target.dst_pages, r.num_tokens or 0)
+            except KVBridgeError as exc:
+                return Refusal(REFUSED, str(exc))
+            target.kind_wait = self.kinds.wants(req.room, req.decode_rank)
         return target, offer
 
     def abort(self, r: PrefillRoom | None, instance: str | None, msg: wire.Abort) -> Refusal | None:

@@ -47,6 +47,8 @@ from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkFinal, ChunkPos
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.intake import ERROR, NOW, REFUSED, Intake, Refusal
 from kvbridge.transfer.prefill.writes import Writes, trace_room
+from kvbridge.transfer.prefill.kinds import KindWrites, token_page_size
+from kvbridge.transfer.prefill.events import KindUnits
 from kvbridge.transfer.rooms import Rooms, Stage
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class PrefillRooms:
         self.layer_span = config.pp_layers if config.pp_layers is not None else (0, self.num_target_layers)
         self.trace = trace
         self.lanes = OwnerLanes(config.cp_size, config.lane_rule)
-        self.page_size = next(iter(self.specs.values())).page_size
+        self.page_size = token_page_size(self.specs)  # the room's page mapping (window pools share it)
         self.rooms: Rooms[PrefillRoom] = Rooms(config.rank_label, "KVSender", "sender(room, wait=...)")
         self.peers = DecodePeers()
         self.endpoint = ""  # our control endpoint as decode ranks dial it (``Serving``)
@@ -88,8 +90,12 @@ class PrefillRooms:
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
         self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
         # the writes in flight, direct and staged (``writes.py``)
+        # the window, compressed and state pools' share of each write (``kinds.py``)
+        self.kinds = KindWrites(self.specs, src_bufs, lanes=self.lanes, cp_rank=config.cp_rank,
+                                tp_size=config.tp_size, rank=config.rank_label)
+        self.intake.kinds = self.kinds
         self.writes = Writes(self.specs, src_bufs, aux_schema, self.num_target_layers, self.stage,
-                             cp_rank=config.cp_rank, rank=config.rank_label, trace=trace)
+                             cp_rank=config.cp_rank, rank=config.rank_label, trace=trace, kinds=self.kinds)
         self.dirty: set[int] = set()  # rooms with new chunks or targets: posted and settled at the next tick
         self.later: set[int] = set()  # rooms with a staged chunk's next group to plan: posted at the next tick
         self.next_deadline_scan = 0.0
@@ -523,6 +529,7 @@ class PrefillRooms:
         self._flush_replies(r)
         self.rooms.forget(r, now, tombstone=True)
         self._stage(self.stage.feed(RoomGone(r.room)), now)
+        self.kinds.forget(r.room)
         self._out.append(FreeRoom(r.room))  # sender(room, wait=...) may open it now
 
     # -- the clock --------------------------------------------------------------
@@ -592,4 +599,13 @@ _HANDLERS: dict[type, Callable[[PrefillRooms, Any], None]] = {
     ChunkPostFailed: PrefillRooms._pass_on, WriteFinal: PrefillRooms._write_final, SetMode: PrefillRooms._pass_on,
     Tick: PrefillRooms._tick, Gc: PrefillRooms._gc,
 }
+
+
+def _kind_units(self: PrefillRooms, e: KindUnits) -> None:
+    """The engine's units of the room's compressed, state and ring pools (checked; raises,
+    keeping nothing, when they are bad)."""
+    self.kinds.engine_units(e.room.room, e.units)
+
+
+_HANDLERS[KindUnits] = _kind_units
 assert set(_HANDLERS) == set(EVENTS), "every event type of events.py has its handler here"

@@ -104,6 +104,7 @@ class PrefillRoom:
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []  # complete pages, in the order they were ready
         self.chunk_events: list[Any] = []  # per chunk: the CUDA event(s) its source pages wait on, or None
         self.chunk_layers: list[tuple[int, int] | None] = []  # per chunk: its target layer range (None: all)
+        self.chunk_tokens: list[int] = []  # per chunk: the tokens ready when it was queued (the kind pools' bound)
         self.local_of: np.ndarray = _EMPTY  # per logical page: the local page it was handed in at (-1: not yet)
         # per logical page and target layer of the span: handed in (allocated by the first layer-range send)
         self.layers_given: np.ndarray | None = None
@@ -269,6 +270,7 @@ class PrefillRoom:
             and t.posted == len(self.chunks)
             and t.num_pages_done == t.num_expected
             and (t.aux_done or not (self.owns_last_token and t.aux_source))
+            and not t.kind_wait
         )
 
     # -- engine input ---------------------------------------------------------
@@ -423,6 +425,7 @@ class PrefillRoom:
                 self.chunks.append((logical, local))
                 self.chunk_events.append(ready_event)
                 self.chunk_layers.append(span)
+                self.chunk_tokens.append(ready)
             self.last_event = ready_event
             self.num_tokens_ready = ready
             self.is_last = is_last
@@ -441,6 +444,7 @@ class PrefillRoom:
             self.chunks.append((pend_logical[complete], pend_local[complete]))
             self.chunk_events.append(ready_event)  # on one stream, it also covers the held pages' rows
             self.chunk_layers.append(None)
+            self.chunk_tokens.append(ready)
         self.last_event = ready_event
         self.num_tokens_ready = ready
         self.is_last = is_last

@@ -22,7 +22,8 @@ class Endpoint(Protocol):
 
     def locked(self, fn: Callable[[], T]) -> T: ...
     def init_room(self, r: PrefillRoom, num_tokens: int | None, num_pages: int | None,
-                  first_page: int = 0, binding: bytes = b"") -> None: ...
+                  first_page: int = 0, binding: bytes = b"", kind_units: Any = None) -> None: ...
+    def kind_units(self, r: PrefillRoom, kind_units: Any) -> None: ...
     def send_chunk(self, r: PrefillRoom, logical: Any, local: Any, num_tokens_ready: int | None, is_last: bool,
                    aux: Any, aux_slot: int | None, ready_event: Any = None, layers: Any = None) -> None: ...
     def abort_room(self, r: PrefillRoom, reason: str) -> None: ...
@@ -38,7 +39,7 @@ class KVSender(RoomHandle):
     _room: PrefillRoom
 
     def init(self, num_tokens: int | None = None, *, num_pages: int | None = None, first_page: int = 0,
-             binding: bytes = b"") -> None:
+             binding: bytes = b"", kind_units: dict[str, Any] | None = None) -> None:
         """The request's length: its valid token count, or, for an engine that only knows pages
         (SGLang), ``num_pages`` alone; then the last ``send()`` says the token count in its
         ``num_tokens_ready``, and the last page waits for it, so that only its valid rows
@@ -53,8 +54,14 @@ class KVSender(RoomHandle):
         ``binding``: the request's digest (``kvbridge.room_binding(prompt token ids)``); a decode
         rank whose claim presents another digest is refused at once, nothing written or read;
         one that claimed first with another digest makes this call raise RoomBindingError.
-        b"" binds nothing (any claim is served)."""
-        self._ep.init_room(self._room, num_tokens, num_pages, first_page, binding)
+        b"" binds nothing (any claim is served).
+
+        ``kind_units``: for the compressed, state and ring-window pools (units of their own, not
+        the room's pages), this rank's physical unit of each logical unit: a compressed pool's
+        entry pages from logical page 0, a state or ring pool's one slot (the request row).
+        Window pools on pages use the pages given to ``send()``. ``send(kind_units=)`` replaces
+        them (an engine that allocates as it computes)."""
+        self._ep.init_room(self._room, num_tokens, num_pages, first_page, binding, kind_units)
 
     @property
     def decode_first_page(self) -> int:
@@ -67,7 +74,8 @@ class KVSender(RoomHandle):
 
     def send(self, logical_pages: Any, local_pages: Any, *, num_tokens_ready: int | None = None,
              is_last: bool = False, aux: AuxRow | np.ndarray | dict | None = None, aux_slot: int | None = None,
-             ready_event: Any = None, layers: tuple[int, int] | None = None) -> None:
+             ready_event: Any = None, layers: tuple[int, int] | None = None,
+             kind_units: dict[str, Any] | None = None) -> None:
         """Queue owned pages: ``logical_pages[i]`` is stored at this rank's physical page
         ``local_pages[i]``. ``num_tokens_ready`` (required unless ``is_last``): tokens
         ``[0, t)`` exist; a page not complete within them is held until a later chunk
@@ -90,6 +98,8 @@ class KVSender(RoomHandle):
         layers when the last chunk comes raise LayerRangeError (nothing queued). The last send
         may carry the last range, or no pages at all (then the aux row and any page held from
         an earlier chunk)."""
+        if kind_units is not None:  # (before the chunk: it may complete units of them)
+            self._ep.kind_units(self._room, kind_units)
         self._ep.send_chunk(self._room, logical_pages, local_pages, num_tokens_ready, is_last, aux, aux_slot,
                             ready_event, layers)
 

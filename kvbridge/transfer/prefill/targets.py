@@ -138,6 +138,8 @@ class DecodePeer:
         whole: list[str] = []
         sliced: dict[HeadSlice, list[str]] = {}
         for pool in route.pools_from(src_rank):
+            if specs[pool].kind != "paged":  # window, compressed and state pools: planned by prefill/kinds.py
+                continue
             hs = route.slice_from(pool, src_rank)
             if hs is None:
                 whole.append(pool)
@@ -240,6 +242,7 @@ class Target:
     # layer-range writes: per logical page, target layers written (final, ok); None: none yet
     layers_done: np.ndarray | None = None
     cut: dict[tuple[int, int], tuple[TargetPart, ...]] = field(default_factory=dict)  # layer range -> its parts
+    kind_wait: bool = False  # window, compressed or state units still to write to it (prefill/kinds.py)
 
     @property
     def active(self) -> bool:

@@ -29,6 +29,7 @@ from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.prefill.events import Posted, PostWrite, SendDigested
+from kvbridge.transfer.prefill.kinds import KindWrites
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkCounted, ChunkPosted, StagedWrites, StageWrite, Started
 from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target
@@ -55,9 +56,11 @@ class Writes:
     handle -> write id, the bytes and slices posted."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], aux_schema: AuxSchema,
-                 num_target_layers: int, stage: StagedWrites, *, cp_rank: int, rank: str, trace: bool) -> None:
+                 num_target_layers: int, stage: StagedWrites, *, cp_rank: int, rank: str, trace: bool,
+                 kinds: KindWrites | None = None) -> None:
         """``stage``: the staged-writes machine, which chooses each target's path and group size
-        and takes the staged writes (``StageWrite``)."""
+        and takes the staged writes (``StageWrite``); ``kinds``: the window, compressed and state
+        pools' share of each write (``kinds.py``; None or empty: paged pools only)."""
         self.specs = specs
         self.src_bufs = src_bufs
         self.aux_schema = aux_schema
@@ -72,6 +75,9 @@ class Writes:
         self.num_bytes = 0
         self.num_slices = 0
         self.cut_specs: dict[tuple[int, int], dict[str, PoolSpec]] = {}  # layer range -> its pools' cut
+        self.kinds = kinds
+        self.paged = {name for name, spec in specs.items() if spec.kind == "paged"}
+        self.kind_reports: dict[int, tuple[dict[str, bytes], bool]] = {}  # write id -> kind units, last chunk's
         self._out: list[Any] = []
 
     def __len__(self) -> int:
@@ -109,21 +115,27 @@ class Writes:
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
                 if not self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux,
-                                        after=r.chunk_events[t.posted], layers=r.chunk_layers[t.posted]):
+                                        after=r.chunk_events[t.posted], layers=r.chunk_layers[t.posted],
+                                        kind_to=(r.chunk_tokens[t.posted], last_chunk and r.is_last)):
                     more = True  # one staged group started: the next is planned on the next tick
                     break
                 t.posted += 1
-            if t.active and t.posted == len(r.chunks) and r.is_last and r.has_aux and t.aux_source \
-                    and not t.aux_posted:
-                self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=True, after=r.last_event)
+            aux_left = r.has_aux and t.aux_source and not t.aux_posted
+            kinds_left = bool(self.kinds) and t.kind_wait and self.kinds.wants(r.room, t.decode_rank)
+            if t.active and t.posted == len(r.chunks) and r.is_last and (aux_left or kinds_left):
+                self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=aux_left, after=r.last_event,
+                                 kind_to=(r.num_tokens, True))
         out, self._out = self._out, []
         return out, more
 
     def _post_chunk(self, r: PrefillRoom, t: Target, logical: np.ndarray, local: np.ndarray, with_aux: bool,
-                    after: Any = None, layers: tuple[int, int] | None = None) -> bool:
+                    after: Any = None, layers: tuple[int, int] | None = None,
+                    kind_to: tuple[int | None, bool] | None = None) -> bool:
         """Post an engine chunk's pages (and the aux row) to ``t``: True once all of it is posted;
         False when one slot-sized group of a staged chunk was started and the rest waits for the
-        next tick. ``layers``: the chunk carries those target layers of its pages only."""
+        next tick. ``layers``: the chunk carries those target layers of its pages only.
+        ``kind_to``: (tokens the chunk ends at, the room's last chunk): the kind pools' units it
+        completes ride in the same write (``kinds.py``; direct writes only)."""
         specs = self.specs if layers is None else self._layer_specs(layers)
         num_layers = None if layers is None else layers[1] - layers[0]
         if t.first_page:  # the decode rank already holds pages below its prefix
@@ -141,7 +153,18 @@ class Writes:
                     t.group_at += group
                     return False
             t.group_at = 0  # direct: the whole chunk is one write
+            kplan, kunits = None, {}
+            if self.kinds and kind_to is not None and t.kind_wait:
+                kplan, kunits = self.kinds.plan(r.room, t.decode_rank, r.num_tokens, kind_to[0], kind_to[1],
+                                                r.local_of, t.dst_pages, r.owns_last_token)
+                if kind_to[1] and not kunits:
+                    t.kind_wait = False  # nothing of the kinds left for this target
             if not logical.size and not with_aux:
+                if not kunits:
+                    return True
+                w = self._start(r, t, logical, False, None)
+                self.kind_reports[w] = (kunits, kind_to[1])
+                self._out.append(PostWrite(w, r.room, t, t.session, kplan.src, kplan.dst, kplan.length, after))
                 return True
             src = None
             if with_aux:
@@ -153,6 +176,8 @@ class Writes:
                 after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
             plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
                               room=r.room, rank=rank, layers=layers)
+            if kplan is not None and kplan.num_slices:
+                plan = TransferPlan.concat([plan, kplan])
             if self._path(r, t, plan) == "staged":  # the same write through staging slots (the aux row too)
                 self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
                 return True
@@ -165,6 +190,8 @@ class Writes:
                 t.failure = f"internal error posting room {r.room} to {t.decode_rank}: {type(exc).__name__}: {exc}"
             return True
         w = self._start(r, t, logical, with_aux, num_layers)  # in flight from here: no report before it is final
+        if kunits:
+            self.kind_reports[w] = (kunits, kind_to[1])
         self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
         return True
 
@@ -238,6 +265,7 @@ class Writes:
         """Write ``w`` was refused at submission, or not submitted: nothing of it is in flight."""
         r, t = self.by_write.pop(w)
         t.inflight.pop(w, None)
+        self.kind_reports.pop(w, None)
         if reason is not None:
             t.failure = reason
         return r
@@ -247,6 +275,7 @@ class Writes:
         (one per write) unless its target failed or stopped."""
         r, t = self.by_write.pop(w)
         pages, with_aux, num_layers = t.inflight.pop(w)
+        kunits, klast = self.kind_reports.pop(w, ({}, False))
         if self.trace:
             trace_room(r, self.rank, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
                        t.decode_rank, status.state.value)
@@ -261,11 +290,16 @@ class Writes:
             t.num_pages_done += pages.size
         if with_aux:
             t.aux_done = True
-        # one report per write: its pages and, when it carried it, the aux row
+        if klast:
+            t.kind_wait = False
+        # one report per write: its pages and, when it carried it, the aux row (and the kind units);
+        # pages of paged pools only (a room of kind pools alone reports none)
+        pools = [p for p in t.pools if p in self.paged] if pages.size else []
         msg = wire.PagesDone(
             room=r.room, cp_rank=self.cp_rank, status="ok", reason="",
-            pools=list(t.pools) if pages.size else [], logical_pages=pages.astype("<i4").tobytes(),
-            digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0)
-        if pages.size and t.want_digest:  # the shell reads the pages and fills the digests in
-            return r, [SendDigested(t.ident, msg, tuple(t.pools), pages, r.local_of[pages], r.plan_tokens)]
+            pools=pools, logical_pages=pages.astype("<i4").tobytes() if pools else b"",
+            digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0,
+            kind_units=kunits, kind_last=klast)
+        if pools and t.want_digest:  # the shell reads the pages and fills the digests in
+            return r, [SendDigested(t.ident, msg, tuple(pools), pages, r.local_of[pages], r.plan_tokens)]
         return r, [Send((t.ident,), msg)]

@@ -1,0 +1,59 @@
+"""A prefill CP rank of a kind-pool model (``_kind_rooms.py``) in its own process, over Mooncake
+(test harness for ``test_kind_rooms_mooncake.py``). Prints ``{"ready": true}`` once serving, then
+per command (JSON lines on stdin):
+
+    {"op": "send", "room": R, "num_tokens": N, "cuts": [t1, ...]}   chunked sends of R; once final,
+        prints {"room", "state", "reason", "bytes"}
+    {"op": "quit"}
+
+Its pools hold the seeded bytes of ``_kind_rooms.buffers(specs, seed=11)``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import kvbridge as kvb
+from _kind_rooms import AUX, buffers, contract, model_specs, send_room
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--instance", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--cp-rank", type=int, default=0)
+    ap.add_argument("--cp-size", type=int, default=1)
+    args = ap.parse_args()
+    specs = model_specs(args.model)
+    client = BootstrapClient(args.bootstrap)
+    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, staging="never")
+    ep = PrefillEndpoint(cfg, kvb.create_engine("mooncake"), specs, buffers(specs, seed=11), contract(specs), client,
+                         AUX)
+    ep.start()
+    lanes = kvb.OwnerLanes(args.cp_size, "interleaved")
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            room, n = cmd["room"], cmd["num_tokens"]
+            with ep.sender(room) as tx:
+                send_room(tx, n, tuple(cmd["cuts"]), lanes, args.cp_rank, room, specs)
+                deadline = time.monotonic() + 60
+                while tx.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                print(json.dumps({"room": room, "state": tx.poll().name, "reason": tx.failure_reason,
+                                  "bytes": tx.stats["bytes"]}), flush=True)
+    finally:
+        ep.close(timeout=2)
+        client.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Window, compressed and state pools through the rooms (prefill and decode endpoints, one
+process, the local engine, a real bootstrap daemon): a tiny DeepSeek-V4 and a hybrid (paged
+window + Mamba state), chunked, CP 1 and (hybrid) CP 2. Every byte of decode's pools is
+compared with the expected buffers: what decode needs arrived, nothing else was written (no page
+outside the window, no entry of an incomplete window, no padding row), and the bytes the
+prefill ranks posted equal ``needed_bytes`` plus the aux row."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvbridge as kvb
+from _kind_rooms import (AUX, CAP, buffers, contract, decode_pages, decode_units, differing, expected, model_specs,
+                         send_room)
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.errors import ConfigError, LayerRangeError, LayoutError
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+
+
+class KindCluster:
+    """CP prefill ranks and one decode rank of one model, on one LocalFabric."""
+
+    def __init__(self, url: str, model: str, name: str, cp: int = 1) -> None:
+        self.specs = model_specs(model)
+        self.contract = contract(self.specs)
+        self.fabric = LocalFabric()
+        self.lanes = kvb.OwnerLanes(cp, "interleaved")
+        self.clients, self.prefill = [], []
+        self.src = buffers(self.specs, seed=11)  # every CP rank holds the same bytes: it sends its own share
+        for rank in range(cp):
+            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, staging="never", lease_ttl=5.0)
+            ep = PrefillEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs,
+                                 {k: v.clone() for k, v in self.src.items()}, self.contract, self._client(url), AUX)
+            ep.start()
+            self.prefill.append(ep)
+        self.dst = buffers(self.specs, seed=None)
+        self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
+        cfg = DecodeConfig(instance=f"{name}-d", staging="never", lease_ttl=5.0, peer_timeout=5.0, ping_interval=0.2)
+        self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
+                                     self.contract, self._client(url), self.aux, AUX)
+        self.decode.start()
+
+    def _client(self, url: str) -> BootstrapClient:
+        c = BootstrapClient(url)
+        self.clients.append(c)
+        return c
+
+    def room(self, room: int, n: int, cuts: tuple[int, ...], slot: int = 3):
+        rx = self.decode.receiver(room, self.prefill[0].config.instance)
+        rx.init(decode_pages(n), 0, n, kind_units=decode_units(self.specs, n, slot) or None)
+        txs = []
+        for rank, ep in enumerate(self.prefill):
+            tx = ep.sender(room)
+            send_room(tx, n, cuts, self.lanes, rank, room, self.specs)
+            txs.append(tx)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (rx.poll() in (kvb.KVPoll.Success, kvb.KVPoll.Failed)
+                                                    and all(t.poll() in (kvb.KVPoll.Success, kvb.KVPoll.Failed)
+                                                            for t in txs)):
+            time.sleep(0.02)
+        return rx, txs
+
+    def close(self) -> None:
+        self.decode.close(timeout=2)
+        for ep in self.prefill:
+            ep.close(timeout=2)
+        for c in self.clients:
+            c.close()
+
+
+@pytest.mark.parametrize("model, cp, n, cuts", [
+    ("v4", 1, 131, (40, 96)),  # entries of both ratios complete, tails, a window across chunks
+    ("v4", 1, 45, ()),  # one chunk: one HCA entry, a CSA tail
+    ("hybrid", 1, 22, (9,)),  # window of 6 tokens: pages 4 and 5 only; state with the last chunk
+    ("hybrid", 2, 30, (13, 21)),  # CP 2: window pages from their owner lanes, state from the last token's owner
+    ("hybrid", 2, 3, ()),  # CP 2, one page: cp1 owns nothing and sends nothing, yet completes
+])
+def test_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n, cuts):
+    c = KindCluster(daemon.url, model, f"kr-{request.node.callspec.id[:20]}", cp)
+    try:
+        rx, txs = c.room(500 + n, n, cuts)
+        assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+        assert all(t.poll() == kvb.KVPoll.Success for t in txs)
+        assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
+        needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
+        assert sum(t.stats["bytes"] for t in txs) == needed + AUX.row_bytes
+    finally:
+        c.close()
+
+
+def test_a_failed_rooms_state_slot_is_refused_until_no_write_can_reach_it(daemon):
+    """Decode aborts a room whose prefill rank never sent: its state slot stays taken (a write may
+    still land) until the prefill rank acknowledged the abort, like its pages; then a new room
+    may use it."""
+    c = KindCluster(daemon.url, "hybrid", "kr-slot")
+    try:
+        n = 22
+        rx = c.decode.receiver(600, "kr-slot-p")
+        rx.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))
+        tx = c.prefill[0].sender(600)  # the room exists on prefill: the request is taken, nothing sent
+        deadline = time.monotonic() + 10
+        while tx.poll() != kvb.KVPoll.WaitingForInput and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rx.abort("test")
+        other = c.decode.receiver(601, "kr-slot-p")
+        if not rx.pages_releasable:  # (the ack may already be here)
+            with pytest.raises(kvb.KVBridgeError, match="state slot 7"):
+                other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))
+        deadline = time.monotonic() + 10
+        while not rx.pages_releasable and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.pages_releasable
+        other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))  # free with the pages
+        other.abort("done")
+        tx.close()
+    finally:
+        c.close()
+
+
+def test_what_the_rooms_do_not_carry_is_refused_at_construction_by_name(daemon):
+    specs = model_specs("v4")
+    bufs = buffers(specs, None)
+    ct = contract(specs)
+    client = BootstrapClient(daemon.url)
+    eng = kvb.create_engine("local", fabric=LocalFabric())
+    try:
+        cases = [
+            (PrefillConfig(instance="kr-r1", staging="auto"), "staging"),  # staged + kinds
+            (PrefillConfig(instance="kr-r2", cp_size=2, staging="never"), "cp_size"),  # compressed under CP lanes
+            (PrefillConfig(instance="kr-r3", pp_size=2, pp_rank=0, pp_layers=(0, 2), staging="never"), "pp_size"),
+        ]
+        for cfg, field in cases:
+            with pytest.raises(ConfigError) as err:
+                PrefillEndpoint(cfg, eng, specs, bufs, ct, client, AUX)
+            assert err.value.field == field, err.value
+        for cfg, field in [(DecodeConfig(instance="kr-d1"), "staging"),
+                           (DecodeConfig(instance="kr-d2", staging="never", verify_digest=True), "verify_digest")]:
+            with pytest.raises(ConfigError) as err:
+                DecodeEndpoint(cfg, eng, specs, bufs, ct, client, torch.zeros((2, AUX.row_bytes), dtype=torch.uint8),
+                               AUX)
+            assert err.value.field == field, err.value
+    finally:
+        eng.close()
+        client.close()
+
+
+def test_a_layer_range_send_is_refused_for_kind_pools(daemon):
+    c = KindCluster(daemon.url, "hybrid", "kr-layers")
+    try:
+        tx = c.prefill[0].sender(700)
+        tx.init(22, kind_units={k: np.array([1]) for k in ("mamba_conv", "mamba_ssm")})
+        with pytest.raises(LayerRangeError, match="layer-range"):
+            tx.send(np.arange(6), np.arange(6) + 1, num_tokens_ready=22, is_last=True, layers=(0, 2))
+        with pytest.raises(LayoutError, match="kind_units"):  # a unit outside our registered slots
+            tx.send(np.arange(6), np.arange(6) + 1, num_tokens_ready=22, is_last=True,
+                    kind_units={"mamba_conv": np.array([CAP])})
+        tx.close()
+    finally:
+        c.close()

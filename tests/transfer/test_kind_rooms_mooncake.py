@@ -1,0 +1,101 @@
+"""Window, compressed and state pools through the rooms between real processes over real
+Mooncake: prefill CP ranks in child processes (``_kind_prefill_proc.py``), the decode rank in
+this one, a real bootstrap daemon. A tiny DeepSeek-V4 (CSA + indexer, HCA, window, compressor
+state, draft window) at CP 1 and a hybrid (paged window + Mamba conv/SSM state) at CP 2, chunked:
+every byte of decode's pools equals the expected buffers (what decode needs, nothing else), and
+the bytes the prefill ranks posted equal ``needed_bytes`` plus the aux row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvbridge as kvb
+from _kind_rooms import AUX, buffers, contract, decode_pages, decode_units, differing, expected, model_specs
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(not kvb.mooncake_available(), reason="Mooncake not installed")]
+
+HERE = Path(__file__).parent
+
+
+class Proc:
+    def __init__(self, url: str, instance: str, model: str, cp_rank: int, cp_size: int) -> None:
+        cmd = [sys.executable, str(HERE / "_kind_prefill_proc.py"), "--bootstrap", url, "--instance", instance,
+               "--model", model, "--cp-rank", str(cp_rank), "--cp-size", str(cp_size)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            self.stop()
+            raise RuntimeError(f"prefill rank {cp_rank} did not start: {line!r}")
+
+    def send(self, room: int, n: int, cuts: tuple[int, ...]) -> None:
+        self.proc.stdin.write(json.dumps({"op": "send", "room": room, "num_tokens": n, "cuts": list(cuts)}) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict:
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else {"state": "no answer"}
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.mark.parametrize("model, cp, rooms", [
+    ("v4", 1, [(131, (40, 96)), (45, ())]),
+    ("hybrid", 2, [(30, (13, 21)), (22, (9,))]),
+])
+def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms):
+    specs = model_specs(model)
+    instance = f"kmc-{model}"
+    procs, client, d = [], BootstrapClient(daemon.url), None
+    try:
+        for rank in range(cp):
+            procs.append(Proc(daemon.url, instance, model, rank, cp))
+        dst = buffers(specs, None)
+        cfg = DecodeConfig(instance=f"{instance}-d", staging="never")
+        d = DecodeEndpoint(cfg, kvb.create_engine("mooncake"), specs, dst, contract(specs), client,
+                           torch.zeros((4, AUX.row_bytes), dtype=torch.uint8), AUX)
+        d.start()
+        src = buffers(specs, seed=11)  # what the prefill processes hold
+        for i, (n, cuts) in enumerate(rooms):
+            room = 800 + 10 * cp + i
+            for t in dst.values():
+                t.view(torch.uint8).zero_()
+            rx = d.receiver(room, instance)
+            rx.init(decode_pages(n), i % 4, n, kind_units=decode_units(specs, n, slot=3 + i))
+            for p in procs:
+                p.send(room, n, cuts)
+            results = [p.result() for p in procs]
+            deadline = time.monotonic() + 30
+            while rx.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+            assert all(r["state"] == "Success" for r in results), results
+            assert differing(specs, dst, expected(specs, src, n, slot=3 + i)) == []
+            needed = sum(kvb.needed_bytes(s, n) for s in specs.values())
+            assert sum(r["bytes"] for r in results) == needed + AUX.row_bytes
+            rx.close()
+    finally:
+        if d is not None:
+            d.close(timeout=2)
+        for p in procs:
+            p.stop()
+        client.close()
