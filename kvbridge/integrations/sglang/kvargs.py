@@ -139,6 +139,8 @@ class SGLangCache:
     aux: tuple[AuxBuffer, ...]
     # pools built from state components (state_kinds.py), with their specs: window, state, scale pools
     kind_specs: Mapping[str, PoolSpec] = field(default_factory=dict)
+    # pool -> the SGLang state type (its value) it was built from, for the pools of kind_specs
+    state_of: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def aux_rows(self) -> int:
@@ -215,7 +217,8 @@ def read_kv_args(
             half = len(draft) // 2
             pools[DRAFT_K] = _pool(DRAFT_K, draft_ids, draft[:half], page_size)
             pools[DRAFT_V] = _pool(DRAFT_V, draft_ids, draft[half:], page_size)
-    kind_specs = _state_pools(kv_args, pools, geometry or HybridGeometry(), page_size=page_size,
+    state_of: dict[str, str] = {}
+    kind_specs = _state_pools(kv_args, pools, geometry or HybridGeometry(), page_size=page_size, state_of=state_of,
                               kv_dtype=_DTYPE_ALIASES.get(str(getattr(kv_args, "kv_cache_dtype_str", "auto")).lower(),
                                                           "bfloat16"), target_ids=target_ids, draft_ids=draft_ids)
     aux = read_metadata_buffers(
@@ -224,7 +227,7 @@ def read_kv_args(
     )  # fmt: skip
     dtype = str(getattr(kv_args, "kv_cache_dtype_str", "auto") or "auto")
     return SGLangCache(page_size=page_size, kv_cache_dtype=dtype, is_mla=is_mla, pools=pools, aux=aux,
-                       kind_specs=kind_specs)
+                       kind_specs=kind_specs, state_of=state_of)
 
 
 def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: str,
@@ -495,7 +498,8 @@ def _refuse_uncarried(types: Sequence[str]) -> None:
 
 
 def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGeometry, *, page_size: int,
-                 kv_dtype: str, target_ids: tuple[int, ...], draft_ids: tuple[int, ...]) -> dict[str, PoolSpec]:
+                 kv_dtype: str, target_ids: tuple[int, ...], draft_ids: tuple[int, ...],
+                 state_of: dict[str, str] | None = None) -> dict[str, PoolSpec]:
     """Every state component of ``kv_args`` as kvbridge pools, added to ``pools``; returns the
     specs of those that are not the DSA index (whose geometry ``pool_specs`` knows). A component
     whose kind the room endpoints do not carry is refused by name (the first one, in SGLang's
@@ -520,6 +524,8 @@ def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGe
                 bufs = [SGLangBuffer(p, n, i) for p, n, i in zip(made.ptrs, made.lens, made.items)]
                 pools[name] = _pool(name, made.spec.layer_ids, bufs, made.spec.page_size)
                 specs[name] = made.spec
+                if state_of is not None:
+                    state_of[name] = st
         seen.add(st)
     return specs
 

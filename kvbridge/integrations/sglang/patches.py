@@ -2,7 +2,7 @@
 that patches SGLang.
 
 SGLang 0.5.23 picks a PD transfer backend with ``--disaggregation-transfer-backend``
-and has no registry for out-of-tree backends. Three things make ``kvbridge`` one:
+and has no registry for out-of-tree backends. These things make ``kvbridge`` one:
 
 1. ``TransferBackend`` (``sglang.srt.disaggregation.utils``) is a closed ``Enum``
    that SGLang builds from the flag (``TransferBackend(name)``, in the scheduler
@@ -26,6 +26,10 @@ and has no registry for out-of-tree backends. Three things make ``kvbridge`` one
    loader; kvbridge's app registers the backend there first (``http_app.py``).
    Set to another app, it is left alone with a warning: that app must call
    ``install()``.
+
+5. ``DecodePreallocQueue._send_kv_metadata`` (``sglang.srt.disaggregation.decode``) is wrapped
+   to hand a kvbridge receiver the request's token count before SGLang's ``send_metadata``
+   (``_hook_decode_token_count``): window and state pools need it; nothing else changes.
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -70,6 +74,7 @@ _UTILS = "sglang.srt.disaggregation.utils"
 _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
+_DECODE = "sglang.srt.disaggregation.decode"
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 APP_PATH = "kvbridge.integrations.sglang.http_app:app"  # patch 4: what the HTTP workers import
 SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"  # SGLang's default, handed back by http_app
@@ -113,6 +118,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_CHOICES}.add_disagg_transfer_backend_choices": ("iterable",),
     "sglang.srt.plugins.load_plugins": (),
     "sglang.cli.serve.serve": ("args", "extra_argv"),
+    f"{_DECODE}.DecodePreallocQueue._send_kv_metadata": ("self", "decode_req", "kv_indices", "page_size",
+                                                        "state_indices", "metadata_kwargs"),
+    f"{_DECODE}.DecodePreallocQueue._rebootstrap_prefill_len": ("req",),
 }  # fmt: skip
 
 # Abstract methods of the base classes kvbridge's classes implement.
@@ -197,6 +205,7 @@ def install(*, allow_untested: bool = False) -> None:
     utils = importlib.import_module(_UTILS)
     member = _add_member(utils.TransferBackend, MEMBER, BACKEND)
     _wrap_get_kv_class(utils, member)
+    _hook_decode_token_count(importlib.import_module(_DECODE).DecodePreallocQueue)
     choices = importlib.import_module(_CHOICES)
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
@@ -384,6 +393,27 @@ def _wrap_get_kv_class(utils: Any, member: Enum) -> None:
         for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, get_kv_class)
+
+
+def _hook_decode_token_count(queue: type) -> None:
+    """5. Decode's token count. SGLang's ``send_metadata`` says a request's pages, not its tokens,
+    and kvbridge's window and state pools need the count (it decides the window and the complete
+    entries; prefill checks it). ``DecodePreallocQueue._send_kv_metadata`` is wrapped: for a
+    kvbridge receiver it first sets ``num_tokens`` to the length prefill sends
+    (``_rebootstrap_prefill_len``, SGLang's own), then runs SGLang's method unchanged."""
+    original = queue._send_kv_metadata
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _send_kv_metadata(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        receiver = getattr(decode_req, "kv_receiver", None)
+        if hasattr(receiver, "num_tokens") and getattr(receiver, "__kvbridge_receiver__", False):
+            receiver.num_tokens = int(queue._rebootstrap_prefill_len(decode_req.req))
+        return original(self, decode_req, *args, **kwargs)
+
+    setattr(_send_kv_metadata, _MARK, True)
+    queue._send_kv_metadata = _send_kv_metadata
 
 
 def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:

@@ -63,7 +63,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 
 from kvbridge import KVBridgeError, LayoutError
 from kvbridge.integrations.sglang.handles import RoomHandle
-from kvbridge.integrations.sglang.state_kinds import STATE_KINDS, state_type_names
+from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, state_type_names
 
 
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
@@ -141,15 +141,15 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return
         self._tokens_given += int(num_kv_tokens)
         is_last = self._pages_given == self._num_pages
-        if is_last and not self._state_follows_pages(state_indices):
-            return
-        if self._handle is None:
+        kind_units = self._state_follows_pages(state_indices) if is_last else {}
+        if kind_units is None or self._handle is None:
             return
         try:
             logical, local = self._owned(np.arange(start, self._prefix_pages + self._pages_given), pages)
             aux_slot = self._aux_index if is_last and self._handle.writes_aux else None
             self._handle.send(logical, local, num_tokens_ready=self._tokens_given, is_last=is_last,
-                              aux_slot=aux_slot, ready_event=wait_event)  # fmt: skip
+                              aux_slot=aux_slot, ready_event=wait_event,
+                              **({"kind_units": kind_units} if kind_units else {}))  # fmt: skip
         except KVBridgeError as exc:
             self.fail(str(exc))
 
@@ -169,25 +169,44 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return positions[mine], pages[mine] // shard
         return positions[mine], pages[mine]
 
-    def _state_follows_pages(self, state_indices: Any) -> bool:
-        """SGLang's state indices, checked against what kvbridge sends. Paged components (DSA's
-        index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of the
-        request) must be the KV's own pages: kvbridge moves them with the KV's page mapping (hard
-        rule 3). A component of another kind (window, state) that the rooms carry needs its own
-        indices handed to the room, which this sender does not do yet: the room fails, naming it,
-        rather than leave decode's window or state unwritten."""
+    def _state_follows_pages(self, state_indices: Any) -> dict[str, np.ndarray] | None:
+        """SGLang's state indices (the last chunk's), checked against what kvbridge sends, and
+        the room's ``kind_units`` made of them; None once the room failed. Paged components
+        (DSA's index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of
+        the request) must be the KV's own pages: kvbridge moves them with the KV's page mapping
+        (hard rule 3). A MAMBA component's index is the request's slot in ``MambaPool``: each of
+        its state pools (conv, temporal) gets it as its one unit. A component of another kind
+        (window, V4 state) that the rooms carry needs indices this sender does not hand on yet:
+        the room fails, naming it, rather than leave decode's copy unwritten."""
         types = state_type_names(self.kv_mgr.kv_args)
+        units: dict[str, np.ndarray] = {}
         if not types:
-            return True
+            return units
         given = list(state_indices or [])
         pages = np.concatenate(self._page_ids)
+        state_of = getattr(getattr(self.kv_mgr, "cache", None), "state_of", {}) or {}
         for at, st in enumerate(types):
             idx = given[at] if at < len(given) else None
+            if st in HANDED:
+                pools = [p for p, t in state_of.items() if t == st]
+                if idx is None or not np.size(idx):
+                    if pools:
+                        self.fail(f"SGLang state {st!r}: the last chunk came without its indices, so decode's "
+                                  f"{pools} would not be written")
+                        return None
+                    continue
+                slot = np.asarray([np.asarray(x).reshape(-1) for x in idx] if isinstance(idx, (list, tuple))
+                                  else idx).reshape(-1).astype(np.int64)
+                if slot.size != 1:
+                    self.fail(f"SGLang state {st!r}: {slot.size} indices, expected the request's one slot")
+                    return None
+                units.update({p: slot for p in pools})
+                continue
             if STATE_KINDS.get(st) != "paged":
                 if idx is not None and np.size(idx):
                     self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools): this SGLang sender does not hand "
                               "its indices to the room yet, so decode's copy would not be written")
-                    return False
+                    return None
                 continue
             if idx is None:
                 continue
@@ -197,8 +216,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             if not np.array_equal(got, pages):
                 self.fail(f"the {st!r} state indices ({got.size} pages) are not the request's KV pages "
                           f"({pages.size}): kvbridge moves them with the KV's page mapping (hard rule 3)")
-                return False
-        return True
+                return None
+        return units
 
     @property
     def room_stats(self) -> dict[str, Any]:

@@ -65,6 +65,9 @@ STATE_KINDS: dict[str, str] = {
     MAMBA: STATE, SWA: WINDOW, BLOCK_SCALE_SWA: WINDOW, SWA_RING: WINDOW, DSA: PAGED, BLOCK_SCALE: PAGED,
     DSA_TAIL: STATE, DSV4_REQUEST_STATE: STATE, REQUEST_ROW: STATE,
 }
+# StateType values whose indices the sender and receiver hand to the room as kind_units (the
+# others that the rooms carry fail the room by name until they are handed on)
+HANDED: frozenset[str] = frozenset({MAMBA})
 # StateType values kvbridge has no mapping for, by the model family that registers them
 NOT_MAPPED: dict[str, str] = {
     "qsa_pending": "QSA sparse-attention models (pending index-K rings)",
@@ -79,7 +82,7 @@ MXFP8_BLOCK = 32  # values per UE8M0 scale
 HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
-__all__ = ["HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
+__all__ = ["HANDED", "HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
            "mamba_state_specs", "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
 
 

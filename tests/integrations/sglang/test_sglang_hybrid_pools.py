@@ -433,7 +433,7 @@ def test_request_row_is_one_replicated_slot_numbered_as_the_draft():
 
 # -- the sender: paged state indices must be the KV's pages; other kinds are not handed on yet ---
 
-def _sender(types, pages, prefix=0):
+def _sender(types, pages, prefix=0, state_of=None):
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.base.conn import StateType
@@ -441,23 +441,31 @@ def _sender(types, pages, prefix=0):
     from kvbridge.integrations.sglang.sender import KVBridgeKVSender
 
     s = object.__new__(KVBridgeKVSender)  # only the check's state: no manager, no room
-    s.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]))
+    s.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]),
+                               cache=SimpleNamespace(state_of=state_of or {}))
     s._page_ids, s._prefix_pages, s.failures = [np.asarray(pages)], prefix, []
     s.fail = s.failures.append
     return s
 
 
-def test_sender_checks_paged_state_indices_and_refuses_unhanded_kinds():
+def test_sender_checks_paged_state_indices_hands_mamba_slots_and_refuses_unhanded_kinds():
     s = _sender(["block_scale"], [5, 6], prefix=1)
-    assert s._state_follows_pages([np.array([9, 5, 6])]) and not s.failures  # every page; those after the prefix
-    assert not s._state_follows_pages([np.array([9, 5, 7])])
+    assert s._state_follows_pages([np.array([9, 5, 6])]) == {} and not s.failures  # every page; after the prefix
+    assert s._state_follows_pages([np.array([9, 5, 7])]) is None
     assert "'block_scale' state indices (2 pages) are not the request's KV pages" in s.failures[0]
     s = _sender(["dsa"], [5, 6])
-    assert s._state_follows_pages([np.array([5, 6])]) and not s._state_follows_pages([np.array([6, 5])])
-    s = _sender(["dsa", "mamba"], [5, 6])
-    assert s._state_follows_pages([np.array([5, 6]), None])
-    assert not s._state_follows_pages([np.array([5, 6]), [np.array([3])]])
-    assert "SGLang state 'mamba' (state pools): this SGLang sender does not hand its indices" in s.failures[0]
+    assert s._state_follows_pages([np.array([5, 6])]) == {} and s._state_follows_pages([np.array([6, 5])]) is None
+    # MAMBA: SGLang's _mamba_payload, [slot as a 0-d array], is each mamba pool's one unit
+    s = _sender(["dsa", "mamba"], [5, 6], state_of={"mamba_0": "mamba", "mamba_1": "mamba"})
+    units = s._state_follows_pages([np.array([5, 6]), [np.asarray(3)]])
+    assert {k: v.tolist() for k, v in units.items()} == {"mamba_0": [3], "mamba_1": [3]} and not s.failures
+    assert s._state_follows_pages([np.array([5, 6]), None]) is None
+    assert "'mamba': the last chunk came without its indices" in s.failures[-1]
+    assert s._state_follows_pages([np.array([5, 6]), [np.array([3, 4])]]) is None
+    assert "2 indices, expected the request's one slot" in s.failures[-1]
+    s = _sender(["swa"], [5, 6])
+    assert s._state_follows_pages([np.array([5])]) is None
+    assert "SGLang state 'swa' (window pools): this SGLang sender does not hand its indices" in s.failures[0]
 
 
 def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():
