@@ -49,7 +49,9 @@ from kvbridge import (
 )
 from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args, stage_layers
+from kvbridge.integrations.sglang.state_kinds import geometry_of
 from kvbridge.integrations.sglang.version import sglang_version
+from kvbridge.integrations.sglang.building import building_queue
 from kvbridge.integrations.sglang import settings
 from kvbridge.integrations.sglang.settings import Settings, read_settings
 
@@ -77,7 +79,8 @@ class KVBridgeKVManager(BaseKVManager):
                                                 gpu_id=int(getattr(args, "gpu_id", 0) or 0))
         s = self.settings
         self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
-                                               hidden_dtype=s.hidden_dtype)
+                                               hidden_dtype=s.hidden_dtype,
+                                               geometry=geometry_of(building_queue()))
         self.page_size = self.cache.page_size
         # a pipeline stage's target layers [start, end) (prefill; None without pipeline parallelism)
         self.stage: tuple[int, int] | None = stage_layers(self.cache, args) if role == "prefill" and s.pp_size > 1 \

@@ -30,6 +30,9 @@ and has no registry for out-of-tree backends. These things make ``kvbridge`` one
 5. ``DecodePreallocQueue._send_kv_metadata`` (``sglang.srt.disaggregation.decode``) is wrapped
    to hand a kvbridge receiver the request's token count before SGLang's ``send_metadata``
    (``_hook_decode_token_count``): window and state pools need it; nothing else changes.
+6. ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager`` are
+   wrapped to name the queue building the manager (``building.building_queue``): an SWA pool's window
+   and layers are read off it, as ``KVArgs`` do not carry them (``_hook_init_kv_manager``).
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -75,6 +78,7 @@ _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
 _DECODE = "sglang.srt.disaggregation.decode"
+_PREFILL = "sglang.srt.disaggregation.prefill"
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 APP_PATH = "kvbridge.integrations.sglang.http_app:app"  # patch 4: what the HTTP workers import
 SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"  # SGLang's default, handed back by http_app
@@ -121,6 +125,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_DECODE}.DecodePreallocQueue._send_kv_metadata": ("self", "decode_req", "kv_indices", "page_size",
                                                         "state_indices", "metadata_kwargs"),
     f"{_DECODE}.DecodePreallocQueue._rebootstrap_prefill_len": ("req",),
+    f"{_DECODE}.DecodePreallocQueue._init_kv_manager": ("self",),
+    f"{_PREFILL}.PrefillBootstrapQueue._init_kv_manager": ("self",),
 }  # fmt: skip
 
 # Abstract methods of the base classes kvbridge's classes implement.
@@ -206,6 +212,9 @@ def install(*, allow_untested: bool = False) -> None:
     member = _add_member(utils.TransferBackend, MEMBER, BACKEND)
     _wrap_get_kv_class(utils, member)
     _hook_decode_token_count(importlib.import_module(_DECODE).DecodePreallocQueue)
+    for queue in (importlib.import_module(_PREFILL).PrefillBootstrapQueue,
+                  importlib.import_module(_DECODE).DecodePreallocQueue):
+        _hook_init_kv_manager(queue)
     choices = importlib.import_module(_CHOICES)
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
@@ -414,6 +423,26 @@ def _hook_decode_token_count(queue: type) -> None:
 
     setattr(_send_kv_metadata, _MARK, True)
     queue._send_kv_metadata = _send_kv_metadata
+
+
+def _hook_init_kv_manager(queue: type) -> None:
+    """6. The hybrid geometry. ``KVArgs`` do not say an SWA pool's window or its layers; the
+    queue that builds the manager holds the pool and the scheduler. ``_init_kv_manager`` is
+    wrapped to name that queue (``building_queue()``) while SGLang's own method runs; the manager
+    reads the geometry off it (``state_kinds.geometry_of``)."""
+    original = queue._init_kv_manager
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _init_kv_manager(self: Any) -> Any:
+        from kvbridge.integrations.sglang.building import building
+
+        with building(self):
+            return original(self)
+
+    setattr(_init_kv_manager, _MARK, True)
+    queue._init_kv_manager = _init_kv_manager
 
 
 def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:

@@ -31,6 +31,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransf
 
 from kvbridge import KVBridgeError
 from kvbridge.integrations.sglang.handles import RoomHandle
+from kvbridge.integrations.sglang.sender import _flat
 from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS
 
 
@@ -109,7 +110,8 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
 
     def _kind_units(self, types: list[Any], state_indices: Any) -> dict[str, np.ndarray] | None:
         """The room's ``kind_units`` from SGLang's state indices: a MAMBA component's index is the
-        request's ``MambaPool`` slot, each of its state pools' one unit. Another non-paged kind
+        request's ``MambaPool`` slot, each of its state pools' one unit; an SWA component's are the
+        window's pages in the SWA pool (``_swa_payload``), each window pool's. Another non-paged kind
         fails the room by name (its indices are not handed on yet). None once failed."""
         state_of = getattr(self.kv_mgr.cache, "state_of", {}) or {}
         given = list(state_indices or [])
@@ -127,12 +129,11 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
             if idx is None or not np.size(idx):
                 self.fail(f"SGLang state {st!r}: send_metadata came without its indices (pools {pools})")
                 return None
-            slot = np.asarray([np.asarray(x).reshape(-1) for x in idx] if isinstance(idx, (list, tuple))
-                              else idx).reshape(-1).astype(np.int64)
-            if slot.size != 1:
-                self.fail(f"SGLang state {st!r}: {slot.size} indices, expected the request's one slot")
+            got = _flat(idx)
+            if STATE_KINDS[st] == "state" and got.size != 1:
+                self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
                 return None
-            units.update({p: slot for p in pools})
+            units.update({p: got for p in pools})
         return units
 
     def _room_state(self) -> int:

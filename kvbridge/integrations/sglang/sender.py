@@ -66,6 +66,14 @@ from kvbridge.integrations.sglang.handles import RoomHandle
 from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, state_type_names
 
 
+def _flat(idx: Any) -> np.ndarray:
+    """SGLang's index payload (an array, or a list of arrays as ``_mamba_payload`` gives it) flat."""
+    if isinstance(idx, (list, tuple)):
+        return np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in idx]) if idx else \
+            np.zeros(0, np.int64)
+    return np.asarray(idx, dtype=np.int64).reshape(-1)
+
+
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
     role = "prefill"
     idle_state = KVPoll.Success  # a rank without an endpoint: what its peers report decides (MIN)
@@ -106,7 +114,9 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         if self._handle is None or self._failure is not None:
             return
         try:
-            self._handle.init(num_pages=self._prefix_pages + self._num_pages, first_page=self._prefix_pages)
+            later = {p: None for p, st in self.kv_mgr.cache.state_of.items() if STATE_KINDS.get(st) == "window"}
+            self._handle.init(num_pages=self._prefix_pages + self._num_pages, first_page=self._prefix_pages,
+                              **({"kind_units": later} if later else {}))  # window pages: with the last chunk
         except KVBridgeError as exc:
             self.fail(str(exc))
 
@@ -175,8 +185,11 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         (DSA's index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of
         the request) must be the KV's own pages: kvbridge moves them with the KV's page mapping
         (hard rule 3). A MAMBA component's index is the request's slot in ``MambaPool``: each of
-        its state pools (conv, temporal) gets it as its one unit. A component of another kind
-        (window, V4 state) that the rooms carry needs indices this sender does not hand on yet:
+        its state pools (conv, temporal) gets it as its one unit. An SWA component's (and its
+        MXFP8 scales') are the window's pages in the SWA pool (``_swa_payload``: from
+        ``floor((n - W) / page)``): each window pool's pages of its own, said at ``init()`` to
+        come with the last chunk (``kind_units={pool: None}``). A component of another kind
+        (V4's ring and request state) that the rooms carry needs indices this sender does not hand on yet:
         the room fails, naming it, rather than leave decode's copy unwritten."""
         types = state_type_names(self.kv_mgr.kv_args)
         units: dict[str, np.ndarray] = {}
@@ -195,12 +208,11 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
                                   f"{pools} would not be written")
                         return None
                     continue
-                slot = np.asarray([np.asarray(x).reshape(-1) for x in idx] if isinstance(idx, (list, tuple))
-                                  else idx).reshape(-1).astype(np.int64)
-                if slot.size != 1:
-                    self.fail(f"SGLang state {st!r}: {slot.size} indices, expected the request's one slot")
+                got = _flat(idx)
+                if STATE_KINDS[st] == "state" and got.size != 1:
+                    self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
                     return None
-                units.update({p: slot for p in pools})
+                units.update({p: got for p in pools})
                 continue
             if STATE_KINDS.get(st) != "paged":
                 if idx is not None and np.size(idx):

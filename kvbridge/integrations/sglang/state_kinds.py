@@ -67,7 +67,7 @@ STATE_KINDS: dict[str, str] = {
 }
 # StateType values whose indices the sender and receiver hand to the room as kind_units (the
 # others that the rooms carry fail the room by name until they are handed on)
-HANDED: frozenset[str] = frozenset({MAMBA})
+HANDED: frozenset[str] = frozenset({MAMBA, SWA, BLOCK_SCALE_SWA})
 # StateType values kvbridge has no mapping for, by the model family that registers them
 NOT_MAPPED: dict[str, str] = {
     "qsa_pending": "QSA sparse-attention models (pending index-K rings)",
@@ -82,8 +82,23 @@ MXFP8_BLOCK = 32  # values per UE8M0 scale
 HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
-__all__ = ["HANDED", "HEAD_SHARDED", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
+__all__ = ["HANDED", "HEAD_SHARDED", "geometry_of", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
            "mamba_state_specs", "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
+
+
+def geometry_of(queue: Any) -> HybridGeometry:
+    """What ``KVArgs`` does not say, from the SGLang queue building the manager
+    (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``, ``patches.building_queue``): an
+    ``SWAKVPool``'s SWA layers (its ``layers_mapping``) and the scheduler's
+    ``sliding_window_size`` (the window SGLang's ``_swa_payload`` sends). Empty without a queue
+    or an SWA pool; V4's pools are described by their own fields."""
+    pool = getattr(queue, "token_to_kv_pool", None)
+    mapping = getattr(pool, "layers_mapping", None)
+    if pool is None or not isinstance(mapping, dict) or not hasattr(pool, "swa_kv_pool"):
+        return HybridGeometry()
+    swa = tuple(sorted(layer for layer, (_, is_swa) in mapping.items() if is_swa))
+    window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
+    return HybridGeometry(sliding_window=int(window or 0), swa_layer_ids=swa)
 
 
 def room_pool_kinds() -> frozenset[str]:

@@ -463,9 +463,14 @@ def test_sender_checks_paged_state_indices_hands_mamba_slots_and_refuses_unhande
     assert "'mamba': the last chunk came without its indices" in s.failures[-1]
     assert s._state_follows_pages([np.array([5, 6]), [np.array([3, 4])]]) is None
     assert "2 indices, expected the request's one slot" in s.failures[-1]
-    s = _sender(["swa"], [5, 6])
+    # SWA: the window's pages in the SWA pool (_swa_payload), each window pool's
+    s = _sender(["swa"], [5, 6], state_of={"swa_k": "swa", "swa_v": "swa"})
+    units = s._state_follows_pages([np.array([4, 1, 3], np.int32)])
+    assert {k: v.tolist() for k, v in units.items()} == {"swa_k": [4, 1, 3], "swa_v": [4, 1, 3]}
+    # V4's ring and request state are not handed on yet: the room fails, naming them
+    s = _sender(["swa_ring"], [5, 6])
     assert s._state_follows_pages([np.array([5])]) is None
-    assert "SGLang state 'swa' (window pools): this SGLang sender does not hand its indices" in s.failures[0]
+    assert "SGLang state 'swa_ring' (window pools): this SGLang sender does not hand its indices" in s.failures[0]
 
 
 def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():
