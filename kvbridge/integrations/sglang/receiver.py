@@ -31,8 +31,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransf
 
 from kvbridge import KVBridgeError
 from kvbridge.integrations.sglang.handles import RoomHandle
-from kvbridge.integrations.sglang.sender import _flat
-from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS
+from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices
 
 
 class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
@@ -129,7 +128,7 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
             if idx is None or not np.size(idx):
                 self.fail(f"SGLang state {st!r}: send_metadata came without its indices (pools {pools})")
                 return None
-            got = _flat(idx)
+            got = flat_indices(idx)
             if STATE_KINDS[st] == "state" and got.size != 1:
                 self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
                 return None

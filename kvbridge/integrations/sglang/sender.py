@@ -63,15 +63,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 
 from kvbridge import KVBridgeError, LayoutError
 from kvbridge.integrations.sglang.handles import RoomHandle
-from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, state_type_names
-
-
-def _flat(idx: Any) -> np.ndarray:
-    """SGLang's index payload (an array, or a list of arrays as ``_mamba_payload`` gives it) flat."""
-    if isinstance(idx, (list, tuple)):
-        return np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in idx]) if idx else \
-            np.zeros(0, np.int64)
-    return np.asarray(idx, dtype=np.int64).reshape(-1)
+from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices, state_type_names
 
 
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
@@ -208,7 +200,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
                                   f"{pools} would not be written")
                         return None
                     continue
-                got = _flat(idx)
+                got = flat_indices(idx)
                 if STATE_KINDS[st] == "state" and got.size != 1:
                     self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
                     return None

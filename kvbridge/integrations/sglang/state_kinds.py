@@ -52,6 +52,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import kvbridge as kvb
 from kvbridge import ConfigError, PoolSpec
 
@@ -82,8 +84,19 @@ MXFP8_BLOCK = 32  # values per UE8M0 scale
 HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
-__all__ = ["HANDED", "HEAD_SHARDED", "geometry_of", "NOT_MAPPED", "STATE_KINDS", "HybridGeometry", "StatePool", "component_pools",
-           "mamba_state_specs", "room_pool_kinds", "state_kind", "state_type_names", "v4_kv_pools"]
+__all__ = ["HANDED", "HEAD_SHARDED", "flat_indices", "geometry_of", "NOT_MAPPED", "STATE_KINDS",
+           "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs", "room_pool_kinds", "state_kind",
+           "state_type_names", "v4_kv_pools"]
+
+
+def flat_indices(idx: Any) -> np.ndarray:
+    """SGLang's index payload of a state component (an array, or a list of arrays as
+    ``_mamba_payload`` gives it), flat."""
+    if isinstance(idx, (list, tuple)):
+        if not idx:
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in idx])
+    return np.asarray(idx, dtype=np.int64).reshape(-1)
 
 
 def geometry_of(queue: Any) -> HybridGeometry:
