@@ -178,6 +178,16 @@ def _big(seq: int, pages: int) -> wire.TransferRequest:
                                 want_digest=False, fingerprint="x", num_decode_ranks=1)
 
 
+def test_a_held_requests_kind_units_count_in_its_weight():
+    """The pool kinds' units travel in a dict (``kind_units``): a request carrying 400 KB of them
+    weighs 400 KB while held, as its page list would."""
+    plain = am.held_bytes(_big(0, 0))
+    units = wire.TransferRequest(room=1, decode_rank="d/dp0/tp0", decode_rank_id="r1", page_ids=b"", first_page=0,
+                                 pools=["target"], aux_slot=0, num_tokens=1, deadline_ms=1000, want_digest=False,
+                                 fingerprint="x", num_decode_ranks=1, kind_units={"csa": b"\0" * 400_000})
+    assert am.held_bytes(units) >= plain + 400_000
+
+
 def test_messages_held_while_proving_are_capped_in_bytes_per_connection_and_in_all():
     """Issue 32: held messages were capped by count only (16 connections held +422 MiB on a
     prefill rank). Large requests on connections that never finish their proof are refused once

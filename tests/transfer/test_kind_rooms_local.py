@@ -90,6 +90,7 @@ def test_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n
         assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
         needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
         assert sum(t.stats["bytes"] for t in txs) == needed + AUX.row_bytes
+        assert rx.stats["bytes"] == needed  # what decode counts it received
     finally:
         c.close()
 

@@ -145,6 +145,19 @@ def test_chunks_sent_before_the_request_are_posted_in_the_turn_that_receives_it(
     assert len(of(m.message(D, request(2), 1.1), PostWrite)) == 1
 
 
+def test_a_request_fed_between_the_last_chunk_and_its_post_waits_for_the_aux_rows_source(m):
+    """send() feeds its Chunk, then its Post (where the aux row is written from); the shell feeds
+    queued events after each, so a decode request may be fed between them: the last chunk is
+    not posted before the Post (it would carry an aux row with no source), and the Post posts it."""
+    r = m.open(3, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(3), None)
+    acts = m.message(D, request(3), 1.1)
+    assert not of(acts, PostWrite) and not msgs(acts, wire.PagesDone) and r.state.state != KVPoll.Failed
+    (w,) = of(m.post(r, 1.2, AUXF), PostWrite)
+    assert w.target.aux_posted and r.state.state != KVPoll.Failed
+
+
 def test_decode_asking_first_opens_an_unattached_room_the_engine_attaches_to(m):
     m.message(D, request(3), 1.0)
     r = m.rooms[3]

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvbridge.errors import ConfigError, LayoutError, LedgerError, PageRangeError
 from kvbridge.layout import BufferDesc, PoolSpec
-from kvbridge.layout.kinds import kind_specs, needed_extent, own_units_pools
+from kvbridge.layout.kinds import kind_specs, needed_bytes, needed_extent, own_units_pools
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.decode.kinds import KindLedger, StateSlots
 
@@ -157,6 +157,10 @@ class DecodeKinds:
         """Every kind unit of the room reported (True for a room without kind pools)."""
         ledger = self.ledgers.get(room)
         return ledger is None or ledger.complete
+
+    def needed_bytes(self, num_tokens: int) -> int:
+        """What a room of ``num_tokens`` receives of the kind pools (``KVReceiver.stats['bytes']``)."""
+        return sum(needed_bytes(spec, num_tokens) for spec in self.specs.values())
 
     def missing(self, room: int) -> dict[str, list[int]]:
         ledger = self.ledgers.get(room)

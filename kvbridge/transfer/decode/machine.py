@@ -89,7 +89,7 @@ class DecodeRooms:
         # the window, compressed and state pools' books (``kind_rooms.py``; ``kind_buffers``: our
         # registered buffers of them, whose capacities bound the units)
         self.kinds = DecodeKinds(self.specs, kind_buffers, config.rank_label)
-        self.bytes_per_token = sum(s.bytes_per_token * s.num_layers for s in self.specs.values())
+        self.bytes_per_token = sum(s.bytes_per_token * s.num_layers for s in self.specs.values() if s.kind == "paged")
         self.dirty: set[int] = set()  # rooms to advance at the next tick
         self.next_scan = 0.0
         self.last_scan = 0.0
@@ -191,7 +191,7 @@ class DecodeRooms:
                               f"{r.num_pages} pages", room=r.room, rank=self.cfg.rank_label, field="num_tokens")
         r.num_tokens = num_tokens
         tokens = num_tokens - min(num_tokens, r.first_page * self.page_size)
-        r.bytes_expected = self.bytes_per_token * tokens
+        r.bytes_expected = self.bytes_per_token * tokens + self.kinds.needed_bytes(num_tokens)
 
     # -- look-ups -----------------------------------------------------------------
 

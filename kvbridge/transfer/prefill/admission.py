@@ -104,6 +104,8 @@ def held_bytes(msg: Any) -> int:
             size += len(value)
         elif isinstance(value, (list, tuple)):
             size += sum(len(v) if isinstance(v, (bytes, str)) else 16 for v in value)
+        elif isinstance(value, dict):  # (a request's kind_units: pool -> packed units)
+            size += sum(len(k) + (len(v) if isinstance(v, (bytes, str)) else 16) for k, v in value.items())
     return size
 
 

@@ -114,6 +114,11 @@ class Writes:
                 last_chunk = t.posted == len(r.chunks) - 1
                 # the aux row rides in the last chunk's batch: one write, one completion
                 with_aux = last_chunk and r.is_last and r.has_aux and t.aux_source and not t.aux_posted
+                if with_aux and r.aux_from is None:
+                    # the last send's Chunk is in, its Post (where the row is written from) not yet: a
+                    # request fed between them (the shell feeds queued events after each) posts now, so
+                    # the last chunk waits for the Post, which follows in the same send()
+                    break
                 if not self._post_chunk(r, t, *r.chunks[t.posted], with_aux=with_aux,
                                         after=r.chunk_events[t.posted], layers=r.chunk_layers[t.posted],
                                         kind_to=(r.chunk_tokens[t.posted], last_chunk and r.is_last)):
@@ -122,7 +127,8 @@ class Writes:
                 t.posted += 1
             aux_left = r.has_aux and t.aux_source and not t.aux_posted
             kinds_left = bool(self.kinds) and t.kind_wait and self.kinds.wants(r.room, t.decode_rank)
-            if t.active and t.posted == len(r.chunks) and r.is_last and (aux_left or kinds_left):
+            if t.active and t.posted == len(r.chunks) and r.is_last and (aux_left or kinds_left) \
+                    and not (aux_left and r.aux_from is None):  # (as above: the row's source comes with the Post)
                 self._post_chunk(r, t, _EMPTY, _EMPTY, with_aux=aux_left, after=r.last_event,
                                  kind_to=(r.num_tokens, True))
         out, self._out = self._out, []

@@ -87,19 +87,18 @@ def test_v4_decode_needs_a_fraction_of_v32_bytes():
 
 
 @pytest.mark.skipif(not mooncake_available(), reason="Mooncake not installed")
-def test_v4_through_the_rooms_tokens_and_logits_equal(v4_model):
+def test_v4_through_the_rooms_tokens_and_logits_equal(v4_model, daemon):
     """The same requests through a prefill and a decode endpoint (rooms, a bootstrap daemon): the
     window's pages on the room's mapping, entries and state on their units, the first token from
     the aux row; logits bit-equal, bytes posted (less the aux row) = what decode needs."""
     from kvbridge.integrations.transformers.v4_rooms import V4Rooms
 
-    with kvb.start_bootstrap() as (url, token):
-        rooms = V4Rooms(v4_model, url, token=token, engine="mooncake")
-        try:
-            for n, cuts in ((9, ()), (131, (40, 96))):
-                ids = torch.randint(0, v4_model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-                r = rooms.run(ids, list(cuts), steps=3)
-                assert r["bytes_moved"] == r["bytes_needed"], r
-                assert r["logits_equal"] and r["tokens_equal"], r
-        finally:
-            rooms.close()
+    rooms = V4Rooms(v4_model, daemon.url, engine="mooncake")
+    try:
+        for n, cuts in ((9, ()), (131, (40, 96))):
+            ids = torch.randint(0, v4_model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            r = rooms.run(ids, list(cuts), steps=3)
+            assert r["bytes_moved"] == r["bytes_needed"], r
+            assert r["logits_equal"] and r["tokens_equal"], r
+    finally:
+        rooms.close()
