@@ -473,6 +473,46 @@ def test_sender_checks_paged_state_indices_hands_mamba_slots_and_refuses_unhande
     assert "SGLang state 'swa_ring' (window pools): this SGLang sender does not hand its indices" in s.failures[0]
 
 
+def _receiver(types, state_of, num_tokens=None):
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from kvbridge.integrations.sglang.receiver import KVBridgeKVReceiver
+
+    r = object.__new__(KVBridgeKVReceiver)  # no manager, no room: what send_metadata checks and hands on
+    r.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]), page_size=16,
+                               cache=SimpleNamespace(state_of=state_of))
+    r._failure, r.failures, r.inits, r.num_tokens = None, [], [], num_tokens
+    r.fail = r.failures.append
+    r._handle = SimpleNamespace(init=lambda *a, **kw: r.inits.append((a, kw)))
+    return r
+
+
+def test_receiver_hands_mamba_slots_and_swa_pages_with_the_token_count_and_refuses_by_name():
+    mamba = {"mamba_0": "mamba", "mamba_1": "mamba"}
+    r = _receiver(["mamba"], mamba, num_tokens=50)
+    r.send_metadata(np.array([7, 2, 12, 5]), 3, [[np.asarray(2)]])
+    (args, kw), = r.inits
+    assert args[2] == 50 and {k: v.tolist() for k, v in kw["kind_units"].items()} == {"mamba_0": [2], "mamba_1": [2]}
+    r = _receiver(["mamba"], mamba)  # the decode hook (patches.py) did not run
+    r.send_metadata(np.array([7]), 3, [[np.asarray(2)]])
+    assert not r.inits and "need the request's token count" in r.failures[0]
+    r = _receiver(["mamba"], mamba, num_tokens=50)
+    r.send_metadata(np.array([7]), 3, [[np.array([2, 3])]])
+    assert not r.inits and "2 indices, expected the request's one slot" in r.failures[0]
+    r = _receiver(["swa"], {"swa_k": "swa", "swa_v": "swa"}, num_tokens=100)
+    r.send_metadata(np.array([7]), 3, None)
+    assert not r.inits and "'swa': send_metadata came without its indices" in r.failures[0]
+    r = _receiver(["swa"], {"swa_k": "swa", "swa_v": "swa"}, num_tokens=100)
+    r.send_metadata(np.arange(7), 3, [np.array([6, 3, 0, 4], np.int32)])
+    assert r.inits[0][1]["kind_units"]["swa_v"].tolist() == [6, 3, 0, 4]
+    r = _receiver(["dsa_tail"], {"index_tail_k": "dsa_tail"}, num_tokens=100)
+    r.send_metadata(np.array([7]), 3, [np.array([1])])
+    assert not r.inits and "'dsa_tail' (state pools ['index_tail_k']): this SGLang receiver does not hand" in \
+        r.failures[0]
+
+
 def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():
     from kvbridge.integrations.sglang.kvargs import model_specs
 
