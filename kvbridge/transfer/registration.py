@@ -49,10 +49,12 @@ class EndpointBuffers:
         # host memory given as an address is read (digests) through a [pages, bytes_per_page] view of it
         self.tensors = {key: buf.host_view().reshape(-1, specs[key[0]].bytes_per_page)
                         if isinstance(buf, RawBuffer) and buf.on_host else buf for key, buf in buffers.items()}
-        # the room's pages (token-paged pools: paged and paged window) lie inside this; compressed,
-        # state and ring pools are checked on their own units (transfer/prefill/kinds.py)
-        token = [d for d in self.descs if specs[d.pool].kind == "paged"
-                 or (specs[d.pool].kind == "window" and not specs[d.pool].ring_stride)]
+        # the room's pages lie inside this: the paged pools' (a paged window may be on pages of its
+        # own, an SWA pool smaller than the full KV's; on the room's pages it is checked where its
+        # units are planned, transfer/prefill/kinds.py, as compressed, state and ring pools are);
+        # without paged pools, the paged windows'
+        token = [d for d in self.descs if specs[d.pool].kind == "paged"] or \
+            [d for d in self.descs if specs[d.pool].kind == "window" and not specs[d.pool].ring_stride]
         self.min_capacity = min(d.capacity_pages for d in (token or self.descs))
         self._registered: list[int] = []
 

@@ -85,6 +85,50 @@ def test_a_window_pool_sends_the_windows_pages_only_with_their_valid_rows():
     assert sum(p.num_bytes for p, _ in reports) == sum(kvb.needed_bytes(s, 22) for s in specs.values())
 
 
+def test_a_window_on_pages_of_its_own_given_later_travels_from_those_pages_and_waits_for_them():
+    """A paged window on pages of its own (SGLang's SWA pool): prefill says at init its pages come
+    later (None), decode gives its own window pages in the request. 22 tokens, window 6: pages 4
+    and 5. A chunk ending at 21 completes page 4, but its page id is not known yet: it waits, and
+    travels with the last chunk, read from the engine's pages (30, 31) into decode's (20, 21),
+    never from the room's pages."""
+    specs = model_specs("hybrid")
+    kw = KindWrites(specs, fake_descs(specs), lanes=kvb.OwnerLanes(1, "interleaved"), cp_rank=0, tp_size=1,
+                    rank="p0")
+    kw.engine_units(9, {**prefill_units(specs), "swa": None})
+    req = request(specs, 22, kind_units={**request(specs, 22).kind_units,
+                                         "swa": np.array([20, 21]).astype("<i4").tobytes()})
+    kw.accept(req, fake_descs(specs, 1 << 30), decode_pages(22), 22)
+    local_of = np.arange(6) + 1
+    plan, report = kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)
+    assert "swa" not in report  # page 4 is complete, its page id is not known yet
+    with pytest.raises(LayoutError, match="window pool 'swa': the engine's kind_units name 0 pages") as err:
+        kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)  # the last chunk without them
+    assert err.value.field == "kind_units"
+
+    kw = KindWrites(specs, fake_descs(specs), lanes=kvb.OwnerLanes(1, "interleaved"), cp_rank=0, tp_size=1,
+                    rank="p0")
+    kw.engine_units(9, {**prefill_units(specs), "swa": None})
+    kw.accept(req, fake_descs(specs, 1 << 30), decode_pages(22), 22)
+    assert "swa" not in kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)[1]
+    kw.engine_units(9, {"swa": np.array([30, 31])})  # send(kind_units=) with the last chunk
+    plan, report = kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)
+    assert np.frombuffer(report["swa"], "<i4").tolist() == [4, 5]
+    spec = specs["swa"]
+    src = {d.layer_id: d.base for d in fake_descs(specs) if d.pool == "swa"}
+    dst = {d.layer_id: d.base for d in fake_descs(specs, 1 << 30) if d.pool == "swa"}
+    rows = np.arange(16, 22)
+    want_src = [b + (np.array([30, 31])[rows // PAGE - 4] * PAGE + rows % PAGE) * spec.bytes_per_token
+                for b in src.values()]
+    want_dst = [b + (np.array([20, 21])[rows // PAGE - 4] * PAGE + rows % PAGE) * spec.bytes_per_token
+                for b in dst.values()]
+    in_swa = [(s, d, n) for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist())
+              if any(b <= s < b + CAP * spec.bytes_per_page for b in src.values())]
+    got_src = sorted(s + k * spec.bytes_per_token for s, _, n in in_swa for k in range(n // spec.bytes_per_token))
+    got_dst = sorted(d + k * spec.bytes_per_token for _, d, n in in_swa for k in range(n // spec.bytes_per_token))
+    assert got_src == sorted(x for arr in want_src for x in arr.tolist())
+    assert got_dst == sorted(x for arr in want_dst for x in arr.tolist())
+
+
 def test_only_complete_compressed_entries_travel_each_once():
     """V4, 131 tokens: CSA (ratio 4) has 32 complete entries -> pages 0-7; HCA (ratio 32) 4 ->
     page 0. A chunk ending at 40 tokens completes 10 CSA entries: pages 0, 1 only (page 2's

@@ -10,7 +10,8 @@ starts. Then:
 
     version.py           the installed SGLang's version, the supported ones
     kvargs.py            SGLang's KVArgs -> kvbridge pools, RawBuffers, aux regions
-    state_kinds.py       KVArgs' MAMBA state component -> kvbridge state pools (not yet carried by the rooms)
+    state_kinds.py       KVArgs' state components and V4's compressed KV -> kvbridge pool kinds (refused by
+                         the kind the rooms do not carry: kvbridge.ROOM_POOL_KINDS)
     cp_modes.py          SGLang's CP modes -> owner-lane rules
     settings.py          what the backend reads from SGLang and KVBRIDGE_* (once), and refuses
     contract.py          the runtime contract of a rank, from its pools

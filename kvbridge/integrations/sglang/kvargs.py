@@ -21,6 +21,9 @@ and kvbridge sees:
     k, v     0 .. L-1                       MHA target entries
     draft_k, draft_v  L .. L+D-1            MHA draft entries
     index    target ids (+ draft ids)       the DSA state component
+    others   per state_kinds.STATE_KINDS    the other state components, when the room endpoints
+                                            carry their kind (kvbridge.ROOM_POOL_KINDS); else
+                                            refused by name, naming the kind
 
 Buffers stay addresses (``SGLangBuffer``: pointer, bytes, bytes per item; ``raw()``
 gives the ``kvbridge.RawBuffer`` an endpoint takes): SGLang never hands tensors.
@@ -36,10 +39,12 @@ whole model's, which every stage and decode share (see ``model_specs``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
+from kvbridge.integrations.sglang.state_kinds import (HEAD_SHARDED, HybridGeometry, component_pools, room_pool_kinds,
+                                                      state_kind, state_type_names, v4_kv_pools)
 
 TARGET, DRAFT, INDEX = "target", "draft", "index"
 K, V, DRAFT_K, DRAFT_V = "k", "v", "draft_k", "draft_v"
@@ -68,24 +73,10 @@ METADATA_FIELDS: tuple[tuple[str, str, int | None, str], ...] = (
     ("bootstrap_room", "uint64", 8, ""),
     ("kv_checksum", "uint64", 8, "kv_checksum"),
 )
-# SGLang 0.5.23 state types (StateType values) kvbridge refuses, by the model family that registers them.
-STATE_FAMILIES = {
-    "mamba": "hybrid linear-attention models with Mamba/GDN state pools, the Qwen3-Next class",
-    "swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
-    "block_scale_swa": "hybrid sliding-window models with an SWA pool (GPT-OSS, Gemma 3 class)",
-    "swa_ring": "DeepSeek V4 (its SWA ring and compressed state)",
-    "c128_state": "DeepSeek V4 (its SWA ring and compressed state)",
-    "dsa_tail": "DeepSeek V4 (its SWA ring and compressed state)",
-    "request_row": "DeepSeek V4 (its SWA ring and compressed state)",
-    "qsa_pending": "QSA sparse-attention models",
-    "qsa_compressed": "QSA sparse-attention models",
-    "minimax_index_k": "MiniMax sparse-attention models",
-    "minimax_dense_kv": "MiniMax sparse-attention models",
-    "block_scale": "block-scaled KV caches",
-}
 ITEMSIZE = {"int32": 4, "int64": 8, "uint64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "bfloat16": "bfloat16", "float16": "float16",
                   "fp16": "float16", "half": "float16", "float32": "float32", "fp8_e4m3": "fp8_e4m3",
+                  "mxfp8": "fp8_e4m3",  # e4m3 values; the per-32 UE8M0 scales are the BLOCK_SCALE pools
                   "fp8_e5m2": "fp8_e5m2"}  # fmt: skip
 
 
@@ -146,6 +137,10 @@ class SGLangCache:
     is_mla: bool
     pools: Mapping[str, PoolBuffers]
     aux: tuple[AuxBuffer, ...]
+    # pools built from state components (state_kinds.py), with their specs: window, state, scale pools
+    kind_specs: Mapping[str, PoolSpec] = field(default_factory=dict)
+    # pool -> the SGLang state type (its value) it was built from, for the pools of kind_specs
+    state_of: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def aux_rows(self) -> int:
@@ -164,14 +159,21 @@ def read_kv_args(
     kv_checksum: bool = False,
     hidden_dtype: str = "bfloat16",
     num_hidden_layers: int | None = None,
+    geometry: HybridGeometry | None = None,
 ) -> SGLangCache:
     """Translate one rank's ``KVArgs``. ``is_mla``: the manager's ``is_mla_backend``;
     ``kv_checksum``: SGLang's ``--disaggregation-enable-kv-checksum`` (adds an aux
     region SGLang's lists cannot tell apart from the DSA top-k one);
     ``hidden_dtype``: the dtype of ``output_hidden_states``; ``num_hidden_layers``:
-    where draft layer ids start (default: after the target's). Raises
+    where draft layer ids start (default: after the target's); ``geometry``: what KVArgs does
+    not say about a hybrid model's state (``state_kinds.HybridGeometry``). Every state
+    component maps to a kvbridge pool kind (``state_kinds.STATE_KINDS``); one whose kind the
+    room endpoints do not carry (``kvbridge.ROOM_POOL_KINDS``) is refused by name. Raises
     ``ConfigError`` naming the field when SGLang's lists do not fit together."""
     page_size = _positive_int(getattr(kv_args, "page_size", None), "page_size")
+    if getattr(kv_args, "mla_compression_ratios", None) is not None:
+        return _v4_cache(kv_args, page_size, kv_checksum=kv_checksum, hidden_dtype=hidden_dtype,
+                         geometry=geometry or HybridGeometry())
     ptrs = _ints(kv_args, "kv_data_ptrs")
     lens = _ints(kv_args, "kv_data_lens")
     items = _ints(kv_args, "kv_item_lens")
@@ -215,15 +217,44 @@ def read_kv_args(
             half = len(draft) // 2
             pools[DRAFT_K] = _pool(DRAFT_K, draft_ids, draft[:half], page_size)
             pools[DRAFT_V] = _pool(DRAFT_V, draft_ids, draft[half:], page_size)
-    index = _index_pool(kv_args, target_ids, draft_ids, page_size)
-    if index is not None:
-        pools[INDEX] = index
+    state_of: dict[str, str] = {}
+    kind_specs = _state_pools(kv_args, pools, geometry or HybridGeometry(), page_size=page_size, state_of=state_of,
+                              kv_dtype=_DTYPE_ALIASES.get(str(getattr(kv_args, "kv_cache_dtype_str", "auto")).lower(),
+                                                          "bfloat16"), target_ids=target_ids, draft_ids=draft_ids)
     aux = read_metadata_buffers(
         _ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"), _ints(kv_args, "aux_item_lens"),
         kv_checksum=kv_checksum, hidden_dtype=hidden_dtype,
     )  # fmt: skip
     dtype = str(getattr(kv_args, "kv_cache_dtype_str", "auto") or "auto")
-    return SGLangCache(page_size=page_size, kv_cache_dtype=dtype, is_mla=is_mla, pools=pools, aux=aux)
+    return SGLangCache(page_size=page_size, kv_cache_dtype=dtype, is_mla=is_mla, pools=pools, aux=aux,
+                       kind_specs=kind_specs, state_of=state_of)
+
+
+def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: str,
+              geometry: HybridGeometry) -> SGLangCache:
+    """DeepSeek-V4 (``KVArgs.mla_compression_ratios`` set): its KV lists are compressed pools by
+    ratio (``state_kinds.v4_kv_pools``), refused by name while the rooms do not carry them."""
+    carried = room_pool_kinds()
+    if "compressed" not in carried:
+        raise ConfigError(
+            "SGLang's DeepSeek-V4 KV (KVArgs.mla_compression_ratios set) is kvbridge 'compressed' pools (C4, C4 "
+            "indexer and C128 entries; integrations/sglang/state_kinds.py), and the room endpoints carry only "
+            f"{sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this model with "
+            "--disaggregation-transfer-backend mooncake until they carry it", field="mla_compression_ratios")  # fmt: skip
+    _refuse_uncarried(state_type_names(kv_args))
+    pools: dict[str, PoolBuffers] = {}
+    specs: dict[str, PoolSpec] = {}
+    for made in v4_kv_pools(kv_args, page_size):
+        name = made.spec.name
+        bufs = [SGLangBuffer(p, n, i) for p, n, i in zip(made.ptrs, made.lens, made.items)]
+        pools[name], specs[name] = _pool(name, made.spec.layer_ids, bufs, made.spec.page_size), made.spec
+    target_ids = tuple(range(len(kv_args.mla_compression_ratios)))
+    specs.update(_state_pools(kv_args, pools, geometry, page_size=page_size, kv_dtype="bfloat16",
+                              target_ids=target_ids, draft_ids=()))
+    aux = read_metadata_buffers(_ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"),
+                                _ints(kv_args, "aux_item_lens"), kv_checksum=kv_checksum, hidden_dtype=hidden_dtype)
+    return SGLangCache(page_size=page_size, kv_cache_dtype=str(getattr(kv_args, "kv_cache_dtype_str", "auto")),
+                       is_mla=True, pools=pools, aux=aux, kind_specs=specs)
 
 
 def read_metadata_buffers(
@@ -287,9 +318,11 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
         )
     for name, spec in specs.items():
         pool = cache.pools[name]
-        if spec.page_size != cache.page_size:
-            raise ConfigError(f"pool {name!r}: SGLang's page size {cache.page_size}, the contract's "
-                              f"{spec.page_size}: pages would be cut differently", field=f"pools.{name}.page_size")  # fmt: skip
+        own_page = cache.kind_specs[name].page_size if name in cache.kind_specs else cache.page_size
+        if spec.page_size != own_page:
+            raise ConfigError(f"pool {name!r}: SGLang's page size {own_page}, the contract's "
+                              f"{spec.page_size}: pages would be cut differently",
+                              field=f"pools.{name}.page_size")  # fmt: skip
         if sorted(spec.layer_ids) != sorted(pool.layer_ids):
             raise ConfigError(f"pool {name!r}: SGLang registers layers {_span(pool.layer_ids)}, the contract has "
                               f"{_span(spec.layer_ids)}: layers would be paired wrongly or not at all",
@@ -328,6 +361,11 @@ def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target
     holds the pool's layers (ConfigError naming the pool where the two differ), else (the draft
     pools, sent by the last stage only) the last stage's spec."""
     start, end = layers
+    unpaged = sorted(f"{n} ({s.kind})" for n, s in own.items() if s.kind != "paged")
+    if unpaged:
+        raise ConfigError(f"pipeline stage layers [{start}, {end}) with window, compressed or state pools {unpaged}: "
+                          "kvbridge's SGLang backend builds a stage's contract from paged pools only; serve this "
+                          "model with --pp-size 1", field="pools")
     if model is None:
         if end != num_target_layers:
             raise ConfigError(f"pipeline stage layers [{start}, {end}) do not end the model's {num_target_layers} "
@@ -392,6 +430,12 @@ def pool_specs(cache: SGLangCache, heads: tuple[int, int, int] | None = None) ->
     sharding = {} if heads is None else dict(zip(("num_heads", "head_start", "head_stop"), heads))
     out = {}
     for name, pool in cache.pools.items():
+        if name in cache.kind_specs:  # built from a state component, with its geometry (state_kinds.py)
+            kind_spec = cache.kind_specs[name]
+            if heads is not None and name in HEAD_SHARDED:  # KV heads per row, like the k/v pools
+                kind_spec = replace(kind_spec, **sharding)
+            out[name] = kind_spec
+            continue
         per_token, rem = divmod(pool.bytes_per_page, cache.page_size)
         geometry = dict(name=name, page_size=cache.page_size, layer_ids=pool.layer_ids, bytes_per_token=per_token)
         if rem:
@@ -439,23 +483,58 @@ def _pool(name: str, layer_ids: tuple[int, ...], buffers: Sequence[SGLangBuffer]
     return PoolBuffers(name, tuple(layer_ids), tuple(buffers))
 
 
+def _refuse_uncarried(types: Sequence[str]) -> None:
+    """The first state component (in SGLang's order) whose kind the rooms do not carry, or that
+    has no kind, refused by name."""
+    carried = room_pool_kinds()
+    for st in types:
+        kind = state_kind(st)
+        if kind not in carried:
+            raise ConfigError(
+                f"SGLang state {st!r} maps to kvbridge {kind!r} pools (integrations/sglang/state_kinds.py), and the "
+                f"room endpoints carry only {sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; "
+                "serve this model with --disaggregation-transfer-backend mooncake until they carry it",
+                field="state_types")  # fmt: skip
+
+
+def _state_pools(kv_args: Any, pools: dict[str, PoolBuffers], geometry: HybridGeometry, *, page_size: int,
+                 kv_dtype: str, target_ids: tuple[int, ...], draft_ids: tuple[int, ...],
+                 state_of: dict[str, str] | None = None) -> dict[str, PoolSpec]:
+    """Every state component of ``kv_args`` as kvbridge pools, added to ``pools``; returns the
+    specs of those that are not the DSA index (whose geometry ``pool_specs`` knows). A component
+    whose kind the room endpoints do not carry is refused by name (the first one, in SGLang's
+    order), as is one kvbridge has no kind for."""
+    types = state_type_names(kv_args)
+    _refuse_uncarried(types)
+    specs: dict[str, PoolSpec] = {}
+    seen: set[str] = set()
+    for at, st in enumerate(types):
+        if st == DSA_STATE:
+            if st in seen:
+                raise ConfigError(f"{types.count(DSA_STATE)} DSA state components, expected one", field="state_types")
+            index = _index_pool(kv_args, at, target_ids, draft_ids, page_size)
+            if index is not None:
+                pools[INDEX] = index
+        else:
+            for made in component_pools(kv_args, at, geometry, page_size=page_size, kv_dtype=kv_dtype,
+                                        target_ids=target_ids, draft_ids=draft_ids, draft_component=st in seen):
+                name = made.spec.name
+                if name in pools:
+                    raise ConfigError(f"SGLang state {st!r}: pool {name!r} twice", field=f"pools.{name}")
+                bufs = [SGLangBuffer(p, n, i) for p, n, i in zip(made.ptrs, made.lens, made.items)]
+                pools[name] = _pool(name, made.spec.layer_ids, bufs, made.spec.page_size)
+                specs[name] = made.spec
+                if state_of is not None:
+                    state_of[name] = st
+        seen.add(st)
+    return specs
+
+
 def _index_pool(
-    kv_args: Any, target_ids: tuple[int, ...], draft_ids: tuple[int, ...], page_size: int
+    kv_args: Any, at: int, target_ids: tuple[int, ...], draft_ids: tuple[int, ...], page_size: int
 ) -> PoolBuffers | None:
-    types = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
-    unsupported = [t for t in types if t != DSA_STATE]
-    if unsupported:
-        families = sorted({STATE_FAMILIES.get(t, f"models with SGLang state {t!r}") for t in unsupported})
-        raise ConfigError(
-            f"SGLang state {unsupported} is not supported by kvbridge ({'; '.join(families)}): kvbridge moves KV "
-            f"pages and the DSA index K ('{DSA_STATE}') on the request's page mapping, and its core does not yet "
-            "carry a per-request state buffer outside those pages (what SGLang's state_indices address); instead "
-            "serve this model with --disaggregation-transfer-backend mooncake", field="state_types")  # fmt: skip
-    if not types:
-        return None
-    if types.count(DSA_STATE) != 1:
-        raise ConfigError(f"{types.count(DSA_STATE)} DSA state components, expected one", field="state_types")
-    at = types.index(DSA_STATE)
+    """The DSA component (V3.2's index K): target layers, then the draft's; a 0-byte item is a
+    layer without index K (it reuses a top-k)."""
     ptrs = list(kv_args.state_data_ptrs[at])
     lens = list(kv_args.state_data_lens[at])
     items = list(kv_args.state_item_lens[at])

@@ -49,7 +49,9 @@ from kvbridge import (
 )
 from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args, stage_layers
+from kvbridge.integrations.sglang.state_kinds import geometry_of
 from kvbridge.integrations.sglang.version import sglang_version
+from kvbridge.integrations.sglang.building import building_queue
 from kvbridge.integrations.sglang import settings
 from kvbridge.integrations.sglang.logs import route_logs
 from kvbridge.integrations.sglang.metrics import Counters
@@ -82,7 +84,8 @@ class KVBridgeKVManager(BaseKVManager):
         self.counters = Counters(role, shared=s.metrics)  # refusals and failures by reason (metrics.py)
         self._weights: str | None = None  # the contract's model.weights (settings.model_weights)
         self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
-                                               hidden_dtype=s.hidden_dtype)
+                                               hidden_dtype=s.hidden_dtype,
+                                               geometry=geometry_of(building_queue()))
         self.page_size = self.cache.page_size
         # a pipeline stage's target layers [start, end) (prefill; None without pipeline parallelism)
         self.stage: tuple[int, int] | None = stage_layers(self.cache, args) if role == "prefill" and s.pp_size > 1 \
@@ -150,6 +153,15 @@ class KVBridgeKVManager(BaseKVManager):
         return rank_contract(self.cache, s, lane_rule=lane_rule, kv_layout=getattr(self.kv_args, "kv_layout", None),
                              sglang_version=sglang_version(), heads=heads, stage=self.stage, model=model,
                              weights=self._weights)
+
+    def _staging_config(self) -> dict[str, Any]:
+        """The staging keywords of this rank's endpoint config: the rooms carry window, compressed
+        and state pools on the direct path only, so with any of them KVBRIDGE_STAGING's default
+        ``auto`` is ``never`` here (``always`` is refused by the endpoint, naming ``staging``)."""
+        cfg = self.settings.staging_config
+        if self.cache.kind_specs and cfg["staging"] == "auto":
+            cfg = {**cfg, "staging": "never"}
+        return cfg
 
     def _num_target_layers(self, specs: Any) -> int:
         return specs["target" if self.cache.is_mla else "k"].num_layers
@@ -301,7 +313,7 @@ class KVBridgeKVManager(BaseKVManager):
                             cp_size=s.cp_size, tp_rank=s.tp_rank, tp_size=s.tp_size, lane_rule=s.lane_rule,
                             pp_rank=s.pp_rank, pp_size=s.pp_size, pp_layers=self.stage, host=s.host, secret=s.secret,
                             lease_ttl=s.lease_ttl, target_timeout=s.bootstrap_timeout, peer_timeout=s.peer_timeout,
-                            aux_slots=1, **s.staging_config)  # fmt: skip
+                            aux_slots=1, **self._staging_config())  # fmt: skip
         self.endpoint = PrefillEndpoint(cfg, self.engine(), specs, kv, contract, client, schema, aux_buffer=aux)
         self.endpoint.start()
 
@@ -361,7 +373,7 @@ class KVBridgeKVManager(BaseKVManager):
             cfg = DecodeConfig(instance=s.instance, dp_rank=s.dp_rank, tp_rank=s.tp_rank, dp_size=s.dp_size,
                                tp_size=s.tp_size, host=s.host, secret=s.secret, bootstrap_timeout=s.bootstrap_timeout,
                                waiting_timeout=s.bootstrap_timeout, transfer_timeout=s.waiting_timeout,
-                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl, **s.staging_config)  # fmt: skip
+                               peer_timeout=s.peer_timeout, lease_ttl=s.lease_ttl, **self._staging_config())  # fmt: skip
             ep = DecodeEndpoint(cfg, self.engine(), specs, kv, contract, self.client(url), aux, schema)
             ep.start()
             with self._lock:

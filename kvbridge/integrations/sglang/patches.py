@@ -35,6 +35,12 @@ and has no registry for out-of-tree backends. These patches make ``kvbridge`` on
    digest of the request's prompt token ids and count (``kvbridge.room_binding``), decode
    presents its own with the claim, so a room id taken from another request is refused by
    name, nothing written or read. Other backends' handles are left alone.
+6. ``DecodePreallocQueue._send_kv_metadata`` (``sglang.srt.disaggregation.decode``) is wrapped
+   to hand a kvbridge receiver the request's token count before SGLang's ``send_metadata``
+   (``_hook_decode_token_count``): window and state pools need it; nothing else changes.
+7. ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager`` are
+   wrapped to name the queue building the manager (``building.building_queue``): an SWA pool's window
+   and layers are read off it, as ``KVArgs`` do not carry them (``_hook_init_kv_manager``).
 
 ``install()`` is idempotent. It first checks the installed SGLang: its version
 must be one of ``SUPPORTED_VERSIONS`` (``allow_untested=True`` or
@@ -79,8 +85,10 @@ _UTILS = "sglang.srt.disaggregation.utils"
 _BASE = "sglang.srt.disaggregation.base.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _CHOICES = "sglang.srt.arg_groups.choices"
-_PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
-_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+_DECODE = "sglang.srt.disaggregation.decode"
+_PREFILL = "sglang.srt.disaggregation.prefill"
+_PREFILL_QUEUE = f"{_PREFILL}.PrefillBootstrapQueue"
+_DECODE_QUEUE = f"{_DECODE}.DecodePreallocQueue"
 # patch 5: the queue methods that make a request's sender / receiver, and where it lands
 BINDS = {f"{_PREFILL_QUEUE}.create_sender": "disagg_kv_sender", f"{_DECODE_QUEUE}._create_receiver_and_enqueue": ""}
 REQ_FIELDS = ("origin_input_ids", "bootstrap_room")  # what bind_request reads of SGLang's Req
@@ -129,6 +137,11 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_PREFILL_QUEUE}.create_sender": ("self", "req", "num_kv_heads"),
     f"{_DECODE_QUEUE}._create_receiver_and_enqueue": ("self", "req", "is_rebootstrap"),
     "sglang.cli.serve.serve": ("args", "extra_argv"),
+    f"{_DECODE}.DecodePreallocQueue._send_kv_metadata": ("self", "decode_req", "kv_indices", "page_size",
+                                                        "state_indices", "metadata_kwargs"),
+    f"{_DECODE}.DecodePreallocQueue._rebootstrap_prefill_len": ("req",),
+    f"{_DECODE}.DecodePreallocQueue._init_kv_manager": ("self",),
+    f"{_PREFILL}.PrefillBootstrapQueue._init_kv_manager": ("self",),
 }  # fmt: skip
 
 # Abstract methods of the base classes kvbridge's classes implement.
@@ -213,6 +226,10 @@ def install(*, allow_untested: bool = False) -> None:
     utils = importlib.import_module(_UTILS)
     member = _add_member(utils.TransferBackend, MEMBER, BACKEND)
     _wrap_get_kv_class(utils, member)
+    _hook_decode_token_count(importlib.import_module(_DECODE).DecodePreallocQueue)
+    for queue in (importlib.import_module(_PREFILL).PrefillBootstrapQueue,
+                  importlib.import_module(_DECODE).DecodePreallocQueue):
+        _hook_init_kv_manager(queue)
     choices = importlib.import_module(_CHOICES)
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
@@ -413,6 +430,47 @@ def _wrap_get_kv_class(utils: Any, member: Enum) -> None:
         for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, get_kv_class)
+
+
+def _hook_decode_token_count(queue: type) -> None:
+    """5. Decode's token count. SGLang's ``send_metadata`` says a request's pages, not its tokens,
+    and kvbridge's window and state pools need the count (it decides the window and the complete
+    entries; prefill checks it). ``DecodePreallocQueue._send_kv_metadata`` is wrapped: for a
+    kvbridge receiver it first sets ``num_tokens`` to the length prefill sends
+    (``_rebootstrap_prefill_len``, SGLang's own), then runs SGLang's method unchanged."""
+    original = queue._send_kv_metadata
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _send_kv_metadata(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        receiver = getattr(decode_req, "kv_receiver", None)
+        if hasattr(receiver, "num_tokens") and getattr(receiver, "__kvbridge_receiver__", False):
+            receiver.num_tokens = int(queue._rebootstrap_prefill_len(decode_req.req))
+        return original(self, decode_req, *args, **kwargs)
+
+    setattr(_send_kv_metadata, _MARK, True)
+    queue._send_kv_metadata = _send_kv_metadata
+
+
+def _hook_init_kv_manager(queue: type) -> None:
+    """6. The hybrid geometry. ``KVArgs`` do not say an SWA pool's window or its layers; the
+    queue that builds the manager holds the pool and the scheduler. ``_init_kv_manager`` is
+    wrapped to name that queue (``building_queue()``) while SGLang's own method runs; the manager
+    reads the geometry off it (``state_kinds.geometry_of``)."""
+    original = queue._init_kv_manager
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _init_kv_manager(self: Any) -> Any:
+        from kvbridge.integrations.sglang.building import building
+
+        with building(self):
+            return original(self)
+
+    setattr(_init_kv_manager, _MARK, True)
+    queue._init_kv_manager = _init_kv_manager
 
 
 def sglang_modules_holding(function: Callable[..., Any]) -> list[Any]:

@@ -36,10 +36,12 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransf
 
 from kvbridge import KVBridgeError
 from kvbridge.integrations.sglang.handles import RoomHandle
+from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices
 
 
 class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
     role = "decode"
+    __kvbridge_receiver__ = True  # patches.py's decode hook sets num_tokens on these
 
     def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None) -> None:
         self._start(mgr, int(bootstrap_room or 0))
@@ -47,6 +49,9 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
         self.require_staging = False
         self.abort_notified = False
         self._prefill_dp_rank: int | None = None
+        # the request's token count (prefill's input length): SGLang's send_metadata does not say it;
+        # kvbridge's decode hook (patches.py, DecodePreallocQueue._send_kv_metadata) sets it first
+        self.num_tokens: int | None = None
 
     # -- SGLang's calls -------------------------------------------------------------------
 
@@ -91,11 +96,50 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
                 self.fail(f"the DSA state indices ({dsa.size} pages) are not the KV pages after the prefix "
                           f"({pages.size}): kvbridge moves index K with the KV's page mapping (hard rule 3)")
                 return
+        kind_units = self._kind_units(types, state_indices)
+        if kind_units is None:
+            return
+        num_tokens = None
+        if kind_units:
+            if self.num_tokens is None:
+                self.fail(f"pools {sorted(kind_units)} need the request's token count, which SGLang's send_metadata "
+                          "does not say (kvbridge's decode hook, patches.py, sets it: is install() in place?)")
+                return
+            num_tokens = int(self.num_tokens)
         try:
-            self._handle.init(pages, int(aux_index), self.num_tokens, first_page=prefix // page_size,
-                              binding=self.binding)
+            self._handle.init(pages, int(aux_index), self.num_tokens if num_tokens is None else num_tokens,
+                              first_page=prefix // page_size, binding=self.binding,
+                              **({"kind_units": kind_units} if kind_units else {}))
         except KVBridgeError as exc:
             self.fail(str(exc))
+
+    def _kind_units(self, types: list[Any], state_indices: Any) -> dict[str, np.ndarray] | None:
+        """The room's ``kind_units`` from SGLang's state indices: a MAMBA component's index is the
+        request's ``MambaPool`` slot, each of its state pools' one unit; an SWA component's are the
+        window's pages in the SWA pool (``_swa_payload``), each window pool's. Another non-paged kind
+        fails the room by name (its indices are not handed on yet). None once failed."""
+        state_of = getattr(self.kv_mgr.cache, "state_of", {}) or {}
+        given = list(state_indices or [])
+        units: dict[str, np.ndarray] = {}
+        for at, t in enumerate(types):
+            st = str(getattr(t, "value", t))
+            pools = [p for p, s in state_of.items() if s == st]
+            if not pools:
+                continue
+            idx = given[at] if at < len(given) else None
+            if st not in HANDED:
+                self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools {pools}): this SGLang receiver does "
+                          "not hand its indices to the room yet")
+                return None
+            if idx is None or not np.size(idx):
+                self.fail(f"SGLang state {st!r}: send_metadata came without its indices (pools {pools})")
+                return None
+            got = flat_indices(idx)
+            if STATE_KINDS[st] == "state" and got.size != 1:
+                self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
+                return None
+            units.update({p: got for p in pools})
+        return units
 
     def _room_state(self) -> int:
         state = self._handle.poll()

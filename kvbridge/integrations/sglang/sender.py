@@ -31,8 +31,9 @@ them). A chunk's pages are the request's positions ``[P + sent, P + sent + len)`
 those it owns (its lane), each stored at ``page id`` (``page id // N`` with
 logical-page KV sharding over N ranks, where SGLang places page id p on rank
 ``p % N``: kvbridge requires that to be the position's lane, and fails a room whose
-pages do not follow it). The DSA state indices (index K) must be the request's page
-ids: target, index and draft move with one mapping (hard rule 3).
+pages do not follow it). The paged state indices (DSA's index K, BLOCK_SCALE's MXFP8 scales)
+must be the request's page ids: target, index, scales and draft move with one mapping (hard
+rule 3).
 
 A rank without an endpoint (attention TP ranks > 0 of an MLA cache) sends nothing
 and reports Success, so that the MIN is its peers' state; it still fails on its
@@ -60,10 +61,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
 
 from kvbridge import KVBridgeError, LayoutError
 from kvbridge.integrations.sglang.handles import RoomHandle
+from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices, state_type_names
 
 
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
@@ -117,8 +119,10 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         if self._handle is None or self._failure is not None:
             return
         try:
+            later = {p: None for p, st in self.kv_mgr.cache.state_of.items() if STATE_KINDS.get(st) == "window"}
             self._handle.init(self.num_tokens, num_pages=self._prefix_pages + self._num_pages,
-                              first_page=self._prefix_pages, binding=self.binding)
+                              first_page=self._prefix_pages, binding=self.binding,
+                              **({"kind_units": later} if later else {}))  # window pages: with the last chunk
         except KVBridgeError as exc:
             self.fail(str(exc))
 
@@ -153,15 +157,15 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return
         self._tokens_given += int(num_kv_tokens)
         is_last = self._pages_given == self._num_pages
-        if is_last and not self._state_follows_pages(state_indices):
-            return
-        if self._handle is None:
+        kind_units = self._state_follows_pages(state_indices) if is_last else {}
+        if kind_units is None or self._handle is None:
             return
         try:
             logical, local = self._owned(np.arange(start, self._prefix_pages + self._pages_given), pages)
             aux_slot = self._aux_index if is_last and self._handle.writes_aux else None
             self._handle.send(logical, local, num_tokens_ready=self._tokens_given, is_last=is_last,
-                              aux_slot=aux_slot, ready_event=wait_event)  # fmt: skip
+                              aux_slot=aux_slot, ready_event=wait_event,
+                              **({"kind_units": kind_units} if kind_units else {}))  # fmt: skip
         except KVBridgeError as exc:
             self.fail(str(exc))
 
@@ -181,20 +185,57 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return positions[mine], pages[mine] // shard
         return positions[mine], pages[mine]
 
-    def _state_follows_pages(self, state_indices: Any) -> bool:
-        """The DSA state (index K) must move with the KV's own page mapping (hard rule 3)."""
-        types = list(getattr(self.kv_mgr.kv_args, "state_types", None) or [])
-        if StateType.DSA not in types or not state_indices:
-            return True
-        dsa = state_indices[types.index(StateType.DSA)]
-        if dsa is None:
-            return True
+    def _state_follows_pages(self, state_indices: Any) -> dict[str, np.ndarray] | None:
+        """SGLang's state indices (the last chunk's), checked against what kvbridge sends, and
+        the room's ``kind_units`` made of them; None once the room failed. Paged components
+        (DSA's index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of
+        the request) must be the KV's own pages: kvbridge moves them with the KV's page mapping
+        (hard rule 3). A MAMBA component's index is the request's slot in ``MambaPool``: each of
+        its state pools (conv, temporal) gets it as its one unit. An SWA component's (and its
+        MXFP8 scales') are the window's pages in the SWA pool (``_swa_payload``: from
+        ``floor((n - W) / page)``): each window pool's pages of its own, said at ``init()`` to
+        come with the last chunk (``kind_units={pool: None}``). A component of another kind
+        (V4's ring and request state) that the rooms carry needs indices this sender does not hand on yet:
+        the room fails, naming it, rather than leave decode's copy unwritten."""
+        types = state_type_names(self.kv_mgr.kv_args)
+        units: dict[str, np.ndarray] = {}
+        if not types:
+            return units
+        given = list(state_indices or [])
         pages = np.concatenate(self._page_ids)
-        if not np.array_equal(np.asarray(dsa, dtype=np.int64).reshape(-1), pages):
-            self.fail(f"the DSA state indices ({np.size(dsa)} pages) are not the request's KV pages ({pages.size}): "
-                      "kvbridge moves index K with the KV's page mapping (hard rule 3)")
-            return False
-        return True
+        state_of = getattr(getattr(self.kv_mgr, "cache", None), "state_of", {}) or {}
+        for at, st in enumerate(types):
+            idx = given[at] if at < len(given) else None
+            if st in HANDED:
+                pools = [p for p, t in state_of.items() if t == st]
+                if idx is None or not np.size(idx):
+                    if pools:
+                        self.fail(f"SGLang state {st!r}: the last chunk came without its indices, so decode's "
+                                  f"{pools} would not be written")
+                        return None
+                    continue
+                got = flat_indices(idx)
+                if STATE_KINDS[st] == "state" and got.size != 1:
+                    self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
+                    return None
+                units.update({p: got for p in pools})
+                continue
+            if STATE_KINDS.get(st) != "paged":
+                if idx is not None and np.size(idx):
+                    self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools): this SGLang sender does not hand "
+                              "its indices to the room yet, so decode's copy would not be written")
+                    return None
+                continue
+            if idx is None:
+                continue
+            got = np.asarray(idx, dtype=np.int64).reshape(-1)
+            if st != "dsa":  # every page of the request: those after the decode prefix are the ones sent
+                got = got[self._prefix_pages:]
+            if not np.array_equal(got, pages):
+                self.fail(f"the {st!r} state indices ({got.size} pages) are not the request's KV pages "
+                          f"({pages.size}): kvbridge moves them with the KV's page mapping (hard rule 3)")
+                return None
+        return units
 
     @property
     def room_stats(self) -> dict[str, Any]:

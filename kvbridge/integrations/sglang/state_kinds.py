@@ -1,38 +1,449 @@
-"""SGLang's MAMBA state component (``KVArgs.state_*``) as kvbridge state pools.
+"""SGLang 0.5.23's state components (``KVArgs.state_*``) in kvbridge's pool kinds.
 
-SGLang 0.5.23's ``MambaPool`` registers its state tensor-major x layer: for each state tensor
-(conv, then temporal; GDN has one conv tensor) one entry per mamba layer, each a
-``[slots + 1, ...]`` tensor whose item is one request slot (``state_item_lens``), with:
+SGLang's ``setup_state_kv_args`` appends one component per ``StateType``; each is a list of
+buffers (pointer, bytes, item bytes) that SGLang addresses with its own index list per request.
+kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
 
-    state_layer_ids            the model layer of each entry
-    state_dim_per_tensor       this rank's size of the TP slice axis (0: replicated across attn TP)
-    state_slice_outer_counts   rows before the slice axis in a slot (1: the axis is outermost)
-    state_conv_shard_groups    the conv tensor's full (unsharded) sub-block dims, e.g. GDN's
-                               [key_dim, key_dim, value_dim]; None for the temporal tensor
+    StateType (value)          kind        kvbridge pools         what SGLang registers, what it sends
+    MAMBA (mamba)              state       mamba_0, mamba_1 ..    MambaPool's conv / temporal tensors x
+                                                                  layer; one slot per request row, cut
+                                                                  for attention TP (shard groups)
+    SWA (swa), an SWA pool     window      swa_k, swa_v           SWAKVPool's SWA k then v pages (gpt-oss,
+                                                                  Gemma 3); the pages of the last W tokens
+    SWA (swa), DeepSeek-V4     window      swa (+ c4_state,       the SWA pages (V4 FlashMLA layout, pages
+                                            c4_index_state)       padded to 576 B), then the C4 compressor
+                                                                  rings that follow the SWA pages
+    BLOCK_SCALE_SWA            window      swa_k_scale, ..        MXFP8 scales of the SWA pages
+    SWA_RING (swa_ring)        window      swa_ring (+ _rope)     V4's unified ring: row * stride + pos % stride
+    DSA (dsa)                  paged       index                  V3.2's index K on the KV page mapping
+                                                                  (kvargs.py builds it)
+    BLOCK_SCALE (block_scale)  paged       k_scale, v_scale       MXFP8 per-32 UE8M0 scales of the k/v pages
+    DSA_TAIL (dsa_tail)        state       index_tail_k, _score   one ring row per request: the index K of
+                                                                  the n % kpool tokens not yet compressed
+    DSV4_REQUEST_STATE         state       c128_state             V4's C128 compressor: one ring of 128
+     (c128_state)                                                 token rows per request, n % 128 live
+    REQUEST_ROW (request_row)  state       request_row            one item per request row (the DSpark
+                                                                  draft's SWA valid-from)
 
-and kvbridge sees one ``state`` pool per tensor (``mamba_0``, ``mamba_1``, ...): slot bytes =
-the item, shard groups = the sub-block dims (the conv tensor) or the whole slice axis (heads),
-unit = the bytes of one index of the slice axis. A slice axis with rows before it (Kimi's
-transposed conv state) is refused by name: its TP part is not one contiguous range per group.
-The room endpoints do not carry state pools yet (docs/models.md): this is the mapping they
-will use, and what the contract of such a model is built from.
+DeepSeek-V4's KV lists themselves (``kv_data_*`` when ``KVArgs.mla_compression_ratios`` is set)
+are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``).
+
+QSA and MiniMax components are not mapped (``NOT_MAPPED``). A component is built only when its
+kind is one the room endpoints carry (``room_pool_kinds()``: ``kvbridge.ROOM_POOL_KINDS``);
+``kvargs.read_kv_args`` refuses the others by name, naming the kind. Where the kind is carried but
+SGLang's bytes do not fit a ``PoolSpec`` exactly (V4's padded pages, rings wider than the ratio),
+the builder here refuses by name, saying what does not fit. What ``KVArgs`` does not say (the
+sliding window, which layers are SWA layers, ring sizes) comes from the model and the pool, in
+``HybridGeometry``.
+
+MAMBA: ``MambaPool`` registers its state tensor-major x layer: for each state tensor (conv,
+then temporal) one entry per mamba layer, each a ``[slots + 1, ...]`` tensor whose item is one
+request slot, with ``state_layer_ids`` (the model layer of each entry), ``state_dim_per_tensor``
+(this rank's size of the TP slice axis; 0: replicated), ``state_slice_outer_counts`` (rows before
+the slice axis; 1: outermost) and ``state_conv_shard_groups`` (the conv tensor's full sub-block
+dims, e.g. GDN's [key_dim, key_dim, value_dim]; None for the temporal tensor): one ``state`` pool
+per tensor, shard groups = the sub-block dims (conv) or the whole slice axis (heads). A slice axis
+with rows before it (Kimi's transposed conv state) is refused by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import kvbridge as kvb
-from kvbridge import ConfigError
+from kvbridge import ConfigError, PoolSpec
 
-MAMBA = "mamba"
+PAGED, WINDOW, COMPRESSED, STATE = "paged", "window", "compressed", "state"
+MAMBA, SWA, SWA_RING, DSA, DSA_TAIL = "mamba", "swa", "swa_ring", "dsa", "dsa_tail"
+DSV4_REQUEST_STATE, REQUEST_ROW, BLOCK_SCALE, BLOCK_SCALE_SWA = "c128_state", "request_row", "block_scale", \
+    "block_scale_swa"
 
-__all__ = ["MAMBA", "mamba_state_specs"]
+# StateType value -> the kvbridge pool kind its pools are
+STATE_KINDS: dict[str, str] = {
+    MAMBA: STATE, SWA: WINDOW, BLOCK_SCALE_SWA: WINDOW, SWA_RING: WINDOW, DSA: PAGED, BLOCK_SCALE: PAGED,
+    DSA_TAIL: STATE, DSV4_REQUEST_STATE: STATE, REQUEST_ROW: STATE,
+}
+# StateType values whose indices the sender and receiver hand to the room as kind_units (the
+# others that the rooms carry fail the room by name until they are handed on)
+HANDED: frozenset[str] = frozenset({MAMBA, SWA, BLOCK_SCALE_SWA})
+# StateType values kvbridge has no mapping for, by the model family that registers them
+NOT_MAPPED: dict[str, str] = {
+    "qsa_pending": "QSA sparse-attention models (pending index-K rings)",
+    "qsa_compressed": "QSA sparse-attention models (compressed KV)",
+    "minimax_index_k": "MiniMax sparse-attention models (index K)",
+    "minimax_dense_kv": "MiniMax sparse-attention models (dense KV)",
+}
+V4_ROW = (576, 8)  # FlashMLA's V4 layout: 448 fp8 nope + 64 bf16 rope values, then 7 UE8M0 scales + 1 pad
+V4_PAGE_ALIGN = 576  # ... and a page padded to whole 576-byte rows (KVLayout.page_bytes)
+MXFP8_BLOCK = 32  # values per UE8M0 scale
+# pools whose rows are KV heads, head-major, like SGLang's k/v pools: sharded over attention TP
+HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
+MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
+
+__all__ = ["HANDED", "HEAD_SHARDED", "flat_indices", "geometry_of", "NOT_MAPPED", "STATE_KINDS",
+           "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs", "room_pool_kinds", "state_kind",
+           "state_type_names", "v4_kv_pools"]
+
+
+def flat_indices(idx: Any) -> np.ndarray:
+    """SGLang's index payload of a state component (an array, or a list of arrays as
+    ``_mamba_payload`` gives it), flat."""
+    if isinstance(idx, (list, tuple)):
+        if not idx:
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in idx])
+    return np.asarray(idx, dtype=np.int64).reshape(-1)
+
+
+def geometry_of(queue: Any) -> HybridGeometry:
+    """What ``KVArgs`` does not say, from the SGLang queue building the manager
+    (``PrefillBootstrapQueue`` / ``DecodePreallocQueue``, ``patches.building_queue``): an
+    ``SWAKVPool``'s SWA layers (its ``layers_mapping``) and the scheduler's
+    ``sliding_window_size`` (the window SGLang's ``_swa_payload`` sends). Empty without a queue
+    or an SWA pool; V4's pools are described by their own fields."""
+    pool = getattr(queue, "token_to_kv_pool", None)
+    mapping = getattr(pool, "layers_mapping", None)
+    if pool is None or not isinstance(mapping, dict) or not hasattr(pool, "swa_kv_pool"):
+        return HybridGeometry()
+    swa = tuple(sorted(layer for layer, (_, is_swa) in mapping.items() if is_swa))
+    window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
+    return HybridGeometry(sliding_window=int(window or 0), swa_layer_ids=swa)
+
+
+def room_pool_kinds() -> frozenset[str]:
+    """The pool kinds the room endpoints carry (``kvbridge.ROOM_POOL_KINDS``; only paged pools
+    where this kvbridge predates it)."""
+    return frozenset(getattr(kvb, "ROOM_POOL_KINDS", frozenset({PAGED})))
+
+
+def state_type_names(kv_args: Any) -> list[str]:
+    """``KVArgs.state_types`` as their values (``StateType`` is a str enum)."""
+    return [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
+
+
+def state_kind(state_type: str) -> str:
+    """The kvbridge pool kind of an SGLang state type; ConfigError naming the family if unmapped."""
+    if state_type in STATE_KINDS:
+        return STATE_KINDS[state_type]
+    family = NOT_MAPPED.get(state_type, f"models with SGLang state {state_type!r}")
+    raise ConfigError(f"SGLang state {state_type!r} ({family}) has no kvbridge pool kind: kvbridge maps "
+                      f"{sorted(STATE_KINDS)}; serve this model with --disaggregation-transfer-backend mooncake",
+                      field="state_types")
+
+
+@dataclass(frozen=True)
+class HybridGeometry:
+    """What ``KVArgs`` does not say about a hybrid model's state, from its config and its pool.
+
+    ``sliding_window``: tokens a window layer attends (SWA pools; V4's ``sliding_window``);
+    ``swa_layer_ids``: the model layers of an SWA pool (``SWAKVPool``'s ``swa_attention_layer_ids``);
+    ``swa_ring_stride``: V4's unified ring rows per request (``unified_swa_ring_size``);
+    ``dsa_tail_ratio`` / ``dsa_tail_slots``: the DSA kpool size and its ring's rows (``index_kpool``,
+    plus ``tail_extra_slots``); ``c128_ring_size`` / ``c128_online``: V4's C128 state ring
+    (128 without speculation) or the online single row; ``attn_tp_size``: what Mamba state slots
+    are cut for (0: read off ``state_conv_shard_groups``, the conv tensor's whole dims over its
+    part). The head range of head-sharded pages is ``kvargs.pool_specs``' ``heads``, as for the
+    k/v pools (``HEAD_SHARDED``)."""
+
+    sliding_window: int = 0
+    swa_layer_ids: tuple[int, ...] = ()
+    swa_ring_stride: int = 0
+    dsa_tail_ratio: int = 0
+    dsa_tail_slots: int = 0
+    c128_ring_size: int = 128
+    c128_online: bool = False
+    attn_tp_size: int = 0  # 0: read off the conv tensor (its full sub-block dims over this rank's part)
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """One kvbridge pool built from a state component: its spec and one SGLang buffer per layer
+    id (pointer, bytes, item bytes), in the spec's layer order."""
+
+    state_type: str
+    spec: PoolSpec
+    ptrs: tuple[int, ...]
+    lens: tuple[int, ...]
+    items: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """One state component's lists."""
+
+    state_type: str
+    ptrs: list[int]
+    lens: list[int]
+    items: list[int]
+
+    def cut(self, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        return tuple(self.ptrs[lo:hi]), tuple(self.lens[lo:hi]), tuple(self.items[lo:hi])
+
+
+def component_pools(kv_args: Any, index: int, geometry: HybridGeometry, *, page_size: int, kv_dtype: str,
+                    target_ids: Sequence[int], draft_ids: Sequence[int],
+                    draft_component: bool = False) -> list[StatePool]:
+    """The pools of state component ``index`` of ``kv_args`` (not DSA: ``kvargs`` builds the
+    index pool). ``target_ids`` / ``draft_ids``: the KV pools' layer ids; ``draft_component``:
+    the component is the draft's second one of its type (V4's NextN SWA). ConfigError naming the
+    field where SGLang's bytes do not fit a kvbridge pool."""
+    st = state_type_names(kv_args)[index]
+    e = _Entries(st, [int(x) for x in kv_args.state_data_ptrs[index]], [int(x) for x in kv_args.state_data_lens[index]],
+                 [int(x) for x in kv_args.state_item_lens[index]])
+    if not (len(e.ptrs) == len(e.lens) == len(e.items)) or not e.ptrs:
+        raise ConfigError(f"SGLang state {st!r}: {len(e.ptrs)}/{len(e.lens)}/{len(e.items)} ptrs/lens/items",
+                          field="state_data_ptrs")
+    ratios = getattr(kv_args, "mla_compression_ratios", None)
+    prefix = "draft_" if draft_component else ""
+    if st == MAMBA:
+        specs = mamba_state_specs(kv_args, geometry.attn_tp_size)
+        n = len(e.ptrs) // len(specs)
+        return [StatePool(st, spec, *e.cut(t * n, (t + 1) * n)) for t, spec in enumerate(specs.values())]
+    if st in (SWA, BLOCK_SCALE_SWA) and ratios is not None:
+        return _v4_swa(e, ratios, kv_args, geometry, page_size)
+    if st in (SWA, BLOCK_SCALE_SWA):
+        ids = tuple(geometry.swa_layer_ids)
+        if not ids:
+            raise ConfigError(f"SGLang state {st!r}: the SWA layers' ids are not known (HybridGeometry.swa_layer_ids, "
+                              "SWAKVPool's swa_attention_layer_ids)", field="swa_layer_ids")
+        names = ("swa_k", "swa_v") if st == SWA else ("swa_k_scale", "swa_v_scale")
+        return _k_then_v(e, names, ids, geometry, page_size, kv_dtype, window=_window(st, geometry))
+    if st == BLOCK_SCALE:
+        if page_size == MXFP8_INTERLEAVED_PAGE:
+            raise ConfigError(f"SGLang state {st!r}: at page size {page_size} SGLang stores MXFP8 scales swizzled per "
+                              "page (FA4's interleaved atom), so a partial page's rows are not a byte range",
+                              field="pools.k_scale.layout")
+        return _k_then_v(e, ("k_scale", "v_scale"), tuple(target_ids), geometry, page_size, kv_dtype)
+    if st == SWA_RING:
+        return _swa_ring(e, ratios, kv_args, geometry, tuple(draft_ids) if draft_component else tuple(target_ids),
+                         prefix)
+    if st == DSA_TAIL:
+        return _dsa_tail(e, geometry, tuple(target_ids) + tuple(draft_ids))
+    if st == DSV4_REQUEST_STATE:
+        return _c128_state(e, ratios, kv_args, geometry)
+    if st == REQUEST_ROW:
+        if len(e.ptrs) != 1:
+            raise ConfigError(f"SGLang state {st!r}: {len(e.ptrs)} buffers, expected the one request-row buffer",
+                              field="state_data_ptrs")
+        ids = tuple(draft_ids[:1]) or (max(target_ids) + 1,)  # the draft's mark: numbered as the draft's layer
+        spec = _slot("request_row", ids, e.items[0], "int64", "sglang-request-row")
+        return [StatePool(st, spec, *e.cut(0, 1))]
+    raise ConfigError(f"SGLang state {st!r} has no pool builder here", field="state_types")
+
+
+def _slot(name: str, ids: Sequence[int], nbytes: int, dtype: str, kernel_abi: str, ratio: int = 0) -> PoolSpec:
+    """A replicated state slot of ``nbytes`` raw bytes (``ratio``: a tail slot of that many rows)."""
+    return PoolSpec(name=name, dtype=dtype, abi="uint8", bytes_per_token=nbytes, page_size=1, layer_ids=tuple(ids),
+                    kind=STATE, ratio=ratio, kernel_abi=kernel_abi)
+
+
+def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
+    """DeepSeek-V4's KV lists (``get_contiguous_buf_infos``): not one pool per layer but its
+    compressed caches by ratio, ``[C4 KV, C4 indexer K, C128 KV]`` over the stage's layers of each
+    ratio: ``compressed`` pools of ``page_size // ratio`` entries per page. ConfigError by name
+    where the bytes do not fit: V4's FlashMLA pages are padded to whole 576-byte rows, the fp8
+    two-pool (a rope group after each KV group) and ratio-1/2 layers have no kvbridge pool."""
+    ratios = list(kv_args.mla_compression_ratios)
+    start, stop = _stage(kv_args, ratios)
+    e = _Entries("kv", [int(x) for x in kv_args.kv_data_ptrs], [int(x) for x in kv_args.kv_data_lens],
+                 [int(x) for x in kv_args.kv_item_lens])
+    if any(r in (1, 2) for r in ratios):
+        raise ConfigError("DeepSeek-V4 KV with ratio-1/2 layers (V4.1 kv_source caches): no kvbridge pool describes "
+                          "them", field="mla_compression_ratios")
+    groups = [(name, r, [i for i in range(start, stop) if ratios[i] == r]) for name, r in
+              (("c4", 4), ("c4_index", 4), ("c128", 128))]
+    groups = [g for g in groups if g[2]]
+    if sum(len(ids) for _, _, ids in groups) != len(e.ptrs):
+        raise ConfigError(f"DeepSeek-V4 KV: {len(e.ptrs)} buffers for C4 layers, their indexer and C128 layers "
+                          f"({[len(ids) for _, _, ids in groups]}); the fp8 two-pool (a rope group after each KV "
+                          "group, SGLANG_DSV4_UNIFIED_KV_FP8) has no kvbridge pool", field="kv_data_ptrs")
+    out, at = [], 0
+    for name, r, ids in groups:
+        ptrs, lens, items = e.cut(at, at + len(ids))
+        at += len(ids)
+        entries = page_size // r
+        index = name == "c4_index"
+        row = (128, 4) if index else V4_ROW
+        if set(items) != {entries * sum(row)}:
+            pad = "" if index else f" padded to whole {V4_PAGE_ALIGN}-byte rows"
+            raise ConfigError(f"pool {name!r}: DeepSeek-V4 compressed pages are {sorted(set(items))} B, {entries} "
+                              f"entries of {sum(row)} B ({entries * sum(row)} B){pad}; kvbridge's PoolSpec has no page "
+                              "stride apart from its rows", field=f"pools.{name}.bytes_per_page")
+        spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale" if index else "v4_fp8_nope_bf16_rope", abi="uint8",
+                        bytes_per_token=sum(row), page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
+                        value_bytes_per_token=row[0], scale_bytes_per_token=row[1],
+                        kernel_abi="v4-indexer-k-fp8" if index else "flashmla-v4", kind=COMPRESSED, ratio=r)
+        out.append(StatePool("kv", spec, ptrs, lens, items))
+    return out
+
+
+def _window(state_type: str, geometry: HybridGeometry) -> int:
+    if geometry.sliding_window <= 0:
+        raise ConfigError(f"SGLang state {state_type!r}: the sliding window is not known (HybridGeometry."
+                          "sliding_window, the model config's sliding_window)", field="sliding_window")
+    return geometry.sliding_window
+
+
+def _k_then_v(e: _Entries, names: tuple[str, str], ids: tuple[int, ...], geometry: HybridGeometry, page_size: int,
+              kv_dtype: str, *, window: int = 0) -> list[StatePool]:
+    """k entries then v entries, one per layer of ``ids``: paged (or window) pools of pages,
+    whole KV heads per row like SGLang's k/v pools (``HEAD_SHARDED``: ``kvargs.pool_specs`` cuts
+    them for a rank's heads)."""
+    if len(e.ptrs) != 2 * len(ids):
+        raise ConfigError(f"SGLang state {e.state_type!r}: {len(e.ptrs)} buffers for k and v of {len(ids)} layers "
+                          f"{list(ids)}", field="state_data_ptrs")
+    scales = e.state_type in (BLOCK_SCALE, BLOCK_SCALE_SWA)
+    dtype = "ue8m0" if scales else kv_dtype
+    abi = "uint8" if scales or kv_dtype.startswith("fp8") else kv_dtype
+    out = []
+    for half, name in enumerate(names):
+        ptrs, lens, items = e.cut(half * len(ids), (half + 1) * len(ids))
+        if len(set(items)) != 1 or items[0] % page_size:
+            raise ConfigError(f"pool {name!r}: items {sorted(set(items))} B are not pages of {page_size} token rows",
+                              field=f"pools.{name}.bytes_per_page")
+        kind = {"kind": WINDOW, "window": window} if window else {}
+        spec = PoolSpec(name=name, dtype=dtype, abi=abi, bytes_per_token=items[0] // page_size, page_size=page_size,
+                        layer_ids=ids, kernel_abi="mxfp8-ue8m0-per-token" if scales else "", **kind)
+        out.append(StatePool(e.state_type, spec, ptrs, lens, items))
+    return out
+
+
+def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGeometry,
+            page_size: int) -> list[StatePool]:
+    """V4's SWA component: [SWA pages x stage layers, C4 compressor ring x C4 layers, C4 indexer
+    ring x C4 layers] (the SWA pages are absent under the unified ring)."""
+    start, stop = _stage(kv_args, ratios)
+    c4 = [i for i in range(start, stop) if ratios[i] == 4]
+    num_swa = len(e.ptrs) - 2 * len(c4)
+    if num_swa not in (0, stop - start):
+        raise ConfigError(f"DeepSeek-V4 SWA state: {len(e.ptrs)} buffers for {stop - start} layers and {len(c4)} C4 "
+                          "layers", field="state_data_ptrs")
+    if num_swa:
+        item = e.items[0]
+        rows = page_size * sum(V4_ROW)
+        if item != rows:
+            raise ConfigError(f"pool 'swa': DeepSeek-V4 SWA pages are {item} B, {page_size} rows of {sum(V4_ROW)} B "
+                              f"({rows} B) padded to whole {V4_PAGE_ALIGN}-byte rows; kvbridge's PoolSpec has no page "
+                              "stride apart from its rows", field="pools.swa.bytes_per_page")
+    if c4:
+        raise ConfigError(f"pools 'c4_state', 'c4_index_state': DeepSeek-V4's C4 compressor rings "
+                          f"({e.items[num_swa]} B per SWA page) are addressed by the SWA page (state row = SWA page "
+                          "* ring + pos % ring), a ring inside each window page that no kvbridge kind describes",
+                          field="pools.c4_state.kind")
+    spec = PoolSpec(name="swa", dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW),
+                    page_size=page_size, layer_ids=tuple(range(start, stop)), layout="values_then_scales",
+                    value_bytes_per_token=V4_ROW[0], scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4",
+                    kind=WINDOW, window=_window(e.state_type, geometry))
+    return [StatePool(e.state_type, spec, *e.cut(0, num_swa))]
+
+
+def _stage(kv_args: Any, ratios: Sequence[int]) -> tuple[int, int]:
+    """The stage's layers ``[start, end)``. SGLang sets ``prefill_end_layer`` from the pool's
+    ``end_layer``, which is inclusive (``layer_num - 1``) for a pool of the whole model and the
+    exclusive end for a pipeline stage's; a stage from layer 0 ending at the last layer is the model."""
+    start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
+    end = getattr(kv_args, "prefill_end_layer", None)
+    if end is None or (start == 0 and int(end) in (len(ratios) - 1, len(ratios))):
+        return start, len(ratios)
+    return start, int(end)
+
+
+def _swa_ring(e: _Entries, ratios: Sequence[int] | None, kv_args: Any, geometry: HybridGeometry,
+              ids: tuple[int, ...], prefix: str) -> list[StatePool]:
+    """V4's unified SWA ring: one buffer per layer of token rows, row ``req * stride + pos %
+    stride``; under fp8 two pools (nope rows, then rope rows)."""
+    if not geometry.swa_ring_stride:
+        raise ConfigError("SGLang state 'swa_ring': the ring's rows per request are not known (HybridGeometry."
+                          "swa_ring_stride, the pool's unified_swa_ring_size)", field="swa_ring_stride")
+    if not prefix and ratios is not None:
+        start, stop = _stage(kv_args, ratios)
+        ids = tuple(range(start, stop))
+    parts = len(e.ptrs) // max(len(ids), 1)
+    if parts not in (1, 2) or parts * len(ids) != len(e.ptrs):
+        raise ConfigError(f"SGLang state 'swa_ring': {len(e.ptrs)} buffers for layers {list(ids)}",
+                          field="state_data_ptrs")
+    out = []
+    for p, part in enumerate(("", "_rope")[:parts]):
+        name = f"{prefix}swa_ring{part}"
+        ptrs, lens, items = e.cut(p * len(ids), (p + 1) * len(ids))
+        spec = kvb.window_pool(name, ids, items[0], window=_window(e.state_type, geometry), page_size=1,
+                               dtype="bfloat16", ring_stride=geometry.swa_ring_stride, kernel_abi="v4-unified-swa-ring")
+        if len(set(items)) != 1:
+            raise ConfigError(f"pool {name!r}: rows of {sorted(set(items))} B", field=f"pools.{name}.bytes_per_token")
+        out.append(StatePool(e.state_type, spec, ptrs, lens, items))
+    return out
+
+
+def _dsa_tail(e: _Entries, geometry: HybridGeometry, ids: tuple[int, ...]) -> list[StatePool]:
+    """The DSA kpool tail: key rows then score rows, one buffer per layer (0-byte items: layers
+    without index K), one ring row of ``dsa_tail_slots`` token slots per request; token p at slot
+    p % slots. A kvbridge tail slot (rows [0, n % R)) when the ring is the kpool size R."""
+    r, slots = geometry.dsa_tail_ratio, geometry.dsa_tail_slots or geometry.dsa_tail_ratio
+    if r <= 1:
+        raise ConfigError("SGLang state 'dsa_tail': the DSA kpool size is not known (HybridGeometry.dsa_tail_ratio, "
+                          "the pool's index_kpool)", field="dsa_tail_ratio")
+    if slots != r:
+        raise ConfigError(f"SGLang state 'dsa_tail': a ring of {slots} slots for a kpool of {r} (tail_extra_slots, "
+                          "speculative decoding) puts the live rows at (n - n % R) % slots; kvbridge's tail slot "
+                          "holds them from row 0", field="dsa_tail_slots")
+    half = len(e.ptrs) // 2
+    if 2 * half != len(e.ptrs) or half > len(ids):
+        raise ConfigError(f"SGLang state 'dsa_tail': {len(e.ptrs)} buffers, not key and score halves of the "
+                          f"{len(ids)} layers", field="state_data_ptrs")
+    out = []
+    for h, name in enumerate(("index_tail_k", "index_tail_score")):
+        ptrs, lens, items = e.cut(h * half, (h + 1) * half)
+        keep = [i for i, item in enumerate(items) if item > 0]
+        if not keep:
+            continue
+        sizes = {items[i] for i in keep}
+        if len(sizes) != 1 or sizes.pop() % r:
+            raise ConfigError(f"pool {name!r}: ring rows of {sorted({items[i] for i in keep})} B are not {r} slots",
+                              field=f"pools.{name}.bytes_per_token")
+        spec = _slot(name, [ids[i] for i in keep], items[keep[0]], "fp8_e4m3_with_scale" if h == 0 else "float32",
+                     "sglang-dsa-kpool-tail", ratio=r)
+        out.append(StatePool(e.state_type, spec, tuple(ptrs[i] for i in keep), tuple(lens[i] for i in keep),
+                             tuple(items[i] for i in keep)))
+    return out
+
+
+def _c128_state(e: _Entries, ratios: Sequence[int] | None, kv_args: Any,
+                geometry: HybridGeometry) -> list[StatePool]:
+    """V4's request-scoped C128 compressor state: one buffer per C128 layer of the stage; an
+    item is 128 token rows (offline: token p at row p % 128, the n % 128 live ones from row 0) or
+    one online row. A kvbridge tail slot of ratio 128 by request row when the ring is 128 rows."""
+    if ratios is None:
+        raise ConfigError("SGLang state 'c128_state' without KVArgs.mla_compression_ratios",
+                          field="mla_compression_ratios")
+    if any(r in (1, 2) for r in ratios):
+        raise ConfigError("SGLang state 'c128_state' with ratio-1/2 layers: their pending-pair rings share the "
+                          "component with the C128 state and no kvbridge kind describes them",
+                          field="mla_compression_ratios")
+    start, stop = _stage(kv_args, ratios)
+    ids = [i for i in range(start, stop) if ratios[i] == 128]
+    if len(ids) != len(e.ptrs):
+        raise ConfigError(f"SGLang state 'c128_state': {len(e.ptrs)} buffers for C128 layers {ids}",
+                          field="state_data_ptrs")
+    if geometry.c128_ring_size != 128 and not geometry.c128_online:
+        raise ConfigError(f"SGLang state 'c128_state': a ring of {geometry.c128_ring_size} rows (speculative decoding) "
+                          "holds two 128-token pages per request, sent by (n - 1) % ring; kvbridge's tail slot is one "
+                          "page per request row", field="c128_ring_size")
+    if len(set(e.items)) != 1:
+        raise ConfigError(f"pool 'c128_state': items of {sorted(set(e.items))} B",
+                          field="pools.c128_state.bytes_per_token")
+    tail = {} if geometry.c128_online else {"tail_ratio": 128}
+    spec = kvb.state_pool("c128_state", ids, e.items[0], dtype="float32", kernel_abi="v4-compressor-c128", **tail)
+    return [StatePool(e.state_type, spec, *e.cut(0, len(ids)))]
 
 
 def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec]:
-    """The MAMBA component of ``kv_args`` as state pools of this rank (cut for ``attn_tp_size``)."""
-    types = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
+    """The MAMBA component of ``kv_args`` as state pools of this rank (cut for ``attn_tp_size``; 0:
+    read off the conv tensor's ``state_conv_shard_groups``)."""
+    types = state_type_names(kv_args)
     if MAMBA not in types:
         raise ConfigError(f"no mamba state component among {types}", field="state_types")
     c = types.index(MAMBA)
@@ -44,6 +455,12 @@ def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec
     if not (len(items) == len(layers) == len(dims) == len(outer) == len(groups)) or not items:
         raise ConfigError(f"mamba state lists differ in length: items {len(items)}, layer ids {len(layers)}, dims "
                           f"{len(dims)}, outer counts {len(outer)}, conv groups {len(groups)}", field="state_item_lens")
+    if not attn_tp_size:  # the conv tensor's whole sub-block dims over this rank's part of them
+        tps = {sum(g) // d for g, d in zip(groups, dims) if g and d and sum(g) % d == 0}
+        if len(tps) != 1:
+            raise ConfigError("the attention TP size that cuts the mamba state is not given and no conv tensor's "
+                              "state_conv_shard_groups tells it", field="attn_tp_size")
+        attn_tp_size = tps.pop()
     num_layers = len(dict.fromkeys(layers))
     if len(items) % num_layers:
         raise ConfigError(f"{len(items)} mamba entries are not whole tensors of {num_layers} layers",

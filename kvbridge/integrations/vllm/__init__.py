@@ -8,7 +8,9 @@
         "kv_connector_extra_config": {"bootstrap_url": "http://127.0.0.1:8998", "instance": "decode-0",
                                       "prefill_instance": "prefill-0"}}'
 
-with a daemon running (``kvbridge bootstrap --port 8998``). Roles: ``kv_producer``
+with a daemon running (``kvbridge bootstrap --port 8998``). ``"kv_connector": "KVBridgeHMAConnector"``
+keeps vLLM's hybrid KV cache manager on (``SupportsHMA``): its KV cache groups are mapped onto
+kvbridge pool kinds and refused by kind until the connector carries them (docs/vllm.md). Roles: ``kv_producer``
 (prefill) and ``kv_consumer`` (decode); ``kv_both`` is refused.
 
 ``kv_connector_extra_config`` keys (``settings.EXTRA_KEYS``; a key not listed is refused):
@@ -70,6 +72,7 @@ from typing import Any
 
 _EXPORTS = {
     "KVBridgeConnector": "connector",
+    "KVBridgeHMAConnector": "connector",
     "EXTRA_KEYS": "settings",
 }
 

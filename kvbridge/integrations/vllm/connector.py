@@ -5,7 +5,11 @@ with the role it needs, in the process that needs it.
 Every abstract method of the base is implemented; what kvbridge does not do is said
 by name below (the base's defaults stand for the rest):
 
-    supports HMA                  no: vLLM turns the hybrid manager off; hybrid models are refused
+    supports HMA                  KVBridgeConnector: no, so vLLM turns the hybrid manager off (a sliding
+                                  window is then allocated in full and moves as every token's pages;
+                                  vLLM itself refuses Mamba hybrids without it). KVBridgeHMAConnector:
+                                  yes (SupportsHMA, request_finished_all_groups); its KV cache groups
+                                  are refused by kind (settings.refuse_hybrid) until they are carried
     save_kv_layer                 prefill, layerwise (default): the layer of the prompts ending in this
                                   step goes out now; wait_for_save sends what is left (worker.py).
                                   It must run at every prefill step: with cudagraph_mode=FULL (prefill
@@ -30,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvbridge import ConfigError, cuda_graph_note
@@ -156,6 +161,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def _meta(self) -> KVBridgeMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVBridgeMetadata) else None
+
+
+class KVBridgeHMAConnector(KVBridgeConnector, SupportsHMA):
+    """``KVBridgeConnector`` that keeps vLLM's hybrid KV cache manager on (``"kv_connector":
+    "KVBridgeHMAConnector"``): vLLM then hands it every KV cache group, which
+    ``settings.refuse_hybrid`` maps onto pool kinds at start-up (one full-attention group moves as
+    with ``KVBridgeConnector``; the others are refused naming the group and the kind), and
+    ``request_finished_all_groups`` instead of ``request_finished``."""
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if len(block_ids) != 1:  # refuse_hybrid let only one group through
+            raise ConfigError(f"request {request.request_id}: blocks of {len(block_ids)} KV cache groups; kvbridge's "
+                              "vLLM connector moves one", field="kv_cache_config.kv_cache_groups")
+        return self._scheduler.request_finished(request, list(block_ids[0]))
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -2,16 +2,19 @@
 
     KVCacheGroupSpec.kv_cache_spec       pool (one per group)   kind
     FullAttentionSpec / MLAAttentionSpec group<i>               paged: a block of block_size tokens
+    FullAttentionSpec with sliding_window group<i>              paged: a sliding window vLLM promoted to
+     or attention_chunk_size (HMA off)                           full allocation (every block is kept)
     SlidingWindowSpec                    group<i>               window: the last sliding_window - 1 tokens
     MambaSpec                            group<i>               state: one slot (a block) per request,
                                                                 its state tensors (shapes x dtypes) whole
 
 Layer ids are read off the group's layer names (``model.layers.N.…``). A block's bytes are
 ``page_size_bytes`` (vLLM pads groups to one page size): a token row is a block's bytes over
-``block_size``. The connector still refuses hybrid models (``settings.refuse_hybrid``): the
-rooms do not carry these kinds yet (docs/models.md); this is the description they will use,
-and what the contract of such a model is built from. vLLM's CPU platform turns the hybrid
-manager off for served models, so it is tested on vLLM's own spec classes, not a server.
+``block_size``. ``settings.refuse_hybrid`` accepts a group whose kind the room endpoints carry
+(``kvbridge.ROOM_POOL_KINDS``) and refuses the others naming the group and the kind; the worker
+registers one paged pool (``cache.py``), so more than one group, or one that is not paged, is
+still refused by name after that (docs/vllm.md). vLLM's CPU platform turns the hybrid manager off
+for served models, so the groups are tested on vLLM's own spec classes and grouping, not a server.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import kvbridge as kvb
 from kvbridge import ConfigError
 
-__all__ = ["group_specs"]
+__all__ = ["group_specs", "room_pool_kinds"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -36,6 +39,12 @@ def _layer_ids(names: list[str], group: int) -> tuple[int, ...]:
                               field=f"kv_cache_config.kv_cache_groups[{group}].layer_names")
         ids.append(int(m.group(1)))
     return tuple(ids)
+
+
+def room_pool_kinds() -> frozenset[str]:
+    """The pool kinds the room endpoints carry (``kvbridge.ROOM_POOL_KINDS``; paged only where
+    this kvbridge predates it)."""
+    return frozenset(getattr(kvb, "ROOM_POOL_KINDS", frozenset({"paged"})))
 
 
 def _dtype(spec: Any) -> str:
@@ -65,7 +74,7 @@ def group_specs(kv_cache_config: Any) -> dict[str, kvb.PoolSpec]:
             out[name] = kvb.window_pool(name, ids, page // block, window=int(spec.sliding_window) - 1,
                                         page_size=block, dtype=dtype if dtype != "uint8" else "bfloat16",
                                         kernel_abi="vllm-sliding-window")
-        elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+        elif isinstance(spec, FullAttentionSpec):  # promoted windows and chunks too: every block is allocated
             out[name] = kvb.PoolSpec(name=name, dtype=dtype, abi=dtype, bytes_per_token=page // block,
                                      page_size=block, layer_ids=ids, kernel_abi="vllm-paged")
         else:

@@ -216,14 +216,32 @@ def refuse_parallel(parallel: Any) -> None:
 
 
 def refuse_hybrid(kv_cache_config: Any) -> None:
-    """One KV cache group of full attention (or MLA): hybrid models are refused by name."""
+    """Each KV cache group mapped onto a kvbridge pool kind (``hybrid.group_specs``): a group with
+    no kind, or whose kind the room endpoints do not carry (``kvbridge.ROOM_POOL_KINDS``), is
+    refused naming the group, its spec and the kind. One full-attention group (MLA, and a sliding
+    window vLLM promoted to full allocation with the hybrid manager off, included) is the paged
+    pool the connector moves. Carried kinds past that are still refused by name: the worker
+    registers one paged pool (``cache.py``) and the scheduler hands one group's blocks to a room."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise ConfigError(f"a hybrid model (KV cache groups {kinds}: sliding-window, Mamba/linear-attention or mixed "
-                          "layers) is not supported by kvbridge's vLLM connector, which moves one full-attention "
-                          "group; serve it with vLLM's NixlConnector or MooncakeConnector",
-                          field="kv_cache_config.kv_cache_groups")
+    from kvbridge.integrations.vllm.hybrid import group_specs, room_pool_kinds
 
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        return
+    if not groups:
+        raise ConfigError("vLLM's KVCacheConfig has no KV cache group", field="kv_cache_config.kv_cache_groups")
+    specs = list(group_specs(kv_cache_config).values())  # ConfigError naming a group without a kind
+    carried = room_pool_kinds()
+    for i, (group, spec) in enumerate(zip(groups, specs)):
+        if spec.kind not in carried:
+            raise ConfigError(f"KV cache group {i} ({type(group.kv_cache_spec).__name__}, layers "
+                              f"{list(spec.layer_ids)}) is a kvbridge {spec.kind!r} pool, and the room endpoints carry "
+                              f"only {sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this "
+                              "hybrid model with vLLM's NixlConnector or MooncakeConnector",
+                              field=f"kv_cache_config.kv_cache_groups[{i}]")
+    kinds = [f"{type(g.kv_cache_spec).__name__} ({s.kind})" for g, s in zip(groups, specs)]
+    raise ConfigError(f"KV cache groups {kinds}: the room endpoints carry their kinds, but kvbridge's vLLM connector "
+                      "registers one paged pool and hands one group's blocks to a room; per-group pools are not built "
+                      "yet; serve this hybrid model with vLLM's NixlConnector or MooncakeConnector",
+                      field="kv_cache_config.kv_cache_groups")

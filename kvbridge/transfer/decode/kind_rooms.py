@@ -26,7 +26,7 @@ import numpy as np
 from kvbridge.errors import ConfigError, LayoutError, LedgerError, PageRangeError
 from kvbridge.layout import BufferDesc, PoolSpec
 from kvbridge.layout.kinds import kind_specs, needed_bytes, needed_extent, own_units_pools
-from kvbridge.layout.pools import STATE
+from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.decode.kinds import KindLedger, StateSlots
 
 __all__ = ["DecodeKinds", "check_decode_kind_config"]
@@ -52,6 +52,8 @@ class DecodeKinds:
     def __init__(self, specs: Mapping[str, PoolSpec], descs: Sequence[BufferDesc], rank: str) -> None:
         self.specs = kind_specs(specs)
         self.own = own_units_pools(self.specs)
+        # paged windows the engine may put on pages of their own (an SWA pool beside the full KV)
+        self.windows = sorted(n for n, s in self.specs.items() if s.kind == WINDOW and not s.ring_stride)
         self.rank = rank
         self.caps: dict[str, int] = {}
         for d in descs:
@@ -86,11 +88,13 @@ class DecodeKinds:
             raise LayoutError("a decode prefix (first_page) is not carried for window, compressed and state pools",
                               field="first_page", **ctx)
         units = dict(units or {})
-        if sorted(units) != self.own:
+        windows = sorted(set(units) & set(self.windows))
+        if sorted(units) != sorted(self.own + windows):
             raise LayoutError(f"kind_units names {sorted(units)}; this rank's pools on units of their own are "
-                              f"{self.own}", field="kind_units", **ctx)
+                              f"{self.own} (and paged windows {self.windows} may be: their window's pages, from "
+                              "the first)", field="kind_units", **ctx)
         out = {}
-        for pool in self.own:
+        for pool in self.own + windows:
             spec = self.specs[pool]
             arr = np.asarray(units[pool]).reshape(-1)
             if arr.size and arr.dtype.kind not in "iu":
@@ -128,7 +132,8 @@ class DecodeKinds:
     # -- the request and its reports ---------------------------------------------------------------
 
     def request_units(self, room: int) -> dict[str, bytes]:
-        return {pool: u.astype("<i4").tobytes() for pool, u in self.units.get(room, {}).items() if pool in self.own}
+        return {pool: u.astype("<i4").tobytes() for pool, u in self.units.get(room, {}).items()
+                if pool in self.own or pool in self.windows}
 
     def start(self, room: int, num_tokens: int | None) -> None:
         if self.specs and num_tokens is not None:

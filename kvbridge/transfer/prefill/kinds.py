@@ -32,7 +32,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeEr
 from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan
 from kvbridge.layout.kinds import (check_kind_topology, chunk_extent, kind_specs, lane_units, needed_extent,
                                    own_units_pools, plan_kind, token_page_size)
-from kvbridge.layout.pools import STATE
+from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.channel import wire
 
 __all__ = ["KindWrites", "check_kind_config", "token_page_size"]
@@ -67,6 +67,9 @@ class _Room:
     dst: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # target -> pool -> its units
     bufs: dict[str, list[BufferDesc]] = field(default_factory=dict)  # target -> its registered buffers
     done: dict[str, int] = field(default_factory=dict)  # target -> tokens whose units were planned
+    later: set[str] = field(default_factory=set)  # window pools whose pages the engine gives later (None)
+    held: dict[str, dict[str, int]] = field(default_factory=dict)  # target -> pool waiting for them -> from
+    dst_own: dict[str, set[str]] = field(default_factory=dict)  # target -> window pools on its own pages
     last: set[str] = field(default_factory=set)  # targets the last chunk's units were planned for
 
 
@@ -83,6 +86,8 @@ class KindWrites:
         self.tp_size = tp_size
         self.rank = rank
         self.own = own_units_pools(self.specs)
+        # paged windows the engine may put on pages of their own (an SWA pool beside the full KV)
+        self.windows = sorted(n for n, sp in self.specs.items() if sp.kind == WINDOW and not sp.ring_stride)
         self.rooms: dict[int, _Room] = {}
         self._caps = {(d.pool, d.layer_id): d.capacity_pages for d in self.src_bufs}
 
@@ -103,14 +108,24 @@ class KindWrites:
     def engine_units(self, room: int, units: Mapping[str, object]) -> None:
         """``KVSender.init(kind_units=)`` / ``send(kind_units=)``: our physical unit of each
         logical unit of the compressed, state and ring pools (a state pool: its one slot),
-        checked inside our registered buffers (hard rule 5) before anything is kept."""
+        checked inside our registered buffers (hard rule 5) before anything is kept. A paged
+        window pool may be on pages of its own too (SGLang's SWA pool): its units are our pages
+        of the window's pages, from the first; ``None`` says they come later (with the last
+        chunk): until then no write carries that pool (its pages wait for their ids)."""
         ctx = dict(room=room, rank=self.rank)
-        unknown = sorted(set(units) - set(self.own))
+        unknown = sorted(set(units) - set(self.own) - set(self.windows))
         if unknown:
-            raise LayoutError(f"kind_units names {unknown}; the pools on units of their own are {self.own} "
-                              "(window pools use the room's pages)", field="kind_units", **ctx)
+            raise LayoutError(f"kind_units names {unknown}; the pools on units of their own are {self.own}, and "
+                              f"paged windows {self.windows} may be", field="kind_units", **ctx)
+        later = {pool for pool, ids in units.items() if ids is None}
+        if later - set(self.windows):
+            raise LayoutError(f"kind_units: None (units given later) for {sorted(later - set(self.windows))}; only "
+                              "paged window pools may wait for theirs", field="kind_units", **ctx)
+        self._room(room).later.update(later)
         checked = {}
         for pool, ids in units.items():
+            if ids is None:
+                continue
             arr = np.asarray(ids).reshape(-1)
             if arr.size and arr.dtype.kind not in "iu":
                 raise LayoutError(f"kind_units[{pool!r}] must be integers, got {arr.dtype}", field="kind_units", **ctx)
@@ -147,9 +162,10 @@ class KindWrites:
             raise LayoutError(f"decode TP size {req.num_decode_ranks} differs from prefill's {self.tp_size}: "
                               f"heterogeneous TP is not carried for pools {asked}", field="num_decode_ranks", **ctx)
         own = [p for p in asked if p in self.own]
-        if sorted(req.kind_units) != sorted(own):
+        windows = sorted(set(req.kind_units) & set(self.windows) & set(asked))
+        if sorted(req.kind_units) != sorted(own + windows):
             raise LayoutError(f"kind_units names {sorted(req.kind_units)}; the pools asked on units of their own are "
-                              f"{sorted(own)}", field="kind_units", **ctx)
+                              f"{sorted(own)} (and paged windows may be)", field="kind_units", **ctx)
         caps: dict[str, int] = {}
         for d in dst_bufs:
             if d.pool in self.specs:
@@ -157,7 +173,7 @@ class KindWrites:
         units = {}
         for pool in asked:
             spec, ext = self.specs[pool], needed_extent(self.specs[pool], num_tokens)
-            if pool in self.own:
+            if pool in self.own or pool in windows:
                 ids = np.frombuffer(req.kind_units[pool], dtype="<i4").astype(np.int64)
                 want = (1 if ext.count else 0) if spec.kind == STATE or spec.ring_stride else ext.count
                 if ids.size != want:
@@ -178,6 +194,7 @@ class KindWrites:
         kr.dst[req.decode_rank] = units
         kr.bufs[req.decode_rank] = [d for d in dst_bufs if d.pool in self.specs]
         kr.done[req.decode_rank] = 0
+        kr.dst_own[req.decode_rank] = set(windows)
 
     def wants(self, room: int, decode_rank: str) -> bool:
         """Whether the target still waits for kind units (the last chunk's not planned yet)."""
@@ -197,10 +214,14 @@ class KindWrites:
             return None, {}
         done = kr.done[decode_rank]
         dst_bufs = kr.bufs[decode_rank]
+        held = kr.held.setdefault(decode_rank, {})
         plans, report = [], {}
         for pool, dst in kr.dst[decode_rank].items():
             spec = self.specs[pool]
-            ext = chunk_extent(spec, num_tokens, min(done, end), end, last)
+            if pool in kr.later and pool not in kr.src and not last:
+                held.setdefault(pool, done)  # its pages' ids come later: plan them from here then
+                continue
+            ext = chunk_extent(spec, num_tokens, min(held.pop(pool, done), end), end, last)
             if not ext.count:
                 continue
             final = needed_extent(spec, num_tokens)
@@ -225,13 +246,23 @@ class KindWrites:
                 if (spec.kind == STATE or spec.ring_stride) and not src.size:
                     raise LayoutError(f"pool {pool!r}: the engine gave no slot", field="kind_units", room=room,
                                       rank=self.rank)
+            elif pool in kr.src or pool in kr.later:  # a paged window on pages of its own
+                src_all = kr.src.get(pool)
+                if src_all is None or src_all.size != final.count:
+                    raise LayoutError(f"window pool {pool!r}: the engine's kind_units name "
+                                      f"{0 if src_all is None else src_all.size} pages, the window of {num_tokens} "
+                                      f"tokens is {final.count}", field="kind_units", room=room, rank=self.rank)
+                src = src_all[logical - final.first]
+                dst_u = dst[logical - final.first] if pool in kr.dst_own[decode_rank] else dst_pages[logical]
+                subset = logical
             else:  # a paged window: our pages as handed in, the target's page ids
                 src = local_of[logical]
                 if (src < 0).any():
                     raise LayoutError(f"window pool {pool!r}: logical page {int(logical[src < 0][0])} is in the window "
                                       "but was not handed in by send()", field="logical_pages", room=room,
                                       rank=self.rank)
-                dst_u, subset = dst_pages[logical], logical
+                dst_u = dst[logical - final.first] if pool in kr.dst_own[decode_rank] else dst_pages[logical]
+                subset = logical
             plans.append(plan_kind(spec, self.src_bufs, dst_bufs, ext, src, dst_u, logical=subset, room=room,
                                    rank=self.rank))
             report[pool] = logical.astype("<i4").tobytes()

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import kvbridge as kvb
 from kvbridge import ConfigError, contract_from_preset, preset_pools
 from kvbridge.integrations.sglang.cp_modes import check_lane_rule, lane_rule
 from kvbridge.integrations.sglang.kvargs import (
@@ -149,16 +150,17 @@ def test_index_layers_without_index_k_are_skipped():
         (dict(page_size=0), "page_size must be a positive integer"),
         (dict(kv_item_lens=[1000] * 5), "1000 bytes per page is not 64 whole token rows"),
         (dict(kv_data_lens=[10] * 5), "holds no page"),
-        (dict(state_types=["mamba"]), r"state \['mamba'\] is not supported by kvbridge \(hybrid linear-attention "
-                                      r"models with Mamba/GDN state pools, the Qwen3-Next class\).*instead serve this "
-                                      r"model with --disaggregation-transfer-backend mooncake"),
-        (dict(state_types=["swa"]), r"state \['swa'\] .*hybrid sliding-window models with an SWA pool.*per-request "
-                                    r"state buffer"),
+        (dict(state_types=["mamba"]), r"SGLang state 'mamba' maps to kvbridge 'state' pools .*the room endpoints "
+                                      r"carry only \['paged'\].*--disaggregation-transfer-backend mooncake"),
+        (dict(state_types=["swa"]), r"SGLang state 'swa' maps to kvbridge 'window' pools"),
+        (dict(state_types=["qsa_pending"]), r"SGLang state 'qsa_pending' \(QSA sparse-attention models .*has no "
+                                            r"kvbridge pool kind"),
         (dict(state_data_ptrs=[[1, 2]]), "DSA state has 2/4/4"),
         (dict(kv_layer_ids=[0, 1]), "2 kv_layer_ids for 5 KV entries"),
     ],
 )
-def test_kv_args_that_do_not_fit(change, match):
+def test_kv_args_that_do_not_fit(change, match, monkeypatch):
+    monkeypatch.setattr(kvb, "ROOM_POOL_KINDS", frozenset({"paged"}), raising=False)  # the rooms carry paged pools only
     args = kv_args(layers=4, draft=1)
     for k, v in change.items():
         setattr(args, k, v)

@@ -72,21 +72,26 @@ def test_pipeline_parallel_refused(model):
     assert err.value.field == "parallel_config.pipeline_parallel_size"
 
 
-def test_hybrid_model_refused(model):
-    """A sliding-window group beside the full-attention one (the hybrid manager's shape)."""
+def test_hybrid_model_refused(model, monkeypatch):
+    """A sliding-window group beside the full-attention one (the hybrid manager's shape), while the
+    rooms carry paged pools only: refused naming the group and its kind."""
     import torch
+
+    import kvbridge as kvb
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
     from kvbridge.integrations.vllm import KVBridgeConnector
 
+    monkeypatch.setattr(kvb, "ROOM_POOL_KINDS", frozenset({"paged"}), raising=False)
     vc = C.vllm_config(model, "kv_producer", URL)
     kvcc = C.kv_cache_config(vc, 64)
     kvcc.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.9.self_attn.attn"], SlidingWindowSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)))
-    with pytest.raises(ConfigError, match="hybrid model") as err:
+    with pytest.raises(ConfigError, match=r"KV cache group 1 \(SlidingWindowSpec, layers \[9\]\) is a kvbridge "
+                                          r"'window' pool") as err:
         KVBridgeConnector(vc, KVConnectorRole.SCHEDULER, kvcc)
-    assert err.value.field == "kv_cache_config.kv_cache_groups"
+    assert err.value.field == "kv_cache_config.kv_cache_groups[1]"
 
 
 @pytest.mark.parametrize("layout,pool,per_token", [("LBNHC", "kv", 2 * 256), ("LBHNC", "kv", 2 * 256)])
