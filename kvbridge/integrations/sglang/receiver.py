@@ -49,9 +49,8 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
         self.require_staging = False
         self.abort_notified = False
         self._prefill_dp_rank: int | None = None
-        # the request's token count (prefill's input length): SGLang's send_metadata does not say it;
-        # kvbridge's decode hook (patches.py, DecodePreallocQueue._send_kv_metadata) sets it first
-        self.num_tokens: int | None = None
+        # self.num_tokens (RoomHandle): the request's token count, which SGLang's send_metadata does not
+        # say: bind_request and kvbridge's decode hook (patches.py, DecodePreallocQueue._send_kv_metadata) set it
 
     # -- SGLang's calls -------------------------------------------------------------------
 

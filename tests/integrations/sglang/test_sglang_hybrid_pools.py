@@ -483,7 +483,7 @@ def _receiver(types, state_of, num_tokens=None):
     r = object.__new__(KVBridgeKVReceiver)  # no manager, no room: what send_metadata checks and hands on
     r.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]), page_size=16,
                                cache=SimpleNamespace(state_of=state_of))
-    r._failure, r.failures, r.inits, r.num_tokens = None, [], [], num_tokens
+    r._failure, r.failures, r.inits, r.num_tokens, r.binding = None, [], [], num_tokens, b""
     r.fail = r.failures.append
     r._handle = SimpleNamespace(init=lambda *a, **kw: r.inits.append((a, kw)))
     return r
