@@ -12,7 +12,7 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   (``plan_kind`` over ``describe_buffer``'s descriptors; ``state_slices``/``state_tp_spec`` for state
   slots across TP sizes; docs/models.md); ``ROOM_POOL_KINDS``, the kinds the room endpoints carry;
 - contract: ``RuntimeContract``, ``contract_for`` (any model's pools), ``contract_from_preset``,
-  ``fingerprint``, ``diff_contracts``, ``weights_digest`` (a checkpoint's identity for ``model.weights``);
+  ``fingerprint``, ``diff_contracts``, ``weights_digest`` (a checkpoint's identity for ``model.weights``), ``contract_weights`` (an engine's weights setting to it);
 - integrations: ``SettingsReader`` (the one settings convention, kvbridge/integrations/README.md);
 - bootstrap: ``BootstrapClient``, ``start_bootstrap`` (a daemon process for a ``with`` block);
 - data path: ``create_engine`` and ``engine_names`` (the engine registry's names, by kind),
@@ -28,6 +28,7 @@ from kvbridge.bootstrap import (
     RuntimeContract,
     contract_for,
     contract_from_preset,
+    contract_weights,
     diff_contracts,
     fingerprint,
     weights_digest,
@@ -139,5 +140,6 @@ __all__ = [
     "state_tp_spec",
     "window_pool",
     "verify_room",
+    "contract_weights",
     "weights_digest",
 ]

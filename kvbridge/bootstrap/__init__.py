@@ -29,7 +29,7 @@ from kvbridge.bootstrap.contract import (
     source_digest,
 )
 from kvbridge.bootstrap.diff import FieldDiff, diff_contracts
-from kvbridge.bootstrap.weights import weights_digest
+from kvbridge.bootstrap.weights import contract_weights, weights_digest
 from kvbridge.bootstrap.schemas import (
     LookupResponse,
     MismatchRecord,
@@ -59,6 +59,7 @@ __all__ = [
     "fingerprint",
     "preset_contract",
     "source_digest",
+    "contract_weights",
     "weights_digest",
     "FieldDiff",
     "diff_contracts",

@@ -22,12 +22,16 @@ byte read) when that matters.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["WEIGHT_SUFFIXES", "weights_digest"]
+__all__ = ["WEIGHT_SUFFIXES", "contract_weights", "weights_digest"]
+
+log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLES = 8
@@ -69,3 +73,36 @@ def _offsets(size: int) -> list[int]:
     """SAMPLES offsets spread over ``[0, size - CHUNK]`` (fewer when the file is small)."""
     last = max(0, size - CHUNK)
     return sorted({last * i // (SAMPLES - 1) for i in range(SAMPLES)})
+
+
+def contract_weights(setting: str, model_path: str, revision: str = "unspecified") -> str:
+    """The runtime contract's ``model.weights`` for an engine's ``weights`` setting: with "auto",
+    :func:`weights_digest` of ``model_path`` (a local folder, or a hub id's cached snapshot at
+    ``revision``, never downloaded); "unspecified" with "off", or when there is no local copy or no
+    weight file (logged: the contract then carries no weights identity); any other string as given
+    (an operator's own identity). The integrations' one rule (vLLM's and SGLang's settings)."""
+    if setting == "off":
+        return "unspecified"
+    if setting != "auto":
+        return setting
+    folder = model_path
+    if not folder:
+        return "unspecified"
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(folder, revision=None if revision == "unspecified" else revision,
+                                       local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
+            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
+                        model_path, exc)
+            return "unspecified"
+    started = time.monotonic()
+    try:
+        digest = weights_digest(folder)
+    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
+        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
+        return "unspecified"
+    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
+    return digest

@@ -16,7 +16,7 @@ EXPECTED = {
     "CONTRACT_PRESETS", "CP_RULES", "FINGERPRINT_PREFIX", "SPEC_ALGORITHMS", "WIRE_VERSION",
     "AuxContract", "AuxField", "KernelContract", "ModelIdentity", "PoolContract", "RuntimeContract", "SourceDigest",
     "SpeculativeContract", "canonical_json", "contract_for", "contract_from_preset",
-    "fingerprint", "preset_contract", "source_digest", "weights_digest", "FieldDiff", "diff_contracts", "RankIdentity", "RegisterRequest",
+    "fingerprint", "preset_contract", "source_digest", "weights_digest", "contract_weights", "FieldDiff", "diff_contracts", "RankIdentity", "RegisterRequest",
     "LookupResponse", "SenderRank", "MismatchRecord", "Topology", "OwnerLanePlan", "PoolDescriptor", "AuxDescriptor",
     "BootstrapClient", "Registration", "LeaseKeeper", "BootstrapSettings", "create_app",
 }

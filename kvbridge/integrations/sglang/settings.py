@@ -17,15 +17,13 @@ switching, forced DP-rank queries, and metadata buffers in GPU memory on decode.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import ConfigError, SettingsReader, engine_names, weights_digest
+from kvbridge import ConfigError, SettingsReader, contract_weights, engine_names
 from kvbridge.integrations.sglang.cp_modes import lane_rule as sglang_lane_rule
 
 ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDGE_BOOTSTRAP_TOKEN",
@@ -77,7 +75,6 @@ INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # what the d
 SPEC_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "nextn"}
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 
-log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 15.0  # the library's 5 s is tripped by a loaded CPU host (docs/sglang.md, "Liveness")
 
@@ -238,31 +235,7 @@ def model_weights(settings: Settings) -> str:
     or a hub id's cached snapshot at --revision) with ``KVBRIDGE_WEIGHTS`` auto; "unspecified" when
     off or when there is no local copy or no weight file (logged); the given string otherwise.
     Cost: the safetensors headers and 8 x 64 KiB per file (kvbridge.weights_digest)."""
-    if settings.weights == "off":
-        return "unspecified"
-    if settings.weights != "auto":
-        return settings.weights
-    folder = settings.model_path
-    if not folder:
-        return "unspecified"
-    if not os.path.isdir(folder):
-        try:
-            from huggingface_hub import snapshot_download
-
-            revision = None if settings.revision == "unspecified" else settings.revision
-            folder = snapshot_download(folder, revision=revision, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
-            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
-                        settings.model_path, exc)
-            return "unspecified"
-    started = time.monotonic()
-    try:
-        digest = weights_digest(folder)
-    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
-        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
-        return "unspecified"
-    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
-    return digest
+    return contract_weights(settings.weights, settings.model_path, settings.revision)
 
 
 # -- refusals ------------------------------------------------------------------------------

@@ -447,11 +447,16 @@ def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec
     if MAMBA not in types:
         raise ConfigError(f"no mamba state component among {types}", field="state_types")
     c = types.index(MAMBA)
-    items = list(kv_args.state_item_lens[c])
-    layers = list(kv_args.state_layer_ids[c])
-    dims = list(kv_args.state_dim_per_tensor[c])
-    outer = list(kv_args.state_slice_outer_counts[c])
-    groups = list(kv_args.state_conv_shard_groups[c])
+    lists = {}
+    for name in ("state_item_lens", "state_layer_ids", "state_dim_per_tensor", "state_slice_outer_counts",
+                 "state_conv_shard_groups"):
+        given = getattr(kv_args, name, None)
+        if given is None or len(given) <= c or given[c] is None:
+            raise ConfigError(f"SGLang state 'mamba': KVArgs.{name} does not describe the mamba component (SGLang's "
+                              "setup_state_kv_args fills it): its state pools cannot be described", field=name)
+        lists[name] = list(given[c])
+    items, layers, dims = lists["state_item_lens"], lists["state_layer_ids"], lists["state_dim_per_tensor"]
+    outer, groups = lists["state_slice_outer_counts"], lists["state_conv_shard_groups"]
     if not (len(items) == len(layers) == len(dims) == len(outer) == len(groups)) or not items:
         raise ConfigError(f"mamba state lists differ in length: items {len(items)}, layer ids {len(layers)}, dims "
                           f"{len(dims)}, outer counts {len(outer)}, conv groups {len(groups)}", field="state_item_lens")

@@ -15,17 +15,15 @@ consumer), hybrid models (several KV cache groups, or a group that is not full a
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, SettingsReader, engine_names, weights_digest
+from kvbridge import (STAGING_MODES, ConfigError, DecodeConfig, PrefillConfig, SettingsReader, contract_weights,
+                      engine_names)
 
-log = logging.getLogger(__name__)
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 ENGINES = engine_names("network")  # what a vLLM worker's transfer engine may be (both sides on one)
@@ -174,29 +172,7 @@ def model_weights(settings: Settings) -> str:
     path, or a hub id's cached snapshot at its revision) with ``weights`` auto; "unspecified" when
     off, or when no local copy or no weight file is found (logged); the given string otherwise.
     Cost: the safetensors headers and 8 x 64 KiB per file (bootstrap/weights.py)."""
-    if settings.weights == "off":
-        return "unspecified"
-    if settings.weights != "auto":
-        return settings.weights
-    folder = settings.model_path
-    if not os.path.isdir(folder):
-        try:
-            from huggingface_hub import snapshot_download
-
-            revision = None if settings.revision == "unspecified" else settings.revision
-            folder = snapshot_download(folder, revision=revision, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any failure to resolve means: no local copy to digest
-            log.warning("kvbridge: no local copy of %s to digest (%s): the contract carries no weights identity",
-                        settings.model_path, exc)
-            return "unspecified"
-    started = time.monotonic()
-    try:
-        digest = weights_digest(folder)
-    except ConfigError as exc:  # no weight files (a dummy load format, a test model): nothing to name
-        log.warning("kvbridge: %s: the contract carries no weights identity", exc)
-        return "unspecified"
-    log.info("kvbridge: weights of %s: %s (%.2fs)", folder, digest, time.monotonic() - started)
-    return digest
+    return contract_weights(settings.weights, settings.model_path, settings.revision)
 
 
 def refuse_parallel(parallel: Any) -> None:
