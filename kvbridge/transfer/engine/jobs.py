@@ -19,13 +19,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import EngineError, TransferTimeout
 from kvbridge.transfer.engine.base import TransferEngine, WriteStatus
 
-__all__ = ["Job", "JobEngine", "JobTable", "Regions", "U64_MAX", "as_int", "check_slices", "check_write", "locate"]
+__all__ = ["Job", "JobEngine", "JobTable", "Regions", "SubmittingJobEngine", "U64_MAX", "as_int", "check_slices", "check_write", "locate"]
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +287,20 @@ class JobEngine(TransferEngine):
     def writes_in_flight(self) -> int:
         """Writes posted and not yet complete (for metrics)."""
         return self._jobs.pending()
+
+
+class SubmittingJobEngine(JobEngine):
+    """A JobEngine whose writes and probes are one ``_submit`` (the IPC and local engines): a
+    probe is a submitted write waited on, marked ``probe`` for the engine's own accounting."""
+
+    def _submit(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, after: Any, *,
+                probe: bool) -> int:
+        raise NotImplementedError
+
+    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+                     after: Any = None) -> int:
+        return self._submit(session, src, dst, length, after, probe=False)
+
+    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout: float = 5.0) -> None:
+        self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)

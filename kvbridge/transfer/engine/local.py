@@ -40,7 +40,7 @@ import numpy as np
 
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine.base import wait_ready
-from kvbridge.transfer.engine.jobs import Job, JobEngine, JobTable, Regions, check_slices
+from kvbridge.transfer.engine.jobs import Job, JobTable, Regions, SubmittingJobEngine, check_slices
 
 _GATE_POLL_S = 0.02
 
@@ -118,7 +118,7 @@ class _Batch:
         )
 
 
-class LocalEngine(JobEngine):
+class LocalEngine(SubmittingJobEngine):
     transport = "local"  # sessions of a LocalFabric in this process
 
     @classmethod
@@ -155,14 +155,6 @@ class LocalEngine(JobEngine):
         self._check_open()
         with self.fabric.lock:
             self._own_regions().remove(ptr, self._who)
-
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
-                     after: Any = None) -> int:
-        return self._submit(session, src, dst, length, after, probe=False)
-
-    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
-                    timeout: float = 5.0) -> None:
-        self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)
 
     def reads(self, session: str) -> bool:
         return True

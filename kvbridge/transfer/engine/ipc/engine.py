@@ -64,7 +64,7 @@ from kvbridge.errors import EngineError
 from kvbridge.transfer.engine.base import wait_ready
 from kvbridge.transfer.engine.ipc.channel import Channel, Conn
 from kvbridge.transfer.engine.ipc.tables import DEVICE, Export, IpcTables, Peer, PeerRegion
-from kvbridge.transfer.engine.jobs import Job, JobEngine, JobTable, Regions, check_slices, locate
+from kvbridge.transfer.engine.jobs import Job, JobTable, Regions, SubmittingJobEngine, check_slices, locate
 from kvbridge.transfer.engine.local import Faults
 from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
 
@@ -98,7 +98,7 @@ class _Batch:
                 f"({self.src.size} slices, {int(self.length.sum())} bytes)")
 
 
-class IpcEngine(IpcTables, JobEngine):
+class IpcEngine(IpcTables, SubmittingJobEngine):
     direct_only = True  # one kernel launch per write copies scattered slices (slicecopy.py)
     transport = "ipc"  # its sessions are side-channel names on this host: its peers are IPC engines
 
@@ -148,14 +148,6 @@ class IpcEngine(IpcTables, JobEngine):
 
 
     # ---- writes -----------------------------------------------------------------------------
-    def submit_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
-                     after: Any = None) -> int:
-        return self._submit(session, src, dst, length, after, probe=False)
-
-    def probe_write(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
-                    timeout: float = 5.0) -> None:
-        self.wait(self._submit(session, src, dst, length, None, probe=True), timeout)
-
     def _submit(self, session: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, after: Any, *,
                 probe: bool) -> int:
         self._check_open()
