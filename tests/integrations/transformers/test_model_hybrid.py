@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 import kvbridge as kvb  # noqa: E402
 from kvbridge.integrations.transformers.hybrid import HybridPools, hybrid_specs, send_chunk  # noqa: E402
+from kvbridge.integrations.transformers.v4 import greedy_decode, prefill_chunks  # noqa: E402
 from kvbridge.transfer.engine import LocalFabric, create_engine  # noqa: E402
 
 NEW_TOKENS = 3
@@ -45,34 +46,13 @@ def gpt_oss():
     return GptOssForCausalLM(cfg).eval(), None
 
 
-def _prefill(model, ids, cuts):
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    bounds = [0, *cuts, ids.shape[1]]
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        with torch.no_grad():
-            out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
-        yield cache, a, b, i == len(bounds) - 2, out.logits[:, -1]
-
-
-def _decode(model, cache, first):
-    logits, tok = [], first
-    for _ in range(NEW_TOKENS):
-        with torch.no_grad():
-            out = model(tok.view(1, 1), past_key_values=cache, use_cache=True)
-        logits.append(out.logits[0, -1])
-        tok = out.logits[0, -1].argmax()
-    return torch.stack(logits)
-
-
 def _run(model, groups, n, cuts, cp=1):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    for cache, *_, logits in _prefill(model, ids, cuts):
+    for cache, *_, logits in prefill_chunks(model, ids, cuts):
         pass
     template = cache
     specs = hybrid_specs(template, page_size=4, conv_groups=groups)
-    want = _decode(model, cache, logits[0].argmax())
+    want = greedy_decode(model, cache, logits[0].argmax(), NEW_TOKENS)[0]
 
     # CP is simulated as model mode does: every CP rank runs the whole prompt, and sends only what it owns
     ranks = [HybridPools(specs, 16) for _ in range(cp)]
@@ -90,7 +70,7 @@ def _run(model, groups, n, cuts, cp=1):
         for ptr, size in decode_pools.regions():
             dst.register(ptr, size)
         moved = 0
-        for cache, done, end, last, logits in _prefill(model, ids, cuts):
+        for cache, done, end, last, logits in prefill_chunks(model, ids, cuts):
             for r, pools in enumerate(ranks):
                 pools.write_cache(cache, end, last)
                 moved += send_chunk(pools, decode_pools, src, dst.session_id, n, done, end, last, lanes=lanes,
@@ -99,7 +79,7 @@ def _run(model, groups, n, cuts, cp=1):
         src.close()
         dst.close()
     assert moved == sum(kvb.needed_bytes(s, n) for s in specs.values())
-    got = _decode(model, decode_pools.read_cache(model.config, n, template), logits[0].argmax())
+    got = greedy_decode(model, decode_pools.read_cache(model.config, n, template), logits[0].argmax(), NEW_TOKENS)[0]
     assert torch.equal(got, want), (got - want).abs().max()
     return specs
 
@@ -134,12 +114,12 @@ def test_qwen3_next_state_from_two_tp_ranks_into_one(qwen3_next, n):
     does: both ranks ran the whole prompt; the pages come whole from rank 0.)"""
     model, groups = qwen3_next
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    for cache, *_, logits in _prefill(model, ids, ()):
+    for cache, *_, logits in prefill_chunks(model, ids, ()):
         pass
     template = cache
     full = hybrid_specs(template, page_size=4, conv_groups=groups)
-    want = _decode(model, cache, logits[0].argmax())
-    for cache, *_ in _prefill(model, ids, ()):
+    want = greedy_decode(model, cache, logits[0].argmax(), NEW_TOKENS)[0]
+    for cache, *_ in prefill_chunks(model, ids, ()):
         pass
     decode_pools = HybridPools(full, 16, fill=0xEE)
     decode_pools.allocate(n, needed=True, order="reversed", base=1)
@@ -184,7 +164,7 @@ def test_qwen3_next_state_from_two_tp_ranks_into_one(qwen3_next, n):
         src.close()
         dst.close()
     assert moved == sum(kvb.needed_bytes(s, n) for s in full.values())
-    got = _decode(model, decode_pools.read_cache(model.config, n, template), logits[0].argmax())
+    got = greedy_decode(model, decode_pools.read_cache(model.config, n, template), logits[0].argmax(), NEW_TOKENS)[0]
     assert torch.equal(got, want)
 
 
@@ -205,12 +185,12 @@ def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, n, cu
     posted (less the aux row) equal to what decode needs."""
     model, groups = request.getfixturevalue(which)
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    for cache, *_, logits in _prefill(model, ids, cuts):
+    for cache, *_, logits in prefill_chunks(model, ids, cuts):
         pass
     template = cache
     specs = hybrid_specs(template, page_size=4, conv_groups=groups)
     first = logits[0].argmax()
-    want = _decode(model, cache, first)
+    want = greedy_decode(model, cache, first, NEW_TOKENS)[0]
     aux = kvb.AuxSchema.standard(8, "float32", 0)
     contract = kvb.contract_for(specs, model=f"tiny-{which}", aux=aux)
     src, dst = HybridPools(specs, 16), HybridPools(specs, 16, fill=0xEE)
@@ -236,7 +216,7 @@ def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, n, cu
             rx.init(dst.units["kv"], 0, n, kind_units={k: dst.units[k] for k in own} or None)
             tx.init(n, kind_units={k: src.units[k] for k in own} or None)
             sent = 0
-            for cache, _, end, last, _ in _prefill(model, ids, cuts):
+            for cache, _, end, last, _ in prefill_chunks(model, ids, cuts):
                 src.write_cache(cache, end, last)
                 upto = num_pages if last else -(-end // 4)
                 row = dict(first_token=int(first), num_cached_tokens=n, hidden_is_cp_local=True,
@@ -257,5 +237,5 @@ def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, n, cu
         p.close(timeout=2)
         for c in clients:
             c.close()
-    got = _decode(model, dst.read_cache(model.config, n, template), got_first)
+    got = greedy_decode(model, dst.read_cache(model.config, n, template), got_first, NEW_TOKENS)[0]
     assert torch.equal(got, want), (got - want).abs().max()
