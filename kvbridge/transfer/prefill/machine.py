@@ -31,6 +31,7 @@ from typing import Any
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
 from kvbridge.transfer.channel import wire
+from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.poll import KVPoll
@@ -108,7 +109,10 @@ class PrefillRooms:
         if handler is None:
             raise TypeError(f"the prefill room machine does not take {type(event).__name__}")
         handler(self, event)
-        return self._actions()
+        out = self._actions()
+        if self.trace:
+            trace_cycle(self.cfg.rank_label, event, out)
+        return out
 
     # -- read-only queries for the shell ----------------------------------------------
 
