@@ -87,7 +87,8 @@ class PrefillRooms:
         self.intake = Intake(config, self.specs, src_bufs, aux_schema, fingerprint, digests_readable)
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
-        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
+        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs),
+                                  senders=config.cp_size * config.tp_size * config.pp_size)
         # the writes in flight, direct and staged (``writes.py``)
         self.writes = Writes(self.specs, src_bufs, aux_schema, self.num_target_layers, self.stage,
                              cp_rank=config.cp_rank, rank=config.rank_label, trace=trace)
