@@ -54,7 +54,8 @@ def cycle_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
             slot_grants[slot].append(at)
         if room not in rooms:
             continue
-        if "decode" in rank:
+        found = _CP.search(rank)
+        if found is None:  # a decode rank's label has no CP rank (dp/tp); a prefill rank's has
             if step == "ask-in":
                 ask_in[(room, cp, chunk)] = at
             elif step == "grant-out":
@@ -64,8 +65,7 @@ def cycle_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
             elif step in ("scatter", "scattered"):
                 scatters[(room, slot)].append((step, at))
         else:
-            found = _CP.search(rank)
-            pre[(room, int(found[1]) if found else 0, chunk if step != "grant-in" else chunk, step)] = at
+            pre[(room, int(found[1]), chunk, step)] = at
     out: dict[str, list[float]] = {s: [] for s in STEPS}
     for room, cp, chunk, slot, t_in in landed:
         ask_out = pre.get((room, cp, chunk, "ask-out"))
