@@ -564,22 +564,39 @@ def test_a_staged_write_asks_a_slot_per_chunk_posts_into_the_slot_and_reports_af
 
     r, acts = staged_room(ms, 20)
     asks = msgs(acts, wire.SlotRequest)
-    assert len(asks) == 2 and [a.chunk for a in asks] == [0, 1]  # two gather slots: two chunks asked at once
+    # two gather slots: chunks 0 and 1 take them and ask; decode offers 3 slots to one sender, so one
+    # more is ours to ask ahead: chunk 2, next in line for a gather slot (credits ahead)
+    assert ms.stage.ahead(ms.stage.writes[next(iter(ms.stage.writes))].offer) == 1
+    assert [a.chunk for a in asks] == [0, 1, 2]
     assert not of(acts, PostWrite) and not of(acts, PostChunk)  # nothing posted before a grant
     (sw,) = ms.stage.writes.values()
-    assert sw.num_chunks > 2 and r.paths == {"d/dp0/tp0": "staged"}
+    assert sw.num_chunks == 4 and r.paths == {"d/dp0/tp0": "staged"}
+
+    def grant(k: int) -> list:
+        return of(ms.message(D, wire.SlotGrant(room=20, decode_rank="d/dp0/tp0", chunk=k, slot=k % 3), 1.2),
+                  PostChunk)
+
+    posts = grant(0) + grant(1)  # chunks 0 and 1 hold a gather slot: written at once
+    assert [p.chunk for p in posts] == [0, 1]
+    assert grant(2) == [] and sw.ahead == {2: 2}  # chunk 2 keeps its grant until it gets a gather slot
     handle, landed, reports, direct = 500, [], [], []
     for k in range(sw.num_chunks):
-        acts = ms.message(D, wire.SlotGrant(room=20, decode_rank="d/dp0/tp0", chunk=k, slot=k % 3), 1.2)
-        (post,) = of(acts, PostChunk)
+        post = posts[k]
         assert post.remote_addr == STAGING_BASE + (k % 3) * SLOT and post.chunk == k
         handle += 1
         ms.chunk_posted(post, handle, 1, int(sw.staged.chunk_bytes[k]), 1.2)
         acts = ms.write_final(handle, DONE, 1.3)
         landed += msgs(acts, wire.ChunkLanded)
         reports += msgs(acts, wire.PagesDone)
-        if k + 2 < sw.num_chunks:  # its gather slot went to the next chunk waiting
-            assert [a.chunk for a in msgs(acts, wire.SlotRequest)] == [k + 2]
+        # chunk 0's gather slot goes to chunk 2 (granted ahead: gathered and written now), and chunk 3,
+        # next in line, asks ahead; after that every chunk has asked
+        assert [a.chunk for a in msgs(acts, wire.SlotRequest)] == ([3] if k == 0 else [])
+        if k + 2 < sw.num_chunks:
+            (nxt,) = of(acts, PostChunk)
+            assert nxt.chunk == k + 2 and nxt.local_slot == post.local_slot
+            posts.append(nxt)
+        if k == 0:
+            assert grant(3) == []  # chunk 3 waits for chunk 1's gather slot
         direct += of(acts, PostWrite)
     assert [c.chunk for c in landed] == list(range(sw.num_chunks)) and all(c.status == "ok" for c in landed)
     off, dst, length = wire.unpack_scatter(landed[0].scatter)
@@ -588,6 +605,33 @@ def test_a_staged_write_asks_a_slot_per_chunk_posts_into_the_slot_and_reports_af
     assert report.status == "ok" and report.aux and wire.unpack_pages(report.logical_pages).tolist() == [0, 1]
     assert direct == [] and r.state.state == KVPoll.Success
     assert r.stats(1.4)["chunks"] == sw.num_chunks and r.stats(1.4)["bytes_staged"] == sw.staged.num_bytes
+    assert ms.stage.counters["grants_ahead_used"] == 2
+
+
+def test_no_chunk_asks_ahead_when_decode_offers_no_more_than_our_share_of_gather_slots(ms):
+    """Decode's 3 slots shared by two CP ranks with 2 gather slots each: nothing is left to ask
+    ahead (a slot granted ahead would sit idle while another rank's chunk waits)."""
+    ms.stage.senders = 2
+    _, acts = staged_room(ms, 27)
+    assert [a.chunk for a in msgs(acts, wire.SlotRequest)] == [0, 1]
+    assert ms.stage.ahead(next(iter(ms.stage.writes.values())).offer) == 0
+
+
+def test_a_slot_granted_ahead_is_given_back_when_the_room_aborts_and_a_grant_never_asked_is_refused(ms):
+    from kvbridge.transfer.prefill.staged import PostChunk
+
+    r, _ = staged_room(ms, 26)
+    acts = ms.message(D, wire.SlotGrant(room=26, decode_rank="d/dp0/tp0", chunk=3, slot=0), 1.2)
+    (refused,) = msgs(acts, wire.ChunkLanded)  # chunk 3 never asked: refused, the slot handed back unused
+    assert refused.status == "failed" and refused.slot == 0 and not of(acts, PostChunk)
+    acts = ms.message(D, wire.SlotGrant(room=26, decode_rank="d/dp0/tp0", chunk=2, slot=1), 1.2)
+    assert not of(acts, PostChunk)  # chunk 2 waits for a gather slot: nothing written into decode slot 1
+    acts = ms.message(D, wire.Abort(room=26, decode_rank="d/dp0/tp0", reason="gone", decode_rank_id="r1"), 1.3)
+    # nothing was posted: the slot granted ahead goes back to decode ("failed": nothing landed there)
+    (given,) = msgs(acts, wire.ChunkLanded)
+    assert given.status == "failed" and given.slot == 1 and given.chunk == 2 and not ms.stage.writes
+    assert len(msgs(acts, wire.AbortAck)) == 1 and r.state.state == KVPoll.Failed
+    assert ms.stage.gather.num_free == 2
 
 
 def test_a_staged_abort_is_acked_once_the_posted_chunk_is_final_and_a_late_grant_is_refused(ms):
@@ -796,7 +840,7 @@ def test_each_chunk_is_gathered_when_it_takes_its_gather_slot_before_its_grant_c
 
     r, acts = staged_room(ms, 30)
     gathers, asks = of(acts, Gather), msgs(acts, wire.SlotRequest)
-    assert [(g.chunk, g.local_slot) for g in gathers] == [(0, 0), (1, 1)] and [a.chunk for a in asks] == [0, 1]
+    assert [(g.chunk, g.local_slot) for g in gathers] == [(0, 0), (1, 1)] and [a.chunk for a in asks] == [0, 1, 2]
     assert acts.index(gathers[0]) < min(i for i, a in enumerate(acts) if isinstance(a, Send))  # gathered first
     (post,) = of(ms.message(D, wire.SlotGrant(room=30, decode_rank="d/dp0/tp0", chunk=1, slot=2), 1.2), PostChunk)
     assert (post.chunk, post.local_slot) == (1, 1)  # grants may come in any order: each writes its own slot

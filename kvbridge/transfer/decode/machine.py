@@ -36,6 +36,7 @@ from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
 from kvbridge.layout.kinds import token_page_size
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
+from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, EchoScratch, Init, LeaseChecked, LookedUp,
                                              LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
@@ -107,7 +108,10 @@ class DecodeRooms:
         if handler is None:
             raise TypeError(f"the decode room machine does not take {type(event).__name__}")
         handler(self, event)
-        return self._actions()
+        out = self._actions()
+        if self.trace:
+            trace_cycle(self.cfg.rank_label, event, out)
+        return out
 
     def health(self) -> dict[str, Any]:
         """Peers alive and dead; the staging area's counters, slots and waiters (None: no area)."""

@@ -32,6 +32,7 @@ from typing import Any
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import AuxSchema, BufferDesc, OwnerLanes, PoolSpec
 from kvbridge.transfer.channel import wire
+from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.engine import WriteStatus
 from kvbridge.transfer.ownership import ProofKey
@@ -95,7 +96,8 @@ class PrefillRooms:
         self.num_rooms = {"rooms_ok": 0, "rooms_failed": 0}
         self.releases = {"rooms_released": 0, "releases_refused": 0}  # decode needed nothing (wire.Release)
         # staged writes (``staged.py``): ``gather`` is our gather buffer's slots (None: direct only)
-        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs))
+        self.stage = StagedWrites(config.staging, gather, config.cp_rank, config.rank_label, tuple(src_bufs),
+                                  senders=config.cp_size * config.tp_size * config.pp_size)
         # the writes in flight, direct and staged (``writes.py``)
         # the window, compressed and state pools' share of each write (``kinds.py``)
         self.kinds = KindWrites(self.specs, src_bufs, lanes=self.lanes, cp_rank=config.cp_rank,
@@ -122,7 +124,10 @@ class PrefillRooms:
         if handler is None:
             raise TypeError(f"the prefill room machine does not take {type(event).__name__}")
         handler(self, event)
-        return self._actions()
+        out = self._actions()
+        if self.trace:
+            trace_cycle(self.cfg.rank_label, event, out)
+        return out
 
     # -- read-only queries for the shell ----------------------------------------------
 

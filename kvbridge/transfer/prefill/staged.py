@@ -15,11 +15,15 @@ staging area:
               write waits for the gather's event, not this thread)
               write final  --ChunkLanded(scatter list)-->  decode scatters slot -> pages
 
-Credits: a rank has as many chunks asking for (or holding) a decode slot as it has gather
-slots, and each is gathered before its grant comes back, so a grant is written the turn it
-arrives; decode grants every free slot at once and each slot again the turn its scatter
-completes. A grant that is not for a chunk of ours waiting for one (granted twice, or after
-the write ended), or for a slot outside the registered area, is refused by name.
+Credits: a chunk asks for its decode slot when it takes a gather slot, and the chunks next in
+line for our gather slots ask ahead of it (``StagedWrites.ahead``: what is left of our fair
+share of decode's slots once each gather slot holds one), so a chunk that takes a gather slot
+freed by a landed write may hold its grant already and is gathered and written in the same turn
+(the grant's round trip is off the gather slot's cycle); a grant that comes first waits for its
+chunk's gather slot (``StagedWrite.ahead``), and is given back ("failed", nothing written) if
+the write ends first. Decode grants every free slot at once and each slot again the turn its
+scatter completes. A grant that is not for a chunk of ours waiting for one (granted twice, or
+after the write ended), or for a slot outside the registered area, is refused by name.
     every chunk landed: the write's PagesDone (after its ChunkLanded, on the same connection)
 
 Remote writes land only in granted decode slots. A write is in flight (for the room's abort
@@ -130,7 +134,9 @@ class StagedWrite:
     first_chunk: int  # its chunk k travels as chunk first_chunk + k (numbered per room and target)
     after: Any
     local: dict[int, int] = field(default_factory=dict)  # chunk -> our gather slot (held)
-    remote: dict[int, int] = field(default_factory=dict)  # chunk -> decode slot granted
+    remote: dict[int, int] = field(default_factory=dict)  # chunk -> decode slot granted (and held in ``local``)
+    asked: set[int] = field(default_factory=set)  # chunks whose SlotRequest was sent
+    ahead: dict[int, int] = field(default_factory=dict)  # chunk -> decode slot granted before its gather slot
     posted: dict[int, int] = field(default_factory=dict)  # engine handle -> chunk, in flight
     done: int = 0
     failed: bool = False
@@ -292,8 +298,9 @@ class StagedWrites:
     ``src_bufs``: our registered buffers (a staged chunk's group size)."""
 
     def __init__(self, mode: str, gather: StagingArea | None, cp_rank: int, rank: str,
-                 src_bufs: tuple[BufferDesc, ...] = ()) -> None:
+                 src_bufs: tuple[BufferDesc, ...] = (), senders: int = 1) -> None:
         self.mode = mode
+        self.senders = max(1, senders)  # prefill ranks that may share a decode rank's area (its fair share)
         self.gather = gather
         self.cp_rank = cp_rank
         self.rank = rank
@@ -305,7 +312,8 @@ class StagedWrites:
         self.writes: dict[int, StagedWrite] = {}
         self.by_chunk: dict[tuple[int, str, int], tuple[int, int]] = {}  # (room, rank, wire chunk) -> (write, k)
         self.counters = {"staged_writes": 0, "chunks": 0, "bytes_staged": 0, "plan_slices": 0, "gather_waits": 0,
-                         "direct_targets": 0, "staged_targets": 0, "grants_refused": 0}
+                         "direct_targets": 0, "staged_targets": 0, "grants_refused": 0,
+                         "grants_ahead_used": 0}
         self._out: list[Any] = []
 
     # ---- the door ----------------------------------------------------------------------------
@@ -399,6 +407,7 @@ class StagedWrites:
                 self.counters["gather_waits"] += 1
             else:
                 self._gather_granted(grant)
+        self._ask_ahead()
 
     def _grant(self, e: GrantIn) -> None:
         a = self._granted(e.ident, e.msg)
@@ -461,28 +470,65 @@ class StagedWrites:
         if sw is None or sw.failed or not sw.target.active:  # (the write ended while its chunk waited)
             self._free_gather(g.slot)
             return
-        sw.local[g.chunk] = g.slot
-        self._out.append(Gather(sw.write, sw.room, g.chunk, sw.staged, g.slot, sw.after))
+        k = g.chunk
+        sw.local[k] = g.slot
+        self._out.append(Gather(sw.write, sw.room, k, sw.staged, g.slot, sw.after))
+        if k in sw.ahead:  # its decode slot came while it waited for ours: written the turn it is gathered
+            sw.remote[k] = sw.ahead.pop(k)
+            self.counters["grants_ahead_used"] += 1
+            self._out.append(PostChunk(sw.write, sw.room, k, sw.target, sw.target.session, sw.staged, g.slot,
+                                       sw.offer.slot_addr(sw.remote[k]), sw.after))
+        else:
+            self._ask(sw, k)
+
+    def _ask(self, sw: StagedWrite, k: int) -> None:
+        """Ask decode for a slot for chunk ``k`` (once)."""
+        if k in sw.asked:
+            return
+        sw.asked.add(k)
         self._out.append(Send((sw.target.ident,), wire.SlotRequest(
-            room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + g.chunk,
-            num_bytes=int(sw.staged.chunk_span[g.chunk]))))
+            room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, num_bytes=int(sw.staged.chunk_span[k]))))
+
+    def ahead(self, offer: Offer) -> int:
+        """How many chunks waiting for our gather slots may ask a decode rank with ``offer`` ahead:
+        what is left of our fair share of its slots (its slots over ``senders``) once every gather
+        slot of ours holds one, at most as many as we have gather slots. 0 where the area has no
+        more than that (a slot granted ahead would sit idle while another rank's chunk waits)."""
+        n = self.gather.num_slots
+        return max(0, min(n, offer.slots // self.senders - n))
+
+    def _ask_ahead(self) -> None:
+        """Credits ahead: the chunks next in line for our gather slots (``ahead``) ask decode for
+        their slots now, so that a grant's round trip is not on a gather slot's cycle. Only the head
+        of our gather queue asks, in its order, and the pass stops at the first chunk that may not:
+        every chunk that holds a gather slot asked before any chunk that waits for one, so with
+        decode's FIFO grants a chunk granted ahead never holds a decode slot that one of ours
+        holding a gather slot waits for (no deadlock, however many ranks share decode's area)."""
+        for i, (w, k) in enumerate(self.gather.next_waiting(self.gather.num_slots)):
+            sw = self.writes.get(w)
+            if sw is None or sw.failed or not sw.target.active:  # (leaves the queue when its write settles)
+                continue
+            if i >= self.ahead(sw.offer):
+                return
+            self._ask(sw, k)
 
     def _free_gather(self, slot: int) -> None:
         """Our gather slot is free again (its chunk's write is final, or was never posted)."""
         self.gather.landed(slot, *self.gather.owner(slot))
         for g in self.gather.release(slot):
             self._gather_granted(g)
+        self._ask_ahead()
 
     def _granted(self, ident: bytes, msg: wire.SlotGrant) -> PostChunk | None:
         """Decode granted a slot: the chunk's PostChunk, or (the write ended meanwhile, or the grant is
         not ours) a ChunkLanded "failed" that frees the decode slot at once (nothing was posted)."""
         found = self.by_chunk.get((msg.room, msg.decode_rank, msg.chunk))
         sw = self.writes.get(found[0]) if found else None
-        if sw is not None and sw.target.ident == ident and found[1] in sw.remote:
+        if sw is not None and sw.target.ident == ident and (found[1] in sw.remote or found[1] in sw.ahead):
             # granted twice: refused by name. The same slot again must not be answered "failed" (that
             # would free a slot our write may still land in): the target fails, and its abort settles it
             self.counters["grants_refused"] += 1
-            held = sw.remote[found[1]]
+            held = sw.remote.get(found[1], sw.ahead.get(found[1]))
             why = (f"decode rank {msg.decode_rank} granted chunk {msg.chunk} twice (slot {msg.slot}; it holds slot "
                    f"{held}) [room={msg.room} rank={msg.decode_rank} field=slot]")
             if msg.slot == held:
@@ -490,8 +536,8 @@ class StagedWrites:
             else:
                 self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank, why)))
             return None
-        if sw is None or sw.target.ident != ident or found[1] not in sw.local:
-            # (the write ended, or its chunk gave its gather slot up: nothing will be posted)
+        if sw is None or sw.target.ident != ident or found[1] not in sw.asked:
+            # (the write ended, or the chunk never asked: nothing will be posted)
             self.counters["grants_refused"] += 1
             self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank,
                                                            "no chunk of this rank waits for that slot")))
@@ -504,7 +550,11 @@ class StagedWrites:
                 f"rank={msg.decode_rank} field=slot]")
         if sw.failed or not sw.target.active:
             self._out.append(Send((ident,), _landed_failed(msg, self.cp_rank, sw.target.failure or "target failed")))
-            self._free_gather(sw.local.pop(k))
+            if k in sw.local:
+                self._free_gather(sw.local.pop(k))
+            return None
+        if k not in sw.local:  # asked ahead: kept until the chunk takes a gather slot (``_gather_granted``)
+            sw.ahead[k] = msg.slot
             return None
         sw.remote[k] = msg.slot
         return PostChunk(sw.write, sw.room, k, sw.target, sw.target.session, sw.staged, sw.local[k],
@@ -534,6 +584,13 @@ class StagedWrites:
         if not sw.target.active:
             for k in [k for k in sw.local if k not in sw.remote]:
                 self._free_gather(sw.local.pop(k))
+        if sw.ahead and (sw.failed or not sw.target.active):  # decode slots granted ahead: nothing will be posted
+            reason = sw.target.failure or "target failed"
+            for k, slot in sw.ahead.items():
+                self._out.append(Send((sw.target.ident,), wire.ChunkLanded(
+                    room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=slot, status="failed",
+                    reason=reason, scatter=b"")))
+            sw.ahead.clear()
         if sw.done != sw.num_chunks:
             if not (sw.failed or not sw.target.active) or sw.posted:
                 return

@@ -116,6 +116,10 @@ class StagingArea:
     def slots_of(self, room: int) -> list[int]:
         return [i for i, s in enumerate(self._slots) if s.room == room]
 
+    def next_waiting(self, n: int) -> list[tuple[int, int]]:
+        """The first ``n`` ``(room, chunk)`` waiting for a slot, in the order they will get one."""
+        return [w for _, w in zip(range(n), self._waiting)]
+
     # ---- events --------------------------------------------------------------------------------
     def acquire(self, room: int, chunk: int) -> Grant | None:
         """A FREE slot for ``(room, chunk)``, or None: the request waits its turn (FIFO) and comes

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Where a staged chunk's cycle goes, step by step: the bench's staged rooms with KVBRIDGE_TRACE=1,
+every rank its own process (CPU: Mooncake TCP on 127.0.0.1; ``--device cuda:0``: Mooncake NVLink),
+then the ``cycle`` trace lines (``kvbridge/transfer/staging/cycle.py``) of the timed staged rooms
+joined per chunk:
+
+    ask trip        prefill took a gather slot and sent SlotRequest -> decode read it
+    grant wait      decode read it -> decode granted a slot (0 unless its area was full)
+    grant trip      decode's SlotGrant -> prefill read it
+    post + write    prefill read the grant -> the chunk's write final on prefill (gather on a GPU,
+                    post, transfer, completion seen by prefill's loop) and ChunkLanded sent
+    landed trip     prefill's ChunkLanded -> decode read it (and started the scatter)
+    scatter         decode started the slot's copy -> it completed (the slot is free)
+    credit back     the slot free -> decode granted it again (only where a chunk waited)
+    gather slot     prefill sent SlotRequest -> ChunkLanded (how long a gather slot is held)
+
+p50 / p90 ms over every chunk of the timed rooms, and the rooms' p50. Prints the bench row too.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/staged_cycle.py [--tokens 8192] [--layers 61] [--slot-kib 8192]
+        [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+_LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(-?\d+) slot=(-?\d+) cp=(-?\d+)")
+_CP = re.compile(r"/cp(\d+)/")
+STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", "scatter", "credit back",
+         "gather slot")
+
+
+def cycle_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
+    """Step -> durations (ms) over every chunk of ``rooms`` found in the ``cycle`` lines."""
+    pre: dict[tuple[int, int, int, str], float] = {}  # (room, cp, chunk, step) on prefill
+    ask_in: dict[tuple[int, int, int], float] = {}
+    grants: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # decode's grant-out (room, chunk, slot)
+    landed: list[tuple[int, int, int, int, float]] = []  # decode's landed-in (room, cp, chunk, slot, t)
+    scatters: dict[tuple[int, int], list[tuple[str, float]]] = defaultdict(list)  # (room, slot)
+    slot_grants: dict[int, list[float]] = defaultdict(list)  # slot -> decode's grant times (any room)
+    for line in lines:
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        room, rank, at, step = int(m[1]), m[2], float(m[3]), m[4]
+        chunk, slot, cp = int(m[5]), int(m[6]), int(m[7])
+        if step == "grant-out":
+            slot_grants[slot].append(at)
+        if room not in rooms:
+            continue
+        found = _CP.search(rank)
+        if found is None:  # a decode rank's label has no CP rank (dp/tp); a prefill rank's has
+            if step == "ask-in":
+                ask_in[(room, cp, chunk)] = at
+            elif step == "grant-out":
+                grants[(room, chunk, slot)].append(at)
+            elif step == "landed-in":
+                landed.append((room, cp, chunk, slot, at))
+            elif step in ("scatter", "scattered"):
+                scatters[(room, slot)].append((step, at))
+        else:
+            pre[(room, int(found[1]), chunk, step)] = at
+    out: dict[str, list[float]] = {s: [] for s in STEPS}
+    for room, cp, chunk, slot, t_in in landed:
+        ask_out = pre.get((room, cp, chunk, "ask-out"))
+        g_in = pre.get((room, cp, chunk, "grant-in"))
+        l_out = pre.get((room, cp, chunk, "landed-out"))
+        a_in = ask_in.get((room, cp, chunk))
+        g_out = max((t for t in grants.get((room, chunk, slot), []) if t <= t_in), default=None)
+        if None in (ask_out, g_in, l_out, a_in, g_out):
+            continue
+        done = min((t for s, t in scatters[(room, slot)] if s == "scattered" and t >= t_in), default=None)
+        regrant = min((t for t in slot_grants[slot] if done is not None and t >= done), default=None)
+        for name, a, b in (("ask trip", ask_out, a_in), ("grant wait", a_in, g_out), ("grant trip", g_out, g_in),
+                           ("post + write", g_in, l_out), ("landed trip", l_out, t_in), ("scatter", t_in, done),
+                           ("credit back", done, regrant), ("gather slot", ask_out, l_out)):
+            if a is not None and b is not None:
+                out[name].append((b - a) * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slot-kib", type=int, default=8192, help="both sides' staging slots (KiB)")
+    ap.add_argument("--gather-slots", type=int, default=2)
+    ap.add_argument("--decode-slots", type=int, default=4)
+    ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
+    args = ap.parse_args()
+
+    from kvbridge.bench.sweep import BenchSpec, run_sweep
+    from kvbridge.worker.cluster import start_bootstrap
+
+    folder = tempfile.mkdtemp(prefix="staged-cycle-")
+    gpu = args.device.startswith("cuda")
+    env = {"KVBRIDGE_TRACE": "1"}
+    if gpu:
+        env.update(MC_INTRANODE_NVLINK="true", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    spec = BenchSpec(tokens=[args.tokens], cps=[args.cp], layers=args.layers, reps=args.reps, allocs=["random"],
+                     protocol="rdma" if gpu else "tcp", device=args.device, decode_device=args.device,
+                     prefill_aux=args.device, decode_aux=args.device, env=env, log_dir=folder, verify=True,
+                     verify_every=True, staged=True, staging_slot_bytes=args.slot_kib << 10,
+                     staging_slots=(args.gather_slots, args.decode_slots))
+    with start_bootstrap() as (url, token):
+        row = run_sweep(spec, url, token, show_progress=False)[0]
+    lines = [ln for p in sorted(Path(folder).glob("*.log")) for ln in p.read_text(errors="replace").splitlines()]
+    # the timed rooms alternate kvbridge (direct) and staged; the staged ones are those with cycle lines
+    rooms = {int(m[1]) for ln in lines if (m := _LINE.search(ln))} & set(row["room_ids"])
+    steps = cycle_steps(lines, rooms)
+    print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
+          f"{args.slot_kib} KiB x ({args.gather_slots} gather per rank, {args.decode_slots} decode): staged "
+          f"{row['staged_gbps']} GB/s p50 {row['staged_p50_ms']} ms ({row['staged_slices']} pieces), direct "
+          f"{row['kvbridge_gbps']} GB/s, raw {row['raw_gbps']} GB/s; verified {row['rooms_verified']} rooms, "
+          f"errors {row['verify_errors'] + row['kvbridge_failures']}; {len(rooms)} staged rooms traced")
+    print(f"{'step':<14} {'chunks':>6} {'p50 ms':>8} {'p90 ms':>8}")
+    for name in STEPS:
+        ms = np.array(steps[name])
+        if ms.size:
+            print(f"{name:<14} {ms.size:>6} {np.median(ms):>8.3f} {np.percentile(ms, 90):>8.3f}")
+        else:
+            print(f"{name:<14} {0:>6} {'-':>8} {'-':>8}")
+    print(f"trace logs: {folder}")
+
+
+if __name__ == "__main__":
+    main()

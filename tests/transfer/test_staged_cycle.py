@@ -1,0 +1,59 @@
+"""The staged cycle's trace lines (``transfer/staging/cycle.py``) and their per-chunk join in
+``scripts/staged_cycle.py``: each step a chunk goes through is logged with its event's time, the
+hop table's parser ignores them, and the join gives each step's duration (sans-I/O)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from kvbridge.bench.trace import parse
+from kvbridge.transfer.actions import Send
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.decode.events import Message, Scattered
+from kvbridge.transfer.decode.staging import Scatter
+from kvbridge.transfer.staging.cycle import trace_cycle
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "staged_cycle.py"
+PRE, DEC = "p/dp0/cp1/tp0/pp0", "d/dp0/tp0"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("staged_cycle", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_staged_message_and_scatter_is_one_trace_line_with_its_event_time(caplog):
+    ask = wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=100)
+    grant = wire.SlotGrant(room=7, decode_rank=DEC, chunk=3, slot=2)
+    empty = np.zeros(0, np.uint64)
+    with caplog.at_level(logging.INFO, logger="kvbridge.transfer.staging.cycle"):
+        trace_cycle(DEC, Message("ep", ask, 10.5), [Send(("ep",), grant), Scatter(7, 2, empty, empty, empty)])
+        trace_cycle(DEC, Scattered(7, 2, 11.0), [])
+        trace_cycle(DEC, object(), [Send(("ep",), grant)])  # an event without a time: nothing logged
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"trace room=7 rank={DEC} @10.500000 cycle ask-in chunk=3 slot=-1 cp=1",
+                     f"trace room=7 rank={DEC} @10.500000 cycle grant-out chunk=3 slot=2 cp=-1",
+                     f"trace room=7 rank={DEC} @10.500000 cycle scatter chunk=-1 slot=2 cp=-1",
+                     f"trace room=7 rank={DEC} @11.000000 cycle scattered chunk=-1 slot=2 cp=-1"]
+    assert not parse(lines)  # the bench's hop table does not mistake them for its hops
+
+
+def test_the_join_gives_each_step_of_a_chunk_and_the_credit_back_of_its_slot():
+    def line(rank: str, at: float, step: str, chunk: int = -1, slot: int = -1, cp: int = -1, room: int = 7) -> str:
+        return f"x trace room={room} rank={rank} @{at:.6f} cycle {step} chunk={chunk} slot={slot} cp={cp}"
+
+    lines = [line(PRE, 1.000, "ask-out", 3, cp=1), line(DEC, 1.001, "ask-in", 3, cp=1),
+             line(DEC, 1.003, "grant-out", 3, 2), line(PRE, 1.004, "grant-in", 3, 2),
+             line(PRE, 1.010, "landed-out", 3, 2, 1), line(DEC, 1.012, "landed-in", 3, 2, 1),
+             line(DEC, 1.012, "scatter", slot=2), line(DEC, 1.0125, "scattered", slot=2),
+             line(DEC, 1.0135, "grant-out", 9, 2, room=8)]  # the slot's next grant (another room)
+    steps = _script().cycle_steps(lines, {7})
+    got = {k: round(v[0], 3) for k, v in steps.items() if v}
+    assert got == {"ask trip": 1.0, "grant wait": 2.0, "grant trip": 1.0, "post + write": 6.0, "landed trip": 2.0,
+                   "scatter": 0.5, "credit back": 1.0, "gather slot": 10.0}
