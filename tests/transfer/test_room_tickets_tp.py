@@ -153,7 +153,7 @@ def race(g: Group, rng: random.Random, room: int) -> None:
                 queues[d] += [(at2, "ticket") for at2 in g.hand_on(*d)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 gap: TP columns decide separately (docs/security.md Limits)")
+
 @pytest.mark.parametrize("cp_size", [1, 2])
 def test_two_instances_of_other_tp_sizes_racing_one_room_get_one_decision_on_every_rank(cp_size):
     """50 races each: every prefill rank that holds the room holds it for the same instance, the
@@ -177,3 +177,92 @@ def test_two_instances_of_other_tp_sizes_racing_one_room_get_one_decision_on_eve
         assert refused == loser_asked, (trial, sorted(loser_asked - refused))
         assert all(f"claimed by decode instance {winner}" in m.reason for _, _, m in g.errors(loser))
     assert not split, f"{len(split)} of 50 rooms split or left undecided: {split[:3]}"
+
+
+# -- the decode side, on the real machine: where the decider's ticket is handed on ----------------
+
+
+def _decode_rank(inst: str, j: int, cp_size: int):
+    """The real DecodeRooms of decode rank ``j`` of ``inst`` with a room whose requests went out
+    to a prefill TP 2 group of ``cp_size`` CP ranks (endpoint ``tcp://p{cp}{tp}``)."""
+    from kvbridge.bootstrap.schemas import LookupResponse, SenderRank
+    from kvbridge.bootstrap.topology import OwnerLanePlan, Topology
+    from kvbridge.transfer.decode.config import DecodeConfig
+    from kvbridge.transfer.decode.events import LookUp
+    from _machines import decode_machine
+
+    specs = kv_heads(LAYERS, PAGE, DECODE_TP[inst], j)[0]
+    m = decode_machine(DecodeConfig(instance=inst, tp_rank=j, tp_size=DECODE_TP[inst], peer_timeout=5.0,
+                                    ping_interval=0.5, transfer_timeout=100.0),
+                       specs, AUX, read_aux_row=lambda slot: (None, 0.0), page_digests=lambda *a: np.zeros(0, np.uint64),
+                       rank_id=lambda: rid(inst, j))
+    ranks = [SenderRank(rank_id=Group.reg(c, t), dp_rank=0, cp_rank=c, tp_rank=t, pp_rank=0,
+                        control_endpoint=f"tcp://p{c}{t}", session_id=f"s{c}{t}", pools=[])
+             for c in range(cp_size) for t in range(SRC_TP)]
+    topo = LookupResponse(instance="p", room=1, dp_rank=0, fingerprint="fp", ranks=ranks,
+                          topology=Topology(role="prefill", dp_size=1, cp_size=cp_size, tp_size=SRC_TP, pp_size=1),
+                          plan=OwnerLanePlan(cp_size=cp_size, rule="interleaved"))
+    r = m.open(7, "p", None, 1.0)
+    (ask,) = [a for a in m.tick(1.0) if isinstance(a, LookUp)]
+    m.looked_up(7, ask.key, topo, None, 1.0)
+    acts = m.init(r, np.arange(2, dtype=np.int64) + 3, 1, 7, 0, 1.0)
+    asked = {e for a in acts if isinstance(a, Send) and isinstance(a.msg, wire.TransferRequest) for e in a.to}
+    return m, r, asked
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("inst,j", DECODE, ids=[f"{i}{j}" for i, j in DECODE])
+def test_the_decode_machine_hands_the_deciders_ticket_where_the_race_model_does(inst, j, cp_size):
+    m, r, asked = _decode_rank(inst, j, cp_size)
+    g = Group.__new__(Group)
+    g.cp_size = cp_size
+    assert asked == {f"tcp://p{c}{t}" for c, t in g.asks(inst, j)}  # the route the race asks
+    t = wire.RoomTicket(room=7, decode_rank_id=rid(inst, j), decider=Group.reg(0, 0), instance=inst,
+                        decode_rank=f"{inst}/dp0/tp{j}", binding=b"", signature=bytes(64))
+    for other in sorted(asked - {"tcp://p00"}):  # a ticket from any rank but the decider decides nothing
+        assert not [a for a in m.message(other, t, 1.1) if isinstance(a, Send)]
+    out = [a for a in m.message("tcp://p00", t, 1.2) if isinstance(a, Send)] if "tcp://p00" in asked else []
+    want = {f"tcp://p{c}{tt}" for c, tt in g.hand_on(inst, j)} if "tcp://p00" in asked else set()
+    assert {e for a in out for e in a.to} == want and all(a.msg is t for a in out)
+    if j == 0 and cp_size == 2:  # tp rank 0 reaches the other column, which it does not ask (B at TP 4)
+        assert want >= {"tcp://p01", "tcp://p11"}
+
+
+def test_a_ticket_before_its_instances_claim_waits_for_it_unchecked_then_decides_or_expires():
+    g = Group(1)
+    tp1 = g.m[(0, 1)]
+    g.deliver("B", 0, (0, 0), request("B", 0, 7), 1.0)  # B's rank 0 wins at the decider
+    g.deliver("B", 0, (0, 1), g.tickets[("B", 0)], 1.01)  # and hands on before B's rank 2 asked tp 1
+    assert tp1.tickets.num_early == 1 and not tp1.tickets.keys  # kept, and nothing checked yet
+    g.deliver("A", 0, (0, 1), request("A", 0, 7), 1.02)  # A's claim is held: no decision for A
+    assert tp1.rooms.get(7) is None or tp1.rooms.get(7).holder is None
+    g.deliver("B", 2, (0, 1), request("B", 2, 7), 1.03)  # B's claim: the ticket decides the room
+    r = tp1.rooms.get(7)
+    assert r.holder[0] == "B" and list(r.targets) == ["B/dp0/tp2"] and tp1.tickets.num_early == 0
+    assert any("claimed by decode instance B" in m.reason for _, _, m in g.errors("A"))
+    g.deliver("B", 1, (0, 1), g.tickets[("B", 0)], 1.04)  # a ticket for a room decided here: ignored
+    assert tp1.tickets.num_early == 0
+    t = g.tickets[("B", 0)]
+    g.deliver("B", 0, (0, 1), wire.RoomTicket(room=8, decode_rank_id=t.decode_rank_id, decider=t.decider,
+                                              instance=t.instance, decode_rank=t.decode_rank, binding=t.binding,
+                                              signature=t.signature), 1.05)
+    assert tp1.tickets.num_early == 1  # no claim follows: dropped at the first scan past target_timeout
+    for now in (30.0, 30.1):  # (two scans: a long gap since the last is a frozen loop, not a deadline)
+        tp1.tick(now)
+    assert tp1.tickets.num_early == 1
+    for now in (62.0, 62.1):
+        tp1.tick(now)
+    assert tp1.tickets.num_early == 0 and not tp1.tickets.early
+
+
+def test_early_tickets_count_with_the_held_claims_cap():
+    g = Group(1)
+    tp1 = g.m[(0, 1)]
+    tp1.tickets.max_held = 2
+    for room in (1, 2):
+        g.deliver("B", 0, (0, 0), request("B", 0, room), 1.0)
+        g.deliver("B", 0, (0, 1), g.tickets.pop(("B", 0)), 1.0)
+    assert tp1.tickets.num_early == 2
+    g.deliver("B", 2, (0, 1), request("B", 2, 3), 1.1)  # one more claim waiting: refused by name
+    (err,) = [m for _, _, m in g.errors("B")]
+    assert "2 claims already wait" in err.reason
