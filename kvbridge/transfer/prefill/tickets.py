@@ -1,27 +1,32 @@
 """Room ownership decided once per room across a prefill instance's ranks: the decider's ticket.
 
 Each prefill rank used to let the first claim it saw win a room (``PrefillRoom.claim``). Two
-decode instances racing for one room id could then each win a different CP rank, and neither was
-served. Now one rank decides, and the others follow its decision:
+decode instances racing for one room id could then each win a different CP (or TP) rank, and
+neither was served. Now one rank decides, and the others follow its decision:
 
-- **The decider** of a room, for a decode rank's TP column ``t``, is the prefill rank
-  (cp 0, tp t, pp 0) of the room's DP group. It keeps the first-claim rule: the first decode
-  instance whose claim it accepts holds the room. To every rank of that instance that asks it, it
-  hands a ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding),
-  signed with its proof key (``ownership.ticket_message``), whose public half is in its
-  registration at the daemon.
-- **Every other rank** of the column (cp > 0 or pp > 0) *holds* a claim on a room it has no
-  decision for: nothing planned, nothing written, no reply. The decode rank that holds a ticket
-  hands it on, unchanged, to the other ranks it asked. A rank accepts a ticket only
+- **The decider** of a room is the prefill rank (cp 0, tp 0, pp 0) of the room's DP group, one
+  for the group whatever the TP layout. It keeps the first-claim rule: the first decode instance
+  whose claim it accepts holds the room. To every rank of that instance that asks it, it hands a
+  ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding), signed
+  with its proof key (``ownership.ticket_message``), whose public half is in its registration at
+  the daemon.
+- **Every other rank** (cp, tp or pp > 0) *holds* a claim on a room it has no decision for:
+  nothing planned, nothing written, no reply. The decode rank that holds a ticket hands it on,
+  unchanged, to the other ranks it asked, and the instance's decode TP rank 0 to every rank of
+  the TP columns its siblings draw from (decode/machine.py ``_hand_on``). A rank accepts a ticket
+  only
   - on a connection proven for a registration of the instance the ticket names (admission.py), and
-  - for a room it holds a claim of that instance for (a ticket nobody waits for costs no check);
+  - for a room it holds a claim of that instance for (a ticket nobody waits for costs no check:
+    one for a room undecided here is *kept*, one per (room, instance), unchecked, until a claim
+    of its instance comes, since rank 0's ticket may overtake a sibling's request; it is dropped
+    after ``target_timeout`` and counts with the held claims against ``max_held``);
   - signed by the key of the registration the ticket names as decider, which it reads from the
-    daemon once and accepts only at (its own instance, its DP group, cp 0, its TP rank, pp 0).
+    daemon once and accepts only at (its own instance, its DP group, cp 0, tp 0, pp 0).
   The room is then held by the ticket's instance: its held claims go on as any claim does, every
   other instance's are refused by name ("claimed by decode instance ... (decided by ...)").
 
-    decode A ──TransferRequest──▶ decider (cp0/pp0)      first claim: A; RoomTicket(A, signed) ──▶ A
-    decode A ──TransferRequest──▶ cp1: held (undecided)
+    decode A ──TransferRequest──▶ decider (cp0/tp0/pp0)  first claim: A; RoomTicket(A, signed) ──▶ A
+    decode A ──TransferRequest──▶ cp1 (or tp1): held (undecided)
     decode A ──RoomTicket(A)────▶ cp1: signature by the decider's key? ─▶ room held by A; A's claims go on
     decode B ──TransferRequest──▶ decider: refused at once; cp1: held, then refused once decided for A
 
