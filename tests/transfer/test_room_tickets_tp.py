@@ -137,20 +137,24 @@ def request(inst: str, j: int, room: int) -> wire.TransferRequest:
         deadline_ms=10_000, want_digest=False, fingerprint="x", num_decode_ranks=DECODE_TP[inst])
 
 
-def race(g: Group, rng: random.Random, room: int) -> None:
+def race(g: Group, rng: random.Random, room: int) -> int:
     """Every decode rank's requests, interleaved at random (each rank's own in its order); a rank
-    handed a ticket by the decider hands it on after its own requests, at a random later point."""
+    handed a ticket by the decider hands it on after its own requests, at a random later point.
+    Returns how many tickets reached a rank before any claim of their instance did."""
     queues = {(i, j): [(at, "req") for at in g.asks(i, j)] for i, j in DECODE}
-    now, handed = 1.0, set()
+    now, handed, asked, early = 1.0, set(), set(), 0
     while any(queues.values()):
         k = rng.choice([k for k, q in queues.items() if q])
         at, what = queues[k].pop(0)
         now += 0.001
+        early += what == "ticket" and (k[0], at) not in asked
+        asked.add((k[0], at))
         g.deliver(*k, at, request(*k, room) if what == "req" else g.tickets[k], now)
         for d in DECODE:  # a ticket just granted: handed on once this rank's requests are out
             if d in g.tickets and not any(w == "req" for _, w in queues[d]) and d not in handed:
                 handed.add(d)
                 queues[d] += [(at2, "ticket") for at2 in g.hand_on(*d)]
+    return early
 
 
 
@@ -159,10 +163,10 @@ def test_two_instances_of_other_tp_sizes_racing_one_room_get_one_decision_on_eve
     """50 races each: every prefill rank that holds the room holds it for the same instance, the
     first claim at (cp 0, tp 0), and the loser got only refusals, on every rank it asked."""
     rng = random.Random(32 + cp_size)
-    split = []
+    split, early = [], 0
     for trial in range(50):
         g, room = Group(cp_size), 100 + trial
-        race(g, rng, room)
+        early += race(g, rng, room)
         holders = {at: (m.rooms.get(room).holder or (None,))[0] for at, m in g.m.items() if m.rooms.get(room)}
         if len(set(holders.values()) - {None}) != 1 or None in holders.values() or len(holders) != len(g.m):
             split.append((trial, holders))
@@ -177,6 +181,7 @@ def test_two_instances_of_other_tp_sizes_racing_one_room_get_one_decision_on_eve
         assert refused == loser_asked, (trial, sorted(loser_asked - refused))
         assert all(f"claimed by decode instance {winner}" in m.reason for _, _, m in g.errors(loser))
     assert not split, f"{len(split)} of 50 rooms split or left undecided: {split[:3]}"
+    assert early > 0  # tickets that overtook their instance's claim were among them
 
 
 # -- the decode side, on the real machine: where the decider's ticket is handed on ----------------
@@ -194,8 +199,8 @@ def _decode_rank(inst: str, j: int, cp_size: int):
     specs = kv_heads(LAYERS, PAGE, DECODE_TP[inst], j)[0]
     m = decode_machine(DecodeConfig(instance=inst, tp_rank=j, tp_size=DECODE_TP[inst], peer_timeout=5.0,
                                     ping_interval=0.5, transfer_timeout=100.0),
-                       specs, AUX, read_aux_row=lambda slot: (None, 0.0), page_digests=lambda *a: np.zeros(0, np.uint64),
-                       rank_id=lambda: rid(inst, j))
+                       specs, AUX, read_aux_row=lambda slot: (None, 0.0),
+                       page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: rid(inst, j))
     ranks = [SenderRank(rank_id=Group.reg(c, t), dp_rank=0, cp_rank=c, tp_rank=t, pp_rank=0,
                         control_endpoint=f"tcp://p{c}{t}", session_id=f"s{c}{t}", pools=[])
              for c in range(cp_size) for t in range(SRC_TP)]

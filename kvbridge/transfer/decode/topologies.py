@@ -221,8 +221,9 @@ class Topologies:
         """The prefill TP ranks any TP rank of our decode instance draws from (every rank's route)."""
         hit = self.instance_columns.get(prefill_tp)
         if hit is None:
+            tp = self.cfg.tp_size
             hit = self.instance_columns[prefill_tp] = tuple(sorted(
-                {t for j in range(self.cfg.tp_size) for t in tp_route(self.specs, prefill_tp, self.cfg.tp_size, j).sources}))
+                {t for j in range(tp) for t in tp_route(self.specs, prefill_tp, tp, j).sources}))
         return hit
 
     def route(self, prefill_tp: int) -> TPRoute:
