@@ -17,7 +17,8 @@ WIRE_VERSION = 12  # 2: TransferRequest names the decode rank's registration ins
 # key in that registration, before the scratch nonce is written (issue 26: reading the nonce is not enough)
 # 11: proof by read: a Challenge with a nonce asks the rank to write its key's signature into its own scratch
 # region, which prefill reads back; nothing is written into memory before it is proven (issue 32)
-# 12: RoomTicket: a room's decider (CP rank 0, stage 0 of the TP column) signs who holds it; the decode rank
-# hands it to the column's other ranks, which serve only the instance it names (issue 32: one decision per room); TransferRequest.kind_units and
+# 12: RoomTicket: a room's decider (CP, TP rank 0, stage 0 of the DP group) signs who holds it; the decode rank
+# hands it to the other ranks it asked (its TP rank 0: to every rank of its instance's TP columns), which serve only
+# the instance it names (issue 32: one decision per room); TransferRequest.kind_units and
 # PagesDone.kind_units/kind_last carry window, compressed and state pools (issue 30); Release: decode needs nothing of a room, which ends
 # at once (issue 31)

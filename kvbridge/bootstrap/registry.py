@@ -398,8 +398,11 @@ class Registry:
                 raise ContractMismatch(msg, diff=diff, room=req.room, rank=who, field=diff[0].path if diff else None)
             if dp >= topo.dp_size:
                 raise TopologyError(f"dp_rank {dp} is outside prefill {inst.name!r}'s dp_size {topo.dp_size}", room=req.room, rank=who, field="dp_rank")
-            # the senders this decode rank needs: its TP route through the prefill TP group
-            coords = sender_coords(topo, dp, inst.contract, (req.rank.tp_size, req.rank.tp_rank))
+            # the senders this decode rank needs: its TP route through the prefill TP group; decode
+            # tp rank 0 also every rank its instance's other TP ranks draw from, where it hands the
+            # room's ticket on (one decision per room, transfer/prefill/tickets.py)
+            tps = range(req.rank.tp_size) if req.rank.tp_rank == 0 else (req.rank.tp_rank,)
+            coords = sorted({c for j in tps for c in sender_coords(topo, dp, inst.contract, (req.rank.tp_size, j))})
             missing = inst.missing(dp, coords)
             if missing:
                 raise InstanceIncomplete(

@@ -195,7 +195,8 @@ class SenderRank(_Strict):
 class LookupResponse(_Strict):
     """The senders of one room to the asking decode rank: for every (cp_rank, pp_rank) of the
     chosen DP group, the TP ranks of its route (``kvbridge.layout.tp_route``; tp 0 when no
-    pool is head-sharded)."""
+    pool is head-sharded). To decode tp rank 0, the routes of every TP rank of its instance:
+    it hands the room's ticket on to them (transfer/prefill/tickets.py)."""
 
     instance: str
     room: int

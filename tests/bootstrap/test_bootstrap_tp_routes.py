@@ -46,13 +46,15 @@ def test_a_lookup_returns_the_prefill_tp_ranks_that_hold_the_decode_ranks_heads(
     sizes = (1, 2, 2, 1)  # cp 2 x tp 2
     with BootstrapClient(daemon.url) as client:
         register(client, kvb, name, sizes, (0, 0, 0, 0))
-        with pytest.raises(InstanceIncomplete, match="cp1/tp0"):  # only what decode rank 0 of 4 needs is named
-            client.lookup(name, 1, contract(), decode(4, 0))
+        with pytest.raises(InstanceIncomplete, match="cp1/tp0"):  # only what decode rank 1 of 4 needs is named
+            client.lookup(name, 1, contract(), decode(4, 1))
         for cp, tp in ((0, 1), (1, 0), (1, 1)):
             register(client, kvb, name, sizes, (0, cp, tp, 0))
         senders = {j: [(r.cp_rank, r.tp_rank) for r in client.lookup(name, 1, contract(), decode(4, j)).ranks]
                    for j in range(4)}
-        assert senders == {0: [(0, 0), (1, 0)], 1: [(0, 0), (1, 0)], 2: [(0, 1), (1, 1)], 3: [(0, 1), (1, 1)]}
+        # rank 0 is also told the ranks its siblings draw from: it hands the room's ticket on to them
+        assert senders == {0: [(0, 0), (0, 1), (1, 0), (1, 1)], 1: [(0, 0), (1, 0)], 2: [(0, 1), (1, 1)],
+                           3: [(0, 1), (1, 1)]}
         both = client.lookup(name, 1, contract(), decode(1, 0)).ranks
         assert sorted((r.cp_rank, r.tp_rank) for r in both) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         with pytest.raises(TopologyError, match="neither divides"):

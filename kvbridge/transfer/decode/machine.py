@@ -460,14 +460,18 @@ class DecodeRooms:
             self.fail(r, f"{_label(msg, endpoint, key, r)}: {msg.reason}", now)
 
     def _hand_on(self, r: DecodeRoom, key: SenderKey | None, t: wire.RoomTicket) -> None:
-        """The room's decider (cp 0, pp 0 of a TP column) granted us the room: hand its ticket on,
-        unchanged, to the column's other ranks we asked, which serve only the instance it names
-        (transfer/prefill/tickets.py). A ticket from any other rank is not a decision: ignored."""
-        if r.state.final or key is None or key[0] != 0 or key[2] != 0 or t.decode_rank_id != self.registration:
+        """The room's decider (cp 0, tp 0, pp 0 of the DP group) granted us the room: hand its
+        ticket on, unchanged, to the other ranks we asked, which serve only the instance it names
+        (transfer/prefill/tickets.py). Our tp rank 0 (which always draws from tp 0) hands it on to
+        every rank of the columns our instance draws from too: our sibling ranks that do not ask
+        tp 0 get no ticket of their own. A ticket from any other rank is not a decision: ignored."""
+        if r.state.final or key != (0, 0, 0) or t.decode_rank_id != self.registration:
             return
-        to = tuple(s.control_endpoint for k, s, _ in r.placement.asks if k[1] == key[1] and k != key)
+        to = {s.control_endpoint for k, s, _ in r.placement.asks if k != key}
+        if self.cfg.tp_rank == 0:
+            to.update(r.placement.columns)
         if to:
-            self._out.append(Send(to, t))
+            self._out.append(Send(tuple(sorted(to)), t))
 
     def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
         if self.staging is None:

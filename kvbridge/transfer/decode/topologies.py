@@ -56,9 +56,14 @@ class Placement:
     stages: dict[str, tuple[int, ...]]  # pool -> the pipeline stages that send its layers
     aux_stage: int  # the stage that writes the aux row (the last)
     layers: dict[SenderKey, dict[str, tuple[int, ...]]]  # pp > 1: each sender's layer ids per pool (its digests)
+    # every rank of the group in the TP columns our decode instance draws from, but the room's
+    # decider (cp 0, tp 0, pp 0): where our tp rank 0 hands the decider's ticket on (machine.py)
+    columns: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, topo: LookupResponse, route: TPRoute, room: int, specs: Mapping[str, PoolSpec]) -> Placement:
+    def of(cls, topo: LookupResponse, route: TPRoute, room: int, specs: Mapping[str, PoolSpec],
+           columns: tuple[int, ...] = ()) -> Placement:
+        """``columns``: the prefill TP ranks any decode TP rank of our instance draws from."""
         pp = topo.topology.pp_size
         senders = {(r.cp_rank, r.tp_rank, r.pp_rank): r for r in topo.ranks}
         need = {(cp, tp, s) for cp in range(topo.plan.cp_size) for tp in route.sources for s in range(pp)}
@@ -73,9 +78,12 @@ class Placement:
         layers: dict[SenderKey, dict[str, tuple[int, ...]]] = {}
         if pp > 1:
             pools, stages, layers = _stage_pools(topo, chosen, pools, specs, room)
+        others = tuple(sorted({r.control_endpoint for r in topo.ranks
+                               if r.tp_rank in columns and (r.cp_rank, r.tp_rank, r.pp_rank) != (0, 0, 0)}))
         return cls(topo, route, OwnerLanes(topo.plan.cp_size, topo.plan.rule), chosen,
                    {s.control_endpoint: key for key, s in chosen.items()},
-                   tuple((key, s, pools[key]) for key, s in chosen.items() if pools[key]), stages, pp - 1, layers)
+                   tuple((key, s, pools[key]) for key, s in chosen.items() if pools[key]), stages, pp - 1, layers,
+                   others)
 
 
 def _stage_pools(topo: LookupResponse, chosen: Mapping[SenderKey, Any], pools: Mapping[SenderKey, tuple[str, ...]],
@@ -133,6 +141,7 @@ class Topologies:
         self.in_flight: set[Key] = set()  # rooms of a group wait for its one look-up
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
         self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
+        self.instance_columns: dict[int, tuple[int, ...]] = {}  # prefill tp size -> our instance's columns
         self.placements: dict[tuple[str, int], Placement] = {}  # (instance, DP group) -> its last answer, placed
 
     def key(self, instance: str, dp_rank: int | None, room: int) -> Key:
@@ -204,7 +213,17 @@ class Topologies:
         if hit is None or hit.topology is not topo or hit.route is not route:
             if key not in self.placements and len(self.placements) >= MAX_PLACEMENTS:
                 self.placements.clear()
-            hit = self.placements[key] = Placement.of(topo, route, room, self.specs)
+            hit = self.placements[key] = Placement.of(topo, route, room, self.specs,
+                                                      self.columns(topo.topology.tp_size))
+        return hit
+
+    def columns(self, prefill_tp: int) -> tuple[int, ...]:
+        """The prefill TP ranks any TP rank of our decode instance draws from (every rank's route)."""
+        hit = self.instance_columns.get(prefill_tp)
+        if hit is None:
+            tp = self.cfg.tp_size
+            hit = self.instance_columns[prefill_tp] = tuple(sorted(
+                {t for j in range(tp) for t in tp_route(self.specs, prefill_tp, tp, j).sources}))
         return hit
 
     def route(self, prefill_tp: int) -> TPRoute:

@@ -380,6 +380,10 @@ class PrefillRooms:
             if not self.tickets.hold(ident, req, instance, now):
                 self._reply_failed(ident, req.room, f"{self.tickets.max_held} claims already wait on prefill rank "
                                                     f"{self.cfg.rank_label} for their rooms' decisions")
+                return
+            early = self.tickets.unpark(req.room, instance)  # a sibling decode rank's ticket came first
+            if early is not None:
+                self._ticket_checked(early[0], early[1], self.tickets.check(*early), now)
         else:
             self._reply_failed(ident, req.room, refusal.reason)
 
@@ -423,7 +427,13 @@ class PrefillRooms:
             self._error(ident, t, f"a RoomTicket for decode instance {t.instance} came from a connection of decode "
                                   f"instance {instance}: an instance hands on its own tickets only; nothing done")
             return
-        self._ticket_checked(ident, t, self.tickets.check(ident, t), now)
+        verdict = self.tickets.check(ident, t)
+        if verdict is None:  # no claim of its instance waits here (yet): kept for one, if undecided here
+            r = self.rooms.get(t.room)
+            if self.tickets.waits(None if r is None else r.holder, self.rooms.tombstones.get(t.room) is not None):
+                self.tickets.park(ident, t, now)
+            return
+        self._ticket_checked(ident, t, verdict, now)
 
     def _ticket_checked(self, ident: bytes, t: wire.RoomTicket, verdict: Any, now: float) -> None:
         if verdict is True:
@@ -454,12 +464,15 @@ class PrefillRooms:
         if self.trace:
             log.info("trace room=%d rank=%s @%.6f decided for %s by %s", t.room, self.cfg.rank_label, now, t.instance,
                      t.decider)
+        self.tickets.unpark(t.room, None)  # decided: tickets that came early for it are moot
         for h in self.tickets.take(t.room):
             self._on_request(h.ident, h.req, now, held=True)
         self._pump(now)
 
     def _undecided(self, now: float) -> None:
-        """Held claims whose room ended here, or that no decision reached in time, are refused."""
+        """Held claims whose room ended here, or that no decision reached in time, are refused;
+        early tickets that no claim followed in time are dropped."""
+        self.tickets.expire(now, self.cfg.target_timeout)
         for room in list(self.tickets.held):
             r, closed = self.rooms.get(room), self.rooms.tombstones.get(room)
             if r is not None and r.state.final:
@@ -687,7 +700,7 @@ class PrefillRooms:
 
     def _deadlines(self, now: float) -> None:
         self._admit(self.admission.feed(Overdue(now)), now)
-        if self.tickets.held:
+        if self.tickets.held or self.tickets.early:
             self._undecided(now)
         for r in list(self.rooms.values()):
             if r.state.final:

@@ -1,27 +1,32 @@
 """Room ownership decided once per room across a prefill instance's ranks: the decider's ticket.
 
 Each prefill rank used to let the first claim it saw win a room (``PrefillRoom.claim``). Two
-decode instances racing for one room id could then each win a different CP rank, and neither was
-served. Now one rank decides, and the others follow its decision:
+decode instances racing for one room id could then each win a different CP (or TP) rank, and
+neither was served. Now one rank decides, and the others follow its decision:
 
-- **The decider** of a room, for a decode rank's TP column ``t``, is the prefill rank
-  (cp 0, tp t, pp 0) of the room's DP group. It keeps the first-claim rule: the first decode
-  instance whose claim it accepts holds the room. To every rank of that instance that asks it, it
-  hands a ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding),
-  signed with its proof key (``ownership.ticket_message``), whose public half is in its
-  registration at the daemon.
-- **Every other rank** of the column (cp > 0 or pp > 0) *holds* a claim on a room it has no
-  decision for: nothing planned, nothing written, no reply. The decode rank that holds a ticket
-  hands it on, unchanged, to the other ranks it asked. A rank accepts a ticket only
+- **The decider** of a room is the prefill rank (cp 0, tp 0, pp 0) of the room's DP group, one
+  for the group whatever the TP layout. It keeps the first-claim rule: the first decode instance
+  whose claim it accepts holds the room. To every rank of that instance that asks it, it hands a
+  ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding), signed
+  with its proof key (``ownership.ticket_message``), whose public half is in its registration at
+  the daemon.
+- **Every other rank** (cp, tp or pp > 0) *holds* a claim on a room it has no decision for:
+  nothing planned, nothing written, no reply. The decode rank that holds a ticket hands it on,
+  unchanged, to the other ranks it asked, and the instance's decode TP rank 0 to every rank of
+  the TP columns its siblings draw from (decode/machine.py ``_hand_on``). A rank accepts a ticket
+  only
   - on a connection proven for a registration of the instance the ticket names (admission.py), and
-  - for a room it holds a claim of that instance for (a ticket nobody waits for costs no check);
+  - for a room it holds a claim of that instance for (a ticket nobody waits for costs no check:
+    one for a room undecided here is *kept*, one per (room, instance), unchecked, until a claim
+    of its instance comes, since rank 0's ticket may overtake a sibling's request; it is dropped
+    after ``target_timeout`` and counts with the held claims against ``max_held``);
   - signed by the key of the registration the ticket names as decider, which it reads from the
-    daemon once and accepts only at (its own instance, its DP group, cp 0, its TP rank, pp 0).
+    daemon once and accepts only at (its own instance, its DP group, cp 0, tp 0, pp 0).
   The room is then held by the ticket's instance: its held claims go on as any claim does, every
   other instance's are refused by name ("claimed by decode instance ... (decided by ...)").
 
-    decode A ──TransferRequest──▶ decider (cp0/pp0)      first claim: A; RoomTicket(A, signed) ──▶ A
-    decode A ──TransferRequest──▶ cp1: held (undecided)
+    decode A ──TransferRequest──▶ decider (cp0/tp0/pp0)  first claim: A; RoomTicket(A, signed) ──▶ A
+    decode A ──TransferRequest──▶ cp1 (or tp1): held (undecided)
     decode A ──RoomTicket(A)────▶ cp1: signature by the decider's key? ─▶ room held by A; A's claims go on
     decode B ──TransferRequest──▶ decider: refused at once; cp1: held, then refused once decided for A
 
@@ -101,21 +106,26 @@ class Tickets:
     keys: dict[str, str] = field(default_factory=dict)  # decider registration -> its proof key (checked)
     reading: dict[str, list[tuple[bytes, wire.RoomTicket]]] = field(default_factory=dict)  # tickets per decider read
     granted: dict[int, wire.RoomTicket] = field(default_factory=dict)  # room -> our ticket for it (decider)
+    # tickets that came before any claim of their instance (handed on by a sibling decode rank):
+    # room -> instance -> (connection, ticket, when); unchecked, counted with the held claims
+    early: dict[int, dict[str, tuple[bytes, wire.RoomTicket, float]]] = field(default_factory=dict)
+    num_early: int = 0
 
     @property
     def in_force(self) -> bool:
         """Rooms are decided once: a proof key to sign with, and ranks besides this one to follow."""
-        return self.key is not None and (self.cfg.cp_size > 1 or self.cfg.pp_size > 1)
+        c = self.cfg
+        return self.key is not None and (c.cp_size > 1 or c.tp_size > 1 or c.pp_size > 1)
 
     @property
     def decides(self) -> bool:
-        """This rank is its TP column's decider (cp 0, pp 0)."""
-        return self.cfg.cp_rank == 0 and self.cfg.pp_rank == 0
+        """This rank is its DP group's decider (cp 0, tp 0, pp 0)."""
+        return self.cfg.cp_rank == 0 and self.cfg.tp_rank == 0 and self.cfg.pp_rank == 0
 
     @property
     def decider_label(self) -> str:
         c = self.cfg
-        return f"{c.instance}/dp{c.dp_rank}/cp0/tp{c.tp_rank}/pp0"
+        return f"{c.instance}/dp{c.dp_rank}/cp0/tp0/pp0"
 
     def waits(self, holder: tuple[str, str] | None, tombstoned: bool) -> bool:
         """A claim on a room with this holder (None: nobody yet) waits for the decider's ticket."""
@@ -144,7 +154,7 @@ class Tickets:
 
     def hold(self, ident: bytes, req: wire.TransferRequest, instance: str, now: float) -> bool:
         """Keep a claim until its room is decided (False: too many held; refuse it)."""
-        if self.num_held >= self.max_held:
+        if self.num_held + self.num_early >= self.max_held:
             return False
         self.held.setdefault(req.room, []).append(Held(ident, req, instance, now))
         self.num_held += 1
@@ -175,6 +185,48 @@ class Tickets:
         """Rooms whose oldest held claim waited longer than ``timeout``."""
         return [room for room, hs in self.held.items() if now - hs[0].since > timeout]
 
+    def park(self, ident: bytes, t: wire.RoomTicket, now: float) -> bool:
+        """A ticket for a room undecided here that no claim of its instance waits for yet: kept,
+        unchecked, until one does (a sibling decode rank's ticket may overtake that rank's
+        request). One per (room, instance), the latest; False: too many wait (ignored)."""
+        per = self.early.setdefault(t.room, {})
+        if t.instance not in per:
+            if self.num_held + self.num_early >= self.max_held:
+                if not per:
+                    del self.early[t.room]
+                return False
+            self.num_early += 1
+        per[t.instance] = (ident, t, now)
+        return True
+
+    def unpark(self, room: int, instance: str | None) -> tuple[bytes, wire.RoomTicket] | None:
+        """The ticket that waited for ``instance``'s claim on ``room`` (forgotten here), or None;
+        ``instance`` None: drop every ticket of the room."""
+        per = self.early.get(room)
+        if not per:
+            return None
+        if instance is None:
+            self.num_early -= len(per)
+            del self.early[room]
+            return None
+        hit = per.pop(instance, None)
+        if hit is None:
+            return None
+        self.num_early -= 1
+        if not per:
+            del self.early[room]
+        return hit[0], hit[1]
+
+    def expire(self, now: float, timeout: float) -> None:
+        """Tickets that no claim of their instance followed within ``timeout`` are dropped."""
+        for room in list(self.early):
+            per = self.early[room]
+            for inst in [i for i, (_, _, since) in per.items() if now - since > timeout]:
+                del per[inst]
+                self.num_early -= 1
+            if not per:
+                del self.early[room]
+
     def check(self, ident: bytes, t: wire.RoomTicket) -> str | ReadDecider | bool | None:
         """A ticket presented on a proven connection of the instance it names: True (it decides
         the room), None (nobody here waits for it: ignored), a ``ReadDecider`` (it waits for the
@@ -196,7 +248,7 @@ class Tickets:
         refused (None: its key is known now; check them again)."""
         waiting = self.reading.pop(e.rank_id, [])
         c = self.cfg
-        want = (c.dp_rank, 0, c.tp_rank, 0)
+        want = (c.dp_rank, 0, 0, 0)
         if e.problem is not None:
             return waiting, f"the registration {e.rank_id} its RoomTicket names could not be read: {e.problem}"
         if e.instance != c.instance or e.role != "prefill" or tuple(e.coords) != want:
@@ -210,6 +262,8 @@ class Tickets:
 
     def forget(self, room: int) -> None:
         self.granted.pop(room, None)
+        self.unpark(room, None)
 
     def describe(self) -> dict[str, Any]:
-        return {"held_claims": self.num_held, "rooms_waiting": len(self.held), "deciders_known": len(self.keys)}
+        return {"held_claims": self.num_held, "rooms_waiting": len(self.held), "early_tickets": self.num_early,
+                "deciders_known": len(self.keys)}
