@@ -190,7 +190,12 @@ def test_attacks_on_rooms_end_in_errors_and_the_owner_is_served(cluster):
                        trust_env=False)  # fmt: skip
         victim_d = _decode(decode, victim, r.json().get("kv_transfer_params") or forged)
         assert attacker.result(timeout=ERROR_BOUND_S).status_code >= 400
-    assert victim_d.status_code >= 400, victim_d.text[:2000]  # an error, never the attacker's KV or garbage
+    # prefill's scheduler learns its worker refused the pre-claimed room before it answers: fallback
+    # params, and decode computes the victim's prompt itself; an error is right too, never other KV
+    fell_back = not (r.json().get("kv_transfer_params") or {}).get("do_remote_prefill", True)
+    if victim_d.status_code < 400:
+        assert fell_back and tokens_of(victim_d) == tokens_of(complete(prefill, victim["prompt"], 8)), \
+            victim_d.text[:2000]
     assert "claimed with binding" in servers["prefill-0"].log_tail(10**7)
 
 
