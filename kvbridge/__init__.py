@@ -19,7 +19,8 @@ The public surface, re-exported here (pinned by tests/test_exports.py):
   ``STAGING_MODES`` (the ``staging`` setting's values), ``PrefillEndpoint``/``KVSender``, ``DecodeEndpoint``/``KVReceiver``, ``KVPoll``,
   ``PrefillInfo`` (a prefill instance's sizes and lane rule, before a room is opened);
 - rooms bound to their request: ``room_binding`` (a request's digest, passed to ``init(binding=)`` on both
-  sides), ``sign_room``/``verify_room`` (room ids a router chooses, signed with the cluster's room key).
+  sides), ``sign_room``/``verify_room`` (room ids a router chooses, signed with the cluster's room key),
+  ``signed_room_id``/``check_room_id`` (the signature inside the id: engines that carry the id alone, SGLang).
 """
 
 from kvbridge._version import WIRE_VERSION, __version__
@@ -80,7 +81,7 @@ from kvbridge.transfer.engine.registry import engine_names
 from kvbridge.transfer.staging.settings import STAGING_MODES
 from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
 from kvbridge.bootstrap.starter import start_bootstrap
-from kvbridge.transfer.binding import room_binding, sign_room, verify_room
+from kvbridge.transfer.binding import check_room_id, room_binding, sign_room, signed_room_id, verify_room
 from kvbridge.transfer.registration import ROOM_POOL_KINDS
 
 __all__ = [
@@ -123,6 +124,8 @@ __all__ = [
     "rank_heads",
     "room_binding",
     "sign_room",
+    "signed_room_id",
+    "check_room_id",
     "stage_specs",
     "start_bootstrap",
     "Extent",

@@ -25,6 +25,17 @@ Signed rooms (``sign_room`` / ``verify_room``): a router that must choose room i
 than let the engine draw them from its request id) signs ``room``, an expiry and, when it
 knows it, the binding, with a key shared by the cluster (HMAC-SHA256); each server checks the
 signature, the expiry and the bound digest where the room is opened and where it is claimed.
+
+Signed room ids (``signed_room_id`` / ``check_room_id``): for an engine that carries nothing
+but the room id itself (SGLang's ``bootstrap_room``, an int64), the signature lives in the id:
+
+    bit 62 ........ 41 | 40 ........ 9 | 8 ... 0
+    expiry (22 bits)   | tag (32 bits) | nonce (9 bits)
+
+``expiry``: minutes since 2026-01-01 00:00 UTC (up to 2033-12); ``tag``: the first 32 bits of
+HMAC-SHA256 over (expiry, nonce) under the cluster's key; ``nonce``: the router's (random by
+default; the low bits, so ``room % dp_size`` is the nonce's for a power-of-two DP size).
+
 Pure functions: no I/O, no clock but the ``now`` passed in.
 """
 
@@ -32,13 +43,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import RoomBindingError
 
-__all__ = ["BINDING_BYTES", "claim_refusal", "room_binding", "sign_room", "verify_room"]
+__all__ = ["BINDING_BYTES", "ROOM_ID_BITS", "check_room_id", "claim_refusal", "room_binding", "sign_room",
+           "signed_room_id", "verify_room"]
 
 BINDING_BYTES = 16
 _PERSON = b"kvbridge-room1"  # blake2b personalisation: a binding is no other digest of the same bytes
@@ -110,3 +123,49 @@ def verify_room(key: bytes, room: int, expires_at: Any, signature: Any, *, now: 
     if now >= expires_at:
         raise RoomBindingError(f"room signature expired {now - expires_at:.0f}s ago", room=room,
                                field="kvbridge_room_expires")
+
+
+# -- signed room ids (the signature inside the id) ----------------------------------------------
+
+ROOM_ID_BITS = {"expiry": 22, "tag": 32, "nonce": 9}  # 63 bits: a non-negative int64
+ROOM_ID_EPOCH = 1_767_225_600  # 2026-01-01 00:00:00 UTC, Unix seconds
+_EXP, _TAG, _NONCE = ROOM_ID_BITS["expiry"], ROOM_ID_BITS["tag"], ROOM_ID_BITS["nonce"]
+
+
+def _room_tag(key: bytes, minutes: int, nonce: int) -> int:
+    msg = b"kvbridge-room-id1|" + minutes.to_bytes(4, "little") + nonce.to_bytes(4, "little")
+    return int.from_bytes(hmac.new(key, msg, hashlib.sha256).digest()[: _TAG // 8], "big")
+
+
+def signed_room_id(key: bytes, expires_at: float, nonce: int | None = None) -> int:
+    """A room id signed with ``key`` (the cluster's room key), valid until ``expires_at`` (Unix
+    seconds, rounded up to the minute). ``nonce``: 0 <= nonce < 512, random when None; two live
+    rooms of one expiry minute need two nonces (a router past 512 a minute takes later minutes)."""
+    if not key:
+        raise RoomBindingError("an empty room key signs nothing", field="room_key")
+    minutes = -int(-(float(expires_at) - ROOM_ID_EPOCH) // 60)  # ceiling
+    if not 0 < minutes < 1 << _EXP:
+        raise RoomBindingError(f"expiry {expires_at!r} is outside what a signed room id carries (minutes after "
+                               f"2026-01-01 UTC, fewer than 2**{_EXP})", field="expires_at")
+    nonce = secrets.randbelow(1 << _NONCE) if nonce is None else nonce
+    if isinstance(nonce, bool) or not isinstance(nonce, int) or not 0 <= nonce < 1 << _NONCE:
+        raise RoomBindingError(f"nonce {nonce!r} is not an integer in [0, {1 << _NONCE})", field="nonce")
+    return (minutes << (_TAG + _NONCE)) | (_room_tag(key, minutes, nonce) << _NONCE) | nonce
+
+
+def check_room_id(key: bytes, room: Any, now: float) -> None:
+    """Raise RoomBindingError, naming the field, unless ``room`` is a room id ``key`` signed
+    (field ``room_tag``: unsigned or forged) and ``now`` (Unix seconds) is before its expiry
+    (field ``room_expiry``)."""
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
+        raise RoomBindingError(f"room id {room!r} is not a signed room id (an integer in [0, 2**63))",
+                               field="room_tag")
+    minutes, nonce = room >> (_TAG + _NONCE), room & ((1 << _NONCE) - 1)
+    tag = (room >> _NONCE) & ((1 << _TAG) - 1)
+    if not hmac.compare_digest(_room_tag(key, minutes, nonce).to_bytes(4, "big"), tag.to_bytes(4, "big")):
+        raise RoomBindingError(f"room id {room} is not signed with this cluster's room key (unsigned or forged "
+                               "tag)", room=room, field="room_tag")
+    expiry = ROOM_ID_EPOCH + 60 * minutes
+    if now >= expiry:
+        raise RoomBindingError(f"signed room id {room} expired {now - expiry:.0f}s ago", room=room,
+                               field="room_expiry")

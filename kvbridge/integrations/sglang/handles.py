@@ -1,6 +1,9 @@
 """What SGLang's sender and receiver share on kvbridge: one room handle, the request it is
 bound to, a local failure and its reason, the retry of a room id still draining, and SGLang's error.
 
+    sign      with KVBRIDGE_ROOM_KEY, the room id must be a signed room id (kvbridge.check_room_id:
+              its tag, its expiry), checked when the handle is made: prefill before it opens the
+              room, decode before it claims it; refused by name, nothing opened, written or read
     open      ep.sender(room) / ep.receiver(room, ...); RoomInUse on a draining id (the previous
               room's writes are still in flight) is retried from poll() for the bootstrap timeout
     bind      bind_request(req), right after SGLang made the handle (patches.py wraps the queue
@@ -22,7 +25,7 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
-from kvbridge import KVBridgeError, RoomInUse, room_binding
+from kvbridge import KVBridgeError, RoomInUse, check_room_id, room_binding
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,17 @@ class RoomHandle:
         self.binding = b""  # the request's digest (bind_request); b"": not bound
         self.num_tokens: int | None = None  # the request's prompt tokens, once bound
         self._counted = False
+
+    def _unsigned(self) -> str | None:
+        """Why this room id may not be served under the cluster's room key (None: it may, or no key)."""
+        key = self.kv_mgr.settings.room_key
+        if not key:
+            return None
+        try:
+            check_room_id(key, self.bootstrap_room, time.time())
+        except KVBridgeError as exc:
+            return f"{exc}; refused, nothing opened, written or read"
+        return None
 
     def bind_request(self, req: Any) -> None:
         """Bind this handle to SGLang's request: the digest of ``req.origin_input_ids`` (a request

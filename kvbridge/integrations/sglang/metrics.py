@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 REFUSED, FAILED = "kvbridge_sglang_refusals_total", "kvbridge_sglang_failed_transfers_total"
 
 REFUSALS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in (
+    ("unsigned_room", r"not a signed room id|unsigned or forged tag|signed room id \d+ expired"),
     ("room_in_use", r"room \d+ is (open|draining)|still draining"),
     ("bound_to_another_request", r"bound to another request|claim is another request's|was bound to"),
     ("token_count", r"tokens, but|tokens are \d+ pages"),

@@ -51,6 +51,8 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
         self._prefill_dp_rank: int | None = None
         # self.num_tokens (RoomHandle): the request's token count, which SGLang's send_metadata does not
         # say: bind_request and kvbridge's decode hook (patches.py, DecodePreallocQueue._send_kv_metadata) set it
+        if (unsigned := self._unsigned()) is not None:  # before init() claims the room
+            self.fail(unsigned)
 
     # -- SGLang's calls -------------------------------------------------------------------
 

@@ -89,6 +89,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         s = mgr.settings
         if mgr.released:
             self.fail(mgr.RELEASED)
+        elif (unsigned := self._unsigned()) is not None:
+            self.fail(unsigned)
         elif s.dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % s.dp_size != s.dp_rank:
             self.fail(f"room {self.bootstrap_room} came to prefill DP rank {s.dp_rank}, but decode looks it up in "
                       f"DP rank {self.bootstrap_room % s.dp_size} (room % dp_size): route with "

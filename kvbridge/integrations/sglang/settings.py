@@ -31,6 +31,7 @@ ENV_URL, ENV_TOKEN, ENV_INSTANCE, ENV_HOST = ("KVBRIDGE_BOOTSTRAP_URL", "KVBRIDG
 ENV_PROTOCOL, ENV_CONTRACT, ENV_HIDDEN = "KVBRIDGE_PROTOCOL", "KVBRIDGE_CONTRACT", "KVBRIDGE_HIDDEN_DTYPE"
 ENV_LEASE, ENV_PEER, ENV_SECRET = "KVBRIDGE_LEASE_TTL", "KVBRIDGE_PEER_TIMEOUT", "KVBRIDGE_SECRET"
 ENV_ENGINE, ENV_WEIGHTS, ENV_LOG_LEVEL = "KVBRIDGE_ENGINE", "KVBRIDGE_WEIGHTS", "KVBRIDGE_LOG_LEVEL"
+ENV_ROOM_KEY = "KVBRIDGE_ROOM_KEY"
 ENGINES = engine_names("network")  # what an SGLang rank's transfer engine may be (both sides on one)
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
@@ -54,6 +55,9 @@ ENVIRONMENT = (
     (ENV_PEER, "silence after which a peer rank counts as dead, and the deadline of a connection's ownership "
                "proof, seconds (default 15: a loaded host starves kvbridge's threads past 5; docs/sglang.md)"),
     (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+    (ENV_ROOM_KEY, "the cluster's room key, the same on every server and the router: every bootstrap_room must "
+                   "then be a signed room id (kvbridge.signed_room_id; docs/sglang.md); prefill and decode refuse "
+                   "an unsigned, forged or expired one by name (unset: any room id)"),
     (ENV_WEIGHTS, "the contract's weights identity: auto (default: kvbridge.weights_digest of --model-path, a "
                   "local folder or the hub cache's snapshot; names, sizes, safetensors headers and sampled chunks), "
                   "off, or a digest to use as it is; a decode whose checkpoint differs is refused by field "
@@ -133,6 +137,7 @@ class Settings:
     weights: str = "auto"  # KVBRIDGE_WEIGHTS: auto | off | a digest
     log_level: str = ""  # KVBRIDGE_LOG_LEVEL ("": SGLang's)
     metrics: bool = False  # --enable-metrics: kvbridge's counters join SGLang's /metrics
+    room_key: bytes = b""  # KVBRIDGE_ROOM_KEY: rooms must be signed room ids (b"": any room id)
 
     @property
     def staging_config(self) -> dict[str, Any]:
@@ -199,7 +204,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         raise ConfigError(f"--speculative-algorithm {spec}: kvbridge carries the draft state of "
                           f"{', '.join(SPEC_ALGORITHMS)} only", field="speculative_algorithm")
     dtype = r.choice("hidden_dtype", HIDDEN_DTYPES, sa.dtype if getattr(sa, "dtype", "") in HIDDEN_DTYPES else "bfloat16")
-    secret = r.text("secret")
+    secret, room_key = r.text("secret"), r.text("room_key")
     engine = r.choice("engine", ENGINES, "mooncake")
     staging = _staging(role, instance, r)
     return Settings(
@@ -214,6 +219,7 @@ def read_settings(role: str, server_args: Any, is_mla: bool, *, gpu_id: int = 0,
         revision=str(getattr(sa, "revision", "") or "unspecified"), spec_algorithm=SPEC_ALGORITHMS.get(spec, "none"),
         spec_topk=int(getattr(sa, "speculative_eagle_topk", 0) or 1), lease_ttl=r.number("lease_ttl", 10.0, positive=True),
         peer_timeout=r.number("peer_timeout", PEER_TIMEOUT_S, positive=True), secret=secret.encode() if secret else None,
+        room_key=room_key.encode(),
         bootstrap_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         waiting_timeout=float(_sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
         model_path=str(getattr(sa, "model_path", "") or ""), weights=r.text("weights") or "auto",
