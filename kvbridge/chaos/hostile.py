@@ -601,9 +601,9 @@ ATTACK_METHODS: dict[str, Callable[[Hostile, Outcome], None]] = {
     "bound_rooms": hostile_rooms.bound_rooms, "room_signatures": hostile_rooms.room_signatures,
     "nixl_metadata": hostile_claims.nixl_metadata, "metadata_flood": hostile_claims.metadata_flood,
     "lease_squat": hostile_claims.lease_squat,
-    "split_collision": hostile_split.split_collision,
     "starvation": hostile_budgets.starvation, "address_flood": hostile_budgets.address_flood,
     "proving_bytes": hostile_budgets.proving_bytes, "restart_race": hostile_budgets.restart_race,
+    "split_collision": hostile_split.split_collision,
 }
 
 

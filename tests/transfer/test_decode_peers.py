@@ -36,7 +36,9 @@ def test_a_decode_ranks_buffers_are_read_from_the_daemon_once(cluster, daemon):
         wait_final([r, *senders])
         assert r.poll() == KVPoll.Success, r.failure_reason
     after = metric(daemon.url, "kvbridge_bootstrap_http_requests_total", route="/v1/ranks/{rank_id}", method="GET")
-    assert after - before == 2  # one read per prefill rank, then the cached registration
+    # one read of the decode rank's registration per prefill rank, and cp 1's one read of its room
+    # decider's registration (the key its RoomTickets verify under: transfer/prefill/tickets.py); then cached
+    assert after - before == 3
 
 
 def test_a_request_from_an_unregistered_rank_is_refused_naming_it(cluster):
