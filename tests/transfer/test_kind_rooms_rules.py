@@ -56,7 +56,8 @@ def chunks(kw, n: int, cuts, local_of, owns_last: bool = True):
     """The reports and plans of each chunk ``[done, end)`` (the last one's ``last`` set)."""
     out = []
     for end in (*cuts, n):
-        plan, report = kw.plan(9, "d0", n, end, end == n, local_of, decode_pages(n), owns_last)
+        plan, write = kw.plan(9, "d0", n, end, end == n, local_of, decode_pages(n), owns_last)
+        report, _ = kw.landed(9, "d0", write)  # (the write landed: its units are reported)
         out.append((plan, {p: np.frombuffer(u, "<i4").tolist() for p, u in report.items()}))
     return out
 
@@ -67,7 +68,8 @@ def test_state_travels_once_and_only_with_the_last_chunk():
     assert "mamba_conv" not in first and "mamba_ssm" not in first
     assert second["mamba_conv"] == [0] and second["mamba_ssm"] == [0]
     assert not kw.wants(9, "d0")
-    assert kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True) == (None, {})  # never twice
+    plan, write = kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)
+    assert not write and not plan.num_slices  # never twice
 
 
 def test_state_is_written_by_the_owner_of_the_last_valid_token_only():
@@ -99,8 +101,8 @@ def test_a_window_on_pages_of_its_own_given_later_travels_from_those_pages_and_w
                                          "swa": np.array([20, 21]).astype("<i4").tobytes()})
     kw.accept(req, fake_descs(specs, 1 << 30), decode_pages(22), 22)
     local_of = np.arange(6) + 1
-    plan, report = kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)
-    assert "swa" not in report  # page 4 is complete, its page id is not known yet
+    plan, write = kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)
+    assert "swa" not in write.parts  # page 4 is complete, its page id is not known yet
     with pytest.raises(LayoutError, match="window pool 'swa': the engine's kind_units name 0 pages") as err:
         kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)  # the last chunk without them
     assert err.value.field == "kind_units"
@@ -109,9 +111,10 @@ def test_a_window_on_pages_of_its_own_given_later_travels_from_those_pages_and_w
                     rank="p0")
     kw.engine_units(9, {**prefill_units(specs), "swa": None})
     kw.accept(req, fake_descs(specs, 1 << 30), decode_pages(22), 22)
-    assert "swa" not in kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)[1]
+    assert "swa" not in kw.plan(9, "d0", 22, 21, False, local_of, decode_pages(22), True)[1].parts
     kw.engine_units(9, {"swa": np.array([30, 31])})  # send(kind_units=) with the last chunk
-    plan, report = kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)
+    plan, write = kw.plan(9, "d0", 22, 22, True, local_of, decode_pages(22), True)
+    report, _ = kw.landed(9, "d0", write)
     assert np.frombuffer(report["swa"], "<i4").tolist() == [4, 5]
     spec = specs["swa"]
     src = {d.layer_id: d.base for d in fake_descs(specs) if d.pool == "swa"}

@@ -131,16 +131,20 @@ class DecodeKinds:
 
     # -- the request and its reports ---------------------------------------------------------------
 
-    def request_units(self, room: int) -> dict[str, bytes]:
+    def request_units(self, room: int, pools: Sequence[str] | None = None) -> dict[str, bytes]:
+        """The units a ``TransferRequest`` for ``pools`` carries (None: every pool; a pipeline stage
+        is asked for the pools it holds layers of)."""
         return {pool: u.astype("<i4").tobytes() for pool, u in self.units.get(room, {}).items()
-                if pool in self.own or pool in self.windows}
+                if (pool in self.own or pool in self.windows) and (pools is None or pool in pools)}
 
-    def start(self, room: int, num_tokens: int | None) -> None:
+    def start(self, room: int, num_tokens: int | None, stages: Mapping[str, Sequence[int]] | None = None) -> None:
+        """The room's ledger; ``stages``: pool -> the pipeline stages that send its layers."""
         if self.specs and num_tokens is not None:
-            self.ledgers[room] = KindLedger(room, self.specs, num_tokens)
+            self.ledgers[room] = KindLedger(room, self.specs, num_tokens, stages)
 
-    def record(self, room: int, msg: Any, rank: str) -> None:
-        """A PagesDone's kind units (``kind_units``, ``kind_last``) into the room's ledger."""
+    def record(self, room: int, msg: Any, rank: str, pp_rank: int = 0) -> None:
+        """A PagesDone's kind units (``kind_units``, ``kind_last``) from pipeline stage ``pp_rank``
+        into the room's ledger."""
         ledger = self.ledgers.get(room)
         if ledger is None:
             raise LedgerError("kind units reported for a room that asked for none", room=room, rank=rank,
@@ -151,7 +155,7 @@ class DecodeKinds:
                                   rank=rank, field="kind_units")
         for pool, packed in msg.kind_units.items():
             ledger.record_units(pool, np.frombuffer(packed, dtype="<i4").astype(np.int64), last=msg.kind_last,
-                                rank=rank)
+                                rank=rank, pp_rank=pp_rank)
 
     def complete(self, room: int) -> bool:
         """Every kind unit of the room reported (True for a room without kind pools)."""

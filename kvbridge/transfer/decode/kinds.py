@@ -6,7 +6,8 @@ state): what a room must receive of each (``KindLedger``) and the state slots it
       swa      window 15 -> pages 7..11          . x x x x             every needed unit once
       hca      ratio 32 -> 1 entry, page 0       x
       hca_tail state (tail 13 rows)              S                     only with the last chunk, once
-    complete  <=>  every unit of every pool, and every state slot, counted
+    complete  <=>  every unit of every pool, and every state slot, counted (from every pipeline
+                   stage that holds layers of the pool: one row per stage)
 
 A state slot is a destination like a page: a failed or aborted room's slots are released
 only once no write can still land (every prefill rank that was asked acknowledged the abort,
@@ -18,7 +19,7 @@ or its lease expired: hard rule 6), the moment its pages are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,57 +31,76 @@ __all__ = ["KindLedger", "StateSlots"]
 
 class KindLedger:
     """Exactly-once ledger of one room's kind pools: each unit of each pool's needed extent
-    reported once, by the last chunk at the latest; a state slot only with the last chunk."""
+    reported once by every pipeline stage that holds layers of the pool (one stage without PP),
+    by the last chunk at the latest; a state slot only in a report at the request's full length.
 
-    def __init__(self, room: int, specs: Mapping[str, PoolSpec], num_tokens: int) -> None:
+        pool hca, stages (0, 1)     unit:  0 1 2
+          pp0 (layers 0-1)                 x x x
+          pp1 (layer 2)                    x . x      unit 1 not complete: pp1's layer missing"""
+
+    def __init__(self, room: int, specs: Mapping[str, PoolSpec], num_tokens: int,
+                 stages: Mapping[str, Sequence[int]] | None = None) -> None:
+        """``stages``: pool -> the pipeline stages that send its layers (``Placement.stages``;
+        None: one stage, pp 0)."""
         self.room = room
         self.kinds = {name: spec.kind for name, spec in specs.items()}
         self.extents: dict[str, Extent] = {name: needed_extent(spec, num_tokens) for name, spec in specs.items()}
-        self._seen = {name: np.zeros(ext.count, dtype=bool) for name, ext in self.extents.items()}
-        self._left = sum(ext.count for ext in self.extents.values())
-        self.last_seen = False
+        self.stages = {name: tuple(stages.get(name, (0,))) if stages is not None else (0,) for name in specs}
+        self.staged = any(st != (0,) for st in self.stages.values())
+        self._seen = {name: np.zeros((len(self.stages[name]), ext.count), dtype=bool)
+                      for name, ext in self.extents.items()}
+        self._left = sum(m.size for m in self._seen.values())
 
-    def record(self, pool: str, first: int, count: int, *, last: bool, rank: str = "") -> None:
-        """Units ``[first, first + count)`` of ``pool`` written; ``last``: by the room's last chunk."""
-        self.record_units(pool, np.arange(first, first + max(count, 0), dtype=np.int64), last=last, rank=rank)
+    def record(self, pool: str, first: int, count: int, *, last: bool, rank: str = "", pp_rank: int = 0) -> None:
+        """Units ``[first, first + count)`` of ``pool`` written; ``last``: at the request's full length."""
+        self.record_units(pool, np.arange(first, first + max(count, 0), dtype=np.int64), last=last, rank=rank,
+                          pp_rank=pp_rank)
 
-    def record_units(self, pool: str, units: np.ndarray, *, last: bool, rank: str = "") -> None:
-        """Logical ``units`` of ``pool`` written (a CP rank's owned pages: ``kvbridge.lane_units``);
-        ``last``: by the room's last chunk. Checks everything before marking anything."""
+    def record_units(self, pool: str, units: np.ndarray, *, last: bool, rank: str = "", pp_rank: int = 0) -> None:
+        """Logical ``units`` of ``pool`` written by pipeline stage ``pp_rank`` (a CP rank's owned
+        pages: ``kvbridge.lane_units``; every layer of them that the stage holds); ``last``: at the
+        request's full length. Checks everything before marking anything."""
         if pool not in self.extents:
             raise LedgerError(f"units reported for pool {pool!r}, which this room does not receive", room=self.room,
                               rank=rank, field="pools")
+        if pp_rank not in self.stages[pool]:
+            raise LedgerError(f"units of pool {pool!r} reported by pipeline stage pp{pp_rank}, which holds no layer "
+                              f"of it (stages {list(self.stages[pool])})", room=self.room, rank=rank, field="pp_rank")
         ext, kind = self.extents[pool], self.kinds[pool]
         units = np.asarray(units, dtype=np.int64).reshape(-1)
         if kind == "state" and not last:
             raise LedgerError(f"state of pool {pool!r} reported before the last chunk: state is committed once, "
-                              "with the last chunk", room=self.room, rank=rank, field="state")
-        if self.last_seen and not last:
-            raise LedgerError(f"pool {pool!r}: a chunk reported after the last one", room=self.room, rank=rank,
-                              field="chunk")
+                              "with the chunk that ends at the request's length", room=self.room, rank=rank,
+                              field="state")
         if len(units) and (units.min() < ext.first or units.max() >= ext.stop):
             raise LedgerError(f"pool {pool!r} ({kind}): units [{units.min()}, {units.max() + 1}) outside what decode "
                               f"needs [{ext.first}, {ext.stop})", room=self.room, rank=rank, field="logical_pages")
         if has_repeats(np.asarray(units)):
             raise LedgerError(f"pool {pool!r} ({kind}): a unit reported twice in one report", room=self.room,
                               rank=rank, field="logical_pages")
-        seen = self._seen[pool][units - ext.first]
+        row = self._seen[pool][self.stages[pool].index(pp_rank)]
+        seen = row[units - ext.first]
         if seen.any():
             what = "state slot" if kind == "state" else f"unit {int(units[np.argmax(seen)])}"
             raise LedgerError(f"pool {pool!r} ({kind}): {what} reported twice", room=self.room, rank=rank,
                               field="state" if kind == "state" else "logical_pages")
-        self._seen[pool][units - ext.first] = True
+        row[units - ext.first] = True
         self._left -= len(units)
-        self.last_seen = self.last_seen or last
 
     @property
     def complete(self) -> bool:
         return self._left == 0
 
     def missing(self) -> dict[str, list[int]]:
-        """Units not yet reported, per pool (first few)."""
-        return {name: (np.flatnonzero(~seen)[:8] + self.extents[name].first).tolist()
-                for name, seen in self._seen.items() if not seen.all()}
+        """Units not yet reported, per pool (first few); with pipeline stages per pool and stage
+        (``"hca@pp1"``)."""
+        out = {}
+        for name, seen in self._seen.items():
+            for stage, row in zip(self.stages[name], seen):
+                if not row.all():
+                    key = f"{name}@pp{stage}" if self.staged else name
+                    out[key] = (np.flatnonzero(~row)[:8] + self.extents[name].first).tolist()
+        return out
 
 
 class StateSlots:

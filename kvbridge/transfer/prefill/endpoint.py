@@ -41,7 +41,7 @@ import numpy as np
 
 from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract, fingerprint
-from kvbridge.errors import (ConfigError, KVBridgeError, LayerRangeError, LayoutError, RoomEnded, TransferError,
+from kvbridge.errors import (ConfigError, KVBridgeError, LayoutError, RoomEnded, TransferError,
                              UnknownInstance)
 from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
@@ -311,10 +311,6 @@ class PrefillEndpoint(EndpointShell):
                                                 f"{why}); nothing queued: poll() says a room's final state",
                                                 room=r.room, rank=self.config.rank_label, field="send"))
                 return
-            if layers is not None and self.machine.kinds:
-                raise LayerRangeError(f"pools {sorted(self.machine.kinds.specs)} are window, compressed or state pools: "
-                                      "layer-range sends are not carried for them", room=r.room,
-                                      rank=self.config.rank_label, field="layers")
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)

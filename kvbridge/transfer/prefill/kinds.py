@@ -9,13 +9,26 @@ the chunk's pages (``kvbridge.layout.kinds``: ``chunk_extent``, ``lane_units``, 
       compressed       the pages of entries complete by t_i, on the pool's own units (the engine's
                        ``kind_units`` here, T's ``TransferRequest.kind_units`` there): an entry
                        of an incomplete window never travels
-      state            the slot, with the last chunk only, from the owner of the last valid token
-                       (the aux row's CP rank), beside the aux row (one write, one completion)
-    the last write to T carries whatever the last chunk completes (``kind_last`` in its PagesDone)
+      state            the slot, once, with the chunk that ends at the request's length n (the
+                       last chunk at the latest), from the owner of the last valid token (the aux
+                       row's CP rank in each pipeline stage)
+    a write's units are reported once every layer of them landed; at full length: ``kind_last``
 
-What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes, layer
-ranges (PP, layer-wise sends), heterogeneous TP, a decode prefix, decode ranks that do not say
-the token count; under CP, compressed and ring-window pools (``check_kind_topology``).
+Layer ranges (layer-wise sends ``send(..., layers=(a, b))``, pipeline stages): the books are per
+layer of each pool (the stage's layers only: a stage's specs are cut to them). A range carries
+the layers of every kind pool that target layers ``[a, b)`` hold (the stage rule: a draft layer
+with the range that ends at the last target layer), each layer's units as ``chunk_extent`` gives
+them from that layer's own progress; a state layer travels with the range that holds it at the
+request's full length. A unit is reported (``PagesDone.kind_units``) once every layer of it on
+this rank landed, so decode counts units per pool and pipeline stage, whatever the ranges.
+
+    V4, 4 layers, ranges (0,2) (2,4)    swa layers 0-3, hca 0-2, csa 3, hca_tail 0-2, csa_tail 3
+    range (0, 2), ready t      swa/hca pages complete by t, layers 0-1; hca_tail layers 0-1 if t = n
+    range (2, 4), ready t      swa 2-3, hca 2, csa 3 ...; hca page reported once layers 0-2 landed
+
+What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes,
+heterogeneous TP, a decode prefix, decode ranks that do not say the token count; under CP,
+compressed and ring-window pools (``check_kind_topology``).
 
 Pure bookkeeping over plain data: the room machine's write book (``writes.py``) asks ``plan``
 and puts the answer in the write it posts.
@@ -24,7 +37,7 @@ and puts the answer in the write it posts.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -35,7 +48,7 @@ from kvbridge.layout.kinds import (check_kind_topology, chunk_extent, kind_specs
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.channel import wire
 
-__all__ = ["KindWrites", "check_kind_config", "token_page_size"]
+__all__ = ["KindWrite", "KindWrites", "check_kind_config", "token_page_size"]
 
 
 def check_kind_config(specs: Mapping[str, PoolSpec], *, cp_size: int, lane_rule: str, pp_size: int,
@@ -48,9 +61,6 @@ def check_kind_config(specs: Mapping[str, PoolSpec], *, cp_size: int, lane_rule:
     if staging != "never":
         raise ConfigError(f"pools {names}: the rooms carry window, compressed and state pools on the direct path "
                           f"only; set staging 'never' (got {staging!r})", rank=rank, field="staging")
-    if pp_size > 1:
-        raise ConfigError(f"pools {names}: pipeline stages (pp_size {pp_size}) are not carried for window, "
-                          "compressed and state pools", rank=rank, field="pp_size")
     try:
         check_kind_topology(list(kinds.values()), cp_size, lane_rule)
     except KVBridgeError as exc:
@@ -60,25 +70,54 @@ def check_kind_config(specs: Mapping[str, PoolSpec], *, cp_size: int, lane_rule:
 
 
 @dataclass
+class _Book:
+    """One pool's books for one target, per layer of the pool on this rank (its ``layer_ids``
+    order): tokens whose units were planned, whether the full length's were (a unit travels once
+    per layer), and, per logical unit of the needed extent, the layers planned and landed: a
+    unit is reported once every layer of it landed (a layer range carries some layers only)."""
+
+    done: np.ndarray  # per layer: tokens whose units were planned
+    fin: np.ndarray  # per layer: the units at the request's full length planned (nothing more to send)
+    planned: np.ndarray  # [units, layers] posted to the target
+    got: np.ndarray  # [units, layers] landed there
+    reported: np.ndarray  # per unit: named in a report (once)
+    first: int  # the needed extent's first logical unit
+
+
+@dataclass
 class _Room:
     """One room's kind books: the engine's units, and per target how far its kinds were planned."""
 
     src: dict[str, np.ndarray] = field(default_factory=dict)  # pool -> our unit of each logical unit
     dst: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # target -> pool -> its units
     bufs: dict[str, list[BufferDesc]] = field(default_factory=dict)  # target -> its registered buffers
-    done: dict[str, int] = field(default_factory=dict)  # target -> tokens whose units were planned
+    books: dict[str, dict[str, _Book]] = field(default_factory=dict)  # target -> pool -> its books
     later: set[str] = field(default_factory=set)  # window pools whose pages the engine gives later (None)
-    held: dict[str, dict[str, int]] = field(default_factory=dict)  # target -> pool waiting for them -> from
     dst_own: dict[str, set[str]] = field(default_factory=dict)  # target -> window pools on its own pages
-    last: set[str] = field(default_factory=set)  # targets the last chunk's units were planned for
+
+
+@dataclass(frozen=True)
+class KindWrite:
+    """What one write carries of the kind pools: per pool, (logical units, layer indices) pairs
+    (every layer of the pair's units), and whether they are at the request's full length."""
+
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+    final: bool
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
 
 
 class KindWrites:
     """The kind pools' share of each write of this prefill rank (module docstring)."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], *, lanes: OwnerLanes,
-                 cp_rank: int, tp_size: int, rank: str) -> None:
+                 cp_rank: int, tp_size: int, rank: str, num_target_layers: int | None = None) -> None:
+        """``num_target_layers``: the model's target layer count (the contract's; default: one
+        past the largest layer id of ``specs``), which places draft layers in a layer range."""
         self.specs = kind_specs(specs)
+        self.num_target_layers = num_target_layers if num_target_layers is not None else 1 + max(
+            (lid for sp in specs.values() for lid in sp.layer_ids), default=0)
         self.page_size = token_page_size(specs)
         self.src_bufs = list(src_bufs)
         self.lanes = lanes
@@ -193,81 +232,143 @@ class KindWrites:
         kr = self._room(req.room)
         kr.dst[req.decode_rank] = units
         kr.bufs[req.decode_rank] = [d for d in dst_bufs if d.pool in self.specs]
-        kr.done[req.decode_rank] = 0
         kr.dst_own[req.decode_rank] = set(windows)
+        books = kr.books[req.decode_rank] = {}
+        for pool, ids in units.items():
+            spec, ext = self.specs[pool], needed_extent(self.specs[pool], num_tokens)
+            nl = spec.num_layers
+            books[pool] = _Book(np.zeros(nl, np.int64), np.zeros(nl, bool), np.zeros((ext.count, nl), bool),
+                                np.zeros((ext.count, nl), bool), np.zeros(ext.count, bool), ext.first)
 
     def wants(self, room: int, decode_rank: str) -> bool:
-        """Whether the target still waits for kind units (the last chunk's not planned yet)."""
+        """Whether the target still waits for kind units to be planned (some layer of some pool
+        not yet at the request's full length)."""
         kr = self.rooms.get(room)
-        return kr is not None and decode_rank in kr.dst and decode_rank not in kr.last
+        return kr is not None and decode_rank in kr.books and any(
+            not b.fin.all() for b in kr.books[decode_rank].values())
+
+    def settled(self, room: int, decode_rank: str) -> bool:
+        """Nothing of the kinds left for the target: every unit planned, and every one planned landed."""
+        kr = self.rooms.get(room)
+        if kr is None or decode_rank not in kr.books:
+            return True
+        return all(b.fin.all() and (b.planned == b.got).all() for b in kr.books[decode_rank].values())
+
+    def range_layers(self, pool: str, layers: tuple[int, int] | None) -> np.ndarray:
+        """Indices (into the pool's ``layer_ids``) of the layers target layers ``layers`` carry: the
+        stage rule (``kvbridge.layout.stages``: a draft layer with the range that ends at the last
+        target layer); None: all of them."""
+        ids = np.asarray(self.specs[pool].layer_ids, dtype=np.int64)
+        if layers is None:
+            return np.arange(ids.size)
+        start, end = layers
+        inside = (ids >= start) & (ids < end)
+        if end >= self.num_target_layers:
+            inside |= ids >= self.num_target_layers
+        return np.flatnonzero(inside)
 
     # -- a write -----------------------------------------------------------------------------
 
     def plan(self, room: int, decode_rank: str, num_tokens: int, end: int, last: bool, local_of: np.ndarray,
-             dst_pages: np.ndarray, owns_last: bool) -> tuple[TransferPlan | None, dict[str, bytes]]:
-        """The kind units that tokens ``[done, end)`` complete for target ``decode_rank`` (``last``:
-        the room's last chunk), planned (checked: hard rule 5) and what its report names; (None,
-        {}) when it takes no kind pool. Raises KVBridgeError: the target fails, nothing of this
-        write is posted."""
+             dst_pages: np.ndarray, owns_last: bool,
+             layers: tuple[int, int] | None = None) -> tuple[TransferPlan | None, KindWrite]:
+        """The kind units that tokens ``[done, end)`` complete for target ``decode_rank``, of the
+        layers that target layers ``layers`` carry (None: every layer), planned (checked: hard rule
+        5), and what the write carries (``KindWrite``, for ``landed``). ``last``: the room's last
+        chunk; a chunk that ends at the request's length is final too: it completes every unit of
+        its layers, state included (docs/concepts.md, "Layer ranges"). ``owns_last``: this CP rank
+        owns the last valid token (in its pipeline stage): it sends the state slots. Raises
+        KVBridgeError: the target fails, nothing of this write is posted."""
+        final = last or end == num_tokens
         kr = self.rooms.get(room)
-        if kr is None or decode_rank not in kr.dst or decode_rank in kr.last:
-            return None, {}
-        done = kr.done[decode_rank]
+        if kr is None or decode_rank not in kr.books:
+            return None, KindWrite({}, final)
         dst_bufs = kr.bufs[decode_rank]
-        held = kr.held.setdefault(decode_rank, {})
-        plans, report = [], {}
+        books = kr.books[decode_rank]
+        plans, parts = [], {}
         for pool, dst in kr.dst[decode_rank].items():
-            spec = self.specs[pool]
+            spec, b = self.specs[pool], books[pool]
+            sel = self.range_layers(pool, layers)
+            sel = sel[~b.fin[sel]]
+            if not sel.size:
+                continue
             if pool in kr.later and pool not in kr.src and not last:
-                held.setdefault(pool, done)  # its pages' ids come later: plan them from here then
-                continue
-            ext = chunk_extent(spec, num_tokens, min(held.pop(pool, done), end), end, last)
-            if not ext.count:
-                continue
-            final = needed_extent(spec, num_tokens)
-            logical = lane_units(spec, ext, self.lanes, self.cp_rank, num_tokens, self.page_size)
-            if spec.kind == STATE and not owns_last:
-                continue  # (lane_units: the slot is the last valid token's owner's)
-            if not len(logical):
-                continue
-            if pool in self.own:
-                src_all = kr.src.get(pool)
-                if src_all is None:
-                    raise LayoutError(f"pool {pool!r} ({spec.kind}): the engine gave no kind_units for it "
-                                      "(KVSender.init/send(kind_units=))", field="kind_units", room=room, rank=self.rank)
-                if spec.kind == STATE or spec.ring_stride:
-                    src, dst_u, subset = src_all[:1], dst, None
-                else:
-                    if logical.max() >= src_all.size:
-                        raise LayoutError(f"pool {pool!r}: the engine's kind_units cover {src_all.size} units, the "
-                                          f"write needs unit {int(logical.max())}", field="kind_units", room=room,
-                                          rank=self.rank)
-                    src, dst_u, subset = src_all[logical], dst[logical - final.first], logical
-                if (spec.kind == STATE or spec.ring_stride) and not src.size:
+                continue  # its pages' ids come later: their units wait (this pool's done stays)
+            for done in np.unique(b.done[sel]).tolist():
+                group = sel[b.done[sel] == done]
+                ext = chunk_extent(spec, num_tokens, min(done, end), end, final)
+                if not ext.count or (spec.kind == STATE and not owns_last):
+                    continue  # (lane_units: a state slot is the last valid token's owner's)
+                logical = lane_units(spec, ext, self.lanes, self.cp_rank, num_tokens, self.page_size)
+                if not len(logical):
+                    continue
+                src, dst_u, subset = self._units(kr, room, decode_rank, pool, spec, logical, dst, local_of,
+                                                 dst_pages, num_tokens)
+                cut = spec if group.size == spec.num_layers else \
+                    replace(spec, layer_ids=tuple(spec.layer_ids[i] for i in group.tolist()))
+                plans.append(plan_kind(cut, self.src_bufs, dst_bufs, ext, src, dst_u, logical=subset, room=room,
+                                       rank=self.rank))
+                parts.setdefault(pool, []).append((logical, group))
+            b.done[sel] = np.maximum(b.done[sel], end)
+            if final:
+                b.fin[sel] = True
+        for pool, pairs in parts.items():  # (after every plan: a refused one marks nothing)
+            b = books[pool]
+            for logical, group in pairs:
+                b.planned[np.ix_(logical - b.first, group)] = True
+        plans = [p for p in plans if p.num_slices]
+        return (TransferPlan.concat(plans) if plans else TransferPlan.empty()), KindWrite(parts, final)
+
+    def landed(self, room: int, decode_rank: str, write: KindWrite) -> tuple[dict[str, bytes], bool]:
+        """A write's kind units reached the target: the units whose every layer (on this rank) has
+        now landed, once each, packed for its ``PagesDone``, and whether they are at the full length."""
+        kr = self.rooms.get(room)
+        if kr is None or decode_rank not in kr.books or not write:
+            return {}, False
+        report = {}
+        for pool, pairs in write.parts.items():
+            b = kr.books[decode_rank][pool]
+            touched = np.unique(np.concatenate([logical for logical, _ in pairs])) - b.first
+            for logical, group in pairs:
+                b.got[np.ix_(logical - b.first, group)] = True
+            whole = touched[b.got[touched].all(axis=1) & ~b.reported[touched]]
+            if whole.size:
+                b.reported[whole] = True
+                report[pool] = (whole + b.first).astype("<i4").tobytes()
+        return report, write.final
+
+    def _units(self, kr: _Room, room: int, decode_rank: str, pool: str, spec: PoolSpec, logical: np.ndarray,
+               dst: np.ndarray, local_of: np.ndarray, dst_pages: np.ndarray,
+               num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Our units, the target's, and the logical subset (None: a slot) of ``logical``."""
+        final = needed_extent(spec, num_tokens)
+        if pool in self.own:
+            src_all = kr.src.get(pool)
+            if src_all is None:
+                raise LayoutError(f"pool {pool!r} ({spec.kind}): the engine gave no kind_units for it "
+                                  "(KVSender.init/send(kind_units=))", field="kind_units", room=room, rank=self.rank)
+            if spec.kind == STATE or spec.ring_stride:
+                if not src_all.size:
                     raise LayoutError(f"pool {pool!r}: the engine gave no slot", field="kind_units", room=room,
                                       rank=self.rank)
-            elif pool in kr.src or pool in kr.later:  # a paged window on pages of its own
-                src_all = kr.src.get(pool)
-                if src_all is None or src_all.size != final.count:
-                    raise LayoutError(f"window pool {pool!r}: the engine's kind_units name "
-                                      f"{0 if src_all is None else src_all.size} pages, the window of {num_tokens} "
-                                      f"tokens is {final.count}", field="kind_units", room=room, rank=self.rank)
-                src = src_all[logical - final.first]
-                dst_u = dst[logical - final.first] if pool in kr.dst_own[decode_rank] else dst_pages[logical]
-                subset = logical
-            else:  # a paged window: our pages as handed in, the target's page ids
-                src = local_of[logical]
-                if (src < 0).any():
-                    raise LayoutError(f"window pool {pool!r}: logical page {int(logical[src < 0][0])} is in the window "
-                                      "but was not handed in by send()", field="logical_pages", room=room,
-                                      rank=self.rank)
-                dst_u = dst[logical - final.first] if pool in kr.dst_own[decode_rank] else dst_pages[logical]
-                subset = logical
-            plans.append(plan_kind(spec, self.src_bufs, dst_bufs, ext, src, dst_u, logical=subset, room=room,
-                                   rank=self.rank))
-            report[pool] = logical.astype("<i4").tobytes()
-        kr.done[decode_rank] = max(done, end)
-        if last:
-            kr.last.add(decode_rank)
-        plans = [p for p in plans if p.num_slices]
-        return (TransferPlan.concat(plans) if plans else TransferPlan.empty()), report
+                return src_all[:1], dst, None
+            if logical.max() >= src_all.size:
+                raise LayoutError(f"pool {pool!r}: the engine's kind_units cover {src_all.size} units, the "
+                                  f"write needs unit {int(logical.max())}", field="kind_units", room=room,
+                                  rank=self.rank)
+            return src_all[logical], dst[logical - final.first], logical
+        if pool in kr.src or pool in kr.later:  # a paged window on pages of its own
+            src_all = kr.src.get(pool)
+            if src_all is None or src_all.size != final.count:
+                raise LayoutError(f"window pool {pool!r}: the engine's kind_units name "
+                                  f"{0 if src_all is None else src_all.size} pages, the window of {num_tokens} "
+                                  f"tokens is {final.count}", field="kind_units", room=room, rank=self.rank)
+            src = src_all[logical - final.first]
+        else:  # a paged window: our pages as handed in, the target's page ids
+            src = local_of[logical]
+            if (src < 0).any():
+                raise LayoutError(f"window pool {pool!r}: logical page {int(logical[src < 0][0])} is in the window "
+                                  "but was not handed in by send()", field="logical_pages", room=room,
+                                  rank=self.rank)
+        dst_u = dst[logical - final.first] if pool in kr.dst_own[decode_rank] else dst_pages[logical]
+        return src, dst_u, logical

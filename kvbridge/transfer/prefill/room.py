@@ -159,6 +159,12 @@ class PrefillRoom:
         return self._num_pages is not None and self._aux_owner == self.cp_rank and self.pp_rank == self.pp_size - 1
 
     @property
+    def owns_last_lane(self) -> bool:
+        """This CP rank owns the last valid token, in whichever pipeline stage: it writes its
+        stage's layers of the state slots (``prefill/kinds.py``)."""
+        return self._num_pages is not None and self._aux_owner == self.cp_rank
+
+    @property
     def has_aux(self) -> bool:
         return self.aux_row is not None or self.aux_slot is not None
 

@@ -29,7 +29,7 @@ from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.prefill.events import Posted, PostWrite, SendDigested
-from kvbridge.transfer.prefill.kinds import KindWrites
+from kvbridge.transfer.prefill.kinds import KindWrite, KindWrites
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkCounted, ChunkPosted, StagedWrites, StageWrite, Started
 from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target
@@ -77,7 +77,7 @@ class Writes:
         self.cut_specs: dict[tuple[int, int], dict[str, PoolSpec]] = {}  # layer range -> its pools' cut
         self.kinds = kinds
         self.paged = {name for name, spec in specs.items() if spec.kind == "paged"}
-        self.kind_reports: dict[int, tuple[dict[str, bytes], bool]] = {}  # write id -> kind units, last chunk's
+        self.kind_reports: dict[int, KindWrite] = {}  # write id -> the kind units it carries
         self._out: list[Any] = []
 
     def __len__(self) -> int:
@@ -159,17 +159,17 @@ class Writes:
                     t.group_at += group
                     return False
             t.group_at = 0  # direct: the whole chunk is one write
-            kplan, kunits = None, {}
+            kplan, kunits = None, None
             if self.kinds and kind_to is not None and t.kind_wait:
                 kplan, kunits = self.kinds.plan(r.room, t.decode_rank, r.num_tokens, kind_to[0], kind_to[1],
-                                                r.local_of, t.dst_pages, r.owns_last_token)
-                if kind_to[1] and not kunits:
+                                                r.local_of, t.dst_pages, r.owns_last_lane, layers)
+                if not kunits and self.kinds.settled(r.room, t.decode_rank):
                     t.kind_wait = False  # nothing of the kinds left for this target
             if not logical.size and not with_aux:
                 if not kunits:
                     return True
                 w = self._start(r, t, logical, False, None)
-                self.kind_reports[w] = (kunits, kind_to[1])
+                self.kind_reports[w] = kunits
                 self._out.append(PostWrite(w, r.room, t, t.session, kplan.src, kplan.dst, kplan.length, after))
                 return True
             src = None
@@ -197,7 +197,7 @@ class Writes:
             return True
         w = self._start(r, t, logical, with_aux, num_layers)  # in flight from here: no report before it is final
         if kunits:
-            self.kind_reports[w] = (kunits, kind_to[1])
+            self.kind_reports[w] = kunits
         self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
         return True
 
@@ -281,7 +281,7 @@ class Writes:
         (one per write) unless its target failed or stopped."""
         r, t = self.by_write.pop(w)
         pages, with_aux, num_layers = t.inflight.pop(w)
-        kunits, klast = self.kind_reports.pop(w, ({}, False))
+        kwrite = self.kind_reports.pop(w, None)
         if self.trace:
             trace_room(r, self.rank, now, "write of %d pages%s to %s %s", pages.size, " +aux" if with_aux else "",
                        t.decode_rank, status.state.value)
@@ -296,7 +296,8 @@ class Writes:
             t.num_pages_done += pages.size
         if with_aux:
             t.aux_done = True
-        if klast:
+        kunits, klast = self.kinds.landed(r.room, t.decode_rank, kwrite) if kwrite else ({}, False)
+        if kwrite and self.kinds.settled(r.room, t.decode_rank):
             t.kind_wait = False
         # one report per write: its pages and, when it carried it, the aux row (and the kind units);
         # pages of paged pools only (a room of kind pools alone reports none)
