@@ -80,13 +80,14 @@ def prefill_pages(logical: np.ndarray) -> np.ndarray:
 
 
 def send_room(sender, n: int, cuts: tuple[int, ...], lanes: kvb.OwnerLanes, cp_rank: int, room: int,
-              specs: dict[str, kvb.PoolSpec]) -> None:
+              specs: dict[str, kvb.PoolSpec], last_stage: bool = True) -> None:
     """One prefill CP rank's chunked sends of ``room``: its owned pages, complete ones as the
-    chunks end at ``cuts`` (and n), the aux row with the last from the owner of the last token."""
+    chunks end at ``cuts`` (and n), the aux row with the last from the owner of the last token
+    (in the last pipeline stage)."""
     sender.init(n, kind_units={k: v for k, v in prefill_units(specs).items()} or None)
     num_pages = token_pages(n)
     owned = lanes.owned_pages(cp_rank, num_pages)
-    owns_last = lanes.owner_of_token(n - 1, PAGE, num_pages) == cp_rank
+    owns_last = last_stage and lanes.owner_of_token(n - 1, PAGE, num_pages) == cp_rank
     sent = 0
     for end in (*cuts, n):
         last = end == n
@@ -95,6 +96,27 @@ def send_room(sender, n: int, cuts: tuple[int, ...], lanes: kvb.OwnerLanes, cp_r
         row = kvb_aux(room, n) if last and owns_last else None
         sender.send(chunk, prefill_pages(chunk), num_tokens_ready=end, is_last=last, aux=row)
         sent = upto
+
+
+def send_room_layers(sender, n: int, cuts: tuple[int, ...], lanes: kvb.OwnerLanes, cp_rank: int, room: int,
+                     specs: dict[str, kvb.PoolSpec], ranges: list[tuple[int, int]], last_stage: bool = True) -> None:
+    """One prefill rank's layer-wise sends of ``room`` (``specs``: its stage's): per chunk ending
+    at ``cuts`` (and n), its owned pages complete by then, once per layer range of ``ranges`` (as
+    a forward pass writes them); then the last send, no pages, the aux row from the owner of the
+    last token in the last stage."""
+    sender.init(n, kind_units=prefill_units(specs) or None)
+    num_pages = token_pages(n)
+    owned = lanes.owned_pages(cp_rank, num_pages)
+    sent = 0
+    for end in (*cuts, n):
+        upto = num_pages if end == n else end // PAGE  # complete pages only: a layer range carries no partial page
+        chunk = owned[(owned >= sent) & (owned < upto)]
+        for layers in ranges:
+            sender.send(chunk, prefill_pages(chunk), num_tokens_ready=end, layers=layers)
+        sent = max(sent, upto)
+    owns_last = last_stage and lanes.owner_of_token(n - 1, PAGE, num_pages) == cp_rank
+    sender.send(np.zeros(0, np.int64), np.zeros(0, np.int64), num_tokens_ready=n, is_last=True,
+                aux=kvb_aux(room, n) if owns_last else None)
 
 
 def kvb_aux(room: int, n: int) -> np.ndarray:

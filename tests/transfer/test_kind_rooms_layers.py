@@ -1,0 +1,119 @@
+"""Window, compressed and state pools over layer ranges, through the rooms in one process (the
+local engine, a real bootstrap daemon): layer-wise sends (``send(..., layers=)``) and pipeline
+stages (``pp_layers``), each stage registering and sending only its layers of every kind pool
+(V4: the CSA pools live on the last layer only, HCA on the others, the window on all, the draft
+window with the last stage). Every byte of decode's pools is compared with the expected buffers,
+and the bytes posted equal ``needed_bytes`` plus the aux row: each layer of each unit once."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvbridge as kvb
+from _kind_rooms import (AUX, buffers, contract, decode_pages, decode_units, differing, expected, model_specs,
+                         send_room, send_room_layers)
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.layout import stage_specs
+from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
+from kvbridge.transfer.engine.local import LocalFabric
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+
+FINAL = (kvb.KVPoll.Success, kvb.KVPoll.Failed)
+
+
+class StageKindCluster:
+    """pp x cp prefill ranks of a kind-pool model (``_kind_rooms.py``) and one decode rank holding
+    every layer, on one LocalFabric. ``split``: each stage's target layers."""
+
+    def __init__(self, url: str, model: str, name: str, split: list[tuple[int, int]], cp: int = 1) -> None:
+        self.specs = model_specs(model)
+        self.contract = contract(self.specs)
+        self.num_layers = self.contract.model.target_layers
+        self.fabric = LocalFabric()
+        self.lanes = kvb.OwnerLanes(cp, "interleaved")
+        self.split, self.name = split, name
+        self.clients, self.prefill = [], {}
+        self.src = buffers(self.specs, seed=11)  # every rank holds the same bytes of its layers
+        pp = len(split)
+        self.decode = None
+        try:
+            for c in range(cp):
+                for s, layers in enumerate(split):
+                    staged = pp > 1
+                    cfg = PrefillConfig(instance=f"{name}-p", cp_rank=c, cp_size=cp, staging="never", lease_ttl=5.0,
+                                        **(dict(pp_rank=s, pp_size=pp, pp_layers=layers) if staged else {}))
+                    mine = stage_specs(self.specs, layers, self.num_layers)
+                    bufs = {k: v.clone() for k, v in self.src.items() if k[0] in mine and k[1] in mine[k[0]].layer_ids}
+                    ep = PrefillEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, bufs,
+                                         self.contract, self._client(url), AUX)
+                    ep.start()
+                    self.prefill[(c, s)] = (ep, mine)
+            self.dst = buffers(self.specs, seed=None)
+            self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
+            cfg = DecodeConfig(instance=f"{name}-d", staging="never", lease_ttl=5.0, peer_timeout=5.0,
+                               ping_interval=0.2)
+            self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
+                                         self.contract, self._client(url), self.aux, AUX)
+            self.decode.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _client(self, url: str) -> BootstrapClient:
+        c = BootstrapClient(url)
+        self.clients.append(c)
+        return c
+
+    def room(self, room: int, n: int, cuts: tuple[int, ...], width: int | None, slot: int = 3):
+        """Every rank sends its share of ``room``: layer ranges of ``width`` target layers across
+        its stage (None: whole chunks)."""
+        rx = self.decode.receiver(room, f"{self.name}-p")
+        rx.init(decode_pages(n), 0, n, kind_units=decode_units(self.specs, n, slot) or None)
+        txs = []
+        for (c, s), (ep, mine) in self.prefill.items():
+            tx = ep.sender(room)
+            if width is None:
+                send_room(tx, n, cuts, self.lanes, c, room, mine, last_stage=s == len(self.split) - 1)
+            else:
+                a, b = self.split[s]
+                ranges = [(x, min(x + width, b)) for x in range(a, b, width)]
+                send_room_layers(tx, n, cuts, self.lanes, c, room, mine, ranges, last_stage=s == len(self.split) - 1)
+            txs.append(tx)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (rx.poll() in FINAL and all(t.poll() in FINAL for t in txs)):
+            time.sleep(0.02)
+        return rx, txs
+
+    def close(self) -> None:
+        if self.decode is not None:
+            self.decode.close(timeout=2)
+        for ep, _ in self.prefill.values():
+            ep.close(timeout=2)
+        for c in self.clients:
+            c.close()
+
+
+@pytest.mark.parametrize("model, split, cp, width, n, cuts", [
+    # layer-wise sends, one stage: ranges of 2 layers (the draft window with the range ending at 5)
+    ("v4", [(0, 5)], 1, 2, 131, (40, 96)),
+    # two stages, whole chunks: HCA on both, CSA and the draft on pp1
+    ("v4", [(0, 2), (2, 5)], 1, None, 131, (40, 96)),
+    # two stages, one layer a range; CP 2 (window pages from their lanes, state from the last token's owner)
+    ("hybrid", [(0, 2), (2, 4)], 2, 1, 30, (13, 21)),
+])
+def test_layer_ranges_and_stages_move_every_kind_exactly_once(daemon, request, model, split, cp, width, n, cuts):
+    c = StageKindCluster(daemon.url, model, f"kl-{request.node.callspec.id[:24]}", split, cp)
+    try:
+        rx, txs = c.room(900 + n, n, cuts, width)
+        assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+        assert all(t.poll() == kvb.KVPoll.Success for t in txs), [t.failure_reason for t in txs]
+        assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
+        needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
+        assert sum(t.stats["bytes"] for t in txs) == needed + AUX.row_bytes
+        assert rx.stats["bytes"] == needed
+    finally:
+        c.close()
