@@ -2,8 +2,9 @@
 (test harness for ``test_kind_rooms_mooncake.py``). Prints ``{"ready": true}`` once serving, then
 per command (JSON lines on stdin):
 
-    {"op": "send", "room": R, "num_tokens": N, "cuts": [t1, ...]}   chunked sends of R; once final,
-        prints {"room", "state", "reason", "bytes"}
+    {"op": "send", "room": R, "num_tokens": N, "cuts": [t1, ...], "width": W}   chunked sends of R
+        (W: layer ranges of W target layers per chunk, layer-wise; absent: whole chunks); once
+        final, prints {"room", "state", "reason", "bytes"}
     {"op": "quit"}
 
 Its pools hold the seeded bytes of ``_kind_rooms.buffers(specs, seed=11)``."""
@@ -16,7 +17,7 @@ import sys
 import time
 
 import kvbridge as kvb
-from _kind_rooms import AUX, buffers, contract, model_specs, send_room
+from _kind_rooms import AUX, buffers, contract, model_specs, send_room, send_room_layers
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 
@@ -44,7 +45,13 @@ def main() -> None:
                 break
             room, n = cmd["room"], cmd["num_tokens"]
             with ep.sender(room) as tx:
-                send_room(tx, n, tuple(cmd["cuts"]), lanes, args.cp_rank, room, specs)
+                width = cmd.get("width")
+                if width:
+                    top = ep.contract.model.target_layers
+                    ranges = [(a, min(a + width, top)) for a in range(0, top, width)]
+                    send_room_layers(tx, n, tuple(cmd["cuts"]), lanes, args.cp_rank, room, specs, ranges)
+                else:
+                    send_room(tx, n, tuple(cmd["cuts"]), lanes, args.cp_rank, room, specs)
                 deadline = time.monotonic() + 60
                 while tx.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and time.monotonic() < deadline:
                     time.sleep(0.01)

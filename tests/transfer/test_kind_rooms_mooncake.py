@@ -1,7 +1,8 @@
 """Window, compressed and state pools through the rooms between real processes over real
 Mooncake: prefill CP ranks in child processes (``_kind_prefill_proc.py``), the decode rank in
 this one, a real bootstrap daemon. A tiny DeepSeek-V4 (CSA + indexer, HCA, window, compressor
-state, draft window) at CP 1 and a hybrid (paged window + Mamba conv/SSM state) at CP 2, chunked:
+state, draft window) at CP 1, whole chunks and layer-wise (ranges of 2 target layers: each range
+its layers of every kind pool), and a hybrid (paged window + Mamba conv/SSM state) at CP 2, chunked:
 every byte of decode's pools equals the expected buffers (what decode needs, nothing else), and
 the bytes the prefill ranks posted equal ``needed_bytes`` plus the aux row."""
 
@@ -39,8 +40,9 @@ class Proc:
             self.stop()
             raise RuntimeError(f"prefill rank {cp_rank} did not start: {line!r}")
 
-    def send(self, room: int, n: int, cuts: tuple[int, ...]) -> None:
-        self.proc.stdin.write(json.dumps({"op": "send", "room": room, "num_tokens": n, "cuts": list(cuts)}) + "\n")
+    def send(self, room: int, n: int, cuts: tuple[int, ...], width: int | None = None) -> None:
+        cmd = {"op": "send", "room": room, "num_tokens": n, "cuts": list(cuts), "width": width}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
     def result(self) -> dict:
@@ -59,8 +61,8 @@ class Proc:
 
 
 @pytest.mark.parametrize("model, cp, rooms", [
-    ("v4", 1, [(131, (40, 96)), (45, ())]),
-    ("hybrid", 2, [(30, (13, 21)), (22, (9,))]),
+    ("v4", 1, [(131, (40, 96), None), (45, (), None), (131, (40, 96), 2), (45, (), 2)]),
+    ("hybrid", 2, [(30, (13, 21), None), (22, (9,), None)]),
 ])
 def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms):
     specs = model_specs(model)
@@ -75,14 +77,14 @@ def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, mod
                            torch.zeros((4, AUX.row_bytes), dtype=torch.uint8), AUX)
         d.start()
         src = buffers(specs, seed=11)  # what the prefill processes hold
-        for i, (n, cuts) in enumerate(rooms):
+        for i, (n, cuts, width) in enumerate(rooms):
             room = 800 + 10 * cp + i
             for t in dst.values():
                 t.view(torch.uint8).zero_()
             rx = d.receiver(room, instance)
             rx.init(decode_pages(n), i % 4, n, kind_units=decode_units(specs, n, slot=3 + i))
             for p in procs:
-                p.send(room, n, cuts)
+                p.send(room, n, cuts, width)
             results = [p.result() for p in procs]
             deadline = time.monotonic() + 30
             while rx.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and time.monotonic() < deadline:
