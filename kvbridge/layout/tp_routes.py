@@ -3,13 +3,17 @@ when the two sides have different TP sizes (``p`` prefill, ``d`` decode).
 
     head-sharded pool (k, v)   the prefill TP ranks whose heads overlap the decode
                                rank's head range (``head_slices``), one slice each
+    sharded state slot         the prefill TP ranks whose part of every shard group
+    (Mamba conv, SSM heads)    overlaps the decode rank's (``kvbridge.layout.kinds.
+                               state_slices`` cuts the bytes); every group splits alike,
+                               so the ranks whose share [p/P, (p+1)/P) meets [d/D, (d+1)/D)
     replicated pool (MLA)      one source: the decode rank's *first source*
     aux row                    the first source too (of the CP rank that owns the
                                last valid token: hard rule 4 picks the CP rank,
                                this the TP rank inside it)
 
 The first source is the lowest prefill TP rank the decode rank draws head slices
-from, or TP rank 0 when no pool is head-sharded: a decode rank never talks to a
+or sharded state from, or TP rank 0 when no pool is sharded: a decode rank never talks to a
 prefill rank only for a replicated pool or the aux row.
 
     4 KV heads, p 2 -> d 4       decode 0: p0 h0   decode 1: p0 h1   decode 2: p1 h2   decode 3: p1 h3
@@ -84,9 +88,19 @@ def tp_route(specs: Mapping[str, PoolSpec] | Iterable[PoolSpec], src_tp: int, ds
         if spec.head_sharded:
             slices = head_slices(HeadGeometry.of(spec), src_tp, dst_tp, dst_rank)
             sharded[spec.name] = tuple((hs.src_rank, None if _whole(hs) else hs) for hs in slices)
+        elif spec.kind == "state" and spec.shard_units:
+            sharded[spec.name] = tuple((src, None) for src in state_sources(src_tp, dst_tp, dst_rank))
     first = min((src for parts in sharded.values() for src, _ in parts), default=0)
     pools = [(s.name, sharded.get(s.name, ((first, None),))) for s in specs]
     return TPRoute(src_tp, dst_tp, dst_rank, tuple(sorted(pools)))
+
+
+def state_sources(src_tp: int, dst_tp: int, dst_rank: int) -> tuple[int, ...]:
+    """The prefill TP ranks (of ``src_tp``) whose share of a sharded state slot overlaps decode
+    rank ``dst_rank``'s (of ``dst_tp``): every shard group splits evenly on both sides, so rank
+    ``p`` holds ``[p/src_tp, (p+1)/src_tp)`` of each group, and they overlap where those meet."""
+    return tuple(p for p in range(src_tp)
+                 if p * dst_tp < (dst_rank + 1) * src_tp and dst_rank * src_tp < (p + 1) * dst_tp)
 
 
 def _whole(hs: HeadSlice) -> bool:

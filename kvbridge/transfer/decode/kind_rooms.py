@@ -137,12 +137,14 @@ class DecodeKinds:
         return {pool: u.astype("<i4").tobytes() for pool, u in self.units.get(room, {}).items()
                 if (pool in self.own or pool in self.windows) and (pools is None or pool in pools)}
 
-    def start(self, room: int, num_tokens: int | None, stages: Mapping[str, Sequence[int]] | None = None) -> None:
-        """The room's ledger; ``stages``: pool -> the pipeline stages that send its layers."""
+    def start(self, room: int, num_tokens: int | None, stages: Mapping[str, Sequence[int]] | None = None,
+              sources: Mapping[str, Sequence[int]] | None = None) -> None:
+        """The room's ledger; ``stages``: pool -> the pipeline stages that send its layers;
+        ``sources``: pool -> the prefill TP ranks that send it (the TP route)."""
         if self.specs and num_tokens is not None:
-            self.ledgers[room] = KindLedger(room, self.specs, num_tokens, stages)
+            self.ledgers[room] = KindLedger(room, self.specs, num_tokens, stages, sources)
 
-    def record(self, room: int, msg: Any, rank: str, pp_rank: int = 0) -> None:
+    def record(self, room: int, msg: Any, rank: str, pp_rank: int = 0, tp_rank: int | None = None) -> None:
         """A PagesDone's kind units (``kind_units``, ``kind_last``) from pipeline stage ``pp_rank``
         into the room's ledger."""
         ledger = self.ledgers.get(room)
@@ -155,7 +157,7 @@ class DecodeKinds:
                                   rank=rank, field="kind_units")
         for pool, packed in msg.kind_units.items():
             ledger.record_units(pool, np.frombuffer(packed, dtype="<i4").astype(np.int64), last=msg.kind_last,
-                                rank=rank, pp_rank=pp_rank)
+                                rank=rank, pp_rank=pp_rank, tp_rank=tp_rank)
 
     def complete(self, room: int) -> bool:
         """Every kind unit of the room reported (True for a room without kind pools)."""

@@ -39,27 +39,34 @@ class KindLedger:
           pp1 (layer 2)                    x . x      unit 1 not complete: pp1's layer missing"""
 
     def __init__(self, room: int, specs: Mapping[str, PoolSpec], num_tokens: int,
-                 stages: Mapping[str, Sequence[int]] | None = None) -> None:
+                 stages: Mapping[str, Sequence[int]] | None = None,
+                 sources: Mapping[str, Sequence[int]] | None = None) -> None:
         """``stages``: pool -> the pipeline stages that send its layers (``Placement.stages``;
-        None: one stage, pp 0)."""
+        None: one stage, pp 0); ``sources``: pool -> the prefill TP ranks that send it (the TP
+        route's: several for a sharded state slot across TP sizes; None: any one TP rank)."""
         self.room = room
         self.kinds = {name: spec.kind for name, spec in specs.items()}
         self.extents: dict[str, Extent] = {name: needed_extent(spec, num_tokens) for name, spec in specs.items()}
         self.stages = {name: tuple(stages.get(name, (0,))) if stages is not None else (0,) for name in specs}
+        self.sources = {name: tuple(sources.get(name, (None,))) if sources is not None else (None,) for name in specs}
         self.staged = any(st != (0,) for st in self.stages.values())
-        self._seen = {name: np.zeros((len(self.stages[name]), ext.count), dtype=bool)
+        self._rows = {name: [(tp, pp) for tp in self.sources[name] for pp in self.stages[name]] for name in specs}
+        self._seen = {name: np.zeros((len(self._rows[name]), ext.count), dtype=bool)
                       for name, ext in self.extents.items()}
         self._left = sum(m.size for m in self._seen.values())
 
-    def record(self, pool: str, first: int, count: int, *, last: bool, rank: str = "", pp_rank: int = 0) -> None:
+    def record(self, pool: str, first: int, count: int, *, last: bool, rank: str = "", pp_rank: int = 0,
+               tp_rank: int | None = None) -> None:
         """Units ``[first, first + count)`` of ``pool`` written; ``last``: at the request's full length."""
         self.record_units(pool, np.arange(first, first + max(count, 0), dtype=np.int64), last=last, rank=rank,
-                          pp_rank=pp_rank)
+                          pp_rank=pp_rank, tp_rank=tp_rank)
 
-    def record_units(self, pool: str, units: np.ndarray, *, last: bool, rank: str = "", pp_rank: int = 0) -> None:
-        """Logical ``units`` of ``pool`` written by pipeline stage ``pp_rank`` (a CP rank's owned
-        pages: ``kvbridge.lane_units``; every layer of them that the stage holds); ``last``: at the
-        request's full length. Checks everything before marking anything."""
+    def record_units(self, pool: str, units: np.ndarray, *, last: bool, rank: str = "", pp_rank: int = 0,
+                     tp_rank: int | None = None) -> None:
+        """Logical ``units`` of ``pool`` written by pipeline stage ``pp_rank`` of prefill TP rank
+        ``tp_rank`` (a CP rank's owned pages: ``kvbridge.lane_units``; every layer of them that the
+        stage holds; a sharded state slot: its TP part); ``last``: at the request's full length.
+        Checks everything before marking anything."""
         if pool not in self.extents:
             raise LedgerError(f"units reported for pool {pool!r}, which this room does not receive", room=self.room,
                               rank=rank, field="pools")
@@ -78,7 +85,12 @@ class KindLedger:
         if has_repeats(np.asarray(units)):
             raise LedgerError(f"pool {pool!r} ({kind}): a unit reported twice in one report", room=self.room,
                               rank=rank, field="logical_pages")
-        row = self._seen[pool][self.stages[pool].index(pp_rank)]
+        tp = tp_rank if self.sources[pool] != (None,) else None
+        if (tp, pp_rank) not in self._rows[pool]:
+            raise LedgerError(f"units of pool {pool!r} reported by prefill TP rank {tp_rank}, which this decode "
+                              f"rank does not draw it from (TP ranks {list(self.sources[pool])})", room=self.room,
+                              rank=rank, field="tp_rank")
+        row = self._seen[pool][self._rows[pool].index((tp, pp_rank))]
         seen = row[units - ext.first]
         if seen.any():
             what = "state slot" if kind == "state" else f"unit {int(units[np.argmax(seen)])}"
@@ -96,9 +108,10 @@ class KindLedger:
         (``"hca@pp1"``)."""
         out = {}
         for name, seen in self._seen.items():
-            for stage, row in zip(self.stages[name], seen):
+            for (tp, stage), row in zip(self._rows[name], seen):
                 if not row.all():
-                    key = f"{name}@pp{stage}" if self.staged else name
+                    key = name + (f"@tp{tp}" if len(self.sources[name]) > 1 else "") + \
+                        (f"@pp{stage}" if self.staged else "")
                     out[key] = (np.flatnonzero(~row)[:8] + self.extents[name].first).tolist()
         return out
 

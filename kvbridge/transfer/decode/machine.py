@@ -422,7 +422,7 @@ class DecodeRooms:
                                           rank=f"cp{msg.cp_rank}", field="digests")
                     r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64), key, tuple(msg.pools)))
             if msg.kind_units:  # window, compressed and state units (kind_rooms.py)
-                self.kinds.record(r.room, msg, _label(msg, endpoint, key, r), key[2])
+                self.kinds.record(r.room, msg, _label(msg, endpoint, key, r), key[2], key[1])
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
@@ -660,7 +660,8 @@ class DecodeRooms:
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)
         r.start_ledger(self.pools)
-        self.kinds.start(r.room, r.num_tokens, r.placement.stages)
+        self.kinds.start(r.room, r.num_tokens, r.placement.stages,
+                         {p: r.route.sources_of(p) for p in self.kinds.specs} if r.route is not None else None)
         for key, s, _ in r.placement.asks:
             peer = self.peers.peer(s, r.prefill_instance, now)
             if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death

@@ -26,8 +26,13 @@ this rank landed, so decode counts units per pool and pipeline stage, whatever t
     range (0, 2), ready t      swa/hca pages complete by t, layers 0-1; hca_tail layers 0-1 if t = n
     range (2, 4), ready t      swa 2-3, hca 2, csa 3 ...; hca page reported once layers 0-2 landed
 
+Heterogeneous TP: a sharded state slot (Mamba conv groups, SSM heads) goes to each decode rank
+the TP route draws it from (``kvbridge.layout.tp_route``), cut by ``state_slices``: the overlap
+of our part of every shard group with the decode rank's; replicated slots, windows and
+compressed entries come whole from the decode rank's first source.
+
 What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes,
-heterogeneous TP, a decode prefix, decode ranks that do not say the token count; under CP,
+head-sharded window or compressed pools across TP sizes, a decode prefix, decode ranks that do not say the token count; under CP,
 compressed and ring-window pools (``check_kind_topology``).
 
 Pure bookkeeping over plain data: the room machine's write book (``writes.py``) asks ``plan``
@@ -44,7 +49,7 @@ import numpy as np
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError
 from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan
 from kvbridge.layout.kinds import (check_kind_topology, chunk_extent, kind_specs, lane_units, needed_extent,
-                                   own_units_pools, plan_kind, token_page_size)
+                                   own_units_pools, plan_kind, state_tp_spec, token_page_size)
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.channel import wire
 
@@ -112,7 +117,8 @@ class KindWrites:
     """The kind pools' share of each write of this prefill rank (module docstring)."""
 
     def __init__(self, specs: Mapping[str, PoolSpec], src_bufs: Sequence[BufferDesc], *, lanes: OwnerLanes,
-                 cp_rank: int, tp_size: int, rank: str, num_target_layers: int | None = None) -> None:
+                 cp_rank: int, tp_size: int, rank: str, num_target_layers: int | None = None,
+                 tp_rank: int = 0) -> None:
         """``num_target_layers``: the model's target layer count (the contract's; default: one
         past the largest layer id of ``specs``), which places draft layers in a layer range."""
         self.specs = kind_specs(specs)
@@ -123,6 +129,7 @@ class KindWrites:
         self.lanes = lanes
         self.cp_rank = cp_rank
         self.tp_size = tp_size
+        self.tp_rank = tp_rank
         self.rank = rank
         self.own = own_units_pools(self.specs)
         # paged windows the engine may put on pages of their own (an SWA pool beside the full KV)
@@ -197,9 +204,21 @@ class KindWrites:
         if req.first_page:
             raise LayoutError(f"a decode prefix (first_page {req.first_page}) is not carried for window, compressed "
                               "and state pools", field="first_page", **ctx)
-        if req.num_decode_ranks != self.tp_size:
-            raise LayoutError(f"decode TP size {req.num_decode_ranks} differs from prefill's {self.tp_size}: "
-                              f"heterogeneous TP is not carried for pools {asked}", field="num_decode_ranks", **ctx)
+        if req.num_decode_ranks != self.tp_size:  # state slots are cut per TP size; the rest is whole rows
+            sliced = [p for p in asked if self.specs[p].head_sharded]
+            if sliced:
+                raise LayoutError(f"decode TP size {req.num_decode_ranks} differs from prefill's {self.tp_size}: "
+                                  f"head-sharded window or compressed pools {sliced} are not sliced across TP sizes",
+                                  field="num_decode_ranks", **ctx)
+        dst_bpp = {d.pool: d.bytes_per_page for d in dst_bufs if d.pool in self.specs}
+        for pool in asked:
+            spec = self.specs[pool]
+            want = state_tp_spec(spec, req.num_decode_ranks).bytes_per_page if spec.kind == STATE \
+                else spec.bytes_per_page
+            if pool in dst_bpp and dst_bpp[pool] != want:
+                raise LayoutError(f"pool {pool!r} ({spec.kind}): decode rank registered {dst_bpp[pool]} B per "
+                                  f"{'slot' if spec.kind == STATE else 'page'}, a TP size of {req.num_decode_ranks} "
+                                  f"holds {want} B", field="num_decode_ranks", **ctx)
         own = [p for p in asked if p in self.own]
         windows = sorted(set(req.kind_units) & set(self.windows) & set(asked))
         if sorted(req.kind_units) != sorted(own + windows):
@@ -270,14 +289,16 @@ class KindWrites:
     # -- a write -----------------------------------------------------------------------------
 
     def plan(self, room: int, decode_rank: str, num_tokens: int, end: int, last: bool, local_of: np.ndarray,
-             dst_pages: np.ndarray, owns_last: bool,
-             layers: tuple[int, int] | None = None) -> tuple[TransferPlan | None, KindWrite]:
+             dst_pages: np.ndarray, owns_last: bool, layers: tuple[int, int] | None = None, *,
+             decode_tp: tuple[int, int] = (1, 0)) -> tuple[TransferPlan | None, KindWrite]:
         """The kind units that tokens ``[done, end)`` complete for target ``decode_rank``, of the
         layers that target layers ``layers`` carry (None: every layer), planned (checked: hard rule
         5), and what the write carries (``KindWrite``, for ``landed``). ``last``: the room's last
         chunk; a chunk that ends at the request's length is final too: it completes every unit of
         its layers, state included (docs/concepts.md, "Layer ranges"). ``owns_last``: this CP rank
-        owns the last valid token (in its pipeline stage): it sends the state slots. Raises
+        owns the last valid token (in its pipeline stage): it sends the state slots.
+        ``decode_tp``: the target's (tp_size, tp_rank): a sharded state slot sends the target its
+        overlap with ours (``state_slices``), a replicated one whole (the TP route picked us). Raises
         KVBridgeError: the target fails, nothing of this write is posted."""
         final = last or end == num_tokens
         kr = self.rooms.get(room)
@@ -306,8 +327,12 @@ class KindWrites:
                                                  dst_pages, num_tokens)
                 cut = spec if group.size == spec.num_layers else \
                     replace(spec, layer_ids=tuple(spec.layer_ids[i] for i in group.tolist()))
-                plans.append(plan_kind(cut, self.src_bufs, dst_bufs, ext, src, dst_u, logical=subset, room=room,
-                                       rank=self.rank))
+                tp, dst_spec = (1, 0, 1, 0), None
+                if spec.kind == STATE and spec.shard_units:
+                    tp = (self.tp_size, self.tp_rank, *decode_tp)
+                    dst_spec = replace(state_tp_spec(spec, decode_tp[0]), layer_ids=cut.layer_ids)
+                plans.append(plan_kind(cut, self.src_bufs, dst_bufs, ext, src, dst_u, dst_spec=dst_spec, tp=tp,
+                                       logical=subset, room=room, rank=self.rank))
                 parts.setdefault(pool, []).append((logical, group))
             b.done[sel] = np.maximum(b.done[sel], end)
             if final:

@@ -101,7 +101,7 @@ class PrefillRooms:
         # the writes in flight, direct and staged (``writes.py``)
         # the window, compressed and state pools' share of each write (``kinds.py``)
         self.kinds = KindWrites(self.specs, src_bufs, lanes=self.lanes, cp_rank=config.cp_rank,
-                                tp_size=config.tp_size, rank=config.rank_label,
+                                tp_size=config.tp_size, tp_rank=config.tp_rank, rank=config.rank_label,
                                 num_target_layers=self.num_target_layers)
         self.intake.kinds = self.kinds
         self.writes = Writes(self.specs, src_bufs, aux_schema, self.num_target_layers, self.stage,

@@ -162,7 +162,8 @@ class Writes:
             kplan, kunits = None, None
             if self.kinds and kind_to is not None and t.kind_wait:
                 kplan, kunits = self.kinds.plan(r.room, t.decode_rank, r.num_tokens, kind_to[0], kind_to[1],
-                                                r.local_of, t.dst_pages, r.owns_last_lane, layers)
+                                                r.local_of, t.dst_pages, r.owns_last_lane, layers,
+                                                decode_tp=t.decode_tp)
                 if not kunits and self.kinds.settled(r.room, t.decode_rank):
                     t.kind_wait = False  # nothing of the kinds left for this target
             if not logical.size and not with_aux:
