@@ -103,3 +103,25 @@ def test_an_endpoint_holding_other_heads_than_its_tp_rank_is_refused():
     with pytest.raises(ConfigError, match=r"tp rank 0 of 2 holds heads \[0, 2\) of 4, its spec holds \[2, 4\)") as err:
         check_against_contract(kv_specs(4, 2, 1), aux, contract, rank="d/tp0", tp_size=2, tp_rank=0)
     assert err.value.field == "pools.k.heads" and err.value.rank == "d/tp0"
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(1, 1), (2, 2), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1)])
+def test_a_sharded_state_slot_is_drawn_from_every_rank_whose_part_overlaps(src_tp, dst_tp):
+    """Mamba conv (channel groups) and SSM (heads) state: a decode rank draws the slot from exactly
+    the prefill TP ranks that ``state_slices`` gives it bytes from, replicated pools (the window,
+    a replicated slot) and the aux row from the first of them; so equal TP sizes pair rank d with d."""
+    from kvbridge.layout import state_slices
+
+    specs = {**kvb.mamba_pools([1], conv_groups=(8, 4, 4), conv_kernel=4, num_heads=4, head_dim=4, state_size=8),
+             "swa": kvb.window_pool("swa", [0], 32, window=6, page_size=4)}
+    for d in range(dst_tp):
+        route = tp_route(specs, src_tp, dst_tp, d)
+        for pool in ("mamba_conv", "mamba_ssm"):
+            full = specs[pool].full()
+            want = tuple(p for p in range(src_tp) if state_slices(full, src_tp, p, dst_tp, d)[2].size)
+            assert route.sources_of(pool) == want
+        assert route.sources_of("swa") == (route.first_source,) == (min(want),)
+        if src_tp == dst_tp:
+            assert route.sources == (d,)
+    assert sum(num_drawing(specs, src_tp, dst_tp, p) for p in range(src_tp)) == sum(
+        len(tp_route(specs, src_tp, dst_tp, d).sources) for d in range(dst_tp))
