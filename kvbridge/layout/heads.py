@@ -32,6 +32,8 @@ differ legally (topology, checked here with ``TopologyError``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +109,12 @@ class HeadGeometry:
 
 
 def tp_spec(spec: PoolSpec, tp_size: int, tp_rank: int) -> PoolSpec:
-    """The spec of ``tp_rank`` of a TP group of ``tp_size`` (its heads; a replicated pool as it is)."""
+    """The spec of ``tp_rank`` of a TP group of ``tp_size`` (its heads; a sharded state slot its
+    part of every shard group, as ``kvbridge.layout.kinds.state_tp_spec``; a replicated pool as it is)."""
+    if spec.shard_units:
+        full = spec.full()
+        return dataclasses.replace(full, bytes_per_token=sum(full.shard_units) // tp_size * full.unit_bytes,
+                                   tp_size=tp_size) if tp_size > 1 else full
     if not spec.head_sharded:
         return spec
     return spec.with_heads(*rank_heads(spec.num_heads, tp_size, tp_rank))
