@@ -119,3 +119,52 @@ def test_decode_counts_each_unit_once_per_stage_that_holds_the_pool():
             if pool != "hca":
                 ledger.record_units(pool, np.arange(ext.first, ext.stop), last=True, pp_rank=st)
     assert ledger.complete
+
+
+# -- decode's room machine: a state slot from two prefill TP ranks ----------------------------------------------
+
+
+def test_decode_commits_a_sharded_state_slot_only_once_every_prefill_tp_part_arrived():
+    """Prefill TP 2 -> decode TP 1, the hybrid (window + Mamba state): the TP route draws the
+    state slots from both prefill TP ranks (each sends its part of every shard group) and the
+    window from TP rank 0. With tp0's window, state and aux row in, the room waits for tp1's
+    parts of the slots; they come: Success."""
+    from _machines import decode_machine
+    from kvbridge.bootstrap.schemas import LookupResponse, SenderRank
+    from kvbridge.bootstrap.topology import OwnerLanePlan, Topology
+    from kvbridge.transfer.actions import Send
+    from kvbridge.transfer.channel import wire
+    from kvbridge.transfer.decode import events as de
+    from kvbridge.transfer.decode.config import DecodeConfig
+    from kvbridge.transfer.decode.events import LookUp
+    from kvbridge.transfer.poll import KVPoll
+    from test_kind_rooms_rules import Memory
+    from _kind_rooms import decode_units
+
+    specs, mem = model_specs("hybrid"), Memory()
+    m = decode_machine(DecodeConfig(instance="dec", staging="never", transfer_timeout=100.0), specs, kvb.AuxSchema.standard(8),
+                       read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id",
+                       kind_buffers=fake_descs(specs))
+    ranks = [SenderRank(rank_id=f"rank{t}", dp_rank=0, cp_rank=0, tp_rank=t, pp_rank=0, control_endpoint=f"tcp://p{t}",
+                        session_id=f"s{t}", pools=[]) for t in (0, 1)]
+    topo = LookupResponse(instance="pre", room=1, dp_rank=0, fingerprint="fp", ranks=ranks,
+                          topology=Topology(role="prefill", dp_size=1, cp_size=1, tp_size=2, pp_size=1),
+                          plan=OwnerLanePlan(cp_size=1, rule="interleaved"))
+    r = m.open(7, "pre", None, 1.0)
+    ask, = [a for a in m.tick(1.0) if isinstance(a, LookUp)]
+    m.looked_up(7, ask.key, topo, None, 1.0)
+    m.feed(de.InitKinds(r, m.kinds.check_units(7, decode_units(specs, 22, 3), 22, 0)))
+    acts = m.init(r, decode_pages(22), 1, 22, 0, 1.0)
+    asked = {a.to: sorted(a.msg.pools) for a in acts if isinstance(a, Send) and isinstance(a.msg, wire.TransferRequest)}
+    assert asked == {("tcp://p0",): ["mamba_conv", "mamba_ssm", "swa"], ("tcp://p1",): ["mamba_conv", "mamba_ssm"]}
+
+    def done(kinds: dict, aux: bool = False) -> wire.PagesDone:
+        return wire.PagesDone(room=7, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"", digests=None,
+                              aux=aux, num_tokens=22 if aux else 0, kind_last=True,
+                              kind_units={p: np.asarray(u, "<i4").tobytes() for p, u in kinds.items()})
+
+    mem.land(1, 7)
+    m.message("tcp://p0", done({"swa": [4, 5], "mamba_conv": [0], "mamba_ssm": [0]}, aux=True), 2.0)
+    assert r.state.state == KVPoll.Transferring  # tp1's parts of the slots are not in
+    m.message("tcp://p1", done({"mamba_conv": [0], "mamba_ssm": [0]}), 2.1)
+    assert r.state.state == KVPoll.Success, r.state.reason
