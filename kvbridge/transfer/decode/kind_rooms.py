@@ -6,8 +6,10 @@ the state slots the rooms hold (``StateSlots``). The room machine (``machine.py`
                       -> InitKinds: the room's units; its state slot claimed (a slot another
                          room holds, or a failed room's that a write may still reach, is refused)
     request           -> request_units: what the TransferRequest carries; the KindLedger starts
-    PagesDone         -> record: every unit once, state only with the last chunk (LedgerError)
-    commit            <- complete: every unit of every kind pool, and every state slot
+    PagesDone         -> record: every unit once per (source TP rank, pipeline stage) that sends
+                         it, state only in a write at the request's full length (LedgerError)
+    commit            <- complete: every unit of every kind pool, and every state slot (every
+                         stage's layers of it; a sharded slot: every source TP rank's part)
     success           -> the slot is the engine's request's; failure: the slot is released when
                          the room's pages are (hard rule 6), never before
 
