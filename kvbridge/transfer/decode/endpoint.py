@@ -45,13 +45,12 @@ from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, Leas
                                              ScatterFailed, SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds
-from kvbridge.transfer.decode.kind_rooms import check_decode_kind_config
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch, device_of
@@ -90,7 +89,7 @@ class DecodeEndpoint(EndpointShell):
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        check_decode_kind_config(self.specs, staging=config.staging, verify_digest=config.verify_digest, rank=rank)
+        check_kind_config(self.specs, staging=config.staging, verify_digest=config.verify_digest, rank=rank)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
         self.contract = contract.with_transport(engine.transport)

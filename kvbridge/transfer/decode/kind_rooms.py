@@ -23,27 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, LayoutError, LedgerError, PageRangeError
+from kvbridge.errors import LayoutError, LedgerError, PageRangeError
 from kvbridge.layout import BufferDesc, PoolSpec
 from kvbridge.layout.kinds import kind_specs, needed_bytes, needed_extent, own_units_pools
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.decode.kinds import KindLedger, StateSlots
 
-__all__ = ["DecodeKinds", "check_decode_kind_config"]
-
-
-def check_decode_kind_config(specs: Mapping[str, PoolSpec], *, staging: str, verify_digest: bool, rank: str) -> None:
-    """Refuse at construction, by name, what the rooms do not carry for the kind pools."""
-    kinds = kind_specs(specs)
-    if not kinds:
-        return
-    names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
-    if staging != "never":
-        raise ConfigError(f"pools {names}: the rooms carry window, compressed and state pools on the direct path "
-                          f"only; set staging 'never' (got {staging!r})", rank=rank, field="staging")
-    if verify_digest:
-        raise ConfigError(f"pools {names}: page digests cover paged pools only; turn verify_digest off",
-                          rank=rank, field="verify_digest")
+__all__ = ["DecodeKinds"]
 
 
 class DecodeKinds:

@@ -62,11 +62,11 @@ from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineIni
                                               Serving, WriteFinal)
 from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.prefill.events import KindUnits
-from kvbridge.transfer.prefill.kinds import check_kind_config, token_page_size
+from kvbridge.transfer.prefill.kinds import token_page_size
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
-from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch
 from kvbridge.transfer.shell import EndpointShell
