@@ -27,18 +27,16 @@ log = logging.getLogger(__name__)
 ROOM_POOL_KINDS: frozenset[str] = frozenset({"paged", "window", "compressed", "state"})
 
 
-def check_kind_config(specs: Mapping[str, PoolSpec], *, staging: str, rank: str, pp_size: int = 1, cp_size: int = 1,
+def check_kind_config(specs: Mapping[str, PoolSpec], *, rank: str, pp_size: int = 1, cp_size: int = 1,
                       lane_rule: str = "interleaved", verify_digest: bool = False) -> None:
     """Refuse at construction, by name, what the rooms do not carry for the window, compressed and
     state pools (docs/concepts.md, "Pool kinds in the rooms"). Both sides call it: prefill with its
-    pipeline stages and CP lanes, decode with its digest setting."""
+    pipeline stages and CP lanes, decode with its digest setting. Staged and direct writes both
+    carry every kind."""
     kinds = kind_specs(specs)
     if not kinds:
         return
     names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
-    if staging != "never":
-        raise ConfigError(f"pools {names}: the rooms carry window, compressed and state pools on the direct path "
-                          f"only; set staging 'never' (got {staging!r})", rank=rank, field="staging")
     if pp_size > 1:
         raise ConfigError(f"pools {names}: pipeline stages (pp_size {pp_size}) are not carried for window, "
                           "compressed and state pools", rank=rank, field="pp_size")

@@ -32,6 +32,7 @@ from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.layout.kinds import kind_specs
 from kvbridge.transfer.actions import FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import AuxBuffers
@@ -89,7 +90,7 @@ class DecodeEndpoint(EndpointShell):
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        check_kind_config(self.specs, staging=config.staging, verify_digest=config.verify_digest, rank=rank)
+        check_kind_config(self.specs, verify_digest=config.verify_digest, rank=rank)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
         self.contract = contract.with_transport(engine.transport)
@@ -116,7 +117,8 @@ class DecodeEndpoint(EndpointShell):
             config, self.specs, aux_schema, proof_key=self.proof_key, trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,
-                                                                    aux_ranges=self._aux_ranges),
+                                                                    aux_ranges=self._aux_ranges,
+                                                                    kind_specs=kind_specs(self.specs)),
             kind_buffers=self.buffers.descs,
         )  # fmt: skip
         self._peers: PeerSet | None = None

@@ -139,6 +139,24 @@ class DecodeKinds:
             ledger.record_units(pool, np.frombuffer(packed, dtype="<i4").astype(np.int64), last=msg.kind_last,
                                 rank=rank)
 
+    def dest_units(self, room: int, page_ids: np.ndarray | None) -> dict[str, np.ndarray]:
+        """Per kind pool, the units a write of room ``room`` may reach on this rank (a staged
+        chunk's scatter list is checked against them, ``DecodeStaging``): what the room asked of
+        each pool on units of its own (entry pages, its state slot, its ring row, a window's own
+        pages), and a paged window's pages of the window on the room's mapping (``page_ids``).
+        Empty before the room's request (nothing may land yet)."""
+        ledger = self.ledgers.get(room)
+        if ledger is None:
+            return {}
+        units = self.units.get(room, {})
+        out = {}
+        for pool, ext in ledger.extents.items():
+            if pool in units:
+                out[pool] = units[pool]
+            elif page_ids is not None:  # a paged window on the room's pages: the window's only
+                out[pool] = np.asarray(page_ids[ext.first:ext.stop], dtype=np.int64)
+        return out
+
     def complete(self, room: int) -> bool:
         """Every kind unit of the room reported (True for a room without kind pools)."""
         ledger = self.ledgers.get(room)

@@ -129,7 +129,7 @@ class PrefillEndpoint(EndpointShell):
         # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
         self.specs = _stage_specs(config, specs, contract.model.target_layers)
         check_kind_config(self.specs, cp_size=config.cp_size, lane_rule=config.lane_rule, pp_size=config.pp_size,
-                          staging=config.staging, rank=rank)  # what the rooms carry of window/compressed/state
+                          rank=rank)  # what the rooms carry of window/compressed/state
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (decode ranks on another are refused)
         self.contract = contract = contract.with_transport(engine.transport)
