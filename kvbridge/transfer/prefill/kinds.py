@@ -13,7 +13,8 @@ the chunk's pages (``kvbridge.layout.kinds``: ``chunk_extent``, ``lane_units``, 
                        (the aux row's CP rank), beside the aux row (one write, one completion)
     the last write to T carries whatever the last chunk completes (``kind_last`` in its PagesDone)
 
-What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes, layer
+Direct and staged writes alike (a staged write's plan is the same, its report names the same
+units: ``writes.py``). What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): layer
 ranges (PP, layer-wise sends), heterogeneous TP, a decode prefix, decode ranks that do not say
 the token count; under CP, compressed and ring-window pools (``check_kind_topology``). The
 configuration's share is refused at construction (``transfer.registration.check_kind_config``).
