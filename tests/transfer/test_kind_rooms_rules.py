@@ -382,3 +382,36 @@ def test_an_aborted_staged_rooms_state_slot_frees_at_once_its_staging_slot_after
     assert ms.staging.area.state(0) is SlotState.QUARANTINED  # a write may still land in the staging slot
     ms.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.4)
     assert ms.staging.area.num_free == 2
+
+
+def test_a_staged_scatter_into_a_ring_window_or_compressed_pool_stays_inside_the_rooms_row_and_entry_pages():
+    """A ring window's unit is the request row (``stride`` token rows), a compressed pool's its
+    entry page: a scatter into row 2 or entry page 9 passes for a room holding them; row 3, or
+    an entry page the room does not hold, though it is one of the room's token pages, fails."""
+    from kvbridge.errors import LedgerError
+    from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
+    from kvbridge.transfer.staging.area import StagingArea
+
+    ring = kvb.window_pool("ring", [0], 16, window=8, page_size=PAGE, ring_stride=8)
+    comp = kvb.compressed_pool("comp", [0], 32, ratio=4, page_size=PAGE)
+    specs = {"ring": ring, "comp": comp}
+    descs = fake_descs(specs)
+    base = {d.pool: d.base for d in descs}
+    room_units = {"ring": np.array([2]), "comp": np.array([9, 4])}
+
+    def land(pool: str, at: int, n: int):
+        st = DecodeStaging(StagingArea(2, SLOT), AREA, descs, "dec", kind_specs=specs)
+        out: list = []
+        st.request(7, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=7, cp_rank=0, chunk=0, num_bytes=n), out)
+        msg = wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="",
+                               scatter=wire.pack_scatter(np.array([0]), np.array([base[pool] + at]), np.array([n])))
+        st.landed(7, (0, 0, 0), msg, np.array([3, 4, 5]), -1, out, kind_units=room_units)
+        return [a for a in out if isinstance(a, Scatter)]
+
+    row = 8 * 16  # a ring row: stride 8 rows of 16 B
+    assert land("ring", 2 * row, row) and land("ring", 2 * row + 5 * 16, 3 * 16)  # row 2, whole or wrapped part
+    assert land("comp", 9 * comp.bytes_per_page, comp.bytes_per_page)
+    for pool, at, n in (("ring", 3 * row, 16), ("ring", 2 * row + 7 * 16, 32),  # row 3; running past row 2
+                        ("comp", 5 * comp.bytes_per_page, 16)):  # entry page 5: a token page of the room's, not its
+        with pytest.raises(LedgerError, match=f"units of pool '{pool}'"):
+            land(pool, at, n)
