@@ -6,6 +6,8 @@ the state slots the rooms hold (``StateSlots``). The room machine (``machine.py`
                       -> InitKinds: the room's units; its state slot claimed (a slot another
                          room holds, or a failed room's that a write may still reach, is refused)
     request           -> request_units: what the TransferRequest carries; the KindLedger starts
+    ChunkLanded       -> dest_units: the units a staged chunk may scatter into (DecodeStaging
+                         checks its scatter list against them, per kind pool)
     PagesDone         -> record: every unit once, state only with the last chunk (LedgerError)
     commit            <- complete: every unit of every kind pool, and every state slot
     success           -> the slot is the engine's request's; failure: the slot is released when
