@@ -10,7 +10,7 @@ complete compressed entries + state) and V3.2's.
 GB/s (``--layers`` layers, host memory, lengths up to ``--max-move-tokens``): the same plans
 between two engines of one process (prefill's pages ascending, decode's shuffled), written
 with ``engine.write``; median of ``--reps``. The room protocol is not in these figures (the
-rooms carry the kinds on the direct path: docs/concepts.md): this is the data path alone, for
+rooms carry the kinds on the direct and the staged path: docs/concepts.md): this is the data path alone, for
 both models alike.
 """
 

@@ -14,8 +14,9 @@ from kvbridge.bootstrap.client import BootstrapClient, LeaseKeeper
 from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor, StagingDescriptor
 from kvbridge.bootstrap.topology import LayerRange, PoolDescriptor
-from kvbridge.errors import BufferSpecError, KVBridgeError
+from kvbridge.errors import BufferSpecError, ConfigError, KVBridgeError
 from kvbridge.layout import BufferDesc, PoolSpec, RawBuffer, describe_buffer
+from kvbridge.layout.kinds import check_kind_topology, kind_specs
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.engine import TransferEngine, tensor_region
 
@@ -24,6 +25,27 @@ log = logging.getLogger(__name__)
 # the pool kinds the room endpoints carry (kvbridge.layout.pools.KINDS lists every kind planned);
 # an integration checks its pools against this before it opens an endpoint
 ROOM_POOL_KINDS: frozenset[str] = frozenset({"paged", "window", "compressed", "state"})
+
+
+def check_kind_config(specs: Mapping[str, PoolSpec], *, rank: str, pp_size: int = 1, cp_size: int = 1,
+                      lane_rule: str = "interleaved", verify_digest: bool = False) -> None:
+    """Refuse at construction, by name, what the rooms do not carry for the window, compressed and
+    state pools (docs/concepts.md, "Pool kinds in the rooms"). Both sides call it: prefill with its
+    CP lanes, decode with its digest setting. Staged and direct writes, layer ranges and pipeline
+    stages all carry every kind (``pp_size`` is accepted for the callers' symmetry)."""
+    kinds = kind_specs(specs)
+    if not kinds:
+        return
+    names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
+    if verify_digest:
+        raise ConfigError(f"pools {names}: page digests cover paged pools only; turn verify_digest off",
+                          rank=rank, field="verify_digest")
+    try:
+        check_kind_topology(list(kinds.values()), cp_size, lane_rule)
+    except KVBridgeError as exc:
+        raise ConfigError(exc.reason, rank=rank, field=exc.field or "cp_size") from None
+    # (a paged window's page is a token page: the contract gives every token-paged pool one page
+    # size, so its owner lane is the token page's)
 
 
 class EndpointBuffers:

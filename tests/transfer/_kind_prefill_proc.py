@@ -4,10 +4,10 @@ per command (JSON lines on stdin):
 
     {"op": "send", "room": R, "num_tokens": N, "cuts": [t1, ...], "width": W}   chunked sends of R
         (W: layer ranges of W target layers per chunk, layer-wise; absent: whole chunks); once
-        final, prints {"room", "state", "reason", "bytes"}
+        final, prints {"room", "state", "reason", "bytes", "bytes_staged", "chunks", "paths"}
     {"op": "quit"}
 
-Its pools hold the seeded bytes of ``_kind_rooms.buffers(specs, seed=11)``."""
+``--staging`` / ``--slot-bytes``: its staging setting and slot size. Its pools hold the seeded bytes of ``_kind_rooms.buffers(specs, seed=11)``."""
 
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--cp-rank", type=int, default=0)
     ap.add_argument("--cp-size", type=int, default=1)
+    ap.add_argument("--staging", default="never")
+    ap.add_argument("--slot-bytes", type=int, default=0)
     args = ap.parse_args()
     specs = model_specs(args.model)
     client = BootstrapClient(args.bootstrap)
-    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, staging="never")
+    cfg = PrefillConfig(instance=args.instance, cp_rank=args.cp_rank, cp_size=args.cp_size, staging=args.staging,
+                        staging_slot_bytes=args.slot_bytes)
     ep = PrefillEndpoint(cfg, kvb.create_engine("mooncake"), specs, buffers(specs, seed=11), contract(specs), client,
                          AUX)
     ep.start()
@@ -56,7 +59,9 @@ def main() -> None:
                 while tx.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 print(json.dumps({"room": room, "state": tx.poll().name, "reason": tx.failure_reason,
-                                  "bytes": tx.stats["bytes"]}), flush=True)
+                                  "bytes": tx.stats["bytes"], "bytes_staged": tx.stats.get("bytes_staged", 0),
+                                  "chunks": tx.stats.get("chunks", 0), "paths": tx.stats.get("paths", {})}),
+                      flush=True)
     finally:
         ep.close(timeout=2)
         client.close()

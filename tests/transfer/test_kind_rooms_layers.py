@@ -29,7 +29,8 @@ class StageKindCluster:
     """pp x cp prefill ranks of a kind-pool model (``_kind_rooms.py``) and one decode rank holding
     every layer, on one LocalFabric. ``split``: each stage's target layers."""
 
-    def __init__(self, url: str, model: str, name: str, split: list[tuple[int, int]], cp: int = 1) -> None:
+    def __init__(self, url: str, model: str, name: str, split: list[tuple[int, int]], cp: int = 1,
+                 staging: str = "never") -> None:
         self.specs = model_specs(model)
         self.contract = contract(self.specs)
         self.num_layers = self.contract.model.target_layers
@@ -44,7 +45,7 @@ class StageKindCluster:
             for c in range(cp):
                 for s, layers in enumerate(split):
                     staged = pp > 1
-                    cfg = PrefillConfig(instance=f"{name}-p", cp_rank=c, cp_size=cp, staging="never", lease_ttl=5.0,
+                    cfg = PrefillConfig(instance=f"{name}-p", cp_rank=c, cp_size=cp, staging=staging, lease_ttl=5.0,
                                         **(dict(pp_rank=s, pp_size=pp, pp_layers=layers) if staged else {}))
                     mine = stage_specs(self.specs, layers, self.num_layers)
                     bufs = {k: v.clone() for k, v in self.src.items() if k[0] in mine and k[1] in mine[k[0]].layer_ids}
@@ -54,7 +55,7 @@ class StageKindCluster:
                     self.prefill[(c, s)] = (ep, mine)
             self.dst = buffers(self.specs, seed=None)
             self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
-            cfg = DecodeConfig(instance=f"{name}-d", staging="never", lease_ttl=5.0, peer_timeout=5.0,
+            cfg = DecodeConfig(instance=f"{name}-d", staging=staging, lease_ttl=5.0, peer_timeout=5.0,
                                ping_interval=0.2)
             self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
                                          self.contract, self._client(url), self.aux, AUX)
@@ -97,16 +98,19 @@ class StageKindCluster:
             c.close()
 
 
-@pytest.mark.parametrize("model, split, cp, width, n, cuts", [
+@pytest.mark.parametrize("model, split, cp, width, n, cuts, staging", [
     # layer-wise sends, one stage: ranges of 2 layers (the draft window with the range ending at 5)
-    ("v4", [(0, 5)], 1, 2, 131, (40, 96)),
+    ("v4", [(0, 5)], 1, 2, 131, (40, 96), "never"),
     # two stages, whole chunks: HCA on both, CSA and the draft on pp1
-    ("v4", [(0, 2), (2, 5)], 1, None, 131, (40, 96)),
+    ("v4", [(0, 2), (2, 5)], 1, None, 131, (40, 96), "never"),
     # two stages, one layer a range; CP 2 (window pages from their lanes, state from the last token's owner)
-    ("hybrid", [(0, 2), (2, 4)], 2, 1, 30, (13, 21)),
+    ("hybrid", [(0, 2), (2, 4)], 2, 1, 30, (13, 21), "never"),
+    # two stages, layer-wise, staged only: every layer range of every kind through decode's slots
+    ("v4", [(0, 2), (2, 5)], 1, 1, 131, (40, 96), "always"),
 ])
-def test_layer_ranges_and_stages_move_every_kind_exactly_once(daemon, request, model, split, cp, width, n, cuts):
-    c = StageKindCluster(daemon.url, model, f"kl-{request.node.callspec.id[:24]}", split, cp)
+def test_layer_ranges_and_stages_move_every_kind_exactly_once(daemon, request, model, split, cp, width, n, cuts,
+                                                               staging):
+    c = StageKindCluster(daemon.url, model, f"kl-{request.node.callspec.id[:24]}", split, cp, staging)
     try:
         rx, txs = c.room(900 + n, n, cuts, width)
         assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
@@ -115,5 +119,7 @@ def test_layer_ranges_and_stages_move_every_kind_exactly_once(daemon, request, m
         needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
         assert sum(t.stats["bytes"] for t in txs) == needed + AUX.row_bytes
         assert rx.stats["bytes"] == needed
+        if staging == "always":  # every byte through a slot
+            assert sum(t.stats["bytes_staged"] for t in txs) == needed + AUX.row_bytes, [t.stats for t in txs]
     finally:
         c.close()

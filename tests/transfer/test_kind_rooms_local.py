@@ -26,7 +26,9 @@ from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
 class KindCluster:
     """CP prefill ranks and one decode rank of one model, on one LocalFabric."""
 
-    def __init__(self, url: str, model: str, name: str, cp: int = 1) -> None:
+    def __init__(self, url: str, model: str, name: str, cp: int = 1, staging: tuple[str, str] = ("never", "never"),
+                 slot_bytes: int = 0) -> None:
+        """``staging``: prefill's and decode's setting; ``slot_bytes``: both sides' staging slots."""
         self.specs = model_specs(model)
         self.contract = contract(self.specs)
         self.fabric = LocalFabric()
@@ -34,14 +36,16 @@ class KindCluster:
         self.clients, self.prefill = [], []
         self.src = buffers(self.specs, seed=11)  # every CP rank holds the same bytes: it sends its own share
         for rank in range(cp):
-            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, staging="never", lease_ttl=5.0)
+            cfg = PrefillConfig(instance=f"{name}-p", cp_rank=rank, cp_size=cp, staging=staging[0], lease_ttl=5.0,
+                                staging_slot_bytes=slot_bytes)
             ep = PrefillEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs,
                                  {k: v.clone() for k, v in self.src.items()}, self.contract, self._client(url), AUX)
             ep.start()
             self.prefill.append(ep)
         self.dst = buffers(self.specs, seed=None)
         self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
-        cfg = DecodeConfig(instance=f"{name}-d", staging="never", lease_ttl=5.0, peer_timeout=5.0, ping_interval=0.2)
+        cfg = DecodeConfig(instance=f"{name}-d", staging=staging[1], lease_ttl=5.0, peer_timeout=5.0, ping_interval=0.2,
+                           staging_slot_bytes=slot_bytes)
         self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
                                      self.contract, self._client(url), self.aux, AUX)
         self.decode.start()
@@ -95,6 +99,34 @@ def test_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n
         c.close()
 
 
+@pytest.mark.parametrize("model, cp, n, cuts, staging", [
+    ("v4", 1, 131, (40, 96), ("always", "always")),  # staged only, many 4 KiB chunks per write
+    ("v4", 1, 45, (), ("always", "auto")),  # prefill stages what decode's area takes under auto
+    ("hybrid", 2, 30, (13, 21), ("auto", "always")),  # CP 2, window pages from their lanes, state last
+    ("hybrid", 2, 3, (), ("auto", "always")),  # cp1 owns nothing: no slot asked, yet the room completes
+])
+def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n, cuts, staging):
+    """The same rooms through staging slots: every byte of decode's pools as the direct path
+    writes them, the bytes staged equal to ``needed_bytes`` plus the aux row, and every target
+    staged (the state slot and the aux row ride in the last write's chunks)."""
+    c = KindCluster(daemon.url, model, f"ks-{request.node.callspec.id[:20]}", cp, staging, slot_bytes=4096)
+    try:
+        rx, txs = c.room(800 + n, n, cuts)
+        assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+        assert all(t.poll() == kvb.KVPoll.Success for t in txs), [(t.poll(), t.stats) for t in txs]
+        assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
+        needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
+        stats = [t.stats for t in txs]
+        assert sum(s["bytes"] for s in stats) == needed + AUX.row_bytes
+        assert sum(s["bytes_staged"] for s in stats) == needed + AUX.row_bytes  # nothing went direct
+        assert all(set(s["paths"].values()) <= {"staged"} for s in stats), stats
+        assert rx.stats["bytes"] == needed
+        if model == "v4" and n > 100:
+            assert sum(s["chunks"] for s in stats) > 3  # several slots per write
+    finally:
+        c.close()
+
+
 def test_a_failed_rooms_state_slot_is_refused_until_no_write_can_reach_it(daemon):
     """Decode aborts a room whose prefill rank never sent: its state slot stays taken (a write may
     still land) until the prefill rank acknowledged the abort, like its pages; then a new room
@@ -110,14 +142,19 @@ def test_a_failed_rooms_state_slot_is_refused_until_no_write_can_reach_it(daemon
             time.sleep(0.02)
         rx.abort("test")
         other = c.decode.receiver(601, "kr-slot-p")
-        if not rx.pages_releasable:  # (the ack may already be here)
-            with pytest.raises(kvb.KVBridgeError, match="state slot 7"):
-                other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))
-        deadline = time.monotonic() + 10
-        while not rx.pages_releasable and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert rx.pages_releasable
-        other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))  # free with the pages
+        try:
+            other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))
+        except kvb.KVBridgeError as exc:
+            assert "state slot 7" in str(exc)
+            deadline = time.monotonic() + 10
+            while not rx.pages_releasable and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert rx.pages_releasable
+            other.close()
+            other = c.decode.receiver(602, "kr-slot-p")
+            other.init(decode_pages(n), 0, n, kind_units=decode_units(c.specs, n, slot=7))  # free with the pages
+        else:
+            assert rx.pages_releasable  # the ack came first (read after: it came before the slot was taken)
         other.abort("done")
         tx.close()
     finally:
@@ -132,15 +169,13 @@ def test_what_the_rooms_do_not_carry_is_refused_at_construction_by_name(daemon):
     eng = kvb.create_engine("local", fabric=LocalFabric())
     try:
         cases = [
-            (PrefillConfig(instance="kr-r1", staging="auto"), "staging"),  # staged + kinds
             (PrefillConfig(instance="kr-r2", cp_size=2, staging="never"), "cp_size"),  # compressed under CP lanes
         ]
         for cfg, field in cases:
             with pytest.raises(ConfigError) as err:
                 PrefillEndpoint(cfg, eng, specs, bufs, ct, client, AUX)
             assert err.value.field == field, err.value
-        for cfg, field in [(DecodeConfig(instance="kr-d1"), "staging"),
-                           (DecodeConfig(instance="kr-d2", staging="never", verify_digest=True), "verify_digest")]:
+        for cfg, field in [(DecodeConfig(instance="kr-d2", verify_digest=True), "verify_digest")]:
             with pytest.raises(ConfigError) as err:
                 DecodeEndpoint(cfg, eng, specs, bufs, ct, client, torch.zeros((2, AUX.row_bytes), dtype=torch.uint8),
                                AUX)

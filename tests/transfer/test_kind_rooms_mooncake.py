@@ -4,7 +4,8 @@ this one, a real bootstrap daemon. A tiny DeepSeek-V4 (CSA + indexer, HCA, windo
 state, draft window) at CP 1, whole chunks and layer-wise (ranges of 2 target layers: each range
 its layers of every kind pool), and a hybrid (paged window + Mamba conv/SSM state) at CP 2, chunked:
 every byte of decode's pools equals the expected buffers (what decode needs, nothing else), and
-the bytes the prefill ranks posted equal ``needed_bytes`` plus the aux row."""
+the bytes the prefill ranks posted equal ``needed_bytes`` plus the aux row. V4 again staged only
+(``staging="always"`` on both sides, 4 KiB slots): the same bytes, every one through a slot."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ HERE = Path(__file__).parent
 
 
 class Proc:
-    def __init__(self, url: str, instance: str, model: str, cp_rank: int, cp_size: int) -> None:
+    def __init__(self, url: str, instance: str, model: str, cp_rank: int, cp_size: int, staging: str = "never",
+                 slot_bytes: int = 0) -> None:
         cmd = [sys.executable, str(HERE / "_kind_prefill_proc.py"), "--bootstrap", url, "--instance", instance,
-               "--model", model, "--cp-rank", str(cp_rank), "--cp-size", str(cp_size)]
+               "--model", model, "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--staging", staging,
+               "--slot-bytes", str(slot_bytes)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
@@ -60,19 +63,22 @@ class Proc:
             self.proc.wait(5)
 
 
-@pytest.mark.parametrize("model, cp, rooms", [
-    ("v4", 1, [(131, (40, 96), None), (45, (), None), (131, (40, 96), 2), (45, (), 2)]),
-    ("hybrid", 2, [(30, (13, 21), None), (22, (9,), None)]),
+@pytest.mark.parametrize("model, cp, rooms, staging", [
+    ("v4", 1, [(131, (40, 96), None), (45, (), None), (131, (40, 96), 2), (45, (), 2)], "never"),
+    ("hybrid", 2, [(30, (13, 21), None), (22, (9,), None)], "never"),
+    # staged only, 4 KiB slots: every write of every kind through decode's staging slots, many chunks
+    ("v4", 1, [(131, (40, 96), None), (45, (), None)], "always"),
 ])
-def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms):
+def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms, staging):
     specs = model_specs(model)
-    instance = f"kmc-{model}"
+    instance = f"kmc-{model}-{staging}"
+    slot_bytes = 4096 if staging != "never" else 0
     procs, client, d = [], BootstrapClient(daemon.url), None
     try:
         for rank in range(cp):
-            procs.append(Proc(daemon.url, instance, model, rank, cp))
+            procs.append(Proc(daemon.url, instance, model, rank, cp, staging, slot_bytes))
         dst = buffers(specs, None)
-        cfg = DecodeConfig(instance=f"{instance}-d", staging="never")
+        cfg = DecodeConfig(instance=f"{instance}-d", staging=staging, staging_slot_bytes=slot_bytes)
         d = DecodeEndpoint(cfg, kvb.create_engine("mooncake"), specs, dst, contract(specs), client,
                            torch.zeros((4, AUX.row_bytes), dtype=torch.uint8), AUX)
         d.start()
@@ -94,6 +100,10 @@ def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, mod
             assert differing(specs, dst, expected(specs, src, n, slot=3 + i)) == []
             needed = sum(kvb.needed_bytes(s, n) for s in specs.values())
             assert sum(r["bytes"] for r in results) == needed + AUX.row_bytes
+            if staging == "always":  # nothing went direct; the aux row and the state rode in the chunks
+                assert sum(r["bytes_staged"] for r in results) == needed + AUX.row_bytes, results
+                assert all(set(r["paths"].values()) == {"staged"} for r in results), results
+                assert sum(r["chunks"] for r in results) > 2, results
             rx.close()
     finally:
         if d is not None:

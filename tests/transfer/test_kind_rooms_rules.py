@@ -294,3 +294,127 @@ def test_a_timed_out_room_names_the_kind_units_it_misses(m):
     m.message("tcp://p0", done(7, {"swa": [4]}, False), 2.0)
     m.tick(200.0)
     assert r.state.state == KVPoll.Failed and "'swa': [5]" in r.state.reason and "mamba_conv" in r.state.reason
+
+
+# -- the staged path: chunks land in decode's staging slots and are scattered into the room's units --
+
+SLOT = 4096
+AREA = 1 << 44
+
+
+@pytest.fixture
+def ms():
+    """The hybrid's decode machine with a staging area of 2 slots, staged only."""
+    from kvbridge.layout.kinds import kind_specs
+    from kvbridge.transfer.decode.staging import DecodeStaging
+    from kvbridge.transfer.staging.area import StagingArea
+
+    specs = model_specs("hybrid")
+    mem = Memory()
+    descs = fake_descs(specs)
+    cfg = DecodeConfig(instance="dec", staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT,
+                       transfer_timeout=100.0, lease_ttl=2.0, lease_quarantine=3.0)
+    machine = decode_machine(cfg, specs, AUX, read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
+                             rank_id=lambda: "dec-id", kind_buffers=descs,
+                             staging=DecodeStaging(StagingArea(2, SLOT), AREA, descs, "dec", kind_specs=kind_specs(specs)))
+    machine.memory, machine.specs_, machine.descs = mem, specs, {(d.pool, d.layer_id): d for d in descs}
+    return machine
+
+
+def into(m, pool: str, layer: int, unit: int, nbytes: int = 16) -> wire.ChunkLanded:
+    """Chunk 0 of cp0 landed in slot 0: ``nbytes`` for unit ``unit`` of ``pool`` layer ``layer``."""
+    d = m.descs[(pool, layer)]
+    scatter = wire.pack_scatter(np.array([0]), np.array([d.base + unit * d.bytes_per_page]), np.array([nbytes]))
+    return wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="", scatter=scatter)
+
+
+def ask(room: int = 7) -> wire.SlotRequest:
+    return wire.SlotRequest(room=room, cp_rank=0, chunk=0, num_bytes=SLOT)
+
+
+@pytest.mark.parametrize("pool, layer, unit, why", [
+    ("swa", 0, int(decode_pages(22)[0]), "window"),  # the room's page of logical page 0: outside the window
+    ("mamba_conv", 1, int(decode_pages(22)[1]), "state"),  # one of the room's pages, not its state slot 3
+    ("mamba_ssm", 3, 4, "state"),  # another slot
+])
+def test_a_staged_chunk_into_a_unit_of_a_kind_pool_the_room_does_not_hold_fails_the_room(ms, pool, layer, unit, why):
+    """Hard rule 5 for the kind pools on the staged path: decode checks a chunk's scatter list
+    against the room's units of each kind pool (a paged window: the window's pages; a state
+    pool: its slot), not against its pages alone."""
+    r = requested(ms)
+    ms.message("tcp://p0", ask(), 2.0)
+    acts = ms.message("tcp://p0", into(ms, pool, layer, unit), 2.1)
+    assert r.state.state == KVPoll.Failed and f"units of pool {pool!r}" in r.state.reason, r.state.reason
+    assert not [a for a in acts if type(a).__name__ == "Scatter"] and ms.staging.area.num_free == 2
+
+
+def test_staged_kind_units_scatter_into_the_rooms_units_and_commit_after_the_scatter(ms):
+    from kvbridge.transfer.decode.staging import Scatter
+
+    r = requested(ms)
+    ms.message("tcp://p0", ask(), 2.0)
+    swa, conv = ms.descs[("swa", 0)], ms.descs[("mamba_conv", 1)]
+    window_page = int(decode_pages(22)[5])  # logical page 5: in the window
+    scatter = wire.pack_scatter(np.array([0, 64]), np.array([swa.base + window_page * swa.bytes_per_page,
+                                                             conv.base + 3 * conv.bytes_per_page]), np.array([64, 32]))
+    acts = ms.message("tcp://p0", wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="",
+                                                   scatter=scatter), 2.1)
+    (sc,) = [a for a in acts if isinstance(a, Scatter)]
+    assert sc.slot == 0 and r.state.state == KVPoll.Transferring
+    ms.memory.land(1, 7)
+    ms.message("tcp://p0", done(7, {"swa": [4, 5], "mamba_conv": [0], "mamba_ssm": [0]}, True, aux=True), 2.2)
+    assert r.state.state == KVPoll.Transferring  # every unit reported, the chunk not yet scattered
+    ms.scattered(7, 0, 2.3)
+    assert r.state.state == KVPoll.Success, r.state.reason
+
+
+def test_an_aborted_staged_rooms_state_slot_frees_at_once_its_staging_slot_after_the_ack(ms):
+    """Staged only, no scatter running: nothing remote lands in the room's units, so its state
+    slot frees with its pages at once; the staging slot granted to its sender stays quarantined
+    until that sender acknowledged (hard rule 6)."""
+    from kvbridge.transfer.staging.area import SlotState
+
+    r = requested(ms, 7, slot=3)
+    ms.message("tcp://p0", ask(), 2.0)
+    ms.abort(r, "decode gave up", 2.1)
+    assert r.pages_releasable and ms.staging.area.state(0) is SlotState.QUARANTINED
+    ms.close(r, 2.2)
+    r8 = ms.open(8, "pre", None, 2.3)
+    ms.feed(de.InitKinds(r8, ms.kinds.check_units(8, decode_units(ms.specs_, 22, 3), 22, 0)))
+    assert ms.kinds.slot_of[8] == 3  # the slot is free for the next room
+    assert ms.staging.area.state(0) is SlotState.QUARANTINED  # a write may still land in the staging slot
+    ms.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.4)
+    assert ms.staging.area.num_free == 2
+
+
+def test_a_staged_scatter_into_a_ring_window_or_compressed_pool_stays_inside_the_rooms_row_and_entry_pages():
+    """A ring window's unit is the request row (``stride`` token rows), a compressed pool's its
+    entry page: a scatter into row 2 or entry page 9 passes for a room holding them; row 3, or
+    an entry page the room does not hold, though it is one of the room's token pages, fails."""
+    from kvbridge.errors import LedgerError
+    from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
+    from kvbridge.transfer.staging.area import StagingArea
+
+    ring = kvb.window_pool("ring", [0], 16, window=8, page_size=PAGE, ring_stride=8)
+    comp = kvb.compressed_pool("comp", [0], 32, ratio=4, page_size=PAGE)
+    specs = {"ring": ring, "comp": comp}
+    descs = fake_descs(specs)
+    base = {d.pool: d.base for d in descs}
+    room_units = {"ring": np.array([2]), "comp": np.array([9, 4])}
+
+    def land(pool: str, at: int, n: int):
+        st = DecodeStaging(StagingArea(2, SLOT), AREA, descs, "dec", kind_specs=specs)
+        out: list = []
+        st.request(7, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=7, cp_rank=0, chunk=0, num_bytes=n), out)
+        msg = wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="",
+                               scatter=wire.pack_scatter(np.array([0]), np.array([base[pool] + at]), np.array([n])))
+        st.landed(7, (0, 0, 0), msg, np.array([3, 4, 5]), -1, out, kind_units=room_units)
+        return [a for a in out if isinstance(a, Scatter)]
+
+    row = 8 * 16  # a ring row: stride 8 rows of 16 B
+    assert land("ring", 2 * row, row) and land("ring", 2 * row + 5 * 16, 3 * 16)  # row 2, whole or wrapped part
+    assert land("comp", 9 * comp.bytes_per_page, comp.bytes_per_page)
+    for pool, at, n in (("ring", 3 * row, 16), ("ring", 2 * row + 7 * 16, 32),  # row 3; running past row 2
+                        ("comp", 5 * comp.bytes_per_page, 16)):  # entry page 5: a token page of the room's, not its
+        with pytest.raises(LedgerError, match=f"units of pool '{pool}'"):
+            land(pool, at, n)

@@ -32,6 +32,7 @@ from kvbridge.bootstrap.contract import RuntimeContract
 from kvbridge.bootstrap.schemas import RankIdentity
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError, TransferError, UnknownInstance
 from kvbridge.layout import AuxSchema, PoolSpec
+from kvbridge.layout.kinds import kind_specs
 from kvbridge.transfer.actions import FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.aux_rows import AuxBuffers
@@ -45,13 +46,12 @@ from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, Leas
                                              ScatterFailed, SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds
-from kvbridge.transfer.decode.kind_rooms import check_decode_kind_config
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import page_digests
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
-from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch, device_of
@@ -90,7 +90,7 @@ class DecodeEndpoint(EndpointShell):
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        check_decode_kind_config(self.specs, staging=config.staging, verify_digest=config.verify_digest, rank=rank)
+        check_kind_config(self.specs, verify_digest=config.verify_digest, rank=rank)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
         self.contract = contract.with_transport(engine.transport)
@@ -117,7 +117,8 @@ class DecodeEndpoint(EndpointShell):
             config, self.specs, aux_schema, proof_key=self.proof_key, trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,
-                                                                    aux_ranges=self._aux_ranges),
+                                                                    aux_ranges=self._aux_ranges,
+                                                                    kind_specs=kind_specs(self.specs)),
             kind_buffers=self.buffers.descs,
         )  # fmt: skip
         self._peers: PeerSet | None = None

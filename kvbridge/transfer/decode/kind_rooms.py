@@ -6,6 +6,8 @@ the state slots the rooms hold (``StateSlots``). The room machine (``machine.py`
                       -> InitKinds: the room's units; its state slot claimed (a slot another
                          room holds, or a failed room's that a write may still reach, is refused)
     request           -> request_units: what the TransferRequest carries; the KindLedger starts
+    ChunkLanded       -> dest_units: the units a staged chunk may scatter into (DecodeStaging
+                         checks its scatter list against them, per kind pool)
     PagesDone         -> record: every unit once per (source TP rank, pipeline stage) that sends
                          it, state only in a write at the request's full length (LedgerError)
     commit            <- complete: every unit of every kind pool, and every state slot (every
@@ -25,27 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, LayoutError, LedgerError, PageRangeError
+from kvbridge.errors import LayoutError, LedgerError, PageRangeError
 from kvbridge.layout import BufferDesc, PoolSpec
 from kvbridge.layout.kinds import kind_specs, needed_bytes, needed_extent, own_units_pools
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.decode.kinds import KindLedger, StateSlots
 
-__all__ = ["DecodeKinds", "check_decode_kind_config"]
-
-
-def check_decode_kind_config(specs: Mapping[str, PoolSpec], *, staging: str, verify_digest: bool, rank: str) -> None:
-    """Refuse at construction, by name, what the rooms do not carry for the kind pools."""
-    kinds = kind_specs(specs)
-    if not kinds:
-        return
-    names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
-    if staging != "never":
-        raise ConfigError(f"pools {names}: the rooms carry window, compressed and state pools on the direct path "
-                          f"only; set staging 'never' (got {staging!r})", rank=rank, field="staging")
-    if verify_digest:
-        raise ConfigError(f"pools {names}: page digests cover paged pools only; turn verify_digest off",
-                          rank=rank, field="verify_digest")
+__all__ = ["DecodeKinds"]
 
 
 class DecodeKinds:
@@ -160,6 +148,24 @@ class DecodeKinds:
         for pool, packed in msg.kind_units.items():
             ledger.record_units(pool, np.frombuffer(packed, dtype="<i4").astype(np.int64), last=msg.kind_last,
                                 rank=rank, pp_rank=pp_rank, tp_rank=tp_rank)
+
+    def dest_units(self, room: int, page_ids: np.ndarray | None) -> dict[str, np.ndarray]:
+        """Per kind pool, the units a write of room ``room`` may reach on this rank (a staged
+        chunk's scatter list is checked against them, ``DecodeStaging``): what the room asked of
+        each pool on units of its own (entry pages, its state slot, its ring row, a window's own
+        pages), and a paged window's pages of the window on the room's mapping (``page_ids``).
+        Empty before the room's request (nothing may land yet)."""
+        ledger = self.ledgers.get(room)
+        if ledger is None:
+            return {}
+        units = self.units.get(room, {})
+        out = {}
+        for pool, ext in ledger.extents.items():
+            if pool in units:
+                out[pool] = units[pool]
+            elif page_ids is not None:  # a paged window on the room's pages: the window's only
+                out[pool] = np.asarray(page_ids[ext.first:ext.stop], dtype=np.int64)
+        return out
 
     def complete(self, room: int) -> bool:
         """Every kind unit of the room reported (True for a room without kind pools)."""

@@ -434,7 +434,8 @@ class DecodeRooms:
                          msg.status, len(msg.scatter) // 24)
             staging = self._staging_for(r, msg)
             try:
-                staging.landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out)
+                staging.landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out,
+                               kind_units=self.kinds.dest_units(r.room, r.page_ids) if self.kinds else None)
             finally:
                 r.scatters = staging.scattering(r.room)
         elif isinstance(msg, wire.SlotRequest):

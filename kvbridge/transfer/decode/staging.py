@@ -24,13 +24,13 @@ are free only once no scatter of it is still running (``in_flight``: the copy wr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import LedgerError
-from kvbridge.layout import BufferDesc
+from kvbridge.layout import BufferDesc, PoolSpec
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging import Grant, SlotState, StagingArea
@@ -58,9 +58,13 @@ class DecodeStaging:
     """The slots of this rank's staging area at ``base`` and who asked for them."""
 
     def __init__(self, area: StagingArea, base: int, dst_bufs: Sequence[BufferDesc], rank: str,
-                 aux_ranges: Callable[[int], list[tuple[int, int]]] = lambda slot: []) -> None:
+                 aux_ranges: Callable[[int], list[tuple[int, int]]] = lambda slot: [],
+                 kind_specs: Mapping[str, PoolSpec] | None = None) -> None:
         """``aux_ranges(slot)``: the ``[start, end)`` byte ranges of aux row ``slot`` (the aux row
-        rides in a staged target's last write, so it is scattered from a slot too)."""
+        rides in a staged target's last write, so it is scattered from a slot too);
+        ``kind_specs``: the window, compressed and state pools among ``dst_bufs``, whose
+        destinations are checked against the room's units of each (``landed(kind_units=)``)
+        rather than its pages."""
         self.area, self.base, self.rank = area, base, rank
         self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
@@ -76,7 +80,14 @@ class DecodeStaging:
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
         self._end = np.array([b.base + b.capacity_pages * b.bytes_per_page for b in bufs], dtype=np.uint64)
         self._page = np.array([b.bytes_per_page for b in bufs], dtype=np.uint64)
-        self._capacity = max((b.capacity_pages for b in bufs), default=0)
+        # per buffer: -1 for a pool on the room's pages, else its kind pool's index in ``_kinds``;
+        # the bytes of one unit (a ring window's unit is a request row: ``stride`` token rows)
+        kinds = dict(kind_specs or {})
+        self._kinds = sorted(kinds)
+        self._pool = np.array([self._kinds.index(b.pool) if b.pool in kinds else -1 for b in bufs], dtype=np.int64)
+        self._unit = np.array([kinds[b.pool].ring_stride * kinds[b.pool].bytes_per_token
+                               if b.pool in kinds and kinds[b.pool].ring_stride else b.bytes_per_page for b in bufs],
+                              dtype=np.uint64)
         self.counters = {"slot_requests": 0, "granted_at_once": 0, "slot_waits": 0, "chunks_scattered": 0,
                          "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0}
 
@@ -116,8 +127,10 @@ class DecodeStaging:
                                                         chunk=chunk, slot=g.slot)))
 
     def landed(self, room: int, sender: Sender, msg: wire.ChunkLanded, page_ids: np.ndarray | None,
-               aux_slot: int, out: list) -> None:
-        """A chunk's write into its slot is final: scatter it (ok) or free the slot (failed)."""
+               aux_slot: int, out: list, kind_units: Mapping[str, np.ndarray] | None = None) -> None:
+        """A chunk's write into its slot is final: scatter it (ok) or free the slot (failed).
+        ``kind_units``: per kind pool, the units of it the room may be written in
+        (``DecodeKinds.dest_units``)."""
         ck = self.key(sender, msg.chunk)
         if msg.slot >= self.area.num_slots or self.area.owner(msg.slot) != (room, ck):
             raise LedgerError(f"chunk {msg.chunk} reported in slot {msg.slot}, which it was not granted", room=room,
@@ -132,7 +145,7 @@ class DecodeStaging:
             self.grant(self.area.release(msg.slot), out)
             return
         off, dst, length = wire.unpack_scatter(msg.scatter)
-        problem = self._outside(off, dst, length, page_ids, aux_slot)
+        problem = self._outside(off, dst, length, page_ids, aux_slot, kind_units or {})
         if problem is not None:
             self.grant(self.area.release(msg.slot), out)
             raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
@@ -212,9 +225,9 @@ class DecodeStaging:
 
     # ---- checks ------------------------------------------------------------------------------
     def _outside(self, off: np.ndarray, dst: np.ndarray, length: np.ndarray, page_ids: np.ndarray | None,
-                 aux_slot: int) -> str | None:
-        """Why a scatter list would write outside the slot or the room's own pages and aux row
-        (None: it does not)."""
+                 aux_slot: int, kind_units: Mapping[str, np.ndarray]) -> str | None:
+        """Why a scatter list would write outside the slot or the room's own pages, its units of
+        each kind pool, and its aux row (None: it does not)."""
         if not length.size:
             return None
         if page_ids is None:
@@ -230,14 +243,26 @@ class DecodeStaging:
         i = np.searchsorted(self._base, dst, side="right").astype(np.int64) - 1
         if (i < 0).any():
             return "writes below every registered buffer"
-        base, page = self._base[i], self._page[i]
+        base, unit = self._base[i], self._unit[i]
         if ((dst + length) > self._end[i]).any():
             return "writes past a registered buffer's end"
-        first = ((dst - base) // page).astype(np.int64)
-        last = ((dst + length - np.uint64(1) - base) // page).astype(np.int64)
-        mine = np.zeros(self._capacity + 1, dtype=np.int64)
-        mine[page_ids] = 1
-        count = np.concatenate(([0], np.cumsum(mine)))
-        if ((count[last + 1] - count[first]) != (last - first + 1)).any():
-            return "writes into pages this room does not hold"
+        first = ((dst - base) // unit).astype(np.int64)
+        last = ((dst + length - np.uint64(1) - base) // unit).astype(np.int64)
+        pool = self._pool[i]
+        for k in np.unique(pool).tolist():
+            sel = pool == k
+            held = page_ids if k < 0 else kind_units.get(self._kinds[k], np.zeros(0, dtype=np.int64))
+            if not _covered(first[sel], last[sel], np.asarray(held, dtype=np.int64)):
+                if k < 0:
+                    return "writes into pages this room does not hold"
+                return f"writes into units of pool {self._kinds[k]!r} that this room does not hold"
         return None
+
+
+def _covered(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
+    """Every unit of every ``[first[i], last[i]]`` is among ``held``."""
+    top = int(last.max()) + 1
+    mine = np.zeros(top + 1, dtype=np.int64)
+    mine[held[(held >= 0) & (held < top)]] = 1
+    count = np.concatenate(([0], np.cumsum(mine)))
+    return bool(((count[last + 1] - count[first]) == (last - first + 1)).all())

@@ -62,11 +62,11 @@ from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineIni
                                               Serving, WriteFinal)
 from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.prefill.events import KindUnits
-from kvbridge.transfer.prefill.kinds import check_kind_config, token_page_size
+from kvbridge.transfer.prefill.kinds import token_page_size
 from kvbridge.transfer.prefill.room import PrefillRoom
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
-from kvbridge.transfer.registration import EndpointBuffers, register_rank, unregister_quietly
+from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
 from kvbridge.transfer.scratch import Scratch
 from kvbridge.transfer.shell import EndpointShell
@@ -129,7 +129,7 @@ class PrefillEndpoint(EndpointShell):
         # a pipeline stage registers, pairs and sends its own layers only (kvbridge.layout.stages)
         self.specs = _stage_specs(config, specs, contract.model.target_layers)
         check_kind_config(self.specs, cp_size=config.cp_size, lane_rule=config.lane_rule, pp_size=config.pp_size,
-                          staging=config.staging, rank=rank)  # what the rooms carry of window/compressed/state
+                          rank=rank)  # what the rooms carry of window/compressed/state
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (decode ranks on another are refused)
         self.contract = contract = contract.with_transport(engine.transport)

@@ -31,9 +31,11 @@ the TP route draws it from (``kvbridge.layout.tp_route``), cut by ``state_slices
 of our part of every shard group with the decode rank's; replicated slots, windows and
 compressed entries come whole from the decode rank's first source.
 
-What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"): staged writes,
-head-sharded window or compressed pools across TP sizes, a decode prefix, decode ranks that do not say the token count; under CP,
-compressed and ring-window pools (``check_kind_topology``).
+Direct and staged writes alike (a staged write's plan is the same, its report names the same
+units: ``writes.py``). What is refused, by name (docs/concepts.md, "Pool kinds in the rooms"):
+head-sharded window or compressed pools across TP sizes, a decode prefix, decode ranks that do not
+say the token count; under CP, compressed and ring-window pools (``check_kind_topology``). The
+configuration's share is refused at construction (``transfer.registration.check_kind_config``).
 
 Pure bookkeeping over plain data: the room machine's write book (``writes.py``) asks ``plan``
 and puts the answer in the write it posts.
@@ -46,32 +48,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError, PageRangeError
+from kvbridge.errors import LayoutError, PageRangeError
 from kvbridge.layout import BufferDesc, OwnerLanes, PoolSpec, TransferPlan
 from kvbridge.layout.kinds import (check_kind_topology, chunk_extent, kind_specs, lane_units, needed_extent,
                                    own_units_pools, plan_kind, state_tp_spec, token_page_size)
 from kvbridge.layout.pools import STATE, WINDOW
 from kvbridge.transfer.channel import wire
 
-__all__ = ["KindWrite", "KindWrites", "check_kind_config", "token_page_size"]
-
-
-def check_kind_config(specs: Mapping[str, PoolSpec], *, cp_size: int, lane_rule: str, pp_size: int,
-                      staging: str, rank: str) -> None:
-    """Refuse at construction, by name, what the rooms do not carry for the kind pools."""
-    kinds = kind_specs(specs)
-    if not kinds:
-        return
-    names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
-    if staging != "never":
-        raise ConfigError(f"pools {names}: the rooms carry window, compressed and state pools on the direct path "
-                          f"only; set staging 'never' (got {staging!r})", rank=rank, field="staging")
-    try:
-        check_kind_topology(list(kinds.values()), cp_size, lane_rule)
-    except KVBridgeError as exc:
-        raise ConfigError(exc.reason, rank=rank, field=exc.field or "cp_size") from None
-    # (a paged window's page is a token page: the contract gives every token-paged pool one page
-    # size, so its owner lane is the token page's)
+__all__ = ["KindWrite", "KindWrites", "token_page_size"]
 
 
 @dataclass

@@ -407,6 +407,8 @@ class StagedWrites:
                 self.counters["gather_waits"] += 1
             else:
                 self._gather_granted(grant)
+        if not staged.num_chunks:  # an empty plan: nothing to land, the write ends now
+            self._settle(sw)
         self._ask_ahead()
 
     def _grant(self, e: GrantIn) -> None:

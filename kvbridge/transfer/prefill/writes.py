@@ -141,7 +141,8 @@ class Writes:
         False when one slot-sized group of a staged chunk was started and the rest waits for the
         next tick. ``layers``: the chunk carries those target layers of its pages only.
         ``kind_to``: (tokens the chunk ends at, the room's last chunk): the kind pools' units it
-        completes ride in the same write (``kinds.py``; direct writes only)."""
+        completes ride in the same write (``kinds.py``), direct or staged (a staged chunk planned
+        in groups carries them in its last group, the one planned whole)."""
         specs = self.specs if layers is None else self._layer_specs(layers)
         num_layers = None if layers is None else layers[1] - layers[0]
         if t.first_page:  # the decode rank already holds pages below its prefix
@@ -169,6 +170,9 @@ class Writes:
             if not logical.size and not with_aux:
                 if not kunits:
                     return True
+                if self._path(r, t, kplan) == "staged":  # (state with the last chunk, through a slot)
+                    self._stage_write(r, t, logical, False, kplan, after, None, kunits)
+                    return True
                 w = self._start(r, t, logical, False, None)
                 self.kind_reports[w] = kunits
                 self._out.append(PostWrite(w, r.room, t, t.session, kplan.src, kplan.dst, kplan.length, after))
@@ -185,8 +189,17 @@ class Writes:
                               room=r.room, rank=rank, layers=layers)
             if kplan is not None and kplan.num_slices:
                 plan = TransferPlan.concat([plan, kplan])
-            if self._path(r, t, plan) == "staged":  # the same write through staging slots (the aux row too)
-                self._stage_write(r, t, logical, with_aux, plan, after, num_layers)
+            if self.kinds and not plan.num_slices and not with_aux and not kunits and not (
+                    logical.size and any(p in self.paged for p in t.pools)):
+                # pages of window pools before their window, no paged pool: nothing to write or report
+                # (a staged write of nothing would land in no slot); the pages are done (a layer
+                # range: those whose every layer is now done, as ``end`` counts them)
+                if num_layers is not None and logical.size:
+                    logical = t.count_layers(logical, num_layers, r.layer_width, r.num_pages)
+                t.num_pages_done += logical.size
+                return True
+            if self._path(r, t, plan) == "staged":  # the same write through staging slots (aux row, kinds too)
+                self._stage_write(r, t, logical, with_aux, plan, after, num_layers, kunits or None)
                 return True
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
             t.group_at = 0
@@ -221,10 +234,14 @@ class Writes:
         return cut
 
     def _stage_write(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, plan: TransferPlan,
-                     after: Any, num_layers: int | None = None) -> None:
-        """A write of ``logical`` pages (and the aux row) through staging: in flight from here,
-        reported (one PagesDone, as a direct write) once every chunk landed."""
+                     after: Any, num_layers: int | None = None,
+                     kind_report: KindWrite | None = None) -> None:
+        """A write of ``logical`` pages (and the aux row, and the kind units of ``kind_report``)
+        through staging: in flight from here, reported (one PagesDone, as a direct write) once
+        every chunk landed."""
         w = self._start(r, t, logical, with_aux, num_layers)
+        if kind_report is not None:
+            self.kind_reports[w] = kind_report
         self._out.extend(self.stage.feed(StageWrite(w, r.room, t, plan, after)))
         if self.trace:
             log.info("trace room=%d rank=%s -> %s staged pages=%s", r.room, self.rank, t.decode_rank,
