@@ -299,10 +299,16 @@ class RuntimeContract(_Frozen):
             raise ValueError(f"pool names must be distinct: {names}")
         # Target, index and draft share one page mapping (hard rule 3): one page size. Token-paged
         # kinds (paged, paged window) share it; compressed pools page entries, state pools slots.
-        token_paged = [p for p in v if p.kind == "paged" or (p.kind == "window" and not p.ring_stride)]
-        if len({p.page_size for p in token_paged}) > 1:
-            raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size: "
-                             + ", ".join(f"{p.name}={p.page_size}" for p in token_paged))
+        # A paged window pages like them, or finer (a divisor of their page size) on units the engine
+        # hands of its own (DeepSeek-V4's C4 compressor rings, one per SWA page).
+        paged = [p for p in v if p.kind == "paged"]
+        windows = [p for p in v if p.kind == "window" and not p.ring_stride]
+        token = paged[0].page_size if paged else max((p.page_size for p in windows), default=0)
+        odd = [p for p in paged if p.page_size != token] + [p for p in windows if token % p.page_size]
+        if odd:
+            raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size "
+                             "(a paged window may page finer, by a divisor of it): "
+                             + ", ".join(f"{p.name}={p.page_size}" for p in paged + windows))
         return sorted(v, key=lambda p: p.name)
 
     def pool(self, name: str) -> PoolContract:
@@ -313,11 +319,12 @@ class RuntimeContract(_Frozen):
 
     @property
     def page_size(self) -> int:
-        """The page size of the token-paged pools (of the first pool when none is)."""
+        """The page size of the token-paged pools (``kvbridge.layout.kinds.token_page_size``)."""
         for p in self.pools:
-            if p.kind == "paged" or (p.kind == "window" and not p.ring_stride):
+            if p.kind == "paged":
                 return p.page_size
-        return self.pools[0].page_size
+        windows = [p.page_size for p in self.pools if p.kind == "window" and not p.ring_stride]
+        return max(windows) if windows else self.pools[0].page_size
 
     def canonical(self) -> bytes:
         return canonical_json(self)
