@@ -11,8 +11,9 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
     SWA (swa), an SWA pool     window      swa_k, swa_v           SWAKVPool's SWA k then v pages (gpt-oss,
                                                                   Gemma 3); the pages of the last W tokens
     SWA (swa), DeepSeek-V4     window      swa (+ c4_state,       the SWA pages (V4 FlashMLA layout, pages
-                                            c4_index_state)       padded to 576 B), then the C4 compressor
-                                                                  rings that follow the SWA pages
+                                            c4_index_state)       padded to 576 B: page_stride), then the C4
+                                                                  compressor rings, one per SWA page (window
+                                                                  pools paged by the ring)
     BLOCK_SCALE_SWA            window      swa_k_scale, ..        MXFP8 scales of the SWA pages
     SWA_RING (swa_ring)        window      swa_ring (+ _rope)     V4's unified ring: row * stride + pos % stride
     DSA (dsa)                  paged       index                  V3.2's index K on the KV page mapping
@@ -26,13 +27,16 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
                                                                   draft's SWA valid-from)
 
 DeepSeek-V4's KV lists themselves (``kv_data_*`` when ``KVArgs.mla_compression_ratios`` is set)
-are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``).
+are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``),
+on the KV's page ids, FlashMLA pages padded to whole 576-byte rows (``page_stride``).
 
 QSA and MiniMax components are not mapped (``NOT_MAPPED``). A component is built only when its
 kind is one the room endpoints carry (``room_pool_kinds()``: ``kvbridge.ROOM_POOL_KINDS``);
 ``kvargs.read_kv_args`` refuses the others by name, naming the kind. Where the kind is carried but
-SGLang's bytes do not fit a ``PoolSpec`` exactly (V4's padded pages, rings wider than the ratio),
-the builder here refuses by name, saying what does not fit. What ``KVArgs`` does not say (the
+SGLang's bytes do not fit a ``PoolSpec`` exactly (V4's fp8 two-pool, ratio-1/2 layers, C4 rings
+under the unified KV, rings wider than the ratio), the builder here refuses by name, saying what
+does not fit. ``kind_units`` turns SGLang's indices (what its payload builders hand the sender and
+receiver) into each pool's units in the room. What ``KVArgs`` does not say (the
 sliding window, which layers are SWA layers, ring sizes) comes from the model and the pool, in
 ``HybridGeometry``.
 
