@@ -299,16 +299,18 @@ class RuntimeContract(_Frozen):
             raise ValueError(f"pool names must be distinct: {names}")
         # Target, index and draft share one page mapping (hard rule 3): one page size. Token-paged
         # kinds (paged, paged window) share it; compressed pools page entries, state pools slots.
-        # A paged window pages like them, or finer (a divisor of their page size) on units the engine
-        # hands of its own (DeepSeek-V4's C4 compressor rings, one per SWA page).
+        # A paged window pages like them, or finer (a divisor of their page size) when its window fits
+        # in one of its pages: a ring per token page, on units the engine hands of its own
+        # (DeepSeek-V4's C4 compressor rings, one per SWA page).
         paged = [p for p in v if p.kind == "paged"]
         windows = [p for p in v if p.kind == "window" and not p.ring_stride]
         token = paged[0].page_size if paged else max((p.page_size for p in windows), default=0)
-        odd = [p for p in paged if p.page_size != token] + [p for p in windows if token % p.page_size]
+        odd = [p for p in paged if p.page_size != token] + [
+            p for p in windows if p.page_size != token and (token % p.page_size or p.window > p.page_size)]
         if odd:
             raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size "
-                             "(a paged window may page finer, by a divisor of it): "
-                             + ", ".join(f"{p.name}={p.page_size}" for p in paged + windows))
+                             "(a paged window whose window fits in one of its pages may page finer, by a divisor of "
+                             "it): " + ", ".join(f"{p.name}={p.page_size}" for p in paged + windows))
         return sorted(v, key=lambda p: p.name)
 
     def pool(self, name: str) -> PoolContract:
