@@ -170,6 +170,21 @@ def test_v4_pools_map_padded_pages_by_their_stride_and_c4_rings_by_the_swa_page(
     assert kvb.needed_extent(specs["c128"], 300).num_rows == 2  # entries of complete 128-token windows only
 
 
+def test_geometry_is_read_off_the_v4_pool_and_the_dsa_kpool(sgl):
+    """What KVArgs do not say, from the queue building the manager: V4's window (the scheduler's,
+    else the pool's), C4 ring and C128 ring; a DSA pool's kpool size and tail ring."""
+    from kvbridge.integrations.sglang.state_kinds import geometry_of
+
+    pool = _v4()
+    geo = geometry_of(SimpleNamespace(token_to_kv_pool=pool, scheduler=SimpleNamespace(sliding_window_size=None)))
+    assert (geo.sliding_window, geo.c4_ring_size, geo.c128_ring_size, geo.c128_online, geo.swa_ring_stride) == \
+        (128, pool.get_ring_size(4), 128, False, 0)
+    dsa = SimpleNamespace(kpool_use_compress=True, index_kpool=4, tail_extra_slots=2)
+    geo = geometry_of(SimpleNamespace(token_to_kv_pool=SimpleNamespace(use_dsa=True, full_kv_pool=dsa)))
+    assert (geo.dsa_tail_ratio, geo.dsa_tail_slots) == (4, 6)
+    assert geometry_of(None) == HybridGeometry()
+
+
 def test_v4_c128_state_is_a_tail_slot_by_request_row_and_moves_exactly_the_live_rows(sgl):
     """DSV4_REQUEST_STATE: one 128-row ring per request row (token p at row p % 128), of which the
     n % 128 rows of the incomplete window live; SGLang addresses it with
