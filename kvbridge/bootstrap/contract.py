@@ -8,7 +8,8 @@ on for the bytes of a page to mean the same thing on both sides (hard rule 7).
     │                      value/scale split, kernel ABI, layer ids   (matched by name);
     │                      TP sharding: replicated, or heads (num_heads x head_dim, the whole row);
     │                      kind: paged | window (window, ring_stride) | compressed (ratio) |
-    │                      state (shard_units x unit_bytes, the whole slot)
+    │                      state (shard_units x unit_bytes, the whole slot);
+    │                      page_stride: a padded page's stride (left out when unpadded)
     ├── cp_rule            owner-lane rule: interleaved | contiguous | replicated | balanced
     ├── kernel             attention backend and its page-layout ABI
     ├── speculative        none | eagle | eagle3 | nextn, hidden width/dtype, top-k
@@ -123,6 +124,7 @@ class PoolContract(_Frozen):
     ratio: int = Field(default=0, ge=0)  # compressed: tokens per entry
     shard_units: list[int] = Field(default_factory=list)  # state: TP-sharded groups, in units (whole slot)
     unit_bytes: int = Field(default=0, ge=0)  # state: bytes per unit
+    page_stride: int = Field(default=0, ge=0)  # bytes from page to page when padded past the payload (0: unpadded)
 
     @field_validator("layer_ids")
     @classmethod
@@ -133,7 +135,7 @@ class PoolContract(_Frozen):
 
     @model_validator(mode="after")
     def _heads(self) -> PoolContract:
-        if self.kind != "paged":
+        if self.kind != "paged" or self.page_stride:
             try:
                 self.to_spec()
             except LayoutError as exc:
@@ -173,6 +175,7 @@ class PoolContract(_Frozen):
             scale_bytes_per_token=spec.scale_bytes_per_token,
             kernel_abi=spec.kernel_abi,
             layer_ids=list(spec.layer_ids),
+            page_stride=spec.page_stride,
             **heads,
         )
 
@@ -197,11 +200,12 @@ class PoolContract(_Frozen):
             ratio=self.ratio,
             shard_units=tuple(self.shard_units),
             unit_bytes=self.unit_bytes,
+            page_stride=self.page_stride,
         )
 
     @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+        return self.page_stride or self.bytes_per_token * self.page_size
 
 
 class KernelContract(_Frozen):
@@ -295,10 +299,18 @@ class RuntimeContract(_Frozen):
             raise ValueError(f"pool names must be distinct: {names}")
         # Target, index and draft share one page mapping (hard rule 3): one page size. Token-paged
         # kinds (paged, paged window) share it; compressed pools page entries, state pools slots.
-        token_paged = [p for p in v if p.kind == "paged" or (p.kind == "window" and not p.ring_stride)]
-        if len({p.page_size for p in token_paged}) > 1:
-            raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size: "
-                             + ", ".join(f"{p.name}={p.page_size}" for p in token_paged))
+        # A paged window pages like them, or finer (a divisor of their page size) when its window fits
+        # in one of its pages: a ring per token page, on units the engine hands of its own
+        # (DeepSeek-V4's C4 compressor rings, one per SWA page).
+        paged = [p for p in v if p.kind == "paged"]
+        windows = [p for p in v if p.kind == "window" and not p.ring_stride]
+        token = paged[0].page_size if paged else max((p.page_size for p in windows), default=0)
+        odd = [p for p in paged if p.page_size != token] + [
+            p for p in windows if p.page_size != token and (token % p.page_size or p.window > p.page_size)]
+        if odd:
+            raise ValueError("all token-paged pools share one logical-to-physical page mapping, so one page size "
+                             "(a paged window whose window fits in one of its pages may page finer, by a divisor of "
+                             "it): " + ", ".join(f"{p.name}={p.page_size}" for p in paged + windows))
         return sorted(v, key=lambda p: p.name)
 
     def pool(self, name: str) -> PoolContract:
@@ -309,11 +321,12 @@ class RuntimeContract(_Frozen):
 
     @property
     def page_size(self) -> int:
-        """The page size of the token-paged pools (of the first pool when none is)."""
+        """The page size of the token-paged pools (``kvbridge.layout.kinds.token_page_size``)."""
         for p in self.pools:
-            if p.kind == "paged" or (p.kind == "window" and not p.ring_stride):
+            if p.kind == "paged":
                 return p.page_size
-        return self.pools[0].page_size
+        windows = [p.page_size for p in self.pools if p.kind == "window" and not p.ring_stride]
+        return max(windows) if windows else self.pools[0].page_size
 
     def canonical(self) -> bytes:
         return canonical_json(self)
@@ -349,7 +362,8 @@ _KIND_FIELDS = ("kind", "window", "ring_stride", "ratio", "shard_units", "unit_b
 
 def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
     """Sorted-key, compact, ASCII JSON of the contract's plain form. A replicated pool
-    leaves its TP-sharding fields out, a paged pool its kind fields, a Mooncake contract its
+    leaves its TP-sharding fields out, a paged pool its kind fields, an unpadded pool its
+    page_stride, a Mooncake contract its
     transport, and a model without a weights digest its ``weights`` (the encoding of contracts
     that predate them)."""
     if isinstance(contract, dict):
@@ -366,6 +380,8 @@ def canonical_json(contract: RuntimeContract | dict[str, Any]) -> bytes:
         if pool["kind"] == "paged":
             for key in _KIND_FIELDS:
                 del pool[key]
+        if not pool["page_stride"]:
+            del pool["page_stride"]
     _check_plain(plain, "")
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 

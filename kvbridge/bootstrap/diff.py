@@ -64,6 +64,8 @@ _POOL_BREAKS = {
     "shard_units": "{pool} state slots would be cut into TP parts at other offsets: decode ranks would hold other "
                    "ranks' channels or heads",
     "unit_bytes": "{pool} state slots would be cut into TP parts at other byte offsets",
+    "page_stride": "{pool} pages are padded to another stride on the two sides: every page after the first would "
+                   "be read at the wrong offset",
     "heads": "{pool} rows would hold other heads than this TP rank's: peers would cut the wrong head slices",
 }
 _SECTION_BREAKS = {

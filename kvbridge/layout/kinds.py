@@ -91,12 +91,14 @@ def own_units_pools(specs: dict[str, PoolSpec]) -> list[str]:
 
 
 def token_page_size(specs: dict[str, PoolSpec]) -> int:
-    """The page size of a room's page mapping: the token-paged pools' (paged and paged window;
-    the first pool's when none is)."""
+    """The page size of a room's page mapping: the paged pools'; without them the paged windows'
+    (the largest: a window may page finer on units of its own, DeepSeek-V4's C4 compressor rings
+    per SWA page); the first pool's when none is."""
     for spec in specs.values():
-        if spec.kind == PAGED or (spec.kind == WINDOW and not spec.ring_stride):
+        if spec.kind == PAGED:
             return spec.page_size
-    return next(iter(specs.values())).page_size
+    windows = [spec.page_size for spec in specs.values() if spec.kind == WINDOW and not spec.ring_stride]
+    return max(windows) if windows else next(iter(specs.values())).page_size
 
 
 def _entries(spec: PoolSpec, num_tokens: int) -> int:

@@ -9,6 +9,17 @@ A pool is a family of buffers, one per layer, each ``capacity_pages`` pages of
 
 so rows ``[a, b)`` of a ``values_then_scales`` page are two byte ranges, not one.
 
+Page stride (``page_stride``): a page's payload is ``page_size * bytes_per_token`` bytes; a
+kernel may pad each page past it (FlashMLA's DeepSeek-V4 pages: whole 576-byte rows), so page
+``p`` starts at ``p * page_stride`` and its tail is padding that never travels:
+
+    page p at p * page_stride   | payload: rows (or values | scales) | padding |
+                                |<- page_size * bytes_per_token ---->|
+                                |<- page_stride ------------------------------>|
+
+``page_stride`` 0 means unpadded (the payload). Paged pools are never padded here: their
+planner coalesces runs of whole pages into one slice, which would carry the padding.
+
 Kinds (``kind``; what decode needs of each: ``kvbridge.layout.kinds``): ``paged`` (every
 token), ``window`` (the last ``window`` tokens; paged or ring-addressed), ``compressed``
 (one entry per ``ratio`` tokens; a "token" of the pool is an entry, a page holds
@@ -72,6 +83,7 @@ class PoolSpec:
     shard_units: tuple[int, ...] = ()  # state: TP-sharded groups of the slot, in units (empty: replicated)
     unit_bytes: int = 0  # state: bytes of one unit of shard_units
     tp_size: int = 1  # state: the TP size this rank's slot is cut for (each group split into tp_size parts)
+    page_stride: int = 0  # bytes from one page to the next when pages are padded past their payload (0: unpadded)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -96,6 +108,29 @@ class PoolSpec:
                 )
         self._check_heads()
         self._check_kind()
+        self._check_stride()
+
+    def _check_stride(self) -> None:
+        """A padded page: at least its payload, whole storage elements, never a paged or
+        head-sharded pool (module docstring)."""
+        where = f"pool {self.name!r} ({self.kind})"
+        value = self.page_stride
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise LayoutError(f"{where}: page_stride must be a non-negative integer, got {value!r}", field="page_stride")
+        if not value:
+            return
+        payload = self.payload_bytes_per_page
+        if value < payload or value % ABI_ITEMSIZE[self.abi]:
+            raise LayoutError(f"{where}: page stride {value} B is not whole {self.abi} elements at least the page's "
+                              f"payload of {payload} B ({self.page_size} x {self.bytes_per_token} B)",
+                              field="page_stride")
+        if self.kind == PAGED or self.num_heads or self.shard_units or self.ring_stride:
+            raise LayoutError(f"{where}: padded pages (page_stride) are carried for window, compressed and "
+                              "replicated state pools only: the paged planner coalesces whole pages, padding "
+                              "included, ring slots are addressed by their rows, and head or TP slices change the "
+                              "payload", field="page_stride")
+        if value == payload:
+            object.__setattr__(self, "page_stride", 0)  # one encoding for unpadded pages
 
     def _check_kind(self) -> None:
         """A kind's own fields, and none of another kind's (a typo must not pass as a paged pool)."""
@@ -215,8 +250,18 @@ class PoolSpec:
         return self.with_heads(0, self.num_heads) if self.num_heads else self
 
     @property
-    def bytes_per_page(self) -> int:
+    def payload_bytes_per_page(self) -> int:
+        """The bytes of a page's rows (what can travel); ``bytes_per_page`` adds the padding."""
         return self.bytes_per_token * self.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes from one page to the next in a buffer: the stride of a padded page, else the payload."""
+        return self.page_stride or self.bytes_per_token * self.page_size
+
+    @property
+    def padding_bytes_per_page(self) -> int:
+        return self.bytes_per_page - self.payload_bytes_per_page
 
     @property
     def num_layers(self) -> int:
@@ -268,7 +313,8 @@ class PoolSpec:
         if nbytes < self.bytes_per_page or nbytes % self.bytes_per_page:
             raise BufferSpecError(
                 f"{where}: {dtype} buffer of shape {list(shape)} holds {nbytes} bytes, not a whole number of "
-                f"{self.bytes_per_page}-byte pages ({self.page_size} tokens x {self.bytes_per_token} B); "
+                f"{self.bytes_per_page}-byte pages ({self.page_size} tokens x {self.bytes_per_token} B"
+                f"{f' padded to {self.page_stride} B' if self.page_stride else ''}); "
                 f"{self.expected_shapes()}",
                 field="bytes_per_page",
             )

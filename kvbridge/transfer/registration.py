@@ -74,10 +74,16 @@ class EndpointBuffers:
         # the room's pages lie inside this: the paged pools' (a paged window may be on pages of its
         # own, an SWA pool smaller than the full KV's; on the room's pages it is checked where its
         # units are planned, transfer/prefill/kinds.py, as compressed, state and ring pools are);
-        # without paged pools, the paged windows'
-        token = [d for d in self.descs if specs[d.pool].kind == "paged"] or \
-            [d for d in self.descs if specs[d.pool].kind == "window" and not specs[d.pool].ring_stride]
-        self.min_capacity = min(d.capacity_pages for d in (token or self.descs))
+        # without paged pools (DeepSeek-V4) the room's page ids index the paged windows and the
+        # compressed pools, each unit checked against its own pool where planned, and an SWA pool
+        # may be far smaller than the compressed KV's: the largest of them bounds the pages
+        token = [d for d in self.descs if specs[d.pool].kind == "paged"]
+        if token:
+            self.min_capacity = min(d.capacity_pages for d in token)
+        else:
+            paged = [d for d in self.descs if specs[d.pool].kind == "compressed" or
+                     (specs[d.pool].kind == "window" and not specs[d.pool].ring_stride)]
+            self.min_capacity = max(d.capacity_pages for d in (paged or self.descs))
         self._registered: list[int] = []
 
     @property

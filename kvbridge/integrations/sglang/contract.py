@@ -66,10 +66,12 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
     specs = pool_specs(cache, heads)
     if stage is not None:  # the last stage: its layers end the model's
         specs = model_specs(specs, stage, stage[1])
-    target = specs.get("target") or specs["k"]
+    target = specs.get("target") or specs.get("k")
     draft = specs.get("draft") or specs.get("draft_k")
+    # DeepSeek-V4 has no per-layer KV pool: its layers are those its pools are numbered over
+    layers = target.num_layers if target else 1 + max(i for s in specs.values() for i in s.layer_ids)
     model = {"name": settings.model_name, "revision": settings.revision, "weights": weights,
-             "target_layers": target.num_layers, "draft_layers": draft.num_layers if draft else 0}
+             "target_layers": layers, "draft_layers": draft.num_layers if draft else 0}
     hidden = schema.region("output_hidden_states")
     speculative = None
     if settings.spec_algorithm != "none":

@@ -44,6 +44,7 @@ class RoomHandle:
         self._retry_until = 0.0  # a draining room id is retried from poll() until then
         self.binding = b""  # the request's digest (bind_request); b"": not bound
         self.num_tokens: int | None = None  # the request's prompt tokens, once bound
+        self.request: Any = None  # SGLang's Req, once bound (its request row: request_row)
         self._counted = False
 
     def _unsigned(self) -> str | None:
@@ -60,12 +61,20 @@ class RoomHandle:
     def bind_request(self, req: Any) -> None:
         """Bind this handle to SGLang's request: the digest of ``req.origin_input_ids`` (a request
         given as embeddings has placeholder ids of its length: the digest then binds the count)."""
+        self.request = req
         ids = getattr(req, "origin_input_ids", None)
         if ids is None or len(ids) == 0:
             return
         self.num_tokens = len(ids)
         self.binding = room_binding(ids, self.num_tokens)
         self._bound()
+
+    @property
+    def request_row(self) -> int | None:
+        """The request's row in SGLang's request pool (``req.kv.req_pool_idx``) once bound and
+        allocated; None before."""
+        row = getattr(getattr(self.request, "kv", None), "req_pool_idx", None)
+        return None if row is None else int(row)
 
     def _bound(self) -> None:
         """What a side does once it knows the binding (prefill: bind its open room)."""

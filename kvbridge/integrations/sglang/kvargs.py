@@ -233,7 +233,8 @@ def read_kv_args(
 def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: str,
               geometry: HybridGeometry) -> SGLangCache:
     """DeepSeek-V4 (``KVArgs.mla_compression_ratios`` set): its KV lists are compressed pools by
-    ratio (``state_kinds.v4_kv_pools``), refused by name while the rooms do not carry them."""
+    ratio (``state_kinds.v4_kv_pools``: their units are the KV's pages), its state components
+    window and state pools; refused by name while the rooms do not carry them."""
     carried = room_pool_kinds()
     if "compressed" not in carried:
         raise ConfigError(
@@ -249,12 +250,13 @@ def _v4_cache(kv_args: Any, page_size: int, *, kv_checksum: bool, hidden_dtype: 
         bufs = [SGLangBuffer(p, n, i) for p, n, i in zip(made.ptrs, made.lens, made.items)]
         pools[name], specs[name] = _pool(name, made.spec.layer_ids, bufs, made.spec.page_size), made.spec
     target_ids = tuple(range(len(kv_args.mla_compression_ratios)))
+    state_of: dict[str, str] = {}
     specs.update(_state_pools(kv_args, pools, geometry, page_size=page_size, kv_dtype="bfloat16",
-                              target_ids=target_ids, draft_ids=()))
+                              target_ids=target_ids, draft_ids=(), state_of=state_of))
     aux = read_metadata_buffers(_ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"),
                                 _ints(kv_args, "aux_item_lens"), kv_checksum=kv_checksum, hidden_dtype=hidden_dtype)
     return SGLangCache(page_size=page_size, kv_cache_dtype=str(getattr(kv_args, "kv_cache_dtype_str", "auto")),
-                       is_mla=True, pools=pools, aux=aux, kind_specs=specs)
+                       is_mla=True, pools=pools, aux=aux, kind_specs=specs, state_of=state_of)
 
 
 def read_metadata_buffers(

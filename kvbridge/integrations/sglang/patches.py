@@ -437,7 +437,8 @@ def _hook_decode_token_count(queue: type) -> None:
     and kvbridge's window and state pools need the count (it decides the window and the complete
     entries; prefill checks it). ``DecodePreallocQueue._send_kv_metadata`` is wrapped: for a
     kvbridge receiver it first sets ``num_tokens`` to the length prefill sends
-    (``_rebootstrap_prefill_len``, SGLang's own), then runs SGLang's method unchanged."""
+    (``_rebootstrap_prefill_len``, SGLang's own) and its request (the request row of a tail slot
+    SGLang sends no index for at a block boundary), then runs SGLang's method unchanged."""
     original = queue._send_kv_metadata
     if getattr(original, _MARK, False):
         return
@@ -447,6 +448,7 @@ def _hook_decode_token_count(queue: type) -> None:
         receiver = getattr(decode_req, "kv_receiver", None)
         if hasattr(receiver, "num_tokens") and getattr(receiver, "__kvbridge_receiver__", False):
             receiver.num_tokens = int(queue._rebootstrap_prefill_len(decode_req.req))
+            receiver.request = decode_req.req  # its request row: a tail slot SGLang sends no index for
         return original(self, decode_req, *args, **kwargs)
 
     setattr(_send_kv_metadata, _MARK, True)

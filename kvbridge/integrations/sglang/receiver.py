@@ -36,7 +36,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransf
 
 from kvbridge import KVBridgeError
 from kvbridge.integrations.sglang.handles import RoomHandle
-from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices
+from kvbridge.integrations.sglang.state_kinds import kind_units
 
 
 class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
@@ -97,16 +97,17 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
                 self.fail(f"the DSA state indices ({dsa.size} pages) are not the KV pages after the prefix "
                           f"({pages.size}): kvbridge moves index K with the KV's page mapping (hard rule 3)")
                 return
-        kind_units = self._kind_units(types, state_indices)
-        if kind_units is None:
-            return
+        kind_pools = sorted(getattr(self.kv_mgr.cache, "kind_specs", {}) or {})
         num_tokens = None
-        if kind_units:
+        if kind_pools:
             if self.num_tokens is None:
-                self.fail(f"pools {sorted(kind_units)} need the request's token count, which SGLang's send_metadata "
+                self.fail(f"pools {kind_pools} need the request's token count, which SGLang's send_metadata "
                           "does not say (kvbridge's decode hook, patches.py, sets it: is install() in place?)")
                 return
             num_tokens = int(self.num_tokens)
+        kind_units = self._kind_units(types, state_indices, pages, num_tokens)
+        if kind_units is None:
+            return
         try:
             self._handle.init(pages, int(aux_index), self.num_tokens if num_tokens is None else num_tokens,
                               first_page=prefix // page_size, binding=self.binding,
@@ -114,33 +115,23 @@ class KVBridgeKVReceiver(RoomHandle, BaseKVReceiver):
         except KVBridgeError as exc:
             self.fail(str(exc))
 
-    def _kind_units(self, types: list[Any], state_indices: Any) -> dict[str, np.ndarray] | None:
-        """The room's ``kind_units`` from SGLang's state indices: a MAMBA component's index is the
-        request's ``MambaPool`` slot, each of its state pools' one unit; an SWA component's are the
-        window's pages in the SWA pool (``_swa_payload``), each window pool's. Another non-paged kind
-        fails the room by name (its indices are not handed on yet). None once failed."""
-        state_of = getattr(self.kv_mgr.cache, "state_of", {}) or {}
-        given = list(state_indices or [])
-        units: dict[str, np.ndarray] = {}
-        for at, t in enumerate(types):
-            st = str(getattr(t, "value", t))
-            pools = [p for p, s in state_of.items() if s == st]
-            if not pools:
-                continue
-            idx = given[at] if at < len(given) else None
-            if st not in HANDED:
-                self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools {pools}): this SGLang receiver does "
-                          "not hand its indices to the room yet")
-                return None
-            if idx is None or not np.size(idx):
-                self.fail(f"SGLang state {st!r}: send_metadata came without its indices (pools {pools})")
-                return None
-            got = flat_indices(idx)
-            if STATE_KINDS[st] == "state" and got.size != 1:
-                self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
-                return None
-            units.update({p: got for p in pools})
-        return units
+    def _kind_units(self, types: list[Any], state_indices: Any, pages: np.ndarray,
+                    num_tokens: int | None) -> dict[str, np.ndarray] | None:
+        """The room's ``kind_units`` from SGLang's state indices and KV pages
+        (``state_kinds.kind_units``: a MAMBA slot, the window's SWA pages, V4's compressed KV on
+        the KV pages and its C4 rings on the SWA pages, the request row of a ring, tail or request
+        state). None once failed."""
+        cache = self.kv_mgr.cache
+        specs = getattr(cache, "kind_specs", {}) or {}
+        if not specs or num_tokens is None:
+            return {}
+        try:
+            return kind_units(specs, getattr(cache, "state_of", {}) or {}, [str(getattr(t, "value", t)) for t in types],
+                              state_indices, num_tokens=num_tokens, kv_pages=pages, page_size=self.kv_mgr.page_size,
+                              request_row=self.request_row)
+        except KVBridgeError as exc:
+            self.fail(f"{exc.reason}: send_metadata cannot be handed to the room")
+            return None
 
     def _room_state(self) -> int:
         state = self._handle.poll()

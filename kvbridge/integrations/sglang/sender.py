@@ -65,7 +65,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 
 from kvbridge import KVBridgeError, LayoutError
 from kvbridge.integrations.sglang.handles import RoomHandle
-from kvbridge.integrations.sglang.state_kinds import HANDED, STATE_KINDS, flat_indices, state_type_names
+from kvbridge.integrations.sglang.state_kinds import STATE_KINDS, kind_units, state_type_names
 
 
 class KVBridgeKVSender(RoomHandle, BaseKVSender):
@@ -159,7 +159,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return
         self._tokens_given += int(num_kv_tokens)
         is_last = self._pages_given == self._num_pages
-        kind_units = self._state_follows_pages(state_indices) if is_last else {}
+        kind_units = self._kind_units(state_indices, is_last)
         if kind_units is None or self._handle is None:
             return
         try:
@@ -187,48 +187,41 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             return positions[mine], pages[mine] // shard
         return positions[mine], pages[mine]
 
-    def _state_follows_pages(self, state_indices: Any) -> dict[str, np.ndarray] | None:
-        """SGLang's state indices (the last chunk's), checked against what kvbridge sends, and
-        the room's ``kind_units`` made of them; None once the room failed. Paged components
-        (DSA's index K: the pages after the decode prefix; BLOCK_SCALE's scales: every page of
-        the request) must be the KV's own pages: kvbridge moves them with the KV's page mapping
-        (hard rule 3). A MAMBA component's index is the request's slot in ``MambaPool``: each of
-        its state pools (conv, temporal) gets it as its one unit. An SWA component's (and its
-        MXFP8 scales') are the window's pages in the SWA pool (``_swa_payload``: from
-        ``floor((n - W) / page)``): each window pool's pages of its own, said at ``init()`` to
-        come with the last chunk (``kind_units={pool: None}``). A component of another kind
-        (V4's ring and request state) that the rooms carry needs indices this sender does not hand on yet:
-        the room fails, naming it, rather than leave decode's copy unwritten."""
-        types = state_type_names(self.kv_mgr.kv_args)
-        units: dict[str, np.ndarray] = {}
-        if not types:
-            return units
-        given = list(state_indices or [])
+    def _kind_units(self, state_indices: Any, is_last: bool) -> dict[str, np.ndarray] | None:
+        """The room's ``kind_units`` for this chunk (``state_kinds.kind_units``): V4's compressed KV
+        pools on the pages given so far, every chunk; with the last, SGLang's state indices
+        (checked against what kvbridge sends) made units. None once the room failed.
+
+        Paged components (DSA's index K: the pages after the decode prefix; BLOCK_SCALE's scales:
+        every page of the request) must be the KV's own pages: kvbridge moves them with the KV's
+        page mapping (hard rule 3). MAMBA's index is the request's ``MambaPool`` slot; SWA's (and its
+        MXFP8 scales') the window's pages in the SWA pool (``_swa_payload``: from ``floor((n - W) /
+        page)``), said at ``init()`` to come with the last chunk (``kind_units={pool: None}``), and
+        V4's C4 rings the SWA page of each of their pages; SWA_RING's ring rows the request row;
+        DSA_TAIL's, DSV4_REQUEST_STATE's and REQUEST_ROW's the request row."""
+        cache = getattr(self.kv_mgr, "cache", None)
+        specs = getattr(cache, "kind_specs", {}) or {}
+        state_of = getattr(cache, "state_of", {}) or {}
+        if not specs and not (is_last and state_type_names(self.kv_mgr.kv_args)):
+            return {}
         pages = np.concatenate(self._page_ids)
-        state_of = getattr(getattr(self.kv_mgr, "cache", None), "state_of", {}) or {}
+        types = state_type_names(self.kv_mgr.kv_args)
+        if is_last and not self._paged_state_follows(types, state_indices, pages):
+            return None
+        try:
+            return kind_units(specs, state_of, types, state_indices, num_tokens=self._tokens_given if is_last else None,
+                              kv_pages=pages, page_size=self.kv_mgr.page_size, last=is_last,
+                              request_row=self.request_row if self.request_row is not None else 0)
+        except KVBridgeError as exc:
+            self.fail(f"{exc.reason}: decode's copy would not be written")
+            return None
+
+    def _paged_state_follows(self, types: list[str], state_indices: Any, pages: np.ndarray) -> bool:
+        """The paged components' indices are the KV's own pages (hard rule 3); False once failed."""
+        given = list(state_indices or [])
         for at, st in enumerate(types):
             idx = given[at] if at < len(given) else None
-            if st in HANDED:
-                pools = [p for p, t in state_of.items() if t == st]
-                if idx is None or not np.size(idx):
-                    if pools:
-                        self.fail(f"SGLang state {st!r}: the last chunk came without its indices, so decode's "
-                                  f"{pools} would not be written")
-                        return None
-                    continue
-                got = flat_indices(idx)
-                if STATE_KINDS[st] == "state" and got.size != 1:
-                    self.fail(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot")
-                    return None
-                units.update({p: got for p in pools})
-                continue
-            if STATE_KINDS.get(st) != "paged":
-                if idx is not None and np.size(idx):
-                    self.fail(f"SGLang state {st!r} ({STATE_KINDS.get(st)} pools): this SGLang sender does not hand "
-                              "its indices to the room yet, so decode's copy would not be written")
-                    return None
-                continue
-            if idx is None:
+            if STATE_KINDS.get(st) != "paged" or idx is None:
                 continue
             got = np.asarray(idx, dtype=np.int64).reshape(-1)
             if st != "dsa":  # every page of the request: those after the decode prefix are the ones sent
@@ -236,8 +229,8 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
             if not np.array_equal(got, pages):
                 self.fail(f"the {st!r} state indices ({got.size} pages) are not the request's KV pages "
                           f"({pages.size}): kvbridge moves them with the KV's page mapping (hard rule 3)")
-                return None
-        return units
+                return False
+        return True
 
     @property
     def room_stats(self) -> dict[str, Any]:

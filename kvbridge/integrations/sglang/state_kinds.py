@@ -11,8 +11,9 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
     SWA (swa), an SWA pool     window      swa_k, swa_v           SWAKVPool's SWA k then v pages (gpt-oss,
                                                                   Gemma 3); the pages of the last W tokens
     SWA (swa), DeepSeek-V4     window      swa (+ c4_state,       the SWA pages (V4 FlashMLA layout, pages
-                                            c4_index_state)       padded to 576 B), then the C4 compressor
-                                                                  rings that follow the SWA pages
+                                            c4_index_state)       padded to 576 B: page_stride), then the C4
+                                                                  compressor rings, one per SWA page (window
+                                                                  pools paged by the ring)
     BLOCK_SCALE_SWA            window      swa_k_scale, ..        MXFP8 scales of the SWA pages
     SWA_RING (swa_ring)        window      swa_ring (+ _rope)     V4's unified ring: row * stride + pos % stride
     DSA (dsa)                  paged       index                  V3.2's index K on the KV page mapping
@@ -26,13 +27,16 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
                                                                   draft's SWA valid-from)
 
 DeepSeek-V4's KV lists themselves (``kv_data_*`` when ``KVArgs.mla_compression_ratios`` is set)
-are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``).
+are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``),
+on the KV's page ids, FlashMLA pages padded to whole 576-byte rows (``page_stride``).
 
 QSA and MiniMax components are not mapped (``NOT_MAPPED``). A component is built only when its
 kind is one the room endpoints carry (``room_pool_kinds()``: ``kvbridge.ROOM_POOL_KINDS``);
 ``kvargs.read_kv_args`` refuses the others by name, naming the kind. Where the kind is carried but
-SGLang's bytes do not fit a ``PoolSpec`` exactly (V4's padded pages, rings wider than the ratio),
-the builder here refuses by name, saying what does not fit. What ``KVArgs`` does not say (the
+SGLang's bytes do not fit a ``PoolSpec`` exactly (V4's fp8 two-pool, ratio-1/2 layers, C4 rings
+under the unified KV, rings wider than the ratio), the builder here refuses by name, saying what
+does not fit. ``kind_units`` turns SGLang's indices (what its payload builders hand the sender and
+receiver) into each pool's units in the room. What ``KVArgs`` does not say (the
 sliding window, which layers are SWA layers, ring sizes) comes from the model and the pool, in
 ``HybridGeometry``.
 
@@ -48,7 +52,7 @@ with rows before it (Kimi's transposed conv state) is refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +71,10 @@ STATE_KINDS: dict[str, str] = {
     MAMBA: STATE, SWA: WINDOW, BLOCK_SCALE_SWA: WINDOW, SWA_RING: WINDOW, DSA: PAGED, BLOCK_SCALE: PAGED,
     DSA_TAIL: STATE, DSV4_REQUEST_STATE: STATE, REQUEST_ROW: STATE,
 }
-# StateType values whose indices the sender and receiver hand to the room as kind_units (the
-# others that the rooms carry fail the room by name until they are handed on)
-HANDED: frozenset[str] = frozenset({MAMBA, SWA, BLOCK_SCALE_SWA})
+# StateType values whose indices the sender and receiver hand to the room as kind_units
+# (``kind_units``); DSA and BLOCK_SCALE ride on the KV's own pages (hard rule 3)
+HANDED: frozenset[str] = frozenset({MAMBA, SWA, BLOCK_SCALE_SWA, SWA_RING, DSA_TAIL, DSV4_REQUEST_STATE,
+                                    REQUEST_ROW})
 # StateType values kvbridge has no mapping for, by the model family that registers them
 NOT_MAPPED: dict[str, str] = {
     "qsa_pending": "QSA sparse-attention models (pending index-K rings)",
@@ -85,8 +90,8 @@ HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale",
 MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page at this page size
 
 __all__ = ["HANDED", "HEAD_SHARDED", "flat_indices", "geometry_of", "NOT_MAPPED", "STATE_KINDS",
-           "HybridGeometry", "StatePool", "component_pools", "mamba_state_specs", "room_pool_kinds", "state_kind",
-           "state_type_names", "v4_kv_pools"]
+           "HybridGeometry", "StatePool", "component_pools", "kind_units", "mamba_state_specs", "room_pool_kinds",
+           "state_kind", "state_type_names", "v4_kv_pools"]
 
 
 def flat_indices(idx: Any) -> np.ndarray:
@@ -106,12 +111,38 @@ def geometry_of(queue: Any) -> HybridGeometry:
     ``sliding_window_size`` (the window SGLang's ``_swa_payload`` sends). Empty without a queue
     or an SWA pool; V4's pools are described by their own fields."""
     pool = getattr(queue, "token_to_kv_pool", None)
+    window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
+    if pool is not None and hasattr(pool, "compression_ratios"):
+        return _v4_geometry(pool, window)
+    tail = _dsa_tail_geometry(pool)
     mapping = getattr(pool, "layers_mapping", None)
     if pool is None or not isinstance(mapping, dict) or not hasattr(pool, "swa_kv_pool"):
-        return HybridGeometry()
+        return HybridGeometry(**tail)
     swa = tuple(sorted(layer for layer, (_, is_swa) in mapping.items() if is_swa))
-    window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
-    return HybridGeometry(sliding_window=int(window or 0), swa_layer_ids=swa)
+    return HybridGeometry(sliding_window=int(window or 0), swa_layer_ids=swa, **tail)
+
+
+def _v4_geometry(pool: Any, window: Any) -> HybridGeometry:
+    """A ``DeepSeekV4TokenToKVPool``'s geometry: the window SGLang's ``_swa_payload`` sends (the
+    scheduler's ``sliding_window_size``; the pool's ``sliding_window`` without it), the unified
+    ring's rows per request, the C4 compressor ring (``get_ring_size(4)``) and the request-scoped
+    C128 state's ring (128 rows; 1: online)."""
+    c128 = [p for p in getattr(pool, "compress_state_pools", ()) or () if p is not None and p.request_scoped]
+    ring = int(c128[0].ring_size) if c128 else 128
+    online = bool(c128 and c128[0].online)
+    stride = int(getattr(pool, "unified_swa_ring_size", 0) or 0) if getattr(pool, "_unified_kv", False) else 0
+    return HybridGeometry(sliding_window=int(window or getattr(pool, "sliding_window", 0) or 0),
+                          swa_ring_stride=stride, c4_ring_size=int(pool.get_ring_size(4)),
+                          c128_ring_size=128 if online else ring, c128_online=online)
+
+
+def _dsa_tail_geometry(pool: Any) -> dict[str, int]:
+    """The DSA kpool tail (``get_dsa_tail_state_indices``): the kpool size and its ring's rows."""
+    kv = getattr(pool, "full_kv_pool", pool) if getattr(pool, "use_dsa", False) else pool
+    if kv is None or not getattr(kv, "kpool_use_compress", False):
+        return {}
+    ratio = int(getattr(kv, "index_kpool", 0) or 0)
+    return {"dsa_tail_ratio": ratio, "dsa_tail_slots": ratio + int(getattr(kv, "tail_extra_slots", 0) or 0)}
 
 
 def room_pool_kinds() -> frozenset[str]:
@@ -142,6 +173,8 @@ class HybridGeometry:
     ``sliding_window``: tokens a window layer attends (SWA pools; V4's ``sliding_window``);
     ``swa_layer_ids``: the model layers of an SWA pool (``SWAKVPool``'s ``swa_attention_layer_ids``);
     ``swa_ring_stride``: V4's unified ring rows per request (``unified_swa_ring_size``);
+    ``c4_ring_size``: V4's C4 compressor ring rows per SWA page (``get_ring_size(4)``: 8, 16
+    with speculative decoding);
     ``dsa_tail_ratio`` / ``dsa_tail_slots``: the DSA kpool size and its ring's rows (``index_kpool``,
     plus ``tail_extra_slots``); ``c128_ring_size`` / ``c128_online``: V4's C128 state ring
     (128 without speculation) or the online single row; ``attn_tp_size``: what Mamba state slots
@@ -152,6 +185,7 @@ class HybridGeometry:
     sliding_window: int = 0
     swa_layer_ids: tuple[int, ...] = ()
     swa_ring_stride: int = 0
+    c4_ring_size: int = 8
     dsa_tail_ratio: int = 0
     dsa_tail_slots: int = 0
     c128_ring_size: int = 128
@@ -268,17 +302,27 @@ def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
         entries = page_size // r
         index = name == "c4_index"
         row = (128, 4) if index else V4_ROW
-        if set(items) != {entries * sum(row)}:
-            pad = "" if index else f" padded to whole {V4_PAGE_ALIGN}-byte rows"
-            raise ConfigError(f"pool {name!r}: DeepSeek-V4 compressed pages are {sorted(set(items))} B, {entries} "
-                              f"entries of {sum(row)} B ({entries * sum(row)} B){pad}; kvbridge's PoolSpec has no page "
-                              "stride apart from its rows", field=f"pools.{name}.bytes_per_page")
+        stride = _v4_page_stride(name, items, entries, sum(row), padded=not index)
         spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale" if index else "v4_fp8_nope_bf16_rope", abi="uint8",
                         bytes_per_token=sum(row), page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
                         value_bytes_per_token=row[0], scale_bytes_per_token=row[1],
-                        kernel_abi="v4-indexer-k-fp8" if index else "flashmla-v4", kind=COMPRESSED, ratio=r)
+                        kernel_abi="v4-indexer-k-fp8" if index else "flashmla-v4", kind=COMPRESSED, ratio=r,
+                        page_stride=stride)
         out.append(StatePool("kv", spec, ptrs, lens, items))
     return out
+
+
+def _v4_page_stride(name: str, items: Sequence[int], rows: int, row_bytes: int, *, padded: bool) -> int:
+    """The registered page of a V4 FlashMLA pool: ``rows`` rows of ``row_bytes``, padded to whole
+    576-byte rows (``bytes_per_page_padded``) where ``padded``; its stride, or ConfigError naming
+    the pool when SGLang registers another size."""
+    payload = rows * row_bytes
+    want = -(-payload // V4_PAGE_ALIGN) * V4_PAGE_ALIGN if padded else payload
+    if set(items) != {want}:
+        pad = f" padded to whole {V4_PAGE_ALIGN}-byte rows ({want} B)" if padded else ""
+        raise ConfigError(f"pool {name!r}: DeepSeek-V4 pages are {sorted(set(items))} B, not {rows} rows of {row_bytes} "
+                          f"B ({payload} B){pad}", field=f"pools.{name}.bytes_per_page")
+    return want
 
 
 def _window(state_type: str, geometry: HybridGeometry) -> int:
@@ -315,30 +359,50 @@ def _k_then_v(e: _Entries, names: tuple[str, str], ids: tuple[int, ...], geometr
 def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGeometry,
             page_size: int) -> list[StatePool]:
     """V4's SWA component: [SWA pages x stage layers, C4 compressor ring x C4 layers, C4 indexer
-    ring x C4 layers] (the SWA pages are absent under the unified ring)."""
+    ring x C4 layers] (the SWA pages are absent under the unified ring), one SGLang index list
+    for all: the window's SWA pages.
+
+        SWA page s          | 256 rows x 584 B (values | scales) | pad |    window pool 'swa'
+        C4 ring of page s   | ring rows: position p at p % ring |         window pools 'c4_state',
+                                                                           'c4_index_state'
+
+    A C4 ring is one per SWA page (``translate_from_swa_loc_to_state_loc``: state row = SWA page
+    x ring + p % ring), so kvbridge pages it by ``ring`` tokens: logical page l of the ring pool
+    is tokens [l * ring, (l + 1) * ring), on the ring of the SWA page holding them (``kind_units``
+    maps it), a window of the last ``ring`` positions (the overlap compressor's live rows,
+    ``c4_state_transfer_indices``: n % 4 + 4 of them, within the last ``ring``)."""
     start, stop = _stage(kv_args, ratios)
     c4 = [i for i in range(start, stop) if ratios[i] == 4]
     num_swa = len(e.ptrs) - 2 * len(c4)
     if num_swa not in (0, stop - start):
         raise ConfigError(f"DeepSeek-V4 SWA state: {len(e.ptrs)} buffers for {stop - start} layers and {len(c4)} C4 "
                           "layers", field="state_data_ptrs")
+    out = []
     if num_swa:
-        item = e.items[0]
-        rows = page_size * sum(V4_ROW)
-        if item != rows:
-            raise ConfigError(f"pool 'swa': DeepSeek-V4 SWA pages are {item} B, {page_size} rows of {sum(V4_ROW)} B "
-                              f"({rows} B) padded to whole {V4_PAGE_ALIGN}-byte rows; kvbridge's PoolSpec has no page "
-                              "stride apart from its rows", field="pools.swa.bytes_per_page")
-    if c4:
-        raise ConfigError(f"pools 'c4_state', 'c4_index_state': DeepSeek-V4's C4 compressor rings "
-                          f"({e.items[num_swa]} B per SWA page) are addressed by the SWA page (state row = SWA page "
-                          "* ring + pos % ring), a ring inside each window page that no kvbridge kind describes",
-                          field="pools.c4_state.kind")
-    spec = PoolSpec(name="swa", dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW),
-                    page_size=page_size, layer_ids=tuple(range(start, stop)), layout="values_then_scales",
-                    value_bytes_per_token=V4_ROW[0], scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4",
-                    kind=WINDOW, window=_window(e.state_type, geometry))
-    return [StatePool(e.state_type, spec, *e.cut(0, num_swa))]
+        stride = _v4_page_stride("swa", e.items[:num_swa], page_size, sum(V4_ROW), padded=True)
+        spec = PoolSpec(name="swa", dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW),
+                        page_size=page_size, layer_ids=tuple(range(start, stop)), layout="values_then_scales",
+                        value_bytes_per_token=V4_ROW[0], scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4",
+                        kind=WINDOW, window=_window(e.state_type, geometry), page_stride=stride)
+        out.append(StatePool(e.state_type, spec, *e.cut(0, num_swa)))
+    if c4 and not num_swa:
+        raise ConfigError("DeepSeek-V4 C4 compressor rings under the unified KV (HIP): they are rings by request row "
+                          "there, and SGLang's SWA index list (the window's SWA pages, which the unified KV does not "
+                          "have) does not address them", field="pools.c4_state.kind")
+    ring = geometry.c4_ring_size
+    if c4 and (ring <= 0 or page_size % ring or ring > _window(e.state_type, geometry)):
+        raise ConfigError(f"DeepSeek-V4 C4 compressor ring of {ring} rows: kvbridge pages it inside the "
+                          f"{page_size}-token SWA pages and the window, so it must divide the page and fit the "
+                          f"window of {geometry.sliding_window}", field="c4_ring_size")
+    for h, name in enumerate(("c4_state", "c4_index_state") if c4 else ()):
+        ptrs, lens, items = e.cut(num_swa + h * len(c4), num_swa + (h + 1) * len(c4))
+        if len(set(items)) != 1 or items[0] % (ring * 4):
+            raise ConfigError(f"pool {name!r}: items of {sorted(set(items))} B are not rings of {ring} fp32 rows",
+                              field=f"pools.{name}.bytes_per_token")
+        spec = PoolSpec(name=name, dtype="float32", abi="float32", bytes_per_token=items[0] // ring, page_size=ring,
+                        layer_ids=tuple(c4), kernel_abi="v4-compressor-c4-ring", kind=WINDOW, window=ring)
+        out.append(StatePool(e.state_type, spec, ptrs, lens, items))
+    return out
 
 
 def _stage(kv_args: Any, ratios: Sequence[int]) -> tuple[int, int]:
@@ -498,3 +562,90 @@ def mamba_state_specs(kv_args: Any, attn_tp_size: int) -> dict[str, kvb.PoolSpec
         specs[name] = kvb.state_pool(name, ids, dtype="bfloat16" if unit % 4 else "float32", shard_units=units,
                                      unit_bytes=unit, tp_size=attn_tp_size)
     return specs
+
+
+def kind_units(specs: Mapping[str, PoolSpec], state_of: Mapping[str, str], types: Sequence[str],
+               state_indices: Any, *, num_tokens: int | None, kv_pages: np.ndarray, page_size: int,
+               request_row: int | None = None, last: bool = True) -> dict[str, np.ndarray]:
+    """The room's ``kind_units`` from what SGLang hands a sender (per chunk; state indices with the
+    last) or a receiver (``send_metadata``), for a request of ``num_tokens`` tokens:
+
+        pools                              SGLang's index (per component)      kvbridge unit
+        c4, c4_index, c128 (V4's KV)       the request's KV pages (kv_pages)   the page of each entry page
+        mamba_*                            the MambaPool slot                  the slot
+        swa_k/v(+_scale), swa (V4)         the window's SWA pages              the page of each window page
+        c4_state, c4_index_state (V4)      (the same SWA pages)                the SWA page of each ring page
+        swa_ring (+_rope)                  ring rows req * stride + p % stride the request row
+        index_tail_*                       [req, start, n1, 0, n2, slots]      the request row
+        c128_state, request_row            [req's ring page] / [req]           the request row
+
+    A component without pools here is skipped; ``last`` False: the KV's only (state comes with the
+    last chunk), every page given so far (``num_tokens`` None: not cut to what decode needs). At a block boundary SGLang sends no tail index (nothing of it is live): the unit
+    is ``request_row`` (0 rows travel from it). ConfigError naming the component where its
+    indices do not fit."""
+    units: dict[str, np.ndarray] = {}
+    pages = np.asarray(kv_pages, dtype=np.int64).reshape(-1)
+    for pool, spec in specs.items():  # V4's compressed KV: entry page l is KV page l's
+        if spec.kind == COMPRESSED and pool not in state_of:
+            units[pool] = pages if num_tokens is None else pages[:kvb.needed_extent(spec, num_tokens).count]
+    if not last:
+        return units
+    if num_tokens is None:
+        raise ConfigError("the last chunk's state units need the request's token count", field="num_tokens")
+    given = list(state_indices or [])
+    for at, st in enumerate(types):
+        pools = [p for p, t in state_of.items() if t == st]
+        if not pools or st not in HANDED:
+            continue
+        idx = given[at] if at < len(given) else None
+        got = flat_indices(idx) if idx is not None else np.zeros(0, np.int64)
+        if st == MAMBA:
+            units.update({p: _one(st, got) for p in pools})
+        elif st in (SWA, BLOCK_SCALE_SWA):
+            units.update(_window_units(st, pools, specs, got, num_tokens, page_size))
+        elif st == SWA_RING:
+            stride = specs[pools[0]].ring_stride
+            rows = np.unique(got // stride)
+            if rows.size != 1:
+                raise ConfigError(f"SGLang state 'swa_ring': ring rows {got[:4].tolist()}.. are not one request's "
+                                  f"(row x {stride} + pos % {stride})", field="state_indices")
+            units.update({p: rows for p in pools})
+        elif got.size or st == REQUEST_ROW or not all(specs[p].ratio for p in pools):
+            # DSA tail: [row, start, n1, 0, n2, slots]; C128: [the row's ring page]; request row: [row]
+            units.update({p: _one(st, got[:1] if st == DSA_TAIL else got) for p in pools})
+        elif request_row is None:
+            raise ConfigError(f"SGLang state {st!r}: no index at a block boundary and the request row is not known",
+                              field="state_indices")
+        else:  # a tail slot at a block boundary: none of its rows live, none travel
+            units.update({p: np.array([request_row], np.int64) for p in pools})
+    return units
+
+
+def _one(st: str, got: np.ndarray) -> np.ndarray:
+    if got.size != 1:
+        raise ConfigError(f"SGLang state {st!r}: {got.size} indices, expected the request's one slot",
+                          field="state_indices")
+    return got
+
+
+def _window_units(st: str, pools: Sequence[str], specs: Mapping[str, PoolSpec], got: np.ndarray, num_tokens: int,
+                  page_size: int) -> dict[str, np.ndarray]:
+    """An SWA component's units: its pages are the window's (SGLang's ``_swa_payload``: the pages
+    from ``floor((n - W) / page)``), each window pool's own; a pool paging finer (V4's C4 rings,
+    one per SWA page) takes, per logical page, the SWA page holding it."""
+    on_pages = [p for p in pools if specs[p].page_size == page_size]
+    if not got.size:
+        raise ConfigError(f"SGLang state {st!r}: no window pages for pools {sorted(pools)}", field="state_indices")
+    window = specs[on_pages[0]].window if on_pages else 0
+    first = max(0, num_tokens - window) // page_size
+    out = {p: got for p in on_pages}
+    for p in pools:
+        if p in out:
+            continue
+        ext = kvb.needed_extent(specs[p], num_tokens)
+        at = np.arange(ext.first, ext.stop, dtype=np.int64) * specs[p].page_size // page_size - first
+        if not on_pages or at.size and (at.min() < 0 or at.max() >= got.size):
+            raise ConfigError(f"pool {p!r}: its window's SWA pages are not among the {got.size} SGLang sent",
+                              field="state_indices")
+        out[p] = got[at]
+    return out

@@ -205,6 +205,11 @@ class KindWrites:
                                   f"holds {want} B", field="num_decode_ranks", **ctx)
         own = [p for p in asked if p in self.own]
         windows = sorted(set(req.kind_units) & set(self.windows) & set(asked))
+        fine = sorted(p for p in asked if p in self.windows and p not in windows
+                      and self.specs[p].page_size != self.page_size)
+        if fine:  # a window paging finer than the room's pages is on units of its own, never the room's pages
+            raise LayoutError(f"window pools {fine} page finer than the room's {self.page_size}-token pages: the "
+                              "request must hand their own units (kind_units)", field="kind_units", **ctx)
         if sorted(req.kind_units) != sorted(own + windows):
             raise LayoutError(f"kind_units names {sorted(req.kind_units)}; the pools asked on units of their own are "
                               f"{sorted(own)} (and paged windows may be)", field="kind_units", **ctx)
@@ -374,6 +379,10 @@ class KindWrites:
                                   f"tokens is {final.count}", field="kind_units", room=room, rank=self.rank)
             src = src_all[logical - final.first]
         else:  # a paged window: our pages as handed in, the target's page ids
+            if spec.page_size != self.page_size:
+                raise LayoutError(f"window pool {pool!r} pages finer than the room's {self.page_size}-token pages: "
+                                  "the engine gave no kind_units for it", field="kind_units", room=room,
+                                  rank=self.rank)
             src = local_of[logical]
             if (src < 0).any():
                 raise LayoutError(f"window pool {pool!r}: logical page {int(logical[src < 0][0])} is in the window "

@@ -14,6 +14,7 @@ fills them (their pools need CUDA kernels or a DSpark draft worker to construct)
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -133,30 +134,55 @@ def test_v4_is_refused_by_the_kind_the_rooms_do_not_carry(sgl, carried):
         read_kv_args(args, is_mla=True)
 
 
-def test_v4_padded_pages_are_refused_by_what_does_not_fit(sgl, carried):
-    """Every kind carried, V4's FlashMLA pages still do not fit a PoolSpec: each page is padded to
-    whole 576-byte rows (C4: 64 entries x 584 B = 37,376 B, registered as 37,440; SWA: 256 x 584 B
-    = 149,504 B, registered as 149,760). The C4 indexer's pages fit."""
+def test_v4_pools_map_padded_pages_by_their_stride_and_c4_rings_by_the_swa_page(sgl, carried):
+    """Every kind carried, V4's pools map exactly: FlashMLA pages padded to whole 576-byte rows
+    take a page stride (C4: 64 entries x 584 B = 37,376 B registered as 37,440; C128: 2 x 584 B in
+    1,728; SWA: 256 x 584 B = 149,504 in 149,760), the C4 indexer's pages are unpadded, and the C4
+    compressor rings (one of 8 fp32 rows per SWA page) are window pools paged by the ring. Pages
+    of another size are refused naming the pool."""
     from kvbridge.integrations.sglang.state_kinds import v4_kv_pools
 
     carried(ALL_KINDS)
-    args = _kv_args(_v4())
-    with pytest.raises(ConfigError, match=r"pool 'c4': DeepSeek-V4 compressed pages are \[37440\] B, 64 entries of "
-                                          r"584 B \(37376 B\) padded") as err:
-        read_kv_args(args, is_mla=True, geometry=HybridGeometry(sliding_window=128))
+    pool = _v4()
+    args = _kv_args(pool)
+    cache = read_kv_args(args, is_mla=True, geometry=HybridGeometry(sliding_window=128))
+    specs = pool_specs(cache)
+    got = {n: (s.kind, s.page_size, s.bytes_per_token, s.page_stride, s.window, s.ratio, s.layer_ids)
+           for n, s in specs.items()}
+    row = pool.compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
+    index_row = pool.indexer_compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
+    assert got == {"c4": ("compressed", 64, 584, 37_440, 0, 4, (2,)),
+                   "c4_index": ("compressed", 64, 132, 0, 0, 4, (2,)),
+                   "c128": ("compressed", 2, 584, 1_728, 0, 128, (0, 1, 3)),
+                   "swa": ("window", 256, 584, 149_760, 128, 0, (0, 1, 2, 3)),
+                   "c4_state": ("window", 8, row, 0, 8, 0, (2,)),
+                   "c4_index_state": ("window", 8, index_row, 0, 8, 0, (2,)),
+                   "c128_state": ("state", 1, 128 * row // 2, 0, 0, 128, (0, 1, 3))}
+    assert [b.ptr for b in cache.pools["c4_state"].buffers] == \
+        [pool.compress_state_pools[2].kv_score_buffer.kv_score.data_ptr()]
+    contract = kvb.contract_for(specs, model="v4-tiny", aux=kvb.AuxSchema.standard(0, "bfloat16", 0))
+    assert contract.page_size == 256 and contract.pool("c4").page_stride == 37_440
+    args.kv_item_lens = [64 * 584, 64 * 132] + [2 * 584] * 3  # unpadded: not what FlashMLA reads
+    with pytest.raises(ConfigError, match=r"pool 'c4': DeepSeek-V4 pages are \[37376\] B, not 64 rows of 584 B "
+                                          r"\(37376 B\) padded to whole 576-byte rows \(37440 B\)") as err:
+        v4_kv_pools(args, 256)
     assert err.value.field == "pools.c4.bytes_per_page"
-    assert args.state_item_lens[0][:4] == [149_760] * 4
-    with pytest.raises(ConfigError, match=r"pool 'swa': DeepSeek-V4 SWA pages are 149760 B, 256 rows of 584 B "
-                                          r"\(149504 B\) padded") as err:
-        component_pools(args, 0, HybridGeometry(sliding_window=128), page_size=256, kv_dtype="bfloat16",
-                        target_ids=range(4), draft_ids=())
-    assert err.value.field == "pools.swa.bytes_per_page"
-    args.kv_item_lens = [64 * 584, 64 * 132] + [2 * 584] * 3  # unpadded pages: the ratios map to compressed pools
-    c4, index, c128 = (m.spec for m in v4_kv_pools(args, 256))
-    assert (c4.kind, c4.ratio, c4.page_size, c4.layer_ids, c4.scale_offset) == ("compressed", 4, 64, (2,), 64 * 576)
-    assert (index.ratio, index.bytes_per_token, index.layer_ids) == (4, 132, (2,))
-    assert (c128.ratio, c128.page_size, c128.layer_ids) == (128, 2, (0, 1, 3))
-    assert kvb.needed_extent(c128, 300).num_rows == 2  # entries of complete 128-token windows only
+    assert kvb.needed_extent(specs["c128"], 300).num_rows == 2  # entries of complete 128-token windows only
+
+
+def test_geometry_is_read_off_the_v4_pool_and_the_dsa_kpool(sgl):
+    """What KVArgs do not say, from the queue building the manager: V4's window (the scheduler's,
+    else the pool's), C4 ring and C128 ring; a DSA pool's kpool size and tail ring."""
+    from kvbridge.integrations.sglang.state_kinds import geometry_of
+
+    pool = _v4()
+    geo = geometry_of(SimpleNamespace(token_to_kv_pool=pool, scheduler=SimpleNamespace(sliding_window_size=None)))
+    assert (geo.sliding_window, geo.c4_ring_size, geo.c128_ring_size, geo.c128_online, geo.swa_ring_stride) == \
+        (128, pool.get_ring_size(4), 128, False, 0)
+    dsa = SimpleNamespace(kpool_use_compress=True, index_kpool=4, tail_extra_slots=2)
+    geo = geometry_of(SimpleNamespace(token_to_kv_pool=SimpleNamespace(use_dsa=True, full_kv_pool=dsa)))
+    assert (geo.dsa_tail_ratio, geo.dsa_tail_slots) == (4, 6)
+    assert geometry_of(None) == HybridGeometry()
 
 
 def test_v4_c128_state_is_a_tail_slot_by_request_row_and_moves_exactly_the_live_rows(sgl):
@@ -221,10 +247,12 @@ def test_v4_unified_swa_ring_moves_the_rows_sglang_addresses(sgl):
         assert (d[others] == 7).all()  # no other row, compressed region included
 
 
-def test_v4_c4_compressor_rings_are_refused_by_name(sgl, carried):
+def test_v4_c4_compressor_rings_under_the_unified_kv_are_refused_by_name(sgl, carried):
+    """Under the unified KV (HIP) the C4 rings are by request row, and SGLang's SWA index list (SWA
+    pages, which the unified KV does not have) does not address them: refused naming them."""
     carried(ALL_KINDS)
     args = _kv_args(_v4(unified=True))
-    with pytest.raises(ConfigError, match=r"C4 compressor rings .* addressed by the SWA page") as err:
+    with pytest.raises(ConfigError, match=r"C4 compressor rings under the unified KV") as err:
         component_pools(args, 0, HybridGeometry(sliding_window=128), page_size=256, kv_dtype="bfloat16",
                         target_ids=range(4), draft_ids=())
     assert err.value.field == "pools.c4_state.kind"
@@ -431,9 +459,12 @@ def test_request_row_is_one_replicated_slot_numbered_as_the_draft():
     assert made.ptrs == (mark.data_ptr(),)
 
 
-# -- the sender: paged state indices must be the KV's pages; other kinds are not handed on yet ---
+# -- the sender and receiver: paged state indices must be the KV's pages; the others become units ---
 
-def _sender(types, pages, prefix=0, state_of=None):
+SWA_SPECS = {n: kvb.window_pool(n, (0, 2), 32, window=40, page_size=16) for n in ("swa_k", "swa_v")}
+
+
+def _sender(types, pages, prefix=0, state_of=None, specs=None, tokens=0):
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.base.conn import StateType
@@ -441,39 +472,47 @@ def _sender(types, pages, prefix=0, state_of=None):
     from kvbridge.integrations.sglang.sender import KVBridgeKVSender
 
     s = object.__new__(KVBridgeKVSender)  # only the check's state: no manager, no room
-    s.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]),
-                               cache=SimpleNamespace(state_of=state_of or {}))
-    s._page_ids, s._prefix_pages, s.failures = [np.asarray(pages)], prefix, []
+    s.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]), page_size=16,
+                               cache=SimpleNamespace(state_of=state_of or {}, kind_specs=specs or {}))
+    s._page_ids, s._prefix_pages, s.failures, s._tokens_given, s.request = [np.asarray(pages)], prefix, [], tokens, None
     s.fail = s.failures.append
     return s
 
 
-def test_sender_checks_paged_state_indices_hands_mamba_slots_and_refuses_unhanded_kinds():
+def test_sender_checks_paged_state_indices_and_hands_the_others_as_units():
     s = _sender(["block_scale"], [5, 6], prefix=1)
-    assert s._state_follows_pages([np.array([9, 5, 6])]) == {} and not s.failures  # every page; after the prefix
-    assert s._state_follows_pages([np.array([9, 5, 7])]) is None
+    assert s._kind_units([np.array([9, 5, 6])], True) == {} and not s.failures  # every page; after the prefix
+    assert s._kind_units([np.array([9, 5, 7])], True) is None
     assert "'block_scale' state indices (2 pages) are not the request's KV pages" in s.failures[0]
     s = _sender(["dsa"], [5, 6])
-    assert s._state_follows_pages([np.array([5, 6])]) == {} and s._state_follows_pages([np.array([6, 5])]) is None
+    assert s._kind_units([np.array([5, 6])], True) == {} and s._kind_units([np.array([6, 5])], True) is None
     # MAMBA: SGLang's _mamba_payload, [slot as a 0-d array], is each mamba pool's one unit
-    s = _sender(["dsa", "mamba"], [5, 6], state_of={"mamba_0": "mamba", "mamba_1": "mamba"})
-    units = s._state_follows_pages([np.array([5, 6]), [np.asarray(3)]])
+    s = _sender(["dsa", "mamba"], [5, 6], state_of={"mamba_0": "mamba", "mamba_1": "mamba"}, tokens=20)
+    units = s._kind_units([np.array([5, 6]), [np.asarray(3)]], True)
     assert {k: v.tolist() for k, v in units.items()} == {"mamba_0": [3], "mamba_1": [3]} and not s.failures
-    assert s._state_follows_pages([np.array([5, 6]), None]) is None
-    assert "'mamba': the last chunk came without its indices" in s.failures[-1]
-    assert s._state_follows_pages([np.array([5, 6]), [np.array([3, 4])]]) is None
+    assert s._kind_units([np.array([5, 6]), None], True) is None
+    assert "'mamba': 0 indices, expected the request's one slot" in s.failures[-1]
+    assert s._kind_units([np.array([5, 6]), [np.array([3, 4])]], True) is None
     assert "2 indices, expected the request's one slot" in s.failures[-1]
     # SWA: the window's pages in the SWA pool (_swa_payload), each window pool's
-    s = _sender(["swa"], [5, 6], state_of={"swa_k": "swa", "swa_v": "swa"})
-    units = s._state_follows_pages([np.array([4, 1, 3], np.int32)])
+    s = _sender(["swa"], [5, 6], state_of={"swa_k": "swa", "swa_v": "swa"}, specs=SWA_SPECS, tokens=40)
+    units = s._kind_units([np.array([4, 1, 3], np.int32)], True)
     assert {k: v.tolist() for k, v in units.items()} == {"swa_k": [4, 1, 3], "swa_v": [4, 1, 3]}
-    # V4's ring and request state are not handed on yet: the room fails, naming them
-    s = _sender(["swa_ring"], [5, 6])
-    assert s._state_follows_pages([np.array([5])]) is None
-    assert "SGLang state 'swa_ring' (window pools): this SGLang sender does not hand its indices" in s.failures[0]
+    # V4's ring, tail and request state: the request row; a tail slot at a block boundary: the bound row
+    ring = kvb.window_pool("swa_ring", (0, 1), 64, window=8, page_size=1, ring_stride=8)
+    tail = kvb.state_pool("index_tail_k", (0,), 8 * 4, tail_ratio=8)
+    s = _sender(["swa_ring", "dsa_tail"], [5], state_of={"swa_ring": "swa_ring", "index_tail_k": "dsa_tail"},
+                specs={"swa_ring": ring, "index_tail_k": tail}, tokens=13)
+    units = s._kind_units([np.arange(5, 13) % 8 + 3 * 8, [3, 5, 3, 0, 2, 8]], True)
+    assert {k: v.tolist() for k, v in units.items()} == {"swa_ring": [3], "index_tail_k": [3]}
+    s.request = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=2))
+    s._tokens_given = 16  # 16 % 8 == 0: SGLang sends no tail index
+    assert s._kind_units([np.arange(8, 16) % 8 + 2 * 8, []], True)["index_tail_k"].tolist() == [2]
+    assert s._kind_units([np.array([3, 12]), []], True) is None  # rows of two requests
+    assert "ring rows [3, 12].. are not one request's" in s.failures[-1]
 
 
-def _receiver(types, state_of, num_tokens=None):
+def _receiver(types, state_of, num_tokens=None, specs=None):
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.base.conn import StateType
@@ -482,14 +521,15 @@ def _receiver(types, state_of, num_tokens=None):
 
     r = object.__new__(KVBridgeKVReceiver)  # no manager, no room: what send_metadata checks and hands on
     r.kv_mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[StateType(t) for t in types]), page_size=16,
-                               cache=SimpleNamespace(state_of=state_of))
-    r._failure, r.failures, r.inits, r.num_tokens, r.binding = None, [], [], num_tokens, b""
+                               cache=SimpleNamespace(state_of=state_of, kind_specs=specs or {
+                                   p: kvb.state_pool(p, (0,), 64) for p in state_of}))
+    r._failure, r.failures, r.inits, r.num_tokens, r.binding, r.request = None, [], [], num_tokens, b"", None
     r.fail = r.failures.append
     r._handle = SimpleNamespace(init=lambda *a, **kw: r.inits.append((a, kw)))
     return r
 
 
-def test_receiver_hands_mamba_slots_and_swa_pages_with_the_token_count_and_refuses_by_name():
+def test_receiver_hands_mamba_slots_swa_pages_and_rows_with_the_token_count_and_refuses_by_name():
     mamba = {"mamba_0": "mamba", "mamba_1": "mamba"}
     r = _receiver(["mamba"], mamba, num_tokens=50)
     r.send_metadata(np.array([7, 2, 12, 5]), 3, [[np.asarray(2)]])
@@ -501,16 +541,20 @@ def test_receiver_hands_mamba_slots_and_swa_pages_with_the_token_count_and_refus
     r = _receiver(["mamba"], mamba, num_tokens=50)
     r.send_metadata(np.array([7]), 3, [[np.array([2, 3])]])
     assert not r.inits and "2 indices, expected the request's one slot" in r.failures[0]
-    r = _receiver(["swa"], {"swa_k": "swa", "swa_v": "swa"}, num_tokens=100)
+    swa = {"swa_k": "swa", "swa_v": "swa"}
+    r = _receiver(["swa"], swa, num_tokens=100, specs=SWA_SPECS)
     r.send_metadata(np.array([7]), 3, None)
-    assert not r.inits and "'swa': send_metadata came without its indices" in r.failures[0]
-    r = _receiver(["swa"], {"swa_k": "swa", "swa_v": "swa"}, num_tokens=100)
+    assert not r.inits and "'swa': no window pages for pools ['swa_k', 'swa_v']" in r.failures[0]
+    r = _receiver(["swa"], swa, num_tokens=100, specs=SWA_SPECS)
     r.send_metadata(np.arange(7), 3, [np.array([6, 3, 0, 4], np.int32)])
     assert r.inits[0][1]["kind_units"]["swa_v"].tolist() == [6, 3, 0, 4]
-    r = _receiver(["dsa_tail"], {"index_tail_k": "dsa_tail"}, num_tokens=100)
-    r.send_metadata(np.array([7]), 3, [np.array([1])])
-    assert not r.inits and "'dsa_tail' (state pools ['index_tail_k']): this SGLang receiver does not hand" in \
-        r.failures[0]
+    tail = {"index_tail_k": kvb.state_pool("index_tail_k", (0,), 8 * 4, tail_ratio=8)}
+    r = _receiver(["dsa_tail"], {"index_tail_k": "dsa_tail"}, num_tokens=100, specs=tail)
+    r.send_metadata(np.array([7]), 3, [[1, 0, 4, 0, 0, 8]])  # get_dsa_tail_state_indices: [row, start, n1, ..]
+    assert r.inits[0][1]["kind_units"]["index_tail_k"].tolist() == [1]
+    r = _receiver(["dsa_tail"], {"index_tail_k": "dsa_tail"}, num_tokens=96, specs=tail)
+    r.send_metadata(np.array([7]), 3, [[]])  # a block boundary, and no request row known: refused by name
+    assert not r.inits and "no index at a block boundary and the request row is not known" in r.failures[0]
 
 
 def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():

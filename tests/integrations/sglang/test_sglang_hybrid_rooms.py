@@ -1,17 +1,21 @@
-"""A Mamba hybrid (Qwen3-Next class: GDN conv + temporal state beside full-attention k/v pages)
-moved END TO END through kvbridge's rooms by kvbridge's SGLang backend: SGLang 0.5.23's REAL
-pool classes on the CPU (``HybridLinearKVPool`` + ``MambaPool``, ``MetadataBuffers``), their
-``KVArgs`` filled by SGLang's own ``setup_state_kv_args``, kvbridge's real manager, sender and
-receiver (through ``get_kv_class``), a prefill and a decode endpoint in this process at one
+"""Hybrid models moved END TO END through kvbridge's rooms by kvbridge's SGLang backend, each
+through SGLang 0.5.23's REAL pool classes on the CPU: a Mamba hybrid (Qwen3-Next class:
+``HybridLinearKVPool`` + ``MambaPool``), a sliding-window model (gpt-oss class: ``SWAKVPool``) and
+DeepSeek-V4 (``DeepSeekV4TokenToKVPool``, the CUDA layout: FlashMLA pages padded to whole 576-byte
+rows, C4 compressor rings per SWA page, C128 state by request row; it constructs on the CPU), with
+``MetadataBuffers``; their ``KVArgs`` filled by SGLang's own ``setup_state_kv_args`` (and, for V4,
+``get_contiguous_buf_infos``, as SGLang's ``_init_kv_manager`` does), kvbridge's real manager, sender
+and receiver (through ``get_kv_class``), a prefill and a decode endpoint in this process at one
 cluster daemon, real Mooncake TCP on loopback between two engines.
 
 Driven as SGLang's schedulers drive a backend: decode's metadata goes through SGLang's own
 ``DecodePreallocQueue._send_kv_metadata`` (kvbridge's hook, patches.py, hands the receiver the
-token count first; the queue around it is a namespace with what that method reads); prefill sends
-two chunks, the last with SGLang's MAMBA state indices (the request's ``MambaPool`` slot, as
-``_mamba_payload`` builds them). Every byte decode needs is compared (k/v rows of the request,
-both mamba tensors' slot, the metadata row) and every other byte of decode's pools must keep its
-poison."""
+token count and the request first; the queue around it is a namespace with what that method
+reads); prefill sends two chunks, the last with SGLang's state indices as its payload builders make
+them (``_mamba_payload``, ``_swa_payload``, V4's ``request_state_transfer_indices``). Every byte
+decode needs is compared with the prefill bytes SGLang's own addressing names (for V4's C4 rings,
+``translate_from_swa_loc_to_state_loc``), every other byte of decode's pools must keep its poison
+(padding after each V4 page included), and the bytes posted are the bytes needed, no more."""
 
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ RANKS = {"attn_cp_rank": 0, "attn_cp_size": 1, "attn_tp_rank": 0, "attn_tp_size"
 
 
 WINDOW = 40  # the scheduler's sliding_window_size of the SWA model
+V4_PAGE, V4_WINDOW = 256, 128  # DeepSeek-V4: KV and SWA page, sliding window
 
 
 def _swa_pool():
@@ -64,6 +69,19 @@ def _mamba_pool():
                               full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mp)
 
 
+def _v4_pool():
+    """DeepSeek-V4's pool as SGLang builds it for CUDA (FlashMLA layout; it constructs on the CPU):
+    layers of ratios 128, 128, 4, 128; KV and SWA pages of 256 tokens; window 128."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    return DeepSeekV4TokenToKVPool(max_num_reqs=4, swa_size=1024, c4_size=512, c128_size=16, c4_state_pool_size=64,
+                                   c128_state_pool_size=8, page_size=V4_PAGE, swa_page_size=V4_PAGE,
+                                   dtype=torch.uint8, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+                                   qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=4,
+                                   device="cpu", enable_memory_saver=False, compression_ratios=[128, 128, 4, 128],
+                                   sliding_window=V4_WINDOW)
+
+
 class Rank:
     """One SGLang rank of the hybrid model: its pools, metadata rows, KVArgs and kvbridge manager."""
 
@@ -77,7 +95,7 @@ class Rank:
 
         get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, **RANKS)
         self.model = model
-        self.pool = _mamba_pool() if model == "mamba" else _swa_pool()
+        self.pool = {"mamba": _mamba_pool, "swa": _swa_pool, "v4": _v4_pool}[model]()
         self.meta = MetadataBuffers(world.META_ROWS, hidden_size=world.HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=world.TOP_LOGPROBS,
                                     output_dsa_topk_indices_dim=world.DSA_TOPK, kv_checksum_enabled=False)
@@ -89,13 +107,16 @@ class Rank:
         a.num_draft_entries = 0
         a.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
                                             num_draft_entries=0, num_hidden_layers=4)
-        a.page_size, a.ib_device, a.gpu_id = PAGE, None, 0
+        a.page_size, a.ib_device, a.gpu_id = V4_PAGE if model == "v4" else PAGE, None, 0
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = self.meta.get_buf_infos()
         setup_state_kv_args(a, self.pool, None, 4, req_to_token_pool=None)
         self.kv_args = a
-        args = world.server_args(role, port, port=free_port(), **world.MHA_ARGS)  # (port: names the instance)
-        # the queue SGLang's _init_kv_manager runs on (patches.py names it): the SWA pool and the window
-        queue = SimpleNamespace(token_to_kv_pool=self.pool, scheduler=SimpleNamespace(sliding_window_size=WINDOW))
+        more = world.MHA_ARGS if model != "v4" else dict(model_path="tiny-deepseek-v4", served_model_name="tiny-v4",
+                                                          speculative_algorithm=None, speculative_eagle_topk=None)
+        args = world.server_args(role, port, port=free_port(), **more)  # (port: names the instance)
+        # the queue SGLang's _init_kv_manager runs on (patches.py names it): the pool and the window
+        window = V4_WINDOW if model == "v4" else WINDOW
+        queue = SimpleNamespace(token_to_kv_pool=self.pool, scheduler=SimpleNamespace(sliding_window_size=window))
         with world.environ(env), building(queue):
             manager = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
@@ -103,6 +124,13 @@ class Rank:
         get_parallel().clear_stamp()
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
+        if self.model == "v4":
+            p = self.pool
+            return {"c4": list(p.kv_pools[4].kv_buffer), "c4_index": list(p.index_pools[4].index_k_with_scale_buffer),
+                    "c128": list(p.kv_pools[128].kv_buffer), "swa": list(p.swa_kv_pool.kv_buffer),
+                    "c4_state": [p.compress_state_pools[2].kv_score_buffer.kv_score],
+                    "c4_index_state": [p.indexer_compress_state_pools[2].kv_score_buffer.kv_score],
+                    "c128_state": [p.compress_state_pools[i].kv_score_buffer.kv_score for i in (0, 1, 3)]}
         if self.model == "swa":
             full, swa = self.pool.full_kv_pool, self.pool.swa_kv_pool
             return {"k": list(full.k_buffer), "v": list(full.v_buffer), "swa_k": list(swa.k_buffer),
@@ -113,7 +141,18 @@ class Rank:
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).numpy()
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _runs(starts: np.ndarray, length: int) -> np.ndarray:
+    """Byte indices of runs of ``length`` bytes from each of ``starts``."""
+    return (np.asarray(starts, np.int64)[:, None] + np.arange(length)).reshape(-1)
+
+
+def _rows(t: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+    """Byte indices of whole rows (first-axis items) of ``t``."""
+    width = t[0].nbytes
+    return _runs(np.asarray(rows) * width, width)
 
 
 @contextlib.contextmanager
@@ -138,18 +177,6 @@ def _pair(daemon, model: str):
             prefill.mgr.close()
 
 
-@pytest.fixture(scope="module")
-def mamba(daemon):
-    with _pair(daemon, "mamba") as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def swa(daemon):
-    with _pair(daemon, "swa") as pair:
-        yield pair
-
-
 def _until(what, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -160,97 +187,124 @@ def _until(what, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_mamba_hybrid_moves_every_byte_decode_needs_through_the_rooms(mamba):
-    pair = mamba
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
-    from sglang.srt.mem_cache.common import kv_to_page_indices
+# -- the three models' requests: what SGLang hands each side, and what decode needs of it --------
 
-    from kvbridge.integrations.sglang.kvargs import pool_specs
-
-    p, d = pair.prefill, pair.decode
-    specs = pool_specs(p.mgr.cache)
+def _mamba_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
+    """50 tokens on k/v pages, the request's MambaPool slot (1 on prefill, 3 on decode)."""
     assert {n: s.kind for n, s in specs.items()} == {"k": "paged", "v": "paged", "mamba_0": "state",
                                                      "mamba_1": "state"}
     assert p.mgr.cache.state_of == {"mamba_0": "mamba", "mamba_1": "mamba"}
-    room, n, chunk = 2**62 + 77, 50, 32
-    src_pages, dst_pages = np.array([3, 9, 1, 6]), np.array([7, 2, 12, 5])
-    src_slot, dst_slot = 1, 3
-    torch.manual_seed(0)
-    for ts in p.tensors().values():
-        for t in ts:
-            t.copy_(torch.randn_like(t.float()).to(t.dtype))
-    for ts in d.tensors().values():
-        for t in ts:
-            t.view(torch.uint8).fill_(POISON)
-    before = {k: [_bytes(t).copy() for t in ts] for k, ts in d.tensors().items()}
-
-    # decode: the receiver, its prefill instance, then SGLang's own _send_kv_metadata (kvbridge's hook inside)
-    receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(
-        mgr=d.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
-    _until(lambda: d.mgr.try_ensure_parallel_info(pair.addr))
-    receiver.init(0)
-    dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
-    queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
-        enable_staging=False), _num_published_destinations=0,
-        _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
-    req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
-                          time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
-    decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
-    DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], PAGE, [[np.asarray(dst_slot)]],
-                                          decode_prefix_len=0)
-    assert receiver.num_tokens == n
-
-    # prefill: bootstrap, two chunks (the last with the MAMBA slot and the metadata row), as SGLang sends them
-    sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(
-        mgr=p.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
-    _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
-    assert sender.pop_decode_prefix_len() == 0
-    meta_idx = p.meta_alloc.alloc()
-    sender.init(src_pages.size, meta_idx)
-    src_tokens = torch.as_tensor(np.repeat(src_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), src_pages.size))
-    sender.send(kv_to_page_indices(src_tokens[:chunk], PAGE), None, num_kv_tokens=chunk)
-    p.meta.set_buf(world.metadata_req(room, meta_idx))
-    sender.send(kv_to_page_indices(src_tokens[chunk:n], PAGE), [[np.asarray(src_slot)]], num_kv_tokens=n - chunk)
-    _until(lambda: int(sender.poll()) in (KVPoll.Success, KVPoll.Failed))
-    _until(lambda: int(receiver.poll()) in (KVPoll.Success, KVPoll.Failed))
-    assert int(receiver.poll()) == KVPoll.Success, receiver.failure_exception()
-    assert int(sender.poll()) == KVPoll.Success
-    stats = sender.room_stats
-
-    # every byte decode needs, and nothing else
+    n, src_pages, dst_pages, src_slot, dst_slot = 50, np.array([3, 9, 1, 6]), np.array([7, 2, 12, 5]), 1, 3
     src, dst = p.tensors(), d.tensors()
     tok = np.arange(n)
     s_rows, d_rows = src_pages[tok // PAGE] * PAGE + tok % PAGE, dst_pages[tok // PAGE] * PAGE + tok % PAGE
-    for name in ("k", "v"):
-        for layer, (s, t) in enumerate(zip(src[name], dst[name])):
-            assert np.array_equal(_bytes(t[d_rows]), _bytes(s[s_rows])), (name, layer)
-            want = before[name][layer].copy()
-            want[d_rows] = _bytes(s[s_rows])
-            assert np.array_equal(_bytes(t), want), f"{name} layer {layer}: a byte outside the request's rows"
-    for name in ("conv", "temporal"):
-        for layer, (s, t) in enumerate(zip(src[name], dst[name])):
-            assert np.array_equal(_bytes(t[dst_slot]), _bytes(s[src_slot])), (name, layer)
-            want = before[name][layer].copy()
-            want[dst_slot] = _bytes(s[src_slot])
-            assert np.array_equal(_bytes(t), want), f"{name} layer {layer}: a byte outside the request's slot"
-    assert not world.metadata_errors(d.meta.get_buf(decode_req.metadata_buffer_index), room)
+    moves = [(name, i, _rows(s, s_rows), _rows(t, d_rows)) for name in ("k", "v")
+             for i, (s, t) in enumerate(zip(src[name], dst[name]))]
+    moves += [(name, i, _rows(s, [src_slot]), _rows(t, [dst_slot])) for name in ("conv", "temporal")
+              for i, (s, t) in enumerate(zip(src[name], dst[name]))]
     # bytes posted: the k/v rows, both tensors' slot of both layers and the aux row, no more
-    kv_row = specs["k"].bytes_per_token
     slot = sum(specs[m].bytes_per_token for m in ("mamba_0", "mamba_1"))
-    aux = sum(int(x) for x in p.kv_args.aux_item_lens)
-    assert stats["bytes"] == 2 * 2 * n * kv_row + 2 * slot + aux, stats
-    sender.clear()
-    receiver.clear()
+    return SimpleNamespace(n=n, chunk=32, page=PAGE, src_pages=src_pages, dst_pages=dst_pages,
+                           src_state=[[np.asarray(src_slot)]], dst_state=[[np.asarray(dst_slot)]], moves=moves,
+                           needed=2 * 2 * n * specs["k"].bytes_per_token + 2 * slot, rows=(0, 0))
 
 
-def test_a_sliding_window_model_moves_the_window_pages_and_nothing_else_through_the_rooms(swa):
+def _swa_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
     """gpt-oss class: SWAKVPool, full-attention k/v on layers 1 and 3, SWA k/v on layers 0 and 2 on
     pages of their own pool. The window (the scheduler's sliding_window_size, read off the queue
     that builds the manager) decides what travels: SGLang's _swa_payload hands both sides the SWA
     pages from floor((n - W) / page); kvbridge writes rows [n - W, n) of them, with the last chunk
     (the SWA pages' ids come only then), and nothing of the pages before the window."""
+    assert {n: (s.kind, s.window) for n, s in specs.items()} == {
+        "k": ("paged", 0), "v": ("paged", 0), "swa_k": ("window", WINDOW), "swa_v": ("window", WINDOW)}
+    assert specs["swa_k"].layer_ids == (0, 2)  # the SWA pool's layers_mapping
+    n = 100
+    src_pages, dst_pages = np.array([3, 9, 1, 6, 11, 2, 8]), np.array([7, 2, 12, 5, 10, 1, 4])
+    first = (n - WINDOW) // PAGE  # SGLang's window_start page
+    src_swa = np.array([0, 0, 0, 5, 1, 7, 2])  # the SWA pool's pages of the window's logical pages 3..6
+    dst_swa = np.array([6, 3, 0, 4])
+    src, dst = p.tensors(), d.tensors()
+    tok, win = np.arange(n), np.arange(n - WINDOW, n)
+    rows = {"k": (src_pages[tok // PAGE] * PAGE + tok % PAGE, dst_pages[tok // PAGE] * PAGE + tok % PAGE),
+            "swa_k": (src_swa[win // PAGE] * PAGE + win % PAGE, dst_swa[win // PAGE - first] * PAGE + win % PAGE)}
+    rows["v"], rows["swa_v"] = rows["k"], rows["swa_k"]
+    moves = [(name, i, _rows(s, rows[name][0]), _rows(t, rows[name][1])) for name in rows
+             for i, (s, t) in enumerate(zip(src[name], dst[name]))]
+    needed = 2 * 2 * n * specs["k"].bytes_per_token + 2 * 2 * WINDOW * specs["swa_k"].bytes_per_token
+    return SimpleNamespace(n=n, chunk=64, page=PAGE, src_pages=src_pages, dst_pages=dst_pages,  # chunk 1: page 3
+                           src_state=[src_swa[first:].astype(np.int32)], dst_state=[dst_swa.astype(np.int32)],
+                           moves=moves, needed=needed, rows=(0, 0))
+
+
+def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
+    """DeepSeek-V4, 515 tokens (not a multiple of 4 or 128) on three KV pages of 256, in chunks of
+    256 and 259. What decode needs, as SGLang addresses it: the complete compressed entries (C4 KV
+    and indexer K: 128 = two whole pages of 64; C128: 4 = two pages of 2) on the KV pages; the
+    window's 128 rows on SGLang's SWA pages (the pages from floor((n - W) / page): two); the C4
+    compressor rings' rows of the last 8 positions, which straddle the two SWA pages (positions
+    507..511 on the first page's ring, 512..514 on the second's); the C128 state's n % 128 = 3 live
+    rows of the request's ring. Values and scales of each row, never the padding after a page."""
+    assert {n: (s.kind, s.page_stride) for n, s in specs.items()} == {
+        "c4": ("compressed", 37_440), "c4_index": ("compressed", 0), "c128": ("compressed", 1_728),
+        "swa": ("window", 149_760), "c4_state": ("window", 0), "c4_index_state": ("window", 0),
+        "c128_state": ("state", 0)}
+    n, first = 515, (515 - V4_WINDOW) // V4_PAGE
+    src_pages, dst_pages, src_swa, dst_swa, p_row, d_row = [4, 1, 7], [2, 8, 5], [3, 0], [1, 4], 1, 3
+    src_pages, dst_pages, src_swa, dst_swa = map(np.array, (src_pages, dst_pages, src_swa, dst_swa))
+    src, dst = p.tensors(), d.tensors()
+    moves = []
+
+    def entries(name, ratio, per_page, value, scale):  # values then scales of each complete entry, by page
+        e = np.arange(n // ratio)
+        for i, (s, t) in enumerate(zip(src[name], dst[name])):
+            idx = []
+            for pages in (src_pages, dst_pages):
+                base = pages[e // per_page] * s[0].nbytes  # the page's stride: its padded size
+                idx.append(np.concatenate([_runs(base + e % per_page * value, value),
+                                           _runs(base + per_page * value + e % per_page * scale, scale)]))
+            moves.append((name, i, *idx))
+
+    entries("c4", 4, 64, 576, 8)
+    entries("c4_index", 4, 64, 128, 4)
+    entries("c128", 128, 2, 576, 8)
+    win = np.arange(n - V4_WINDOW, n)
+    for i, (s, t) in enumerate(zip(src["swa"], dst["swa"])):
+        stride, row = s[0].nbytes, win % V4_PAGE
+        idx = [np.concatenate([_runs(pages[win // V4_PAGE - first] * stride + row * 576, 576),
+                               _runs(pages[win // V4_PAGE - first] * stride + V4_PAGE * 576 + row * 8, 8)])
+               for pages in (src_swa, dst_swa)]
+        moves.append(("swa", i, *idx))
+    last8 = np.arange(n - 8, n)
+    for name, pools in (("c4_state", (p.pool.compress_state_pools[2], d.pool.compress_state_pools[2])),
+                        ("c4_index_state", (p.pool.indexer_compress_state_pools[2],
+                                            d.pool.indexer_compress_state_pools[2]))):
+        rows = [pool.translate_from_swa_loc_to_state_loc(  # SGLang's own addressing: SWA page x ring + pos % ring
+            torch.as_tensor(pages[last8 // V4_PAGE - first] * V4_PAGE + last8 % V4_PAGE)).numpy()
+            for pool, pages in zip(pools, (src_swa, dst_swa))]
+        moves.append((name, 0, _rows(src[name][0], rows[0]), _rows(dst[name][0], rows[1])))
+    for i, (s, t) in enumerate(zip(src["c128_state"], dst["c128_state"])):
+        live = np.arange(n - n % 128, n) % 128
+        moves.append(("c128_state", i, _rows(s, p_row * 128 + live), _rows(t, d_row * 128 + live)))
+    row4 = p.pool.compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
+    row4i = p.pool.indexer_compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
+    row128 = p.pool.compress_state_pools[0].kv_score_buffer.kv_score[0].nbytes
+    needed = (n // 4) * (584 + 132) + (n // 128) * 584 * 3 + V4_WINDOW * 584 * 4 + 8 * (row4 + row4i) \
+        + (n % 128) * row128 * 3
+    assert p.pool.request_state_transfer_indices(p_row, n).tolist() == [p_row]  # SGLang's C128 index: the row
+    return SimpleNamespace(n=n, chunk=256, page=V4_PAGE, src_pages=src_pages, dst_pages=dst_pages,
+                           src_state=[src_swa.astype(np.int32), p.pool.request_state_transfer_indices(p_row, n)],
+                           dst_state=[dst_swa.astype(np.int32), d.pool.request_state_transfer_indices(d_row, n)],
+                           moves=moves, needed=needed, rows=(p_row, d_row))
+
+
+CASES = {"mamba": _mamba_case, "swa": _swa_case, "v4": _v4_case}
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_the_rooms(daemon, model):
+    from kvbridge.integrations.sglang import install
+
+    install()  # before SGLang's get_kv_class is imported here: it resolves the kvbridge backend
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -258,75 +312,73 @@ def test_a_sliding_window_model_moves_the_window_pages_and_nothing_else_through_
 
     from kvbridge.integrations.sglang.kvargs import pool_specs
 
-    pair = swa
-    p, d = pair.prefill, pair.decode
-    specs = pool_specs(p.mgr.cache)
-    assert {n: (s.kind, s.window) for n, s in specs.items()} == {
-        "k": ("paged", 0), "v": ("paged", 0), "swa_k": ("window", WINDOW), "swa_v": ("window", WINDOW)}
-    assert specs["swa_k"].layer_ids == (0, 2)  # the SWA pool's layers_mapping
-    room, n, chunk = 2**62 + 91, 100, 64
-    src_pages, dst_pages = np.array([3, 9, 1, 6, 11, 2, 8]), np.array([7, 2, 12, 5, 10, 1, 4])
-    first = (n - WINDOW) // PAGE  # SGLang's window_start page
-    src_swa = np.array([0, 0, 0, 5, 1, 7, 2])  # the SWA pool's pages of the window's logical pages 3..6
-    dst_swa = np.array([6, 3, 0, 4])
-    torch.manual_seed(1)
-    for ts in p.tensors().values():
-        for t in ts:
-            t.copy_(torch.randn_like(t.float()).to(t.dtype))
-    for ts in d.tensors().values():
-        for t in ts:
-            t.view(torch.uint8).fill_(POISON)
-    before = {k: [_bytes(t).copy() for t in ts] for k, ts in d.tensors().items()}
+    with _pair(daemon, model) as pair:
+        p, d = pair.prefill, pair.decode
+        case = CASES[model](p, d, pool_specs(p.mgr.cache))
+        n, chunk, page = case.n, case.chunk, case.page
+        room = 2**62 + 77 + len(model)
+        gen = torch.Generator().manual_seed(len(model))
+        for ts in p.tensors().values():
+            for t in ts:
+                b = t.view(torch.uint8)
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+        for ts in d.tensors().values():
+            for t in ts:
+                t.view(torch.uint8).fill_(POISON)
+        before = {k: [_bytes(t).copy() for t in ts] for k, ts in d.tensors().items()}
 
-    receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(
-        mgr=d.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
-    _until(lambda: d.mgr.try_ensure_parallel_info(pair.addr))
-    receiver.init(0)
-    dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
-    queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
-        enable_staging=False), _num_published_destinations=0,
-        _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
-    req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
-                          time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
-    decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
-    DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], PAGE, [dst_swa.astype(np.int32)],
-                                          decode_prefix_len=0)
+        # decode: the receiver, its prefill instance, then SGLang's own _send_kv_metadata (kvbridge's hook inside)
+        receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(
+            mgr=d.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
+        _until(lambda: d.mgr.try_ensure_parallel_info(pair.addr))
+        receiver.init(0)
+        dst_tokens = torch.as_tensor(np.repeat(case.dst_pages, page) * page + np.tile(np.arange(page),
+                                                                                      case.dst_pages.size))
+        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
+            enable_staging=False), _num_published_destinations=0,
+            _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
+        req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
+                              kv=SimpleNamespace(req_pool_idx=case.rows[1]),
+                              time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
+        decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
+        DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], page, case.dst_state,
+                                              decode_prefix_len=0)
+        assert receiver.num_tokens == n
 
-    sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(
-        mgr=p.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
-    _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
-    assert sender.pop_decode_prefix_len() == 0
-    meta_idx = p.meta_alloc.alloc()
-    sender.init(-(-n // PAGE), meta_idx)
-    src_tokens = torch.as_tensor(np.repeat(src_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), src_pages.size))
-    sender.send(kv_to_page_indices(src_tokens[:chunk], PAGE), None, num_kv_tokens=chunk)  # completes window page 3
-    p.meta.set_buf(world.metadata_req(room, meta_idx))
-    sender.send(kv_to_page_indices(src_tokens[chunk:n], PAGE), [src_swa[first:].astype(np.int32)],
-                num_kv_tokens=n - chunk)
-    _until(lambda: int(sender.poll()) in (KVPoll.Success, KVPoll.Failed))
-    _until(lambda: int(receiver.poll()) in (KVPoll.Success, KVPoll.Failed))
-    assert int(receiver.poll()) == KVPoll.Success, receiver.failure_exception()
-    assert int(sender.poll()) == KVPoll.Success
-    stats = sender.room_stats
+        # prefill: bootstrap, two chunks (the last with the state indices and the metadata row), as SGLang sends
+        sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(
+            mgr=p.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
+        _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
+        assert sender.pop_decode_prefix_len() == 0
+        meta_idx = p.meta_alloc.alloc()
+        sender.init(-(-n // page), meta_idx)
+        src_tokens = torch.as_tensor(np.repeat(case.src_pages, page) * page + np.tile(np.arange(page),
+                                                                                      case.src_pages.size))
+        sender.send(kv_to_page_indices(src_tokens[:chunk], page), None, num_kv_tokens=chunk)
+        p.meta.set_buf(world.metadata_req(room, meta_idx))
+        sender.send(kv_to_page_indices(src_tokens[chunk:n], page), case.src_state, num_kv_tokens=n - chunk)
+        _until(lambda: int(sender.poll()) in (KVPoll.Success, KVPoll.Failed))
+        _until(lambda: int(receiver.poll()) in (KVPoll.Success, KVPoll.Failed))
+        assert int(receiver.poll()) == KVPoll.Success, receiver.failure_exception()
+        assert int(sender.poll()) == KVPoll.Success
+        stats = sender.room_stats
 
-    src, dst = p.tensors(), d.tensors()
-    tok = np.arange(n)
-    s_rows, d_rows = src_pages[tok // PAGE] * PAGE + tok % PAGE, dst_pages[tok // PAGE] * PAGE + tok % PAGE
-    win = np.arange(n - WINDOW, n)
-    s_win, d_win = src_swa[win // PAGE] * PAGE + win % PAGE, dst_swa[win // PAGE - first] * PAGE + win % PAGE
-    for name, (srows, drows) in (("k", (s_rows, d_rows)), ("v", (s_rows, d_rows)), ("swa_k", (s_win, d_win)),
-                                 ("swa_v", (s_win, d_win))):
-        for layer, (s, t) in enumerate(zip(src[name], dst[name])):
-            assert np.array_equal(_bytes(t[drows]), _bytes(s[srows])), (name, layer)
-            want = before[name][layer].copy()
-            want[drows] = _bytes(s[srows])
-            assert np.array_equal(_bytes(t), want), f"{name} layer {layer}: a byte outside what decode needs"
-    assert not world.metadata_errors(d.meta.get_buf(decode_req.metadata_buffer_index), room)
-    aux = sum(int(x) for x in p.kv_args.aux_item_lens)
-    assert stats["bytes"] == 2 * 2 * n * specs["k"].bytes_per_token + 2 * 2 * WINDOW * specs["swa_k"].bytes_per_token \
-        + aux, stats
-    sender.clear()
-    receiver.clear()
+        # every byte decode needs, and nothing else (padding and every other row keep their poison)
+        src, dst = p.tensors(), d.tensors()
+        want = {k: [b.copy() for b in bs] for k, bs in before.items()}
+        for name, layer, s_idx, d_idx in case.moves:
+            assert np.array_equal(_bytes(dst[name][layer])[d_idx], _bytes(src[name][layer])[s_idx]), (name, layer)
+            want[name][layer][d_idx] = _bytes(src[name][layer])[s_idx]
+        for name, ts in dst.items():
+            for layer, t in enumerate(ts):
+                assert np.array_equal(_bytes(t), want[name][layer]), f"{name} layer {layer}: a byte outside what " \
+                    "decode needs"
+        assert not world.metadata_errors(d.meta.get_buf(decode_req.metadata_buffer_index), room)
+        aux = sum(int(x) for x in p.kv_args.aux_item_lens)
+        assert sum(len(d_idx) for *_, d_idx in case.moves) == case.needed  # the bytes compared are the needed ones
+        assert stats["bytes"] == case.needed + aux, stats
+        sender.clear()
+        receiver.clear()
 
 
 @pytest.mark.parametrize("queue", ["sglang.srt.disaggregation.prefill.PrefillBootstrapQueue",
