@@ -46,8 +46,10 @@ from typing import Any
 
 import httpx
 
-from kvbridge.chaos.hostile_identity import contract_of, victim_of
+from kvbridge.chaos.hostile_claims import drop, room_within, squat_victim
+from kvbridge.chaos.hostile_identity import victim_of
 from kvbridge.chaos.hostile_sockets import authenticated, closed, port_of, try_send
+from kvbridge.chaos.progress import load_factor, run_rooms
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel import Limits, PeerSet, wire
 from kvbridge.transfer.channel.frames import HEADER, frame
@@ -191,8 +193,10 @@ def starvation(h: Hostile, out: Outcome) -> None:
     flood = Starver(port, secret, s.starve_connections, s.starve_source, STARVE_PACE * limits.frame_rate)
     try:
         flood.run_for(STARVE_WARMUP_S)  # every connection of the flood waits for the budget first
-        rooms_t, rooms = _in_thread(lambda: h.traffic.batch(2, s.room_timeout))
-        probe_t, probe = _in_thread(lambda: probe_frame(port, s.probe_source, secret, s.probe_bytes, s.room_timeout))
+        due = starve_due(flood.frame_bytes, s.probe_bytes) * load_factor()  # (its frame: judged on this host's load)
+        rooms_t, rooms = _in_thread(lambda: run_rooms(h, 2))
+        probe_t, probe = _in_thread(lambda: probe_frame(port, s.probe_source, secret, s.probe_bytes,
+                                                        max(due, s.room_timeout)))
         hold_until = time.monotonic() + s.flood_hold_s
         while rooms_t.is_alive() or probe_t.is_alive() or time.monotonic() < hold_until:
             flood.pump()
@@ -203,17 +207,17 @@ def starvation(h: Hostile, out: Outcome) -> None:
         stop.set()
         watcher.join(2.0)
     out.rss_after_mib = h.rss(m)
-    rooms_ok = bool(rooms) and all(r.ok for r in rooms[0])
-    why = "; ".join(f"{n}: {r}"[:200] for room in (rooms[0] if rooms else []) for n, _, r in room.failures)
+    rooms_ok = bool(rooms) and rooms[0].ok
+    why = rooms[0].why() if rooms else "room thread failed"
     probe_s = probe[0] if probe else None
-    due = starve_due(flood.frame_bytes, s.probe_bytes)
     out.details = {"connections": s.starve_connections, "identity": "hostile-starver", "source": s.starve_source,
                    "slots_held": held, "reopened": flood.reopened, "frame_bytes": flood.frame_bytes,
                    "pace_bytes_per_s": int(flood.pace), "bytes_pushed_mib": round(flood.pushed / (1 << 20), 1),
                    "rss_peak_mib": peak[0], "rss_growth_mib": round(peak[0] - before, 1), "rooms_ok": rooms_ok,
-                   "rooms": len(rooms[0]) if rooms else 0, "room_failures": why or None,
+                   "rooms": 2 if rooms else 0, "room_failures": why or None,
+                   "rooms_waited": rooms[0].waited.record() if rooms else None,
                    "second_identity_frame_bytes": s.probe_bytes, "second_identity_answered_s": probe_s,
-                   "second_identity_due_s": round(due, 2), "legit_room_ok": rooms_ok}
+                   "second_identity_due_s": round(due, 2), "legit_room_ok": rooms_ok}  # (due: x the load factor)
     out.outcome = DEFENDED if rooms_ok and probe_s is not None and probe_s <= due else VULNERABLE
 
 
@@ -328,15 +332,11 @@ class AuthFlood:
         self.held.clear()
 
 
-def _rooms(h: Hostile, decode: list[Any], n: int) -> tuple[bool, str]:
-    """``n`` rooms at once through both prefill ranks and the ``decode`` ranks: (all ok, failures)."""
-    rooms = [h.next_room() for _ in range(n)]
-    pending = [(m, h.submit(m, ops.Prefill(room, h.spec.tokens, 0) if m.role == "prefill"
-                              else ops.Decode(room, h.spec.tokens, h.c.prefill_instance)))
-               for room in rooms for m in (*h.c.prefill, *decode)]
-    results = [(m.name, h.wait_reply(m, request_id, h.spec.room_timeout)) for m, request_id in pending]
-    failed = [f"{name}: {h.reason(r)}" for name, r in results if not (isinstance(r, ops.RoomResult) and r.ok)]
-    return not failed, "; ".join(failed)[:600]
+def _rooms(h: Hostile, decode: list[Any], n: int) -> tuple[bool, str, dict[str, Any]]:
+    """``n`` rooms at once through both prefill ranks and the ``decode`` ranks, judged by their
+    progress (``progress.py``): (all ok, failures, how the wait ended)."""
+    rooms = run_rooms(h, n, decode)
+    return rooms.ok, rooms.why(), rooms.waited.record()
 
 
 def _spawn_tp2(h: Hostile, name: str) -> list[Any]:
@@ -386,7 +386,7 @@ def address_flood(h: Hostile, out: Outcome) -> None:
     stop, peak = threading.Event(), [before]
     watcher = None
     try:
-        warm, _ = _rooms(h, tp2, 1)  # both TP ranks connect to both prefill ranks and prove
+        warm, warm_why, _ = _rooms(h, tp2, 1)  # both TP ranks connect to both prefill ranks and prove
         conns_before = h.c.stats(m).get("control_connections", {})
         proven = int(conns_before.get("proven", 0))  # the cluster's decode rank and the TP 2 host's
         watcher = _rss_watch(h, m, stop, peak)
@@ -419,7 +419,7 @@ def address_flood(h: Hostile, out: Outcome) -> None:
             watcher.join(2.0)
         _stop(tp2)
     out.rss_after_mib = h.rss(m)
-    rooms_ok, why = rooms[0] if rooms else (False, "room thread failed")
+    rooms_ok, why, waited = rooms[0] if rooms else (False, "room thread failed", None)
     # a proven connection lost during the hold is a registered rank displaced (or closed)
     lost_proven = max(0, proven - int(conns_after.get("proven", 0)))
     out.details = {"addresses": flood.next_address - 2, "slots": limits.max_connections,
@@ -428,8 +428,8 @@ def address_flood(h: Hostile, out: Outcome) -> None:
                    "closed_while_filling": evicted_while_filling, "refused_after_hello": flood.refused, "connect_failures": flood.failed,
                    "knocks_during_hold": knocks, "held_closed_by_server": flood.lost,
                    "displaced_during_attack": int(conns_after.get("displaced", 0))
-                   - int(conns_before.get("displaced", 0)), "warm_room_ok": warm,
-                   "rooms_during_hold_ok": rooms_ok, "rooms": 2,
+                   - int(conns_before.get("displaced", 0)), "warm_room_ok": warm, "warm_room_failure": warm_why or None,
+                   "rooms_during_hold_ok": rooms_ok, "rooms": 2, "rooms_waited": waited,
                    "room_failures": why or None, "rss_peak_mib": peak[0], "rss_growth_mib": round(peak[0] - before, 1),
                    "legit_room_ok": rooms_ok}
     filled = held_full + int(conns_before.get("peers", 0)) >= limits.max_connections
@@ -543,15 +543,7 @@ class _Race(threading.Thread):
 
 
 def restart_race(h: Hostile, out: Outcome) -> None:
-    victim_m, victim, victim_id = victim_of(h)
-    out.target = victim_m.name
-    out.rss_before_mib = h.rss(victim_m)
-    contract = contract_of(h)
-    body = {"control_endpoint": "tcp://127.0.0.1:9", "session_id": victim["session_id"], "pools": victim["pools"],
-            "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
-            "scratch": victim["scratch"]}
-    if victim.get("engine_metadata"):
-        body["engine_metadata"] = victim["engine_metadata"]
+    victim_m, victim, _, body = squat_victim(h, out)
     keys = (("own key", ProofKey().public_hex), ("victim's key", victim["proof_key"]), ("no key", None))
     race = _Race(h, body, keys)
     os.kill(victim_m.pid, signal.SIGSTOP)  # type: ignore[arg-type]
@@ -568,12 +560,11 @@ def restart_race(h: Hostile, out: Outcome) -> None:
         race.stop()
         os.kill(victim_m.pid, signal.SIGCONT)  # type: ignore[arg-type]
         for reg in race.accepted:
-            httpx.delete(f"{h.c.url}/v1/ranks/{reg['rank_id']}", timeout=5.0, trust_env=False,
-                         headers={**h.auth, "X-KVBridge-Lease": reg.get("lease_secret", "")})
+            drop(h, reg)
     t0 = time.monotonic()
     registered = h.c.wait_registered(30.0)  # every rank back (the victim with its own key), then a room
     back_s = round(time.monotonic() - t0, 1)
-    ok, seconds, why = _room_within(h, 30.0)
+    ok, seconds, why = room_within(h, 30.0)
     back = h.get(f"/v1/instances/{h.c.decode_instance}")
     out.rss_after_mib = h.rss(victim_m)
     accepted = race.accepted
@@ -585,13 +576,3 @@ def restart_race(h: Hostile, out: Outcome) -> None:
                    "victim_registered_again": back.status_code == 200 and back.json().get("num_ranks") == 1,
                    "legit_room_ok": ok, "legit_room_seconds": seconds, "legit_room_failure": why}
     out.outcome = DEFENDED if not accepted and ok else VULNERABLE
-
-
-def _room_within(h: Hostile, seconds: float) -> tuple[bool, float, str]:
-    """A real room, tried until one succeeds or ``seconds`` pass (the ranks re-register first)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        ok, took, why = h.room_ok()
-        if ok or time.monotonic() > deadline:
-            return ok, took, why
-        time.sleep(0.5)
