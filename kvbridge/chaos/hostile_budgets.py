@@ -6,9 +6,11 @@ write token):
   address) push the largest signed frames as fast as the sockets take them at a prefill rank,
   while two real rooms run on the decode rank's connections and a second identity (another
   address) sends one frame larger than a connection's allowance, which must draw on the shared
-  frame budget. Defended when both rooms succeed and the second identity's frame is answered
-  within its frame deadline (the budget serves addresses in turn; before, in arrival order, 40
-  connections starved two rooms until they failed at 40 s).
+  frame budget. Defended when both rooms succeed (judged by their progress: ``progress.py``)
+  and the second identity's frame is answered within one turn, counted in the flood's frames
+  the server took while it waited (``starve_turn``; the flood counts the Heartbeats it is sent),
+  not in seconds, which a loaded host stretches (the budget serves addresses in turn; before, in
+  arrival order, 40 connections starved two rooms until they failed at 40 s).
 - ``address_flood``: a TP 2 decode host (two decode ranks of a new instance, one address)
   proves itself on a room; then authenticated connections from thousands of loopback source
   addresses (one each: 127.0.x.y) fill every slot of a prefill rank and keep knocking for
@@ -35,6 +37,7 @@ legitimate rank's rooms still succeeded, as the other attacks' do.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 import selectors
@@ -58,7 +61,7 @@ from kvbridge.transfer.prefill.admission import MAX_WAITING_BYTES, MAX_WAITING_B
 from kvbridge.worker import ops
 
 __all__ = ["AuthFlood", "Starver", "address_flood", "proving_bytes", "restart_race", "starvation", "starve_due",
-           "probe_frame"]
+           "starve_turn", "probe_frame"]
 
 # ``h`` below is ``hostile.Hostile`` and ``out`` its ``Outcome`` (duck-typed, as in hostile_identity.py)
 Hostile = Outcome = Any
@@ -98,9 +101,11 @@ def _largest_ping(secret: bytes, seq: int) -> bytes:
     return frame(wire.encode(wire.Ping(decode_rank="x" * pad, seq=seq), secret))
 
 
-def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float) -> float | None:
+def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float,
+                sent: list[float] | None = None) -> float | None:
     """Seconds from sending a signed probe Ping of ``size`` bytes (past a connection's allowance:
-    it needs the shared budget) from ``source`` to its Heartbeat, or None."""
+    it needs the shared budget) from ``source`` to its Heartbeat, or None; ``sent`` gets the
+    moment it was sent (time.monotonic())."""
     sock = authenticated(port, 0, 1, secret, "hostile-probe", source=source)
     if sock is None:
         return None
@@ -108,6 +113,8 @@ def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float
     data = frame(wire.encode(wire.Ping(decode_rank="y" * size, seq=7), secret))
     buf = bytearray()
     t0 = time.monotonic()
+    if sent is not None:
+        sent.append(t0)
     try:
         sock.settimeout(timeout)
         sock.sendall(data)
@@ -146,7 +153,10 @@ class Starver:
         self.stream = b"".join(_largest_ping(secret, i) for i in range(4))
         self.frame_bytes = len(self.stream) // 4
         self.socks: dict[socket.socket, int] = {}  # connection -> where it is in ``stream``
+        self.inbox: dict[socket.socket, bytearray] = {}  # connection -> what the server sent, not yet counted
         self.pushed = self.reopened = 0
+        self.answered = 0  # frames the server sent back: one Heartbeat per flood frame it took whole
+        self.history: list[tuple[float, int]] = []  # (when, answered) at each pump
         for _ in range(n):
             self._open()
         self._last = time.monotonic()
@@ -157,6 +167,25 @@ class Starver:
             return False
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
         self.socks[sock] = 0
+        self.inbox[sock] = bytearray()
+        return True
+
+    def _read(self, sock: socket.socket) -> bool:
+        """Count the frames the server sent on ``sock`` since (False: it closed the connection)."""
+        buf = self.inbox[sock]
+        try:
+            for _ in range(16):
+                data = sock.recv(65536)
+                if not data:
+                    return False
+                buf += data
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        while len(buf) >= HEADER.size and len(buf) - HEADER.size >= HEADER.unpack_from(buf)[0]:
+            del buf[:HEADER.size + HEADER.unpack_from(buf)[0]]
+            self.answered += 1
         return True
 
     def pump(self) -> None:
@@ -167,10 +196,19 @@ class Starver:
             sent = try_send(sock, self.stream[at:at + quota])
             self.pushed += sent
             self.socks[sock] = (at + sent) % len(self.stream)
-            if not sent and closed(sock):  # (closed on a deadline: another of the same identity)
-                del self.socks[sock]
+            if not self._read(sock):  # (closed on a deadline: another of the same identity)
+                del self.socks[sock], self.inbox[sock]
                 sock.close()
                 self.reopened += self._open()
+        self.history.append((time.monotonic(), self.answered))
+
+    def answered_between(self, t0: float, t1: float) -> int:
+        """Flood frames the server answered between ``t0`` and ``t1`` (as the pumps saw them)."""
+        def at(t: float) -> int:
+            i = bisect.bisect_right(self.history, (t, float("inf")))
+            return self.history[i - 1][1] if i else 0
+
+        return at(t1) - at(t0)
 
     def run_for(self, seconds: float) -> None:
         until = time.monotonic() + seconds
@@ -193,10 +231,11 @@ def starvation(h: Hostile, out: Outcome) -> None:
     flood = Starver(port, secret, s.starve_connections, s.starve_source, STARVE_PACE * limits.frame_rate)
     try:
         flood.run_for(STARVE_WARMUP_S)  # every connection of the flood waits for the budget first
-        due = starve_due(flood.frame_bytes, s.probe_bytes) * load_factor()  # (its frame: judged on this host's load)
+        due = starve_due(flood.frame_bytes, s.probe_bytes)
+        probe_sent: list[float] = []
         rooms_t, rooms = _in_thread(lambda: run_rooms(h, 2))
         probe_t, probe = _in_thread(lambda: probe_frame(port, s.probe_source, secret, s.probe_bytes,
-                                                        max(due, s.room_timeout)))
+                                                        max(due * load_factor(), s.room_timeout), probe_sent))
         hold_until = time.monotonic() + s.flood_hold_s
         while rooms_t.is_alive() or probe_t.is_alive() or time.monotonic() < hold_until:
             flood.pump()
@@ -210,6 +249,11 @@ def starvation(h: Hostile, out: Outcome) -> None:
     rooms_ok = bool(rooms) and rooms[0].ok
     why = rooms[0].why() if rooms else "room thread failed"
     probe_s = probe[0] if probe else None
+    # how long the second identity waited, counted in the flood's frames the server took meanwhile
+    # (turns, not seconds: a loaded host slows both alike); fair: within one turn of the flood's share
+    turn = starve_turn(flood.frame_bytes, limits)
+    waited = (flood.answered_between(probe_sent[0], probe_sent[0] + probe_s)
+              if probe_s is not None and probe_sent else None)
     out.details = {"connections": s.starve_connections, "identity": "hostile-starver", "source": s.starve_source,
                    "slots_held": held, "reopened": flood.reopened, "frame_bytes": flood.frame_bytes,
                    "pace_bytes_per_s": int(flood.pace), "bytes_pushed_mib": round(flood.pushed / (1 << 20), 1),
@@ -217,8 +261,19 @@ def starvation(h: Hostile, out: Outcome) -> None:
                    "rooms": 2 if rooms else 0, "room_failures": why or None,
                    "rooms_waited": rooms[0].waited.record() if rooms else None,
                    "second_identity_frame_bytes": s.probe_bytes, "second_identity_answered_s": probe_s,
-                   "second_identity_due_s": round(due, 2), "legit_room_ok": rooms_ok}  # (due: x the load factor)
-    out.outcome = DEFENDED if rooms_ok and probe_s is not None and probe_s <= due else VULNERABLE
+                   "second_identity_due_s": round(due, 2), "second_identity_waited_flood_frames": waited,
+                   "second_identity_turn_frames": turn, "flood_frames_answered": flood.answered,
+                   "load_factor": round(load_factor(), 2), "legit_room_ok": rooms_ok}
+    out.outcome = DEFENDED if rooms_ok and waited is not None and waited <= turn else VULNERABLE
+
+
+def starve_turn(frame_bytes: int, limits: Limits | None = None) -> int:
+    """How many of the flood's frames the server may take while another identity's frame waits
+    for one turn: the frames one address's share of the budget holds (half of it), twice (those
+    in hand when it came, and those granted while it is read), and 2 more for the moment it was
+    sent. Served in arrival order instead, it waits behind every waiting flood connection (40)."""
+    limits = limits or Limits()
+    return 2 * max(1, (limits.frame_budget // 2) // frame_bytes) + 2
 
 
 def starve_due(frame_bytes: int, probe_bytes: int, limits: Limits | None = None) -> float:
