@@ -11,7 +11,8 @@ judged here as an operator would judge it:
   (``load_factor``: the 1-minute load average per CPU, at least 1), read again at each look;
 - **advancing** while anything that moves it does: a rank answered it, a prefill rank posted
   more bytes or slices (pages landing), ended a room, or refused or displaced a connection
-  (the flood being refused) since the last look;
+  (the flood being refused) since the last look, or the daemon, where every room looks its
+  ranks up, was at work (a fifth of a CPU or more: working through a flood's aftermath);
 - and every wait ends by ``ceiling_s`` whatever it sees, so no loop of the harness is unbounded.
 
     ask rooms ─▶ look every LOOK_S: answers? prefill's posted bytes/slices, rooms, refusals?
@@ -30,6 +31,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvbridge.worker import ops
@@ -62,6 +64,7 @@ class Waited:
     window_s: float
     load_factor: float
     advances: int
+    daemon_busy_looks: int = 0  # looks at which the daemon was at work (counted among the advances)
     ceiling: bool = False
 
     def why(self) -> str:
@@ -76,12 +79,38 @@ class Waited:
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
+BUSY_SHARE = 0.2  # a daemon using this share of a CPU between two looks is working (leases alone: ~1%)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Progress:
     """The signs that the cluster's rooms move: each prefill rank's posted bytes and slices, its
-    rooms ended, and its control channel's refused and displaced connections (worker Stats)."""
+    rooms ended, and its control channel's refused and displaced connections (worker Stats); and
+    the daemon at work (``BUSY_SHARE`` of a CPU since the last look: every room looks its ranks up
+    there, and a flood's aftermath there, such as ``metadata_flood``'s, delays them)."""
 
     def __init__(self, h: Any) -> None:
         self.h = h
+        self._daemon_cpu: tuple[float, float | None] | None = None  # (when, its CPU seconds)
+        self.busy_looks = 0
+
+    def daemon_busy(self) -> bool:
+        daemon = getattr(self.h.c, "daemon", None)
+        now, cpu = time.monotonic(), cpu_seconds(daemon.pid if daemon is not None and daemon.alive else None)
+        last, self._daemon_cpu = self._daemon_cpu, (now, cpu)
+        if last is None or cpu is None or last[1] is None or now <= last[0]:
+            return False
+        busy = (cpu - last[1]) / (now - last[0]) >= BUSY_SHARE
+        self.busy_looks += busy
+        return busy
 
     def sign(self) -> tuple:
         out = []
@@ -100,6 +129,7 @@ class Progress:
         the rooms stop advancing for ``stall_s`` x the load factor, or ``ceiling_s`` passes."""
         t0 = last_move = time.monotonic()
         sign, advances, factor = self.sign(), 0, load_factor()
+        self.daemon_busy()
         next_look = t0 + LOOK_S
         while True:
             answered = step(0.05)
@@ -107,17 +137,18 @@ class Progress:
             if answered:
                 last_move, advances = now, advances + 1
             if done():
-                return Waited(True, now - t0, None, stall_s * factor, factor, advances)
+                return Waited(True, now - t0, None, stall_s * factor, factor, advances, self.busy_looks)
             if now >= next_look:
                 seen = self.sign()
                 now = time.monotonic()
-                if seen != sign:
+                if self.daemon_busy() or seen != sign:
                     sign, last_move, advances = seen, now, advances + 1
                 factor = load_factor()
                 next_look = now + LOOK_S
             still = now - last_move
             if still > stall_s * factor or now - t0 > ceiling_s:
-                return Waited(False, now - t0, still, stall_s * factor, factor, advances, ceiling=now - t0 > ceiling_s)
+                return Waited(False, now - t0, still, stall_s * factor, factor, advances, self.busy_looks,
+                              ceiling=now - t0 > ceiling_s)
 
 
 @dataclass

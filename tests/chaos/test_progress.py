@@ -27,6 +27,9 @@ class Played(Progress):
     def sign(self) -> tuple:
         return (next(self.n),) if self.moving() else (0,)
 
+    def daemon_busy(self) -> bool:
+        return False
+
 
 @pytest.fixture(autouse=True)
 def quick_looks(monkeypatch: pytest.MonkeyPatch) -> None:
