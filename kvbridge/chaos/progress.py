@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.errors import KVBridgeError
 from kvbridge.worker import ops
 
-__all__ = ["CEILING_S", "LOOK_S", "Progress", "Rooms", "Waited", "load_factor", "run_rooms"]
+__all__ = ["CEILING_S", "LOOK_S", "Progress", "Rooms", "Waited", "awake", "load_factor", "run_rooms"]
 
 LOOK_S = 0.5  # how often the signs of progress are read
 CEILING_S = 240.0  # no wait is longer, however the rooms advance
@@ -115,7 +116,10 @@ class Progress:
     def sign(self) -> tuple:
         out = []
         for m in self.h.c.prefill:
-            st = self.h.c.stats(m, timeout=5.0)
+            try:
+                st = self.h.c.stats(m, timeout=5.0)
+            except KVBridgeError:  # (no answer in time: no sign of anything this look)
+                st = {}
             posted = st.get("posted", {})
             conns = st.get("control_connections", {})
             out.append((posted.get("bytes"), posted.get("slices"), st.get("rooms_ok"), st.get("rooms_failed"),
@@ -173,6 +177,8 @@ def run_rooms(h: Any, n: int, decode: Sequence[Any] | None = None, stall_s: floa
     """``n`` rooms at once through every prefill rank and the ``decode`` ranks (the cluster's by
     default), judged by their progress (``Progress.wait``; ``stall_s``: the spec's room timeout)."""
     members = [*h.c.prefill, *(h.c.decode if decode is None else decode)]
+    for m in members:
+        awake(m)
     asked: dict[tuple[int, str], tuple[Any, int]] = {}
     for _ in range(n):
         room = h.next_room()
@@ -198,6 +204,24 @@ def run_rooms(h: Any, n: int, decode: Sequence[Any] | None = None, stall_s: floa
     waited = Progress(h).wait(lambda: not asked, step, h.spec.room_timeout if stall_s is None else stall_s,
                               ceiling_s)
     return Rooms(answers, waited)
+
+
+def awake(m: Any, tries: int = 4, timeout: float = 5.0) -> bool:
+    """Make sure the harness's ops connection to worker ``m`` carries an op now: a worker closes
+    a connection idle for its ``idle_timeout`` (120 s), and an attack that runs longer without
+    an op (``metadata_flood`` on a loaded host) would otherwise send its room into a connection
+    the worker already closed, where the op is lost and never answered. A Stats call answered
+    proves the connection (the client reconnects once it sees the close); at most ``tries``."""
+    if m.client is None or not m.alive:
+        return False
+    for _ in range(tries):
+        try:
+            m.client.poll(0.0)  # (a close the worker sent is seen here: the client reconnects)
+            if isinstance(m.client.call(ops.Stats(), timeout), ops.StatsReply):
+                return True
+        except KVBridgeError:
+            continue
+    return False
 
 
 def _reason(reply: Any) -> str:
