@@ -76,7 +76,9 @@ class PrefillWorker(WorkerBase):
         return {"control": self.endpoint.endpoint}
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "control_connections": self.endpoint.connections()}
+        # posted: bytes and slices posted since start (kvbridge chaos --hostile reads a room's progress off it)
+        return {**super().stats(), "control_connections": self.endpoint.connections(),
+                "posted": self.endpoint.counters}
 
     def begin(self, peer: bytes, request_id: int, op: ops.Prefill) -> PrefillTask:
         ps = self.cfg.page_size
