@@ -250,6 +250,10 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
     # (state travels only then)
     kind_units: dict[str, bytes] = {}
     kind_last: bool = False
+    # decode checks digests (TransferRequest.want_digest): per pool of ``kind_units``, one LE uint64
+    # digest per unit it names, in its order, over the bytes the rooms move of that unit
+    # (transfer/digest.py ``kind_unit_digests``)
+    kind_digests: dict[str, bytes] = {}
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "failed"):
@@ -258,6 +262,11 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
         _check_pages(self, "logical_pages", self.logical_pages)
         for pool, units in self.kind_units.items() if isinstance(self.kind_units, dict) else ():
             _check_pages(self, f"kind_units.{pool}", units)
+        for pool, digests in self.kind_digests.items() if isinstance(self.kind_digests, dict) else ():
+            units = self.kind_units.get(pool) if isinstance(self.kind_units, dict) else None
+            if units is None or len(digests) != 2 * len(units):
+                raise ProtocolError(f"field 'kind_digests.{pool:.40}' of pages_done must hold one 8-byte digest per "
+                                    f"unit of kind_units.{pool:.40}", room=self.room, field=f"kind_digests.{pool:.40}")
 
 
 class AbortAck(_Message, frozen=True, tag="abort_ack"):
