@@ -97,3 +97,15 @@ def test_a_pipeline_stage_digests_its_own_layers():
     part = kind_unit_digests(spec, src, logical, s_units, 131, layers=first)
     assert (part == kind_unit_digests(spec, stage, logical, s_units, 131, layers=first)).all()
     assert (part != kind_unit_digests(spec, src, logical, s_units, 131)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("label, spec", SPECS, ids=[label for label, _ in SPECS])
+def test_a_kind_units_digest_over_cuda_buffers_equals_the_hosts(label, spec):
+    """The GPU path (``page_bytes`` indexes the units on the device): the same digests as the
+    host copies of the same buffers."""
+    src, _, logical, s_units, _, _, _ = _moved(spec, 131, False)
+    on_gpu = {k: v.to("cuda:0") for k, v in src.items()}
+    assert (kind_unit_digests(spec, on_gpu, logical, s_units, 131)
+            == kind_unit_digests(spec, src, logical, s_units, 131)).all()
