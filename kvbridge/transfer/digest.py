@@ -5,6 +5,9 @@ layer of the room, in (pool name, layer id) order, so prefill (over its source
 pages) and decode (over its destination pages) compute the same value from
 different physical pages. It is a vectorised 64-bit weighted word sum, not a
 cryptographic hash: it catches flipped, missing and misplaced bytes.
+
+Window, compressed and state pools are digested per unit (``kind_unit_digests``: a window page,
+a compressed entry page, a state slot, a ring row) over exactly the bytes the rooms move of it.
 """
 
 from __future__ import annotations
