@@ -145,8 +145,9 @@ def kind_unit_digests(
         desc = BufferDesc(pool=spec.name, layer_id=layer, base=0, capacity_pages=int(view.shape[0]),
                           bytes_per_page=bpp)
         cut = spec if spec.layer_ids == (layer,) else _one_layer(spec, layer)
-        if one:
-            plan = plan_kind(cut, [desc], [desc], ext, units[:1], units[:1])
+        if one:  # (a rank's cut of a sharded slot: every group's part of it, as between equal TP ranks)
+            tp = (spec.tp_size, 0, spec.tp_size, 0) if spec.kind == STATE and spec.shard_units else (1, 0, 1, 0)
+            plan = plan_kind(cut, [desc], [desc], ext, units[:1], units[:1], tp=tp)
         else:
             plan = plan_kind(cut, [desc], [desc], ext, units[order], units[order], logical=logical[order])
         off, length = plan.src.astype(np.int64), plan.length.astype(np.int64)

@@ -22,6 +22,9 @@ def _specs() -> list[tuple[str, kvb.PoolSpec]]:
     out = [(f"v4:{n}", s) for n, s in model_specs("v4").items()]
     out += [(f"hybrid:{n}", s) for n, s in model_specs("hybrid").items()]
     out.append(("ring", kvb.window_pool("ring", [0, 1], 16, window=8, page_size=PAGE, ring_stride=8)))
+    # a TP rank's cut of sharded Mamba slots (prefill TP 2 -> decode TP 2: rank r's slot whole to rank r)
+    out += [(f"tp2:{n}", s) for n, s in kvb.mamba_pools([1, 3], conv_groups=(4, 2, 2), conv_kernel=4, num_heads=2,
+                                                         head_dim=4, state_size=8, tp_size=2).items()]
     return out
 
 
@@ -38,8 +41,10 @@ def _moved(spec: kvb.PoolSpec, n: int, as_numpy: bool):
     logical = np.array([ext.first]) if one else np.arange(ext.first, ext.stop)
     s_units = np.array([2]) if one else logical[::-1] + 1
     d_units = np.array([4]) if one else np.arange(logical.size) * 2 + 3
+    r = spec.tp_size - 1  # (the last TP rank: its part of every group)
+    tp = (spec.tp_size, r, spec.tp_size, r) if spec.kind == STATE and spec.shard_units else (1, 0, 1, 0)
     plan = kvb.plan_kind(spec, descs(specs, src), descs(specs, dst), ext, s_units, d_units,
-                         logical=None if one else logical)
+                         logical=None if one else logical, tp=tp)
     for s, d, k in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
         ctypes.memmove(d, s, k)
     if as_numpy:
