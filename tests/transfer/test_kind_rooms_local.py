@@ -128,17 +128,17 @@ def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model
         c.close()
 
 
-@pytest.mark.parametrize("model, n, cuts, pool, staging", [
-    ("v4", 131, (40, 96), "csa", ("never", "never")),  # a compressed entry page, direct
-    ("v4", 131, (40, 96), "hca_tail", ("always", "always")),  # a tail state slot, staged
-    ("hybrid", 22, (9,), "swa", ("never", "never")),  # a paged window's page
-    ("hybrid", 22, (9,), "mamba_ssm", ("always", "always")),  # a Mamba state slot, staged
+@pytest.mark.parametrize("model, cp, n, cuts, pool, staging", [
+    ("v4", 1, 131, (40, 96), "csa", ("never", "never")),  # a compressed entry page, direct
+    ("v4", 1, 131, (40, 96), "hca_tail", ("always", "always")),  # a tail state slot, staged
+    ("hybrid", 2, 30, (13, 21), "swa", ("never", "never")),  # a paged window's page, CP 2 (from its owner lane)
+    ("hybrid", 1, 22, (9,), "mamba_ssm", ("always", "always")),  # a Mamba state slot, staged
 ])
-def test_a_corrupted_kind_unit_fails_the_room_by_pool_and_unit(daemon, request, model, n, cuts, pool, staging):
+def test_a_corrupted_kind_unit_fails_the_room_by_pool_and_unit(daemon, request, model, cp, n, cuts, pool, staging):
     """verify_digest with window, compressed and state pools: a clean room commits; a byte of one
     kind unit flipped on decode after it landed (before the commit reads the units back) fails
     the room naming the pool and the unit; prefill's bytes are untouched."""
-    c = KindCluster(daemon.url, model, f"kd-{request.node.callspec.id[:20]}", 1, staging,
+    c = KindCluster(daemon.url, model, f"kd-{request.node.callspec.id[:20]}", cp, staging,
                     slot_bytes=4096 if staging[0] == "always" else 0, verify_digest=True)
     ep, spec = c.decode, c.specs[pool]
     real = ep._read_for_commit
