@@ -32,7 +32,9 @@ registration like an Abort, and it must present the room's binding: only the dec
 claim the room can release it (``prefill/intake.py``).
 
 A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
-carried it (the aux row rides in the last chunk's batch), with the request's length.
+carried it (the aux row rides in the last chunk's batch), with the request's length; the
+window, compressed and state units it completed (``kind_units``), and when decode wants
+digests, theirs (``digests`` per page, ``kind_digests`` per unit).
 
 They travel in ``envelope.py``'s envelope (version WIRE_VERSION, HMAC with the cluster secret)
 and are checked by one typed decoder: types, ranges and the value rules below, each refusal
