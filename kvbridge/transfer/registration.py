@@ -28,18 +28,14 @@ ROOM_POOL_KINDS: frozenset[str] = frozenset({"paged", "window", "compressed", "s
 
 
 def check_kind_config(specs: Mapping[str, PoolSpec], *, rank: str, pp_size: int = 1, cp_size: int = 1,
-                      lane_rule: str = "interleaved", verify_digest: bool = False) -> None:
+                      lane_rule: str = "interleaved") -> None:
     """Refuse at construction, by name, what the rooms do not carry for the window, compressed and
     state pools (docs/concepts.md, "Pool kinds in the rooms"). Both sides call it: prefill with its
-    CP lanes, decode with its digest setting. Staged and direct writes, layer ranges and pipeline
-    stages all carry every kind (``pp_size`` is accepted for the callers' symmetry)."""
+    CP lanes. Staged and direct writes, layer ranges, pipeline stages and digests (per unit,
+    ``transfer/digest.py``) all carry every kind (``pp_size`` is accepted for the callers' symmetry)."""
     kinds = kind_specs(specs)
     if not kinds:
         return
-    names = ", ".join(f"{n} ({s.kind})" for n, s in sorted(kinds.items()))
-    if verify_digest:
-        raise ConfigError(f"pools {names}: page digests cover paged pools only; turn verify_digest off",
-                          rank=rank, field="verify_digest")
     try:
         check_kind_topology(list(kinds.values()), cp_size, lane_rule)
     except KVBridgeError as exc:

@@ -42,7 +42,7 @@ def valid_map(rng: random.Random) -> dict:
               "staging_slots": 0, "staging_slot_bytes": 0, "staging_base": 0, "staging_only": False, "chunk": 0,
               "slot": 0, "num_bytes": 0, "scatter": b"", "signature": b"\0" * wire.SIGNATURE_BYTES, "binding": b"",
               "decider": "p0", "instance": "d"}
-    sample.update(kind_units={}, kind_last=False)  # the pool kinds' units (transfer/prefill/kinds.py)
+    sample.update(kind_units={}, kind_last=False, kind_digests={})  # the pool kinds' units (transfer/prefill/kinds.py)
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 

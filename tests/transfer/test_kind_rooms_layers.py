@@ -30,7 +30,7 @@ class StageKindCluster:
     every layer, on one LocalFabric. ``split``: each stage's target layers."""
 
     def __init__(self, url: str, model: str, name: str, split: list[tuple[int, int]], cp: int = 1,
-                 staging: str = "never") -> None:
+                 staging: str = "never", verify_digest: bool = False) -> None:
         self.specs = model_specs(model)
         self.contract = contract(self.specs)
         self.num_layers = self.contract.model.target_layers
@@ -56,7 +56,7 @@ class StageKindCluster:
             self.dst = buffers(self.specs, seed=None)
             self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
             cfg = DecodeConfig(instance=f"{name}-d", staging=staging, lease_ttl=5.0, peer_timeout=5.0,
-                               ping_interval=0.2)
+                               ping_interval=0.2, verify_digest=verify_digest)
             self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
                                          self.contract, self._client(url), self.aux, AUX)
             self.decode.start()
@@ -122,4 +122,45 @@ def test_layer_ranges_and_stages_move_every_kind_exactly_once(daemon, request, m
         if staging == "always":  # every byte through a slot
             assert sum(t.stats["bytes_staged"] for t in txs) == needed + AUX.row_bytes, [t.stats for t in txs]
     finally:
+        c.close()
+
+
+@pytest.mark.parametrize("model, split, width, pool, layer, unit, stage", [
+    # two stages, a layer a range: an HCA entry page of stage 0's layer 0 (HCA on layers 0-2)
+    ("v4", [(0, 2), (2, 5)], 1, "hca", 0, 0, 0),
+    # two stages, a layer a range: a window page of stage 1's draft layer
+    ("v4", [(0, 2), (2, 5)], 1, "draft", 4, 32, 1),
+])
+def test_stages_digest_their_own_layers_of_every_kind_unit(daemon, request, model, split, width, pool, layer, unit,
+                                                           stage):
+    """verify_digest over layer ranges and pipeline stages: each stage digests its own layers of
+    each kind unit it reports and decode reads back the same layers; a clean room commits, a byte
+    of one unit's layer flipped on decode before the commit's read fails the room naming the pool,
+    the unit and the stage that sent it."""
+    c = StageKindCluster(daemon.url, model, f"kg-{request.node.callspec.id[:24]}", split, 1, "never",
+                         verify_digest=True)
+    ep, spec = c.decode, c.specs[pool]
+    real, flip = ep._read_for_commit, []
+
+    def corrupt_then_read(a):
+        for off in flip:
+            c.dst[(pool, layer)].view(-1).view(torch.uint8)[off] ^= 0xFF
+        flip.clear()
+        real(a)
+
+    ep._read_for_commit = corrupt_then_read
+    try:
+        rx, txs = c.room(700, 131, (40, 96), width)
+        assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+        assert differing(c.specs, c.dst, expected(c.specs, c.src, 131)) == []
+        ext = kvb.needed_extent(spec, 131)
+        where = decode_units(c.specs, 131)[pool][unit - ext.first] if pool in decode_units(c.specs, 131) \
+            else decode_pages(131)[unit]
+        flip.append(int(where) * spec.bytes_per_page)  # (the unit's first row travels)
+        rx, txs = c.room(701, 131, (40, 96), width, slot=4)
+        assert rx.poll() == kvb.KVPoll.Failed
+        assert f"digest mismatch in pool {pool!r} ({spec.kind}), unit {unit} (from cp0/tp0/pp{stage})" \
+            in rx.failure_reason, rx.failure_reason
+    finally:
+        ep._read_for_commit = real
         c.close()

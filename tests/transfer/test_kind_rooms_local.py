@@ -27,8 +27,9 @@ class KindCluster:
     """CP prefill ranks and one decode rank of one model, on one LocalFabric."""
 
     def __init__(self, url: str, model: str, name: str, cp: int = 1, staging: tuple[str, str] = ("never", "never"),
-                 slot_bytes: int = 0) -> None:
-        """``staging``: prefill's and decode's setting; ``slot_bytes``: both sides' staging slots."""
+                 slot_bytes: int = 0, verify_digest: bool = False) -> None:
+        """``staging``: prefill's and decode's setting; ``slot_bytes``: both sides' staging slots;
+        ``verify_digest``: decode checks page and unit digests."""
         self.specs = model_specs(model)
         self.contract = contract(self.specs)
         self.fabric = LocalFabric()
@@ -45,7 +46,7 @@ class KindCluster:
         self.dst = buffers(self.specs, seed=None)
         self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
         cfg = DecodeConfig(instance=f"{name}-d", staging=staging[1], lease_ttl=5.0, peer_timeout=5.0, ping_interval=0.2,
-                           staging_slot_bytes=slot_bytes)
+                           staging_slot_bytes=slot_bytes, verify_digest=verify_digest)
         self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
                                      self.contract, self._client(url), self.aux, AUX)
         self.decode.start()
@@ -127,6 +128,51 @@ def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model
         c.close()
 
 
+@pytest.mark.parametrize("model, cp, n, cuts, pool, staging", [
+    ("v4", 1, 131, (40, 96), "csa", ("never", "never")),  # a compressed entry page, direct
+    ("v4", 1, 131, (40, 96), "hca_tail", ("always", "always")),  # a tail state slot, staged
+    ("hybrid", 2, 30, (13, 21), "swa", ("never", "never")),  # a paged window's page, CP 2 (from its owner lane)
+    ("hybrid", 1, 22, (9,), "mamba_ssm", ("always", "always")),  # a Mamba state slot, staged
+])
+def test_a_corrupted_kind_unit_fails_the_room_by_pool_and_unit(daemon, request, model, cp, n, cuts, pool, staging):
+    """verify_digest with window, compressed and state pools: a clean room commits; a byte of one
+    kind unit flipped on decode after it landed (before the commit reads the units back) fails
+    the room naming the pool and the unit; prefill's bytes are untouched."""
+    c = KindCluster(daemon.url, model, f"kd-{request.node.callspec.id[:20]}", cp, staging,
+                    slot_bytes=4096 if staging[0] == "always" else 0, verify_digest=True)
+    ep, spec = c.decode, c.specs[pool]
+    real = ep._read_for_commit
+    flip: list[int] = []  # byte offsets of (pool, last layer) to flip before the next commit read
+
+    def corrupt_then_read(a):
+        for off in flip:
+            c.dst[(pool, spec.layer_ids[-1])].view(-1).view(torch.uint8)[off] ^= 0xFF
+        flip.clear()
+        real(a)
+
+    ep._read_for_commit = corrupt_then_read
+    try:
+        rx, txs = c.room(900 + n, n, cuts)
+        assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
+        assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
+        ext = kvb.needed_extent(spec, n)
+        if spec.kind == "state":
+            unit, where, name = 4, 0, "state slot"  # the second room's slot (its first byte always travels)
+        elif spec.kind == "compressed":
+            logical = ext.first + 1
+            unit, where, name = decode_units(c.specs, n)[pool][1], 0, f"unit {logical}"
+        else:  # the window's last page on the room's mapping: its first row travels
+            logical = ext.stop - 1
+            unit, where, name = decode_pages(n)[logical], 0, f"unit {logical}"
+        flip.append(unit * spec.bytes_per_page + where)
+        rx, txs = c.room(950 + n, n, cuts, slot=4)
+        assert rx.poll() == kvb.KVPoll.Failed
+        assert f"digest mismatch in pool {pool!r} ({spec.kind}), {name}" in rx.failure_reason, rx.failure_reason
+    finally:
+        ep._read_for_commit = real
+        c.close()
+
+
 def test_a_failed_rooms_state_slot_is_refused_until_no_write_can_reach_it(daemon):
     """Decode aborts a room whose prefill rank never sent: its state slot stays taken (a write may
     still land) until the prefill rank acknowledged the abort, like its pages; then a new room
@@ -174,11 +220,6 @@ def test_what_the_rooms_do_not_carry_is_refused_at_construction_by_name(daemon):
         for cfg, field in cases:
             with pytest.raises(ConfigError) as err:
                 PrefillEndpoint(cfg, eng, specs, bufs, ct, client, AUX)
-            assert err.value.field == field, err.value
-        for cfg, field in [(DecodeConfig(instance="kr-d2", verify_digest=True), "verify_digest")]:
-            with pytest.raises(ConfigError) as err:
-                DecodeEndpoint(cfg, eng, specs, bufs, ct, client, torch.zeros((2, AUX.row_bytes), dtype=torch.uint8),
-                               AUX)
             assert err.value.field == field, err.value
     finally:
         eng.close()

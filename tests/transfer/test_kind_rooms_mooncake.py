@@ -63,13 +63,14 @@ class Proc:
             self.proc.wait(5)
 
 
-@pytest.mark.parametrize("model, cp, rooms, staging", [
-    ("v4", 1, [(131, (40, 96), None), (45, (), None), (131, (40, 96), 2), (45, (), 2)], "never"),
-    ("hybrid", 2, [(30, (13, 21), None), (22, (9,), None)], "never"),
+@pytest.mark.parametrize("model, cp, rooms, staging, digest", [
+    # layer ranges of 2; decode checks the digests of every page and kind unit (verify_digest)
+    ("v4", 1, [(131, (40, 96), None), (45, (), None), (131, (40, 96), 2), (45, (), 2)], "never", True),
+    ("hybrid", 2, [(30, (13, 21), None), (22, (9,), None)], "never", False),
     # staged only, 4 KiB slots: every write of every kind through decode's staging slots, many chunks
-    ("v4", 1, [(131, (40, 96), None), (45, (), None)], "always"),
+    ("v4", 1, [(131, (40, 96), None), (45, (), None)], "always", True),
 ])
-def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms, staging):
+def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, model, cp, rooms, staging, digest):
     specs = model_specs(model)
     instance = f"kmc-{model}-{staging}"
     slot_bytes = 4096 if staging != "never" else 0
@@ -78,7 +79,8 @@ def test_kind_pools_between_processes_move_exactly_what_decode_needs(daemon, mod
         for rank in range(cp):
             procs.append(Proc(daemon.url, instance, model, rank, cp, staging, slot_bytes))
         dst = buffers(specs, None)
-        cfg = DecodeConfig(instance=f"{instance}-d", staging=staging, staging_slot_bytes=slot_bytes)
+        cfg = DecodeConfig(instance=f"{instance}-d", staging=staging, staging_slot_bytes=slot_bytes,
+                           verify_digest=digest)
         d = DecodeEndpoint(cfg, kvb.create_engine("mooncake"), specs, dst, contract(specs), client,
                            torch.zeros((4, AUX.row_bytes), dtype=torch.uint8), AUX)
         d.start()

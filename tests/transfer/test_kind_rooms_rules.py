@@ -161,6 +161,27 @@ def test_a_request_prefill_cannot_serve_is_refused_naming_the_field(change, fiel
     assert not kw.wants(9, "d0")
 
 
+def test_digests_of_a_state_slot_cut_across_tp_sizes_are_refused_by_name():
+    """A sharded Mamba slot sent to a decode TP size of 2 lands in pieces of another rank's slot:
+    no unit digest covers that, so a request that wants digests is refused (``want_digest``);
+    without digests, or with one TP size, it is served."""
+    specs = {k: v for k, v in model_specs("hybrid").items() if k.startswith("mamba")}
+    assert all(s.shard_units for s in specs.values())
+
+    def accept(**kw):
+        book = KindWrites(specs, fake_descs(specs), lanes=kvb.OwnerLanes(1, "interleaved"), cp_rank=0, tp_size=1,
+                          rank="p0")
+        req = request(specs, 22, **kw)
+        dst = {n: kvb.layout.kinds.state_tp_spec(s, req.num_decode_ranks) for n, s in specs.items()}
+        book.accept(req, fake_descs(dst, 1 << 30), decode_pages(22), 22)
+        return book
+
+    with pytest.raises(KVBridgeError) as err:
+        accept(num_decode_ranks=2, want_digest=True)
+    assert err.value.field == "want_digest" and "mamba_conv" in str(err.value)
+    assert accept(num_decode_ranks=2).wants(9, "d0") and accept(want_digest=True).wants(9, "d0")
+
+
 def test_a_window_page_id_outside_decodes_registered_pages_is_refused():
     specs = model_specs("hybrid")
     kw = KindWrites(specs, fake_descs(specs), lanes=kvb.OwnerLanes(1, "interleaved"), cp_rank=0, tp_size=1, rank="p0")

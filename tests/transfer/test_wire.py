@@ -371,3 +371,14 @@ def test_oversized_messages_are_refused_both_ways() -> None:
     with pytest.raises(ProtocolError, match="over the"):
         decode(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
     assert decode(data) == big
+
+
+def test_kind_digests_must_hold_one_digest_per_reported_unit() -> None:
+    units = {"csa": pack_pages(np.array([0, 1, 2]))}
+    ok = PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"", digests=None,
+                   kind_units=units, kind_digests={"csa": b"\x01" * 24})
+    assert decode(encode(ok, SECRET), SECRET) == ok
+    for digests in ({"csa": b"\x01" * 16}, {"hca": b"\x01" * 8}):  # a unit short; a pool the report names no unit of
+        with pytest.raises(ProtocolError, match="kind_digests"):
+            PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"", digests=None,
+                      kind_units=units, kind_digests=digests)

@@ -32,7 +32,9 @@ registration like an Abort, and it must present the room's binding: only the dec
 claim the room can release it (``prefill/intake.py``).
 
 A write's report is one PagesDone: its pages, and (``aux``) the aux row when the write
-carried it (the aux row rides in the last chunk's batch), with the request's length.
+carried it (the aux row rides in the last chunk's batch), with the request's length; the
+window, compressed and state units it completed (``kind_units``), and when decode wants
+digests, theirs (``digests`` per page, ``kind_digests`` per unit).
 
 They travel in ``envelope.py``'s envelope (version WIRE_VERSION, HMAC with the cluster secret)
 and are checked by one typed decoder: types, ranges and the value rules below, each refusal
@@ -250,6 +252,10 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
     # (state travels only then)
     kind_units: dict[str, bytes] = {}
     kind_last: bool = False
+    # decode checks digests (TransferRequest.want_digest): per pool of ``kind_units``, one LE uint64
+    # digest per unit it names, in its order, over the bytes the rooms move of that unit
+    # (transfer/digest.py ``kind_unit_digests``)
+    kind_digests: dict[str, bytes] = {}
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "failed"):
@@ -258,6 +264,11 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
         _check_pages(self, "logical_pages", self.logical_pages)
         for pool, units in self.kind_units.items() if isinstance(self.kind_units, dict) else ():
             _check_pages(self, f"kind_units.{pool}", units)
+        for pool, digests in self.kind_digests.items() if isinstance(self.kind_digests, dict) else ():
+            units = self.kind_units.get(pool) if isinstance(self.kind_units, dict) else None
+            if units is None or len(digests) != 2 * len(units):
+                raise ProtocolError(f"field 'kind_digests.{pool:.40}' of pages_done must hold one 8-byte digest per "
+                                    f"unit of kind_units.{pool:.40}", room=self.room, field=f"kind_digests.{pool:.40}")
 
 
 class AbortAck(_Message, frozen=True, tag="abort_ack"):

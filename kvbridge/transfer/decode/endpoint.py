@@ -45,10 +45,10 @@ from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, Leas
                                              ReadForCommit, Refresh, Refreshed, Registered, Release, Scattered,
                                              ScatterFailed, SetStaging, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
-from kvbridge.transfer.decode.events import InitKinds
+from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
-from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.digest import kind_unit_digests, page_digests
 from kvbridge.transfer.engine import TransferEngine
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
@@ -90,7 +90,7 @@ class DecodeEndpoint(EndpointShell):
         self.config = config
         self.engine = engine
         self.specs = dict(specs)
-        check_kind_config(self.specs, verify_digest=config.verify_digest, rank=rank)
+        check_kind_config(self.specs, rank=rank)
         self.buffers = EndpointBuffers(self.specs, buffers, rank=rank)
         # the contract as this rank holds it: on its engine's transport (prefill on another refuses it)
         self.contract = contract.with_transport(engine.transport)
@@ -202,7 +202,9 @@ class DecodeEndpoint(EndpointShell):
         try:
             row = self.aux.read_row(a.aux_slot)
             read_s = time.monotonic() - start
-            digests = tuple(page_digests(self.specs, self.buffers.tensors, d.pools, d.pages, d.physical,
+            digests = tuple(kind_unit_digests(self.specs[d.pool], self.buffers.tensors, d.logical, d.units,
+                                              d.num_tokens, d.layers) if type(d) is KindDigestRead else
+                            page_digests(self.specs, self.buffers.tensors, d.pools, d.pages, d.physical,
                                          d.num_tokens, d.layers) for d in a.digests)
             error = None
         except KVBridgeError as exc:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.decode.room import DecodeRoom
 
 __all__ = [
-    "EVENTS", "CommitRead", "DigestRead", "EchoScratch", "Init", "InitKinds", "LeaseChecked", "LookUp", "LookedUp", "Message",
+    "EVENTS", "CommitRead", "DigestRead", "KindDigestRead", "EchoScratch", "Init", "InitKinds", "LeaseChecked", "LookUp", "LookedUp", "Message",
     "ReadForCommit", "Refresh", "Refreshed", "Registered", "Release", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
 ]
 
@@ -85,13 +85,26 @@ class DigestRead:
 
 
 @dataclass(frozen=True, slots=True)
+class KindDigestRead:
+    """Digests of our ``units`` holding logical units ``logical`` of window, compressed or state
+    pool ``pool`` (``kind_unit_digests`` over ``num_tokens``; ``layers``: a pipeline stage's layer
+    ids of the pool; None: every layer)."""
+
+    pool: str
+    logical: np.ndarray
+    units: np.ndarray
+    num_tokens: int
+    layers: Any = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReadForCommit:
     """Room ``room``'s pages are all written: read its aux row (slot ``aux_slot``, one copy to the
     host) and the digests ``digests`` asks for; answer with ``CommitRead``."""
 
     room: int
     aux_slot: int
-    digests: tuple[DigestRead, ...]
+    digests: tuple[DigestRead | KindDigestRead, ...]
 
 
 # -- events ----------------------------------------------------------------------------------------

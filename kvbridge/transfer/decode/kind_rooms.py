@@ -167,6 +167,16 @@ class DecodeKinds:
                 out[pool] = np.asarray(page_ids[ext.first:ext.stop], dtype=np.int64)
         return out
 
+    def digest_units(self, room: int, pool: str, logical: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+        """Our units holding ``logical`` units of ``pool`` (a state or ring pool: its one slot or
+        row; a paged window on the room's mapping: its pages): what a unit digest reads back."""
+        spec, units = self.specs[pool], self.units.get(room, {})
+        if pool in units:
+            if spec.kind == STATE or spec.ring_stride:
+                return units[pool][:1]
+            return units[pool][logical - self.ledgers[room].extents[pool].first]
+        return np.asarray(page_ids, dtype=np.int64)[logical]
+
     def complete(self, room: int) -> bool:
         """Every kind unit of the room reported (True for a room without kind pools)."""
         ledger = self.ledgers.get(room)

@@ -44,7 +44,7 @@ from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, Ech
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
-from kvbridge.transfer.decode.events import InitKinds
+from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.kind_rooms import DecodeKinds
 from kvbridge.transfer.decode.staging import DecodeStaging
 from kvbridge.transfer.decode.topologies import Key, SenderKey, Topologies
@@ -423,6 +423,14 @@ class DecodeRooms:
                     r.digests.append((pages, np.frombuffer(msg.digests, dtype=np.uint64), key, tuple(msg.pools)))
             if msg.kind_units:  # window, compressed and state units (kind_rooms.py)
                 self.kinds.record(r.room, msg, _label(msg, endpoint, key, r), key[2], key[1])
+                if self.cfg.verify_digest:
+                    for pool, packed in msg.kind_units.items():
+                        digests = msg.kind_digests.get(pool)
+                        if digests is None:
+                            raise LedgerError(f"digest check is on but the prefill rank sent no digests of pool "
+                                              f"{pool!r}", room=r.room, rank=f"cp{msg.cp_rank}", field="kind_digests")
+                        r.kind_digests.append((pool, np.frombuffer(packed, dtype="<i4").astype(np.int64),
+                                               np.frombuffer(digests, dtype="<u8"), key))
             if msg.aux:  # the same write carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
@@ -507,8 +515,15 @@ class DecodeRooms:
         r.commit_reading = True
         self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r)))
 
-    def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead, ...]:
+    def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead | KindDigestRead, ...]:
+        """The page digests to read back (one read, or one per report under pipeline stages), then
+        one per report of kind units (each over the layers its sender holds)."""
         if not self.cfg.verify_digest or r.num_tokens is None:
+            return ()
+        return self._page_reads(r) + self._kind_reads(r)
+
+    def _page_reads(self, r: DecodeRoom) -> tuple[DigestRead, ...]:
+        if not r.digests:
             return ()
         if not r.placement.layers:  # one stage: every report digests every layer of every pool
             pages = np.concatenate([p for p, _, _, _ in r.digests])
@@ -516,6 +531,11 @@ class DecodeRooms:
         # pipeline stages: each digested its own layers of the pools it sent; check each against the same
         return tuple(DigestRead(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens, r.placement.layers[key])
                      for pages, _, key, pools in r.digests)
+
+    def _kind_reads(self, r: DecodeRoom) -> tuple[KindDigestRead, ...]:
+        return tuple(KindDigestRead(pool, logical, self.kinds.digest_units(r.room, pool, logical, r.page_ids),
+                                    r.num_tokens, r.placement.layers[key][pool] if r.placement.layers else None)
+                     for pool, logical, _, key in r.kind_digests)
 
     def _commit_read(self, e: CommitRead) -> None:
         """The aux row (and digests) as read: check the room echo and the digests, then commit."""
@@ -541,10 +561,21 @@ class DecodeRooms:
             if r.num_tokens is None:
                 self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count", now)
                 return
-            bad = self._digest_mismatch(r, e.digests)
+            pages = len(self._page_reads(r))
+            bad = self._digest_mismatch(r, e.digests[:pages])
             if bad is not None:
                 self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent", now)
                 return
+            for (pool, logical, theirs, key), ours in zip(r.kind_digests, e.digests[pages:]):
+                wrong = np.flatnonzero(ours != theirs)
+                if wrong.size:
+                    spec = self.kinds.specs[pool]
+                    unit = "state slot" if spec.kind == "state" else "ring row" if spec.ring_stride else \
+                        f"unit {int(logical[wrong[0]])}"
+                    stage = f"/pp{key[2]}" if r.placement.layers else ""
+                    self.fail(r, f"digest mismatch in pool {pool!r} ({spec.kind}), {unit} (from cp{key[0]}/tp{key[1]}"
+                                 f"{stage}): bytes differ from what prefill sent", now)
+                    return
         r.keep_aux_row(e.row, schema)
         r.state.advance_to(KVPoll.Success, now=now)
         self.kinds.succeed(r.room)
@@ -554,6 +585,8 @@ class DecodeRooms:
                      r.ledger.aux_owner, e.read_s * 1e3)
 
     def _digest_mismatch(self, r: DecodeRoom, mine: tuple[np.ndarray, ...]) -> int | None:
+        if not r.digests:
+            return None
         if not r.placement.layers:
             pages = np.concatenate([p for p, _, _, _ in r.digests])
             sent = [np.concatenate([d for _, d, _, _ in r.digests])]

@@ -291,6 +291,7 @@ class DecodeRoom:
         self._aux_regions: dict[str, np.ndarray] | None = None
         self.mismatch: list[Any] = []  # field diff when the contract was refused
         self.digests: list[tuple[np.ndarray, np.ndarray, Any, tuple[str, ...]]] = []  # (logical pages, digests, sender, pools) per PagesDone
+        self.kind_digests: list[tuple[str, np.ndarray, np.ndarray, Any]] = []  # (pool, logical units, digests, sender) per PagesDone
         self.lookup_pending = False
         self.next_lookup = 0.0
         self.lookup_problem = ""  # the daemon's last 503 (which sender ranks are missing), for the timeout reason

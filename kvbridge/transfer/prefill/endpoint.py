@@ -48,7 +48,7 @@ from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
 from kvbridge.transfer.checks import check_against_contract
-from kvbridge.transfer.digest import page_digests
+from kvbridge.transfer.digest import kind_unit_digests, page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.engine.registry import entry_of, route_key
@@ -393,8 +393,12 @@ class PrefillEndpoint(EndpointShell):
 
     def _send_digested(self, a: SendDigested) -> None:
         """The machine's report with the digests of the pages it names, read here."""
-        digests = page_digests(self.specs, self.buffers.tensors, a.pools, a.pages, a.local, a.num_tokens)
-        self._reply(a.to, msgspec.structs.replace(a.msg, digests=digests.tobytes()))
+        digests = page_digests(self.specs, self.buffers.tensors, a.pools, a.pages, a.local, a.num_tokens) \
+            if a.pools else None
+        kinds = {pool: kind_unit_digests(self.specs[pool], self.buffers.tensors, logical, units,
+                                         a.kind_tokens).astype("<u8").tobytes() for pool, logical, units in a.kinds}
+        self._reply(a.to, msgspec.structs.replace(a.msg, digests=None if digests is None else digests.tobytes(),
+                                                  kind_digests=kinds))
 
     def _gather(self, a: Gather) -> None:
         """Gather a staged chunk into our gather slot now, ahead of its grant (GPU: queued on the

@@ -58,7 +58,9 @@ class PostWrite:
 @dataclass(frozen=True, slots=True)
 class SendDigested:
     """Send ``msg`` (a PagesDone) to connection ``to`` with ``digests`` filled in: the digests
-    of ``pages`` (logical) held in our ``local`` pages of ``pools``, over ``num_tokens``."""
+    of ``pages`` (logical) held in our ``local`` pages of ``pools``, over ``num_tokens``; and
+    ``kind_digests``: per ``(pool, logical units, our units)`` of ``kinds``, the digests of the
+    units the report names (``kind_unit_digests`` over ``kind_tokens``, the request's length)."""
 
     to: bytes
     msg: wire.PagesDone
@@ -66,6 +68,8 @@ class SendDigested:
     pages: np.ndarray
     local: np.ndarray
     num_tokens: int
+    kinds: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
+    kind_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,6 +194,12 @@ class KindWrites:
                 raise LayoutError(f"decode TP size {req.num_decode_ranks} differs from prefill's {self.tp_size}: "
                                   f"head-sharded window or compressed pools {sliced} are not sliced across TP sizes",
                                   field="num_decode_ranks", **ctx)
+        if req.want_digest and req.num_decode_ranks != self.tp_size:
+            cut = [p for p in asked if self.specs[p].kind == STATE and self.specs[p].shard_units]
+            if cut:  # a slot cut across TP sizes lands in pieces of another rank's slot: no unit digest covers it
+                raise LayoutError(f"digests of sharded state pools {cut} across TP sizes ({self.tp_size} -> "
+                                  f"{req.num_decode_ranks}) are not computed; turn verify_digest off",
+                                  field="want_digest", **ctx)
         dst_bpp = {d.pool: d.bytes_per_page for d in dst_bufs if d.pool in self.specs}
         for pool in asked:
             spec = self.specs[pool]
@@ -350,6 +356,18 @@ class KindWrites:
                 b.reported[whole] = True
                 report[pool] = (whole + b.first).astype("<i4").tobytes()
         return report, write.final
+
+    def src_units(self, room: int, pool: str, logical: np.ndarray, local_of: np.ndarray,
+                  num_tokens: int) -> np.ndarray:
+        """Our units holding ``logical`` units of ``pool`` (a state or ring pool: its one slot or
+        row), as a write planned them: what a report's digests read (``SendDigested``)."""
+        kr, spec = self.rooms[room], self.specs[pool]
+        if pool in self.own:
+            src_all = kr.src[pool]
+            return src_all[:1] if spec.kind == STATE or spec.ring_stride else src_all[logical]
+        if pool in kr.src:  # a paged window on pages of its own: the window's pages, from the first
+            return kr.src[pool][logical - needed_extent(spec, num_tokens).first]
+        return local_of[logical]
 
     def _units(self, kr: _Room, room: int, decode_rank: str, pool: str, spec: PoolSpec, logical: np.ndarray,
                dst: np.ndarray, local_of: np.ndarray, dst_pages: np.ndarray,

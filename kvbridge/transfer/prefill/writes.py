@@ -325,6 +325,12 @@ class Writes:
             pools=pools, logical_pages=pages.astype("<i4").tobytes() if pools else b"",
             digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0,
             kind_units=kunits, kind_last=klast)
-        if pools and t.want_digest:  # the shell reads the pages and fills the digests in
-            return r, [SendDigested(t.ident, msg, tuple(pools), pages, r.local_of[pages], r.plan_tokens)]
+        if (pools or kunits) and t.want_digest:  # the shell reads the pages and units and fills the digests in
+            kinds = tuple((pool, logical, self.kinds.src_units(r.room, pool, logical, r.local_of,
+                                                                    r.num_tokens or 0))
+                          for pool, packed in kunits.items()
+                          for logical in (np.frombuffer(packed, dtype="<i4").astype(np.int64),))
+            return r, [SendDigested(t.ident, msg, tuple(pools), pages if pools else _EMPTY,
+                                    r.local_of[pages] if pools else _EMPTY, r.plan_tokens, kinds,
+                                    r.num_tokens or 0)]
         return r, [Send((t.ident,), msg)]
