@@ -1,16 +1,17 @@
 """The engine registry: every transfer engine kvbridge knows, written once.
 
 ``ENGINES`` below: name -> how it is built (a factory imported only then), what kind of engine
-it is, its transport label, whether it is direct only, the staging thresholds measured for it,
-a one-line description (the workers' ``--engine`` help quotes it).
+it is, its transport label, whether it is direct only, the staging thresholds measured for it
+(per transport where one was measured apart: Mooncake's TCP), a one-line description (the workers' ``--engine`` help quotes it).
 
 Everything else asks this table: :func:`~kvbridge.transfer.engine.create_engine` builds from
 it, ``ENGINE_KINDS`` and every ``--engine`` choice, ``KVBRIDGE_ENGINE`` and the integrations'
 settings are its names (:func:`engine_names`), the runtime contract's ``transport`` is the
 entry's label (each engine class declares the same: ``TransferEngine.transport`` is
 abstract, and a test pins that the two agree), and a prefill rank's staged-or-direct choice
-takes the thresholds of the route's entry (:func:`staging_thresholds`; ``layout.choose_path``
-receives them as data). Nobody matches a class name.
+takes the thresholds of the route's entry and transport (:func:`staging_thresholds`; the route
+is what the engine's ``route(session)`` says, ``mooncake/tcp``, else its name;
+``layout.choose_path`` receives them as data). Nobody matches a class name.
 
 Adding an engine: one entry here, its adapter (a ``TransferEngine``, usually a
 ``JobEngine``: ``kvbridge.transfer.engine.jobs``) and its tests (docs/ARCHITECTURE.md).
