@@ -5,6 +5,7 @@ classes (``get_kv_class`` -> manager, sender, receiver, bootstrap server; ``KVAr
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py            # 16 layers, 5 rooms a size
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py --quick    # 4 layers, 2 rooms (CI)
     ... --layers 61 --rooms 20 --json out.json
+    ... --configs auto --rooms 10                                   # stock against auto alone (README)
 
 Workload: DeepSeek V3.2's latent cache geometry (656 B per token per layer, fp8 with scales, page
 64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page ids
@@ -13,7 +14,8 @@ transfer, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1) with the default
 ``KVBRIDGE_STAGING=auto`` (kvbridge picks direct or staged per target by its slice count and
 size); ``kvbridge staged`` CP 1 and CP 2 with ``KVBRIDGE_STAGING=always`` on both servers (every
 page through decode's staging area; ``--staged-sizes``); with ``--direct`` also ``kvbridge
-direct`` CP 1 and CP 2 (``KVBRIDGE_STAGING=never``: the direct path where auto would stage). The
+direct`` CP 1 and CP 2 (``KVBRIDGE_STAGING=never``: the direct path where auto would stage);
+``--configs`` names the groups beside the stock backend (``auto``, ``staged``, ``direct``). The
 path column is what the prefill senders report for each room (``room_stats["paths"]``), never
 assumed. Both backends use Mooncake TCP on loopback (``MC_FORCE_TCP=1``). The stock backend runs
 with ``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=16``: with its default it posts a whole
