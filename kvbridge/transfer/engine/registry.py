@@ -2,7 +2,8 @@
 
 ``ENGINES`` below: name -> how it is built (a factory imported only then), what kind of engine
 it is, its transport label, whether it is direct only, the staging thresholds measured for it
-(per transport where one was measured apart: Mooncake's TCP), a one-line description (the workers' ``--engine`` help quotes it).
+(per transport where one was measured apart: Mooncake's TCP), a one-line description (the
+workers' ``--engine`` help quotes it).
 
 Everything else asks this table: :func:`~kvbridge.transfer.engine.create_engine` builds from
 it, ``ENGINE_KINDS`` and every ``--engine`` choice, ``KVBRIDGE_ENGINE`` and the integrations'
@@ -20,8 +21,9 @@ Adding an engine: one entry here, its adapter (a ``TransferEngine``, usually a
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
@@ -73,7 +75,7 @@ NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 
 TCP_PAGE_SIZED: PathThresholds | None = None
 # the route's transport part (``mooncake/tcp``) and the rules it has of its own: "tcp" host pages,
 # "tcp-gpu" GPU pages; a transport not listed takes the engine's default rules
-MOONCAKE_TRANSPORTS = {"tcp": TCP_PAGE_SIZED}
+MOONCAKE_TRANSPORTS: Mapping[str, PathThresholds | None] = MappingProxyType({"tcp": TCP_PAGE_SIZED})
 _DEFAULT = object()  # in ``transport_staging``: no rule of the transport's own
 
 
@@ -94,7 +96,7 @@ class EngineEntry:
     gpu_staging: PathThresholds | None = None  # pages in GPU memory; None: the host thresholds
     # per transport where it differs (a Mooncake engine's protocol): "tcp" -> host pages' rule,
     # "tcp-gpu" -> GPU pages' rule (None there: never staged); the rest take the two above
-    transport_staging: dict[str, PathThresholds | None] = field(default_factory=dict)
+    transport_staging: Mapping[str, PathThresholds | None] = field(default_factory=dict, hash=False)
     available: str = ""  # "module:function" -> bool, where the engine needs a package
     missing: str = ""  # the EngineError's message when ``available`` says no
 
