@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POISON = 0xEE
 CONNECTORS = ("mooncake", "nixl", "kvbridge", "kvbridge-nixl")
 KVBRIDGE_ENGINE = {"kvbridge": "mooncake", "kvbridge-nixl": "nixl"}  # kvbridge's rows: its transfer engine
+READY_S = 600  # a child's start-up (vLLM's imports and set-up): minutes on a loaded 2-core machine
 # the tests' shapes (tests/integrations/vllm/_vllm_config.py) with more layers
 MODELS: dict[str, dict[str, Any]] = {
     "gqa": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
@@ -458,7 +459,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                         children[(c, role)] = _child(cfg, workdir / f"{kind}-{c}-{role}.log")
                     boot[c] = common["mooncake_bootstrap"]
                 for c in connectors:
-                    answers = [children[(c, r)].next(300) for r in ("kv_producer", "kv_consumer")]
+                    answers = [children[(c, r)].next(READY_S) for r in ("kv_producer", "kv_consumer")]
                     errors = [a["error"] for a in answers if not a["ready"]]
                     if errors:
                         skipped[f"{c} ({kind})"] = "; ".join(errors)
