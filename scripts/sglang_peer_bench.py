@@ -5,6 +5,7 @@ classes (``get_kv_class`` -> manager, sender, receiver, bootstrap server; ``KVAr
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py            # 16 layers, 5 rooms a size
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py --quick    # 4 layers, 2 rooms (CI)
     ... --layers 61 --rooms 20 --json out.json
+    ... --configs auto --rooms 10                                   # stock against auto alone (README)
 
 Workload: DeepSeek V3.2's latent cache geometry (656 B per token per layer, fp8 with scales, page
 64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page ids
@@ -13,7 +14,8 @@ transfer, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1) with the default
 ``KVBRIDGE_STAGING=auto`` (kvbridge picks direct or staged per target by its slice count and
 size); ``kvbridge staged`` CP 1 and CP 2 with ``KVBRIDGE_STAGING=always`` on both servers (every
 page through decode's staging area; ``--staged-sizes``); with ``--direct`` also ``kvbridge
-direct`` CP 1 and CP 2 (``KVBRIDGE_STAGING=never``: the direct path where auto would stage). The
+direct`` CP 1 and CP 2 (``KVBRIDGE_STAGING=never``: the direct path where auto would stage);
+``--configs`` names the groups beside the stock backend (``auto``, ``staged``, ``direct``). The
 path column is what the prefill senders report for each room (``room_stats["paths"]``), never
 assumed. Both backends use Mooncake TCP on loopback (``MC_FORCE_TCP=1``). The stock backend runs
 with ``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=16``: with its default it posts a whole
@@ -48,6 +50,8 @@ POISON = 0xEE
 CONFIGS = (("mooncake", "mooncake", 1, None), ("kvbridge", "kvbridge", 1, "auto"), ("kvbridge", "kvbridge", 2, "auto"),
            ("kvbridge staged", "kvbridge", 1, "always"), ("kvbridge staged", "kvbridge", 2, "always"))
 DIRECT = (("kvbridge direct", "kvbridge", 1, "never"), ("kvbridge direct", "kvbridge", 2, "never"))  # --direct
+# --configs: the stock backend always, then these groups of kvbridge's configurations
+GROUPS = {"auto": CONFIGS[1:3], "staged": CONFIGS[3:5], "direct": DIRECT}
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                 "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
                 "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 65536,
@@ -377,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staged-sizes", default="", help="sizes of the 'kvbridge staged' rows (default: --sizes)")
     ap.add_argument("--direct", action="store_true", help="also 'kvbridge direct' CP 1 and 2 (KVBRIDGE_STAGING=never "
                     "on both servers): the direct path at every size, where auto would stage")
+    ap.add_argument("--configs", default="", help="kvbridge's configurations beside the stock backend, any of "
+                    f"{','.join(GROUPS)} (default auto,staged; with --direct also direct): e.g. 'auto' for auto "
+                    "against stock alone (fewer ranks: less memory, shorter runs)")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--logs", default="", help="keep the children's logs in this directory")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -395,7 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--staged-sizes {args.staged_sizes}: each must be one of --sizes {args.sizes}")
     layers = args.layers or (4 if args.quick else 16)
     rooms = args.rooms or (2 if args.quick else 5)
-    configs = CONFIGS + DIRECT if args.direct else CONFIGS
+    groups = [g for g in args.configs.split(",") if g] or ["auto", "staged", *(["direct"] if args.direct else [])]
+    if args.direct and "direct" not in groups:
+        groups.append("direct")
+    if any(g not in GROUPS for g in groups) or len(set(groups)) != len(groups):
+        ap.error(f"--configs {args.configs}: each of {', '.join(GROUPS)} at most once")
+    configs = CONFIGS[:1] + tuple(c for g in GROUPS if g in groups for c in GROUPS[g])
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
         rows = run(layers, sizes, rooms, Path(args.logs), staged, configs)

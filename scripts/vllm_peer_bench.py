@@ -1,5 +1,5 @@
 """Peer benchmark: vLLM's own MooncakeConnector (and NixlConnector where NIXL runs) against
-kvbridge's connector, each driven through vLLM's real classes on the same workload, every
+kvbridge's connector on Mooncake (and on NIXL where it runs), each driven through vLLM's real classes on the same workload, every
 room byte-checked.
 
     PYTHONPATH=. .venv-vllm/bin/python scripts/vllm_peer_bench.py            # 8K and 32K tokens, 3 rooms a size
@@ -45,7 +45,10 @@ Configuration of vLLM's connectors on this CPU (nothing of vLLM's is patched):
                         MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER is raised (MOONCAKE_ENV).
     NixlConnector       "backends": ["UCX"], kv_buffer_device "cpu", UCX_TLS=tcp (UCX TCP
                         loopback); side channel on 127.0.0.1 (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT).
-    KVBridgeConnector   a kvbridge bootstrap daemon on 127.0.0.1, Mooncake TCP, staging auto.
+    KVBridgeConnector   a kvbridge bootstrap daemon on 127.0.0.1, staging auto; row ``kvbridge`` on
+                        Mooncake TCP ("engine": "mooncake"), row ``kvbridge-nixl`` on kvbridge's
+                        NIXL engine ("engine": "nixl": UCX with the same UCX_TLS=tcp as NixlConnector,
+                        the same blocks), each compared with each of vLLM's connectors.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ from _child import Child
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 0xEE
-CONNECTORS = ("mooncake", "nixl", "kvbridge")
+CONNECTORS = ("mooncake", "nixl", "kvbridge", "kvbridge-nixl")
+KVBRIDGE_ENGINE = {"kvbridge": "mooncake", "kvbridge-nixl": "nixl"}  # kvbridge's rows: its transfer engine
+READY_S = 600  # a child's start-up (vLLM's imports and set-up): minutes on a loaded 2-core machine
 # the tests' shapes (tests/integrations/vllm/_vllm_config.py) with more layers
 MODELS: dict[str, dict[str, Any]] = {
     "gqa": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
@@ -98,10 +103,15 @@ def free_port() -> int:
 
 def transfer_json(connector: str, role: str, cfg: dict) -> str:
     """The ``--kv-transfer-config`` a user types for this connector and role."""
-    if connector == "kvbridge":
+    if connector in KVBRIDGE_ENGINE:
         extra = {"bootstrap_url": cfg["kvbridge_url"], "bootstrap_token": cfg["kvbridge_token"],
-                 "instance": f"{cfg['tag']}-{'p' if role == 'kv_producer' else 'd'}"}
-        if role == "kv_consumer":
+                 "instance": f"{cfg['tag']}-{'p' if role == 'kv_producer' else 'd'}",
+                 "engine": KVBRIDGE_ENGINE[connector]}
+        # decode's start-up contract check against prefill's registration (prefill_instance) compares
+        # the contract before its engine exists, at Mooncake's transport, so on NIXL it refuses a
+        # matching prefill ("transport: prefill 'nixl' != decode 'mooncake'"): the NIXL row runs
+        # without it; each room's contract is still checked by both sides
+        if role == "kv_consumer" and KVBRIDGE_ENGINE[connector] == "mooncake":
             extra["prefill_instance"] = f"{cfg['tag']}-p"
         return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                            "kv_role": role, "kv_connector_extra_config": extra})
@@ -421,9 +431,10 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
     from kvbridge import start_bootstrap
 
     rows, skipped = [], {}
-    if "nixl" in connectors and (why := nixl_missing()):
-        skipped["nixl"] = why
-        connectors = [c for c in connectors if c != "nixl"]
+    for c in ("nixl", "kvbridge-nixl"):
+        if c in connectors and (why := nixl_missing()):
+            skipped[c] = why
+            connectors = [x for x in connectors if x != c]
     with start_bootstrap(lease_ttl=10.0) as (url, token):
         for kind in models:
             bs = BLOCK[kind]
@@ -448,7 +459,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                         children[(c, role)] = _child(cfg, workdir / f"{kind}-{c}-{role}.log")
                     boot[c] = common["mooncake_bootstrap"]
                 for c in connectors:
-                    answers = [children[(c, r)].next(300) for r in ("kv_producer", "kv_consumer")]
+                    answers = [children[(c, r)].next(READY_S) for r in ("kv_producer", "kv_consumer")]
                     errors = [a["error"] for a in answers if not a["ready"]]
                     if errors:
                         skipped[f"{c} ({kind})"] = "; ".join(errors)
@@ -525,11 +536,11 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                         ch.stop()
                 for ch in children.values():
                     ch.stop()
-    for r in rows:  # kvbridge over each peer, same model and size
-        if r["connector"] != "kvbridge":
+    for r in rows:  # each kvbridge row over each of vLLM's connectors, same model and size
+        if r["connector"] not in KVBRIDGE_ENGINE:
             continue
         for peer in rows:
-            if peer["model"] == r["model"] and peer["tokens"] == r["tokens"] and peer["connector"] != "kvbridge":
+            if peer["model"] == r["model"] and peer["tokens"] == r["tokens"] and peer["connector"] not in KVBRIDGE_ENGINE:
                 ok = r["gb_s"] and peer["gb_s"]
                 r[f"gb_s_x_{peer['connector']}"] = r["gb_s"] / peer["gb_s"] if ok else None
                 r[f"p50_x_{peer['connector']}"] = r["p50_ms"] / peer["p50_ms"] if ok else None
@@ -537,18 +548,19 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
 
 
 def table(rows: list[dict], skipped: dict) -> str:
-    peers = sorted({r["connector"] for r in rows} - {"kvbridge"})
-    head = (f"{'model':<5} {'connector':<9} {'block':>5} {'layers':>6} {'tokens':>6} {'MB/room':>8} {'rooms':>5} "
+    peers = sorted({r["connector"] for r in rows} - set(KVBRIDGE_ENGINE))
+    head = (f"{'model':<5} {'connector':<13} {'block':>5} {'layers':>6} {'tokens':>6} {'MB/room':>8} {'rooms':>5} "
             f"{'ok':>3} {'bytes ok':>8} {'same ids':>8} {'p50 ms':>8} {'GB/s':>6}"
             + "".join(f" {'GB/s x ' + p:>16} {'p50 x ' + p:>15}" for p in peers))
     out = ["vLLM peer benchmark: scattered blocks, Mooncake TCP (and UCX TCP) loopback, one room at a time; "
-           "x <peer> = kvbridge's GB/s over the peer's, kvbridge's p50 over the peer's", head]
+           "kvbridge = kvbridge's connector on Mooncake, kvbridge-nixl = on its NIXL engine (UCX, as NixlConnector); "
+           "x <peer> = this kvbridge row's GB/s over the peer's, its p50 over the peer's", head]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
-        line = (f"{r['model']:<5} {r['connector']:<9} {r['block']:>5} {r['layers']:>6} {r['tokens']:>6} "
+        line = (f"{r['model']:<5} {r['connector']:<13} {r['block']:>5} {r['layers']:>6} {r['tokens']:>6} "
                 f"{r['mb_per_room']:>8.1f} {r['rooms']:>5} {r['succeeded']:>3} {r['bytes_ok']:>8} "
                 f"{r['same_blocks']:>8} {f(r['p50_ms'], '8.1f')} {f(r['gb_s'], '6.2f')}")
         for p in peers:

@@ -26,9 +26,10 @@ the two sides may use different slots for the same chunk. Nothing here touches m
 
 ``choose_path`` decides per target whether staging pays: direct when the slices are few
 and large (gather and scatter then cost more than they save), staged when they are many
-and small. Where that turns is a property of the engine, measured per engine: the caller
-passes the thresholds (``PathThresholds``, or None for an engine that copies scattered
-slices in one launch, never staged); this module knows no engine.
+and small. Where that turns is a property of the engine and its transport, measured per
+pair: the caller passes the thresholds (``PathThresholds``, or None for a route never
+staged: an engine that copies scattered slices in one launch, Mooncake TCP on host pages);
+this module knows no engine.
 """
 
 from __future__ import annotations
@@ -266,9 +267,8 @@ class PathThresholds:
 def choose_path(plan: TransferPlan | int, thresholds: PathThresholds | None, *,
                 mean_slice_bytes: int | None = None) -> str:
     """``"direct"`` or ``"staged"`` for a target's plan under ``thresholds``: the route's engine's
-    (its registry entry, ``kvbridge/transfer/engine/registry.py``, measured per engine); None for
-    an engine that copies scattered slices at once (never staged). ``plan`` may be a slice count,
-    with ``mean_slice_bytes`` given."""
+    and transport's (its registry entry, ``kvbridge/transfer/engine/registry.py``); None for a
+    route never staged (direct). ``plan`` may be a slice count, with ``mean_slice_bytes`` given."""
     if thresholds is None:
         return "direct"
     if not isinstance(thresholds, PathThresholds):

@@ -177,6 +177,59 @@ def test_nixl_has_its_own_measured_thresholds_and_the_endpoint_looks_them_up():
         local.close()
 
 
+def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
+    """Thresholds are per engine *and* transport: Mooncake over TCP moves the SGLang peer bench's
+    targets direct at every cell (staged measured slower there: docs/engines.md, "Staging
+    thresholds"), while Mooncake's other transports keep the engine's rules (host pages staged from
+    2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
+    engine reports it (``mooncake/<protocol>``, MC_FORCE_TCP read as TCP), through the endpoint's
+    look-up, for plain Mooncake and the auto engine's Mooncake part alike."""
+    page = 64 * 656  # the bench's 41,984 B fp8 latent page: one slice per page and layer
+    # (tokens, layers, CP): a CP rank's target carries its share of the pages of every layer
+    cells = [(n, layers, cp) for n in (1024, 8192, 32768) for layers in (4, 16, 61) for cp in (1, 2)]
+
+    def path(route: str, n: int, layers: int, cp: int) -> str:
+        return choose_path(n // 64 // cp * layers, staging_thresholds(route), mean_slice_bytes=page)
+
+    for route in ("mooncake/tcp", "auto/tcp"):
+        assert {path(route, *c) for c in cells} == {"direct"}, route
+    for route in ("mooncake", "mooncake/rdma", "auto/rdma"):  # the engine's host rule: 2,048 slices
+        got = {c: path(route, *c) for c in cells}
+        assert got[(1024, 16, 1)] == "direct" and got[(8192, 16, 1)] == got[(32768, 61, 2)] == "staged", route
+        assert all(p == ("staged" if c[0] // 64 // c[2] * c[1] >= 2048 else "direct") for c, p in got.items())
+    # GPU pages: TCP has no GPU rule of its own (not measured), so it takes the engine's GPU rule
+    assert staging_thresholds("mooncake/tcp-gpu") is staging_thresholds("mooncake/nvlink_intra-gpu") is GPU_PAGE_SIZED
+    assert staging_thresholds("mooncake/rdma") is staging_thresholds("mooncake") is PAGE_SIZED
+    assert staging_thresholds("nixl/ucx") is NIXL_PAGE_SIZED  # a transport without a rule: the engine's
+    assert staging_thresholds("ipc/cuda") is None  # direct only, whatever carries it
+
+    from kvbridge.transfer.engine.auto import AutoEngine
+    from kvbridge.transfer.engine.mooncake import MooncakeEngine
+
+    class Mooncakeish(MooncakeEngine):  # a Mooncake engine by class, never started: its protocol only
+        def __init__(self, protocol: str) -> None:
+            self.protocol, self.max_slices_per_call = protocol, 1024
+
+    class Autoish(AutoEngine):  # the auto engine with no IPC part: every peer over its Mooncake part
+        def __init__(self, mooncake: MooncakeEngine) -> None:
+            self._mc, self._ipc = mooncake, None
+
+    def kind(engine: object, on_gpu: bool = False) -> str:
+        shell = SimpleNamespace(engine=engine, gather=SimpleNamespace(on_gpu=on_gpu))
+        return PrefillEndpoint._engine_kind(shell, "peer")  # type: ignore[arg-type]
+
+    tcp, rdma = Mooncakeish("tcp"), Mooncakeish("rdma")
+    assert kind(tcp) == kind(Autoish(tcp)) == kind(FaultyEngine(tcp, 1)) == "mooncake/tcp"
+    assert kind(tcp, on_gpu=True) == "mooncake/tcp-gpu" and kind(rdma) == kind(Autoish(rdma)) == "mooncake/rdma"
+    n = 32768 // 64 * 61  # 32K tokens, 61 layers, CP 1: 31,232 slices
+    assert choose_path(n, staging_thresholds(kind(tcp)), mean_slice_bytes=page) == "direct"
+    assert choose_path(n, staging_thresholds(kind(rdma)), mean_slice_bytes=page) == "staged"
+    with pytest.raises(ConfigError, match="want an engine's name, or name/transport"):
+        route_key("mooncake/", on_gpu=False)
+    with pytest.raises(ConfigError, match="unknown transfer engine 'tcp'"):
+        route_key("tcp/mooncake", on_gpu=False)
+
+
 def test_bad_names_and_entries_are_named_errors():
     with pytest.raises(ConfigError, match="unknown transfer engine 'nccl'; choose one of mooncake, nixl"):
         engine_entry("nccl")

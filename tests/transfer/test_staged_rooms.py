@@ -256,8 +256,12 @@ def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, devic
     """Pools handed as ``RawBuffer`` addresses on both sides (what the SGLang backend hands
     kvbridge; on a GPU the addresses name it, and the staging buffers go beside them), staging
     "auto" on both sides: a room of a few scattered pages goes direct, one of thousands of
-    page-sized slices is staged (``choose_path``'s thresholds for the pages' device), and both
-    land byte-exact."""
+    page-sized slices takes the path ``choose_path`` gives under the thresholds of the route
+    (Mooncake TCP, the pages' device): staged for GPU pages, direct for host pages (Mooncake TCP
+    stages none: registry.py), and both land byte-exact."""
+    from kvbridge.layout import choose_path
+    from kvbridge.transfer.engine.registry import route_key, staging_thresholds
+
     instance = f"staged-raw-p-{device}"
     (p,) = start(daemon, instance, 1, "--staging", "auto", "--raw-buffers", "--pages", "1024", device=device)
     d = DecodeRank(daemon.url, instance=f"staged-raw-d-{device}", pages=1024, device=device, raw_buffers=True,
@@ -280,8 +284,11 @@ def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, devic
             assert d.verify(r) == []
         assert d.untouched_except(table[:used])
         paths = {room: set(p.result(room)["paths"].values()) for room in rooms}
-        assert paths == {small: {"direct"}, large: {"staged"}}, paths
-        assert p.result(large)["chunks"] > 1
+        rule = staging_thresholds(route_key("mooncake/tcp", on_gpu=device != "cpu"))
+        want = choose_path(2500, rule, mean_slice_bytes=41_984)  # 2,500 slices of at most a page each
+        assert want == ("direct" if device == "cpu" else "staged")
+        assert paths == {small: {"direct"}, large: {want}}, paths
+        assert (p.result(large)["chunks"] > 1) == (want == "staged")
     finally:
         d.close()
         p.stop()

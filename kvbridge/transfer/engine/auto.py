@@ -127,6 +127,15 @@ class AutoEngine(JobEngine):
 
     # ---- routes -----------------------------------------------------------------------------
     def route(self, session: str) -> str:
+        """The registry's route of a write to ``session``: "ipc" when the peer's IPC side channel
+        answers (this host), else the Mooncake part's (``mooncake/tcp``; its transport's staging
+        thresholds apply)."""
+        if self._part(session) == IPC:
+            return IPC
+        inner = getattr(self._mc, "route", None)
+        return inner(session) if inner is not None else MOONCAKE
+
+    def _part(self, session: str) -> str:
         """"ipc" when the peer's IPC side channel answers (this host), else "mooncake"."""
         if self._ipc is None:
             return MOONCAKE
@@ -153,7 +162,7 @@ class AutoEngine(JobEngine):
                      after: Any = None) -> int:
         src, dst, length = check_write(self._who, session, src, dst, length, self._regions, self._lock)
         parts: list[tuple[str, np.ndarray]] = []
-        if src.size and self.route(session) == IPC:
+        if src.size and self._part(session) == IPC:
             near = self._ipc.reachable(ipc_session(session), dst, length)
             if near is None:  # the side channel went away meanwhile
                 with self._lock:

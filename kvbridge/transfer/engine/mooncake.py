@@ -42,6 +42,7 @@ accept anyone; keep these engines on trusted networks (tests use 127.0.0.1 only)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ class MooncakeEngine(JobEngine):
         if rc != 0:
             raise EngineError(f"mooncake initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r}) returned {rc}")
         self._session = f"{host}:{self._mc.get_rpc_port()}"
+        # what carries the bytes: MC_FORCE_TCP (set at all) makes Mooncake use TCP whatever was asked
+        self.protocol = "tcp" if "MC_FORCE_TCP" in os.environ else protocol
         self._who = f"mooncake engine {self._session}"
         self._regions = Regions()
         self._regions_lock = threading.Lock()
@@ -113,7 +116,7 @@ class MooncakeEngine(JobEngine):
         self._inflight: deque[tuple[str, _Batch]] = deque()  # posted, oldest first (pump thread only)
         self._closed = False
         self.direct_posts = 0  # writes posted by the caller, not the pump (``_direct``)
-        tcp = protocol == "tcp"
+        tcp = self.protocol == "tcp"
         self._direct_max_slices = min(DIRECT_MAX_SLICES_TCP if tcp else DIRECT_MAX_SLICES, max_slices_per_call)
         self._direct_max_bytes = None if tcp else DIRECT_MAX_BYTES
         self._posting = 0  # direct posts under way: the pump does not exit meanwhile
@@ -181,6 +184,11 @@ class MooncakeEngine(JobEngine):
                 self._posting -= 1
                 self._cond.notify()
         return job.handle
+
+    def route(self, session: str) -> str:
+        """``mooncake/<protocol>``: the registry's route of a write to any peer (its staging
+        thresholds are the transport's: ``registry.staging_thresholds``)."""
+        return f"mooncake/{self.protocol}"
 
     def reads(self, session: str) -> bool:
         return True

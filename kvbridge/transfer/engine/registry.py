@@ -1,16 +1,18 @@
 """The engine registry: every transfer engine kvbridge knows, written once.
 
 ``ENGINES`` below: name -> how it is built (a factory imported only then), what kind of engine
-it is, its transport label, whether it is direct only, the staging thresholds measured for it,
-a one-line description (the workers' ``--engine`` help quotes it).
+it is, its transport label, whether it is direct only, the staging thresholds measured for it
+(per transport where one was measured apart: Mooncake's TCP), a one-line description (the
+workers' ``--engine`` help quotes it).
 
 Everything else asks this table: :func:`~kvbridge.transfer.engine.create_engine` builds from
 it, ``ENGINE_KINDS`` and every ``--engine`` choice, ``KVBRIDGE_ENGINE`` and the integrations'
 settings are its names (:func:`engine_names`), the runtime contract's ``transport`` is the
 entry's label (each engine class declares the same: ``TransferEngine.transport`` is
 abstract, and a test pins that the two agree), and a prefill rank's staged-or-direct choice
-takes the thresholds of the route's entry (:func:`staging_thresholds`; ``layout.choose_path``
-receives them as data). Nobody matches a class name.
+takes the thresholds of the route's entry and transport (:func:`staging_thresholds`; the route
+is what the engine's ``route(session)`` says, ``mooncake/tcp``, else its name;
+``layout.choose_path`` receives them as data). Nobody matches a class name.
 
 Adding an engine: one entry here, its adapter (a ``TransferEngine``, usually a
 ``JobEngine``: ``kvbridge.transfer.engine.jobs``) and its tests (docs/ARCHITECTURE.md).
@@ -19,8 +21,9 @@ Adding an engine: one entry here, its adapter (a ``TransferEngine``, usually a
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
@@ -45,10 +48,14 @@ __all__ = [
 # "in-process" moves bytes inside one process (tests, fault injection, the demo's threads)
 KINDS = ("network", "same-host", "composite", "in-process")
 
-# ---- staging thresholds, measured per engine (docs/staging.md, docs/engines.md) --------------------
-# Mooncake TCP (scripts/staging_bench.py): staging wins once a target's slices are page-sized (a
-# 41,984 B fp8 latent page and below) and number in the thousands; with runs of several pages, or a
-# few hundred slices, gather and scatter cost more than the per-slice overhead they save.
+# ---- staging thresholds, measured per engine and transport (docs/staging.md, docs/engines.md) -------
+# An engine's default rule (``staging``/``gpu_staging``), and per transport where one was measured
+# apart (``transport_staging``: Mooncake's TCP is not its RDMA or NVLink).
+# The default host rule: Mooncake's and the local engine's, for every transport without a rule of
+# its own (Mooncake RDMA host pages: not measured). Measured once on Mooncake TCP, two engines in one
+# process on a quiet machine (scripts/staging_bench.py): staging won from some thousands of
+# page-sized slices (a 41,984 B fp8 latent page and below); with runs of several pages, or a few
+# hundred slices, gather and scatter cost more than the per-slice overhead they save.
 PAGE_SIZED = PathThresholds(min_slices=2048, max_mean_slice_bytes=64 << 10)
 # GPU pages over Mooncake (NVLink, or RDMA from device memory): staging wins from some hundreds of
 # page-sized slices on, since each posted slice costs far more than gathering it on the GPU, while runs
@@ -59,6 +66,17 @@ GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
 # count measured, so staging starts only past one NIXL request's worth of slices (65,536), beyond
 # what was measured. GPU pages over NIXL: not measured, Mooncake's GPU rule.
 NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 10)
+# Mooncake TCP, host pages (docs/engines.md, "Staging thresholds"): direct at every count measured.
+# Gather + write + scatter lost to the plan's slices as they are from 256 to 32,768 page-sized
+# slices, with both engines in one process (scripts/staging_bench.py) and between SGLang's prefill
+# and decode processes (scripts/sglang_peer_bench.py --configs staged,direct): the two extra copies
+# cost more than the per-slice overhead they save. None: never staged. GPU pages over TCP: not
+# measured, Mooncake's GPU rule.
+TCP_PAGE_SIZED: PathThresholds | None = None
+# the route's transport part (``mooncake/tcp``) and the rules it has of its own: "tcp" host pages,
+# "tcp-gpu" GPU pages; a transport not listed takes the engine's default rules
+MOONCAKE_TRANSPORTS: Mapping[str, PathThresholds | None] = MappingProxyType({"tcp": TCP_PAGE_SIZED})
+_DEFAULT = object()  # in ``transport_staging``: no rule of the transport's own
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,9 @@ class EngineEntry:
     direct_only: bool = False  # one call copies any number of scattered slices: never staged
     staging: PathThresholds | None = None  # host pages: staged from these on (None: direct only)
     gpu_staging: PathThresholds | None = None  # pages in GPU memory; None: the host thresholds
+    # per transport where it differs (a Mooncake engine's protocol): "tcp" -> host pages' rule,
+    # "tcp-gpu" -> GPU pages' rule (None there: never staged); the rest take the two above
+    transport_staging: Mapping[str, PathThresholds | None] = field(default_factory=dict, hash=False)
     available: str = ""  # "module:function" -> bool, where the engine needs a package
     missing: str = ""  # the EngineError's message when ``available`` says no
 
@@ -83,7 +104,7 @@ class EngineEntry:
         if self.kind not in KINDS:
             raise ConfigError(f"engine {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}",
                               field="kind")
-        if self.direct_only and (self.staging is not None or self.gpu_staging is not None):
+        if self.direct_only and (self.staging is not None or self.gpu_staging is not None or self.transport_staging):
             raise ConfigError(f"engine {self.name!r} is direct only and has staging thresholds", field="staging")
 
     def load(self) -> Callable[..., TransferEngine]:
@@ -119,7 +140,7 @@ ENGINES: dict[str, EngineEntry] = _entries(
         "mooncake", f"{_PKG}.mooncake:MooncakeEngine", "network", "mooncake",
         "Mooncake's transfer engine: TCP, RDMA, intra-node NVLink (protocol and device as given)",
         options=("host", "protocol", "device"), max_slices_per_call=1024,
-        staging=PAGE_SIZED, gpu_staging=GPU_PAGE_SIZED,
+        staging=PAGE_SIZED, gpu_staging=GPU_PAGE_SIZED, transport_staging=MOONCAKE_TRANSPORTS,
         available=f"{_PKG}:mooncake_available",
         missing="the Mooncake transfer engine is not importable: install mooncake-transfer-engine-non-cuda "
                 "(CPU hosts, needs libibverbs1) or mooncake-transfer-engine (CUDA 12)"),
@@ -139,7 +160,7 @@ ENGINES: dict[str, EngineEntry] = _entries(
         "auto", f"{_PKG}.auto:AutoEngine.create", "composite", "mooncake",
         "Mooncake's session with an IPC engine beside it: IPC to peers on this host, Mooncake to the rest",
         options=("host", "protocol", "device"), max_slices_per_call=1024,
-        staging=PAGE_SIZED, gpu_staging=GPU_PAGE_SIZED,
+        staging=PAGE_SIZED, gpu_staging=GPU_PAGE_SIZED, transport_staging=MOONCAKE_TRANSPORTS,
         available=f"{_PKG}:mooncake_available",
         missing="the auto engine needs Mooncake: install mooncake-transfer-engine-non-cuda (CPU hosts) "
                 "or mooncake-transfer-engine (CUDA 12)"),
@@ -177,20 +198,31 @@ def entry_of(engine: TransferEngine) -> EngineEntry:
                       "add its entry to kvbridge/transfer/engine/registry.py", field="engine")
 
 
-def route_key(name: str, on_gpu: bool) -> str:
-    """What :func:`staging_thresholds` takes for a route: the engine's name, ``-gpu`` for pages in
-    GPU memory."""
+def route_key(route: str, on_gpu: bool) -> str:
+    """What :func:`staging_thresholds` takes for a route: ``route`` is an engine's name, or its name
+    and transport (``mooncake/tcp``: what a Mooncake engine's ``route`` says), then ``-gpu`` for pages
+    in GPU memory."""
+    name, sep, transport = route.partition("/") if isinstance(route, str) else (route, "", "")
     engine_entry(name)
-    return f"{name}-gpu" if on_gpu else name
+    if sep and (not transport or "/" in transport or transport.endswith("-gpu")):
+        raise ConfigError(f"route {route!r}: want an engine's name, or name/transport (mooncake/tcp)", field="engine")
+    return f"{route}-gpu" if on_gpu else route
 
 
 def staging_thresholds(route: str) -> PathThresholds | None:
-    """The thresholds from which a target over ``route`` (:func:`route_key`) is staged; None: always
-    direct (``layout.choose_path`` takes them as they are)."""
-    name, gpu = (route[: -len("-gpu")], True) if route.endswith("-gpu") else (route, False)
+    """The thresholds from which a target over ``route`` (:func:`route_key`: ``mooncake``,
+    ``mooncake/tcp-gpu``...) is staged; None: always direct (``layout.choose_path`` takes them as
+    they are). A transport with a rule of its own in the entry's ``transport_staging`` takes it;
+    the rest take the engine's."""
+    base, gpu = (route[: -len("-gpu")], True) if route.endswith("-gpu") else (route, False)
+    name, _, transport = base.partition("/")
     entry = engine_entry(name)
     if entry.direct_only:
         return None
+    if transport:
+        own = entry.transport_staging.get(f"{transport}-gpu" if gpu else transport, _DEFAULT)
+        if own is not _DEFAULT:
+            return own  # type: ignore[return-value]
     if gpu and entry.gpu_staging is not None:
         return entry.gpu_staging
     return entry.staging
