@@ -229,11 +229,18 @@ class SharedRegions:
     """A transfer engine through which a region registered again (the same address and size: one
     tensor vLLM shares between layers of different KV cache groups) is registered once, and
     unregistered when its last registration is withdrawn; everything else goes to ``engine``
-    as it is (a partial overlap is the engine's to refuse)."""
+    as it is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name``
+    (what ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
+    wrappers do."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, name: str) -> None:
         self._engine = engine
+        self._name = name
         self._regions: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, registrations)
+
+    def route(self, session: str) -> str:
+        inner = getattr(self._engine, "route", None)
+        return inner(session) if inner is not None else self._name
 
     def register(self, ptr: int, nbytes: int) -> None:
         held = self._regions.get(int(ptr))

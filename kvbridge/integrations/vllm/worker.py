@@ -173,7 +173,7 @@ class WorkerSide:
         for name in windows:
             buffers.update(caches[name].buffers())
         # hybrid: one tensor backs a layer of each group, registered once (cache.SharedRegions)
-        engine = SharedRegions(self.engine) if windows else self.engine
+        engine = SharedRegions(self.engine, s.engine) if windows else self.engine
         staging = {**s.staging_config, "staging": "never"} if windows else s.staging_config
         try:
             if self.is_prefill:

@@ -163,6 +163,11 @@ class Rank:
         self.held = getattr(self, "held", [])
         self.held.append(self.connector.worker_side.endpoint.sender(room))
 
+    def failures(self) -> dict:
+        """Prefill: request id -> the failure reason of each of its rooms still held (for messages)."""
+        side = self.connector.worker_side
+        return {rid: str(s.failure_reason) for rid, s in side._senders.items() if s.failure_reason}
+
     def counters(self) -> dict:
         return dict(self.connector.worker_side.endpoint.counters)
 
