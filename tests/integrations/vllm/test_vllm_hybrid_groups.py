@@ -170,7 +170,7 @@ def test_window_pages_cover_the_token_the_recomputed_last_token_attends():
 
     assert window_pages(70, 32, 16) == (2, 5)  # token 38 is row 6 of page 2
     assert kvb.needed_extent(kvb.window_pool("w", [0], 8, window=32, page_size=16), 70).first_row == 6
-    assert window_pages(48, 32, 16) == (1, 3)  # token 16 opens page 1: with W - 1 it would be page 1 too
+    assert window_pages(48, 32, 16) == (1, 3)  # token 16 opens page 1
     assert window_pages(10, 32, 16) == (0, 1)
     assert [n for n in range(32, 100) if window_gap(n, 32, 16)] == [47, 63, 79, 95]  # n - W + 1 = 16, 32, 48, 64
 
