@@ -9,8 +9,9 @@
                                       "prefill_instance": "prefill-0"}}'
 
 with a daemon running (``kvbridge bootstrap --port 8998``). ``"kv_connector": "KVBridgeHMAConnector"``
-keeps vLLM's hybrid KV cache manager on (``SupportsHMA``): its KV cache groups are mapped onto
-kvbridge pool kinds and refused by kind until the connector carries them (docs/vllm.md). Roles: ``kv_producer``
+keeps vLLM's hybrid KV cache manager on (``SupportsHMA``): one full-attention group and its
+sliding-window groups move (the window's blocks only), Mamba groups are refused by kind
+(``hybrid.py``, docs/vllm.md). Roles: ``kv_producer``
 (prefill) and ``kv_consumer`` (decode); ``kv_both`` is refused.
 
 ``kv_connector_extra_config`` keys (``settings.EXTRA_KEYS``; a key not listed is refused):

@@ -16,6 +16,10 @@ so kvbridge sees:
     kv     0 .. L-1 (MHA/GQA)   H_rank * C           NHD: [h0, h1) of the model's KV heads
     mla    0 .. L-1 (MLA)       C                    replicated
 
+Hybrid groups (``KVBridgeHMAConnector``): each KV cache group's layers are a cache of their own
+(``read_group_caches``; a sliding-window group a window pool, ``window_spec``), and the tensor
+vLLM shares between one layer of each group is registered once (``SharedRegions``).
+
 Layer ids come from the layer's name (``model.layers.7.self_attn.attn`` is 7), never
 from the dict's order (hard rule 8). A block is addressed as vLLM allocates it: the
 buffer of layer ``l`` is ``[data_ptr, + num_blocks * block bytes)``; kernel blocks that
@@ -32,7 +36,8 @@ are refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge import (
@@ -44,6 +49,7 @@ from kvbridge import (
     RuntimeContract,
     contract_for,
     rank_heads,
+    window_pool,
 )
 
 NHD, HND, MLA = "LBNHC", "LBHNC", "MLA"
@@ -74,10 +80,11 @@ class VLLMCache:
     num_heads: int  # KV head slots in this rank's block (1 for MLA)
     cell_bytes: int  # C: one head slot of one token
     layers: tuple[LayerBuffer, ...]
+    pool_name: str = ""  # hybrid groups: the group's pool (group<i>); else kv / mla
 
     @property
     def pool(self) -> str:
-        return MLA_POOL if self.layout == MLA else KV_POOL
+        return self.pool_name or (MLA_POOL if self.layout == MLA else KV_POOL)
 
     @property
     def block_bytes(self) -> int:
@@ -176,12 +183,80 @@ def pool_spec(cache: VLLMCache, total_kv_heads: int, tp_size: int, tp_rank: int)
 
 
 def rank_contract(cache: VLLMCache, spec: PoolSpec, *, model_name: str, revision: str, tp_size: int,
-                  vllm_version: str, weights: str = "unspecified") -> RuntimeContract:
+                  vllm_version: str, weights: str = "unspecified",
+                  windows: Mapping[str, PoolSpec] | None = None) -> RuntimeContract:
     """The contract both sides must agree on: the model, the pool (dtype, block size, the
-    whole row's heads), vLLM's version and layout; HND adds the TP size (whole blocks)."""
+    whole row's heads), vLLM's version and layout; HND adds the TP size (whole blocks). Hybrid
+    groups: ``windows``, the sliding-window groups' pools (their ``window`` is in the contract)."""
     abi = f"layout={cache.layout}" + (f",tp={tp_size}" if cache.layout == HND else "")
-    return contract_for({spec.name: spec.full()}, model={"name": model_name, "revision": revision,
-                                                         "target_layers": spec.num_layers, "draft_layers": 0,
-                                                         "weights": weights},
+    pools = {spec.name: spec.full(), **{name: w.full() for name, w in (windows or {}).items()}}
+    layers = sum(p.num_layers for p in pools.values())
+    return contract_for(pools, model={"name": model_name, "revision": revision, "target_layers": layers,
+                                      "draft_layers": 0, "weights": weights},
                         aux=AUX_SCHEMA, lane_rule="interleaved",
                         kernel={"attention_backend": f"vllm-{vllm_version}", "abi": abi})
+
+
+def read_group_caches(kv_caches: dict[str, Any], groups: Any, names: Sequence[str], num_blocks: int,
+                      block_size: int) -> dict[str, VLLMCache]:
+    """Hybrid manager: each KV cache group's layers read as a cache of their own (pool name ->
+    cache, ``names[i]`` for group ``i``). vLLM backs one layer of each group with the same tensor
+    (``KVCacheTensor.shared_by``; a block id belongs to one group at a time), so layers of
+    different groups share memory: ``SharedRegions`` registers it once."""
+    out = {}
+    for i, (group, name) in enumerate(zip(groups, names)):
+        missing = [n for n in group.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"KV cache group {i}: layers {missing[:3]} have no KV cache registered",
+                              field="kv_caches")
+        cache = read_kv_caches({n: kv_caches[n] for n in group.layer_names}, num_blocks, block_size, False)
+        if cache.layout != NHD:
+            raise ConfigError(f"KV cache group {i}: layout {cache.layout}; kvbridge moves hybrid groups in the "
+                              "LBNHC (NHD) layout, whose rows a window's first block is cut at: serve with "
+                              "VLLM_KV_CACHE_LAYOUT LBNHC", field="kv_cache_layout")
+        out[name] = replace(cache, pool_name=name)
+    return out
+
+
+def window_spec(cache: VLLMCache, name: str, window: int) -> PoolSpec:
+    """A sliding-window group's pool: rows of ``window`` tokens (``hybrid.py``), this rank's heads."""
+    return window_pool(name, tuple(b.layer_id for b in cache.layers), cache.num_heads * cache.cell_bytes,
+                       window=window, page_size=cache.block_size, dtype=cache.dtype,
+                       kernel_abi=f"vllm-sliding-window,layout={cache.layout}")
+
+
+class SharedRegions:
+    """A transfer engine through which a region registered again (the same address and size: one
+    tensor vLLM shares between layers of different KV cache groups) is registered once, and
+    unregistered when its last registration is withdrawn; everything else goes to ``engine``
+    as it is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name``
+    (what ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
+    wrappers do."""
+
+    def __init__(self, engine: Any, name: str) -> None:
+        self._engine = engine
+        self._name = name
+        self._regions: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, registrations)
+
+    def route(self, session: str) -> str:
+        inner = getattr(self._engine, "route", None)
+        return inner(session) if inner is not None else self._name
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        held = self._regions.get(int(ptr))
+        if held is not None and held[0] == int(nbytes):
+            self._regions[int(ptr)] = (held[0], held[1] + 1)
+            return
+        self._engine.register(ptr, nbytes)
+        self._regions[int(ptr)] = (int(nbytes), 1)
+
+    def unregister(self, ptr: int) -> None:
+        held = self._regions.get(int(ptr))
+        if held is not None and held[1] > 1:
+            self._regions[int(ptr)] = (held[0], held[1] - 1)
+            return
+        self._regions.pop(int(ptr), None)
+        self._engine.unregister(ptr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

@@ -8,8 +8,9 @@ by name below (the base's defaults stand for the rest):
     supports HMA                  KVBridgeConnector: no, so vLLM turns the hybrid manager off (a sliding
                                   window is then allocated in full and moves as every token's pages;
                                   vLLM itself refuses Mamba hybrids without it). KVBridgeHMAConnector:
-                                  yes (SupportsHMA, request_finished_all_groups); its KV cache groups
-                                  are refused by kind (settings.refuse_hybrid) until they are carried
+                                  yes (SupportsHMA, request_finished_all_groups): one full-attention
+                                  group and its sliding-window groups move (hybrid.py), other groups
+                                  are refused by kind (settings.refuse_hybrid)
     save_kv_layer                 prefill, layerwise (default): the layer of the prompts ending in this
                                   step goes out now; wait_for_save sends what is left (worker.py).
                                   It must run at every prefill step: with cudagraph_mode=FULL (prefill
@@ -52,12 +53,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         route_logs(os.environ.get("KVBRIDGE_LOG_LEVEL"))
         self.settings = read_settings(vllm_config)
-        if kv_cache_config is not None:
-            refuse_hybrid(kv_cache_config)
+        self.groups = refuse_hybrid(kv_cache_config) if kv_cache_config is not None else None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.settings, vllm_config.cache_config.block_size)
+            self.scheduler_side = SchedulerSide(self.settings, vllm_config.cache_config.block_size, self.groups)
         else:
             if kv_cache_config is None:
                 raise ConfigError("the worker side needs vLLM's KVCacheConfig (the number of blocks)",
@@ -69,7 +69,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             mc = vllm_config.model_config
             self.worker_side = WorkerSide(self.settings, tp_rank=_tp_rank(self.settings),
                                           total_kv_heads=int(mc.get_total_num_kv_heads()), is_mla=bool(mc.use_mla),
-                                          num_blocks=int(kv_cache_config.num_blocks))  # fmt: skip
+                                          num_blocks=int(kv_cache_config.num_blocks), groups=self.groups,
+                                          kv_cache_groups=kv_cache_config.kv_cache_groups)  # fmt: skip
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -166,16 +167,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
 class KVBridgeHMAConnector(KVBridgeConnector, SupportsHMA):
     """``KVBridgeConnector`` that keeps vLLM's hybrid KV cache manager on (``"kv_connector":
     "KVBridgeHMAConnector"``): vLLM then hands it every KV cache group, which
-    ``settings.refuse_hybrid`` maps onto pool kinds at start-up (one full-attention group moves as
-    with ``KVBridgeConnector``; the others are refused naming the group and the kind), and
+    ``settings.refuse_hybrid`` maps onto pool kinds at start-up: one full-attention group is the
+    room's page mapping, each sliding-window group a window pool whose blocks of the last W tokens
+    move (``hybrid.py``); Mamba groups are refused naming the group and the kind. vLLM calls
     ``request_finished_all_groups`` instead of ``request_finished``."""
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        if len(block_ids) != 1:  # refuse_hybrid let only one group through
-            raise ConfigError(f"request {request.request_id}: blocks of {len(block_ids)} KV cache groups; kvbridge's "
-                              "vLLM connector moves one", field="kv_cache_config.kv_cache_groups")
-        return self._scheduler.request_finished(request, list(block_ids[0]))
+        groups = self._scheduler.groups
+        want = 1 if groups is None else len(groups.names)
+        if len(block_ids) != want:
+            raise ConfigError(f"request {request.request_id}: blocks of {len(block_ids)} KV cache groups, the "
+                              f"connector was built for {want}", field="kv_cache_config.kv_cache_groups")
+        # every group's blocks are held or freed together (vLLM frees them all on finished_sending)
+        return self._scheduler.request_finished(request, list(block_ids[0 if groups is None else groups.paged]))
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -4,7 +4,8 @@ plain dataclasses, pickled by vLLM to every worker of the engine.
     SendChunk   prefill: pages of a request computed by this step's forward pass
                 (``block_ids`` hold logical pages ``[first_page, first_page + len)``)
     Receive     decode: a request's room, its prefill instance and the pages to fill
-                (logical ``[first_page, ...)``; the pages below are decode's own prefix hit)
+                (logical ``[first_page, ...)``; the pages below are decode's own prefix hit);
+                hybrid groups: each window group's blocks of the window's pages (``hybrid.py``)
     ReleaseRoom decode: a request that needs nothing of its room (a local prefix hit, a prompt
                 decode computes itself, a request that finished before it loaded): the
                 room's prefill ranks are told at once and free its blocks
@@ -35,6 +36,8 @@ class SendChunk:
     num_tokens: int  # the prompt's tokens: what decode receives
     is_last: bool
     binding: bytes = b""  # the prompt's digest (kvbridge.room_binding): the room is opened bound to it
+    windows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # last chunk, hybrid: window pool -> its blocks of
+    # the window's pages (hybrid.py); the pools are opened waiting for them (KVSender kind_units None)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class Receive:
     first_page: int
     error: str = ""  # the scheduler side refused the request's params: fail its load, naming this
     binding: bytes = b""  # the prompt's digest, presented with the claim (a room bound to another refuses it)
+    num_tokens: int = 0  # hybrid: the prompt's tokens (the window's extent; 0: prefill says the count)
+    windows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # hybrid: window pool -> decode's blocks of its pages
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import KVBridgeError, room_binding, sign_room, verify_room
+from kvbridge.integrations.vllm.hybrid import GroupLayout, window_gap
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, KVBridgeWorkerMeta, Receive, ReleaseRoom, SendChunk
 from kvbridge.integrations.vllm.settings import Settings
 from kvbridge.integrations.vllm.stats import KVBridgeStats
@@ -99,9 +100,11 @@ class _Send:
 
 
 class SchedulerSide:
-    def __init__(self, settings: Settings, block_size: int) -> None:
+    def __init__(self, settings: Settings, block_size: int, groups: GroupLayout | None = None) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.groups = groups  # hybrid manager: the paged group and the window groups (hybrid.py)
+        self._local: dict[str, str] = {}  # decode, hybrid: request -> why decode computes it (no room moved)
         self.is_prefill = settings.role == "prefill"
         self.kv_cache_manager: Any = None
         self._sends: dict[str, _Send] = {}  # prefill: requests whose room is open or to open
@@ -124,7 +127,25 @@ class SchedulerSide:
         if self.is_prefill or not params or not params.get("do_remote_prefill") or ROOM not in params:
             return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        if count > 0 and self.groups is not None:
+            why = self._hybrid_local(int(request.num_prompt_tokens), int(num_computed_tokens))
+            if why:
+                self._local[request.request_id] = why
+                return 0, False
         return (count, True) if count > 0 else (0, False)
+
+    def _hybrid_local(self, n: int, computed: int) -> str:
+        """Decode, hybrid groups: why the room cannot fill what decode's first step reads ("": it
+        can). A local prefix hit (the window and paged groups' rooms start at page 0), or a window
+        group whose block of token n - W vLLM does not allocate (hybrid.window_gap)."""
+        if computed:
+            return "local_compute_hybrid_prefix"
+        managers = getattr(getattr(self.kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        for g, _, w in self.groups.windows:
+            skip = getattr(managers[g], "get_num_skipped_tokens", None) if managers else None
+            if window_gap(n, w, self.block_size, None if skip is None else int(skip(n))):
+                return "local_compute_window"
+        return ""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -140,15 +161,21 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             local = "prompt_logprobs: computed here" if getattr(request, "skip_reading_prefix_cache", False) else \
                 f"a local prefix hit of {int(request.num_computed_tokens)} of {int(request.num_prompt_tokens)} tokens"
-            if getattr(request, "skip_reading_prefix_cache", False):
+            hybrid = self._local.pop(request.request_id, "")
+            if hybrid:
+                local = _LOCAL[hybrid]
+                self._count(hybrid, request.request_id, local)
+            elif getattr(request, "skip_reading_prefix_cache", False):
                 self.refusals["local_compute_prompt_logprobs"] += 1
                 self.stats.count("local_compute_prompt_logprobs")
             self._release(request, params, f"decode needs nothing of the room ({local})")
             return
         req_id = request.request_id
+        self._local.pop(req_id, None)
         local = int(request.num_prompt_tokens) - int(num_external_tokens)
-        block_ids = list(blocks.get_block_ids()[0])
-        error = ""
+        group_ids = blocks.get_block_ids()
+        block_ids = list(group_ids[self.groups.paged if self.groups is not None else 0])
+        error, windows, num_tokens = "", (), 0
         binding = prompt_binding(request)
         try:
             room = requested_room(params, req_id)
@@ -162,9 +189,19 @@ class SchedulerSide:
         if not error and local % self.block_size:
             error = (f"decode's local prefix hit of {local} tokens is not whole blocks of {self.block_size}: "
                      "kvbridge moves the blocks after a block-aligned prefix")
+        if self.groups is not None:  # the window groups' blocks; one vLLM did not allocate fails the load
+            num_tokens = int(request.num_prompt_tokens)
+            windows, gap = self.groups.window_blocks(group_ids, num_tokens, self._null_block())
+            if gap and not error:
+                error = f"{gap}: decode's first step would read a key no room can fill; nothing loaded"
         first = local // self.block_size
         pages = tuple(block_ids[first:cdiv(int(request.num_prompt_tokens), self.block_size)])
-        self._receives.append(Receive(req_id, room, instance, pages, first, error, binding))
+        self._receives.append(Receive(req_id, room, instance, pages, first, error, binding, num_tokens, windows))
+
+    def _null_block(self) -> int | None:
+        """vLLM's null block id (a skipped sliding-window block), None before the manager is bound."""
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        return None if pool is None else int(pool.null_block.block_id)
 
     def _release(self, request: Any, params: dict[str, Any], reason: str) -> None:
         """Decode: tell the room's prefill ranks it is not needed (the workers send the release).
@@ -250,18 +287,27 @@ class SchedulerSide:
             upto = cdiv(ready, self.block_size)
             if upto <= s.sent_pages and not is_last:
                 continue
-            block_ids = self._block_ids(req_id, scheduler_output)
+            group_ids = self._group_ids(req_id, scheduler_output)
+            block_ids = list(group_ids[self.groups.paged if self.groups is not None else 0])
+            windows: tuple = ()
+            if is_last and self.groups is not None:
+                windows, gap = self.groups.window_blocks(group_ids, s.num_tokens, self._null_block())
+                if gap:  # (vLLM keeps the window's blocks until the prompt's last step: not expected)
+                    log.warning("kvbridge prefill: request %s: no room: %s", req_id, gap)
+                    self._fallback[req_id] = "window_blocks"
+                    s.done = True
+                    continue
             meta.sends.append(SendChunk(req_id, s.room, tuple(block_ids[s.sent_pages:upto]), s.sent_pages, ready,
-                                        s.num_tokens, is_last, s.binding))
+                                        s.num_tokens, is_last, s.binding, windows))
             s.sent_pages, s.opened, s.done = upto, True, is_last
         return meta
 
-    def _block_ids(self, req_id: str, scheduler_output: Any) -> list[int]:
+    def _group_ids(self, req_id: str, scheduler_output: Any) -> tuple[list[int], ...]:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         ids = state.get_block_ids(req_id) if state is not None else None
         if ids is None:
             ids = self.kv_cache_manager.get_block_ids(req_id)
-        return list(ids[0])
+        return tuple(list(g) for g in ids)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -286,6 +332,7 @@ class SchedulerSide:
                 return True, params
             self._aborts.append(req_id)
             return True, None
+        self._local.pop(req_id, None)
         pending = [r for r in self._receives if r.req_id == req_id]
         if pending:  # never handed out: nothing was asked of prefill, which is told to free the room
             self._receives = [r for r in self._receives if r.req_id != req_id]
@@ -347,6 +394,14 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Blocks held for a room: the engine must keep stepping so workers report them."""
         return bool(self._held) or bool(self._aborts)
+
+
+_LOCAL = {  # decode, hybrid groups: why decode computes the prompt itself (the room is released)
+    "local_compute_hybrid_prefix": "a local prefix hit under hybrid KV cache groups (the rooms of window pools "
+                                   "start at page 0)",
+    "local_compute_window": "vLLM's decode holds no sliding-window block for token n - W, which the recomputed "
+                            "last prompt token attends (n - W + 1 is a multiple of the block size)",
+}
 
 
 def _aborted(request: Any) -> bool:

@@ -10,7 +10,8 @@ convention (``kvbridge.SettingsReader``; kvbridge/integrations/README.md).
 
 What kvbridge's connector does not serve is refused here, naming the setting: pipeline
 parallelism, decode/prefill context parallelism, ``kv_both`` (P/D uses producer and
-consumer), hybrid models (several KV cache groups, or a group that is not full attention).
+consumer), hybrid groups it does not move (Mamba state, several full-attention groups;
+``refuse_hybrid``).
 """
 
 from __future__ import annotations
@@ -191,20 +192,22 @@ def refuse_parallel(parallel: Any) -> None:
                               field=f"parallel_config.{attr}")
 
 
-def refuse_hybrid(kv_cache_config: Any) -> None:
+def refuse_hybrid(kv_cache_config: Any) -> Any:
     """Each KV cache group mapped onto a kvbridge pool kind (``hybrid.group_specs``): a group with
     no kind, or whose kind the room endpoints do not carry (``kvbridge.ROOM_POOL_KINDS``), is
     refused naming the group, its spec and the kind. One full-attention group (MLA, and a sliding
     window vLLM promoted to full allocation with the hybrid manager off, included) is the paged
-    pool the connector moves. Carried kinds past that are still refused by name: the worker
-    registers one paged pool (``cache.py``) and the scheduler hands one group's blocks to a room."""
+    pool the connector moves; under the hybrid manager one full-attention group beside any number
+    of sliding-window groups moves too (``hybrid.group_layout``, returned; None for one group).
+    Mamba groups, several full-attention groups and groups of different block sizes are refused
+    by name (``hybrid.py``'s docstring)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvbridge.integrations.vllm.hybrid import group_specs, room_pool_kinds
+    from kvbridge.integrations.vllm.hybrid import group_layout, group_specs, room_pool_kinds
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        return
+        return None
     if not groups:
         raise ConfigError("vLLM's KVCacheConfig has no KV cache group", field="kv_cache_config.kv_cache_groups")
     specs = list(group_specs(kv_cache_config).values())  # ConfigError naming a group without a kind
@@ -216,8 +219,8 @@ def refuse_hybrid(kv_cache_config: Any) -> None:
                               f"only {sorted(carried)} pools (kvbridge.ROOM_POOL_KINDS) in this kvbridge; serve this "
                               "hybrid model with vLLM's NixlConnector or MooncakeConnector",
                               field=f"kv_cache_config.kv_cache_groups[{i}]")
-    kinds = [f"{type(g.kv_cache_spec).__name__} ({s.kind})" for g, s in zip(groups, specs)]
-    raise ConfigError(f"KV cache groups {kinds}: the room endpoints carry their kinds, but kvbridge's vLLM connector "
-                      "registers one paged pool and hands one group's blocks to a room; per-group pools are not built "
-                      "yet; serve this hybrid model with vLLM's NixlConnector or MooncakeConnector",
-                      field="kv_cache_config.kv_cache_groups")
+    if len(groups) == 1:
+        raise ConfigError(f"KV cache group 0 ({type(groups[0].kv_cache_spec).__name__}) alone: kvbridge's vLLM "
+                          "connector moves a sliding-window group only beside one full-attention group",
+                          field="kv_cache_config.kv_cache_groups[0]")
+    return group_layout(kv_cache_config)

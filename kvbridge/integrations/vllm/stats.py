@@ -10,6 +10,11 @@ sides' and the scheduler side's and its stats logger reduces them (``KV Transfer
     decode_params_refused   decode: params of another prompt (token count, binding), forged or
                             expired: the request fails, nothing loaded
     local_compute_prompt_logprobs   decode: vLLM computes the prompt here (the room is released)
+    local_compute_window    decode, hybrid groups: vLLM holds no sliding-window block for token n - W,
+                            which the recomputed last prompt token attends: decode computes the prompt
+                            (the room is released; hybrid.py)
+    local_compute_hybrid_prefix     decode, hybrid groups: a local prefix hit (window rooms start at
+                            page 0): decode computes the prompt (the room is released)
     rooms_released, release_failed  decode: releases sent (or not); prefill: rooms a release ended
     rooms_sent, rooms_received      rooms that reached Success
     send_failed, load_failed        rooms that failed (the reason is in the log)

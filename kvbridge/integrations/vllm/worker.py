@@ -68,7 +68,9 @@ from kvbridge import (
     create_engine,
     diff_contracts,
 )
-from kvbridge.integrations.vllm.cache import AUX_SCHEMA, HND, VLLMCache, pool_spec, rank_contract, read_kv_caches
+from kvbridge.integrations.vllm.cache import (AUX_SCHEMA, HND, SharedRegions, VLLMCache, pool_spec, rank_contract,
+                                              read_group_caches, read_kv_caches, window_spec)
+from kvbridge.integrations.vllm.hybrid import GroupLayout
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, KVBridgeWorkerMeta, Receive, ReleaseRoom, SendChunk
 from kvbridge.integrations.vllm.settings import Settings, model_weights
 from kvbridge.integrations.vllm.stats import KVBridgeStats
@@ -89,8 +91,13 @@ class _Recv:
 
 
 class WorkerSide:
-    def __init__(self, settings: Settings, *, tp_rank: int, total_kv_heads: int, is_mla: bool, num_blocks: int) -> None:
+    def __init__(self, settings: Settings, *, tp_rank: int, total_kv_heads: int, is_mla: bool, num_blocks: int,
+                 groups: GroupLayout | None = None, kv_cache_groups: Any = ()) -> None:
         self.settings = settings
+        self.groups = groups  # hybrid manager: the paged group and the window groups (hybrid.py)
+        self.kv_cache_groups = list(kv_cache_groups)  # vLLM's KVCacheGroupSpec list (their layer names)
+        self.window_pools: tuple[str, ...] = ()  # hybrid: the window groups' pools
+        self.layerwise = settings.layerwise and groups is None  # window pools are not sent by layer ranges
         self.tp_rank = tp_rank
         self.total_kv_heads = total_kv_heads
         self.is_mla = is_mla
@@ -125,7 +132,22 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         s = self.settings
-        self.cache = cache = read_kv_caches(kv_caches, self.num_blocks, s.block_size, self.is_mla)
+        windows, caches = {}, {}
+        if self.groups is not None:  # hybrid: a pool per group, the paged one the room's page mapping
+            if self.is_mla:
+                raise ConfigError("MLA with hybrid KV cache groups is not moved by kvbridge's vLLM connector",
+                                  field="kv_cache_config.kv_cache_groups")
+            if s.staging == "always":
+                raise ConfigError("staging 'always' with hybrid KV cache groups: the rooms carry window pools on the "
+                                  "direct path only (set staging auto or never)", field="staging")
+            g = self.groups
+            caches = read_group_caches(kv_caches, self.kv_cache_groups, g.names, self.num_blocks, s.block_size)
+            cache = caches[g.names[g.paged]]
+            windows = {name: window_spec(caches[name], name, w) for _, name, w in g.windows}
+            self.window_pools = tuple(windows)
+        else:
+            cache = read_kv_caches(kv_caches, self.num_blocks, s.block_size, self.is_mla)
+        self.cache = cache
         if cache.layout == HND:  # each TP rank is a DP group of its own (module docstring)
             self.dp_rank, tp_size, tp_rank, dp_size = self.tp_rank, 1, 0, s.tp_size
         else:
@@ -136,7 +158,7 @@ class WorkerSide:
                               f"with TP <= {self.total_kv_heads} (decode may use any TP)", field="tensor_parallel_size")
         spec = pool_spec(cache, self.total_kv_heads, tp_size if cache.layout != HND else 1, tp_rank)
         contract = rank_contract(cache, spec, model_name=s.model_name, revision=s.revision, tp_size=s.tp_size,
-                                 vllm_version=s.vllm_version, weights=model_weights(s))
+                                 vllm_version=s.vllm_version, weights=model_weights(s), windows=windows)
         if self.is_prefill and self.is_mla:
             tp_size, tp_rank = 1, 0
             if self.tp_rank != 0:
@@ -147,14 +169,19 @@ class WorkerSide:
         if not self.is_prefill and s.prefill_instance:
             self._check_prefill_contract(contract)
         self.engine = create_engine(s.engine, host=s.host, protocol=s.protocol, device=s.device or None)
-        specs, buffers = {spec.name: spec}, cache.buffers()
+        specs, buffers = {spec.name: spec, **windows}, cache.buffers()
+        for name in windows:
+            buffers.update(caches[name].buffers())
+        # hybrid: one tensor backs a layer of each group, registered once (cache.SharedRegions)
+        engine = SharedRegions(self.engine, s.engine) if windows else self.engine
+        staging = {**s.staging_config, "staging": "never"} if windows else s.staging_config
         try:
             if self.is_prefill:
                 cfg = PrefillConfig(instance=s.instance, dp_rank=self.dp_rank, dp_size=dp_size, tp_rank=tp_rank,
                                     tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
                                     target_timeout=s.target_timeout, peer_timeout=s.peer_timeout, trace=s.trace,
-                                    **s.staging_config)  # fmt: skip
-                self.endpoint = PrefillEndpoint(cfg, self.engine, specs, buffers, contract, self.client, AUX_SCHEMA)
+                                    **staging)  # fmt: skip
+                self.endpoint = PrefillEndpoint(cfg, engine, specs, buffers, contract, self.client, AUX_SCHEMA)
             else:
                 slots = max(1, s.aux_slots)
                 self._aux = {"room": np.zeros((slots, 1), dtype=np.uint64)}
@@ -163,17 +190,18 @@ class WorkerSide:
                                    tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
                                    transfer_timeout=s.transfer_timeout, peer_timeout=s.peer_timeout, trace=s.trace,
                                    lease_quarantine=s.lease_quarantine,
-                                   **s.staging_config)  # fmt: skip
-                self.endpoint = DecodeEndpoint(cfg, self.engine, specs, buffers, contract, self.client, self._aux,
+                                   **staging)  # fmt: skip
+                self.endpoint = DecodeEndpoint(cfg, engine, specs, buffers, contract, self.client, self._aux,
                                                AUX_SCHEMA)
             self.endpoint.start()
-            self._posts = self._layer_posts(cache) if self.is_prefill and s.layerwise else None
+            self._posts = self._layer_posts(cache) if self.is_prefill and self.layerwise else None
         except BaseException:
             self.shutdown()
             raise
-        log.info("kvbridge %s %s ready: %s, %d layers, %s blocks of %d tokens, pool %s (%d B/token)", s.role,
+        log.info("kvbridge %s %s ready: %s, %d layers, %s blocks of %d tokens, pool %s (%d B/token)%s", s.role,
                  self.label, cache.layout, len(cache.layers), cache.num_blocks, cache.block_size, spec.name,
-                 spec.bytes_per_token)
+                 spec.bytes_per_token, "".join(f", window pool {n} (W {w.window}, layers {list(w.layer_ids)})"
+                                               for n, w in windows.items()))
 
     def _check_prefill_contract(self, contract: Any) -> None:
         """Decode with ``prefill_instance``: the prefill instance's contract, compared before the
@@ -214,7 +242,7 @@ class WorkerSide:
         sent for the requests whose prompt ends in this step, by ``LayerPosts``' poster thread after
         a CUDA event recorded now on the current stream (behind the layer's kernels): this thread
         plans nothing and waits for nothing, and nothing synchronises the model's stream."""
-        if not self.is_prefill or not self.settings.layerwise or meta is None or self.endpoint is None:
+        if not self.is_prefill or not self.layerwise or meta is None or self.endpoint is None:
             return
         if self._posts is None:
             self._save_layer_alone(layer_name, meta)
@@ -343,7 +371,9 @@ class WorkerSide:
             logical, local = self._pages(c)
             ready = self._tokens(c.num_tokens) if c.is_last else c.tokens_ready
             aux = {} if c.is_last and sender.writes_aux else None
-            sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux, ready_event=ready_event)
+            units = {name: np.asarray(ids, dtype=np.int64) for name, ids in c.windows} if c.windows else None
+            sender.send(logical, local, num_tokens_ready=ready, is_last=c.is_last, aux=aux, ready_event=ready_event,
+                        kind_units=units)
         except KVBridgeError as exc:
             self._failed(c, sender, exc)
 
@@ -353,7 +383,8 @@ class WorkerSide:
         if sender is None:
             try:
                 sender = self.endpoint.sender(c.room)
-                sender.init(self._tokens(c.num_tokens), binding=c.binding)
+                later = {name: None for name in self.window_pools} or None  # their blocks come with the last chunk
+                sender.init(self._tokens(c.num_tokens), binding=c.binding, kind_units=later)
             except KVBridgeError as exc:
                 self._failed(c, sender, exc)
                 return None
@@ -447,8 +478,9 @@ class WorkerSide:
         rec.aux_slot = self._free_slots.pop()
         try:
             rec.handle = self.endpoint.receiver(r.room, r.prefill_instance, self.dp_rank)
-            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, None, first_page=r.first_page,
-                            binding=r.binding)
+            units = {name: np.asarray(ids, dtype=np.int64) for name, ids in r.windows} if r.windows else None
+            rec.handle.init(np.asarray(r.block_ids, dtype=np.int64), rec.aux_slot, r.num_tokens or None,
+                            first_page=r.first_page, binding=r.binding, kind_units=units)
         except KVBridgeError as exc:
             rec.failure = str(exc)
             if rec.handle is not None:
@@ -528,6 +560,8 @@ class WorkerSide:
             log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
                         rec.receive.room, rec.failure)
             self._load_errors.update(rec.receive.block_ids)
+            for _, ids in rec.receive.windows:
+                self._load_errors.update(ids)
             self._release(req_id, rec)
             done.add(req_id)
         return done

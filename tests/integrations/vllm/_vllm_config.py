@@ -28,19 +28,23 @@ def model_dir(root: Path, kind: str = "gqa", **overrides: Any) -> str:
     return str(d)
 
 
-def transfer_json(role: str, extra: dict[str, Any]) -> str:
+def transfer_json(role: str, extra: dict[str, Any], connector: str = "KVBridgeConnector") -> str:
     """The ``--kv-transfer-config`` a user types (docs/vllm.md)."""
-    return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+    return json.dumps({"kv_connector": connector, "kv_connector_module_path": "kvbridge.integrations.vllm",
                        "kv_role": role, "kv_connector_extra_config": extra})
 
 
 def vllm_config(model: str, role: str, extra: dict[str, Any], *, block_size: int = 16, tp: int = 1,
                 dtype: str = "bfloat16", max_batched: int = 64, engine_id: str | None = None,
-                layout: str = "LBNHC") -> Any:
+                layout: str = "LBNHC", window: int = 0) -> Any:
+    """``window``: a gpt-oss-like hybrid (even layers a sliding window of ``window`` tokens, odd
+    layers full attention) served with ``KVBridgeHMAConnector`` and vLLM's hybrid manager on."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
-    kv = KVTransferConfig(**json.loads(transfer_json(role, extra)), **({"engine_id": engine_id} if engine_id else {}))
+    connector = "KVBridgeHMAConnector" if window else "KVBridgeConnector"
+    kv = KVTransferConfig(**json.loads(transfer_json(role, extra, connector)),
+                          **({"engine_id": engine_id} if engine_id else {}))
     mc = ModelConfig(model=model, tokenizer=None, skip_tokenizer_init=True, dtype=dtype, max_model_len=512)
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=512,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -48,6 +52,9 @@ def vllm_config(model: str, role: str, extra: dict[str, Any], *, block_size: int
                     scheduler_config=sc, kv_transfer_config=kv, device_config=DeviceConfig("cpu"),
                     parallel_config=ParallelConfig(tensor_parallel_size=tp))
     vc.cache_config.kv_cache_layout = layout  # what the engine core resolves before profiling
+    vc.hybrid_window = window  # (the test's own note: attention_specs reads it)
+    if window:  # vLLM's CPU platform turns the hybrid manager off for served models; its classes run with it on
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = False
     return vc
 
 
@@ -75,6 +82,13 @@ def attention_specs(vc: Any) -> dict[str, Any]:
         return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=head,
                                                                       dtype=dtype) for i in range(layers)}
     heads = max(1, mc.get_total_num_kv_heads() // tp)
+    window = getattr(vc, "hybrid_window", 0)
+    if window:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        geo = dict(block_size=bs, num_kv_heads=heads, head_size=mc.get_head_size(), dtype=dtype)
+        return {f"model.layers.{i}.self_attn.attn": SlidingWindowSpec(**geo, sliding_window=window) if i % 2 == 0
+                else FullAttentionSpec(**geo) for i in range(layers)}
     return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=bs, num_kv_heads=heads,
                                                                    head_size=mc.get_head_size(), dtype=dtype)
             for i in range(layers)}

@@ -35,11 +35,11 @@ class Rank:
         from vllm.v1.worker.utils import allocate_kv_cache
 
         import _vllm_config as C
-        from kvbridge.integrations.vllm import KVBridgeConnector
+        from kvbridge.integrations.vllm import KVBridgeConnector, KVBridgeHMAConnector
 
         self.cfg = cfg
         vc = C.vllm_config(cfg["model"], cfg["role"], cfg["extra"], block_size=cfg["block_size"], tp=cfg["tp"],
-                           layout=cfg["layout"], dtype=cfg.get("dtype", "bfloat16"))
+                           layout=cfg["layout"], dtype=cfg.get("dtype", "bfloat16"), window=cfg.get("window", 0))
         self.kvcc = C.kv_cache_config(vc, cfg["num_blocks"])
         self.caches = allocate_kv_cache(self.kvcc, torch.device("cpu"), KVCacheLayout[cfg["layout"]])
         self.u8 = {name: t.view(torch.uint8) for name, t in self.caches.items()}  # [B, H, N, cell bytes]
@@ -47,7 +47,9 @@ class Rank:
             t.fill_(SENTINEL if cfg["role"] == "kv_consumer" else 0)
         self.block_size = cfg["block_size"]
         self.is_mla = vc.model_config.use_mla
-        self.connector = KVBridgeConnector(vc, KVConnectorRole.WORKER, self.kvcc)
+        cls = KVBridgeHMAConnector if cfg.get("window") else KVBridgeConnector
+        self.connector = cls(vc, KVConnectorRole.WORKER, self.kvcc)
+        self.group_of = {name: g for g, group in enumerate(self.kvcc.kv_cache_groups) for name in group.layer_names}
         any_cache = next(iter(self.u8.values()))
         self.local_heads = int(any_cache.shape[1])
         self.h0 = 0 if self.is_mla else cfg["tp_rank"] * self.local_heads  # vLLM's split of the KV heads
@@ -63,12 +65,16 @@ class Rank:
         (``only``: of that layer alone)."""
         import torch
 
+        from kvbridge.integrations.vllm.cache import layer_id
+
         pos = np.arange(start, stop)
-        blocks = torch.as_tensor(np.asarray(block_ids, dtype=np.int64)[pos // self.block_size])
         offs = torch.as_tensor(pos % self.block_size)
         heads = np.arange(self.h0, self.h0 + self.local_heads)
-        for layer, t in self._layers():
+        for name, t in self.u8.items():
+            layer = layer_id(name)
             if only is None or layer == only:
+                table = block_ids[self.group_of[name]] if isinstance(block_ids, tuple) else block_ids  # hybrid: per group
+                blocks = torch.as_tensor(np.asarray(table, dtype=np.int64)[pos // self.block_size])
                 t[blocks, :, offs, :] = torch.from_numpy(expected(layer, heads, pos, t.shape[3], seed))
 
     def step(self, meta: Any, finished: set[str], writes: list[tuple]) -> dict[str, Any]:
@@ -114,6 +120,32 @@ class Rank:
             stray += int(np.count_nonzero(arr[touched] != SENTINEL))
         return {"wrong": wrong, "stray": stray}
 
+    def check_groups(self, group_ids: tuple[list[int], ...], num_tokens: int, window: int, seed: int) -> dict:
+        """Decode, hybrid: full-attention layers hold prefill's bytes for tokens [0, n) in the
+        request's blocks of their group, window layers for tokens [n - W, n) in theirs, and every
+        other byte of every tensor (other rows of those blocks, other blocks, vLLM's null block) is
+        untouched. vLLM backs a layer of each group with one tensor, so untouched is decided per
+        tensor, over the writes of every layer sharing it."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        from kvbridge.integrations.vllm.cache import layer_id
+
+        bs, wrong, touched = self.block_size, 0, {}
+        heads = np.arange(self.h0, self.h0 + self.local_heads)
+        for name, t in self.u8.items():
+            g = self.group_of[name]
+            is_window = isinstance(self.kvcc.kv_cache_groups[g].kv_cache_spec, SlidingWindowSpec)
+            pos = np.arange(max(0, num_tokens - window) if is_window else 0, num_tokens)
+            table = np.asarray(group_ids[g], dtype=np.int64)
+            arr = t.numpy()
+            got = arr[table[pos // bs], :, pos % bs, :]
+            wrong += int(np.count_nonzero(got != expected(layer_id(name), heads, pos, arr.shape[3], seed)))
+            key = t.data_ptr()
+            mask = touched.setdefault(key, (arr, np.ones(arr.shape[:3], dtype=bool)))[1]
+            mask[table[pos // bs], :, pos % bs] = False
+        stray = sum(int(np.count_nonzero(arr[mask] != SENTINEL)) for arr, mask in touched.values())
+        return {"wrong": wrong, "stray": stray, "tensors": len(touched)}
+
     def hooks_only(self, meta: Any) -> dict:
         """``save_kv_layer`` for every layer and ``wait_for_save`` under ``meta`` (a decode step's,
         say), nothing written: what the endpoint posted and the rooms it opened meanwhile."""
@@ -130,6 +162,11 @@ class Rank:
         RoomInUse when vLLM's scheduler hands it a request of that room)."""
         self.held = getattr(self, "held", [])
         self.held.append(self.connector.worker_side.endpoint.sender(room))
+
+    def failures(self) -> dict:
+        """Prefill: request id -> the failure reason of each of its rooms still held (for messages)."""
+        side = self.connector.worker_side
+        return {rid: str(s.failure_reason) for rid, s in side._senders.items() if s.failure_reason}
 
     def counters(self) -> dict:
         return dict(self.connector.worker_side.endpoint.counters)

@@ -79,18 +79,19 @@ class Instance:
     """One vLLM engine: the real scheduler in this process, its workers in theirs."""
 
     def __init__(self, role: str, model: str, extra: dict[str, Any], *, tp: int, layout: str, block_size: int,
-                 num_blocks: int, max_batched: int = 64) -> None:
+                 num_blocks: int, max_batched: int = 64, window: int = 0) -> None:
         import _vllm_config as C
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.role, self.tp, self.block_size = role, tp, block_size
+        self.window = window  # a gpt-oss-like hybrid under vLLM's hybrid manager (_vllm_config.vllm_config)
         base = dict(model=model, role=role, extra=extra, block_size=block_size, tp=tp, layout=layout,
-                    num_blocks=num_blocks)
+                    num_blocks=num_blocks, window=window)
         self.cfgs = [{**base, "tp_rank": r, "extra": {**extra, "tp_rank": r}} for r in range(tp)]
         self.vc = C.vllm_config(model, role, extra, block_size=block_size, tp=tp, layout=layout,
-                                max_batched=max_batched)
+                                max_batched=max_batched, window=window)
         self.kvcc = C.kv_cache_config(self.vc, num_blocks)
         self.scheduler = Scheduler(self.vc, self.kvcc, StructuredOutputManager(self.vc), block_size=block_size)
         self.aggregator = KVOutputAggregator(tp)
@@ -129,6 +130,11 @@ class Instance:
     def block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
+    def group_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """Every KV cache group's block table of the request (hybrid: a sliding window's skipped
+        blocks are vLLM's null block)."""
+        return tuple(list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(req_id))
+
     # -- one engine step ---------------------------------------------------------------------------
 
     def step(self, seeds: dict[str, int] | None = None) -> Any:
@@ -143,8 +149,8 @@ class Instance:
             req = self.scheduler.requests[req_id]
             start = req.num_computed_tokens - n  # schedule() advanced it already
             if self.role == "kv_producer" and seeds and req_id in seeds:
-                writes.append((self.block_ids(req_id), start, min(req.num_computed_tokens, req.num_prompt_tokens),
-                               seeds[req_id]))
+                ids = self.group_block_ids(req_id) if self.window else self.block_ids(req_id)
+                writes.append((ids, start, min(req.num_computed_tokens, req.num_prompt_tokens), seeds[req_id]))
             sampled[req_id] = [TOKEN] if req.num_computed_tokens >= req.num_tokens else []
         results = [w.call("step", so.kv_connector_metadata, set(so.finished_req_ids), writes) for w in self.workers]
         outs = []
