@@ -1,17 +1,20 @@
 """``kvbridge bench --preset deepseek-v4``: what a DeepSeek-V4 room moves against what decode
-needs, beside DeepSeek-V3.2 at the same token counts, and GB/s of both through one engine.
+needs, beside DeepSeek-V3.2 at the same token counts, and GB/s of both through the rooms.
 
 Bytes, at full size (V4: 43 layers + 1 draft, V3.2: 61 + 1, bf16, pages of 64): for each
 length the plans of every pool are built (``plan_kind`` for V4's window, compressed and state
 pools; ``plan_transfer`` for V3.2's paged pools) over descriptor-only buffers (planning touches
 no memory), and their bytes are set beside ``needed_bytes`` (what decode needs: window +
-complete compressed entries + state) and V3.2's.
+complete compressed entries + state) and V3.2's. ``layout_row`` gives the same figures from
+the layout alone (``needed_bytes``), for lengths too long to plan (1M tokens).
 
-GB/s (``--layers`` layers, host memory, lengths up to ``--max-move-tokens``): the same plans
-between two engines of one process (prefill's pages ascending, decode's shuffled), written
-with ``engine.write``; median of ``--reps``. The room protocol is not in these figures (the
-rooms carry the kinds on the direct path: docs/concepts.md): this is the data path alone, for
-both models alike.
+GB/s through the rooms (``room_rows``; ``--layers`` layers of each model, host memory, lengths
+up to ``--max-move-tokens``): a prefill and a decode endpoint in one process, two engines, a
+bootstrap daemon; per length ``reps`` rooms of each model, one chunk, prefill pages ascending,
+decode pages and entry pages shuffled; the bytes each room posted (less the aux row) are
+checked against ``needed_bytes`` and timed from the first write posted to the prefill room's
+success (``KVSender.stats``), median. ``speed_rows``: the same plans written between two
+engines without the rooms (the data path alone).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kvbridge.layout import BufferDesc, deepseek_v4_pools, needed_bytes, needed_
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.layout.pools import PoolSpec, preset_pools
 
-__all__ = ["byte_rows", "format_bytes", "format_speed", "speed_rows"]
+__all__ = ["byte_rows", "format_bytes", "format_rooms", "format_speed", "layout_row", "room_rows", "speed_rows"]
 
 V32_PRESET = "deepseek-v3.2"
 
@@ -92,6 +95,123 @@ def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
                      "ratio": plan4.num_bytes / plan32.num_bytes, "v4_slices": plan4.num_slices,
                      "v32_slices": plan32.num_slices})
     return rows
+
+
+def layout_row(n: int) -> dict[str, Any]:
+    """The bytes decode needs at ``n`` tokens from the layout alone (no plans): V4, V3.2, ratio."""
+    v4, v32 = _v4(43, 1), _v32(61, 1)
+    need4 = sum(needed_bytes(s, n) for s in v4.values())
+    need32 = sum(needed_bytes(s, n) for s in v32.values())
+    return {"tokens": n, "v4_needed": need4, "v32_needed": need32, "ratio": need4 / need32}
+
+
+def _room_specs(model: str, layers: int) -> dict[str, PoolSpec]:
+    if model == "deepseek-v4":
+        return _v4(layers, 1)
+    return preset_pools(model, num_layers=layers, page_size=64, draft_layers=1)
+
+
+def _one_model_rooms(model: str, specs: Mapping[str, PoolSpec], n: int, reps: int, engine: str, url: str,
+                     token: str | None) -> list[dict[str, Any]]:
+    import torch
+
+    import kvbridge as kvb
+
+    aux = kvb.AuxSchema.standard(16, "float32", 0)
+    cap = {name: 2 if s.kind == "state" else -(-((n // s.ratio) if s.kind == "compressed" else n) // s.page_size) + 1
+           for name, s in specs.items()}
+
+    def bufs() -> dict:
+        return {(name, lid): torch.zeros(cap[name] * s.bytes_per_page, dtype=torch.uint8).view(getattr(torch, s.abi))
+                for name, s in specs.items() for lid in s.layer_ids}
+
+    instance = f"bench-{model}-{n}"
+    contract = kvb.contract_for(specs, model=instance, aux=aux)
+    engines = [kvb.create_engine(engine)]
+    engines.append(kvb.create_engine(engine, fabric=engines[0].fabric) if engine == "local"
+                   else kvb.create_engine(engine))
+    clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
+    p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never"), engines[0], specs, bufs(),
+                            contract, clients[0], aux)
+    d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never", transfer_timeout=300.0),
+                           engines[1], specs, bufs(), contract, clients[1],
+                           torch.zeros((2, aux.row_bytes), dtype=torch.uint8), aux)
+    p.start()
+    d.start()
+    rng = np.random.default_rng(n)
+    needed = sum(needed_bytes(s, n) for s in specs.values())
+    num_pages = -(-n // 64)
+    own = {name: s for name, s in specs.items() if s.kind in ("compressed", "state")}
+    out = []
+    try:
+        for rep in range(reps + 1):  # the first room warms up (connections, page faults): not timed
+            dunits = {name: np.array([1]) if s.kind == "state" else rng.permutation(needed_extent(s, n).count)
+                      for name, s in own.items()}
+            punits = {name: np.array([0]) if s.kind == "state" else np.arange(cap[name]) for name, s in own.items()}
+            with d.receiver(1 + rep, f"{instance}-p") as rx, p.sender(1 + rep) as tx:
+                rx.init(rng.permutation(num_pages), 0, n, kind_units=dunits or None)
+                tx.init(n, kind_units=punits or None)
+                row = dict(first_token=1, num_cached_tokens=n, hidden_is_cp_local=True, hidden=np.zeros(16, np.float32),
+                           topk_ids=np.zeros(0, np.int32), topk_probs=np.zeros(0, np.float32))
+                tx.send(np.arange(num_pages), np.arange(num_pages), num_tokens_ready=n, is_last=True, aux=row)
+                deadline = time.monotonic() + 300
+                while (rx.poll() != kvb.KVPoll.Success or tx.poll() != kvb.KVPoll.Success) \
+                        and time.monotonic() < deadline:
+                    if kvb.KVPoll.Failed in (rx.poll(), tx.poll()):
+                        raise kvb.KVBridgeError(f"{model} room of {n} tokens failed: "
+                                                f"{rx.failure_reason or tx.failure_reason}", field="room")
+                    time.sleep(0.0005)
+                if rx.poll() != kvb.KVPoll.Success:
+                    raise kvb.KVBridgeError(f"{model} room of {n} tokens timed out", field="room")
+                st = tx.stats
+                if rep:
+                    out.append({"bytes": int(st["bytes"]) - aux.row_bytes, "slices": int(st["slices"]),
+                                "s": float(st["transfer_s"]), "needed": needed})
+    finally:
+        d.close(timeout=2)
+        p.close(timeout=2)
+        for c in clients:
+            c.close()
+    return out
+
+
+def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: str, token: str | None = None,
+              v32: str = "deepseek-v3.2-fp8", reps_over: tuple[int, int] = (65536, 2)) -> list[dict[str, Any]]:
+    """GB/s of V4 rooms and V3.2 rooms (``v32``, the preset) of ``layers`` layers each through
+    the room endpoints (``engine``), per length: bytes posted per room (less the aux row) and
+    needed, slices, median time, GB/s, and V4's GB/s over V3.2's (``per_byte``). Lengths of
+    ``reps_over[0]`` tokens or more run ``reps_over[1]`` timed rooms (at most ``reps``)."""
+    rows = []
+    for n in tokens:
+        k = min(reps, reps_over[1]) if n >= reps_over[0] else reps
+        pair = {}
+        for model in ("deepseek-v4", v32):
+            got = _one_model_rooms(model, _room_specs(model, layers), n, k, engine, url, token)
+            med = float(np.median([r["s"] for r in got]))
+            pair[model] = {"model": model, "tokens": n, "layers": layers, "reps": k, "bytes": got[0]["bytes"],
+                           "needed": got[0]["needed"], "bytes_equal": all(r["bytes"] == r["needed"] for r in got),
+                           "slices": got[0]["slices"], "p50_ms": round(med * 1e3, 3),
+                           "gbps": round(got[0]["bytes"] / med / 1e9, 4)}
+        pair["deepseek-v4"]["per_byte"] = round(pair["deepseek-v4"]["gbps"] / pair[v32]["gbps"], 3)
+        rows += list(pair.values())
+    return rows
+
+
+def format_rooms(rows: Sequence[dict[str, Any]], engine: str) -> str:
+    lines = [f"GB/s through the rooms (a prefill and a decode endpoint, one process, {engine} engines, host memory; "
+             "decode pages shuffled; median):",
+             f"{'model':>18} {'tokens':>7} {'layers':>6} {'reps':>4} {'moved MB':>9} {'needed MB':>10} {'=':>2} "
+             f"{'slices':>7} {'p50 ms':>9} {'GB/s':>7} {'V4/V3.2 per byte':>17}"]
+    for r in rows:
+        same = "=" if r["bytes_equal"] else "!"
+        per = f"{r['per_byte']:.2f}x" if "per_byte" in r else ""
+        lines.append(f"{r['model']:>18} {r['tokens']:>7} {r['layers']:>6} {r['reps']:>4} {_mb(r['bytes']):>9} "
+                     f"{_mb(r['needed']):>10} {same:>2} {r['slices']:>7} {r['p50_ms']:>9} {r['gbps']:>7} {per:>17}")
+    goal = [r["per_byte"] for r in rows if "per_byte" in r and r["tokens"] >= 8192]
+    if goal:
+        lines.append(f"goal V4 rooms >= 0.9x V3.2 rooms per byte at >= 8K tokens: worst {min(goal):.2f}x -> "
+                     f"{'met' if min(goal) >= 0.9 else 'NOT met'}")
+    return "\n".join(lines)
 
 
 def speed_rows(engine_kind: str, tokens: Sequence[int], layers: int, reps: int) -> list[dict[str, Any]]:
