@@ -11,7 +11,8 @@ the layout alone (``needed_bytes``), for lengths too long to plan (1M tokens).
 GB/s through the rooms (``room_rows``; ``--layers`` layers of each model, host memory, lengths
 up to ``--max-move-tokens``): a prefill and a decode endpoint in one process, two engines, a
 bootstrap daemon; per length ``reps`` rooms of each model, one chunk, prefill pages ascending,
-decode pages and entry pages shuffled; the bytes each room posted (less the aux row) are
+decode pages and entry pages shuffled, the two models' rooms alternating (same load for both);
+the bytes each room posted (less the aux row) are
 checked against ``needed_bytes`` and timed from the first write posted to the prefill room's
 success (``KVSender.stats``), median. ``speed_rows``: the same plans written between two
 engines without the rooms (the data path alone).
@@ -111,87 +112,112 @@ def _room_specs(model: str, layers: int) -> dict[str, PoolSpec]:
     return preset_pools(model, num_layers=layers, page_size=64, draft_layers=1)
 
 
-def _one_model_rooms(model: str, specs: Mapping[str, PoolSpec], n: int, reps: int, engine: str, url: str,
-                     token: str | None) -> list[dict[str, Any]]:
-    import torch
+class _RoomRig:
+    """A prefill and a decode endpoint of one model's pools (``specs``) sized for ``n`` tokens,
+    one room at a time (``room``); ``close()`` it."""
 
-    import kvbridge as kvb
+    def __init__(self, model: str, specs: Mapping[str, PoolSpec], n: int, engine: str, url: str,
+                 token: str | None) -> None:
+        import torch
 
-    aux = kvb.AuxSchema.standard(16, "float32", 0)
-    cap = {name: 2 if s.kind == "state" else -(-((n // s.ratio) if s.kind == "compressed" else n) // s.page_size) + 1
-           for name, s in specs.items()}
+        import kvbridge as kvb
 
-    def bufs() -> dict:
-        return {(name, lid): torch.zeros(cap[name] * s.bytes_per_page, dtype=torch.uint8).view(getattr(torch, s.abi))
-                for name, s in specs.items() for lid in s.layer_ids}
+        self.kvb, self.model, self.specs, self.n = kvb, model, dict(specs), n
+        self.aux = aux = kvb.AuxSchema.standard(16, "float32", 0)
+        self.cap = {name: 2 if s.kind == "state" else
+                    -(-((n // s.ratio) if s.kind == "compressed" else n) // s.page_size) + 1
+                    for name, s in self.specs.items()}
 
-    instance = f"bench-{model}-{n}"
-    contract = kvb.contract_for(specs, model=instance, aux=aux)
-    engines = [kvb.create_engine(engine)]
-    engines.append(kvb.create_engine(engine, fabric=engines[0].fabric) if engine == "local"
-                   else kvb.create_engine(engine))
-    clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
-    p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never"), engines[0], specs, bufs(),
-                            contract, clients[0], aux)
-    d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never", transfer_timeout=300.0),
-                           engines[1], specs, bufs(), contract, clients[1],
-                           torch.zeros((2, aux.row_bytes), dtype=torch.uint8), aux)
-    p.start()
-    d.start()
-    rng = np.random.default_rng(n)
-    needed = sum(needed_bytes(s, n) for s in specs.values())
-    num_pages = -(-n // 64)
-    own = {name: s for name, s in specs.items() if s.kind in ("compressed", "state")}
-    out = []
-    try:
-        for rep in range(reps + 1):  # the first room warms up (connections, page faults): not timed
-            dunits = {name: np.array([1]) if s.kind == "state" else rng.permutation(needed_extent(s, n).count)
-                      for name, s in own.items()}
-            punits = {name: np.array([0]) if s.kind == "state" else np.arange(cap[name]) for name, s in own.items()}
-            with d.receiver(1 + rep, f"{instance}-p") as rx, p.sender(1 + rep) as tx:
-                rx.init(rng.permutation(num_pages), 0, n, kind_units=dunits or None)
-                tx.init(n, kind_units=punits or None)
-                row = dict(first_token=1, num_cached_tokens=n, hidden_is_cp_local=True, hidden=np.zeros(16, np.float32),
-                           topk_ids=np.zeros(0, np.int32), topk_probs=np.zeros(0, np.float32))
-                tx.send(np.arange(num_pages), np.arange(num_pages), num_tokens_ready=n, is_last=True, aux=row)
-                deadline = time.monotonic() + 300
-                while (rx.poll() != kvb.KVPoll.Success or tx.poll() != kvb.KVPoll.Success) \
-                        and time.monotonic() < deadline:
-                    if kvb.KVPoll.Failed in (rx.poll(), tx.poll()):
-                        raise kvb.KVBridgeError(f"{model} room of {n} tokens failed: "
-                                                f"{rx.failure_reason or tx.failure_reason}", field="room")
-                    time.sleep(0.0005)
-                if rx.poll() != kvb.KVPoll.Success:
-                    raise kvb.KVBridgeError(f"{model} room of {n} tokens timed out", field="room")
-                st = tx.stats
-                if rep:
-                    out.append({"bytes": int(st["bytes"]) - aux.row_bytes, "slices": int(st["slices"]),
-                                "s": float(st["transfer_s"]), "needed": needed})
-    finally:
-        d.close(timeout=2)
-        p.close(timeout=2)
-        for c in clients:
+        def bufs() -> dict:
+            return {(name, lid): torch.zeros(self.cap[name] * s.bytes_per_page, dtype=torch.uint8)
+                    .view(getattr(torch, s.abi)) for name, s in self.specs.items() for lid in s.layer_ids}
+
+        self.instance = instance = f"bench-{model}-{n}"
+        contract = kvb.contract_for(self.specs, model=instance, aux=aux)
+        engines = [kvb.create_engine(engine)]
+        engines.append(kvb.create_engine(engine, fabric=engines[0].fabric) if engine == "local"
+                       else kvb.create_engine(engine))
+        self.clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
+        self.p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never"), engines[0],
+                                     self.specs, bufs(), contract, self.clients[0], aux)
+        self.d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never",
+                                                     transfer_timeout=300.0),
+                                    engines[1], self.specs, bufs(), contract, self.clients[1],
+                                    torch.zeros((2, aux.row_bytes), dtype=torch.uint8), aux)
+        self.p.start()
+        self.d.start()
+        self.rng = np.random.default_rng(n)
+        self.needed = sum(needed_bytes(s, n) for s in self.specs.values())
+        self.own = {name: s for name, s in self.specs.items() if s.kind in ("compressed", "state")}
+        self.next_room = 1
+
+    def room(self) -> dict[str, Any]:
+        """One room of the whole request in one chunk: decode's pages and entry pages shuffled."""
+        kvb, n, rng = self.kvb, self.n, self.rng
+        room, self.next_room = self.next_room, self.next_room + 1
+        num_pages = -(-n // 64)
+        dunits = {name: np.array([1]) if s.kind == "state" else rng.permutation(needed_extent(s, n).count)
+                  for name, s in self.own.items()}
+        punits = {name: np.array([0]) if s.kind == "state" else np.arange(self.cap[name])
+                  for name, s in self.own.items()}
+        with self.d.receiver(room, f"{self.instance}-p") as rx, self.p.sender(room) as tx:
+            rx.init(rng.permutation(num_pages), 0, n, kind_units=dunits or None)
+            tx.init(n, kind_units=punits or None)
+            row = dict(first_token=1, num_cached_tokens=n, hidden_is_cp_local=True, hidden=np.zeros(16, np.float32),
+                       topk_ids=np.zeros(0, np.int32), topk_probs=np.zeros(0, np.float32))
+            tx.send(np.arange(num_pages), np.arange(num_pages), num_tokens_ready=n, is_last=True, aux=row)
+            deadline = time.monotonic() + 300
+            while (rx.poll() != kvb.KVPoll.Success or tx.poll() != kvb.KVPoll.Success) \
+                    and time.monotonic() < deadline:
+                if kvb.KVPoll.Failed in (rx.poll(), tx.poll()):
+                    raise kvb.KVBridgeError(f"{self.model} room of {n} tokens failed: "
+                                            f"{rx.failure_reason or tx.failure_reason}", field="room")
+                time.sleep(0.0005)
+            if rx.poll() != kvb.KVPoll.Success:
+                raise kvb.KVBridgeError(f"{self.model} room of {n} tokens timed out", field="room")
+            st = tx.stats
+            return {"bytes": int(st["bytes"]) - self.aux.row_bytes, "slices": int(st["slices"]),
+                    "s": float(st["transfer_s"]), "needed": self.needed}
+
+    def close(self) -> None:
+        self.d.close(timeout=2)
+        self.p.close(timeout=2)
+        for c in self.clients:
             c.close()
-    return out
 
 
 def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: str, token: str | None = None,
               v32: str = "deepseek-v3.2-fp8", reps_over: tuple[int, int] = (65536, 2)) -> list[dict[str, Any]]:
     """GB/s of V4 rooms and V3.2 rooms (``v32``, the preset) of ``layers`` layers each through
     the room endpoints (``engine``), per length: bytes posted per room (less the aux row) and
-    needed, slices, median time, GB/s, and V4's GB/s over V3.2's (``per_byte``). Lengths of
-    ``reps_over[0]`` tokens or more run ``reps_over[1]`` timed rooms (at most ``reps``)."""
+    needed, slices, median time, GB/s, and V4's GB/s over V3.2's (``per_byte``). Both models'
+    endpoints are up together and their rooms alternate (a V4 room, a V3.2 room, ...) so that
+    both see the same load; one warm-up room each is not timed. Lengths of ``reps_over[0]``
+    tokens or more run ``reps_over[1]`` timed rooms (at most ``reps``)."""
     rows = []
+    models = ("deepseek-v4", v32)
     for n in tokens:
         k = min(reps, reps_over[1]) if n >= reps_over[0] else reps
+        rigs: list[_RoomRig] = []
+        try:
+            for model in models:
+                rigs.append(_RoomRig(model, _room_specs(model, layers), n, engine, url, token))
+            for rig in rigs:
+                rig.room()  # warm-up: connections, page faults
+            got: list[list[dict[str, Any]]] = [[], []]
+            for _ in range(k):
+                for i, rig in enumerate(rigs):
+                    got[i].append(rig.room())
+        finally:
+            for rig in rigs:
+                rig.close()
         pair = {}
-        for model in ("deepseek-v4", v32):
-            got = _one_model_rooms(model, _room_specs(model, layers), n, k, engine, url, token)
-            med = float(np.median([r["s"] for r in got]))
-            pair[model] = {"model": model, "tokens": n, "layers": layers, "reps": k, "bytes": got[0]["bytes"],
-                           "needed": got[0]["needed"], "bytes_equal": all(r["bytes"] == r["needed"] for r in got),
-                           "slices": got[0]["slices"], "p50_ms": round(med * 1e3, 3),
-                           "gbps": round(got[0]["bytes"] / med / 1e9, 4)}
+        for model, mine in zip(models, got):
+            med = float(np.median([r["s"] for r in mine]))
+            pair[model] = {"model": model, "tokens": n, "layers": layers, "reps": k, "bytes": mine[0]["bytes"],
+                           "needed": mine[0]["needed"], "bytes_equal": all(r["bytes"] == r["needed"] for r in mine),
+                           "slices": mine[0]["slices"], "p50_ms": round(med * 1e3, 3),
+                           "gbps": round(mine[0]["bytes"] / med / 1e9, 4)}
         pair["deepseek-v4"]["per_byte"] = round(pair["deepseek-v4"]["gbps"] / pair[v32]["gbps"], 3)
         rows += list(pair.values())
     return rows
