@@ -117,7 +117,7 @@ class _RoomRig:
     one room at a time (``room``); ``close()`` it."""
 
     def __init__(self, model: str, specs: Mapping[str, PoolSpec], n: int, engine: str, url: str,
-                 token: str | None) -> None:
+                 token: str | None, device: str = "cpu", protocol: str = "tcp") -> None:
         import torch
 
         import kvbridge as kvb
@@ -129,21 +129,22 @@ class _RoomRig:
                     for name, s in self.specs.items()}
 
         def bufs() -> dict:
-            return {(name, lid): torch.zeros(self.cap[name] * s.bytes_per_page, dtype=torch.uint8)
+            return {(name, lid): torch.zeros(self.cap[name] * s.bytes_per_page, dtype=torch.uint8, device=device)
                     .view(getattr(torch, s.abi)) for name, s in self.specs.items() for lid in s.layer_ids}
 
         self.instance = instance = f"bench-{model}-{n}"
         contract = kvb.contract_for(self.specs, model=instance, aux=aux)
-        engines = [kvb.create_engine(engine)]
+        engines = [kvb.create_engine(engine) if engine == "local" else kvb.create_engine(engine, protocol=protocol)]
         engines.append(kvb.create_engine(engine, fabric=engines[0].fabric) if engine == "local"
-                       else kvb.create_engine(engine))
+                       else kvb.create_engine(engine, protocol=protocol))
         self.clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
         self.p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never"), engines[0],
                                      self.specs, bufs(), contract, self.clients[0], aux)
         self.d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never",
                                                      transfer_timeout=300.0),
                                     engines[1], self.specs, bufs(), contract, self.clients[1],
-                                    torch.zeros((2, aux.row_bytes), dtype=torch.uint8), aux)
+                                    torch.zeros((2, aux.row_bytes), dtype=torch.uint8,
+                                                device=device if protocol != "tcp" else "cpu"), aux)
         self.p.start()
         self.d.start()
         self.rng = np.random.default_rng(n)
@@ -187,13 +188,15 @@ class _RoomRig:
 
 
 def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: str, token: str | None = None,
-              v32: str = "deepseek-v3.2-fp8", reps_over: tuple[int, int] = (65536, 2)) -> list[dict[str, Any]]:
+              v32: str = "deepseek-v3.2-fp8", reps_over: tuple[int, int] = (65536, 2), device: str = "cpu",
+              protocol: str = "tcp") -> list[dict[str, Any]]:
     """GB/s of V4 rooms and V3.2 rooms (``v32``, the preset) of ``layers`` layers each through
     the room endpoints (``engine``), per length: bytes posted per room (less the aux row) and
     needed, slices, median time, GB/s, and V4's GB/s over V3.2's (``per_byte``). Both models'
     endpoints are up together and their rooms alternate (a V4 room, a V3.2 room, ...) so that
     both see the same load; one warm-up room each is not timed. Lengths of ``reps_over[0]``
-    tokens or more run ``reps_over[1]`` timed rooms (at most ``reps``)."""
+    tokens or more run ``reps_over[1]`` timed rooms (at most ``reps``). ``device``: where the pools
+    are (cpu, or cuda:N with Mooncake's ``protocol`` "rdma" and MC_INTRANODE_NVLINK for NVLink)."""
     rows = []
     models = ("deepseek-v4", v32)
     for n in tokens:
@@ -201,7 +204,7 @@ def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: s
         rigs: list[_RoomRig] = []
         try:
             for model in models:
-                rigs.append(_RoomRig(model, _room_specs(model, layers), n, engine, url, token))
+                rigs.append(_RoomRig(model, _room_specs(model, layers), n, engine, url, token, device, protocol))
             for rig in rigs:
                 rig.room()  # warm-up: connections, page faults
             got: list[list[dict[str, Any]]] = [[], []]
@@ -214,7 +217,7 @@ def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: s
         pair = {}
         for model, mine in zip(models, got):
             med = float(np.median([r["s"] for r in mine]))
-            pair[model] = {"model": model, "tokens": n, "layers": layers, "reps": k, "bytes": mine[0]["bytes"],
+            pair[model] = {"model": model, "device": device, "protocol": protocol, "tokens": n, "layers": layers, "reps": k, "bytes": mine[0]["bytes"],
                            "needed": mine[0]["needed"], "bytes_equal": all(r["bytes"] == r["needed"] for r in mine),
                            "slices": mine[0]["slices"], "p50_ms": round(med * 1e3, 3),
                            "gbps": round(mine[0]["bytes"] / med / 1e9, 4)}
@@ -224,7 +227,9 @@ def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: s
 
 
 def format_rooms(rows: Sequence[dict[str, Any]], engine: str) -> str:
-    lines = [f"GB/s through the rooms (a prefill and a decode endpoint, one process, {engine} engines, host memory; "
+    where = "host memory" if not rows or rows[0].get("device", "cpu") == "cpu" else \
+        f"pools on {rows[0]['device']}, protocol {rows[0]['protocol']}"
+    lines = [f"GB/s through the rooms (a prefill and a decode endpoint, one process, {engine} engines, {where}; "
              "decode pages shuffled; median):",
              f"{'model':>18} {'tokens':>7} {'layers':>6} {'reps':>4} {'moved MB':>9} {'needed MB':>10} {'=':>2} "
              f"{'slices':>7} {'p50 ms':>9} {'GB/s':>7} {'V4/V3.2 per byte':>17}"]
