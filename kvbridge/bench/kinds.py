@@ -217,7 +217,8 @@ def room_rows(engine: str, tokens: Sequence[int], layers: int, reps: int, url: s
         pair = {}
         for model, mine in zip(models, got):
             med = float(np.median([r["s"] for r in mine]))
-            pair[model] = {"model": model, "device": device, "protocol": protocol, "tokens": n, "layers": layers, "reps": k, "bytes": mine[0]["bytes"],
+            pair[model] = {"model": model, "device": device, "protocol": protocol, "tokens": n, "layers": layers,
+                           "reps": k, "bytes": mine[0]["bytes"],
                            "needed": mine[0]["needed"], "bytes_equal": all(r["bytes"] == r["needed"] for r in mine),
                            "slices": mine[0]["slices"], "p50_ms": round(med * 1e3, 3),
                            "gbps": round(mine[0]["bytes"] / med / 1e9, 4)}

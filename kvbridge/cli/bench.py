@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true",
                    help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (about three minutes "
-                        "on 2 cores)")
+                        "on 2 idle cores; 13 minutes were measured on 2 cores at load average 15)")
     p.add_argument("--tokens", type=_ints, default=None, help="request lengths, e.g. 1K,8K,128K (default: 1K..128K)")
     p.add_argument("--cp", type=_ints, default=None, help="CP sizes to sweep (default: 1,2,4; quick: 1,2)")
     p.add_argument("--layers", type=int, default=None,
@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
                    "size (43+1 layers against V3.2's 61+1, bf16) beside what decode needs and V3.2's, 1M tokens from "
                    "the layout; then GB/s of V4 rooms and V3.2-fp8 rooms through a prefill and a decode endpoint "
-                   "(one process, Mooncake, --layers layers each, default 4; --reps timed rooms, 2 at >= 64K; --device cuda:N: "
+                   "(one process, Mooncake, --layers layers each, default 4; --reps timed rooms, 2 at >= 64K; "
+                   "--device cuda:N: "
                    "pools on the GPU, Mooncake's NVLink transport), "
                    "their bytes checked against what decode needs, and V4's GB/s over V3.2's")
     p.add_argument("--max-move-tokens", type=int, default=128 * 1024,

@@ -44,4 +44,5 @@ def test_the_1m_row_comes_from_the_layout():
     one_m = layout_row(1 << 20)
     assert one_m["ratio"] == one_m["v4_needed"] / one_m["v32_needed"] < 0.1
     planned = byte_rows([8192])[0]  # the layout's figure is the plans' at a length both can do
-    assert layout_row(8192)["v4_needed"] == planned["v4_moved"] and layout_row(8192)["v32_needed"] == planned["v32_moved"]
+    row = layout_row(8192)
+    assert row["v4_needed"] == planned["v4_moved"] and row["v32_needed"] == planned["v32_moved"]
