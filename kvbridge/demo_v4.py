@@ -11,8 +11,10 @@ disaggregated.
                      aux row's first token
     per request      bytes moved = bytes decode needs; logits bit-equal; tokens equal
 
-In one process: a bootstrap daemon (a child process), the two endpoints and two transfer engines
-(Mooncake, TCP on loopback, by default).
+In one process: a bootstrap daemon (a child process), the endpoints and their transfer engines
+(Mooncake, TCP on loopback, by default). ``cp`` > 1: that many prefill endpoints (CP attention
+simulated: one prefill pass writes every rank's pools); V4's compressed pools need replicated
+lanes (docs/concepts.md), so rank 0 sends everything and the others take part and send nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 
 def run_v4_demo(tokens: list[int], chunk_tokens: int, steps: int, seed: int = 0, engine: str = "mooncake",
-                threads: int = 1) -> dict[str, Any]:
+                threads: int = 1, cp: int = 1) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)  # bit-equal logits need one thread count on both sides; and it is faster here
@@ -36,7 +38,7 @@ def run_v4_demo(tokens: list[int], chunk_tokens: int, steps: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     per_request = []
     with kvb.start_bootstrap() as (url, token):
-        rooms = V4Rooms(model, url, token=token, engine=engine)
+        rooms = V4Rooms(model, url, token=token, engine=engine, cp_size=cp)
         try:
             for n in tokens:
                 ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, n)))
@@ -45,7 +47,7 @@ def run_v4_demo(tokens: list[int], chunk_tokens: int, steps: int, seed: int = 0,
         finally:
             rooms.close()
     ok = [r for r in per_request if r["logits_equal"] and r["tokens_equal"] and r["bytes_moved"] == r["bytes_needed"]]
-    return {"model": "tiny-deepseek-v4", "engine": engine, "requests": len(per_request), "requests_ok": len(ok),
+    return {"model": "tiny-deepseek-v4", "engine": engine, "cp": cp, "requests": len(per_request), "requests_ok": len(ok),
             "logits_equal": sum(r["logits_equal"] for r in per_request),
             "tokens_equal": sum(r["tokens_equal"] for r in per_request),
             "bytes_equal": sum(r["bytes_moved"] == r["bytes_needed"] for r in per_request),
@@ -60,5 +62,7 @@ def format_v4_summary(summary: dict[str, Any]) -> str:
                      f"{'=' if r['logits_equal'] else '!':>7} {'=' if r['tokens_equal'] else '!':>7}  {r['generated']}")
     lines.append(f"requests {summary['requests']}: ok {summary['requests_ok']}, tokens equal {summary['tokens_equal']}, "
                  f"logits equal {summary['logits_equal']}, bytes moved = needed {summary['bytes_equal']} "
-                 f"(window, compressed and state pools through the rooms; one process, {summary['engine']} engines)")
+                 f"(window, compressed and state pools through the rooms; prefill CP {summary.get('cp', 1)}"
+                 f"{' (simulated: replicated lanes, rank 0 sends)' if summary.get('cp', 1) > 1 else ''}; one process, "
+                 f"{summary['engine']} engines)")
     return "\n".join(lines)

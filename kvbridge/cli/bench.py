@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true",
                    help="1K, 8K, 32K, 128K tokens, cp 1 and 2, 4 layers, 5 rooms per method (about three minutes "
-                        "on 2 cores)")
+                        "on 2 idle cores; 13 minutes were measured on 2 cores at load average 15)")
     p.add_argument("--tokens", type=_ints, default=None, help="request lengths, e.g. 1K,8K,128K (default: 1K..128K)")
     p.add_argument("--cp", type=_ints, default=None, help="CP sizes to sweep (default: 1,2,4; quick: 1,2)")
     p.add_argument("--layers", type=int, default=None,
@@ -67,11 +67,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-layers", type=int, default=1, help="draft layers (default 1)")
     p.add_argument("--preset", choices=PRESETS + KIND_PRESETS, default="deepseek-v3.2-fp8",
                    help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
-                   "size beside V3.2's, and GB/s of both through one engine pair (--max-move-tokens, --layers; the "
-                   "data path alone, not the rooms)")
-    p.add_argument("--max-move-tokens", type=int, default=32 * 1024,
-                   help="deepseek-v4: the longest length actually moved for GB/s (default 32K; longer ones are "
-                   "computed from the layout only)")
+                   "size (43+1 layers against V3.2's 61+1, bf16) beside what decode needs and V3.2's, 1M tokens from "
+                   "the layout; then GB/s of V4 rooms and V3.2-fp8 rooms through a prefill and a decode endpoint "
+                   "(one process, Mooncake, --layers layers each, default 4; --reps timed rooms, 2 at >= 64K; "
+                   "--device cuda:N: "
+                   "pools on the GPU, Mooncake's NVLink transport), "
+                   "their bytes checked against what decode needs, and V4's GB/s over V3.2's")
+    p.add_argument("--max-move-tokens", type=int, default=128 * 1024,
+                   help="deepseek-v4: the longest length moved through the rooms for GB/s (default 128K; longer "
+                   "ones are planned only)")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
     p.add_argument("--engine", type=_engines, default=["mooncake"],
@@ -177,21 +181,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
-    """``--preset deepseek-v4``: bytes from the plans at full size, GB/s through one engine pair."""
+    """``--preset deepseek-v4``: bytes from the plans at full size (and 1M tokens from the layout),
+    GB/s of V4 and V3.2 rooms through the room endpoints."""
     import json
 
-    from kvbridge.bench.kinds import byte_rows, format_bytes, format_speed, speed_rows
+    from kvbridge.bench.kinds import byte_rows, format_bytes, format_rooms, layout_row, room_rows
+    from kvbridge.worker.cluster import start_bootstrap
 
     engine = args.engine[0]
     if engine not in ("mooncake",):
         raise ConfigError("--preset deepseek-v4 measures GB/s on the mooncake engine (host memory)", field="engine")
+    layers = args.layers or 4
+    if layers < 1:
+        raise ConfigError("--layers must be >= 1", field="layers")
+    load = os.getloadavg()
     rows = byte_rows(tokens)
+    one_m = layout_row(1 << 20)
     print(format_bytes(rows))
+    print(f"{one_m['tokens']:>7} (layout: needed_bytes) V4 {one_m['v4_needed'] / 1e9:,.2f} GB, V3.2 "
+          f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}")
     moved = [n for n in tokens if n <= args.max_move_tokens]
-    speed = speed_rows(engine, moved, args.layers or 4, args.reps or 5) if moved else []
+    protocol = "tcp"
+    if str(args.device).startswith("cuda"):  # GPU pools: Mooncake's intra-node NVLink transport
+        protocol = "rdma"
+        os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
+        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    speed = []
+    if moved:
+        with start_bootstrap() as (url, token):
+            speed = room_rows(engine, moved, layers, args.reps or 5, url, token, device=args.device,
+                              protocol=protocol)
     print()
-    print(format_speed(speed, engine))
+    print(format_rooms(speed, engine))
+    after = os.getloadavg()
+    print(f"load average (1/5/15 min) before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, after "
+          f"{after[0]:.2f} {after[1]:.2f} {after[2]:.2f}; {os.cpu_count()} CPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps({"bytes": rows, "speed": speed}, indent=1))
+        Path(args.json).write_text(json.dumps({"bytes": rows, "layout_1m": one_m, "rooms": speed,
+                                               "load": [load, after]}, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if all(r["v4_moved"] == r["v4_needed"] for r in rows) else 1
+    ok = all(r["v4_moved"] == r["v4_needed"] for r in rows) and all(r["bytes_equal"] for r in speed)
+    return 0 if ok else 1

@@ -36,7 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", default=None,
                    help="request lengths: a list 'a,b,c' (cycled) or a range 'lo-hi' (default 100,1000,2048,3000,4097; "
                         "with --model 13,4,1,30,7,22)")
-    p.add_argument("--cp", type=int, default=None, help="prefill context-parallel size (processes) (default 2; 1 with --model)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="prefill context-parallel size (processes) (default 2; 1 with --model). With --model, CP "
+                        "attention is simulated: each CP rank runs the whole prompt and sends what it owns "
+                        "(tiny-deepseek-v4: replicated lanes, rank 0 sends every page, entry and slot)")
     p.add_argument("--decode-ranks", type=int, default=1,
                    help="decode TP size (processes). Synthetic: each rank receives the full KV. --model: a GQA "
                         "model's k/v pools are head-sharded, so each rank receives its heads (default 1)")
@@ -121,7 +124,7 @@ def run_model(args: argparse.Namespace, tokens: list[int]) -> int:
         from kvbridge.demo_v4 import format_v4_summary, run_v4_demo
 
         summary = run_v4_demo(tokens, args.chunk_tokens, args.max_new_tokens, seed=args.seed, engine=args.engine,
-                              threads=args.threads)
+                              threads=args.threads, cp=args.cp)
         print(json.dumps(summary) if args.json else format_v4_summary(summary))
         return 0 if summary["requests_ok"] == summary["requests"] > 0 else 1
     if args.engine != "mooncake":

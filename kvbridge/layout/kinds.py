@@ -382,12 +382,15 @@ def lane_units(spec: PoolSpec, extent: Extent, lanes: OwnerLanes, cp_rank: int, 
     """The logical units of ``extent`` that CP rank ``cp_rank`` owns and sends (docs/concepts.md):
     a token page's owner lane (paged and paged-window pools, the lane rule over the request's
     token pages); a state slot on the owner of the last valid token (``token_page_size``: the
-    token pages the lanes split), nothing on the others. Compressed pools and ring windows
-    under CP are refused (``check_kind_topology``)."""
+    token pages the lanes split), nothing on the others. Under ``replicated`` lanes every rank
+    holds every unit and rank 0 sends them all (as it sends every page), the others nothing.
+    Compressed pools and ring windows under other CP lanes are refused (``check_kind_topology``)."""
     check_kind_topology([spec], lanes.cp_size, lanes.rule)
     units = np.arange(extent.first, extent.stop, dtype=np.int64)
-    if lanes.cp_size == 1 or lanes.rule == "replicated" or not len(units):
+    if lanes.cp_size == 1 or not len(units):
         return units
+    if lanes.rule == "replicated":
+        return units if cp_rank == 0 else units[:0]
     if spec.kind == STATE:
         return units if owner_of_last_token(num_tokens, token_page_size, lanes) == cp_rank else units[:0]
     owner, _ = lanes.owners(units, -(-num_tokens // spec.page_size))

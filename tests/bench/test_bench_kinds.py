@@ -24,3 +24,25 @@ def test_speed_rows_write_the_planned_bytes(engine):
     assert [r["model"] for r in rows] == ["deepseek-v4", "deepseek-v3.2"]
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
     assert "deepseek-v4" in format_speed(rows, engine)
+
+
+def test_room_rows_move_what_decode_needs_through_the_rooms(daemon):
+    """``kvbridge bench --preset deepseek-v4``'s GB/s rows: real room endpoints (local engines here),
+    each room's posted bytes checked against what decode needs, V4's GB/s over V3.2's."""
+    from kvbridge.bench.kinds import format_rooms, room_rows
+
+    rows = room_rows("local", [300], layers=1, reps=1, url=daemon.url)
+    assert [r["model"] for r in rows] == ["deepseek-v4", "deepseek-v3.2-fp8"]
+    assert all(r["bytes_equal"] and r["bytes"] == r["needed"] > 0 and r["gbps"] > 0 for r in rows)
+    assert rows[0]["per_byte"] == round(rows[0]["gbps"] / rows[1]["gbps"], 3)
+    assert "deepseek-v4" in format_rooms(rows, "local")
+
+
+def test_the_1m_row_comes_from_the_layout():
+    from kvbridge.bench.kinds import byte_rows, layout_row
+
+    one_m = layout_row(1 << 20)
+    assert one_m["ratio"] == one_m["v4_needed"] / one_m["v32_needed"] < 0.1
+    planned = byte_rows([8192])[0]  # the layout's figure is the plans' at a length both can do
+    row = layout_row(8192)
+    assert row["v4_needed"] == planned["v4_moved"] and row["v32_needed"] == planned["v32_moved"]

@@ -9,6 +9,7 @@ byte for byte, logit for logit and token for token.
     check.py      bytes equal, poison intact, logits bit-equal, tokens equal
     rank.py       one rank: model + pools + paged buffers + contract (contract_for) + aux row
     v4.py         DeepSeek-V4's cache <-> its window, compressed and state pools; v4_rooms.py: through the rooms
+    kind_rooms.py any model's pools through the rooms at any prefill CP size (CP simulated); hybrid.py: HybridRooms
 
 ``import kvbridge`` never imports this package; this package imports torch, and
 transformers (an optional extra, ``pip install kvbridge[model]``) only when a

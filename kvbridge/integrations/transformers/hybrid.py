@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 import kvbridge as kvb
+from kvbridge.integrations.transformers.kind_rooms import KindRooms
 from kvbridge.integrations.transformers.kinds import KindPools, send_chunk
 
-__all__ = ["HybridPools", "hybrid_specs", "send_chunk"]
+__all__ = ["HybridPools", "HybridRooms", "hybrid_specs", "send_chunk"]
 
 
 def _kind(layer: Any) -> str:
@@ -103,3 +104,19 @@ class HybridPools(KindPools):
             if kind == "swa":
                 layer.cumulative_length = num_tokens
         return cache
+
+
+class HybridRooms(KindRooms):
+    """A hybrid model through the rooms (``kind_rooms.py``): ``template`` is a prefilled cache of the
+    model (its pools' shapes, ``hybrid_specs``); paged and window pools share the room's page
+    mapping, the state slots travel as kind units from the owner of the last token. Under
+    ``cp_size`` 2 (interleaved lanes, CP attention simulated) each CP rank sends the token pages
+    it owns."""
+
+    def __init__(self, model: Any, template: Any, bootstrap_url: str, *, conv_groups: Sequence[int] | None = None,
+                 page_size: int = 4, **kw: Any) -> None:
+        self.template = template
+        super().__init__(model, hybrid_specs(template, page_size, conv_groups), HybridPools, bootstrap_url, **kw)
+
+    def read_cache(self, pools: KindPools, num_tokens: int) -> Any:
+        return pools.read_cache(self.model.config, num_tokens, self.template)  # type: ignore[attr-defined]

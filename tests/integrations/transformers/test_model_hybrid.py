@@ -6,7 +6,6 @@ the rebuilt cache is bit-equal to colocated; the bytes moved equal ``needed_byte
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -168,74 +167,29 @@ def test_qwen3_next_state_from_two_tp_ranks_into_one(qwen3_next, n):
     assert torch.equal(got, want)
 
 
-def _shared_pages(pools, page_ids, n, needed):
-    """Token-paged pools (paged and window) share the room's one page mapping: each takes its
-    part of ``page_ids`` (decode, ``needed``: a window pool from its window's first page)."""
-    for name, spec in pools.specs.items():
-        if spec.kind in ("paged", "window"):
-            first = kvb.needed_extent(spec, n).first if needed and spec.kind == "window" else 0
-            pools.units[name], pools.first[name] = page_ids[first:], first
+@pytest.mark.parametrize("which, cp", [("qwen3_next", 1), ("gpt_oss", 1), ("qwen3_next", 2), ("gpt_oss", 2)])
+def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, cp):
+    """The same models through prefill endpoints (one per CP rank) and a decode endpoint (a room per
+    request, a bootstrap daemon, local engines; ``HybridRooms``): paged pools beside window or state
+    pools in one room, both token-paged pools on the room's page mapping, the state slots as
+    kind_units. CP 2 (interleaved lanes, CP attention simulated): each rank sends the token pages it
+    owns, the owner of the last token the state and the aux row. Prompts shorter and longer than
+    gpt-oss's window, not a multiple of the page, chunked: logits bit-equal, tokens equal, the bytes
+    the ranks posted (less the aux row) equal to what decode needs."""
+    from kvbridge.integrations.transformers.hybrid import HybridRooms
 
-
-@pytest.mark.parametrize("which, n, cuts", [("qwen3_next", 30, (9, 17)), ("gpt_oss", 30, (9, 17))])
-def test_hybrids_through_the_rooms_equal_colocated(request, daemon, which, n, cuts):
-    """The same models through a prefill and a decode endpoint (a room per request, a bootstrap
-    daemon, local engines): paged pools beside window or state pools in one room, the window on
-    the room's page mapping, the state slots as kind_units; decode's logits bit-equal, the bytes
-    posted (less the aux row) equal to what decode needs."""
     model, groups = request.getfixturevalue(which)
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    for cache, *_, logits in prefill_chunks(model, ids, cuts):
+    for template, *_ in prefill_chunks(model, torch.zeros((1, 5), dtype=torch.long), ()):
         pass
-    template = cache
-    specs = hybrid_specs(template, page_size=4, conv_groups=groups)
-    first = logits[0].argmax()
-    want = greedy_decode(model, cache, first, NEW_TOKENS)[0]
-    aux = kvb.AuxSchema.standard(8, "float32", 0)
-    contract = kvb.contract_for(specs, model=f"tiny-{which}", aux=aux)
-    src, dst = HybridPools(specs, 16), HybridPools(specs, 16, fill=0xEE)
-    src.allocate(n, needed=False, base=2)
-    dst.allocate(n, needed=True, order="reversed", base=1)
-    num_pages = -(-n // 4)
-    _shared_pages(src, np.arange(num_pages) + 2, n, needed=False)
-    _shared_pages(dst, np.arange(num_pages)[::-1] + 1, n, needed=True)
-    own = {name: None for name, s in specs.items() if s.kind == "state"}
-    typed = lambda pools: {k: b.view(getattr(torch, specs[k[0]].abi)) for k, b in pools.buffers.items()}  # noqa: E731
-    engines = [create_engine("local")]
-    engines.append(create_engine("local", fabric=engines[0].fabric))
-    clients = [kvb.BootstrapClient(daemon.url) for _ in "pd"]
-    p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{which}-p", staging="never"), engines[0], specs,
-                            typed(src), contract, clients[0], aux)
-    d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{which}-d", staging="never"), engines[1], specs,
-                           typed(dst), contract, clients[1], torch.zeros((2, aux.row_bytes), dtype=torch.uint8),
-                           aux)
-    p.start()
-    d.start()
+    rooms = HybridRooms(model, template, daemon.url, conv_groups=groups, engine="local", cp_size=cp, capacity=16,
+                        instance=f"tiny-{which}-cp{cp}")
     try:
-        with d.receiver(1, f"{which}-p") as rx, p.sender(1) as tx:
-            rx.init(dst.units["kv"], 0, n, kind_units={k: dst.units[k] for k in own} or None)
-            tx.init(n, kind_units={k: src.units[k] for k in own} or None)
-            sent = 0
-            for cache, _, end, last, _ in prefill_chunks(model, ids, cuts):
-                src.write_cache(cache, end, last)
-                upto = num_pages if last else -(-end // 4)
-                row = dict(first_token=int(first), num_cached_tokens=n, hidden_is_cp_local=True,
-                           hidden=np.zeros(8, np.float32), topk_ids=np.zeros(0, np.int32),
-                           topk_probs=np.zeros(0, np.float32)) if last else None
-                tx.send(np.arange(sent, upto), src.units["kv"][sent:upto], num_tokens_ready=end, is_last=last,
-                        aux=row)
-                sent = upto
-            for _ in range(3000):
-                if rx.poll() in (kvb.KVPoll.Success, kvb.KVPoll.Failed) and tx.poll() == rx.poll():
-                    break
-                time.sleep(0.005)
-            assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
-            assert tx.stats["bytes"] - aux.row_bytes == sum(kvb.needed_bytes(s, n) for s in specs.values())
-            got_first = torch.tensor(int(rx.aux.first_token))
+        for n, cuts in ((5, ()), (13, ()), (30, (9, 17))):
+            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            r = rooms.run(ids, list(cuts), steps=NEW_TOKENS)
+            assert r["bytes_moved"] == r["bytes_needed"], r
+            assert r["logits_equal"] and r["tokens_equal"], r
+            if cp == 2:  # both ranks own token pages of every prompt here (2, 4 and 8 pages)
+                assert all(r["bytes_per_rank"]), r
     finally:
-        d.close(timeout=2)
-        p.close(timeout=2)
-        for c in clients:
-            c.close()
-    got = greedy_decode(model, dst.read_cache(model.config, n, template), got_first, NEW_TOKENS)[0]
-    assert torch.equal(got, want), (got - want).abs().max()
+        rooms.close()

@@ -102,3 +102,35 @@ def test_v4_through_the_rooms_tokens_and_logits_equal(v4_model, daemon):
             assert r["logits_equal"] and r["tokens_equal"], r
     finally:
         rooms.close()
+
+
+def test_v4_cp2_through_the_rooms_tokens_and_logits_equal(v4_model, daemon):
+    """Prefill CP 2 through the rooms (two prefill endpoints, CP attention simulated), by the rule of
+    docs/concepts.md: V4's compressed pools need replicated lanes, so rank 0 sends every window
+    page, entry and state slot (and the aux row), rank 1 takes part in the room and sends nothing;
+    interleaved lanes are refused at construction, naming cp_size. Prompts shorter and longer than
+    the window, not a multiple of 4 or of the HCA ratio, chunked: logits bit-equal, bytes = needed."""
+    from kvbridge.integrations.transformers.v4_rooms import V4Rooms
+
+    with pytest.raises(kvb.ConfigError) as refused:
+        V4Rooms(v4_model, daemon.url, engine="local", cp_size=2, lane_rule="interleaved", instance="v4-cp2-lanes")
+    assert refused.value.field == "cp_size"
+    rooms = V4Rooms(v4_model, daemon.url, engine="local", cp_size=2, instance="v4-cp2")
+    try:
+        for n, cuts in ((9, ()), (45, ()), (131, (40, 97))):
+            ids = torch.randint(0, v4_model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            r = rooms.run(ids, list(cuts), steps=3)
+            assert r["bytes_per_rank"] == [r["bytes_needed"], 0], r
+            assert r["logits_equal"] and r["tokens_equal"], r
+    finally:
+        rooms.close()
+
+
+def test_replicated_lanes_send_every_kind_unit_from_rank_0_only():
+    """``lane_units`` under replicated lanes: rank 0 sends each unit (as it sends every page), the
+    others none: no unit is posted twice."""
+    lanes = kvb.OwnerLanes(2, "replicated")
+    for spec in kvb.deepseek_v4_pools(4, 16, sliding_window=16, draft_layers=0).values():
+        ext = kvb.needed_extent(spec, 300)
+        got = [kvb.lane_units(spec, ext, lanes, r, 300, 16) for r in (0, 1)]
+        assert got[0].tolist() == list(range(ext.first, ext.stop)) and not len(got[1]), spec.name
