@@ -57,8 +57,8 @@ def one(args: argparse.Namespace) -> None:
     g = ENGINES[args.engine]
     spec = BenchSpec(tokens=args.tokens, cps=[CP], layers=args.layers, preset=PRESET, page_size=PAGE, reps=args.reps,
                      engine=g["engine"], protocol=g["protocol"], verify=True, verify_every=True, allocs=["random"],
-                     raw_mooncake=False, device="cuda:0", decode_device="cuda:0", prefill_aux="cuda:0",
-                     decode_aux="cuda:0", env=dict(g["env"]), staged=True, staging_slot_bytes=args.slot_mib << 20,
+                     raw_mooncake=False, device=args.device, decode_device=args.device,
+                     prefill_aux=args.device, decode_aux=args.device, env=dict(g["env"]), staged=True, staging_slot_bytes=args.slot_mib << 20,
                      staging_slots=(args.gather_slots, args.decode_slots), in_process=args.layout == "threads")
     with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
         rows = run_sweep(spec, url, None, show_progress=False)
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # the child's
     ap.add_argument("--layout", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)  # the child's (cpu: a check of the code)
     args = ap.parse_args()
     if args.engine:
         one(args)
