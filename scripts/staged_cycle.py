@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--gather-slots", type=int, default=2)
     ap.add_argument("--decode-slots", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
+    ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
+                    help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
     args = ap.parse_args()
 
     from kvbridge.bench.sweep import BenchSpec, run_sweep
@@ -105,8 +107,11 @@ def main() -> None:
     env = {"KVBRIDGE_TRACE": "1"}
     if gpu:
         env.update(MC_INTRANODE_NVLINK="true", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    if args.engine == "ipc":
+        env.pop("MC_INTRANODE_NVLINK", None)
     spec = BenchSpec(tokens=[args.tokens], cps=[args.cp], layers=args.layers, reps=args.reps, allocs=["random"],
-                     protocol="rdma" if gpu else "tcp", device=args.device, decode_device=args.device,
+                     engine=args.engine, raw_mooncake=args.engine == "mooncake",
+                     protocol="rdma" if gpu and args.engine == "mooncake" else "tcp", device=args.device, decode_device=args.device,
                      prefill_aux=args.device, decode_aux=args.device, env=env, log_dir=folder, verify=True,
                      verify_every=True, staged=True, staging_slot_bytes=args.slot_kib << 10,
                      staging_slots=(args.gather_slots, args.decode_slots))
@@ -119,7 +124,7 @@ def main() -> None:
     print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
           f"{args.slot_kib} KiB x ({args.gather_slots} gather per rank, {args.decode_slots} decode): staged "
           f"{row['staged_gbps']} GB/s p50 {row['staged_p50_ms']} ms ({row['staged_slices']} pieces), direct "
-          f"{row['kvbridge_gbps']} GB/s, raw {row['raw_gbps']} GB/s; verified {row['rooms_verified']} rooms, "
+          f"{row['kvbridge_gbps']} GB/s, raw {row['raw_gbps']} GB/s, engine {row['engine_gbps']} GB/s; verified {row['rooms_verified']} rooms, "
           f"errors {row['verify_errors'] + row['kvbridge_failures']}; {len(rooms)} staged rooms traced")
     print(f"{'step':<14} {'chunks':>6} {'p50 ms':>8} {'p90 ms':>8}")
     for name in STEPS:

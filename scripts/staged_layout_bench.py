@@ -17,13 +17,15 @@ Work: DeepSeek V3.2 fp8 pools (``deepseek-v3.2-fp8``, 61 + 1 draft layers, page 
 random allocation (``kvbridge.bench.alloc.allocate``, the bench's seed per length), each rank's
 plan staged by ``stage_plan`` into ``--slot-mib`` slots; a gather copies a chunk's slices into a
 slot, a scatter copies a slot's slices into decode's pages (the slice kernel,
-``CudaStager``). There is no wire copy between the sides (across processes it would need CUDA
-IPC): what is compared is the gathers and the scatter alone, the part of a staged room that the
-three processes share the GPU for. GB/s = payload bytes of one room (each byte gathered once
+``CudaStager``). With ``--wire`` (the default) each gathered chunk is also copied into decode's
+slot (``cudaMemcpyAsync``, the slot write of a staged room on one GPU; across the three processes
+into decode's slots opened over CUDA IPC); ``--no-wire`` compares the gathers and the scatter
+alone. Nothing orders a scatter after its chunk's copy (a throughput ceiling: the bytes are not
+checked). GB/s = payload bytes of one room (each byte gathered once
 and scattered once) / wall time of ``--reps`` rooms, from the first start to the last end.
 
     python scripts/staged_layout_bench.py [--tokens 8192 32768 131072] [--slot-mib 64] [--reps 5]
-        [--device cuda:0] [--json out.json]
+        [--device cuda:0] [--no-wire] [--json out.json]
 
 Without CUDA it says so and exits 0 (nothing to measure on the CPU).
 """
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
@@ -75,9 +76,14 @@ def build(tokens: int, slot_mib: int, device: str) -> dict[str, Any]:
 
 
 def gather_all(stager: Any, w: dict, rank: int) -> None:
+    """Rank ``rank``'s chunks gathered into its slots, each then copied into decode's (``w["wire"]``)."""
     sp, slot = w["staged"][rank], w["slots"][rank]
+    recv = w["slots"][CP].data_ptr()
     for k in range(sp.num_chunks):
-        stager.gather(sp, k, slot.data_ptr() + (k % 2) * w["slot_bytes"])
+        off = (k % 2) * w["slot_bytes"]
+        stager.gather(sp, k, slot.data_ptr() + off)
+        if w.get("wire"):
+            stager.copier.copy_async(recv + off, slot.data_ptr() + off, int(sp.chunk_span[k]))
 
 
 def scatter_all(stager: Any, w: dict) -> None:
@@ -87,12 +93,13 @@ def scatter_all(stager: Any, w: dict) -> None:
             stager.scatter(sp, k, slot.data_ptr() + (k % 2) * w["slot_bytes"])
 
 
-def one_process(tokens: int, slot_mib: int, reps: int, device: str) -> dict[str, float]:
+def one_process(tokens: int, slot_mib: int, reps: int, device: str, wire: bool = True) -> dict[str, float]:
     import torch
 
     from kvbridge.transfer.staging.stagers import CudaStager
 
     w = build(tokens, slot_mib, device)
+    w["wire"] = wire
     index = torch.device(device).index or 0
     one = CudaStager(index)
     three = [CudaStager(index) for _ in range(CP + 1)]  # each its own copier stream
@@ -138,13 +145,21 @@ def one_process(tokens: int, slot_mib: int, reps: int, device: str) -> dict[str,
     return res
 
 
-def _proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, barrier: Any, out: Any) -> None:
-    """One process of the three: role 0 / 1 gathers that rank's chunks, role CP scatters all."""
+def _proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, barrier: Any, out: Any, slots: Any,
+          wire: bool) -> None:
+    """One process of the three: role 0 / 1 gathers that rank's chunks (and copies each into decode's
+    slots, opened over CUDA IPC, with ``wire``), role CP scatters all."""
     import torch
 
     from kvbridge.transfer.staging.stagers import CudaStager
 
     w = build(tokens, slot_mib, device)
+    w["wire"] = wire
+    if role == CP:  # decode: its slots, shared with the gathering processes
+        for _ in range(CP):
+            slots.put(w["slots"][CP])
+    elif wire:
+        w["slots"][CP] = slots.get(timeout=120)  # decode's slots, mapped here by CUDA IPC
     stager = CudaStager(torch.device(device).index or 0)
 
     def work() -> None:
@@ -159,12 +174,16 @@ def _proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, barrier
         work()
     stager.copier.stream.synchronize()
     out.put((role, t0, time.monotonic(), w["bytes"]))
+    barrier.wait()  # decode's slots stay allocated until every writer into them is done
 
 
-def three_processes(tokens: int, slot_mib: int, reps: int, device: str) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(CP + 1), ctx.Queue()
-    procs = [ctx.Process(target=_proc, args=(r, tokens, slot_mib, reps, device, barrier, out)) for r in range(CP + 1)]
+def three_processes(tokens: int, slot_mib: int, reps: int, device: str, wire: bool = True) -> dict[str, float]:
+    import torch.multiprocessing as tmp  # its queues pass CUDA tensors as CUDA IPC handles
+
+    ctx = tmp.get_context("spawn")
+    barrier, out, slots = ctx.Barrier(CP + 1), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_proc, args=(r, tokens, slot_mib, reps, device, barrier, out, slots, wire))
+             for r in range(CP + 1)]
     for p in procs:
         p.start()
     got = [out.get(timeout=300) for _ in procs]
@@ -182,6 +201,8 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--wire", action=argparse.BooleanOptionalAction, default=True,
+                    help="copy each gathered chunk into decode's slot (across processes: over CUDA IPC)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     try:
@@ -198,8 +219,9 @@ def main() -> None:
           "scatter alone (ms) |")
     print("| --- | --- | --- | --- | --- |")
     for n in args.tokens:
-        row = {"tokens": n, "slot_mib": args.slot_mib, **one_process(n, args.slot_mib, args.reps, args.device),
-               **three_processes(n, args.slot_mib, args.reps, args.device)}
+        row = {"tokens": n, "slot_mib": args.slot_mib, "wire": args.wire,
+               **one_process(n, args.slot_mib, args.reps, args.device, args.wire),
+               **three_processes(n, args.slot_mib, args.reps, args.device, args.wire)}
         rows.append(row)
         print(f"| {n} | {row['one_stream_gbps']} | {row['three_streams_gbps']} | {row['three_procs_gbps']} | "
               f"{row['gather0_ms']} / {row['gather1_ms']} / {row['scatter_ms']} |", flush=True)

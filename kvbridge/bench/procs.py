@@ -316,6 +316,15 @@ class DecodeRank(RankBase):
         return {"engine": self.engine_stats()}
 
 
+def rank_ops(rank: RankBase) -> dict[str, Any]:
+    """The commands ``rank`` answers, by name (a role's missing ones map to None)."""
+    return {"fill": getattr(rank, "fill", None), "plan": getattr(rank, "do_plan", None),
+            "staging": getattr(rank, "staging", None), "send": getattr(rank, "send", None),
+            "wait_sent": getattr(rank, "wait_sent", None), "raw": getattr(rank, "raw", None),
+            "copy": getattr(rank, "copy", None), "prepare": getattr(rank, "prepare", None),
+            "recv": getattr(rank, "recv", None), "check": getattr(rank, "check", None), "stats": rank.stats}
+
+
 def _wait_until(t: float) -> None:
     """Sleep, then spin, until monotonic time ``t`` (all ranks start a raw run together)."""
     left = t - time.monotonic()
@@ -373,11 +382,7 @@ def main() -> None:
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     rank = PrefillRank(cfg) if role == "prefill" else DecodeRank(cfg)
-    ops = {"fill": getattr(rank, "fill", None), "plan": getattr(rank, "do_plan", None),
-           "staging": getattr(rank, "staging", None), "send": getattr(rank, "send", None), "wait_sent": getattr(rank, "wait_sent", None),
-           "raw": getattr(rank, "raw", None), "copy": getattr(rank, "copy", None),
-           "prepare": getattr(rank, "prepare", None), "recv": getattr(rank, "recv", None),
-           "check": getattr(rank, "check", None), "stats": rank.stats}
+    ops = rank_ops(rank)
     emit(rank.ready())
     try:
         for line in sys.stdin:

@@ -1,5 +1,8 @@
 """One PD pair for the bench, every rank in its own process: ``cp`` prefill ranks and one
-decode rank (``kvbridge.bench.procs``), a bootstrap daemon beside them.
+decode rank (``kvbridge.bench.procs``), a bootstrap daemon beside them. With
+``RigSpec.in_process`` every rank runs instead as a thread of the caller's process (the same
+rank classes and commands, one CUDA context for all of them): the process layout as the one
+thing changed between two runs of the same rooms.
 
 For each request length and allocation (``kvbridge.bench.alloc``) every method moves
 exactly the same slices between the same buffers:
@@ -71,6 +74,7 @@ class RigSpec:
     staged: bool = False  # give both sides their staging buffers (the staged method)
     staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots (with a slot size)
+    in_process: bool = False  # every rank a thread of this process (one CUDA context), not its own process
 
     @property
     def max_pages(self) -> int:
@@ -130,6 +134,60 @@ class Child:
         self.log.close()
 
 
+class ThreadChild(Child):
+    """A rank run by a thread of this process, spoken to like ``Child`` (the same commands, the
+    same replies). ``spec.env`` must already be in ``os.environ`` (``Rig`` sets what is missing)."""
+
+    def __init__(self, role: str, cfg: dict[str, Any], log_path: Path) -> None:
+        self.role = role
+        self.log_path = log_path
+        log_path.write_text(f"{role}: a thread of process {os.getpid()} (RigSpec.in_process)\n")
+        self.commands: queue.Queue[dict | None] = queue.Queue()
+        self.lines: queue.Queue[dict] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, args=(cfg,), name=f"bench-{role}", daemon=True)
+        self.thread.start()
+
+    def _run(self, cfg: dict[str, Any]) -> None:
+        from kvbridge.bench import procs
+
+        try:
+            rank = procs.PrefillRank(cfg) if self.role == "prefill" else procs.DecodeRank(cfg)
+        except Exception as exc:  # noqa: BLE001 - the driver raises it from reply()
+            self.lines.put({"error": f"{self.role} start: {type(exc).__name__}: {exc}"})
+            self.lines.put({"eof": True})
+            return
+        ops = procs.rank_ops(rank)
+        self.lines.put(rank.ready())
+        try:
+            while (cmd := self.commands.get()) is not None and cmd["op"] != "quit":
+                handler = ops.get(cmd["op"])
+                try:
+                    self.lines.put(handler(cmd) if handler else {"error": f"{self.role}: unknown op {cmd['op']!r}"})
+                except Exception as exc:  # noqa: BLE001 - as procs.main: shown in the row
+                    self.lines.put({"error": f"{self.role} {cmd['op']}: {type(exc).__name__}: {exc}"})
+        finally:
+            rank.close()
+            self.lines.put({"eof": True})
+
+    def send(self, **cmd: Any) -> None:
+        self.commands.put(cmd)
+
+    def reply(self, timeout: float = 300) -> dict:
+        try:
+            msg = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise KVBridgeError(f"bench {self.role} (thread): no answer within {timeout:.0f}s") from None
+        if msg.get("eof"):
+            raise KVBridgeError(f"bench {self.role} (thread) ended")
+        if msg.get("error"):
+            raise KVBridgeError(msg["error"])
+        return msg
+
+    def stop(self) -> None:
+        self.commands.put(None)
+        self.thread.join(30)
+
+
 class Rig:
     def __init__(self, spec: RigSpec) -> None:
         self.spec = spec
@@ -156,15 +214,22 @@ class Rig:
         self.decode: Child | None = None
         self.prefill: list[Child] = []
         self.staging_mode = "never"
+        if spec.in_process:  # the ranks' settings read from this process's environment
+            for key, value in spec.env.items():
+                os.environ.setdefault(key, value)
+
+        def child(role: str, cfg: dict[str, Any], log_path: Path) -> Child:
+            return ThreadChild(role, cfg, log_path) if spec.in_process else Child(role, cfg, env, log_path)
+
         try:
-            self.decode = Child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
+            self.decode = child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
                                            "dst_capacity": self.dst_capacity, "instance": f"bench-decode-{tag}"},
-                                env, logs / f"decode-{tag}.log")
+                                logs / f"decode-{tag}.log")
             for rank in range(spec.cp):
-                self.prefill.append(Child("prefill", {**base, "device": spec.device, "aux_device": spec.prefill_aux,
+                self.prefill.append(child("prefill", {**base, "device": spec.device, "aux_device": spec.prefill_aux,
                                                       "src_capacity": self.src_capacity, "cp_rank": rank,
                                                       "instance": self.prefill_instance},
-                                          env, logs / f"prefill-{tag}-cp{rank}.log"))
+                                          logs / f"prefill-{tag}-cp{rank}.log"))
             ready = self.decode.reply(CHILD_START_S)
             self.session, self.raw_session, self.dst_descs = ready["session"], ready["raw_session"], ready["buffers"]
             self.metadata = ready.get("metadata", "")  # the decode engine's (NIXL needs it before a raw write)

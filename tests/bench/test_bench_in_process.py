@@ -1,0 +1,26 @@
+"""The bench's rooms with every rank a thread of one process (``RigSpec.in_process``), the layout
+``scripts/staged_process_bench.py`` sets beside every rank its own process: the same rank classes
+and commands, direct and staged rooms landed and checked. On the CPU the IPC engine moves host
+memory within one process (the layout two processes cannot share on the CPU)."""
+
+from __future__ import annotations
+
+import threading
+
+from kvbridge.bench.sweep import BenchSpec, run_sweep
+from kvbridge.worker.cluster import start_bootstrap
+
+
+def test_staged_and_direct_rooms_with_every_rank_a_thread():
+    before = threading.active_count()
+    spec = BenchSpec(tokens=[1024], cps=[2], layers=2, engine="ipc", reps=1, verify=True, verify_every=True,
+                     allocs=["random"], raw_mooncake=False, staged=True, staging_slot_bytes=256 << 10,
+                     staging_slots=(2, 4), in_process=True)
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
+        (row,) = run_sweep(spec, url, None, show_progress=False)
+    assert not row["kvbridge_failures"] and not row["verify_errors"], row
+    assert row["rooms_verified"] == 4 and row["bytes_verified"] > 0  # warm-up + 1 per method, every room checked
+    assert row["kvbridge_gbps"] > 0 and row["staged_gbps"] > 0 and row["engine_gbps"] > 0
+    assert row["staged_slices"] > 2  # more than one staged chunk: the slot cycle ran
+    names = {t.name for t in threading.enumerate()}
+    assert not {"bench-prefill", "bench-decode"} & names and threading.active_count() <= before + 2
