@@ -156,14 +156,14 @@ def _rows(t: torch.Tensor, rows: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _pair(daemon, model: str):
+def _pair(daemon, model: str, staging: dict[str, str] | None = None):
     from sglang.srt.runtime_context import create_context, use_context
     from sglang.srt.server_args import ServerArgs
 
     from kvbridge.integrations.sglang import install
 
     install()
-    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url}
+    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url, **(staging or {})}
     port = free_port()
     with use_context(create_context(ServerArgs(model_path="dummy", device="cpu"), role="scheduler")):
         prefill = Rank("prefill", port, env, model)
@@ -298,10 +298,15 @@ def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
 
 
 CASES = {"mamba": _mamba_case, "swa": _swa_case, "v4": _v4_case}
+# staged (KVBRIDGE_STAGING=always on both sides): every page, the window's and the state slot
+# included, through decode's staging slots; slots small enough that the room takes several
+SLOT = 4096
+STAGED = {"KVBRIDGE_STAGING": "always", "KVBRIDGE_STAGING_BYTES": str(8 * SLOT),
+          "KVBRIDGE_STAGING_SLOT_BYTES": str(SLOT)}
 
 
-@pytest.mark.parametrize("model", list(CASES))
-def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_the_rooms(daemon, model):
+@pytest.mark.parametrize("model, path", [(m, "direct") for m in CASES] + [("mamba", "staged")])
+def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_the_rooms(daemon, model, path):
     from kvbridge.integrations.sglang import install
 
     install()  # before SGLang's get_kv_class is imported here: it resolves the kvbridge backend
@@ -312,7 +317,7 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
 
     from kvbridge.integrations.sglang.kvargs import pool_specs
 
-    with _pair(daemon, model) as pair:
+    with _pair(daemon, model, STAGED if path == "staged" else {"KVBRIDGE_STAGING": "never"}) as pair:
         p, d = pair.prefill, pair.decode
         case = CASES[model](p, d, pool_specs(p.mgr.cache))
         n, chunk, page = case.n, case.chunk, case.page
@@ -377,6 +382,10 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
         aux = sum(int(x) for x in p.kv_args.aux_item_lens)
         assert sum(len(d_idx) for *_, d_idx in case.moves) == case.needed  # the bytes compared are the needed ones
         assert stats["bytes"] == case.needed + aux, stats
+        if path == "staged":  # every byte through decode's staging slots, in more than one chunk
+            assert stats["bytes_staged"] == stats["bytes"] and stats["chunks"] > 1, stats
+        else:
+            assert stats["bytes_staged"] == 0, stats
         sender.clear()
         receiver.clear()
 
