@@ -365,9 +365,14 @@ def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target
     start, end = layers
     unpaged = sorted(f"{n} ({s.kind})" for n, s in own.items() if s.kind != "paged")
     if unpaged:
+        # the rooms carry these kinds over stages; what is missing is the model's layers of them: SGLang
+        # gives a stage its own layers of each pool only (kv_layer_ids, state_layer_ids), so no stage
+        # (the last builds the contract) can tell which of the model's layers the other stages hold
+        mine = ", ".join(f"{n} {list(s.layer_ids)}" for n, s in sorted(own.items()))
         raise ConfigError(f"pipeline stage layers [{start}, {end}) with window, compressed or state pools {unpaged}: "
-                          "kvbridge's SGLang backend builds a stage's contract from paged pools only; serve this "
-                          "model with --pp-size 1", field="pools")
+                          f"SGLang's KVArgs list this stage's own layers of each pool only ({mine}), not the "
+                          "model's, so kvbridge's SGLang backend cannot build the model's contract for them; "
+                          "serve this model with --pp-size 1", field="pools")
     if model is None:
         if end != num_target_layers:
             raise ConfigError(f"pipeline stage layers [{start}, {end}) do not end the model's {num_target_layers} "

@@ -155,13 +155,10 @@ class KVBridgeKVManager(BaseKVManager):
                              weights=self._weights)
 
     def _staging_config(self) -> dict[str, Any]:
-        """The staging keywords of this rank's endpoint config: the rooms carry window, compressed
-        and state pools on the direct path only, so with any of them KVBRIDGE_STAGING's default
-        ``auto`` is ``never`` here (``always`` is refused by the endpoint, naming ``staging``)."""
-        cfg = self.settings.staging_config
-        if self.cache.kind_specs and cfg["staging"] == "auto":
-            cfg = {**cfg, "staging": "never"}
-        return cfg
+        """The staging keywords of this rank's endpoint config (``KVBRIDGE_STAGING*``): the rooms
+        carry window, compressed and state pools on the staged path as on the direct one
+        (docs/concepts.md, "Pool kinds in the rooms"), so every mode applies to them as given."""
+        return self.settings.staging_config
 
     def _num_target_layers(self, specs: Any) -> int:
         return specs["target" if self.cache.is_mla else "k"].num_layers

@@ -557,12 +557,31 @@ def test_receiver_hands_mamba_slots_swa_pages_and_rows_with_the_token_count_and_
     assert not r.inits and "no index at a block boundary and the request row is not known" in r.failures[0]
 
 
-def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name():
+def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name(sgl, carried):
+    """SGLang builds a Mamba hybrid's stage (here layers [2, 4) of 4: mamba layer 2, attention
+    layer 3) with its own layers only: its KVArgs name none of the model's other layers of either
+    pool, so no stage can build the model's contract; refused by name, naming what it was given."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.disaggregation.utils import build_kv_layer_ids
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
     from kvbridge.integrations.sglang.kvargs import model_specs
 
-    own = {"k": kvb.PoolSpec(name="k", dtype="bfloat16", abi="bfloat16", bytes_per_token=32, page_size=16,
-                             layer_ids=(1, 3)),
-           "mamba_0": kvb.state_pool("mamba_0", (0, 2), 64)}
-    with pytest.raises(ConfigError, match=r"with window, compressed or state pools \['mamba_0 \(state\)'\]") as err:
-        model_specs(own, (0, 4), 4)
+    carried(ALL_KINDS)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=V_, n_groups=2, num_heads=HEADS, head_dim=16,
+                                    state_size=16, conv_kernel=4, conv_shard_groups=[Q, K_, V_])
+    mp = MambaPool(size=4, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[2]),
+                   mamba_layer_ids=[2], device="cpu")
+    pool = HybridLinearKVPool(size=64, dtype=torch.bfloat16, page_size=16, head_num=1, head_dim=8,
+                              full_attention_layer_ids=[3], device="cpu", mamba_pool=mp)
+    a = _kv_args(pool)
+    a.prefill_start_layer, a.prefill_end_layer = 2, 4
+    a.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+                                        num_hidden_layers=4)
+    own = pool_specs(read_kv_args(a, is_mla=False))
+    assert {n: s.layer_ids for n, s in own.items()} == {"k": (3,), "v": (3,), "mamba_0": (2,), "mamba_1": (2,)}
+    with pytest.raises(ConfigError, match=r"with window, compressed or state pools \['mamba_0 \(state\)', "
+                       r"'mamba_1 \(state\)'\]: SGLang's KVArgs list this stage's own layers of each pool only "
+                       r"\(k \[3\], mamba_0 \[2\], mamba_1 \[2\], v \[3\]\)") as err:
+        model_specs(own, (2, 4), 4)
     assert err.value.field == "pools"

@@ -57,11 +57,11 @@ def _swa_pool():
                      swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu")
 
 
-def _mamba_pool():
+def _mamba_pool(tp: int = 1):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=V_, n_groups=2, num_heads=HEADS, head_dim=16,
+    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=V_, n_groups=2, num_heads=HEADS, head_dim=16,
                                     state_size=16, conv_kernel=4, conv_shard_groups=[Q, K_, V_])
     mp = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
                    mamba_layer_ids=[0, 2], device="cpu")
@@ -85,7 +85,8 @@ def _v4_pool():
 class Rank:
     """One SGLang rank of the hybrid model: its pools, metadata rows, KVArgs and kvbridge manager."""
 
-    def __init__(self, role: str, port: int, env: dict[str, str], model: str) -> None:
+    def __init__(self, role: str, port: int, env: dict[str, str], model: str, tp: tuple[int, int] = (1, 0),
+                 kv_heads: int = 0, serve_port: int = 0) -> None:
         from sglang.srt.disaggregation.base.conn import KVArgs
         from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                      ReqToMetadataIdxAllocator, TransferBackend, build_kv_layer_ids,
@@ -93,9 +94,12 @@ class Rank:
                                                      setup_state_kv_args)
         from sglang.srt.runtime_context import get_parallel
 
-        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, **RANKS)
+        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0,
+                                            **{**RANKS, "attn_tp_size": tp[0], "attn_tp_rank": tp[1], "tp_size": tp[0],
+                                               "tp_rank": tp[1], "moe_tp_size": tp[0], "moe_ep_size": 1,
+                                               "moe_dp_size": 1})
         self.model = model
-        self.pool = {"mamba": _mamba_pool, "swa": _swa_pool, "v4": _v4_pool}[model]()
+        self.pool = _mamba_pool(tp[0]) if model == "mamba" else {"swa": _swa_pool, "v4": _v4_pool}[model]()
         self.meta = MetadataBuffers(world.META_ROWS, hidden_size=world.HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=world.TOP_LOGPROBS,
                                     output_dsa_topk_indices_dim=world.DSA_TOPK, kv_checksum_enabled=False)
@@ -110,10 +114,12 @@ class Rank:
         a.page_size, a.ib_device, a.gpu_id = V4_PAGE if model == "v4" else PAGE, None, 0
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = self.meta.get_buf_infos()
         setup_state_kv_args(a, self.pool, None, 4, req_to_token_pool=None)
+        if kv_heads:  # as PrefillBootstrapQueue._init_kv_manager sets them for MHA/GQA
+            a.kv_head_num, a.total_kv_head_num = self.pool.full_kv_pool.head_num, kv_heads
         self.kv_args = a
         more = world.MHA_ARGS if model != "v4" else dict(model_path="tiny-deepseek-v4", served_model_name="tiny-v4",
                                                           speculative_algorithm=None, speculative_eagle_topk=None)
-        args = world.server_args(role, port, port=free_port(), **more)  # (port: names the instance)
+        args = world.server_args(role, port, port=serve_port or free_port(), **more)  # (port: names the instance)
         # the queue SGLang's _init_kv_manager runs on (patches.py names it): the pool and the window
         window = V4_WINDOW if model == "v4" else WINDOW
         queue = SimpleNamespace(token_to_kv_pool=self.pool, scheduler=SimpleNamespace(sliding_window_size=window))
@@ -156,14 +162,14 @@ def _rows(t: torch.Tensor, rows: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _pair(daemon, model: str):
+def _pair(daemon, model: str, staging: dict[str, str] | None = None):
     from sglang.srt.runtime_context import create_context, use_context
     from sglang.srt.server_args import ServerArgs
 
     from kvbridge.integrations.sglang import install
 
     install()
-    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url}
+    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url, **(staging or {})}
     port = free_port()
     with use_context(create_context(ServerArgs(model_path="dummy", device="cpu"), role="scheduler")):
         prefill = Rank("prefill", port, env, model)
@@ -298,10 +304,15 @@ def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
 
 
 CASES = {"mamba": _mamba_case, "swa": _swa_case, "v4": _v4_case}
+# staged (KVBRIDGE_STAGING=always on both sides): every page, the window's and the state slot
+# included, through decode's staging slots; slots small enough that the room takes several
+SLOT = 4096
+STAGED = {"KVBRIDGE_STAGING": "always", "KVBRIDGE_STAGING_BYTES": str(8 * SLOT),
+          "KVBRIDGE_STAGING_SLOT_BYTES": str(SLOT)}
 
 
-@pytest.mark.parametrize("model", list(CASES))
-def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_the_rooms(daemon, model):
+@pytest.mark.parametrize("model, path", [(m, "direct") for m in CASES] + [("mamba", "staged")])
+def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_the_rooms(daemon, model, path):
     from kvbridge.integrations.sglang import install
 
     install()  # before SGLang's get_kv_class is imported here: it resolves the kvbridge backend
@@ -312,7 +323,7 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
 
     from kvbridge.integrations.sglang.kvargs import pool_specs
 
-    with _pair(daemon, model) as pair:
+    with _pair(daemon, model, STAGED if path == "staged" else {"KVBRIDGE_STAGING": "never"}) as pair:
         p, d = pair.prefill, pair.decode
         case = CASES[model](p, d, pool_specs(p.mgr.cache))
         n, chunk, page = case.n, case.chunk, case.page
@@ -377,8 +388,103 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
         aux = sum(int(x) for x in p.kv_args.aux_item_lens)
         assert sum(len(d_idx) for *_, d_idx in case.moves) == case.needed  # the bytes compared are the needed ones
         assert stats["bytes"] == case.needed + aux, stats
+        if path == "staged":  # every byte through decode's staging slots, in more than one chunk
+            assert stats["bytes_staged"] == stats["bytes"] and stats["chunks"] > 1, stats
+        else:
+            assert stats["bytes_staged"] == 0, stats
         sender.clear()
         receiver.clear()
+
+
+def test_mamba_state_moves_from_a_tp1_prefill_into_tp2_decode_slots(daemon):
+    """Attention TP 1 -> 2 through the managers: each decode rank's MambaPool slot (SGLang's
+    TP-2 MambaPool: half of each conv q/k/v group, half the heads) is its cut of prefill's slot
+    (the TP route's state sources, kvb.state_slices), k/v rows replicated (one KV head); every
+    other byte keeps its poison."""
+    from kvbridge.integrations.sglang import install
+
+    install()
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url, "KVBRIDGE_STAGING": "never"}
+    port = free_port()
+    n, chunk, room = 50, 32, 2**62 + 991
+    src_pages, dst_pages, src_slot, dst_slot = np.array([3, 9, 1, 6]), np.array([7, 2, 12, 5]), 1, 3
+    with contextlib.ExitStack() as stack, use_context(create_context(ServerArgs(model_path="dummy", device="cpu"),
+                                                                      role="scheduler")):
+        p = Rank("prefill", port, env, "mamba", kv_heads=1)
+        stack.callback(p.mgr.close)
+        ds, decode_port = [], free_port()  # one decode instance (named by its port), TP ranks 0 and 1
+        for r in range(2):
+            ds.append(Rank("decode", 8998, env, "mamba", tp=(2, r), serve_port=decode_port))
+            stack.callback(ds[-1].mgr.close)
+        gen = torch.Generator().manual_seed(5)
+        for t in (t for ts in p.tensors().values() for t in ts):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                    generator=gen))
+        for t in (t for d in ds for ts in d.tensors().values() for t in ts):
+            t.view(torch.uint8).fill_(POISON)
+        addr = f"127.0.0.1:{port}"
+        receivers = []
+        for d in ds:
+            rcv = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(mgr=d.mgr, bootstrap_addr=addr,
+                                                                               bootstrap_room=room)
+            _until(lambda: d.mgr.try_ensure_parallel_info(addr))
+            rcv.init(0)
+            dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
+            queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
+                enable_staging=False), _num_published_destinations=0,
+                _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
+            req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
+                                  kv=SimpleNamespace(req_pool_idx=0),
+                                  time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
+            DecodePreallocQueue._send_kv_metadata(queue, SimpleNamespace(req=req, kv_receiver=rcv, is_rebootstrap=False,
+                                                                         metadata_buffer_index=-1),
+                                                  dst_tokens[:n], PAGE, [[np.asarray(dst_slot)]], decode_prefix_len=0)
+            receivers.append(rcv)
+        sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(mgr=p.mgr, bootstrap_addr=addr,
+                                                                           bootstrap_room=room)
+        _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
+        meta_idx = p.meta_alloc.alloc()
+        sender.init(-(-n // PAGE), meta_idx)
+        src_tokens = torch.as_tensor(np.repeat(src_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), src_pages.size))
+        sender.send(kv_to_page_indices(src_tokens[:chunk], PAGE), None, num_kv_tokens=chunk)
+        p.meta.set_buf(world.metadata_req(room, meta_idx))
+        sender.send(kv_to_page_indices(src_tokens[chunk:n], PAGE), [[np.asarray(src_slot)]], num_kv_tokens=n - chunk)
+        for rcv in receivers:
+            _until(lambda: int(rcv.poll()) in (KVPoll.Success, KVPoll.Failed))
+            assert int(rcv.poll()) == KVPoll.Success, rcv.failure_exception()
+        _until(lambda: int(sender.poll()) in (KVPoll.Success, KVPoll.Failed))
+        assert int(sender.poll()) == KVPoll.Success
+
+        src = p.tensors()
+        tok = np.arange(n)
+        s_rows, d_rows = src_pages[tok // PAGE] * PAGE + tok % PAGE, dst_pages[tok // PAGE] * PAGE + tok % PAGE
+        for r, d in enumerate(ds):
+            dst = d.tensors()
+            want = {k: [torch.full_like(t, 0).view(torch.uint8).fill_(POISON) for t in ts] for k, ts in dst.items()}
+            for name in ("k", "v"):
+                for i in range(2):
+                    want[name][i].view(src[name][i].dtype)[d_rows] = src[name][i][s_rows]
+            for i in range(2):
+                conv, at = [], 0
+                for g in (Q, K_, V_):  # rank r's half of each conv channel group
+                    conv.append(src["conv"][i][src_slot, at + r * g // 2: at + (r + 1) * g // 2])
+                    at += g
+                want["conv"][i].view(src["conv"][i].dtype)[dst_slot] = torch.cat(conv)
+                want["temporal"][i].view(src["temporal"][i].dtype)[dst_slot] = \
+                    src["temporal"][i][src_slot, r * HEADS // 2: (r + 1) * HEADS // 2]
+            for name, ts in dst.items():
+                for i, t in enumerate(ts):
+                    assert torch.equal(t.view(torch.uint8), want[name][i]), (r, name, i)
+        sender.clear()
+        for rcv in receivers:
+            rcv.clear()
 
 
 @pytest.mark.parametrize("queue", ["sglang.srt.disaggregation.prefill.PrefillBootstrapQueue",
