@@ -7,6 +7,7 @@ a tail slot's unused rows) changes nothing; a pipeline stage digests its own lay
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -25,6 +26,10 @@ def _specs() -> list[tuple[str, kvb.PoolSpec]]:
     # a TP rank's cut of sharded Mamba slots (prefill TP 2 -> decode TP 2: rank r's slot whole to rank r)
     out += [(f"tp2:{n}", s) for n, s in kvb.mamba_pools([1, 3], conv_groups=(4, 2, 2), conv_kernel=4, num_heads=2,
                                                          head_dim=4, state_size=8, tp_size=2).items()]
+    # padded pages (DeepSeek-V4's FlashMLA rows under SGLang): the digest covers the payload only,
+    # a padding byte (below: "a byte that does not travel") changes nothing
+    out += [(f"padded:{n}", dataclasses.replace(s, page_stride=s.payload_bytes_per_page + 64))
+            for n, s in model_specs("v4").items() if s.kind == "compressed"]
     return out
 
 
@@ -89,6 +94,10 @@ def test_a_kind_units_digest_covers_exactly_the_bytes_it_moves(label, spec, n):
     idle = np.flatnonzero(~moved[page:page + spec.bytes_per_page])
     if idle.size:
         _flip(dst[key], page + int(idle[0]))
+        assert (kind_unit_digests(spec, dst, logical, d_units, n) == sent).all()
+    if spec.page_stride:  # the page's padding: never travels, never digested
+        assert not moved[page + spec.payload_bytes_per_page:page + spec.bytes_per_page].any()
+        _flip(dst[key], page + spec.bytes_per_page - 1)
         assert (kind_unit_digests(spec, dst, logical, d_units, n) == sent).all()
 
 
