@@ -107,11 +107,7 @@ def transfer_json(connector: str, role: str, cfg: dict) -> str:
         extra = {"bootstrap_url": cfg["kvbridge_url"], "bootstrap_token": cfg["kvbridge_token"],
                  "instance": f"{cfg['tag']}-{'p' if role == 'kv_producer' else 'd'}",
                  "engine": KVBRIDGE_ENGINE[connector]}
-        # decode's start-up contract check against prefill's registration (prefill_instance) compares
-        # the contract before its engine exists, at Mooncake's transport, so on NIXL it refuses a
-        # matching prefill ("transport: prefill 'nixl' != decode 'mooncake'"): the NIXL row runs
-        # without it; each room's contract is still checked by both sides
-        if role == "kv_consumer" and KVBRIDGE_ENGINE[connector] == "mooncake":
+        if role == "kv_consumer":  # decode checks prefill's contract at start-up (on its engine's transport)
             extra["prefill_instance"] = f"{cfg['tag']}-p"
         return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                            "kv_role": role, "kv_connector_extra_config": extra})

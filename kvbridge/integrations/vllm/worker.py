@@ -166,8 +166,6 @@ class WorkerSide:
                          self.label)
                 return
         self.client = BootstrapClient(s.daemon_url, token=s.token or None)
-        if not self.is_prefill and s.prefill_instance:
-            self._check_prefill_contract(contract)
         self.engine = create_engine(s.engine, host=s.host, protocol=s.protocol, device=s.device or None)
         specs, buffers = {spec.name: spec, **windows}, cache.buffers()
         for name in windows:
@@ -176,6 +174,8 @@ class WorkerSide:
         engine = SharedRegions(self.engine, s.engine) if windows else self.engine
         staging = {**s.staging_config, "staging": "never"} if windows else s.staging_config
         try:
+            if not self.is_prefill and s.prefill_instance:  # on the engine's transport, as prefill registered it
+                self._check_prefill_contract(contract.with_transport(self.engine.transport))
             if self.is_prefill:
                 cfg = PrefillConfig(instance=s.instance, dp_rank=self.dp_rank, dp_size=dp_size, tp_rank=tp_rank,
                                     tp_size=tp_size, host=s.host, secret=s.secret, lease_ttl=s.lease_ttl,
