@@ -138,7 +138,8 @@ class _RoomRig:
         engines.append(kvb.create_engine(engine, fabric=engines[0].fabric) if engine == "local"
                        else kvb.create_engine(engine, protocol=protocol))
         self.clients = [kvb.BootstrapClient(url, token=token) for _ in "pd"]
-        self.p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never"), engines[0],
+        self.p = kvb.PrefillEndpoint(kvb.PrefillConfig(instance=f"{instance}-p", staging="never",
+                                                       aux_device=device if protocol != "tcp" else "cpu"), engines[0],
                                      self.specs, bufs(), contract, self.clients[0], aux)
         self.d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never",
                                                      transfer_timeout=300.0),
