@@ -69,9 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
                    "size (43+1 layers against V3.2's 61+1, bf16) beside what decode needs and V3.2's, 1M tokens from "
                    "the layout; then GB/s of V4 rooms and V3.2-fp8 rooms through a prefill and a decode endpoint "
-                   "(one process, Mooncake, --layers layers each, default 4; --reps timed rooms, 2 at >= 64K; "
-                   "--device cuda:N: "
-                   "pools on the GPU, Mooncake's NVLink transport), "
+                   "(one process, Mooncake, host memory, --layers layers each, default 4; --reps timed rooms, 2 at "
+                   ">= 64K; GPU pools: scripts/kind_rooms_bench.py --device cuda:N), "
                    "their bytes checked against what decode needs, and V4's GB/s over V3.2's")
     p.add_argument("--max-move-tokens", type=int, default=128 * 1024,
                    help="deepseek-v4: the longest length moved through the rooms for GB/s (default 128K; longer "
@@ -194,6 +193,12 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
     layers = args.layers or 4
     if layers < 1:
         raise ConfigError("--layers must be >= 1", field="layers")
+    if str(args.device).startswith("cuda"):
+        # one process holds both endpoints, and Mooncake's NVLink transport cannot open its own
+        # process's GPU memory (on one H200 decode's memory proof could not be read: docs/performance.md)
+        raise ConfigError("--preset deepseek-v4 runs prefill and decode in one process, host memory only; for "
+                          "GPU pools run scripts/kind_rooms_bench.py --device cuda:N (decode in a process of its "
+                          "own)", field="device")
     load = os.getloadavg()
     rows = byte_rows(tokens)
     one_m = layout_row(1 << 20)
@@ -202,10 +207,6 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
           f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}")
     moved = [n for n in tokens if n <= args.max_move_tokens]
     protocol = "tcp"
-    if str(args.device).startswith("cuda"):  # GPU pools: Mooncake's intra-node NVLink transport
-        protocol = "rdma"
-        os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
-        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     speed = []
     if moved:
         with start_bootstrap() as (url, token):
