@@ -75,7 +75,6 @@ import numpy as np
 
 from kvbridge.chaos import hostile_budgets, hostile_claims, hostile_identity, hostile_rooms, hostile_split
 from kvbridge.chaos.cluster import ChaosCluster, Member, proc_resources
-from kvbridge.chaos.progress import run_rooms
 from kvbridge.chaos.hostile_sockets import (Holder, Replayer, RoomWatch, authenticated, closed, connect, dribble, hello_for,
                                             port_of, try_send)
 from kvbridge.chaos.traffic import Traffic
@@ -120,7 +119,7 @@ class HostileSpec:
     layers: int = 4
     tokens: int = 512  # a room: 8 pages (the issue's measurement)
     pages: int = 256
-    room_timeout: float = 30.0  # a legitimate room still for this long x the load factor is stalled (progress.py)
+    room_timeout: float = 30.0
     flood_connections: int = 400
     flood_addresses: int = 32  # loopback source addresses (127.0.0.2 ...)
     flood_huge_every: int = 4  # every n-th flood connection announces an 8 MiB frame and pushes its body
@@ -194,11 +193,11 @@ class Hostile:
         return next(v["control_endpoint"] for v in self.ranks_of(self.c.prefill_instance) if v["cp_rank"] == cp_rank)
 
     def room_ok(self) -> tuple[bool, float, str]:
-        """One real room through every rank, judged by its progress (``progress.py``): (ok,
-        seconds, why not)."""
+        """One real room through every rank: (ok, seconds, first failure)."""
         t0 = time.monotonic()
-        rooms = run_rooms(self, 1)
-        return rooms.ok, round(time.monotonic() - t0, 2), rooms.why()[:300]
+        room = self.traffic.batch(1, self.spec.room_timeout)[0]
+        why = "; ".join(f"{m}: {r}" for m, _, r in room.failures)[:300] or ("" if room.done else "no answer in time")
+        return room.ok, round(time.monotonic() - t0, 2), why
 
     def next_room(self) -> int:
         return next(ATTACK_ROOMS)

@@ -6,11 +6,9 @@ write token):
   address) push the largest signed frames as fast as the sockets take them at a prefill rank,
   while two real rooms run on the decode rank's connections and a second identity (another
   address) sends one frame larger than a connection's allowance, which must draw on the shared
-  frame budget. Defended when both rooms succeed (judged by their progress: ``progress.py``)
-  and the second identity's frame is answered within one turn, counted in the flood's frames
-  the server took while it waited (``starve_turn``; the flood counts the Heartbeats it is sent),
-  not in seconds, which a loaded host stretches (the budget serves addresses in turn; before, in
-  arrival order, 40 connections starved two rooms until they failed at 40 s).
+  frame budget. Defended when both rooms succeed and the second identity's frame is answered
+  within its frame deadline (the budget serves addresses in turn; before, in arrival order, 40
+  connections starved two rooms until they failed at 40 s).
 - ``address_flood``: a TP 2 decode host (two decode ranks of a new instance, one address)
   proves itself on a room; then authenticated connections from thousands of loopback source
   addresses (one each: 127.0.x.y) fill every slot of a prefill rank and keep knocking for
@@ -37,7 +35,6 @@ legitimate rank's rooms still succeeded, as the other attacks' do.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import os
 import selectors
@@ -49,10 +46,8 @@ from typing import Any
 
 import httpx
 
-from kvbridge.chaos.hostile_claims import drop, room_within, squat_victim
-from kvbridge.chaos.hostile_identity import victim_of
+from kvbridge.chaos.hostile_identity import contract_of, victim_of
 from kvbridge.chaos.hostile_sockets import authenticated, closed, port_of, try_send
-from kvbridge.chaos.progress import load_factor, run_rooms
 from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel import Limits, PeerSet, wire
 from kvbridge.transfer.channel.frames import HEADER, frame
@@ -61,7 +56,7 @@ from kvbridge.transfer.prefill.admission import MAX_WAITING_BYTES, MAX_WAITING_B
 from kvbridge.worker import ops
 
 __all__ = ["AuthFlood", "Starver", "address_flood", "proving_bytes", "restart_race", "starvation", "starve_due",
-           "starve_turn", "probe_frame"]
+           "probe_frame"]
 
 # ``h`` below is ``hostile.Hostile`` and ``out`` its ``Outcome`` (duck-typed, as in hostile_identity.py)
 Hostile = Outcome = Any
@@ -101,11 +96,9 @@ def _largest_ping(secret: bytes, seq: int) -> bytes:
     return frame(wire.encode(wire.Ping(decode_rank="x" * pad, seq=seq), secret))
 
 
-def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float,
-                sent: list[float] | None = None) -> float | None:
+def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float) -> float | None:
     """Seconds from sending a signed probe Ping of ``size`` bytes (past a connection's allowance:
-    it needs the shared budget) from ``source`` to its Heartbeat, or None; ``sent`` gets the
-    moment it was sent (time.monotonic())."""
+    it needs the shared budget) from ``source`` to its Heartbeat, or None."""
     sock = authenticated(port, 0, 1, secret, "hostile-probe", source=source)
     if sock is None:
         return None
@@ -113,8 +106,6 @@ def probe_frame(port: int, source: str, secret: bytes, size: int, timeout: float
     data = frame(wire.encode(wire.Ping(decode_rank="y" * size, seq=7), secret))
     buf = bytearray()
     t0 = time.monotonic()
-    if sent is not None:
-        sent.append(t0)
     try:
         sock.settimeout(timeout)
         sock.sendall(data)
@@ -153,10 +144,7 @@ class Starver:
         self.stream = b"".join(_largest_ping(secret, i) for i in range(4))
         self.frame_bytes = len(self.stream) // 4
         self.socks: dict[socket.socket, int] = {}  # connection -> where it is in ``stream``
-        self.inbox: dict[socket.socket, bytearray] = {}  # connection -> what the server sent, not yet counted
         self.pushed = self.reopened = 0
-        self.answered = 0  # frames the server sent back: one Heartbeat per flood frame it took whole
-        self.history: list[tuple[float, int]] = []  # (when, answered) at each pump
         for _ in range(n):
             self._open()
         self._last = time.monotonic()
@@ -167,25 +155,6 @@ class Starver:
             return False
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
         self.socks[sock] = 0
-        self.inbox[sock] = bytearray()
-        return True
-
-    def _read(self, sock: socket.socket) -> bool:
-        """Count the frames the server sent on ``sock`` since (False: it closed the connection)."""
-        buf = self.inbox[sock]
-        try:
-            for _ in range(16):
-                data = sock.recv(65536)
-                if not data:
-                    return False
-                buf += data
-        except BlockingIOError:
-            pass
-        except OSError:
-            return False
-        while len(buf) >= HEADER.size and len(buf) - HEADER.size >= HEADER.unpack_from(buf)[0]:
-            del buf[:HEADER.size + HEADER.unpack_from(buf)[0]]
-            self.answered += 1
         return True
 
     def pump(self) -> None:
@@ -196,19 +165,10 @@ class Starver:
             sent = try_send(sock, self.stream[at:at + quota])
             self.pushed += sent
             self.socks[sock] = (at + sent) % len(self.stream)
-            if not self._read(sock):  # (closed on a deadline: another of the same identity)
-                del self.socks[sock], self.inbox[sock]
+            if not sent and closed(sock):  # (closed on a deadline: another of the same identity)
+                del self.socks[sock]
                 sock.close()
                 self.reopened += self._open()
-        self.history.append((time.monotonic(), self.answered))
-
-    def answered_between(self, t0: float, t1: float) -> int:
-        """Flood frames the server answered between ``t0`` and ``t1`` (as the pumps saw them)."""
-        def at(t: float) -> int:
-            i = bisect.bisect_right(self.history, (t, float("inf")))
-            return self.history[i - 1][1] if i else 0
-
-        return at(t1) - at(t0)
 
     def run_for(self, seconds: float) -> None:
         until = time.monotonic() + seconds
@@ -231,11 +191,8 @@ def starvation(h: Hostile, out: Outcome) -> None:
     flood = Starver(port, secret, s.starve_connections, s.starve_source, STARVE_PACE * limits.frame_rate)
     try:
         flood.run_for(STARVE_WARMUP_S)  # every connection of the flood waits for the budget first
-        due = starve_due(flood.frame_bytes, s.probe_bytes)
-        probe_sent: list[float] = []
-        rooms_t, rooms = _in_thread(lambda: run_rooms(h, 2))
-        probe_t, probe = _in_thread(lambda: probe_frame(port, s.probe_source, secret, s.probe_bytes,
-                                                        max(due * load_factor(), s.room_timeout), probe_sent))
+        rooms_t, rooms = _in_thread(lambda: h.traffic.batch(2, s.room_timeout))
+        probe_t, probe = _in_thread(lambda: probe_frame(port, s.probe_source, secret, s.probe_bytes, s.room_timeout))
         hold_until = time.monotonic() + s.flood_hold_s
         while rooms_t.is_alive() or probe_t.is_alive() or time.monotonic() < hold_until:
             flood.pump()
@@ -246,34 +203,18 @@ def starvation(h: Hostile, out: Outcome) -> None:
         stop.set()
         watcher.join(2.0)
     out.rss_after_mib = h.rss(m)
-    rooms_ok = bool(rooms) and rooms[0].ok
-    why = rooms[0].why() if rooms else "room thread failed"
+    rooms_ok = bool(rooms) and all(r.ok for r in rooms[0])
+    why = "; ".join(f"{n}: {r}"[:200] for room in (rooms[0] if rooms else []) for n, _, r in room.failures)
     probe_s = probe[0] if probe else None
-    # how long the second identity waited, counted in the flood's frames the server took meanwhile
-    # (turns, not seconds: a loaded host slows both alike); fair: within one turn of the flood's share
-    turn = starve_turn(flood.frame_bytes, limits)
-    waited = (flood.answered_between(probe_sent[0], probe_sent[0] + probe_s)
-              if probe_s is not None and probe_sent else None)
+    due = starve_due(flood.frame_bytes, s.probe_bytes)
     out.details = {"connections": s.starve_connections, "identity": "hostile-starver", "source": s.starve_source,
                    "slots_held": held, "reopened": flood.reopened, "frame_bytes": flood.frame_bytes,
                    "pace_bytes_per_s": int(flood.pace), "bytes_pushed_mib": round(flood.pushed / (1 << 20), 1),
                    "rss_peak_mib": peak[0], "rss_growth_mib": round(peak[0] - before, 1), "rooms_ok": rooms_ok,
-                   "rooms": 2 if rooms else 0, "room_failures": why or None,
-                   "rooms_waited": rooms[0].waited.record() if rooms else None,
+                   "rooms": len(rooms[0]) if rooms else 0, "room_failures": why or None,
                    "second_identity_frame_bytes": s.probe_bytes, "second_identity_answered_s": probe_s,
-                   "second_identity_due_s": round(due, 2), "second_identity_waited_flood_frames": waited,
-                   "second_identity_turn_frames": turn, "flood_frames_answered": flood.answered,
-                   "load_factor": round(load_factor(), 2), "legit_room_ok": rooms_ok}
-    out.outcome = DEFENDED if rooms_ok and waited is not None and waited <= turn else VULNERABLE
-
-
-def starve_turn(frame_bytes: int, limits: Limits | None = None) -> int:
-    """How many of the flood's frames the server may take while another identity's frame waits
-    for one turn: the frames one address's share of the budget holds (half of it), twice (those
-    in hand when it came, and those granted while it is read), and 2 more for the moment it was
-    sent. Served in arrival order instead, it waits behind every waiting flood connection (40)."""
-    limits = limits or Limits()
-    return 2 * max(1, (limits.frame_budget // 2) // frame_bytes) + 2
+                   "second_identity_due_s": round(due, 2), "legit_room_ok": rooms_ok}
+    out.outcome = DEFENDED if rooms_ok and probe_s is not None and probe_s <= due else VULNERABLE
 
 
 def starve_due(frame_bytes: int, probe_bytes: int, limits: Limits | None = None) -> float:
@@ -387,11 +328,15 @@ class AuthFlood:
         self.held.clear()
 
 
-def _rooms(h: Hostile, decode: list[Any], n: int) -> tuple[bool, str, dict[str, Any]]:
-    """``n`` rooms at once through both prefill ranks and the ``decode`` ranks, judged by their
-    progress (``progress.py``): (all ok, failures, how the wait ended)."""
-    rooms = run_rooms(h, n, decode)
-    return rooms.ok, rooms.why(), rooms.waited.record()
+def _rooms(h: Hostile, decode: list[Any], n: int) -> tuple[bool, str]:
+    """``n`` rooms at once through both prefill ranks and the ``decode`` ranks: (all ok, failures)."""
+    rooms = [h.next_room() for _ in range(n)]
+    pending = [(m, h.submit(m, ops.Prefill(room, h.spec.tokens, 0) if m.role == "prefill"
+                              else ops.Decode(room, h.spec.tokens, h.c.prefill_instance)))
+               for room in rooms for m in (*h.c.prefill, *decode)]
+    results = [(m.name, h.wait_reply(m, request_id, h.spec.room_timeout)) for m, request_id in pending]
+    failed = [f"{name}: {h.reason(r)}" for name, r in results if not (isinstance(r, ops.RoomResult) and r.ok)]
+    return not failed, "; ".join(failed)[:600]
 
 
 def _spawn_tp2(h: Hostile, name: str) -> list[Any]:
@@ -441,7 +386,7 @@ def address_flood(h: Hostile, out: Outcome) -> None:
     stop, peak = threading.Event(), [before]
     watcher = None
     try:
-        warm, warm_why, _ = _rooms(h, tp2, 1)  # both TP ranks connect to both prefill ranks and prove
+        warm, _ = _rooms(h, tp2, 1)  # both TP ranks connect to both prefill ranks and prove
         conns_before = h.c.stats(m).get("control_connections", {})
         proven = int(conns_before.get("proven", 0))  # the cluster's decode rank and the TP 2 host's
         watcher = _rss_watch(h, m, stop, peak)
@@ -474,7 +419,7 @@ def address_flood(h: Hostile, out: Outcome) -> None:
             watcher.join(2.0)
         _stop(tp2)
     out.rss_after_mib = h.rss(m)
-    rooms_ok, why, waited = rooms[0] if rooms else (False, "room thread failed", None)
+    rooms_ok, why = rooms[0] if rooms else (False, "room thread failed")
     # a proven connection lost during the hold is a registered rank displaced (or closed)
     lost_proven = max(0, proven - int(conns_after.get("proven", 0)))
     out.details = {"addresses": flood.next_address - 2, "slots": limits.max_connections,
@@ -483,8 +428,8 @@ def address_flood(h: Hostile, out: Outcome) -> None:
                    "closed_while_filling": evicted_while_filling, "refused_after_hello": flood.refused, "connect_failures": flood.failed,
                    "knocks_during_hold": knocks, "held_closed_by_server": flood.lost,
                    "displaced_during_attack": int(conns_after.get("displaced", 0))
-                   - int(conns_before.get("displaced", 0)), "warm_room_ok": warm, "warm_room_failure": warm_why or None,
-                   "rooms_during_hold_ok": rooms_ok, "rooms": 2, "rooms_waited": waited,
+                   - int(conns_before.get("displaced", 0)), "warm_room_ok": warm,
+                   "rooms_during_hold_ok": rooms_ok, "rooms": 2,
                    "room_failures": why or None, "rss_peak_mib": peak[0], "rss_growth_mib": round(peak[0] - before, 1),
                    "legit_room_ok": rooms_ok}
     filled = held_full + int(conns_before.get("peers", 0)) >= limits.max_connections
@@ -598,7 +543,15 @@ class _Race(threading.Thread):
 
 
 def restart_race(h: Hostile, out: Outcome) -> None:
-    victim_m, victim, _, body = squat_victim(h, out)
+    victim_m, victim, victim_id = victim_of(h)
+    out.target = victim_m.name
+    out.rss_before_mib = h.rss(victim_m)
+    contract = contract_of(h)
+    body = {"control_endpoint": "tcp://127.0.0.1:9", "session_id": victim["session_id"], "pools": victim["pools"],
+            "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
+            "scratch": victim["scratch"]}
+    if victim.get("engine_metadata"):
+        body["engine_metadata"] = victim["engine_metadata"]
     keys = (("own key", ProofKey().public_hex), ("victim's key", victim["proof_key"]), ("no key", None))
     race = _Race(h, body, keys)
     os.kill(victim_m.pid, signal.SIGSTOP)  # type: ignore[arg-type]
@@ -615,11 +568,12 @@ def restart_race(h: Hostile, out: Outcome) -> None:
         race.stop()
         os.kill(victim_m.pid, signal.SIGCONT)  # type: ignore[arg-type]
         for reg in race.accepted:
-            drop(h, reg)
+            httpx.delete(f"{h.c.url}/v1/ranks/{reg['rank_id']}", timeout=5.0, trust_env=False,
+                         headers={**h.auth, "X-KVBridge-Lease": reg.get("lease_secret", "")})
     t0 = time.monotonic()
     registered = h.c.wait_registered(30.0)  # every rank back (the victim with its own key), then a room
     back_s = round(time.monotonic() - t0, 1)
-    ok, seconds, why = room_within(h, 30.0)
+    ok, seconds, why = _room_within(h, 30.0)
     back = h.get(f"/v1/instances/{h.c.decode_instance}")
     out.rss_after_mib = h.rss(victim_m)
     accepted = race.accepted
@@ -631,3 +585,13 @@ def restart_race(h: Hostile, out: Outcome) -> None:
                    "victim_registered_again": back.status_code == 200 and back.json().get("num_ranks") == 1,
                    "legit_room_ok": ok, "legit_room_seconds": seconds, "legit_room_failure": why}
     out.outcome = DEFENDED if not accepted and ok else VULNERABLE
+
+
+def _room_within(h: Hostile, seconds: float) -> tuple[bool, float, str]:
+    """A real room, tried until one succeeds or ``seconds`` pass (the ranks re-register first)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        ok, took, why = h.room_ok()
+        if ok or time.monotonic() > deadline:
+            return ok, took, why
+        time.sleep(0.5)

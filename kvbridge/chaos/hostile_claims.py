@@ -33,7 +33,7 @@ from kvbridge.bootstrap.schemas import ENGINE_METADATA_MAX
 from kvbridge.chaos.hostile_identity import contract_of, victim_of
 from kvbridge.transfer.ownership import ProofKey
 
-__all__ = ["drop", "lease_squat", "metadata_flood", "nixl_metadata", "room_within", "squat_victim"]
+__all__ = ["lease_squat", "metadata_flood", "nixl_metadata"]
 
 DEFENDED, VULNERABLE = "defended", "vulnerable"
 METADATA_SLACK_MIB = 32.0  # the daemon's own allocations around what it holds
@@ -43,15 +43,13 @@ def _post(h: Any, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{h.c.url}/v1/ranks", json=body, headers=h.auth, timeout=10.0, trust_env=False)
 
 
-def drop(h: Any, reg: dict[str, Any]) -> None:
-    """Deregister what the attacker got registered (with the lease secret its 201 carried)."""
+def _drop(h: Any, reg: dict[str, Any]) -> None:
     httpx.delete(f"{h.c.url}/v1/ranks/{reg['rank_id']}", timeout=5.0, trust_env=False,
                  headers={**h.auth, "X-KVBridge-Lease": reg.get("lease_secret", "")})
 
 
-def room_within(h: Any, seconds: float) -> tuple[bool, float, str]:
-    """A real room, tried until one succeeds or ``seconds`` pass (a re-registering rank needs a
-    moment); each try is judged by its progress (``Hostile.room_ok``)."""
+def _room_within(h: Any, seconds: float) -> tuple[bool, float, str]:
+    """A real room, tried until one succeeds or ``seconds`` pass (a re-registering rank needs a moment)."""
     deadline = time.monotonic() + seconds
     while True:
         ok, took, why = h.room_ok()
@@ -60,25 +58,17 @@ def room_within(h: Any, seconds: float) -> tuple[bool, float, str]:
         time.sleep(0.5)
 
 
-def squat_victim(h: Any, out: Any) -> tuple[Any, dict[str, Any], str, dict[str, Any]]:
-    """The live decode rank a squat is aimed at, as the attacker reads it with the write token:
-    (its member, its registration, its rank id, the squat's body: the victim's exact session,
-    pools, aux rows, scratch and engine metadata under the victim's contract, without a rank or
-    proof key, which each squat adds). Books the victim as ``out``'s target and its RSS before."""
+def lease_squat(h: Any, out: Any) -> None:
     victim_m, victim, victim_id = victim_of(h)
     out.target = victim_m.name
     out.rss_before_mib = h.rss(victim_m)
+    contract = contract_of(h)
+    lease = float(victim.get("lease_ttl_s") or 2.0)
     body = {"control_endpoint": "tcp://127.0.0.1:9", "session_id": victim["session_id"], "pools": victim["pools"],
-            "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract_of(h),
-            "lease_ttl_s": 60.0, "scratch": victim["scratch"]}
+            "aux": victim["aux"], "aux_regions": victim["aux_regions"], "contract": contract, "lease_ttl_s": 60.0,
+            "scratch": victim["scratch"]}
     if victim.get("engine_metadata"):  # (NIXL: what the engine reaches, copied whole)
         body["engine_metadata"] = victim["engine_metadata"]
-    return victim_m, victim, victim_id, body
-
-
-def lease_squat(h: Any, out: Any) -> None:
-    victim_m, victim, victim_id, body = squat_victim(h, out)
-    lease = float(victim.get("lease_ttl_s") or 2.0)
     statuses: dict[str, int] = {}
     accepted: list[dict[str, Any]] = []
     os.kill(victim_m.pid, signal.SIGSTOP)  # type: ignore[arg-type]
@@ -99,8 +89,8 @@ def lease_squat(h: Any, out: Any) -> None:
     finally:
         os.kill(victim_m.pid, signal.SIGCONT)  # type: ignore[arg-type]
         for reg in accepted:
-            drop(h, reg)
-    ok, seconds, why = room_within(h, 20.0)
+            _drop(h, reg)
+    ok, seconds, why = _room_within(h, 20.0)
     out.rss_after_mib = h.rss(victim_m)
     out.details = {"victim_lapsed_while_stopped": lapsed, "squat_statuses": statuses, "squats_accepted": len(accepted),
                    "legit_room_ok": ok, "legit_room_seconds": seconds, "legit_room_failure": why}
@@ -146,7 +136,7 @@ def nixl_metadata(h: Any, out: Any) -> None:
                 regs.append(r.json())
     finally:
         for reg in regs:
-            drop(h, reg)
+            _drop(h, reg)
         engine.close()
     forged = [k for k, v in statuses.items() if k != "victim" and v == 201]
     ok, seconds, why = h.room_ok()
@@ -180,7 +170,7 @@ def metadata_flood(h: Any, out: Any) -> None:
         peak = max(peak, h.rss(h.c.daemon) or 0.0)
     finally:
         for reg in regs:
-            drop(h, reg)
+            _drop(h, reg)
     held_mib = len(regs) * ENGINE_METADATA_MAX / (1 << 20)
     ok, seconds, why = h.room_ok()
     out.rss_after_mib = h.rss(h.c.daemon)

@@ -76,9 +76,7 @@ class PrefillWorker(WorkerBase):
         return {"control": self.endpoint.endpoint}
 
     def stats(self) -> dict[str, Any]:
-        # posted: bytes and slices posted since start (kvbridge chaos --hostile reads a room's progress off it)
-        return {**super().stats(), "control_connections": self.endpoint.connections(),
-                "posted": self.endpoint.counters}
+        return {**super().stats(), "control_connections": self.endpoint.connections()}
 
     def begin(self, peer: bytes, request_id: int, op: ops.Prefill) -> PrefillTask:
         ps = self.cfg.page_size

@@ -152,10 +152,9 @@ def test_the_staging_area_is_registered_and_a_request_naming_another_is_refused(
     """Hard rule 5 for staging, through the real endpoints: the decode rank's staging area is in
     its registration at the daemon, and a request (authenticated, on a connection that proved its
     registration) offering another area, here the decode rank's own page buffer, is refused by
-    every prefill rank at once naming the field: the room's decider (cp 0) fails the room its
-    first claim holds; the other CP rank checks the claim before it would hold it for the room's
-    decision (transfer/prefill/tickets.py), and a refused claim ends nothing there (its room ends
-    by its own timeout: no decode rank asked for it); not a byte lands anywhere on decode."""
+    the room's decider (cp 0) naming the field, and so granted no RoomTicket: the other CP rank,
+    which held the claim for the room's decision (transfer/prefill/tickets.py), fails the room when
+    its hold runs out; not a byte lands anywhere on decode."""
     import msgspec
 
     c = staged_cluster(cluster, cp=2)
@@ -178,12 +177,11 @@ def test_the_staging_area_is_registered_and_a_request_naming_another_is_refused(
         peers.close()
     failed = [m for m in got if isinstance(m, wire.PagesDone)]
     assert len(failed) == len(c.prefill), got
-    assert sorted(m.cp_rank for m in failed) == [0, 1], failed
-    assert all(m.status == "failed" and "field=staging_base" in m.reason and "registered" in m.reason
-               and "room=95" in m.reason for m in failed), failed
-    assert senders[0].poll() == KVPoll.Failed
-    assert wait_until(lambda: senders[1].poll() == KVPoll.Failed, 20)
-    assert "decode ranks asked for room 95" in senders[1].failure_reason
+    assert all(m.status == "failed" for m in failed), failed
+    decider = [m for m in failed if "field=staging_base" in m.reason]
+    assert len(decider) == 1 and "registered" in decider[0].reason and "room=95" in decider[0].reason, failed
+    assert all("room 95" in m.reason for m in failed if m is not decider[0]), failed  # its hold ran out
+    assert all(s.poll() == KVPoll.Failed for s in senders)
     assert not any(ep.counters["bytes"] for ep in c.prefill)
     assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())  # nothing landed
 

@@ -8,33 +8,21 @@ The room machine (``machine.py``) runs the checks in this order and carries the 
     deliver -- the room (or an UNATTACHED one; a tombstone: FAILED) -- binding, claim again
         -- room ended, failing or draining? FAILED -- request_target (targets.py) and
         registered_offer (staged.py)? REFUSED -- asked twice? FAILED -- the Target is added
-
     Abort -- held by the asker's instance? (else ERROR) -- the room fails, AbortAck when quiet
     Release -- the room open here? binding presented? held by (or free for) the asker's instance?
         (else NOW) -- the room ends now (Success, nothing written), or fails when it has targets
 
-A claim on a room not decided on this rank yet (a rank that follows the room's decider,
-``tickets.py``) takes the same path, but claims nothing: its binding, contract, registration and
-target (``check``, on a probe of the room, so the room is untouched) are checked first, and
-only a claim that passes is held (``HOLD``) for the decider's RoomTicket. One that fails is
-refused at once, by name, as the decider refuses it; the room goes on here, since a rank that
-follows the decider does not know whose the room is, and a refused claim of one instance may
-not end another's room. The kind pools' check (``kinds.py``), which keeps what it accepts, runs
-once the room is decided.
-
 How a refusal is answered (``Refusal.how``): ``NOW``: an ErrorReply at once, the room untouched;
 ``ERROR``: an ErrorReply once nothing of the room is in flight; ``FAILED``: a failed PagesDone
-once quiet; ``REFUSED``: as FAILED, and the room fails here when the asker holds it (never a room
-still undecided here); ``HOLD``: no answer yet, the claim waits for the room's decision
-(``tickets.py``: a rank that is not the room's decider serves only the decode instance the
-decider's RoomTicket names). Nothing here sends, waits or keeps state: the rooms and
-registrations are the room machine's, passed in.
+once quiet; ``REFUSED``: as FAILED, and the room fails here when the asker holds it; ``HOLD``: no
+answer yet, the claim waits for the room's decision (``tickets.py``: a rank that is not the
+room's decider serves only the decode instance the decider's RoomTicket names). Nothing here
+sends, waits or keeps state: the rooms and registrations are the room machine's, passed in.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,35 +94,6 @@ class Intake:
                now: float) -> Refusal | tuple[Target, Offer | None]:
         """A bound and claimed request for room ``r``, whose registration ``peer`` is known: its
         Target and staging offer (the room's length set from the request), or why not."""
-        answer = self.check(ident, req, r, peer, now)
-        if isinstance(answer, Refusal) or not self.kinds:
-            return answer
-        target, offer = answer
-        try:  # the window, compressed and state pools it asks (prefill/kinds.py)
-            self.kinds.accept(req, peer.buffers, target.dst_pages, r.num_tokens or 0)
-        except KVBridgeError as exc:
-            return Refusal(REFUSED, str(exc))
-        target.kind_wait = self.kinds.wants(req.room, req.decode_rank)
-        return target, offer
-
-    def held_check(self, ident: bytes, req: wire.TransferRequest, r: PrefillRoom | None, peer: DecodePeer,
-                   now: float, fresh: Callable[[], PrefillRoom]) -> Refusal | None:
-        """A claim on a room this rank does not decide, before it is held for the decider's
-        ticket: ``check`` on a probe of the room (``r``'s shallow copy, or ``fresh()`` when none
-        is open here), so that nothing of an undecided claim (its length, say) sticks to the
-        room (``PrefillRoom.set_length`` rebinds its fields, never changes them in place); None:
-        it may wait. Refusals come back as ``FAILED``: the asker is told by name,
-        the room goes on (see the module's docstring)."""
-        probe = copy.copy(r) if r is not None else fresh()
-        answer = self.check(ident, req, probe, peer, now)
-        if isinstance(answer, Refusal):
-            return Refusal(FAILED, answer.reason)
-        return None
-
-    def check(self, ident: bytes, req: wire.TransferRequest, r: PrefillRoom, peer: DecodePeer,
-              now: float) -> Refusal | tuple[Target, Offer | None]:
-        """``target``'s checks but the kind pools': the room's state, the request against the
-        registration ``peer`` (``request_target``, ``registered_offer``), a second ask."""
         if r.state.final:
             reason = f": {r.state.reason}" if r.state.reason else ""
             return Refusal(FAILED, f"room {req.room} already ended on {self.rank} ({r.state.state.name}{reason})")
@@ -151,6 +110,12 @@ class Intake:
             return Refusal(REFUSED, str(exc))
         if req.decode_rank in r.targets:
             return Refusal(FAILED, f"decode rank {req.decode_rank} asked twice for this room")
+        if self.kinds:  # the window, compressed and state pools it asks (prefill/kinds.py)
+            try:
+                self.kinds.accept(req, peer.buffers, target.dst_pages, r.num_tokens or 0)
+            except KVBridgeError as exc:
+                return Refusal(REFUSED, str(exc))
+            target.kind_wait = self.kinds.wants(req.room, req.decode_rank)
         return target, offer
 
     def abort(self, r: PrefillRoom | None, instance: str | None, msg: wire.Abort) -> Refusal | None:

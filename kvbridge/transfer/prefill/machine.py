@@ -343,12 +343,6 @@ class PrefillRooms:
             if closed is not None:
                 self._answer(ident, req, self.intake.closed(req, closed), now)
                 return
-        if self._follows(r, req.room):  # not decided here: checked first, then held (nothing claimed or kept)
-            refusal = self._claim(ident, req) or self.intake.held_check(
-                ident, req, r, peer, now, lambda: self._new_room(req.room, Stage.UNATTACHED, now))
-            self._answer(ident, req, refusal or Refusal(HOLD, ""), now)
-            return
-        if r is None:
             r = self.rooms.add_unattached(self._new_room(req.room, Stage.UNATTACHED, now))
         answer = self._claim(ident, req) or self.intake.target(ident, req, r, peer, now)
         if isinstance(answer, Refusal):
@@ -365,17 +359,12 @@ class PrefillRooms:
             trace_room(r, self.cfg.rank_label, now, "target %s pages=%d first_page=%d pools=%s", req.decode_rank,
                        target.dst_pages.size, target.first_page, ",".join(target.pools))
 
-    def _follows(self, r: PrefillRoom | None, room: int) -> bool:
-        """The room is not decided on this rank yet: it follows the room's decider (``tickets.py``)."""
-        return self.tickets.waits(None if r is None else r.holder, self.rooms.tombstones.get(room) is not None)
-
     def _claim(self, ident: bytes, req: wire.TransferRequest) -> Refusal | None:
         """The request presents its room's binding, then claims the room: first claim wins at the
-        room's decider; elsewhere a claim on a room not decided yet claims nothing: once checked
-        (``_deliver``), it waits for the decision (``tickets.py``)."""
+        room's decider; elsewhere the claim waits for its decision (``tickets.py``)."""
         r = self.rooms.get(req.room)
-        if self._follows(r, req.room):
-            return self.intake.bound(r, req)
+        if self.tickets.waits(None if r is None else r.holder, self.rooms.tombstones.get(req.room) is not None):
+            return self.intake.bound(r, req) or Refusal(HOLD, "")
         return self.intake.bound(r, req) or self.intake.claim(r, self._instance_of(ident, req.decode_rank_id), req)
 
     def _answer(self, ident: bytes, req: wire.TransferRequest, refusal: Refusal, now: float) -> None:
@@ -400,11 +389,9 @@ class PrefillRooms:
             self._reply_failed(ident, req.room, refusal.reason)
 
     def _refuse(self, ident: bytes, req: wire.TransferRequest, reason: str, now: float) -> None:
-        """Refuse a request (nothing of it was posted) and fail its room here, when its asker holds
-        it: a room not decided here yet goes on (the refused claim may not be the room's winner)."""
+        """Refuse a request (nothing of it was posted) and fail its room here."""
         r = self.rooms.get(req.room)
-        if (r is not None and not r.state.final and not self._follows(r, req.room)
-                and r.held_by(self._instance_of(ident, req.decode_rank_id))):
+        if r is not None and not r.state.final and r.held_by(self._instance_of(ident, req.decode_rank_id)):
             self.fail_room(r, f"decode rank {req.decode_rank}'s request refused: {reason}", now)
         self._reply_failed(ident, req.room, reason)
 

@@ -10,10 +10,8 @@ neither was served. Now one rank decides, and the others follow its decision:
   ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding), signed
   with its proof key (``ownership.ticket_message``), whose public half is in its registration at
   the daemon.
-- **Every other rank** (cp, tp or pp > 0) first checks a claim on a room it has no decision
-  for as the decider would (binding, contract, the decode rank's registration: intake.py
-  ``held_check``, on a copy of the room) and refuses a bad one at once, by name, the room left
-  as it was; it *holds* a claim that passes: nothing planned, nothing written, no reply. The decode rank that holds a ticket hands it on,
+- **Every other rank** (cp, tp or pp > 0) *holds* a claim on a room it has no decision for:
+  nothing planned, nothing written, no reply. The decode rank that holds a ticket hands it on,
   unchanged, to the other ranks it asked, and the instance's decode TP rank 0 to every rank of
   the TP columns its siblings draw from (decode/machine.py ``_hand_on``). A rank accepts a ticket
   only
@@ -28,7 +26,7 @@ neither was served. Now one rank decides, and the others follow its decision:
   other instance's are refused by name ("claimed by decode instance ... (decided by ...)").
 
     decode A ──TransferRequest──▶ decider (cp0/tp0/pp0)  first claim: A; RoomTicket(A, signed) ──▶ A
-    decode A ──TransferRequest──▶ cp1 (or tp1): checked, then held (undecided)
+    decode A ──TransferRequest──▶ cp1 (or tp1): held (undecided)
     decode A ──RoomTicket(A)────▶ cp1: signature by the decider's key? ─▶ room held by A; A's claims go on
     decode B ──TransferRequest──▶ decider: refused at once; cp1: held, then refused once decided for A
 
