@@ -11,7 +11,8 @@ HTTP answers become kvbridge errors where they enter (one mapping, ``_raise_for`
     connection refused / timeout / reset, 502 and 504, and 429 with a Retry-After,
     after ``retries`` retries with backoff -> BootstrapUnavailable (or the last 429)
     503 store_unavailable (the replicas' store lost its quorum) -> BootstrapUnavailable,
-    naming the daemon's cause, after the same retries
+    naming the daemon's cause, after the same retries, each round waiting the daemon's
+    Retry-After (its next health tick; at most 2 s) rather than the backoff
 
 Several daemon replicas (``"http://a:8998,http://b:8998"`` or a list; any replica serves
 any request, a heartbeat included): a request goes to the replica that answered last;
@@ -217,7 +218,7 @@ class BootstrapClient:
             if attempt and attempt % n == 0:  # a whole round of replicas failed: back off, jittered
                 rnd = attempt // n
                 time.sleep(max(pause, self.backoff * 2 ** (rnd - 1) * random.uniform(0.5, 1.5)))
-            pause = 0.0
+                pause = 0.0
             i = self._current
             try:
                 resp = self._http.request(method, self.urls[i] + path, json=json, params=params, headers=headers)
@@ -228,11 +229,16 @@ class BootstrapClient:
                 continue
             if resp.status_code in _RETRY_STATUS or _is_store_down(resp):
                 last = BootstrapError(f"HTTP {resp.status_code} from {self.urls[i]}")
-                down = resp if resp.status_code == 503 else down
+                if resp.status_code == 503:
+                    down = resp
+                    # the store comes back at the daemon's next health tick (an etcd election, a
+                    # member rejoining): its Retry-After is when to ask again, not the backoff
+                    pause = max(pause, min(_retry_after(resp) or 0.0, MAX_RETRY_AFTER_S))
                 self._next_replica(i)
                 continue
             if resp.status_code == 429 and attempt < (self.retries + 1) * n - 1 and (wait := _retry_after(resp)) is not None:
-                pause = min(wait, MAX_RETRY_AFTER_S)  # a limit that waiting lifts: wait, within the retry budget
+                # a limit that waiting lifts: wait, within the retry budget, then ask the same replica
+                time.sleep(min(wait, MAX_RETRY_AFTER_S))
                 continue
             self.last_replica = resp.headers.get(REPLICA_HEADER, "")
             _raise_for(resp, what)

@@ -162,8 +162,10 @@ def test_an_etcd_member_killed_with_quorum_kept_changes_nothing(etcd_cluster: An
                                                                 instance_name: Callable[[str], str]) -> None:
     ds = replicas(start_daemon, etcd_cluster, etcd_prefix, 2)
     name = instance_name("p")
-    # a request may wait out an election (the store's failover window): a timeout above it
-    with BootstrapClient([d.url for d in ds], timeout=10.0) as client:
+    # a request may wait out an election (the store's failover window): a timeout above it, and
+    # retries that wait out the daemons' health ticks should the election outlast the window
+    # (a loaded CI host: both replicas answered 503 store_unavailable for a tick)
+    with BootstrapClient([d.url for d in ds], timeout=10.0, retries=10) as client:
         regs = register_prefill(client, kvb, small_contract, name)
         etcd_cluster.kill(0)  # the first endpoint: every replica's current member
         try:

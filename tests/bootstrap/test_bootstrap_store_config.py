@@ -75,3 +75,25 @@ def test_client_takes_a_list_of_replicas_and_fails_over_at_once() -> None:
                          transport=httpx.MockTransport(down)) as client:
         with pytest.raises(BootstrapUnavailable, match="quorum lost"):
             client.health()
+
+
+def test_client_waits_the_stores_retry_after_between_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that is down comes back at the daemon's next health tick (an etcd election): the
+    client waits the 503's Retry-After between rounds of replicas, not its 0.1 s backoff, and
+    the request that follows the election succeeds."""
+    import kvbridge.bootstrap.client as client_mod
+
+    slept: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", slept.append)
+    answers = iter([503, 503, 503, 503, 200])
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        if next(answers) == 503:
+            return httpx.Response(503, json={"error": "store_unavailable", "message": "election"},
+                                  headers={"Retry-After": "1"})
+        return httpx.Response(200, json={"status": "ok"})
+
+    with BootstrapClient(["http://a:1", "http://b:2"], retries=3, backoff=0.01,
+                         transport=httpx.MockTransport(flaky)) as client:
+        assert client.health() == {"status": "ok"}
+    assert slept == [1.0, 1.0]  # one wait per failed round of both replicas, each the Retry-After
