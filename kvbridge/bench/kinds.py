@@ -8,13 +8,16 @@ no memory), and their bytes are set beside ``needed_bytes`` (what decode needs: 
 complete compressed entries + state) and V3.2's. ``layout_row`` gives the same figures from
 the layout alone (``needed_bytes``), for lengths too long to plan (1M tokens).
 
-GB/s through the rooms (``room_rows``; ``--layers`` layers of each model, host memory, lengths
-up to ``--max-move-tokens``): a prefill and a decode endpoint in one process, two engines, a
-bootstrap daemon; per length ``reps`` rooms of each model, one chunk, prefill pages ascending,
+GB/s through the rooms (``room_rows``; ``--layers`` layers of each model, lengths up to
+``--max-move-tokens``): a prefill and a decode endpoint in one process (host memory), or with
+``--split`` decode's in a process of its own (``DecodeProcess``; on by default with ``--device
+cuda:N``, pools and aux rows on that GPU), two engines, a bootstrap daemon; per length ``reps``
+rooms of each model, one chunk, prefill pages ascending,
 decode pages and entry pages shuffled, the two models' rooms alternating (same load for both);
 the bytes each room posted (less the aux row) are
 checked against ``needed_bytes`` and timed from the first write posted to the prefill room's
-success (``KVSender.stats``), median. ``speed_rows``: the same plans written between two
+success (``KVSender.stats``), median; split, decode's own room time too (its ``receiver()`` to
+Success, prefill's sends queued first). ``speed_rows``: the same plans written between two
 engines without the rooms (the data path alone).
 """
 
@@ -207,8 +210,8 @@ class _DecodeSide:
 class DecodeProcess:
     """Decode's endpoints in a process of their own (``python -m kvbridge.bench.kinds decode``),
     one per bench run, an endpoint per model and length opened and closed on command; ``stop()`` it.
-    Mooncake's NVLink transport cannot read its own process's GPU memory, and CUDA IPC handles
-    cannot be opened in the process that made them: GPU pools need this layout."""
+    On one H200 Mooncake's NVLink transport could not read its own process's GPU memory: GPU
+    pools run in this layout (production's: prefill and decode in processes of their own)."""
 
     def __init__(self, engine: str, protocol: str, device: str, url: str, token: str | None, layers: int) -> None:
         from kvbridge.bench.rig import Child, child_env
@@ -252,6 +255,8 @@ def _serve_decode(cfg: dict[str, Any]) -> None:
             if op == "quit":
                 break
             try:
+                if op in ("room", "close") and cmd.get("instance") not in sides:
+                    raise KeyError(f"no decode endpoint open for {cmd.get('instance')!r} (open it first)")
                 if op == "open":
                     sides[cmd["instance"]] = _DecodeSide(cmd["instance"], _room_specs(cmd["model"], cfg["layers"]),
                                                          int(cmd["n"]), cfg["engine"], cfg["url"], cfg["token"],

@@ -78,8 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
                    help="deepseek-v4: decode's endpoints in a process of their own (its pid is printed), and "
                    "decode's own room time (its receiver() to Success) beside prefill's; default on with --device "
-                   "cuda:N (required there: neither Mooncake's NVLink transport nor CUDA IPC reads its own "
-                   "process's GPU memory), off on cpu")
+                   "cuda:N (required there: Mooncake's NVLink transport could not read its own process's GPU "
+                   "memory on one H200), off on cpu")
     p.add_argument("--protocol", default="tcp",
                    help="Mooncake's transport (default %(default)s); rdma with MC_INTRANODE_NVLINK=true and "
                    "PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the environment: NVLink between GPUs of one host")
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
         "engine": ",".join(args.engine), "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens),
         "cps": list(cps), "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms,
-        "allocs": list(args.alloc), "device": args.device, "staged": spec.staged,
+        "allocs": list(args.alloc), "device": args.device, "staged": spec.staged, "protocol": args.protocol,
     }  # fmt: skip
     rows = []
     with start_bootstrap() as (url, token):
@@ -209,7 +209,7 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
                           "mooncake (cpu or cuda:N), or ipc/auto with --device cuda:N", field="engine")
     if gpu and not split:
         # Mooncake's NVLink transport could not read decode's memory proof from prefill's process
-        # on one H200 (docs/performance.md), and CUDA IPC handles do not open in their own process
+        # on one H200 (docs/performance.md); a GPU run is the production layout, two processes
         raise ConfigError("--no-split puts prefill and decode in one process, host memory only: drop --no-split "
                           "for --device cuda:N (decode in a process of its own)", field="split")
     if gpu:
