@@ -39,7 +39,8 @@ from kvbridge.layout import BufferDesc, deepseek_v4_pools, needed_bytes, needed_
 from kvbridge.layout.plan import TransferPlan
 from kvbridge.layout.pools import PoolSpec, preset_pools
 
-__all__ = ["DecodeProcess", "aux_device", "byte_rows", "format_bytes", "format_rooms", "format_speed", "layout_row", "room_rows", "speed_rows"]
+__all__ = ["DecodeProcess", "aux_device", "byte_rows", "format_bytes", "format_rooms", "format_speed", "layout_row",
+           "room_rows", "speed_rows"]
 
 V32_PRESET = "deepseek-v3.2"
 
