@@ -81,14 +81,26 @@ class RigSpec:
         return -(-self.max_tokens // self.page_size)
 
 
-class Child:
-    """A rank in its own process, spoken to in JSON lines; always ``stop()`` it."""
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A bench child's environment: this one, ``extra``, Mooncake's log at errors only unless set,
+    and this kvbridge first on ``PYTHONPATH`` (the child imports the same tree as its parent)."""
+    env = dict(os.environ, **(extra or {}))
+    env.setdefault("GLOG_minloglevel", "2")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                    env.get("PYTHONPATH", "")) if p)
+    return env
 
-    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
+
+class Child:
+    """A rank in its own process (``python -m <module> <role> '<cfg JSON>'``), spoken to in JSON
+    lines; always ``stop()`` it."""
+
+    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str], log_path: Path,
+                 module: str = "kvbridge.bench.procs") -> None:
         self.role = role
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvbridge.bench.procs", role,
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", module, role,
                                       json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env)
         self.lines: queue.Queue[dict] = queue.Queue()
@@ -203,10 +215,7 @@ class Rig:
                 "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
                 "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged,
                 "staging_slot_bytes": spec.staging_slot_bytes, "staging_slots": list(spec.staging_slots)}
-        env = dict(os.environ, **spec.env)
-        env.setdefault("GLOG_minloglevel", "2")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
-                                                        env.get("PYTHONPATH", "")) if p)
+        env = child_env(spec.env)
         self._own_logs = not spec.log_dir  # a temporary folder, removed at close (errors quote the log tail)
         logs = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-"))
         logs.mkdir(parents=True, exist_ok=True)

@@ -69,12 +69,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="geometry preset (default %(default)s); deepseek-v4: bytes per room from the plans at full "
                    "size (43+1 layers against V3.2's 61+1, bf16) beside what decode needs and V3.2's, 1M tokens from "
                    "the layout; then GB/s of V4 rooms and V3.2-fp8 rooms through a prefill and a decode endpoint "
-                   "(one process, Mooncake, host memory, --layers layers each, default 4; --reps timed rooms, 2 at "
-                   ">= 64K; GPU pools: scripts/kind_rooms_bench.py --device cuda:N), "
-                   "their bytes checked against what decode needs, and V4's GB/s over V3.2's")
+                   "(one process, or decode in its own with --split; --layers layers each, default 4; --reps timed "
+                   "rooms, 2 at >= 64K; V4 and V3.2 rooms alternating), their bytes checked against what decode "
+                   "needs (exit 1 otherwise), and V4's GB/s over V3.2's")
     p.add_argument("--max-move-tokens", type=int, default=128 * 1024,
                    help="deepseek-v4: the longest length moved through the rooms for GB/s (default 128K; longer "
                    "ones are planned only)")
+    p.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
+                   help="deepseek-v4: decode's endpoints in a process of their own (its pid is printed), and "
+                   "decode's own room time (its receiver() to Success) beside prefill's; default on with --device "
+                   "cuda:N (required there: Mooncake's NVLink transport could not read its own process's GPU "
+                   "memory on one H200), off on cpu")
+    p.add_argument("--protocol", default="tcp",
+                   help="Mooncake's transport (default %(default)s); rdma with MC_INTRANODE_NVLINK=true and "
+                   "PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the environment: NVLink between GPUs of one host")
     p.add_argument("--reps", type=int, default=None, help="timed rooms per method and configuration (default 5)")
     p.add_argument("--memory-gb", type=float, default=MEMORY_BUDGET_GB, help="pool memory budget for --layers' default")
     p.add_argument("--engine", type=_engines, default=["mooncake"],
@@ -119,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
     if args.preset in KIND_PRESETS:
         return _run_kinds(args, tokens)
+    if args.split is not None:
+        raise ConfigError("--split/--no-split is for --preset deepseek-v4 (every rank of the other presets runs in "
+                          "its own process already)", field="split")
     cps = args.cp or ([1, 2] if args.quick else [1, 2, 4])
     note = ""
     if args.layers is not None:
@@ -145,14 +156,14 @@ def run(args: argparse.Namespace) -> int:
         decode_aux=args.device if engine_entry(engine).kind in ("same-host", "composite") else "cpu",
         poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
-        staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"),
+        staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"), protocol=args.protocol,
     ) for engine in args.engine]  # fmt: skip
     spec = specs[0]
     meta = {
         "preset": spec.preset, "layers": layers, "draft_layers": spec.draft_layers, "page_size": spec.page_size,
         "engine": ",".join(args.engine), "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens),
         "cps": list(cps), "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms,
-        "allocs": list(args.alloc), "device": args.device, "staged": spec.staged,
+        "allocs": list(args.alloc), "device": args.device, "staged": spec.staged, "protocol": args.protocol,
     }  # fmt: skip
     rows = []
     with start_bootstrap() as (url, token):
@@ -188,17 +199,28 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
     from kvbridge.worker.cluster import start_bootstrap
 
     engine = args.engine[0]
-    if engine not in ("mooncake",):
-        raise ConfigError("--preset deepseek-v4 measures GB/s on the mooncake engine (host memory)", field="engine")
+    gpu = str(args.device).startswith("cuda")
+    split = gpu if args.split is None else args.split
+    if len(args.engine) > 1:
+        raise ConfigError("--preset deepseek-v4 runs on one engine: mooncake, or ipc/auto with --device cuda:N",
+                          field="engine")
+    if engine == "nixl" or (engine != "mooncake" and not gpu):
+        raise ConfigError(f"--preset deepseek-v4 does not run on --engine {engine} with --device {args.device}: "
+                          "mooncake (cpu or cuda:N), or ipc/auto with --device cuda:N", field="engine")
+    if gpu and not split:
+        # Mooncake's NVLink transport could not read decode's memory proof from prefill's process
+        # on one H200 (docs/performance.md); a GPU run is the production layout, two processes
+        raise ConfigError("--no-split puts prefill and decode in one process, host memory only: drop --no-split "
+                          "for --device cuda:N (decode in a process of its own)", field="split")
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is False); "
+                              "--split runs the same layout in host memory", field="device")
     layers = args.layers or 4
     if layers < 1:
         raise ConfigError("--layers must be >= 1", field="layers")
-    if str(args.device).startswith("cuda"):
-        # one process holds both endpoints, and Mooncake's NVLink transport cannot open its own
-        # process's GPU memory (on one H200 decode's memory proof could not be read: docs/performance.md)
-        raise ConfigError("--preset deepseek-v4 runs prefill and decode in one process, host memory only; for "
-                          "GPU pools run scripts/kind_rooms_bench.py --device cuda:N (decode in a process of its "
-                          "own)", field="device")
     load = os.getloadavg()
     rows = byte_rows(tokens)
     one_m = layout_row(1 << 20)
@@ -206,12 +228,11 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
     print(f"{one_m['tokens']:>7} (layout: needed_bytes) V4 {one_m['v4_needed'] / 1e9:,.2f} GB, V3.2 "
           f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}")
     moved = [n for n in tokens if n <= args.max_move_tokens]
-    protocol = "tcp"
     speed = []
     if moved:
         with start_bootstrap() as (url, token):
             speed = room_rows(engine, moved, layers, args.reps or 5, url, token, device=args.device,
-                              protocol=protocol)
+                              protocol=args.protocol, split=split)
     print()
     print(format_rooms(speed, engine))
     after = os.getloadavg()

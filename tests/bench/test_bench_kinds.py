@@ -46,3 +46,38 @@ def test_the_1m_row_comes_from_the_layout():
     planned = byte_rows([8192])[0]  # the layout's figure is the plans' at a length both can do
     row = layout_row(8192)
     assert row["v4_needed"] == planned["v4_moved"] and row["v32_needed"] == planned["v32_moved"]
+
+
+def test_split_rooms_run_decode_in_its_own_process(daemon):
+    """``--split`` (the layout ``--device cuda:N`` runs, here in host memory): decode's endpoints in a
+    process of their own over real Mooncake (TCP, loopback); every room's bytes equal what decode
+    needs, decode's own room time beside prefill's, and its process gone afterwards."""
+    import os
+
+    from kvbridge.bench.kinds import format_rooms, room_rows
+
+    rows = room_rows("mooncake", [300], layers=1, reps=1, url=daemon.url, split=True)
+    assert [r["model"] for r in rows] == ["deepseek-v4", "deepseek-v3.2-fp8"]
+    assert all(r["bytes_equal"] and r["bytes"] == r["needed"] > 0 and r["split"] for r in rows)
+    pid = rows[0]["decode_pid"]
+    assert pid == rows[1]["decode_pid"] != os.getpid()
+    assert all(r["decode_ms"] > 0 and r["decode_gbps"] > 0 for r in rows)
+    assert rows[0]["decode_per_byte"] == round(rows[0]["decode_gbps"] / rows[1]["decode_gbps"], 3)
+    assert f"decode ran in process {pid}" in format_rooms(rows, "mooncake")
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--device", "cuda:0", "--no-split"], "--no-split"),  # one process cannot read its own GPU memory
+    (["--device", "cuda:0"], "no CUDA device here"),  # the GPU form on a host without CUDA
+    (["--engine", "ipc"], "--engine ipc"),  # IPC moves GPU memory only
+])
+def test_v4_bench_refuses_what_cannot_run_by_name(argv, named, monkeypatch, capsys):
+    import torch
+
+    from kvbridge.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--preset", "deepseek-v4", "--tokens", "300", *argv]) == 2
+    assert named in capsys.readouterr().err
