@@ -403,12 +403,6 @@ def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target
                                   "manager the model's layer pattern (the scheduler's model_config)",
                                   field=f"pools.{name}.layer_ids")  # fmt: skip
     else:
-        if pattern.swa and not pattern.ratios:
-            raise ConfigError(f"pipeline stage layers [{start}, {end}) of a sliding-window hybrid (SGLang's "
-                              "SWAKVPool): SGLang numbers the stage's full-attention KV entries from the pool's "
-                              "start_layer, which is 0 on every stage, so its KVArgs do not say which of the model's "
-                              "full-attention layers the stage holds; serve this model with --pp-size 1",
-                              field="pools.k.layer_ids")  # fmt: skip
         num_target_layers = pattern.num_layers
         own = {name: _model_pool(name, spec, layers, pattern) for name, spec in own.items()}
     if model is None:
@@ -589,6 +583,31 @@ class ModelLayers:
         if self.ratios:
             return tuple(range(self.num_layers))
         return tuple(sorted(set(self.full) | set(self.mamba) | set(self.swa)))
+
+
+def swa_full_layers(cache: SGLangCache, queue: Any, pattern: ModelLayers | None) -> SGLangCache:
+    """A sliding-window hybrid's full-attention pools (k/v and their MXFP8 scales) numbered by the
+    model's layers. SGLang's ``SWAKVPool`` lists its full-attention KV entries without layer ids
+    (``kv_layer_ids`` empty) from ``start_layer`` 0 on every pipeline stage, so ``read_kv_args``
+    numbers them 0, 1, ..; the pool's ``layers_mapping`` (the queue's ``token_to_kv_pool``) names
+    the model layer of each. Unchanged without an SWA ``pattern`` or that mapping."""
+    mapping = getattr(getattr(queue, "token_to_kv_pool", None), "layers_mapping", None)
+    if pattern is None or not pattern.swa or pattern.ratios or not isinstance(mapping, dict):
+        return cache
+    full = tuple(sorted(int(layer) for layer, (_, is_swa) in mapping.items() if not is_swa))
+    pools, specs = dict(cache.pools), dict(cache.kind_specs)
+    for name in (K, V, TARGET, "k_scale", "v_scale"):
+        pool = pools.get(name)
+        if pool is None:
+            continue
+        if len(pool.layer_ids) != len(full):
+            raise ConfigError(f"pool {name!r}: {len(pool.layer_ids)} full-attention KV entries, and the SWA pool's "
+                              f"layers_mapping names {len(full)} full-attention layers {list(full)}",
+                              field=f"pools.{name}.layer_ids")  # fmt: skip
+        pools[name] = replace(pool, layer_ids=full)
+        if name in specs:
+            specs[name] = replace(specs[name], layer_ids=full)
+    return replace(cache, pools=pools, kind_specs=specs)
 
 
 def model_layers(kv_args: Any, queue: Any = None) -> ModelLayers | None:

@@ -49,7 +49,7 @@ from kvbridge import (
 )
 from kvbridge.integrations.sglang.contract import rank_contract
 from kvbridge.integrations.sglang.kvargs import (ModelLayers, SGLangCache, head_range, model_layers, read_kv_args,
-                                                stage_layers)
+                                                stage_layers, swa_full_layers)
 from kvbridge.integrations.sglang.state_kinds import geometry_of
 from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang.building import building_queue
@@ -84,12 +84,13 @@ class KVBridgeKVManager(BaseKVManager):
         route_logs(s.log_level or None)
         self.counters = Counters(role, shared=s.metrics)  # refusals and failures by reason (metrics.py)
         self._weights: str | None = None  # the contract's model.weights (settings.model_weights)
-        self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
-                                               hidden_dtype=s.hidden_dtype,
-                                               geometry=geometry_of(building_queue()))
-        self.page_size = self.cache.page_size
+        queue = building_queue()
+        cache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum, hidden_dtype=s.hidden_dtype,
+                             geometry=geometry_of(queue))
         # the model's layer pattern (hybrid and V4 models; None: a dense model's, or not known)
-        self.layers: ModelLayers | None = model_layers(args, building_queue())
+        self.layers: ModelLayers | None = model_layers(args, queue)
+        self.cache: SGLangCache = swa_full_layers(cache, queue, self.layers)
+        self.page_size = self.cache.page_size
         # a pipeline stage's target layers [start, end) (prefill; None without pipeline parallelism)
         self.stage: tuple[int, int] | None = stage_layers(self.cache, args, self.layers) \
             if role == "prefill" and s.pp_size > 1 else None

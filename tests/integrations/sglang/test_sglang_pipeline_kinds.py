@@ -190,11 +190,58 @@ def test_v4_stages_build_decodes_pools_from_the_compression_ratios(sgl):
         assert kvb.stage_specs(decode, stage, 4) == mine
 
 
+GPT_OSS = ModelLayers(4, full=(1, 3), swa=(0, 2))  # gpt-oss class: sliding window on even layers
+
+
+def _swa_stage(start, end):
+    """An ``SWAKVPool`` as SGLang builds a stage's (``_resolve_local_hybrid_swa_layer_ids``: the
+    stage's own SWA and full-attention layers; its ``start_layer`` is 0 on every stage)."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    return SWAKVPool(size=64, size_swa=64, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                     swa_attention_layer_ids=[i for i in GPT_OSS.swa if start <= i < end],
+                     full_attention_layer_ids=[i for i in GPT_OSS.full if start <= i < end], device="cpu")
+
+
+def test_swa_hybrid_stages_number_full_attention_by_the_pools_layers_mapping(sgl):
+    """gpt-oss class over [0, 2) | [2, 4): SGLang's stage ``SWAKVPool`` lists its full-attention
+    entries without ids from layer 0 on every stage; ``swa_full_layers`` numbers them by the pool's
+    ``layers_mapping`` (at PP 1 too, so decode's pools are the model's), and every stage builds
+    decode's pools: k/v on layers 1 and 3, the window pools on 0 and 2."""
+    from kvbridge.integrations.sglang.kvargs import swa_full_layers
+
+    hf = SimpleNamespace(num_hidden_layers=4, full_attention_layer_ids=[1, 3], swa_attention_layer_ids=[0, 2],
+                         hf_text_config=SimpleNamespace())
+
+    def cache_of(pool):
+        queue = SimpleNamespace(token_to_kv_pool=pool, scheduler=SimpleNamespace(sliding_window_size=40,
+                                                                                  model_config=hf))
+        args = stage_args(pool)
+        pattern = model_layers(args, queue)
+        assert pattern == GPT_OSS
+        return swa_full_layers(read_kv_args(args, is_mla=False, geometry=geometry_of(queue)), queue, pattern), args
+
+    decode = pool_specs(cache_of(_swa_stage(0, 4))[0])
+    assert {n: (s.kind, s.layer_ids) for n, s in decode.items()} == {
+        "k": ("paged", (1, 3)), "v": ("paged", (1, 3)), "swa_k": ("window", (0, 2)), "swa_v": ("window", (0, 2))}
+    stages, own = [], []
+    for start, end in ((0, 2), (2, 4)):
+        cache, args = cache_of(_swa_stage(start, end))
+        assert args.prefill_start_layer == 0  # SWAKVPool.start_layer, on every stage
+        stages.append(stage_layers(cache, args, GPT_OSS))
+        own.append(pool_specs(cache))
+    assert stages == [(0, 2), (2, 4)]
+    last = model_specs(own[1], stages[1], 4, pattern=GPT_OSS)
+    assert last == decode and model_specs(own[0], stages[0], 4, last, GPT_OSS) == decode
+    for stage, mine in zip(stages, own):
+        assert kvb.stage_specs(decode, stage, 4) == mine
+
+
 def test_stage_refusals_name_their_field(sgl):
     """What is still refused, each by name: a kind pool on a stage without the model's layer
     pattern (``model_config``), a stage whose pool lists layers the pattern does not give it
-    (``pools.<pool>.layer_ids``), a sliding-window hybrid (SGLang's ``SWAKVPool`` numbers a stage's
-    full-attention entries from 0: ``pools.k.layer_ids``), a pool kvbridge has no layer rule for
+    (``pools.<pool>.layer_ids``: also an ``SWAKVPool`` stage whose full-attention entries were not
+    numbered by its ``layers_mapping``), a pool kvbridge has no layer rule for
     (``pools.<pool>``), and a dense stage whose pool holds only some of its layers (the old
     ``range(num_target_layers)`` would have given it every layer: ``pools.index.layer_ids``)."""
     hf = qwen3_next()
@@ -209,9 +256,12 @@ def test_stage_refusals_name_their_field(sgl):
                                           r"\[3\], the model's layer pattern \(the model config\) has \[2\]") as err:
         model_specs(own, (2, 4), 4, pattern=wrong)
     assert err.value.field == "pools.k.layer_ids"
-    swa = ModelLayers(4, full=(1, 3), swa=(0, 2))
-    with pytest.raises(ConfigError, match=r"sliding-window hybrid \(SGLang's SWAKVPool\).* --pp-size 1") as err:
-        model_specs(own, (2, 4), 4, pattern=swa)
+    swa_pool = _swa_stage(2, 4)  # its full-attention entries numbered 0.. by read_kv_args: not the model's
+    swa_own = pool_specs(read_kv_args(stage_args(swa_pool), is_mla=False,
+                                      geometry=geometry_of(queue_of(swa_pool, window=40))))
+    with pytest.raises(ConfigError, match=r"pool 'k' of pipeline stage layers \[2, 4\): SGLang registers its layers "
+                                          r"\[0\], the model's layer pattern \(the model config\) has \[3\]") as err:
+        model_specs(swa_own, (2, 4), 4, pattern=GPT_OSS)
     assert err.value.field == "pools.k.layer_ids"
     with pytest.raises(ConfigError, match=r"pool 'qsa_pending': kvbridge's SGLang backend has no rule") as err:
         ModelLayers(4, full=(1, 3), mamba=(0, 2)).layers_of("qsa_pending")
