@@ -33,7 +33,10 @@ V3/V3.2 MLA bf16/fp8, index K, k/v pools).
 
 A pipeline stage (``--pp-size > 1``) lists only its own target layers, from
 ``KVArgs.prefill_start_layer`` (``stage_layers``); ``model_specs`` turns its specs into the
-whole model's, which every stage and decode share (see ``model_specs``).
+whole model's, which every stage and decode share (see ``model_specs``). A hybrid or V4 stage
+lists its own layers of each pool only: the model's come from its layer pattern (``model_layers``:
+the model config, V4's ``mla_compression_ratios``; ``swa_full_layers`` numbers an SWA pool's
+full-attention entries).
 """
 
 from __future__ import annotations
