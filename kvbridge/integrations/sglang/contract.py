@@ -18,7 +18,9 @@ the pools SGLang registered (``kvargs.check_against_contract``) and the aux regi
 A pipeline stage (``--pp-size > 1``) registers its own layers but the whole model's contract
 (docs/pipeline.md): the last stage builds it from its own pools (``kvargs.model_specs``); any
 other stage takes the model's layers from the last stage's contract (or the contract file) and
-checks its own pools against it.
+checks its own pools against it. A hybrid or V4 model's stage lists only its own layers of each
+pool: the model's come from its layer pattern (``kvargs.model_layers``: the model config, V4's
+``mla_compression_ratios``), which also sets the contract's target layer count on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbridge import AuxRegion, AuxSchema, ConfigError, PoolSpec, RuntimeContract, contract_for
-from kvbridge.integrations.sglang.kvargs import SGLangCache, check_against_contract, model_specs, pool_specs
+from kvbridge.integrations.sglang.kvargs import (ModelLayers, SGLangCache, check_against_contract, model_specs,
+                                                pool_specs)
 from kvbridge.integrations.sglang.settings import Settings
 
 
@@ -38,18 +41,21 @@ def aux_schema(cache: SGLangCache) -> AuxSchema:
 def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_layout: str | None,
                   sglang_version: str, heads: tuple[int, int, int] | None = None,
                   stage: tuple[int, int] | None = None, model: RuntimeContract | None = None,
-                  weights: str = "unspecified") -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
+                  weights: str = "unspecified",
+                  pattern: ModelLayers | None = None) -> tuple[dict[str, PoolSpec], AuxSchema, RuntimeContract]:
     """``(specs, aux schema, contract)`` of one rank; ConfigError naming the field when SGLang's
     pools do not fit the contract file. ``heads``: (KV heads of the row, first, stop) of this
     rank's head-sharded k/v pools (MHA/GQA over attention TP > 1); the contract holds whole rows.
     ``stage``: a pipeline stage's target layers ``[start, end)``; ``model``: for a stage but the
-    last, the last stage's contract (the specs returned are the whole model's either way)."""
+    last, the last stage's contract (the specs returned are the whole model's either way).
+    ``pattern``: the model's layer pattern (``kvargs.model_layers``: hybrid and V4 models), which
+    gives a stage its pools' model layers and the contract its target layer count."""
     schema = aux_schema(cache)
     if settings.contract_path and stage is not None:
         model = _contract_file(settings.contract_path)
     if model is not None:  # a stage that does not know the model alone: the model's contract, checked
         theirs = {p.name: p.to_spec() for p in model.pools}
-        specs = model_specs(pool_specs(cache, heads), stage, model.model.target_layers, theirs)
+        specs = model_specs(pool_specs(cache, heads), stage, model.model.target_layers, theirs, pattern)
         source = f"KVBRIDGE_CONTRACT={settings.contract_path}" if settings.contract_path else \
             "the last stage's contract"
         _check_aux(model, schema, source)
@@ -65,11 +71,13 @@ def rank_contract(cache: SGLangCache, settings: Settings, *, lane_rule: str, kv_
         return specs, schema, contract
     specs = pool_specs(cache, heads)
     if stage is not None:  # the last stage: its layers end the model's
-        specs = model_specs(specs, stage, stage[1])
+        specs = model_specs(specs, stage, stage[1], pattern=pattern)
     target = specs.get("target") or specs.get("k")
     draft = specs.get("draft") or specs.get("draft_k")
-    # DeepSeek-V4 has no per-layer KV pool: its layers are those its pools are numbered over
-    layers = target.num_layers if target else 1 + max(i for s in specs.values() for i in s.layer_ids)
+    # a hybrid or V4 model: its layer pattern's count (pools hold some layers each; ids past it are
+    # the draft's); DeepSeek-V4 without it has no per-layer KV pool: the layers its pools are numbered over
+    layers = pattern.num_layers if pattern is not None else target.num_layers if target else \
+        1 + max(i for s in specs.values() for i in s.layer_ids)
     model = {"name": settings.model_name, "revision": settings.revision, "weights": weights,
              "target_layers": layers, "draft_layers": draft.num_layers if draft else 0}
     hidden = schema.region("output_hidden_states")

@@ -33,7 +33,10 @@ V3/V3.2 MLA bf16/fp8, index K, k/v pools).
 
 A pipeline stage (``--pp-size > 1``) lists only its own target layers, from
 ``KVArgs.prefill_start_layer`` (``stage_layers``); ``model_specs`` turns its specs into the
-whole model's, which every stage and decode share (see ``model_specs``).
+whole model's, which every stage and decode share (see ``model_specs``). A hybrid or V4 stage
+lists its own layers of each pool only: the model's come from its layer pattern (``model_layers``:
+the model config, V4's ``mla_compression_ratios``; ``swa_full_layers`` numbers an SWA pool's
+full-attention entries).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from kvbridge import ConfigError, PoolSpec, RawBuffer, RuntimeContract
 from kvbridge.integrations.sglang.state_kinds import (HEAD_SHARDED, HybridGeometry, component_pools, room_pool_kinds,
@@ -336,47 +341,79 @@ def check_against_contract(cache: SGLangCache, contract: RuntimeContract) -> dic
     return specs
 
 
-def stage_layers(cache: SGLangCache, kv_args: Any) -> tuple[int, int]:
-    """A pipeline stage's target layers ``[start, end)``: SGLang lists the stage's own layers from
-    ``KVArgs.prefill_start_layer`` on, and sets ``prefill_end_layer`` (the pool's end layer) where
-    the pool has one; the two must agree."""
-    ids = cache.pools[TARGET if cache.is_mla else K].layer_ids
-    start, end = ids[0], ids[-1] + 1
-    given = getattr(kv_args, "prefill_end_layer", None)
-    if given is not None and int(given) != end:
-        raise ConfigError(f"KVArgs.prefill_end_layer {given}, but the stage lists {len(ids)} target layers from "
-                          f"prefill_start_layer {start} (to {end})", field="prefill_end_layer")  # fmt: skip
-    return start, end
+def stage_layers(cache: SGLangCache, kv_args: Any, pattern: ModelLayers | None = None) -> tuple[int, int]:
+    """A pipeline stage's target layers ``[start, end)``. A dense model: SGLang lists the stage's
+    own layers from ``KVArgs.prefill_start_layer`` on, and sets ``prefill_end_layer`` (the pool's
+    end layer) where the pool has one; the two must agree. With the model's layer ``pattern``
+    (hybrid and V4 models: ``prefill_start_layer`` counts full-attention layers there, and a
+    hybrid pool has no end layer) the range is read off the layers the stage's pools hold: from
+    just after the model's previous layer that holds anything (0 for the first stage) to its last
+    own layer (to the model's end for the last stage), so that the stages tile the model."""
+    if pattern is None:
+        if TARGET not in cache.pools and K not in cache.pools:
+            raise ConfigError(f"a pipeline stage registering pools {sorted(cache.pools)} and no target or k pool: "
+                              "its layers follow from the model's layer pattern, which this manager was not given "
+                              "(the scheduler's model_config)", field="model_config")  # fmt: skip
+        ids = cache.pools[TARGET if cache.is_mla else K].layer_ids
+        start, end = ids[0], ids[-1] + 1
+        given = getattr(kv_args, "prefill_end_layer", None)
+        if given is not None and int(given) != end:
+            raise ConfigError(f"KVArgs.prefill_end_layer {given}, but the stage lists {len(ids)} target layers from "
+                              f"prefill_start_layer {start} (to {end})", field="prefill_end_layer")  # fmt: skip
+        return start, end
+    own = sorted({i for p in cache.pools.values() for i in p.layer_ids if i < pattern.num_layers})
+    if not own:
+        raise ConfigError(f"the pipeline stage's pools {sorted(cache.pools)} hold none of the model's "
+                          f"{pattern.num_layers} target layers", field="prefill_start_layer")
+    cached = np.asarray(pattern.cached, dtype=np.int64)
+    before, after = cached[cached < own[0]], cached[cached > own[-1]]
+    return int(before[-1]) + 1 if before.size else 0, own[-1] + 1 if after.size else pattern.num_layers
 
 
 def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target_layers: int,
-                model: Mapping[str, PoolSpec] | None = None) -> dict[str, PoolSpec]:
+                model: Mapping[str, PoolSpec] | None = None,
+                pattern: ModelLayers | None = None) -> dict[str, PoolSpec]:
     """The whole model's specs from a pipeline stage's own (``pool_specs`` of its ``KVArgs``, target
     layers ``layers``); every stage and decode must build the same contract from them.
 
-    The last stage (``layers`` ends at ``num_target_layers``, the end of its own range) knows the
-    model: a pool's ids in its range become ``[0, num_target_layers)``, ids past it (draft layers,
-    numbered after the target's) stay. Another stage does not know the model's layer count, nor,
-    on every SGLang set-up, its draft layers (with ``SGLANG_ENABLE_PP_SPEC`` only the last stage
-    lists a draft pool): ``model`` is the last stage's (its registered contract's specs), and each
+    A dense model (``pattern`` None): the last stage (``layers`` ends at ``num_target_layers``, the
+    end of its own range) knows the model: a pool's ids in its range become
+    ``[0, num_target_layers)``, ids past it (draft layers, numbered after the target's) stay.
+    A hybrid or V4 model (``pattern``: the model's layer pattern, ``model_layers``): each pool's
+    ids are the model's layers of it (``ModelLayers.layers_of``), checked against the stage's own
+    within its range (ConfigError naming the pool where SGLang lists others), so any stage knows
+    them. Another stage does not know, on every SGLang set-up, the draft layers (with
+    ``SGLANG_ENABLE_PP_SPEC`` only the last stage lists a draft pool) nor, for a dense model, the
+    model's layer count: ``model`` is the last stage's (its registered contract's specs), and each
     pool takes its layer ids from there, its geometry from this stage's own spec where the stage
     holds the pool's layers (ConfigError naming the pool where the two differ), else (the draft
     pools, sent by the last stage only) the last stage's spec."""
     start, end = layers
-    unpaged = sorted(f"{n} ({s.kind})" for n, s in own.items() if s.kind != "paged")
-    if unpaged:
-        # the rooms carry these kinds over stages; what is missing is the model's layers of them: SGLang
-        # gives a stage its own layers of each pool only (kv_layer_ids, state_layer_ids), so no stage
-        # (the last builds the contract) can tell which of the model's layers the other stages hold
-        mine = ", ".join(f"{n} {list(s.layer_ids)}" for n, s in sorted(own.items()))
-        raise ConfigError(f"pipeline stage layers [{start}, {end}) with window, compressed or state pools {unpaged}: "
-                          f"SGLang's KVArgs list this stage's own layers of each pool only ({mine}), not the "
-                          "model's, so kvbridge's SGLang backend cannot build the model's contract for them; "
-                          "serve this model with --pp-size 1", field="pools")
+    if pattern is None:
+        unpaged = sorted(f"{n} ({s.kind})" for n, s in own.items() if s.kind != "paged")
+        if unpaged:
+            mine = ", ".join(f"{n} {list(s.layer_ids)}" for n, s in sorted(own.items()))
+            raise ConfigError(f"pipeline stage layers [{start}, {end}) with window, compressed or state pools "
+                              f"{unpaged}: SGLang's KVArgs list this stage's own layers of each pool only ({mine}); "
+                              "the model's layers of each come from SGLang's model config (the scheduler's "
+                              "model_config: full_attention_layer_ids, linear_layer_ids or mamba_layer_ids), which "
+                              "this manager was not given", field="model_config")  # fmt: skip
+        for name, spec in own.items():  # a dense stage's pools hold every layer of its range, or none
+            held = [i for i in spec.layer_ids if start <= i < end]
+            if held and held != list(range(start, end)):
+                raise ConfigError(f"pool {name!r} of pipeline stage layers [{start}, {end}) holds layers "
+                                  f"{_span(held)} only: a dense model's pools hold every layer of a stage; give the "
+                                  "manager the model's layer pattern (the scheduler's model_config)",
+                                  field=f"pools.{name}.layer_ids")  # fmt: skip
+    else:
+        num_target_layers = pattern.num_layers
+        own = {name: _model_pool(name, spec, layers, pattern) for name, spec in own.items()}
     if model is None:
         if end != num_target_layers:
             raise ConfigError(f"pipeline stage layers [{start}, {end}) do not end the model's {num_target_layers} "
                               "target layers: only the last stage knows them alone", field="prefill_end_layer")
+        if pattern is not None:
+            return own
         every = tuple(range(num_target_layers))
         return {name: spec if not any(start <= i < end for i in spec.layer_ids) else
                 replace(spec, layer_ids=every + tuple(i for i in spec.layer_ids if i >= end))
@@ -396,14 +433,36 @@ def model_specs(own: Mapping[str, PoolSpec], layers: tuple[int, int], num_target
         if mine is None or not any(start <= i < end for i in mine.layer_ids):
             out[name] = theirs
             continue
-        missing = sorted(set(range(start, end)) - set(theirs.layer_ids))
-        if missing or replace(mine, layer_ids=theirs.layer_ids) != theirs:
+        held = [i for i in mine.layer_ids if start <= i < end]
+        missing = sorted(set(held) - set(theirs.layer_ids))
+        if missing or replace(mine, layer_ids=theirs.layer_ids) != theirs or \
+                held != [i for i in theirs.layer_ids if start <= i < end]:
             why = (f"layers {_span(missing)} are not in its layers {_span(theirs.layer_ids)}" if missing else
                    f"{mine} here, {theirs} there")
             raise ConfigError(f"pool {name!r} of pipeline stage layers [{start}, {end}) differs from the last "
                               f"stage's contract: {why}", field=f"pools.{name}")  # fmt: skip
         out[name] = theirs
     return out
+
+
+def _model_pool(name: str, spec: PoolSpec, layers: tuple[int, int], pattern: ModelLayers) -> PoolSpec:
+    """``spec`` (a stage's own) over the model's layers of it, after checking the stage's own ids
+    are the model's in the stage's range; a draft-numbered pool keeps its ids (past the target's)."""
+    start, end = layers
+    n = pattern.num_layers
+    want = pattern.layers_of(name)
+    if want is None:
+        if any(i < n for i in spec.layer_ids):
+            raise ConfigError(f"pool {name!r}: layers {_span(spec.layer_ids)} are numbered as the draft's, after the "
+                              f"model's {n} target layers, but some are not", field=f"pools.{name}.layer_ids")
+        return spec
+    held = [i for i in spec.layer_ids if i < n]
+    if held != [i for i in want if start <= i < end]:
+        raise ConfigError(f"pool {name!r} of pipeline stage layers [{start}, {end}): SGLang registers its layers "
+                          f"{list(held)}, the model's layer pattern (the model config) has "
+                          f"{[i for i in want if start <= i < end]} of it there: the stages' layers would not pair "
+                          "with decode's", field=f"pools.{name}.layer_ids")  # fmt: skip
+    return replace(spec, layer_ids=tuple(want) + tuple(i for i in spec.layer_ids if i >= n))
 
 
 def head_range(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -469,6 +528,121 @@ def pool_specs(cache: SGLangCache, heads: tuple[int, int, int] | None = None) ->
                 "by hand", field=f"pools.{name}",
             )  # fmt: skip
     return out
+
+
+# -- the model's layer pattern (pipeline stages of hybrid and V4 models) ------------------------------
+
+# which of the model's layers each pool spans, by the layer set ``ModelLayers`` names; pools not
+# listed here and not numbered as the draft's have no rule, and a stage holding one is refused
+_FULL_POOLS = frozenset({K, V, TARGET, INDEX, "k_scale", "v_scale", "index_tail_k", "index_tail_score"})
+_SWA_POOLS = frozenset({"swa_k", "swa_v", "swa_k_scale", "swa_v_scale"})
+_V4_POOLS = {"swa": 0, "swa_ring": 0, "swa_ring_rope": 0, "c4": 4, "c4_index": 4, "c4_state": 4,
+             "c4_index_state": 4, "c128": 128, "c128_state": 128}  # pool -> its layers' ratio (0: every layer)
+_DRAFT_NUMBERED = frozenset({"draft", "draft_k", "draft_v", "request_row"})  # ids past the target layers
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """The model's layer pattern, which a pipeline stage's ``KVArgs`` do not give (they list the
+    stage's own layers of each pool): ``num_layers`` target layers, of which ``full`` have KV pages
+    (k/v or MLA, index K), ``mamba`` Mamba / linear-attention state and ``swa`` an SWA pool's
+    pages; DeepSeek-V4's ``ratios`` (``KVArgs.mla_compression_ratios``, the whole model's) say
+    its pools' layers instead. From ``model_layers``."""
+
+    num_layers: int
+    full: tuple[int, ...] = ()
+    mamba: tuple[int, ...] = ()
+    swa: tuple[int, ...] = ()
+    ratios: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("full", "mamba", "swa"):
+            ids = getattr(self, name)
+            if any(not 0 <= i < self.num_layers for i in ids) or list(ids) != sorted(set(ids)):
+                raise ConfigError(f"the model config's {name} layer ids {list(ids)} are not distinct ids of its "
+                                  f"{self.num_layers} layers", field=f"model_config.{name}_layer_ids")
+
+    def layers_of(self, pool: str) -> tuple[int, ...] | None:
+        """The model's layers of ``pool``; None for a pool numbered as the draft's (after the target
+        layers: the last stage's); ConfigError naming the pool where no rule says."""
+        if self.ratios and pool in _V4_POOLS:
+            r = _V4_POOLS[pool]
+            return tuple(i for i, got in enumerate(self.ratios) if not r or got == r)
+        if not self.ratios and pool in _FULL_POOLS:
+            return self.full
+        if not self.ratios and pool in _SWA_POOLS:
+            return self.swa
+        if not self.ratios and pool.startswith("mamba_"):
+            return self.mamba
+        if pool in _DRAFT_NUMBERED or pool.startswith("draft_"):
+            return None
+        raise ConfigError(f"pool {pool!r}: kvbridge's SGLang backend has no rule for which of the model's layers it "
+                          "spans, so a pipeline stage cannot build the model's contract for it; serve this model "
+                          "with --pp-size 1", field=f"pools.{pool}")
+
+    @property
+    def cached(self) -> tuple[int, ...]:
+        """The layers that hold anything a room moves."""
+        if self.ratios:
+            return tuple(range(self.num_layers))
+        return tuple(sorted(set(self.full) | set(self.mamba) | set(self.swa)))
+
+
+def swa_full_layers(cache: SGLangCache, queue: Any, pattern: ModelLayers | None) -> SGLangCache:
+    """A sliding-window hybrid's full-attention pools (k/v and their MXFP8 scales) numbered by the
+    model's layers. SGLang's ``SWAKVPool`` lists its full-attention KV entries without layer ids
+    (``kv_layer_ids`` empty) from ``start_layer`` 0 on every pipeline stage, so ``read_kv_args``
+    numbers them 0, 1, ..; the pool's ``layers_mapping`` (the queue's ``token_to_kv_pool``) names
+    the model layer of each. Unchanged without an SWA ``pattern`` or that mapping."""
+    mapping = getattr(getattr(queue, "token_to_kv_pool", None), "layers_mapping", None)
+    if pattern is None or not pattern.swa or pattern.ratios or not isinstance(mapping, dict):
+        return cache
+    full = tuple(sorted(int(layer) for layer, (_, is_swa) in mapping.items() if not is_swa))
+    pools, specs = dict(cache.pools), dict(cache.kind_specs)
+    for name in (K, V, TARGET, "k_scale", "v_scale"):
+        pool = pools.get(name)
+        if pool is None:
+            continue
+        if len(pool.layer_ids) != len(full):
+            raise ConfigError(f"pool {name!r}: {len(pool.layer_ids)} full-attention KV entries, and the SWA pool's "
+                              f"layers_mapping names {len(full)} full-attention layers {list(full)}",
+                              field=f"pools.{name}.layer_ids")  # fmt: skip
+        pools[name] = replace(pool, layer_ids=full)
+        if name in specs:
+            specs[name] = replace(specs[name], layer_ids=full)
+    return replace(cache, pools=pools, kind_specs=specs)
+
+
+def model_layers(kv_args: Any, queue: Any = None) -> ModelLayers | None:
+    """The model's layer pattern where it is not its dense KV pool's: DeepSeek-V4 from
+    ``KVArgs.mla_compression_ratios``; a hybrid from the model config of the SGLang queue building
+    the manager (``queue.scheduler.model_config``: ``num_hidden_layers``, the hybrid SWA models'
+    ``full_attention_layer_ids`` / ``swa_attention_layer_ids``, else its ``hf_text_config``'s
+    ``full_attention_layer_ids`` and ``linear_layer_ids`` / ``mamba_layer_ids``). None for a
+    dense model (every layer one KV pool) or without a model config."""
+    ratios = getattr(kv_args, "mla_compression_ratios", None)
+    if ratios is not None:
+        return ModelLayers(len(ratios), ratios=tuple(int(r) for r in ratios))
+    config = getattr(getattr(queue, "scheduler", None), "model_config", None)
+    num = getattr(config, "num_hidden_layers", None)
+    if config is None or not num:
+        return None
+    text = getattr(config, "hf_text_config", None)
+
+    def ids(*names: str) -> tuple[int, ...] | None:
+        for owner in (config, text):
+            for name in names:
+                got = getattr(owner, name, None)
+                if got is not None:
+                    return tuple(int(i) for i in got)
+        return None
+
+    full = ids("full_attention_layer_ids")
+    swa = ids("swa_attention_layer_ids") or ()
+    mamba = ids("linear_layer_ids", "mamba_layer_ids") or ()
+    if not swa and not mamba:
+        return None  # dense: its KV pools hold every layer of a stage
+    return ModelLayers(int(num), full=tuple(range(int(num))) if full is None else full, mamba=mamba, swa=swa)
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -48,7 +48,8 @@ from kvbridge import (
     stage_specs,
 )
 from kvbridge.integrations.sglang.contract import rank_contract
-from kvbridge.integrations.sglang.kvargs import SGLangCache, head_range, read_kv_args, stage_layers
+from kvbridge.integrations.sglang.kvargs import (ModelLayers, SGLangCache, head_range, model_layers, read_kv_args,
+                                                stage_layers, swa_full_layers)
 from kvbridge.integrations.sglang.state_kinds import geometry_of
 from kvbridge.integrations.sglang.version import sglang_version
 from kvbridge.integrations.sglang.building import building_queue
@@ -83,13 +84,16 @@ class KVBridgeKVManager(BaseKVManager):
         route_logs(s.log_level or None)
         self.counters = Counters(role, shared=s.metrics)  # refusals and failures by reason (metrics.py)
         self._weights: str | None = None  # the contract's model.weights (settings.model_weights)
-        self.cache: SGLangCache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum,
-                                               hidden_dtype=s.hidden_dtype,
-                                               geometry=geometry_of(building_queue()))
+        queue = building_queue()
+        cache = read_kv_args(args, is_mla=self.is_mla_backend, kv_checksum=s.kv_checksum, hidden_dtype=s.hidden_dtype,
+                             geometry=geometry_of(queue))
+        # the model's layer pattern (hybrid and V4 models; None: a dense model's, or not known)
+        self.layers: ModelLayers | None = model_layers(args, queue)
+        self.cache: SGLangCache = swa_full_layers(cache, queue, self.layers)
         self.page_size = self.cache.page_size
         # a pipeline stage's target layers [start, end) (prefill; None without pipeline parallelism)
-        self.stage: tuple[int, int] | None = stage_layers(self.cache, args) if role == "prefill" and s.pp_size > 1 \
-            else None
+        self.stage: tuple[int, int] | None = stage_layers(self.cache, args, self.layers) \
+            if role == "prefill" and s.pp_size > 1 else None
         settings.refuse_checksum_of_partial_pages(s.kv_checksum, self.page_size)
         # what SGLang's schedulers read on a manager
         self.attn_cp_rank, self.attn_cp_size = s.cp_rank, s.cp_size
@@ -152,7 +156,7 @@ class KVBridgeKVManager(BaseKVManager):
             self._weights = model_weights(s)
         return rank_contract(self.cache, s, lane_rule=lane_rule, kv_layout=getattr(self.kv_args, "kv_layout", None),
                              sglang_version=sglang_version(), heads=heads, stage=self.stage, model=model,
-                             weights=self._weights)
+                             weights=self._weights, pattern=self.layers)
 
     def _staging_config(self) -> dict[str, Any]:
         """The staging keywords of this rank's endpoint config (``KVBRIDGE_STAGING*``): the rooms
@@ -161,6 +165,8 @@ class KVBridgeKVManager(BaseKVManager):
         return self.settings.staging_config
 
     def _num_target_layers(self, specs: Any) -> int:
+        if self.layers is not None:  # a hybrid or V4 model: its pools hold some of its layers each
+            return self.layers.num_layers
         return specs["target" if self.cache.is_mla else "k"].num_layers
 
     @property

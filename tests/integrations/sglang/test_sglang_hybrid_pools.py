@@ -560,7 +560,8 @@ def test_receiver_hands_mamba_slots_swa_pages_and_rows_with_the_token_count_and_
 def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name(sgl, carried):
     """SGLang builds a Mamba hybrid's stage (here layers [2, 4) of 4: mamba layer 2, attention
     layer 3) with its own layers only: its KVArgs name none of the model's other layers of either
-    pool, so no stage can build the model's contract; refused by name, naming what it was given."""
+    pool; without the model config's layer pattern (test_sglang_pipeline_kinds.py) no stage can
+    build the model's contract; refused by name, naming what it was given."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.disaggregation.utils import build_kv_layer_ids
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
@@ -584,4 +585,4 @@ def test_a_pipeline_stage_with_unpaged_pools_is_refused_by_name(sgl, carried):
                        r"'mamba_1 \(state\)'\]: SGLang's KVArgs list this stage's own layers of each pool only "
                        r"\(k \[3\], mamba_0 \[2\], mamba_1 \[2\], v \[3\]\)") as err:
         model_specs(own, (2, 4), 4)
-    assert err.value.field == "pools"
+    assert err.value.field == "model_config"

@@ -57,16 +57,18 @@ def _swa_pool():
                      swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu")
 
 
-def _mamba_pool(tp: int = 1):
+def _mamba_pool(tp: int = 1, stage: tuple[int, int] = (0, 4)):
+    """Mamba layers 0 and 2, full attention 1 and 3; a pipeline stage's pool holds its own layers."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
+    mamba, full = [i for i in (0, 2) if stage[0] <= i < stage[1]], [i for i in (1, 3) if stage[0] <= i < stage[1]]
     shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=V_, n_groups=2, num_heads=HEADS, head_dim=16,
                                     state_size=16, conv_kernel=4, conv_shard_groups=[Q, K_, V_])
-    mp = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
-                   mamba_layer_ids=[0, 2], device="cpu")
+    mp = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=mamba),
+                   mamba_layer_ids=mamba, device="cpu")
     return HybridLinearKVPool(size=TOKENS, dtype=torch.bfloat16, page_size=PAGE, head_num=1, head_dim=8,
-                              full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mp)
+                              full_attention_layer_ids=full, device="cpu", mamba_pool=mp, start_layer=stage[0])
 
 
 def _v4_pool():
@@ -86,26 +88,31 @@ class Rank:
     """One SGLang rank of the hybrid model: its pools, metadata rows, KVArgs and kvbridge manager."""
 
     def __init__(self, role: str, port: int, env: dict[str, str], model: str, tp: tuple[int, int] = (1, 0),
-                 kv_heads: int = 0, serve_port: int = 0) -> None:
+                 kv_heads: int = 0, serve_port: int = 0, pp: tuple[int, int] = (0, 1),
+                 stage: tuple[int, int] = (0, 4), config: bool = False) -> None:
+        """``pp`` (rank, size) and ``stage``: a pipeline stage holding layers ``stage`` (mamba);
+        ``config``: the queue carries the model config (Qwen3-Next's layer pattern, SGLang's class)."""
         from sglang.srt.disaggregation.base.conn import KVArgs
         from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                      ReqToMetadataIdxAllocator, TransferBackend, build_kv_layer_ids,
                                                      get_kv_class, get_kv_transfer_buf_infos, is_mla_backend,
                                                      setup_state_kv_args)
+        from sglang.srt.disaggregation.prefill import _transfer_start_layer
         from sglang.srt.runtime_context import get_parallel
 
         get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0,
-                                            **{**RANKS, "attn_tp_size": tp[0], "attn_tp_rank": tp[1], "tp_size": tp[0],
+                                            **{**RANKS, "pp_rank": pp[0], "pp_size": pp[1],
+                                               "attn_tp_size": tp[0], "attn_tp_rank": tp[1], "tp_size": tp[0],
                                                "tp_rank": tp[1], "moe_tp_size": tp[0], "moe_ep_size": 1,
                                                "moe_dp_size": 1})
         self.model = model
-        self.pool = _mamba_pool(tp[0]) if model == "mamba" else {"swa": _swa_pool, "v4": _v4_pool}[model]()
+        self.pool = _mamba_pool(tp[0], stage) if model == "mamba" else {"swa": _swa_pool, "v4": _v4_pool}[model]()
         self.meta = MetadataBuffers(world.META_ROWS, hidden_size=world.HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=world.TOP_LOGPROBS,
                                     output_dsa_topk_indices_dim=world.DSA_TOPK, kv_checksum_enabled=False)
         self.meta_alloc = ReqToMetadataIdxAllocator(world.META_ROWS)
         a = KVArgs()  # as PrefillBootstrapQueue._init_kv_manager / DecodePreallocQueue._init_kv_manager fill it
-        a.engine_rank, a.pp_rank, a.system_dp_rank, a.kv_cache_dtype_str = 0, 0, 0, "auto"
+        a.engine_rank, a.pp_rank, a.system_dp_rank, a.kv_cache_dtype_str = 0, pp[0], 0, "auto"
         a.kv_layout, a.prefill_start_layer, a.prefill_end_layer = None, 0, None
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(self.pool)
         a.num_draft_entries = 0
@@ -114,6 +121,12 @@ class Rank:
         a.page_size, a.ib_device, a.gpu_id = V4_PAGE if model == "v4" else PAGE, None, 0
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = self.meta.get_buf_infos()
         setup_state_kv_args(a, self.pool, None, 4, req_to_token_pool=None)
+        hf = None
+        if config:
+            from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+
+            hf = Qwen3NextConfig(num_hidden_layers=4, full_attention_interval=2)  # full attention 1, 3; linear 0, 2
+            a.prefill_start_layer = _transfer_start_layer(pool=self.pool, hf_text_config=hf)
         if kv_heads:  # as PrefillBootstrapQueue._init_kv_manager sets them for MHA/GQA
             a.kv_head_num, a.total_kv_head_num = self.pool.full_kv_pool.head_num, kv_heads
         self.kv_args = a
@@ -123,6 +136,9 @@ class Rank:
         # the queue SGLang's _init_kv_manager runs on (patches.py names it): the pool and the window
         window = V4_WINDOW if model == "v4" else WINDOW
         queue = SimpleNamespace(token_to_kv_pool=self.pool, scheduler=SimpleNamespace(sliding_window_size=window))
+        if hf is not None:  # what kvbridge reads of SGLang's ModelConfig
+            queue.scheduler.model_config = SimpleNamespace(num_hidden_layers=4, hf_text_config=hf,
+                                                           full_attention_layer_ids=None, swa_attention_layer_ids=None)
         with world.environ(env), building(queue):
             manager = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.MANAGER)
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
@@ -143,7 +159,7 @@ class Rank:
                     "swa_v": list(swa.v_buffer)}
         c = self.pool.mamba_pool.mamba_cache
         return {"k": list(self.pool.full_kv_pool.k_buffer), "v": list(self.pool.full_kv_pool.v_buffer),
-                "conv": [c.conv[0][i] for i in range(2)], "temporal": [c.temporal[i] for i in range(2)]}
+                "conv": list(c.conv[0]), "temporal": list(c.temporal)}
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -512,3 +528,111 @@ def test_init_kv_manager_names_its_queue_while_sglangs_method_runs(queue):
     with pytest.raises(RuntimeError, match="stop here"):
         cls._init_kv_manager(q)
     assert seen == [q] and building_queue() is None
+
+
+def test_a_two_stage_mamba_prefill_fills_a_pp1_decode(daemon):
+    """Pipeline stages of a Mamba hybrid (docs/pipeline.md, "Kind pools"): prefill at --pp-size 2,
+    stage pp0 holding layers [0, 2) (Mamba layer 0, attention layer 1) and pp1 [2, 4) (Mamba 2,
+    attention 3), each SGLang's own stage pool with its own MambaPool slot; decode at PP 1. Each
+    stage builds the model's contract from the model config's layer pattern (the last alone, the
+    first checked against it) and sends its own layers: k/v pages and its Mamba layers' slot, over
+    real Mooncake. Every byte decode needs comes from the stage holding its layer, every other
+    byte keeps its poison, and the stages together post exactly the bytes needed (plus the aux row,
+    the last stage's)."""
+    from kvbridge.integrations.sglang import install
+
+    install()
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kvbridge import fingerprint
+
+    env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url, "KVBRIDGE_STAGING": "never"}
+    port, serve = free_port(), free_port()
+    n, chunk, room = 50, 32, 2**62 + 1993
+    src_pages, dst_pages, src_slot, dst_slot = np.array([3, 9, 1, 6]), np.array([7, 2, 12, 5]), 1, 3
+    with contextlib.ExitStack() as stack, use_context(create_context(ServerArgs(model_path="dummy", device="cpu"),
+                                                                      role="scheduler")):
+        stages = {}
+        for pp, layers in ((1, (2, 4)), (0, (0, 2))):  # the last stage registers the model's contract first
+            stages[pp] = Rank("prefill", port, env, "mamba", pp=(pp, 2), stage=layers, config=True, serve_port=serve)
+            stack.callback(stages[pp].mgr.close)
+        d = Rank("decode", 8998, env, "mamba", config=True)
+        stack.callback(d.mgr.close)
+        assert [stages[s].mgr.stage for s in (0, 1)] == [(0, 2), (2, 4)]
+        assert {k: v.layer_ids for k, v in stages[0].mgr.endpoint.specs.items()} == {
+            "k": (1,), "v": (1,), "mamba_0": (0,), "mamba_1": (0,)}
+        prints = {fingerprint(stages[s].mgr.endpoint.contract) for s in (0, 1)}
+        assert prints == {fingerprint(d.mgr.contract("replicated")[2])}
+        gen = torch.Generator().manual_seed(9)
+        for t in (t for s in stages.values() for ts in s.tensors().values() for t in ts):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                    generator=gen))
+        for t in (t for ts in d.tensors().values() for t in ts):
+            t.view(torch.uint8).fill_(POISON)
+
+        addr = f"127.0.0.1:{port}"
+        receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(mgr=d.mgr, bootstrap_addr=addr,
+                                                                                bootstrap_room=room)
+        _until(lambda: d.mgr.try_ensure_parallel_info(addr))
+        receiver.init(0)
+        dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
+        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
+            enable_staging=False), _num_published_destinations=0,
+            _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
+        req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
+                              kv=SimpleNamespace(req_pool_idx=0),
+                              time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
+        decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
+        DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], PAGE, [[np.asarray(dst_slot)]],
+                                              decode_prefix_len=0)
+
+        # each stage: two chunks of its own layers, the last with its MambaPool slot; the aux row is pp1's
+        src_tokens = torch.as_tensor(np.repeat(src_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), src_pages.size))
+        senders = {}
+        for pp, s in stages.items():
+            senders[pp] = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(
+                mgr=s.mgr, bootstrap_addr=addr, bootstrap_room=room)
+        for pp, s in stages.items():
+            sender = senders[pp]
+            _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
+            meta_idx = s.meta_alloc.alloc()
+            sender.init(-(-n // PAGE), meta_idx)
+            sender.send(kv_to_page_indices(src_tokens[:chunk], PAGE), None, num_kv_tokens=chunk)
+            s.meta.set_buf(world.metadata_req(room, meta_idx))
+            sender.send(kv_to_page_indices(src_tokens[chunk:n], PAGE), [[np.asarray(src_slot)]],
+                        num_kv_tokens=n - chunk)
+        _until(lambda: int(receiver.poll()) in (KVPoll.Success, KVPoll.Failed))
+        assert int(receiver.poll()) == KVPoll.Success, receiver.failure_exception()
+        for sender in senders.values():
+            _until(lambda: int(sender.poll()) in (KVPoll.Success, KVPoll.Failed))
+            assert int(sender.poll()) == KVPoll.Success
+
+        # decode's layer i of each pool: k/v layers 1, 3 and Mamba layers 0, 2, each from its stage
+        dst = d.tensors()
+        tok = np.arange(n)
+        s_rows, d_rows = src_pages[tok // PAGE] * PAGE + tok % PAGE, dst_pages[tok // PAGE] * PAGE + tok % PAGE
+        want = {k: [torch.empty_like(t).view(torch.uint8).fill_(POISON) for t in ts] for k, ts in dst.items()}
+        for layer, pp in enumerate((0, 1)):
+            src = stages[pp].tensors()
+            for name in ("k", "v"):
+                want[name][layer].view(src[name][0].dtype)[d_rows] = src[name][0][s_rows]
+            for name in ("conv", "temporal"):
+                want[name][layer].view(src[name][0].dtype)[dst_slot] = src[name][0][src_slot]
+        for name, ts in dst.items():
+            for layer, t in enumerate(ts):
+                assert torch.equal(t.view(torch.uint8), want[name][layer]), (name, layer)
+        assert not world.metadata_errors(d.meta.get_buf(decode_req.metadata_buffer_index), room)
+        specs = d.mgr.cache.pools
+        row = specs["k"].bytes_per_page // PAGE
+        slot = sum(specs[m].bytes_per_page for m in ("mamba_0", "mamba_1"))
+        aux = sum(int(x) for x in d.kv_args.aux_item_lens)
+        sent = [senders[pp].room_stats["bytes"] for pp in (0, 1)]
+        assert sent == [2 * n * row + slot, 2 * n * row + slot + aux], sent  # each stage its layers, pp1 the aux row
+        for sender in senders.values():
+            sender.clear()
+        receiver.clear()
