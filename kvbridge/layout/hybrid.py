@@ -163,6 +163,9 @@ def deepseek_v4_pools(
     if len(types) != num_layers or any(t not in V4_LAYER_TYPES for t in types):
         raise LayoutError(f"layer_types must be {num_layers} of {V4_LAYER_TYPES}", field="layer_types")
     fp8 = kv_dtype in FP8_KV_DTYPES
+    if not fp8 and kv_dtype not in _DTYPES:
+        raise LayoutError(f"kv_dtype {kv_dtype!r} is not one of {sorted(_DTYPES)}, or {list(FP8_KV_DTYPES)} for "
+                          "SGLang's FlashMLA V4 fp8 layout", field="kv_dtype")
     kv, st = 0 if fp8 else ABI_ITEMSIZE[_abi(kv_dtype)], ABI_ITEMSIZE[_abi(state_dtype)]
     epp = entries_per_page or page_size
     csa = [i for i, t in enumerate(types) if t == "compressed_sparse_attention"]

@@ -145,3 +145,12 @@ def test_handshake_refuses_a_bf16_decode_of_an_fp8_prefill_naming_the_dtype(
     assert diff["pools.hca.page_stride"] == (17 * 576, 0)  # 16 rows x 584 B padded to whole 576-byte rows
     assert "pools.csa.dtype" in r.json()["message"]  # among the first fields the refusal names
     assert not any(p.startswith("pools.csa_tail") for p in diff)  # the compressor state is fp32 on both
+
+
+def test_contract_show_prints_the_fp8_rows_and_their_padded_pages(capsys):
+    from kvbridge.cli.main import main
+
+    assert main(["contract", "show", "--preset", "deepseek-v4-fp8", "--layers", "4", "--page-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "584 B/token (576+8) x 16 = 9344 padded to 9792 B/page" in out  # 16 x 584 B in 17 rows of 576
+    assert "132 B/token (128+4) x 16 = 2112 B/page" in out

@@ -498,3 +498,13 @@ def test_v4_fp8_preset_moves_values_and_scales_of_the_needed_rows_never_the_page
                     assert (mem.region(d)[do] == mem.region(s)[so]).all(), spec.name
                     touched[do] = True
             assert (mem.region(d)[~touched] == SENTINEL).all(), f"{spec.name}: a byte outside the needed rows"
+
+
+def test_v4_preset_refuses_an_fp8_kv_dtype_it_does_not_describe():
+    from kvbridge.layout.hybrid import deepseek_v4_pools
+
+    with pytest.raises(LayoutError, match=r"kv_dtype 'fp8_e5m2' is not one of .* for SGLang's FlashMLA") as err:
+        deepseek_v4_pools(4, 16, kv_dtype="fp8_e5m2")
+    assert err.value.field == "kv_dtype"
+    with pytest.raises(LayoutError, match="rope_head_dim") as err:
+        deepseek_v4_pools(4, 16, kv_dtype="fp8", head_dim=500)  # 436 nope values: not whole 64-value tiles
