@@ -314,7 +314,7 @@ def format_bytes(rows: Sequence[dict[str, Any]]) -> str:
                      f"{_mb(r['v4_window']):>9} {_mb(r['v4_compressed']):>11} {_mb(r['v4_state']):>8} "
                      f"{_mb(r['v32_moved']):>10} {r['ratio']:>8.3f}")
     lines += ["fp8 (V4 in SGLang's FlashMLA fp8 layout: 584 B rows, pages padded to whole 576-byte rows, the "
-              "padding not moved; V3.2-fp8 656 B/token), from the plans:",
+              "padding not moved; V3.2-fp8: 656 B MLA + 132 B index K a token), from the plans:",
               f"{'tokens':>7} {'V4 moved MB':>12} {'V4 needed MB':>13} {'=':>2} {'V3.2-fp8 MB':>12} {'V4/V3.2':>8}"]
     for r in rows:
         same = "=" if r["v4_fp8_moved"] == r["v4_fp8_needed"] else "!"

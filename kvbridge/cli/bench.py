@@ -204,8 +204,9 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
     one_m = layout_row(1 << 20)
     print(format_bytes(rows))
     print(f"{one_m['tokens']:>7} (layout: needed_bytes) V4 {one_m['v4_needed'] / 1e9:,.2f} GB, V3.2 "
-          f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}; fp8: V4 {one_m['v4_fp8_needed'] / 1e9:,.2f} "
-          f"GB, V3.2-fp8 {one_m['v32_fp8_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio_fp8']:.3f}")
+          f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}; fp8: V4 "
+          f"{one_m['v4_fp8_needed'] / 1e9:,.2f} GB, V3.2-fp8 {one_m['v32_fp8_needed'] / 1e9:,.2f} GB, V4/V3.2 "
+          f"{one_m['ratio_fp8']:.3f}")
     moved = [n for n in tokens if n <= args.max_move_tokens]
     protocol = "tcp"
     speed = []

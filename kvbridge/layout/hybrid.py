@@ -36,10 +36,11 @@ from collections.abc import Sequence
 from kvbridge.errors import LayoutError
 from kvbridge.layout.pools import ABI_ITEMSIZE, COMPRESSED, STATE, WINDOW, PoolSpec
 
-__all__ = ["FP8_KV_DTYPES", "KIND_PRESETS", "V4_PAGE_ALIGN", "v4_fp8_row", "v4_fp8_kv_pool", "V4_LAYER_TYPES", "compressed_pool", "deepseek_v4_layer_types", "deepseek_v4_pools", "mamba_pools",
-           "state_pool", "window_pool"]
+__all__ = ["FP8_KV_DTYPES", "KIND_PRESETS", "V4_PAGE_ALIGN", "v4_fp8_row", "v4_fp8_kv_pool", "V4_LAYER_TYPES",
+           "compressed_pool", "deepseek_v4_layer_types", "deepseek_v4_pools", "mamba_pools", "state_pool",
+           "window_pool"]
 
-KIND_PRESETS = ("deepseek-v4", "deepseek-v4-fp8")  # presets with window, compressed and state pools (contract_from_preset)
+KIND_PRESETS = ("deepseek-v4", "deepseek-v4-fp8")  # presets with window, compressed, state pools (contract_from_preset)
 V4_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")  # kv_dtype values for SGLang's FlashMLA V4 layout
 V4_FP8_DTYPE, V4_FP8_KERNEL_ABI = "v4_fp8_nope_bf16_rope", "flashmla-v4"  # as the SGLang mapping names them

@@ -354,9 +354,9 @@ def v4_kv_layout(kv_args: Any) -> str:
         return UNIFORM_FP8
     parts = [part.split(":")[-1] for part in str(tag).split(",")]
     if any(part != "v4" for part in parts):
-        raise ConfigError(f"DeepSeek-V4 KV layout {tag!r} (SGLang's V4.1 FlashMLA / fp4 layouts, SGLANG_DSV4_KV_LAYOUT): "
-                          "its byte layout is not pinned in kvbridge; kvbridge maps 'v4' (FlashMLA fp8 nope + bf16 "
-                          "rope) and 'uniform_fp8' (trtllm)", field="kv_layout")
+        raise ConfigError(f"DeepSeek-V4 KV layout {tag!r} (SGLang's V4.1 FlashMLA / fp4 layouts, "
+                          "SGLANG_DSV4_KV_LAYOUT): its byte layout is not pinned in kvbridge; kvbridge maps 'v4' "
+                          "(FlashMLA fp8 nope + bf16 rope) and 'uniform_fp8' (trtllm)", field="kv_layout")
     return FLASHMLA
 
 
@@ -369,7 +369,8 @@ def _v4_kv_spec(name: str, ids: Sequence[int], items: Sequence[int], rows: int, 
     if layout == UNIFORM_FP8 or (not layout and set(items) == {uniform_page}):
         if set(items) != {uniform_page}:
             raise ConfigError(f"pool {name!r}: DeepSeek-V4 uniform fp8 pages are {sorted(set(items))} B, not {rows} "
-                              f"rows of {V4_UNIFORM_FP8_ROW} B ({uniform_page} B)", field=f"pools.{name}.bytes_per_page")
+                              f"rows of {V4_UNIFORM_FP8_ROW} B ({uniform_page} B)",
+                              field=f"pools.{name}.bytes_per_page")
         return PoolSpec(name=name, dtype="fp8_e4m3", abi="uint8", bytes_per_token=V4_UNIFORM_FP8_ROW, page_size=rows,
                         layer_ids=tuple(ids), kernel_abi="v4-uniform-fp8", **kind)
     stride = _v4_page_stride(name, items, rows, sum(V4_ROW), padded=True)

@@ -79,7 +79,8 @@ def _v4_pool(dtype=None):
 
     return DeepSeekV4TokenToKVPool(max_num_reqs=4, swa_size=1024, c4_size=512, c128_size=16, c4_state_pool_size=64,
                                    c128_state_pool_size=8, page_size=V4_PAGE, swa_page_size=V4_PAGE,
-                                   dtype=dtype or torch.uint8, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+                                   dtype=dtype or torch.uint8, c4_state_dtype=torch.float32,
+                                   c128_state_dtype=torch.float32,
                                    qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=4,
                                    device="cpu", enable_memory_saver=False, compression_ratios=[128, 128, 4, 128],
                                    sliding_window=V4_WINDOW)
