@@ -7,7 +7,8 @@ kvbridge's plan (``plan_kind``) between two real pools in this process (``ctypes
 the plan's addresses) and compared with what SGLang's own backend addresses.
 
 Said plainly: V4's unified SWA ring exists only on HIP in SGLang (``is_unified_kv_triton``); the
-ring test forces that gate on to build the real pool on the CPU. The DSA kpool tail and the
+ring test and the fp8 two-pool test force that gate on to build the real pool on the CPU. The
+trtllm uniform fp8 pool is built under SGLang's own ``--dsv4-attn-backend trtllm`` context. The DSA kpool tail and the
 DSpark draft's request row are driven with ``KVArgs`` as SGLang's ``append_state_component``
 fills them (their pools need CUDA kernels or a DSpark draft worker to construct)."""
 
