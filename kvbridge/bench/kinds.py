@@ -1,7 +1,8 @@
 """``kvbridge bench --preset deepseek-v4``: what a DeepSeek-V4 room moves against what decode
 needs, beside DeepSeek-V3.2 at the same token counts, and GB/s of both through the rooms.
 
-Bytes, at full size (V4: 43 layers + 1 draft, V3.2: 61 + 1, bf16, pages of 64): for each
+Bytes, at full size (V4: 43 layers + 1 draft, V3.2: 61 + 1, bf16, pages of 64; and fp8: V4 in
+SGLang's FlashMLA fp8 layout, padded pages, beside V3.2-fp8): for each
 length the plans of every pool are built (``plan_kind`` for V4's window, compressed and state
 pools; ``plan_transfer`` for V3.2's paged pools) over descriptor-only buffers (planning touches
 no memory), and their bytes are set beside ``needed_bytes`` (what decode needs: window +
@@ -45,8 +46,8 @@ __all__ = ["DecodeProcess", "aux_device", "byte_rows", "format_bytes", "format_r
 V32_PRESET = "deepseek-v3.2"
 
 
-def _v4(layers: int, draft: int) -> dict[str, PoolSpec]:
-    return deepseek_v4_pools(layers, 64, draft_layers=draft)
+def _v4(layers: int, draft: int, kv_dtype: str = "bfloat16") -> dict[str, PoolSpec]:
+    return deepseek_v4_pools(layers, 64, draft_layers=draft, kv_dtype=kv_dtype)
 
 
 def _v32(layers: int, draft: int) -> dict[str, PoolSpec]:
@@ -89,13 +90,17 @@ def v32_plan(specs: Mapping[str, PoolSpec], n: int, src: Sequence[BufferDesc], d
 
 
 def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
-    """Per length: V4 bytes planned and needed (by kind), V3.2 bytes planned, the ratio."""
+    """Per length: V4 bytes planned and needed (by kind), V3.2 bytes planned, the ratio; and the
+    same in fp8 (V4 in SGLang's FlashMLA fp8 layout, padded pages, against V3.2-fp8)."""
     v4, v32 = _v4(43, 1), _v32(61, 1)
+    v4f, v32f = _v4(43, 1, "fp8"), preset_pools(V32_PRESET + "-fp8", num_layers=61, page_size=64, draft_layers=1)
     rows = []
     for n in tokens:
         cap4 = max(-(-n // 64), 1)
         plan4 = v4_plan(v4, n, _descs(v4, cap4, 1 << 40), _descs(v4, cap4, 1 << 50))
+        plan4f = v4_plan(v4f, n, _descs(v4f, cap4, 1 << 40), _descs(v4f, cap4, 1 << 50))
         plan32 = v32_plan(v32, n, _descs(v32, cap4, 1 << 40), _descs(v32, cap4, 1 << 50))
+        need32f = sum(needed_bytes(s, n) for s in v32f.values())
         by_kind: dict[str, int] = {}
         for spec in v4.values():
             by_kind[spec.kind] = by_kind.get(spec.kind, 0) + needed_bytes(spec, n)
@@ -104,16 +109,22 @@ def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
                      "v4_compressed": by_kind["compressed"], "v4_state": by_kind["state"],
                      "v32_moved": plan32.num_bytes, "v32_needed": sum(needed_bytes(s, n) for s in v32.values()),
                      "ratio": plan4.num_bytes / plan32.num_bytes, "v4_slices": plan4.num_slices,
-                     "v32_slices": plan32.num_slices})
+                     "v32_slices": plan32.num_slices, "v4_fp8_moved": plan4f.num_bytes,
+                     "v4_fp8_needed": sum(needed_bytes(s, n) for s in v4f.values()), "v32_fp8_needed": need32f,
+                     "ratio_fp8": plan4f.num_bytes / need32f})
     return rows
 
 
 def layout_row(n: int) -> dict[str, Any]:
     """The bytes decode needs at ``n`` tokens from the layout alone (no plans): V4, V3.2, ratio."""
     v4, v32 = _v4(43, 1), _v32(61, 1)
+    v4f, v32f = _v4(43, 1, "fp8"), preset_pools(V32_PRESET + "-fp8", num_layers=61, page_size=64, draft_layers=1)
     need4 = sum(needed_bytes(s, n) for s in v4.values())
     need32 = sum(needed_bytes(s, n) for s in v32.values())
-    return {"tokens": n, "v4_needed": need4, "v32_needed": need32, "ratio": need4 / need32}
+    need4f = sum(needed_bytes(s, n) for s in v4f.values())
+    need32f = sum(needed_bytes(s, n) for s in v32f.values())
+    return {"tokens": n, "v4_needed": need4, "v32_needed": need32, "ratio": need4 / need32,
+            "v4_fp8_needed": need4f, "v32_fp8_needed": need32f, "ratio_fp8": need4f / need32f}
 
 
 def _room_specs(model: str, layers: int) -> dict[str, PoolSpec]:
@@ -524,6 +535,13 @@ def format_bytes(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(f"{r['tokens']:>7} {_mb(r['v4_moved']):>12} {_mb(r['v4_needed']):>13} {same:>2} "
                      f"{_mb(r['v4_window']):>9} {_mb(r['v4_compressed']):>11} {_mb(r['v4_state']):>8} "
                      f"{_mb(r['v32_moved']):>10} {r['ratio']:>8.3f}")
+    lines += ["fp8 (V4 in SGLang's FlashMLA fp8 layout: 584 B rows, pages padded to whole 576-byte rows, the "
+              "padding not moved; V3.2-fp8: 656 B MLA + 132 B index K a token), from the plans:",
+              f"{'tokens':>7} {'V4 moved MB':>12} {'V4 needed MB':>13} {'=':>2} {'V3.2-fp8 MB':>12} {'V4/V3.2':>8}"]
+    for r in rows:
+        same = "=" if r["v4_fp8_moved"] == r["v4_fp8_needed"] else "!"
+        lines.append(f"{r['tokens']:>7} {_mb(r['v4_fp8_moved']):>12} {_mb(r['v4_fp8_needed']):>13} {same:>2} "
+                     f"{_mb(r['v32_fp8_needed']):>12} {r['ratio_fp8']:>8.3f}")
     return "\n".join(lines)
 
 

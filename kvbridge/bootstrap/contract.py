@@ -471,13 +471,15 @@ def contract_from_preset(
     wire_version: int = WIRE_VERSION,
 ) -> RuntimeContract:
     """The contract of a DeepSeek V3 / V3.2 / V4 preset: ``contract_for`` over ``preset_pools``
-    (``deepseek_v4_pools`` for V4). Defaults: 61 layers (V4: 43), NextN with a 7168-wide
+    (``deepseek_v4_pools`` for V4; ``deepseek-v4-fp8``: its KV pools in SGLang's FlashMLA fp8
+    layout, ``kv_dtype="fp8"``). Defaults: 61 layers (V4: 43), NextN with a 7168-wide
     (V4: 4096) bf16 hidden state and top-1 when there are draft layers, no speculation
     otherwise; the standard aux row for that state; FlashMLA (sparse for V3.2 and V4)."""
     if preset in KIND_PRESETS:
         family = "deepseek-v4"
         num_layers = 43 if num_layers is None else num_layers
-        pools = deepseek_v4_pools(num_layers, page_size, draft_layers=draft_layers)
+        pools = deepseek_v4_pools(num_layers, page_size, draft_layers=draft_layers,
+                                  kv_dtype="fp8" if preset.endswith("-fp8") else "bfloat16")
     else:
         family = "deepseek-v3.2" if preset.startswith("deepseek-v3.2") else "deepseek-v3"
         num_layers = 61 if num_layers is None else num_layers
@@ -490,7 +492,8 @@ def contract_from_preset(
             else SpeculativeContract(algorithm="none", hidden_size=0, hidden_dtype="bfloat16", topk=0)
         )
     if kernel is None and family == "deepseek-v4":
-        kernel = KernelContract(attention_backend="flashmla-sparse-swa", abi="v4-swa+compressed-v1")
+        kernel = KernelContract(attention_backend="flashmla-sparse-swa",
+                                abi="v4-swa+compressed-fp8-v1" if preset.endswith("-fp8") else "v4-swa+compressed-v1")
     if kernel is None:
         sparse = family == "deepseek-v3.2"
         kernel = KernelContract(

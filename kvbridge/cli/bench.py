@@ -226,7 +226,9 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
     one_m = layout_row(1 << 20)
     print(format_bytes(rows))
     print(f"{one_m['tokens']:>7} (layout: needed_bytes) V4 {one_m['v4_needed'] / 1e9:,.2f} GB, V3.2 "
-          f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}")
+          f"{one_m['v32_needed'] / 1e9:,.2f} GB, V4/V3.2 {one_m['ratio']:.3f}; fp8: V4 "
+          f"{one_m['v4_fp8_needed'] / 1e9:,.2f} GB, V3.2-fp8 {one_m['v32_fp8_needed'] / 1e9:,.2f} GB, V4/V3.2 "
+          f"{one_m['ratio_fp8']:.3f}")
     moved = [n for n in tokens if n <= args.max_move_tokens]
     speed = []
     if moved:
@@ -242,5 +244,6 @@ def _run_kinds(args: argparse.Namespace, tokens: list[int]) -> int:
         Path(args.json).write_text(json.dumps({"bytes": rows, "layout_1m": one_m, "rooms": speed,
                                                "load": [load, after]}, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    ok = all(r["v4_moved"] == r["v4_needed"] for r in rows) and all(r["bytes_equal"] for r in speed)
+    ok = all(r["v4_moved"] == r["v4_needed"] and r["v4_fp8_moved"] == r["v4_fp8_needed"] for r in rows) and \
+        all(r["bytes_equal"] for r in speed)
     return 0 if ok else 1

@@ -101,8 +101,9 @@ def run_show(args: argparse.Namespace) -> int:
                 "compressed": f", compressed 1:{p.ratio}",
                 "state": ", state slot" + (f" (tail of {p.ratio})" if p.ratio else "")
                 + (f", TP groups {p.shard_units} x {p.unit_bytes} B" if p.shard_units else "")}[p.kind]
+        padded = f" padded to {p.page_stride}" if p.page_stride else ""
         print(f"  {p.name:<14} {p.dtype:<20} abi={p.abi:<9} {p.bytes_per_token} B/token{split} x {p.page_size} = "
-              f"{p.bytes_per_page} B/page, {p.layout}{kind}, kernel {p.kernel_abi}, "
+              f"{p.bytes_per_token * p.page_size}{padded} B/page, {p.layout}{kind}, kernel {p.kernel_abi}, "
               f"layers {p.layer_ids[0]}..{p.layer_ids[-1]}")
     print(f"source        {c.source.digest[:16]} over {len(c.source.files)} file(s)")
     for name, h in c.source.files.items():

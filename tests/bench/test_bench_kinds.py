@@ -14,7 +14,8 @@ def test_v4_rooms_move_what_decode_needs_at_full_size():
     for r in rows:
         assert r["v4_moved"] == r["v4_needed"] == r["v4_window"] + r["v4_compressed"] + r["v4_state"]
         assert r["v32_moved"] == r["v32_needed"]
-    assert rows[-1]["ratio"] < 0.1
+        assert r["v4_fp8_moved"] == r["v4_fp8_needed"] < r["v4_needed"]  # fp8: padded pages, padding not moved
+    assert rows[-1]["ratio"] < 0.1 and rows[-1]["ratio_fp8"] < 0.1
     assert "131072" in format_bytes(rows)
 
 
@@ -46,6 +47,7 @@ def test_the_1m_row_comes_from_the_layout():
     planned = byte_rows([8192])[0]  # the layout's figure is the plans' at a length both can do
     row = layout_row(8192)
     assert row["v4_needed"] == planned["v4_moved"] and row["v32_needed"] == planned["v32_moved"]
+    assert row["v4_fp8_needed"] == planned["v4_fp8_moved"] and row["v32_fp8_needed"] == planned["v32_fp8_needed"]
 
 
 def test_split_rooms_run_decode_in_its_own_process(daemon):

@@ -185,7 +185,7 @@ def test_presets(preset: str) -> None:
         index = c.pool("index")
         assert (index.layout, index.abi, index.value_bytes_per_token, index.scale_bytes_per_token) == ("values_then_scales", "uint8", 128, 4)
     assert c.pool("target").bytes_per_token == (656 if preset.endswith("-fp8") else 1152)
-    assert set(CONTRACT_PRESETS) == set(PRESETS) | {"deepseek-v4"}  # V4: window, compressed, state pools
+    assert set(CONTRACT_PRESETS) == set(PRESETS) | {"deepseek-v4", "deepseek-v4-fp8"}  # V4: window, compressed, state
     with pytest.raises(ContractError, match="preset"):
         preset_contract("llama")
 

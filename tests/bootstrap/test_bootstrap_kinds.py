@@ -126,3 +126,31 @@ def test_contract_show_prints_the_kinds(capsys):
     out = capsys.readouterr().out
     assert "window 127" in out and "compressed 1:128" in out and "state slot (tail of 4)" in out
     assert out.split()[1] == contract_from_preset("deepseek-v4", num_layers=4, page_size=16).fingerprint()
+
+
+def test_handshake_refuses_a_bf16_decode_of_an_fp8_prefill_naming_the_dtype(
+        http: httpx.Client, kvb: Any, v4: RuntimeContract, instance_name: Callable[[str], str]) -> None:
+    """The contract carries each pool's dtype: an fp8 V4 prefill (SGLang's FlashMLA layout,
+    ``deepseek-v4-fp8``) and a bf16 V4 decode of the same geometry are refused at the look-up,
+    the diff naming ``pools.<pool>.dtype`` with both values."""
+    fp8 = contract_from_preset("deepseek-v4-fp8", num_layers=4, page_size=16)
+    prefill = instance_name("prefill-v4-fp8")
+    r = http.post("/v1/ranks", json=kvb.body(kvb.register_request(fp8, prefill)))
+    assert r.status_code == 201, r.text
+    r = http.post("/v1/lookup", json=kvb.lookup_body(v4, prefill, room=3, decode=instance_name("decode-v4-bf16")))
+    assert r.status_code == 409 and r.json()["error"] == "contract_mismatch"
+    diff = {d["path"]: (d["prefill"], d["decode"]) for d in r.json()["diff"]}
+    assert diff["pools.swa.dtype"] == ("v4_fp8_nope_bf16_rope", "bfloat16")
+    assert diff["pools.csa_index.dtype"] == ("fp8_e4m3_with_scale", "bfloat16")
+    assert diff["pools.hca.page_stride"] == (17 * 576, 0)  # 16 rows x 584 B padded to whole 576-byte rows
+    assert "pools.csa.dtype" in r.json()["message"]  # among the first fields the refusal names
+    assert not any(p.startswith("pools.csa_tail") for p in diff)  # the compressor state is fp32 on both
+
+
+def test_contract_show_prints_the_fp8_rows_and_their_padded_pages(capsys):
+    from kvbridge.cli.main import main
+
+    assert main(["contract", "show", "--preset", "deepseek-v4-fp8", "--layers", "4", "--page-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "584 B/token (576+8) x 16 = 9344 padded to 9792 B/page" in out  # 16 x 584 B in 17 rows of 576
+    assert "132 B/token (128+4) x 16 = 2112 B/page" in out

@@ -462,3 +462,49 @@ def test_a_unit_subset_outside_the_extent_is_refused():
     with pytest.raises(LayoutError) as err:
         plan_kind(spec, src, dst, ext, [1], [1], logical=[6])
     assert err.value.field == "logical_pages"
+
+
+@pytest.mark.parametrize("n", [5, 37, 130])
+def test_v4_fp8_preset_moves_values_and_scales_of_the_needed_rows_never_the_page_padding(n):
+    """``deepseek_v4_pools(kv_dtype="fp8")``: SGLang's FlashMLA V4 layout, 576 value + 8 scale
+    bytes a row, pages padded to whole 576-byte rows (page_stride). Each window / compressed pool's
+    plan moves exactly ``needed_bytes`` (values and scales of the needed rows) and decode's padding
+    and every other byte keep the sentinel."""
+    from kvbridge.layout.hybrid import deepseek_v4_pools
+
+    pools = deepseek_v4_pools(4, 16, sliding_window=32, csa_ratio=4, hca_ratio=8, kv_dtype="fp8")
+    assert {k: (s.dtype, s.value_bytes_per_token, s.scale_bytes_per_token, s.page_stride)
+            for k, s in pools.items() if s.kind != "state"} == {
+        name: ("v4_fp8_nope_bf16_rope", 576, 8, 17 * 576) for name in ("swa", "csa", "hca", "draft")
+    } | {"csa_index": ("fp8_e4m3_with_scale", 128, 4, 0)}  # 16 x 584 = 9,344 B in 17 rows of 576
+    for spec in (s for s in pools.values() if s.kind != "state"):
+        mem = Memory()
+        src, dst = mem.buffers(spec, 12), mem.buffers(spec, 12, fill=SENTINEL)
+        ext = needed_extent(spec, n)
+        src_pages, dst_pages = np.arange(ext.first, ext.stop) + 1, np.arange(ext.count)[::-1] + 3
+        plan = plan_kind(spec, src, dst, ext, src_pages, dst_pages)
+        assert plan.num_bytes == needed_bytes(spec, n)
+        mem.apply(plan)
+        rows = np.arange(ext.first * spec.page_size + ext.first_row,
+                         ext.first * spec.page_size + ext.first_row + ext.num_rows)
+        page, at = np.divmod(rows, spec.page_size)
+        v, sc, ps = spec.value_bytes_per_token, spec.scale_bytes_per_token, spec.page_size
+        for s, d in zip(src, dst):
+            touched = np.zeros(len(mem.region(d)), bool)
+            for off, width in ((0, v), (ps * v, sc)):
+                for k in range(width):
+                    so = src_pages[page - ext.first] * spec.bytes_per_page + off + at * width + k
+                    do = dst_pages[page - ext.first] * spec.bytes_per_page + off + at * width + k
+                    assert (mem.region(d)[do] == mem.region(s)[so]).all(), spec.name
+                    touched[do] = True
+            assert (mem.region(d)[~touched] == SENTINEL).all(), f"{spec.name}: a byte outside the needed rows"
+
+
+def test_v4_preset_refuses_an_fp8_kv_dtype_it_does_not_describe():
+    from kvbridge.layout.hybrid import deepseek_v4_pools
+
+    with pytest.raises(LayoutError, match=r"kv_dtype 'fp8_e5m2' is not one of .* for SGLang's FlashMLA") as err:
+        deepseek_v4_pools(4, 16, kv_dtype="fp8_e5m2")
+    assert err.value.field == "kv_dtype"
+    with pytest.raises(LayoutError, match="rope_head_dim") as err:
+        deepseek_v4_pools(4, 16, kv_dtype="fp8", head_dim=500)  # 436 nope values: not whole 64-value tiles

@@ -28,7 +28,21 @@ kvbridge sees each as pools of one kind (``kvbridge.layout.kinds``):
 
 DeepSeek-V4's KV lists themselves (``kv_data_*`` when ``KVArgs.mla_compression_ratios`` is set)
 are its ``compressed`` caches by ratio: ``c4``, ``c4_index`` (ratio 4) and ``c128`` (``v4_kv_pools``),
-on the KV's page ids, FlashMLA pages padded to whole 576-byte rows (``page_stride``).
+on the KV's page ids. Their byte layout, and the SWA pages', is one of SGLang's two CUDA fp8
+layouts (``KVArgs.kv_layout``, SGLang's ``pd_kv_layout``; read off the page sizes without it):
+
+    layout (kv_layout)        a row (token / entry)                      a page               dtype (contract)
+    FlashMLA V4 ("v4,c4:v4,   448 fp8 nope + 64 bf16 rope | 7 UE8M0      rows x 576 | rows x  v4_fp8_nope_bf16_rope
+     c128:v4")                scales + 1 pad = 584 B (values_then_scales)  8, padded to whole
+                                                                           576-B rows (page_stride)
+    uniform fp8 (trtllm,      448 + 64 e4m3 values = 512 B, no scales     rows x 512, unpadded fp8_e4m3
+     "uniform_fp8")           (the backend's unit scale)
+    C4 indexer K (both)       128 fp8 | one fp32 scale = 132 B           rows x 128 | rows x 4 fp8_e4m3_with_scale
+
+so an fp8-uniform prefill and a FlashMLA decode differ in ``pools.<pool>.dtype`` (and the row
+bytes) and are refused at the handshake by name. SGLang's V4.1 layouts (SM100, fp4) are refused
+naming ``kv_layout``; the unified KV's fp8 two-pool (HIP, ``SGLANG_DSV4_UNIFIED_KV_FP8``) is refused
+naming ``kv_data_ptrs`` / ``state_data_ptrs`` (``v4_kv_pools``, ``_swa_ring``: why).
 
 QSA and MiniMax components are not mapped (``NOT_MAPPED``). A component is built only when its
 kind is one the room endpoints carry (``room_pool_kinds()``: ``kvbridge.ROOM_POOL_KINDS``);
@@ -84,6 +98,9 @@ NOT_MAPPED: dict[str, str] = {
 }
 V4_ROW = (576, 8)  # FlashMLA's V4 layout: 448 fp8 nope + 64 bf16 rope values, then 7 UE8M0 scales + 1 pad
 V4_PAGE_ALIGN = 576  # ... and a page padded to whole 576-byte rows (KVLayout.page_bytes)
+V4_UNIFORM_FP8_ROW = 512  # trtllm's uniform fp8 pool: 448 nope + 64 rope e4m3 values, no scales, no padding
+V4_TWO_POOL_ROW = (512, 462)  # the unified fp8 two-pool's nope row: 512 B, of which 448 latent + 14 scale bytes
+FLASHMLA, UNIFORM_FP8 = "flashmla", "uniform_fp8"  # V4 KV byte layouts kvbridge maps (KVArgs.kv_layout)
 MXFP8_BLOCK = 32  # values per UE8M0 scale
 # pools whose rows are KV heads, head-major, like SGLang's k/v pools: sharded over attention TP
 HEAD_SHARDED = frozenset({"swa_k", "swa_v", "k_scale", "v_scale", "swa_k_scale", "swa_v_scale"})
@@ -91,7 +108,7 @@ MXFP8_INTERLEAVED_PAGE = 128  # SGLang's MXFP8 pool swizzles its scales per page
 
 __all__ = ["HANDED", "HEAD_SHARDED", "flat_indices", "geometry_of", "NOT_MAPPED", "STATE_KINDS",
            "HybridGeometry", "StatePool", "component_pools", "kind_units", "mamba_state_specs", "room_pool_kinds",
-           "state_kind", "state_type_names", "v4_kv_pools"]
+           "state_kind", "state_type_names", "v4_kv_layout", "v4_kv_pools"]
 
 
 def flat_indices(idx: Any) -> np.ndarray:
@@ -278,9 +295,10 @@ def _slot(name: str, ids: Sequence[int], nbytes: int, dtype: str, kernel_abi: st
 def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
     """DeepSeek-V4's KV lists (``get_contiguous_buf_infos``): not one pool per layer but its
     compressed caches by ratio, ``[C4 KV, C4 indexer K, C128 KV]`` over the stage's layers of each
-    ratio: ``compressed`` pools of ``page_size // ratio`` entries per page. ConfigError by name
-    where the bytes do not fit: V4's FlashMLA pages are padded to whole 576-byte rows, the fp8
-    two-pool (a rope group after each KV group) and ratio-1/2 layers have no kvbridge pool."""
+    ratio: ``compressed`` pools of ``page_size // ratio`` entries per page, in the KV layout
+    (``v4_kv_layout``: FlashMLA's pages padded to whole 576-byte rows, or trtllm's uniform fp8).
+    ConfigError by name where the bytes do not fit: pages of another size, the unified KV's fp8
+    two-pool (a rope group after each nope group; padding inside every nope row), ratio-1/2 layers."""
     ratios = list(kv_args.mla_compression_ratios)
     start, stop = _stage(kv_args, ratios)
     e = _Entries("kv", [int(x) for x in kv_args.kv_data_ptrs], [int(x) for x in kv_args.kv_data_lens],
@@ -288,28 +306,77 @@ def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
     if any(r in (1, 2) for r in ratios):
         raise ConfigError("DeepSeek-V4 KV with ratio-1/2 layers (V4.1 kv_source caches): no kvbridge pool describes "
                           "them", field="mla_compression_ratios")
+    layout = v4_kv_layout(kv_args)
     groups = [(name, r, [i for i in range(start, stop) if ratios[i] == r]) for name, r in
               (("c4", 4), ("c4_index", 4), ("c128", 128))]
     groups = [g for g in groups if g[2]]
-    if sum(len(ids) for _, _, ids in groups) != len(e.ptrs):
+    single = sum(len(ids) for _, _, ids in groups)
+    two_pool = single + sum(len(ids) for name, _, ids in groups if name != "c4_index")
+    if len(e.ptrs) == two_pool != single:
+        raise ConfigError(
+            f"DeepSeek-V4 KV: {len(e.ptrs)} buffers are SGLang's fp8 two-pool (SGLANG_DSV4_UNIFIED_KV_FP8 on the "
+            "unified KV, HIP): a bf16 rope group (128 B rows) after each nope group, whose rows are "
+            f"{V4_TWO_POOL_ROW[0]} B of which {V4_TWO_POOL_ROW[1]} carry data (448 fp8 latent + 14 B of E8M0 tile "
+            f"scales) and {V4_TWO_POOL_ROW[0] - V4_TWO_POOL_ROW[1]} B no kernel writes: padding inside every row, "
+            "which a kvbridge pool (pages padded at their end only, page_stride) cannot leave behind; and under the "
+            "unified KV V4's C4 compressor rings are by request row, which SGLang's SWA index list does not "
+            "address (pools.c4_state.kind). Serve it with --disaggregation-transfer-backend mooncake",
+            field="kv_data_ptrs")
+    if single != len(e.ptrs):
         raise ConfigError(f"DeepSeek-V4 KV: {len(e.ptrs)} buffers for C4 layers, their indexer and C128 layers "
-                          f"({[len(ids) for _, _, ids in groups]}); the fp8 two-pool (a rope group after each KV "
-                          "group, SGLANG_DSV4_UNIFIED_KV_FP8) has no kvbridge pool", field="kv_data_ptrs")
+                          f"({[len(ids) for _, _, ids in groups]})", field="kv_data_ptrs")
     out, at = [], 0
     for name, r, ids in groups:
         ptrs, lens, items = e.cut(at, at + len(ids))
         at += len(ids)
         entries = page_size // r
-        index = name == "c4_index"
-        row = (128, 4) if index else V4_ROW
-        stride = _v4_page_stride(name, items, entries, sum(row), padded=not index)
-        spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale" if index else "v4_fp8_nope_bf16_rope", abi="uint8",
-                        bytes_per_token=sum(row), page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
-                        value_bytes_per_token=row[0], scale_bytes_per_token=row[1],
-                        kernel_abi="v4-indexer-k-fp8" if index else "flashmla-v4", kind=COMPRESSED, ratio=r,
-                        page_stride=stride)
+        if name == "c4_index":  # SGLang's fp8 indexer K, whatever the KV layout: unpadded pages
+            _v4_page_stride(name, items, entries, 132, padded=False)
+            spec = PoolSpec(name=name, dtype="fp8_e4m3_with_scale", abi="uint8", bytes_per_token=132,
+                            page_size=entries, layer_ids=tuple(ids), layout="values_then_scales",
+                            value_bytes_per_token=128, scale_bytes_per_token=4, kernel_abi="v4-indexer-k-fp8",
+                            kind=COMPRESSED, ratio=r)
+        else:
+            spec = _v4_kv_spec(name, ids, items, entries, layout, kind=COMPRESSED, ratio=r)
         out.append(StatePool("kv", spec, ptrs, lens, items))
     return out
+
+
+def v4_kv_layout(kv_args: Any) -> str:
+    """The V4 KV byte layout of ``kv_args``: ``KVArgs.kv_layout`` as SGLang's ``pd_kv_layout`` sets
+    it (``"uniform_fp8"``: trtllm's pool; ``"v4,c4:v4,c128:v4"``: FlashMLA's), or ``""`` (not given:
+    read off the page sizes). The V4.1 layouts (SM100 FlashMLA, fp4 compressed caches) are
+    refused naming ``kv_layout``: their byte layouts are not pinned here."""
+    tag = getattr(kv_args, "kv_layout", None)
+    if not tag:
+        return ""
+    if tag == UNIFORM_FP8:
+        return UNIFORM_FP8
+    parts = [part.split(":")[-1] for part in str(tag).split(",")]
+    if any(part != "v4" for part in parts):
+        raise ConfigError(f"DeepSeek-V4 KV layout {tag!r} (SGLang's V4.1 FlashMLA / fp4 layouts, "
+                          "SGLANG_DSV4_KV_LAYOUT): its byte layout is not pinned in kvbridge; kvbridge maps 'v4' "
+                          "(FlashMLA fp8 nope + bf16 rope) and 'uniform_fp8' (trtllm)", field="kv_layout")
+    return FLASHMLA
+
+
+def _v4_kv_spec(name: str, ids: Sequence[int], items: Sequence[int], rows: int, layout: str,
+                **kind: Any) -> PoolSpec:
+    """A V4 KV pool (SWA pages or compressed entries) of ``rows`` rows a page in ``layout`` (module
+    docstring); ``""``: the uniform layout if the pages are ``rows`` x 512 B, else FlashMLA's.
+    ConfigError naming the pool where SGLang's pages are another size."""
+    uniform_page = rows * V4_UNIFORM_FP8_ROW
+    if layout == UNIFORM_FP8 or (not layout and set(items) == {uniform_page}):
+        if set(items) != {uniform_page}:
+            raise ConfigError(f"pool {name!r}: DeepSeek-V4 uniform fp8 pages are {sorted(set(items))} B, not {rows} "
+                              f"rows of {V4_UNIFORM_FP8_ROW} B ({uniform_page} B)",
+                              field=f"pools.{name}.bytes_per_page")
+        return PoolSpec(name=name, dtype="fp8_e4m3", abi="uint8", bytes_per_token=V4_UNIFORM_FP8_ROW, page_size=rows,
+                        layer_ids=tuple(ids), kernel_abi="v4-uniform-fp8", **kind)
+    stride = _v4_page_stride(name, items, rows, sum(V4_ROW), padded=True)
+    return PoolSpec(name=name, dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW), page_size=rows,
+                    layer_ids=tuple(ids), layout="values_then_scales", value_bytes_per_token=V4_ROW[0],
+                    scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4", page_stride=stride, **kind)
 
 
 def _v4_page_stride(name: str, items: Sequence[int], rows: int, row_bytes: int, *, padded: bool) -> int:
@@ -379,11 +446,8 @@ def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGe
                           "layers", field="state_data_ptrs")
     out = []
     if num_swa:
-        stride = _v4_page_stride("swa", e.items[:num_swa], page_size, sum(V4_ROW), padded=True)
-        spec = PoolSpec(name="swa", dtype="v4_fp8_nope_bf16_rope", abi="uint8", bytes_per_token=sum(V4_ROW),
-                        page_size=page_size, layer_ids=tuple(range(start, stop)), layout="values_then_scales",
-                        value_bytes_per_token=V4_ROW[0], scale_bytes_per_token=V4_ROW[1], kernel_abi="flashmla-v4",
-                        kind=WINDOW, window=_window(e.state_type, geometry), page_stride=stride)
+        spec = _v4_kv_spec("swa", range(start, stop), e.items[:num_swa], page_size, v4_kv_layout(kv_args),
+                           kind=WINDOW, window=_window(e.state_type, geometry))
         out.append(StatePool(e.state_type, spec, *e.cut(0, num_swa)))
     if c4 and not num_swa:
         raise ConfigError("DeepSeek-V4 C4 compressor rings under the unified KV (HIP): they are rings by request row "
@@ -419,7 +483,8 @@ def _stage(kv_args: Any, ratios: Sequence[int]) -> tuple[int, int]:
 def _swa_ring(e: _Entries, ratios: Sequence[int] | None, kv_args: Any, geometry: HybridGeometry,
               ids: tuple[int, ...], prefix: str) -> list[StatePool]:
     """V4's unified SWA ring: one buffer per layer of token rows, row ``req * stride + pos %
-    stride``; under fp8 two pools (nope rows, then rope rows)."""
+    stride`` (bf16 rows). The fp8 two-pool's ring (nope rows, then rope rows: two buffers a
+    layer) is refused naming ``state_data_ptrs``: padding inside every nope row."""
     if not geometry.swa_ring_stride:
         raise ConfigError("SGLang state 'swa_ring': the ring's rows per request are not known (HybridGeometry."
                           "swa_ring_stride, the pool's unified_swa_ring_size)", field="swa_ring_stride")
@@ -430,6 +495,12 @@ def _swa_ring(e: _Entries, ratios: Sequence[int] | None, kv_args: Any, geometry:
     if parts not in (1, 2) or parts * len(ids) != len(e.ptrs):
         raise ConfigError(f"SGLang state 'swa_ring': {len(e.ptrs)} buffers for layers {list(ids)}",
                           field="state_data_ptrs")
+    if parts == 2:
+        raise ConfigError(
+            f"SGLang state 'swa_ring': {len(e.ptrs)} buffers are the fp8 two-pool's ring (SGLANG_DSV4_UNIFIED_KV_FP8): "
+            f"nope rows of {V4_TWO_POOL_ROW[0]} B of which {V4_TWO_POOL_ROW[1]} carry data, then the bf16 rope rows; "
+            "the 50 unwritten bytes of every nope row are padding a ring slot cannot leave behind (kvbridge pads "
+            "pages at their end only), so the ring is not carried", field="state_data_ptrs")
     out = []
     for p, part in enumerate(("", "_rope")[:parts]):
         name = f"{prefix}swa_ring{part}"

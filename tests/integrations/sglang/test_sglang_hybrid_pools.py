@@ -7,7 +7,8 @@ kvbridge's plan (``plan_kind``) between two real pools in this process (``ctypes
 the plan's addresses) and compared with what SGLang's own backend addresses.
 
 Said plainly: V4's unified SWA ring exists only on HIP in SGLang (``is_unified_kv_triton``); the
-ring test forces that gate on to build the real pool on the CPU. The DSA kpool tail and the
+ring test and the fp8 two-pool test force that gate on to build the real pool on the CPU. The
+trtllm uniform fp8 pool is built under SGLang's own ``--dsv4-attn-backend trtllm`` context. The DSA kpool tail and the
 DSpark draft's request row are driven with ``KVArgs`` as SGLang's ``append_state_component``
 fills them (their pools need CUDA kernels or a DSpark draft worker to construct)."""
 
@@ -256,6 +257,98 @@ def test_v4_c4_compressor_rings_under_the_unified_kv_are_refused_by_name(sgl, ca
         component_pools(args, 0, HybridGeometry(sliding_window=128), page_size=256, kv_dtype="bfloat16",
                         target_ids=range(4), draft_ids=())
     assert err.value.field == "pools.c4_state.kind"
+
+
+# -- DeepSeek-V4's fp8 layouts ---------------------------------------------------------------------
+
+
+def _v4_uniform_fp8():
+    """DeepSeek-V4 under ``--dsv4-attn-backend trtllm``: SGLang's uniform fp8 pool (512 e4m3 B a row,
+    no scales, no padding; it constructs on the CPU), with ``KVArgs.kv_layout`` as SGLang's
+    ``_init_kv_manager`` sets it (``get_pd_kv_layout``)."""
+    from sglang.srt.disaggregation.utils import get_pd_kv_layout
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    with use_context(create_context(ServerArgs(model_path="dummy", device="cpu", dsv4_attn_backend="trtllm"),
+                                    role="scheduler")):
+        pool = DeepSeekV4TokenToKVPool(dtype=torch.float8_e4m3fn, **V4)
+        args = _kv_args(pool)
+    args.kv_layout = get_pd_kv_layout(pool)
+    return pool, args
+
+
+def test_v4_uniform_fp8_pools_map_by_their_512_byte_rows_and_differ_from_flashmla_in_dtype(sgl, carried):
+    """trtllm's uniform fp8 pool: SWA pages and C4/C128 entries of 512 B e4m3 rows, unpadded
+    (``page_stride`` 0: every registered byte is a row), the C4 indexer as under FlashMLA. A
+    contract of it against FlashMLA's (the same model, SGLang's default CUDA layout) differs in
+    each KV pool's ``dtype`` first, so the handshake names it; page sizes of another layout are
+    refused naming the pool, and a V4.1 layout tag naming ``kv_layout``."""
+    from kvbridge.integrations.sglang.state_kinds import v4_kv_pools
+
+    carried(ALL_KINDS)
+    pool, args = _v4_uniform_fp8()
+    assert pool.uniform_fp8 and args.kv_layout == "uniform_fp8"
+    assert args.kv_item_lens == [64 * 512, 64 * 132, 2 * 512, 2 * 512, 2 * 512]
+    specs = pool_specs(read_kv_args(args, is_mla=True, geometry=HybridGeometry(sliding_window=128)))
+    got = {n: (s.kind, s.dtype, s.page_size, s.bytes_per_token, s.layout, s.page_stride, s.bytes_per_page)
+           for n, s in specs.items() if n in ("c4", "c4_index", "c128", "swa")}
+    assert got == {"c4": ("compressed", "fp8_e4m3", 64, 512, "rows", 0, 32_768),
+                   "c4_index": ("compressed", "fp8_e4m3_with_scale", 64, 132, "values_then_scales", 0, 8_448),
+                   "c128": ("compressed", "fp8_e4m3", 2, 512, "rows", 0, 1_024),
+                   "swa": ("window", "fp8_e4m3", 256, 512, "rows", 0, 131_072)}
+    assert pool.swa_kv_pool.kv_buffer[0][0].nbytes == specs["swa"].bytes_per_page  # SGLang's page, every byte a row
+    aux = kvb.AuxSchema.standard(0, "bfloat16", 0)
+    uniform = kvb.contract_for(specs, model="v4-tiny", aux=aux)
+    flash = kvb.contract_for(pool_specs(read_kv_args(_kv_args(_v4()), is_mla=True,
+                                                     geometry=HybridGeometry(sliding_window=128))),
+                             model="v4-tiny", aux=aux)
+    diff = {d.path: (d.prefill, d.decode) for d in kvb.diff_contracts(uniform, flash)}
+    for name in ("c4", "c128", "swa"):
+        assert diff[f"pools.{name}.dtype"] == ("fp8_e4m3", "v4_fp8_nope_bf16_rope")
+        assert diff[f"pools.{name}.bytes_per_token"] == (512, 584)
+    assert not any(p.startswith("pools.c4_index") for p in diff)  # the indexer is the same bytes under both
+    args.kv_item_lens[0] = 37_440  # FlashMLA's page under the uniform tag
+    with pytest.raises(ConfigError, match=r"pool 'c4': DeepSeek-V4 uniform fp8 pages are \[37440\] B, not 64 rows "
+                                          r"of 512 B") as err:
+        v4_kv_pools(args, 256)
+    assert err.value.field == "pools.c4.bytes_per_page"
+    args.kv_layout = "v41,c4:v41,c128:v41"
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4 KV layout 'v41,c4:v41,c128:v41' .* not pinned") as err:
+        v4_kv_pools(args, 256)
+    assert err.value.field == "kv_layout"
+
+
+def test_v4_unified_fp8_two_pool_is_refused_by_name_saying_why(sgl, carried):
+    """SGLANG_DSV4_UNIFIED_KV_FP8 (HIP's unified KV; forced on here to build SGLang's real pool on
+    the CPU): a bf16 rope group after each nope group of the KV lists, nope and rope buffers a layer
+    in the SWA ring. A nope row is 512 B of which 462 are written: refused naming the KV lists and
+    the ring, with the reasons (row padding; the C4 rings by request row)."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    import sglang.srt.layers.attention.dsv4.unified_kv_gate as gate
+
+    carried(ALL_KINDS)
+    real = gate.is_unified_kv_triton
+    gate.is_unified_kv_triton = lambda: True
+    try:
+        pool = DeepSeekV4TokenToKVPool(dtype=torch.bfloat16, unified_fp8=True, **V4)
+    finally:
+        gate.is_unified_kv_triton = real
+    assert pool.unified_kv_pool.kv_buffer[0].shape[1] == 512 and pool.unified_kv_pool.kv_buffer_rope[0].shape[1] == 64
+    args = _kv_args(pool)
+    assert len(args.kv_data_ptrs) == 3 * 1 + 2 * 3  # c4 nope, c4 rope, c4 indexer, c128 nope x 3, c128 rope x 3
+    with pytest.raises(ConfigError, match=r"9 buffers are SGLang's fp8 two-pool .* 512 B of which 462 carry data "
+                                          r".* padding inside every row.* C4 compressor rings are by request row")\
+            as err:
+        read_kv_args(args, is_mla=True, geometry=HybridGeometry(sliding_window=128))
+    assert err.value.field == "kv_data_ptrs"
+    ring = [t.value for t in args.state_types].index("swa_ring")
+    geo = HybridGeometry(sliding_window=pool.unified_swa_window, swa_ring_stride=pool.unified_swa_ring_size)
+    with pytest.raises(ConfigError, match=r"'swa_ring': 8 buffers are the fp8 two-pool's ring .* padding") as err:
+        component_pools(args, ring, geo, page_size=256, kv_dtype="bfloat16", target_ids=range(4), draft_ids=())
+    assert err.value.field == "state_data_ptrs"
 
 
 # -- sliding window (gpt-oss class) -------------------------------------------------------------

@@ -2,7 +2,9 @@
 through SGLang 0.5.23's REAL pool classes on the CPU: a Mamba hybrid (Qwen3-Next class:
 ``HybridLinearKVPool`` + ``MambaPool``), a sliding-window model (gpt-oss class: ``SWAKVPool``) and
 DeepSeek-V4 (``DeepSeekV4TokenToKVPool``, the CUDA layout: FlashMLA pages padded to whole 576-byte
-rows, C4 compressor rings per SWA page, C128 state by request row; it constructs on the CPU), with
+rows, C4 compressor rings per SWA page, C128 state by request row; and ``v4-fp8``, its uniform fp8
+pool under ``--dsv4-attn-backend trtllm``: 512 e4m3 B a row, no scales, no padding; both construct
+on the CPU, ``KVArgs.kv_layout`` from SGLang's ``get_pd_kv_layout``), with
 ``MetadataBuffers``; their ``KVArgs`` filled by SGLang's own ``setup_state_kv_args`` (and, for V4,
 ``get_contiguous_buf_infos``, as SGLang's ``_init_kv_manager`` does), kvbridge's real manager, sender
 and receiver (through ``get_kv_class``), a prefill and a decode endpoint in this process at one
@@ -71,14 +73,16 @@ def _mamba_pool(tp: int = 1, stage: tuple[int, int] = (0, 4)):
                               full_attention_layer_ids=full, device="cpu", mamba_pool=mp, start_layer=stage[0])
 
 
-def _v4_pool():
-    """DeepSeek-V4's pool as SGLang builds it for CUDA (FlashMLA layout; it constructs on the CPU):
-    layers of ratios 128, 128, 4, 128; KV and SWA pages of 256 tokens; window 128."""
+def _v4_pool(dtype=None):
+    """DeepSeek-V4's pool as SGLang builds it for CUDA (FlashMLA layout; under ``--dsv4-attn-backend
+    trtllm`` with an fp8 dtype, its uniform fp8 pool; both construct on the CPU): layers of ratios
+    128, 128, 4, 128; KV and SWA pages of 256 tokens; window 128."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
     return DeepSeekV4TokenToKVPool(max_num_reqs=4, swa_size=1024, c4_size=512, c128_size=16, c4_state_pool_size=64,
                                    c128_state_pool_size=8, page_size=V4_PAGE, swa_page_size=V4_PAGE,
-                                   dtype=torch.uint8, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+                                   dtype=dtype or torch.uint8, c4_state_dtype=torch.float32,
+                                   c128_state_dtype=torch.float32,
                                    qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=4,
                                    device="cpu", enable_memory_saver=False, compression_ratios=[128, 128, 4, 128],
                                    sliding_window=V4_WINDOW)
@@ -95,8 +99,8 @@ class Rank:
         from sglang.srt.disaggregation.base.conn import KVArgs
         from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                      ReqToMetadataIdxAllocator, TransferBackend, build_kv_layer_ids,
-                                                     get_kv_class, get_kv_transfer_buf_infos, is_mla_backend,
-                                                     setup_state_kv_args)
+                                                     get_kv_class, get_kv_transfer_buf_infos, get_pd_kv_layout,
+                                                     is_mla_backend, setup_state_kv_args)
         from sglang.srt.disaggregation.prefill import _transfer_start_layer
         from sglang.srt.runtime_context import get_parallel
 
@@ -106,19 +110,21 @@ class Rank:
                                                "tp_rank": tp[1], "moe_tp_size": tp[0], "moe_ep_size": 1,
                                                "moe_dp_size": 1})
         self.model = model
-        self.pool = _mamba_pool(tp[0], stage) if model == "mamba" else {"swa": _swa_pool, "v4": _v4_pool}[model]()
+        self.pool = _mamba_pool(tp[0], stage) if model == "mamba" else {
+            "swa": _swa_pool, "v4": _v4_pool, "v4-fp8": lambda: _v4_pool(torch.float8_e4m3fn)}[model]()
+        v4 = model.startswith("v4")
         self.meta = MetadataBuffers(world.META_ROWS, hidden_size=world.HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=16, max_top_logprobs_num=world.TOP_LOGPROBS,
                                     output_dsa_topk_indices_dim=world.DSA_TOPK, kv_checksum_enabled=False)
         self.meta_alloc = ReqToMetadataIdxAllocator(world.META_ROWS)
         a = KVArgs()  # as PrefillBootstrapQueue._init_kv_manager / DecodePreallocQueue._init_kv_manager fill it
         a.engine_rank, a.pp_rank, a.system_dp_rank, a.kv_cache_dtype_str = 0, pp[0], 0, "auto"
-        a.kv_layout, a.prefill_start_layer, a.prefill_end_layer = None, 0, None
+        a.kv_layout, a.prefill_start_layer, a.prefill_end_layer = get_pd_kv_layout(self.pool), 0, None
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(self.pool)
         a.num_draft_entries = 0
         a.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
                                             num_draft_entries=0, num_hidden_layers=4)
-        a.page_size, a.ib_device, a.gpu_id = V4_PAGE if model == "v4" else PAGE, None, 0
+        a.page_size, a.ib_device, a.gpu_id = V4_PAGE if v4 else PAGE, None, 0
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = self.meta.get_buf_infos()
         setup_state_kv_args(a, self.pool, None, 4, req_to_token_pool=None)
         hf = None
@@ -130,11 +136,11 @@ class Rank:
         if kv_heads:  # as PrefillBootstrapQueue._init_kv_manager sets them for MHA/GQA
             a.kv_head_num, a.total_kv_head_num = self.pool.full_kv_pool.head_num, kv_heads
         self.kv_args = a
-        more = world.MHA_ARGS if model != "v4" else dict(model_path="tiny-deepseek-v4", served_model_name="tiny-v4",
+        more = world.MHA_ARGS if not v4 else dict(model_path="tiny-deepseek-v4", served_model_name="tiny-v4",
                                                           speculative_algorithm=None, speculative_eagle_topk=None)
         args = world.server_args(role, port, port=serve_port or free_port(), **more)  # (port: names the instance)
         # the queue SGLang's _init_kv_manager runs on (patches.py names it): the pool and the window
-        window = V4_WINDOW if model == "v4" else WINDOW
+        window = V4_WINDOW if v4 else WINDOW
         queue = SimpleNamespace(token_to_kv_pool=self.pool, scheduler=SimpleNamespace(sliding_window_size=window))
         if hf is not None:  # what kvbridge reads of SGLang's ModelConfig
             queue.scheduler.model_config = SimpleNamespace(num_hidden_layers=4, hf_text_config=hf,
@@ -146,7 +152,7 @@ class Rank:
         get_parallel().clear_stamp()
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
-        if self.model == "v4":
+        if self.model.startswith("v4"):
             p = self.pool
             return {"c4": list(p.kv_pools[4].kv_buffer), "c4_index": list(p.index_pools[4].index_k_with_scale_buffer),
                     "c128": list(p.kv_pools[128].kv_buffer), "swa": list(p.swa_kv_pool.kv_buffer),
@@ -187,7 +193,8 @@ def _pair(daemon, model: str, staging: dict[str, str] | None = None):
     install()
     env = {**CHILD_ENV, "KVBRIDGE_BOOTSTRAP_URL": daemon.url, **(staging or {})}
     port = free_port()
-    with use_context(create_context(ServerArgs(model_path="dummy", device="cpu"), role="scheduler")):
+    backend = {"dsv4_attn_backend": "trtllm"} if model == "v4-fp8" else {}  # SGLang's uniform fp8 V4 pool
+    with use_context(create_context(ServerArgs(model_path="dummy", device="cpu", **backend), role="scheduler")):
         prefill = Rank("prefill", port, env, model)
         try:
             decode = Rank("decode", 8998, env, model)
@@ -258,18 +265,21 @@ def _swa_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
                            moves=moves, needed=needed, rows=(0, 0))
 
 
-def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
+def _v4_case(p: Rank, d: Rank, specs, uniform: bool = False) -> SimpleNamespace:
     """DeepSeek-V4, 515 tokens (not a multiple of 4 or 128) on three KV pages of 256, in chunks of
     256 and 259. What decode needs, as SGLang addresses it: the complete compressed entries (C4 KV
     and indexer K: 128 = two whole pages of 64; C128: 4 = two pages of 2) on the KV pages; the
     window's 128 rows on SGLang's SWA pages (the pages from floor((n - W) / page): two); the C4
     compressor rings' rows of the last 8 positions, which straddle the two SWA pages (positions
     507..511 on the first page's ring, 512..514 on the second's); the C128 state's n % 128 = 3 live
-    rows of the request's ring. Values and scales of each row, never the padding after a page."""
+    rows of the request's ring. Values and scales of each row, never the padding after a page.
+    ``uniform``: SGLang's uniform fp8 pool (trtllm): 512 e4m3 B a row, no scales, no padding."""
+    value, scale, dtype = (512, 0, "fp8_e4m3") if uniform else (576, 8, "v4_fp8_nope_bf16_rope")
     assert {n: (s.kind, s.page_stride) for n, s in specs.items()} == {
-        "c4": ("compressed", 37_440), "c4_index": ("compressed", 0), "c128": ("compressed", 1_728),
-        "swa": ("window", 149_760), "c4_state": ("window", 0), "c4_index_state": ("window", 0),
-        "c128_state": ("state", 0)}
+        "c4": ("compressed", 0 if uniform else 37_440), "c4_index": ("compressed", 0),
+        "c128": ("compressed", 0 if uniform else 1_728), "swa": ("window", 0 if uniform else 149_760),
+        "c4_state": ("window", 0), "c4_index_state": ("window", 0), "c128_state": ("state", 0)}
+    assert {specs[n].dtype for n in ("c4", "c128", "swa")} == {dtype}
     n, first = 515, (515 - V4_WINDOW) // V4_PAGE
     src_pages, dst_pages, src_swa, dst_swa, p_row, d_row = [4, 1, 7], [2, 8, 5], [3, 0], [1, 4], 1, 3
     src_pages, dst_pages, src_swa, dst_swa = map(np.array, (src_pages, dst_pages, src_swa, dst_swa))
@@ -286,14 +296,14 @@ def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
                                            _runs(base + per_page * value + e % per_page * scale, scale)]))
             moves.append((name, i, *idx))
 
-    entries("c4", 4, 64, 576, 8)
+    entries("c4", 4, 64, value, scale)
     entries("c4_index", 4, 64, 128, 4)
-    entries("c128", 128, 2, 576, 8)
+    entries("c128", 128, 2, value, scale)
     win = np.arange(n - V4_WINDOW, n)
     for i, (s, t) in enumerate(zip(src["swa"], dst["swa"])):
         stride, row = s[0].nbytes, win % V4_PAGE
-        idx = [np.concatenate([_runs(pages[win // V4_PAGE - first] * stride + row * 576, 576),
-                               _runs(pages[win // V4_PAGE - first] * stride + V4_PAGE * 576 + row * 8, 8)])
+        idx = [np.concatenate([_runs(pages[win // V4_PAGE - first] * stride + row * value, value),
+                               _runs(pages[win // V4_PAGE - first] * stride + V4_PAGE * value + row * scale, scale)])
                for pages in (src_swa, dst_swa)]
         moves.append(("swa", i, *idx))
     last8 = np.arange(n - 8, n)
@@ -310,7 +320,8 @@ def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
     row4 = p.pool.compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
     row4i = p.pool.indexer_compress_state_pools[2].kv_score_buffer.kv_score[0].nbytes
     row128 = p.pool.compress_state_pools[0].kv_score_buffer.kv_score[0].nbytes
-    needed = (n // 4) * (584 + 132) + (n // 128) * 584 * 3 + V4_WINDOW * 584 * 4 + 8 * (row4 + row4i) \
+    kv = value + scale
+    needed = (n // 4) * (kv + 132) + (n // 128) * kv * 3 + V4_WINDOW * kv * 4 + 8 * (row4 + row4i) \
         + (n % 128) * row128 * 3
     assert p.pool.request_state_transfer_indices(p_row, n).tolist() == [p_row]  # SGLang's C128 index: the row
     return SimpleNamespace(n=n, chunk=256, page=V4_PAGE, src_pages=src_pages, dst_pages=dst_pages,
@@ -319,7 +330,8 @@ def _v4_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
                            moves=moves, needed=needed, rows=(p_row, d_row))
 
 
-CASES = {"mamba": _mamba_case, "swa": _swa_case, "v4": _v4_case}
+CASES = {"mamba": _mamba_case, "swa": _swa_case, "v4": _v4_case,
+         "v4-fp8": lambda p, d, specs: _v4_case(p, d, specs, uniform=True)}
 # staged (KVBRIDGE_STAGING=always on both sides): every page, the window's and the state slot
 # included, through decode's staging slots; slots small enough that the room takes several
 SLOT = 4096
