@@ -218,6 +218,38 @@ def read_group_caches(kv_caches: dict[str, Any], groups: Any, names: Sequence[st
     return out
 
 
+def mamba_state_buffers(kv_caches: dict[str, Any], group: Any, index: int, num_blocks: int,
+                        specs: Mapping[str, PoolSpec]) -> dict[tuple[str, int], RawBuffer]:
+    """A Mamba group's state buffers (``hybrid.mamba_state_specs``): per layer and state, the
+    region of vLLM's raw ``[blocks, 1, 1, C]`` int8 view from the state's offset in block 0 to
+    its end in the last block (pages ``block_stride`` apart, the padding never travels). The
+    specs' order is the states' order in a block. ConfigError naming the layer for a view that
+    is not one."""
+    out: dict[tuple[str, int], RawBuffer] = {}
+    for name in group.layer_names:
+        t = kv_caches.get(name)
+        if t is None:
+            raise ConfigError(f"KV cache group {index}: Mamba layer {name!r} has no KV cache registered",
+                              field="kv_caches")
+        content = sum(s.bytes_per_token for s in specs.values())
+        shape = tuple(int(d) for d in t.shape)
+        if t.element_size() != 1 or len(shape) != 4 or shape[0] != num_blocks or shape[1:3] != (1, 1) \
+                or shape[3] != content or int(t.stride(3)) != 1:
+            raise ConfigError(f"Mamba layer {name!r}: a view of shape {shape} ({t.dtype}); kvbridge reads vLLM's raw "
+                              f"int8 [{num_blocks}, 1, 1, {content}] state pages", field="kv_caches")
+        stride = int(t.stride(0))
+        device = "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
+        offset, lid = 0, layer_id(name)
+        for pool, spec in specs.items():
+            if spec.bytes_per_page != stride:
+                raise ConfigError(f"Mamba layer {name!r}: blocks {stride} B apart, pool {pool} pages "
+                                  f"{spec.bytes_per_page} B", field="kv_caches")
+            out[(pool, lid)] = RawBuffer(int(t.data_ptr()) + offset, (num_blocks - 1) * stride + spec.bytes_per_token,
+                                         device)
+            offset += spec.bytes_per_token
+    return out
+
+
 def window_spec(cache: VLLMCache, name: str, window: int) -> PoolSpec:
     """A sliding-window group's pool: rows of ``window`` tokens (``hybrid.py``), this rank's heads."""
     return window_pool(name, tuple(b.layer_id for b in cache.layers), cache.num_heads * cache.cell_bytes,

@@ -210,9 +210,12 @@ def refuse_hybrid(kv_cache_config: Any) -> Any:
         return None
     if not groups:
         raise ConfigError("vLLM's KVCacheConfig has no KV cache group", field="kv_cache_config.kv_cache_groups")
-    specs = list(group_specs(kv_cache_config).values())  # ConfigError naming a group without a kind
+    first: dict[int, Any] = {}  # group -> its (first) pool: a Mamba group has one per state (group<i>_state<j>)
+    for name, spec in group_specs(kv_cache_config).items():  # ConfigError naming a group without a kind
+        first.setdefault(int(name.removeprefix("group").split("_")[0]), spec)
     carried = room_pool_kinds()
-    for i, (group, spec) in enumerate(zip(groups, specs)):
+    for i, group in enumerate(groups):
+        spec = first[i]
         if spec.kind not in carried:
             raise ConfigError(f"KV cache group {i} ({type(group.kv_cache_spec).__name__}, layers "
                               f"{list(spec.layer_ids)}) is a kvbridge {spec.kind!r} pool, and the room endpoints carry "
