@@ -258,37 +258,46 @@ def window_spec(cache: VLLMCache, name: str, window: int) -> PoolSpec:
 
 
 class SharedRegions:
-    """A transfer engine through which a region registered again (the same address and size: one
-    tensor vLLM shares between layers of different KV cache groups) is registered once, and
-    unregistered when its last registration is withdrawn; everything else goes to ``engine``
-    as it is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name``
-    (what ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
+    """A transfer engine through which a region inside one already registered (the same tensor
+    vLLM shares between layers of different KV cache groups; a Mamba layer's conv or SSM state
+    region inside its view) is not registered again but counted, and the registered region is
+    unregistered when its last registration is withdrawn; everything else goes to ``engine`` as it
+    is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name`` (what
+    ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
     wrappers do."""
 
     def __init__(self, engine: Any, name: str) -> None:
         self._engine = engine
         self._name = name
         self._regions: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, registrations)
+        self._inside: dict[int, list[int]] = {}  # ptr of a region registered inside another -> the outer ptrs
 
     def route(self, session: str) -> str:
         inner = getattr(self._engine, "route", None)
         return inner(session) if inner is not None else self._name
 
     def register(self, ptr: int, nbytes: int) -> None:
-        held = self._regions.get(int(ptr))
-        if held is not None and held[0] == int(nbytes):
-            self._regions[int(ptr)] = (held[0], held[1] + 1)
-            return
+        ptr, nbytes = int(ptr), int(nbytes)
+        for base, (size, count) in self._regions.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                self._regions[base] = (size, count + 1)
+                self._inside.setdefault(ptr, []).append(base)
+                return
         self._engine.register(ptr, nbytes)
-        self._regions[int(ptr)] = (int(nbytes), 1)
+        self._regions[ptr] = (nbytes, 1)
+        self._inside.setdefault(ptr, []).append(ptr)
 
     def unregister(self, ptr: int) -> None:
-        held = self._regions.get(int(ptr))
+        outer = self._inside.get(int(ptr))
+        base = outer.pop() if outer else int(ptr)
+        if outer is not None and not outer:
+            del self._inside[int(ptr)]
+        held = self._regions.get(base)
         if held is not None and held[1] > 1:
-            self._regions[int(ptr)] = (held[0], held[1] - 1)
+            self._regions[base] = (held[0], held[1] - 1)
             return
-        self._regions.pop(int(ptr), None)
-        self._engine.unregister(ptr)
+        self._regions.pop(base, None)
+        self._engine.unregister(base)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

@@ -60,11 +60,14 @@ TP sizes (vLLM's NIXL does, ``ssm_conv_transfer_utils.py``): the TP size and the
 are in each state pool's ``kernel_abi``, so a prefill and a decode of different TP are refused at
 the handshake naming ``pools.group<i>_state<j>.kernel_abi`` (and ``bytes_per_token``).
 
-What is not wired: vLLM's decode recomputes the prompt's last token (n computed become n - 1),
-which a cumulative state must not see twice, so the state decode needs is h(n - 1), the state
-after n - 1 tokens; vLLM's NIXL connector has its prefill stop one token short for it
-(``_prefill_backoff``). kvbridge's rooms do not do that yet, so ``group_layout`` still refuses a
-Mamba group (after the checks above, so their names come first): docs/models.md.
+One token short. vLLM's decode recomputes the prompt's last token when a room loads all n (n
+computed become n - 1), which a cumulative state must not see twice: the state decode needs is
+h(n - 1). So with a Mamba group prefill stops one token short (``GroupLayout.backoff``, as
+vLLM's NIXL connector does, ``_prefill_backoff``): its scheduler side drops the prompt's last
+token when the request arrives (``on_new_request``; the room stays bound to the whole prompt and
+claims its n tokens), its room carries n - 1 tokens, the full-attention group's blocks of those
+and each state pool's slot with the last chunk; decode asks for n - 1 tokens and computes token
+n - 1 itself. Mamba groups beside sliding-window groups are refused by name.
 """
 
 from __future__ import annotations
@@ -145,7 +148,25 @@ class GroupLayout:
     paged: int
     windows: tuple[tuple[int, str, int], ...]
     block_size: int
-    names: tuple[str, ...]  # pool name of each group (group<i>)
+    names: tuple[str, ...]  # pool name of each attention group (group<i>)
+    states: tuple[tuple[int, tuple[str, ...]], ...] = ()  # Mamba groups: (group index, its state pools)
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens prefill leaves to decode: 1 with Mamba state (decode needs h(n - 1))."""
+        return 1 if self.states else 0
+
+    def state_blocks(self, group_block_ids: Any, null_block: int | None
+                     ) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], str]:
+        """Per state pool, the request's slot (``state_slot``); with the reason when a Mamba group
+        does not hold exactly one block for it, else ""."""
+        out = []
+        for g, pools in self.states:
+            slot, why = state_slot(group_block_ids, g, null_block)
+            if slot is None:
+                return (), why
+            out.extend((name, (slot,)) for name in pools)
+        return tuple(out), ""
 
     def window_blocks(self, group_block_ids: Any, num_tokens: int, null_block: int | None
                       ) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], str]:
@@ -163,7 +184,7 @@ class GroupLayout:
         return tuple(out), ""
 
 
-def group_layout(kv_cache_config: Any) -> GroupLayout | None:
+def group_layout(kv_cache_config: Any, tp_size: int = 1) -> GroupLayout | None:
     """The room layout of a config with more than one KV cache group (None: one group, moved as
     a paged pool). ConfigError naming the groups for what the connector does not move (module
     docstring)."""
@@ -172,29 +193,28 @@ def group_layout(kv_cache_config: Any) -> GroupLayout | None:
         return None
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    specs = group_specs(kv_cache_config)  # a Mamba group's mapping is checked (and refused by its field) first
-    mamba = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
-    if mamba:
-        i = mamba[0]
-        raise ConfigError(f"KV cache group {i} (MambaSpec, layers {list(_layer_ids(list(groups[i].layer_names), i))}): "
-                          "kvbridge maps its conv and SSM state onto state pools (group<i>_state<j>), but vLLM's "
-                          "decode recomputes the prompt's last token, so the state it needs is the one after n - 1 "
-                          "tokens, and kvbridge's rooms do not yet have prefill stop one token short for it as vLLM's "
-                          "NIXL connector does (_prefill_backoff; docs/models.md): serve this hybrid model with "
-                          "vLLM's NixlConnector", field=f"kv_cache_config.kv_cache_groups[{i}]")
-    names = tuple(specs)
-    paged = [i for i, s in enumerate(specs.values()) if s.kind == "paged"]
-    windows = tuple((i, n, int(s.window)) for i, (n, s) in enumerate(specs.items()) if s.kind == "window")
+    specs = group_specs(kv_cache_config, tp_size)  # a Mamba group's own refusals by field come first
+    mamba = {i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)}
+    states = tuple((i, tuple(n for n in specs if n.startswith(f"group{i}_"))) for i in sorted(mamba))
+    names = tuple(f"group{i}" for i in range(len(groups)))  # a Mamba group's pools: states
+    kinds = {n: specs[n].kind for n in names if n in specs}
+    paged = [i for i, n in enumerate(names) if kinds.get(n) == "paged"]
+    windows = tuple((i, n, int(specs[n].window)) for i, n in enumerate(names) if kinds.get(n) == "window")
+    if states and windows:
+        raise ConfigError(f"KV cache groups {[type(g.kv_cache_spec).__name__ for g in groups]}: Mamba state beside "
+                          "sliding-window groups; kvbridge's vLLM connector moves Mamba groups beside full-attention "
+                          "groups only (prefill stops one token short for the state, which the window's extent "
+                          "does not follow yet)", field="kv_cache_config.kv_cache_groups")
     if len(paged) != 1:
         raise ConfigError(f"KV cache groups {[type(g.kv_cache_spec).__name__ for g in groups]}: {len(paged)} "
                           "full-attention groups; a room has one page mapping, so kvbridge's vLLM connector moves "
                           "exactly one full-attention group beside its sliding-window groups",
                           field="kv_cache_config.kv_cache_groups")
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    sizes = {int(g.kv_cache_spec.block_size) for i, g in enumerate(groups) if i not in mamba}
     if len(sizes) != 1:
         raise ConfigError(f"KV cache groups of block sizes {sorted(sizes)}: kvbridge's vLLM connector moves "
-                          "groups of one block size", field="kv_cache_config.kv_cache_groups")
-    return GroupLayout(paged[0], windows, sizes.pop(), names)
+                          "attention groups of one block size", field="kv_cache_config.kv_cache_groups")
+    return GroupLayout(paged[0], windows, sizes.pop(), names, states)
 
 
 def mamba_state_specs(spec: Any, group: int, layer_ids: Sequence[int], *, tp_size: int = 1,
