@@ -1,6 +1,6 @@
 """vLLM's KV cache groups under the hybrid manager as kvbridge pool kinds
 (integrations/vllm/hybrid.py), on vLLM's own spec classes: full attention -> paged, sliding
-window -> window (W tokens: decode recomputes the last prompt token), Mamba -> a state slot; the
+window -> window (W tokens: decode recomputes the last prompt token), Mamba -> state slots; the
 pools build one contract, a group kvbridge has no kind for is refused naming the group, and the
 window's pages are checked against vLLM's own decode allocation."""
 
@@ -118,7 +118,7 @@ def test_gpt_oss_without_the_hybrid_manager_is_one_paged_group(carried):
     assert group_specs(config)["group0"].kind == "paged"
 
 
-def test_a_mamba_hybrid_is_refused_by_the_state_kind(carried):
+def test_a_mamba_hybrid_needs_the_state_kind(carried):
     config = _grouped(QWEN3_NEXT)
     specs = group_specs(config)
     assert [s.kind for s in specs.values()] == ["state"] * 6 + ["paged"]  # (vLLM: a group per Mamba layer here)
@@ -126,10 +126,9 @@ def test_a_mamba_hybrid_is_refused_by_the_state_kind(carried):
     with pytest.raises(ConfigError, match=r"KV cache group 0 \(MambaSpec, layers \[0\]\) is a kvbridge 'state' "
                                           r"pool, and the room endpoints carry only"):
         refuse_hybrid(config)
-    carried({"paged", "state"})  # carried by the rooms, refused by the connector with the reason
-    with pytest.raises(ConfigError, match="state it needs is the one after n - 1 tokens") as err:
-        refuse_hybrid(config)
-    assert err.value.field == "kv_cache_config.kv_cache_groups[0]"
+    carried({"paged", "state"})  # carried by the rooms: each Mamba group's states beside the paged group
+    layout = refuse_hybrid(config)
+    assert (layout.paged, layout.backoff, [g for g, _ in layout.states]) == (3, 1, [0, 1, 2])
 
 
 def test_the_hma_connector_supports_hma_and_finishes_all_groups():

@@ -15,7 +15,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                        SlidingWindowSpec)
 
 import kvbridge as kvb
 from kvbridge import ConfigError
@@ -124,19 +125,26 @@ def test_decode_of_another_tp_size_differs_in_the_state_pools_fields():
     assert not kvb.diff_contracts(kvb.contract_for(tp1, model="m", aux=aux), kvb.contract_for(same, model="m", aux=aux))
 
 
-def test_the_slot_is_the_requests_one_state_block_and_the_group_is_still_refused(tmp_path):
+def test_the_slot_is_the_requests_one_state_block_and_mamba_goes_beside_full_attention_only(tmp_path):
     assert state_slot(([3, 4, 5], [0, 0, 9]), 1, 0) == (9, "")  # vLLM's null block 0 is not a slot
     slot, why = state_slot(([3], [7, 9]), 1, 0)
     assert slot is None and "holds 2 state blocks" in why
     cfg, _ = _allocated(tmp_path)
-    with pytest.raises(ConfigError, match="state it needs is the one after n - 1 tokens") as err:
-        group_layout(cfg)
-    assert err.value.field.startswith("kv_cache_config.kv_cache_groups[")
+    layout = group_layout(cfg)
+    g = next(i for i, grp in enumerate(cfg.kv_cache_groups) if isinstance(grp.kv_cache_spec, MambaSpec))
+    assert layout.states == ((g, (f"group{g}_state0", f"group{g}_state1")),) and layout.backoff == 1
+    assert layout.state_blocks(([4, 5], [6]) if g == 1 else ([6], [4, 5]), 0) == (
+        ((f"group{g}_state0", (6,)), (f"group{g}_state1", (6,))), "")
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=32)
+    groups = [KVCacheGroupSpec(["model.layers.0.mixer"], _mamba()), KVCacheGroupSpec(["model.layers.1.attn"], FULL),
+              KVCacheGroupSpec(["model.layers.2.attn"], swa)]
+    with pytest.raises(ConfigError, match="Mamba state beside sliding-window groups") as err:
+        group_layout(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+    assert err.value.field == "kv_cache_config.kv_cache_groups"
     with pytest.raises(ConfigError) as err:
         group_layout(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(["model.layers.0.mixer"], _mamba(mamba_cache_mode="all")),
-            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FULL)]))
-    assert err.value.field.endswith("mamba_cache_mode")  # the mapping's own refusal comes first
+            KVCacheGroupSpec(["model.layers.0.mixer"], _mamba(mamba_cache_mode="all")), groups[1]]))
+    assert err.value.field.endswith("mamba_cache_mode")
 
 
 # -- end to end: vLLM's Scheduler (hybrid manager on) and KVBridgeHMAConnector from KVConnectorFactory,
