@@ -147,6 +147,28 @@ def test_the_slot_is_the_requests_one_state_block_and_mamba_goes_beside_full_att
     assert err.value.field.endswith("mamba_cache_mode")
 
 
+def test_regions_inside_a_registered_one_are_counted_not_registered_again():
+    """A Mamba layer's conv and SSM regions lie inside its view (registered whole first), which an
+    attention layer of another group may share: one engine registration, dropped with the last."""
+    from kvbridge.integrations.vllm.cache import SharedRegions
+
+    calls = []
+    engine = types.SimpleNamespace(register=lambda p, n: calls.append(("reg", p, n)),
+                                   unregister=lambda p: calls.append(("unreg", p)))
+    shared = SharedRegions(engine, "tcp")
+    shared.register(1000, 800)  # the Mamba layer's view
+    shared.register(1000, 800)  # the attention layer sharing it
+    shared.register(1000, 120)  # conv state region
+    shared.register(1120, 680)  # SSM state region
+    shared.register(5000, 100)  # elsewhere
+    assert calls == [("reg", 1000, 800), ("reg", 5000, 100)]
+    for ptr in (1120, 1000, 1000, 5000):
+        shared.unregister(ptr)
+    assert calls[2:] == [("unreg", 5000)]
+    shared.unregister(1000)
+    assert calls[3:] == [("unreg", 1000)]
+
+
 # -- end to end: vLLM's Scheduler (hybrid manager on) and KVBridgeHMAConnector from KVConnectorFactory,
 # workers in processes of their own with vLLM's shared tensors, real Mooncake TCP (_vllm_world.py) ---
 
