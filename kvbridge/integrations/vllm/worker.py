@@ -30,7 +30,8 @@ endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles
                          finished_sending (vLLM frees their blocks); decode: rooms Success, or
                          Failed once no write can land (hard rule 6) -> finished_recving, a
                          failed room's blocks -> get_block_ids_with_load_errors (vLLM fails the
-                         request, or recomputes it under kv_load_failure_policy=recompute)
+                         request, or recomputes it under kv_load_failure_policy=recompute); with
+                         hybrid groups (block ids are per group) the request -> failed_recving
 
 Which ranks are kvbridge ranks:
 
@@ -121,6 +122,7 @@ class WorkerSide:
         self._releasing: dict[str, Any] = {}  # decode: req id -> the KVReceiver whose release is on its way
         self._refused: dict[str, str] = {}  # prefill: req id -> why its room failed this step (for the scheduler)
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # decode, hybrid groups: requests whose load failed (failed_recving)
         self._free_slots: list[int] = []
         self._aux: dict[str, np.ndarray] = {}
         # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
@@ -520,7 +522,9 @@ class WorkerSide:
         if self.is_prefill:
             return self._finished_sending(finished_req_ids), set(), set()
         self._released()
-        return set(), self._finished_recving(), set()
+        recving = self._finished_recving()
+        failed, self._failed_loads = self._failed_loads, set()
+        return set(), recving, failed
 
     def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         self._finished.update(finished_req_ids)
@@ -577,9 +581,10 @@ class WorkerSide:
             self.stats.count("load_failed")
             log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
                         rec.receive.room, rec.failure)
-            self._load_errors.update(rec.receive.block_ids)
-            for _, ids in rec.receive.windows:
-                self._load_errors.update(ids)
+            if self.groups is not None:  # block ids are per group: vLLM takes the request (failed_recving)
+                self._failed_loads.add(req_id)
+            else:
+                self._load_errors.update(rec.receive.block_ids)
             self._release(req_id, rec)
             done.add(req_id)
         return done

@@ -169,6 +169,24 @@ def test_regions_inside_a_registered_one_are_counted_not_registered_again():
     assert calls[3:] == [("unreg", 1000)]
 
 
+def test_a_failed_hybrid_load_is_reported_by_request_not_block_ids(tmp_path):
+    """vLLM raises on invalid_block_ids with several KV cache groups (block ids are per group): a
+    hybrid decode's failed room goes to failed_recving (and finished_recving), no block ids."""
+    import _vllm_config as C
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge.integrations.vllm import KVBridgeHMAConnector
+    from kvbridge.integrations.vllm.meta import Receive
+
+    vc = C.vllm_config(C.model_dir(tmp_path, "gqa", num_hidden_layers=4), "kv_consumer",
+                       {"bootstrap_url": "http://127.0.0.1:9"}, mamba=True)
+    worker = KVBridgeHMAConnector(vc, KVConnectorRole.WORKER, C.kv_cache_config(vc, 48)).worker_side
+    assert worker.groups is not None and worker.groups.states
+    worker._receive(Receive("r", 7, "p", (3, 4), 0, error="refused by the scheduler side", num_tokens=20))
+    assert worker.get_transfer_results(set()) == (set(), {"r"}, {"r"})
+    assert worker.get_block_ids_with_load_errors() == set() and worker.stats.data["load_failed"] == 1
+
+
 # -- end to end: vLLM's Scheduler (hybrid manager on) and KVBridgeHMAConnector from KVConnectorFactory,
 # workers in processes of their own with vLLM's shared tensors, real Mooncake TCP (_vllm_world.py) ---
 
