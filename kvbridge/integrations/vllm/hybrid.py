@@ -143,7 +143,8 @@ def group_specs(kv_cache_config: Any, tp_size: int = 1) -> dict[str, kvb.PoolSpe
 @dataclass(frozen=True)
 class GroupLayout:
     """How a hybrid request's groups map onto a room: ``paged`` is the group whose blocks are the
-    room's page mapping; ``windows`` the window groups as ``(group index, pool name, W)``."""
+    room's page mapping; ``windows`` the window groups as ``(group index, pool name, W)``;
+    ``states`` the Mamba groups with their state pools."""
 
     paged: int
     windows: tuple[tuple[int, str, int], ...]
@@ -186,8 +187,9 @@ class GroupLayout:
 
 def group_layout(kv_cache_config: Any, tp_size: int = 1) -> GroupLayout | None:
     """The room layout of a config with more than one KV cache group (None: one group, moved as
-    a paged pool). ConfigError naming the groups for what the connector does not move (module
-    docstring)."""
+    a paged pool): one full-attention group with its sliding-window groups or its Mamba groups.
+    ConfigError naming the groups (or the Mamba spec's field) for what the connector does not move
+    (module docstring)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) <= 1:
         return None

@@ -198,9 +198,10 @@ def refuse_hybrid(kv_cache_config: Any) -> Any:
     refused naming the group, its spec and the kind. One full-attention group (MLA, and a sliding
     window vLLM promoted to full allocation with the hybrid manager off, included) is the paged
     pool the connector moves; under the hybrid manager one full-attention group beside any number
-    of sliding-window groups moves too (``hybrid.group_layout``, returned; None for one group).
-    Mamba groups, several full-attention groups and groups of different block sizes are refused
-    by name (``hybrid.py``'s docstring)."""
+    of sliding-window groups, or of Mamba groups, moves too (``hybrid.group_layout``, returned;
+    None for one group). Mamba groups beyond one state slot per request, Mamba beside sliding
+    windows, several full-attention groups and attention groups of different block sizes are
+    refused by name (``hybrid.py``'s docstring)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvbridge.integrations.vllm.hybrid import group_layout, group_specs, room_pool_kinds
