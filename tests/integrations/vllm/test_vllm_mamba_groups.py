@@ -187,6 +187,34 @@ def test_a_failed_hybrid_load_is_reported_by_request_not_block_ids(tmp_path):
     assert worker.get_block_ids_with_load_errors() == set() and worker.stats.data["load_failed"] == 1
 
 
+def test_prefill_stops_one_token_short_once_and_refuses_a_prompt_it_cannot_shorten(tmp_path):
+    """vLLM's real Scheduler (hybrid manager on) calls the connector's on_new_request as a request
+    arrives: the prompt loses its last token once (not again, say after a preemption), the room
+    stays bound to the whole prompt; a one-token prompt cannot lose one and is answered without a
+    room (decode computes it)."""
+    import _vllm_config as C
+    from _vllm_world import Instance
+
+    from kvbridge.integrations.vllm.scheduler import prompt_binding
+
+    inst = Instance("kv_producer", C.model_dir(tmp_path, "gqa", num_hidden_layers=4),
+                    {"bootstrap_url": "http://127.0.0.1:9", "instance": "p"}, tp=1, layout="LBNHC", block_size=BS,
+                    num_blocks=48, mamba=True)
+    side = inst.scheduler.connector.scheduler_side
+    prompt = list(range(3, 73))
+    whole = inst.add("whole", list(prompt), None)  # (no kv_transfer_params: not a P/D request, untouched)
+    req = inst.add("pd", list(prompt), {"do_remote_decode": True})
+    assert (whole.num_prompt_tokens, req.num_prompt_tokens, req.max_tokens) == (70, 69, 1)
+    assert req.prompt_token_ids == prompt[:-1] and side._whole["pd"] == (prompt_binding(whole), 70)
+    side.on_new_request(req)
+    assert req.num_prompt_tokens == 69
+    one = inst.add("one", [5], {"do_remote_decode": True})
+    side.update_state_after_alloc(one, None, 0)
+    assert one.num_prompt_tokens == 1 and side._fallback["one"] == "room_refused"
+    side.update_state_after_alloc(req, None, 0)
+    assert side._sends["pd"].binding == prompt_binding(whole) and side._sends["pd"].claim == 70
+
+
 # -- end to end: vLLM's Scheduler (hybrid manager on) and KVBridgeHMAConnector from KVConnectorFactory,
 # workers in processes of their own with vLLM's shared tensors, real Mooncake TCP (_vllm_world.py) ---
 
