@@ -289,11 +289,15 @@ class PoolSpec:
         spec; returns its capacity in pages. Any contiguous buffer of the pool's storage type
         whose bytes are whole pages is accepted, whatever its shape: page-major
         ``[pages, page_size * row]`` and token-major ``[pages * page_size, row]`` are
-        byte-identical. A ``RawBuffer`` (an address) must hold whole pages."""
+        byte-identical. A ``RawBuffer`` (an address) must hold whole pages; of padded pages
+        (``page_stride``) the last may end with its payload (a region cut out of a larger page,
+        vLLM's Mamba states, ends there)."""
         where = f"pool {self.name!r} layer {layer_id}"
         if layer_id not in self.layer_ids:
             raise BufferSpecError(f"pool {self.name!r} has no layer {layer_id}; layers are {self.layer_ids}", field="layer_id")
         if isinstance(buf, RawBuffer):  # an address has no dtype or shape: whole pages is what can be checked
+            if self.page_stride and buf.nbytes % self.page_stride == self.payload_bytes_per_page:
+                return buf.nbytes // self.page_stride + 1  # a padded last page may end with its payload
             return buf.whole_items(self.bytes_per_page, f"{where} ({self.page_size} tokens x {self.bytes_per_token} B "
                                                         "per page)", "bytes_per_page")
         dtype = str(buf.dtype).removeprefix("torch.")

@@ -64,9 +64,11 @@ class EndpointBuffers:
             self.descs = [describe_buffer(specs[p], layer, buffers[(p, layer)]) for p, layer in sorted(expected)]
         except BufferSpecError as exc:
             raise BufferSpecError(exc.reason, rank=rank, field=f"buffers.{exc.field}") from None
-        # host memory given as an address is read (digests) through a [pages, bytes_per_page] view of it
+        # host memory given as an address is read (digests) through a [pages, bytes_per_page] view of it;
+        # padded pages whose last one ends with its payload (pools.validate_buffer) stay an address
         self.tensors = {key: buf.host_view().reshape(-1, specs[key[0]].bytes_per_page)
-                        if isinstance(buf, RawBuffer) and buf.on_host else buf for key, buf in buffers.items()}
+                        if isinstance(buf, RawBuffer) and buf.on_host and not buf.nbytes % specs[key[0]].bytes_per_page
+                        else buf for key, buf in buffers.items()}
         # the room's pages lie inside this: the paged pools' (a paged window may be on pages of its
         # own, an SWA pool smaller than the full KV's; on the room's pages it is checked where its
         # units are planned, transfer/prefill/kinds.py, as compressed, state and ring pools are);

@@ -59,6 +59,22 @@ def test_buffers_are_whole_padded_pages():
         spec.validate_buffer(2, np.zeros((3, 37_376), np.uint8))
 
 
+def test_an_address_of_padded_pages_may_end_with_the_last_payload():
+    """A region cut out of larger pages (vLLM's Mamba SSM state: from its offset in block 0 to its
+    end in the last block) holds N pages though its last one stops at the payload; anything else
+    is refused."""
+    from kvbridge.layout import RawBuffer
+
+    state = PoolSpec(name="ssm", dtype="float32", abi="float32", bytes_per_token=2048, page_size=1, layer_ids=(0,),
+                     kind="state", page_stride=8192)
+    region = np.zeros(3 * 8192, np.uint8)
+    ptr = region.ctypes.data
+    assert state.validate_buffer(0, RawBuffer(ptr, 2 * 8192 + 2048)) == 3
+    assert state.validate_buffer(0, RawBuffer(ptr, 3 * 8192)) == 3
+    with pytest.raises(Exception, match="not a whole number of 8192-byte"):
+        state.validate_buffer(0, RawBuffer(ptr, 2 * 8192 + 2047))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(page_stride=37_000), "at least the page's payload of 37376"),
     (dict(page_stride=-1), "non-negative integer"),

@@ -10,8 +10,8 @@
 
 with a daemon running (``kvbridge bootstrap --port 8998``). ``"kv_connector": "KVBridgeHMAConnector"``
 keeps vLLM's hybrid KV cache manager on (``SupportsHMA``): one full-attention group and its
-sliding-window groups move (the window's blocks only), Mamba groups are refused by kind
-(``hybrid.py``, docs/vllm.md). Roles: ``kv_producer``
+sliding-window groups move (the window's blocks only), or its Mamba groups (each request's conv
+and SSM state slot, prefill one token short; equal TP) (``hybrid.py``, docs/vllm.md). Roles: ``kv_producer``
 (prefill) and ``kv_consumer`` (decode); ``kv_both`` is refused.
 
 ``kv_connector_extra_config`` keys (``settings.EXTRA_KEYS``; a key not listed is refused):

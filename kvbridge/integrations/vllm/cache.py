@@ -218,6 +218,38 @@ def read_group_caches(kv_caches: dict[str, Any], groups: Any, names: Sequence[st
     return out
 
 
+def mamba_state_buffers(kv_caches: dict[str, Any], group: Any, index: int, num_blocks: int,
+                        specs: Mapping[str, PoolSpec]) -> dict[tuple[str, int], RawBuffer]:
+    """A Mamba group's state buffers (``hybrid.mamba_state_specs``): per layer and state, the
+    region of vLLM's raw ``[blocks, 1, 1, C]`` int8 view from the state's offset in block 0 to
+    its end in the last block (pages ``block_stride`` apart, the padding never travels). The
+    specs' order is the states' order in a block. ConfigError naming the layer for a view that
+    is not one."""
+    out: dict[tuple[str, int], RawBuffer] = {}
+    for name in group.layer_names:
+        t = kv_caches.get(name)
+        if t is None:
+            raise ConfigError(f"KV cache group {index}: Mamba layer {name!r} has no KV cache registered",
+                              field="kv_caches")
+        content = sum(s.bytes_per_token for s in specs.values())
+        shape = tuple(int(d) for d in t.shape)
+        if t.element_size() != 1 or len(shape) != 4 or shape[0] != num_blocks or shape[1:3] != (1, 1) \
+                or shape[3] != content or int(t.stride(3)) != 1:
+            raise ConfigError(f"Mamba layer {name!r}: a view of shape {shape} ({t.dtype}); kvbridge reads vLLM's raw "
+                              f"int8 [{num_blocks}, 1, 1, {content}] state pages", field="kv_caches")
+        stride = int(t.stride(0))
+        device = "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
+        offset, lid = 0, layer_id(name)
+        for pool, spec in specs.items():
+            if spec.bytes_per_page != stride:
+                raise ConfigError(f"Mamba layer {name!r}: blocks {stride} B apart, pool {pool} pages "
+                                  f"{spec.bytes_per_page} B", field="kv_caches")
+            out[(pool, lid)] = RawBuffer(int(t.data_ptr()) + offset, (num_blocks - 1) * stride + spec.bytes_per_token,
+                                         device)
+            offset += spec.bytes_per_token
+    return out
+
+
 def window_spec(cache: VLLMCache, name: str, window: int) -> PoolSpec:
     """A sliding-window group's pool: rows of ``window`` tokens (``hybrid.py``), this rank's heads."""
     return window_pool(name, tuple(b.layer_id for b in cache.layers), cache.num_heads * cache.cell_bytes,
@@ -226,37 +258,46 @@ def window_spec(cache: VLLMCache, name: str, window: int) -> PoolSpec:
 
 
 class SharedRegions:
-    """A transfer engine through which a region registered again (the same address and size: one
-    tensor vLLM shares between layers of different KV cache groups) is registered once, and
-    unregistered when its last registration is withdrawn; everything else goes to ``engine``
-    as it is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name``
-    (what ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
+    """A transfer engine through which a region inside one already registered (the same tensor
+    vLLM shares between layers of different KV cache groups; a Mamba layer's conv or SSM state
+    region inside its view) is not registered again but counted, and the registered region is
+    unregistered when its last registration is withdrawn; everything else goes to ``engine`` as it
+    is (a partial overlap is the engine's to refuse). ``route`` names the engine ``name`` (what
+    ``create_engine`` built) for the endpoint's staging thresholds, as kvbridge's own engine
     wrappers do."""
 
     def __init__(self, engine: Any, name: str) -> None:
         self._engine = engine
         self._name = name
         self._regions: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, registrations)
+        self._inside: dict[int, list[int]] = {}  # ptr of a region registered inside another -> the outer ptrs
 
     def route(self, session: str) -> str:
         inner = getattr(self._engine, "route", None)
         return inner(session) if inner is not None else self._name
 
     def register(self, ptr: int, nbytes: int) -> None:
-        held = self._regions.get(int(ptr))
-        if held is not None and held[0] == int(nbytes):
-            self._regions[int(ptr)] = (held[0], held[1] + 1)
-            return
+        ptr, nbytes = int(ptr), int(nbytes)
+        for base, (size, count) in self._regions.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                self._regions[base] = (size, count + 1)
+                self._inside.setdefault(ptr, []).append(base)
+                return
         self._engine.register(ptr, nbytes)
-        self._regions[int(ptr)] = (int(nbytes), 1)
+        self._regions[ptr] = (nbytes, 1)
+        self._inside.setdefault(ptr, []).append(ptr)
 
     def unregister(self, ptr: int) -> None:
-        held = self._regions.get(int(ptr))
+        outer = self._inside.get(int(ptr))
+        base = outer.pop() if outer else int(ptr)
+        if outer is not None and not outer:
+            del self._inside[int(ptr)]
+        held = self._regions.get(base)
         if held is not None and held[1] > 1:
-            self._regions[int(ptr)] = (held[0], held[1] - 1)
+            self._regions[base] = (held[0], held[1] - 1)
             return
-        self._regions.pop(int(ptr), None)
-        self._engine.unregister(ptr)
+        self._regions.pop(base, None)
+        self._engine.unregister(base)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

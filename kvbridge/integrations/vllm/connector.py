@@ -9,8 +9,9 @@ by name below (the base's defaults stand for the rest):
                                   window is then allocated in full and moves as every token's pages;
                                   vLLM itself refuses Mamba hybrids without it). KVBridgeHMAConnector:
                                   yes (SupportsHMA, request_finished_all_groups): one full-attention
-                                  group and its sliding-window groups move (hybrid.py), other groups
-                                  are refused by kind (settings.refuse_hybrid)
+                                  group with its sliding-window groups, or with its Mamba groups
+                                  (state pools, prefill one token short: on_new_request), move
+                                  (hybrid.py); other groups are refused by kind (settings.refuse_hybrid)
     save_kv_layer                 prefill, layerwise (default): the layer of the prompts ending in this
                                   step goes out now; wait_for_save sends what is left (worker.py).
                                   It must run at every prefill step: with cudagraph_mode=FULL (prefill
@@ -76,6 +77,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -169,7 +173,8 @@ class KVBridgeHMAConnector(KVBridgeConnector, SupportsHMA):
     "KVBridgeHMAConnector"``): vLLM then hands it every KV cache group, which
     ``settings.refuse_hybrid`` maps onto pool kinds at start-up: one full-attention group is the
     room's page mapping, each sliding-window group a window pool whose blocks of the last W tokens
-    move (``hybrid.py``); Mamba groups are refused naming the group and the kind. vLLM calls
+    move, each Mamba group's conv and SSM state a state pool whose slot moves with the last chunk,
+    prefill one token short (``hybrid.py``). vLLM calls
     ``request_finished_all_groups`` instead of ``request_finished``."""
 
     def request_finished_all_groups(self, request: Any,

@@ -37,7 +37,8 @@ class SendChunk:
     is_last: bool
     binding: bytes = b""  # the prompt's digest (kvbridge.room_binding): the room is opened bound to it
     windows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # last chunk, hybrid: window pool -> its blocks of
-    # the window's pages (hybrid.py); the pools are opened waiting for them (KVSender kind_units None)
+    # the window's pages (hybrid.py); the pools are opened waiting for them (KVSender kind_units None); every
+    # chunk, Mamba: each state pool -> the request's slot (given at the room's init, sent with the last chunk)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Receive:
     error: str = ""  # the scheduler side refused the request's params: fail its load, naming this
     binding: bytes = b""  # the prompt's digest, presented with the claim (a room bound to another refuses it)
     num_tokens: int = 0  # hybrid: the prompt's tokens (the window's extent; 0: prefill says the count)
-    windows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # hybrid: window pool -> decode's blocks of its pages
+    windows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # hybrid: window pool -> decode's blocks of its pages,
+    # state pool -> decode's slot
 
 
 @dataclass(frozen=True)

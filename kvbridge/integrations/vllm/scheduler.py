@@ -58,6 +58,7 @@ from kvbridge.integrations.vllm.stats import KVBridgeStats
 log = logging.getLogger(__name__)
 
 ROOM, INSTANCE, NUM_TOKENS = "kvbridge_room", "kvbridge_instance", "kvbridge_num_tokens"
+BACKED_OFF = "_kvbridge_backed_off"  # prefill, Mamba: the prompt's last token was dropped (once: preemption)
 SIG, EXPIRES = "kvbridge_room_sig", "kvbridge_room_expires"
 FALLBACK = "kvbridge_fallback"  # prefill's params: why no room (decode computes the prompt itself)
 MAX_ROOM = (1 << 63) - 1
@@ -94,6 +95,7 @@ class _Send:
     room: int
     num_tokens: int
     binding: bytes = b""
+    claim: int = 0  # the prompt's tokens decode's claim must match (Mamba: num_tokens + 1; 0: num_tokens)
     sent_pages: int = 0  # pages handed to the workers so far
     opened: bool = False  # a chunk reached the workers: their senders exist
     done: bool = False  # the last chunk reached them
@@ -105,6 +107,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.groups = groups  # hybrid manager: the paged group and the window groups (hybrid.py)
         self._local: dict[str, str] = {}  # decode, hybrid: request -> why decode computes it (no room moved)
+        self._whole: dict[str, tuple[bytes, int]] = {}  # prefill, Mamba: request -> (binding, n) before backoff
         self.is_prefill = settings.role == "prefill"
         self.kv_cache_manager: Any = None
         self._sends: dict[str, _Send] = {}  # prefill: requests whose room is open or to open
@@ -120,13 +123,33 @@ class SchedulerSide:
         self._answered: dict[str, dict[str, Any]] = {}  # prefill: params returned since the last worker output
         self.stats = KVBridgeStats()  # the same, since vLLM last took them (get_kv_connector_stats)
 
+    def on_new_request(self, request: Any) -> None:
+        """Prefill with a Mamba group (``GroupLayout.backoff``): drop the prompt's last token before
+        it is scheduled, so the state the room carries is h(n - 1), what decode needs (it computes
+        token n - 1 itself: hybrid.py). The room stays bound to the whole prompt and claims n."""
+        params = request.kv_transfer_params
+        backoff = self.groups.backoff if self.groups is not None else 0
+        if not (self.is_prefill and backoff and params and params.get("do_remote_decode")):
+            return
+        n, ids = int(request.num_prompt_tokens), getattr(request, "prompt_token_ids", None)
+        if params.get(BACKED_OFF) or n <= backoff or not isinstance(ids, list) or \
+                getattr(request, "skip_reading_prefix_cache", False):
+            return  # (prompt embeds, a one-token prompt, prompt logprobs: the room is refused at open)
+        self._whole[request.request_id] = (prompt_binding(request), n)
+        del ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens = n - backoff
+        request.max_tokens = 1
+        params[BACKED_OFF] = True
+
     # -- decode ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if self.is_prefill or not params or not params.get("do_remote_prefill") or ROOM not in params:
             return 0, False
-        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        backoff = self.groups.backoff if self.groups is not None else 0  # Mamba: decode computes token n - 1
+        count = int(request.num_prompt_tokens) - backoff - int(num_computed_tokens)
         if count > 0 and self.groups is not None:
             why = self._hybrid_local(int(request.num_prompt_tokens), int(num_computed_tokens))
             if why:
@@ -172,7 +195,8 @@ class SchedulerSide:
             return
         req_id = request.request_id
         self._local.pop(req_id, None)
-        local = int(request.num_prompt_tokens) - int(num_external_tokens)
+        backoff = self.groups.backoff if self.groups is not None else 0  # Mamba: token n - 1 is decode's own
+        local = int(request.num_prompt_tokens) - backoff - int(num_external_tokens)
         group_ids = blocks.get_block_ids()
         block_ids = list(group_ids[self.groups.paged if self.groups is not None else 0])
         error, windows, num_tokens = "", (), 0
@@ -190,12 +214,16 @@ class SchedulerSide:
             error = (f"decode's local prefix hit of {local} tokens is not whole blocks of {self.block_size}: "
                      "kvbridge moves the blocks after a block-aligned prefix")
         if self.groups is not None:  # the window groups' blocks; one vLLM did not allocate fails the load
-            num_tokens = int(request.num_prompt_tokens)
+            num_tokens = int(request.num_prompt_tokens) - self.groups.backoff
             windows, gap = self.groups.window_blocks(group_ids, num_tokens, self._null_block())
             if gap and not error:
                 error = f"{gap}: decode's first step would read a key no room can fill; nothing loaded"
+            states, why = self.groups.state_blocks(group_ids, self._null_block())
+            windows += states
+            if why and not error:
+                error = f"{why}; nothing loaded"
         first = local // self.block_size
-        pages = tuple(block_ids[first:cdiv(int(request.num_prompt_tokens), self.block_size)])
+        pages = tuple(block_ids[first:cdiv(num_tokens or int(request.num_prompt_tokens), self.block_size)])
         self._receives.append(Receive(req_id, room, instance, pages, first, error, binding, num_tokens, windows))
 
     def _null_block(self) -> int | None:
@@ -248,13 +276,21 @@ class SchedulerSide:
             self._count("room_refused", req_id, str(exc))
             self._fallback[req_id] = "room_refused"
             return
+        whole = self._whole.pop(req_id, None)
+        if self.groups is not None and self.groups.backoff and whole is None:
+            reason = ("a Mamba group's state needs prefill to stop one token short, which this prompt does not "
+                      "allow (prompt embeds, one token, or prompt logprobs)")
+            self._count("room_refused", req_id, reason)
+            self._fallback[req_id] = "room_refused"
+            return
         holder = self._open_rooms.get(room)
         if holder is not None:
             self._count("room_in_use", req_id, f"room {room} is already open for request {holder} on this engine")
             self._fallback[req_id] = "room_in_use"
             return
         self._open_rooms[room], self._room_of[req_id] = req_id, room
-        self._sends[req_id] = _Send(request, room, int(request.num_prompt_tokens), binding)
+        self._sends[req_id] = _Send(request, room, int(request.num_prompt_tokens), whole[0] if whole else binding,
+                                    claim=whole[1] if whole else 0)
 
     def _count(self, reason: str, req_id: str, detail: str) -> None:
         self.refusals[reason] += 1
@@ -290,8 +326,11 @@ class SchedulerSide:
             group_ids = self._group_ids(req_id, scheduler_output)
             block_ids = list(group_ids[self.groups.paged if self.groups is not None else 0])
             windows: tuple = ()
-            if is_last and self.groups is not None:
-                windows, gap = self.groups.window_blocks(group_ids, s.num_tokens, self._null_block())
+            if self.groups is not None and (is_last or self.groups.states):  # state slots: on every chunk
+                windows, gap = self.groups.window_blocks(group_ids, s.num_tokens, self._null_block()) if is_last \
+                    else ((), "")
+                states, why = self.groups.state_blocks(group_ids, self._null_block())
+                windows, gap = windows + states, gap or why
                 if gap:  # (vLLM keeps the window's blocks until the prompt's last step: not expected)
                     log.warning("kvbridge prefill: request %s: no room: %s", req_id, gap)
                     self._fallback[req_id] = "window_blocks"
@@ -312,6 +351,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if self.is_prefill:
+            self._whole.pop(req_id, None)
             s = self._sends.pop(req_id, None)
             refused = self._fallback.pop(req_id, None)
             if s is None or not s.opened:
@@ -323,7 +363,7 @@ class SchedulerSide:
                 return True, None if _aborted(request) else self._fallen_back(req_id, refused)
             if s.done and not _aborted(request):
                 params = {"do_remote_prefill": True, "do_remote_decode": False, ROOM: s.room,
-                          INSTANCE: self.settings.instance, NUM_TOKENS: s.num_tokens}
+                          INSTANCE: self.settings.instance, NUM_TOKENS: s.claim or s.num_tokens}
                 if self.settings.room_key:
                     expires = int(time.time() + self.settings.room_ttl_s)
                     params.update({SIG: sign_room(self.settings.room_key, s.room, expires, s.binding),

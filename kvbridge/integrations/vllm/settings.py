@@ -198,9 +198,10 @@ def refuse_hybrid(kv_cache_config: Any) -> Any:
     refused naming the group, its spec and the kind. One full-attention group (MLA, and a sliding
     window vLLM promoted to full allocation with the hybrid manager off, included) is the paged
     pool the connector moves; under the hybrid manager one full-attention group beside any number
-    of sliding-window groups moves too (``hybrid.group_layout``, returned; None for one group).
-    Mamba groups, several full-attention groups and groups of different block sizes are refused
-    by name (``hybrid.py``'s docstring)."""
+    of sliding-window groups, or of Mamba groups, moves too (``hybrid.group_layout``, returned;
+    None for one group). Mamba groups beyond one state slot per request, Mamba beside sliding
+    windows, several full-attention groups and attention groups of different block sizes are
+    refused by name (``hybrid.py``'s docstring)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvbridge.integrations.vllm.hybrid import group_layout, group_specs, room_pool_kinds
@@ -210,9 +211,12 @@ def refuse_hybrid(kv_cache_config: Any) -> Any:
         return None
     if not groups:
         raise ConfigError("vLLM's KVCacheConfig has no KV cache group", field="kv_cache_config.kv_cache_groups")
-    specs = list(group_specs(kv_cache_config).values())  # ConfigError naming a group without a kind
+    first: dict[int, Any] = {}  # group -> its (first) pool: a Mamba group has one per state (group<i>_state<j>)
+    for name, spec in group_specs(kv_cache_config).items():  # ConfigError naming a group without a kind
+        first.setdefault(int(name.removeprefix("group").split("_")[0]), spec)
     carried = room_pool_kinds()
-    for i, (group, spec) in enumerate(zip(groups, specs)):
+    for i, group in enumerate(groups):
+        spec = first[i]
         if spec.kind not in carried:
             raise ConfigError(f"KV cache group {i} ({type(group.kv_cache_spec).__name__}, layers "
                               f"{list(spec.layer_ids)}) is a kvbridge {spec.kind!r} pool, and the room endpoints carry "

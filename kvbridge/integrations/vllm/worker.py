@@ -30,7 +30,8 @@ endpoint, and the rooms of its requests as ``KVSender`` / ``KVReceiver`` handles
                          finished_sending (vLLM frees their blocks); decode: rooms Success, or
                          Failed once no write can land (hard rule 6) -> finished_recving, a
                          failed room's blocks -> get_block_ids_with_load_errors (vLLM fails the
-                         request, or recomputes it under kv_load_failure_policy=recompute)
+                         request, or recomputes it under kv_load_failure_policy=recompute); with
+                         hybrid groups (block ids are per group) the request -> failed_recving
 
 Which ranks are kvbridge ranks:
 
@@ -68,9 +69,9 @@ from kvbridge import (
     create_engine,
     diff_contracts,
 )
-from kvbridge.integrations.vllm.cache import (AUX_SCHEMA, HND, SharedRegions, VLLMCache, pool_spec, rank_contract,
-                                              read_group_caches, read_kv_caches, window_spec)
-from kvbridge.integrations.vllm.hybrid import GroupLayout
+from kvbridge.integrations.vllm.cache import (AUX_SCHEMA, HND, SharedRegions, VLLMCache, layer_id, mamba_state_buffers,
+                                              pool_spec, rank_contract, read_group_caches, read_kv_caches, window_spec)
+from kvbridge.integrations.vllm.hybrid import GroupLayout, mamba_state_specs
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata, KVBridgeWorkerMeta, Receive, ReleaseRoom, SendChunk
 from kvbridge.integrations.vllm.settings import Settings, model_weights
 from kvbridge.integrations.vllm.stats import KVBridgeStats
@@ -121,6 +122,7 @@ class WorkerSide:
         self._releasing: dict[str, Any] = {}  # decode: req id -> the KVReceiver whose release is on its way
         self._refused: dict[str, str] = {}  # prefill: req id -> why its room failed this step (for the scheduler)
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # decode, hybrid groups: requests whose load failed (failed_recving)
         self._free_slots: list[int] = []
         self._aux: dict[str, np.ndarray] = {}
         # kvbridge's account of the last rooms (KVSender / KVReceiver .stats: bytes, slices, seconds,
@@ -132,7 +134,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         s = self.settings
-        windows, caches = {}, {}
+        windows, caches, state_bufs, whole = {}, {}, {}, []
         if self.groups is not None:  # hybrid: a pool per group, the paged one the room's page mapping
             if self.is_mla:
                 raise ConfigError("MLA with hybrid KV cache groups is not moved by kvbridge's vLLM connector",
@@ -141,10 +143,21 @@ class WorkerSide:
                 raise ConfigError("staging 'always' with hybrid KV cache groups: the rooms carry window pools on the "
                                   "direct path only (set staging auto or never)", field="staging")
             g = self.groups
-            caches = read_group_caches(kv_caches, self.kv_cache_groups, g.names, self.num_blocks, s.block_size)
+            mamba = {i for i, _ in g.states}
+            attn = [i for i in range(len(self.kv_cache_groups)) if i not in mamba]
+            caches = read_group_caches(kv_caches, [self.kv_cache_groups[i] for i in attn], [g.names[i] for i in attn],
+                                       self.num_blocks, s.block_size)
             cache = caches[g.names[g.paged]]
             windows = {name: window_spec(caches[name], name, w) for _, name, w in g.windows}
-            self.window_pools = tuple(windows)
+            for i, _ in g.states:  # each Mamba group's states: state pools over vLLM's raw views (hybrid.py)
+                group = self.kv_cache_groups[i]
+                stride = int(kv_caches[group.layer_names[0]].stride(0))
+                states = mamba_state_specs(group.kv_cache_spec, i, [layer_id(n) for n in group.layer_names],
+                                           tp_size=s.tp_size, block_stride=stride)
+                windows.update(states)
+                state_bufs.update(mamba_state_buffers(kv_caches, group, i, self.num_blocks, states))
+                whole.extend((int(kv_caches[n].data_ptr()), self.num_blocks * stride) for n in group.layer_names)
+            self.window_pools = tuple(n for n, p in windows.items() if p.kind == "window")
         else:
             cache = read_kv_caches(kv_caches, self.num_blocks, s.block_size, self.is_mla)
         self.cache = cache
@@ -169,9 +182,14 @@ class WorkerSide:
         self.engine = create_engine(s.engine, host=s.host, protocol=s.protocol, device=s.device or None)
         specs, buffers = {spec.name: spec, **windows}, cache.buffers()
         for name in windows:
-            buffers.update(caches[name].buffers())
-        # hybrid: one tensor backs a layer of each group, registered once (cache.SharedRegions)
+            if name in caches:
+                buffers.update(caches[name].buffers())
+        buffers.update(state_bufs)
+        # hybrid: one tensor backs a layer of each group, registered once (cache.SharedRegions); a Mamba
+        # layer's states are regions inside its view, registered whole first
         engine = SharedRegions(self.engine, s.engine) if windows else self.engine
+        for ptr, nbytes in whole:
+            engine.register(ptr, nbytes)
         staging = {**s.staging_config, "staging": "never"} if windows else s.staging_config
         try:
             if not self.is_prefill and s.prefill_instance:  # on the engine's transport, as prefill registered it
@@ -383,8 +401,10 @@ class WorkerSide:
         if sender is None:
             try:
                 sender = self.endpoint.sender(c.room)
-                later = {name: None for name in self.window_pools} or None  # their blocks come with the last chunk
-                sender.init(self._tokens(c.num_tokens), binding=c.binding, kind_units=later)
+                later = {name: None for name in self.window_pools}  # their blocks come with the last chunk
+                later.update((name, np.asarray(ids, dtype=np.int64)) for name, ids in c.windows
+                             if name not in later)  # a Mamba group's state slots: from the first chunk
+                sender.init(self._tokens(c.num_tokens), binding=c.binding, kind_units=later or None)
             except KVBridgeError as exc:
                 self._failed(c, sender, exc)
                 return None
@@ -502,7 +522,9 @@ class WorkerSide:
         if self.is_prefill:
             return self._finished_sending(finished_req_ids), set(), set()
         self._released()
-        return set(), self._finished_recving(), set()
+        recving = self._finished_recving()
+        failed, self._failed_loads = self._failed_loads, set()
+        return set(), recving, failed
 
     def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         self._finished.update(finished_req_ids)
@@ -559,9 +581,10 @@ class WorkerSide:
             self.stats.count("load_failed")
             log.warning("kvbridge decode %s: request %s (room %d): KV load failed: %s", self.label, req_id,
                         rec.receive.room, rec.failure)
-            self._load_errors.update(rec.receive.block_ids)
-            for _, ids in rec.receive.windows:
-                self._load_errors.update(ids)
+            if self.groups is not None:  # block ids are per group: vLLM takes the request (failed_recving)
+                self._failed_loads.add(req_id)
+            else:
+                self._load_errors.update(rec.receive.block_ids)
             self._release(req_id, rec)
             done.add(req_id)
         return done

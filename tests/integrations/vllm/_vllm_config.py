@@ -36,13 +36,14 @@ def transfer_json(role: str, extra: dict[str, Any], connector: str = "KVBridgeCo
 
 def vllm_config(model: str, role: str, extra: dict[str, Any], *, block_size: int = 16, tp: int = 1,
                 dtype: str = "bfloat16", max_batched: int = 64, engine_id: str | None = None,
-                layout: str = "LBNHC", window: int = 0) -> Any:
+                layout: str = "LBNHC", window: int = 0, mamba: bool = False) -> Any:
     """``window``: a gpt-oss-like hybrid (even layers a sliding window of ``window`` tokens, odd
-    layers full attention) served with ``KVBridgeHMAConnector`` and vLLM's hybrid manager on."""
+    layers full attention) served with ``KVBridgeHMAConnector`` and vLLM's hybrid manager on;
+    ``mamba``: a Mamba2 hybrid (even layers Mamba2 state, ``MAMBA_SHAPES``) the same way."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
-    connector = "KVBridgeHMAConnector" if window else "KVBridgeConnector"
+    connector = "KVBridgeHMAConnector" if window or mamba else "KVBridgeConnector"
     kv = KVTransferConfig(**json.loads(transfer_json(role, extra, connector)),
                           **({"engine_id": engine_id} if engine_id else {}))
     mc = ModelConfig(model=model, tokenizer=None, skip_tokenizer_init=True, dtype=dtype, max_model_len=512)
@@ -52,10 +53,16 @@ def vllm_config(model: str, role: str, extra: dict[str, Any], *, block_size: int
                     scheduler_config=sc, kv_transfer_config=kv, device_config=DeviceConfig("cpu"),
                     parallel_config=ParallelConfig(tensor_parallel_size=tp))
     vc.cache_config.kv_cache_layout = layout  # what the engine core resolves before profiling
-    vc.hybrid_window = window  # (the test's own note: attention_specs reads it)
-    if window:  # vLLM's CPU platform turns the hybrid manager off for served models; its classes run with it on
+    vc.hybrid_window = window  # (the test's own notes: attention_specs reads them)
+    vc.hybrid_mamba = mamba
+    if mamba:  # Mamba prefix caching is mamba_cache_mode "align", which kvbridge refuses: off, as vLLM has it
+        vc.cache_config.enable_prefix_caching = False
+    if window or mamba:  # vLLM's CPU platform turns the hybrid manager off for served models; its classes run with it on
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
     return vc
+
+
+MAMBA_SHAPES = ((96, 3), (4, 8, 16))  # Mamba2 conv (x+B+C channels, kernel - 1) bf16; SSM (heads, dim, state) fp32
 
 
 def kv_cache_config(vc: Any, num_blocks: int) -> Any:
@@ -83,6 +90,14 @@ def attention_specs(vc: Any) -> dict[str, Any]:
                                                                       dtype=dtype) for i in range(layers)}
     heads = max(1, mc.get_total_num_kv_heads() // tp)
     window = getattr(vc, "hybrid_window", 0)
+    if getattr(vc, "hybrid_mamba", False):  # vLLM's Mamba state block covers the model's length (cache mode none)
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        full = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=mc.get_head_size(), dtype=dtype)
+        mamba = MambaSpec(block_size=mc.max_model_len, shapes=MAMBA_SHAPES, dtypes=(torch.bfloat16, torch.float32),
+                          page_size_padded=full.page_size_bytes)
+        return {f"model.layers.{i}.mixer" if i % 2 == 0 else f"model.layers.{i}.self_attn.attn":
+                mamba if i % 2 == 0 else full for i in range(layers)}
     if window:
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 

@@ -27,6 +27,12 @@ def expected(layer: int, heads: np.ndarray, positions: np.ndarray, cell: int, se
     return ((p * 7 + layer * 13 + h * 29 + c * 3 + seed) % 200 + 1).astype(np.uint8)
 
 
+def state_bytes(layer: int, nbytes: int, seed: int, num_tokens: int) -> np.ndarray:
+    """uint8 [nbytes]: a Mamba layer's conv then SSM state after ``num_tokens`` tokens."""
+    c = np.arange(nbytes, dtype=np.int64)
+    return ((c * 5 + layer * 11 + seed * 3 + num_tokens * 7) % 200 + 1).astype(np.uint8)
+
+
 class Rank:
     def __init__(self, cfg: dict[str, Any]) -> None:
         import torch
@@ -39,7 +45,8 @@ class Rank:
 
         self.cfg = cfg
         vc = C.vllm_config(cfg["model"], cfg["role"], cfg["extra"], block_size=cfg["block_size"], tp=cfg["tp"],
-                           layout=cfg["layout"], dtype=cfg.get("dtype", "bfloat16"), window=cfg.get("window", 0))
+                           layout=cfg["layout"], dtype=cfg.get("dtype", "bfloat16"), window=cfg.get("window", 0),
+                           mamba=cfg.get("mamba", False))
         self.kvcc = C.kv_cache_config(vc, cfg["num_blocks"])
         self.caches = allocate_kv_cache(self.kvcc, torch.device("cpu"), KVCacheLayout[cfg["layout"]])
         self.u8 = {name: t.view(torch.uint8) for name, t in self.caches.items()}  # [B, H, N, cell bytes]
@@ -47,10 +54,14 @@ class Rank:
             t.fill_(SENTINEL if cfg["role"] == "kv_consumer" else 0)
         self.block_size = cfg["block_size"]
         self.is_mla = vc.model_config.use_mla
-        cls = KVBridgeHMAConnector if cfg.get("window") else KVBridgeConnector
+        cls = KVBridgeHMAConnector if cfg.get("window") or cfg.get("mamba") else KVBridgeConnector
         self.connector = cls(vc, KVConnectorRole.WORKER, self.kvcc)
         self.group_of = {name: g for g, group in enumerate(self.kvcc.kv_cache_groups) for name in group.layer_names}
-        any_cache = next(iter(self.u8.values()))
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.mamba = {name for name, g in self.group_of.items()  # Mamba layers: raw [B, 1, 1, C] state pages
+                      if isinstance(self.kvcc.kv_cache_groups[g].kv_cache_spec, MambaSpec)}
+        any_cache = next(t for name, t in self.u8.items() if name not in self.mamba)
         self.local_heads = int(any_cache.shape[1])
         self.h0 = 0 if self.is_mla else cfg["tp_rank"] * self.local_heads  # vLLM's split of the KV heads
         self.connector.register_kv_caches(self.caches)
@@ -72,7 +83,10 @@ class Rank:
         heads = np.arange(self.h0, self.h0 + self.local_heads)
         for name, t in self.u8.items():
             layer = layer_id(name)
-            if only is None or layer == only:
+            if name in self.mamba and (only is None or layer == only):  # the state after token stop - 1
+                (slot,) = [b for b in block_ids[self.group_of[name]] if b != 0]  # (0: vLLM's null block)
+                t[slot, 0, 0, :] = torch.from_numpy(state_bytes(layer, t.shape[3], seed, stop))
+            elif only is None or layer == only:
                 table = block_ids[self.group_of[name]] if isinstance(block_ids, tuple) else block_ids  # hybrid: per group
                 blocks = torch.as_tensor(np.asarray(table, dtype=np.int64)[pos // self.block_size])
                 t[blocks, :, offs, :] = torch.from_numpy(expected(layer, heads, pos, t.shape[3], seed))
@@ -146,6 +160,35 @@ class Rank:
         stray = sum(int(np.count_nonzero(arr[mask] != SENTINEL)) for arr, mask in touched.values())
         return {"wrong": wrong, "stray": stray, "tensors": len(touched)}
 
+    def check_mamba(self, group_ids: tuple[list[int], ...], num_tokens: int, seed: int) -> dict:
+        """Decode, Mamba hybrid: full-attention layers hold prefill's rows of tokens [0, n) in the
+        request's blocks, Mamba layers the state after n tokens in the request's slot; then those
+        bytes are overwritten with SENTINEL and every byte of the one allocation must be SENTINEL
+        (nothing else written: other rows and blocks, other slots, the Mamba pages' padding).
+        Destructive: the last check of a test."""
+        import ctypes
+
+        import torch
+
+        bs, wrong = self.block_size, 0
+        heads = np.arange(self.h0, self.h0 + self.local_heads)
+        pos = np.arange(num_tokens)
+        for name, t in self.u8.items():
+            layer, table = layer_id_of(name), np.asarray(group_ids[self.group_of[name]], dtype=np.int64)
+            if name in self.mamba:
+                (slot,) = [b for b in table if b != 0]
+                got = t[int(slot), 0, 0, :].numpy()
+                wrong += int(np.count_nonzero(got != state_bytes(layer, t.shape[3], seed, num_tokens)))
+                t[int(slot), 0, 0, :] = SENTINEL
+                continue
+            arr = t.numpy()
+            got = arr[table[pos // bs], :, pos % bs, :]
+            wrong += int(np.count_nonzero(got != expected(layer, heads, pos, arr.shape[3], seed)))
+            t[torch.as_tensor(table[pos // bs]), :, torch.as_tensor(pos % bs), :] = SENTINEL
+        storage = next(iter(self.u8.values())).untyped_storage()
+        backing = np.ctypeslib.as_array((ctypes.c_uint8 * storage.nbytes()).from_address(storage.data_ptr()))
+        return {"wrong": wrong, "stray": int(np.count_nonzero(backing != SENTINEL)), "mamba_layers": len(self.mamba)}
+
     def hooks_only(self, meta: Any) -> dict:
         """``save_kv_layer`` for every layer and ``wait_for_save`` under ``meta`` (a decode step's,
         say), nothing written: what the endpoint posted and the rooms it opened meanwhile."""
@@ -186,6 +229,12 @@ class Rank:
     def reset(self) -> None:
         for t in self.u8.values():
             t.fill_(SENTINEL if self.cfg["role"] == "kv_consumer" else 0)
+
+
+def layer_id_of(name: str) -> int:
+    from kvbridge.integrations.vllm.cache import layer_id
+
+    return layer_id(name)
 
 
 def main(conn: Any, cfg: dict[str, Any]) -> None:

@@ -79,7 +79,7 @@ class Instance:
     """One vLLM engine: the real scheduler in this process, its workers in theirs."""
 
     def __init__(self, role: str, model: str, extra: dict[str, Any], *, tp: int, layout: str, block_size: int,
-                 num_blocks: int, max_batched: int = 64, window: int = 0) -> None:
+                 num_blocks: int, max_batched: int = 64, window: int = 0, mamba: bool = False) -> None:
         import _vllm_config as C
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -87,13 +87,19 @@ class Instance:
 
         self.role, self.tp, self.block_size = role, tp, block_size
         self.window = window  # a gpt-oss-like hybrid under vLLM's hybrid manager (_vllm_config.vllm_config)
+        self.mamba = mamba  # a Mamba2 hybrid the same way
         base = dict(model=model, role=role, extra=extra, block_size=block_size, tp=tp, layout=layout,
-                    num_blocks=num_blocks, window=window)
+                    num_blocks=num_blocks, window=window, mamba=mamba)
         self.cfgs = [{**base, "tp_rank": r, "extra": {**extra, "tp_rank": r}} for r in range(tp)]
         self.vc = C.vllm_config(model, role, extra, block_size=block_size, tp=tp, layout=layout,
-                                max_batched=max_batched, window=window)
+                                max_batched=max_batched, window=window, mamba=mamba)
         self.kvcc = C.kv_cache_config(self.vc, num_blocks)
-        self.scheduler = Scheduler(self.vc, self.kvcc, StructuredOutputManager(self.vc), block_size=block_size)
+        sizes = {"block_size": block_size}
+        if mamba:  # the engine core's scheduling block: the LCM of the groups' (a Mamba block spans the model)
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+            sizes = dict(zip(("block_size", "hash_block_size"), resolve_kv_cache_block_sizes(self.kvcc, self.vc)))
+        self.scheduler = Scheduler(self.vc, self.kvcc, StructuredOutputManager(self.vc), **sizes)
         self.aggregator = KVOutputAggregator(tp)
         self.workers: list[Worker] = []
         self.outputs: dict[str, Any] = {}  # request id -> its last EngineCoreOutput
@@ -149,7 +155,7 @@ class Instance:
             req = self.scheduler.requests[req_id]
             start = req.num_computed_tokens - n  # schedule() advanced it already
             if self.role == "kv_producer" and seeds and req_id in seeds:
-                ids = self.group_block_ids(req_id) if self.window else self.block_ids(req_id)
+                ids = self.group_block_ids(req_id) if self.window or self.mamba else self.block_ids(req_id)
                 writes.append((ids, start, min(req.num_computed_tokens, req.num_prompt_tokens), seeds[req_id]))
             sampled[req_id] = [TOKEN] if req.num_computed_tokens >= req.num_tokens else []
         results = [w.call("step", so.kv_connector_metadata, set(so.finished_req_ids), writes) for w in self.workers]

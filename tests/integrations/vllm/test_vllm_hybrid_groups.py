@@ -1,6 +1,6 @@
 """vLLM's KV cache groups under the hybrid manager as kvbridge pool kinds
 (integrations/vllm/hybrid.py), on vLLM's own spec classes: full attention -> paged, sliding
-window -> window (W tokens: decode recomputes the last prompt token), Mamba -> a state slot; the
+window -> window (W tokens: decode recomputes the last prompt token), Mamba -> state slots; the
 pools build one contract, a group kvbridge has no kind for is refused naming the group, and the
 window's pages are checked against vLLM's own decode allocation."""
 
@@ -36,14 +36,15 @@ def test_full_sliding_and_mamba_groups_become_kinds():
         KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.4.self_attn.attn"], full),
         KVCacheGroupSpec(["model.layers.1.self_attn.attn"], swa),
         KVCacheGroupSpec(["model.layers.2.mixer", "model.layers.3.mixer"], mamba)))
-    g0, g1, g2 = specs["group0"], specs["group1"], specs["group2"]
+    g0, g1, g2 = specs["group0"], specs["group1"], specs["group2_state0"]
     assert (g0.kind, g0.layer_ids, g0.bytes_per_token, g0.page_size) == ("paged", (0, 4), 2 * 2 * 64 * 2, 16)
     assert (g1.kind, g1.window, g1.bytes_per_token) == ("window", 128, 2 * 2 * 64 * 2)
-    assert (g2.kind, g2.layer_ids, g2.bytes_per_token) == ("state", (2, 3), mamba.page_size_bytes)
+    assert (g2.kind, g2.layer_ids, g2.bytes_per_token) == ("state", (2, 3), 3 * 96 * 2)  # conv: bf16 (3, 96)
+    assert specs["group2_state1"].bytes_per_token == 4 * 16 * 16 * 4  # ssm: fp32 (4, 16, 16), after conv
     contract = kvb.contract_for(specs, model="vllm/hybrid", aux=kvb.AuxSchema.standard(0, "bfloat16", 0))
     assert contract.pool("group1").window == 128
     assert kvb.needed_bytes(g1, 300) == 128 * g1.bytes_per_token
-    assert kvb.needed_bytes(g2, 300) == 2 * mamba.page_size_bytes
+    assert kvb.needed_bytes(g2, 300) == 2 * 3 * 96 * 2  # one slot per layer, whatever the prompt's length
 
 
 def test_a_group_without_a_kind_is_refused_by_name():
@@ -117,18 +118,17 @@ def test_gpt_oss_without_the_hybrid_manager_is_one_paged_group(carried):
     assert group_specs(config)["group0"].kind == "paged"
 
 
-def test_a_mamba_hybrid_is_refused_by_the_state_kind(carried):
+def test_a_mamba_hybrid_needs_the_state_kind(carried):
     config = _grouped(QWEN3_NEXT)
     specs = group_specs(config)
-    assert [s.kind for s in specs.values()] == ["state", "state", "state", "paged"]
-    assert specs["group0"].bytes_per_token == MAMBA.page_size_bytes and specs["group0"].layer_ids == (0,)
+    assert [s.kind for s in specs.values()] == ["state"] * 6 + ["paged"]  # (vLLM: a group per Mamba layer here)
+    assert specs["group0_state0"].layer_ids == (0,) and specs["group0_state0"].page_stride == FULL.page_size_bytes
     with pytest.raises(ConfigError, match=r"KV cache group 0 \(MambaSpec, layers \[0\]\) is a kvbridge 'state' "
                                           r"pool, and the room endpoints carry only"):
         refuse_hybrid(config)
-    carried({"paged", "state"})  # carried by the rooms, refused by the connector with the reason
-    with pytest.raises(ConfigError, match="not Mamba state") as err:
-        refuse_hybrid(config)
-    assert err.value.field == "kv_cache_config.kv_cache_groups[0]"
+    carried({"paged", "state"})  # carried by the rooms: each Mamba group's states beside the paged group
+    layout = refuse_hybrid(config)
+    assert (layout.paged, layout.backoff, [g for g, _ in layout.states]) == (3, 1, [0, 1, 2])
 
 
 def test_the_hma_connector_supports_hma_and_finishes_all_groups():
