@@ -28,6 +28,7 @@ counts as much as one at the top: it is an arrow all the same. Imports are absol
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -59,6 +60,7 @@ TRANSFER_FLOORS = {
 SIDES = ("prefill", "decode")  # one floor, and neither imports the other
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
@@ -69,7 +71,14 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _nodes(path: Path) -> list[ast.AST]:
+    """Every node of one module's syntax tree (parsed once for all the checks below)."""
+    return list(ast.walk(ast.parse(path.read_text())))
+
+
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:
     modules = _modules()
 
     def resolve(name: str) -> str:
@@ -80,7 +89,7 @@ def _graph() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -98,7 +107,7 @@ def _graph() -> dict[str, set[str]]:
                     found = resolve(target)
                     if found and found != name:
                         edges[name].add(found)
-    return {name: edges.get(name, set()) for name in modules}
+    return {name: frozenset(edges.get(name, ())) for name in modules}
 
 
 def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -170,7 +179,7 @@ def _private_imports() -> list[str]:
     out = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if not isinstance(node, ast.ImportFrom):
                 continue
             base = node.module or ""
@@ -189,7 +198,7 @@ def _private_imports() -> list[str]:
 def _relative_imports() -> list[str]:
     out = []
     for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.ImportFrom) and node.level:
                 out.append(f"{name}: from {'.' * node.level}{node.module or ''} import ...")
     return sorted(out)
