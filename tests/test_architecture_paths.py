@@ -11,6 +11,7 @@ Two ways a path is named there:
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -48,8 +49,13 @@ def named_modules(text: str) -> set[str]:
 
 
 def repo_modules() -> list[str]:
-    skip = (".venv", ".git", "node_modules")
-    return [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not any(s in p.parts for s in skip)]
+    """Every .py file of the checkout; hidden folders (.git, the .venv* of each suite: a walk into
+    the engines' venvs took 14 s) and node_modules are never entered."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "node_modules"]
+        out += [(Path(folder) / f).relative_to(ROOT).as_posix() for f in files if f.endswith(".py")]
+    return out
 
 
 def test_every_entry_of_the_module_map_exists() -> None:
