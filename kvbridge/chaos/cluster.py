@@ -64,8 +64,9 @@ class Member:
 class ChaosCluster:
     def __init__(self, workdir: Path, *, cp: int, layers: int, pages: int, lease_ttl: float, peer_timeout: float,
                  transfer_timeout: float, failed_writes: int, replicas: int = 0, engine: str = "mooncake",
-                 claims_file: bool = False) -> None:
+                 claims_file: bool = False, daemon_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
+        self.daemon_args = daemon_args  # extra flags of the (in-memory) daemon, e.g. a smaller cap
         # the in-memory daemon keeps its claims in a file, read back when it restarts (``--claims-file``)
         self.claims_file = workdir / "claims.json" if claims_file else None
         self.etcd = EtcdCluster(workdir / "etcd", members=3) if replicas else None
@@ -124,7 +125,7 @@ class ChaosCluster:
             self.daemon = self.replicas[0]
             return
         self.daemon.starts += 1
-        extra = ("--port", str(self.port)) if self.port else ()
+        extra = (*self.daemon_args, *(("--port", str(self.port)) if self.port else ()))
         if self.claims_file is not None:
             extra = (*extra, "--claims-file", str(self.claims_file))
         self.url = spawn_bootstrap(self.group, timeout, extra)

@@ -137,6 +137,9 @@ class HostileSpec:
     postauth_slack_mib: float = 16.0  # bookkeeping of the connections, the loop's own allocations
     mac_flood_connections: int = 32
     metadata_registrations: int = 512  # of the largest engine_metadata (the daemon's cap stops them at 256)
+    # the daemon's --max-metadata-chars, in Mi characters (its default, 64); quick: 8, the same cap
+    # reached after 32 registrations instead of 256 (the flood took 109 s of a loaded CI's 2 cores)
+    max_metadata_mi: int = 64
     starve_connections: int = 40  # starvation: one identity's connections pushing the largest frames
     starve_source: str = "127.0.0.2"  # (its one address)
     probe_source: str = "127.0.0.3"  # the second identity, whose frame needs the shared budget
@@ -154,7 +157,8 @@ class HostileSpec:
         return cls(**({"attacks": QUICK_ATTACKS, "flood_connections": 200, "slow_wait_s": 8.0,
                        "slow_authenticated": False, "collision_trials": 2, "room_timeout": 20.0,
                        "replay_connections": 1200, "postauth_connections": 200, "mac_flood_connections": 16,
-                       "race_s": 1.5, "proving_messages": 8} | kw))
+                       "race_s": 1.5, "proving_messages": 8, "max_metadata_mi": 8,
+                       "metadata_registrations": 64} | kw))
 
 
 @dataclass
@@ -617,7 +621,7 @@ def run_hostile(spec: HostileSpec, progress: Callable[[Outcome], None] | None = 
     workdir = Path(spec.workdir or tmp.name)  # type: ignore[union-attr]
     cluster = ChaosCluster(workdir, cp=spec.cp, layers=spec.layers, pages=spec.pages, lease_ttl=2.0,
                            peer_timeout=3.0, transfer_timeout=10.0, failed_writes=0, engine=spec.engine,
-                           claims_file=True)
+                           claims_file=True, daemon_args=("--max-metadata-chars", str(spec.max_metadata_mi << 20)))
     results: list[Outcome] = []
     problems: list[str] = []
     try:

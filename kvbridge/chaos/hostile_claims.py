@@ -175,9 +175,10 @@ def metadata_flood(h: Any, out: Any) -> None:
     ok, seconds, why = h.room_ok()
     out.rss_after_mib = h.rss(h.c.daemon)
     growth = round(peak - (before or 0.0), 1)
-    bound = 64.0 + METADATA_SLACK_MIB  # the default --max-metadata-chars (64 Mi) and slack
+    cap_mib = float(h.spec.max_metadata_mi)  # the daemon's --max-metadata-chars (Mi characters: MiB held)
+    bound = cap_mib + METADATA_SLACK_MIB  # the cap and the daemon's own slack
     out.details = {"statuses": statuses, "accepted": len(regs), "metadata_held_mib": round(held_mib, 1),
-                   "rss_peak_mib": peak, "rss_growth_mib": growth, "rss_bound_mib": bound, "legit_room_ok": ok,
+                   "rss_peak_mib": peak, "rss_growth_mib": growth, "rss_bound_mib": bound, "cap_mib": cap_mib, "legit_room_ok": ok,
                    "legit_room_seconds": seconds, "legit_room_failure": why}
     capped = any(k.startswith("429") for k in statuses)
     out.outcome = DEFENDED if capped and growth <= bound and ok else VULNERABLE
