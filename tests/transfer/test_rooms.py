@@ -42,8 +42,10 @@ def prefill(request, daemon):
     cp, engine = request.param
     procs = []
     try:
-        for rank in range(cp):
-            procs.append(PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}", engine=engine))
+        for rank in range(cp):  # every room here is asked for by decode at once: 10 s is a generous bound,
+            # and it is how long a withdrawn claim's room (the out-of-range test) waits before it fails
+            procs.append(PrefillProc(daemon.url, rank, cp, "--target-timeout", "10", instance=f"prefill-{engine}-cp{cp}",
+                                     engine=engine))
         yield procs
     finally:
         for p in procs:
