@@ -60,8 +60,8 @@ def test_a_fake_naming_memory_it_does_not_hold_gets_nothing_written(cluster, eng
     scratch = Scratch()
     scratch.register(engine)
     key = ProofKey()  # the fake's own key: it passes the key step for its own registration
-    alias = c.clients[-1].register(RegisterRequest(
-        rank=RankIdentity(instance="alias", role="decode"), control_endpoint="tcp://127.0.0.1:9",
+    alias = c.clients[-1].register(RegisterRequest(  # its own name per engine: the last param's lease still holds "alias"
+        rank=RankIdentity(instance=f"alias-{engine.transport}", role="decode"), control_endpoint="tcp://127.0.0.1:9",
         session_id=engine.session_id, pools=pool_descriptors(segment.descs),
         aux=c.decode.aux.packed_descriptor(), aux_regions=c.decode.aux.descriptors(),
         contract=c.contract.with_transport(engine.transport), lease_ttl_s=30.0, scratch=scratch.descriptor,

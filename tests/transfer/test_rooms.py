@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
+from _cluster import DecodeRank, PrefillProc, start_all, wait_final, wait_until
 from _local import ProvingPeers
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.errors import PageRangeError
@@ -40,10 +40,9 @@ def scattered_pages(rng: np.random.Generator, num_pages: int, capacity: int, tak
                 + [pytest.param((cp, "nixl"), id=f"nixl-cp{cp}", marks=needs_nixl) for cp in (1, 2)])
 def prefill(request, daemon):
     cp, engine = request.param
-    procs = []
+    procs = start_all(lambda rank=rank: PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}",
+                                                    engine=engine) for rank in range(cp))
     try:
-        for rank in range(cp):
-            procs.append(PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}", engine=engine))
         yield procs
     finally:
         for p in procs:
@@ -122,7 +121,8 @@ def test_out_of_range_destination_is_refused_before_any_write(prefill, daemon):
         assert wait_until(lambda: more.extend(peers.recv_ready(50)) or len(more) >= cp - 1, 20), more
         for _, msg in more:  # acked; never a success
             assert isinstance(msg, wire.AbortAck) or (isinstance(msg, wire.PagesDone) and msg.status == "failed"), msg
-        for p in prefill[1:]:
+        for p in prefill[1:]:  # acked once quiet: a wrongly written room has succeeded by now; the engine ends
+            p.command(op="abort", room=room, reason="ended by the test")  # the rest (else it waits target_timeout)
             assert p.result(room)["state"] != "Success"
         assert d.untouched_except(np.array([], dtype=np.int64))
         assert not d.aux.any(), "no aux row may be written either"
