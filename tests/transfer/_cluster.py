@@ -102,24 +102,6 @@ class PrefillProc:
         self.proc.stdin.close() if not self.proc.stdin.closed else None
 
 
-def start_all(makers) -> list[PrefillProc]:
-    """``PrefillProc``s started side by side (each child's start is mostly imports; one waits on
-    none of the others): one per zero-argument callable, in order. If any fails to start, the
-    ones that did are stopped and the first error is raised."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    makers = list(makers)
-    with ThreadPoolExecutor(max_workers=max(1, len(makers))) as pool:
-        futures = [pool.submit(m) for m in makers]
-    started = [f.result() for f in futures if f.exception() is None]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        for p in started:
-            p.stop()
-        raise errors[0]
-    return started
-
-
 class DecodeRank:
     """A decode rank in this process, pools filled with SENTINEL_BYTE (poison); ``device`` puts
     the pools on a GPU (preset and kv-heads models; the aux rows stay in host memory), checked

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _cluster import DecodeRank, PrefillProc, start_all, wait_final
+from _cluster import DecodeRank, PrefillProc, wait_final
 from kvbridge.transfer.engine import mooncake_available
 from kvbridge.transfer.poll import KVPoll
 
@@ -26,10 +26,10 @@ def test_every_stage_sends_its_layers_into_one_decode_rank(daemon, pp, cp):
     procs: list[PrefillProc] = []
     decode = None
     try:
-        procs = start_all(
-            lambda c=c, s=s: PrefillProc(daemon.url, c, cp, "--random-local", str(11 + 3 * c + s), instance=instance,
-                                         layers=LAYERS, pp_rank=s, pp_size=pp, pp_layers=SPLITS[pp][s])
-            for c in range(cp) for s in range(pp))
+        for c in range(cp):
+            for s in range(pp):
+                procs.append(PrefillProc(daemon.url, c, cp, "--random-local", str(11 + 3 * c + s), instance=instance,
+                                         layers=LAYERS, pp_rank=s, pp_size=pp, pp_layers=SPLITS[pp][s]))
         decode = DecodeRank(daemon.url, layers=LAYERS, pages=64, instance=f"{instance}-d")
         rng = np.random.default_rng(pp * 10 + cp)
         table = rng.permutation(decode.pages)

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from _cluster import DecodeRank, PrefillProc, start_all, wait_final, wait_until
+from _cluster import DecodeRank, PrefillProc, wait_final, wait_until
 from _local import ProvingPeers
 from kvbridge.bootstrap.contract import fingerprint
 from kvbridge.errors import PageRangeError
@@ -40,9 +40,10 @@ def scattered_pages(rng: np.random.Generator, num_pages: int, capacity: int, tak
                 + [pytest.param((cp, "nixl"), id=f"nixl-cp{cp}", marks=needs_nixl) for cp in (1, 2)])
 def prefill(request, daemon):
     cp, engine = request.param
-    procs = start_all(lambda rank=rank: PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}",
-                                                    engine=engine) for rank in range(cp))
+    procs = []
     try:
+        for rank in range(cp):
+            procs.append(PrefillProc(daemon.url, rank, cp, instance=f"prefill-{engine}-cp{cp}", engine=engine))
         yield procs
     finally:
         for p in procs:
