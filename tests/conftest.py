@@ -183,3 +183,34 @@ def pytest_make_collect_report(collector: pytest.Collector):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     _refuse_vllm_skip(outcome.get_result(), item.path, gpu=item.get_closest_marker("gpu") is not None)
+
+
+# -- the suite's own exit --------------------------------------------------------------------------
+# Two fresh-clone runs of the whole main suite (every test passed) ended "terminate called without
+# an active exception" and exit code 134: a native library's thread (a transfer engine's, or
+# torch's) was still joinable when the interpreter ran C++ static destructors at exit, after the
+# last test and the summary. Neither a leaked kvbridge Mooncake engine alone (tried: exits 0) nor
+# any single suspect file alone reproduces it; it is intermittent (a third run of the same tree
+# exited cleanly). Until it is found, the test process leaves with pytest's own exit status once
+# everything is reported, without running the interpreter's teardown: the native threads that
+# crash it then are never destroyed. What is still alive at that point is printed, for the hunt.
+_EXIT_STATUS: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _EXIT_STATUS or os.environ.get("KVBRIDGE_TEST_NORMAL_EXIT") == "1":
+        return  # KVBRIDGE_TEST_NORMAL_EXIT=1: the normal teardown (to reproduce the crash)
+    import threading
+
+    alive = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    if alive:
+        print(f"\nconftest: leaving with {len(alive)} Python thread(s) alive: {', '.join(alive[:20])}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[-1])
