@@ -218,6 +218,31 @@ def _until(what, timeout: float = 60.0):
 
 # -- the three models' requests: what SGLang hands each side, and what decode needs of it --------
 
+def _open_receiver(d, addr: str, room: int, n: int, dst_pages: np.ndarray, page: int, dst_state, row: int = 0):
+    """Decode's side of a room as SGLang opens it: the receiver, its prefill instance, then SGLang's
+    own ``DecodePreallocQueue._send_kv_metadata`` (kvbridge's hook inside) with ``n`` tokens on
+    ``dst_pages`` and the state indices ``dst_state``: the receiver and SGLang's decode request
+    (its ``metadata_buffer_index`` is the row SGLang allocated for the room)."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(mgr=d.mgr, bootstrap_addr=addr,
+                                                                            bootstrap_room=room)
+    _until(lambda: d.mgr.try_ensure_parallel_info(addr))
+    receiver.init(0)
+    dst_tokens = torch.as_tensor(np.repeat(dst_pages, page) * page + np.tile(np.arange(page), dst_pages.size))
+    queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
+        enable_staging=False), _num_published_destinations=0,
+        _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
+    req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
+                          kv=SimpleNamespace(req_pool_idx=row),
+                          time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
+    decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
+    DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], page, dst_state, decode_prefix_len=0)
+    return receiver, decode_req
+
+
 def _mamba_case(p: Rank, d: Rank, specs) -> SimpleNamespace:
     """50 tokens on k/v pages, the request's MambaPool slot (1 on prefill, 3 on decode)."""
     assert {n: s.kind for n, s in specs.items()} == {"k": "paged", "v": "paged", "mamba_0": "state",
@@ -345,7 +370,6 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
 
     install()  # before SGLang's get_kv_class is imported here: it resolves the kvbridge backend
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
@@ -366,22 +390,8 @@ def test_a_hybrid_model_moves_every_byte_decode_needs_and_nothing_else_through_t
                 t.view(torch.uint8).fill_(POISON)
         before = {k: [_bytes(t).copy() for t in ts] for k, ts in d.tensors().items()}
 
-        # decode: the receiver, its prefill instance, then SGLang's own _send_kv_metadata (kvbridge's hook inside)
-        receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(
-            mgr=d.mgr, bootstrap_addr=pair.addr, bootstrap_room=room)
-        _until(lambda: d.mgr.try_ensure_parallel_info(pair.addr))
-        receiver.init(0)
-        dst_tokens = torch.as_tensor(np.repeat(case.dst_pages, page) * page + np.tile(np.arange(page),
-                                                                                      case.dst_pages.size))
-        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
-            enable_staging=False), _num_published_destinations=0,
-            _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
-        req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
-                              kv=SimpleNamespace(req_pool_idx=case.rows[1]),
-                              time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
-        decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
-        DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], page, case.dst_state,
-                                              decode_prefix_len=0)
+        receiver, decode_req = _open_receiver(d, pair.addr, room, n, case.dst_pages, page, case.dst_state,
+                                              row=case.rows[1])
         assert receiver.num_tokens == n
 
         # prefill: bootstrap, two chunks (the last with the state indices and the metadata row), as SGLang sends
@@ -433,7 +443,6 @@ def test_mamba_state_moves_from_a_tp1_prefill_into_tp2_decode_slots(daemon):
 
     install()
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.mem_cache.common import kv_to_page_indices
     from sglang.srt.runtime_context import create_context, use_context
@@ -460,21 +469,7 @@ def test_mamba_state_moves_from_a_tp1_prefill_into_tp2_decode_slots(daemon):
         addr = f"127.0.0.1:{port}"
         receivers = []
         for d in ds:
-            rcv = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(mgr=d.mgr, bootstrap_addr=addr,
-                                                                               bootstrap_room=room)
-            _until(lambda: d.mgr.try_ensure_parallel_info(addr))
-            rcv.init(0)
-            dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
-            queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
-                enable_staging=False), _num_published_destinations=0,
-                _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
-            req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
-                                  kv=SimpleNamespace(req_pool_idx=0),
-                                  time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
-            DecodePreallocQueue._send_kv_metadata(queue, SimpleNamespace(req=req, kv_receiver=rcv, is_rebootstrap=False,
-                                                                         metadata_buffer_index=-1),
-                                                  dst_tokens[:n], PAGE, [[np.asarray(dst_slot)]], decode_prefix_len=0)
-            receivers.append(rcv)
+            receivers.append(_open_receiver(d, addr, room, n, dst_pages, PAGE, [[np.asarray(dst_slot)]])[0])
         sender = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.SENDER)(mgr=p.mgr, bootstrap_addr=addr,
                                                                            bootstrap_room=room)
         _until(lambda: int(sender.poll()) == KVPoll.WaitingForInput)
@@ -555,7 +550,6 @@ def test_a_two_stage_mamba_prefill_fills_a_pp1_decode(daemon):
 
     install()
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.mem_cache.common import kv_to_page_indices
     from sglang.srt.runtime_context import create_context, use_context
@@ -588,20 +582,7 @@ def test_a_two_stage_mamba_prefill_fills_a_pp1_decode(daemon):
             t.view(torch.uint8).fill_(POISON)
 
         addr = f"127.0.0.1:{port}"
-        receiver = get_kv_class(TransferBackend.KVBRIDGE, KVClassType.RECEIVER)(mgr=d.mgr, bootstrap_addr=addr,
-                                                                                bootstrap_room=room)
-        _until(lambda: d.mgr.try_ensure_parallel_info(addr))
-        receiver.init(0)
-        dst_tokens = torch.as_tensor(np.repeat(dst_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), dst_pages.size))
-        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=d.meta_alloc, transfer_queue=SimpleNamespace(
-            enable_staging=False), _num_published_destinations=0,
-            _transfer_page_indices=lambda dr, kv, ps: kv_to_page_indices(kv, ps).astype(np.int32))
-        req = SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=room,
-                              kv=SimpleNamespace(req_pool_idx=0),
-                              time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
-        decode_req = SimpleNamespace(req=req, kv_receiver=receiver, is_rebootstrap=False, metadata_buffer_index=-1)
-        DecodePreallocQueue._send_kv_metadata(queue, decode_req, dst_tokens[:n], PAGE, [[np.asarray(dst_slot)]],
-                                              decode_prefix_len=0)
+        receiver, decode_req = _open_receiver(d, addr, room, n, dst_pages, PAGE, [[np.asarray(dst_slot)]])
 
         # each stage: two chunks of its own layers, the last with its MambaPool slot; the aux row is pp1's
         src_tokens = torch.as_tensor(np.repeat(src_pages, PAGE) * PAGE + np.tile(np.arange(PAGE), src_pages.size))
