@@ -212,6 +212,19 @@ class Instance:
         self.workers = []
 
 
+def instance_pair(model: str, daemon: tuple[str, str], *, peer_timeout: float, **geo: Any) -> tuple[Instance, Instance]:
+    """A prefill and a decode ``Instance`` of ``model`` with the same geometry, decode pointed at
+    the prefill instance through the daemon (``(url, token)``); their ranks not started yet."""
+    import uuid
+
+    url, token = daemon
+    tag = uuid.uuid4().hex[:6]
+    base = {"bootstrap_url": url, "bootstrap_token": token, "peer_timeout": peer_timeout}
+    pre = Instance("kv_producer", model, {**base, "instance": f"p-{tag}"}, **geo)
+    dec = Instance("kv_consumer", model, {**base, "instance": f"d-{tag}", "prefill_instance": f"p-{tag}"}, **geo)
+    return pre, dec
+
+
 def ensure_path() -> None:
     for p in (HERE, ROOT):
         if p not in sys.path:

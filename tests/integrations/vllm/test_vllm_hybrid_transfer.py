@@ -13,11 +13,10 @@ here; the scheduler and the workers are vLLM's classes with the manager on."""
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
-from _vllm_world import Instance, start_ranks
+from _vllm_world import instance_pair, start_ranks
 
 import kvbridge as kvb
 
@@ -32,13 +31,9 @@ def _finished(inst, rid):
 def test_window_group_moves_only_the_blocks_decode_reads(tmp_path, daemon):
     import _vllm_config as C
 
-    url, token = daemon
     model = C.model_dir(tmp_path, "gqa", num_hidden_layers=4)
-    tag = uuid.uuid4().hex[:6]
-    base = {"bootstrap_url": url, "bootstrap_token": token, "peer_timeout": 10.0}  # (nothing is killed here)
-    geo = dict(tp=1, layout="LBNHC", block_size=BS, num_blocks=48, window=W)
-    pre = Instance("kv_producer", model, {**base, "instance": f"p-{tag}"}, **geo)
-    dec = Instance("kv_consumer", model, {**base, "instance": f"d-{tag}", "prefill_instance": f"p-{tag}"}, **geo)
+    pre, dec = instance_pair(model, daemon, peer_timeout=10.0,  # (nothing is killed here)
+                             tp=1, layout="LBNHC", block_size=BS, num_blocks=48, window=W)
     try:
         kinds = [type(g.kv_cache_spec).__name__ for g in pre.kvcc.kv_cache_groups]
         assert sorted(kinds) == ["FullAttentionSpec", "SlidingWindowSpec"]  # vLLM's grouping, manager on

@@ -226,18 +226,13 @@ def test_mamba_hybrid_moves_the_state_after_n_minus_1_tokens(tmp_path, daemon):
     them, with the last chunk; decode asks for n - 1 tokens (it computes token n - 1 on that state).
     Every moved byte is checked, every other byte of decode's allocation keeps its poison, the
     bytes counted are exactly the rows and the states (no page padding)."""
-    import uuid
 
     import _vllm_config as C
-    from _vllm_world import Instance, start_ranks
+    from _vllm_world import instance_pair, start_ranks
 
-    url, token = daemon
     model = C.model_dir(tmp_path, "gqa", num_hidden_layers=4)
-    tag = uuid.uuid4().hex[:6]
-    base = {"bootstrap_url": url, "bootstrap_token": token, "peer_timeout": 10.0}
-    geo = dict(tp=1, layout="LBNHC", block_size=BS, num_blocks=48, mamba=True)
-    pre = Instance("kv_producer", model, {**base, "instance": f"p-{tag}"}, **geo)
-    dec = Instance("kv_consumer", model, {**base, "instance": f"d-{tag}", "prefill_instance": f"p-{tag}"}, **geo)
+    pre, dec = instance_pair(model, daemon, peer_timeout=10.0, tp=1, layout="LBNHC", block_size=BS, num_blocks=48,
+                             mamba=True)
     try:
         kinds = [type(g.kv_cache_spec).__name__ for g in pre.kvcc.kv_cache_groups]
         assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]  # vLLM's grouping, manager on
