@@ -203,6 +203,16 @@ class Hostile:
         why = "; ".join(f"{m}: {r}" for m, _, r in room.failures)[:300] or ("" if room.done else "no answer in time")
         return room.ok, round(time.monotonic() - t0, 2), why
 
+    def room_within(self, seconds: float) -> tuple[bool, float, str]:
+        """A real room, tried until one succeeds or ``seconds`` pass (a re-registering rank needs a
+        moment): ``room_ok``'s answer for the last room tried."""
+        deadline = time.monotonic() + seconds
+        while True:
+            ok, took, why = self.room_ok()
+            if ok or time.monotonic() > deadline:
+                return ok, took, why
+            time.sleep(0.5)
+
     def next_room(self) -> int:
         return next(ATTACK_ROOMS)
 

@@ -573,7 +573,7 @@ def restart_race(h: Hostile, out: Outcome) -> None:
     t0 = time.monotonic()
     registered = h.c.wait_registered(30.0)  # every rank back (the victim with its own key), then a room
     back_s = round(time.monotonic() - t0, 1)
-    ok, seconds, why = _room_within(h, 30.0)
+    ok, seconds, why = h.room_within(30.0)
     back = h.get(f"/v1/instances/{h.c.decode_instance}")
     out.rss_after_mib = h.rss(victim_m)
     accepted = race.accepted
@@ -585,13 +585,3 @@ def restart_race(h: Hostile, out: Outcome) -> None:
                    "victim_registered_again": back.status_code == 200 and back.json().get("num_ranks") == 1,
                    "legit_room_ok": ok, "legit_room_seconds": seconds, "legit_room_failure": why}
     out.outcome = DEFENDED if not accepted and ok else VULNERABLE
-
-
-def _room_within(h: Hostile, seconds: float) -> tuple[bool, float, str]:
-    """A real room, tried until one succeeds or ``seconds`` pass (the ranks re-register first)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        ok, took, why = h.room_ok()
-        if ok or time.monotonic() > deadline:
-            return ok, took, why
-        time.sleep(0.5)

@@ -48,16 +48,6 @@ def _drop(h: Any, reg: dict[str, Any]) -> None:
                  headers={**h.auth, "X-KVBridge-Lease": reg.get("lease_secret", "")})
 
 
-def _room_within(h: Any, seconds: float) -> tuple[bool, float, str]:
-    """A real room, tried until one succeeds or ``seconds`` pass (a re-registering rank needs a moment)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        ok, took, why = h.room_ok()
-        if ok or time.monotonic() > deadline:
-            return ok, took, why
-        time.sleep(0.5)
-
-
 def lease_squat(h: Any, out: Any) -> None:
     victim_m, victim, victim_id = victim_of(h)
     out.target = victim_m.name
@@ -90,7 +80,7 @@ def lease_squat(h: Any, out: Any) -> None:
         os.kill(victim_m.pid, signal.SIGCONT)  # type: ignore[arg-type]
         for reg in accepted:
             _drop(h, reg)
-    ok, seconds, why = _room_within(h, 20.0)
+    ok, seconds, why = h.room_within(20.0)
     out.rss_after_mib = h.rss(victim_m)
     out.details = {"victim_lapsed_while_stopped": lapsed, "squat_statuses": statuses, "squats_accepted": len(accepted),
                    "legit_room_ok": ok, "legit_room_seconds": seconds, "legit_room_failure": why}
