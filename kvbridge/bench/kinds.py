@@ -50,8 +50,9 @@ def _v4(layers: int, draft: int, kv_dtype: str = "bfloat16") -> dict[str, PoolSp
     return deepseek_v4_pools(layers, 64, draft_layers=draft, kv_dtype=kv_dtype)
 
 
-def _v32(layers: int, draft: int) -> dict[str, PoolSpec]:
-    return preset_pools(V32_PRESET, num_layers=layers, page_size=64, draft_layers=draft)
+def _v32(layers: int, draft: int, kv_dtype: str = "bfloat16") -> dict[str, PoolSpec]:
+    preset = V32_PRESET + ("-fp8" if kv_dtype == "fp8" else "")
+    return preset_pools(preset, num_layers=layers, page_size=64, draft_layers=draft)
 
 
 def _descs(specs: Mapping[str, PoolSpec], capacity: int, base: int, bases: dict | None = None) -> list[BufferDesc]:
@@ -93,7 +94,7 @@ def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
     """Per length: V4 bytes planned and needed (by kind), V3.2 bytes planned, the ratio; and the
     same in fp8 (V4 in SGLang's FlashMLA fp8 layout, padded pages, against V3.2-fp8)."""
     v4, v32 = _v4(43, 1), _v32(61, 1)
-    v4f, v32f = _v4(43, 1, "fp8"), preset_pools(V32_PRESET + "-fp8", num_layers=61, page_size=64, draft_layers=1)
+    v4f, v32f = _v4(43, 1, "fp8"), _v32(61, 1, "fp8")
     rows = []
     for n in tokens:
         cap4 = max(-(-n // 64), 1)
@@ -118,7 +119,7 @@ def byte_rows(tokens: Sequence[int]) -> list[dict[str, Any]]:
 def layout_row(n: int) -> dict[str, Any]:
     """The bytes decode needs at ``n`` tokens from the layout alone (no plans): V4, V3.2, ratio."""
     v4, v32 = _v4(43, 1), _v32(61, 1)
-    v4f, v32f = _v4(43, 1, "fp8"), preset_pools(V32_PRESET + "-fp8", num_layers=61, page_size=64, draft_layers=1)
+    v4f, v32f = _v4(43, 1, "fp8"), _v32(61, 1, "fp8")
     need4 = sum(needed_bytes(s, n) for s in v4.values())
     need32 = sum(needed_bytes(s, n) for s in v32.values())
     need4f = sum(needed_bytes(s, n) for s in v4f.values())
