@@ -226,12 +226,12 @@ def mamba_state_buffers(kv_caches: dict[str, Any], group: Any, index: int, num_b
     specs' order is the states' order in a block. ConfigError naming the layer for a view that
     is not one."""
     out: dict[tuple[str, int], RawBuffer] = {}
+    content = sum(s.bytes_per_token for s in specs.values())  # a block's states, back to back
     for name in group.layer_names:
         t = kv_caches.get(name)
         if t is None:
             raise ConfigError(f"KV cache group {index}: Mamba layer {name!r} has no KV cache registered",
                               field="kv_caches")
-        content = sum(s.bytes_per_token for s in specs.values())
         shape = tuple(int(d) for d in t.shape)
         if t.element_size() != 1 or len(shape) != 4 or shape[0] != num_blocks or shape[1:3] != (1, 1) \
                 or shape[3] != content or int(t.stride(3)) != 1:
