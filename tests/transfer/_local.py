@@ -54,6 +54,7 @@ class Cluster:
         self.lanes = OwnerLanes(cp, lane_rule)
         self.name = name
         self.clients = []
+        self.engines = []  # closed after the endpoints (an endpoint never closes the engine it was handed)
         self.prefill = []
         self.engine_kind = engine  # "ipc": the same-host engine, host memory in one process
         for rank in range(cp):
@@ -77,9 +78,10 @@ class Cluster:
         self.decode.start()
 
     def _engine(self):
-        if self.engine_kind == "local":
-            return create_engine("local", fabric=self.fabric)
-        return create_engine(self.engine_kind)
+        kwargs = {"fabric": self.fabric} if self.engine_kind == "local" else {}
+        engine = create_engine(self.engine_kind, **kwargs)
+        self.engines.append(engine)
+        return engine
 
     def _client(self, url: str) -> BootstrapClient:
         c = BootstrapClient(url)
@@ -111,12 +113,16 @@ class Cluster:
     def verified(self, room: int, n: int, pages: np.ndarray) -> bool:
         return all(verify_pages(self.specs[p], b, room, layer, pages, n).ok for (p, layer), b in self.dbufs.items())
 
-    def close(self) -> None:
+    def close(self, engines: bool = True) -> None:
+        """The endpoints and clients, then the engines (``engines=False``: left open, as an
+        embedder's engine outlives an endpoint; the caller closes ``self.engines``)."""
         self.decode.close(timeout=2)
         for ep in self.prefill:
             ep.close(timeout=2)
         for c in self.clients:
             c.close()
+        for engine in self.engines if engines else ():
+            engine.close()
 
 
 def rogue_request(c: Cluster, room: int, n: int, rank_id: str, aux_slot: int = 0) -> wire.TransferRequest:

@@ -373,13 +373,17 @@ def test_closing_an_endpoint_withdraws_its_memory_from_the_engine(daemon):
     c = Cluster(daemon.url, "withdraw", cp=1)
     engines = [c.decode.engine, c.prefill[0].engine]
     regions = [c.decode.buffers, c.prefill[0].buffers]
-    c.close()
-    for engine, bufs in zip(engines, regions):
-        for t in bufs.tensors.values():  # registering again would be refused as overlapping if still there
-            ptr, nbytes = tensor_region(t)
-            engine.register(ptr, nbytes)
-            engine.unregister(ptr)
-    engines[0].register(*tensor_region(c.aux))  # the decode aux rows too
+    c.close(engines=False)
+    try:
+        for engine, bufs in zip(engines, regions):
+            for t in bufs.tensors.values():  # registering again would be refused as overlapping if still there
+                ptr, nbytes = tensor_region(t)
+                engine.register(ptr, nbytes)
+                engine.unregister(ptr)
+        engines[0].register(*tensor_region(c.aux))  # the decode aux rows too
+    finally:
+        for engine in c.engines:
+            engine.close()
 
 
 @pytest.mark.parametrize("engine", ["local", "ipc"])
