@@ -61,6 +61,7 @@ class EndpointShell:
         self._events: deque[Any] = deque()  # event records fed on the loop's next turn (appended from any thread)
         self._released: deque[Any] = deque()  # rooms whose handle was dropped (appended without the lock)
         self._feeding = False  # the machine's actions are being carried out (lock held)
+        self._feeder = 0  # the thread carrying them out (``threading.get_ident``) while ``_feeding``
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -77,7 +78,7 @@ class EndpointShell:
         if self._feeding:  # an action called back into the machine: the recursion this shell exists to rule out
             raise RuntimeError(f"{self.config.rank_label}: a machine event was fed while another one's actions "
                                "were being carried out")
-        self._feeding = True
+        self._feeding, self._feeder = True, threading.get_ident()
         try:
             while True:
                 for a in actions:
@@ -95,9 +96,13 @@ class EndpointShell:
 
     def _queue(self, event: Any) -> None:
         """Feed the event record ``event`` on the loop's next turn (any thread, lock held or not:
-        it never takes the lock)."""
+        it never takes the lock). Queued by an action of the feed in progress on this thread (a
+        write posted, a scatter done): that feed takes it before it returns, so the loop is not
+        woken for it (a pipe write and an empty loop turn per write saved, and on one interpreter
+        the write's hand-off of the GIL)."""
         self._events.append(event)
-        self._wake()
+        if not (self._feeding and self._feeder == threading.get_ident()):
+            self._wake()
 
     def _carry(self, action: Any) -> None:
         raise NotImplementedError
@@ -142,9 +147,15 @@ class EndpointShell:
             self._feed_event(CloseRoom(self._released.popleft(), time.monotonic()))
 
     def close_room(self, r: Any) -> None:
+        """The engine closes room ``r``'s handle: fed here, its actions carried out on this thread.
+        The loop is woken only for a room that had not finished (closing fails it, and the loop
+        settles what follows); closing a finished room leaves it nothing to do, and a wake would
+        cost it an empty turn per closed room."""
         with self._lock:
+            finished = r.state.final
             self._feed_event(CloseRoom(r, time.monotonic()))
-        self._wake()
+        if not finished:
+            self._wake()
 
     def abort_room(self, r: Any, reason: str) -> None:
         with self._lock:

@@ -312,3 +312,32 @@ def test_a_held_claim_on_a_room_the_engine_ended_is_refused_at_the_next_scan(clo
     col.book(m.tick(1.3))
     (err,) = col.errors("A")
     assert "room 7" in err.reason and "the engine gave up" in err.reason and not m.tickets.held
+
+
+def test_the_decider_sends_its_ticket_before_it_plans_and_posts_the_room_at_the_tick():
+    """The ticket is what the other ranks wait for: the decider's request event answers with it
+    alone (no write planned yet), and the room is planned and posted at the same turn's Tick."""
+    col = Column()
+    m = col.m[0]
+    r = m.open(7, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.chunk(r, [0], np.array([5]), None, True, None, None)
+    assert not [a for a in m.post(r, 1.0) if isinstance(a, PostWrite)]  # nobody asked yet
+    acts = list(m.message(INSTANCES["A"][0], request("A", 7), 1.1))
+    (_, ticket), = sends(acts)
+    assert isinstance(ticket, wire.RoomTicket) and ticket.instance == "A"
+    assert not [a for a in acts if isinstance(a, PostWrite)]
+    writes = [a for a in m.tick(1.1) if isinstance(a, PostWrite)]
+    assert [a.target.decode_rank for a in writes] == ["A/dp0/tp0"]
+    # cp 1 decides nothing: the ticket's event takes its held claim up and plans it at once
+    m1 = col.m[1]
+    r1 = m1.open(7, 1.0)
+    m1.engine_init(r1, 7, None, 1.0)
+    m1.chunk(r1, [1], np.array([5]), None, True, np.zeros(1, dtype=AUX.dtype), None)
+    m1.post(r1, 1.0, AuxFrom(regions(1 << 30), 0))
+    col.deliver("A", 1, request("A", 7), 1.2)  # held
+    acts = list(m1.message(INSTANCES["A"][0], ticket, 1.3))
+    reads = [a for a in acts if isinstance(a, ReadDecider)]  # the decider's key, read once from the daemon
+    if reads:
+        acts = col.answer_read(1, reads[0], 1.3)
+    assert [a.target.decode_rank for a in acts if isinstance(a, PostWrite)] == ["A/dp0/tp0"]

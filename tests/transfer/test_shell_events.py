@@ -30,6 +30,7 @@ from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.config import PrefillConfig
 from kvbridge.transfer.prefill.events import PostWrite, ReleaseAux
 from kvbridge.transfer.prefill.machine import PrefillRooms
+from kvbridge.transfer.shell import EndpointShell
 from _machines import prefill_machine
 from test_prefill_room import AUX, AUXF, D, HELLO, SPECS, _packed, bufs, peer, request
 
@@ -248,3 +249,54 @@ def test_the_shell_never_feeds_the_machine_from_inside_a_post(cluster, staging):
     assert c.verified(ok, 8, pages[ok])
     assert all(recv[room].poll() == KVPoll.Failed for room in failed)
     assert watched.calls and watched.violations == []
+
+
+class _Echo:
+    """A machine that answers every event but a queued one with one action (carried out by
+    ``_Shell._carry``, which queues a ``"result"`` event, as a posted write does)."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def feed(self, event):
+        self.seen.append(event)
+        return () if event == "result" else ("act",)
+
+
+class _Shell(EndpointShell):
+    config = PrefillConfig(instance="p")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine = _Echo()
+        self.wakes = 0
+
+    def _carry(self, action) -> None:
+        self._queue("result")
+
+    def _wake(self) -> None:
+        self.wakes += 1
+
+
+class _Room:
+    def __init__(self, final: bool) -> None:
+        self.state = type("S", (), {"final": final})()
+
+
+def test_an_event_queued_by_the_feed_in_progress_is_fed_by_it_without_waking_the_loop():
+    """A result queued by an action (a write posted) is fed before the feed returns: no wake;
+    one queued from another thread (an engine's, a pool's) wakes the loop; closing a finished
+    room leaves the loop nothing to do, closing an unfinished one wakes it."""
+    shell = _Shell()
+    with shell._lock:
+        shell._feed_event("init")
+    assert shell.machine.seen == ["init", "result"] and shell.wakes == 0 and not shell._events
+    other = threading.Thread(target=shell._queue, args=("late",))
+    other.start()
+    other.join()
+    assert shell.wakes == 1 and list(shell._events) == ["late"]
+    shell._events.clear()
+    shell.close_room(_Room(final=True))
+    assert shell.wakes == 1 and shell.machine.seen[-1] == "result"
+    shell.close_room(_Room(final=False))
+    assert shell.wakes == 2

@@ -111,6 +111,7 @@ class PrefillRooms:
         self.next_deadline_scan = 0.0
         self.last_scan = 0.0  # when deadlines were last looked at (a longer gap: this loop was frozen)
         self.closing = False
+        self.granted = False  # a RoomTicket left in this event's actions (the room is posted at the Tick)
         self._out: list[Any] = []
 
     def _actions(self) -> list[Any] | tuple:
@@ -228,7 +229,11 @@ class PrefillRooms:
 
     def _dispatch(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, wire.TransferRequest):  # the room's path: checked, planned and posted now
+            self.granted = False
             self._on_request(ident, msg, now)
+            if self.granted:  # the decider: its ticket goes out first; the room is planned and posted at
+                self.granted = False  # this turn's Tick, while the other ranks' wait for the ticket runs
+                return
             self._pump(now)
         elif isinstance(msg, wire.SlotGrant):
             self._stage(self.stage.feed(GrantIn(ident, msg)), now)
@@ -353,6 +358,7 @@ class PrefillRooms:
         ticket = self.tickets.grant(r.room, req.decode_rank_id, r.holder, r.claimed_binding) if r.holder else None
         if ticket is not None:  # the decider: this claim's instance holds the room on every rank of the column
             self._out.append(Send((ident,), ticket))
+            self.granted = True
         self.stage.offered(req.room, req.decode_rank, offer, now)
         self.dirty.add(r.room)
         if self.trace:

@@ -9,7 +9,8 @@ neither was served. Now one rank decides, and the others follow its decision:
   whose claim it accepts holds the room. To every rank of that instance that asks it, it hands a
   ``RoomTicket``: (decider, room, instance, winning decode rank, the claim's binding), signed
   with its proof key (``ownership.ticket_message``), whose public half is in its registration at
-  the daemon.
+  the daemon. The ticket leaves before the decider plans its own write (the machine posts that
+  room at the loop turn's Tick): the other ranks' wait for it runs beside that plan.
 - **Every other rank** (cp, tp or pp > 0) *holds* a claim on a room it has no decision for:
   nothing planned, nothing written, no reply. The decode rank that holds a ticket hands it on,
   unchanged, to the other ranks it asked, and the instance's decode TP rank 0 to every rank of
