@@ -86,8 +86,18 @@ class EndpointBuffers:
 
     @property
     def readable(self) -> bool:
-        """False when a buffer is device memory given as a ``RawBuffer`` (no digests from it)."""
-        return not any(isinstance(t, RawBuffer) for t in self.tensors.values())
+        """False when a buffer is kept as a ``RawBuffer`` (no digests from it): device memory given
+        as an address, or host pages padded to a stride whose last one ends with its payload."""
+        return not self.unreadable()
+
+    def unreadable(self) -> str:
+        """Why no digest can be read from these buffers ("" when every one can), naming the first."""
+        for (pool, layer), t in sorted(self.tensors.items()):
+            if isinstance(t, RawBuffer):
+                what = ("host pages padded to a stride, given as an address whose last page ends with its payload"
+                        if t.on_host else f"{t.device} memory given as an address (RawBuffer)")
+                return f"pool {pool!r} layer {layer}: {what}, which kvbridge cannot read"
+        return ""
 
     def register(self, engine: TransferEngine) -> None:
         for key in sorted(self.tensors):

@@ -237,3 +237,39 @@ def test_kind_units_outside_the_registered_slots_are_refused(daemon):
         tx.close()
     finally:
         c.close()
+
+
+def test_digests_over_padded_pages_given_as_an_address_are_refused_at_construction(daemon):
+    """vLLM's Mamba states are cut out of larger blocks: host pages padded to a stride, given as an
+    address whose last page ends with its payload. kvbridge cannot read such a region back as
+    pages, so decode with ``verify_digest`` refuses it when built, naming the field and the pool,
+    instead of failing the first room deep in the digest code; without digests it is accepted."""
+    import dataclasses
+
+    from kvbridge.layout import RawBuffer
+
+    plain = model_specs("hybrid")
+    specs = {n: dataclasses.replace(s, page_stride=s.bytes_per_page + 64, num_heads=0, shard_units=(),
+                                     unit_bytes=0, tp_size=1)  # replicated
+             if s.kind == "state" else s for n, s in plain.items()}
+    bufs, keep = buffers(plain, None), []
+    for (name, lid) in list(bufs):
+        spec = specs[name]
+        if spec.kind == "state":
+            region = np.zeros(CAP * spec.page_stride, np.uint8)
+            keep.append(region)
+            bufs[(name, lid)] = RawBuffer(region.ctypes.data, (CAP - 1) * spec.page_stride + spec.payload_bytes_per_page)
+    client = BootstrapClient(daemon.url)
+    eng = kvb.create_engine("local", fabric=LocalFabric())
+    aux = torch.zeros((8, AUX.row_bytes), dtype=torch.uint8)
+    try:
+        with pytest.raises(ConfigError, match=r"verify_digest is on.*pool 'mamba_conv' layer 1: host pages padded") as err:
+            DecodeEndpoint(DecodeConfig(instance="kr-pad-d", verify_digest=True), eng, specs, bufs, contract(specs),
+                           client, aux, AUX)
+        assert err.value.field == "verify_digest"
+        ep = DecodeEndpoint(DecodeConfig(instance="kr-pad-d"), eng, specs, bufs, contract(specs), client, aux, AUX)
+        assert not ep.buffers.readable
+        ep.close(timeout=2)
+    finally:
+        eng.close()
+        client.close()

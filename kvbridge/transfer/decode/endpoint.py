@@ -101,6 +101,11 @@ class DecodeEndpoint(EndpointShell):
             raise ConfigError("aux rows given as device-memory RawBuffers: a decode rank reads each room's aux row "
                               "back (the room echo, hard rule 4), so give them as tensors or host memory", rank=rank,
                               field="aux_buffer")
+        unreadable = self.buffers.unreadable() if config.verify_digest else ""
+        if unreadable:  # refused here, not at the first room's digest read
+            raise ConfigError(f"verify_digest is on, but the digests are read from this rank's pools and {unreadable}: "
+                              "give the pools as tensors or whole host pages, or turn verify_digest off", rank=rank,
+                              field="verify_digest")
         self.aux_buffer = aux_buffer
         # registered and advertised: prefill writes a nonce here that only this process can read back,
         # the proof that this rank holds the memory it registers (kvbridge doctor probes it too)

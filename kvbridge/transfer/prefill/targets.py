@@ -352,8 +352,8 @@ def request_target(req: wire.TransferRequest, ident: bytes, room: Any, peer: Dec
                             f"has {fingerprint}; nothing transferred (hard rule 7)")
     if req.want_digest and not digests_readable:
         raise KVBridgeError(f"decode rank {req.decode_rank} wants page digests, but prefill rank {rank}'s buffers are "
-                            "device memory given as addresses (RawBuffer), which kvbridge cannot read: turn "
-                            "verify_digest off on decode")
+                            "not readable by kvbridge (device memory or padded pages given as addresses, "
+                            "RawBuffer): turn verify_digest off on decode")
     # num_tokens 0: the decode rank knows only its pages (first_page + page ids)
     room.set_length(f"decode rank {req.decode_rank}", num_tokens=req.num_tokens or None,
                     num_pages=None if req.num_tokens else req.first_page + len(req.page_ids) // 4)
