@@ -19,7 +19,7 @@ VLLM_TESTS := tests/integrations/vllm
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/_uv.sh
 	VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
 
@@ -29,14 +29,14 @@ demo: setup
 	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v3 --cp 2
 	$(VENV)/bin/kvbridge demo --model tiny-deepseek-v4
 
-$(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/_venv_space.sh scripts/sglang-requirements.txt | $(STAMP)
-	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
+$(SGLANG_STAMP): pyproject.toml scripts/setup_sglang.sh scripts/_venv_space.sh scripts/_uv.sh scripts/sglang-requirements.txt | $(STAMP)
+	MAIN_VENV=$(VENV) SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
 	touch $(SGLANG_STAMP)
 
 setup-sglang: $(SGLANG_STAMP)
 
-$(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/_venv_space.sh scripts/vllm-requirements.txt | $(STAMP)
-	VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm.sh scripts/_venv_space.sh scripts/_uv.sh scripts/vllm-requirements.txt | $(STAMP)
+	MAIN_VENV=$(VENV) VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
 	touch $(VLLM_STAMP)
 
 setup-vllm: $(VLLM_STAMP)

