@@ -66,7 +66,7 @@ with rows before it (Kimi's transposed conv state) is refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,9 +300,14 @@ def v4_kv_pools(kv_args: Any, page_size: int) -> list[StatePool]:
     ConfigError by name where the bytes do not fit: pages of another size, the unified KV's fp8
     two-pool (a rope group after each nope group; padding inside every nope row), ratio-1/2 layers."""
     ratios = list(kv_args.mla_compression_ratios)
-    start, stop = _stage(kv_args, ratios)
     e = _Entries("kv", [int(x) for x in kv_args.kv_data_ptrs], [int(x) for x in kv_args.kv_data_lens],
                  [int(x) for x in kv_args.kv_item_lens])
+    # [C4 KV, C4 indexer, C128 KV] over the layers (C4 KV and C128 KV twice in the fp8 two-pool)
+    def fits(a: int, b: int) -> bool:
+        c4, c128 = _layers(ratios, a, b, 4), _layers(ratios, a, b, 128)
+        return len(e.ptrs) in (2 * c4 + c128, 3 * c4 + 2 * c128)
+
+    start, stop = _stage(kv_args, ratios, fits)
     if any(r in (1, 2) for r in ratios):
         raise ConfigError("DeepSeek-V4 KV with ratio-1/2 layers (V4.1 kv_source caches): no kvbridge pool describes "
                           "them", field="mla_compression_ratios")
@@ -438,7 +443,7 @@ def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGe
     is tokens [l * ring, (l + 1) * ring), on the ring of the SWA page holding them (``kind_units``
     maps it), a window of the last ``ring`` positions (the overlap compressor's live rows,
     ``c4_state_transfer_indices``: n % 4 + 4 of them, within the last ``ring``)."""
-    start, stop = _stage(kv_args, ratios)
+    start, stop = _stage(kv_args, ratios, lambda a, b: len(e.ptrs) - 2 * _layers(ratios, a, b, 4) in (0, b - a))
     c4 = [i for i in range(start, stop) if ratios[i] == 4]
     num_swa = len(e.ptrs) - 2 * len(c4)
     if num_swa not in (0, stop - start):
@@ -469,14 +474,24 @@ def _v4_swa(e: _Entries, ratios: Sequence[int], kv_args: Any, geometry: HybridGe
     return out
 
 
-def _stage(kv_args: Any, ratios: Sequence[int]) -> tuple[int, int]:
+def _layers(ratios: Sequence[int], start: int, end: int, ratio: int) -> int:
+    """How many of layers ``[start, end)`` compress at ``ratio``."""
+    return sum(1 for r in ratios[start:end] if r == ratio)
+
+
+def _stage(kv_args: Any, ratios: Sequence[int], fits: Callable[[int, int], bool]) -> tuple[int, int]:
     """The stage's layers ``[start, end)``. SGLang sets ``prefill_end_layer`` from the pool's
     ``end_layer``, which is inclusive (``layer_num - 1``) for a pool of the whole model and the
-    exclusive end for a pipeline stage's; a stage from layer 0 ending at the last layer is the model."""
+    exclusive end for a pipeline stage's. So ``[0, L - 1)`` is either the whole model or a first
+    stage of all but the last layer: ``fits(start, end)`` (the component's buffers in the KVArgs
+    are those of these layers) tells them apart; the whole model when both fit."""
     start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
     end = getattr(kv_args, "prefill_end_layer", None)
-    if end is None or (start == 0 and int(end) in (len(ratios) - 1, len(ratios))):
-        return start, len(ratios)
+    last = len(ratios)
+    if end is None or (start == 0 and int(end) == last):
+        return start, last
+    if start == 0 and int(end) == last - 1:
+        return (0, last - 1) if fits(0, last - 1) and not fits(0, last) else (0, last)
     return start, int(end)
 
 
@@ -489,7 +504,7 @@ def _swa_ring(e: _Entries, ratios: Sequence[int] | None, kv_args: Any, geometry:
         raise ConfigError("SGLang state 'swa_ring': the ring's rows per request are not known (HybridGeometry."
                           "swa_ring_stride, the pool's unified_swa_ring_size)", field="swa_ring_stride")
     if not prefix and ratios is not None:
-        start, stop = _stage(kv_args, ratios)
+        start, stop = _stage(kv_args, ratios, lambda a, b: len(e.ptrs) in (b - a, 2 * (b - a)))
         ids = tuple(range(start, stop))
     parts = len(e.ptrs) // max(len(ids), 1)
     if parts not in (1, 2) or parts * len(ids) != len(e.ptrs):
@@ -558,7 +573,7 @@ def _c128_state(e: _Entries, ratios: Sequence[int] | None, kv_args: Any,
         raise ConfigError("SGLang state 'c128_state' with ratio-1/2 layers: their pending-pair rings share the "
                           "component with the C128 state and no kvbridge kind describes them",
                           field="mla_compression_ratios")
-    start, stop = _stage(kv_args, ratios)
+    start, stop = _stage(kv_args, ratios, lambda a, b: len(e.ptrs) == _layers(ratios, a, b, 128))
     ids = [i for i in range(start, stop) if ratios[i] == 128]
     if len(ids) != len(e.ptrs):
         raise ConfigError(f"SGLang state 'c128_state': {len(e.ptrs)} buffers for C128 layers {ids}",

@@ -190,6 +190,28 @@ def test_v4_stages_build_decodes_pools_from_the_compression_ratios(sgl):
         assert kvb.stage_specs(decode, stage, 4) == mine
 
 
+def test_a_v4_first_stage_of_all_but_the_last_layer_is_not_taken_for_the_model(sgl):
+    """SGLang's ``end_layer`` is inclusive for a whole model's pool (``layer_num - 1``) and exclusive
+    for a stage's, so a first stage [0, 3) of a 4-layer V4 reads like the whole model; the buffers
+    its KVArgs hold (C4 KV, indexer and rings of layer 2, C128 of layers 0 and 1: none of layer 3)
+    tell it apart, and it builds the stage's pools and decode's, as [0, 2) | [2, 4) do."""
+    decode = pool_specs(read_kv_args(stage_args(_v4_stage(0, 4)), is_mla=True,
+                                     geometry=geometry_of(queue_of(_v4_stage(0, 4), window=128))))
+    stages, own = [], []
+    for start, end in ((0, 3), (3, 4)):
+        pool = _v4_stage(start, end)
+        args = stage_args(pool)
+        cache = read_kv_args(args, is_mla=True, geometry=geometry_of(queue_of(pool, window=128)))
+        stages.append(stage_layers(cache, args, model_layers(args)))
+        own.append(pool_specs(cache))
+    assert stages == [(0, 3), (3, 4)]
+    assert ids(own[0]) == {"c4": (2,), "c4_index": (2,), "c128": (0, 1), "swa": (0, 1, 2), "c4_state": (2,),
+                           "c4_index_state": (2,), "c128_state": (0, 1)}
+    assert ids(own[1]) == {"c128": (3,), "swa": (3,), "c128_state": (3,)}
+    for stage, mine in zip(stages, own):
+        assert kvb.stage_specs(decode, stage, 4) == mine
+
+
 GPT_OSS = ModelLayers(4, full=(1, 3), swa=(0, 2))  # gpt-oss class: sliding window on even layers
 
 
