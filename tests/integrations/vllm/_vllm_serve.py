@@ -58,6 +58,10 @@ def transfer_config(role: str, extra: dict[str, Any]) -> str:
                        "kv_role": role, "kv_connector_extra_config": extra})  # fmt: skip
 
 
+STARTED: dict[str, Proc] = {}  # every process started in this test process, by name (the latest): their
+# logs' tails are added to a failed test's report (tests/integrations/vllm/conftest.py)
+
+
 class Proc:
     """A process in a session of its own, logging to ``workdir/<name>.log``."""
 
@@ -83,6 +87,7 @@ class Proc:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True, cwd=self.workdir)  # fmt: skip
+        STARTED[self.name] = self
         return self
 
     def alive(self) -> bool:

@@ -23,3 +23,18 @@ def daemon():
 
     with start_bootstrap(lease_ttl=5.0) as (url, token):
         yield url, token
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that ran real servers (``vllm serve``, the proxy) gets each one's log tail in
+    its report: a 500 from the proxy says nothing of why prefill or decode failed the room."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    started = getattr(sys.modules.get("_vllm_serve"), "STARTED", {})
+    for name, proc in sorted(started.items()):
+        tail = proc.log_tail(8000)
+        if tail:
+            report.sections.append((f"log of {name} (its last 8000 characters)", tail))
