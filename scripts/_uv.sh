@@ -1,10 +1,13 @@
 # Sourced by scripts/setup.sh, setup_sglang.sh and setup_vllm.sh: installs go through uv
 # (`uv pip install`), with pip's own view of where packages lie on this host.
 #
-# uv installs in parallel, links unpacked wheels from its cache instead of copying them, and
-# compiles no bytecode up front (a module is compiled the first time it is imported). Measured
-# on the 2-core machine under a load of about 3: the pinned SGLang set (6 GB, torch 2.14.1 with
-# its CUDA libraries) in 49 s from an empty cache, where pip took 455 s in a fresh-clone CI run.
+# uv installs in parallel and links unpacked wheels from its cache instead of copying them.
+# Measured on the 2-core machine under a load of about 3: the pinned SGLang set (6 GB, torch
+# 2.14.1 with its CUDA libraries) in 49 s from an empty cache without bytecode, where pip took
+# 455 s in a fresh-clone CI run. Bytecode is compiled at install (--compile-bytecode), as pip
+# does: this host runs with PYTHONDONTWRITEBYTECODE=1, so a venv without .pyc files compiles
+# every module it imports in every process (a fresh-clone run without it: the main suite about
+# a third slower, every test process compiling torch anew).
 #
 # uv reads none of pip's configuration, and this host has pip configured (local wheels such as
 # the CPU build of torch as find-links, local mirrors as extra indexes, a constraint file
@@ -45,5 +48,6 @@ uv_pip() {
       constraint) for v in $value; do config+=(--constraint "$v"); done ;;
     esac
   done < <("$venv/bin/python" -m pip config list 2>/dev/null)
-  "$uv" pip install --quiet --python "$venv/bin/python" --index-strategy unsafe-best-match "${config[@]}" "$@"
+  "$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" --index-strategy unsafe-best-match \
+    "${config[@]}" "$@"
 }
