@@ -24,10 +24,11 @@ trap 'rm -rf "$LOGS"' EXIT
 PYTEST=(-m pytest -q -p no:cacheprovider)
 ENGINE_SUITES=(--ignore=tests/integrations/sglang --ignore=tests/integrations/vllm)
 # Main-suite tests that run in .venv beside the engine venvs' build instead of in the main suite:
-# the engines' lane (venvs, then the SGLang and vLLM suites) was about 500 s shorter than the main
-# suite's, so these move over to even the two lanes. CPU-heavy, none timing-sensitive (tiny
-# models colocated against disaggregated, the quick bench, the demo).
-SIDE_TESTS=(tests/integrations/transformers tests/worker/test_bench.py tests/test_demo.py)
+# the engines' lane (venvs, then the SGLang and vLLM suites) ended 300-400 s before the main
+# suite, so these move over to even the two lanes (tiny models colocated against disaggregated,
+# the workers' commands, the demo, the doctor). The chaos runs stay in the main suite: their
+# verdicts wait on real rooms under load, and the side lane is the busier one while the venvs build.
+SIDE_TESTS=(tests/integrations/transformers tests/worker tests/test_demo.py tests/doctor)
 SIDE_IGNORED=()
 for path in "${SIDE_TESTS[@]}"; do SIDE_IGNORED+=("--ignore=$path"); done
 start=$(date +%s)
