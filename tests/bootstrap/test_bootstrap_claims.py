@@ -22,7 +22,7 @@ from kvbridge.bootstrap.topology import AuxDescriptor, AuxRegionDescriptor
 from kvbridge.transfer.ownership import ProofKey
 
 TTL = 3.0  # etcd's shortest leases are about 2 s
-VICTIM_TTL = 8.0
+VICTIM_TTL = 30.0  # outlives stopping two replicas and starting a third (a fresh-clone CI run: over 12 s at load 7)
 LEASE = "X-KVBridge-Lease"
 
 
@@ -196,10 +196,14 @@ def test_etcd_claims_hold_across_replicas_restarts_and_leases(etcd_cluster: Any,
     with httpx.Client(base_url=r2.url, trust_env=False) as h2:
         r = h2.post("/v1/ranks", json=_body(kvb, small_contract, attacker, session_id=vbody["session_id"]))
         assert r.status_code == 409 and vid in r.json()["holder"], r.text
+        # the rank re-registers through the new replica with a short lease (its secret read back from etcd)
+        again = h2.post("/v1/ranks", json={**vbody, "lease_ttl_s": TTL}, headers={LEASE: secret})
+        assert again.status_code == 201 and again.json()["replaced"] == vid, again.text
+        vid, secret = again.json()["rank_id"], again.json()["lease_secret"]
         # the victim stops heartbeating: its rank goes with its lease, its claim stays its key's
         squat = _body(kvb, small_contract, attacker, session_id=vbody["session_id"], lease_ttl_s=TTL,
                       proof_key=key.public_hex)  # naming the victim's (public) key does not help
-        deadline = time.monotonic() + 2 * VICTIM_TTL + 3
+        deadline = time.monotonic() + 2 * TTL + 3
         while h2.get(f"/v1/ranks/{vid}").status_code == 200 and time.monotonic() < deadline:
             r = h2.post("/v1/ranks", json=squat)
             assert r.status_code == 409 and r.json()["error"] == "claim_held", r.text
