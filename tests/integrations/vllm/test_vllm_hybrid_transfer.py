@@ -13,7 +13,6 @@ here; the scheduler and the workers are vLLM's classes with the manager on."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from _vllm_world import instance_pair, start_ranks
