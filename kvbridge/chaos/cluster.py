@@ -70,6 +70,8 @@ class ChaosCluster:
         # the in-memory daemon keeps its claims in a file, read back when it restarts (``--claims-file``)
         self.claims_file = workdir / "claims.json" if claims_file else None
         self.etcd = EtcdCluster(workdir / "etcd", members=3) if replicas else None
+        # prefill ranks run chaos's FaultyEngine (failed_writes > 0): SIGUSR2 kills one at its next write
+        self.kills_at_write = failed_writes > 0
         self.replicas = [Member(f"replica-{i}", "daemon", []) for i in range(replicas)]
         self.replica_ports = [0] * replicas
         self.token, self.secret = secrets.token_hex(16), secrets.token_hex(16)

@@ -7,6 +7,15 @@ moment before (bound to port 0, then released); a member that cannot bind fails 
 health wait and the cluster start raises with its log. Stopping: SIGTERM with a
 deadline, then SIGKILL (the last member of a cluster whose peers are gone may ignore
 SIGTERM for seconds while it looks for them).
+
+Data: each member's data directory lives on a memory-backed filesystem (``/dev/shm``)
+where the host has one, else under ``workdir``. etcd fsyncs its log on every write; on
+a host whose disk is busy with other work (a venv being installed beside a test
+suite) one fsync can take seconds, longer than the daemon's per-request timeout, and
+a test then sees "quorum lost" that is only the disk. These clusters hold test and
+benchmark state only, so nothing is lost by keeping it in memory; ``stop`` removes it.
+Heartbeat and election timeouts are twice etcd's defaults (200 ms / 2 s) so that a
+member starved of CPU for a second on a loaded host does not start an election.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +37,8 @@ from kvbridge.errors import ConfigError
 __all__ = ["EtcdCluster", "etcd_binary"]
 
 HOST = "127.0.0.1"
+HEARTBEAT_MS = 200
+ELECTION_MS = 2000
 
 
 def etcd_binary() -> str:
@@ -61,6 +73,13 @@ class EtcdCluster:
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.token = f"kvbridge-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+        self.data_root = self._data_root()
+
+    def _data_root(self) -> Path:
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="kvbridge-etcd-", dir=shm))
+        return self.workdir
 
     # -- addresses -------------------------------------------------------------
 
@@ -83,7 +102,7 @@ class EtcdCluster:
 
     def _launch(self, i: int) -> None:
         peers = ",".join(f"{self.name(j)}=http://{HOST}:{self.peer_ports[j]}" for j in range(self.members))
-        data = self.workdir / f"{self.name(i)}.etcd"
+        data = self.data_root / f"{self.name(i)}.etcd"
         cmd = [
             etcd_binary(), "--name", self.name(i), "--data-dir", str(data),
             "--listen-client-urls", self.client_url(i), "--advertise-client-urls", self.client_url(i),
@@ -91,6 +110,7 @@ class EtcdCluster:
             "--initial-advertise-peer-urls", f"http://{HOST}:{self.peer_ports[i]}",
             "--initial-cluster", peers, "--initial-cluster-token", self.token,
             "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap",
+            "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / f"{self.name(i)}.log", "ab") as log:
@@ -159,6 +179,8 @@ class EtcdCluster:
                 p.kill()
                 p.wait(10)
             self.procs[i] = None
+        if self.data_root != self.workdir and not self.running():
+            shutil.rmtree(self.data_root, ignore_errors=True)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()

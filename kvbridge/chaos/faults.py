@@ -8,6 +8,10 @@
                                    fail inside its transfer engine
     target: prefill rank (the last CP rank), decode rank, bootstrap daemon
 
+Worker faults are aimed at a moment with writes in flight: the prefill rank's SIGKILL by
+the rank itself (SIGUSR2 arms its chaos engine to SIGKILL the process right after it posts
+its next write), the others once the prefill rank's writes-in-flight gauge reads non-zero.
+
 For each: the rooms it affected (not ok on every rank), how long until they were
 Failed, whether every failure reason names the faulty process, the rooms served once
 recovered, late writes into released decode pages (poisoned, checked before reuse),
@@ -116,6 +120,26 @@ def _wait_for_writes(cluster: ChaosCluster, traffic: Traffic, fault: Fault, time
     return 0
 
 
+def _kill_at_write(cluster: ChaosCluster, traffic: Traffic, m: Member, timeout: float) -> tuple[int, float]:
+    """SIGUSR2 arms the prefill rank's engine (``FaultyEngine.arm_kill``) to SIGKILL its own process
+    right after it posts its next write, so the kill lands with writes in flight whatever the host's
+    load; traffic flows until the rank is gone. Returns the writes in flight at the kill (as the rank
+    logged them just before) and when its exit was seen. Not gone within ``timeout`` (no write was
+    posted): it is killed from outside, and 0 writes are reported."""
+    from kvbridge.transfer.engine.faulty import killed_with_writes
+
+    cluster.signal(m, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout
+    while m.alive and time.monotonic() < deadline:
+        traffic.pump(0.005)
+    t_seen = time.monotonic()
+    if m.alive:
+        cluster.signal(m, signal.SIGKILL)
+        return 0, t_seen
+    assert m.proc is not None
+    return killed_with_writes(m.proc.log_path.read_text(errors="replace")), t_seen
+
+
 def inject(cluster: ChaosCluster, traffic: Traffic, fault: Fault, *, stop_s: float, recovery_rooms: int,
            settle_s: float, recovery_timeout: float) -> FaultResult:
     t_start = time.monotonic()
@@ -125,14 +149,22 @@ def inject(cluster: ChaosCluster, traffic: Traffic, fault: Fault, *, stop_s: flo
     late_before = int(cluster.stats(cluster.decode[0]).get("late_writes", 0))
     traffic.flowing = True
     traffic.pump(0.3)
-    if fault.hits_writes:
+    # a prefill rank killed mid-write kills itself at its next post (its engine is chaos's)
+    kill_at_write = fault.how == "SIGKILL" and m.role == "prefill" and cluster.kills_at_write
+    if fault.hits_writes and not kill_at_write:
         # (found within a few scrapes on an idle host; a loaded one may need many: a miss is reported)
         result.writes_in_flight_at_fault = _wait_for_writes(cluster, traffic, fault, 10.0)
     first_room = max(traffic.rooms, default=0)
     open_at_fault = {r.room for r in traffic.open_rooms()}
     t_fault = time.monotonic()
 
-    if fault.how == "errors":
+    if kill_at_write:
+        result.writes_in_flight_at_fault, t_fault = _kill_at_write(cluster, traffic, m, 20.0)
+        traffic.flowing = False
+        if cluster.wait_exit(m, 20.0) is None:
+            result.problems.append(f"{m.name} still running 20s after SIGKILL")
+        traffic.lose(m)
+    elif fault.how == "errors":
         cluster.signal(m, signal.SIGUSR1)  # the next writes of this rank fail in its engine
         traffic.pump(1.0)
     elif fault.how == "SIGSTOP":

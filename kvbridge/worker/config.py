@@ -155,8 +155,8 @@ SETTINGS: tuple[Setting, ...] = (
             "expired, unless it acknowledges the abort (a frozen process resumes with writes queued)", DECODE),
     Setting("poison_pages", parse_bool, False, "fill released pages with a poison byte and check them before reuse "
             "(late writes are counted in stats; burn-in and kvbridge chaos)", DECODE),
-    Setting("chaos_failed_writes", int, 0, "testing: on SIGUSR1, fail the next N transfer-engine writes "
-            "(kvbridge chaos; 0: off)"),
+    Setting("chaos_failed_writes", int, 0, "testing: on SIGUSR1, fail the next N transfer-engine writes; "
+            "on SIGUSR2, SIGKILL the process right after it posts its next write (kvbridge chaos; 0: off)"),
     Setting("ready_file", str, "", "write a JSON line with the bound endpoints here once ready"),
     Setting("trace", parse_bool, False, "log every control message and state transition"),
 )

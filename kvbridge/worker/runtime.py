@@ -42,8 +42,10 @@ def serve(worker: Any) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         ready = worker.start()
-        if hasattr(worker.engine, "arm"):  # --chaos-failed-writes: SIGUSR1 makes the next writes fail
+        if hasattr(worker.engine, "arm"):  # --chaos-failed-writes: SIGUSR1 makes the next writes fail,
             previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: worker.engine.arm())
+            # SIGUSR2 makes the process SIGKILL itself right after it posts its next write
+            previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: worker.engine.arm_kill())
         if worker.cfg.ready_file:
             write_ready_file(worker.cfg.ready_file, ready)
         while not stop.is_set() and not worker.shutdown_requested:

@@ -162,11 +162,16 @@ def test_a_staging_area_is_registered_read_back_and_claimed(http: httpx.Client, 
 # ---- on etcd: one transaction, two replicas, restarts, lease expiry -------------------------------
 
 GRACE = 4.0
+# One etcd request's timeout before the next member is tried: the default 2 s, doubled twice. These
+# tests judge claims, not failover; on a loaded CI host (load 7+, a venv installing beside) a lease
+# grant took over 2 s and every replica answered 503 (store unavailable) instead of 201/409.
+ETCD_TIMEOUT_S = 8.0
 
 
 def _replicas(start_daemon: Callable[..., Any], cluster: Any, prefix: str, n: int) -> list[Any]:
     return [start_daemon("--store", cluster.store_url, "--etcd-prefix", prefix, "--replica-name", f"r{i}",
-                         "--lease-ttl", str(TTL), "--claim-grace-s", str(GRACE)) for i in range(n)]
+                         "--lease-ttl", str(TTL), "--claim-grace-s", str(GRACE), "--etcd-timeout", str(ETCD_TIMEOUT_S))
+            for i in range(n)]
 
 
 def test_etcd_claims_hold_across_replicas_restarts_and_leases(etcd_cluster: Any, etcd_prefix: str,

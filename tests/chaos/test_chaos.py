@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvbridge.transfer.engine.faulty import INJECTED, FaultyEngine
+from kvbridge.transfer.engine.faulty import INJECTED, FaultyEngine, killed_with_writes
 from kvbridge.chaos.names import FAULTS
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine import LocalFabric, WriteState, create_engine, mooncake_available, nixl_available
@@ -64,6 +64,38 @@ def test_faulty_engine_fails_armed_writes_only() -> None:
     assert dst.tolist() == src.tolist()
     a.close()
     b.close()
+
+
+_KILL_CHILD = """
+import numpy as np, sys
+from kvbridge.transfer.engine import LocalFabric, create_engine
+from kvbridge.transfer.engine.faulty import FaultyEngine
+fabric = LocalFabric()
+a, b = create_engine("local", fabric=fabric), create_engine("local", fabric=fabric)
+src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+a.register(src.ctypes.data, 64)
+b.register(dst.ctypes.data, 64)
+faulty = FaultyEngine(a, failures_per_arm=1)
+args = (b.session_id, np.array([src.ctypes.data], np.uint64), np.array([dst.ctypes.data], np.uint64),
+        np.array([64], np.uint64))
+faulty.write(*args, timeout=5)            # seen final: not in flight any more
+faulty.submit_write(*args)                # posted, never polled: in flight
+print("armed", flush=True)
+faulty.arm_kill()
+faulty.submit_write(*args)                # the process dies here
+print("survived the armed write", flush=True)
+"""
+
+
+def test_armed_kill_sigkills_the_process_right_after_its_next_write_is_posted() -> None:
+    """chaos's "prefill SIGKILL": SIGUSR2 arms the rank's engine, and the next posted write kills the
+    process with the kernel's SIGKILL; the line before it counts the writes posted and not yet seen
+    final (2 here: the unpolled one and the one just posted), which the harness reports."""
+    done = subprocess.run([sys.executable, "-c", _KILL_CHILD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "armed" in done.stdout and "survived" not in done.stdout
+    assert killed_with_writes(done.stderr) == 2, done.stderr[-2000:]
+    assert killed_with_writes("a log with no kill line") == 0
 
 
 def test_poisoned_pages_catch_a_write_after_release() -> None:
