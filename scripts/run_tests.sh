@@ -21,7 +21,7 @@ MAKE=${MAKE:-make}
 SHARDS=${KVBRIDGE_TEST_SHARDS:-1}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-tests.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
-PYTEST=(-m pytest -q -p no:cacheprovider)
+PYTEST=(-m pytest -q -p no:cacheprovider --durations=30)
 ENGINE_SUITES=(--ignore=tests/integrations/sglang --ignore=tests/integrations/vllm)
 # Main-suite tests that run in .venv beside the engine venvs' build instead of in the main suite:
 # the engines' lane (venvs, then the SGLang and vLLM suites) ended 300-400 s before the main
