@@ -17,12 +17,13 @@ joined per chunk:
 p50 / p90 ms over every chunk of the timed rooms, and the rooms' p50. Prints the bench row too.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/staged_cycle.py [--tokens 8192] [--layers 61] [--slot-kib 8192]
-        [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2]
+        [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2] [--device cuda:0] [--engine ipc] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import tempfile
 from collections import defaultdict
@@ -36,8 +37,9 @@ STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", 
          "gather slot")
 
 
-def cycle_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
-    """Step -> durations (ms) over every chunk of ``rooms`` found in the ``cycle`` lines."""
+def cycle_steps(lines: list[str], rooms: set[int], chunks: list[dict] | None = None) -> dict[str, list[float]]:
+    """Step -> durations (ms) over every chunk of ``rooms`` found in the ``cycle`` lines; ``chunks``
+    (when given) gets each chunk's timestamps (monotonic seconds, one clock for the host's processes)."""
     pre: dict[tuple[int, int, int, str], float] = {}  # (room, cp, chunk, step) on prefill
     ask_in: dict[tuple[int, int, int], float] = {}
     grants: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # decode's grant-out (room, chunk, slot)
@@ -77,6 +79,9 @@ def cycle_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
             continue
         done = min((t for s, t in scatters[(room, slot)] if s == "scattered" and t >= t_in), default=None)
         regrant = min((t for t in slot_grants[slot] if done is not None and t >= done), default=None)
+        if chunks is not None:
+            chunks.append(dict(room=room, cp=cp, chunk=chunk, slot=slot, ask_out=ask_out, ask_in=a_in, grant_out=g_out,
+                               grant_in=g_in, landed_out=l_out, landed_in=t_in, scattered=done, regrant=regrant))
         for name, a, b in (("ask trip", ask_out, a_in), ("grant wait", a_in, g_out), ("grant trip", g_out, g_in),
                            ("post + write", g_in, l_out), ("landed trip", l_out, t_in), ("scatter", t_in, done),
                            ("credit back", done, regrant), ("gather slot", ask_out, l_out)):
@@ -97,6 +102,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
     ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
+    ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here")
     args = ap.parse_args()
 
     from kvbridge.bench.sweep import BenchSpec, run_sweep
@@ -120,7 +126,8 @@ def main() -> None:
     lines = [ln for p in sorted(Path(folder).glob("*.log")) for ln in p.read_text(errors="replace").splitlines()]
     # the timed rooms alternate kvbridge (direct) and staged; the staged ones are those with cycle lines
     rooms = {int(m[1]) for ln in lines if (m := _LINE.search(ln))} & set(row["room_ids"])
-    steps = cycle_steps(lines, rooms)
+    chunks: list[dict] = []
+    steps = cycle_steps(lines, rooms, chunks)
     print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
           f"{args.slot_kib} KiB x ({args.gather_slots} gather per rank, {args.decode_slots} decode): staged "
           f"{row['staged_gbps']} GB/s p50 {row['staged_p50_ms']} ms ({row['staged_slices']} pieces), direct "
@@ -134,6 +141,9 @@ def main() -> None:
         else:
             print(f"{name:<14} {0:>6} {'-':>8} {'-':>8}")
     print(f"trace logs: {folder}")
+    if args.json:
+        keep = {k: v for k, v in row.items() if isinstance(v, (int, float, str, type(None)))}
+        Path(args.json).write_text(json.dumps({"args": vars(args), "row": keep, "steps": steps, "chunks": chunks}) + "\n")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,7 @@ def test_the_join_gives_each_step_of_a_chunk_and_the_credit_back_of_its_slot():
     got = {k: round(v[0], 3) for k, v in steps.items() if v}
     assert got == {"ask trip": 1.0, "grant wait": 2.0, "grant trip": 1.0, "post + write": 6.0, "landed trip": 2.0,
                    "scatter": 0.5, "credit back": 1.0, "gather slot": 10.0}
+    chunks: list[dict] = []  # --json: each chunk's timestamps, for scripts/staged_cycle_detail.py
+    _script().cycle_steps(lines, {7}, chunks)
+    assert chunks == [dict(room=7, cp=1, chunk=3, slot=2, ask_out=1.0, ask_in=1.001, grant_out=1.003, grant_in=1.004,
+                           landed_out=1.01, landed_in=1.012, scattered=1.0125, regrant=1.0135)]

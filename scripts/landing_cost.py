@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""The host-side numpy work of one staged landing on decode, timed alone (no GPU, no sockets): for
+each 64 MiB chunk of a V3.2 fp8 room (61+1 layers, CP 2, random pages, ``staged_layout_bench.build``
+on the CPU), ``DecodeStaging.landed`` (the scatter list unpacked and checked inside the slot and the
+room's pages) and ``CudaStager.copy``'s range checks (``AddressRanges.hold`` of sources and
+destinations), p50 over ``--reps`` passes.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/landing_cost.py [--tokens 8192] [--slot-mib 64] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--slot-mib", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+
+    import staged_layout_bench as slb
+
+    from kvbridge.bench.alloc import allocate
+    from kvbridge.layout import OwnerLanes, describe_buffer, preset_pools
+    from kvbridge.transfer.channel import wire
+    from kvbridge.transfer.decode.staging import DecodeStaging
+    from kvbridge.transfer.staging import StagingArea
+    from kvbridge.transfer.staging.stagers import AddressRanges
+
+    w = slb.build(args.tokens, args.slot_mib, "cpu")
+    specs = preset_pools(slb.PRESET, num_layers=slb.LAYERS, page_size=slb.PAGE, draft_layers=1)
+    dst = [describe_buffer(specs[p], lid, t) for (p, lid), t in w["dst"].items()]
+    lanes, num_pages = OwnerLanes(slb.CP), -(-args.tokens // slb.PAGE)
+    src_cap = max(1, len(lanes.owned_pages(0, num_pages)))
+    page_ids = np.asarray(allocate("random", num_pages, lanes, src_cap, num_pages, seed=args.tokens).page_ids, np.int64)
+    slot_bytes, base = args.slot_mib << 20, 1 << 40
+    ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode")
+    ranges = AddressRanges([(d.base, d.capacity_pages * d.bytes_per_page) for d in dst] + [(base, 4 * slot_bytes)])
+    landed, hold, slices = [], [], set()
+    n = 0
+    for _ in range(args.reps):
+        for sp in w["staged"]:
+            for k in range(sp.num_chunks):
+                off, to, length = sp.scatter(k, 0)
+                slices.add(int(length.size))
+                out: list = []
+                n += 1
+                ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
+                                                                     num_bytes=int(sp.chunk_span[k])), out)
+                slot = out[-1].msg.slot
+                msg = wire.ChunkLanded(room=1, cp_rank=0, chunk=n, slot=slot, status="ok", reason="",
+                                       scatter=wire.pack_scatter(off, to, length))
+                t = time.perf_counter()
+                ds.landed(1, (0, 0, 0), msg, page_ids, -1, out)
+                landed.append(time.perf_counter() - t)
+                sc = out[-1]
+                t = time.perf_counter()
+                _ = ranges.hold(sc.src, sc.length) & ranges.hold(sc.dst, sc.length)
+                hold.append(time.perf_counter() - t)
+                ds.scattered(1, slot, [])
+    print(f"{args.tokens} tokens, {args.slot_mib} MiB chunks ({min(slices)}-{max(slices)} slices), {len(landed)} "
+          f"landings: DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, range checks p50 "
+          f"{np.median(hold) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
