@@ -333,7 +333,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
                              "succeeded": len(lat), "failed": acc["failed"], "bytes_checked": acc["ok"],
                              "paths": acc["paths"], "staged_share": acc["staged"] / posted if posted else None,
                              "mb_per_room": nbytes / 1e6, "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
-                             "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None})  # fmt: skip
+                             "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None,
+                             "latencies_ms": [round(x * 1e3, 3) for x in lat]})  # fmt: skip
     finally:
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
         prefill.stop()
