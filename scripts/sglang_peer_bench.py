@@ -6,6 +6,7 @@ classes (``get_kv_class`` -> manager, sender, receiver, bootstrap server; ``KVAr
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py --quick    # 4 layers, 2 rooms (CI)
     ... --layers 61 --rooms 20 --json out.json
     ... --configs auto --rooms 10                                   # stock against auto alone (README)
+    ... --configs auto --rooms 10 --rank-processes                  # each prefill CP rank its own process
 
 Workload: DeepSeek V3.2's latent cache geometry (656 B per token per layer, fp8 with scales, page
 64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page ids
@@ -23,7 +24,8 @@ request's pages of every layer as one Mooncake batch, which at 8K tokens and mor
 TCP per-peer queue, and the session is then blacklisted and every later room fails.
 
 Two child processes (this script with ``--child``): one holds every prefill server, one every
-decode server; each configuration first moves one uncounted warm-up room, then the rooms go round
+decode server (``--rank-processes``: a prefill child per CP rank instead, each holding its rank of
+every configuration, as a deployment runs one process per rank); each configuration first moves one uncounted warm-up room, then the rooms go round
 robin over the configurations (room i of each before room i + 1 of any). Latency is decode's,
 from ``send_metadata`` to ``poll() == Success``; GB/s is the rooms' KV bytes over their summed
 latencies. Every room's decode pages start poisoned and must equal the prefill
@@ -233,12 +235,13 @@ def child(cfg: dict) -> None:
         os.environ.pop("KVBRIDGE_STAGING", None)
         if staging is not None:
             os.environ["KVBRIDGE_STAGING"] = staging
-        if role == "prefill":  # start_disagg_service on the prefill's TokenizerManager
+        if role == "prefill" and not cfg.get("cp_rank"):  # start_disagg_service on the prefill's TokenizerManager
             keep.append(utils.get_kv_class(utils.TransferBackend(backend), utils.KVClassType.BOOTSTRAP_SERVER)(
                 host="127.0.0.1", port=port))
         sa = server_args(backend, port)
         count = cp if role == "prefill" else 1
-        servers[name] = [Rank(role, backend, sa, layers, pages, (i, count)) for i in range(count)]
+        mine = range(count) if cfg.get("cp_rank") is None else [i for i in range(count) if i == cfg["cp_rank"]]
+        servers[name] = [Rank(role, backend, sa, layers, pages, (i, count)) for i in mine]
     os.environ.pop("KVBRIDGE_STAGING", None)
     stamp_ranks(0, 1)  # what SGLang's Mooncake manager may read again at run time: one rank
     print(json.dumps({"ready": True}), flush=True)
@@ -270,8 +273,10 @@ def _child(cfg: dict, log: Path) -> Child:
 
 
 def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: list[int] | None = None,
-        configs: tuple = CONFIGS) -> list[dict]:
-    """``staged_sizes``: the sizes the ``kvbridge staged`` configurations run (default: ``sizes``)."""
+        configs: tuple = CONFIGS, rank_processes: bool = False) -> list[dict]:
+    """``staged_sizes``: the sizes the ``kvbridge staged`` configurations run (default: ``sizes``).
+    ``rank_processes``: each prefill CP rank in a child process of its own (as a deployment runs
+    them), not every rank in one."""
     import numpy as np
 
     model = workdir / "model"
@@ -281,12 +286,18 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
     pages = max_pages + max(64, max_pages // 4) + 1  # free pages to draw random ids from (page 0: SGLang's padding)
     ports = {server_name(label, cp): free_port() for label, _, cp, _ in configs}
     common = {"layers": layers, "pages": pages, "model": str(model), "ports": ports, "configs": configs}
-    prefill = _child({**common, "role": "prefill", "http_port": free_port()}, workdir / "prefill.log")
+    max_cp = max(cp for _, _, cp, _ in configs)
+    if rank_processes:  # rank i's child holds rank i of every configuration that has one (rank 0: the bootstrap servers)
+        prefills = [_child({**common, "role": "prefill", "http_port": free_port(), "cp_rank": i},
+                           workdir / f"prefill-cp{i}.log") for i in range(max_cp)]
+    else:
+        prefills = [_child({**common, "role": "prefill", "http_port": free_port()}, workdir / "prefill.log")]
     decode = _child({**common, "role": "decode", "http_port": free_port()}, workdir / "decode.log")
+    cps = {server_name(label, cp): cp for label, _, cp, _ in configs}
     rng = np.random.default_rng(0)
     rows = []
     try:
-        for c in (prefill, decode):
+        for c in (*prefills, decode):
             c.next(300)
         room = 1 << 40
 
@@ -294,9 +305,16 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
             k = n // PAGE
             src = (rng.permutation(pages - 1)[:k] + 1).tolist()
             dst = (rng.permutation(pages - 1)[:k] + 1).tolist()
-            prefill.send(op="room", server=server, room=room, n=n, src=src)
+            senders = prefills[:cps[server]] if rank_processes else prefills
+            for c in senders:
+                c.send(op="room", server=server, room=room, n=n, src=src)
             decode.send(op="room", server=server, room=room, n=n, src=src, dst=dst)
-            return decode.next(300), prefill.next(300)
+            d = decode.next(300)
+            parts = [c.next(300) for c in senders]
+            p = {"room": room, "side": "prefill", "state": min(x["state"] for x in parts),
+                 "paths": sorted({q for x in parts for q in x["paths"]}),
+                 "bytes": sum(x["bytes"] for x in parts), "bytes_staged": sum(x["bytes_staged"] for x in parts)}
+            return d, p
 
         def sizes_of(staging: str | None) -> list[int]:
             return (staged_sizes or sizes) if staging == "always" else sizes
@@ -337,7 +355,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
                              "latencies_ms": [round(x * 1e3, 3) for x in lat]})  # fmt: skip
     finally:
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
-        prefill.stop()
+        for c in reversed(prefills):  # rank 0's child, which runs the bootstrap servers, last
+            c.stop()
     stock = {r["tokens"]: r for r in rows if r["backend"] == "mooncake"}
     for r in rows:
         base = stock.get(r["tokens"], {})
@@ -385,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="", help="kvbridge's configurations beside the stock backend, any of "
                     f"{','.join(GROUPS)} (default auto,staged; with --direct also direct): e.g. 'auto' for auto "
                     "against stock alone (fewer ranks: less memory, shorter runs)")
+    ap.add_argument("--rank-processes", action="store_true", help="each prefill CP rank in a child process of "
+                    "its own (a deployment's layout); default: every prefill rank in one child")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--logs", default="", help="keep the children's logs in this directory")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -411,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = CONFIGS[:1] + tuple(c for g in GROUPS if g in groups for c in GROUPS[g])
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
-        rows = run(layers, sizes, rooms, Path(args.logs), staged, configs)
+        rows = run(layers, sizes, rooms, Path(args.logs), staged, configs, args.rank_processes)
     else:
         with tempfile.TemporaryDirectory(prefix="sglang-peer-bench-") as tmp:
-            rows = run(layers, sizes, rooms, Path(tmp), staged, configs)
+            rows = run(layers, sizes, rooms, Path(tmp), staged, configs, args.rank_processes)
     print(table(rows, layers))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
