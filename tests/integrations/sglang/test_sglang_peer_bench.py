@@ -56,6 +56,23 @@ def test_quick_mode_rows(tmp_path):
     assert [line.split()[3:5] for line in lines[-6:]] == [["always", "staged"]] * 6, lines[-6:]
 
 
+def test_rank_processes_put_each_prefill_cp_rank_in_its_own_child(tmp_path):
+    """--rank-processes: a prefill child per CP rank (a log for each), and
+    every room of CP 1 and CP 2 still moves whole and byte-checked (1K, auto: both ranks' bytes)."""
+    out, logs = tmp_path / "rows.json", tmp_path / "logs"
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--configs", "auto", "--sizes", "1024",
+                           "--rank-processes", "--json", str(out), "--logs", str(logs)], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in logs.glob("prefill*.log")} == {"prefill-cp0.log", "prefill-cp1.log"}
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["cp"]) for r in rows] == [("mooncake", 1), ("kvbridge", 1), ("kvbridge", 2)]
+    for r in rows:
+        assert r["rooms"] == r["succeeded"] == r["bytes_checked"] == 2 and r["failed"] == 0, r
+        assert len(r["latencies_ms"]) == 2
+
+
 def test_page_pattern_is_the_formula(monkeypatch):
     """The byte check is only as strong as the pattern: page p of layer l holds (p*31 + l*7 + j) % 251
     at offset j, so pages and layers differ; the bench builds it by gathering window rows."""
