@@ -64,6 +64,7 @@ class KindRooms:
         first = kvb.create_engine(engine)
         engines = [first] + [kvb.create_engine(engine, fabric=first.fabric) if engine == "local"
                              else kvb.create_engine(engine) for _ in range(cp_size)]
+        self._engines = engines  # ours: the endpoints do not close the engines they are handed
         self.clients = [kvb.BootstrapClient(bootstrap_url, token=token) for _ in range(cp_size + 1)]
         self.instance = f"{instance}-prefill"
         self.prefill, self.decode = [], None
@@ -82,8 +83,6 @@ class KindRooms:
             self.decode.start()
         except BaseException:
             self.close()
-            for e in engines[len(self.prefill) + (self.decode is not None):]:
-                e.close()
             raise
         self.next_room = 1
 
@@ -186,3 +185,6 @@ class KindRooms:
             ep.close(timeout=2)
         for c in self.clients:
             c.close()
+        for e in self._engines:  # after their endpoints (each withdrew its memory from its engine)
+            e.close()
+        self._engines = []
