@@ -19,11 +19,11 @@ p50 / p90 ms over every chunk of the timed rooms, and the rooms' p50. Prints the
 ``--split``: decode's turn for each landed chunk of those rooms split into its parts (the frame's read,
 the machine's checks, the scatter's launch and its CUDA calls, the trace lines), timed in the decode
 rank by ``scripts/decode_split.py`` (wrapped in through ``scripts/split_hook/sitecustomize.py``; the
-library is untouched).
+library is untouched). ``--untraced``: the same without ``KVBRIDGE_TRACE`` (no cycle table).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/staged_cycle.py [--tokens 8192] [--layers 61] [--slot-kib 8192]
         [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2] [--device cuda:0] [--engine ipc] [--json out.json]
-        [--split]
+        [--split [--untraced]]
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
     ap.add_argument("--split", action="store_true", help="time the parts of decode's turn for each landed chunk")
+    ap.add_argument("--untraced", action="store_true",
+                    help="with --split: the trace off (no cycle table; the turn as it runs without the trace's lines)")
     ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here")
     args = ap.parse_args()
 
@@ -120,7 +122,9 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="staged-cycle-")
     gpu = args.device.startswith("cuda")
-    env = {"KVBRIDGE_TRACE": "1"}
+    if args.untraced and not args.split:
+        ap.error("--untraced needs --split (the staged rooms are then those decode's timers saw a chunk land in)")
+    env = {} if args.untraced else {"KVBRIDGE_TRACE": "1"}
     if gpu:
         env.update(MC_INTRANODE_NVLINK="true", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     if args.engine == "ipc":
@@ -142,6 +146,9 @@ def main() -> None:
     lines = [ln for p in sorted(Path(folder).glob("*.log")) for ln in p.read_text(errors="replace").splitlines()]
     # the timed rooms alternate kvbridge (direct) and staged; the staged ones are those with cycle lines
     rooms = {int(m[1]) for ln in lines if (m := _LINE.search(ln))} & set(row["room_ids"])
+    if args.untraced:  # no cycle lines: the staged rooms are those a chunk landed in
+        rooms = {r["room"] for p in split_dir.glob("decode-*.json") for r in json.loads(p.read_text())} & set(
+            row["room_ids"])
     chunks: list[dict] = []
     steps = cycle_steps(lines, rooms, chunks)
     print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
