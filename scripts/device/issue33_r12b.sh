@@ -3,12 +3,12 @@
 # per landed chunk, split (scripts/staged_cycle.py --split: scripts/decode_split.py's timers in the decode rank),
 # V3.2 fp8 61+1 layers, CP 2, random pages, 32K tokens, 64 MiB slots, every rank its own process on cuda:0,
 # Mooncake NVLink and the IPC engine. Per engine, 2/4 slots: split (traced), plain (traced, no timers: what the
-# timers cost), untraced (split, KVBRIDGE_TRACE off: the turn without the trace's lines); then split 4/8. $OUT/split.txt (the tables), split.json ({name: staged_cycle's JSON}),
+# timers cost), untraced (split, KVBRIDGE_TRACE off: the turn without the trace's lines); RUNS="mooncake:4:8:split ..." for others. $OUT/split.txt (the tables), split.json ({name: staged_cycle's JSON}),
 # detail.txt (staged_cycle_detail.py over every run).
 #   cd .gpu33 && WHEELS=../.whl DEBS=../.debs SKIP_TEST=1 SKIP_BENCH=1 \
 #     EXTRA="bash scripts/device/issue33_r12b.sh" bash scripts/device/run_gpu.sh
 set -u
-OUT=${OUT:-/tmp/out}; site=/tmp/site; RUNS=${RUNS:-"mooncake:2:4:split mooncake:2:4:plain mooncake:2:4:untraced ipc:2:4:split ipc:2:4:plain ipc:2:4:untraced mooncake:4:8:split ipc:4:8:split"}
+OUT=${OUT:-/tmp/out}; site=/tmp/site; RUNS=${RUNS:-"mooncake:2:4:split ipc:2:4:split mooncake:2:4:untraced ipc:2:4:untraced mooncake:2:4:plain ipc:2:4:plain"}
 quiet() { grep -v "^[IWE][0-9]\{4\} "; }
 mkdir -p /tmp/cyc
 for run in $RUNS; do IFS=: read eng g d how <<< "$run"
