@@ -3,8 +3,9 @@
 # per landed chunk, split (scripts/staged_cycle.py --split: scripts/decode_split.py's timers in the decode rank),
 # V3.2 fp8 61+1 layers, CP 2, random pages, 32K tokens, 64 MiB slots, every rank its own process on cuda:0,
 # Mooncake NVLink and the IPC engine. Per engine, 2/4 slots: split (traced), plain (traced, no timers: what the
-# timers cost), untraced (split, KVBRIDGE_TRACE off: the turn without the trace's lines); RUNS="mooncake:4:8:split ..." for others. $OUT/split.txt (the tables), split.json ({name: staged_cycle's JSON}),
-# detail.txt (staged_cycle_detail.py over every run).
+# timers cost), untraced (split, KVBRIDGE_TRACE off: the turn without the trace's lines); RUNS="ipc:4:8:split ..."
+# picks others. $OUT/split.txt (the tables), split.json ({name: staged_cycle's JSON}), detail.txt
+# (staged_cycle_detail.py over the traced runs). Round 12b in docs/performance.md.
 #   cd .gpu33 && WHEELS=../.whl DEBS=../.debs SKIP_TEST=1 SKIP_BENCH=1 \
 #     EXTRA="bash scripts/device/issue33_r12b.sh" bash scripts/device/run_gpu.sh
 set -u
