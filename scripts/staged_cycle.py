@@ -16,14 +16,21 @@ joined per chunk:
 
 p50 / p90 ms over every chunk of the timed rooms, and the rooms' p50. Prints the bench row too.
 
+``--split``: decode's turn for each landed chunk of those rooms split into its parts (the frame's read,
+the machine's checks, the scatter's launch and its CUDA calls, the trace lines), timed in the decode
+rank by ``scripts/decode_split.py`` (wrapped in through ``scripts/split_hook/sitecustomize.py``; the
+library is untouched). ``--untraced``: the same without ``KVBRIDGE_TRACE`` (no cycle table).
+
     PYTHONPATH=$PWD .venv/bin/python scripts/staged_cycle.py [--tokens 8192] [--layers 61] [--slot-kib 8192]
         [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2] [--device cuda:0] [--engine ipc] [--json out.json]
+        [--split [--untraced]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import tempfile
 from collections import defaultdict
@@ -33,6 +40,8 @@ import numpy as np
 
 _LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(-?\d+) slot=(-?\d+) cp=(-?\d+)")
 _CP = re.compile(r"/cp(\d+)/")
+SPLIT_PARTS = ("turn", "machine", "landed", "trace_cycle", "log", "carry", "scatter", "ranges", "launch", "plan",
+               "table", "upload", "ev_record", "kernel", "record", "host_copy")
 STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", "scatter", "credit back",
          "gather slot")
 
@@ -102,6 +111,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
     ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
+    ap.add_argument("--split", action="store_true", help="time the parts of decode's turn for each landed chunk")
+    ap.add_argument("--untraced", action="store_true",
+                    help="with --split: the trace off (no cycle table; the turn as it runs without the trace's lines)")
     ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here")
     args = ap.parse_args()
 
@@ -110,11 +122,19 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="staged-cycle-")
     gpu = args.device.startswith("cuda")
-    env = {"KVBRIDGE_TRACE": "1"}
+    if args.untraced and not args.split:
+        ap.error("--untraced needs --split (the staged rooms are then those decode's timers saw a chunk land in)")
+    env = {} if args.untraced else {"KVBRIDGE_TRACE": "1"}
     if gpu:
         env.update(MC_INTRANODE_NVLINK="true", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     if args.engine == "ipc":
         env.pop("MC_INTRANODE_NVLINK", None)
+    split_dir = Path(folder) / "split"
+    if args.split:
+        split_dir.mkdir()
+        hook = Path(__file__).resolve().parent / "split_hook"
+        env.update(KVBRIDGE_SPLIT_DIR=str(split_dir),
+                   PYTHONPATH=os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p))
     spec = BenchSpec(tokens=[args.tokens], cps=[args.cp], layers=args.layers, reps=args.reps, allocs=["random"],
                      engine=args.engine, raw_mooncake=args.engine == "mooncake",
                      protocol="rdma" if gpu and args.engine == "mooncake" else "tcp", device=args.device, decode_device=args.device,
@@ -126,6 +146,9 @@ def main() -> None:
     lines = [ln for p in sorted(Path(folder).glob("*.log")) for ln in p.read_text(errors="replace").splitlines()]
     # the timed rooms alternate kvbridge (direct) and staged; the staged ones are those with cycle lines
     rooms = {int(m[1]) for ln in lines if (m := _LINE.search(ln))} & set(row["room_ids"])
+    if args.untraced:  # no cycle lines: the staged rooms are those a chunk landed in
+        rooms = {r["room"] for p in split_dir.glob("decode-*.json") for r in json.loads(p.read_text())} & set(
+            row["room_ids"])
     chunks: list[dict] = []
     steps = cycle_steps(lines, rooms, chunks)
     print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
@@ -140,10 +163,50 @@ def main() -> None:
             print(f"{name:<14} {ms.size:>6} {np.median(ms):>8.3f} {np.percentile(ms, 90):>8.3f}")
         else:
             print(f"{name:<14} {0:>6} {'-':>8} {'-':>8}")
+    split = split_table(split_dir, rooms) if args.split else []
     print(f"trace logs: {folder}")
     if args.json:
         keep = {k: v for k, v in row.items() if isinstance(v, (int, float, str, type(None)))}
-        Path(args.json).write_text(json.dumps({"args": vars(args), "row": keep, "steps": steps, "chunks": chunks}) + "\n")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "row": keep, "steps": steps, "chunks": chunks,
+                                               "split": split}) + "\n")
+
+
+def split_table(folder: Path, rooms: set[int]) -> list[dict]:
+    """Print decode's per-landing turn, split (``scripts/decode_split.py``'s records of ``rooms``);
+    returns the records."""
+    recs = [r for p in sorted(folder.glob("decode-*.json")) for r in json.loads(p.read_text()) if r["room"] in rooms]
+    if not recs:
+        print("split: no landing recorded")
+        return recs
+
+    def row(name: str, vals: list[float], note: str = "") -> None:
+        ms = np.array(vals) * 1e3
+        print(f"{name:<22} {np.median(ms):>8.3f} {np.percentile(ms, 90):>8.3f} {ms.mean():>8.3f}  {note}")
+
+    print(f"decode's turn per landed chunk, split: {len(recs)} landings, scatter entries p50 "
+          f"{int(np.median([r['entries'] for r in recs]))}")
+    print(f"{'part (exclusive)':<22} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8}")
+    for name in SPLIT_PARTS:
+        vals = [r["parts"].get(name, 0.0) for r in recs]
+        if any(vals):
+            row(name, vals)
+    row("= turn (whole feed)", [r["turn"] for r in recs])
+    with_recv = [r for r in recs if "recv" in r]
+    if with_recv:
+        row("recv_ready (with L)", [r["recv"] for r in with_recv], "select + reads + every frame's decode")
+    with_dec = [r for r in recs if "decode_L" in r]
+    if with_dec:
+        row("  L frame decode", [r["decode_L"] for r in with_dec], "unseal (MAC) + decode of the ChunkLanded")
+    if with_recv:
+        print(f"{'  frames per recv':<22} {np.median([r['frames'] for r in with_recv]):>8.0f}")
+    nxt = [r for r in recs if "next" in r]
+    if nxt:
+        row("L now -> next event", [r["next"] for r in nxt], "round 12's 'decode's next step after L'")
+        row("turn end -> next feed", [r["after"] for r in nxt], "the loop between, of which:")
+        for name in sorted({k for r in nxt for k in r if k.startswith("between_")}):
+            row(f"  {name[8:]}", [r.get(name, 0.0) for r in nxt], "recv_ready calls" if name == "between_recv" else
+                "feeds of this event")
+    return recs
 
 
 if __name__ == "__main__":

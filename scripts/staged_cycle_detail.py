@@ -62,7 +62,8 @@ def detail(name: str, d: dict) -> None:
 def main() -> None:
     data = json.load(open(sys.argv[1]))
     for name, d in ({"run": data} if "chunks" in data else data).items():
-        detail(name, d)
+        if d["chunks"]:  # (a run with the trace off has none: staged_cycle.py --split --untraced)
+            detail(name, d)
 
 
 if __name__ == "__main__":

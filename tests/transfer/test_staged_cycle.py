@@ -61,3 +61,29 @@ def test_the_join_gives_each_step_of_a_chunk_and_the_credit_back_of_its_slot():
     _script().cycle_steps(lines, {7}, chunks)
     assert chunks == [dict(room=7, cp=1, chunk=3, slot=2, ask_out=1.0, ask_in=1.001, grant_out=1.003, grant_in=1.004,
                            landed_out=1.01, landed_in=1.012, scattered=1.0125, regrant=1.0135)]
+
+
+def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_loop(tmp_path, capsys):
+    import threading
+    import time
+
+    spec = importlib.util.spec_from_file_location("decode_split", SCRIPT.parent / "decode_split.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    s = mod._Split()
+    inner = s.timed("inner", lambda: time.sleep(0.002))
+    outer = s.timed("outer", lambda: (time.sleep(0.003), inner()))
+    outer()  # no landing being fed: nothing counted
+    s.thread, s.cur = threading.get_ident(), {"parts": {}}
+    s.stack = [["turn", time.perf_counter(), 0.0]]
+    outer()
+    parts = s.cur["parts"]
+    assert set(parts) == {"inner", "outer"} and 0.002 <= parts["inner"] < 0.05 and 0.003 <= parts["outer"] < 0.05
+    assert s.stack[0][2] >= parts["inner"] + parts["outer"]  # the turn's inner time: both, once
+    rec = {"room": 7, "chunk": 0, "cp": 0, "now": 1.0, "entries": 48, "parts": {"turn": 0.0001, **parts},
+           "turn": 0.0051, "recv": 0.001, "frames": 2, "decode_L": 0.0002, "next": 0.006, "after": 0.0009,
+           "between_recv": 0.0008}
+    (tmp_path / "decode-1.json").write_text(__import__("json").dumps([rec, {**rec, "room": 8}]))
+    assert len(_script().split_table(tmp_path, {7})) == 1
+    out = capsys.readouterr().out
+    assert "1 landings" in out and "L now -> next event" in out and "  recv" in out
