@@ -263,6 +263,32 @@ def test_a_slice_running_from_one_pool_tensor_into_the_next_goes_to_the_kernel()
     assert held.tolist() == [True, False, False, False]  # across a|b; past b's end; host; past the slot
 
 
+def test_the_one_region_shortcut_answers_as_the_per_slice_look_up():
+    """``hold`` answers all True at once when every slice lies in one region (a slot's side of a scatter
+    list); every other list goes slice by slice. Random lists, inside one region, across regions, at
+    and past the edges: the answer equals the per-slice look-up's, entry for entry."""
+    from kvbridge.transfer.staging.stagers import AddressRanges
+
+    rng = np.random.default_rng(7)
+    regions = [(1 << 20, 1 << 16), ((1 << 20) + (1 << 16), 1 << 12), (1 << 24, 1 << 16), (1 << 28, 4096)]
+    ranges = AddressRanges(regions)
+    shortcuts = 0
+    for trial in range(400):
+        base, size = regions[trial % len(regions)] if trial % 3 else regions[rng.integers(len(regions))]
+        n = int(rng.integers(1, 40))
+        spread = size + 256 if trial % 5 == 0 else size  # some lists run past the region's end
+        addr = (base + rng.integers(0, spread, n)).astype(np.uint64)
+        length = rng.integers(0, 512, n).astype(np.uint64)  # 0 included: a slice of one byte's check
+        if trial % 7 == 0:  # a list over every region and beyond
+            addr = rng.integers(1 << 20, (1 << 28) + 8192, n).astype(np.uint64)
+        last = addr + np.maximum(length, 1) - 1
+        want = ranges._inside(addr) & ranges._inside(last)
+        shortcuts += bool(want.all() and ranges._one_region(int(addr.min()), int(last.max())))
+        assert ranges.hold(addr, length).tolist() == want.tolist(), (trial, addr, length)
+    assert shortcuts > 50  # the shortcut was taken, not only the per-slice path
+    assert ranges.hold(np.zeros(0, np.uint64), np.zeros(0, np.uint64)).tolist() == []
+
+
 def test_decode_set_staging_switches_what_rooms_offer(cluster):
     """DecodeEndpoint.set_staging (the bench compares the paths on one set of ranks): "never" offers
     no area (the room goes direct though prefill stages always), "always" makes the next room staged

@@ -153,8 +153,20 @@ class AddressRanges:
         """Per slice: its first and its last byte each lie inside a region. A slice may run from
         one region into the next (a merged run of pages crossing from one pool's tensor into the
         next one's, adjacent in memory): the kernel copies it like any other device slice, while a
-        plain copy across two allocations would be refused by the driver."""
-        return self._inside(addr) & self._inside(addr + np.maximum(length, 1) - 1)
+        plain copy across two allocations would be refused by the driver.
+
+        When every slice lies in one region (a staging slot's side of a scatter list: one check,
+        not a binary search per slice; issue 33 round 12b timed the per-slice look-ups at about
+        0.2 ms of decode's 1 ms turn per landed chunk) the answer is all True at once."""
+        last = addr + np.maximum(length, 1) - 1
+        if addr.size and self._one_region(int(addr.min()), int(last.max())):
+            return np.ones(addr.shape, dtype=bool)
+        return self._inside(addr) & self._inside(last)
+
+    def _one_region(self, lo: int, hi: int) -> bool:
+        """Do the bytes ``[lo, hi]`` all lie inside one region?"""
+        i = int(np.searchsorted(self.starts, np.uint64(lo), side="right")) - 1
+        return i >= 0 and hi < int(self.ends[i])
 
     def _inside(self, addr: np.ndarray) -> np.ndarray:
         i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
