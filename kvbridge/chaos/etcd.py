@@ -179,7 +179,7 @@ class EtcdCluster:
                 p.kill()
                 p.wait(10)
             self.procs[i] = None
-        if self.data_root != self.workdir and not self.running():
+        if self.data_root != self.workdir:  # every member is stopped by now
             shutil.rmtree(self.data_root, ignore_errors=True)
 
     def __enter__(self) -> EtcdCluster:

@@ -26,6 +26,7 @@ _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_GET_XCOMP_PERM = 0x1022
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+_X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
 
 
 def amx_flags() -> bool:
@@ -40,25 +41,25 @@ def amx_flags() -> bool:
     return False
 
 
+def _arch_prctl(code: int, arg: object) -> int:
+    return ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, code, arg)
+
+
 def amx_permitted() -> bool:
     """Has this process the AMX tile data state (bit 18 of ARCH_GET_XCOMP_PERM)?"""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    if not _X86_LINUX:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
     mask = ctypes.c_uint64(0)
-    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-        return False
-    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+    return _arch_prctl(_ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and bool(mask.value >> _XFEATURE_XTILEDATA & 1)
 
 
 def request_amx_state() -> bool:
     """Ask for the AMX tile data state where the CPU has AMX; True when this process holds it."""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64" and amx_flags()):
+    if not (_X86_LINUX and amx_flags()):
         return False
     if amx_permitted():
         return True
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+    if _arch_prctl(_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
         log.warning("kvbridge: the CPU has AMX but Linux refused its tile state (errno %d): vLLM's AMX "
                     "attention kernels may die with SIGILL", ctypes.get_errno())
         return False

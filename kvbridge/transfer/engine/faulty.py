@@ -133,8 +133,7 @@ class FaultyEngine(TransferEngine):
             return WriteStatus.failed(f"{INJECTED}: write of handle {handle} refused")
         status = self.inner.poll(handle)
         if status.is_final:
-            with self._lock:
-                self._posted.discard(handle)
+            self._seen_final(handle)
         return status
 
     def wait(self, handle: int, timeout: float) -> None:
@@ -143,10 +142,12 @@ class FaultyEngine(TransferEngine):
             raise EngineError(f"{INJECTED}: write of handle {handle} refused")
         try:
             self.inner.wait(handle, timeout)
-        except EngineError:
-            with self._lock:
-                self._posted.discard(handle)
+        except EngineError:  # failed: final (a TransferTimeout leaves it in flight)
+            self._seen_final(handle)
             raise
+        self._seen_final(handle)
+
+    def _seen_final(self, handle: int) -> None:
         with self._lock:
             self._posted.discard(handle)
 
