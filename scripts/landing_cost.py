@@ -2,8 +2,10 @@
 """The host-side numpy work of one staged landing on decode, timed alone (no GPU, no sockets): for
 each 64 MiB chunk of a V3.2 fp8 room (61+1 layers, CP 2, random pages, ``staged_layout_bench.build``
 on the CPU), ``DecodeStaging.landed`` (the scatter list unpacked and checked inside the slot and the
-room's pages) and ``CudaStager.copy``'s range checks (``AddressRanges.hold`` of sources and
-destinations), p50 over ``--reps`` passes.
+room's pages) and ``CudaStager.copy``'s host work before the kernel (its range checks: ``AddressRanges.hold``
+of the entries ``Scatter.unproven`` names, every entry where the tree has no such proof; a copier that
+records nothing stands in for the GPU), p50 over ``--reps`` passes. Run against an older tree
+(``PYTHONPATH=<tree>``) it times that tree's work the same way.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/landing_cost.py [--tokens 8192] [--slot-mib 64] [--reps 50]
 """
@@ -34,7 +36,14 @@ def main() -> None:
     from kvbridge.transfer.channel import wire
     from kvbridge.transfer.decode.staging import DecodeStaging
     from kvbridge.transfer.staging import StagingArea
-    from kvbridge.transfer.staging.stagers import AddressRanges
+    from kvbridge.transfer.staging.stagers import CudaStager
+
+    class NoCopier:  # the stager's host work only: no kernel, no copies
+        def launch(self, src, dst, length):  # noqa: ANN001, ANN202
+            return None
+
+        def copy_async(self, dst, src, nbytes):  # noqa: ANN001, ANN202
+            raise AssertionError("no entry of these lists lies outside the device ranges")
 
     w = slb.build(args.tokens, args.slot_mib, "cpu")
     specs = preset_pools(slb.PRESET, num_layers=slb.LAYERS, page_size=slb.PAGE, draft_layers=1)
@@ -43,8 +52,12 @@ def main() -> None:
     src_cap = max(1, len(lanes.owned_pages(0, num_pages)))
     page_ids = np.asarray(allocate("random", num_pages, lanes, src_cap, num_pages, seed=args.tokens).page_ids, np.int64)
     slot_bytes, base = args.slot_mib << 20, 1 << 40
-    ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode")
-    ranges = AddressRanges([(d.base, d.capacity_pages * d.bytes_per_page) for d in dst] + [(base, 4 * slot_bytes)])
+    regions = [(d.base, d.capacity_pages * d.bytes_per_page) for d in dst] + [(base, 4 * slot_bytes)]
+    stager = CudaStager(copier=NoCopier(), device_ranges=regions)
+    try:  # the stager's ranges vouch for the slot and the page buffers: Scatter.unproven
+        ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode", kernel_ranges=stager.ranges)
+    except TypeError:  # a tree from before Scatter.unproven: every entry looked up
+        ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode")
     landed, hold, slices = [], [], set()
     n = 0
     for _ in range(args.reps):
@@ -63,13 +76,18 @@ def main() -> None:
                 ds.landed(1, (0, 0, 0), msg, page_ids, -1, out)
                 landed.append(time.perf_counter() - t)
                 sc = out[-1]
+                unproven = getattr(sc, "unproven", None)
                 t = time.perf_counter()
-                _ = ranges.hold(sc.src, sc.length) & ranges.hold(sc.dst, sc.length)
+                if unproven is None:
+                    stager.copy(sc.src, sc.dst, sc.length)
+                else:
+                    stager.copy(sc.src, sc.dst, sc.length, unproven=unproven)
                 hold.append(time.perf_counter() - t)
                 ds.scattered(1, slot, [])
+    turn = np.add(landed, hold)
     print(f"{args.tokens} tokens, {args.slot_mib} MiB chunks ({min(slices)}-{max(slices)} slices), {len(landed)} "
-          f"landings: DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, range checks p50 "
-          f"{np.median(hold) * 1e3:.3f} ms")
+          f"landings: DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, CudaStager.copy (range checks) p50 "
+          f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,57 @@ def test_pieces_cover_every_slice_exactly_and_keep_alignment(chunk):
     assert ((pa % 16 == 0) & (pb % 16 == 0) & (pc % 16 == 0)).all()
 
 
+def test_the_copiers_piece_table_holds_every_piece_as_offsets_from_its_base(monkeypatch):
+    """``CudaCopier.launch``'s host side on the CPU (torch's contexts, the CUDA calls and the
+    Triton launch stand-ins): the table rows are the pieces as signed offsets from the copier's
+    base (below it too), slices of ``direct_min_bytes`` and more go as plain copies, and the
+    counts say so. A slice of exactly one chunk is one piece."""
+    import contextlib
+    import types
+
+    from kvbridge.transfer.engine import slicecopy
+
+    calls, launches = [], []
+    cuda = types.SimpleNamespace(memcpy_async=lambda d, s, n, h: calls.append((d, s, n)),
+                                 event_record=lambda *a: None, event_synchronize=lambda *a: None)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(device=lambda d: contextlib.nullcontext(),
+                                                              stream=lambda s: contextlib.nullcontext()))
+    monkeypatch.setattr(slicecopy, "_kernel", lambda: _Grid(launches))
+    rows = 1 << 12
+    tables = [slicecopy._Table(None, np.zeros((rows, 3), np.int64), None, 7, rows, 0)
+              for _ in range(slicecopy.TABLE_SLOTS)]
+    copier = object.__new__(slicecopy.CudaCopier)
+    base = 1 << 36
+    vars(copier).update(_torch=torch, _cuda=cuda, device=None, stream=types.SimpleNamespace(cuda_stream=0),
+                        chunk=4096, words=2048, num_warps=4, direct_min_bytes=1 << 20, _base_addr=np.uint64(base),
+                        _base=None, _base_b=None, _tables=tables, _next_table=0, _lock=threading.Lock(),
+                        max_programs=8)
+    src = np.array([base - 8192, base + 64, base + (1 << 30), base + (1 << 31)], np.uint64)
+    dst = np.array([base + 4096, base - 100_000, base + 8192, base + (1 << 32)], np.uint64)
+    length = np.array([4096, 10_000, 1 << 20, 16], np.uint64)  # one chunk; three pieces; direct; one piece
+    counts = copier.launch(src, dst, length)
+    assert counts == {"kernel_slices": 3, "kernel_pieces": 5, "kernel_launches": 1, "direct_slices": 1}
+    assert calls[-1] == (base + 8192, base + (1 << 30), 1 << 20) and len(launches) == 1
+    keep = np.array([0, 1, 3])
+    ps, pd, pn = plan_pieces(src[keep], dst[keep], length[keep], 4096)
+    got = tables[0].host[:5]
+    assert got[:, 0].tolist() == [int(a) - base for a in ps.tolist()]  # (negative: below the base)
+    assert got[:, 1].tolist() == [int(a) - base for a in pd.tolist()]
+    assert got[:, 2].tolist() == pn.tolist() == [4096, 4096, 4096, 1808, 16]
+    copier.direct_min_bytes = 0  # none direct
+    assert copier.launch(src[:1], dst[:1], length[:1])["kernel_pieces"] == 1 and tables[1].host[0, 0] == -8192
+
+
+class _Grid:
+    """The Triton kernel's stand-in: ``kernel[grid](...)`` records the launch."""
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.launches.append((grid, a[3]))
+
+
 def test_pieces_refuse_a_chunk_that_breaks_alignment():
     with pytest.raises(ValueError, match="multiple of 16"):
         plan_pieces(np.zeros(1), np.zeros(1), np.ones(1), chunk=100)

@@ -430,8 +430,8 @@ def unpack_scatter(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ChunkLanded.scatter -> (slot offsets, page addresses, lengths) as uint64 arrays."""
     if len(data) % 24:
         raise ProtocolError(f"a scatter list must be a multiple of 24 bytes, got {len(data)}", field="scatter")
-    rows = np.frombuffer(data, dtype="<u8").reshape(-1, 3).astype(np.uint64)
-    return rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+    cols = np.frombuffer(data, dtype="<u8").reshape(-1, 3).T.astype(np.uint64)  # one copy: three contiguous rows
+    return cols[0], cols[1], cols[2]
 
 
 def _check_pages(msg: _Message, name: str, value: bytes) -> None:

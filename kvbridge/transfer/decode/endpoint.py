@@ -123,7 +123,9 @@ class DecodeEndpoint(EndpointShell):
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,
                                                                     self.buffers.descs, rank,
                                                                     aux_ranges=self._aux_ranges,
-                                                                    kind_specs=kind_specs(self.specs)),
+                                                                    kind_specs=kind_specs(self.specs),
+                                                                    kernel_ranges=getattr(self.staging.stager,
+                                                                                          "ranges", None)),
             kind_buffers=self.buffers.descs,
         )  # fmt: skip
         self._peers: PeerSet | None = None
@@ -382,7 +384,7 @@ class DecodeEndpoint(EndpointShell):
                 copy_slices(a.src, a.dst, a.length)
                 event = None
             else:  # the kernel for pages, a plain copy for an aux row in host memory
-                stager.copy(a.src, a.dst, a.length)
+                stager.copy(a.src, a.dst, a.length, unproven=a.unproven)  # (the machine's proof: Scatter)
                 event = stager.copier.record()
         except Exception as exc:  # nothing runs: fail the room (never commit unwritten pages), then free the slot
             log.exception("room %d on %s: scatter out of staging slot %d failed", a.room, self.config.rank_label,

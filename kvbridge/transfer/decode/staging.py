@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,18 +41,63 @@ __all__ = ["DecodeStaging", "Scatter"]
 _SENDER_SHIFT = 32  # chunk key = sender index << 32 | chunk
 _TP_SPAN = 4096  # sender index = (cp * span + tp) * span + pp (every size is at most 4096)
 Sender = tuple[int, int, int]  # (cp_rank, tp_rank, pp_rank) of a prefill sender
+HELD_CACHE_BYTES = 64 << 20  # rooms' unit tables kept at most (the least recently landed go first)
+_NONE_UNPROVEN = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
 class Scatter:
     """Copy ``length[i]`` bytes from ``src[i]`` (in staging slot ``slot``) to ``dst[i]`` (the room's
-    pages); answer with ``DecodeRooms.scattered(room, slot, now)``."""
+    pages); answer with ``DecodeRooms.scattered(room, slot, now)``.
+
+    ``unproven``: the indices of the entries ``landed`` did not prove to lie inside the stager's
+    device memory (``DecodeStaging(kernel_ranges=)``): the aux row's, and those of a buffer whose
+    checked extent is not inside one of those ranges. None: nothing was proven (no ranges given),
+    the stager looks every entry up (``CudaStager.copy(unproven=)``)."""
 
     room: int
     slot: int
     src: np.ndarray
     dst: np.ndarray
     length: np.ndarray
+    unproven: np.ndarray | None = None
+
+
+class _Held:
+    """One room's pages and kind units as one table over every group's units, built at its first
+    landing and kept while its inputs stay equal (the engine's page ids are fixed at init, kind
+    units from the room's request): a landing then checks all its entries in one pass.
+
+        group g: 0 the room's pages, 1 + k kind pool k, each as many units as its largest buffer
+        unit u of group g is global unit start[g] + u                  (DecodeStaging._start)
+        free[j] = units NOT held below global unit j                   (int32 unless huge)
+
+    An entry of units ``[lo, hi1)`` (global, inside one buffer: checked before) is all held iff
+    ``free[hi1] == free[lo]``."""
+
+    __slots__ = ("page_ids", "kind_units", "free", "nbytes")
+
+    def __init__(self, page_ids: np.ndarray, kind_units: dict[str, np.ndarray], kinds: list[str],
+                 start: np.ndarray) -> None:
+        self.page_ids, self.kind_units = page_ids, kind_units
+        total = int(start[-1])
+        held = np.zeros(total, dtype=np.int8)
+        for g, units in enumerate([page_ids] + [kind_units.get(k, _NONE_UNPROVEN) for k in kinds]):
+            lo, hi = int(start[g]), int(start[g + 1])
+            held[lo + units[(units >= 0) & (units < hi - lo)]] = 1
+        self.free = np.zeros(total + 1, dtype=np.int32 if total < 2**31 else np.int64)
+        np.cumsum(1 - held, out=self.free[1:])
+        self.nbytes = self.free.nbytes + page_ids.nbytes + sum(a.nbytes for a in kind_units.values())
+
+    def same(self, page_ids: np.ndarray, kind_units: dict[str, np.ndarray]) -> bool:
+        """Were these the inputs the table was built from (equal content, not only the same objects:
+        nothing may depend on a caller never writing into its arrays)?"""
+        return (_equal(self.page_ids, page_ids) and self.kind_units.keys() == kind_units.keys()
+                and all(_equal(a, kind_units[k]) for k, a in self.kind_units.items()))
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
 
 
 class DecodeStaging:
@@ -59,12 +105,24 @@ class DecodeStaging:
 
     def __init__(self, area: StagingArea, base: int, dst_bufs: Sequence[BufferDesc], rank: str,
                  aux_ranges: Callable[[int], list[tuple[int, int]]] = lambda slot: [],
-                 kind_specs: Mapping[str, PoolSpec] | None = None) -> None:
+                 kind_specs: Mapping[str, PoolSpec] | None = None, kernel_ranges: Any = None) -> None:
         """``aux_ranges(slot)``: the ``[start, end)`` byte ranges of aux row ``slot`` (the aux row
         rides in a staged target's last write, so it is scattered from a slot too);
         ``kind_specs``: the window, compressed and state pools among ``dst_bufs``, whose
         destinations are checked against the room's units of each (``landed(kind_units=)``)
-        rather than its pages."""
+        rather than its pages.
+
+        ``kernel_ranges``: the shell's stager's device regions (``CudaStager.ranges``, an
+        ``AddressRanges``), or None. ``landed`` proves every entry it passes, but an aux row's,
+        inside the slot and inside one buffer of ``dst_bufs`` (``[base, base + capacity_pages *
+        bytes_per_page)``); the stager would look each up again to pick kernel or plain copy.
+        Such an entry needs no second look-up only where that proof implies the stager's answer:
+        where the staging area and the entry's whole buffer extent each lie inside ONE of the
+        stager's regions. That is checked here, once, per buffer (``_vouched``), not assumed: the
+        decode endpoint builds both from the same tensors (``StagingBuffer``: the area and
+        ``tensor_region`` of each page buffer), but a padded ``RawBuffer`` whose last page ends
+        with its payload has an extent past its region (``PoolSpec.validate_buffer``), and its
+        entries stay in ``Scatter.unproven``."""
         self.area, self.base, self.rank = area, base, rank
         self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
@@ -88,6 +146,27 @@ class DecodeStaging:
         self._unit = np.array([kinds[b.pool].ring_stride * kinds[b.pool].bytes_per_token
                                if b.pool in kinds and kinds[b.pool].ring_stride else b.bytes_per_page for b in bufs],
                               dtype=np.uint64)
+        # a room's units of every group in one table (_Held): group g's units start at _start[g]; per buffer
+        # ``_lo_base``/``_hi_base`` shift an address so that one division gives its global unit:
+        #     (dst - _lo_base[i]) // unit = start[g] + first unit,   (stop - _hi_base[i]) // unit = start[g] + last + 1
+        # per buffer: its units (a ring window's last may be partial)
+        units = (self._end - self._base + self._unit - np.uint64(1)) // self._unit
+        group = self._pool + 1
+        span = np.array([int(units[group == g].max(initial=0)) for g in range(len(self._kinds) + 1)], dtype=np.int64)
+        self._start = np.concatenate(([0], np.cumsum(span)))
+        shift = [int(s) * int(u) for s, u in zip(self._start[group], self._unit)]
+        self._lo_base = np.array([(int(b) - d) % 2**64 for b, d in zip(self._base, shift)], dtype=np.uint64)
+        self._hi_base = np.array([(int(b) - d - int(u) + 1) % 2**64 for b, d, u in zip(self._base, shift, self._unit)],
+                                 dtype=np.uint64)
+        area_end = base + area.num_slots * area.slot_bytes
+        if kernel_ranges is None or not kernel_ranges.within(base, area_end):
+            self._vouched = None  # nothing proven to the stager: it looks every entry up
+        else:
+            self._vouched = np.array([kernel_ranges.within(int(b), int(e)) for b, e in zip(self._base, self._end)],
+                                     dtype=bool)
+        self._all_vouched = self._vouched is not None and bool(self._vouched.all())
+        self._held: dict[int, _Held] = {}  # room -> its unit table (least recently landed first)
+        self._held_bytes = 0
         self.counters = {"slot_requests": 0, "granted_at_once": 0, "slot_waits": 0, "chunks_scattered": 0,
                          "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0}
 
@@ -145,7 +224,7 @@ class DecodeStaging:
             self.grant(self.area.release(msg.slot), out)
             return
         off, dst, length = wire.unpack_scatter(msg.scatter)
-        problem = self._outside(off, dst, length, page_ids, aux_slot, kind_units or {})
+        problem, unproven = self._outside(room, off, dst, length, page_ids, aux_slot, kind_units or {})
         if problem is not None:
             self.grant(self.area.release(msg.slot), out)
             raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
@@ -156,7 +235,8 @@ class DecodeStaging:
         self.unreported[(room, sender)] = self.unreported.get((room, sender), 0) + 1
         self.counters["scatter_slices"] += len(length)
         self.counters["bytes_scattered"] += int(length.sum())
-        out.append(Scatter(room, msg.slot, off + np.uint64(self.base + self.area.offset(msg.slot)), dst, length))
+        out.append(Scatter(room, msg.slot, off + np.uint64(self.base + self.area.offset(msg.slot)), dst, length,
+                           unproven))
 
     def reported(self, room: int, sender: Sender) -> bool:
         """``sender`` reported a write (PagesDone ok): True when chunks of it landed in staging."""
@@ -184,6 +264,7 @@ class DecodeStaging:
         for key in [k for k in self.asks if k[0] == room]:
             del self.asks[key]
         self.pending.pop(room, None)
+        self._drop_held(room)
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         self.grant(self.area.fail_room(room, free_at), out)
 
@@ -211,6 +292,7 @@ class DecodeStaging:
 
     def forget(self, room: int) -> None:
         """The rooms forgot ``room``: keep its senders only while a slot of it is quarantined."""
+        self._drop_held(room)
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         if not self.area.slots_of(room):
             self.senders = {k: v for k, v in self.senders.items() if k[0] != room}
@@ -224,45 +306,104 @@ class DecodeStaging:
         self.grant(grants, out)
 
     # ---- checks ------------------------------------------------------------------------------
-    def _outside(self, off: np.ndarray, dst: np.ndarray, length: np.ndarray, page_ids: np.ndarray | None,
-                 aux_slot: int, kind_units: Mapping[str, np.ndarray]) -> str | None:
+    def _outside(self, room: int, off: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                 page_ids: np.ndarray | None, aux_slot: int,
+                 kind_units: Mapping[str, np.ndarray]) -> tuple[str | None, np.ndarray | None]:
         """Why a scatter list would write outside the slot or the room's own pages, its units of
-        each kind pool, and its aux row (None: it does not)."""
+        each kind pool, and its aux row (None: it does not); and the entries not proven to lie
+        in the stager's device memory (``Scatter.unproven``).
+
+        First every entry as one into the room's pages or units (a list without the aux row: all
+        of them, one pass); only a list where some entry is not goes entry by entry
+        (``_diagnose``: the aux row's entries apart, then what is wrong with the others)."""
         if not length.size:
-            return None
+            return None, _NONE_UNPROVEN
         if page_ids is None:
-            return "came before the room's pages are known"
-        if int(length.min()) < 1 or int((off + length).max()) > self.area.slot_bytes:
-            return f"reads outside its {self.area.slot_bytes} B slot"
-        in_aux = np.zeros(len(dst), dtype=bool)
+            return "came before the room's pages are known", None
+        slot_bytes = self.area.slot_bytes
+        # (each of offset and length inside the slot first: their sum cannot wrap around 2**64)
+        if int(length.min()) < 1 or int(np.maximum(off, length).max()) > slot_bytes or \
+                int((off + length).max()) > slot_bytes:
+            return f"reads outside its {slot_bytes} B slot", None
+        if int(dst.max()) > (1 << 64) - 1 - slot_bytes:  # dst + length would wrap around
+            return "writes past the end of the address space", None
+        stop = dst + length
+        held = self._held_of(room, page_ids, kind_units)
+        i = np.searchsorted(self._base, dst, side="right")
+        i -= 1
+        if self._base.size and int(dst.min()) >= int(self._base[0]) and bool((stop <= self._end[i]).all()):
+            unit = self._unit[i]
+            lo = ((dst - self._lo_base[i]) // unit).view(np.int64)
+            hi1 = ((stop - self._hi_base[i]) // unit).view(np.int64)
+            if bool((held.free[hi1] == held.free[lo]).all()):
+                return None, self._unproven(i, None, length.size)
+        return self._diagnose(held, dst, stop, aux_slot)
+
+    def _diagnose(self, held: _Held, dst: np.ndarray, stop: np.ndarray,
+                  aux_slot: int) -> tuple[str | None, np.ndarray | None]:
+        """``_outside`` for a list with entries outside the room's pages and units: those in the
+        aux row are fine; of the others, the first of: below every buffer, past a buffer's end,
+        into units the room does not hold (its pages first, then the kind pools in order)."""
+        n = dst.size
+        kept = None  # indices of the entries not in the aux row (None: all of them)
         for start, end in self.aux_ranges(aux_slot) if aux_slot >= 0 else ():
-            in_aux |= (dst >= np.uint64(start)) & (dst + length <= np.uint64(end))
-        dst, length = dst[~in_aux], length[~in_aux]
-        if not length.size:
-            return None
-        i = np.searchsorted(self._base, dst, side="right").astype(np.int64) - 1
+            in_aux = (dst >= np.uint64(start)) & (stop <= np.uint64(end))
+            kept = np.flatnonzero(~in_aux) if kept is None else kept[~in_aux[kept]]
+        if kept is not None:
+            dst, stop = dst[kept], stop[kept]
+            if not dst.size:
+                return None, self._unproven(np.zeros(0, dtype=np.int64), kept, n)
+        i = np.searchsorted(self._base, dst, side="right") - 1
         if (i < 0).any():
-            return "writes below every registered buffer"
-        base, unit = self._base[i], self._unit[i]
-        if ((dst + length) > self._end[i]).any():
-            return "writes past a registered buffer's end"
-        first = ((dst - base) // unit).astype(np.int64)
-        last = ((dst + length - np.uint64(1) - base) // unit).astype(np.int64)
-        pool = self._pool[i]
-        for k in np.unique(pool).tolist():
-            sel = pool == k
-            held = page_ids if k < 0 else kind_units.get(self._kinds[k], np.zeros(0, dtype=np.int64))
-            if not _covered(first[sel], last[sel], np.asarray(held, dtype=np.int64)):
-                if k < 0:
-                    return "writes into pages this room does not hold"
-                return f"writes into units of pool {self._kinds[k]!r} that this room does not hold"
-        return None
+            return "writes below every registered buffer", None
+        if (stop > self._end[i]).any():
+            return "writes past a registered buffer's end", None
+        unit = self._unit[i]
+        lo = ((dst - self._lo_base[i]) // unit).view(np.int64)
+        hi1 = ((stop - self._hi_base[i]) // unit).view(np.int64)
+        ok = held.free[hi1] == held.free[lo]
+        if not ok.all():
+            k = int(self._pool[i[~ok]].min())  # the first pool refused, pages first
+            if k < 0:
+                return "writes into pages this room does not hold", None
+            return f"writes into units of pool {self._kinds[k]!r} that this room does not hold", None
+        return None, self._unproven(i, kept, n)
 
+    def _unproven(self, i: np.ndarray, kept: np.ndarray | None, n: int) -> np.ndarray | None:
+        """``Scatter.unproven`` of a list that passed: its aux entries (every index not ``kept``)
+        and those in a buffer the stager's regions do not vouch for."""
+        if self._vouched is None:
+            return None
+        if self._all_vouched:
+            if kept is None:
+                return _NONE_UNPROVEN
+            mask = np.ones(n, dtype=bool)
+            mask[kept] = False
+            return np.flatnonzero(mask)
+        kept = np.arange(n) if kept is None else kept
+        mask = np.ones(n, dtype=bool)
+        mask[kept[self._vouched[i]]] = False
+        return np.flatnonzero(mask)
 
-def _covered(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
-    """Every unit of every ``[first[i], last[i]]`` is among ``held``."""
-    top = int(last.max()) + 1
-    mine = np.zeros(top + 1, dtype=np.int64)
-    mine[held[(held >= 0) & (held < top)]] = 1
-    count = np.concatenate(([0], np.cumsum(mine)))
-    return bool(((count[last + 1] - count[first]) == (last - first + 1)).all())
+    def _held_of(self, room: int, page_ids: np.ndarray, kind_units: Mapping[str, np.ndarray]) -> _Held:
+        """The room's unit table, built when its inputs changed (or it was dropped to bound the
+        cache at ``HELD_CACHE_BYTES``, least recently landed first); dropped when the room fails
+        or is forgotten."""
+        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        units = {k: np.asarray(kind_units[k], dtype=np.int64).reshape(-1) for k in self._kinds if k in kind_units}
+        held = self._held.pop(room, None)
+        if held is not None and not held.same(pages, units):
+            self._held_bytes -= held.nbytes
+            held = None
+        if held is None:
+            held = _Held(pages.copy(), {k: a.copy() for k, a in units.items()}, self._kinds, self._start)
+            self._held_bytes += held.nbytes
+            while self._held and self._held_bytes > HELD_CACHE_BYTES:
+                self._drop_held(next(iter(self._held)))
+        self._held[room] = held  # (last: the most recently landed)
+        return held
+
+    def _drop_held(self, room: int) -> None:
+        held = self._held.pop(room, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes

@@ -47,9 +47,9 @@ def plan_pieces(
     if chunk <= 0 or chunk % 16:
         raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
     src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
-    per_slice = (length + np.uint64(chunk - 1)) // np.uint64(chunk)
-    if per_slice.size == 0 or int(per_slice.max()) <= 1:  # every slice is one piece (pages)
+    if length.size == 0 or int(length.max()) <= chunk:  # every slice is one piece (pages)
         return src, dst, length
+    per_slice = (length + np.uint64(chunk - 1)) // np.uint64(chunk)
     owner = np.repeat(np.arange(length.size), per_slice.astype(np.int64))
     first = np.cumsum(per_slice) - per_slice
     offset = (np.arange(owner.size, dtype=np.uint64) - first[owner]) * np.uint64(chunk)
@@ -130,17 +130,19 @@ class CudaCopier:
         are the copier's own: nothing of the launch must be kept alive by the caller)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
-        direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else np.zeros(length.size, bool)
+        direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else None
+        num_direct = 0 if direct is None else int(np.count_nonzero(direct))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if not direct.all():
-                small = None if not direct.any() else ~direct
+            if num_direct < length.size:
+                small = None if not num_direct else ~direct
                 ps, pd, pn = plan_pieces(src, dst, length, self.chunk) if small is None else \
                     plan_pieces(src[small], dst[small], length[small], self.chunk)
                 with self._lock:
                     table = self._table(ps.size)
                     rows = table.host[: ps.size]
-                    rows[:, 0] = (ps - self._base_addr).view(np.int64)  # two's complement: offsets may be negative
-                    rows[:, 1] = (pd - self._base_addr).view(np.int64)
+                    # offsets from the base, written in place (two's complement: they may be negative)
+                    np.subtract(ps, self._base_addr, out=rows[:, 0].view(np.uint64))
+                    np.subtract(pd, self._base_addr, out=rows[:, 1].view(np.uint64))
                     rows[:, 2] = pn.view(np.int64)
                     handle = self.stream.cuda_stream
                     self._cuda.memcpy_async(table.device_addr, table.host.ctypes.data, ps.size * 24, handle)
@@ -149,13 +151,12 @@ class CudaCopier:
                     grid = (min(ps.size, self.max_programs),)
                     _kernel()[grid](self._base, self._base_b, table.device, ps.size, WORDS=self.words,
                                     BYTES=1024, num_warps=self.num_warps)
-                counts.update(kernel_slices=int(length.size if small is None else small.sum()), kernel_pieces=int(ps.size),
-                              kernel_launches=1)
-            if direct.any():
+                counts.update(kernel_slices=int(length.size - num_direct), kernel_pieces=int(ps.size), kernel_launches=1)
+            if num_direct:
                 handle = self.stream.cuda_stream
                 for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
                     self._cuda.memcpy_async(d, s, n, handle)
-                counts["direct_slices"] = int(direct.sum())
+                counts["direct_slices"] = num_direct
         return counts
 
     def _table(self, num_rows: int) -> _Table:

@@ -117,16 +117,29 @@ class CudaStager:
         self.copy(*staged.scatter(chunk, slot_addr))
         return self.copier.record()
 
-    def copy(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    def copy(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray, unproven: np.ndarray | None = None) -> None:
         """Enqueue the slices: device to device by the kernel (one launch), the rest (few: aux
-        rows) one plain copy each, all on the copier's stream."""
+        rows) one plain copy each, all on the copier's stream.
+
+        ``unproven``: None (gather, any caller without a proof): every slice is looked up in the
+        ranges. Else the indices of the only slices that may lie outside them; the caller proved
+        every other slice's source and destination inside ONE region each (decode's
+        ``DecodeStaging.landed``, ``Scatter.unproven``: the slot, and a page buffer whose extent it
+        checked inside one region), so the look-up would answer True for them: they go to the
+        kernel unasked."""
         src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
-        if self.ranges is not None and length.size:
-            other = ~(self.ranges.hold(src, length) & self.ranges.hold(dst, length))
-            if other.any():
+        if self.ranges is not None and length.size and (unproven is None or len(unproven)):
+            if unproven is None:
+                other = np.flatnonzero(~(self.ranges.hold(src, length) & self.ranges.hold(dst, length)))
+            else:
+                ask = np.asarray(unproven, dtype=np.int64).reshape(-1)
+                n = length[ask]
+                other = ask[~(self.ranges.hold(src[ask], n) & self.ranges.hold(dst[ask], n))]
+            if other.size:
                 for s, d, n in zip(src[other].tolist(), dst[other].tolist(), length[other].tolist()):
                     self.copier.copy_async(d, s, n)
-                keep = ~other
+                keep = np.ones(length.size, dtype=bool)
+                keep[other] = False
                 src, dst, length = src[keep], dst[keep], length[keep]
         if length.size:
             self.copier.launch(src, dst, length)
@@ -162,6 +175,10 @@ class AddressRanges:
         if addr.size and self._one_region(int(addr.min()), int(last.max())):
             return np.ones(addr.shape, dtype=bool)
         return self._inside(addr) & self._inside(last)
+
+    def within(self, start: int, end: int) -> bool:
+        """Do the bytes ``[start, end)`` all lie inside one region (an empty range: its start does)?"""
+        return self._one_region(start, max(start, end - 1))
 
     def _one_region(self, lo: int, hi: int) -> bool:
         """Do the bytes ``[lo, hi]`` all lie inside one region?"""
