@@ -4,7 +4,8 @@
 Two engines in this process (Mooncake: TCP on 127.0.0.1; ``--engine nixl``: NIXL/UCX): the
 prefill pools and send staging area registered with one, the decode pools and receive staging
 area with the other. One CP
-rank, V3.2 fp8 latent geometry (656 B per token per layer, page 64: 41,984 B pages), random
+rank, V3.2 fp8 latent geometry by default (656 B per token per layer, page 64: 41,984 B pages;
+--page-tokens and --kv-dtype change it), random
 allocation on both sides (every page of every layer its own slice). Per room size:
 
     direct       kvbridge's Mooncake engine, the plan's slices as they are (submit_write + wait)
@@ -20,6 +21,7 @@ which sets the engine's staging thresholds (its entry in ``kvbridge/transfer/eng
 Every staged room is checked byte for byte against the source. Figures are the best of --reps.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/staging_bench.py [--engine nixl] [--tokens 8K,32K] [--layers 61] [--reps 2]
+        [--page-tokens 16 --kv-dtype bf16]   # vLLM's CPU MLA pages (block 16, 18,432 B)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-from kvbridge.layout import TransferPlan, deepseek_pools, describe_buffer, plan_transfer, stage_plan
+from kvbridge.layout import RawBuffer, TransferPlan, deepseek_pools, describe_buffer, plan_transfer, stage_plan
 from kvbridge.transfer.engine import create_engine, tensor_region
 from kvbridge.transfer.staging import HostStager, StagedWriter, copy_slices
 from kvbridge.transfer.staging.area import StagingArea
@@ -44,8 +46,9 @@ def tokens(text: str) -> list[int]:
 
 class Rig:
     def __init__(self, layers: int, capacity: int, slot_bytes: int, num_slots: int, piece_bytes: int,
-                 engine: str = "mooncake") -> None:
-        self.specs = {"target": deepseek_pools(num_layers=layers, page_size=64, kv_dtype="fp8", index=False,
+                 engine: str = "mooncake", page_tokens: int = 64, kv_dtype: str = "fp8") -> None:
+        self.page_tokens = page_tokens
+        self.specs = {"target": deepseek_pools(num_layers=layers, page_size=page_tokens, kv_dtype=kv_dtype, index=False,
                                                draft_layers=0)["target"]}
         spec = self.specs["target"]
         self.engine = engine
@@ -63,8 +66,12 @@ class Rig:
         for arr in [*self.dst.values(), self.recv]:
             self.b.register(*tensor_region(arr))
         self.a.add_peer(self.b.session_id, self.b.metadata)  # NIXL: the writer loads its target (a no-op elsewhere)
-        self.src_descs = [describe_buffer(spec, lid, arr) for lid, arr in self.src.items()]
-        self.dst_descs = [describe_buffer(spec, lid, arr) for lid, arr in self.dst.items()]
+        # as addresses (RawBuffer): the pages are bytes here, whatever the pool's dtype (numpy has no bfloat16)
+        def raw(arr: np.ndarray) -> RawBuffer:
+            return RawBuffer(arr.ctypes.data, arr.nbytes)
+
+        self.src_descs = [describe_buffer(spec, lid, raw(arr)) for lid, arr in self.src.items()]
+        self.dst_descs = [describe_buffer(spec, lid, raw(arr)) for lid, arr in self.dst.items()]
         self.slot_bytes, self.num_slots, self.piece_bytes = slot_bytes, num_slots, piece_bytes
 
     def close(self) -> None:
@@ -79,7 +86,7 @@ class Rig:
         else:
             sp = dp = np.arange(num_pages)
         return plan_transfer(self.specs, self.src_descs, self.dst_descs, np.arange(num_pages), sp, dp,
-                             num_pages * 64)
+                             num_pages * self.page_tokens)
 
     def writer(self) -> StagedWriter:
         return StagedWriter(self.a, self.b.session_id, send_stager=HostStager(),
@@ -151,7 +158,7 @@ def timed(fn) -> float:
 def room_rows(rig: Rig, num_tokens: int, reps: int) -> dict:
     """One room size, every method once per turn, turns interleaved (load from elsewhere on the
     machine hits every method alike); the best turn of each."""
-    num_pages = num_tokens // 64
+    num_pages = num_tokens // rig.page_tokens
     plan = rig.plan(num_pages, "random")
     contiguous = rig.plan(num_pages, "contiguous")
     gb = plan.num_bytes / 1e9
@@ -223,12 +230,16 @@ def main() -> None:
     ap.add_argument("--engine", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--counts", default="16,64,256,1024",
                     help="page-sized slice counts of the crossover's second part (comma-separated)")
+    ap.add_argument("--page-tokens", type=int, default=64, help="tokens per page (64: SGLang's; 16: vLLM's CPU MLA)")
+    ap.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8",
+                    help="latent dtype: fp8 656 B/token (41,984 B pages at 64), bf16 1,152 B/token (18,432 B at 16)")
     ap.add_argument("--no-rooms", action="store_true", help="the crossover sweep only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sizes = tokens(args.tokens)
-    capacity = max(sizes) // 64 * 5 // 4
-    rig = Rig(args.layers, capacity, args.slot_mib << 20, args.slots, args.piece_mib << 20, args.engine)
+    capacity = max(sizes) // args.page_tokens * 5 // 4
+    rig = Rig(args.layers, capacity, args.slot_mib << 20, args.slots, args.piece_mib << 20, args.engine,
+              args.page_tokens, args.kv_dtype)
     counts = tuple(int(c) for c in args.counts.split(","))
     try:
         rows = [] if args.no_rooms else [room_rows(rig, n, args.reps) for n in sizes]
@@ -238,7 +249,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rooms": rows, "crossover": cross}, indent=1))
         return
-    print(f"{'Mooncake TCP' if args.engine == 'mooncake' else 'NIXL/UCX'} loopback, 2 engines in one process, {args.layers} layers x 41,984 B pages, "
+    print(f"{'Mooncake TCP' if args.engine == 'mooncake' else 'NIXL/UCX'} loopback, 2 engines in one process, {args.layers} layers x "
+          f"{rig.specs['target'].bytes_per_page:,} B pages, "
           f"staging {args.slots} x {args.slot_mib} MiB per side, wire pieces <= {args.piece_mib} MiB, best of {args.reps}")
     print("| tokens | MB | slices | direct | raw | staged | ceiling serial / slowest | gather / wire / scatter "
           "| contiguous | staged/direct | staged/raw | staged/contiguous | chunks, wire pieces |")

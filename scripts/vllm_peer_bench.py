@@ -45,7 +45,8 @@ Configuration of vLLM's connectors on this CPU (nothing of vLLM's is patched):
                         MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER is raised (MOONCAKE_ENV).
     NixlConnector       "backends": ["UCX"], kv_buffer_device "cpu", UCX_TLS=tcp (UCX TCP
                         loopback); side channel on 127.0.0.1 (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT).
-    KVBridgeConnector   a kvbridge bootstrap daemon on 127.0.0.1, staging auto; row ``kvbridge`` on
+    KVBridgeConnector   a kvbridge bootstrap daemon on 127.0.0.1, staging auto (--kvbridge-staging
+                        always|never forces kvbridge's path, recorded in its rows); row ``kvbridge`` on
                         Mooncake TCP ("engine": "mooncake"), row ``kvbridge-nixl`` on kvbridge's
                         NIXL engine ("engine": "nixl": UCX with the same UCX_TLS=tcp as NixlConnector,
                         the same blocks), each compared with each of vLLM's connectors.
@@ -112,7 +113,7 @@ def transfer_json(connector: str, role: str, cfg: dict) -> str:
     if connector in KVBRIDGE_ENGINE:
         extra = {"bootstrap_url": cfg["kvbridge_url"], "bootstrap_token": cfg["kvbridge_token"],
                  "instance": f"{cfg['tag']}-{'p' if role == 'kv_producer' else 'd'}",
-                 "engine": KVBRIDGE_ENGINE[connector]}
+                 "engine": KVBRIDGE_ENGINE[connector], "staging": cfg.get("kvbridge_staging", "auto")}
         if role == "kv_consumer":  # decode checks prefill's contract at start-up (on its engine's transport)
             extra["prefill_instance"] = f"{cfg['tag']}-p"
         return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
@@ -462,7 +463,7 @@ def _state(pid: int) -> str:
 
 
 def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], workdir: Path,
-        pause: bool = True) -> tuple[list, dict]:
+        pause: bool = True, kvbridge_staging: str = "auto") -> tuple[list, dict]:
     import numpy as np
 
     from kvbridge import start_bootstrap
@@ -487,7 +488,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                 for c in connectors:
                     common = {"connector": c, "model": str(model), "block_size": bs, "num_blocks": num_blocks,
                               "max_tokens": max_tokens, "max_batched": 8192, "attention_backend": ATTENTION_BACKEND[kind], "tag": f"{kind}-{c}-{os.getpid()}",
-                              "kvbridge_url": url, "kvbridge_token": token,
+                              "kvbridge_url": url, "kvbridge_token": token, "kvbridge_staging": kvbridge_staging,
                               "mooncake_bootstrap": f"127.0.0.1:{free_port()}"}  # fmt: skip
                     for role in ("kv_producer", "kv_consumer"):
                         cfg = {**common, "role": role, "engine_id": f"{common['tag']}-{role}",
@@ -568,6 +569,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                                      "succeeded": len(lat), "failed": a["failed"], "bytes_ok": a["ok"],
                                      "same_blocks": a["same_blocks"], "prefill_freed": a["freed"],
                                      "mb_per_room": nbytes / 1e6, "others_paused": pause, "kvbridge_rooms": a["kvbridge"],
+                                     "staging": kvbridge_staging if c in KVBRIDGE_ENGINE else None,
                                      "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
                                      "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None})  # fmt: skip
             finally:
@@ -623,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", default="", help="keep the children's logs in this directory")
     ap.add_argument("--shared", action="store_true", help="leave the other connectors' processes running while "
                     "one connector's decode is timed (default: stopped, SIGSTOP/SIGCONT)")
+    ap.add_argument("--kvbridge-staging", default="auto", choices=("auto", "always", "never"),
+                    help="kvbridge's rows only: its connector's staging setting (default auto; always/never force "
+                    "the staged or direct path, recorded in each row as 'staging')")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -638,10 +643,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--models from {sorted(MODELS)}, --connectors from {CONNECTORS}")
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
-        rows, skipped = run(models, sizes, rooms, connectors, Path(args.logs), pause=not args.shared)
+        rows, skipped = run(models, sizes, rooms, connectors, Path(args.logs), pause=not args.shared,
+                                 kvbridge_staging=args.kvbridge_staging)
     else:
         with tempfile.TemporaryDirectory(prefix="vllm-peer-bench-") as tmp:
-            rows, skipped = run(models, sizes, rooms, connectors, Path(tmp), pause=not args.shared)
+            rows, skipped = run(models, sizes, rooms, connectors, Path(tmp), pause=not args.shared,
+                                 kvbridge_staging=args.kvbridge_staging)
     print(table(rows, skipped))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "not_run": skipped}, indent=1))

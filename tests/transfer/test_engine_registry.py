@@ -22,6 +22,7 @@ from kvbridge.transfer.engine.registry import (
     KINDS,
     NIXL_PAGE_SIZED,
     PAGE_SIZED,
+    TCP_PAGE_SIZED,
     EngineEntry,
     engine_entry,
     engine_names,
@@ -180,7 +181,8 @@ def test_nixl_has_its_own_measured_thresholds_and_the_endpoint_looks_them_up():
 def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
     """Thresholds are per engine *and* transport: Mooncake over TCP moves the SGLang peer bench's
     targets direct at every cell (staged measured slower there: docs/engines.md, "Staging
-    thresholds"), while Mooncake's other transports keep the engine's rules (host pages staged from
+    thresholds"), and the vLLM peer bench's GQA rooms (64 KiB slices) direct, but stages its MLA
+    rooms (18,432 B slices) from 3,000 slices (staged measured faster there from 3,065), while Mooncake's other transports keep the engine's rules (host pages staged from
     2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
     engine reports it (``mooncake/<protocol>``, MC_FORCE_TCP read as TCP), through the endpoint's
     look-up, for plain Mooncake and the auto engine's Mooncake part alike."""
@@ -193,6 +195,21 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
 
     for route in ("mooncake/tcp", "auto/tcp"):
         assert {path(route, *c) for c in cells} == {"direct"}, route
+    # the vLLM peer bench's rooms (scripts/vllm_peer_bench.py): slices and bytes of a prefill target
+    # as its stats report them (one slice per block and layer, plus the 8-byte aux slice)
+    vllm = {("mla", 1024): (513, 9_437_192), ("mla", 2048): (1025, 18_874_376), ("mla", 4096): (2049, 37_748_744),
+            ("mla", 6144): (3065, 56_623_112), ("mla", 8192): (4097, 75_497_480), ("mla", 32768): (16385, 301_989_896),
+            ("gqa", 8192): (1025, 67_108_872), ("gqa", 32768): (4081, 268_435_464)}  # fmt: skip
+    for route in ("mooncake/tcp", "auto/tcp"):
+        rule = staging_thresholds(route)
+        got = {cell: choose_path(n, rule, mean_slice_bytes=nbytes // n) for cell, (n, nbytes) in vllm.items()}
+        staged = {("mla", 6144), ("mla", 8192), ("mla", 32768)}
+        assert got == {cell: "staged" if cell in staged else "direct" for cell in vllm}, (route, got)
+    assert TCP_PAGE_SIZED == PathThresholds(min_slices=3000, max_mean_slice_bytes=20 << 10)
+    # SGLang's page at any count stays direct on TCP; an 18,432 B slice stages from 3,000 on
+    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=41_984) == "direct"
+    assert choose_path(2999, TCP_PAGE_SIZED, mean_slice_bytes=18_432) == "direct"
+    assert choose_path(3000, TCP_PAGE_SIZED, mean_slice_bytes=18_432) == "staged"
     for route in ("mooncake", "mooncake/rdma", "auto/rdma"):  # the engine's host rule: 2,048 slices
         got = {c: path(route, *c) for c in cells}
         assert got[(1024, 16, 1)] == "direct" and got[(8192, 16, 1)] == got[(32768, 61, 2)] == "staged", route

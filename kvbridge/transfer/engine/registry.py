@@ -66,13 +66,16 @@ GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
 # count measured, so staging starts only past one NIXL request's worth of slices (65,536), beyond
 # what was measured. GPU pages over NIXL: not measured, Mooncake's GPU rule.
 NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 10)
-# Mooncake TCP, host pages (docs/engines.md, "Staging thresholds"): direct at every count measured.
-# Gather + write + scatter lost to the plan's slices as they are from 256 to 32,768 page-sized
-# slices, with both engines in one process (scripts/staging_bench.py) and between SGLang's prefill
-# and decode processes (scripts/sglang_peer_bench.py --configs staged,direct): the two extra copies
-# cost more than the per-slice overhead they save. None: never staged. GPU pages over TCP: not
-# measured, Mooncake's GPU rule.
-TCP_PAGE_SIZED: PathThresholds | None = None
+# Mooncake TCP, host pages (docs/engines.md, "Staging thresholds"): staged only for small slices in
+# their thousands. Page-sized slices of 41,984 B (SGLang's fp8 latent pages) lost staged from 256 to
+# 32,768 slices, with both engines in one process (scripts/staging_bench.py) and between SGLang's
+# prefill and decode processes (scripts/sglang_peer_bench.py --configs staged,direct); vLLM's GQA
+# pages (64 KiB slices) lost staged between vLLM's processes too. vLLM's MLA pages (block 16: 18,432 B
+# slices) won staged between vLLM's processes (scripts/vllm_peer_bench.py --kvbridge-staging
+# always|never) in every interleaved pair from 3,065 slices (1.2-1.5x direct's p50), 3 of 4 at 2,049:
+# so staged from 3,000 slices of at most 20 KiB mean (above 20 KiB: not measured below 41,984 B,
+# direct). GPU pages over TCP: not measured, Mooncake's GPU rule.
+TCP_PAGE_SIZED = PathThresholds(min_slices=3000, max_mean_slice_bytes=20 << 10)
 # the route's transport part (``mooncake/tcp``) and the rules it has of its own: "tcp" host pages,
 # "tcp-gpu" GPU pages; a transport not listed takes the engine's default rules
 MOONCAKE_TRANSPORTS: Mapping[str, PathThresholds | None] = MappingProxyType({"tcp": TCP_PAGE_SIZED})

@@ -76,3 +76,38 @@ def test_paused_stops_the_other_connectors_processes_and_resumes_them(monkeypatc
         for p in procs:
             p.kill()
             p.wait(30)
+
+
+def _bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("vllm_peer_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("staging", ["always", "never", "auto"])
+def test_kvbridge_staging_option_reaches_the_connector_config(monkeypatch, tmp_path, staging):
+    """--kvbridge-staging goes to run(), into kvbridge's kv_connector_extra_config (both roles,
+    both of kvbridge's rows; vLLM's own connectors' configs untouched), and the connector's
+    settings read it as its staging mode."""
+    import _vllm_config as C
+
+    from kvbridge.integrations.vllm.settings import read_settings
+
+    bench = _bench(monkeypatch)
+    seen = {}
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: (seen.update(kw), ([], {}))[1])
+    bench.main(["--connectors", "kvbridge", "--kvbridge-staging", staging])
+    assert seen["kvbridge_staging"] == staging
+    cfg = {"kvbridge_url": "http://127.0.0.1:1", "kvbridge_token": "t", "tag": "x", "kvbridge_staging": staging,
+           "mooncake_bootstrap": "127.0.0.1:2"}
+    for c in ("kvbridge", "kvbridge-nixl"):
+        for role in ("kv_producer", "kv_consumer"):
+            extra = json.loads(bench.transfer_json(c, role, cfg))["kv_connector_extra_config"]
+            assert extra["staging"] == staging
+            monkeypatch.delenv("KVBRIDGE_STAGING", raising=False)
+            vc = C.vllm_config(C.model_dir(tmp_path, "gqa"), role, extra)
+            assert read_settings(vc).staging == staging
+    assert "staging" not in json.loads(bench.transfer_json("mooncake", "kv_producer", cfg)).get(
+        "kv_connector_extra_config", {})
