@@ -165,3 +165,17 @@ def replies(peers: PeerSet, count: int, timeout: float = 10) -> list:
     got: list = []
     wait_until(lambda: got.extend(m for _, m in peers.recv_ready(50)) or len(got) >= count, timeout)
     return got
+
+
+class RecordingCopier:
+    """Stands in for the GPU copier of a ``CudaStager``: what went to the kernel (``launches``) and
+    what by plain copies (``copies``)."""
+
+    def __init__(self) -> None:
+        self.launches, self.copies = [], []
+
+    def launch(self, src, dst, length):
+        self.launches.append((src.tolist(), dst.tolist(), length.tolist()))
+
+    def copy_async(self, dst, src, nbytes):
+        self.copies.append((src, dst, nbytes))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvbridge as kvb
+from _local import RecordingCopier
 from kvbridge.errors import LedgerError
 from kvbridge.layout import BufferDesc
 from kvbridge.transfer.channel import wire
@@ -270,22 +271,9 @@ def test_only_buffers_inside_one_stager_region_are_proven_and_without_ranges_not
     assert land(staging(no_area), 7, dst, n, pages, aux_slot=1).unproven is None
 
 
-class Recorder:
-    """Stands in for the GPU copier: what went to the kernel, what by plain copies."""
-
-    def __init__(self) -> None:
-        self.launches, self.copies = [], []
-
-    def launch(self, src, dst, length):
-        self.launches.append((src.tolist(), dst.tolist(), length.tolist()))
-
-    def copy_async(self, dst, src, nbytes):
-        self.copies.append((src, dst, nbytes))
-
-
 def test_the_stager_looks_up_only_the_unproven_entries_aux_rows_by_plain_copy():
     pages, slot, host = (1 << 20, 4096), (1 << 24, 8192), 1 << 30
-    rec = Recorder()
+    rec = RecordingCopier()
     stager = CudaStager(copier=rec, device_ranges=[pages, slot])
     asked = []
     hold = stager.ranges.hold
@@ -310,7 +298,7 @@ def test_the_stager_looks_up_only_the_unproven_entries_aux_rows_by_plain_copy():
 def test_a_landed_chunk_with_its_aux_row_reaches_the_stager_as_one_launch_and_one_plain_copy():
     """The machine's Scatter handed to the stager, as the decode endpoint does (``_scatter``)."""
     ranges = [(d.base, d.capacity_pages * d.bytes_per_page) for d in DESCS] + [(AREA, 2 * SLOT)]
-    rec = Recorder()
+    rec = RecordingCopier()
     stager = CudaStager(copier=rec, device_ranges=ranges)
     ds = staging(stager.ranges)
     aux = aux_ranges(0)[1][0]

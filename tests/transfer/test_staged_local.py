@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from _cluster import wait_final, wait_until
-from _local import PAGE, ProvingPeers, replies, rogue_request
+from _local import PAGE, ProvingPeers, RecordingCopier, replies, rogue_request
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.area import SlotState
 from kvbridge.transfer.poll import KVPoll
@@ -224,21 +224,11 @@ def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
     copier stands in for the GPU)."""
     from kvbridge.transfer.staging.stagers import AddressRanges, CudaStager
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.launches, self.copies = [], []
-
-        def launch(self, src, dst, length):
-            self.launches.append((src.tolist(), dst.tolist(), length.tolist()))
-
-        def copy_async(self, dst, src, nbytes):
-            self.copies.append((src, dst, nbytes))
-
     pages, slot, host = (1 << 20, 4096), (1 << 24, 8192), 1 << 30  # device regions; an address outside them
     ranges = AddressRanges([slot, pages])
     assert ranges.hold(np.array([1 << 20, (1 << 20) + 4000, 1 << 24, host], np.uint64),
                        np.array([4096, 200, 8192, 8], np.uint64)).tolist() == [True, False, True, False]
-    rec = Recorder()
+    rec = RecordingCopier()
     stager = CudaStager(copier=rec, device_ranges=[pages, slot])
     src = np.array([1 << 20, (1 << 20) + 1024, host], np.uint64)  # two page slices, the aux row
     dst = np.array([1 << 24, (1 << 24) + 1024, (1 << 24) + 2048], np.uint64)
