@@ -307,3 +307,26 @@ def test_a_landed_chunk_with_its_aux_row_reaches_the_stager_as_one_launch_and_on
     stager.copy(sc.src, sc.dst, sc.length, unproven=sc.unproven)
     assert rec.copies == [(int(sc.src[1]), aux, 100)]
     assert rec.launches == [([int(sc.src[0]), int(sc.src[2])], [DESCS[0].base + 640, DESCS[1].base], [640, 640])]
+
+
+def test_a_padded_buffers_last_stride_past_its_registered_memory_is_refused():
+    """A padded host buffer whose last page ends with its payload counts that page
+    (``PoolSpec.validate_buffer``), but the stride after the payload is not registered memory:
+    an entry reaching into it would be decode's own stray write, so it is refused as a write past
+    the buffer's end, and the payload of that page is still writable; its buffer is then inside
+    the stager's region and proven."""
+    stride, payload, base = 640, 600, 1 << 20
+    nbytes = 2 * stride + payload  # three pages, the last one ending with its payload
+    desc = BufferDesc("kv", 0, base, 3, stride)
+    region = [(base, nbytes), (AREA, 2 * SLOT)]
+    pages = np.arange(3, dtype=np.int64)
+    for registered, refused in (((), False), ([(base, nbytes)], True)):
+        ds = DecodeStaging(StagingArea(2, SLOT), AREA, [desc], "dec", kernel_ranges=AddressRanges(region),
+                           registered=registered)
+        last = [base + 2 * stride]
+        if refused:
+            with pytest.raises(LedgerError, match="writes past a registered buffer's end"):
+                land(ds, 1, last, [stride], pages)
+            assert land(ds, 2, last, [payload], pages).unproven.tolist() == []  # proven: inside the region
+        else:  # without the registered regions (the check as it was): the stride passes, unproven
+            assert land(ds, 1, last, [stride], pages).unproven.tolist() == [0]

@@ -49,7 +49,7 @@ from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
 from kvbridge.transfer.digest import kind_unit_digests, page_digests
-from kvbridge.transfer.engine import TransferEngine
+from kvbridge.transfer.engine import TransferEngine, tensor_region
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
@@ -125,7 +125,9 @@ class DecodeEndpoint(EndpointShell):
                                                                     aux_ranges=self._aux_ranges,
                                                                     kind_specs=kind_specs(self.specs),
                                                                     kernel_ranges=getattr(self.staging.stager,
-                                                                                          "ranges", None)),
+                                                                                          "ranges", None),
+                                                                    registered=[tensor_region(t) for t in
+                                                                                self.buffers.tensors.values()]),
             kind_buffers=self.buffers.descs,
         )  # fmt: skip
         self._peers: PeerSet | None = None

@@ -96,6 +96,16 @@ class _Held:
                 and all(_equal(a, kind_units[k]) for k, a in self.kind_units.items()))
 
 
+def _registered_end(buf: BufferDesc, registered: Sequence[tuple[int, int]]) -> int:
+    """Where ``buf``'s writable bytes end: its pages' extent, or the end of the registered region
+    that holds its base, whichever comes first."""
+    end = buf.base + buf.capacity_pages * buf.bytes_per_page
+    for addr, nbytes in registered:
+        if addr <= buf.base < addr + nbytes:
+            end = min(end, addr + nbytes)
+    return end
+
+
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
@@ -105,7 +115,8 @@ class DecodeStaging:
 
     def __init__(self, area: StagingArea, base: int, dst_bufs: Sequence[BufferDesc], rank: str,
                  aux_ranges: Callable[[int], list[tuple[int, int]]] = lambda slot: [],
-                 kind_specs: Mapping[str, PoolSpec] | None = None, kernel_ranges: Any = None) -> None:
+                 kind_specs: Mapping[str, PoolSpec] | None = None, kernel_ranges: Any = None,
+                 registered: Sequence[tuple[int, int]] = ()) -> None:
         """``aux_ranges(slot)``: the ``[start, end)`` byte ranges of aux row ``slot`` (the aux row
         rides in a staged target's last write, so it is scattered from a slot too);
         ``kind_specs``: the window, compressed and state pools among ``dst_bufs``, whose
@@ -120,9 +131,15 @@ class DecodeStaging:
         where the staging area and the entry's whole buffer extent each lie inside ONE of the
         stager's regions. That is checked here, once, per buffer (``_vouched``), not assumed: the
         decode endpoint builds both from the same tensors (``StagingBuffer``: the area and
-        ``tensor_region`` of each page buffer), but a padded ``RawBuffer`` whose last page ends
-        with its payload has an extent past its region (``PoolSpec.validate_buffer``), and its
-        entries stay in ``Scatter.unproven``."""
+        ``tensor_region`` of each page buffer); a buffer whose extent is not inside one region
+        keeps its entries in ``Scatter.unproven``.
+
+        ``registered``: the ``(address, nbytes)`` of the memory registered for ``dst_bufs``. A
+        buffer's checked extent ends where its registered region ends, where that comes first: a
+        padded ``RawBuffer`` whose last page ends with its payload counts that page
+        (``PoolSpec.validate_buffer``), but the stride after its payload is not the buffer's, and
+        a scatter entry into it would be decode's own stray write (its kernel or plain copy does
+        what the list says), refused here as a write past the buffer's end."""
         self.area, self.base, self.rank = area, base, rank
         self.aux_ranges = aux_ranges
         self.asks: dict[tuple[int, int], str] = {}  # (room, chunk key) -> the asking prefill rank's endpoint
@@ -136,7 +153,7 @@ class DecodeStaging:
         self.unreported: dict[tuple[int, Sender], int] = {}
         bufs = sorted(dst_bufs, key=lambda b: b.base)
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
-        self._end = np.array([b.base + b.capacity_pages * b.bytes_per_page for b in bufs], dtype=np.uint64)
+        self._end = np.array([_registered_end(b, registered) for b in bufs], dtype=np.uint64)
         self._page = np.array([b.bytes_per_page for b in bufs], dtype=np.uint64)
         # per buffer: -1 for a pool on the room's pages, else its kind pool's index in ``_kinds``;
         # the bytes of one unit (a ring window's unit is a request row: ``stride`` token rows)
