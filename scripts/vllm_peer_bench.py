@@ -29,7 +29,11 @@ NIXL's handshake, Mooncake's bootstrap query). Block ids are scattered: both sid
 queues are shuffled with the room's seed before each room (the same seed for every
 connector, so every connector moves the same block ids). Prefill's pages hold a stamp of
 (room, layer, logical page) and a shifted byte window; decode's blocks start poisoned and
-every page of every layer must equal what prefill wrote.
+every page of every layer must equal what prefill wrote. While one connector's decode is timed,
+every other connector's processes are stopped (SIGSTOP, resumed by SIGCONT after): an idle vLLM
+NixlConnector process spins NIXL's progress thread (0.4-0.9 of a core on the 2-core machine),
+which on a small host takes the CPU from the connector being timed; ``--shared`` leaves them
+running. The timed connector's own processes always run, its own spinning threads included.
 
 Configuration of vLLM's connectors on this CPU (nothing of vLLM's is patched):
 
