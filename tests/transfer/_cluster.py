@@ -99,7 +99,10 @@ class PrefillProc:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc.stdout.close()
-        self.proc.stdin.close() if not self.proc.stdin.closed else None
+        try:  # a command buffered for a process that died is not flushed: closing says so
+            self.proc.stdin.close() if not self.proc.stdin.closed else None
+        except BrokenPipeError:
+            pass
 
 
 class DecodeRank:

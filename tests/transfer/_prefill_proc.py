@@ -241,8 +241,14 @@ def main() -> None:
             t = threading.Thread(target=burst, args=(cmd,), daemon=True)
             t.start()
             threads.append(t)
-        elif cmd["op"] == "abort":
-            senders[cmd["room"]].abort(cmd.get("reason", "aborted by prefill test"))
+        elif cmd["op"] == "abort":  # the room's send thread may not have made its sender yet (a loaded host)
+            deadline = time.monotonic() + 30
+            while cmd["room"] not in senders and time.monotonic() < deadline:
+                time.sleep(0.005)
+            try:
+                senders[cmd["room"]].abort(cmd.get("reason", "aborted by prefill test"))
+            except Exception as exc:  # report, never die silently (a dead rank fails every later test of its module)
+                emit({"abort_error": cmd["room"], "reason": f"{type(exc).__name__}: {exc}"})
         elif cmd["op"] == "quit":
             break
     for t in threads:
