@@ -41,9 +41,11 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=16, help="pages per room")
     ap.add_argument("--rooms", type=int, default=300, help="timed rooms (after 50 warm-up rooms)")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each timed room")
+    ap.add_argument("--layers", type=int, default=LAYERS,
+                    help="target layers (+1 draft): 61 gives the GPU benches' slice count per rank (2 per layer)")
     args = ap.parse_args()
-    specs = build_specs(PRESET, LAYERS, PAGE, 1)
-    contract = build_contract(PRESET, LAYERS, PAGE, 1, "interleaved")
+    specs = build_specs(PRESET, args.layers, PAGE, 1)
+    contract = build_contract(PRESET, args.layers, PAGE, 1, "interleaved")
     schema = aux_schema_of(contract)
     fabric, lanes = LocalFabric(), OwnerLanes(args.cp, "interleaved")
     n = args.pages * PAGE
@@ -94,7 +96,7 @@ def main() -> None:
         for ep in (decode, *prefill):
             ep.close()
     ms = sorted(t * 1e3 for t in times)
-    print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {LAYERS}+1 layers "
+    print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {args.layers}+1 layers "
           f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: receiver() -> Success p50 {statistics.median(ms):.2f} ms, "
           f"p90 {ms[int(0.9 * len(ms))]:.2f} ms; process CPU {cpu_ms:.2f} ms per room (every thread)")
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -104,6 +105,7 @@ def decode_main(args) -> None:
     ep.start()
     print(json.dumps({"ready": True}), flush=True)
     rng = np.random.default_rng(1)
+    trace = logging.getLogger("kvbridge.bench.layerwise")
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
@@ -122,6 +124,7 @@ def decode_main(args) -> None:
             time.sleep(0.0001)
         commit = time.monotonic()
         state, reason = r.poll().name, r.failure_reason
+        trace.info("trace room=%d bench commit seen @%.6f", cmd["room"], commit)
         lanes = OwnerLanes(cp)
         sums = [checksum(bufs, specs, page_ids[lanes.owned_pages(k, num_pages)]) for k in range(cp)]
         r.close()
@@ -199,7 +202,7 @@ def prefill_main(args) -> None:
     if args.profile and rank == 0:
         import cProfile
 
-        prof = cProfile.Profile()
+        prof = {"whole": cProfile.Profile(), "layerwise": cProfile.Profile()}
     posts = {}
     rng = np.random.default_rng(10 + rank)
     print(json.dumps({"ready": True}), flush=True)
@@ -240,27 +243,33 @@ def prefill_main(args) -> None:
         t0 = time.monotonic()
         model.forward(my_tokens, bufs, local, on_layer)
         t_fwd = time.monotonic()
+        logging.getLogger("kvbridge.bench.layerwise").info("trace room=%d rank=cp%d bench forward end @%.6f", room,
+                                                           rank, t_fwd)
         event = None
         if args.device != "cpu":
             event = torch.cuda.Event()
             event.record()
         row = make_aux(aux, room, n) if sender.writes_aux else None
-        if prof is not None and mode == "whole":
-            prof.enable()  # the last send on this thread: checks, plan, aux staging, post (not the engine's threads)
+        if prof is not None:
+            prof[mode].enable()  # the last send on this thread: checks, plan, aux staging, post (not the engine's threads)
+        t_fin = None
         if lp is not None:
             lp.finish()  # every layer group is with the sender
+            t_fin = time.monotonic()
             empty = np.zeros(0, dtype=np.int64)
             sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
         else:
             sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
+        t_sent = time.monotonic()
         if prof is not None:
-            prof.disable()
+            prof[mode].disable()
         while sender.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed):
             time.sleep(0.0005)
         stats = sender.stats
         ok = sender.poll() == kvb.KVPoll.Success
         sender.close()
-        print(json.dumps({"room": room, "t0": t0, "t_fwd": t_fwd, "ok": ok, "sum": checksum(bufs, specs, local),
+        print(json.dumps({"room": room, "t0": t0, "t_fwd": t_fwd, "t_fin": t_fin, "t_sent": t_sent, "ok": ok,
+                          "sum": checksum(bufs, specs, local),
                           "layer_sends": stats.get("layer_sends"), "groups": len(lp.groups) if lp else 0}),
               flush=True)
     if prof is not None:
@@ -268,7 +277,12 @@ def prefill_main(args) -> None:
         import pstats
 
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
+        for mode, p in prof.items():
+            out.write(f"==== {mode}: the last send(s) after the forward, prefill rank 0's thread\n")
+            try:
+                pstats.Stats(p, stream=out).sort_stats("cumulative").print_stats(45)
+            except TypeError:  # no room of this mode
+                out.write("(none)\n")
         Path(args.profile).write_text(out.getvalue())
     for lp in posts.values():
         lp.close()
@@ -336,6 +350,8 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
                 rows.append({"tokens": n, "cp": cp, "mode": mode, "room": room, "warmup": k < 2, "ok": ok,
                              "reason": got.get("reason"), "forward_s": t_fwd - t0, "tail_s": got["commit"] - t_fwd,
                              "ttft_s": got["commit"] - t0, "forward_alone_s": statistics.median(alone),
+                             "finish_s": (max(s["t_fin"] for s in sent) - t_fwd) if mode == "layerwise" else None,
+                             "last_send_s": max(s["t_sent"] for s in sent) - t_fwd,
                              "layer_sends": sent[0].get("layer_sends"), "groups": sent[0].get("groups"),
                              "min_group_mib": args.min_group_mib})
                 print(json.dumps(rows[-1]), flush=True)
@@ -372,6 +388,52 @@ def report(rows: list[dict]) -> None:
               f"{lw['ttft_s'] / alone:.2f} | {groups} | {'all' if ok else 'NO'} |")
 
 
+TAIL = (("forward end", "posted", "last post handed to the engine (prefill)"),
+        ("posted", "written", "transfer + completion seen (prefill)"),
+        ("written", "reported", "report trip (the last rank -> decode's loop)"),
+        ("reported", "committed", "ledger + aux row read + commit (decode)"),
+        ("committed", "commit seen", "until decode's poll sees it"))
+
+
+def send_times(rows: list[dict]) -> None:
+    """After the forward, on the prefill ranks' own thread (the latest rank): until ``finish``
+    returned (layer-wise: every group with its sender) and until the last ``send`` returned."""
+    print("\n| tokens | CP | mode | fwd end -> finish() returned (ms) | fwd end -> last send() returned (ms) | tail (ms) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n, cp, mode in sorted({(r["tokens"], r["cp"], r["mode"]) for r in rows}):
+        sel = [r for r in rows if (r["tokens"], r["cp"], r["mode"]) == (n, cp, mode) and not r["warmup"]]
+        fin = "-" if mode != "layerwise" else f"{statistics.median(r['finish_s'] for r in sel) * 1e3:.2f}"
+        print(f"| {n} | {cp} | {mode} | {fin} | {statistics.median(r['last_send_s'] for r in sel) * 1e3:.2f} | "
+              f"{statistics.median(r['tail_s'] for r in sel) * 1e3:.2f} |")
+
+
+def tail_hops(rows: list[dict], folder: str) -> None:
+    """The tail (forward end -> decode sees Success) hop by hop, p50 per (tokens, CP, mode), from
+    every rank's trace lines: each event at its last occurrence in the room (the last rank, the
+    last layer group)."""
+    from kvbridge.bench.trace import parse
+
+    lines = [ln for f in sorted(Path(folder).glob("*.log")) for ln in f.read_text().splitlines()]
+    events = parse(lines)
+    for ln in lines:  # this bench's own lines
+        if "bench forward end" in ln or "bench commit seen" in ln:
+            room, at = int(ln.split("room=")[1].split()[0]), float(ln.rsplit("@", 1)[1])
+            events[room]["forward end" if "forward end" in ln else "commit seen"].append(at)
+    print("\n| tokens | CP | mode | " + " | ".join(f"{a} -> {b}" for a, b, _ in TAIL) + " | tail (traced) | rooms |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in TAIL) + " | --- | --- |")
+    for n, cp, mode in sorted({(r["tokens"], r["cp"], r["mode"]) for r in rows}):
+        rooms = [events[r["room"]] for r in rows if (r["tokens"], r["cp"], r["mode"]) == (n, cp, mode)
+                 and not r["warmup"]]
+        rooms = [ev for ev in rooms if all(ev.get(k) for k in ("forward end", "posted", "written", "reported",
+                                                               "committed", "commit seen"))]
+        if not rooms:
+            print(f"| {n} | {cp} | {mode} | (no complete trace) |")
+            continue
+        cells = [statistics.median((max(ev[b]) - max(ev[a])) * 1e3 for ev in rooms) for a, b, _ in TAIL]
+        total = statistics.median((max(ev["commit seen"]) - max(ev["forward end"])) * 1e3 for ev in rooms)
+        print(f"| {n} | {cp} | {mode} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {total:.2f} | {len(rooms)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
@@ -385,6 +447,10 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="cProfile of prefill rank 0's whole sends (its thread) to this file")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run (a check of the script)")
+    ap.add_argument("--trace-dir", default="",
+                    help="KVBRIDGE_TRACE=1 in every rank, their trace lines to this folder, and the tail's hop table "
+                         "(forward end -> posted -> written -> reported -> committed -> seen) per mode; traced "
+                         "rooms pay for their log lines, so read the hops beside each other, not against untraced rows")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
     ap.add_argument("--token", default="", help=argparse.SUPPRESS)
@@ -407,13 +473,20 @@ def main() -> None:
         if not args.role:
             args.layers, args.hidden, args.ffn = min(args.layers, 4), 64, 64
     args.aux_device = args.device  # aux rows and the scratch where the pages are (Mooncake NVLink: device memory only)
+    if args.role and args.trace_dir:
+        logging.basicConfig(level=logging.INFO, format="%(message)s",
+                            filename=str(Path(args.trace_dir) / f"{args.role}-{args.cp_rank}-{os.getpid()}.log"))
     if args.role == "decode":
         return decode_main(args)
     if args.role == "prefill":
         return prefill_main(args)
     args.passthrough = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--hidden", str(args.hidden),
                         "--ffn", str(args.ffn), "--min-group-mib", str(args.min_group_mib), "--engine", args.engine,
-                        "--device", args.device, *(["--profile", args.profile] if args.profile else [])]
+                        "--device", args.device, *(["--profile", args.profile] if args.profile else []),
+                        *(["--trace-dir", args.trace_dir] if args.trace_dir else [])]
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["KVBRIDGE_TRACE"] = "1"
     import kvbridge as kvb
 
     rows = []
@@ -422,6 +495,9 @@ def main() -> None:
         for i, cp in enumerate(args.cp):
             rows += run_cp(args, cp, 7000 + 1000 * i)
     report(rows)
+    send_times(rows)
+    if args.trace_dir:
+        tail_hops(rows, args.trace_dir)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     bad = [r for r in rows if not r["ok"]]

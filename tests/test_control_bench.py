@@ -38,3 +38,39 @@ def test_control_rtt_reports_both_round_trips_of_both_channels():
         assert hot.startswith(name) and idle.startswith(name)
         assert "back to back: p50" in hot and "after 1 ms idle: p50" in idle
         assert "(100 round trips)" in hot and "(50 round trips)" in idle
+
+
+def test_wake_probe_reports_each_idle_and_spin_pair():
+    """scripts/wake_probe.py (round 14's wake-up cost of a device host): one line per (idle, spin)."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "wake_probe.py"), "--rounds", "20", "--idle-ms", "0", "1",
+                           "--spin-us", "0", "100"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["idle 0 ms, spin 0 us", "idle 0 ms, spin 100 us",
+                                                  "idle 1 ms, spin 0 us", "idle 1 ms, spin 100 us"]
+    assert all("round trip p50" in ln and "(20 trips)" in ln for ln in lines)
+
+
+def test_layerwise_gpu_bench_on_the_cpu_traces_the_tail_hop_by_hop(tmp_path):
+    """scripts/layerwise_gpu_bench.py --cpu-smoke (its CPU check; the GPU run is on a device host)
+    with --trace-dir: every room verified, the send timings per mode, and the tail's hop table
+    from the ranks' trace lines, one complete room per mode, whose hops add up to its tail."""
+    trace = tmp_path / "trace"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "layerwise_gpu_bench.py"), "--cpu-smoke", "--tokens", "1024",
+                           "--cp", "1", "--rooms", "2", "--trace-dir", str(trace)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "| 1024 | 1 |" in out and out.count("| all |") == 1
+    assert "fwd end -> finish() returned (ms)" in out
+    hops = [ln for ln in out.splitlines() if ln.startswith("| 1024 | 1 | layerwise |") or
+            ln.startswith("| 1024 | 1 | whole |")]
+    assert len(hops) == 4  # the send timings' rows and the hop table's
+    table = [ln for ln in hops if ln.count("|") == 11]
+    assert len(table) == 2
+    for row in table:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        hops_ms, tail_ms = [float(c) for c in cells[3:-2]], float(cells[-2])
+        assert cells[-1] == "1" and len(hops_ms) == 5
+        assert abs(sum(hops_ms) - tail_ms) <= 0.03  # one room: the hops add up to its tail (rounding aside)
+    assert len(list(trace.glob("decode-*.log"))) == 1 and len(list(trace.glob("prefill-*.log"))) == 1

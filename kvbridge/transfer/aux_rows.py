@@ -310,9 +310,14 @@ class AuxStaging(AuxBuffers):
         else:
             import torch
 
+            from kvbridge.transfer.engine._cuda import cuda
+
             rows = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8, device=device)
             self._pinned = torch.zeros((num_slots, schema.row_bytes), dtype=torch.uint8).pin_memory()
+            self._pinned_rows = self._pinned.numpy()
             self._stream = torch.cuda.Stream(rows.device)
+            self._stream_handle = int(self._stream.cuda_stream)
+            self._cuda = cuda()
         super().__init__(schema, rows, rank=rank, field="aux_slots")
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_room: dict[int, int] = {}
@@ -339,13 +344,16 @@ class AuxStaging(AuxBuffers):
         previous = self._events.pop(slot, None)
         if previous is not None:  # the slot's last copy read this pinned row: it must be done (it is, by now)
             previous.synchronize()
-        self._pinned[slot].numpy()[:] = data
-        with torch.cuda.stream(self._stream):
-            for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
-                self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
-            self.storage[slot].copy_(self._pinned[slot], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        self._pinned_rows[slot] = data
+        # on the side stream without entering torch's stream context (its device look-ups cost more
+        # than the copy): the waits, the copy by the runtime's C call, the event
+        for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
+            self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
+        row_bytes = self.schema.row_bytes
+        self._cuda.memcpy_async(self.storage.data_ptr() + slot * row_bytes,
+                                self._pinned.data_ptr() + slot * row_bytes, row_bytes, self._stream_handle)
+        event = torch.cuda.Event()
+        event.record(self._stream)
         self._events[slot] = event
         return slot
 

@@ -490,3 +490,34 @@ def device(request) -> str:
     if not (mooncake_available() or nixl_available()):
         pytest.skip("neither Mooncake nor NIXL installed")
     return request.param
+
+
+def test_aux_staging_on_the_device_copies_each_row_after_its_producer_on_its_side_stream():
+    """``AuxStaging`` on a GPU: the row goes through its pinned host row and one copy on the side
+    stream (the runtime's C call, no torch stream context), after the producer's event; the
+    room's event covers it; a room staged twice keeps its slot; a freed slot is reused only after
+    its last copy (its event) passed."""
+    from kvbridge.transfer.aux_rows import AuxStaging
+
+    contract = build_contract("deepseek-v3.2-fp8", 2, 64, 1, "interleaved")
+    schema = aux_schema_of(contract)
+    staging = AuxStaging(schema, 2, rank="t", device="cuda:0")
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(50_000_000)  # the producer is still busy when the row is staged
+        done = torch.cuda.Event()
+        done.record(producer)
+    rows = [np.full(schema.row_bytes, 7 + i, np.uint8) for i in range(3)]
+    a = staging.stage(11, rows[0], after=done)
+    assert staging.stage(11, rows[1]) == a  # once per room
+    b = staging.stage(12, rows[1])
+    staging.ready_event(11).synchronize()
+    staging.ready_event(12).synchronize()
+    assert done.query()  # the first copy waited for the producer's event
+    assert bytes(staging.storage[a].cpu().numpy()) == rows[0].tobytes()
+    assert bytes(staging.storage[b].cpu().numpy()) == rows[1].tobytes()
+    staging.release(11)
+    c = staging.stage(13, rows[2])
+    assert c == a
+    staging.ready_event(13).synchronize()
+    assert bytes(staging.storage[c].cpu().numpy()) == rows[2].tobytes()

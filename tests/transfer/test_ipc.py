@@ -79,7 +79,7 @@ def test_the_copiers_piece_table_holds_every_piece_as_offsets_from_its_base(monk
     vars(copier).update(_torch=torch, _cuda=cuda, device=None, stream=types.SimpleNamespace(cuda_stream=0),
                         chunk=4096, words=2048, num_warps=4, direct_min_bytes=1 << 20, _base_addr=np.uint64(base),
                         _base=None, _base_b=None, _tables=tables, _next_table=0, _lock=threading.Lock(),
-                        max_programs=8)
+                        max_programs=8, few_slices=0, _stream_handle=0)
     src = np.array([base - 8192, base + 64, base + (1 << 30), base + (1 << 31)], np.uint64)
     dst = np.array([base + 4096, base - 100_000, base + 8192, base + (1 << 32)], np.uint64)
     length = np.array([4096, 10_000, 1 << 20, 16], np.uint64)  # one chunk; three pieces; direct; one piece
@@ -94,6 +94,37 @@ def test_the_copiers_piece_table_holds_every_piece_as_offsets_from_its_base(monk
     assert got[:, 2].tolist() == pn.tolist() == [4096, 4096, 4096, 1808, 16]
     copier.direct_min_bytes = 0  # none direct
     assert copier.launch(src[:1], dst[:1], length[:1])["kernel_pieces"] == 1 and tables[1].host[0, 0] == -8192
+
+
+def test_a_launch_of_a_few_slices_is_plain_copies_on_the_stream_without_torch(monkeypatch):
+    """``CudaCopier.launch`` of at most ``few_slices`` slices (an aux row, a last layer-wise write):
+    one cudaMemcpyAsync per slice on the copier's stream handle, in order, with its own bytes; no
+    piece table, no kernel, and no torch context entered (the stand-ins raise if one is). One more
+    slice takes the kernel path."""
+    import types
+
+    from kvbridge.transfer.engine import slicecopy
+
+    calls, launches = [], []
+    cuda = types.SimpleNamespace(memcpy_async=lambda d, s, n, h: calls.append((d, s, n, h)),
+                                 event_record=lambda *a: None, event_synchronize=lambda *a: None)
+
+    def no_context(*_):
+        raise AssertionError("a torch context was entered")
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(device=no_context, stream=no_context))
+    monkeypatch.setattr(slicecopy, "_kernel", lambda: _Grid(launches))
+    copier = object.__new__(slicecopy.CudaCopier)
+    vars(copier).update(_torch=torch, _cuda=cuda, device=None, stream=None, _stream_handle=0xABC, chunk=4096,
+                        direct_min_bytes=0, few_slices=3)
+    src = np.array([1 << 36, (1 << 36) + 100_000, 5 << 30], np.uint64)
+    dst = np.array([7 << 30, (7 << 30) + 64, 9 << 30], np.uint64)
+    length = np.array([14_368, 0, 1 << 20], np.uint64)  # an aux row, an empty slice (skipped), a long one
+    counts = copier.launch(src, dst, length)
+    assert counts == {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 3}
+    assert calls == [(7 << 30, 1 << 36, 14_368, 0xABC), (9 << 30, 5 << 30, 1 << 20, 0xABC)] and not launches
+    with pytest.raises(AssertionError, match="torch context"):  # four slices: the kernel path, in a context
+        copier.launch(np.append(src, src[:1]), np.append(dst, dst[:1]), np.append(length, length[:1]))
 
 
 class _Grid:

@@ -35,6 +35,11 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 # 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
 DIRECT_MIN_BYTES = 8 << 20
 HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index arrays)
+# A launch of at most this many slices (an aux row, a layer-wise room's last write) goes as plain
+# cudaMemcpyAsync calls on the copier's stream through the runtime's C API: no piece table, no Triton
+# launch, no torch device or stream context (on one H100 host those cost a launch of one slice about
+# as much Python as a page table's; docs/performance.md "Issue 33, round 14")
+FEW_SLICES = 8
 TABLE_SLOTS = 4  # piece tables a copier cycles through (a launch fills one while the last copies run)
 MIN_TABLE_ROWS = 4096
 
@@ -87,10 +92,11 @@ class CudaCopier:
 
     ``launch`` only enqueues: the caller records an event on ``stream`` and treats the
     copy as in flight until the event completes. Slices of at least ``direct_min_bytes``
-    go as plain ``cudaMemcpyAsync`` calls on the same stream (the copy engines), when set."""
+    go as plain ``cudaMemcpyAsync`` calls on the same stream (the copy engines), when set, and
+    so does a launch of at most ``few_slices`` slices (no table, no kernel, no torch context)."""
 
     def __init__(self, device: int, *, chunk: int = CHUNK, programs_per_sm: int = 4, words: int = 2048,
-                 num_warps: int = 4, direct_min_bytes: int = 0) -> None:
+                 num_warps: int = 4, direct_min_bytes: int = 0, few_slices: int = FEW_SLICES) -> None:
         import torch
 
         from kvbridge.transfer.engine._cuda import cuda
@@ -100,8 +106,10 @@ class CudaCopier:
         self.device = torch.device("cuda", device)
         self.chunk, self.words, self.num_warps = chunk, words, num_warps
         self.direct_min_bytes = direct_min_bytes
+        self.few_slices = few_slices
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
+            self._stream_handle = int(self.stream.cuda_stream)
             self._base = torch.zeros(4, dtype=torch.int32, device=self.device)  # offsets are relative to this
         self._base_b = self._base.view(torch.uint8)
         self._base_addr = np.uint64(self._base.data_ptr())
@@ -130,6 +138,13 @@ class CudaCopier:
         are the copier's own: nothing of the launch must be kept alive by the caller)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
+        if length.size <= self.few_slices:  # a few slices: the copy engines, straight from here
+            handle = self._stream_handle
+            for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
+                if n:
+                    self._cuda.memcpy_async(d, s, n, handle)
+            counts["direct_slices"] = int(length.size)
+            return counts
         direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else None
         num_direct = 0 if direct is None else int(np.count_nonzero(direct))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):

@@ -1,0 +1,44 @@
+#!/bin/bash
+# Issue 33, round 14: the fixed cost's hops on the GPU (run as run_gpu.sh's EXTRA, so the wheels are on
+# PYTHONPATH and the libraries found; carry .whl, .debs and, for "before" rows, _before):
+#   SKIP_TEST=1 SKIP_BENCH=1 STEPS="..." EXTRA="bash scripts/device/issue33_r14.sh" bash scripts/device/run_gpu.sh
+# Steps (STEPS picks; each bounded; TREES="after" or "after before after2": the trees run in turn):
+#   hops      gpu_bench.py, 8K contiguous, Mooncake NVLink and IPC: p50 against the raw engine, and the
+#             traced rooms' hop table (trace lines under $OUT/<tree>/)
+#   lw        layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 (IPC), untraced, then traced
+#             (--trace-dir: the tail's hop table)
+#   profile   the 8K rooms with every rank's threads under cProfile ($OUT/prof/*.txt and .prof)
+#   wake      scripts/wake_probe.py and control_rtt.py (this host's wake-up cost)
+set -u
+OUT=${OUT:-/tmp/out}; B=${BEFORE:-_before}; STEPS=${STEPS:-hops lw}; TREES=${TREES:-after}
+site=/tmp/site
+tree() { [ "$1" = before ] && echo "$PWD/$B" || echo "$PWD"; }
+quiet() { grep -v "^[IWE][0-9]\{4\} "; }
+for step in $STEPS; do
+  echo "== $step @$(date +%T)"
+  for which in $TREES; do
+    t=$(tree ${which%2}); o=$OUT/$which; mkdir -p $o
+    echo "-- $step, tree $which ($t)"
+    case $step in
+    hops)
+      PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/gpu_bench.py --groups mooncake-nvlink ipc --alloc contiguous \
+        --tokens 8192 --reps 10 --trace-tokens 8192 --trace-reps 20 --json $o/gpu_bench.json --trace-out $o 2>&1 | quiet ;;
+    lw)
+      PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 --rooms 8 \
+        --json $o/layerwise.json 2>&1 | quiet | grep -v '^{'
+      if [ "$which" = after ]; then
+        PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 --rooms 8 \
+          --trace-dir $o/lwtrace --json $o/layerwise-traced.json 2>&1 | quiet | grep -v '^{'
+      fi ;;
+    profile)
+      mkdir -p $o/prof
+      KVBRIDGE_PROFILE_DIR=$o/prof PYTHONPATH=$site:$t timeout 170 python3 $t/scripts/gpu_bench.py \
+        --groups mooncake-nvlink ipc --alloc contiguous --tokens 8192 --reps 20 --json $o/prof/gpu_bench.json 2>&1 \
+        | quiet | tail -12 ;;
+    wake)
+      python3 scripts/wake_probe.py --rounds 300 --idle-ms 0 1 5 50 --spin-us 0 500
+      PYTHONPATH=$site:$t python3 $t/scripts/control_rtt.py --rounds 500 --idle-ms 5 ;;
+    esac
+  done
+done
+echo "== end @$(date +%T)"
