@@ -25,10 +25,15 @@ own process, both sides on one GPU (cuda:0) when there is one.
 
 Per room: ``forward`` = the last rank's forward end - the first rank's start, ``tail`` = decode's
 commit - the last forward end, ``ttft`` = decode's commit - the first start. Printed: the medians
-per mode and their ratios, and the forward alone (no room) for the TTFT goal.
+per mode and their ratios, and the forward alone (no room) for the TTFT goal; then, per mode,
+the prefill rank's own thread after the forward: until ``finish()`` returned (layer-wise) and
+until the last ``send()`` returned. ``--trace-dir DIR``: every rank traced (KVBRIDGE_TRACE=1,
+its lines in DIR) and the tail hop by hop (forward end -> the last post handed to the engine ->
+write final -> decode's report -> commit -> decode's poll sees it); traced rooms pay for their
+log lines. ``--profile FILE``: a cProfile of prefill rank 0's last send(s) per mode.
 
     python scripts/layerwise_gpu_bench.py [--tokens 1024 8192 32768] [--cp 1 2] [--rooms 6]
-        [--layers 61] [--engine ipc|mooncake] [--json out.json]
+        [--layers 61] [--engine ipc|mooncake] [--json out.json] [--trace-dir DIR] [--profile FILE]
 
 Without CUDA it runs the same rooms on the CPU with a tiny model (``--cpu-smoke``: a check of the
 script, not a measurement).

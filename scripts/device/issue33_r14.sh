@@ -5,12 +5,13 @@
 # Steps (STEPS picks; each bounded; TREES="after" or "after before after2": the trees run in turn):
 #   hops      gpu_bench.py, 8K contiguous, Mooncake NVLink and IPC: p50 against the raw engine, and the
 #             traced rooms' hop table (trace lines under $OUT/<tree>/)
-#   lw        layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 (IPC), untraced, then traced
-#             (--trace-dir: the tail's hop table)
+#   lw        layerwise_gpu_bench.py $LW_ARGS (default --tokens 8192 32768 --cp 1 2 --rooms 8; IPC), untraced,
+#             then traced on the tree "after" (--trace-dir: the tail's hop table; LW_TRACED=0: not)
 #   profile   the 8K rooms with every rank's threads under cProfile ($OUT/prof/*.txt and .prof)
 #   wake      scripts/wake_probe.py and control_rtt.py (this host's wake-up cost)
 set -u
 OUT=${OUT:-/tmp/out}; B=${BEFORE:-_before}; STEPS=${STEPS:-hops lw}; TREES=${TREES:-after}
+LW_ARGS=${LW_ARGS:---tokens 8192 32768 --cp 1 2 --rooms 8}
 site=/tmp/site
 tree() { [ "$1" = before ] && echo "$PWD/$B" || echo "$PWD"; }
 quiet() { grep -v "^[IWE][0-9]\{4\} "; }
@@ -24,10 +25,10 @@ for step in $STEPS; do
       PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/gpu_bench.py --groups mooncake-nvlink ipc --alloc contiguous \
         --tokens 8192 --reps 10 --trace-tokens 8192 --trace-reps 20 --json $o/gpu_bench.json --trace-out $o 2>&1 | quiet ;;
     lw)
-      PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 --rooms 8 \
+      PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py $LW_ARGS \
         --json $o/layerwise.json 2>&1 | quiet | grep -v '^{'
-      if [ "$which" = after ]; then
-        PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py --tokens 8192 32768 --cp 1 2 --rooms 8 \
+      if [ "$which" = after ] && [ "${LW_TRACED:-1}" = 1 ]; then
+        PYTHONPATH=$site:$t timeout 200 python3 $t/scripts/layerwise_gpu_bench.py $LW_ARGS \
           --trace-dir $o/lwtrace --json $o/layerwise-traced.json 2>&1 | quiet | grep -v '^{'
       fi ;;
     profile)
