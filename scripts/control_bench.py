@@ -4,10 +4,13 @@ against a real bootstrap daemon. No process hand-offs, no network: a room's time
 ``receiver()`` to Success is the request, its checks, the plan, the post, the completion
 report, the ledger and the commit, in Python, plus the memcpy of its few pages.
 
-    .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0]
+    .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0] [--ask-first] [--layers 4]
 
 The prefill side has sent its pages before the timer starts (as when decode asks last);
-decode blocks in ``KVReceiver.wait()``. Compare with ``kvbridge bench --trace``, where the
+decode blocks in ``KVReceiver.wait()``. ``--ask-first``: the engines' order instead, decode asks
+(and, at CP > 1, every rank has the room's decision) before the prefill ranks send, and the
+clock runs from their ``send()`` calls (one after the other, on this thread) to decode's
+Success. ``--layers``: target layers (default 4; 61 gives the GPU benches' slices per rank). Compare with ``kvbridge bench --trace``, where the
 same steps run in separate processes. ``--gap-ms``: idle time before each timed room (the
 benches leave the cluster idle between rooms; on a VM every thread then wakes slower).
 
@@ -41,6 +44,9 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=16, help="pages per room")
     ap.add_argument("--rooms", type=int, default=300, help="timed rooms (after 50 warm-up rooms)")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each timed room")
+    ap.add_argument("--ask-first", action="store_true",
+                    help="decode asks before prefill sends (an engine's order: decode admits the request while "
+                         "prefill computes); the clock runs from the prefill ranks' send() to decode's Success")
     ap.add_argument("--layers", type=int, default=LAYERS,
                     help="target layers (+1 draft): 61 gives the GPU benches' slice count per rank (2 per layer)")
     args = ap.parse_args()
@@ -67,7 +73,36 @@ def main() -> None:
         last = lanes.owner_of_token(n - 1, PAGE, args.pages)
         dst = np.arange(args.pages) + args.pages
 
+        def room_ask_first(i: int) -> float:
+            """Decode asks first (as an engine's decode rank does while prefill still computes): the
+            clock runs from the prefill ranks' send() (the forward's end) to decode's Success."""
+            senders = []
+            for r, ep in enumerate(prefill):
+                s = ep.sender(i)
+                s.init(n)
+                senders.append(s)
+            recv = decode.receiver(i, "cb-p")
+            recv.init(dst, 0, n)
+            deadline = time.monotonic() + 10
+            while any(s.poll() == kvb.KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
+                time.sleep(0.0002)  # every rank has decode's request (and, at CP > 1, the room's decision)
+            time.sleep(args.gap_ms / 1e3)
+            t0 = time.perf_counter()
+            for r, s in enumerate(senders):
+                s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+            state = recv.wait(10)
+            dt = time.perf_counter() - t0
+            if state != kvb.KVPoll.Success:
+                raise SystemExit(f"room {i}: {state.name}: {recv.failure_reason}")
+            for s in senders:
+                s.wait(10)
+                s.close()
+            recv.close()
+            return dt
+
         def room(i: int) -> float:
+            if args.ask_first:
+                return room_ask_first(i)
             senders = []
             for r, ep in enumerate(prefill):
                 s = ep.sender(i)
@@ -96,8 +131,9 @@ def main() -> None:
         for ep in (decode, *prefill):
             ep.close()
     ms = sorted(t * 1e3 for t in times)
+    clock = "decode asked first, send() -> Success" if args.ask_first else "receiver() -> Success"
     print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {args.layers}+1 layers "
-          f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: receiver() -> Success p50 {statistics.median(ms):.2f} ms, "
+          f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: {clock} p50 {statistics.median(ms):.2f} ms, "
           f"p90 {ms[int(0.9 * len(ms))]:.2f} ms; process CPU {cpu_ms:.2f} ms per room (every thread)")
 
 

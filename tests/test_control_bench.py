@@ -19,6 +19,17 @@ def test_control_bench_runs_rooms_to_success():
     assert "receiver() -> Success p50" in done.stdout
 
 
+def test_control_bench_in_the_engines_order_decode_asking_first():
+    """--ask-first: decode asks before the prefill ranks send (what an engine's decode rank does
+    while prefill computes); the clock runs from their send() to decode's Success; --layers 61
+    gives the GPU benches' slice count."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "control_bench.py"), "--cp", "2", "--pages", "3", "--rooms",
+                           "5", "--ask-first", "--layers", "61"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cp 2, 3 pages x 61+1 layers" in done.stdout
+    assert "decode asked first, send() -> Success p50" in done.stdout
+
+
 def test_control_rtt_reports_both_round_trips_of_both_channels():
     """ZMQ is an optional comparison (kvbridge does not depend on pyzmq): without it the script
     says it skipped it."""
