@@ -2,6 +2,12 @@
 # Issue 33, round 14: the fixed cost's hops on the GPU (run as run_gpu.sh's EXTRA, so the wheels are on
 # PYTHONPATH and the libraries found; carry .whl, .debs and, for "before" rows, _before):
 #   SKIP_TEST=1 SKIP_BENCH=1 STEPS="..." EXTRA="bash scripts/device/issue33_r14.sh" bash scripts/device/run_gpu.sh
+# The round's before/after call (docs/performance.md "Issue 33, round 14"; about 8 minutes on one H100):
+#   rm -rf _before && mkdir _before && git archive 40b14e4 kvbridge scripts | tar -x -C _before
+#   cp scripts/layerwise_gpu_bench.py _before/scripts/   # (a script imports kvbridge from its own tree)
+#   SKIP_BENCH=1 PYTEST_ARGS="tests/transfer/test_gpu.py tests/transfer/test_ipc.py tests/transfer/test_layerwise_posts.py" \
+#     STEPS="lw hops" TREES="after before after2" EXTRA="bash scripts/device/issue33_r14.sh" bash scripts/device/run_gpu.sh
+# then pack $OUT's folders in one archive (the device tool brings back only a few files per call).
 # Steps (STEPS picks; each bounded; TREES="after" or "after before after2": the trees run in turn):
 #   hops      gpu_bench.py, 8K contiguous, Mooncake NVLink and IPC: p50 against the raw engine, and the
 #             traced rooms' hop table (trace lines under $OUT/<tree>/)
