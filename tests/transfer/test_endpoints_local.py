@@ -72,7 +72,7 @@ def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
     s = ep.sender(room)
     s.init(n)
     s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)  # every page, not yet the last chunk
-    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
+    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
     s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=make_aux(c.aux_schema, room, n))
     wait_final([r])
     assert r.poll() == KVPoll.Failed
@@ -232,7 +232,7 @@ def test_trace_mode_logs_who_sent_which_pages_and_the_commit(cluster, caplog, mo
     with caplog.at_level("INFO", logger="kvbridge.transfer"):
         senders = c.send(14, 10)  # noqa: F841
         wait_final([r])
-        assert wait_until(lambda: "committed" in caplog.text, 5)
+        assert wait_until(lambda: "committed" in caplog.text, 30)
     assert r.poll() == KVPoll.Success
     text = caplog.text
     assert "trace room=14" in text and "pages=[0, 2]" in text and "pages=[1]" in text
@@ -280,7 +280,7 @@ def test_a_dead_decode_peer_fails_the_prefill_room_with_the_reason(cluster):
     r = c.decode.receiver(22, f"{c.name}-p")
     r.init(np.array([0, 1, 2]), 0, 10)
     senders = c.send(22, 10)
-    assert wait_until(lambda: all(s.poll() == KVPoll.Transferring for s in senders), 5)
+    assert wait_until(lambda: all(s.poll() == KVPoll.Transferring for s in senders), 30)
     c.fabric.detach(c.decode.engine.session_id)  # the decode rank's memory is gone
     gate.set()
     wait_final(senders, timeout=10)
@@ -401,7 +401,7 @@ def test_send_with_a_ready_event_reads_no_page_before_it_completes(cluster, engi
     s = ep.sender(room)
     s.init(n)
     s.send(logical, local, is_last=True, aux=make_aux(c.aux_schema, room, n), ready_event=ready)
-    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 5)
+    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
     time.sleep(0.3)
     assert r.poll() == KVPoll.Transferring
     assert all((as_bytes(b)[dst] == SENTINEL_BYTE).all() for b in c.dbufs.values()), "read before the event"

@@ -187,7 +187,7 @@ def test_a_non_last_chunk_ending_in_the_last_page_holds_it(mini):
     s.init(num_pages=3)
     logical = np.arange(3)
     s.send(logical, logical + 3, num_tokens_ready=9)  # pages 0, 1 complete; page 2 (rows 8..) held
-    assert wait_until(lambda: r.stats["pages_by_rank"].get(0) == 2, 5)
+    assert wait_until(lambda: r.stats["pages_by_rank"].get(0) == 2, 30)
     m.write_aux(m.prefill[0], 1, room, n)
     s.send([], [], num_tokens_ready=n, is_last=True, aux_slot=1)
     wait_final([r, s])
@@ -209,7 +209,7 @@ def test_room_in_use_says_draining_and_wait_waits_for_the_drain(mini, daemon):
     s.init(8)
     m.write_aux(ep, 0, 702, 8)
     s.send([0, 1], [3, 4], is_last=True, aux_slot=0)
-    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 5)
+    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 30)
     s.close()
     r.close()
     with pytest.raises(kvb.RoomInUse, match="draining") as err:
@@ -301,7 +301,7 @@ def test_a_refusal_to_one_decode_rank_waits_for_writes_to_the_others(mini):
     s.init(n)
     m.write_aux(ep, 0, room, n)
     s.send([0, 1], [3, 4], is_last=True, aux_slot=0)
-    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 5)
+    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 30)
     receivers[1].abort("client went away")
     assert not wait_until(lambda: receivers[1].pages_releasable or receivers[0].pages_releasable, 0.5)
     gate.set()
@@ -322,7 +322,7 @@ def test_an_abort_from_a_decode_rank_without_a_target_fails_the_room_acked_when_
     s.init(8)
     m.write_aux(ep, 0, 706, 8)
     s.send([0, 1], [3, 4], is_last=True, aux_slot=0)
-    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 5)
+    assert wait_until(lambda: s.poll() == kvb.KVPoll.Transferring, 30)
     peers = ProvingPeers(m.decode[0])  # another rank of the decode instance that holds the room
     try:
         peers.send(ep.endpoint, wire.Abort(room=706, decode_rank="other/dp0/tp1", reason="gone",
@@ -336,7 +336,7 @@ def test_an_abort_from_a_decode_rank_without_a_target_fails_the_room_acked_when_
         peers.close()
     wait_final([r, s])
     assert r.poll() == kvb.KVPoll.Failed and "other/dp0/tp1 aborted: gone" in r.failure_reason
-    assert wait_until(lambda: r.pages_releasable, 5)
+    assert wait_until(lambda: r.pages_releasable, 30)
 
 
 def test_a_decode_room_failing_before_its_request_aborts_every_sender(mini):
