@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,46 +74,37 @@ def main() -> None:
         last = lanes.owner_of_token(n - 1, PAGE, args.pages)
         dst = np.arange(args.pages) + args.pages
 
-        def room_ask_first(i: int) -> float:
-            """Decode asks first (as an engine's decode rank does while prefill still computes): the
-            clock runs from the prefill ranks' send() (the forward's end) to decode's Success."""
-            senders = []
-            for r, ep in enumerate(prefill):
-                s = ep.sender(i)
-                s.init(n)
-                senders.append(s)
+        def send(r: int, s: Any, i: int) -> None:
+            s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+
+        def ask(i: int) -> Any:
             recv = decode.receiver(i, "cb-p")
             recv.init(dst, 0, n)
-            deadline = time.monotonic() + 10
-            while any(s.poll() == kvb.KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
-                time.sleep(0.0002)  # every rank has decode's request (and, at CP > 1, the room's decision)
-            time.sleep(args.gap_ms / 1e3)
-            t0 = time.perf_counter()
-            for r, s in enumerate(senders):
-                s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
-            state = recv.wait(10)
-            dt = time.perf_counter() - t0
-            if state != kvb.KVPoll.Success:
-                raise SystemExit(f"room {i}: {state.name}: {recv.failure_reason}")
-            for s in senders:
-                s.wait(10)
-                s.close()
-            recv.close()
-            return dt
+            return recv
 
         def room(i: int) -> float:
-            if args.ask_first:
-                return room_ask_first(i)
+            """Decode asks last (the clock from its receiver() to Success) or, ``--ask-first``, first
+            (as an engine's decode rank does while prefill still computes: the clock from the
+            prefill ranks' send(), the forward's end, to decode's Success)."""
             senders = []
             for r, ep in enumerate(prefill):
                 s = ep.sender(i)
                 s.init(n)
-                s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+                if not args.ask_first:
+                    send(r, s, i)
                 senders.append(s)
+            if args.ask_first:
+                recv = ask(i)
+                deadline = time.monotonic() + 10
+                while any(s.poll() == kvb.KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
+                    time.sleep(0.0002)  # every rank has decode's request (and, at CP > 1, the room's decision)
             time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
-            recv = decode.receiver(i, "cb-p")
-            recv.init(dst, 0, n)
+            if args.ask_first:
+                for r, s in enumerate(senders):
+                    send(r, s, i)
+            else:
+                recv = ask(i)
             state = recv.wait(10)
             dt = time.perf_counter() - t0
             if state != kvb.KVPoll.Success:
