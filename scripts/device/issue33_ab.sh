@@ -16,10 +16,9 @@
 #   layerwise   scripts/layerwise_gpu_bench.py, 1K/8K/32K, CP 1 and 2, IPC engine
 #   layout      staged rooms (Mooncake NVLink, random, 64 MiB slots) and scripts/staged_layout_bench.py
 set -u
-OUT=${OUT:-/tmp/out}; B=${BEFORE:-_before}; STEPS=${STEPS:-control gpu profile}
-site=/tmp/site
+OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-control gpu profile}
+. "$(dirname "$0")/_ab_common.sh"  # site, B, quiet, tree
 GPU_ARGS=${GPU_ARGS:---groups mooncake-nvlink ipc --alloc contiguous --tokens 8192 --reps 10}
-tree() { [ "$1" = before ] && echo "$PWD/$B" || echo "$PWD"; }
 for step in $STEPS; do
   echo "== $step @$(date +%T)"
   case $step in

@@ -12,10 +12,8 @@
 # Call 1:  cd .gpu33 && WHEELS=../.whl DEBS=../.debs SKIP_TEST=1 SKIP_BENCH=1 \
 #            EXTRA="bash scripts/device/issue33_r12.sh" bash scripts/device/run_gpu.sh
 set -u
-OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-cycle prof layout}; B=${BEFORE:-_before}
-site=/tmp/site
-quiet() { grep -v "^[IWE][0-9]\{4\} "; }
-tree() { [ "$1" = before ] && echo "$PWD/$B" || echo "$PWD"; }
+OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-cycle prof layout}
+. "$(dirname "$0")/_ab_common.sh"  # site, B, quiet, tree
 for step in $STEPS; do
   echo "== $step @$(date +%T)"
   case $step in

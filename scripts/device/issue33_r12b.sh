@@ -9,8 +9,8 @@
 #   cd .gpu33 && WHEELS=../.whl DEBS=../.debs SKIP_TEST=1 SKIP_BENCH=1 \
 #     EXTRA="bash scripts/device/issue33_r12b.sh" bash scripts/device/run_gpu.sh
 set -u
-OUT=${OUT:-/tmp/out}; site=/tmp/site; RUNS=${RUNS:-"mooncake:2:4:split ipc:2:4:split mooncake:2:4:untraced ipc:2:4:untraced mooncake:2:4:plain ipc:2:4:plain"}
-quiet() { grep -v "^[IWE][0-9]\{4\} "; }
+OUT=${OUT:-/tmp/out}; RUNS=${RUNS:-"mooncake:2:4:split ipc:2:4:split mooncake:2:4:untraced ipc:2:4:untraced mooncake:2:4:plain ipc:2:4:plain"}
+. "$(dirname "$0")/_ab_common.sh"  # site, B, quiet, tree
 mkdir -p /tmp/cyc
 for run in $RUNS; do IFS=: read eng g d how <<< "$run"
   echo "-- staged_cycle --engine $eng --gather-slots $g --decode-slots $d ($how) @$(date +%T)"

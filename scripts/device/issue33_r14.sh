@@ -16,11 +16,9 @@
 #   profile   the 8K rooms with every rank's threads under cProfile ($OUT/prof/*.txt and .prof)
 #   wake      scripts/wake_probe.py and control_rtt.py (this host's wake-up cost)
 set -u
-OUT=${OUT:-/tmp/out}; B=${BEFORE:-_before}; STEPS=${STEPS:-hops lw}; TREES=${TREES:-after}
+OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-hops lw}; TREES=${TREES:-after}
 LW_ARGS=${LW_ARGS:---tokens 8192 32768 --cp 1 2 --rooms 8}
-site=/tmp/site
-tree() { [ "$1" = before ] && echo "$PWD/$B" || echo "$PWD"; }
-quiet() { grep -v "^[IWE][0-9]\{4\} "; }
+. "$(dirname "$0")/_ab_common.sh"  # site, B, quiet, tree
 for step in $STEPS; do
   echo "== $step @$(date +%T)"
   for which in $TREES; do
