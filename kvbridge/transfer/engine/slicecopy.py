@@ -138,8 +138,8 @@ class CudaCopier:
         are the copier's own: nothing of the launch must be kept alive by the caller)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
+        handle = self._stream_handle
         if length.size <= self.few_slices:  # a few slices: the copy engines, straight from here
-            handle = self._stream_handle
             for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
                 if n:
                     self._cuda.memcpy_async(d, s, n, handle)
@@ -159,7 +159,6 @@ class CudaCopier:
                     np.subtract(ps, self._base_addr, out=rows[:, 0].view(np.uint64))
                     np.subtract(pd, self._base_addr, out=rows[:, 1].view(np.uint64))
                     rows[:, 2] = pn.view(np.int64)
-                    handle = self.stream.cuda_stream
                     self._cuda.memcpy_async(table.device_addr, table.host.ctypes.data, ps.size * 24, handle)
                     self._cuda.event_record(table.event, handle)  # the host rows may be refilled once it passed
                     table.pending = True
@@ -168,7 +167,6 @@ class CudaCopier:
                                     BYTES=1024, num_warps=self.num_warps)
                 counts.update(kernel_slices=int(length.size - num_direct), kernel_pieces=int(ps.size), kernel_launches=1)
             if num_direct:
-                handle = self.stream.cuda_stream
                 for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
                     self._cuda.memcpy_async(d, s, n, handle)
                 counts["direct_slices"] = num_direct
@@ -207,7 +205,7 @@ class CudaCopier:
 
     def copy_async(self, dst: int, src: int, nbytes: int) -> None:
         """One plain copy on this copier's stream (either side may be host memory)."""
-        self._cuda.memcpy_async(dst, src, nbytes, self.stream.cuda_stream)
+        self._cuda.memcpy_async(dst, src, nbytes, self._stream_handle)
 
     def copy_bytes(self, dst: int, src: int, nbytes: int) -> None:
         """A blocking copy on this copier's stream (fault injection)."""
