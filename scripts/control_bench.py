@@ -5,12 +5,17 @@ against a real bootstrap daemon. No process hand-offs, no network: a room's time
 report, the ledger and the commit, in Python, plus the memcpy of its few pages.
 
     .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0] [--ask-first] [--layers 4]
+        [--aux-last] [--aux-written]
 
 The prefill side has sent its pages before the timer starts (as when decode asks last);
 decode blocks in ``KVReceiver.wait()``. ``--ask-first``: the engines' order instead, decode asks
 (and, at CP > 1, every rank has the room's decision) before the prefill ranks send, and the
 clock runs from their ``send()`` calls (one after the other, on this thread) to decode's
-Success. ``--layers``: target layers (default 4; 61 gives the GPU benches' slices per rank). Compare with ``kvbridge bench --trace``, where the
+Success. ``--aux-last``: a layer-wise room's tail (decode asks first, the pages are sent and land
+before the clock, which runs from the last sends, the aux row alone on its owner, to Success);
+``--aux-written``: decode takes the aux row as a write into its rows instead of in the report
+(``DecodeConfig(aux_inline=False)``, what every decode rank did before wire 14). ``--layers``:
+target layers (default 4; 61 gives the GPU benches' slices per rank). Compare with ``kvbridge bench --trace``, where the
 same steps run in separate processes. ``--gap-ms``: idle time before each timed room (the
 benches leave the cluster idle between rooms; on a VM every thread then wakes slower).
 
@@ -50,7 +55,15 @@ def main() -> None:
                          "prefill computes); the clock runs from the prefill ranks' send() to decode's Success")
     ap.add_argument("--layers", type=int, default=LAYERS,
                     help="target layers (+1 draft): 61 gives the GPU benches' slice count per rank (2 per layer)")
+    ap.add_argument("--aux-last", action="store_true",
+                    help="a layer-wise room's tail: decode asks first, every rank sends its pages (not the last "
+                         "send) and they land; the clock runs from the last sends (the aux row alone on its owner) "
+                         "to decode's Success")
+    ap.add_argument("--aux-written", action="store_true",
+                    help="decode takes the aux row as a write into its aux rows (DecodeConfig(aux_inline=False)) "
+                         "instead of in the report that carries it")
     args = ap.parse_args()
+    args.ask_first = args.ask_first or args.aux_last
     specs = build_specs(PRESET, args.layers, PAGE, 1)
     contract = build_contract(PRESET, args.layers, PAGE, 1, "interleaved")
     schema = aux_schema_of(contract)
@@ -62,7 +75,8 @@ def main() -> None:
                                        allocate_buffers(specs, 2 * args.pages), contract, kvb.BootstrapClient(url),
                                        schema) for r in range(args.cp)]
         aux = torch.zeros((4, schema.row_bytes), dtype=torch.uint8)
-        decode = kvb.DecodeEndpoint(kvb.DecodeConfig(instance="cb-d"), kvb.create_engine("local", fabric=fabric),
+        decode = kvb.DecodeEndpoint(kvb.DecodeConfig(instance="cb-d", aux_inline=not args.aux_written),
+                                    kvb.create_engine("local", fabric=fabric),
                                     specs, allocate_buffers(specs, 2 * args.pages), contract, kvb.BootstrapClient(url),
                                     aux, schema)
         for ep in (*prefill, decode):
@@ -75,7 +89,18 @@ def main() -> None:
         dst = np.arange(args.pages) + args.pages
 
         def send(r: int, s: Any, i: int) -> None:
+            if args.aux_last:  # the pages went before the clock: the last send carries the row alone
+                s.send(owned[r][:0], owned[r][:0], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+                return
             s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+
+        def pages_landed(senders: list[Any]) -> None:
+            """``--aux-last``: every rank's pages sent (not the last send) and landed, before the clock."""
+            for r, s in enumerate(senders):
+                s.send(owned[r], owned[r], num_tokens_ready=n)
+            deadline = time.monotonic() + 10
+            while any(ep.machine.writing for ep in prefill) and time.monotonic() < deadline:
+                time.sleep(0.0002)
 
         def ask(i: int) -> Any:
             recv = decode.receiver(i, "cb-p")
@@ -98,6 +123,8 @@ def main() -> None:
                 deadline = time.monotonic() + 10
                 while any(s.poll() == kvb.KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
                     time.sleep(0.0002)  # every rank has decode's request (and, at CP > 1, the room's decision)
+                if args.aux_last:
+                    pages_landed(senders)
             time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
             if args.ask_first:
@@ -124,9 +151,12 @@ def main() -> None:
             ep.close()
     ms = sorted(t * 1e3 for t in times)
     clock = "decode asked first, send() -> Success" if args.ask_first else "receiver() -> Success"
+    if args.aux_last:
+        clock = "pages landed, the last send() (the aux row alone) -> Success"
     print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {args.layers}+1 layers "
           f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: {clock} p50 {statistics.median(ms):.2f} ms, "
-          f"p90 {ms[int(0.9 * len(ms))]:.2f} ms; process CPU {cpu_ms:.2f} ms per room (every thread)")
+          f"p90 {ms[int(0.9 * len(ms))]:.2f} ms; process CPU {cpu_ms:.2f} ms per room (every thread); "
+          f"aux row {'written' if args.aux_written else 'in the report'}")
 
 
 if __name__ == "__main__":

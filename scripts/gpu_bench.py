@@ -419,7 +419,8 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      # staged rooms where the engine is Mooncake (the IPC engine's kernel copies scattered
                      # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
                      staged=g["engine"] in STAGED and (not trace_dir or args.trace_staged),
-                     staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots))
+                     staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots),
+                     aux_inline=not args.aux_written)
 
     def show(row: dict[str, Any]) -> None:
         log(f"  {name} {row['alloc']} {row['tokens']}: kvbridge {row['kvbridge_gbps']} GB/s (p50 "
@@ -599,6 +600,9 @@ def main() -> None:
     ap.add_argument("--trace-staged", action="store_true",
                     help="traced rooms on random pages, staged ones too (Mooncake groups): the chunk timeline")
     ap.add_argument("--trace-out", default="", help="copy the trace lines here")
+    ap.add_argument("--aux-written", action="store_true",
+                    help="decode takes each room's aux row as a write into its aux rows (one slice more per room), "
+                         "not in the report that carries it (DecodeConfig.aux_inline, the default)")
     ap.add_argument("--json", default="", help="write everything here")
     args = ap.parse_args()
     os.environ.setdefault("GLOG_minloglevel", "2")

@@ -105,7 +105,7 @@ def decode_main(args) -> None:
     aux_rows = torch.zeros((4, aux.row_bytes), dtype=torch.uint8, device=args.aux_device)
     client = kvb.BootstrapClient(args.bootstrap, token=args.token)
     engine = engine_of(args)
-    ep = kvb.DecodeEndpoint(kvb.DecodeConfig(instance="lw-d", transfer_timeout=120.0),
+    ep = kvb.DecodeEndpoint(kvb.DecodeConfig(instance="lw-d", transfer_timeout=120.0, aux_inline=not args.aux_written),
                             engine, specs, bufs, contract, client, aux_rows, aux)
     ep.start()
     print(json.dumps({"ready": True}), flush=True)
@@ -396,7 +396,7 @@ def report(rows: list[dict]) -> None:
 TAIL = (("forward end", "posted", "last post handed to the engine (prefill)"),
         ("posted", "written", "transfer + completion seen (prefill)"),
         ("written", "reported", "report trip (the last rank -> decode's loop)"),
-        ("reported", "committed", "ledger + aux row read + commit (decode)"),
+        ("reported", "committed", "ledger + aux row read or write + commit (decode)"),
         ("committed", "commit seen", "until decode's poll sees it"))
 
 
@@ -449,6 +449,9 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=4096, help="the dense MLP's width (sets the forward's time)")
     ap.add_argument("--min-group-mib", type=int, default=8, help="layer-wise: the least bytes one post carries")
     ap.add_argument("--engine", choices=("ipc", "mooncake"), default="ipc")
+    ap.add_argument("--aux-written", action="store_true",
+                    help="decode takes the aux row as a write into its aux rows (DecodeConfig(aux_inline=False)), "
+                         "not in the report that carries it (the default since wire 14)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="cProfile of prefill rank 0's whole sends (its thread) to this file")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run (a check of the script)")
@@ -488,7 +491,8 @@ def main() -> None:
     args.passthrough = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--hidden", str(args.hidden),
                         "--ffn", str(args.ffn), "--min-group-mib", str(args.min_group_mib), "--engine", args.engine,
                         "--device", args.device, *(["--profile", args.profile] if args.profile else []),
-                        *(["--trace-dir", args.trace_dir] if args.trace_dir else [])]
+                        *(["--trace-dir", args.trace_dir] if args.trace_dir else []),
+                        *(["--aux-written"] if args.aux_written else [])]
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         os.environ["KVBRIDGE_TRACE"] = "1"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -28,6 +30,18 @@ def test_control_bench_in_the_engines_order_decode_asking_first():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cp 2, 3 pages x 61+1 layers" in done.stdout
     assert "decode asked first, send() -> Success p50" in done.stdout
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["inline", "written"])
+def test_control_bench_times_a_layer_wise_rooms_last_send_with_the_aux_row_inline_or_written(written):
+    """--aux-last: the pages land before the clock, which runs from the last sends (the aux row
+    alone on its owner) to decode's Success; --aux-written: decode takes the row as a write."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "control_bench.py"), "--cp", "2", "--pages", "3", "--rooms",
+                           "5", "--aux-last", *(["--aux-written"] if written else [])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pages landed, the last send() (the aux row alone) -> Success" in done.stdout
+    assert "-> Success p50" in done.stdout and f"aux row {'written' if written else 'in the report'}" in done.stdout
 
 
 def test_control_rtt_reports_both_round_trips_of_both_channels():
@@ -85,3 +99,42 @@ def test_layerwise_gpu_bench_on_the_cpu_traces_the_tail_hop_by_hop(tmp_path):
         assert cells[-1] == "1" and len(hops_ms) == 5
         assert abs(sum(hops_ms) - tail_ms) <= 0.03  # one room: the hops add up to its tail (rounding aside)
     assert len(list(trace.glob("decode-*.log"))) == 1 and len(list(trace.glob("prefill-*.log"))) == 1
+
+
+def test_trace_ranks_reads_a_room_rank_by_rank(tmp_path):
+    """scripts/trace_ranks.py: each event of a traced room at its first time, in ms after decode's
+    request, p50 over the rooms after the warm-up ones; a folder of logs (one per rank) reads as one."""
+    p, d = "rank=bench-prefill-x/dp0/cp{}/tp0/pp0", "rank=bench-decode-x/dp0/tp0"
+
+    def room(n: int, t0: float, ticket_ms: float) -> list[str]:
+        at = lambda ms: f"@{t0 + ms / 1e3:.6f}"  # noqa: E731
+        return [f"trace room={n} {d} +0.1ms {at(0)} requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
+                f"trace room={n} {p.format(0)} {at(0.4)} request from dec pages=128",
+                f"trace room={n} {p.format(0)} +1ms {at(0.4)} target dec pages=128 first_page=0 pools=target",
+                f"trace room={n} {p.format(1)} {at(0.5)} request from dec pages=128",
+                f"trace room={n} {p.format(1)} {at(ticket_ms)} decided for dec by p-cp0",
+                f"trace room={n} {p.format(1)} +1ms {at(ticket_ms)} target dec pages=128 first_page=0 pools=target",
+                f"trace room={n} {p.format(0)} +1ms {at(1.2)} -> dec pages=64[0..126] slices=123 bytes=1",
+                f"trace room={n} {p.format(1)} +1ms {at(ticket_ms + 0.8)} -> dec pages=64[1..127] slices=123 bytes=1",
+                f"trace room={n} {p.format(0)} +1ms {at(2.5)} write of 64 pages to dec done",
+                f"trace room={n} {p.format(1)} +1ms {at(3.4)} write of 64 pages +aux to dec done",
+                f"trace room={n} {d} +3ms {at(2.9)} report from cp0 pages=64",
+                f"trace room={n} {d} +3ms {at(3.7)} report from cp1 pages=64 +aux",
+                f"trace room={n} {d} +4ms {at(4.0)} committed pages_by_rank={{0: 64, 1: 64}} aux_owner=cp1",
+                f"trace room={n} bench final Success {at(4.2)}"]
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = room(1, 10.0, 9.0) + room(2, 20.0, 1.2) + room(3, 30.0, 1.4) + room(4, 40.0, 1.0)
+    (logs / "decode.log").write_text("\n".join(ln for ln in lines if "decode" in ln or "bench final" in ln) + "\n")
+    (logs / "prefill.log").write_text("\n".join(ln for ln in lines if "prefill" in ln) + "\n")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "trace_ranks.py"), str(logs), "--skip", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {ln.split("|")[1].strip(): ln.split("|")[2].strip() for ln in done.stdout.splitlines()[2:]}
+    assert "(3 rooms)" in done.stdout  # the first room (a warm-up) left out
+    assert rows["cp1: decision"] == "1.20" and rows["cp1: write posted"] == "2.00"  # p50 of 1.2, 1.4, 1.0 (+0.8)
+    assert rows["cp0: request"] == "0.40" and rows["decode: committed"] == "4.00"
+    assert rows["decode: cp1's report"] == "3.70" and rows["bench: Success seen"] == "4.20"
+    order = [ln.split("|")[1].strip() for ln in done.stdout.splitlines()[2:]]
+    assert order.index("cp1: decision") < order.index("cp1: write posted") < order.index("decode: committed")

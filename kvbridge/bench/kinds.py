@@ -189,7 +189,7 @@ class _DecodeSide:
         self.engine = _engine(engine, protocol, fabric)
         self.client = kvb.BootstrapClient(url, token=token)
         self.d = kvb.DecodeEndpoint(kvb.DecodeConfig(instance=f"{instance}-d", staging="never",
-                                                     transfer_timeout=ROOM_TIMEOUT_S),
+                                                     transfer_timeout=ROOM_TIMEOUT_S, aux_inline=True),
                                     self.engine, self.specs, _bufs(self.specs, _capacity(self.specs, n), device),
                                     kvb.contract_for(self.specs, model=instance, aux=aux), self.client,
                                     torch.zeros((2, aux.row_bytes), dtype=torch.uint8, device=aux_dev), aux)
@@ -370,7 +370,8 @@ class _RoomRig:
                 if got["state"] != "Success":
                     raise self._fail(f"failed on decode: {got['reason'] or got['state']}")
             st = tx.stats
-            return {"bytes": int(st["bytes"]) - self.aux.row_bytes, "slices": int(st["slices"]),
+            # (decode takes the aux row in the report, aux_inline: no byte of it is posted)
+            return {"bytes": int(st["bytes"]), "slices": int(st["slices"]),
                     "s": float(st["transfer_s"]), "needed": self.needed, "decode_s": got.get("s"),
                     "decode_pid": got.get("pid", self.decode_pid)}
 

@@ -243,7 +243,8 @@ class DecodeRank(RankBase):
         self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
         # staging "always" makes the area (on GPU pages too); "never" until a staged room asks
         dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
-                            staging="always" if cfg.get("staged") else "never", **staging_sizes(cfg, "decode"))
+                            staging="always" if cfg.get("staged") else "never", aux_inline=cfg.get("aux_inline", True),
+                            **staging_sizes(cfg, "decode"))
         self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
                                        self.aux_schema)

@@ -60,7 +60,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "",
                 f"goal kvbridge on {engine} >= 0.9x {raw} for >= 8K tokens: worst {worst:.2f}x -> "
                 f"{'met' if worst >= 0.9 else 'NOT met'}",
-                f"slices kvbridge posted per room == ideal (runs x layers x pools + 1 aux row): {'yes' if ideal else 'NO'}",
+                "slices kvbridge posted per room == ideal (runs x layers x pools, + 1 when the aux row is "
+                f"written): {'yes' if ideal else 'NO'}",
             ]
         staged_nixl = [r for r in ours if engine == "nixl" and r["tokens"] >= 8192 and r.get("staged_vs_raw")]
         if staged_nixl:

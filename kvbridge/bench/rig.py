@@ -75,6 +75,9 @@ class RigSpec:
     staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots (with a slot size)
     in_process: bool = False  # every rank a thread of this process (one CUDA context), not its own process
+    # decode takes each room's aux row in the report that carries it (DecodeConfig.aux_inline); False:
+    # as a write into its aux rows, one slice more per room
+    aux_inline: bool = True
 
     @property
     def max_pages(self) -> int:
@@ -214,6 +217,7 @@ class Rig:
         base = {"bootstrap": spec.bootstrap, "token": spec.token, "preset": spec.preset, "layers": spec.layers,
                 "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
                 "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged,
+                "aux_inline": spec.aux_inline,
                 "staging_slot_bytes": spec.staging_slot_bytes, "staging_slots": list(spec.staging_slots)}
         env = child_env(spec.env)
         self._own_logs = not spec.log_dir  # a temporary folder, removed at close (errors quote the log tail)
@@ -266,14 +270,15 @@ class Rig:
         return sum(p["bytes"] for p in plans), sum(p["slices"] for p in plans), max(p["ms"] for p in plans)
 
     def ideal_slices(self, pages: Allocation) -> int:
-        """runs x layers + 1 for the aux row: a run is a stretch of pages consecutive on both sides."""
+        """runs x layers, + 1 for the aux row when it is written (not in the report: ``aux_inline``);
+        a run is a stretch of pages consecutive on both sides."""
         runs = 0
         for rank in range(self.spec.cp):
             owned, local = pages.for_rank(rank)
             if owned.size:
                 dst = pages.page_ids[owned]
                 runs += 1 + int(np.count_nonzero((np.diff(dst) != 1) | (np.diff(local) != 1)))
-        return runs * self.num_layers + 1
+        return runs * self.num_layers + (0 if self.spec.aux_inline else 1)
 
     def poison(self, pages: Allocation) -> None:
         self.decode.ask(op="prepare", page_ids=pages.page_ids.tolist())

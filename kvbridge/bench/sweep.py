@@ -57,6 +57,7 @@ class BenchSpec:
     staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots
     in_process: bool = False  # every rank a thread of this process (``RigSpec.in_process``)
+    aux_inline: bool = True  # decode takes the aux row in the report (False: as a write; ``RigSpec.aux_inline``)
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -184,7 +185,8 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               decode_aux=spec.decode_aux, dst_order=spec.dst_order, env=dict(spec.env),
                               log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged,
                               staging_slot_bytes=spec.staging_slot_bytes,
-                              staging_slots=tuple(spec.staging_slots), in_process=spec.in_process))  # fmt: skip
+                              staging_slots=tuple(spec.staging_slots), in_process=spec.in_process,
+                              aux_inline=spec.aux_inline))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:

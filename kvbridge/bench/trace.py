@@ -15,7 +15,8 @@ when a room completes, so each event is taken at its last occurrence):
     final      decode: the bench's poll saw Success                      (bench line)
 
 The committed line also says how long reading the aux row took (``aux_read=``: for a row
-in device memory, one copy to the host and its synchronisation), shown as its own row.
+in device memory, one copy to the host and its synchronisation; for a row its report carried,
+``aux_inline``, writing it into the room's slot), shown as its own row.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ HOPS = (
     ("target", "posted", "plan + submit (prefill)"),
     ("posted", "written", "transfer + completion seen (prefill)"),
     ("written", "reported", "report trip (the last rank -> decode's loop)"),
-    ("reported", "committed", "ledger + aux row read + commit (decode)"),
+    ("reported", "committed", "ledger + aux row read or write + commit (decode)"),
     ("committed", "final", "until the room's poll sees it"),
 )
 _ROOM = re.compile(r"trace room=(\d+)")

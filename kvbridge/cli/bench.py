@@ -101,6 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-staged", action="store_true",
                    help="skip the staged method (kvbridge rooms through staging slots, beside kvbridge direct); "
                    "on GPU pages (--device cuda) it runs on the Mooncake engine only (the IPC engine never stages)")
+    p.add_argument("--aux-written", action="store_true",
+                   help="decode takes each room's aux row as a write into its aux rows, one slice more per room "
+                   "(default: in the report that carries it, DecodeConfig.aux_inline)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
         staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"), protocol=args.protocol,
+        aux_inline=not args.aux_written,
     ) for engine in args.engine]  # fmt: skip
     spec = specs[0]
     meta = {

@@ -151,6 +151,15 @@ class _DeviceRows:
             self._cuda.stream_synchronize(self._stream.cuda_stream)
             return self._host.copy()
 
+    def write(self, slot: int, row: np.ndarray) -> None:
+        """Row ``slot`` set to ``row`` (packed bytes): through the pinned row, the copy waited for
+        (the engine reads the row once the room is Success)."""
+        with self._lock, self._cuda.on_device(self._device):
+            self._host[:] = row
+            self._cuda.memcpy_async(self._base + slot * self._row_bytes, self._host.ctypes.data, self._row_bytes,
+                                    self._stream.cuda_stream)
+            self._cuda.stream_synchronize(self._stream.cuda_stream)
+
 
 class AuxBuffers:
     """An endpoint's aux rows: a packed uint8 ``[rows, row_bytes]`` tensor, or a mapping
@@ -286,6 +295,29 @@ class AuxBuffers:
             off = self.schema.offsets[r.name]
             row[off : off + r.nbytes] = _row_bytes(self.tensors[r.name], slot)
         return row
+
+    @property
+    def writable(self) -> bool:
+        """kvbridge can write a row into these rows itself (``write_row``): one packed store, in host
+        memory (a numpy view of its bytes) or a CUDA tensor. A decode rank with such rows takes the
+        aux row in the report that carries it (``TransferRequest.aux_inline``)."""
+        return self._host_rows is not None or (self.packed and _on_cuda(self.storage))
+
+    def write_row(self, slot: int, row: np.ndarray) -> None:
+        """Row ``slot`` set to ``row`` (the schema's packed bytes, uint8 ``row_bytes``): done when
+        this returns. Only where ``writable``."""
+        if row.dtype != np.uint8 or row.shape != (self.schema.row_bytes,):
+            raise KVBridgeError(f"an aux row is {self.schema.row_bytes} packed bytes, got {row.dtype} {list(row.shape)}",
+                                rank=self._rank, field="aux_row")
+        if self._host_rows is not None:
+            self._host_rows[slot] = row
+            return
+        if not self.writable:
+            raise KVBridgeError("these aux rows are not writable by kvbridge (rows by region, or a RawBuffer)",
+                                rank=self._rank, field="aux_row")
+        if self._device_rows is None:
+            self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
+        self._device_rows.write(slot, row)
 
     def read_room(self, slot: int) -> int:
         """The room id that row ``slot`` echoes (its ``room`` region's first element)."""

@@ -98,6 +98,7 @@ class DecodeDriver(_Driver):
                  read_scratch: Callable[[int], bytes] | None) -> None:
         self.machine, self.read_aux_row, self.page_digests, self.read_scratch = (
             machine, read_aux_row, page_digests, read_scratch)
+        self.written: list[tuple[int, Any]] = []  # (slot, row): aux rows the shell wrote (a report carried them)
 
     def feed(self, event: Any) -> Any:
         return self._carry(self.machine.feed(event))
@@ -108,7 +109,11 @@ class DecodeDriver(_Driver):
         for a in actions:
             if isinstance(a, de.ReadForCommit):
                 try:
-                    row, read_s = self.read_aux_row(a.aux_slot)
+                    if a.row is not None:  # a report carried it: the shell writes it into the slot
+                        self.written.append((a.aux_slot, a.row))
+                        row, read_s = a.row, 0.0
+                    else:
+                        row, read_s = self.read_aux_row(a.aux_slot)
                     digests = tuple(self.page_digests(d.pools, d.pages, d.physical, d.num_tokens, d.layers)
                                     for d in a.digests)
                     found = de.CommitRead(a.room, row, read_s, digests, None, 0.0)

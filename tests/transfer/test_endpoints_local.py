@@ -60,8 +60,9 @@ def test_failed_write_fails_the_room_with_the_engine_reason(cluster, engine):
 
 
 def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
-    """Hard rule 4: an aux row that carries another room's id never commits."""
-    c = cluster(cp=1)
+    """Hard rule 4: an aux row that carries another room's id never commits (a decode rank that
+    takes the row as a write; one that takes it in the report: test_decode_room.py)."""
+    c = cluster(cp=1, aux_inline=False)
     ep = c.prefill[0]
     ep.engine.faults.corrupt_batches = {1}  # batch 0: the pages, batch 1: the aux row alone
     room, n = 0x1234, 8
@@ -536,3 +537,36 @@ def test_the_cp_ranks_of_one_tp_source_get_one_encoding_of_the_request(cluster, 
     wait_final([r])
     assert r.poll() == KVPoll.Success and c.verified(31, 10, np.array([0, 1, 2]))
     assert encoded == [31]
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "written"])
+def test_the_last_send_after_the_pages_is_a_report_and_no_write_when_decode_takes_the_row_inline(cluster, inline):
+    """Issue 33: a decode rank whose aux rows kvbridge writes takes the row in the report. A
+    room's last send after its pages (a layer-wise room's shape) then posts no write: batch 1,
+    which would be the row's own write, is set to fail and never runs; the row lands in the
+    room's slot all the same. Taking the row as a write, that same batch fails the room."""
+    c = cluster(cp=1, aux_inline=inline)
+    ep = c.prefill[0]
+    ep.engine.faults.fail_batches = {1}  # batch 0: the pages
+    room, n = 0x4321, 8
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(np.array([0, 1]), 3, n)
+    for (pool, layer), buf in ep.buffers.tensors.items():
+        fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
+    s = ep.sender(room)
+    s.init(n)
+    s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)
+    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
+    aux = make_aux(c.aux_schema, room, n)
+    s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=aux)
+    wait_final([r, s])
+    if not inline:
+        assert r.poll() == KVPoll.Failed and "injected failure of batch 1" in r.failure_reason
+        return
+    sent = c.aux_schema.unpack(aux)
+    assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, r.failure_reason
+    assert r.aux.room == room and r.aux.first_token == sent.first_token and np.array_equal(r.aux.hidden, sent.hidden)
+    assert int(r.aux_regions["room"].reshape(-1)[0]) == room  # written into the room's slot (3)
+    landed = c.aux_schema.unpack(as_bytes(c.aux[3]))  # the slot itself holds the row
+    assert landed.room == room and landed.first_token == sent.first_token and np.array_equal(landed.hidden, sent.hidden)
+    assert np.array_equal(landed.topk_ids, sent.topk_ids) and np.array_equal(landed.topk_probs, sent.topk_probs)

@@ -521,3 +521,20 @@ def test_aux_staging_on_the_device_copies_each_row_after_its_producer_on_its_sid
     assert c == a
     staging.ready_event(13).synchronize()
     assert bytes(staging.storage[c].cpu().numpy()) == rows[2].tobytes()
+
+
+def test_a_row_written_into_device_rows_is_there_when_the_write_returns():
+    """A decode rank with packed aux rows on the GPU takes the row inline (``aux_inline``) and
+    writes it itself at the commit: through its pinned row, the copy waited for, so the engine
+    reads the row once the room is Success; the other rows are untouched; a read gives it back."""
+    from kvbridge.transfer.aux_rows import AuxBuffers
+
+    contract = build_contract("deepseek-v3.2-fp8", 2, 64, 1, "interleaved")
+    schema = aux_schema_of(contract)
+    rows = torch.zeros((4, schema.row_bytes), dtype=torch.uint8, device="cuda:0")
+    aux = AuxBuffers(schema, rows, rank="t")
+    assert aux.writable
+    row = np.arange(schema.row_bytes, dtype=np.uint8)
+    aux.write_row(2, row)
+    assert bytes(rows[2].cpu().numpy()) == row.tobytes() and not rows[[0, 1, 3]].any()
+    assert aux.read_row(2).tobytes() == row.tobytes()

@@ -27,9 +27,10 @@ class KindCluster:
     """CP prefill ranks and one decode rank of one model, on one LocalFabric."""
 
     def __init__(self, url: str, model: str, name: str, cp: int = 1, staging: tuple[str, str] = ("never", "never"),
-                 slot_bytes: int = 0, verify_digest: bool = False) -> None:
+                 slot_bytes: int = 0, verify_digest: bool = False, aux_inline: bool = True) -> None:
         """``staging``: prefill's and decode's setting; ``slot_bytes``: both sides' staging slots;
-        ``verify_digest``: decode checks page and unit digests."""
+        ``verify_digest``: decode checks page and unit digests; ``aux_inline``: decode takes the aux
+        row in the report (False: as a write, the row's bytes then posted with the last write)."""
         self.specs = model_specs(model)
         self.contract = contract(self.specs)
         self.fabric = LocalFabric()
@@ -46,7 +47,7 @@ class KindCluster:
         self.dst = buffers(self.specs, seed=None)
         self.aux = torch.zeros((4, AUX.row_bytes), dtype=torch.uint8)
         cfg = DecodeConfig(instance=f"{name}-d", staging=staging[1], lease_ttl=5.0, peer_timeout=5.0, ping_interval=0.2,
-                           staging_slot_bytes=slot_bytes, verify_digest=verify_digest)
+                           staging_slot_bytes=slot_bytes, verify_digest=verify_digest, aux_inline=aux_inline)
         self.decode = DecodeEndpoint(cfg, kvb.create_engine("local", fabric=self.fabric), self.specs, self.dst,
                                      self.contract, self._client(url), self.aux, AUX)
         self.decode.start()
@@ -94,23 +95,26 @@ def test_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n
         assert all(t.poll() == kvb.KVPoll.Success for t in txs)
         assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
         needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
-        assert sum(t.stats["bytes"] for t in txs) == needed + AUX.row_bytes
+        assert c.decode.aux_inline  # the aux row travels in its report: no byte of it is posted
+        assert sum(t.stats["bytes"] for t in txs) == needed
         assert rx.stats["bytes"] == needed  # what decode counts it received
     finally:
         c.close()
 
 
-@pytest.mark.parametrize("model, cp, n, cuts, staging", [
-    ("v4", 1, 131, (40, 96), ("always", "always")),  # staged only, many 4 KiB chunks per write
-    ("v4", 1, 45, (), ("always", "auto")),  # prefill stages what decode's area takes under auto
-    ("hybrid", 2, 30, (13, 21), ("auto", "always")),  # CP 2, window pages from their lanes, state last
-    ("hybrid", 2, 3, (), ("auto", "always")),  # cp1 owns nothing: no slot asked, yet the room completes
+@pytest.mark.parametrize("model, cp, n, cuts, staging, inline", [
+    ("v4", 1, 131, (40, 96), ("always", "always"), False),  # staged only, many 4 KiB chunks per write
+    ("v4", 1, 45, (), ("always", "auto"), True),  # prefill stages what decode's area takes under auto
+    ("hybrid", 2, 30, (13, 21), ("auto", "always"), False),  # CP 2, window pages from their lanes, state last
+    ("hybrid", 2, 3, (), ("auto", "always"), True),  # cp1 owns nothing: no slot asked, yet the room completes
 ])
-def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n, cuts, staging):
+def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model, cp, n, cuts, staging, inline):
     """The same rooms through staging slots: every byte of decode's pools as the direct path
-    writes them, the bytes staged equal to ``needed_bytes`` plus the aux row, and every target
-    staged (the state slot and the aux row ride in the last write's chunks)."""
-    c = KindCluster(daemon.url, model, f"ks-{request.node.callspec.id[:20]}", cp, staging, slot_bytes=4096)
+    writes them, the bytes staged equal to ``needed_bytes`` (plus the aux row where decode takes
+    it as a write: it then rides in the last write's chunks, beside the state slot; inline, in
+    its report), and every target staged."""
+    c = KindCluster(daemon.url, model, f"ks-{request.node.callspec.id[:20]}", cp, staging, slot_bytes=4096,
+                    aux_inline=inline)
     try:
         rx, txs = c.room(800 + n, n, cuts)
         assert rx.poll() == kvb.KVPoll.Success, rx.failure_reason
@@ -118,8 +122,10 @@ def test_staged_kind_pools_move_exactly_what_decode_needs(daemon, request, model
         assert differing(c.specs, c.dst, expected(c.specs, c.src, n)) == []
         needed = sum(kvb.needed_bytes(s, n) for s in c.specs.values())
         stats = [t.stats for t in txs]
-        assert sum(s["bytes"] for s in stats) == needed + AUX.row_bytes
-        assert sum(s["bytes_staged"] for s in stats) == needed + AUX.row_bytes  # nothing went direct
+        row = 0 if inline else AUX.row_bytes
+        assert c.decode.aux_inline == inline
+        assert sum(s["bytes"] for s in stats) == needed + row
+        assert sum(s["bytes_staged"] for s in stats) == needed + row  # nothing went direct
         assert all(set(s["paths"].values()) <= {"staged"} for s in stats), stats
         assert rx.stats["bytes"] == needed
         if model == "v4" and n > 100:

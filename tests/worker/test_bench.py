@@ -27,8 +27,9 @@ def test_quick_bench_json_and_plot(tmp_path):
     assert data["meta"]["layers"] == 2 and len(data["rows"]) == 4  # 1K x CP 1, 2 x contiguous, random
     for row in (r for r in data["rows"] if r["alloc"] == "contiguous"):
         assert row["ratio_vs_raw"] > 0 and row["ratio_vs_memcpy"] > 0
-        # what kvbridge posted: one run per CP rank (lane-major decode pages) per layer and pool, + the aux row
-        assert row["kvbridge_slices"] == row["ideal_slices"] == row["slices"] + 1
+        # what kvbridge posted: one run per CP rank (lane-major decode pages) per layer and pool, the plan's
+        # slices exactly (decode takes the aux row in the report: no slice of it; ``--aux-written``: + 1)
+        assert row["kvbridge_slices"] == row["ideal_slices"] == row["slices"]
     for row in data["rows"]:
         assert row["bytes_verified"] == row["bytes"] and not row["verify_errors"] and not row["kvbridge_failures"]
     for row in data["rows"]:  # the staged method on the same pages: checked, wire pieces counted
@@ -58,3 +59,16 @@ def test_bench_rows_of_both_engines_side_by_side(tmp_path):
     assert rows[1]["engine_gbps"] > 0  # kvbridge's NIXL adapter alone on the slices
     table = done.stdout.splitlines()
     assert any(line.split()[:2] == ["nixl", "1"] for line in table), done.stdout  # the engine column
+
+
+def test_bench_with_the_aux_row_written_posts_one_slice_more(tmp_path):
+    """``--aux-written``: decode takes the aux row as a write into its rows (DecodeConfig(aux_inline=
+    False)), so kvbridge posts the plan's slices and the row's one; every byte still checked."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "bench", "--tokens", "1K", "--cp", "1", "--layers", "2",
+            "--reps", "2", "--alloc", "contiguous", "--no-staged", "--aux-written", "--json", str(out), "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240))
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["kvbridge_slices"] == row["ideal_slices"] == row["slices"] + 1
+    assert row["bytes_verified"] == row["bytes"] and not row["verify_errors"] and not row["kvbridge_failures"]

@@ -167,7 +167,8 @@ class KindRooms:
                 raise kvb.KVBridgeError(f"room {room} did not succeed: {rx.failure_reason or rx.poll().name}",
                                         room=room)
             first = torch.tensor(int(rx.aux.first_token))
-            per_rank = [int(t.stats["bytes"]) - (self.aux.row_bytes if o else 0) for t, o in zip(txs, owns_last)]
+            row = 0 if self.decode.aux_inline else self.aux.row_bytes  # (a row in the report is no posted byte)
+            per_rank = [int(t.stats["bytes"]) - (row if o else 0) for t, o in zip(txs, owns_last)]
         finally:
             for t in txs:
                 t.close()

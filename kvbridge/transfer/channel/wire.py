@@ -59,6 +59,7 @@ from kvbridge.errors import ProtocolError
 from kvbridge.transfer.channel.envelope import Codec, auth_limit
 
 __all__ = [
+    "MAX_AUX_ROW_BYTES",
     "MAX_MESSAGE_BYTES",
     "MESSAGE_TYPES",
     "WIRE_VERSION",
@@ -92,6 +93,7 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
+MAX_AUX_ROW_BYTES = 1 << 20  # an aux row carried in a report (PagesDone.aux_row): DeepSeek's is 14 KiB
 NONCE_BYTES = 32  # the ownership proof's nonce (prefill/admission.py)
 SIGNATURE_BYTES = 64  # an Ed25519 signature (transfer/ownership.py)
 
@@ -143,6 +145,9 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     # my physical units (LE int32) of the units I need, from the needed extent's first (state: the
     # slot); window pools use ``page_ids`` (token-paged pools share one mapping)
     kind_units: dict[str, bytes] = {}
+    # send me the aux row in the report that carries it (``PagesDone.aux_row``), not as a write into
+    # my aux rows: I write it into slot ``aux_slot`` myself, at the commit (false: write it there)
+    aux_inline: bool = False
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)
@@ -256,12 +261,19 @@ class PagesDone(_Message, frozen=True, tag="pages_done"):
     # digest per unit it names, in its order, over the bytes the rooms move of that unit
     # (transfer/digest.py ``kind_unit_digests``)
     kind_digests: dict[str, bytes] = {}
+    # the room's aux row itself (its packed bytes), when the request asked for it inline
+    # (``TransferRequest.aux_inline``) and this report carries the row (``aux``): then no write
+    # carried it; None: the write did, or no row
+    aux_row: Annotated[bytes, msgspec.Meta(max_length=MAX_AUX_ROW_BYTES)] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "failed"):
             raise ProtocolError(f"field 'status' of pages_done must be one of ('ok', 'failed'), got {self.status!r:.40}",
                                 room=self.room, field="status")
         _check_pages(self, "logical_pages", self.logical_pages)
+        if self.aux_row is not None and not (self.aux and self.status == "ok"):
+            raise ProtocolError("field 'aux_row' of pages_done comes only in a successful report that carries the "
+                                "aux row (aux true)", room=self.room, field="aux_row")
         for pool, units in self.kind_units.items() if isinstance(self.kind_units, dict) else ():
             _check_pages(self, f"kind_units.{pool}", units)
         for pool, digests in self.kind_digests.items() if isinstance(self.kind_digests, dict) else ():

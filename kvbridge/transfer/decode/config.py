@@ -37,6 +37,10 @@ class DecodeConfig:
     staging: str = "auto"
     staging_bytes: int = 0  # 0: the default for the pages' device (staging/settings.py)
     staging_slot_bytes: int = 0
+    # each room's aux row in the report that carries it, written into its slot here at the commit
+    # (where kvbridge can write this rank's aux rows: one packed store, host or CUDA), instead of a
+    # remote write into them: the prefill rank's last send after its layers then posts no write
+    aux_inline: bool = True
     trace: bool = False
 
     def __post_init__(self) -> None:

@@ -128,7 +128,7 @@ class DecodeEndpoint(EndpointShell):
                                                                                           "ranges", None),
                                                                     registered=[tensor_region(t) for t in
                                                                                 self.buffers.tensors.values()]),
-            kind_buffers=self.buffers.descs,
+            kind_buffers=self.buffers.descs, aux_inline=config.aux_inline and self.aux.writable,
         )  # fmt: skip
         self._peers: PeerSet | None = None
         self._scattering: deque[tuple[Any, Scatter]] = deque()  # GPU scatters queued: (event, action)
@@ -147,6 +147,12 @@ class DecodeEndpoint(EndpointShell):
         staging = found.pop("staging")
         return {"peers": found, "staging": staging,
                 "control": {} if self._peers is None else self._peers.stats.counts()}
+
+    @property
+    def aux_inline(self) -> bool:
+        """This rank takes each room's aux row in the report that carries it and writes it into the
+        slot itself (``DecodeConfig.aux_inline`` and rows kvbridge can write): no write carries it."""
+        return self.machine.aux_inline
 
     @property
     def rank_id(self) -> str | None:
@@ -205,11 +211,16 @@ class DecodeEndpoint(EndpointShell):
         return merged
 
     def _read_for_commit(self, a: ReadForCommit) -> None:
-        """The memory reads a room's commit needs: its aux row (one copy to the host) and the
-        digests of its pages; the answer is queued for the machine (fed before the next message)."""
+        """The memory reads a room's commit needs: its aux row (one copy to the host; or, when its
+        report carried it, one write into its slot) and the digests of its pages; the answer is
+        queued for the machine (fed before the next message)."""
         start = time.monotonic()
         try:
-            row = self.aux.read_row(a.aux_slot)
+            if a.row is not None:  # a report carried it (checked): written into the room's slot
+                self.aux.write_row(a.aux_slot, a.row)
+                row = a.row
+            else:
+                row = self.aux.read_row(a.aux_slot)
             read_s = time.monotonic() - start
             digests = tuple(kind_unit_digests(self.specs[d.pool], self.buffers.tensors, d.logical, d.units,
                                               d.num_tokens, d.layers) if type(d) is KindDigestRead else

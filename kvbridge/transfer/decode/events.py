@@ -100,11 +100,13 @@ class KindDigestRead:
 @dataclass(frozen=True, slots=True)
 class ReadForCommit:
     """Room ``room``'s pages are all written: read its aux row (slot ``aux_slot``, one copy to the
-    host) and the digests ``digests`` asks for; answer with ``CommitRead``."""
+    host), or write ``row`` there when a report carried it, and read the digests ``digests`` asks
+    for; answer with ``CommitRead``."""
 
     room: int
     aux_slot: int
     digests: tuple[DigestRead | KindDigestRead, ...]
+    row: np.ndarray | None = None  # the aux row its report carried: written into the slot, not read from it
 
 
 # -- events ----------------------------------------------------------------------------------------

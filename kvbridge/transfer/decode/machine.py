@@ -72,8 +72,11 @@ class DecodeRooms:
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  trace: bool = False, staging: DecodeStaging | None = None,
                  proof_key: ProofKey | None = None, scratch: bool = True,
-                 kind_buffers: Sequence[BufferDesc] = ()) -> None:
+                 kind_buffers: Sequence[BufferDesc] = (), aux_inline: bool = False) -> None:
+        """``aux_inline``: ask for each room's aux row in the report that carries it (the shell
+        writes it into the room's slot at the commit: its aux rows are writable by kvbridge)."""
         self.cfg = config
+        self.aux_inline = aux_inline
         self.proof_key = proof_key
         self.scratch = scratch
         self.registration: str | None = None  # this rank's registration id (``Registered``)
@@ -431,7 +434,9 @@ class DecodeRooms:
                                               f"{pool!r}", room=r.room, rank=f"cp{msg.cp_rank}", field="kind_digests")
                         r.kind_digests.append((pool, np.frombuffer(packed, dtype="<i4").astype(np.int64),
                                                np.frombuffer(digests, dtype="<u8"), key))
-            if msg.aux:  # the same write carried the aux row
+            if msg.aux_row is not None:  # the row itself, in the report: checked now, written at the commit
+                r.inline_row = self._inline_row(r, msg)
+            if msg.aux:  # the same write (or, inline, this report) carried the aux row
                 r.ledger.record_aux(msg.cp_rank, tp_rank=key[1], pp_rank=key[2])
                 if msg.num_tokens and msg.num_tokens != r.num_tokens:
                     self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key, r)} (with the aux row)")
@@ -497,6 +502,26 @@ class DecodeRooms:
             self._maybe_commit(r, e.now)
             self._forget_if_quiet(r, e.now)  # a failed room's pages are free once no scatter writes them
 
+    def _inline_row(self, r: DecodeRoom, msg: wire.PagesDone) -> np.ndarray:
+        """The aux row a report carried (``TransferRequest.aux_inline``), checked before anything
+        of it is kept: asked for, one whole row, echoing this room (hard rule 4), readable as the
+        schema's row. Raises LedgerError (the room fails; nothing was written into the slot)."""
+        who = dict(room=r.room, rank=f"cp{msg.cp_rank}", field="aux_row")
+        if not self.aux_inline:
+            raise LedgerError("sent the aux row in its report, which this rank did not ask for (the row is written "
+                              "into its aux rows by the transfer)", **who)
+        schema = self.aux_schema
+        if len(msg.aux_row) != schema.row_bytes:
+            raise LedgerError(f"sent an aux row of {len(msg.aux_row)} bytes in its report; the schema's row is "
+                              f"{schema.row_bytes}", **who)
+        row = np.frombuffer(msg.aux_row, dtype=np.uint8)
+        echoed, problem = schema.head(row)
+        if echoed != r.room:
+            raise LedgerError(f"the aux row in its report carries room {echoed}, expected {r.room}", **who)
+        if problem is not None:
+            raise LedgerError(f"the aux row in its report is unreadable: {problem}", **who)
+        return row
+
     def _scatter_failed(self, e: ScatterFailed) -> None:
         """Fail the room (never commit unwritten pages), then free the slot."""
         r = self.rooms.get(e.room)
@@ -513,7 +538,7 @@ class DecodeRooms:
         if self.staging is not None and self.staging.pending.get(r.room):
             return  # a landed chunk is not scattered yet: its pages are not written
         r.commit_reading = True
-        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r)))
+        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r), r.inline_row))
 
     def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead | KindDigestRead, ...]:
         """The page digests to read back (one read, or one per report under pipeline stages), then
@@ -689,7 +714,7 @@ class DecodeRooms:
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
-                kind_units=self.kinds.request_units(r.room, pools), **staging,
+                kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline, **staging,
             )))
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)

@@ -299,6 +299,7 @@ class DecodeRoom:
         self.staged_only = False  # every page arrives through staging: its pages free at once on failure
         self.scatters = 0  # scatters out of staging slots into its pages started, not yet completed
         self.commit_reading = False  # its aux row (and digests) are being read for the commit (ReadForCommit)
+        self.inline_row: Any = None  # the aux row as its report carried it (checked; written at the commit)
 
     def mark_bootstrapped(self) -> None:
         """The topology is known or the room failed (endpoint lock held)."""

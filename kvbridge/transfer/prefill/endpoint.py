@@ -328,7 +328,7 @@ class PrefillEndpoint(EndpointShell):
                                                time.monotonic()))
                     raise
                 aux = AuxFrom(self.aux_staging.regions, slot, self.aux_staging.row_base,
-                              self.aux_staging.ready_event(r.room))
+                              self.aux_staging.ready_event(r.room), row.tobytes())
             elif aux_slot is not None:  # the engine's own row: written from where it is
                 aux = AuxFrom(self.aux_buffers.regions, aux_slot, self.aux_buffers.row_base)
             self._feed_event(Post(r, time.monotonic(), aux))

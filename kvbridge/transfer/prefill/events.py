@@ -85,12 +85,14 @@ class ReleaseAux:
 class AuxFrom:
     """Where a room's aux row is written from (the shell staged it, or it is a slot of the
     engine's own registered rows): the rows' regions, the slot, the packed row base (None: by
-    region), and the events the row's write waits on besides the chunk's (None: none)."""
+    region), the events the row's write waits on besides the chunk's (None: none), and the row's
+    bytes where the shell has them final (``send(aux=...)``; None: it is only in memory)."""
 
     regions: Mapping[str, RegionAddr]
     slot: int
     row_base: int | None = None
     after: Any = None
+    row: bytes | None = None  # the row's packed bytes, final now (a decode rank that asks gets it in the report)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,8 @@ from kvbridge.transfer.engine import WriteState, WriteStatus
 from kvbridge.transfer.prefill.events import Posted, PostWrite, SendDigested
 from kvbridge.transfer.prefill.kinds import KindWrite, KindWrites
 from kvbridge.transfer.prefill.room import PrefillRoom
-from kvbridge.transfer.prefill.staged import ChunkCounted, ChunkPosted, StagedWrites, StageWrite, Started
+from kvbridge.transfer.prefill.staged import (ChunkCounted, ChunkPosted, StagedWrites, StageWrite, Started,
+                                              WriteEnded)
 from kvbridge.transfer.prefill.targets import Target, plan_chunk, plan_target
 
 log = logging.getLogger(__name__)
@@ -184,9 +185,15 @@ class Writes:
                 if src is None:
                     raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
                                         room=r.room, rank=rank, field="aux")
-                after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
+                if self.inline_row(r, t) is not None:  # the row rides in this write's report, not in it
+                    src = None
+                    if not logical.size and not (kplan is not None and kplan.num_slices):
+                        return self._report_aux(r, t, num_layers, kunits)  # nothing to write: reported now
+                else:
+                    after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
             plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
-                              room=r.room, rank=rank, layers=layers)
+                              room=r.room, rank=rank, layers=layers) if logical.size or src is not None \
+                else TransferPlan.empty()
             if kplan is not None and kplan.num_slices:
                 plan = TransferPlan.concat([plan, kplan])
             if self.kinds and not plan.num_slices and not with_aux and not kunits and not (
@@ -214,6 +221,23 @@ class Writes:
             self.kind_reports[w] = kunits
         self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
         return True
+
+    def _report_aux(self, r: PrefillRoom, t: Target, num_layers: int | None, kunits: KindWrite | None) -> bool:
+        """The aux row for a target that takes it inline, with no page or unit left to write with it
+        (a room's last send after its layers went): no write; its report leaves now, carrying the
+        row, through the same end as a write's (``WriteEnded``: the machine reports and settles)."""
+        w = self._start(r, t, _EMPTY, True, num_layers)
+        if kunits:
+            self.kind_reports[w] = kunits
+        self._out.append(WriteEnded(w, True, ""))
+        return True
+
+    @staticmethod
+    def inline_row(r: PrefillRoom, t: Target) -> bytes | None:
+        """The aux row's bytes when ``t`` takes it in the report (it asked, and the shell has them:
+        ``AuxFrom.row``), else None (the row is written with the pages)."""
+        src = r.aux_from
+        return src.row if t.aux_inline and src is not None else None
 
     def _start(self, r: PrefillRoom, t: Target, logical: np.ndarray, with_aux: bool, num_layers: int | None) -> int:
         w = self.next_write
@@ -324,7 +348,7 @@ class Writes:
             room=r.room, cp_rank=self.cp_rank, status="ok", reason="",
             pools=pools, logical_pages=pages.astype("<i4").tobytes() if pools else b"",
             digests=None, aux=with_aux, num_tokens=(r.num_tokens or 0) if with_aux else 0,
-            kind_units=kunits, kind_last=klast)
+            kind_units=kunits, kind_last=klast, aux_row=self.inline_row(r, t) if with_aux else None)
         if (pools or kunits) and t.want_digest:  # the shell reads the pages and units and fills the digests in
             kinds = tuple((pool, logical, self.kinds.src_units(r.room, pool, logical, r.local_of,
                                                                     r.num_tokens or 0))

@@ -1,0 +1,261 @@
+"""The aux row in the report that carries it (issue 33, wire 14): a decode rank whose aux rows
+kvbridge can write (one packed store, host or CUDA) asks for it inline (``TransferRequest.
+aux_inline``); the prefill rank then puts the row's bytes in that write's ``PagesDone.aux_row``
+instead of writing them into decode's aux rows, and a room's last send after its pages went
+posts no write at all: its report leaves at once. Decode checks the row when the report comes
+(asked for, one whole row, this room's echo: hard rule 4), then writes it into the room's slot
+at the commit. Sans-I/O on both sides, then real endpoints over the local engine and Mooncake."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.layout import AuxSchema, deepseek_pools
+from kvbridge.transfer.aux_rows import AuxBuffers
+from kvbridge.transfer.channel import wire
+from kvbridge.transfer.decode.config import DecodeConfig
+from kvbridge.transfer.decode.events import ReadForCommit
+from kvbridge.transfer.poll import KVPoll
+from kvbridge.transfer.prefill.events import AuxFrom, PostWrite
+from _machines import decode_machine
+from test_decode_room import INSTANCE, SCHEMA, booted, done, of, sends
+from test_prefill_room import AUX, AUXF, D, DONE, Shell, _packed, msgs, opened_and_asked
+from test_prefill_room import m as m  # noqa: F401  (the prefill machine fixture)
+from test_prefill_room import request as prefill_request
+
+
+# -- prefill: what goes in the write, what goes in the report ----------------------------------------
+
+def asked_inline(m, room: int = 1, num_tokens: int = 7):
+    """A room whose decode rank asked for the aux row inline."""
+    r = m.open(room, 1.0)
+    m.engine_init(r, num_tokens, None, 1.0)
+    req = prefill_request(room, num_tokens)
+    m.message(D, wire.TransferRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "aux_inline": True}),
+              1.0)
+    return r
+
+
+def row_bytes(room: int) -> bytes:
+    return _packed(room).tobytes()
+
+
+def aux_from(room: int) -> AuxFrom:
+    """Where the shell staged the row, and its bytes (``send(aux=...)``: final when given)."""
+    return AuxFrom(AUXF.regions, AUXF.slot, row=row_bytes(room))
+
+
+def test_a_whole_send_writes_the_pages_alone_and_its_report_carries_the_row(m):
+    sh, r = Shell(m), asked_inline(m)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
+    (w,) = of(sh.run(m.post(r, 1.1, aux_from(1)), 1.1), PostWrite)
+    assert not (w.dst >= 1 << 50).any()  # nothing lands in decode's aux rows (registered at 1 << 50)
+    (handle, _), = sh.posted
+    (report,) = msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)
+    assert report.aux and report.aux_row == row_bytes(1) and report.num_tokens == 7
+    assert r.state.state == KVPoll.Success
+
+
+def test_the_last_send_after_the_pages_posts_no_write_and_reports_the_row_at_once(m):
+    """A layer-wise room's shape: the pages go with a chunk that is not the last; the last send
+    carries the row alone. No write for it: its report is in the send's own actions."""
+    sh, r = Shell(m), asked_inline(m)
+    m.chunk(r, [0, 1], np.array([5, 6]), 7, False, None, None)
+    (pages,) = of(sh.run(m.post(r, 1.1), 1.1), PostWrite)
+    m.chunk(r, [], np.array([], np.int64), None, True, _packed(1), None)
+    acts = sh.run(m.post(r, 1.2, aux_from(1)), 1.2)
+    assert not of(acts, PostWrite)
+    (report,) = msgs(acts, wire.PagesDone)
+    assert report.aux and report.aux_row == row_bytes(1) and not report.logical_pages
+    assert r.state.state == KVPoll.Transferring  # the pages' write is still in flight
+    (handle, _), = sh.posted
+    (pages_report,) = msgs(m.write_final(handle, DONE, 1.3), wire.PagesDone)
+    assert not pages_report.aux and pages_report.aux_row is None and r.state.state == KVPoll.Success
+
+
+def test_a_decode_rank_that_does_not_ask_gets_the_row_written_as_before(m):
+    sh, r = Shell(m), opened_and_asked(m)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
+    (w,) = of(sh.run(m.post(r, 1.1, aux_from(1)), 1.1), PostWrite)
+    assert int(w.dst[-1]) >> 50 == 1  # the write's last slice is the row, into decode's aux rows
+    (handle, _), = sh.posted
+    (report,) = msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)
+    assert report.aux and report.aux_row is None
+
+
+def test_a_row_only_in_memory_is_written_even_to_a_rank_that_asks(m):
+    """``send(aux_slot=...)``: the engine's own row, in its registered memory (maybe not final
+    until its ready event): the shell has no bytes of it (AuxFrom.row None), so it is written."""
+    sh, r = Shell(m), asked_inline(m)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
+    (w,) = of(sh.run(m.post(r, 1.1, AUXF), 1.1), PostWrite)
+    assert int(w.dst[-1]) >> 50 == 1
+    (handle, _), = sh.posted
+    (report,) = msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)
+    assert report.aux and report.aux_row is None
+
+
+# -- decode: the row checked when its report comes, written at the commit -----------------------------
+
+@pytest.fixture
+def d():
+    def read(slot):
+        raise AssertionError("a row its report carried is never read back from memory")
+
+    return decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0),
+                          deepseek_pools(num_layers=2, page_size=4, index=False, draft_layers=0), SCHEMA,
+                          read_aux_row=read, page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id",
+                          aux_inline=True)
+
+
+def schema_row(room: int, schema: AuxSchema = SCHEMA) -> bytes:
+    row = np.zeros(schema.row_bytes, dtype=np.uint8)
+    at = schema.offsets["room"]
+    row[at : at + 8] = np.frombuffer(np.uint64(room).tobytes(), np.uint8)
+    return row.tobytes()
+
+
+def asked(d, room: int = 7):
+    r = booted(d, room)
+    (_, req), = sends(d.init(r, np.arange(3, dtype=np.int64) + 10, 1, 10, 0, 1.0), wire.TransferRequest)
+    assert req.aux_inline
+    return r
+
+
+def with_row(msg: wire.PagesDone, row: bytes) -> wire.PagesDone:
+    return wire.PagesDone(**{**{f: getattr(msg, f) for f in msg.__struct_fields__}, "aux_row": row})
+
+
+def test_decode_asks_for_the_row_inline_and_writes_what_the_report_carried_into_the_rooms_slot(d):
+    r = asked(d)
+    d.message("tcp://p1", done(7, 1, [1]), 2.0)
+    d.message("tcp://p0", with_row(done(7, 0, [0, 2], aux=True, num_tokens=10), schema_row(7)), 2.1)
+    assert r.state.state == KVPoll.Success and r.aux.room == 7
+    ((slot, row),) = d.written
+    assert slot == 1 and row.tobytes() == schema_row(7)
+
+
+def test_the_row_may_come_before_the_pages_and_waits_for_them(d):
+    r = asked(d)
+    d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.0)  # the row alone
+    assert r.state.state == KVPoll.Transferring and not d.written
+    d.message("tcp://p0", done(7, 0, [0, 2]), 2.1)
+    assert r.state.state == KVPoll.Transferring and not d.written  # cp1's page 1 is not reported yet
+    d.message("tcp://p1", done(7, 1, [1]), 2.2)
+    assert r.state.state == KVPoll.Success and len(d.written) == 1
+
+
+@pytest.mark.parametrize("bad, why", [
+    (lambda: schema_row(8), "the aux row in its report carries room 8, expected 7"),
+    (lambda: schema_row(7)[:-1], f"sent an aux row of {SCHEMA.row_bytes - 1} bytes in its report; the schema's row "
+                                 f"is {SCHEMA.row_bytes}"),
+    (lambda: schema_row(7) + b"\0", "the schema's row"),
+], ids=["another-room", "short", "long"])
+def test_a_bad_row_in_a_report_fails_the_room_by_name_and_is_never_written(d, bad, why):
+    r = asked(d)
+    d.message("tcp://p1", done(7, 1, [1]), 2.0)
+    d.message("tcp://p0", with_row(done(7, 0, [0, 2], aux=True, num_tokens=10), bad()), 2.1)
+    assert r.state.state == KVPoll.Failed and why in r.state.reason and "cp0" in r.state.reason
+    assert not d.written
+
+
+def test_a_row_from_the_rank_that_does_not_own_the_last_token_fails_the_room(d):
+    r = asked(d)
+    d.message("tcp://p1", with_row(done(7, 1, [1], aux=True, num_tokens=10), schema_row(7)), 2.0)
+    assert r.state.state == KVPoll.Failed and "cp rank 0 owns the last valid token" in r.state.reason
+    assert not d.written
+
+
+def test_a_row_nobody_asked_for_fails_the_room():
+    """A decode rank whose rows kvbridge cannot write (or that turned it off) asked for a write:
+    a row in the report is refused by name, not written."""
+    mem = np.zeros((4, SCHEMA.row_bytes), np.uint8)
+    d = decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0),
+                       deepseek_pools(num_layers=2, page_size=4, index=False, draft_layers=0), SCHEMA,
+                       read_aux_row=lambda slot: (mem[slot].copy(), 0.0), page_digests=lambda *a: np.zeros(0),
+                       rank_id=lambda: "dec-id")
+    r = booted(d, 7)
+    (_, req), = sends(d.init(r, np.arange(3, dtype=np.int64) + 10, 1, 10, 0, 1.0), wire.TransferRequest)
+    assert not req.aux_inline
+    d.message("tcp://p1", done(7, 1, [1]), 2.0)
+    d.message("tcp://p0", with_row(done(7, 0, [0, 2], aux=True, num_tokens=10), schema_row(7)), 2.1)
+    assert r.state.state == KVPoll.Failed and "which this rank did not ask for" in r.state.reason
+    assert not d.written
+
+
+def test_a_report_that_says_aux_without_the_row_is_read_from_memory_as_before():
+    """A prefill rank with the row only in memory (``send(aux_slot=...)``) writes it even to a rank
+    that asked: decode then reads it back, as it always did."""
+    mem = np.zeros((4, SCHEMA.row_bytes), np.uint8)
+    mem[1] = np.frombuffer(schema_row(7), np.uint8)
+    reads = []
+    d = decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0),
+                       deepseek_pools(num_layers=2, page_size=4, index=False, draft_layers=0), SCHEMA,
+                       read_aux_row=lambda slot: (reads.append(slot) or mem[slot].copy(), 0.0),
+                       page_digests=lambda *a: np.zeros(0), rank_id=lambda: "dec-id", aux_inline=True)
+    r = asked(d)
+    d.message("tcp://p1", done(7, 1, [1]), 2.0)
+    d.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 2.1)
+    assert r.state.state == KVPoll.Success and reads == [1] and not d.written
+
+
+def test_the_wire_refuses_a_row_in_a_report_that_carries_none_or_failed():
+    for kw in (dict(status="ok", aux=False), dict(status="failed", aux=True)):
+        with pytest.raises(KVBridgeError, match="aux_row"):
+            wire.PagesDone(room=1, cp_rank=0, reason="", pools=[], logical_pages=b"", digests=None,
+                           aux_row=b"x", **kw)
+    too_long = wire.encode(wire.PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"",
+                                          digests=None, aux=True, aux_row=bytes(wire.MAX_AUX_ROW_BYTES)))
+    assert wire.decode(too_long).aux_row == bytes(wire.MAX_AUX_ROW_BYTES)
+    bigger = wire.encode(wire.PagesDone(room=1, cp_rank=0, status="ok", reason="", pools=[], logical_pages=b"",
+                                        digests=None, aux=True, aux_row=bytes(wire.MAX_AUX_ROW_BYTES + 1)))
+    with pytest.raises(KVBridgeError, match="aux_row"):
+        wire.decode(bigger)
+
+
+# -- the rows kvbridge writes ----------------------------------------------------------------------------
+
+def test_host_packed_rows_are_writable_and_a_written_row_reads_back():
+    rows = np.zeros((4, SCHEMA.row_bytes), np.uint8)
+    aux = AuxBuffers(SCHEMA, rows, rank="d")
+    assert aux.writable
+    aux.write_row(2, np.frombuffer(schema_row(9), np.uint8))
+    assert aux.read_room(2) == 9 and rows[2].tobytes() == schema_row(9) and not rows[[0, 1, 3]].any()
+    with pytest.raises(KVBridgeError, match="packed bytes"):
+        aux.write_row(2, np.zeros(SCHEMA.row_bytes - 1, np.uint8))
+
+
+def test_rows_by_region_are_not_writable_and_their_rank_asks_for_a_write():
+    by_region = {r.name: np.zeros((4, *r.shape), dtype=np.uint16 if r.dtype == "bfloat16" else r.dtype)
+                 for r in SCHEMA.regions}
+    aux = AuxBuffers(SCHEMA, by_region, rank="d")
+    assert aux.readable and not aux.writable
+    with pytest.raises(KVBridgeError, match="not writable"):
+        aux.write_row(0, np.frombuffer(schema_row(1), np.uint8))
+
+
+def test_a_row_written_into_device_rows_goes_through_the_pinned_row_and_the_copy_is_waited_for():
+    """The CUDA path of ``write_row`` on the CPU, its runtime calls stubbed: the pinned row holds
+    the row when the copy is issued, the copy goes to the slot's address on the rows' stream, and
+    the stream is synchronised before the write returns (the engine reads the row after Success).
+    On a GPU: test_gpu.py ``test_a_row_written_into_device_rows_is_there_when_the_write_returns``."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from kvbridge.transfer import aux_rows
+
+    rb, calls = SCHEMA.row_bytes, []
+    rows = object.__new__(aux_rows._DeviceRows)
+    rows._host = np.zeros(rb, np.uint8)
+    rows._cuda = SimpleNamespace(
+        on_device=lambda device: contextlib.nullcontext(),
+        memcpy_async=lambda dst, src, n, stream: calls.append(("copy", dst, src, n, stream, rows._host.tobytes())),
+        stream_synchronize=lambda stream: calls.append(("sync", stream)))
+    rows._device, rows._base, rows._row_bytes = 0, 1 << 40, rb
+    rows._stream, rows._lock = SimpleNamespace(cuda_stream=77), threading.Lock()
+    row = np.frombuffer(schema_row(5), np.uint8)
+    rows.write(3, row)
+    assert calls == [("copy", (1 << 40) + 3 * rb, rows._host.ctypes.data, rb, 77, row.tobytes()), ("sync", 77)]
