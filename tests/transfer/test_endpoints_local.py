@@ -59,13 +59,10 @@ def test_failed_write_fails_the_room_with_the_engine_reason(cluster, engine):
     assert senders[1].poll() == KVPoll.Failed
 
 
-def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
-    """Hard rule 4: an aux row that carries another room's id never commits (a decode rank that
-    takes the row as a write; one that takes it in the report: test_decode_room.py)."""
-    c = cluster(cp=1, aux_inline=False)
+def pages_sent_not_last(c, room: int, n: int):
+    """Room ``room`` of ``n`` tokens at CP 1: decode asked (pages 0 and 1, aux slot 3), prefill sent
+    every page in a send that is not the last and the room is Transferring; (receiver, sender)."""
     ep = c.prefill[0]
-    ep.engine.faults.corrupt_batches = {1}  # batch 0: the pages, batch 1: the aux row alone
-    room, n = 0x1234, 8
     r = c.decode.receiver(room, f"{c.name}-p")
     r.init(np.array([0, 1]), 3, n)
     for (pool, layer), buf in ep.buffers.tensors.items():
@@ -74,6 +71,16 @@ def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
     s.init(n)
     s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)  # every page, not yet the last chunk
     assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
+    return r, s
+
+
+def test_corrupted_aux_row_is_caught_by_the_room_echo(cluster):
+    """Hard rule 4: an aux row that carries another room's id never commits (a decode rank that
+    takes the row as a write; one that takes it in the report: test_aux_inline.py)."""
+    c = cluster(cp=1, aux_inline=False)
+    c.prefill[0].engine.faults.corrupt_batches = {1}  # batch 0: the pages, batch 1: the aux row alone
+    room, n = 0x1234, 8
+    r, s = pages_sent_not_last(c, room, n)
     s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=make_aux(c.aux_schema, room, n))
     wait_final([r])
     assert r.poll() == KVPoll.Failed
@@ -546,17 +553,9 @@ def test_the_last_send_after_the_pages_is_a_report_and_no_write_when_decode_take
     which would be the row's own write, is set to fail and never runs; the row lands in the
     room's slot all the same. Taking the row as a write, that same batch fails the room."""
     c = cluster(cp=1, aux_inline=inline)
-    ep = c.prefill[0]
-    ep.engine.faults.fail_batches = {1}  # batch 0: the pages
+    c.prefill[0].engine.faults.fail_batches = {1}  # batch 0: the pages
     room, n = 0x4321, 8
-    r = c.decode.receiver(room, f"{c.name}-p")
-    r.init(np.array([0, 1]), 3, n)
-    for (pool, layer), buf in ep.buffers.tensors.items():
-        fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
-    s = ep.sender(room)
-    s.init(n)
-    s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)
-    assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
+    r, s = pages_sent_not_last(c, room, n)
     aux = make_aux(c.aux_schema, room, n)
     s.send(np.array([], np.int64), np.array([], np.int64), is_last=True, aux=aux)
     wait_final([r, s])
