@@ -14,7 +14,11 @@ from kvbridge.transfer.poll import KVPoll
 
 def test_rooms_keep_flowing_on_the_last_topology_while_the_daemon_is_down(start_daemon):
     daemon = start_daemon("--lease-ttl", "30")
-    c = Cluster(daemon.url, "daemon-down", cp=2, topology_ttl=0.2, bootstrap_timeout=3.0)
+    # prefill waits for room 2's request while decode's refresh of its stale topology fails against the
+    # stopped daemon before it falls back to the last one: more than the test clusters' 2 s on a loaded
+    # host (CI: "no decode ranks asked for room 2 within 2.0s"), so prefill waits longer here
+    c = Cluster(daemon.url, "daemon-down", cp=2, topology_ttl=0.2, bootstrap_timeout=3.0,
+                prefill_cfg={"target_timeout": 15.0})
     try:
         r = c.decode.receiver(1, "daemon-down-p")
         r.init(np.array([1, 2, 3]), 0, 10)
