@@ -510,17 +510,22 @@ class DecodeRooms:
         if not self.aux_inline:
             raise LedgerError("sent the aux row in its report, which this rank did not ask for (the row is written "
                               "into its aux rows by the transfer)", **who)
-        schema = self.aux_schema
-        if len(msg.aux_row) != schema.row_bytes:
+        if len(msg.aux_row) != self.aux_schema.row_bytes:
             raise LedgerError(f"sent an aux row of {len(msg.aux_row)} bytes in its report; the schema's row is "
-                              f"{schema.row_bytes}", **who)
+                              f"{self.aux_schema.row_bytes}", **who)
         row = np.frombuffer(msg.aux_row, dtype=np.uint8)
-        echoed, problem = schema.head(row)
-        if echoed != r.room:
-            raise LedgerError(f"the aux row in its report carries room {echoed}, expected {r.room}", **who)
-        if problem is not None:
-            raise LedgerError(f"the aux row in its report is unreadable: {problem}", **who)
+        refusal = self._row_refusal(r, row, "the aux row in its report")
+        if refusal is not None:
+            raise LedgerError(refusal, **who)
         return row
+
+    def _row_refusal(self, r: DecodeRoom, row: np.ndarray, what: str) -> str | None:
+        """Why room ``r`` may not commit with aux row ``row`` (``what`` names where it is): another
+        room's echo (hard rule 4), or what unpacking it would refuse (decoding waits for a reader)."""
+        echoed, problem = self.aux_schema.head(row)
+        if echoed != r.room:
+            return f"{what} carries room {echoed}, expected {r.room}"
+        return None if problem is None else f"{what} is unreadable: {problem}"
 
     def _scatter_failed(self, e: ScatterFailed) -> None:
         """Fail the room (never commit unwritten pages), then free the slot."""
@@ -568,19 +573,12 @@ class DecodeRooms:
         if r is None or r.state.final:
             return
         r.commit_reading = False
-        schema = self.aux_schema
-        try:
-            if e.error is not None:
-                raise KVBridgeError(e.error)
-            echoed, problem = schema.head(e.row)  # what unpacking would refuse fails the room now; decoding waits
-        except KVBridgeError as exc:
-            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {exc}", now)
+        if e.error is not None:
+            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {e.error}", now)
             return
-        if echoed != r.room:  # hard rule 4: a row written for another room
-            self.fail(r, f"aux row in slot {r.aux_slot} carries room {echoed}, expected {r.room}", now)
-            return
-        if problem is not None:
-            self.fail(r, f"aux row in slot {r.aux_slot} is unreadable: {problem}", now)
+        refusal = self._row_refusal(r, e.row, f"aux row in slot {r.aux_slot}")
+        if refusal is not None:
+            self.fail(r, refusal, now)
             return
         if self.cfg.verify_digest:
             if r.num_tokens is None:
@@ -601,7 +599,7 @@ class DecodeRooms:
                     self.fail(r, f"digest mismatch in pool {pool!r} ({spec.kind}), {unit} (from cp{key[0]}/tp{key[1]}"
                                  f"{stage}): bytes differ from what prefill sent", now)
                     return
-        r.keep_aux_row(e.row, schema)
+        r.keep_aux_row(e.row, self.aux_schema)
         r.state.advance_to(KVPoll.Success, now=now)
         self.kinds.succeed(r.room)
         if self.trace:

@@ -138,11 +138,8 @@ class CudaCopier:
         are the copier's own: nothing of the launch must be kept alive by the caller)."""
         torch = self._torch
         counts = {"kernel_slices": 0, "kernel_pieces": 0, "kernel_launches": 0, "direct_slices": 0}
-        handle = self._stream_handle
         if length.size <= self.few_slices:  # a few slices: the copy engines, straight from here
-            for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
-                if n:
-                    self._cuda.memcpy_async(d, s, n, handle)
+            self._plain(src, dst, length)
             counts["direct_slices"] = int(length.size)
             return counts
         direct = length >= np.uint64(self.direct_min_bytes) if self.direct_min_bytes else None
@@ -159,6 +156,7 @@ class CudaCopier:
                     np.subtract(ps, self._base_addr, out=rows[:, 0].view(np.uint64))
                     np.subtract(pd, self._base_addr, out=rows[:, 1].view(np.uint64))
                     rows[:, 2] = pn.view(np.int64)
+                    handle = self._stream_handle
                     self._cuda.memcpy_async(table.device_addr, table.host.ctypes.data, ps.size * 24, handle)
                     self._cuda.event_record(table.event, handle)  # the host rows may be refilled once it passed
                     table.pending = True
@@ -167,8 +165,7 @@ class CudaCopier:
                                     BYTES=1024, num_warps=self.num_warps)
                 counts.update(kernel_slices=int(length.size - num_direct), kernel_pieces=int(ps.size), kernel_launches=1)
             if num_direct:
-                for s, d, n in zip(src[direct].tolist(), dst[direct].tolist(), length[direct].tolist()):
-                    self._cuda.memcpy_async(d, s, n, handle)
+                self._plain(src[direct], dst[direct], length[direct])
                 counts["direct_slices"] = num_direct
         return counts
 
@@ -202,6 +199,13 @@ class CudaCopier:
                 self.stream.wait_event(ev)
             else:
                 ev.synchronize()
+
+    def _plain(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        """Slices as plain ``cudaMemcpyAsync`` calls on this copier's stream (the copy engines)."""
+        handle = self._stream_handle
+        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
+            if n:
+                self._cuda.memcpy_async(d, s, n, handle)
 
     def copy_async(self, dst: int, src: int, nbytes: int) -> None:
         """One plain copy on this copier's stream (either side may be host memory)."""
