@@ -245,10 +245,14 @@ class BootstrapClient:
             return resp
         if down is not None:
             _raise_for(down, what)  # BootstrapUnavailable naming the store's cause
-        where = f"bootstrap daemon at {self.urls[0]}" if n == 1 else f"bootstrap daemons {', '.join(self.urls)}"
         raise BootstrapUnavailable(
-            f"{what}: {where} unreachable after {self.retries + 1} attempt(s){' each' if n > 1 else ''}: {last!r}"
+            f"{what}: {self.where} unreachable after {self.retries + 1} attempt(s){' each' if n > 1 else ''}: {last!r}"
         ) from last
+
+    @property
+    def where(self) -> str:
+        """How messages name the daemon: "bootstrap daemon at URL", or its replicas."""
+        return f"bootstrap daemon at {self.urls[0]}" if len(self.urls) == 1 else f"bootstrap daemons {', '.join(self.urls)}"
 
     def _next_replica(self, failed: int) -> None:
         if len(self.urls) > 1 and self._current == failed:

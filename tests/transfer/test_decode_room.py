@@ -164,6 +164,29 @@ def test_an_unreachable_daemon_uses_the_last_answer_or_asks_again(m):
     assert r.state.state == KVPoll.Failed and "bootstrap timeout" in r.state.reason and "cp1 missing" in r.state.reason
 
 
+def test_a_look_up_still_unanswered_at_the_bootstrap_timeout_names_the_daemon_and_its_age(m):
+    # the client still retrying a daemon that does not answer (a loaded host: no attempt has failed yet)
+    m.machine.daemon = "bootstrap daemon at http://127.0.0.1:9"
+    r = m.open(1, INSTANCE, None, 1.0)
+    (ask,) = of(m.tick(1.0), LookUp)
+    m.tick(40.0)
+    assert r.state.state == KVPoll.Failed and "bootstrap timeout" in r.state.reason
+    assert "no answer yet from bootstrap daemon at http://127.0.0.1:9 to the look-up asked 39.0s ago" in r.state.reason
+    # the answer that comes after the room ended changes nothing and frees the group's look-up
+    m.looked_up(1, ask.key, None, BootstrapUnavailable("daemon down"), 40.5)
+    assert r.state.state == KVPoll.Failed and ask.key not in m.topologies.in_flight
+
+
+def test_a_second_look_up_unanswered_keeps_the_answer_before_it_in_the_reason(m):
+    r = m.open(1, INSTANCE, None, 1.0)
+    (ask,) = of(m.tick(1.0), LookUp)
+    m.looked_up(1, ask.key, None, InstanceIncomplete("cp1 missing"), 1.0)
+    (again,) = of(m.tick(1.2), LookUp)
+    m.tick(40.0)
+    assert "no answer yet from the bootstrap daemon to the look-up asked 38.8s ago" in r.state.reason
+    assert "last answer before it: cp1 missing" in r.state.reason
+
+
 def test_abort_before_the_request_tells_no_one_and_frees_at_once(m):
     r = booted(m)
     assert sends(m.abort(r, "engine gave up", 2.0), wire.Abort) == []

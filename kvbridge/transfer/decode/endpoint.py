@@ -129,6 +129,7 @@ class DecodeEndpoint(EndpointShell):
                                                                     registered=[tensor_region(t) for t in
                                                                                 self.buffers.tensors.values()]),
             kind_buffers=self.buffers.descs, aux_inline=config.aux_inline and self.aux.writable,
+            daemon=bootstrap.where,
         )  # fmt: skip
         self._peers: PeerSet | None = None
         self._scattering: deque[tuple[Any, Scatter]] = deque()  # GPU scatters queued: (event, action)

@@ -72,10 +72,13 @@ class DecodeRooms:
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  trace: bool = False, staging: DecodeStaging | None = None,
                  proof_key: ProofKey | None = None, scratch: bool = True,
-                 kind_buffers: Sequence[BufferDesc] = (), aux_inline: bool = False) -> None:
+                 kind_buffers: Sequence[BufferDesc] = (), aux_inline: bool = False,
+                 daemon: str = "the bootstrap daemon") -> None:
         """``aux_inline``: ask for each room's aux row in the report that carries it (the shell
-        writes it into the room's slot at the commit: its aux rows are writable by kvbridge)."""
+        writes it into the room's slot at the commit: its aux rows are writable by kvbridge).
+        ``daemon``: how reasons name the daemon look-ups go to (its URL where the shell knows it)."""
         self.cfg = config
+        self.daemon = daemon
         self.aux_inline = aux_inline
         self.proof_key = proof_key
         self.scratch = scratch
@@ -236,7 +239,7 @@ class DecodeRooms:
     def _looked_up(self, e: LookedUp) -> None:
         """The answer to a ``LookUp``: a topology, or the error the daemon (or the way to it) gave."""
         room, key, topo, error, now = e.room, e.key, e.topo, e.error, e.now
-        self.topologies.in_flight.discard(key)
+        self.topologies.in_flight.pop(key, None)
         self._wake_waiting(key[0])  # rooms that waited for this look-up use its answer now
         r = self.rooms.get(room)
         if r is None or r.state.final:
@@ -648,7 +651,7 @@ class DecodeRooms:
         if self.staging is not None:
             self.staging.expire(now, self._out)
         for key in self.topologies.refresh_due(now):
-            self.topologies.in_flight.add(key)
+            self.topologies.in_flight[key] = now
             self._out.append(Refresh(key))
         for room in list(self.rooms.unowned):
             r = self.rooms.get(room)
@@ -657,13 +660,22 @@ class DecodeRooms:
             else:
                 self._forget_if_quiet(r, now)
 
+    def _lookup_state(self, r: DecodeRoom, now: float) -> str:
+        """What the timeout reason adds: the daemon's last answer, or else the look-up still
+        unanswered (the client is still retrying a daemon that does not answer: a loaded host can
+        end the room before its first attempt fails)."""
+        asked = self.topologies.in_flight.get(self._key(r))
+        if asked is not None:
+            return (f"; no answer yet from {self.daemon} to the look-up asked {now - asked:.1f}s ago (unreachable "
+                    f"or overloaded?)" + (f"; last answer before it: {r.lookup_problem}" if r.lookup_problem else ""))
+        return f"; last answer: {r.lookup_problem}" if r.lookup_problem else ""
+
     def _advance(self, r: DecodeRoom, now: float) -> None:
         st = r.state.state
         if st == KVPoll.Bootstrapping:
             if r.state.since(now) > self.cfg.bootstrap_timeout:
                 self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
-                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)"
-                             + (f"; last answer: {r.lookup_problem}" if r.lookup_problem else ""), now)
+                             f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)" + self._lookup_state(r, now), now)
             elif not r.lookup_pending and now >= r.next_lookup:
                 key = self._key(r)
                 cached = self.topologies.cached(key, now)
@@ -673,7 +685,7 @@ class DecodeRooms:
                     self._refuse(r, now)
                 elif key not in self.topologies.in_flight:  # one look-up per DP group at a time
                     r.lookup_pending = True
-                    self.topologies.in_flight.add(key)
+                    self.topologies.in_flight[key] = now
                     self._out.append(LookUp(r.room, r.prefill_instance, r.dp_rank, key))
         elif st == KVPoll.WaitingForInput:
             if r.initialised:

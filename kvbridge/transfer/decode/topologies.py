@@ -138,7 +138,7 @@ class Topologies:
         self.cache: dict[tuple[str, int], tuple[float, LookupResponse]] = {}
         self.cache_used: dict[tuple[str, int], float] = {}  # when a room last took a cached topology
         self.dp_sizes: dict[str, int] = {}
-        self.in_flight: set[Key] = set()  # rooms of a group wait for its one look-up
+        self.in_flight: dict[Key, float] = {}  # group -> when its one look-up (or refresh) was asked; its rooms wait
         self.refusals: dict[str, tuple[float, str, list[Any]]] = {}  # instance -> (when, reason, diff) of a 409
         self.routes: dict[int, TPRoute] = {}  # prefill tp size -> this rank's TP route
         self.instance_columns: dict[int, tuple[int, ...]] = {}  # prefill tp size -> our instance's columns
@@ -181,7 +181,7 @@ class Topologies:
     def refreshed(self, key: tuple[str, int], topo: LookupResponse | None, now: float) -> None:
         """A refresh's answer. A failed one changes nothing: the entry expires as it would have, and
         the next room looks up itself (meeting the error, or using ``stale`` while the daemon is away)."""
-        self.in_flight.discard(key)
+        self.in_flight.pop(key, None)
         if topo is not None and key in self.cache:
             self.cache[key] = (now, topo)
 
