@@ -10,12 +10,25 @@
 #          written, ROUNDS times; the traced tail (--trace-dir) once of each
 #   hops   gpu_bench.py, 8K contiguous, Mooncake NVLink and IPC, inline then written: p50 against the raw
 #          engine, the traced rooms' trace lines, and scripts/trace_ranks.py's rank-by-rank table of both
+#   ctl    no GPU: scripts/control_bench.py on the device host's 16 cores (issue 33's CP 2 goal is set on
+#          that host), ROUNDS rounds of 4+1 and 61+1 layers, CP 1 and 2, decode asking last, first, and
+#          the layer-wise tail (--aux-last), 300 rooms each
 set -u
 OUT=${OUT:-/tmp/out}; STEPS=${STEPS-lw hops}; ROUNDS=${ROUNDS:-2}
 LW_ARGS=${LW_ARGS:---tokens 8192 32768 --cp 1 2 --rooms 8}
 . "$(dirname "$0")/_ab_common.sh"  # site, quiet
 for step in $STEPS; do
   echo "== $step @$(date +%T)"
+  if [ $step = ctl ]; then
+    nproc; uptime
+    for round in $(seq "$ROUNDS"); do
+      for L in 4 61; do for cp in 1 2; do for o in "" --ask-first --aux-last; do
+        PYTHONPATH=$site:$PWD timeout 60 python3 scripts/control_bench.py --cp $cp --pages 2 --rooms 300 --layers $L $o \
+          2>&1 | quiet | tail -1
+      done; done; done
+    done
+    continue
+  fi
   for round in $(seq "$ROUNDS"); do
     for mode in inline written; do
       flag=$([ $mode = written ] && echo --aux-written); o=$OUT/$mode$round; mkdir -p $o
