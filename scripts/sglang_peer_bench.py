@@ -5,12 +5,14 @@ classes (``get_kv_class`` -> manager, sender, receiver, bootstrap server; ``KVAr
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py            # 16 layers, 5 rooms a size
     PYTHONPATH=. .venv-sglang/bin/python scripts/sglang_peer_bench.py --quick    # 4 layers, 2 rooms (CI)
     ... --layers 61 --rooms 20 --json out.json
-    ... --configs auto --rooms 10                                   # stock against auto alone (README)
+    ... --configs auto --rooms 10                                   # stock against auto alone
     ... --configs auto --rooms 10 --rank-processes                  # each prefill CP rank its own process
+    ... --configs auto --stock-cp2 --rooms 30                       # stock CP 1 and 2 against auto (README)
 
 Workload: DeepSeek V3.2's latent cache geometry (656 B per token per layer, fp8 with scales, page
 64), requests of 1K, 8K and 32K tokens (``--sizes``), one at a time, each on fresh random page ids
-on both sides. Configurations: ``mooncake`` CP 1; ``kvbridge`` CP 1 and CP 2 (all CP ranks
+on both sides. Configurations: ``mooncake`` CP 1 (``--stock-cp2``: CP 2 too, all its CP ranks
+transferring, each kvbridge row then set against the stock row of its own CP size); ``kvbridge`` CP 1 and CP 2 (all CP ranks
 transfer, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1) with the default
 ``KVBRIDGE_STAGING=auto`` (kvbridge picks direct or staged per target by its slice count and
 size); ``kvbridge staged`` CP 1 and CP 2 with ``KVBRIDGE_STAGING=always`` on both servers (every
@@ -52,6 +54,9 @@ POISON = 0xEE
 CONFIGS = (("mooncake", "mooncake", 1, None), ("kvbridge", "kvbridge", 1, "auto"), ("kvbridge", "kvbridge", 2, "auto"),
            ("kvbridge staged", "kvbridge", 1, "always"), ("kvbridge staged", "kvbridge", 2, "always"))
 DIRECT = (("kvbridge direct", "kvbridge", 1, "never"), ("kvbridge direct", "kvbridge", 2, "never"))  # --direct
+# --stock-cp2: the stock backend with its CP ranks all transferring too (its _get_cp_rank_page_bounds split), so
+# that kvbridge's CP 2 rows are set against the stock backend's CP 2 on the same ranks and cores
+STOCK_CP2 = ("mooncake", "mooncake", 2, None)
 # --configs: the stock backend always, then these groups of kvbridge's configurations
 GROUPS = {"auto": CONFIGS[1:3], "staged": CONFIGS[3:5], "direct": DIRECT}
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -86,8 +91,8 @@ class Rank:
         from sglang.srt.disaggregation import utils
         from sglang.srt.disaggregation.base.conn import KVArgs
 
-        if backend == "kvbridge":  # the rank's place in the attention grid (kvbridge's settings read it)
-            stamp_ranks(*cp)
+        # the rank's place in the attention grid: kvbridge's settings and the stock manager read it as they start
+        stamp_ranks(*cp)
         self.pool = [torch.full((pages, PAGE * ROW), POISON, dtype=torch.uint8) for _ in range(layers)]
         self.views = [t.numpy() for t in self.pool]
         if role == "prefill":  # page p of layer l: a pattern of (p, l), so decode can check any page
@@ -110,6 +115,11 @@ class Rank:
         manager = utils.get_kv_class(self.backend, utils.KVClassType.MANAGER)
         mode = utils.DisaggregationMode.PREFILL if role == "prefill" else utils.DisaggregationMode.DECODE
         self.mgr = manager(kv, mode, server_args, True)
+        if backend == "mooncake" and role == "prefill" and cp[1] > 1:  # each stock CP rank sends its own pages
+            m = self.mgr
+            if (m.attn_cp_rank, m.attn_cp_size) != cp or not m.enable_all_cp_ranks_for_transfer or m.is_dummy_cp_rank:
+                raise RuntimeError(f"stock CP rank {cp}: the manager is CP rank {(m.attn_cp_rank, m.attn_cp_size)}, "
+                                   f"all ranks transfer {m.enable_all_cp_ranks_for_transfer}, dummy {m.is_dummy_cp_rank}")
 
     def cls(self, kind: str) -> Any:
         from sglang.srt.disaggregation import utils
@@ -239,6 +249,9 @@ def child(cfg: dict) -> None:
             keep.append(utils.get_kv_class(utils.TransferBackend(backend), utils.KVClassType.BOOTSTRAP_SERVER)(
                 host="127.0.0.1", port=port))
         sa = server_args(backend, port)
+        if backend == "mooncake":  # the stock manager takes its bootstrap port from the published context
+            publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=0, gpu_id=0))
+            get_parallel().override_permanently(pp_group=None)
         count = cp if role == "prefill" else 1
         mine = range(count) if cfg.get("cp_rank") is None else [i for i in range(count) if i == cfg["cp_rank"]]
         servers[name] = [Rank(role, backend, sa, layers, pages, (i, count)) for i in mine]
@@ -357,9 +370,12 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
         for c in reversed(prefills):  # rank 0's child, which runs the bootstrap servers, last
             c.stop()
-    stock = {r["tokens"]: r for r in rows if r["backend"] == "mooncake"}
+    stock = {(r["tokens"], r["cp"]): r for r in rows if r["backend"] == "mooncake"}
     for r in rows:
-        base = stock.get(r["tokens"], {})
+        # against the stock backend at the same CP size where it ran (--stock-cp2), else its CP 1
+        base_cp = r["cp"] if (r["tokens"], r["cp"]) in stock else 1
+        base = stock.get((r["tokens"], base_cp), {})
+        r["base_cp"] = base_cp
         r["ratio"] = r["gb_s"] / base["gb_s"] if r["gb_s"] and base.get("gb_s") else None
         r["p50_ratio"] = r["p50_ms"] / base["p50_ms"] if r["p50_ms"] and base.get("p50_ms") else None
     return rows
@@ -369,9 +385,9 @@ def table(rows: list[dict], layers: int) -> str:
     out = [f"SGLang peer benchmark: {layers} layers x {ROW} B per token, page {PAGE}, random pages, Mooncake TCP "
            "(loopback), one room at a time; staging = KVBRIDGE_STAGING of both servers; path = what the prefill "
            "senders report per room; ratio = GB/s over SGLang's Mooncake backend at the same size, p50 x = p50 "
-           "over its p50",
+           "over its p50 (vs: the stock backend's CP size it is set against: the row's own where it ran, else 1)",
            f"{'backend':<15} {'cp':>2} {'staging':<7} {'path':<17} {'tokens':>6} {'MB/room':>8} {'rooms':>5} "
-           f"{'ok':>3} {'bytes ok':>8} {'p50 ms':>8} {'p50 x':>6} {'GB/s':>6} {'ratio':>6}"]  # fmt: skip
+           f"{'ok':>3} {'bytes ok':>8} {'p50 ms':>8} {'p50 x':>6} {'GB/s':>6} {'ratio':>6} {'vs':>2}"]  # fmt: skip
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -380,7 +396,7 @@ def table(rows: list[dict], layers: int) -> str:
         out.append(f"{r['backend']:<15} {r['cp']:>2} {r['staging'] or '-':<7} {path_cell(r['paths']):<17} "
                    f"{r['tokens']:>6} {r['mb_per_room']:>8.1f} {r['rooms']:>5} {r['succeeded']:>3} "
                    f"{r['bytes_checked']:>8} {f(r['p50_ms'], '8.1f')} {f(r['p50_ratio'], '6.2f')} "
-                   f"{f(r['gb_s'], '6.2f')} {f(r['ratio'], '6.2f')}")  # fmt: skip
+                   f"{f(r['gb_s'], '6.2f')} {f(r['ratio'], '6.2f')} {r['base_cp']:>2}")  # fmt: skip
     return "\n".join(out)
 
 
@@ -406,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                     "against stock alone (fewer ranks: less memory, shorter runs)")
     ap.add_argument("--rank-processes", action="store_true", help="each prefill CP rank in a child process of "
                     "its own (a deployment's layout); default: every prefill rank in one child")
+    ap.add_argument("--stock-cp2", action="store_true", help="also the stock backend at CP 2 (all CP ranks "
+                    "transfer, SGLang's own page split), and kvbridge's CP 2 rows set against it instead of the "
+                    "stock CP 1 row")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--logs", default="", help="keep the children's logs in this directory")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -429,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         groups.append("direct")
     if any(g not in GROUPS for g in groups) or len(set(groups)) != len(groups):
         ap.error(f"--configs {args.configs}: each of {', '.join(GROUPS)} at most once")
-    configs = CONFIGS[:1] + tuple(c for g in GROUPS if g in groups for c in GROUPS[g])
+    configs = CONFIGS[:1] + ((STOCK_CP2,) if args.stock_cp2 else ()) + tuple(c for g in GROUPS if g in groups
+                                                                               for c in GROUPS[g])
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
         rows = run(layers, sizes, rooms, Path(args.logs), staged, configs, args.rank_processes)

@@ -42,7 +42,7 @@ def test_quick_mode_rows(tmp_path):
     for r in rows:
         assert r["rooms"] == r["succeeded"] == r["bytes_checked"] == 2 and r["failed"] == 0, r
         assert r["gb_s"] > 0 and r["ratio"] > 0 and r["mb_per_room"] == pytest.approx(r["tokens"] * 656 * 4 / 1e6)
-        assert r["p50_ms"] > 0 and r["p50_ratio"] > 0
+        assert r["p50_ms"] > 0 and r["p50_ratio"] > 0 and r["base_cp"] == 1  # no stock CP 2 without --stock-cp2
         if r["backend"] == "mooncake":  # the stock sender reports no path
             assert r["ratio"] == r["p50_ratio"] == 1.0 and r["paths"] == {"-": 2} and r["staged_share"] is None
         elif r["staging"] == "always":  # every byte of every room through decode's staging area
@@ -58,19 +58,26 @@ def test_quick_mode_rows(tmp_path):
 
 def test_rank_processes_put_each_prefill_cp_rank_in_its_own_child(tmp_path):
     """--rank-processes: a prefill child per CP rank (a log for each), and
-    every room of CP 1 and CP 2 still moves whole and byte-checked (1K, auto: both ranks' bytes)."""
+    every room of CP 1 and CP 2 still moves whole and byte-checked (1K, auto: both ranks' bytes).
+    --stock-cp2: the stock backend at CP 2 too (the bench refuses to start if either stock rank would
+    not send its own pages), and kvbridge's CP 2 row is set against it, its CP 1 row against stock CP 1."""
     out, logs = tmp_path / "rows.json", tmp_path / "logs"
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--configs", "auto", "--sizes", "1024",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--configs", "auto", "--sizes", "1024", "--stock-cp2",
                            "--rank-processes", "--json", str(out), "--logs", str(logs)], capture_output=True, text=True,
                           timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {p.name for p in logs.glob("prefill*.log")} == {"prefill-cp0.log", "prefill-cp1.log"}
     rows = json.loads(out.read_text())
-    assert [(r["backend"], r["cp"]) for r in rows] == [("mooncake", 1), ("kvbridge", 1), ("kvbridge", 2)]
+    assert [(r["backend"], r["cp"]) for r in rows] == [("mooncake", 1), ("mooncake", 2), ("kvbridge", 1),
+                                                       ("kvbridge", 2)]  # fmt: skip
     for r in rows:
         assert r["rooms"] == r["succeeded"] == r["bytes_checked"] == 2 and r["failed"] == 0, r
-        assert len(r["latencies_ms"]) == 2
+        assert len(r["latencies_ms"]) == 2 and r["base_cp"] == r["cp"], r
+    stock = {r["cp"]: r for r in rows if r["backend"] == "mooncake"}
+    for r in rows:
+        assert r["p50_ratio"] == pytest.approx(r["p50_ms"] / stock[r["cp"]]["p50_ms"]), r
+    assert [line.split()[-1] for line in proc.stdout.splitlines()[-4:]] == ["1", "2", "1", "2"]
 
 
 def test_page_pattern_is_the_formula(monkeypatch):
