@@ -30,8 +30,11 @@ decode server (``--rank-processes``: a prefill child per CP rank instead, each h
 every configuration, as a deployment runs one process per rank); each configuration first moves one uncounted warm-up room, then the rooms go round
 robin over the configurations (room i of each before room i + 1 of any). Latency is decode's,
 from ``send_metadata`` to ``poll() == Success``; GB/s is the rooms' KV bytes over their summed
-latencies. Every room's decode pages start poisoned and must equal the prefill
-pages they came from, byte for byte, in every layer.
+latencies; ``send`` is the CPU time (``time.thread_time``) one prefill rank's ``send()`` takes on
+the thread that calls it, SGLang's scheduler thread in a server (p50 over every rank of every
+room). ``KVBRIDGE_TRACE=1`` with ``--logs``: kvbridge's trace lines in the children's logs. Every
+room's decode pages start poisoned and must equal the prefill pages they came from, byte for byte,
+in every layer.
 """
 
 from __future__ import annotations
@@ -164,12 +167,16 @@ def prefill_room(ranks: list[Rank], addr: str, room: int, n: int, pages: list[in
 
     senders = [r.cls("SENDER")(r.mgr, addr, room, False) for r in ranks]
     state = wait_poll(senders, {2}, 60)  # WaitingForInput
+    send_cpu = []  # what each rank's send() costs the thread that calls it (SGLang's scheduler), CPU seconds
     if state == 2:
         for r, s in zip(ranks, senders):
             prefix = s.pop_decode_prefix_len()
             s.init(len(pages) - prefix // PAGE, 0)
             r.meta.bootstrap_room[0, 0] = room  # what set_buf writes for the room
-            s.send(np.asarray(pages, dtype=np.int64), None, num_kv_tokens=n)
+            indices = np.asarray(pages, dtype=np.int64)
+            start = time.thread_time()
+            s.send(indices, None, num_kv_tokens=n)
+            send_cpu.append(time.thread_time() - start)
         state = wait_poll(senders, {4}, 120)
     # kvbridge's account of the room on each rank (the stock sender has none): the path of each
     # decode target, and the bytes that went through staging
@@ -178,7 +185,7 @@ def prefill_room(ranks: list[Rank], addr: str, room: int, n: int, pages: list[in
         s.clear() if state == 4 else None
     return {"room": room, "side": "prefill", "state": state,
             "paths": sorted({p for st in stats for p in st.get("paths", {}).values()}),
-            "bytes": sum(st.get("bytes", 0) for st in stats),
+            "bytes": sum(st.get("bytes", 0) for st in stats), "send_cpu": send_cpu,
             "bytes_staged": sum(st.get("bytes_staged", 0) for st in stats)}  # fmt: skip
 
 
@@ -213,6 +220,8 @@ def child(cfg: dict) -> None:
 
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if os.environ.get("KVBRIDGE_TRACE") == "1":  # kvbridge's trace lines, one per room event, into --logs
+        logging.getLogger("kvbridge").setLevel(logging.INFO)
     from kvbridge.integrations.sglang import install
 
     install()
@@ -326,7 +335,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
             parts = [c.next(300) for c in senders]
             p = {"room": room, "side": "prefill", "state": min(x["state"] for x in parts),
                  "paths": sorted({q for x in parts for q in x["paths"]}),
-                 "bytes": sum(x["bytes"] for x in parts), "bytes_staged": sum(x["bytes_staged"] for x in parts)}
+                 "bytes": sum(x["bytes"] for x in parts), "bytes_staged": sum(x["bytes_staged"] for x in parts),
+                 "send_cpu": [c for x in parts for c in x["send_cpu"]]}
             return d, p
 
         def sizes_of(staging: str | None) -> list[int]:
@@ -346,7 +356,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
                     room += 1
                     d, p = one(server_name(label, cp), n)
                     acc = runs.setdefault((server_name(label, cp), n), {"lat": [], "ok": 0, "failed": 0, "paths": {},
-                                                                        "posted": 0, "staged": 0})  # fmt: skip
+                                                                        "posted": 0, "staged": 0,
+                                                                        "send_cpu": []})  # fmt: skip
                     if d["state"] == 4 and p["state"] == 4:
                         acc["lat"].append(d["latency_s"])
                         acc["ok"] += d["ok"]
@@ -354,6 +365,7 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
                         acc["paths"][path] = acc["paths"].get(path, 0) + 1
                         acc["posted"] += p["bytes"]
                         acc["staged"] += p["bytes_staged"]
+                        acc["send_cpu"] += p["send_cpu"]
                     else:
                         acc["failed"] += 1
         for label, _, cp, staging in configs:
@@ -365,7 +377,8 @@ def run(layers: int, sizes: list[int], rooms: int, workdir: Path, staged_sizes: 
                              "paths": acc["paths"], "staged_share": acc["staged"] / posted if posted else None,
                              "mb_per_room": nbytes / 1e6, "p50_ms": float(np.median(lat)) * 1e3 if lat else None,
                              "gb_s": nbytes * len(lat) / sum(lat) / 1e9 if lat else None,
-                             "latencies_ms": [round(x * 1e3, 3) for x in lat]})  # fmt: skip
+                             "latencies_ms": [round(x * 1e3, 3) for x in lat],
+                             "send_cpu_ms": float(np.median(acc["send_cpu"])) * 1e3 if acc["send_cpu"] else None})  # fmt: skip
     finally:
         decode.stop()  # first: its ranks deregister from daemons the prefill child runs
         for c in reversed(prefills):  # rank 0's child, which runs the bootstrap servers, last
@@ -385,9 +398,10 @@ def table(rows: list[dict], layers: int) -> str:
     out = [f"SGLang peer benchmark: {layers} layers x {ROW} B per token, page {PAGE}, random pages, Mooncake TCP "
            "(loopback), one room at a time; staging = KVBRIDGE_STAGING of both servers; path = what the prefill "
            "senders report per room; ratio = GB/s over SGLang's Mooncake backend at the same size, p50 x = p50 "
-           "over its p50 (vs: the stock backend's CP size it is set against: the row's own where it ran, else 1)",
+           "over its p50 (vs: the stock backend's CP size it is set against: the row's own where it ran, else 1); "
+           "send = CPU ms one prefill rank's send() takes on the calling thread (SGLang's scheduler), p50",
            f"{'backend':<15} {'cp':>2} {'staging':<7} {'path':<17} {'tokens':>6} {'MB/room':>8} {'rooms':>5} "
-           f"{'ok':>3} {'bytes ok':>8} {'p50 ms':>8} {'p50 x':>6} {'GB/s':>6} {'ratio':>6} {'vs':>2}"]  # fmt: skip
+           f"{'ok':>3} {'bytes ok':>8} {'p50 ms':>8} {'p50 x':>6} {'GB/s':>6} {'ratio':>6} {'vs':>2} {'send':>6}"]  # fmt: skip
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -396,7 +410,7 @@ def table(rows: list[dict], layers: int) -> str:
         out.append(f"{r['backend']:<15} {r['cp']:>2} {r['staging'] or '-':<7} {path_cell(r['paths']):<17} "
                    f"{r['tokens']:>6} {r['mb_per_room']:>8.1f} {r['rooms']:>5} {r['succeeded']:>3} "
                    f"{r['bytes_checked']:>8} {f(r['p50_ms'], '8.1f')} {f(r['p50_ratio'], '6.2f')} "
-                   f"{f(r['gb_s'], '6.2f')} {f(r['ratio'], '6.2f')} {r['base_cp']:>2}")  # fmt: skip
+                   f"{f(r['gb_s'], '6.2f')} {f(r['ratio'], '6.2f')} {r['base_cp']:>2} {f(r['send_cpu_ms'], '6.3f')}")  # fmt: skip
     return "\n".join(out)
 
 

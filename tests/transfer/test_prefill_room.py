@@ -899,6 +899,59 @@ def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reporte
     assert all(m.status == "ok" for m in reports) and r.paths == {"d/dp0/tp0": "staged"}
 
 
+def test_auto_plans_each_page_of_a_direct_chunk_once_the_first_group_chose_its_path(ms, monkeypatch):
+    """Staging auto on a chunk larger than a group: the path is chosen on the first group's plan.
+    When that says direct, the write is that plan and the rest's after it (no page planned twice),
+    and it carries what one plan of the whole chunk would: the same bytes, source to destination."""
+    import kvbridge.transfer.prefill.staged as staged
+    import kvbridge.transfer.prefill.writes as writes
+    from kvbridge.transfer.prefill.staged import SetMode
+
+    monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
+    ms.machine.feed(SetMode("never"))
+    _, whole = staged_room(ms, 36, num_tokens=13)  # 4 pages, planned whole (never stages: no group)
+    planned = []
+    for name in ("plan_target", "plan_chunk"):
+        f = getattr(writes, name)
+        monkeypatch.setattr(writes, name, lambda *a, _f=f, _n=name, **k: planned.append((_n, a[4].size)) or _f(*a, **k))
+    ms.machine.feed(SetMode("auto"))
+    r, acts = staged_room(ms, 37, num_tokens=13)
+    assert planned == [("plan_target", 1), ("plan_chunk", 3)]  # the first group, then the three pages after it
+    assert r.paths == {"d/dp0/tp0": "direct"} and not ms.later and not ms.stage.writes
+
+    def merged(w: PostWrite) -> list[tuple[int, int, int]]:  # the slices, contiguous ones joined
+        out: list[list[int]] = []
+        for src, dst, n in sorted(zip(w.src.tolist(), w.dst.tolist(), w.length.tolist())):
+            if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+                out[-1][2] += n
+            else:
+                out.append([src, dst, n])
+        return [tuple(x) for x in out]
+
+    (split,), (one,) = of(acts, PostWrite), of(whole, PostWrite)
+    assert merged(split) == merged(one) and int(split.length.sum()) == int(one.length.sum())
+
+
+def test_auto_plans_a_chunk_whole_on_a_route_it_never_stages(ms, monkeypatch):
+    """A decode rank reached through an engine auto never stages (IPC: one launch copies any
+    number of slices) gets its chunk planned once, whole: no first group to choose a path on."""
+    import dataclasses
+
+    import kvbridge.transfer.prefill.staged as staged
+    import kvbridge.transfer.prefill.writes as writes
+    from kvbridge.transfer.prefill.staged import SetMode
+
+    monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)
+    ms.peers.entries["r1"] = dataclasses.replace(ms.peers.entries["r1"], engine_kind="ipc")
+    planned = []
+    for name in ("plan_target", "plan_chunk"):
+        f = getattr(writes, name)
+        monkeypatch.setattr(writes, name, lambda *a, _f=f, _n=name, **k: planned.append((_n, a[4].size)) or _f(*a, **k))
+    ms.machine.feed(SetMode("auto"))
+    r, acts = staged_room(ms, 38, num_tokens=13)
+    assert planned == [("plan_chunk", 4)] and r.paths == {"d/dp0/tp0": "direct"} and len(of(acts, PostWrite)) == 1
+
+
 # ---- the door: every event type the machine takes, fed through feed() -------------------------------
 
 def test_every_event_type_of_the_prefill_machine_is_fed_through_its_one_door(ms):

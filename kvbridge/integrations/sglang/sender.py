@@ -86,6 +86,7 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
         self._pages_given = 0
         self._tokens_given = 0
         self._page_ids: list[np.ndarray] = []
+        self._mine: np.ndarray | None = None  # position -> this rank sends it (the room's owned pages, after init)
         s = mgr.settings
         if mgr.released:
             self.fail(mgr.RELEASED)
@@ -173,7 +174,14 @@ class KVBridgeKVSender(RoomHandle, BaseKVSender):
 
     def _owned(self, positions: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(logical pages, local pages) of this chunk that this rank sends."""
-        mine = np.isin(positions, self._handle.owned_pages)
+        if self._mine is None:  # once a room: owned_pages is a copy under the endpoint's lock
+            owned = self._handle.owned_pages
+            self._mine = np.zeros(self._prefix_pages + (self._num_pages or 0), dtype=bool)
+            self._mine[owned[owned < self._mine.size]] = True
+        if positions.size and positions[-1] >= self._mine.size:  # (ascending) past the room's pages: none is owned
+            mine = np.isin(positions, np.flatnonzero(self._mine))
+        else:
+            mine = self._mine[positions]
         shard = self.kv_mgr.settings.kv_shard_size
         if shard > 1:
             off = np.flatnonzero(pages % shard != positions % shard)

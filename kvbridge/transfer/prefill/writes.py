@@ -152,6 +152,7 @@ class Writes:
         logical, local = logical[t.group_at:], local[t.group_at:]
         group = self.stage.group_size(r.room, t, logical.size)
         rank = self.rank
+        head = None  # the first group's plan, when the path chosen on it is direct: the write's first part
         try:
             if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
                 part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
@@ -160,6 +161,7 @@ class Writes:
                     self._stage_write(r, t, logical[:group], False, part, after, num_layers)
                     t.group_at += group
                     return False
+                head = part
             t.group_at = 0  # direct: the whole chunk is one write
             kplan, kunits = None, None
             if self.kinds and kind_to is not None and t.kind_wait:
@@ -191,9 +193,15 @@ class Writes:
                         return self._report_aux(r, t, num_layers, kunits)  # nothing to write: reported now
                 else:
                     after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
-            plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
-                              room=r.room, rank=rank, layers=layers) if logical.size or src is not None \
-                else TransferPlan.empty()
+            if head is not None:  # the rest of the chunk after its first group (planned above), then the aux row
+                plan = TransferPlan.concat([head, plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical[group:],
+                                                             local[group:], r.plan_tokens, src, room=r.room, rank=rank,
+                                                             layers=layers)])
+            elif logical.size or src is not None:
+                plan = plan_chunk(specs, self.src_bufs, self.aux_schema, t, logical, local, r.plan_tokens, src,
+                                  room=r.room, rank=rank, layers=layers)
+            else:
+                plan = TransferPlan.empty()
             if kplan is not None and kplan.num_slices:
                 plan = TransferPlan.concat([plan, kplan])
             if self.kinds and not plan.num_slices and not with_aux and not kunits and not (

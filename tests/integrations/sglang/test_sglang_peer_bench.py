@@ -2,7 +2,7 @@
 and kvbridge's (CP 1 and 2, staging auto; and staged, KVBRIDGE_STAGING=always) through SGLang's classes, in child processes over Mooncake TCP on loopback. Checks its rows
 (every room of every configuration and size succeeded and was byte-checked, the path each
 kvbridge room took as its senders reported it, staged rows wholly staged, a ratio against the
-stock backend), never its speed."""
+stock backend, send() timed on its thread), never its speed."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_quick_mode_rows(tmp_path):
         assert r["rooms"] == r["succeeded"] == r["bytes_checked"] == 2 and r["failed"] == 0, r
         assert r["gb_s"] > 0 and r["ratio"] > 0 and r["mb_per_room"] == pytest.approx(r["tokens"] * 656 * 4 / 1e6)
         assert r["p50_ms"] > 0 and r["p50_ratio"] > 0 and r["base_cp"] == 1  # no stock CP 2 without --stock-cp2
+        assert r["send_cpu_ms"] >= 0  # each room's send() timed on its calling thread, every rank's
         if r["backend"] == "mooncake":  # the stock sender reports no path
             assert r["ratio"] == r["p50_ratio"] == 1.0 and r["paths"] == {"-": 2} and r["staged_share"] is None
         elif r["staging"] == "always":  # every byte of every room through decode's staging area
@@ -77,7 +78,7 @@ def test_rank_processes_put_each_prefill_cp_rank_in_its_own_child(tmp_path):
     stock = {r["cp"]: r for r in rows if r["backend"] == "mooncake"}
     for r in rows:
         assert r["p50_ratio"] == pytest.approx(r["p50_ms"] / stock[r["cp"]]["p50_ms"]), r
-    assert [line.split()[-1] for line in proc.stdout.splitlines()[-4:]] == ["1", "2", "1", "2"]
+    assert [line.split()[-2] for line in proc.stdout.splitlines()[-4:]] == ["1", "2", "1", "2"]  # the vs column
 
 
 def test_page_pattern_is_the_formula(monkeypatch):
