@@ -899,21 +899,29 @@ def test_a_staged_chunk_larger_than_a_slot_is_planned_group_by_group_and_reporte
     assert all(m.status == "ok" for m in reports) and r.paths == {"d/dp0/tp0": "staged"}
 
 
+def spy_planning(monkeypatch) -> list[tuple[str, int]]:
+    """(function, pages) of each plan the writes module makes from here on: a first group's
+    ``plan_target``, a write's ``plan_chunk``."""
+    import kvbridge.transfer.prefill.writes as writes
+
+    planned: list[tuple[str, int]] = []
+    for name in ("plan_target", "plan_chunk"):
+        f = getattr(writes, name)
+        monkeypatch.setattr(writes, name, lambda *a, _f=f, _n=name, **k: planned.append((_n, a[4].size)) or _f(*a, **k))
+    return planned
+
+
 def test_auto_plans_each_page_of_a_direct_chunk_once_the_first_group_chose_its_path(ms, monkeypatch):
     """Staging auto on a chunk larger than a group: the path is chosen on the first group's plan.
     When that says direct, the write is that plan and the rest's after it (no page planned twice),
     and it carries what one plan of the whole chunk would: the same bytes, source to destination."""
     import kvbridge.transfer.prefill.staged as staged
-    import kvbridge.transfer.prefill.writes as writes
     from kvbridge.transfer.prefill.staged import SetMode
 
     monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)  # groups of one page here (tests' pages are small)
     ms.machine.feed(SetMode("never"))
     _, whole = staged_room(ms, 36, num_tokens=13)  # 4 pages, planned whole (never stages: no group)
-    planned = []
-    for name in ("plan_target", "plan_chunk"):
-        f = getattr(writes, name)
-        monkeypatch.setattr(writes, name, lambda *a, _f=f, _n=name, **k: planned.append((_n, a[4].size)) or _f(*a, **k))
+    planned = spy_planning(monkeypatch)
     ms.machine.feed(SetMode("auto"))
     r, acts = staged_room(ms, 37, num_tokens=13)
     assert planned == [("plan_target", 1), ("plan_chunk", 3)]  # the first group, then the three pages after it
@@ -938,15 +946,11 @@ def test_auto_plans_a_chunk_whole_on_a_route_it_never_stages(ms, monkeypatch):
     import dataclasses
 
     import kvbridge.transfer.prefill.staged as staged
-    import kvbridge.transfer.prefill.writes as writes
     from kvbridge.transfer.prefill.staged import SetMode
 
     monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)
     ms.peers.entries["r1"] = dataclasses.replace(ms.peers.entries["r1"], engine_kind="ipc")
-    planned = []
-    for name in ("plan_target", "plan_chunk"):
-        f = getattr(writes, name)
-        monkeypatch.setattr(writes, name, lambda *a, _f=f, _n=name, **k: planned.append((_n, a[4].size)) or _f(*a, **k))
+    planned = spy_planning(monkeypatch)
     ms.machine.feed(SetMode("auto"))
     r, acts = staged_room(ms, 38, num_tokens=13)
     assert planned == [("plan_chunk", 4)] and r.paths == {"d/dp0/tp0": "direct"} and len(of(acts, PostWrite)) == 1
