@@ -4,7 +4,8 @@
 # (carry .whl and .debs):
 #   SKIP_TEST=1 SKIP_BENCH=1 STEPS="lw hops" EXTRA="bash scripts/device/issue33_r15.sh" bash scripts/device/run_gpu.sh
 # then pack $OUT's folders in one archive (the device tool brings back only a few files per call).
-# NOT RUN YET: written in round 15, when no device was lent (docs/performance.md "Issue 33, round 15").
+# Written in round 15, when no device was lent. Round 17 ran STEPS="ctl lw" with ROUNDS=1 on an H100 host
+# (docs/performance.md "Issue 33, round 17"); the hops step has not run yet.
 # Steps (STEPS picks; each bounded; ROUNDS: how many inline/written pairs, alternating):
 #   lw     layerwise_gpu_bench.py $LW_ARGS (default --tokens 8192 32768 --cp 1 2 --rooms 8; IPC), inline then
 #          written, ROUNDS times; the traced tail (--trace-dir) once of each
