@@ -341,7 +341,7 @@ class StagedWrites:
         if self.gather is None or self.mode == "never" or offer is None or self.paths.get(key) == "direct":
             return None
         if self.mode != "always" and not offer.only and staging_thresholds(offer.engine_kind) is None:
-            return None  # a route auto never stages (Mooncake TCP): direct, so the chunk is planned once, whole
+            return None  # a route auto never stages (IPC): direct, so the chunk is planned once, whole
         bufs = [b for b in self.src_bufs if b.pool in t.pools]
         if not bufs:
             return None
