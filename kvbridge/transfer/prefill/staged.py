@@ -340,8 +340,8 @@ class StagedWrites:
         offer = self.offers.get(key)
         if self.gather is None or self.mode == "never" or offer is None or self.paths.get(key) == "direct":
             return None
-        if self.mode != "always" and not offer.only and staging_thresholds(offer.engine_kind) is None:
-            return None  # a route auto never stages (IPC): direct, so the chunk is planned once, whole
+        if self._path_without_plan(room, t, offer) == "direct":
+            return None  # a route auto never stages (IPC): the chunk is planned once, whole
         bufs = [b for b in self.src_bufs if b.pool in t.pools]
         if not bufs:
             return None
@@ -367,24 +367,33 @@ class StagedWrites:
         if found is not None:
             return found
         offer = self.offers.get(key)
+        path = self._path_without_plan(room, t, offer)
+        if path is None:
+            path = choose_path(plan, staging_thresholds(offer.engine_kind))
+        self.paths[key] = path
+        self.counters[f"{path}_targets"] += 1
+        return path
+
+    def _path_without_plan(self, room: int, t: Target, offer: Offer | None) -> str | None:
+        """The target's path where no plan decides it: direct without an offer, without staging
+        here, or over a route auto never stages (its engine copies any number of slices at once);
+        staged for a staging-only offer or staging ``always``; None when the slices of its first
+        plan decide (``choose_path``). LayoutError when the decode rank wants staging only and this
+        rank cannot stage."""
         if offer is None:
-            path = "direct"
-        elif offer.only:
+            return "direct"
+        if offer.only:
             if self.gather is None or self.mode == "never":
                 raise LayoutError(f"decode rank {t.decode_rank} takes staged writes only, but this rank stages "
                                   f"nothing (staging {self.mode!r}, gather buffer "
                                   f"{'none' if self.gather is None else 'present'})", room=room, rank=self.rank,
                                   field="staging")
-            path = "staged"
-        elif self.gather is None or self.mode == "never":
-            path = "direct"
-        elif self.mode == "always":
-            path = "staged"
-        else:
-            path = choose_path(plan, staging_thresholds(offer.engine_kind))
-        self.paths[key] = path
-        self.counters[f"{path}_targets"] += 1
-        return path
+            return "staged"
+        if self.gather is None or self.mode == "never":
+            return "direct"
+        if self.mode == "always":
+            return "staged"
+        return "direct" if staging_thresholds(offer.engine_kind) is None else None
 
     # ---- handlers ----------------------------------------------------------------------------
     def _start(self, e: StageWrite) -> None:
