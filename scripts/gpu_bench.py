@@ -420,7 +420,7 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
                      staged=g["engine"] in STAGED and (not trace_dir or args.trace_staged),
                      staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots),
-                     aux_inline=not args.aux_written)
+                     aux_inline=not args.aux_written, ask_first=args.ask_first)
 
     def show(row: dict[str, Any]) -> None:
         log(f"  {name} {row['alloc']} {row['tokens']}: kvbridge {row['kvbridge_gbps']} GB/s (p50 "
@@ -603,6 +603,11 @@ def main() -> None:
     ap.add_argument("--aux-written", action="store_true",
                     help="decode takes each room's aux row as a write into its aux rows (one slice more per room), "
                          "not in the report that carries it (DecodeConfig.aux_inline, the default)")
+    ap.add_argument("--ask-first", action="store_true",
+                    help="an engine's order: decode asks first (its request and the room's ticket in on every prefill "
+                         "rank 50 ms before the sends), every prefill rank calls send() at one instant, and a room's "
+                         "time runs from it to decode seeing Success (default: decode asks last and the time runs "
+                         "from its receiver(); the raw baselines are timed from their posts either way)")
     ap.add_argument("--json", default="", help="write everything here")
     args = ap.parse_args()
     os.environ.setdefault("GLOG_minloglevel", "2")
@@ -612,7 +617,8 @@ def main() -> None:
 
     result: dict[str, Any] = {"info": {"gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0),
                                        "torch": torch.__version__, "layers": args.layers, "cp": CP,
-                                       "one_gpu": torch.cuda.device_count() < 2}, "rows": [], "errors": []}
+                                       "one_gpu": torch.cuda.device_count() < 2, "ask_first": args.ask_first},
+                              "rows": [], "errors": []}
     if result["info"]["one_gpu"]:
         log("# ONE GPU: prefill and decode processes share cuda:0 (CUDA IPC within one device)")
 
@@ -674,7 +680,9 @@ def main() -> None:
               f"process, {'ONE GPU (both sides on cuda:0)' if result['info']['one_gpu'] else 'cuda:0 -> cuda:1'}; "
               f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
               f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
-              f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone")
+              f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone; "
+              + ("decode asks first (an engine's order): kvbridge timed from the prefill ranks' send() to decode "
+                 "seeing Success" if args.ask_first else "decode asks last: kvbridge timed from its receiver()"))
         print(table(result["rows"]))
     if any(r["group"] == "nixl" for r in result["rows"]):
         where = "ONE GPU: both sides on cuda:0" if result["info"]["one_gpu"] else "cuda:0 -> cuda:1"

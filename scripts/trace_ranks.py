@@ -51,6 +51,8 @@ def events(path: str) -> list[dict[str, float]]:
             name = "decode: committed"
         elif "bench final" in line:
             name = "bench: Success seen"
+        elif "bench send" in line:  # (--ask-first: every rank's send() at one instant, after the request)
+            name = "bench: send()"
         else:
             cp = _CP.search(line)
             name = next((f"cp{cp.group(1)}: {what}" for needle, what in _PREFILL if needle in line), None) \

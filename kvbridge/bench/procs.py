@@ -112,6 +112,7 @@ class PrefillRank(RankBase):
         self.plan: Any = None
         self.senders: dict[int, Any] = {}
         self.scratch: Any = None
+        self.trace = os.environ.get("KVBRIDGE_TRACE") == "1"
 
     def ready(self) -> dict[str, Any]:
         return {"ready": True, "session": self.engine.session_id}
@@ -142,12 +143,19 @@ class PrefillRank(RankBase):
         return {"staging": cmd["mode"]}
 
     def send(self, cmd: dict) -> dict:
+        """The room's one send(), every page and (on the aux owner) the aux row; at monotonic time
+        ``at`` when given (every rank's forward ends together: the bench's engine order)."""
         from kvbridge.worker.synthetic import make_aux
 
         room, n = cmd["room"], cmd["tokens"]
+        aux = make_aux(self.aux_schema, room, n) if cmd["aux"] else None
         s = self.endpoint.sender(room)
         s.init(n)
-        s.send(self.owned, self.local, is_last=True, aux=make_aux(self.aux_schema, room, n) if cmd["aux"] else None)
+        if cmd.get("at") is not None:
+            _wait_until(cmd["at"])
+        if self.trace:
+            log.info("trace room=%d bench send @%.6f", room, time.monotonic())
+        s.send(self.owned, self.local, is_last=True, aux=aux)
         self.senders[room] = s
         return {"queued": room}
 
@@ -252,6 +260,7 @@ class DecodeRank(RankBase):
         if cfg.get("staged"):
             self.endpoint.set_staging("never")
         self.trace = os.environ.get("KVBRIDGE_TRACE") == "1"
+        self.receivers: dict[int, Any] = {}  # rooms opened with ask_first, until recv_wait
 
     def staging(self, cmd: dict) -> dict:
         """What the rooms requested from now on offer: "never" (kvbridge direct) or "always" (staged only)."""
@@ -273,16 +282,30 @@ class DecodeRank(RankBase):
         return {"ok": True}
 
     def recv(self, cmd: dict) -> dict:
-        from kvbridge.transfer.poll import KVPoll
-
+        """Open the room's receiver (decode's request leaves) and wait for it; ``ask_first``: answer
+        once the request left (``recv_wait`` waits), the order of an engine whose decode admits a
+        request while prefill computes."""
         room, n = cmd["room"], cmd["tokens"]
         page_ids = np.asarray(cmd["page_ids"], np.int64)
-        final = (KVPoll.Success, KVPoll.Failed)
         t0 = time.perf_counter()
         if self.trace:
             log.info("trace room=%d bench recv @%.6f", room, time.monotonic())
         r = self.endpoint.receiver(room, cmd["prefill"])
         r.init(page_ids, 0, n)
+        if cmd.get("ask_first"):
+            self.receivers[room] = r
+            return {"opened": room}
+        return self._wait(room, r, cmd, t0)
+
+    def recv_wait(self, cmd: dict) -> dict:
+        """Wait for a room ``recv`` opened with ``ask_first``; ``final_at``: the monotonic time its
+        Success (or failure) was seen."""
+        return self._wait(cmd["room"], self.receivers.pop(cmd["room"]), cmd, time.perf_counter())
+
+    def _wait(self, room: int, r: Any, cmd: dict, t0: float) -> dict:
+        from kvbridge.transfer.poll import KVPoll
+
+        final = (KVPoll.Success, KVPoll.Failed)
         timeout, poll_s = cmd.get("timeout", 120), cmd.get("poll_s", 0.0)
         if poll_s > 0:  # like an engine's scheduler step
             deadline = time.monotonic() + timeout
@@ -290,13 +313,13 @@ class DecodeRank(RankBase):
                 time.sleep(poll_s)
         else:
             state = r.wait(timeout)
-        elapsed = time.perf_counter() - t0
+        elapsed, final_at = time.perf_counter() - t0, time.monotonic()
         if self.trace:
-            log.info("trace room=%d bench final %s @%.6f", room, state.name, time.monotonic())
+            log.info("trace room=%d bench final %s @%.6f", room, state.name, final_at)
         if state not in final:
             r.abort("bench timeout")
         out = {"room": room, "state": r.poll().name, "reason": r.failure_reason or "", "seconds": elapsed,
-               "aux_room": None if r.aux is None else int(r.aux.room)}
+               "final_at": final_at, "aux_room": None if r.aux is None else int(r.aux.room)}
         del r
         return out
 
@@ -323,7 +346,8 @@ def rank_ops(rank: RankBase) -> dict[str, Any]:
             "staging": getattr(rank, "staging", None), "send": getattr(rank, "send", None),
             "wait_sent": getattr(rank, "wait_sent", None), "raw": getattr(rank, "raw", None),
             "copy": getattr(rank, "copy", None), "prepare": getattr(rank, "prepare", None),
-            "recv": getattr(rank, "recv", None), "check": getattr(rank, "check", None), "stats": rank.stats}
+            "recv": getattr(rank, "recv", None), "recv_wait": getattr(rank, "recv_wait", None),
+            "check": getattr(rank, "check", None), "stats": rank.stats}
 
 
 def _wait_until(t: float) -> None:

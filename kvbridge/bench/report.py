@@ -95,6 +95,9 @@ def _describe(meta: dict[str, Any]) -> str:
         "the engine alone on the same slices where kvbridge's engine is not the one raw drives (on Mooncake "
         "raw GB/s is the engine alone: '-')"
     )
+    if meta.get("ask_first"):
+        text += ("\norder: decode asks first (an engine's order); kvbridge's time runs from the prefill ranks' "
+                 "send() to decode seeing Success")
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"
     return text

@@ -47,6 +47,7 @@ from kvbridge.layout.aux import owner_of_last_token
 from kvbridge.layout.pools import preset_pools
 
 START_S = 0.005  # raw runs start this long after the command is sent: every rank gets it first
+ASK_FIRST_LEAD_S = 0.05  # ask_first: decode's request this long before prefill's sends
 CHILD_START_S = 180.0
 
 
@@ -78,6 +79,11 @@ class RigSpec:
     # decode takes each room's aux row in the report that carries it (DecodeConfig.aux_inline); False:
     # as a write into its aux rows, one slice more per room
     aux_inline: bool = True
+    # decode asks first: its request (and at CP > 1 the room's ticket) reaches prefill before every
+    # rank's send(), at one instant; a room's time runs from that instant to decode's Success (the
+    # order of an engine whose decode admits a request while prefill computes). False: prefill's
+    # sends queue first and the time runs from decode's receiver() (a request that comes last)
+    ask_first: bool = False
 
     @property
     def max_pages(self) -> int:
@@ -288,17 +294,30 @@ class Rig:
         return out["checked"], out["errors"]
 
     def run_kvbridge(self, room: int, pages: Allocation, num_tokens: int, staging: str = "never") -> tuple[float, int]:
-        """Seconds from the decode receiver's creation to commit; slices the senders posted (staged:
-        wire pieces). ``staging``: the prefill ranks' path for the room, "never" (direct) or "always"."""
+        """Seconds from the decode receiver's creation (``ask_first``: from the prefill ranks' send())
+        to decode seeing Success; slices the senders posted (staged: wire pieces). ``staging``: the
+        prefill ranks' path for the room, "never" (direct) or "always"."""
         if staging != self.staging_mode:
             for child in (*self.prefill, self.decode):
                 child.ask(op="staging", mode=staging)
             self.staging_mode = staging
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
-        for rank, child in enumerate(self.prefill):  # their KV is ready: sends queue until decode asks
-            child.ask(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner)
-        res = self.decode.ask(op="recv", room=room, tokens=num_tokens, page_ids=pages.page_ids.tolist(),
-                              prefill=self.prefill_instance, poll_s=self.spec.poll_s)
+        recv = dict(room=room, tokens=num_tokens, page_ids=pages.page_ids.tolist(), prefill=self.prefill_instance,
+                    poll_s=self.spec.poll_s)
+        if self.spec.ask_first:
+            self.decode.ask(op="recv", ask_first=True, **recv)
+            time.sleep(ASK_FIRST_LEAD_S)  # the request (and the room's ticket) in on every rank
+            at = time.monotonic() + START_S
+            for rank, child in enumerate(self.prefill):  # every rank's forward ends at ``at``
+                child.send(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner, at=at)
+            for child in self.prefill:
+                child.reply()
+            res = self.decode.ask(op="recv_wait", room=room, poll_s=self.spec.poll_s)
+            res["seconds"] = res["final_at"] - at
+        else:
+            for rank, child in enumerate(self.prefill):  # their KV is ready: sends queue until decode asks
+                child.ask(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner)
+            res = self.decode.ask(op="recv", **recv)
         sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
         problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
         want = "staged" if staging == "always" else "direct"

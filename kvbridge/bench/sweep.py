@@ -58,6 +58,7 @@ class BenchSpec:
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots
     in_process: bool = False  # every rank a thread of this process (``RigSpec.in_process``)
     aux_inline: bool = True  # decode takes the aux row in the report (False: as a write; ``RigSpec.aux_inline``)
+    ask_first: bool = False  # decode asks before prefill sends; timed from the sends (``RigSpec.ask_first``)
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -137,7 +138,7 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         "cp": rig.spec.cp, "alloc": alloc, "engine": spec.engine, "tokens": num_tokens, "layers": spec.layers,
         "draft_layers": spec.draft_layers, "bytes": num_bytes, "slices": num_slices,
         "kvbridge_slices": posted["kvbridge"] or None, "staged_slices": posted["staged"] or None, "ideal_slices": rig.ideal_slices(pages), "plan_ms": round(plan_ms, 3),
-        "reps": reps,
+        "reps": reps, "ask_first": spec.ask_first,
     }
     for name in ("kvbridge", "staged", "raw", "engine", "memcpy"):
         t = times.get(name) or []
@@ -186,7 +187,7 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged,
                               staging_slot_bytes=spec.staging_slot_bytes,
                               staging_slots=tuple(spec.staging_slots), in_process=spec.in_process,
-                              aux_inline=spec.aux_inline))  # fmt: skip
+                              aux_inline=spec.aux_inline, ask_first=spec.ask_first))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:

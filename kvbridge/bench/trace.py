@@ -14,9 +14,16 @@ when a room completes, so each event is taken at its last occurrence):
     committed  decode: every page and the aux row accounted for
     final      decode: the bench's poll saw Success                      (bench line)
 
+In the engine's order (the bench's ``ask_first``: decode's request, and at CP > 1 the room's
+ticket, reach prefill before its sends) the room starts at the prefill ranks' ``send()``:
+
+    send       prefill: the bench calls send(), every page at once        (bench line, per rank)
+    posted ... final as above
+
 The committed line also says how long reading the aux row took (``aux_read=``: for a row
 in device memory, one copy to the host and its synchronisation; for a row its report carried,
-``aux_inline``, writing it into the room's slot), shown as its own row.
+``aux_inline``, writing it into the room's slot), shown as its own row; ``aux_ahead=`` when that
+row was written before the commit, as its report came (0 at the commit then).
 """
 
 from __future__ import annotations
@@ -38,10 +45,17 @@ HOPS = (
     ("reported", "committed", "ledger + aux row read or write + commit (decode)"),
     ("committed", "final", "until the room's poll sees it"),
 )
+ENGINE_ORDER = ("send", "posted", "written", "reported", "committed", "final")
+ENGINE_HOPS = (
+    ("send", "posted", "send(): checks + plan + submit (prefill, the last rank)"),
+    *HOPS[4:],
+)
 _ROOM = re.compile(r"trace room=(\d+)")
 _AT = re.compile(r"@(\d+\.\d+)")
 _AUX_READ = re.compile(r"aux_read=(\d+\.\d+)ms")
-_KINDS = (("bench recv", "recv"), ("requested from (cp, tp, pp) ranks", "requested"), (" request from ", "received"),
+_SUBMIT = re.compile(r"submit=(\d+\.\d+)ms")
+_KINDS = (("bench recv", "recv"), ("bench send", "send"), ("requested from (cp, tp, pp) ranks", "requested"),
+          (" request from ", "received"),
           (" target ", "target"), (" -> ", "posted"), ("write of", "written"), (" report from ", "reported"),
           ("committed", "committed"), ("bench final", "final"))
 
@@ -59,27 +73,47 @@ def parse(lines: Iterable[str]) -> dict[int, dict[str, list[float]]]:
                 read = _AUX_READ.search(line) if kind == "committed" else None
                 if read is not None:
                     rooms[int(room.group(1))]["aux_read_ms"].append(float(read.group(1)))
+                submit = _SUBMIT.search(line) if kind == "posted" else None
+                if submit is not None:  # (kept beside its post's time: the last post's is the room's)
+                    rooms[int(room.group(1))]["submit_ms"].append(float(submit.group(1)))
+                    rooms[int(room.group(1))]["submit_at"].append(float(at.group(1)))
                 break
     return rooms
 
 
+def asked_first(ev: dict[str, list[float]]) -> bool:
+    """Decode's request reached every prefill rank before the bench's sends (the engine's order)."""
+    return bool(ev.get("send")) and bool(ev.get("received")) and min(ev["send"]) > max(ev["received"])
+
+
 def breakdown(rooms: dict[int, dict[str, list[float]]]) -> list[dict[str, object]]:
-    """p50 and p90 of each hop (ms) over the rooms that have every event, then the total."""
-    complete = [ev for ev in rooms.values() if all(ev.get(k) for k in EVENTS)]
+    """p50 and p90 of each hop (ms) over the rooms that have every event, then the total. Rooms
+    in the engine's order (``asked_first``: all of them, else none is) run from the sends."""
+    first = bool(rooms) and all(asked_first(ev) for ev in rooms.values())
+    events, hops, start = (ENGINE_ORDER, ENGINE_HOPS, "send") if first else (EVENTS, HOPS, "recv")
+    complete = [ev for ev in rooms.values() if all(ev.get(k) for k in events)]
     out: list[dict[str, object]] = []
     if not complete:
         return out
-    for a, b, what in HOPS:
+    for a, b, what in hops:
         ms = np.array([(max(ev[b]) - max(ev[a])) * 1e3 for ev in complete])
         out.append({"hop": f"{a} -> {b}", "what": what, "p50_ms": round(float(np.median(ms)), 3),
                     "p90_ms": round(float(np.percentile(ms, 90)), 3)})
-    total = np.array([(max(ev["final"]) - min(ev["recv"])) * 1e3 for ev in complete])
-    out.append({"hop": "recv -> final", "what": f"total ({len(complete)} rooms)",
+    total = np.array([(max(ev["final"]) - min(ev[start])) * 1e3 for ev in complete])
+    out.append({"hop": f"{start} -> final", "what": f"total ({len(complete)} rooms)",
                 "p50_ms": round(float(np.median(total)), 3), "p90_ms": round(float(np.percentile(total, 90)), 3)})
     reads = np.array([ev["aux_read_ms"][-1] for ev in complete if ev.get("aux_read_ms")])
     if reads.size:
         out.append({"hop": "aux row read", "what": "inside 'reported -> committed' (decode)",
                     "p50_ms": round(float(np.median(reads)), 3), "p90_ms": round(float(np.percentile(reads, 90)), 3)})
+    submits = np.array([ev["submit_ms"][int(np.argmax(ev["submit_at"]))] for ev in complete if ev.get("submit_ms")])
+    if submits.size:
+        inside = "send -> posted" if first else "target -> posted"
+        out.append({"hop": "engine submit", "what": f"inside '{inside}' (the last post's submit_write)",
+                    "p50_ms": round(float(np.median(submits)), 3),
+                    "p90_ms": round(float(np.percentile(submits, 90)), 3)})
+    if first:  # (the targets were built before the sends: no skew on the room's path)
+        return out
     skew = np.array([(max(ev["target"]) - min(ev["target"])) * 1e3 for ev in complete])
     out.append({"hop": "target skew", "what": "first to last CP rank parsing the request",
                 "p50_ms": round(float(np.median(skew)), 3), "p90_ms": round(float(np.percentile(skew, 90)), 3)})

@@ -104,6 +104,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aux-written", action="store_true",
                    help="decode takes each room's aux row as a write into its aux rows, one slice more per room "
                    "(default: in the report that carries it, DecodeConfig.aux_inline)")
+    p.add_argument("--ask-first", action="store_true",
+                   help="an engine's order: decode asks first (its request, and at CP > 1 the room's ticket, reach "
+                   "prefill 50 ms before the sends), then every prefill rank calls send() at one instant; a room's "
+                   "time runs from that instant to decode seeing Success (default: prefill's sends queue first and "
+                   "the time runs from decode's receiver(), a request that comes last)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",
@@ -160,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
         staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"), protocol=args.protocol,
-        aux_inline=not args.aux_written,
+        aux_inline=not args.aux_written, ask_first=args.ask_first,
     ) for engine in args.engine]  # fmt: skip
     spec = specs[0]
     meta = {
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         "engine": ",".join(args.engine), "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens),
         "cps": list(cps), "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms,
         "allocs": list(args.alloc), "device": args.device, "staged": spec.staged, "protocol": args.protocol,
+        "ask_first": args.ask_first,
     }  # fmt: skip
     rows = []
     with start_bootstrap() as (url, token):

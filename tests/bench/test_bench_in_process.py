@@ -24,3 +24,14 @@ def test_staged_and_direct_rooms_with_every_rank_a_thread():
     assert row["staged_slices"] > 2  # more than one staged chunk: the slot cycle ran
     names = {t.name for t in threading.enumerate()}
     assert not {"bench-prefill", "bench-decode"} & names and threading.active_count() <= before + 2
+
+
+def test_rooms_in_an_engines_order_decode_asking_first():
+    """``ask_first``: decode's request (and the room's ticket, at CP 2) is in before the prefill
+    ranks' send(), which then post from their own thread; every room lands and is checked."""
+    spec = BenchSpec(tokens=[1024], cps=[2], layers=2, engine="ipc", reps=2, verify=True, verify_every=True,
+                     allocs=["contiguous"], raw_mooncake=False, staged=False, in_process=True, ask_first=True)
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
+        (row,) = run_sweep(spec, url, None, show_progress=False)
+    assert not row["kvbridge_failures"] and not row["verify_errors"], row
+    assert row["ask_first"] and row["rooms_verified"] == 3 and row["kvbridge_p50_ms"] > 0

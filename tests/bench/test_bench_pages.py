@@ -90,3 +90,33 @@ def test_trace_breakdown_takes_each_event_at_its_last_rank():
                     "target -> posted": 2.0, "posted -> written": 7.0, "written -> reported": 0.4,
                     "reported -> committed": 0.6, "committed -> final": 0.5, "recv -> final": 13.5,
                     "aux row read": 0.25, "target skew": 1.0}
+
+
+def test_trace_breakdown_of_rooms_asked_first_runs_from_the_last_send():
+    """The engine's order (``--ask-first``): the request and its targets come before the sends,
+    so the room's hops run from the bench's send() lines, not from decode's receiver()."""
+    lines = [
+        "x trace room=5 bench recv @10.0000",
+        "x trace room=5 rank=d +1.00ms @10.0010 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
+        "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
+        "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
+        "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
+        "x trace room=5 rank=p/cp1 +0.10ms @10.0030 target d pages=4 pools=index,target",
+        "x trace room=5 bench send @10.0500",
+        "x trace room=5 bench send @10.0501",
+        "x trace room=5 rank=p/cp0 +0.20ms @10.0510 -> d pages=[0, 2] +aux slices=3 bytes=9 submit=0.100ms",
+        "x trace room=5 rank=p/cp1 +0.20ms @10.0515 -> d pages=[1, 3] slices=3 bytes=9 submit=0.300ms",
+        "x trace room=5 rank=p/cp0 +9.00ms @10.0540 write of 2 pages +aux to d done",
+        "x trace room=5 rank=p/cp1 +9.00ms @10.0545 write of 2 pages to d done",
+        "x trace room=5 rank=d +11.0ms @10.0543 report from cp0 pages=2 +aux",
+        "x trace room=5 rank=d +12.0ms @10.0549 report from cp1 pages=2",
+        "x trace room=5 rank=d +13.0ms @10.0553 committed pages_by_rank={0: 2, 1: 2} aux_owner=cp0 aux_read=0.020ms",
+        "x trace room=5 bench final Success @10.0555",
+    ]
+    hops = {h["hop"]: h["p50_ms"] for h in breakdown(parse(lines))}
+    assert hops == {"send -> posted": 1.4, "posted -> written": 3.0, "written -> reported": 0.4,
+                    "reported -> committed": 0.4, "committed -> final": 0.2, "send -> final": 5.5,
+                    "aux row read": 0.02, "engine submit": 0.3}  # (cp1's: the last post)
+    # the same room asked last (its sends queued before decode's request) keeps decode's hops
+    last = [line.replace("bench send @10.050", "bench send @9.990") for line in lines]
+    assert {h["hop"] for h in breakdown(parse(last))} >= {"recv -> requested", "target -> posted", "target skew"}

@@ -379,6 +379,7 @@ class PrefillEndpoint(EndpointShell):
         if not a.target.active:  # its target failed since the write was planned: nothing to post
             self._queue(PostFailed(a, None, time.monotonic()))
             return
+        start = time.monotonic()
         try:
             handle = self.engine.submit_write(a.session, a.src, a.dst, a.length, after=a.after)
         except KVBridgeError as exc:
@@ -389,7 +390,8 @@ class PrefillEndpoint(EndpointShell):
             reason = f"internal error posting room {a.room} to {a.target.decode_rank}: {type(exc).__name__}: {exc}"
             self._queue(PostFailed(a, reason, time.monotonic()))
             return
-        self._queue(Posted(a, handle, time.monotonic()))  # booked before any completion is collected
+        now = time.monotonic()
+        self._queue(Posted(a, handle, now, now - start))  # booked before any completion is collected
 
     def _send_digested(self, a: SendDigested) -> None:
         """The machine's report with the digests of the pages it names, read here."""

@@ -191,11 +191,13 @@ class ProofReadBack:
 
 @dataclass(frozen=True, slots=True)
 class Posted:
-    """The shell submitted ``action``: the engine's ``handle`` reports it."""
+    """The shell submitted ``action``: the engine's ``handle`` reports it; ``submit_s``: how long
+    the engine's submit took (traced: the post's own share of planning and submitting)."""
 
     action: PostWrite
     handle: int
     now: float
+    submit_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
