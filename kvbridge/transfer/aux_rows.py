@@ -331,9 +331,12 @@ class AuxStaging(AuxBuffers):
     the engine hands to ``send(aux=...)`` are written. Host memory by default;
     ``device="cuda:N"`` for transports that only move device memory (Mooncake's NVLink).
 
-    On a device the row goes through a pinned host row and an asynchronous copy on a side
-    stream; the writes that read it wait on that copy's event (``ready_event``), so staging
-    never blocks the thread that calls ``send()`` on the GPU."""
+    On a device the row goes into its slot's pinned host row at ``stage`` and is copied to the
+    device on its first use only (``RowCopy``): a write that reads it waits on the room's
+    ``ready_event``, which queues the copy (on a side stream, after the producer's events) when
+    that write first asks. A room whose every decode rank takes the row in its report
+    (``aux_inline``, the default) never copies it: no device copy, event or stream wait on the
+    thread that calls ``send()``."""
 
     def __init__(self, schema: AuxSchema, num_slots: int, *, rank: str, device: str = "cpu") -> None:
         self._pinned: Any = None
@@ -350,14 +353,18 @@ class AuxStaging(AuxBuffers):
             self._stream = torch.cuda.Stream(rows.device)
             self._stream_handle = int(self._stream.cuda_stream)
             self._cuda = cuda()
+            self._device = rows.device.index if rows.device.index is not None else torch.cuda.current_device()
+            self._slot_events: list[int | None] = [None] * num_slots  # a CUDA event per slot, made on first copy
+            self._copy_lock = threading.Lock()  # a row's copy is queued once, from whichever thread asks first
         super().__init__(schema, rows, rank=rank, field="aux_slots")
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_room: dict[int, int] = {}
-        self._events: dict[int, Any] = {}  # slot -> the event of its last device copy
+        self._events: dict[int, RowCopy] = {}  # slot -> the device copy of the row staged there last
 
     def stage(self, room: int, row: np.ndarray, *, after: Any = None) -> int:
-        """Copy a packed row into the room's slot once (later calls return the slot); returns the
-        slot. ``after``: events the row's copy waits on (a device slot), as a write's would."""
+        """Put a packed row into the room's slot once (later calls return the slot); returns the
+        slot. ``after``: events the row's device copy waits on (queued on first use), as a
+        write's would."""
         slot = self._by_room.get(room)
         if slot is not None:
             return slot
@@ -369,25 +376,31 @@ class AuxStaging(AuxBuffers):
         if self._pinned is None:
             self.storage[slot] = data
             return slot
+        previous = self._events.pop(slot, None)
+        if previous is not None:  # the slot's last copy read this pinned row: it must be done (it is, by now)
+            previous.retire()
+        self._pinned_rows[slot] = data
+        self._events[slot] = RowCopy(self, slot, after)
+        return slot
+
+    def _copy(self, slot: int, after: Any) -> int:
+        """(``_copy_lock`` held) Queue the pinned row's copy into device slot ``slot`` on the side
+        stream, after the producer's events; returns the event recorded after it."""
         import torch
 
         from kvbridge.transfer.engine.base import ready_events
 
-        previous = self._events.pop(slot, None)
-        if previous is not None:  # the slot's last copy read this pinned row: it must be done (it is, by now)
-            previous.synchronize()
-        self._pinned_rows[slot] = data
-        # on the side stream without entering torch's stream context (its device look-ups cost more
-        # than the copy): the waits, the copy by the runtime's C call, the event
-        for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
-            self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
-        row_bytes = self.schema.row_bytes
-        self._cuda.memcpy_async(self.storage.data_ptr() + slot * row_bytes,
-                                self._pinned.data_ptr() + slot * row_bytes, row_bytes, self._stream_handle)
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        self._events[slot] = event
-        return slot
+        with self._cuda.on_device(self._device):
+            event = self._slot_events[slot]
+            if event is None:
+                event = self._slot_events[slot] = self._cuda.event_create()
+            for ev in ready_events(after):  # the producer's events: on the GPU (a CUDA event) or here
+                self._stream.wait_event(ev) if isinstance(ev, torch.cuda.Event) else ev.synchronize()
+            row_bytes = self.schema.row_bytes
+            self._cuda.memcpy_async(self.storage.data_ptr() + slot * row_bytes,
+                                    self._pinned.data_ptr() + slot * row_bytes, row_bytes, self._stream_handle)
+            self._cuda.event_record(event, self._stream_handle)
+        return event
 
     def ready_event(self, room: int) -> Any:
         """The event a write of the room's staged row waits on (None: host rows, ready at once)."""
@@ -398,3 +411,42 @@ class AuxStaging(AuxBuffers):
         slot = self._by_room.pop(room, None)
         if slot is not None:
             self._free.append(slot)
+
+
+class RowCopy:
+    """A staged row's device copy (``AuxStaging`` on a GPU), queued by the first write that waits
+    on it; an event to such writes: ``query``, ``synchronize`` (the host waits) and ``wait_on``
+    (a stream waits, the host does not: ``CudaCopier.wait_for``). Never asked, never copied."""
+
+    __slots__ = ("_staging", "_slot", "_after", "_event")
+
+    def __init__(self, staging: AuxStaging, slot: int, after: Any) -> None:
+        self._staging, self._slot, self._after = staging, slot, after
+        self._event: int | None = None
+
+    @property
+    def queued(self) -> bool:
+        return self._event is not None
+
+    def _queue(self) -> int:
+        if self._event is None:
+            with self._staging._copy_lock:
+                if self._event is None:
+                    self._event = self._staging._copy(self._slot, self._after)
+                    self._after = None
+        return self._event
+
+    def query(self) -> bool:
+        return self._staging._cuda.event_query(self._queue())
+
+    def synchronize(self) -> None:
+        self._staging._cuda.event_synchronize(self._queue())
+
+    def wait_on(self, stream: int) -> None:
+        self._staging._cuda.stream_wait_event(stream, self._queue())
+
+    def retire(self) -> None:
+        """The slot is staged again: a copy queued from it has passed before its pinned row changes."""
+        if self._event is not None:
+            self._staging._cuda.event_synchronize(self._event)
+        self._after = None

@@ -63,3 +63,117 @@ def test_host_rows_are_read_through_a_view_that_follows_later_writes():
         got[:] = 0  # a copy: the store keeps its bytes
         assert store.read_room(1) == 9
     assert AuxBuffers(SCHEMA, by_region(3), rank="r")._host_rows is None  # per-region stores read per region
+
+
+class _Cuda:
+    """The CUDA runtime's stand-in for a device ``AuxStaging``: records every call in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.done = False
+
+    def on_device(self, device):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def event_create(self):
+        self.calls.append(("create",))
+        return 0xE0 + len(self.calls)
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", dst, src, nbytes, stream))
+
+    def event_record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def event_query(self, event):
+        self.calls.append(("query", event))
+        return self.done
+
+    def event_synchronize(self, event):
+        self.calls.append(("sync", event))
+
+    def stream_wait_event(self, stream, event):
+        self.calls.append(("wait", stream, event))
+
+
+class _Ptr:
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+
+class _HostEvent:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def synchronize(self) -> None:
+        self.calls.append(("producer",))
+
+
+def _device_staging(num_slots: int = 2):
+    """An ``AuxStaging`` as ``device="cuda:N"`` builds it, on stand-ins (no GPU here)."""
+    import threading
+
+    from kvbridge.transfer.aux_rows import AuxStaging
+
+    staging = object.__new__(AuxStaging)
+    cuda = _Cuda()
+    vars(staging).update(_pinned=_Ptr(0x1000), _pinned_rows=np.zeros((num_slots, SCHEMA.row_bytes), np.uint8),
+                         _stream_handle=0x5, _cuda=cuda, _device=0, _slot_events=[None] * num_slots,
+                         _copy_lock=threading.Lock(), storage=_Ptr(0x90000), _free=list(range(num_slots - 1, -1, -1)),
+                         _by_room={}, _events={}, _rank="t", schema=SCHEMA)
+    return staging, cuda
+
+
+def test_a_device_staged_row_is_copied_on_its_first_use_only():
+    """On a GPU the staged row waits in its pinned row: ``send()`` queues no copy, event or wait.
+    The first write that asks for the room's event queues the copy (after the producer's events),
+    once; a room whose decode ranks took the row in their reports never copies it; a slot staged
+    again first waits for its last copy."""
+    from kvbridge.transfer.engine.base import is_ready, wait_ready
+
+    staging, cuda = _device_staging()
+    rb = staging.schema.row_bytes
+    a = staging.stage(11, np.full(rb, 7, np.uint8), after=_HostEvent(cuda.calls))
+    b = staging.stage(12, np.full(rb, 8, np.uint8))
+    assert staging.stage(11, np.full(rb, 9, np.uint8)) == a and cuda.calls == []  # staged: nothing on the GPU
+    assert bytes(staging._pinned_rows[a]) == bytes([7] * rb)
+    ev = staging.ready_event(11)
+    assert not ev.queued and not is_ready(ev)  # a write asks: the copy is queued, then queried
+    event = cuda.calls[3][1]  # the slot's event, made on its first copy
+    assert cuda.calls == [("create",), ("producer",), ("copy", 0x90000 + a * rb, 0x1000 + a * rb, rb, 0x5),
+                          ("record", event, 0x5), ("query", event)] and ev.queued
+    cuda.calls.clear()
+    wait_ready(ev)
+    ev.wait_on(0x77)
+    assert cuda.calls == [("sync", event), ("wait", 0x77, event)]  # once queued, never again
+    assert not staging.ready_event(12).queued  # room 12 was never asked: no copy of its row
+    cuda.calls.clear()
+    staging.release(11)
+    c = staging.stage(13, np.full(rb, 3, np.uint8))
+    assert c == a and cuda.calls == [("sync", event)]  # the slot's last copy passed before its row changed
+    cuda.calls.clear()
+    staging.release(12)
+    assert staging.stage(14, np.full(rb, 4, np.uint8)) == b and cuda.calls == []  # never copied: nothing to wait
+
+
+def test_the_slice_copier_makes_its_stream_wait_on_a_staged_rows_copy():
+    """``CudaCopier.wait_for``: a CUDA event and a ``RowCopy`` are waited on by the stream (the
+    host goes on); any other event by the host."""
+    import types
+
+    from kvbridge.transfer.engine import slicecopy
+
+    staging, cuda = _device_staging()
+    staging.stage(21, np.ones(staging.schema.row_bytes, np.uint8))
+    host = _HostEvent(cuda.calls)
+    copier = object.__new__(slicecopy.CudaCopier)
+    vars(copier).update(_torch=types.SimpleNamespace(cuda=types.SimpleNamespace(Event=type("Event", (), {}))),
+                        _stream_handle=0xABC)
+    copier.wait_for((staging.ready_event(21), None, host))
+    kinds = [c[0] for c in cuda.calls]
+    assert kinds == ["create", "copy", "record", "wait", "producer"] and cuda.calls[3][1] == 0xABC

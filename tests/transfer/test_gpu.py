@@ -494,9 +494,9 @@ def device(request) -> str:
 
 def test_aux_staging_on_the_device_copies_each_row_after_its_producer_on_its_side_stream():
     """``AuxStaging`` on a GPU: the row goes through its pinned host row and one copy on the side
-    stream (the runtime's C call, no torch stream context), after the producer's event; the
-    room's event covers it; a room staged twice keeps its slot; a freed slot is reused only after
-    its last copy (its event) passed."""
+    stream (the runtime's C calls, no torch stream context), after the producer's event, queued
+    when the room's event is first waited on; a room staged twice keeps its slot; a freed slot is
+    reused only after its last copy (its event) passed; a row nobody waits on is never copied."""
     from kvbridge.transfer.aux_rows import AuxStaging
 
     contract = build_contract("deepseek-v3.2-fp8", 2, 64, 1, "interleaved")
@@ -521,6 +521,10 @@ def test_aux_staging_on_the_device_copies_each_row_after_its_producer_on_its_sid
     assert c == a
     staging.ready_event(13).synchronize()
     assert bytes(staging.storage[c].cpu().numpy()) == rows[2].tobytes()
+    staging.release(12)  # a room no write asks the row of (its decode ranks took it inline): never copied
+    assert staging.stage(14, rows[0]) == b and not staging.ready_event(14).queued
+    torch.cuda.synchronize()
+    assert bytes(staging.storage[b].cpu().numpy()) == rows[1].tobytes()
 
 
 def test_a_row_written_into_device_rows_is_there_when_the_write_returns():

@@ -32,6 +32,7 @@ from kvbridge.errors import EngineError
 _RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 _EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
+_NOT_READY = 600  # cudaErrorNotReady: an event query's "not yet"
 _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _DEVICE, _MANAGED = 2, 3  # cudaMemoryType
 
@@ -138,6 +139,19 @@ class Cuda:
 
     def event_synchronize(self, event: int) -> None:
         self._check(self.rt.cudaEventSynchronize(ctypes.c_void_p(event)), "cudaEventSynchronize")
+
+    def event_query(self, event: int) -> bool:
+        """Whether the work before the event's last record completed."""
+        rc = self.rt.cudaEventQuery(ctypes.c_void_p(event))
+        if rc == _NOT_READY:
+            return False
+        self._check(rc, "cudaEventQuery")
+        return True
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` from now waits for the event (on the GPU; the host goes on)."""
+        self._check(self.rt.cudaStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), ctypes.c_uint(0)),
+                    "cudaStreamWaitEvent")
 
 
 

@@ -191,12 +191,15 @@ class CudaCopier:
         return table
 
     def wait_for(self, after: Any) -> None:
-        """Make ``stream`` wait for the producer's events (CUDA events: on the GPU; others: on the host)."""
+        """Make ``stream`` wait for the producer's events (CUDA events, and events that queue their
+        own work on first use, ``aux_rows.RowCopy``: on the GPU; others: on the host)."""
         from kvbridge.transfer.engine.base import ready_events
 
         for ev in ready_events(after):
             if isinstance(ev, self._torch.cuda.Event):
                 self.stream.wait_event(ev)
+            elif hasattr(ev, "wait_on"):
+                ev.wait_on(self._stream_handle)
             else:
                 ev.synchronize()
 
