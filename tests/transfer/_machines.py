@@ -99,6 +99,7 @@ class DecodeDriver(_Driver):
         self.machine, self.read_aux_row, self.page_digests, self.read_scratch = (
             machine, read_aux_row, page_digests, read_scratch)
         self.written: list[tuple[int, Any]] = []  # (slot, row): aux rows the shell wrote (a report carried them)
+        self.write_error: str | None = None  # a WriteAuxRow's answer: written, or this error
 
     def feed(self, event: Any) -> Any:
         return self._carry(self.machine.feed(event))
@@ -110,7 +111,8 @@ class DecodeDriver(_Driver):
             if isinstance(a, de.ReadForCommit):
                 try:
                     if a.row is not None:  # a report carried it: the shell writes it into the slot
-                        self.written.append((a.aux_slot, a.row))
+                        if not a.row_written:  # (unless it is there already: WriteAuxRow)
+                            self.written.append((a.aux_slot, a.row))
                         row, read_s = a.row, 0.0
                     else:
                         row, read_s = self.read_aux_row(a.aux_slot)
@@ -120,6 +122,10 @@ class DecodeDriver(_Driver):
                 except KVBridgeError as exc:
                     found = de.CommitRead(a.room, None, 0.0, (), str(exc), 0.0)
                 out += self._carry(self.machine.feed(found))
+            elif isinstance(a, de.WriteAuxRow):  # a row ahead of the room's last pages: written now
+                if self.write_error is None:
+                    self.written.append((a.aux_slot, a.row))
+                out += self._carry(self.machine.feed(de.AuxRowWritten(a.room, 1e-4, self.write_error, 0.0)))
             elif isinstance(a, de.EchoScratch):
                 try:
                     out.append(Send((a.endpoint,), wire.ChallengeEcho(nonce=self.read_scratch(a.offset))))

@@ -1,10 +1,12 @@
 """The aux row in the report that carries it (issue 33, wire 14): a decode rank whose aux rows
 kvbridge can write (one packed store, host or CUDA) asks for it inline (``TransferRequest.
-aux_inline``); the prefill rank then puts the row's bytes in that write's ``PagesDone.aux_row``
-instead of writing them into decode's aux rows, and a room's last send after its pages went
-posts no write at all: its report leaves at once. Decode checks the row when the report comes
-(asked for, one whole row, this room's echo: hard rule 4), then writes it into the room's slot
-at the commit. Sans-I/O on both sides, then real endpoints over the local engine and Mooncake."""
+aux_inline``); the prefill rank then puts the row's bytes in a report (``PagesDone.aux_row``)
+instead of writing them into decode's aux rows: a report of its own that leaves before the
+write of the pages it comes with is posted, or, for a room's last send after its pages went,
+the only thing that send does. Decode checks the row when the report comes (asked for, one
+whole row, this room's echo: hard rule 4), then writes it into the room's slot: at once when
+pages are still to land (``WriteAuxRow``), else at the commit. Sans-I/O on both sides, then
+real endpoints over the local engine and Mooncake."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from kvbridge.layout import AuxSchema, deepseek_pools
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.decode.config import DecodeConfig
-from kvbridge.transfer.decode.events import ReadForCommit
+from kvbridge.transfer.decode.events import ReadForCommit, WriteAuxRow
 from kvbridge.transfer.poll import KVPoll
 from kvbridge.transfer.prefill.events import AuxFrom, PostWrite
 from _machines import decode_machine
@@ -47,14 +49,22 @@ def aux_from(room: int) -> AuxFrom:
     return AuxFrom(AUXF.regions, AUXF.slot, row=row_bytes(room))
 
 
-def test_a_whole_send_writes_the_pages_alone_and_its_report_carries_the_row(m):
+def test_a_whole_send_writes_the_pages_alone_and_reports_the_row_ahead_of_them(m):
+    """The row's report leaves right after the pages' write is posted, long before they land
+    (decode writes the row into its slot meanwhile); the pages' report carries no row, and the
+    room ends with it."""
     sh, r = Shell(m), asked_inline(m)
     m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
-    (w,) = of(sh.run(m.post(r, 1.1, aux_from(1)), 1.1), PostWrite)
+    acts = sh.run(m.post(r, 1.1, aux_from(1)), 1.1)
+    (ahead,) = msgs(acts, wire.PagesDone)
+    (w,) = of(acts, PostWrite)
+    assert acts.index(w) < next(i for i, a in enumerate(acts) if getattr(a, "msg", None) is ahead)  # the write first
+    assert ahead.aux and ahead.aux_row == row_bytes(1) and ahead.num_tokens == 7 and not ahead.logical_pages
     assert not (w.dst >= 1 << 50).any()  # nothing lands in decode's aux rows (registered at 1 << 50)
+    assert r.state.state == KVPoll.Transferring
     (handle, _), = sh.posted
     (report,) = msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)
-    assert report.aux and report.aux_row == row_bytes(1) and report.num_tokens == 7
+    assert not report.aux and report.aux_row is None and report.logical_pages
     assert r.state.state == KVPoll.Success
 
 
@@ -138,13 +148,36 @@ def test_decode_asks_for_the_row_inline_and_writes_what_the_report_carried_into_
 
 
 def test_the_row_may_come_before_the_pages_and_waits_for_them(d):
+    """The row alone, ahead of the pages (a prefill rank reports it when it posts them): written
+    into the room's slot at once, while they land; the commit writes nothing more."""
     r = asked(d)
-    d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.0)  # the row alone
-    assert r.state.state == KVPoll.Transferring and not d.written
+    acts = d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.0)  # the row alone
+    assert r.state.state == KVPoll.Transferring and [(s, w.tobytes()) for s, w in d.written] == [(1, schema_row(7))]
+    assert r.row_written is not None and not of(acts, ReadForCommit)
     d.message("tcp://p0", done(7, 0, [0, 2]), 2.1)
-    assert r.state.state == KVPoll.Transferring and not d.written  # cp1's page 1 is not reported yet
+    assert r.state.state == KVPoll.Transferring  # cp1's page 1 is not reported yet
     d.message("tcp://p1", done(7, 1, [1]), 2.2)
-    assert r.state.state == KVPoll.Success and len(d.written) == 1
+    assert r.state.state == KVPoll.Success and r.aux.room == 7 and len(d.written) == 1  # no second write
+
+
+def test_the_row_in_the_report_that_completes_the_room_is_written_once_at_the_commit(d):
+    """A row in the room's last report (a layer-wise room's last send): no write ahead, the
+    commit's write."""
+    r = asked(d)
+    d.message("tcp://p0", done(7, 0, [0, 2]), 2.0)
+    d.message("tcp://p1", done(7, 1, [1]), 2.1)
+    acts = d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.2)
+    assert not of(acts, WriteAuxRow) and r.row_written is None
+    assert r.state.state == KVPoll.Success and [(s, w.tobytes()) for s, w in d.written] == [(1, schema_row(7))]
+
+
+def test_a_row_that_cannot_be_written_ahead_fails_the_room_by_name(d):
+    r = asked(d)
+    d.write_error = "cudaMemcpyAsync failed: CUDA error 700"
+    d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.0)
+    assert r.state.state == KVPoll.Failed and not d.written
+    assert r.state.reason == ("the aux row its report carried could not be written into slot 1: cudaMemcpyAsync "
+                              "failed: CUDA error 700")
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -259,3 +292,43 @@ def test_a_row_written_into_device_rows_goes_through_the_pinned_row_and_the_copy
     row = np.frombuffer(schema_row(5), np.uint8)
     rows.write(3, row)
     assert calls == [("copy", (1 << 40) + 3 * rb, rows._host.ctypes.data, rb, 77, row.tobytes()), ("sync", 77)]
+
+
+def test_a_staged_only_rank_takes_the_row_ahead_and_still_refuses_pages_that_bypassed_staging():
+    """A decode rank that takes staged writes only (its pages free at once on failure) accepts a
+    report of the row alone, which wrote nothing into its memory; a report of pages that came
+    through no staging slot is still refused by name."""
+    from kvbridge.layout import BufferDesc
+    from kvbridge.transfer.decode.staging import DecodeStaging, Scatter
+    from kvbridge.transfer.staging.area import StagingArea
+    from test_decode_room import AREA_BASE, PAGE, PAGES_BASE, SLOT, Memory, ask, landed
+
+    def staged_only():
+        specs = deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0)
+        (pool, spec), = specs.items()
+        bufs = [BufferDesc(pool, layer, PAGES_BASE + layer * (1 << 30), 64, spec.bytes_per_page)
+                for layer in spec.layer_ids]
+        cfg = DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0,
+                           staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT)
+        m = decode_machine(cfg, specs, SCHEMA, read_aux_row=Memory().read, aux_inline=True,
+                           page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id",
+                           staging=DecodeStaging(StagingArea(2, SLOT), AREA_BASE, bufs, "dec/dp0/tp0"))
+        m.page_bytes = spec.bytes_per_page
+        r = booted(m, cp=1)
+        (_, req), = sends(m.init(r, np.array([10, 11, 12]), 1, 10, 0, 1.0), wire.TransferRequest)
+        assert req.staging_only and req.aux_inline
+        return m, r
+
+    m, r = staged_only()
+    m.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 1.1)  # the row ahead
+    assert r.state.state == KVPoll.Transferring and [(s, w.tobytes()) for s, w in m.written] == [(1, schema_row(7))]
+    (_, grant), = sends(m.message("tcp://p0", ask(7, 0, 0), 1.2), wire.SlotGrant)
+    (sc,) = of(m.message("tcp://p0", landed(m, 7, 0, 0, grant.slot, 10), 1.3), Scatter)
+    m.scattered(7, sc.slot, 1.3)
+    m.message("tcp://p0", done(7, 0, [0, 1, 2]), 1.4)
+    assert r.state.state == KVPoll.Success and r.aux.room == 7 and len(m.written) == 1
+
+    m, r = staged_only()
+    m.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 1.1)
+    m.message("tcp://p0", done(7, 0, [0, 1, 2]), 1.2)  # pages no staging slot brought
+    assert r.state.state == KVPoll.Failed and "came through no staging slot" in r.state.reason

@@ -639,6 +639,8 @@ def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
     row, read_s = ms.memory.read(read.aux_slot)
     feed(ev.CommitRead(7, row, read_s, (), None, 1.4))
     assert r.state.state == KVPoll.Success
+    feed(ev.AuxRowWritten(7, 1e-4, None, 1.45))  # (an answer for a room that ended: nothing happens)
+    assert r.state.state == KVPoll.Success
     feed(CloseRoom(r, 1.5))
     r2 = dm.open(8, INSTANCE, None, 2.0)
     feed(Tick(2.0))

@@ -41,9 +41,9 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
-from kvbridge.transfer.decode.events import (CommitRead, EchoScratch, Init, LeaseChecked, LookedUp, LookUp, Message,
-                                             ReadForCommit, Refresh, Refreshed, Registered, Release, Scattered,
-                                             ScatterFailed, SetStaging, WriteProof)
+from kvbridge.transfer.decode.events import (AuxRowWritten, CommitRead, EchoScratch, Init, LeaseChecked, LookedUp,
+                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered, Release, Scattered,
+                                             ScatterFailed, SetStaging, WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -218,7 +218,8 @@ class DecodeEndpoint(EndpointShell):
         start = time.monotonic()
         try:
             if a.row is not None:  # a report carried it (checked): written into the room's slot
-                self.aux.write_row(a.aux_slot, a.row)
+                if not a.row_written:  # (not already, ahead of the commit: _write_aux_row)
+                    self.aux.write_row(a.aux_slot, a.row)
                 row = a.row
             else:
                 row = self.aux.read_row(a.aux_slot)
@@ -231,6 +232,18 @@ class DecodeEndpoint(EndpointShell):
         except KVBridgeError as exc:
             row, read_s, digests, error = None, 0.0, (), str(exc)
         self._queue(CommitRead(a.room, row, read_s, digests, error, time.monotonic()))
+
+    def _write_aux_row(self, a: WriteAuxRow) -> None:
+        """A room's aux row, carried by a report before its last pages landed, written into its
+        slot now (the commit then has nothing to write); the answer is queued for the machine."""
+        start = time.monotonic()
+        try:
+            self.aux.write_row(a.aux_slot, a.row)
+            error = None
+        except KVBridgeError as exc:
+            error = str(exc)
+        now = time.monotonic()
+        self._queue(AuxRowWritten(a.room, now - start, error, now))
 
     def _echo_scratch(self, a: EchoScratch) -> None:
         """A prefill rank's Challenge: echo the nonce it wrote into our scratch region."""
@@ -379,6 +392,8 @@ class DecodeEndpoint(EndpointShell):
             self._peers.drop(a.endpoint)
         elif type(a) is ReadForCommit:
             self._read_for_commit(a)
+        elif type(a) is WriteAuxRow:
+            self._write_aux_row(a)
         elif type(a) is EchoScratch:
             self._echo_scratch(a)
         elif type(a) is WriteProof:

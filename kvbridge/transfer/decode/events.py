@@ -2,11 +2,12 @@
 
 Events are frozen records fed through ``DecodeRooms.feed(event)``; ``EVENTS`` lists every type
 the door takes (its own and the shared ones of ``transfer/actions.py``). Actions are what
-``feed`` returns for the shell to carry out: ``LookUp``, ``Refresh``, ``EchoScratch`` and
-``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``), ``CheckLease`` and
+``feed`` returns for the shell to carry out: ``LookUp``, ``Refresh``, ``EchoScratch``,
+``WriteAuxRow`` and ``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``), ``CheckLease`` and
 ``DropPeer`` (``peers.py``), ``Scatter`` (``staging.py``). The machine reads no memory: what it
-needs read (an aux row and page digests at commit, a nonce in our scratch region) goes out as
-an action over plain data, and what was read comes back as an event (``CommitRead``).
+needs read or written (an aux row and page digests at commit, an aux row a report carried, a
+nonce in our scratch region) goes out as an action over plain data, and what was done comes
+back as an event (``CommitRead``, ``AuxRowWritten``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
     from kvbridge.transfer.decode.room import DecodeRoom
 
 __all__ = [
-    "EVENTS", "CommitRead", "DigestRead", "KindDigestRead", "EchoScratch", "Init", "InitKinds", "LeaseChecked", "LookUp", "LookedUp", "Message",
-    "ReadForCommit", "Refresh", "Refreshed", "Registered", "Release", "ScatterFailed", "Scattered", "SetStaging", "WriteProof",
+    "EVENTS", "AuxRowWritten", "CommitRead", "DigestRead", "KindDigestRead", "EchoScratch", "Init", "InitKinds",
+    "LeaseChecked", "LookUp", "LookedUp", "Message", "ReadForCommit", "Refresh", "Refreshed", "Registered", "Release",
+    "ScatterFailed", "Scattered", "SetStaging", "WriteAuxRow", "WriteProof",
 ]
 
 
@@ -107,6 +109,18 @@ class ReadForCommit:
     aux_slot: int
     digests: tuple[DigestRead | KindDigestRead, ...]
     row: np.ndarray | None = None  # the aux row its report carried: written into the slot, not read from it
+    row_written: bool = False  # that row is in the slot already (``WriteAuxRow``): nothing to write
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAuxRow:
+    """A report carried room ``room``'s aux row (checked) before its last pages landed: write it
+    into slot ``aux_slot`` now, while the pages' writes run, not at the commit; answer with
+    ``AuxRowWritten``."""
+
+    room: int
+    aux_slot: int
+    row: np.ndarray
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -214,6 +228,16 @@ class ScatterFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class AuxRowWritten:
+    """The answer to a ``WriteAuxRow``: the seconds the write took, or the ``error`` that stopped it."""
+
+    room: int
+    write_s: float
+    error: str | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class CommitRead:
     """The answer to a ``ReadForCommit``: the aux row as it landed and the seconds the read took,
     and the digests asked for (one array per ``DigestRead``), or the ``error`` that stopped the read."""
@@ -228,5 +252,5 @@ class CommitRead:
 
 EVENTS = (
     Registered, SetStaging, Init, AbortRoom, CloseRoom, Shutdown, Message, LookedUp, Refreshed, LeaseChecked,
-    Scattered, ScatterFailed, CommitRead, Tick, InitKinds, Release,
+    Scattered, ScatterFailed, CommitRead, AuxRowWritten, Tick, InitKinds, Release,
 )

@@ -38,9 +38,10 @@ from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
-from kvbridge.transfer.decode.events import (EVENTS, CommitRead, DigestRead, EchoScratch, Init, LeaseChecked, LookedUp,
-                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
-                                             Release, ScatterFailed, Scattered, SetStaging, WriteProof)
+from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, DigestRead, EchoScratch, Init,
+                                             LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
+                                             Release, ScatterFailed, Scattered, SetStaging, WriteAuxRow,
+                                             WriteProof)
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -377,6 +378,12 @@ class DecodeRooms:
         except KVBridgeError as exc:  # ledger violations and the like fail the room, never the loop
             self.fail(r, str(exc), now)
         self._maybe_commit(r, now)
+        if r.inline_row is not None and not (r.commit_reading or r.row_writing or r.state.final
+                                             or r.row_written is not None):
+            # the row came before the room's last pages (a prefill rank reports it when it posts
+            # them): written into the slot now, while they land, and not on the commit's path
+            r.row_writing = True
+            self._out.append(WriteAuxRow(r.room, r.aux_slot, r.inline_row))
 
     def _answer_key_challenge(self, endpoint: str, msg: wire.KeyChallenge) -> None:
         """A prefill rank asks us to show we are our registration: sign its nonce, our
@@ -415,7 +422,8 @@ class DecodeRooms:
                 log.info("trace room=%d rank=%s +%.2fms @%.6f report from cp%d%s pages=%d%s", r.room, self.cfg.rank_label,
                          r.age_ms(now), now, msg.cp_rank, f"/pp{key[2]}" if r.placement.aux_stage else "",
                          len(msg.logical_pages) // 4, " +aux" if msg.aux else "")
-            if r.staged_only and not self.staging.reported(r.room, key):
+            wrote = bool(msg.logical_pages or msg.kind_units or msg.aux_row is None)  # (a row alone wrote nothing)
+            if r.staged_only and wrote and not self.staging.reported(r.room, key):
                 raise LedgerError("reported a write that came through no staging slot, but this rank takes staged "
                                   "writes only (its pages are freed at once on failure)", room=r.room,
                                   rank=f"cp{msg.cp_rank}", field="staging")
@@ -546,7 +554,8 @@ class DecodeRooms:
         if self.staging is not None and self.staging.pending.get(r.room):
             return  # a landed chunk is not scattered yet: its pages are not written
         r.commit_reading = True
-        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r), r.inline_row))
+        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r), r.inline_row,
+                                       r.row_written is not None))
 
     def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead | KindDigestRead, ...]:
         """The page digests to read back (one read, or one per report under pipeline stages), then
@@ -569,6 +578,18 @@ class DecodeRooms:
         return tuple(KindDigestRead(pool, logical, self.kinds.digest_units(r.room, pool, logical, r.page_ids),
                                     r.num_tokens, r.placement.layers[key][pool] if r.placement.layers else None)
                      for pool, logical, _, key in r.kind_digests)
+
+    def _aux_row_written(self, e: AuxRowWritten) -> None:
+        """A row written ahead of the commit (``WriteAuxRow``): there now, or the room fails."""
+        r = self.rooms.get(e.room)
+        if r is None or r.state.final:
+            return
+        r.row_writing = False
+        if e.error is not None:
+            self.fail(r, f"the aux row its report carried could not be written into slot {r.aux_slot}: {e.error}",
+                      e.now)
+            return
+        r.row_written = e.write_s
 
     def _commit_read(self, e: CommitRead) -> None:
         """The aux row (and digests) as read: check the room echo and the digests, then commit."""
@@ -606,9 +627,10 @@ class DecodeRooms:
         r.state.advance_to(KVPoll.Success, now=now)
         self.kinds.succeed(r.room)
         if self.trace:
-            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms",
+            log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms%s",
                      r.room, self.cfg.rank_label, r.age_ms(now), now, dict(sorted(r.ledger.pages_by_rank.items())),
-                     r.ledger.aux_owner, e.read_s * 1e3)
+                     r.ledger.aux_owner, e.read_s * 1e3,
+                     "" if r.row_written is None else f" aux_ahead={r.row_written * 1e3:.3f}ms")
 
     def _digest_mismatch(self, r: DecodeRoom, mine: tuple[np.ndarray, ...]) -> int | None:
         if not r.digests:
@@ -779,7 +801,8 @@ _HANDLERS: dict[type, Callable[[DecodeRooms, Any], None]] = {
     AbortRoom: DecodeRooms._abort, CloseRoom: DecodeRooms._close, Shutdown: DecodeRooms._shutdown,
     Message: DecodeRooms._message, LookedUp: DecodeRooms._looked_up, Refreshed: DecodeRooms._refreshed,
     LeaseChecked: DecodeRooms._lease_checked, Scattered: DecodeRooms._scattered,
-    ScatterFailed: DecodeRooms._scatter_failed, CommitRead: DecodeRooms._commit_read, Tick: DecodeRooms._tick,
+    ScatterFailed: DecodeRooms._scatter_failed, CommitRead: DecodeRooms._commit_read,
+    AuxRowWritten: DecodeRooms._aux_row_written, Tick: DecodeRooms._tick,
     Release: DecodeRooms._release,
 }
 

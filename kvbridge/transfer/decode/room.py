@@ -300,6 +300,8 @@ class DecodeRoom:
         self.scatters = 0  # scatters out of staging slots into its pages started, not yet completed
         self.commit_reading = False  # its aux row (and digests) are being read for the commit (ReadForCommit)
         self.inline_row: Any = None  # the aux row as its report carried it (checked; written at the commit)
+        self.row_writing = False  # that row is being written into its slot ahead of the commit (WriteAuxRow)
+        self.row_written: float | None = None  # it is there: the seconds its write took
 
     def mark_bootstrapped(self) -> None:
         """The topology is known or the room failed (endpoint lock held)."""

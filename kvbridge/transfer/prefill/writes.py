@@ -153,6 +153,7 @@ class Writes:
         group = self.stage.group_size(r.room, t, logical.size)
         rank = self.rank
         head = None  # the first group's plan, when the path chosen on it is direct: the write's first part
+        ahead = False  # the aux row, taken inline, is reported on its own after this write is posted
         try:
             if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
                 part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
@@ -187,10 +188,14 @@ class Writes:
                 if src is None:
                     raise KVBridgeError("the aux row's source was not given with the chunk that carried it",
                                         room=r.room, rank=rank, field="aux")
-                if self.inline_row(r, t) is not None:  # the row rides in this write's report, not in it
+                if self.inline_row(r, t) is not None:  # the row rides in a report, not in a write
                     src = None
                     if not logical.size and not (kplan is not None and kplan.num_slices):
                         return self._report_aux(r, t, num_layers, kunits)  # nothing to write: reported now
+                    # reported on its own, right after the write of the pages it comes with is posted
+                    # (long before they land): decode writes it into its slot while they land, not at
+                    # its commit
+                    ahead, with_aux = True, False
                 else:
                     after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
             if head is not None:  # the rest of the chunk after its first group (planned above), then the aux row
@@ -212,10 +217,10 @@ class Writes:
                 if num_layers is not None and logical.size:
                     logical = t.count_layers(logical, num_layers, r.layer_width, r.num_pages)
                 t.num_pages_done += logical.size
-                return True
+                return self._report_aux(r, t, None, None) if ahead else True
             if self._path(r, t, plan) == "staged":  # the same write through staging slots (aux row, kinds too)
                 self._stage_write(r, t, logical, with_aux, plan, after, num_layers, kunits or None)
-                return True
+                return self._report_aux(r, t, None, None) if ahead else True
         except Exception as exc:  # a bug must fail this target, not the engine thread or the loop that called us
             t.group_at = 0
             if isinstance(exc, KVBridgeError):
@@ -228,12 +233,13 @@ class Writes:
         if kunits:
             self.kind_reports[w] = kunits
         self._out.append(PostWrite(w, r.room, t, t.session, plan.src, plan.dst, plan.length, after))
-        return True
+        return self._report_aux(r, t, None, None) if ahead else True
 
     def _report_aux(self, r: PrefillRoom, t: Target, num_layers: int | None, kunits: KindWrite | None) -> bool:
-        """The aux row for a target that takes it inline, with no page or unit left to write with it
-        (a room's last send after its layers went): no write; its report leaves now, carrying the
-        row, through the same end as a write's (``WriteEnded``: the machine reports and settles)."""
+        """The aux row for a target that takes it inline: no write; its report leaves now, carrying
+        the row, through the same end as a write's (``WriteEnded``: the machine reports and settles).
+        Alone (a room's last send after its layers went: ``kunits`` ride in it), or beside the
+        write of the pages it comes with, right after that write is posted."""
         w = self._start(r, t, _EMPTY, True, num_layers)
         if kunits:
             self.kind_reports[w] = kunits
@@ -287,8 +293,9 @@ class Writes:
         r, t = self._book(a.write, e.handle, int(a.length.sum()), len(a.length), e.now)
         if self.trace:
             logical, with_aux, _ = t.inflight[a.write]
-            trace_room(r, self.rank, e.now, "-> %s pages=%s%s slices=%d bytes=%d", t.decode_rank,
-                       pages_text(logical), " +aux" if with_aux else "", len(a.length), int(a.length.sum()))
+            trace_room(r, self.rank, e.now, "-> %s pages=%s%s slices=%d bytes=%d submit=%.3fms", t.decode_rank,
+                       pages_text(logical), " +aux" if with_aux else "", len(a.length), int(a.length.sum()),
+                       e.submit_s * 1e3)
 
     def chunk_posted(self, e: ChunkPosted) -> None:
         """The shell gathered chunk ``a`` and submitted its wire pieces: the engine's ``handle``
