@@ -66,14 +66,20 @@ def test_a_transfer_of_valid_rows_passes_the_check_and_a_flipped_byte_fails_it()
     assert pattern.check(specs["index"], dst[key], 8, 0, pages.page_ids, n)[1]  # another seed: all wrong
 
 
+# a room up to its targets: decode's request out, on both CP ranks, each rank's target built
+ASKED = [
+    "x trace room=5 bench recv @10.0000",
+    "x trace room=5 rank=d +1.00ms @10.0010 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
+    "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
+    "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
+    "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
+    "x trace room=5 rank=p/cp1 +0.10ms @10.0030 target d pages=4 pools=index,target",
+]
+
+
 def test_trace_breakdown_takes_each_event_at_its_last_rank():
     lines = [
-        "x trace room=5 bench recv @10.0000",
-        "x trace room=5 rank=d +1.00ms @10.0010 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
-        "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
-        "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
-        "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
-        "x trace room=5 rank=p/cp1 +0.10ms @10.0030 target d pages=4 pools=index,target",
+        *ASKED,
         "x trace room=5 rank=p/cp0 +0.20ms @10.0040 -> d pages=[0, 2] +aux slices=3 bytes=9",
         "x trace room=5 rank=p/cp1 +0.20ms @10.0050 -> d pages=[1, 3] slices=3 bytes=9",
         "x trace room=5 rank=p/cp0 +9.00ms @10.0100 write of 2 pages +aux to d done",
@@ -96,12 +102,7 @@ def test_trace_breakdown_of_rooms_asked_first_runs_from_the_last_send():
     """The engine's order (``--ask-first``): the request and its targets come before the sends,
     so the room's hops run from the bench's send() lines, not from decode's receiver()."""
     lines = [
-        "x trace room=5 bench recv @10.0000",
-        "x trace room=5 rank=d +1.00ms @10.0010 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
-        "x trace room=5 rank=p/cp0 @10.0015 request from d pages=4",
-        "x trace room=5 rank=p/cp1 @10.0016 request from d pages=4",
-        "x trace room=5 rank=p/cp0 +0.10ms @10.0020 target d pages=4 pools=index,target",
-        "x trace room=5 rank=p/cp1 +0.10ms @10.0030 target d pages=4 pools=index,target",
+        *ASKED,
         "x trace room=5 bench send @10.0500",
         "x trace room=5 bench send @10.0501",
         "x trace room=5 rank=p/cp0 +0.20ms @10.0510 -> d pages=[0, 2] +aux slices=3 bytes=9 submit=0.100ms",
