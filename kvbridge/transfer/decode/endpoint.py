@@ -42,8 +42,8 @@ from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
 from kvbridge.transfer.decode.events import (AuxRowWritten, CommitRead, EchoScratch, Init, LeaseChecked, LookedUp,
-                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered, Release, Scattered,
-                                             ScatterFailed, SetStaging, WriteAuxRow, WriteProof)
+                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered, Release,
+                                             Scattered, ScatterFailed, SetStaging, WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.room import DecodeRoom

@@ -3,8 +3,8 @@
 Events are frozen records fed through ``DecodeRooms.feed(event)``; ``EVENTS`` lists every type
 the door takes (its own and the shared ones of ``transfer/actions.py``). Actions are what
 ``feed`` returns for the shell to carry out: ``LookUp``, ``Refresh``, ``EchoScratch``,
-``WriteAuxRow`` and ``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``), ``CheckLease`` and
-``DropPeer`` (``peers.py``), ``Scatter`` (``staging.py``). The machine reads no memory: what it
+``WriteAuxRow`` and ``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``),
+``CheckLease`` and ``DropPeer`` (``peers.py``), ``Scatter`` (``staging.py``). The machine reads no memory: what it
 needs read or written (an aux row and page digests at commit, an aux row a report carried, a
 nonce in our scratch region) goes out as an action over plain data, and what was done comes
 back as an event (``CommitRead``, ``AuxRowWritten``).

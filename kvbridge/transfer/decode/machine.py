@@ -39,9 +39,9 @@ from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, DigestRead, EchoScratch, Init,
-                                             LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered,
-                                             Release, ScatterFailed, Scattered, SetStaging, WriteAuxRow,
-                                             WriteProof)
+                                             LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh,
+                                             Refreshed, Registered, Release, ScatterFailed, Scattered, SetStaging,
+                                             WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
