@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 14  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 15  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -27,3 +27,6 @@ WIRE_VERSION = 14  # 2: TransferRequest names the decode rank's registration ins
 # 14: TransferRequest.aux_inline / PagesDone.aux_row: the aux row carried in the report instead of written into
 # decode's aux rows (decode writes it into its slot at the commit; issue 33: one write fewer after a room's last
 # layer)
+# 15: TransferRequest.aux_ahead: a decode rank whose aux rows are device memory asks for the row in a report of its
+# own, sent right after the pages' write is posted, and writes it into its slot while they land (issue 33: the
+# host -> device copy off the commit)

@@ -303,6 +303,13 @@ class AuxBuffers:
         aux row in the report that carries it (``TransferRequest.aux_inline``)."""
         return self._host_rows is not None or (self.packed and _on_cuda(self.storage))
 
+    @property
+    def on_device(self) -> bool:
+        """Writable rows in device memory: a row written here is a host -> device copy, which waits
+        behind the other copies on the GPU. A decode rank with such rows takes the aux row ahead of
+        the room's last pages (``TransferRequest.aux_ahead``) and writes it while they land."""
+        return self._host_rows is None and self.packed and _on_cuda(self.storage)
+
     def write_row(self, slot: int, row: np.ndarray) -> None:
         """Row ``slot`` set to ``row`` (the schema's packed bytes, uint8 ``row_bytes``): done when
         this returns. Only where ``writable``."""

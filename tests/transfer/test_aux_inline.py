@@ -1,9 +1,10 @@
 """The aux row in the report that carries it (issue 33, wire 14): a decode rank whose aux rows
 kvbridge can write (one packed store, host or CUDA) asks for it inline (``TransferRequest.
 aux_inline``); the prefill rank then puts the row's bytes in a report (``PagesDone.aux_row``)
-instead of writing them into decode's aux rows: a report of its own that leaves before the
-write of the pages it comes with is posted, or, for a room's last send after its pages went,
-the only thing that send does. Decode checks the row when the report comes (asked for, one
+instead of writing them into decode's aux rows: the report of the write that would have carried
+them, or (``aux_ahead``, wire 15: decode's rows are device memory) a report of its own sent
+right after that write is posted, or, for a room's last send after its pages went, the only
+thing that send does. Decode checks the row when the report comes (asked for, one
 whole row, this room's echo: hard rule 4), then writes it into the room's slot: at once when
 pages are still to land (``WriteAuxRow``), else at the commit. Sans-I/O on both sides, then
 real endpoints over the local engine and Mooncake."""
@@ -30,13 +31,13 @@ from test_prefill_room import request as prefill_request
 
 # -- prefill: what goes in the write, what goes in the report ----------------------------------------
 
-def asked_inline(m, room: int = 1, num_tokens: int = 7):
-    """A room whose decode rank asked for the aux row inline."""
+def asked_inline(m, room: int = 1, num_tokens: int = 7, ahead: bool = False):
+    """A room whose decode rank asked for the aux row inline (``ahead``: in a report of its own)."""
     r = m.open(room, 1.0)
     m.engine_init(r, num_tokens, None, 1.0)
     req = prefill_request(room, num_tokens)
-    m.message(D, wire.TransferRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "aux_inline": True}),
-              1.0)
+    m.message(D, wire.TransferRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "aux_inline": True,
+                                         "aux_ahead": ahead}), 1.0)
     return r
 
 
@@ -49,11 +50,24 @@ def aux_from(room: int) -> AuxFrom:
     return AuxFrom(AUXF.regions, AUXF.slot, row=row_bytes(room))
 
 
-def test_a_whole_send_writes_the_pages_alone_and_reports_the_row_ahead_of_them(m):
-    """The row's report leaves right after the pages' write is posted, long before they land
-    (decode writes the row into its slot meanwhile); the pages' report carries no row, and the
-    room ends with it."""
+def test_a_whole_send_writes_the_pages_alone_and_its_report_carries_the_row(m):
     sh, r = Shell(m), asked_inline(m)
+    m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
+    acts = sh.run(m.post(r, 1.1, aux_from(1)), 1.1)
+    (w,) = of(acts, PostWrite)
+    assert not msgs(acts, wire.PagesDone)  # no report before the write's
+    assert not (w.dst >= 1 << 50).any()  # nothing lands in decode's aux rows (registered at 1 << 50)
+    (handle, _), = sh.posted
+    (report,) = msgs(m.write_final(handle, DONE, 1.2), wire.PagesDone)
+    assert report.aux and report.aux_row == row_bytes(1) and report.num_tokens == 7 and report.logical_pages
+    assert r.state.state == KVPoll.Success
+
+
+def test_a_whole_send_to_a_rank_that_asks_ahead_reports_the_row_on_its_own_after_the_post(m):
+    """``aux_ahead`` (decode's rows in device memory): the row's report leaves right after the
+    pages' write is posted, long before they land (decode writes the row into its slot
+    meanwhile); the pages' report carries no row, and the room ends with it."""
+    sh, r = Shell(m), asked_inline(m, ahead=True)
     m.chunk(r, [0, 1], np.array([5, 6]), None, True, _packed(1), None)
     acts = sh.run(m.post(r, 1.1, aux_from(1)), 1.1)
     (ahead,) = msgs(acts, wire.PagesDone)
@@ -250,6 +264,21 @@ def test_the_wire_refuses_a_row_in_a_report_that_carries_none_or_failed():
 
 # -- the rows kvbridge writes ----------------------------------------------------------------------------
 
+def test_the_request_asks_for_the_row_ahead_only_with_inline_rows_in_device_memory():
+    """The decode machine asks ``aux_ahead`` when its shell says its rows are device memory, and
+    never without ``aux_inline``; host rows are not on a device (a real endpoint's rows here)."""
+    for inline, ahead, asked in ((True, True, True), (True, False, False), (False, True, False)):
+        m = decode_machine(DecodeConfig(instance="dec", transfer_timeout=100.0),
+                           deepseek_pools(num_layers=2, page_size=4, index=False, draft_layers=0), SCHEMA,
+                           read_aux_row=lambda slot: (None, 0.0), page_digests=lambda *a: np.zeros(0),
+                           rank_id=lambda: "dec-id", aux_inline=inline, aux_ahead=ahead)
+        r = booted(m)
+        (_, req), = sends(m.init(r, np.arange(3, dtype=np.int64) + 10, 1, 10, 0, 1.0), wire.TransferRequest)
+        assert (req.aux_inline, req.aux_ahead) == (inline, asked)
+    rows = AuxBuffers(SCHEMA, np.zeros((4, SCHEMA.row_bytes), np.uint8), rank="t")
+    assert rows.writable and not rows.on_device
+
+
 def test_host_packed_rows_are_writable_and_a_written_row_reads_back():
     rows = np.zeros((4, SCHEMA.row_bytes), np.uint8)
     aux = AuxBuffers(SCHEMA, rows, rank="d")
@@ -310,13 +339,13 @@ def test_a_staged_only_rank_takes_the_row_ahead_and_still_refuses_pages_that_byp
                 for layer in spec.layer_ids]
         cfg = DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0,
                            staging="always", staging_bytes=2 * SLOT, staging_slot_bytes=SLOT)
-        m = decode_machine(cfg, specs, SCHEMA, read_aux_row=Memory().read, aux_inline=True,
+        m = decode_machine(cfg, specs, SCHEMA, read_aux_row=Memory().read, aux_inline=True, aux_ahead=True,
                            page_digests=lambda *a: np.zeros(0, np.uint64), rank_id=lambda: "dec-id",
                            staging=DecodeStaging(StagingArea(2, SLOT), AREA_BASE, bufs, "dec/dp0/tp0"))
         m.page_bytes = spec.bytes_per_page
         r = booted(m, cp=1)
         (_, req), = sends(m.init(r, np.array([10, 11, 12]), 1, 10, 0, 1.0), wire.TransferRequest)
-        assert req.staging_only and req.aux_inline
+        assert req.staging_only and req.aux_inline and req.aux_ahead
         return m, r
 
     m, r = staged_only()

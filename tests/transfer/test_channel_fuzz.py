@@ -43,7 +43,7 @@ def valid_map(rng: random.Random) -> dict:
               "slot": 0, "num_bytes": 0, "scatter": b"", "signature": b"\0" * wire.SIGNATURE_BYTES, "binding": b"",
               "decider": "p0", "instance": "d"}
     sample.update(kind_units={}, kind_last=False, kind_digests={})  # the pool kinds' units (transfer/prefill/kinds.py)
-    sample.update(aux_inline=False, aux_row=None)  # the aux row in the report (wire 14)
+    sample.update(aux_inline=False, aux_row=None, aux_ahead=False)  # the aux row in a report (wire 14, 15)
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 

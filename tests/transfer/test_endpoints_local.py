@@ -546,6 +546,33 @@ def test_the_cp_ranks_of_one_tp_source_get_one_encoding_of_the_request(cluster, 
     assert encoded == [31]
 
 
+def test_a_row_asked_ahead_is_reported_after_the_pages_post_and_written_into_the_slot_before_they_land(cluster):
+    """``DecodeConfig(aux_ahead=True)`` on host rows (the default only where they are device
+    memory): the aux owner reports the row on its own right after it posts the pages' write;
+    decode writes it into the room's slot then, and the commit writes nothing more. The pages'
+    write is held until the row is in the slot, so the order is the one asserted."""
+    c = cluster(cp=1, aux_ahead=True)
+    assert c.decode.aux_inline and c.decode.aux_ahead
+    ep, room, n = c.prefill[0], 0x4322, 8
+    gate = ep.engine.faults.gate = threading.Event()  # the pages' write waits at the gate
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(np.array([0, 1]), 3, n)
+    for (pool, layer), buf in ep.buffers.tensors.items():
+        fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
+    s = ep.sender(room)
+    s.init(n)
+    s.send(np.array([0, 1]), np.array([10, 11]), is_last=True, aux=make_aux(c.aux_schema, room, n))
+    slot_room = lambda: c.aux_schema.room_of(as_bytes(c.aux[3]))  # noqa: E731
+    try:
+        assert wait_until(lambda: slot_room() == room, 30)  # the row is in its slot: the pages are not
+        assert r.poll() == KVPoll.Transferring
+    finally:
+        gate.set()
+    wait_final([r, s])
+    assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, r.failure_reason
+    assert r.aux.room == room and c.verified(room, n, np.array([0, 1]))
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "written"])
 def test_the_last_send_after_the_pages_is_a_report_and_no_write_when_decode_takes_the_row_inline(cluster, inline):
     """Issue 33: a decode rank whose aux rows kvbridge writes takes the row in the report. A

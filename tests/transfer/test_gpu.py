@@ -537,7 +537,7 @@ def test_a_row_written_into_device_rows_is_there_when_the_write_returns():
     schema = aux_schema_of(contract)
     rows = torch.zeros((4, schema.row_bytes), dtype=torch.uint8, device="cuda:0")
     aux = AuxBuffers(schema, rows, rank="t")
-    assert aux.writable
+    assert aux.writable and aux.on_device  # (its decode rank asks for the row ahead: aux_ahead)
     row = np.arange(schema.row_bytes, dtype=np.uint8)
     aux.write_row(2, row)
     assert bytes(rows[2].cpu().numpy()) == row.tobytes() and not rows[[0, 1, 3]].any()

@@ -148,6 +148,10 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     # send me the aux row in the report that carries it (``PagesDone.aux_row``), not as a write into
     # my aux rows: I write it into slot ``aux_slot`` myself, at the commit (false: write it there)
     aux_inline: bool = False
+    # with aux_inline: send the row in a report of its own right after you post the write of the
+    # pages it comes with, not in that write's report (my aux rows are device memory: I write it
+    # into its slot while the pages land, not at the commit); false: in the pages' report
+    aux_ahead: bool = False
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)

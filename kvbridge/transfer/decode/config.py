@@ -41,6 +41,11 @@ class DecodeConfig:
     # (where kvbridge can write this rank's aux rows: one packed store, host or CUDA), instead of a
     # remote write into them: the prefill rank's last send after its layers then posts no write
     aux_inline: bool = True
+    # with aux_inline, that row in a report of its own, sent once the pages' write is posted, and
+    # written into its slot while the pages land rather than at the commit: True, False, or None
+    # (the default) for where the rows are device memory (a host -> device copy there waits behind
+    # the GPU's other copies; on the host the row rides in the pages' report: no message more)
+    aux_ahead: bool | None = None
     trace: bool = False
 
     def __post_init__(self) -> None:

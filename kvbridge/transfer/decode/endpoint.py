@@ -129,6 +129,7 @@ class DecodeEndpoint(EndpointShell):
                                                                     registered=[tensor_region(t) for t in
                                                                                 self.buffers.tensors.values()]),
             kind_buffers=self.buffers.descs, aux_inline=config.aux_inline and self.aux.writable,
+            aux_ahead=self.aux.on_device if config.aux_ahead is None else config.aux_ahead,
             daemon=bootstrap.where,
         )  # fmt: skip
         self._peers: PeerSet | None = None
@@ -154,6 +155,12 @@ class DecodeEndpoint(EndpointShell):
         """This rank takes each room's aux row in the report that carries it and writes it into the
         slot itself (``DecodeConfig.aux_inline`` and rows kvbridge can write): no write carries it."""
         return self.machine.aux_inline
+
+    @property
+    def aux_ahead(self) -> bool:
+        """It takes that row in a report of its own, sent once the pages' write is posted, and writes
+        it while they land (rows in device memory: ``AuxBuffers.on_device``)."""
+        return self.machine.aux_ahead
 
     @property
     def rank_id(self) -> str | None:

@@ -73,14 +73,18 @@ class DecodeRooms:
     def __init__(self, config: DecodeConfig, specs: Mapping[str, PoolSpec], aux_schema: AuxSchema, *,
                  trace: bool = False, staging: DecodeStaging | None = None,
                  proof_key: ProofKey | None = None, scratch: bool = True,
-                 kind_buffers: Sequence[BufferDesc] = (), aux_inline: bool = False,
+                 kind_buffers: Sequence[BufferDesc] = (), aux_inline: bool = False, aux_ahead: bool = False,
                  daemon: str = "the bootstrap daemon") -> None:
         """``aux_inline``: ask for each room's aux row in the report that carries it (the shell
-        writes it into the room's slot at the commit: its aux rows are writable by kvbridge).
+        writes it into the room's slot: its aux rows are writable by kvbridge); ``aux_ahead``: in a
+        report of its own, sent once the pages' write is posted (rows in device memory: the shell
+        writes the row while the pages land). A row whose report comes before the room's last is
+        written at once, else at the commit.
         ``daemon``: how reasons name the daemon look-ups go to (its URL where the shell knows it)."""
         self.cfg = config
         self.daemon = daemon
         self.aux_inline = aux_inline
+        self.aux_ahead = aux_inline and aux_ahead
         self.proof_key = proof_key
         self.scratch = scratch
         self.registration: str | None = None  # this rank's registration id (``Registered``)
@@ -746,7 +750,8 @@ class DecodeRooms:
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
-                kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline, **staging,
+                kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline,
+                aux_ahead=self.aux_ahead, **staging,
             )))
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)

@@ -245,6 +245,7 @@ class Target:
     kind_wait: bool = False  # window, compressed or state units still to write to it (prefill/kinds.py)
     decode_tp: tuple[int, int] = (1, 0)  # the decode rank's (tp_size, tp_rank): how its state slots are cut
     aux_inline: bool = False  # it takes the aux row in the report (TransferRequest.aux_inline), not as a write
+    aux_ahead: bool = False  # in a report of its own, sent after the pages' write is posted (TransferRequest.aux_ahead)
 
     @property
     def active(self) -> bool:
@@ -339,7 +340,8 @@ def target_from_request(
                   want_digest=req.want_digest, parts=route.parts, aux_row_base=route.aux_row_base, created=now,
                   num_expected=room.num_owned_from(req.first_page),
                   aux_source=route.aux_source and aux_stage, num_decode_targets=route.num_drawing,
-                  decode_tp=(peer.tp_size, peer.tp_rank), aux_inline=req.aux_inline)
+                  decode_tp=(peer.tp_size, peer.tp_rank), aux_inline=req.aux_inline,
+                  aux_ahead=req.aux_inline and req.aux_ahead)
 
 
 def request_target(req: wire.TransferRequest, ident: bytes, room: Any, peer: DecodePeer, specs: Mapping[str, PoolSpec],

@@ -153,7 +153,7 @@ class Writes:
         group = self.stage.group_size(r.room, t, logical.size)
         rank = self.rank
         head = None  # the first group's plan, when the path chosen on it is direct: the write's first part
-        ahead = False  # the aux row, taken inline, is reported on its own after this write is posted
+        ahead = False  # the aux row, taken inline and ahead, is reported on its own after this write is posted
         try:
             if group:  # a staged chunk larger than a slot: one group now, the next at the next tick
                 part = plan_target(specs, self.src_bufs, t, logical[:group], local[:group], r.plan_tokens, room=r.room,
@@ -192,10 +192,11 @@ class Writes:
                     src = None
                     if not logical.size and not (kplan is not None and kplan.num_slices):
                         return self._report_aux(r, t, num_layers, kunits)  # nothing to write: reported now
-                    # reported on its own, right after the write of the pages it comes with is posted
-                    # (long before they land): decode writes it into its slot while they land, not at
-                    # its commit
-                    ahead, with_aux = True, False
+                    if t.aux_ahead:
+                        # reported on its own, right after the write of the pages it comes with is
+                        # posted (long before they land): decode writes it into its device slot while
+                        # they land, not at its commit
+                        ahead, with_aux = True, False
                 else:
                     after = after if src.after is None else src.after  # (the row's copy waited on the chunk's events)
             if head is not None:  # the rest of the chunk after its first group (planned above), then the aux row
@@ -238,8 +239,9 @@ class Writes:
     def _report_aux(self, r: PrefillRoom, t: Target, num_layers: int | None, kunits: KindWrite | None) -> bool:
         """The aux row for a target that takes it inline: no write; its report leaves now, carrying
         the row, through the same end as a write's (``WriteEnded``: the machine reports and settles).
-        Alone (a room's last send after its layers went: ``kunits`` ride in it), or beside the
-        write of the pages it comes with, right after that write is posted."""
+        Alone (a room's last send after its layers went: ``kunits`` ride in it), or, to a target that
+        asked for it ahead (``aux_ahead``), beside the write of the pages it comes with, right after
+        that write is posted."""
         w = self._start(r, t, _EMPTY, True, num_layers)
         if kunits:
             self.kind_reports[w] = kunits
