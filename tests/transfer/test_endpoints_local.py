@@ -59,9 +59,9 @@ def test_failed_write_fails_the_room_with_the_engine_reason(cluster, engine):
     assert senders[1].poll() == KVPoll.Failed
 
 
-def pages_sent_not_last(c, room: int, n: int):
-    """Room ``room`` of ``n`` tokens at CP 1: decode asked (pages 0 and 1, aux slot 3), prefill sent
-    every page in a send that is not the last and the room is Transferring; (receiver, sender)."""
+def asked_and_filled(c, room: int, n: int):
+    """Room ``room`` of ``n`` tokens at CP 1: decode asked (pages 0 and 1, aux slot 3), prefill's
+    local pages 10 and 11 hold them, its sender is initialised; (receiver, sender)."""
     ep = c.prefill[0]
     r = c.decode.receiver(room, f"{c.name}-p")
     r.init(np.array([0, 1]), 3, n)
@@ -69,6 +69,13 @@ def pages_sent_not_last(c, room: int, n: int):
         fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
     s = ep.sender(room)
     s.init(n)
+    return r, s
+
+
+def pages_sent_not_last(c, room: int, n: int):
+    """``asked_and_filled``, then prefill sent every page in a send that is not the last and the
+    room is Transferring; (receiver, sender)."""
+    r, s = asked_and_filled(c, room, n)
     s.send(np.array([0, 1]), np.array([10, 11]), num_tokens_ready=n)  # every page, not yet the last chunk
     assert wait_until(lambda: s.poll() == KVPoll.Transferring, 30)
     return r, s
@@ -553,14 +560,9 @@ def test_a_row_asked_ahead_is_reported_after_the_pages_post_and_written_into_the
     write is held until the row is in the slot, so the order is the one asserted."""
     c = cluster(cp=1, aux_ahead=True)
     assert c.decode.aux_inline and c.decode.aux_ahead
-    ep, room, n = c.prefill[0], 0x4322, 8
-    gate = ep.engine.faults.gate = threading.Event()  # the pages' write waits at the gate
-    r = c.decode.receiver(room, f"{c.name}-p")
-    r.init(np.array([0, 1]), 3, n)
-    for (pool, layer), buf in ep.buffers.tensors.items():
-        fill_pages(c.specs[pool], buf, room, layer, np.array([0, 1]), np.array([10, 11]), n)
-    s = ep.sender(room)
-    s.init(n)
+    room, n = 0x4322, 8
+    gate = c.prefill[0].engine.faults.gate = threading.Event()  # the pages' write waits at the gate
+    r, s = asked_and_filled(c, room, n)
     s.send(np.array([0, 1]), np.array([10, 11]), is_last=True, aux=make_aux(c.aux_schema, room, n))
     slot_room = lambda: c.aux_schema.room_of(as_bytes(c.aux[3]))  # noqa: E731
     try:
