@@ -301,7 +301,7 @@ class AuxBuffers:
         """kvbridge can write a row into these rows itself (``write_row``): one packed store, in host
         memory (a numpy view of its bytes) or a CUDA tensor. A decode rank with such rows takes the
         aux row in the report that carries it (``TransferRequest.aux_inline``)."""
-        return self._host_rows is not None or (self.packed and _on_cuda(self.storage))
+        return self._host_rows is not None or self.on_device
 
     @property
     def on_device(self) -> bool:
