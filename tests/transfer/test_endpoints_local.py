@@ -428,10 +428,12 @@ def test_send_with_a_ready_event_reads_no_page_before_it_completes(cluster, engi
 def test_a_topology_in_use_is_refreshed_before_it_expires(cluster):
     """Rooms of a DP group further apart than topology_ttl find its topology cached (refreshed in
     the background): no room waits for a bootstrap look-up (a few ms) on its way to the request."""
-    c = cluster(cp=1, topology_ttl=0.3)
+    # a TTL of 1 s: its refresh (due at half of it) has 0.5 s to come back from the daemon, which a
+    # loaded 2-core host may need (at 0.3 s, a refresh slower than 0.15 s left the cache expired)
+    c = cluster(cp=1, topology_ttl=1.0)
     for i, room in enumerate((31, 32, 33)):
         if i:
-            time.sleep(1.0)  # three TTLs: without the refresh the cached answer would be gone
+            time.sleep(3.0)  # three TTLs: without the refresh the cached answer would be gone
         r = c.decode.receiver(room, f"{c.name}-p")
         if i:
             assert r.poll() == KVPoll.WaitingForInput, "the room had to look its topology up"
