@@ -138,3 +138,21 @@ def test_trace_ranks_reads_a_room_rank_by_rank(tmp_path):
     assert rows["decode: cp1's report"] == "3.70" and rows["bench: Success seen"] == "4.20"
     order = [ln.split("|")[1].strip() for ln in done.stdout.splitlines()[2:]]
     assert order.index("cp1: decision") < order.index("cp1: write posted") < order.index("decode: committed")
+
+
+def test_idle_probe_reports_each_gaps_hand_offs_and_work_and_holds_the_latency_request_around_a_command():
+    """scripts/device/idle_probe.py (issue 33, round 19; no GPU): one row per idle time with the
+    thread and process hand-offs and send()'s slice of work; --hold runs a command and passes its
+    exit status through, saying whether the CPU latency request was held."""
+    probe = SCRIPTS / "device" / "idle_probe.py"
+    done = subprocess.run([sys.executable, str(probe), "--rounds", "3", "--gaps", "0", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [ln for ln in done.stdout.splitlines() if ln.startswith("as is")]
+    assert [r.split("|")[0].split()[-2] for r in rows] == ["0", "1"]
+    for row in rows:
+        assert "thread first" in row and "process first" in row and row.rstrip().endswith("ms")
+    held = subprocess.run([sys.executable, str(probe), "--hold", "--", sys.executable, "-c", "raise SystemExit(3)"],
+                          capture_output=True, text=True, timeout=60)
+    assert held.returncode == 3, held.stderr[-2000:]
+    assert "cpu_dma_latency 0 held while" in held.stdout or "NOT held while" in held.stdout
