@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import kvbridge as kvb
+from kvbridge.bench.procs import TimerForward
 from kvbridge.layout import OwnerLanes
 from kvbridge.transfer.engine.local import LocalFabric
 from kvbridge.worker.resources import allocate_buffers, aux_schema_of, build_contract, build_specs
@@ -62,8 +63,14 @@ def main() -> None:
     ap.add_argument("--aux-written", action="store_true",
                     help="decode takes the aux row as a write into its aux rows (DecodeConfig(aux_inline=False)) "
                          "instead of in the report that carries it")
+    ap.add_argument("--send-early", type=float, default=0.0, metavar="MS",
+                    help="with --ask-first: every prefill rank calls send() MS ms before its KV is whole, with a "
+                         "timer's event as ready_event (vLLM's wait_for_save: the forward's last layers still run); "
+                         "the clock runs from the KV whole to decode's Success")
     args = ap.parse_args()
     args.ask_first = args.ask_first or args.aux_last
+    if args.send_early and (not args.ask_first or args.aux_last):
+        ap.error("--send-early needs --ask-first (and not --aux-last)")
     specs = build_specs(PRESET, args.layers, PAGE, 1)
     contract = build_contract(PRESET, args.layers, PAGE, 1, "interleaved")
     schema = aux_schema_of(contract)
@@ -88,11 +95,12 @@ def main() -> None:
         last = lanes.owner_of_token(n - 1, PAGE, args.pages)
         dst = np.arange(args.pages) + args.pages
 
-        def send(r: int, s: Any, i: int) -> None:
+        def send(r: int, s: Any, i: int, ready: Any = None) -> None:
             if args.aux_last:  # the pages went before the clock: the last send carries the row alone
                 s.send(owned[r][:0], owned[r][:0], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
                 return
-            s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+            s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None,
+                   ready_event=ready)
 
         def pages_landed(senders: list[Any]) -> None:
             """``--aux-last``: every rank's pages sent (not the last send) and landed, before the clock."""
@@ -127,13 +135,15 @@ def main() -> None:
                     pages_landed(senders)
             time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
+            early = args.send_early / 1e3
+            ready = TimerForward(time.monotonic() + early) if early else None  # the KV whole at t0 + early
             if args.ask_first:
                 for r, s in enumerate(senders):
-                    send(r, s, i)
+                    send(r, s, i, ready)
             else:
                 recv = ask(i)
             state = recv.wait(10)
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - early
             if state != kvb.KVPoll.Success:
                 raise SystemExit(f"room {i}: {state.name}: {recv.failure_reason}")
             for s in senders:
@@ -151,6 +161,8 @@ def main() -> None:
             ep.close()
     ms = sorted(t * 1e3 for t in times)
     clock = "decode asked first, send() -> Success" if args.ask_first else "receiver() -> Success"
+    if args.send_early:
+        clock = f"decode asked first, send() {args.send_early:g} ms before the KV is whole, KV whole -> Success"
     if args.aux_last:
         clock = "pages landed, the last send() (the aux row alone) -> Success"
     print(f"control path, one process, local engine: cp {args.cp}, {args.pages} pages x {args.layers}+1 layers "

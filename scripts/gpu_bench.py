@@ -420,13 +420,15 @@ def run_group(name: str, args: argparse.Namespace, url: str, tokens: list[int], 
                      # pages in one launch: never staged there); traced rooms stay direct unless --trace-staged
                      staged=g["engine"] in STAGED and (not trace_dir or args.trace_staged),
                      staging_slot_bytes=args.staged_slot_mib << 20, staging_slots=(args.gather_slots, args.decode_slots),
-                     aux_inline=not args.aux_written, ask_first=args.ask_first)
+                     aux_inline=not args.aux_written, ask_first=args.ask_first, send_early_ms=args.send_early,
+                     send_early_host=args.send_early_on == "host")
 
     def show(row: dict[str, Any]) -> None:
         log(f"  {name} {row['alloc']} {row['tokens']}: kvbridge {row['kvbridge_gbps']} GB/s (p50 "
             f"{row['kvbridge_p50_ms']} ms, {row['kvbridge_slices']} slices), staged {row.get('staged_gbps')} "
             f"({row.get('staged_slices')} pieces), raw {row['raw_gbps']}, engine {row['engine_gbps']}, verified "
-            f"{row['rooms_verified']} rooms, failures {row['kvbridge_failures'] + row['verify_errors']}")
+            f"{row['rooms_verified']} rooms, failures {row['kvbridge_failures'] + row['verify_errors']}, send() p50 "
+            f"{row['send_p50_ms']} ms, forward's tail p50 {row['forward_p50_ms']} ms")
 
     rows = run_sweep(spec, url, None, show_progress=False, on_row=show)
     for row in rows:
@@ -466,7 +468,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         by_key.setdefault((r["alloc"], r["tokens"]), {})[r["group"]] = r
     head = (f"{'alloc':>10} {'tokens':>6} {'MB':>7} {'slices':>7} {'kvb/mc':>7} {'raw mc':>7} {'kvb/ipc':>8} "
             f"{'ipc eng':>8} {'ipc/raw':>7} {'mc p50':>7} {'raw p50':>7} {'ipc p50':>7} {'eng p50':>7} "
-            f"{'mc fix':>6} {'ipc fix':>7} {'verified':>8}")
+            f"{'mc fix':>6} {'ipc fix':>7} {'mc snd':>6} {'ipc snd':>7} {'verified':>8}")
     lines = [head]
 
     def f(v: Any, spec: str = ".1f") -> str:
@@ -485,6 +487,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{f(ipc.get('kvbridge_p50_ms'), '.2f'):>7} {f(ipc.get('engine_p50_ms'), '.2f'):>7} "
             f"{f(_minus(mc.get('kvbridge_p50_ms'), mc.get('raw_p50_ms')), '.2f'):>6} "
             f"{f(_minus(ipc.get('kvbridge_p50_ms'), ipc.get('engine_p50_ms')), '.2f'):>7} "
+            f"{f(mc.get('send_p50_ms'), '.2f'):>6} {f(ipc.get('send_p50_ms'), '.2f'):>7} "
             f"{('yes' if ok else 'NO'):>8}")
         for g in groups.values():
             for why in g["kvbridge_failures"] + g["verify_errors"]:
@@ -608,8 +611,23 @@ def main() -> None:
                          "rank 50 ms before the sends), every prefill rank calls send() at one instant, and a room's "
                          "time runs from it to decode seeing Success (default: decode asks last and the time runs "
                          "from its receiver(); the raw baselines are timed from their posts either way)")
+    ap.add_argument("--send-early", type=float, default=0.0, metavar="MS",
+                    help="with --ask-first: every prefill rank queues MS ms of GPU work (a sleep kernel: the forward's "
+                         "last layers, simulated) and calls send() at once with that work's event as ready_event, as "
+                         "vLLM's wait_for_save does (its event follows the forward's launches; SGLang sends early only a cached "
+                         "prefix); a room's time runs from the end of that work (timed by CUDA events) "
+                         "to decode seeing Success, so send()'s own checks and plan run while the GPU computes")
+    ap.add_argument("--send-early-on", choices=("device", "host"), default="device",
+                    help="--send-early's tail: a sleep kernel on the rank's GPU (device: SGLang's form; on ONE GPU the "
+                         "ranks' processes take turns on it, so their tails end apart and the room's clock, started at "
+                         "the last, misses what the first rank moved before it) or a host timer ending at one instant "
+                         "on every rank (host: Mooncake's pump waits on the host either way; the IPC engine then waits "
+                         "on the caller's thread and launches after the KV is whole, where a CUDA event waits on the "
+                         "GPU)")
     ap.add_argument("--json", default="", help="write everything here")
     args = ap.parse_args()
+    if args.send_early and not args.ask_first:
+        ap.error("--send-early needs --ask-first (decode's request comes while the forward runs)")
     os.environ.setdefault("GLOG_minloglevel", "2")
     import torch
 
@@ -617,7 +635,8 @@ def main() -> None:
 
     result: dict[str, Any] = {"info": {"gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0),
                                        "torch": torch.__version__, "layers": args.layers, "cp": CP,
-                                       "one_gpu": torch.cuda.device_count() < 2, "ask_first": args.ask_first},
+                                       "one_gpu": torch.cuda.device_count() < 2, "ask_first": args.ask_first,
+                                       "send_early_ms": args.send_early, "send_early_on": args.send_early_on},
                               "rows": [], "errors": []}
     if result["info"]["one_gpu"]:
         log("# ONE GPU: prefill and decode processes share cuda:0 (CUDA IPC within one device)")
@@ -681,7 +700,11 @@ def main() -> None:
               f"GB/s of payload, median of {args.reps}; kvb/mc: kvbridge on Mooncake "
               f"({'nvlink' if any(r['group'] == 'mooncake-nvlink' for r in result['rows']) else 'tcp'}), raw mc: raw "
               f"Mooncake on the same slices, kvb/ipc: kvbridge on the IPC engine, ipc eng: that engine alone; "
-              + ("decode asks first (an engine's order): kvbridge timed from the prefill ranks' send() to decode "
+              "mc snd / ipc snd: the slowest prefill rank's send() call (p50 ms); "
+              + (f"decode asks first and every prefill rank calls send() {args.send_early:g} ms before its KV is "
+                 "whole (vLLM's order): kvbridge timed from the KV whole to decode seeing Success"
+                 if args.send_early else
+                 "decode asks first (an engine's order): kvbridge timed from the prefill ranks' send() to decode "
                  "seeing Success" if args.ask_first else "decode asks last: kvbridge timed from its receiver()"))
         print(table(result["rows"]))
     if any(r["group"] == "nixl" for r in result["rows"]):

@@ -156,3 +156,17 @@ def test_idle_probe_reports_each_gaps_hand_offs_and_work_and_holds_the_latency_r
                           capture_output=True, text=True, timeout=60)
     assert held.returncode == 3, held.stderr[-2000:]
     assert "cpu_dma_latency 0 held while" in held.stdout or "NOT held while" in held.stdout
+
+
+def test_control_bench_sends_early_and_times_rooms_from_the_kv_whole():
+    """--send-early: every rank calls send() while a timer (the forward's tail) still runs, with it
+    as ready_event; the clock runs from the tail's end; without --ask-first it is refused."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "control_bench.py"), "--cp", "2", "--pages", "3", "--rooms",
+                           "5", "--ask-first", "--send-early", "20"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "send() 20 ms before the KV is whole, KV whole -> Success p50" in done.stdout
+    # a write that ignored the event would land before the timer ends: a negative time from the KV whole
+    assert float(done.stdout.split("KV whole -> Success p50 ")[1].split()[0]) > 0
+    refused = subprocess.run([sys.executable, str(SCRIPTS / "control_bench.py"), "--send-early", "5"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--send-early needs --ask-first" in refused.stderr

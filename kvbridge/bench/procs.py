@@ -111,6 +111,8 @@ class PrefillRank(RankBase):
         self.owned = self.local = np.zeros(0, np.int64)
         self.plan: Any = None
         self.senders: dict[int, Any] = {}
+        self.forwards: dict[int, tuple[Any, float]] = {}  # room -> (its forward's tail or None, send() seconds)
+        self._cycles_per_ms: float | None = None
         self.scratch: Any = None
         self.trace = os.environ.get("KVBRIDGE_TRACE") == "1"
 
@@ -144,7 +146,11 @@ class PrefillRank(RankBase):
 
     def send(self, cmd: dict) -> dict:
         """The room's one send(), every page and (on the aux owner) the aux row; at monotonic time
-        ``at`` when given (every rank's forward ends together: the bench's engine order)."""
+        ``at`` when given (every rank's forward ends together: the bench's engine order).
+        ``early_ms``: the end of a forward still runs when send() is called, as in vLLM's
+        wait_for_save (an event recorded after the forward's launches): ``early_ms`` of GPU work (a
+        timer on the CPU, or with ``early_host``) is queued at ``at``, send() is called at once with
+        its event as ``ready_event``, and ``wait_sent`` says when the work ended."""
         from kvbridge.worker.synthetic import make_aux
 
         room, n = cmd["room"], cmd["tokens"]
@@ -153,11 +159,34 @@ class PrefillRank(RankBase):
         s.init(n)
         if cmd.get("at") is not None:
             _wait_until(cmd["at"])
+        forward = self._forward_tail(cmd["early_ms"], cmd.get("early_host", False)) if cmd.get("early_ms") else None
         if self.trace:
             log.info("trace room=%d bench send @%.6f", room, time.monotonic())
-        s.send(self.owned, self.local, is_last=True, aux=aux)
+        t0 = time.monotonic()
+        s.send(self.owned, self.local, is_last=True, aux=aux, ready_event=None if forward is None else forward.ready)
         self.senders[room] = s
+        self.forwards[room] = (forward, time.monotonic() - t0)
         return {"queued": room}
+
+    def _forward_tail(self, ms: float, host: bool = False) -> Any:
+        """``ms`` of work on the device's current stream from now (CUDA: a sleep kernel between two
+        timing events; CPU, or ``host``: a timer), whose ``ready`` event completes when it ends."""
+        if host or not self.device.startswith("cuda"):
+            return TimerForward(time.monotonic() + ms / 1e3)
+        torch = self.torch
+        if self._cycles_per_ms is None:  # the sleep kernel's clock, measured once (loaded first: a launch
+            torch.cuda._sleep(1000)  # that loads the kernel would count in the time), the fastest of three: on
+            torch.cuda.synchronize()  # one GPU another process's kernels take turns with it and only lengthen it
+            rates = []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(10_000_000)
+                end.record()
+                end.synchronize()
+                rates.append(10_000_000 / start.elapsed_time(end))
+            self._cycles_per_ms = max(rates)
+        return CudaForward(torch, int(ms * self._cycles_per_ms))
 
     def wait_sent(self, cmd: dict) -> dict:
         from kvbridge.transfer.poll import KVPoll
@@ -168,9 +197,11 @@ class PrefillRank(RankBase):
             time.sleep(0.0005)
         state = s.poll()
         st = s.stats
+        forward, send_s = self.forwards.pop(cmd["room"], (None, 0.0))
         return {"state": state.name, "reason": s.failure_reason or "", "slices": int(st.get("slices", 0)),
                 "chunks": int(st.get("chunks", 0)), "bytes_staged": int(st.get("bytes_staged", 0)),
-                "paths": sorted(set(st.get("paths", {}).values()))}
+                "paths": sorted(set(st.get("paths", {}).values())), "send_s": send_s,
+                "forward_s": None if forward is None else forward.seconds()}
 
     def raw(self, cmd: dict) -> dict:
         """Post this rank's plan at monotonic time ``at``: ``mooncake`` straight to the binding
@@ -348,6 +379,38 @@ def rank_ops(rank: RankBase) -> dict[str, Any]:
             "copy": getattr(rank, "copy", None), "prepare": getattr(rank, "prepare", None),
             "recv": getattr(rank, "recv", None), "recv_wait": getattr(rank, "recv_wait", None),
             "check": getattr(rank, "check", None), "stats": rank.stats}
+
+
+class TimerForward:
+    """A forward's tail on the CPU: its ``ready`` event completes at monotonic time ``end``."""
+
+    def __init__(self, end: float) -> None:
+        self.end, self.start, self.ready = end, time.monotonic(), self
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def synchronize(self) -> None:
+        _wait_until(self.end)
+
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class CudaForward:
+    """A forward's tail on the GPU: ``cycles`` of a sleep kernel on the current stream between two
+    timing events; ``ready`` is the second. ``seconds()`` (once ready) is the GPU's time from the
+    first to the second: a room's KV was whole that long after the tail began."""
+
+    def __init__(self, torch: Any, cycles: int) -> None:
+        self._start, self.ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._start.record()
+        torch.cuda._sleep(cycles)
+        self.ready.record()
+
+    def seconds(self) -> float:
+        self.ready.synchronize()
+        return self._start.elapsed_time(self.ready) / 1e3
 
 
 def _wait_until(t: float) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.bench.alloc import Allocation, allocate
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import OwnerLanes
 from kvbridge.layout.aux import owner_of_last_token
 from kvbridge.layout.pools import preset_pools
@@ -84,6 +84,12 @@ class RigSpec:
     # order of an engine whose decode admits a request while prefill computes). False: prefill's
     # sends queue first and the time runs from decode's receiver() (a request that comes last)
     ask_first: bool = False
+    # with ask_first: the forward's last ``send_early_ms`` still run on the GPU (a timer on the CPU)
+    # when every rank calls send(), with that work's event as ``ready_event`` (vLLM's wait_for_save:
+    # its event follows the forward's launches); the room's time runs from the end of that work to
+    # decode's Success. 0: the KV is whole at send()
+    send_early_ms: float = 0.0
+    send_early_host: bool = False  # that tail is a host timer, also on a GPU (no kernel beside the rooms' copies)
 
     @property
     def max_pages(self) -> int:
@@ -211,6 +217,9 @@ class ThreadChild(Child):
 
 class Rig:
     def __init__(self, spec: RigSpec) -> None:
+        if spec.send_early_ms < 0 or (spec.send_early_ms and not spec.ask_first):
+            raise ConfigError(f"send_early_ms ({spec.send_early_ms:g}) is the tail of a forward that decode's request "
+                              "came before: it needs ask_first and a non-negative value", field="send_early_ms")
         self.spec = spec
         self.lanes = OwnerLanes(spec.cp)
         self.specs = preset_pools(spec.preset, num_layers=spec.layers, page_size=spec.page_size,
@@ -233,6 +242,8 @@ class Rig:
         self.decode: Child | None = None
         self.prefill: list[Child] = []
         self.staging_mode = "never"
+        self.last_send_s = 0.0  # the slowest rank's send() of the last kvbridge room (seconds)
+        self.last_forward_s = 0.0  # and the longest forward's tail of its ranks (send_early_ms; seconds)
         if spec.in_process:  # the ranks' settings read from this process's environment
             for key, value in spec.env.items():
                 os.environ.setdefault(key, value)
@@ -308,17 +319,21 @@ class Rig:
             self.decode.ask(op="recv", ask_first=True, **recv)
             time.sleep(ASK_FIRST_LEAD_S)  # the request (and the room's ticket) in on every rank
             at = time.monotonic() + START_S
-            for rank, child in enumerate(self.prefill):  # every rank's forward ends at ``at``
-                child.send(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner, at=at)
+            for rank, child in enumerate(self.prefill):  # every rank's forward ends at ``at`` (or its tail starts)
+                child.send(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner, at=at,
+                           early_ms=self.spec.send_early_ms, early_host=self.spec.send_early_host)
             for child in self.prefill:
                 child.reply()
             res = self.decode.ask(op="recv_wait", room=room, poll_s=self.spec.poll_s)
-            res["seconds"] = res["final_at"] - at
         else:
             for rank, child in enumerate(self.prefill):  # their KV is ready: sends queue until decode asks
                 child.ask(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner)
             res = self.decode.ask(op="recv", **recv)
         sent = [c.ask(op="wait_sent", room=room) for c in self.prefill]
+        self.last_forward_s = max(s["forward_s"] or 0.0 for s in sent)
+        if self.spec.ask_first:  # from the instant every rank's KV was whole
+            res["seconds"] = res["final_at"] - at - self.last_forward_s
+        self.last_send_s = max(s["send_s"] for s in sent)
         problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
         want = "staged" if staging == "always" else "direct"
         problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(sent)

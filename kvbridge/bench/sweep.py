@@ -59,6 +59,8 @@ class BenchSpec:
     in_process: bool = False  # every rank a thread of this process (``RigSpec.in_process``)
     aux_inline: bool = True  # decode takes the aux row in the report (False: as a write; ``RigSpec.aux_inline``)
     ask_first: bool = False  # decode asks before prefill sends; timed from the sends (``RigSpec.ask_first``)
+    send_early_ms: float = 0.0  # with ask_first: send() while the forward's last ms run (``RigSpec.send_early_ms``)
+    send_early_host: bool = False  # that tail a host timer on a GPU too (``RigSpec.send_early_host``)
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -113,6 +115,8 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         methods["memcpy"] = rig.run_memcpy
     times: dict[str, list[float]] = {name: [] for name in methods}
     warm: dict[str, float] = {}
+    send_s: list[float] = []  # the slowest rank's send() of each timed kvbridge room
+    forward_s: list[float] = []  # and the longest tail of its ranks' forwards (send_early_ms)
     for name, fn in methods.items():  # warm-up (connections, page faults); kvbridge's and raw's checked
         try:
             if name == "kvbridge":
@@ -132,13 +136,18 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         for name, fn in methods.items():
             try:
                 times[name].append(fn())
+                if name == "kvbridge":
+                    send_s.append(rig.last_send_s)
+                    forward_s.append(rig.last_forward_s)
             except KVBridgeError as exc:  # counted and shown; the sweep goes on
                 failures.append(f"{name}: {exc}")
     row: dict[str, Any] = {
         "cp": rig.spec.cp, "alloc": alloc, "engine": spec.engine, "tokens": num_tokens, "layers": spec.layers,
         "draft_layers": spec.draft_layers, "bytes": num_bytes, "slices": num_slices,
         "kvbridge_slices": posted["kvbridge"] or None, "staged_slices": posted["staged"] or None, "ideal_slices": rig.ideal_slices(pages), "plan_ms": round(plan_ms, 3),
-        "reps": reps, "ask_first": spec.ask_first,
+        "reps": reps, "ask_first": spec.ask_first, "send_early_ms": spec.send_early_ms,
+        "send_early_host": spec.send_early_host, "send_p50_ms": percentile_ms(send_s, 50) if send_s else None,
+        "forward_p50_ms": percentile_ms(forward_s, 50) if spec.send_early_ms and forward_s else None,
     }
     for name in ("kvbridge", "staged", "raw", "engine", "memcpy"):
         t = times.get(name) or []
@@ -187,7 +196,8 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged,
                               staging_slot_bytes=spec.staging_slot_bytes,
                               staging_slots=tuple(spec.staging_slots), in_process=spec.in_process,
-                              aux_inline=spec.aux_inline, ask_first=spec.ask_first))  # fmt: skip
+                              aux_inline=spec.aux_inline, ask_first=spec.ask_first,
+                              send_early_ms=spec.send_early_ms, send_early_host=spec.send_early_host))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from kvbridge.bench.rig import Rig, RigSpec
 from kvbridge.bench.sweep import BenchSpec, run_sweep
+from kvbridge.errors import ConfigError
 from kvbridge.worker.cluster import start_bootstrap
 
 
@@ -35,3 +39,27 @@ def test_rooms_in_an_engines_order_decode_asking_first():
         (row,) = run_sweep(spec, url, None, show_progress=False)
     assert not row["kvbridge_failures"] and not row["verify_errors"], row
     assert row["ask_first"] and row["rooms_verified"] == 3 and row["kvbridge_p50_ms"] > 0
+
+
+def test_rooms_sent_early_are_timed_from_the_end_of_the_forwards_tail():
+    """``send_early_ms``: every prefill rank calls send() as the forward's last ``send_early_ms``
+    start (a timer on the CPU, a sleep kernel on a GPU), with that work's event as ``ready_event``,
+    and a room's time runs from the work's end. Nothing may be read before the event: a write that
+    ignored it would land within a few ms, long before the 300 ms tail ends, and the room's time
+    from the tail's end would be negative."""
+    spec = BenchSpec(tokens=[1024], cps=[2], layers=2, engine="ipc", reps=2, verify=True, verify_every=True,
+                     allocs=["contiguous"], raw_mooncake=False, staged=False, in_process=True, ask_first=True,
+                     send_early_ms=300.0)
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
+        (row,) = run_sweep(spec, url, None, show_progress=False)
+    assert not row["kvbridge_failures"] and not row["verify_errors"], row
+    assert row["send_early_ms"] == 300.0 and row["rooms_verified"] == 3
+    assert row["kvbridge_p50_ms"] > 0 and row["send_p50_ms"] > 0
+    assert abs(row["forward_p50_ms"] - 300.0) < 1.0  # the tail each room's time was counted from
+
+
+def test_a_forwards_tail_needs_decode_asking_first():
+    with pytest.raises(ConfigError, match="send_early_ms .* needs ask_first"):
+        Rig(RigSpec(cp=1, max_tokens=1024, bootstrap="http://127.0.0.1:9", send_early_ms=5.0))
+    with pytest.raises(ConfigError, match="non-negative"):
+        Rig(RigSpec(cp=1, max_tokens=1024, bootstrap="http://127.0.0.1:9", ask_first=True, send_early_ms=-1.0))
