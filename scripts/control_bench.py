@@ -5,7 +5,7 @@ against a real bootstrap daemon. No process hand-offs, no network: a room's time
 report, the ledger and the commit, in Python, plus the memcpy of its few pages.
 
     .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0] [--ask-first] [--layers 4]
-        [--aux-last] [--aux-written]
+        [--aux-last] [--aux-written] [--send-early MS]
 
 The prefill side has sent its pages before the timer starts (as when decode asks last);
 decode blocks in ``KVReceiver.wait()``. ``--ask-first``: the engines' order instead, decode asks
@@ -18,6 +18,9 @@ before the clock, which runs from the last sends, the aux row alone on its owner
 target layers (default 4; 61 gives the GPU benches' slices per rank). Compare with ``kvbridge bench --trace``, where the
 same steps run in separate processes. ``--gap-ms``: idle time before each timed room (the
 benches leave the cluster idle between rooms; on a VM every thread then wakes slower).
+``--send-early MS`` (with ``--ask-first``): the ranks call ``send()`` MS ms before their KV is whole,
+a timer's event as ``ready_event`` (an engine whose forward still runs, as vLLM's ``wait_for_save``),
+and the clock runs from the KV whole to Success.
 
 Besides the p50 it prints the process's CPU time per timed room, every thread's together
 (``time.process_time``; ``--gap-ms`` sleeps cost none): the work a room costs, which a loaded
