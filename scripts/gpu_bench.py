@@ -614,16 +614,16 @@ def main() -> None:
     ap.add_argument("--send-early", type=float, default=0.0, metavar="MS",
                     help="with --ask-first: every prefill rank queues MS ms of GPU work (a sleep kernel: the forward's "
                          "last layers, simulated) and calls send() at once with that work's event as ready_event, as "
-                         "vLLM's wait_for_save does (its event follows the forward's launches; SGLang sends early only a cached "
-                         "prefix); a room's time runs from the end of that work (timed by CUDA events) "
+                         "vLLM's wait_for_save does (its event follows the forward's launches; SGLang sends early "
+                         "only a cached prefix); a room's time runs from the end of that work (timed by CUDA events) "
                          "to decode seeing Success, so send()'s own checks and plan run while the GPU computes")
     ap.add_argument("--send-early-on", choices=("device", "host"), default="device",
-                    help="--send-early's tail: a sleep kernel on the rank's GPU (device: SGLang's form; on ONE GPU the "
-                         "ranks' processes take turns on it, so their tails end apart and the room's clock, started at "
-                         "the last, misses what the first rank moved before it) or a host timer ending at one instant "
-                         "on every rank (host: Mooncake's pump waits on the host either way; the IPC engine then waits "
-                         "on the caller's thread and launches after the KV is whole, where a CUDA event waits on the "
-                         "GPU)")
+                    help="--send-early's tail: a sleep kernel on the rank's GPU (device: an engine's own form; on "
+                         "ONE GPU the ranks' processes take turns on it, so their tails end apart and the room's clock, "
+                         "started at the last, misses what the first rank moved before it) or a host timer ending at "
+                         "one instant on every rank (host: Mooncake's pump waits on the host either way; the IPC engine "
+                         "then waits on the caller's thread and launches after the KV is whole, where a CUDA event "
+                         "waits on the GPU)")
     ap.add_argument("--json", default="", help="write everything here")
     args = ap.parse_args()
     if args.send_early and not args.ask_first:

@@ -173,20 +173,9 @@ class PrefillRank(RankBase):
         timing events; CPU, or ``host``: a timer), whose ``ready`` event completes when it ends."""
         if host or not self.device.startswith("cuda"):
             return TimerForward(time.monotonic() + ms / 1e3)
-        torch = self.torch
-        if self._cycles_per_ms is None:  # the sleep kernel's clock, measured once (loaded first: a launch
-            torch.cuda._sleep(1000)  # that loads the kernel would count in the time), the fastest of three: on
-            torch.cuda.synchronize()  # one GPU another process's kernels take turns with it and only lengthen it
-            rates = []
-            for _ in range(3):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                torch.cuda._sleep(10_000_000)
-                end.record()
-                end.synchronize()
-                rates.append(10_000_000 / start.elapsed_time(end))
-            self._cycles_per_ms = max(rates)
-        return CudaForward(torch, int(ms * self._cycles_per_ms))
+        if self._cycles_per_ms is None:
+            self._cycles_per_ms = CudaForward.cycles_per_ms(self.torch)
+        return CudaForward(self.torch, int(ms * self._cycles_per_ms))
 
     def wait_sent(self, cmd: dict) -> dict:
         from kvbridge.transfer.poll import KVPoll
@@ -411,6 +400,23 @@ class CudaForward:
     def seconds(self) -> float:
         self.ready.synchronize()
         return self._start.elapsed_time(self.ready) / 1e3
+
+    @staticmethod
+    def cycles_per_ms(torch: Any, cycles: int = 10_000_000) -> float:
+        """The sleep kernel's clock: loaded first (a launch that loads it would count in the time),
+        then the fastest of three runs (on one GPU other processes' kernels take turns with it and
+        only ever lengthen a run)."""
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        rates = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            rates.append(cycles / start.elapsed_time(end))
+        return max(rates)
 
 
 def _wait_until(t: float) -> None:
