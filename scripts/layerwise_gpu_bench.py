@@ -11,17 +11,24 @@ own process, both sides on one GPU (cuda:0) when there is one.
                               or MoE: the layer count, the KV geometry and a per-layer compute
                               time of the right order. Each CP rank runs the forward on its
                               share of the tokens, as CP does; the two share the GPU.
-                              whole: after the forward (the first token read back: the
-                              forward's end), one send of every page, its CUDA event as
+                              whole: one send of every page, a CUDA event as its
                               ready_event; layer-wise: ``kvbridge.transfer.prefill.layerwise.
                               LayerPosts`` - after each layer's write ``layer_done(l)`` (an
                               event on the forward's stream per layer group, the sends made on
-                              the poster thread), then the last send with the aux row
+                              the poster thread), then the last send with the aux row.
+                              Where the last send(s) are called (``--orders``): readback,
+                              after the first token is read back (the forward has ended);
+                              launch, as soon as the last layer's kernels are queued, with
+                              an event recorded there (vLLM's order: its wait_for_save,
+                              where kvbridge's vLLM worker sends; the only engine
+                              integration with layer-wise sends). The tail is timed from
+                              the forward's end in both
     decode (one process)      asks before the forward starts, poisons its pages, polls, reports
                               the monotonic time of Success and a checksum of each rank's pages
     all                       the real bootstrap daemon; the IPC engine (kvbridge's CUDA IPC
                               engine: its copy stream waits on the events) or Mooncake NVLink;
-                              rooms alternate whole / layer-wise after one warm-up of each
+                              rooms alternate whole / layer-wise (and order by order)
+                              after one warm-up of each
 
 Per room: ``forward`` = the last rank's forward end - the first rank's start, ``tail`` = decode's
 commit - the last forward end, ``ttft`` = decode's commit - the first start. Printed: the medians
@@ -33,7 +40,8 @@ write final -> decode's report -> commit -> decode's poll sees it); traced rooms
 log lines. ``--profile FILE``: a cProfile of prefill rank 0's last send(s) per mode.
 
     python scripts/layerwise_gpu_bench.py [--tokens 1024 8192 32768] [--cp 1 2] [--rooms 6]
-        [--layers 61] [--engine ipc|mooncake] [--json out.json] [--trace-dir DIR] [--profile FILE]
+        [--layers 61] [--engine ipc|mooncake] [--orders readback launch] [--json out.json]
+        [--trace-dir DIR] [--profile FILE]
 
 Without CUDA it runs the same rooms on the CPU with a tiny model (``--cpu-smoke``: a check of the
 script, not a measurement).
@@ -42,6 +50,7 @@ script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -57,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PRESET, PAGE = "deepseek-v3.2-fp8", 64
+ORDERS = ("readback", "launch")  # where the room's last send(s) are called: after the first token is read, or before
 TARGET_B, INDEX_B = 656, 132  # bytes per token per layer of the two pools
 
 
@@ -156,14 +166,17 @@ class Model:
         self.w2 = (torch.randn(f, h, device=device, dtype=dt, generator=g) / f**0.5)
         self.wkv = (torch.randn(h, (TARGET_B + INDEX_B) // 2, device=device, dtype=dt, generator=g) / h**0.5)
         self.dt = dt
+        # --forward-stream side: the forward on a stream of its own (torch's streams are non-blocking), not the
+        # legacy default stream, which every synchronous cudaMemcpy of the process waits behind
+        self.stream = torch.cuda.Stream(device=device) if device != "cpu" and args.forward_stream == "side" else None
 
-    def forward(self, tokens: int, bufs, local: np.ndarray, on_layer) -> int:
+    def forward(self, tokens: int, bufs, local: np.ndarray, on_layer, launched=None) -> int:
         torch = self.torch
         n_pad = -(-tokens // PAGE) * PAGE
         x = torch.ones(n_pad, self.args.hidden, device=self.device, dtype=self.dt) * 0.01
         idx = torch.as_tensor(local, device=self.device)
         draft = self.args.layers  # the draft layer's id: written with the last target layer
-        with torch.no_grad():
+        with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None else _nothing()):
             for layer in range(self.args.layers):
                 x = x + torch.nn.functional.silu(x @ self.w1) @ self.w2
                 kv = (x @ self.wkv).to(torch.bfloat16).view(torch.uint8).view(n_pad, TARGET_B + INDEX_B)
@@ -175,7 +188,14 @@ class Model:
                     t = bufs[(pool, lid)]
                     t.view(torch.uint8).view(t.shape[0], -1)[idx] = kv[:, lo:hi].reshape(idx.numel(), -1)
                 on_layer(layer)
+            if launched is not None:  # every layer's kernels queued, none waited for (vLLM's wait_for_save)
+                launched()
             return int(x[-1, :64].float().argmax())  # the first token: read back, the forward's end
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def prefill_main(args) -> None:
@@ -199,7 +219,7 @@ def prefill_main(args) -> None:
     client = kvb.BootstrapClient(args.bootstrap, token=args.token)
     engine = engine_of(args)
     ep = kvb.PrefillEndpoint(kvb.PrefillConfig(instance="lw-p", cp_rank=rank, cp_size=cp, target_timeout=120.0,
-                                               aux_device=args.aux_device),
+                                               aux_device=args.aux_device, staging=args.staging),
                              engine, specs, bufs, contract, client, aux)
     ep.start()
     sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
@@ -207,7 +227,7 @@ def prefill_main(args) -> None:
     if args.profile and rank == 0:
         import cProfile
 
-        prof = {"whole": cProfile.Profile(), "layerwise": cProfile.Profile()}
+        prof = {f"{o}/{m}": cProfile.Profile() for o in args.orders for m in ("whole", "layerwise")}
     posts = {}
     rng = np.random.default_rng(10 + rank)
     print(json.dumps({"ready": True}), flush=True)
@@ -216,6 +236,7 @@ def prefill_main(args) -> None:
         if cmd.get("op") == "quit":
             break
         n, mode, room = cmd["tokens"], cmd["mode"], cmd["room"]
+        order = cmd.get("order", "readback")
         num_pages = -(-n // PAGE)
         owned = lanes.owned_pages(rank, num_pages).astype(np.int64)
         local = rng.permutation(cap)[: owned.size].astype(np.int64)
@@ -244,30 +265,41 @@ def prefill_main(args) -> None:
             on_layer = lp.layer_done
         else:
             lp, on_layer = None, (lambda layer: None)
+
+        def last_sends() -> tuple[float | None, float]:
+            """The room's last send(s) with an event recorded now on the forward's stream: layer-wise,
+            every group with the sender (``finish``), then the end with the aux row; whole, every page."""
+            event = None
+            if args.device != "cpu":
+                event = torch.cuda.Event()
+                event.record(model.stream)  # the forward's stream (None: the current one)
+            row = make_aux(aux, room, n) if sender.writes_aux else None
+            if prof is not None:
+                prof[order + "/" + mode].enable()  # this thread's last send: checks, plan, aux staging, post
+            t_fin = None
+            if lp is not None:
+                lp.finish()  # every layer group is with the sender
+                t_fin = time.monotonic()
+                empty = np.zeros(0, dtype=np.int64)
+                sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
+            else:
+                sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
+            t_sent = time.monotonic()
+            if prof is not None:
+                prof[order + "/" + mode].disable()
+            return t_fin, t_sent
+
+        ends = []
         sync()
         t0 = time.monotonic()
-        model.forward(my_tokens, bufs, local, on_layer)
+        model.forward(my_tokens, bufs, local, on_layer,
+                      launched=(lambda: ends.append(last_sends())) if order == "launch" else None)
         t_fwd = time.monotonic()
         logging.getLogger("kvbridge.bench.layerwise").info("trace room=%d rank=cp%d bench forward end @%.6f", room,
                                                            rank, t_fwd)
-        event = None
-        if args.device != "cpu":
-            event = torch.cuda.Event()
-            event.record()
-        row = make_aux(aux, room, n) if sender.writes_aux else None
-        if prof is not None:
-            prof[mode].enable()  # the last send on this thread: checks, plan, aux staging, post (not the engine's threads)
-        t_fin = None
-        if lp is not None:
-            lp.finish()  # every layer group is with the sender
-            t_fin = time.monotonic()
-            empty = np.zeros(0, dtype=np.int64)
-            sender.send(empty, empty, is_last=True, aux=row, ready_event=event)
-        else:
-            sender.send(owned, local, num_tokens_ready=n, is_last=True, aux=row, ready_event=event)
-        t_sent = time.monotonic()
-        if prof is not None:
-            prof[mode].disable()
+        if order == "readback":
+            ends.append(last_sends())
+        t_fin, t_sent = ends[0]
         while sender.poll() not in (kvb.KVPoll.Success, kvb.KVPoll.Failed):
             time.sleep(0.0005)
         stats = sender.stats
@@ -283,7 +315,7 @@ def prefill_main(args) -> None:
 
         out = io.StringIO()
         for mode, p in prof.items():
-            out.write(f"==== {mode}: the last send(s) after the forward, prefill rank 0's thread\n")
+            out.write(f"==== {mode}: the room's last send(s), prefill rank 0's thread\n")
             try:
                 pstats.Stats(p, stream=out).sort_stats("cumulative").print_stats(45)
             except TypeError:  # no room of this mode
@@ -335,14 +367,14 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
                 for p in prefill:
                     ask(p, {"op": "forward", "tokens": n, "mode": "", "room": 0})
                 alone.append(max(answer(p)["forward_s"] for p in prefill))
-            modes = ["whole", "layerwise"] * (1 + args.rooms // 2 + args.rooms % 2)
-            for k in range(2 + args.rooms):
-                mode = modes[k]
+            kinds = [(o, m) for o in args.orders for m in ("whole", "layerwise")]  # alternating, same conditions
+            for k in range(len(kinds) * (1 + -(-args.rooms // 2))):  # one warm-up of each kind first
+                order, mode = kinds[k % len(kinds)]
                 room += 1
                 ask(decode, {"room": room, "tokens": n, "cp": cp})
                 assert answer(decode)["asked"] == room
                 for p in prefill:
-                    ask(p, {"op": "room", "room": room, "tokens": n, "mode": mode})
+                    ask(p, {"op": "room", "room": room, "tokens": n, "mode": mode, "order": order})
                 for p in prefill:
                     assert answer(p)["armed"] == room
                 for p in prefill:
@@ -352,7 +384,8 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
                 sums_equal = got["sums"] == [s["sum"] for s in sent]
                 ok = got["state"] == "Success" and all(s["ok"] for s in sent) and sums_equal
                 t0, t_fwd = min(s["t0"] for s in sent), max(s["t_fwd"] for s in sent)
-                rows.append({"tokens": n, "cp": cp, "mode": mode, "room": room, "warmup": k < 2, "ok": ok,
+                rows.append({"tokens": n, "cp": cp, "order": order, "mode": mode, "room": room,
+                             "warmup": k < len(kinds), "ok": ok,
                              "reason": got.get("reason"), "forward_s": t_fwd - t0, "tail_s": got["commit"] - t_fwd,
                              "ttft_s": got["commit"] - t0, "forward_alone_s": statistics.median(alone),
                              "finish_s": (max(s["t_fin"] for s in sent) - t_fwd) if mode == "layerwise" else None,
@@ -376,19 +409,20 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    print("\n| tokens | CP | forward alone (ms) | whole: TTFT / fwd end -> commit (ms) | layer-wise: TTFT / "
+    print("\n| order | tokens | CP | forward alone (ms) | whole: TTFT / fwd end -> commit (ms) | layer-wise: TTFT / "
           "fwd end -> commit (ms) | tail lw/whole | TTFT lw / forward alone | groups | verified |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    keys = sorted({(r["tokens"], r["cp"]) for r in rows})
-    for n, cp in keys:
-        sel = [r for r in rows if r["tokens"] == n and r["cp"] == cp and not r["warmup"]]
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    keys = sorted({(r["order"], r["tokens"], r["cp"]) for r in rows}, key=lambda k: (ORDERS.index(k[0]), k[1:]))
+    for order, n, cp in keys:
+        mine = [r for r in rows if (r["order"], r["tokens"], r["cp"]) == (order, n, cp)]
+        sel = [r for r in mine if not r["warmup"]]
         med = {m: {k: statistics.median(r[k] for r in sel if r["mode"] == m) for k in ("tail_s", "ttft_s")}
                for m in ("whole", "layerwise")}
         alone = sel[0]["forward_alone_s"]
-        ok = all(r["ok"] for r in rows if r["tokens"] == n and r["cp"] == cp)
+        ok = all(r["ok"] for r in mine)
         groups = next(r["groups"] for r in sel if r["mode"] == "layerwise")
         w, lw = med["whole"], med["layerwise"]
-        print(f"| {n} | {cp} | {alone * 1e3:.1f} | {w['ttft_s'] * 1e3:.1f} / {w['tail_s'] * 1e3:.2f} | "
+        print(f"| {order} | {n} | {cp} | {alone * 1e3:.1f} | {w['ttft_s'] * 1e3:.1f} / {w['tail_s'] * 1e3:.2f} | "
               f"{lw['ttft_s'] * 1e3:.1f} / {lw['tail_s'] * 1e3:.2f} | {lw['tail_s'] / w['tail_s']:.2f} | "
               f"{lw['ttft_s'] / alone:.2f} | {groups} | {'all' if ok else 'NO'} |")
 
@@ -401,14 +435,18 @@ TAIL = (("forward end", "posted", "last post handed to the engine (prefill)"),
 
 
 def send_times(rows: list[dict]) -> None:
-    """After the forward, on the prefill ranks' own thread (the latest rank): until ``finish``
-    returned (layer-wise: every group with its sender) and until the last ``send`` returned."""
-    print("\n| tokens | CP | mode | fwd end -> finish() returned (ms) | fwd end -> last send() returned (ms) | tail (ms) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for n, cp, mode in sorted({(r["tokens"], r["cp"], r["mode"]) for r in rows}):
-        sel = [r for r in rows if (r["tokens"], r["cp"], r["mode"]) == (n, cp, mode) and not r["warmup"]]
+    """On the prefill ranks' own thread (the latest rank), from the forward's end: until ``finish``
+    returned (layer-wise: every group with its sender) and until the last ``send`` returned; in the
+    launch order both come before the forward's end (negative)."""
+    print("\n| order | tokens | CP | mode | fwd end -> finish() returned (ms) | fwd end -> last send() returned (ms) "
+          "| tail (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for order, n, cp, mode in sorted({(r["order"], r["tokens"], r["cp"], r["mode"]) for r in rows},
+                                     key=lambda k: (ORDERS.index(k[0]), k[1:])):
+        sel = [r for r in rows if (r["order"], r["tokens"], r["cp"], r["mode"]) == (order, n, cp, mode)
+               and not r["warmup"]]
         fin = "-" if mode != "layerwise" else f"{statistics.median(r['finish_s'] for r in sel) * 1e3:.2f}"
-        print(f"| {n} | {cp} | {mode} | {fin} | {statistics.median(r['last_send_s'] for r in sel) * 1e3:.2f} | "
+        print(f"| {order} | {n} | {cp} | {mode} | {fin} | {statistics.median(r['last_send_s'] for r in sel) * 1e3:.2f} | "
               f"{statistics.median(r['tail_s'] for r in sel) * 1e3:.2f} |")
 
 
@@ -424,19 +462,21 @@ def tail_hops(rows: list[dict], folder: str) -> None:
         if "bench forward end" in ln or "bench commit seen" in ln:
             room, at = int(ln.split("room=")[1].split()[0]), float(ln.rsplit("@", 1)[1])
             events[room]["forward end" if "forward end" in ln else "commit seen"].append(at)
-    print("\n| tokens | CP | mode | " + " | ".join(f"{a} -> {b}" for a, b, _ in TAIL) + " | tail (traced) | rooms |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in TAIL) + " | --- | --- |")
-    for n, cp, mode in sorted({(r["tokens"], r["cp"], r["mode"]) for r in rows}):
-        rooms = [events[r["room"]] for r in rows if (r["tokens"], r["cp"], r["mode"]) == (n, cp, mode)
+    print("\n| order | tokens | CP | mode | " + " | ".join(f"{a} -> {b}" for a, b, _ in TAIL)
+          + " | tail (traced) | rooms |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in TAIL) + " | --- | --- |")
+    for order, n, cp, mode in sorted({(r["order"], r["tokens"], r["cp"], r["mode"]) for r in rows},
+                                     key=lambda k: (ORDERS.index(k[0]), k[1:])):
+        rooms = [events[r["room"]] for r in rows if (r["order"], r["tokens"], r["cp"], r["mode"]) == (order, n, cp, mode)
                  and not r["warmup"]]
         rooms = [ev for ev in rooms if all(ev.get(k) for k in ("forward end", "posted", "written", "reported",
                                                                "committed", "commit seen"))]
         if not rooms:
-            print(f"| {n} | {cp} | {mode} | (no complete trace) |")
+            print(f"| {order} | {n} | {cp} | {mode} | (no complete trace) |")
             continue
         cells = [statistics.median((max(ev[b]) - max(ev[a])) * 1e3 for ev in rooms) for a, b, _ in TAIL]
         total = statistics.median((max(ev["commit seen"]) - max(ev["forward end"])) * 1e3 for ev in rooms)
-        print(f"| {n} | {cp} | {mode} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {total:.2f} | {len(rooms)} |")
+        print(f"| {order} | {n} | {cp} | {mode} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {total:.2f} | {len(rooms)} |")
 
 
 def main() -> None:
@@ -449,6 +489,17 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=4096, help="the dense MLP's width (sets the forward's time)")
     ap.add_argument("--min-group-mib", type=int, default=8, help="layer-wise: the least bytes one post carries")
     ap.add_argument("--engine", choices=("ipc", "mooncake"), default="ipc")
+    ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["readback"],
+                    help="where each room's last send(s) are called, alternating room by room when both are "
+                         "given: readback (after the first token is read back: the forward has ended) or launch "
+                         "(after the last layer's kernels are queued, before they run, with an event recorded "
+                         "there: where vLLM calls the connector's wait_for_save, kvbridge's vLLM worker sends "
+                         "the end of a layer-wise room and a whole room)")
+    ap.add_argument("--staging", choices=("auto", "never", "always"), default="auto",
+                    help="the prefill ranks' staging (PrefillConfig.staging): auto chooses per write, by its slices")
+    ap.add_argument("--forward-stream", choices=("default", "side"), default="default",
+                    help="the stream the prefill's forward runs on: default (the legacy default stream, as the "
+                         "rounds before) or side (a stream of its own, non-blocking)")
     ap.add_argument("--aux-written", action="store_true",
                     help="decode takes the aux row as a write into its aux rows (DecodeConfig(aux_inline=False)), "
                          "not in the report that carries it (the default since wire 14)")
@@ -490,6 +541,8 @@ def main() -> None:
         return prefill_main(args)
     args.passthrough = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--hidden", str(args.hidden),
                         "--ffn", str(args.ffn), "--min-group-mib", str(args.min_group_mib), "--engine", args.engine,
+                        "--orders", *args.orders, "--forward-stream", args.forward_stream,
+                        "--staging", args.staging,
                         "--device", args.device, *(["--profile", args.profile] if args.profile else []),
                         *(["--trace-dir", args.trace_dir] if args.trace_dir else []),
                         *(["--aux-written"] if args.aux_written else [])]

@@ -4,6 +4,7 @@ control hop, kvbridge's channel and ZMQ) runs against its echo processes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,28 +77,38 @@ def test_wake_probe_reports_each_idle_and_spin_pair():
     assert all("round trip p50" in ln and "(20 trips)" in ln for ln in lines)
 
 
-def test_layerwise_gpu_bench_on_the_cpu_traces_the_tail_hop_by_hop(tmp_path):
+def test_layerwise_gpu_bench_on_the_cpu_traces_the_tail_hop_by_hop_in_both_orders(tmp_path):
     """scripts/layerwise_gpu_bench.py --cpu-smoke (its CPU check; the GPU run is on a device host)
-    with --trace-dir: every room verified, the send timings per mode, and the tail's hop table
-    from the ranks' trace lines, one complete room per mode, whose hops add up to its tail."""
+    with --trace-dir and both orders: every room verified, the send timings per order and mode (in
+    the launch order the last send returned before the forward's end, in the readback order after
+    it), and the tail's hop table from the ranks' trace lines, one complete room per order and
+    mode, whose hops add up to its tail."""
     trace = tmp_path / "trace"
     done = subprocess.run([sys.executable, str(SCRIPTS / "layerwise_gpu_bench.py"), "--cpu-smoke", "--tokens", "1024",
-                           "--cp", "1", "--rooms", "2", "--trace-dir", str(trace)],
+                           "--cp", "1", "--rooms", "2", "--orders", "readback", "launch", "--trace-dir", str(trace),
+                           "--json", str(tmp_path / "rows.json")],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    assert "| 1024 | 1 |" in out and out.count("| all |") == 1
+    assert "| readback | 1024 | 1 |" in out and "| launch | 1024 | 1 |" in out and out.count("| all |") == 2
     assert "fwd end -> finish() returned (ms)" in out
-    hops = [ln for ln in out.splitlines() if ln.startswith("| 1024 | 1 | layerwise |") or
-            ln.startswith("| 1024 | 1 | whole |")]
-    assert len(hops) == 4  # the send timings' rows and the hop table's
-    table = [ln for ln in hops if ln.count("|") == 11]
-    assert len(table) == 2
-    for row in table:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        hops_ms, tail_ms = [float(c) for c in cells[3:-2]], float(cells[-2])
-        assert cells[-1] == "1" and len(hops_ms) == 5
-        assert abs(sum(hops_ms) - tail_ms) <= 0.03  # one room: the hops add up to its tail (rounding aside)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert sorted({(r["order"], r["mode"]) for r in rows}) == [("launch", "layerwise"), ("launch", "whole"),
+                                                             ("readback", "layerwise"), ("readback", "whole")]
+    assert len(rows) == 8 and sum(r["warmup"] for r in rows) == 4 and all(r["ok"] for r in rows)
+    for r in rows:  # the launch order sends before the first token is read back; the readback order after
+        assert (r["last_send_s"] < 0) == (r["order"] == "launch"), r
+    for order in ("readback", "launch"):
+        hops = [ln for ln in out.splitlines() if ln.startswith(f"| {order} | 1024 | 1 | layerwise |") or
+                ln.startswith(f"| {order} | 1024 | 1 | whole |")]
+        assert len(hops) == 4  # the send timings' rows and the hop table's
+        table = [ln for ln in hops if ln.count("|") == 12]
+        assert len(table) == 2
+        for row in table:
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            hops_ms, tail_ms = [float(c) for c in cells[4:-2]], float(cells[-2])
+            assert cells[-1] == "1" and len(hops_ms) == 5
+            assert abs(sum(hops_ms) - tail_ms) <= 0.03  # one room: the hops add up to its tail (rounding aside)
     assert len(list(trace.glob("decode-*.log"))) == 1 and len(list(trace.glob("prefill-*.log"))) == 1
 
 
