@@ -79,7 +79,7 @@ from kvbridge.transfer import (
 from kvbridge.settings import SettingsReader
 from kvbridge.transfer.engine.registry import engine_names
 from kvbridge.transfer.staging.settings import STAGING_MODES
-from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note
+from kvbridge.transfer.prefill.layerwise import LayerPosts, RoomSend, cuda_graph_note, layerwise_slower
 from kvbridge.bootstrap.starter import start_bootstrap
 from kvbridge.transfer.binding import check_room_id, room_binding, sign_room, signed_room_id, verify_room
 from kvbridge.transfer.registration import ROOM_POOL_KINDS
@@ -119,6 +119,7 @@ __all__ = [
     "diff_contracts",
     "engine_names",
     "fingerprint",
+    "layerwise_slower",
     "mooncake_available",
     "preset_pools",
     "rank_heads",

@@ -18,6 +18,7 @@ from kvbridge.transfer.prefill.layerwise import (
     RoomSend,
     cuda_graph_note,
     layer_groups,
+    layerwise_slower,
 )
 
 
@@ -67,6 +68,44 @@ class Recorder:
             raise LayerRangeError(f"layers {layers} refused", field="layers")
         self.sends.append({"layers": layers, "event": ready_event, "thread": threading.current_thread().name,
                            "pages": np.asarray(logical).copy(), "tokens": num_tokens_ready})
+
+
+@pytest.mark.parametrize("protocol,env,slower", [
+    ("rdma", {"MC_INTRANODE_NVLINK": "1"}, True),  # Mooncake's intra-node NVLink transport (set at all)
+    ("rdma", {}, False),  # RDMA between hosts: not measured, layer-wise kept
+    ("tcp", {"MC_INTRANODE_NVLINK": "1"}, False),
+    ("rdma", {"MC_INTRANODE_NVLINK": "1", "MC_FORCE_TCP": "1"}, False),  # Mooncake then carries it over TCP
+])  # fmt: skip
+def test_layerwise_is_slower_only_for_gpu_pools_on_mooncakes_intranode_nvlink(monkeypatch, protocol, env, slower):
+    """The rule the vLLM worker's ``layerwise`` auto reads, on real Mooncake engines (rdma starts
+    here without a NIC): a reason naming the transport for CUDA pools on the NVLink transport only;
+    host pools and other transports keep layer-wise."""
+    from kvbridge import create_engine
+
+    for name in ("MC_INTRANODE_NVLINK", "MC_FORCE_TCP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine = create_engine("mooncake", host="127.0.0.1", protocol=protocol)
+    try:
+        assert engine.intranode_nvlink is slower
+        reason = layerwise_slower(engine, "cuda:0")
+        assert (reason is not None) is slower
+        if slower:
+            assert "intra-node NVLink" in reason and "MC_INTRANODE_NVLINK" in reason and "whole rooms" in reason
+        assert layerwise_slower(engine, "cpu") is None
+    finally:
+        engine.close()
+
+
+def test_layerwise_is_kept_on_engines_without_the_nvlink_transport():
+    from kvbridge import create_engine
+
+    engine = create_engine("local")
+    try:
+        assert layerwise_slower(engine, "cuda:0") is None and layerwise_slower(engine, "cpu") is None
+    finally:
+        engine.close()
 
 
 def test_posts_send_each_group_off_the_callers_thread():

@@ -65,7 +65,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 raise ConfigError("the worker side needs vLLM's KVCacheConfig (the number of blocks)",
                                   field="kv_cache_config")
             request_amx_state()  # a decode's first forward may be vLLM's AMX attention (amx.py)
-            note = cuda_graph_note(self.settings.role == "prefill" and self.settings.layerwise,
+            note = cuda_graph_note(self.settings.role == "prefill" and self.settings.layerwise is not False,
                                    str(getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", "")))
             if note:  # the per-layer hook must run at every prefill step (kvbridge.LayerPosts' docstring)
                 log.warning("kvbridge: %s", note)

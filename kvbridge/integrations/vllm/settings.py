@@ -65,8 +65,10 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "tp_rank": ("", "the worker's TP rank when vLLM's parallel state is not initialised (external launchers, "
                     "tests); vLLM's own rank wins when it is"),
     "aux_slots": ("", "decode: rooms in flight at once on a rank (default 1024)"),
-    "layerwise": ("KVBRIDGE_LAYERWISE", "prefill: true (default) sends a prompt's last step layer by layer as "
-                                        "save_kv_layer fires; false sends it all in wait_for_save"),
+    "layerwise": ("KVBRIDGE_LAYERWISE", "prefill: auto (default) sends a prompt's last step layer by layer as "
+                                        "save_kv_layer fires, except where that measured slower than whole rooms "
+                                        "(GPU pools on Mooncake's intra-node NVLink transport: sent whole, logged); "
+                                        "true always layer by layer; false all in wait_for_save"),
     "layer_group_bytes": ("", "prefill, layerwise: consecutive layers are posted together until a post carries this "
                               "many bytes of the step's prompts (default 8 MiB: smaller posts cost the forward "
                               "more than their bytes take on the wire)"),
@@ -102,7 +104,7 @@ class Settings:
     tp_rank_override: int | None
     aux_slots: int
     vllm_version: str
-    layerwise: bool = True
+    layerwise: bool | None = None  # None: auto (layer by layer unless the route measured slower: layerwise_slower)
     layer_group_bytes: int = 8 << 20
     room_key: bytes = b""
     room_ttl_s: float = 600.0
@@ -158,7 +160,8 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         trace=r.flag("trace", False),
         tp_rank_override=None if r.raw("tp_rank", None) is None else r.integer("tp_rank", 0),
         aux_slots=r.integer("aux_slots", 1024), vllm_version=str(vllm.__version__),
-        layerwise=r.flag("layerwise", True), layer_group_bytes=max(1, r.integer("layer_group_bytes", 8 << 20)),
+        layerwise=None if r.text("layerwise", "auto").strip().lower() == "auto" else r.flag("layerwise", True),
+        layer_group_bytes=max(1, r.integer("layer_group_bytes", 8 << 20)),
         room_key=r.text("room_key").encode(),
         room_ttl_s=r.number("room_ttl_s", 600.0), weights=r.text("weights", "auto"), model_path=str(mc.model),
     )  # fmt: skip

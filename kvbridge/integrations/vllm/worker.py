@@ -68,6 +68,7 @@ from kvbridge import (
     RoomSend,
     create_engine,
     diff_contracts,
+    layerwise_slower,
 )
 from kvbridge.integrations.vllm.cache import (AUX_SCHEMA, HND, SharedRegions, VLLMCache, layer_id, mamba_state_buffers,
                                               pool_spec, rank_contract, read_group_caches, read_kv_caches, window_spec)
@@ -98,7 +99,8 @@ class WorkerSide:
         self.groups = groups  # hybrid manager: the paged group and the window groups (hybrid.py)
         self.kv_cache_groups = list(kv_cache_groups)  # vLLM's KVCacheGroupSpec list (their layer names)
         self.window_pools: tuple[str, ...] = ()  # hybrid: the window groups' pools
-        self.layerwise = settings.layerwise and groups is None  # window pools are not sent by layer ranges
+        # window pools are not sent by layer ranges; auto (None) may still turn it off once the engine is known
+        self.layerwise = settings.layerwise is not False and groups is None
         self.tp_rank = tp_rank
         self.total_kv_heads = total_kv_heads
         self.is_mla = is_mla
@@ -212,6 +214,8 @@ class WorkerSide:
                 self.endpoint = DecodeEndpoint(cfg, engine, specs, buffers, contract, self.client, self._aux,
                                                AUX_SCHEMA)
             self.endpoint.start()
+            if self.is_prefill and self.layerwise:
+                self._check_layerwise(cache.layers[0].device)
             self._posts = self._layer_posts(cache) if self.is_prefill and self.layerwise else None
         except BaseException:
             self.shutdown()
@@ -243,6 +247,18 @@ class WorkerSide:
                                    rank=self.label, field=diff[0].path)
 
     # -- prefill ----------------------------------------------------------------------------
+
+    def _check_layerwise(self, device: str) -> None:
+        """``layerwise`` auto: off where layer-wise measured slower than whole rooms on this rank's
+        engine (``layerwise_slower``), logged; true: kept, with a warning saying so."""
+        slower = layerwise_slower(self.engine, device)
+        if slower is None:
+            return
+        if self.settings.layerwise is None:
+            self.layerwise = False
+            log.info("kvbridge prefill %s: layerwise auto sends whole rooms: %s", self.label, slower)
+        else:
+            log.warning("kvbridge prefill %s: layerwise=true kept although %s", self.label, slower)
 
     def _layer_posts(self, cache: VLLMCache) -> LayerPosts | None:
         """The rank's ``LayerPosts`` when its layer ids are 0..n-1 (what layer groups count), else

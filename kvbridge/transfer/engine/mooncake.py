@@ -106,6 +106,9 @@ class MooncakeEngine(JobEngine):
         self._session = f"{host}:{self._mc.get_rpc_port()}"
         # what carries the bytes: MC_FORCE_TCP (set at all) makes Mooncake use TCP whatever was asked
         self.protocol = "tcp" if "MC_FORCE_TCP" in os.environ else protocol
+        # Mooncake installs its intra-node NVLink transport for rdma when MC_INTRANODE_NVLINK is set (at all):
+        # a synchronous cudaMemcpy per slice inside the post (layerwise.layerwise_slower reads this)
+        self.intranode_nvlink = self.protocol == "rdma" and "MC_INTRANODE_NVLINK" in os.environ
         self._who = f"mooncake engine {self._session}"
         self._regions = Regions()
         self._regions_lock = threading.Lock()

@@ -40,6 +40,7 @@ def test_vllm_factory_loads_the_connector_by_module_path(model):
     ("kv_producer", {**URL, "staging": "sometimes"}, "kv_connector_extra_config.staging"),
     ("kv_consumer", {**URL, "peer_timeout": "soon"}, "kv_connector_extra_config.peer_timeout"),
     ("kv_producer", {**URL, "engine": "nccl"}, "kv_connector_extra_config.engine"),
+    ("kv_producer", {**URL, "layerwise": "sometimes"}, "kv_connector_extra_config.layerwise"),
 ])  # fmt: skip
 def test_bad_settings_refused_by_name(model, monkeypatch, role, extra, field):
     monkeypatch.delenv("KVBRIDGE_BOOTSTRAP_URL", raising=False)
@@ -60,6 +61,52 @@ def test_settings_from_the_environment_are_refused_by_their_variable(model, monk
     with pytest.raises(ConfigError, match="KVBRIDGE_STAGING='sometimes' is not one of auto, always, never") as err:
         read_settings(C.vllm_config(model, "kv_producer", URL))
     assert err.value.field == "KVBRIDGE_STAGING"
+
+
+def test_layerwise_reads_auto_by_default_then_true_or_false(model, monkeypatch):
+    from kvbridge.integrations.vllm.settings import read_settings
+
+    monkeypatch.delenv("KVBRIDGE_LAYERWISE", raising=False)
+    for given, want in [(None, None), ("auto", None), ("AUTO", None), (True, True), ("false", False), ("0", False)]:
+        extra = {**URL} if given is None else {**URL, "layerwise": given}
+        assert read_settings(C.vllm_config(model, "kv_producer", extra)).layerwise is want, given
+    monkeypatch.setenv("KVBRIDGE_LAYERWISE", "false")
+    assert read_settings(C.vllm_config(model, "kv_producer", URL)).layerwise is False
+
+
+@pytest.mark.parametrize("given", ["auto", True])
+def test_layerwise_auto_sends_whole_rooms_where_layer_wise_measured_slower(model, monkeypatch, caplog, given):
+    """The prefill worker's choice once its engine is known, on a real Mooncake engine over the
+    intra-node NVLink transport (rdma with MC_INTRANODE_NVLINK; rdma starts here without a NIC):
+    with GPU pools, auto turns layer-wise off and says why, true keeps it with a warning; with
+    host pools both keep it, silently."""
+    import logging
+
+    from kvbridge import create_engine
+    from kvbridge.integrations.vllm.settings import read_settings
+    from kvbridge.integrations.vllm.worker import WorkerSide
+
+    monkeypatch.delenv("KVBRIDGE_LAYERWISE", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "1")
+    settings = read_settings(C.vllm_config(model, "kv_producer", {**URL, "layerwise": given}))
+    engine = create_engine("mooncake", host="127.0.0.1", protocol="rdma")
+    try:
+        for device, kept in [("cpu", True), ("cuda:0", given is True)]:
+            side = WorkerSide(settings, tp_rank=0, total_kv_heads=2, is_mla=False, num_blocks=64)
+            side.engine = engine
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="kvbridge.integrations.vllm.worker"):
+                side._check_layerwise(device)
+            assert side.layerwise is kept, device
+            said = [r for r in caplog.records if "intra-node NVLink" in r.getMessage()]
+            if device == "cpu":
+                assert not said
+            else:
+                assert len(said) == 1 and said[0].levelno == (logging.WARNING if given is True else logging.INFO)
+                assert ("sends whole rooms" in said[0].getMessage()) is (given == "auto")
+    finally:
+        engine.close()
 
 
 def test_pipeline_parallel_refused(model):
