@@ -15,6 +15,14 @@
 #         the same slices from the same ranks; $KB_RUNS times
 #   ctl   scripts/control_bench.py (one process, the ranks' send() one after the other on one thread): the same
 #         rooms' control path, CP 1 and 2, asking first, beside kb's
+# Round 20 ran five calls, each on a fresh host (docs/performance.md, "Issue 33, round 20"):
+#   EXTRA="bash scripts/device/issue33_r20.sh"
+#   EXTRA="STEPS='lwt lw kb' ENGINES='ipc mooncake' bash scripts/device/issue33_r20.sh"
+#   EXTRA="STEPS=lw ENGINES='mooncake ipc' FWD_STREAM=side bash scripts/device/issue33_r20.sh"
+#   EXTRA="for st in never always; do STEPS=lw ENGINES=mooncake STAGING=\$st LW_ORDERS=launch bash scripts/device/issue33_r20.sh;
+#          done; STEPS=lw ENGINES=mooncake STAGING=never LW_ORDERS=launch FWD_STREAM=side LW_CP=1 bash scripts/device/issue33_r20.sh"
+#   EXTRA="STEPS=lw ENGINES=mooncake STAGING=always LW_ORDERS=launch FWD_STREAM=side bash scripts/device/issue33_r20.sh;
+#          STEPS='kb ctl' bash scripts/device/issue33_r20.sh"
 set -u
 OUT=${OUT:-/tmp/out}; STEPS=${STEPS-lw kb ctl}; mkdir -p $OUT
 . "$(dirname "$0")/_ab_common.sh"  # site, quiet

@@ -87,7 +87,7 @@ def layerwise_slower(engine: Any, device: str) -> str | None:
     with a synchronous ``cudaMemcpy`` inside the post, so a layer group's copies queue behind the
     forward's kernels, and a staged group needs decode's scatter kernel between the forward's: on one
     H100 (both sides on cuda:0, DeepSeek V3.2 fp8 61+1 layers, random pages) layer-wise put TTFT at
-    1.2-2.2x the forward alone, against 1.0-1.1x for whole rooms (docs/performance.md, "Issue 33,
+    1.1-2.2x the forward alone, against 1.0-1.1x for whole rooms (docs/performance.md, "Issue 33,
     round 20"). Not measured, so not listed: Mooncake RDMA between hosts (GPUDirect: no copy on
     the GPU), Mooncake TCP from GPU memory, NIXL on the GPU. Host pools and the IPC engine keep
     layer-wise (measured faster)."""
@@ -95,7 +95,7 @@ def layerwise_slower(engine: Any, device: str) -> str | None:
         return None
     return ("layer-wise sends are slower than whole rooms on Mooncake's intra-node NVLink transport "
             "(MC_INTRANODE_NVLINK): it copies each slice with a synchronous cudaMemcpy behind the forward's "
-            "kernels; measured TTFT 1.2-2.2x the forward alone on one H100, against 1.0-1.1x for whole rooms "
+            "kernels; measured TTFT 1.1-2.2x the forward alone on one H100, against 1.0-1.1x for whole rooms "
             "(docs/performance.md, issue 33 round 20); same-host peers are faster on engine ipc or auto")
 
 
