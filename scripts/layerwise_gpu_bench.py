@@ -492,7 +492,7 @@ def main() -> None:
     ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["readback"],
                     help="where each room's last send(s) are called, alternating room by room when both are "
                          "given: readback (after the first token is read back: the forward has ended) or launch "
-                         "(after the last layer's kernels are queued, before they run, with an event recorded "
+                         "(after the last layer's kernels are queued, while the GPU still runs them, with an event recorded "
                          "there: where vLLM calls the connector's wait_for_save, kvbridge's vLLM worker sends "
                          "the end of a layer-wise room and a whole room)")
     ap.add_argument("--staging", choices=("auto", "never", "always"), default="auto",
