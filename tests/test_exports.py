@@ -26,6 +26,7 @@ EXPECTED = {
     "Extent", "chunk_extent", "compressed_pool", "deepseek_v4_pools", "describe_buffer", "lane_units", "mamba_pools", "needed_bytes", "needed_extent",
     "plan_kind", "state_pool", "state_slices", "state_tp_spec", "window_pool", "ROOM_POOL_KINDS",
     "room_binding", "sign_room", "verify_room", "weights_digest", "contract_weights",
+    "layerwise_slower",  # issue 33, round 20: the vLLM connector's layerwise auto
     "signed_room_id", "check_room_id",
 }
 
