@@ -176,7 +176,7 @@ class Model:
         x = torch.ones(n_pad, self.args.hidden, device=self.device, dtype=self.dt) * 0.01
         idx = torch.as_tensor(local, device=self.device)
         draft = self.args.layers  # the draft layer's id: written with the last target layer
-        with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None else _nothing()):
+        with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()):
             for layer in range(self.args.layers):
                 x = x + torch.nn.functional.silu(x @ self.w1) @ self.w2
                 kv = (x @ self.wkv).to(torch.bfloat16).view(torch.uint8).view(n_pad, TARGET_B + INDEX_B)
@@ -191,11 +191,6 @@ class Model:
             if launched is not None:  # every layer's kernels queued, none waited for (vLLM's wait_for_save)
                 launched()
             return int(x[-1, :64].float().argmax())  # the first token: read back, the forward's end
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def prefill_main(args) -> None:
