@@ -48,6 +48,35 @@ def test_groups_refuse_nonsense(layers, layer_bytes):
         layer_groups(layers, layer_bytes)
 
 
+def test_a_pass_under_the_least_pass_bytes_is_one_group_and_the_rest_are_grouped_as_before():
+    # 61 layers at 1K tokens (0.77 MiB a layer, 47 MiB a pass) against 2K (94 MiB), 64 MiB the least pass
+    assert layer_groups(61, 788 * 1024, 8 << 20, 64 << 20) == [(0, 61)]
+    assert layer_groups(61, 788 * 2048, 8 << 20, 64 << 20) == layer_groups(61, 788 * 2048, 8 << 20) != [(0, 61)]
+    assert layer_groups(4, 16 << 20, 1, 64 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # exactly the least: grouped
+    with pytest.raises(ValueError, match="min_pass_bytes"):
+        layer_groups(4, 1, 1, -1)
+
+
+def test_a_short_pass_is_posted_once_at_its_last_layer_and_a_long_one_by_groups():
+    posts = LayerPosts(6, 1 << 20, min_bytes=1 << 20, min_pass_bytes=16 << 20)
+    try:
+        assert posts.groups == [(0, 6)]  # 6 MiB a pass: under 16 MiB
+        short, long = Recorder(), Recorder()
+        posts.begin([RoomSend(short, np.arange(2), np.arange(2), 64)])
+        for layer in range(6):
+            posts.layer_done(layer)
+        posts.finish()
+        assert [s["layers"] for s in short.sends] == [(0, 6)]  # one send, at the last layer
+        posts.begin([RoomSend(long, np.arange(2), np.arange(2), 64)], layer_bytes=4 << 20)  # 24 MiB a pass
+        assert posts.groups == [(i, i + 1) for i in range(6)]
+        for layer in range(6):
+            posts.layer_done(layer)
+        posts.finish()
+        assert [s["layers"] for s in long.sends] == posts.groups
+    finally:
+        posts.close()
+
+
 def test_cuda_graph_note_only_for_full_graphs_with_layerwise_on():
     assert cuda_graph_note(True, "FULL")
     assert cuda_graph_note(True, "CUDAGraphMode.FULL")  # vLLM's enum as str()

@@ -72,6 +72,9 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "layer_group_bytes": ("", "prefill, layerwise: consecutive layers are posted together until a post carries this "
                               "many bytes of the step's prompts (default 8 MiB: smaller posts cost the forward "
                               "more than their bytes take on the wire)"),
+    "layer_pass_bytes": ("", "prefill, layerwise: a step whose prompts carry fewer bytes than this in all is sent as "
+                             "one group at its last layer (default 64 MiB: a short forward is bound by its launches, "
+                             "and each group's send takes the GIL from it; 0 groups every step)"),
 }
 
 
@@ -106,6 +109,7 @@ class Settings:
     vllm_version: str
     layerwise: bool | None = None  # None: auto (layer by layer unless the route measured slower: layerwise_slower)
     layer_group_bytes: int = 8 << 20
+    layer_pass_bytes: int = 64 << 20
     room_key: bytes = b""
     room_ttl_s: float = 600.0
     weights: str = "auto"  # auto | off | a digest
@@ -162,6 +166,7 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         aux_slots=r.integer("aux_slots", 1024), vllm_version=str(vllm.__version__),
         layerwise=None if r.text("layerwise", "auto").strip().lower() == "auto" else r.flag("layerwise", True),
         layer_group_bytes=max(1, r.integer("layer_group_bytes", 8 << 20)),
+        layer_pass_bytes=r.integer("layer_pass_bytes", 64 << 20),
         room_key=r.text("room_key").encode(),
         room_ttl_s=r.number("room_ttl_s", 600.0), weights=r.text("weights", "auto"), model_path=str(mc.model),
     )  # fmt: skip

@@ -269,7 +269,7 @@ class WorkerSide:
                      "forward's thread", self.label, ids[0], ids[-1])
             return None
         return LayerPosts(len(ids), cache.block_bytes, device=cache.layers[0].device,
-                          min_bytes=self.settings.layer_group_bytes)
+                          min_bytes=self.settings.layer_group_bytes, min_pass_bytes=self.settings.layer_pass_bytes)
 
     def save_kv_layer(self, layer_name: str, meta: KVBridgeMetadata | None) -> None:
         """Layer ``layer_name`` of this step is written: when it closes a layer group, that group is

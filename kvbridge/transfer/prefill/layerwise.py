@@ -50,13 +50,19 @@ DEFAULT_MIN_BYTES = 8 << 20
 _STOP = object()
 
 
-def layer_groups(num_layers: int, layer_bytes: int, min_bytes: int = DEFAULT_MIN_BYTES) -> list[tuple[int, int]]:
+def layer_groups(num_layers: int, layer_bytes: int, min_bytes: int = DEFAULT_MIN_BYTES,
+                 min_pass_bytes: int = 0) -> list[tuple[int, int]]:
     """``[start, end)`` runs of consecutive layers, each at least ``min_bytes`` (``layer_bytes`` per
-    layer), the last one taking the remainder: 61 layers of 0.6 MiB, 2 MiB -> 4 layers a group."""
+    layer), the last one taking the remainder: 61 layers of 0.6 MiB, 2 MiB -> 4 layers a group.
+    A pass of fewer than ``min_pass_bytes`` in all is one group, sent at its last layer."""
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     if layer_bytes <= 0:
         raise ValueError(f"layer_bytes must be positive, got {layer_bytes}")
+    if min_pass_bytes < 0:
+        raise ValueError(f"min_pass_bytes must be at least 0, got {min_pass_bytes}")
+    if num_layers * int(layer_bytes) < min_pass_bytes:
+        return [(0, num_layers)]
     per = max(1, -(-int(min_bytes) // int(layer_bytes)))
     starts = list(range(0, num_layers, per))
     groups = [(s, min(s + per, num_layers)) for s in starts]
@@ -117,13 +123,18 @@ class LayerPosts:
     each layer's KV write (forward thread), ``finish`` at its end; then the last send (the aux row).
 
     ``device``: the pools' device ("cpu" or "cuda:N"); on CUDA an event is recorded on the current
-    stream of that device when a group closes."""
+    stream of that device when a group closes. ``min_pass_bytes``: a pass carrying fewer bytes is
+    one group (``layer_groups``): a short forward is bound by its kernel launches on the forward's
+    thread, and each group's send takes the GIL from it (1K tokens, 5 groups: TTFT 1.22-1.78x the
+    forward alone on one H100, against 1.06-1.23x sent whole; docs/performance.md, "Issue 33, round
+    20"); the vLLM connector sets it (``layer_pass_bytes``, 64 MiB)."""
 
     def __init__(self, num_layers: int, layer_bytes: int, *, device: str = "cpu",
-                 min_bytes: int = DEFAULT_MIN_BYTES) -> None:
+                 min_bytes: int = DEFAULT_MIN_BYTES, min_pass_bytes: int = 0) -> None:
         self.num_layers = num_layers
         self.min_bytes = min_bytes
-        self.groups = layer_groups(num_layers, layer_bytes, min_bytes)
+        self.min_pass_bytes = min_pass_bytes
+        self.groups = layer_groups(num_layers, layer_bytes, min_bytes, min_pass_bytes)
         self._closes = {end - 1: (start, end) for start, end in self.groups}
         self._cuda = str(device).startswith("cuda")
         self._rooms: list[RoomSend] = []
@@ -138,7 +149,7 @@ class LayerPosts:
         rooms), to group layers anew (an engine's steps differ in size); None keeps the groups."""
         self._queue.join()
         if layer_bytes is not None:
-            self.groups = layer_groups(self.num_layers, max(1, int(layer_bytes)), self.min_bytes)
+            self.groups = layer_groups(self.num_layers, max(1, int(layer_bytes)), self.min_bytes, self.min_pass_bytes)
             self._closes = {end - 1: (start, end) for start, end in self.groups}
         self._rooms = list(rooms)
         self._error = None

@@ -41,6 +41,7 @@ def test_vllm_factory_loads_the_connector_by_module_path(model):
     ("kv_consumer", {**URL, "peer_timeout": "soon"}, "kv_connector_extra_config.peer_timeout"),
     ("kv_producer", {**URL, "engine": "nccl"}, "kv_connector_extra_config.engine"),
     ("kv_producer", {**URL, "layerwise": "sometimes"}, "kv_connector_extra_config.layerwise"),
+    ("kv_producer", {**URL, "layer_pass_bytes": -1}, "kv_connector_extra_config.layer_pass_bytes"),
 ])  # fmt: skip
 def test_bad_settings_refused_by_name(model, monkeypatch, role, extra, field):
     monkeypatch.delenv("KVBRIDGE_BOOTSTRAP_URL", raising=False)

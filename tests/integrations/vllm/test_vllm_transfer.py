@@ -118,14 +118,19 @@ def test_staged_path(tmp_path, daemon):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-def test_layer_by_layer_sends(tmp_path, daemon, layerwise):
+@pytest.mark.parametrize("layerwise,pass_bytes", [(True, 0), (False, 0), (True, None)],
+                         ids=["layerwise", "whole", "short-pass"])
+def test_layer_by_layer_sends(tmp_path, daemon, layerwise, pass_bytes):
     """The worker connector's save_kv_layer after each layer of the prompt's last step posts that
     layer (``LayerPosts``' poster thread; groups of one layer with layer_group_bytes 1, so one
     layer-range send per layer), wait_for_save the rest; ``layerwise: false`` sends
     it all in wait_for_save. Chunked prefill (max_batched 32, a 70-token prompt): the earlier
-    chunks go whole, the last per layer; p1 -> d2, every byte equal either way."""
-    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p={"layerwise": layerwise, "layer_group_bytes": 1})
+    chunks go whole, the last per layer; p1 -> d2, every byte equal either way. With the default
+    ``layer_pass_bytes`` (64 MiB) this step's few KiB are one group, posted at its last layer."""
+    extra = {"layerwise": layerwise, "layer_group_bytes": 1}
+    if pass_bytes is not None:
+        extra["layer_pass_bytes"] = pass_bytes
+    pre, dec = _world(tmp_path, daemon, p_tp=1, d_tp=2, max_batched=32, extra_p=extra)
     try:
         prompt = [int(t) for t in np.random.default_rng(7).integers(3, 500, 70)]
         rid = _run_pair(pre, dec, prompt, 51)
@@ -133,7 +138,8 @@ def test_layer_by_layer_sends(tmp_path, daemon, layerwise):
         pre.run_until(lambda: bool(pre.workers[0].call("stats", rid)))
         stats = pre.workers[0].call("stats", rid)
         num_layers = int(pre.vc.model_config.get_num_layers(pre.vc.parallel_config))
-        assert num_layers > 1 and stats["layer_sends"] == (num_layers if layerwise else 0), stats
+        want = 0 if not layerwise else (num_layers if pass_bytes == 0 else 1)
+        assert num_layers > 1 and stats["layer_sends"] == want, stats
     finally:
         pre.stop()
         dec.stop()
