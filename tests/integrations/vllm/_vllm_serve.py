@@ -3,7 +3,10 @@
 Every server runs in a session of its own (vLLM starts an engine-core and a worker process under
 the API server), so ``kill()`` (SIGKILL, the crash being tested) and ``stop()`` (SIGTERM, then
 SIGKILL after a bound) reach the whole tree. Every wait is bounded; a server that exits or stays
-unhealthy raises with the tail of its log.
+unhealthy raises with the tail of its log. What a killed tree cannot clean up is removed after it:
+its ZMQ socket folder, and the /dev/shm files its processes had mapped (vLLM's message queues,
+160-240 MiB each; those of no other process). Python's named semaphores that a spawned process
+opened and closed again (32 bytes each) are mapped by no one by then and stay.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Proc:
         self.env = {**os.environ, **SERVER_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self._rpc_dir: str | None = None
+        self._shm: set[Path] = set()  # /dev/shm files the tree mapped, removed once it is gone
 
     @property
     def log_path(self) -> Path:
@@ -109,23 +113,51 @@ class Proc:
         except ProcessLookupError:
             pass
 
+    def _group_shm(self) -> set[Path]:
+        """The /dev/shm files mapped by any process of the server's session (its group)."""
+        assert self.proc is not None
+        found: set[Path] = set()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.proc.pid:
+                    continue
+                maps = (entry / "maps").read_text()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            for line in maps.splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    found.add(Path(fields[5].removesuffix(" (deleted)")))
+        return found
+
+    def _unlink_shm(self, files: set[Path]) -> None:
+        for f in files:
+            f.unlink(missing_ok=True)
+
     def kill(self) -> None:
         """SIGKILL to the whole tree: the crash under test."""
         if self.proc is not None:
+            self._shm |= self._group_shm()
             self._signal_group(signal.SIGKILL)
             self.proc.wait(STOP_TIMEOUT_S)
+            self._unlink_shm(self._shm)
 
     def stop(self) -> None:
         if self.proc is None:
             return
+        self._shm |= self._group_shm()
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
+        self._shm |= self._group_shm()  # what the tree mapped while it shut down, if any of it is left
         self._signal_group(signal.SIGKILL)  # the engine core and workers too, whatever the parent did
         self.proc.wait(STOP_TIMEOUT_S)
+        self._unlink_shm(self._shm)
         if self._rpc_dir is not None:
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None
