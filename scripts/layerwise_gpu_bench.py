@@ -403,13 +403,20 @@ def run_cp(args, cp: int, room_base: int) -> list[dict]:
     return rows
 
 
+def by_kind(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+    """The rows by their values of ``fields`` (``order`` first): the orders as ``ORDERS`` lists them,
+    then by value."""
+    kinds: dict[tuple, list[dict]] = {}
+    for r in rows:
+        kinds.setdefault(tuple(r[f] for f in fields), []).append(r)
+    return dict(sorted(kinds.items(), key=lambda kv: (ORDERS.index(kv[0][0]), kv[0][1:])))
+
+
 def report(rows: list[dict]) -> None:
     print("\n| order | tokens | CP | forward alone (ms) | whole: TTFT / fwd end -> commit (ms) | layer-wise: TTFT / "
           "fwd end -> commit (ms) | tail lw/whole | TTFT lw / forward alone | groups | verified |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    keys = sorted({(r["order"], r["tokens"], r["cp"]) for r in rows}, key=lambda k: (ORDERS.index(k[0]), k[1:]))
-    for order, n, cp in keys:
-        mine = [r for r in rows if (r["order"], r["tokens"], r["cp"]) == (order, n, cp)]
+    for (order, n, cp), mine in by_kind(rows, "order", "tokens", "cp").items():
         sel = [r for r in mine if not r["warmup"]]
         med = {m: {k: statistics.median(r[k] for r in sel if r["mode"] == m) for k in ("tail_s", "ttft_s")}
                for m in ("whole", "layerwise")}
@@ -436,10 +443,8 @@ def send_times(rows: list[dict]) -> None:
     print("\n| order | tokens | CP | mode | fwd end -> finish() returned (ms) | fwd end -> last send() returned (ms) "
           "| tail (ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for order, n, cp, mode in sorted({(r["order"], r["tokens"], r["cp"], r["mode"]) for r in rows},
-                                     key=lambda k: (ORDERS.index(k[0]), k[1:])):
-        sel = [r for r in rows if (r["order"], r["tokens"], r["cp"], r["mode"]) == (order, n, cp, mode)
-               and not r["warmup"]]
+    for (order, n, cp, mode), mine in by_kind(rows, "order", "tokens", "cp", "mode").items():
+        sel = [r for r in mine if not r["warmup"]]
         fin = "-" if mode != "layerwise" else f"{statistics.median(r['finish_s'] for r in sel) * 1e3:.2f}"
         print(f"| {order} | {n} | {cp} | {mode} | {fin} | {statistics.median(r['last_send_s'] for r in sel) * 1e3:.2f} | "
               f"{statistics.median(r['tail_s'] for r in sel) * 1e3:.2f} |")
@@ -460,10 +465,8 @@ def tail_hops(rows: list[dict], folder: str) -> None:
     print("\n| order | tokens | CP | mode | " + " | ".join(f"{a} -> {b}" for a, b, _ in TAIL)
           + " | tail (traced) | rooms |")
     print("| --- | --- | --- | --- | " + " | ".join("---" for _ in TAIL) + " | --- | --- |")
-    for order, n, cp, mode in sorted({(r["order"], r["tokens"], r["cp"], r["mode"]) for r in rows},
-                                     key=lambda k: (ORDERS.index(k[0]), k[1:])):
-        rooms = [events[r["room"]] for r in rows if (r["order"], r["tokens"], r["cp"], r["mode"]) == (order, n, cp, mode)
-                 and not r["warmup"]]
+    for (order, n, cp, mode), mine in by_kind(rows, "order", "tokens", "cp", "mode").items():
+        rooms = [events[r["room"]] for r in mine if not r["warmup"]]
         rooms = [ev for ev in rooms if all(ev.get(k) for k in ("forward end", "posted", "written", "reported",
                                                                "committed", "commit seen"))]
         if not rooms:
@@ -478,7 +481,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--rooms", type=int, default=6, help="rooms counted per length (alternating), after 2 warm-ups")
+    ap.add_argument("--rooms", type=int, default=6, help="rooms counted per length and order (whole and layer-wise alternating), after a "
+                         "warm-up room of each kind")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--ffn", type=int, default=4096, help="the dense MLP's width (sets the forward's time)")
