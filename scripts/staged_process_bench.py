@@ -19,7 +19,14 @@ script, so no CUDA state or allocator setting carries from one to the next.
 
 Ceiling: ``scripts/staged_layout_bench.py``'s gathers, slot copies and scatters of the same pages
 and slots, in one process on one stream, in one process on three streams, and in three processes
-at once (two gathering and copying into decode's slots over CUDA IPC, one scattering).
+at once (two gathering and copying into decode's slots over CUDA IPC, one scattering). Beside it
+the same three processes *chained* (``staged_layout_bench.chained``): each chunk waits for what a
+staged room's chunk waits for (a free gather slot, decode's grant, its write's end, the scatter's
+end before the slot is granted again), with a pipe message and a busy-polled event as the only
+host work per step, with grants asked for (``ask``, kvbridge's protocol) and sent unasked
+(``ahead``); the same ``--gather-slots`` and ``--decode-slots``, the last room's bytes checked. The
+staged rooms over the chained ceiling is what kvbridge's own host work costs; the chained ceiling
+over the unchained one is what the chain of dependencies costs on this GPU.
 
     python scripts/staged_process_bench.py [--tokens 8192 32768 131072] [--engines ipc mooncake-nvlink]
         [--layouts procs threads] [--slot-mib 64] [--gather-slots 2] [--decode-slots 4] [--reps 3]
@@ -126,20 +133,26 @@ def main() -> None:
             try:
                 row = {"tokens": n, **slb.one_process(n, args.slot_mib, args.ceiling_reps, "cuda:0"),
                        **slb.three_processes(n, args.slot_mib, args.ceiling_reps, "cuda:0")}
+                for grants in ("ask", "ahead"):
+                    row.update(slb.chained(n, args.slot_mib, args.ceiling_reps, "cuda:0", args.gather_slots,
+                                           args.decode_slots, grants))
+                    if not row[f"chain_{grants}_verified"]:
+                        result["errors"].append(f"chained {grants} {n}: {row[f'chain_{grants}_error'] or 'nothing checked'}")
             except Exception as exc:  # noqa: BLE001
                 result["errors"].append(f"ceiling {n}: {type(exc).__name__}: {exc}")
                 continue
             result["ceiling"].append(row)
             print(f"  ceiling {n}: {json.dumps(row)}", flush=True)
     ceil = {r["tokens"]: r for r in result["ceiling"]}
-    print(f"\nstaged rooms by process layout (one H200, both sides on cuda:0; {args.slot_mib} MiB slots, "
+    print(f"\nstaged rooms by process layout (one GPU, both sides on cuda:0; {args.slot_mib} MiB slots, "
           f"{args.gather_slots} per prefill rank / {args.decode_slots} on decode; random pages, CP {CP}, "
           f"{args.layers}+1 layers; GB/s of payload, median of {args.reps}; ceiling: gather + slot copy + scatter "
-          "of the same chunks in one process one stream / three streams / three processes)")
+          "of the same chunks in one process one stream / three streams / three processes; chained: the same three "
+          "processes with the rooms' dependencies, grants asked for / sent ahead, every last room checked)")
     print("| engine | tokens | staged, procs | staged, threads | threads / procs | direct, procs | direct, threads "
-          "| ceiling 1 proc 1 stream / 3 streams / 3 procs | staged procs / 3-proc ceiling | staged threads / "
-          "1-proc 3-stream ceiling |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| ceiling 1 proc 1 stream / 3 streams / 3 procs | chained, ask / ahead | staged procs / 3-proc ceiling | "
+          "staged procs / chained ask | staged threads / 1-proc 3-stream ceiling |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
     def f(v: Any, spec: str = ".1f") -> str:
         return format(v, spec) if isinstance(v, (int, float)) else "-"
@@ -154,7 +167,9 @@ def main() -> None:
             print(f"| {engine} | {n} | {f(p.get('staged_gbps'))} | {f(t.get('staged_gbps'))} | "
                   f"{f(ratio(t.get('staged_gbps'), p.get('staged_gbps')), '.2f')} | {f(p.get('kvbridge_gbps'))} | "
                   f"{f(t.get('kvbridge_gbps'))} | {f(c.get('one_stream_gbps'))} / {f(c.get('three_streams_gbps'))} / "
-                  f"{f(c.get('three_procs_gbps'))} | {f(ratio(p.get('staged_gbps'), c.get('three_procs_gbps')), '.2f')} | "
+                  f"{f(c.get('three_procs_gbps'))} | {f(c.get('chain_ask_gbps'))} / {f(c.get('chain_ahead_gbps'))} | "
+                  f"{f(ratio(p.get('staged_gbps'), c.get('three_procs_gbps')), '.2f')} | "
+                  f"{f(ratio(p.get('staged_gbps'), c.get('chain_ask_gbps')), '.2f')} | "
                   f"{f(ratio(t.get('staged_gbps'), c.get('three_streams_gbps')), '.2f')} |")
     for e in result["errors"]:
         print(f"error: {e}")
