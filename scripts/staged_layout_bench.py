@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import queue
 import struct
 import sys
@@ -253,14 +254,17 @@ class _Copies:
 
 
 def _prefill_room(conn: Any, copies: _Copies, sp: Any, gather_base: int, decode_base: int, slot_bytes: int,
-                  gather_slots: int, grants: str) -> None:
+                  gather_slots: int, grants: str, deadline: float) -> None:
     """One rank's chunks: each gathered as soon as a gather slot is free (and, ``ask``, asked for
     then), written into the decode slot its grant names, and reported landed once the write's event
-    completed; the gather slot is free again then. Busy-polls its pipe and its events."""
+    completed; the gather slot is free again then. Busy-polls its pipe and its events, until
+    ``deadline`` (monotonic) at the latest."""
     n, span = sp.num_chunks, sp.chunk_span
     free_g, gathered, inflight, granted = deque(range(gather_slots)), deque(), deque(), deque()
     k_next = landed = 0
     while landed < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"chained prefill: {landed} of {n} chunks landed by the deadline")
         while conn.poll():
             granted.append(GRANT.unpack(conn.recv_bytes())[0])
         while free_g and k_next < n:
@@ -282,7 +286,7 @@ def _prefill_room(conn: Any, copies: _Copies, sp: Any, gather_base: int, decode_
 
 
 def _decode_room(conns: list[Any], copies: _Copies, staged: list[Any], decode_base: int, slot_bytes: int,
-                 decode_slots: int, grants: str, drop: bool = False) -> list[float]:
+                 decode_slots: int, grants: str, deadline: float, drop: bool = False) -> list[float]:
     """Decode's side of one room: a free slot goes to the oldest ask (``ask``) or, unasked, to the
     rank with the most chunks not yet granted (``ahead``); a landed chunk is scattered at once, and
     its slot is free again when the scatter's event completed. Returns each chunk's slot hold
@@ -294,6 +298,8 @@ def _decode_room(conns: list[Any], copies: _Copies, staged: list[Any], decode_ba
     since: dict[int, float] = {}
     holds: list[float] = []
     while len(holds) < total:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"chained decode: {len(holds)} of {total} chunks scattered by the deadline")
         for r, c in enumerate(conns):
             while c.poll():
                 body = c.recv_bytes()
@@ -319,8 +325,9 @@ def _decode_room(conns: list[Any], copies: _Copies, staged: list[Any], decode_ba
 
 def _chain_proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, gather_slots: int, decode_slots: int,
                 grants: str, layers: int, slot_bytes: int, barrier: Any, out: Any, slots: Any, conn: Any,
-                fault: str) -> None:
-    """One process of the chain: role < CP a prefill rank, role CP decode (``conn``: its pipes)."""
+                fault: str, timeout: float) -> None:
+    """One process of the chain: role < CP a prefill rank, role CP decode (``conn``: its pipes). Every
+    wait is bounded by ``timeout`` (a peer that died leaves this one raising, not spinning)."""
     import torch
 
     from kvbridge.bench import pattern
@@ -337,27 +344,30 @@ def _chain_proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, g
         for (pool, lid), buf in w["src"][role].items():
             pattern.fill(specs[pool], buf, seed, lid, alloc.owned[role], alloc.local[role])
         mine = torch.zeros(gather_slots * sb, dtype=torch.uint8, device=device)
-        theirs = slots.get(timeout=120)  # decode's slots, mapped here (CUDA IPC, or shared host memory)
+        theirs = slots.get(timeout=timeout)  # decode's slots, mapped here (CUDA IPC, or shared host memory)
         base, decode_base = mine.data_ptr(), theirs.data_ptr()
     room_ms: list[float] = []
     holds: list[float] = []
     checked, error = 0, ""
     for rep in range(reps + 1):  # a warm-up room first: the kernel compiled, the tables sized
         last = rep == reps
+        if fault == "die" and role == 0 and last:  # a test's fault: a prefill process gone mid-run
+            os._exit(3)
         if role == CP and last:  # the last room lands on poisoned pages and is checked
             for (pool, lid), buf in w["dst"].items():
                 pattern.poison(buf, alloc.page_ids)
         torch.cuda.synchronize() if copies.cuda else None
-        barrier.wait()
-        t0 = time.perf_counter()
+        barrier.wait(timeout)
+        t0, deadline = time.perf_counter(), time.monotonic() + timeout
         if role == CP:
-            h = _decode_room(conn, copies, w["staged"], base, sb, decode_slots, grants, last and fault == "drop")
+            h = _decode_room(conn, copies, w["staged"], base, sb, decode_slots, grants, deadline,
+                             last and fault == "drop")
             copies.drain()
             if rep:
                 room_ms.append((time.perf_counter() - t0) * 1e3)
                 holds += h
         else:
-            _prefill_room(conn, copies, w["staged"][role], base, decode_base, sb, gather_slots, grants)
+            _prefill_room(conn, copies, w["staged"][role], base, decode_base, sb, gather_slots, grants, deadline)
         copies.drain()
     if role == CP:
         for (pool, lid), buf in w["dst"].items():
@@ -366,7 +376,7 @@ def _chain_proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, g
             error = error or why
         out.put({"room_ms": room_ms, "holds": holds, "bytes": w["bytes"], "checked": checked, "error": error,
                  "chunks": sum(sp.num_chunks for sp in w["staged"])})
-    barrier.wait()  # decode's slots stay allocated until every writer into them is done
+    barrier.wait(timeout)  # decode's slots stay allocated until every writer into them is done
 
 
 def chained(tokens: int, slot_mib: int, reps: int, device: str, gather_slots: int = 2, decode_slots: int = 4,
@@ -392,27 +402,29 @@ def chained(tokens: int, slot_mib: int, reps: int, device: str, gather_slots: in
     pipes = [ctx.Pipe() for _ in range(CP)]  # (decode's end, the prefill rank's end)
     procs = [ctx.Process(target=_chain_proc, args=(role, tokens, slot_mib, reps, device, gather_slots, decode_slots,
                                                    grants, layers, slot_bytes, barrier, out, slots,
-                                                   [p[0] for p in pipes] if role == CP else pipes[role][1], fault))
+                                                   [p[0] for p in pipes] if role == CP else pipes[role][1], fault,
+                                                   timeout))
              for role in range(CP + 1)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout * (reps + 3)  # each room's waits are bounded by ``timeout``
+    got = None
     try:
-        while True:
+        while got is None:
             try:
                 got = out.get(timeout=1)
-                break
             except queue.Empty:
                 dead = [f"{'decode' if r == CP else f'prefill cp{r}'} exited {p.exitcode}"
                         for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"chained rooms ({tokens} tokens): " + ("; ".join(dead) or f"no result in {timeout:g}s"))
+                    raise RuntimeError(f"chained rooms ({tokens} tokens): " + ("; ".join(dead) or "no result in time"))
     finally:
         for p in procs:
-            p.join(60)
+            if got is not None:
+                p.join(timeout)  # the last barrier, then exit
             if p.is_alive():
                 p.kill()
-                p.join(10)
+            p.join(10)
     ms = sorted(got["room_ms"])
     holds = sorted(got["holds"])
     p50 = ms[len(ms) // 2]
