@@ -1,9 +1,15 @@
 """Shared fixtures: a real bootstrap daemon process on loopback.
 
-``BootstrapDaemon`` starts ``python -m kvbridge.cli.main bootstrap --port 0``
-(the kernel picks a free port; the daemon writes it to a port file), waits for
-``/healthz`` with a bounded loop, and on ``stop()`` terminates and reaps the
-process and checks that nothing listens on the port any more.
+``BootstrapDaemon`` starts ``python -m kvbridge.cli.main bootstrap --port P`` (the daemon
+writes it to a port file), waits for ``/healthz`` with a bounded loop, and on ``stop()``
+terminates and reaps the process and checks that nothing listens on the port any more.
+
+P is a free port *below* the kernel's ephemeral range (``_private_port``), not ``--port 0``: a
+daemon restarted on its port (``restart()``) must find it free, and a port the kernel hands out
+(to another suite's listener or to any outbound connection, the suites run side by side) could be
+taken in between. That happened once in CI: a restart refused with "Address already in use", the
+port answering after the daemon had stopped. No process is handed a port below that range
+unless it asks for it by number.
 
 Start-up waits are readiness waits: they end when the process answers, fail at once when it
 exits, and call it hung only after ``STARTUP_TIMEOUT_S`` (kvbridge's own bound, long because a
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,6 +40,23 @@ from kvbridge.bootstrap.starter import STARTUP_TIMEOUT_S
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = scaled(STARTUP_TIMEOUT_S)
+
+
+def _private_port(tries: int = 50) -> int:
+    """A port that is free now, between 20000 and the start of the ephemeral range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(tries):
+        port = random.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port between 20000 and {low} in {tries} tries")
 
 
 def _port_open(port: int) -> bool:
@@ -61,6 +85,18 @@ class BootstrapDaemon:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self, port: int = 0) -> BootstrapDaemon:
+        """Start on ``port`` (0: a free private port, another one if the daemon finds it taken)."""
+        if port:
+            return self._start(port)
+        for attempt in range(3):
+            try:
+                return self._start(_private_port())
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, port: int) -> BootstrapDaemon:
         self.starts += 1
         self.ready = False
         port_file = self.workdir / f"port-{self.starts}"
