@@ -4,7 +4,7 @@
 writes it to a port file), waits for ``/healthz`` with a bounded loop, and on ``stop()``
 terminates and reaps the process and checks that nothing listens on the port any more.
 
-P is a free port *below* the kernel's ephemeral range (``_private_port``), not ``--port 0``: a
+P is a free port *below* the kernel's ephemeral range (``kvbridge.chaos.ports``), not ``--port 0``: a
 daemon restarted on its port (``restart()``) must find it free, and a port the kernel hands out
 (to another suite's listener or to any outbound connection, the suites run side by side) could be
 taken in between. That happened once in CI: a restart refused with "Address already in use", the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -37,26 +36,10 @@ import pytest
 from _timing import scaled
 
 from kvbridge.bootstrap.starter import STARTUP_TIMEOUT_S
+from kvbridge.chaos.ports import private_ports
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = scaled(STARTUP_TIMEOUT_S)
-
-
-def _private_port(tries: int = 50) -> int:
-    """A port that is free now, between 20000 and the start of the ephemeral range."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(tries):
-        port = random.randrange(20000, max(20001, low))
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port between 20000 and {low} in {tries} tries")
 
 
 def _port_open(port: int) -> bool:
@@ -90,7 +73,7 @@ class BootstrapDaemon:
             return self._start(port)
         for attempt in range(3):
             try:
-                return self._start(_private_port())
+                return self._start(private_ports(1, HOST)[0])
             except RuntimeError as exc:
                 if "Address already in use" not in str(exc) or attempt == 2:
                     raise

@@ -9,6 +9,7 @@
                 STORE_FAULTS (asked for by name): replica SIGKILL, etcd member SIGKILL, etcd quorum loss
     store_faults.py  those three, run on three daemon replicas over a three-member etcd
     etcd.py     EtcdCluster: a local etcd cluster on free loopback ports (also for tests and benches)
+    ports.py    private_ports: free loopback ports below the ephemeral range (a restart finds its port free)
     hostile.py  ``--hostile``: attacks (aliasing, pre-auth flood, slow connection, slot exhaustion,
                 room collision, read exposure) against a local cluster, defended or not;
                 hostile_identity.py: spellings of a live session, a Mooncake-reading attacker

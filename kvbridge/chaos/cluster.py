@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from kvbridge.chaos.etcd import EtcdCluster
+from kvbridge.chaos.ports import private_ports
 from kvbridge.worker import ops
 from kvbridge.worker.cluster import HOST, spawn_bootstrap
 from kvbridge.worker.launch import STARTUP_TIMEOUT_S, Proc, ProcessGroup, kvbridge_argv
@@ -117,7 +118,7 @@ class ChaosCluster:
             self._await(m, timeout)
 
     def start_daemon(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """The daemon, on the port it had before (a restart) or a free one (the first start);
+        """The daemon, on the port it had before (a restart) or a free private one (the first start);
         in store mode the etcd cluster and every replica."""
         if self.replicas:
             if self.etcd is not None and not self.etcd.running():
@@ -127,7 +128,8 @@ class ChaosCluster:
             self.daemon = self.replicas[0]
             return
         self.daemon.starts += 1
-        extra = (*self.daemon_args, *(("--port", str(self.port)) if self.port else ()))
+        self.port = self.port or private_ports(1, HOST)[0]  # kept for its restarts (chaos/ports.py: why not 0)
+        extra = (*self.daemon_args, "--port", str(self.port))
         if self.claims_file is not None:
             extra = (*extra, "--claims-file", str(self.claims_file))
         self.url = spawn_bootstrap(self.group, timeout, extra)
@@ -141,9 +143,8 @@ class ChaosCluster:
         assert self.etcd is not None
         m = self.replicas[i]
         m.starts += 1
-        extra = ["--store", self.etcd.store_url, "--replica-name", m.name]
-        if self.replica_ports[i]:
-            extra += ["--port", str(self.replica_ports[i])]
+        self.replica_ports[i] = self.replica_ports[i] or private_ports(1, HOST)[0]
+        extra = ["--store", self.etcd.store_url, "--replica-name", m.name, "--port", str(self.replica_ports[i])]
         url = spawn_bootstrap(self.group, timeout, extra)
         self.replica_ports[i] = int(url.rsplit(":", 1)[1])
         m.proc = self.group.procs[-1]

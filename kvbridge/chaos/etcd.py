@@ -2,9 +2,10 @@
 ``EtcdCluster(workdir, members=3).start()``, member faults (``kill``, ``restart``),
 ``stop()``.
 
-Ports: each member takes a client and a peer port that the kernel picked free a
-moment before (bound to port 0, then released); a member that cannot bind fails its
-health wait and the cluster start raises with its log. Stopping: SIGTERM with a
+Ports: each member takes a client and a peer port that were free a moment before, below
+the kernel's ephemeral range (``ports.private_ports``), so a member restarted on its ports
+finds them free; a member that cannot bind fails its health wait and the cluster start
+raises with its log. Stopping: SIGTERM with a
 deadline, then SIGKILL (the last member of a cluster whose peers are gone may ignore
 SIGTERM for seconds while it looks for them).
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from kvbridge.chaos.ports import private_ports
 from kvbridge.errors import ConfigError
 
 __all__ = ["EtcdCluster", "etcd_binary"]
@@ -49,19 +50,6 @@ def etcd_binary() -> str:
     return found
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class EtcdCluster:
     def __init__(self, workdir: Path, members: int = 3, *, stop_deadline_s: float = 3.0) -> None:
         if members < 1:
@@ -69,7 +57,7 @@ class EtcdCluster:
         self.workdir = Path(workdir)
         self.members = members
         self.stop_deadline_s = stop_deadline_s
-        ports = _free_ports(2 * members)
+        ports = private_ports(2 * members, HOST)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.token = f"kvbridge-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members

@@ -146,9 +146,9 @@ def test_a_dead_rank_vanishes_within_its_ttl_with_no_daemon(etcd_cluster: Any, e
 
 
 def test_an_unreachable_etcd_at_start_up_exits_non_zero(etcd_prefix: str) -> None:
-    from kvbridge.chaos.etcd import _free_ports
+    from kvbridge.chaos.ports import private_ports
 
-    port = _free_ports(1)[0]  # nothing listens there
+    port = private_ports(1)[0]  # nothing listens there
     proc = subprocess.run([sys.executable, "-m", "kvbridge.cli.main", "bootstrap", "--port", "0", "--store",
                            f"etcd://127.0.0.1:{port}", "--etcd-timeout", "0.5"], capture_output=True, text=True,
                           timeout=60)
