@@ -63,9 +63,12 @@ sys.path.insert(0, str(ROOT))
 PRESET, PAGE, CP, LAYERS = "deepseek-v3.2-fp8", 64, 2, 61
 
 
-def build(tokens: int, slot_mib: int, device: str, layers: int = LAYERS, slot_bytes: int = 0) -> dict[str, Any]:
+def build(tokens: int, slot_mib: int, device: str, layers: int = LAYERS, slot_bytes: int = 0,
+          slots: bool = True) -> dict[str, Any]:
     """Pools, the random allocation, and each rank's staged plan (the same in every process).
-    ``slot_bytes`` (a test's small slots) overrides ``slot_mib``."""
+    ``slot_bytes`` (a test's small slots) overrides ``slot_mib``. ``slots``: the unchained layouts'
+    double-buffered slots, one per rank and one for decode (``w["slots"]``); ``slots=False`` leaves
+    them out (``None``), for the chained layout, which sizes its own from its slot counts."""
     import torch
 
     from kvbridge.bench.alloc import allocate
@@ -88,8 +91,8 @@ def build(tokens: int, slot_mib: int, device: str, layers: int = LAYERS, slot_by
     plans = [plan_transfer(specs, descs(src[r]), descs(dst), alloc.owned[r], alloc.local[r],
                            alloc.page_ids[alloc.owned[r]], tokens) for r in range(CP)]
     staged = [stage_plan(p, slot_bytes) for p in plans]
-    slots = [torch.zeros(2 * slot_bytes, dtype=torch.uint8, device=device) for _ in range(CP + 1)]
-    return {"src": src, "dst": dst, "staged": staged, "slots": slots, "slot_bytes": slot_bytes,
+    bufs = [torch.zeros(2 * slot_bytes, dtype=torch.uint8, device=device) for _ in range(CP + 1)] if slots else None
+    return {"src": src, "dst": dst, "staged": staged, "slots": bufs, "slot_bytes": slot_bytes,
             "bytes": sum(int(p.length.sum()) for p in plans), "specs": specs, "alloc": alloc}
 
 
@@ -332,7 +335,7 @@ def _chain_proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, g
 
     from kvbridge.bench import pattern
 
-    w = build(tokens, slot_mib, device, layers, slot_bytes)
+    w = build(tokens, slot_mib, device, layers, slot_bytes, slots=False)  # its slots are its own, below
     sb, specs, alloc, seed = w["slot_bytes"], w["specs"], w["alloc"], tokens
     copies = _Copies(device)
     if role == CP:
@@ -362,13 +365,13 @@ def _chain_proc(role: int, tokens: int, slot_mib: int, reps: int, device: str, g
         if role == CP:
             h = _decode_room(conn, copies, w["staged"], base, sb, decode_slots, grants, deadline,
                              last and fault == "drop")
-            copies.drain()
+            copies.drain()  # inside the room's time
             if rep:
                 room_ms.append((time.perf_counter() - t0) * 1e3)
                 holds += h
         else:
             _prefill_room(conn, copies, w["staged"][role], base, decode_base, sb, gather_slots, grants, deadline)
-        copies.drain()
+            copies.drain()
     if role == CP:
         for (pool, lid), buf in w["dst"].items():
             n, why = pattern.check(specs[pool], buf, seed, lid, alloc.page_ids, tokens)
