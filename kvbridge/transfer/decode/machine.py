@@ -8,7 +8,8 @@ the endpoint's shell to carry out, in order (``Send``, ``LookUp``, ``Refresh``,
 call inside: the time is passed in, and the one read of memory (the aux row and the
 page digests at commit) goes through the two readers given at construction.
 
-The room itself, its states and its pages: ``room.py``.
+The room itself, its states and its pages: ``room.py``; the digest check at its commit (which
+digests to read back, and where they differ): ``commit_digests.py``.
 
 Between scans (every ``SCAN_S``) only the rooms something happened to are advanced:
 O(events), not O(rooms). A loop that was itself frozen blames no peer for the silence
@@ -38,14 +39,15 @@ from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
-from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, DigestRead, EchoScratch, Init,
+from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, EchoScratch, Init,
                                              LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh,
                                              Refreshed, Registered, Release, ScatterFailed, Scattered, SetStaging,
                                              WriteAuxRow, WriteProof)
+from kvbridge.transfer.decode.commit_digests import digest_mismatch, digest_reads
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
 from kvbridge.transfer.decode.room import DecodeRoom
-from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
+from kvbridge.transfer.decode.events import InitKinds
 from kvbridge.transfer.decode.kind_rooms import DecodeKinds
 from kvbridge.transfer.decode.staging import DecodeStaging
 from kvbridge.transfer.decode.topologies import Key, SenderKey, Topologies
@@ -558,30 +560,8 @@ class DecodeRooms:
         if self.staging is not None and self.staging.pending.get(r.room):
             return  # a landed chunk is not scattered yet: its pages are not written
         r.commit_reading = True
-        self._out.append(ReadForCommit(r.room, r.aux_slot, self._digest_reads(r), r.inline_row,
-                                       r.row_written is not None))
-
-    def _digest_reads(self, r: DecodeRoom) -> tuple[DigestRead | KindDigestRead, ...]:
-        """The page digests to read back (one read, or one per report under pipeline stages), then
-        one per report of kind units (each over the layers its sender holds)."""
-        if not self.cfg.verify_digest or r.num_tokens is None:
-            return ()
-        return self._page_reads(r) + self._kind_reads(r)
-
-    def _page_reads(self, r: DecodeRoom) -> tuple[DigestRead, ...]:
-        if not r.digests:
-            return ()
-        if not r.placement.layers:  # one stage: every report digests every layer of every pool
-            pages = np.concatenate([p for p, _, _, _ in r.digests])
-            return (DigestRead(tuple(self.pools), pages, r.page_ids[pages - r.first_page], r.num_tokens),)
-        # pipeline stages: each digested its own layers of the pools it sent; check each against the same
-        return tuple(DigestRead(pools, pages, r.page_ids[pages - r.first_page], r.num_tokens, r.placement.layers[key])
-                     for pages, _, key, pools in r.digests)
-
-    def _kind_reads(self, r: DecodeRoom) -> tuple[KindDigestRead, ...]:
-        return tuple(KindDigestRead(pool, logical, self.kinds.digest_units(r.room, pool, logical, r.page_ids),
-                                    r.num_tokens, r.placement.layers[key][pool] if r.placement.layers else None)
-                     for pool, logical, _, key in r.kind_digests)
+        reads = digest_reads(r, self.pools, self.kinds) if self.cfg.verify_digest and r.num_tokens is not None else ()
+        self._out.append(ReadForCommit(r.room, r.aux_slot, reads, r.inline_row, r.row_written is not None))
 
     def _aux_row_written(self, e: AuxRowWritten) -> None:
         """A row written ahead of the commit (``WriteAuxRow``): there now, or the room fails."""
@@ -612,21 +592,10 @@ class DecodeRooms:
             if r.num_tokens is None:
                 self.fail(r, "cannot check page digests: neither init() nor the prefill rank said the token count", now)
                 return
-            pages = len(self._page_reads(r))
-            bad = self._digest_mismatch(r, e.digests[:pages])
-            if bad is not None:
-                self.fail(r, f"digest mismatch on logical page {bad}: bytes differ from what prefill sent", now)
+            mismatch = digest_mismatch(r, e.digests, self.kinds.specs)
+            if mismatch is not None:
+                self.fail(r, mismatch, now)
                 return
-            for (pool, logical, theirs, key), ours in zip(r.kind_digests, e.digests[pages:]):
-                wrong = np.flatnonzero(ours != theirs)
-                if wrong.size:
-                    spec = self.kinds.specs[pool]
-                    unit = "state slot" if spec.kind == "state" else "ring row" if spec.ring_stride else \
-                        f"unit {int(logical[wrong[0]])}"
-                    stage = f"/pp{key[2]}" if r.placement.layers else ""
-                    self.fail(r, f"digest mismatch in pool {pool!r} ({spec.kind}), {unit} (from cp{key[0]}/tp{key[1]}"
-                                 f"{stage}): bytes differ from what prefill sent", now)
-                    return
         r.keep_aux_row(e.row, self.aux_schema)
         r.state.advance_to(KVPoll.Success, now=now)
         self.kinds.succeed(r.room)
@@ -635,22 +604,6 @@ class DecodeRooms:
                      r.room, self.cfg.rank_label, r.age_ms(now), now, dict(sorted(r.ledger.pages_by_rank.items())),
                      r.ledger.aux_owner, e.read_s * 1e3,
                      "" if r.row_written is None else f" aux_ahead={r.row_written * 1e3:.3f}ms")
-
-    def _digest_mismatch(self, r: DecodeRoom, mine: tuple[np.ndarray, ...]) -> int | None:
-        if not r.digests:
-            return None
-        if not r.placement.layers:
-            pages = np.concatenate([p for p, _, _, _ in r.digests])
-            sent = [np.concatenate([d for _, d, _, _ in r.digests])]
-            found = [pages]
-        else:
-            found = [p for p, _, _, _ in r.digests]
-            sent = [d for _, d, _, _ in r.digests]
-        for pages, theirs, ours in zip(found, sent, mine):
-            bad = np.flatnonzero(ours != theirs)
-            if bad.size:
-                return int(pages[bad[0]])
-        return None
 
     # -- the clock --------------------------------------------------------------
 
