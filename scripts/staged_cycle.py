@@ -16,6 +16,20 @@ joined per chunk:
 
 p50 / p90 ms over every chunk of the timed rooms, and the rooms' p50. Prints the bench row too.
 
+Then prefill's "post + write" split by the chunk's write (its engine handle: prefill's ``chunk .. at``
+line, the engine's own trace lines and the ``landed-out`` line carry it):
+
+    grant -> submitted     prefill read the grant -> ``submit_write`` returned on its loop
+    grant -> engine post   -> the engine's post of the write (IPC: its copy launched, inside
+                           ``submit_write``; Mooncake: the pump's ``batch_transfer_async_write`` returned,
+                           after the gather's event; on NVLink the copy is inside that call)
+    engine post -> done    -> the engine saw the write complete (IPC: the pump's event synchronise)
+    done -> landed out     -> prefill's machine fed the completion and sent ChunkLanded
+
+and each staged room's own steps on decode's clock, from decode's request (p50 over the rooms):
+the request at the first prefill rank, the first SlotRequest sent, the last chunk read landed, the
+last scatter complete, the commit.
+
 ``--split``: decode's turn for each landed chunk of those rooms split into its parts (the frame's read,
 the machine's checks, the scatter's launch and its CUDA calls, the trace lines), timed in the decode
 rank by ``scripts/decode_split.py`` (wrapped in through ``scripts/split_hook/sitecustomize.py``; the
@@ -99,6 +113,90 @@ def cycle_steps(lines: list[str], rooms: set[int], chunks: list[dict] | None = N
     return out
 
 
+_CHUNK_AT = re.compile(r"trace room=(\d+) rank=\S+ \+[\d.]+ms @(\d+\.\d+) -> \S+ chunk \d+ at \S+ .*write=(\d+)")
+_ENGINE = re.compile(r"trace engine=(?:ipc|mooncake) write=(\d+) batch=\d+ (->|done|failed) .*@(\d+\.\d+)")
+_LANDED_OUT = re.compile(r"trace room=(\d+) rank=\S+ @(\d+\.\d+) cycle landed-out chunk=(-?\d+) slot=-?\d+ "
+                         r"cp=-?\d+ write=(\d+)")
+_GRANT_IN = re.compile(r"trace room=(\d+) rank=\S+ @(\d+\.\d+) cycle grant-in chunk=(-?\d+)")
+POST_STEPS = ("grant -> submitted", "grant -> engine post", "engine post -> done", "done -> landed out")
+_ROOM_EVENT = re.compile(r"trace room=(\d+) rank=(\S+) (?:\+[\d.]+ms )?@(\d+\.\d+) (.*)")
+ROOM_STEPS = ("request at prefill", "first SlotRequest", "last landing read", "last scatter done", "committed")
+
+
+def post_split(logs: dict[str, list[str]], rooms: set[int]) -> dict[str, list[float]]:
+    """Prefill's "post + write" of each chunk of ``rooms``, split (ms): ``logs`` maps each prefill
+    process's log to its lines (engine handles are per process). A chunk counts once all of its
+    lines are found (its write's ``landed-out``, grant, ``chunk .. at`` line and engine lines)."""
+    out: dict[str, list[float]] = {s: [] for s in POST_STEPS}
+    for lines in logs.values():
+        grant: dict[tuple[int, int], float] = {}  # (room, chunk): one process is one CP rank (a grant names none)
+        submitted: dict[int, float] = {}
+        posted: dict[int, float] = {}
+        done: dict[int, float] = {}
+        landed: list[tuple[int, int, int, float]] = []  # (room, chunk, write, when)
+        for line in lines:
+            if (m := _ENGINE.search(line)) is not None:
+                h, t = int(m[1]), float(m[3])
+                if m[2] == "->":
+                    posted.setdefault(h, t)  # its first batch
+                else:
+                    done[h] = max(done.get(h, t), t)  # its last
+            elif (m := _LANDED_OUT.search(line)) is not None:
+                landed.append((int(m[1]), int(m[3]), int(m[4]), float(m[2])))
+            elif (m := _GRANT_IN.search(line)) is not None:
+                grant[(int(m[1]), int(m[3]))] = float(m[2])
+            elif (m := _CHUNK_AT.search(line)) is not None:
+                submitted[int(m[3])] = float(m[2])
+        for room, chunk, h, t_out in landed:
+            t_grant = grant.get((room, chunk))
+            if room not in rooms or None in (t_grant, submitted.get(h), posted.get(h), done.get(h)):
+                continue
+            for name, a, b in (("grant -> submitted", t_grant, submitted[h]), ("grant -> engine post", t_grant, posted[h]),
+                               ("engine post -> done", posted[h], done[h]), ("done -> landed out", done[h], t_out)):
+                out[name].append((b - a) * 1e3)
+    return out
+
+
+def room_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
+    """Each room of ``rooms``: ms from decode's request to the request's arrival at the first prefill
+    rank, the first SlotRequest sent, the last ChunkLanded read, the last scatter complete and the commit."""
+    first: dict[tuple[int, str], float] = {}
+    last: dict[tuple[int, str], float] = {}
+    for line in lines:
+        m = _ROOM_EVENT.search(line)
+        if m is None or int(m[1]) not in rooms:
+            continue
+        room, t, what = int(m[1]), float(m[3]), m[4]
+        key = ("requested" if what.startswith("requested from") else "request at prefill" if " request from " in f" {what}"
+               else "first SlotRequest" if what.startswith("cycle ask-out") else "last landing read"
+               if what.startswith("cycle landed-in") else "last scatter done" if what.startswith("cycle scattered")
+               else "committed" if what.startswith("committed") else None)
+        if key is not None:
+            first[(room, key)] = min(first.get((room, key), t), t)
+            last[(room, key)] = max(last.get((room, key), t), t)
+    out: dict[str, list[float]] = {s: [] for s in ROOM_STEPS}
+    for room in rooms:
+        t0 = first.get((room, "requested"))
+        if t0 is None:
+            continue
+        for name in ROOM_STEPS:
+            t = (first if name in ("request at prefill", "first SlotRequest") else last).get((room, name))
+            if t is not None:
+                out[name].append((t - t0) * 1e3)
+    return out
+
+
+def print_steps(title: str, names: tuple[str, ...], steps: dict[str, list[float]], unit: str = "chunks") -> None:
+    print(title)
+    print(f"{'step':<22} {unit:>6} {'p50 ms':>8} {'p90 ms':>8}")
+    for name in names:
+        ms = np.array(steps[name])
+        if ms.size:
+            print(f"{name:<22} {ms.size:>6} {np.median(ms):>8.3f} {np.percentile(ms, 90):>8.3f}")
+        else:
+            print(f"{name:<22} {0:>6} {'-':>8} {'-':>8}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -143,7 +241,8 @@ def main() -> None:
                      staging_slots=(args.gather_slots, args.decode_slots))
     with start_bootstrap() as (url, token):
         row = run_sweep(spec, url, token, show_progress=False)[0]
-    lines = [ln for p in sorted(Path(folder).glob("*.log")) for ln in p.read_text(errors="replace").splitlines()]
+    logs = {p.name: p.read_text(errors="replace").splitlines() for p in sorted(Path(folder).glob("*.log"))}
+    lines = [ln for name in sorted(logs) for ln in logs[name]]
     # the timed rooms alternate kvbridge (direct) and staged; the staged ones are those with cycle lines
     rooms = {int(m[1]) for ln in lines if (m := _LINE.search(ln))} & set(row["room_ids"])
     if args.untraced:  # no cycle lines: the staged rooms are those a chunk landed in
@@ -156,19 +255,17 @@ def main() -> None:
           f"{row['staged_gbps']} GB/s p50 {row['staged_p50_ms']} ms ({row['staged_slices']} pieces), direct "
           f"{row['kvbridge_gbps']} GB/s, raw {row['raw_gbps']} GB/s, engine {row['engine_gbps']} GB/s; verified {row['rooms_verified']} rooms, "
           f"errors {row['verify_errors'] + row['kvbridge_failures']}; {len(rooms)} staged rooms traced")
-    print(f"{'step':<14} {'chunks':>6} {'p50 ms':>8} {'p90 ms':>8}")
-    for name in STEPS:
-        ms = np.array(steps[name])
-        if ms.size:
-            print(f"{name:<14} {ms.size:>6} {np.median(ms):>8.3f} {np.percentile(ms, 90):>8.3f}")
-        else:
-            print(f"{name:<14} {0:>6} {'-':>8} {'-':>8}")
+    print_steps("a chunk's cycle:", STEPS, steps)
+    posts = post_split({k: v for k, v in logs.items() if k.startswith("prefill")}, rooms)
+    print_steps("prefill's post + write, split by the chunk's write:", POST_STEPS, posts)
+    room = room_steps(lines, rooms)
+    print_steps("each staged room, ms after decode's request:", ROOM_STEPS, room, "rooms")
     split = split_table(split_dir, rooms) if args.split else []
     print(f"trace logs: {folder}")
     if args.json:
         keep = {k: v for k, v in row.items() if isinstance(v, (int, float, str, type(None)))}
         Path(args.json).write_text(json.dumps({"args": vars(args), "row": keep, "steps": steps, "chunks": chunks,
-                                               "split": split}) + "\n")
+                                               "post": posts, "room": room, "split": split}) + "\n")
 
 
 def split_table(folder: Path, rooms: set[int]) -> list[dict]:

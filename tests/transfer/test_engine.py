@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -483,6 +484,32 @@ def test_mooncake_posts_a_small_write_itself_and_queues_the_rest_behind_the_pump
 
 
 # ---- factory, lazy import, GPU ------------------------------------------------------------------
+@pytest.mark.mooncake
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake not importable")
+def test_mooncake_trace_lines_name_each_batch_posted_and_final(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """With KVBRIDGE_TRACE=1 (read at construction) each batch's post and end is a line carrying the
+    write's handle (``scripts/staged_cycle.py`` joins a staged chunk's write by it), a failed one too."""
+    monkeypatch.setenv("KVBRIDGE_TRACE", "1")
+    a, b = create_engine("mooncake", max_slices_per_call=4), create_engine("mooncake")
+    src, dst = random_bytes(6 * PAGE, 5), np.zeros(6 * PAGE, np.uint8)
+    try:
+        with registered(a, src), registered(b, dst), caplog.at_level(logging.INFO, "kvbridge.transfer.engine.mooncake"):
+            s, d, n, perm = scatter(src, dst, 6, 5)
+            h = a.submit_write(b.session_id, s, d, n)  # two batches: 4 + 2 slices
+            assert poll_until_final(a, h) == WriteStatus.DONE and landed(src, dst, perm)
+            bad = a.submit_write(b.session_id, s[:1], np.array([d[0] + 6 * PAGE], np.uint64), n[:1])
+            assert poll_until_final(a, bad).state is WriteState.FAILED
+        lines = [r.getMessage() for r in caplog.records if "trace engine=mooncake" in r.getMessage()]
+        for batch, slices in ((0, 4), (1, 2)):
+            assert any(f"write={h} batch={batch} -> {b.session_id} slices={slices} " in x and " posted @" in x
+                       for x in lines), lines
+            assert any(f"write={h} batch={batch} done +" in x for x in lines), lines
+        assert any(f"write={bad} batch=0 failed +" in x for x in lines), lines
+    finally:
+        a.close()
+        b.close()
+
+
 def test_import_does_not_load_mooncake() -> None:
     code = (
         "import sys, kvbridge, kvbridge.transfer.engine as e; e.create_engine('local').close(); "

@@ -87,3 +87,50 @@ def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_l
     assert len(_script().split_table(tmp_path, {7})) == 1
     out = capsys.readouterr().out
     assert "1 landings" in out and "L now -> next event" in out and "  recv" in out
+
+
+def test_a_landed_out_fed_by_a_writes_completion_names_the_write(caplog):
+    from kvbridge.transfer.prefill.events import WriteFinal
+
+    landed = wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=2, status="ok", reason="", scatter=b"")
+    with caplog.at_level(logging.INFO, logger="kvbridge.transfer.staging.cycle"):
+        trace_cycle(PRE, WriteFinal(41, None, 2.5), [Send(("ep",), landed)])
+        trace_cycle(PRE, Message("ep", wire.SlotGrant(room=7, decode_rank=DEC, chunk=4, slot=1), 2.6),
+                    [Send(("ep",), landed)])  # a "failed" answer to a grant: no write, no handle
+    assert [r.getMessage() for r in caplog.records] == [
+        f"trace room=7 rank={PRE} @2.500000 cycle landed-out chunk=3 slot=2 cp=1 write=41",
+        f"trace room=7 rank={PRE} @2.600000 cycle grant-in chunk=4 slot=1 cp=-1",
+        f"trace room=7 rank={PRE} @2.600000 cycle landed-out chunk=3 slot=2 cp=1"]
+
+
+def test_prefills_post_and_write_split_by_the_chunks_write_in_each_process():
+    """Handles are per process: the same write number in two prefill logs is two writes."""
+    def log(cp: int, off: float) -> list[str]:
+        rank = f"p/dp0/cp{cp}/tp0/pp0"
+        return [f"x trace room=7 rank={rank} @{1.000 + off:.6f} cycle grant-in chunk=3 slot=2 cp=-1",
+                f"x trace engine=ipc write=5 batch=0 -> s slices=1 bytes=9 @{1.0002 + off:.6f}",
+                f"x trace room=7 rank={rank} +1.00ms @{1.0003 + off:.6f} -> d chunk 0 at 0x10 slices=1 bytes=9 write=5",
+                f"x trace engine=ipc write=5 batch=0 done +1.00ms @{1.0022 + off:.6f}",
+                f"x trace room=7 rank={rank} @{1.0025 + off:.6f} cycle landed-out chunk=3 slot=2 cp={cp} write=5",
+                f"x trace room=8 rank={rank} @{1.0030 + off:.6f} cycle landed-out chunk=3 slot=2 cp={cp} write=6"]
+
+    steps = _script().post_split({"prefill-cp0.log": log(0, 0.0), "prefill-cp1.log": log(1, 0.5)}, {7, 8})
+    got = {k: [round(x, 3) for x in v] for k, v in steps.items()}
+    assert got == {"grant -> submitted": [0.3, 0.3], "grant -> engine post": [0.2, 0.2],
+                   "engine post -> done": [2.0, 2.0], "done -> landed out": [0.3, 0.3]}  # room 8's write: no lines
+
+
+def test_each_staged_rooms_steps_run_from_decodes_request():
+    lines = [f"x trace room=7 rank={DEC} +0.00ms @2.000000 requested from (cp, tp, pp) ranks [(0, 0, 0), (1, 0, 0)]",
+             f"x trace room=7 rank={PRE} @2.000400 request from {DEC} pages=4",
+             f"x trace room=7 rank={PRE} @2.001000 cycle ask-out chunk=0 slot=-1 cp=1",
+             f"x trace room=7 rank={PRE} @2.001500 cycle ask-out chunk=1 slot=-1 cp=1",
+             f"x trace room=7 rank={DEC} @2.004000 cycle landed-in chunk=0 slot=1 cp=1",
+             f"x trace room=7 rank={DEC} @2.005000 cycle landed-in chunk=1 slot=2 cp=1",
+             f"x trace room=7 rank={DEC} @2.006000 cycle scattered chunk=-1 slot=2 cp=-1",
+             f"x trace room=7 rank={DEC} +7.00ms @2.007000 committed pages_by_rank={{1: 4}} aux_owner=cp1",
+             f"x trace room=9 rank={DEC} +0.00ms @3.000000 requested from (cp, tp, pp) ranks [(0, 0, 0)]"]
+    steps = _script().room_steps(lines, {7})
+    assert {k: [round(x, 3) for x in v] for k, v in steps.items()} == {
+        "request at prefill": [0.4], "first SlotRequest": [1.0], "last landing read": [5.0],
+        "last scatter done": [6.0], "committed": [7.0]}

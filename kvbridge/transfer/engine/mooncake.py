@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ class _Batch:
     length: np.ndarray
     after: Any = None  # events the source bytes wait on: the pump waits for them before posting
     batch_id: int = 0
+    posted: float = 0.0  # when batch_transfer_async_write returned (monotonic; the trace's)
 
     @property
     def num_slices(self) -> int:
@@ -123,6 +125,7 @@ class MooncakeEngine(JobEngine):
         self._direct_max_slices = min(DIRECT_MAX_SLICES_TCP if tcp else DIRECT_MAX_SLICES, max_slices_per_call)
         self._direct_max_bytes = None if tcp else DIRECT_MAX_BYTES
         self._posting = 0  # direct posts under way: the pump does not exit meanwhile
+        self._trace = os.environ.get("KVBRIDGE_TRACE") == "1"  # a line per batch posted and per batch final
         self._pump = threading.Thread(target=self._run, name=f"mooncake-pump-{self._session}", daemon=True)
         self._pump.start()
 
@@ -291,6 +294,10 @@ class MooncakeEngine(JobEngine):
             self._fail(session, batch, f"batch_transfer_async_write returned {batch_id} (peer unreachable or refused)")
             return
         batch.batch_id = batch_id
+        if self._trace:  # (the intra-node NVLink transport has copied by now: it copies inside the call)
+            batch.posted = time.monotonic()
+            log.info("trace engine=mooncake write=%d batch=%d -> %s slices=%d bytes=%d posted @%.6f", batch.job.handle,
+                     batch.index, session, batch.num_slices, int(batch.length.sum()), batch.posted)
         self._inflight.append((session, batch))
 
     def _collect(self, session: str, batch: _Batch) -> None:
@@ -307,12 +314,20 @@ class MooncakeEngine(JobEngine):
                 "a dead peer, or a timeout)",
             )
             return
+        self._trace_final(batch, "done")
         self._jobs.batch_finished(batch.job)
         self._settle_slices(session, batch.num_slices)
+
+    def _trace_final(self, batch: _Batch, how: str) -> None:
+        if self._trace:
+            now = time.monotonic()
+            log.info("trace engine=mooncake write=%d batch=%d %s +%.2fms @%.6f", batch.job.handle, batch.index, how,
+                     (now - batch.posted) * 1000 if batch.posted else 0.0, now)
 
     def _fail(self, session: str, batch: _Batch, what: str) -> None:
         reason = f"{self._who}: mooncake {what}: {batch.describe(session)}"
         log.warning("%s", reason)
+        self._trace_final(batch, "failed")
         self._jobs.batch_finished(batch.job, reason)
         self._settle_slices(session, batch.num_slices)
 

@@ -305,8 +305,8 @@ class Writes:
         a = e.action
         r, t = self._book(a.write, e.handle, e.num_bytes, e.num_slices, e.now)
         if self.trace:
-            trace_room(r, self.rank, e.now, "-> %s chunk %d at %#x slices=%d bytes=%d", t.decode_rank, a.chunk,
-                       a.remote_addr, e.num_slices, e.num_bytes)
+            trace_room(r, self.rank, e.now, "-> %s chunk %d at %#x slices=%d bytes=%d write=%d", t.decode_rank,
+                       a.chunk, a.remote_addr, e.num_slices, e.num_bytes, e.handle)
 
     def _book(self, w: int, handle: int, num_bytes: int, num_slices: int, now: float) -> tuple[PrefillRoom, Target]:
         """Write ``w`` is in the engine as ``handle``: its bytes and slices counted."""

@@ -10,7 +10,10 @@ for every process of a host):
 steps: ``ask-out`` / ``ask-in`` (SlotRequest), ``grant-out`` / ``grant-in`` (SlotGrant),
 ``landed-out`` / ``landed-in`` (ChunkLanded: prefill saw its write final / decode read it),
 ``scatter`` (decode started the slot's copy), ``scattered`` (it completed; the slot's credit goes
-back). The words avoid what ``kvbridge.bench.trace`` matches, so its hop table is unchanged.
+back). A ``landed-out`` fed by the engine's completion of the chunk's write ends with ``write=H``,
+the engine's handle, which the engine's own trace lines and prefill's ``chunk .. at`` line carry
+too (``staged_cycle.py`` splits prefill's post and write by it). The words avoid what
+``kvbridge.bench.trace`` matches, so its hop table is unchanged.
 Sans-I/O: the lines are logged, nothing else.
 """
 
@@ -27,8 +30,12 @@ log = logging.getLogger(__name__)
 _STEPS = {wire.SlotRequest: "ask", wire.SlotGrant: "grant", wire.ChunkLanded: "landed"}
 
 
-def _line(rank: str, now: float, step: str, room: int, chunk: int, slot: int, cp: int) -> None:
-    log.info("trace room=%d rank=%s @%.6f cycle %s chunk=%d slot=%d cp=%d", room, rank, now, step, chunk, slot, cp)
+def _line(rank: str, now: float, step: str, room: int, chunk: int, slot: int, cp: int, handle: Any = None) -> None:
+    if handle is None:
+        log.info("trace room=%d rank=%s @%.6f cycle %s chunk=%d slot=%d cp=%d", room, rank, now, step, chunk, slot, cp)
+    else:
+        log.info("trace room=%d rank=%s @%.6f cycle %s chunk=%d slot=%d cp=%d write=%d", room, rank, now, step, chunk,
+                 slot, cp, handle)
 
 
 def trace_cycle(rank: str, event: Any, actions: Any) -> None:
@@ -46,6 +53,8 @@ def trace_cycle(rank: str, event: Any, actions: Any) -> None:
         msg = getattr(a, "msg", None)
         step = _STEPS.get(type(msg))
         if step is not None:
-            _line(rank, now, f"{step}-out", msg.room, msg.chunk, getattr(msg, "slot", -1), getattr(msg, "cp_rank", -1))
+            handle = getattr(event, "handle", None) if step == "landed" else None  # (a write's completion)
+            _line(rank, now, f"{step}-out", msg.room, msg.chunk, getattr(msg, "slot", -1), getattr(msg, "cp_rank", -1),
+                  handle)
         elif type(a).__name__ == "Scatter":
             _line(rank, now, "scatter", a.room, -1, a.slot, -1)
