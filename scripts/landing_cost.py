@@ -4,7 +4,9 @@ each 64 MiB chunk of a V3.2 fp8 room (61+1 layers, CP 2, random pages, ``staged_
 on the CPU), ``DecodeStaging.landed`` (the scatter list unpacked and checked inside the slot and the
 room's pages) and ``CudaStager.copy``'s host work before the kernel (its range checks: ``AddressRanges.hold``
 of the entries ``Scatter.unproven`` names, every entry where the tree has no such proof; a copier that
-records nothing stands in for the GPU), p50 over ``--reps`` passes. Run against an older tree
+records nothing stands in for the GPU), p50 over ``--reps`` passes; and on prefill's side each rank's
+``CudaStager.gather`` of every chunk into its slot (the gather list and its range checks against the
+rank's page buffers and gather area, no kernel). Run against an older tree
 (``PYTHONPATH=<tree>``) it times that tree's work the same way.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/landing_cost.py [--tokens 8192] [--slot-mib 64] [--reps 50]
@@ -34,6 +36,7 @@ def main() -> None:
     from kvbridge.bench.alloc import allocate
     from kvbridge.layout import OwnerLanes, describe_buffer, preset_pools
     from kvbridge.transfer.channel import wire
+    from kvbridge.transfer.engine import tensor_region
     from kvbridge.transfer.decode.staging import DecodeStaging
     from kvbridge.transfer.staging import StagingArea
     from kvbridge.transfer.staging.stagers import CudaStager
@@ -44,6 +47,9 @@ def main() -> None:
 
         def copy_async(self, dst, src, nbytes):  # noqa: ANN001, ANN202
             raise AssertionError("no entry of these lists lies outside the device ranges")
+
+        def record(self):  # noqa: ANN202
+            return None
 
     w = slb.build(args.tokens, args.slot_mib, "cpu")
     specs = preset_pools(slb.PRESET, num_layers=slb.LAYERS, page_size=slb.PAGE, draft_layers=1)
@@ -85,9 +91,21 @@ def main() -> None:
                 hold.append(time.perf_counter() - t)
                 ds.scattered(1, slot, [])
     turn = np.add(landed, hold)
+    # prefill's side: each rank's gathers into its slot, the stager's ranges its page buffers and its
+    # gather area (what StagingBuffer gives it): the gather list and its range checks, no kernel
+    gathers = []
+    for r, sp in enumerate(w["staged"]):
+        mine = [tensor_region(t) for t in w["src"][r].values()] + [(base, 2 * slot_bytes)]
+        gstager = CudaStager(copier=NoCopier(), device_ranges=mine)
+        for _ in range(args.reps):
+            for k in range(sp.num_chunks):
+                t = time.perf_counter()
+                gstager.gather(sp, k, base)
+                gathers.append(time.perf_counter() - t)
     print(f"{args.tokens} tokens, {args.slot_mib} MiB chunks ({min(slices)}-{max(slices)} slices), {len(landed)} "
           f"landings: DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, CudaStager.copy (range checks) p50 "
-          f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms")
+          f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms; {len(gathers)} gathers on "
+          f"prefill: CudaStager.gather (the list and its range checks) p50 {np.median(gathers) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
