@@ -93,12 +93,15 @@ def test_a_landed_out_fed_by_a_writes_completion_names_the_write(caplog):
     from kvbridge.transfer.prefill.events import WriteFinal
 
     landed = wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=2, status="ok", reason="", scatter=b"")
+    given_back = wire.ChunkLanded(room=7, cp_rank=1, chunk=5, slot=0, status="failed", reason="x", scatter=b"")
     with caplog.at_level(logging.INFO, logger="kvbridge.transfer.staging.cycle"):
-        trace_cycle(PRE, WriteFinal(41, None, 2.5), [Send(("ep",), landed)])
+        # the write's completion lands chunk 3; a slot granted ahead to chunk 5 is given back in the same feed
+        trace_cycle(PRE, WriteFinal(41, None, 2.5), [Send(("ep",), landed), Send(("ep",), given_back)])
         trace_cycle(PRE, Message("ep", wire.SlotGrant(room=7, decode_rank=DEC, chunk=4, slot=1), 2.6),
                     [Send(("ep",), landed)])  # a "failed" answer to a grant: no write, no handle
     assert [r.getMessage() for r in caplog.records] == [
         f"trace room=7 rank={PRE} @2.500000 cycle landed-out chunk=3 slot=2 cp=1 write=41",
+        f"trace room=7 rank={PRE} @2.500000 cycle landed-out chunk=5 slot=0 cp=1",
         f"trace room=7 rank={PRE} @2.600000 cycle grant-in chunk=4 slot=1 cp=-1",
         f"trace room=7 rank={PRE} @2.600000 cycle landed-out chunk=3 slot=2 cp=1"]
 

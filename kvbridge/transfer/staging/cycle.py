@@ -10,10 +10,10 @@ for every process of a host):
 steps: ``ask-out`` / ``ask-in`` (SlotRequest), ``grant-out`` / ``grant-in`` (SlotGrant),
 ``landed-out`` / ``landed-in`` (ChunkLanded: prefill saw its write final / decode read it),
 ``scatter`` (decode started the slot's copy), ``scattered`` (it completed; the slot's credit goes
-back). A ``landed-out`` fed by the engine's completion of the chunk's write ends with ``write=H``,
-the engine's handle, which the engine's own trace lines and prefill's ``chunk .. at`` line carry
-too (``staged_cycle.py`` splits prefill's post and write by it). The words avoid what
-``kvbridge.bench.trace`` matches, so its hop table is unchanged.
+back). A ``landed-out`` of a chunk that landed (fed by the engine's completion of its write) ends
+with ``write=H``, the engine's handle, which the engine's own trace lines and prefill's ``chunk ..
+at`` line carry too (``staged_cycle.py`` splits prefill's post and write by it). The words avoid
+what ``kvbridge.bench.trace`` matches, so its hop table is unchanged.
 Sans-I/O: the lines are logged, nothing else.
 """
 
@@ -53,7 +53,9 @@ def trace_cycle(rank: str, event: Any, actions: Any) -> None:
         msg = getattr(a, "msg", None)
         step = _STEPS.get(type(msg))
         if step is not None:
-            handle = getattr(event, "handle", None) if step == "landed" else None  # (a write's completion)
+            # the write's handle on a chunk that landed: fed by that write's completion (a "failed" answer
+            # to another chunk's grant, sent in the same feed, names no write)
+            handle = getattr(event, "handle", None) if step == "landed" and msg.status == "ok" else None
             _line(rank, now, f"{step}-out", msg.room, msg.chunk, getattr(msg, "slot", -1), getattr(msg, "cp_rank", -1),
                   handle)
         elif type(a).__name__ == "Scatter":
