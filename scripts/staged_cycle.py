@@ -126,7 +126,9 @@ ROOM_STEPS = ("request at prefill", "first SlotRequest", "last landing read", "l
 def post_split(logs: dict[str, list[str]], rooms: set[int]) -> dict[str, list[float]]:
     """Prefill's "post + write" of each chunk of ``rooms``, split (ms): ``logs`` maps each prefill
     process's log to its lines (engine handles are per process). A chunk counts once all of its
-    lines are found (its write's ``landed-out``, grant, ``chunk .. at`` line and engine lines)."""
+    lines are found (its write's ``landed-out``, grant, ``chunk .. at`` line and engine lines). A
+    grant that came ahead of its chunk's gather slot (credits beyond one per gather slot) counts
+    from its arrival: ``grant -> submitted`` then holds the wait for the gather slot too."""
     out: dict[str, list[float]] = {s: [] for s in POST_STEPS}
     for lines in logs.values():
         grant: dict[tuple[int, int], float] = {}  # (room, chunk): one process is one CP rank (a grant names none)
