@@ -44,3 +44,18 @@ def test_a_frozen_prefill_loop_blames_no_peer_for_its_own_gap(m):  # noqa: F811
     assert t.failure is None
     ticks(m, 14.5, 15.0, 0.5)  # 5.5 s of real silence
     assert t.failure is not None and "sent nothing" in t.failure
+
+
+def test_a_frozen_prefill_loop_does_not_fail_a_room_nobody_could_ask_for_meanwhile(m):  # noqa: F811
+    """target_timeout (60 s here) counts again from the end of the loop's own gap: a CI run failed a
+    room "no decode ranks asked for room 1 within 2.0s" after both endpoints' loops in one process
+    had not run for 3.6 s, before decode's request could be sent."""
+    r = m.open(41, 1.0)
+    m.engine_init(r, 7, None, 1.0)
+    m.feed(Tick(1.0))
+    m.feed(Tick(50.0))  # the loop did not run for 49 s
+    ticks(m, 50.5, 109.5, 0.5)  # 108.5 s after the room opened, 59.5 s after the gap
+    assert r.state.state == KVPoll.Bootstrapping
+    ticks(m, 110.5, 111.0, 0.5)
+    assert r.state.state == KVPoll.Failed and "no decode ranks asked for room 41 within 60.0s" in r.state.reason
+

@@ -700,6 +700,10 @@ class PrefillRooms:
                 # meanwhile is read before any deadline is looked at again
                 for ident, heard in self.peers.heard.items():
                     self.peers.heard[ident] = max(heard, now)
+                # nor is a room's decode rank blamed for not asking yet: its request may be unread here,
+                # or not sent (a loaded host starves it too): target_timeout counts again from now
+                for r in self.rooms.values():
+                    r.asked_since = max(r.asked_since, now)
                 log.warning("prefill rank %s: its loop did not run for %.1fs (a starved process?): no peer blamed",
                             self.cfg.rank_label, gap)
             else:
@@ -712,7 +716,7 @@ class PrefillRooms:
         for r in list(self.rooms.values()):
             if r.state.final:
                 continue
-            if r.state.state == KVPoll.Bootstrapping and now - r.created > self.cfg.target_timeout:
+            if r.state.state == KVPoll.Bootstrapping and now - r.asked_since > self.cfg.target_timeout:
                 asked = f"only {len(r.targets)} of {r.num_expected_targets}" if r.targets else "no"
                 self.fail_room(r, f"{asked} decode ranks asked for room {r.room} within {self.cfg.target_timeout:.1f}s",
                                now)

@@ -123,6 +123,7 @@ class PrefillRoom:
         self.pending_replies: list[tuple[bytes, Any]] = []  # failure reports and acks waiting for the room to be quiet
         self.num_expected_targets: int | None = None
         self.created = now
+        self.asked_since = now  # target_timeout counts from here (a loop that did not run restarts it)
         self.first_post: float | None = None  # monotonic time of the first write posted (transfer timing)
         self.num_slices = 0  # posted for this room, all targets
         self.num_bytes = 0
