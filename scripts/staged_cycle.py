@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbridge.bench.trace import parse
+
 _LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(-?\d+) slot=(-?\d+) cp=(-?\d+)")
 _CP = re.compile(r"/cp(\d+)/")
 SPLIT_PARTS = ("turn", "machine", "landed", "trace_cycle", "log", "carry", "scatter", "ranges", "launch", "plan",
@@ -115,11 +117,8 @@ def cycle_steps(lines: list[str], rooms: set[int], chunks: list[dict] | None = N
 
 _CHUNK_AT = re.compile(r"trace room=(\d+) rank=\S+ \+[\d.]+ms @(\d+\.\d+) -> \S+ chunk \d+ at \S+ .*write=(\d+)")
 _ENGINE = re.compile(r"trace engine=(?:ipc|mooncake) write=(\d+) batch=\d+ (->|done|failed) .*@(\d+\.\d+)")
-_LANDED_OUT = re.compile(r"trace room=(\d+) rank=\S+ @(\d+\.\d+) cycle landed-out chunk=(-?\d+) slot=-?\d+ "
-                         r"cp=-?\d+ write=(\d+)")
-_GRANT_IN = re.compile(r"trace room=(\d+) rank=\S+ @(\d+\.\d+) cycle grant-in chunk=(-?\d+)")
+_WRITE = re.compile(r" write=(\d+)\s*$")  # the write's handle, ending a landed-out cycle line (staging/cycle.py)
 POST_STEPS = ("grant -> submitted", "grant -> engine post", "engine post -> done", "done -> landed out")
-_ROOM_EVENT = re.compile(r"trace room=(\d+) rank=(\S+) (?:\+[\d.]+ms )?@(\d+\.\d+) (.*)")
 ROOM_STEPS = ("request at prefill", "first SlotRequest", "last landing read", "last scatter done", "committed")
 
 
@@ -143,10 +142,11 @@ def post_split(logs: dict[str, list[str]], rooms: set[int]) -> dict[str, list[fl
                     posted.setdefault(h, t)  # its first batch
                 else:
                     done[h] = max(done.get(h, t), t)  # its last
-            elif (m := _LANDED_OUT.search(line)) is not None:
-                landed.append((int(m[1]), int(m[3]), int(m[4]), float(m[2])))
-            elif (m := _GRANT_IN.search(line)) is not None:
-                grant[(int(m[1]), int(m[3]))] = float(m[2])
+            elif (m := _LINE.search(line)) is not None:  # (room, rank, at, step, chunk, slot, cp)
+                if m[4] == "grant-in":
+                    grant[(int(m[1]), int(m[5]))] = float(m[3])
+                elif m[4] == "landed-out" and (w := _WRITE.search(line)) is not None:
+                    landed.append((int(m[1]), int(m[5]), int(w[1]), float(m[3])))
             elif (m := _CHUNK_AT.search(line)) is not None:
                 submitted[int(m[3])] = float(m[2])
         for room, chunk, h, t_out in landed:
@@ -162,29 +162,25 @@ def post_split(logs: dict[str, list[str]], rooms: set[int]) -> dict[str, list[fl
 def room_steps(lines: list[str], rooms: set[int]) -> dict[str, list[float]]:
     """Each room of ``rooms``: ms from decode's request to the request's arrival at the first prefill
     rank, the first SlotRequest sent, the last ChunkLanded read, the last scatter complete and the commit."""
-    first: dict[tuple[int, str], float] = {}
-    last: dict[tuple[int, str], float] = {}
+    events = parse(lines)  # decode's request, each rank's request read, the commit (kvbridge.bench.trace)
+    cycle: dict[tuple[int, str], list[float]] = defaultdict(list)  # (room, cycle step) -> times
     for line in lines:
-        m = _ROOM_EVENT.search(line)
-        if m is None or int(m[1]) not in rooms:
-            continue
-        room, t, what = int(m[1]), float(m[3]), m[4]
-        key = ("requested" if what.startswith("requested from") else "request at prefill" if " request from " in f" {what}"
-               else "first SlotRequest" if what.startswith("cycle ask-out") else "last landing read"
-               if what.startswith("cycle landed-in") else "last scatter done" if what.startswith("cycle scattered")
-               else "committed" if what.startswith("committed") else None)
-        if key is not None:
-            first[(room, key)] = min(first.get((room, key), t), t)
-            last[(room, key)] = max(last.get((room, key), t), t)
+        m = _LINE.search(line)
+        if m is not None and int(m[1]) in rooms:
+            cycle[(int(m[1]), m[4])].append(float(m[3]))
     out: dict[str, list[float]] = {s: [] for s in ROOM_STEPS}
     for room in rooms:
-        t0 = first.get((room, "requested"))
-        if t0 is None:
+        ev = events.get(room, {})
+        if not ev.get("requested"):
             continue
-        for name in ROOM_STEPS:
-            t = (first if name in ("request at prefill", "first SlotRequest") else last).get((room, name))
-            if t is not None:
-                out[name].append((t - t0) * 1e3)
+        t0 = min(ev["requested"])
+        for name, times, pick in (("request at prefill", ev.get("received"), min),
+                                  ("first SlotRequest", cycle.get((room, "ask-out")), min),
+                                  ("last landing read", cycle.get((room, "landed-in")), max),
+                                  ("last scatter done", cycle.get((room, "scattered")), max),
+                                  ("committed", ev.get("committed"), max)):
+            if times:
+                out[name].append((pick(times) - t0) * 1e3)
     return out
 
 
