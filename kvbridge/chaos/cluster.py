@@ -139,14 +139,13 @@ class ChaosCluster:
             m.argv = _with_flag(m.argv, "--bootstrap", self.url)
 
     def start_replica(self, i: int, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """Replica ``i`` on the etcd cluster, on the port it had before or a free one."""
+        """Replica ``i`` on the etcd cluster, on the port it had before or a free private one."""
         assert self.etcd is not None
         m = self.replicas[i]
         m.starts += 1
         self.replica_ports[i] = self.replica_ports[i] or private_ports(1, HOST)[0]
         extra = ["--store", self.etcd.store_url, "--replica-name", m.name, "--port", str(self.replica_ports[i])]
-        url = spawn_bootstrap(self.group, timeout, extra)
-        self.replica_ports[i] = int(url.rsplit(":", 1)[1])
+        spawn_bootstrap(self.group, timeout, extra)  # (on that port: its URL is self.urls[i])
         m.proc = self.group.procs[-1]
         self.url = self.urls[0]
         for w in self.workers:
