@@ -362,3 +362,71 @@ def test_a_room_planned_group_by_group_lands_byte_exact(cluster, monkeypatch, cp
     assert all(set(s.stats["paths"].values()) == {"staged"} for s in senders)
     assert sum(ep.machine.counters["rooms_ok"] for ep in c.prefill) == cp
     assert sum(ep.machine.stage.counters["staged_writes"] for ep in c.prefill) >= 16 // 2, "it went in groups"
+
+
+@pytest.mark.parametrize("cp", [1, 2])  # CP 1: every chunk beyond the gather slots asks ahead (its grant may come first)
+def test_a_chunks_gather_waits_for_its_slot_request_and_comes_before_its_post(cluster, cp):
+    """Real endpoints, a room streaming through both areas: each prefill rank sends a chunk's
+    SlotRequest before it gathers that chunk (the gather's host work waits for the turn's end,
+    behind the messages of the feed that gave the chunk its gather slot), and gathers each chunk
+    before it posts the chunk's write (at CP 1 grants come ahead of the gather slot, and the
+    chunk is gathered and written in one feed). The room lands byte for byte."""
+    c = staged_cluster(cluster, cp=cp)
+    seen: list[tuple[int, str]] = []  # (rank, what), in the order it happened on any thread
+    for rank, ep in enumerate(c.prefill):
+        stager, reply, submit = ep.gather.stager, ep._reply, ep.engine.submit_write
+        lo, hi = ep.gather.base, ep.gather.base + ep.gather.nbytes
+
+        def gather(staged, chunk, addr, _rank=rank, _gather=stager.gather):
+            seen.append((_rank, "gather"))
+            return _gather(staged, chunk, addr)
+
+        def sent(ident, msg, _rank=rank, _reply=reply):
+            if type(msg) is wire.SlotRequest:
+                seen.append((_rank, "ask"))
+            _reply(ident, msg)
+
+        def post(session, src, dst, length, *, after=None, _rank=rank, _submit=submit, _lo=lo, _hi=hi):
+            if len(src) and _lo <= int(np.min(src)) < _hi:  # a staged chunk's write: from a gather slot
+                seen.append((_rank, "post"))
+            return _submit(session, src, dst, length, after=after)
+
+        stager.gather, ep._reply, ep.engine.submit_write = gather, sent, post
+    n = 64
+    rng = np.random.default_rng(7 + cp)
+    pages = rng.permutation(64)[: -(-n // PAGE)]
+    r = c.decode.receiver(9, f"{c.name}-p")
+    r.init(pages, 1, n)
+    senders = send_random(c, 9, n, rng)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(9, n, pages)
+    for rank, s in enumerate(senders):
+        order = [what for who, what in seen if who == rank]
+        at = {what: [i for i, w in enumerate(order) if w == what] for what in ("ask", "gather", "post")}
+        assert len(at["ask"]) == len(at["gather"]) == len(at["post"]) == s.stats["chunks"] > 2, order
+        assert all(a < g < p for a, g, p in zip(at["ask"], at["gather"], at["post"])), order
+    if cp == 1:
+        assert c.prefill[0].machine.stage.counters["grants_ahead_used"] > 0, "no grant came ahead of its gather slot"
+
+
+def test_a_gather_kept_for_the_turns_end_is_replaced_by_a_newer_one_of_its_slot(cluster):
+    """A Gather not yet carried out whose slot was freed and taken again (its write settled without
+    a post) is dropped for the newer one: the slot is gathered once, for the chunk that holds it.
+    Kept from another thread than the loop's, it wakes the loop."""
+    from kvbridge.transfer.prefill.staged import Gather
+
+    c = staged_cluster(cluster, cp=1)
+    ep = c.prefill[0]
+    gathered: list[tuple[int, int]] = []
+    ep.gather.stager.gather = lambda staged, chunk, addr: gathered.append((chunk, addr))
+    wakes = []
+    wake = ep._wake
+    ep._wake = lambda: (wakes.append(1), wake())
+    with ep._lock:
+        ep._defer_gather(Gather(1, 70, 0, None, 1, None))
+        ep._defer_gather(Gather(1, 70, 1, None, 0, None))
+        ep._defer_gather(Gather(2, 71, 5, None, 1, None))  # slot 1 again: chunk 0's gather is dropped
+        ep._gather_deferred()
+    assert gathered == [(1, ep.gather.slot_addr(0)), (5, ep.gather.slot_addr(1))]
+    assert len(wakes) == 3 and not ep._deferred
