@@ -157,7 +157,7 @@ def test_a_silent_stage_times_the_room_out_naming_it():
     for c, pages in ((0, [0, 2]), (1, [1])):
         m.message(endpoint(c, 1), done(7, c, ["draft", "index", "target"], pages, aux=c == 0), 2.0)
     assert r.state.state == KVPoll.Transferring
-    m.tick(7.0)
+    m.running(2.0, 7.0)
     assert r.state.state == KVPoll.Failed
     assert "target@pp0" in r.state.reason and "from pipeline stage(s) pp0" in r.state.reason, r.state.reason
 

@@ -160,7 +160,7 @@ def test_an_unreachable_daemon_uses_the_last_answer_or_asks_again(m):
     (again,) = of(m.tick(1.3), LookUp)
     m.looked_up(1, again.key, None, InstanceIncomplete("cp1 missing"), 1.3)
     assert r.state.state == KVPoll.Bootstrapping and "cp1 missing" in r.lookup_problem
-    m.tick(40.0)  # past the bootstrap timeout: the last answer is in the reason
+    m.running(1.3, 40.0, heard=False)  # past the bootstrap timeout: the last answer is in the reason
     assert r.state.state == KVPoll.Failed and "bootstrap timeout" in r.state.reason and "cp1 missing" in r.state.reason
 
 
@@ -169,9 +169,9 @@ def test_a_look_up_still_unanswered_at_the_bootstrap_timeout_names_the_daemon_an
     m.machine.daemon = "bootstrap daemon at http://127.0.0.1:9"
     r = m.open(1, INSTANCE, None, 1.0)
     (ask,) = of(m.tick(1.0), LookUp)
-    m.tick(40.0)
+    m.running(1.0, 40.0, heard=False)  # the turn at 32.0 is past bootstrap_timeout (30)
     assert r.state.state == KVPoll.Failed and "bootstrap timeout" in r.state.reason
-    assert "no answer yet from bootstrap daemon at http://127.0.0.1:9 to the look-up asked 39.0s ago" in r.state.reason
+    assert "no answer yet from bootstrap daemon at http://127.0.0.1:9 to the look-up asked 31.0s ago" in r.state.reason
     # the answer that comes after the room ended changes nothing and frees the group's look-up
     m.looked_up(1, ask.key, None, BootstrapUnavailable("daemon down"), 40.5)
     assert r.state.state == KVPoll.Failed and ask.key not in m.topologies.in_flight
@@ -182,8 +182,8 @@ def test_a_second_look_up_unanswered_keeps_the_answer_before_it_in_the_reason(m)
     (ask,) = of(m.tick(1.0), LookUp)
     m.looked_up(1, ask.key, None, InstanceIncomplete("cp1 missing"), 1.0)
     (again,) = of(m.tick(1.2), LookUp)
-    m.tick(40.0)
-    assert "no answer yet from the bootstrap daemon to the look-up asked 38.8s ago" in r.state.reason
+    m.running(1.2, 40.0, heard=False)  # the turn at 31.2 is past bootstrap_timeout (30)
+    assert "no answer yet from the bootstrap daemon to the look-up asked 30.0s ago" in r.state.reason
     assert "last answer before it: cp1 missing" in r.state.reason
 
 
@@ -360,15 +360,34 @@ def test_init_after_a_failure_asks_nothing(m):
     assert m.init(r, np.array([0, 1, 2]), 0, 10, 0, 1.2) == ()
 
 
+
+
 def test_timeouts_fail_rooms_in_each_state(m):
     waiting = booted(m, 1, now=1.0)
     moving = requested(m, 2, now=1.0)
-    m.tick(62.0)  # waiting_timeout 60
+    m.running(1.0, 62.0)  # waiting_timeout 60
     assert "waiting timeout" in waiting.state.reason and moving.state.state == KVPoll.Transferring
-    m.message("tcp://p0", wire.Heartbeat(cp_rank=0, seq=1), 100.0)
-    m.message("tcp://p1", wire.Heartbeat(cp_rank=1, seq=1), 100.0)
-    m.tick(102.0)  # transfer_timeout 100
+    m.running(62.0, 102.0)  # transfer_timeout 100
     assert "transfer timeout" in moving.state.reason and "missing" in moving.state.reason
+
+
+def test_a_frozen_loop_counts_its_gap_toward_no_rooms_deadline(m):
+    """A loop that did not run for a while (a starved process) spares each room the gap: its
+    state's deadline counts only the seconds the loop ran, however many gaps (each state its own)."""
+    waiting = booted(m, 1, now=1.0)
+    moving = requested(m, 2, now=1.0)
+    m.running(1.0, 40.0)
+    m.tick(70.0)  # 30 s not run: both rooms spared them
+    assert waiting.state.state == KVPoll.WaitingForInput and moving.state.state == KVPoll.Transferring
+    m.running(70.0, 85.0)  # waiting: 39 + 15 s run, within waiting_timeout 60
+    assert waiting.state.state == KVPoll.WaitingForInput
+    m.running(85.0, 92.0)  # 61 s run: it failed
+    assert waiting.state.state == KVPoll.Failed and "waiting timeout" in waiting.state.reason
+    m.tick(120.0)  # another gap, 28 s: the transferring room has run 61 s of its 100
+    m.running(120.0, 158.0)  # 99 s run
+    assert moving.state.state == KVPoll.Transferring
+    m.running(158.0, 160.0)
+    assert moving.state.state == KVPoll.Failed and "transfer timeout" in moving.state.reason
 
 
 def test_the_token_count_can_come_with_the_aux_row(m):

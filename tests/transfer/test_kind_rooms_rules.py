@@ -313,7 +313,7 @@ def test_decode_checks_the_engines_kind_units(m):
 def test_a_timed_out_room_names_the_kind_units_it_misses(m):
     r = requested(m)
     m.message("tcp://p0", done(7, {"swa": [4]}, False), 2.0)
-    m.tick(200.0)
+    m.running(2.0, 200.0)
     assert r.state.state == KVPoll.Failed and "'swa': [5]" in r.state.reason and "mamba_conv" in r.state.reason
 
 

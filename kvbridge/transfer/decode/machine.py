@@ -13,7 +13,7 @@ digests to read back, and where they differ): ``commit_digests.py``.
 
 Between scans (every ``SCAN_S``) only the rooms something happened to are advanced:
 O(events), not O(rooms). A loop that was itself frozen blames no peer for the silence
-it did not listen to (``tick``).
+it did not listen to, and counts the gap toward no room's deadline (``tick``).
 """
 
 from __future__ import annotations
@@ -619,8 +619,14 @@ class DecodeRooms:
             return
         if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
             # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
-            # listened to nothing, so no peer is blamed for the gap
+            # listened to nothing, so no peer is blamed for the gap; nor does the gap count toward a
+            # room's deadline (what its peers sent meanwhile is unread, its engine starved too)
+            gap = now - self.last_scan
             self.peers.loop_was_frozen(now)
+            for r in self.rooms.values():
+                r.spare(gap)
+            log.warning("decode rank %s: its loop did not run for %.1fs (a starved process?): no peer blamed, the "
+                        "rooms' deadlines spared that long", self.cfg.rank_label, gap)
         self.last_scan = now
         self.next_scan = now + SCAN_S
         self.dirty.clear()
@@ -652,7 +658,7 @@ class DecodeRooms:
     def _advance(self, r: DecodeRoom, now: float) -> None:
         st = r.state.state
         if st == KVPoll.Bootstrapping:
-            if r.state.since(now) > self.cfg.bootstrap_timeout:
+            if r.waited(now) > self.cfg.bootstrap_timeout:
                 self.fail(r, f"no prefill topology for instance {r.prefill_instance!r} within "
                              f"{self.cfg.bootstrap_timeout:.1f}s (bootstrap timeout)" + self._lookup_state(r, now), now)
             elif not r.lookup_pending and now >= r.next_lookup:
@@ -671,9 +677,9 @@ class DecodeRooms:
                 self._request(r, now)
             elif r.release_reason is not None:
                 self._send_release(r, now)
-            elif r.state.since(now) > self.cfg.waiting_timeout:
+            elif r.waited(now) > self.cfg.waiting_timeout:
                 self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
-        elif st == KVPoll.Transferring and r.state.since(now) > self.cfg.transfer_timeout:
+        elif st == KVPoll.Transferring and r.waited(now) > self.cfg.transfer_timeout:
             stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
                          f"missing {r.ledger.missing()}{'' if r.ledger.aux_done else ' and the aux row'}"

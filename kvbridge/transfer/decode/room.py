@@ -298,10 +298,22 @@ class DecodeRoom:
         self.bytes_expected = 0
         self.staged_only = False  # every page arrives through staging: its pages free at once on failure
         self.scatters = 0  # scatters out of staging slots into its pages started, not yet completed
+        self.spared: tuple[KVPoll | None, float] = (None, 0.0)  # (state, seconds of it the loop did not run)
         self.commit_reading = False  # its aux row (and digests) are being read for the commit (ReadForCommit)
         self.inline_row: Any = None  # the aux row as its report carried it (checked; written at the commit)
         self.row_writing = False  # that row is being written into its slot ahead of the commit (WriteAuxRow)
         self.row_written: float | None = None  # it is there: the seconds its write took
+
+    def spare(self, gap: float) -> None:
+        """This rank's loop did not run for ``gap`` seconds (a starved process): they do not count
+        toward the deadline of the room's current state (``waited``)."""
+        state, before = self.spared
+        self.spared = (self.state.state, gap + (before if state == self.state.state else 0.0))
+
+    def waited(self, now: float) -> float:
+        """Seconds in the current state that count toward its deadline: those its loop ran."""
+        state, gap = self.spared
+        return self.state.since(now) - (gap if state == self.state.state else 0.0)
 
     def mark_bootstrapped(self) -> None:
         """The topology is known or the room failed (endpoint lock held)."""
