@@ -37,43 +37,26 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from split_timers import Timers  # noqa: E402 (beside this file, which is loaded by path)
+
 P = time.perf_counter
 
 
-class _Split:
+class _Split(Timers):
+    """The timers (``owner``: decode's loop thread, set by its ``_step``) and what one landing's turn records."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.records: list[dict[str, Any]] = []
-        self.stack: list[list[Any]] = []  # [name, start, inner] of the open timers
-        self.cur: dict[str, Any] | None = None  # the landing being fed
-        self.thread = 0
         self.last: dict[str, Any] | None = None  # the last landing, waiting for its next feed
         self.recv: tuple[float, int] | None = None  # (duration, frames) of the last recv_ready
         self.decode_l: list[float] = []  # its ChunkLanded frames' decode times, in order (taken by their turns)
-
-    def timed(self, name: str, fn: Any) -> Any:
-        split = self
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if split.cur is None or threading.get_ident() != split.thread:
-                return fn(*args, **kwargs)
-            frame = [name, P(), 0.0]
-            split.stack.append(frame)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                split.stack.pop()
-                took = P() - frame[1]
-                parts = split.cur["parts"]
-                parts[name] = parts.get(name, 0.0) + took - frame[2]
-                if split.stack:
-                    split.stack[-1][2] += took
-
-        wrapper.__wrapped__ = fn
-        return wrapper
 
 
 SPLIT = _Split()
@@ -94,7 +77,7 @@ def install() -> None:
     feed_event = ep.DecodeEndpoint._feed_event
 
     def _feed_event(self: Any, event: Any) -> None:
-        if threading.get_ident() != s.thread and s.thread:
+        if threading.get_ident() != s.owner and s.owner:
             return feed_event(self, event)
         start = P()
         last = s.last
@@ -137,7 +120,7 @@ def install() -> None:
     step = ep.DecodeEndpoint._step
 
     def _step(self: Any) -> None:
-        s.thread = threading.get_ident()
+        s.owner = threading.get_ident()
         step(self)
 
     ep.DecodeEndpoint._step = _step
@@ -153,7 +136,7 @@ def install() -> None:
         return out
 
     def _recv_ready(self: Any, timeout_ms: int) -> Any:
-        if threading.get_ident() != s.thread:
+        if threading.get_ident() != s.owner:
             return recv_ready(self, timeout_ms)
         s.decode_l = []
         t = P()
@@ -187,16 +170,7 @@ def install() -> None:
         slicecopy.plan_pieces = s.timed("plan", slicecopy.plan_pieces)
         _cuda.Cuda.memcpy_async = s.timed("upload", _cuda.Cuda.memcpy_async)
         _cuda.Cuda.event_record = s.timed("ev_record", _cuda.Cuda.event_record)
-        kernel = slicecopy._kernel
-
-        class _Launch:
-            def __init__(self, k: Any) -> None:
-                self.k = k
-
-            def __getitem__(self, grid: Any) -> Any:
-                return s.timed("kernel", self.k[grid])
-
-        slicecopy._kernel = lambda: _Launch(kernel())
+        s.time_kernel(slicecopy)
 
     folder = os.environ["KVBRIDGE_SPLIT_DIR"]
 

@@ -33,7 +33,12 @@ last scatter complete, the commit.
 ``--split``: decode's turn for each landed chunk of those rooms split into its parts (the frame's read,
 the machine's checks, the scatter's launch and its CUDA calls, the trace lines), timed in the decode
 rank by ``scripts/decode_split.py`` (wrapped in through ``scripts/split_hook/sitecustomize.py``; the
-library is untouched). ``--untraced``: the same without ``KVBRIDGE_TRACE`` (no cycle table).
+library is untouched); then prefill's turns of those rooms split the same way, timed in each prefill
+rank by ``scripts/prefill_split.py``: per kind of turn (``grant``: the SlotGrant's feed, its chunk's
+wire pieces and post; ``final``: a staged write's completion, ChunkLanded sent and the next Gather;
+``gather``: Gathers deferred out of a completion, where the tree defers them), the count and on which
+thread, the wait before the feed and each part's p50 and mean. ``--untraced``: the same without
+``KVBRIDGE_TRACE`` (no cycle table).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/staged_cycle.py [--tokens 8192] [--layers 61] [--slot-kib 8192]
         [--gather-slots 2] [--decode-slots 4] [--reps 3] [--cp 2] [--device cuda:0] [--engine ipc] [--json out.json]
@@ -49,6 +54,7 @@ import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +64,11 @@ _LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(
 _CP = re.compile(r"/cp(\d+)/")
 SPLIT_PARTS = ("turn", "machine", "landed", "trace_cycle", "log", "carry", "scatter", "ranges", "launch", "plan",
                "table", "upload", "ev_record", "kernel", "record", "host_copy")
+PREFILL_KINDS = ("grant", "final", "gather", "final_direct")  # scripts/prefill_split.py's turns
+PREFILL_PARTS = ("turn", "machine", "trace_cycle", "log", "reply", "scatter_list", "wire", "post_chunk", "submit",
+                 "check", "translate", "post", "launch", "wait_for", "copier_launch", "plan", "table", "memcpy",
+                 "ev_record", "kernel", "record", "gather", "gather_list", "stager_gather", "hold", "host_copy",
+                 "deferred")
 STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", "scatter", "credit back",
          "gather slot")
 
@@ -207,10 +218,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
     ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
-    ap.add_argument("--split", action="store_true", help="time the parts of decode's turn for each landed chunk")
+    ap.add_argument("--split", action="store_true",
+                    help="time the parts of decode's turn for each landed chunk, and of prefill's turns for each "
+                         "grant, staged write's completion and deferred gather")
     ap.add_argument("--untraced", action="store_true",
                     help="with --split: the trace off (no cycle table; the turn as it runs without the trace's lines)")
-    ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here")
+    ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here (with "
+                    "--split: decode's records, \"split\", and prefill's, \"prefill_split\")")
     args = ap.parse_args()
 
     from kvbridge.bench.sweep import BenchSpec, run_sweep
@@ -259,11 +273,13 @@ def main() -> None:
     room = room_steps(lines, rooms)
     print_steps("each staged room, ms after decode's request:", ROOM_STEPS, room, "rooms")
     split = split_table(split_dir, rooms) if args.split else []
+    prefill_split = prefill_table(split_dir, rooms) if args.split else []
     print(f"trace logs: {folder}")
     if args.json:
         keep = {k: v for k, v in row.items() if isinstance(v, (int, float, str, type(None)))}
         Path(args.json).write_text(json.dumps({"args": vars(args), "row": keep, "steps": steps, "chunks": chunks,
-                                               "post": posts, "room": room, "split": split}) + "\n")
+                                               "post": posts, "room": room, "split": split,
+                                               "prefill_split": prefill_split}) + "\n")
 
 
 def split_table(folder: Path, rooms: set[int]) -> list[dict]:
@@ -301,6 +317,46 @@ def split_table(folder: Path, rooms: set[int]) -> list[dict]:
         for name in sorted({k for r in nxt for k in r if k.startswith("between_")}):
             row(f"  {name[8:]}", [r.get(name, 0.0) for r in nxt], "recv_ready calls" if name == "between_recv" else
                 "feeds of this event")
+    return recs
+
+
+def prefill_table(folder: Path, rooms: set[int]) -> list[dict]:
+    """Print prefill's turns, split (``scripts/prefill_split.py``'s records of ``rooms``, every
+    prefill rank's), one column pair per kind of turn: p50 and mean ms of each part, of the whole
+    turn and of the wait before it; returns the records."""
+    recs = [r for p in sorted(folder.glob("prefill-*.json")) for r in json.loads(p.read_text()) if r["room"] in rooms]
+    if not recs:
+        print("prefill's turns, split: no turn recorded")
+        return recs
+    by_kind = {k: [r for r in recs if r["kind"] == k] for k in PREFILL_KINDS}
+    kinds = [k for k in PREFILL_KINDS if by_kind[k]]
+
+    def threads(rs: list[dict]) -> str:
+        return ", ".join(f"{t} {n}" for t in ("loop", "other") if (n := sum(r["thread"] == t for r in rs)))
+
+    print("prefill's turns, split: " + "; ".join(
+        f"{k} {len(by_kind[k])} ({threads(by_kind[k])}, gathers p50 "
+        f"{np.median([r.get('gathers', 0) for r in by_kind[k]]):.0f})" for k in kinds))
+    print(f"{'part (exclusive)':<22} " + " ".join(f"{k + ' p50':>13} {'mean':>8}" for k in kinds))
+
+    def row(name: str, get: Any) -> None:
+        cells = []
+        for k in kinds:
+            ms = np.array([v for r in by_kind[k] if (v := get(r)) is not None], dtype=float) * 1e3
+            cells.append(f"{np.median(ms):>13.3f} {ms.mean():>8.3f}" if ms.size else f"{'-':>13} {'-':>8}")
+        print(f"{name:<22} " + " ".join(cells))
+
+    for name in PREFILL_PARTS:
+        if any(r["parts"].get(name) for r in recs):
+            row(name, lambda r, name=name: r["parts"].get(name, 0.0))
+    row("= turn (whole feed)", lambda r: r["turn"])
+    if any("wait" in r for r in recs):
+        row("wait before the feed", lambda r: r.get("wait"))
+        print("  (grant: recv_ready returned its batch -> the feed; final: the engine counted the write final -> "
+              "the feed)")
+    grants = [r["frames"] for r in by_kind["grant"] if "frames" in r]
+    if grants:
+        print(f"{'  frames per recv':<22} {np.median(grants):>13.0f}  (the grant's batch)")
     return recs
 
 

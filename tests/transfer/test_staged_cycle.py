@@ -74,7 +74,7 @@ def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_l
     inner = s.timed("inner", lambda: time.sleep(0.002))
     outer = s.timed("outer", lambda: (time.sleep(0.003), inner()))
     outer()  # no landing being fed: nothing counted
-    s.thread, s.cur = threading.get_ident(), {"parts": {}}
+    s.owner, s.cur = threading.get_ident(), {"parts": {}}
     s.stack = [["turn", time.perf_counter(), 0.0]]
     outer()
     parts = s.cur["parts"]
@@ -137,3 +137,147 @@ def test_each_staged_rooms_steps_run_from_decodes_request():
     assert {k: [round(x, 3) for x in v] for k, v in steps.items()} == {
         "request at prefill": [0.4], "first SlotRequest": [1.0], "last landing read": [5.0],
         "last scatter done": [6.0], "committed": [7.0]}
+
+
+def _prefill_split():
+    spec = importlib.util.spec_from_file_location("prefill_split", SCRIPT.parent / "prefill_split.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prefills_turns_are_split_into_exclusive_parts_counted_only_inside_a_turn_on_its_thread():
+    """scripts/prefill_split.py's wrappers around fakes: a grant's feed and a staged write's
+    completion are turns (room and wire chunk from the machine's books, the waits before them), a
+    direct write's completion is marked, other messages are not turns; the parts are exclusive and sum
+    to the turn; a timer on another thread, or outside a turn, counts nothing."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from kvbridge.transfer.prefill.events import Message as Msg, WriteFinal
+
+    mod = _prefill_split()
+    s = mod._Split()
+    s.message, s.grant, s.write_final = Msg, wire.SlotGrant, WriteFinal
+    s.loop = threading.get_ident()
+    s.jobs = object()
+    wire_t = s.timed("wire", lambda: time.sleep(0.002))
+    submit = s.timed("submit", lambda: (time.sleep(0.003), wire_t()))
+    reply = s.timed("reply", lambda: time.sleep(0.001))
+    submit()  # no turn: nothing counted, nothing recorded
+    assert s.records == [] and s.cur is None
+
+    def feed(endpoint, event):
+        if type(getattr(event, "msg", None)) is wire.SlotRequest:  # (not a turn; fed inside one: part of it)
+            submit()
+            return
+        submit()
+        other = threading.Thread(target=reply)  # another thread meanwhile: not this turn's
+        other.start()
+        other.join()
+        wrapped(endpoint, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9), None, 0.0))  # nested
+
+    wrapped = s.feed_wrapper(feed)
+    staged = SimpleNamespace(room=7, first_chunk=10, posted={41: 2})
+    by_write = {6: (SimpleNamespace(room=8), None)}  # write id -> (its room, its target)
+    books = SimpleNamespace(writes=SimpleNamespace(handles={41: 5, 42: 6}, by_write=by_write),
+                            stage=SimpleNamespace(writes={5: staged}))
+    ep = SimpleNamespace(machine=books)
+    s.recv = (time.perf_counter(), 3)
+    wrapped(ep, Msg(b"x", wire.SlotGrant(room=7, decode_rank=DEC, chunk=12, slot=1), None, 1.0))
+    wrapped(ep, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9), None, 1.1))  # not a turn
+    s.final_at[41] = time.perf_counter()
+    done = threading.Thread(target=wrapped, args=(ep, WriteFinal(41, None, 2.0)))  # collected on the engine's thread
+    done.start()
+    done.join()
+    wrapped(ep, WriteFinal(42, None, 3.0))  # a direct write's completion, on the loop
+    assert [(r["kind"], r["room"], r["chunk"], r["thread"], r["now"]) for r in s.records] == [
+        ("grant", 7, 12, "loop", 1.0), ("final", 7, 12, "other", 2.0), ("final_direct", 8, -1, "loop", 3.0)]
+    grant, final, direct = s.records
+    assert grant["frames"] == 3 and grant["wait"] >= 0 and final["wait"] >= 0 and "wait" not in direct
+    assert not s.final_at  # (taken by its turn)
+    for r in s.records:
+        assert set(r["parts"]) == {"submit", "wire", "turn"}  # the other thread's "reply" is in none
+        assert r["parts"]["wire"] >= 0.002 and r["parts"]["submit"] >= 0.003  # exclusive: wire's sleep is not submit's
+        assert abs(sum(r["parts"].values()) - r["turn"]) < 1e-9
+        assert r["turn"] >= r["parts"]["submit"] + r["parts"]["wire"]
+    assert s.cur is None and s.stack == []
+
+
+def test_a_deferred_gather_run_is_a_turn_of_its_own_only_when_it_gathered():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    mod = _prefill_split()
+    s = mod._Split()
+    s.loop = threading.get_ident()
+    copy = s.timed("host_copy", lambda: time.sleep(0.002))
+    gather = s.note_gather(lambda endpoint, a: copy())
+    ep = SimpleNamespace(machine=SimpleNamespace(stage=SimpleNamespace(writes={5: SimpleNamespace(first_chunk=10)})))
+    queue = [SimpleNamespace(room=7, write=5, chunk=1), SimpleNamespace(room=7, write=5, chunk=2)]
+
+    def run(endpoint):
+        while queue:
+            gather(endpoint, queue.pop(0))
+
+    deferred = s.deferred_wrapper(run)
+    deferred(ep)
+    deferred(ep)  # nothing deferred: no turn kept
+    gather(ep, SimpleNamespace(room=9, write=5, chunk=0))  # outside a turn: nothing
+    assert [(r["kind"], r["room"], r["chunk"], r["gathers"], r["thread"]) for r in s.records] == [
+        ("gather", 7, 11, 2, "loop")]
+    (rec,) = s.records
+    assert set(rec["parts"]) == {"gather", "host_copy", "turn"} and rec["parts"]["host_copy"] >= 0.004
+    assert abs(sum(rec["parts"].values()) - rec["turn"]) < 1e-9
+
+
+def test_install_wraps_a_prefill_rank_with_or_without_deferred_gathers(tmp_path):
+    """install() in a fresh interpreter, on this tree and on one whose endpoint has no
+    ``_gather_deferred``; a turn recorded there is written at exit to prefill-<pid>.json."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("prefill_split", {str(SCRIPT.parent / "prefill_split.py")!r})
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+from kvbridge.transfer.prefill.endpoint import PrefillEndpoint as E
+had = hasattr(E, "_gather_deferred")
+if sys.argv[1] == "without" and had:
+    del E._gather_deferred
+mod.install()
+from kvbridge.layout.staging import StagedPlan
+from kvbridge.transfer.prefill import machine
+for fn in (E._feed_event, E._reply, E._post_chunk, E._gather, E.start, StagedPlan.wire, machine.PrefillRooms.feed):
+    assert hasattr(fn, "__wrapped__") or fn.__name__ in ("_start",), fn
+assert hasattr(E, "_gather_deferred") == (had and sys.argv[1] == "with")
+mod.SPLIT.turn({{"kind": "grant", "room": 7, "chunk": 0, "now": 1.0}}, lambda: None)
+"""
+    env = {**os.environ, "KVBRIDGE_SPLIT_DIR": str(tmp_path), "PYTHONPATH": str(SCRIPT.parents[1])}
+    for case in ("with", "without"):
+        for old in tmp_path.glob("prefill-*.json"):
+            old.unlink()
+        done = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        (dump,) = tmp_path.glob("prefill-*.json")
+        assert [r["kind"] for r in __import__("json").loads(dump.read_text())] == ["grant"]
+
+
+def test_the_prefill_table_shows_each_kind_of_turn_of_the_rooms_asked(tmp_path, capsys):
+    def rec(kind, room, thread="loop", **extra):
+        return {"kind": kind, "room": room, "chunk": 0, "now": 1.0, "thread": thread, "gathers": 0, "turn": 0.0005,
+                "parts": {"turn": 0.0001, "machine": 0.0002, "submit": 0.0002}, **extra}
+
+    recs = [rec("grant", 7, wait=0.0001, frames=2), rec("final", 7, "other", wait=0.0002), rec("gather", 7),
+            rec("grant", 8, wait=0.0001, frames=2)]
+    (tmp_path / "prefill-1.json").write_text(__import__("json").dumps(recs))
+    (tmp_path / "decode-1.json").write_text("[]")  # decode's records: not read here
+    got = _script().prefill_table(tmp_path, {7})
+    assert [(r["kind"], r["room"]) for r in got] == [("grant", 7), ("final", 7), ("gather", 7)]
+    out = capsys.readouterr().out
+    assert "grant 1 (loop 1" in out and "final 1 (other 1" in out and "gather 1 (loop 1" in out
+    assert "machine" in out and "wait before the feed" in out and "frames per recv" in out
+    assert _script().prefill_table(tmp_path, {9}) == [] and "no turn recorded" in capsys.readouterr().out
