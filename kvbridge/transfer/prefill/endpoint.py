@@ -9,7 +9,6 @@ returns (``Send``, ``SendDigested``, ``PostWrite``, ``PostChunk``, ``Resolve``,
 
     receive control messages -> feed each  ->  feed queued events (registrations read,
     writes refused at submission)  ->  collect completions (write_final)  ->  tick(now)
-    ->  the staged chunks' gathers the turn's feeds gave (``_defer_gather``)
 
 Fewest hops: a request is parsed, checked, planned and posted in the loop turn that
 receives it; ``send()`` posts from the engine's thread when the request is already
@@ -31,7 +30,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -162,7 +160,6 @@ class PrefillEndpoint(EndpointShell):
         self._server: ControlServer | None = None
         self._next_housekeeping = 0.0
         self._gathered: dict[int, Any] = {}  # gather slot -> its gather's event (None: host, done), or why it failed
-        self._deferred: dict[int, Gather] = {}  # gather slot -> its Gather, not yet carried out (``_gather_deferred``)
         self._lease: LeaseKeeper | None = None
 
     # -- life cycle -----------------------------------------------------------
@@ -353,7 +350,7 @@ class PrefillEndpoint(EndpointShell):
         if type(a) is PostWrite:
             self._post(a)
         elif type(a) is Gather:
-            self._defer_gather(a)
+            self._gather(a)
         elif type(a) is PostChunk:
             self._post_chunk(a)
         elif type(a) is Send:
@@ -405,24 +402,6 @@ class PrefillEndpoint(EndpointShell):
         self._reply(a.to, msgspec.structs.replace(a.msg, digests=None if digests is None else digests.tobytes(),
                                                   kind_digests=kinds))
 
-    def _defer_gather(self, a: Gather) -> None:
-        """Keep a Gather for the loop's turn end (``_gather_deferred``) instead of carrying it out in
-        the feed that gave it: a write's completion frees a gather slot and gives the next chunk's
-        Gather with its ChunkLanded and SlotRequest, and the gather's host work (the slices' range
-        checks, the piece table, the launch; on the host the copy itself) would hold the lock that
-        the next completion and the next grant's post wait for, and the SlotRequest behind it.
-        The chunk's PostChunk carries it out first where it comes before (``_post_chunk``). A newer
-        Gather of the same slot replaces one not carried out: that slot was freed without a post."""
-        self._deferred.pop(a.local_slot, None)
-        self._deferred[a.local_slot] = a
-        if self._thread is None or threading.get_ident() != self._thread.ident:
-            self._wake()  # (fed on the engine's thread, or send()'s: the loop carries it out)
-
-    def _gather_deferred(self) -> None:
-        """(lock held) Carry out the Gathers kept by ``_defer_gather``, oldest first."""
-        while self._deferred:
-            self._gather(self._deferred.pop(next(iter(self._deferred))))
-
     def _gather(self, a: Gather) -> None:
         """Gather a staged chunk into our gather slot now, ahead of its grant (GPU: queued on the
         stager's stream after the source pages' events; host: copied here). What went wrong is
@@ -441,9 +420,6 @@ class PrefillEndpoint(EndpointShell):
     def _post_chunk(self, a: PostChunk) -> None:
         """Write a gathered chunk's pieces into the decode slot it was granted (GPU: the write
         waits for the gather's event; host: the gather is done)."""
-        deferred = self._deferred.pop(a.local_slot, None)
-        if deferred is not None and a.target.active:  # its Gather came in this feed (a grant held ahead), or
-            self._gather(deferred)  # waits for the turn's end
         event = self._gathered.pop(a.local_slot, None)
         if not a.target.active:
             self._queue(ChunkPostFailed(a, None, time.monotonic()))
@@ -563,8 +539,8 @@ class PrefillEndpoint(EndpointShell):
 
     def _step(self) -> None:
         # write completions wake the loop through the engine's notify callback: no busy polling
-        # a staged chunk's next group to plan, or a Gather kept from another thread: take the next turn at once
-        for ident, msg in self._server.recv_ready(0 if self.machine.wants_turn or self._deferred else 50):
+        # a staged chunk's next group to plan: take the next turn at once
+        for ident, msg in self._server.recv_ready(0 if self.machine.wants_turn else 50):
             with self._lock:
                 self._feed_event(Message(ident, msg, self._hello_of(ident), time.monotonic()))
                 self._feed_queued()
@@ -580,9 +556,6 @@ class PrefillEndpoint(EndpointShell):
                 self._note_registration()  # (a re-registration after a daemon restart gives a new id)
                 self._feed_event(Gc(now))
             self._feed_queued()
-            if self._deferred:  # the next chunks' gathers, once this turn's grants are posted and completions reported
-                self._gather_deferred()
-                self._feed_queued()
 
 
 class _GatherFailed:

@@ -8,8 +8,8 @@ same write the direct path would post (its pages, one report), cut by ``stage_pl
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
 
-    chunk k:  gather slot (ours, FIFO)  ->  Gather: the shell gathers pages -> gather slot at its
-              turn's end (on a GPU queued on the stager's stream), while  --SlotRequest-->  decode
+    chunk k:  gather slot (ours, FIFO)  ->  Gather: the shell gathers pages -> gather slot now
+              (on a GPU queued on the stager's stream), while  --SlotRequest-->  decode
               <--SlotGrant(slot)--  decode (FIFO: back-pressure when its area is full)
               PostChunk: the shell writes the gathered slot's pieces -> decode slot (on a GPU the
               write waits for the gather's event, not this thread)
@@ -148,9 +148,8 @@ class StagedWrite:
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """Gather chunk ``chunk`` of write ``write`` into our gather slot ``local_slot`` ahead of its
-    decode slot's grant, after the source pages' events ``after`` (the shell may carry it out after
-    the actions that follow it, but before the chunk's ``PostChunk``). Nothing to answer: the
+    """Gather chunk ``chunk`` of write ``write`` into our gather slot ``local_slot`` now, ahead of
+    its decode slot's grant, after the source pages' events ``after``. Nothing to answer: the
     chunk's ``PostChunk`` (same write, chunk and slot) writes what was gathered."""
 
     write: int
