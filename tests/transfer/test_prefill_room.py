@@ -835,13 +835,15 @@ def test_only_the_last_pipeline_stage_writes_the_aux_row():
 
 def test_each_chunk_is_gathered_when_it_takes_its_gather_slot_before_its_grant_comes(ms):
     """Credits: a chunk holding a gather slot is gathered at once (Gather) while it asks decode for
-    a slot; the grant then writes it, nothing left to copy."""
+    a slot, its SlotRequest sent first (the grant's round trip runs while the shell gathers); the
+    grant then writes it, nothing left to copy."""
     from kvbridge.transfer.prefill.staged import Gather, PostChunk
 
     r, acts = staged_room(ms, 30)
     gathers, asks = of(acts, Gather), msgs(acts, wire.SlotRequest)
     assert [(g.chunk, g.local_slot) for g in gathers] == [(0, 0), (1, 1)] and [a.chunk for a in asks] == [0, 1, 2]
-    assert acts.index(gathers[0]) < min(i for i, a in enumerate(acts) if isinstance(a, Send))  # gathered first
+    ask_at = [i for i, a in enumerate(acts) if isinstance(a, Send) and isinstance(a.msg, wire.SlotRequest)]
+    assert [acts.index(g) for g in gathers] == [ask_at[0] + 1, ask_at[1] + 1]  # each right after its own ask
     (post,) = of(ms.message(D, wire.SlotGrant(room=30, decode_rank="d/dp0/tp0", chunk=1, slot=2), 1.2), PostChunk)
     assert (post.chunk, post.local_slot) == (1, 1)  # grants may come in any order: each writes its own slot
 

@@ -8,8 +8,8 @@ same write the direct path would post (its pages, one report), cut by ``stage_pl
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
 
-    chunk k:  gather slot (ours, FIFO)  ->  Gather: the shell gathers pages -> gather slot now
-              (on a GPU queued on the stager's stream), while  --SlotRequest-->  decode
+    chunk k:  gather slot (ours, FIFO)  ->  --SlotRequest-->  decode, then Gather: the shell gathers
+              pages -> gather slot now (on a GPU queued on the stager's stream) while it travels
               <--SlotGrant(slot)--  decode (FIFO: back-pressure when its area is full)
               PostChunk: the shell writes the gathered slot's pieces -> decode slot (on a GPU the
               write waits for the gather's event, not this thread)
@@ -485,14 +485,15 @@ class StagedWrites:
             return
         k = g.chunk
         sw.local[k] = g.slot
-        self._out.append(Gather(sw.write, sw.room, k, sw.staged, g.slot, sw.after))
         if k in sw.ahead:  # its decode slot came while it waited for ours: written the turn it is gathered
+            self._out.append(Gather(sw.write, sw.room, k, sw.staged, g.slot, sw.after))
             sw.remote[k] = sw.ahead.pop(k)
             self.counters["grants_ahead_used"] += 1
             self._out.append(PostChunk(sw.write, sw.room, k, sw.target, sw.target.session, sw.staged, g.slot,
                                        sw.offer.slot_addr(sw.remote[k]), sw.after))
-        else:
+        else:  # the SlotRequest first: the grant's round trip runs while the shell gathers
             self._ask(sw, k)
+            self._out.append(Gather(sw.write, sw.room, k, sw.staged, g.slot, sw.after))
 
     def _ask(self, sw: StagedWrite, k: int) -> None:
         """Ask decode for a slot for chunk ``k`` (once)."""
