@@ -39,11 +39,17 @@ __all__ = ["BufferDesc", "PairedBuffers", "TransferPlan", "broadcast_plan", "che
 
 @dataclass(frozen=True, eq=False)
 class TransferPlan:
-    """Slices to write: ``length[i]`` bytes from address ``src[i]`` to ``dst[i]``."""
+    """Slices to write: ``length[i]`` bytes from address ``src[i]`` to ``dst[i]``.
+
+    ``proven`` (None: not known): per slice, whether its source was checked inside the source
+    buffers the planner was given (``plan_transfer``'s pages, hard rule 5), against a slice the
+    caller added (``extra``: an aux row, which may lie anywhere). A staged plan's gather asks the
+    stager's address look-up only for the slices not proven (``StagedPlan.gather_unproven``)."""
 
     src: np.ndarray
     dst: np.ndarray
     length: np.ndarray
+    proven: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         arrays = [np.ascontiguousarray(a, dtype=np.uint64).reshape(-1) for a in (self.src, self.dst, self.length)]
@@ -52,6 +58,12 @@ class TransferPlan:
         for name, a in zip(("src", "dst", "length"), arrays):
             a.setflags(write=False)
             object.__setattr__(self, name, a)
+        if self.proven is not None:
+            proven = np.ascontiguousarray(self.proven, dtype=bool).reshape(-1)
+            if len(proven) != len(arrays[0]):
+                raise LayoutError(f"plan has {len(arrays[0])} slices but {len(proven)} proven flags", field="plan")
+            proven.setflags(write=False)
+            object.__setattr__(self, "proven", proven)
 
     @property
     def num_slices(self) -> int:
@@ -69,11 +81,14 @@ class TransferPlan:
             yield self.src[i : i + max_slices], self.dst[i : i + max_slices], self.length[i : i + max_slices]
 
     @classmethod
-    def _of(cls, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> TransferPlan:
-        """A plan of three fresh 1-D uint64 arrays of one length (the planner's own), made read-only."""
+    def _of(cls, src: np.ndarray, dst: np.ndarray, length: np.ndarray, proven: np.ndarray | None = None
+            ) -> TransferPlan:
+        """A plan of three fresh 1-D uint64 arrays of one length (the planner's own), and its fresh
+        bool ``proven`` flags or None, made read-only."""
         plan = object.__new__(cls)
-        for name, a in (("src", src), ("dst", dst), ("length", length)):
-            a.setflags(write=False)
+        for name, a in (("src", src), ("dst", dst), ("length", length), ("proven", proven)):
+            if a is not None:
+                a.setflags(write=False)
             object.__setattr__(plan, name, a)
         return plan
 
@@ -83,9 +98,12 @@ class TransferPlan:
 
     @classmethod
     def concat(cls, plans: Sequence[TransferPlan]) -> TransferPlan:
+        """The plans' slices in order; proven flags where every plan with slices has them."""
         if not plans:
             return cls.empty()
-        return cls(*(np.concatenate([getattr(p, k) for p in plans]) for k in ("src", "dst", "length")))
+        flags = [p.proven if p.proven is not None or p.num_slices else np.zeros(0, dtype=bool) for p in plans]
+        proven = None if any(f is None for f in flags) else np.concatenate(flags)
+        return cls(*(np.concatenate([getattr(p, k) for p in plans]) for k in ("src", "dst", "length")), proven)
 
 
 def plan_transfer(
@@ -175,8 +193,10 @@ def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int,
     total = sum(layers * cols for layers, cols in shapes)
     size = total + (len(extra[2]) if extra is not None else 0)
     addr, length = np.empty((2, size), dtype=np.uint64), np.empty(size, dtype=np.uint64)  # addr: src, dst rows
+    proven = np.ones(size, dtype=bool)  # the pages' slices: checked inside the source buffers (check_inside)
     if extra is not None:
         addr[0, total:], addr[1, total:], length[total:] = extra
+        proven[total:] = False  # the caller's (an aux row): anywhere
     at = 0
     for g, (layers, cols) in zip(groups, shapes):
         a = addr[:, at : at + layers * cols].reshape(2, layers, cols)
@@ -199,7 +219,7 @@ def _plan_groups(groups: Sequence[LayoutGroup], pages: np.ndarray, partial: int,
         a[:, :, cols - 1 :] = a[:, :, values : values + 1] + g.scale_offset  # the valid scale bytes: last column
         ln[:, cols - 1 :] = g.scale_bytes * num_valid
     addr.setflags(write=False)
-    return TransferPlan._of(addr[0], addr[1], length)
+    return TransferPlan._of(addr[0], addr[1], length, proven)
 
 
 def _runs_of(brk: np.ndarray, pages: np.ndarray, partial: int) -> tuple[np.ndarray, np.ndarray, int]:

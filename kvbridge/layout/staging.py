@@ -71,7 +71,9 @@ class StagedPlan:
       (absolute destination address).
 
     Per chunk: ``chunk_bytes`` (payload bytes staged) and ``chunk_span`` (bytes of the slot
-    the wire carries: the payload plus alignment gaps)."""
+    the wire carries: the payload plus alignment gaps). ``gather_proven`` (None: nothing
+    proven): per gather entry, every part of it comes from a plan slice whose source the planner
+    checked inside its source buffers (``TransferPlan.proven``): the gather need not look it up."""
 
     slot_bytes: int
     gather_src: np.ndarray
@@ -88,6 +90,7 @@ class StagedPlan:
     chunk_bytes: np.ndarray
     chunk_span: np.ndarray
     num_plan_slices: int
+    gather_proven: np.ndarray | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -106,6 +109,14 @@ class StagedPlan:
         """``(src, dst, length)`` that fill the sender's slot at ``slot_base`` for ``chunk``."""
         a, b = self._span(self.gather_bounds, chunk)
         return self.gather_src[a:b], self.gather_off[a:b] + _U64(slot_base), self.gather_len[a:b]
+
+    def gather_unproven(self, chunk: int) -> np.ndarray | None:
+        """Indices into ``gather(chunk)``'s entries whose sources are not proven inside the
+        planner's source buffers (an aux row), or None when the plan proved none."""
+        if self.gather_proven is None:
+            return None
+        a, b = self._span(self.gather_bounds, chunk)
+        return np.flatnonzero(~self.gather_proven[a:b])
 
     def wire(self, chunk: int, src_slot: int, dst_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(src, dst, length)`` of the pieces from the sender's slot to the receiver's."""
@@ -199,8 +210,12 @@ def stage_plan(
     chunk_bytes = np.add.reduceat(p_len, part_bounds[:-1]).astype(np.int64)
     chunk_span = np.maximum.reduceat(p_off + p_len, part_bounds[:-1]).astype(np.int64)
 
-    g_src, g_off, g_len, g_bounds = _merge(p_src, p_off, p_len, p_chunk, num_chunks)
-    s_dst, s_off, s_len, s_bounds = _merge(p_dst, p_off, p_len, p_chunk, num_chunks)
+    g_src, g_off, g_len, g_bounds, g_starts = _merge(p_src, p_off, p_len, p_chunk, num_chunks)
+    s_dst, s_off, s_len, s_bounds, _ = _merge(p_dst, p_off, p_len, p_chunk, num_chunks)
+    g_proven = None
+    if plan.proven is not None:  # an entry merged of several parts is proven when each of them is
+        p_proven = plan.proven[owner]
+        g_proven = np.logical_and.reduceat(p_proven, g_starts) if len(g_starts) < len(p_proven) else p_proven
     pieces = -(-chunk_span // max_piece_bytes)
     w_chunk = np.repeat(np.arange(num_chunks), pieces)
     w_first = np.cumsum(pieces) - pieces
@@ -215,13 +230,15 @@ def stage_plan(
         scatter_off=_frozen(s_off), scatter_dst=_frozen(s_dst), scatter_len=_frozen(s_len),
         scatter_bounds=_frozen(s_bounds),
         chunk_bytes=_frozen(chunk_bytes), chunk_span=_frozen(chunk_span), num_plan_slices=n,
+        gather_proven=None if g_proven is None else _frozen(g_proven),
     )
 
 
 def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, chunk: np.ndarray,
            num_chunks: int) -> tuple[np.ndarray, ...]:
     """Entries of one side merged where consecutive entries run on in both the address and the
-    slot offset, inside one chunk: ``(addr, off, length, bounds)``.
+    slot offset, inside one chunk: ``(addr, off, length, bounds, starts)`` (``starts``: the first
+    part of each entry).
 
         addr   a   a+n | b          merged: (a, o, n+m), (b, ...)
         off    o   o+n | o+n+m+pad"""
@@ -233,7 +250,7 @@ def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, chunk: np.ndar
     starts = np.flatnonzero(brk)
     merged_len = np.add.reduceat(length, starts).astype(_U64) if len(starts) < n else length
     bounds = np.searchsorted(chunk[starts], np.arange(num_chunks + 1))
-    return addr[starts], off[starts], merged_len, bounds
+    return addr[starts], off[starts], merged_len, bounds, starts
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

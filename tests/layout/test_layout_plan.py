@@ -264,6 +264,23 @@ def test_extra_slices_ride_at_the_end_of_the_plan():
     empty = np.zeros(0, np.int64)
     alone = plan_transfer(specs, src, dst, empty, empty, empty, 10, extra=extra)
     assert (alone.src.tolist(), alone.dst.tolist(), alone.length.tolist()) == extra
+    # the pages' slices are proven inside the source buffers, the caller's are not (an aux row: anywhere)
+    assert plain.proven.tolist() == [True] * plain.num_slices and not plain.proven.flags.writeable
+    assert both.proven.tolist() == [True] * plain.num_slices + [False]
+    assert alone.proven is None  # (the caller's slices alone: nothing proven)
+
+
+def test_proven_flags_concatenate_only_when_every_plan_with_slices_has_them():
+    specs = deepseek_pools(num_layers=2, page_size=4, kv_dtype="fp8")
+    src, dst = descs(specs), descs(specs, start=50)
+    pages = plan_transfer(specs, src, dst, np.array([0, 1]), np.array([5, 6]), np.array([1, 2]), 8)
+    row = TransferPlan(np.array([7 << 32]), np.array([8 << 32]), np.array([96]))  # made by hand: unknown
+    assert TransferPlan.concat([pages, TransferPlan.empty(), pages]).proven.tolist() == [True] * 2 * pages.num_slices
+    assert TransferPlan.concat([pages, row]).proven is None
+    flagged = TransferPlan(row.src, row.dst, row.length, np.array([False]))
+    assert TransferPlan.concat([pages, flagged]).proven.tolist() == [True] * pages.num_slices + [False]
+    with pytest.raises(LayoutError, match="1 slices but 2 proven flags"):
+        TransferPlan(row.src, row.dst, row.length, np.array([True, True]))
 
 
 @FAST

@@ -172,6 +172,30 @@ def test_gather_and_scatter_merge_what_runs_on() -> None:
     assert staged.gather(0)[1].tolist() == [0, 16] and staged.chunk_span.tolist() == [26]
 
 
+def test_only_the_gather_entries_of_slices_not_proven_are_named_for_the_look_up() -> None:
+    # two pages, an aux row (not proven) that runs on from the second page at the source, a third
+    # page, a second row: the first three merge into one gather entry, which is then not proven
+    plan = TransferPlan(np.array([1000, 1064, 1128, 5000, 9000]), np.array([0, 100, 200, 300, 400]),
+                        np.array([64, 64, 32, 64, 32]), np.array([True, True, False, True, False]))
+    staged = stage_plan(plan, 256)
+    src, _, length = staged.gather(0)
+    assert (src.tolist(), length.tolist()) == ([1000, 5000, 9000], [160, 64, 32])
+    assert staged.gather_unproven(0).tolist() == [0, 2]
+    # chunks of 128 bytes: the merge stops at each chunk's end, each entry named by what it holds
+    staged = stage_plan(plan, 128)
+    rows = set(range(1128, 1160)) | set(range(9000, 9032))
+    named = 0
+    for k in range(staged.num_chunks):
+        src, _, length = staged.gather(k)
+        unproven = set(staged.gather_unproven(k).tolist())
+        for i, (a, n) in enumerate(zip(src.tolist(), length.tolist())):
+            assert (i in unproven) == bool(rows & set(range(a, a + n))), (k, i, a, n)
+            named += i in unproven
+    assert named == 2
+    # a plan that proves nothing: every entry is looked up
+    assert stage_plan(TransferPlan(plan.src, plan.dst, plan.length), 128).gather_unproven(0) is None
+
+
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4)])
 def test_head_sliced_plans_stage_into_whole_pieces(src_tp: int, dst_tp: int) -> None:
     geom = HeadGeometry(num_heads=4, head_dim=8, abi="bfloat16")

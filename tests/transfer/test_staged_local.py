@@ -240,6 +240,32 @@ def test_cuda_stager_sends_slices_outside_device_memory_to_plain_copies():
     assert rec.launches == []
 
 
+def test_a_gather_looks_up_only_the_sources_its_plan_did_not_prove():
+    """Prefill's gather: the page slices the planner checked inside the page buffers go to the
+    kernel unasked; only the aux row is looked up, and in host memory it goes by a plain copy.
+    A plan that proves nothing is looked up whole, to the same copies."""
+    from kvbridge.layout import TransferPlan, stage_plan
+    from kvbridge.transfer.staging.stagers import CudaStager
+
+    pages, slot, host = (1 << 20, 1 << 16), (1 << 24, 1 << 16), 1 << 30
+    src = np.array([1 << 20, (1 << 20) + 8192, host], np.uint64)  # two pages, the aux row
+    plan = TransferPlan(src, np.array([0, 4096, 8192]), np.array([1024, 1024, 64]), np.array([True, True, False]))
+    results = []
+    for p in (plan, TransferPlan(plan.src, plan.dst, plan.length)):
+        rec = RecordingCopier()
+        stager = CudaStager(copier=rec, device_ranges=[pages, slot])
+        asked = []
+        hold = stager.ranges.hold
+        stager.ranges.hold = lambda addr, length: (asked.append(addr.tolist()), hold(addr, length))[1]
+        stager.gather(stage_plan(p, 1 << 16), 0, slot[0])
+        results.append((rec.launches, rec.copies, asked))
+    (launches, copies, asked), (launches_all, copies_all, asked_all) = results
+    assert launches == launches_all == [([1 << 20, (1 << 20) + 8192], [1 << 24, (1 << 24) + 1024], [1024, 1024])]
+    assert copies == copies_all == [(host, (1 << 24) + 2048, 64)]
+    assert asked == [[host], [(1 << 24) + 2048]]  # the row's source and its slot offset only
+    assert asked_all == [src.tolist(), [1 << 24, (1 << 24) + 1024, (1 << 24) + 2048]]
+
+
 def test_a_slice_running_from_one_pool_tensor_into_the_next_goes_to_the_kernel():
     """Contiguous pages merge into runs, and a run may cross from one pool's tensor into the next
     one, adjacent in memory: the kernel copies it (a plain copy across two allocations is refused
@@ -362,3 +388,48 @@ def test_a_room_planned_group_by_group_lands_byte_exact(cluster, monkeypatch, cp
     assert all(set(s.stats["paths"].values()) == {"staged"} for s in senders)
     assert sum(ep.machine.counters["rooms_ok"] for ep in c.prefill) == cp
     assert sum(ep.machine.stage.counters["staged_writes"] for ep in c.prefill) >= 16 // 2, "it went in groups"
+
+
+@pytest.mark.parametrize("cp", [1, 2])  # CP 1: every chunk beyond the gather slots asks ahead (its grant may come first)
+def test_a_chunks_slot_request_goes_before_its_gather_and_the_gather_before_its_post(cluster, cp):
+    """Real endpoints, a room streaming through both areas: each prefill rank sends a chunk's
+    SlotRequest before it gathers that chunk (the grant's round trip runs while it gathers), and
+    gathers each chunk before it posts the chunk's write (at CP 1 grants come ahead of the gather
+    slot, and the chunk is gathered and written in one feed). The room lands byte for byte."""
+    c = staged_cluster(cluster, cp=cp)
+    seen: list[tuple[int, str]] = []  # (rank, what), in the order it happened on any thread
+    for rank, ep in enumerate(c.prefill):
+        stager, reply, submit = ep.gather.stager, ep._reply, ep.engine.submit_write
+        lo, hi = ep.gather.base, ep.gather.base + ep.gather.nbytes
+
+        def gather(staged, chunk, addr, _rank=rank, _gather=stager.gather):
+            seen.append((_rank, "gather"))
+            return _gather(staged, chunk, addr)
+
+        def sent(ident, msg, _rank=rank, _reply=reply):
+            if type(msg) is wire.SlotRequest:
+                seen.append((_rank, "ask"))
+            _reply(ident, msg)
+
+        def post(session, src, dst, length, *, after=None, _rank=rank, _submit=submit, _lo=lo, _hi=hi):
+            if len(src) and _lo <= int(np.min(src)) < _hi:  # a staged chunk's write: from a gather slot
+                seen.append((_rank, "post"))
+            return _submit(session, src, dst, length, after=after)
+
+        stager.gather, ep._reply, ep.engine.submit_write = gather, sent, post
+    n = 64
+    rng = np.random.default_rng(7 + cp)
+    pages = rng.permutation(64)[: -(-n // PAGE)]
+    r = c.decode.receiver(9, f"{c.name}-p")
+    r.init(pages, 1, n)
+    senders = send_random(c, 9, n, rng)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(9, n, pages)
+    for rank, s in enumerate(senders):
+        order = [what for who, what in seen if who == rank]
+        at = {what: [i for i, w in enumerate(order) if w == what] for what in ("ask", "gather", "post")}
+        assert len(at["ask"]) == len(at["gather"]) == len(at["post"]) == s.stats["chunks"] > 2, order
+        assert all(a < g < p for a, g, p in zip(at["ask"], at["gather"], at["post"])), order
+    if cp == 1:
+        assert c.prefill[0].machine.stage.counters["grants_ahead_used"] > 0, "no grant came ahead of its gather slot"
