@@ -7,14 +7,12 @@ Why: on one GPU a staged chunk's IPC post holds prefill's loop 0.5-0.8 ms betwee
 where. ``scripts/split_hook/sitecustomize.py`` calls :func:`install` in a prefill rank (``python -m
 kvbridge.bench.procs prefill ...``) started with ``KVBRIDGE_SPLIT_DIR`` set. A *turn* is one feed
 through ``PrefillEndpoint._feed_event`` (its actions carried out, and the events they queued fed),
-recorded for three kinds:
+recorded for two kinds:
 
     grant   a Message holding a wire.SlotGrant      the PostChunk: wire pieces, submit_write, the post
     final   a WriteFinal of a staged write's chunk  ChunkLanded sent, gather slot freed, the next Gather
             (``final_direct``: a direct write's)    (fed on the loop, or on the engine's thread when the
                                                     lock was free: ``EndpointShell._engine_final``)
-    gather  each call of ``PrefillEndpoint._gather_deferred`` that gathered (where the tree has it:
-            Gathers deferred out of a completion's feed, run later on the loop)
 
 and split, with ``time.perf_counter``, into exclusive parts (time in a function less the wrapped parts
 inside it), which sum to the turn:
@@ -46,7 +44,6 @@ inside it), which sum to the turn:
     stager_gather  CudaStager / HostStager.gather   less their parts
     hold           AddressRanges.hold            the gather list's device-range checks
     host_copy      stagers.copy_slices           the gather itself where the gather slot is host memory
-    deferred       _gather_deferred              called inside another turn (its own parts apart)
     turn           the shell's own               _feed's loop, _carry's dispatch, queued events' records
 
 Beside the turn: ``thread`` ("loop", or "other": a completion collected on the engine's thread),
@@ -74,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from split_timers import Timers  # noqa: E402 (beside this file, which is loaded by path)
 
 P = time.perf_counter
-KINDS = ("grant", "final", "gather", "final_direct")
+KINDS = ("grant", "final", "final_direct")
 
 
 class _Split(Timers):
@@ -151,8 +148,8 @@ class _Split(Timers):
         return rec
 
     def note_gather(self, gather: Any) -> Any:
-        """``PrefillEndpoint._gather``, timed, each call counted in the turn (a gather turn takes
-        its room and chunk from its first)."""
+        """``PrefillEndpoint._gather``, timed, each call counted in the turn (``gathers``: a
+        completion's feed gathers the chunk that takes the gather slot it freed)."""
         timed = self.timed("gather", gather)
         s = self
 
@@ -160,31 +157,10 @@ class _Split(Timers):
             cur = s.cur
             if cur is not None and threading.get_ident() == s.owner:
                 cur["gathers"] = cur.get("gathers", 0) + 1
-                if cur.get("room", -1) < 0:
-                    cur["room"], cur["chunk"] = a.room, _wire_chunk(endpoint, a.write, a.chunk)
             return timed(endpoint, a, *args, **kwargs)
 
         _gather.__wrapped__ = gather
         return _gather
-
-    def deferred_wrapper(self, run: Any) -> Any:
-        """``PrefillEndpoint._gather_deferred``: a turn of kind "gather" of its own (kept when it
-        gathered), or the part "deferred" when called inside another turn."""
-        s = self
-        part = self.timed("deferred", run)
-
-        def _gather_deferred(*args: Any, **kwargs: Any) -> Any:
-            if s.cur is not None:
-                return part(*args, **kwargs)
-            rec: dict[str, Any] = {"kind": "gather", "room": -1, "chunk": -1, "now": time.monotonic(), "keep": False}
-            try:
-                return s.turn(rec, lambda: run(*args, **kwargs))
-            finally:
-                if rec["gathers"]:
-                    s.records.append(rec)
-
-        _gather_deferred.__wrapped__ = run
-        return _gather_deferred
 
 
 def _chunk_of(endpoint: Any, handle: int) -> tuple[int, int, bool]:
@@ -201,13 +177,6 @@ def _chunk_of(endpoint: Any, handle: int) -> tuple[int, int, bool]:
     except (AttributeError, KeyError, TypeError):  # (books of another shape: still a turn)
         pass
     return -1, -1, False
-
-
-def _wire_chunk(endpoint: Any, write: int, k: int) -> int:
-    try:
-        return endpoint.machine.stage.writes[write].first_chunk + k
-    except (AttributeError, KeyError):
-        return -1
 
 
 SPLIT = _Split()
@@ -279,9 +248,6 @@ def install() -> None:
     E._reply = s.timed("reply", E._reply)
     E._post_chunk = s.timed("post_chunk", E._post_chunk)
     E._gather = s.note_gather(E._gather)
-    deferred = getattr(E, "_gather_deferred", None)
-    if deferred is not None:
-        E._gather_deferred = s.deferred_wrapper(deferred)
     StagedPlan.wire = s.timed("wire", StagedPlan.wire)
     StagedPlan.gather = s.timed("gather_list", StagedPlan.gather)
     StagedPlan.scatter = s.timed("scatter_list", StagedPlan.scatter)

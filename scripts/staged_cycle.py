@@ -35,8 +35,8 @@ the machine's checks, the scatter's launch and its CUDA calls, the trace lines),
 rank by ``scripts/decode_split.py`` (wrapped in through ``scripts/split_hook/sitecustomize.py``; the
 library is untouched); then prefill's turns of those rooms split the same way, timed in each prefill
 rank by ``scripts/prefill_split.py``: per kind of turn (``grant``: the SlotGrant's feed, its chunk's
-wire pieces and post; ``final``: a staged write's completion, ChunkLanded sent and the next Gather;
-``gather``: Gathers deferred out of a completion, where the tree defers them), the count and on which
+wire pieces and post; ``final``: a staged write's completion, ChunkLanded sent and the next chunk's
+SlotRequest and Gather), the count and on which
 thread, the wait before the feed and each part's p50 and mean. ``--untraced``: the same without
 ``KVBRIDGE_TRACE`` (no cycle table).
 
@@ -64,11 +64,10 @@ _LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(
 _CP = re.compile(r"/cp(\d+)/")
 SPLIT_PARTS = ("turn", "machine", "landed", "trace_cycle", "log", "carry", "scatter", "ranges", "launch", "plan",
                "table", "upload", "ev_record", "kernel", "record", "host_copy")
-PREFILL_KINDS = ("grant", "final", "gather", "final_direct")  # scripts/prefill_split.py's turns
+PREFILL_KINDS = ("grant", "final", "final_direct")  # scripts/prefill_split.py's turns
 PREFILL_PARTS = ("turn", "machine", "trace_cycle", "log", "reply", "scatter_list", "wire", "post_chunk", "submit",
                  "check", "translate", "post", "launch", "wait_for", "copier_launch", "plan", "table", "memcpy",
-                 "ev_record", "kernel", "record", "gather", "gather_list", "stager_gather", "hold", "host_copy",
-                 "deferred")
+                 "ev_record", "kernel", "record", "gather", "gather_list", "stager_gather", "hold", "host_copy")
 STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", "scatter", "credit back",
          "gather slot")
 
@@ -220,7 +219,7 @@ def main() -> None:
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
     ap.add_argument("--split", action="store_true",
                     help="time the parts of decode's turn for each landed chunk, and of prefill's turns for each "
-                         "grant, staged write's completion and deferred gather")
+                         "grant and staged write's completion")
     ap.add_argument("--untraced", action="store_true",
                     help="with --split: the trace off (no cycle table; the turn as it runs without the trace's lines)")
     ap.add_argument("--json", default="", help="write the row, the steps and every chunk's timestamps here (with "

@@ -205,37 +205,9 @@ def test_prefills_turns_are_split_into_exclusive_parts_counted_only_inside_a_tur
     assert s.cur is None and s.stack == []
 
 
-def test_a_deferred_gather_run_is_a_turn_of_its_own_only_when_it_gathered():
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    mod = _prefill_split()
-    s = mod._Split()
-    s.loop = threading.get_ident()
-    copy = s.timed("host_copy", lambda: time.sleep(0.002))
-    gather = s.note_gather(lambda endpoint, a: copy())
-    ep = SimpleNamespace(machine=SimpleNamespace(stage=SimpleNamespace(writes={5: SimpleNamespace(first_chunk=10)})))
-    queue = [SimpleNamespace(room=7, write=5, chunk=1), SimpleNamespace(room=7, write=5, chunk=2)]
-
-    def run(endpoint):
-        while queue:
-            gather(endpoint, queue.pop(0))
-
-    deferred = s.deferred_wrapper(run)
-    deferred(ep)
-    deferred(ep)  # nothing deferred: no turn kept
-    gather(ep, SimpleNamespace(room=9, write=5, chunk=0))  # outside a turn: nothing
-    assert [(r["kind"], r["room"], r["chunk"], r["gathers"], r["thread"]) for r in s.records] == [
-        ("gather", 7, 11, 2, "loop")]
-    (rec,) = s.records
-    assert set(rec["parts"]) == {"gather", "host_copy", "turn"} and rec["parts"]["host_copy"] >= 0.004
-    assert abs(sum(rec["parts"].values()) - rec["turn"]) < 1e-9
-
-
-def test_install_wraps_a_prefill_rank_with_or_without_deferred_gathers(tmp_path):
-    """install() in a fresh interpreter, on this tree and on one whose endpoint has no
-    ``_gather_deferred``; a turn recorded there is written at exit to prefill-<pid>.json."""
+def test_install_wraps_a_prefill_rank_and_writes_its_turns_at_exit(tmp_path):
+    """install() in a fresh interpreter wraps the prefill rank's functions; a turn recorded there is
+    written at exit to prefill-<pid>.json."""
     import os
     import subprocess
     import sys
@@ -245,25 +217,18 @@ import importlib.util, sys
 spec = importlib.util.spec_from_file_location("prefill_split", {str(SCRIPT.parent / "prefill_split.py")!r})
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 from kvbridge.transfer.prefill.endpoint import PrefillEndpoint as E
-had = hasattr(E, "_gather_deferred")
-if sys.argv[1] == "without" and had:
-    del E._gather_deferred
 mod.install()
 from kvbridge.layout.staging import StagedPlan
 from kvbridge.transfer.prefill import machine
-for fn in (E._feed_event, E._reply, E._post_chunk, E._gather, E.start, StagedPlan.wire, machine.PrefillRooms.feed):
-    assert hasattr(fn, "__wrapped__") or fn.__name__ in ("_start",), fn
-assert hasattr(E, "_gather_deferred") == (had and sys.argv[1] == "with")
+for fn in (E._feed_event, E._reply, E._post_chunk, E._gather, StagedPlan.wire, machine.PrefillRooms.feed):
+    assert hasattr(fn, "__wrapped__"), fn
 mod.SPLIT.turn({{"kind": "grant", "room": 7, "chunk": 0, "now": 1.0}}, lambda: None)
 """
     env = {**os.environ, "KVBRIDGE_SPLIT_DIR": str(tmp_path), "PYTHONPATH": str(SCRIPT.parents[1])}
-    for case in ("with", "without"):
-        for old in tmp_path.glob("prefill-*.json"):
-            old.unlink()
-        done = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        (dump,) = tmp_path.glob("prefill-*.json")
-        assert [r["kind"] for r in __import__("json").loads(dump.read_text())] == ["grant"]
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (dump,) = tmp_path.glob("prefill-*.json")
+    assert [r["kind"] for r in __import__("json").loads(dump.read_text())] == ["grant"]
 
 
 def test_the_prefill_table_shows_each_kind_of_turn_of_the_rooms_asked(tmp_path, capsys):
@@ -271,13 +236,13 @@ def test_the_prefill_table_shows_each_kind_of_turn_of_the_rooms_asked(tmp_path, 
         return {"kind": kind, "room": room, "chunk": 0, "now": 1.0, "thread": thread, "gathers": 0, "turn": 0.0005,
                 "parts": {"turn": 0.0001, "machine": 0.0002, "submit": 0.0002}, **extra}
 
-    recs = [rec("grant", 7, wait=0.0001, frames=2), rec("final", 7, "other", wait=0.0002), rec("gather", 7),
+    recs = [rec("grant", 7, wait=0.0001, frames=2), rec("final", 7, "other", wait=0.0002), rec("final_direct", 7),
             rec("grant", 8, wait=0.0001, frames=2)]
     (tmp_path / "prefill-1.json").write_text(__import__("json").dumps(recs))
     (tmp_path / "decode-1.json").write_text("[]")  # decode's records: not read here
     got = _script().prefill_table(tmp_path, {7})
-    assert [(r["kind"], r["room"]) for r in got] == [("grant", 7), ("final", 7), ("gather", 7)]
+    assert [(r["kind"], r["room"]) for r in got] == [("grant", 7), ("final", 7), ("final_direct", 7)]
     out = capsys.readouterr().out
-    assert "grant 1 (loop 1" in out and "final 1 (other 1" in out and "gather 1 (loop 1" in out
+    assert "grant 1 (loop 1" in out and "final 1 (other 1" in out and "final_direct 1 (loop 1" in out
     assert "machine" in out and "wait before the feed" in out and "frames per recv" in out
     assert _script().prefill_table(tmp_path, {9}) == [] and "no turn recorded" in capsys.readouterr().out
