@@ -16,6 +16,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,7 +25,7 @@ from kvbridge.chaos.etcd import EtcdCluster
 from kvbridge.chaos.ports import private_ports
 from kvbridge.worker import ops
 from kvbridge.worker.cluster import HOST, spawn_bootstrap
-from kvbridge.worker.launch import STARTUP_TIMEOUT_S, Proc, ProcessGroup, kvbridge_argv
+from kvbridge.worker.launch import STARTUP_TIMEOUT_S, LaunchError, Proc, ProcessGroup, kvbridge_argv
 
 __all__ = ["ChaosCluster", "Member", "proc_resources"]
 
@@ -128,12 +129,12 @@ class ChaosCluster:
             self.daemon = self.replicas[0]
             return
         self.daemon.starts += 1
-        self.port = self.port or private_ports(1, HOST)[0]  # kept for its restarts (chaos/ports.py: why not 0)
-        extra = (*self.daemon_args, "--port", str(self.port))
-        if self.claims_file is not None:
-            extra = (*extra, "--claims-file", str(self.claims_file))
-        self.url = spawn_bootstrap(self.group, timeout, extra)
-        self.port = int(self.url.rsplit(":", 1)[1])
+        claims = () if self.claims_file is None else ("--claims-file", str(self.claims_file))
+
+        def spawn(port: int) -> None:
+            self.url = spawn_bootstrap(self.group, timeout, (*self.daemon_args, "--port", str(port), *claims))
+
+        self.port = _on_port(self.port, spawn)  # kept for its restarts (chaos/ports.py: why not 0)
         self.daemon.proc = self.group.procs[-1]
         for m in self.workers:
             m.argv = _with_flag(m.argv, "--bootstrap", self.url)
@@ -143,9 +144,9 @@ class ChaosCluster:
         assert self.etcd is not None
         m = self.replicas[i]
         m.starts += 1
-        self.replica_ports[i] = self.replica_ports[i] or private_ports(1, HOST)[0]
-        extra = ["--store", self.etcd.store_url, "--replica-name", m.name, "--port", str(self.replica_ports[i])]
-        spawn_bootstrap(self.group, timeout, extra)  # (on that port: its URL is self.urls[i])
+        store = ("--store", self.etcd.store_url, "--replica-name", m.name)
+        self.replica_ports[i] = _on_port(self.replica_ports[i], lambda port: spawn_bootstrap(
+            self.group, timeout, (*store, "--port", str(port))))  # (on that port: its URL is self.urls[i])
         m.proc = self.group.procs[-1]
         self.url = self.urls[0]
         for w in self.workers:
@@ -268,3 +269,21 @@ def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     else:
         out += [flag, value]
     return out
+
+
+def _on_port(port: int, spawn: Callable[[int], Any], tries: int = 3) -> int:
+    """``spawn(port)`` on the port a process had (a restart: it must come back there), or on a first
+    start a free private port, another one when the process finds it taken in the moment between
+    the check and its bind (``chaos/ports.py``), up to ``tries`` ports; returns the port."""
+    if port:
+        spawn(port)
+        return port
+    for attempt in range(tries):
+        port = private_ports(1, HOST)[0]
+        try:
+            spawn(port)
+            return port
+        except LaunchError as exc:
+            if "Address already in use" not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
