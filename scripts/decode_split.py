@@ -34,8 +34,6 @@ feed's start) and, within ``after``, ``between_recv`` (``recv_ready`` calls) and
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
 import sys
 import threading
@@ -53,7 +51,6 @@ class _Split(Timers):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[dict[str, Any]] = []
         self.last: dict[str, Any] | None = None  # the last landing, waiting for its next feed
         self.recv: tuple[float, int] | None = None  # (duration, frames) of the last recv_ready
         self.decode_l: list[float] = []  # its ChunkLanded frames' decode times, in order (taken by their turns)
@@ -157,26 +154,8 @@ def install() -> None:
     ep.DecodeEndpoint._carry = s.timed("carry", ep.DecodeEndpoint._carry)
     ep.DecodeEndpoint._scatter = s.timed("scatter", ep.DecodeEndpoint._scatter)
     ep.copy_slices = s.timed("host_copy", ep.copy_slices)
-    try:
-        from kvbridge.transfer.engine import _cuda, slicecopy
+    if s.time_copier(launch="launch", memcpy="upload"):
         from kvbridge.transfer.staging.stagers import CudaStager
-    except ImportError:
-        pass
-    else:
+
         CudaStager.copy = s.timed("ranges", CudaStager.copy)
-        slicecopy.CudaCopier.launch = s.timed("launch", slicecopy.CudaCopier.launch)
-        slicecopy.CudaCopier._table = s.timed("table", slicecopy.CudaCopier._table)
-        slicecopy.CudaCopier.record = s.timed("record", slicecopy.CudaCopier.record)
-        slicecopy.plan_pieces = s.timed("plan", slicecopy.plan_pieces)
-        _cuda.Cuda.memcpy_async = s.timed("upload", _cuda.Cuda.memcpy_async)
-        _cuda.Cuda.event_record = s.timed("ev_record", _cuda.Cuda.event_record)
-        s.time_kernel(slicecopy)
-
-    folder = os.environ["KVBRIDGE_SPLIT_DIR"]
-
-    def dump() -> None:
-        if s.records:
-            with open(os.path.join(folder, f"decode-{os.getpid()}.json"), "w") as f:
-                json.dump(s.records, f)
-
-    atexit.register(dump)
+    s.dump_at_exit("decode")

@@ -59,8 +59,7 @@ thread other than the one feeding the recorded turn, and outside one.
 
 from __future__ import annotations
 
-import atexit
-import json
+import importlib
 import os
 import sys
 import threading
@@ -79,7 +78,6 @@ class _Split(Timers):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[dict[str, Any]] = []
         self.loop = 0  # the endpoint's loop thread (its ``_step``)
         self.recv: tuple[float, int] | None = None  # (when, frames) of the loop's last recv_ready
         self.final_at: dict[int, float] = {}  # engine handle -> when its write was counted final
@@ -256,42 +254,22 @@ def install() -> None:
     stagers.HostStager.gather = s.timed("stager_gather", stagers.HostStager.gather)
     stagers.CudaStager.gather = s.timed("stager_gather", stagers.CudaStager.gather)
     stagers.AddressRanges.hold = s.timed("hold", stagers.AddressRanges.hold)
-    try:
-        from kvbridge.transfer.engine.ipc import engine as ipc
-    except ImportError:
-        pass
-    else:
-        ipc.check_slices = s.timed("check", ipc.check_slices)
-        ipc.IpcEngine._translate = s.timed("translate", ipc.IpcEngine._translate)
-        ipc.IpcEngine._post = s.timed("post", ipc.IpcEngine._post)
-        ipc.IpcEngine._launch = s.timed("launch", ipc.IpcEngine._launch)
-    try:
-        from kvbridge.transfer.engine import mooncake
-    except ImportError:
-        pass
-    else:
-        mooncake.check_write = s.timed("check", mooncake.check_write)
-        mooncake.MooncakeEngine._post = s.timed("post", mooncake.MooncakeEngine._post)
-    try:
-        from kvbridge.transfer.engine import _cuda, slicecopy
-    except ImportError:
-        pass
-    else:
-        C = slicecopy.CudaCopier
-        C.launch = s.timed("copier_launch", C.launch)
-        C.wait_for = s.timed("wait_for", C.wait_for)
-        C._table = s.timed("table", C._table)
-        C.record = s.timed("record", C.record)
-        slicecopy.plan_pieces = s.timed("plan", slicecopy.plan_pieces)
-        _cuda.Cuda.memcpy_async = s.timed("memcpy", _cuda.Cuda.memcpy_async)
-        _cuda.Cuda.event_record = s.timed("ev_record", _cuda.Cuda.event_record)
-        s.time_kernel(slicecopy)
+    engines = {  # the engines' steps (each module where it imports): name in the module -> part
+        "kvbridge.transfer.engine.ipc.engine": {"check_slices": "check", "IpcEngine._translate": "translate",
+                                                "IpcEngine._post": "post", "IpcEngine._launch": "launch"},
+        "kvbridge.transfer.engine.mooncake": {"check_write": "check", "MooncakeEngine._post": "post"},
+    }
+    for module, parts in engines.items():
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        for dotted, part in parts.items():
+            owner, _, attr = dotted.rpartition(".")
+            holder = getattr(found, owner) if owner else found
+            setattr(holder, attr, s.timed(part, getattr(holder, attr)))
+    if s.time_copier(launch="copier_launch", memcpy="memcpy"):
+        from kvbridge.transfer.engine import slicecopy
 
-    folder = os.environ["KVBRIDGE_SPLIT_DIR"]
-
-    def dump() -> None:
-        if s.records:
-            with open(os.path.join(folder, f"prefill-{os.getpid()}.json"), "w") as f:
-                json.dump(s.records, f)
-
-    atexit.register(dump)
+        slicecopy.CudaCopier.wait_for = s.timed("wait_for", slicecopy.CudaCopier.wait_for)
+    s.dump_at_exit("prefill")

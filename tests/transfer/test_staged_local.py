@@ -44,6 +44,20 @@ def send_random(c, room: int, n: int, rng: np.random.Generator, local_pages: dic
     return senders
 
 
+def land_room(c, room: int, n: int, seed: int):
+    """Room ``room`` of ``n`` tokens from random local pages of every CP rank into random decode
+    pages, waited for: it succeeded and landed byte for byte; returns its senders."""
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(64)[: -(-n // PAGE)]
+    r = c.decode.receiver(room, f"{c.name}-p")
+    r.init(pages, 1, n)
+    senders = send_random(c, room, n, rng)
+    wait_final([r, *senders])
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(room, n, pages)
+    return senders
+
+
 @pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("n", [37, 64])  # 37: a partial last page (index-K as its value and scale ranges)
 def test_random_pages_both_sides_through_staging(cluster, cp, n):
@@ -376,15 +390,7 @@ def test_a_room_planned_group_by_group_lands_byte_exact(cluster, monkeypatch, cp
 
     monkeypatch.setattr(staged, "GROUP_MIN_SLICES", 5)
     c = staged_cluster(cluster, cp=cp)
-    n = 61  # 16 pages, the last partial
-    rng = np.random.default_rng(61 + cp)
-    pages = rng.permutation(64)[: -(-n // PAGE)]
-    r = c.decode.receiver(5, f"{c.name}-p")
-    r.init(pages, 1, n)
-    senders = send_random(c, 5, n, rng)
-    wait_final([r, *senders])
-    assert r.poll() == KVPoll.Success, r.failure_reason
-    assert c.verified(5, n, pages)
+    senders = land_room(c, 5, 61, 61 + cp)  # 16 pages, the last partial
     assert all(set(s.stats["paths"].values()) == {"staged"} for s in senders)
     assert sum(ep.machine.counters["rooms_ok"] for ep in c.prefill) == cp
     assert sum(ep.machine.stage.counters["staged_writes"] for ep in c.prefill) >= 16 // 2, "it went in groups"
@@ -417,15 +423,7 @@ def test_a_chunks_slot_request_goes_before_its_gather_and_the_gather_before_its_
             return _submit(session, src, dst, length, after=after)
 
         stager.gather, ep._reply, ep.engine.submit_write = gather, sent, post
-    n = 64
-    rng = np.random.default_rng(7 + cp)
-    pages = rng.permutation(64)[: -(-n // PAGE)]
-    r = c.decode.receiver(9, f"{c.name}-p")
-    r.init(pages, 1, n)
-    senders = send_random(c, 9, n, rng)
-    wait_final([r, *senders])
-    assert r.poll() == KVPoll.Success, r.failure_reason
-    assert c.verified(9, n, pages)
+    senders = land_room(c, 9, 64, 7 + cp)
     for rank, s in enumerate(senders):
         order = [what for who, what in seen if who == rank]
         at = {what: [i for i, w in enumerate(order) if w == what] for what in ("ask", "gather", "post")}
