@@ -88,7 +88,7 @@ class _Split(Timers):
         self.write_final: Any = None
 
     def turn(self, rec: dict[str, Any], fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` as the recorded turn ``rec``; kept unless ``rec["keep"]`` says otherwise once done."""
+        """``fn(*args)`` as the recorded turn ``rec``, kept in ``records`` once done."""
         me = threading.get_ident()
         rec["thread"] = "loop" if me == self.loop else "other"
         rec.setdefault("gathers", 0)
@@ -106,8 +106,7 @@ class _Split(Timers):
             rec["turn"] = P() - start
             rec["parts"]["turn"] = rec["turn"] - frame[2]  # the shell's own remainder
             self.cur, self.stack, self.owner = None, [], 0
-            if rec.pop("keep", True):
-                self.records.append(rec)
+            self.records.append(rec)
 
     def feed_wrapper(self, feed_event: Any) -> Any:
         """``PrefillEndpoint._feed_event``, each feed of a grant or a write's completion a turn."""

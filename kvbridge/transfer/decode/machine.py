@@ -617,11 +617,11 @@ class DecodeRooms:
                 if r is not None:
                     self._advance(r, now)
             return
-        if self.last_scan and now - self.last_scan > self.cfg.peer_timeout / 2:
+        gap = now - self.last_scan if self.last_scan else 0.0
+        if gap > self.cfg.peer_timeout / 2:
             # this loop itself was frozen (SIGSTOP, a stalled host): it heard nothing because it
             # listened to nothing, so no peer is blamed for the gap; nor does the gap count toward a
             # room's deadline (what its peers sent meanwhile is unread, its engine starved too)
-            gap = now - self.last_scan
             self.peers.loop_was_frozen(now)
             for r in self.rooms.values():
                 r.spare(gap)

@@ -179,8 +179,8 @@ class AddressRanges:
         not a binary search per slice; issue 33 round 12b timed the per-slice look-ups at about
         0.2 ms of decode's 1 ms turn per landed chunk) the answer is all True at once. Otherwise
         one binary search per slice, of its first byte: a slice whose last byte lies in the same
-        region (every slice of a gather list, whose sources are pages of the registered buffers)
-        is answered by one compare, and only the others (past their region's end) have their last
+        region (every page slice of a gather list the plan did not prove, whose sources are pages
+        of the registered buffers) is answered by one compare, and only the others (past their region's end) have their last
         byte looked up too (issue 33 round 22, ``scripts/landing_cost.py`` on the 2-core CPU host:
         prefill's gather of a 256 MiB chunk, list and checks, 0.18-0.19 ms p50 with two searches
         per slice, 0.10-0.14 ms with this)."""
