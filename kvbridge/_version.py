@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 15  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 16  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -30,3 +30,6 @@ WIRE_VERSION = 15  # 2: TransferRequest names the decode rank's registration ins
 # 15: TransferRequest.aux_ahead: a decode rank whose aux rows are device memory asks for the row in a report of its
 # own, sent right after the pages' write is posted, and writes it into its slot while they land (issue 33: the
 # host -> device copy off the commit)
+# 16: SlotRequest carries the chunk's scatter list (ChunkLanded none): decode checks it when the request comes, so
+# neither prefill's report of a final write nor decode's landing builds, sends or checks it (issue 33: the slot's
+# cycle)

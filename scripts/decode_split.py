@@ -7,7 +7,8 @@ in a bench decode rank's process, for ``scripts/staged_cycle.py --split`` (the l
 
     turn         DecodeEndpoint._feed_event(Message(ChunkLanded)), the whole feed of one landing
     machine      DecodeRooms.feed            the machine's handling, less what is split below
-    landed       DecodeStaging.landed        the landing's checks (the scatter list against the room's pages)
+    landed       DecodeStaging.landed        the landing's checks (the scatter list against the room's pages;
+                                             from wire 16 the request's turn checks it, the landing takes it)
     trace_cycle  staging/cycle.py's lines    (their logging is "log")
     log          logging.Logger._log         every log line written in the turn (the trace's)
     carry        DecodeEndpoint._carry       other actions carried out (a Send: encode + socket)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The host-side numpy work of one staged landing on decode, timed alone (no GPU, no sockets): for
 each 64 MiB chunk of a V3.2 fp8 room (61+1 layers, CP 2, random pages, ``staged_layout_bench.build``
-on the CPU), ``DecodeStaging.landed`` (the scatter list unpacked and checked inside the slot and the
-room's pages) and ``CudaStager.copy``'s host work before the kernel (its range checks: ``AddressRanges.hold``
+on the CPU), ``DecodeStaging.request`` and ``DecodeStaging.landed`` (the scatter list unpacked and
+checked inside the slot and the room's pages: in the request from wire 16, in the landing before) and ``CudaStager.copy``'s host work before the kernel (its range checks: ``AddressRanges.hold``
 of the entries ``Scatter.unproven`` names, every entry where the tree has no such proof; a copier that
 records nothing stands in for the GPU), p50 over ``--reps`` passes; and on prefill's side each rank's
 ``CudaStager.gather`` of every chunk into its slot (the gather list and its range checks against the
@@ -64,7 +64,8 @@ def main() -> None:
         ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode", kernel_ranges=stager.ranges)
     except TypeError:  # a tree from before Scatter.unproven: every entry looked up
         ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode")
-    landed, hold, slices = [], [], set()
+    wire16 = "scatter" in wire.SlotRequest.__struct_fields__  # (wire 16: the list comes with the request)
+    asked, landed, hold, slices = [], [], [], set()
     n = 0
     for _ in range(args.reps):
         for sp in w["staged"]:
@@ -73,13 +74,25 @@ def main() -> None:
                 slices.add(int(length.size))
                 out: list = []
                 n += 1
-                ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
-                                                                     num_bytes=int(sp.chunk_span[k])), out)
-                slot = out[-1].msg.slot
-                msg = wire.ChunkLanded(room=1, cp_rank=0, chunk=n, slot=slot, status="ok", reason="",
-                                       scatter=wire.pack_scatter(off, to, length))
+                packed = wire.pack_scatter(off, to, length)
                 t = time.perf_counter()
-                ds.landed(1, (0, 0, 0), msg, page_ids, -1, out)
+                if wire16:  # the list in the request, checked there; the landing only takes it
+                    ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
+                                                                         num_bytes=int(sp.chunk_span[k]),
+                                                                         scatter=packed), page_ids, -1, out)
+                else:
+                    ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
+                                                                         num_bytes=int(sp.chunk_span[k])), out)
+                asked.append(time.perf_counter() - t)
+                slot = out[-1].msg.slot
+                if wire16:
+                    msg = wire.ChunkLanded(room=1, cp_rank=0, chunk=n, slot=slot, status="ok", reason="")
+                    t = time.perf_counter()
+                    ds.landed(1, (0, 0, 0), msg, out)
+                else:
+                    msg = wire.ChunkLanded(room=1, cp_rank=0, chunk=n, slot=slot, status="ok", reason="", scatter=packed)
+                    t = time.perf_counter()
+                    ds.landed(1, (0, 0, 0), msg, page_ids, -1, out)
                 landed.append(time.perf_counter() - t)
                 sc = out[-1]
                 unproven = getattr(sc, "unproven", None)
@@ -103,7 +116,9 @@ def main() -> None:
                 gstager.gather(sp, k, base)
                 gathers.append(time.perf_counter() - t)
     print(f"{args.tokens} tokens, {args.slot_mib} MiB chunks ({min(slices)}-{max(slices)} slices), {len(landed)} "
-          f"landings: DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, CudaStager.copy (range checks) p50 "
+          f"landings: DecodeStaging.request p50 {np.median(asked) * 1e3:.3f} ms (wire {16 if wire16 else '<16'}: "
+          f"{'the list checked here' if wire16 else 'no list'}), "
+          f"DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, CudaStager.copy (range checks) p50 "
           f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms; {len(gathers)} gathers on "
           f"prefill: CudaStager.gather (the list and its range checks) p50 {np.median(gathers) * 1e3:.3f} ms")
 

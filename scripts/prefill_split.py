@@ -21,7 +21,8 @@ inside it), which sum to the turn:
     trace_cycle    staging/cycle.py's lines      (their logging is "log")
     log            logging.Logger._log           every log line of the turn (the trace's, the engine's)
     reply          PrefillEndpoint._reply        a Send: encode + seal + socket
-    scatter_list   StagedPlan.scatter, wire.pack_scatter   a landed chunk's scatter list (in the machine)
+    scatter_list   StagedPlan.scatter, wire.pack_scatter   a chunk's scatter list (in the machine: a final's turn
+                                                           before wire 16, the SlotRequest's from 16)
     wire           StagedPlan.wire               the chunk's wire pieces (slot -> slot)
     post_chunk     PrefillEndpoint._post_chunk   less wire and submit (slot address, the answer queued)
     submit         <engine>.submit_write         less what is below (the endpoint's engine's class,

@@ -351,8 +351,8 @@ def test_a_staged_only_rank_takes_the_row_ahead_and_still_refuses_pages_that_byp
     m, r = staged_only()
     m.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 1.1)  # the row ahead
     assert r.state.state == KVPoll.Transferring and [(s, w.tobytes()) for s, w in m.written] == [(1, schema_row(7))]
-    (_, grant), = sends(m.message("tcp://p0", ask(7, 0, 0), 1.2), wire.SlotGrant)
-    (sc,) = of(m.message("tcp://p0", landed(m, 7, 0, 0, grant.slot, 10), 1.3), Scatter)
+    (_, grant), = sends(m.message("tcp://p0", ask(m, 7, 0, 0, 10), 1.2), wire.SlotGrant)
+    (sc,) = of(m.message("tcp://p0", landed(7, 0, 0, grant.slot), 1.3), Scatter)
     m.scattered(7, sc.slot, 1.3)
     m.message("tcp://p0", done(7, 0, [0, 1, 2]), 1.4)
     assert r.state.state == KVPoll.Success and r.aux.room == 7 and len(m.written) == 1

@@ -488,15 +488,14 @@ def ms():
     return machine
 
 
-def ask(room: int, cp: int, chunk: int) -> wire.SlotRequest:
-    return wire.SlotRequest(room=room, cp_rank=cp, chunk=chunk, num_bytes=SLOT)
-
-
-def landed(m, room: int, cp: int, chunk: int, slot: int, page: int, status: str = "ok") -> wire.ChunkLanded:
-    """Chunk ``chunk`` landed in ``slot``: 64 bytes for physical page ``page`` of layer 0."""
+def ask(m, room: int, cp: int, chunk: int, page: int) -> wire.SlotRequest:
+    """Chunk ``chunk`` asks for a slot: 64 bytes for physical page ``page`` of layer 0."""
     scatter = wire.pack_scatter(np.array([0]), np.array([PAGES_BASE + page * m.page_bytes]), np.array([64]))
-    return wire.ChunkLanded(room=room, cp_rank=cp, chunk=chunk, slot=slot, status=status, reason="",
-                            scatter=scatter if status == "ok" else b"")
+    return wire.SlotRequest(room=room, cp_rank=cp, chunk=chunk, num_bytes=SLOT, scatter=scatter)
+
+
+def landed(room: int, cp: int, chunk: int, slot: int, status: str = "ok") -> wire.ChunkLanded:
+    return wire.ChunkLanded(room=room, cp_rank=cp, chunk=chunk, slot=slot, status=status, reason="")
 
 
 def test_the_request_describes_the_staging_area(ms):
@@ -509,17 +508,17 @@ def test_slots_are_granted_fifo_scattered_on_landing_and_the_room_commits_after_
     from kvbridge.transfer.decode.staging import Scatter
 
     r = requested(ms)
-    grants = [sends(ms.message(f"tcp://p{c}", ask(7, c, k), 2.0), wire.SlotGrant) for c, k in ((0, 0), (1, 0), (0, 1))]
+    grants = [sends(ms.message(f"tcp://p{c}", ask(ms, 7, c, k, 10 + c + 2 * k), 2.0), wire.SlotGrant) for c, k in ((0, 0), (1, 0), (0, 1))]
     assert [g[0][1].slot for g in grants[:2]] == [0, 1] and grants[2] == []  # full: the third waits
     assert ms.staging.area.num_waiting == 1
-    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1)
+    acts = ms.message("tcp://p0", landed(7, 0, 0, 0), 2.1)
     (sc,) = of(acts, Scatter)
     assert sc.slot == 0 and int(sc.src[0]) == AREA_BASE and int(sc.dst[0]) == PAGES_BASE + 10 * ms.page_bytes
     assert sends(acts, wire.SlotGrant) == []  # the slot is busy until the shell scattered it
     acts = ms.scattered(7, 0, 2.2)
     (to, g), = sends(acts, wire.SlotGrant)
     assert to == ("tcp://p0",) and (g.chunk, g.slot) == (1, 0)  # the waiter gets the freed slot
-    ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.3)  # landed, not yet scattered
+    ms.message("tcp://p1", landed(7, 1, 0, 1), 2.3)  # landed, not yet scattered
     ms.message("tcp://p1", done(7, 1, [1]), 2.4)
     ms.memory.land(1, 7)
     ms.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 2.5)
@@ -528,21 +527,50 @@ def test_slots_are_granted_fifo_scattered_on_landing_and_the_room_commits_after_
     assert r.state.state == KVPoll.Success
 
 
-def test_a_scatter_outside_the_rooms_pages_fails_the_room_and_frees_the_slot(ms):
+def test_a_scatter_list_outside_the_rooms_pages_fails_the_room_when_asked_and_no_slot_is_granted(ms):
     r = requested(ms)
-    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
-    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=40), 2.1)  # page 40 is not the room's
-    assert r.state.state == KVPoll.Failed and "pages this room does not hold" in r.state.reason
-    assert ms.staging.area.num_free == 2 and len(sends(acts, wire.Abort)) == 2
+    acts = ms.message("tcp://p0", ask(ms, 7, 0, 0, 40), 2.0)  # page 40 is not the room's
+    assert r.state.state == KVPoll.Failed and "chunk 0's scatter list writes into pages this room does not hold" \
+        in r.state.reason
+    assert sends(acts, wire.SlotGrant) == [] and len(sends(acts, wire.Abort)) == 2
+    assert ms.staging.area.num_free == 2 and not ms.staging.lists and not ms.staging.list_bytes
+
+
+def test_a_chunks_checked_list_is_kept_until_it_lands_and_dropped_with_a_failed_room(ms, monkeypatch):
+    """Wire 16: the list a SlotRequest carries is kept (and counted per asking endpoint) until its
+    chunk lands; a room that fails drops its lists; a chunk that asks again before it landed, or
+    an endpoint whose lists of chunks not landed would pass the cap, fails the room by name,
+    before any slot is granted to that request."""
+    from kvbridge.transfer.decode import staging as decode_staging
+
+    st = ms.staging
+    requested(ms)
+    ms.message("tcp://p0", ask(ms, 7, 0, 0, 10), 2.0)
+    ms.message("tcp://p0", ask(ms, 7, 0, 1, 11), 2.0)
+    assert len(st.lists) == 2 and st.list_bytes == {"tcp://p0": 48}
+    ms.message("tcp://p0", landed(7, 0, 0, 0), 2.1)
+    assert len(st.lists) == 1 and st.list_bytes == {"tcp://p0": 24}  # chunk 0's taken by its landing
+    r = ms.rooms[7]
+    acts = ms.message("tcp://p0", ask(ms, 7, 0, 1, 12), 2.2)  # chunk 1 again, before it landed
+    assert r.state.state == KVPoll.Failed and "chunk 1 asked for a slot again before it landed" in r.state.reason
+    assert sends(acts, wire.SlotGrant) == [] and not st.lists and not st.list_bytes  # the failed room's lists dropped
+
+    monkeypatch.setattr(decode_staging, "LISTS_CAP_BYTES", 40)  # room for one list of one entry from an endpoint
+    ms.close(r, 2.3)
+    r = requested(ms, 8, now=2.3)
+    ms.message("tcp://p1", ask(ms, 8, 1, 0, 10), 2.4)
+    acts = ms.message("tcp://p1", ask(ms, 8, 1, 1, 11), 2.4)
+    assert r.state.state == KVPoll.Failed and "lists of chunks not landed 48 B, over 40 B" in r.state.reason
+    assert sends(acts, wire.SlotGrant) == [] and not st.lists and not st.list_bytes
 
 
 def test_a_failed_staged_room_frees_pages_at_once_and_quarantines_its_slot_until_the_ack(ms):
     from kvbridge.transfer.staging.area import SlotState
 
     r = requested(ms)
-    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
-    ms.message("tcp://p1", ask(7, 1, 0), 2.0)
-    acts = ms.message("tcp://p1", landed(ms, 7, 1, 0, 1, page=11), 2.0)  # landed: its scatter starts
+    ms.message("tcp://p0", ask(ms, 7, 0, 0, 10), 2.0)
+    ms.message("tcp://p1", ask(ms, 7, 1, 0, 11), 2.0)
+    acts = ms.message("tcp://p1", landed(7, 1, 0, 1), 2.0)  # landed: its scatter starts
     (scatter,) = [a for a in acts if type(a).__name__ == "Scatter"]
     ms.abort(r, "user cancelled", 2.1)
     area = ms.staging.area
@@ -561,7 +589,7 @@ def test_a_failed_staged_room_frees_pages_at_once_and_quarantines_its_slot_until
 
 def test_a_quarantined_slot_of_a_silent_sender_frees_after_lease_and_quarantine(ms):
     r = requested(ms)
-    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
+    ms.message("tcp://p0", ask(ms, 7, 0, 0, 10), 2.0)
     ms.abort(r, "user cancelled", 2.1)
     ms.tick(2.1 + 4.9)
     assert ms.staging.area.num_free == 1
@@ -571,15 +599,15 @@ def test_a_quarantined_slot_of_a_silent_sender_frees_after_lease_and_quarantine(
 
 def test_a_chunk_reported_in_a_slot_it_was_not_granted_fails_the_room(ms):
     r = requested(ms)
-    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
-    ms.message("tcp://p1", landed(ms, 7, 1, 0, 0, page=11), 2.1)  # slot 0 is cp0's
+    ms.message("tcp://p0", ask(ms, 7, 0, 0, 10), 2.0)
+    ms.message("tcp://p1", landed(7, 1, 0, 0), 2.1)  # slot 0 is cp0's
     assert r.state.state == KVPoll.Failed and "which it was not granted" in r.state.reason
 
 
 def test_a_staged_only_room_refuses_a_write_that_came_through_no_slot(ms):
     r = requested(ms)
-    ms.message("tcp://p0", ask(7, 0, 0), 2.0)
-    ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1)
+    ms.message("tcp://p0", ask(ms, 7, 0, 0, 10), 2.0)
+    ms.message("tcp://p0", landed(7, 0, 0, 0), 2.1)
     ms.scattered(7, 0, 2.2)
     ms.message("tcp://p0", done(7, 0, [0]), 2.3)  # came through slot 0: counted
     assert r.state.state == KVPoll.Transferring
@@ -594,15 +622,15 @@ def test_a_slot_still_scattering_is_never_granted_or_reported_into_and_every_fre
     from kvbridge.transfer.staging.area import SlotState
 
     r = requested(ms)
-    granted = [g.slot for c, k in ((0, 0), (0, 1)) for _, g in sends(ms.message("tcp://p0", ask(7, c, k), 2.0),
+    granted = [g.slot for c, k in ((0, 0), (0, 1)) for _, g in sends(ms.message("tcp://p0", ask(ms, 7, c, k, 10 + k), 2.0),
                                                                      wire.SlotGrant)]
     assert granted == [0, 1]  # two asks, two free slots: both granted at once
-    assert sends(ms.message("tcp://p1", ask(7, 1, 0), 2.0), wire.SlotGrant) == []  # none free: it waits
-    (sc,) = of(ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.1), Scatter)
+    assert sends(ms.message("tcp://p1", ask(ms, 7, 1, 0, 11), 2.0), wire.SlotGrant) == []  # none free: it waits
+    (sc,) = of(ms.message("tcp://p0", landed(7, 0, 0, 0), 2.1), Scatter)
     assert ms.staging.area.state(0) is SlotState.SCATTERING and ms.staging.area.num_waiting == 1
     ms.tick(2.15)
     assert ms.staging.area.state(0) is SlotState.SCATTERING  # no grant of a slot whose copy still runs
-    acts = ms.message("tcp://p0", landed(ms, 7, 0, 0, 0, page=10), 2.2)  # a second landing into it
+    acts = ms.message("tcp://p0", landed(7, 0, 0, 0), 2.2)  # a second landing into it
     assert r.state.state == KVPoll.Failed and "landed not allowed in state SCATTERING" in r.state.reason
     assert ms.staging.area.state(0) is SlotState.SCATTERING and not r.pages_releasable  # its copy still writes
     acts = ms.scattered(7, sc.slot, 2.3)
@@ -646,8 +674,8 @@ def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
     (_, req), = sends(feed(ev.Init(r, np.array([10, 11, 12]), 1, 10, 0, 1.0)), wire.TransferRequest)
     assert req.decode_rank_id == "dec-id"
     # one page through a staging slot: grant, land, scatter (done, and another that failed)
-    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(7, 0, 0), 1.1)), wire.SlotGrant)
-    (sc,) = of(feed(ev.Message("tcp://p0", landed(ms, 7, 0, 0, grant.slot, 10), 1.2)), Scatter)
+    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(ms, 7, 0, 0, 10), 1.1)), wire.SlotGrant)
+    (sc,) = of(feed(ev.Message("tcp://p0", landed(7, 0, 0, grant.slot), 1.2)), Scatter)
     feed(ev.Scattered(7, sc.slot, 1.2))
     acts = feed(ev.Message("tcp://p0", wire.PagesDone(room=7, cp_rank=0, status="ok", reason="", pools=["target"],
                                                       logical_pages=np.asarray([0, 1, 2], "<i4").tobytes(),
@@ -664,8 +692,8 @@ def test_every_event_type_of_the_decode_machine_is_fed_through_its_one_door(ms):
     r2 = dm.open(8, INSTANCE, None, 2.0)
     feed(Tick(2.0))
     feed(ev.Init(r2, np.array([20, 21, 22]), 2, 10, 0, 2.0))
-    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(8, 0, 0), 2.1)), wire.SlotGrant)
-    (sc,) = of(feed(ev.Message("tcp://p0", landed(ms, 8, 0, 0, grant.slot, 20), 2.2)), Scatter)
+    (_, grant), = sends(feed(ev.Message("tcp://p0", ask(ms, 8, 0, 0, 20), 2.1)), wire.SlotGrant)
+    (sc,) = of(feed(ev.Message("tcp://p0", landed(8, 0, 0, grant.slot), 2.2)), Scatter)
     feed(ev.ScatterFailed(8, sc.slot, "copy refused", 2.2))
     assert r2.state.state == KVPoll.Failed and "copy refused" in r2.state.reason
     feed(AbortRoom(r2, "again", 2.3))  # (already failed: nothing more)

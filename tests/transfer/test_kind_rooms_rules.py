@@ -342,15 +342,18 @@ def ms():
     return machine
 
 
-def into(m, pool: str, layer: int, unit: int, nbytes: int = 16) -> wire.ChunkLanded:
-    """Chunk 0 of cp0 landed in slot 0: ``nbytes`` for unit ``unit`` of ``pool`` layer ``layer``."""
+def into(m, pool: str, layer: int, unit: int, nbytes: int = 16) -> wire.SlotRequest:
+    """Chunk 0 of cp0 asks for a slot: ``nbytes`` for unit ``unit`` of ``pool`` layer ``layer``."""
     d = m.descs[(pool, layer)]
-    scatter = wire.pack_scatter(np.array([0]), np.array([d.base + unit * d.bytes_per_page]), np.array([nbytes]))
-    return wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="", scatter=scatter)
+    return ask(scatter=wire.pack_scatter(np.array([0]), np.array([d.base + unit * d.bytes_per_page]),
+                                         np.array([nbytes])))
 
 
-def ask(room: int = 7) -> wire.SlotRequest:
-    return wire.SlotRequest(room=room, cp_rank=0, chunk=0, num_bytes=SLOT)
+def ask(room: int = 7, scatter: bytes = b"") -> wire.SlotRequest:
+    return wire.SlotRequest(room=room, cp_rank=0, chunk=0, num_bytes=SLOT, scatter=scatter)
+
+
+LANDED = wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="")  # (chunk 0 of cp0, in slot 0)
 
 
 @pytest.mark.parametrize("pool, layer, unit, why", [
@@ -363,23 +366,21 @@ def test_a_staged_chunk_into_a_unit_of_a_kind_pool_the_room_does_not_hold_fails_
     against the room's units of each kind pool (a paged window: the window's pages; a state
     pool: its slot), not against its pages alone."""
     r = requested(ms)
-    ms.message("tcp://p0", ask(), 2.0)
-    acts = ms.message("tcp://p0", into(ms, pool, layer, unit), 2.1)
+    acts = ms.message("tcp://p0", into(ms, pool, layer, unit), 2.0)
     assert r.state.state == KVPoll.Failed and f"units of pool {pool!r}" in r.state.reason, r.state.reason
-    assert not [a for a in acts if type(a).__name__ == "Scatter"] and ms.staging.area.num_free == 2
+    assert not [a for a in acts if type(a).__name__ in ("Scatter", "SlotGrant")] and ms.staging.area.num_free == 2
 
 
 def test_staged_kind_units_scatter_into_the_rooms_units_and_commit_after_the_scatter(ms):
     from kvbridge.transfer.decode.staging import Scatter
 
     r = requested(ms)
-    ms.message("tcp://p0", ask(), 2.0)
     swa, conv = ms.descs[("swa", 0)], ms.descs[("mamba_conv", 1)]
     window_page = int(decode_pages(22)[5])  # logical page 5: in the window
     scatter = wire.pack_scatter(np.array([0, 64]), np.array([swa.base + window_page * swa.bytes_per_page,
                                                              conv.base + 3 * conv.bytes_per_page]), np.array([64, 32]))
-    acts = ms.message("tcp://p0", wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="",
-                                                   scatter=scatter), 2.1)
+    ms.message("tcp://p0", ask(scatter=scatter), 2.0)
+    acts = ms.message("tcp://p0", LANDED, 2.1)
     (sc,) = [a for a in acts if isinstance(a, Scatter)]
     assert sc.slot == 0 and r.state.state == KVPoll.Transferring
     ms.memory.land(1, 7)
@@ -426,10 +427,10 @@ def test_a_staged_scatter_into_a_ring_window_or_compressed_pool_stays_inside_the
     def land(pool: str, at: int, n: int):
         st = DecodeStaging(StagingArea(2, SLOT), AREA, descs, "dec", kind_specs=specs)
         out: list = []
-        st.request(7, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=7, cp_rank=0, chunk=0, num_bytes=n), out)
-        msg = wire.ChunkLanded(room=7, cp_rank=0, chunk=0, slot=0, status="ok", reason="",
-                               scatter=wire.pack_scatter(np.array([0]), np.array([base[pool] + at]), np.array([n])))
-        st.landed(7, (0, 0, 0), msg, np.array([3, 4, 5]), -1, out, kind_units=room_units)
+        scatter = wire.pack_scatter(np.array([0]), np.array([base[pool] + at]), np.array([n]))
+        st.request(7, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=7, cp_rank=0, chunk=0, num_bytes=n, scatter=scatter),
+                   np.array([3, 4, 5]), -1, out, kind_units=room_units)
+        st.landed(7, (0, 0, 0), LANDED, out)
         return [a for a in out if isinstance(a, Scatter)]
 
     row = 8 * 16  # a ring row: stride 8 rows of 16 B

@@ -1,4 +1,5 @@
-"""Decode's check of a landed chunk's scatter list (``DecodeStaging.landed``): the per-room unit
+"""Decode's check of a staged chunk's scatter list (``DecodeStaging.request``, wire 16: the list
+comes with the chunk's SlotRequest and is used when it lands): the per-room unit
 table gives the verdicts of the per-landing check it replaced, on many random lists; the table
 follows the room's inputs and is dropped with the room; the entries it proves inside the
 stager's device memory reach ``CudaStager.copy`` as ``Scatter.unproven``'s complement, and only
@@ -165,18 +166,21 @@ def test_the_room_table_gives_the_old_checks_verdicts_and_names_the_same_problem
 
 
 def land(ds, room, dst, length, page_ids, kind_units=None, aux_slot=-1, chunk=0):
+    """A chunk of ``room`` asks with this list (checked then), is granted a slot and lands."""
     out: list = []
-    ds.request(room, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=room, cp_rank=0, chunk=chunk, num_bytes=64), out)
+    scatter = wire.pack_scatter(np.zeros(len(dst), U), np.asarray(dst, U), np.asarray(length, U))
+    ds.request(room, (0, 0, 0), "tcp://p0", wire.SlotRequest(room=room, cp_rank=0, chunk=chunk, num_bytes=64,
+                                                              scatter=scatter), page_ids, aux_slot, out,
+               kind_units=kind_units)
     slot = out[-1].msg.slot
-    msg = wire.ChunkLanded(room=room, cp_rank=0, chunk=chunk, slot=slot, status="ok", reason="",
-                           scatter=wire.pack_scatter(np.zeros(len(dst), U), np.asarray(dst, U), np.asarray(length, U)))
-    ds.landed(room, (0, 0, 0), msg, page_ids, aux_slot, out, kind_units=kind_units)
+    msg = wire.ChunkLanded(room=room, cp_rank=0, chunk=chunk, slot=slot, status="ok", reason="")
+    ds.landed(room, (0, 0, 0), msg, out)
     sc = [a for a in out if isinstance(a, Scatter)]
     ds.scattered(room, slot, [])
     return sc[0]
 
 
-def test_refusals_through_landed_name_the_chunk_and_what_was_wrong():
+def test_refusals_through_request_name_the_chunk_and_what_was_wrong():
     ds = staging(all_device_memory())
     kv = DESCS[0]
     pages = np.array([1, 2])
@@ -190,7 +194,7 @@ def test_refusals_through_landed_name_the_chunk_and_what_was_wrong():
         with pytest.raises(LedgerError, match="chunk 1's scatter list " + why) as err:
             land(ds, 7, dst, n, pages, chunk=1)
         assert err.value.field == "scatter" and err.value.room == 7
-        assert ds.area.num_free == 2  # the slot is free again
+        assert ds.area.num_free == 2 and not ds.lists and not ds.list_bytes  # no slot granted, no list kept
 
 
 def test_a_unit_id_past_its_pools_units_holds_nothing_of_the_next_pool():

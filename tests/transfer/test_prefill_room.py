@@ -599,8 +599,11 @@ def test_a_staged_write_asks_a_slot_per_chunk_posts_into_the_slot_and_reports_af
             assert grant(3) == []  # chunk 3 waits for chunk 1's gather slot
         direct += of(acts, PostWrite)
     assert [c.chunk for c in landed] == list(range(sw.num_chunks)) and all(c.status == "ok" for c in landed)
-    off, dst, length = wire.unpack_scatter(landed[0].scatter)
+    off, dst, length = wire.unpack_scatter(asks[0].scatter)  # (the list travels with the chunk's SlotRequest)
     assert int((off + length).max()) <= SLOT and dst.min() >= 1 << 40  # slot offsets -> decode's pages
+    for k, ask in enumerate(asks):  # each chunk's own list, the one its plan scatters by
+        for got, want in zip(wire.unpack_scatter(ask.scatter), sw.staged.scatter(k, 0)):
+            assert (got == want).all()
     (report,) = reports  # one report per write; the aux row rode in it (staged too): nothing went direct
     assert report.status == "ok" and report.aux and wire.unpack_pages(report.logical_pages).tolist() == [0, 1]
     assert direct == [] and r.state.state == KVPoll.Success

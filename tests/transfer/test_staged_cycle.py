@@ -29,7 +29,7 @@ def _script():
 
 
 def test_each_staged_message_and_scatter_is_one_trace_line_with_its_event_time(caplog):
-    ask = wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=100)
+    ask = wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=100, scatter=b"")
     grant = wire.SlotGrant(room=7, decode_rank=DEC, chunk=3, slot=2)
     empty = np.zeros(0, np.uint64)
     with caplog.at_level(logging.INFO, logger="kvbridge.transfer.staging.cycle"):
@@ -92,8 +92,8 @@ def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_l
 def test_a_landed_out_fed_by_a_writes_completion_names_the_write(caplog):
     from kvbridge.transfer.prefill.events import WriteFinal
 
-    landed = wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=2, status="ok", reason="", scatter=b"")
-    given_back = wire.ChunkLanded(room=7, cp_rank=1, chunk=5, slot=0, status="failed", reason="x", scatter=b"")
+    landed = wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=2, status="ok", reason="")
+    given_back = wire.ChunkLanded(room=7, cp_rank=1, chunk=5, slot=0, status="failed", reason="x")
     with caplog.at_level(logging.INFO, logger="kvbridge.transfer.staging.cycle"):
         # the write's completion lands chunk 3; a slot granted ahead to chunk 5 is given back in the same feed
         trace_cycle(PRE, WriteFinal(41, None, 2.5), [Send(("ep",), landed), Send(("ep",), given_back)])
@@ -176,7 +176,7 @@ def test_prefills_turns_are_split_into_exclusive_parts_counted_only_inside_a_tur
         other = threading.Thread(target=reply)  # another thread meanwhile: not this turn's
         other.start()
         other.join()
-        wrapped(endpoint, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9), None, 0.0))  # nested
+        wrapped(endpoint, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9, scatter=b""), None, 0.0))  # nested
 
     wrapped = s.feed_wrapper(feed)
     staged = SimpleNamespace(room=7, first_chunk=10, posted={41: 2})
@@ -186,7 +186,7 @@ def test_prefills_turns_are_split_into_exclusive_parts_counted_only_inside_a_tur
     ep = SimpleNamespace(machine=books)
     s.recv = (time.perf_counter(), 3)
     wrapped(ep, Msg(b"x", wire.SlotGrant(room=7, decode_rank=DEC, chunk=12, slot=1), None, 1.0))
-    wrapped(ep, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9), None, 1.1))  # not a turn
+    wrapped(ep, Msg(b"x", wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=9, scatter=b""), None, 1.1))  # not a turn
     s.final_at[41] = time.perf_counter()
     done = threading.Thread(target=wrapped, args=(ep, WriteFinal(41, None, 2.0)))  # collected on the engine's thread
     done.start()

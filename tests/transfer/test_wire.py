@@ -79,11 +79,11 @@ SAMPLES = [
     wire.RoomTicket(room=7, decode_rank_id="r1", decider="p-cp0", instance="d", decode_rank="d/dp0/tp0",
                     binding=b"\x02" * 16, signature=bytes(range(64))),
     request(staging_slots=8, staging_slot_bytes=8 << 20, staging_base=2**47, staging_only=True),
-    wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=8 << 20),
-    wire.SlotGrant(room=7, decode_rank="d0", chunk=3, slot=5),
-    wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=5, status="ok", reason="",
+    wire.SlotRequest(room=7, cp_rank=1, chunk=3, num_bytes=8 << 20,
                      scatter=wire.pack_scatter(np.array([0, 64]), np.array([2**40, 2**41]), np.array([64, 16]))),
-    wire.ChunkLanded(room=7, cp_rank=1, chunk=4, slot=5, status="failed", reason="write failed", scatter=b""),
+    wire.SlotGrant(room=7, decode_rank="d0", chunk=3, slot=5),
+    wire.ChunkLanded(room=7, cp_rank=1, chunk=3, slot=5, status="ok", reason=""),
+    wire.ChunkLanded(room=7, cp_rank=1, chunk=4, slot=5, status="failed", reason="write failed"),
     wire.Release(room=7, decode_rank="d0", decode_rank_id="r-1", reason="full local prefix hit", binding=b"\x07" * 16),
 ]
 
@@ -106,7 +106,9 @@ def test_scatter_lists_round_trip_and_bad_ones_are_named() -> None:
     for a, b in zip(wire.unpack_scatter(wire.pack_scatter(off, dst, length)), (off, dst, length)):
         assert a.dtype == np.uint64 and (a == b).all()
     with pytest.raises(ProtocolError, match="scatter"):
-        wire.ChunkLanded(room=1, cp_rank=0, chunk=0, slot=0, status="ok", reason="", scatter=b"x" * 23)
+        wire.SlotRequest(room=1, cp_rank=0, chunk=0, num_bytes=64, scatter=b"x" * 23)
+    with pytest.raises(ProtocolError, match="scatter"):  # (decoded: the same check)
+        PLAIN.decode(body(t="slot_request", room=1, cp_rank=0, chunk=0, num_bytes=64, scatter=b"x" * 25))
     with pytest.raises(ProtocolError, match="staging_only"):
         request(staging_only=True)
 

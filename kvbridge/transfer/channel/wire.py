@@ -20,9 +20,10 @@ nonce into the registration's scratch region through its transfer engine and sen
 
 Staged transfers (``docs/staging.md``): a TransferRequest that describes the decode rank's
 staging area (``staging_slots`` > 0) lets the prefill rank stage a target. Per chunk the prefill
-rank asks for a slot (SlotRequest), the decode rank grants one when it is free (SlotGrant, FIFO),
-the prefill rank writes the chunk into the slot only, and reports it (ChunkLanded, with the
-scatter list: slot offset -> page address, length); the decode rank scatters it into its pages.
+rank asks for a slot (SlotRequest, with the chunk's scatter list: slot offset -> page address,
+length, which the decode rank checks then), the decode rank grants one when it is free (SlotGrant,
+FIFO), the prefill rank writes the chunk into the slot only, and reports it (ChunkLanded); the
+decode rank scatters it into its pages by the list it checked.
 The write's PagesDone follows its chunks' ChunkLanded on the same connection.
 
 A decode instance that needs nothing of a room (a full local prefix hit, a prompt whose KV it
@@ -337,12 +338,18 @@ class ErrorReply(_Message, frozen=True, tag="error_reply"):
 # ---- staged transfers ---------------------------------------------------------------------------
 class SlotRequest(_Message, frozen=True, tag="slot_request"):
     """prefill -> decode: chunk ``chunk`` (numbered per room, CP rank and TP rank from 0) of
-    ``num_bytes`` bytes needs a staging slot."""
+    ``num_bytes`` bytes needs a staging slot; once it lands, decode scatters it by ``scatter``
+    (packed little-endian uint64 triples: slot offset, page address, length), which decode checks
+    when the request comes, not on the landing's path (wire 16)."""
 
     room: Room
     cp_rank: Count
     chunk: Count
     num_bytes: Count
+    scatter: bytes
+
+    def __post_init__(self) -> None:
+        _check_scatter(self)
 
 
 class SlotGrant(_Message, frozen=True, tag="slot_grant"):
@@ -355,9 +362,8 @@ class SlotGrant(_Message, frozen=True, tag="slot_grant"):
 
 
 class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
-    """prefill -> decode: chunk ``chunk``'s write into ``slot`` is final: ``ok`` (scatter ``scatter``,
-    packed little-endian uint64 triples: slot offset, page address, length) or ``failed``
-    (nothing of it is in flight any more)."""
+    """prefill -> decode: chunk ``chunk``'s write into ``slot`` is final: ``ok`` (decode scatters it
+    by the list its SlotRequest carried) or ``failed`` (nothing of it is in flight any more)."""
 
     room: Room
     cp_rank: Count
@@ -365,15 +371,18 @@ class ChunkLanded(_Message, frozen=True, tag="chunk_landed"):
     slot: Count
     status: Literal["ok", "failed"]
     reason: str
-    scatter: bytes
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "failed"):
             raise ProtocolError(f"field 'status' of chunk_landed must be 'ok' or 'failed', got {self.status!r:.40}",
                                 room=self.room, field="status")
-        if isinstance(self.scatter, bytes) and len(self.scatter) % 24:
-            raise ProtocolError(f"field 'scatter' of chunk_landed must be packed uint64 triples (a multiple of 24 "
-                                f"bytes), got {len(self.scatter)}", room=self.room, field="scatter")
+
+
+def _check_scatter(msg: _Message) -> None:
+    value = msg.scatter
+    if isinstance(value, bytes) and len(value) % 24:
+        raise ProtocolError(f"field 'scatter' of {msg.TAG} must be packed uint64 triples (a multiple of 24 bytes), "
+                            f"got {len(value)}", room=msg.room, field="scatter")
 
 
 Message = Union[TransferRequest, Abort, Ping, ChallengeEcho, PagesDone, AbortAck, Heartbeat, Challenge, ErrorReply,
@@ -438,12 +447,12 @@ def unpack_pages(data: bytes) -> np.ndarray:
 
 
 def pack_scatter(off: np.ndarray, dst: np.ndarray, length: np.ndarray) -> bytes:
-    """A chunk's scatter list -> packed little-endian uint64 triples (ChunkLanded.scatter)."""
+    """A chunk's scatter list -> packed little-endian uint64 triples (SlotRequest.scatter)."""
     return np.stack([np.asarray(a, dtype="<u8").reshape(-1) for a in (off, dst, length)], axis=1).tobytes()
 
 
 def unpack_scatter(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ChunkLanded.scatter -> (slot offsets, page addresses, lengths) as uint64 arrays."""
+    """SlotRequest.scatter -> (slot offsets, page addresses, lengths) as uint64 arrays."""
     if len(data) % 24:
         raise ProtocolError(f"a scatter list must be a multiple of 24 bytes, got {len(data)}", field="scatter")
     cols = np.frombuffer(data, dtype="<u8").reshape(-1, 3).T.astype(np.uint64)  # one copy: three contiguous rows

@@ -6,7 +6,7 @@ the state slots the rooms hold (``StateSlots``). The room machine (``machine.py`
                       -> InitKinds: the room's units; its state slot claimed (a slot another
                          room holds, or a failed room's that a write may still reach, is refused)
     request           -> request_units: what the TransferRequest carries; the KindLedger starts
-    ChunkLanded       -> dest_units: the units a staged chunk may scatter into (DecodeStaging
+    SlotRequest       -> dest_units: the units a staged chunk may scatter into (DecodeStaging
                          checks its scatter list against them, per kind pool)
     PagesDone         -> record: every unit once per (source TP rank, pipeline stage) that sends
                          it, state only in a write at the request's full length (LedgerError)

@@ -459,18 +459,18 @@ class DecodeRooms:
                     self.learn_num_tokens(r, msg.num_tokens, f"{_label(msg, endpoint, key, r)} (with the aux row)")
         elif isinstance(msg, wire.ChunkLanded):
             if self.trace:
-                log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s scatter=%d",
-                         r.room, self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot,
-                         msg.status, len(msg.scatter) // 24)
+                log.info("trace room=%d rank=%s +%.2fms @%.6f chunk %d of cp%d landed in slot %d %s", r.room,
+                         self.cfg.rank_label, r.age_ms(now), now, msg.chunk, msg.cp_rank, msg.slot, msg.status)
             staging = self._staging_for(r, msg)
             try:
-                staging.landed(r.room, key, msg, r.page_ids, r.aux_slot, self._out,
-                               kind_units=self.kinds.dest_units(r.room, r.page_ids) if self.kinds else None)
+                staging.landed(r.room, key, msg, self._out)
             finally:
                 r.scatters = staging.scattering(r.room)
         elif isinstance(msg, wire.SlotRequest):
             if not r.state.final:  # (a failed room grants nothing: its sender was told to abort)
-                self._staging_for(r, msg).request(r.room, key, endpoint, msg, self._out)
+                self._staging_for(r, msg).request(r.room, key, endpoint, msg, r.page_ids, r.aux_slot, self._out,
+                                                  kind_units=self.kinds.dest_units(r.room, r.page_ids)
+                                                  if self.kinds else None)
         elif isinstance(msg, wire.AbortAck):
             r.quiet.add(key)
             if self.staging is not None:

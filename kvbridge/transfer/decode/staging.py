@@ -4,11 +4,13 @@ The decode rank owns one registered staging area (``DecodeConfig.staging_bytes``
 slots of ``staging_slot_bytes``) and describes it in every TransferRequest. Remote writes of a
 staged target land only there:
 
-    SlotRequest(room, cp, chunk)  ->  acquire (FIFO; none free: the chunk waits, back-pressure)
+    SlotRequest(room, cp, chunk,  ->  every destination checked inside the room's own pages, the list
+                scatter list)         kept for the landing (one that is not: the room fails, no grant)
+                                  ->  acquire (FIFO; none free: the chunk waits, back-pressure)
                                   ->  SlotGrant(slot) to that prefill rank
-    ChunkLanded(ok, scatter list) ->  every destination checked inside the room's own pages
-                                  ->  slot SCATTERING, Scatter action (the shell starts the copy
-                                      slot -> pages: on a GPU a kernel whose event the loop polls)
+    ChunkLanded(ok)               ->  slot SCATTERING, Scatter action by the checked list (the shell
+                                      starts the copy slot -> pages: on a GPU a kernel whose event
+                                      the loop polls)
                                   ->  scattered() once the copy completed: slot free, the next
                                       waiter granted at once (the slot's credit goes back)
     room failed                   ->  ASSIGNED slots QUARANTINED (a write may still land in them)
@@ -41,7 +43,10 @@ __all__ = ["DecodeStaging", "Scatter"]
 _SENDER_SHIFT = 32  # chunk key = sender index << 32 | chunk
 _TP_SPAN = 4096  # sender index = (cp * span + tp) * span + pp (every size is at most 4096)
 Sender = tuple[int, int, int]  # (cp_rank, tp_rank, pp_rank) of a prefill sender
-HELD_CACHE_BYTES = 64 << 20  # rooms' unit tables kept at most (the least recently landed go first)
+HELD_CACHE_BYTES = 64 << 20  # rooms' unit tables kept at most (the least recently checked go first)
+# checked scatter lists kept for chunks not landed yet, per asking prefill endpoint: a rank asks for at most twice its
+# gather slots at once (StagedWrites.ahead), a 256 MiB slot's list is about 0.5 MiB; a request past the cap fails its room
+LISTS_CAP_BYTES = 64 << 20
 _NONE_UNPROVEN = np.zeros(0, dtype=np.int64)
 
 
@@ -50,7 +55,7 @@ class Scatter:
     """Copy ``length[i]`` bytes from ``src[i]`` (in staging slot ``slot``) to ``dst[i]`` (the room's
     pages); answer with ``DecodeRooms.scattered(room, slot, now)``.
 
-    ``unproven``: the indices of the entries ``landed`` did not prove to lie inside the stager's
+    ``unproven``: the indices of the entries ``request`` did not prove to lie inside the stager's
     device memory (``DecodeStaging(kernel_ranges=)``): the aux row's, and those of a buffer whose
     checked extent is not inside one of those ranges. None: nothing was proven (no ranges given),
     the stager looks every entry up (``CudaStager.copy(unproven=)``)."""
@@ -65,8 +70,8 @@ class Scatter:
 
 class _Held:
     """One room's pages and kind units as one table over every group's units, built at its first
-    landing and kept while its inputs stay equal (the engine's page ids are fixed at init, kind
-    units from the room's request): a landing then checks all its entries in one pass.
+    slot request and kept while its inputs stay equal (the engine's page ids are fixed at init,
+    kind units from the room's request): a request's list is then checked in one pass.
 
         group g: 0 the room's pages, 1 + k kind pool k, each as many units as its largest buffer
         unit u of group g is global unit start[g] + u                  (DecodeStaging._start)
@@ -120,11 +125,11 @@ class DecodeStaging:
         """``aux_ranges(slot)``: the ``[start, end)`` byte ranges of aux row ``slot`` (the aux row
         rides in a staged target's last write, so it is scattered from a slot too);
         ``kind_specs``: the window, compressed and state pools among ``dst_bufs``, whose
-        destinations are checked against the room's units of each (``landed(kind_units=)``)
+        destinations are checked against the room's units of each (``request(kind_units=)``)
         rather than its pages.
 
         ``kernel_ranges``: the shell's stager's device regions (``CudaStager.ranges``, an
-        ``AddressRanges``), or None. ``landed`` proves every entry it passes, but an aux row's,
+        ``AddressRanges``), or None. ``request`` proves every entry it passes, but an aux row's,
         inside the slot and inside one buffer of ``dst_bufs`` (``[base, base + capacity_pages *
         bytes_per_page)``); the stager would look each up again to pick kernel or plain copy.
         Such an entry needs no second look-up only where that proof implies the stager's answer:
@@ -151,6 +156,10 @@ class DecodeStaging:
         # (room, sender) -> chunks landed since its last PagesDone: a staged-only room's report with
         # none before it means that sender wrote the pages directly
         self.unreported: dict[tuple[int, Sender], int] = {}
+        # (room, chunk key) -> the chunk's scatter list as its request carried it, checked: (slot offsets, page
+        # addresses, lengths, Scatter.unproven, the asking endpoint); taken when the chunk lands
+        self.lists: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, str]] = {}
+        self.list_bytes: dict[str, int] = {}  # per asking endpoint: the bytes of its lists kept
         bufs = sorted(dst_bufs, key=lambda b: b.base)
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
         self._end = np.array([_registered_end(b, registered) for b in bufs], dtype=np.uint64)
@@ -182,7 +191,7 @@ class DecodeStaging:
             self._vouched = np.array([kernel_ranges.within(int(b), int(e)) for b, e in zip(self._base, self._end)],
                                      dtype=bool)
         self._all_vouched = self._vouched is not None and bool(self._vouched.all())
-        self._held: dict[int, _Held] = {}  # room -> its unit table (least recently landed first)
+        self._held: dict[int, _Held] = {}  # room -> its unit table (least recently checked first)
         self._held_bytes = 0
         self.counters = {"slot_requests": 0, "granted_at_once": 0, "slot_waits": 0, "chunks_scattered": 0,
                          "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0}
@@ -199,12 +208,33 @@ class DecodeStaging:
         return (cp, tp, pp)
 
     # ---- events ------------------------------------------------------------------------------
-    def request(self, room: int, sender: Sender, endpoint: str, msg: wire.SlotRequest,
-                out: list) -> None:
+    def request(self, room: int, sender: Sender, endpoint: str, msg: wire.SlotRequest, page_ids: np.ndarray | None,
+                aux_slot: int, out: list, kind_units: Mapping[str, np.ndarray] | None = None) -> None:
+        """A chunk asks for a slot with its scatter list. The list is checked now (as ``landed`` did
+        before wire 16: inside the slot, into the room's own pages, its units of each kind pool
+        (``kind_units``, ``DecodeKinds.dest_units``) and its aux row) and kept for the chunk's
+        landing, which then only starts the copy; a list that fails fails the room
+        (LedgerError) before any slot is granted to it. Then the slot: granted at once when one
+        is free, else the chunk waits (FIFO)."""
         if msg.chunk >= 1 << _SENDER_SHIFT or msg.num_bytes > self.area.slot_bytes:
             raise LedgerError(f"slot request for chunk {msg.chunk} of {msg.num_bytes} B: slots hold "
                               f"{self.area.slot_bytes} B", room=room, rank=f"cp{msg.cp_rank}", field="chunk")
         ck = self.key(sender, msg.chunk)
+        if (room, ck) in self.lists:
+            raise LedgerError(f"chunk {msg.chunk} asked for a slot again before it landed", room=room,
+                              rank=f"cp{msg.cp_rank}", field="chunk")
+        held = self.list_bytes.get(endpoint, 0)
+        if held + len(msg.scatter) > LISTS_CAP_BYTES:
+            raise LedgerError(f"chunk {msg.chunk}'s scatter list ({len(msg.scatter)} B) would make {endpoint}'s lists "
+                              f"of chunks not landed {held + len(msg.scatter)} B, over {LISTS_CAP_BYTES} B",
+                              room=room, rank=f"cp{msg.cp_rank}", field="scatter")
+        off, dst, length = wire.unpack_scatter(msg.scatter)
+        problem, unproven = self._outside(room, off, dst, length, page_ids, aux_slot, kind_units or {})
+        if problem is not None:
+            raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
+                              field="scatter")
+        self.lists[(room, ck)] = (off, dst, length, unproven, endpoint)
+        self.list_bytes[endpoint] = held + len(msg.scatter)
         self.asks[(room, ck)] = endpoint
         self.senders[(room, endpoint)] = sender
         self.counters["slot_requests"] += 1
@@ -222,15 +252,14 @@ class DecodeStaging:
             out.append(Send((endpoint,), wire.SlotGrant(room=g.room, decode_rank=self.rank,
                                                         chunk=chunk, slot=g.slot)))
 
-    def landed(self, room: int, sender: Sender, msg: wire.ChunkLanded, page_ids: np.ndarray | None,
-               aux_slot: int, out: list, kind_units: Mapping[str, np.ndarray] | None = None) -> None:
-        """A chunk's write into its slot is final: scatter it (ok) or free the slot (failed).
-        ``kind_units``: per kind pool, the units of it the room may be written in
-        (``DecodeKinds.dest_units``)."""
+    def landed(self, room: int, sender: Sender, msg: wire.ChunkLanded, out: list) -> None:
+        """A chunk's write into its slot is final: scatter it (ok) by the list its request carried,
+        checked then (``request``), or free the slot (failed)."""
         ck = self.key(sender, msg.chunk)
         if msg.slot >= self.area.num_slots or self.area.owner(msg.slot) != (room, ck):
             raise LedgerError(f"chunk {msg.chunk} reported in slot {msg.slot}, which it was not granted", room=room,
                               rank=f"cp{msg.cp_rank}", field="slot")
+        checked = self._take_list(room, ck)
         state = self.area.state(msg.slot)
         if state is SlotState.QUARANTINED:  # the room failed; the write is final now: nothing more lands
             self.grant(self.area.acknowledged(msg.slot), out)
@@ -240,12 +269,11 @@ class DecodeStaging:
             self.counters["chunks_failed"] += 1
             self.grant(self.area.release(msg.slot), out)
             return
-        off, dst, length = wire.unpack_scatter(msg.scatter)
-        problem, unproven = self._outside(room, off, dst, length, page_ids, aux_slot, kind_units or {})
-        if problem is not None:
+        if checked is None:  # (a granted chunk's request was checked, or its room failed: not reached)
             self.grant(self.area.release(msg.slot), out)
-            raise LedgerError(f"chunk {msg.chunk}'s scatter list {problem}", room=room, rank=f"cp{msg.cp_rank}",
-                              field="scatter")
+            raise LedgerError(f"chunk {msg.chunk} landed with no checked scatter list", room=room,
+                              rank=f"cp{msg.cp_rank}", field="scatter")
+        off, dst, length, unproven, _ = checked
         self.area.scatter(msg.slot)
         self.pending[room] = self.pending.get(room, 0) + 1
         self.in_flight[room] = self.in_flight.get(room, 0) + 1
@@ -280,6 +308,7 @@ class DecodeStaging:
         """The room failed: its waiting requests leave, its ASSIGNED slots are quarantined."""
         for key in [k for k in self.asks if k[0] == room]:
             del self.asks[key]
+        self._drop_lists(room)
         self.pending.pop(room, None)
         self._drop_held(room)
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
@@ -310,6 +339,7 @@ class DecodeStaging:
     def forget(self, room: int) -> None:
         """The rooms forgot ``room``: keep its senders only while a slot of it is quarantined."""
         self._drop_held(room)
+        self._drop_lists(room)
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         if not self.area.slots_of(room):
             self.senders = {k: v for k, v in self.senders.items() if k[0] != room}
@@ -404,7 +434,7 @@ class DecodeStaging:
 
     def _held_of(self, room: int, page_ids: np.ndarray, kind_units: Mapping[str, np.ndarray]) -> _Held:
         """The room's unit table, built when its inputs changed (or it was dropped to bound the
-        cache at ``HELD_CACHE_BYTES``, least recently landed first); dropped when the room fails
+        cache at ``HELD_CACHE_BYTES``, least recently checked first); dropped when the room fails
         or is forgotten."""
         pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
         units = {k: np.asarray(kind_units[k], dtype=np.int64).reshape(-1) for k in self._kinds if k in kind_units}
@@ -417,8 +447,23 @@ class DecodeStaging:
             self._held_bytes += held.nbytes
             while self._held and self._held_bytes > HELD_CACHE_BYTES:
                 self._drop_held(next(iter(self._held)))
-        self._held[room] = held  # (last: the most recently landed)
+        self._held[room] = held  # (last: the most recently checked)
         return held
+
+    def _take_list(self, room: int, ck: int) -> tuple | None:
+        checked = self.lists.pop((room, ck), None)
+        if checked is not None:
+            endpoint = checked[4]
+            left = self.list_bytes[endpoint] - 24 * checked[2].size
+            if left:
+                self.list_bytes[endpoint] = left
+            else:
+                del self.list_bytes[endpoint]
+        return checked
+
+    def _drop_lists(self, room: int) -> None:
+        for key in [k for k in self.lists if k[0] == room]:
+            self._take_list(*key)
 
     def _drop_held(self, room: int) -> None:
         held = self._held.pop(room, None)

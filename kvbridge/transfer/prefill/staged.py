@@ -8,12 +8,13 @@ same write the direct path would post (its pages, one report), cut by ``stage_pl
 chunks that each pass through one slot of our gather buffer and one slot of the decode rank's
 staging area:
 
-    chunk k:  gather slot (ours, FIFO)  ->  --SlotRequest-->  decode, then Gather: the shell gathers
-              pages -> gather slot now (on a GPU queued on the stager's stream) while it travels
+    chunk k:  gather slot (ours, FIFO)  ->  --SlotRequest(scatter list)-->  decode (which checks the
+              list now), then Gather: the shell gathers pages -> gather slot now (on a GPU queued on
+              the stager's stream) while it travels
               <--SlotGrant(slot)--  decode (FIFO: back-pressure when its area is full)
               PostChunk: the shell writes the gathered slot's pieces -> decode slot (on a GPU the
               write waits for the gather's event, not this thread)
-              write final  --ChunkLanded(scatter list)-->  decode scatters slot -> pages
+              write final  --ChunkLanded-->  decode scatters slot -> pages by the list it checked
 
 Credits: a chunk asks for its decode slot when it takes a gather slot, and the chunks next in
 line for our gather slots ask ahead of it (``StagedWrites.ahead``: what is left of our fair
@@ -500,8 +501,10 @@ class StagedWrites:
         if k in sw.asked:
             return
         sw.asked.add(k)
+        off, dst, length = sw.staged.scatter(k, 0)  # (decode checks it now, not when the chunk lands)
         self._out.append(Send((sw.target.ident,), wire.SlotRequest(
-            room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, num_bytes=int(sw.staged.chunk_span[k]))))
+            room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, num_bytes=int(sw.staged.chunk_span[k]),
+            scatter=wire.pack_scatter(off, dst, length))))
 
     def ahead(self, offer: Offer) -> int:
         """How many chunks waiting for our gather slots may ask a decode rank with ``offer`` ahead:
@@ -577,16 +580,15 @@ class StagedWrites:
     def _chunk_final(self, sw: StagedWrite, k: int, ok: bool, reason: str) -> None:
         """Chunk ``k``'s write is final (or failed to post): report it to decode, free our slot."""
         if ok:
-            off, dst, length = sw.staged.scatter(k, 0)
             msg = wire.ChunkLanded(room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=sw.remote[k],
-                                   status="ok", reason="", scatter=wire.pack_scatter(off, dst, length))
+                                   status="ok", reason="")
             sw.done += 1
             self.counters["chunks"] += 1
             self.counters["bytes_staged"] += int(sw.staged.chunk_bytes[k])
         else:
             sw.failed = True
             msg = wire.ChunkLanded(room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=sw.remote[k],
-                                   status="failed", reason=reason, scatter=b"")
+                                   status="failed", reason=reason)
         self._out.append(Send((sw.target.ident,), msg))
         self._free_gather(sw.local.pop(k))
 
@@ -603,7 +605,7 @@ class StagedWrites:
             for k, slot in sw.ahead.items():
                 self._out.append(Send((sw.target.ident,), wire.ChunkLanded(
                     room=sw.room, cp_rank=self.cp_rank, chunk=sw.first_chunk + k, slot=slot, status="failed",
-                    reason=reason, scatter=b"")))
+                    reason=reason)))
             sw.ahead.clear()
         if sw.done != sw.num_chunks:
             if not (sw.failed or not sw.target.active) or sw.posted:
@@ -626,5 +628,5 @@ _HANDLERS: dict[type, Callable[[StagedWrites, Any], None]] = {
 
 def _landed_failed(msg: wire.SlotGrant, cp_rank: int, reason: str) -> wire.ChunkLanded:
     return wire.ChunkLanded(room=msg.room, cp_rank=cp_rank, chunk=msg.chunk, slot=msg.slot, status="failed",
-                            reason=reason, scatter=b"")
+                            reason=reason)
 
