@@ -29,7 +29,7 @@ from kvbridge.bootstrap.endpoints import canonical_endpoint
 from kvbridge.bootstrap.lapses import claim_message
 from kvbridge.errors import EndpointError
 
-__all__ = ["DOMAIN", "KEY_BYTES", "MEMORY_DOMAIN", "SIGNATURE_BYTES", "TICKET_DOMAIN", "ProofKey", "memory_message",
+__all__ = ["DOMAIN", "KEY_BYTES", "MEMORY_DOMAIN", "PROOF_FAILED", "SIGNATURE_BYTES", "TICKET_DOMAIN", "ProofKey", "memory_message",
            "proof_message", "proof_peer", "ticket_message", "verify_memory", "verify_proof", "verify_ticket"]
 
 DOMAIN = b"kvbridge ownership proof v1"
@@ -37,6 +37,9 @@ MEMORY_DOMAIN = b"kvbridge memory proof v1"  # what a rank writes into its own s
 TICKET_DOMAIN = b"kvbridge room ticket v1"  # a room's decider: who holds the room (prefill/tickets.py)
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
+# what a prefill rank's refusal says of a connection that did not prove its registration's memory (prefill/admission.py);
+# decode asks again a few times before it fails a room on it (decode/machine.py: a proof may fail for a moment)
+PROOF_FAILED = "could not prove it holds the memory it registered"
 
 
 def proof_peer(endpoint: str) -> str:

@@ -279,6 +279,47 @@ def test_an_error_reply_to_the_request_fails_the_room_and_makes_that_rank_quiet(
     assert r.state.state == KVPoll.Failed and "refused our" in r.state.reason and (0, 0, 0) in r.quiet
 
 
+def test_a_request_refused_for_a_failed_memory_proof_is_asked_again_then_fails_the_room(m):
+    """A prefill rank refuses a TransferRequest on a connection whose memory proof failed (CI: its
+    read of our scratch region timed out while the host stood still). Nothing of the room reached
+    it, so decode asks that rank again, after the admission's retry_s, up to PROOF_RETRIES times;
+    a request answered meanwhile commits, and a third refusal fails the room, naming it."""
+    from kvbridge.transfer.decode.machine import PROOF_RETRIES, PROOF_RETRY_S
+    from kvbridge.transfer.ownership import PROOF_FAILED
+
+    refused = wire.ErrorReply(ref_type=wire.TransferRequest.TAG, room=7,
+                              reason=f"decode rank d (registration x) {PROOF_FAILED}: its memory proof could not be read")
+    r = requested(m)
+    now = 2.0
+    for attempt in range(PROOF_RETRIES):
+        acts = m.message("tcp://p0", refused, now)
+        assert r.state.state == KVPoll.Transferring and not sends(acts, wire.Abort) and (0, 0, 0) not in r.quiet
+        for t in np.arange(now + 0.5, now + PROOF_RETRY_S - 0.01, 0.5):  # a running loop: nothing before the retry
+            m.message("tcp://p1", wire.Heartbeat(cp_rank=1, seq=1), t)  # (cp1 answered: alive)
+            assert sends(m.tick(t), wire.TransferRequest) == []
+        ((to, again),) = sends(m.tick(now + PROOF_RETRY_S), wire.TransferRequest)
+        assert to == ("tcp://p0",) and again.room == 7 and again.pools == ["target"]  # that rank only, its pools
+        assert sends(m.tick(now + PROOF_RETRY_S + 0.5), wire.TransferRequest) == []  # once
+        now += PROOF_RETRY_S + 1.0
+    m.message("tcp://p0", refused, now)  # the third refusal: the room fails on it
+    assert r.state.state == KVPoll.Failed and PROOF_FAILED in r.state.reason and (0, 0, 0) in r.quiet
+
+
+
+def test_a_request_asked_again_after_a_failed_memory_proof_commits_when_answered(m):
+    from kvbridge.transfer.decode.machine import PROOF_RETRY_S
+    from kvbridge.transfer.ownership import PROOF_FAILED
+
+    r = requested(m)
+    m.message("tcp://p0", wire.ErrorReply(ref_type=wire.TransferRequest.TAG, room=7, reason=f"x {PROOF_FAILED}: y"), 2.0)
+    m.tick(2.0 + PROOF_RETRY_S / 2)
+    assert len(sends(m.tick(2.0 + PROOF_RETRY_S), wire.TransferRequest)) == 1
+    m.message("tcp://p1", done(7, 1, [1]), 4.1)
+    m.memory.land(1, 7)
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 4.2)
+    assert r.state.state == KVPoll.Success
+
+
 def test_peer_silence_fails_its_rooms_and_a_late_report_changes_nothing(m):
     r = requested(m, now=1.0)
     acts = m.tick(1.0 + SCAN_S)

@@ -192,3 +192,34 @@ def test_an_attacker_who_reads_and_writes_all_registered_memory_cannot_act_for_a
     wait_final([legit, *senders])
     assert legit.poll() == KVPoll.Success and c.verified(94, 8, pages)
     legit.close()
+
+
+def test_a_memory_proof_whose_read_fails_once_is_asked_again_and_the_room_commits(cluster):
+    """CI, round 23: a prefill rank's read of decode's memory proof failed (rc -1) on a host that
+    stood still for 30 s, the prefill rank refused decode's connection, and decode failed the room
+    on that refusal: a healthy pair, one lost request. The refused request never reached the room,
+    so decode asks again (``PROOF_RETRY_S`` later, on a fresh proof) and the room commits; nothing
+    was written before the proof held."""
+    from kvbridge.errors import EngineError
+
+    c = cluster(cp=1, prefill_cfg={"target_timeout": 15.0})
+    engine = c.prefill[0].engine
+    real, reads = engine.probe_read, []
+
+    def read_failing_once(session, dst, src, length, timeout=5.0):  # noqa: ANN001, ANN202
+        reads.append(session)
+        if len(reads) == 1:
+            raise EngineError(f"read of {int(length.sum())} bytes at {int(src[0]):#x} from session {session} failed "
+                              "(rc -1) [injected]", field="src")
+        return real(session, dst, src, length, timeout)
+
+    engine.probe_read = read_failing_once
+    pages = np.array([1, 2])
+    r = c.decode.receiver(95, f"{c.name}-p")
+    r.init(pages, 0, 8)
+    senders = c.send(95, 8)
+    wait_final([r, *senders], timeout=20)
+    assert r.poll() == KVPoll.Success, r.failure_reason
+    assert c.verified(95, 8, pages) and len(reads) >= 2  # refused once, proven on the second proof
+    assert all(s.poll() == KVPoll.Success for s in senders)
+    r.close()

@@ -35,7 +35,7 @@ from kvbridge.errors import (
 )
 from kvbridge.layout import AuxSchema, BufferDesc, PoolSpec
 from kvbridge.layout.kinds import token_page_size
-from kvbridge.transfer.ownership import ProofKey
+from kvbridge.transfer.ownership import PROOF_FAILED, ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
@@ -61,6 +61,12 @@ log = logging.getLogger(__name__)
 
 SCAN_S = 0.02  # every room is looked at on this period; events in between touch only their room
 ABORT_RESEND_S = 1.0  # a failed room re-sends its Abort to ranks not yet quiet
+# a TransferRequest a prefill rank refused because this rank's memory proof failed (PROOF_FAILED: a read of our scratch
+# region that timed out on a starved host, a connection whose proof raced another) is sent again, this many times per
+# sender, each after this long (past the prefill admission's retry_s of 1 s, when the next message starts a new proof);
+# nothing of the room was written (a refused request never reaches the room), so asking again is safe
+PROOF_RETRIES = 2
+PROOF_RETRY_S = 2.0
 _NONE: tuple = ()  # what an event that asks for nothing returns
 
 
@@ -479,6 +485,8 @@ class DecodeRooms:
             self._hand_on(r, key, msg)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
+                if PROOF_FAILED in msg.reason and self._ask_again(r, endpoint, msg, now):
+                    return
                 r.quiet.update(k for k, s in r.senders.items() if s.control_endpoint == endpoint)
             self.fail(r, f"{_label(msg, endpoint, key, r)} refused our {msg.ref_type}: {msg.reason}", now)
         elif r.state.final:
@@ -489,6 +497,21 @@ class DecodeRooms:
         elif isinstance(msg, wire.PagesDone):  # failed
             r.quiet.add(key)
             self.fail(r, f"{_label(msg, endpoint, key, r)}: {msg.reason}", now)
+
+    def _ask_again(self, r: DecodeRoom, endpoint: str, msg: wire.ErrorReply, now: float) -> bool:
+        """A sender refused the room's TransferRequest because our memory proof failed on that
+        connection: ask it again in ``PROOF_RETRY_S`` (``_advance``), at most ``PROOF_RETRIES`` times
+        (False: no more; the room fails on the refusal)."""
+        if r.state.final or r.state.state != KVPoll.Transferring:
+            return False
+        n = r.proof_retries.get(endpoint, 0)
+        if n >= PROOF_RETRIES:
+            return False
+        r.proof_retries[endpoint] = n + 1
+        r.ask_again[endpoint] = now + PROOF_RETRY_S
+        log.warning("room %d on %s: prefill %s refused our transfer_request (%s); asking again in %.1fs (%d of %d)",
+                    r.room, self.cfg.rank_label, endpoint, msg.reason, PROOF_RETRY_S, n + 1, PROOF_RETRIES)
+        return True
 
     def _hand_on(self, r: DecodeRoom, key: SenderKey | None, t: wire.RoomTicket) -> None:
         """The room's decider (cp 0, tp 0, pp 0 of the DP group) granted us the room: hand its
@@ -679,6 +702,12 @@ class DecodeRooms:
                 self._send_release(r, now)
             elif r.waited(now) > self.cfg.waiting_timeout:
                 self.fail(r, f"init() not called within {self.cfg.waiting_timeout:.1f}s (waiting timeout)", now)
+        elif st == KVPoll.Transferring and r.ask_again and min(r.ask_again.values()) <= now \
+                and r.waited(now) <= self.cfg.transfer_timeout:
+            due = [e for e, at in r.ask_again.items() if at <= now]
+            for endpoint in due:
+                del r.ask_again[endpoint]
+            self._send_requests(r, set(due))
         elif st == KVPoll.Transferring and r.waited(now) > self.cfg.transfer_timeout:
             stages = r.ledger.missing_stages() if r.ledger.staged else []
             self.fail(r, f"not complete within {self.cfg.transfer_timeout:.1f}s (transfer timeout); "
@@ -691,27 +720,10 @@ class DecodeRooms:
 
     def _request(self, r: DecodeRoom, now: float) -> None:
         """Ask every sender of the prefill DP group: each CP rank, and in it each TP rank of this
-        rank's TP route, for the pools that route takes from it (one Send per pool set: the CP
-        ranks of one TP source get the same request, encoded once)."""
-        page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
-        staging: dict[str, Any] = {}
+        rank's TP route, for the pools that route takes from it (``_send_requests``)."""
         if self.staging is not None and self.staging_mode != "never":
-            area = self.staging.area
             r.staged_only = self.staging_mode == "always"
-            staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
-                           staging_base=self.staging.base, staging_only=r.staged_only)
-        by_pools: dict[tuple[str, ...], list[str]] = {}
-        for _, s, pools in r.placement.asks:
-            by_pools.setdefault(pools, []).append(s.control_endpoint)
-        for pools, endpoints in by_pools.items():
-            self._out.append(Send(tuple(endpoints), wire.TransferRequest(
-                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
-                first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
-                deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
-                fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
-                kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline,
-                aux_ahead=self.aux_ahead, **staging,
-            )))
+        self._send_requests(r, None)
         # the books while the requests travel (the shell sends them with the lock held: no report of
         # this room is handled before they are written)
         r.start_ledger(self.pools)
@@ -727,6 +739,29 @@ class DecodeRooms:
         if self.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f requested from (cp, tp, pp) ranks %s", r.room, self.cfg.rank_label,
                      r.age_ms(now), now, sorted(r.requested))
+
+    def _send_requests(self, r: DecodeRoom, only: set[str] | None) -> None:
+        """The room's TransferRequests to every sender (``only``: to these endpoints), one Send per
+        pool set (the CP ranks of one TP source get the same request, encoded once)."""
+        page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
+        staging: dict[str, Any] = {}
+        if self.staging is not None and self.staging_mode != "never":
+            area = self.staging.area
+            staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
+                           staging_base=self.staging.base, staging_only=r.staged_only)
+        by_pools: dict[tuple[str, ...], list[str]] = {}
+        for _, s, pools in r.placement.asks:
+            if only is None or s.control_endpoint in only:
+                by_pools.setdefault(pools, []).append(s.control_endpoint)
+        for pools, endpoints in by_pools.items():
+            self._out.append(Send(tuple(endpoints), wire.TransferRequest(
+                room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
+                first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
+                deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
+                fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
+                kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline,
+                aux_ahead=self.aux_ahead, **staging,
+            )))
 
     # -- liveness ---------------------------------------------------------------
 

@@ -303,6 +303,8 @@ class DecodeRoom:
         self.inline_row: Any = None  # the aux row as its report carried it (checked; written at the commit)
         self.row_writing = False  # that row is being written into its slot ahead of the commit (WriteAuxRow)
         self.row_written: float | None = None  # it is there: the seconds its write took
+        self.proof_retries: dict[str, int] = {}  # sender endpoint -> its refusals of our proof asked past (machine.py)
+        self.ask_again: dict[str, float] = {}  # sender endpoint -> when its TransferRequest goes out again
 
     def spare(self, gap: float) -> None:
         """This rank's loop did not run for ``gap`` seconds (a starved process): they do not count

@@ -67,7 +67,7 @@ from typing import Any
 from kvbridge.bootstrap.endpoints import is_canonical_session
 from kvbridge.transfer.actions import Send
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.ownership import SIGNATURE_BYTES, verify_memory, verify_proof
+from kvbridge.transfer.ownership import PROOF_FAILED, SIGNATURE_BYTES, verify_memory, verify_proof
 from kvbridge.transfer.poll import IllegalTransition
 from kvbridge.transfer.prefill.targets import DecodePeer, Resolve
 
@@ -79,7 +79,6 @@ __all__ = [
     "Refused", "RegistrationRead", "WriteNonce",
 ]
 
-PROOF_FAILED = "could not prove it holds the memory it registered"
 # Echoes that differ before a connection is refused. Every prefill rank of every instance that
 # talks to a decode rank writes its nonce into that rank's one scratch region at an offset of its
 # own choosing, so two proofs at once may pick the same offset and the later write replaces the
