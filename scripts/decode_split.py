@@ -30,7 +30,8 @@ decode), ``next`` (the ChunkLanded's ``now`` -> the ``now`` of the next Message 
 round 12's "decode's next step", which counted the cycle's lines), ``after`` (the turn's end -> that
 feed's start) and, within ``after``, ``between_recv`` (``recv_ready`` calls) and ``between_<Event>``
 (the feeds of other events meanwhile: the loop's Tick every turn). Written at exit to
-``$KVBRIDGE_SPLIT_DIR/decode-<pid>.json``: one dict per landing, seconds.
+``$KVBRIDGE_SPLIT_DIR/decode-<pid>.json``: one dict per landing, seconds; and (wire 16, where the
+scatter list is checked when the chunk asks) one per SlotRequest's whole feed, ``kind`` "ask".
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ class _Split(Timers):
 
 
 SPLIT = _Split()
+
+
+def _entries(endpoint: Any, sender: str, msg: Any) -> int:
+    """A landing's scatter entries: its ChunkLanded's list before wire 16, else the list its
+    SlotRequest left with decode's staging book (0 where none is found)."""
+    scatter = getattr(msg, "scatter", None)
+    if scatter is not None:
+        return len(scatter) // 24
+    machine = endpoint.machine
+    st, r = getattr(machine, "staging", None), machine.rooms.get(msg.room)
+    key = r.by_endpoint.get(sender) if r is not None else None
+    got = st.lists.get((msg.room, st.key(key, msg.chunk))) if st is not None and key is not None else None
+    return int(got[2].size) if got else 0
 
 
 def install() -> None:
@@ -91,10 +105,16 @@ def install() -> None:
                     name = "between_" + type(event).__name__
                     last[name] = last.get(name, 0.0) + P() - start
         msg = getattr(event, "msg", None)
+        if s.cur is None and type(event) is ep.Message and type(msg) is wire.SlotRequest:  # wire 16: the list's check
+            try:
+                return feed_event(self, event)
+            finally:
+                s.records.append({"kind": "ask", "room": msg.room, "chunk": msg.chunk, "now": event.now,
+                                  "entries": len(getattr(msg, "scatter", b"")) // 24, "turn": P() - start})
         if s.cur is not None or type(event) is not ep.Message or type(msg) is not wire.ChunkLanded:
             return feed_event(self, event)
         rec: dict[str, Any] = {"room": msg.room, "chunk": msg.chunk, "cp": msg.cp_rank, "now": event.now,
-                               "entries": len(msg.scatter) // 24, "parts": {}}
+                               "entries": _entries(self, event.endpoint, msg), "parts": {}}
         if s.recv is not None:
             rec["recv"], rec["frames"] = s.recv
         if s.decode_l:

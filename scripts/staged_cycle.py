@@ -285,6 +285,13 @@ def split_table(folder: Path, rooms: set[int]) -> list[dict]:
     """Print decode's per-landing turn, split (``scripts/decode_split.py``'s records of ``rooms``);
     returns the records."""
     recs = [r for p in sorted(folder.glob("decode-*.json")) for r in json.loads(p.read_text()) if r["room"] in rooms]
+    asks = [r for r in recs if r.get("kind") == "ask"]
+    recs = [r for r in recs if r.get("kind") != "ask"]
+    if asks:  # wire 16: each SlotRequest's feed checks the chunk's scatter list
+        turn = np.array([r["turn"] for r in asks]) * 1e3
+        print(f"decode's SlotRequest turn (the scatter list checked there): {len(asks)} requests, entries p50 "
+              f"{int(np.median([r['entries'] for r in asks]))}, p50 {np.median(turn):.3f} ms, p90 "
+              f"{np.percentile(turn, 90):.3f}, mean {turn.mean():.3f}")
     if not recs:
         print("split: no landing recorded")
         return recs

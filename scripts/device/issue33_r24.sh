@@ -40,7 +40,7 @@ for step in ${STEPS:-ab split}; do
       PYTHONPATH=$site:$t timeout ${SPLIT_TIMEOUT:-120} python3 $t/scripts/staged_cycle.py --device cuda:0 --engine ipc \
         --tokens $T --slot-kib $((mib * 1024)) --gather-slots 2 --decode-slots 4 --reps 3 --split --untraced \
         --json $OUT/split-$name-$mib.json 2>&1 | quiet > /tmp/split.txt
-      sed -n '/^[0-9]* tokens/p;/^decode.s turn per landed/,$p' /tmp/split.txt
+      sed -n '/^[0-9]* tokens/p;/^decode.s SlotRequest turn/p;/^decode.s turn per landed/,$p' /tmp/split.txt
     done; done ;;
   esac
 done
