@@ -83,10 +83,12 @@ def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_l
     rec = {"room": 7, "chunk": 0, "cp": 0, "now": 1.0, "entries": 48, "parts": {"turn": 0.0001, **parts},
            "turn": 0.0051, "recv": 0.001, "frames": 2, "decode_L": 0.0002, "next": 0.006, "after": 0.0009,
            "between_recv": 0.0008}
-    (tmp_path / "decode-1.json").write_text(__import__("json").dumps([rec, {**rec, "room": 8}]))
+    ask = {"kind": "ask", "room": 7, "chunk": 1, "now": 0.9, "entries": 48, "turn": 0.0004}  # wire 16: its list's check
+    (tmp_path / "decode-1.json").write_text(__import__("json").dumps([ask, rec, {**rec, "room": 8}]))
     assert len(_script().split_table(tmp_path, {7})) == 1
     out = capsys.readouterr().out
     assert "1 landings" in out and "L now -> next event" in out and "  recv" in out
+    assert "SlotRequest turn (the scatter list checked there): 1 requests, entries p50 48, p50 0.400 ms" in out
 
 
 def test_a_landed_out_fed_by_a_writes_completion_names_the_write(caplog):
