@@ -1,5 +1,6 @@
 """``scripts/landing_cost.py``: the host work of a staged chunk on both sides, timed alone on the CPU
-(decode's landing checks and the stager's range checks; prefill's gather list and its range checks),
+(decode's request with the scatter list's check, its landing and the stager's range checks; prefill's
+gather list and its range checks),
 runs on a small room and prints each part (the figures themselves are not asserted)."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def test_landing_cost_times_both_sides_of_every_chunk():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "landing_cost.py"), "--tokens", "2048",
                           "--slot-mib", "1", "--reps", "2"], capture_output=True, text=True, env=env, timeout=300,
                          check=True).stdout
-    m = re.search(r"(\d+) landings: DecodeStaging.landed p50 [\d.]+ ms, CudaStager.copy \(range checks\) p50 [\d.]+ ms, "
+    m = re.search(r"(\d+) landings: DecodeStaging.request p50 [\d.]+ ms \(wire 16: the list checked here\), "
+                  r"DecodeStaging.landed p50 [\d.]+ ms, CudaStager.copy \(range checks\) p50 [\d.]+ ms, "
                   r"both p50 [\d.]+ ms; (\d+) gathers on prefill: CudaStager.gather \(the list and its range checks\) "
                   r"p50 [\d.]+ ms", out)
     assert m is not None, out
