@@ -5,8 +5,9 @@ and described in its registration (``ScratchDescriptor``).
                                      a prefill rank reads them back (proof by read), or, on an
                                      engine that cannot read, prefill writes an ownership nonce
                                      here (prefill/admission.py); ``kvbridge doctor`` a probe
-    [nbytes, nbytes + PRIVATE_BYTES) not advertised: the source of the nonces this rank writes
-                                     into others' scratch, and where its proof reads land
+    [nbytes, nbytes + PRIVATE_SLOTS not advertised: PRIVATE_SLOTS slots of PRIVATE_BYTES, each
+     * PRIVATE_BYTES)                the source of the nonces one of this rank's probe threads
+                                     writes into others' scratch, and where its proof reads land
                                      (never written from outside)
 
 Each endpoint owns one, so that a library user's rank proves what it registered the same
@@ -27,22 +28,25 @@ from kvbridge.transfer.engine import TransferEngine, tensor_region
 
 SCRATCH_BYTES = 4096
 PRIVATE_BYTES = 64  # a nonce (32) or a memory proof (an Ed25519 signature, 64)
+# private slots: a prefill rank's proof reads and nonce writes in flight at once, one per probe thread, so a peer
+# whose engine does not answer holds one slot for the engine's timeout, not every other connection's proof
+PRIVATE_SLOTS = 4
 
-__all__ = ["PRIVATE_BYTES", "SCRATCH_BYTES", "Scratch", "device_of"]
+__all__ = ["PRIVATE_BYTES", "PRIVATE_SLOTS", "SCRATCH_BYTES", "Scratch", "device_of"]
 
 
 class Scratch:
-    """``nbytes`` advertised bytes plus a private nonce source, on ``device`` ("cpu": numpy)."""
+    """``nbytes`` advertised bytes plus ``PRIVATE_SLOTS`` private slots, on ``device`` ("cpu": numpy)."""
 
     def __init__(self, nbytes: int = SCRATCH_BYTES, device: str = "cpu") -> None:
         self.nbytes = nbytes
         self.device = device
         if device == "cpu":
-            self.memory: Any = np.zeros(nbytes + PRIVATE_BYTES, dtype=np.uint8)
+            self.memory: Any = np.zeros(nbytes + PRIVATE_SLOTS * PRIVATE_BYTES, dtype=np.uint8)
         else:
             import torch
 
-            self.memory = torch.zeros(nbytes + PRIVATE_BYTES, dtype=torch.uint8, device=device)
+            self.memory = torch.zeros(nbytes + PRIVATE_SLOTS * PRIVATE_BYTES, dtype=torch.uint8, device=device)
         self.base, _ = tensor_region(self.memory)
         self._registered = False
 
@@ -50,13 +54,15 @@ class Scratch:
     def descriptor(self) -> ScratchDescriptor:
         return ScratchDescriptor(base=self.base, nbytes=self.nbytes)
 
-    @property
-    def source(self) -> int:
-        """Address of the nonce source (registered, not advertised)."""
-        return self.base + self.nbytes
+    def source(self, slot: int = 0) -> int:
+        """Address of private slot ``slot``: a nonce source, or where a proof read lands (registered,
+        not advertised)."""
+        if not 0 <= slot < PRIVATE_SLOTS:
+            raise LayoutError(f"private slot {slot} of {PRIVATE_SLOTS}", field="slot")
+        return self.base + self.nbytes + slot * PRIVATE_BYTES
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(self.base, self.nbytes + PRIVATE_BYTES)
+        engine.register(self.base, self.nbytes + PRIVATE_SLOTS * PRIVATE_BYTES)
         self._registered = True
 
     def unregister(self, engine: TransferEngine) -> None:
@@ -87,26 +93,27 @@ class Scratch:
             self.memory[offset:offset + len(data)].copy_(torch.from_numpy(src.copy()))
             torch.cuda.synchronize(self.memory.device)
 
-    @property
-    def landing(self) -> int:
-        """Where this rank's proof reads land (its private bytes)."""
-        return self.source
+    def landing(self, slot: int = 0) -> int:
+        """Where a proof read of private slot ``slot`` lands."""
+        return self.source(slot)
 
-    def read_landing(self, length: int) -> bytes:
-        view = self.memory[self.nbytes:self.nbytes + length]
+    def read_landing(self, length: int, slot: int = 0) -> bytes:
+        at = self.source(slot) - self.base
+        view = self.memory[at:at + min(length, PRIVATE_BYTES)]
         return bytes(view.tobytes() if self.device == "cpu" else view.cpu().numpy().tobytes())
 
-    def set_source(self, nonce: bytes) -> None:
-        """Put ``nonce`` where this rank's nonce writes read from."""
+    def set_source(self, nonce: bytes, slot: int = 0) -> None:
+        """Put ``nonce`` where nonce writes from private slot ``slot`` read from."""
         if len(nonce) != NONCE_BYTES:
             raise KVBridgeError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}", field="nonce")
         data = np.frombuffer(nonce, dtype=np.uint8)
+        at = self.source(slot) - self.base
         if self.device == "cpu":
-            self.memory[self.nbytes:self.nbytes + NONCE_BYTES] = data
+            self.memory[at:at + NONCE_BYTES] = data
         else:
             import torch
 
-            self.memory[self.nbytes:self.nbytes + NONCE_BYTES].copy_(torch.from_numpy(data.copy()))
+            self.memory[at:at + NONCE_BYTES].copy_(torch.from_numpy(data.copy()))
             torch.cuda.synchronize(self.memory.device)
 
 

@@ -24,7 +24,7 @@ from kvbridge.transfer.registration import EndpointBuffers, pool_descriptors
 from kvbridge.transfer.ownership import ProofKey
 from kvbridge.transfer.scratch import Scratch
 from kvbridge.worker.resources import allocate_buffers
-from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes
+from kvbridge.worker.synthetic import SENTINEL_BYTE, as_bytes, verify_pages
 
 
 def test_an_alias_of_a_live_decode_rank_is_refused_by_the_daemon(cluster):
@@ -223,3 +223,55 @@ def test_a_memory_proof_whose_read_fails_once_is_asked_again_and_the_room_commit
     assert c.verified(95, 8, pages) and len(reads) >= 2  # refused once, proven on the second proof
     assert all(s.poll() == KVPoll.Success for s in senders)
     r.close()
+
+
+def test_a_proof_read_that_hangs_holds_up_no_other_decode_ranks_proof(cluster):
+    """A prefill rank reads each decode rank's memory proof through its engine, which may hang on a
+    peer that does not answer (Mooncake: its transfer timeout, 30 s and more). Such a read holds one
+    probe thread and its private scratch slot, not the others: a second decode rank proves itself
+    and its room commits while the first one's read still hangs; the hung one is refused at the
+    admission's deadline and nothing is written into its memory."""
+    import threading
+
+    from kvbridge.errors import EngineError
+
+    c = cluster(cp=1)
+    engine = c.prefill[0].engine
+    real, hang, hung = engine.probe_read, threading.Event(), threading.Event()
+    stuck_session = c.decode.engine.session_id
+
+    def read(session, dst, src, length, timeout=5.0):  # noqa: ANN001, ANN202
+        if session == stuck_session:
+            hung.set()
+            hang.wait(30)  # the peer does not answer until the test lets it
+            raise EngineError(f"read from session {session} failed (rc -1) [injected hang]", field="src")
+        return real(session, dst, src, length, timeout)
+
+    engine.probe_read = read
+    dbufs = allocate_buffers(c.specs, 64)
+    for b in dbufs.values():
+        as_bytes(b)[:] = SENTINEL_BYTE
+    second = DecodeEndpoint(DecodeConfig(instance=f"{c.name}-d2", lease_ttl=2.0, peer_timeout=2.0, ping_interval=0.1),
+                            c._engine(), c.specs, dbufs, c.contract, c._client(c.clients[0].base_url),
+                            torch.zeros((8, c.aux_schema.row_bytes), dtype=torch.uint8), c.aux_schema)
+    second.start()
+    try:
+        stuck = c.decode.receiver(96, f"{c.name}-p")
+        stuck.init(np.array([1, 2]), 0, 8)
+        assert wait_until(hung.is_set, 10)  # the first decode rank's proof read hangs in its probe thread
+        pages = np.array([3, 4])
+        other = second.receiver(97, f"{c.name}-p")
+        other.init(pages, 0, 8)
+        senders = c.send(97, 8)
+        wait_final([other, *senders], timeout=20)
+        assert other.poll() == KVPoll.Success, other.failure_reason
+        assert all(verify_pages(c.specs[p], b, 97, layer, pages, 8).ok for (p, layer), b in dbufs.items())
+        assert not hang.is_set()  # all of it while the first read still hung
+    finally:
+        hang.set()
+        second.close(timeout=2)
+    wait_final([stuck], timeout=20)  # the hung rank: refused, its room failed, nothing written into it
+    assert stuck.poll() == KVPoll.Failed, stuck.failure_reason
+    assert all((as_bytes(b) == SENTINEL_BYTE).all() for b in c.dbufs.values())
+    stuck.close()
+    other.close()

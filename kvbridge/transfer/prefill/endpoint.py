@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import queue
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gathe
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
 from kvbridge.transfer.rooms import open_waiting
-from kvbridge.transfer.scratch import Scratch
+from kvbridge.transfer.scratch import PRIVATE_BYTES, PRIVATE_SLOTS, Scratch
 from kvbridge.transfer.shell import EndpointShell
 from kvbridge.transfer.staging import StagingBuffer
 
@@ -157,6 +158,13 @@ class PrefillEndpoint(EndpointShell):
         # advertised for `kvbridge doctor`; its private tail is the source of our ownership nonces
         self.scratch = Scratch(device=config.aux_device)
         self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-resolve")
+        # the engine's probes of decode ranks (nonce writes, proof reads), each on a private scratch slot of its own:
+        # one peer whose engine does not answer holds one thread for the engine's timeout (Mooncake: 30 s and more),
+        # not the daemon reads nor every other connection's proof (CI, round 23: a read hung 30 s on a stalled host)
+        self._probes = ThreadPoolExecutor(max_workers=PRIVATE_SLOTS, thread_name_prefix="kvb-probe")
+        self._probe_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(PRIVATE_SLOTS):
+            self._probe_slots.put(slot)
         self._server: ControlServer | None = None
         self._next_housekeeping = 0.0
         self._gathered: dict[int, Any] = {}  # gather slot -> its gather's event (None: host, done), or why it failed
@@ -248,6 +256,7 @@ class PrefillEndpoint(EndpointShell):
             time.sleep(0.02)
         self._stop_loop(timeout)
         self._resolver.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
         if self._lease is not None:
             self._lease.stop(deregister=True)
         if self._server is not None:
@@ -365,9 +374,9 @@ class PrefillEndpoint(EndpointShell):
         elif type(a) is Resolve:
             self._resolver.submit(self._resolve, a)
         elif type(a) is WriteNonce:
-            self._resolver.submit(self._write_nonce, a)
+            self._probes.submit(self._write_nonce, a)
         elif type(a) is ReadProof:
-            self._resolver.submit(self._read_proof, a)
+            self._probes.submit(self._read_proof, a)
         elif type(a) is ReadDecider:
             self._resolver.submit(self._read_decider, a)
         else:
@@ -502,33 +511,44 @@ class PrefillEndpoint(EndpointShell):
         self._queue(ev)
 
     def _read_proof(self, a: ReadProof) -> None:
-        """Resolver thread: read a decode rank's memory proof out of its scratch region into our
-        private scratch bytes (one at a time: this one thread is their only user). Nothing is
+        """Probe thread: read a decode rank's memory proof out of its scratch region into a private
+        scratch slot of ours (this thread's while it reads: no other probe uses it). Nothing is
         written into the decode rank's memory."""
+        slot = self._probe_slots.get()
         try:
-            self.engine.probe_read(a.session, np.array([self.scratch.landing], np.uint64), np.array([a.src], np.uint64),
-                                   np.array([a.length], np.uint64), timeout=self.config.peer_timeout)
-            data, problem = self.scratch.read_landing(a.length), None
+            if a.length > PRIVATE_BYTES:
+                raise KVBridgeError(f"a proof read of {a.length} bytes does not fit a {PRIVATE_BYTES}-byte slot",
+                                    field="length")
+            self.engine.probe_read(a.session, np.array([self.scratch.landing(slot)], np.uint64),
+                                   np.array([a.src], np.uint64), np.array([a.length], np.uint64),
+                                   timeout=self.config.peer_timeout)
+            data, problem = self.scratch.read_landing(a.length, slot), None
         except KVBridgeError as exc:
             data, problem = b"", f"session {a.session}: {exc}"
-        except Exception as exc:  # a bug refuses this connection, never the resolver thread
+        except Exception as exc:  # a bug refuses this connection, never the probe thread
             log.exception("proof read from %s failed", a.session)
             data, problem = b"", f"session {a.session}: {type(exc).__name__}: {exc}"
+        finally:
+            self._probe_slots.put(slot)
         self._queue(ProofReadBack(a.ident, data, problem, time.monotonic()))
 
     def _write_nonce(self, a: WriteNonce) -> None:
-        """Resolver thread: the ownership nonce into a decode rank's scratch region (one at a
-        time: this one thread is the only user of the nonce source)."""
+        """Probe thread: the ownership nonce into a decode rank's scratch region, from a private
+        scratch slot of ours (this thread's while it writes: no other probe uses it)."""
+        slot = self._probe_slots.get()
         try:
-            self.scratch.set_source(a.nonce)
-            self.engine.probe_write(a.session, np.array([self.scratch.source], np.uint64), np.array([a.dst], np.uint64),
-                              np.array([len(a.nonce)], np.uint64), timeout=self.config.peer_timeout)
+            self.scratch.set_source(a.nonce, slot)
+            self.engine.probe_write(a.session, np.array([self.scratch.source(slot)], np.uint64),
+                                    np.array([a.dst], np.uint64), np.array([len(a.nonce)], np.uint64),
+                                    timeout=self.config.peer_timeout)
             problem = None
         except KVBridgeError as exc:
             problem = f"session {a.session}: {exc}"
-        except Exception as exc:  # a bug refuses this connection, never the resolver thread
+        except Exception as exc:  # a bug refuses this connection, never the probe thread
             log.exception("nonce write to %s failed", a.session)
             problem = f"session {a.session}: {type(exc).__name__}: {exc}"
+        finally:
+            self._probe_slots.put(slot)
         self._queue(NonceWritten(a.ident, problem, time.monotonic()))
 
     def _hello_of(self, ident: bytes) -> str | None:
