@@ -109,8 +109,8 @@ def test_a_request_naming_another_registration_than_its_connection_is_refused(cl
     assert 91 not in c.prefill[0].machine.rooms  # nothing else happened
 
 
-def test_a_room_id_is_served_once_to_the_instance_that_claimed_it_first(cluster):
-    c = cluster(cp=2)
+def second_decode(c) -> tuple[DecodeEndpoint, dict]:
+    """Another decode instance beside the cluster's, its pages filled with the sentinel; started."""
     dbufs = allocate_buffers(c.specs, 64)
     for b in dbufs.values():
         as_bytes(b)[:] = SENTINEL_BYTE
@@ -118,6 +118,12 @@ def test_a_room_id_is_served_once_to_the_instance_that_claimed_it_first(cluster)
                             c._engine(), c.specs, dbufs, c.contract, c._client(c.clients[0].base_url),
                             torch.zeros((8, c.aux_schema.row_bytes), dtype=torch.uint8), c.aux_schema)
     second.start()
+    return second, dbufs
+
+
+def test_a_room_id_is_served_once_to_the_instance_that_claimed_it_first(cluster):
+    c = cluster(cp=2)
+    second, dbufs = second_decode(c)
     try:
         pages = np.array([1, 2])
         legit = c.decode.receiver(92, f"{c.name}-p")
@@ -248,13 +254,7 @@ def test_a_proof_read_that_hangs_holds_up_no_other_decode_ranks_proof(cluster):
         return real(session, dst, src, length, timeout)
 
     engine.probe_read = read
-    dbufs = allocate_buffers(c.specs, 64)
-    for b in dbufs.values():
-        as_bytes(b)[:] = SENTINEL_BYTE
-    second = DecodeEndpoint(DecodeConfig(instance=f"{c.name}-d2", lease_ttl=2.0, peer_timeout=2.0, ping_interval=0.1),
-                            c._engine(), c.specs, dbufs, c.contract, c._client(c.clients[0].base_url),
-                            torch.zeros((8, c.aux_schema.row_bytes), dtype=torch.uint8), c.aux_schema)
-    second.start()
+    second, dbufs = second_decode(c)
     try:
         stuck = c.decode.receiver(96, f"{c.name}-p")
         stuck.init(np.array([1, 2]), 0, 8)
