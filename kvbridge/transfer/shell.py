@@ -29,7 +29,9 @@ is done. Never a wait for the lock, never a nested feed.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -45,6 +47,23 @@ T = TypeVar("T")
 
 __all__ = ["EndpointShell"]
 
+
+
+STALL_DUMP_ENV = "KVBRIDGE_STALL_DUMP"
+
+
+def stall_dump_s() -> float | None:
+    """``KVBRIDGE_STALL_DUMP`` (seconds), the loop turn past which the shell dumps every thread's
+    stack (``EndpointShell._run_watched``); None when unset, empty, not a number or not positive.
+    faulthandler keeps one timer per process: with several endpoints in one process, a turn of one
+    re-arms the others' (the CI servers run one rank per process)."""
+    raw = os.environ.get(STALL_DUMP_ENV, "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds: no stall dumps", STALL_DUMP_ENV, raw)
+        return None
+    return value if value > 0 else None
 
 class EndpointShell:
     """The loop, the lock and the event queue of one endpoint. Subclasses set ``machine``,
@@ -191,9 +210,35 @@ class EndpointShell:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        dump_s = stall_dump_s()
+        if dump_s is not None:
+            self._run_watched(dump_s)
+            return
         while not self._stop.is_set():
             try:
                 self._step()
             except Exception:  # a bug must not kill the rank's only control loop
                 log.exception("%s loop step failed", self._loop_name)
                 time.sleep(0.05)
+
+    def _run_watched(self, dump_s: float) -> None:
+        """``_run`` with ``KVBRIDGE_STALL_DUMP`` set: a loop turn that runs past ``dump_s`` seconds
+        has every thread's Python stack written to stderr while it still runs (faulthandler's
+        watchdog, which needs no lock and no GIL), and once it returns a warning with the turn's
+        wall time and the process's CPU time meanwhile (none: the process stood still or waited;
+        as much: something in it was busy). A diagnostic for CI: it arms a timer every turn."""
+        while not self._stop.is_set():
+            start, cpu = time.monotonic(), time.process_time()
+            faulthandler.dump_traceback_later(dump_s, exit=False, file=2)  # (fd 2: whatever wraps sys.stderr)
+            try:
+                self._step()
+            except Exception:  # a bug must not kill the rank's only control loop
+                log.exception("%s loop step failed", self._loop_name)
+                time.sleep(0.05)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            took = time.monotonic() - start
+            if took > dump_s:
+                log.warning("%s: a loop turn took %.1fs, in which the process used %.1fs of CPU (%s set: every "
+                            "thread's stack is above)", self._loop_name, took, time.process_time() - cpu,
+                            STALL_DUMP_ENV)

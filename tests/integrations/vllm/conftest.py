@@ -38,3 +38,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         tail = proc.log_tail(8000)
         if tail:
             report.sections.append((f"log of {name} (its last 8000 characters)", tail))
+        log = proc.log_tail(10**8)
+        dumps = [log[at:at + 12000] for at in _dump_starts(log)][-2:]  # KVBRIDGE_STALL_DUMP's stacks, the last two
+        for i, dump in enumerate(dumps):
+            report.sections.append((f"{name}: a loop turn's stall, every thread's stack ({i + 1} of {len(dumps)})", dump))
+
+
+def _dump_starts(log: str) -> list[int]:
+    """Where faulthandler's dumps start in a server's log (``Timeout (h:mm:ss)!``)."""
+    starts, at = [], log.find("Timeout (")
+    while at >= 0:
+        starts.append(at)
+        at = log.find("Timeout (", at + 1)
+    return starts
