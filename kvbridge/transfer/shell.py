@@ -47,8 +47,6 @@ T = TypeVar("T")
 
 __all__ = ["EndpointShell"]
 
-
-
 STALL_DUMP_ENV = "KVBRIDGE_STALL_DUMP"
 
 
@@ -64,6 +62,7 @@ def stall_dump_s() -> float | None:
         log.warning("%s=%r is not a number of seconds: no stall dumps", STALL_DUMP_ENV, raw)
         return None
     return value if value > 0 else None
+
 
 class EndpointShell:
     """The loop, the lock and the event queue of one endpoint. Subclasses set ``machine``,
