@@ -1,16 +1,53 @@
 """The peer benches' child processes (``sglang_peer_bench.py``, ``vllm_peer_bench.py``): a child
 runs its script with ``--child <config JSON>``, reads one JSON command a line on stdin and
-answers JSON lines on stdout; its stderr goes to a log file."""
+answers JSON lines on stdout; its stderr goes to a log file. A child that does not answer in
+time, or exits, raises with the tail of that log (the log lies in a temp folder, which a CI
+run does not keep)."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
+
+TAIL_LINES = 40  # the log lines an error carries
+TAIL_BYTES = 64 * 1024  # read from the log's end at most (a line longer than that is cut)
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> str:
+    """The last ``lines`` lines of the log at ``path`` under a header that names it, each indented;
+    or one line saying that it is empty or why it could not be read. Reads only the file's last
+    ``max_bytes``, through a handle of its own: the child may still be writing it."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            data = f.read(max_bytes)
+    except OSError as exc:
+        return f"log {path} unreadable: {exc}"
+    text = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and len(text) > 1:
+        text = text[1:]  # the first line read began before the window
+    tail = text[-lines:]
+    if not tail:
+        return f"log {path} is empty"
+    return f"last {len(tail)} lines of {path}:\n" + "\n".join(f"    {line}" for line in tail)
+
+
+def _status(code: int | None) -> str:
+    if code is None:
+        return "closed its stdout, still running"
+    if code < 0:
+        try:
+            return f"exited: killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exited: killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 class Child:
@@ -18,10 +55,16 @@ class Child:
 
     def __init__(self, argv: list[str], cfg: dict, log: Path, env: dict[str, str], name: str) -> None:
         self.name = name
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*argv, "--child", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **env})  # fmt: skip
+        self.log_path = Path(log)
+        # the child's stderr (its fd, inherited): written by the child alone, read back by log_tail()
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        try:
+            self.proc = subprocess.Popen([*argv, "--child", json.dumps(cfg)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                         env={**os.environ, **env})  # fmt: skip
+        except BaseException:
+            self.log.close()
+            raise
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -29,15 +72,26 @@ class Child:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 self.lines.put(json.loads(line))
-        self.lines.put({"exited": self.proc.poll()})
+        try:  # stdout closed: the child is exiting (reaped here, for its status)
+            code = self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.lines.put({"exited": code})
+
+    def _tail(self) -> str:
+        if not self.log.closed:
+            self.log.flush()  # ours holds nothing (the child writes through its own fd); flushed all the same
+        return log_tail(self.log_path)
 
     def next(self, timeout: float) -> dict:
         try:
             out = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no answer from {self.name} within {timeout:.0f}s; see {self.log.name}") from None
+            raise TimeoutError(
+                f"no answer from {self.name} (pid {self.proc.pid}) within {timeout:.0f}s; {self._tail()}"
+            ) from None
         if "exited" in out:
-            raise RuntimeError(f"{self.name} exited ({out['exited']}); see {self.log.name}")
+            raise RuntimeError(f"{self.name} (pid {self.proc.pid}) {_status(out['exited'])}; {self._tail()}")
         return out
 
     def send(self, **cmd: Any) -> None:

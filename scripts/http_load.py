@@ -21,7 +21,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from kvbridge.chaos.ports import private_ports
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,9 +67,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range (``private_ports``): a server binds
+    it only after its start-up, and meanwhile the kernel hands no one such a port."""
+    return private_ports(1, HOST)[0]
 
 
 class Procs:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -76,9 +75,12 @@ def server_name(label: str, cp: int) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, below the kernel's ephemeral range (``private_ports``), never one given
+    before: the children bind theirs only once SGLang is imported, and meanwhile the kernel hands no
+    one such a port."""
+    from kvbridge.chaos.ports import spare_port  # the parent's alone: the children skip the import
+
+    return spare_port()
 
 
 # -- the child: SGLang ranks of every configuration ------------------------------------------------

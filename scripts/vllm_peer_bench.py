@@ -62,7 +62,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -107,9 +106,12 @@ CHILD_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, below the kernel's ephemeral range (``private_ports``), never one given
+    before: a child binds it minutes later (vLLM's start-up), and meanwhile the kernel hands no one such
+    a port (a NIXL side channel whose bind fails leaves its connector waiting for ever)."""
+    from kvbridge.chaos.ports import spare_port  # the parent's alone: the children skip the import
+
+    return spare_port()
 
 
 def transfer_json(connector: str, role: str, cfg: dict) -> str:
@@ -167,7 +169,7 @@ class Engine:
         self.vc = vc
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{cfg['dist_port']}")
             initialize_model_parallel(1, 1)
         layers = mc.hf_config.num_hidden_layers
         if mc.use_mla:
@@ -497,6 +499,7 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                     for role in ("kv_producer", "kv_consumer"):
                         cfg = {**common, "role": role, "engine_id": f"{common['tag']}-{role}",
                                "transfer_json": transfer_json(c, role, common),
+                               "dist_port": free_port(),  # gloo's (world 1): picked here, beside the others
                                "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}}
                         children[(c, role)] = _child(cfg, workdir / f"{kind}-{c}-{role}.log")
                     boot[c] = common["mooncake_bootstrap"]

@@ -14,7 +14,7 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = ["private_ports"]
+__all__ = ["private_ports", "spare_port"]
 
 LOWEST = 20000
 
@@ -46,3 +46,15 @@ def private_ports(n: int, host: str = "127.0.0.1", tries: int = 200) -> list[int
     if len(found) < n:
         raise RuntimeError(f"only {len(found)} of {n} free ports between {LOWEST} and {low} in {tries} tries")
     return found
+
+
+_GIVEN: set[tuple[str, int]] = set()  # what spare_port() handed out in this process
+
+
+def spare_port(host: str = "127.0.0.1") -> int:
+    """One port of ``private_ports``, never one this process handed out before: for a child that
+    binds it later (a server's start-up can take minutes), when several are picked before any binds."""
+    while (host, port := private_ports(1, host)[0]) in _GIVEN:
+        pass
+    _GIVEN.add((host, port))
+    return port

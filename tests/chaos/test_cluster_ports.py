@@ -52,3 +52,17 @@ def test_a_real_daemon_whose_first_port_is_taken_starts_on_another(tmp_path, mon
             assert port == free and urls == [f"http://{HOST}:{free}"]
         finally:
             group.stop_all()
+
+
+def test_spare_ports_are_private_and_never_handed_out_twice(monkeypatch):
+    """``spare_port`` draws from ``private_ports`` (below the ephemeral range) and skips a port it
+    handed out before, though that one is still free (nobody bound it yet)."""
+    from kvbridge.chaos import ports
+
+    low = ports._ephemeral_low()
+    first = ports.spare_port()
+    assert ports.LOWEST <= first < low
+    picks = iter([[first], [first], [first + 1 if first + 1 < low else first - 1]])
+    monkeypatch.setattr(ports, "private_ports", lambda n, host: next(picks))
+    second = ports.spare_port()
+    assert second != first and second in (first + 1, first - 1)

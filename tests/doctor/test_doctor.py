@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.bootstrap.schemas import RankIdentity, RegisterRequest, ScratchDescriptor
+from kvbridge.chaos.ports import private_ports
 from kvbridge.doctor import FAIL, OK, SKIP, DoctorReport, DoctorSpec, format_table, run_doctor
 from kvbridge.transfer.engine import mooncake_available, nixl_available
 from kvbridge.worker.cluster import Cluster, ClusterSpec
@@ -44,9 +44,9 @@ def rows(report: DoctorReport, hop: str) -> list:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed on exit: nobody listens there
+    """A port nobody listens on: free now, and below the kernel's ephemeral range, which the kernel hands
+    no process (``bind(0)``, an outbound connection) unless it asks for it by number."""
+    return private_ports(1)[0]
 
 
 def fake_prefill(cluster: Cluster, name: str, *, layers: int = SPEC.layers) -> BootstrapClient:

@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbridge.chaos.ports import spare_port
 from kvbridge.worker.launch import _die_with_parent
 
 HERE = Path(__file__).parent
@@ -28,9 +28,9 @@ CHILD_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range (``private_ports``), never one given
+    before: a host binds it only after SGLang's imports, and meanwhile the kernel hands no one such a port."""
+    return spare_port()
 
 
 class Host:

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from typing import Any
 import httpx
 
 from _vllm_model import words
+
+from kvbridge.chaos.ports import spare_port
 
 HOST = "127.0.0.1"
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -49,9 +50,10 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCA
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range (``private_ports``), never one given
+    before: ``vllm serve`` binds it only after its start-up (minutes when several start together), and
+    meanwhile the kernel hands no one such a port."""
+    return spare_port(HOST)
 
 
 def transfer_config(role: str, extra: dict[str, Any]) -> str:
