@@ -152,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2000, help="back-to-back round trips")
     ap.add_argument("--idle-ms", type=float, default=5.0, help="idle time before each of the idle round trips")
-    ap.add_argument("--secret", action="store_true", help="sign every message (HMAC) as a cluster with a secret does")
+    ap.add_argument("--secret", action="store_true", help="sign every message (its MAC) as a cluster with a secret does")
     args = ap.parse_args()
     secret = b"control-rtt-secret" if args.secret else None
     for name, run in (("kvbridge channel", kvbridge_trips), ("ZMQ", zmq_trips)):

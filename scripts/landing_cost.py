@@ -6,8 +6,10 @@ checked inside the slot and the room's pages: in the request from wire 16, in th
 of the entries ``Scatter.unproven`` names, every entry where the tree has no such proof; a copier that
 records nothing stands in for the GPU), p50 over ``--reps`` passes; and on prefill's side each rank's
 ``CudaStager.gather`` of every chunk into its slot (the gather list and its range checks against the
-rank's page buffers and gather area, no kernel). Run against an older tree
-(``PYTHONPATH=<tree>``) it times that tree's work the same way.
+rank's page buffers and gather area, no kernel); and each chunk's SlotRequest sealed (prefill) and
+opened (decode) by the control codec with a cluster secret, beside HMAC-SHA256 (wire 16 and
+before) and keyed BLAKE3 (wire 17) over the same frame's bytes, so the two MACs are compared in one
+run. Run against an older tree (``PYTHONPATH=<tree>``) it times that tree's work the same way.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/landing_cost.py [--tokens 8192] [--slot-mib 64] [--reps 50]
 """
@@ -15,6 +17,8 @@ rank's page buffers and gather area, no kernel). Run against an older tree
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import sys
 import time
 from pathlib import Path
@@ -65,7 +69,16 @@ def main() -> None:
     except TypeError:  # a tree from before Scatter.unproven: every entry looked up
         ds = DecodeStaging(StagingArea(4, slot_bytes), base, dst, "decode")
     wire16 = "scatter" in wire.SlotRequest.__struct_fields__  # (wire 16: the list comes with the request)
+    secret = b"landing-cost-secret"
+    codec = wire.codec(secret)
+    try:
+        import blake3
+
+        b3_key = blake3.blake3(secret, derive_key_context="landing_cost").digest()
+    except ImportError:  # (a tree from before wire 17 in a venv without it)
+        blake3 = None
     asked, landed, hold, slices = [], [], [], set()
+    sealed, opened, mac_sha, mac_b3 = [], [], [], []
     n = 0
     for _ in range(args.reps):
         for sp in w["staged"]:
@@ -75,6 +88,21 @@ def main() -> None:
                 out: list = []
                 n += 1
                 packed = wire.pack_scatter(off, to, length)
+                if wire16:  # the request as it travels with a cluster secret: sealed on prefill, opened on decode
+                    ask = wire.SlotRequest(room=1, cp_rank=0, chunk=n, num_bytes=int(sp.chunk_span[k]), scatter=packed)
+                    t = time.perf_counter()
+                    frame = codec.encode(ask)
+                    sealed.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    codec.decode(frame)
+                    opened.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    hmac.new(secret, frame, hashlib.sha256).digest()
+                    mac_sha.append(time.perf_counter() - t)
+                    if blake3 is not None:
+                        t = time.perf_counter()
+                        blake3.blake3(frame, key=b3_key).digest()
+                        mac_b3.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 if wire16:  # the list in the request, checked there; the landing only takes it
                     ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
@@ -121,6 +149,11 @@ def main() -> None:
           f"DecodeStaging.landed p50 {np.median(landed) * 1e3:.3f} ms, CudaStager.copy (range checks) p50 "
           f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms; {len(gathers)} gathers on "
           f"prefill: CudaStager.gather (the list and its range checks) p50 {np.median(gathers) * 1e3:.3f} ms")
+    if sealed:
+        b3 = f"{np.median(mac_b3) * 1e3:.3f} ms" if mac_b3 else "- (no blake3)"
+        print(f"SlotRequest with a cluster secret, {len(sealed)} chunks: sealed p50 {np.median(sealed) * 1e3:.3f} ms, "
+              f"opened p50 {np.median(opened) * 1e3:.3f} ms (this tree's MAC); over the same frames HMAC-SHA256 p50 "
+              f"{np.median(mac_sha) * 1e3:.3f} ms, keyed BLAKE3 p50 {b3}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ when ``raw_mooncake`` is set, a raw baseline over the same buffers: the Mooncake
 kvbridge's own engine (mooncake), the one inside auto, or a second one (ipc); on nixl, the NIXL
 agent of kvbridge's engine, driven directly (prepared descriptor lists, one request per rank). With
 ``KVBRIDGE_TRACE=1`` the decode process adds ``trace room=R bench recv|final @T``
-lines around each timed room (``kvbridge.bench.trace`` reads them).
+lines around each timed room (``kvbridge.bench.trace`` reads them). With ``KVBRIDGE_SECRET`` set
+(as a production cluster sets it) every rank's control channel carries its MAC, the same secret on
+both sides; unset, the frames are plain (the bench's default).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def staging_sizes(cfg: dict[str, Any], role: str) -> dict[str, int]:
         return {}
     slots = cfg.get("staging_slots") or [2, 8]
     return {"staging_slot_bytes": slot, "staging_bytes": slot * int(slots[0 if role == "prefill" else 1])}
+
+
+def control_secret() -> bytes | None:
+    """The cluster secret the ranks' control channel uses: ``KVBRIDGE_SECRET`` (None when unset)."""
+    return os.environ.get("KVBRIDGE_SECRET", "").encode() or None
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -102,7 +109,8 @@ class PrefillRank(RankBase):
         # staging "never" until a staged room asks (the ``staging`` command): kvbridge rows stay direct
         pcfg = PrefillConfig(instance=cfg["instance"], cp_rank=self.rank, cp_size=cfg["cp"],
                              max_slices_per_call=cfg.get("cap") or CAP, aux_device=cfg["aux_device"],
-                             staging="always" if cfg.get("staged") else "never", **staging_sizes(cfg, "prefill"))
+                             staging="always" if cfg.get("staged") else "never", secret=control_secret(),
+                             **staging_sizes(cfg, "prefill"))
         self.endpoint = PrefillEndpoint(pcfg, self.engine, self.specs, self.buffers, self.contract,
                                         BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux_schema)
         self.endpoint.start()
@@ -272,7 +280,7 @@ class DecodeRank(RankBase):
         # staging "always" makes the area (on GPU pages too); "never" until a staged room asks
         dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
                             staging="always" if cfg.get("staged") else "never", aux_inline=cfg.get("aux_inline", True),
-                            **staging_sizes(cfg, "decode"))
+                            secret=control_secret(), **staging_sizes(cfg, "decode"))
         self.endpoint = DecodeEndpoint(dcfg, self.engine, self.specs, self.buffers, self.contract,
                                        BootstrapClient(cfg["bootstrap"], token=cfg.get("token")), self.aux,
                                        self.aux_schema)

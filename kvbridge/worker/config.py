@@ -133,7 +133,7 @@ SETTINGS: tuple[Setting, ...] = (
             "commas (any replica serves any request; the client fails over with jittered backoff)"),
     Setting("token", str, "", "bearer token for the bootstrap daemon (prefer the env variable; "
             "KVBRIDGE_BOOTSTRAP_TOKEN, the daemon's own, is read too)", env_aliases=("KVBRIDGE_BOOTSTRAP_TOKEN",)),
-    Setting("secret", str, "", "cluster secret: HMAC on control and ops messages (prefer the env variable)"),
+    Setting("secret", str, "", "cluster secret: a MAC (keyed BLAKE3) on control and ops messages (prefer the env variable)"),
     Setting("lease_ttl", float, 10.0, "bootstrap lease, seconds"),
     Setting("lease_file", str, "", "file (0600) keeping this rank's lease secret, so that a restarted worker "
             "takes its coordinates back at once; empty: a restart waits for the old lease to expire"),

@@ -2,7 +2,7 @@
 
 kvbridge's one transport and codec (``kvbridge.transfer.channel``): the worker is a Server,
 a client one Clients connection; every message is an ``OpsFrame`` (request id + one typed op
-or reply) in the envelope (version OPS_VERSION, HMAC with the cluster secret when set):
+or reply) in the envelope (version OPS_VERSION, a MAC under the cluster secret when set):
 
     client -> worker                          worker -> client (same id)
     Prefill(room, num_tokens, chunk_tokens)   RoomResult  when the room succeeded or failed

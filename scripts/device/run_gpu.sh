@@ -13,7 +13,7 @@
 #       --platform manylinux2014_x86_64 -d .whl msgspec fastapi opentelemetry-api starlette uvicorn pydantic \
 #       pydantic-core typing-extensions typing-inspection annotated-types annotated-doc
 #   $P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl prometheus-client msgpack \
-#       httpx httpcore h11 anyio idna certifi sniffio click
+#       httpx httpcore h11 anyio idna certifi sniffio click blake3
 #   $P --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl cryptography cffi pycparser
 #   apt-get update && (mkdir -p .debs && cd .debs && apt-get download libibverbs1 ibverbs-providers libnl-3-200 \

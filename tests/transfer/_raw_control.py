@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from kvbridge.transfer.channel import wire
-from kvbridge.transfer.channel.envelope import HelloChallenge
+from kvbridge.transfer.channel.envelope import MAC_BYTES, SIGNED, HelloChallenge
 from kvbridge.transfer.channel.frames import HEADER, frame
 
 
@@ -33,8 +33,8 @@ class RawControl:
         if not self.nonce:
             body = self.recv(timeout)
             if body is not None:  # (its MAC is not checked: a bare client checks nothing)
-                signed = len(body) > 2 and body[2] == 1
-                self.nonce = msgspec.msgpack.decode(body[3 + 32 * signed :], type=HelloChallenge).nonce
+                signed = len(body) > 2 and body[2] == SIGNED
+                self.nonce = msgspec.msgpack.decode(body[3 + MAC_BYTES * signed :], type=HelloChallenge).nonce
         return self.nonce
 
     def send(self, body: bytes) -> None:

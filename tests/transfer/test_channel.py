@@ -101,7 +101,7 @@ def test_server_loop_serves_two_clients(served: tuple[ControlServer, EchoLoop]) 
         (PLAIN.seal(msgpack.packb({"t": "abort", "room": 9})), "missing field 'decode_rank' in abort", "abort", 9),
         (wire.codec().with_version(wire.WIRE_VERSION + 1).seal(msgpack.packb({"t": "ping"})),
          f"unsupported wire version {wire.WIRE_VERSION + 1}", "", None),
-        (wire.encode(Ping(decode_rank="x", seq=1), SECRET), "HMAC but no secret", "", None),
+        (wire.encode(Ping(decode_rank="x", seq=1), SECRET), "a MAC but no secret", "", None),
     ],
 )
 def test_bad_messages_get_an_error_reply_and_the_loop_keeps_serving(

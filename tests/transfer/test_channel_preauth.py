@@ -217,13 +217,13 @@ def test_hello_decoding_errors_are_protocol_errors() -> None:
     assert codec.open_challenge(challenge).nonce == nonce and len(nonce) == 16
     with pytest.raises(ProtocolError, match="not a hello"):
         codec.open_hello(wire.encode(Ping(decode_rank="d", seq=1), SECRET), nonce)
-    with pytest.raises(ProtocolError, match="bad HMAC"):
+    with pytest.raises(ProtocolError, match="bad MAC"):
         codec.open_hello(wire.codec(b"other").hello("x", nonce), nonce)
     with pytest.raises(ProtocolError, match="another connection's challenge") as info:
         codec.open_hello(codec.hello("me", codec.challenge()[0]), nonce)
     assert info.value.field == "challenge"
     with pytest.raises(ProtocolError, match="not a hello challenge"):
         codec.open_challenge(codec.hello("me", nonce))
-    with pytest.raises(ProtocolError, match="bad HMAC"):
+    with pytest.raises(ProtocolError, match="bad MAC"):
         wire.codec(b"other").open_challenge(challenge)
     assert codec.open_hello(codec.hello("me", nonce), nonce).peer == "me"

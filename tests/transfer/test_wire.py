@@ -1,11 +1,13 @@
 """Control-channel messages: every message round-trips; every malformed input is a
-ProtocolError that says exactly what is wrong; HMAC; size limit."""
+ProtocolError that says exactly what is wrong; the MAC (keyed BLAKE3); size limit."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import struct
+
+import blake3
 
 import msgpack
 import msgspec
@@ -132,13 +134,46 @@ def test_plain_encoding_is_a_versioned_envelope_around_a_tagged_map() -> None:
     assert msgpack.unpackb(data[3:]) == {"t": "ping", "decode_rank": "d", "seq": 1, "decode_rank_id": ""}
 
 
-def test_hmac_envelope_is_version_kind_sha256_mac_then_body() -> None:
+def test_sealed_envelope_is_version_kind_keyed_blake3_mac_then_body() -> None:
     msg = AbortAck(room=1, cp_rank=0)
     data = encode(msg, SECRET)
     head, mac, inner = data[:3], data[3:35], data[35:]
-    assert struct.unpack(">HB", head) == (WIRE_VERSION, 1)
+    assert struct.unpack(">HB", head) == (WIRE_VERSION, 2)
     assert inner == encode(msg)[3:]
-    assert mac == hmac.new(SECRET, head + inner, hashlib.sha256).digest()
+    key = blake3.blake3(SECRET, derive_key_context="kvbridge 2026-12-07 control channel MAC").digest()
+    assert mac == blake3.blake3(head + inner, key=key).digest()
+    assert key != SECRET and len(key) == 32
+
+
+def test_a_frame_sealed_with_hmac_sha256_as_wire_16_sealed_is_refused_by_name_unchecked() -> None:
+    """An older kvbridge's frame (kind 1: HMAC-SHA256 over version | kind | body) is refused by what
+    it is, whether its MAC is right or not: it is never checked."""
+    msg = AbortAck(room=1, cp_rank=0)
+    body = encode(msg)[3:]
+    head = struct.pack(">HB", 16, 1)
+    for mac in (hmac.new(SECRET, head + body, hashlib.sha256).digest(), b"\x00" * 32):
+        with pytest.raises(ProtocolError, match="sealed with HMAC-SHA256, as kvbridge sealed its frames before "
+                                                "control wire 17 .control channel version 16 in its header, 17 "
+                                                "here.; this side checks keyed BLAKE3") as info:
+            decode(head + mac + body, SECRET)
+        assert info.value.field == "mac"
+    with pytest.raises(ProtocolError, match="a MAC but no secret"):  # and without a secret, as any MAC'd frame
+        decode(head + mac + body)
+
+
+def test_a_frame_sealed_for_another_channel_does_not_verify() -> None:
+    """The key is derived per channel: the same secret's ops-channel seal over a control message's
+    body does not verify as a control frame."""
+    from kvbridge.transfer.channel.envelope import mac_key
+    from kvbridge.worker import ops
+
+    assert mac_key(SECRET, "ops") != mac_key(SECRET, "control")
+    body = encode(AbortAck(room=1, cp_rank=0))[3:]
+    frame = ops.codec(SECRET).with_version(WIRE_VERSION).seal(body)  # (the control channel's version too)
+    assert frame[:3] == struct.pack(">HB", WIRE_VERSION, 2)
+    with pytest.raises(ProtocolError, match="bad MAC"):
+        decode(frame, SECRET)
+    assert decode(wire.codec(SECRET).seal(body), SECRET) == AbortAck(room=1, cp_rank=0)
 
 
 def test_pages_pack_as_little_endian_int32() -> None:
@@ -315,9 +350,9 @@ def test_random_maps_only_ever_raise_protocol_error(tag: str, fields: dict) -> N
         pass
 
 
-# ---- HMAC and size ------------------------------------------------------------------------------
+# ---- MAC and size -------------------------------------------------------------------------------
 def test_message_signed_with_another_secret_is_refused() -> None:
-    with pytest.raises(ProtocolError, match="bad HMAC") as info:
+    with pytest.raises(ProtocolError, match="bad MAC") as info:
         decode(encode(SAMPLES[3], b"other-secret"), SECRET)
     assert info.value.field == "mac"
 
@@ -325,23 +360,23 @@ def test_message_signed_with_another_secret_is_refused() -> None:
 def test_tampered_body_or_version_is_refused() -> None:
     signed = encode(AbortAck(room=1, cp_rank=0), SECRET)
     forged = signed[:35] + encode(AbortAck(room=2, cp_rank=0))[3:]
-    with pytest.raises(ProtocolError, match="bad HMAC"):
+    with pytest.raises(ProtocolError, match="bad MAC"):
         decode(forged, SECRET)
-    with pytest.raises(ProtocolError, match="bad HMAC"):
-        decode(struct.pack(">HB", WIRE_VERSION + 1, 1) + signed[3:], SECRET)  # the version is under the MAC
-    with pytest.raises(ProtocolError, match="bad HMAC"):
+    with pytest.raises(ProtocolError, match="bad MAC"):
+        decode(struct.pack(">HB", WIRE_VERSION + 1, 2) + signed[3:], SECRET)  # the version is under the MAC
+    with pytest.raises(ProtocolError, match="bad MAC"):
         decode(signed[:20] + signed[35:], SECRET)
 
 
-@pytest.mark.parametrize("data", [encode(SAMPLES[3]), b"\xc1", b"\x00\x05\x01" + b"x" * 10],
+@pytest.mark.parametrize("data", [encode(SAMPLES[3]), b"\xc1", b"\x00\x05\x02" + b"x" * 10],
                          ids=["plain", "garbage", "short-mac"])
 def test_unsigned_message_is_refused_when_a_secret_is_set(data: bytes) -> None:
-    with pytest.raises(ProtocolError, match="missing HMAC"):
+    with pytest.raises(ProtocolError, match="missing MAC"):
         decode(data, SECRET)
 
 
 def test_signed_message_is_refused_when_no_secret_is_set() -> None:
-    with pytest.raises(ProtocolError, match="HMAC but no secret"):
+    with pytest.raises(ProtocolError, match="a MAC but no secret"):
         decode(encode(SAMPLES[3], SECRET))
 
 
@@ -356,7 +391,7 @@ def test_an_authentic_oversized_message_is_refused_by_size_a_forged_one_by_mac()
     with pytest.raises(ProtocolError, match="over the 1024-byte limit") as info:
         decode(data, SECRET, max_bytes=1024)
     assert info.value.field == "size"
-    with pytest.raises(ProtocolError, match="bad HMAC") as info:
+    with pytest.raises(ProtocolError, match="bad MAC") as info:
         decode(data[:10] + b"\xff" + data[11:], SECRET, max_bytes=1024)
     assert info.value.field == "mac"
     with pytest.raises(ProtocolError, match="too large to authenticate"):

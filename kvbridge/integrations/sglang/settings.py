@@ -54,7 +54,7 @@ ENVIRONMENT = (
     (ENV_LEASE, "lease of a rank at the daemon, seconds (default 10)"),
     (ENV_PEER, "silence after which a peer rank counts as dead, and the deadline of a connection's ownership "
                "proof, seconds (default 15: a loaded host starves kvbridge's threads past 5; docs/sglang.md)"),
-    (ENV_SECRET, "control-channel HMAC secret, the same on every server"),
+    (ENV_SECRET, "control-channel MAC secret, the same on every server"),
     (ENV_ROOM_KEY, "the cluster's room key, the same on every server and the router: every bootstrap_room must "
                    "then be a signed room id (kvbridge.signed_room_id; docs/sglang.md); prefill and decode refuse "
                    "an unsigned, forged or expired one by name (unset: any room id)"),

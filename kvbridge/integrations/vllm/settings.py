@@ -46,7 +46,7 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "staging": ("KVBRIDGE_STAGING", "staged transfers: auto (default), always, never (docs/staging.md)"),
     "staging_bytes": ("KVBRIDGE_STAGING_BYTES", "registered staging memory in bytes (0: the role's default)"),
     "staging_slot_bytes": ("KVBRIDGE_STAGING_SLOT_BYTES", "staging slot size in bytes (0: the default)"),
-    "secret": ("KVBRIDGE_SECRET", "control-channel HMAC secret, the same on every server"),
+    "secret": ("KVBRIDGE_SECRET", "control-channel MAC secret, the same on every server"),
     "lease_ttl": ("KVBRIDGE_LEASE_TTL", "lease of a rank at the daemon, seconds (default 10)"),
     "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, and the deadline of "
                                               "a connection's ownership proof, seconds (default 15: a CPU forward "

@@ -1,6 +1,6 @@
 """kvbridge's one transport and one codec (control, workers' ops, the IPC engine's side channel).
 
-    envelope.py   Codec: typed msgspec structs over MessagePack, version + HMAC envelope, HelloChallenge + Hello
+    envelope.py   Codec: typed msgspec structs over MessagePack, version + MAC envelope, HelloChallenge + Hello
     frames.py     length-prefixed frames over one non-blocking socket (FrameReader, Stream)
     transport.py  what the two ends over TCP / Unix sockets share: Channel, Wakeup, Limits (what a connection may cost)
     server.py     the server end (Server: pending connections, Hello, peers within Limits)

@@ -1,10 +1,19 @@
 """One codec for every channel: typed messages (``msgspec.Struct``s, a tagged union) over
 MessagePack, inside one envelope that carries the channel's version and, when a cluster
-secret is set, an HMAC-SHA256 of the rest.
+secret is set, a MAC of the rest: keyed BLAKE3 under a key derived from the secret per channel.
 
     envelope = version (2 bytes, big-endian) | kind (1 byte) | [mac (32 bytes)] | body
-               kind 0: plain; kind 1: mac = HMAC-SHA256(secret, version | kind | body)
+               kind 0: plain; kind 2: mac = BLAKE3(key = K(channel), version | kind | body)
+               K(channel) = BLAKE3 derive_key(context "kvbridge 2026-12-07 <channel> channel MAC", secret)
+               (kind 1, HMAC-SHA256(secret, version | kind | body), is what wire 16 and before sealed
+               with: refused by name, it is never checked)
     body     = msgpack map {"t": <tag>, <field>: <value>, ...}      (one Struct of the union)
+
+Why BLAKE3: a staged chunk's SlotRequest carries its scatter list (hundreds of KB at the GPU's
+256 MiB slots), sealed on prefill's loop and checked on decode's; keyed BLAKE3 (the ``blake3``
+package, the Rust crate's binding that vLLM pins too) is a MAC as strong as HMAC-SHA256 and costs
+a quarter of its time on such a frame (docs/performance.md, round 25). The per-channel key keeps a
+frame sealed for one channel (ops, say) from verifying on another.
 
 ``Codec.decode`` checks, in order, and raises ProtocolError naming the first problem:
 with a secret, the length against ``auth_limit(max_bytes)`` and the MAC (constant-time
@@ -30,13 +39,13 @@ bind them to a connection: only a connection that authenticated can carry them.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 import secrets
 import struct
 from typing import Annotated, Any, Generic, TypeVar, Union
 
+import blake3
 import msgspec
 
 from kvbridge.errors import ConfigError, ProtocolError
@@ -44,8 +53,9 @@ from kvbridge.errors import ConfigError, ProtocolError
 __all__ = ["CHALLENGE_BYTES", "HELLO_MAX_BYTES", "Codec", "Hello", "HelloChallenge", "auth_limit", "check_secret"]
 
 HEADER = struct.Struct(">HB")
-MAC_BYTES = hashlib.sha256().digest_size
-PLAIN, SIGNED = 0, 1
+MAC_BYTES = 32  # BLAKE3's default output
+PLAIN, HMAC_SHA256, SIGNED = 0, 1, 2  # HMAC_SHA256: wire 16 and before, refused by name
+MAC_CONTEXT = "kvbridge 2026-12-07 {channel} channel MAC"  # BLAKE3 key derivation's context, per channel
 HELLO_MAX_BYTES = 4096  # a connection's first frame: what an unauthenticated peer can make a server buffer
 CHALLENGE_BYTES = 16  # a server's challenge nonce (128 bits: never drawn twice)
 
@@ -75,6 +85,12 @@ def check_secret(secret: bytes | None) -> bytes | None:
     if secret is not None and (not isinstance(secret, bytes) or not secret):
         raise ConfigError("the channel secret must be non-empty bytes or None", field="secret")
     return secret
+
+
+def mac_key(secret: bytes, channel: str) -> bytes:
+    """The 32-byte BLAKE3 key that seals ``channel``'s frames: derived from the cluster secret with
+    the channel's name in the context (a frame MAC'd for one channel does not verify on another)."""
+    return blake3.blake3(secret, derive_key_context=MAC_CONTEXT.format(channel=channel)).digest()
 
 
 def auth_limit(max_bytes: int) -> int:
@@ -110,6 +126,7 @@ class Codec(Generic[M]):
         self._challenge = msgspec.msgpack.Decoder(HelloChallenge)
         self._plain = HEADER.pack(version, PLAIN)
         self._signed = HEADER.pack(version, SIGNED)
+        self._key = None if self.secret is None else mac_key(self.secret, name)
 
     def with_secret(self, secret: bytes | None) -> Codec[M]:
         return Codec(self.name, self.version, self.types, secret=secret, max_bytes=self.max_bytes)
@@ -136,7 +153,7 @@ class Codec(Generic[M]):
     def seal(self, body: bytes) -> bytes:
         if self.secret is None:
             return self._plain + body
-        return self._signed + hmac.new(self.secret, self._signed + body, hashlib.sha256).digest() + body
+        return self._signed + blake3.blake3(self._signed, key=self._key).update(body).digest() + body
 
     def challenge(self) -> tuple[bytes, bytes]:
         """A fresh ``(nonce, sealed HelloChallenge)`` for a new connection (server side)."""
@@ -161,18 +178,22 @@ class Codec(Generic[M]):
                 raise ProtocolError(f"message of {size} bytes is shorter than the {HEADER.size}-byte envelope header",
                                     field="v")
             version, kind = HEADER.unpack_from(view)
-            if kind == SIGNED:
-                raise ProtocolError("message carries an HMAC but no secret is configured here", field="mac")
+            if kind in (SIGNED, HMAC_SHA256):
+                raise ProtocolError("message carries a MAC but no secret is configured here", field="mac")
             body = view[HEADER.size :]
         else:
             if size > auth_limit(self.max_bytes):
                 raise ProtocolError(f"message of {size} bytes is too large to authenticate", field="mac")
+            if size >= HEADER.size and view[2] == HMAC_SHA256:
+                raise ProtocolError(f"message is sealed with HMAC-SHA256, as kvbridge sealed its frames before control "
+                                    f"wire 17 ({self.name} channel version {HEADER.unpack_from(view)[0]} in its "
+                                    f"header, {self.version} here); this side checks keyed BLAKE3: run one kvbridge "
+                                    "version on both sides", field="mac")
             if size < HEADER.size + MAC_BYTES or view[2] != SIGNED:
-                raise ProtocolError("missing HMAC: message is not an authenticated envelope", field="mac")
-            mac = hmac.new(self.secret, view[: HEADER.size], hashlib.sha256)
-            mac.update(view[HEADER.size + MAC_BYTES :])
+                raise ProtocolError("missing MAC: message is not an authenticated envelope", field="mac")
+            mac = blake3.blake3(view[: HEADER.size], key=self._key).update(view[HEADER.size + MAC_BYTES :])
             if not hmac.compare_digest(mac.digest(), view[HEADER.size : HEADER.size + MAC_BYTES]):
-                raise ProtocolError("bad HMAC: message not signed with this cluster's secret", field="mac")
+                raise ProtocolError("bad MAC: message not signed with this cluster's secret", field="mac")
             if size > self.max_bytes:
                 raise self._too_big(size)
             version, _ = HEADER.unpack_from(view)

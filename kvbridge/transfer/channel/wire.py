@@ -37,7 +37,7 @@ carried it (the aux row rides in the last chunk's batch), with the request's len
 window, compressed and state units it completed (``kind_units``), and when decode wants
 digests, theirs (``digests`` per page, ``kind_digests`` per unit).
 
-They travel in ``envelope.py``'s envelope (version WIRE_VERSION, HMAC with the cluster secret)
+They travel in ``envelope.py``'s envelope (version WIRE_VERSION, a keyed BLAKE3 MAC under the cluster secret)
 and are checked by one typed decoder: types, ranges and the value rules below, each refusal
 naming its field. Page lists travel as packed little-endian int32 (``pack_pages``/
 ``unpack_pages``). Value rules: room in [0, 2**63); other integers >= 0 except aux_slot >= -1
