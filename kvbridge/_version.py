@@ -34,4 +34,4 @@ WIRE_VERSION = 17  # 2: TransferRequest names the decode rank's registration ins
 # neither prefill's report of a final write nor decode's landing builds, sends or checks it (issue 33: the slot's
 # cycle)
 # 17: a secret's frames are sealed with keyed BLAKE3 under a key derived per channel (envelope kind 2) instead of
-# HMAC-SHA256 (kind 1, refused by name): a quarter of the MAC's time on a staged chunk's SlotRequest (issue 33)
+# HMAC-SHA256 (kind 1, refused by name): a third of the MAC's time on a staged chunk's SlotRequest (issue 33)

@@ -320,6 +320,53 @@ def test_a_request_asked_again_after_a_failed_memory_proof_commits_when_answered
     assert r.state.state == KVPoll.Success
 
 
+def keepalive_machine(keepalive: float, keepalive_for: float):
+    mem = Memory()
+    machine = decode_machine(DecodeConfig(instance="dec", peer_timeout=5.0, ping_interval=0.5, transfer_timeout=100.0,
+                                          keepalive=keepalive, keepalive_for=keepalive_for),
+                             deepseek_pools(num_layers=2, page_size=PAGE, index=False, draft_layers=0), SCHEMA,
+                             read_aux_row=mem.read, page_digests=lambda *a: np.zeros(0, np.uint64),
+                             rank_id=lambda: "dec-id")
+    machine.memory = mem
+    return machine
+
+
+@pytest.mark.parametrize("keepalive", [10.0, 0.0])
+def test_a_prefill_rank_with_no_room_here_is_pinged_to_keep_its_connection_then_left_alone(keepalive):
+    """Keepalive: once a room toward them ended, its prefill ranks are pinged every ``keepalive``
+    seconds, so their connections (and the proofs they carry) stay open past prefill's idle close,
+    until ``keepalive_for`` seconds after their last room; no answer declares no one dead (no room
+    waits on it). ``keepalive=0`` pings no rank without a room."""
+    m = keepalive_machine(keepalive, 35.0)
+    r = requested(m, now=1.0)
+    m.message("tcp://p1", done(7, 1, [1]), 2.0)
+    m.memory.land(1, 7)
+    m.message("tcp://p0", done(7, 0, [0, 2], aux=True, num_tokens=10), 2.1)
+    assert r.state.state == KVPoll.Success
+    m.close(r, 2.2)
+    pinged = []
+    for step in range(1, 60):  # a tick every second for a minute: nothing heard from either rank
+        now = 2.2 + step
+        pinged += [(now, to) for to, _ in sends(m.tick(now), wire.Ping)]
+    assert all(p.dead is None for p in m.peers.values())  # an unanswered keepalive blames no one
+    if keepalive == 0:
+        assert pinged == []
+        return
+    times = sorted({t for t, _ in pinged})
+    assert {to for _, to in pinged} == {("tcp://p0",), ("tcp://p1",)} and len(pinged) == 2 * len(times)
+    assert times[0] - 2.2 <= 10.0 + 1 and all(b - a == pytest.approx(10.0) for a, b in zip(times, times[1:]))
+    assert times[-1] - 2.2 <= 35.0 + 1 and 2.2 + 60 - times[-1] > 10.0  # none after keepalive_for
+
+
+def test_keepalive_settings_below_zero_are_refused_by_name():
+    from kvbridge.errors import ConfigError
+
+    for name in ("keepalive", "keepalive_for"):
+        with pytest.raises(ConfigError, match=f"{name} must be a number of seconds >= 0") as info:
+            DecodeConfig(instance="dec", **{name: -1.0})
+        assert info.value.field == name
+
+
 def test_peer_silence_fails_its_rooms_and_a_late_report_changes_nothing(m):
     r = requested(m, now=1.0)
     acts = m.tick(1.0 + SCAN_S)

@@ -11,9 +11,10 @@ secret is set, a MAC of the rest: keyed BLAKE3 under a key derived from the secr
 
 Why BLAKE3: a staged chunk's SlotRequest carries its scatter list (hundreds of KB at the GPU's
 256 MiB slots), sealed on prefill's loop and checked on decode's; keyed BLAKE3 (the ``blake3``
-package, the Rust crate's binding that vLLM pins too) is a MAC as strong as HMAC-SHA256 and costs
-a quarter of its time on such a frame (docs/performance.md, round 25). The per-channel key keeps a
-frame sealed for one channel (ops, say) from verifying on another.
+package, the Rust crate's binding that vLLM pins too) is a MAC at the 128-bit security level
+HMAC-SHA256 gave, and costs about a third of its time on such a frame (docs/performance.md,
+round 25). The per-channel key keeps a frame sealed for one channel (ops, say) from verifying on
+another.
 
 ``Codec.decode`` checks, in order, and raises ProtocolError naming the first problem:
 with a secret, the length against ``auth_limit(max_bytes)`` and the MAC (constant-time

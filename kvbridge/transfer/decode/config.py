@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.staging.settings import check_staging
 
 
@@ -21,6 +22,12 @@ class DecodeConfig:
     transfer_timeout: float = 120.0
     peer_timeout: float = 5.0
     ping_interval: float = 0.5
+    # a prefill rank with no room here is pinged every keepalive seconds (0: never) for keepalive_for
+    # seconds after its last room: its connection, and the ownership proof it carries, stay open
+    # between rooms (a prefill rank closes a connection silent for 120 s; the next room would prove
+    # this rank again, a read of its memory, on its own path)
+    keepalive: float = 40.0
+    keepalive_for: float = 600.0
     lease_ttl: float = 10.0
     topology_ttl: float = 2.0  # how long one look-up answer serves other rooms of the same DP group
     # (refreshed in the background while the group is in use: rooms do not wait for look-ups)
@@ -49,6 +56,11 @@ class DecodeConfig:
     trace: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("keepalive", "keepalive_for"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0 (0: none), got {value!r}", field=name,
+                                  rank=self.rank_label)
         check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
 
     @property

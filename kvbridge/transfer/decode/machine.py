@@ -734,6 +734,7 @@ class DecodeRooms:
             if not self._any_active(peer):  # liveness restarts now: a quiet spell between rooms is no death
                 peer.last_seen = max(peer.last_seen, now)
             peer.rooms.add(r.room)
+            peer.last_room = now  # (keepalive's window starts again)
             r.requested.add(key)
         r.state.to(KVPoll.Transferring, now=now)
         if self.trace:

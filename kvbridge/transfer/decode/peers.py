@@ -1,7 +1,12 @@
 """Decode's view of the prefill ranks its rooms wait on: their liveness, as state.
 
 A prefill rank that has rooms here is pinged every ``ping_interval``; any message
-from it counts as alive. Silent for ``peer_timeout`` -> it is declared dead and its
+from it counts as alive. One with no room here is pinged every ``keepalive`` seconds for
+``keepalive_for`` seconds after its last room, so that its connection (and the ownership proof
+that connection carries) stays open between rooms: a prefill rank closes a connection silent for
+its ``idle_timeout`` (120 s), and the next room would then connect and prove this rank again (a
+read of its memory through the engine) on its own path. Nobody is declared dead for an
+unanswered keepalive: no room waits on it. Silent for ``peer_timeout`` -> it is declared dead and its
 rooms fail with a reason naming the rank. Its writes are assumed to have stopped
 (the rank counts as quiet, hard rule 6) when it acknowledges the abort, or once the
 bootstrap daemon no longer lists it (lease expired, asked off the loop: a
@@ -64,6 +69,7 @@ class PrefillPeer:
     next_lease_check: float = 0.0
     dead_at: float = 0.0
     rooms: set[int] = field(default_factory=set)
+    last_room: float = 0.0  # its last room's request, or the last pass that found one (keepalive's window)
 
 
 @dataclass
@@ -140,7 +146,10 @@ class PrefillPeers:
                 if p.dead is not None and p.lease_gone:  # gone for good: close its socket, forget it
                     out.actions.append(DropPeer(p.endpoint))
                     del self._peers[p.endpoint]
+                elif p.dead is None and self._keepalive_due(p, now):
+                    self._ping(p, now, out)
                 continue
+            p.last_room = now
             if p.dead is None and now - p.last_seen > self.cfg.peer_timeout:
                 p.dead = f"prefill rank {p.label} ({p.endpoint}) sent nothing for {now - p.last_seen:.1f}s"
                 p.dead_at = now
@@ -153,10 +162,19 @@ class PrefillPeers:
                     p.lease_check_pending = True
                     out.actions.append(CheckLease(p.endpoint, p.instance, p.rank_id))
             elif now - p.last_ping >= self.cfg.ping_interval:
-                p.last_ping, p.seq = now, p.seq + 1
-                out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
-                                                                    decode_rank_id=self.registration or "")))
+                self._ping(p, now, out)
         return out
+
+    def _keepalive_due(self, p: PrefillPeer, now: float) -> bool:
+        """A rank with no room here: ping it to keep its connection open (``keepalive``), while its
+        last room is at most ``keepalive_for`` seconds old."""
+        every = self.cfg.keepalive
+        return every > 0 and now - p.last_room <= self.cfg.keepalive_for and now - p.last_ping >= every
+
+    def _ping(self, p: PrefillPeer, now: float, out: Verdicts) -> None:
+        p.last_ping, p.seq = now, p.seq + 1
+        out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
+                                                            decode_rank_id=self.registration or "")))
 
     def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> None:
         """The daemon's answer to a ``CheckLease`` (for a record since replaced: ignored)."""
