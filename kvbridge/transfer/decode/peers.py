@@ -1,12 +1,7 @@
 """Decode's view of the prefill ranks its rooms wait on: their liveness, as state.
 
 A prefill rank that has rooms here is pinged every ``ping_interval``; any message
-from it counts as alive. One with no room here is pinged every ``keepalive`` seconds for
-``keepalive_for`` seconds after its last room, so that its connection (and the ownership proof
-that connection carries) stays open between rooms: a prefill rank closes a connection silent for
-its ``idle_timeout`` (120 s), and the next room would then connect and prove this rank again (a
-read of its memory through the engine) on its own path. Nobody is declared dead for an
-unanswered keepalive: no room waits on it. Silent for ``peer_timeout`` -> it is declared dead and its
+from it counts as alive. Silent for ``peer_timeout`` -> it is declared dead and its
 rooms fail with a reason naming the rank. Its writes are assumed to have stopped
 (the rank counts as quiet, hard rule 6) when it acknowledges the abort, or once the
 bootstrap daemon no longer lists it (lease expired, asked off the loop: a
@@ -17,6 +12,12 @@ queued writes that land when it resumes, so an expired lease alone does not free
     alive ──silent peer_timeout──▶ dead ──lease gone──▶ quarantined ──lease_quarantine──▶ quiet
       ▲                              │
       └──── heard from again (a new record replaces the dead one) ◀─┘
+
+A rank with no room here is pinged every ``keepalive`` seconds for ``keepalive_for`` seconds after
+its last room, so that its connection (and the ownership proof that connection carries) stays
+open between rooms: a prefill rank closes a connection silent for its ``idle_timeout`` (120 s),
+and the next room would then connect and prove this rank again (a read of its memory through the
+engine) on its own path. Nobody is declared dead for an unanswered keepalive: no room waits on it.
 
 No socket, thread or clock: ``tick(now, ...)`` returns what to do (pings, lease checks,
 connections to drop) and what it found (peers dead, peers quiet), and the room state
