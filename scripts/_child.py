@@ -66,12 +66,16 @@ class Child:
             self.log.close()
             raise
         self.lines: queue.Queue = queue.Queue()
+        self.stray = ""  # the last stdout line that began like an answer but was not JSON
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith("{"):
-                self.lines.put(json.loads(line))
+                try:
+                    self.lines.put(json.loads(line))
+                except ValueError:  # a stray line that only looks like an answer: kept for the error, not fatal
+                    self.stray = line.strip()[:300]
         try:  # stdout closed: the child is exiting (reaped here, for its status)
             code = self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -81,7 +85,8 @@ class Child:
     def _tail(self) -> str:
         if not self.log.closed:
             self.log.flush()  # ours holds nothing (the child writes through its own fd); flushed all the same
-        return log_tail(self.log_path)
+        stray = f"; its stdout's last line that was not JSON: {self.stray!r}" if self.stray else ""
+        return log_tail(self.log_path) + stray
 
     def next(self, timeout: float) -> dict:
         try:

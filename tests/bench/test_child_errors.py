@@ -25,6 +25,8 @@ for i in range(cfg["lines"]):
     print(f"log line {i}", file=sys.stderr, flush=True)
 if "exit" in cfg:
     sys.exit(cfg["exit"])
+if cfg.get("stray"):
+    print("{not an answer", flush=True)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     if json.loads(line).get("op") == "quit":
@@ -85,6 +87,16 @@ def test_a_killed_child_is_named_by_its_signal_and_an_empty_log_said_so(start, t
         c.next(scaled(60))
     assert str(err.value) == (f"prefill child (pid {c.proc.pid}) exited: killed by SIGKILL; "
                               f"log {tmp_path}/prefill child.log is empty")  # fmt: skip
+
+
+def test_a_stray_line_that_looks_like_an_answer_is_skipped_and_named_in_an_error(start, tmp_path):
+    """A stdout line that begins like an answer but is not JSON neither kills the reader (the next
+    answer still comes) nor passes unseen: a later error names it."""
+    c = start("stray child", lines=1, stray=True)
+    assert c.next(scaled(60)) == {"ready": True}
+    with pytest.raises(TimeoutError) as err:
+        c.next(1)
+    assert str(err.value).endswith("; its stdout's last line that was not JSON: '{not an answer'")
 
 
 def test_log_tail_of_a_missing_a_long_and_an_undecodable_log(child_mod, tmp_path):
