@@ -83,8 +83,6 @@ class Child:
         self.lines.put({"exited": code})
 
     def _tail(self) -> str:
-        if not self.log.closed:
-            self.log.flush()  # ours holds nothing (the child writes through its own fd); flushed all the same
         stray = f"; its stdout's last line that was not JSON: {self.stray!r}" if self.stray else ""
         return log_tail(self.log_path) + stray
 

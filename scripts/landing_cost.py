@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,12 +72,7 @@ def main() -> None:
     wire16 = "scatter" in wire.SlotRequest.__struct_fields__  # (wire 16: the list comes with the request)
     secret = b"landing-cost-secret"
     codec = wire.codec(secret)
-    try:
-        import blake3
-
-        b3_key = blake3.blake3(secret, derive_key_context="landing_cost").digest()
-    except ImportError:  # (a tree from before wire 17 in a venv without it)
-        blake3 = None
+    b3_key = blake3.blake3(secret, derive_key_context="landing_cost").digest()
     asked, landed, hold, slices = [], [], [], set()
     sealed, opened, mac_sha, mac_b3 = [], [], [], []
     n = 0
@@ -99,10 +95,9 @@ def main() -> None:
                     t = time.perf_counter()
                     hmac.new(secret, frame, hashlib.sha256).digest()
                     mac_sha.append(time.perf_counter() - t)
-                    if blake3 is not None:
-                        t = time.perf_counter()
-                        blake3.blake3(frame, key=b3_key).digest()
-                        mac_b3.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    blake3.blake3(frame, key=b3_key).digest()
+                    mac_b3.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 if wire16:  # the list in the request, checked there; the landing only takes it
                     ds.request(1, (0, 0, 0), "prefill", wire.SlotRequest(room=1, cp_rank=0, chunk=n,
@@ -150,10 +145,9 @@ def main() -> None:
           f"{np.median(hold) * 1e3:.3f} ms, both p50 {np.median(turn) * 1e3:.3f} ms; {len(gathers)} gathers on "
           f"prefill: CudaStager.gather (the list and its range checks) p50 {np.median(gathers) * 1e3:.3f} ms")
     if sealed:
-        b3 = f"{np.median(mac_b3) * 1e3:.3f} ms" if mac_b3 else "- (no blake3)"
         print(f"SlotRequest with a cluster secret, {len(sealed)} chunks: sealed p50 {np.median(sealed) * 1e3:.3f} ms, "
               f"opened p50 {np.median(opened) * 1e3:.3f} ms (this tree's MAC); over the same frames HMAC-SHA256 p50 "
-              f"{np.median(mac_sha) * 1e3:.3f} ms, keyed BLAKE3 p50 {b3}")
+              f"{np.median(mac_sha) * 1e3:.3f} ms, keyed BLAKE3 p50 {np.median(mac_b3) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -214,11 +214,15 @@ class EndpointShell:
             self._run_watched(dump_s)
             return
         while not self._stop.is_set():
-            try:
-                self._step()
-            except Exception:  # a bug must not kill the rank's only control loop
-                log.exception("%s loop step failed", self._loop_name)
-                time.sleep(0.05)
+            self._turn()
+
+    def _turn(self) -> None:
+        """One loop step; a bug in it is logged, the loop goes on."""
+        try:
+            self._step()
+        except Exception:  # a bug must not kill the rank's only control loop
+            log.exception("%s loop step failed", self._loop_name)
+            time.sleep(0.05)
 
     def _run_watched(self, dump_s: float) -> None:
         """``_run`` with ``KVBRIDGE_STALL_DUMP`` set: a loop turn that runs past ``dump_s`` seconds
@@ -230,10 +234,7 @@ class EndpointShell:
             start, cpu = time.monotonic(), time.process_time()
             faulthandler.dump_traceback_later(dump_s, exit=False, file=2)  # (fd 2: whatever wraps sys.stderr)
             try:
-                self._step()
-            except Exception:  # a bug must not kill the rank's only control loop
-                log.exception("%s loop step failed", self._loop_name)
-                time.sleep(0.05)
+                self._turn()
             finally:
                 faulthandler.cancel_dump_traceback_later()
             took = time.monotonic() - start
