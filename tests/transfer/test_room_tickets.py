@@ -57,11 +57,12 @@ def sends(actions, msg_type=None):
 class Column:
     """cp 0 (the decider) and cp 1 of one prefill TP column, both keyed as a PrefillEndpoint is."""
 
-    def __init__(self, key: ProofKey | None = None) -> None:
+    def __init__(self, key: ProofKey | None = None, target_timeout: float = 60.0) -> None:
         self.key = key or ProofKey()
         self.m = []
         for cp in (0, 1):
-            cfg = PrefillConfig(instance="p", cp_rank=cp, cp_size=2, peer_timeout=5.0, target_timeout=60.0)
+            cfg = PrefillConfig(instance="p", cp_rank=cp, cp_size=2, peer_timeout=5.0,
+                                 target_timeout=target_timeout)
             m = prefill_machine(cfg, SPECS, bufs(cp << 36), AUX, "x", hello_of=HELLO.get,
                                 endpoint=lambda: "tcp://127.0.0.1:7000", proof_key=self.key if cp == 0 else ProofKey())
             m.feed(RegisteredAs(DECIDER_ID if cp == 0 else "p-cp1"))
@@ -341,3 +342,40 @@ def test_the_decider_sends_its_ticket_before_it_plans_and_posts_the_room_at_the_
     if reads:
         acts = col.answer_read(1, reads[0], 1.3)
     assert [a.target.decode_rank for a in acts if isinstance(a, PostWrite)] == ["A/dp0/tp0"]
+
+
+def test_a_frozen_loop_spares_its_held_claims_the_gap_it_did_not_run():
+    """A rank whose own loop did not run (a starved process) may have the decider's RoomTicket unread in
+    its socket: its held claims count their timeout again from the turn it runs (as its rooms' ask
+    deadline does), and are refused only once that long passes with the loop running."""
+    col = Column()
+    m = col.m[1]
+    col.book(m.tick(0.5))  # the loop runs
+    col.deliver("A", 1, request("A", 7), 1.0)
+    col.book(m.tick(1.0 + 61.0))  # then stood still 61 s, past target_timeout
+    assert col.errors("A") == [] and 7 in m.tickets.held
+    now = 62.0
+    while now < 62.0 + 59.0:  # the loop runs; the claim's 60 s count from 62
+        now += 1.0
+        col.book(m.tick(now))
+    assert col.errors("A") == []
+    col.book(m.tick(62.0 + 60.5))
+    (err,) = col.errors("A")
+    assert "no decision on room 7" in err.reason
+
+
+def test_a_gap_over_half_the_target_timeout_is_a_frozen_loop_even_under_half_the_peer_timeout():
+    """With a target_timeout shorter than peer_timeout (a local cluster's 2 s against 5 s), a gap of more
+    than half of it is the loop standing still: the held claim is spared, not refused for a ticket that
+    sat unread, and the ticket read after the gap decides the room."""
+    col = Column(target_timeout=2.0)
+    m = col.m[1]
+    col.book(m.tick(0.9))  # the loop runs
+    col.deliver("A", 1, request("A", 7), 1.0)
+    col.deliver("A", 0, request("A", 7), 1.0)  # the decider grants A at once
+    assert "A" in col.tickets
+    col.book(m.tick(3.2))  # cp 1 stood still 2.3 s: under peer_timeout / 2, over target_timeout / 2
+    assert col.errors("A") == [] and 7 in m.tickets.held  # the claim waited 2.2 s > 2.0, spared
+    col.deliver("A", 1, col.tickets["A"], 3.21)  # the ticket, read now
+    assert col.errors("A") == []
+    assert m.rooms.get(7).holder[0] == "A" and 7 not in m.tickets.held

@@ -693,7 +693,9 @@ class PrefillRooms:
         self._pump(now)
         if now >= self.next_deadline_scan:
             gap = now - self.last_scan if self.last_scan else 0.0
-            frozen = gap > self.cfg.peer_timeout / 2
+            # (half the shorter of the two deadlines a gap could wrongly run out: a peer's silence, or a
+            # room's decode ranks asking and its decision coming)
+            frozen = gap > min(self.cfg.peer_timeout, self.cfg.target_timeout) / 2
             self.last_scan, self.next_deadline_scan = now, now + DEADLINE_SCAN_S
             if frozen:  # this loop itself did not run (a starved process, a loaded host): it heard nothing
                 # because it listened to nothing, so no peer is blamed for the gap, and what arrived
@@ -704,6 +706,8 @@ class PrefillRooms:
                 # or not sent (a loaded host starves it too): target_timeout counts again from now
                 for r in self.rooms.values():
                     r.asked_since = max(r.asked_since, now)
+                # nor is the decider blamed for a RoomTicket that may sit unread in this rank's socket
+                self.tickets.restart(now)
                 log.warning("prefill rank %s: its loop did not run for %.1fs (a starved process?): no peer blamed",
                             self.cfg.rank_label, gap)
             else:

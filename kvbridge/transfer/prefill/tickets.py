@@ -43,7 +43,7 @@ it, sends what it returns, and reads the decider's registration off the loop (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.transfer.channel import wire
@@ -185,6 +185,15 @@ class Tickets:
     def overdue(self, now: float, timeout: float) -> list[int]:
         """Rooms whose oldest held claim waited longer than ``timeout``."""
         return [room for room, hs in self.held.items() if now - hs[0].since > timeout]
+
+    def restart(self, now: float) -> None:
+        """This rank's loop did not run until ``now`` (a starved process): a decision it waits for may
+        sit unread in its socket, so every held claim and early ticket counts its timeout from ``now``."""
+        for room, hs in self.held.items():
+            self.held[room] = [h if h.since >= now else replace(h, since=now) for h in hs]
+        for per in self.early.values():
+            for inst, (ident, t, since) in per.items():
+                per[inst] = (ident, t, max(since, now))
 
     def park(self, ident: bytes, t: wire.RoomTicket, now: float) -> bool:
         """A ticket for a room undecided here that no claim of its instance waits for yet: kept,
