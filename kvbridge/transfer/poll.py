@@ -76,10 +76,10 @@ class RoomState:
             return False
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.state.name} -> {new.name}")
-        self.state = new
-        self.entered[new] = time.monotonic() if now is None else now
-        if new == KVPoll.Failed:
+        if new == KVPoll.Failed:  # (before the state: a lock-free poll may read the state at once)
             self.reason = reason or "failed"
+        self.entered[new] = time.monotonic() if now is None else now
+        self.state = new
         if new in FINAL and self._done is not None:
             self._done.set()
         return True

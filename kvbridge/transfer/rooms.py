@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvbridge.errors import RoomInUse
-from kvbridge.transfer.poll import IllegalTransition, KVPoll, RoomState
+from kvbridge.transfer.poll import FINAL, IllegalTransition, KVPoll, RoomState
 
 T = TypeVar("T")
 H = TypeVar("H", bound="RoomHandle")
@@ -234,9 +234,9 @@ def open_waiting(open_room: Callable[[], T], freed: threading.Condition, wait: f
 
 class RoomHandle:
     """What a KVSender and a KVReceiver share: the engine's handle on one OPEN room of an
-    endpoint (thread-safe: reads take the endpoint's lock). ``close()``, leaving a ``with``
-    block or dropping the handle moves the room to DRAINING; until then its final state and
-    the reason of a failure stay readable. The endpoint provides ``locked(fn)``,
+    endpoint (thread-safe: reads take the endpoint's lock, but for a poll of a state short of
+    final). ``close()``, leaving a ``with`` block or dropping the handle moves the room to
+    DRAINING; until then its final state and the reason of a failure stay readable. The endpoint provides ``locked(fn)``,
     ``release(room)`` (a GC finalizer: must not lock) and ``close_room(room)``; the room,
     ``state`` (a RoomState)."""
 
@@ -251,7 +251,15 @@ class RoomHandle:
         return self._room.room
 
     def poll(self) -> KVPoll:
-        return self._ep.locked(lambda: self._room.state.state)
+        """The room's state. A state short of final is read without the lock (one attribute), so an
+        engine's scheduler that polls every request each step never waits out the loop's turn; what
+        it does next (``init``, ``send``) takes the lock. A final state is read again under the lock:
+        the turn that made it final has then carried out all it does (the aux row kept, the state
+        slot handed over) before the engine acts on it."""
+        state = self._room.state.state
+        if state in FINAL:
+            return self._ep.locked(lambda: self._room.state.state)
+        return state
 
     def wait(self, timeout: float | None = None) -> KVPoll:
         """Block until the room is final (Success or Failed) or ``timeout`` seconds passed; the
