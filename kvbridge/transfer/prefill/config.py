@@ -31,6 +31,9 @@ class PrefillConfig:
     lease_ttl: float = 10.0
     target_timeout: float = 60.0  # how long a room waits for its decode ranks to ask
     peer_timeout: float = 5.0  # a decode connection silent this long fails its targets (> decode's ping_interval)
+    # a decode connection with nothing sent for this long is closed (0: never); its next room connects and
+    # proves the decode rank's memory again, so keep it above decode's keepalive (40 s)
+    idle_timeout: float = 120.0
     max_slices_per_call: int = 1024
     aux_slots: int = 1024
     aux_device: str = "cpu"  # aux staging rows; "cuda:N" for transports that move device memory only (NVLink)
@@ -47,6 +50,9 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
+        if not self.idle_timeout >= 0:  # (NaN too)
+            raise ConfigError(f"idle_timeout {self.idle_timeout!r} must be >= 0 seconds (0: never close an idle "
+                              "connection)", rank=self.rank_label, field="idle_timeout")
         if not 0 <= self.pp_rank < self.pp_size:
             raise ConfigError(f"pp_rank {self.pp_rank} is outside pp_size {self.pp_size}", rank=self.rank_label,
                               field="pp_rank")

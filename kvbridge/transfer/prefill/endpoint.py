@@ -48,6 +48,7 @@ from kvbridge.layout import AuxSchema, OwnerLanes, PoolSpec, stage_specs
 from kvbridge.transfer.actions import AbortRoom, FreeRoom, Send, Shutdown, Tick
 from kvbridge.transfer.aux_rows import AuxBuffers, AuxStaging
 from kvbridge.transfer.channel import ControlServer
+from kvbridge.transfer.channel.transport import Limits
 from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.digest import kind_unit_digests, page_digests
 from kvbridge.transfer.engine import TransferEngine, WriteState
@@ -216,6 +217,7 @@ class PrefillEndpoint(EndpointShell):
         if self.gather is not None:
             self.gather.register(self.engine)
         self._server = ControlServer(self.config.host, self.config.control_port, secret=self.config.secret,
+                                     limits=Limits(idle_timeout=self.config.idle_timeout or None),
                                      vouch=self._known_rank, protected=self._proven)
         with self._lock:
             self._feed_event(Serving(self._server.endpoint))  # what decode ranks' KeyProofs sign
