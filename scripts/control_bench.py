@@ -5,7 +5,7 @@ against a real bootstrap daemon. No process hand-offs, no network: a room's time
 report, the ledger and the commit, in Python, plus the memcpy of its few pages.
 
     .venv/bin/python scripts/control_bench.py [--cp 1] [--pages 16] [--rooms 300] [--gap-ms 0] [--ask-first] [--layers 4]
-        [--aux-last] [--aux-written] [--send-early MS]
+        [--aux-last] [--aux-written] [--send-early MS] [--poller US]
 
 The prefill side has sent its pages before the timer starts (as when decode asks last);
 decode blocks in ``KVReceiver.wait()``. ``--ask-first``: the engines' order instead, decode asks
@@ -20,7 +20,8 @@ same steps run in separate processes. ``--gap-ms``: idle time before each timed 
 benches leave the cluster idle between rooms; on a VM every thread then wakes slower).
 ``--send-early MS`` (with ``--ask-first``): the ranks call ``send()`` MS ms before their KV is whole,
 a timer's event as ``ready_event`` (an engine whose forward still runs, as vLLM's ``wait_for_save``),
-and the clock runs from the KV whole to Success.
+and the clock runs from the KV whole to Success. ``--poller US``: a thread polls a room that never
+moves every US us during the timed rooms and times each ``poll()`` (an engine's scheduler's polls).
 
 Besides the p50 it prints the process's CPU time per timed room, every thread's together
 (``time.process_time``; ``--gap-ms`` sleeps cost none): the work a room costs, which a loaded
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -70,6 +72,10 @@ def main() -> None:
                     help="with --ask-first: every prefill rank calls send() MS ms before its KV is whole, with a "
                          "timer's event as ready_event (vLLM's wait_for_save: the forward's last layers still run); "
                          "the clock runs from the KV whole to decode's Success")
+    ap.add_argument("--poller", type=float, default=0.0, metavar="US",
+                    help="during the timed rooms a thread polls a room that never moves (a prefill rank's sender "
+                         "no decode rank asks for) every US microseconds, as an engine's scheduler polls its "
+                         "requests, and times each poll(): what a poll waits for the loop's turn and the GIL")
     args = ap.parse_args()
     args.ask_first = args.ask_first or args.aux_last
     if args.send_early and (not args.ask_first or args.aux_last):
@@ -157,9 +163,27 @@ def main() -> None:
 
         for i in range(1, 51):
             room(i)
+        polls: list[float] = []
+        stop = threading.Event()
+        if args.poller:
+            idle = prefill[0].sender(99)  # no decode rank asks for room 99: it stays Bootstrapping
+            idle.init(n)
+
+            def poller() -> None:
+                while not stop.wait(args.poller / 1e6):
+                    t = time.perf_counter()
+                    idle.poll()
+                    polls.append(time.perf_counter() - t)
+
+            poll_thread = threading.Thread(target=poller, name="poller", daemon=True)
+            poll_thread.start()
         cpu0 = time.process_time()
         times = [room(i) for i in range(100, 100 + args.rooms)]
         cpu_ms = (time.process_time() - cpu0) * 1e3 / args.rooms
+        stop.set()
+        if args.poller:
+            poll_thread.join(5)
+            idle.close()
         for ep in (decode, *prefill):
             ep.close()
     ms = sorted(t * 1e3 for t in times)
@@ -172,6 +196,11 @@ def main() -> None:
           f"({PRESET}), {args.rooms} rooms, {args.gap_ms:g} ms idle before each: {clock} p50 {statistics.median(ms):.2f} ms, "
           f"p90 {ms[int(0.9 * len(ms))]:.2f} ms; process CPU {cpu_ms:.2f} ms per room (every thread); "
           f"aux row {'written' if args.aux_written else 'in the report'}")
+    if polls:
+        us = sorted(p * 1e6 for p in polls)
+        print(f"poll() of an idle room every {args.poller:g} us during the timed rooms: {len(us)} polls, p50 "
+              f"{statistics.median(us):.1f} us, p99 {us[int(0.99 * len(us))]:.1f} us, max {us[-1]:.1f} us; "
+              f"{sum(u > 100 for u in us)} over 100 us, {sum(u > 1000 for u in us)} over 1 ms")
 
 
 if __name__ == "__main__":
