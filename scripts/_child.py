@@ -15,25 +15,20 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvbridge.worker.launch import tail_lines
+
 TAIL_LINES = 40  # the log lines an error carries
 TAIL_BYTES = 64 * 1024  # read from the log's end at most (a line longer than that is cut)
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> str:
     """The last ``lines`` lines of the log at ``path`` under a header that names it, each indented;
-    or one line saying that it is empty or why it could not be read. Reads only the file's last
-    ``max_bytes``, through a handle of its own: the child may still be writing it."""
+    or one line saying that it is empty or why it could not be read (``launch.tail_lines``: only the
+    file's last ``max_bytes``, the child may still be writing it)."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - max_bytes))
-            data = f.read(max_bytes)
+        tail = tail_lines(path, lines, max_bytes)
     except OSError as exc:
         return f"log {path} unreadable: {exc}"
-    text = data.decode("utf-8", errors="replace").splitlines()
-    if size > max_bytes and len(text) > 1:
-        text = text[1:]  # the first line read began before the window
-    tail = text[-lines:]
     if not tail:
         return f"log {path} is empty"
     return f"last {len(tail)} lines of {path}:\n" + "\n".join(f"    {line}" for line in tail)

@@ -48,6 +48,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def tail_lines(path: str | Path, lines: int, max_bytes: int = 256 * 1024) -> list[str]:
+    """The last ``lines`` lines of the file at ``path``, reading only its last ``max_bytes`` (a line
+    longer than that is cut), through a handle of its own: a process may still be writing it.
+    Raises OSError where it cannot be read."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - max_bytes))
+        text = f.read(max_bytes).decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and len(text) > 1:
+        text = text[1:]  # the first line read began before the window
+    return text[-lines:] if lines > 0 else []
+
+
 @dataclass
 class Proc:
     name: str
@@ -57,7 +70,7 @@ class Proc:
 
     def log_tail(self, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(tail_lines(self.log_path, lines))
         except OSError:
             return ""
 
