@@ -17,7 +17,8 @@ A rank with no room here is pinged every ``keepalive`` seconds for ``keepalive_f
 its last room, so that its connection (and the ownership proof that connection carries) stays
 open between rooms: a prefill rank closes a connection silent for its ``PrefillConfig.idle_timeout``
 (120 s), and the next room would then connect and prove this rank again (a read of its memory
-through the engine) on its own path. Nobody is declared dead for an unanswered keepalive: no room waits on it.
+through the engine) on its own path. Nobody is declared dead for an unanswered keepalive: no room
+waits on it.
 
 No socket, thread or clock: ``tick(now, ...)`` returns what to do (pings, lease checks,
 connections to drop) and what it found (peers dead, peers quiet), and the room state
