@@ -9,6 +9,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,16 +47,37 @@ class PrefillProc:
                "--page-size", str(page_size), "--engine", engine, "--device", device, *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.engine, self.instance = engine, instance
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        # the child's stderr goes to a file of its own, read back when it fails to answer
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, env=env)
         self.results: dict[int, dict] = {}
-        self._lines: queue.Queue[dict] = queue.Queue()
+        self._lines: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        first = self._next(60)
+        try:
+            first = self._first_line()
+        except (TimeoutError, EOFError):
+            self.stop()
+            raise
         if not first.get("ready"):
+            self.stop()
             raise RuntimeError(f"prefill rank {cp_rank} did not start: {first}")
         self.endpoint = first["endpoint"]
+
+    def _first_line(self, patience: float = 60.0) -> dict:
+        """The child's first line. A start that has not answered in ``patience`` seconds (a host
+        loaded by the suites that share it) has its stacks written to its stderr (SIGUSR1) and gets
+        as long again; the error then shows where it stood."""
+        try:
+            return self._next(patience)
+        except TimeoutError:
+            if self.proc.poll() is not None:
+                raise
+            self.proc.send_signal(signal.SIGUSR1)
+            print(f"prefill process {self.instance} silent for {patience:.0f}s; stacks written to its stderr",
+                  file=sys.stderr)
+            return self._next(patience)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -63,12 +85,36 @@ class PrefillProc:
                 self._lines.put(json.loads(line))
             except ValueError:
                 pass
+        self._lines.put(None)  # end of its output: the process closed stdout or died
+
+    def stderr_tail(self, limit: int = 8000) -> str:
+        """The last ``limit`` bytes the child wrote to stderr."""
+        try:
+            self._stderr.seek(0, os.SEEK_END)
+            self._stderr.seek(max(0, self._stderr.tell() - limit))
+            return self._stderr.read().decode("utf-8", errors="replace")
+        except (OSError, ValueError):
+            return ""
 
     def _next(self, timeout: float) -> dict:
         try:
-            return self._lines.get(timeout=timeout)
+            line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError("no line from the prefill process") from None
+            raise TimeoutError(f"no line from the prefill process ({self.instance}, pid {self.proc.pid}) within "
+                               f"{timeout:.0f}s, {self._status()}; its stderr ends:\n{self.stderr_tail()}") from None
+        if line is None:
+            self._lines.put(None)  # every later read sees the end too
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            raise EOFError(f"the prefill process ({self.instance}) closed its output, {self._status()}; "
+                           f"its stderr ends:\n{self.stderr_tail()}")
+        return line
+
+    def _status(self) -> str:
+        rc = self.proc.poll()
+        return "still running" if rc is None else f"exited with {rc}"
 
     def command(self, **cmd: Any) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -99,6 +145,7 @@ class PrefillProc:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc.stdout.close()
+        self._stderr.close()
         try:  # a command buffered for a process that died is not flushed: closing says so
             self.proc.stdin.close() if not self.proc.stdin.closed else None
         except BrokenPipeError:

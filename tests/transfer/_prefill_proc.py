@@ -28,7 +28,14 @@ in host mirrors and copied to the room's pages on the GPU before they are sent.
 
 from __future__ import annotations
 
-import argparse
+import faulthandler
+import signal
+
+# first, before the heavy imports: SIGUSR1 writes every thread's stack to stderr, which the harness
+# reads back when this process has not answered in time (where a start stands still)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+import argparse  # noqa: E402
 import json
 import sys
 import threading

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,12 +37,16 @@ class Proc:
                "--model", model, "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--staging", staging,
                "--slot-bytes", str(slot_bytes)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        self._stderr = tempfile.TemporaryFile()  # read back if it does not start
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, env=env)
         line = self.proc.stdout.readline()
         if not line or not json.loads(line).get("ready"):
             self.stop()
-            raise RuntimeError(f"prefill rank {cp_rank} did not start: {line!r}")
+            self._stderr.seek(0)
+            err = self._stderr.read()[-8000:].decode("utf-8", errors="replace")
+            raise RuntimeError(f"prefill rank {cp_rank} did not start: {line!r}, exit {self.proc.returncode}; "
+                               f"its stderr ends:\n{err}")
 
     def send(self, room: int, n: int, cuts: tuple[int, ...], width: int | None = None) -> None:
         cmd = {"op": "send", "room": room, "num_tokens": n, "cuts": list(cuts), "width": width}
