@@ -2,7 +2,7 @@
 (which is also a field of the runtime contract)."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 17  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
+WIRE_VERSION = 18  # 2: TransferRequest names the decode rank's registration instead of its buffer table;
 # 3: the aux row is reported in the PagesDone of the write that carried it (no AuxDone);
 # 4: messages travel as length-prefixed frames on plain TCP connections (3 travelled over ZMQ)
 # 5: typed msgspec structs in a binary envelope (version, optional HMAC); a connection opens with a Hello
@@ -35,3 +35,7 @@ WIRE_VERSION = 17  # 2: TransferRequest names the decode rank's registration ins
 # cycle)
 # 17: a secret's frames are sealed with keyed BLAKE3 under a key derived per channel (envelope kind 2) instead of
 # HMAC-SHA256 (kind 1, refused by name): a third of the MAC's time on a staged chunk's SlotRequest (issue 33)
+# 18: TransferRequest.staging_granted: decode slots granted with the request to the recipient's first chunks of the
+# room, which write into them without waiting for a SlotGrant (their SlotRequests still carry the scatter lists,
+# checked before anything is scattered); a 17 prefill would ignore the field and wait for grants never sent
+# (issue 33: the grant's round trip off a room's first chunk)

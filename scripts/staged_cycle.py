@@ -8,7 +8,9 @@ joined per chunk:
     grant wait      decode read it -> decode granted a slot (0 unless its area was full)
     grant trip      decode's SlotGrant -> prefill read it
     post + write    prefill read the grant -> the chunk's write final on prefill (gather on a GPU,
-                    post, transfer, completion seen by prefill's loop) and ChunkLanded sent
+                    post, transfer, completion seen by prefill's loop) and ChunkLanded sent; a chunk
+                    whose slot came with the room's request (``--granted-slots``: no SlotGrant, no
+                    grant steps) from its SlotRequest sent, which its gather and post follow
     landed trip     prefill's ChunkLanded -> decode read it (and started the scatter)
     scatter         decode started the slot's copy -> it completed (the slot is free)
     credit back     the slot free -> decode granted it again (only where a chunk waited)
@@ -110,13 +112,16 @@ def cycle_steps(lines: list[str], rooms: set[int], chunks: list[dict] | None = N
         l_out = pre.get((room, cp, chunk, "landed-out"))
         a_in = ask_in.get((room, cp, chunk))
         g_out = max((t for t in grants.get((room, chunk, slot), []) if t <= t_in), default=None)
-        if None in (ask_out, g_in, l_out, a_in, g_out):
+        if None in (ask_out, l_out, a_in) or (g_in is None) != (g_out is None):
             continue
+        if g_in is None:  # its slot came with the room's request (no SlotGrant): post + write from its ask
+            g_in = ask_out
         done = min((t for s, t in scatters[(room, slot)] if s == "scattered" and t >= t_in), default=None)
         regrant = min((t for t in slot_grants[slot] if done is not None and t >= done), default=None)
         if chunks is not None:
             chunks.append(dict(room=room, cp=cp, chunk=chunk, slot=slot, ask_out=ask_out, ask_in=a_in, grant_out=g_out,
-                               grant_in=g_in, landed_out=l_out, landed_in=t_in, scattered=done, regrant=regrant))
+                               grant_in=g_in, landed_out=l_out, landed_in=t_in, scattered=done, regrant=regrant,
+                               with_request=g_out is None))
         for name, a, b in (("ask trip", ask_out, a_in), ("grant wait", a_in, g_out), ("grant trip", g_out, g_in),
                            ("post + write", g_in, l_out), ("landed trip", l_out, t_in), ("scatter", t_in, done),
                            ("credit back", done, regrant), ("gather slot", ask_out, l_out)):
@@ -155,6 +160,8 @@ def post_split(logs: dict[str, list[str]], rooms: set[int]) -> dict[str, list[fl
             elif (m := _LINE.search(line)) is not None:  # (room, rank, at, step, chunk, slot, cp)
                 if m[4] == "grant-in":
                     grant[(int(m[1]), int(m[5]))] = float(m[3])
+                elif m[4] == "ask-out":  # a chunk granted with the request counts from its ask (its gather and post)
+                    grant.setdefault((int(m[1]), int(m[5])), float(m[3]))
                 elif m[4] == "landed-out" and (w := _WRITE.search(line)) is not None:
                     landed.append((int(m[1]), int(m[5]), int(w[1]), float(m[3])))
             elif (m := _CHUNK_AT.search(line)) is not None:
@@ -214,6 +221,9 @@ def main() -> None:
     ap.add_argument("--slot-kib", type=int, default=8192, help="both sides' staging slots (KiB)")
     ap.add_argument("--gather-slots", type=int, default=2)
     ap.add_argument("--decode-slots", type=int, default=4)
+    ap.add_argument("--granted-slots", type=int, default=0,
+                    help="of the decode slots, kept for grants sent with a room's request (DecodeConfig."
+                         "staging_granted_slots: each rank's first chunk written without a SlotGrant)")
     ap.add_argument("--device", default="cpu", help="cpu (Mooncake TCP) or cuda:N (Mooncake NVLink)")
     ap.add_argument("--engine", default="mooncake", choices=["mooncake", "ipc"],
                     help="ipc: the IPC engine writes the slots (cuda:N only; no raw Mooncake row)")
@@ -249,7 +259,7 @@ def main() -> None:
                      protocol="rdma" if gpu and args.engine == "mooncake" else "tcp", device=args.device, decode_device=args.device,
                      prefill_aux=args.device, decode_aux=args.device, env=env, log_dir=folder, verify=True,
                      verify_every=True, staged=True, staging_slot_bytes=args.slot_kib << 10,
-                     staging_slots=(args.gather_slots, args.decode_slots))
+                     staging_slots=(args.gather_slots, args.decode_slots), staging_granted_slots=args.granted_slots)
     with start_bootstrap() as (url, token):
         row = run_sweep(spec, url, token, show_progress=False)[0]
     logs = {p.name: p.read_text(errors="replace").splitlines() for p in sorted(Path(folder).glob("*.log"))}
@@ -262,7 +272,8 @@ def main() -> None:
     chunks: list[dict] = []
     steps = cycle_steps(lines, rooms, chunks)
     print(f"{args.tokens} tokens, {args.layers} layers, CP {args.cp}, random, {args.device}, slots "
-          f"{args.slot_kib} KiB x ({args.gather_slots} gather per rank, {args.decode_slots} decode): staged "
+          f"{args.slot_kib} KiB x ({args.gather_slots} gather per rank, {args.decode_slots} decode, "
+          f"{args.granted_slots} of them granted with requests): staged "
           f"{row['staged_gbps']} GB/s p50 {row['staged_p50_ms']} ms ({row['staged_slices']} pieces), direct "
           f"{row['kvbridge_gbps']} GB/s, raw {row['raw_gbps']} GB/s, engine {row['engine_gbps']} GB/s; verified {row['rooms_verified']} rooms, "
           f"errors {row['verify_errors'] + row['kvbridge_failures']}; {len(rooms)} staged rooms traced")

@@ -28,7 +28,8 @@ def detail(name: str, d: dict) -> None:
     c = d["chunks"]
     rooms = {x["room"] for x in c}
     ev = sorted([(x["landed_in"], "L") for x in c] + [(x["ask_in"], "A") for x in c]
-                + [(x["grant_out"], "G") for x in c] + [(x["scattered"], "S") for x in c if x["scattered"]])
+                + [(x["grant_out"], "G") for x in c if x.get("grant_out") is not None]  # (none: granted with the request)
+                + [(x["scattered"], "S") for x in c if x["scattered"]])
     times = np.array([t for t, _ in ev])
     idle, busy = [], []
     for x in c:
@@ -41,7 +42,7 @@ def detail(name: str, d: dict) -> None:
     by = {(x["room"], x["cp"], x["chunk"]): x for x in c}
     first = [(by[(r, cp, 1)]["ask_in"] - x["ask_in"]) * 1e3 for (r, cp, ch), x in by.items()
              if ch == 0 and (r, cp, 1) in by]
-    held = [(x["scattered"] - x["grant_out"]) * 1e3 for x in c if x["scattered"]]
+    held = [(x["scattered"] - x["grant_out"]) * 1e3 for x in c if x["scattered"] and x.get("grant_out") is not None]
     row = d.get("row", {})
 
     def q(v: list[float]) -> str:

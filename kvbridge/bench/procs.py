@@ -36,12 +36,15 @@ CAP = 1024  # slices per Mooncake call
 
 
 def staging_sizes(cfg: dict[str, Any], role: str) -> dict[str, int]:
-    """The staging sizes the bench asked for (``staging_slot_bytes`` > 0), else the configs' own."""
+    """The staging sizes the bench asked for (``staging_slot_bytes`` > 0), else the configs' own; on
+    decode, the slots kept for grants sent with a room's request (``staging_granted_slots``)."""
+    kept = {"staging_granted_slots": int(cfg["staging_granted_slots"])} if role == "decode" and cfg.get(
+        "staging_granted_slots") else {}
     slot = int(cfg.get("staging_slot_bytes") or 0)
     if not slot:
-        return {}
+        return kept
     slots = cfg.get("staging_slots") or [2, 8]
-    return {"staging_slot_bytes": slot, "staging_bytes": slot * int(slots[0 if role == "prefill" else 1])}
+    return {"staging_slot_bytes": slot, "staging_bytes": slot * int(slots[0 if role == "prefill" else 1]), **kept}
 
 
 def control_secret() -> bytes | None:

@@ -75,6 +75,7 @@ class RigSpec:
     staged: bool = False  # give both sides their staging buffers (the staged method)
     staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots (with a slot size)
+    staging_granted_slots: int = 0  # of decode's slots, kept for grants sent with a room's request (DecodeConfig)
     in_process: bool = False  # every rank a thread of this process (one CUDA context), not its own process
     # decode takes each room's aux row in the report that carries it (DecodeConfig.aux_inline); False:
     # as a write into its aux rows, one slice more per room
@@ -233,7 +234,8 @@ class Rig:
                 "draft_layers": spec.draft_layers, "page_size": spec.page_size, "cp": spec.cp, "engine": spec.engine,
                 "protocol": spec.protocol, "raw_mooncake": spec.raw_mooncake, "staged": spec.staged,
                 "aux_inline": spec.aux_inline,
-                "staging_slot_bytes": spec.staging_slot_bytes, "staging_slots": list(spec.staging_slots)}
+                "staging_slot_bytes": spec.staging_slot_bytes, "staging_slots": list(spec.staging_slots),
+                "staging_granted_slots": spec.staging_granted_slots}
         env = child_env(spec.env)
         self._own_logs = not spec.log_dir  # a temporary folder, removed at close (errors quote the log tail)
         logs = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvbridge-bench-"))

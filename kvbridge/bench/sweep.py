@@ -56,6 +56,7 @@ class BenchSpec:
     staged: bool = True  # the staged method beside kvbridge direct
     staging_slot_bytes: int = 0  # both sides' staging slots (0: the configs' defaults)
     staging_slots: tuple[int, int] = (2, 8)  # prefill's gather slots, decode's staging slots
+    staging_granted_slots: int = 0  # of decode's, kept for grants sent with a room's request (DecodeConfig)
     in_process: bool = False  # every rank a thread of this process (``RigSpec.in_process``)
     aux_inline: bool = True  # decode takes the aux row in the report (False: as a write; ``RigSpec.aux_inline``)
     ask_first: bool = False  # decode asks before prefill sends; timed from the sends (``RigSpec.ask_first``)
@@ -196,6 +197,7 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               log_dir=spec.log_dir, poll_s=spec.poll_s, staged=spec.staged,
                               staging_slot_bytes=spec.staging_slot_bytes,
                               staging_slots=tuple(spec.staging_slots), in_process=spec.in_process,
+                              staging_granted_slots=spec.staging_granted_slots,
                               aux_inline=spec.aux_inline, ask_first=spec.ask_first,
                               send_early_ms=spec.send_early_ms, send_early_host=spec.send_early_host))  # fmt: skip
             try:

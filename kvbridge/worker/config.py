@@ -146,6 +146,9 @@ SETTINGS: tuple[Setting, ...] = (
             "prefill 16 MiB; GPU: decode 1 GiB, prefill 512 MiB)"),
     Setting("staging_slot_bytes", int, 0, "staging slot size: the largest chunk one write carries; 0: the default "
             "for the pages' device (host 8 MiB, GPU 256 MiB)"),
+    Setting("staging_granted_slots", int, 0, "of the staging area's slots, kept to be granted with a room's request to "
+            "each prefill rank's first chunk, written then without waiting for a grant (0: none; held while prefill "
+            "computes, never granted to a chunk that asks)", DECODE),
     # behaviour
     Setting("transfer_timeout", float, 120.0, "seconds a room may take from its op to its end"),
     Setting("drain_timeout", float, 10.0, "seconds in-flight rooms get to finish on SIGTERM"),
@@ -202,6 +205,7 @@ class WorkerConfig:
     staging: str
     staging_bytes: int
     staging_slot_bytes: int
+    staging_granted_slots: int
     transfer_timeout: float
     drain_timeout: float
     verify: bool
@@ -329,6 +333,9 @@ def check_config(cfg: WorkerConfig) -> None:
     if not cfg.lease_quarantine >= 0:
         raise ConfigError(f"lease_quarantine must be >= 0 seconds, got {cfg.lease_quarantine}", field="lease_quarantine")
     check_staging(cfg.staging, cfg.staging_bytes, cfg.staging_slot_bytes, cfg.rank_name)
+    if cfg.staging_granted_slots < 0:
+        raise ConfigError(f"staging_granted_slots must be >= 0 (0: none), got {cfg.staging_granted_slots}",
+                          field="staging_granted_slots")
     if not cfg.drain_timeout >= 0:
         raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}", field="drain_timeout")
     for name in ("control_port", "ops_port"):

@@ -68,6 +68,7 @@ class DecodeWorker(WorkerBase):
             staging=cfg.staging,
             staging_bytes=cfg.staging_bytes,
             staging_slot_bytes=cfg.staging_slot_bytes,
+            staging_granted_slots=cfg.staging_granted_slots,
             trace=cfg.trace,
         )
         self.aux_buffer = torch.zeros((cfg.aux_rows, self.aux_schema.row_bytes), dtype=torch.uint8,

@@ -7,7 +7,9 @@
 #   cycle  scripts/staged_cycle.py --device cuda:0 --engine ipc --tokens T --slot-kib 262144 --gather-slots 2
 #          --decode-slots 4 --reps $CYCLE_REPS (5), traced, for each T of $CYCLE_TOKENS (8192 32768): every rank its own
 #          process, random pages, CP 2, V3.2 fp8 61+1 layers, every room checked; the chunk's cycle and each room's
-#          steps after decode's request; JSON under $OUT.
+#          steps after decode's request; JSON under $OUT. Round 27: for each G of $GRANTED (0), G of the $DECODE_SLOTS
+#          (4) decode slots kept for grants sent with a room's request (--granted-slots G: each prefill rank's first
+#          chunk written without a SlotGrant), e.g. GRANTED="0 2" for the room before and after.
 #   split  the same at $SPLIT_TOKENS (8192) with --split --untraced: prefill's and decode's turns, timed in parts.
 #   goal   as issue33_r25.sh's goal (the staged rooms beside the staging ceiling in three layouts), at $GOAL_TOKENS.
 #   ctl    the CPU control path on this host's cores (no GPU): scripts/control_bench.py --cp {1,2} --pages 2 --rooms 300
@@ -22,12 +24,12 @@ for tr in ${TREES:-.}; do
   for step in ${STEPS:-cycle split ctl}; do
     case $step in
     cycle)
-      for n in ${CYCLE_TOKENS:-8192 32768}; do
-        echo "== cycle $tr $n @$(date +%T)"
+      for n in ${CYCLE_TOKENS:-8192 32768}; do for g in ${GRANTED:-0}; do
+        echo "== cycle $tr $n granted $g @$(date +%T)"
         PYTHONPATH=$site:$t timeout ${CYCLE_TIMEOUT:-150} python3 $t/scripts/staged_cycle.py --device cuda:0 --engine ipc \
-          --tokens $n --slot-kib 262144 --gather-slots 2 --decode-slots 4 --reps ${CYCLE_REPS:-5} \
-          --json $OUT/cycle-$tag-$n.json 2>&1 | quiet | grep -v "^trace logs"
-      done ;;
+          --tokens $n --slot-kib 262144 --gather-slots 2 --decode-slots ${DECODE_SLOTS:-4} --reps ${CYCLE_REPS:-5} \
+          $([ "$g" = 0 ] || echo --granted-slots $g) --json $OUT/cycle-$tag-$n-g$g.json 2>&1 | quiet | grep -v "^trace logs"
+      done; done ;;
     split)
       for n in ${SPLIT_TOKENS:-8192}; do
         echo "== split $tr $n @$(date +%T)"

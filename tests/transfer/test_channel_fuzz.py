@@ -44,6 +44,7 @@ def valid_map(rng: random.Random) -> dict:
               "decider": "p0", "instance": "d"}
     sample.update(kind_units={}, kind_last=False, kind_digests={})  # the pool kinds' units (transfer/prefill/kinds.py)
     sample.update(aux_inline=False, aux_row=None, aux_ahead=False)  # the aux row in a report (wire 14, 15)
+    sample.update(staging_granted=[])  # slots granted with the request (wire 18)
     return {"t": tag, **{f: sample[f] for f in wire.MESSAGE_TYPES[tag].__struct_fields__}}
 
 

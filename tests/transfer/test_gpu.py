@@ -478,6 +478,7 @@ from test_staged_rooms import (  # noqa: E402
     test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine as test_staged_prefill_death,
     test_random_pages_every_pool_through_staging as test_staged_random_pages_every_pool,
     test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say as test_staged_raw_buffer_rooms_under_auto,
+    test_slots_granted_with_the_request_between_processes as test_staged_slots_granted_with_the_request,
     test_staging_full_under_many_concurrent_rooms_none_fails as test_staged_many_rooms_few_slots,
 )
 

@@ -60,7 +60,17 @@ def test_the_join_gives_each_step_of_a_chunk_and_the_credit_back_of_its_slot():
     chunks: list[dict] = []  # --json: each chunk's timestamps, for scripts/staged_cycle_detail.py
     _script().cycle_steps(lines, {7}, chunks)
     assert chunks == [dict(room=7, cp=1, chunk=3, slot=2, ask_out=1.0, ask_in=1.001, grant_out=1.003, grant_in=1.004,
-                           landed_out=1.01, landed_in=1.012, scattered=1.0125, regrant=1.0135)]
+                           landed_out=1.01, landed_in=1.012, scattered=1.0125, regrant=1.0135, with_request=False)]
+    # a chunk whose slot came with the room's request: no grant lines; post + write from its ask
+    lines = [line(PRE, 2.000, "ask-out", 0, cp=1, room=9), line(DEC, 2.001, "ask-in", 0, cp=1, room=9),
+             line(PRE, 2.006, "landed-out", 0, 3, 1, room=9), line(DEC, 2.007, "landed-in", 0, 3, 1, room=9),
+             line(DEC, 2.007, "scatter", slot=3, room=9), line(DEC, 2.008, "scattered", slot=3, room=9)]
+    chunks = []
+    steps = _script().cycle_steps(lines, {9}, chunks)
+    assert {k: round(v[0], 3) for k, v in steps.items() if v} == {"ask trip": 1.0, "post + write": 6.0,
+                                                                  "landed trip": 1.0, "scatter": 1.0,
+                                                                  "gather slot": 6.0}
+    assert chunks[0]["with_request"] and chunks[0]["grant_out"] is None
 
 
 def test_the_split_timers_are_exclusive_and_count_only_inside_a_landing_on_the_loop(tmp_path, capsys):

@@ -78,11 +78,10 @@ def test_random_pages_both_sides_through_staging(cluster, cp, n):
     assert area.num_free == area.num_slots, "every slot is free after the room"
 
 
-def test_staging_full_under_many_rooms_none_fails(cluster):
-    """Back-pressure: more chunks than slots at once wait their turn (FIFO); none fails, nothing grows."""
-    c = staged_cluster(cluster, staging_bytes=2 * SLOT)  # 2 decode slots, 2 CP ranks x 2 gather slots asking
-    rng = np.random.default_rng(5)
-    rooms, n = range(100, 105), 48
+def land_many(c, rooms: range, n: int, seed: int) -> None:
+    """Every room of ``rooms`` (at most five of ``n`` <= 48 tokens) opened on decode, then sent by both
+    CP ranks at once, waited for: each succeeded and landed byte for byte."""
+    rng = np.random.default_rng(seed)
     free = rng.permutation(64)
     receivers, senders = [], []
     for i, room in enumerate(rooms):
@@ -95,6 +94,12 @@ def test_staging_full_under_many_rooms_none_fails(cluster):
     wait_final([r for r, _ in receivers] + senders)
     assert all(r.poll() == KVPoll.Success for r, _ in receivers), [r.failure_reason for r, _ in receivers]
     assert all(c.verified(room, n, pages) for room, (_, pages) in zip(rooms, receivers))
+
+
+def test_staging_full_under_many_rooms_none_fails(cluster):
+    """Back-pressure: more chunks than slots at once wait their turn (FIFO); none fails, nothing grows."""
+    c = staged_cluster(cluster, staging_bytes=2 * SLOT)  # 2 decode slots, 2 CP ranks x 2 gather slots asking
+    land_many(c, range(100, 105), 48, 5)
     area = c.decode.staging.area
     assert area.counters["waits"] > 0 and area.counters["max_waiting"] > 0, "staging was never full"
     assert area.num_free == area.num_slots == 2
@@ -370,7 +375,7 @@ def test_no_room_for_a_gpu_staging_buffer_goes_direct_under_auto_and_is_named_un
     from kvbridge.errors import ConfigError
     from kvbridge.transfer.staging.buffer import StagingBuffer
 
-    def no_memory(self, nbytes, slot_bytes, *, rank, device=None, device_pages=()):
+    def no_memory(self, nbytes, slot_bytes, *, rank, device=None, device_pages=(), reserved=0):
         raise RuntimeError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
 
     monkeypatch.setattr(StagingBuffer, "__init__", no_memory)

@@ -131,6 +131,37 @@ def test_staging_full_under_many_concurrent_rooms_none_fails(daemon, device):
 
 @pytest.mark.mooncake
 @mooncake_only
+def test_slots_granted_with_the_request_between_processes(daemon, device):
+    """Wire 18 over Mooncake TCP between processes: decode keeps one of its three slots for grants
+    sent with the rooms' requests; eight rooms of two CP ranks at once, the first ones' first chunks
+    written into the kept slot with no SlotGrant, the rest asking. None fails, every byte checked,
+    nothing outside the rooms' pages touched, every slot free at the end."""
+    instance = f"staged-kept-p-{device}"
+    procs = start(daemon, instance, 2, device=device)
+    d = DecodeRank(daemon.url, instance=f"staged-kept-d-{device}", pages=256, staging="always",
+                   staging_bytes=3 * SLOT, staging_slot_bytes=SLOT, staging_granted_slots=1, device=device)
+    try:
+        n, rooms = 40, list(range(room_base(device) + 92_000, room_base(device) + 92_008))
+        receivers = [d.receive(room, n, np.arange(10) + 10 * i + 20, prefill=instance) for i, room in enumerate(rooms)]
+        for p in procs:
+            p.command(op="burst", rooms=rooms, num_tokens=n)
+        wait_final(receivers)
+        assert all(r.poll() == KVPoll.Success for r in receivers), [r.failure_reason for r in receivers]
+        assert all(d.verify(r) == [] for r in receivers)
+        assert d.untouched_except(np.arange(20, 20 + 10 * len(rooms)))
+        book = d.ep.machine.staging.counters
+        assert book["granted_with_request_used"] >= 1, book
+        assert book["granted_with_request_used"] + book["granted_with_request_unused"] == book["granted_with_request"]
+        area = d.ep.staging.area
+        assert wait_until(lambda: d.ep.locked(lambda: (area.num_free, area.num_free_reserved)) == (2, 1), 10)
+    finally:
+        d.close()
+        for p in procs:
+            p.stop()
+
+
+@pytest.mark.mooncake
+@mooncake_only
 def test_prefill_death_mid_chunk_frees_pages_at_once_slots_after_the_quarantine(daemon, device):
     """A prefill rank killed while its chunks are in flight: the room fails, its pages are free at
     once (nothing lands in them), and its slots stay QUARANTINED until its lease is gone plus the

@@ -40,6 +40,7 @@ def event(area: StagingArea, name: str) -> None:
         "release": lambda: area.release(0),
         "quarantine": lambda: area.quarantine(0, 1.0),
         "acknowledged": lambda: area.acknowledged(0),
+        "unused": lambda: area.unused(0),
         # expire() sweeps the area; in other states the move itself is what is refused
         "expire": lambda: area.expire(100.0) if area.state(0) is S.QUARANTINED else area._move(0, "expire"),
     }[name]()
@@ -48,7 +49,7 @@ def event(area: StagingArea, name: str) -> None:
 def test_the_table_is_the_documented_cycle() -> None:
     assert TRANSITIONS == {
         S.FREE: {"acquire": S.ASSIGNED},
-        S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED},
+        S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED, "unused": S.FREE},
         S.LANDED: {"scatter": S.SCATTERING, "release": S.FREE},
         S.SCATTERING: {"scattered": S.SCATTERED},
         S.SCATTERED: {"release": S.FREE},
@@ -146,3 +147,40 @@ def test_bad_sizes_are_config_errors() -> None:
         StagingArea(0, 64)
     with pytest.raises(ConfigError, match="slot_bytes"):
         StagingArea(1, 0)
+
+
+def test_reserved_slots_are_granted_with_a_request_and_never_to_a_waiter() -> None:
+    """The area's last ``reserved`` slots: ``reserve`` takes one or returns None (nothing queues), a
+    chunk that asks never gets one, and one that turns FREE goes back to the reserved ones even
+    with chunks waiting; ``unused`` frees one that nothing wrote."""
+    area = StagingArea(3, 64, rank="d0", reserved=2)
+    assert area.num_free == 1 and area.num_free_reserved == 2
+    assert area.reserve(1, 0) == Grant(1, 0, 1) and area.reserve(2, 0) == Grant(2, 0, 2)
+    assert area.reserve(3, 0) is None and area.counters["reserve_refused"] == 1
+    assert area.acquire(4, 0) == Grant(4, 0, 0)
+    assert area.acquire(5, 0) is None  # the reserved slots are not the asks': it waits
+    with pytest.raises(StagingSlotError, match="chunk 0 already holds or awaits"):
+        area.reserve(5, 0)
+    with pytest.raises(StagingSlotError, match="chunk 0 already holds or awaits"):
+        area.reserve(1, 0)
+    # slot 1 lands and is scattered: back to the reserved ones, not to room 5, which waits on
+    area.landed(1, 1, 0)
+    area.scatter(1)
+    area.scattered(1)
+    assert area.release(1) == [] and area.num_free_reserved == 1 and area.num_waiting == 1
+    # slot 2 was never written: its room committed
+    assert area.unused(2) == [] and area.num_free_reserved == 2 and area.counters["unused"] == 1
+    assert area.owner(2) == (None, None)
+    # slot 0, an asked one, goes to the waiter
+    area.landed(0, 4, 0)
+    assert area.release(0) == [Grant(5, 0, 0, waited=True)]
+    # a reserved slot of a failed room is quarantined like any other
+    assert area.reserve(6, 0) == Grant(6, 0, 1)
+    assert area.fail_room(6, free_at=5.0) == [] and area.state(1) is S.QUARANTINED
+    assert area.expire(6.0) == [] and area.num_free_reserved == 2
+
+
+@pytest.mark.parametrize("reserved", [-1, 3, 1.5, True])
+def test_reserved_slots_leave_one_for_asks(reserved) -> None:
+    with pytest.raises(ConfigError, match="staging reserved slots must be an integer from 0 to 2"):
+        StagingArea(3, 64, rank="d0", reserved=reserved)

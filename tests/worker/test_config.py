@@ -65,6 +65,13 @@ def test_staging_settings_from_flag_env_and_toml_with_each_roles_default(tmp_pat
     p = load_config("prefill", parse("prefill", ["--config", str(toml), "--staging", "never"]), {})
     assert p.staging == "never" and p.staging_bytes == 0  # 0: the default of the role and the pages' device
     assert load_config("decode", parse("decode", []), {}).staging_bytes == 0
+    # decode's slots kept for grants sent with a room's request (DecodeConfig.staging_granted_slots)
+    assert load_config("decode", parse("decode", ["--staging-granted-slots", "2"]), {}).staging_granted_slots == 2
+    d = load_config("decode", parse("decode", []), {"KVBRIDGE_STAGING_GRANTED_SLOTS": "1"})
+    assert d.staging_granted_slots == 1 and d.sources["staging_granted_slots"] == "env"
+    with pytest.raises(ConfigError) as info:
+        load_config("decode", parse("decode", ["--staging-granted-slots", "-1"]), {})
+    assert info.value.field == "staging_granted_slots"
 
 
 def test_staging_sizes_default_per_role_and_device():

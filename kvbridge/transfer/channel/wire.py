@@ -23,7 +23,10 @@ staging area (``staging_slots`` > 0) lets the prefill rank stage a target. Per c
 rank asks for a slot (SlotRequest, with the chunk's scatter list: slot offset -> page address,
 length, which the decode rank checks then), the decode rank grants one when it is free (SlotGrant,
 FIFO), the prefill rank writes the chunk into the slot only, and reports it (ChunkLanded); the
-decode rank scatters it into its pages by the list it checked.
+decode rank scatters it into its pages by the list it checked. A decode rank that keeps slots
+for it (``DecodeConfig.staging_granted_slots``) grants the recipient's first chunk of the room a
+slot in the request itself (``staging_granted``): that chunk is written as soon as it is gathered,
+its SlotRequest sent ahead of the write on the same connection, and no SlotGrant comes for it.
 The write's PagesDone follows its chunks' ChunkLanded on the same connection.
 
 A decode instance that needs nothing of a room (a full local prefix hit, a prompt whose KV it
@@ -153,6 +156,11 @@ class TransferRequest(_Message, frozen=True, tag="transfer_request"):
     # pages it comes with, not in that write's report (my aux rows are device memory: I write it
     # into its slot while the pages land, not at the commit); false: in the pages' report
     aux_ahead: bool = False
+    # my staging slots granted to your first chunks of this room, in order (chunk i of yours, numbered per room,
+    # writes into slot staging_granted[i] with no SlotGrant; its SlotRequest still goes first, with the scatter
+    # list I check before I scatter). Only in a request that offers a staging area; a slot you do not use I
+    # free when the room commits
+    staging_granted: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
 
     def __post_init__(self) -> None:
         _check_pages(self, "page_ids", self.page_ids)

@@ -44,6 +44,13 @@ class DecodeConfig:
     staging: str = "auto"
     staging_bytes: int = 0  # 0: the default for the pages' device (staging/settings.py)
     staging_slot_bytes: int = 0
+    # slots of the staging area kept to be granted with a room's TransferRequest, one to each sender's
+    # first chunk of the room (0: none; every chunk asks with a SlotRequest and waits for its grant).
+    # Such a chunk is written as soon as it is gathered: the grant's round trip leaves the room's path.
+    # A kept slot is never granted to a chunk that asks, and is held from the request until that chunk
+    # lands (or the room commits without it): while the prefill computes, so under load most rooms find
+    # none free and ask as before. Worth it only where prefill stages (GPU pages over NVLink or RDMA).
+    staging_granted_slots: int = 0
     # each room's aux row in the report that carries it, written into its slot here at the commit
     # (where kvbridge can write this rank's aux rows: one packed store, host or CUDA), instead of a
     # remote write into them: the prefill rank's last send after its layers then posts no write
@@ -62,6 +69,10 @@ class DecodeConfig:
                 raise ConfigError(f"{name} must be a number of seconds >= 0 (0: none), got {value!r}", field=name,
                                   rank=self.rank_label)
         check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
+        n = self.staging_granted_slots
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"staging_granted_slots must be an integer >= 0 (0: none), got {n!r}",
+                              field="staging_granted_slots", rank=self.rank_label)
 
     @property
     def rank_label(self) -> str:

@@ -117,7 +117,7 @@ class DecodeEndpoint(EndpointShell):
         # the staging area remote writes of staged targets land in (docs/staging.md)
         self.staging = StagingBuffer.for_buffers(self.buffers.tensors, config.staging, config.staging_bytes,
                                                  config.staging_slot_bytes, rank=rank, role="decode",
-                                                 engine=self.engine)
+                                                 engine=self.engine, reserved=config.staging_granted_slots)
         self.machine = DecodeRooms(
             config, self.specs, aux_schema, proof_key=self.proof_key, trace=self.trace,
             staging=None if self.staging is None else DecodeStaging(self.staging.area, self.staging.base,

@@ -621,6 +621,8 @@ class DecodeRooms:
                 return
         r.keep_aux_row(e.row, self.aux_schema)
         r.state.advance_to(KVPoll.Success, now=now)
+        if self.staging is not None:  # a slot granted with a request that no chunk used
+            self.staging.room_done(r.room, self._out)
         self.kinds.succeed(r.room)
         if self.trace:
             log.info("trace room=%d rank=%s +%.2fms @%.6f committed pages_by_rank=%s aux_owner=cp%d aux_read=%.3fms%s",
@@ -743,18 +745,25 @@ class DecodeRooms:
 
     def _send_requests(self, r: DecodeRoom, only: set[str] | None) -> None:
         """The room's TransferRequests to every sender (``only``: to these endpoints), one Send per
-        pool set (the CP ranks of one TP source get the same request, encoded once)."""
+        pool set (the CP ranks of one TP source get the same request, encoded once), and per slot
+        granted with it (``DecodeStaging.grant_with_request``: each sender's own)."""
         page_ids = r.page_ids.astype("<i4").tobytes()  # init() checked them inside int32 (registered pages)
         staging: dict[str, Any] = {}
         if self.staging is not None and self.staging_mode != "never":
             area = self.staging.area
             staging = dict(staging_slots=area.num_slots, staging_slot_bytes=area.slot_bytes,
                            staging_base=self.staging.base, staging_only=r.staged_only)
-        by_pools: dict[tuple[str, ...], list[str]] = {}
-        for _, s, pools in r.placement.asks:
+        grants = bool(staging) and self.staging.area.reserved > 0  # a slot granted with the request (staging.py)
+        by_pools: dict[tuple[tuple[str, ...], tuple[int, ...]], list[str]] = {}
+        for key, s, pools in r.placement.asks:
             if only is None or s.control_endpoint in only:
-                by_pools.setdefault(pools, []).append(s.control_endpoint)
-        for pools, endpoints in by_pools.items():
+                granted = tuple(self.staging.grant_with_request(r.room, key, only is not None)) if grants else ()
+                by_pools.setdefault((pools, granted), []).append(s.control_endpoint)
+        for (pools, granted), endpoints in by_pools.items():
+            if granted:
+                staging["staging_granted"] = list(granted)
+            else:
+                staging.pop("staging_granted", None)
             self._out.append(Send(tuple(endpoints), wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,

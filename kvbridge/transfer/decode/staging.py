@@ -18,6 +18,13 @@ staged target land only there:
                                       failed), or its lease expires plus the quarantine
     ChunkLanded(failed)           ->  the slot is free (nothing of that write is in flight)
 
+Granted with the request (``grant_with_request``, the area's reserved slots): a sender's first
+chunk of the room may hold a slot from the room's TransferRequest on. Its SlotRequest, which
+then comes ahead of its write on the same connection, is checked as any other and answered with
+no SlotGrant; a ChunkLanded for it before its checked list fails the room as any other. A slot
+granted so that no chunk used is freed when the room commits (``room_done``: every sender
+reported its last write), quarantined like any ASSIGNED slot when it fails.
+
 Chunks are keyed per sender: ``(cp_rank, tp_rank, chunk)`` -> one int of the area. Pages count
 in the ledger only from a PagesDone, which follows the write's ChunkLanded on the same
 connection; the room commits only once no scatter of it is pending, and a failed room's pages
@@ -160,6 +167,8 @@ class DecodeStaging:
         # addresses, lengths, Scatter.unproven, the asking endpoint); taken when the chunk lands
         self.lists: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, str]] = {}
         self.list_bytes: dict[str, int] = {}  # per asking endpoint: the bytes of its lists kept
+        # (room, chunk key) -> the reserved slot granted with the room's request, until the chunk's SlotRequest
+        self.with_request: dict[tuple[int, int], int] = {}
         bufs = sorted(dst_bufs, key=lambda b: b.base)
         self._base = np.array([b.base for b in bufs], dtype=np.uint64)
         self._end = np.array([_registered_end(b, registered) for b in bufs], dtype=np.uint64)
@@ -194,7 +203,8 @@ class DecodeStaging:
         self._held: dict[int, _Held] = {}  # room -> its unit table (least recently checked first)
         self._held_bytes = 0
         self.counters = {"slot_requests": 0, "granted_at_once": 0, "slot_waits": 0, "chunks_scattered": 0,
-                         "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0}
+                         "bytes_scattered": 0, "scatter_slices": 0, "chunks_failed": 0, "granted_with_request": 0,
+                         "granted_with_request_used": 0, "granted_with_request_unused": 0}
 
     @staticmethod
     def key(sender: Sender, chunk: int) -> int:
@@ -208,6 +218,22 @@ class DecodeStaging:
         return (cp, tp, pp)
 
     # ---- events ------------------------------------------------------------------------------
+    def grant_with_request(self, room: int, sender: Sender, again: bool = False) -> list[int]:
+        """A reserved slot for ``sender``'s first chunk of ``room``, granted in the room's
+        TransferRequest (``[slot]``), or none free (``[]``: that chunk asks, as any other).
+        ``again``: the request is sent again (its sender refused it): the slot granted the first
+        time while that chunk has not asked, never a new one."""
+        ck = self.key(sender, 0)
+        held = self.with_request.get((room, ck))
+        if held is not None or again:
+            return [] if held is None else [held]
+        grant = self.area.reserve(room, ck)
+        if grant is None:
+            return []
+        self.with_request[(room, ck)] = grant.slot
+        self.counters["granted_with_request"] += 1
+        return [grant.slot]
+
     def request(self, room: int, sender: Sender, endpoint: str, msg: wire.SlotRequest, page_ids: np.ndarray | None,
                 aux_slot: int, out: list, kind_units: Mapping[str, np.ndarray] | None = None) -> None:
         """A chunk asks for a slot with its scatter list. The list is checked now (as ``landed`` did
@@ -235,9 +261,12 @@ class DecodeStaging:
                               field="scatter")
         self.lists[(room, ck)] = (off, dst, length, unproven, endpoint)
         self.list_bytes[endpoint] = held + len(msg.scatter)
-        self.asks[(room, ck)] = endpoint
         self.senders[(room, endpoint)] = sender
         self.counters["slot_requests"] += 1
+        if self.with_request.pop((room, ck), None) is not None:  # its slot came with the request: no SlotGrant
+            self.counters["granted_with_request_used"] += 1
+            return
+        self.asks[(room, ck)] = endpoint
         grant = self.area.acquire(room, ck)
         if grant is None:
             self.counters["slot_waits"] += 1
@@ -260,6 +289,7 @@ class DecodeStaging:
             raise LedgerError(f"chunk {msg.chunk} reported in slot {msg.slot}, which it was not granted", room=room,
                               rank=f"cp{msg.cp_rank}", field="slot")
         checked = self._take_list(room, ck)
+        self.with_request.pop((room, ck), None)  # (a chunk granted with the request that reports before asking)
         state = self.area.state(msg.slot)
         if state is SlotState.QUARANTINED:  # the room failed; the write is final now: nothing more lands
             self.grant(self.area.acknowledged(msg.slot), out)
@@ -304,10 +334,22 @@ class DecodeStaging:
         """Scatters of ``room`` started and not completed (its pages are being written)."""
         return self.in_flight.get(room, 0)
 
+    def room_done(self, room: int, out: list) -> None:
+        """The room committed: every sender reported its last write, so a slot granted with its
+        request that no chunk used is free."""
+        for key in [k for k in self.with_request if k[0] == room]:
+            slot = self.with_request.pop(key)
+            if self.area.owner(slot) == key and self.area.state(slot) is SlotState.ASSIGNED:
+                self.counters["granted_with_request_unused"] += 1
+                self.grant(self.area.unused(slot), out)
+
     def fail_room(self, room: int, free_at: float, out: list) -> None:
-        """The room failed: its waiting requests leave, its ASSIGNED slots are quarantined."""
+        """The room failed: its waiting requests leave, its ASSIGNED slots are quarantined (those
+        granted with its request too: a sender may be writing into one)."""
         for key in [k for k in self.asks if k[0] == room]:
             del self.asks[key]
+        for key in [k for k in self.with_request if k[0] == room]:
+            del self.with_request[key]
         self._drop_lists(room)
         self.pending.pop(room, None)
         self._drop_held(room)
@@ -339,6 +381,8 @@ class DecodeStaging:
     def forget(self, room: int) -> None:
         """The rooms forgot ``room``: keep its senders only while a slot of it is quarantined."""
         self._drop_held(room)
+        for key in [k for k in self.with_request if k[0] == room]:  # (a room forgotten without failing or committing)
+            del self.with_request[key]
         self._drop_lists(room)
         self.unreported = {k: v for k, v in self.unreported.items() if k[0] != room}
         if not self.area.slots_of(room):

@@ -16,6 +16,14 @@ staging area:
               write waits for the gather's event, not this thread)
               write final  --ChunkLanded-->  decode scatters slot -> pages by the list it checked
 
+Granted with the request: a decode rank that keeps slots for it names one in its TransferRequest
+for our first chunks of the room (``TransferRequest.staging_granted``, checked inside the
+registered area by ``registered_offer``). Such a chunk holds its decode slot from the start (as a
+grant that came ahead, ``StagedWrite.ahead``): it is gathered and written the turn it takes a
+gather slot, its SlotRequest (the scatter list decode checks) sent before the write is posted, on
+the connection its ChunkLanded follows, and no SlotGrant comes for it. A granted slot no write of
+ours uses (the target went direct, or had fewer chunks) is decode's to free when the room commits.
+
 Credits: a chunk asks for its decode slot when it takes a gather slot, and the chunks next in
 line for our gather slots ask ahead of it (``StagedWrites.ahead``: what is left of our fair
 share of decode's slots once each gather slot holds one), so a chunk that takes a gather slot
@@ -89,6 +97,7 @@ class Offer:
     base: int
     only: bool
     engine_kind: str = "local"  # the kind of engine a write to that rank goes through (choose_path's ``engine``)
+    granted: tuple[int, ...] = ()  # decode slots granted with the request to our chunks 0, 1, ... of the room
 
     def slot_addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes
@@ -104,9 +113,13 @@ def registered_offer(req: wire.TransferRequest, peer: DecodePeer) -> Offer | Non
     registered). A request is authenticated, but its sender may be wrong about its own area or
     name another's memory: any field that differs from the registration refuses the request,
     naming the field; nothing is written."""
-    if not req.staging_slots:
-        return None
     ctx = dict(room=req.room, rank=req.decode_rank)
+    if not req.staging_slots:
+        if req.staging_granted:
+            raise PageRangeError(f"decode rank {peer.label} granted staging slots {list(req.staging_granted)} with a "
+                                 "request that offers no staging area; nothing written", field="staging_granted",
+                                 **ctx)
+        return None
     if peer.staging is None:
         raise PageRangeError(f"decode rank {peer.label} offers a staging area of {req.staging_slots} slots at "
                              f"{req.staging_base:#x} but registered none; nothing written", field="staging_slots",
@@ -120,7 +133,13 @@ def registered_offer(req: wire.TransferRequest, peer: DecodePeer) -> Offer | Non
             raise PageRangeError(f"the request's {name} {shown[0]} differs from the {shown[1]} decode rank "
                                  f"{peer.label} registered (staging area [{base:#x}, {base + nbytes:#x}) in "
                                  f"{slot_bytes}-byte slots); nothing written", field=name, **ctx)
-    return Offer(nbytes // slot_bytes, slot_bytes, base, req.staging_only, peer.engine_kind)
+    slots = nbytes // slot_bytes
+    granted = tuple(req.staging_granted)
+    if granted and (max(granted) >= slots or len(set(granted)) != len(granted)):
+        raise PageRangeError(f"decode rank {peer.label} granted slots {list(granted)} with its request: each must be "
+                             f"one of its {slots} staging slots, none twice; nothing written",
+                             field="staging_granted", **ctx)
+    return Offer(slots, slot_bytes, base, req.staging_only, peer.engine_kind, granted)
 
 
 @dataclass
@@ -138,6 +157,7 @@ class StagedWrite:
     remote: dict[int, int] = field(default_factory=dict)  # chunk -> decode slot granted (and held in ``local``)
     asked: set[int] = field(default_factory=set)  # chunks whose SlotRequest was sent
     ahead: dict[int, int] = field(default_factory=dict)  # chunk -> decode slot granted before its gather slot
+    with_request: set[int] = field(default_factory=set)  # chunks whose ``ahead`` slot came with the request
     posted: dict[int, int] = field(default_factory=dict)  # engine handle -> chunk, in flight
     done: int = 0
     failed: bool = False
@@ -310,11 +330,13 @@ class StagedWrites:
         self.offered_at: dict[tuple[int, str], float] = {}
         self.paths: dict[tuple[int, str], str] = {}  # (room, decode rank) -> "direct" / "staged"
         self.next_chunk: dict[tuple[int, str], int] = {}
+        # (room, decode rank) -> {our chunk of the room: the decode slot granted with the request}, until used
+        self.pre_granted: dict[tuple[int, str], dict[int, int]] = {}
         self.writes: dict[int, StagedWrite] = {}
         self.by_chunk: dict[tuple[int, str, int], tuple[int, int]] = {}  # (room, rank, wire chunk) -> (write, k)
         self.counters = {"staged_writes": 0, "chunks": 0, "bytes_staged": 0, "plan_slices": 0, "gather_waits": 0,
                          "direct_targets": 0, "staged_targets": 0, "grants_refused": 0,
-                         "grants_ahead_used": 0}
+                         "grants_ahead_used": 0, "grants_with_request_used": 0}
         self._out: list[Any] = []
 
     # ---- the door ----------------------------------------------------------------------------
@@ -359,6 +381,8 @@ class StagedWrites:
             key = (room, decode_rank)
             self.offers[key] = offer
             self.offered_at[key] = now
+            if offer.granted:
+                self.pre_granted[key] = dict(enumerate(offer.granted))
 
     def path(self, room: int, t: Target, plan: TransferPlan) -> str:
         """The target's path, chosen on its first plan and kept (LayoutError when the decode rank
@@ -407,6 +431,15 @@ class StagedWrites:
         first = self.next_chunk.get(key, 0)
         self.next_chunk[key] = first + staged.num_chunks
         sw = StagedWrite(w, room, t, offer, staged, first, e.after)
+        pre = self.pre_granted.get(key)
+        if pre:  # our chunks granted a slot with the request: held from the start, as a grant that came ahead
+            for k in range(staged.num_chunks):
+                slot = pre.pop(first + k, None)
+                if slot is not None:
+                    sw.ahead[k] = slot
+                    sw.with_request.add(k)
+            if not pre:
+                del self.pre_granted[key]
         self.writes[w] = sw
         for k in range(staged.num_chunks):
             self.by_chunk[(room, t.decode_rank, first + k)] = (w, k)
@@ -462,7 +495,7 @@ class StagedWrites:
             self._settle(sw)
 
     def _room_gone(self, e: RoomGone) -> None:
-        for book in (self.offers, self.offered_at, self.paths, self.next_chunk):
+        for book in (self.offers, self.offered_at, self.paths, self.next_chunk, self.pre_granted):
             for key in [key for key in book if key[0] == e.room]:
                 del book[key]
 
@@ -471,7 +504,7 @@ class StagedWrites:
         seconds old (kept with its target; a room forgotten without ``RoomGone`` leaves one)."""
         for key in [key for key in self.offers if key[0] not in e.known and e.now - self.offered_at[key] > e.horizon]:
             del self.offers[key], self.offered_at[key]
-        for book in (self.paths, self.next_chunk):
+        for book in (self.paths, self.next_chunk, self.pre_granted):
             for key in [key for key in book if key[0] not in e.known]:
                 del book[key]
 
@@ -487,9 +520,11 @@ class StagedWrites:
         k = g.chunk
         sw.local[k] = g.slot
         if k in sw.ahead:  # its decode slot came while it waited for ours: written the turn it is gathered
+            with_request = k in sw.with_request
+            self._ask(sw, k)  # (granted with the request: its list goes now, ahead of the write; else a no-op)
             self._out.append(Gather(sw.write, sw.room, k, sw.staged, g.slot, sw.after))
             sw.remote[k] = sw.ahead.pop(k)
-            self.counters["grants_ahead_used"] += 1
+            self.counters["grants_with_request_used" if with_request else "grants_ahead_used"] += 1
             self._out.append(PostChunk(sw.write, sw.room, k, sw.target, sw.target.session, sw.staged, g.slot,
                                        sw.offer.slot_addr(sw.remote[k]), sw.after))
         else:  # the SlotRequest first: the grant's round trip runs while the shell gathers

@@ -8,6 +8,8 @@ a chunk of a staged room (``kvbridge.layout.staging``) passes through one slot:
                           |                               +--release (room failed; nothing more lands)   release
                           |                                  --> FREE                                    --> FREE
                           +--quarantine (room failed, a write may still land)--> QUARANTINED
+                          +--unused (granted with the room's request; its room committed, so every
+                                     sender reported its last write: nothing lands any more)--> FREE
     QUARANTINED --acknowledged (the sender confirmed the abort) / expired (lease + quarantine)--> FREE
 
 SCATTERING: the receiver's copy out of the slot is running (a CUDA event not yet complete). A
@@ -19,7 +21,13 @@ at once, while its ASSIGNED slots wait in QUARANTINED until nothing of the room 
 
 Back-pressure: when no slot is free, ``acquire`` queues the request (FIFO) and returns None;
 every event that frees a slot hands it to the oldest waiter and returns the grants made, so a
-room never fails for want of staging and the area never grows. Time is the caller's
+room never fails for want of staging and the area never grows.
+
+Reserved slots (``reserved``, the area's last ones): granted with a room's request, before any
+chunk asks (``reserve``), never to a waiter and never queued for: ``reserve`` returns None when
+none is free, and a reserved slot that turns FREE goes back to the reserved ones. Kept apart, a
+slot granted before its chunk holds a sender's gather slot never holds up a chunk that does (the
+senders' ask-ahead order, ``prefill/staged.py``, stays deadlock-free). Time is the caller's
 (``now``: monotonic seconds), and so are the threads: the endpoint calls this under its lock.
 """
 
@@ -47,13 +55,13 @@ S = SlotState
 # state -> {event: next state}; any event not listed for a state is refused
 TRANSITIONS: dict[SlotState, dict[str, SlotState]] = {
     S.FREE: {"acquire": S.ASSIGNED},
-    S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED},
+    S.ASSIGNED: {"landed": S.LANDED, "quarantine": S.QUARANTINED, "unused": S.FREE},
     S.LANDED: {"scatter": S.SCATTERING, "release": S.FREE},
     S.SCATTERING: {"scattered": S.SCATTERED},
     S.SCATTERED: {"release": S.FREE},
     S.QUARANTINED: {"acknowledged": S.FREE, "expire": S.FREE},
 }
-EVENTS = ("acquire", "landed", "scatter", "scattered", "release", "quarantine", "acknowledged", "expire")
+EVENTS = ("acquire", "landed", "scatter", "scattered", "release", "quarantine", "acknowledged", "expire", "unused")
 
 
 @dataclass(frozen=True)
@@ -77,16 +85,21 @@ class _Slot:
 class StagingArea:
     """Slots of one registered staging area and the FIFO of chunks waiting for one."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, rank: str | None = None) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, *, rank: str | None = None, reserved: int = 0) -> None:
         for name, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"staging {name} must be a positive integer, got {value!r}", field=name, rank=rank)
+        if not isinstance(reserved, int) or isinstance(reserved, bool) or not 0 <= reserved < num_slots:
+            raise ConfigError(f"staging reserved slots must be an integer from 0 to {num_slots - 1} (at least one slot "
+                              f"is left for chunks that ask), got {reserved!r}", field="reserved", rank=rank)
         self.num_slots, self.slot_bytes, self.rank = num_slots, slot_bytes, rank
+        self.reserved = reserved
         self._slots = [_Slot() for _ in range(num_slots)]
-        self._free: deque[int] = deque(range(num_slots))
+        self._free: deque[int] = deque(range(num_slots - reserved))
+        self._free_reserved: deque[int] = deque(range(num_slots - reserved, num_slots))
         self._waiting: deque[tuple[int, int]] = deque()
         self.counters = {"acquired": 0, "waits": 0, "max_waiting": 0, "quarantined": 0, "expired": 0,
-                         "acknowledged": 0}
+                         "acknowledged": 0, "reserved": 0, "reserve_refused": 0, "unused": 0}
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -107,7 +120,12 @@ class StagingArea:
 
     @property
     def num_free(self) -> int:
+        """FREE slots that a chunk's ask may take (the reserved ones not counted)."""
         return len(self._free)
+
+    @property
+    def num_free_reserved(self) -> int:
+        return len(self._free_reserved)
 
     @property
     def num_waiting(self) -> int:
@@ -134,6 +152,26 @@ class StagingArea:
         self.counters["waits"] += 1
         self.counters["max_waiting"] = max(self.counters["max_waiting"], len(self._waiting))
         return None
+
+    def reserve(self, room: int, chunk: int) -> Grant | None:
+        """A FREE reserved slot for ``(room, chunk)``, granted before the chunk asks, or None when
+        none is free (nothing queues: the chunk asks later, as any other)."""
+        if any(s.room == room and s.chunk == chunk and s.state is S.ASSIGNED for s in self._slots) or \
+                (room, chunk) in self._waiting:
+            raise StagingSlotError(f"chunk {chunk} already holds or awaits a staging slot", room=room,
+                                   rank=self.rank, field="chunk")
+        if not self._free_reserved:
+            self.counters["reserve_refused"] += 1
+            return None
+        self.counters["reserved"] += 1
+        return self._assign(self._free_reserved.popleft(), room, chunk, waited=False)
+
+    def unused(self, slot: int) -> list[Grant]:
+        """An ASSIGNED slot that nothing will write (granted with the request, and its room committed:
+        every sender reported its last write) -> FREE."""
+        self._move(slot, "unused")
+        self.counters["unused"] += 1
+        return self._freed(slot)
 
     def landed(self, slot: int, room: int, chunk: int) -> None:
         """The chunk's write into ``slot`` completed (the sender reported it)."""
@@ -236,7 +274,11 @@ class StagingArea:
         return Grant(room, chunk, slot, waited)
 
     def _freed(self, slot: int) -> list[Grant]:
-        """A slot turned FREE: the oldest waiter takes it, else it joins the free list."""
+        """A slot turned FREE: the oldest waiter takes it, else it joins the free list (a reserved
+        slot: the reserved ones, never a waiter)."""
+        if slot >= self.num_slots - self.reserved:
+            self._free_reserved.append(slot)
+            return []
         if self._waiting:
             room, chunk = self._waiting.popleft()
             return [self._assign(slot, room, chunk, waited=True)]

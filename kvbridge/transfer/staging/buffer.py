@@ -34,9 +34,13 @@ class StagingBuffer:
     """``nbytes`` of registered memory cut into slots of ``slot_bytes`` (``area``), with its stager."""
 
     def __init__(self, nbytes: int, slot_bytes: int, *, rank: str, device: Any = None,
-                 device_pages: Any = ()) -> None:
+                 device_pages: Any = (), reserved: int = 0) -> None:
         num_slots = nbytes // slot_bytes
-        self.area = StagingArea(num_slots, slot_bytes, rank=rank)
+        if reserved and reserved >= num_slots:
+            raise ConfigError(f"staging_granted_slots {reserved} would keep every one of the staging area's {num_slots} "
+                              f"slots ({nbytes} B in slots of {slot_bytes} B) for grants sent with requests: at least "
+                              "one must be left for chunks that ask", rank=rank, field="staging_granted_slots")
+        self.area = StagingArea(num_slots, slot_bytes, rank=rank, reserved=reserved)
         size = num_slots * slot_bytes
         if device is None:
             self.memory: Any = np.zeros(size, dtype=np.uint8)
@@ -55,11 +59,12 @@ class StagingBuffer:
 
     @classmethod
     def for_buffers(cls, tensors: Mapping[Any, Any], mode: str, nbytes: int, slot_bytes: int, *,
-                    rank: str, role: str, engine: Any = None) -> StagingBuffer | None:
+                    rank: str, role: str, engine: Any = None, reserved: int = 0) -> StagingBuffer | None:
         """A ``role`` rank's buffer beside ``tensors`` (the endpoint's page buffers) for staging
         ``mode``, or None when staging is off ("never"), the pages lie on several devices or on an
         accelerator other than a CUDA GPU, or they are GPU pages under "auto" and ``engine`` copies
-        scattered slices itself (``direct_only``). ``nbytes``/``slot_bytes`` 0: the device's default."""
+        scattered slices itself (``direct_only``). ``nbytes``/``slot_bytes`` 0: the device's default.
+        ``reserved``: the area's last slots kept for grants sent with requests (``StagingArea``)."""
         if mode == "never":
             return None
         devices = {_device_of(t) for t in tensors.values()}
@@ -75,9 +80,9 @@ class StagingBuffer:
             return None
         nbytes, slot_bytes = staging_sizes(role, on_gpu, nbytes, slot_bytes, rank)
         if not on_gpu:
-            return cls(nbytes, slot_bytes, rank=rank)
+            return cls(nbytes, slot_bytes, rank=rank, reserved=reserved)
         try:  # beside the pages, on their GPU (tensors, or device addresses an engine gave)
-            return cls(nbytes, slot_bytes, rank=rank, device=device, device_pages=tensors.values())
+            return cls(nbytes, slot_bytes, rank=rank, device=device, device_pages=tensors.values(), reserved=reserved)
         except RuntimeError as exc:  # torch's out-of-memory error: the pools took the GPU
             if mode == "always":
                 raise ConfigError(f"staging 'always' needs {nbytes} bytes of {device} memory for the staging buffer "
