@@ -20,7 +20,9 @@ ends; gauges are read at scrape time.
     kvbridge_worker_staging_targets_total{path}     prefill: targets by path chosen, direct / staged
     kvbridge_worker_staging_total{kind}             staged transfers: prefill chunks, bytes_staged, plan_slices,
                                                     gather_waits; decode slot_requests, slot_waits (back-pressure),
-                                                    chunks_scattered, bytes_scattered, scatter_slices
+                                                    chunks_scattered, bytes_scattered, scatter_slices,
+                                                    granted_with_request (_used, _unused: slots granted
+                                                    with a room's request, --staging-granted-slots)
     kvbridge_worker_staging_slots{state}            decode: staging slots free / assigned / landed / quarantined
     kvbridge_worker_staging_waiting                 decode: chunks waiting for a staging slot now
     kvbridge_worker_info{rank,role,instance}        1

@@ -221,3 +221,20 @@ def test_a_granted_slot_of_another_chunk_is_refused_and_an_unused_one_freed_only
     ds.sender_quiet(6, SENDER, out)
     assert ds.area.state(2) is SlotState.FREE
     assert not any(isinstance(a, Send) for a in out)
+
+
+def test_kept_slots_must_leave_one_for_the_asks_and_be_a_count():
+    """A decode rank that would keep every slot of its area for grants sent with requests (none
+    left for a chunk that asks) or a negative count is refused at start-up, naming the setting."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.transfer.decode import DecodeConfig
+    from kvbridge.transfer.staging.buffer import StagingBuffer
+
+    assert StagingBuffer(4 * SLOT, SLOT, rank="d", reserved=3).area.num_free == 1
+    with pytest.raises(ConfigError, match="would keep every one of the staging area's 4 slots") as err:
+        StagingBuffer(4 * SLOT, SLOT, rank="d", reserved=4)
+    assert err.value.field == "staging_granted_slots"
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="staging_granted_slots must be an integer >= 0") as err:
+            DecodeConfig(instance="d", staging_granted_slots=bad)
+        assert err.value.field == "staging_granted_slots"

@@ -36,6 +36,7 @@ ENGINES = engine_names("network")  # what an SGLang rank's transfer engine may b
 # staged transfers (docs/staging.md): the same names and meanings as the workers' settings
 ENV_STAGING, ENV_STAGING_BYTES, ENV_STAGING_SLOT_BYTES = ("KVBRIDGE_STAGING", "KVBRIDGE_STAGING_BYTES",
                                                           "KVBRIDGE_STAGING_SLOT_BYTES")  # fmt: skip
+ENV_STAGING_GRANTED = "KVBRIDGE_STAGING_GRANTED_SLOTS"
 ENVIRONMENT = (
     (ENV_URL, "one bootstrap daemon for the whole cluster (`kvbridge bootstrap`); unset: each prefill server "
               "starts one on its --disaggregation-bootstrap-port, and decode finds it at the request's bootstrap "
@@ -71,6 +72,9 @@ ENVIRONMENT = (
                         "(0 or unset: host pools decode 64 MiB, prefill 16 MiB; GPU pools decode 1 GiB, prefill 512 MiB)"),
     (ENV_STAGING_SLOT_BYTES, "staging slot size in bytes, a multiple of 16: the largest chunk one write carries "
                              "(0 or unset: host pools 8 MiB, GPU pools 256 MiB)"),
+    (ENV_STAGING_GRANTED, "decode: of its staging slots, how many are kept to be granted with a room's request to "
+                          "each prefill rank's first chunk, written then without waiting for a grant (0 or unset: "
+                          "none; docs/staging.md)"),
 )
 # the settings table (kvbridge.SettingsReader): KVBRIDGE_LEASE_TTL is key "lease_ttl", and so on
 KEYS = {name.removeprefix("KVBRIDGE_").lower(): (name, meaning) for name, meaning in ENVIRONMENT}
@@ -133,6 +137,7 @@ class Settings:
     staging: str = "auto"
     staging_bytes: int = 0
     staging_slot_bytes: int = 0
+    staging_granted_slots: int = 0  # decode's KVBRIDGE_STAGING_GRANTED_SLOTS (prefill: always 0)
     model_path: str = ""
     weights: str = "auto"  # KVBRIDGE_WEIGHTS: auto | off | a digest
     log_level: str = ""  # KVBRIDGE_LOG_LEVEL ("": SGLang's)
@@ -142,7 +147,7 @@ class Settings:
     @property
     def staging_config(self) -> dict[str, Any]:
         """The staging keywords of this rank's ``PrefillConfig`` / ``DecodeConfig``."""
-        return staging_config(self.staging, self.staging_bytes, self.staging_slot_bytes)
+        return staging_config(self.staging, self.staging_bytes, self.staging_slot_bytes, self.staging_granted_slots)
 
     @property
     def label(self) -> str:
@@ -361,10 +366,11 @@ def _kv_device(gpu_id: int) -> str:
     return f"cuda:{gpu_id}" if torch.cuda.is_available() else "cpu"
 
 
-def staging_config(mode: str, nbytes: int, slot_bytes: int) -> dict[str, Any]:
+def staging_config(mode: str, nbytes: int, slot_bytes: int, granted: int = 0) -> dict[str, Any]:
     """Staging keywords for a ``PrefillConfig`` / ``DecodeConfig``: sizes left out where not
-    given (0), so that each role keeps its config's default (they differ by role)."""
-    given = {"staging_bytes": nbytes, "staging_slot_bytes": slot_bytes}
+    given (0), so that each role keeps its config's default (they differ by role); ``granted``
+    (decode's only) where set."""
+    given = {"staging_bytes": nbytes, "staging_slot_bytes": slot_bytes, "staging_granted_slots": granted}
     return {"staging": mode, **{k: v for k, v in given.items() if v}}
 
 
@@ -375,9 +381,11 @@ def _staging(role: str, instance: str, r: SettingsReader) -> dict[str, Any]:
 
     out: dict[str, Any] = {"staging": r.choice("staging", STAGING_MODES, "auto"),
                            "staging_bytes": r.integer("staging_bytes", 0),
-                           "staging_slot_bytes": r.integer("staging_slot_bytes", 0)}
+                           "staging_slot_bytes": r.integer("staging_slot_bytes", 0),
+                           "staging_granted_slots": r.integer("staging_granted_slots", 0) if role == "decode" else 0}
     try:
-        kw = staging_config(out["staging"], out["staging_bytes"], out["staging_slot_bytes"])
+        kw = staging_config(out["staging"], out["staging_bytes"], out["staging_slot_bytes"],
+                            out["staging_granted_slots"])
         (PrefillConfig if role == "prefill" else DecodeConfig)(instance=instance, **kw)
     except ConfigError as exc:
         name = f"KVBRIDGE_{(exc.field or 'staging').upper()}"

@@ -26,7 +26,9 @@ and SSM state slot, prefill one token short; equal TP) (``hybrid.py``, docs/vllm
     engine              the transfer engine: mooncake (default) or nixl, the same on both sides
                         (or KVBRIDGE_ENGINE)
     host, protocol, device   the transfer engine: address (default 127.0.0.1), tcp | rdma, RDMA NIC
-    staging             auto (default) | always | never; staging_bytes, staging_slot_bytes
+    staging             auto (default) | always | never; staging_bytes, staging_slot_bytes;
+                        staging_granted_slots (decode: slots kept to grant with a room's request,
+                        default 0; docs/staging.md)
     secret, lease_ttl, target_timeout (prefill), transfer_timeout (decode), trace
     peer_timeout        silence that counts a peer as dead, and the ownership proof's deadline
                         (default 15 s: a loaded CPU host trips 5)

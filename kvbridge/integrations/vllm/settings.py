@@ -46,6 +46,9 @@ EXTRA_KEYS: dict[str, tuple[str, str]] = {
     "staging": ("KVBRIDGE_STAGING", "staged transfers: auto (default), always, never (docs/staging.md)"),
     "staging_bytes": ("KVBRIDGE_STAGING_BYTES", "registered staging memory in bytes (0: the role's default)"),
     "staging_slot_bytes": ("KVBRIDGE_STAGING_SLOT_BYTES", "staging slot size in bytes (0: the default)"),
+    "staging_granted_slots": ("KVBRIDGE_STAGING_GRANTED_SLOTS", "decode: of its staging slots, how many are kept to be "
+                              "granted with a room's request, so that each prefill rank's first chunk is written "
+                              "without waiting for a grant (0: none; docs/staging.md)"),
     "secret": ("KVBRIDGE_SECRET", "control-channel MAC secret, the same on every server"),
     "lease_ttl": ("KVBRIDGE_LEASE_TTL", "lease of a rank at the daemon, seconds (default 10)"),
     "peer_timeout": ("KVBRIDGE_PEER_TIMEOUT", "silence after which a peer rank counts as dead, and the deadline of "
@@ -97,6 +100,7 @@ class Settings:
     staging: str
     staging_bytes: int
     staging_slot_bytes: int
+    staging_granted_slots: int
     secret: bytes | None
     lease_ttl: float
     peer_timeout: float
@@ -117,7 +121,8 @@ class Settings:
 
     @property
     def staging_config(self) -> dict[str, Any]:
-        given = {"staging_bytes": self.staging_bytes, "staging_slot_bytes": self.staging_slot_bytes}
+        given = {"staging_bytes": self.staging_bytes, "staging_slot_bytes": self.staging_slot_bytes,
+                 "staging_granted_slots": self.staging_granted_slots}  # (decode's; 0 on prefill)
         return {"staging": self.staging, **{k: v for k, v in given.items() if v}}
 
     def label(self, tp_rank: int) -> str:
@@ -157,6 +162,7 @@ def read_settings(vllm_config: Any, env: Mapping[str, str] | None = None) -> Set
         prefill_instance=r.text("prefill_instance"), prefill_wait_s=r.number("prefill_wait_s", 60.0),
         staging=r.choice("staging", STAGING_MODES, "auto"), staging_bytes=r.integer("staging_bytes", 0),
         staging_slot_bytes=r.integer("staging_slot_bytes", 0),
+        staging_granted_slots=r.integer("staging_granted_slots", 0) if role == "decode" else 0,
         secret=secret.encode() if secret else None,
         lease_ttl=r.number("lease_ttl", 10.0), peer_timeout=r.number("peer_timeout", PEER_TIMEOUT_S),
         target_timeout=r.number("target_timeout", 60.0), transfer_timeout=r.number("transfer_timeout", 120.0),

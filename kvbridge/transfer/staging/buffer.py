@@ -37,9 +37,10 @@ class StagingBuffer:
                  device_pages: Any = (), reserved: int = 0) -> None:
         num_slots = nbytes // slot_bytes
         if reserved and reserved >= num_slots:
-            raise ConfigError(f"staging_granted_slots {reserved} would keep every one of the staging area's {num_slots} "
-                              f"slots ({nbytes} B in slots of {slot_bytes} B) for grants sent with requests: at least "
-                              "one must be left for chunks that ask", rank=rank, field="staging_granted_slots")
+            raise ConfigError(f"staging_granted_slots {reserved} would keep every one of the staging area's "
+                              f"{num_slots} slots ({nbytes} B in slots of {slot_bytes} B) for grants sent with "
+                              "requests: at least one must be left for chunks that ask", rank=rank,
+                              field="staging_granted_slots")
         self.area = StagingArea(num_slots, slot_bytes, rank=rank, reserved=reserved)
         size = num_slots * slot_bytes
         if device is None:

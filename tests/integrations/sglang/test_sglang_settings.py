@@ -215,6 +215,14 @@ def test_staging_is_chosen_by_kvbridge_settings_and_sglangs_own_buffer_is_refuse
         assert read_settings(role, args(), True, env=env).staging_config == {
             "staging": "always", "staging_bytes": 1 << 20, "staging_slot_bytes": 1 << 18}
     assert read_settings("prefill", args(), True, env={**ENV, "KVBRIDGE_STAGING": "never"}).staging == "never"
+    # decode's slots kept for grants sent with a room's request; prefill reads none
+    kept = {**ENV, "KVBRIDGE_STAGING_GRANTED_SLOTS": "2"}
+    assert read_settings("decode", args(), True, env=kept).staging_config == {"staging": "auto",
+                                                                              "staging_granted_slots": 2}
+    assert read_settings("prefill", args(), True, env=kept).staging_config == {"staging": "auto"}
+    with pytest.raises(ConfigError) as err:
+        read_settings("decode", args(), True, env={**ENV, "KVBRIDGE_STAGING_GRANTED_SLOTS": "-1"})
+    assert err.value.field == "KVBRIDGE_STAGING_GRANTED_SLOTS", str(err.value)
     for name, value in (("KVBRIDGE_STAGING", "sometimes"), ("KVBRIDGE_STAGING_SLOT_BYTES", "1000"),
                         ("KVBRIDGE_STAGING_BYTES", "lots")):
         with pytest.raises(ConfigError) as err:

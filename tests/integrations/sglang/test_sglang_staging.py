@@ -23,9 +23,13 @@ STAGED = {"KVBRIDGE_STAGING": "always", "KVBRIDGE_STAGING_BYTES": str(4 * SLOT),
           "KVBRIDGE_STAGING_SLOT_BYTES": str(SLOT)}
 
 
-@pytest.mark.parametrize("env, path", [(STAGED, "staged"), ({}, "direct")], ids=["always", "auto"])
+KEPT = {**STAGED, "KVBRIDGE_STAGING_GRANTED_SLOTS": "1"}  # decode grants one slot with each room's request
+
+
+@pytest.mark.parametrize("env, path", [(STAGED, "staged"), (KEPT, "staged"), ({}, "direct")],
+                         ids=["always", "always-granted", "auto"])
 def test_a_room_through_sglangs_classes_takes_the_path_the_settings_choose(daemon, env, path):
-    pair = Pair(daemon.url, f"stg-{path}", env=env)
+    pair = Pair(daemon.url, f"stg-{path}-{len(env)}", env=env)
     try:
         room = 2**61 + 7
         pair.prefill.add(room, N, N)
@@ -39,8 +43,12 @@ def test_a_room_through_sglangs_classes_takes_the_path_the_settings_choose(daemo
         assert set(stats["paths"].values()) == {path}, stats["paths"]
         if path == "staged":
             assert stats["bytes_staged"] == stats["bytes"] > 0 and stats["chunks"] > 4
-            area = pair.decode.w.mgr.receiver_endpoint(pair.addr)[0].staging.area
-            assert area.num_slots == 4 and area.num_free == 4
+            decode = pair.decode.w.mgr.receiver_endpoint(pair.addr)[0]
+            area = decode.staging.area
+            kept = int(env.get("KVBRIDGE_STAGING_GRANTED_SLOTS", 0))  # the area's last slots, apart from the asks'
+            assert area.num_slots == 4 and area.num_free == 4 - kept and area.num_free_reserved == kept
+            used = decode.machine.staging.counters["granted_with_request_used"]
+            assert used == kept, decode.machine.staging.counters  # the first chunk wrote without a SlotGrant
         else:
             assert stats["bytes_staged"] == 0 and stats["bytes"] > 0
     finally:

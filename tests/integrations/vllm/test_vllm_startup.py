@@ -62,6 +62,16 @@ def test_settings_from_the_environment_are_refused_by_their_variable(model, monk
     with pytest.raises(ConfigError, match="KVBRIDGE_STAGING='sometimes' is not one of auto, always, never") as err:
         read_settings(C.vllm_config(model, "kv_producer", URL))
     assert err.value.field == "KVBRIDGE_STAGING"
+    monkeypatch.delenv("KVBRIDGE_STAGING")
+    # decode's slots kept for grants sent with a room's request (docs/staging.md); prefill has none
+    monkeypatch.setenv("KVBRIDGE_STAGING_GRANTED_SLOTS", "2")
+    assert read_settings(C.vllm_config(model, "kv_consumer", URL)).staging_config == {
+        "staging": "auto", "staging_granted_slots": 2}
+    assert read_settings(C.vllm_config(model, "kv_producer", URL)).staging_config == {"staging": "auto"}
+    monkeypatch.setenv("KVBRIDGE_STAGING_GRANTED_SLOTS", "-1")
+    with pytest.raises(ConfigError, match="KVBRIDGE_STAGING_GRANTED_SLOTS='-1' must be at least 0") as err:
+        read_settings(C.vllm_config(model, "kv_consumer", URL))
+    assert err.value.field == "KVBRIDGE_STAGING_GRANTED_SLOTS"
 
 
 def test_layerwise_reads_auto_by_default_then_true_or_false(model, monkeypatch):
