@@ -31,27 +31,17 @@ HERE = Path(__file__).parent
 FINAL = (KVPoll.Success, KVPoll.Failed)
 
 
-class PrefillProc:
-    """One prefill CP rank in a child process; always ``stop()`` it."""
+class ChildProc:
+    """A test's child process driven by JSON lines on stdin and stdout (a prefill rank's harness),
+    whose first line says it is ready; always ``stop()`` it. Its stderr is kept in a file of its
+    own and quoted by every error; a child that ends is reported at once (``EOFError``), with its
+    exit status. ``name``: how errors name it."""
 
-    def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
-                 layers: int = 2, page_size: int = 4, engine: str = "mooncake", tp_rank: int = 0,
-                 tp_size: int = 1, device: str = "cpu", pp_rank: int = 0, pp_size: int = 1,
-                 pp_layers: tuple[int, int] | None = None) -> None:
-        if pp_layers is not None:
-            extra = (*extra, "--pp-rank", str(pp_rank), "--pp-size", str(pp_size), "--pp-layers",
-                     f"{pp_layers[0]},{pp_layers[1]}")
-        cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
-               "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--tp-rank", str(tp_rank),
-               "--tp-size", str(tp_size), "--layers", str(layers),
-               "--page-size", str(page_size), "--engine", engine, "--device", device, *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.engine, self.instance = engine, instance
-        # the child's stderr goes to a file of its own, read back when it fails to answer
+    def __init__(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=env)
-        self.results: dict[int, dict] = {}
+                                     text=True, env=dict(env or os.environ, PYTHONUNBUFFERED="1"))
         self._lines: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -62,21 +52,21 @@ class PrefillProc:
             raise
         if not first.get("ready"):
             self.stop()
-            raise RuntimeError(f"prefill rank {cp_rank} did not start: {first}")
-        self.endpoint = first["endpoint"]
+            raise RuntimeError(f"{name} did not start: {first}")
+        self.ready = first
 
     def _first_line(self, patience: float = 60.0) -> dict:
         """The child's first line. A start that has not answered in ``patience`` seconds (a host
-        loaded by the suites that share it) has its stacks written to its stderr (SIGUSR1) and gets
-        as long again; the error then shows where it stood."""
+        loaded by the suites that share it) has its stacks written to its stderr (SIGUSR1: the
+        child registers faulthandler for it first) and gets as long again; the error then shows
+        where it stood."""
         try:
             return self._next(patience)
         except TimeoutError:
             if self.proc.poll() is not None:
                 raise
             self.proc.send_signal(signal.SIGUSR1)
-            print(f"prefill process {self.instance} silent for {patience:.0f}s; stacks written to its stderr",
-                  file=sys.stderr)
+            print(f"{self.name} silent for {patience:.0f}s; stacks written to its stderr", file=sys.stderr)
             return self._next(patience)
 
     def _read(self) -> None:
@@ -100,16 +90,15 @@ class PrefillProc:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no line from the prefill process ({self.instance}, pid {self.proc.pid}) within "
-                               f"{timeout:.0f}s, {self._status()}; its stderr ends:\n{self.stderr_tail()}") from None
+            raise TimeoutError(f"no line from {self.name} (pid {self.proc.pid}) within {timeout:.0f}s, "
+                               f"{self._status()}; its stderr ends:\n{self.stderr_tail()}") from None
         if line is None:
             self._lines.put(None)  # every later read sees the end too
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-            raise EOFError(f"the prefill process ({self.instance}) closed its output, {self._status()}; "
-                           f"its stderr ends:\n{self.stderr_tail()}")
+            raise EOFError(f"{self.name} closed its output, {self._status()}; its stderr ends:\n{self.stderr_tail()}")
         return line
 
     def _status(self) -> str:
@@ -119,18 +108,6 @@ class PrefillProc:
     def command(self, **cmd: Any) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-
-    def send(self, room: int, num_tokens: int, chunks: list[int] | None = None, pause: float = 0.0,
-             **extra: Any) -> None:
-        self.command(op="send", room=room, num_tokens=num_tokens, chunks=chunks or [num_tokens], pause=pause, **extra)
-
-    def result(self, room: int, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while room not in self.results:
-            line = self._next(max(0.01, deadline - time.monotonic()))
-            if "room" in line:
-                self.results[line["room"]] = line
-        return self.results[room]
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -150,6 +127,38 @@ class PrefillProc:
             self.proc.stdin.close() if not self.proc.stdin.closed else None
         except BrokenPipeError:
             pass
+
+
+class PrefillProc(ChildProc):
+    """One prefill CP rank in a child process (``_prefill_proc.py``); always ``stop()`` it."""
+
+    def __init__(self, bootstrap: str, cp_rank: int, cp_size: int, *extra: str, instance: str = "prefill",
+                 layers: int = 2, page_size: int = 4, engine: str = "mooncake", tp_rank: int = 0,
+                 tp_size: int = 1, device: str = "cpu", pp_rank: int = 0, pp_size: int = 1,
+                 pp_layers: tuple[int, int] | None = None) -> None:
+        if pp_layers is not None:
+            extra = (*extra, "--pp-rank", str(pp_rank), "--pp-size", str(pp_size), "--pp-layers",
+                     f"{pp_layers[0]},{pp_layers[1]}")
+        cmd = [sys.executable, str(HERE / "_prefill_proc.py"), "--bootstrap", bootstrap, "--instance", instance,
+               "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--tp-rank", str(tp_rank),
+               "--tp-size", str(tp_size), "--layers", str(layers),
+               "--page-size", str(page_size), "--engine", engine, "--device", device, *extra]
+        self.engine, self.instance = engine, instance
+        self.results: dict[int, dict] = {}
+        super().__init__(cmd, f"prefill process {instance}/cp{cp_rank}")
+        self.endpoint = self.ready["endpoint"]
+
+    def send(self, room: int, num_tokens: int, chunks: list[int] | None = None, pause: float = 0.0,
+             **extra: Any) -> None:
+        self.command(op="send", room=room, num_tokens=num_tokens, chunks=chunks or [num_tokens], pause=pause, **extra)
+
+    def result(self, room: int, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while room not in self.results:
+            line = self._next(max(0.01, deadline - time.monotonic()))
+            if "room" in line:
+                self.results[line["room"]] = line
+        return self.results[room]
 
 
 class DecodeRank:

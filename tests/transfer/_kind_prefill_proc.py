@@ -11,15 +11,22 @@ per command (JSON lines on stdin):
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
+import faulthandler
+import signal
 
-import kvbridge as kvb
-from _kind_rooms import AUX, buffers, contract, model_specs, send_room, send_room_layers
-from kvbridge.bootstrap.client import BootstrapClient
-from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint
+# first, before the heavy imports: SIGUSR1 writes every thread's stack to stderr (_cluster.ChildProc
+# sends it to a start that has not answered in time)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import kvbridge as kvb  # noqa: E402
+from _kind_rooms import AUX, buffers, contract, model_specs, send_room, send_room_layers  # noqa: E402
+from kvbridge.bootstrap.client import BootstrapClient  # noqa: E402
+from kvbridge.transfer.prefill import PrefillConfig, PrefillEndpoint  # noqa: E402
 
 
 def main() -> None:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import faulthandler
 import signal
 
-# first, before the heavy imports: SIGUSR1 writes every thread's stack to stderr, which the harness
-# reads back when this process has not answered in time (where a start stands still)
+# first, before the heavy imports: SIGUSR1 writes every thread's stack to stderr (_cluster.ChildProc
+# sends it to a start that has not answered in time, and quotes that stderr)
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import argparse  # noqa: E402

@@ -9,11 +9,8 @@ the bytes the prefill ranks posted equal ``needed_bytes`` plus the aux row. V4 a
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import pytest
 import torch
 
 import kvbridge as kvb
+from _cluster import ChildProc
 from _kind_rooms import AUX, buffers, contract, decode_pages, decode_units, differing, expected, model_specs
 from kvbridge.bootstrap.client import BootstrapClient
 from kvbridge.transfer.decode import DecodeConfig, DecodeEndpoint
@@ -30,42 +28,22 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(not kvb.mooncake_availabl
 HERE = Path(__file__).parent
 
 
-class Proc:
+class Proc(ChildProc):
+    """One prefill rank of a kind model in a child process (``_kind_prefill_proc.py``)."""
+
     def __init__(self, url: str, instance: str, model: str, cp_rank: int, cp_size: int, staging: str = "never",
                  slot_bytes: int = 0) -> None:
         cmd = [sys.executable, str(HERE / "_kind_prefill_proc.py"), "--bootstrap", url, "--instance", instance,
                "--model", model, "--cp-rank", str(cp_rank), "--cp-size", str(cp_size), "--staging", staging,
                "--slot-bytes", str(slot_bytes)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-        self._stderr = tempfile.TemporaryFile()  # read back if it does not start
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=env)
-        line = self.proc.stdout.readline()
-        if not line or not json.loads(line).get("ready"):
-            self.stop()
-            self._stderr.seek(0)
-            err = self._stderr.read()[-8000:].decode("utf-8", errors="replace")
-            raise RuntimeError(f"prefill rank {cp_rank} did not start: {line!r}, exit {self.proc.returncode}; "
-                               f"its stderr ends:\n{err}")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+        super().__init__(cmd, f"kind prefill process {instance}/cp{cp_rank}", env)
 
     def send(self, room: int, n: int, cuts: tuple[int, ...], width: int | None = None) -> None:
-        cmd = {"op": "send", "room": room, "num_tokens": n, "cuts": list(cuts), "width": width}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.command(op="send", room=room, num_tokens=n, cuts=list(cuts), width=width)
 
     def result(self) -> dict:
-        line = self.proc.stdout.readline()
-        return json.loads(line) if line else {"state": "no answer"}
-
-    def stop(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(5)
+        return self._next(120)
 
 
 @pytest.mark.parametrize("model, cp, rooms, staging, digest", [
