@@ -332,10 +332,7 @@ def check_config(cfg: WorkerConfig) -> None:
             raise ConfigError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}", field=name)
     if not cfg.lease_quarantine >= 0:
         raise ConfigError(f"lease_quarantine must be >= 0 seconds, got {cfg.lease_quarantine}", field="lease_quarantine")
-    check_staging(cfg.staging, cfg.staging_bytes, cfg.staging_slot_bytes, cfg.rank_name)
-    if cfg.staging_granted_slots < 0:
-        raise ConfigError(f"staging_granted_slots must be >= 0 (0: none), got {cfg.staging_granted_slots}",
-                          field="staging_granted_slots")
+    check_staging(cfg.staging, cfg.staging_bytes, cfg.staging_slot_bytes, cfg.rank_name, cfg.staging_granted_slots)
     if not cfg.drain_timeout >= 0:
         raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}", field="drain_timeout")
     for name in ("control_port", "ops_port"):

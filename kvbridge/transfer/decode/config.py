@@ -68,11 +68,8 @@ class DecodeConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ConfigError(f"{name} must be a number of seconds >= 0 (0: none), got {value!r}", field=name,
                                   rank=self.rank_label)
-        check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label)
-        n = self.staging_granted_slots
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigError(f"staging_granted_slots must be an integer >= 0 (0: none), got {n!r}",
-                              field="staging_granted_slots", rank=self.rank_label)
+        check_staging(self.staging, self.staging_bytes, self.staging_slot_bytes, self.rank_label,
+                      self.staging_granted_slots)
 
     @property
     def rank_label(self) -> str:

@@ -760,17 +760,13 @@ class DecodeRooms:
                 granted = tuple(self.staging.grant_with_request(r.room, key, only is not None)) if grants else ()
                 by_pools.setdefault((pools, granted), []).append(s.control_endpoint)
         for (pools, granted), endpoints in by_pools.items():
-            if granted:
-                staging["staging_granted"] = list(granted)
-            else:
-                staging.pop("staging_granted", None)
             self._out.append(Send(tuple(endpoints), wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
                 first_page=r.first_page, pools=list(pools), aux_slot=r.aux_slot, num_tokens=r.num_tokens or 0,
                 deadline_ms=int(self.cfg.transfer_timeout * 1000), want_digest=self.cfg.verify_digest,
                 fingerprint=r.topology.fingerprint, num_decode_ranks=self.cfg.tp_size, binding=r.binding,
                 kind_units=self.kinds.request_units(r.room, pools), aux_inline=self.aux_inline,
-                aux_ahead=self.aux_ahead, **staging,
+                aux_ahead=self.aux_ahead, staging_granted=list(granted), **staging,
             )))
 
     # -- liveness ---------------------------------------------------------------

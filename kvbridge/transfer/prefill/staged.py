@@ -433,11 +433,9 @@ class StagedWrites:
         sw = StagedWrite(w, room, t, offer, staged, first, e.after)
         pre = self.pre_granted.get(key)
         if pre:  # our chunks granted a slot with the request: held from the start, as a grant that came ahead
-            for k in range(staged.num_chunks):
-                slot = pre.pop(first + k, None)
-                if slot is not None:
-                    sw.ahead[k] = slot
-                    sw.with_request.add(k)
+            for c in [c for c in pre if first <= c < first + staged.num_chunks]:
+                sw.ahead[c - first] = pre.pop(c)
+                sw.with_request.add(c - first)
             if not pre:
                 del self.pre_granted[key]
         self.writes[w] = sw

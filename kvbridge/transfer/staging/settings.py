@@ -21,9 +21,10 @@ DEFAULT_GPU_SLOT_BYTES = 256 << 20
 DEFAULT_GPU_BYTES = {"decode": 4 * DEFAULT_GPU_SLOT_BYTES, "prefill": 2 * DEFAULT_GPU_SLOT_BYTES}
 
 
-def check_staging(mode: str, nbytes: int, slot_bytes: int, rank: str) -> None:
+def check_staging(mode: str, nbytes: int, slot_bytes: int, rank: str, granted: int = 0) -> None:
     """A named ConfigError for a staging setting no endpoint can use (0: the default for the
-    pages' device, ``staging_sizes``)."""
+    pages' device, ``staging_sizes``); ``granted``: decode's ``staging_granted_slots`` (whether
+    any slot is left for the asks is known only once the area's size is: ``StagingBuffer``)."""
     if mode not in STAGING_MODES:
         raise ConfigError(f"staging must be one of {STAGING_MODES}, got {mode!r}", rank=rank, field="staging")
     for name, value in (("staging_bytes", nbytes), ("staging_slot_bytes", slot_bytes)):
@@ -33,6 +34,9 @@ def check_staging(mode: str, nbytes: int, slot_bytes: int, rank: str) -> None:
     if slot_bytes % 16 or (nbytes and slot_bytes and nbytes < slot_bytes):
         raise ConfigError(f"staging_slot_bytes {slot_bytes} must be a multiple of 16 and at most staging_bytes "
                           f"{nbytes}", rank=rank, field="staging_slot_bytes")
+    if not isinstance(granted, int) or isinstance(granted, bool) or granted < 0:
+        raise ConfigError(f"staging_granted_slots must be an integer >= 0 (0: none), got {granted!r}", rank=rank,
+                          field="staging_granted_slots")
 
 
 def staging_sizes(role: str, on_gpu: bool, nbytes: int, slot_bytes: int, rank: str) -> tuple[int, int]:
