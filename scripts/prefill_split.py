@@ -9,6 +9,11 @@ kvbridge.bench.procs prefill ...``) started with ``KVBRIDGE_SPLIT_DIR`` set. A *
 through ``PrefillEndpoint._feed_event`` (its actions carried out, and the events they queued fed),
 recorded for two kinds:
 
+    request a Message holding a wire.TransferRequest  decode's request read (a room whose KV is whole: its post too)
+    post    a Post (``send()``'s, the KV whole)     the room's staged plan, the first chunks' SlotRequests and
+                                                    Gathers; with slots granted with the request, their PostChunks
+    tick    a Tick (``resolved``: a Resolved)       kept only where it gathered or posted a chunk (a staged
+                                                    write started there: the room named by its first Gather)
     grant   a Message holding a wire.SlotGrant      the PostChunk: wire pieces, submit_write, the post
     final   a WriteFinal of a staged write's chunk  ChunkLanded sent, gather slot freed, the next Gather
             (``final_direct``: a direct write's)    (fed on the loop, or on the engine's thread when the
@@ -21,6 +26,8 @@ inside it), which sum to the turn:
     trace_cycle    staging/cycle.py's lines      (their logging is "log")
     log            logging.Logger._log           every log line of the turn (the trace's, the engine's)
     reply          PrefillEndpoint._reply        a Send: encode + seal + socket
+    plan_chunk     targets.plan_chunk / plan_target   a chunk's slices planned (its pages, the aux row), checked
+    stage_plan     layout.staging.stage_plan     those slices packed into slot-sized chunks
     scatter_list   StagedPlan.scatter, wire.pack_scatter   a chunk's scatter list (in the machine: a final's turn
                                                            before wire 16, the SlotRequest's from 16)
     wire           StagedPlan.wire               the chunk's wire pieces (slot -> slot)
@@ -71,7 +78,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from split_timers import Timers  # noqa: E402 (beside this file, which is loaded by path)
 
 P = time.perf_counter
-KINDS = ("grant", "final", "final_direct")
+KINDS = ("request", "post", "tick", "resolved", "grant", "final", "final_direct")
+QUIET = ("tick", "resolved")  # kept only where they gathered or posted a chunk
 
 
 class _Split(Timers):
@@ -86,6 +94,9 @@ class _Split(Timers):
         # the event types a turn is recorded for (set by install; a test may set its own)
         self.message: Any = None
         self.grant: Any = None
+        self.request: Any = None
+        self.post: Any = None
+        self.quiet: dict[Any, str] = {}  # event type -> kind, for QUIET's
         self.write_final: Any = None
 
     def turn(self, rec: dict[str, Any], fn: Any, *args: Any) -> Any:
@@ -107,7 +118,8 @@ class _Split(Timers):
             rec["turn"] = P() - start
             rec["parts"]["turn"] = rec["turn"] - frame[2]  # the shell's own remainder
             self.cur, self.stack, self.owner = None, [], 0
-            self.records.append(rec)
+            if rec["kind"] not in QUIET or rec["gathers"] or "post_chunk" in rec["parts"]:
+                self.records.append(rec)
 
     def feed_wrapper(self, feed_event: Any) -> Any:
         """``PrefillEndpoint._feed_event``, each feed of a grant or a write's completion a turn."""
@@ -130,12 +142,19 @@ class _Split(Timers):
         kind = type(event)
         if kind is self.message:
             msg = event.msg
-            if type(msg) is not self.grant:
+            if type(msg) is self.request:
+                rec: dict[str, Any] = {"kind": "request", "room": msg.room, "chunk": -1, "now": event.now}
+            elif type(msg) is self.grant:
+                rec = {"kind": "grant", "room": msg.room, "chunk": msg.chunk, "now": event.now}
+            else:
                 return None
-            rec: dict[str, Any] = {"kind": "grant", "room": msg.room, "chunk": msg.chunk, "now": event.now}
             if self.recv is not None and threading.get_ident() == self.loop:
                 rec["since"], rec["frames"] = self.recv
             return rec
+        if kind in self.quiet:
+            return {"kind": self.quiet[kind], "room": -1, "chunk": -1, "now": getattr(event, "now", 0.0)}
+        if kind is self.post:
+            return {"kind": "post", "room": event.room.room, "chunk": -1, "now": event.now}
         if kind is not self.write_final:
             return None
         room, chunk, staged = _chunk_of(endpoint, event.handle)
@@ -155,6 +174,8 @@ class _Split(Timers):
             cur = s.cur
             if cur is not None and threading.get_ident() == s.owner:
                 cur["gathers"] = cur.get("gathers", 0) + 1
+                if cur["room"] == -1:
+                    cur["room"] = a.room
             return timed(endpoint, a, *args, **kwargs)
 
         _gather.__wrapped__ = gather
@@ -194,7 +215,9 @@ def install() -> None:
     from kvbridge.transfer.staging import stagers
 
     s = SPLIT
-    s.message, s.grant, s.write_final = ep.Message, wire.SlotGrant, ep.WriteFinal
+    s.message, s.grant, s.request, s.write_final = ep.Message, wire.SlotGrant, wire.TransferRequest, ep.WriteFinal
+    s.post = ep.Post
+    s.quiet = {ep.Tick: "tick", ep.Resolved: "resolved"}
     E = ep.PrefillEndpoint
     E._feed_event = s.feed_wrapper(E._feed_event)
 
@@ -246,6 +269,12 @@ def install() -> None:
     E._reply = s.timed("reply", E._reply)
     E._post_chunk = s.timed("post_chunk", E._post_chunk)
     E._gather = s.note_gather(E._gather)
+    from kvbridge.transfer.prefill import staged as stg
+    from kvbridge.transfer.prefill import writes as wr
+
+    wr.plan_chunk = s.timed("plan_chunk", wr.plan_chunk)
+    wr.plan_target = s.timed("plan_chunk", wr.plan_target)
+    stg.stage_plan = s.timed("stage_plan", stg.stage_plan)
     StagedPlan.wire = s.timed("wire", StagedPlan.wire)
     StagedPlan.gather = s.timed("gather_list", StagedPlan.gather)
     StagedPlan.scatter = s.timed("scatter_list", StagedPlan.scatter)

@@ -29,7 +29,7 @@ staged rooms over the chained ceiling is what kvbridge's own host work costs; th
 over the unchained one is what the chain of dependencies costs on this GPU.
 
     python scripts/staged_process_bench.py [--tokens 8192 32768 131072] [--engines ipc mooncake-nvlink]
-        [--layouts procs threads] [--slot-mib 64] [--gather-slots 2] [--decode-slots 4] [--reps 3]
+        [--layouts procs threads] [--slot-mib 64] [--gather-slots 2] [--decode-slots 4] [--granted-slots 0] [--reps 3]
         [--json out.json]
 
 Without CUDA it says so and exits 0.
@@ -66,7 +66,8 @@ def one(args: argparse.Namespace) -> None:
                      engine=g["engine"], protocol=g["protocol"], verify=True, verify_every=True, allocs=["random"],
                      raw_mooncake=False, device=args.device, decode_device=args.device,
                      prefill_aux=args.device, decode_aux=args.device, env=dict(g["env"]), staged=True, staging_slot_bytes=args.slot_mib << 20,
-                     staging_slots=(args.gather_slots, args.decode_slots), in_process=args.layout == "threads")
+                     staging_slots=(args.gather_slots, args.decode_slots), in_process=args.layout == "threads",
+                     staging_granted_slots=args.granted_slots)
     with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
         rows = run_sweep(spec, url, None, show_progress=False)
     keep = ("tokens", "bytes", "slices", "kvbridge_gbps", "staged_gbps", "engine_gbps", "staged_p50_ms",
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=int, default=64)
     ap.add_argument("--gather-slots", type=int, default=2)
     ap.add_argument("--decode-slots", type=int, default=4)
+    ap.add_argument("--granted-slots", type=int, default=0,
+                    help="of the decode slots, kept for grants sent with a room's request (DecodeConfig."
+                         "staging_granted_slots: each prefill rank's first chunk written without a SlotGrant)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ceiling-reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=240, help="seconds for each (engine, layout)")
@@ -107,7 +111,7 @@ def main() -> None:
     result: dict[str, Any] = {"rooms": {}, "ceiling": [], "errors": []}
     common = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--slot-mib", str(args.slot_mib),
               "--gather-slots", str(args.gather_slots), "--decode-slots", str(args.decode_slots),
-              "--reps", str(args.reps)]
+              "--reps", str(args.reps), "--granted-slots", str(args.granted_slots)]
     for engine in args.engines:
         for layout in args.layouts:
             key = f"{engine}/{layout}"
@@ -145,7 +149,8 @@ def main() -> None:
             print(f"  ceiling {n}: {json.dumps(row)}", flush=True)
     ceil = {r["tokens"]: r for r in result["ceiling"]}
     print(f"\nstaged rooms by process layout (one GPU, both sides on cuda:0; {args.slot_mib} MiB slots, "
-          f"{args.gather_slots} per prefill rank / {args.decode_slots} on decode; random pages, CP {CP}, "
+          f"{args.gather_slots} per prefill rank / {args.decode_slots} on decode, {args.granted_slots} of them granted "
+          f"with requests; random pages, CP {CP}, "
           f"{args.layers}+1 layers; GB/s of payload, median of {args.reps}; ceiling: gather + slot copy + scatter "
           "of the same chunks in one process one stream / three streams / three processes; chained: the same three "
           "processes with the rooms' dependencies, grants asked for / sent ahead, every last room checked)")

@@ -176,45 +176,59 @@ def stage_plan(
         raise LayoutError(
             f"align {align} must be a power of two dividing slot_bytes {slot_bytes}", field="slot_bytes", **ctx
         )
-    length = plan.length.astype(np.int64)
-    if len(length) and int(length.min()) < 1:
-        raise LayoutError(f"slice {int(np.argmin(length))} of the plan is empty", field="length", **ctx)
+    length = plan.length.view(np.int64)  # (lengths are far below 2**63: the bits are the value)
     n = len(length)
     if n == 0:
         return _empty(slot_bytes)
+    if int(length.min()) < 1:
+        raise LayoutError(f"slice {int(np.argmin(length))} of the plan is empty", field="length", **ctx)
 
     # each slice's place in one unbounded stream; chunk k is the stream's [k*B, (k+1)*B)
     B = int(slot_bytes)
     padded = (length + (align - 1)) & ~(align - 1)
-    start = np.cumsum(padded) - padded
-    end = start + length
+    end = np.cumsum(padded)
+    start = end - padded
+    end -= padded - length  # (the slice's own end, not its padding's)
     first, last = start // B, (end - 1) // B
     parts = last - first + 1
-    if int(parts.max()) == 1:  # no slice crosses a slot's end
-        owner = np.arange(n)
-        p_start, p_end, p_chunk = start, end, first
+    if int(parts.max()) == 1:  # no slice crosses a slot's end: the plan's own arrays (read-only: shared, not copied)
+        owner = None
+        p_chunk, p_len, p_src, p_dst = first, plan.length, plan.src, plan.dst
+        p_off = (start if int(last[-1]) == 0 else start - first * B).view(_U64)
     else:
         owner = np.repeat(np.arange(n), parts)
         j = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
         p_chunk = first[owner] + j
         p_start = np.maximum(start[owner], p_chunk * B)
         p_end = np.minimum(end[owner], (p_chunk + 1) * B)
-    within = (p_start - start[owner]).astype(_U64)  # how far into its slice the part begins
-    p_len = (p_end - p_start).astype(_U64)
-    p_off = (p_start - p_chunk * B).astype(_U64)
-    p_src = plan.src[owner] + within
-    p_dst = plan.dst[owner] + within
+        within = (p_start - start[owner]).view(_U64)  # how far into its slice the part begins
+        p_len = (p_end - p_start).view(_U64)
+        p_off = (p_start - p_chunk * B).view(_U64)
+        p_src = plan.src[owner] + within
+        p_dst = plan.dst[owner] + within
 
     num_chunks = int(p_chunk[-1]) + 1
-    part_bounds = np.searchsorted(p_chunk, np.arange(num_chunks + 1))
-    chunk_bytes = np.add.reduceat(p_len, part_bounds[:-1]).astype(np.int64)
-    chunk_span = np.maximum.reduceat(p_off + p_len, part_bounds[:-1]).astype(np.int64)
+    if num_chunks == 1:
+        part_bounds = np.array([0, len(p_len)])
+        chunk_bytes = np.array([int(p_len.sum())], dtype=np.int64)
+        chunk_span = np.array([int(p_off[-1] + p_len[-1])], dtype=np.int64)  # (offsets ascend in a chunk)
+    else:
+        part_bounds = np.searchsorted(p_chunk, np.arange(num_chunks + 1))
+        chunk_bytes = np.add.reduceat(p_len, part_bounds[:-1]).astype(np.int64)
+        chunk_span = (p_off[part_bounds[1:] - 1] + p_len[part_bounds[1:] - 1]).astype(np.int64)
 
-    g_src, g_off, g_len, g_bounds, g_starts = _merge(p_src, p_off, p_len, p_chunk, num_chunks)
-    s_dst, s_off, s_len, s_bounds, _ = _merge(p_dst, p_off, p_len, p_chunk, num_chunks)
+    # an entry runs on from the one before where the slot offsets do (inside one chunk) and the
+    # addresses do too: the offsets' test is shared by both sides
+    on = None
+    if len(p_len) > 1:
+        on = p_off[1:] == p_off[:-1] + p_len[:-1]
+        if num_chunks > 1:
+            on &= p_chunk[1:] == p_chunk[:-1]
+    g_src, g_off, g_len, g_bounds, g_starts = _merge(p_src, p_off, p_len, part_bounds, on)
+    s_dst, s_off, s_len, s_bounds, _ = _merge(p_dst, p_off, p_len, part_bounds, on)
     g_proven = None
     if plan.proven is not None:  # an entry merged of several parts is proven when each of them is
-        p_proven = plan.proven[owner]
+        p_proven = plan.proven if owner is None else plan.proven[owner]
         g_proven = np.logical_and.reduceat(p_proven, g_starts) if len(g_starts) < len(p_proven) else p_proven
     pieces = -(-chunk_span // max_piece_bytes)
     w_chunk = np.repeat(np.arange(num_chunks), pieces)
@@ -234,22 +248,28 @@ def stage_plan(
     )
 
 
-def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, chunk: np.ndarray,
-           num_chunks: int) -> tuple[np.ndarray, ...]:
+def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, part_bounds: np.ndarray,
+           on: np.ndarray | None) -> tuple[np.ndarray, ...]:
     """Entries of one side merged where consecutive entries run on in both the address and the
     slot offset, inside one chunk: ``(addr, off, length, bounds, starts)`` (``starts``: the first
-    part of each entry).
+    part of each entry). ``on``: per entry after the first, whether its slot offset runs on from
+    the one before inside the same chunk (shared by both sides); ``part_bounds``: each chunk's
+    first part (bounds of the merged entries where nothing merges).
 
         addr   a   a+n | b          merged: (a, o, n+m), (b, ...)
         off    o   o+n | o+n+m+pad"""
     n = len(addr)
-    brk = np.ones(n, dtype=bool)
-    if n > 1:
-        brk[1:] = (addr[1:] != addr[:-1] + length[:-1]) | (off[1:] != off[:-1] + length[:-1]) | (
-            chunk[1:] != chunk[:-1])
+    if on is None:  # one entry
+        return addr, off, length, part_bounds, np.zeros(min(n, 1), dtype=np.int64)
+    cont = on & (addr[1:] == addr[:-1] + length[:-1])
+    if not cont.any():  # nothing runs on (random pages, the usual case): every part is an entry
+        return addr, off, length, part_bounds, np.arange(n)
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.logical_not(cont, out=brk[1:])
     starts = np.flatnonzero(brk)
-    merged_len = np.add.reduceat(length, starts).astype(_U64) if len(starts) < n else length
-    bounds = np.searchsorted(chunk[starts], np.arange(num_chunks + 1))
+    merged_len = np.add.reduceat(length, starts).astype(_U64)
+    bounds = np.searchsorted(starts, part_bounds)  # (each chunk's first part starts an entry)
     return addr[starts], off[starts], merged_len, bounds, starts
 
 

@@ -10,8 +10,11 @@
 #          steps after decode's request; JSON under $OUT. Round 27: for each G of $GRANTED (0), G of the $DECODE_SLOTS
 #          (4) decode slots kept for grants sent with a room's request (--granted-slots G: each prefill rank's first
 #          chunk written without a SlotGrant), e.g. GRANTED="0 2" for the room before and after.
-#   split  the same at $SPLIT_TOKENS (8192) with --split --untraced: prefill's and decode's turns, timed in parts.
-#   goal   as issue33_r25.sh's goal (the staged rooms beside the staging ceiling in three layouts), at $GOAL_TOKENS.
+#   split  the same at $SPLIT_TOKENS (8192) with --split --untraced: prefill's and decode's turns, timed in parts
+#          (round 28: for each G of $GRANTED, and prefill's request turn too).
+#   goal   as issue33_r25.sh's goal (the staged rooms beside the staging ceiling in three layouts), at $GOAL_TOKENS;
+#          round 28: for each G of $GRANTED, --granted-slots G of the $DECODE_SLOTS, the ceiling with the first G only
+#          (none with GOAL_NO_CEILING=1).
 #   ctl    the CPU control path on this host's cores (no GPU): scripts/control_bench.py --cp {1,2} --pages 2 --rooms 300
 #          --layers 4 --ask-first --poller 200, then kvbridge bench --tokens 128 --cp 1,2 --layers 4 --reps 40 --ask-first
 #          --alloc contiguous --engine mooncake --no-staged (every rank its own process, Mooncake TCP on loopback).
@@ -31,12 +34,13 @@ for tr in ${TREES:-.}; do
           $([ "$g" = 0 ] || echo --granted-slots $g) --json $OUT/cycle-$tag-$n-g$g.json 2>&1 | quiet | grep -v "^trace logs"
       done; done ;;
     split)
-      for n in ${SPLIT_TOKENS:-8192}; do
-        echo "== split $tr $n @$(date +%T)"
+      for n in ${SPLIT_TOKENS:-8192}; do for g in ${GRANTED:-0}; do
+        echo "== split $tr $n granted $g @$(date +%T)"
         PYTHONPATH=$site:$t timeout ${SPLIT_TIMEOUT:-150} python3 $t/scripts/staged_cycle.py --device cuda:0 --engine ipc \
-          --tokens $n --slot-kib 262144 --gather-slots 2 --decode-slots 4 --reps ${CYCLE_REPS:-5} --split --untraced \
-          --json $OUT/split-$tag-$n.json 2>&1 | quiet | grep -v "^trace logs"
-      done ;;
+          --tokens $n --slot-kib 262144 --gather-slots 2 --decode-slots ${DECODE_SLOTS:-4} --reps ${CYCLE_REPS:-5} \
+          $([ "$g" = 0 ] || echo --granted-slots $g) --split --untraced --json $OUT/split-$tag-$n-g$g.json 2>&1 \
+          | quiet | grep -v "^trace logs"
+      done; done ;;
     ctl)
       for cp in 1 2; do
         echo "== ctl $tr cp $cp @$(date +%T)"
@@ -47,10 +51,14 @@ for tr in ${TREES:-.}; do
       (cd $t && PYTHONPATH=$site:$t timeout 150 python3 -m kvbridge.cli.main bench --tokens 128 --cp 1,2 --layers 4 \
         --reps 40 --ask-first --alloc contiguous --engine mooncake --no-staged 2>&1 | quiet | tail -8) ;;
     goal)
-      echo "== goal $tr: ${GOAL_TOKENS:-8192 32768} @$(date +%T)"
-      PYTHONPATH=$site:$t timeout ${GOAL_TIMEOUT:-300} python3 $t/scripts/staged_process_bench.py --engines ipc \
-        --layouts procs --tokens ${GOAL_TOKENS:-8192 32768} --slot-mib 256 --gather-slots 2 --decode-slots 4 --reps 3 \
-        --ceiling-reps 5 --timeout ${GOAL_RUN_TIMEOUT:-200} --json $OUT/goal-$tag.json 2>&1 | quiet | grep -v "^ROWS " ;;
+      c=${GOAL_NO_CEILING:+--no-ceiling}; for g in ${GRANTED:-0}; do
+        echo "== goal $tr: ${GOAL_TOKENS:-8192 32768} granted $g @$(date +%T)"
+        PYTHONPATH=$site:$t timeout ${GOAL_TIMEOUT:-300} python3 $t/scripts/staged_process_bench.py --engines ipc \
+          --layouts procs --tokens ${GOAL_TOKENS:-8192 32768} --slot-mib 256 --gather-slots 2 \
+          --decode-slots ${DECODE_SLOTS:-4} --granted-slots $g --reps 3 --ceiling-reps 5 $c \
+          --timeout ${GOAL_RUN_TIMEOUT:-200} --json $OUT/goal-$tag-g$g.json 2>&1 | quiet | grep -v "^ROWS "
+        c=--no-ceiling  # the ceiling once per tree
+      done ;;
     esac
   done
 done

@@ -41,7 +41,11 @@ HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index
 # as much Python as a page table's; docs/performance.md "Issue 33, round 14")
 FEW_SLICES = 8
 TABLE_SLOTS = 4  # piece tables a copier cycles through (a launch fills one while the last copies run)
-MIN_TABLE_ROWS = 4096
+# rows each piece table starts with, all made when the copier is (``_warm``): a 256 MiB staging chunk
+# of a random V3.2 room is 7,800-19,000 pieces, so a room's gather or scatter finds its table made
+# instead of growing it (pinned host memory, allocated on the launching thread: issue 33 round 28
+# found ten of a prefill rank's 29 launches in an 8K bench growing one); 768 KiB host + device each
+MIN_TABLE_ROWS = 32768
 
 
 def plan_pieces(
@@ -131,6 +135,9 @@ class CudaCopier:
         for n in (2, 16):
             offs = np.arange(n, dtype=np.uint64) * np.uint64(64)
             self.launch(base + offs, base + np.uint64(1024) + offs, np.full(n, 64, dtype=np.uint64))
+        with self._lock:  # every table made now, at its starting size (the launches above made two)
+            for _ in range(TABLE_SLOTS):
+                self._table(MIN_TABLE_ROWS)
         self.stream.synchronize()
 
     def launch(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> dict[str, int]:
