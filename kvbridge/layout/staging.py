@@ -189,12 +189,15 @@ def stage_plan(
     end = np.cumsum(padded)
     start = end - padded
     end -= padded - length  # (the slice's own end, not its padding's)
-    first, last = start // B, (end - 1) // B
-    parts = last - first + 1
-    if int(parts.max()) == 1:  # no slice crosses a slot's end: the plan's own arrays (read-only: shared, not copied)
+    one = int(end[-1]) <= B  # the whole plan in one slot (a small room, or one slot-sized group)
+    if not one:
+        first, last = start // B, (end - 1) // B
+        parts = last - first + 1
+    if one or int(parts.max()) == 1:  # no slice crosses a slot's end: the plan's own arrays (read-only: shared)
         owner = None
-        p_chunk, p_len, p_src, p_dst = first, plan.length, plan.src, plan.dst
-        p_off = (start if int(last[-1]) == 0 else start - first * B).view(_U64)
+        p_chunk = None if one else first  # (None: every part in chunk 0)
+        p_len, p_src, p_dst = plan.length, plan.src, plan.dst
+        p_off = (start if one else start - first * B).view(_U64)
     else:
         owner = np.repeat(np.arange(n), parts)
         j = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
@@ -207,7 +210,7 @@ def stage_plan(
         p_src = plan.src[owner] + within
         p_dst = plan.dst[owner] + within
 
-    num_chunks = int(p_chunk[-1]) + 1
+    num_chunks = 1 if p_chunk is None else int(p_chunk[-1]) + 1
     if num_chunks == 1:
         part_bounds = np.array([0, len(p_len)])
         chunk_bytes = np.array([int(p_len.sum())], dtype=np.int64)
