@@ -7,13 +7,15 @@ Why: on one GPU a staged chunk's IPC post holds prefill's loop 0.5-0.8 ms betwee
 where. ``scripts/split_hook/sitecustomize.py`` calls :func:`install` in a prefill rank (``python -m
 kvbridge.bench.procs prefill ...``) started with ``KVBRIDGE_SPLIT_DIR`` set. A *turn* is one feed
 through ``PrefillEndpoint._feed_event`` (its actions carried out, and the events they queued fed),
-recorded for two kinds:
+recorded for these kinds:
 
-    request a Message holding a wire.TransferRequest  decode's request read (a room whose KV is whole: its post too)
-    post    a Post (``send()``'s, the KV whole)     the room's staged plan, the first chunks' SlotRequests and
-                                                    Gathers; with slots granted with the request, their PostChunks
-    tick    a Tick (``resolved``: a Resolved)       kept only where it gathered or posted a chunk (a staged
-                                                    write started there: the room named by its first Gather)
+    request a Message holding a wire.TransferRequest  decode's request read and checked
+    post    a Post (``send()``'s, the KV whole)     what the room's targets can take now, posted
+    tick    a Tick (``resolved``: a Resolved)       the rooms marked since the last tick posted: where a staged
+                                                    write starts (its plan, staged plan, first SlotRequests and
+                                                    Gathers; with slots granted with the request, PostChunks);
+                                                    kept only where it gathered or posted a chunk (the room: its
+                                                    first Gather's)
     grant   a Message holding a wire.SlotGrant      the PostChunk: wire pieces, submit_write, the post
     final   a WriteFinal of a staged write's chunk  ChunkLanded sent, gather slot freed, the next Gather
             (``final_direct``: a direct write's)    (fed on the loop, or on the engine's thread when the

@@ -66,10 +66,12 @@ _LINE = re.compile(r"trace room=(\d+) rank=(\S+) @(\d+\.\d+) cycle (\S+) chunk=(
 _CP = re.compile(r"/cp(\d+)/")
 SPLIT_PARTS = ("turn", "machine", "landed", "trace_cycle", "log", "carry", "scatter", "ranges", "launch", "plan",
                "table", "upload", "ev_record", "kernel", "record", "host_copy")
-PREFILL_KINDS = ("request", "post", "tick", "resolved", "grant", "final", "final_direct")  # scripts/prefill_split.py's turns
-PREFILL_PARTS = ("turn", "machine", "trace_cycle", "log", "reply", "plan_chunk", "stage_plan", "scatter_list", "wire", "post_chunk", "submit",
-                 "check", "translate", "post", "launch", "wait_for", "copier_launch", "plan", "table", "memcpy",
-                 "ev_record", "kernel", "record", "gather", "gather_list", "stager_gather", "hold", "host_copy")
+# scripts/prefill_split.py's turns
+PREFILL_KINDS = ("request", "post", "tick", "resolved", "grant", "final", "final_direct")
+PREFILL_PARTS = ("turn", "machine", "trace_cycle", "log", "reply", "plan_chunk", "stage_plan", "scatter_list", "wire",
+                 "post_chunk", "submit", "check", "translate", "post", "launch", "wait_for", "copier_launch", "plan",
+                 "table", "memcpy", "ev_record", "kernel", "record", "gather", "gather_list", "stager_gather", "hold",
+                 "host_copy")
 STEPS = ("ask trip", "grant wait", "grant trip", "post + write", "landed trip", "scatter", "credit back",
          "gather slot")
 

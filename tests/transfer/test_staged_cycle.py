@@ -217,6 +217,45 @@ def test_prefills_turns_are_split_into_exclusive_parts_counted_only_inside_a_tur
     assert s.cur is None and s.stack == []
 
 
+def test_request_post_and_the_tick_that_starts_a_staged_write_are_turns_and_idle_ticks_are_not_kept():
+    """Round 28's kinds: decode's request and send()'s Post are turns; a Tick (or a Resolved) is one
+    only where it gathered or posted a chunk (a staged write started there), named by its first
+    Gather's room; the chunk's plan and staged plan are parts of it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from kvbridge.transfer.actions import Tick
+    from kvbridge.transfer.prefill.events import Message as Msg, Post, Resolved, WriteFinal
+
+    mod = _prefill_split()
+    s = mod._Split()
+    request = SimpleNamespace(room=9)  # (a stand-in for decode's TransferRequest: only its type and room are read)
+    s.message, s.grant, s.request, s.write_final, s.post = Msg, wire.SlotGrant, SimpleNamespace, WriteFinal, Post
+    s.quiet = {Tick: "tick", Resolved: "resolved"}
+    s.loop = threading.get_ident()
+    plan = s.timed("plan_chunk", lambda: time.sleep(0.001))
+    stage = s.timed("stage_plan", lambda: time.sleep(0.001))
+    gather = s.note_gather(lambda endpoint, a: None)
+
+    def feed(endpoint, event):
+        if type(event) is Tick and event.now == 2.0:  # the tick that starts room 9's staged write
+            plan()
+            stage()
+            gather(endpoint, SimpleNamespace(room=9))
+
+    wrapped = s.feed_wrapper(feed)
+    wrapped(None, Msg(b"x", request, None, 0.5))
+    wrapped(None, Post(SimpleNamespace(room=9), 1.0))
+    wrapped(None, Tick(1.5))  # an idle tick: not kept
+    wrapped(None, Tick(2.0))
+    assert [(r["kind"], r["room"], r["now"], r["gathers"]) for r in s.records] == [
+        ("request", 9, 0.5, 0), ("post", 9, 1.0, 0), ("tick", 9, 2.0, 1)]
+    tick = s.records[-1]
+    assert tick["parts"]["plan_chunk"] >= 0.001 and tick["parts"]["stage_plan"] >= 0.001
+    assert abs(sum(tick["parts"].values()) - tick["turn"]) < 1e-9
+
+
 def test_install_wraps_a_prefill_rank_and_writes_its_turns_at_exit(tmp_path):
     """install() in a fresh interpreter wraps the prefill rank's functions; a turn recorded there is
     written at exit to prefill-<pid>.json."""
@@ -231,8 +270,9 @@ mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 from kvbridge.transfer.prefill.endpoint import PrefillEndpoint as E
 mod.install()
 from kvbridge.layout.staging import StagedPlan
-from kvbridge.transfer.prefill import machine
-for fn in (E._feed_event, E._reply, E._post_chunk, E._gather, StagedPlan.wire, machine.PrefillRooms.feed):
+from kvbridge.transfer.prefill import machine, staged, writes
+for fn in (E._feed_event, E._reply, E._post_chunk, E._gather, StagedPlan.wire, machine.PrefillRooms.feed,
+           writes.plan_chunk, writes.plan_target, staged.stage_plan):
     assert hasattr(fn, "__wrapped__"), fn
 mod.SPLIT.turn({{"kind": "grant", "room": 7, "chunk": 0, "now": 1.0}}, lambda: None)
 """

@@ -44,7 +44,8 @@ TABLE_SLOTS = 4  # piece tables a copier cycles through (a launch fills one whil
 # rows each piece table starts with, all made when the copier is (``_warm``): a 256 MiB staging chunk
 # of a random V3.2 room is 7,800-19,000 pieces, so a room's gather or scatter finds its table made
 # instead of growing it (pinned host memory, allocated on the launching thread: issue 33 round 28
-# found ten of a prefill rank's 29 launches in an 8K bench growing one); 768 KiB host + device each
+# counted ten tables made or grown in a prefill rank's 29 launches of an 8K bench); 768 KiB host +
+# 768 KiB device each
 MIN_TABLE_ROWS = 32768
 
 
