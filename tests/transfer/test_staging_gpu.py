@@ -48,7 +48,7 @@ def test_gather_then_scatter_on_the_device_equals_the_direct_copy() -> None:
 def test_a_copier_makes_its_piece_tables_up_front_and_a_chunk_sized_launch_grows_none() -> None:
     """A 256 MiB staging chunk of a random V3.2 room is 7,800-19,000 pieces: the copier made every
     piece table at that size when it was made, so no room's gather or scatter allocates pinned
-    memory on its loop (issue 33 round 28), and the copy is still exact."""
+    memory on its loop, and the copy is still exact."""
     pytest.importorskip("triton")
     from kvbridge.transfer.engine.slicecopy import MIN_TABLE_ROWS, TABLE_SLOTS, CudaCopier
 

@@ -41,11 +41,10 @@ HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index
 # as much Python as a page table's; docs/performance.md "Issue 33, round 14")
 FEW_SLICES = 8
 TABLE_SLOTS = 4  # piece tables a copier cycles through (a launch fills one while the last copies run)
-# rows each piece table starts with, all made when the copier is (``_warm``): a 256 MiB staging chunk
-# of a random V3.2 room is 7,800-19,000 pieces, so a room's gather or scatter finds its table made
-# instead of growing it (pinned host memory, allocated on the launching thread: issue 33 round 28
-# counted ten tables made or grown in a prefill rank's 29 launches of an 8K bench); 768 KiB host +
-# 768 KiB device each
+# rows each piece table starts with, every table made with the copier (``_warm``): a 256 MiB staging
+# chunk of a random V3.2 room is 7,800-19,000 pieces, so a room's gather or scatter finds its table
+# made and never allocates pinned host memory on the loop that launches it; 768 KiB host + 768 KiB
+# device each
 MIN_TABLE_ROWS = 32768
 
 
