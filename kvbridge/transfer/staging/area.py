@@ -142,10 +142,7 @@ class StagingArea:
     def acquire(self, room: int, chunk: int) -> Grant | None:
         """A FREE slot for ``(room, chunk)``, or None: the request waits its turn (FIFO) and comes
         back as a Grant from the event that frees a slot."""
-        if (room, chunk) in self._waiting or any(s.room == room and s.chunk == chunk and s.state is S.ASSIGNED
-                                                 for s in self._slots):
-            raise StagingSlotError(f"chunk {chunk} already holds or awaits a staging slot", room=room,
-                                   rank=self.rank, field="chunk")
+        self._check_unheld(room, chunk)
         if self._free and not self._waiting:
             return self._assign(self._free.popleft(), room, chunk, waited=False)
         self._waiting.append((room, chunk))
@@ -156,15 +153,19 @@ class StagingArea:
     def reserve(self, room: int, chunk: int) -> Grant | None:
         """A FREE reserved slot for ``(room, chunk)``, granted before the chunk asks, or None when
         none is free (nothing queues: the chunk asks later, as any other)."""
-        if any(s.room == room and s.chunk == chunk and s.state is S.ASSIGNED for s in self._slots) or \
-                (room, chunk) in self._waiting:
-            raise StagingSlotError(f"chunk {chunk} already holds or awaits a staging slot", room=room,
-                                   rank=self.rank, field="chunk")
+        self._check_unheld(room, chunk)
         if not self._free_reserved:
             self.counters["reserve_refused"] += 1
             return None
         self.counters["reserved"] += 1
         return self._assign(self._free_reserved.popleft(), room, chunk, waited=False)
+
+    def _check_unheld(self, room: int, chunk: int) -> None:
+        """StagingSlotError when ``(room, chunk)`` already holds (ASSIGNED) or awaits a slot."""
+        if (room, chunk) in self._waiting or any(s.room == room and s.chunk == chunk and s.state is S.ASSIGNED
+                                                 for s in self._slots):
+            raise StagingSlotError(f"chunk {chunk} already holds or awaits a staging slot", room=room,
+                                   rank=self.rank, field="chunk")
 
     def unused(self, slot: int) -> list[Grant]:
         """An ASSIGNED slot that nothing will write (granted with the request, and its room committed:
