@@ -263,7 +263,7 @@ def _merge(addr: np.ndarray, off: np.ndarray, length: np.ndarray, part_bounds: n
         off    o   o+n | o+n+m+pad"""
     n = len(addr)
     if on is None:  # one entry
-        return addr, off, length, part_bounds, np.zeros(min(n, 1), dtype=np.int64)
+        return addr, off, length, part_bounds, np.zeros(n, dtype=np.int64)
     cont = on & (addr[1:] == addr[:-1] + length[:-1])
     if not cont.any():  # nothing runs on (random pages, the usual case): every part is an entry
         return addr, off, length, part_bounds, np.arange(n)
