@@ -30,7 +30,12 @@ over the unchained one is what the chain of dependencies costs on this GPU.
 
     python scripts/staged_process_bench.py [--tokens 8192 32768 131072] [--engines ipc mooncake-nvlink]
         [--layouts procs threads] [--slot-mib 64] [--gather-slots 2] [--decode-slots 4] [--granted-slots 0] [--reps 3]
-        [--json out.json]
+        [--rooms-in-flight 1] [--json out.json]
+
+``--rooms-in-flight K`` (K > 1): beside the rooms one at a time, the same rooms K at once, staged and
+direct (``kvbridge bench --rooms-in-flight``: decode asks for all K, each on its own pages, then both
+prefill ranks send them from one instant), the K rooms' bytes over the time to the last Success: the
+throughput of a loaded pair, where one room's host work overlaps another's copies.
 
 Without CUDA it says so and exits 0.
 """
@@ -67,11 +72,13 @@ def one(args: argparse.Namespace) -> None:
                      raw_mooncake=False, device=args.device, decode_device=args.device,
                      prefill_aux=args.device, decode_aux=args.device, env=dict(g["env"]), staged=True, staging_slot_bytes=args.slot_mib << 20,
                      staging_slots=(args.gather_slots, args.decode_slots), in_process=args.layout == "threads",
-                     staging_granted_slots=args.granted_slots)
+                     staging_granted_slots=args.granted_slots, rooms_in_flight=args.rooms_in_flight)
     with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
         rows = run_sweep(spec, url, None, show_progress=False)
     keep = ("tokens", "bytes", "slices", "kvbridge_gbps", "staged_gbps", "engine_gbps", "staged_p50_ms",
-            "kvbridge_p50_ms", "staged_slices", "rooms_verified", "kvbridge_failures", "verify_errors")
+            "kvbridge_p50_ms", "staged_slices", "rooms_verified", "kvbridge_failures", "verify_errors",
+            "rooms_in_flight", "staged_load_gbps", "staged_load_room_p50_ms", "kvbridge_load_gbps",
+            "kvbridge_load_room_p50_ms")
     print("ROWS " + json.dumps([{k: r.get(k) for k in keep} for r in rows]), flush=True)
 
 
@@ -88,6 +95,8 @@ def main() -> None:
                     help="of the decode slots, kept for grants sent with a room's request (DecodeConfig."
                          "staging_granted_slots: each prefill rank's first chunk written without a SlotGrant)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rooms-in-flight", type=int, default=1,
+                    help="K > 1: the same rooms K at once too (staged and direct), their bytes over the time to the last")
     ap.add_argument("--ceiling-reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=240, help="seconds for each (engine, layout)")
     ap.add_argument("--no-ceiling", action="store_true")
@@ -111,7 +120,8 @@ def main() -> None:
     result: dict[str, Any] = {"rooms": {}, "ceiling": [], "errors": []}
     common = ["--tokens", *map(str, args.tokens), "--layers", str(args.layers), "--slot-mib", str(args.slot_mib),
               "--gather-slots", str(args.gather_slots), "--decode-slots", str(args.decode_slots),
-              "--reps", str(args.reps), "--granted-slots", str(args.granted_slots)]
+              "--reps", str(args.reps), "--granted-slots", str(args.granted_slots),
+              "--rooms-in-flight", str(args.rooms_in_flight)]
     for engine in args.engines:
         for layout in args.layouts:
             key = f"{engine}/{layout}"
@@ -130,6 +140,10 @@ def main() -> None:
                 print(f"  {key} {r['tokens']}: staged {r['staged_gbps']} GB/s (p50 {r['staged_p50_ms']} ms), direct "
                       f"{r['kvbridge_gbps']}, engine {r['engine_gbps']}, verified {r['rooms_verified']}, failures "
                       f"{r['kvbridge_failures'] + r['verify_errors']}", flush=True)
+                if r.get("rooms_in_flight"):
+                    print(f"  {key} {r['tokens']}, {r['rooms_in_flight']} rooms at once: staged {r['staged_load_gbps']} "
+                          f"GB/s (each room p50 {r['staged_load_room_p50_ms']} ms), direct {r['kvbridge_load_gbps']} "
+                          f"(p50 {r['kvbridge_load_room_p50_ms']} ms)", flush=True)
     if not args.no_ceiling:
         import staged_layout_bench as slb
 

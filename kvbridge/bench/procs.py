@@ -279,7 +279,8 @@ class DecodeRank(RankBase):
 
         super().__init__(cfg, cfg["dst_capacity"])
         torch = self.torch
-        self.aux = torch.zeros((4, self.aux_schema.row_bytes), dtype=torch.uint8, device=cfg["aux_device"])
+        self.aux = torch.zeros((cfg.get("aux_rows", 4), self.aux_schema.row_bytes), dtype=torch.uint8,
+                               device=cfg["aux_device"])
         # staging "always" makes the area (on GPU pages too); "never" until a staged room asks
         dcfg = DecodeConfig(instance=cfg["instance"], peer_timeout=30.0, transfer_timeout=120.0,
                             staging="always" if cfg.get("staged") else "never", aux_inline=cfg.get("aux_inline", True),
@@ -322,7 +323,7 @@ class DecodeRank(RankBase):
         if self.trace:
             log.info("trace room=%d bench recv @%.6f", room, time.monotonic())
         r = self.endpoint.receiver(room, cmd["prefill"])
-        r.init(page_ids, 0, n)
+        r.init(page_ids, cmd.get("aux_slot", 0), n)
         if cmd.get("ask_first"):
             self.receivers[room] = r
             return {"opened": room}

@@ -28,17 +28,24 @@ COLUMNS = (
     ("stg/raw", "staged_vs_raw", "{:>7.2f}"),
     ("stg/contig", "staged_vs_contiguous", "{:>10.2f}"),
     ("vs memcpy", "ratio_vs_memcpy", "{:>9.3f}"),
+    ("kvb load GB/s", "kvbridge_load_gbps", "{:>13.3f}"),
+    ("load p50 ms", "kvbridge_load_room_p50_ms", "{:>11.1f}"),
+    ("stg load GB/s", "staged_load_gbps", "{:>13.3f}"),
+    ("stg load p50 ms", "staged_load_room_p50_ms", "{:>15.1f}"),
     ("ok", "ok", "{:>3}"),
 )
+LOAD_KEYS = {"kvbridge_load_gbps", "kvbridge_load_room_p50_ms", "staged_load_gbps", "staged_load_room_p50_ms"}
 
 
 def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    widths = [max(len(title), len(fmt.format(_sample(key)))) for title, key, fmt in COLUMNS]
-    header = " ".join(title.rjust(w) for (title, _, _), w in zip(COLUMNS, widths))
+    # the load columns only where rooms went several at once (``--rooms-in-flight``)
+    columns = [c for c in COLUMNS if c[1] not in LOAD_KEYS or any(r.get("rooms_in_flight", 1) > 1 for r in rows)]
+    widths = [max(len(title), len(fmt.format(_sample(key)))) for title, key, fmt in columns]
+    header = " ".join(title.rjust(w) for (title, _, _), w in zip(columns, widths))
     lines = [_describe(meta), "", header]
     for row in rows:
         cells = []
-        for (title, key, fmt), w in zip(COLUMNS, widths):
+        for (title, key, fmt), w in zip(columns, widths):
             value = row["bytes"] / 1e6 if key == "bytes" else row.get(key)
             if key == "ok":
                 value = "yes" if not row["verify_errors"] and not row["kvbridge_failures"] else "NO"
@@ -98,6 +105,10 @@ def _describe(meta: dict[str, Any]) -> str:
     if meta.get("ask_first"):
         text += ("\norder: decode asks first (an engine's order); kvbridge's time runs from the prefill ranks' "
                  "send() to decode seeing Success")
+    if meta.get("rooms_in_flight", 1) > 1:
+        text += (f"\nload: {meta['rooms_in_flight']} rooms at once, each on its own decode pages; decode asks for all, "
+                 "then every prefill rank sends them from one instant; GB/s: their bytes over the time to the last "
+                 "Success; p50 ms: each room's own, from that instant")
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"
     return text

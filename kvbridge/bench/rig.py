@@ -17,6 +17,10 @@ exactly the same slices between the same buffers:
               rows are direct (staging "never" on every rank)
     engine    the same slices through kvbridge's engine (submit_write + wait): the data
               path without the control protocol
+    load      (``rooms_in_flight`` K > 1) K kvbridge rooms at once, direct and (with ``staged``)
+              staged: decode asks for every room first, each on its own decode pages and aux
+              row, then every prefill rank sends all K at one instant, as a scheduler hands a
+              batch's finished prefills over; timed from that instant to the last room's Success
     memcpy    (host memory) each rank copies the same slices into a scratch buffer
 
 Every kvbridge room lands on poisoned pages and is checked (``pattern``); with
@@ -91,6 +95,9 @@ class RigSpec:
     # decode's Success. 0: the KV is whole at send()
     send_early_ms: float = 0.0
     send_early_host: bool = False  # that tail is a host timer, also on a GPU (no kernel beside the rooms' copies)
+    # rooms moved at once by ``run_kvbridge_load``: decode's pools hold this many rooms' pages (each room on
+    # its own block of ``max_pages``) and as many aux rows (at least 4)
+    rooms_in_flight: int = 1
 
     @property
     def max_pages(self) -> int:
@@ -218,6 +225,8 @@ class ThreadChild(Child):
 
 class Rig:
     def __init__(self, spec: RigSpec) -> None:
+        if spec.rooms_in_flight < 1:
+            raise ConfigError(f"rooms_in_flight must be at least 1, got {spec.rooms_in_flight}", field="rooms_in_flight")
         if spec.send_early_ms < 0 or (spec.send_early_ms and not spec.ask_first):
             raise ConfigError(f"send_early_ms ({spec.send_early_ms:g}) is the tail of a forward that decode's request "
                               "came before: it needs ask_first and a non-negative value", field="send_early_ms")
@@ -227,7 +236,7 @@ class Rig:
                                   draft_layers=spec.draft_layers)
         self.num_layers = sum(s.num_layers for s in self.specs.values())
         self.src_capacity = max(1, len(self.lanes.owned_pages(0, spec.max_pages)))
-        self.dst_capacity = spec.max_pages
+        self.dst_capacity = spec.max_pages  # a room's decode pages are drawn from this many (room k: block k)
         tag = f"{spec.engine}-cp{spec.cp}-{os.getpid()}"
         self.prefill_instance = f"bench-prefill-{tag}"
         base = {"bootstrap": spec.bootstrap, "token": spec.token, "preset": spec.preset, "layers": spec.layers,
@@ -255,7 +264,8 @@ class Rig:
 
         try:
             self.decode = child("decode", {**base, "device": spec.decode_device, "aux_device": spec.decode_aux,
-                                           "dst_capacity": self.dst_capacity, "instance": f"bench-decode-{tag}"},
+                                           "dst_capacity": self.dst_capacity * spec.rooms_in_flight,
+                                           "aux_rows": max(4, spec.rooms_in_flight), "instance": f"bench-decode-{tag}"},
                                 logs / f"decode-{tag}.log")
             for rank in range(spec.cp):
                 self.prefill.append(child("prefill", {**base, "device": spec.device, "aux_device": spec.prefill_aux,
@@ -310,10 +320,7 @@ class Rig:
         """Seconds from the decode receiver's creation (``ask_first``: from the prefill ranks' send())
         to decode seeing Success; slices the senders posted (staged: wire pieces). ``staging``: the
         prefill ranks' path for the room, "never" (direct) or "always"."""
-        if staging != self.staging_mode:
-            for child in (*self.prefill, self.decode):
-                child.ask(op="staging", mode=staging)
-            self.staging_mode = staging
+        self._set_staging(staging)
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
         recv = dict(room=room, tokens=num_tokens, page_ids=pages.page_ids.tolist(), prefill=self.prefill_instance,
                     poll_s=self.spec.poll_s)
@@ -344,6 +351,54 @@ class Rig:
             raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
                                 f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)
         return res["seconds"], sum(s["slices"] for s in sent)
+
+    def room_pages(self, pages: Allocation, k: int) -> np.ndarray:
+        """Decode's pages of the k-th room in flight: the allocation's, in block k of the pool."""
+        return pages.page_ids + k * self.dst_capacity
+
+    def run_kvbridge_load(self, rooms: list[int], pages: Allocation, num_tokens: int,
+                          staging: str = "never") -> tuple[float, list[float]]:
+        """``len(rooms)`` rooms at once (at most ``rooms_in_flight``): decode asks for every room (room
+        k on ``room_pages(pages, k)``, aux row k), then every prefill rank sends all of them from one
+        instant, in order, as a scheduler hands over a batch of finished prefills. Returns seconds
+        from that instant to the last room's Success, and each room's own. Every room must succeed on
+        the path asked, with its own aux row, else KVBridgeError names the room."""
+        if not 0 < len(rooms) <= self.spec.rooms_in_flight:
+            raise ConfigError(f"{len(rooms)} rooms at once: the rig holds pages for {self.spec.rooms_in_flight}",
+                              field="rooms_in_flight")
+        self._set_staging(staging)
+        aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
+        for k, room in enumerate(rooms):
+            self.decode.ask(op="recv", ask_first=True, room=room, tokens=num_tokens, aux_slot=k,
+                            page_ids=self.room_pages(pages, k).tolist(), prefill=self.prefill_instance,
+                            poll_s=self.spec.poll_s)
+        time.sleep(ASK_FIRST_LEAD_S * max(1.0, len(rooms) / 4))  # every request (and ticket) in on every rank
+        at = time.monotonic() + START_S
+        for rank, child in enumerate(self.prefill):
+            for room in rooms:
+                child.send(op="send", room=room, tokens=num_tokens, aux=rank == aux_owner, at=at)
+        for child in self.prefill:
+            for _ in rooms:
+                child.reply()
+        results = [self.decode.ask(op="recv_wait", room=room, poll_s=self.spec.poll_s) for room in rooms]
+        sent = [[c.ask(op="wait_sent", room=room) for c in self.prefill] for room in rooms]
+        want = "staged" if staging == "always" else "direct"
+        for room, res, per_rank in zip(rooms, results, sent):
+            problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(per_rank) if s["state"] != "Success"]
+            problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(per_rank)
+                         if set(s["paths"]) - {want}]
+            if res["state"] != "Success" or res["aux_room"] != room or problems:
+                raise KVBridgeError(f"room {room} of {len(rooms)} in flight: decode {res['state']} {res['reason']} "
+                                    f"(aux row of room {res['aux_room']}); prefill {'; '.join(problems) or 'ok'}",
+                                    room=room)
+        each = [res["final_at"] - at for res in results]
+        return max(each), each
+
+    def _set_staging(self, staging: str) -> None:
+        if staging != self.staging_mode:
+            for child in (*self.prefill, self.decode):
+                child.ask(op="staging", mode=staging)
+            self.staging_mode = staging
 
     def run_together(self, op: str, **cmd: Any) -> float:
         """Every prefill rank runs ``op`` from the same instant; seconds until the last one is done."""

@@ -4,6 +4,8 @@ For each CP size one Rig (every rank its own process, pools sized for the longes
 request); for each allocation and length: fill once, plan, then a checked warm-up
 of each method and ``reps`` turns of kvbridge end to end, raw Mooncake, the engine
 alone and (host memory) memcpy, and with ``staged`` the same kvbridge rooms through staging.
+With ``rooms_in_flight`` K > 1 also ``kvbridge_load`` (and ``staged_load``): K such rooms at
+once, each on its own decode pages, their bytes over the time to the last one's Success.
 Throughput uses the median time; rows carry ratios (``staged_vs_contiguous``: against the
 kvbridge row of the contiguous allocation of the same CP size and length, when swept).
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench.alloc import Allocation
 from kvbridge.bench.rig import Rig, RigSpec
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout.pools import preset_pools
@@ -62,6 +65,7 @@ class BenchSpec:
     ask_first: bool = False  # decode asks before prefill sends; timed from the sends (``RigSpec.ask_first``)
     send_early_ms: float = 0.0  # with ask_first: send() while the forward's last ms run (``RigSpec.send_early_ms``)
     send_early_host: bool = False  # that tail a host timer on a GPU too (``RigSpec.send_early_host``)
+    rooms_in_flight: int = 1  # > 1: the load methods, that many rooms at once (``Rig.run_kvbridge_load``)
 
 
 def bytes_per_token_all_layers(preset: str, layers: int, page_size: int, draft_layers: int) -> int:
@@ -105,9 +109,34 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
             problems.extend(f"staged: {e}" if staging == "always" else e for e in errors)
         return seconds
 
+    load = spec.rooms_in_flight
+    load_each: dict[str, list[float]] = {"kvbridge_load": [], "staged_load": []}  # each room's seconds under load
+
+    def load_rooms(check: bool, staging: str) -> float:
+        """``load`` rooms at once; every room's pages checked when ``check``."""
+        nonlocal verified, rooms_verified
+        if check:
+            for k in range(load):
+                rig.poison(Allocation(rig.room_pages(pages, k), pages.owned, pages.local))
+        ids = [rooms.getrandbits(63) for _ in range(load)]
+        seconds, each = rig.run_kvbridge_load(ids, pages, num_tokens, staging)
+        load_each["staged_load" if staging == "always" else "kvbridge_load"].extend(each)
+        if check:
+            for k in range(load):
+                n, errors = rig.check(Allocation(rig.room_pages(pages, k), pages.owned, pages.local), num_tokens, seed)
+                verified = n  # (as a room one at a time: the bytes of one room checked)
+                rooms_verified += 1
+                problems.extend(f"{'staged ' if staging == 'always' else ''}load, room {k + 1} of {load}: {e}"
+                                for e in errors)
+        return seconds
+
     methods: dict[str, Callable[[], float]] = {"kvbridge": lambda: kvbridge_room(spec.verify_every)}
     if spec.staged:
         methods["staged"] = lambda: kvbridge_room(spec.verify_every, "always")
+    if load > 1:
+        methods["kvbridge_load"] = lambda: load_rooms(spec.verify_every, "never")
+        if spec.staged:
+            methods["staged_load"] = lambda: load_rooms(spec.verify_every, "always")
     if spec.raw_mooncake:
         methods["raw"] = rig.run_raw
     if spec.engine != "mooncake" or not spec.raw_mooncake:
@@ -124,6 +153,9 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
                 warm[name] = kvbridge_room(spec.verify)
             elif name == "staged":
                 warm[name] = kvbridge_room(spec.verify, "always")
+            elif name in load_each:
+                warm[name] = load_rooms(spec.verify, "always" if name == "staged_load" else "never")
+                load_each[name].clear()  # the warm-up's rooms are not timed
             elif name == "raw" and spec.verify:
                 rig.poison(pages)
                 warm[name] = fn()
@@ -162,6 +194,12 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
     for other in ("raw", "kvbridge"):
         if row["staged_gbps"] and row[f"{other}_gbps"]:
             row[f"staged_vs_{other}"] = round(row["staged_gbps"] / row[f"{other}_gbps"], 4)
+    if load > 1:  # K rooms' bytes over the time from their sends to the last Success; each room's own p50
+        row["rooms_in_flight"] = load
+        for name in load_each:
+            t = times.get(name) or []
+            row[f"{name}_gbps"] = round(load * num_bytes / float(np.median(t)) / 1e9, 4) if t else None
+            row[f"{name}_room_p50_ms"] = percentile_ms(load_each[name], 50) if load_each[name] else None
     if row["kvbridge_p50_ms"] is not None and row["raw_p50_ms"] is not None:
         row["fixed_cost_ms"] = round(row["kvbridge_p50_ms"] - row["raw_p50_ms"], 3)
     row.update(kvbridge_failures=failures[:3], bytes_verified=verified, rooms_verified=rooms_verified,
@@ -199,7 +237,8 @@ def run_sweep(spec: BenchSpec, bootstrap: str, token: str | None, show_progress:
                               staging_slots=tuple(spec.staging_slots), in_process=spec.in_process,
                               staging_granted_slots=spec.staging_granted_slots,
                               aux_inline=spec.aux_inline, ask_first=spec.ask_first,
-                              send_early_ms=spec.send_early_ms, send_early_host=spec.send_early_host))  # fmt: skip
+                              send_early_ms=spec.send_early_ms, send_early_host=spec.send_early_host,
+                              rooms_in_flight=spec.rooms_in_flight))  # fmt: skip
             try:
                 for alloc in spec.allocs:
                     for n in spec.tokens:

@@ -109,6 +109,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "prefill 50 ms before the sends), then every prefill rank calls send() at one instant; a room's "
                    "time runs from that instant to decode seeing Success (default: prefill's sends queue first and "
                    "the time runs from decode's receiver(), a request that comes last)")
+    p.add_argument("--rooms-in-flight", type=int, default=1, metavar="K",
+                   help="also move K rooms at once (K > 1; direct, and staged unless --no-staged): decode asks for "
+                   "all K, each on its own pages, then every prefill rank sends them from one instant; columns 'kvb "
+                   "load GB/s' / 'stg load GB/s' are the K rooms' bytes over the time to the last Success, 'load p50 "
+                   "ms' each room's own (default 1: rooms one at a time only)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",
@@ -133,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
 
     tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    if args.rooms_in_flight < 1:
+        raise ConfigError(f"--rooms-in-flight {args.rooms_in_flight}: K must be at least 1", field="rooms_in_flight")
+    if args.rooms_in_flight > 1 and args.preset in KIND_PRESETS:
+        raise ConfigError(f"--rooms-in-flight is not run with --preset {args.preset}: its rooms go one at a time",
+                          field="rooms_in_flight")
     if args.preset in KIND_PRESETS:
         return _run_kinds(args, tokens)
     if args.split is not None:
@@ -165,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         poll_s=args.poll_ms / 1e3,
         env={"KVBRIDGE_TRACE": "1"} if args.trace else {}, log_dir=log_dir,
         staged=not args.no_staged and (not gpu or engine_entry(engine).kind == "network"), protocol=args.protocol,
-        aux_inline=not args.aux_written, ask_first=args.ask_first,
+        aux_inline=not args.aux_written, ask_first=args.ask_first, rooms_in_flight=args.rooms_in_flight,
     ) for engine in args.engine]  # fmt: skip
     spec = specs[0]
     meta = {
@@ -173,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "engine": ",".join(args.engine), "reps": spec.reps, "quick": spec.quick, "tokens": list(tokens),
         "cps": list(cps), "note": note, "dst_order": args.dst_order, "poll_ms": args.poll_ms,
         "allocs": list(args.alloc), "device": args.device, "staged": spec.staged, "protocol": args.protocol,
-        "ask_first": args.ask_first,
+        "ask_first": args.ask_first, "rooms_in_flight": args.rooms_in_flight,
     }  # fmt: skip
     rows = []
     with start_bootstrap() as (url, token):

@@ -15,6 +15,9 @@
 #   goal   as issue33_r25.sh's goal (the staged rooms beside the staging ceiling in three layouts), at $GOAL_TOKENS;
 #          round 28: for each G of $GRANTED, --granted-slots G of the $DECODE_SLOTS, the ceiling with the first G only
 #          (none with GOAL_NO_CEILING=1).
+#   load   round 29: the goal's rooms (procs layout, $LOAD_ENGINES, default ipc) with --rooms-in-flight K for each K of
+#          $LOAD_K (4 8): beside the rooms one at a time, K rooms at once, staged and direct, each verified; the
+#          ceiling once (none with GOAL_NO_CEILING=1); JSON under $OUT.
 #   ctl    the CPU control path on this host's cores (no GPU): scripts/control_bench.py --cp {1,2} --pages 2 --rooms 300
 #          --layers 4 --ask-first --poller 200, then kvbridge bench --tokens 128 --cp 1,2 --layers 4 --reps 40 --ask-first
 #          --alloc contiguous --engine mooncake --no-staged (every rank its own process, Mooncake TCP on loopback).
@@ -57,6 +60,15 @@ for tr in ${TREES:-.}; do
           --layouts procs --tokens ${GOAL_TOKENS:-8192 32768} --slot-mib 256 --gather-slots 2 \
           --decode-slots ${DECODE_SLOTS:-4} --granted-slots $g --reps 3 --ceiling-reps 5 $c \
           --timeout ${GOAL_RUN_TIMEOUT:-200} --json $OUT/goal-$tag-g$g.json 2>&1 | quiet | grep -v "^ROWS "
+        c=--no-ceiling  # the ceiling once per tree
+      done ;;
+    load)
+      c=${GOAL_NO_CEILING:+--no-ceiling}; for k in ${LOAD_K:-4 8}; do
+        echo "== load $tr: ${GOAL_TOKENS:-8192 32768} rooms in flight $k @$(date +%T)"
+        PYTHONPATH=$site:$t timeout ${GOAL_TIMEOUT:-300} python3 $t/scripts/staged_process_bench.py \
+          --engines ${LOAD_ENGINES:-ipc} --layouts procs --tokens ${GOAL_TOKENS:-8192 32768} --slot-mib 256 \
+          --gather-slots 2 --decode-slots ${DECODE_SLOTS:-4} --reps ${LOAD_REPS:-3} --ceiling-reps 5 --rooms-in-flight $k \
+          $c --timeout ${GOAL_RUN_TIMEOUT:-200} --json $OUT/load-$tag-k$k.json 2>&1 | quiet | grep -v "^ROWS "
         c=--no-ceiling  # the ceiling once per tree
       done ;;
     esac

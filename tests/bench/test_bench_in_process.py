@@ -58,6 +58,42 @@ def test_rooms_sent_early_are_timed_from_the_end_of_the_forwards_tail():
     assert abs(row["forward_p50_ms"] - 300.0) < 1.0  # the tail each room's time was counted from
 
 
+def test_rooms_in_flight_land_at_once_each_on_its_own_pages_and_aux_row():
+    """``rooms_in_flight``: beside the rooms one at a time, three rooms at once, direct and staged.
+    Decode asks for all three (each on its own block of decode pages, its own aux row), both prefill
+    ranks send all three from one instant; every room of every turn lands, carries its own aux row
+    (``run_kvbridge_load`` checks the room id the row echoes) and is byte-checked on its pages."""
+    spec = BenchSpec(tokens=[1024], cps=[2], layers=2, engine="ipc", reps=1, verify=True, verify_every=True,
+                     allocs=["random"], raw_mooncake=False, staged=True, staging_slot_bytes=256 << 10,
+                     staging_slots=(2, 4), in_process=True, rooms_in_flight=3)
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
+        (row,) = run_sweep(spec, url, None, show_progress=False)
+    assert not row["kvbridge_failures"] and not row["verify_errors"], row
+    # one at a time: warm-up + 1 per method (2 each); at once: (warm-up + 1) x 3 rooms per method
+    assert row["rooms_in_flight"] == 3 and row["rooms_verified"] == 2 * 2 + 2 * 2 * 3
+    assert row["bytes_verified"] == row["bytes"]  # each room: every byte checked
+    for m in ("kvbridge", "staged"):
+        assert row[f"{m}_load_gbps"] > 0 and row[f"{m}_load_room_p50_ms"] > 0
+
+
+def test_rooms_in_flight_are_bounded_by_the_pages_the_rig_holds():
+    with pytest.raises(ConfigError, match="rooms_in_flight must be at least 1"):
+        Rig(RigSpec(cp=1, max_tokens=1024, bootstrap="http://127.0.0.1:9", rooms_in_flight=0))
+    spec = BenchSpec(tokens=[1024], cps=[1], layers=1, engine="ipc", reps=1, allocs=["contiguous"],
+                     raw_mooncake=False, staged=False, in_process=True)
+    with start_bootstrap(extra_args=("--lease-ttl", "30"), with_token=False) as (url, _):
+        rig = Rig(RigSpec(cp=1, max_tokens=1024, bootstrap=url, layers=1, engine="ipc", raw_mooncake=False,
+                          in_process=True, rooms_in_flight=2))
+        try:
+            pages = rig.allocation("contiguous", 1024)
+            assert set(rig.room_pages(pages, 1)).isdisjoint(rig.room_pages(pages, 0))
+            with pytest.raises(ConfigError, match="3 rooms at once: the rig holds pages for 2"):
+                rig.run_kvbridge_load([1, 2, 3], pages, 1024)
+        finally:
+            rig.close()
+    assert spec.rooms_in_flight == 1  # the default: rooms one at a time only
+
+
 def test_a_forwards_tail_needs_decode_asking_first():
     with pytest.raises(ConfigError, match="send_early_ms .* needs ask_first"):
         Rig(RigSpec(cp=1, max_tokens=1024, bootstrap="http://127.0.0.1:9", send_early_ms=5.0))

@@ -72,3 +72,29 @@ def test_bench_with_the_aux_row_written_posts_one_slice_more(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["kvbridge_slices"] == row["ideal_slices"] == row["slices"] + 1
     assert row["bytes_verified"] == row["bytes"] and not row["verify_errors"] and not row["kvbridge_failures"]
+
+
+def test_bench_rooms_in_flight_moves_rooms_at_once_between_processes(tmp_path):
+    """``--rooms-in-flight 3``: every rank its own process on Mooncake TCP, CP 2, random pages: beside
+    the rooms one at a time, three at once, direct and staged, every room of every turn byte-checked on
+    its own decode pages; the table shows the load columns and says how they were timed."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "bench", "--tokens", "1K", "--cp", "2", "--layers", "2",
+            "--reps", "1", "--alloc", "random", "--rooms-in-flight", "3", "--verify-every", "--json", str(out),
+            "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240))
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert data["meta"]["rooms_in_flight"] == 3 and row["rooms_in_flight"] == 3
+    assert not row["verify_errors"] and not row["kvbridge_failures"] and row["bytes_verified"] == row["bytes"]
+    assert row["rooms_verified"] == 2 * 2 + 2 * 2 * 3  # (warm-up + 1) one at a time, and x 3 at once, per path
+    for m in ("kvbridge", "staged"):
+        assert row[f"{m}_load_gbps"] > 0 and row[f"{m}_load_room_p50_ms"] > 0
+    assert "kvb load GB/s" in done.stdout and "load: 3 rooms at once" in done.stdout
+
+
+def test_bench_refuses_rooms_in_flight_below_one():
+    argv = [sys.executable, "-m", "kvbridge.cli.main", "bench", "--tokens", "1K", "--rooms-in-flight", "0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(60))
+    assert done.returncode == 2 and "--rooms-in-flight 0: K must be at least 1" in done.stderr, done.stderr[-2000:]
