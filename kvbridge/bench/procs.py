@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -334,6 +335,24 @@ class DecodeRank(RankBase):
         Success (or failure) was seen."""
         return self._wait(cmd["room"], self.receivers.pop(cmd["room"]), cmd, time.perf_counter())
 
+    def recv_wait_all(self, cmd: dict) -> dict:
+        """Wait for several rooms ``recv`` opened with ``ask_first``, a thread each, so that each
+        room's ``final_at`` is when its own wait returned, whatever order the rooms end in."""
+        t0, out = time.perf_counter(), {}
+        waits = [(room, self.receivers.pop(room)) for room in cmd["rooms"]]
+
+        def one(room: int, r: Any) -> None:
+            out[room] = self._wait(room, r, cmd, t0)
+
+        threads = [threading.Thread(target=one, args=w, name=f"bench-wait-{w[0]}", daemon=True) for w in waits]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {"results": [out.get(room) or {"room": room, "state": "Failed", "reason": "its wait raised",
+                                              "final_at": time.monotonic(), "aux_room": None}
+                            for room, _ in waits]}
+
     def _wait(self, room: int, r: Any, cmd: dict, t0: float) -> dict:
         from kvbridge.transfer.poll import KVPoll
 
@@ -379,6 +398,7 @@ def rank_ops(rank: RankBase) -> dict[str, Any]:
             "wait_sent": getattr(rank, "wait_sent", None), "raw": getattr(rank, "raw", None),
             "copy": getattr(rank, "copy", None), "prepare": getattr(rank, "prepare", None),
             "recv": getattr(rank, "recv", None), "recv_wait": getattr(rank, "recv_wait", None),
+            "recv_wait_all": getattr(rank, "recv_wait_all", None),
             "check": getattr(rank, "check", None), "stats": rank.stats}
 
 

@@ -380,7 +380,7 @@ class Rig:
         for child in self.prefill:
             for _ in rooms:
                 child.reply()
-        results = [self.decode.ask(op="recv_wait", room=room, poll_s=self.spec.poll_s) for room in rooms]
+        results = self.decode.ask(op="recv_wait_all", rooms=rooms, poll_s=self.spec.poll_s)["results"]
         sent = [[c.ask(op="wait_sent", room=room) for c in self.prefill] for room in rooms]
         want = "staged" if staging == "always" else "direct"
         for room, res, per_rank in zip(rooms, results, sent):
