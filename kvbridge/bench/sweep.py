@@ -154,7 +154,8 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
             elif name == "staged":
                 warm[name] = kvbridge_room(spec.verify, "always")
             elif name in load_each:
-                warm[name] = load_rooms(spec.verify, "always" if name == "staged_load" else "never")
+                # per room, as the others (SLOW_ROOM_S below is a room's time, not a turn of ``load`` rooms)
+                warm[name] = load_rooms(spec.verify, "always" if name == "staged_load" else "never") / load
                 load_each[name].clear()  # the warm-up's rooms are not timed
             elif name == "raw" and spec.verify:
                 rig.poison(pages)
