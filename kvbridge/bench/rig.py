@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,18 @@ class ThreadChild(Child):
         self.thread.join(30)
 
 
+def _check_room(what: str, room: int, res: dict[str, Any], sent: list[dict[str, Any]], staging: str) -> None:
+    """KVBridgeError naming ``what`` unless decode saw Success with the room's own aux row and every
+    prefill rank ended in Success on the path ``staging`` asks for ("always": staged, else direct)."""
+    problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
+    want = "staged" if staging == "always" else "direct"
+    problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(sent)
+                 if set(s["paths"]) - {want}]
+    if res["state"] != "Success" or res["aux_room"] != room or problems:
+        raise KVBridgeError(f"{what}: decode {res['state']} {res['reason']} (aux row of room {res['aux_room']}); "
+                            f"prefill {'; '.join(problems) or 'ok'}", room=room)
+
+
 class Rig:
     def __init__(self, spec: RigSpec) -> None:
         if spec.rooms_in_flight < 1:
@@ -343,18 +355,12 @@ class Rig:
         if self.spec.ask_first:  # from the instant every rank's KV was whole
             res["seconds"] = res["final_at"] - at - self.last_forward_s
         self.last_send_s = max(s["send_s"] for s in sent)
-        problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(sent) if s["state"] != "Success"]
-        want = "staged" if staging == "always" else "direct"
-        problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(sent)
-                     if set(s["paths"]) - {want}]
-        if res["state"] != "Success" or res["aux_room"] != room or problems:
-            raise KVBridgeError(f"room {room}: decode {res['state']} {res['reason']} (aux row of room "
-                                f"{res['aux_room']}); prefill {'; '.join(problems) or 'ok'}", room=room)
+        _check_room(f"room {room}", room, res, sent, staging)
         return res["seconds"], sum(s["slices"] for s in sent)
 
-    def room_pages(self, pages: Allocation, k: int) -> np.ndarray:
-        """Decode's pages of the k-th room in flight: the allocation's, in block k of the pool."""
-        return pages.page_ids + k * self.dst_capacity
+    def room_pages(self, pages: Allocation, k: int) -> Allocation:
+        """The k-th room in flight: the allocation, its decode pages in block k of the pool."""
+        return replace(pages, page_ids=pages.page_ids + k * self.dst_capacity)
 
     def run_kvbridge_load(self, rooms: list[int], pages: Allocation, num_tokens: int,
                           staging: str = "never") -> tuple[float, list[float]]:
@@ -370,7 +376,7 @@ class Rig:
         aux_owner = owner_of_last_token(num_tokens, self.spec.page_size, self.lanes)
         for k, room in enumerate(rooms):
             self.decode.ask(op="recv", ask_first=True, room=room, tokens=num_tokens, aux_slot=k,
-                            page_ids=self.room_pages(pages, k).tolist(), prefill=self.prefill_instance,
+                            page_ids=self.room_pages(pages, k).page_ids.tolist(), prefill=self.prefill_instance,
                             poll_s=self.spec.poll_s)
         time.sleep(ASK_FIRST_LEAD_S * max(1.0, len(rooms) / 4))  # every request (and ticket) in on every rank
         at = time.monotonic() + START_S
@@ -382,15 +388,8 @@ class Rig:
                 child.reply()
         results = self.decode.ask(op="recv_wait_all", rooms=rooms, poll_s=self.spec.poll_s)["results"]
         sent = [[c.ask(op="wait_sent", room=room) for c in self.prefill] for room in rooms]
-        want = "staged" if staging == "always" else "direct"
         for room, res, per_rank in zip(rooms, results, sent):
-            problems = [f"cp{r}: {s['state']} {s['reason']}" for r, s in enumerate(per_rank) if s["state"] != "Success"]
-            problems += [f"cp{r}: went {'/'.join(s['paths'])}, not {want}" for r, s in enumerate(per_rank)
-                         if set(s["paths"]) - {want}]
-            if res["state"] != "Success" or res["aux_room"] != room or problems:
-                raise KVBridgeError(f"room {room} of {len(rooms)} in flight: decode {res['state']} {res['reason']} "
-                                    f"(aux row of room {res['aux_room']}); prefill {'; '.join(problems) or 'ok'}",
-                                    room=room)
+            _check_room(f"room {room} of {len(rooms)} in flight", room, res, per_rank, staging)
         each = [res["final_at"] - at for res in results]
         return max(each), each
 

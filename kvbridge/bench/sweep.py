@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.alloc import Allocation
 from kvbridge.bench.rig import Rig, RigSpec
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout.pools import preset_pools
@@ -117,13 +116,13 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         nonlocal verified, rooms_verified
         if check:
             for k in range(load):
-                rig.poison(Allocation(rig.room_pages(pages, k), pages.owned, pages.local))
+                rig.poison(rig.room_pages(pages, k))
         ids = [rooms.getrandbits(63) for _ in range(load)]
         seconds, each = rig.run_kvbridge_load(ids, pages, num_tokens, staging)
         load_each["staged_load" if staging == "always" else "kvbridge_load"].extend(each)
         if check:
             for k in range(load):
-                n, errors = rig.check(Allocation(rig.room_pages(pages, k), pages.owned, pages.local), num_tokens, seed)
+                n, errors = rig.check(rig.room_pages(pages, k), num_tokens, seed)
                 verified = n  # (as a room one at a time: the bytes of one room checked)
                 rooms_verified += 1
                 problems.extend(f"{'staged ' if staging == 'always' else ''}load, room {k + 1} of {load}: {e}"

@@ -86,7 +86,7 @@ def test_rooms_in_flight_are_bounded_by_the_pages_the_rig_holds():
                           in_process=True, rooms_in_flight=2))
         try:
             pages = rig.allocation("contiguous", 1024)
-            assert set(rig.room_pages(pages, 1)).isdisjoint(rig.room_pages(pages, 0))
+            assert set(rig.room_pages(pages, 1).page_ids).isdisjoint(rig.room_pages(pages, 0).page_ids)
             with pytest.raises(ConfigError, match="3 rooms at once: the rig holds pages for 2"):
                 rig.run_kvbridge_load([1, 2, 3], pages, 1024)
         finally:
