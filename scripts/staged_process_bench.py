@@ -35,7 +35,10 @@ over the unchained one is what the chain of dependencies costs on this GPU.
 ``--rooms-in-flight K`` (K > 1): beside the rooms one at a time, the same rooms K at once, staged and
 direct (``kvbridge bench --rooms-in-flight``: decode asks for all K, each on its own pages, then both
 prefill ranks send them from one instant), the K rooms' bytes over the time to the last Success: the
-throughput of a loaded pair, where one room's host work overlaps another's copies.
+throughput of a loaded pair, where one room's host work overlaps another's copies. Beside it what
+each rank's threads were busy with over that time (CPU seconds over the load's seconds: the
+endpoint's loop, the thread that calls send(), the engine's pump; the whole process): a thread near
+1.0 was never idle, and that loop is what bounds the loaded pair.
 
 Without CUDA it says so and exits 0.
 """
@@ -78,7 +81,8 @@ def one(args: argparse.Namespace) -> None:
     keep = ("tokens", "bytes", "slices", "kvbridge_gbps", "staged_gbps", "engine_gbps", "staged_p50_ms",
             "kvbridge_p50_ms", "staged_slices", "rooms_verified", "kvbridge_failures", "verify_errors",
             "rooms_in_flight", "staged_load_gbps", "staged_load_room_p50_ms", "kvbridge_load_gbps",
-            "kvbridge_load_room_p50_ms")
+            "kvbridge_load_room_p50_ms", "staged_load_busy", "staged_load_busiest", "kvbridge_load_busy",
+            "kvbridge_load_busiest")
     print("ROWS " + json.dumps([{k: r.get(k) for k in keep} for r in rows]), flush=True)
 
 
@@ -144,6 +148,8 @@ def main() -> None:
                     print(f"  {key} {r['tokens']}, {r['rooms_in_flight']} rooms at once: staged {r['staged_load_gbps']} "
                           f"GB/s (each room p50 {r['staged_load_room_p50_ms']} ms), direct {r['kvbridge_load_gbps']} "
                           f"(p50 {r['kvbridge_load_room_p50_ms']} ms)", flush=True)
+                    for m in ("staged_load", "kvbridge_load"):  # CPU over the load's time, per rank and thread
+                        print(f"    {m} busiest {r.get(m + '_busiest')}; busy {r.get(m + '_busy')}", flush=True)
     if not args.no_ceiling:
         import staged_layout_bench as slb
 

@@ -5,8 +5,8 @@ process per prefill CP rank, driven by ``kvbridge.bench.rig`` over JSON lines.
     -> {"ready": true, "session": ..., ...}          once the endpoint is registered
     <- {"op": ...}  -> one JSON line per command     (``quit`` ends the process)
 
-prefill commands: fill, plan, staging, send, wait_sent, raw, copy, stats
-decode commands:  staging, prepare, recv, check, stats
+prefill commands: fill, plan, staging, send, wait_sent, raw, copy, stats, cpu
+decode commands:  staging, prepare, recv, recv_wait, recv_wait_all, check, stats, cpu
 
 Each process has the engine kvbridge runs on (``engine``: mooncake, nixl, ipc or auto) and,
 when ``raw_mooncake`` is set, a raw baseline over the same buffers: the Mooncake binding of
@@ -53,6 +53,18 @@ def control_secret() -> bytes | None:
     return os.environ.get("KVBRIDGE_SECRET", "").encode() or None
 
 
+def thread_cpu_s(thread: threading.Thread | None) -> float | None:
+    """CPU seconds a live thread of this process has used, from its own clock (None: not running, or
+    no per-thread clock on this platform). Only a live thread's id is asked about: a finished one's
+    may name another thread or freed memory."""
+    if thread is None or thread.ident is None or not thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, OverflowError):
+        return None
+
+
 def emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -70,6 +82,8 @@ class RankBase:
 
         self.cfg = cfg
         self.torch = torch
+        self.commands = threading.current_thread()  # the thread that runs this rank's commands (send() on prefill)
+        self.alone = False  # the only rank of its process (``main``): its process's CPU time is the rank's
         self.device = cfg["device"]
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)
@@ -96,6 +110,20 @@ class RankBase:
 
     def engine_stats(self) -> dict[str, int]:
         return dict(getattr(self.engine, "stats", {}))
+
+    def cpu(self, cmd: dict) -> dict:
+        """CPU seconds used so far by this rank's threads: ``loop`` (the endpoint's), ``commands``
+        (the thread that runs these commands: prefill's send()), ``pump`` (the engine's completion
+        thread, where it has one); with the rank alone in its process also ``process`` (every
+        thread: the engine's native ones, decode's waits) and ``other`` (process less the named)."""
+        named = {"loop": thread_cpu_s(getattr(self.endpoint, "_thread", None)),
+                 "commands": thread_cpu_s(self.commands),
+                 "pump": thread_cpu_s(getattr(self.engine, "_pump", None))}
+        out = {k: v for k, v in named.items() if v is not None}
+        if self.alone:
+            out["process"] = time.process_time()
+            out["other"] = out["process"] - sum(out[k] for k in named if k in out)
+        return {"cpu": out}
 
     def close(self) -> None:
         self.endpoint.close()
@@ -399,7 +427,7 @@ def rank_ops(rank: RankBase) -> dict[str, Any]:
             "copy": getattr(rank, "copy", None), "prepare": getattr(rank, "prepare", None),
             "recv": getattr(rank, "recv", None), "recv_wait": getattr(rank, "recv_wait", None),
             "recv_wait_all": getattr(rank, "recv_wait_all", None),
-            "check": getattr(rank, "check", None), "stats": rank.stats}
+            "check": getattr(rank, "check", None), "stats": rank.stats, "cpu": rank.cpu}
 
 
 class TimerForward:
@@ -508,6 +536,7 @@ def main() -> None:
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     rank = PrefillRank(cfg) if role == "prefill" else DecodeRank(cfg)
+    rank.alone = True
     ops = rank_ops(rank)
     emit(rank.ready())
     try:

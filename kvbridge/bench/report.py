@@ -32,9 +32,12 @@ COLUMNS = (
     ("load p50 ms", "kvbridge_load_room_p50_ms", "{:>11.1f}"),
     ("stg load GB/s", "staged_load_gbps", "{:>13.3f}"),
     ("stg load p50 ms", "staged_load_room_p50_ms", "{:>15.1f}"),
+    ("kvb load busiest", "kvbridge_load_busiest", "{:>22}"),
+    ("stg load busiest", "staged_load_busiest", "{:>22}"),
     ("ok", "ok", "{:>3}"),
 )
-LOAD_KEYS = {"kvbridge_load_gbps", "kvbridge_load_room_p50_ms", "staged_load_gbps", "staged_load_room_p50_ms"}
+LOAD_KEYS = {"kvbridge_load_gbps", "kvbridge_load_room_p50_ms", "staged_load_gbps", "staged_load_room_p50_ms",
+             "kvbridge_load_busiest", "staged_load_busiest"}
 
 
 def format_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -108,7 +111,8 @@ def _describe(meta: dict[str, Any]) -> str:
     if meta.get("rooms_in_flight", 1) > 1:
         text += (f"\nload: {meta['rooms_in_flight']} rooms at once, each on its own decode pages; decode asks for all, "
                  "then every prefill rank sends them from one instant; GB/s: their bytes over the time to the last "
-                 "Success; p50 ms: each room's own, from that instant")
+                 "Success; p50 ms: each room's own, from that instant; busiest: the rank's thread (loop, commands: "
+                 "prefill's send(), pump: the engine's) with the most CPU time over that time (1.00: never idle)")
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"
     return text

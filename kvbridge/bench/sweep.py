@@ -84,6 +84,24 @@ def percentile_ms(seconds: list[float], q: float) -> float:
     return round(float(np.percentile(np.array(seconds) * 1000, q)), 3)
 
 
+def load_busy(cpu: dict[str, dict[str, float]], seconds: float) -> tuple[dict[str, dict[str, float]] | None,
+                                                                      str | None]:
+    """What each rank's threads were busy with while rooms were in flight: CPU seconds over the load
+    turns' seconds (from the sends' instant to the last Success), per rank and thread
+    (``procs.RankBase.cpu``: loop, commands, pump; alone in its process also process and other).
+    A named thread near 1.0 had no idle time: that loop bounds the pair. Also the busiest named
+    thread as "<rank> <thread> <share>" (None: no turn timed, or no per-thread clock)."""
+    if seconds <= 0 or not cpu:
+        return None, None
+    busy = {rank: {t: round(s / seconds, 3) for t, s in sorted(threads.items())} for rank, threads in cpu.items()}
+    named = [(share, rank, t) for rank, threads in busy.items() for t, share in threads.items()
+             if t not in ("process", "other")]
+    if not named:
+        return busy, None
+    share, rank, thread = max(named)
+    return busy, f"{rank} {thread} {share:.2f}"
+
+
 def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: random.Random) -> dict[str, Any]:
     seed = rooms.getrandbits(31)
     pages = rig.allocation(alloc, num_tokens)
@@ -110,6 +128,9 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
 
     load = spec.rooms_in_flight
     load_each: dict[str, list[float]] = {"kvbridge_load": [], "staged_load": []}  # each room's seconds under load
+    # per load method over its timed turns: each rank's threads' CPU seconds, and the turns' seconds (``load_busy``)
+    load_cpu: dict[str, dict[str, dict[str, float]]] = {"kvbridge_load": {}, "staged_load": {}}
+    load_s: dict[str, float] = {"kvbridge_load": 0.0, "staged_load": 0.0}
 
     def load_rooms(check: bool, staging: str) -> float:
         """``load`` rooms at once; every room's pages checked when ``check``."""
@@ -169,6 +190,12 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
         for name, fn in methods.items():
             try:
                 times[name].append(fn())
+                if name in load_cpu:
+                    load_s[name] += times[name][-1]
+                    for label, threads in rig.last_load_cpu.items():
+                        per = load_cpu[name].setdefault(label, {})
+                        for thread, used in threads.items():
+                            per[thread] = per.get(thread, 0.0) + used
                 if name == "kvbridge":
                     send_s.append(rig.last_send_s)
                     forward_s.append(rig.last_forward_s)
@@ -200,6 +227,7 @@ def measure(rig: Rig, alloc: str, num_tokens: int, spec: BenchSpec, rooms: rando
             t = times.get(name) or []
             row[f"{name}_gbps"] = round(load * num_bytes / float(np.median(t)) / 1e9, 4) if t else None
             row[f"{name}_room_p50_ms"] = percentile_ms(load_each[name], 50) if load_each[name] else None
+            row[f"{name}_busy"], row[f"{name}_busiest"] = load_busy(load_cpu[name], load_s[name])
     if row["kvbridge_p50_ms"] is not None and row["raw_p50_ms"] is not None:
         row["fixed_cost_ms"] = round(row["kvbridge_p50_ms"] - row["raw_p50_ms"], 3)
     row.update(kvbridge_failures=failures[:3], bytes_verified=verified, rooms_verified=rooms_verified,

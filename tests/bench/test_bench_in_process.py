@@ -6,11 +6,13 @@ memory within one process (the layout two processes cannot share on the CPU)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from kvbridge.bench.procs import thread_cpu_s
 from kvbridge.bench.rig import Rig, RigSpec
-from kvbridge.bench.sweep import BenchSpec, run_sweep
+from kvbridge.bench.sweep import BenchSpec, load_busy, run_sweep
 from kvbridge.errors import ConfigError
 from kvbridge.worker.cluster import start_bootstrap
 
@@ -74,6 +76,50 @@ def test_rooms_in_flight_land_at_once_each_on_its_own_pages_and_aux_row():
     assert row["bytes_verified"] == row["bytes"]  # each room: every byte checked
     for m in ("kvbridge", "staged"):
         assert row[f"{m}_load_gbps"] > 0 and row[f"{m}_load_room_p50_ms"] > 0
+        # ranks that share a process: their own threads only, no process total
+        busy = row[f"{m}_load_busy"]
+        assert set(busy) == {"decode", "prefill cp0", "prefill cp1"}, busy
+        for rank, threads in busy.items():
+            assert {"loop", "commands", "pump"} <= set(threads) and "process" not in threads, (rank, threads)
+        assert busy["decode"]["loop"] > 0 and busy["prefill cp0"]["commands"] > 0
+
+
+def test_thread_cpu_is_the_threads_own_and_none_once_it_ended():
+    """``procs.thread_cpu_s``: a thread that spins shows its CPU time, one that sleeps next to it
+    shows almost none, and a finished thread is not asked about (None)."""
+    go, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.set()
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        stop.wait(30)
+
+    spinner = threading.Thread(target=spin)
+    sleeper = threading.Thread(target=lambda: stop.wait(30))
+    spinner.start(), sleeper.start()
+    try:
+        go.wait(30)
+        deadline = time.monotonic() + 30
+        while (thread_cpu_s(spinner) or 0.0) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread_cpu_s(spinner) >= 0.2
+        assert thread_cpu_s(sleeper) < 0.05
+    finally:
+        stop.set()
+        spinner.join(30), sleeper.join(30)
+    assert thread_cpu_s(spinner) is None and thread_cpu_s(None) is None
+
+
+def test_load_busy_names_the_busiest_named_thread_over_the_loads_time():
+    cpu = {"decode": {"loop": 0.9, "commands": 0.1, "process": 1.8, "other": 0.8},
+           "prefill cp0": {"loop": 0.6, "commands": 0.3, "pump": 0.05}}
+    busy, busiest = load_busy(cpu, 1.0)
+    assert busiest == "decode loop 0.90"  # process and other are not threads: never the busiest
+    assert busy["decode"] == {"commands": 0.1, "loop": 0.9, "other": 0.8, "process": 1.8}
+    assert load_busy(cpu, 0.0) == (None, None) and load_busy({}, 1.0) == (None, None)
+    assert load_busy({"decode": {"process": 1.0}}, 2.0) == ({"decode": {"process": 0.5}}, None)
 
 
 def test_rooms_in_flight_are_bounded_by_the_pages_the_rig_holds():

@@ -91,7 +91,16 @@ def test_bench_rooms_in_flight_moves_rooms_at_once_between_processes(tmp_path):
     assert row["rooms_verified"] == 2 * 2 + 2 * 2 * 3  # (warm-up + 1) one at a time, and x 3 at once, per path
     for m in ("kvbridge", "staged"):
         assert row[f"{m}_load_gbps"] > 0 and row[f"{m}_load_room_p50_ms"] > 0
+        # every rank alone in its process: its named threads and the whole process, each a share of the load's time
+        busy = row[f"{m}_load_busy"]
+        assert set(busy) == {"decode", "prefill cp0", "prefill cp1"}, busy
+        for rank, threads in busy.items():
+            assert {"loop", "commands", "pump", "process", "other"} <= set(threads), (rank, threads)
+            assert min(threads.values()) >= 0 and threads["process"] >= max(threads.values()) - 0.002, (rank, threads)
+        assert busy["decode"]["loop"] > 0 and busy["prefill cp0"]["commands"] > 0  # decode's loop, prefill's send()
+        assert row[f"{m}_load_busiest"].split()[0] in ("decode", "prefill"), row[f"{m}_load_busiest"]
     assert "kvb load GB/s" in done.stdout and "load: 3 rooms at once" in done.stdout
+    assert "stg load busiest" in done.stdout
 
 
 def test_bench_refuses_rooms_in_flight_below_one():
