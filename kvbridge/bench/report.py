@@ -111,8 +111,9 @@ def _describe(meta: dict[str, Any]) -> str:
     if meta.get("rooms_in_flight", 1) > 1:
         text += (f"\nload: {meta['rooms_in_flight']} rooms at once, each on its own decode pages; decode asks for all, "
                  "then every prefill rank sends them from one instant; GB/s: their bytes over the time to the last "
-                 "Success; p50 ms: each room's own, from that instant; busiest: the rank's thread (loop, commands: "
-                 "prefill's send(), pump: the engine's) with the most CPU time over that time (1.00: never idle)")
+                 "Success; p50 ms: each room's own, from that instant; busiest: the rank's thread of kvbridge's host "
+                 "work (its loop, or commands: prefill's send()) with the most CPU time over that time (1.00: never "
+                 "idle; every thread's, the engine's pump too, in --json)")
     if meta.get("note"):
         text += f"\nnote: {meta['note']}"
     return text

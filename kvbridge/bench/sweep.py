@@ -29,6 +29,7 @@ QUICK_TOKENS = (1024, 8192, 32768, 131072)
 FULL_TOKENS = (1024, 4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_LAYERS = 4
 SLOW_ROOM_S = 2.0  # a warm-up slower than this: 2 timed turns instead of ``reps`` (TCP on GPU memory)
+BUSY_THREADS = ("loop", "commands")  # kvbridge's host work; the pump's wait may spin (see load_busy)
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,15 @@ def load_busy(cpu: dict[str, dict[str, float]], seconds: float) -> tuple[dict[st
     """What each rank's threads were busy with while rooms were in flight: CPU seconds over the load
     turns' seconds (from the sends' instant to the last Success), per rank and thread
     (``procs.RankBase.cpu``: loop, commands, pump; alone in its process also process and other).
-    A named thread near 1.0 had no idle time: that loop bounds the pair. Also the busiest named
-    thread as "<rank> <thread> <share>" (None: no turn timed, or no per-thread clock)."""
+    Also the busiest of the threads that run kvbridge's host work (``BUSY_THREADS``: the endpoint's
+    loop, the thread that calls send()) as "<rank> <thread> <share>": near 1.0 it had no idle time,
+    and that loop bounds the pair. The pump is not among them: it waits for the engine, and
+    Mooncake's status call spins until a batch ends (as a CUDA event's synchronize may), so its
+    share counts the transfer's time, not work. None: no turn timed, or no per-thread clock."""
     if seconds <= 0 or not cpu:
         return None, None
     busy = {rank: {t: round(s / seconds, 3) for t, s in sorted(threads.items())} for rank, threads in cpu.items()}
-    named = [(share, rank, t) for rank, threads in busy.items() for t, share in threads.items()
-             if t not in ("process", "other")]
+    named = [(share, rank, t) for rank, threads in busy.items() for t, share in threads.items() if t in BUSY_THREADS]
     if not named:
         return busy, None
     share, rank, thread = max(named)

@@ -113,8 +113,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also move K rooms at once (K > 1; direct, and staged unless --no-staged): decode asks for "
                    "all K, each on its own pages, then every prefill rank sends them from one instant; columns 'kvb "
                    "load GB/s' / 'stg load GB/s' are the K rooms' bytes over the time to the last Success, 'load p50 "
-                   "ms' each room's own, 'load busiest' the rank's thread with the most CPU time over that time "
-                   "(1.00: never idle; every rank's threads in --json) (default 1: rooms one at a time only)")
+                   "ms' each room's own, 'load busiest' the rank's loop or send() thread with the most CPU time over "
+                   "that time (1.00: never idle; every rank's threads in --json) (default 1: rooms one at a time "
+                   "only)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte check of the first kvbridge room")
     p.add_argument("--verify-every", action="store_true", help="check every kvbridge room, not only the first")
     p.add_argument("--trace", action="store_true",

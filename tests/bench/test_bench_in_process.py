@@ -114,12 +114,13 @@ def test_thread_cpu_is_the_threads_own_and_none_once_it_ended():
 
 def test_load_busy_names_the_busiest_named_thread_over_the_loads_time():
     cpu = {"decode": {"loop": 0.9, "commands": 0.1, "process": 1.8, "other": 0.8},
-           "prefill cp0": {"loop": 0.6, "commands": 0.3, "pump": 0.05}}
+           "prefill cp0": {"loop": 0.6, "commands": 0.3, "pump": 0.95}}
     busy, busiest = load_busy(cpu, 1.0)
-    assert busiest == "decode loop 0.90"  # process and other are not threads: never the busiest
+    assert busiest == "decode loop 0.90"  # the pump (it may spin while it waits), process and other: never the busiest
     assert busy["decode"] == {"commands": 0.1, "loop": 0.9, "other": 0.8, "process": 1.8}
     assert load_busy(cpu, 0.0) == (None, None) and load_busy({}, 1.0) == (None, None)
-    assert load_busy({"decode": {"process": 1.0}}, 2.0) == ({"decode": {"process": 0.5}}, None)
+    assert load_busy({"decode": {"process": 1.0, "pump": 0.5}}, 2.0) == ({"decode": {"process": 0.5, "pump": 0.25}},
+                                                                         None)
 
 
 def test_rooms_in_flight_are_bounded_by_the_pages_the_rig_holds():
