@@ -16,7 +16,8 @@
 #          round 28: for each G of $GRANTED, --granted-slots G of the $DECODE_SLOTS, the ceiling with the first G only
 #          (none with GOAL_NO_CEILING=1).
 #   load   round 29: the goal's rooms (procs layout, $LOAD_ENGINES, default ipc) with --rooms-in-flight K for each K of
-#          $LOAD_K (4 8): beside the rooms one at a time, K rooms at once, staged and direct, each verified; the
+#          $LOAD_K (4 8): beside the rooms one at a time, K rooms at once, staged and direct, each verified, with what
+#          each rank's threads were busy with meanwhile (round 30); the
 #          ceiling once (none with GOAL_NO_CEILING=1); JSON under $OUT.
 #   ctl    the CPU control path on this host's cores (no GPU): scripts/control_bench.py --cp {1,2} --pages 2 --rooms 300
 #          --layers 4 --ask-first --poller 200, then kvbridge bench --tokens 128 --cp 1,2 --layers 4 --reps 40 --ask-first
