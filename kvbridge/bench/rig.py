@@ -267,7 +267,7 @@ class Rig:
         self.staging_mode = "never"
         self.last_send_s = 0.0  # the slowest rank's send() of the last kvbridge room (seconds)
         self.last_forward_s = 0.0  # and the longest forward's tail of its ranks (send_early_ms; seconds)
-        # CPU seconds each rank's threads used over the last run_kvbridge_load (RANK_LABELS order: decode, prefill
+        # CPU seconds each rank's threads used over the last run_kvbridge_load (``rank_labels`` order: decode, prefill
         # cp0, ...), from just before the sends to just after every rank reported the rooms sent
         self.last_load_cpu: dict[str, dict[str, float]] = {}
         if spec.in_process:  # the ranks' settings read from this process's environment
