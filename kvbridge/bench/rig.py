@@ -267,8 +267,8 @@ class Rig:
         self.staging_mode = "never"
         self.last_send_s = 0.0  # the slowest rank's send() of the last kvbridge room (seconds)
         self.last_forward_s = 0.0  # and the longest forward's tail of its ranks (send_early_ms; seconds)
-        # CPU seconds each rank's threads used over the last run_kvbridge_load (``rank_labels`` order: decode, prefill
-        # cp0, ...), from just before the sends to just after every rank reported the rooms sent
+        # CPU seconds each rank's threads used over the last run_kvbridge_load (by rank, as ``cpu``), from just before
+        # the sends to just after every rank reported the rooms sent
         self.last_load_cpu: dict[str, dict[str, float]] = {}
         if spec.in_process:  # the ranks' settings read from this process's environment
             for key, value in spec.env.items():
@@ -392,24 +392,20 @@ class Rig:
                 child.reply()
         results = self.decode.ask(op="recv_wait_all", rooms=rooms, poll_s=self.spec.poll_s)["results"]
         sent = [[c.ask(op="wait_sent", room=room) for c in self.prefill] for room in rooms]
-        self.last_load_cpu = {label: {k: end[k] - start[k] for k in end.keys() & start.keys()}
-                              for label, start, end in zip(self.rank_labels, before, self.cpu())}
+        self.last_load_cpu = {label: {k: end[k] - before[label][k] for k in end.keys() & before[label].keys()}
+                              for label, end in self.cpu().items()}
         for room, res, per_rank in zip(rooms, results, sent):
             _check_room(f"room {room} of {len(rooms)} in flight", room, res, per_rank, staging)
         each = [res["final_at"] - at for res in results]
         return max(each), each
 
-    @property
-    def rank_labels(self) -> list[str]:
-        return ["decode", *(f"prefill cp{r}" for r in range(len(self.prefill)))]
-
-    def cpu(self) -> list[dict[str, float]]:
-        """Every rank's CPU seconds so far by thread (``procs.RankBase.cpu``), in ``rank_labels`` order,
-        asked of all at once."""
-        ranks = [self.decode, *self.prefill]
-        for child in ranks:
+    def cpu(self) -> dict[str, dict[str, float]]:
+        """Every rank's CPU seconds so far by thread (``procs.RankBase.cpu``), by rank ("decode",
+        "prefill cp0", ...), asked of all at once."""
+        ranks = {"decode": self.decode, **{f"prefill cp{r}": c for r, c in enumerate(self.prefill)}}
+        for child in ranks.values():
             child.send(op="cpu")
-        return [child.reply()["cpu"] for child in ranks]
+        return {label: child.reply()["cpu"] for label, child in ranks.items()}
 
     def _set_staging(self, staging: str) -> None:
         if staging != self.staging_mode:
