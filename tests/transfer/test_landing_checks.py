@@ -334,3 +334,35 @@ def test_a_padded_buffers_last_stride_past_its_registered_memory_is_refused():
             assert land(ds, 2, last, [payload], pages).unproven.tolist() == []  # proven: inside the region
         else:  # without the registered regions (the check as it was): the stride passes, unproven
             assert land(ds, 1, last, [stride], pages).unproven.tolist() == [0]
+
+
+def test_the_fast_look_ups_answer_as_the_binary_search_and_the_integer_division():
+    """``_FastUnits`` (the list check's bucket table and float64 division) against what it replaces,
+    on addresses at and around every buffer's base, unit edges and end, and random ones; the cases
+    it declines are declined (two buffers on one base, a table past its cap, units near 2**53)."""
+    ds = staging()
+    fast = ds._fast
+    assert fast is not None
+    rng = np.random.default_rng(5)
+    edges = []
+    for d, unit in zip(ds._base.tolist(), ds._unit.tolist()):
+        for k in (0, 1, 2, CAP - 1):
+            edges += [d + k * unit - 1, d + k * unit, d + k * unit + 1]
+    addr = np.concatenate([np.asarray(edges, U), rng.integers(int(ds._base[0]), fast.covered, 20_000).astype(U)])
+    addr = addr[(addr >= ds._base[0]) & (addr < U(fast.covered))]
+    i = fast.buffer(addr)
+    assert (i == np.searchsorted(ds._base, addr, side="right") - 1).all()
+    inside = addr + U(1) <= ds._end[i]  # (units is asked only of entries inside their buffer)
+    addr, i = addr[inside], i[inside]
+    length = np.minimum(rng.integers(1, 3 * 640, addr.size).astype(U), ds._end[i] - addr)
+    lo, hi1 = fast.units(addr, length, ds._lo_base, i)
+    assert (lo == ((addr - ds._lo_base[i]) // ds._unit[i]).view(np.int64)).all()
+    assert (hi1 == ((addr + length - ds._hi_base[i]) // ds._unit[i]).view(np.int64)).all()
+    same_base = [BufferDesc("kv", 0, 1 << 20, CAP, 640), BufferDesc("idx", 0, 1 << 20, CAP, 96)]
+    assert DecodeStaging(StagingArea(2, SLOT), AREA, same_base, "dec")._fast is None
+    far = [BufferDesc("kv", 0, 1 << 45, CAP, 640)]  # two buffers far apart: two buckets
+    assert DecodeStaging(StagingArea(2, SLOT), AREA, far + DESCS[:1], "dec")._fast is not None
+    # and a third close to one of them: buckets of 2**16 B over 2**45 B, past the cap
+    assert DecodeStaging(StagingArea(2, SLOT), AREA, far + DESCS[:2], "dec")._fast is None
+    huge = [BufferDesc("kv", 0, 1 << 20, 1 << 40, 1 << 14)]  # 2**54 bytes of units
+    assert DecodeStaging(StagingArea(2, SLOT), AREA, huge, "dec")._fast is None
