@@ -127,7 +127,13 @@ def _on_cuda(buf: Any) -> bool:
 class _DeviceRows:
     """Rows of a packed CUDA tensor, read through one pinned host row on a stream of their own:
     a copy and a synchronisation per read, two CUDA runtime calls (a decode rank reads every
-    room's aux row on its commit: no torch dispatch, no staging allocation there)."""
+    room's aux row on its commit: no torch dispatch, no staging allocation there).
+
+    Written either the same way (``write``: the copy waited for) or without waiting
+    (``write_async``): through a pinned mirror of every row, so that a row's bytes stay put
+    until its copy ran, with an event recorded after the copy that the caller polls
+    (``RowWrite``). Both go on the same stream: a later write of a row lands after an earlier
+    one, whichever way each was made."""
 
     def __init__(self, storage: Any, row_bytes: int) -> None:
         import torch
@@ -138,8 +144,11 @@ class _DeviceRows:
         self._device = storage.device.index if storage.device.index is not None else torch.cuda.current_device()
         self._base = storage.data_ptr()
         self._row_bytes = row_bytes
+        self._rows = storage.numel() * storage.element_size() // row_bytes
         self._pinned = torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
         self._host = self._pinned.numpy()
+        self._mirror: np.ndarray | None = None  # [rows, row_bytes] pinned, made on the first write_async
+        self._events: list[int] = []  # events of completed writes, for the next ones
         with torch.cuda.device(self._device):
             self._stream = torch.cuda.Stream(self._device)
         self._lock = threading.Lock()  # one pinned row: one read at a time
@@ -159,6 +168,50 @@ class _DeviceRows:
             self._cuda.memcpy_async(self._base + slot * self._row_bytes, self._host.ctypes.data, self._row_bytes,
                                     self._stream.cuda_stream)
             self._cuda.stream_synchronize(self._stream.cuda_stream)
+
+    def write_async(self, slot: int, row: np.ndarray) -> RowWrite:
+        """Row ``slot`` set to ``row``: the copy queued from the row's pinned mirror, not waited for.
+        The caller keeps the row's slot until ``RowWrite.done()`` (the mirror's row is rewritten by
+        the next write of that slot: a copy still queued then would carry the newer row, which the
+        newer copy behind it writes again)."""
+        with self._lock, self._cuda.on_device(self._device):
+            if self._mirror is None:
+                import torch
+
+                self._pinned_rows = torch.empty((self._rows, self._row_bytes), dtype=torch.uint8, pin_memory=True)
+                self._mirror = self._pinned_rows.numpy()
+            self._mirror[slot] = row
+            stream = self._stream.cuda_stream
+            self._cuda.memcpy_async(self._base + slot * self._row_bytes, self._mirror[slot].ctypes.data,
+                                    self._row_bytes, stream)
+            event = self._events.pop() if self._events else self._cuda.event_create()
+            self._cuda.event_record(event, stream)
+            return RowWrite(self, event)
+
+    def _done(self, event: int) -> bool:
+        if not self._cuda.event_query(event):
+            return False
+        with self._lock:
+            self._events.append(event)
+        return True
+
+
+class RowWrite:
+    """A row's write queued on the GPU (``_DeviceRows.write_async``): ``done()`` polls its event
+    (no wait); True once the copy ran, and from then on."""
+
+    __slots__ = ("_rows", "_event")
+
+    def __init__(self, rows: _DeviceRows, event: int) -> None:
+        self._rows, self._event = rows, event
+
+    def done(self) -> bool:
+        if self._event is None:
+            return True
+        if not self._rows._done(self._event):
+            return False
+        self._event = None  # (back in the rows' pool: never queried again by this write)
+        return True
 
 
 class AuxBuffers:
@@ -325,6 +378,18 @@ class AuxBuffers:
         if self._device_rows is None:
             self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
         self._device_rows.write(slot, row)
+
+    def write_row_async(self, slot: int, row: np.ndarray) -> RowWrite | None:
+        """``write_row`` without waiting for the copy where the rows are in device memory: a
+        ``RowWrite`` to poll (the row is there once ``done()``); host rows are written here and
+        then (None)."""
+        if self.on_device and row.dtype == np.uint8 and row.shape == (self.schema.row_bytes,):
+            self.check_slot(slot)
+            if self._device_rows is None:
+                self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
+            return self._device_rows.write_async(slot, row)
+        self.write_row(slot, row)  # (and every refusal, by name)
+        return None
 
     def read_room(self, slot: int) -> int:
         """The room id that row ``slot`` echoes (its ``room`` region's first element)."""

@@ -100,6 +100,8 @@ class DecodeDriver(_Driver):
             machine, read_aux_row, page_digests, read_scratch)
         self.written: list[tuple[int, Any]] = []  # (slot, row): aux rows the shell wrote (a report carried them)
         self.write_error: str | None = None  # a WriteAuxRow's answer: written, or this error
+        self.defer_writes = False  # WriteAuxRow answered only by ``complete_writes`` (a GPU copy the loop polls)
+        self.deferred: list[Any] = []  # the WriteAuxRow actions not answered yet
 
     def feed(self, event: Any) -> Any:
         return self._carry(self.machine.feed(event))
@@ -122,6 +124,8 @@ class DecodeDriver(_Driver):
                 except KVBridgeError as exc:
                     found = de.CommitRead(a.room, None, 0.0, (), str(exc), 0.0)
                 out += self._carry(self.machine.feed(found))
+            elif isinstance(a, de.WriteAuxRow) and self.defer_writes:
+                self.deferred.append(a)
             elif isinstance(a, de.WriteAuxRow):  # a row ahead of the room's last pages: written now
                 if self.write_error is None:
                     self.written.append((a.aux_slot, a.row))
@@ -134,6 +138,15 @@ class DecodeDriver(_Driver):
             else:
                 out.append(a)
         return out or ()  # (as the machine: an event that asks for nothing returns ())
+
+    def complete_writes(self, now: float) -> Any:
+        """The deferred aux row writes complete (their copies ran): answered in order."""
+        out: list[Any] = []
+        while self.deferred:
+            a = self.deferred.pop(0)
+            self.written.append((a.aux_slot, a.row))
+            out += list(self.feed(de.AuxRowWritten(a.room, 1e-4, None, now)))
+        return out
 
     def init(self, r, pages, aux_slot, num_tokens, first_page, now):
         return self.feed(de.Init(r, pages, aux_slot, num_tokens, first_page, now))

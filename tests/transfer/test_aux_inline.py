@@ -361,3 +361,71 @@ def test_a_staged_only_rank_takes_the_row_ahead_and_still_refuses_pages_that_byp
     m.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 1.1)
     m.message("tcp://p0", done(7, 0, [0, 1, 2]), 1.2)  # pages no staging slot brought
     assert r.state.state == KVPoll.Failed and "came through no staging slot" in r.state.reason
+
+
+def test_a_room_keeps_its_aux_slot_while_its_rows_write_is_in_flight(d):
+    """On a GPU the row's write ahead is a copy the loop polls (``AuxRowWritten`` comes turns
+    later). A room that fails meanwhile is not forgotten (its slot is not the engine's again) until
+    the copy ran; one that commits meanwhile writes the row at the commit (behind the first copy
+    on the same stream) and is forgotten once the first copy ran too."""
+    from kvbridge.transfer.actions import FreeRoom
+
+    d.defer_writes = True
+    r = asked(d)
+    d.message("tcp://p0", with_row(done(7, 0, [], aux=True, num_tokens=10), schema_row(7)), 2.0)
+    assert r.row_writing and len(d.deferred) == 1 and not d.written
+    d.abort(r, "engine gave up", 2.1)
+    d.message("tcp://p0", wire.AbortAck(room=7, cp_rank=0), 2.2)
+    d.message("tcp://p1", wire.AbortAck(room=7, cp_rank=1), 2.3)
+    d.close(r, 2.4)
+    assert r.state.state == KVPoll.Failed and not r.pages_releasable and 7 in d.rooms
+    assert not of(d.tick(2.5), FreeRoom)
+    assert of(d.complete_writes(2.6), FreeRoom) == [FreeRoom(7)] and 7 not in d.rooms
+
+    d.written.clear()
+    r = asked(d, room=8)
+    d.message("tcp://p0", with_row(done(8, 0, [], aux=True, num_tokens=10), schema_row(8)), 3.0)
+    d.message("tcp://p0", done(8, 0, [0, 2]), 3.1)
+    d.message("tcp://p1", done(8, 1, [1]), 3.2)
+    assert r.state.state == KVPoll.Success and r.aux.room == 8 and r.row_writing
+    assert [(s, w.tobytes()) for s, w in d.written] == [(1, schema_row(8))]  # the commit's write
+    d.close(r, 3.3)
+    assert 8 in d.rooms and not r.pages_releasable
+    assert of(d.complete_writes(3.4), FreeRoom) == [FreeRoom(8)] and 8 not in d.rooms
+
+
+def test_a_row_written_without_waiting_goes_from_its_pinned_mirror_row_and_is_polled_by_its_event():
+    """The CUDA path of ``write_row_async`` on the CPU, its runtime calls stubbed: the row's own
+    row of the pinned mirror holds it when the copy is queued, the copy goes to the slot's address
+    on the rows' stream, an event is recorded behind it and nothing waits; ``done()`` asks the
+    event until it passed, then gives the event back for the next write. On a GPU: test_gpu.py
+    ``test_a_row_written_without_waiting_is_there_once_its_write_says_done_and_later_writes_land_after``."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from kvbridge.transfer import aux_rows
+
+    rb, calls, ready = SCHEMA.row_bytes, [], {}
+    rows = object.__new__(aux_rows._DeviceRows)
+    rows._mirror, rows._events, rows._rows = np.zeros((4, rb), np.uint8), [], 4
+    rows._cuda = SimpleNamespace(
+        on_device=lambda device: contextlib.nullcontext(),
+        memcpy_async=lambda dst, src, n, stream: calls.append(("copy", dst, src, n, stream,
+                                                               rows._mirror[3].tobytes())),
+        event_create=lambda: 900 + len(ready),
+        event_record=lambda event, stream: (calls.append(("record", event, stream)), ready.setdefault(event, False)),
+        event_query=lambda event: ready[event],
+        stream_synchronize=lambda stream: calls.append(("sync", stream)))
+    rows._device, rows._base, rows._row_bytes = 0, 1 << 40, rb
+    rows._stream, rows._lock = SimpleNamespace(cuda_stream=77), threading.Lock()
+    row = np.frombuffer(schema_row(5), np.uint8)
+    w = rows.write_async(3, row)
+    assert calls == [("copy", (1 << 40) + 3 * rb, rows._mirror[3].ctypes.data, rb, 77, row.tobytes()),
+                     ("record", 900, 77)]
+    assert not w.done() and not rows._events
+    ready[900] = True
+    assert w.done() and w.done() and rows._events == [900]  # (asked once more: still done, the event not twice)
+    calls.clear()
+    rows.write_async(1, row)
+    assert calls[-1] == ("record", 900, 77) and not rows._events  # the pool's event serves the next write

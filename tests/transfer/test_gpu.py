@@ -543,3 +543,35 @@ def test_a_row_written_into_device_rows_is_there_when_the_write_returns():
     aux.write_row(2, row)
     assert bytes(rows[2].cpu().numpy()) == row.tobytes() and not rows[[0, 1, 3]].any()
     assert aux.read_row(2).tobytes() == row.tobytes()
+
+
+def test_a_row_written_without_waiting_is_there_once_its_write_says_done_and_later_writes_land_after():
+    """``write_row_async`` (decode's write of a row ahead of the room's last pages): the copy is
+    queued from the row's pinned mirror and its event polled; once ``done()`` the row reads back.
+    Two writes of the same row, the second before the first is polled, leave the second (one
+    stream: in order); a bad slot is refused by name before anything is queued; the events of
+    completed writes serve the next ones."""
+    from kvbridge.errors import KVBridgeError
+    from kvbridge.transfer.aux_rows import AuxBuffers
+
+    contract = build_contract("deepseek-v3.2-fp8", 2, 64, 1, "interleaved")
+    schema = aux_schema_of(contract)
+    rows = torch.zeros((4, schema.row_bytes), dtype=torch.uint8, device="cuda:0")
+    aux = AuxBuffers(schema, rows, rank="t")
+    first = np.full(schema.row_bytes, 7, dtype=np.uint8)
+    second = np.arange(schema.row_bytes, dtype=np.uint8)
+    w1 = aux.write_row_async(1, first)
+    w2 = aux.write_row_async(1, second)
+    w3 = aux.write_row_async(3, first)
+    for w in (w1, w2, w3):
+        for _ in range(100_000):  # (bounded: a copy of one row takes microseconds)
+            if w.done():
+                break
+        assert w.done()
+    assert bytes(rows[1].cpu().numpy()) == second.tobytes() and bytes(rows[3].cpu().numpy()) == first.tobytes()
+    assert not rows[[0, 2]].any() and aux.read_row(1).tobytes() == second.tobytes()
+    assert len(aux._device_rows._events) == 3
+    aux.write_row_async(0, first).done()
+    assert len(aux._device_rows._events) >= 2  # (one taken from the pool, back once done)
+    with pytest.raises(KVBridgeError, match="aux slot 4 outside"):
+        aux.write_row_async(4, first)

@@ -134,6 +134,7 @@ class DecodeEndpoint(EndpointShell):
         )  # fmt: skip
         self._peers: PeerSet | None = None
         self._scattering: deque[tuple[Any, Scatter]] = deque()  # GPU scatters queued: (event, action)
+        self._row_writes: deque[tuple[Any, int, float]] = deque()  # aux rows' GPU writes queued: (write, room, start)
         self._pool = ThreadPoolExecutor(max_workers=config.lookup_threads, thread_name_prefix="kvb-lookup")
         self._lease: LeaseKeeper | None = None
 
@@ -242,15 +243,37 @@ class DecodeEndpoint(EndpointShell):
 
     def _write_aux_row(self, a: WriteAuxRow) -> None:
         """A room's aux row, carried by a report before its last pages landed, written into its
-        slot now (the commit then has nothing to write); the answer is queued for the machine."""
+        slot now (the commit then has nothing to write); the answer is queued for the machine.
+        Rows in device memory: the copy is queued and its event polled by the loop (no
+        synchronise on this thread, issue 33 round 30: 0.15 ms of the loop's 0.29 ms write per
+        room under load); ``AuxRowWritten`` is fed the turn it completes, and the room keeps its
+        slot until then (``DecodeRoom.pages_releasable``)."""
         start = time.monotonic()
         try:
-            self.aux.write_row(a.aux_slot, a.row)
+            write = self.aux.write_row_async(a.aux_slot, a.row)
             error = None
         except KVBridgeError as exc:
-            error = str(exc)
+            write, error = None, str(exc)
+        if write is not None:
+            self._row_writes.append((write, a.room, start))
+            return
         now = time.monotonic()
         self._queue(AuxRowWritten(a.room, now - start, error, now))
+
+    def _poll_row_writes(self) -> None:
+        """(lock held) Feed ``AuxRowWritten`` for every queued aux row write that completed (one
+        stream: in order)."""
+        while self._row_writes:
+            write, room, start = self._row_writes[0]
+            try:
+                if not write.done():
+                    return
+                error = None
+            except KVBridgeError as exc:  # (the event's query failed: the room fails by name, the loop goes on)
+                error = str(exc)
+            self._row_writes.popleft()
+            now = time.monotonic()
+            self._feed_event(AuxRowWritten(room, now - start, error, now))
 
     def _echo_scratch(self, a: EchoScratch) -> None:
         """A prefill rank's Challenge: echo the nonce it wrote into our scratch region."""
@@ -488,13 +511,14 @@ class DecodeEndpoint(EndpointShell):
     # -- the loop -------------------------------------------------------------
 
     def _step(self) -> None:
-        # a GPU scatter in flight: poll its event every turn (no wait); else wait for input
-        for endpoint, msg in self._peers.recv_ready(0 if self._scattering else 20):
+        # a GPU scatter or aux row write in flight: poll its event every turn (no wait); else wait for input
+        for endpoint, msg in self._peers.recv_ready(0 if self._scattering or self._row_writes else 20):
             with self._lock:
                 self._feed_event(Message(endpoint, msg, time.monotonic()))
                 self._feed_queued()  # a chunk's scatter is done before the next message is read
         with self._lock:
             self._poll_scatters()
+            self._poll_row_writes()
             self._feed_queued()
             self._close_released()
             self._feed_event(Tick(time.monotonic()))

@@ -587,11 +587,16 @@ class DecodeRooms:
         self._out.append(ReadForCommit(r.room, r.aux_slot, reads, r.inline_row, r.row_written is not None))
 
     def _aux_row_written(self, e: AuxRowWritten) -> None:
-        """A row written ahead of the commit (``WriteAuxRow``): there now, or the room fails."""
+        """A row written ahead of the commit (``WriteAuxRow``): there now, or the room fails. A room
+        that ended meanwhile (committed, the commit writing the row again behind it, or failed) is
+        forgotten now if nothing else of it may still land."""
         r = self.rooms.get(e.room)
-        if r is None or r.state.final:
+        if r is None:
             return
         r.row_writing = False
+        if r.state.final:
+            self._forget_if_quiet(r, e.now)
+            return
         if e.error is not None:
             self.fail(r, f"the aux row its report carried could not be written into slot {r.aux_slot}: {e.error}",
                       e.now)

@@ -346,9 +346,10 @@ class DecodeRoom:
 
     @property
     def pages_releasable(self) -> bool:
-        """True when no write of this room can still land (hard rule 6), remote or the local
-        scatter out of a staging slot."""
-        if self.scatters:
+        """True when no write of this room can still land (hard rule 6), remote, the local
+        scatter out of a staging slot, or its aux row's write into its slot (``WriteAuxRow``: on a
+        GPU a copy the loop polls; the slot is the engine's again once the room is forgotten)."""
+        if self.scatters or self.row_writing:
             return False
         if self.state.state == KVPoll.Success:
             return True
