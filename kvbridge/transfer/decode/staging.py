@@ -486,13 +486,14 @@ class DecodeStaging:
         if int(length.min()) < 1 or int(np.maximum(off, length).max()) > slot_bytes or \
                 int((off + length).max()) > slot_bytes:
             return f"reads outside its {slot_bytes} B slot", None
-        if int(dst.max()) > (1 << 64) - 1 - slot_bytes:  # dst + length would wrap around
+        top = int(dst.max())
+        if top > (1 << 64) - 1 - slot_bytes:  # dst + length would wrap around
             return "writes past the end of the address space", None
         stop = dst + length
         held = self._held_of(room, page_ids, kind_units)
         if self._base.size and int(dst.min()) >= int(self._base[0]):
             fast = self._fast
-            if fast is not None and int(dst.max()) < fast.covered:
+            if fast is not None and top < fast.covered:
                 i = fast.buffer(dst)
                 if bool((stop <= self._end[i]).all()):
                     lo, hi1 = fast.units(dst, length, self._lo_base, i)
