@@ -245,9 +245,8 @@ class DecodeEndpoint(EndpointShell):
         """A room's aux row, carried by a report before its last pages landed, written into its
         slot now (the commit then has nothing to write); the answer is queued for the machine.
         Rows in device memory: the copy is queued and its event polled by the loop (no
-        synchronise on this thread, issue 33 round 30: 0.15 ms of the loop's 0.29 ms write per
-        room under load); ``AuxRowWritten`` is fed the turn it completes, and the room keeps its
-        slot until then (``DecodeRoom.pages_releasable``)."""
+        synchronise on this thread, which serves every room); ``AuxRowWritten`` is fed the turn
+        it completes, and the room keeps its slot until then (``DecodeRoom.pages_releasable``)."""
         start = time.monotonic()
         try:
             write = self.aux.write_row_async(a.aux_slot, a.row)

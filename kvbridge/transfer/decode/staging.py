@@ -110,9 +110,7 @@ class _Held:
 
 class _FastUnits:
     """The fast path of ``DecodeStaging._outside``'s look-ups, the same answers in fewer and cheaper
-    passes over a chunk's list (a 256 MiB chunk of an 8K V3.2 room is about 7,800 entries; each
-    numpy pass over them costs 3-8 us, and the list check ran 0.44-0.67 ms per chunk on decode's
-    loop on an H100 host, issue 33 round 28):
+    passes over a chunk's list (thousands of entries a chunk, checked on decode's loop):
 
     - the buffer of an address by one shift and two gathers instead of a binary search: the
       address space from the lowest buffer's base to the highest end, cut into buckets no wider
