@@ -49,10 +49,12 @@ class Tick:
 @dataclass(frozen=True, slots=True)
 class Send:
     """Send ``msg`` to each peer of ``to`` (decode: control endpoints; prefill: connection
-    ids), encoded once."""
+    ids), encoded once. ``via`` (decode): the registration whose connections carry it, the one
+    the message acts for (None: this rank's registration now)."""
 
     to: tuple[Any, ...]
     msg: Any
+    via: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,57 @@ def test_server_loop_serves_two_clients(served: tuple[ControlServer, EchoLoop]) 
         d1.close()
 
 
+def test_a_rename_keeps_open_the_connections_of_the_names_it_is_told_to_keep(
+        served: tuple[ControlServer, EchoLoop]) -> None:
+    """A decode rank that registered again (decode/machine.py, "Re-registration"): connections
+    opened from now on say the new name; the ones of an earlier name it keeps stay open, retired:
+    what the server sends on them still arrives, with their name, and a sender picks them by name,
+    until ``drop_name`` closes them."""
+    server, _ = served
+    peers = PeerSet(name="R")
+
+    def named(count: int) -> list[tuple[str, str, object]]:
+        got: list[tuple[str, str, object]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < count and time.monotonic() < deadline:
+            got += peers.recv_named(timeout_ms=50)
+        return got
+
+    def hellos() -> list[str]:
+        return sorted(server.hello_of(p).peer for p in server.peers)
+
+    try:
+        peers.send(server.endpoint, Ping(decode_rank="d", seq=1))
+        assert [(name, m.seq) for _, name, m in named(1)] == [("R", 1)]
+        (old,) = server.peers
+        peers.rename("R2", keep={"R"})
+        assert peers.name == "R2" and peers.retired() == [(server.endpoint, "R")]
+        peers.send(server.endpoint, Ping(decode_rank="d", seq=2))  # a new connection, saying R2
+        peers.send_frame(server.endpoint, peers.encode(Ping(decode_rank="d", seq=3)), "R")  # the kept one
+        assert sorted((name, m.seq) for _, name, m in named(2)) == [("R", 3), ("R2", 2)]
+        assert hellos() == ["R", "R2"] and old in server.peers  # the same connection as before the rename
+        server.send(old, Heartbeat(cp_rank=0, seq=9))  # the server answers on the connection that asked
+        assert [(ep, name, m.seq) for ep, name, m in named(1)] == [(server.endpoint, "R", 9)]
+        peers.drop_name("R")
+        assert peers.retired() == []
+        assert wait_for(lambda: hellos() == ["R2"])
+        peers.rename("R3")  # nothing kept: every connection closes, and opens again under R3 when used
+        assert wait_for(lambda: not server.peers) and peers.endpoints() == []
+        peers.send(server.endpoint, Ping(decode_rank="d", seq=4))
+        assert [(name, m.seq) for _, name, m in named(1)] == [("R3", 4)] and hellos() == ["R3"]
+    finally:
+        peers.close()
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.parametrize(
     ("body", "reason", "ref_type", "room"),
     [

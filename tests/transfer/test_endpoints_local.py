@@ -14,6 +14,7 @@ import pytest
 
 from _cluster import wait_final, wait_until
 from _local import PAGE, Cluster, HostEvent
+from kvbridge.bootstrap.client import LeaseKeeper
 from kvbridge.errors import LayoutError, PageRangeError, UnknownInstance
 from kvbridge.transfer.engine import tensor_region
 from kvbridge.transfer.decode.events import LookUp
@@ -272,9 +273,8 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
         c.decode.machine.topologies.clear()  # no cached topology: the next room must look the instance up again
 
         def reregistered() -> bool:
-            # every rank, decode's too: a room whose request leaves just before its decode rank re-registers is
-            # another case (the re-registration drops the connections the request went on; the room fails at its
-            # transfer timeout: docs/commands.md, "Known gap")
+            # every rank, decode's too (a room whose request leaves just before its decode rank re-registers:
+            # test_a_room_asked_just_before_its_decode_rank_re_registers_completes)
             try:
                 return (len(c.clients[0].instance("restart-p").ranks) == 2
                         and [rk.rank_id for rk in c.clients[0].instance("restart-d").ranks] == [c.decode.rank_id])
@@ -287,6 +287,52 @@ def test_rooms_keep_working_after_the_bootstrap_daemon_restarts(start_daemon):
         senders = c.send(21, 10)  # noqa: F841
         wait_final([r], timeout=20)
         assert r.poll() == KVPoll.Success and c.verified(21, 10, np.array([3, 4, 5]))
+    finally:
+        c.close()
+
+
+def test_a_room_asked_just_before_its_decode_rank_re_registers_completes(start_daemon):
+    """A room's TransferRequests left on decode's connections named by its registration R; then the
+    daemon restarts and decode registers again as R'. The room's prefill ranks hold its targets on
+    those connections (a prefill rank answers a room only on the connection that asked), so decode
+    keeps them open, pinged under R, while the room needs them, and opens new ones under R' for
+    what it asks from now on: the room completes long before its transfer timeout, and the old
+    connections close once it is done. The re-registration is the test's own, at the moment it picks
+    (decode's lease keeper is stopped first): the request has left and been taken, nothing answered."""
+    daemon = start_daemon("--lease-ttl", "30")
+    # prefill's peer timeout short: the wait below outlasts it, so the old connections must be heard from
+    c = Cluster(daemon.url, "rereg", cp=2, transfer_timeout=60.0, prefill_cfg={"peer_timeout": 2.0})
+    try:
+        old = c.decode.rank_id
+        c.decode._lease.stop()
+        r = c.decode.receiver(30, "rereg-p")
+        pages = np.array([0, 1, 2])
+        r.init(pages, 0, 10)
+
+        def asked() -> bool:  # every prefill rank holds the room's target (cp1's after the decider's ticket)
+            return all(ep.locked(lambda ep=ep: bool(getattr(ep.machine.rooms.get(30), "targets", None)))
+                       for ep in c.prefill)
+
+        assert wait_until(asked, 20)
+        daemon.restart()  # same port, empty state
+        reg = c.decode._lease.registration
+        c.decode.bootstrap.heartbeat(reg)  # the daemon forgot decode: it registers again, under a new id
+        assert reg.rank_id != old
+        c.decode._lease = LeaseKeeper(c.decode.bootstrap, reg).start()
+        assert wait_until(lambda: c.decode._peers.name == reg.rank_id, 10)  # its connections renamed
+        assert {name for _, name in c.decode._peers.retired()} == {old}  # but the room's kept open
+        time.sleep(3.0)  # past prefill's peer timeout: the room's targets live on their connection's pings
+        senders = c.send(30, 10)  # noqa: F841  (only now does prefill write and report)
+        wait_final([r], timeout=30)
+        assert r.poll() == KVPoll.Success, r.failure_reason
+        assert c.verified(30, 10, pages)
+        assert wait_until(lambda: not c.decode._peers.retired(), 10)  # the old connections closed with the room
+        r2 = c.decode.receiver(31, "rereg-p")  # and a room asked under the new registration is served
+        r2.init(np.array([3, 4, 5]), 1, 10)
+        senders = c.send(31, 10)  # noqa: F841
+        wait_final([r2], timeout=30)
+        assert r2.poll() == KVPoll.Success, r2.failure_reason
+        assert c.verified(31, 10, np.array([3, 4, 5]))
     finally:
         c.close()
 

@@ -1,5 +1,17 @@
 """The client end of the transport (``transport.py``): one reconnecting ``Client`` per endpoint,
-each answering its server's challenge with a Hello before anything else goes out."""
+each answering its server's challenge with a Hello before anything else goes out.
+
+A connection says the channel's ``name`` in its Hello, and a server binds the connection to it.
+``rename`` changes the name for the connections opened from then on; those of an earlier name that
+the caller still needs (a decode rank's rooms asked on them: the prefill rank answers a room only
+on the connection that asked) stay open, *retired*, until ``drop_name``:
+
+    name R:   endpoint -> Client(R)                    (send_frame(endpoint, data))
+    rename(R', keep={R})
+    name R':  endpoint -> Client(R')                   opened on the next send
+              (endpoint, R) -> Client(R), retired      still read; send_frame(endpoint, data, name=R)
+    drop_name(R): the retired connections of R close
+"""
 
 from __future__ import annotations
 
@@ -26,9 +38,11 @@ log = logging.getLogger("kvbridge.transfer.channel")
 class Client:
     """The connection to one server; created and owned by a ``Clients``."""
 
-    def __init__(self, owner: Clients, endpoint: str, address: tuple[int, Any], max_frame: int, hwm: int) -> None:
+    def __init__(self, owner: Clients, endpoint: str, address: tuple[int, Any], max_frame: int, hwm: int,
+                 name: str) -> None:
         self._owner = owner
         self.endpoint = endpoint
+        self.name = name  # what its Hello says: the channel's name when it was opened
         self.address = address  # (socket family, sockaddr)
         self.stream = Stream(None, max_frame, hwm)
         self.stream.client = self
@@ -47,9 +61,11 @@ class Client:
         self._owner._send_client(self, data)
 
 
-class Clients(Channel[str]):
-    """One reconnecting ``Client`` per server endpoint; replies come back as ``(endpoint, message)``.
-    ``name``: who this side is, said in the Hello of every connection."""
+class Clients(Channel[Client]):
+    """One reconnecting ``Client`` per server endpoint; replies come back as ``(endpoint, message)``
+    (``recv_named``: ``(endpoint, name, message)``, the name the connection's Hello said).
+    ``name``: who this side is, said in the Hello of every connection; ``rename`` may keep the
+    connections of an earlier name open (retired), sent on by that name."""
 
     def __init__(self, codec: Codec[Any], *, name: str = "", hwm: int = DEFAULT_HWM, max_peers: int = MAX_PEERS,
                  admit: Callable[[socket.socket], Any] | None = None,
@@ -59,27 +75,41 @@ class Clients(Channel[str]):
         self.max_peers = max_peers
         self._admit = admit
         self._on_lost = on_lost
-        self._clients: dict[str, Client] = {}
+        self._clients: dict[str, Client] = {}  # endpoint -> its connection under ``name``
+        self._retired: dict[tuple[str, str], Client] = {}  # (endpoint, earlier name) -> a connection kept open
         self._retry: set[Client] = set()
         self._connecting: set[Client] = set()
 
-    def get(self, endpoint: str) -> Client:
-        """The client of ``endpoint``, connected on first use (any thread)."""
-        client = self._clients.get(endpoint)
+    def get(self, endpoint: str, name: str | None = None) -> Client:
+        """The client of ``endpoint`` whose Hello says ``name`` (None: the channel's name; an
+        earlier one: its retired connection, opened again under that name if there is none),
+        connected on first use (any thread)."""
+        client = self._clients.get(endpoint) if name is None else self._of(endpoint, name)
         if client is not None:
             return client
         family, sockaddr, _ = parse_address(endpoint)
         with self._io:
-            client = self._clients.get(endpoint)
+            name = self.name if name is None else name
+            client = self._of(endpoint, name)
             if client is not None:
                 return client
             if self._closed:
                 raise TransferError(f"{self.codec.name} channel is closed")
-            if len(self._clients) >= self.max_peers:
+            if len(self._clients) + len(self._retired) >= self.max_peers:
                 raise TransferError(f"more than {self.max_peers} {self.codec.name} peers; drop() the ones that are gone")
-            client = self._clients[endpoint] = Client(self, endpoint, (family, sockaddr), self._max_frame, self.hwm)
+            client = Client(self, endpoint, (family, sockaddr), self._max_frame, self.hwm, name)
+            if name == self.name:
+                self._clients[endpoint] = client
+            else:
+                self._retired[(endpoint, name)] = client
             self._connect(client)
         return client
+
+    def _of(self, endpoint: str, name: str) -> Client | None:
+        """The open client of ``endpoint`` under ``name`` (current or retired), if any."""
+        if name == self.name:
+            return self._clients.get(endpoint)
+        return self._retired.get((endpoint, name))
 
     def send(self, endpoint: str, msg: Any) -> None:
         self.get(endpoint).send(msg)
@@ -88,31 +118,67 @@ class Clients(Channel[str]):
         """``msg`` sealed for this channel: ``send_frame`` sends it, to as many peers as need it."""
         return self.codec.encode(msg)
 
-    def send_frame(self, endpoint: str, data: bytes) -> None:
-        self.get(endpoint).send_frame(data)
+    def send_frame(self, endpoint: str, data: bytes, name: str | None = None) -> None:
+        """``data`` to ``endpoint`` on the connection whose Hello says ``name`` (None: the channel's)."""
+        self.get(endpoint, name).send_frame(data)
 
-    def rename(self, name: str) -> None:
-        """Say ``name`` in the Hello from now on: every connection is dropped and opened again
-        on the next send (a peer binds a connection to what its Hello said)."""
-        self.name = name
-        for endpoint in list(self._clients):
-            self.drop(endpoint)
+    def recv_ready(self, timeout_ms: int) -> list[Received[str]]:  # type: ignore[override]
+        return [(client.endpoint, msg) for client, msg in super().recv_ready(timeout_ms)]
+
+    def recv_named(self, timeout_ms: int) -> list[tuple[str, str, Any]]:
+        """``recv_ready``, each message with the name its connection's Hello said."""
+        return [(client.endpoint, client.name, msg) for client, msg in super().recv_ready(timeout_ms)]
+
+    def rename(self, name: str, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Say ``name`` in the Hello from now on (a peer binds a connection to what its Hello
+        said): the open connections of a name in ``keep`` stay open, retired (still read; sent on
+        with ``send_frame(..., name=)``) until ``drop_name``; every other one is dropped, and opened
+        again under ``name`` on the next send."""
+        with self._io:
+            if name != self.name:
+                for endpoint, client in list(self._clients.items()):
+                    del self._clients[endpoint]
+                    if client.name in keep:
+                        self._retired[(endpoint, client.name)] = client
+                    else:
+                        self._drop(client)
+                self.name = name
+            for key, client in list(self._retired.items()):
+                if key[1] not in keep or key[1] == name:
+                    del self._retired[key]
+                    self._drop(client)
+
+    def drop_name(self, name: str) -> None:
+        """Close the retired connections of ``name``; what waits on them is dropped."""
+        with self._io:
+            for key in [k for k in self._retired if k[1] == name]:
+                self._drop(self._retired.pop(key))
+
+    def retired(self) -> list[tuple[str, str]]:
+        """The retired connections still open, as ``(endpoint, name)``."""
+        return sorted(self._retired)
 
     def connected(self, endpoint: str) -> bool:
         client = self._clients.get(endpoint)
         return client is not None and client.stream.connected and client.stream.sock is not None
 
     def drop(self, endpoint: str) -> None:
-        """Close the connection to one peer; what waits is dropped."""
+        """Close the connections to one peer (its retired ones too); what waits is dropped."""
         with self._io:
             client = self._clients.pop(endpoint, None)
             if client is not None:
-                client.dropped = True
-                client.connecting = False
-                self._retry.discard(client)
-                self._connecting.discard(client)
-                self._unwatch(client.stream)
-                client.stream.close()
+                self._drop(client)
+            for key in [k for k in self._retired if k[0] == endpoint]:
+                self._drop(self._retired.pop(key))
+
+    def _drop(self, client: Client) -> None:
+        """(io lock held) Close a client taken out of the tables."""
+        client.dropped = True
+        client.connecting = False
+        self._retry.discard(client)
+        self._connecting.discard(client)
+        self._unwatch(client.stream)
+        client.stream.close()
 
     def endpoints(self) -> list[str]:
         return list(self._clients)
@@ -121,10 +187,12 @@ class Clients(Channel[str]):
         with self._io:
             if self._closed:
                 return
-            streams = [c.stream for c in self._clients.values()]
-            for client in self._clients.values():
+            clients = [*self._clients.values(), *self._retired.values()]
+            streams = [c.stream for c in clients]
+            for client in clients:
                 client.connecting = False
             self._clients.clear()
+            self._retired.clear()
             self._retry.clear()
             self._connecting.clear()
             self._close(streams)
@@ -256,7 +324,7 @@ class Clients(Channel[str]):
         self._connecting.discard(client)
         self._unwatch(stream)
         stream.close()
-        if client.dropped or self._clients.get(client.endpoint) is not client:
+        if client.dropped or self._of(client.endpoint, client.name) is not client:
             return
         log.debug("%s channel to %s: %s; reconnecting", self.codec.name, client.endpoint, why)
         self._later(client)
@@ -275,7 +343,7 @@ class Clients(Channel[str]):
             return None
         return min([c.retry_at for c in self._retry] + [c.connect_by for c in self._connecting])
 
-    def _housekeeping(self, out: list[Received[str]]) -> None:
+    def _housekeeping(self, out: list[Received[Client]]) -> None:
         if not self._retry and not self._connecting:
             return
         now = time.monotonic()
@@ -284,14 +352,14 @@ class Clients(Channel[str]):
         for client in [c for c in self._retry if c.retry_at <= now]:
             self._connect(client)
 
-    def _receive(self, stream: Stream, body: bytes) -> Received[str] | None:
-        endpoint = stream.client.endpoint
+    def _receive(self, stream: Stream, body: bytes) -> Received[Client] | None:
+        client = stream.client
         if stream.held:  # the connection's first frame: the server's challenge
             return self._answer(stream, body)
-        result = self._decode(body, endpoint)
-        return None if result is None else (endpoint, result)
+        result = self._decode(body, client.endpoint)
+        return None if result is None else (client, result)
 
-    def _answer(self, stream: Stream, body: bytes) -> Received[str] | None:
+    def _answer(self, stream: Stream, body: bytes) -> Received[Client] | None:
         """Send the Hello that answers the server's challenge, then what waits. A first frame
         that is no challenge of this channel (another channel, version or secret: the server
         said nothing, so the caller hears nothing) is logged and counted, and the connection is
@@ -312,7 +380,7 @@ class Clients(Channel[str]):
             self._lost(stream, f"no hello challenge: {err}")
             return None
         try:
-            stream.open(frame(self.codec.hello(self.name, challenge.nonce)))
+            stream.open(frame(self.codec.hello(stream.client.name, challenge.nonce)))
         except OSError as exc:
             self._lost(stream, str(exc))
             return None

@@ -41,9 +41,10 @@ from kvbridge.transfer.checks import check_against_contract
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import CheckLease, DropPeer
 from kvbridge.transfer.decode.receiver import KVReceiver
-from kvbridge.transfer.decode.events import (AuxRowWritten, CommitRead, EchoScratch, Init, LeaseChecked, LookedUp,
-                                             LookUp, Message, ReadForCommit, Refresh, Refreshed, Registered, Release,
-                                             Scattered, ScatterFailed, SetStaging, WriteAuxRow, WriteProof)
+from kvbridge.transfer.decode.events import (AuxRowWritten, CommitRead, DropRegistration, EchoScratch, Init,
+                                             LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh,
+                                             Refreshed, Registered, Release, Rename, Scattered, ScatterFailed,
+                                             SetStaging, WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.machine import DecodeRooms
 from kvbridge.transfer.decode.events import InitKinds, KindDigestRead
 from kvbridge.transfer.decode.room import DecodeRoom
@@ -281,7 +282,7 @@ class DecodeEndpoint(EndpointShell):
         except KVBridgeError as exc:
             log.warning("prefill %s challenged %s at a bad offset: %s", a.endpoint, self.config.rank_label, exc)
             return
-        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=nonce)))
+        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=nonce), via=a.via))
 
     def _write_proof(self, a: WriteProof) -> None:
         """A prefill rank's Challenge with a nonce: our proof into our own scratch region, then the
@@ -291,7 +292,7 @@ class DecodeEndpoint(EndpointShell):
         except KVBridgeError as exc:
             log.warning("prefill %s challenged %s at a bad offset: %s", a.endpoint, self.config.rank_label, exc)
             return
-        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=hashlib.sha256(a.proof).digest())))
+        self._carry(Send((a.endpoint,), wire.ChallengeEcho(nonce=hashlib.sha256(a.proof).digest()), via=a.via))
 
     def _feed_event(self, event: Any) -> None:
         """(lock held) Feed one event; first this rank's registration id when the lease keeper
@@ -401,12 +402,9 @@ class DecodeEndpoint(EndpointShell):
 
     def _carry(self, a: Any) -> None:
         if type(a) is Send:
-            rank_id = self.rank_id
-            if rank_id and rank_id != self._peers.name:  # re-registered: reconnect under the new name
-                self._peers.rename(rank_id)
             frame = self._peers.encode(a.msg)  # one encoding for every rank it goes to
             for endpoint in a.to:
-                self._send_frame(endpoint, frame)
+                self._send_frame(endpoint, frame, a.via)
         elif type(a) is Scatter:
             self._scatter(a)
         elif type(a) is FreeRoom:
@@ -427,6 +425,10 @@ class DecodeEndpoint(EndpointShell):
             self._echo_scratch(a)
         elif type(a) is WriteProof:
             self._write_proof(a)
+        elif type(a) is Rename:  # registered again: new connections say the new id, rooms asked keep theirs
+            self._peers.rename(a.rank_id, a.keep)
+        elif type(a) is DropRegistration:
+            self._peers.drop_name(a.rank_id)
         else:
             raise TypeError(f"decode endpoint cannot carry out {a!r}")
 
@@ -462,9 +464,9 @@ class DecodeEndpoint(EndpointShell):
             a = self._scattering.popleft()[1]
             self._feed_event(Scattered(a.room, a.slot, time.monotonic()))
 
-    def _send_frame(self, endpoint: str, frame: bytes) -> None:
+    def _send_frame(self, endpoint: str, frame: bytes, via: str | None = None) -> None:
         try:
-            self._peers.send_frame(endpoint, frame)
+            self._peers.send_frame(endpoint, frame, via)
         except TransferError as exc:  # liveness fails the rooms of a peer that stays unreachable
             log.warning("cannot reach prefill peer %s: %s", endpoint, exc)
 
@@ -511,9 +513,9 @@ class DecodeEndpoint(EndpointShell):
 
     def _step(self) -> None:
         # a GPU scatter or aux row write in flight: poll its event every turn (no wait); else wait for input
-        for endpoint, msg in self._peers.recv_ready(0 if self._scattering or self._row_writes else 20):
+        for endpoint, via, msg in self._peers.recv_named(0 if self._scattering or self._row_writes else 20):
             with self._lock:
-                self._feed_event(Message(endpoint, msg, time.monotonic()))
+                self._feed_event(Message(endpoint, msg, time.monotonic(), via))
                 self._feed_queued()  # a chunk's scatter is done before the next message is read
         with self._lock:
             self._poll_scatters()

@@ -3,11 +3,12 @@
 Events are frozen records fed through ``DecodeRooms.feed(event)``; ``EVENTS`` lists every type
 the door takes (its own and the shared ones of ``transfer/actions.py``). Actions are what
 ``feed`` returns for the shell to carry out: ``LookUp``, ``Refresh``, ``EchoScratch``,
-``WriteAuxRow`` and ``ReadForCommit`` here, ``Send`` and ``FreeRoom`` (``transfer/actions.py``),
-``CheckLease`` and ``DropPeer`` (``peers.py``), ``Scatter`` (``staging.py``). The machine reads no memory: what it
-needs read or written (an aux row and page digests at commit, an aux row a report carried, a
-nonce in our scratch region) goes out as an action over plain data, and what was done comes
-back as an event (``CommitRead``, ``AuxRowWritten``).
+``WriteAuxRow``, ``ReadForCommit``, ``Rename`` and ``DropRegistration`` here, ``Send`` and
+``FreeRoom`` (``transfer/actions.py``), ``CheckLease`` and ``DropPeer`` (``peers.py``), ``Scatter``
+(``staging.py``). The machine reads no memory: what it needs read or written (an aux row and
+page digests at commit, an aux row a report carried, a nonce in our scratch region) goes out as
+an action over plain data, and what was done comes back as an event (``CommitRead``,
+``AuxRowWritten``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENTS", "AuxRowWritten", "CommitRead", "DigestRead", "KindDigestRead", "EchoScratch", "Init", "InitKinds",
-    "LeaseChecked", "LookUp", "LookedUp", "Message", "ReadForCommit", "Refresh", "Refreshed", "Registered", "Release",
-    "ScatterFailed", "Scattered", "SetStaging", "WriteAuxRow", "WriteProof",
+    "DropRegistration", "LeaseChecked", "LookUp", "LookedUp", "Message", "ReadForCommit", "Refresh", "Refreshed",
+    "Registered", "Release", "Rename", "ScatterFailed", "Scattered", "SetStaging", "WriteAuxRow", "WriteProof",
 ]
 
 
@@ -62,6 +63,7 @@ class WriteProof:
     endpoint: str
     offset: int
     proof: bytes
+    via: str | None = None  # the registration of the connection that challenged (the echo goes back on it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,24 @@ class EchoScratch:
 
     endpoint: str
     offset: int
+    via: str | None = None  # the registration of the connection that challenged (the echo goes back on it)
+
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    """This rank registered again as ``rank_id``: its control connections say it in their Hello
+    from now on; those of the earlier registrations in ``keep`` stay open (rooms asked on them still
+    need them: a prefill rank answers a room only on the connection that asked), every other one closes."""
+
+    rank_id: str
+    keep: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class DropRegistration:
+    """No room needs the connections of earlier registration ``rank_id`` any more: close them."""
+
+    rank_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +193,13 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one)."""
+    """A message from the prefill rank at ``endpoint`` (or the channel's error for a bad one), on
+    the connection of registration ``via`` (None: this rank's registration now)."""
 
     endpoint: str
     msg: Any
     now: float
+    via: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,21 @@ digests to read back, and where they differ): ``commit_digests.py``.
 Between scans (every ``SCAN_S``) only the rooms something happened to are advanced:
 O(events), not O(rooms). A loop that was itself frozen blames no peer for the silence
 it did not listen to, and counts the gap toward no room's deadline (``tick``).
+
+**Re-registration.** A prefill rank binds a control connection to the registration its Hello
+names and answers a room only on the connection that asked for it. When this rank registers
+again (the daemon restarted and forgot it: ``Registered`` with a new id), rooms already asked keep
+the connections of the registration they asked under, *retired*: their pings, aborts, slot
+grants and ticket hand-ons go there, naming that registration, and what prefill sends for them
+still arrives; new rooms ask on connections under the new id. A retired registration's
+connections close once no room asked under it can still send or receive anything
+(``DropRegistration``). Nothing is asked twice and no room changes connection, so no sender is
+ever counted quiet that may still write (hard rule 6).
+
+    Registered(R')  ->  Rename(R', keep={R: rooms asked under R and not done})
+    room asked under R:   Abort / Ping / SlotGrant / RoomTicket ... via R   (prefill's answers come on R's)
+    new rooms:            TransferRequest ... on R'
+    every scan: R's rooms done (final, pages releasable, no staging slot quarantined) -> DropRegistration(R)
 """
 
 from __future__ import annotations
@@ -39,10 +54,10 @@ from kvbridge.transfer.ownership import PROOF_FAILED, ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
-from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, EchoScratch, Init,
+from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, DropRegistration, EchoScratch, Init,
                                              LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh,
-                                             Refreshed, Registered, Release, ScatterFailed, Scattered, SetStaging,
-                                             WriteAuxRow, WriteProof)
+                                             Refreshed, Registered, Release, Rename, ScatterFailed, Scattered,
+                                             SetStaging, WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.commit_digests import digest_mismatch, digest_reads
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
@@ -96,6 +111,8 @@ class DecodeRooms:
         self.proof_key = proof_key
         self.scratch = scratch
         self.registration: str | None = None  # this rank's registration id (``Registered``)
+        # earlier registrations whose connections stay open, with the rooms asked under them (module docstring)
+        self.retired: dict[str, list[DecodeRoom]] = {}
         self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
         self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
@@ -128,6 +145,8 @@ class DecodeRooms:
             raise TypeError(f"the decode room machine does not take {type(event).__name__}")
         handler(self, event)
         out = self._actions()
+        if self.retired and out:
+            out = self._routed(out)
         if self.trace:
             trace_cycle(self.cfg.rank_label, event, out)
         return out
@@ -219,7 +238,65 @@ class DecodeRooms:
             self.fail(r, e.reason, e.now)
 
     def _registered(self, e: Registered) -> None:
-        self.registration = self.peers.registration = e.rank_id
+        """This rank's registration, the first or a new one (the daemon forgot the earlier one):
+        the rooms asked under the earlier one keep its connections (module docstring)."""
+        old, self.registration = self.registration, e.rank_id
+        self.peers.registration = e.rank_id
+        if e.rank_id is None or old == e.rank_id:
+            return
+        if old is not None:
+            rooms = [r for r in self.rooms.values() if old in r.asked_as.values() and not self._settled(r)]
+            if rooms:
+                self.retired[old] = rooms
+                log.info("decode rank %s registered again as %s: %d room(s) asked as %s keep its connections",
+                         self.cfg.rank_label, e.rank_id, len(rooms), old)
+        self.retired.pop(e.rank_id, None)
+        self._out.append(Rename(e.rank_id, frozenset(self.retired)))
+
+    def _via(self, rank_id: str | None) -> str | None:
+        """``Send.via`` for a message that acts for ``rank_id``: None when that is our registration now."""
+        return None if rank_id == self.registration else rank_id
+
+    def _settled(self, r: DecodeRoom) -> bool:
+        """Nothing of room ``r`` is still to come or go on its connections: final, no write can
+        land in its pages, and no staging slot of it is quarantined (a late report frees one)."""
+        return r.state.final and r.pages_releasable and not (
+            self.staging is not None and self.staging.area.slots_of(r.room))
+
+    def _prune_retired(self) -> None:
+        """Close the connections of earlier registrations no room needs any more."""
+        for name in list(self.retired):
+            rooms = [r for r in self.retired[name] if name in r.asked_as.values() and not self._settled(r)]
+            if rooms:
+                self.retired[name] = rooms
+            else:
+                del self.retired[name]
+                self._out.append(DropRegistration(name))
+
+    def _retired_at(self) -> dict[str, set[str]]:
+        """Per prefill endpoint, the earlier registrations its rooms in flight asked it under (pinged
+        on their own connections: a prefill rank fails the targets of a connection gone silent)."""
+        at: dict[str, set[str]] = {}
+        for name, rooms in self.retired.items():
+            for r in rooms:
+                if not r.pages_releasable:
+                    for endpoint, asked in r.asked_as.items():
+                        if asked == name:
+                            at.setdefault(endpoint, set()).add(name)
+        return at
+
+    def _routed(self, out: Sequence[Any]) -> list[Any]:
+        """The staging area's slot grants for a room asked under an earlier registration go on
+        that registration's connection, where the prefill rank's target is."""
+        routed = []
+        for a in out:
+            if type(a) is Send and a.via is None and type(a.msg) is wire.SlotGrant:
+                r = self.rooms.get(a.msg.room)
+                via = self._via(r.asked_as.get(a.to[0])) if r is not None else None
+                if via is not None:
+                    a = Send(a.to, a.msg, via=via)
+            routed.append(a)
+        return routed
 
     def _set_staging(self, e: SetStaging) -> None:
         self.staging_mode = e.mode
@@ -338,9 +415,11 @@ class DecodeRooms:
     def _send_aborts(self, r: DecodeRoom, now: float) -> None:
         for key in sorted(r.requested - r.quiet - r.abort_sent):
             s = r.senders[key]
+            asked = r.asked_as.get(s.control_endpoint, self.registration)  # where its target is
             self._out.append(Send((s.control_endpoint,), wire.Abort(room=r.room, decode_rank=self.cfg.rank_label,
                                                                    reason=r.state.reason or "aborted",
-                                                                   decode_rank_id=self.registration or "?")))
+                                                                   decode_rank_id=asked or "?"),
+                                  via=self._via(asked)))
             r.abort_sent.add(key)
         r.last_abort = now
 
@@ -367,10 +446,10 @@ class DecodeRooms:
         if isinstance(msg, wire.Heartbeat):
             return
         if isinstance(msg, wire.Challenge):
-            self._answer_challenge(endpoint, msg)
+            self._answer_challenge(endpoint, msg, e.via or self.registration)
             return
         if isinstance(msg, wire.KeyChallenge):
-            self._answer_key_challenge(endpoint, msg)
+            self._answer_key_challenge(endpoint, msg, e.via or self.registration)
             return
         r = self.rooms.get(getattr(msg, "room", None))
         if r is None:
@@ -397,17 +476,18 @@ class DecodeRooms:
             r.row_writing = True
             self._out.append(WriteAuxRow(r.room, r.aux_slot, r.inline_row))
 
-    def _answer_key_challenge(self, endpoint: str, msg: wire.KeyChallenge) -> None:
-        """A prefill rank asks us to show we are our registration: sign its nonce, our
-        registration id and its endpoint as we dialled it (transfer/ownership.py)."""
-        rank_id = self.registration
+    def _answer_key_challenge(self, endpoint: str, msg: wire.KeyChallenge, rank_id: str | None) -> None:
+        """A prefill rank asks us to show we are our registration ``rank_id`` (the one the
+        challenged connection's Hello named): sign its nonce, that registration id and its endpoint
+        as we dialled it (transfer/ownership.py), and answer on that connection."""
         if self.proof_key is None or not rank_id:
             log.warning("prefill %s key-challenged %s, which has no proof key or registration", endpoint,
                         self.cfg.rank_label)
             return
-        self._out.append(Send((endpoint,), wire.KeyProof(signature=self.proof_key.sign(rank_id, endpoint, msg.nonce))))
+        self._out.append(Send((endpoint,), wire.KeyProof(signature=self.proof_key.sign(rank_id, endpoint, msg.nonce)),
+                              via=self._via(rank_id)))
 
-    def _answer_challenge(self, endpoint: str, msg: wire.Challenge) -> None:
+    def _answer_challenge(self, endpoint: str, msg: wire.Challenge, rank_id: str | None) -> None:
         """Our proof that we hold the memory we registered. With a nonce (proof by read): our proof
         key's signature over it, for the shell to write into our own scratch region at ``offset``
         (``WriteProof``) and the prefill rank to read back; the echo says what we wrote (its
@@ -415,18 +495,18 @@ class DecodeRooms:
         scratch region, or for an offset outside it, no echo: that prefill rank then refuses us,
         naming why."""
         if msg.nonce:
-            rank_id = self.registration
             if self.proof_key is None or not self.scratch or not rank_id:
                 log.warning("prefill %s asked %s for a memory proof; it has no proof key or scratch region", endpoint,
                             self.cfg.rank_label)
                 return
             self._out.append(WriteProof(endpoint, msg.offset,
-                                        self.proof_key.sign_memory(rank_id, endpoint, msg.nonce, msg.offset)))
+                                        self.proof_key.sign_memory(rank_id, endpoint, msg.nonce, msg.offset),
+                                        self._via(rank_id)))
             return
         if not self.scratch:
             log.warning("prefill %s challenged %s, which has no scratch region", endpoint, self.cfg.rank_label)
             return
-        self._out.append(EchoScratch(endpoint, msg.offset))  # the shell reads the nonce there and echoes it
+        self._out.append(EchoScratch(endpoint, msg.offset, self._via(rank_id)))  # the shell reads the nonce, echoes it
 
     def _dispatch(self, r: DecodeRoom, endpoint: str, key: SenderKey | None, msg: Any, now: float) -> None:
         if isinstance(msg, wire.PagesDone) and msg.status == "ok" and not r.state.final:  # the common case first
@@ -482,7 +562,7 @@ class DecodeRooms:
             if self.staging is not None:
                 self.staging.sender_quiet(r.room, key, self._out)
         elif isinstance(msg, wire.RoomTicket):
-            self._hand_on(r, key, msg)
+            self._hand_on(r, endpoint, key, msg)
         elif isinstance(msg, wire.ErrorReply):
             if msg.ref_type == wire.TransferRequest.TAG:
                 if PROOF_FAILED in msg.reason and self._ask_again(r, endpoint, msg, now):
@@ -513,19 +593,21 @@ class DecodeRooms:
                     r.room, self.cfg.rank_label, endpoint, msg.reason, PROOF_RETRY_S, n + 1, PROOF_RETRIES)
         return True
 
-    def _hand_on(self, r: DecodeRoom, key: SenderKey | None, t: wire.RoomTicket) -> None:
+    def _hand_on(self, r: DecodeRoom, endpoint: str, key: SenderKey | None, t: wire.RoomTicket) -> None:
         """The room's decider (cp 0, tp 0, pp 0 of the DP group) granted us the room: hand its
         ticket on, unchanged, to the other ranks we asked, which serve only the instance it names
         (transfer/prefill/tickets.py). Our tp rank 0 (which always draws from tp 0) hands it on to
         every rank of the columns our instance draws from too: our sibling ranks that do not ask
-        tp 0 get no ticket of their own. A ticket from any other rank is not a decision: ignored."""
-        if r.state.final or key != (0, 0, 0) or t.decode_rank_id != self.registration:
+        tp 0 get no ticket of their own. A ticket from any other rank is not a decision: ignored. It
+        names the registration we asked the decider under, and goes on that registration's connections
+        (the one it acts for, even after this rank registered again)."""
+        if r.state.final or key != (0, 0, 0) or t.decode_rank_id != r.asked_as.get(endpoint):
             return
         to = {s.control_endpoint for k, s, _ in r.placement.asks if k != key}
         if self.cfg.tp_rank == 0:
             to.update(r.placement.columns)
         if to:
-            self._out.append(Send(tuple(sorted(to)), t))
+            self._out.append(Send(tuple(sorted(to)), t, via=self._via(t.decode_rank_id)))
 
     def _staging_for(self, r: DecodeRoom, msg: Any) -> DecodeStaging:
         if self.staging is None:
@@ -674,6 +756,8 @@ class DecodeRooms:
                 self.rooms.unowned.discard(room)
             else:
                 self._forget_if_quiet(r, now)
+        if self.retired:
+            self._prune_retired()
 
     def _lookup_state(self, r: DecodeRoom, now: float) -> str:
         """What the timeout reason adds: the daemon's last answer, or else the look-up still
@@ -764,6 +848,7 @@ class DecodeRooms:
             if only is None or s.control_endpoint in only:
                 granted = tuple(self.staging.grant_with_request(r.room, key, only is not None)) if grants else ()
                 by_pools.setdefault((pools, granted), []).append(s.control_endpoint)
+                r.asked_as[s.control_endpoint] = self.registration  # where its target's connection is
         for (pools, granted), endpoints in by_pools.items():
             self._out.append(Send(tuple(endpoints), wire.TransferRequest(
                 room=r.room, decode_rank=self.cfg.rank_label, decode_rank_id=self.registration, page_ids=page_ids,
@@ -787,7 +872,7 @@ class DecodeRooms:
         return [rooms[k] for k in p.rooms if k in rooms and not rooms[k].pages_releasable]
 
     def _liveness(self, now: float) -> None:
-        found = self.peers.tick(now, self._active)
+        found = self.peers.tick(now, self._active, self._retired_at() if self.retired else None)
         self._out.extend(found.actions)
         for p in found.newly_dead:
             self.topologies.forget_instance(p.instance)

@@ -20,6 +20,11 @@ open between rooms: a prefill rank closes a connection silent for its ``PrefillC
 through the engine) on its own path. Nobody is declared dead for an unanswered keepalive: no room
 waits on it.
 
+Rooms asked under an earlier registration of this rank (it registered again: ``machine.py``,
+"Re-registration") keep their own connections; while any of them may still see writes, each ping
+of their prefill rank goes on those connections too, naming that registration, so that the
+prefill rank keeps hearing from the connection its targets are bound to.
+
 No socket, thread or clock: ``tick(now, ...)`` returns what to do (pings, lease checks,
 connections to drop) and what it found (peers dead, peers quiet), and the room state
 machine (``decode/machine.py``) applies the verdicts to its rooms.
@@ -27,7 +32,7 @@ machine (``decode/machine.py``) applies the verdicts to its rooms.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,18 +143,22 @@ class PrefillPeers:
         for p in self._peers.values():
             p.last_seen = max(p.last_seen, now)
 
-    def tick(self, now: float, active: Callable[[PrefillPeer], list[Any]]) -> Verdicts:
+    def tick(self, now: float, active: Callable[[PrefillPeer], list[Any]],
+             retired: Mapping[str, Set[str]] | None = None) -> Verdicts:
         """One liveness pass. ``active(peer)``: the rooms toward it that may still see its writes
-        (rooms not yet releasable)."""
+        (rooms not yet releasable); ``retired``: per endpoint, the earlier registrations of this rank
+        that such rooms asked it under (pinged on their connections too)."""
         out = Verdicts()
         for p in list(self._peers.values()):
             rooms = active(p)
+            also = retired.get(p.endpoint, ()) if retired else ()
             if not rooms:
                 if p.dead is not None and p.lease_gone:  # gone for good: close its socket, forget it
                     out.actions.append(DropPeer(p.endpoint))
                     del self._peers[p.endpoint]
-                elif p.dead is None and self._keepalive_due(p, now):
-                    self._ping(p, now, out)
+                elif p.dead is None and (self._keepalive_due(p, now)
+                                         or also and now - p.last_ping >= self.cfg.ping_interval):
+                    self._ping(p, now, out, also)
                 continue
             p.last_room = now
             if p.dead is None and now - p.last_seen > self.cfg.peer_timeout:
@@ -164,7 +173,7 @@ class PrefillPeers:
                     p.lease_check_pending = True
                     out.actions.append(CheckLease(p.endpoint, p.instance, p.rank_id))
             elif now - p.last_ping >= self.cfg.ping_interval:
-                self._ping(p, now, out)
+                self._ping(p, now, out, also)
         return out
 
     def _keepalive_due(self, p: PrefillPeer, now: float) -> bool:
@@ -173,10 +182,14 @@ class PrefillPeers:
         every = self.cfg.keepalive
         return every > 0 and now - p.last_room <= self.cfg.keepalive_for and now - p.last_ping >= every
 
-    def _ping(self, p: PrefillPeer, now: float, out: Verdicts) -> None:
+    def _ping(self, p: PrefillPeer, now: float, out: Verdicts, also: Set[str] = frozenset()) -> None:
+        """Ping ``p`` as this rank's registration, and on the connection of each earlier one in ``also``."""
         p.last_ping, p.seq = now, p.seq + 1
         out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
                                                             decode_rank_id=self.registration or "")))
+        for name in sorted(also):
+            out.actions.append(Send((p.endpoint,), wire.Ping(decode_rank=self.cfg.rank_label, seq=p.seq,
+                                                                decode_rank_id=name), via=name))
 
     def lease_checked(self, endpoint: str, rank_id: str, gone: bool, now: float) -> None:
         """The daemon's answer to a ``CheckLease`` (for a record since replaced: ignored)."""

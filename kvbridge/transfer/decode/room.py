@@ -283,6 +283,9 @@ class DecodeRoom:
         self.release_reason: str | None = None  # release(): the engine needs nothing of the room (wire.Release)
         self.ledger: PageLedger | None = None
         self.requested: set[SenderKey] = set()  # (cp, tp, pp) ranks a TransferRequest went to
+        # sender endpoint -> the registration our request there named: the connection its target is bound
+        # to, where everything of the room to that sender goes (machine.py, "Re-registration")
+        self.asked_as: dict[str, str | None] = {}
         self.quiet: set[SenderKey] = set()  # (cp, tp, pp) ranks that will write nothing more (hard rule 6)
         self.abort_sent: set[SenderKey] = set()
         self.last_abort = 0.0
