@@ -15,20 +15,8 @@ Between scans (every ``SCAN_S``) only the rooms something happened to are advanc
 O(events), not O(rooms). A loop that was itself frozen blames no peer for the silence
 it did not listen to, and counts the gap toward no room's deadline (``tick``).
 
-**Re-registration.** A prefill rank binds a control connection to the registration its Hello
-names and answers a room only on the connection that asked for it. When this rank registers
-again (the daemon restarted and forgot it: ``Registered`` with a new id), rooms already asked keep
-the connections of the registration they asked under, *retired*: their pings, aborts, slot
-grants and ticket hand-ons go there, naming that registration, and what prefill sends for them
-still arrives; new rooms ask on connections under the new id. A retired registration's
-connections close once no room asked under it can still send or receive anything
-(``DropRegistration``). Nothing is asked twice and no room changes connection, so no sender is
-ever counted quiet that may still write (hard rule 6).
-
-    Registered(R')  ->  Rename(R', keep={R: rooms asked under R and not done})
-    room asked under R:   Abort / Ping / SlotGrant / RoomTicket ... via R   (prefill's answers come on R's)
-    new rooms:            TransferRequest ... on R'
-    every scan: R's rooms done (final, pages releasable, no staging slot quarantined) -> DropRegistration(R)
+**Re-registration** (a room asked just before this rank registered again keeps the connections it
+asked on): ``registrations.py``.
 """
 
 from __future__ import annotations
@@ -54,13 +42,14 @@ from kvbridge.transfer.ownership import PROOF_FAILED, ProofKey
 from kvbridge.transfer.channel import wire
 from kvbridge.transfer.staging.cycle import trace_cycle
 from kvbridge.transfer.actions import AbortRoom, CloseRoom, FreeRoom, Send, Shutdown, Tick
-from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, DropRegistration, EchoScratch, Init,
+from kvbridge.transfer.decode.events import (EVENTS, AuxRowWritten, CommitRead, EchoScratch, Init,
                                              LeaseChecked, LookedUp, LookUp, Message, ReadForCommit, Refresh,
-                                             Refreshed, Registered, Release, Rename, ScatterFailed, Scattered,
+                                             Refreshed, Registered, Release, ScatterFailed, Scattered,
                                              SetStaging, WriteAuxRow, WriteProof)
 from kvbridge.transfer.decode.commit_digests import digest_mismatch, digest_reads
 from kvbridge.transfer.decode.config import DecodeConfig
 from kvbridge.transfer.decode.peers import PrefillPeer, PrefillPeers
+from kvbridge.transfer.decode.registrations import Registrations
 from kvbridge.transfer.decode.room import DecodeRoom
 from kvbridge.transfer.decode.events import InitKinds
 from kvbridge.transfer.decode.kind_rooms import DecodeKinds
@@ -110,9 +99,8 @@ class DecodeRooms:
         self.aux_ahead = aux_inline and aux_ahead
         self.proof_key = proof_key
         self.scratch = scratch
-        self.registration: str | None = None  # this rank's registration id (``Registered``)
-        # earlier registrations whose connections stay open, with the rooms asked under them (module docstring)
-        self.retired: dict[str, list[DecodeRoom]] = {}
+        # this rank's registration id (``Registered``), and the earlier ones rooms in flight still need
+        self.registrations = Registrations(self._settled)
         self.staging_mode = config.staging  # what a room's request offers (DecodeEndpoint.set_staging changes it)
         self.staging = staging  # the staging area remote writes of staged targets land in (None: direct only)
         self.specs = dict(specs)
@@ -145,8 +133,8 @@ class DecodeRooms:
             raise TypeError(f"the decode room machine does not take {type(event).__name__}")
         handler(self, event)
         out = self._actions()
-        if self.retired and out:
-            out = self._routed(out)
+        if self.registrations.retired and out:
+            out = self.registrations.routed(out, self.rooms)
         if self.trace:
             trace_cycle(self.cfg.rank_label, event, out)
         return out
@@ -164,6 +152,16 @@ class DecodeRooms:
 
     def rank_id(self) -> str | None:
         return self.registration
+
+    @property
+    def registration(self) -> str | None:
+        """This rank's registration id (``Registered``)."""
+        return self.registrations.current
+
+    @property
+    def retired(self) -> dict[str, list[DecodeRoom]]:
+        """The earlier registrations whose connections stay open, with the rooms asked under them."""
+        return self.registrations.retired
 
     # -- events from the engine -------------------------------------------------
 
@@ -239,64 +237,24 @@ class DecodeRooms:
 
     def _registered(self, e: Registered) -> None:
         """This rank's registration, the first or a new one (the daemon forgot the earlier one):
-        the rooms asked under the earlier one keep its connections (module docstring)."""
-        old, self.registration = self.registration, e.rank_id
+        the rooms asked under the earlier one keep its connections (``registrations.py``)."""
         self.peers.registration = e.rank_id
-        if e.rank_id is None or old == e.rank_id:
-            return
-        if old is not None:
-            rooms = [r for r in self.rooms.values() if old in r.asked_as.values() and not self._settled(r)]
-            if rooms:
-                self.retired[old] = rooms
-                log.info("decode rank %s registered again as %s: %d room(s) asked as %s keep its connections",
-                         self.cfg.rank_label, e.rank_id, len(rooms), old)
-        self.retired.pop(e.rank_id, None)
-        self._out.append(Rename(e.rank_id, frozenset(self.retired)))
+        old = self.registration
+        rename, kept = self.registrations.register(e.rank_id, self.rooms.values())
+        if kept:
+            log.info("decode rank %s registered again as %s: %d room(s) asked as %s keep its connections",
+                     self.cfg.rank_label, e.rank_id, kept, old)
+        if rename is not None:
+            self._out.append(rename)
 
     def _via(self, rank_id: str | None) -> str | None:
-        """``Send.via`` for a message that acts for ``rank_id``: None when that is our registration now."""
-        return None if rank_id == self.registration else rank_id
+        return self.registrations.via(rank_id)
 
     def _settled(self, r: DecodeRoom) -> bool:
         """Nothing of room ``r`` is still to come or go on its connections: final, no write can
         land in its pages, and no staging slot of it is quarantined (a late report frees one)."""
         return r.state.final and r.pages_releasable and not (
             self.staging is not None and self.staging.area.slots_of(r.room))
-
-    def _prune_retired(self) -> None:
-        """Close the connections of earlier registrations no room needs any more."""
-        for name in list(self.retired):
-            rooms = [r for r in self.retired[name] if name in r.asked_as.values() and not self._settled(r)]
-            if rooms:
-                self.retired[name] = rooms
-            else:
-                del self.retired[name]
-                self._out.append(DropRegistration(name))
-
-    def _retired_at(self) -> dict[str, set[str]]:
-        """Per prefill endpoint, the earlier registrations its rooms in flight asked it under (pinged
-        on their own connections: a prefill rank fails the targets of a connection gone silent)."""
-        at: dict[str, set[str]] = {}
-        for name, rooms in self.retired.items():
-            for r in rooms:
-                if not r.pages_releasable:
-                    for endpoint, asked in r.asked_as.items():
-                        if asked == name:
-                            at.setdefault(endpoint, set()).add(name)
-        return at
-
-    def _routed(self, out: Sequence[Any]) -> list[Any]:
-        """The staging area's slot grants for a room asked under an earlier registration go on
-        that registration's connection, where the prefill rank's target is."""
-        routed = []
-        for a in out:
-            if type(a) is Send and a.via is None and type(a.msg) is wire.SlotGrant:
-                r = self.rooms.get(a.msg.room)
-                via = self._via(r.asked_as.get(a.to[0])) if r is not None else None
-                if via is not None:
-                    a = Send(a.to, a.msg, via=via)
-            routed.append(a)
-        return routed
 
     def _set_staging(self, e: SetStaging) -> None:
         self.staging_mode = e.mode
@@ -756,8 +714,8 @@ class DecodeRooms:
                 self.rooms.unowned.discard(room)
             else:
                 self._forget_if_quiet(r, now)
-        if self.retired:
-            self._prune_retired()
+        if self.registrations.retired:
+            self._out.extend(self.registrations.prune())
 
     def _lookup_state(self, r: DecodeRoom, now: float) -> str:
         """What the timeout reason adds: the daemon's last answer, or else the look-up still
@@ -872,7 +830,7 @@ class DecodeRooms:
         return [rooms[k] for k in p.rooms if k in rooms and not rooms[k].pages_releasable]
 
     def _liveness(self, now: float) -> None:
-        found = self.peers.tick(now, self._active, self._retired_at() if self.retired else None)
+        found = self.peers.tick(now, self._active, self.registrations.retired_at() if self.retired else None)
         self._out.extend(found.actions)
         for p in found.newly_dead:
             self.topologies.forget_instance(p.instance)
