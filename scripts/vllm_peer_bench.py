@@ -238,7 +238,7 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
-        self.note_block_ids()
+        self.note_block_ids(so.num_scheduled_tokens)
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         sampled: dict[str, list[int]] = {}
@@ -268,14 +268,19 @@ class Engine:
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
 
-    def note_block_ids(self) -> None:
-        """Each request's block ids, read right after ``schedule()``, in every step. vLLM allocates
+    def note_block_ids(self, scheduled: dict[str, int]) -> None:
+        """Each request's block ids, read right after ``schedule()`` in every step. vLLM allocates
         blocks only in ``schedule()`` and frees them only in ``update_from_output()``, both inside
         ``step()``: read here, a request's ids are seen however late the command's thread polls.
         A decode room lives a few steps, and a thread that polls for it may first run after the
-        request is gone (a loaded host: the ids read [], and [] passes the byte check)."""
+        request is gone (a loaded host: the ids read [], and [] passes the byte check). A request
+        gains blocks when first allocated (decode's async load schedules no token) or in a step
+        that schedules it (``scheduled``): only then are its ids read again (decode's steps are
+        timed: a 32K MLA room holds 2,048 blocks)."""
         kvm = self.scheduler.kv_cache_manager
         for req_id in self.scheduler.requests:
+            if req_id in self.block_ids and req_id not in scheduled:
+                continue
             ids = kvm.get_block_ids(req_id)[0]
             if ids:
                 self.block_ids[req_id] = list(ids)

@@ -122,7 +122,7 @@ def test_decode_names_the_blocks_its_room_held_however_late_it_polls(monkeypatch
         if "r" not in eng.recved:
             requests["r"] = ids  # schedule(): the room's blocks allocated
             if noted:
-                bench.Engine.note_block_ids(eng)  # what step() does after each schedule()
+                bench.Engine.note_block_ids(eng, {})  # what step() does after each schedule()
             eng.recved["r"] = time.perf_counter()  # the load finished
             del requests["r"]  # update_from_output(): the request finished and its blocks freed
             eng.outputs["r"] = SimpleNamespace(finish_reason="length")
