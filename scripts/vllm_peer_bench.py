@@ -26,14 +26,16 @@ prompt goes to decode with the params prefill returned (Mooncake: the proxy's
 their summed latencies. Rooms go round robin over the connectors (room i of each before room
 i + 1 of any); one uncounted warm-up room per connector and model first (the connections,
 NIXL's handshake, Mooncake's bootstrap query). Block ids are scattered: both sides' free
-queues are shuffled with the room's seed before each room (the same seed for every
-connector, so every connector moves the same block ids). Prefill's pages hold a stamp of
-(room, layer, logical page) and a shifted byte window; decode's blocks start poisoned and
-every page of every layer must equal what prefill wrote. While one connector's decode is timed,
-every other connector's processes are stopped (SIGSTOP, resumed by SIGCONT after): an idle vLLM
-NixlConnector process spins NIXL's progress thread (0.4-0.9 of a core on the 2-core machine),
-which on a small host takes the CPU from the connector being timed; ``--shared`` leaves them
-running. The timed connector's own processes always run, its own spinning threads included.
+queues are shuffled with the room's seed before each room, once every block of earlier rooms is
+back (the same seed for every connector, so every connector moves the same block ids; the ids
+a room held are read inside the engine's step, so a slow poll cannot miss them). Prefill's
+pages hold a stamp of (room, layer, logical page) and a shifted byte window; decode's blocks
+start poisoned and every page of every layer must equal what prefill wrote. While one
+connector's decode is timed, every other connector's processes are stopped (SIGSTOP, resumed
+by SIGCONT after): an idle vLLM NixlConnector process spins NIXL's progress thread (0.4-0.9
+of a core on the 2-core machine), which on a small host takes the CPU from the connector being
+timed; ``--shared`` leaves them running. The timed connector's own processes always run, its
+own spinning threads included.
 
 Configuration of vLLM's connectors on this CPU (nothing of vLLM's is patched):
 
@@ -214,6 +216,7 @@ class Engine:
         self.failed: set[str] = set()
         self.invalid: set[int] = set()
         self.seeds: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}  # by request: the ids it held after a step's schedule()
         self.lock = threading.Lock()
         self.stop = False
         threading.Thread(target=self._loop, daemon=True).start()
@@ -235,6 +238,7 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
+        self.note_block_ids(so.num_scheduled_tokens)
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         sampled: dict[str, list[int]] = {}
@@ -263,6 +267,23 @@ class Engine:
         for eco in self.scheduler.update_from_output(so, out).values():
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
+
+    def note_block_ids(self, scheduled: dict[str, int]) -> None:
+        """Each request's block ids, read right after ``schedule()`` in every step. vLLM allocates
+        blocks only in ``schedule()`` and frees them only in ``update_from_output()``, both inside
+        ``step()``: read here, a request's ids are seen however late the command's thread polls.
+        A decode room lives a few steps, and a thread that polls for it may first run after the
+        request is gone (a loaded host: the ids read [], and [] passes the byte check). A request
+        gains blocks when first allocated (decode's async load schedules no token) or in a step
+        that schedules it (``scheduled``): only then are its ids read again (decode's steps are
+        timed: a 32K MLA room holds 2,048 blocks)."""
+        kvm = self.scheduler.kv_cache_manager
+        for req_id in self.scheduler.requests:
+            if req_id in self.block_ids and req_id not in scheduled:
+                continue
+            ids = kvm.get_block_ids(req_id)[0]
+            if ids:
+                self.block_ids[req_id] = list(ids)
 
     # -- the bytes ------------------------------------------------------------------------------
 
@@ -337,39 +358,35 @@ class Engine:
 
     def prefill(self, cmd: dict) -> dict:
         req_id, seed = cmd["req_id"], cmd["seed"]
+        if not self.idle(60):  # the shuffle permutes the free queue it finds: all of it, or other ids
+            return {"ok": False, "params": None, "blocks": [], "error": "blocks of an earlier room still held"}
         with self.lock:
             self.shuffle(seed)
             self.seeds[req_id] = seed
             self.add(req_id, cmd["prompt"], cmd["params"], 1)
-            blocks: list[int] = []
-        ok = self.wait(lambda: (blocks.extend(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-                                if not blocks and req_id in self.scheduler.requests else None) or
-                       (req_id in self.outputs and self.outputs[req_id].finish_reason is not None), 120)
-        out = self.outputs.get(req_id)
+        ok = self.wait(lambda: req_id in self.outputs and self.outputs[req_id].finish_reason is not None, 120)
+        with self.lock:
+            out, blocks = self.outputs.get(req_id), self.block_ids.get(req_id, [])
         return {"ok": ok, "params": getattr(out, "kv_transfer_params", None), "blocks": blocks}
 
     def decode(self, cmd: dict) -> dict:
-        req_id = cmd["req_id"]
-        blocks: list[int] = []
+        req_id, pages = cmd["req_id"], cmd["pages"]
+        if not self.idle(60):  # as prefill's: every block back before the shuffle
+            return {"ok": False, "wrong": -1, "blocks": [], "latency_s": None, "stats": {},
+                    "error": "blocks of an earlier room still held"}
         with self.lock:
             self.shuffle(cmd["seed"])
             start = time.perf_counter()
             self.add(req_id, cmd["prompt"], cmd["params"], 1)
-
-        def loaded() -> bool:
-            if not blocks and req_id in self.scheduler.requests:
-                ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-                if ids:
-                    blocks.extend(ids)
-            return req_id in self.recved or req_id in self.failed
-
-        ok = self.wait(loaded, 120)
+        ok = self.wait(lambda: req_id in self.recved or req_id in self.failed, 120)
         end = self.recved.get(req_id)
         self.wait(lambda: req_id in self.outputs and self.outputs[req_id].finish_reason is not None, 30)
         with self.lock:
+            blocks = self.block_ids.get(req_id, [])
             failed = req_id in self.failed or bool(self.invalid & set(blocks))
-            wrong = self.check(blocks[:cmd["pages"]], cmd["seed"]) if ok and not failed else -1
-        return {"ok": ok and not failed, "wrong": wrong, "blocks": blocks[:cmd["pages"]],
+            # fewer ids than pages: pages nobody checked, never a pass
+            wrong = self.check(blocks[:pages], cmd["seed"]) if ok and not failed and len(blocks) >= pages else -1
+        return {"ok": ok and not failed and wrong >= 0, "wrong": wrong, "blocks": blocks[:pages],
                 "latency_s": (end - start) if end else None, "stats": self.room_stats(req_id)}
 
     def room_stats(self, req_id: str) -> dict:
@@ -468,6 +485,15 @@ def _state(pid: int) -> str:
         return "T"
 
 
+def same_block_ids(seen: list[tuple[list[int] | None, list[int] | None]], pages: int) -> bool:
+    """Whether every connector's room moved the same blocks: ``seen`` holds each connector's
+    (decode's ids, prefill's ids) for one room. Each list must name all ``pages`` blocks (an empty
+    or short one is ids not seen, never "the same") and equal the first connector's."""
+    first = seen[0] if seen else None
+    return bool(seen) and all(b is not None and pb is not None and len(b) == len(pb) == pages and
+                              (b, pb) == first for b, pb in seen)
+
+
 def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], workdir: Path,
         pause: bool = True, kvbridge_staging: str = "auto") -> tuple[list, dict]:
     import numpy as np
@@ -557,8 +583,8 @@ def run(models: list[str], sizes: list[int], rooms: int, connectors: list[str], 
                             else:
                                 a["failed"] += 1
                             a["freed"] += bool(r.get("prefill_freed"))
-                            blocks_seen.append((c, r.get("blocks"), r.get("prefill_blocks")))
-                        same = all(b == blocks_seen[0][1] and pb == blocks_seen[0][2] for _, b, pb in blocks_seen)
+                            blocks_seen.append((r.get("blocks"), r.get("prefill_blocks")))
+                        same = same_block_ids(blocks_seen, n // bs)
                         for c in live:
                             acc[(c, n)]["same_blocks"] += same
                 layer_bytes = 0

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +86,54 @@ def _bench(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
+
+
+def test_same_block_ids_needs_every_id_of_every_connector_seen(monkeypatch):
+    """A room counts as the same blocks only when every connector's decode and prefill ids name all
+    the room's pages and equal the first connector's: ids not seen (empty, short, a room that
+    failed first) never count as the same."""
+    bench = _bench(monkeypatch)
+    a = [5, 9, 2]
+    assert bench.same_block_ids([(a, a), (list(a), list(a)), (list(a), list(a))], 3)
+    assert not bench.same_block_ids([(a, a), ([5, 2, 9], a)], 3)  # one connector's decode ids differ
+    assert not bench.same_block_ids([(a, a), (a, [9, 5, 2])], 3)  # or its prefill's
+    assert not bench.same_block_ids([([], []), ([], []), ([], [])], 3)
+    assert not bench.same_block_ids([(a[:2], a[:2]), (a[:2], a[:2])], 3)
+    assert not bench.same_block_ids([(None, None), (None, None)], 3)
+    assert not bench.same_block_ids([], 3)
+
+
+@pytest.mark.parametrize("noted", [True, False])
+def test_decode_names_the_blocks_its_room_held_however_late_it_polls(monkeypatch, noted):
+    """A decode room may be allocated, loaded and freed before the command's thread polls once (a
+    loaded host). Its ids are read in the engine's step, right after schedule(), so decode still
+    names and checks them; ids never seen fail the room instead of passing an empty check."""
+    bench = _bench(monkeypatch)
+    ids, checked = [41, 7, 63, 2, 30], []
+    requests: dict[str, list[int]] = {}
+    kvm = SimpleNamespace(get_block_ids=lambda req_id: (list(requests.get(req_id, [])),))
+    eng = SimpleNamespace(lock=threading.Lock(), scheduler=SimpleNamespace(requests=requests, kv_cache_manager=kvm),
+                          block_ids={}, recved={}, failed=set(), invalid=set(), outputs={},
+                          idle=lambda timeout: True, shuffle=lambda seed: None, room_stats=lambda req_id: {},
+                          add=lambda req_id, prompt, params, max_tokens: None,
+                          check=lambda blocks, seed: checked.append(list(blocks)) or 0)
+
+    def wait(cond, timeout):  # the whole room runs, step by step, before the poll's first look
+        if "r" not in eng.recved:
+            requests["r"] = ids  # schedule(): the room's blocks allocated
+            if noted:
+                bench.Engine.note_block_ids(eng, {})  # what step() does after each schedule()
+            eng.recved["r"] = time.perf_counter()  # the load finished
+            del requests["r"]  # update_from_output(): the request finished and its blocks freed
+            eng.outputs["r"] = SimpleNamespace(finish_reason="length")
+        return cond()
+
+    eng.wait = wait
+    d = bench.Engine.decode(eng, {"req_id": "r", "prompt": [3] * 64, "params": {}, "seed": 1, "pages": 4})
+    if noted:
+        assert d["ok"] and d["wrong"] == 0 and d["blocks"] == ids[:4] and checked == [ids[:4]], d
+    else:
+        assert not d["ok"] and d["wrong"] == -1 and checked == [], d
 
 
 @pytest.mark.parametrize("staging", ["always", "never", "auto"])
