@@ -124,16 +124,20 @@ def _on_cuda(buf: Any) -> bool:
     return type(buf).__module__.startswith("torch") and getattr(getattr(buf, "device", None), "type", "") == "cuda"
 
 
+RING_ROWS = 64  # pinned host rows of aux row writes not waited for (a 65th write in flight waits for the oldest)
+
+
 class _DeviceRows:
     """Rows of a packed CUDA tensor, read through one pinned host row on a stream of their own:
     a copy and a synchronisation per read, two CUDA runtime calls (a decode rank reads every
     room's aux row on its commit: no torch dispatch, no staging allocation there).
 
     Written either the same way (``write``: the copy waited for) or without waiting
-    (``write_async``): through a pinned mirror of every row, so that a row's bytes stay put
-    until its copy ran, with an event recorded after the copy that the caller polls
-    (``RowWrite``). Both go on the same stream: a later write of a row lands after an earlier
-    one, whichever way each was made."""
+    (``write_async``): from the next of ``RING_ROWS`` pinned rows, which keeps the row's bytes
+    until its copy ran, with that ring row's event recorded behind the copy for the caller to
+    poll (``RowWrite``). A ring row is refilled only once its last copy ran (waited for when
+    the ring is full). Both ways go on the same stream: a later write of a row lands after an
+    earlier one, whichever way each was made."""
 
     def __init__(self, storage: Any, row_bytes: int) -> None:
         import torch
@@ -144,11 +148,12 @@ class _DeviceRows:
         self._device = storage.device.index if storage.device.index is not None else torch.cuda.current_device()
         self._base = storage.data_ptr()
         self._row_bytes = row_bytes
-        self._rows = storage.numel() * storage.element_size() // row_bytes
         self._pinned = torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
         self._host = self._pinned.numpy()
-        self._mirror: np.ndarray | None = None  # [rows, row_bytes] pinned, made on the first write_async
-        self._events: list[int] = []  # events of completed writes, for the next ones
+        self._ring: np.ndarray | None = None  # [RING_ROWS, row_bytes] pinned, made on the first write_async
+        self._ring_events: list[int] = []  # per ring row: the event recorded after its last copy
+        self._ring_used: list[bool] = []
+        self._next = 0
         with torch.cuda.device(self._device):
             self._stream = torch.cuda.Stream(self._device)
         self._lock = threading.Lock()  # one pinned row: one read at a time
@@ -170,48 +175,43 @@ class _DeviceRows:
             self._cuda.stream_synchronize(self._stream.cuda_stream)
 
     def write_async(self, slot: int, row: np.ndarray) -> RowWrite:
-        """Row ``slot`` set to ``row``: the copy queued from the row's pinned mirror, not waited for.
-        The caller keeps the row's slot until ``RowWrite.done()`` (the mirror's row is rewritten by
-        the next write of that slot: a copy still queued then would carry the newer row, which the
-        newer copy behind it writes again)."""
+        """Row ``slot`` set to ``row``: the copy queued from the next ring row, not waited for."""
         with self._lock, self._cuda.on_device(self._device):
-            if self._mirror is None:
+            if self._ring is None:
                 import torch
 
-                self._pinned_rows = torch.empty((self._rows, self._row_bytes), dtype=torch.uint8, pin_memory=True)
-                self._mirror = self._pinned_rows.numpy()
-            self._mirror[slot] = row
+                self._ring_tensor = torch.empty((RING_ROWS, self._row_bytes), dtype=torch.uint8, pin_memory=True)
+                self._ring = self._ring_tensor.numpy()
+                self._ring_events = [self._cuda.event_create() for _ in range(RING_ROWS)]
+                self._ring_used = [False] * RING_ROWS
+            i, self._next = self._next, (self._next + 1) % RING_ROWS
+            event = self._ring_events[i]
+            if self._ring_used[i] and not self._cuda.event_query(event):
+                self._cuda.event_synchronize(event)  # (the ring is full: its oldest copy has not run yet)
+            self._ring[i] = row
             stream = self._stream.cuda_stream
-            self._cuda.memcpy_async(self._base + slot * self._row_bytes, self._mirror[slot].ctypes.data,
+            self._cuda.memcpy_async(self._base + slot * self._row_bytes, self._ring[i].ctypes.data,
                                     self._row_bytes, stream)
-            event = self._events.pop() if self._events else self._cuda.event_create()
             self._cuda.event_record(event, stream)
-            return RowWrite(self, event)
-
-    def _done(self, event: int) -> bool:
-        if not self._cuda.event_query(event):
-            return False
-        with self._lock:
-            self._events.append(event)
-        return True
+            self._ring_used[i] = True
+            return RowWrite(self._cuda, event)
 
 
 class RowWrite:
-    """A row's write queued on the GPU (``_DeviceRows.write_async``): ``done()`` polls its event
-    (no wait); True once the copy ran, and from then on."""
+    """A row's write queued on the GPU (``_DeviceRows.write_async``): ``done()`` polls the event
+    recorded behind its copy (no wait); True once the copy ran, and from then on. (The event is
+    its ring row's: recorded again by a later write from that row, it passes later, so a write
+    asked that late reads done no sooner than its copy ran.)"""
 
-    __slots__ = ("_rows", "_event")
+    __slots__ = ("_cuda", "_event", "_done")
 
-    def __init__(self, rows: _DeviceRows, event: int) -> None:
-        self._rows, self._event = rows, event
+    def __init__(self, cuda: Any, event: int) -> None:
+        self._cuda, self._event, self._done = cuda, event, False
 
     def done(self) -> bool:
-        if self._event is None:
-            return True
-        if not self._rows._done(self._event):
-            return False
-        self._event = None  # (back in the rows' pool: never queried again by this write)
-        return True
+        if not self._done:
+            self._done = self._cuda.event_query(self._event)
+        return self._done
 
 
 class AuxBuffers:

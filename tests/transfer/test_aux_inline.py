@@ -394,11 +394,12 @@ def test_a_room_keeps_its_aux_slot_while_its_rows_write_is_in_flight(d):
     assert of(d.complete_writes(3.4), FreeRoom) == [FreeRoom(8)] and 8 not in d.rooms
 
 
-def test_a_row_written_without_waiting_goes_from_its_pinned_mirror_row_and_is_polled_by_its_event():
-    """The CUDA path of ``write_row_async`` on the CPU, its runtime calls stubbed: the row's own
-    row of the pinned mirror holds it when the copy is queued, the copy goes to the slot's address
-    on the rows' stream, an event is recorded behind it and nothing waits; ``done()`` asks the
-    event until it passed, then gives the event back for the next write. On a GPU: test_gpu.py
+def test_a_row_written_without_waiting_goes_from_a_ring_row_and_is_polled_by_its_event():
+    """The CUDA path of ``write_row_async`` on the CPU, its runtime calls stubbed: the next ring
+    row holds the row when the copy is queued, the copy goes to the slot's address on the rows'
+    stream, the ring row's event is recorded behind it and nothing waits; ``done()`` asks the event
+    until it passed. A ring row is refilled only once its last copy ran: with every ring row's copy
+    still queued, the next write waits for the oldest. On a GPU: test_gpu.py
     ``test_a_row_written_without_waiting_is_there_once_its_write_says_done_and_later_writes_land_after``."""
     import contextlib
     import threading
@@ -408,24 +409,34 @@ def test_a_row_written_without_waiting_goes_from_its_pinned_mirror_row_and_is_po
 
     rb, calls, ready = SCHEMA.row_bytes, [], {}
     rows = object.__new__(aux_rows._DeviceRows)
-    rows._mirror, rows._events, rows._rows = np.zeros((4, rb), np.uint8), [], 4
+    ring = aux_rows.RING_ROWS  # (the ring as write_async makes it on its first call, in host memory here)
+    rows._ring, rows._next = np.zeros((ring, rb), np.uint8), 0
+    rows._ring_events, rows._ring_used = list(range(900, 900 + ring)), [False] * ring
+
+    def synchronize(event):
+        calls.append(("wait", event))
+        ready[event] = True
+
     rows._cuda = SimpleNamespace(
         on_device=lambda device: contextlib.nullcontext(),
-        memcpy_async=lambda dst, src, n, stream: calls.append(("copy", dst, src, n, stream,
-                                                               rows._mirror[3].tobytes())),
-        event_create=lambda: 900 + len(ready),
-        event_record=lambda event, stream: (calls.append(("record", event, stream)), ready.setdefault(event, False)),
+        memcpy_async=lambda dst, src, n, stream: calls.append(("copy", dst, src, n, stream)),
+        event_record=lambda event, stream: (calls.append(("record", event, stream)), ready.__setitem__(event, False)),
         event_query=lambda event: ready[event],
-        stream_synchronize=lambda stream: calls.append(("sync", stream)))
+        event_synchronize=synchronize)
     rows._device, rows._base, rows._row_bytes = 0, 1 << 40, rb
     rows._stream, rows._lock = SimpleNamespace(cuda_stream=77), threading.Lock()
     row = np.frombuffer(schema_row(5), np.uint8)
     w = rows.write_async(3, row)
-    assert calls == [("copy", (1 << 40) + 3 * rb, rows._mirror[3].ctypes.data, rb, 77, row.tobytes()),
-                     ("record", 900, 77)]
-    assert not w.done() and not rows._events
+    assert calls == [("copy", (1 << 40) + 3 * rb, rows._ring[0].ctypes.data, rb, 77), ("record", 900, 77)]
+    assert rows._ring[0].tobytes() == row.tobytes()
+    assert not w.done()
     ready[900] = True
-    assert w.done() and w.done() and rows._events == [900]  # (asked once more: still done, the event not twice)
+    assert w.done() and w.done()
+    for k in range(1, ring):  # every other ring row in flight
+        rows.write_async(k % 4, np.frombuffer(schema_row(k), np.uint8))
     calls.clear()
-    rows.write_async(1, row)
-    assert calls[-1] == ("record", 900, 77) and not rows._events  # the pool's event serves the next write
+    rows.write_async(2, row)  # ring row 0 again: its copy ran, nothing waits
+    assert calls == [("copy", (1 << 40) + 2 * rb, rows._ring[0].ctypes.data, rb, 77), ("record", 900, 77)]
+    calls.clear()
+    rows.write_async(1, row)  # ring row 1: its copy is still queued, so this waits for it first
+    assert calls[0] == ("wait", 901) and calls[-1] == ("record", 901, 77)

@@ -547,12 +547,12 @@ def test_a_row_written_into_device_rows_is_there_when_the_write_returns():
 
 def test_a_row_written_without_waiting_is_there_once_its_write_says_done_and_later_writes_land_after():
     """``write_row_async`` (decode's write of a row ahead of the room's last pages): the copy is
-    queued from the row's pinned mirror and its event polled; once ``done()`` the row reads back.
-    Two writes of the same row, the second before the first is polled, leave the second (one
-    stream: in order); a bad slot is refused by name before anything is queued; the events of
-    completed writes serve the next ones."""
+    queued from a pinned ring row and its event polled; once ``done()`` the row reads back. Two
+    writes of the same row, the second before the first is polled, leave the second (one stream:
+    in order); three rounds of the ring leave every row as its last write said; a bad slot is
+    refused by name before anything is queued."""
     from kvbridge.errors import KVBridgeError
-    from kvbridge.transfer.aux_rows import AuxBuffers
+    from kvbridge.transfer.aux_rows import RING_ROWS, AuxBuffers
 
     contract = build_contract("deepseek-v3.2-fp8", 2, 64, 1, "interleaved")
     schema = aux_schema_of(contract)
@@ -570,8 +570,13 @@ def test_a_row_written_without_waiting_is_there_once_its_write_says_done_and_lat
         assert w.done()
     assert bytes(rows[1].cpu().numpy()) == second.tobytes() and bytes(rows[3].cpu().numpy()) == first.tobytes()
     assert not rows[[0, 2]].any() and aux.read_row(1).tobytes() == second.tobytes()
-    assert len(aux._device_rows._events) == 3
-    aux.write_row_async(0, first).done()
-    assert len(aux._device_rows._events) >= 2  # (one taken from the pool, back once done)
+    for k in range(3 * RING_ROWS):  # round the ring three times: no ring row refilled before its copy ran
+        aux.write_row_async(k % 4, np.full(schema.row_bytes, k % 251, dtype=np.uint8))
+    last = aux.write_row_async(0, second)
+    for _ in range(100_000):
+        if last.done():
+            break
+    assert last.done() and aux.read_row(0).tobytes() == second.tobytes()
+    assert [int(rows[s, 0]) for s in (1, 2, 3)] == [(3 * RING_ROWS - 4 + s) % 251 for s in (1, 2, 3)]
     with pytest.raises(KVBridgeError, match="aux slot 4 outside"):
         aux.write_row_async(4, first)
