@@ -490,22 +490,17 @@ class DecodeStaging:
         stop = dst + length
         held = self._held_of(room, page_ids, kind_units)
         if self._base.size and int(dst.min()) >= int(self._base[0]):
-            fast = self._fast
-            if fast is not None and top < fast.covered:
-                i = fast.buffer(dst)
-                if bool((stop <= self._end[i]).all()):
+            fast = self._fast if self._fast is not None and top < self._fast.covered else None
+            i = fast.buffer(dst) if fast is not None else np.searchsorted(self._base, dst, side="right") - 1
+            if bool((stop <= self._end[i]).all()):
+                if fast is not None:
                     lo, hi1 = fast.units(dst, length, self._lo_base, i)
-                    if bool((held.free[hi1] == held.free[lo]).all()):
-                        return None, self._unproven(i, None, length.size)
-            else:
-                i = np.searchsorted(self._base, dst, side="right")
-                i -= 1
-                if bool((stop <= self._end[i]).all()):
+                else:
                     unit = self._unit[i]
                     lo = ((dst - self._lo_base[i]) // unit).view(np.int64)
                     hi1 = ((stop - self._hi_base[i]) // unit).view(np.int64)
-                    if bool((held.free[hi1] == held.free[lo]).all()):
-                        return None, self._unproven(i, None, length.size)
+                if bool((held.free[hi1] == held.free[lo]).all()):
+                    return None, self._unproven(i, None, length.size)
         return self._diagnose(held, dst, stop, aux_slot)
 
     def _diagnose(self, held: _Held, dst: np.ndarray, stop: np.ndarray,
