@@ -366,30 +366,38 @@ class AuxBuffers:
     def write_row(self, slot: int, row: np.ndarray) -> None:
         """Row ``slot`` set to ``row`` (the schema's packed bytes, uint8 ``row_bytes``): done when
         this returns. Only where ``writable``."""
-        if row.dtype != np.uint8 or row.shape != (self.schema.row_bytes,):
-            raise KVBridgeError(f"an aux row is {self.schema.row_bytes} packed bytes, got {row.dtype} {list(row.shape)}",
-                                rank=self._rank, field="aux_row")
-        if self._host_rows is not None:
+        rows = self._rows_to_write(row)
+        if rows is None:
             self._host_rows[slot] = row
-            return
-        if not self.writable:
-            raise KVBridgeError("these aux rows are not writable by kvbridge (rows by region, or a RawBuffer)",
-                                rank=self._rank, field="aux_row")
-        if self._device_rows is None:
-            self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
-        self._device_rows.write(slot, row)
+        else:
+            rows.write(slot, row)
 
     def write_row_async(self, slot: int, row: np.ndarray) -> RowWrite | None:
         """``write_row`` without waiting for the copy where the rows are in device memory: a
         ``RowWrite`` to poll (the row is there once ``done()``); host rows are written here and
         then (None)."""
-        if self.on_device and row.dtype == np.uint8 and row.shape == (self.schema.row_bytes,):
-            self.check_slot(slot)
-            if self._device_rows is None:
-                self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
-            return self._device_rows.write_async(slot, row)
-        self.write_row(slot, row)  # (and every refusal, by name)
-        return None
+        rows = self._rows_to_write(row)
+        if rows is None:
+            self._host_rows[slot] = row
+            return None
+        self.check_slot(slot)
+        return rows.write_async(slot, row)
+
+    def _rows_to_write(self, row: np.ndarray) -> _DeviceRows | None:
+        """``row`` checked as one packed row, and where it goes: None for host rows (a numpy view
+        of their bytes), else the device rows (made on the first write). Rows kvbridge cannot
+        write are refused by name."""
+        if row.dtype != np.uint8 or row.shape != (self.schema.row_bytes,):
+            raise KVBridgeError(f"an aux row is {self.schema.row_bytes} packed bytes, got {row.dtype} {list(row.shape)}",
+                                rank=self._rank, field="aux_row")
+        if self._host_rows is not None:
+            return None
+        if not self.writable:
+            raise KVBridgeError("these aux rows are not writable by kvbridge (rows by region, or a RawBuffer)",
+                                rank=self._rank, field="aux_row")
+        if self._device_rows is None:
+            self._device_rows = _DeviceRows(self.storage, self.schema.row_bytes)
+        return self._device_rows
 
     def read_room(self, slot: int) -> int:
         """The room id that row ``slot`` echoes (its ``room`` region's first element)."""
