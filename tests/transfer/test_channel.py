@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from _cluster import wait_until
 from _raw_control import RawControl
 from kvbridge.errors import ConfigError, PeerLost, ProtocolError, TransferError
 from kvbridge.transfer.channel import wire
@@ -125,22 +126,13 @@ def test_a_rename_keeps_open_the_connections_of_the_names_it_is_told_to_keep(
         assert [(ep, name, m.seq) for ep, name, m in named(1)] == [(server.endpoint, "R", 9)]
         peers.drop_name("R")
         assert peers.retired() == []
-        assert wait_for(lambda: hellos() == ["R2"])
+        assert wait_until(lambda: hellos() == ["R2"], 5)
         peers.rename("R3")  # nothing kept: every connection closes, and opens again under R3 when used
-        assert wait_for(lambda: not server.peers) and peers.endpoints() == []
+        assert wait_until(lambda: not server.peers, 5) and peers.endpoints() == []
         peers.send(server.endpoint, Ping(decode_rank="d", seq=4))
         assert [(name, m.seq) for _, name, m in named(1)] == [("R3", 4)] and hellos() == ["R3"]
     finally:
         peers.close()
-
-
-def wait_for(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize(
