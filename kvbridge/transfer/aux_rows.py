@@ -366,7 +366,7 @@ class AuxBuffers:
     def write_row(self, slot: int, row: np.ndarray) -> None:
         """Row ``slot`` set to ``row`` (the schema's packed bytes, uint8 ``row_bytes``): done when
         this returns. Only where ``writable``."""
-        rows = self._rows_to_write(row)
+        rows = self._rows_to_write(slot, row)
         if rows is None:
             self._host_rows[slot] = row
         else:
@@ -376,17 +376,18 @@ class AuxBuffers:
         """``write_row`` without waiting for the copy where the rows are in device memory: a
         ``RowWrite`` to poll (the row is there once ``done()``); host rows are written here and
         then (None)."""
-        rows = self._rows_to_write(row)
+        rows = self._rows_to_write(slot, row)
         if rows is None:
             self._host_rows[slot] = row
             return None
-        self.check_slot(slot)
         return rows.write_async(slot, row)
 
-    def _rows_to_write(self, row: np.ndarray) -> _DeviceRows | None:
-        """``row`` checked as one packed row, and where it goes: None for host rows (a numpy view
-        of their bytes), else the device rows (made on the first write). Rows kvbridge cannot
-        write are refused by name."""
+    def _rows_to_write(self, slot: int, row: np.ndarray) -> _DeviceRows | None:
+        """``slot`` checked against the registered rows and ``row`` as one packed row, and where it
+        goes: None for host rows (a numpy view of their bytes), else the device rows (made on the
+        first write). Rows kvbridge cannot write are refused by name. (A slot past the rows would
+        be a stray write into device memory, or a negative one a write into another row.)"""
+        self.check_slot(slot)
         if row.dtype != np.uint8 or row.shape != (self.schema.row_bytes,):
             raise KVBridgeError(f"an aux row is {self.schema.row_bytes} packed bytes, got {row.dtype} {list(row.shape)}",
                                 rank=self._rank, field="aux_row")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, PageRangeError
 from kvbridge.layout import AuxSchema, deepseek_pools
 from kvbridge.transfer.aux_rows import AuxBuffers
 from kvbridge.transfer.channel import wire
@@ -287,6 +287,11 @@ def test_host_packed_rows_are_writable_and_a_written_row_reads_back():
     assert aux.read_room(2) == 9 and rows[2].tobytes() == schema_row(9) and not rows[[0, 1, 3]].any()
     with pytest.raises(KVBridgeError, match="packed bytes"):
         aux.write_row(2, np.zeros(SCHEMA.row_bytes - 1, np.uint8))
+    for slot in (4, -1):  # past the rows, or one numpy would wrap into the last row: refused, nothing written
+        for write in (aux.write_row, aux.write_row_async):
+            with pytest.raises(PageRangeError, match=rf"aux slot {slot} outside \[0, 4\)"):
+                write(slot, np.frombuffer(schema_row(7), np.uint8))
+    assert rows[3].tobytes() == bytes(SCHEMA.row_bytes) and aux.read_room(2) == 9
 
 
 def test_rows_by_region_are_not_writable_and_their_rank_asks_for_a_write():
