@@ -16,7 +16,7 @@ import pytest
 from _transfer_peer import peer_process
 from kvbridge.errors import EngineError
 from kvbridge.transfer.engine import Faults, WriteState, create_engine, tensor_region
-from kvbridge.transfer.engine.slicecopy import copy_host, plan_pieces
+from kvbridge.transfer.engine.slicecopy import copy_slices, plan_pieces
 
 PAGE = 4096
 
@@ -143,7 +143,7 @@ def test_pieces_refuse_a_chunk_that_breaks_alignment():
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_copy_host_equals_a_slice_by_slice_copy(aligned):
+def test_copy_slices_equals_a_slice_by_slice_copy(aligned):
     rng = np.random.default_rng(int(aligned))
     nbytes = 1 << 21
     src_buf = rng.integers(0, 256, nbytes, dtype=np.uint8)
@@ -151,7 +151,7 @@ def test_copy_host_equals_a_slice_by_slice_copy(aligned):
     src, dst, length = random_slices(rng, nbytes, 300, aligned)
     expected = reference_copy(src_buf, dst_buf, src, dst, length)
     # small batches: many vectorised steps, one slice larger than a batch on its own
-    copy_host(src_buf.ctypes.data + src, dst_buf.ctypes.data + dst, length, batch_bytes=50_000)
+    copy_slices(src_buf.ctypes.data + src, dst_buf.ctypes.data + dst, length, batch_bytes=50_000)
     assert np.array_equal(dst_buf, expected)
 
 
@@ -306,14 +306,14 @@ def test_host_memory_of_another_process_is_refused_and_untouched(tmp_path):
         engine.close()
 
 
-def test_copy_host_touches_only_the_slices():
+def test_copy_slices_touches_only_the_slices():
     buf = np.full(64 * PAGE, 0x11, np.uint8)
-    copy_host(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
+    copy_slices(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
               np.array([3], np.uint64))
     changed = np.flatnonzero(buf != 0x11)
     assert changed.size == 0  # the source bytes were 0x11 too: nothing else may change
     ctypes.memset(buf.ctypes.data, 0x22, 3)
-    copy_host(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
+    copy_slices(np.array([buf.ctypes.data], np.uint64), np.array([buf.ctypes.data + 10 * PAGE], np.uint64),
               np.array([3], np.uint64))
     assert np.array_equal(np.flatnonzero(buf != 0x11), np.r_[0:3, 10 * PAGE:10 * PAGE + 3])
 

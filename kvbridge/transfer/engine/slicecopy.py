@@ -16,8 +16,8 @@ index-K page, an aux row) byte by byte. Addresses travel as signed offsets from
 one small tensor on the copying device, so any address the device can reach,
 a peer's included, is ``base + offset``.
 
-``copy_host`` is the same copy for host memory in this process (numpy, vectorised),
-used by the engine for host regions and by tests on machines without a GPU.
+``copy_slices`` is the same copy for host memory in this process (numpy, vectorised): the
+engine's host regions, and the staging area's gathers and scatters where it is host memory.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 # Slices this long go to the copy engines (cudaMemcpyAsync) instead: on one H200, 43 MB slices moved at
 # 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
 DIRECT_MIN_BYTES = 8 << 20
-HOST_BATCH = 1 << 20  # bytes per vectorised step of copy_host (bounds its index arrays)
+BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
+ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
+RUN_MIN_BYTES = 64 << 10  # slices at least this long (runs of pages: few, long) are one memmove each
+_MAX_VIEW = 1 << 62  # rows x row length of a window view must stay inside numpy's sizes
 # A launch of at most this many slices (an aux row, a layer-wise room's last write) goes as plain
 # cudaMemcpyAsync calls on the copier's stream through the runtime's C API: no piece table, no Triton
 # launch, no torch device or stream context (on one H100 host those cost a launch of one slice about
@@ -65,30 +68,42 @@ def plan_pieces(
     return src[owner] + offset, dst[owner] + offset, np.minimum(length[owner] - offset, np.uint64(chunk))
 
 
-def copy_host(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_bytes: int = HOST_BATCH) -> None:
-    """Copy host slices of this process, vectorised: byte indices for many slices at a time.
+def copy_slices(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_bytes: int = BATCH_BYTES) -> None:
+    """Copy host slices of this process: ``length[i]`` bytes from ``src[i]`` to ``dst[i]``.
 
-    Every slice must lie in memory the caller checked (registered regions): the
-    copy reads and writes through a view spanning the lowest to the highest
-    address involved and touches only the slices' bytes."""
-    src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
+    Slices are grouped by length; a group of short slices (pages, rows, scale ranges) is copied
+    as ``window[dst_offsets] = window[src_offsets]`` over a view of the bytes from the lowest to
+    the highest address involved whose rows are ``L`` bytes long and start at every byte
+    (stride 1), in batches of about ``batch_bytes``; a slice of ``RUN_MIN_BYTES`` or more is one
+    ``memmove``. Only the slices' bytes are touched; the caller checked they lie in memory it
+    owns (registered regions). Slices of one call must not overlap each other."""
+    src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
     if length.size == 0:
         return
     lo = int(min(src.min(), dst.min()))
     hi = int(max((src + length).max(), (dst + length).max()))
-    window = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
     s_off = (src - np.uint64(lo)).astype(np.int64)
     d_off = (dst - np.uint64(lo)).astype(np.int64)
-    n = length.astype(np.int64)
-    ends = np.cumsum(n)
-    start = 0
-    while start < n.size:  # slices [start, stop) hold about batch_bytes
-        stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + batch_bytes, "right")))
-        stop = min(stop, n.size)
-        counts = n[start:stop]
-        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        window[np.repeat(d_off[start:stop], counts) + within] = window[np.repeat(s_off[start:stop], counts) + within]
-        start = stop
+    sizes, inverse, counts = np.unique(length, return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    buf = None
+    for j, size in enumerate(sizes.tolist()):  # one step per distinct length, not per slice
+        members = order[bounds[j] : bounds[j + 1]]
+        if size >= RUN_MIN_BYTES or (hi - lo) * size >= _MAX_VIEW:
+            for s, d in zip((src[members]).tolist(), (dst[members]).tolist()):
+                ctypes.memmove(d, s, size)
+            continue
+        if buf is None:
+            buf = (ctypes.c_uint8 * (hi - lo)).from_address(lo)
+        if size >= ROW_MIN_BYTES:
+            window = np.ndarray((hi - lo - size + 1, size), dtype=np.uint8, buffer=buf, strides=(1, 1))
+        else:
+            window = np.ndarray((hi - lo - size + 1,), dtype=np.dtype((np.void, size)), buffer=buf, strides=(1,))
+        step = max(1, batch_bytes // size)
+        for a in range(0, len(members), step):
+            m = members[a : a + step]
+            window[d_off[m]] = window[s_off[m]]
 
 
 class CudaCopier:

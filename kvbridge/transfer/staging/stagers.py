@@ -6,69 +6,24 @@ gather and scatter lists).
 
 Stagers copy between pages and a slot on one side:
 
-- :class:`HostStager`: host memory, vectorised numpy (:func:`copy_slices`): the slices are
-  grouped by length and each group of short slices is one fancy-indexed copy over a byte
-  window of the process's memory (rows of one length at any byte offset), in batches of a few
-  MiB; runs of pages (64 KiB and more: few, long) one ``memmove`` each;
+- :class:`HostStager`: host memory, ``slicecopy.copy_slices`` (vectorised numpy: slices grouped
+  by length, each group of short slices one fancy-indexed copy, runs of pages one ``memmove``
+  each);
 - :class:`CudaStager`: device memory, the slice kernel of ``slicecopy.CudaCopier`` (torch and
   Triton imported only when one is made).
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
 
 from kvbridge.layout.staging import StagedPlan
 from kvbridge.transfer.engine.base import wait_ready
+from kvbridge.transfer.engine.slicecopy import copy_slices
 
 __all__ = ["AddressRanges", "CudaStager", "HostStager", "copy_slices"]
-
-BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
-ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
-RUN_MIN_BYTES = 64 << 10  # slices at least this long (runs of pages: few, long) are one memmove each
-_MAX_VIEW = 1 << 62  # rows x row length of a window view must stay inside numpy's sizes
-
-
-def copy_slices(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_bytes: int = BATCH_BYTES) -> None:
-    """Copy host slices of this process: ``length[i]`` bytes from ``src[i]`` to ``dst[i]``.
-
-    Slices are grouped by length; a group of short slices (pages, rows, scale ranges) is copied
-    as ``window[dst_offsets] = window[src_offsets]`` over a view of the bytes from the lowest to
-    the highest address involved whose rows are ``L`` bytes long and start at every byte
-    (stride 1), in batches of about ``batch_bytes``; a slice of ``RUN_MIN_BYTES`` or more is one
-    ``memmove``. Only the slices' bytes are touched; the caller checked they lie in memory it
-    owns (registered regions). Slices of one call must not overlap each other."""
-    src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
-    if length.size == 0:
-        return
-    lo = int(min(src.min(), dst.min()))
-    hi = int(max((src + length).max(), (dst + length).max()))
-    s_off = (src - np.uint64(lo)).astype(np.int64)
-    d_off = (dst - np.uint64(lo)).astype(np.int64)
-    sizes, inverse, counts = np.unique(length, return_inverse=True, return_counts=True)
-    order = np.argsort(inverse, kind="stable")
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    buf = None
-    for j, size in enumerate(sizes.tolist()):  # one step per distinct length, not per slice
-        members = order[bounds[j] : bounds[j + 1]]
-        if size >= RUN_MIN_BYTES or (hi - lo) * size >= _MAX_VIEW:
-            for s, d in zip((src[members]).tolist(), (dst[members]).tolist()):
-                ctypes.memmove(d, s, size)
-            continue
-        if buf is None:
-            buf = (ctypes.c_uint8 * (hi - lo)).from_address(lo)
-        if size >= ROW_MIN_BYTES:
-            window = np.ndarray((hi - lo - size + 1, size), dtype=np.uint8, buffer=buf, strides=(1, 1))
-        else:
-            window = np.ndarray((hi - lo - size + 1,), dtype=np.dtype((np.void, size)), buffer=buf, strides=(1,))
-        step = max(1, batch_bytes // size)
-        for a in range(0, len(members), step):
-            m = members[a : a + step]
-            window[d_off[m]] = window[s_off[m]]
-
 
 class HostStager:
     """Gather and scatter in host memory; the copy is done when the call returns."""

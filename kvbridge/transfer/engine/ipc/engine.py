@@ -66,7 +66,7 @@ from kvbridge.transfer.engine.ipc.channel import Channel, Conn
 from kvbridge.transfer.engine.ipc.tables import DEVICE, Export, IpcTables, Peer, PeerRegion
 from kvbridge.transfer.engine.jobs import Job, JobTable, Regions, SubmittingJobEngine, check_slices, locate
 from kvbridge.transfer.engine.local import Faults
-from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_host
+from kvbridge.transfer.engine.slicecopy import DIRECT_MIN_BYTES, copy_slices
 
 log = logging.getLogger("kvbridge.transfer.engine.ipc")  # one logger for the engine and its tables
 
@@ -308,7 +308,7 @@ class IpcEngine(IpcTables, SubmittingJobEngine):
         try:
             if host.any():
                 wait_ready(batch.after)
-                copy_host(batch.src[host], batch.dst[host], batch.length[host])
+                copy_slices(batch.src[host], batch.dst[host], batch.length[host])
             if batch.event is not None:
                 batch.event.synchronize()
             if batch.number in self.faults.corrupt_batches and batch.src.size:
