@@ -240,7 +240,7 @@ def test_a_failed_write_fails_the_room_and_frees_its_slots_once_quiet() -> None:
         p.b.close()
 
 
-@pytest.mark.parametrize("size", [1, 7, 132, 656, 4096, 41984, 200_000])
+@pytest.mark.parametrize("size", [1, 7, 132, 656, 4096, 8448, 41984, 200_000])
 def test_copy_slices_moves_any_length_anywhere(size: int) -> None:
     rng = np.random.default_rng(size)
     n = max(2, min(64, (4 << 20) // size))

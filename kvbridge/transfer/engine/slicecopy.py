@@ -36,7 +36,10 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 DIRECT_MIN_BYTES = 8 << 20
 BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
 ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
-RUN_MIN_BYTES = 64 << 10  # slices at least this long (runs of pages: few, long) are one memmove each
+# slices at least this long (pages of a latent cache, runs of pages) are one memmove each: from about
+# this length a memmove per slice costs less than the fancy-indexed copy, whose temporary array of
+# the batch's rows is, in a process whose allocator hands it fresh pages, a page fault every 4 KiB
+RUN_MIN_BYTES = 16 << 10
 _MAX_VIEW = 1 << 62  # rows x row length of a window view must stay inside numpy's sizes
 # A launch of at most this many slices (an aux row, a layer-wise room's last write) goes as plain
 # cudaMemcpyAsync calls on the copier's stream through the runtime's C API: no piece table, no Triton
@@ -74,9 +77,10 @@ def copy_slices(src: np.ndarray, dst: np.ndarray, length: np.ndarray, batch_byte
     Slices are grouped by length; a group of short slices (pages, rows, scale ranges) is copied
     as ``window[dst_offsets] = window[src_offsets]`` over a view of the bytes from the lowest to
     the highest address involved whose rows are ``L`` bytes long and start at every byte
-    (stride 1), in batches of about ``batch_bytes``; a slice of ``RUN_MIN_BYTES`` or more is one
-    ``memmove``. Only the slices' bytes are touched; the caller checked they lie in memory it
-    owns (registered regions). Slices of one call must not overlap each other."""
+    (stride 1), in batches of about ``batch_bytes``; a slice of ``RUN_MIN_BYTES`` or more (a page
+    of 41,984 B, a run of pages) is one ``memmove``. Only the slices' bytes are touched; the
+    caller checked they lie in memory it owns (registered regions). Slices of one call must not
+    overlap each other."""
     src, dst, length = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, length))
     if length.size == 0:
         return

@@ -7,8 +7,8 @@ gather and scatter lists).
 Stagers copy between pages and a slot on one side:
 
 - :class:`HostStager`: host memory, ``slicecopy.copy_slices`` (vectorised numpy: slices grouped
-  by length, each group of short slices one fancy-indexed copy, runs of pages one ``memmove``
-  each);
+  by length, each group of short slices one fancy-indexed copy, slices of 16 KiB and more one
+  ``memmove`` each);
 - :class:`CudaStager`: device memory, the slice kernel of ``slicecopy.CudaCopier`` (torch and
   Triton imported only when one is made).
 """
