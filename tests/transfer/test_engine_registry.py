@@ -179,11 +179,12 @@ def test_nixl_has_its_own_measured_thresholds_and_the_endpoint_looks_them_up():
 
 
 def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
-    """Thresholds are per engine *and* transport: Mooncake over TCP moves the SGLang peer bench's
-    targets direct at every cell (staged measured slower there: docs/engines.md, "Staging
-    thresholds"), and the vLLM peer bench's GQA rooms (64 KiB slices) direct, but stages its MLA
-    rooms (18,432 B slices) from 3,000 slices (staged measured faster there from 3,065), while Mooncake's other transports keep the engine's rules (host pages staged from
-    2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
+    """Thresholds are per engine *and* transport: Mooncake over TCP stages a target of 512 slices
+    or more of at most 48 KiB (the SGLang peer bench's 41,984 B pages, the vLLM peer bench's MLA
+    rooms of 18,432 B slices: staged measured faster there from about 500 slices, at parity at
+    256-512; docs/engines.md) and moves the vLLM peer bench's GQA rooms (64 KiB slices, slower
+    staged) direct, while Mooncake's other transports keep the engine's rules (host pages staged
+    from 2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
     engine reports it (``mooncake/<protocol>``, MC_FORCE_TCP read as TCP), through the endpoint's
     look-up, for plain Mooncake and the auto engine's Mooncake part alike."""
     page = 64 * 656  # the bench's 41,984 B fp8 latent page: one slice per page and layer
@@ -194,7 +195,11 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
         return choose_path(n // 64 // cp * layers, staging_thresholds(route), mean_slice_bytes=page)
 
     for route in ("mooncake/tcp", "auto/tcp"):
-        assert {path(route, *c) for c in cells} == {"direct"}, route
+        got = {c: path(route, *c) for c in cells}
+        assert got == {c: "staged" if c[0] // 64 // c[2] * c[1] >= 512 else "direct" for c in cells}, route
+        # the SGLang peer bench's goal cells at its 16 layers: 1K direct at CP 1 and 2 (256 and 128
+        # slices a rank: at parity staged), 8K and 32K staged (2,048 slices and more: faster staged)
+        assert [got[(n, 16, cp)] for n in (1024, 8192, 32768) for cp in (1, 2)] == ["direct"] * 2 + ["staged"] * 4
     # the vLLM peer bench's rooms (scripts/vllm_peer_bench.py): slices and bytes of a prefill target
     # as its stats report them (one slice per block and layer, plus the 8-byte aux slice)
     vllm = {("mla", 1024): (513, 9_437_192), ("mla", 2048): (1025, 18_874_376), ("mla", 4096): (2049, 37_748_744),
@@ -203,13 +208,14 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
     for route in ("mooncake/tcp", "auto/tcp"):
         rule = staging_thresholds(route)
         got = {cell: choose_path(n, rule, mean_slice_bytes=nbytes // n) for cell, (n, nbytes) in vllm.items()}
-        staged = {("mla", 6144), ("mla", 8192), ("mla", 32768)}
+        staged = {cell for cell in vllm if cell[0] == "mla"}  # 513 slices and more; GQA's 64 KiB: direct
         assert got == {cell: "staged" if cell in staged else "direct" for cell in vllm}, (route, got)
-    assert TCP_PAGE_SIZED == PathThresholds(min_slices=3000, max_mean_slice_bytes=20 << 10)
-    # SGLang's page at any count stays direct on TCP; an 18,432 B slice stages from 3,000 on
-    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=41_984) == "direct"
-    assert choose_path(2999, TCP_PAGE_SIZED, mean_slice_bytes=18_432) == "direct"
-    assert choose_path(3000, TCP_PAGE_SIZED, mean_slice_bytes=18_432) == "staged"
+    assert TCP_PAGE_SIZED == PathThresholds(min_slices=512, max_mean_slice_bytes=48 << 10)
+    # SGLang's page and an 18,432 B slice stage from 512 on; a 64 KiB slice never does
+    for page_bytes in (41_984, 18_432):
+        assert choose_path(511, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "direct"
+        assert choose_path(512, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "staged"
+    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=64 << 10) == "direct"
     for route in ("mooncake", "mooncake/rdma", "auto/rdma"):  # the engine's host rule: 2,048 slices
         got = {c: path(route, *c) for c in cells}
         assert got[(1024, 16, 1)] == "direct" and got[(8192, 16, 1)] == got[(32768, 61, 2)] == "staged", route
@@ -238,9 +244,9 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
     tcp, rdma = Mooncakeish("tcp"), Mooncakeish("rdma")
     assert kind(tcp) == kind(Autoish(tcp)) == kind(FaultyEngine(tcp, 1)) == "mooncake/tcp"
     assert kind(tcp, on_gpu=True) == "mooncake/tcp-gpu" and kind(rdma) == kind(Autoish(rdma)) == "mooncake/rdma"
-    n = 32768 // 64 * 61  # 32K tokens, 61 layers, CP 1: 31,232 slices
-    assert choose_path(n, staging_thresholds(kind(tcp)), mean_slice_bytes=page) == "direct"
-    assert choose_path(n, staging_thresholds(kind(rdma)), mean_slice_bytes=page) == "staged"
+    n = 1024 // 64 * 61  # 1K tokens, 61 layers, CP 1: 976 slices
+    assert choose_path(n, staging_thresholds(kind(tcp)), mean_slice_bytes=page) == "staged"
+    assert choose_path(n, staging_thresholds(kind(rdma)), mean_slice_bytes=page) == "direct"
     with pytest.raises(ConfigError, match="want an engine's name, or name/transport"):
         route_key("mooncake/", on_gpu=False)
     with pytest.raises(ConfigError, match="unknown transfer engine 'tcp'"):
