@@ -179,11 +179,10 @@ def test_nixl_has_its_own_measured_thresholds_and_the_endpoint_looks_them_up():
 
 
 def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
-    """Thresholds are per engine *and* transport: Mooncake over TCP stages a target of 512 slices
-    or more of at most 48 KiB (the SGLang peer bench's 41,984 B pages, the vLLM peer bench's MLA
-    rooms of 18,432 B slices: staged measured faster there from about 500 slices, at parity at
-    256-512; docs/engines.md) and moves the vLLM peer bench's GQA rooms (64 KiB slices, slower
-    staged) direct, while Mooncake's other transports keep the engine's rules (host pages staged
+    """Thresholds are per engine *and* transport: Mooncake over TCP stages a target of 64 slices
+    or more of at most 48 KiB (the SGLang peer bench's 41,984 B pages, staged measured faster from
+    32 slices; the vLLM peer bench's MLA rooms of 18,432 B slices, from 513; docs/engines.md) and
+    moves the vLLM peer bench's GQA rooms (64 KiB slices, slower staged) direct, while Mooncake's other transports keep the engine's rules (host pages staged
     from 2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
     engine reports it (``mooncake/<protocol>``, MC_FORCE_TCP read as TCP), through the endpoint's
     look-up, for plain Mooncake and the auto engine's Mooncake part alike."""
@@ -196,10 +195,11 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
 
     for route in ("mooncake/tcp", "auto/tcp"):
         got = {c: path(route, *c) for c in cells}
-        assert got == {c: "staged" if c[0] // 64 // c[2] * c[1] >= 512 else "direct" for c in cells}, route
-        # the SGLang peer bench's goal cells at its 16 layers: 1K direct at CP 1 and 2 (256 and 128
-        # slices a rank: at parity staged), 8K and 32K staged (2,048 slices and more: faster staged)
-        assert [got[(n, 16, cp)] for n in (1024, 8192, 32768) for cp in (1, 2)] == ["direct"] * 2 + ["staged"] * 4
+        assert got == {c: "staged" if c[0] // 64 // c[2] * c[1] >= 64 else "direct" for c in cells}, route
+        # the SGLang peer bench: every goal cell at its 16 layers staged (128 slices a rank and more);
+        # --quick's 1K at 4 layers staged at CP 1 (64 slices), direct at CP 2 (32 a rank)
+        assert {got[(n, 16, cp)] for n in (1024, 8192, 32768) for cp in (1, 2)} == {"staged"}
+        assert (got[(1024, 4, 1)], got[(1024, 4, 2)]) == ("staged", "direct")
     # the vLLM peer bench's rooms (scripts/vllm_peer_bench.py): slices and bytes of a prefill target
     # as its stats report them (one slice per block and layer, plus the 8-byte aux slice)
     vllm = {("mla", 1024): (513, 9_437_192), ("mla", 2048): (1025, 18_874_376), ("mla", 4096): (2049, 37_748_744),
@@ -210,11 +210,11 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
         got = {cell: choose_path(n, rule, mean_slice_bytes=nbytes // n) for cell, (n, nbytes) in vllm.items()}
         staged = {cell for cell in vllm if cell[0] == "mla"}  # 513 slices and more; GQA's 64 KiB: direct
         assert got == {cell: "staged" if cell in staged else "direct" for cell in vllm}, (route, got)
-    assert TCP_PAGE_SIZED == PathThresholds(min_slices=512, max_mean_slice_bytes=48 << 10)
-    # SGLang's page and an 18,432 B slice stage from 512 on; a 64 KiB slice never does
+    assert TCP_PAGE_SIZED == PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10)
+    # SGLang's page and an 18,432 B slice stage from 64 on; a 64 KiB slice never does
     for page_bytes in (41_984, 18_432):
-        assert choose_path(511, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "direct"
-        assert choose_path(512, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "staged"
+        assert choose_path(63, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "direct"
+        assert choose_path(64, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "staged"
     assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=64 << 10) == "direct"
     for route in ("mooncake", "mooncake/rdma", "auto/rdma"):  # the engine's host rule: 2,048 slices
         got = {c: path(route, *c) for c in cells}
