@@ -288,8 +288,9 @@ def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, devic
     kvbridge; on a GPU the addresses name it, and the staging buffers go beside them), staging
     "auto" on both sides: a room of a few scattered pages goes direct, one of thousands of
     page-sized slices takes the path ``choose_path`` gives under the thresholds of the route
-    (Mooncake TCP, the pages' device): staged for GPU pages, direct for host pages (Mooncake TCP
-    stages none: registry.py), and both land byte-exact."""
+    (Mooncake TCP, the pages' device): staged, for host pages (Mooncake TCP's own rule, from 64
+    slices of at most 48 KiB: registry.py) and GPU pages (Mooncake's GPU rule) alike, and both
+    land byte-exact."""
     from kvbridge.layout import choose_path
     from kvbridge.transfer.engine.registry import route_key, staging_thresholds
 
@@ -317,7 +318,7 @@ def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, devic
         paths = {room: set(p.result(room)["paths"].values()) for room in rooms}
         rule = staging_thresholds(route_key("mooncake/tcp", on_gpu=device != "cpu"))
         want = choose_path(2500, rule, mean_slice_bytes=41_984)  # 2,500 slices of at most a page each
-        assert want == ("direct" if device == "cpu" else "staged")
+        assert want == "staged" and choose_path(15, rule, mean_slice_bytes=41_984) == "direct"
         assert paths == {small: {"direct"}, large: {want}}, paths
         assert (p.result(large)["chunks"] > 1) == (want == "staged")
     finally:
