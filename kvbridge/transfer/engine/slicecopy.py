@@ -34,7 +34,10 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 # Slices this long go to the copy engines (cudaMemcpyAsync) instead: on one H200, 43 MB slices moved at
 # 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
 DIRECT_MIN_BYTES = 8 << 20
-BATCH_BYTES = 4 << 20  # bytes per fancy-indexed step: bounds the temporary copy numpy makes
+# bytes per fancy-indexed step: bounds the temporary array numpy makes of the step's rows. Kept small
+# enough that the allocator reuses it: in SGLang's processes a 4 MiB temporary came back as fresh
+# pages on every step, a page fault each 4 KiB; a 256 KiB one faulted none
+BATCH_BYTES = 256 << 10
 ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
 # slices at least this long (pages of a latent cache, runs of pages) are one memmove each: from about
 # this length a memmove per slice costs less than the fancy-indexed copy, whose temporary array of
