@@ -67,13 +67,11 @@ GPU_PAGE_SIZED = PathThresholds(min_slices=512, max_mean_slice_bytes=64 << 10)
 # what was measured. GPU pages over NIXL: not measured, Mooncake's GPU rule.
 NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 10)
 # Mooncake TCP, host pages (docs/engines.md, "Mooncake TCP: staged from 64 slices"): measured between
-# the engines' own processes, staging forced on and off in the same run or in alternate runs.
-# SGLang's fp8 latent pages (41,984 B slices; scripts/sglang_peer_bench.py --configs auto,staged)
-# ran faster staged at every count measured, 32 to 8,192 slices a target (at 32-64, by 2-12 %),
-# and vLLM's MLA pages (18,432 B; scripts/vllm_peer_bench.py --kvbridge-staging always|never) from
-# 513, the smallest room its bench makes; vLLM's GQA pages (64 KiB) ran slower staged at 257 and 513
-# slices. So staged from 64 slices of at most 48 KiB mean; larger slices direct. GPU pages over TCP:
-# not measured, Mooncake's GPU rule.
+# the engines' own processes, staging forced on and off. SGLang's fp8 latent pages (41,984 B slices)
+# ran faster staged at every count measured down to a few dozen slices a target, vLLM's MLA pages
+# (18,432 B) at every count its bench makes, and vLLM's GQA pages (64 KiB) slower at a few hundred:
+# staged from 64 slices of at most 48 KiB mean, larger slices direct. GPU pages over TCP: not
+# measured, Mooncake's GPU rule.
 TCP_PAGE_SIZED = PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10)
 # the route's transport part (``mooncake/tcp``) and the rules it has of its own: "tcp" host pages,
 # "tcp-gpu" GPU pages; a transport not listed takes the engine's default rules

@@ -34,14 +34,14 @@ CHUNK = 128 * 1024  # bytes per piece: pages are one piece; long runs spread ove
 # Slices this long go to the copy engines (cudaMemcpyAsync) instead: on one H200, 43 MB slices moved at
 # 1,760 GB/s that way against 1,423 GB/s through the kernel (scripts/gpu_bench.py --ceilings).
 DIRECT_MIN_BYTES = 8 << 20
-# bytes per fancy-indexed step: bounds the temporary array numpy makes of the step's rows. Kept small
-# enough that the allocator reuses it: in SGLang's processes a 4 MiB temporary came back as fresh
-# pages on every step, a page fault each 4 KiB; a 256 KiB one faulted none
+# bytes per fancy-indexed step: bounds the temporary array numpy makes of the step's rows, small enough
+# that the allocator reuses it (a temporary handed back as fresh pages is a page fault every 4 KiB of
+# every step; docs/engines.md, "Mooncake TCP: staged from 64 slices")
 BATCH_BYTES = 256 << 10
 ROW_MIN_BYTES = 4096  # slices at least this long copy as 2-D uint8 rows; shorter ones as one void item each
 # slices at least this long (pages of a latent cache, runs of pages) are one memmove each: from about
-# this length a memmove per slice costs less than the fancy-indexed copy, whose temporary array of
-# the batch's rows is, in a process whose allocator hands it fresh pages, a page fault every 4 KiB
+# this length a memmove per slice costs less than the fancy-indexed copy, which also copies every
+# byte twice (into its temporary, then into place)
 RUN_MIN_BYTES = 16 << 10
 _MAX_VIEW = 1 << 62  # rows x row length of a window view must stay inside numpy's sizes
 # A launch of at most this many slices (an aux row, a layer-wise room's last write) goes as plain
