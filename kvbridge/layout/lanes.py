@@ -82,6 +82,20 @@ class OwnerLanes:
             return owner, local
         return np.zeros_like(pages), pages.copy()
 
+    def owner_ranks(self, pages: np.ndarray, num_pages: int) -> np.ndarray | None:
+        """The owner cp rank of each of ``pages`` (int64, checked inside ``[0, num_pages)`` by the
+        caller: a room's send path, which has its bounds already), or None where one rank owns
+        every page (``cp_size`` 1). :meth:`owners` checks its input and gives the local index too."""
+        if self.cp_size == 1:
+            return None
+        if self.rule == INTERLEAVED:
+            return pages % self.cp_size
+        if self.rule == CONTIGUOUS:
+            return pages // max(self.chunk_pages(num_pages), 1)
+        if self.rule == BALANCED:
+            return self.owners(pages, num_pages)[0]
+        return np.zeros_like(pages)
+
     def owned_pages(self, cp_rank: int, num_pages: int) -> np.ndarray:
         """Ascending logical pages that ``cp_rank`` owns (and sends)."""
         self._check_rank(cp_rank)

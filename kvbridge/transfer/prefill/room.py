@@ -395,47 +395,52 @@ class PrefillRoom:
         """Check a chunk from the engine and queue its complete pages; raises before queueing anything.
         ``ready_event``: the chunk's pages (and held pages it completes) are written once it completes.
         ``layers``: only target layers ``[start, end)`` of the pages (module docstring)."""
-        ctx = self.ctx
         if not self.length_known:
-            raise LayoutError("send() before init()", field="num_tokens", **ctx)
+            raise LayoutError("send() before init()", field="num_tokens", **self.ctx)
         logical = np.asarray(logical, dtype=np.int64).reshape(-1)
         local = np.asarray(local, dtype=np.int64).reshape(-1)
         if self.auto_last and not logical.size and aux_row is None and aux_slot is None:
             return  # a rank with nothing to send may still call send(): nothing to do
         if self.is_last:
-            raise LayoutError("send() after the last chunk", field="is_last", **ctx)
+            raise LayoutError("send() after the last chunk", field="is_last", **self.ctx)
         if logical.shape != local.shape:
-            raise LayoutError(f"{logical.size} logical pages but {local.size} local pages", field="local_pages", **ctx)
+            raise LayoutError(f"{logical.size} logical pages but {local.size} local pages", field="local_pages",
+                              **self.ctx)
         span = None if layers is None else self._check_layers(layers)
         ready = self._ready(num_tokens_ready, is_last)
         num_pages = self.num_pages
+        sent = None  # which of the chunk's pages were handed in before
         if logical.size:
-            if logical.min() < 0 or logical.max() >= num_pages:
-                raise LayoutError(f"logical pages must lie in [0, {num_pages})", field="logical_pages", **ctx)
-            owner, _ = self.lanes.owners(logical, num_pages)
-            if (owner != self.cp_rank).any():
+            # ascending pages (what engines send) are each given once, and their ends are their bounds
+            ascending = logical.size == 1 or bool((logical[1:] > logical[:-1]).all())
+            lo, hi = (int(logical[0]), int(logical[-1])) if ascending else (int(logical.min()), int(logical.max()))
+            if lo < 0 or hi >= num_pages:
+                raise LayoutError(f"logical pages must lie in [0, {num_pages})", field="logical_pages", **self.ctx)
+            owner = self.lanes.owner_ranks(logical, num_pages)
+            if owner is not None and (owner != self.cp_rank).any():
                 bad = int(np.flatnonzero(owner != self.cp_rank)[0])
                 raise LayoutError(f"logical page {int(logical[bad])} is owned by cp rank {int(owner[bad])}, not this "
-                                  "rank", field="logical_pages", **ctx)
-            if logical.min() < self.engine_first_page:
-                raise LayoutError(f"logical page {int(logical.min())} lies below first page {self.engine_first_page}, "
-                                  "where this engine said it starts (init(first_page=): the decode ranks hold the "
-                                  "pages below)", field="logical_pages", **ctx)
-            if has_repeats(logical):
-                raise LayoutError("a logical page was sent twice", field="logical_pages", **ctx)
-            if span is None and self.given[logical].any():
-                bad = int(logical[self.given[logical]][0])
+                                  "rank", field="logical_pages", **self.ctx)
+            if lo < self.engine_first_page:
+                raise LayoutError(f"logical page {lo} lies below first page {self.engine_first_page}, where this "
+                                  "engine said it starts (init(first_page=): the decode ranks hold the pages below)",
+                                  field="logical_pages", **self.ctx)
+            if not ascending and has_repeats(logical):
+                raise LayoutError("a logical page was sent twice", field="logical_pages", **self.ctx)
+            sent = self.given[logical]
+            if span is None and sent.any():
+                bad = int(logical[sent][0])
                 what = "" if self.layers_given is None or self.layers_given[bad].all() else " (some of its layers)"
-                raise LayoutError(f"logical page {bad} was sent twice{what}", field="logical_pages", **ctx)
+                raise LayoutError(f"logical page {bad} was sent twice{what}", field="logical_pages", **self.ctx)
         if span is not None:
             self._check_layer_pages(logical, local, span, ready, self.num_tokens if self.num_tokens is not None
                                     else ready if is_last else -1)
             if is_last and self.held[0].size:
                 raise LayerRangeError(f"logical page {int(self.held[0][0])} is held from an earlier chunk (it ended "
                                       "inside it) and travels with a send of every layer: end with a send without "
-                                      "layers", field="layers", **ctx)
-        new = logical[~self.given[logical]] if logical.size else logical
-        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + new.size)
+                                      "layers", field="layers", **self.ctx)
+        num_new = 0 if sent is None else logical.size - int(np.count_nonzero(sent))
+        self._check_aux(is_last, aux_row, aux_slot, int(np.count_nonzero(self.given)) + num_new)
         if is_last:
             self._check_layers_complete(logical, span)
         if is_last and self.num_tokens is None:  # started from its page count: the last chunk gives the length

@@ -359,6 +359,8 @@ class StagedWrites:
         one slot (None: plan it whole). A group fills about one slot, and holds enough pages for
         at least ``GROUP_MIN_SLICES`` slices, so that the path chosen on the first group is the one
         the whole chunk would get (``choose_path``'s thresholds are far below it)."""
+        if num_pages <= -(-GROUP_MIN_SLICES // max(len(self.src_bufs), 1)):
+            return None  # within any group's least page count (the target's pools are among src_bufs')
         key = (room, t.decode_rank)
         offer = self.offers.get(key)
         if self.gather is None or self.mode == "never" or offer is None or self.paths.get(key) == "direct":
