@@ -292,16 +292,23 @@ def _empty(slot_bytes: int) -> StagedPlan:
 @dataclass(frozen=True)
 class PathThresholds:
     """Staged when a plan has at least ``min_slices`` slices *and* its mean slice is at most
-    ``max_mean_slice_bytes``; direct otherwise."""
+    ``max_mean_slice_bytes``; else under ``wider`` when given (a second rule for larger slices,
+    from more of them: at least as many slices, a larger mean); direct otherwise."""
 
     min_slices: int
     max_mean_slice_bytes: int
+    wider: PathThresholds | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_slices", "max_mean_slice_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise LayoutError(f"{name} must be a non-negative integer, got {value!r}", field=name)
+        w = self.wider
+        if w is not None and (not isinstance(w, PathThresholds) or w.min_slices < self.min_slices
+                              or w.max_mean_slice_bytes <= self.max_mean_slice_bytes):
+            raise LayoutError(f"wider must be PathThresholds of at least {self.min_slices} slices and a mean above "
+                              f"{self.max_mean_slice_bytes} bytes, got {w!r}", field="wider")
 
 
 def choose_path(plan: TransferPlan | int, thresholds: PathThresholds | None, *,
@@ -311,6 +318,23 @@ def choose_path(plan: TransferPlan | int, thresholds: PathThresholds | None, *,
     route never staged (direct). ``plan`` may be a slice count, with ``mean_slice_bytes`` given."""
     if thresholds is None:
         return "direct"
+    if not isinstance(thresholds, PathThresholds):
+        raise LayoutError(f"thresholds must be PathThresholds or None, got {thresholds!r}", field="thresholds")
+    if isinstance(plan, TransferPlan):
+        num_slices = plan.num_slices
+        if num_slices < max(thresholds.min_slices, 1):  # too few slices to gain: no byte count needed
+            return "direct"
+        mean = plan.num_bytes // num_slices
+    else:
+        if mean_slice_bytes is None:
+            raise LayoutError("a slice count needs mean_slice_bytes", field="mean_slice_bytes")
+        num_slices, mean = int(plan), int(mean_slice_bytes)
+    rule: PathThresholds | None = thresholds
+    while rule is not None and num_slices >= max(rule.min_slices, 1):  # (each wider rule wants more slices)
+        if mean <= rule.max_mean_slice_bytes:
+            return "staged"
+        rule = rule.wider
+    return "direct"
     if not isinstance(thresholds, PathThresholds):
         raise LayoutError(f"thresholds must be PathThresholds or None, got {thresholds!r}", field="thresholds")
     if isinstance(plan, TransferPlan):

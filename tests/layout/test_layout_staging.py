@@ -279,3 +279,24 @@ def test_choose_path() -> None:
         choose_path(4000, host)
     with pytest.raises(LayoutError, match="min_slices"):
         PathThresholds(min_slices=-1, max_mean_slice_bytes=0)
+
+
+def test_a_wider_rule_stages_larger_slices_only_from_its_own_count() -> None:
+    """``wider``: a second (count, mean) pair for slices the first rule leaves direct; each bound
+    inclusive, and a plan under neither rule direct."""
+    rule = PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10,
+                          wider=PathThresholds(min_slices=1024, max_mean_slice_bytes=64 << 10))
+    assert choose_path(64, rule, mean_slice_bytes=48 << 10) == "staged"  # the first rule
+    assert choose_path(63, rule, mean_slice_bytes=1) == "direct"
+    assert choose_path(1023, rule, mean_slice_bytes=64 << 10) == "direct"  # too few for the wider rule
+    assert choose_path(1024, rule, mean_slice_bytes=64 << 10) == "staged"
+    assert choose_path(1 << 20, rule, mean_slice_bytes=(64 << 10) + 1) == "direct"  # larger than either
+    slices = TransferPlan(np.arange(1025) << 17, np.arange(1025) << 17, np.full(1025, 60 << 10))
+    assert choose_path(slices, rule) == "staged"
+    assert choose_path(TransferPlan(slices.src[:600], slices.dst[:600], slices.length[:600]), rule) == "direct"
+    for bad in (PathThresholds(min_slices=32, max_mean_slice_bytes=64 << 10),  # fewer slices than the first
+                PathThresholds(min_slices=1024, max_mean_slice_bytes=48 << 10)):  # no larger mean
+        with pytest.raises(LayoutError, match="wider must be PathThresholds of at least 64 slices"):
+            PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10, wider=bad)
+    with pytest.raises(LayoutError, match="wider"):
+        PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10, wider=(1024, 64 << 10))  # type: ignore[arg-type]

@@ -182,7 +182,8 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
     """Thresholds are per engine *and* transport: Mooncake over TCP stages a target of 64 slices
     or more of at most 48 KiB (the SGLang peer bench's 41,984 B pages, staged measured faster from
     32 slices; the vLLM peer bench's MLA rooms of 18,432 B slices, from 513; docs/engines.md) and
-    moves the vLLM peer bench's GQA rooms (64 KiB slices, slower staged) direct, while Mooncake's other transports keep the engine's rules (host pages staged
+    stages the vLLM peer bench's GQA rooms (64 KiB slices) from 1,024 slices (slower staged at 513,
+    faster from 1,025), while Mooncake's other transports keep the engine's rules (host pages staged
     from 2,048 page-sized slices, GPU pages from 512). The route names the transport as a Mooncake
     engine reports it (``mooncake/<protocol>``, MC_FORCE_TCP read as TCP), through the endpoint's
     look-up, for plain Mooncake and the auto engine's Mooncake part alike."""
@@ -208,14 +209,20 @@ def test_the_path_is_pinned_per_transport_at_the_peer_bench_cells():
     for route in ("mooncake/tcp", "auto/tcp"):
         rule = staging_thresholds(route)
         got = {cell: choose_path(n, rule, mean_slice_bytes=nbytes // n) for cell, (n, nbytes) in vllm.items()}
-        staged = {cell for cell in vllm if cell[0] == "mla"}  # 513 slices and more; GQA's 64 KiB: direct
-        assert got == {cell: "staged" if cell in staged else "direct" for cell in vllm}, (route, got)
-    assert TCP_PAGE_SIZED == PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10)
-    # SGLang's page and an 18,432 B slice stage from 64 on; a 64 KiB slice never does
+        # every cell staged: MLA from 513 slices, GQA's 64 KiB slices from 1,025 (the wider rule)
+        assert got == {cell: "staged" for cell in vllm}, (route, got)
+        assert choose_path(513, rule, mean_slice_bytes=67_108_872 // 1025) == "direct"  # GQA at 4K: direct
+    assert TCP_PAGE_SIZED == PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10,
+                                            wider=PathThresholds(min_slices=1024, max_mean_slice_bytes=72 << 10))
+    # SGLang's page and an 18,432 B slice stage from 64 on; a 64 KiB slice from 1,024 (a mean up to
+    # 72 KiB: some blocks merged, as the 32K cell's 4,081 slices); larger never
     for page_bytes in (41_984, 18_432):
         assert choose_path(63, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "direct"
         assert choose_path(64, TCP_PAGE_SIZED, mean_slice_bytes=page_bytes) == "staged"
-    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=64 << 10) == "direct"
+    assert choose_path(1023, TCP_PAGE_SIZED, mean_slice_bytes=64 << 10) == "direct"
+    assert choose_path(1024, TCP_PAGE_SIZED, mean_slice_bytes=64 << 10) == "staged"
+    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=72 << 10) == "staged"
+    assert choose_path(1 << 20, TCP_PAGE_SIZED, mean_slice_bytes=(72 << 10) + 1) == "direct"
     for route in ("mooncake", "mooncake/rdma", "auto/rdma"):  # the engine's host rule: 2,048 slices
         got = {c: path(route, *c) for c in cells}
         assert got[(1024, 16, 1)] == "direct" and got[(8192, 16, 1)] == got[(32768, 61, 2)] == "staged", route

@@ -69,10 +69,12 @@ NIXL_PAGE_SIZED = PathThresholds(min_slices=1 << 16, max_mean_slice_bytes=64 << 
 # Mooncake TCP, host pages (docs/engines.md, "Mooncake TCP: staged from 64 slices"): measured between
 # the engines' own processes, staging forced on and off. SGLang's fp8 latent pages (41,984 B slices)
 # ran faster staged at every count measured down to a few dozen slices a target, vLLM's MLA pages
-# (18,432 B) at every count its bench makes, and vLLM's GQA pages (64 KiB) slower at a few hundred:
-# staged from 64 slices of at most 48 KiB mean, larger slices direct. GPU pages over TCP: not
-# measured, Mooncake's GPU rule.
-TCP_PAGE_SIZED = PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10)
+# (18,432 B) at every count its bench makes, and vLLM's GQA pages (64 KiB) slower at a few hundred
+# and faster from about a thousand: staged from 64 slices of at most 48 KiB mean, or from 1,024 of at
+# most 72 KiB (64 KiB blocks, a few of them merged with a neighbour by random allocation); larger
+# slices direct (not measured). GPU pages over TCP: not measured, Mooncake's GPU rule.
+TCP_PAGE_SIZED = PathThresholds(min_slices=64, max_mean_slice_bytes=48 << 10,
+                                wider=PathThresholds(min_slices=1024, max_mean_slice_bytes=72 << 10))
 # the route's transport part (``mooncake/tcp``) and the rules it has of its own: "tcp" host pages,
 # "tcp-gpu" GPU pages; a transport not listed takes the engine's default rules
 MOONCAKE_TRANSPORTS: Mapping[str, PathThresholds | None] = MappingProxyType({"tcp": TCP_PAGE_SIZED})
