@@ -94,6 +94,9 @@ class StageKindCluster:
             self.decode.close(timeout=2)
         for ep, _ in self.prefill.values():
             ep.close(timeout=2)
+        for ep in [self.decode] + [ep for ep, _ in self.prefill.values()]:  # (the engines are ours to close)
+            if ep is not None:
+                ep.engine.close()
         for c in self.clients:
             c.close()
 

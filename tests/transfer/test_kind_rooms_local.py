@@ -76,6 +76,8 @@ class KindCluster:
         self.decode.close(timeout=2)
         for ep in self.prefill:
             ep.close(timeout=2)
+        for ep in (self.decode, *self.prefill):  # (an endpoint leaves its engine to whoever made it)
+            ep.engine.close()
         for c in self.clients:
             c.close()
 

@@ -114,5 +114,6 @@ def test_state_slots_are_cut_for_the_decode_tp_size(daemon, src_tp, dst_tp):
     finally:
         for ep in decode + prefill:
             ep.close(timeout=2)
+            ep.engine.close()  # (the engines are ours to close)
         for c in clients:
             c.close()

@@ -120,6 +120,9 @@ class Stages:
             self.decode.close(timeout=2)
         for ep in self.prefill.values():
             ep.close(timeout=2)
+        for ep in [getattr(self, "decode", None), *self.prefill.values()]:  # (the engines are ours to close)
+            if ep is not None:
+                ep.engine.close()
         for c in self.clients:
             c.close()
 
@@ -218,12 +221,13 @@ def test_a_stage_without_layers_or_with_the_wrong_end_is_refused_at_construction
     specs = build_specs("deepseek-v3.2-fp8", LAYERS, PAGE, 1)
     contract = build_contract("deepseek-v3.2-fp8", LAYERS, PAGE, 1, "interleaved")
     client = BootstrapClient(daemon.url)
+    engine = create_engine("local", fabric=LocalFabric())
     try:
         cfg = PrefillConfig(instance="x", pp_rank=1, pp_size=2, pp_layers=(3, 5))
         with pytest.raises(ConfigError, match="the last stage's layers end at the model's last target layer"):
-            PrefillEndpoint(cfg, create_engine("local", fabric=LocalFabric()), specs, {}, contract, client,
-                            aux_schema_of(contract))
+            PrefillEndpoint(cfg, engine, specs, {}, contract, client, aux_schema_of(contract))
     finally:
+        engine.close()
         client.close()
 
 
