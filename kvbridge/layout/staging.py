@@ -335,17 +335,3 @@ def choose_path(plan: TransferPlan | int, thresholds: PathThresholds | None, *,
             return "staged"
         rule = rule.wider
     return "direct"
-    if not isinstance(thresholds, PathThresholds):
-        raise LayoutError(f"thresholds must be PathThresholds or None, got {thresholds!r}", field="thresholds")
-    if isinstance(plan, TransferPlan):
-        num_slices = plan.num_slices
-        if num_slices < max(thresholds.min_slices, 1):  # too few slices to gain: no byte count needed
-            return "direct"
-        mean = plan.num_bytes // num_slices
-    else:
-        if mean_slice_bytes is None:
-            raise LayoutError("a slice count needs mean_slice_bytes", field="mean_slice_bytes")
-        num_slices, mean = int(plan), int(mean_slice_bytes)
-    if num_slices >= max(thresholds.min_slices, 1) and mean <= thresholds.max_mean_slice_bytes:
-        return "staged"
-    return "direct"
