@@ -123,6 +123,13 @@ def test_sender_misuse_is_refused_with_the_reason(cluster):
         s.send(np.array([1]), np.array([0]), num_tokens_ready=8)
     with pytest.raises(LayoutError, match="local pages must lie in"):
         s.send(np.array([0]), np.array([64]), num_tokens_ready=8)
+    # page ids that are not integers would name other pages once cast: refused by name
+    for logical, local, field in (([0.5], [0], "logical_pages"), ([0], [1.7], "local_pages"),
+                                  (np.array([True]), [0], "logical_pages")):
+        with pytest.raises(LayoutError, match=f"{field} must be integers, got dtype (float64|bool)") as info:
+            s.send(logical, local, num_tokens_ready=8)
+        assert info.value.field == field and "room=4" in str(info.value)
+    assert not ep0.locked(lambda: ep0.machine.rooms[4].given.any())  # nothing was queued
     with pytest.raises(LayoutError, match=r"num_tokens_ready 11 must lie in \[0, 10\]"):
         s.send(np.array([0]), np.array([0]), num_tokens_ready=11)
     with pytest.raises(LayoutError, match=r"the last chunk leaves tokens \[8, 10\) not ready"):

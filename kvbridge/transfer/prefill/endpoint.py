@@ -65,7 +65,7 @@ from kvbridge.transfer.prefill.events import (AuxFrom, Chunk, Closing, EngineIni
 from kvbridge.transfer.prefill.machine import PrefillRooms
 from kvbridge.transfer.prefill.events import KindUnits
 from kvbridge.transfer.prefill.kinds import token_page_size
-from kvbridge.transfer.prefill.room import PrefillRoom
+from kvbridge.transfer.prefill.room import PrefillRoom, page_ids
 from kvbridge.transfer.prefill.staged import ChunkPostFailed, ChunkPosted, Gather, PostChunk, SetMode
 from kvbridge.transfer.prefill.sender import KVSender
 from kvbridge.transfer.registration import EndpointBuffers, check_kind_config, register_rank, unregister_quietly
@@ -325,7 +325,7 @@ class PrefillEndpoint(EndpointShell):
             row = None if aux is None else self.aux_schema.pack_row(aux, r.room)
             if aux_slot is not None:
                 self._check_aux_slot(r.room, aux_slot)
-            local_arr = np.asarray(local, dtype=np.int64).reshape(-1)
+            local_arr = page_ids(local, "local_pages", r.ctx)
             if local_arr.size and (local_arr.min() < 0 or local_arr.max() >= self.buffers.min_capacity):
                 raise LayoutError(f"local pages must lie in [0, {self.buffers.min_capacity})", room=r.room,
                                   rank=self.config.rank_label, field="local_pages")

@@ -397,8 +397,7 @@ class PrefillRoom:
         ``layers``: only target layers ``[start, end)`` of the pages (module docstring)."""
         if not self.length_known:
             raise LayoutError("send() before init()", field="num_tokens", **self.ctx)
-        logical = np.asarray(logical, dtype=np.int64).reshape(-1)
-        local = np.asarray(local, dtype=np.int64).reshape(-1)
+        logical, local = page_ids(logical, "logical_pages", self.ctx), page_ids(local, "local_pages", self.ctx)
         if self.auto_last and not logical.size and aux_row is None and aux_slot is None:
             return  # a rank with nothing to send may still call send(): nothing to do
         if self.is_last:
@@ -610,3 +609,12 @@ def _ranges(ids: np.ndarray) -> str:
     brk = np.flatnonzero(np.diff(ids) != 1) + 1
     starts, ends = np.r_[ids[0], ids[brk]], np.r_[ids[brk - 1], ids[-1]] + 1
     return ", ".join(f"[{int(a)}, {int(b)})" for a, b in zip(starts, ends))
+
+
+def page_ids(value: Any, field: str, ctx: dict[str, Any]) -> np.ndarray:
+    """An engine's page ids as a 1-D int64 array; LayoutError naming ``field`` for anything but
+    integers (a float or boolean id cast to int64 would name another page)."""
+    arr = value if type(value) is np.ndarray else np.asarray(value)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise LayoutError(f"{field} must be integers, got dtype {arr.dtype}", field=field, **ctx)
+    return arr.astype(np.int64, copy=False).reshape(-1)
