@@ -11,7 +11,8 @@ The prefill side has sent its pages before the timer starts (as when decode asks
 decode blocks in ``KVReceiver.wait()``. ``--ask-first``: the engines' order instead, decode asks
 (and, at CP > 1, every rank has the room's decision) before the prefill ranks send, and the
 clock runs from their ``send()`` calls (one after the other, on this thread) to decode's
-Success. ``--aux-last``: a layer-wise room's tail (decode asks first, the pages are sent and land
+Success. Each room's synthetic aux row is made before the clock, as an engine's forward makes
+its row before it sends. ``--aux-last``: a layer-wise room's tail (decode asks first, the pages are sent and land
 before the clock, which runs from the last sends, the aux row alone on its owner, to Success);
 ``--aux-written``: decode takes the aux row as a write into its rows instead of in the report
 (``DecodeConfig(aux_inline=False)``, what every decode rank did before wire 14). ``--layers``:
@@ -104,12 +105,11 @@ def main() -> None:
         last = lanes.owner_of_token(n - 1, PAGE, args.pages)
         dst = np.arange(args.pages) + args.pages
 
-        def send(r: int, s: Any, i: int, ready: Any = None) -> None:
+        def send(r: int, s: Any, row: Any, ready: Any = None) -> None:
             if args.aux_last:  # the pages went before the clock: the last send carries the row alone
-                s.send(owned[r][:0], owned[r][:0], is_last=True, aux=make_aux(schema, i, n) if r == last else None)
+                s.send(owned[r][:0], owned[r][:0], is_last=True, aux=row if r == last else None)
                 return
-            s.send(owned[r], owned[r], is_last=True, aux=make_aux(schema, i, n) if r == last else None,
-                   ready_event=ready)
+            s.send(owned[r], owned[r], is_last=True, aux=row if r == last else None, ready_event=ready)
 
         def pages_landed(senders: list[Any]) -> None:
             """``--aux-last``: every rank's pages sent (not the last send) and landed, before the clock."""
@@ -129,11 +129,12 @@ def main() -> None:
             (as an engine's decode rank does while prefill still computes: the clock from the
             prefill ranks' send(), the forward's end, to decode's Success)."""
             senders = []
+            row = make_aux(schema, i, n)  # the engine's aux row, made by its forward: before the clock
             for r, ep in enumerate(prefill):
                 s = ep.sender(i)
                 s.init(n)
                 if not args.ask_first:
-                    send(r, s, i)
+                    send(r, s, row)
                 senders.append(s)
             if args.ask_first:
                 recv = ask(i)
@@ -148,7 +149,7 @@ def main() -> None:
             ready = TimerForward(time.monotonic() + early) if early else None  # the KV whole at t0 + early
             if args.ask_first:
                 for r, s in enumerate(senders):
-                    send(r, s, i, ready)
+                    send(r, s, row, ready)
             else:
                 recv = ask(i)
             state = recv.wait(10)
