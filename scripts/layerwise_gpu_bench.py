@@ -268,7 +268,6 @@ def prefill_main(args) -> None:
             if args.device != "cpu":
                 event = torch.cuda.Event()
                 event.record(model.stream)  # the forward's stream (None: the current one)
-            row = make_aux(aux, room, n) if sender.writes_aux else None
             if prof is not None:
                 prof[order + "/" + mode].enable()  # this thread's last send: checks, plan, aux staging, post
             t_fin = None
@@ -285,6 +284,7 @@ def prefill_main(args) -> None:
             return t_fin, t_sent
 
         ends = []
+        row = make_aux(aux, room, n) if sender.writes_aux else None  # the forward's row: ready when it ends
         sync()
         t0 = time.monotonic()
         model.forward(my_tokens, bufs, local, on_layer,
