@@ -66,6 +66,16 @@ class OwnerLanes:
         if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
             bad = pages[(pages < 0) | (pages >= num_pages)][0]
             raise LayoutError(f"logical page {bad} outside a request of {num_pages} pages", field="logical_pages")
+        return self._owners(pages, num_pages)
+
+    def owner_ranks(self, pages: np.ndarray, num_pages: int) -> np.ndarray | None:
+        """The owner cp rank of each of ``pages`` (int64, checked inside ``[0, num_pages)`` by the
+        caller: a room's send path, which has its bounds already), or None where one rank owns
+        every page (``cp_size`` 1). :meth:`owners` checks its input."""
+        return None if self.cp_size == 1 else self._owners(pages, num_pages)[0]
+
+    def _owners(self, pages: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rule itself on checked int64 ``pages``: (owner cp rank, local page index)."""
         if self.rule == INTERLEAVED:
             return pages % self.cp_size, pages // self.cp_size
         if self.rule == CONTIGUOUS:
@@ -81,20 +91,6 @@ class OwnerLanes:
             local = np.where(in_long, pages % (base + 1), past % short)
             return owner, local
         return np.zeros_like(pages), pages.copy()
-
-    def owner_ranks(self, pages: np.ndarray, num_pages: int) -> np.ndarray | None:
-        """The owner cp rank of each of ``pages`` (int64, checked inside ``[0, num_pages)`` by the
-        caller: a room's send path, which has its bounds already), or None where one rank owns
-        every page (``cp_size`` 1). :meth:`owners` checks its input and gives the local index too."""
-        if self.cp_size == 1:
-            return None
-        if self.rule == INTERLEAVED:
-            return pages % self.cp_size
-        if self.rule == CONTIGUOUS:
-            return pages // max(self.chunk_pages(num_pages), 1)
-        if self.rule == BALANCED:
-            return self.owners(pages, num_pages)[0]
-        return np.zeros_like(pages)
 
     def owned_pages(self, cp_rank: int, num_pages: int) -> np.ndarray:
         """Ascending logical pages that ``cp_rank`` owns (and sends)."""

@@ -295,8 +295,7 @@ def test_raw_buffer_rooms_under_auto_stage_what_the_thresholds_say(daemon, devic
     page-sized slices takes the path ``choose_path`` gives under the thresholds of the route
     (Mooncake TCP, the pages' device): staged, for host pages (Mooncake TCP's own rule, from 64
     slices of at most 48 KiB mean or 1,024 of at most 72 KiB: registry.py) and GPU pages (Mooncake's
-    GPU rule) alike, and both
-    land byte-exact."""
+    GPU rule) alike, and both land byte-exact."""
     from kvbridge.layout import choose_path
     from kvbridge.transfer.engine.registry import route_key, staging_thresholds
 
